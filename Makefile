@@ -1,0 +1,34 @@
+# Two commands: `make demo` runs a federated training, `make test` runs the tests.
+# Both create .venv when it is missing and install what is needed first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install proto proto-check bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch 2.13.0 (CPU) lies on disk here; an unpinned torch would pull a multi-GB CUDA build.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/fedgrid simulate --out runs/demo
+
+test: $(STAMP)
+	$(PY) -m fedgrid.proto.generate --check
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+proto: $(STAMP)
+	$(PY) -m fedgrid.proto.generate
+
+bench: $(STAMP)
+	$(PY) benchmarks/transport.py
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info

@@ -1,0 +1,72 @@
+"""Extension points of the round engine: ``Strategy`` (what a round asks, how results become
+the next global state) and ``Aggregator`` (the streaming arithmetic).
+
+Both are pure: they take tensors and dataclasses and return tensors and dataclasses. The
+engine around them does the I/O, so one strategy runs unchanged in simulation and over gRPC.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from fedgrid.types import ClientInfo, FitIns, FitRes, Failure, ModelState
+
+__all__ = ["Aggregator", "Strategy"]
+
+
+class Aggregator(ABC):
+    """Streaming weighted aggregation: ``add`` each update, then ``result``.
+
+    Memory stays O(model size) however many updates are added.
+    """
+
+    @abstractmethod
+    def add(self, update: Mapping[str, torch.Tensor], weight: float) -> None:
+        """Folds one update in. ``weight`` must be positive and finite."""
+
+    @abstractmethod
+    def result(self) -> ModelState:
+        """Returns the aggregate.
+
+        Raises:
+            ValueError: nothing was added.
+        """
+
+    def reset(self) -> None:
+        """Forgets everything added so far."""
+
+
+class Strategy(ABC):
+    """Decides what each round asks of whom, and how results become the next global state."""
+
+    @abstractmethod
+    def initialize(self, *, initial_state: ModelState) -> None:
+        """Receives the initial global model."""
+
+    @property
+    @abstractmethod
+    def global_state(self) -> ModelState:
+        """The current global model."""
+
+    @abstractmethod
+    def configure_round(self, *, server_round: int, clients: Sequence[ClientInfo]) -> list[tuple[ClientInfo, FitIns]]:
+        """Chooses the clients of ``server_round`` among the live ``clients`` and their tasks."""
+
+    @abstractmethod
+    def aggregate(self, *, server_round: int, results: Sequence[FitRes], failures: Sequence[Failure]) -> dict[str, float]:
+        """Folds the round's results into the global model; returns round metrics.
+
+        Failures are data: the strategy decides what a failed client means for the round.
+        """
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume exactly (global model included)."""
+        return {"global_state": OrderedDict((k, v.clone()) for k, v in self.global_state.items())}
+
+    @abstractmethod
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores what ``state_dict`` returned."""

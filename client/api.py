@@ -1,0 +1,59 @@
+"""What application code implements to take part in a federation: ``Client``."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from fedgrid.types import FitIns, ModelState, Scalar
+
+__all__ = ["Client", "FitOutput", "EvaluateOutput"]
+
+
+@dataclass(frozen=True)
+class FitOutput:
+    """What ``Client.fit`` returns.
+
+    Attributes:
+        state: the tensors to send back (for FedAvg, the locally trained model).
+        num_examples: examples trained on; the client's weight in averaging.
+        metrics: scalar metrics, e.g. ``{"loss": 0.31}``.
+    """
+
+    state: ModelState
+    num_examples: int
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EvaluateOutput:
+    """What ``Client.evaluate`` returns: examples evaluated and metrics (``loss``, ``accuracy``)."""
+
+    num_examples: int
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+class Client(ABC):
+    """A federation member: trains on a task and evaluates the global model.
+
+    Attributes:
+        name: stable label sent at join; the coordinator orders results by it.
+        region: region label sent at join.
+    """
+
+    name: str = ""
+    region: str = ""
+
+    @property
+    def num_examples(self) -> int:
+        """Training examples held (reported at join; used by selection)."""
+        return 0
+
+    @abstractmethod
+    def fit(self, state: ModelState, ins: FitIns) -> FitOutput:
+        """Trains from the global ``state`` as ``ins`` asks and returns the result."""
+
+    def evaluate(self, state: ModelState, config: Mapping[str, Scalar]) -> EvaluateOutput:
+        """Evaluates the global ``state`` on local data. Optional."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement evaluate()")

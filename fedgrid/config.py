@@ -1,0 +1,134 @@
+"""Run configuration: TOML files plus command-line overrides, checked before any work starts.
+
+Every key of ``Config`` can be set in a TOML file (flat, top-level keys) and overridden on
+the command line as ``--key-name VALUE``. Unknown keys, wrong types and out-of-range values
+raise ``ConfigError`` naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S
+from fedgrid.errors import ConfigError
+
+__all__ = ["Config", "load_config", "config_keys"]
+
+
+def _key(help_text: str, default: Any) -> Any:
+    return field(default=default, metadata={"help": help_text})
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every setting of a run. Field docs double as ``--help`` text."""
+
+    rounds: int = _key("number of training rounds", 10)
+    clients: int = _key("simulated clients (fedgrid simulate)", 10)
+    min_clients: int = _key("a round starts only when this many clients are live", 2)
+    fraction_fit: float = _key("share of live clients asked each round", 1.0)
+    local_epochs: int = _key("local epochs per round", 2)
+    lr: float = _key("client learning rate", 0.1)
+    seed: int = _key("seed for model init, partitioning, sampling and shuffling", 0)
+    task: str = _key("built-in task: model, data and server-side evaluation", "digits")
+    partition: str = _key("how simulated data is split: iid or dirichlet:ALPHA", "dirichlet:0.5")
+    strategy: str = _key("aggregation strategy", "fedavg")
+    round_timeout_s: float = _key("each round closes by this deadline", 300.0)
+    join_timeout_s: float = _key("longest wait for min_clients before a round", 600.0)
+    heartbeat_interval_s: float = _key("client heartbeat interval", HEARTBEAT_INTERVAL_S)
+    chunk_size: int = _key("payload bytes per wire chunk", CHUNK_SIZE)
+    listen: str = _key("coordinator address HOST:PORT (port 0 picks a free one)", "0.0.0.0:50051")
+    max_workers: int = _key("coordinator RPC threads (one per long poll)", 256)
+    out: str = _key("run directory", "")
+    state_dir: str = _key("durable coordinator state directory", "")
+
+    def __post_init__(self) -> None:
+        positive_ints = ("rounds", "clients", "min_clients", "local_epochs", "chunk_size", "max_workers")
+        for key in positive_ints:
+            if getattr(self, key) < 1:
+                raise ConfigError(key, f"must be at least 1, got {getattr(self, key)}")
+        for key in ("lr", "round_timeout_s", "join_timeout_s", "heartbeat_interval_s"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(key, f"must be positive, got {getattr(self, key)}")
+        if not 0.0 < self.fraction_fit <= 1.0:
+            raise ConfigError("fraction_fit", f"must be in (0, 1], got {self.fraction_fit}")
+        if self.chunk_size > 3 * 1024 * 1024:
+            raise ConfigError("chunk_size", f"must be at most 3 MiB to stay under gRPC's 4 MB limit, got {self.chunk_size}")
+        if self.strategy != "fedavg":
+            raise ConfigError("strategy", f"unknown strategy {self.strategy!r} (known: fedavg)")
+        host, sep, port = self.listen.rpartition(":")
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise ConfigError("listen", f"expected HOST:PORT, got {self.listen!r}")
+        from fedgrid.simulation.datasets import parse_partition
+        from fedgrid.simulation.tasks import get_task
+
+        parse_partition(self.partition)
+        get_task(self.task)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def config_keys() -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in fields(Config)}
+
+
+def _coerce(key: str, value: Any, kind: type) -> Any:
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif kind is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(key, f"expected {kind.__name__}, got {value!r}")
+
+
+def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> Config:
+    """Builds a ``Config`` from defaults, an optional TOML file, then ``overrides``.
+
+    Raises:
+        ConfigError: unreadable file, unknown key, wrong type or bad value (names the key).
+    """
+    keys = config_keys()
+    types = {name: {"int": int, "float": float, "str": str, "bool": bool}[str(f.type)] for name, f in keys.items()}
+    values: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError("config", f"file {str(path)!r} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError("config", f"{path} is not valid TOML: {exc}") from None
+        for key, value in data.items():
+            if key not in keys:
+                raise ConfigError(key, f"unknown key in {path} (known: {', '.join(sorted(keys))})")
+            values[key] = _coerce(key, value, types[key])
+    for key, value in (overrides or {}).items():
+        if value is None:
+            continue
+        if key not in keys:
+            raise ConfigError(key, f"unknown key (known: {', '.join(sorted(keys))})")
+        values[key] = _coerce(key, value, types[key])
+    return Config(**values)

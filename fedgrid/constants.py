@@ -1,0 +1,53 @@
+"""Default values for every deadline, size and interval, in one place.
+
+Each can be overridden from the environment with the ``FEDGRID_*`` name given beside it.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = [
+    "CHUNK_SIZE",
+    "MAX_MESSAGE_BYTES",
+    "MAX_TENSOR_BYTES",
+    "RPC_TIMEOUT_S",
+    "TRANSFER_TIMEOUT_S",
+    "POLL_WAIT_S",
+    "HEARTBEAT_INTERVAL_S",
+    "RETRY_MAX_WAIT_S",
+    "RETRY_MAX_ELAPSED_S",
+    "FINISH_GRACE_S",
+]
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return float(raw)
+    except ValueError as exc:
+        raise ValueError(f"environment variable {name}={raw!r} is not a number") from exc
+
+
+#: Payload bytes per data chunk (FEDGRID_CHUNK_SIZE).
+CHUNK_SIZE = int(_env_float("FEDGRID_CHUNK_SIZE", 1 << 20))
+#: Largest gRPC message either side accepts: a chunk plus framing, far under gRPC's 4 MB default.
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+#: Largest single tensor payload a receiver allocates (FEDGRID_MAX_TENSOR_BYTES).
+MAX_TENSOR_BYTES = int(_env_float("FEDGRID_MAX_TENSOR_BYTES", 16 * (1 << 30)))
+#: Deadline of a unary RPC (FEDGRID_RPC_TIMEOUT_S).
+RPC_TIMEOUT_S = _env_float("FEDGRID_RPC_TIMEOUT_S", 30.0)
+#: Deadline of a model download or upload stream (FEDGRID_TRANSFER_TIMEOUT_S).
+TRANSFER_TIMEOUT_S = _env_float("FEDGRID_TRANSFER_TIMEOUT_S", 600.0)
+#: Longest time the coordinator holds a long poll (FEDGRID_POLL_WAIT_S).
+POLL_WAIT_S = _env_float("FEDGRID_POLL_WAIT_S", 10.0)
+#: Client heartbeat interval (FEDGRID_HEARTBEAT_INTERVAL_S).
+HEARTBEAT_INTERVAL_S = _env_float("FEDGRID_HEARTBEAT_INTERVAL_S", 5.0)
+#: Cap of the exponential backoff between retries (FEDGRID_RETRY_MAX_WAIT_S).
+RETRY_MAX_WAIT_S = _env_float("FEDGRID_RETRY_MAX_WAIT_S", 10.0)
+#: Give up retrying a transient failure after this long (FEDGRID_RETRY_MAX_ELAPSED_S).
+RETRY_MAX_ELAPSED_S = _env_float("FEDGRID_RETRY_MAX_ELAPSED_S", 120.0)
+#: After the last round, how long the coordinator waits for clients to hear that the run ended.
+FINISH_GRACE_S = _env_float("FEDGRID_FINISH_GRACE_S", 15.0)

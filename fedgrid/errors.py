@@ -1,0 +1,54 @@
+"""The exception hierarchy: one root, ``FedgridError``, with a subclass per kind of failure.
+
+The gRPC servicer maps each subclass to one status code (``server/service.py``), so domain
+code raises these and never touches ``grpc.StatusCode``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "FedgridError",
+    "ConfigError",
+    "InvalidUpdateError",
+    "AuthenticationError",
+    "StaleTaskError",
+    "DuplicateUpdateError",
+    "PayloadTooLargeError",
+    "RunFinishedError",
+]
+
+
+class FedgridError(Exception):
+    """Root of every error fedgrid raises on purpose."""
+
+
+class ConfigError(FedgridError, ValueError):
+    """A configuration key or command-line flag is unknown, mistyped or out of range."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        super().__init__(f"config key '{key}': {problem}")
+        self.key = key
+
+
+class InvalidUpdateError(FedgridError, ValueError):
+    """A message or tensor is malformed: wrong shape, dtype, count, checksum, NaN/Inf, ..."""
+
+
+class PayloadTooLargeError(InvalidUpdateError):
+    """A stream or tensor is larger than it declared or than the server accepts."""
+
+
+class AuthenticationError(FedgridError):
+    """Unknown client id or wrong session token."""
+
+
+class StaleTaskError(FedgridError):
+    """The task or round named by a request is not open (closed, never assigned, or unknown)."""
+
+
+class DuplicateUpdateError(FedgridError):
+    """An update for this (run, round, client) was already accepted."""
+
+
+class RunFinishedError(FedgridError):
+    """The run is over; the client should leave."""

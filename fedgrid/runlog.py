@@ -1,0 +1,77 @@
+"""The run directory: ``metrics.jsonl`` (one JSON object per round), ``model.safetensors``
+(the final global model) and ``config.toml`` (the resolved configuration)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Mapping
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from fedgrid.types import ModelState, RoundMetrics
+
+__all__ = ["RunWriter", "load_model", "read_metrics", "to_toml"]
+
+
+def to_toml(values: Mapping[str, object]) -> str:
+    """Flat TOML for scalar values (``None`` is left out: TOML has no null)."""
+    lines = []
+    for key, value in values.items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, (int, float)):
+            text = repr(value)
+        else:
+            text = json.dumps(str(value))  # JSON string escapes are valid TOML basic strings
+        lines.append(f"{key} = {text}")
+    return "\n".join(lines) + "\n"
+
+
+class RunWriter:
+    """Writes one run directory.
+
+    Args:
+        out: the directory; created if missing.
+        config: the resolved configuration, written at once as ``config.toml``.
+    """
+
+    def __init__(self, out: str | os.PathLike[str], config: Mapping[str, object]) -> None:
+        self.dir = Path(out)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._atomic_write("config.toml", to_toml(config).encode())
+        self.metrics_path = self.dir / "metrics.jsonl"
+        self.metrics_path.write_text("")
+
+    def write_round(self, metrics: RoundMetrics) -> None:
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(metrics.to_json()) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def write_model(self, state: ModelState) -> Path:
+        path = self.dir / "model.safetensors"
+        tmp = path.with_suffix(".tmp")
+        save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}, str(tmp))
+        os.replace(tmp, path)
+        return path
+
+    def _atomic_write(self, name: str, data: bytes) -> None:
+        tmp = self.dir / (name + ".tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, self.dir / name)
+
+
+def load_model(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Loads a ``model.safetensors`` written by a run."""
+    return load_file(str(path))
+
+
+def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, object]]:
+    """Parses a run's ``metrics.jsonl``."""
+    text = (Path(run_dir) / "metrics.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]

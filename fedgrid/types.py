@@ -1,0 +1,126 @@
+"""Messages passed between components: frozen dataclasses, no protobuf.
+
+A model travels as a ``ModelState``: an ordered mapping from parameter name to tensor.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Mapping, Union
+
+import torch
+
+__all__ = [
+    "ModelState",
+    "Scalar",
+    "ClientInfo",
+    "FitIns",
+    "FitRes",
+    "EvaluateRes",
+    "Failure",
+    "RoundMetrics",
+]
+
+ModelState = OrderedDict[str, torch.Tensor]
+Scalar = Union[bool, int, float, str]
+
+
+@dataclass(frozen=True)
+class ClientInfo:
+    """What the coordinator knows of a client that joined.
+
+    Attributes:
+        client_id: id assigned at join.
+        name: the client's own stable label; the canonical aggregation order sorts by it.
+        region: free-form region label.
+        num_examples: training examples the client holds.
+        device: ``cpu``, ``cuda``, ...
+        num_accelerators: local GPUs.
+        memory_bytes: memory the client reports.
+        codecs: codecs the client supports.
+    """
+
+    client_id: str
+    name: str = ""
+    region: str = ""
+    num_examples: int = 0
+    device: str = "cpu"
+    num_accelerators: int = 0
+    memory_bytes: int = 0
+    codecs: tuple[str, ...] = ("none",)
+
+    @property
+    def sort_key(self) -> tuple[str, str]:
+        return (self.name, self.client_id)
+
+
+@dataclass(frozen=True)
+class FitIns:
+    """A training task for one client: the round and its scalar config."""
+
+    round: int
+    config: Mapping[str, Scalar] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class FitRes:
+    """A client's answer to a fit task.
+
+    Attributes:
+        client: who sent it.
+        state: the tensors the client sends back (for FedAvg, its new weights).
+        num_examples: examples trained on; the weight in averaging.
+        metrics: scalar training metrics (``loss``, ...).
+    """
+
+    client: ClientInfo
+    state: ModelState
+    num_examples: int
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EvaluateRes:
+    """A client's evaluation of the global model on its own data."""
+
+    client: ClientInfo
+    num_examples: int
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A client that did not deliver: the reason is data, handed to the strategy."""
+
+    client: ClientInfo
+    reason: str
+
+
+@dataclass(frozen=True)
+class RoundMetrics:
+    """One line of ``metrics.jsonl``."""
+
+    round: int
+    loss: float | None
+    accuracy: float | None
+    bytes_up: int
+    bytes_down: int
+    wall_s: float
+    clients_ok: int
+    clients_failed: int
+    extra: Mapping[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, object]:
+        out: dict[str, object] = {
+            "round": self.round,
+            "loss": self.loss,
+            "accuracy": self.accuracy,
+            "bytes_up": self.bytes_up,
+            "bytes_down": self.bytes_down,
+            "wall_s": round(self.wall_s, 6),
+            "clients_ok": self.clients_ok,
+            "clients_failed": self.clients_failed,
+        }
+        out.update(self.extra)
+        return out

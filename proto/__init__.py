@@ -1,0 +1,1 @@
+"""Wire protocol: the ``fedgrid.v1`` schema, its committed generated code, and ``serde``."""

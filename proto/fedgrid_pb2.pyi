@@ -1,0 +1,238 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+    FLOAT64: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+    FLOAT8_E4M3FN: _ClassVar[DType]
+    FLOAT8_E5M2: _ClassVar[DType]
+    INT8: _ClassVar[DType]
+    INT16: _ClassVar[DType]
+    INT32: _ClassVar[DType]
+    INT64: _ClassVar[DType]
+    UINT8: _ClassVar[DType]
+    UINT16: _ClassVar[DType]
+    UINT32: _ClassVar[DType]
+    UINT64: _ClassVar[DType]
+    BOOL: _ClassVar[DType]
+    COMPLEX64: _ClassVar[DType]
+    COMPLEX128: _ClassVar[DType]
+    FLOAT8_E4M3FNUZ: _ClassVar[DType]
+    FLOAT8_E5M2FNUZ: _ClassVar[DType]
+
+class TaskKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TASK_KIND_UNSPECIFIED: _ClassVar[TaskKind]
+    FIT: _ClassVar[TaskKind]
+    EVALUATE: _ClassVar[TaskKind]
+DTYPE_UNSPECIFIED: DType
+FLOAT32: DType
+FLOAT64: DType
+FLOAT16: DType
+BFLOAT16: DType
+FLOAT8_E4M3FN: DType
+FLOAT8_E5M2: DType
+INT8: DType
+INT16: DType
+INT32: DType
+INT64: DType
+UINT8: DType
+UINT16: DType
+UINT32: DType
+UINT64: DType
+BOOL: DType
+COMPLEX64: DType
+COMPLEX128: DType
+FLOAT8_E4M3FNUZ: DType
+FLOAT8_E5M2FNUZ: DType
+TASK_KIND_UNSPECIFIED: TaskKind
+FIT: TaskKind
+EVALUATE: TaskKind
+
+class Scalar(_message.Message):
+    __slots__ = ("f", "i", "s", "b")
+    F_FIELD_NUMBER: _ClassVar[int]
+    I_FIELD_NUMBER: _ClassVar[int]
+    S_FIELD_NUMBER: _ClassVar[int]
+    B_FIELD_NUMBER: _ClassVar[int]
+    f: float
+    i: int
+    s: str
+    b: bool
+    def __init__(self, f: _Optional[float] = ..., i: _Optional[int] = ..., s: _Optional[str] = ..., b: _Optional[bool] = ...) -> None: ...
+
+class Capabilities(_message.Message):
+    __slots__ = ("device", "num_accelerators", "memory_bytes", "codecs")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCELERATORS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CODECS_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    num_accelerators: int
+    memory_bytes: int
+    codecs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, device: _Optional[str] = ..., num_accelerators: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., codecs: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("name", "region", "capabilities", "num_examples")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    region: str
+    capabilities: Capabilities
+    num_examples: int
+    def __init__(self, name: _Optional[str] = ..., region: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., num_examples: _Optional[int] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("client_id", "session_token", "run_id", "heartbeat_interval_s", "chunk_size")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    session_token: str
+    run_id: str
+    heartbeat_interval_s: float
+    chunk_size: int
+    def __init__(self, client_id: _Optional[str] = ..., session_token: _Optional[str] = ..., run_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., chunk_size: _Optional[int] = ...) -> None: ...
+
+class PollRequest(_message.Message):
+    __slots__ = ("client_id", "session_token", "wait_s")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    session_token: str
+    wait_s: float
+    def __init__(self, client_id: _Optional[str] = ..., session_token: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class Task(_message.Message):
+    __slots__ = ("task_id", "round", "kind", "config", "deadline_s")
+    class ConfigEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: Scalar
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Scalar, _Mapping]] = ...) -> None: ...
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    round: int
+    kind: TaskKind
+    config: _containers.MessageMap[str, Scalar]
+    deadline_s: float
+    def __init__(self, task_id: _Optional[str] = ..., round: _Optional[int] = ..., kind: _Optional[_Union[TaskKind, str]] = ..., config: _Optional[_Mapping[str, Scalar]] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+
+class PollReply(_message.Message):
+    __slots__ = ("task", "retry_after_s", "finished")
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    task: Task
+    retry_after_s: float
+    finished: bool
+    def __init__(self, task: _Optional[_Union[Task, _Mapping]] = ..., retry_after_s: _Optional[float] = ..., finished: _Optional[bool] = ...) -> None: ...
+
+class DownloadRequest(_message.Message):
+    __slots__ = ("client_id", "session_token", "task_id")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    session_token: str
+    task_id: str
+    def __init__(self, client_id: _Optional[str] = ..., session_token: _Optional[str] = ..., task_id: _Optional[str] = ...) -> None: ...
+
+class TensorMeta(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "codec", "nbytes", "checksum")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    codec: str
+    nbytes: int
+    checksum: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., codec: _Optional[str] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class StreamHeader(_message.Message):
+    __slots__ = ("run_id", "task_id", "round", "num_tensors", "total_bytes", "client_id", "session_token", "num_examples", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    task_id: str
+    round: int
+    num_tensors: int
+    total_bytes: int
+    client_id: str
+    session_token: str
+    num_examples: int
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, run_id: _Optional[str] = ..., task_id: _Optional[str] = ..., round: _Optional[int] = ..., num_tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ..., client_id: _Optional[str] = ..., session_token: _Optional[str] = ..., num_examples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("header", "tensor", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: StreamHeader
+    tensor: TensorMeta
+    data: bytes
+    def __init__(self, header: _Optional[_Union[StreamHeader, _Mapping]] = ..., tensor: _Optional[_Union[TensorMeta, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class UploadReply(_message.Message):
+    __slots__ = ("accepted", "bytes_received")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    bytes_received: int
+    def __init__(self, accepted: _Optional[bool] = ..., bytes_received: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("client_id", "session_token")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    session_token: str
+    def __init__(self, client_id: _Optional[str] = ..., session_token: _Optional[str] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("interval_s",)
+    INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    interval_s: float
+    def __init__(self, interval_s: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,112 @@
+"""The round engine: one loop for every strategy and every fleet.
+
+Each round: wait for enough live clients, let the strategy choose clients and tasks, run
+them on the fleet, let the strategy aggregate results and failures, evaluate, record.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+from typing import Callable
+
+from fedgrid.aggregation.base import Strategy
+from fedgrid.runlog import RunWriter
+from fedgrid.server.fleet import Fleet
+from fedgrid.types import ModelState, RoundMetrics
+
+__all__ = ["RoundEngine", "EvaluateFn"]
+
+log = logging.getLogger(__name__)
+
+EvaluateFn = Callable[[ModelState], "tuple[float, dict[str, float]]"]
+
+
+class RoundEngine:
+    """Drives ``rounds`` rounds of ``strategy`` on ``fleet``.
+
+    Args:
+        strategy: decides tasks and aggregation; already ``initialize``d.
+        fleet: reaches the clients.
+        rounds: number of rounds to run.
+        min_clients: a round starts only when this many clients are live.
+        round_timeout: each round closes by this deadline.
+        join_timeout: longest wait for ``min_clients`` before a round.
+        evaluate_fn: optional server-side evaluation ``state -> (loss, metrics)``.
+        writer: where metrics and the final model go.
+        on_round: called with each round's metrics (progress display).
+    """
+
+    def __init__(
+        self,
+        *,
+        strategy: Strategy,
+        fleet: Fleet,
+        rounds: int,
+        min_clients: int,
+        round_timeout: timedelta,
+        join_timeout: timedelta,
+        evaluate_fn: EvaluateFn | None = None,
+        writer: RunWriter | None = None,
+        on_round: Callable[[RoundMetrics], None] | None = None,
+        finish_timeout: timedelta = timedelta(seconds=15),
+    ) -> None:
+        self.strategy = strategy
+        self.fleet = fleet
+        self.rounds = rounds
+        self.min_clients = min_clients
+        self.round_timeout = round_timeout
+        self.join_timeout = join_timeout
+        self.evaluate_fn = evaluate_fn
+        self.writer = writer
+        self.on_round = on_round
+        self.finish_timeout = finish_timeout
+        self.history: list[RoundMetrics] = []
+
+    def run_round(self, server_round: int) -> RoundMetrics:
+        start = time.monotonic()
+        clients = self.fleet.wait_for_clients(min_clients=self.min_clients, timeout=self.join_timeout)
+        assignments = self.strategy.configure_round(server_round=server_round, clients=clients)
+        outcome = self.fleet.fit_round(
+            server_round=server_round,
+            global_state=self.strategy.global_state,
+            assignments=assignments,
+            timeout=self.round_timeout,
+        )
+        for failure in outcome.failures:
+            log.warning("round %d: client %s failed: %s", server_round, failure.client.name or failure.client.client_id, failure.reason)
+        agg_metrics = self.strategy.aggregate(server_round=server_round, results=outcome.results, failures=outcome.failures)
+        loss: float | None = agg_metrics.get("train_loss")
+        accuracy: float | None = None
+        extra = dict(agg_metrics)
+        if self.evaluate_fn is not None:
+            loss, eval_metrics = self.evaluate_fn(self.strategy.global_state)
+            accuracy = eval_metrics.get("accuracy")
+            extra.update({k: v for k, v in eval_metrics.items() if k != "accuracy"})
+        metrics = RoundMetrics(
+            round=server_round,
+            loss=loss,
+            accuracy=accuracy,
+            bytes_up=outcome.bytes_up,
+            bytes_down=outcome.bytes_down,
+            wall_s=time.monotonic() - start,
+            clients_ok=len(outcome.results),
+            clients_failed=len(outcome.failures),
+            extra={**extra, **outcome.extra},
+        )
+        if self.writer is not None:
+            self.writer.write_round(metrics)
+        self.history.append(metrics)
+        if self.on_round is not None:
+            self.on_round(metrics)
+        return metrics
+
+    def run(self) -> ModelState:
+        """Runs every round, tells clients the run ended, writes the final model."""
+        for server_round in range(1, self.rounds + 1):
+            self.run_round(server_round)
+        self.fleet.finish(timeout=self.finish_timeout)
+        if self.writer is not None:
+            self.writer.write_model(self.strategy.global_state)
+        return self.strategy.global_state

@@ -1,0 +1,59 @@
+"""The ``Fleet`` seam: how the round engine reaches clients.
+
+``GrpcFleet`` (``server/grpc_fleet.py``) reaches real clients over the network; the
+simulation fleets run them in process. The engine, strategies and codecs never know which.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Sequence
+
+from fedgrid.types import ClientInfo, FitIns, FitRes, Failure, ModelState
+
+__all__ = ["Fleet", "RoundOutcome"]
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """What came back from a round: results, failures (as data) and the bytes moved."""
+
+    results: list[FitRes]
+    failures: list[Failure]
+    bytes_up: int = 0
+    bytes_down: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class Fleet(ABC):
+    """A set of clients the engine can hand tasks to."""
+
+    @abstractmethod
+    def wait_for_clients(self, *, min_clients: int, timeout: timedelta) -> list[ClientInfo]:
+        """Blocks until at least ``min_clients`` are live; returns the live clients.
+
+        Raises:
+            TimeoutError: fewer than ``min_clients`` were live when ``timeout`` passed.
+        """
+
+    @abstractmethod
+    def fit_round(
+        self,
+        *,
+        server_round: int,
+        global_state: ModelState,
+        assignments: Sequence[tuple[ClientInfo, FitIns]],
+        timeout: timedelta,
+    ) -> RoundOutcome:
+        """Sends ``global_state`` and each client's task, returns by ``timeout`` at the latest.
+
+        A client that fails, disconnects or misses the deadline becomes a ``Failure``.
+        """
+
+    def finish(self, *, timeout: timedelta) -> None:
+        """Tells clients the run is over (waits at most ``timeout`` for them to hear it)."""
+
+    def close(self) -> None:
+        """Releases resources (servers, threads)."""
