@@ -215,6 +215,11 @@ class ModelAssembler:
         self._filled = 0
         self._hasher: "xxhash.xxh3_64 | None" = None
 
+    @property
+    def payload_bytes(self) -> int:
+        """Payload bytes received so far."""
+        return self._received_total
+
     def feed(self, chunk: pb.Chunk) -> None:
         self.wire_bytes += wire_size(chunk)
         if self.info is None:

@@ -1,0 +1,315 @@
+"""The client's gRPC runtime: join, long-poll for tasks, download, train, upload.
+
+Every RPC has a deadline. Transient failures (UNAVAILABLE, DEADLINE_EXCEEDED) are retried
+with exponential backoff and jitter, bounded in time; other errors surface with the
+server's message. ``run`` blocks; ``start`` runs the same loop in a background thread.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import grpc
+import tenacity
+
+from fedgrid.client.api import Client
+from fedgrid.constants import (
+    MAX_MESSAGE_BYTES,
+    POLL_WAIT_S,
+    RETRY_MAX_ELAPSED_S,
+    RETRY_MAX_WAIT_S,
+    RPC_TIMEOUT_S,
+    TRANSFER_TIMEOUT_S,
+)
+from fedgrid.compression import available_codecs
+from fedgrid.errors import FedgridError
+from fedgrid.proto import fedgrid_pb2 as pb
+from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
+from fedgrid.proto import serde
+from fedgrid.types import ModelState
+
+__all__ = ["Connection", "ClientHandle", "RunSummary", "RpcFailed", "run", "start", "load_app", "TRANSIENT"]
+
+log = logging.getLogger(__name__)
+
+TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+class RpcFailed(FedgridError):
+    """An RPC failed with a non-transient status, or retries ran out. ``code`` is the status."""
+
+    def __init__(self, method: str, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{method} failed: {code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+def _is_transient(exc: BaseException) -> bool:
+    return isinstance(exc, grpc.RpcError) and exc.code() in TRANSIENT  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """What ``run`` returns: rounds trained and the client's id."""
+
+    client_id: str
+    rounds: int
+
+
+class Connection:
+    """One client's session with a coordinator: typed calls with deadlines and retries.
+
+    Args:
+        target: ``HOST:PORT`` of the coordinator.
+        rpc_timeout: deadline of unary calls, seconds.
+        transfer_timeout: deadline of model downloads and uploads, seconds.
+        retry_max_elapsed: stop retrying a transient failure after this many seconds.
+        retry_max_wait: cap of the backoff between attempts.
+        stop: when set, retries stop early.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        rpc_timeout: float = RPC_TIMEOUT_S,
+        transfer_timeout: float = TRANSFER_TIMEOUT_S,
+        retry_max_elapsed: float = RETRY_MAX_ELAPSED_S,
+        retry_max_wait: float = RETRY_MAX_WAIT_S,
+        stop: threading.Event | None = None,
+    ) -> None:
+        self.target = target
+        self.channel = grpc.insecure_channel(target, options=GRPC_OPTIONS)
+        self.stub = pb_grpc.CoordinatorStub(self.channel)
+        self.rpc_timeout = rpc_timeout
+        self.transfer_timeout = transfer_timeout
+        self.stop = stop or threading.Event()
+        self._retry = dict(
+            retry=tenacity.retry_if_exception(_is_transient),
+            wait=tenacity.wait_random_exponential(multiplier=0.2, max=retry_max_wait),
+            stop=tenacity.stop_after_delay(retry_max_elapsed) | tenacity.stop_any(lambda _: self.stop.is_set()),
+            before_sleep=lambda rs: log.info("retrying %s after %s", getattr(rs.fn, "__name__", "rpc"), rs.outcome.exception()),
+            reraise=True,
+        )
+        self.client_id = ""
+        self.token = ""
+        self.run_id = ""
+        self.heartbeat_interval_s = 5.0
+        self.chunk_size = serde.CHUNK_SIZE
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def _call(self, method: str, fn: Callable[[], object]) -> object:
+        try:
+            return tenacity.Retrying(**self._retry)(fn)
+        except grpc.RpcError as exc:
+            raise RpcFailed(method, exc.code(), exc.details() or "") from exc  # type: ignore[attr-defined]
+
+    def join(self, client: Client) -> None:
+        request = pb.JoinRequest(
+            name=client.name,
+            region=client.region,
+            num_examples=client.num_examples,
+            capabilities=pb.Capabilities(device="cpu", codecs=list(available_codecs())),
+        )
+        reply = self._call("Join", lambda: self.stub.Join(request, timeout=self.rpc_timeout))
+        assert isinstance(reply, pb.JoinReply)
+        self.client_id, self.token, self.run_id = reply.client_id, reply.session_token, reply.run_id
+        self.heartbeat_interval_s = reply.heartbeat_interval_s or self.heartbeat_interval_s
+        self.chunk_size = reply.chunk_size or self.chunk_size
+
+    def poll(self, wait_s: float = POLL_WAIT_S) -> pb.PollReply:
+        request = pb.PollRequest(client_id=self.client_id, session_token=self.token, wait_s=wait_s)
+        reply = self._call("PollTask", lambda: self.stub.PollTask(request, timeout=wait_s + self.rpc_timeout))
+        assert isinstance(reply, pb.PollReply)
+        return reply
+
+    def heartbeat(self) -> float:
+        request = pb.HeartbeatRequest(client_id=self.client_id, session_token=self.token)
+        reply = self.stub.Heartbeat(request, timeout=self.rpc_timeout)
+        return reply.interval_s
+
+    def download(self, task_id: str) -> ModelState:
+        """The global model of ``task_id``, checked tensor by tensor (checksums, sizes)."""
+        request = pb.DownloadRequest(client_id=self.client_id, session_token=self.token, task_id=task_id)
+
+        def attempt() -> ModelState:
+            asm = serde.ModelAssembler()
+            for chunk in self.stub.DownloadModel(request, timeout=self.transfer_timeout):
+                asm.feed(chunk)
+            return asm.finish()[1]
+
+        state = self._call("DownloadModel", attempt)
+        return state  # type: ignore[return-value]
+
+    def upload(self, task_id: str, server_round: int, state: ModelState, num_examples: int, metrics: dict[str, float]) -> int:
+        """Sends an update; a retry that finds it already accepted counts as success."""
+        encoded = serde.EncodedModel(state)
+        info = serde.StreamInfo(
+            run_id=self.run_id,
+            task_id=task_id,
+            round=server_round,
+            client_id=self.client_id,
+            session_token=self.token,
+            num_examples=num_examples,
+            metrics=metrics,
+        )
+        attempts = 0
+
+        def attempt() -> int:
+            nonlocal attempts
+            attempts += 1
+            try:
+                reply = self.stub.UploadUpdate(encoded.chunks(info, chunk_size=self.chunk_size), timeout=self.transfer_timeout)
+            except grpc.RpcError as exc:
+                if attempts > 1 and exc.code() == grpc.StatusCode.ALREADY_EXISTS:  # type: ignore[attr-defined]
+                    return encoded.total_bytes  # an earlier attempt landed; its reply was lost
+                raise
+            return int(reply.bytes_received)
+
+        return int(self._call("UploadUpdate", attempt))  # type: ignore[arg-type]
+
+
+class _Heartbeat(threading.Thread):
+    def __init__(self, conn: Connection, stop: threading.Event) -> None:
+        super().__init__(name="fedgrid-heartbeat", daemon=True)
+        self.conn, self.stop = conn, stop
+
+    def run(self) -> None:
+        interval = self.conn.heartbeat_interval_s
+        while not self.stop.wait(interval):
+            try:
+                interval = self.conn.heartbeat() or interval
+            except grpc.RpcError as exc:
+                log.debug("heartbeat failed: %s", exc.code())  # the main loop's retries decide
+
+
+def run(
+    client: Client,
+    coordinator: str,
+    *,
+    stop: threading.Event | None = None,
+    poll_wait_s: float = POLL_WAIT_S,
+    **connection_options: float,
+) -> RunSummary:
+    """Joins ``coordinator`` and serves tasks until the run finishes or ``stop`` is set.
+
+    Raises:
+        RpcFailed: a non-transient error, or transient ones past the retry budget.
+    """
+    stop = stop or threading.Event()
+    conn = Connection(coordinator, stop=stop, **connection_options)
+    beat_stop = threading.Event()
+    rounds = 0
+    try:
+        conn.join(client)
+        log.info("joined %s as %s (run %s)", coordinator, conn.client_id, conn.run_id)
+        _Heartbeat(conn, beat_stop).start()
+        while not stop.is_set():
+            reply = conn.poll(poll_wait_s)
+            kind = reply.WhichOneof("reply")
+            if kind == "finished":
+                break
+            if kind != "task":
+                continue
+            task = reply.task
+            state = conn.download(task.task_id)
+            out = client.fit(state, serde.fit_ins_from_task(task))
+            try:
+                conn.upload(task.task_id, task.round, out.state, out.num_examples, dict(out.metrics))
+            except RpcFailed as exc:
+                if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+                log.warning("round %d closed before the update landed: %s", task.round, exc.details)
+                continue
+            rounds += 1
+    finally:
+        beat_stop.set()
+        conn.close()
+    return RunSummary(client_id=conn.client_id, rounds=rounds)
+
+
+class ClientHandle:
+    """A client running in a background thread (see ``start``)."""
+
+    def __init__(self, thread: threading.Thread, stop: threading.Event) -> None:
+        self._thread, self._stop = thread, stop
+        self.summary: RunSummary | None = None
+        self.error: BaseException | None = None
+
+    def stop(self) -> None:
+        """Asks the loop to leave after its current call."""
+        self._stop.set()
+
+    def join(self, timeout: float | None = None) -> RunSummary:
+        """Waits for the loop to end; re-raises its error.
+
+        Raises:
+            TimeoutError: still running after ``timeout`` seconds.
+        """
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"client still running after {timeout}s")
+        if self.error is not None:
+            raise self.error
+        assert self.summary is not None
+        return self.summary
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+
+def start(client: Client, coordinator: str, **options: float) -> ClientHandle:
+    """Runs ``run(client, coordinator)`` in a daemon thread of the host program."""
+    stop = threading.Event()
+    handle: ClientHandle
+
+    def target() -> None:
+        try:
+            handle.summary = run(client, coordinator, stop=stop, **options)
+        except BaseException as exc:  # handed to join()
+            handle.error = exc
+
+    thread = threading.Thread(target=target, name=f"fedgrid-client-{client.name}", daemon=True)
+    handle = ClientHandle(thread, stop)
+    thread.start()
+    return handle
+
+
+def load_app(spec: str | None) -> Callable[..., Client]:
+    """Resolves ``MODULE:FACTORY``; ``None`` gives the built-in digits client factory.
+
+    Raises:
+        ConfigError: malformed spec, missing module or attribute.
+    """
+    from fedgrid.errors import ConfigError
+
+    if spec is None:
+        from fedgrid.simulation.tasks import digits_client
+
+        return digits_client
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError("app", f"expected MODULE:FACTORY, got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError("app", f"cannot import {module_name!r}: {exc}") from None
+    try:
+        factory = getattr(module, attr)
+    except AttributeError:
+        raise ConfigError("app", f"module {module_name!r} has no attribute {attr!r}") from None
+    if not callable(factory):
+        raise ConfigError("app", f"{spec!r} is not callable")
+    return factory

@@ -1,0 +1,118 @@
+"""``run_coordinator``: the gRPC server, the fleet and the round engine wired together."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from concurrent import futures
+from datetime import timedelta
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from fedgrid.config import Config
+from fedgrid.constants import FINISH_GRACE_S, MAX_MESSAGE_BYTES
+from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
+from fedgrid.runlog import RunWriter
+from fedgrid.server.engine import RoundEngine
+from fedgrid.server.grpc_fleet import GrpcFleet
+from fedgrid.server.service import CoordinatorServicer
+from fedgrid.server.strategies import build_strategy
+from fedgrid.simulation.tasks import get_task, initial_state
+from fedgrid.types import ModelState
+
+__all__ = ["Coordinator", "run_coordinator", "SERVICE_NAME"]
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "fedgrid.v1.Coordinator"
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+]
+
+
+class Coordinator:
+    """A listening gRPC server over a ``GrpcFleet``; ``port`` is known once constructed.
+
+    Args:
+        listen: ``HOST:PORT``; port 0 binds a free port.
+        fleet: the fleet the servicer serves.
+        max_workers: RPC threads (each long poll holds one).
+    """
+
+    def __init__(self, listen: str, fleet: GrpcFleet, *, max_workers: int = 256) -> None:
+        self.fleet = fleet
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="fedgrid-rpc"), options=GRPC_OPTIONS)
+        pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(fleet), self.server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port(listen)
+        if self.port == 0:
+            raise OSError(f"could not bind {listen}")
+        host = listen.rpartition(":")[0]
+        self.address = f"{'127.0.0.1' if host in ('0.0.0.0', '[::]') else host}:{self.port}"
+
+    def start(self) -> "Coordinator":
+        self.server.start()
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return self
+
+    def stop(self, grace: float = 5.0) -> None:
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.server.stop(grace).wait(grace + 1.0)
+
+
+def _raise_on_term(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the finally that stops the server
+
+
+def run_coordinator(config: Config, *, initial: ModelState | None = None, ready: threading.Event | None = None) -> ModelState:
+    """Serves ``config.rounds`` rounds and returns the final global model.
+
+    The bound address is printed and written to ``RUN_DIR/address`` so that scripts using
+    port 0 can find it.
+    """
+    task = get_task(config.task)
+    strategy = build_strategy(config)
+    strategy.initialize(initial_state=initial if initial is not None else initial_state(task, config.seed))
+    fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=config.heartbeat_interval_s), chunk_size=config.chunk_size)
+    writer = RunWriter(config.out, config.to_dict())
+    coordinator = Coordinator(config.listen, fleet, max_workers=config.max_workers).start()
+    (Path(config.out) / "address").write_text(coordinator.address + "\n")
+    print(f"fedgrid coordinator listening on {coordinator.address} (run {fleet.run_id}, dir {config.out})", flush=True)
+    if ready is not None:
+        ready.set()
+
+    def on_round(m):
+        acc = "" if m.accuracy is None else f" accuracy {m.accuracy:.4f}"
+        print(f"round {m.round}/{config.rounds} loss {m.loss if m.loss is None else round(m.loss, 4)}{acc} clients {m.clients_ok} ok {m.clients_failed} failed ({m.wall_s:.2f}s)", flush=True)
+
+    engine = RoundEngine(
+        strategy=strategy,
+        fleet=fleet,
+        rounds=config.rounds,
+        min_clients=config.min_clients,
+        round_timeout=timedelta(seconds=config.round_timeout_s),
+        join_timeout=timedelta(seconds=config.join_timeout_s),
+        evaluate_fn=task.evaluate,
+        writer=writer,
+        on_round=on_round,
+        finish_timeout=timedelta(seconds=FINISH_GRACE_S),
+    )
+    previous = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+    try:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, _raise_on_term)
+        final = engine.run()
+    finally:
+        coordinator.stop()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    print(f"run finished: final model in {writer.dir / 'model.safetensors'}", flush=True)
+    return final

@@ -1,0 +1,295 @@
+"""``GrpcFleet``: the coordinator's side of the protocol, as plain Python.
+
+It keeps the client registry and the open round, and answers the handlers the servicer
+calls (join, poll, download, upload, heartbeat). It raises ``FedgridError`` subclasses; the
+servicer maps them to status codes. Every request is validated before it touches state.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Iterable, Iterator, Sequence
+
+from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S
+from fedgrid.errors import AuthenticationError, DuplicateUpdateError, InvalidUpdateError, RunFinishedError, StaleTaskError
+from fedgrid.proto import serde
+from fedgrid.proto import fedgrid_pb2 as pb
+from fedgrid.server.fleet import Fleet, RoundOutcome
+from fedgrid.types import ClientInfo, FitIns, FitRes, Failure, ModelState
+
+__all__ = ["GrpcFleet", "PollResult"]
+
+log = logging.getLogger(__name__)
+
+#: A client silent for this many heartbeat intervals is considered gone.
+SILENCE_INTERVALS = 3.0
+
+
+@dataclass
+class _ClientRecord:
+    info: ClientInfo
+    token: str
+    last_seen: float
+    heard_finished: bool = False
+
+
+@dataclass
+class _Round:
+    server_round: int
+    task_id: str
+    assignments: dict[str, FitIns]
+    encoded: serde.EncodedModel
+    expected: dict[str, serde.TensorSpec]
+    deadline: float
+    results: dict[str, FitRes] = field(default_factory=dict)
+    failures: dict[str, Failure] = field(default_factory=dict)
+    uploading: set[str] = field(default_factory=set)
+    closed: bool = False
+    bytes_up: int = 0
+    bytes_down: int = 0
+
+    def pending(self) -> list[str]:
+        return [cid for cid in self.assignments if cid not in self.results and cid not in self.failures]
+
+
+@dataclass(frozen=True)
+class PollResult:
+    """What a long poll returns: a task, a hint to poll again, or the end of the run."""
+
+    task_id: str = ""
+    server_round: int = 0
+    ins: FitIns | None = None
+    deadline_s: float = 0.0
+    retry_after_s: float = 0.0
+    finished: bool = False
+
+
+class GrpcFleet(Fleet):
+    """Clients reached over gRPC; they pull their tasks.
+
+    Args:
+        heartbeat_interval: how often clients report; silence for ``SILENCE_INTERVALS``
+            of these drops a client from the round and the registry.
+        chunk_size: payload bytes per chunk of model downloads.
+    """
+
+    def __init__(self, *, heartbeat_interval: timedelta = timedelta(seconds=HEARTBEAT_INTERVAL_S), chunk_size: int = CHUNK_SIZE) -> None:
+        self.run_id = uuid.uuid4().hex
+        self.heartbeat_interval_s = heartbeat_interval.total_seconds()
+        self.chunk_size = chunk_size
+        self._clients: dict[str, _ClientRecord] = {}
+        self._round: _Round | None = None
+        self._finished = False
+        self._cond = threading.Condition()
+
+    # -- handlers (called by the servicer) -------------------------------------------------
+    def join(self, request: pb.JoinRequest) -> tuple[ClientInfo, str]:
+        """Registers a client; returns its info (with the new id) and session token."""
+        if self._finished:
+            raise RunFinishedError("the run is over")
+        client_id = uuid.uuid4().hex[:16]
+        info = serde.client_info_from_join(client_id, request)
+        token = secrets.token_urlsafe(24)
+        with self._cond:
+            self._clients[client_id] = _ClientRecord(info, token, time.monotonic())
+            self._cond.notify_all()
+        log.info("client %s joined as %s (region %r, %d examples)", info.name, client_id, info.region, info.num_examples)
+        return info, token
+
+    def authenticate(self, client_id: str, token: str) -> _ClientRecord:
+        """Returns the client's record and marks it alive.
+
+        Raises:
+            AuthenticationError: unknown client or wrong token.
+        """
+        with self._cond:
+            record = self._clients.get(client_id)
+            if record is None:
+                raise AuthenticationError(f"unknown client {client_id!r}")
+            if not secrets.compare_digest(record.token.encode(), token.encode()):
+                raise AuthenticationError(f"bad session token for client {client_id!r}")
+            record.last_seen = time.monotonic()
+            return record
+
+    def heartbeat(self, client_id: str, token: str) -> float:
+        self.authenticate(client_id, token)
+        return self.heartbeat_interval_s
+
+    def poll(self, client_id: str, token: str, wait_s: float) -> PollResult:
+        """Long poll: waits up to ``wait_s`` for a task for this client."""
+        record = self.authenticate(client_id, token)
+        deadline = time.monotonic() + max(0.0, min(wait_s, 60.0))
+        with self._cond:
+            while True:
+                if self._finished:
+                    record.heard_finished = True
+                    self._cond.notify_all()
+                    return PollResult(finished=True)
+                rnd = self._round
+                if rnd is not None and not rnd.closed and client_id in rnd.assignments and client_id in rnd.pending():
+                    return PollResult(
+                        task_id=rnd.task_id,
+                        server_round=rnd.server_round,
+                        ins=rnd.assignments[client_id],
+                        deadline_s=max(0.0, rnd.deadline - time.monotonic()),
+                    )
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return PollResult(retry_after_s=0.0)
+                self._cond.wait(remaining)
+                record.last_seen = time.monotonic()
+
+    def _open_task(self, client_id: str, task_id: str) -> _Round:
+        rnd = self._round
+        if rnd is None or rnd.task_id != task_id:
+            raise StaleTaskError(f"task {task_id!r} is not open (round closed or unknown)")
+        if rnd.closed:
+            raise StaleTaskError(f"round {rnd.server_round} is closed")
+        if client_id not in rnd.assignments:
+            raise StaleTaskError(f"client {client_id!r} has no task in round {rnd.server_round}")
+        return rnd
+
+    def download(self, client_id: str, token: str, task_id: str) -> Iterator[pb.Chunk]:
+        """The global model of the client's open task, as a chunk stream."""
+        self.authenticate(client_id, token)
+        with self._cond:
+            rnd = self._open_task(client_id, task_id)
+        info = serde.StreamInfo(run_id=self.run_id, task_id=task_id, round=rnd.server_round)
+        return self._count_down(rnd, rnd.encoded.chunks(info, chunk_size=self.chunk_size))
+
+    def _count_down(self, rnd: _Round, chunks: Iterator[pb.Chunk]) -> Iterator[pb.Chunk]:
+        sent = 0
+        try:
+            for chunk in chunks:
+                sent += serde.wire_size(chunk)
+                yield chunk
+        finally:
+            with self._cond:
+                rnd.bytes_down += sent
+
+    def upload(self, chunks: Iterable[pb.Chunk]) -> int:
+        """Receives one update stream; returns the payload bytes accepted.
+
+        Raises:
+            InvalidUpdateError: malformed stream or tensors (state unchanged).
+            AuthenticationError, StaleTaskError, DuplicateUpdateError: as named.
+        """
+        iterator = iter(chunks)
+        first = next(iterator, None)
+        if first is None or not first.HasField("header"):
+            raise InvalidUpdateError("upload stream does not start with a header")
+        header = first.header
+        record = self.authenticate(header.client_id, header.session_token)
+        client_id = record.info.client_id
+        with self._cond:
+            rnd = self._open_task(client_id, header.task_id)
+            if client_id in rnd.results:
+                raise DuplicateUpdateError(f"update for round {rnd.server_round} from client {client_id!r} already accepted")
+            if client_id in rnd.uploading:
+                raise DuplicateUpdateError(f"an upload for round {rnd.server_round} from client {client_id!r} is in progress")
+            rnd.uploading.add(client_id)
+        try:
+            asm = serde.ModelAssembler(expected=rnd.expected, max_total_bytes=rnd.encoded.total_bytes)
+            asm.feed(first)
+            for chunk in iterator:
+                asm.feed(chunk)
+            stream, state = asm.finish()
+            if stream.round != rnd.server_round:
+                raise InvalidUpdateError(f"header names round {stream.round}, the task is round {rnd.server_round}")
+            if stream.num_examples < 1:
+                raise InvalidUpdateError("num_examples must be at least 1")
+            serde.check_finite(state)
+            result = FitRes(record.info, state, stream.num_examples, dict(stream.metrics))
+            with self._cond:
+                if rnd.closed or self._round is not rnd:
+                    raise StaleTaskError(f"round {rnd.server_round} closed before the upload completed")
+                rnd.results[client_id] = result
+                rnd.bytes_up += asm.wire_bytes
+                self._cond.notify_all()
+            return asm.payload_bytes
+        finally:
+            with self._cond:
+                rnd.uploading.discard(client_id)
+
+    # -- Fleet -----------------------------------------------------------------------------
+    def _live(self) -> list[ClientInfo]:
+        now = time.monotonic()
+        limit = SILENCE_INTERVALS * self.heartbeat_interval_s
+        gone = [cid for cid, rec in self._clients.items() if now - rec.last_seen > limit]
+        for cid in gone:
+            log.warning("client %s silent for over %.1fs: dropped", self._clients[cid].info.name or cid, limit)
+            del self._clients[cid]
+        return [rec.info for rec in self._clients.values()]
+
+    def live_clients(self) -> list[ClientInfo]:
+        with self._cond:
+            return self._live()
+
+    def wait_for_clients(self, *, min_clients: int, timeout: timedelta) -> list[ClientInfo]:
+        deadline = time.monotonic() + timeout.total_seconds()
+        with self._cond:
+            while True:
+                live = self._live()
+                if len(live) >= min_clients:
+                    return live
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"{len(live)} live clients after {timeout.total_seconds():.0f}s, need {min_clients}")
+                self._cond.wait(min(remaining, self.heartbeat_interval_s))
+
+    def fit_round(
+        self,
+        *,
+        server_round: int,
+        global_state: ModelState,
+        assignments: Sequence[tuple[ClientInfo, FitIns]],
+        timeout: timedelta,
+    ) -> RoundOutcome:
+        rnd = _Round(
+            server_round=server_round,
+            task_id=f"{self.run_id[:8]}-r{server_round}-{uuid.uuid4().hex[:8]}",
+            assignments={info.client_id: ins for info, ins in assignments},
+            encoded=serde.EncodedModel(global_state),
+            expected=serde.TensorSpec.of(global_state),
+            deadline=time.monotonic() + timeout.total_seconds(),
+        )
+        infos = {info.client_id: info for info, _ in assignments}
+        with self._cond:
+            self._round = rnd
+            self._cond.notify_all()
+            while rnd.pending():
+                now = time.monotonic()
+                if now >= rnd.deadline:
+                    for cid in rnd.pending():
+                        rnd.failures[cid] = Failure(infos[cid], f"missed the round deadline of {timeout.total_seconds():.1f}s")
+                    break
+                live = {info.client_id for info in self._live()}
+                for cid in rnd.pending():
+                    if cid not in live and cid not in rnd.uploading:
+                        rnd.failures[cid] = Failure(infos[cid], "client went silent (no heartbeat)")
+                self._cond.wait(min(rnd.deadline - now, self.heartbeat_interval_s))
+            rnd.closed = True
+            self._cond.notify_all()
+            results = [rnd.results[cid] for cid in rnd.assignments if cid in rnd.results]
+            failures = [rnd.failures[cid] for cid in rnd.assignments if cid in rnd.failures]
+            return RoundOutcome(results, failures, bytes_up=rnd.bytes_up, bytes_down=rnd.bytes_down)
+
+    def finish(self, *, timeout: timedelta) -> None:
+        deadline = time.monotonic() + timeout.total_seconds()
+        with self._cond:
+            self._finished = True
+            self._cond.notify_all()
+            while True:
+                waiting = [r for r in self._clients.values() if not r.heard_finished]
+                live = {info.client_id for info in self._live()}
+                waiting = [r for r in waiting if r.info.client_id in live]
+                remaining = deadline - time.monotonic()
+                if not waiting or remaining <= 0:
+                    return
+                self._cond.wait(min(remaining, 0.5))

@@ -1,0 +1,103 @@
+"""The thin gRPC servicer: decode, call ``GrpcFleet``, map domain errors to status codes."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterator, NoReturn
+
+import grpc
+
+from fedgrid.errors import (
+    AuthenticationError,
+    DuplicateUpdateError,
+    FedgridError,
+    InvalidUpdateError,
+    RunFinishedError,
+    StaleTaskError,
+)
+from fedgrid.proto import fedgrid_pb2 as pb
+from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
+from fedgrid.proto import serde
+from fedgrid.server.grpc_fleet import GrpcFleet
+
+__all__ = ["CoordinatorServicer", "STATUS_OF"]
+
+log = logging.getLogger(__name__)
+
+#: One place maps each domain error to its status code (most specific first).
+STATUS_OF: tuple[tuple[type[FedgridError], grpc.StatusCode], ...] = (
+    (InvalidUpdateError, grpc.StatusCode.INVALID_ARGUMENT),
+    (AuthenticationError, grpc.StatusCode.UNAUTHENTICATED),
+    (DuplicateUpdateError, grpc.StatusCode.ALREADY_EXISTS),
+    (StaleTaskError, grpc.StatusCode.FAILED_PRECONDITION),
+    (RunFinishedError, grpc.StatusCode.FAILED_PRECONDITION),
+)
+
+
+def _abort(context: grpc.ServicerContext, exc: FedgridError) -> NoReturn:
+    for kind, code in STATUS_OF:
+        if isinstance(exc, kind):
+            log.info("rejected request: %s: %s", code.name, exc)
+            context.abort(code, str(exc))
+    context.abort(grpc.StatusCode.INTERNAL, str(exc))
+
+
+@contextlib.contextmanager
+def _mapped(context: grpc.ServicerContext) -> Iterator[None]:
+    try:
+        yield
+    except FedgridError as exc:
+        _abort(context, exc)
+
+
+class CoordinatorServicer(pb_grpc.CoordinatorServicer):
+    """Implements ``fedgrid.v1.Coordinator`` over a ``GrpcFleet``."""
+
+    def __init__(self, fleet: GrpcFleet) -> None:
+        self.fleet = fleet
+
+    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
+        with _mapped(context):
+            info, token = self.fleet.join(request)
+            return pb.JoinReply(
+                client_id=info.client_id,
+                session_token=token,
+                run_id=self.fleet.run_id,
+                heartbeat_interval_s=self.fleet.heartbeat_interval_s,
+                chunk_size=self.fleet.chunk_size,
+            )
+
+    def PollTask(self, request: pb.PollRequest, context: grpc.ServicerContext) -> pb.PollReply:
+        with _mapped(context):
+            wait = request.wait_s
+            remaining = context.time_remaining()
+            if remaining is not None:  # answer before the caller's deadline
+                wait = min(wait, max(0.0, remaining - 1.0))
+            result = self.fleet.poll(request.client_id, request.session_token, wait)
+            if result.finished:
+                return pb.PollReply(finished=True)
+            if result.ins is None:
+                return pb.PollReply(retry_after_s=result.retry_after_s)
+            return pb.PollReply(
+                task=pb.Task(
+                    task_id=result.task_id,
+                    round=result.server_round,
+                    kind=pb.FIT,
+                    config=serde.config_to_pb(result.ins.config),
+                    deadline_s=result.deadline_s,
+                )
+            )
+
+    def DownloadModel(self, request: pb.DownloadRequest, context: grpc.ServicerContext) -> Iterator[pb.Chunk]:
+        with _mapped(context):
+            yield from self.fleet.download(request.client_id, request.session_token, request.task_id)
+
+    def UploadUpdate(self, request_iterator: Iterator[pb.Chunk], context: grpc.ServicerContext) -> pb.UploadReply:
+        with _mapped(context):
+            received = self.fleet.upload(request_iterator)
+            return pb.UploadReply(accepted=True, bytes_received=received)
+
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
+        with _mapped(context):
+            return pb.HeartbeatReply(interval_s=self.fleet.heartbeat(request.client_id, request.session_token))
