@@ -8,6 +8,7 @@ import threading
 from concurrent import futures
 from datetime import timedelta
 from pathlib import Path
+from typing import Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -42,11 +43,18 @@ class Coordinator:
         listen: ``HOST:PORT``; port 0 binds a free port.
         fleet: the fleet the servicer serves.
         max_workers: RPC threads (each long poll holds one).
+        interceptors: gRPC server interceptors (authentication, logging, fault injection).
     """
 
-    def __init__(self, listen: str, fleet: GrpcFleet, *, max_workers: int = 256) -> None:
+    def __init__(
+        self, listen: str, fleet: GrpcFleet, *, max_workers: int = 256, interceptors: Sequence[grpc.ServerInterceptor] = ()
+    ) -> None:
         self.fleet = fleet
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="fedgrid-rpc"), options=GRPC_OPTIONS)
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="fedgrid-rpc"),
+            options=GRPC_OPTIONS,
+            interceptors=list(interceptors),
+        )
         pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(fleet), self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

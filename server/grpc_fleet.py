@@ -188,14 +188,16 @@ class GrpcFleet(Fleet):
         record = self.authenticate(header.client_id, header.session_token)
         client_id = record.info.client_id
         with self._cond:
+            current = self._round
+            if current is not None and current.task_id == header.task_id and client_id in current.results:
+                # Checked before "closed": a retry whose first attempt landed learns it did.
+                raise DuplicateUpdateError(f"update for round {current.server_round} from client {client_id!r} already accepted")
             rnd = self._open_task(client_id, header.task_id)
-            if client_id in rnd.results:
-                raise DuplicateUpdateError(f"update for round {rnd.server_round} from client {client_id!r} already accepted")
             if client_id in rnd.uploading:
                 raise DuplicateUpdateError(f"an upload for round {rnd.server_round} from client {client_id!r} is in progress")
             rnd.uploading.add(client_id)
         try:
-            asm = serde.ModelAssembler(expected=rnd.expected, max_total_bytes=rnd.encoded.total_bytes)
+            asm = serde.ModelAssembler(expected=rnd.expected)  # the expected specs bound every allocation
             asm.feed(first)
             for chunk in iterator:
                 asm.feed(chunk)

@@ -1,0 +1,181 @@
+"""Every malformed request gets a specific status and a message, and changes no state."""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import grpc
+import pytest
+import torch
+
+from fedgrid.proto import fedgrid_pb2 as pb
+from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
+from fedgrid.proto import serde
+
+
+@pytest.fixture
+def session(coordinator):
+    """A joined client with an open task: (stub, client_id, token, task)."""
+    channel = grpc.insecure_channel(coordinator.address)
+    stub = pb_grpc.CoordinatorStub(channel)
+    joined = stub.Join(pb.JoinRequest(name="probe", num_examples=10), timeout=10)
+    coordinator.open_round()
+    reply = stub.PollTask(pb.PollRequest(client_id=joined.client_id, session_token=joined.session_token, wait_s=5), timeout=10)
+    assert reply.WhichOneof("reply") == "task"
+    yield stub, joined.client_id, joined.session_token, reply.task
+    channel.close()
+
+
+def _upload(stub, chunks):
+    return stub.UploadUpdate(iter(list(chunks)), timeout=10)
+
+
+def _chunks(state, cid, token, task, **overrides):
+    info = serde.StreamInfo(task_id=task.task_id, round=task.round, client_id=cid, session_token=token, num_examples=5, **overrides)
+    return list(serde.encode_model(state, info, chunk_size=16))
+
+
+def _good(small_state):
+    return OrderedDict((k, v + 1 if v.is_floating_point() else v) for k, v in small_state.items())
+
+
+def _with(small_state, name, value):
+    state = _good(small_state)
+    state[name] = value
+    return state
+
+
+def _assert_untouched(coordinator):
+    rnd = coordinator.fleet._round
+    assert rnd.results == {} and rnd.uploading == set() and rnd.bytes_up == 0
+
+
+CASES = {
+    "wrong shape": (lambda s: _with(s, "layer.bias", torch.zeros(5)), "tensor 'layer.bias': wrong shape"),
+    "wrong dtype": (lambda s: _with(s, "layer.weight", torch.zeros(4, 3, dtype=torch.float64)), "tensor 'layer.weight': wrong dtype"),
+    "NaN": (lambda s: _with(s, "layer.weight", torch.full((4, 3), math.nan)), "tensor 'layer.weight': contains NaN"),
+    "Inf": (lambda s: _with(s, "layer.bias", torch.tensor([1.0, math.inf, 0.0, 0.0])), "tensor 'layer.bias': contains Inf"),
+    "missing tensor": (lambda s: OrderedDict(list(_good(s).items())[:2]), "tensor count"),
+    "extra tensor": (lambda s: _with(s, "intruder", torch.zeros(2)), "tensor count"),
+    "unknown name": (lambda s: OrderedDict([("layer.weight", s["layer.weight"]), ("layer.bias", s["layer.bias"]), ("nope", s["steps"])]), "tensor 'nope' is not part of the model"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_malformed_update_is_rejected_and_changes_nothing(coordinator, session, small_state, case):
+    stub, cid, token, task = session
+    make, message = CASES[case]
+    with pytest.raises(grpc.RpcError) as err:
+        _upload(stub, _chunks(make(small_state), cid, token, task))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in err.value.details()
+    _assert_untouched(coordinator)
+    # The same client can still deliver a good update, which is the only one counted.
+    good = _good(small_state)
+    assert _upload(stub, _chunks(good, cid, token, task)).accepted
+    outcome = coordinator.wait_round()
+    assert len(outcome.results) == 1 and outcome.failures == []
+    for name, tensor in good.items():
+        assert torch.equal(outcome.results[0].state[name], tensor)
+
+
+def test_bad_checksum(coordinator, session, small_state):
+    stub, cid, token, task = session
+    chunks = _chunks(_good(small_state), cid, token, task)
+    chunks[0].tensor.checksum ^= 1
+    with pytest.raises(grpc.RpcError) as err:
+        _upload(stub, chunks)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "tensor 'layer.weight': checksum mismatch" in err.value.details()
+    _assert_untouched(coordinator)
+
+
+def test_flipped_payload_byte_fails_checksum(coordinator, session, small_state):
+    stub, cid, token, task = session
+    chunks = _chunks(_good(small_state), cid, token, task)
+    chunks[1].data = bytes([chunks[1].data[0] ^ 0xFF]) + chunks[1].data[1:]
+    with pytest.raises(grpc.RpcError) as err:
+        _upload(stub, chunks)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "checksum mismatch" in err.value.details()
+    _assert_untouched(coordinator)
+
+
+def test_truncated_and_oversized_tensor(coordinator, session, small_state):
+    stub, cid, token, task = session
+    chunks = _chunks(_good(small_state), cid, token, task)
+    with pytest.raises(grpc.RpcError) as err:
+        _upload(stub, chunks[:-1])
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "truncated" in err.value.details()
+    longer = chunks[:2] + [pb.Chunk(data=b"\0" * 16)] + chunks[2:]
+    with pytest.raises(grpc.RpcError) as err:
+        _upload(stub, longer)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "larger than declared" in err.value.details()
+    _assert_untouched(coordinator)
+
+
+def test_message_over_limit_is_refused(coordinator, session, small_state):
+    stub, cid, token, task = session
+    chunks = _chunks(_good(small_state), cid, token, task)
+    chunks.insert(1, pb.Chunk(data=b"\0" * (5 << 20)))
+    with pytest.raises(grpc.RpcError) as err:
+        _upload(stub, chunks)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    _assert_untouched(coordinator)
+
+
+@pytest.mark.parametrize("who", ["unknown client", "bad token"])
+def test_unauthenticated_everywhere(coordinator, session, small_state, who):
+    stub, cid, token, task = session
+    bad_cid, bad_token = ("not-a-client", token) if who == "unknown client" else (cid, token + "x")
+    calls = {
+        "upload": lambda: _upload(stub, _chunks(_good(small_state), bad_cid, bad_token, task)),
+        "poll": lambda: stub.PollTask(pb.PollRequest(client_id=bad_cid, session_token=bad_token, wait_s=0), timeout=10),
+        "download": lambda: list(stub.DownloadModel(pb.DownloadRequest(client_id=bad_cid, session_token=bad_token, task_id=task.task_id), timeout=10)),
+        "heartbeat": lambda: stub.Heartbeat(pb.HeartbeatRequest(client_id=bad_cid, session_token=bad_token), timeout=10),
+    }
+    for name, call in calls.items():
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
+        assert ("unknown client" if who == "unknown client" else "bad session token") in err.value.details()
+    _assert_untouched(coordinator)
+
+
+def test_duplicate_and_stale_uploads(coordinator, session, small_state):
+    stub, cid, token, task = session
+    good = _good(small_state)
+    assert _upload(stub, _chunks(good, cid, token, task)).accepted
+    with pytest.raises(grpc.RpcError) as err:
+        _upload(stub, _chunks(_good(good), cid, token, task))
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS and "already accepted" in err.value.details()
+    outcome = coordinator.wait_round()
+    assert len(outcome.results) == 1
+    assert torch.equal(outcome.results[0].state["layer.bias"], good["layer.bias"])
+    with pytest.raises(grpc.RpcError) as err:  # a retry after the round closed still learns it landed
+        _upload(stub, _chunks(good, cid, token, task))
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    coordinator.open_round(server_round=2)
+    with pytest.raises(grpc.RpcError) as err:  # an update for a round that is over
+        _upload(stub, _chunks(good, cid, token, task))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "not open" in err.value.details()
+    assert coordinator.fleet._round.results == {}
+
+
+def test_client_without_task_is_refused(coordinator, session, small_state):
+    stub, _, _, task = session
+    other = stub.Join(pb.JoinRequest(name="late", num_examples=3), timeout=10)  # joined after the round opened
+    with pytest.raises(grpc.RpcError) as err:
+        _upload(stub, _chunks(_good(small_state), other.client_id, other.session_token, task))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "has no task" in err.value.details()
+    _assert_untouched(coordinator)
+
+
+def test_header_must_come_first(coordinator, session, small_state):
+    stub, cid, token, task = session
+    chunks = _chunks(_good(small_state), cid, token, task)
+    chunks[0].ClearField("header")
+    with pytest.raises(grpc.RpcError) as err:
+        _upload(stub, chunks)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "header" in err.value.details()
+    _assert_untouched(coordinator)

@@ -1,0 +1,175 @@
+"""Unit tests of ``fedgrid.config``: defaults, TOML files, overrides and validation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from fedgrid.config import Config, config_keys, load_config
+from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S
+from fedgrid.errors import ConfigError, FedgridError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _write(tmp_path, text: str):
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_are_valid():
+    config = load_config()
+    assert config == Config()
+    assert config.rounds == 10 and config.clients == 10 and config.min_clients == 2
+    assert config.fraction_fit == 1.0 and config.local_epochs == 2 and config.lr == 0.1
+    assert config.seed == 0 and config.task == "digits" and config.partition == "dirichlet:0.5"
+    assert config.strategy == "fedavg" and config.listen == "0.0.0.0:50051"
+    assert config.chunk_size == CHUNK_SIZE and config.heartbeat_interval_s == HEARTBEAT_INTERVAL_S
+    assert config.out == "" and config.state_dir == ""
+
+
+def test_every_key_has_help_and_a_supported_type():
+    keys = config_keys()
+    assert set(keys) == set(Config().to_dict())
+    for name, f in keys.items():
+        assert f.metadata["help"], name
+        assert str(f.type) in {"int", "float", "str", "bool"}, name
+
+
+def test_config_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Config().rounds = 3  # type: ignore[misc]
+
+
+def test_toml_file_load(tmp_path):
+    path = _write(
+        tmp_path,
+        'rounds = 3\nclients = 4\nfraction_fit = 0.5\nlr = 1\nseed = 7\npartition = "iid"\n'
+        'listen = "127.0.0.1:0"\nout = "runs/x"\nround_timeout_s = 12.5\n',
+    )
+    config = load_config(path)
+    assert config.rounds == 3 and config.clients == 4 and config.seed == 7
+    assert config.fraction_fit == 0.5
+    assert config.lr == 1.0 and isinstance(config.lr, float)  # TOML int for a float key
+    assert config.partition == "iid" and config.listen == "127.0.0.1:0" and config.out == "runs/x"
+    assert config.round_timeout_s == 12.5
+    assert config.local_epochs == 2  # untouched keys keep defaults
+
+
+def test_load_config_accepts_str_path(tmp_path):
+    assert load_config(str(_write(tmp_path, "rounds = 5\n"))).rounds == 5
+
+
+def test_overrides_win_over_file(tmp_path):
+    path = _write(tmp_path, 'rounds = 3\nlr = 0.5\npartition = "iid"\n')
+    config = load_config(path, overrides={"rounds": 8, "partition": "dirichlet:2.0", "lr": None})
+    assert config.rounds == 8
+    assert config.partition == "dirichlet:2.0"
+    assert config.lr == 0.5  # None means "not given on the command line"
+
+
+def test_overrides_coerce_strings():
+    config = load_config(overrides={"rounds": "4", "lr": "0.25", "fraction_fit": "1", "out": "d"})
+    assert (config.rounds, config.lr, config.fraction_fit, config.out) == (4, 0.25, 1.0, "d")
+    assert isinstance(config.rounds, int) and isinstance(config.fraction_fit, float)
+
+
+def test_unknown_key_in_file_names_key(tmp_path):
+    path = _write(tmp_path, "rounds = 3\nlearning_rate = 0.1\n")
+    with pytest.raises(ConfigError, match=r"config key 'learning_rate': unknown key in .*run\.toml") as info:
+        load_config(path)
+    assert info.value.key == "learning_rate"
+
+
+def test_unknown_key_in_overrides_names_key():
+    with pytest.raises(ConfigError, match=r"config key 'epochs': unknown key \(known: .*local_epochs") as info:
+        load_config(overrides={"epochs": 3})
+    assert info.value.key == "epochs"
+
+
+def test_table_in_file_is_unknown_key(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_config(_write(tmp_path, "[server]\nrounds = 3\n"))
+    assert info.value.key == "server"
+
+
+@pytest.mark.parametrize(
+    "key,value",
+    [("rounds", '"abc"'), ("rounds", "2.5"), ("rounds", "true"), ("lr", '"fast"'), ("lr", "false"), ("task", "3"), ("seed", "[1]")],
+)
+def test_wrong_type_in_file_names_key(tmp_path, key, value):
+    with pytest.raises(ConfigError, match=rf"config key '{key}': expected") as info:
+        load_config(_write(tmp_path, f"{key} = {value}\n"))
+    assert info.value.key == key
+
+
+@pytest.mark.parametrize("key,value", [("rounds", "abc"), ("rounds", 2.5), ("rounds", True), ("lr", "x"), ("out", 3)])
+def test_wrong_type_in_overrides_names_key(key, value):
+    with pytest.raises(ConfigError, match=rf"config key '{key}': expected") as info:
+        load_config(overrides={key: value})
+    assert info.value.key == key
+
+
+def test_missing_file_and_bad_toml(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist") as info:
+        load_config(tmp_path / "nope.toml")
+    assert info.value.key == "config"
+    with pytest.raises(ConfigError, match="is not valid TOML") as info:
+        load_config(_write(tmp_path, "rounds = = 3\n"))
+    assert info.value.key == "config"
+
+
+@pytest.mark.parametrize(
+    "key,value,words",
+    [
+        ("rounds", 0, "must be at least 1, got 0"),
+        ("clients", -1, "must be at least 1"),
+        ("min_clients", 0, "must be at least 1"),
+        ("local_epochs", 0, "must be at least 1"),
+        ("max_workers", 0, "must be at least 1"),
+        ("chunk_size", 0, "must be at least 1"),
+        ("chunk_size", 4 * 1024 * 1024, "at most 3 MiB"),
+        ("chunk_size", 3 * 1024 * 1024 + 1, "at most 3 MiB"),
+        ("fraction_fit", 1.5, r"must be in \(0, 1\], got 1.5"),
+        ("fraction_fit", 0.0, r"must be in \(0, 1\]"),
+        ("fraction_fit", float("nan"), r"must be in \(0, 1\]"),
+        ("lr", -1, "must be positive, got -1"),
+        ("lr", 0, "must be positive"),
+        ("lr", float("nan"), "must be positive"),
+        ("round_timeout_s", 0, "must be positive"),
+        ("join_timeout_s", -5, "must be positive"),
+        ("heartbeat_interval_s", 0, "must be positive"),
+        ("listen", "nope", "expected HOST:PORT, got 'nope'"),
+        ("listen", ":50051", "expected HOST:PORT"),
+        ("listen", "localhost:", "expected HOST:PORT"),
+        ("listen", "localhost:http", "expected HOST:PORT"),
+        ("listen", "localhost:70000", "expected HOST:PORT"),
+        ("partition", "foo", "unknown partitioner 'foo'"),
+        ("partition", "dirichlet:abc", "dirichlet needs a number"),
+        ("partition", "dirichlet:0", "alpha must be positive"),
+        ("task", "nope", "unknown task 'nope' \\(known: digits\\)"),
+        ("strategy", "fedprox", "unknown strategy 'fedprox'"),
+    ],
+)
+def test_out_of_range_names_key(key, value, words):
+    with pytest.raises(ConfigError, match=words) as info:
+        load_config(overrides={key: value})
+    assert info.value.key == key
+    assert str(info.value).startswith(f"config key '{key}': ")
+    assert isinstance(info.value, FedgridError) and isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize("listen", ["0.0.0.0:0", "[::]:50051", "localhost:65535", "10.1.2.3:8080"])
+def test_valid_listen_addresses(listen):
+    assert load_config(overrides={"listen": listen}).listen == listen
+
+
+def test_chunk_size_at_limit_is_valid():
+    assert load_config(overrides={"chunk_size": 3 * 1024 * 1024}).chunk_size == 3 * 1024 * 1024
+
+
+def test_to_dict_roundtrips_through_load_config():
+    config = load_config(overrides={"rounds": 3, "lr": 0.01, "partition": "iid", "out": "x"})
+    assert load_config(overrides=config.to_dict()) == config
