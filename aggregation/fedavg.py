@@ -107,7 +107,7 @@ class FedAvg(Strategy):
 
     def configure_round(self, *, server_round: int, clients: Sequence[ClientInfo]) -> list[tuple[ClientInfo, FitIns]]:
         ordered = sorted(clients, key=lambda c: c.sort_key)
-        count = max(self.min_fit_clients, round(self.fraction_fit * len(ordered)))
+        count = max(self.min_fit_clients, int(self.fraction_fit * len(ordered)))  # floor, as Flower
         count = min(count, len(ordered))
         if count < len(ordered):
             ordered = sorted(random.Random(self.seed * 1_000_003 + server_round).sample(ordered, count), key=lambda c: c.sort_key)

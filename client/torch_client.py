@@ -116,14 +116,17 @@ class TorchClient(Client):
         self._load(state)
         self.model.eval()
         total_loss, correct, seen = 0.0, 0, 0
+        classification = True
         for inputs, targets in self.eval_loader:
             inputs, targets = inputs.to(self.device), targets.to(self.device)
             outputs = self.model(inputs)
             total_loss += float(self.loss_fn(outputs, targets)) * len(targets)
-            if outputs.dim() == 2 and targets.dim() == 1:
+            # Accuracy is defined only for class scores against integer labels.
+            classification = classification and outputs.dim() == 2 and targets.dim() == 1 and not targets.is_floating_point()
+            if classification:
                 correct += int((outputs.argmax(dim=1) == targets).sum())
             seen += len(targets)
         metrics = {"loss": total_loss / max(seen, 1)}
-        if seen:
+        if seen and classification:
             metrics["accuracy"] = correct / seen
         return EvaluateOutput(num_examples=seen, metrics=metrics)

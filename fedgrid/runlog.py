@@ -16,6 +16,14 @@ from fedgrid.types import ModelState, RoundMetrics
 __all__ = ["RunWriter", "load_model", "read_metrics", "to_toml"]
 
 
+def _toml_string(value: str) -> str:
+    """A TOML basic string: quotes, backslashes and control characters escaped, the rest as is."""
+    escaped = "".join(
+        f"\\u{ord(ch):04x}" if ord(ch) < 0x20 or ord(ch) == 0x7F else "\\" + ch if ch in '"\\' else ch for ch in value
+    )
+    return f'"{escaped}"'
+
+
 def to_toml(values: Mapping[str, object]) -> str:
     """Flat TOML for scalar values (``None`` is left out: TOML has no null)."""
     lines = []
@@ -27,7 +35,7 @@ def to_toml(values: Mapping[str, object]) -> str:
         elif isinstance(value, (int, float)):
             text = repr(value)
         else:
-            text = json.dumps(str(value))  # JSON string escapes are valid TOML basic strings
+            text = _toml_string(str(value))
         lines.append(f"{key} = {text}")
     return "\n".join(lines) + "\n"
 

@@ -239,6 +239,11 @@ class ModelAssembler:
         if self.info is None:
             raise InvalidUpdateError("empty stream: no header received")
         self._close_tensor()
+        if self._expected is not None:
+            missing = [n for n in self._expected if n not in self.tensors]
+            if missing:
+                raise InvalidUpdateError(f"truncated stream: missing tensors {missing[:5]} (expected {len(self._expected)})")
+            self.tensors = OrderedDict((n, self.tensors[n]) for n in self._expected)
         if len(self.tensors) != self._num_tensors:
             raise InvalidUpdateError(
                 f"truncated stream: header declared {self._num_tensors} tensors, received {len(self.tensors)}"
@@ -247,11 +252,6 @@ class ModelAssembler:
             raise InvalidUpdateError(
                 f"stream declared {self._total_bytes} payload bytes, received {self._received_total}"
             )
-        if self._expected is not None:
-            missing = [n for n in self._expected if n not in self.tensors]
-            if missing:
-                raise InvalidUpdateError(f"tensor count: missing tensors {missing[:5]} (expected {len(self._expected)})")
-            self.tensors = OrderedDict((n, self.tensors[n]) for n in self._expected)
         return self.info, self.tensors
 
     # -- internals -----------------------------------------------------------------------

@@ -8,6 +8,7 @@ client I.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,7 +90,7 @@ def parse_partition(spec: str) -> tuple[str, float | None]:
             alpha = float(param) if param else 0.5
         except ValueError:
             raise ConfigError("partition", f"dirichlet needs a number, got {param!r}") from None
-        if not alpha > 0:
+        if not (alpha > 0 and math.isfinite(alpha)):
             raise ConfigError("partition", f"dirichlet alpha must be positive, got {alpha}")
         return "dirichlet", alpha
     raise ConfigError("partition", f"unknown partitioner {spec!r} (known: iid, dirichlet:ALPHA)")

@@ -81,7 +81,8 @@ def test_weighted_mean_preserves_low_precision_dtype(dtype):
 
 
 def test_weighted_mean_low_precision_accumulates_in_float64():
-    # 1000 bf16 updates of 1 + 2^-7: float64 accumulation gives back exactly that value.
+    # 1000 bf16 updates of 1 + 2^-7: float64 accumulation gives back exactly that value
+    # (accumulating in bfloat16 itself would stall near 512 and return 0.51).
     value = 1.0 + 2.0**-7
     agg = WeightedMean()
     for _ in range(1000):

@@ -131,10 +131,6 @@ def test_fit_hand_computed_sgd_step():
     assert ev.num_examples == 2 and ev.metrics["loss"] == pytest.approx(2.5, abs=1e-7)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG TorchClient.evaluate reports accuracy=0.0 when outputs are not class scores (client/torch_client.py:127-128)",
-)
 def test_evaluate_regression_has_no_accuracy():
     x = torch.tensor([[1.0], [2.0]])
     ev = _linear_client(x, x.clone(), eval_loader=[(x, x.clone())]).evaluate(OrderedDict(weight=torch.ones(1, 1)), {})

@@ -50,10 +50,6 @@ def test_to_toml_numbers_roundtrip():
     assert math.isnan(tomllib.loads(to_toml({"n": math.nan}))["n"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG runlog.to_toml: json.dumps escapes non-BMP characters as UTF-16 surrogate pairs, which TOML rejects",
-)
 def test_to_toml_non_bmp_string_roundtrip():
     text = "run-\U0001f680"
     assert tomllib.loads(to_toml({"out": text})) == {"out": text}

@@ -7,6 +7,8 @@ from collections import OrderedDict
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fedgrid.errors import InvalidUpdateError, PayloadTooLargeError
 from fedgrid.proto import fedgrid_pb2 as pb
@@ -167,6 +169,18 @@ def test_chunk_count_around_boundaries(nbytes, messages):
     assert torch.equal(serde.decode_chunks(chunks)[1]["t"], t)
 
 
+@settings(max_examples=150, deadline=None, database=None)
+@given(sizes=st.lists(st.integers(0, 300), min_size=0, max_size=4), chunk_size=st.integers(1, 100))
+def test_chunking_property(sizes, chunk_size):
+    state = OrderedDict((f"t{i}", torch.arange(n, dtype=torch.int64).to(torch.uint8)) for i, n in enumerate(sizes))
+    chunks = _stream(state, chunk_size=chunk_size)
+    assert len(chunks) == max(1, sum(max(1, math.ceil(n / chunk_size)) for n in sizes))
+    assert all(len(c.data) <= chunk_size for c in chunks)
+    _, out = serde.decode_chunks(chunks, expected=serde.TensorSpec.of(state))
+    assert list(out) == list(state)
+    assert all(torch.equal(out[k], state[k]) for k in state)
+
+
 def test_chunk_count_several_tensors():
     state = _state(
         a=torch.zeros(63, dtype=torch.uint8),
@@ -274,7 +288,8 @@ def test_rejects_truncated_stream_last_data_chunk_dropped():
 def test_rejects_truncated_stream_last_tensor_dropped():
     chunks = _stream(_state(w=W, b=B), chunk_size=64)
     assert len(chunks) == 2
-    _raises(chunks[:-1], r"truncated stream: header declared 2 tensors, received 1", expected=EXPECTED)
+    _raises(chunks[:-1], r"truncated stream: missing tensors \['b'\]", expected=EXPECTED)
+    _raises(chunks[:-1], r"truncated stream: header declared 2 tensors, received 1")
 
 
 def test_rejects_data_larger_than_declared():
@@ -400,10 +415,19 @@ def test_check_finite_names_tensor(dtype, bad, word):
         serde.check_finite(_state(ok=ok, **{"layer.weight": broken}, later=broken.clone()))
 
 
-@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+@pytest.mark.parametrize(
+    "dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz], ids=str
+)
 def test_check_finite_float8_nan(dtype):
     t = torch.tensor([1.0, math.nan, 2.0]).to(dtype)
     with pytest.raises(InvalidUpdateError, match=r"tensor 'q': contains NaN"):
+        serde.check_finite({"q": t})
+    serde.check_finite({"q": torch.tensor([1.0, -2.0, 0.0]).to(dtype)})
+
+
+def test_check_finite_float8_e5m2_inf():
+    t = torch.tensor([1.0, math.inf]).to(torch.float8_e5m2)
+    with pytest.raises(InvalidUpdateError, match=r"tensor 'q': contains Inf"):
         serde.check_finite({"q": t})
 
 
@@ -426,6 +450,10 @@ def test_config_roundtrip_keeps_types():
     back = serde.config_from_pb(pb.Task.FromString(task.SerializeToString()).config)
     assert back == config
     assert {k: type(v) for k, v in back.items()} == {k: type(v) for k, v in config.items()}
+
+
+def test_config_from_pb_unset_scalar_is_none():
+    assert serde.config_from_pb(pb.Task(config={"k": pb.Scalar()}).config) == {"k": None}
 
 
 @pytest.mark.parametrize("value", [None, [1], {"a": 1}, b"x"])

@@ -121,10 +121,6 @@ def test_parse_partition_errors(spec, words):
     assert info.value.key == "partition"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG datasets.parse_partition accepts alpha=inf; partition then fails with ValueError after 1000 NaN draws",
-)
 def test_parse_partition_rejects_infinite_alpha():
     with pytest.raises(ConfigError):
         parse_partition("dirichlet:inf")
