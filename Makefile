@@ -22,6 +22,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m fedgrid.proto.generate --check
+	$(VENV)/bin/mypy fedgrid server client proto aggregation compression simulation
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 proto: $(STAMP)

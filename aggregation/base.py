@@ -13,9 +13,20 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from fedgrid.types import ClientInfo, FitIns, FitRes, Failure, ModelState
+from fedgrid.types import ClientInfo, EvaluateIns, EvaluateRes, FitIns, FitRes, Failure, ModelState
 
-__all__ = ["Aggregator", "Strategy"]
+__all__ = ["Aggregator", "Strategy", "weighted_metrics"]
+
+
+def weighted_metrics(reports: Sequence[tuple[int, Mapping[str, float]]]) -> dict[str, float]:
+    """Per metric, the mean over the reports that have it, weighted by their example counts."""
+    sums: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for num_examples, metrics in reports:
+        for key, value in metrics.items():
+            sums[key] = sums.get(key, 0.0) + float(value) * num_examples
+            weights[key] = weights.get(key, 0.0) + num_examples
+    return {key: sums[key] / weights[key] for key in sums if weights[key] > 0}
 
 
 class Aggregator(ABC):
@@ -62,6 +73,18 @@ class Strategy(ABC):
 
         Failures are data: the strategy decides what a failed client means for the round.
         """
+
+    def configure_evaluate(
+        self, *, server_round: int, clients: Sequence[ClientInfo]
+    ) -> list[tuple[ClientInfo, EvaluateIns]]:
+        """Chooses clients to evaluate the new global model on their data. Default: none."""
+        return []
+
+    def aggregate_evaluate(
+        self, *, server_round: int, results: Sequence[EvaluateRes], failures: Sequence[Failure]
+    ) -> dict[str, float]:
+        """Example-weighted mean of each metric the clients reported (keys as reported)."""
+        return weighted_metrics([(r.num_examples, r.metrics) for r in sorted(results, key=lambda r: r.client.sort_key)])
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume exactly (global model included)."""

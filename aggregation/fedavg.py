@@ -8,8 +8,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from fedgrid.aggregation.base import Aggregator, Strategy
-from fedgrid.types import ClientInfo, FitIns, FitRes, Failure, ModelState, Scalar
+from fedgrid.aggregation.base import Aggregator, Strategy, weighted_metrics
+from fedgrid.seeding import derive_seed
+from fedgrid.types import ClientInfo, EvaluateIns, FitIns, FitRes, Failure, ModelState, Scalar
 
 __all__ = ["WeightedMean", "FedAvg", "weighted_mean"]
 
@@ -74,6 +75,8 @@ class FedAvg(Strategy):
     Args:
         fraction_fit: share of live clients asked each round (at least ``min_fit_clients``).
         min_fit_clients: fewest clients a round asks.
+        fraction_evaluate: share of live clients asked to evaluate each new global model on
+            their own data (federated evaluation); 0 turns it off.
         seed: seeds client sampling, so a run's selection is reproducible.
         fit_config: scalars sent with every task (``local_epochs``, ``lr``, ...).
     """
@@ -83,6 +86,7 @@ class FedAvg(Strategy):
         *,
         fraction_fit: float = 1.0,
         min_fit_clients: int = 1,
+        fraction_evaluate: float = 0.0,
         seed: int = 0,
         fit_config: Mapping[str, Scalar] | None = None,
     ) -> None:
@@ -90,7 +94,10 @@ class FedAvg(Strategy):
             raise ValueError(f"fraction_fit must be in (0, 1], got {fraction_fit}")
         if min_fit_clients < 1:
             raise ValueError(f"min_fit_clients must be at least 1, got {min_fit_clients}")
+        if not 0.0 <= fraction_evaluate <= 1.0:
+            raise ValueError(f"fraction_evaluate must be in [0, 1], got {fraction_evaluate}")
         self.fraction_fit = fraction_fit
+        self.fraction_evaluate = fraction_evaluate
         self.min_fit_clients = min_fit_clients
         self.seed = seed
         self.fit_config = dict(fit_config or {})
@@ -105,30 +112,34 @@ class FedAvg(Strategy):
             raise RuntimeError("strategy has no global model: call initialize() first")
         return self._state
 
-    def configure_round(self, *, server_round: int, clients: Sequence[ClientInfo]) -> list[tuple[ClientInfo, FitIns]]:
+    def _sample(self, clients: Sequence[ClientInfo], fraction: float, server_round: int, salt: int) -> list[ClientInfo]:
         ordered = sorted(clients, key=lambda c: c.sort_key)
-        count = max(self.min_fit_clients, int(self.fraction_fit * len(ordered)))  # floor, as Flower
-        count = min(count, len(ordered))
+        count = min(max(self.min_fit_clients, int(fraction * len(ordered))), len(ordered))  # floor, as Flower
         if count < len(ordered):
-            ordered = sorted(random.Random(self.seed * 1_000_003 + server_round).sample(ordered, count), key=lambda c: c.sort_key)
+            rng = random.Random(derive_seed("sample", self.seed, server_round, salt))
+            ordered = sorted(rng.sample(ordered, count), key=lambda c: c.sort_key)
+        return ordered
+
+    def configure_round(self, *, server_round: int, clients: Sequence[ClientInfo]) -> list[tuple[ClientInfo, FitIns]]:
         ins = FitIns(round=server_round, config={**self.fit_config, "round": server_round, "seed": self.seed})
-        return [(client, ins) for client in ordered]
+        return [(client, ins) for client in self._sample(clients, self.fraction_fit, server_round, 0)]
+
+    def configure_evaluate(self, *, server_round: int, clients: Sequence[ClientInfo]) -> list[tuple[ClientInfo, EvaluateIns]]:
+        if self.fraction_evaluate == 0.0:
+            return []
+        ins = EvaluateIns(round=server_round, config={"round": server_round, "seed": self.seed})
+        return [(client, ins) for client in self._sample(clients, self.fraction_evaluate, server_round, 1)]
 
     def aggregate(self, *, server_round: int, results: Sequence[FitRes], failures: Sequence[Failure]) -> dict[str, float]:
         if not results:
             return {}
         agg = WeightedMean()
-        losses, weights = [], []
-        for res in sorted(results, key=lambda r: r.client.sort_key):  # canonical order
+        ordered = sorted(results, key=lambda r: r.client.sort_key)  # canonical order
+        for res in ordered:
             agg.add(res.state, float(res.num_examples))
-            if "loss" in res.metrics:
-                losses.append(float(res.metrics["loss"]))
-                weights.append(float(res.num_examples))
         self._state = agg.result()
-        out: dict[str, float] = {}
-        if losses:
-            out["train_loss"] = sum(l * w for l, w in zip(losses, weights)) / sum(weights)
-        return out
+        train = weighted_metrics([(r.num_examples, {"loss": r.metrics["loss"]}) for r in ordered if "loss" in r.metrics])
+        return {"train_loss": train["loss"]} if train else {}
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "seed": self.seed}

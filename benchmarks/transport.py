@@ -40,6 +40,7 @@ from concurrent import futures
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection as Pipe
+from multiprocessing.context import SpawnContext
 from pathlib import Path
 from typing import Any, Callable
 
@@ -77,7 +78,7 @@ def payload_chunks(num_params: int, chunk_size: int) -> list[bytes]:
     """The model's bytes cut as fedgrid cuts them: per tensor, in pieces of ``chunk_size``."""
     out: list[bytes] = []
     for tensor in make_state(num_params).values():
-        view = memoryview(tensor.view(torch.uint8).numpy()).cast("B")
+        view = tensor.view(torch.uint8).numpy().data
         out.extend(bytes(view[i : i + chunk_size]) for i in range(0, len(view), chunk_size))
     return out
 
@@ -274,7 +275,7 @@ class SocketServer:
 
     def __init__(self, spec: PeerSpec) -> None:
         self.payload = memoryview(b"".join(payload_chunks(spec.num_params, spec.chunk_size)))
-        self.inbox = memoryview(bytearray(len(self.payload)))
+        self.inbox = memoryview(bytearray(len(self.payload)))  # allocated and touched once, reused: the best case
         self.chunk_size = spec.chunk_size
         self.last_upload = 0
         self.error: BaseException | None = None
@@ -333,7 +334,7 @@ class SocketClient:
         _send_chunked(self.sock, self.payload, self.chunk_size)
         ack = self.sock.recv(1)
         t2 = time.perf_counter()
-        if ack != b"K" or self.inbox != self.payload:
+        if ack != b"K" or self.inbox.obj != self.payload.obj:  # bytearray == bytes is a memcmp; memoryviews compare slowly
             raise RuntimeError("socket transfer lost or corrupted bytes")
         return t1 - t0, t2 - t1
 
@@ -373,7 +374,7 @@ def _peer_main(spec: PeerSpec, pipe: Pipe) -> None:
 class PeerProcess:
     """A spawned peer and the parent's end of its pipe; every call has a deadline."""
 
-    def __init__(self, ctx: Any, spec: PeerSpec) -> None:
+    def __init__(self, ctx: SpawnContext, spec: PeerSpec) -> None:
         self.name = f"{spec.transport}-{spec.role}"
         self.pipe, child = ctx.Pipe()
         self.process = ctx.Process(target=_peer_main, args=(spec, child), name=self.name, daemon=True)
@@ -404,7 +405,7 @@ class PeerProcess:
 
 
 # -- the run ------------------------------------------------------------------------------------
-def _start_pairs(ctx: Any, transports: tuple[str, ...], num_params: int, chunk_size: int) -> dict[str, tuple[PeerProcess, PeerProcess]]:
+def _start_pairs(ctx: SpawnContext, transports: tuple[str, ...], num_params: int, chunk_size: int) -> dict[str, tuple[PeerProcess, PeerProcess]]:
     """Starts every server, then every client once its server's address is known."""
     procs: list[PeerProcess] = []
     try:
@@ -423,7 +424,7 @@ def _start_pairs(ctx: Any, transports: tuple[str, ...], num_params: int, chunk_s
 
 
 def measure_size(
-    ctx: Any, *, num_params: int, repeats: int, warmup: int, chunk_size: int, transports: tuple[str, ...]
+    ctx: SpawnContext, *, num_params: int, repeats: int, warmup: int, chunk_size: int, transports: tuple[str, ...]
 ) -> dict[str, dict[str, list[float]]]:
     """Seconds per transfer, per transport and direction; transports alternate within a repetition."""
     pairs = _start_pairs(ctx, transports, num_params, chunk_size)
@@ -466,7 +467,7 @@ def run_benchmark(
 ) -> dict[str, Any]:
     """Runs every size and returns the JSON report (medians, ratios and raw samples)."""
     ctx = mp.get_context("spawn")
-    rows = []
+    rows: list[dict[str, Any]] = []
     for num_params in sizes:
         reps = repeats if repeats is not None else (5 if num_params < 50_000_000 else 3)
         started = time.perf_counter()
@@ -499,12 +500,12 @@ def run_benchmark(
             "platform": platform.platform(),
         },
         "rows": rows,
-        "summary": {
-            key: {"min": min(vals), "geomean": statistics.geometric_mean(vals)} if vals else None
-            for key in ("fedgrid_over_grpc", "fedgrid_over_socket")
-            for vals in [[r[key] for r in rows if r[key] is not None]]
-        },
+        "summary": {key: _summarize([r[key] for r in rows if r[key] is not None]) for key in ("fedgrid_over_grpc", "fedgrid_over_socket")},
     }
+
+
+def _summarize(ratios: list[float]) -> dict[str, float] | None:
+    return {"min": min(ratios), "geomean": statistics.geometric_mean(ratios)} if ratios else None
 
 
 def _fmt_params(n: int) -> str:

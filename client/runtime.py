@@ -7,12 +7,11 @@ server's message. ``run`` blocks; ``start`` runs the same loop in a background t
 
 from __future__ import annotations
 
-import importlib
 import logging
 import threading
-import time
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, TypeVar
 
 import grpc
 import tenacity
@@ -28,6 +27,7 @@ from fedgrid.constants import (
 )
 from fedgrid.compression import available_codecs
 from fedgrid.errors import FedgridError
+from fedgrid.plugins import load_object
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
 from fedgrid.proto import serde
@@ -37,6 +37,7 @@ __all__ = ["Connection", "ClientHandle", "RunSummary", "RpcFailed", "run", "star
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -54,7 +55,7 @@ class RpcFailed(FedgridError):
 
 
 def _is_transient(exc: BaseException) -> bool:
-    return isinstance(exc, grpc.RpcError) and exc.code() in TRANSIENT  # type: ignore[attr-defined]
+    return isinstance(exc, grpc.RpcError) and exc.code() in TRANSIENT
 
 
 @dataclass(frozen=True)
@@ -93,13 +94,8 @@ class Connection:
         self.rpc_timeout = rpc_timeout
         self.transfer_timeout = transfer_timeout
         self.stop = stop or threading.Event()
-        self._retry = dict(
-            retry=tenacity.retry_if_exception(_is_transient),
-            wait=tenacity.wait_random_exponential(multiplier=0.2, max=retry_max_wait),
-            stop=tenacity.stop_after_delay(retry_max_elapsed) | tenacity.stop_any(lambda _: self.stop.is_set()),
-            before_sleep=lambda rs: log.info("retrying %s after %s", getattr(rs.fn, "__name__", "rpc"), rs.outcome.exception()),
-            reraise=True,
-        )
+        self._retry_max_elapsed = retry_max_elapsed
+        self._retry_max_wait = retry_max_wait
         self.client_id = ""
         self.token = ""
         self.run_id = ""
@@ -109,11 +105,19 @@ class Connection:
     def close(self) -> None:
         self.channel.close()
 
-    def _call(self, method: str, fn: Callable[[], object]) -> object:
+    def _call(self, method: str, fn: Callable[[], T]) -> T:
+        """Calls ``fn``, retrying transient failures with jittered exponential backoff."""
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(_is_transient),
+            wait=tenacity.wait_random_exponential(multiplier=0.2, max=self._retry_max_wait),
+            stop=tenacity.stop_after_delay(self._retry_max_elapsed) | tenacity.stop_when_event_set(self.stop),
+            before_sleep=lambda rs: log.info("retrying %s: %s", method, rs.outcome.exception() if rs.outcome else ""),
+            reraise=True,
+        )
         try:
-            return tenacity.Retrying(**self._retry)(fn)
+            return retrying(fn)
         except grpc.RpcError as exc:
-            raise RpcFailed(method, exc.code(), exc.details() or "") from exc  # type: ignore[attr-defined]
+            raise RpcFailed(method, exc.code(), exc.details() or "") from exc
 
     def join(self, client: Client) -> None:
         request = pb.JoinRequest(
@@ -122,17 +126,14 @@ class Connection:
             num_examples=client.num_examples,
             capabilities=pb.Capabilities(device="cpu", codecs=list(available_codecs())),
         )
-        reply = self._call("Join", lambda: self.stub.Join(request, timeout=self.rpc_timeout))
-        assert isinstance(reply, pb.JoinReply)
+        reply: pb.JoinReply = self._call("Join", lambda: self.stub.Join(request, timeout=self.rpc_timeout))
         self.client_id, self.token, self.run_id = reply.client_id, reply.session_token, reply.run_id
         self.heartbeat_interval_s = reply.heartbeat_interval_s or self.heartbeat_interval_s
         self.chunk_size = reply.chunk_size or self.chunk_size
 
     def poll(self, wait_s: float = POLL_WAIT_S) -> pb.PollReply:
         request = pb.PollRequest(client_id=self.client_id, session_token=self.token, wait_s=wait_s)
-        reply = self._call("PollTask", lambda: self.stub.PollTask(request, timeout=wait_s + self.rpc_timeout))
-        assert isinstance(reply, pb.PollReply)
-        return reply
+        return self._call("PollTask", lambda: self.stub.PollTask(request, timeout=wait_s + self.rpc_timeout))
 
     def heartbeat(self) -> float:
         request = pb.HeartbeatRequest(client_id=self.client_id, session_token=self.token)
@@ -149,8 +150,7 @@ class Connection:
                 asm.feed(chunk)
             return asm.finish()[1]
 
-        state = self._call("DownloadModel", attempt)
-        return state  # type: ignore[return-value]
+        return self._call("DownloadModel", attempt)
 
     def upload(self, task_id: str, server_round: int, state: ModelState, num_examples: int, metrics: dict[str, float]) -> int:
         """Sends an update; a retry that finds it already accepted counts as success."""
@@ -172,12 +172,12 @@ class Connection:
             try:
                 reply = self.stub.UploadUpdate(encoded.chunks(info, chunk_size=self.chunk_size), timeout=self.transfer_timeout)
             except grpc.RpcError as exc:
-                if attempts > 1 and exc.code() == grpc.StatusCode.ALREADY_EXISTS:  # type: ignore[attr-defined]
+                if attempts > 1 and exc.code() == grpc.StatusCode.ALREADY_EXISTS:
                     return encoded.total_bytes  # an earlier attempt landed; its reply was lost
                 raise
             return int(reply.bytes_received)
 
-        return int(self._call("UploadUpdate", attempt))  # type: ignore[arg-type]
+        return self._call("UploadUpdate", attempt)
 
 
 class _Heartbeat(threading.Thread):
@@ -224,19 +224,33 @@ def run(
                 continue
             task = reply.task
             state = conn.download(task.task_id)
-            out = client.fit(state, serde.fit_ins_from_task(task))
+            if task.kind == pb.EVALUATE:
+                update, num_examples, metrics = _evaluate(client, state, serde.config_from_pb(task.config))
+            else:
+                out = client.fit(state, serde.fit_ins_from_task(task))
+                update, num_examples, metrics = out.state, out.num_examples, dict(out.metrics)
             try:
-                conn.upload(task.task_id, task.round, out.state, out.num_examples, dict(out.metrics))
+                conn.upload(task.task_id, task.round, update, num_examples, metrics)
             except RpcFailed as exc:
                 if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
                     raise
                 log.warning("round %d closed before the update landed: %s", task.round, exc.details)
                 continue
-            rounds += 1
+            rounds += task.kind != pb.EVALUATE
     finally:
         beat_stop.set()
         conn.close()
     return RunSummary(client_id=conn.client_id, rounds=rounds)
+
+
+def _evaluate(client: Client, state: ModelState, config: dict) -> tuple[ModelState, int, dict[str, float]]:
+    """Runs ``client.evaluate``; a client without evaluation reports zero examples."""
+    try:
+        out = client.evaluate(state, config)
+    except NotImplementedError as exc:
+        log.info("evaluation task skipped: %s", exc)
+        return OrderedDict(), 0, {}
+    return OrderedDict(), out.num_examples, dict(out.metrics)
 
 
 class ClientHandle:
@@ -293,23 +307,8 @@ def load_app(spec: str | None) -> Callable[..., Client]:
     Raises:
         ConfigError: malformed spec, missing module or attribute.
     """
-    from fedgrid.errors import ConfigError
-
     if spec is None:
         from fedgrid.simulation.tasks import digits_client
 
         return digits_client
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError("app", f"expected MODULE:FACTORY, got {spec!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError("app", f"cannot import {module_name!r}: {exc}") from None
-    try:
-        factory = getattr(module, attr)
-    except AttributeError:
-        raise ConfigError("app", f"module {module_name!r} has no attribute {attr!r}") from None
-    if not callable(factory):
-        raise ConfigError("app", f"{spec!r} is not callable")
-    return factory
+    return load_object(spec, key="app")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from typing import Callable, Iterable, Mapping
 
@@ -10,9 +9,10 @@ import torch
 from torch import nn
 
 from fedgrid.client.api import Client, EvaluateOutput, FitOutput
+from fedgrid.seeding import derive_seed
 from fedgrid.types import FitIns, ModelState, Scalar
 
-__all__ = ["TorchClient", "derive_seed", "default_device"]
+__all__ = ["TorchClient", "default_device"]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -20,12 +20,6 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 def default_device() -> torch.device:
     """CUDA when present, else CPU."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def derive_seed(*parts: object) -> int:
-    """A 63-bit seed from any parts, stable across processes (unlike ``hash``)."""
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 class TorchClient(Client):

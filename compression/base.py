@@ -57,7 +57,8 @@ class IdentityCodec(Codec):
         flat = tensor.detach().to("cpu").contiguous().reshape(-1)
         if flat.numel() == 0:
             return memoryview(b"")
-        return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+        array = flat.view(torch.uint8).numpy()
+        return memoryview(array.data)
 
     def decode(self, payload: bytearray | bytes, *, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         expected = self.max_payload_bytes(dtype=dtype, shape=shape)

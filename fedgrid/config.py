@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S
 from fedgrid.errors import ConfigError
+from fedgrid.plugins import check_spec
 
 __all__ = ["Config", "load_config", "config_keys"]
 
@@ -31,10 +32,13 @@ class Config:
     clients: int = _key("simulated clients (fedgrid simulate)", 10)
     min_clients: int = _key("a round starts only when this many clients are live", 2)
     fraction_fit: float = _key("share of live clients asked each round", 1.0)
+    fraction_evaluate: float = _key("share of live clients asked to evaluate each new model on their data (0: off)", 0.0)
     local_epochs: int = _key("local epochs per round", 2)
     lr: float = _key("client learning rate", 0.1)
     seed: int = _key("seed for model init, partitioning, sampling and shuffling", 0)
     task: str = _key("built-in task: model, data and server-side evaluation", "digits")
+    model: str = _key("MODULE:FACTORY returning the nn.Module to train, instead of the task's", "")
+    app: str = _key("MODULE:FACTORY(partition, num_partitions, seed) -> Client for simulated clients", "")
     partition: str = _key("how simulated data is split: iid or dirichlet:ALPHA", "dirichlet:0.5")
     strategy: str = _key("aggregation strategy", "fedavg")
     round_timeout_s: float = _key("each round closes by this deadline", 300.0)
@@ -56,6 +60,11 @@ class Config:
                 raise ConfigError(key, f"must be positive, got {getattr(self, key)}")
         if not 0.0 < self.fraction_fit <= 1.0:
             raise ConfigError("fraction_fit", f"must be in (0, 1], got {self.fraction_fit}")
+        if not 0.0 <= self.fraction_evaluate <= 1.0:
+            raise ConfigError("fraction_evaluate", f"must be in [0, 1], got {self.fraction_evaluate}")
+        for key in ("model", "app"):
+            if getattr(self, key):
+                check_spec(getattr(self, key), key=key)
         if self.chunk_size > 3 * 1024 * 1024:
             raise ConfigError("chunk_size", f"must be at most 3 MiB to stay under gRPC's 4 MB limit, got {self.chunk_size}")
         if self.strategy != "fedavg":

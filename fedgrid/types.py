@@ -17,6 +17,7 @@ __all__ = [
     "ClientInfo",
     "FitIns",
     "FitRes",
+    "EvaluateIns",
     "EvaluateRes",
     "Failure",
     "RoundMetrics",
@@ -58,6 +59,14 @@ class ClientInfo:
 @dataclass(frozen=True)
 class FitIns:
     """A training task for one client: the round and its scalar config."""
+
+    round: int
+    config: Mapping[str, Scalar] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EvaluateIns:
+    """An evaluation task for one client: evaluate the global model on local data."""
 
     round: int
     config: Mapping[str, Scalar] = field(default_factory=dict)

@@ -21,7 +21,7 @@ from fedgrid.server.engine import RoundEngine
 from fedgrid.server.grpc_fleet import GrpcFleet
 from fedgrid.server.service import CoordinatorServicer
 from fedgrid.server.strategies import build_strategy
-from fedgrid.simulation.tasks import get_task, initial_state
+from fedgrid.simulation.tasks import resolve
 from fedgrid.types import ModelState
 
 __all__ = ["Coordinator", "run_coordinator", "SERVICE_NAME"]
@@ -86,9 +86,11 @@ def run_coordinator(config: Config, *, initial: ModelState | None = None, ready:
     The bound address is printed and written to ``RUN_DIR/address`` so that scripts using
     port 0 can find it.
     """
-    task = get_task(config.task)
+    resolved = resolve(task=config.task, model=config.model, seed=config.seed)
+    if config.state_dir:
+        log.warning("state_dir %r: durable coordinator state is not implemented yet; this run cannot resume", config.state_dir)
     strategy = build_strategy(config)
-    strategy.initialize(initial_state=initial if initial is not None else initial_state(task, config.seed))
+    strategy.initialize(initial_state=initial if initial is not None else resolved.initial_state)
     fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=config.heartbeat_interval_s), chunk_size=config.chunk_size)
     writer = RunWriter(config.out, config.to_dict())
     coordinator = Coordinator(config.listen, fleet, max_workers=config.max_workers).start()
@@ -108,7 +110,7 @@ def run_coordinator(config: Config, *, initial: ModelState | None = None, ready:
         min_clients=config.min_clients,
         round_timeout=timedelta(seconds=config.round_timeout_s),
         join_timeout=timedelta(seconds=config.join_timeout_s),
-        evaluate_fn=task.evaluate,
+        evaluate_fn=resolved.evaluate,
         writer=writer,
         on_round=on_round,
         finish_timeout=timedelta(seconds=FINISH_GRACE_S),

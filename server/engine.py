@@ -80,7 +80,21 @@ class RoundEngine:
         loss: float | None = agg_metrics.get("train_loss")
         accuracy: float | None = None
         extra = dict(agg_metrics)
-        if self.evaluate_fn is not None:
+        bytes_up, bytes_down = outcome.bytes_up, outcome.bytes_down
+        evaluations = self.strategy.configure_evaluate(server_round=server_round, clients=clients)
+        if evaluations:
+            evaluated = self.fleet.evaluate_round(
+                server_round=server_round,
+                global_state=self.strategy.global_state,
+                assignments=evaluations,
+                timeout=self.round_timeout,
+            )
+            fed = self.strategy.aggregate_evaluate(server_round=server_round, results=evaluated.results, failures=evaluated.failures)
+            extra.update({f"federated_{k}": v for k, v in fed.items()})
+            extra["clients_evaluated"] = len(evaluated.results)
+            bytes_up, bytes_down = bytes_up + evaluated.bytes_up, bytes_down + evaluated.bytes_down
+            loss, accuracy = fed.get("loss", loss), fed.get("accuracy")
+        if self.evaluate_fn is not None:  # a central test set, when the task has one, wins
             loss, eval_metrics = self.evaluate_fn(self.strategy.global_state)
             accuracy = eval_metrics.get("accuracy")
             extra.update({k: v for k, v in eval_metrics.items() if k != "accuracy"})
@@ -88,8 +102,8 @@ class RoundEngine:
             round=server_round,
             loss=loss,
             accuracy=accuracy,
-            bytes_up=outcome.bytes_up,
-            bytes_down=outcome.bytes_down,
+            bytes_up=bytes_up,
+            bytes_down=bytes_down,
             wall_s=time.monotonic() - start,
             clients_ok=len(outcome.results),
             clients_failed=len(outcome.failures),

@@ -9,18 +9,21 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Sequence
+from typing import Generic, Sequence, TypeVar
 
-from fedgrid.types import ClientInfo, FitIns, FitRes, Failure, ModelState
+from fedgrid.types import ClientInfo, EvaluateIns, EvaluateRes, FitIns, FitRes, Failure, ModelState
 
 __all__ = ["Fleet", "RoundOutcome"]
 
 
+R = TypeVar("R", FitRes, EvaluateRes)
+
+
 @dataclass(frozen=True)
-class RoundOutcome:
+class RoundOutcome(Generic[R]):
     """What came back from a round: results, failures (as data) and the bytes moved."""
 
-    results: list[FitRes]
+    results: list[R]
     failures: list[Failure]
     bytes_up: int = 0
     bytes_down: int = 0
@@ -46,10 +49,24 @@ class Fleet(ABC):
         global_state: ModelState,
         assignments: Sequence[tuple[ClientInfo, FitIns]],
         timeout: timedelta,
-    ) -> RoundOutcome:
+    ) -> RoundOutcome[FitRes]:
         """Sends ``global_state`` and each client's task, returns by ``timeout`` at the latest.
 
         A client that fails, disconnects or misses the deadline becomes a ``Failure``.
+        """
+
+    @abstractmethod
+    def evaluate_round(
+        self,
+        *,
+        server_round: int,
+        global_state: ModelState,
+        assignments: Sequence[tuple[ClientInfo, EvaluateIns]],
+        timeout: timedelta,
+    ) -> RoundOutcome[EvaluateRes]:
+        """Asks each assigned client to evaluate ``global_state`` on its own data.
+
+        A client that cannot evaluate, fails or misses the deadline becomes a ``Failure``.
         """
 
     def finish(self, *, timeout: timedelta) -> None:

@@ -21,7 +21,7 @@ from fedgrid.errors import AuthenticationError, DuplicateUpdateError, InvalidUpd
 from fedgrid.proto import serde
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.server.fleet import Fleet, RoundOutcome
-from fedgrid.types import ClientInfo, FitIns, FitRes, Failure, ModelState
+from fedgrid.types import ClientInfo, EvaluateIns, EvaluateRes, FitIns, FitRes, Failure, ModelState
 
 __all__ = ["GrpcFleet", "PollResult"]
 
@@ -43,11 +43,12 @@ class _ClientRecord:
 class _Round:
     server_round: int
     task_id: str
-    assignments: dict[str, FitIns]
+    evaluate: bool  # an evaluation round: clients send metrics, no tensors
+    assignments: dict[str, FitIns | EvaluateIns]
     encoded: serde.EncodedModel
     expected: dict[str, serde.TensorSpec]
     deadline: float
-    results: dict[str, FitRes] = field(default_factory=dict)
+    results: dict[str, FitRes | EvaluateRes] = field(default_factory=dict)
     failures: dict[str, Failure] = field(default_factory=dict)
     uploading: set[str] = field(default_factory=set)
     closed: bool = False
@@ -64,7 +65,8 @@ class PollResult:
 
     task_id: str = ""
     server_round: int = 0
-    ins: FitIns | None = None
+    ins: FitIns | EvaluateIns | None = None
+    evaluate: bool = False
     deadline_s: float = 0.0
     retry_after_s: float = 0.0
     finished: bool = False
@@ -135,6 +137,7 @@ class GrpcFleet(Fleet):
                 if rnd is not None and not rnd.closed and client_id in rnd.assignments and client_id in rnd.pending():
                     return PollResult(
                         task_id=rnd.task_id,
+                        evaluate=rnd.evaluate,
                         server_round=rnd.server_round,
                         ins=rnd.assignments[client_id],
                         deadline_s=max(0.0, rnd.deadline - time.monotonic()),
@@ -197,21 +200,29 @@ class GrpcFleet(Fleet):
                 raise DuplicateUpdateError(f"an upload for round {rnd.server_round} from client {client_id!r} is in progress")
             rnd.uploading.add(client_id)
         try:
-            asm = serde.ModelAssembler(expected=rnd.expected)  # the expected specs bound every allocation
+            # The expected specs bound every allocation; an evaluation carries no tensors.
+            asm = serde.ModelAssembler(expected={} if rnd.evaluate else rnd.expected)
             asm.feed(first)
             for chunk in iterator:
                 asm.feed(chunk)
             stream, state = asm.finish()
             if stream.round != rnd.server_round:
                 raise InvalidUpdateError(f"header names round {stream.round}, the task is round {rnd.server_round}")
-            if stream.num_examples < 1:
-                raise InvalidUpdateError("num_examples must be at least 1")
-            serde.check_finite(state)
-            result = FitRes(record.info, state, stream.num_examples, dict(stream.metrics))
+            result: FitRes | EvaluateRes
+            if rnd.evaluate:
+                result = EvaluateRes(record.info, stream.num_examples, dict(stream.metrics))
+            else:
+                if stream.num_examples < 1:
+                    raise InvalidUpdateError("num_examples must be at least 1")
+                serde.check_finite(state)
+                result = FitRes(record.info, state, stream.num_examples, dict(stream.metrics))
             with self._cond:
                 if rnd.closed or self._round is not rnd:
                     raise StaleTaskError(f"round {rnd.server_round} closed before the upload completed")
-                rnd.results[client_id] = result
+                if rnd.evaluate and stream.num_examples < 1:
+                    rnd.failures[client_id] = Failure(record.info, "evaluated no examples")
+                else:
+                    rnd.results[client_id] = result
                 rnd.bytes_up += asm.wire_bytes
                 self._cond.notify_all()
             return asm.payload_bytes
@@ -252,10 +263,36 @@ class GrpcFleet(Fleet):
         global_state: ModelState,
         assignments: Sequence[tuple[ClientInfo, FitIns]],
         timeout: timedelta,
-    ) -> RoundOutcome:
+    ) -> RoundOutcome[FitRes]:
+        results, failures, up, down = self._run(server_round, global_state, assignments, timeout, evaluate=False)
+        return RoundOutcome([r for r in results if isinstance(r, FitRes)], failures, bytes_up=up, bytes_down=down)
+
+    def evaluate_round(
+        self,
+        *,
+        server_round: int,
+        global_state: ModelState,
+        assignments: Sequence[tuple[ClientInfo, EvaluateIns]],
+        timeout: timedelta,
+    ) -> RoundOutcome[EvaluateRes]:
+        results, failures, up, down = self._run(server_round, global_state, assignments, timeout, evaluate=True)
+        return RoundOutcome([r for r in results if isinstance(r, EvaluateRes)], failures, bytes_up=up, bytes_down=down)
+
+    def _run(
+        self,
+        server_round: int,
+        global_state: ModelState,
+        assignments: Sequence[tuple[ClientInfo, FitIns | EvaluateIns]],
+        timeout: timedelta,
+        *,
+        evaluate: bool,
+    ) -> tuple[list[FitRes | EvaluateRes], list[Failure], int, int]:
+        """Opens a task for the assigned clients and closes it when all reported, went
+        silent, or the deadline passed."""
         rnd = _Round(
             server_round=server_round,
-            task_id=f"{self.run_id[:8]}-r{server_round}-{uuid.uuid4().hex[:8]}",
+            task_id=f"{self.run_id[:8]}-r{server_round}{'e' if evaluate else 'f'}-{uuid.uuid4().hex[:8]}",
+            evaluate=evaluate,
             assignments={info.client_id: ins for info, ins in assignments},
             encoded=serde.EncodedModel(global_state),
             expected=serde.TensorSpec.of(global_state),
@@ -280,7 +317,7 @@ class GrpcFleet(Fleet):
             self._cond.notify_all()
             results = [rnd.results[cid] for cid in rnd.assignments if cid in rnd.results]
             failures = [rnd.failures[cid] for cid in rnd.assignments if cid in rnd.failures]
-            return RoundOutcome(results, failures, bytes_up=rnd.bytes_up, bytes_down=rnd.bytes_down)
+            return results, failures, rnd.bytes_up, rnd.bytes_down
 
     def finish(self, *, timeout: timedelta) -> None:
         deadline = time.monotonic() + timeout.total_seconds()

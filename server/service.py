@@ -41,6 +41,7 @@ def _abort(context: grpc.ServicerContext, exc: FedgridError) -> NoReturn:
             log.info("rejected request: %s: %s", code.name, exc)
             context.abort(code, str(exc))
     context.abort(grpc.StatusCode.INTERNAL, str(exc))
+    raise AssertionError("unreachable: context.abort raises")
 
 
 @contextlib.contextmanager
@@ -83,7 +84,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 task=pb.Task(
                     task_id=result.task_id,
                     round=result.server_round,
-                    kind=pb.FIT,
+                    kind=pb.EVALUATE if result.evaluate else pb.FIT,
                     config=serde.config_to_pb(result.ins.config),
                     deadline_s=result.deadline_s,
                 )

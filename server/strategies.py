@@ -17,5 +17,11 @@ def build_strategy(config: Config) -> Strategy:
     """
     fit_config = {"local_epochs": config.local_epochs, "lr": config.lr}
     if config.strategy == "fedavg":
-        return FedAvg(fraction_fit=config.fraction_fit, min_fit_clients=1, seed=config.seed, fit_config=fit_config)
+        return FedAvg(
+            fraction_fit=config.fraction_fit,
+            fraction_evaluate=config.fraction_evaluate,
+            min_fit_clients=1,
+            seed=config.seed,
+            fit_config=fit_config,
+        )
     raise ConfigError("strategy", f"unknown strategy {config.strategy!r}")

@@ -13,7 +13,7 @@ from typing import Sequence
 from fedgrid.client.api import Client
 from fedgrid.proto import serde
 from fedgrid.server.fleet import Fleet, RoundOutcome
-from fedgrid.types import ClientInfo, FitIns, FitRes, Failure, ModelState
+from fedgrid.types import ClientInfo, EvaluateIns, EvaluateRes, FitIns, FitRes, Failure, ModelState
 
 __all__ = ["InProcessFleet"]
 
@@ -49,7 +49,7 @@ class InProcessFleet(Fleet):
         global_state: ModelState,
         assignments: Sequence[tuple[ClientInfo, FitIns]],
         timeout: timedelta,
-    ) -> RoundOutcome:
+    ) -> RoundOutcome[FitRes]:
         encoded = serde.EncodedModel(global_state)
         expected = serde.TensorSpec.of(global_state)
         results: list[FitRes] = []
@@ -76,4 +76,34 @@ class InProcessFleet(Fleet):
                 continue
             bytes_up += sum(serde.wire_size(c) for c in up)
             results.append(FitRes(info, update, header.num_examples, header.metrics))
+        return RoundOutcome(results, failures, bytes_up=bytes_up, bytes_down=bytes_down)
+
+    def evaluate_round(
+        self,
+        *,
+        server_round: int,
+        global_state: ModelState,
+        assignments: Sequence[tuple[ClientInfo, EvaluateIns]],
+        timeout: timedelta,
+    ) -> RoundOutcome[EvaluateRes]:
+        encoded = serde.EncodedModel(global_state)
+        results: list[EvaluateRes] = []
+        failures: list[Failure] = []
+        bytes_up = bytes_down = 0
+        for info, ins in assignments:
+            down = list(encoded.chunks(serde.StreamInfo(round=server_round), chunk_size=self.chunk_size))
+            bytes_down += sum(serde.wire_size(c) for c in down)
+            _, state = serde.decode_chunks(down)
+            try:
+                out = self._clients[info.client_id].evaluate(state, ins.config)
+                up = list(serde.encode_model({}, serde.StreamInfo(round=server_round, num_examples=out.num_examples, metrics=out.metrics)))
+                header, _ = serde.decode_chunks(up, expected={})
+            except Exception as exc:  # a client's failure is data for the strategy
+                failures.append(Failure(info, f"{type(exc).__name__}: {exc}"))
+                continue
+            bytes_up += sum(serde.wire_size(c) for c in up)
+            if header.num_examples < 1:
+                failures.append(Failure(info, "evaluated no examples"))
+                continue
+            results.append(EvaluateRes(info, header.num_examples, header.metrics))
         return RoundOutcome(results, failures, bytes_up=bytes_up, bytes_down=bytes_down)

@@ -12,7 +12,7 @@ from fedgrid.runlog import RunWriter
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.strategies import build_strategy
 from fedgrid.simulation.fleet import InProcessFleet
-from fedgrid.simulation.tasks import get_task, initial_state
+from fedgrid.simulation.tasks import resolve
 from fedgrid.types import ModelState, RoundMetrics
 
 __all__ = ["run_simulation"]
@@ -26,10 +26,11 @@ def run_simulation(config: Config, *, on_round: Callable[[RoundMetrics], None] |
     Client ``i`` is the same client that ``fedgrid client --partition i/N --seed S`` runs.
     Returns the final global model and the per-round metrics.
     """
-    task = get_task(config.task)
-    clients = [task.client(i, config.clients, config.seed, partitioner=config.partition) for i in range(config.clients)]
+    resolved = resolve(task=config.task, model=config.model, app=config.app, seed=config.seed)
+    options = {} if config.app else {"partitioner": config.partition}
+    clients = [resolved.client_factory(i, config.clients, config.seed, **options) for i in range(config.clients)]
     strategy = build_strategy(config)
-    strategy.initialize(initial_state=initial_state(task, config.seed))
+    strategy.initialize(initial_state=resolved.initial_state)
     writer = RunWriter(config.out, config.to_dict()) if config.out else None
     engine = RoundEngine(
         strategy=strategy,
@@ -38,7 +39,7 @@ def run_simulation(config: Config, *, on_round: Callable[[RoundMetrics], None] |
         min_clients=1,
         round_timeout=timedelta(seconds=config.round_timeout_s),
         join_timeout=timedelta(seconds=config.join_timeout_s),
-        evaluate_fn=task.evaluate,
+        evaluate_fn=resolved.evaluate,
         writer=writer,
         on_round=on_round,
     )

@@ -21,7 +21,7 @@ from fedgrid.errors import ConfigError
 from fedgrid.simulation.datasets import load_digits, partition
 from fedgrid.types import ModelState
 
-__all__ = ["Task", "TASKS", "get_task", "initial_state", "digits_model", "digits_client", "digits_evaluate", "DIGITS_BATCH_SIZE"]
+__all__ = ["Task", "TASKS", "Resolved", "resolve", "get_task", "initial_state", "digits_model", "digits_client", "digits_evaluate", "DIGITS_BATCH_SIZE"]
 
 DIGITS_BATCH_SIZE = 32
 DIGITS_PARTITION = "dirichlet:0.5"
@@ -93,12 +93,42 @@ def digits_evaluate(state: ModelState) -> tuple[float, dict[str, float]]:
     return loss, {"accuracy": acc}
 
 
-def initial_state(task: Task, seed: int) -> ModelState:
-    """The task's model initialized from ``seed`` (identical in every process)."""
+def initial_state(model_factory: Callable[[], nn.Module], seed: int) -> ModelState:
+    """The model initialized from ``seed`` (identical in every process)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = task.model()
+        model = model_factory()
     return OrderedDict((k, v.detach().clone()) for k, v in model.state_dict().items())
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What a run needs from its configuration's task, model and app keys."""
+
+    initial_state: ModelState
+    evaluate: Callable[[ModelState], tuple[float, dict[str, float]]] | None
+    client_factory: Callable[..., Client]
+
+
+def resolve(*, task: str, model: str = "", app: str = "", seed: int = 0) -> Resolved:
+    """Builds the initial model and finds the evaluation and client factory.
+
+    A custom ``model`` replaces the task's model and drops its server-side evaluation (it
+    would not fit); a custom ``app`` replaces the task's client factory.
+
+    Raises:
+        ConfigError: unknown task, or user code that cannot be loaded or built.
+    """
+    from fedgrid.plugins import load_object
+
+    base = get_task(task)
+    factory = load_object(model, key="model") if model else base.model
+    try:
+        state = initial_state(factory, seed)
+    except Exception as exc:
+        raise ConfigError("model", f"building the model failed: {type(exc).__name__}: {exc}") from None
+    client_factory = load_object(app, key="app") if app else base.client
+    return Resolved(state, None if model else base.evaluate, client_factory)
 
 
 TASKS: dict[str, Task] = {

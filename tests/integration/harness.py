@@ -34,6 +34,8 @@ def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("OMP_NUM_THREADS", "1")
+    apps = str(Path(__file__).parent / "apps")  # user apps for --app / --model
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (apps, env.get("PYTHONPATH", "")) if p)
     return env
 
 

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from fedgrid.client.torch_client import TorchClient, derive_seed
+from fedgrid.client.torch_client import TorchClient
+from fedgrid.seeding import derive_seed
 from fedgrid.simulation import tasks
 from fedgrid.types import FitIns
 
@@ -21,7 +22,7 @@ CONFIG = {"local_epochs": 1, "lr": 0.1, "seed": 0, "round": 1}
 
 @pytest.fixture(scope="module")
 def init_state():
-    return tasks.initial_state(tasks.get_task("digits"), seed=0)
+    return tasks.initial_state(tasks.digits_model, seed=0)
 
 
 def _client() -> TorchClient:

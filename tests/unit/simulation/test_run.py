@@ -79,7 +79,7 @@ def test_metrics_jsonl(runs):
 
 def test_bytes_match_model_size(runs):
     history = runs["a"][3]
-    state = initial_state(get_task("digits"), seed=0)
+    state = initial_state(get_task("digits").model, seed=0)
     payload = sum(t.numel() * t.element_size() for t in state.values())  # 4,810 float32 parameters
     for m in history:
         # three clients each move the whole model both ways, plus per-message framing
