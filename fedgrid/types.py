@@ -13,6 +13,7 @@ import torch
 
 __all__ = [
     "ModelState",
+    "TensorSpec",
     "Scalar",
     "ClientInfo",
     "FitIns",
@@ -25,6 +26,19 @@ __all__ = [
 
 ModelState = OrderedDict[str, torch.Tensor]
 Scalar = Union[bool, int, float, str]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """The dtype and shape a receiver expects of one tensor."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @staticmethod
+    def of(state: Mapping[str, torch.Tensor]) -> "OrderedDict[str, TensorSpec]":
+        """The specs of every tensor of ``state``, in order."""
+        return OrderedDict((k, TensorSpec(v.dtype, tuple(v.shape))) for k, v in state.items())
 
 
 @dataclass(frozen=True)
@@ -58,10 +72,20 @@ class ClientInfo:
 
 @dataclass(frozen=True)
 class FitIns:
-    """A training task for one client: the round and its scalar config."""
+    """A training task for one client.
+
+    Attributes:
+        round: the server round.
+        config: scalars sent with the task.
+        expected: the tensors the client must send back (names, dtypes, shapes); ``None``
+            means exactly the global model's. Strategies whose clients send something else
+            (one block of the model, extra control variates) say so here, and the fleet
+            rejects any other upload.
+    """
 
     round: int
     config: Mapping[str, Scalar] = field(default_factory=dict)
+    expected: "Mapping[str, TensorSpec] | None" = None
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from fedgrid.compression import get_codec
 from fedgrid.constants import CHUNK_SIZE, MAX_TENSOR_BYTES
 from fedgrid.errors import InvalidUpdateError, PayloadTooLargeError
 from fedgrid.proto import fedgrid_pb2 as pb
-from fedgrid.types import ClientInfo, FitIns, ModelState, Scalar
+from fedgrid.types import ClientInfo, FitIns, ModelState, Scalar, TensorSpec
 
 __all__ = [
     "DTYPE_TO_PB",
@@ -79,18 +79,6 @@ def checksum(data: bytes | bytearray | memoryview) -> int:
 def wire_size(message: pb.Chunk) -> int:
     """Bytes a message occupies on the wire: its encoding plus gRPC's message framing."""
     return message.ByteSize() + GRPC_FRAME_BYTES
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """What a receiver expects of one tensor."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    @staticmethod
-    def of(state: Mapping[str, torch.Tensor]) -> "OrderedDict[str, TensorSpec]":
-        return OrderedDict((k, TensorSpec(v.dtype, tuple(v.shape))) for k, v in state.items())
 
 
 @dataclass(frozen=True)

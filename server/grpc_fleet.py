@@ -21,7 +21,7 @@ from fedgrid.errors import AuthenticationError, DuplicateUpdateError, InvalidUpd
 from fedgrid.proto import serde
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.server.fleet import Fleet, RoundOutcome
-from fedgrid.types import ClientInfo, EvaluateIns, EvaluateRes, FitIns, FitRes, Failure, ModelState
+from fedgrid.types import ClientInfo, EvaluateIns, EvaluateRes, FitIns, FitRes, Failure, ModelState, TensorSpec
 
 __all__ = ["GrpcFleet", "PollResult"]
 
@@ -46,7 +46,7 @@ class _Round:
     evaluate: bool  # an evaluation round: clients send metrics, no tensors
     assignments: dict[str, FitIns | EvaluateIns]
     encoded: serde.EncodedModel
-    expected: dict[str, serde.TensorSpec]
+    expected: dict[str, TensorSpec]
     deadline: float
     results: dict[str, FitRes | EvaluateRes] = field(default_factory=dict)
     failures: dict[str, Failure] = field(default_factory=dict)
@@ -201,7 +201,9 @@ class GrpcFleet(Fleet):
             rnd.uploading.add(client_id)
         try:
             # The expected specs bound every allocation; an evaluation carries no tensors.
-            asm = serde.ModelAssembler(expected={} if rnd.evaluate else rnd.expected)
+            ins = rnd.assignments[client_id]
+            expected = {} if rnd.evaluate else (getattr(ins, "expected", None) or rnd.expected)
+            asm = serde.ModelAssembler(expected=expected)
             asm.feed(first)
             for chunk in iterator:
                 asm.feed(chunk)
@@ -295,7 +297,7 @@ class GrpcFleet(Fleet):
             evaluate=evaluate,
             assignments={info.client_id: ins for info, ins in assignments},
             encoded=serde.EncodedModel(global_state),
-            expected=serde.TensorSpec.of(global_state),
+            expected=TensorSpec.of(global_state),
             deadline=time.monotonic() + timeout.total_seconds(),
         )
         infos = {info.client_id: info for info, _ in assignments}

@@ -13,7 +13,7 @@ from typing import Sequence
 from fedgrid.client.api import Client
 from fedgrid.proto import serde
 from fedgrid.server.fleet import Fleet, RoundOutcome
-from fedgrid.types import ClientInfo, EvaluateIns, EvaluateRes, FitIns, FitRes, Failure, ModelState
+from fedgrid.types import ClientInfo, EvaluateIns, EvaluateRes, FitIns, FitRes, Failure, ModelState, TensorSpec
 
 __all__ = ["InProcessFleet"]
 
@@ -51,7 +51,7 @@ class InProcessFleet(Fleet):
         timeout: timedelta,
     ) -> RoundOutcome[FitRes]:
         encoded = serde.EncodedModel(global_state)
-        expected = serde.TensorSpec.of(global_state)
+        expected = TensorSpec.of(global_state)
         results: list[FitRes] = []
         failures: list[Failure] = []
         bytes_up = bytes_down = 0
@@ -68,7 +68,7 @@ class InProcessFleet(Fleet):
                         chunk_size=self.chunk_size,
                     )
                 )
-                header, update = serde.decode_chunks(up, expected=expected)
+                header, update = serde.decode_chunks(up, expected=ins.expected or expected)
                 serde.check_finite(update)
             except Exception as exc:  # a client's failure is data for the strategy
                 log.warning("client %s failed in round %d: %s", info.name, server_round, exc)
