@@ -38,6 +38,8 @@ __all__ = ["Connection", "ClientHandle", "RunSummary", "RpcFailed", "run", "star
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+#: Consecutive refused sessions after which the client gives up instead of joining again.
+MAX_REJOINS = 3
 TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -210,13 +212,24 @@ def run(
     stop = stop or threading.Event()
     conn = Connection(coordinator, stop=stop, **connection_options)
     beat_stop = threading.Event()
-    rounds = 0
+    rounds = rejoins = 0
     try:
         conn.join(client)
         log.info("joined %s as %s (run %s)", coordinator, conn.client_id, conn.run_id)
         _Heartbeat(conn, beat_stop).start()
         while not stop.is_set():
-            reply = conn.poll(poll_wait_s)
+            try:
+                reply = conn.poll(poll_wait_s)
+            except RpcFailed as exc:
+                rejoins += 1
+                if exc.code != grpc.StatusCode.UNAUTHENTICATED or rejoins > MAX_REJOINS:
+                    raise
+                # The coordinator no longer knows this session (it restarted without our
+                # registration): join again and carry on.
+                log.warning("session refused (%s): joining again", exc.details)
+                conn.join(client)
+                continue
+            rejoins = 0
             kind = reply.WhichOneof("reply")
             if kind == "finished":
                 break

@@ -15,6 +15,7 @@ __all__ = [
     "DuplicateUpdateError",
     "PayloadTooLargeError",
     "RunFinishedError",
+    "InterruptedRunError",
 ]
 
 
@@ -52,3 +53,7 @@ class DuplicateUpdateError(FedgridError):
 
 class RunFinishedError(FedgridError):
     """The run is over; the client should leave."""
+
+
+class InterruptedRunError(FedgridError):
+    """The coordinator is stopping; the open round is abandoned and will be redone."""

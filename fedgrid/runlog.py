@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -53,7 +53,12 @@ class RunWriter:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._atomic_write("config.toml", to_toml(config).encode())
         self.metrics_path = self.dir / "metrics.jsonl"
-        self.metrics_path.write_text("")
+        self.metrics_path.touch()
+
+    def reset_metrics(self, rows: Sequence[Mapping[str, object]]) -> None:
+        """Makes ``metrics.jsonl`` hold exactly ``rows`` (a fresh run: none; a resumed one:
+        the committed rounds), replacing the file atomically."""
+        self._atomic_write("metrics.jsonl", "".join(json.dumps(dict(r)) + "\n" for r in rows).encode())
 
     def write_round(self, metrics: RoundMetrics) -> None:
         with open(self.metrics_path, "a") as f:
@@ -70,7 +75,10 @@ class RunWriter:
 
     def _atomic_write(self, name: str, data: bytes) -> None:
         tmp = self.dir / (name + ".tmp")
-        tmp.write_bytes(data)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, self.dir / name)
 
 

@@ -144,6 +144,23 @@ class RoundMetrics:
     clients_failed: int
     extra: Mapping[str, float] = field(default_factory=dict)
 
+    @staticmethod
+    def from_json(row: Mapping[str, object]) -> "RoundMetrics":
+        """Inverse of ``to_json``: keys beyond the standard ones go to ``extra``."""
+        standard = ("round", "loss", "accuracy", "bytes_up", "bytes_down", "wall_s", "clients_ok", "clients_failed")
+        r = dict(row)
+        return RoundMetrics(
+            round=int(r["round"]),  # type: ignore[call-overload]
+            loss=r["loss"],  # type: ignore[arg-type]
+            accuracy=r["accuracy"],  # type: ignore[arg-type]
+            bytes_up=int(r["bytes_up"]),  # type: ignore[call-overload]
+            bytes_down=int(r["bytes_down"]),  # type: ignore[call-overload]
+            wall_s=float(r["wall_s"]),  # type: ignore[arg-type]
+            clients_ok=int(r["clients_ok"]),  # type: ignore[call-overload]
+            clients_failed=int(r["clients_failed"]),  # type: ignore[call-overload]
+            extra={k: v for k, v in r.items() if k not in standard},  # type: ignore[misc]
+        )
+
     def to_json(self) -> dict[str, object]:
         out: dict[str, object] = {
             "round": self.round,

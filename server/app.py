@@ -20,6 +20,7 @@ from fedgrid.runlog import RunWriter
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.grpc_fleet import GrpcFleet
 from fedgrid.server.service import CoordinatorServicer
+from fedgrid.server.state import StateStore
 from fedgrid.server.strategies import build_strategy
 from fedgrid.simulation.tasks import resolve
 from fedgrid.types import ModelState
@@ -66,29 +67,31 @@ class Coordinator:
 
     def start(self) -> "Coordinator":
         self.server.start()
-        for name in ("", SERVICE_NAME):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.set_serving(True)
         return self
 
-    def stop(self, grace: float = 5.0) -> None:
+    def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
-            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            self.health.set(name, status)
+
+    def stop(self, grace: float = 5.0) -> None:
+        """NOT_SERVING, then in-flight RPCs get ``grace`` seconds to finish."""
+        self.set_serving(False)
         self.server.stop(grace).wait(grace + 1.0)
 
 
-def _raise_on_term(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)  # unwinds through the finally that stops the server
-
-
-def run_coordinator(config: Config, *, initial: ModelState | None = None, ready: threading.Event | None = None) -> ModelState:
+def run_coordinator(config: Config, *, initial: ModelState | None = None, ready: threading.Event | None = None) -> ModelState | None:
     """Serves ``config.rounds`` rounds and returns the final global model.
+
+    With ``config.state_dir`` it resumes after the last committed round. SIGTERM stops it
+    gracefully (returns ``None``; the committed state stays for a restart).
 
     The bound address is printed and written to ``RUN_DIR/address`` so that scripts using
     port 0 can find it.
     """
     resolved = resolve(task=config.task, model=config.model, seed=config.seed)
-    if config.state_dir:
-        log.warning("state_dir %r: durable coordinator state is not implemented yet; this run cannot resume", config.state_dir)
+    store = StateStore(config.state_dir) if config.state_dir else None
     strategy = build_strategy(config)
     strategy.initialize(initial_state=initial if initial is not None else resolved.initial_state)
     fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=config.heartbeat_interval_s), chunk_size=config.chunk_size)
@@ -114,15 +117,26 @@ def run_coordinator(config: Config, *, initial: ModelState | None = None, ready:
         writer=writer,
         on_round=on_round,
         finish_timeout=timedelta(seconds=FINISH_GRACE_S),
+        store=store,
     )
-    previous = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+
+    def on_term(signum: int, frame: object) -> None:
+        # Graceful: report NOT_SERVING, abandon the open round (it is redone on restart),
+        # then stop() below lets in-flight RPCs finish within the grace period.
+        log.info("signal %d: stopping after in-flight requests; the last committed round is kept", signum)
+        coordinator.set_serving(False)
+        engine.stop()
+
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, on_term) if in_main else None
     try:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, _raise_on_term)
         final = engine.run()
     finally:
-        coordinator.stop()
-        if previous is not None:
+        coordinator.stop(grace=5.0)
+        if in_main:
             signal.signal(signal.SIGTERM, previous)
+    if final is None:
+        print(f"stopped; state up to round {len(engine.history)} is committed", flush=True)
+        return None
     print(f"run finished: final model in {writer.dir / 'model.safetensors'}", flush=True)
     return final

@@ -1,19 +1,24 @@
 """The round engine: one loop for every strategy and every fleet.
 
 Each round: wait for enough live clients, let the strategy choose clients and tasks, run
-them on the fleet, let the strategy aggregate results and failures, evaluate, record.
+them on the fleet, let the strategy aggregate results and failures, evaluate, then commit:
+checkpoint (with a ``StateStore``), SQLite history, ``metrics.jsonl``. A round is either
+committed whole or redone whole after a restart, so none is applied twice.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from datetime import timedelta
 from typing import Callable
 
 from fedgrid.aggregation.base import Strategy
+from fedgrid.errors import InterruptedRunError
 from fedgrid.runlog import RunWriter
 from fedgrid.server.fleet import Fleet
+from fedgrid.server.state import StateStore
 from fedgrid.types import ModelState, RoundMetrics
 
 __all__ = ["RoundEngine", "EvaluateFn"]
@@ -36,6 +41,7 @@ class RoundEngine:
         evaluate_fn: optional server-side evaluation ``state -> (loss, metrics)``.
         writer: where metrics and the final model go.
         on_round: called with each round's metrics (progress display).
+        store: durable state; when given, ``run`` resumes after the last committed round.
     """
 
     def __init__(
@@ -51,6 +57,7 @@ class RoundEngine:
         writer: RunWriter | None = None,
         on_round: Callable[[RoundMetrics], None] | None = None,
         finish_timeout: timedelta = timedelta(seconds=15),
+        store: StateStore | None = None,
     ) -> None:
         self.strategy = strategy
         self.fleet = fleet
@@ -62,9 +69,49 @@ class RoundEngine:
         self.writer = writer
         self.on_round = on_round
         self.finish_timeout = finish_timeout
+        self.store = store
         self.history: list[RoundMetrics] = []
+        self._stop = threading.Event()
+
+    def stop(self) -> None:
+        """Abandons the open round (to be redone on restart) and ends ``run`` without finishing the run."""
+        self._stop.set()
+        self.fleet.interrupt()
+
+    def _resume(self) -> int:
+        """Loads the last committed round, if any; returns the first round to run."""
+        if self.store is None:
+            return 1
+        ckpt = self.store.load_latest()
+        if ckpt is None:
+            return 1
+        self.strategy.load_state_dict(ckpt.strategy)
+        self.fleet.load_state_dict(ckpt.fleet)
+        self.history = [RoundMetrics.from_json(m) for m in ckpt.history]
+        self.store.sync_history(ckpt.history)
+        log.info("resuming after round %d (checkpoint %s)", ckpt.round, ckpt.path.name)
+        return ckpt.round + 1
+
+    def _commit(self, metrics: RoundMetrics) -> None:
+        self.history.append(metrics)
+        if self.store is not None:
+            self.store.save(
+                server_round=metrics.round,
+                strategy=self.strategy.state_dict(),
+                fleet=self.fleet.state_dict(),
+                history=[m.to_json() for m in self.history],
+            )
+        if self.writer is not None:
+            self.writer.write_round(metrics)
+        if self.on_round is not None:
+            self.on_round(metrics)
 
     def run_round(self, server_round: int) -> RoundMetrics:
+        """Runs one round up to, not including, its commit.
+
+        Raises:
+            InterruptedRunError: ``stop`` was called; nothing of the round was applied.
+        """
         start = time.monotonic()
         clients = self.fleet.wait_for_clients(min_clients=self.min_clients, timeout=self.join_timeout)
         assignments = self.strategy.configure_round(server_round=server_round, clients=clients)
@@ -74,6 +121,8 @@ class RoundEngine:
             assignments=assignments,
             timeout=self.round_timeout,
         )
+        if self._stop.is_set():
+            raise InterruptedRunError(f"round {server_round} abandoned: the coordinator is stopping")
         for failure in outcome.failures:
             log.warning("round %d: client %s failed: %s", server_round, failure.client.name or failure.client.client_id, failure.reason)
         agg_metrics = self.strategy.aggregate(server_round=server_round, results=outcome.results, failures=outcome.failures)
@@ -109,17 +158,25 @@ class RoundEngine:
             clients_failed=len(outcome.failures),
             extra={**extra, **outcome.extra},
         )
-        if self.writer is not None:
-            self.writer.write_round(metrics)
-        self.history.append(metrics)
-        if self.on_round is not None:
-            self.on_round(metrics)
         return metrics
 
-    def run(self) -> ModelState:
-        """Runs every round, tells clients the run ended, writes the final model."""
-        for server_round in range(1, self.rounds + 1):
-            self.run_round(server_round)
+    def run(self) -> ModelState | None:
+        """Runs the remaining rounds, tells clients the run ended, writes the final model.
+
+        Returns the final model, or ``None`` when ``stop`` interrupted the run (the state
+        of the last committed round stays on disk for a restart).
+        """
+        first = self._resume()
+        if self.writer is not None:
+            self.writer.reset_metrics([m.to_json() for m in self.history])
+        try:
+            for server_round in range(first, self.rounds + 1):
+                if self._stop.is_set():
+                    return None
+                self._commit(self.run_round(server_round))
+        except InterruptedRunError as exc:
+            log.info("%s", exc)
+            return None
         self.fleet.finish(timeout=self.finish_timeout)
         if self.writer is not None:
             self.writer.write_model(self.strategy.global_state)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Generic, Sequence, TypeVar
+from typing import Any, Generic, Mapping, Sequence, TypeVar
 
 from fedgrid.types import ClientInfo, EvaluateIns, EvaluateRes, FitIns, FitRes, Failure, ModelState
 
@@ -68,6 +68,16 @@ class Fleet(ABC):
 
         A client that cannot evaluate, fails or misses the deadline becomes a ``Failure``.
         """
+
+    def interrupt(self) -> None:
+        """Makes blocking calls (``wait_for_clients``, ``fit_round``) return promptly."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a restarted coordinator needs to reach the same clients (checkpointed)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores ``state_dict``."""
 
     def finish(self, *, timeout: timedelta) -> None:
         """Tells clients the run is over (waits at most ``timeout`` for them to hear it)."""

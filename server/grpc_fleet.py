@@ -7,6 +7,7 @@ servicer maps them to status codes. Every request is validated before it touches
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import threading
@@ -14,10 +15,17 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S
-from fedgrid.errors import AuthenticationError, DuplicateUpdateError, InvalidUpdateError, RunFinishedError, StaleTaskError
+from fedgrid.errors import (
+    AuthenticationError,
+    DuplicateUpdateError,
+    InterruptedRunError,
+    InvalidUpdateError,
+    RunFinishedError,
+    StaleTaskError,
+)
 from fedgrid.proto import serde
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.server.fleet import Fleet, RoundOutcome
@@ -88,6 +96,7 @@ class GrpcFleet(Fleet):
         self._clients: dict[str, _ClientRecord] = {}
         self._round: _Round | None = None
         self._finished = False
+        self._interrupted = False
         self._cond = threading.Condition()
 
     # -- handlers (called by the servicer) -------------------------------------------------
@@ -253,6 +262,8 @@ class GrpcFleet(Fleet):
                 live = self._live()
                 if len(live) >= min_clients:
                     return live
+                if self._interrupted:
+                    raise InterruptedRunError("stopped while waiting for clients")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError(f"{len(live)} live clients after {timeout.total_seconds():.0f}s, need {min_clients}")
@@ -293,7 +304,9 @@ class GrpcFleet(Fleet):
         silent, or the deadline passed."""
         rnd = _Round(
             server_round=server_round,
-            task_id=f"{self.run_id[:8]}-r{server_round}{'e' if evaluate else 'f'}-{uuid.uuid4().hex[:8]}",
+            # Deterministic: a round redone after a restart has the same task id, so a client's
+            # retried upload of that round (same seed, same bits) is accepted.
+            task_id=f"{self.run_id[:12]}-r{server_round}-{'evaluate' if evaluate else 'fit'}",
             evaluate=evaluate,
             assignments={info.client_id: ins for info, ins in assignments},
             encoded=serde.EncodedModel(global_state),
@@ -305,6 +318,10 @@ class GrpcFleet(Fleet):
             self._round = rnd
             self._cond.notify_all()
             while rnd.pending():
+                if self._interrupted:
+                    for cid in rnd.pending():
+                        rnd.failures[cid] = Failure(infos[cid], "coordinator stopping")
+                    break
                 now = time.monotonic()
                 if now >= rnd.deadline:
                     for cid in rnd.pending():
@@ -320,6 +337,30 @@ class GrpcFleet(Fleet):
             results = [rnd.results[cid] for cid in rnd.assignments if cid in rnd.results]
             failures = [rnd.failures[cid] for cid in rnd.assignments if cid in rnd.failures]
             return results, failures, rnd.bytes_up, rnd.bytes_down
+
+    def interrupt(self) -> None:
+        with self._cond:
+            self._interrupted = True
+            if self._round is not None:
+                self._round.closed = True  # in-flight uploads are refused cleanly
+            self._cond.notify_all()
+
+    def state_dict(self) -> dict[str, Any]:
+        with self._cond:
+            clients = [{**dataclasses.asdict(r.info), "token": r.token} for r in self._clients.values()]
+        return {"run_id": self.run_id, "clients": clients}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores the run id and registry: clients keep their sessions across a restart."""
+        now = time.monotonic()
+        with self._cond:
+            self.run_id = str(state["run_id"])
+            self._clients = {}
+            for entry in state["clients"]:
+                fields = {k: v for k, v in entry.items() if k != "token"}
+                info = ClientInfo(**{**fields, "codecs": tuple(fields.get("codecs", ("none",)))})
+                self._clients[info.client_id] = _ClientRecord(info, str(entry["token"]), now)
+            self._cond.notify_all()
 
     def finish(self, *, timeout: timedelta) -> None:
         deadline = time.monotonic() + timeout.total_seconds()

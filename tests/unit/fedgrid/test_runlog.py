@@ -80,10 +80,14 @@ def test_metrics_jsonl_lines(tmp_path):
     assert read_metrics(tmp_path) == [first, second]
 
 
-def test_new_writer_truncates_metrics(tmp_path):
+def test_reset_metrics_replaces_the_file(tmp_path):
     RunWriter(tmp_path, {}).write_round(_metrics(1))
-    RunWriter(tmp_path, {})
+    writer = RunWriter(tmp_path, {})  # a resumed coordinator reopens the directory: nothing lost yet
+    assert [m["round"] for m in read_metrics(tmp_path)] == [1]
+    writer.reset_metrics([])
     assert read_metrics(tmp_path) == []
+    writer.reset_metrics([_metrics(1).to_json(), _metrics(2).to_json()])
+    assert [m["round"] for m in read_metrics(tmp_path)] == [1, 2]
 
 
 def test_model_roundtrip(tmp_path):
