@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 #: Consecutive refused sessions after which the client gives up instead of joining again.
 MAX_REJOINS = 3
+SERVICE = "fedgrid.v1.Coordinator"
 TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -93,6 +94,13 @@ class Connection:
         self.target = target
         self.channel = grpc.insecure_channel(target, options=GRPC_OPTIONS)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
+        # The chunk streams carry encoded Chunk messages as bytes (see server/service.py).
+        self._download = self.channel.unary_stream(
+            f"/{SERVICE}/DownloadModel", request_serializer=pb.DownloadRequest.SerializeToString, response_deserializer=None
+        )
+        self._upload = self.channel.stream_unary(
+            f"/{SERVICE}/UploadUpdate", request_serializer=None, response_deserializer=pb.UploadReply.FromString
+        )
         self.rpc_timeout = rpc_timeout
         self.transfer_timeout = transfer_timeout
         self.stop = stop or threading.Event()
@@ -148,8 +156,8 @@ class Connection:
 
         def attempt() -> ModelState:
             asm = serde.ModelAssembler()
-            for chunk in self.stub.DownloadModel(request, timeout=self.transfer_timeout):
-                asm.feed(chunk)
+            for frame in self._download(request, timeout=self.transfer_timeout):
+                asm.feed(frame)
             return asm.finish()[1]
 
         return self._call("DownloadModel", attempt)
@@ -172,7 +180,7 @@ class Connection:
             nonlocal attempts
             attempts += 1
             try:
-                reply = self.stub.UploadUpdate(encoded.chunks(info, chunk_size=self.chunk_size), timeout=self.transfer_timeout)
+                reply = self._upload(encoded.frames(info, chunk_size=self.chunk_size), timeout=self.transfer_timeout)
             except grpc.RpcError as exc:
                 if attempts > 1 and exc.code() == grpc.StatusCode.ALREADY_EXISTS:
                     return encoded.total_bytes  # an earlier attempt landed; its reply was lost

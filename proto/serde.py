@@ -14,10 +14,12 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Mapping
+from typing import Iterable, Iterator, Mapping, TypeVar
 
+import numpy as np
 import torch
 import xxhash
+from google.protobuf.message import DecodeError, Message
 
 from fedgrid.compression import get_codec
 from fedgrid.constants import CHUNK_SIZE, MAX_TENSOR_BYTES
@@ -37,6 +39,8 @@ __all__ = [
     "check_finite",
     "checksum",
     "wire_size",
+    "parse_frame",
+    "read_header",
     "config_to_pb",
     "config_from_pb",
     "capabilities_to_pb",
@@ -67,6 +71,8 @@ DTYPE_TO_PB: dict[torch.dtype, int] = {
 }
 PB_TO_DTYPE: dict[int, torch.dtype] = {v: k for k, v in DTYPE_TO_PB.items()}
 
+M = TypeVar("M", bound=Message)
+
 #: gRPC's length-prefixed message framing: 1 flag byte + 4 length bytes per message.
 GRPC_FRAME_BYTES = 5
 
@@ -76,9 +82,22 @@ def checksum(data: bytes | bytearray | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
-def wire_size(message: pb.Chunk) -> int:
+def wire_size(message: pb.Chunk | bytes) -> int:
     """Bytes a message occupies on the wire: its encoding plus gRPC's message framing."""
-    return message.ByteSize() + GRPC_FRAME_BYTES
+    size = len(message) if isinstance(message, (bytes, bytearray, memoryview)) else message.ByteSize()
+    return size + GRPC_FRAME_BYTES
+
+
+def read_header(frame: bytes | memoryview) -> StreamInfo:
+    """The ``StreamHeader`` of a stream's first message.
+
+    Raises:
+        InvalidUpdateError: the message is malformed or carries no header.
+    """
+    header, _, _ = parse_frame(frame)
+    if header is None:
+        raise InvalidUpdateError("stream does not start with a header")
+    return _info(_parse(pb.StreamHeader, header, "stream header"))
 
 
 @dataclass(frozen=True)
@@ -129,8 +148,13 @@ class EncodedModel:
     def __len__(self) -> int:
         return len(self._tensors)
 
-    def chunks(self, info: StreamInfo, *, chunk_size: int = CHUNK_SIZE) -> Iterator[pb.Chunk]:
-        """Yields the stream: header on the first message, then each tensor's meta and payload."""
+    def frames(self, info: StreamInfo, *, chunk_size: int = CHUNK_SIZE) -> Iterator[bytes]:
+        """Yields the stream as encoded ``Chunk`` messages: the header on the first, then each
+        tensor's meta and payload.
+
+        Frames are built from pre-encoded parts plus one copy of each payload slice, so the
+        bulk data never passes through protobuf objects; each frame parses as a ``Chunk``.
+        """
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         header = pb.StreamHeader(
@@ -143,22 +167,97 @@ class EncodedModel:
             session_token=info.session_token,
             num_examples=info.num_examples,
             metrics=dict(info.metrics),
-        )
-        pending_header: pb.StreamHeader | None = header
+        ).SerializeToString()
+        pending_header: bytes | None = header
         for enc in self._tensors:
+            meta: bytes | None = enc.meta.SerializeToString()
             n = len(enc.payload)
-            first = True
             for start in range(0, max(n, 1), chunk_size):
-                msg = pb.Chunk(data=enc.payload[start : start + chunk_size].tobytes())
-                if first:
-                    msg.tensor.CopyFrom(enc.meta)
-                    first = False
-                if pending_header is not None:
-                    msg.header.CopyFrom(pending_header)
-                    pending_header = None
-                yield msg
+                yield _frame(pending_header, meta, enc.payload[start : start + chunk_size])
+                pending_header = meta = None
         if pending_header is not None:  # a model with no tensors is just its header
-            yield pb.Chunk(header=pending_header)
+            yield _frame(pending_header, None, memoryview(b""))
+
+    def chunks(self, info: StreamInfo, *, chunk_size: int = CHUNK_SIZE) -> Iterator[pb.Chunk]:
+        """The same stream as ``frames``, as message objects (for tests and tools)."""
+        for frame in self.frames(info, chunk_size=chunk_size):
+            yield pb.Chunk.FromString(frame)
+
+
+# Chunk's fields on the wire: key = field number << 3 | wire type 2 (length-delimited).
+_HEADER_KEY, _TENSOR_KEY, _DATA_KEY = b"\x0a", b"\x12", b"\x1a"
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _frame(header: bytes | None, meta: bytes | None, data: memoryview) -> bytes:
+    parts: list[bytes | memoryview] = []
+    if header is not None:
+        parts += [_HEADER_KEY, _varint(len(header)), header]
+    if meta is not None:
+        parts += [_TENSOR_KEY, _varint(len(meta)), meta]
+    if len(data):
+        parts += [_DATA_KEY, _varint(len(data)), data]
+    return b"".join(parts)
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise InvalidUpdateError("malformed chunk: bad varint")
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+
+
+def parse_frame(frame: bytes | memoryview) -> tuple[memoryview | None, memoryview | None, memoryview | None]:
+    """Splits an encoded ``Chunk`` into its header, tensor and data fields, without copying.
+
+    Raises:
+        InvalidUpdateError: not a well-formed ``Chunk`` encoding.
+    """
+    buf = memoryview(frame).cast("B")
+    fields: list[memoryview | None] = [None, None, None]
+    pos, n = 0, len(buf)
+    while pos < n:
+        key, pos = _read_varint(buf, pos)
+        number, wire_type = key >> 3, key & 7
+        if wire_type == 2:
+            length, pos = _read_varint(buf, pos)
+            if pos + length > n:
+                raise InvalidUpdateError("malformed chunk: a field runs past the end of the message")
+            value, pos = buf[pos : pos + length], pos + length
+        elif wire_type == 0:
+            _, pos = _read_varint(buf, pos)
+            value = None
+        elif wire_type in (1, 5):
+            pos += 8 if wire_type == 1 else 4
+            value = None
+        else:
+            raise InvalidUpdateError(f"malformed chunk: wire type {wire_type}")
+        if 1 <= number <= 3:
+            if value is None:
+                raise InvalidUpdateError(f"malformed chunk: field {number} has the wrong wire type")
+            if fields[number - 1] is not None:
+                raise InvalidUpdateError(f"malformed chunk: field {number} repeated in one message")
+            fields[number - 1] = value
+    if pos != n:
+        raise InvalidUpdateError("malformed chunk: truncated field")
+    return fields[0], fields[1], fields[2]
 
 
 def encode_model(
@@ -199,7 +298,8 @@ class ModelAssembler:
         self.wire_bytes = 0
         self.tensors: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._meta: pb.TensorMeta | None = None
-        self._buf: bytearray | None = None
+        self._buf: torch.Tensor | None = None
+        self._view: np.ndarray = np.empty(0, dtype=np.uint8)
         self._filled = 0
         self._hasher: "xxhash.xxh3_64 | None" = None
 
@@ -208,19 +308,22 @@ class ModelAssembler:
         """Payload bytes received so far."""
         return self._received_total
 
-    def feed(self, chunk: pb.Chunk) -> None:
-        self.wire_bytes += wire_size(chunk)
+    def feed(self, chunk: pb.Chunk | bytes | memoryview) -> None:
+        """Takes the next message of the stream, as an encoded ``Chunk`` or a message object."""
+        frame = chunk.SerializeToString() if isinstance(chunk, pb.Chunk) else chunk
+        self.wire_bytes += len(frame) + GRPC_FRAME_BYTES
+        header, tensor, data = parse_frame(frame)
         if self.info is None:
-            if not chunk.HasField("header"):
+            if header is None:
                 raise InvalidUpdateError("stream does not start with a header")
-            self._start_stream(chunk.header)
-        elif chunk.HasField("header"):
+            self._start_stream(_parse(pb.StreamHeader, header, "stream header"))
+        elif header is not None:
             raise InvalidUpdateError("stream carries a second header")
-        if chunk.HasField("tensor"):
+        if tensor is not None:
             self._close_tensor()
-            self._open_tensor(chunk.tensor)
-        if chunk.data:
-            self._append(chunk.data)
+            self._open_tensor(_parse(pb.TensorMeta, tensor, "tensor meta"))
+        if data is not None and len(data):
+            self._append(data)
 
     def finish(self) -> tuple[StreamInfo, "OrderedDict[str, torch.Tensor]"]:
         """Checks the stream is complete and returns its header and tensors."""
@@ -257,15 +360,7 @@ class ModelAssembler:
                 raise InvalidUpdateError(f"metric '{key}' is {value}")
         self._num_tensors = header.num_tensors
         self._total_bytes = header.total_bytes
-        self.info = StreamInfo(
-            run_id=header.run_id,
-            task_id=header.task_id,
-            round=header.round,
-            client_id=header.client_id,
-            session_token=header.session_token,
-            num_examples=header.num_examples,
-            metrics=dict(header.metrics),
-        )
+        self.info = _info(header)
 
     def _open_tensor(self, meta: pb.TensorMeta) -> None:
         name = meta.name
@@ -300,20 +395,24 @@ class ModelAssembler:
             )
         if self._received_total + meta.nbytes > self._total_bytes:
             raise PayloadTooLargeError(f"tensor '{name}': payload runs past the stream's declared total")
+        raw_size = _numel(shape) * _itemsize(dtype)
+        if meta.codec == "none" and meta.nbytes != raw_size:
+            raise InvalidUpdateError(f"tensor '{name}': payload is {meta.nbytes} bytes, {dtype} {list(shape)} needs {raw_size}")
         self._meta = meta
-        self._buf = bytearray(meta.nbytes)
+        self._buf = torch.empty(meta.nbytes, dtype=torch.uint8)  # no zero fill: every byte is written
+        self._view = self._buf.numpy()
         self._filled = 0
         self._hasher = xxhash.xxh3_64()
 
-    def _append(self, data: bytes) -> None:
+    def _append(self, data: memoryview) -> None:
         if self._meta is None or self._buf is None or self._hasher is None:
             raise InvalidUpdateError("data chunk before any tensor header")
         end = self._filled + len(data)
-        if end > len(self._buf):
+        if end > self._buf.numel():
             raise PayloadTooLargeError(
-                f"tensor '{self._meta.name}': larger than declared ({end} > {len(self._buf)} bytes)"
+                f"tensor '{self._meta.name}': larger than declared ({end} > {self._buf.numel()} bytes)"
             )
-        self._buf[self._filled : end] = data
+        self._view[self._filled : end] = np.frombuffer(data, dtype=np.uint8)
         self._hasher.update(data)
         self._filled = end
         self._received_total += len(data)
@@ -323,31 +422,69 @@ class ModelAssembler:
         if meta is None or buf is None or self._hasher is None:
             return
         name = meta.name
-        if self._filled != len(buf):
-            raise InvalidUpdateError(f"tensor '{name}': truncated, received {self._filled} of {len(buf)} bytes")
+        if self._filled != buf.numel():
+            raise InvalidUpdateError(f"tensor '{name}': truncated, received {self._filled} of {buf.numel()} bytes")
         if self._hasher.intdigest() != meta.checksum:
             raise InvalidUpdateError(f"tensor '{name}': checksum mismatch")
         dtype, shape = PB_TO_DTYPE[meta.dtype], tuple(meta.shape)
-        try:
-            tensor = get_codec(meta.codec).decode(buf, dtype=dtype, shape=shape)
-        except InvalidUpdateError as exc:
-            raise InvalidUpdateError(f"tensor '{name}': {exc}") from None
+        if meta.codec == "none":  # raw bytes: the received buffer is the tensor, no copy
+            tensor = buf.view(dtype).reshape(shape) if buf.numel() else torch.empty(shape, dtype=dtype)
+        else:
+            try:
+                tensor = get_codec(meta.codec).decode(bytearray(self._view), dtype=dtype, shape=shape)
+            except InvalidUpdateError as exc:
+                raise InvalidUpdateError(f"tensor '{name}': {exc}") from None
         self.tensors[name] = tensor
         self._meta, self._buf, self._hasher = None, None, None
+
+
+def _info(header: pb.StreamHeader) -> StreamInfo:
+    return StreamInfo(
+        run_id=header.run_id,
+        task_id=header.task_id,
+        round=header.round,
+        client_id=header.client_id,
+        session_token=header.session_token,
+        num_examples=header.num_examples,
+        metrics=dict(header.metrics),
+    )
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _parse(kind: type[M], data: memoryview, what: str) -> M:
+    try:
+        return kind.FromString(data.tobytes())
+    except DecodeError:
+        raise InvalidUpdateError(f"malformed chunk: cannot decode the {what}") from None
 
 
 def check_finite(state: Mapping[str, torch.Tensor]) -> None:
     """Raises ``InvalidUpdateError`` naming the first tensor that holds NaN or Inf."""
     for name, tensor in state.items():
-        if (tensor.dtype.is_floating_point or tensor.dtype.is_complex) and tensor.numel():
-            probe = tensor if tensor.dtype.itemsize > 1 else tensor.float()
-            if not bool(torch.isfinite(probe).all()):
-                bad = "NaN" if bool(torch.isnan(probe).any()) else "Inf"
-                raise InvalidUpdateError(f"tensor '{name}': contains {bad}")
+        if not (tensor.dtype.is_floating_point or tensor.dtype.is_complex) or not tensor.numel():
+            continue
+        probe = torch.view_as_real(tensor) if tensor.dtype.is_complex else tensor
+        if probe.dtype.itemsize == 1:  # float8 has no reductions
+            probe = probe.float()
+        # One pass: NaN propagates into min and max, an infinity becomes one of them.
+        low, high = torch.aminmax(probe)
+        if not (bool(torch.isfinite(low)) and bool(torch.isfinite(high))):
+            bad = "NaN" if bool(torch.isnan(probe).any()) else "Inf"
+            raise InvalidUpdateError(f"tensor '{name}': contains {bad}")
 
 
 def decode_chunks(
-    chunks: Iterable[pb.Chunk], *, expected: Mapping[str, TensorSpec] | None = None, **limits: int
+    chunks: Iterable[pb.Chunk | bytes], *, expected: Mapping[str, TensorSpec] | None = None, **limits: int
 ) -> tuple[StreamInfo, "OrderedDict[str, torch.Tensor]"]:
     """Assembles a whole stream (see ``ModelAssembler``)."""
     asm = ModelAssembler(expected=expected, **limits)

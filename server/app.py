@@ -15,11 +15,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from fedgrid.config import Config
 from fedgrid.constants import FINISH_GRACE_S, MAX_MESSAGE_BYTES
-from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
 from fedgrid.runlog import RunWriter
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.grpc_fleet import GrpcFleet
-from fedgrid.server.service import CoordinatorServicer
+from fedgrid.server.service import SERVICE, CoordinatorServicer, add_to_server
 from fedgrid.server.state import StateStore
 from fedgrid.server.strategies import build_strategy
 from fedgrid.simulation.tasks import resolve
@@ -29,7 +28,7 @@ __all__ = ["Coordinator", "run_coordinator", "SERVICE_NAME"]
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = "fedgrid.v1.Coordinator"
+SERVICE_NAME = SERVICE
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -56,7 +55,7 @@ class Coordinator:
             options=GRPC_OPTIONS,
             interceptors=list(interceptors),
         )
-        pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(fleet), self.server)
+        add_to_server(CoordinatorServicer(fleet), self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = self.server.add_insecure_port(listen)

@@ -27,7 +27,6 @@ from fedgrid.errors import (
     StaleTaskError,
 )
 from fedgrid.proto import serde
-from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.server.fleet import Fleet, RoundOutcome
 from fedgrid.types import ClientInfo, EvaluateIns, EvaluateRes, FitIns, FitRes, Failure, ModelState, TensorSpec
 
@@ -100,17 +99,16 @@ class GrpcFleet(Fleet):
         self._cond = threading.Condition()
 
     # -- handlers (called by the servicer) -------------------------------------------------
-    def join(self, request: pb.JoinRequest) -> tuple[ClientInfo, str]:
-        """Registers a client; returns its info (with the new id) and session token."""
+    def join(self, joining: ClientInfo) -> tuple[ClientInfo, str]:
+        """Registers a client (its ``client_id`` is assigned here); returns its info and session token."""
         if self._finished:
             raise RunFinishedError("the run is over")
-        client_id = uuid.uuid4().hex[:16]
-        info = serde.client_info_from_join(client_id, request)
+        info = dataclasses.replace(joining, client_id=uuid.uuid4().hex[:16])
         token = secrets.token_urlsafe(24)
         with self._cond:
-            self._clients[client_id] = _ClientRecord(info, token, time.monotonic())
+            self._clients[info.client_id] = _ClientRecord(info, token, time.monotonic())
             self._cond.notify_all()
-        log.info("client %s joined as %s (region %r, %d examples)", info.name, client_id, info.region, info.num_examples)
+        log.info("client %s joined as %s (region %r, %d examples)", info.name, info.client_id, info.region, info.num_examples)
         return info, token
 
     def authenticate(self, client_id: str, token: str) -> _ClientRecord:
@@ -167,36 +165,36 @@ class GrpcFleet(Fleet):
             raise StaleTaskError(f"client {client_id!r} has no task in round {rnd.server_round}")
         return rnd
 
-    def download(self, client_id: str, token: str, task_id: str) -> Iterator[pb.Chunk]:
+    def download(self, client_id: str, token: str, task_id: str) -> Iterator[bytes]:
         """The global model of the client's open task, as a chunk stream."""
         self.authenticate(client_id, token)
         with self._cond:
             rnd = self._open_task(client_id, task_id)
         info = serde.StreamInfo(run_id=self.run_id, task_id=task_id, round=rnd.server_round)
-        return self._count_down(rnd, rnd.encoded.chunks(info, chunk_size=self.chunk_size))
+        return self._count_down(rnd, rnd.encoded.frames(info, chunk_size=self.chunk_size))
 
-    def _count_down(self, rnd: _Round, chunks: Iterator[pb.Chunk]) -> Iterator[pb.Chunk]:
+    def _count_down(self, rnd: _Round, frames: Iterator[bytes]) -> Iterator[bytes]:
         sent = 0
         try:
-            for chunk in chunks:
-                sent += serde.wire_size(chunk)
-                yield chunk
+            for frame in frames:
+                sent += serde.wire_size(frame)
+                yield frame
         finally:
             with self._cond:
                 rnd.bytes_down += sent
 
-    def upload(self, chunks: Iterable[pb.Chunk]) -> int:
+    def upload(self, frames: Iterable[bytes]) -> int:
         """Receives one update stream; returns the payload bytes accepted.
 
         Raises:
             InvalidUpdateError: malformed stream or tensors (state unchanged).
             AuthenticationError, StaleTaskError, DuplicateUpdateError: as named.
         """
-        iterator = iter(chunks)
+        iterator = iter(frames)
         first = next(iterator, None)
-        if first is None or not first.HasField("header"):
-            raise InvalidUpdateError("upload stream does not start with a header")
-        header = first.header
+        if first is None:
+            raise InvalidUpdateError("empty upload stream: no header")
+        header = serde.read_header(first)
         record = self.authenticate(header.client_id, header.session_token)
         client_id = record.info.client_id
         with self._cond:
@@ -214,8 +212,8 @@ class GrpcFleet(Fleet):
             expected = {} if rnd.evaluate else (getattr(ins, "expected", None) or rnd.expected)
             asm = serde.ModelAssembler(expected=expected)
             asm.feed(first)
-            for chunk in iterator:
-                asm.feed(chunk)
+            for frame in iterator:
+                asm.feed(frame)
             stream, state = asm.finish()
             if stream.round != rnd.server_round:
                 raise InvalidUpdateError(f"header names round {stream.round}, the task is round {rnd.server_round}")

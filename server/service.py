@@ -21,7 +21,9 @@ from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
 from fedgrid.proto import serde
 from fedgrid.server.grpc_fleet import GrpcFleet
 
-__all__ = ["CoordinatorServicer", "STATUS_OF"]
+__all__ = ["CoordinatorServicer", "STATUS_OF", "add_to_server", "SERVICE"]
+
+SERVICE = "fedgrid.v1.Coordinator"
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +62,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         with _mapped(context):
-            info, token = self.fleet.join(request)
+            info, token = self.fleet.join(serde.client_info_from_join("", request))
             return pb.JoinReply(
                 client_id=info.client_id,
                 session_token=token,
@@ -90,11 +92,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 )
             )
 
-    def DownloadModel(self, request: pb.DownloadRequest, context: grpc.ServicerContext) -> Iterator[pb.Chunk]:
+    def DownloadModel(self, request: pb.DownloadRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         with _mapped(context):
             yield from self.fleet.download(request.client_id, request.session_token, request.task_id)
 
-    def UploadUpdate(self, request_iterator: Iterator[pb.Chunk], context: grpc.ServicerContext) -> pb.UploadReply:
+    def UploadUpdate(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> pb.UploadReply:
         with _mapped(context):
             received = self.fleet.upload(request_iterator)
             return pb.UploadReply(accepted=True, bytes_received=received)
@@ -102,3 +104,29 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
         with _mapped(context):
             return pb.HeartbeatReply(interval_s=self.fleet.heartbeat(request.client_id, request.session_token))
+
+
+def add_to_server(servicer: CoordinatorServicer, server: grpc.Server) -> None:
+    """Registers the service. The two chunk streams move encoded ``Chunk`` messages as bytes
+    (identity serializers), so model payloads are copied once on each side instead of
+    passing through protobuf objects; on the wire they are ordinary ``Chunk`` messages."""
+    handlers = {
+        "Join": grpc.unary_unary_rpc_method_handler(
+            servicer.Join, request_deserializer=pb.JoinRequest.FromString, response_serializer=pb.JoinReply.SerializeToString
+        ),
+        "PollTask": grpc.unary_unary_rpc_method_handler(
+            servicer.PollTask, request_deserializer=pb.PollRequest.FromString, response_serializer=pb.PollReply.SerializeToString
+        ),
+        "DownloadModel": grpc.unary_stream_rpc_method_handler(
+            servicer.DownloadModel, request_deserializer=pb.DownloadRequest.FromString, response_serializer=None
+        ),
+        "UploadUpdate": grpc.stream_unary_rpc_method_handler(
+            servicer.UploadUpdate, request_deserializer=None, response_serializer=pb.UploadReply.SerializeToString
+        ),
+        "Heartbeat": grpc.unary_unary_rpc_method_handler(
+            servicer.Heartbeat,
+            request_deserializer=pb.HeartbeatRequest.FromString,
+            response_serializer=pb.HeartbeatReply.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

@@ -56,18 +56,13 @@ class InProcessFleet(Fleet):
         failures: list[Failure] = []
         bytes_up = bytes_down = 0
         for info, ins in assignments:
-            down = list(encoded.chunks(serde.StreamInfo(round=server_round), chunk_size=self.chunk_size))
+            down = list(encoded.frames(serde.StreamInfo(round=server_round), chunk_size=self.chunk_size))
             bytes_down += sum(serde.wire_size(c) for c in down)
             _, state = serde.decode_chunks(down)
             try:
                 out = self._clients[info.client_id].fit(state, ins)
-                up = list(
-                    serde.encode_model(
-                        out.state,
-                        serde.StreamInfo(round=server_round, num_examples=out.num_examples, metrics=out.metrics),
-                        chunk_size=self.chunk_size,
-                    )
-                )
+                info_up = serde.StreamInfo(round=server_round, num_examples=out.num_examples, metrics=out.metrics)
+                up = list(serde.EncodedModel(out.state).frames(info_up, chunk_size=self.chunk_size))
                 header, update = serde.decode_chunks(up, expected=ins.expected or expected)
                 serde.check_finite(update)
             except Exception as exc:  # a client's failure is data for the strategy
@@ -91,12 +86,13 @@ class InProcessFleet(Fleet):
         failures: list[Failure] = []
         bytes_up = bytes_down = 0
         for info, ins in assignments:
-            down = list(encoded.chunks(serde.StreamInfo(round=server_round), chunk_size=self.chunk_size))
+            down = list(encoded.frames(serde.StreamInfo(round=server_round), chunk_size=self.chunk_size))
             bytes_down += sum(serde.wire_size(c) for c in down)
             _, state = serde.decode_chunks(down)
             try:
                 out = self._clients[info.client_id].evaluate(state, ins.config)
-                up = list(serde.encode_model({}, serde.StreamInfo(round=server_round, num_examples=out.num_examples, metrics=out.metrics)))
+                info_up = serde.StreamInfo(round=server_round, num_examples=out.num_examples, metrics=out.metrics)
+                up = list(serde.EncodedModel({}).frames(info_up))
                 header, _ = serde.decode_chunks(up, expected={})
             except Exception as exc:  # a client's failure is data for the strategy
                 failures.append(Failure(info, f"{type(exc).__name__}: {exc}"))
