@@ -93,7 +93,11 @@ def run_coordinator(config: Config, *, initial: ModelState | None = None, ready:
     store = StateStore(config.state_dir) if config.state_dir else None
     strategy = build_strategy(config)
     strategy.initialize(initial_state=initial if initial is not None else resolved.initial_state)
-    fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=config.heartbeat_interval_s), chunk_size=config.chunk_size)
+    fleet = GrpcFleet(
+        heartbeat_interval=timedelta(seconds=config.heartbeat_interval_s),
+        chunk_size=config.chunk_size,
+        spill_dir=Path(config.state_dir) / "updates" if config.state_dir else None,
+    )
     writer = RunWriter(config.out, config.to_dict())
     coordinator = Coordinator(config.listen, fleet, max_workers=config.max_workers).start()
     (Path(config.out) / "address").write_text(coordinator.address + "\n")
@@ -132,6 +136,7 @@ def run_coordinator(config: Config, *, initial: ModelState | None = None, ready:
         final = engine.run()
     finally:
         coordinator.stop(grace=5.0)
+        fleet.close()
         if in_main:
             signal.signal(signal.SIGTERM, previous)
     if final is None:

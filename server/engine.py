@@ -101,6 +101,7 @@ class RoundEngine:
                 fleet=self.fleet.state_dict(),
                 history=[m.to_json() for m in self.history],
             )
+        self.fleet.committed(metrics.round)
         if self.writer is not None:
             self.writer.write_round(metrics)
         if self.on_round is not None:

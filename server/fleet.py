@@ -69,6 +69,9 @@ class Fleet(ABC):
         A client that cannot evaluate, fails or misses the deadline becomes a ``Failure``.
         """
 
+    def committed(self, server_round: int) -> None:
+        """Called once ``server_round`` is durably committed (its inputs may be dropped)."""
+
     def interrupt(self) -> None:
         """Makes blocking calls (``wait_for_clients``, ``fit_round``) return promptly."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import secrets
 import threading
 import time
@@ -28,6 +29,7 @@ from fedgrid.errors import (
 )
 from fedgrid.proto import serde
 from fedgrid.server.fleet import Fleet, RoundOutcome
+from fedgrid.server.spill import UpdateSpill
 from fedgrid.types import ClientInfo, EvaluateIns, EvaluateRes, FitIns, FitRes, Failure, ModelState, TensorSpec
 
 __all__ = ["GrpcFleet", "PollResult"]
@@ -86,10 +88,19 @@ class GrpcFleet(Fleet):
         heartbeat_interval: how often clients report; silence for ``SILENCE_INTERVALS``
             of these drops a client from the round and the registry.
         chunk_size: payload bytes per chunk of model downloads.
+        spill_dir: where accepted updates wait for aggregation (see ``server/spill.py``);
+            under the state directory they survive a crash. Default: a temporary directory.
     """
 
-    def __init__(self, *, heartbeat_interval: timedelta = timedelta(seconds=HEARTBEAT_INTERVAL_S), chunk_size: int = CHUNK_SIZE) -> None:
+    def __init__(
+        self,
+        *,
+        heartbeat_interval: timedelta = timedelta(seconds=HEARTBEAT_INTERVAL_S),
+        chunk_size: int = CHUNK_SIZE,
+        spill_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
         self.run_id = uuid.uuid4().hex
+        self.spill = UpdateSpill(spill_dir)
         self.heartbeat_interval_s = heartbeat_interval.total_seconds()
         self.chunk_size = chunk_size
         self._clients: dict[str, _ClientRecord] = {}
@@ -224,9 +235,12 @@ class GrpcFleet(Fleet):
                 if stream.num_examples < 1:
                     raise InvalidUpdateError("num_examples must be at least 1")
                 serde.check_finite(state)
-                result = FitRes(record.info, state, stream.num_examples, dict(stream.metrics))
+                result = self.spill.put(task_id=rnd.task_id, result=FitRes(record.info, state, stream.num_examples, dict(stream.metrics)))
+                del state  # from here on the update lives on disk
             with self._cond:
                 if rnd.closed or self._round is not rnd:
+                    if not rnd.evaluate:
+                        self.spill.discard(task_id=rnd.task_id, client_id=client_id)
                     raise StaleTaskError(f"round {rnd.server_round} closed before the upload completed")
                 if rnd.evaluate and stream.num_examples < 1:
                     rnd.failures[client_id] = Failure(record.info, "evaluated no examples")
@@ -312,6 +326,11 @@ class GrpcFleet(Fleet):
             deadline=time.monotonic() + timeout.total_seconds(),
         )
         infos = {info.client_id: info for info, _ in assignments}
+        if not evaluate:
+            # Updates that landed before a restart are not asked for again.
+            rnd.results.update(self.spill.restore(task_id=rnd.task_id, assigned=infos))
+            if rnd.results:
+                log.info("round %d: %d updates restored from before a restart", server_round, len(rnd.results))
         with self._cond:
             self._round = rnd
             self._cond.notify_all()
@@ -335,6 +354,12 @@ class GrpcFleet(Fleet):
             results = [rnd.results[cid] for cid in rnd.assignments if cid in rnd.results]
             failures = [rnd.failures[cid] for cid in rnd.assignments if cid in rnd.failures]
             return results, failures, rnd.bytes_up, rnd.bytes_down
+
+    def committed(self, server_round: int) -> None:
+        self.spill.clear()
+
+    def close(self) -> None:
+        self.spill.close()
 
     def interrupt(self) -> None:
         with self._cond:

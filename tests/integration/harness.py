@@ -96,6 +96,7 @@ class InProcessCoordinator:
 
     def stop(self) -> None:
         self.coordinator.stop(grace=0.5)
+        self.fleet.close()
 
 
 class FailFirst(grpc.ServerInterceptor):
