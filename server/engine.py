@@ -126,6 +126,7 @@ class RoundEngine:
             raise InterruptedRunError(f"round {server_round} abandoned: the coordinator is stopping")
         for failure in outcome.failures:
             log.warning("round %d: client %s failed: %s", server_round, failure.client.name or failure.client.client_id, failure.reason)
+        log.info("round %d: aggregating %d updates (%d failures)", server_round, len(outcome.results), len(outcome.failures))
         agg_metrics = self.strategy.aggregate(server_round=server_round, results=outcome.results, failures=outcome.failures)
         loss: float | None = agg_metrics.get("train_loss")
         accuracy: float | None = None

@@ -248,6 +248,8 @@ class GrpcFleet(Fleet):
                     rnd.results[client_id] = result
                 rnd.bytes_up += asm.wire_bytes
                 self._cond.notify_all()
+                log.info("round %d: accepted %s from %s (%d of %d)", rnd.server_round, "evaluation" if rnd.evaluate else "update",
+                         record.info.name or client_id, len(rnd.results), len(rnd.assignments))
             return asm.payload_bytes
         finally:
             with self._cond:

@@ -105,6 +105,7 @@ class StateStore:
         history: Sequence[Mapping[str, Any]],
     ) -> Path:
         """Writes the checkpoint of ``server_round`` atomically, then records its metrics in SQLite."""
+        log.info("round %d: writing checkpoint", server_round)
         buf = io.BytesIO()
         torch.save({"round": server_round, "strategy": dict(strategy), "fleet": dict(fleet), "history": list(history)}, buf)
         payload = buf.getvalue()
