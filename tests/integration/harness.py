@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import signal
 import subprocess
 import sys
 import threading
@@ -121,3 +123,35 @@ class FailFirst(grpc.ServerInterceptor):
             context.abort(code, f"injected {code.name}")
 
         return grpc.unary_unary_rpc_method_handler(abort)
+
+
+class CoordinatorRun:
+    """One coordinator process whose log is watched line by line.
+
+    ``trigger = (round, text)`` SIGKILLs it the first time a log line says
+    ``round N: text`` with N at or after ``round``.
+    """
+
+    def __init__(self, args: list[str], log_path) -> None:
+        self.lines: list[str] = []
+        self.log = open(log_path, "a")
+        self.proc = subprocess.Popen([*FEDGRID, "coordinator", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env())
+        self.trigger: tuple[int, str] | None = None
+        self.killed = threading.Event()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.log.write(line)
+            self.log.flush()
+            self.lines.append(line)
+            if self.trigger is not None and not self.killed.is_set():
+                server_round, phase = self.trigger
+                # The first time the phase happens at or after the chosen round (a redone
+                # round may skip a phase: its updates are restored, not uploaded again).
+                m = re.search(r"round (\d+): " + phase, line)
+                if m and int(m.group(1)) >= server_round:
+                    self.proc.send_signal(signal.SIGKILL)  # at once, mid-phase
+                    self.killed.set()

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import random
-import re
 import signal
 import sqlite3
-import subprocess
-import threading
 
 import pytest
 import torch
@@ -16,38 +13,10 @@ from fedgrid.config import load_config
 from fedgrid.runlog import load_model, read_metrics
 from fedgrid.simulation.run import run_simulation
 
-from harness import FEDGRID, child_env, start_client, wait_until
+from harness import CoordinatorRun, start_client, wait_until
 
 ROUNDS, CLIENTS, SEED, KILLS = 10, 3, 11, 5
 PHASES = {"upload": "accepted update", "aggregate": "aggregating", "checkpoint": "writing checkpoint"}
-
-
-class CoordinatorRun:
-    """One coordinator incarnation whose log is watched line by line."""
-
-    def __init__(self, args: list[str], log_path) -> None:
-        self.lines: list[str] = []
-        self.log = open(log_path, "a")
-        self.proc = subprocess.Popen([*FEDGRID, "coordinator", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env())
-        self.trigger: tuple[int, str] | None = None
-        self.killed = threading.Event()
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.log.write(line)
-            self.log.flush()
-            self.lines.append(line)
-            if self.trigger is not None and not self.killed.is_set():
-                server_round, phase = self.trigger
-                # The first time the phase happens at or after the chosen round (a redone
-                # round may skip a phase: its updates are restored, not uploaded again).
-                m = re.search(r"round (\d+): " + PHASES[phase], line)
-                if m and int(m.group(1)) >= server_round:
-                    self.proc.send_signal(signal.SIGKILL)  # at once, mid-phase
-                    self.killed.set()
 
 
 @pytest.mark.timeout(420)
@@ -74,7 +43,7 @@ def test_sigkill_at_random_moments_changes_nothing(tmp_path):
     try:
         current = first
         for trigger in schedule:
-            current.trigger = trigger
+            current.trigger = (trigger[0], PHASES[trigger[1]])
             wait_until(lambda: current.killed.is_set() or current.proc.poll() is not None, timeout=120, what=f"kill at {trigger}")
             assert current.killed.is_set(), f"run ended before the kill at {trigger}"
             assert current.proc.wait(timeout=30) == -signal.SIGKILL
