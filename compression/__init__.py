@@ -1,5 +1,55 @@
-"""Two-sided codecs for tensors on the wire (encode on one end, decode on the other)."""
+"""Two-sided codecs for tensors on the wire (encode on one end, decode on the other) and error feedback.
 
-from fedgrid.compression.base import Codec, IdentityCodec, available_codecs, get_codec, register_codec
+``get_codec(spec)`` finds any codec by its spec (``none``, ``fp16``, ``bf16``, ``int8``,
+``qsgd:LEVELS``, ``topk:FRACTION``, ``randk:FRACTION``, ``powersgd:RANK``, ``sign``, each
+optionally ``+zstd``); see ``fedgrid.compression.registry`` for the grammar and each codec's
+module for its payload format and error bound.
+"""
 
-__all__ = ["Codec", "IdentityCodec", "available_codecs", "get_codec", "register_codec"]
+from fedgrid.compression.base import LOSSY_DTYPES, Codec, FloatCodec, IdentityCodec
+from fedgrid.compression.feedback import (
+    DownlinkUpdate,
+    ErrorFeedback,
+    ShadowModel,
+    Transmitted,
+    apply_delta,
+    apply_downlink,
+)
+from fedgrid.compression.lossless import ZstdCodec
+from fedgrid.compression.lowrank import PowerSGDCodec
+from fedgrid.compression.quantize import CastCodec, Int8Codec, QSGDCodec, SignCodec
+from fedgrid.compression.registry import (
+    available_codecs,
+    get_codec,
+    parse_codec_spec,
+    register_codec,
+    register_codec_family,
+)
+from fedgrid.compression.sparse import RandKCodec, SparseCodec, TopKCodec
+
+__all__ = [
+    "LOSSY_DTYPES",
+    "Codec",
+    "FloatCodec",
+    "IdentityCodec",
+    "CastCodec",
+    "Int8Codec",
+    "QSGDCodec",
+    "SignCodec",
+    "SparseCodec",
+    "TopKCodec",
+    "RandKCodec",
+    "PowerSGDCodec",
+    "ZstdCodec",
+    "ErrorFeedback",
+    "Transmitted",
+    "ShadowModel",
+    "DownlinkUpdate",
+    "apply_delta",
+    "apply_downlink",
+    "available_codecs",
+    "get_codec",
+    "parse_codec_spec",
+    "register_codec",
+    "register_codec_family",
+]

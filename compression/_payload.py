@@ -1,0 +1,252 @@
+"""Byte-level helpers shared by the codecs: a validating reader, bit packing, sparse index coding.
+
+Every reader method checks a length before it slices, so a truncated or lying payload
+raises ``InvalidUpdateError`` naming what was missing instead of reading past the end or
+allocating from an unchecked header field. All multi-byte fields are little-endian.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import numpy as np
+import torch
+
+from fedgrid.errors import InvalidUpdateError
+
+__all__ = [
+    "Reader",
+    "numel",
+    "itemsize",
+    "tensor_bytes",
+    "raw_decode",
+    "pack_bits",
+    "unpack_bits",
+    "index_width",
+    "encode_indices",
+    "decode_indices",
+    "max_index_bytes",
+]
+
+# Index formats of a sparse payload (one byte after the count).
+IDX_FIXED, IDX_BITMAP, IDX_VARINT = 0, 1, 2
+
+_NP_UINT: dict[int, str] = {1: "<u1", 2: "<u2", 4: "<u4", 8: "<u8"}
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return dtype.itemsize
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """The raw little-endian bytes of ``tensor`` (moved to CPU, made contiguous)."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+
+
+def raw_decode(data: bytes | bytearray | memoryview, *, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Rebuilds a tensor from its raw bytes; the length must match exactly."""
+    expected = numel(shape) * itemsize(dtype)
+    if len(data) != expected:
+        raise InvalidUpdateError(f"raw payload is {len(data)} bytes, {dtype} {list(shape)} needs {expected}")
+    if expected == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+class Reader:
+    """Reads fields off a payload, raising ``InvalidUpdateError`` on truncation.
+
+    Args:
+        data: the payload (or the part of it this codec owns).
+        what: the codec's name, used in messages.
+    """
+
+    def __init__(self, data: bytes | bytearray | memoryview, what: str) -> None:
+        self._view = memoryview(data).cast("B")
+        self._pos = 0
+        self._what = what
+
+    @property
+    def remaining(self) -> int:
+        return len(self._view) - self._pos
+
+    def fail(self, problem: str) -> InvalidUpdateError:
+        return InvalidUpdateError(f"{self._what} payload: {problem}")
+
+    def take(self, nbytes: int, field: str) -> memoryview:
+        if nbytes < 0 or nbytes > self.remaining:
+            raise self.fail(f"truncated: {field} needs {nbytes} bytes, {self.remaining} left")
+        out = self._view[self._pos : self._pos + nbytes]
+        self._pos += nbytes
+        return out
+
+    def uint(self, nbytes: int, field: str) -> int:
+        return int.from_bytes(self.take(nbytes, field), "little")
+
+    def f32(self, field: str) -> float:
+        value: float = struct.unpack("<f", self.take(4, field))[0]
+        return value
+
+    def array(self, dtype: str, count: int, field: str) -> np.ndarray:
+        """``count`` items of numpy ``dtype`` (a copy, so torch gets a writable buffer)."""
+        np_dtype = np.dtype(dtype)
+        return np.frombuffer(self.take(count * np_dtype.itemsize, field), dtype=np_dtype).copy()
+
+    def rest(self) -> memoryview:
+        return self.take(self.remaining, "rest")
+
+    def finish(self) -> None:
+        if self.remaining:
+            raise self.fail(f"{self.remaining} trailing bytes after the last field")
+
+    def expect(self, nbytes: int, value: int, field: str) -> None:
+        """Reads an unsigned header field that must equal what the codec spec implies."""
+        got = self.uint(nbytes, field)
+        if got != value:
+            raise self.fail(f"header {field} is {got}, the codec spec and tensor shape imply {value}")
+
+
+# -- bits ----------------------------------------------------------------------------------
+def pack_bits(bits: torch.Tensor) -> bytes:
+    """Packs a bool/0-1 tensor, first element in the lowest bit; the tail is zero-padded."""
+    return np.packbits(bits.to("cpu", torch.uint8).numpy(), bitorder="little").tobytes()
+
+
+def unpack_bits(data: memoryview, count: int, reader: Reader, field: str) -> np.ndarray:
+    """Unpacks ``count`` bits; padding bits past ``count`` must be zero."""
+    bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8), bitorder="little")
+    if bits[count:].any():
+        raise reader.fail(f"{field}: padding bits are not zero")
+    return bits[:count]
+
+
+# -- sparse indices ------------------------------------------------------------------------
+def index_width(n: int) -> int:
+    """Bytes per index in the fixed-width format: the smallest of 1, 2, 4, 8 holding ``n - 1``."""
+    for width in (1, 2, 4):
+        if n <= 1 << (8 * width):
+            return width
+    return 8
+
+
+def max_index_bytes(n: int, k: int) -> int:
+    """Largest index section of ``k`` of ``n`` indices (the encoder never picks a larger format)."""
+    return min(k * index_width(n), (n + 7) // 8)
+
+
+def _varint_lengths(values: np.ndarray) -> np.ndarray:
+    lengths = np.ones(values.shape, dtype=np.int64)
+    for j in range(1, 10):
+        lengths += values >= (np.uint64(1) << np.uint64(7 * j))
+    return lengths
+
+
+def _varint_encode(values: np.ndarray, lengths: np.ndarray) -> bytes:
+    out = np.zeros(int(lengths.sum()), dtype=np.uint8)
+    starts = np.cumsum(lengths) - lengths
+    for j in range(int(lengths.max(initial=0))):
+        sel = lengths > j
+        chunk = (values[sel] >> np.uint64(7 * j)) & np.uint64(0x7F)
+        more = (lengths[sel] - 1 > j).astype(np.uint64) << np.uint64(7)
+        out[starts[sel] + j] = (chunk | more).astype(np.uint8)
+    return out.tobytes()
+
+
+def encode_indices(indices: np.ndarray, n: int) -> bytes:
+    """Sorted, unique int64 ``indices`` < ``n`` in the smallest of three formats, tagged by a byte.
+
+    Formats: fixed-width little-endian integers; a bitmap of ``n`` bits; LEB128 varints of the
+    gaps (``idx[i] - idx[i-1] - 1``, the first index as is). Ties prefer the earlier format.
+    """
+    k = len(indices)
+    width = index_width(n)
+    gaps = np.diff(indices, prepend=-1).astype(np.uint64) - np.uint64(1)
+    lengths = _varint_lengths(gaps)
+    sizes = {IDX_FIXED: k * width, IDX_BITMAP: (n + 7) // 8, IDX_VARINT: int(lengths.sum())}
+    fmt = min(sizes, key=lambda f: (sizes[f], f))
+    if fmt == IDX_FIXED:
+        body = indices.astype(_NP_UINT[width]).tobytes()
+    elif fmt == IDX_BITMAP:
+        mask = np.zeros(n, dtype=np.uint8)
+        mask[indices] = 1
+        body = np.packbits(mask, bitorder="little").tobytes()
+    else:
+        body = _varint_encode(gaps, lengths)
+    return bytes([fmt]) + body
+
+
+def decode_indices(reader: Reader, n: int, k: int) -> np.ndarray:
+    """Reads what ``encode_indices`` wrote (the rest of the payload) and checks every index.
+
+    Returns sorted, unique int64 indices, all < ``n``, exactly ``k`` of them.
+
+    Raises:
+        InvalidUpdateError: unknown format, wrong count, out-of-range or unsorted indices,
+            a section longer than the format allows, or truncation.
+    """
+    fmt = reader.uint(1, "index format")
+    if fmt == IDX_FIXED:
+        width = index_width(n)
+        if reader.remaining != k * width:
+            raise reader.fail(f"index section is {reader.remaining} bytes, {k} indices of {width} bytes need {k * width}")
+        idx = reader.array(_NP_UINT[width], k, "indices").astype(np.int64)
+        if k and int(idx.max()) >= n:
+            raise reader.fail(f"index {int(idx.max())} out of range for {n} elements")
+        if k > 1 and bool((idx[1:] <= idx[:-1]).any()):
+            raise reader.fail("indices are not strictly increasing")
+        return idx
+    if fmt == IDX_BITMAP:
+        nbytes = (n + 7) // 8
+        if reader.remaining != nbytes:
+            raise reader.fail(f"index bitmap is {reader.remaining} bytes, {n} elements need {nbytes}")
+        bits = unpack_bits(reader.rest(), n, reader, "index bitmap")
+        count = int(bits.sum())
+        if count != k:
+            raise reader.fail(f"index bitmap marks {count} elements, header says {k}")
+        return np.flatnonzero(bits).astype(np.int64)
+    if fmt == IDX_VARINT:
+        return _varint_decode(reader, n, k)
+    raise reader.fail(f"unknown index format {fmt}")
+
+
+def _varint_decode(reader: Reader, n: int, k: int) -> np.ndarray:
+    # A varint stream is never longer than the fixed-width or bitmap forms (the encoder picks
+    # the smallest), which also bounds the working memory below.
+    if reader.remaining > max_index_bytes(n, k):
+        raise reader.fail(f"varint index section is {reader.remaining} bytes, over the {max_index_bytes(n, k)} allowed")
+    data = np.frombuffer(reader.rest(), dtype=np.uint8)
+    if k == 0:
+        if len(data):
+            raise reader.fail("index bytes for zero indices")
+        return np.zeros(0, dtype=np.int64)
+    last = (data & 0x80) == 0
+    count = int(last.sum())
+    if count != k:
+        problem = "truncated index stream: " if count < k else ""
+        raise reader.fail(f"{problem}index stream holds {count} indices, header says {k}")
+    if not last[-1]:
+        raise reader.fail("truncated index stream: the last varint is unterminated")
+    ends = np.flatnonzero(last)
+    starts = np.concatenate(([0], ends[:-1] + 1))
+    lengths = ends - starts + 1
+    max_len = max(1, math.ceil(max(n - 1, 1).bit_length() / 7))
+    if int(lengths.max()) > max_len:
+        raise reader.fail(f"a varint index gap is {int(lengths.max())} bytes, {n} elements need at most {max_len}")
+    pos = np.arange(len(data), dtype=np.uint64) - np.repeat(starts, lengths).astype(np.uint64)
+    parts = (data & 0x7F).astype(np.uint64) << (np.uint64(7) * pos)
+    gaps = np.add.reduceat(parts, starts)
+    if int(gaps.max()) >= n:
+        raise reader.fail(f"index gap {int(gaps.max())} out of range for {n} elements")
+    idx = np.cumsum(gaps + np.uint64(1)) - np.uint64(1)
+    # Each step adds at most n, far under 2**63, so a wrap-around shows as a decrease.
+    if k > 1 and bool((idx[1:] <= idx[:-1]).any()):
+        raise reader.fail(f"indices overflow past {n} elements")
+    if int(idx[-1]) >= n:
+        raise reader.fail(f"index {int(idx[-1])} out of range for {n} elements")
+    return idx.astype(np.int64)

@@ -1,0 +1,326 @@
+"""Error feedback on both links: ``ErrorFeedback`` on the client's uplink, ``ShadowModel`` on the downlink.
+
+Uplink, classic error feedback (EF-SGD: Seide et al. 2014; Karimireddy et al. 2019), not
+EF21: per tensor the client keeps a residual ``e`` (zero at first) and, for each input ``x``,
+
+    v = x + e;   send C(v);   e <- v - D(C(v))
+
+where ``D(C(v))`` is exactly what the receiver decodes. Summed over rounds, what was
+transmitted equals what was input minus the current residual, and for a contractive codec
+(``topk``, ``randk``, ``sign``, ``int8``, ``fp16``, ``bf16``, ``powersgd``, ``qsgd`` with at
+least 23 levels) the residual stays bounded. Both classes refuse a codec that is not
+contractive (``qsgd`` with few levels: unbiased, but its variance exceeds the signal). The residual
+is float32 (float64 for float64 tensors) whatever the tensor's dtype, so a bf16 model loses
+nothing to its own rounding; integer and bool tensors are sent losslessly and have none.
+
+Downlink, the same idea on the server: the coordinator keeps one shadow copy ``s`` of the
+model its clients hold, and each round sends ``C(g - s)`` for the new global model ``g`` and
+sets ``s <- s + D(C(g - s))``, running ``apply_delta``, the very function clients run, so
+every client that applied the same updates holds ``s`` bit for bit. ``g - s`` is the
+residual carried into the next round; memory is one model whatever the number of clients. A
+client that missed a round, or is new, gets ``catch_up()``: the whole shadow, lossless.
+
+Both are pure: tensors in, tensors and bytes out; no I/O, no logging.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
+
+import torch
+
+from fedgrid.compression.base import LOSSY_DTYPES, Codec, IdentityCodec
+from fedgrid.compression.registry import get_codec, parse_codec_spec
+from fedgrid.errors import ConfigError, InvalidUpdateError
+
+__all__ = ["Transmitted", "ErrorFeedback", "DownlinkUpdate", "ShadowModel", "apply_delta", "apply_downlink"]
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype is torch.float64 else torch.float32
+
+
+def _codec(codec: Codec | str, key: str) -> Codec:
+    built = parse_codec_spec(codec, key=key) if isinstance(codec, str) else codec
+    if not built.contractive:
+        raise ConfigError(
+            key,
+            f"codec '{built.name}' is not contractive, so an error-feedback residual would grow without "
+            "bound (qsgd needs at least 23 levels under error feedback)",
+        )
+    return built
+
+
+@dataclass(frozen=True)
+class Transmitted:
+    """One encoded tensor: the bytes to send and what the receiver will decode from them.
+
+    Attributes:
+        payload: the codec's payload; ``len(payload)`` is the encoded size.
+        decoded: ``codec.decode(payload)``, a CPU tensor of the input's dtype and shape.
+    """
+
+    payload: bytes
+    decoded: torch.Tensor
+
+
+class ErrorFeedback:
+    """Client-side error feedback (classic EF) around any codec.
+
+    Args:
+        codec: a spec (a fresh instance is built, so ``powersgd`` warm starts per client) or
+            a codec the caller owns.
+
+    Raises:
+        ConfigError: ``codec`` is a spec that does not parse, or is not contractive.
+    """
+
+    def __init__(self, codec: Codec | str) -> None:
+        self.codec = _codec(codec, "codec")
+        self._residuals: dict[str, torch.Tensor] = {}
+
+    def encode(self, name: str, tensor: torch.Tensor, *, generator: torch.Generator | None = None) -> Transmitted:
+        """Encodes ``tensor + residual[name]`` and keeps what the codec dropped as the new residual.
+
+        Raises:
+            ValueError: ``tensor`` has another shape than the residual kept under ``name``.
+            InvalidUpdateError: the tensor holds NaN or Inf (lossy codecs refuse it).
+        """
+        dtype, shape = tensor.dtype, tuple(tensor.shape)
+        if dtype not in LOSSY_DTYPES or self.codec.lossless:
+            payload = bytes(self.codec.encode(tensor, generator=generator, key=name))
+            return Transmitted(payload, self.codec.decode(payload, dtype=dtype, shape=shape))
+        acc = tensor.detach().to(_work_dtype(dtype))
+        residual = self._residuals.get(name)
+        if residual is not None:
+            if tuple(residual.shape) != shape:
+                raise ValueError(f"tensor '{name}' is {list(shape)}, its residual {list(residual.shape)}")
+            acc = acc + residual.to(acc.device)
+        payload = bytes(self.codec.encode(acc.to(dtype), generator=generator, key=name))
+        decoded = self.codec.decode(payload, dtype=dtype, shape=shape)
+        self._residuals[name] = acc - decoded.to(acc.device, acc.dtype)
+        return Transmitted(payload, decoded)
+
+    def encode_state(
+        self, state: Mapping[str, torch.Tensor], *, generator: torch.Generator | None = None
+    ) -> "OrderedDict[str, Transmitted]":
+        """``encode`` for every tensor of ``state``, in its order."""
+        return OrderedDict((name, self.encode(name, t, generator=generator)) for name, t in state.items())
+
+    @property
+    def residuals(self) -> Mapping[str, torch.Tensor]:
+        """The current residual per tensor name (read-only view)."""
+        return MappingProxyType(self._residuals)
+
+    def reset(self) -> None:
+        """Drops every residual (e.g. when the model is replaced)."""
+        self._residuals.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Residuals and codec state, on CPU, to save with the client's state."""
+        return {
+            "codec": self.codec.name,
+            "residuals": {k: v.detach().to("cpu").clone() for k, v in self._residuals.items()},
+            "codec_state": self.codec.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores ``state_dict()``.
+
+        Raises:
+            ValueError: the state was saved with another codec.
+        """
+        if state.get("codec") != self.codec.name:
+            raise ValueError(f"error-feedback state is for codec {state.get('codec')!r}, this one uses {self.codec.name!r}")
+        self._residuals = {k: v.clone() for k, v in state["residuals"].items()}
+        self.codec.load_state_dict(state.get("codec_state", {}))
+
+
+# -- downlink ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DownlinkUpdate:
+    """What moves a client's copy of the model from ``base_version`` to ``version``.
+
+    Attributes:
+        version: the shadow version a client holds after applying this.
+        base_version: the version it applies to; ``None`` for a full model (catch-up), which
+            replaces whatever the client holds.
+        codec: spec of the float tensors' deltas.
+        value_codec: spec of whole values: every tensor of a full model, and the integer and
+            bool tensors of a delta update (sent as new values, not differences).
+        payloads: one payload per tensor name.
+    """
+
+    version: int
+    base_version: int | None
+    codec: str
+    payloads: Mapping[str, bytes] = field(default_factory=dict)
+    value_codec: str = "none"
+
+    @property
+    def is_full(self) -> bool:
+        return self.base_version is None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(p) for p in self.payloads.values())
+
+    def codec_for(self, dtype: torch.dtype) -> str:
+        """The spec a tensor of ``dtype`` travels with (its ``TensorMeta.codec`` on the wire)."""
+        return self.codec if not self.is_full and dtype in LOSSY_DTYPES else self.value_codec
+
+
+def apply_delta(held: Mapping[str, torch.Tensor], decoded: Mapping[str, torch.Tensor]) -> "OrderedDict[str, torch.Tensor]":
+    """The model after a delta update: ``held + decoded`` for float tensors, ``decoded`` for the rest.
+
+    Clients and ``ShadowModel`` both run this, so they compute the same bits. New tensors
+    are returned; ``held`` is not modified.
+
+    Raises:
+        InvalidUpdateError: names, dtypes or shapes differ.
+    """
+    _check_specs(held, decoded)
+    out: OrderedDict[str, torch.Tensor] = OrderedDict()
+    for name, t in held.items():
+        d = decoded[name].to(t.device)
+        out[name] = t + d if t.dtype in LOSSY_DTYPES else d.clone()
+    return out
+
+
+def apply_downlink(
+    held: Mapping[str, torch.Tensor], update: DownlinkUpdate, *, held_version: int | None = None
+) -> "OrderedDict[str, torch.Tensor]":
+    """Decodes ``update`` and applies it to ``held`` (a client's copy, or any model of the same specs).
+
+    Args:
+        held: the client's tensors; for a full update only their dtypes and shapes matter.
+        update: from ``ShadowModel.sync`` or ``ShadowModel.catch_up``.
+        held_version: the version ``held`` is at, checked against ``update.base_version``.
+
+    Raises:
+        InvalidUpdateError: a payload is malformed, a tensor is missing or extra, or a delta
+            update is for another version than ``held_version`` (the client needs a catch-up).
+    """
+    if not update.is_full and held_version is not None and held_version != update.base_version:
+        raise InvalidUpdateError(
+            f"update applies to version {update.base_version}, client holds {held_version}: needs a catch-up"
+        )
+    missing = [n for n in held if n not in update.payloads]
+    extra = [n for n in update.payloads if n not in held]
+    if missing or extra:
+        raise InvalidUpdateError(f"downlink update: missing tensors {missing[:5]}, unexpected {extra[:5]}")
+    decoded: OrderedDict[str, torch.Tensor] = OrderedDict()
+    for name, t in held.items():
+        codec = get_codec(update.codec_for(t.dtype))
+        try:
+            decoded[name] = codec.decode(update.payloads[name], dtype=t.dtype, shape=tuple(t.shape))
+        except InvalidUpdateError as exc:
+            raise InvalidUpdateError(f"tensor '{name}': {exc}") from None
+    if update.is_full:
+        return OrderedDict((name, d.to(held[name].device)) for name, d in decoded.items())
+    return apply_delta(held, decoded)
+
+
+def _check_specs(reference: Mapping[str, torch.Tensor], other: Mapping[str, torch.Tensor]) -> None:
+    if set(reference) != set(other):
+        raise InvalidUpdateError(f"tensor names differ: {sorted(set(reference) ^ set(other))[:5]}")
+    for name, t in reference.items():
+        o = other[name]
+        if o.dtype != t.dtype or o.shape != t.shape:
+            raise InvalidUpdateError(f"tensor '{name}': {o.dtype} {list(o.shape)}, expected {t.dtype} {list(t.shape)}")
+
+
+class ShadowModel:
+    """Server-side downlink error feedback: one shadow of the model clients hold.
+
+    Args:
+        initial: the model every client starts from (sent to them losslessly); copied.
+        codec: spec or codec of the deltas; it must be registered, since clients decode
+            with ``get_codec(codec.name)``. A spec gets a fresh instance (its own warm start).
+        catch_up_codec: a lossless spec for full models (``none`` or ``none+zstd``).
+
+    Raises:
+        ConfigError: a spec does not parse, or ``codec`` is not contractive.
+        ValueError: ``catch_up_codec`` is lossy.
+    """
+
+    def __init__(self, initial: Mapping[str, torch.Tensor], *, codec: Codec | str, catch_up_codec: str = "none") -> None:
+        self.codec = _codec(codec, "downlink_codec")
+        self._catch_up = parse_codec_spec(catch_up_codec, key="catch_up_codec")
+        if not self._catch_up.lossless:
+            raise ValueError(f"catch-up codec must be lossless, {catch_up_codec!r} is not")
+        self._shadow: OrderedDict[str, torch.Tensor] = OrderedDict((k, v.detach().clone()) for k, v in initial.items())
+        self.version = 0
+
+    @property
+    def shadow(self) -> Mapping[str, torch.Tensor]:
+        """What every up-to-date client holds (read-only view; do not modify the tensors)."""
+        return MappingProxyType(self._shadow)
+
+    def sync(
+        self, global_state: Mapping[str, torch.Tensor], *, generator: torch.Generator | None = None
+    ) -> tuple[DownlinkUpdate, Mapping[str, torch.Tensor]]:
+        """Encodes ``global_state - shadow``, advances the shadow by exactly what was encoded.
+
+        Returns:
+            The update for clients at ``version - 1`` and the new shadow.
+
+        Raises:
+            InvalidUpdateError: ``global_state`` has other names, dtypes or shapes, or holds NaN/Inf.
+        """
+        _check_specs(self._shadow, global_state)
+        payloads: dict[str, bytes] = {}
+        for name, s in self._shadow.items():
+            g = global_state[name].detach().to(s.device)
+            if s.dtype in LOSSY_DTYPES:
+                work = _work_dtype(s.dtype)
+                delta = (g.to(work) - s.to(work)).to(s.dtype)
+                payloads[name] = bytes(self.codec.encode(delta, generator=generator, key=name))
+            else:
+                payloads[name] = bytes(IdentityCodec().encode(g))
+        update = DownlinkUpdate(
+            version=self.version + 1, base_version=self.version, codec=self.codec.name, payloads=payloads
+        )
+        self._shadow = apply_downlink(self._shadow, update)
+        self.version += 1
+        return update, self.shadow
+
+    def catch_up(self) -> DownlinkUpdate:
+        """The whole shadow, lossless, for a client that is new or missed a round (cache it per version)."""
+        payloads = {name: bytes(self._catch_up.encode(t)) for name, t in self._shadow.items()}
+        return DownlinkUpdate(
+            version=self.version, base_version=None, codec=self._catch_up.name, payloads=payloads, value_codec=self._catch_up.name
+        )
+
+    def gap(self, global_state: Mapping[str, torch.Tensor]) -> "OrderedDict[str, torch.Tensor]":
+        """``global_state - shadow`` per float tensor: the residual the next sync carries."""
+        out: OrderedDict[str, torch.Tensor] = OrderedDict()
+        for name, s in self._shadow.items():
+            if s.dtype in LOSSY_DTYPES:
+                work = _work_dtype(s.dtype)
+                out[name] = global_state[name].detach().to(s.device, work) - s.to(work)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Version, shadow and codec state, on CPU, for the coordinator's durable state."""
+        return {
+            "version": self.version,
+            "codec": self.codec.name,
+            "shadow": OrderedDict((k, v.to("cpu").clone()) for k, v in self._shadow.items()),
+            "codec_state": self.codec.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores ``state_dict()``.
+
+        Raises:
+            ValueError: the state was saved with another codec.
+        """
+        if state.get("codec") != self.codec.name:
+            raise ValueError(f"shadow state is for codec {state.get('codec')!r}, this one uses {self.codec.name!r}")
+        self._shadow = OrderedDict((k, v.clone()) for k, v in state["shadow"].items())
+        self.version = int(state["version"])
+        self.codec.load_state_dict(state.get("codec_state", {}))

@@ -1,0 +1,243 @@
+"""Dense quantizers: ``fp16``, ``bf16``, ``int8`` (per-block absmax), ``qsgd:LEVELS``, ``sign``.
+
+Each states its error bound (per element ``i`` of a tensor ``x``, before the final cast to
+the declared dtype, which adds that dtype's own rounding):
+
+- ``fp16`` / ``bf16``: ``x`` rounded to half precision, relative error at most 2**-11 / 2**-8
+  in the normal range (absolute 2**-25 below it for fp16). Values fp16 cannot hold
+  (beyond 65504) make the whole tensor fall back to its raw bytes.
+- ``int8[:BLOCK]``: per block of ``BLOCK`` (default 256) elements, ``q = round(127 x / a)``
+  with ``a`` the block's absmax; ``|x - x^| <= a / 254``. 1 byte per element plus 4 per block.
+- ``qsgd:LEVELS`` (Alistarh et al., 2017): per bucket of 512 elements with L2 norm ``r``,
+  ``x^ = r sign(x) l / s`` with ``l`` in ``0..s`` drawn so that ``E[x^] = x`` (unbiased);
+  ``|x - x^| < r / s``. Codes take 2, 4, 8 or 16 bits (sign and level), so ``s <= 32767``.
+  Its variance factor is ``w = min(512 / s**2, sqrt(512) / s)``; only ``s >= 23`` makes
+  ``w < 1``, the contraction error feedback needs, so fewer levels are for plain use.
+- ``sign``: ``x^ = mean|x| * sign(x)`` (zero counts as positive), 1 bit per element;
+  ``||x - x^||^2 = ||x||^2 - ||x||_1^2 / n`` (a contraction, made for error feedback).
+
+Decoding is elementwise in a fixed order, so every receiver rebuilds identical bits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from fedgrid.compression._payload import Reader, numel, pack_bits, unpack_bits
+from fedgrid.compression.base import FloatCodec
+
+__all__ = ["CastCodec", "Int8Codec", "QSGDCodec", "SignCodec", "QSGD_BUCKET"]
+
+#: Elements per QSGD bucket (one float32 norm each).
+QSGD_BUCKET = 512
+
+
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``x`` flattened to float32, zero-padded to whole blocks, as (blocks, block)."""
+    flat = x.reshape(-1).float()
+    pad = (-flat.numel()) % block
+    if pad:
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    return flat.reshape(-1, block)
+
+
+def _f32_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+
+
+def _check_scales(reader: Reader, scales: np.ndarray, field: str) -> torch.Tensor:
+    if not bool(np.isfinite(scales).all()) or bool((scales < 0).any()):
+        raise reader.fail(f"{field} holds a negative or non-finite value")
+    return torch.from_numpy(scales)
+
+
+class CastCodec(FloatCodec):
+    """``fp16`` / ``bf16``: each element rounded to a 16-bit float.
+
+    Args:
+        target: ``torch.float16`` or ``torch.bfloat16``.
+    """
+
+    data_fallback = True
+
+    def __init__(self, target: torch.dtype) -> None:
+        if target not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"CastCodec needs float16 or bfloat16, got {target}")
+        self.target = target
+        self.name = "fp16" if target is torch.float16 else "bf16"
+
+    def _max_body(self, shape: tuple[int, ...], dtype: torch.dtype) -> int | None:
+        return 2 * numel(shape)
+
+    def _encode_body(self, x: torch.Tensor, *, generator: torch.Generator | None, key: str | None) -> list[bytes] | None:
+        y = x.reshape(-1).to(self.target)
+        if not bool(torch.isfinite(y).all()):
+            return None  # out of the target's range: send the exact bytes instead
+        return [y.to("cpu").view(torch.int16).numpy().tobytes()]
+
+    def _decode_body(self, reader: Reader, *, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        n = numel(shape)
+        values = torch.from_numpy(reader.array("<i2", n, "values")).view(self.target)
+        reader.finish()
+        if not bool(torch.isfinite(values).all()):
+            raise reader.fail("values hold NaN or Inf")
+        return values
+
+
+class Int8Codec(FloatCodec):
+    """``int8[:BLOCK]``: symmetric 8-bit codes with one float32 absmax per block.
+
+    Body: u32 block size, float32 absmax per block, int8 code per element (in -127..127).
+
+    Args:
+        block: elements per scale, 8..65536.
+    """
+
+    def __init__(self, block: int = 256) -> None:
+        if not 8 <= block <= 65536:
+            raise ValueError(f"int8 block size must be in 8..65536, got {block}")
+        self.block = block
+        self.name = "int8" if block == 256 else f"int8:{block}"
+
+    def _max_body(self, shape: tuple[int, ...], dtype: torch.dtype) -> int | None:
+        n = numel(shape)
+        return 4 + 4 * math.ceil(n / self.block) + n
+
+    def _encode_body(self, x: torch.Tensor, *, generator: torch.Generator | None, key: str | None) -> list[bytes]:
+        n = x.numel()
+        blocks = _blocks(x, self.block)
+        absmax = blocks.abs().amax(dim=1)
+        inv = torch.where(absmax > 0, 127.0 / absmax, torch.zeros_like(absmax))
+        codes = (blocks * inv[:, None]).round_().clamp_(-127, 127).to(torch.int8).reshape(-1)[:n]
+        return [self.block.to_bytes(4, "little"), _f32_bytes(absmax), codes.to("cpu").numpy().tobytes()]
+
+    def _decode_body(self, reader: Reader, *, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        n = numel(shape)
+        nblocks = math.ceil(n / self.block)
+        reader.expect(4, self.block, "block size")
+        absmax = _check_scales(reader, reader.array("<f4", nblocks, "block scales"), "block scales")
+        codes = torch.from_numpy(reader.array("i1", n, "codes"))
+        reader.finish()
+        if bool((codes == -128).any()):
+            raise reader.fail("code -128 is outside -127..127")
+        step = absmax / 127.0
+        pad = nblocks * self.block - n
+        values = torch.nn.functional.pad(codes.float(), (0, pad)).reshape(nblocks, self.block) * step[:, None]
+        return values.reshape(-1)[:n]
+
+
+def _code_bits(levels: int) -> int:
+    """Bits per QSGD code: the smallest of 2, 4, 8, 16 that holds the 2 * levels + 1 values."""
+    for bits in (2, 4, 8, 16):
+        if 2 * levels + 1 <= 1 << bits:
+            return bits
+    raise ValueError(f"qsgd supports at most 32767 levels, got {levels}")
+
+
+def _pack_codes(codes: torch.Tensor, bits: int) -> bytes:
+    """Packs unsigned codes of ``bits`` bits each, the first in the lowest bits."""
+    if bits == 16:
+        return codes.to("cpu", torch.int32).numpy().astype("<u2").tobytes()
+    c = codes.to(torch.uint8)
+    if bits == 8:
+        return c.to("cpu").numpy().tobytes()
+    per = 8 // bits
+    c = torch.nn.functional.pad(c, (0, (-c.numel()) % per)).reshape(-1, per)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=c.device)
+    return (c << shifts).sum(dim=1, dtype=torch.uint8).to("cpu").numpy().tobytes()
+
+
+def _unpack_codes(reader: Reader, n: int, bits: int) -> torch.Tensor:
+    if bits == 16:
+        return torch.from_numpy(reader.array("<u2", n, "codes").astype(np.int32))
+    per = 8 // bits
+    raw = torch.from_numpy(reader.array("u1", math.ceil(n / per), "codes"))
+    if bits == 8:
+        return raw.to(torch.int32)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+    codes = ((raw[:, None] >> shifts) & ((1 << bits) - 1)).reshape(-1)
+    if bool(codes[n:].any()):
+        raise reader.fail("codes: padding bits are not zero")
+    return codes[:n].to(torch.int32)
+
+
+class QSGDCodec(FloatCodec):
+    """``qsgd:LEVELS``: stochastic, unbiased quantization to ``LEVELS`` levels per sign.
+
+    Body: u16 levels, u32 bucket size, float32 L2 norm per bucket, packed codes
+    (``sign * level + LEVELS``, in ``0..2 * LEVELS``).
+
+    Args:
+        levels: quantization levels ``s`` per sign, 1..32767.
+    """
+
+    def __init__(self, levels: int) -> None:
+        self.bits = _code_bits(levels)
+        if levels < 1:
+            raise ValueError(f"qsgd needs at least 1 level, got {levels}")
+        self.levels = levels
+        self.name = f"qsgd:{levels}"
+        #: The variance factor ``w`` of Alistarh et al.: ``E||x^ - x||^2 <= w ||x||^2`` per bucket.
+        self.variance = min(QSGD_BUCKET / levels**2, math.sqrt(QSGD_BUCKET) / levels)
+        self.contractive = self.variance < 1.0
+
+    def _max_body(self, shape: tuple[int, ...], dtype: torch.dtype) -> int | None:
+        n = numel(shape)
+        return 6 + 4 * math.ceil(n / QSGD_BUCKET) + math.ceil(n * self.bits / 8)
+
+    def _encode_body(self, x: torch.Tensor, *, generator: torch.Generator | None, key: str | None) -> list[bytes]:
+        n, s = x.numel(), self.levels
+        blocks = _blocks(x, QSGD_BUCKET)
+        norms = torch.linalg.vector_norm(blocks, dim=1)
+        inv = torch.where(norms > 0, s / norms, torch.zeros_like(norms))
+        scaled = (blocks.abs() * inv[:, None]).reshape(-1)[:n].clamp_(0, s)
+        noise = torch.rand(n, generator=generator, device=generator.device if generator is not None else "cpu")
+        # floor(r + u), u ~ U[0, 1), is floor(r) + 1 with probability frac(r): E = r, unbiased.
+        level = scaled.add_(noise.to(x.device)).floor_().clamp_(max=s)
+        codes = (torch.where(x.reshape(-1) < 0, -level, level) + s).to(torch.int32)
+        header = s.to_bytes(2, "little") + QSGD_BUCKET.to_bytes(4, "little")
+        return [header, _f32_bytes(norms), _pack_codes(codes, self.bits)]
+
+    def _decode_body(self, reader: Reader, *, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        n, s = numel(shape), self.levels
+        nblocks = math.ceil(n / QSGD_BUCKET)
+        reader.expect(2, s, "level count")
+        reader.expect(4, QSGD_BUCKET, "bucket size")
+        norms = _check_scales(reader, reader.array("<f4", nblocks, "bucket norms"), "bucket norms")
+        codes = _unpack_codes(reader, n, self.bits)
+        reader.finish()
+        if bool((codes > 2 * s).any()):
+            raise reader.fail(f"a code is over {2 * s}, the largest of {s} levels")
+        step = norms / s
+        pad = nblocks * QSGD_BUCKET - n
+        signed = torch.nn.functional.pad((codes - s).float(), (0, pad)).reshape(nblocks, QSGD_BUCKET)
+        return (signed * step[:, None]).reshape(-1)[:n]
+
+
+class SignCodec(FloatCodec):
+    """``sign``: one bit per element, scaled by the tensor's mean absolute value.
+
+    Body: float32 scale, then the sign bits (1 = negative), first element in the lowest bit.
+    """
+
+    name = "sign"
+
+    def _max_body(self, shape: tuple[int, ...], dtype: torch.dtype) -> int | None:
+        return 4 + math.ceil(numel(shape) / 8)
+
+    def _encode_body(self, x: torch.Tensor, *, generator: torch.Generator | None, key: str | None) -> list[bytes]:
+        flat = x.reshape(-1).float()
+        scale = flat.abs().mean()
+        return [_f32_bytes(scale.reshape(1)), pack_bits(flat < 0)]
+
+    def _decode_body(self, reader: Reader, *, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        n = numel(shape)
+        scale = _check_scales(reader, reader.array("<f4", 1, "scale"), "scale")
+        bits = unpack_bits(reader.take(math.ceil(n / 8), "sign bits"), n, reader, "sign bits")
+        reader.finish()
+        # 1 - 2 * bit is +1 or -1 exactly, so this is +-scale bit for bit.
+        return torch.from_numpy(bits).to(torch.float32).mul_(-2.0).add_(1.0).mul_(scale)
+
