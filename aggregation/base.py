@@ -13,9 +13,19 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from fedgrid.errors import FedgridError
 from fedgrid.types import ClientInfo, EvaluateIns, EvaluateRes, FitIns, FitRes, Failure, ModelState
 
-__all__ = ["Aggregator", "Strategy", "weighted_metrics"]
+__all__ = ["Aggregator", "AggregationPreconditionError", "Strategy", "weighted_metrics"]
+
+
+class AggregationPreconditionError(FedgridError, ValueError):
+    """An aggregator cannot run on the updates it was given (e.g. Krum with n <= 2f + 2).
+
+    Raised by ``Aggregator.result`` when a round delivered fewer updates than the rule
+    needs; strategies catch it and leave the global model (or the block) unchanged rather
+    than fall back to an aggregate without the promised robustness.
+    """
 
 
 def weighted_metrics(reports: Sequence[tuple[int, Mapping[str, float]]]) -> dict[str, float]:
@@ -50,6 +60,15 @@ class Aggregator(ABC):
     def reset(self) -> None:
         """Forgets everything added so far."""
 
+    def check_preconditions(self, *, num_clients: int) -> None:
+        """Checks, when a run is configured, that this rule can run on ``num_clients`` updates.
+
+        Default: any positive number of updates will do.
+
+        Raises:
+            ConfigError: (key ``aggregator``) the rule cannot run on that many updates.
+        """
+
 
 class Strategy(ABC):
     """Decides what each round asks of whom, and how results become the next global state."""
@@ -72,6 +91,24 @@ class Strategy(ABC):
         """Folds the round's results into the global model; returns round metrics.
 
         Failures are data: the strategy decides what a failed client means for the round.
+        """
+
+    def downlink_state(self, *, server_round: int) -> ModelState:
+        """The tensors the fleet sends every client of ``server_round``'s fit tasks.
+
+        Default: the global model. A strategy whose clients need more (SCAFFOLD's server
+        control variate) adds tensors here under names that cannot clash with the model's.
+        Evaluation tasks always get ``global_state`` alone.
+        """
+        return self.global_state
+
+    def check_preconditions(self, *, num_clients: int) -> None:
+        """Checks, when a run is configured, that the strategy can run with ``num_clients`` clients.
+
+        Default: no requirement.
+
+        Raises:
+            ConfigError: the strategy or its aggregator cannot run on that many clients.
         """
 
     def configure_evaluate(

@@ -1,76 +1,33 @@
-"""Federated averaging (McMahan et al. 2017): the example-weighted mean of client models."""
+"""Federated averaging (McMahan et al. 2017): the example-weighted mean of client models.
+
+``FedAvg`` is also the base of every other strategy here: client sampling, task configs,
+canonical result order, checkpoints, and ``_update_subset``, the one place where results
+become new values of (part of) the global model.
+"""
 
 from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from typing import Any, Mapping, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
-import torch
-
-from fedgrid.aggregation.base import Aggregator, Strategy, weighted_metrics
+from fedgrid.aggregation.base import AggregationPreconditionError, Aggregator, Strategy, weighted_metrics
+from fedgrid.aggregation.mean import WeightedMean, weighted_mean
+from fedgrid.aggregation.updates import aggregate_deltas, apply_delta, average_values, split_names
 from fedgrid.seeding import derive_seed
 from fedgrid.types import ClientInfo, EvaluateIns, FitIns, FitRes, Failure, ModelState, Scalar
 
-__all__ = ["WeightedMean", "FedAvg", "weighted_mean"]
-
-
-class WeightedMean(Aggregator):
-    """Example-weighted mean, accumulated in float64 so the result barely depends on order.
-
-    Floating tensors are averaged and cast back to their dtype; integer and bool tensors
-    (e.g. BatchNorm's ``num_batches_tracked``) take the weighted mean rounded to nearest.
-    """
-
-    def __init__(self) -> None:
-        self._sums: OrderedDict[str, torch.Tensor] | None = None
-        self._dtypes: dict[str, torch.dtype] = {}
-        self._total = 0.0
-
-    def add(self, update: Mapping[str, torch.Tensor], weight: float) -> None:
-        if not (weight > 0 and weight != float("inf")):
-            raise ValueError(f"weight must be positive and finite, got {weight}")
-        if self._sums is None:
-            self._sums = OrderedDict()
-            for name, t in update.items():
-                self._dtypes[name] = t.dtype
-                acc_dtype = torch.complex128 if t.dtype.is_complex else torch.float64
-                self._sums[name] = torch.zeros(t.shape, dtype=acc_dtype)
-        elif list(update) != list(self._sums):
-            raise ValueError("update holds different tensors than the first one added")
-        for name, t in update.items():
-            acc = self._sums[name]
-            if t.shape != acc.shape:
-                raise ValueError(f"tensor '{name}': shape {list(t.shape)} differs from {list(acc.shape)}")
-            acc.add_(t.detach().to("cpu", acc.dtype), alpha=weight)
-        self._total += weight
-
-    def result(self) -> ModelState:
-        if self._sums is None:
-            raise ValueError("no update was added")
-        out: ModelState = OrderedDict()
-        for name, acc in self._sums.items():
-            mean = acc / self._total
-            dtype = self._dtypes[name]
-            if not (dtype.is_floating_point or dtype.is_complex):
-                mean = mean.round()
-            out[name] = mean.to(dtype)
-        return out
-
-    def reset(self) -> None:
-        self._sums, self._dtypes, self._total = None, {}, 0.0
-
-
-def weighted_mean(updates: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]) -> ModelState:
-    """The weighted mean of ``updates`` (pure function over ``WeightedMean``)."""
-    agg = WeightedMean()
-    for update, weight in zip(updates, weights, strict=True):
-        agg.add(update, weight)
-    return agg.result()
+__all__ = ["WeightedMean", "FedAvg", "weighted_mean", "train_metrics", "check_strategy_tag"]
 
 
 class FedAvg(Strategy):
     """Broadcast the global model, clients train, average their models by examples.
+
+    With an ``aggregator`` (a robust rule from ``fedgrid.aggregation.robust``), the server
+    aggregates the clients' updates ``client - global`` of the real floating tensors with
+    it and adds the result to the global model; every other tensor (integer buffers) takes
+    the example-weighted mean of the clients' values. Without one, it averages the models
+    themselves, exactly as McMahan et al.
 
     Args:
         fraction_fit: share of live clients asked each round (at least ``min_fit_clients``).
@@ -79,7 +36,13 @@ class FedAvg(Strategy):
             their own data (federated evaluation); 0 turns it off.
         seed: seeds client sampling, so a run's selection is reproducible.
         fit_config: scalars sent with every task (``local_epochs``, ``lr``, ...).
+        aggregator: the rule applied to the clients' updates; ``None`` averages models.
+
+    Raises:
+        ValueError: an argument is out of range.
     """
+
+    name: ClassVar[str] = "fedavg"
 
     def __init__(
         self,
@@ -89,6 +52,7 @@ class FedAvg(Strategy):
         fraction_evaluate: float = 0.0,
         seed: int = 0,
         fit_config: Mapping[str, Scalar] | None = None,
+        aggregator: Aggregator | None = None,
     ) -> None:
         if not 0.0 < fraction_fit <= 1.0:
             raise ValueError(f"fraction_fit must be in (0, 1], got {fraction_fit}")
@@ -101,6 +65,7 @@ class FedAvg(Strategy):
         self.min_fit_clients = min_fit_clients
         self.seed = seed
         self.fit_config = dict(fit_config or {})
+        self.aggregator = aggregator
         self._state: ModelState | None = None
 
     def initialize(self, *, initial_state: ModelState) -> None:
@@ -112,6 +77,14 @@ class FedAvg(Strategy):
             raise RuntimeError("strategy has no global model: call initialize() first")
         return self._state
 
+    def clients_per_round(self, num_clients: int) -> int:
+        """How many of ``num_clients`` live clients a round asks to fit."""
+        return min(max(self.min_fit_clients, int(self.fraction_fit * num_clients)), num_clients)
+
+    def check_preconditions(self, *, num_clients: int) -> None:
+        if self.aggregator is not None:
+            self.aggregator.check_preconditions(num_clients=self.clients_per_round(num_clients))
+
     def _sample(self, clients: Sequence[ClientInfo], fraction: float, server_round: int, salt: int) -> list[ClientInfo]:
         ordered = sorted(clients, key=lambda c: c.sort_key)
         count = min(max(self.min_fit_clients, int(fraction * len(ordered))), len(ordered))  # floor, as Flower
@@ -120,8 +93,12 @@ class FedAvg(Strategy):
             ordered = sorted(rng.sample(ordered, count), key=lambda c: c.sort_key)
         return ordered
 
+    def _task_config(self, server_round: int) -> dict[str, Scalar]:
+        """The scalars every task of ``server_round`` carries."""
+        return {**self.fit_config, "round": server_round, "seed": self.seed}
+
     def configure_round(self, *, server_round: int, clients: Sequence[ClientInfo]) -> list[tuple[ClientInfo, FitIns]]:
-        ins = FitIns(round=server_round, config={**self.fit_config, "round": server_round, "seed": self.seed})
+        ins = FitIns(round=server_round, config=self._task_config(server_round))
         return [(client, ins) for client in self._sample(clients, self.fraction_fit, server_round, 0)]
 
     def configure_evaluate(self, *, server_round: int, clients: Sequence[ClientInfo]) -> list[tuple[ClientInfo, EvaluateIns]]:
@@ -130,20 +107,62 @@ class FedAvg(Strategy):
         ins = EvaluateIns(round=server_round, config={"round": server_round, "seed": self.seed})
         return [(client, ins) for client in self._sample(clients, self.fraction_evaluate, server_round, 1)]
 
+    def _update_subset(self, *, names: Sequence[str], results: Sequence[FitRes]) -> ModelState:
+        """The new values of the global tensors ``names`` from ``results`` (canonical order).
+
+        Subclasses change how updates become new values (server optimizers); partial
+        strategies (blocks, fragments) call it once per part of the model.
+
+        Raises:
+            AggregationPreconditionError: the aggregator cannot run on this many results.
+        """
+        state = self.global_state
+        if self.aggregator is None:
+            for res in results:
+                for name in names:
+                    got = res.state.get(name)
+                    if got is None or got.shape != state[name].shape:
+                        who = res.client.name or res.client.client_id
+                        raise ValueError(f"result from client {who!r}: tensor '{name}' is missing or has the wrong shape")
+            return weighted_mean([OrderedDict((n, r.state[n]) for n in names) for r in results], [float(r.num_examples) for r in results])
+        floating, others = split_names(state, names)
+        new = apply_delta(state, aggregate_deltas(global_state=state, results=results, names=floating, aggregator=self.aggregator))
+        new.update(average_values(results, others))
+        return OrderedDict((n, new[n]) for n in names)
+
     def aggregate(self, *, server_round: int, results: Sequence[FitRes], failures: Sequence[Failure]) -> dict[str, float]:
         if not results:
             return {}
-        agg = WeightedMean()
         ordered = sorted(results, key=lambda r: r.client.sort_key)  # canonical order
-        for res in ordered:
-            agg.add(res.state, float(res.num_examples))
-        self._state = agg.result()
-        train = weighted_metrics([(r.num_examples, {"loss": r.metrics["loss"]}) for r in ordered if "loss" in r.metrics])
-        return {"train_loss": train["loss"]} if train else {}
+        metrics = train_metrics(ordered)
+        try:
+            update = self._update_subset(names=list(self.global_state), results=ordered)
+        except AggregationPreconditionError:
+            return {**metrics, "aggregation_skipped": 1.0}
+        self._state = OrderedDict((n, update.get(n, t)) for n, t in self.global_state.items())
+        return metrics
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "seed": self.seed}
+        return {**super().state_dict(), "strategy": self.name, "seed": self.seed}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        check_strategy_tag(state, self.name)
         self.initialize(initial_state=state["global_state"])
         self.seed = int(state.get("seed", self.seed))
+
+
+def train_metrics(ordered: Sequence[FitRes]) -> dict[str, float]:
+    """``train_loss``: the example-weighted mean of the ``loss`` the clients reported, if any."""
+    train = weighted_metrics([(r.num_examples, {"loss": r.metrics["loss"]}) for r in ordered if "loss" in r.metrics])
+    return {"train_loss": train["loss"]} if train else {}
+
+
+def check_strategy_tag(state: Mapping[str, Any], name: str) -> None:
+    """Refuses a checkpoint written by another strategy (a checkpoint without a tag is accepted).
+
+    Raises:
+        ValueError: ``state`` was written by a strategy other than ``name``.
+    """
+    tag = state.get("strategy")
+    if tag is not None and tag != name:
+        raise ValueError(f"checkpoint was written by strategy {tag!r}, cannot resume it as {name!r}")

@@ -1,0 +1,121 @@
+"""Clipping aggregators: bound each update's influence by its L2 norm.
+
+Both take *updates* (deltas from the global model): a norm bound on whole models would
+be meaningless. The norm of an update is the L2 norm over all its floating tensors
+together, computed in float64; integer and bool tensors are neither counted nor clipped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Mapping
+
+import torch
+
+from fedgrid.aggregation.mean import WeightedMean
+from fedgrid.aggregation.robust import BufferedAggregator, cast_back, check_weight
+from fedgrid.types import ModelState
+
+__all__ = ["NormClip", "CenteredClip", "update_norm"]
+
+
+def update_norm(update: Mapping[str, torch.Tensor]) -> float:
+    """The L2 norm of ``update`` over all its real floating tensors, in float64."""
+    total = 0.0
+    for t in update.values():
+        if t.dtype.is_floating_point:
+            total += float(t.detach().to(torch.float64).square().sum())
+    return math.sqrt(total)
+
+
+class NormClip(WeightedMean):
+    """Scale each update down to L2 norm at most ``bound``, then take the weighted mean.
+
+    An update with norm ``r > bound`` is multiplied by ``bound / r``; shorter updates pass
+    unchanged. Streaming: memory O(model size), however many updates are added.
+
+    Args:
+        bound: the largest norm an update keeps (> 0).
+        weighted: weight by example counts (the default, as FedAvg); a client lying about
+            its count still moves the mean by at most ``bound``-sized steps times its share.
+
+    Raises:
+        ValueError: ``bound`` is not positive and finite.
+    """
+
+    name = "norm-clip"
+
+    def __init__(self, *, bound: float, weighted: bool = True) -> None:
+        if not (bound > 0 and bound != float("inf")):
+            raise ValueError(f"bound must be positive and finite, got {bound}")
+        super().__init__()
+        self.bound = float(bound)
+        self.weighted = weighted
+
+    def add(self, update: Mapping[str, torch.Tensor], weight: float) -> None:
+        check_weight(weight)
+        norm = update_norm(update)
+        if norm > self.bound:
+            scale = self.bound / norm
+            update = OrderedDict(
+                (k, (v.to(torch.float64) * scale).to(v.dtype) if v.dtype.is_floating_point else v) for k, v in update.items()
+            )
+        super().add(update, weight if self.weighted else 1.0)
+
+
+class CenteredClip(BufferedAggregator):
+    """Centered clipping (Karimireddy, He and Jaggi 2021, "Learning from History ...").
+
+    Starting from ``v = 0`` (the current global model, since updates are deltas from it),
+    repeat ``iterations`` times::
+
+        v <- v + sum_i w_i * (x_i - v) * min(1, tau / ||x_i - v||) / sum_i w_i
+
+    Each update pulls the center by at most ``tau``, so a few huge updates cannot drag it
+    far. The paper starts from the previous round's aggregate (worker momentum); with
+    deltas the global model is the natural, stateless center.
+
+    Args:
+        tau: clipping radius (> 0).
+        iterations: clipping iterations (>= 1).
+        weighted: see ``BufferedAggregator`` (default: every update counts once).
+
+    Memory: see ``BufferedAggregator``, plus the float64 center (one model).
+    """
+
+    name = "centered-clip"
+
+    def __init__(self, *, tau: float = 10.0, iterations: int = 5, weighted: bool = False) -> None:
+        if not (tau > 0 and tau != float("inf")):
+            raise ValueError(f"tau must be positive and finite, got {tau}")
+        if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+            raise ValueError(f"iterations must be a positive integer, got {iterations!r}")
+        super().__init__(weighted=weighted)
+        self.tau = float(tau)
+        self.iterations = iterations
+
+    def _combine(self) -> ModelState:
+        first = self._updates[0]
+        names = [n for n, t in first.items() if t.dtype.is_floating_point]
+        center = {n: torch.zeros(first[n].shape, dtype=torch.float64) for n in names}
+        weights = torch.tensor(self._weights, dtype=torch.float64)
+        for _ in range(self.iterations):
+            sq = torch.zeros(len(self._updates), dtype=torch.float64)
+            for n in names:
+                diff = self._stack(n) - center[n]
+                sq += diff.reshape(len(self._updates), -1).square().sum(dim=1)
+            norms = sq.sqrt()
+            scale = torch.where(norms > self.tau, self.tau / norms.clamp(min=1e-300), torch.ones_like(norms))
+            coef = weights * scale / weights.sum()
+            for n in names:
+                diff = self._stack(n) - center[n]
+                center[n] = center[n] + (diff * coef.reshape((-1,) + (1,) * (diff.dim() - 1))).sum(dim=0)
+        out: ModelState = OrderedDict()
+        for n, t in first.items():
+            if n in center:
+                out[n] = cast_back(center[n], t.dtype)
+            else:  # integer buffers are not clipped: their weighted mean
+                stacked = self._stack(n)
+                out[n] = cast_back((stacked * self._weights_like(stacked)).sum(dim=0) / weights.sum(), t.dtype)
+        return out

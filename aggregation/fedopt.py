@@ -1,0 +1,215 @@
+"""FedOpt (Reddi et al. 2021): FedAvg whose server applies an optimizer to the pseudo-gradient.
+
+Each round the server aggregates the clients' updates ``client - global`` (example-weighted
+mean, or a robust ``aggregator``) and hands ``pseudo_grad = -aggregate`` to a
+``ServerOptimizer``. ``FedAvgM``, ``FedAdam``, ``FedYogi`` and ``FedAdagrad`` are FedOpt
+with the matching optimizer and the paper's hyperparameter names. Clients are unchanged:
+they train from the global model and send back their model, as in FedAvg.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Mapping, Sequence
+
+from fedgrid.aggregation.base import Aggregator
+from fedgrid.aggregation.fedavg import FedAvg
+from fedgrid.aggregation.server_opt import ServerAdagrad, ServerAdam, ServerOptimizer, ServerSGD, ServerYogi
+from fedgrid.aggregation.updates import aggregate_deltas, average_values, split_names
+from fedgrid.types import FitRes, ModelState, Scalar
+
+__all__ = ["FedOpt", "FedAvgM", "FedAdam", "FedYogi", "FedAdagrad"]
+
+
+class FedOpt(FedAvg):
+    """FedAvg with a server optimizer on the pseudo-gradient.
+
+    Real floating tensors move by ``server_optimizer.step``; every other tensor (integer
+    buffers) takes the example-weighted mean of the clients' values.
+
+    Args:
+        server_optimizer: the optimizer; default ``ServerSGD(lr=1.0)``, which is FedAvg
+            (up to float rounding: it averages deltas rather than models).
+        aggregator: the rule applied to the updates; default the example-weighted mean.
+        fraction_fit, min_fit_clients, fraction_evaluate, seed, fit_config: as ``FedAvg``.
+    """
+
+    name = "fedopt"
+
+    def __init__(
+        self,
+        *,
+        server_optimizer: ServerOptimizer | None = None,
+        aggregator: Aggregator | None = None,
+        fraction_fit: float = 1.0,
+        min_fit_clients: int = 1,
+        fraction_evaluate: float = 0.0,
+        seed: int = 0,
+        fit_config: Mapping[str, Scalar] | None = None,
+    ) -> None:
+        super().__init__(
+            fraction_fit=fraction_fit,
+            min_fit_clients=min_fit_clients,
+            fraction_evaluate=fraction_evaluate,
+            seed=seed,
+            fit_config=fit_config,
+            aggregator=aggregator,
+        )
+        self.server_optimizer = server_optimizer if server_optimizer is not None else ServerSGD(lr=1.0)
+
+    def initialize(self, *, initial_state: ModelState) -> None:
+        super().initialize(initial_state=initial_state)
+        self.server_optimizer.reset()
+
+    def _update_subset(self, *, names: Sequence[str], results: Sequence[FitRes]) -> ModelState:
+        state = self.global_state
+        floating, others = split_names(state, names)
+        delta = aggregate_deltas(global_state=state, results=results, names=floating, aggregator=self.aggregator)
+        pseudo_grad = OrderedDict((n, d.neg()) for n, d in delta.items())
+        stepped = self.server_optimizer.step(global_state=OrderedDict((n, state[n]) for n in floating), pseudo_grad=pseudo_grad)
+        stepped.update(average_values(results, others))
+        return OrderedDict((n, stepped[n]) for n in names)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "server_optimizer": self.server_optimizer.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.server_optimizer.check_state_dict(state["server_optimizer"])  # before changing anything
+        super().load_state_dict(state)  # initialize() resets the optimizer first
+        self.server_optimizer.load_state_dict(state["server_optimizer"])
+
+
+class FedAvgM(FedOpt):
+    """FedAvg with server momentum (Hsu et al. 2019): ``b = momentum * b + g; x -= server_lr * b``.
+
+    Args:
+        server_lr: server learning rate.
+        server_momentum: momentum in [0, 1).
+        server_nesterov: Nesterov momentum instead.
+        aggregator, fraction_fit, min_fit_clients, fraction_evaluate, seed, fit_config: as ``FedOpt``.
+    """
+
+    name = "fedavgm"
+
+    def __init__(
+        self,
+        *,
+        server_lr: float = 1.0,
+        server_momentum: float = 0.9,
+        server_nesterov: bool = False,
+        aggregator: Aggregator | None = None,
+        fraction_fit: float = 1.0,
+        min_fit_clients: int = 1,
+        fraction_evaluate: float = 0.0,
+        seed: int = 0,
+        fit_config: Mapping[str, Scalar] | None = None,
+    ) -> None:
+        super().__init__(
+            server_optimizer=ServerSGD(lr=server_lr, momentum=server_momentum, nesterov=server_nesterov),
+            aggregator=aggregator,
+            fraction_fit=fraction_fit,
+            min_fit_clients=min_fit_clients,
+            fraction_evaluate=fraction_evaluate,
+            seed=seed,
+            fit_config=fit_config,
+        )
+
+
+class FedAdam(FedOpt):
+    """FedAdam (Reddi et al. 2021, Algorithm 2; no bias correction, as in the paper).
+
+    Args:
+        server_lr: ``eta``. server_beta1, server_beta2: moment decays. server_tau: adaptivity ``tau``.
+        aggregator, fraction_fit, min_fit_clients, fraction_evaluate, seed, fit_config: as ``FedOpt``.
+    """
+
+    name = "fedadam"
+
+    def __init__(
+        self,
+        *,
+        server_lr: float = 1e-2,
+        server_beta1: float = 0.9,
+        server_beta2: float = 0.99,
+        server_tau: float = 1e-3,
+        aggregator: Aggregator | None = None,
+        fraction_fit: float = 1.0,
+        min_fit_clients: int = 1,
+        fraction_evaluate: float = 0.0,
+        seed: int = 0,
+        fit_config: Mapping[str, Scalar] | None = None,
+    ) -> None:
+        super().__init__(
+            server_optimizer=ServerAdam(lr=server_lr, beta1=server_beta1, beta2=server_beta2, tau=server_tau),
+            aggregator=aggregator,
+            fraction_fit=fraction_fit,
+            min_fit_clients=min_fit_clients,
+            fraction_evaluate=fraction_evaluate,
+            seed=seed,
+            fit_config=fit_config,
+        )
+
+
+class FedYogi(FedOpt):
+    """FedYogi (Reddi et al. 2021, Algorithm 2). Arguments as ``FedAdam``."""
+
+    name = "fedyogi"
+
+    def __init__(
+        self,
+        *,
+        server_lr: float = 1e-2,
+        server_beta1: float = 0.9,
+        server_beta2: float = 0.99,
+        server_tau: float = 1e-3,
+        aggregator: Aggregator | None = None,
+        fraction_fit: float = 1.0,
+        min_fit_clients: int = 1,
+        fraction_evaluate: float = 0.0,
+        seed: int = 0,
+        fit_config: Mapping[str, Scalar] | None = None,
+    ) -> None:
+        super().__init__(
+            server_optimizer=ServerYogi(lr=server_lr, beta1=server_beta1, beta2=server_beta2, tau=server_tau),
+            aggregator=aggregator,
+            fraction_fit=fraction_fit,
+            min_fit_clients=min_fit_clients,
+            fraction_evaluate=fraction_evaluate,
+            seed=seed,
+            fit_config=fit_config,
+        )
+
+
+class FedAdagrad(FedOpt):
+    """FedAdagrad (Reddi et al. 2021, Algorithm 2).
+
+    Args:
+        server_lr: ``eta``. server_beta1: first-moment decay (default 0: classic Adagrad).
+        server_tau: adaptivity ``tau``.
+        aggregator, fraction_fit, min_fit_clients, fraction_evaluate, seed, fit_config: as ``FedOpt``.
+    """
+
+    name = "fedadagrad"
+
+    def __init__(
+        self,
+        *,
+        server_lr: float = 1e-1,
+        server_beta1: float = 0.0,
+        server_tau: float = 1e-3,
+        aggregator: Aggregator | None = None,
+        fraction_fit: float = 1.0,
+        min_fit_clients: int = 1,
+        fraction_evaluate: float = 0.0,
+        seed: int = 0,
+        fit_config: Mapping[str, Scalar] | None = None,
+    ) -> None:
+        super().__init__(
+            server_optimizer=ServerAdagrad(lr=server_lr, beta1=server_beta1, tau=server_tau),
+            aggregator=aggregator,
+            fraction_fit=fraction_fit,
+            min_fit_clients=min_fit_clients,
+            fraction_evaluate=fraction_evaluate,
+            seed=seed,
+            fit_config=fit_config,
+        )

@@ -1,0 +1,92 @@
+"""The weighted mean: FedAvg's arithmetic and the default aggregator of every strategy.
+
+Streaming (``add`` then ``result``), so memory stays O(model size) however many updates
+are added.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Mapping, Sequence
+
+import torch
+
+from fedgrid.aggregation.base import Aggregator
+from fedgrid.types import ModelState
+
+__all__ = ["WeightedMean", "Mean", "weighted_mean"]
+
+
+class WeightedMean(Aggregator):
+    """Example-weighted mean, accumulated in float64 so the result barely depends on order.
+
+    Floating tensors are averaged and cast back to their dtype; integer and bool tensors
+    (e.g. BatchNorm's ``num_batches_tracked``) take the weighted mean rounded to nearest.
+    """
+
+    def __init__(self) -> None:
+        self._sums: OrderedDict[str, torch.Tensor] | None = None
+        self._dtypes: dict[str, torch.dtype] = {}
+        self._total = 0.0
+
+    def add(self, update: Mapping[str, torch.Tensor], weight: float) -> None:
+        if not (weight > 0 and weight != float("inf")):
+            raise ValueError(f"weight must be positive and finite, got {weight}")
+        if self._sums is None:
+            self._sums = OrderedDict()
+            for name, t in update.items():
+                self._dtypes[name] = t.dtype
+                acc_dtype = torch.complex128 if t.dtype.is_complex else torch.float64
+                self._sums[name] = torch.zeros(t.shape, dtype=acc_dtype)
+        elif list(update) != list(self._sums):
+            raise ValueError("update holds different tensors than the first one added")
+        for name, t in update.items():
+            acc = self._sums[name]
+            if t.shape != acc.shape:
+                raise ValueError(f"tensor '{name}': shape {list(t.shape)} differs from {list(acc.shape)}")
+            acc.add_(t.detach().to("cpu", acc.dtype), alpha=weight)
+        self._total += weight
+
+    def result(self) -> ModelState:
+        if self._sums is None:
+            raise ValueError("no update was added")
+        out: ModelState = OrderedDict()
+        for name, acc in self._sums.items():
+            mean = acc / self._total
+            dtype = self._dtypes[name]
+            if not (dtype.is_floating_point or dtype.is_complex):
+                mean = mean.round()
+            out[name] = mean.to(dtype)
+        return out
+
+    def reset(self) -> None:
+        self._sums, self._dtypes, self._total = None, {}, 0.0
+
+
+def weighted_mean(updates: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]) -> ModelState:
+    """The weighted mean of ``updates`` (pure function over ``WeightedMean``)."""
+    agg = WeightedMean()
+    for update, weight in zip(updates, weights, strict=True):
+        agg.add(update, weight)
+    return agg.result()
+
+
+class Mean(WeightedMean):
+    """The ``mean`` aggregator: ``WeightedMean``, optionally ignoring the weights.
+
+    Args:
+        weighted: weight each update by its client's example count (FedAvg). With
+            ``False`` every update counts once, so a client cannot buy influence by
+            reporting more examples.
+
+    Memory: O(model size), whatever the number of updates.
+    """
+
+    def __init__(self, *, weighted: bool = True) -> None:
+        super().__init__()
+        self.weighted = weighted
+
+    def add(self, update: Mapping[str, torch.Tensor], weight: float) -> None:
+        if not (weight > 0 and weight != float("inf")):
+            raise ValueError(f"weight must be positive and finite, got {weight}")
+        super().add(update, weight if self.weighted else 1.0)

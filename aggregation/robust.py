@@ -1,0 +1,301 @@
+"""Byzantine-robust aggregators that need every update at once: median, trimmed mean, (multi-)Krum.
+
+Every rule here is an ``Aggregator``: ``add(update, weight)`` each client's update, then
+``result()``. Strategies feed them *updates*, ``client - global``, of the model's real
+floating tensors (``fedgrid.aggregation.updates``). Median, trimmed mean and Krum commute
+with translation, so on deltas they give the same model as on the models themselves;
+clipping does not, and is only meaningful on deltas.
+
+Weights: a Byzantine client can report any example count, so the robust rules ignore the
+weights by default (``weighted=False``; every update counts once) and use them only when
+asked. ``mean`` and ``norm-clip`` weight by examples by default, as FedAvg.
+
+The clipping rules live in ``clipping``; ``registry.build_aggregator`` builds any rule by
+name. Rules that need several updates check it twice: ``check_preconditions(num_clients=...)``
+when the run is configured (``ConfigError``), and ``result()`` on the updates a round
+actually delivered (``AggregationPreconditionError``; the strategy then skips the round
+rather than fall back to a rule without the promised robustness).
+
+Computation is in float64 and the result is cast back to each tensor's dtype (integer and
+bool tensors rounded to nearest), so results barely depend on the order updates arrive in;
+ties (Krum scores) are broken by the order of ``add``, which strategies make canonical.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import abstractmethod
+from collections import OrderedDict
+from typing import ClassVar, Mapping
+
+import torch
+
+from fedgrid.aggregation.base import AggregationPreconditionError, Aggregator
+from fedgrid.errors import ConfigError
+from fedgrid.types import ModelState
+
+__all__ = ["BufferedAggregator", "Median", "TrimmedMean", "Krum", "MultiKrum", "weighted_median", "cast_back", "check_weight"]
+
+
+def check_weight(weight: float) -> None:
+    """Raises ``ValueError`` unless ``weight`` is positive and finite (the ``add`` contract)."""
+    if not (weight > 0 and weight != float("inf")):
+        raise ValueError(f"weight must be positive and finite, got {weight}")
+
+
+def cast_back(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` (float64) in ``dtype``; integer and bool tensors are rounded to nearest first."""
+    if not (dtype.is_floating_point or dtype.is_complex):
+        t = t.round()
+    return t.to(dtype)
+
+
+class BufferedAggregator(Aggregator):
+    """An aggregator that needs every update at once: ``add`` keeps them, ``result`` combines.
+
+    Memory: the ``n`` updates as added (``n`` x model size; the strategy's deltas are
+    float32) plus, while ``result`` runs, float64 copies of one tensor across all updates.
+
+    Args:
+        weighted: use the weights passed to ``add``; otherwise every update counts once.
+    """
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, *, weighted: bool = False) -> None:
+        self.weighted = weighted
+        self._updates: list[ModelState] = []
+        self._weights: list[float] = []
+
+    def add(self, update: Mapping[str, torch.Tensor], weight: float) -> None:
+        check_weight(weight)
+        if any(t.is_complex() for t in update.values()):
+            raise ValueError(f"{self.name} does not order complex tensors")
+        if self._updates:
+            first = self._updates[0]
+            if list(update) != list(first):
+                raise ValueError("update holds different tensors than the first one added")
+            for name, t in update.items():
+                if t.shape != first[name].shape:
+                    raise ValueError(f"tensor '{name}': shape {list(t.shape)} differs from {list(first[name].shape)}")
+        # References, not copies: the caller hands over fresh delta tensors.
+        self._updates.append(OrderedDict((k, v.detach().to("cpu")) for k, v in update.items()))
+        self._weights.append(float(weight) if self.weighted else 1.0)
+
+    def result(self) -> ModelState:
+        if not self._updates:
+            raise ValueError("no update was added")
+        problem = self.problem(len(self._updates))
+        if problem is not None:
+            raise AggregationPreconditionError(f"{self.name}: {problem}")
+        return self._combine()
+
+    def reset(self) -> None:
+        self._updates, self._weights = [], []
+
+    def check_preconditions(self, *, num_clients: int) -> None:
+        problem = self.problem(num_clients)
+        if problem is not None:
+            raise ConfigError("aggregator", f"{self.name}: {problem}")
+
+    def problem(self, num_updates: int) -> str | None:
+        """Why this rule cannot run on ``num_updates`` updates, or ``None`` if it can."""
+        return None if num_updates >= 1 else "needs at least one update"
+
+    def _stack(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` of every update, stacked along dim 0, in float64."""
+        return torch.stack([u[name].to(torch.float64) for u in self._updates])
+
+    def _weights_like(self, stacked: torch.Tensor) -> torch.Tensor:
+        """The weights as a float64 tensor broadcastable against ``stacked`` (n, ...)."""
+        return torch.tensor(self._weights, dtype=torch.float64).reshape((-1,) + (1,) * (stacked.dim() - 1))
+
+    @abstractmethod
+    def _combine(self) -> ModelState:
+        """The aggregate of the buffered updates (at least one, preconditions met)."""
+
+
+def weighted_median(stacked: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Coordinate-wise weighted median along dim 0.
+
+    The smallest value whose cumulative weight reaches half the total; where the
+    cumulative weight equals exactly half, the mean of that value and the next. With equal
+    weights this is the ordinary median (mean of the two middle values for even ``n``).
+
+    Args:
+        stacked: (n, ...) values.
+        weights: (n, 1, ...) positive weights.
+    """
+    n = stacked.shape[0]
+    values, order = torch.sort(stacked, dim=0, stable=True)
+    cum = torch.cumsum(torch.broadcast_to(weights, stacked.shape).gather(0, order), dim=0)
+    half = cum[-1:] / 2
+    k = (cum < half).sum(dim=0, keepdim=True).clamp(max=n - 1)
+    lower = values.gather(0, k)
+    upper = values.gather(0, (k + 1).clamp(max=n - 1))
+    exact = cum.gather(0, k) == half
+    return torch.where(exact, (lower + upper) / 2, lower).squeeze(0)
+
+
+class Median(BufferedAggregator):
+    """Coordinate-wise median (Yin et al. 2018); weighted median with ``weighted=True``.
+
+    Tolerates fewer than half of the updates being arbitrary. Memory: see
+    ``BufferedAggregator`` (plus a sort of one tensor across all updates).
+    """
+
+    name = "median"
+
+    def _combine(self) -> ModelState:
+        out: ModelState = OrderedDict()
+        for name, first in self._updates[0].items():
+            stacked = self._stack(name)
+            out[name] = cast_back(weighted_median(stacked, self._weights_like(stacked)), first.dtype)
+        return out
+
+
+class TrimmedMean(BufferedAggregator):
+    """Coordinate-wise trimmed mean (Yin et al. 2018): drop the extremes, average the rest.
+
+    Unweighted, it drops the ``floor(beta * n)`` smallest and largest values of each
+    coordinate (the convention of ``scipy.stats.trim_mean``). Weighted, it drops
+    ``beta`` of the total weight from each end, splitting an update's weight where the cut
+    falls inside it; the two agree when ``beta * n`` is an integer and weights are equal.
+
+    Args:
+        beta: share trimmed from each end, in [0, 0.5).
+        weighted: see ``BufferedAggregator``.
+
+    Memory: see ``BufferedAggregator``.
+    """
+
+    name = "trimmed-mean"
+
+    def __init__(self, *, beta: float = 0.1, weighted: bool = False) -> None:
+        if not 0.0 <= beta < 0.5:
+            raise ValueError(f"beta must be in [0, 0.5), got {beta}")
+        super().__init__(weighted=weighted)
+        self.beta = float(beta)
+
+    def _trimmed(self, n: int) -> int:
+        return math.floor(self.beta * n + 1e-9)  # 0.29 * 100 is 28.999...
+
+    def problem(self, num_updates: int) -> str | None:
+        if num_updates < 1:
+            return "needs at least one update"
+        # Weighted, it always trims beta of the weight; unweighted, it may trim no update.
+        if not self.weighted and self.beta > 0 and self._trimmed(num_updates) == 0:
+            return (
+                f"beta={self.beta} trims nothing from {num_updates} updates (floor(beta * n) = 0); "
+                f"it needs at least {math.ceil(1 / self.beta - 1e-9)} updates per round, or a larger beta"
+            )
+        return None
+
+    def _combine(self) -> ModelState:
+        out: ModelState = OrderedDict()
+        n = len(self._updates)
+        k = self._trimmed(n)
+        for name, first in self._updates[0].items():
+            stacked = self._stack(name)
+            if not self.weighted:
+                values = torch.sort(stacked, dim=0).values[k : n - k]
+                mean = values.sum(dim=0) / (n - 2 * k)
+            else:
+                values, order = torch.sort(stacked, dim=0, stable=True)
+                w = torch.broadcast_to(self._weights_like(stacked), stacked.shape).gather(0, order)
+                cum = torch.cumsum(w, dim=0)
+                total = cum[-1:]
+                lo, hi = self.beta * total, (1.0 - self.beta) * total
+                kept = (torch.minimum(cum, hi) - torch.maximum(cum - w, lo)).clamp(min=0)
+                mean = (kept * values).sum(dim=0) / kept.sum(dim=0)
+            out[name] = cast_back(mean, first.dtype)
+        return out
+
+
+class Krum(BufferedAggregator):
+    """Krum (Blanchard et al. 2017): the update closest to its ``n - f - 2`` nearest neighbours.
+
+    Each update's score is the sum of squared Euclidean distances (over all tensors) to
+    its ``n - f - 2`` nearest other updates; Krum returns the update with the lowest score
+    (ties: the first added). Needs ``n > 2f + 2``. Weights are never used to select.
+
+    Args:
+        f: the number of Byzantine updates to tolerate (>= 0).
+
+    Memory: see ``BufferedAggregator``, plus an ``n x n`` float64 distance matrix.
+    """
+
+    name = "krum"
+
+    def __init__(self, *, f: int = 1, weighted: bool = False) -> None:
+        if isinstance(f, bool) or not isinstance(f, int) or f < 0:
+            raise ValueError(f"f must be a non-negative integer, got {f!r}")
+        super().__init__(weighted=weighted)
+        self.f = f
+
+    def problem(self, num_updates: int) -> str | None:
+        if num_updates <= 2 * self.f + 2:
+            return f"needs more than 2f + 2 = {2 * self.f + 2} updates per round to tolerate f={self.f}, got {num_updates}"
+        return None
+
+    def scores(self) -> torch.Tensor:
+        """Each buffered update's Krum score (float64, in order of ``add``)."""
+        n = len(self._updates)
+        dist = torch.zeros(n, n, dtype=torch.float64)
+        for name in self._updates[0]:
+            flat = self._stack(name).reshape(n, -1)
+            for i in range(n):
+                dist[i] += (flat - flat[i]).square().sum(dim=1)
+        neighbours = n - self.f - 2
+        # Row i sorted ascending starts with its zero self-distance: skip it.
+        return torch.sort(dist, dim=1).values[:, 1 : 1 + neighbours].sum(dim=1)
+
+    def selected(self) -> list[int]:
+        """Indices (order of ``add``) of the updates the rule keeps."""
+        return [int(torch.argmin(self.scores()))]
+
+    def _combine(self) -> ModelState:
+        chosen = self.selected()
+        if len(chosen) == 1:
+            return OrderedDict((k, v.clone()) for k, v in self._updates[chosen[0]].items())
+        weights = torch.tensor([self._weights[i] for i in chosen], dtype=torch.float64)
+        out: ModelState = OrderedDict()
+        for name, first in self._updates[0].items():
+            stacked = torch.stack([self._updates[i][name].to(torch.float64) for i in chosen])
+            w = weights.reshape((-1,) + (1,) * (stacked.dim() - 1))
+            out[name] = cast_back((stacked * w).sum(dim=0) / weights.sum(), first.dtype)
+        return out
+
+
+class MultiKrum(Krum):
+    """Multi-Krum (Blanchard et al. 2017): the mean of the ``m`` updates with the best Krum scores.
+
+    Scores are computed once, over all updates (Blanchard et al.), not recomputed after
+    each pick. The kept updates are averaged with their weights if ``weighted``.
+
+    Args:
+        f: Byzantine updates tolerated; needs ``n > 2f + 2``.
+        m: updates kept, in [1, n - f]; ``None`` keeps ``n - f``.
+
+    Memory: as ``Krum``.
+    """
+
+    name = "multi-krum"
+
+    def __init__(self, *, f: int = 1, m: int | None = None, weighted: bool = False) -> None:
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(f"m must be a positive integer, got {m!r}")
+        super().__init__(f=f, weighted=weighted)
+        self.m = m
+
+    def problem(self, num_updates: int) -> str | None:
+        problem = super().problem(num_updates)
+        if problem is None and self.m is not None and self.m > num_updates - self.f:
+            return f"m={self.m} exceeds n - f = {num_updates - self.f} (n={num_updates} updates, f={self.f})"
+        return problem
+
+    def selected(self) -> list[int]:
+        n = len(self._updates)
+        m = self.m if self.m is not None else n - self.f
+        order = torch.sort(self.scores(), stable=True).indices[:m]
+        return sorted(int(i) for i in order)

@@ -1,0 +1,120 @@
+"""Client updates as deltas from the global model: the common input of every aggregator.
+
+Strategies other than plain FedAvg aggregate *updates*, ``delta_i = client_i - global``,
+over the real floating tensors of the model, and apply the aggregate (directly, or as the
+pseudo-gradient ``-delta`` of a server optimizer). Every other tensor (integer or bool
+buffers such as BatchNorm's ``num_batches_tracked``, complex tensors) takes the
+example-weighted mean of the clients' values, as in FedAvg.
+
+Deltas are computed in float32 (float64 for float64 tensors), so a bfloat16 model's
+updates are not rounded to bfloat16 before they are averaged.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Mapping, Sequence
+
+import torch
+
+from fedgrid.aggregation.base import Aggregator
+from fedgrid.aggregation.mean import WeightedMean
+from fedgrid.types import FitRes, ModelState
+
+__all__ = [
+    "is_optimizable",
+    "compute_dtype",
+    "split_names",
+    "client_delta",
+    "aggregate_deltas",
+    "average_values",
+    "apply_delta",
+]
+
+
+def is_optimizable(dtype: torch.dtype) -> bool:
+    """True for real floating dtypes: the tensors that deltas, clipping and server optimizers touch."""
+    return dtype.is_floating_point
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype deltas and optimizer state of a ``dtype`` tensor are held in (at least float32)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def split_names(state: Mapping[str, torch.Tensor], names: Sequence[str] | None = None) -> tuple[list[str], list[str]]:
+    """Splits ``names`` (default: all of ``state``) into (real floating, everything else), in order."""
+    chosen = list(state) if names is None else list(names)
+    floating = [n for n in chosen if is_optimizable(state[n].dtype)]
+    others = [n for n in chosen if not is_optimizable(state[n].dtype)]
+    return floating, others
+
+
+def client_delta(global_state: Mapping[str, torch.Tensor], res: FitRes, names: Sequence[str]) -> ModelState:
+    """``res.state[n] - global_state[n]`` for each of ``names``, in the compute dtype.
+
+    Raises:
+        ValueError: the result lacks one of ``names`` or holds it with another shape.
+    """
+    out: ModelState = OrderedDict()
+    who = res.client.name or res.client.client_id
+    for name in names:
+        ref = global_state[name]
+        got = res.state.get(name)
+        if got is None:
+            raise ValueError(f"result from client {who!r} lacks tensor '{name}'")
+        if got.shape != ref.shape:
+            raise ValueError(f"result from client {who!r}: tensor '{name}' has shape {list(got.shape)}, expected {list(ref.shape)}")
+        dtype = compute_dtype(ref.dtype)
+        out[name] = got.detach().to("cpu", dtype) - ref.detach().to("cpu", dtype)
+    return out
+
+
+def aggregate_deltas(
+    *,
+    global_state: Mapping[str, torch.Tensor],
+    results: Sequence[FitRes],
+    names: Sequence[str],
+    aggregator: Aggregator | None = None,
+) -> ModelState:
+    """The aggregate of the clients' deltas over the floating ``names``.
+
+    Args:
+        global_state: the model the clients started from.
+        results: the round's results, in canonical order (the order ties are broken in).
+        names: real floating tensor names, all present in every result.
+        aggregator: the rule; ``None`` is the example-weighted mean. It is ``reset`` first.
+
+    Returns:
+        One delta per name, in the compute dtype.
+
+    Raises:
+        AggregationPreconditionError: the aggregator cannot run on ``len(results)`` updates.
+        ValueError: a result is malformed (missing tensor, wrong shape, weight not positive).
+    """
+    agg = aggregator if aggregator is not None else WeightedMean()
+    agg.reset()
+    for res in results:
+        agg.add(client_delta(global_state, res, names), float(res.num_examples))
+    out = agg.result()
+    agg.reset()  # drop the buffered updates now rather than at the next round
+    return out
+
+
+def average_values(results: Sequence[FitRes], names: Sequence[str]) -> ModelState:
+    """The example-weighted mean of the clients' own values of ``names`` (FedAvg's rule)."""
+    if not names:
+        return OrderedDict()
+    agg = WeightedMean()
+    for res in results:
+        agg.add(OrderedDict((n, res.state[n]) for n in names), float(res.num_examples))
+    return agg.result()
+
+
+def apply_delta(global_state: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor]) -> ModelState:
+    """``global + delta`` for each name of ``delta``, cast back to the global tensor's dtype."""
+    out: ModelState = OrderedDict()
+    for name, d in delta.items():
+        ref = global_state[name]
+        out[name] = (ref.to(d.dtype) + d).to(ref.dtype)
+    return out

@@ -1,0 +1,262 @@
+"""Unit tests of model partitions: ``blocks``, the ``bcd`` strategy and streaming DiLoCo."""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+
+import pytest
+import torch
+
+from aggsim import clients, fake_fit, model_state, run_round
+from fedgrid.aggregation import (
+    BlockCoordinate,
+    DiLoCo,
+    Krum,
+    Median,
+    StreamingDiLoCo,
+    blocks_from_prefixes,
+    default_blocks,
+    matches_prefix,
+)
+from fedgrid.aggregation.blocks import balanced_split
+from fedgrid.errors import ConfigError
+from fedgrid.types import ClientInfo, FitRes, TensorSpec
+
+pytestmark = pytest.mark.timeout(60)
+
+SPECS = TensorSpec.of(model_state())
+NAMES = list(SPECS)
+
+
+def _assert_partition(blocks, names=NAMES):
+    flat = [n for b in blocks for n in b.names]
+    assert flat == names  # every tensor exactly once, contiguous, in model order
+    assert [b.index for b in blocks] == list(range(len(blocks)))
+    for b in blocks:
+        assert b.names and b.numel == sum(torch.Size(SPECS[n].shape).numel() for n in b.names)
+        assert [n for n in names if any(matches_prefix(n, p) for p in b.prefixes)] == list(b.names)
+
+
+# -- partitions ----------------------------------------------------------------------------
+def test_matches_prefix_respects_module_boundaries():
+    assert matches_prefix("layer1.weight", "layer1") and matches_prefix("layer1.weight", "layer1.")
+    assert matches_prefix("fc.bias", "fc.bias")
+    assert not matches_prefix("layer10.weight", "layer1")
+
+
+def test_balanced_split_hand_computed():
+    assert balanced_split([1, 2, 3, 4, 5, 6, 7, 8, 9], 3) == [0, 5, 7]  # sums 15, 13, 17 (optimal max 17)
+    assert balanced_split([1] * 10, 3) == [0, 4, 8]
+    assert balanced_split([100, 1, 1], 3) == [0, 1, 2]
+    assert balanced_split([5, 5], 1) == [0]
+    with pytest.raises(ValueError):
+        balanced_split([1, 2], 3)
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 6])
+def test_default_blocks_partition_the_model(count):
+    blocks = default_blocks(SPECS, count)
+    assert len(blocks) == count
+    _assert_partition(blocks)
+
+
+def test_default_blocks_group_top_level_modules_balanced():
+    # enc: 12 + 4 = 16 elements, bn: 4 + 1 = 5, head: 8 + 2 = 10
+    assert [b.prefixes for b in default_blocks(SPECS, 2)] == [("enc",), ("bn", "head")]
+    assert [b.prefixes for b in default_blocks(SPECS, 3)] == [("enc",), ("bn",), ("head",)]
+    # more blocks than top-level modules: one level deeper (single tensors here)
+    assert [len(b.names) for b in default_blocks(SPECS, 6)] == [1] * 6
+    with pytest.raises(ValueError, match="6 tensors into 7 blocks"):
+        default_blocks(SPECS, 7)
+
+
+def test_blocks_from_prefixes():
+    blocks = blocks_from_prefixes(SPECS, [["enc", "head"], ["bn"]])
+    assert blocks[0].names == ("enc.weight", "enc.bias", "head.weight", "head.bias")
+    assert blocks[1].names == ("bn.running_mean", "bn.num_batches_tracked")
+    with pytest.raises(ValueError, match="match no block prefix"):
+        blocks_from_prefixes(SPECS, [["enc"], ["bn"]])
+    with pytest.raises(ValueError, match="matches blocks 0 and 1"):
+        blocks_from_prefixes(SPECS, [["enc", "bn", "head"], ["enc.bias"]])
+    with pytest.raises(ValueError, match="matches no tensor"):
+        blocks_from_prefixes(SPECS, [["enc", "bn", "head"], ["decoder"]])
+
+
+# -- bcd -----------------------------------------------------------------------------------
+def _bcd(**kwargs) -> BlockCoordinate:
+    strategy = BlockCoordinate(**kwargs)
+    strategy.initialize(initial_state=model_state())
+    return strategy
+
+
+@pytest.mark.parametrize("schedule", ["cyclic", "random", "capacity"])
+def test_bcd_tasks_expect_exactly_their_block(schedule):
+    strategy = _bcd(num_blocks=3, block_schedule=schedule, fit_config={"lr": 0.1})
+    _assert_partition(strategy.blocks)
+    live = clients(7, memory=[5, 1, 7, 3, 2, 6, 4])
+    for server_round in (1, 2, 3):
+        pairs = strategy.configure_round(server_round=server_round, clients=live)
+        assert [c for c, _ in pairs] == live
+        for _, ins in pairs:
+            block = strategy.blocks[ins.config["block"]]
+            assert ins.expected == OrderedDict((n, SPECS[n]) for n in block.names)
+            prefixes = str(ins.config["block_prefixes"]).split(",")
+            assert [n for n in NAMES if any(matches_prefix(n, p) for p in prefixes)] == list(block.names)
+            assert ins.config["algorithm"] == "bcd" and ins.config["num_blocks"] == 3 and ins.config["lr"] == 0.1
+        counts = Counter(ins.config["block"] for _, ins in pairs)
+        assert set(counts) == {0, 1, 2} and min(counts.values()) >= 7 // 3  # k >= B: every block trained
+
+
+def test_bcd_cyclic_schedule_rotates():
+    strategy = _bcd(num_blocks=3)
+    live = clients(3)
+    rounds = [strategy.assign_blocks(server_round=r, clients=live) for r in (1, 2, 3)]
+    assert rounds == [[0, 1, 2], [1, 2, 0], [2, 0, 1]]  # each client visits every block
+    few = clients(2)
+    windows = [strategy.assign_blocks(server_round=r, clients=few) for r in (1, 2, 3)]
+    assert windows == [[0, 1], [2, 0], [1, 2]]  # k < B: consecutive windows cover every block
+
+
+def test_bcd_random_schedule_is_seeded():
+    live = clients(4)
+    a = [_bcd(num_blocks=4, block_schedule="random", seed=5).assign_blocks(server_round=r, clients=live) for r in range(1, 9)]
+    b = [_bcd(num_blocks=4, block_schedule="random", seed=5).assign_blocks(server_round=r, clients=live) for r in range(1, 9)]
+    c = [_bcd(num_blocks=4, block_schedule="random", seed=6).assign_blocks(server_round=r, clients=live) for r in range(1, 9)]
+    assert a == b and a != c
+    assert all(sorted(x) == [0, 1, 2, 3] for x in a)  # a permutation each round
+    assert len({tuple(x) for x in a}) > 1
+
+
+def test_bcd_capacity_gives_larger_blocks_to_larger_memory():
+    strategy = _bcd(num_blocks=3, block_schedule="capacity")  # sizes: enc 16, bn 5, head 10
+    live = clients(3, memory=[300, 100, 200])
+    assert strategy.assign_blocks(server_round=1, clients=live) == [0, 1, 2]  # most memory -> enc
+    live6 = clients(6, memory=[6, 1, 5, 2, 4, 3])
+    got = strategy.assign_blocks(server_round=1, clients=live6)
+    sizes = [strategy.blocks[b].numel for b in got]
+    by_memory = sorted(range(6), key=lambda i: live6[i].memory_bytes)
+    assert [sizes[i] for i in by_memory] == sorted(sizes) and set(got) == {0, 1, 2}
+    # k < B: the round's window of blocks, the largest of it to the most memory
+    two = clients(2, memory=[10, 20])
+    first = strategy.assign_blocks(server_round=1, clients=two)
+    second = strategy.assign_blocks(server_round=2, clients=two)
+    assert first == [1, 0] and set(first) | set(second) == {0, 1, 2}
+
+
+def test_bcd_averages_each_block_over_its_clients():
+    strategy = _bcd(num_blocks=3)
+    init = model_state()
+    live = clients(5)  # round 1, cyclic: blocks 0, 1, 2, 0, 1
+    pairs = strategy.configure_round(server_round=1, clients=live)
+    sent = strategy.downlink_state(server_round=1)
+    results = [fake_fit(c, ins, sent) for c, ins in pairs]
+    results = [r for r in results if r.client.name != "c02"]  # block 2's only client failed
+    metrics = strategy.aggregate(server_round=1, results=results, failures=[])
+    assert metrics["blocks_updated"] == 2.0
+    new = strategy.global_state
+    for index in (0, 1):
+        trained = [r for r in results if set(r.state) == set(strategy.blocks[index].names)]
+        assert len(trained) == 2
+        total = sum(r.num_examples for r in trained)
+        for name in strategy.blocks[index].names:
+            mean = sum(r.state[name].double() * r.num_examples for r in trained) / total
+            if init[name].dtype.is_floating_point:
+                torch.testing.assert_close(new[name], mean.to(init[name].dtype))
+            else:
+                assert new[name].item() == round(float(mean))
+            assert not torch.equal(new[name], init[name])
+    for name in strategy.blocks[2].names:
+        assert torch.equal(new[name], init[name])  # nobody trained it: unchanged
+
+
+def test_bcd_rejects_result_of_no_block():
+    strategy = _bcd(num_blocks=2)
+    bad = FitRes(ClientInfo("x", "x"), OrderedDict([("enc.weight", torch.zeros(4, 3))]), num_examples=1)
+    with pytest.raises(ValueError, match="form no block"):
+        strategy.aggregate(server_round=1, results=[bad], failures=[])
+
+
+def test_bcd_robust_aggregator_per_block():
+    strategy = _bcd(num_blocks=2, aggregator=Median())
+    run_round(strategy, 1, clients(6))
+    strategy = _bcd(num_blocks=2, aggregator=Krum(f=0))  # needs 3 per block
+    metrics = run_round(strategy, 1, clients(5))  # blocks get 3 and 2 clients
+    assert metrics["blocks_updated"] == 1.0 and metrics["blocks_skipped"] == 1.0
+    strategy.check_preconditions(num_clients=6)
+    with pytest.raises(ConfigError, match="needs more than 2f"):
+        strategy.check_preconditions(num_clients=5)
+
+
+def test_bcd_arguments():
+    with pytest.raises(ValueError, match="block_schedule"):
+        BlockCoordinate(block_schedule="greedy")
+    with pytest.raises(ValueError, match="num_blocks=3 but 2 blocks"):
+        BlockCoordinate(num_blocks=3, block_prefixes=[["enc"], ["bn", "head"]])
+    strategy = _bcd(block_prefixes=[["enc"], ["bn", "head"]])
+    assert strategy.num_blocks == 2 and strategy.blocks[1].names[0] == "bn.running_mean"
+    with pytest.raises(ConfigError, match="match no block prefix") as info:
+        _bcd(block_prefixes=[["enc"], ["bn"]])
+    assert info.value.key == "block_prefixes"
+    with pytest.raises(ConfigError, match="into 9 blocks") as info:
+        _bcd(num_blocks=9)
+    assert info.value.key == "num_blocks"
+
+
+def test_bcd_upload_is_a_fraction_of_the_model():
+    strategy = _bcd(num_blocks=3)
+    total = sum(torch.Size(s.shape).numel() for s in SPECS.values())
+    for _, ins in strategy.configure_round(server_round=1, clients=clients(3)):
+        assert ins.expected is not None
+        assert sum(torch.Size(s.shape).numel() for s in ins.expected.values()) <= 16 < total
+
+
+# -- streaming DiLoCo ----------------------------------------------------------------------
+def test_streaming_fragments_partition_and_rotate():
+    strategy = StreamingDiLoCo(num_fragments=3, inner_steps=10)
+    strategy.initialize(initial_state=model_state())
+    _assert_partition(strategy.fragments)
+    live = clients(2)
+    for server_round in range(1, 7):
+        fragment = strategy.fragments[server_round % 3]
+        for _, ins in strategy.configure_round(server_round=server_round, clients=live):
+            assert ins.expected == OrderedDict((n, SPECS[n]) for n in fragment.names)
+            assert ins.config["fragment"] == server_round % 3
+            assert ins.config["merge_fragment"] == (server_round - 1) % 3
+            assert ins.config["num_fragments"] == 3 and ins.config["inner_steps"] == 10
+            assert ins.config["algorithm"] == "streaming-diloco"
+            assert ins.config["fragment_prefixes"] == ",".join(fragment.prefixes)
+            assert ins.config["merge_fragment_prefixes"] == ",".join(strategy.fragments[(server_round - 1) % 3].prefixes)
+        before = OrderedDict((k, v.clone()) for k, v in strategy.global_state.items())
+        metrics = run_round(strategy, server_round, live)
+        assert metrics["fragment"] == float(fragment.index)
+        for name, t in strategy.global_state.items():
+            assert torch.equal(t, before[name]) != (name in fragment.names), name  # only the fragment moves
+    momentum = strategy.server_optimizer.state_dict()["buffers"]["momentum"]
+    assert set(momentum) == {n for n in NAMES if SPECS[n].dtype.is_floating_point}
+
+
+def test_streaming_with_one_fragment_is_diloco():
+    streaming, plain = StreamingDiLoCo(num_fragments=1), DiLoCo()
+    for s in (streaming, plain):
+        s.initialize(initial_state=model_state())
+    for server_round in (1, 2, 3):
+        run_round(streaming, server_round, clients(3))
+        run_round(plain, server_round, clients(3))
+    for name, t in plain.global_state.items():
+        assert torch.equal(streaming.global_state[name], t)
+
+
+def test_streaming_outer_momentum_is_per_fragment():
+    strategy = StreamingDiLoCo(num_fragments=2)
+    strategy.initialize(initial_state=model_state())
+    run_round(strategy, 1, clients(2))  # fragment 1
+    buffers = strategy.server_optimizer.state_dict()["buffers"]["momentum"]
+    assert set(buffers) == {n for n in strategy.fragments[1].names if SPECS[n].dtype.is_floating_point}
+
+
+def test_streaming_too_many_fragments():
+    with pytest.raises(ConfigError, match="into 7 blocks") as info:
+        StreamingDiLoCo(num_fragments=7).initialize(initial_state=model_state())
+    assert info.value.key == "num_fragments"
+    with pytest.raises(ValueError, match="num_fragments"):
+        StreamingDiLoCo(num_fragments=0)
