@@ -111,6 +111,10 @@ class Strategy(ABC):
             ConfigError: the strategy or its aggregator cannot run on that many clients.
         """
 
+    def round_target(self, *, num_live: int, num_assigned: int) -> int:
+        """Results after which a round closes (fewer than assigned when over-selecting)."""
+        return num_assigned
+
     def configure_evaluate(
         self, *, server_round: int, clients: Sequence[ClientInfo]
     ) -> list[tuple[ClientInfo, EvaluateIns]]:

@@ -150,7 +150,7 @@ class BlockCoordinate(FedAvg):
             self.aggregator.check_preconditions(num_clients=per_block)
 
     def configure_round(self, *, server_round: int, clients: Sequence[ClientInfo]) -> list[tuple[ClientInfo, FitIns]]:
-        chosen = self._sample(clients, self.fraction_fit, server_round, 0)
+        chosen = self._select_fit(clients, server_round)
         specs = TensorSpec.of(self.global_state)
         base = {**self._task_config(server_round), "algorithm": self.name, "num_blocks": self.num_blocks}
         tasks: dict[int, FitIns] = {}

@@ -165,7 +165,7 @@ class StreamingDiLoCo(DiLoCo):
         }
         specs = TensorSpec.of(self.global_state)
         ins = FitIns(round=server_round, config=config, expected=OrderedDict((n, specs[n]) for n in fragment.names))
-        return [(client, ins) for client in self._sample(clients, self.fraction_fit, server_round, 0)]
+        return [(client, ins) for client in self._select_fit(clients, server_round)]
 
     def aggregate(self, *, server_round: int, results: Sequence[FitRes], failures: Sequence[Failure]) -> dict[str, float]:
         if not results:

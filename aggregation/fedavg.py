@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 from fedgrid.aggregation.base import AggregationPreconditionError, Aggregator, Strategy, weighted_metrics
 from fedgrid.aggregation.mean import WeightedMean, weighted_mean
 from fedgrid.aggregation.updates import aggregate_deltas, apply_delta, average_values, split_names
+from fedgrid.aggregation.selection import SelectionPolicy
 from fedgrid.seeding import derive_seed
 from fedgrid.types import ClientInfo, EvaluateIns, FitIns, FitRes, Failure, ModelState, Scalar
 
@@ -66,6 +67,8 @@ class FedAvg(Strategy):
         self.seed = seed
         self.fit_config = dict(fit_config or {})
         self.aggregator = aggregator
+        #: How many clients a round asks and waits for, and which; replace to change.
+        self.selection = SelectionPolicy()
         self._state: ModelState | None = None
 
     def initialize(self, *, initial_state: ModelState) -> None:
@@ -78,20 +81,26 @@ class FedAvg(Strategy):
         return self._state
 
     def clients_per_round(self, num_clients: int) -> int:
-        """How many of ``num_clients`` live clients a round asks to fit."""
-        return min(max(self.min_fit_clients, int(self.fraction_fit * num_clients)), num_clients)
+        """How many results a round with ``num_clients`` live clients waits for."""
+        return self.selection.target(num_live=num_clients, fraction=self.fraction_fit, minimum=self.min_fit_clients)
+
+    def round_target(self, *, num_live: int, num_assigned: int) -> int:
+        return min(num_assigned, self.clients_per_round(num_live))
 
     def check_preconditions(self, *, num_clients: int) -> None:
         if self.aggregator is not None:
             self.aggregator.check_preconditions(num_clients=self.clients_per_round(num_clients))
 
-    def _sample(self, clients: Sequence[ClientInfo], fraction: float, server_round: int, salt: int) -> list[ClientInfo]:
+    def _sample(self, clients: Sequence[ClientInfo], count: int, server_round: int, salt: int) -> list[ClientInfo]:
         ordered = sorted(clients, key=lambda c: c.sort_key)
-        count = min(max(self.min_fit_clients, int(fraction * len(ordered))), len(ordered))  # floor, as Flower
-        if count < len(ordered):
-            rng = random.Random(derive_seed("sample", self.seed, server_round, salt))
-            ordered = sorted(rng.sample(ordered, count), key=lambda c: c.sort_key)
-        return ordered
+        rng = random.Random(derive_seed("sample", self.seed, server_round, salt))
+        chosen = self.selection.selector.select(ordered, count, rng)
+        return sorted(chosen, key=lambda c: c.sort_key)
+
+    def _select_fit(self, clients: Sequence[ClientInfo], server_round: int) -> list[ClientInfo]:
+        """The clients a fit round asks: the target count plus over-selection."""
+        asked = self.selection.asked(self.clients_per_round(len(clients)), len(clients))
+        return self._sample(clients, asked, server_round, 0)
 
     def _task_config(self, server_round: int) -> dict[str, Scalar]:
         """The scalars every task of ``server_round`` carries."""
@@ -99,13 +108,14 @@ class FedAvg(Strategy):
 
     def configure_round(self, *, server_round: int, clients: Sequence[ClientInfo]) -> list[tuple[ClientInfo, FitIns]]:
         ins = FitIns(round=server_round, config=self._task_config(server_round))
-        return [(client, ins) for client in self._sample(clients, self.fraction_fit, server_round, 0)]
+        return [(client, ins) for client in self._select_fit(clients, server_round)]
 
     def configure_evaluate(self, *, server_round: int, clients: Sequence[ClientInfo]) -> list[tuple[ClientInfo, EvaluateIns]]:
         if self.fraction_evaluate == 0.0:
             return []
         ins = EvaluateIns(round=server_round, config={"round": server_round, "seed": self.seed})
-        return [(client, ins) for client in self._sample(clients, self.fraction_evaluate, server_round, 1)]
+        count = min(len(clients), max(1, int(self.fraction_evaluate * len(clients))))
+        return [(client, ins) for client in self._sample(clients, count, server_round, 1)]
 
     def _update_subset(self, *, names: Sequence[str], results: Sequence[FitRes]) -> ModelState:
         """The new values of the global tensors ``names`` from ``results`` (canonical order).

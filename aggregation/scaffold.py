@@ -155,7 +155,7 @@ class Scaffold(FedOpt):
             expected[CONTROL_DELTA_PREFIX + name] = expected[name]
         config = {**self._task_config(server_round), "algorithm": self.name}
         ins = FitIns(round=server_round, config=config, expected=expected)
-        return [(client, ins) for client in self._sample(clients, self.fraction_fit, server_round, 0)]
+        return [(client, ins) for client in self._select_fit(clients, server_round)]
 
     def aggregate(self, *, server_round: int, results: Sequence[FitRes], failures: Sequence[Failure]) -> dict[str, float]:
         if not results:

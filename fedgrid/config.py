@@ -17,7 +17,9 @@ from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S
 from fedgrid.errors import ConfigError
 from fedgrid.plugins import check_spec
 
-__all__ = ["Config", "load_config", "config_keys"]
+__all__ = ["Config", "load_config", "config_keys", "SELECTORS"]
+
+SELECTORS = ("uniform", "region-balanced")
 
 
 def _key(help_text: str, default: Any) -> Any:
@@ -32,6 +34,9 @@ class Config:
     clients: int = _key("simulated clients (fedgrid simulate)", 10)
     min_clients: int = _key("a round starts only when this many clients are live", 2)
     fraction_fit: float = _key("share of live clients asked each round", 1.0)
+    clients_per_round: int = _key("results a round waits for (0: fraction_fit of the live clients)", 0)
+    over_selection: float = _key("ask this fraction more clients; close when clients_per_round reported", 0.0)
+    selector: str = _key("which clients a round asks: uniform or region-balanced", "uniform")
     fraction_evaluate: float = _key("share of live clients asked to evaluate each new model on their data (0: off)", 0.0)
     local_epochs: int = _key("local epochs per round", 2)
     lr: float = _key("client learning rate", 0.1)
@@ -60,6 +65,12 @@ class Config:
                 raise ConfigError(key, f"must be positive, got {getattr(self, key)}")
         if not 0.0 < self.fraction_fit <= 1.0:
             raise ConfigError("fraction_fit", f"must be in (0, 1], got {self.fraction_fit}")
+        if self.clients_per_round < 0:
+            raise ConfigError("clients_per_round", f"must be at least 0, got {self.clients_per_round}")
+        if not 0.0 <= self.over_selection <= 10.0:
+            raise ConfigError("over_selection", f"must be in [0, 10], got {self.over_selection}")
+        if self.selector not in SELECTORS:
+            raise ConfigError("selector", f"unknown selector {self.selector!r} (known: {', '.join(SELECTORS)})")
         if not 0.0 <= self.fraction_evaluate <= 1.0:
             raise ConfigError("fraction_evaluate", f"must be in [0, 1], got {self.fraction_evaluate}")
         for key in ("model", "app"):

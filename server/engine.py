@@ -121,6 +121,7 @@ class RoundEngine:
             global_state=self.strategy.global_state,
             assignments=assignments,
             timeout=self.round_timeout,
+            target=self.strategy.round_target(num_live=len(clients), num_assigned=len(assignments)),
         )
         if self._stop.is_set():
             raise InterruptedRunError(f"round {server_round} abandoned: the coordinator is stopping")
@@ -158,7 +159,7 @@ class RoundEngine:
             wall_s=time.monotonic() - start,
             clients_ok=len(outcome.results),
             clients_failed=len(outcome.failures),
-            extra={**extra, **outcome.extra},
+            extra={**extra, **outcome.extra, **({"clients_cancelled": len(outcome.cancelled)} if outcome.cancelled else {})},
         )
         return metrics
 

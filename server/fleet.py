@@ -21,10 +21,12 @@ R = TypeVar("R", FitRes, EvaluateRes)
 
 @dataclass(frozen=True)
 class RoundOutcome(Generic[R]):
-    """What came back from a round: results, failures (as data) and the bytes moved."""
+    """What came back from a round: results, failures (as data), clients cancelled because
+    the round reached its target first (over-selection), and the bytes moved."""
 
     results: list[R]
     failures: list[Failure]
+    cancelled: list[ClientInfo] = field(default_factory=list)
     bytes_up: int = 0
     bytes_down: int = 0
     extra: dict[str, float] = field(default_factory=dict)
@@ -49,8 +51,10 @@ class Fleet(ABC):
         global_state: ModelState,
         assignments: Sequence[tuple[ClientInfo, FitIns]],
         timeout: timedelta,
+        target: int | None = None,
     ) -> RoundOutcome[FitRes]:
-        """Sends ``global_state`` and each client's task, returns by ``timeout`` at the latest.
+        """Sends ``global_state`` and each client's task, returns by ``timeout`` at the latest,
+        or as soon as ``target`` results have arrived (default: all assigned).
 
         A client that fails, disconnects or misses the deadline becomes a ``Failure``.
         """

@@ -290,9 +290,10 @@ class GrpcFleet(Fleet):
         global_state: ModelState,
         assignments: Sequence[tuple[ClientInfo, FitIns]],
         timeout: timedelta,
+        target: int | None = None,
     ) -> RoundOutcome[FitRes]:
-        results, failures, up, down = self._run(server_round, global_state, assignments, timeout, evaluate=False)
-        return RoundOutcome([r for r in results if isinstance(r, FitRes)], failures, bytes_up=up, bytes_down=down)
+        results, failures, cancelled, up, down = self._run(server_round, global_state, assignments, timeout, evaluate=False, target=target)
+        return RoundOutcome([r for r in results if isinstance(r, FitRes)], failures, cancelled, bytes_up=up, bytes_down=down)
 
     def evaluate_round(
         self,
@@ -302,8 +303,8 @@ class GrpcFleet(Fleet):
         assignments: Sequence[tuple[ClientInfo, EvaluateIns]],
         timeout: timedelta,
     ) -> RoundOutcome[EvaluateRes]:
-        results, failures, up, down = self._run(server_round, global_state, assignments, timeout, evaluate=True)
-        return RoundOutcome([r for r in results if isinstance(r, EvaluateRes)], failures, bytes_up=up, bytes_down=down)
+        results, failures, cancelled, up, down = self._run(server_round, global_state, assignments, timeout, evaluate=True)
+        return RoundOutcome([r for r in results if isinstance(r, EvaluateRes)], failures, cancelled, bytes_up=up, bytes_down=down)
 
     def _run(
         self,
@@ -313,9 +314,10 @@ class GrpcFleet(Fleet):
         timeout: timedelta,
         *,
         evaluate: bool,
-    ) -> tuple[list[FitRes | EvaluateRes], list[Failure], int, int]:
-        """Opens a task for the assigned clients and closes it when all reported, went
-        silent, or the deadline passed."""
+        target: int | None = None,
+    ) -> tuple[list[FitRes | EvaluateRes], list[Failure], list[ClientInfo], int, int]:
+        """Opens a task for the assigned clients and closes it when ``target`` (default: all)
+        reported, the rest failed or went silent, or the deadline passed."""
         rnd = _Round(
             server_round=server_round,
             # Deterministic: a round redone after a restart has the same task id, so a client's
@@ -336,7 +338,8 @@ class GrpcFleet(Fleet):
         with self._cond:
             self._round = rnd
             self._cond.notify_all()
-            while rnd.pending():
+            goal = len(rnd.assignments) if target is None else min(target, len(rnd.assignments))
+            while rnd.pending() and len(rnd.results) < goal:
                 if self._interrupted:
                     for cid in rnd.pending():
                         rnd.failures[cid] = Failure(infos[cid], "coordinator stopping")
@@ -351,11 +354,12 @@ class GrpcFleet(Fleet):
                     if cid not in live and cid not in rnd.uploading:
                         rnd.failures[cid] = Failure(infos[cid], "client went silent (no heartbeat)")
                 self._cond.wait(min(rnd.deadline - now, self.heartbeat_interval_s))
-            rnd.closed = True
+            rnd.closed = True  # late uploads are refused from here on
             self._cond.notify_all()
             results = [rnd.results[cid] for cid in rnd.assignments if cid in rnd.results]
             failures = [rnd.failures[cid] for cid in rnd.assignments if cid in rnd.failures]
-            return results, failures, rnd.bytes_up, rnd.bytes_down
+            cancelled = [infos[cid] for cid in rnd.pending()]  # over-selected, not needed
+            return results, failures, cancelled, rnd.bytes_up, rnd.bytes_down
 
     def committed(self, server_round: int) -> None:
         self.spill.clear()

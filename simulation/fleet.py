@@ -49,13 +49,19 @@ class InProcessFleet(Fleet):
         global_state: ModelState,
         assignments: Sequence[tuple[ClientInfo, FitIns]],
         timeout: timedelta,
+        target: int | None = None,
     ) -> RoundOutcome[FitRes]:
         encoded = serde.EncodedModel(global_state)
         expected = TensorSpec.of(global_state)
         results: list[FitRes] = []
         failures: list[Failure] = []
         bytes_up = bytes_down = 0
+        goal = len(assignments) if target is None else target
+        cancelled: list[ClientInfo] = []
         for info, ins in assignments:
+            if len(results) >= goal:  # sequential clients finish in order: the rest are not needed
+                cancelled.append(info)
+                continue
             down = list(encoded.frames(serde.StreamInfo(round=server_round), chunk_size=self.chunk_size))
             bytes_down += sum(serde.wire_size(c) for c in down)
             _, state = serde.decode_chunks(down)
@@ -71,7 +77,7 @@ class InProcessFleet(Fleet):
                 continue
             bytes_up += sum(serde.wire_size(c) for c in up)
             results.append(FitRes(info, update, header.num_examples, header.metrics))
-        return RoundOutcome(results, failures, bytes_up=bytes_up, bytes_down=bytes_down)
+        return RoundOutcome(results, failures, cancelled, bytes_up=bytes_up, bytes_down=bytes_down)
 
     def evaluate_round(
         self,

@@ -72,21 +72,22 @@ class InProcessCoordinator:
         self.outcome = None
         self._thread: threading.Thread | None = None
 
-    def open_round(self, *, min_clients: int = 1, server_round: int = 1, timeout_s: float = 60.0) -> None:
+    def open_round(self, *, min_clients: int = 1, server_round: int = 1, timeout_s: float = 60.0, target: int | None = None) -> None:
         """Runs one round in a background thread over the clients that joined."""
         from fedgrid.types import FitIns
 
         infos = self.fleet.wait_for_clients(min_clients=min_clients, timeout=timedelta(seconds=30))
 
-        def target() -> None:
+        def run_round() -> None:
             self.outcome = self.fleet.fit_round(
                 server_round=server_round,
                 global_state=self.state,
                 assignments=[(info, FitIns(round=server_round)) for info in infos],
                 timeout=timedelta(seconds=timeout_s),
+                target=target,
             )
 
-        self._thread = threading.Thread(target=target, daemon=True)
+        self._thread = threading.Thread(target=run_round, daemon=True)
         self._thread.start()
         wait_until(lambda: self.fleet._round is not None and self.fleet._round.server_round == server_round, timeout=10, what="round to open")
 
