@@ -11,7 +11,7 @@ import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 import grpc
 import tenacity
@@ -59,6 +59,18 @@ class RpcFailed(FedgridError):
 
 def _is_transient(exc: BaseException) -> bool:
     return isinstance(exc, grpc.RpcError) and exc.code() in TRANSIENT
+
+
+@dataclass(frozen=True)
+class UploadAttempt:
+    """One try at an upload: the chunk it started from and the bytes it sent (``sent[0]``)."""
+
+    start_chunk: int
+    sent: list[int]
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.sent[0]
 
 
 @dataclass(frozen=True)
@@ -111,6 +123,8 @@ class Connection:
         self.run_id = ""
         self.heartbeat_interval_s = 5.0
         self.chunk_size = serde.CHUNK_SIZE
+        #: The tries of the latest upload (a resumed upload has more than one).
+        self.upload_attempts: list[UploadAttempt] = []
 
     def close(self) -> None:
         self.channel.close()
@@ -163,7 +177,8 @@ class Connection:
         return self._call("DownloadModel", attempt)
 
     def upload(self, task_id: str, server_round: int, state: ModelState, num_examples: int, metrics: dict[str, float]) -> int:
-        """Sends an update; a retry that finds it already accepted counts as success."""
+        """Sends an update. A retry asks the coordinator how many chunks it holds and resumes
+        from there; one that finds the update already accepted counts as success."""
         encoded = serde.EncodedModel(state)
         info = serde.StreamInfo(
             run_id=self.run_id,
@@ -174,16 +189,29 @@ class Connection:
             num_examples=num_examples,
             metrics=metrics,
         )
-        attempts = 0
+        self.upload_attempts = []
+        status_request = pb.UploadStatusRequest(client_id=self.client_id, session_token=self.token, task_id=task_id)
 
         def attempt() -> int:
-            nonlocal attempts
-            attempts += 1
-            try:
-                reply = self._upload(encoded.frames(info, chunk_size=self.chunk_size), timeout=self.transfer_timeout)
-            except grpc.RpcError as exc:
-                if attempts > 1 and exc.code() == grpc.StatusCode.ALREADY_EXISTS:
+            start = 0
+            if self.upload_attempts:  # a retry: continue from what the coordinator holds
+                status = self.stub.UploadStatus(status_request, timeout=self.rpc_timeout)
+                if status.accepted:
                     return encoded.total_bytes  # an earlier attempt landed; its reply was lost
+                start = int(status.chunks_received)
+            sent = [0]
+            self.upload_attempts.append(UploadAttempt(start, sent))
+
+            def counted() -> Iterator[bytes]:
+                for frame in encoded.frames(info, chunk_size=self.chunk_size, start=start):
+                    sent[0] += len(frame)
+                    yield frame
+
+            try:
+                reply = self._upload(counted(), timeout=self.transfer_timeout)
+            except grpc.RpcError as exc:
+                if len(self.upload_attempts) > 1 and exc.code() == grpc.StatusCode.ALREADY_EXISTS:
+                    return encoded.total_bytes
                 raise
             return int(reply.bytes_received)
 

@@ -177,7 +177,7 @@ class TensorMeta(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., codec: _Optional[str] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class StreamHeader(_message.Message):
-    __slots__ = ("run_id", "task_id", "round", "num_tensors", "total_bytes", "client_id", "session_token", "num_examples", "metrics")
+    __slots__ = ("run_id", "task_id", "round", "num_tensors", "total_bytes", "client_id", "session_token", "num_examples", "metrics", "resume_from_chunk")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +194,7 @@ class StreamHeader(_message.Message):
     SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FROM_CHUNK_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     task_id: str
     round: int
@@ -203,7 +204,8 @@ class StreamHeader(_message.Message):
     session_token: str
     num_examples: int
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, run_id: _Optional[str] = ..., task_id: _Optional[str] = ..., round: _Optional[int] = ..., num_tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ..., client_id: _Optional[str] = ..., session_token: _Optional[str] = ..., num_examples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    resume_from_chunk: int
+    def __init__(self, run_id: _Optional[str] = ..., task_id: _Optional[str] = ..., round: _Optional[int] = ..., num_tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ..., client_id: _Optional[str] = ..., session_token: _Optional[str] = ..., num_examples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., resume_from_chunk: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("header", "tensor", "data")
@@ -222,6 +224,24 @@ class UploadReply(_message.Message):
     accepted: bool
     bytes_received: int
     def __init__(self, accepted: _Optional[bool] = ..., bytes_received: _Optional[int] = ...) -> None: ...
+
+class UploadStatusRequest(_message.Message):
+    __slots__ = ("client_id", "session_token", "task_id")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    session_token: str
+    task_id: str
+    def __init__(self, client_id: _Optional[str] = ..., session_token: _Optional[str] = ..., task_id: _Optional[str] = ...) -> None: ...
+
+class UploadStatusReply(_message.Message):
+    __slots__ = ("chunks_received", "accepted")
+    CHUNKS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    chunks_received: int
+    accepted: bool
+    def __init__(self, chunks_received: _Optional[int] = ..., accepted: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("client_id", "session_token")

@@ -54,6 +54,11 @@ class CoordinatorStub:
                 request_serializer=fedgrid__pb2.Chunk.SerializeToString,
                 response_deserializer=fedgrid__pb2.UploadReply.FromString,
                 _registered_method=True)
+        self.UploadStatus = channel.unary_unary(
+                '/fedgrid.v1.Coordinator/UploadStatus',
+                request_serializer=fedgrid__pb2.UploadStatusRequest.SerializeToString,
+                response_deserializer=fedgrid__pb2.UploadStatusReply.FromString,
+                _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/fedgrid.v1.Coordinator/Heartbeat',
                 request_serializer=fedgrid__pb2.HeartbeatRequest.SerializeToString,
@@ -88,6 +93,12 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UploadStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Heartbeat(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -116,6 +127,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.UploadUpdate,
                     request_deserializer=fedgrid__pb2.Chunk.FromString,
                     response_serializer=fedgrid__pb2.UploadReply.SerializeToString,
+            ),
+            'UploadStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.UploadStatus,
+                    request_deserializer=fedgrid__pb2.UploadStatusRequest.FromString,
+                    response_serializer=fedgrid__pb2.UploadStatusReply.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
@@ -231,6 +247,33 @@ class Coordinator:
             '/fedgrid.v1.Coordinator/UploadUpdate',
             fedgrid__pb2.Chunk.SerializeToString,
             fedgrid__pb2.UploadReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedgrid.v1.Coordinator/UploadStatus',
+            fedgrid__pb2.UploadStatusRequest.SerializeToString,
+            fedgrid__pb2.UploadStatusReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -111,6 +111,7 @@ class StreamInfo:
     session_token: str = ""
     num_examples: int = 0
     metrics: Mapping[str, float] = field(default_factory=dict)
+    resume_from_chunk: int = 0
 
 
 @dataclass(frozen=True)
@@ -148,12 +149,15 @@ class EncodedModel:
     def __len__(self) -> int:
         return len(self._tensors)
 
-    def frames(self, info: StreamInfo, *, chunk_size: int = CHUNK_SIZE) -> Iterator[bytes]:
+    def frames(self, info: StreamInfo, *, chunk_size: int = CHUNK_SIZE, start: int = 0) -> Iterator[bytes]:
         """Yields the stream as encoded ``Chunk`` messages: the header on the first, then each
         tensor's meta and payload.
 
         Frames are built from pre-encoded parts plus one copy of each payload slice, so the
         bulk data never passes through protobuf objects; each frame parses as a ``Chunk``.
+        With ``start > 0`` (resuming a broken upload) the stream is a header-only message
+        with ``resume_from_chunk = start`` followed by frames ``start, start + 1, ...``;
+        nothing before ``start`` is built.
         """
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
@@ -167,16 +171,28 @@ class EncodedModel:
             session_token=info.session_token,
             num_examples=info.num_examples,
             metrics=dict(info.metrics),
+            resume_from_chunk=start,
         ).SerializeToString()
         pending_header: bytes | None = header
+        if start > 0:
+            yield _frame(header, None, memoryview(b""))
+            pending_header = None
+        index = 0
         for enc in self._tensors:
             meta: bytes | None = enc.meta.SerializeToString()
             n = len(enc.payload)
-            for start in range(0, max(n, 1), chunk_size):
-                yield _frame(pending_header, meta, enc.payload[start : start + chunk_size])
-                pending_header = meta = None
+            for offset in range(0, max(n, 1), chunk_size):
+                if index >= start:
+                    yield _frame(pending_header, meta, enc.payload[offset : offset + chunk_size])
+                    pending_header = None
+                meta = None
+                index += 1
         if pending_header is not None:  # a model with no tensors is just its header
             yield _frame(pending_header, None, memoryview(b""))
+
+    def num_frames(self, *, chunk_size: int = CHUNK_SIZE) -> int:
+        """Messages in a full stream (at least 1)."""
+        return max(1, sum(max(1, -(-len(t.payload) // chunk_size)) for t in self._tensors))
 
     def chunks(self, info: StreamInfo, *, chunk_size: int = CHUNK_SIZE) -> Iterator[pb.Chunk]:
         """The same stream as ``frames``, as message objects (for tests and tools)."""
@@ -296,6 +312,8 @@ class ModelAssembler:
         self._total_bytes = 0
         self._received_total = 0
         self.wire_bytes = 0
+        #: Messages taken so far: what a resumed upload continues from.
+        self.frames_received = 0
         self.tensors: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._meta: pb.TensorMeta | None = None
         self._buf: torch.Tensor | None = None
@@ -324,6 +342,7 @@ class ModelAssembler:
             self._open_tensor(_parse(pb.TensorMeta, tensor, "tensor meta"))
         if data is not None and len(data):
             self._append(data)
+        self.frames_received += 1
 
     def finish(self) -> tuple[StreamInfo, "OrderedDict[str, torch.Tensor]"]:
         """Checks the stream is complete and returns its header and tensors."""
@@ -447,6 +466,7 @@ def _info(header: pb.StreamHeader) -> StreamInfo:
         session_token=header.session_token,
         num_examples=header.num_examples,
         metrics=dict(header.metrics),
+        resume_from_chunk=header.resume_from_chunk,
     )
 
 

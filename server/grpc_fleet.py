@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S
+from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S, RETRY_MAX_WAIT_S
 from fedgrid.errors import (
     AuthenticationError,
+    FedgridError,
     DuplicateUpdateError,
     InterruptedRunError,
     InvalidUpdateError,
@@ -38,6 +39,8 @@ log = logging.getLogger(__name__)
 
 #: A client silent for this many heartbeat intervals is considered gone.
 SILENCE_INTERVALS = 3.0
+#: After a restart, restored clients have the retry backoff cap plus this long to reconnect.
+RESTART_GRACE_S = 10.0
 
 
 @dataclass
@@ -60,6 +63,7 @@ class _Round:
     results: dict[str, FitRes | EvaluateRes] = field(default_factory=dict)
     failures: dict[str, Failure] = field(default_factory=dict)
     uploading: set[str] = field(default_factory=set)
+    partials: dict[str, serde.ModelAssembler] = field(default_factory=dict)  # broken uploads, by client
     closed: bool = False
     bytes_up: int = 0
     bytes_down: int = 0
@@ -218,13 +222,35 @@ class GrpcFleet(Fleet):
                 raise DuplicateUpdateError(f"an upload for round {rnd.server_round} from client {client_id!r} is in progress")
             rnd.uploading.add(client_id)
         try:
-            # The expected specs bound every allocation; an evaluation carries no tensors.
-            ins = rnd.assignments[client_id]
-            expected = {} if rnd.evaluate else (getattr(ins, "expected", None) or rnd.expected)
-            asm = serde.ModelAssembler(expected=expected)
-            asm.feed(first)
-            for frame in iterator:
-                asm.feed(frame)
+            with self._cond:
+                partial = rnd.partials.pop(client_id, None)
+            if header.resume_from_chunk:
+                if partial is None or partial.frames_received != header.resume_from_chunk:
+                    held = 0 if partial is None else partial.frames_received
+                    if partial is not None:
+                        with self._cond:
+                            rnd.partials[client_id] = partial
+                    raise StaleTaskError(f"cannot resume at chunk {header.resume_from_chunk}: the coordinator holds {held} chunks of this upload")
+                asm = partial
+            else:
+                # The expected specs bound every allocation; an evaluation carries no tensors.
+                ins = rnd.assignments[client_id]
+                expected = {} if rnd.evaluate else (getattr(ins, "expected", None) or rnd.expected)
+                asm = serde.ModelAssembler(expected=expected)
+                asm.feed(first)
+            try:
+                for frame in iterator:
+                    asm.feed(frame)
+            except FedgridError:
+                raise  # bad input: nothing kept
+            except Exception:
+                # The connection broke: keep what arrived so that the client resumes from it.
+                with self._cond:
+                    if not rnd.closed:
+                        rnd.partials[client_id] = asm
+                log.info("round %d: upload from %s broke after %d chunks; kept for resume",
+                         rnd.server_round, record.info.name or client_id, asm.frames_received)
+                raise
             stream, state = asm.finish()
             if stream.round != rnd.server_round:
                 raise InvalidUpdateError(f"header names round {stream.round}, the task is round {rnd.server_round}")
@@ -254,6 +280,24 @@ class GrpcFleet(Fleet):
         finally:
             with self._cond:
                 rnd.uploading.discard(client_id)
+                self._cond.notify_all()
+
+    def upload_status(self, client_id: str, token: str, task_id: str) -> tuple[int, bool]:
+        """(chunks of a broken upload the coordinator holds, whether the update already landed)."""
+        self.authenticate(client_id, token)
+        with self._cond:
+            rnd = self._round
+            if rnd is not None and rnd.task_id == task_id and client_id in rnd.results:
+                return 0, True
+            rnd = self._open_task(client_id, task_id)
+            # A broken stream may still be winding down on its server thread: let it settle.
+            deadline = time.monotonic() + 5.0
+            while client_id in rnd.uploading and time.monotonic() < deadline:
+                self._cond.wait(deadline - time.monotonic())
+            if client_id in rnd.results:
+                return 0, True
+            partial = rnd.partials.get(client_id)
+            return (0 if partial is None else partial.frames_received), False
 
     # -- Fleet -----------------------------------------------------------------------------
     def _live(self) -> list[ClientInfo]:
@@ -355,6 +399,7 @@ class GrpcFleet(Fleet):
                         rnd.failures[cid] = Failure(infos[cid], "client went silent (no heartbeat)")
                 self._cond.wait(min(rnd.deadline - now, self.heartbeat_interval_s))
             rnd.closed = True  # late uploads are refused from here on
+            rnd.partials.clear()
             self._cond.notify_all()
             results = [rnd.results[cid] for cid in rnd.assignments if cid in rnd.results]
             failures = [rnd.failures[cid] for cid in rnd.assignments if cid in rnd.failures]
@@ -380,8 +425,12 @@ class GrpcFleet(Fleet):
         return {"run_id": self.run_id, "clients": clients}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restores the run id and registry: clients keep their sessions across a restart."""
-        now = time.monotonic()
+        """Restores the run id and registry: clients keep their sessions across a restart.
+
+        Restored clients get a grace period before silence counts against them: they may be
+        sleeping in retry backoff (capped at ``RETRY_MAX_WAIT_S``) while the coordinator restarts.
+        """
+        now = time.monotonic() + RETRY_MAX_WAIT_S + RESTART_GRACE_S
         with self._cond:
             self.run_id = str(state["run_id"])
             self._clients = {}

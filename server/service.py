@@ -101,6 +101,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             received = self.fleet.upload(request_iterator)
             return pb.UploadReply(accepted=True, bytes_received=received)
 
+    def UploadStatus(self, request: pb.UploadStatusRequest, context: grpc.ServicerContext) -> pb.UploadStatusReply:
+        with _mapped(context):
+            received, accepted = self.fleet.upload_status(request.client_id, request.session_token, request.task_id)
+            return pb.UploadStatusReply(chunks_received=received, accepted=accepted)
+
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
         with _mapped(context):
             return pb.HeartbeatReply(interval_s=self.fleet.heartbeat(request.client_id, request.session_token))
@@ -122,6 +127,11 @@ def add_to_server(servicer: CoordinatorServicer, server: grpc.Server) -> None:
         ),
         "UploadUpdate": grpc.stream_unary_rpc_method_handler(
             servicer.UploadUpdate, request_deserializer=None, response_serializer=pb.UploadReply.SerializeToString
+        ),
+        "UploadStatus": grpc.unary_unary_rpc_method_handler(
+            servicer.UploadStatus,
+            request_deserializer=pb.UploadStatusRequest.FromString,
+            response_serializer=pb.UploadStatusReply.SerializeToString,
         ),
         "Heartbeat": grpc.unary_unary_rpc_method_handler(
             servicer.Heartbeat,

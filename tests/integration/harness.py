@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import signal
 import subprocess
 import sys
@@ -156,3 +157,64 @@ class CoordinatorRun:
                 if m and int(m.group(1)) >= server_round:
                     self.proc.send_signal(signal.SIGKILL)  # at once, mid-phase
                     self.killed.set()
+
+
+class Relay:
+    """A TCP relay in front of a server, for cutting connections mid-stream (fault injection).
+
+    ``cut()`` drops every open connection; new connections are relayed as before.
+    ``upstream_bytes`` counts what clients sent through it.
+    """
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.upstream_bytes = 0
+        self._lock = threading.Lock()
+        self._conns: list[socket.socket] = []
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            with self._lock:
+                self._conns += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, count: bool) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+                if count:
+                    with self._lock:
+                        self.upstream_bytes += len(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def cut(self) -> None:
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for s in conns:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def close(self) -> None:
+        self._closed = True
+        self.listener.close()
+        self.cut()
