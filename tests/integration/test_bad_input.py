@@ -23,6 +23,7 @@ def session(coordinator):
     coordinator.open_round()
     reply = stub.PollTask(pb.PollRequest(client_id=joined.client_id, session_token=joined.session_token, wait_s=5), timeout=10)
     assert reply.WhichOneof("reply") == "task"
+    coordinator.snap = _snapshot(coordinator)
     yield stub, joined.client_id, joined.session_token, reply.task
     channel.close()
 
@@ -46,9 +47,21 @@ def _with(small_state, name, value):
     return state
 
 
+def _snapshot(coordinator):
+    """Everything a bad request must not change: registry (ids, tokens, infos), the open
+    round (task, results, failures, bytes accepted), and the global model's bytes. (A stream
+    cut by the transport, as gRPC does on an oversized message, may leave its verified
+    chunks for a resume: a transfer buffer, not coordinator state.)"""
+    fleet = coordinator.fleet
+    rnd = fleet._round
+    model = [(t.meta.name, t.meta.checksum, bytes(t.payload)) for t in rnd.encoded._tensors]
+    return (fleet.state_dict(), rnd.task_id, rnd.server_round, rnd.closed, sorted(rnd.results), sorted(rnd.failures),
+            sorted(rnd.uploading), rnd.bytes_up, model)
+
+
 def _assert_untouched(coordinator):
-    rnd = coordinator.fleet._round
-    assert rnd.results == {} and rnd.uploading == set() and rnd.bytes_up == 0
+    assert _snapshot(coordinator) == coordinator.snap
+    assert coordinator.fleet._round.results == {}
 
 
 CASES = {
@@ -165,10 +178,52 @@ def test_duplicate_and_stale_uploads(coordinator, session, small_state):
 def test_client_without_task_is_refused(coordinator, session, small_state):
     stub, _, _, task = session
     other = stub.Join(pb.JoinRequest(name="late", num_examples=3), timeout=10)  # joined after the round opened
+    coordinator.snap = _snapshot(coordinator)
     with pytest.raises(grpc.RpcError) as err:
         _upload(stub, _chunks(_good(small_state), other.client_id, other.session_token, task))
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "has no task" in err.value.details()
     _assert_untouched(coordinator)
+
+
+def _tampered(chunks, index, **fields):
+    """Rewrites tensor meta fields of chunk ``index`` (and its data), keeping the checksum valid."""
+    chunk = chunks[index]
+    data = fields.pop("data", chunk.data)
+    chunk.data = data
+    for key, value in fields.items():
+        setattr(chunk.tensor, key, value)
+    chunk.tensor.nbytes = len(data)
+    chunk.tensor.checksum = serde.checksum(data)
+    return chunks
+
+
+def test_unknown_codec(coordinator, session, small_state):
+    stub, cid, token, task = session
+    chunks = _chunks(_good(small_state), cid, token, task)
+    chunks[0].tensor.codec = "zip-it"
+    with pytest.raises(grpc.RpcError) as err:
+        _upload(stub, chunks)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "tensor 'layer.weight': unknown codec 'zip-it'" in err.value.details()
+    _assert_untouched(coordinator)
+
+
+@pytest.mark.parametrize("codec", ["fp16", "int8", "topk:0.5"])
+def test_compressed_payload_that_lies_about_its_size(coordinator, session, small_state, codec):
+    stub, cid, token, task = session
+    info = serde.StreamInfo(task_id=task.task_id, round=task.round, client_id=cid, session_token=token, num_examples=5)
+    chunks = list(serde.EncodedModel(_good(small_state), codec=codec).chunks(info, chunk_size=1 << 20))
+    payload = chunks[0].data
+    chunks[0].header.total_bytes -= 2
+    _tampered(chunks, 0, data=payload[:-2])  # two bytes short of what its own header says
+    with pytest.raises(grpc.RpcError) as err:
+        _upload(stub, chunks)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"tensor 'layer.weight': {codec} payload" in err.value.details()
+    _assert_untouched(coordinator)
+    # A compressed update that tells the truth is accepted and decoded.
+    good = list(serde.EncodedModel(_good(small_state), codec=codec).chunks(info, chunk_size=1 << 20))
+    assert _upload(stub, good).accepted
 
 
 def test_header_must_come_first(coordinator, session, small_state):
