@@ -17,6 +17,7 @@ import grpc
 import tenacity
 
 from fedgrid.client.api import Client
+from fedgrid.client.uplink import UplinkEncoder
 from fedgrid.constants import (
     MAX_MESSAGE_BYTES,
     POLL_WAIT_S,
@@ -125,6 +126,8 @@ class Connection:
         self.chunk_size = serde.CHUNK_SIZE
         #: The tries of the latest upload (a resumed upload has more than one).
         self.upload_attempts: list[UploadAttempt] = []
+        #: Uplink encoders by codec: their error-feedback residuals persist across rounds.
+        self._uplinks: dict[str, UplinkEncoder] = {}
 
     def close(self) -> None:
         self.channel.close()
@@ -176,10 +179,27 @@ class Connection:
 
         return self._call("DownloadModel", attempt)
 
-    def upload(self, task_id: str, server_round: int, state: ModelState, num_examples: int, metrics: dict[str, float]) -> int:
-        """Sends an update. A retry asks the coordinator how many chunks it holds and resumes
-        from there; one that finds the update already accepted counts as success."""
-        encoded = serde.EncodedModel(state)
+    def upload(
+        self,
+        task_id: str,
+        server_round: int,
+        state: ModelState,
+        num_examples: int,
+        metrics: dict[str, float],
+        *,
+        codec: str = "none",
+        global_state: ModelState | None = None,
+    ) -> int:
+        """Sends an update, through ``codec`` (lossy codecs send the difference to
+        ``global_state`` with error feedback kept across rounds). A retry asks the
+        coordinator how many chunks it holds and resumes from there; one that finds the
+        update already accepted counts as success."""
+        uplink = self._uplinks.get(codec)
+        if uplink is None:
+            uplink = self._uplinks[codec] = UplinkEncoder(codec)
+        if not uplink.lossless and global_state is None:
+            raise ValueError(f"codec {codec!r} sends differences: pass the global model")
+        encoded, delta = uplink.encode(global_state=global_state or {}, new_state=state)
         info = serde.StreamInfo(
             run_id=self.run_id,
             task_id=task_id,
@@ -188,6 +208,7 @@ class Connection:
             session_token=self.token,
             num_examples=num_examples,
             metrics=metrics,
+            delta=delta,
         )
         self.upload_attempts = []
         status_request = pb.UploadStatusRequest(client_id=self.client_id, session_token=self.token, task_id=task_id)
@@ -273,13 +294,16 @@ def run(
                 continue
             task = reply.task
             state = conn.download(task.task_id)
+            config = serde.config_from_pb(task.config)
             if task.kind == pb.EVALUATE:
-                update, num_examples, metrics = _evaluate(client, state, serde.config_from_pb(task.config))
+                update, num_examples, metrics = _evaluate(client, state, config)
             else:
                 out = client.fit(state, serde.fit_ins_from_task(task))
                 update, num_examples, metrics = out.state, out.num_examples, dict(out.metrics)
             try:
-                conn.upload(task.task_id, task.round, update, num_examples, metrics)
+                conn.upload(
+                    task.task_id, task.round, update, num_examples, metrics, codec=str(config.get("uplink_codec", "none")), global_state=state
+                )
             except RpcFailed as exc:
                 if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
                     raise

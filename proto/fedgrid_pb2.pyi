@@ -177,7 +177,7 @@ class TensorMeta(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., codec: _Optional[str] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class StreamHeader(_message.Message):
-    __slots__ = ("run_id", "task_id", "round", "num_tensors", "total_bytes", "client_id", "session_token", "num_examples", "metrics", "resume_from_chunk")
+    __slots__ = ("run_id", "task_id", "round", "num_tensors", "total_bytes", "client_id", "session_token", "num_examples", "metrics", "resume_from_chunk", "delta")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +195,7 @@ class StreamHeader(_message.Message):
     NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     RESUME_FROM_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     task_id: str
     round: int
@@ -205,7 +206,8 @@ class StreamHeader(_message.Message):
     num_examples: int
     metrics: _containers.ScalarMap[str, float]
     resume_from_chunk: int
-    def __init__(self, run_id: _Optional[str] = ..., task_id: _Optional[str] = ..., round: _Optional[int] = ..., num_tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ..., client_id: _Optional[str] = ..., session_token: _Optional[str] = ..., num_examples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., resume_from_chunk: _Optional[int] = ...) -> None: ...
+    delta: bool
+    def __init__(self, run_id: _Optional[str] = ..., task_id: _Optional[str] = ..., round: _Optional[int] = ..., num_tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ..., client_id: _Optional[str] = ..., session_token: _Optional[str] = ..., num_examples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., resume_from_chunk: _Optional[int] = ..., delta: _Optional[bool] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("header", "tensor", "data")

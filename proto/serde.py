@@ -112,6 +112,7 @@ class StreamInfo:
     num_examples: int = 0
     metrics: Mapping[str, float] = field(default_factory=dict)
     resume_from_chunk: int = 0
+    delta: bool = False
 
 
 @dataclass(frozen=True)
@@ -134,17 +135,25 @@ class EncodedModel:
         for name, tensor in state.items():
             if tensor.dtype not in DTYPE_TO_PB:
                 raise InvalidUpdateError(f"tensor '{name}': dtype {tensor.dtype} cannot be sent")
-            payload = memoryview(impl.encode(tensor)).cast("B")
-            meta = pb.TensorMeta(
-                name=name,
-                dtype=DTYPE_TO_PB[tensor.dtype],
-                shape=list(tensor.shape),
-                codec=codec,
-                nbytes=len(payload),
-                checksum=checksum(payload),
-            )
-            self._tensors.append(_Encoded(meta, payload))
+            self._add(name, tensor.dtype, tuple(tensor.shape), codec, impl.encode(tensor))
         self.total_bytes = sum(t.meta.nbytes for t in self._tensors)
+
+    @classmethod
+    def from_payloads(cls, items: Iterable[tuple[str, torch.dtype, tuple[int, ...], str, bytes]]) -> "EncodedModel":
+        """A model already encoded elsewhere (error feedback must send exactly the payloads it
+        kept residuals for): ``(name, dtype, shape, codec spec, payload)`` per tensor."""
+        self = cls({})
+        for name, dtype, shape, codec, payload in items:
+            self._add(name, dtype, shape, codec, payload)
+        self.total_bytes = sum(t.meta.nbytes for t in self._tensors)
+        return self
+
+    def _add(self, name: str, dtype: torch.dtype, shape: tuple[int, ...], codec: str, payload: bytes | memoryview) -> None:
+        view = memoryview(payload).cast("B")
+        meta = pb.TensorMeta(
+            name=name, dtype=DTYPE_TO_PB[dtype], shape=list(shape), codec=codec, nbytes=len(view), checksum=checksum(view)
+        )
+        self._tensors.append(_Encoded(meta, view))
 
     def __len__(self) -> int:
         return len(self._tensors)
@@ -172,6 +181,7 @@ class EncodedModel:
             num_examples=info.num_examples,
             metrics=dict(info.metrics),
             resume_from_chunk=start,
+            delta=info.delta,
         ).SerializeToString()
         pending_header: bytes | None = header
         if start > 0:
@@ -467,6 +477,7 @@ def _info(header: pb.StreamHeader) -> StreamInfo:
         num_examples=header.num_examples,
         metrics=dict(header.metrics),
         resume_from_chunk=header.resume_from_chunk,
+        delta=header.delta,
     )
 
 

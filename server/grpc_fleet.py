@@ -30,7 +30,9 @@ from fedgrid.errors import (
 )
 from fedgrid.proto import serde
 from fedgrid.server.fleet import Fleet, RoundOutcome
+from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.spill import UpdateSpill
+from fedgrid.client.uplink import reconstruct
 from fedgrid.types import ClientInfo, EvaluateIns, EvaluateRes, FitIns, FitRes, Failure, ModelState, TensorSpec
 
 __all__ = ["GrpcFleet", "PollResult"]
@@ -58,6 +60,7 @@ class _Round:
     evaluate: bool  # an evaluation round: clients send metrics, no tensors
     assignments: dict[str, FitIns | EvaluateIns]
     encoded: serde.EncodedModel
+    global_state: ModelState
     expected: dict[str, TensorSpec]
     deadline: float
     results: dict[str, FitRes | EvaluateRes] = field(default_factory=dict)
@@ -67,6 +70,8 @@ class _Round:
     closed: bool = False
     bytes_up: int = 0
     bytes_down: int = 0
+    raw_up: int = 0  # what the accepted updates would weigh uncompressed
+    payload_up: int = 0  # their payload bytes as sent
 
     def pending(self) -> list[str]:
         return [cid for cid in self.assignments if cid not in self.results and cid not in self.failures]
@@ -94,6 +99,7 @@ class GrpcFleet(Fleet):
         chunk_size: payload bytes per chunk of model downloads.
         spill_dir: where accepted updates wait for aggregation (see ``server/spill.py``);
             under the state directory they survive a crash. Default: a temporary directory.
+        codec_policy: the uplink codec of each client (sent with its task).
     """
 
     def __init__(
@@ -102,8 +108,10 @@ class GrpcFleet(Fleet):
         heartbeat_interval: timedelta = timedelta(seconds=HEARTBEAT_INTERVAL_S),
         chunk_size: int = CHUNK_SIZE,
         spill_dir: str | os.PathLike[str] | None = None,
+        codec_policy: CodecPolicy | None = None,
     ) -> None:
         self.run_id = uuid.uuid4().hex
+        self.codec_policy = codec_policy or CodecPolicy()
         self.spill = UpdateSpill(spill_dir)
         self.heartbeat_interval_s = heartbeat_interval.total_seconds()
         self.chunk_size = chunk_size
@@ -255,11 +263,13 @@ class GrpcFleet(Fleet):
             if stream.round != rnd.server_round:
                 raise InvalidUpdateError(f"header names round {stream.round}, the task is round {rnd.server_round}")
             result: FitRes | EvaluateRes
+            raw_bytes = sum(t.numel() * t.element_size() for t in state.values())
             if rnd.evaluate:
                 result = EvaluateRes(record.info, stream.num_examples, dict(stream.metrics))
             else:
                 if stream.num_examples < 1:
                     raise InvalidUpdateError("num_examples must be at least 1")
+                state = reconstruct(rnd.global_state, state, delta=stream.delta)
                 serde.check_finite(state)
                 result = self.spill.put(task_id=rnd.task_id, result=FitRes(record.info, state, stream.num_examples, dict(stream.metrics)))
                 del state  # from here on the update lives on disk
@@ -273,6 +283,8 @@ class GrpcFleet(Fleet):
                 else:
                     rnd.results[client_id] = result
                 rnd.bytes_up += asm.wire_bytes
+                rnd.payload_up += asm.payload_bytes
+                rnd.raw_up += raw_bytes
                 self._cond.notify_all()
                 log.info("round %d: accepted %s from %s (%d of %d)", rnd.server_round, "evaluation" if rnd.evaluate else "update",
                          record.info.name or client_id, len(rnd.results), len(rnd.assignments))
@@ -336,8 +348,11 @@ class GrpcFleet(Fleet):
         timeout: timedelta,
         target: int | None = None,
     ) -> RoundOutcome[FitRes]:
-        results, failures, cancelled, up, down = self._run(server_round, global_state, assignments, timeout, evaluate=False, target=target)
-        return RoundOutcome([r for r in results if isinstance(r, FitRes)], failures, cancelled, bytes_up=up, bytes_down=down)
+        results, failures, cancelled, rnd = self._run(server_round, global_state, assignments, timeout, evaluate=False, target=target)
+        extra = {"uplink_ratio": rnd.raw_up / rnd.payload_up} if rnd.payload_up else {}
+        return RoundOutcome(
+            [r for r in results if isinstance(r, FitRes)], failures, cancelled, bytes_up=rnd.bytes_up, bytes_down=rnd.bytes_down, extra=extra
+        )
 
     def evaluate_round(
         self,
@@ -347,8 +362,10 @@ class GrpcFleet(Fleet):
         assignments: Sequence[tuple[ClientInfo, EvaluateIns]],
         timeout: timedelta,
     ) -> RoundOutcome[EvaluateRes]:
-        results, failures, cancelled, up, down = self._run(server_round, global_state, assignments, timeout, evaluate=True)
-        return RoundOutcome([r for r in results if isinstance(r, EvaluateRes)], failures, cancelled, bytes_up=up, bytes_down=down)
+        results, failures, cancelled, rnd = self._run(server_round, global_state, assignments, timeout, evaluate=True)
+        return RoundOutcome(
+            [r for r in results if isinstance(r, EvaluateRes)], failures, cancelled, bytes_up=rnd.bytes_up, bytes_down=rnd.bytes_down
+        )
 
     def _run(
         self,
@@ -359,7 +376,7 @@ class GrpcFleet(Fleet):
         *,
         evaluate: bool,
         target: int | None = None,
-    ) -> tuple[list[FitRes | EvaluateRes], list[Failure], list[ClientInfo], int, int]:
+    ) -> tuple[list[FitRes | EvaluateRes], list[Failure], list[ClientInfo], _Round]:
         """Opens a task for the assigned clients and closes it when ``target`` (default: all)
         reported, the rest failed or went silent, or the deadline passed."""
         rnd = _Round(
@@ -368,8 +385,9 @@ class GrpcFleet(Fleet):
             # retried upload of that round (same seed, same bits) is accepted.
             task_id=f"{self.run_id[:12]}-r{server_round}-{'evaluate' if evaluate else 'fit'}",
             evaluate=evaluate,
-            assignments={info.client_id: ins for info, ins in assignments},
+            assignments={info.client_id: self._with_codec(info, ins) for info, ins in assignments},
             encoded=serde.EncodedModel(global_state),
+            global_state=global_state,
             expected=TensorSpec.of(global_state),
             deadline=time.monotonic() + timeout.total_seconds(),
         )
@@ -404,7 +422,12 @@ class GrpcFleet(Fleet):
             results = [rnd.results[cid] for cid in rnd.assignments if cid in rnd.results]
             failures = [rnd.failures[cid] for cid in rnd.assignments if cid in rnd.failures]
             cancelled = [infos[cid] for cid in rnd.pending()]  # over-selected, not needed
-            return results, failures, cancelled, rnd.bytes_up, rnd.bytes_down
+            return results, failures, cancelled, rnd
+
+    def _with_codec(self, info: ClientInfo, ins: FitIns | EvaluateIns) -> FitIns | EvaluateIns:
+        if isinstance(ins, EvaluateIns):
+            return ins
+        return dataclasses.replace(ins, config={**ins.config, "uplink_codec": self.codec_policy.uplink(info)})
 
     def committed(self, server_round: int) -> None:
         self.spill.clear()

@@ -6,11 +6,15 @@ simulated run moves the same bytes, and produces the same bits, as a deployed on
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from datetime import timedelta
 from typing import Sequence
 
 from fedgrid.client.api import Client
+from fedgrid.client.uplink import UplinkEncoder, reconstruct
+from fedgrid.compression import available_codecs
+from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.proto import serde
 from fedgrid.server.fleet import Fleet, RoundOutcome
 from fedgrid.types import ClientInfo, EvaluateIns, EvaluateRes, FitIns, FitRes, Failure, ModelState, TensorSpec
@@ -28,14 +32,25 @@ class InProcessFleet(Fleet):
         chunk_size: chunk size of the simulated wire.
     """
 
-    def __init__(self, clients: Sequence[Client], *, chunk_size: int = serde.CHUNK_SIZE) -> None:
+    def __init__(self, clients: Sequence[Client], *, chunk_size: int = serde.CHUNK_SIZE, codec_policy: CodecPolicy | None = None) -> None:
         self._clients: dict[str, Client] = {}
         self._infos: list[ClientInfo] = []
+        codecs = tuple(available_codecs())
         for i, client in enumerate(clients):
             cid = f"sim-{i:05d}"
             self._clients[cid] = client
-            self._infos.append(ClientInfo(client_id=cid, name=client.name or cid, region=client.region, num_examples=client.num_examples))
+            self._infos.append(
+                ClientInfo(client_id=cid, name=client.name or cid, region=client.region, num_examples=client.num_examples, codecs=codecs)
+            )
         self.chunk_size = chunk_size
+        self.codec_policy = codec_policy or CodecPolicy()
+        self._uplinks: dict[tuple[str, str], UplinkEncoder] = {}  # per client and codec, as each client process keeps
+
+    def _uplink(self, client_id: str, codec: str) -> UplinkEncoder:
+        key = (client_id, codec)
+        if key not in self._uplinks:
+            self._uplinks[key] = UplinkEncoder(codec)
+        return self._uplinks[key]
 
     def wait_for_clients(self, *, min_clients: int, timeout: timedelta) -> list[ClientInfo]:
         if len(self._infos) < min_clients:
@@ -55,7 +70,7 @@ class InProcessFleet(Fleet):
         expected = TensorSpec.of(global_state)
         results: list[FitRes] = []
         failures: list[Failure] = []
-        bytes_up = bytes_down = 0
+        bytes_up = bytes_down = raw_up = payload_up = 0
         goal = len(assignments) if target is None else target
         cancelled: list[ClientInfo] = []
         for info, ins in assignments:
@@ -66,18 +81,25 @@ class InProcessFleet(Fleet):
             bytes_down += sum(serde.wire_size(c) for c in down)
             _, state = serde.decode_chunks(down)
             try:
-                out = self._clients[info.client_id].fit(state, ins)
-                info_up = serde.StreamInfo(round=server_round, num_examples=out.num_examples, metrics=out.metrics)
-                up = list(serde.EncodedModel(out.state).frames(info_up, chunk_size=self.chunk_size))
-                header, update = serde.decode_chunks(up, expected=ins.expected or expected)
+                codec = self.codec_policy.uplink(info)
+                task = dataclasses.replace(ins, config={**ins.config, "uplink_codec": codec})
+                out = self._clients[info.client_id].fit(state, task)
+                encoded_up, delta = self._uplink(info.client_id, codec).encode(global_state=state, new_state=out.state)
+                info_up = serde.StreamInfo(round=server_round, num_examples=out.num_examples, metrics=out.metrics, delta=delta)
+                up = list(encoded_up.frames(info_up, chunk_size=self.chunk_size))
+                header, received = serde.decode_chunks(up, expected=ins.expected or expected)
+                update = reconstruct(global_state, received, delta=header.delta)
                 serde.check_finite(update)
             except Exception as exc:  # a client's failure is data for the strategy
                 log.warning("client %s failed in round %d: %s", info.name, server_round, exc)
                 failures.append(Failure(info, f"{type(exc).__name__}: {exc}"))
                 continue
             bytes_up += sum(serde.wire_size(c) for c in up)
+            payload_up += encoded_up.total_bytes
+            raw_up += sum(t.numel() * t.element_size() for t in update.values())
             results.append(FitRes(info, update, header.num_examples, header.metrics))
-        return RoundOutcome(results, failures, cancelled, bytes_up=bytes_up, bytes_down=bytes_down)
+        extra = {"uplink_ratio": raw_up / payload_up} if payload_up else {}
+        return RoundOutcome(results, failures, cancelled, bytes_up=bytes_up, bytes_down=bytes_down, extra=extra)
 
     def evaluate_round(
         self,

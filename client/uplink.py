@@ -1,0 +1,71 @@
+"""Uplink compression, both halves: the client encodes its update as the difference to the
+global model it trained from, through a codec with error feedback; the coordinator adds the
+decoded difference back. Simulation and deployment run this same code, so they end with the
+same bits whatever the codec.
+
+Floating-point tensors travel as differences (what lossy codecs are meant for, and what
+error feedback accumulates); integer and bool tensors (e.g. BatchNorm's step counters)
+always travel whole. With the ``none`` codec the update travels whole and bit-exact.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Mapping
+
+import torch
+
+from fedgrid.compression import parse_codec_spec
+from fedgrid.compression.feedback import ErrorFeedback
+from fedgrid.proto.serde import EncodedModel
+from fedgrid.types import ModelState
+
+__all__ = ["UplinkEncoder", "is_delta_tensor", "reconstruct"]
+
+
+def is_delta_tensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` travels as a difference to the global model."""
+    return tensor.dtype.is_floating_point
+
+
+class UplinkEncoder:
+    """The client's half for one codec; keeps the error-feedback residual across rounds.
+
+    Args:
+        codec: a codec spec (``none``, ``int8``, ``topk:0.01``, ...).
+
+    Raises:
+        ConfigError: the spec does not parse, or (lossy codecs) is not contractive.
+    """
+
+    def __init__(self, codec: str) -> None:
+        self.spec = codec
+        self.lossless = parse_codec_spec(codec, key="codec").lossless
+        self.feedback = None if self.lossless else ErrorFeedback(codec)
+
+    def encode(self, *, global_state: Mapping[str, torch.Tensor], new_state: Mapping[str, torch.Tensor]) -> tuple[EncodedModel, bool]:
+        """Returns the encoded update and whether it carries differences."""
+        if self.feedback is None:
+            return EncodedModel(new_state, codec=self.spec), False
+        items = []
+        for name, tensor in new_state.items():
+            value = tensor - global_state[name].to(tensor.device) if is_delta_tensor(tensor) else tensor
+            sent = self.feedback.encode(name, value.detach().to("cpu"))
+            items.append((name, tensor.dtype, tuple(tensor.shape), self.feedback.codec.name, sent.payload))
+        return EncodedModel.from_payloads(items), True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"codec": self.spec, "feedback": None if self.feedback is None else self.feedback.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if self.feedback is not None and state.get("feedback") is not None:
+            self.feedback.load_state_dict(state["feedback"])
+
+
+def reconstruct(global_state: Mapping[str, torch.Tensor], received: Mapping[str, torch.Tensor], *, delta: bool) -> ModelState:
+    """The coordinator's half: the client's model from what it sent."""
+    if not delta:
+        return OrderedDict(received)
+    return OrderedDict(
+        (name, global_state[name] + value if is_delta_tensor(value) else value) for name, value in received.items()
+    )

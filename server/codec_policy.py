@@ -1,0 +1,53 @@
+"""Which uplink codec each client link uses.
+
+A policy has a default codec spec and per-region overrides (``eu=bf16,us=topk:0.01``: for
+example a LAN region lossless-ish and WAN regions sparse with error feedback). A client gets
+its region's codec if it advertised that codec's family at join, and ``none`` otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from fedgrid.compression import parse_codec_spec
+from fedgrid.errors import ConfigError
+from fedgrid.types import ClientInfo
+
+__all__ = ["CodecPolicy", "parse_region_codecs", "codec_family"]
+
+
+def codec_family(spec: str) -> str:
+    """``topk`` for ``topk:0.01+zstd``: the part a client's advertised list names."""
+    return spec.split("+", 1)[0].split(":", 1)[0]
+
+
+def parse_region_codecs(text: str) -> dict[str, str]:
+    """``"eu=bf16,us=topk:0.01"`` -> ``{"eu": "bf16", "us": "topk:0.01"}``.
+
+    Raises:
+        ConfigError: malformed entry or codec spec (key ``region_codecs``).
+    """
+    out: dict[str, str] = {}
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        region, sep, spec = entry.partition("=")
+        if not sep or not region.strip() or not spec.strip():
+            raise ConfigError("region_codecs", f"expected REGION=CODEC, got {entry!r}")
+        parse_codec_spec(spec.strip(), key="region_codecs")
+        out[region.strip()] = spec.strip()
+    return out
+
+
+@dataclass(frozen=True)
+class CodecPolicy:
+    """Uplink codec per client: ``default`` unless its region has an override."""
+
+    default: str = "none"
+    by_region: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        parse_codec_spec(self.default, key="codec")
+
+    def uplink(self, client: ClientInfo) -> str:
+        spec = self.by_region.get(client.region, self.default)
+        return spec if codec_family(spec) in client.codecs or codec_family(spec) == "none" else "none"
