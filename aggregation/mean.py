@@ -18,10 +18,14 @@ __all__ = ["WeightedMean", "Mean", "weighted_mean"]
 
 
 class WeightedMean(Aggregator):
-    """Example-weighted mean, accumulated in float64 so the result barely depends on order.
+    """Example-weighted mean.
 
-    Floating tensors are averaged and cast back to their dtype; integer and bool tensors
-    (e.g. BatchNorm's ``num_batches_tracked``) take the weighted mean rounded to nearest.
+    Accumulates in float32 (float64 for float64 tensors, complex128 for complex ones), in
+    place and without temporaries, so the coordinator holds one accumulator the size of
+    the model; callers fold updates in a canonical order, which makes the result
+    reproducible bit for bit. Floating tensors are cast back to their dtype; integer and
+    bool tensors (e.g. BatchNorm's ``num_batches_tracked``) take the weighted mean rounded
+    to nearest (accumulated in float64: their values are exact integers).
     """
 
     def __init__(self) -> None:
@@ -36,15 +40,14 @@ class WeightedMean(Aggregator):
             self._sums = OrderedDict()
             for name, t in update.items():
                 self._dtypes[name] = t.dtype
-                acc_dtype = torch.complex128 if t.dtype.is_complex else torch.float64
-                self._sums[name] = torch.zeros(t.shape, dtype=acc_dtype)
+                self._sums[name] = torch.zeros(t.shape, dtype=_accumulator_dtype(t.dtype))
         elif list(update) != list(self._sums):
             raise ValueError("update holds different tensors than the first one added")
         for name, t in update.items():
             acc = self._sums[name]
             if t.shape != acc.shape:
                 raise ValueError(f"tensor '{name}': shape {list(t.shape)} differs from {list(acc.shape)}")
-            acc.add_(t.detach().to("cpu", acc.dtype), alpha=weight)
+            acc.add_(t.detach().to("cpu"), alpha=weight)  # mixed dtypes are cast element-wise, no copy
         self._total += weight
 
     def result(self) -> ModelState:
@@ -55,12 +58,21 @@ class WeightedMean(Aggregator):
             mean = acc / self._total
             dtype = self._dtypes[name]
             if not (dtype.is_floating_point or dtype.is_complex):
-                mean = mean.round()
-            out[name] = mean.to(dtype)
+                mean = mean.round_()
+            out[name] = mean if mean.dtype == dtype else mean.to(dtype)
+            del mean
         return out
 
     def reset(self) -> None:
         self._sums, self._dtypes, self._total = None, {}, 0.0
+
+
+def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    if dtype.is_complex:
+        return torch.complex128
+    if dtype == torch.float64 or not dtype.is_floating_point:
+        return torch.float64
+    return torch.float32
 
 
 def weighted_mean(updates: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]) -> ModelState:
