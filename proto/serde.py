@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Mapping, TypeVar
+from typing import Callable, Iterable, Iterator, Mapping, TypeVar
 
 import numpy as np
 import torch
@@ -301,6 +301,9 @@ class ModelAssembler:
             shapes), in any order.
         max_tensor_bytes: no tensor larger than this is accepted or allocated.
         max_total_bytes: cap on the whole stream's payload.
+        sink: when given, each tensor is handed to ``sink(name, tensor)`` as soon as it is
+            complete and verified, and not kept (``finish`` then returns no tensors): a
+            receiver can write an update to disk holding one tensor at a time.
 
     Raises (from ``feed`` and ``finish``):
         InvalidUpdateError: the stream breaks a rule; the message names the tensor and problem.
@@ -313,8 +316,11 @@ class ModelAssembler:
         expected: Mapping[str, TensorSpec] | None = None,
         max_tensor_bytes: int = MAX_TENSOR_BYTES,
         max_total_bytes: int | None = None,
+        sink: Callable[[str, torch.Tensor], None] | None = None,
     ) -> None:
         self._expected = expected
+        self._sink = sink
+        self._done: list[str] = []
         self._max_tensor_bytes = max_tensor_bytes
         self._max_total_bytes = max_total_bytes
         self.info: StreamInfo | None = None
@@ -360,13 +366,14 @@ class ModelAssembler:
             raise InvalidUpdateError("empty stream: no header received")
         self._close_tensor()
         if self._expected is not None:
-            missing = [n for n in self._expected if n not in self.tensors]
+            missing = [n for n in self._expected if n not in self._done]
             if missing:
                 raise InvalidUpdateError(f"truncated stream: missing tensors {missing[:5]} (expected {len(self._expected)})")
-            self.tensors = OrderedDict((n, self.tensors[n]) for n in self._expected)
-        if len(self.tensors) != self._num_tensors:
+            if self._sink is None:
+                self.tensors = OrderedDict((n, self.tensors[n]) for n in self._expected)
+        if len(self._done) != self._num_tensors:
             raise InvalidUpdateError(
-                f"truncated stream: header declared {self._num_tensors} tensors, received {len(self.tensors)}"
+                f"truncated stream: header declared {self._num_tensors} tensors, received {len(self._done)}"
             )
         if self._received_total != self._total_bytes:
             raise InvalidUpdateError(
@@ -395,9 +402,9 @@ class ModelAssembler:
         name = meta.name
         if not name:
             raise InvalidUpdateError("tensor with an empty name")
-        if name in self.tensors:
+        if name in self._done:
             raise InvalidUpdateError(f"tensor '{name}' sent twice")
-        if len(self.tensors) >= self._num_tensors:
+        if len(self._done) >= self._num_tensors:
             raise InvalidUpdateError(f"tensor count: '{name}' is beyond the {self._num_tensors} tensors declared")
         dtype = PB_TO_DTYPE.get(meta.dtype)
         if dtype is None:
@@ -463,8 +470,12 @@ class ModelAssembler:
                 tensor = get_codec(meta.codec).decode(bytearray(self._view), dtype=dtype, shape=shape)
             except InvalidUpdateError as exc:
                 raise InvalidUpdateError(f"tensor '{name}': {exc}") from None
-        self.tensors[name] = tensor
+        self._done.append(name)
         self._meta, self._buf, self._hasher = None, None, None
+        if self._sink is not None:
+            self._sink(name, tensor)
+        else:
+            self.tensors[name] = tensor
 
 
 def _info(header: pb.StreamHeader) -> StreamInfo:
@@ -515,10 +526,14 @@ def check_finite(state: Mapping[str, torch.Tensor]) -> None:
 
 
 def decode_chunks(
-    chunks: Iterable[pb.Chunk | bytes], *, expected: Mapping[str, TensorSpec] | None = None, **limits: int
+    chunks: Iterable[pb.Chunk | bytes],
+    *,
+    expected: Mapping[str, TensorSpec] | None = None,
+    max_tensor_bytes: int = MAX_TENSOR_BYTES,
+    max_total_bytes: int | None = None,
 ) -> tuple[StreamInfo, "OrderedDict[str, torch.Tensor]"]:
     """Assembles a whole stream (see ``ModelAssembler``)."""
-    asm = ModelAssembler(expected=expected, **limits)
+    asm = ModelAssembler(expected=expected, max_tensor_bytes=max_tensor_bytes, max_total_bytes=max_total_bytes)
     for chunk in chunks:
         asm.feed(chunk)
     return asm.finish()

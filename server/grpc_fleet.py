@@ -14,6 +14,8 @@ import secrets
 import threading
 import time
 import uuid
+
+import torch
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Iterable, Iterator, Mapping, Sequence
@@ -31,8 +33,8 @@ from fedgrid.errors import (
 from fedgrid.proto import serde
 from fedgrid.server.fleet import Fleet, RoundOutcome
 from fedgrid.server.codec_policy import CodecPolicy
-from fedgrid.server.spill import UpdateSpill
-from fedgrid.client.uplink import reconstruct
+from fedgrid.server.spill import SpillWriter, UpdateSpill
+from fedgrid.client.uplink import is_delta_tensor, reconstruct
 from fedgrid.types import ClientInfo, EvaluateIns, EvaluateRes, FitIns, FitRes, Failure, ModelState, TensorSpec
 
 __all__ = ["GrpcFleet", "PollResult"]
@@ -66,7 +68,7 @@ class _Round:
     results: dict[str, FitRes | EvaluateRes] = field(default_factory=dict)
     failures: dict[str, Failure] = field(default_factory=dict)
     uploading: set[str] = field(default_factory=set)
-    partials: dict[str, serde.ModelAssembler] = field(default_factory=dict)  # broken uploads, by client
+    partials: dict[str, "_Upload"] = field(default_factory=dict)  # broken uploads, by client
     closed: bool = False
     bytes_up: int = 0
     bytes_down: int = 0
@@ -75,6 +77,26 @@ class _Round:
 
     def pending(self) -> list[str]:
         return [cid for cid in self.assignments if cid not in self.results and cid not in self.failures]
+
+
+@dataclass
+class _Upload:
+    """An upload in progress (or broken, awaiting its resume)."""
+
+    asm: serde.ModelAssembler
+    writer: SpillWriter | None
+    raw_bytes: int  # its size uncompressed
+
+    def abort(self) -> None:
+        if self.writer is not None:
+            self.writer.abort()
+
+
+def _nbytes(spec: TensorSpec) -> int:
+    n = torch.empty((), dtype=spec.dtype).element_size()
+    for d in spec.shape:
+        n *= d
+    return n
 
 
 @dataclass(frozen=True)
@@ -229,23 +251,24 @@ class GrpcFleet(Fleet):
             if client_id in rnd.uploading:
                 raise DuplicateUpdateError(f"an upload for round {rnd.server_round} from client {client_id!r} is in progress")
             rnd.uploading.add(client_id)
+        upload: _Upload | None = None
         try:
             with self._cond:
                 partial = rnd.partials.pop(client_id, None)
             if header.resume_from_chunk:
-                if partial is None or partial.frames_received != header.resume_from_chunk:
-                    held = 0 if partial is None else partial.frames_received
+                if partial is None or partial.asm.frames_received != header.resume_from_chunk:
+                    held = 0 if partial is None else partial.asm.frames_received
                     if partial is not None:
                         with self._cond:
                             rnd.partials[client_id] = partial
                     raise StaleTaskError(f"cannot resume at chunk {header.resume_from_chunk}: the coordinator holds {held} chunks of this upload")
-                asm = partial
+                upload = partial
             else:
-                # The expected specs bound every allocation; an evaluation carries no tensors.
-                ins = rnd.assignments[client_id]
-                expected = {} if rnd.evaluate else (getattr(ins, "expected", None) or rnd.expected)
-                asm = serde.ModelAssembler(expected=expected)
-                asm.feed(first)
+                if partial is not None:
+                    partial.abort()
+                upload = self._start_upload(rnd, record.info, header)
+                upload.asm.feed(first)
+            asm = upload.asm
             try:
                 for frame in iterator:
                     asm.feed(frame)
@@ -255,7 +278,8 @@ class GrpcFleet(Fleet):
                 # The connection broke: keep what arrived so that the client resumes from it.
                 with self._cond:
                     if not rnd.closed:
-                        rnd.partials[client_id] = asm
+                        rnd.partials[client_id] = upload
+                        upload = None  # kept, not aborted
                 log.info("round %d: upload from %s broke after %d chunks; kept for resume",
                          rnd.server_round, record.info.name or client_id, asm.frames_received)
                 raise
@@ -263,16 +287,15 @@ class GrpcFleet(Fleet):
             if stream.round != rnd.server_round:
                 raise InvalidUpdateError(f"header names round {stream.round}, the task is round {rnd.server_round}")
             result: FitRes | EvaluateRes
-            raw_bytes = sum(t.numel() * t.element_size() for t in state.values())
             if rnd.evaluate:
                 result = EvaluateRes(record.info, stream.num_examples, dict(stream.metrics))
+            elif upload.writer is not None:  # tensors were reconstructed, checked and written as they came
+                result = FitRes(record.info, upload.writer.commit(), stream.num_examples, dict(stream.metrics))  # type: ignore[arg-type]
             else:
-                if stream.num_examples < 1:
-                    raise InvalidUpdateError("num_examples must be at least 1")
                 state = reconstruct(rnd.global_state, state, delta=stream.delta)
                 serde.check_finite(state)
                 result = self.spill.put(task_id=rnd.task_id, result=FitRes(record.info, state, stream.num_examples, dict(stream.metrics)))
-                del state  # from here on the update lives on disk
+            del state
             with self._cond:
                 if rnd.closed or self._round is not rnd:
                     if not rnd.evaluate:
@@ -284,15 +307,41 @@ class GrpcFleet(Fleet):
                     rnd.results[client_id] = result
                 rnd.bytes_up += asm.wire_bytes
                 rnd.payload_up += asm.payload_bytes
-                rnd.raw_up += raw_bytes
+                rnd.raw_up += upload.raw_bytes
                 self._cond.notify_all()
                 log.info("round %d: accepted %s from %s (%d of %d)", rnd.server_round, "evaluation" if rnd.evaluate else "update",
                          record.info.name or client_id, len(rnd.results), len(rnd.assignments))
+            upload = None
             return asm.payload_bytes
         finally:
+            if upload is not None:  # rejected: drop what was written
+                upload.abort()
             with self._cond:
                 rnd.uploading.discard(client_id)
                 self._cond.notify_all()
+
+    def _start_upload(self, rnd: _Round, client: ClientInfo, header: serde.StreamInfo) -> _Upload:
+        """An assembler for a new upload; fit updates stream into their spill file."""
+        ins = rnd.assignments[client.client_id]
+        # The expected specs bound every allocation; an evaluation carries no tensors.
+        expected: Mapping[str, TensorSpec] = {} if rnd.evaluate else (getattr(ins, "expected", None) or rnd.expected)
+        raw = sum(_nbytes(spec) for spec in expected.values())
+        if rnd.evaluate:
+            return _Upload(serde.ModelAssembler(expected=expected), None, raw)
+        if header.num_examples < 1:
+            raise InvalidUpdateError("num_examples must be at least 1")
+        writer = self.spill.writer(task_id=rnd.task_id, client=client, specs=expected, num_examples=header.num_examples,
+                                   metrics=header.metrics)
+        if writer is None:
+            return _Upload(serde.ModelAssembler(expected=expected), None, raw)
+        base = rnd.global_state
+
+        def sink(name: str, tensor: torch.Tensor) -> None:
+            value = base[name] + tensor if header.delta and is_delta_tensor(tensor) else tensor
+            serde.check_finite({name: value})
+            writer.write(name, value)
+
+        return _Upload(serde.ModelAssembler(expected=expected, sink=sink), writer, raw)
 
     def upload_status(self, client_id: str, token: str, task_id: str) -> tuple[int, bool]:
         """(chunks of a broken upload the coordinator holds, whether the update already landed)."""
@@ -309,7 +358,7 @@ class GrpcFleet(Fleet):
             if client_id in rnd.results:
                 return 0, True
             partial = rnd.partials.get(client_id)
-            return (0 if partial is None else partial.frames_received), False
+            return (0 if partial is None else partial.asm.frames_received), False
 
     # -- Fleet -----------------------------------------------------------------------------
     def _live(self) -> list[ClientInfo]:
@@ -417,6 +466,8 @@ class GrpcFleet(Fleet):
                         rnd.failures[cid] = Failure(infos[cid], "client went silent (no heartbeat)")
                 self._cond.wait(min(rnd.deadline - now, self.heartbeat_interval_s))
             rnd.closed = True  # late uploads are refused from here on
+            for partial in rnd.partials.values():
+                partial.abort()
             rnd.partials.clear()
             self._cond.notify_all()
             results = [rnd.results[cid] for cid in rnd.assignments if cid in rnd.results]
