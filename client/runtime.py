@@ -27,7 +27,8 @@ from fedgrid.constants import (
     TRANSFER_TIMEOUT_S,
 )
 from fedgrid.compression import available_codecs
-from fedgrid.errors import FedgridError
+from fedgrid.compression.feedback import apply_delta
+from fedgrid.errors import FedgridError, InvalidUpdateError
 from fedgrid.plugins import load_object
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
@@ -126,6 +127,9 @@ class Connection:
         self.chunk_size = serde.CHUNK_SIZE
         #: The tries of the latest upload (a resumed upload has more than one).
         self.upload_attempts: list[UploadAttempt] = []
+        #: The model the client holds and its downlink version (compressed downlinks).
+        self.held: ModelState | None = None
+        self.held_version: int | None = None
         #: Uplink encoders by codec: their error-feedback residuals persist across rounds.
         self._uplinks: dict[str, UplinkEncoder] = {}
 
@@ -168,16 +172,35 @@ class Connection:
         return reply.interval_s
 
     def download(self, task_id: str) -> ModelState:
-        """The global model of ``task_id``, checked tensor by tensor (checksums, sizes)."""
-        request = pb.DownloadRequest(client_id=self.client_id, session_token=self.token, task_id=task_id)
+        """The model of ``task_id``, checked tensor by tensor (checksums, sizes)."""
+        return self.download_stream(task_id)[1]
 
-        def attempt() -> ModelState:
+    def download_stream(self, task_id: str, *, have_version: int | None = None) -> tuple[serde.StreamInfo, ModelState]:
+        """The stream of ``task_id``: its header (a difference? which versions?) and tensors."""
+        request = pb.DownloadRequest(client_id=self.client_id, session_token=self.token, task_id=task_id)
+        if have_version is not None:
+            request.have_version = have_version
+
+        def attempt() -> tuple[serde.StreamInfo, ModelState]:
             asm = serde.ModelAssembler()
             for frame in self._download(request, timeout=self.transfer_timeout):
                 asm.feed(frame)
-            return asm.finish()[1]
+            return asm.finish()
 
         return self._call("DownloadModel", attempt)
+
+    def fetch_model(self, task_id: str) -> ModelState:
+        """The model to train on for a fit task, keeping the client's copy across rounds: on
+        a compressed downlink the coordinator sends only the change since the version held."""
+        info, received = self.download_stream(task_id, have_version=self.held_version)
+        if info.delta:
+            if self.held is None or info.base_version != self.held_version:
+                raise InvalidUpdateError(f"downlink difference applies to version {info.base_version}, client holds {self.held_version}")
+            self.held = apply_delta(self.held, received)
+        else:
+            self.held = received
+        self.held_version = info.version or None  # 0: an uncompressed link keeps no versions
+        return self.held
 
     def upload(
         self,
@@ -293,7 +316,7 @@ def run(
             if kind != "task":
                 continue
             task = reply.task
-            state = conn.download(task.task_id)
+            state = conn.download(task.task_id) if task.kind == pb.EVALUATE else conn.fetch_model(task.task_id)
             config = serde.config_from_pb(task.config)
             if task.kind == pb.EVALUATE:
                 update, num_examples, metrics = _evaluate(client, state, config)

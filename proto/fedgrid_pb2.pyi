@@ -151,14 +151,16 @@ class PollReply(_message.Message):
     def __init__(self, task: _Optional[_Union[Task, _Mapping]] = ..., retry_after_s: _Optional[float] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class DownloadRequest(_message.Message):
-    __slots__ = ("client_id", "session_token", "task_id")
+    __slots__ = ("client_id", "session_token", "task_id", "have_version")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    HAVE_VERSION_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     session_token: str
     task_id: str
-    def __init__(self, client_id: _Optional[str] = ..., session_token: _Optional[str] = ..., task_id: _Optional[str] = ...) -> None: ...
+    have_version: int
+    def __init__(self, client_id: _Optional[str] = ..., session_token: _Optional[str] = ..., task_id: _Optional[str] = ..., have_version: _Optional[int] = ...) -> None: ...
 
 class TensorMeta(_message.Message):
     __slots__ = ("name", "dtype", "shape", "codec", "nbytes", "checksum")
@@ -177,7 +179,7 @@ class TensorMeta(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., codec: _Optional[str] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class StreamHeader(_message.Message):
-    __slots__ = ("run_id", "task_id", "round", "num_tensors", "total_bytes", "client_id", "session_token", "num_examples", "metrics", "resume_from_chunk", "delta")
+    __slots__ = ("run_id", "task_id", "round", "num_tensors", "total_bytes", "client_id", "session_token", "num_examples", "metrics", "resume_from_chunk", "delta", "version", "base_version")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +198,8 @@ class StreamHeader(_message.Message):
     METRICS_FIELD_NUMBER: _ClassVar[int]
     RESUME_FROM_CHUNK_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     task_id: str
     round: int
@@ -207,7 +211,9 @@ class StreamHeader(_message.Message):
     metrics: _containers.ScalarMap[str, float]
     resume_from_chunk: int
     delta: bool
-    def __init__(self, run_id: _Optional[str] = ..., task_id: _Optional[str] = ..., round: _Optional[int] = ..., num_tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ..., client_id: _Optional[str] = ..., session_token: _Optional[str] = ..., num_examples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., resume_from_chunk: _Optional[int] = ..., delta: _Optional[bool] = ...) -> None: ...
+    version: int
+    base_version: int
+    def __init__(self, run_id: _Optional[str] = ..., task_id: _Optional[str] = ..., round: _Optional[int] = ..., num_tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ..., client_id: _Optional[str] = ..., session_token: _Optional[str] = ..., num_examples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., resume_from_chunk: _Optional[int] = ..., delta: _Optional[bool] = ..., version: _Optional[int] = ..., base_version: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("header", "tensor", "data")

@@ -113,6 +113,8 @@ class StreamInfo:
     metrics: Mapping[str, float] = field(default_factory=dict)
     resume_from_chunk: int = 0
     delta: bool = False
+    version: int = 0
+    base_version: int = 0
 
 
 @dataclass(frozen=True)
@@ -182,6 +184,8 @@ class EncodedModel:
             metrics=dict(info.metrics),
             resume_from_chunk=start,
             delta=info.delta,
+            version=info.version,
+            base_version=info.base_version,
         ).SerializeToString()
         pending_header: bytes | None = header
         if start > 0:
@@ -489,6 +493,8 @@ def _info(header: pb.StreamHeader) -> StreamInfo:
         metrics=dict(header.metrics),
         resume_from_chunk=header.resume_from_chunk,
         delta=header.delta,
+        version=header.version,
+        base_version=header.base_version,
     )
 
 

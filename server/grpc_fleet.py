@@ -33,6 +33,7 @@ from fedgrid.errors import (
 from fedgrid.proto import serde
 from fedgrid.server.fleet import Fleet, RoundOutcome
 from fedgrid.server.codec_policy import CodecPolicy
+from fedgrid.server.downlink import Downlink, RoundDownlink
 from fedgrid.server.spill import SpillWriter, UpdateSpill
 from fedgrid.client.uplink import is_delta_tensor, reconstruct
 from fedgrid.types import ClientInfo, EvaluateIns, EvaluateRes, FitIns, FitRes, Failure, ModelState, TensorSpec
@@ -61,8 +62,8 @@ class _Round:
     task_id: str
     evaluate: bool  # an evaluation round: clients send metrics, no tensors
     assignments: dict[str, FitIns | EvaluateIns]
-    encoded: serde.EncodedModel
-    global_state: ModelState
+    downlink: RoundDownlink  # what clients download; .base is the model they then hold
+    global_state: ModelState  # what difference uploads apply to (= downlink.base)
     expected: dict[str, TensorSpec]
     deadline: float
     results: dict[str, FitRes | EvaluateRes] = field(default_factory=dict)
@@ -122,6 +123,9 @@ class GrpcFleet(Fleet):
         spill_dir: where accepted updates wait for aggregation (see ``server/spill.py``);
             under the state directory they survive a crash. Default: a temporary directory.
         codec_policy: the uplink codec of each client (sent with its task).
+        downlink_codec: ``none`` (every client downloads the exact global model) or a lossy
+            spec: clients get the compressed change since the version they hold, with
+            server-side error feedback (see ``server/downlink.py``).
     """
 
     def __init__(
@@ -131,9 +135,11 @@ class GrpcFleet(Fleet):
         chunk_size: int = CHUNK_SIZE,
         spill_dir: str | os.PathLike[str] | None = None,
         codec_policy: CodecPolicy | None = None,
+        downlink_codec: str = "none",
     ) -> None:
         self.run_id = uuid.uuid4().hex
         self.codec_policy = codec_policy or CodecPolicy()
+        self.downlink = Downlink(downlink_codec)
         self.spill = UpdateSpill(spill_dir)
         self.heartbeat_interval_s = heartbeat_interval.total_seconds()
         self.chunk_size = chunk_size
@@ -210,13 +216,17 @@ class GrpcFleet(Fleet):
             raise StaleTaskError(f"client {client_id!r} has no task in round {rnd.server_round}")
         return rnd
 
-    def download(self, client_id: str, token: str, task_id: str) -> Iterator[bytes]:
-        """The global model of the client's open task, as a chunk stream."""
+    def download(self, client_id: str, token: str, task_id: str, have_version: int | None = None) -> Iterator[bytes]:
+        """The model of the client's open task, as a chunk stream: whole, or on a compressed
+        downlink the change since ``have_version`` when the client holds the previous version."""
         self.authenticate(client_id, token)
         with self._cond:
             rnd = self._open_task(client_id, task_id)
-        info = serde.StreamInfo(run_id=self.run_id, task_id=task_id, round=rnd.server_round)
-        return self._count_down(rnd, rnd.encoded.frames(info, chunk_size=self.chunk_size))
+        encoded, delta, base_version = rnd.downlink.for_client(have_version)
+        info = serde.StreamInfo(
+            run_id=self.run_id, task_id=task_id, round=rnd.server_round, delta=delta, version=rnd.downlink.version, base_version=base_version
+        )
+        return self._count_down(rnd, encoded.frames(info, chunk_size=self.chunk_size))
 
     def _count_down(self, rnd: _Round, frames: Iterator[bytes]) -> Iterator[bytes]:
         sent = 0
@@ -428,6 +438,8 @@ class GrpcFleet(Fleet):
     ) -> tuple[list[FitRes | EvaluateRes], list[Failure], list[ClientInfo], _Round]:
         """Opens a task for the assigned clients and closes it when ``target`` (default: all)
         reported, the rest failed or went silent, or the deadline passed."""
+        # Evaluation judges the exact global model; fit rounds go through the downlink policy.
+        downlink = RoundDownlink(base=global_state, version=0, _full=serde.EncodedModel(global_state)) if evaluate else self.downlink.prepare(global_state)
         rnd = _Round(
             server_round=server_round,
             # Deterministic: a round redone after a restart has the same task id, so a client's
@@ -435,8 +447,8 @@ class GrpcFleet(Fleet):
             task_id=f"{self.run_id[:12]}-r{server_round}-{'evaluate' if evaluate else 'fit'}",
             evaluate=evaluate,
             assignments={info.client_id: self._with_codec(info, ins) for info, ins in assignments},
-            encoded=serde.EncodedModel(global_state),
-            global_state=global_state,
+            downlink=downlink,
+            global_state=downlink.base,
             expected=TensorSpec.of(global_state),
             deadline=time.monotonic() + timeout.total_seconds(),
         )
@@ -496,7 +508,7 @@ class GrpcFleet(Fleet):
     def state_dict(self) -> dict[str, Any]:
         with self._cond:
             clients = [{**dataclasses.asdict(r.info), "token": r.token} for r in self._clients.values()]
-        return {"run_id": self.run_id, "clients": clients}
+        return {"run_id": self.run_id, "clients": clients, "downlink": self.downlink.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores the run id and registry: clients keep their sessions across a restart.
@@ -507,6 +519,8 @@ class GrpcFleet(Fleet):
         now = time.monotonic() + RETRY_MAX_WAIT_S + RESTART_GRACE_S
         with self._cond:
             self.run_id = str(state["run_id"])
+            if state.get("downlink") is not None:
+                self.downlink.load_state_dict(state["downlink"])
             self._clients = {}
             for entry in state["clients"]:
                 fields = {k: v for k, v in entry.items() if k != "token"}

@@ -94,7 +94,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def DownloadModel(self, request: pb.DownloadRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         with _mapped(context):
-            yield from self.fleet.download(request.client_id, request.session_token, request.task_id)
+            have = request.have_version if request.HasField("have_version") else None
+            yield from self.fleet.download(request.client_id, request.session_token, request.task_id, have)
 
     def UploadUpdate(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> pb.UploadReply:
         with _mapped(context):

@@ -7,6 +7,7 @@ simulated run moves the same bytes, and produces the same bits, as a deployed on
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 import logging
 from datetime import timedelta
 from typing import Sequence
@@ -15,6 +16,7 @@ from fedgrid.client.api import Client
 from fedgrid.client.uplink import UplinkEncoder, reconstruct
 from fedgrid.compression import available_codecs
 from fedgrid.server.codec_policy import CodecPolicy
+from fedgrid.server.downlink import Downlink
 from fedgrid.proto import serde
 from fedgrid.server.fleet import Fleet, RoundOutcome
 from fedgrid.types import ClientInfo, EvaluateIns, EvaluateRes, FitIns, FitRes, Failure, ModelState, TensorSpec
@@ -32,7 +34,14 @@ class InProcessFleet(Fleet):
         chunk_size: chunk size of the simulated wire.
     """
 
-    def __init__(self, clients: Sequence[Client], *, chunk_size: int = serde.CHUNK_SIZE, codec_policy: CodecPolicy | None = None) -> None:
+    def __init__(
+        self,
+        clients: Sequence[Client],
+        *,
+        chunk_size: int = serde.CHUNK_SIZE,
+        codec_policy: CodecPolicy | None = None,
+        downlink_codec: str = "none",
+    ) -> None:
         self._clients: dict[str, Client] = {}
         self._infos: list[ClientInfo] = []
         codecs = tuple(available_codecs())
@@ -45,6 +54,8 @@ class InProcessFleet(Fleet):
         self.chunk_size = chunk_size
         self.codec_policy = codec_policy or CodecPolicy()
         self._uplinks: dict[tuple[str, str], UplinkEncoder] = {}  # per client and codec, as each client process keeps
+        self.downlink = Downlink(downlink_codec)
+        self._held: dict[str, int] = {}  # downlink version each client holds
 
     def _uplink(self, client_id: str, codec: str) -> UplinkEncoder:
         key = (client_id, codec)
@@ -66,7 +77,8 @@ class InProcessFleet(Fleet):
         timeout: timedelta,
         target: int | None = None,
     ) -> RoundOutcome[FitRes]:
-        encoded = serde.EncodedModel(global_state)
+        downlink = self.downlink.prepare(global_state)
+        base = downlink.base  # what clients hold after downloading: differences apply to it
         expected = TensorSpec.of(global_state)
         results: list[FitRes] = []
         failures: list[Failure] = []
@@ -77,18 +89,24 @@ class InProcessFleet(Fleet):
             if len(results) >= goal:  # sequential clients finish in order: the rest are not needed
                 cancelled.append(info)
                 continue
-            down = list(encoded.frames(serde.StreamInfo(round=server_round), chunk_size=self.chunk_size))
+            encoded, delta, base_version = downlink.for_client(self._held.get(info.client_id))
+            head = serde.StreamInfo(round=server_round, delta=delta, version=downlink.version, base_version=base_version)
+            down = list(encoded.frames(head, chunk_size=self.chunk_size))
             bytes_down += sum(serde.wire_size(c) for c in down)
-            _, state = serde.decode_chunks(down)
+            # A client applying a difference to the version it holds reaches ``base`` bit for
+            # bit (ShadowModel runs the clients' apply_delta), so hand it a copy of ``base``.
+            state = OrderedDict((k, v.clone()) for k, v in base.items()) if delta else serde.decode_chunks(down)[1]
+            if downlink.version:
+                self._held[info.client_id] = downlink.version
             try:
                 codec = self.codec_policy.uplink(info)
                 task = dataclasses.replace(ins, config={**ins.config, "uplink_codec": codec})
                 out = self._clients[info.client_id].fit(state, task)
-                encoded_up, delta = self._uplink(info.client_id, codec).encode(global_state=state, new_state=out.state)
-                info_up = serde.StreamInfo(round=server_round, num_examples=out.num_examples, metrics=out.metrics, delta=delta)
+                encoded_up, delta_up = self._uplink(info.client_id, codec).encode(global_state=state, new_state=out.state)
+                info_up = serde.StreamInfo(round=server_round, num_examples=out.num_examples, metrics=out.metrics, delta=delta_up)
                 up = list(encoded_up.frames(info_up, chunk_size=self.chunk_size))
                 header, received = serde.decode_chunks(up, expected=ins.expected or expected)
-                update = reconstruct(global_state, received, delta=header.delta)
+                update = reconstruct(base, received, delta=header.delta)
                 serde.check_finite(update)
             except Exception as exc:  # a client's failure is data for the strategy
                 log.warning("client %s failed in round %d: %s", info.name, server_round, exc)

@@ -54,7 +54,7 @@ def _snapshot(coordinator):
     chunks for a resume: a transfer buffer, not coordinator state.)"""
     fleet = coordinator.fleet
     rnd = fleet._round
-    model = [(t.meta.name, t.meta.checksum, bytes(t.payload)) for t in rnd.encoded._tensors]
+    model = [(t.meta.name, t.meta.checksum, bytes(t.payload)) for t in rnd.downlink.for_client(None)[0]._tensors]
     return (fleet.state_dict(), rnd.task_id, rnd.server_round, rnd.closed, sorted(rnd.results), sorted(rnd.failures),
             sorted(rnd.uploading), rnd.bytes_up, model)
 
