@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from datetime import timedelta
 
 import pytest
@@ -33,25 +32,31 @@ def _clients():
     return [digits_client(i, CLIENTS, SEED, device="cpu") for i in range(CLIENTS)]
 
 
+def _deploy(policy, downlink_codec="none"):
+    """The same run over real gRPC, clients in threads of this process; returns the engine."""
+    fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=30), codec_policy=policy, downlink_codec=downlink_codec)
+    server = Coordinator("127.0.0.1:0", fleet, max_workers=16).start()
+    try:
+        handles = [start(c, server.address, poll_wait_s=1.0) for c in _clients()]
+        wait_until(lambda: len(fleet.live_clients()) == CLIENTS, timeout=60, what="clients to join")
+        deployed = _engine(fleet)
+        deployed.run()
+        for h in handles:
+            assert h.join(timeout=60).rounds == ROUNDS
+    finally:
+        server.stop(grace=0.5)
+        fleet.close()
+    return deployed
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("codec", ["topk:0.01", "int8"])
 def test_simulation_and_grpc_agree_bit_for_bit(codec):
     policy = CodecPolicy(default=codec)
     sim = _engine(InProcessFleet(_clients(), codec_policy=policy))
     sim_final = sim.run()
-
-    fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=30), codec_policy=policy)
-    server = Coordinator("127.0.0.1:0", fleet, max_workers=16).start()
-    try:
-        handles = [start(c, server.address, poll_wait_s=1.0) for c in _clients()]
-        wait_until(lambda: len(fleet.live_clients()) == CLIENTS, timeout=60, what="clients to join")
-        deployed = _engine(fleet)
-        final = deployed.run()
-        for h in handles:
-            assert h.join(timeout=60).rounds == ROUNDS
-    finally:
-        server.stop(grace=0.5)
-        fleet.close()
+    deployed = _deploy(policy)
+    final = deployed.strategy.global_state
     for name, tensor in sim_final.items():
         assert torch.equal(final[name], tensor), name
     for sim_m, m in zip(sim.history, deployed.history):
@@ -83,18 +88,8 @@ def test_compressed_downlink_simulation_and_grpc_agree():
     sim_fleet = InProcessFleet(_clients(), codec_policy=policy, downlink_codec="int8")
     sim = _engine(sim_fleet)
     sim_final = sim.run()
-    fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=30), codec_policy=policy, downlink_codec="int8")
-    server = Coordinator("127.0.0.1:0", fleet, max_workers=16).start()
-    try:
-        handles = [start(c, server.address, poll_wait_s=1.0) for c in _clients()]
-        wait_until(lambda: len(fleet.live_clients()) == CLIENTS, timeout=60, what="clients to join")
-        deployed = _engine(fleet)
-        final = deployed.run()
-        for h in handles:
-            assert h.join(timeout=60).rounds == ROUNDS
-    finally:
-        server.stop(grace=0.5)
-        fleet.close()
+    deployed = _deploy(policy, downlink_codec="int8")
+    final = deployed.strategy.global_state
     for name, tensor in sim_final.items():
         assert torch.equal(final[name], tensor), name
     for sim_m, m in zip(sim.history, deployed.history):
