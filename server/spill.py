@@ -70,8 +70,9 @@ class SpillWriter:
     renames the file into place.
     """
 
-    def __init__(self, path: Path, specs: Mapping[str, TensorSpec], metadata: Mapping[str, str]) -> None:
+    def __init__(self, path: Path, specs: Mapping[str, TensorSpec], metadata: Mapping[str, str], *, durable: bool = True) -> None:
         self.path = path
+        self.durable = durable
         self._tmp = path.with_suffix(".part")
         self._names = list(specs)
         header: dict[str, object] = {"__metadata__": dict(metadata)}
@@ -105,7 +106,8 @@ class SpillWriter:
         if missing:
             raise ValueError(f"spill of {self.path.name} lacks tensors {missing[:3]}")
         self._file.flush()
-        os.fsync(self._file.fileno())
+        if self.durable:
+            os.fsync(self._file.fileno())
         self._file.close()
         os.replace(self._tmp, self.path)
         return SpilledState(self.path, self._names)
@@ -128,11 +130,13 @@ class UpdateSpill:
 
     Args:
         directory: where round folders go; ``None`` uses a private temporary directory
-            (removed by ``close``).
+            (removed by ``close``), whose files are not fsynced: nothing reads them after a
+            crash. Under a state directory they are, so a restart can trust them.
     """
 
     def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
         self._temporary = directory is None
+        self.durable = not self._temporary
         self.dir = Path(tempfile.mkdtemp(prefix="fedgrid-updates-")) if directory is None else Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
 
@@ -147,7 +151,9 @@ class UpdateSpill:
             return None
         folder = self._round_dir(task_id)
         folder.mkdir(parents=True, exist_ok=True)
-        return SpillWriter(folder / f"{client.client_id}.safetensors", specs, self._metadata(client, list(specs), num_examples, metrics))
+        return SpillWriter(
+            folder / f"{client.client_id}.safetensors", specs, self._metadata(client, list(specs), num_examples, metrics), durable=self.durable
+        )
 
     @staticmethod
     def _metadata(client: ClientInfo, names: list[str], num_examples: int, metrics: Mapping[str, float]) -> dict[str, str]:
@@ -167,8 +173,9 @@ class UpdateSpill:
         names = list(result.state)
         meta = self._metadata(result.client, names, result.num_examples, result.metrics)
         save_file({k: v.contiguous() for k, v in result.state.items()}, str(tmp), metadata=meta)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        if self.durable:
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
         return FitRes(result.client, SpilledState(path, names), result.num_examples, result.metrics)  # type: ignore[arg-type]
 
