@@ -128,13 +128,20 @@ class FedAvg(Strategy):
         """
         state = self.global_state
         if self.aggregator is None:
-            for res in results:
-                for name in names:
+            # Tensor by tensor, each over every result: with spilled results only one
+            # tensor of one update is in memory at a time, beside one accumulator tensor.
+            out: ModelState = OrderedDict()
+            for name in names:
+                agg = WeightedMean()
+                for res in results:
                     got = res.state.get(name)
                     if got is None or got.shape != state[name].shape:
                         who = res.client.name or res.client.client_id
                         raise ValueError(f"result from client {who!r}: tensor '{name}' is missing or has the wrong shape")
-            return weighted_mean([OrderedDict((n, r.state[n]) for n in names) for r in results], [float(r.num_examples) for r in results])
+                    agg.add({name: got}, float(res.num_examples))
+                    del got
+                out[name] = agg.result()[name]
+            return out
         floating, others = split_names(state, names)
         new = apply_delta(state, aggregate_deltas(global_state=state, results=results, names=floating, aggregator=self.aggregator))
         new.update(average_values(results, others))

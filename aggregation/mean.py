@@ -20,12 +20,13 @@ __all__ = ["WeightedMean", "Mean", "weighted_mean"]
 class WeightedMean(Aggregator):
     """Example-weighted mean.
 
-    Accumulates in float32 (float64 for float64 tensors, complex128 for complex ones), in
-    place and without temporaries, so the coordinator holds one accumulator the size of
-    the model; callers fold updates in a canonical order, which makes the result
-    reproducible bit for bit. Floating tensors are cast back to their dtype; integer and
-    bool tensors (e.g. BatchNorm's ``num_batches_tracked``) take the weighted mean rounded
-    to nearest (accumulated in float64: their values are exact integers).
+    Accumulates in float64 (complex128 for complex tensors), in place and without
+    temporaries, so averaging n copies of a model gives it back exactly; callers fold
+    updates in a canonical order, which makes the result reproducible bit for bit. To keep
+    memory low, aggregate tensor by tensor (as ``FedAvg`` does): the accumulator is then
+    twice one tensor, not twice the model. Floating tensors are cast back to their dtype;
+    integer and bool tensors (e.g. BatchNorm's ``num_batches_tracked``) take the weighted
+    mean rounded to nearest.
     """
 
     def __init__(self) -> None:
@@ -68,11 +69,7 @@ class WeightedMean(Aggregator):
 
 
 def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
-    if dtype.is_complex:
-        return torch.complex128
-    if dtype == torch.float64 or not dtype.is_floating_point:
-        return torch.float64
-    return torch.float32
+    return torch.complex128 if dtype.is_complex else torch.float64
 
 
 def weighted_mean(updates: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]) -> ModelState:

@@ -274,6 +274,8 @@ class _Heartbeat(threading.Thread):
                 interval = self.conn.heartbeat() or interval
             except grpc.RpcError as exc:
                 log.debug("heartbeat failed: %s", exc.code())  # the main loop's retries decide
+            except ValueError:  # the channel closed as the run ended
+                return
 
 
 def run(

@@ -79,6 +79,10 @@ class _Round:
     def pending(self) -> list[str]:
         return [cid for cid in self.assignments if cid not in self.results and cid not in self.failures]
 
+    def is_pending(self, client_id: str) -> bool:
+        """O(1): a long poll asks this on every wake-up, with every client polling."""
+        return client_id in self.assignments and client_id not in self.results and client_id not in self.failures
+
 
 @dataclass
 class _Upload:
@@ -192,7 +196,7 @@ class GrpcFleet(Fleet):
                     self._cond.notify_all()
                     return PollResult(finished=True)
                 rnd = self._round
-                if rnd is not None and not rnd.closed and client_id in rnd.assignments and client_id in rnd.pending():
+                if rnd is not None and not rnd.closed and rnd.is_pending(client_id):
                     return PollResult(
                         task_id=rnd.task_id,
                         evaluate=rnd.evaluate,
@@ -493,6 +497,9 @@ class GrpcFleet(Fleet):
         return dataclasses.replace(ins, config={**ins.config, "uplink_codec": self.codec_policy.uplink(info)})
 
     def committed(self, server_round: int) -> None:
+        with self._cond:
+            if self._round is not None and self._round.closed:
+                self._round = None  # frees the round's models and results
         self.spill.clear()
 
     def close(self) -> None:
