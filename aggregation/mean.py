@@ -52,16 +52,17 @@ class WeightedMean(Aggregator):
         self._total += weight
 
     def result(self) -> ModelState:
+        """The mean; consumes the accumulators (``add`` starts a new mean afterwards)."""
         if self._sums is None:
             raise ValueError("no update was added")
         out: ModelState = OrderedDict()
         for name, acc in self._sums.items():
-            mean = acc / self._total
+            mean = acc.div_(self._total)  # in place: no second accumulator-sized temporary
             dtype = self._dtypes[name]
             if not (dtype.is_floating_point or dtype.is_complex):
                 mean = mean.round_()
-            out[name] = mean if mean.dtype == dtype else mean.to(dtype)
-            del mean
+            out[name] = mean.to(dtype)
+        self.reset()  # the accumulators were consumed
         return out
 
     def reset(self) -> None:
