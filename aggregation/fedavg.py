@@ -11,6 +11,8 @@ import random
 from collections import OrderedDict
 from typing import Any, ClassVar, Mapping, Sequence
 
+import torch
+
 from fedgrid.aggregation.base import AggregationPreconditionError, Aggregator, Strategy, weighted_metrics
 from fedgrid.aggregation.mean import WeightedMean, weighted_mean
 from fedgrid.aggregation.updates import aggregate_deltas, apply_delta, average_values, split_names
@@ -18,7 +20,10 @@ from fedgrid.aggregation.selection import SelectionPolicy
 from fedgrid.seeding import derive_seed
 from fedgrid.types import ClientInfo, EvaluateIns, FitIns, FitRes, Failure, ModelState, Scalar
 
-__all__ = ["WeightedMean", "FedAvg", "weighted_mean", "train_metrics", "check_strategy_tag"]
+__all__ = ["WeightedMean", "FedAvg", "weighted_mean", "train_metrics", "check_strategy_tag", "AGGREGATION_SLICE"]
+
+#: Elements averaged at a time (a float64 accumulator of 8 MB).
+AGGREGATION_SLICE = 1 << 20
 
 
 class FedAvg(Strategy):
@@ -128,19 +133,26 @@ class FedAvg(Strategy):
         """
         state = self.global_state
         if self.aggregator is None:
-            # Tensor by tensor, each over every result: with spilled results only one
-            # tensor of one update is in memory at a time, beside one accumulator tensor.
+            # Slice by slice of each tensor, each over every result: with spilled (memory-
+            # mapped) results only that slice of one update is read at a time, and the
+            # float64 accumulator is one slice, so aggregating costs about the new model.
             out: ModelState = OrderedDict()
             for name in names:
-                agg = WeightedMean()
-                for res in results:
-                    got = res.state.get(name)
-                    if got is None or got.shape != state[name].shape:
-                        who = res.client.name or res.client.client_id
-                        raise ValueError(f"result from client {who!r}: tensor '{name}' is missing or has the wrong shape")
-                    agg.add({name: got}, float(res.num_examples))
-                    del got
-                out[name] = agg.result()[name]
+                target = state[name]
+                new_value = torch.empty_like(target)
+                flat = new_value.view(-1)
+                for start in range(0, max(target.numel(), 1), AGGREGATION_SLICE):
+                    agg = WeightedMean()
+                    for res in results:
+                        got = res.state.get(name)
+                        if got is None or got.shape != target.shape:
+                            who = res.client.name or res.client.client_id
+                            raise ValueError(f"result from client {who!r}: tensor '{name}' is missing or has the wrong shape")
+                        agg.add({name: got.reshape(-1)[start : start + AGGREGATION_SLICE]}, float(res.num_examples))
+                        del got
+                    piece = agg.result()[name]
+                    flat[start : start + piece.numel()] = piece
+                out[name] = new_value
             return out
         floating, others = split_names(state, names)
         new = apply_delta(state, aggregate_deltas(global_state=state, results=results, names=floating, aggregator=self.aggregator))
