@@ -295,10 +295,12 @@ def run(
     conn = Connection(coordinator, stop=stop, **connection_options)
     beat_stop = threading.Event()
     rounds = rejoins = 0
+    heartbeat: _Heartbeat | None = None
     try:
         conn.join(client)
         log.info("joined %s as %s (run %s)", coordinator, conn.client_id, conn.run_id)
-        _Heartbeat(conn, beat_stop).start()
+        heartbeat = _Heartbeat(conn, beat_stop)
+        heartbeat.start()
         while not stop.is_set():
             try:
                 reply = conn.poll(poll_wait_s)
@@ -337,6 +339,10 @@ def run(
             rounds += task.kind != pb.EVALUATE
     finally:
         beat_stop.set()
+        if heartbeat is not None:
+            # A heartbeat in flight when the process exits can abort grpc's C++ core
+            # ("terminate called without an active exception"): let it finish first.
+            heartbeat.join(timeout=conn.rpc_timeout + 1.0)
         conn.close()
     return RunSummary(client_id=conn.client_id, rounds=rounds)
 

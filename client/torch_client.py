@@ -2,19 +2,29 @@
 
 from __future__ import annotations
 
+import copy
+import threading
 from collections import OrderedDict
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
 
+from fedgrid.client.algorithms import STEP_ALGORITHMS, ProximalTerm, ScaffoldControl, algorithm_of, names_under, train_only
 from fedgrid.client.api import Client, EvaluateOutput, FitOutput
 from fedgrid.seeding import derive_seed
 from fedgrid.types import FitIns, ModelState, Scalar
 
-__all__ = ["TorchClient", "default_device"]
+_RNG_LOCK = threading.Lock()
+
+__all__ = ["TorchClient", "default_device", "default_inner_optimizer"]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+def default_inner_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """DiLoCo's default inner optimizer: AdamW with torch's defaults (lr 1e-3, weight decay 0.01)."""
+    return torch.optim.AdamW(params)
 
 
 def default_device() -> torch.device:
@@ -23,17 +33,24 @@ def default_device() -> torch.device:
 
 
 class TorchClient(Client):
-    """Trains ``model`` on ``train_loader`` for the epochs a task asks.
+    """Trains ``model`` on ``train_loader`` as a task asks.
 
     Task config keys it reads: ``local_epochs`` (default 1), ``lr`` (overrides the
     optimizer's learning rate), ``round`` and ``seed`` (with this client's own ``seed`` and
-    ``name`` they seed shuffling and dropout, so a run is reproducible in any process).
+    ``name`` they seed shuffling and dropout, so a run is reproducible in any process), and
+    ``algorithm`` with its keys (see ``fedgrid.client.algorithms``): FedProx's proximal
+    term, SCAFFOLD's control variates, DiLoCo's inner steps, streaming DiLoCo's fragments,
+    block-coordinate blocks. What an algorithm keeps across rounds (SCAFFOLD's ``c_i``, the
+    DiLoCo inner optimizer, the streaming replica) lives in this object; ``state_dict`` /
+    ``load_state_dict`` save and restore it.
 
     Args:
         model: the module; its ``state_dict`` is what travels.
         train_loader: an iterable of ``(inputs, targets)`` batches.
         loss_fn: ``loss_fn(outputs, targets) -> scalar tensor``.
         optimizer: ``optimizer(params) -> torch.optim.Optimizer``, called at each fit.
+        inner_optimizer: DiLoCo's inner optimizer factory, called once and kept across
+            rounds; default AdamW (``lr`` of the task overrides its learning rate).
         eval_loader: batches for ``evaluate``; defaults to none (evaluate raises).
         device: where to train; CUDA when present by default.
         seed: this client's seed.
@@ -48,6 +65,7 @@ class TorchClient(Client):
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         optimizer: OptimizerFactory,
         *,
+        inner_optimizer: OptimizerFactory | None = None,
         eval_loader: Iterable | None = None,
         device: torch.device | str | None = None,
         seed: int = 0,
@@ -59,49 +77,163 @@ class TorchClient(Client):
         self.train_loader = train_loader
         self.loss_fn = loss_fn
         self.optimizer_factory = optimizer
+        self.inner_optimizer_factory: OptimizerFactory = inner_optimizer or default_inner_optimizer
         self.eval_loader = eval_loader
         self.seed = seed
         self.name = name
         self.region = region
+        self.scaffold = ScaffoldControl()
+        self._inner_optimizer: torch.optim.Optimizer | None = None
+        self._replica: ModelState | None = None
 
     @property
     def num_examples(self) -> int:
         dataset = getattr(self.train_loader, "dataset", None)
         return len(dataset) if dataset is not None else 0
 
-    def _load(self, state: ModelState) -> None:
+    def _load(self, state: Mapping[str, torch.Tensor]) -> None:
         self.model.load_state_dict(state, strict=True)
 
     def _state(self) -> ModelState:
         return OrderedDict((k, v.detach().to("cpu").clone()) for k, v in self.model.state_dict().items())
 
+    @property
+    def inner_optimizer(self) -> torch.optim.Optimizer:
+        """DiLoCo's inner optimizer over all parameters, created at first use and kept."""
+        if self._inner_optimizer is None:
+            self._inner_optimizer = self.inner_optimizer_factory(self.model.parameters())
+        return self._inner_optimizer
+
+    def _start_state(self, download: ModelState, algorithm: str, config: Mapping[str, Scalar]) -> ModelState:
+        """The model to train from: the download, or streaming DiLoCo's replica with one fragment merged."""
+        if algorithm != "streaming-diloco" or self._replica is None or list(self._replica) != list(download):
+            return download
+        merged = OrderedDict(self._replica)
+        for name in names_under(list(download), str(config.get("merge_fragment_prefixes", "")), key="merge_fragment_prefixes"):
+            merged[name] = download[name]
+        return merged
+
     def fit(self, state: ModelState, ins: FitIns) -> FitOutput:
+        """Trains from ``state`` as the task's ``algorithm`` asks; returns the tensors it declares.
+
+        Raises:
+            ValueError: an unknown algorithm, a bad task value, or no training data.
+        """
         config = ins.config
-        epochs = int(config.get("local_epochs", 1))
-        if epochs < 1:
-            raise ValueError(f"local_epochs must be at least 1, got {epochs}")
-        self._load(state)
-        optimizer = self.optimizer_factory(self.model.parameters())
-        if "lr" in config:
-            for group in optimizer.param_groups:
-                group["lr"] = float(config["lr"])
-        seed = derive_seed(config.get("seed", 0), ins.round, self.seed, self.name)
-        total_loss, seen = 0.0, 0
+        algorithm = algorithm_of(config)
+        if algorithm in STEP_ALGORITHMS:
+            steps, epochs = int(config.get("inner_steps", 0)), 0
+            if steps < 1:
+                raise ValueError(f"inner_steps must be at least 1, got {steps}")
+        else:
+            steps, epochs = 0, int(config.get("local_epochs", 1))
+            if epochs < 1:
+                raise ValueError(f"local_epochs must be at least 1, got {epochs}")
+        control: ModelState = OrderedDict()
+        if algorithm == "scaffold":
+            state, control = ScaffoldControl.split(state)
+        self._load(self._start_state(state, algorithm, config))
+        names = list(state)
+        trained = names_under(names, str(config.get("block_prefixes", "")), key="block_prefixes") if algorithm == "bcd" else names
         self.model.train()
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            torch.manual_seed(seed)
+        with train_only(self.model, trained) as params:
+            if algorithm in STEP_ALGORITHMS:
+                optimizer = self.inner_optimizer
+            else:  # bcd: optimizer state for the block alone
+                optimizer = self.optimizer_factory(params if algorithm == "bcd" else self.model.parameters())
+            if "lr" in config:
+                for group in optimizer.param_groups:
+                    group["lr"] = float(config["lr"])
+            named = OrderedDict((n, p) for n, p in self.model.named_parameters() if p.requires_grad)
+            proximal = ProximalTerm(list(named.values()), float(config.get("proximal_mu", 0.0))) if algorithm == "fedprox" else None
+            if algorithm == "scaffold":
+                self.scaffold.begin(control, named)
+            seed = derive_seed(config.get("seed", 0), ins.round, self.seed, self.name)
+            loss_sum, seen = self._train(optimizer, seed=seed, epochs=epochs, steps=steps, proximal=proximal,
+                                         after_backward=(lambda: self.scaffold.correct(named)) if algorithm == "scaffold" else None)
+        full = self._state()
+        out = full
+        if algorithm == "streaming-diloco":
+            self._replica = full
+            out = OrderedDict((n, full[n]) for n in names_under(names, str(config.get("fragment_prefixes", "")), key="fragment_prefixes"))
+        elif algorithm == "bcd":
+            out = OrderedDict((n, full[n]) for n in trained)
+        elif algorithm == "scaffold":
+            out = OrderedDict(full)
+            out.update(self.scaffold.finish(full))
+        num_examples = seen if steps else seen // epochs
+        return FitOutput(state=out, num_examples=num_examples, metrics={"loss": loss_sum / seen})
+
+    def _batches(self, *, epochs: int, steps: int) -> Iterator[tuple[Any, Any]]:
+        """``epochs`` passes over the loader, or exactly ``steps`` batches (cycling through it)."""
+        if not steps:
             for _ in range(epochs):
-                for inputs, targets in self.train_loader:
-                    inputs, targets = inputs.to(self.device), targets.to(self.device)
-                    optimizer.zero_grad(set_to_none=True)
-                    loss = self.loss_fn(self.model(inputs), targets)
-                    loss.backward()
-                    optimizer.step()
-                    total_loss += float(loss.detach()) * len(targets)
-                    seen += len(targets)
+                yield from self.train_loader
+            return
+        produced = 0
+        while produced < steps:
+            before = produced
+            for batch in self.train_loader:
+                yield batch
+                produced += 1
+                if produced == steps:
+                    return
+            if produced == before:
+                return  # an empty loader: no data to cycle through
+
+    def _train(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        seed: int,
+        epochs: int,
+        steps: int,
+        proximal: ProximalTerm | None,
+        after_backward: Callable[[], None] | None,
+    ) -> tuple[float, int]:
+        """The local loop; returns (sum of example losses, examples seen).
+
+        Raises:
+            ValueError: the loader gave no data.
+        """
+        total_loss, seen = 0.0, 0
+        # torch's RNG is process-wide: clients training in threads of one process (the SDK's
+        # start(), a host running several) take turns, so each sees only its own seed.
+        with _RNG_LOCK, torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            for inputs, targets in self._batches(epochs=epochs, steps=steps):
+                inputs, targets = inputs.to(self.device), targets.to(self.device)
+                optimizer.zero_grad(set_to_none=True)
+                loss = self.loss_fn(self.model(inputs), targets)
+                objective = loss + proximal() if proximal is not None else loss
+                objective.backward()
+                if after_backward is not None:
+                    after_backward()
+                optimizer.step()
+                total_loss += float(loss.detach()) * len(targets)
+                seen += len(targets)
         if seen == 0:
             raise ValueError(f"client {self.name!r} has no training data")
-        return FitOutput(state=self._state(), num_examples=seen // epochs, metrics={"loss": total_loss / seen})
+        return total_loss, seen
+
+    def state_dict(self) -> dict[str, Any]:
+        """What this client keeps across rounds: SCAFFOLD's ``c_i``, the inner optimizer, the replica."""
+        return {
+            "scaffold": self.scaffold.state_dict(),
+            # A snapshot: the optimizer's own state_dict shares its tensors, which later steps change in place.
+            "inner_optimizer": None if self._inner_optimizer is None else copy.deepcopy(self._inner_optimizer.state_dict()),
+            "replica": None if self._replica is None else OrderedDict((n, t.clone()) for n, t in self._replica.items()),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores what ``state_dict`` returned (the model's weights come with the next task)."""
+        self.scaffold.load_state_dict(state["scaffold"])
+        if state.get("inner_optimizer") is not None:
+            self.inner_optimizer.load_state_dict(copy.deepcopy(state["inner_optimizer"]))
+        else:
+            self._inner_optimizer = None
+        replica = state.get("replica")
+        self._replica = None if replica is None else OrderedDict((n, t.detach().clone()) for n, t in replica.items())
 
     @torch.no_grad()
     def evaluate(self, state: ModelState, config: Mapping[str, Scalar]) -> EvaluateOutput:

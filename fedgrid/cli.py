@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Sequence
 
-from fedgrid.config import Config, config_keys, load_config
+from fedgrid.config import Config, config_keys, key_type, load_config
 from fedgrid.errors import ConfigError, FedgridError
 
 __all__ = ["main", "build_parser"]
@@ -23,12 +23,14 @@ def _add_config_flags(parser: argparse.ArgumentParser, keys: Sequence[str]) -> N
     fields = config_keys()
     for key in keys:
         f = fields[key]
+        kind, optional = key_type(f)
+        default = "the strategy's" if optional and f.default is None else repr(f.default)
         parser.add_argument(
             "--" + key.replace("_", "-"),
             dest=key,
-            metavar=str(f.type).upper(),
+            metavar=kind.__name__.upper(),
             default=None,
-            help=f"{f.metadata['help']} (default: {f.default!r})",
+            help=f"{f.metadata['help']} (default: {default})",
         )
 
 
@@ -107,7 +109,10 @@ def _client(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # simulate prints its own progress lines; the services log what they do.
+    quiet = args.command == "simulate"
+    level = logging.DEBUG if args.verbose else (logging.WARNING if quiet else logging.INFO)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return {"simulate": _simulate, "coordinator": _coordinator, "client": _client}[args.command](args)
     except ConfigError as exc:

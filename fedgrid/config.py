@@ -14,12 +14,43 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S
+from fedgrid.compression import parse_codec_spec
 from fedgrid.errors import ConfigError
 from fedgrid.plugins import check_spec
 
-__all__ = ["Config", "load_config", "config_keys", "SELECTORS"]
+__all__ = ["Config", "load_config", "config_keys", "key_type", "SELECTORS", "STRATEGY_KEYS"]
 
 SELECTORS = ("uniform", "region-balanced")
+#: Shown in ``--help``; the registry (``fedgrid.aggregation.registry``) is what validates.
+_STRATEGY_NAMES = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedprox", "scaffold", "diloco", "streaming-diloco", "bcd")
+_AGGREGATOR_NAMES = ("mean", "median", "trimmed-mean", "krum", "multi-krum", "norm-clip", "centered-clip")
+#: Config keys handed to ``build_strategy_from`` as options (``None``: the strategy's default).
+STRATEGY_KEYS = (
+    "aggregator",
+    "aggregator_f",
+    "aggregator_m",
+    "aggregator_beta",
+    "aggregator_bound",
+    "aggregator_tau",
+    "aggregator_iterations",
+    "aggregator_weighted",
+    "server_lr",
+    "server_momentum",
+    "server_nesterov",
+    "server_beta1",
+    "server_beta2",
+    "server_tau",
+    "proximal_mu",
+    "total_clients",
+    "outer_lr",
+    "outer_momentum",
+    "inner_steps",
+    "num_fragments",
+    "num_blocks",
+    "block_prefixes",
+    "block_schedule",
+)
+_KINDS: dict[str, type] = {"int": int, "float": float, "str": str, "bool": bool}
 
 
 def _key(help_text: str, default: Any) -> Any:
@@ -37,15 +68,43 @@ class Config:
     clients_per_round: int = _key("results a round waits for (0: fraction_fit of the live clients)", 0)
     over_selection: float = _key("ask this fraction more clients; close when clients_per_round reported", 0.0)
     selector: str = _key("which clients a round asks: uniform or region-balanced", "uniform")
+    codec: str = _key("uplink codec NAME[:PARAM][+zstd] (none, fp16, bf16, int8, qsgd:L, topk:F, randk:F, powersgd:R, sign)", "none")
+    region_codecs: str = _key("per-region uplink codecs, e.g. 'eu=bf16,us=topk:0.01' (others use codec)", "")
+    downlink_codec: str = _key("downlink codec: none, or a lossy codec with server-side error feedback", "none")
     fraction_evaluate: float = _key("share of live clients asked to evaluate each new model on their data (0: off)", 0.0)
     local_epochs: int = _key("local epochs per round", 2)
-    lr: float = _key("client learning rate", 0.1)
+    lr: float = _key("client learning rate (diloco: of the inner optimizer, AdamW by default)", 0.1)
     seed: int = _key("seed for model init, partitioning, sampling and shuffling", 0)
     task: str = _key("built-in task: model, data and server-side evaluation", "digits")
     model: str = _key("MODULE:FACTORY returning the nn.Module to train, instead of the task's", "")
     app: str = _key("MODULE:FACTORY(partition, num_partitions, seed) -> Client for simulated clients", "")
     partition: str = _key("how simulated data is split: iid or dirichlet:ALPHA", "dirichlet:0.5")
-    strategy: str = _key("aggregation strategy", "fedavg")
+    strategy: str = _key("aggregation strategy: " + ", ".join(_STRATEGY_NAMES), "fedavg")
+    # Strategy and aggregator options: None (absent) keeps the strategy's own default; an
+    # option set for a strategy it does not apply to is an error (see aggregation/registry.py).
+    aggregator: str | None = _key("robust aggregation rule: " + ", ".join(_AGGREGATOR_NAMES) + " (default mean)", None)
+    aggregator_f: int | None = _key("krum / multi-krum: Byzantine clients tolerated", None)
+    aggregator_m: int | None = _key("multi-krum: updates averaged (default n - f)", None)
+    aggregator_beta: float | None = _key("trimmed-mean: share trimmed at each end", None)
+    aggregator_bound: float | None = _key("norm-clip: largest L2 norm an update keeps", None)
+    aggregator_tau: float | None = _key("centered-clip: clipping radius", None)
+    aggregator_iterations: int | None = _key("centered-clip: iterations", None)
+    aggregator_weighted: bool | None = _key("weight updates by examples in the aggregator", None)
+    server_lr: float | None = _key("server learning rate (fedavgm, fedadam, fedyogi, fedadagrad, scaffold)", None)
+    server_momentum: float | None = _key("fedavgm: server momentum", None)
+    server_nesterov: bool | None = _key("fedavgm: Nesterov momentum", None)
+    server_beta1: float | None = _key("fedadam, fedyogi, fedadagrad: first-moment decay", None)
+    server_beta2: float | None = _key("fedadam, fedyogi: second-moment decay", None)
+    server_tau: float | None = _key("fedadam, fedyogi, fedadagrad: adaptivity (epsilon)", None)
+    proximal_mu: float | None = _key("fedprox: proximal coefficient mu", None)
+    total_clients: int | None = _key("scaffold: N, all clients (default: the live clients)", None)
+    outer_lr: float | None = _key("diloco, streaming-diloco: outer learning rate", None)
+    outer_momentum: float | None = _key("diloco, streaming-diloco: outer Nesterov momentum", None)
+    inner_steps: int | None = _key("diloco, streaming-diloco: H, inner optimizer steps per round", None)
+    num_fragments: int | None = _key("streaming-diloco: F, fragments synced in rotation", None)
+    num_blocks: int | None = _key("bcd: B, blocks of the default partition", None)
+    block_prefixes: str | None = _key("bcd: blocks as name prefixes, e.g. 'conv1,conv2;fc'", None)
+    block_schedule: str | None = _key("bcd: cyclic, random or capacity", None)
     round_timeout_s: float = _key("each round closes by this deadline", 300.0)
     join_timeout_s: float = _key("longest wait for min_clients before a round", 600.0)
     heartbeat_interval_s: float = _key("client heartbeat interval", HEARTBEAT_INTERVAL_S)
@@ -71,6 +130,16 @@ class Config:
             raise ConfigError("over_selection", f"must be in [0, 10], got {self.over_selection}")
         if self.selector not in SELECTORS:
             raise ConfigError("selector", f"unknown selector {self.selector!r} (known: {', '.join(SELECTORS)})")
+        from fedgrid.compression.feedback import ErrorFeedback
+        from fedgrid.server.codec_policy import parse_region_codecs
+
+        for key in ("codec", "downlink_codec"):
+            spec = getattr(self, key)
+            codec = parse_codec_spec(spec, key=key)
+            if not codec.lossless:
+                ErrorFeedback(spec if key == "codec" else codec)  # lossy codecs must suit error feedback
+        for spec in parse_region_codecs(self.region_codecs).values():
+            parse_codec_spec(spec, key="region_codecs")
         if not 0.0 <= self.fraction_evaluate <= 1.0:
             raise ConfigError("fraction_evaluate", f"must be in [0, 1], got {self.fraction_evaluate}")
         for key in ("model", "app"):
@@ -78,8 +147,12 @@ class Config:
                 check_spec(getattr(self, key), key=key)
         if self.chunk_size > 3 * 1024 * 1024:
             raise ConfigError("chunk_size", f"must be at most 3 MiB to stay under gRPC's 4 MB limit, got {self.chunk_size}")
-        if self.strategy != "fedavg":
-            raise ConfigError("strategy", f"unknown strategy {self.strategy!r} (known: fedavg)")
+        from fedgrid.aggregation.registry import build_strategy_from
+
+        # Building the strategy checks its name, which options apply to it and their
+        # ranges, and the aggregator; a model-dependent check (block partition) follows at
+        # initialize, the client-count check (Krum's n > 2f + 2) once that count is known.
+        build_strategy_from(self.strategy, seed=self.seed, **self.strategy_options())
         host, sep, port = self.listen.rpartition(":")
         if not sep or not host or not port.isdigit() or int(port) > 65535:
             raise ConfigError("listen", f"expected HOST:PORT, got {self.listen!r}")
@@ -92,9 +165,20 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def strategy_options(self) -> dict[str, Any]:
+        """The strategy and aggregator options that are set (``None`` ones left out)."""
+        return {key: getattr(self, key) for key in STRATEGY_KEYS if getattr(self, key) is not None}
+
 
 def config_keys() -> dict[str, dataclasses.Field]:
     return {f.name: f for f in fields(Config)}
+
+
+def key_type(f: dataclasses.Field) -> tuple[type, bool]:
+    """The scalar type of a config field and whether it is optional (``T | None``)."""
+    text = str(f.type).replace(" ", "")
+    optional = text.endswith("|None")
+    return _KINDS[text.removesuffix("|None")], optional
 
 
 def _coerce(key: str, value: Any, kind: type) -> Any:
@@ -132,7 +216,8 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
         ConfigError: unreadable file, unknown key, wrong type or bad value (names the key).
     """
     keys = config_keys()
-    types = {name: {"int": int, "float": float, "str": str, "bool": bool}[str(f.type)] for name, f in keys.items()}
+    # An optional key (``T | None``) takes a T; a TOML file cannot hold None, so None means absent.
+    types = {name: key_type(f)[0] for name, f in keys.items()}
     values: dict[str, Any] = {}
     if path is not None:
         try:

@@ -17,7 +17,9 @@ from fedgrid.config import Config
 from fedgrid.constants import FINISH_GRACE_S, MAX_MESSAGE_BYTES
 from fedgrid.runlog import RunWriter
 from fedgrid.server.engine import RoundEngine
+from fedgrid.server.codec_policy import build_codec_policy
 from fedgrid.server.grpc_fleet import GrpcFleet
+from fedgrid.server.memory import return_large_buffers_to_the_system
 from fedgrid.server.service import SERVICE, CoordinatorServicer, add_to_server
 from fedgrid.server.state import StateStore
 from fedgrid.server.strategies import build_strategy
@@ -50,6 +52,7 @@ class Coordinator:
         self, listen: str, fleet: GrpcFleet, *, max_workers: int = 256, interceptors: Sequence[grpc.ServerInterceptor] = ()
     ) -> None:
         self.fleet = fleet
+        return_large_buffers_to_the_system()  # model-sized buffers go back to the OS when freed
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="fedgrid-rpc"),
             options=GRPC_OPTIONS,
@@ -91,12 +94,14 @@ def run_coordinator(config: Config, *, initial: ModelState | None = None, ready:
     """
     resolved = resolve(task=config.task, model=config.model, seed=config.seed)
     store = StateStore(config.state_dir) if config.state_dir else None
-    strategy = build_strategy(config)
+    strategy = build_strategy(config, num_clients=config.min_clients)
     strategy.initialize(initial_state=initial if initial is not None else resolved.initial_state)
     fleet = GrpcFleet(
         heartbeat_interval=timedelta(seconds=config.heartbeat_interval_s),
         chunk_size=config.chunk_size,
         spill_dir=Path(config.state_dir) / "updates" if config.state_dir else None,
+        codec_policy=build_codec_policy(config),
+        downlink_codec=config.downlink_codec,
     )
     writer = RunWriter(config.out, config.to_dict())
     coordinator = Coordinator(config.listen, fleet, max_workers=config.max_workers).start()

@@ -8,13 +8,16 @@ its region's codec if it advertised that codec's family at join, and ``none`` ot
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 from fedgrid.compression import parse_codec_spec
 from fedgrid.errors import ConfigError
 from fedgrid.types import ClientInfo
 
-__all__ = ["CodecPolicy", "parse_region_codecs", "codec_family"]
+if TYPE_CHECKING:
+    from fedgrid.config import Config
+
+__all__ = ["CodecPolicy", "parse_region_codecs", "codec_family", "build_codec_policy"]
 
 
 def codec_family(spec: str) -> str:
@@ -51,3 +54,8 @@ class CodecPolicy:
     def uplink(self, client: ClientInfo) -> str:
         spec = self.by_region.get(client.region, self.default)
         return spec if codec_family(spec) in client.codecs or codec_family(spec) == "none" else "none"
+
+
+def build_codec_policy(config: "Config") -> CodecPolicy:
+    """The uplink policy of a run's configuration (``codec``, ``region_codecs``)."""
+    return CodecPolicy(default=config.codec, by_region=parse_region_codecs(config.region_codecs))

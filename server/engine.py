@@ -118,7 +118,7 @@ class RoundEngine:
         assignments = self.strategy.configure_round(server_round=server_round, clients=clients)
         outcome = self.fleet.fit_round(
             server_round=server_round,
-            global_state=self.strategy.global_state,
+            global_state=self.strategy.downlink_state(server_round=server_round),  # e.g. SCAFFOLD adds its control variate
             assignments=assignments,
             timeout=self.round_timeout,
             target=self.strategy.round_target(num_live=len(clients), num_assigned=len(assignments)),

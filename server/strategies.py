@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fedgrid.aggregation import FedAvg, Strategy
+from fedgrid.aggregation.registry import build_strategy_from
 from fedgrid.aggregation.selection import RegionBalancedSelector, SelectionPolicy, Selector, UniformSelector
 from fedgrid.config import Config
 from fedgrid.errors import ConfigError
@@ -16,21 +17,32 @@ def build_selection(config: Config) -> SelectionPolicy:
     return SelectionPolicy(clients_per_round=config.clients_per_round, over_selection=config.over_selection, selector=selector)
 
 
-def build_strategy(config: Config) -> Strategy:
+def build_strategy(config: Config, *, num_clients: int | None = None) -> Strategy:
     """Returns the strategy ``config.strategy`` with its options from ``config``.
 
+    Args:
+        config: the run configuration (strategy name, its options, sampling, selection).
+        num_clients: when given, the strategy's preconditions are checked for this many
+            clients (``fedgrid simulate``: all its clients; the coordinator: ``min_clients``),
+            so that e.g. Krum with n <= 2f + 2 fails before any work starts.
+
     Raises:
-        ConfigError: unknown strategy.
+        ConfigError: unknown strategy or aggregator, an option that does not apply or is out
+            of range, or a precondition that ``num_clients`` clients cannot meet.
     """
     fit_config = {"local_epochs": config.local_epochs, "lr": config.lr}
-    if config.strategy == "fedavg":
-        strategy = FedAvg(
-            fraction_fit=config.fraction_fit,
-            fraction_evaluate=config.fraction_evaluate,
-            min_fit_clients=1,
-            seed=config.seed,
-            fit_config=fit_config,
-        )
-        strategy.selection = build_selection(config)
-        return strategy
-    raise ConfigError("strategy", f"unknown strategy {config.strategy!r}")
+    strategy = build_strategy_from(
+        config.strategy,
+        fraction_fit=config.fraction_fit,
+        fraction_evaluate=config.fraction_evaluate,
+        min_fit_clients=1,
+        seed=config.seed,
+        fit_config=fit_config,
+        **config.strategy_options(),
+    )
+    if not isinstance(strategy, FedAvg):  # every registered strategy is; selection lives there
+        raise ConfigError("strategy", f"{config.strategy} does not support client selection policies")
+    strategy.selection = build_selection(config)
+    if num_clients is not None:
+        strategy.check_preconditions(num_clients=num_clients)
+    return strategy

@@ -10,6 +10,7 @@ from typing import Callable
 from fedgrid.config import Config
 from fedgrid.runlog import RunWriter
 from fedgrid.server.engine import RoundEngine
+from fedgrid.server.codec_policy import build_codec_policy
 from fedgrid.server.strategies import build_strategy
 from fedgrid.simulation.fleet import InProcessFleet
 from fedgrid.simulation.tasks import resolve
@@ -26,15 +27,17 @@ def run_simulation(config: Config, *, on_round: Callable[[RoundMetrics], None] |
     Client ``i`` is the same client that ``fedgrid client --partition i/N --seed S`` runs.
     Returns the final global model and the per-round metrics.
     """
+    strategy = build_strategy(config, num_clients=config.clients)  # a bad option fails before any work
     resolved = resolve(task=config.task, model=config.model, app=config.app, seed=config.seed)
+    strategy.initialize(initial_state=resolved.initial_state)
     options = {} if config.app else {"partitioner": config.partition}
     clients = [resolved.client_factory(i, config.clients, config.seed, **options) for i in range(config.clients)]
-    strategy = build_strategy(config)
-    strategy.initialize(initial_state=resolved.initial_state)
     writer = RunWriter(config.out, config.to_dict()) if config.out else None
     engine = RoundEngine(
         strategy=strategy,
-        fleet=InProcessFleet(clients, chunk_size=config.chunk_size),
+        fleet=InProcessFleet(
+            clients, chunk_size=config.chunk_size, codec_policy=build_codec_policy(config), downlink_codec=config.downlink_codec
+        ),
         rounds=config.rounds,
         min_clients=1,
         round_timeout=timedelta(seconds=config.round_timeout_s),

@@ -96,3 +96,32 @@ def test_compressed_downlink_simulation_and_grpc_agree():
         assert m.bytes_down - sim_m.bytes_down <= 200 * CLIENTS  # same downloads, plus auth fields
     # Round 1 sends the whole model; later rounds only int8 differences (about 4x smaller).
     assert deployed.history[1].bytes_down < deployed.history[0].bytes_down / 3.5
+
+
+@pytest.mark.timeout(240)
+def test_cli_simulate_and_coordinator_agree_with_topk(tmp_path):
+    """`fedgrid simulate --codec topk:0.01` and a coordinator with client processes, same seed."""
+    from fedgrid.config import load_config
+    from fedgrid.runlog import load_model, read_metrics
+    from fedgrid.simulation.run import run_simulation
+
+    from harness import start_client, start_coordinator
+
+    flags = ["--rounds", "3", "--seed", str(SEED), "--codec", "topk:0.01"]
+    proc, address = start_coordinator(tmp_path / "coord", *flags, "--min-clients", str(CLIENTS))
+    clients = [start_client(address, tmp_path / f"c{i}.log", "--partition", f"{i}/{CLIENTS}", "--seed", str(SEED)) for i in range(CLIENTS)]
+    try:
+        for i, c in enumerate(clients):
+            assert c.wait(timeout=180) == 0, (tmp_path / f"c{i}.log").read_text()[-2000:]
+        assert proc.wait(timeout=60) == 0
+    finally:
+        for p in [proc, *clients]:
+            if p.poll() is None:
+                p.kill()
+    reference, history = run_simulation(load_config(overrides={"rounds": 3, "clients": CLIENTS, "seed": SEED, "codec": "topk:0.01"}))
+    deployed = load_model(tmp_path / "coord" / "model.safetensors")
+    for name, tensor in reference.items():
+        assert torch.equal(deployed[name], tensor), name
+    metrics = read_metrics(tmp_path / "coord")
+    assert all(m["uplink_ratio"] > 50 for m in metrics)
+    assert [round(m["uplink_ratio"], 6) for m in metrics] == [round(m.extra["uplink_ratio"], 6) for m in history]

@@ -35,7 +35,9 @@ def test_every_key_has_help_and_a_supported_type():
     assert set(keys) == set(Config().to_dict())
     for name, f in keys.items():
         assert f.metadata["help"], name
-        assert str(f.type) in {"int", "float", "str", "bool"}, name
+        assert str(f.type).removesuffix(" | None") in {"int", "float", "str", "bool"}, name
+        if str(f.type).endswith("| None"):
+            assert f.default is None, name  # optional keys: None means "the strategy's default"
 
 
 def test_config_is_frozen():
@@ -150,7 +152,8 @@ def test_missing_file_and_bad_toml(tmp_path):
         ("partition", "dirichlet:abc", "dirichlet needs a number"),
         ("partition", "dirichlet:0", "alpha must be positive"),
         ("task", "nope", "unknown task 'nope' \\(known: digits\\)"),
-        ("strategy", "fedprox", "unknown strategy 'fedprox'"),
+        ("strategy", "fedsgd", "unknown strategy 'fedsgd' \\(known: fedavg, fedavgm"),
+        ("aggregator", "mode", "unknown aggregator 'mode'"),
     ],
 )
 def test_out_of_range_names_key(key, value, words):
@@ -173,3 +176,56 @@ def test_chunk_size_at_limit_is_valid():
 def test_to_dict_roundtrips_through_load_config():
     config = load_config(overrides={"rounds": 3, "lr": 0.01, "partition": "iid", "out": "x"})
     assert load_config(overrides=config.to_dict()) == config
+
+
+# -- strategy and aggregator options ---------------------------------------------------------
+def test_strategy_options_from_toml_and_flags(tmp_path):
+    path = _write(tmp_path, 'strategy = "fedadam"\nserver_lr = 0.05\naggregator = "trimmed-mean"\naggregator_beta = 0.2\n')
+    config = load_config(path, overrides={"server_beta1": "0.8", "aggregator_weighted": "true"})
+    assert config.strategy_options() == {
+        "aggregator": "trimmed-mean", "aggregator_beta": 0.2, "aggregator_weighted": True, "server_lr": 0.05, "server_beta1": 0.8,
+    }
+    assert load_config().strategy_options() == {}  # every option absent: the strategy's defaults
+    assert load_config(overrides=config.to_dict()) == config  # None values are left out, as in config.toml
+
+
+@pytest.mark.parametrize(
+    "overrides,key,words",
+    [
+        ({"server_lr": 0.1}, "server_lr", "does not apply to strategy 'fedavg'"),
+        ({"strategy": "bcd", "proximal_mu": 0.1}, "proximal_mu", "does not apply to strategy 'bcd'"),
+        ({"strategy": "fedprox", "proximal_mu": -1.0}, "strategy", "proximal_mu must be non-negative"),
+        ({"strategy": "bcd", "block_schedule": "zigzag"}, "strategy", "block_schedule must be one of"),
+        ({"aggregator": "krum", "aggregator_beta": 0.1}, "aggregator", "krum takes no option 'beta'"),
+        ({"aggregator": "norm-clip"}, "aggregator", "norm-clip needs a bound"),
+        ({"aggregator": "trimmed-mean", "aggregator_beta": 0.7}, "aggregator", r"beta must be in \[0, 0.5\)"),
+        ({"inner_steps": "many"}, "inner_steps", "expected int"),
+        ({"strategy": "bcd", "block_prefixes": "0;;2"}, "block_prefixes", "empty block"),
+    ],
+)
+def test_bad_strategy_options_name_the_key(overrides, key, words):
+    with pytest.raises(ConfigError, match=words) as info:
+        load_config(overrides=overrides)
+    assert info.value.key == key
+
+
+def test_precondition_checked_at_configure_time():
+    from fedgrid.server.strategies import build_strategy
+
+    config = load_config(overrides={"aggregator": "krum", "aggregator_f": 2})
+    build_strategy(config, num_clients=7)  # n = 7 > 2f + 2
+    with pytest.raises(ConfigError, match=r"needs more than 2f \+ 2 = 6 updates") as info:
+        build_strategy(config, num_clients=6)
+    assert info.value.key == "aggregator"
+
+
+@pytest.mark.parametrize("name", ["fedadam", "scaffold", "streaming-diloco", "bcd"])
+def test_every_strategy_gets_options_and_the_selection_policy(name):
+    from fedgrid.aggregation import STRATEGIES
+    from fedgrid.server.strategies import build_strategy
+
+    config = load_config(overrides={"strategy": name, "clients_per_round": 4, "over_selection": 0.5, "seed": 3, "lr": 0.2})
+    strategy = build_strategy(config)
+    assert type(strategy) is STRATEGIES[name]
+    assert strategy.selection.clients_per_round == 4 and strategy.selection.over_selection == 0.5  # type: ignore[attr-defined]
+    assert strategy.seed == 3 and strategy.fit_config == {"local_epochs": 2, "lr": 0.2}  # type: ignore[attr-defined]

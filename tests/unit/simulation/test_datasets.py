@@ -146,3 +146,25 @@ def test_load_digits_split_is_fixed():
     assert float(a.x_train.min()) == 0.0 and float(a.x_train.max()) == 1.0
     assert torch.equal(a.x_test, b.x_test) and torch.equal(a.y_train, b.y_train)
     assert sorted(torch.unique(a.y_test).tolist()) == list(range(10))
+
+
+def test_read_idx_round_trip_and_bad_files(tmp_path):
+    import gzip
+
+    from fedgrid.simulation.datasets import read_idx
+
+    images = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
+    header = bytes([0, 0, 0x08, 3]) + b"".join(d.to_bytes(4, "big") for d in images.shape)
+    path = tmp_path / "x-idx3-ubyte.gz"
+    path.write_bytes(gzip.compress(header + images.tobytes()))
+    assert np.array_equal(read_idx(path), images)
+    wide = np.array([1, -2, 70000], dtype=">i4")  # big-endian int32 in the file, native in memory
+    plain = tmp_path / "y-idx1-ubyte"
+    plain.write_bytes(bytes([0, 0, 0x0C, 1]) + (3).to_bytes(4, "big") + wide.tobytes())
+    assert read_idx(plain).tolist() == [1, -2, 70000]
+    (tmp_path / "short").write_bytes(header + images.tobytes()[:-1])
+    with pytest.raises(ValueError, match="data bytes for dimensions"):
+        read_idx(tmp_path / "short")
+    (tmp_path / "bad").write_bytes(b"\x01\x00\x08\x01")
+    with pytest.raises(ValueError, match="not an idx file"):
+        read_idx(tmp_path / "bad")

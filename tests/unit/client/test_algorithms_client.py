@@ -1,0 +1,212 @@
+"""Unit tests of the client halves of the training algorithms (``TorchClient`` + ``client/algorithms.py``).
+
+Each algorithm is driven by the task its server half really sends (``configure_round`` and
+``downlink_state`` of the strategy), so the two halves are checked against each other.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from fedgrid.aggregation import BlockCoordinate, DiLoCo, FedProx, Scaffold, StreamingDiLoCo
+from fedgrid.aggregation.scaffold import CONTROL_DELTA_PREFIX, CONTROL_PREFIX
+from fedgrid.client.torch_client import TorchClient
+from fedgrid.types import ClientInfo, FitIns, TensorSpec
+
+pytestmark = pytest.mark.timeout(60)
+
+X = torch.tensor([[1.0], [2.0]])
+INFOS = [ClientInfo(client_id=f"c{i}", name=f"c{i}") for i in range(2)]
+
+
+def _linear_client(**kw) -> TorchClient:
+    """``y = w x`` on x = (1, 2), targets x: at w = 0 the MSE gradient is -5 (hand-computed)."""
+    return TorchClient(
+        nn.Linear(1, 1, bias=False),
+        DataLoader(TensorDataset(X, X.clone()), batch_size=2),
+        nn.functional.mse_loss,
+        lambda params: torch.optim.SGD(params, lr=0.1),
+        device="cpu",
+        **kw,
+    )
+
+
+def _small_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def _small_client(*, batch_size: int = 8, examples: int = 24, **kw) -> TorchClient:
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(examples, 4, generator=g), torch.randint(0, 3, (examples,), generator=g))
+    return TorchClient(
+        _small_model(),
+        DataLoader(data, batch_size=batch_size, shuffle=True),
+        nn.functional.cross_entropy,
+        lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+        device="cpu",
+        seed=3,
+        name="small",
+        **kw,
+    )
+
+
+def _global() -> "OrderedDict[str, torch.Tensor]":
+    return OrderedDict((k, v.detach().clone()) for k, v in _small_model().state_dict().items())
+
+
+def _task(strategy, server_round: int = 1) -> FitIns:
+    return strategy.configure_round(server_round=server_round, clients=INFOS)[0][1]
+
+
+# -- fedprox -------------------------------------------------------------------------------
+def test_fedprox_hand_computed_two_steps():
+    ins = FitIns(round=1, config={"algorithm": "fedprox", "proximal_mu": 1.0, "local_epochs": 2})
+    out = _linear_client().fit(OrderedDict(weight=torch.zeros(1, 1)), ins)
+    # step 1 at w = w_g = 0: the proximal gradient is 0, w = 0 - 0.1 * -5 = 0.5;
+    # step 2: MSE gradient 2 (w - 1) mean(x^2) = -2.5, proximal mu (w - 0) = 0.5: w = 0.5 + 0.1 * 2.0
+    assert out.state["weight"].item() == pytest.approx(0.7, abs=1e-6)
+    plain = _linear_client().fit(OrderedDict(weight=torch.zeros(1, 1)), FitIns(round=1, config={"local_epochs": 2}))
+    assert plain.state["weight"].item() == pytest.approx(0.75, abs=1e-6)
+
+
+def test_fedprox_term_changes_the_update_and_mu_zero_is_fedavg():
+    strategy = FedProx(proximal_mu=0.5, fit_config={"local_epochs": 3})
+    strategy.initialize(initial_state=_global())
+    ins = _task(strategy)
+    assert ins.config["algorithm"] == "fedprox" and ins.config["proximal_mu"] == 0.5
+    prox = _small_client().fit(_global(), ins)
+    zero = _small_client().fit(_global(), FitIns(round=1, config={**ins.config, "proximal_mu": 0.0}))
+    fedavg = _small_client().fit(_global(), FitIns(round=1, config={"local_epochs": 3, "round": 1, "seed": 0}))
+    for name in zero.state:
+        assert torch.equal(zero.state[name], fedavg.state[name]), name
+
+    def drift(state):
+        return sum(float((state[n] - _global()[n]).norm() ** 2) for n in state if state[n].is_floating_point())
+
+    assert drift(prox.state) < 0.9 * drift(zero.state)  # pulled towards the global model
+
+
+# -- scaffold ------------------------------------------------------------------------------
+def test_scaffold_correction_and_c_i_persist_hand_computed():
+    client = _linear_client()
+    ins = FitIns(round=1, config={"algorithm": "scaffold", "local_epochs": 1})
+    download = OrderedDict(weight=torch.zeros(1, 1))
+    download[CONTROL_PREFIX + "weight"] = torch.ones(1, 1)  # c = 1, c_i = 0 at first
+    first = client.fit(download, ins)
+    assert list(first.state) == ["weight", CONTROL_DELTA_PREFIX + "weight"]
+    assert first.state["weight"].item() == pytest.approx(0.4, abs=1e-6)  # 0 - 0.1 * (-5 + 1 - 0)
+    assert first.state[CONTROL_DELTA_PREFIX + "weight"].item() == pytest.approx(-5.0, abs=1e-6)  # c_i+ = mean grad
+    assert client.scaffold.c_i["weight"].item() == pytest.approx(-5.0, abs=1e-6)
+
+    saved = client.state_dict()
+    second = client.fit(download, FitIns(round=2, config=ins.config))
+    assert second.state["weight"].item() == pytest.approx(-0.1, abs=1e-6)  # 0 - 0.1 * (-5 + 1 - (-5))
+    assert second.state[CONTROL_DELTA_PREFIX + "weight"].item() == pytest.approx(0.0, abs=1e-6)
+
+    resumed = _linear_client()  # a restarted client process with the saved state
+    resumed.load_state_dict(saved)
+    again = resumed.fit(download, FitIns(round=2, config=ins.config))
+    for name in second.state:
+        assert torch.equal(again.state[name], second.state[name]), name
+
+
+def test_scaffold_upload_is_what_the_server_expects():
+    strategy = Scaffold()
+    strategy.initialize(initial_state=_global())
+    ins = _task(strategy)
+    download = strategy.downlink_state(server_round=1)
+    assert any(n.startswith(CONTROL_PREFIX) for n in download)
+    out = _small_client().fit(download, FitIns(round=1, config=ins.config))  # over gRPC the client sees no `expected`
+    assert ins.expected is not None
+    assert TensorSpec.of(out.state) == ins.expected  # names, order, dtypes, shapes
+    # BatchNorm's running statistics are controlled tensors without gradients: zero delta
+    assert torch.count_nonzero(out.state[CONTROL_DELTA_PREFIX + "1.running_mean"]) == 0
+    assert torch.count_nonzero(out.state[CONTROL_DELTA_PREFIX + "0.weight"]) > 0
+
+
+# -- diloco --------------------------------------------------------------------------------
+def test_diloco_runs_inner_steps_with_persistent_adamw():
+    strategy = DiLoCo(inner_steps=7)
+    strategy.initialize(initial_state=_global())
+    ins = _task(strategy)
+    client = _small_client(batch_size=10, examples=24)  # batches of 10, 10, 4
+    out = client.fit(_global(), ins)
+    assert out.num_examples == 10 + 10 + 4 + 10 + 10 + 4 + 10  # 7 steps, cycling the loader
+    opt = client.inner_optimizer
+    assert isinstance(opt, torch.optim.AdamW)  # not the client's SGD factory
+    steps = {int(s["step"]) for s in opt.state.values()}
+    assert steps == {7}
+    saved = client.state_dict()
+    second = client.fit(_global(), FitIns(round=2, config={**ins.config, "round": 2}))
+    assert client.inner_optimizer is opt and {int(s["step"]) for s in opt.state.values()} == {14}
+
+    resumed = _small_client(batch_size=10, examples=24)
+    resumed.load_state_dict(saved)
+    again = resumed.fit(_global(), FitIns(round=2, config={**ins.config, "round": 2}))
+    fresh = _small_client(batch_size=10, examples=24).fit(_global(), FitIns(round=2, config={**ins.config, "round": 2}))
+    for name in second.state:
+        assert torch.equal(again.state[name], second.state[name]), name
+    assert not torch.equal(fresh.state["0.weight"], second.state["0.weight"])  # the state mattered
+
+
+def test_streaming_diloco_merges_one_fragment_and_uploads_one():
+    strategy = StreamingDiLoCo(num_fragments=2, inner_steps=3)
+    strategy.initialize(initial_state=_global())
+    client = _small_client()
+    first_ins = _task(strategy, 1)
+    out1 = client.fit(_global(), first_ins)
+    assert first_ins.expected is not None and TensorSpec.of(out1.state) == first_ins.expected
+    uploaded = set(strategy.fragment_of_round(1).names)
+    assert set(out1.state) == uploaded and len(uploaded) < len(_global())
+
+    ins2 = _task(strategy, 2)
+    merged = set(strategy.fragments[int(ins2.config["merge_fragment"])].names)
+    download = _global()
+    poisoned = OrderedDict((n, t + 100.0 if n not in merged and t.is_floating_point() else t) for n, t in download.items())
+    twin = _small_client()
+    twin.load_state_dict(client.state_dict())
+    a = client.fit(download, FitIns(round=2, config=ins2.config))
+    b = twin.fit(poisoned, FitIns(round=2, config=ins2.config))
+    for name in a.state:  # tensors outside the merged fragment come from the replica, not the download
+        assert torch.equal(a.state[name], b.state[name]), name
+    assert set(a.state) == set(strategy.fragment_of_round(2).names)
+
+
+# -- bcd -----------------------------------------------------------------------------------
+def test_bcd_trains_and_uploads_only_the_block():
+    strategy = BlockCoordinate(num_blocks=2, fit_config={"local_epochs": 2})
+    strategy.initialize(initial_state=_global())
+    tasks = strategy.configure_round(server_round=1, clients=INFOS)
+    assert {int(ins.config["block"]) for _, ins in tasks} == {0, 1}
+    for _, ins in tasks:
+        block = strategy.blocks[int(ins.config["block"])]
+        seen: list[list[torch.Tensor]] = []
+
+        def factory(params):
+            params = list(params)
+            seen.append(params)
+            return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+        client = _small_client()
+        client.optimizer_factory = factory
+        download = _global()
+        out = client.fit(download, ins)
+        assert ins.expected is not None and TensorSpec.of(out.state) == ins.expected
+        assert list(out.state) == list(block.names)
+        after = client.model.state_dict()
+        params = dict(client.model.named_parameters())
+        block_params = [params[n] for n in block.names if n in params]
+        assert [id(p) for p in seen[0]] == [id(p) for p in block_params]  # optimizer state for the block alone
+        for name, tensor in download.items():
+            if name in block.names:
+                if tensor.is_floating_point() and "running_var" not in name:
+                    assert not torch.equal(after[name], tensor), name  # it trained
+            else:
+                assert torch.equal(after[name], tensor), name  # frozen: bit-untouched, BatchNorm buffers included
+        assert all(p.requires_grad for p in client.model.parameters())  # unfrozen again after the task
