@@ -1,6 +1,6 @@
 """The client's gRPC runtime: join, long-poll for tasks, download, train, upload.
 
-Every RPC has a deadline. Transient failures (UNAVAILABLE, DEADLINE_EXCEEDED) are retried
+Every RPC has a deadline. Transient failures (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED) are retried
 with exponential backoff and jitter, bounded in time; other errors surface with the
 server's message. ``run`` blocks; ``start`` runs the same loop in a background thread.
 """
@@ -43,7 +43,9 @@ T = TypeVar("T")
 #: Consecutive refused sessions after which the client gives up instead of joining again.
 MAX_REJOINS = 3
 SERVICE = "fedgrid.v1.Coordinator"
-TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+#: Retried with backoff. CANCELLED too: a coordinator shutting down cancels calls in flight
+#: (a call this client cancels itself ends the loop through ``stop`` instead).
+TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

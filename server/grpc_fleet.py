@@ -195,6 +195,8 @@ class GrpcFleet(Fleet):
                     record.heard_finished = True
                     self._cond.notify_all()
                     return PollResult(finished=True)
+                if self._interrupted:  # stopping: answer now, before the server cancels the call
+                    return PollResult(retry_after_s=1.0)
                 rnd = self._round
                 if rnd is not None and not rnd.closed and rnd.is_pending(client_id):
                     return PollResult(
