@@ -124,6 +124,7 @@ class FedAdam(FedOpt):
     """
 
     name = "fedadam"
+    _optimizer: type[ServerAdam] | type[ServerYogi] = ServerAdam
 
     def __init__(
         self,
@@ -140,7 +141,7 @@ class FedAdam(FedOpt):
         fit_config: Mapping[str, Scalar] | None = None,
     ) -> None:
         super().__init__(
-            server_optimizer=ServerAdam(lr=server_lr, beta1=server_beta1, beta2=server_beta2, tau=server_tau),
+            server_optimizer=self._optimizer(lr=server_lr, beta1=server_beta1, beta2=server_beta2, tau=server_tau),
             aggregator=aggregator,
             fraction_fit=fraction_fit,
             min_fit_clients=min_fit_clients,
@@ -150,34 +151,12 @@ class FedAdam(FedOpt):
         )
 
 
-class FedYogi(FedOpt):
-    """FedYogi (Reddi et al. 2021, Algorithm 2). Arguments as ``FedAdam``."""
+class FedYogi(FedAdam):
+    """FedYogi (Reddi et al. 2021, Algorithm 2): FedAdam with Yogi's additive second moment.
+    Arguments as ``FedAdam``."""
 
     name = "fedyogi"
-
-    def __init__(
-        self,
-        *,
-        server_lr: float = 1e-2,
-        server_beta1: float = 0.9,
-        server_beta2: float = 0.99,
-        server_tau: float = 1e-3,
-        aggregator: Aggregator | None = None,
-        fraction_fit: float = 1.0,
-        min_fit_clients: int = 1,
-        fraction_evaluate: float = 0.0,
-        seed: int = 0,
-        fit_config: Mapping[str, Scalar] | None = None,
-    ) -> None:
-        super().__init__(
-            server_optimizer=ServerYogi(lr=server_lr, beta1=server_beta1, beta2=server_beta2, tau=server_tau),
-            aggregator=aggregator,
-            fraction_fit=fraction_fit,
-            min_fit_clients=min_fit_clients,
-            fraction_evaluate=fraction_evaluate,
-            seed=seed,
-            fit_config=fit_config,
-        )
+    _optimizer = ServerYogi
 
 
 class FedAdagrad(FedOpt):
