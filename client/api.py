@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 from fedgrid.types import FitIns, ModelState, Scalar
 
@@ -57,3 +57,11 @@ class Client(ABC):
     def evaluate(self, state: ModelState, config: Mapping[str, Scalar]) -> EvaluateOutput:
         """Evaluates the global ``state`` on local data. Optional."""
         raise NotImplementedError(f"{type(self).__name__} does not implement evaluate()")
+
+    def state_dict(self) -> dict[str, Any]:
+        """What this client keeps across rounds besides the model (control variates, optimizer
+        state), saved by the runtime with its ``state_path``. Optional; default: nothing."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores what ``state_dict`` returned, before the first task of a resumed client. Optional."""

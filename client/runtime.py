@@ -3,18 +3,26 @@
 Every RPC has a deadline. Transient failures (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED) are retried
 with exponential backoff and jitter, bounded in time; other errors surface with the
 server's message. ``run`` blocks; ``start`` runs the same loop in a background thread.
+
+With a ``state_path``, what the client keeps across rounds (the uplink's error-feedback
+residuals, the ``Client``'s own ``state_dict``) is written there after every fit task,
+atomically, and restored when a client of the same name rejoins the same run, so a restarted
+client process carries on where it stopped.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Iterator, TypeVar
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 import grpc
 import tenacity
+import torch
 
 from fedgrid.client.api import Client
 from fedgrid.client.uplink import UplinkEncoder
@@ -35,7 +43,10 @@ from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
 from fedgrid.proto import serde
 from fedgrid.types import ModelState
 
-__all__ = ["Connection", "ClientHandle", "RunSummary", "RpcFailed", "run", "start", "load_app", "TRANSIENT"]
+__all__ = [
+    "Connection", "ClientHandle", "RunSummary", "RpcFailed", "run", "start", "load_app", "TRANSIENT",
+    "STATE_FORMAT", "save_client_state", "load_client_state",
+]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +61,8 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
+#: Tag of a client state file (``run(..., state_path=...)``); a file without it is not loaded.
+STATE_FORMAT = "fedgrid-client-state/1"
 
 
 class RpcFailed(FedgridError):
@@ -137,6 +150,23 @@ class Connection:
 
     def close(self) -> None:
         self.channel.close()
+
+    def uplink_state_dict(self) -> dict[str, dict[str, Any]]:
+        """Every uplink encoder's state (its error-feedback residuals), by codec spec."""
+        return {codec: encoder.state_dict() for codec, encoder in self._uplinks.items()}
+
+    def load_uplink_state_dict(self, states: Mapping[str, Mapping[str, Any]]) -> None:
+        """Replaces the uplink encoders with those of ``uplink_state_dict()``, all or none.
+
+        Raises:
+            ConfigError: a codec spec that does not parse or is not contractive.
+            ValueError, KeyError, TypeError, AttributeError: a state that is not an encoder's.
+        """
+        uplinks = {}
+        for codec, state in states.items():
+            uplinks[codec] = UplinkEncoder(codec)
+            uplinks[codec].load_state_dict(state)
+        self._uplinks = uplinks
 
     def _call(self, method: str, fn: Callable[[], T]) -> T:
         """Calls ``fn``, retrying transient failures with jittered exponential backoff."""
@@ -280,20 +310,117 @@ class _Heartbeat(threading.Thread):
                 return
 
 
+def save_client_state(path: str | os.PathLike[str], *, run_id: str, server_round: int, client: Client, conn: Connection) -> None:
+    """Writes the client's state across rounds to ``path`` atomically (temporary file, fsync, rename).
+
+    The file holds ``{"format", "run_id", "round", "name", "uplink": {codec: encoder state},
+    "client": client.state_dict() or None}``, readable with ``torch.load(weights_only=True)``.
+
+    Raises:
+        OSError: the file could not be written (``path`` is left as it was).
+    """
+    target = Path(path)
+    hook = getattr(client, "state_dict", None)
+    state = {
+        "format": STATE_FORMAT,
+        "run_id": run_id,
+        "round": server_round,
+        "name": client.name,
+        "uplink": conn.uplink_state_dict(),
+        "client": hook() if callable(hook) else None,
+    }
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    try:  # make the rename itself durable
+        fd = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass  # not every filesystem lets a directory be fsynced
+
+
+def load_client_state(path: str | os.PathLike[str], *, name: str) -> dict[str, Any] | None:
+    """Reads a state that ``save_client_state`` wrote for the client called ``name``.
+
+    Returns ``None`` when there is no file, and (logging an error that names the file and
+    what is wrong with it) when it is unreadable, not a fedgrid client state, or another
+    client's: such a file is ignored, and replaced after the next fit task.
+    """
+    target = Path(path)
+    if not target.exists():
+        return None
+    try:
+        # weights_only: tensors and plain containers only, so a tampered file cannot run code.
+        state = torch.load(target, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises many kinds for a truncated or foreign file
+        log.error("client state %s is unreadable, ignoring it (%s: %s)", target, type(exc).__name__, exc)
+        return None
+    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+        log.error("client state %s is not a %s file, ignoring it", target, STATE_FORMAT)
+        return None
+    if not isinstance(state.get("run_id"), str) or not isinstance(state.get("uplink"), dict):
+        log.error("client state %s lacks its run id or uplink state, ignoring it", target)
+        return None
+    if state.get("name") != name:
+        log.error("client state %s belongs to client %r, not %r: ignoring it", target, state.get("name"), name)
+        return None
+    return state
+
+
+def _restore(conn: Connection, client: Client, saved: Mapping[str, Any], path: str | os.PathLike[str]) -> bool:
+    """Restores ``saved`` if it is from the run ``conn`` joined; says whether it did."""
+    if saved["run_id"] != conn.run_id:
+        log.warning("client state %s is from run %s, the coordinator runs %s: starting afresh", path, saved["run_id"], conn.run_id)
+        return False
+    try:
+        conn.load_uplink_state_dict(saved["uplink"])
+        if saved.get("client"):
+            client.load_state_dict(saved["client"])
+    except Exception as exc:  # a state this client cannot take is ignored, not fatal
+        conn.load_uplink_state_dict({})
+        log.error("client state %s does not fit this client, ignoring it (%s: %s)", path, type(exc).__name__, exc)
+        return False
+    log.info("restored client state of round %s from %s (uplink codecs: %s)", saved.get("round"), path, ", ".join(saved["uplink"]) or "none")
+    return True
+
+
 def run(
     client: Client,
     coordinator: str,
     *,
     stop: threading.Event | None = None,
     poll_wait_s: float = POLL_WAIT_S,
+    state_path: str | os.PathLike[str] | None = None,
     **connection_options: float,
 ) -> RunSummary:
     """Joins ``coordinator`` and serves tasks until the run finishes or ``stop`` is set.
+
+    Args:
+        client: the application's client.
+        coordinator: ``HOST:PORT``.
+        stop: set it to leave the loop after the current call.
+        poll_wait_s: longest long poll.
+        state_path: where the client's state across rounds is saved after every fit task and
+            restored from at start, when the file is this client's (same ``name``) and from
+            the run the coordinator serves; any other file is logged and ignored (see
+            ``load_client_state``). ``None``: kept in memory only.
+        connection_options: passed to ``Connection``.
 
     Raises:
         RpcFailed: a non-transient error, or transient ones past the retry budget.
     """
     stop = stop or threading.Event()
+    saved = load_client_state(state_path, name=client.name) if state_path is not None else None
     conn = Connection(coordinator, stop=stop, **connection_options)
     beat_stop = threading.Event()
     rounds = rejoins = 0
@@ -301,6 +428,8 @@ def run(
     try:
         conn.join(client)
         log.info("joined %s as %s (run %s)", coordinator, conn.client_id, conn.run_id)
+        if saved is not None and state_path is not None:
+            _restore(conn, client, saved, state_path)
         heartbeat = _Heartbeat(conn, beat_stop)
         heartbeat.start()
         while not stop.is_set():
@@ -313,7 +442,11 @@ def run(
                 # The coordinator no longer knows this session (it restarted without our
                 # registration): join again and carry on.
                 log.warning("session refused (%s): joining again", exc.details)
+                run_id = conn.run_id
                 conn.join(client)
+                if conn.run_id != run_id:  # a new run: residuals of the old model mean nothing
+                    log.warning("the coordinator now runs %s (was %s): uplink state reset", conn.run_id, run_id)
+                    conn.load_uplink_state_dict({})
                 continue
             rejoins = 0
             kind = reply.WhichOneof("reply")
@@ -337,8 +470,11 @@ def run(
                 if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
                     raise
                 log.warning("round %d closed before the update landed: %s", task.round, exc.details)
+                _save(state_path, conn, client, task)  # the residuals moved on all the same
                 continue
-            rounds += task.kind != pb.EVALUATE
+            if task.kind != pb.EVALUATE:
+                rounds += 1
+                _save(state_path, conn, client, task)
     finally:
         beat_stop.set()
         if heartbeat is not None:
@@ -347,6 +483,15 @@ def run(
             heartbeat.join(timeout=conn.rpc_timeout + 1.0)
         conn.close()
     return RunSummary(client_id=conn.client_id, rounds=rounds)
+
+
+def _save(path: str | os.PathLike[str] | None, conn: Connection, client: Client, task: pb.Task) -> None:
+    if path is None or task.kind == pb.EVALUATE:
+        return
+    try:
+        save_client_state(path, run_id=conn.run_id, server_round=task.round, client=client, conn=conn)
+    except OSError as exc:  # training goes on; the next round tries again
+        log.error("could not save client state to %s: %s", path, exc)
 
 
 def _evaluate(client: Client, state: ModelState, config: dict) -> tuple[ModelState, int, dict[str, float]]:
@@ -390,14 +535,16 @@ class ClientHandle:
         return self._thread.is_alive()
 
 
-def start(client: Client, coordinator: str, **options: float) -> ClientHandle:
-    """Runs ``run(client, coordinator)`` in a daemon thread of the host program."""
+def start(
+    client: Client, coordinator: str, *, state_path: str | os.PathLike[str] | None = None, **options: float
+) -> ClientHandle:
+    """Runs ``run(client, coordinator, state_path=..., **options)`` in a daemon thread of the host program."""
     stop = threading.Event()
     handle: ClientHandle
 
     def target() -> None:
         try:
-            handle.summary = run(client, coordinator, stop=stop, **options)
+            handle.summary = run(client, coordinator, stop=stop, state_path=state_path, **options)
         except BaseException as exc:  # handed to join()
             handle.error = exc
 

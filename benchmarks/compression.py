@@ -1,0 +1,247 @@
+"""Compressed uplinks on Fashion-MNIST: wire bytes, accuracy and codec throughput (issue 5, "Measure").
+
+For each uplink codec (``--codecs``) one federated run through fedgrid's own round engine,
+FedAvg strategy, codec policy and wire serialization (``InProcessFleet`` with a
+``CodecPolicy``): ``--clients`` clients (default 100) with Dirichlet(``--alpha``, 0.3)
+label skew, ``--per-round`` (10) sampled per round, ``--rounds`` (30) rounds, seed 0, the
+CNN and client settings of ``benchmarks/algorithms.py`` (SGD lr 0.02, momentum 0.9, batch
+32, one local epoch). Every lossy codec runs under the client-side error feedback that
+``UplinkEncoder`` applies; ``none`` sends the trained model whole. Per codec:
+
+- ``B up/round``: mean over rounds of ``RoundMetrics.bytes_up`` (every wire chunk the
+  clients sent: payload, per-tensor metadata, framing);
+- ``ratio``: ``none``'s bytes up per round divided by the codec's; ``payload x`` is the
+  fleet's ``uplink_ratio`` (raw float32 bytes / codec payload bytes, no framing);
+- ``acc`` and ``d acc``: test accuracy after the last round and its difference from
+  ``none`` in points (``last5``: mean of the last five rounds, less noisy);
+- ``enc``, ``dec``, ``enc+dec`` MB/s: raw float32 MB (10^6 bytes) per second through the
+  codec alone (``encode`` then ``decode``), median over ``--repeats`` interleaved
+  repetitions (one warm-up dropped), on the CNN's real update (client 0's first-round
+  model difference, all 8 tensors; per repetition the sum over tensors) and on a 1M-float
+  Gaussian 1024 x 1024 tensor.
+
+The issue's goals are checked and printed: ``topk:0.01`` >= 50x fewer uplink bytes within
+1.0 point of ``none``; ``int8`` >= 3.9x within 0.2 points; ``powersgd:4`` >= 20x within 1.0
+point ("within": at most that many points below ``none``).
+
+``qsgd`` runs with 127 levels: under error feedback the codec must be contractive, which
+needs at least 23 levels with 512-element buckets (``qsgd:16`` is refused by the config);
+every level count from 8 to 127 packs into 8-bit codes, so ``qsgd:127`` sends the same bytes
+as ``qsgd:16`` would, with the lowest variance.
+
+    python benchmarks/compression.py                                   # all codecs, 30 rounds
+    python benchmarks/compression.py --codecs none,topk:0.01 --rounds 3 --clients 20 --per-round 4 --out /tmp/c.json
+
+Results go to ``benchmarks/results/compression.json``: configuration, environment, the
+table's rows, the goals, every round's bytes and accuracy, every timing repetition.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections import OrderedDict
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from algorithms import Federation  # noqa: E402  (benchmarks/ is not a package)
+
+from fedgrid.compression import parse_codec_spec  # noqa: E402
+from fedgrid.config import load_config  # noqa: E402
+from fedgrid.server.codec_policy import build_codec_policy  # noqa: E402
+from fedgrid.server.engine import RoundEngine  # noqa: E402
+from fedgrid.server.strategies import build_strategy  # noqa: E402
+from fedgrid.simulation.datasets import load_fashion_mnist  # noqa: E402
+from fedgrid.simulation.fleet import InProcessFleet  # noqa: E402
+from fedgrid.types import FitIns, ModelState, RoundMetrics  # noqa: E402
+
+__all__ = ["main", "run_codec", "time_codec", "DEFAULT_CODECS", "GOALS"]
+
+DEFAULT_CODECS = ("none", "fp16", "bf16", "int8", "qsgd:127", "topk:0.01", "randk:0.01", "powersgd:4", "sign")
+#: codec -> (least byte ratio vs none, most accuracy points below none)
+GOALS: dict[str, tuple[float, float]] = {"topk:0.01": (50.0, 1.0), "int8": (3.9, 0.2), "powersgd:4": (20.0, 1.0)}
+
+
+def run_codec(fed: Federation, codec: str, *, rounds: int, per_round: int, log: Callable[[str], None]) -> list[RoundMetrics]:
+    """One fedavg run of ``fed``'s clients with ``codec`` on every uplink; returns each round's metrics."""
+    config = load_config(overrides={
+        "strategy": "fedavg", "clients": fed.num_clients, "rounds": rounds, "seed": fed.seed, "lr": fed.lr,
+        "local_epochs": 1, "fraction_fit": per_round / fed.num_clients, "codec": codec,
+    })
+    strategy = build_strategy(config, num_clients=fed.num_clients)
+    strategy.initialize(initial_state=fed.initial)
+    fleet = InProcessFleet([fed.client(i) for i in range(fed.num_clients)], codec_policy=build_codec_policy(config))
+
+    def show(m: RoundMetrics) -> None:
+        if m.round == 1 or m.round % 5 == 0 or m.round == rounds:
+            log(f"  {codec:<12} round {m.round:>3}  acc {m.accuracy or 0.0:.4f}  up {m.bytes_up:>9} B  {m.wall_s:.1f}s")
+
+    engine = RoundEngine(
+        strategy=strategy, fleet=fleet, rounds=rounds, min_clients=1, round_timeout=timedelta(hours=1),
+        join_timeout=timedelta(seconds=1), evaluate_fn=fed.evaluate, on_round=show,
+    )
+    engine.run()
+    return engine.history
+
+
+def real_update(fed: Federation) -> ModelState:
+    """Client 0's first-round change to the initial model: the tensors a codec meets in this run."""
+    start = OrderedDict((k, v.clone()) for k, v in fed.initial.items())
+    out = fed.client(0).fit(start, FitIns(round=1, config={"local_epochs": 1, "lr": fed.lr}))
+    return OrderedDict((k, (v - fed.initial[k]).float()) for k, v in out.state.items() if v.is_floating_point())
+
+
+def time_codec(specs: tuple[str, ...], tensors: ModelState, repeats: int) -> dict[str, dict[str, Any]]:
+    """Encode and decode seconds of each codec on ``tensors`` (summed over them), interleaved across codecs.
+
+    Returns per spec: raw and payload bytes, the medians as MB/s, and every repetition's seconds.
+    """
+    raw = sum(t.numel() * 4 for t in tensors.values())
+    codecs = {spec: parse_codec_spec(spec) for spec in specs}  # own instances: powersgd warm-starts per key
+    gen = torch.Generator().manual_seed(0)
+    enc: dict[str, list[float]] = {s: [] for s in specs}
+    dec: dict[str, list[float]] = {s: [] for s in specs}
+    payload_bytes: dict[str, int] = {}
+    for rep in range(repeats + 1):  # repetition 0 warms up and is dropped
+        order = specs[rep % len(specs):] + specs[: rep % len(specs)]
+        for spec in order:
+            codec = codecs[spec]
+            e = d = 0.0
+            size = 0
+            for name, t in tensors.items():
+                t0 = time.perf_counter()
+                payload = codec.encode(t, generator=gen, key=name)
+                t1 = time.perf_counter()
+                codec.decode(payload, dtype=t.dtype, shape=tuple(t.shape))
+                t2 = time.perf_counter()
+                e, d, size = e + t1 - t0, d + t2 - t1, size + len(payload)
+            if rep:
+                enc[spec].append(e)
+                dec[spec].append(d)
+            payload_bytes[spec] = size
+    out = {}
+    for spec in specs:
+        both = [a + b for a, b in zip(enc[spec], dec[spec])]
+        out[spec] = {
+            "raw_bytes": raw, "payload_bytes": payload_bytes[spec],
+            "encode_mb_s": raw / 1e6 / statistics.median(enc[spec]),
+            "decode_mb_s": raw / 1e6 / statistics.median(dec[spec]),
+            "combined_mb_s": raw / 1e6 / statistics.median(both),
+            "encode_s": enc[spec], "decode_s": dec[spec],
+        }
+    return out
+
+
+def summarize(codecs: tuple[str, ...], runs: dict[str, list[RoundMetrics]]) -> dict[str, dict[str, Any]]:
+    """The table's training columns per codec (ratios and differences against ``none`` when it ran)."""
+    rows: dict[str, dict[str, Any]] = {}
+    base = runs.get("none")
+    base_up = statistics.fmean(m.bytes_up for m in base) if base else None
+    base_acc = (base[-1].accuracy or 0.0) if base else None
+    for spec in codecs:
+        h = runs[spec]
+        up = statistics.fmean(m.bytes_up for m in h)
+        acc = h[-1].accuracy or 0.0
+        payload = [m.extra["uplink_ratio"] for m in h if "uplink_ratio" in m.extra]
+        rows[spec] = {
+            "bytes_up_per_round": up,
+            "ratio_vs_none": base_up / up if base_up else None,
+            "payload_ratio": statistics.fmean(payload) if payload else None,
+            "final_accuracy": acc,
+            "last5_accuracy": statistics.fmean(m.accuracy or 0.0 for m in h[-5:]),
+            "accuracy_diff_points": 100 * (acc - base_acc) if base_acc is not None else None,
+            "clients_failed": sum(m.clients_failed for m in h),
+            "s_per_round": statistics.fmean(m.wall_s for m in h),
+        }
+    return rows
+
+
+def check_goals(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    goals = {}
+    for spec, (least_ratio, most_drop) in GOALS.items():
+        row = rows.get(spec)
+        if row is None or row["ratio_vs_none"] is None:
+            continue
+        ratio_ok = row["ratio_vs_none"] >= least_ratio
+        acc_ok = row["accuracy_diff_points"] >= -most_drop
+        goals[spec] = {"ratio": row["ratio_vs_none"], "need_ratio": least_ratio, "diff_points": row["accuracy_diff_points"],
+                       "max_drop_points": most_drop, "ratio_met": ratio_ok, "accuracy_met": acc_ok, "met": ratio_ok and acc_ok}
+    return goals
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "fashion-mnist"))
+    parser.add_argument("--codecs", default=",".join(DEFAULT_CODECS), help="comma-separated uplink codec specs")
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--clients", type=int, default=100)
+    parser.add_argument("--per-round", type=int, default=10)
+    parser.add_argument("--alpha", type=float, default=0.3)
+    parser.add_argument("--lr", type=float, default=0.02)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=7, help="timed repetitions per codec and tensor set")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "compression.json"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    codecs = tuple(s for s in args.codecs.split(",") if s)
+    for spec in codecs:  # a bad spec fails before any work
+        load_config(overrides={"codec": spec})
+    start = time.monotonic()
+    lines: list[str] = []
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    fed = Federation(load_fashion_mnist(args.data), num_clients=args.clients, alpha=args.alpha, seed=args.seed, lr=args.lr)
+    log(f"codec throughput, median of {args.repeats} repetitions (torch threads {args.threads})")
+    update = real_update(fed)
+    big = OrderedDict(x=torch.randn(1024, 1024, generator=torch.Generator().manual_seed(args.seed)))
+    timing = {"cnn_update": time_codec(codecs, update, args.repeats), "1m_float": time_codec(codecs, big, args.repeats)}
+    runs: dict[str, list[RoundMetrics]] = {}
+    for spec in codecs:
+        log(f"training with uplink codec {spec} ({args.rounds} rounds)")
+        runs[spec] = run_codec(fed, spec, rounds=args.rounds, per_round=args.per_round, log=log)
+    rows = summarize(codecs, runs)
+
+    def fmt(value: float | None, pattern: str) -> str:
+        return "-" if value is None else format(value, pattern)
+
+    log(f"\n{args.clients} clients, Dirichlet({args.alpha}), {args.per_round} per round, {args.rounds} rounds of fedavg, seed {args.seed}")
+    log("MB/s: raw float32 MB per second through the codec; CNN = a real 52k-parameter update (8 tensors), 1M = 1024x1024")
+    log(f"{'codec':<12}{'B up/round':>12}{'ratio':>8}{'payload x':>10}{'acc':>8}{'d acc':>7}{'last5':>7}"
+        f"{'CNN enc':>9}{'dec':>7}{'e+d':>7}{'1M enc':>8}{'dec':>7}{'e+d':>7}")
+    for spec in codecs:
+        r, c, b = rows[spec], timing["cnn_update"][spec], timing["1m_float"][spec]
+        log(f"{spec:<12}{r['bytes_up_per_round']:>12.0f}{fmt(r['ratio_vs_none'], '.2f'):>8}{fmt(r['payload_ratio'], '.2f'):>10}"
+            f"{r['final_accuracy']:>8.4f}{fmt(r['accuracy_diff_points'], '+.2f'):>7}{r['last5_accuracy']:>7.4f}"
+            f"{c['encode_mb_s']:>9.0f}{c['decode_mb_s']:>7.0f}{c['combined_mb_s']:>7.0f}"
+            f"{b['encode_mb_s']:>8.0f}{b['decode_mb_s']:>7.0f}{b['combined_mb_s']:>7.0f}")
+    goals = check_goals(rows)
+    for spec, g in goals.items():
+        log(f"goal {spec}: >= {g['need_ratio']:g}x fewer uplink bytes ({g['ratio']:.2f}x: {'met' if g['ratio_met'] else 'NOT met'}), "
+            f"within {g['max_drop_points']:g} points of none ({g['diff_points']:+.2f}: {'met' if g['accuracy_met'] else 'NOT met'}) "
+            f"-> {'met' if g['met'] else 'NOT MET'}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    env = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine()}
+    history = {spec: [{"round": m.round, "accuracy": m.accuracy, "loss": m.loss, "bytes_up": m.bytes_up, "bytes_down": m.bytes_down,
+                       "uplink_ratio": m.extra.get("uplink_ratio"), "wall_s": m.wall_s} for m in h] for spec, h in runs.items()}
+    payload = {"config": vars(args), "environment": env, "rows": rows, "goals": goals, "timing": timing, "history": history,
+               "table": lines, "wall_s": time.monotonic() - start}
+    out.write_text(json.dumps(payload, indent=2))
+    print(f"wrote {out} ({time.monotonic() - start:.0f}s)")
+
+
+if __name__ == "__main__":
+    main()
