@@ -6,20 +6,25 @@ import argparse
 import logging
 import sys
 import time
-from typing import Sequence
+from typing import Any, Sequence, TextIO
 
 from fedgrid.config import Config, config_keys, key_type, load_config
 from fedgrid.errors import ConfigError, FedgridError
+from fedgrid.types import RoundMetrics
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "SimulateProgress"]
 
 # Keys each subcommand exposes as flags; every key is also accepted through --config.
 SIMULATE_KEYS = [k for k in config_keys() if k not in ("listen", "max_workers", "min_clients", "state_dir", "heartbeat_interval_s")]
 COORDINATOR_KEYS = [k for k in config_keys() if k != "clients"]
+# The built-in client factory's options (fedgrid.simulation.tasks.CLIENT_KEYS) as `fedgrid
+# client` flags, so a deployed client trains like its simulated twin; --data-partition is the spec.
+CLIENT_OPTION_KEYS = ["dataset", "data_dir", "model", "batch_size", "optimizer", "lr", "momentum", "weight_decay"]
 
 
-def _add_config_flags(parser: argparse.ArgumentParser, keys: Sequence[str]) -> None:
-    parser.add_argument("--config", metavar="FILE", help="TOML file; flags override its keys")
+def _add_config_flags(parser: argparse.ArgumentParser, keys: Sequence[str], *, with_config: bool = True) -> None:
+    if with_config:
+        parser.add_argument("--config", metavar="FILE", help="TOML file; flags override its keys")
     fields = config_keys()
     for key in keys:
         f = fields[key]
@@ -50,8 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_argument("--app", metavar="MODULE:FACTORY", help="client factory(partition, num_partitions, seed) -> Client; default: built-in digits")
     cli.add_argument("--partition", default="0/1", metavar="I/N", help="take partition I of N (default 0/1)")
     cli.add_argument("--seed", type=int, default=0)
-    cli.add_argument("--data-partition", dest="partitioner", default=None, metavar="SPEC", help="iid or dirichlet:ALPHA (built-in task)")
+    cli.add_argument("--data-partition", dest="partitioner", default=None, metavar="SPEC", help="iid, dirichlet:ALPHA, shards:N or natural (built-in datasets)")
     cli.add_argument("--region", default="")
+    _add_config_flags(cli, CLIENT_OPTION_KEYS, with_config=False)
+    cli.add_argument(
+        "--state-dir", dest="state_dir", default=None, metavar="DIR",
+        help="save the client's state across rounds (error-feedback residuals, the client's own state) to "
+        "DIR/client-I.pt after every round and resume from it on restart (default: memory only)",
+    )
     return parser
 
 
@@ -62,21 +73,107 @@ def _config_from(args: argparse.Namespace, keys: Sequence[str]) -> Config:
     return load_config(args.config, overrides)
 
 
+class SimulateProgress:
+    """``fedgrid simulate``'s progress line after each round: round r/R, client updates per
+    second, the latest accuracy and loss, and the time left (mean round time so far times
+    the rounds left). On a terminal it is one line rewritten in place; otherwise one plain
+    line per round.
+
+    Args:
+        rounds: the run's rounds.
+        stream: where the line goes (stderr).
+    """
+
+    def __init__(self, rounds: int, stream: TextIO) -> None:
+        self.rounds = rounds
+        self.stream = stream
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self._walls: list[float] = []
+        self._shown = False
+
+    @staticmethod
+    def line(m: RoundMetrics, rounds: int, eta_s: float) -> str:
+        from fedgrid.simulation.run import clients_per_second
+
+        acc = "-" if m.accuracy is None else f"{m.accuracy:.4f}"
+        loss = "-" if m.loss is None else f"{m.loss:.4f}"
+        minutes, seconds = divmod(int(round(eta_s)), 60)
+        return (
+            f"round {m.round}/{rounds} | {clients_per_second(m):.1f} clients/s | accuracy {acc} | loss {loss} | "
+            f"ETA {minutes // 60}:{minutes % 60:02d}:{seconds:02d}"
+        )
+
+    def clear(self) -> None:
+        """Takes the in-place line away (before other output on the terminal)."""
+        if self._shown:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+            self._shown = False
+
+    def update(self, m: RoundMetrics) -> None:
+        self._walls.append(m.wall_s)
+        eta = sum(self._walls) / len(self._walls) * max(self.rounds - m.round, 0)
+        text = self.line(m, self.rounds, eta)
+        if self.tty:
+            self.stream.write("\r" + text + "\033[K")
+            self._shown = True
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        """Ends the in-place line so that later output starts on a line of its own."""
+        if self._shown:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._shown = False
+
+
 def _simulate(args: argparse.Namespace) -> int:
     from fedgrid.simulation.run import run_simulation
+    from fedgrid.simulation.tasks import get_task
 
     config = _config_from(args, SIMULATE_KEYS)
-    print(f"fedgrid simulate: {config.clients} clients, {config.rounds} rounds, task {config.task}, partition {config.partition}, seed {config.seed}")
+    task = get_task(config.dataset)
+    print(
+        f"fedgrid simulate: {config.clients} clients, {config.rounds} rounds, dataset {config.dataset}, "
+        f"model {config.model or task.default_model}, partition {config.partition or task.default_partition}, "
+        f"engine {config.engine}, seed {config.seed}"
+    )
+    progress = SimulateProgress(config.rounds, sys.stderr) if config.progress else None
 
-    def show(m):
+    def show(m: RoundMetrics) -> None:
         acc = "" if m.accuracy is None else f" accuracy {m.accuracy:.4f}"
         loss = "" if m.loss is None else f" loss {m.loss:.4f}"
+        if progress is not None:
+            progress.clear()
         print(f"round {m.round:3d}/{config.rounds}{loss}{acc} clients {m.clients_ok} ok {m.clients_failed} failed  up {m.bytes_up / 1e6:.2f} MB down {m.bytes_down / 1e6:.2f} MB  {m.wall_s:.2f}s", flush=True)
+        if progress is not None:
+            progress.update(m)
 
-    _, history = run_simulation(config, on_round=show)
+    try:
+        _, history = run_simulation(config, on_round=show)
+    finally:
+        if progress is not None:
+            progress.close()
     final = history[-1]
-    print(f"final test accuracy {final.accuracy:.4f}; run directory {config.out}")
+    metric = f"final test accuracy {final.accuracy:.4f}" if final.accuracy is not None else f"final loss {final.loss}"
+    print(f"{metric}; run directory {config.out}")
     return 0
+
+
+def _client_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The client factory's options from ``fedgrid client``'s flags, checked as config keys:
+    the built-in factory gets all of them (defaults included), an ``--app`` only those given."""
+    from fedgrid.simulation.tasks import client_options
+
+    given = {k: getattr(args, k) for k in CLIENT_OPTION_KEYS if getattr(args, k, None) is not None}
+    if args.partitioner:
+        given["partition"] = args.partitioner
+    options = client_options(load_config(None, given))
+    if args.app is None:
+        return options
+    return {("partitioner" if k == "partition" else k): options["partitioner" if k == "partition" else k] for k in given}
 
 
 def _coordinator(args: argparse.Namespace) -> int:
@@ -88,6 +185,8 @@ def _coordinator(args: argparse.Namespace) -> int:
 
 
 def _client(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from fedgrid.client.runtime import load_app, run
 
     try:
@@ -98,11 +197,11 @@ def _client(args: argparse.Namespace) -> int:
     if not 0 <= index < total:
         raise ConfigError("partition", f"index {index} is outside 0..{total - 1}")
     factory = load_app(args.app)
-    kwargs = {"partitioner": args.partitioner} if args.partitioner else {}
-    client = factory(index, total, args.seed, **kwargs)
+    client = factory(index, total, args.seed, **_client_options(args))
     if args.region:
         client.region = args.region
-    summary = run(client, coordinator=args.coordinator)
+    state_path = Path(args.state_dir) / f"client-{index}.pt" if args.state_dir else None
+    summary = run(client, coordinator=args.coordinator, state_path=state_path)
     print(f"client {client.name}: {summary.rounds} rounds trained; run finished")
     return 0
 

@@ -18,9 +18,10 @@ from fedgrid.compression import parse_codec_spec
 from fedgrid.errors import ConfigError
 from fedgrid.plugins import check_spec
 
-__all__ = ["Config", "load_config", "config_keys", "key_type", "SELECTORS", "STRATEGY_KEYS"]
+__all__ = ["Config", "load_config", "config_keys", "key_type", "SELECTORS", "ENGINES", "STRATEGY_KEYS"]
 
 SELECTORS = ("uniform", "region-balanced")
+ENGINES = ("auto", "batched", "sequential")
 #: Shown in ``--help``; the registry (``fedgrid.aggregation.registry``) is what validates.
 _STRATEGY_NAMES = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedprox", "scaffold", "diloco", "streaming-diloco", "bcd")
 _AGGREGATOR_NAMES = ("mean", "median", "trimmed-mean", "krum", "multi-krum", "norm-clip", "centered-clip")
@@ -75,10 +76,23 @@ class Config:
     local_epochs: int = _key("local epochs per round", 2)
     lr: float = _key("client learning rate (diloco: of the inner optimizer, AdamW by default)", 0.1)
     seed: int = _key("seed for model init, partitioning, sampling and shuffling", 0)
-    task: str = _key("built-in task: model, data and server-side evaluation", "digits")
-    model: str = _key("MODULE:FACTORY returning the nn.Module to train, instead of the task's", "")
+    dataset: str = _key("built-in dataset: digits, fashion-mnist, shakespeare or synthetic (data, default model, server-side evaluation)", "digits")
+    data_dir: str = _key("folder of the dataset's files (fashion-mnist: the four idx.gz files; shakespeare: see the README)", "")
+    model: str = _key("a built-in model of the dataset (digits: mlp, logistic; fashion-mnist: mlp, cnn, logistic; shakespeare: lstm; synthetic: logistic), or MODULE:FACTORY returning your nn.Module (no server-side evaluation); empty: the dataset's default", "")
     app: str = _key("MODULE:FACTORY(partition, num_partitions, seed) -> Client for simulated clients", "")
-    partition: str = _key("how simulated data is split: iid or dirichlet:ALPHA", "dirichlet:0.5")
+    partition: str = _key("how the data is split among clients: iid, dirichlet:ALPHA, shards:N (N label-sorted shards per client) or natural; empty: the dataset's default (dirichlet:0.5; natural for shakespeare and synthetic)", "")
+    batch_size: int = _key("client batch size (built-in datasets)", 32)
+    optimizer: str = _key("client optimizer (built-in datasets): sgd, adam or adamw", "sgd")
+    momentum: float = _key("client SGD momentum (built-in datasets, optimizer sgd)", 0.9)
+    weight_decay: float = _key("client weight decay (built-in datasets)", 0.0)
+    engine: str = _key("simulation engine: auto (batched where it pays, else sequential), batched or sequential", "auto")
+    batch_clients: int = _key("clients the batched engine trains at once (0: as many as fit the device)", 0)
+    dropout_prob: float = _key("simulation: probability that a client is unavailable in a round (i.i.d. per client and round)", 0.0)
+    availability_trace: str = _key("simulation: JSON or CSV file of the rounds each client is available in (see the README)", "")
+    speed: str = _key("simulation: relative client speed, a number or lognormal:SIGMA (one seeded draw per client)", "1.0")
+    examples_per_second: float = _key("simulation: training examples per second of a client of speed 1 (simulated round times)", 1000.0)
+    regions: str = _key("simulation: region labels and shares, e.g. 'us:0.5,eu:0.3,ap:0.2' (empty: none)", "")
+    progress: bool = _key("fedgrid simulate: progress line per round on stderr", True)
     strategy: str = _key("aggregation strategy: " + ", ".join(_STRATEGY_NAMES), "fedavg")
     # Strategy and aggregator options: None (absent) keeps the strategy's own default; an
     # option set for a strategy it does not apply to is an error (see aggregation/registry.py).
@@ -115,11 +129,11 @@ class Config:
     state_dir: str = _key("durable coordinator state directory", "")
 
     def __post_init__(self) -> None:
-        positive_ints = ("rounds", "clients", "min_clients", "local_epochs", "chunk_size", "max_workers")
+        positive_ints = ("rounds", "clients", "min_clients", "local_epochs", "chunk_size", "max_workers", "batch_size")
         for key in positive_ints:
             if getattr(self, key) < 1:
                 raise ConfigError(key, f"must be at least 1, got {getattr(self, key)}")
-        for key in ("lr", "round_timeout_s", "join_timeout_s", "heartbeat_interval_s"):
+        for key in ("lr", "round_timeout_s", "join_timeout_s", "heartbeat_interval_s", "examples_per_second"):
             if not getattr(self, key) > 0:
                 raise ConfigError(key, f"must be positive, got {getattr(self, key)}")
         if not 0.0 < self.fraction_fit <= 1.0:
@@ -142,9 +156,8 @@ class Config:
             parse_codec_spec(spec, key="region_codecs")
         if not 0.0 <= self.fraction_evaluate <= 1.0:
             raise ConfigError("fraction_evaluate", f"must be in [0, 1], got {self.fraction_evaluate}")
-        for key in ("model", "app"):
-            if getattr(self, key):
-                check_spec(getattr(self, key), key=key)
+        if self.app:
+            check_spec(self.app, key="app")
         if self.chunk_size > 3 * 1024 * 1024:
             raise ConfigError("chunk_size", f"must be at most 3 MiB to stay under gRPC's 4 MB limit, got {self.chunk_size}")
         from fedgrid.aggregation.registry import build_strategy_from
@@ -156,11 +169,18 @@ class Config:
         host, sep, port = self.listen.rpartition(":")
         if not sep or not host or not port.isdigit() or int(port) > 65535:
             raise ConfigError("listen", f"expected HOST:PORT, got {self.listen!r}")
-        from fedgrid.simulation.datasets import parse_partition
-        from fedgrid.simulation.tasks import get_task
+        for key in ("momentum", "weight_decay"):
+            if not 0.0 <= getattr(self, key) < float("inf"):
+                raise ConfigError(key, f"must be a finite number at least 0, got {getattr(self, key)}")
+        if self.engine not in ENGINES:
+            raise ConfigError("engine", f"unknown engine {self.engine!r} (known: {', '.join(ENGINES)})")
+        if self.batch_clients < 0:
+            raise ConfigError("batch_clients", f"must be at least 0, got {self.batch_clients}")
+        from fedgrid.simulation.heterogeneity import check_heterogeneity
+        from fedgrid.simulation.tasks import check_options
 
-        parse_partition(self.partition)
-        get_task(self.task)
+        check_options(dataset=self.dataset, data_dir=self.data_dir, model=self.model, partition=self.partition, optimizer=self.optimizer)
+        check_heterogeneity(self)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

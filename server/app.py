@@ -92,7 +92,7 @@ def run_coordinator(config: Config, *, initial: ModelState | None = None, ready:
     The bound address is printed and written to ``RUN_DIR/address`` so that scripts using
     port 0 can find it.
     """
-    resolved = resolve(task=config.task, model=config.model, seed=config.seed)
+    resolved = resolve(dataset=config.dataset, model=config.model, seed=config.seed, data_dir=config.data_dir)
     store = StateStore(config.state_dir) if config.state_dir else None
     strategy = build_strategy(config, num_clients=config.min_clients)
     strategy.initialize(initial_state=initial if initial is not None else resolved.initial_state)

@@ -2,9 +2,17 @@
 
 ``load_digits`` uses scikit-learn's bundled digits (1,797 8x8 images, 10 classes): the
 zero-setup default. ``load_fashion_mnist`` reads the idx.gz files of Fashion-MNIST (or
-MNIST) from a folder, for benchmarks on real data. Partitioners split example indices among clients from a seed alone,
-so a client process given ``--partition I/N --seed S`` holds exactly what simulation gives
-client I.
+MNIST) from a folder, for benchmarks on real data. ``load_synthetic`` generates LEAF's
+Synthetic(alpha, beta) data (no files). Partitioners split example indices among clients
+from a seed alone, so a client process given ``--partition I/N --seed S`` holds exactly
+what simulation gives client I:
+
+- ``iid``: shuffled, near-equal parts;
+- ``dirichlet:ALPHA``: each class divided among clients by a Dirichlet(ALPHA) draw;
+- ``shards:N`` (McMahan et al. 2017): examples sorted by label are cut into
+  ``clients * N`` equal shards and every client is dealt ``N`` random shards, so it holds
+  at most ``2 * N`` classes (when a shard is no larger than the smallest class);
+- ``natural``: the data's own groups (Shakespeare's speaking roles, synthetic devices).
 """
 
 from __future__ import annotations
@@ -28,8 +36,14 @@ __all__ = [
     "partition",
     "partition_iid",
     "partition_dirichlet",
+    "partition_shards",
     "parse_partition",
+    "load_synthetic",
+    "PARTITIONERS",
 ]
+
+#: The partitioner specs ``parse_partition`` knows, as its error messages list them.
+PARTITIONERS = ("iid", "dirichlet:ALPHA", "shards:N", "natural")
 
 #: The test split is fixed (independent of the run's seed) so accuracies compare across runs.
 _SPLIT_SEED = 1234
@@ -37,11 +51,16 @@ _SPLIT_SEED = 1234
 
 @dataclass(frozen=True)
 class Dataset:
+    """A train/test split; ``train_groups`` / ``test_groups`` give each example's natural
+    group (``None``: the data has none, so the ``natural`` partitioner does not apply)."""
+
     x_train: torch.Tensor
     y_train: torch.Tensor
     x_test: torch.Tensor
     y_test: torch.Tensor
     num_classes: int
+    train_groups: np.ndarray | None = None
+    test_groups: np.ndarray | None = None
 
 
 def load_digits(test_fraction: float = 0.2) -> Dataset:
@@ -145,15 +164,86 @@ def partition_dirichlet(
     raise ValueError(f"no Dirichlet({alpha}) split gave {num_clients} clients {min_size} examples each")
 
 
-def parse_partition(spec: str) -> tuple[str, float | None]:
-    """Parses ``iid`` or ``dirichlet:ALPHA``.
+def partition_shards(labels: np.ndarray, num_clients: int, shards_per_client: int, seed: int) -> list[np.ndarray]:
+    """McMahan et al. 2017's pathological non-IID split: sorts examples by label (stable),
+    cuts them into ``num_clients * shards_per_client`` near-equal shards and deals
+    ``shards_per_client`` random shards to each client.
 
     Raises:
-        ConfigError: unknown partitioner or bad parameter.
+        ConfigError: fewer examples than shards (names ``partition``).
+    """
+    num_shards = num_clients * shards_per_client
+    if num_shards > len(labels):
+        raise ConfigError("partition", f"shards:{shards_per_client} cuts {num_shards} shards from only {len(labels)} examples")
+    order = np.argsort(np.asarray(labels), kind="stable")
+    shards = np.array_split(order, num_shards)
+    dealt = np.random.default_rng(seed).permutation(num_shards).reshape(num_clients, shards_per_client)
+    return [np.sort(np.concatenate([shards[i] for i in row])).astype(np.int64) for row in dealt]
+
+
+def load_synthetic(
+    alpha: float = 1.0,
+    beta: float = 1.0,
+    *,
+    num_devices: int = 100,
+    dim: int = 60,
+    num_classes: int = 10,
+    max_per_device: int = 1000,
+    test_fraction: float = 0.2,
+    seed: int = _SPLIT_SEED,
+) -> Dataset:
+    """LEAF's / FedProx's Synthetic(alpha, beta): ``num_devices`` devices, each with its own
+    logistic-regression model and input distribution. Generated from ``seed``; no files.
+
+    Device k draws ``u_k ~ N(0, alpha)``, ``W_k ~ N(u_k, 1)`` (dim x classes), ``b_k ~
+    N(u_k, 1)``, ``B_k ~ N(0, beta)``, ``v_k ~ N(B_k, 1)`` (dim); its inputs are ``x ~
+    N(v_k, diag(j^-1.2))`` and labels ``y = argmax(x W_k + b_k)``; as in LEAF's generator,
+    alpha and beta are standard deviations. alpha controls how much the devices' models
+    differ, beta how much their inputs do. A device holds
+    ``50 + lognormal(4, 2)`` examples (LEAF's sizes) capped at ``max_per_device``; the last
+    ``test_fraction`` of each device's examples is its test split. ``train_groups`` /
+    ``test_groups`` hold the device of each example (the ``natural`` partition).
+    """
+    rng = np.random.default_rng(seed)
+    sizes = np.minimum(50 + rng.lognormal(4, 2, num_devices).astype(np.int64), max_per_device)
+    u = rng.normal(0.0, alpha, num_devices)
+    big_b = rng.normal(0.0, beta, num_devices)
+    std = np.arange(1, dim + 1, dtype=np.float64) ** (-1.2 / 2)
+    xs, ys, groups, is_test = [], [], [], []
+    for k in range(num_devices):
+        w = rng.normal(u[k], 1.0, (dim, num_classes))
+        b = rng.normal(u[k], 1.0, num_classes)
+        v = rng.normal(big_b[k], 1.0, dim)
+        x = v + std * rng.standard_normal((int(sizes[k]), dim))
+        xs.append(x)
+        ys.append(np.argmax(x @ w + b, axis=1))
+        groups.append(np.full(int(sizes[k]), k, dtype=np.int64))
+        n_test = int(round(test_fraction * int(sizes[k])))
+        is_test.append(np.arange(int(sizes[k])) >= int(sizes[k]) - n_test)
+    x_all = torch.from_numpy(np.concatenate(xs).astype(np.float32))
+    y_all = torch.from_numpy(np.concatenate(ys).astype(np.int64))
+    g_all = np.concatenate(groups)
+    test = np.concatenate(is_test)
+    train_idx, test_idx = torch.from_numpy(np.flatnonzero(~test)), torch.from_numpy(np.flatnonzero(test))
+    return Dataset(
+        x_all[train_idx], y_all[train_idx], x_all[test_idx], y_all[test_idx], num_classes=num_classes,
+        train_groups=g_all[~test], test_groups=g_all[test],
+    )
+
+
+def parse_partition(spec: str) -> tuple[str, float | None]:
+    """Parses ``iid``, ``dirichlet[:ALPHA]`` (default 0.5), ``shards[:N]`` (N shards per
+    client, default 2) or ``natural``.
+
+    Returns:
+        ``(name, parameter)``: alpha for dirichlet, N (an int) for shards, else ``None``.
+
+    Raises:
+        ConfigError: unknown partitioner or bad parameter (names ``partition``).
     """
     name, _, param = spec.partition(":")
-    if name == "iid" and not param:
-        return "iid", None
+    if name in ("iid", "natural") and ":" not in spec:
+        return name, None
     if name == "dirichlet":
         try:
             alpha = float(param) if param else 0.5
@@ -162,15 +252,42 @@ def parse_partition(spec: str) -> tuple[str, float | None]:
         if not (alpha > 0 and math.isfinite(alpha)):
             raise ConfigError("partition", f"dirichlet alpha must be positive, got {alpha}")
         return "dirichlet", alpha
-    raise ConfigError("partition", f"unknown partitioner {spec!r} (known: iid, dirichlet:ALPHA)")
+    if name == "shards":
+        try:
+            shards = int(param) if param else 2
+        except ValueError:
+            raise ConfigError("partition", f"shards needs a whole number of shards per client, got {param!r}") from None
+        if shards < 1:
+            raise ConfigError("partition", f"shards per client must be at least 1, got {shards}")
+        return "shards", shards
+    raise ConfigError("partition", f"unknown partitioner {spec!r} (known: {', '.join(PARTITIONERS)})")
 
 
-def partition(labels: np.ndarray, num_clients: int, spec: str, seed: int) -> list[np.ndarray]:
-    """Splits example indices among ``num_clients`` by ``spec`` (``iid`` or ``dirichlet:ALPHA``)."""
+def partition(
+    labels: np.ndarray, num_clients: int, spec: str, seed: int, *, groups: np.ndarray | None = None
+) -> list[np.ndarray]:
+    """Splits example indices among ``num_clients`` by ``spec`` (see ``parse_partition``).
+
+    Args:
+        labels: each example's class (``iid`` uses only their number).
+        groups: each example's natural group, for ``natural`` (Shakespeare's roles).
+
+    Raises:
+        ConfigError: a bad spec, no clients, or ``natural`` without groups.
+    """
     if num_clients < 1:
         raise ConfigError("clients", f"must be at least 1, got {num_clients}")
-    name, alpha = parse_partition(spec)
+    name, param = parse_partition(spec)
     if name == "iid":
         return partition_iid(len(labels), num_clients, seed)
-    assert alpha is not None
-    return partition_dirichlet(labels, num_clients, alpha, seed)
+    if name == "shards":
+        assert param is not None
+        return partition_shards(labels, num_clients, int(param), seed)
+    if name == "natural":
+        if groups is None:
+            raise ConfigError("partition", "natural needs data with natural groups (shakespeare, synthetic)")
+        from fedgrid.simulation.shakespeare import partition_natural
+
+        return partition_natural(np.asarray(groups), num_clients)
+    assert param is not None
+    return partition_dirichlet(labels, num_clients, param, seed)

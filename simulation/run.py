@@ -9,42 +9,64 @@ from typing import Callable
 
 from fedgrid.config import Config
 from fedgrid.runlog import RunWriter
-from fedgrid.server.engine import RoundEngine
 from fedgrid.server.codec_policy import build_codec_policy
+from fedgrid.server.engine import RoundEngine
 from fedgrid.server.strategies import build_strategy
 from fedgrid.simulation.fleet import InProcessFleet
-from fedgrid.simulation.tasks import resolve
+from fedgrid.simulation.heterogeneity import ClientProfiles
+from fedgrid.simulation.tasks import client_options, resolve
 from fedgrid.types import ModelState, RoundMetrics
 
-__all__ = ["run_simulation"]
+__all__ = ["run_simulation", "clients_per_second"]
 
 log = logging.getLogger(__name__)
+
+
+def clients_per_second(metrics: RoundMetrics) -> float:
+    """Client updates a round delivered per second of its wall time."""
+    return metrics.clients_ok / metrics.wall_s if metrics.wall_s > 0 else 0.0
 
 
 def run_simulation(config: Config, *, on_round: Callable[[RoundMetrics], None] | None = None) -> tuple[ModelState, list[RoundMetrics]]:
     """Runs ``config.rounds`` rounds over ``config.clients`` in-process clients.
 
-    Client ``i`` is the same client that ``fedgrid client --partition i/N --seed S`` runs.
+    Client ``i`` is the same client that ``fedgrid client --partition i/N --seed S`` runs
+    with the same data and training options (``fedgrid.simulation.tasks.CLIENT_KEYS``).
+    Availability, speed and region follow ``ClientProfiles`` (the heterogeneity keys).
     Returns the final global model and the per-round metrics.
     """
     strategy = build_strategy(config, num_clients=config.clients)  # a bad option fails before any work
-    resolved = resolve(task=config.task, model=config.model, app=config.app, seed=config.seed)
+    resolved = resolve(dataset=config.dataset, model=config.model, app=config.app, seed=config.seed, data_dir=config.data_dir)
     strategy.initialize(initial_state=resolved.initial_state)
-    options = {} if config.app else {"partitioner": config.partition}
+    profiles = ClientProfiles.from_config(config)
+    options = {} if config.app else client_options(config)
     clients = [resolved.client_factory(i, config.clients, config.seed, **options) for i in range(config.clients)]
     writer = RunWriter(config.out, config.to_dict()) if config.out else None
+
+    def report(metrics: RoundMetrics) -> None:
+        log.info("round %d: %d clients in %.2fs (%.1f clients/s)", metrics.round, metrics.clients_ok, metrics.wall_s, clients_per_second(metrics))
+        if on_round is not None:
+            on_round(metrics)
+
+    fleet = InProcessFleet(
+        clients,
+        chunk_size=config.chunk_size,
+        codec_policy=build_codec_policy(config),
+        downlink_codec=config.downlink_codec,
+        engine=config.engine,
+        batch_clients=config.batch_clients,
+        profiles=profiles,
+    )
     engine = RoundEngine(
         strategy=strategy,
-        fleet=InProcessFleet(
-            clients, chunk_size=config.chunk_size, codec_policy=build_codec_policy(config), downlink_codec=config.downlink_codec
-        ),
+        fleet=fleet,
         rounds=config.rounds,
         min_clients=1,
         round_timeout=timedelta(seconds=config.round_timeout_s),
         join_timeout=timedelta(seconds=config.join_timeout_s),
         evaluate_fn=resolved.evaluate,
         writer=writer,
-        on_round=on_round,
+        on_round=report,
     )
     final = engine.run()
     return final, engine.history

@@ -15,7 +15,7 @@ from fedgrid.seeding import derive_seed
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.strategies import build_strategy
 from fedgrid.simulation.fleet import InProcessFleet
-from fedgrid.simulation.tasks import resolve
+from fedgrid.simulation.tasks import client_options, resolve
 from fedgrid.types import FitIns, ModelState, RoundMetrics
 
 ATTACKS = ("sign-flip", "gaussian")
@@ -59,9 +59,9 @@ class Byzantine(Client):
 def simulate(config: Config, *, wrap: Callable[[int, Client], Client] = lambda i, c: c) -> list[RoundMetrics]:
     """``run_simulation`` with client ``i`` replaced by ``wrap(i, client)``; returns the metrics."""
     strategy = build_strategy(config, num_clients=config.clients)
-    resolved = resolve(task=config.task, seed=config.seed)
+    resolved = resolve(dataset=config.dataset, seed=config.seed, data_dir=config.data_dir)
     strategy.initialize(initial_state=resolved.initial_state)
-    clients = [wrap(i, resolved.client_factory(i, config.clients, config.seed, partitioner=config.partition)) for i in range(config.clients)]
+    clients = [wrap(i, resolved.client_factory(i, config.clients, config.seed, **client_options(config))) for i in range(config.clients)]
     engine = RoundEngine(
         strategy=strategy,
         fleet=InProcessFleet(clients),

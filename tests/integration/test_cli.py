@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 
 import pytest
@@ -19,7 +21,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
         (["simulate", "--rounds", "0"], "rounds"),
         (["simulate", "--lr", "fast"], "lr"),
         (["simulate", "--partition", "dirichlet:-1"], "partition"),
-        (["simulate", "--task", "imagenet"], "task"),
+        (["simulate", "--dataset", "imagenet"], "dataset"),
         (["coordinator", "--listen", "nowhere"], "listen"),
         (["coordinator", "--fraction-fit", "2"], "fraction_fit"),
     ],
@@ -62,3 +64,18 @@ def test_simulate_toml_then_flags(tmp_path):
     resolved = (out / "config.toml").read_text()
     assert "rounds = 2\n" in resolved and "clients = 4\n" in resolved and "seed = 3\n" in resolved
     assert (out / "model.safetensors").stat().st_size > 4810 * 4
+    # the progress line: one plain line per round on stderr (not a terminal here)
+    progress = [line for line in result.stderr.splitlines() if line.startswith("round ")]
+    assert [line.split(" | ")[0] for line in progress] == ["round 1/2", "round 2/2"]
+    for line, row in zip(progress, lines):
+        fields = line.split(" | ")
+        assert fields[1].endswith(" clients/s") and float(fields[1].split()[0]) > 0
+        assert fields[2] == f"accuracy {json.loads(row)['accuracy']:.4f}" and fields[3] == f"loss {json.loads(row)['loss']:.4f}"
+        assert re.fullmatch(r"ETA \d+:\d\d:\d\d", fields[4])
+    assert progress[1].endswith("ETA 0:00:00")
+
+
+def test_simulate_progress_off(tmp_path):
+    result = _run("simulate", "--rounds", "1", "--clients", "2", "--local-epochs", "1", "--progress", "false", "--out", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr
+    assert "clients/s" not in result.stderr and "round   1/1" in result.stdout

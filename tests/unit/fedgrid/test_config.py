@@ -24,10 +24,31 @@ def test_defaults_are_valid():
     assert config == Config()
     assert config.rounds == 10 and config.clients == 10 and config.min_clients == 2
     assert config.fraction_fit == 1.0 and config.local_epochs == 2 and config.lr == 0.1
-    assert config.seed == 0 and config.task == "digits" and config.partition == "dirichlet:0.5"
+    assert config.seed == 0 and config.dataset == "digits" and config.partition == ""
     assert config.strategy == "fedavg" and config.listen == "0.0.0.0:50051"
     assert config.chunk_size == CHUNK_SIZE and config.heartbeat_interval_s == HEARTBEAT_INTERVAL_S
     assert config.out == "" and config.state_dir == ""
+
+
+def test_simulation_key_defaults():
+    config = load_config()
+    assert (config.dataset, config.data_dir, config.model, config.partition) == ("digits", "", "", "")
+    assert (config.batch_size, config.optimizer, config.momentum, config.weight_decay) == (32, "sgd", 0.9, 0.0)
+    assert (config.engine, config.batch_clients, config.progress) == ("auto", 0, True)
+    assert (config.dropout_prob, config.availability_trace, config.speed, config.examples_per_second, config.regions) == (0.0, "", "1.0", 1000.0, "")
+
+
+def test_simulation_keys_from_toml(tmp_path):
+    path = _write(
+        tmp_path,
+        'dataset = "synthetic"\npartition = "shards:3"\nmodel = "logistic"\nbatch_size = 8\noptimizer = "adamw"\n'
+        'weight_decay = 0.01\nengine = "sequential"\nbatch_clients = 16\nprogress = false\ndropout_prob = 0.1\n'
+        'speed = "lognormal:0.5"\nregions = "us:1,eu:1"\nexamples_per_second = 50\n',
+    )
+    config = load_config(path, overrides={"momentum": "0"})
+    assert (config.dataset, config.partition, config.model, config.batch_size, config.optimizer) == ("synthetic", "shards:3", "logistic", 8, "adamw")
+    assert (config.weight_decay, config.engine, config.batch_clients, config.progress, config.momentum) == (0.01, "sequential", 16, False, 0.0)
+    assert (config.dropout_prob, config.speed, config.regions, config.examples_per_second) == (0.1, "lognormal:0.5", "us:1,eu:1", 50.0)
 
 
 def test_every_key_has_help_and_a_supported_type():
@@ -99,7 +120,7 @@ def test_table_in_file_is_unknown_key(tmp_path):
 
 @pytest.mark.parametrize(
     "key,value",
-    [("rounds", '"abc"'), ("rounds", "2.5"), ("rounds", "true"), ("lr", '"fast"'), ("lr", "false"), ("task", "3"), ("seed", "[1]")],
+    [("rounds", '"abc"'), ("rounds", "2.5"), ("rounds", "true"), ("lr", '"fast"'), ("lr", "false"), ("dataset", "3"), ("seed", "[1]")],
 )
 def test_wrong_type_in_file_names_key(tmp_path, key, value):
     with pytest.raises(ConfigError, match=rf"config key '{key}': expected") as info:
@@ -151,7 +172,7 @@ def test_missing_file_and_bad_toml(tmp_path):
         ("partition", "foo", "unknown partitioner 'foo'"),
         ("partition", "dirichlet:abc", "dirichlet needs a number"),
         ("partition", "dirichlet:0", "alpha must be positive"),
-        ("task", "nope", "unknown task 'nope' \\(known: digits\\)"),
+        ("dataset", "nope", "unknown dataset 'nope' \\(known: digits, fashion-mnist, shakespeare, synthetic\\)"),
         ("strategy", "fedsgd", "unknown strategy 'fedsgd' \\(known: fedavg, fedavgm"),
         ("aggregator", "mode", "unknown aggregator 'mode'"),
     ],

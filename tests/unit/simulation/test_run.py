@@ -12,7 +12,7 @@ import torch
 from fedgrid.config import load_config
 from fedgrid.runlog import load_model
 from fedgrid.simulation.run import run_simulation
-from fedgrid.simulation.tasks import digits_evaluate, get_task, initial_state
+from fedgrid.simulation.tasks import build_model, digits_evaluate, initial_state
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -79,7 +79,7 @@ def test_metrics_jsonl(runs):
 
 def test_bytes_match_model_size(runs):
     history = runs["a"][3]
-    state = initial_state(get_task("digits").model, seed=0)
+    state = initial_state(lambda: build_model("digits"), seed=0)
     payload = sum(t.numel() * t.element_size() for t in state.values())  # 4,810 float32 parameters
     for m in history:
         # three clients each move the whole model both ways, plus per-message framing
