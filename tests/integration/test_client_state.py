@@ -18,7 +18,7 @@ import torch
 
 from fedgrid.client import Client, FitOutput, start
 from fedgrid.client import runtime
-from fedgrid.client.runtime import STATE_FORMAT
+from fedgrid.client.state import STATE_FORMAT
 from fedgrid.client.uplink import UplinkEncoder, reconstruct
 from fedgrid.proto import serde
 from fedgrid.server.app import Coordinator
@@ -133,7 +133,7 @@ def test_restarted_client_resumes_its_residuals(server, tmp_path, caplog):
     path = tmp_path / "state" / "client-0.pt"
     expected, _ = _reference(3)
     _, after_two = _reference(2)
-    caplog.set_level(logging.INFO, logger=runtime.__name__)
+    caplog.set_level(logging.INFO, logger="fedgrid.client")
 
     handle = start(Drifting(), server.address, poll_wait_s=1.0, state_path=path)
     info = server.joined()
@@ -179,7 +179,7 @@ def test_foreign_or_corrupt_state_is_logged_and_ignored(server, tmp_path, caplog
         torch.save({"format": STATE_FORMAT, "run_id": "another-run", "round": 2, "name": "drifting",
                     "uplink": {CODEC: stale.state_dict()}, "client": {"fits": 2}}, path)
     expected, _ = _reference(1)
-    caplog.set_level(logging.INFO, logger=runtime.__name__)
+    caplog.set_level(logging.INFO, logger="fedgrid.client")
 
     handle = start(Drifting(), server.address, poll_wait_s=1.0, state_path=path)
     info = server.joined()

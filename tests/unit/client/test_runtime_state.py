@@ -12,7 +12,8 @@ import torch
 from fedgrid import cli
 from fedgrid.client import runtime
 from fedgrid.client.api import Client, FitOutput
-from fedgrid.client.runtime import STATE_FORMAT, Connection, _restore, load_client_state, save_client_state
+from fedgrid.client.runtime import Connection
+from fedgrid.client.state import STATE_FORMAT, load_client_state, restore_client_state, save_client_state
 from fedgrid.client.uplink import UplinkEncoder
 
 pytestmark = pytest.mark.timeout(60)
@@ -71,7 +72,7 @@ def test_saved_state_loads_back_with_equal_residuals(tmp_path, conn):
     other = Connection("127.0.0.1:1")
     restored = Counting()
     other.run_id = RUN
-    assert _restore(other, restored, saved, path)
+    assert restore_client_state(other, restored, saved, path)
     assert restored.fits == 7
     residuals = other.uplink_state_dict()["topk:0.1"]["feedback"]["residuals"]
     assert set(residuals) == {"w", "b"}
@@ -90,8 +91,8 @@ def test_state_of_another_run_is_not_restored(tmp_path, conn, caplog):
     fresh = Connection("127.0.0.1:1")
     fresh.run_id = "new-run"
     client = Counting()
-    with caplog.at_level(logging.WARNING, logger=runtime.__name__):
-        assert not _restore(fresh, client, saved, path)
+    with caplog.at_level(logging.WARNING, logger="fedgrid.client"):
+        assert not restore_client_state(fresh, client, saved, path)
     assert "is from run old-run, the coordinator runs new-run" in caplog.text
     assert fresh.uplink_state_dict() == {} and client.fits == 0
     fresh.close()
@@ -104,8 +105,8 @@ def test_state_that_does_not_fit_is_ignored_whole(tmp_path, conn, caplog):
              "uplink": {"none": UplinkEncoder("none").state_dict(), "topk:0.1": state}, "client": {"fits": 3}}
     conn.run_id = RUN
     client = Counting()
-    with caplog.at_level(logging.ERROR, logger=runtime.__name__):
-        assert not _restore(conn, client, saved, tmp_path / "x.pt")
+    with caplog.at_level(logging.ERROR, logger="fedgrid.client"):
+        assert not restore_client_state(conn, client, saved, tmp_path / "x.pt")
     assert "does not fit this client, ignoring it" in caplog.text
     assert conn.uplink_state_dict() == {} and client.fits == 0
 
@@ -132,14 +133,14 @@ def test_corrupt_or_foreign_file_is_logged_and_ignored(tmp_path, conn, caplog, c
         path.write_bytes(content)
     else:
         torch.save(content, path)
-    with caplog.at_level(logging.ERROR, logger=runtime.__name__):
+    with caplog.at_level(logging.ERROR, logger="fedgrid.client"):
         assert load_client_state(path, name="counting") is None
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and str(path) in errors[0].getMessage() and message in errors[0].getMessage()
 
 
 def test_missing_file_is_a_fresh_start(tmp_path, caplog):
-    with caplog.at_level(logging.DEBUG, logger=runtime.__name__):
+    with caplog.at_level(logging.DEBUG, logger="fedgrid.client"):
         assert load_client_state(tmp_path / "none.pt", name="counting") is None
     assert caplog.records == []
 
