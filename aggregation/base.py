@@ -98,6 +98,9 @@ class Strategy(ABC):
 
         Default: the global model. A strategy whose clients need more (SCAFFOLD's server
         control variate) adds tensors here under names that cannot clash with the model's.
+        A strategy whose clients need less (streaming DiLoCo: only the fragments synced since
+        a client's last round) names, per client, the tensors of this state it downloads in
+        ``FitIns.download``; the fleet sends only those on a lossless downlink.
         Evaluation tasks always get ``global_state`` alone.
         """
         return self.global_state

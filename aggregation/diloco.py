@@ -13,11 +13,25 @@ step to it (each fragment has its own outer momentum) and leaves the other fragm
 they were. So only 1/F of the model crosses the uplink per round.
 
 Worker side of streaming DiLoCo (what the task config asks): keep a local replica across
-rounds; at round ``r`` overwrite only fragment ``merge_fragment`` (= ``(r - 1) % F``, the one
-the server updated last round) with the downloaded global values, keep training the
-rest locally, and upload fragment ``fragment`` (= ``r % F``) after the inner steps. A worker without a
-replica (first round, new worker) takes the whole global model. The paper's overlap of
-communication with computation and its mixing factor alpha (here 0) are not modelled.
+rounds; at round ``r`` overwrite the fragments synced since the worker's last round with
+the downloaded global values (``merge_fragment_prefixes``: for a worker that trained in
+round ``r - 1``, fragment ``merge_fragment`` = ``(r - 1) % F`` alone, the one the server
+updated last round), keep training the rest locally, and upload fragment ``fragment``
+(= ``r % F``) after the inner steps. A worker without a replica (first round, new worker)
+takes the whole global model. The paper's overlap of communication with computation and
+its mixing factor alpha (here 0) are not modelled.
+
+Downlink: the server remembers, per client (``ClientInfo.client_id``), the last round
+whose result it aggregated, and each task downloads (``FitIns.download``) only the
+fragments synced since then: one fragment per round for a worker that takes part every
+round, so about 1/F of the model crosses the downlink too. A client with no such record
+(new, failed in its last round, or absent for F rounds or more, when every fragment has
+changed) downloads the whole model and merges all of it. Records are keyed by client id:
+it survives a coordinator restart (the fleet restores its registry) and a reconnect within
+a session, while a restarted client process joins under a new id and so gets the whole
+model, which it needs when it lost its replica. A worker that gets part of the model
+without a replica fails its round; the failure drops its record, so it gets the whole
+model next round.
 """
 
 from __future__ import annotations
@@ -88,9 +102,12 @@ class StreamingDiLoCo(DiLoCo):
     """Streaming DiLoCo's server: one fragment of the model synced per round, in rotation.
 
     Task config sent to workers: ``algorithm = "streaming-diloco"``, ``inner_steps``,
-    ``fragment`` (the fragment to upload), ``merge_fragment`` (the fragment to take from
-    the download), ``num_fragments``, ``fragment_prefixes`` and ``merge_fragment_prefixes``
-    (comma-joined name prefixes of those two fragments; see ``blocks.matches_prefix``).
+    ``fragment`` (the fragment to upload), ``merge_fragment`` (the fragment synced last
+    round), ``num_fragments``, ``fragment_prefixes`` (comma-joined name prefixes of
+    ``fragment``; see ``blocks.matches_prefix``) and ``merge_fragment_prefixes`` (those of
+    every fragment the worker takes from the download: the fragments synced since its last
+    round, all of them for a client without a record). ``FitIns.download`` names the
+    tensors of those fragments, or is ``None`` (the whole model) for a client without a record.
 
     Args:
         num_fragments: F, the number of fragments.
@@ -134,6 +151,8 @@ class StreamingDiLoCo(DiLoCo):
         )
         self.num_fragments = num_fragments
         self._fragments: list[Block] = []
+        #: Per client id, the last round whose result was aggregated (see the module docstring).
+        self._last_round: dict[str, int] = {}
 
     def initialize(self, *, initial_state: ModelState) -> None:
         try:
@@ -141,6 +160,7 @@ class StreamingDiLoCo(DiLoCo):
         except ValueError as exc:  # the model is known only now: still a configuration error
             raise ConfigError("num_fragments", str(exc)) from None
         super().initialize(initial_state=initial_state)
+        self._last_round = {}
 
     @property
     def fragments(self) -> list[Block]:
@@ -153,6 +173,19 @@ class StreamingDiLoCo(DiLoCo):
         """The fragment synced in ``server_round``: number ``server_round % F``."""
         return self.fragments[server_round % self.num_fragments]
 
+    def synced_since(self, client: ClientInfo, server_round: int) -> list[Block] | None:
+        """The fragments synced since ``client``'s last aggregated round, in model order.
+
+        ``None`` when the strategy has no record of the client, or every fragment was synced
+        since (the client then needs the whole model).
+        """
+        last = self._last_round.get(client.client_id)
+        if last is None or not 0 < server_round - last < self.num_fragments:
+            return None
+        # Rounds last .. server_round - 1 each synced one fragment; the client merged none of them.
+        synced = {r % self.num_fragments for r in range(last, server_round)}
+        return [f for f in self.fragments if f.index in synced]
+
     def configure_round(self, *, server_round: int, clients: Sequence[ClientInfo]) -> list[tuple[ClientInfo, FitIns]]:
         fragment = self.fragment_of_round(server_round)
         config = {
@@ -161,13 +194,32 @@ class StreamingDiLoCo(DiLoCo):
             "merge_fragment": (server_round - 1) % self.num_fragments,
             "num_fragments": self.num_fragments,
             "fragment_prefixes": ",".join(fragment.prefixes),
-            "merge_fragment_prefixes": ",".join(self.fragments[(server_round - 1) % self.num_fragments].prefixes),
         }
         specs = TensorSpec.of(self.global_state)
-        ins = FitIns(round=server_round, config=config, expected=OrderedDict((n, specs[n]) for n in fragment.names))
-        return [(client, ins) for client in self._select_fit(clients, server_round)]
+        expected = OrderedDict((n, specs[n]) for n in fragment.names)
+        tasks: dict[tuple[int, ...] | None, FitIns] = {}  # clients that missed the same rounds share a task
+        out: list[tuple[ClientInfo, FitIns]] = []
+        for client in self._select_fit(clients, server_round):
+            synced = self.synced_since(client, server_round)
+            key = None if synced is None else tuple(f.index for f in synced)
+            if key not in tasks:
+                merge = self.fragments if synced is None else synced
+                tasks[key] = FitIns(
+                    round=server_round,
+                    config={**config, "merge_fragment_prefixes": ",".join(p for f in merge for p in f.prefixes)},
+                    expected=expected,
+                    download=None if synced is None else tuple(n for f in synced for n in f.names),
+                )
+            out.append((client, tasks[key]))
+        return out
 
     def aggregate(self, *, server_round: int, results: Sequence[FitRes], failures: Sequence[Failure]) -> dict[str, float]:
+        for failure in failures:  # it may have lost its replica: the whole model next time
+            self._last_round.pop(failure.client.client_id, None)
+        for result in results:
+            self._last_round[result.client.client_id] = server_round
+        # Bounded memory: a client absent for F rounds needs the whole model, as one without a record.
+        self._last_round = {cid: r for cid, r in sorted(self._last_round.items()) if server_round + 1 - r < self.num_fragments}
         if not results:
             return {}
         ordered = sorted(results, key=lambda r: r.client.sort_key)
@@ -181,9 +233,20 @@ class StreamingDiLoCo(DiLoCo):
         return metrics
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "num_fragments": self.num_fragments}
+        return {**super().state_dict(), "num_fragments": self.num_fragments, "last_round": dict(self._last_round)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores what ``state_dict`` returned; a checkpoint without ``last_round`` (older
+        than it) gives every client the whole model next round.
+
+        Raises:
+            ValueError: another number of fragments, or a malformed ``last_round``.
+        """
         if int(state.get("num_fragments", self.num_fragments)) != self.num_fragments:
             raise ValueError(f"checkpoint has {state['num_fragments']} fragments, this strategy {self.num_fragments}")
+        try:
+            last_round = {str(cid): int(r) for cid, r in dict(state.get("last_round", {})).items()}
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"checkpoint's last_round is not a map of client id to round: {exc}") from None
         super().load_state_dict(state)
+        self._last_round = last_round

@@ -152,6 +152,17 @@ class ScaffoldControl:
             self._counts[name] += 1
             grad.add_(correction)
 
+    @property
+    def correction(self) -> Mapping[str, torch.Tensor]:
+        """Between ``begin`` and ``finish``: ``c - c_i`` by parameter name (what ``correct`` adds)."""
+        return dict(self._correction)
+
+    def record(self, name: str, grad_sum: torch.Tensor, count: int) -> None:
+        """Records ``count`` raw gradients of ``name`` summed in ``grad_sum`` (float32), as ``count``
+        calls of ``correct`` would; for engines that correct gradients themselves."""
+        self._grad_sums[name] += grad_sum.to(self._grad_sums[name].device)
+        self._counts[name] += count
+
     def finish(self, model: Mapping[str, torch.Tensor]) -> ModelState:
         """Ends a round: updates ``c_i``; returns ``scaffold.c_delta.<name>`` (in ``model``'s dtypes).
 

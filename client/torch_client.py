@@ -15,9 +15,11 @@ from fedgrid.client.api import Client, EvaluateOutput, FitOutput
 from fedgrid.seeding import derive_seed
 from fedgrid.types import FitIns, ModelState, Scalar
 
-_RNG_LOCK = threading.Lock()
+#: torch's RNG is process-wide: whoever trains under a client's seed (TorchClient.fit, the batched
+#: simulation engine) holds this lock, so clients in threads of one process see only their own seeds.
+RNG_LOCK = threading.Lock()
 
-__all__ = ["TorchClient", "default_device", "default_inner_optimizer"]
+__all__ = ["TorchClient", "RNG_LOCK", "default_device", "default_inner_optimizer"]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -105,11 +107,37 @@ class TorchClient(Client):
         return self._inner_optimizer
 
     def _start_state(self, download: ModelState, algorithm: str, config: Mapping[str, Scalar]) -> ModelState:
-        """The model to train from: the download, or streaming DiLoCo's replica with one fragment merged."""
-        if algorithm != "streaming-diloco" or self._replica is None or list(self._replica) != list(download):
+        """The model to train from: the download, or streaming DiLoCo's replica with fragments merged.
+
+        A streaming task downloads the whole model, or only the fragments synced since this
+        client's last round (``FitIns.download``, see ``fedgrid.aggregation.diloco``). With a
+        replica, the ``merge_fragment_prefixes`` tensors are taken from the download and the
+        rest from the replica; without one, the download must be the whole model.
+
+        Raises:
+            ValueError: a download that is part of the model and no replica to complete it
+                (a client restarted without its state), or a download without a tensor the
+                task says to merge.
+        """
+        if algorithm != "streaming-diloco":
             return download
+        model = list(self.model.state_dict())
+        if not set(download) <= set(model):
+            return download  # not this model: loading it says what differs
+        if self._replica is None or list(self._replica) != model:
+            if len(download) < len(model):
+                raise ValueError(
+                    f"streaming-diloco: the download holds {len(download)} of the model's {len(model)} tensors (the fragments "
+                    f"synced since client {self.name!r} last trained), but the client keeps no replica of the rest (restarted "
+                    "without its state?); the coordinator sends the whole model after this failed round"
+                )
+            return download
+        merge = names_under(model, str(config.get("merge_fragment_prefixes", "")), key="merge_fragment_prefixes")
+        missing = [n for n in merge if n not in download]
+        if missing:
+            raise ValueError(f"streaming-diloco: the download lacks {len(missing)} tensors the task says to merge (first: {missing[0]!r})")
         merged = OrderedDict(self._replica)
-        for name in names_under(list(download), str(config.get("merge_fragment_prefixes", "")), key="merge_fragment_prefixes"):
+        for name in merge:
             merged[name] = download[name]
         return merged
 
@@ -117,7 +145,8 @@ class TorchClient(Client):
         """Trains from ``state`` as the task's ``algorithm`` asks; returns the tensors it declares.
 
         Raises:
-            ValueError: an unknown algorithm, a bad task value, or no training data.
+            ValueError: an unknown algorithm, a bad task value, no training data, or a streaming
+                download this client cannot complete (see ``_start_state``).
         """
         config = ins.config
         algorithm = algorithm_of(config)
@@ -132,8 +161,9 @@ class TorchClient(Client):
         control: ModelState = OrderedDict()
         if algorithm == "scaffold":
             state, control = ScaffoldControl.split(state)
-        self._load(self._start_state(state, algorithm, config))
-        names = list(state)
+        start = self._start_state(state, algorithm, config)
+        self._load(start)
+        names = list(start)  # the whole model, also when the download was part of it
         trained = names_under(names, str(config.get("block_prefixes", "")), key="block_prefixes") if algorithm == "bcd" else names
         self.model.train()
         with train_only(self.model, trained) as params:
@@ -148,7 +178,7 @@ class TorchClient(Client):
             proximal = ProximalTerm(list(named.values()), float(config.get("proximal_mu", 0.0))) if algorithm == "fedprox" else None
             if algorithm == "scaffold":
                 self.scaffold.begin(control, named)
-            seed = derive_seed(config.get("seed", 0), ins.round, self.seed, self.name)
+            seed = self.round_seed(ins)
             loss_sum, seen = self._train(optimizer, seed=seed, epochs=epochs, steps=steps, proximal=proximal,
                                          after_backward=(lambda: self.scaffold.correct(named)) if algorithm == "scaffold" else None)
         full = self._state()
@@ -163,6 +193,10 @@ class TorchClient(Client):
             out.update(self.scaffold.finish(full))
         num_examples = seen if steps else seen // epochs
         return FitOutput(state=out, num_examples=num_examples, metrics={"loss": loss_sum / seen})
+
+    def round_seed(self, ins: FitIns) -> int:
+        """The seed of this client's shuffling (and dropout) for task ``ins``."""
+        return derive_seed(ins.config.get("seed", 0), ins.round, self.seed, self.name)
 
     def _batches(self, *, epochs: int, steps: int) -> Iterator[tuple[Any, Any]]:
         """``epochs`` passes over the loader, or exactly ``steps`` batches (cycling through it)."""
@@ -199,7 +233,7 @@ class TorchClient(Client):
         total_loss, seen = 0.0, 0
         # torch's RNG is process-wide: clients training in threads of one process (the SDK's
         # start(), a host running several) take turns, so each sees only its own seed.
-        with _RNG_LOCK, torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+        with RNG_LOCK, torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(seed)
             for inputs, targets in self._batches(epochs=epochs, steps=steps):
                 inputs, targets = inputs.to(self.device), targets.to(self.device)

@@ -81,11 +81,32 @@ class FitIns:
             means exactly the global model's. Strategies whose clients send something else
             (one block of the model, extra control variates) say so here, and the fleet
             rejects any other upload.
+        download: the names of the tensors of ``Strategy.downlink_state`` this client
+            downloads; ``None`` means all of them. Strategies whose clients keep the rest
+            from earlier rounds (streaming DiLoCo's replica) name the part that changed, and
+            the client's ``fit`` then receives only those tensors. Fleets honour it on an
+            exact (lossless) downlink; on a lossy downlink every client holds the shared
+            shadow and downloads what it would without it (see ``download_names``).
     """
 
     round: int
     config: Mapping[str, Scalar] = field(default_factory=dict)
     expected: "Mapping[str, TensorSpec] | None" = None
+    download: "tuple[str, ...] | None" = None
+
+    def download_names(self, *, lossless_downlink: bool, delta_uplink: bool) -> "frozenset[str] | None":
+        """The tensors a fleet sends this client: ``download`` (``None``: all), on a lossless downlink.
+
+        Args:
+            lossless_downlink: the downlink codec is exact (``none``, ``zstd``); otherwise
+                the client downloads everything, as without ``download``.
+            delta_uplink: the client's uplink codec sends differences to the global model:
+                the tensors it uploads (``expected``) are added, as the reference the
+                difference is taken against on the client.
+        """
+        if self.download is None or not lossless_downlink:
+            return None
+        return frozenset(self.download) | (frozenset(self.expected or ()) if delta_uplink else frozenset())
 
 
 @dataclass(frozen=True)

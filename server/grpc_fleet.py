@@ -14,12 +14,14 @@ import secrets
 import threading
 import time
 import uuid
+from collections import OrderedDict
 
 import torch
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
+from fedgrid.compression import parse_codec_spec
 from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S, RETRY_MAX_WAIT_S
 from fedgrid.errors import (
     AuthenticationError,
@@ -75,6 +77,7 @@ class _Round:
     bytes_down: int = 0
     raw_up: int = 0  # what the accepted updates would weigh uncompressed
     payload_up: int = 0  # their payload bytes as sent
+    parts: dict[frozenset[str], serde.EncodedModel] = field(default_factory=dict)  # partial downloads, by tensors
 
     def pending(self) -> list[str]:
         return [cid for cid in self.assignments if cid not in self.results and cid not in self.failures]
@@ -127,9 +130,10 @@ class GrpcFleet(Fleet):
         spill_dir: where accepted updates wait for aggregation (see ``server/spill.py``);
             under the state directory they survive a crash. Default: a temporary directory.
         codec_policy: the uplink codec of each client (sent with its task).
-        downlink_codec: ``none`` (every client downloads the exact global model) or a lossy
-            spec: clients get the compressed change since the version they hold, with
-            server-side error feedback (see ``server/downlink.py``).
+        downlink_codec: ``none`` (every client downloads the exact global model, or the
+            part of it its task names in ``FitIns.download``) or a lossy spec: clients get
+            the compressed change since the version they hold, with server-side error
+            feedback (see ``server/downlink.py``), whatever ``FitIns.download`` says.
     """
 
     def __init__(
@@ -223,16 +227,39 @@ class GrpcFleet(Fleet):
         return rnd
 
     def download(self, client_id: str, token: str, task_id: str, have_version: int | None = None) -> Iterator[bytes]:
-        """The model of the client's open task, as a chunk stream: whole, or on a compressed
-        downlink the change since ``have_version`` when the client holds the previous version."""
+        """The model of the client's open task, as a chunk stream: whole, or the tensors its task
+        names (``FitIns.download``) on a lossless downlink, or on a compressed downlink the
+        change since ``have_version`` when the client holds the previous version."""
         self.authenticate(client_id, token)
         with self._cond:
             rnd = self._open_task(client_id, task_id)
-        encoded, delta, base_version = rnd.downlink.for_client(have_version)
+        names = self._download_names(rnd.assignments[client_id])
+        if names is None:
+            encoded, delta, base_version = rnd.downlink.for_client(have_version)
+        else:
+            encoded, delta, base_version = self._part(rnd, names), False, 0
         info = serde.StreamInfo(
             run_id=self.run_id, task_id=task_id, round=rnd.server_round, delta=delta, version=rnd.downlink.version, base_version=base_version
         )
         return self._count_down(rnd, encoded.frames(info, chunk_size=self.chunk_size))
+
+    def _download_names(self, ins: FitIns | EvaluateIns) -> frozenset[str] | None:
+        if not isinstance(ins, FitIns):
+            return None
+        codec = str(ins.config.get("uplink_codec", "none"))
+        # An uplink sending differences takes them against the global values of what it uploads.
+        return ins.download_names(lossless_downlink=self.downlink.lossless, delta_uplink=not parse_codec_spec(codec, key="codec").lossless)
+
+    def _part(self, rnd: _Round, names: frozenset[str]) -> serde.EncodedModel:
+        """The tensors ``names`` of the round's exact model, encoded once per round and set of
+        tensors (two clients racing may both encode it; one copy is kept)."""
+        with self._cond:
+            part = rnd.parts.get(names)
+        if part is None:
+            part = serde.EncodedModel(OrderedDict((n, t) for n, t in rnd.global_state.items() if n in names), codec=self.downlink.codec)
+            with self._cond:
+                part = rnd.parts.setdefault(names, part)
+        return part
 
     def _count_down(self, rnd: _Round, frames: Iterator[bytes]) -> Iterator[bytes]:
         sent = 0

@@ -1,37 +1,86 @@
-"""``InProcessFleet``: clients run one after another in this process.
+"""``InProcessFleet``: the simulated clients of a run, trained in this process.
 
 Models cross the same serialization as on the wire (``fedgrid.proto.serde``), so a
 simulated run moves the same bytes, and produces the same bits, as a deployed one.
+
+A round runs in three phases per group of clients: (1) each client downloads the model,
+or the part its task names (``FitIns.download``): the frames a real client would receive,
+counted in ``bytes_down``; and gets its task; (2) the clients train, through an engine:
+``sequential`` calls ``client.fit`` one client at a time, ``batched`` trains many
+``TorchClient`` clients of one model at once with stacked parameters
+(``fedgrid.simulation.batched``); (3) each client's update is encoded with its
+uplink codec (error feedback per client), framed, decoded, reconstructed and checked as the
+coordinator does. A client's error in any phase is a ``Failure``, never an exception.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict
 import logging
+from collections import OrderedDict
 from datetime import timedelta
-from typing import Sequence
+from typing import Protocol, Sequence, Union
 
-from fedgrid.client.api import Client
+from fedgrid.client.api import Client, FitOutput
 from fedgrid.client.uplink import UplinkEncoder, reconstruct
 from fedgrid.compression import available_codecs
-from fedgrid.server.codec_policy import CodecPolicy
-from fedgrid.server.downlink import Downlink
+from fedgrid.errors import ConfigError
 from fedgrid.proto import serde
+from fedgrid.server.codec_policy import CodecPolicy
+from fedgrid.server.downlink import Downlink, RoundDownlink
 from fedgrid.server.fleet import Fleet, RoundOutcome
+from fedgrid.simulation.batched import BatchedTrainer, choose_engine
 from fedgrid.types import ClientInfo, EvaluateIns, EvaluateRes, FitIns, FitRes, Failure, ModelState, TensorSpec
 
-__all__ = ["InProcessFleet"]
+__all__ = ["InProcessFleet", "Profiles", "ENGINES"]
 
 log = logging.getLogger(__name__)
 
+#: Values of ``engine``.
+ENGINES = ("auto", "batched", "sequential")
+#: A round's distinct download streams: (a difference?, base version, the tensors sent or None for all).
+_Stream = tuple[bool, int, frozenset[str] | None]
+
+
+class Profiles(Protocol):
+    """Simulated heterogeneity of the clients (``fedgrid.simulation.heterogeneity.ClientProfiles``).
+
+    ``index`` is the client's position in the fleet's ``clients``.
+    """
+
+    def available(self, index: int, server_round: int) -> bool:
+        """Whether client ``index`` takes part in round ``server_round``."""
+
+    def region(self, index: int) -> str:
+        """Region label of client ``index`` (empty: none)."""
+
+    def train_seconds(self, index: int, num_examples: int) -> float:
+        """Simulated seconds client ``index`` trains a round on ``num_examples`` examples."""
+
 
 class InProcessFleet(Fleet):
-    """Runs ``clients`` sequentially in process.
+    """Runs ``clients`` in process, through the sequential or the batched engine.
 
     Args:
         clients: the simulated clients; ``name`` must be unique (it is the ordering key).
         chunk_size: chunk size of the simulated wire.
+        codec_policy: uplink codec per client (default: none).
+        downlink_codec: the downlink's codec; on a lossless one a client downloads only what
+            its task names (``FitIns.download``), on a lossy one what it would without it.
+        engine: ``sequential`` (``client.fit`` one by one), ``batched`` (all clients
+            trained at once in chunks; fails if they cannot be) or ``auto`` (batched where
+            the clients can be batched and it pays: see ``batched.choose_engine``; else
+            sequential with a one-line notice).
+        batch_clients: clients the batched engine trains at once; 0 chooses from memory.
+        profiles: simulated availability, region and training time. A client not available
+            in a round fails without training; a client without a region gets its profile's;
+            ``RoundOutcome.extra["sim_round_s"]`` is the simulated round time (the slowest
+            kept client's ``train_seconds`` on its ``num_examples``); with a ``target``, the
+            clients that would finish first by simulated time are the ones kept.
+
+    Raises:
+        ConfigError: an unknown ``engine``, a negative ``batch_clients``, or ``batched`` for
+            clients or a model that cannot be batched (the message says why).
     """
 
     def __init__(
@@ -41,21 +90,52 @@ class InProcessFleet(Fleet):
         chunk_size: int = serde.CHUNK_SIZE,
         codec_policy: CodecPolicy | None = None,
         downlink_codec: str = "none",
+        engine: str = "sequential",
+        batch_clients: int = 0,
+        profiles: Profiles | None = None,
     ) -> None:
+        if engine not in ENGINES:
+            raise ConfigError("engine", f"unknown engine {engine!r} (known: {', '.join(ENGINES)})")
+        if batch_clients < 0:
+            raise ConfigError("batch_clients", f"must be at least 0, got {batch_clients}")
         self._clients: dict[str, Client] = {}
+        self._index: dict[str, int] = {}
         self._infos: list[ClientInfo] = []
         codecs = tuple(available_codecs())
         for i, client in enumerate(clients):
             cid = f"sim-{i:05d}"
             self._clients[cid] = client
+            self._index[cid] = i
+            region = client.region or (profiles.region(i) if profiles is not None else "")
             self._infos.append(
-                ClientInfo(client_id=cid, name=client.name or cid, region=client.region, num_examples=client.num_examples, codecs=codecs)
+                ClientInfo(client_id=cid, name=client.name or cid, region=region, num_examples=client.num_examples, codecs=codecs)
             )
         self.chunk_size = chunk_size
         self.codec_policy = codec_policy or CodecPolicy()
+        self.profiles = profiles
         self._uplinks: dict[tuple[str, str], UplinkEncoder] = {}  # per client and codec, as each client process keeps
         self.downlink = Downlink(downlink_codec)
         self._held: dict[str, int] = {}  # downlink version each client holds
+        self._trainer: BatchedTrainer | None = None
+        #: The engine in use (``batched`` or ``sequential``) and why.
+        self.engine, self.engine_reason = "sequential", "requested"
+        if engine != "sequential":
+            self._choose(engine, BatchedTrainer(list(clients), batch_clients=batch_clients))
+
+    def _choose(self, engine: str, trainer: BatchedTrainer) -> None:
+        if trainer.reason is not None:
+            if engine == "batched":
+                raise ConfigError("engine", f"the batched engine cannot train these clients: {trainer.reason}; use --engine sequential")
+            self.engine_reason = trainer.reason
+            log.warning("engine: sequential (%s)", trainer.reason)
+            return
+        choice, why = choose_engine(device=trainer.device, conv_share=trainer.conv_share) if engine == "auto" else ("batched", "requested")
+        self.engine, self.engine_reason = choice, why
+        if choice == "batched":
+            self._trainer = trainer
+            log.info("engine: batched on %s (%s; up to %d clients at once)", trainer.device, why, trainer.clients_per_call)
+        else:
+            log.info("engine: sequential (%s)", why)
 
     def _uplink(self, client_id: str, codec: str) -> UplinkEncoder:
         key = (client_id, codec)
@@ -67,6 +147,42 @@ class InProcessFleet(Fleet):
         if len(self._infos) < min_clients:
             raise TimeoutError(f"simulation has {len(self._infos)} clients, fewer than min_clients={min_clients}")
         return list(self._infos)
+
+    def _download(self, downlink: RoundDownlink, server_round: int, info: ClientInfo, cache: dict[_Stream, tuple[ModelState, int]],
+                  names: frozenset[str] | None = None) -> tuple[ModelState, int]:
+        """What ``info``'s client holds after downloading (its own copy), and the bytes it downloaded.
+
+        ``names``: on a lossless downlink, the client downloads only these tensors
+        (``FitIns.download_names``). Clients that download the same stream (same kind, same
+        base version, same tensors) receive the same frames: ``cache`` keeps the first one's
+        decoded model and size for the round.
+        """
+        encoded, delta, base_version = downlink.for_client(self._held.get(info.client_id))
+        key = (delta, base_version, names)
+        if key not in cache:
+            if names is not None:
+                encoded = serde.EncodedModel(OrderedDict((n, t) for n, t in downlink.base.items() if n in names), codec=self.downlink.codec)
+            head = serde.StreamInfo(round=server_round, delta=delta, version=downlink.version, base_version=base_version)
+            down = list(encoded.frames(head, chunk_size=self.chunk_size))
+            # A client applying a difference to the version it holds reaches ``base`` bit for
+            # bit (ShadowModel runs the clients' apply_delta), so it holds a copy of ``base``.
+            cache[key] = (downlink.base if delta else serde.decode_chunks(down)[1], sum(serde.wire_size(c) for c in down))
+        held, size = cache[key]
+        if downlink.version:
+            self._held[info.client_id] = downlink.version
+        return OrderedDict((k, v.clone()) for k, v in held.items()), size
+
+    def _train(self, jobs: list[tuple[ClientInfo, ModelState, FitIns]]) -> list[Union[FitOutput, Exception]]:
+        """Phase 2: one outcome per job, a client's exception as its outcome."""
+        if self._trainer is not None:
+            return self._trainer.fit([(self._index[info.client_id], state, task) for info, state, task in jobs])
+        outcomes: list[Union[FitOutput, Exception]] = []
+        for info, state, task in jobs:
+            try:
+                outcomes.append(self._clients[info.client_id].fit(state, task))
+            except Exception as exc:  # a client's failure is data for the strategy
+                outcomes.append(exc)
+        return outcomes
 
     def fit_round(
         self,
@@ -84,39 +200,67 @@ class InProcessFleet(Fleet):
         failures: list[Failure] = []
         bytes_up = bytes_down = raw_up = payload_up = 0
         goal = len(assignments) if target is None else target
-        cancelled: list[ClientInfo] = []
+        pending: list[tuple[ClientInfo, FitIns]] = []
+        seconds: dict[str, float] = {}
         for info, ins in assignments:
-            if len(results) >= goal:  # sequential clients finish in order: the rest are not needed
-                cancelled.append(info)
-                continue
-            encoded, delta, base_version = downlink.for_client(self._held.get(info.client_id))
-            head = serde.StreamInfo(round=server_round, delta=delta, version=downlink.version, base_version=base_version)
-            down = list(encoded.frames(head, chunk_size=self.chunk_size))
-            bytes_down += sum(serde.wire_size(c) for c in down)
-            # A client applying a difference to the version it holds reaches ``base`` bit for
-            # bit (ShadowModel runs the clients' apply_delta), so hand it a copy of ``base``.
-            state = OrderedDict((k, v.clone()) for k, v in base.items()) if delta else serde.decode_chunks(down)[1]
-            if downlink.version:
-                self._held[info.client_id] = downlink.version
-            try:
-                codec = self.codec_policy.uplink(info)
-                task = dataclasses.replace(ins, config={**ins.config, "uplink_codec": codec})
-                out = self._clients[info.client_id].fit(state, task)
-                encoded_up, delta_up = self._uplink(info.client_id, codec).encode(global_state=state, new_state=out.state)
-                info_up = serde.StreamInfo(round=server_round, num_examples=out.num_examples, metrics=out.metrics, delta=delta_up)
-                up = list(encoded_up.frames(info_up, chunk_size=self.chunk_size))
-                header, received = serde.decode_chunks(up, expected=ins.expected or expected)
-                update = reconstruct(base, received, delta=header.delta)
-                serde.check_finite(update)
-            except Exception as exc:  # a client's failure is data for the strategy
-                log.warning("client %s failed in round %d: %s", info.name, server_round, exc)
-                failures.append(Failure(info, f"{type(exc).__name__}: {exc}"))
-                continue
-            bytes_up += sum(serde.wire_size(c) for c in up)
-            payload_up += encoded_up.total_bytes
-            raw_up += sum(t.numel() * t.element_size() for t in update.values())
-            results.append(FitRes(info, update, header.num_examples, header.metrics))
+            if self.profiles is not None:
+                index = self._index[info.client_id]
+                if not self.profiles.available(index, server_round):
+                    failures.append(Failure(info, f"unavailable in round {server_round} (simulated)"))
+                    continue
+                seconds[info.client_id] = self.profiles.train_seconds(index, info.num_examples)
+            pending.append((info, ins))
+        if seconds and target is not None:  # over-selection keeps the clients that finish first
+            pending.sort(key=lambda a: seconds[a[0].client_id])
+        # Clients finish in order: once ``goal`` results are in, the rest are not needed.
+        step = 1 if self._trainer is None else self._trainer.clients_per_call
+        done = 0
+        downloads: dict[_Stream, tuple[ModelState, int]] = {}
+        while done < len(pending) and len(results) < goal:
+            group = pending[done : done + min(step, goal - len(results))]
+            done += len(group)
+            prepared: list[tuple[ClientInfo, FitIns, str, Exception | None]] = []
+            jobs: list[tuple[ClientInfo, ModelState, FitIns]] = []
+            states: dict[str, ModelState] = {}
+            for info, ins in group:  # phase 1: download and task
+                try:
+                    codec = self.codec_policy.uplink(info)
+                    # An uplink sending differences takes them against the global values of what it uploads.
+                    names = ins.download_names(lossless_downlink=self.downlink.lossless, delta_uplink=not self._uplink(info.client_id, codec).lossless)
+                    state, size = self._download(downlink, server_round, info, downloads, names)
+                    bytes_down += size
+                    states[info.client_id] = state
+                    jobs.append((info, state, dataclasses.replace(ins, config={**ins.config, "uplink_codec": codec})))
+                    prepared.append((info, ins, codec, None))
+                except Exception as exc:  # a client's failure is data for the strategy
+                    prepared.append((info, ins, "", exc))
+            outcomes = iter(self._train(jobs))  # phase 2
+            for info, ins, codec, error in prepared:  # phase 3: upload, as the coordinator receives it
+                try:
+                    if error is not None:
+                        raise error
+                    out = next(outcomes)
+                    if isinstance(out, Exception):
+                        raise out
+                    state = states[info.client_id]
+                    encoded_up, delta_up = self._uplink(info.client_id, codec).encode(global_state=state, new_state=out.state)
+                    info_up = serde.StreamInfo(round=server_round, num_examples=out.num_examples, metrics=out.metrics, delta=delta_up)
+                    up = list(encoded_up.frames(info_up, chunk_size=self.chunk_size))
+                    header, received = serde.decode_chunks(up, expected=ins.expected or expected)
+                    update = reconstruct(base, received, delta=header.delta)
+                    serde.check_finite(update)
+                except Exception as exc:  # a client's failure is data for the strategy
+                    log.warning("client %s failed in round %d: %s", info.name, server_round, exc)
+                    failures.append(Failure(info, f"{type(exc).__name__}: {exc}"))
+                    continue
+                bytes_up += sum(serde.wire_size(c) for c in up)
+                payload_up += encoded_up.total_bytes
+                raw_up += sum(t.numel() * t.element_size() for t in update.values())
+                results.append(FitRes(info, update, header.num_examples, header.metrics))
+        cancelled = [info for info, _ in pending[done:]]
         extra = {"uplink_ratio": raw_up / payload_up} if payload_up else {}
+        if self.profiles is not None:
+            extra["sim_round_s"] = max((seconds[r.client.client_id] for r in results), default=0.0)
         return RoundOutcome(results, failures, cancelled, bytes_up=bytes_up, bytes_down=bytes_down, extra=extra)
 
     def evaluate_round(

@@ -41,8 +41,6 @@ def run_simulation(config: Config, *, on_round: Callable[[RoundMetrics], None] |
     profiles = ClientProfiles.from_config(config)
     options = {} if config.app else client_options(config)
     clients = [resolved.client_factory(i, config.clients, config.seed, **options) for i in range(config.clients)]
-    writer = RunWriter(config.out, config.to_dict()) if config.out else None
-
     def report(metrics: RoundMetrics) -> None:
         log.info("round %d: %d clients in %.2fs (%.1f clients/s)", metrics.round, metrics.clients_ok, metrics.wall_s, clients_per_second(metrics))
         if on_round is not None:
@@ -56,7 +54,8 @@ def run_simulation(config: Config, *, on_round: Callable[[RoundMetrics], None] |
         engine=config.engine,
         batch_clients=config.batch_clients,
         profiles=profiles,
-    )
+    )  # checks the engine can train these clients: fails before the run directory exists
+    writer = RunWriter(config.out, config.to_dict()) if config.out else None
     engine = RoundEngine(
         strategy=strategy,
         fleet=fleet,

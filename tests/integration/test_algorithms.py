@@ -176,7 +176,8 @@ def test_fedadam_coordinator_killed_and_resumed_ends_bit_identical(tmp_path):
     assert sum("resuming after round" in line for r in runs for line in r.lines) == 2
     assert [m["round"] for m in read_metrics(out)] == list(range(1, rounds + 1))
 
-    config = load_config(overrides={"strategy": "fedadam", "server_lr": 0.03, "rounds": rounds, "clients": clients, "seed": seed})
+    config = load_config(overrides={"strategy": "fedadam", "server_lr": 0.03, "rounds": rounds, "clients": clients, "seed": seed,
+                                    "engine": "sequential"})
     reference, _ = run_simulation(config)
     final = load_model(out / "model.safetensors")
     assert set(final) == set(reference)

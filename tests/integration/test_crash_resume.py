@@ -63,7 +63,7 @@ def test_sigkill_at_random_moments_changes_nothing(tmp_path):
     with sqlite3.connect(state / "history.sqlite") as db:
         assert [r[0] for r in db.execute("SELECT round FROM rounds ORDER BY round")] == list(range(1, ROUNDS + 1))
 
-    config = load_config(overrides={"rounds": ROUNDS, "clients": CLIENTS, "seed": SEED})
+    config = load_config(overrides={"rounds": ROUNDS, "clients": CLIENTS, "seed": SEED, "engine": "sequential"})  # the deployed clients' own code: bit for bit
     reference, _ = run_simulation(config)
     final = load_model(out / "model.safetensors")
     assert set(final) == set(reference)

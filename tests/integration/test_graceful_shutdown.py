@@ -56,7 +56,7 @@ def test_sigterm_mid_round_then_resume(tmp_path):
                 p.kill()
     assert any(f"resuming after round {len(committed)}" in line for line in second.lines)
     assert [m["round"] for m in read_metrics(out)] == list(range(1, ROUNDS + 1))
-    reference, _ = run_simulation(load_config(overrides={"rounds": ROUNDS, "clients": CLIENTS, "seed": SEED}))
+    reference, _ = run_simulation(load_config(overrides={"rounds": ROUNDS, "clients": CLIENTS, "seed": SEED, "engine": "sequential"}))
     final = load_model(out / "model.safetensors")
     for name, tensor in reference.items():
         assert torch.equal(final[name], tensor), name

@@ -20,7 +20,7 @@ from fedgrid.aggregation import (
 )
 from fedgrid.aggregation.blocks import balanced_split
 from fedgrid.errors import ConfigError
-from fedgrid.types import ClientInfo, FitRes, TensorSpec
+from fedgrid.types import ClientInfo, Failure, FitRes, TensorSpec
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -225,7 +225,10 @@ def test_streaming_fragments_partition_and_rotate():
             assert ins.config["num_fragments"] == 3 and ins.config["inner_steps"] == 10
             assert ins.config["algorithm"] == "streaming-diloco"
             assert ins.config["fragment_prefixes"] == ",".join(fragment.prefixes)
-            assert ins.config["merge_fragment_prefixes"] == ",".join(strategy.fragments[(server_round - 1) % 3].prefixes)
+            # Round 1: nobody has a record, so everyone takes the whole model; then the fragment synced last round.
+            merged = strategy.fragments if server_round == 1 else [strategy.fragments[(server_round - 1) % 3]]
+            assert ins.config["merge_fragment_prefixes"] == ",".join(p for f in merged for p in f.prefixes)
+            assert ins.download == (None if server_round == 1 else strategy.fragments[(server_round - 1) % 3].names)
         before = OrderedDict((k, v.clone()) for k, v in strategy.global_state.items())
         metrics = run_round(strategy, server_round, live)
         assert metrics["fragment"] == float(fragment.index)
@@ -260,3 +263,76 @@ def test_streaming_too_many_fragments():
     assert info.value.key == "num_fragments"
     with pytest.raises(ValueError, match="num_fragments"):
         StreamingDiLoCo(num_fragments=0)
+
+
+def _names(strategy: StreamingDiLoCo, *indices: int) -> tuple[str, ...]:
+    return tuple(n for f in strategy.fragments if f.index in indices for n in f.names)
+
+
+def test_streaming_downloads_the_fragments_synced_since_each_clients_last_round():
+    """F = 3. c00 takes part in every round; c01 misses round 3; c02 fails round 2; c03 is
+    away for rounds 2 to 4 (F rounds); c04 joins in round 4."""
+    strategy = StreamingDiLoCo(num_fragments=3)
+    strategy.initialize(initial_state=model_state())
+    c = clients(5)
+    live = {1: c[:4], 2: c[:4], 3: [c[0], c[2]], 4: c[:3] + [c[4]], 5: c}
+    tasks = {}
+    for server_round in range(1, 6):
+        pairs = strategy.configure_round(server_round=server_round, clients=live[server_round])
+        tasks[server_round] = {client.name: ins for client, ins in pairs}
+        sent = strategy.downlink_state(server_round=server_round)
+        results = [fake_fit(client, ins, sent) for client, ins in pairs if not (client.name == "c02" and server_round == 2)]
+        failures = [Failure(client, "ValueError: no replica") for client, _ in pairs if client.name == "c02" and server_round == 2]
+        strategy.aggregate(server_round=server_round, results=results, failures=failures)
+
+    def download(server_round, name):
+        return tasks[server_round][name].download
+
+    assert all(ins.download is None for ins in tasks[1].values())  # nobody has a record yet
+    assert download(2, "c00") == _names(strategy, 1)  # round 1 synced fragment 1
+    assert download(3, "c00") == _names(strategy, 2) and download(4, "c00") == _names(strategy, 0)
+    assert download(4, "c01") == _names(strategy, 0, 2)  # missed round 3: fragments 2 and 0, in model order
+    merge = tasks[4]["c01"].config["merge_fragment_prefixes"]
+    assert merge == ",".join(p for f in strategy.fragments if f.index in (0, 2) for p in f.prefixes)
+    assert download(3, "c02") is None and download(4, "c02") == _names(strategy, 0)  # failed: whole model once
+    assert download(4, "c04") is None  # new
+    assert download(5, "c03") is None  # away for F rounds: every fragment changed
+    whole = ",".join(p for f in strategy.fragments for p in f.prefixes)
+    assert tasks[5]["c03"].config["merge_fragment_prefixes"] == whole
+    for name in ("c00", "c01", "c02", "c04"):
+        assert download(5, name) == _names(strategy, 1)
+        assert tasks[5][name].config["merge_fragment_prefixes"] == ",".join(strategy.fragments[1].prefixes)
+    # Every task of a round expects the same upload and carries the same config besides the merge.
+    for pairs in tasks.values():
+        assert len({tuple(ins.expected) for ins in pairs.values()}) == 1
+    assert strategy.state_dict()["last_round"] == {f"id-{i}": 5 for i in range(5)}
+
+
+def test_streaming_forgets_clients_away_for_f_rounds():
+    strategy = StreamingDiLoCo(num_fragments=2)
+    strategy.initialize(initial_state=model_state())
+    c = clients(2)
+    run_round(strategy, 1, c)
+    assert strategy.state_dict()["last_round"] == {"id-0": 1, "id-1": 1}
+    run_round(strategy, 2, c[:1])
+    assert strategy.state_dict()["last_round"] == {"id-0": 2}  # id-1 needs the whole model in round 3 anyway
+    pairs = strategy.configure_round(server_round=3, clients=c)
+    assert [ins.download for _, ins in pairs] == [_names(strategy, 0), None]
+
+
+def test_streaming_checkpoint_keeps_the_records_and_refuses_bad_ones():
+    strategy = StreamingDiLoCo(num_fragments=3)
+    strategy.initialize(initial_state=model_state())
+    run_round(strategy, 1, clients(3))
+    run_round(strategy, 2, clients(2))
+    state = strategy.state_dict()
+    assert state["last_round"] == {"id-0": 2, "id-1": 2, "id-2": 1}
+    resumed = StreamingDiLoCo(num_fragments=3)
+    resumed.load_state_dict(state)
+    assert resumed.configure_round(server_round=3, clients=clients(3)) == strategy.configure_round(server_round=3, clients=clients(3))
+    with pytest.raises(ValueError, match="last_round"):
+        resumed.load_state_dict({**state, "last_round": {"id-0": "soon"}})
+    assert resumed.state_dict()["last_round"] == state["last_round"]  # unchanged by the refused load
+    older = {k: v for k, v in state.items() if k != "last_round"}  # a checkpoint from before the records
+    resumed.load_state_dict(older)
+    assert all(ins.download is None for _, ins in resumed.configure_round(server_round=3, clients=clients(3)))

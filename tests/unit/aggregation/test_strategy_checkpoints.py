@@ -77,6 +77,11 @@ def test_resumed_run_is_bit_identical(case):
     for name, t in straight.global_state.items():
         assert torch.equal(resumed.global_state[name], t), name
     _assert_same(straight.state_dict(), resumed.state_dict())
+    # What the strategy remembers of clients (e.g. streaming DiLoCo's last round per client,
+    # which decides what each downloads) came back too: the next round's tasks are the same.
+    assert resumed.configure_round(server_round=ROUNDS + 1, clients=live) == straight.configure_round(server_round=ROUNDS + 1, clients=live)
+    if case.startswith("streaming-diloco"):
+        assert straight.state_dict()["last_round"] and saved["last_round"]
     initial = model_state()
     assert any(not torch.equal(straight.global_state[n], initial[n]) for n in initial)  # the runs did something
 

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from fedgrid.aggregation import BlockCoordinate, DiLoCo, FedProx, Scaffold, StreamingDiLoCo
 from fedgrid.aggregation.scaffold import CONTROL_DELTA_PREFIX, CONTROL_PREFIX
 from fedgrid.client.torch_client import TorchClient
-from fedgrid.types import ClientInfo, FitIns, TensorSpec
+from fedgrid.types import ClientInfo, Failure, FitIns, FitRes, TensorSpec
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -155,27 +155,83 @@ def test_diloco_runs_inner_steps_with_persistent_adamw():
     assert not torch.equal(fresh.state["0.weight"], second.state["0.weight"])  # the state mattered
 
 
+def _part(state, names):
+    """What a fleet sends for ``FitIns.download = names``: those tensors, in model order."""
+    return OrderedDict((n, t.clone()) for n, t in state.items() if names is None or n in names)
+
+
+def _result(info, out):
+    return FitRes(info, out.state, out.num_examples, dict(out.metrics))
+
+
 def test_streaming_diloco_merges_one_fragment_and_uploads_one():
     strategy = StreamingDiLoCo(num_fragments=2, inner_steps=3)
     strategy.initialize(initial_state=_global())
     client = _small_client()
     first_ins = _task(strategy, 1)
+    assert first_ins.download is None  # nobody has trained yet: the whole model
     out1 = client.fit(_global(), first_ins)
     assert first_ins.expected is not None and TensorSpec.of(out1.state) == first_ins.expected
     uploaded = set(strategy.fragment_of_round(1).names)
     assert set(out1.state) == uploaded and len(uploaded) < len(_global())
+    strategy.aggregate(server_round=1, results=[_result(INFOS[0], out1)], failures=[])
 
     ins2 = _task(strategy, 2)
     merged = set(strategy.fragments[int(ins2.config["merge_fragment"])].names)
-    download = _global()
-    poisoned = OrderedDict((n, t + 100.0 if n not in merged and t.is_floating_point() else t) for n, t in download.items())
+    assert ins2.download is not None and set(ins2.download) == merged  # the fragment synced in round 1, alone
+    download = _part(strategy.global_state, ins2.download)
+    poisoned = OrderedDict((n, t + 100.0 if n not in merged and t.is_floating_point() else t) for n, t in strategy.global_state.items())
     twin = _small_client()
     twin.load_state_dict(client.state_dict())
-    a = client.fit(download, FitIns(round=2, config=ins2.config))
-    b = twin.fit(poisoned, FitIns(round=2, config=ins2.config))
+    a = client.fit(download, FitIns(round=2, config=ins2.config))  # the fragment only
+    b = twin.fit(poisoned, FitIns(round=2, config=ins2.config))  # the whole model, as before partial downloads
     for name in a.state:  # tensors outside the merged fragment come from the replica, not the download
         assert torch.equal(a.state[name], b.state[name]), name
     assert set(a.state) == set(strategy.fragment_of_round(2).names)
+
+
+def test_streaming_diloco_client_that_missed_rounds_merges_every_fragment_it_missed():
+    strategy = StreamingDiLoCo(num_fragments=3, inner_steps=2)
+    strategy.initialize(initial_state=_global())
+    client, other = _small_client(), _small_client()
+    ins1 = _task(strategy, 1)
+    strategy.aggregate(server_round=1, results=[_result(INFOS[0], client.fit(_global(), ins1))], failures=[])
+    ins2 = strategy.configure_round(server_round=2, clients=INFOS[1:])[0][1]  # INFOS[0] misses round 2
+    strategy.aggregate(server_round=2, results=[_result(INFOS[1], other.fit(_global(), ins2))], failures=[])
+
+    ins3 = _task(strategy, 3)
+    missed = [f for f in strategy.fragments if f.index in (1, 2)]  # synced in rounds 1 and 2
+    assert ins3.download == tuple(n for f in missed for n in f.names)
+    assert ins3.config["merge_fragment_prefixes"] == ",".join(p for f in missed for p in f.prefixes)
+    replica = client.state_dict()["replica"]
+    # The fleet adds the upload fragment (0) for an uplink that sends differences: it is not merged.
+    download = _part(strategy.global_state, set(ins3.download) | set(strategy.fragment_of_round(3).names))
+    start = client._start_state(download, "streaming-diloco", ins3.config)
+    assert list(start) == list(replica)
+    for name, tensor in start.items():
+        want = download[name] if name in ins3.download else replica[name]
+        assert torch.equal(tensor, want), name
+    assert not torch.equal(start["0.weight"], download["0.weight"])  # fragment 0: the replica's own training
+    out = client.fit(download, ins3)
+    assert set(out.state) == set(strategy.fragment_of_round(3).names)
+
+
+def test_streaming_diloco_client_without_replica_refuses_part_of_the_model():
+    strategy = StreamingDiLoCo(num_fragments=2, inner_steps=2)
+    strategy.initialize(initial_state=_global())
+    strategy.aggregate(server_round=1, results=[_result(INFOS[0], _small_client().fit(_global(), _task(strategy, 1)))], failures=[])
+    ins2 = _task(strategy, 2)
+    restarted = _small_client()  # a new process without the saved state: no replica
+    with pytest.raises(ValueError, match=r"download holds 7 of the model's 9 tensors .* keeps no replica"):
+        restarted.fit(_part(strategy.global_state, ins2.download), ins2)
+    # The failure reaches the strategy, which then sends the whole model; the client takes it all.
+    strategy.aggregate(server_round=2, results=[], failures=[Failure(INFOS[0], "ValueError: no replica")])
+    ins3 = _task(strategy, 3)
+    assert ins3.download is None
+    out = restarted.fit(_part(strategy.global_state, None), ins3)
+    assert set(out.state) == set(strategy.fragment_of_round(3).names)
+    with pytest.raises(ValueError, match="lacks 1 tensors the task says to merge"):
+        restarted.fit(_part(strategy.global_state, ["0.weight"]), FitIns(round=4, config={**ins3.config, "merge_fragment_prefixes": "0"}))
 
 
 # -- bcd -----------------------------------------------------------------------------------

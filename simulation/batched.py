@@ -1,0 +1,615 @@
+"""The batched engine: K ``TorchClient`` clients of one model trained at once on one device.
+
+Each chunk of K clients holds its parameters stacked (leading dimension K). One step runs
+``torch.func.vmap`` over ``grad_and_value`` of ``functional_call`` (every client's forward
+and backward in one batched kernel per layer), then one batched optimizer step
+(``batched_optim``). A client's update is what ``TorchClient.fit`` computes alone:
+
+- the same batches in the same order: its index batches come from iterating a look-alike
+  ``DataLoader`` over ``range(n)`` under the seed and RNG fork ``TorchClient`` uses, which
+  draws the same random numbers (the iterator's base seed, then ``RandomSampler``'s);
+- unequal data: batches are padded to ``[K, B]`` and masked; a client's loss is the mean of
+  its own per-example losses (its ``loss_fn`` applied to one example at a time), so padding
+  changes nothing; clients are sorted by their number of steps, so the clients still active
+  at step ``s`` are a prefix ``[:k]`` of the stacks: no gather, no compute for finished ones;
+- algorithms: ``fedavg`` family, ``fedprox`` (proximal term in the objective), ``bcd`` (only
+  the block trains and is returned) and ``scaffold`` (gradient correction ``c - c_i``, the
+  client's ``ScaffoldControl`` updated as ``finish`` does). ``diloco`` and
+  ``streaming-diloco`` keep a persistent inner optimizer and replica per client: those
+  clients train through ``TorchClient.fit`` one by one.
+
+What cannot batch (``NotBatchable``, checked when the trainer is built): clients that are not
+plain ``TorchClient``; loaders other than a ``DataLoader`` (``num_workers=0``, default
+collate, ``RandomSampler``/``SequentialSampler``) over a ``TensorDataset`` or a ``Subset``
+of one; optimizers other than SGD/Adam/AdamW; BatchNorm (running statistics are updated in
+place, which vmap cannot batch, and batch statistics would include padding); dropout
+(masks drawn per client in one batched call would not be the ones drawn alone); losses that
+are not a mean over examples; and anything a one-step trial call rejects (data-dependent
+control flow, ops without a batching rule that fail).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence, TypeAlias, Union
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad_and_value, vmap
+from torch.nn.utils.rnn import pad_sequence
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler, Subset, TensorDataset
+from torch.utils.data._utils.collate import default_collate
+
+from fedgrid.client.algorithms import STEP_ALGORITHMS, ScaffoldControl, algorithm_of, names_under, train_only
+from fedgrid.client.api import Client, FitOutput
+from fedgrid.client.torch_client import RNG_LOCK, TorchClient
+from fedgrid.simulation.batched_optim import BatchedOptimizer, NotBatchable, OptimizerSpec, optimizer_spec
+from fedgrid.types import FitIns, ModelState
+
+__all__ = ["BatchedTrainer", "NotBatchable", "choose_engine", "memory_budget"]
+
+log = logging.getLogger(__name__)
+
+Outcome: TypeAlias = Union[FitOutput, Exception]
+_MMAP_THRESHOLD_MAX = 32 << 20
+_TORCH_CLIENT_METHODS = ("fit", "_train", "_batches", "_load", "_state", "_start_state", "round_seed")
+
+
+def choose_engine(*, device: torch.device, conv_share: float) -> tuple[str, str]:
+    """The engine ``auto`` picks for a batchable model: ``(engine, reason)``.
+
+    On CUDA, batched: one kernel per layer for K clients replaces K small ones, and small
+    models leave a GPU idle otherwise. On CPU, batched for models whose training FLOPs are
+    mostly matmuls (a per-client loop of small matmuls is dominated by per-step Python and
+    dispatch overhead, which batching removes), sequential when convolutions carry most of
+    the FLOPs (``conv_share > 0.5``): a per-client loop already keeps the cores busy in
+    convolution kernels, and batched convolutions churn large temporary buffers (issue 6
+    measured a batched CNN slower than the loop on 2 cores).
+    """
+    if device.type == "cuda":
+        return "batched", "CUDA device"
+    if conv_share > 0.5:
+        return "sequential", f"convolutions carry {conv_share:.0%} of the model's FLOPs, which batching does not speed up on CPU"
+    return "batched", "matmul-dominated model"
+
+
+def memory_budget(device: torch.device) -> int:
+    """Bytes the batched engine may use: 80% of free CUDA memory; on CPU min(2 GiB, 1/4 of available memory)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.8)
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        available = 8 << 30
+    return min(2 << 30, available // 4)
+
+
+@dataclass
+class _Model:
+    """A model architecture shared by clients: the template module ``functional_call`` runs."""
+
+    template: nn.Module
+    device: torch.device
+    state_keys: list[str]  # state_dict keys, in order
+    canonical: dict[str, str]  # state key -> the parameter/buffer name functional_call takes (tied weights)
+    params: list[str]  # canonical names of the parameters that train (requires_grad)
+    frozen_params: list[str]  # canonical parameters the user froze (requires_grad False)
+    buffers: list[str]  # persistent buffers
+    dtypes: dict[str, torch.dtype]
+    shapes: dict[str, tuple[int, ...]]  # by state key
+    state_bytes: int = 0
+    activation_bytes: int = 0  # one client's batch: outputs of every leaf module
+    largest_bytes: int = 0  # one client's largest tensor: a parameter or a leaf module's output
+    conv_share: float = 0.0
+
+
+@dataclass
+class _Static:
+    """What a client brings that does not change between rounds."""
+
+    index: int
+    client: TorchClient
+    model: int  # index into BatchedTrainer._models
+    loss_key: object
+    base: TensorDataset
+    local: torch.Tensor | None  # indices into ``base`` (a Subset), or None for all of it
+    batch_size: int
+    shuffle: bool
+    drop_last: bool
+    generator: torch.Generator | None
+
+
+@dataclass
+class _Job:
+    """One client's task of this round, ready to train batched."""
+
+    pos: int
+    static: _Static
+    state: ModelState
+    control: ModelState
+    algorithm: str
+    epochs: int
+    trained: tuple[str, ...]  # canonical parameters that train
+    out_keys: tuple[str, ...]  # state keys returned
+    spec: OptimizerSpec
+    mu: float
+    batches: list[torch.Tensor]
+
+
+def _size(s: _Static) -> int:
+    return len(s.local) if s.local is not None else len(s.base)
+
+
+def _loss_key(fn: Callable[..., Any]) -> object:
+    """Clients whose losses share this key compute the same function."""
+    if isinstance(fn, nn.Module):
+        return (type(fn), repr(fn))
+    code = getattr(fn, "__code__", None)
+    if code is not None and getattr(fn, "__closure__", None) is None:
+        return (code, getattr(fn, "__defaults__", None))
+    return fn
+
+
+def _per_example(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``loss_fn`` per example: ``[B, ...] -> [B]``, their mean being ``loss_fn`` of the batch."""
+    ce = fn is nn.functional.cross_entropy or (type(fn) is nn.CrossEntropyLoss and fn.weight is None and fn.reduction == "mean")
+    if ce:
+        smoothing = float(getattr(fn, "label_smoothing", 0.0))
+        ignore = int(getattr(fn, "ignore_index", -100))
+
+        def cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            per = nn.functional.cross_entropy(out, y, reduction="none", ignore_index=ignore, label_smoothing=smoothing)
+            return per.flatten(1).mean(1) if per.dim() > 1 else per
+
+        return cross_entropy
+    return vmap(lambda o, t: fn(o.unsqueeze(0), t.unsqueeze(0)))
+
+
+def _dataset_of(loader: DataLoader) -> tuple[TensorDataset, torch.Tensor | None]:
+    dataset, local = loader.dataset, None
+    while isinstance(dataset, Subset):
+        idx = torch.as_tensor(list(dataset.indices), dtype=torch.int64)
+        local = idx if local is None else idx[local]
+        dataset = dataset.dataset
+    if not isinstance(dataset, TensorDataset) or len(dataset.tensors) != 2:
+        raise NotBatchable(f"its dataset is {type(loader.dataset).__name__}, not a TensorDataset of (inputs, targets) or a Subset of one")
+    return dataset, local
+
+
+def _inspect_loader(loader: object) -> tuple[TensorDataset, torch.Tensor | None, int, bool, bool, torch.Generator | None]:
+    if not isinstance(loader, DataLoader):
+        raise NotBatchable(f"its train_loader is a {type(loader).__name__}, not a torch DataLoader")
+    if loader.num_workers != 0:
+        raise NotBatchable("its DataLoader uses worker processes (num_workers > 0)")
+    if loader.collate_fn is not default_collate or loader.batch_size is None or type(loader.batch_sampler) is not BatchSampler:
+        raise NotBatchable("its DataLoader has a custom collate_fn or batch sampler")
+    sampler = loader.sampler
+    if type(sampler) is RandomSampler:
+        if sampler.replacement or sampler._num_samples is not None or sampler.generator is not loader.generator:
+            raise NotBatchable("its RandomSampler draws with replacement, a custom number of samples or its own generator")
+        shuffle = True
+    elif type(sampler) is SequentialSampler:
+        shuffle = False
+    else:
+        raise NotBatchable(f"its DataLoader samples with {type(sampler).__name__}, not RandomSampler or SequentialSampler")
+    dataset, local = _dataset_of(loader)
+    return dataset, local, int(loader.batch_size), shuffle, bool(loader.drop_last), loader.generator
+
+
+def _check_modules(model: nn.Module) -> None:
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            if module.track_running_stats:
+                raise NotBatchable(f"{kind} at '{name}' updates running statistics, which vmap cannot batch")
+            raise NotBatchable(f"{kind} at '{name}' normalizes over the batch, which padding would change")
+        if isinstance(module, nn.modules.instancenorm._InstanceNorm) and module.track_running_stats:
+            raise NotBatchable(f"{kind} at '{name}' updates running statistics, which vmap cannot batch")
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            raise NotBatchable(
+                f"{kind} at '{name}' draws random masks, which batched clients would not draw as each does alone (same seed, same stream)"
+            )
+
+
+def _describe(model: nn.Module, device: torch.device) -> _Model:
+    raw = model.state_dict(keep_vars=True)
+    first: dict[int, str] = {}
+    canonical: dict[str, str] = {}
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    for key, t in raw.items():
+        canonical[key] = first.setdefault(id(t), key)
+    trainable = [n for n, p in params.items() if p.requires_grad]
+    frozen = [n for n, p in params.items() if not p.requires_grad]
+    persistent = [n for n in buffers if n in raw]
+    dtypes = {n: t.dtype for n, t in [*params.items(), *buffers.items()]}
+    state_bytes = sum(t.numel() * t.element_size() for t in [*params.values(), *buffers.values()])
+    shapes = {k: tuple(t.shape) for k, t in raw.items()}
+    return _Model(model, device, list(raw), canonical, trainable, frozen, persistent, dtypes, shapes, state_bytes)
+
+
+class BatchedTrainer:
+    """Trains ``TorchClient`` clients in batched chunks (see the module docstring).
+
+    Args:
+        clients: the fleet's clients; client ``i`` is ``clients[i]``.
+        batch_clients: clients per chunk (K); 0 chooses from device memory:
+            ``K = memory_budget(device) // (P * (4 + S) + 3 * A)`` with P the bytes of one
+            model's parameters and buffers, S the optimizer's state tensors per parameter
+            (0 plain SGD, 1 momentum, 2 Adam), 4 for the parameters, their gradients, a
+            frozen/anchor copy and a correction (SCAFFOLD) or temporary, and A the bytes of
+            the outputs of every leaf module for one client's batch (measured in the trial
+            step): activations kept for backward, their gradients and temporaries. On CPU
+            K is also at most ``32 MiB // T``, T the largest single tensor of one client (a
+            parameter or a module's output), so stacked temporaries stay below glibc's
+            largest mmap threshold. A group of clients is split into chunks of even size.
+
+    Attributes:
+        reason: why not every client can train batched (``None``: all can).
+        conv_share: the largest share of training FLOPs in convolutions among the models.
+        device: the device of the clients' models.
+    """
+
+    def __init__(self, clients: Sequence[Client], *, batch_clients: int = 0) -> None:
+        self.clients = list(clients)
+        self.batch_clients = batch_clients
+        self.reason: str | None = None
+        self.conv_share = 0.0
+        self.device = torch.device("cpu")
+        self._models: list[_Model] = []
+        self._statics: dict[int, _Static] = {}
+        self._data: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rows: dict[int, tuple[tuple[Any, ...], torch.Tensor]] = {}
+        self._step_fns: dict[tuple[Any, ...], Callable[..., Any]] = {}
+        self._logged_sequential: set[str] = set()
+        try:
+            self._inspect_all()
+        except NotBatchable as exc:
+            self.reason = str(exc)
+
+    # --- construction -------------------------------------------------------------------
+
+    def _inspect_all(self) -> None:
+        signatures: dict[tuple[Any, ...], int] = {}
+        if not self.clients:
+            raise NotBatchable("the fleet has no clients")
+        for i, client in enumerate(self.clients):
+            label = f"client {client.name or i!r}"
+            if not isinstance(client, TorchClient):
+                raise NotBatchable(f"{label} is a {type(client).__name__}, not a TorchClient")
+            overridden = [m for m in _TORCH_CLIENT_METHODS if getattr(type(client), m) is not getattr(TorchClient, m)]
+            if overridden:
+                raise NotBatchable(f"{label} overrides TorchClient.{overridden[0]}")
+            try:
+                dataset, local, batch_size, shuffle, drop_last, generator = _inspect_loader(client.train_loader)
+                optimizer_spec(client.optimizer_factory(list(client.model.parameters())))
+            except NotBatchable as exc:
+                raise NotBatchable(f"{label}: {exc}") from None
+            model = client.model
+            sig = (type(model), repr(model), client.device, tuple((k, t.dtype, tuple(t.shape)) for k, t in model.state_dict().items()))
+            if sig not in signatures:
+                try:
+                    _check_modules(model)
+                except NotBatchable as exc:
+                    raise NotBatchable(f"{label}: {exc}") from None
+                signatures[sig] = len(self._models)
+                self._models.append(_describe(model, client.device))
+            self._statics[i] = _Static(i, client, signatures[sig], _loss_key(client.loss_fn), dataset, local, batch_size, shuffle, drop_last, generator)
+        self.device = self._models[0].device
+        for m_index, m in enumerate(self._models):
+            users = [s for s in self._statics.values() if s.model == m_index]
+            first = next((s for s in users if _size(s)), users[0])  # one with data, if any
+            label = f"client {first.client.name or first.index!r}"
+            try:
+                self._trial(m, first)
+            except NotBatchable as exc:
+                raise NotBatchable(f"{label}: {exc}") from None
+            except Exception as exc:
+                raise NotBatchable(f"{label}: a trial batched step failed ({type(exc).__name__}: {exc})") from None
+            self.conv_share = max(self.conv_share, m.conv_share)
+
+    def _trial(self, m: _Model, s: _Static) -> None:
+        """One batched step of two copies of ``s``'s model on its first batch; measures FLOPs and activations."""
+        from torch.utils.flop_counter import FlopCounterMode
+
+        n = _size(s)
+        if n == 0:
+            return
+        rows = (s.local if s.local is not None else torch.arange(n))[: s.batch_size]
+        x, y = (t[rows].to(m.device) for t in s.base.tensors)
+        per_example = _per_example(s.client.loss_fn)
+        template = m.template
+        template.train()
+        leaves = [mod for mod in template.modules() if not list(mod.children())]
+        sizes: list[int] = []
+        hooks = [mod.register_forward_hook(lambda _m, _i, o: sizes.append(o.numel() * o.element_size() if isinstance(o, torch.Tensor) else 0)) for mod in leaves]
+        try:
+            with torch.random.fork_rng(devices=[m.device] if m.device.type == "cuda" else []), FlopCounterMode(display=False) as counter:
+                out = template(x)
+                full = s.client.loss_fn(out, y)
+                per = per_example(out, y)
+                full.backward()
+            unused = [n for n, p in template.named_parameters() if p.requires_grad and p.grad is None]
+        finally:
+            for h in hooks:
+                h.remove()
+            template.zero_grad(set_to_none=True)
+        if unused:  # torch.optim skips them; torch.func.grad would give zeros that weight decay and Adam act on
+            raise NotBatchable(f"parameter '{unused[0]}' gets no gradient")
+        batch_loss, mean_loss = float(full.detach()), float(per.detach().mean())
+        if not math.isclose(mean_loss, batch_loss, rel_tol=1e-5, abs_tol=1e-6):
+            raise NotBatchable(f"its loss_fn is not a mean over examples ({batch_loss:.6g} on a batch, {mean_loss:.6g} averaged per example)")
+        m.activation_bytes = sum(sizes) + x.numel() * x.element_size()
+        m.largest_bytes = max([*sizes, x.numel() * x.element_size(), *(p.numel() * p.element_size() for p in template.parameters())])
+        counts = counter.get_flop_counts().get("Global", {})
+        total = sum(counts.values())
+        conv = sum(v for op, v in counts.items() if "convolution" in str(op))
+        m.conv_share = conv / total if total else 0.0
+        stacked = {n: torch.stack([p.detach()] * 2) for n, p in template.named_parameters() if p.requires_grad}
+        frozen = {n: torch.stack([t.detach()] * 2) for n, t in [*template.named_parameters(), *template.named_buffers()] if n not in stacked}
+        fn = self._step_fn(m, s.client.loss_fn, s.loss_key, 0.0)
+        mask = torch.ones(2, len(rows), dtype=torch.bool, device=m.device)
+        count = torch.full((2,), float(len(rows)), device=m.device)
+        grads, (_, loss) = fn(stacked, frozen, None, torch.stack([x, x]), torch.stack([y, y]), mask, count)
+        if not math.isclose(float(loss[0]), batch_loss, rel_tol=1e-4, abs_tol=1e-5):
+            raise NotBatchable(f"a trial batched step gave loss {float(loss[0]):.6g}, the model alone {batch_loss:.6g}")
+
+    def _step_fn(self, m: _Model, loss_fn: Callable[..., Any], loss_key: object, mu: float) -> Callable[..., Any]:
+        key = (id(m), loss_key, mu)
+        if key in self._step_fns:
+            return self._step_fns[key]
+        template, per_example = m.template, _per_example(loss_fn)
+
+        def objective(trained: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor], anchor: dict[str, torch.Tensor] | None,
+                      x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            per = per_example(functional_call(template, (trained, frozen), (x,)), y)
+            loss = torch.where(mask, per, 0.0).sum() / count
+            if anchor is None:
+                return loss, loss
+            total = sum(((trained[n] - anchor[n]) ** 2).sum() for n in trained)
+            return loss + 0.5 * mu * torch.as_tensor(total), loss
+
+        fn = vmap(grad_and_value(objective, has_aux=True), in_dims=(0, 0, 0 if mu else None, 0, 0, 0, 0))
+        self._step_fns[key] = fn
+        return fn
+
+    def chunk_size(self, m_index: int = 0, spec: OptimizerSpec | None = None) -> int:
+        """K for model ``m_index`` (see the class docstring)."""
+        if self.batch_clients > 0:
+            return self.batch_clients
+        m = self._models[m_index]
+        states = spec.states if spec is not None else 2
+        per_client = m.state_bytes * (4 + states) + 3 * m.activation_bytes
+        k = memory_budget(m.device) // max(per_client, 1)
+        if m.device.type == "cpu":
+            # glibc serves allocations above its largest mmap threshold (32 MiB) with fresh
+            # mmap()ed pages, faulted in and zeroed at every step; a stacked gradient or
+            # activation kept below it is recycled from the heap (measured: K=100 clients of
+            # the 784-200-200-10 MLP ran 1.3x slower per client than K=34 on this machine).
+            k = min(k, _MMAP_THRESHOLD_MAX // max(m.largest_bytes, 1))
+        return max(1, k)
+
+    @property
+    def clients_per_call(self) -> int:
+        """How many clients the fleet should hand to one ``fit`` call."""
+        return max((self.chunk_size(i) for i in range(len(self._models))), default=1)
+
+    # --- data -------------------------------------------------------------------------
+
+    def _build_data(self) -> None:
+        """Concatenates the clients' datasets once per fleet (one tensor per shape and device)."""
+        groups: dict[tuple[Any, ...], list[TensorDataset]] = {}
+        seen: dict[int, tuple[tuple[Any, ...], int]] = {}
+        for s in self._statics.values():
+            if id(s.base) in seen:
+                continue
+            x, y = s.base.tensors
+            key = (tuple(x.shape[1:]), x.dtype, tuple(y.shape[1:]), y.dtype, self._models[s.model].device)
+            seen[id(s.base)] = (key, sum(len(b) for b in groups.get(key, [])))
+            groups.setdefault(key, []).append(s.base)
+        for key, bases in groups.items():
+            device = key[-1]
+            xs = [b.tensors[0] for b in bases]
+            ys = [b.tensors[1] for b in bases]
+            self._data[key] = (xs[0].to(device) if len(xs) == 1 else torch.cat(xs).to(device),
+                               ys[0].to(device) if len(ys) == 1 else torch.cat(ys).to(device))
+        for i, s in self._statics.items():
+            key, offset = seen[id(s.base)]
+            local = s.local if s.local is not None else torch.arange(len(s.base))
+            self._rows[i] = (key, local + offset)
+
+    # --- training ---------------------------------------------------------------------
+
+    def fit(self, jobs: Sequence[tuple[int, ModelState, FitIns]]) -> list[Outcome]:
+        """Trains ``(client index, downloaded state, task)`` jobs; one outcome per job, in order.
+
+        A job the batched engine does not handle (an algorithm with persistent inner state, a
+        task it cannot parse) runs through the client's own ``fit``, so its result or its
+        error is exactly the sequential one.
+        """
+        if self.reason is not None:
+            raise NotBatchable(self.reason)
+        if not self._rows:
+            self._build_data()
+        outcomes: list[Outcome | None] = [None] * len(jobs)
+        groups: dict[tuple[Any, ...], list[_Job]] = {}
+        for pos, (index, state, ins) in enumerate(jobs):
+            try:
+                job = self._prepare(pos, self._statics[index], state, ins)
+            except Exception:
+                job = None
+            if job is None:
+                outcomes[pos] = self._sequential(index, state, ins)
+                continue
+            if not job.batches:  # no data: TorchClient raises its own error
+                outcomes[pos] = self._sequential(index, state, ins)
+                continue
+            s = job.static
+            key = (s.model, s.loss_key, job.spec, job.algorithm, job.trained, job.out_keys, job.mu, self._rows[s.index][0])
+            groups.setdefault(key, []).append(job)
+        for group in groups.values():
+            group.sort(key=lambda j: -len(j.batches))  # similar lengths share a chunk; stable
+            k = self.chunk_size(group[0].static.model, group[0].spec)
+            k = -(-len(group) // -(-len(group) // k))  # as many chunks as K requires, of even sizes
+            for start in range(0, len(group), k):
+                chunk = group[start : start + k]
+                try:
+                    results = self._train_chunk(chunk)
+                except Exception as exc:  # e.g. out of memory: the clients train one by one instead
+                    log.warning("batched engine: a chunk of %d clients failed (%s: %s); training them sequentially", len(chunk), type(exc).__name__, exc)
+                    results = [self._sequential(j.static.index, jobs[j.pos][1], jobs[j.pos][2]) for j in chunk]
+                for job, result in zip(chunk, results):
+                    outcomes[job.pos] = result
+        return [o if o is not None else RuntimeError("batched engine lost a job") for o in outcomes]
+
+    def _sequential(self, index: int, state: ModelState, ins: FitIns) -> Outcome:
+        try:
+            return self.clients[index].fit(state, ins)
+        except Exception as exc:  # a client's failure is data
+            return exc
+
+    def _prepare(self, pos: int, s: _Static, state: ModelState, ins: FitIns) -> _Job | None:
+        """The job as the batched engine trains it; None for an algorithm it leaves to ``fit``.
+
+        Raises:
+            Exception: anything ``TorchClient.fit`` would reject (the caller lets ``fit`` raise it).
+        """
+        config = ins.config
+        algorithm = algorithm_of(config)
+        if algorithm in STEP_ALGORITHMS:
+            if algorithm not in self._logged_sequential:
+                self._logged_sequential.add(algorithm)
+                log.info("engine: %s clients train sequentially (persistent inner optimizer and replica)", algorithm)
+            return None
+        epochs = int(config.get("local_epochs", 1))
+        if epochs < 1:
+            return None
+        control: ModelState = OrderedDict()
+        if algorithm == "scaffold":
+            state, control = ScaffoldControl.split(state)
+        m = self._models[s.model]
+        if set(state) != set(m.state_keys) or any(tuple(state[k].shape) != m.shapes[k] for k in m.state_keys):
+            return None  # load_state_dict raises in fit
+        names = list(state)
+        out_keys = names_under(names, str(config.get("block_prefixes", "")), key="block_prefixes") if algorithm == "bcd" else m.state_keys
+        trained = tuple(n for n in m.params if n in out_keys) if algorithm == "bcd" else tuple(m.params)
+        model_params = dict(s.client.model.named_parameters())
+        spec = optimizer_spec(s.client.optimizer_factory([model_params[n] for n in trained] if algorithm == "bcd" else list(s.client.model.parameters())))
+        if "lr" in config:
+            spec = spec.with_lr(float(config["lr"]))
+        mu = float(config.get("proximal_mu", 0.0)) if algorithm == "fedprox" else 0.0
+        if not (mu >= 0 and mu != float("inf")):
+            return None
+        batches = self._batch_order(s, s.client.round_seed(ins), epochs)  # last: it may advance a loader's generator
+        return _Job(pos, s, state, control, algorithm, epochs, trained, tuple(out_keys), spec, mu, batches)
+
+    @staticmethod
+    def _batch_order(s: _Static, seed: int, epochs: int) -> list[torch.Tensor]:
+        """The client's index batches for the round, as its own loader would yield them under ``seed``.
+
+        Each pass iterates a look-alike loader over ``range(n)``: it draws from the RNGs
+        exactly what the client's loader draws (the iterator's base seed, then the sampler's
+        seed or permutation), whatever the batch size, so one batch of ``n`` per pass gives
+        the order, which is then cut into the loader's batches.
+        """
+        n = _size(s)
+        lookalike: DataLoader[int] = DataLoader(range(n), batch_size=max(n, 1), shuffle=s.shuffle, generator=s.generator)  # type: ignore[arg-type]
+        # As TorchClient._train seeds, but only the CPU generator (the one samplers draw from):
+        # torch.manual_seed also seeds every lazily initialised accelerator, which costs a
+        # traceback capture per call.
+        with RNG_LOCK, torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(seed)
+            orders = [torch.cat(list(lookalike)) if n else torch.zeros(0, dtype=torch.int64) for _ in range(epochs)]
+        batches: list[torch.Tensor] = []
+        for order in orders:
+            cut = list(order.split(s.batch_size))
+            if cut and s.drop_last and len(cut[-1]) < s.batch_size:
+                cut.pop()
+            batches.extend(cut)
+        return batches
+
+    def _train_chunk(self, chunk: list[_Job]) -> list[FitOutput]:
+        first = chunk[0]
+        m = self._models[first.static.model]
+        device = m.device
+        data_key = self._rows[first.static.index][0]
+        xs, ys = self._data[data_key]
+        k_all = len(chunk)
+        steps = [len(j.batches) for j in chunk]
+        width = max(len(b) for j in chunk for b in j.batches)
+        idx = torch.zeros(k_all, steps[0], width, dtype=torch.int64)
+        lengths = torch.zeros(k_all, steps[0], dtype=torch.int64)
+        for i, job in enumerate(chunk):
+            padded = pad_sequence(job.batches, batch_first=True)  # pads with local index 0: a real row, masked
+            idx[i, : steps[i], : padded.shape[1]] = self._rows[job.static.index][1][padded]
+            lengths[i, : steps[i]] = torch.tensor([len(b) for b in job.batches])
+        mask = (torch.arange(width) < lengths.unsqueeze(-1)).to(device)
+        count = lengths.clamp(min=1).to(device, torch.float32)
+        idx = idx.to(device)
+        active = [sum(1 for n in steps if n > s) for s in range(steps[0])]
+
+        def stack(name: str) -> torch.Tensor:
+            return torch.stack([j.state[name] for j in chunk]).to(device, m.dtypes[name])
+
+        trained = {n: stack(n) for n in first.trained}
+        frozen = {n: stack(n) for n in [*m.params, *m.frozen_params, *m.buffers] if n not in trained}
+        anchor = {n: t.clone() for n, t in trained.items()} if first.mu else None
+        optimizer = BatchedOptimizer(first.spec, list(trained.values()))
+        correction: dict[str, torch.Tensor] = {}
+        grad_sums: dict[str, torch.Tensor] = {}
+        if first.algorithm == "scaffold":
+            for job in chunk:
+                params = dict(job.static.client.model.named_parameters())
+                job.static.client.scaffold.begin(job.control, {n: params[n] for n in first.trained})
+            corrected = list(first.static.client.scaffold.correction)
+            correction = {n: torch.stack([j.static.client.scaffold.correction[n] for j in chunk]).to(device) for n in corrected}
+            grad_sums = {n: torch.zeros(trained[n].shape, dtype=torch.float32, device=device) for n in corrected}
+        fn = self._step_fn(m, first.static.client.loss_fn, first.static.loss_key, first.mu)
+        loss_sums = torch.zeros(k_all, dtype=torch.float64, device=device)
+        names = list(trained)
+        m.template.train()
+        with train_only(m.template, list(first.out_keys)):  # bcd: modules outside the block in eval mode, as in fit
+            for s, k in enumerate(active):
+                rows = idx[:k, s]
+                views = {n: t[:k] for n, t in trained.items()}
+                grads, (_, loss) = fn(views, {n: t[:k] for n, t in frozen.items()},
+                                      None if anchor is None else {n: t[:k] for n, t in anchor.items()},
+                                      xs.index_select(0, rows.reshape(-1)).view(k, width, *xs.shape[1:]),
+                                      ys.index_select(0, rows.reshape(-1)).view(k, width, *ys.shape[1:]), mask[:k, s], count[:k, s])
+                loss_sums[:k] += loss.detach().double() * count[:k, s].double()
+                for n, c in correction.items():
+                    grad_sums[n][:k] += grads[n].float()
+                    grads[n].add_(c[:k])
+                optimizer.step(s, k, [views[n] for n in names], [grads[n] for n in names])
+        return self._outputs(chunk, m, trained, frozen, loss_sums, lengths, steps, grad_sums)
+
+    def _outputs(self, chunk: list[_Job], m: _Model, trained: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor],
+                 loss_sums: torch.Tensor, lengths: torch.Tensor, steps: list[int], grad_sums: dict[str, torch.Tensor]) -> list[FitOutput]:
+        trained_cpu = {n: t.detach().to("cpu") for n, t in trained.items()}
+        frozen_cpu = {n: t.detach().to("cpu") for n, t in frozen.items()}
+        loss_list = loss_sums.tolist()
+        seen_list = lengths.sum(dim=1).tolist()
+        outputs: list[FitOutput] = []
+        for i, job in enumerate(chunk):
+            full: ModelState = OrderedDict()
+            for key in m.state_keys:
+                name = m.canonical[key]
+                source = trained_cpu.get(name)
+                full[key] = (source if source is not None else frozen_cpu[name])[i].clone()
+            out = full
+            if job.algorithm == "bcd":
+                out = OrderedDict((n, full[n]) for n in job.out_keys)
+            elif job.algorithm == "scaffold":
+                control = job.static.client.scaffold
+                for n, g in grad_sums.items():
+                    control.record(n, g[i], steps[i])
+                out = OrderedDict(full)
+                out.update(control.finish(full))
+            seen = int(seen_list[i])
+            outputs.append(FitOutput(state=out, num_examples=seen // job.epochs, metrics={"loss": loss_list[i] / seen}))
+        return outputs
