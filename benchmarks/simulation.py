@@ -1,0 +1,563 @@
+"""Federated simulation speed: fedgrid's batched and sequential engines, a plain PyTorch
+loop and Flower 1.42 (Ray backend), side by side on the same work (issue 6, "Measure").
+
+The work: ``--clients`` clients (default 100) of Fashion-MNIST split by Dirichlet(``--alpha``,
+0.5) label skew (``partition_dirichlet``, one seed), every client training every round,
+``--local-epochs`` 1, batch 32, plain SGD (lr 0.05, momentum 0), FedAvg weighted by
+examples, for McMahan et al. 2017's 2-layer MLP (784-200-200-10) and CNN. The initial
+model of each network is built once from ``--seed`` and handed to every variant. Variants
+(``--variants``):
+
+    batched         fedgrid run_simulation, engine="batched" (batch_clients 0: auto)
+    sequential      fedgrid run_simulation, engine="sequential"
+    auto            fedgrid run_simulation, engine="auto" (the default engine)
+    loop            plain PyTorch: per client, load the global weights into one model,
+                    SGD over DataLoader(shuffle=True, batch_size=32), weighted sum; average
+    loop-slice      the same loop, batches by randperm + index slicing (no DataLoader;
+                    not in the default set)
+    flower          Flower 1.42 run_simulation, client_resources num_cpus=1 (flower_sim.py)
+    flower-default  the same with Flower's default client resources (num_cpus=2)
+
+Each variant runs in its own process (so its peak memory is its own), the variants of a
+model back to back. Round 1 is a warm-up; seconds per round is the median of the rest
+(``--rounds`` 4: median of 3). No variant evaluates inside its timed rounds; this script
+scores every final model on the 10k test images with one function.
+
+    .venv/bin/python benchmarks/simulation.py                                  # the full run
+    .venv/bin/python benchmarks/simulation.py --clients 10 --rounds 2 --out /tmp/sim.json
+    .venv/bin/python benchmarks/simulation.py --models mlp --variants batched,loop
+
+Flower is installed on first use into ``benchmarks/.venv-flower`` (``python -m venv``, then
+``pip install "flwr[simulation]==1.42.*" torch==2.13.0 numpy psutil``; torch is pinned
+because any other version downloads a multi-GB CUDA build here). Results go to
+``benchmarks/results/simulation.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import platform
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from flower_sim import MODELS, load_positional, shuffle_seed  # noqa: E402  (the benchmark's own model definitions)
+
+__all__ = ["main"]
+
+FEDGRID = {"batched": "batched", "sequential": "sequential", "auto": "auto"}
+LOOPS = {"loop": "dataloader", "loop-slice": "slice"}
+FLOWER = {"flower": {"num_cpus": 1, "num_gpus": 0.0}, "flower-default": None}
+ALL_VARIANTS = (*FEDGRID, *LOOPS, *FLOWER)
+DEFAULT_VARIANTS = "batched,sequential,auto,loop,flower,flower-default"
+FLOWER_PINS = ("flwr[simulation]==1.42.*", "torch==2.13.0", "numpy", "psutil")
+MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296"
+
+
+# ---------------------------------------------------------------- workers (one per variant)
+
+
+def _peak_rss_mib() -> float:
+    """This process's peak resident set (``VmHWM``). Not ``ru_maxrss``: Linux carries that
+    across exec, so a worker would report at least its parent's size at the fork."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024.0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _positional(template: "OrderedDict[str, torch.Tensor]", values: list[torch.Tensor]) -> "OrderedDict[str, torch.Tensor]":
+    if [tuple(t.shape) for t in template.values()] != [tuple(v.shape) for v in values]:
+        raise ValueError("the shared initial model does not fit fedgrid's model (shapes differ)")
+    return OrderedDict((k, v.clone()) for k, v in zip(template, values))
+
+
+def work_fedgrid(spec: dict[str, Any]) -> dict[str, Any]:
+    """One fedgrid run: ``run_simulation`` with the config keys of issue 6."""
+    from fedgrid.config import config_keys, load_config
+    import fedgrid.simulation.run as sim_run
+
+    keys = config_keys()
+    dataset_key = "dataset" if "dataset" in keys else "task"
+    overrides: dict[str, Any] = {
+        dataset_key: "fashion-mnist", "data_dir": spec["data_dir"], "model": spec["model"], "engine": spec["engine"],
+        "clients": spec["clients"], "fraction_fit": 1.0, "local_epochs": spec["local_epochs"],
+        "batch_size": spec["batch_size"], "lr": spec["lr"], "momentum": spec["momentum"], "optimizer": "sgd",
+        "partition": f"dirichlet:{spec['alpha']}", "rounds": spec["rounds"], "seed": spec["seed"],
+        "batch_clients": spec["batch_clients"], "device": spec["device"],
+    }
+    optional = {"optimizer", "batch_clients", "device"}  # absent: fedgrid's own choice (sgd, auto, CUDA when present)
+    missing = sorted(k for k in overrides if k not in keys and k not in optional)
+    if missing:
+        raise RuntimeError(f"fedgrid.config has no key(s) {', '.join(missing)} yet")
+    notes: list[str] = []
+
+    class EngineNotes(logging.Handler):  # what fedgrid says about its engine choice goes in the notes
+        def emit(self, record: logging.LogRecord) -> None:
+            message = record.getMessage()
+            if ("engine" in message or "batched" in message) and message not in notes and len(notes) < 8:
+                notes.append(message)
+
+    fedgrid_log = logging.getLogger("fedgrid")
+    fedgrid_log.setLevel(logging.INFO)
+    fedgrid_log.addHandler(EngineNotes())
+    init = torch.load(Path(spec["work_dir"]) / f"init_{spec['model']}.pt")
+    # Hand fedgrid the shared initial model and no per-round evaluation (it would count in
+    # wall_s); run_simulation builds both through ``resolve``.
+    original = getattr(sim_run, "resolve", None)
+    if original is not None:
+        def resolve(*args: Any, **kwargs: Any) -> Any:
+            resolved = original(*args, **kwargs)
+            same = all(torch.equal(a, b) for a, b in zip(resolved.initial_state.values(), init))
+            notes.append(f"fedgrid's own seeded init identical to the shared one: {same}")
+            return dataclasses.replace(resolved, initial_state=_positional(resolved.initial_state, init), evaluate=None)
+
+        sim_run.resolve = resolve  # type: ignore[attr-defined]
+    else:
+        notes.append("run_simulation has no resolve hook: fedgrid built its own init from the same seed, evaluated each round")
+    config = load_config(overrides={k: v for k, v in overrides.items() if k in keys})
+    stamps: list[float] = []
+    walls: list[float] = []
+
+    def on_round(m: Any) -> None:
+        stamps.append(time.perf_counter())
+        walls.append(m.wall_s)
+
+    final, history = sim_run.run_simulation(config, on_round=on_round)
+    if final is None:
+        raise RuntimeError("run_simulation returned no model")
+    failed = sum(m.clients_failed for m in history)
+    if failed:
+        notes.append(f"{failed} client updates failed")
+    round_s = walls[:1] + [b - a for a, b in zip(stamps, stamps[1:])]  # round 1: the engine's own wall_s
+    notes.append(f"engine {spec['engine']} via fedgrid.simulation.run.run_simulation")
+    return {"round_s": round_s, "engine_wall_s": walls, "final": list(final.values()), "notes": notes,
+            "extra": [dict(m.extra) for m in history]}
+
+
+def work_loop(spec: dict[str, Any]) -> dict[str, Any]:
+    """The plain PyTorch loop: no fedgrid code in it."""
+    device = torch.device(spec["device"])
+    work = Path(spec["work_dir"])
+    x = torch.from_numpy(np.load(work / "x_train.npy"))
+    y = torch.from_numpy(np.load(work / "y_train.npy"))
+    indices, offsets = np.load(work / "parts_indices.npy"), np.load(work / "parts_offsets.npy")
+    parts = [torch.from_numpy(indices[offsets[i] : offsets[i + 1]]) for i in range(len(offsets) - 1)]
+    model = MODELS[spec["model"]]().to(device)
+    load_positional(model, torch.load(work / f"init_{spec['model']}.pt"))
+    slicing = spec["loop"] == "slice"
+    if slicing:  # whole client tensors, on the device
+        clients: list[Any] = [(x[p].to(device), y[p].to(device)) for p in parts]
+    else:
+        clients = [DataLoader(TensorDataset(x[p], y[p]), batch_size=spec["batch_size"], shuffle=True) for p in parts]
+    sizes = [len(p) for p in parts]
+    bs = spec["batch_size"]
+
+    def batches(client: Any) -> Any:
+        if not slicing:
+            for xb, yb in client:
+                yield xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
+            return
+        cx, cy = client
+        # The permutation DataLoader(shuffle=True) draws: its iterator's base seed, then
+        # RandomSampler's seed for a generator of its own.
+        torch.empty((), dtype=torch.int64).random_()
+        sampler_seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        order = torch.randperm(len(cy), generator=torch.Generator().manual_seed(sampler_seed)).to(device)
+        for start in range(0, len(cy), bs):
+            pick = order[start : start + bs]
+            yield cx[pick], cy[pick]
+
+    global_state = [t.detach().clone() for t in model.state_dict().values()]
+    round_s = []
+    for server_round in range(1, spec["rounds"] + 1):
+        start = time.perf_counter()
+        total = [torch.zeros_like(t) for t in global_state]
+        for index, (client, n) in enumerate(zip(clients, sizes)):
+            model.load_state_dict(dict(zip(model.state_dict(), global_state)))
+            optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"], momentum=spec["momentum"])
+            torch.manual_seed(shuffle_seed(spec["seed"], server_round, index, spec["clients"]))
+            for _ in range(spec["local_epochs"]):
+                for xb, yb in batches(client):
+                    optimizer.zero_grad(set_to_none=True)
+                    nn.functional.cross_entropy(model(xb), yb).backward()
+                    optimizer.step()
+            with torch.no_grad():
+                for acc, t in zip(total, model.state_dict().values()):
+                    acc.add_(t, alpha=n)
+        global_state = [t / sum(sizes) for t in total]
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        round_s.append(time.perf_counter() - start)
+    return {"round_s": round_s, "final": [t.cpu() for t in global_state], "notes": [f"batches: {spec['loop']}"]}
+
+
+def worker_main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(spec["threads"])
+    out: dict[str, Any] = {}
+    try:
+        result = work_fedgrid(spec) if spec["kind"] == "fedgrid" else work_loop(spec)
+        torch.save(result.pop("final"), spec["final_path"])
+        out = {**result, "final_path": spec["final_path"]}
+    except Exception as exc:  # reported as a FAILED row
+        import traceback
+
+        traceback.print_exc()
+        out = {"error": f"{type(exc).__name__}: {exc}"}
+    out["peak_rss_mib"] = _peak_rss_mib()
+    out["threads"] = torch.get_num_threads()
+    if torch.cuda.is_available() and spec["device"] == "cuda":
+        out["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    Path(spec["result_path"]).write_text(json.dumps(out))
+
+
+# ---------------------------------------------------------------- the parent
+
+
+def ensure_flower(venv: Path, log: Callable[[str], None]) -> Path:
+    """The Flower interpreter, creating ``venv`` and installing ``FLOWER_PINS`` if needed."""
+    python = venv / "bin" / "python"
+    probe = [str(python), "-c", "import flwr, ray, torch, psutil; print(flwr.__version__, ray.__version__, torch.__version__)"]
+    if python.exists():
+        found = subprocess.run(probe, capture_output=True, text=True)
+        if found.returncode == 0 and found.stdout.startswith("1.42"):
+            return python
+    log(f"installing Flower into {venv} (pip install {' '.join(FLOWER_PINS)})")
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "--quiet", *FLOWER_PINS], check=True)
+    found = subprocess.run(probe, capture_output=True, text=True, check=True)
+    log(f"Flower environment: flwr, ray, torch = {found.stdout.strip()}")
+    return python
+
+
+def matmul_gflops(threads: int, device: str, n: int, repeats: int = 7) -> float:
+    """float32 ``torch.mm`` of two n x n matrices: median GFLOP/s (the compute limit)."""
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    times = []
+    for i in range(repeats + 2):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        torch.mm(a, b)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    return 2 * n**3 / statistics.median(times) / 1e9
+
+
+def train_flops_per_example(name: str, batch: int) -> float:
+    """Forward + backward FLOPs of one example (``FlopCounterMode``, one batch of ``batch``)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = MODELS[name]()
+    x, y = torch.rand(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
+    with FlopCounterMode(display=False) as counter:
+        nn.functional.cross_entropy(model(x), y).backward()
+    return counter.get_total_flops() / batch
+
+
+@torch.no_grad()
+def accuracy(name: str, values: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> float:
+    model = MODELS[name]()
+    load_positional(model, values)
+    model.eval()
+    correct = sum(int((model(x[i : i + 2000]).argmax(1) == y[i : i + 2000]).sum()) for i in range(0, len(y), 2000))
+    return correct / len(y)
+
+
+def check_batch_order(args: argparse.Namespace) -> str:
+    """Whether ``shuffle_seed`` (the loop's and Flower's) is the seed fedgrid's clients shuffle with."""
+    try:
+        from fedgrid.simulation.tasks import builtin_client
+        from fedgrid.types import FitIns
+
+        last = args.clients - 1
+        client = builtin_client(last, args.clients, args.seed, dataset="fashion-mnist", data_dir=str(args.data_dir),
+                                partitioner=f"dirichlet:{args.alpha}", device="cpu")
+        same = all(client.round_seed(FitIns(round=r, config={"seed": args.seed})) == shuffle_seed(args.seed, r, last, args.clients)
+                   for r in range(1, args.rounds + 1))
+    except Exception as exc:  # an informative check, not a precondition
+        return f"could not compare with fedgrid's clients ({type(exc).__name__}: {exc})"
+    if same:
+        return "loop and Flower clients shuffle with fedgrid's per-client, per-round seeds (same batches in every variant)"
+    return "fedgrid's clients seed their shuffling differently now: accuracies differ by shuffle noise too"
+
+
+def prepare(args: argparse.Namespace, work: Path, log: Callable[[str], None]) -> dict[str, Any]:
+    """Writes the shared data, partition and initial models; checks the model definitions."""
+    from fedgrid.simulation.datasets import load_fashion_mnist, partition_dirichlet
+
+    data = load_fashion_mnist(args.data_dir)
+    np.save(work / "x_train.npy", data.x_train.numpy())
+    np.save(work / "y_train.npy", data.y_train.numpy())
+    parts = partition_dirichlet(data.y_train.numpy(), args.clients, args.alpha, args.seed)
+    np.save(work / "parts_indices.npy", np.concatenate(parts))
+    np.save(work / "parts_offsets.npy", np.cumsum([0] + [len(p) for p in parts]))
+    sizes = [len(p) for p in parts]
+    log(f"data: {len(data.y_train)} train / {len(data.y_test)} test images; {args.clients} clients, "
+        f"Dirichlet({args.alpha}): {min(sizes)}..{max(sizes)} examples (median {int(np.median(sizes))})")
+    try:
+        from fedgrid.simulation import models as fedgrid_models
+
+        factories = {"mlp": fedgrid_models.fmnist_mlp, "cnn": fedgrid_models.fmnist_cnn}
+    except (ImportError, AttributeError):
+        factories = {}
+        log("fedgrid.simulation.models has no fmnist_mlp/fmnist_cnn: using the benchmark's definitions")
+    checked = []
+    for name in args.models:
+        torch.manual_seed(args.seed)
+        ours = list(MODELS[name]().state_dict().values())
+        if name in factories:
+            torch.manual_seed(args.seed)
+            theirs = list(factories[name]().state_dict().values())
+            same = len(ours) == len(theirs) and all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(ours, theirs))
+            if not same:
+                raise SystemExit(f"{name}: the benchmark's model differs from fedgrid.simulation.models (shapes or seeded init)")
+            checked.append(name)
+        torch.save(ours, work / f"init_{name}.pt")
+    if checked:
+        log(f"models: the benchmark's {', '.join(checked)} equal fedgrid.simulation.models' (shapes and seeded init)")
+    log(f"batch order: {check_batch_order(args)}")
+    log(f"one initial model per network from seed {args.seed}, shared by every variant")
+    return {"x_test": data.x_test, "y_test": data.y_test, "examples": sum(sizes), "sizes": sizes}
+
+
+def run_variant(args: argparse.Namespace, work: Path, model: str, variant: str, flower_python: Path | None) -> dict[str, Any]:
+    tag = f"{model}_{variant}"
+    spec = {
+        "model": model, "work_dir": str(work), "data_dir": str(args.data_dir), "clients": args.clients,
+        "rounds": args.rounds, "local_epochs": args.local_epochs, "batch_size": args.batch_size, "lr": args.lr,
+        "momentum": args.momentum, "alpha": args.alpha, "seed": args.seed, "threads": args.threads,
+        "device": args.device, "batch_clients": args.batch_clients,
+        "final_path": str(work / f"final_{tag}.pt"), "result_path": str(work / f"result_{tag}.json"),
+    }
+    env = dict(os.environ)
+    if args.malloc_tunables:
+        env["GLIBC_TUNABLES"] = MALLOC_TUNABLES
+    if args.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # fedgrid picks CUDA when it sees one
+    if variant in FLOWER:
+        if flower_python is None:
+            return {"error": "Flower environment unavailable"}
+        spec["client_resources"] = FLOWER[variant]
+        command = [str(flower_python), str(HERE / "flower_sim.py")]
+    else:
+        spec.update({"kind": "fedgrid", "engine": FEDGRID[variant]} if variant in FEDGRID else {"kind": "loop", "loop": LOOPS[variant]})
+        command = [sys.executable, str(Path(__file__).resolve()), "--worker"]
+    spec_path = work / f"spec_{tag}.json"
+    spec_path.write_text(json.dumps(spec))
+    log_path = work / f"log_{tag}.txt"
+    start = time.perf_counter()
+    with open(log_path, "w") as log_file:
+        # A session of its own, so a timeout ends the whole tree (Ray's raylet and workers too).
+        proc = subprocess.Popen([*command, str(spec_path)], stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return {"error": f"timed out after {args.timeout:.0f} s (log: {log_path})"}
+    result_path = Path(spec["result_path"])
+    if not result_path.exists():
+        tail = log_path.read_text()[-600:].strip().replace("\n", " | ")
+        return {"error": f"exit {proc.returncode}, no result; log tail: {tail}"}
+    result = json.loads(result_path.read_text())
+    result["process_s"] = time.perf_counter() - start
+    result["log"] = str(log_path)
+    if variant in FLOWER and "memory" in result:
+        memory = result["memory"]
+        result["peak_rss_mib"] = memory["driver_peak_mib"] + memory["workers_peak_sum_mib"]
+    return result
+
+
+def summarize(row: dict[str, Any], args: argparse.Namespace, flops_round: float, examples: int) -> None:
+    """Adds seconds per round, clients per second and FLOP/s to a result."""
+    timed = row.get("round_s", [])[args.warmup :]
+    if "error" in row or not timed:
+        row.setdefault("error", "no timed rounds")
+        return
+    s = statistics.median(timed)
+    row.update({"s_per_round": s, "clients_per_s": args.clients / s, "gflops": flops_round / s / 1e9, "examples_per_round": examples})
+
+
+def ratios(rows: dict[str, dict[str, Any]], model: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Speed ratios (baseline seconds per round / variant seconds per round) and the issue's goals."""
+    def s(v: str) -> float | None:
+        return rows.get(v, {}).get("s_per_round")
+
+    flowers = [v for v in FLOWER if s(v)]
+    best_flower = min(flowers, key=lambda v: s(v)) if flowers else None  # type: ignore[arg-type, return-value]
+    gpu = args.device == "cuda"
+    goals: dict[tuple[str, str], float] = {("sequential", "loop"): 1 / 1.1}
+    if gpu:
+        goals[("batched", "loop")] = 10.0
+    elif model == "mlp":
+        goals.update({("batched", "loop"): 2.5, ("batched", "flower-best"): 3.5})
+    else:
+        goals.update({("auto", "loop"): 1.0, ("auto", "flower-best"): 1.2})
+    out = []
+    for num, den in [("batched", "loop"), ("batched", "flower-best"), ("sequential", "loop"), ("auto", "loop"), ("auto", "flower-best")]:
+        base = best_flower if den == "flower-best" else den
+        goal = goals.get((num, den))
+        value = s(base) / s(num) if base and s(base) and s(num) else None  # type: ignore[operator]
+        out.append({"ratio": f"{num}/{den}", "baseline": base, "value": value, "goal": goal,
+                    "met": None if goal is None or value is None else value >= goal})
+    return out
+
+
+def log_table(model: str, rows: dict[str, dict[str, Any]], limit: float, log: Callable[[str], None]) -> None:
+    log(f"\n{model}: {'variant':<15}{'s/round':>9}  {'rounds (all, s)':<30}{'clients/s':>10}{'peak MiB':>10}"
+        f"{'accuracy':>10}{'GFLOP/s':>9}{'% mm':>6}{'thr':>5}")
+    for variant, row in rows.items():
+        if "error" in row:
+            log(f"{'':<5}{variant:<15} FAILED: {row['error'][:300]}")
+            continue
+        rounds = " ".join(f"{t:.2f}" for t in row["round_s"])
+        acc = f"{row['accuracy']:.4f}" if row.get("accuracy") is not None else "-"
+        log(f"{'':<5}{variant:<15}{row['s_per_round']:>9.3f}  {rounds:<30}{row['clients_per_s']:>10.1f}"
+            f"{row['peak_rss_mib']:>10.0f}{acc:>10}{row['gflops']:>9.1f}{100 * row['gflops'] / limit:>6.0f}{row.get('threads') or 0:>5.0f}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="mlp,cnn")
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma-separated, from {', '.join(ALL_VARIANTS)}")
+    parser.add_argument("--clients", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=4, help="rounds per variant, the first --warmup of them untimed")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--alpha", type=float, default=0.5)
+    parser.add_argument("--local-epochs", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--momentum", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-clients", type=int, default=0, help="fedgrid's batch_clients (0: the engine chooses)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads of every in-process variant")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--data-dir", type=Path, default=HERE.parents[1] / "shared" / "data" / "fashion-mnist")
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "simulation.json")
+    parser.add_argument("--flower-venv", type=Path, default=HERE / ".venv-flower")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds one variant may take")
+    parser.add_argument("--max-spread", type=float, default=2.0, help="accuracy points beyond which the comparison is VOID")
+    parser.add_argument("--malloc-tunables", action="store_true", help=f"GLIBC_TUNABLES={MALLOC_TUNABLES} for every variant")
+    parser.add_argument("--work-dir", type=Path, default=None, help="keep the shared files, logs and final models here")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker_main(args.worker)
+    args.models = [m for m in args.models.split(",") if m]
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = [m for m in args.models if m not in MODELS] + [v for v in variants if v not in ALL_VARIANTS]
+    if unknown:
+        parser.error(f"unknown model or variant: {', '.join(unknown)}")
+    if args.rounds <= args.warmup:
+        parser.error(f"--rounds must exceed --warmup ({args.warmup})")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
+    if args.clients > 100 and args.device == "cpu":
+        print(f"note: {args.clients} clients on CPU; the issue's 1,000-client goal is for a GPU")
+
+    started, load_before = time.monotonic(), os.getloadavg()
+    lines: list[str] = []
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    work_ctx = tempfile.TemporaryDirectory(prefix="fedgrid-sim-") if args.work_dir is None else None
+    work = Path(work_ctx.name) if work_ctx else args.work_dir
+    work.mkdir(parents=True, exist_ok=True)
+    log(f"simulation benchmark: {args.clients} clients, {args.rounds} rounds ({args.warmup} warm-up), "
+        f"{args.local_epochs} local epoch(s), batch {args.batch_size}, SGD lr {args.lr} momentum {args.momentum}, "
+        f"device {args.device}, {args.threads} torch threads, {os.cpu_count()} CPUs, load average {load_before[0]:.1f}")
+    shared = prepare(args, work, log)
+    n = 8192 if args.device == "cuda" else 2048  # a GPU needs a larger product to reach its rate
+    limit = matmul_gflops(args.threads, args.device, n)
+    log(f"float32 matmul ({n}x{n}, {args.threads} threads, median of 7): {limit:.1f} GFLOP/s")
+    flower_python = None
+    if any(v in FLOWER for v in variants):
+        try:
+            flower_python = ensure_flower(args.flower_venv, log)
+        except (subprocess.CalledProcessError, OSError) as exc:
+            log(f"Flower environment FAILED: {exc}")
+
+    results: dict[str, Any] = {}
+    for model in args.models:
+        per_example = train_flops_per_example(model, args.batch_size)
+        flops_round = per_example * shared["examples"] * args.local_epochs
+        log(f"\n{model}: {per_example / 1e6:.2f} MFLOP per training example (forward + backward, FlopCounterMode), "
+            f"{flops_round / 1e9:.1f} GFLOP per round")
+        rows: dict[str, dict[str, Any]] = {}
+        for variant in variants:
+            log(f"  running {model} / {variant} ...")
+            row = run_variant(args, work, model, variant, flower_python)
+            summarize(row, args, flops_round, shared["examples"])
+            if row.get("final_path"):
+                row["accuracy"] = accuracy(model, torch.load(row["final_path"]), shared["x_test"], shared["y_test"])
+            rows[variant] = row
+            shown = f"{row['s_per_round']:.3f} s/round, accuracy {row.get('accuracy', float('nan')):.4f}" if "error" not in row else f"FAILED: {row['error'][:300]}"
+            log(f"    {shown}")
+            for note in row.get("notes", []):
+                log(f"      {note}")
+        accs = {v: r["accuracy"] for v, r in rows.items() if r.get("accuracy") is not None}
+        spread = 100 * (max(accs.values()) - min(accs.values())) if accs else None
+        results[model] = {"flops_per_example": per_example, "flops_per_round": flops_round, "variants": rows,
+                          "accuracy_spread_points": spread, "void": spread is not None and spread > args.max_spread,
+                          "ratios": ratios(rows, model, args)}
+
+    log(f"\n=== results: {args.clients} clients, median of {args.rounds - args.warmup} rounds after {args.warmup} warm-up; "
+        f"matmul limit {limit:.1f} GFLOP/s ===")
+    for model, res in results.items():
+        log_table(model, res["variants"], limit, log)
+        spread = res["accuracy_spread_points"]
+        if spread is not None:
+            verdict = "VOID: accuracies disagree" if res["void"] else "ok"
+            log(f"     accuracy spread (max - min): {spread:.2f} points (limit {args.max_spread}) -> {verdict}")
+        for r in res["ratios"]:
+            value = f"{r['value']:.2f}x" if r["value"] is not None else "n/a"
+            goal = f"goal >= {r['goal']:.2f}x: {'met' if r['met'] else 'NOT met' if r['met'] is not None else 'n/a'}" if r["goal"] else ""
+            base = f" ({r['baseline']})" if r["baseline"] and r["ratio"].endswith("flower-best") else ""
+            log(f"     {r['ratio']:<22}{value:>8}{base:<18} {goal}")
+    load_after = os.getloadavg()
+    log(f"\nload average {load_before[0]:.1f} before, {load_after[0]:.1f} after; {time.monotonic() - started:.0f} s in all")
+
+    for res in results.values():  # keep the JSON small: no tensors, no per-round engine extras
+        for row in res["variants"].values():
+            row.pop("final_path", None)
+            row.pop("extra", None)
+    env = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
+           "load_average_before": load_before, "load_average_after": load_after,
+           "glibc_tunables": MALLOC_TUNABLES if args.malloc_tunables else os.environ.get("GLIBC_TUNABLES", "")}
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "worker"}
+    payload = {"config": {**config, "variants": variants}, "environment": env, "matmul_gflops": limit, "results": results,
+               "table": lines, "wall_s": time.monotonic() - started}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(payload, indent=2, default=str))
+    print(f"wrote {args.out}")
+    if work_ctx:
+        work_ctx.cleanup()
+
+
+if __name__ == "__main__":
+    main()
