@@ -21,6 +21,8 @@ from collections import OrderedDict
 from datetime import timedelta
 from typing import Protocol, Sequence, Union
 
+import torch
+
 from fedgrid.client.api import Client, FitOutput
 from fedgrid.client.uplink import UplinkEncoder, reconstruct
 from fedgrid.compression import available_codecs
@@ -121,6 +123,11 @@ class InProcessFleet(Fleet):
         self.engine, self.engine_reason = "sequential", "requested"
         if engine != "sequential":
             self._choose(engine, BatchedTrainer(list(clients), batch_clients=batch_clients))
+
+    @property
+    def device(self) -> torch.device | None:
+        """Where the batched engine trains; ``None`` on the sequential engine (each client's own device)."""
+        return self._trainer.device if self._trainer is not None else None
 
     def _choose(self, engine: str, trainer: BatchedTrainer) -> None:
         if trainer.reason is not None:

@@ -11,6 +11,7 @@ from fedgrid.config import Config
 from fedgrid.runlog import RunWriter
 from fedgrid.server.codec_policy import build_codec_policy
 from fedgrid.server.engine import RoundEngine
+from fedgrid.server.memory import keep_large_buffers
 from fedgrid.server.strategies import build_strategy
 from fedgrid.simulation.fleet import InProcessFleet
 from fedgrid.simulation.heterogeneity import ClientProfiles
@@ -55,6 +56,8 @@ def run_simulation(config: Config, *, on_round: Callable[[RoundMetrics], None] |
         batch_clients=config.batch_clients,
         profiles=profiles,
     )  # checks the engine can train these clients: fails before the run directory exists
+    if fleet.device is not None and fleet.device.type == "cpu":
+        keep_large_buffers()  # the batched engine frees and reallocates the same large buffers at every step
     writer = RunWriter(config.out, config.to_dict()) if config.out else None
     engine = RoundEngine(
         strategy=strategy,

@@ -254,7 +254,9 @@ def test_auto_picks_sequential_for_a_convolutional_model_on_cpu():
     trainer = BatchedTrainer(_clients(model=cnn, shape=(1, 8, 8)))
     assert trainer.reason is None and trainer.conv_share > 0.5
     assert InProcessFleet(_clients(model=cnn, shape=(1, 8, 8)), engine="auto").engine == "sequential"
-    assert InProcessFleet(_clients(), engine="auto").engine == "batched"
+    batched = InProcessFleet(_clients(), engine="auto")
+    assert batched.engine == "batched" and batched.device == torch.device("cpu")
+    assert InProcessFleet(_clients(), engine="sequential").device is None  # each client trains on its own device
     assert choose_engine(device=torch.device("cuda"), conv_share=0.9)[0] == "batched"
     got, want, _, _ = _both(_clients(model=cnn, shape=(1, 8, 8)), {})  # forced batched convolutions are still exact
     _compare(got, want)
