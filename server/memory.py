@@ -21,9 +21,12 @@ import ctypes
 import ctypes.util
 import logging
 
-__all__ = ["return_large_buffers_to_the_system", "keep_large_buffers"]
+__all__ = ["return_large_buffers_to_the_system", "keep_large_buffers", "MMAP_THRESHOLD_MAX"]
 
 log = logging.getLogger(__name__)
+
+#: glibc's largest mmap threshold on 64-bit (HEAP_MAX_SIZE / 2): the biggest buffer it can keep in the heap.
+MMAP_THRESHOLD_MAX = 32 << 20
 
 _M_TRIM_THRESHOLD = -1  # mallopt parameter numbers from <malloc.h>
 _M_MMAP_THRESHOLD = -3
@@ -48,7 +51,7 @@ def return_large_buffers_to_the_system(threshold: int = 1 << 20) -> bool:
     return _mallopt({_M_MMAP_THRESHOLD: threshold})
 
 
-def keep_large_buffers(threshold: int = 32 << 20, trim: int = 4 << 30) -> bool:
+def keep_large_buffers(threshold: int = MMAP_THRESHOLD_MAX, trim: int = 4 << 30) -> bool:
     """Serves buffers under ``threshold`` bytes from the heap and keeps up to ``trim`` bytes
     of free heap instead of returning it at once; returns whether it applied."""
     return _mallopt({_M_MMAP_THRESHOLD: threshold, _M_TRIM_THRESHOLD: trim})

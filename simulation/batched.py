@@ -47,6 +47,7 @@ from torch.utils.data._utils.collate import default_collate
 from fedgrid.client.algorithms import STEP_ALGORITHMS, ScaffoldControl, algorithm_of, names_under, train_only
 from fedgrid.client.api import Client, FitOutput
 from fedgrid.client.torch_client import RNG_LOCK, TorchClient
+from fedgrid.server.memory import MMAP_THRESHOLD_MAX
 from fedgrid.simulation.batched_optim import BatchedOptimizer, NotBatchable, OptimizerSpec, optimizer_spec
 from fedgrid.types import FitIns, ModelState
 
@@ -55,7 +56,6 @@ __all__ = ["BatchedTrainer", "NotBatchable", "choose_engine", "memory_budget"]
 log = logging.getLogger(__name__)
 
 Outcome: TypeAlias = Union[FitOutput, Exception]
-_MMAP_THRESHOLD_MAX = 32 << 20
 _TORCH_CLIENT_METHODS = ("fit", "_train", "_batches", "_load", "_state", "_start_state", "round_seed")
 
 
@@ -391,7 +391,7 @@ class BatchedTrainer:
             # mmap()ed pages, faulted in and zeroed at every step; a stacked gradient or
             # activation kept below it is recycled from the heap (measured: K=100 clients of
             # the 784-200-200-10 MLP ran 1.3x slower per client than K=34 on this machine).
-            k = min(k, _MMAP_THRESHOLD_MAX // max(m.largest_bytes, 1))
+            k = min(k, MMAP_THRESHOLD_MAX // max(m.largest_bytes, 1))
         return max(1, k)
 
     @property
