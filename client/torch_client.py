@@ -106,7 +106,7 @@ class TorchClient(Client):
             self._inner_optimizer = self.inner_optimizer_factory(self.model.parameters())
         return self._inner_optimizer
 
-    def _start_state(self, download: ModelState, algorithm: str, config: Mapping[str, Scalar]) -> ModelState:
+    def start_state(self, download: ModelState, algorithm: str, config: Mapping[str, Scalar]) -> ModelState:
         """The model to train from: the download, or streaming DiLoCo's replica with fragments merged.
 
         A streaming task downloads the whole model, or only the fragments synced since this
@@ -146,7 +146,7 @@ class TorchClient(Client):
 
         Raises:
             ValueError: an unknown algorithm, a bad task value, no training data, or a streaming
-                download this client cannot complete (see ``_start_state``).
+                download this client cannot complete (see ``start_state``).
         """
         config = ins.config
         algorithm = algorithm_of(config)
@@ -161,7 +161,7 @@ class TorchClient(Client):
         control: ModelState = OrderedDict()
         if algorithm == "scaffold":
             state, control = ScaffoldControl.split(state)
-        start = self._start_state(state, algorithm, config)
+        start = self.start_state(state, algorithm, config)
         self._load(start)
         names = list(start)  # the whole model, also when the download was part of it
         trained = names_under(names, str(config.get("block_prefixes", "")), key="block_prefixes") if algorithm == "bcd" else names

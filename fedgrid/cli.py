@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_argument("--seed", type=int, default=0)
     cli.add_argument("--data-partition", dest="partitioner", default=None, metavar="SPEC", help="iid, dirichlet:ALPHA, shards:N or natural (built-in datasets)")
     cli.add_argument("--region", default="")
-    _add_config_flags(cli, CLIENT_OPTION_KEYS, with_config=False)
+    _add_config_flags(cli, [*CLIENT_OPTION_KEYS, "threads"], with_config=False)
     cli.add_argument(
         "--state-dir", dest="state_dir", default=None, metavar="DIR",
         help="save the client's state across rounds (error-feedback residuals, the client's own state) to "
@@ -130,6 +130,8 @@ class SimulateProgress:
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    import torch
+
     from fedgrid.simulation.run import run_simulation
     from fedgrid.simulation.tasks import get_task
 
@@ -138,7 +140,7 @@ def _simulate(args: argparse.Namespace) -> int:
     print(
         f"fedgrid simulate: {config.clients} clients, {config.rounds} rounds, dataset {config.dataset}, "
         f"model {config.model or task.default_model}, partition {config.partition or task.default_partition}, "
-        f"engine {config.engine}, seed {config.seed}"
+        f"engine {config.engine}, seed {config.seed}, {config.threads or torch.get_num_threads()} threads"
     )
     progress = SimulateProgress(config.rounds, sys.stderr) if config.progress else None
 
@@ -196,8 +198,14 @@ def _client(args: argparse.Namespace) -> int:
         raise ConfigError("partition", f"expected I/N, got {args.partition!r}") from None
     if not 0 <= index < total:
         raise ConfigError("partition", f"index {index} is outside 0..{total - 1}")
+    import torch
+
+    threads = load_config(None, {"threads": args.threads}).threads
+    if threads:
+        torch.set_num_threads(threads)  # before any work: data loading and model init included
     factory = load_app(args.app)
     client = factory(index, total, args.seed, **_client_options(args))
+    print(f"fedgrid client {index}/{total}: {torch.get_num_threads()} threads, torch {torch.__version__}", flush=True)
     if args.region:
         client.region = args.region
     state_path = Path(args.state_dir) / f"client-{index}.pt" if args.state_dir else None

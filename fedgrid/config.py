@@ -8,12 +8,14 @@ raise ``ConfigError`` naming the key.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
 from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S
+from fedgrid.determinism import MAX_THREADS
 from fedgrid.compression import parse_codec_spec
 from fedgrid.errors import ConfigError
 from fedgrid.plugins import check_spec
@@ -51,6 +53,12 @@ STRATEGY_KEYS = (
     "block_prefixes",
     "block_schedule",
 )
+log = logging.getLogger(__name__)
+
+#: The table of a run directory's ``config.toml`` that records what the run ran on
+#: (``fedgrid.determinism.environment``); informational when the file is loaded again.
+ENVIRONMENT_TABLE = "environment"
+
 _KINDS: dict[str, type] = {"int": int, "float": float, "str": str, "bool": bool}
 
 
@@ -85,6 +93,7 @@ class Config:
     optimizer: str = _key("client optimizer (built-in datasets): sgd, adam or adamw", "sgd")
     momentum: float = _key("client SGD momentum (built-in datasets, optimizer sgd)", 0.9)
     weight_decay: float = _key("client weight decay (built-in datasets)", 0.0)
+    threads: int = _key("torch intra-op threads, set (torch.set_num_threads) before any work; 0: torch's default. Results are bit-identical only between runs with the same thread count (see the README's Determinism)", 0)
     engine: str = _key("simulation engine: auto (batched where it pays, else sequential), batched or sequential", "auto")
     batch_clients: int = _key("clients the batched engine trains at once (0: as many as fit the device)", 0)
     dropout_prob: float = _key("simulation: probability that a client is unavailable in a round (i.i.d. per client and round)", 0.0)
@@ -174,6 +183,8 @@ class Config:
                 raise ConfigError(key, f"must be a finite number at least 0, got {getattr(self, key)}")
         if self.engine not in ENGINES:
             raise ConfigError("engine", f"unknown engine {self.engine!r} (known: {', '.join(ENGINES)})")
+        if not 0 <= self.threads <= MAX_THREADS:
+            raise ConfigError("threads", f"must be in 0..{MAX_THREADS} (0: torch's default), got {self.threads}")
         if self.batch_clients < 0:
             raise ConfigError("batch_clients", f"must be at least 0, got {self.batch_clients}")
         from fedgrid.simulation.heterogeneity import check_heterogeneity
@@ -246,6 +257,15 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
             raise ConfigError("config", f"file {str(path)!r} does not exist") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError("config", f"{path} is not valid TOML: {exc}") from None
+        recorded = data.pop(ENVIRONMENT_TABLE, None)
+        if isinstance(recorded, dict):
+            import torch
+
+            if recorded.get("torch") not in (None, torch.__version__):
+                log.warning("%s was written by torch %s, this is torch %s: results may differ in the last bits",
+                            path, recorded.get("torch"), torch.__version__)
+        elif recorded is not None:
+            raise ConfigError(ENVIRONMENT_TABLE, f"in {path} must be a table, got {recorded!r}")
         for key, value in data.items():
             if key not in keys:
                 raise ConfigError(key, f"unknown key in {path} (known: {', '.join(sorted(keys))})")

@@ -46,12 +46,17 @@ class RunWriter:
     Args:
         out: the directory; created if missing.
         config: the resolved configuration, written at once as ``config.toml``.
+        environment: what the run ran on (``fedgrid.determinism.environment``), written
+            as the file's ``[environment]`` table; ``load_config`` reads the file back.
     """
 
-    def __init__(self, out: str | os.PathLike[str], config: Mapping[str, object]) -> None:
+    def __init__(self, out: str | os.PathLike[str], config: Mapping[str, object], *, environment: Mapping[str, object] | None = None) -> None:
         self.dir = Path(out)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._atomic_write("config.toml", to_toml(config).encode())
+        text = to_toml(config)
+        if environment:
+            text += "\n[environment]\n" + to_toml(environment)
+        self._atomic_write("config.toml", text.encode())
         self.metrics_path = self.dir / "metrics.jsonl"
         self.metrics_path.touch()
 

@@ -160,6 +160,10 @@ class EncodedModel:
     def __len__(self) -> int:
         return len(self._tensors)
 
+    def payloads(self) -> list[tuple[str, int, bytes]]:
+        """``(name, checksum, payload)`` of each tensor as it goes on the wire, in order."""
+        return [(t.meta.name, t.meta.checksum, bytes(t.payload)) for t in self._tensors]
+
     def frames(self, info: StreamInfo, *, chunk_size: int = CHUNK_SIZE, start: int = 0) -> Iterator[bytes]:
         """Yields the stream as encoded ``Chunk`` messages: the header on the first, then each
         tensor's meta and payload.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from concurrent import futures
@@ -14,6 +15,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from fedgrid.config import Config
+from fedgrid.determinism import environment, intra_op_threads
+from fedgrid.events import EventLog
 from fedgrid.constants import FINISH_GRACE_S, MAX_MESSAGE_BYTES
 from fedgrid.runlog import RunWriter
 from fedgrid.server.engine import RoundEngine
@@ -90,23 +93,35 @@ def run_coordinator(config: Config, *, initial: ModelState | None = None, ready:
     gracefully (returns ``None``; the committed state stays for a restart).
 
     The bound address is printed and written to ``RUN_DIR/address`` so that scripts using
-    port 0 can find it.
+    port 0 can find it. Events (``fedgrid.events``) are appended to ``RUN_DIR/events.jsonl``.
+    Aggregation runs with ``config.threads`` intra-op threads (restored on return), which
+    ``config.toml`` records with the torch version.
     """
+    with intra_op_threads(config.threads) as threads:
+        return _serve(config, threads, initial, ready)
+
+
+def _serve(config: Config, threads: int, initial: ModelState | None, ready: threading.Event | None) -> ModelState | None:
     resolved = resolve(dataset=config.dataset, model=config.model, seed=config.seed, data_dir=config.data_dir)
     store = StateStore(config.state_dir) if config.state_dir else None
     strategy = build_strategy(config, num_clients=config.min_clients)
     strategy.initialize(initial_state=initial if initial is not None else resolved.initial_state)
+    writer = RunWriter(config.out, {**config.to_dict(), "threads": threads}, environment=environment(threads_requested=config.threads))
+    events = EventLog(writer.dir / "events.jsonl")
     fleet = GrpcFleet(
+        events=events,
         heartbeat_interval=timedelta(seconds=config.heartbeat_interval_s),
         chunk_size=config.chunk_size,
         spill_dir=Path(config.state_dir) / "updates" if config.state_dir else None,
         codec_policy=build_codec_policy(config),
         downlink_codec=config.downlink_codec,
     )
-    writer = RunWriter(config.out, config.to_dict())
     coordinator = Coordinator(config.listen, fleet, max_workers=config.max_workers).start()
-    (Path(config.out) / "address").write_text(coordinator.address + "\n")
-    print(f"fedgrid coordinator listening on {coordinator.address} (run {fleet.run_id}, dir {config.out})", flush=True)
+    address_tmp = Path(config.out) / "address.tmp"  # atomic: a script waiting for the file never reads half of it
+    address_tmp.write_text(coordinator.address + "\n")
+    os.replace(address_tmp, Path(config.out) / "address")
+    print(f"fedgrid coordinator listening on {coordinator.address} (run {fleet.run_id}, dir {config.out}, {threads} threads)", flush=True)
+    events.emit("started", run_id=fleet.run_id, address=coordinator.address, threads=threads)
     if ready is not None:
         ready.set()
 
@@ -126,6 +141,7 @@ def run_coordinator(config: Config, *, initial: ModelState | None = None, ready:
         on_round=on_round,
         finish_timeout=timedelta(seconds=FINISH_GRACE_S),
         store=store,
+        events=events,
     )
 
     def on_term(signum: int, frame: object) -> None:
@@ -146,6 +162,9 @@ def run_coordinator(config: Config, *, initial: ModelState | None = None, ready:
             signal.signal(signal.SIGTERM, previous)
     if final is None:
         print(f"stopped; state up to round {len(engine.history)} is committed", flush=True)
+        events.emit("stopped", committed=len(engine.history))
+        events.close()
         return None
+    events.close()
     print(f"run finished: final model in {writer.dir / 'model.safetensors'}", flush=True)
     return final

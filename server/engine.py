@@ -16,6 +16,7 @@ from typing import Callable
 
 from fedgrid.aggregation.base import Strategy
 from fedgrid.errors import InterruptedRunError
+from fedgrid.events import EventLog
 from fedgrid.runlog import RunWriter
 from fedgrid.server.fleet import Fleet
 from fedgrid.server.state import StateStore
@@ -42,6 +43,8 @@ class RoundEngine:
         writer: where metrics and the final model go.
         on_round: called with each round's metrics (progress display).
         store: durable state; when given, ``run`` resumes after the last committed round.
+        events: where ``resumed``, ``aggregating``, ``round_committed`` and ``finished`` go
+            (``fedgrid.events``); default: nowhere.
     """
 
     def __init__(
@@ -58,6 +61,7 @@ class RoundEngine:
         on_round: Callable[[RoundMetrics], None] | None = None,
         finish_timeout: timedelta = timedelta(seconds=15),
         store: StateStore | None = None,
+        events: EventLog | None = None,
     ) -> None:
         self.strategy = strategy
         self.fleet = fleet
@@ -70,6 +74,7 @@ class RoundEngine:
         self.on_round = on_round
         self.finish_timeout = finish_timeout
         self.store = store
+        self.events = events if events is not None else EventLog()
         self.history: list[RoundMetrics] = []
         self._stop = threading.Event()
 
@@ -90,20 +95,24 @@ class RoundEngine:
         self.history = [RoundMetrics.from_json(m) for m in ckpt.history]
         self.store.sync_history(ckpt.history)
         log.info("resuming after round %d (checkpoint %s)", ckpt.round, ckpt.path.name)
+        self.events.emit("resumed", round=ckpt.round)
         return ckpt.round + 1
 
     def _commit(self, metrics: RoundMetrics) -> None:
         self.history.append(metrics)
         if self.store is not None:
+            self.events.emit("checkpoint_writing", round=metrics.round)
             self.store.save(
                 server_round=metrics.round,
                 strategy=self.strategy.state_dict(),
                 fleet=self.fleet.state_dict(),
                 history=[m.to_json() for m in self.history],
             )
+            self.events.emit("checkpoint_written", round=metrics.round)
         self.fleet.committed(metrics.round)
         if self.writer is not None:
             self.writer.write_round(metrics)
+        self.events.emit("round_committed", round=metrics.round)
         if self.on_round is not None:
             self.on_round(metrics)
 
@@ -128,6 +137,7 @@ class RoundEngine:
         for failure in outcome.failures:
             log.warning("round %d: client %s failed: %s", server_round, failure.client.name or failure.client.client_id, failure.reason)
         log.info("round %d: aggregating %d updates (%d failures)", server_round, len(outcome.results), len(outcome.failures))
+        self.events.emit("aggregating", round=server_round, updates=len(outcome.results), failures=len(outcome.failures))
         agg_metrics = self.strategy.aggregate(server_round=server_round, results=outcome.results, failures=outcome.failures)
         loss: float | None = agg_metrics.get("train_loss")
         accuracy: float | None = None
@@ -183,4 +193,5 @@ class RoundEngine:
         self.fleet.finish(timeout=self.finish_timeout)
         if self.writer is not None:
             self.writer.write_model(self.strategy.global_state)
+        self.events.emit("finished", rounds=self.rounds)
         return self.strategy.global_state

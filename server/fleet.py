@@ -22,7 +22,9 @@ R = TypeVar("R", FitRes, EvaluateRes)
 @dataclass(frozen=True)
 class RoundOutcome(Generic[R]):
     """What came back from a round: results, failures (as data), clients cancelled because
-    the round reached its target first (over-selection), and the bytes moved."""
+    the round reached its target first (over-selection), the bytes moved, and why the
+    round closed (``closed_by``: ``all``, ``target``, ``deadline`` or ``stopping``, see
+    ``fedgrid.events``)."""
 
     results: list[R]
     failures: list[Failure]
@@ -30,6 +32,7 @@ class RoundOutcome(Generic[R]):
     bytes_up: int = 0
     bytes_down: int = 0
     extra: dict[str, float] = field(default_factory=dict)
+    closed_by: str = "all"
 
 
 class Fleet(ABC):

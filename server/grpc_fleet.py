@@ -23,6 +23,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from fedgrid.compression import parse_codec_spec
 from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S, RETRY_MAX_WAIT_S
+from fedgrid.events import EventLog
 from fedgrid.errors import (
     AuthenticationError,
     FedgridError,
@@ -73,6 +74,7 @@ class _Round:
     uploading: set[str] = field(default_factory=set)
     partials: dict[str, "_Upload"] = field(default_factory=dict)  # broken uploads, by client
     closed: bool = False
+    closed_by: str = ""  # why it closed: one of fedgrid.events.CLOSE_REASONS
     bytes_up: int = 0
     bytes_down: int = 0
     raw_up: int = 0  # what the accepted updates would weigh uncompressed
@@ -134,6 +136,8 @@ class GrpcFleet(Fleet):
             part of it its task names in ``FitIns.download``) or a lossy spec: clients get
             the compressed change since the version they hold, with server-side error
             feedback (see ``server/downlink.py``), whatever ``FitIns.download`` says.
+        events: where the fleet reports joins, drops, accepted uploads and round closes
+            (``fedgrid.events``); default: nowhere.
     """
 
     def __init__(
@@ -144,8 +148,10 @@ class GrpcFleet(Fleet):
         spill_dir: str | os.PathLike[str] | None = None,
         codec_policy: CodecPolicy | None = None,
         downlink_codec: str = "none",
+        events: EventLog | None = None,
     ) -> None:
         self.run_id = uuid.uuid4().hex
+        self.events = events if events is not None else EventLog()
         self.codec_policy = codec_policy or CodecPolicy()
         self.downlink = Downlink(downlink_codec)
         self.spill = UpdateSpill(spill_dir)
@@ -167,7 +173,8 @@ class GrpcFleet(Fleet):
         with self._cond:
             self._clients[info.client_id] = _ClientRecord(info, token, time.monotonic())
             self._cond.notify_all()
-        log.info("client %s joined as %s (region %r, %d examples)", info.name, info.client_id, info.region, info.num_examples)
+        log.info("client %r joined as %s (region %r, %d examples)", info.name, info.client_id, info.region, info.num_examples)
+        self.events.emit("client_joined", client=info.client_id, name=info.name, region=info.region)
         return info, token
 
     def authenticate(self, client_id: str, token: str) -> _ClientRecord:
@@ -323,8 +330,9 @@ class GrpcFleet(Fleet):
                     if not rnd.closed:
                         rnd.partials[client_id] = upload
                         upload = None  # kept, not aborted
-                log.info("round %d: upload from %s broke after %d chunks; kept for resume",
+                log.info("round %d: upload from %r broke after %d chunks; kept for resume",
                          rnd.server_round, record.info.name or client_id, asm.frames_received)
+                self.events.emit("upload_broken", round=rnd.server_round, client=client_id, chunks=asm.frames_received)
                 raise
             stream, state = asm.finish()
             if stream.round != rnd.server_round:
@@ -352,8 +360,10 @@ class GrpcFleet(Fleet):
                 rnd.payload_up += asm.payload_bytes
                 rnd.raw_up += upload.raw_bytes
                 self._cond.notify_all()
-                log.info("round %d: accepted %s from %s (%d of %d)", rnd.server_round, "evaluation" if rnd.evaluate else "update",
-                         record.info.name or client_id, len(rnd.results), len(rnd.assignments))
+                accepted, expected = len(rnd.results), len(rnd.assignments)
+            log.info("round %d: accepted %s from %r (%d of %d)", rnd.server_round, "evaluation" if rnd.evaluate else "update",
+                     record.info.name or client_id, accepted, expected)
+            self.events.emit("update_accepted", round=rnd.server_round, client=client_id, evaluate=rnd.evaluate, accepted=accepted, expected=expected)
             upload = None
             return asm.payload_bytes
         finally:
@@ -403,14 +413,23 @@ class GrpcFleet(Fleet):
             partial = rnd.partials.get(client_id)
             return (0 if partial is None else partial.asm.frames_received), False
 
+    @property
+    def current_round(self) -> _Round | None:
+        """The round in progress, or closed and not yet committed (``None`` between rounds).
+
+        For status pages and tests: read it, never change it.
+        """
+        return self._round
+
     # -- Fleet -----------------------------------------------------------------------------
     def _live(self) -> list[ClientInfo]:
         now = time.monotonic()
         limit = SILENCE_INTERVALS * self.heartbeat_interval_s
         gone = [cid for cid, rec in self._clients.items() if now - rec.last_seen > limit]
         for cid in gone:
-            log.warning("client %s silent for over %.1fs: dropped", self._clients[cid].info.name or cid, limit)
+            log.warning("client %r silent for over %.1fs: dropped", self._clients[cid].info.name or cid, limit)
             del self._clients[cid]
+            self.events.emit("client_dropped", client=cid, reason=f"silent for over {limit:.1f}s")
         return [rec.info for rec in self._clients.values()]
 
     def live_clients(self) -> list[ClientInfo]:
@@ -443,7 +462,8 @@ class GrpcFleet(Fleet):
         results, failures, cancelled, rnd = self._run(server_round, global_state, assignments, timeout, evaluate=False, target=target)
         extra = {"uplink_ratio": rnd.raw_up / rnd.payload_up} if rnd.payload_up else {}
         return RoundOutcome(
-            [r for r in results if isinstance(r, FitRes)], failures, cancelled, bytes_up=rnd.bytes_up, bytes_down=rnd.bytes_down, extra=extra
+            [r for r in results if isinstance(r, FitRes)], failures, cancelled, bytes_up=rnd.bytes_up, bytes_down=rnd.bytes_down, extra=extra,
+            closed_by=rnd.closed_by,
         )
 
     def evaluate_round(
@@ -456,7 +476,8 @@ class GrpcFleet(Fleet):
     ) -> RoundOutcome[EvaluateRes]:
         results, failures, cancelled, rnd = self._run(server_round, global_state, assignments, timeout, evaluate=True)
         return RoundOutcome(
-            [r for r in results if isinstance(r, EvaluateRes)], failures, cancelled, bytes_up=rnd.bytes_up, bytes_down=rnd.bytes_down
+            [r for r in results if isinstance(r, EvaluateRes)], failures, cancelled, bytes_up=rnd.bytes_up, bytes_down=rnd.bytes_down,
+            closed_by=rnd.closed_by,
         )
 
     def _run(
@@ -491,19 +512,24 @@ class GrpcFleet(Fleet):
             rnd.results.update(self.spill.restore(task_id=rnd.task_id, assigned=infos))
             if rnd.results:
                 log.info("round %d: %d updates restored from before a restart", server_round, len(rnd.results))
+                self.events.emit("updates_restored", round=server_round, count=len(rnd.results))
+        self.events.emit("round_opened", round=server_round, task=rnd.task_id, clients=len(rnd.assignments), evaluate=evaluate)
         with self._cond:
             self._round = rnd
             self._cond.notify_all()
             goal = len(rnd.assignments) if target is None else min(target, len(rnd.assignments))
+            reason = "all"
             while rnd.pending() and len(rnd.results) < goal:
                 if self._interrupted:
                     for cid in rnd.pending():
                         rnd.failures[cid] = Failure(infos[cid], "coordinator stopping")
+                    reason = "stopping"
                     break
                 now = time.monotonic()
                 if now >= rnd.deadline:
                     for cid in rnd.pending():
                         rnd.failures[cid] = Failure(infos[cid], f"missed the round deadline of {timeout.total_seconds():.1f}s")
+                    reason = "deadline"
                     break
                 live = {info.client_id for info in self._live()}
                 for cid in rnd.pending():
@@ -518,7 +544,11 @@ class GrpcFleet(Fleet):
             results = [rnd.results[cid] for cid in rnd.assignments if cid in rnd.results]
             failures = [rnd.failures[cid] for cid in rnd.assignments if cid in rnd.failures]
             cancelled = [infos[cid] for cid in rnd.pending()]  # over-selected, not needed
-            return results, failures, cancelled, rnd
+            if reason == "all" and cancelled:
+                reason = "target"
+            rnd.closed_by = reason
+        self.events.emit("round_closed", round=server_round, evaluate=evaluate, reason=reason, results=len(results), failures=len(failures))
+        return results, failures, cancelled, rnd
 
     def _with_codec(self, info: ClientInfo, ins: FitIns | EvaluateIns) -> FitIns | EvaluateIns:
         if isinstance(ins, EvaluateIns):

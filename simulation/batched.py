@@ -56,7 +56,7 @@ __all__ = ["BatchedTrainer", "NotBatchable", "choose_engine", "memory_budget"]
 log = logging.getLogger(__name__)
 
 Outcome: TypeAlias = Union[FitOutput, Exception]
-_TORCH_CLIENT_METHODS = ("fit", "_train", "_batches", "_load", "_state", "_start_state", "round_seed")
+_TORCH_CLIENT_METHODS = ("fit", "_train", "_batches", "_load", "_state", "start_state", "round_seed")
 
 
 def choose_engine(*, device: torch.device, conv_share: float) -> tuple[str, str]:

@@ -8,6 +8,7 @@ from datetime import timedelta
 from typing import Callable
 
 from fedgrid.config import Config
+from fedgrid.determinism import environment, intra_op_threads
 from fedgrid.runlog import RunWriter
 from fedgrid.server.codec_policy import build_codec_policy
 from fedgrid.server.engine import RoundEngine
@@ -35,7 +36,20 @@ def run_simulation(config: Config, *, on_round: Callable[[RoundMetrics], None] |
     with the same data and training options (``fedgrid.simulation.tasks.CLIENT_KEYS``).
     Availability, speed and region follow ``ClientProfiles`` (the heterogeneity keys).
     Returns the final global model and the per-round metrics.
+
+    The run uses ``config.threads`` intra-op threads (restored afterwards). On the
+    sequential engine its model is bit-identical to a deployment whose coordinator and
+    client processes use the same thread count and torch build; on the batched engine it
+    is equal within ``fedgrid.determinism.BATCHED_ATOL`` (see that module). The run
+    directory's ``config.toml`` records the thread count and the engine actually used, and
+    its ``[environment]`` table the torch version, so ``--config RUN/config.toml`` reruns
+    it bit for bit.
     """
+    with intra_op_threads(config.threads) as threads:
+        return _run(config, threads, on_round)
+
+
+def _run(config: Config, threads: int, on_round: Callable[[RoundMetrics], None] | None) -> tuple[ModelState, list[RoundMetrics]]:
     strategy = build_strategy(config, num_clients=config.clients)  # a bad option fails before any work
     resolved = resolve(dataset=config.dataset, model=config.model, app=config.app, seed=config.seed, data_dir=config.data_dir)
     strategy.initialize(initial_state=resolved.initial_state)
@@ -58,7 +72,10 @@ def run_simulation(config: Config, *, on_round: Callable[[RoundMetrics], None] |
     )  # checks the engine can train these clients: fails before the run directory exists
     if fleet.device is not None and fleet.device.type == "cpu":
         keep_large_buffers()  # the batched engine frees and reallocates the same large buffers at every step
-    writer = RunWriter(config.out, config.to_dict()) if config.out else None
+    writer = None
+    if config.out:
+        recorded = {**config.to_dict(), "threads": threads, "engine": fleet.engine}
+        writer = RunWriter(config.out, recorded, environment=environment(engine_requested=config.engine, threads_requested=config.threads))
     engine = RoundEngine(
         strategy=strategy,
         fleet=fleet,

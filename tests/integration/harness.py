@@ -1,9 +1,14 @@
-"""Integration-test harness: real processes and real gRPC servers on ephemeral ports."""
+"""Integration-test harness: real processes and real gRPC servers on ephemeral ports.
+
+Every process a test starts pins ``THREADS`` intra-op threads (``--threads``), and every
+in-process reference a test compares bitwise with them runs with the same count
+(``REFERENCE``): float results depend on the thread count (``fedgrid.determinism``).
+"""
 
 from __future__ import annotations
 
+import json
 import os
-import re
 import socket
 import signal
 import subprocess
@@ -22,6 +27,11 @@ from fedgrid.server.app import Coordinator
 from fedgrid.server.grpc_fleet import GrpcFleet
 
 FEDGRID = [sys.executable, "-m", "fedgrid.cli"]
+#: Intra-op threads of every fedgrid process the tests start (one: the machines have two
+#: cores and a test runs several processes at once).
+THREADS = 1
+#: Config overrides for an in-process run that must equal those processes bit for bit.
+REFERENCE = {"threads": THREADS, "engine": "sequential"}
 
 
 def wait_until(condition: Callable[[], bool], *, timeout: float, what: str, interval: float = 0.05) -> None:
@@ -46,7 +56,7 @@ def start_coordinator(out: Path, *args: str) -> tuple[subprocess.Popen, str]:
     """Starts ``fedgrid coordinator`` on port 0 and returns it with its address."""
     log = open(out.parent / f"{out.name}.coordinator.log", "w")
     proc = subprocess.Popen(
-        [*FEDGRID, "coordinator", "--listen", "127.0.0.1:0", "--out", str(out), *args],
+        [*FEDGRID, "coordinator", "--listen", "127.0.0.1:0", "--out", str(out), "--threads", str(THREADS), *args],
         stdout=log, stderr=subprocess.STDOUT, env=child_env(),
     )
     address_file = out / "address"
@@ -57,7 +67,7 @@ def start_coordinator(out: Path, *args: str) -> tuple[subprocess.Popen, str]:
 
 def start_client(address: str, log_path: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [*FEDGRID, "client", "--coordinator", address, *args],
+        [*FEDGRID, "client", "--coordinator", address, "--threads", str(THREADS), *args],
         stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=child_env(),
     )
 
@@ -90,7 +100,7 @@ class InProcessCoordinator:
 
         self._thread = threading.Thread(target=run_round, daemon=True)
         self._thread.start()
-        wait_until(lambda: self.fleet._round is not None and self.fleet._round.server_round == server_round, timeout=10, what="round to open")
+        wait_until(lambda: (r := self.fleet.current_round) is not None and r.server_round == server_round, timeout=10, what="round to open")
 
     def wait_round(self, timeout: float = 60.0):
         assert self._thread is not None
@@ -128,45 +138,119 @@ class FailFirst(grpc.ServerInterceptor):
 
 
 class CoordinatorRun:
-    """One coordinator process whose log is watched line by line.
+    """One ``fedgrid coordinator`` process on port 0, whose events (``RUN_DIR/events.jsonl``,
+    see ``fedgrid.events``) are followed as they are written.
 
-    ``trigger = (round, text)`` SIGKILLs it the first time a log line says
-    ``round N: text`` with N at or after ``round``.
+    ``trigger = (round, event)`` sends ``signal`` to it the first time ``event`` happens
+    for a round at or after ``round``: fault injection keyed on the coordinator's
+    documented events, not on its log text.
+
+    Args:
+        out: the run directory (``--out``); a restart passes the same one.
+        args: further coordinator flags.
+        log_path: the process's stdout and stderr are appended here.
     """
 
-    def __init__(self, args: list[str], log_path) -> None:
-        self.lines: list[str] = []
-        self.log = open(log_path, "a")
-        self.proc = subprocess.Popen([*FEDGRID, "coordinator", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env())
-        self.trigger: tuple[int, str] | None = None
+    def __init__(self, out: Path, args: list[str], log_path: Path, *, trigger: tuple[int, str] | None = None,
+                 sig: int = signal.SIGKILL) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        self.out = out
+        self.events_path = out / "events.jsonl"
+        self._offset = self.events_path.stat().st_size if self.events_path.exists() else 0  # this start's events only
+        (out / "address").unlink(missing_ok=True)
+        self.events: list[dict] = []
+        self.trigger, self.sig = trigger, sig
         self.killed = threading.Event()
-        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.log = open(log_path, "a")
+        self.proc = subprocess.Popen(
+            [*FEDGRID, "coordinator", "--listen", "127.0.0.1:0", "--out", str(out), "--threads", str(THREADS), *args],
+            stdout=self.log, stderr=subprocess.STDOUT, env=child_env(),
+        )
+        self._lock = threading.Lock()
+        self.reader = threading.Thread(target=self._follow, daemon=True)
         self.reader.start()
 
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.log.write(line)
-            self.log.flush()
-            self.lines.append(line)
-            if self.trigger is not None and not self.killed.is_set():
-                server_round, phase = self.trigger
-                # The first time the phase happens at or after the chosen round (a redone
-                # round may skip a phase: its updates are restored, not uploaded again).
-                m = re.search(r"round (\d+): " + phase, line)
-                if m and int(m.group(1)) >= server_round:
-                    self.proc.send_signal(signal.SIGKILL)  # at once, mid-phase
-                    self.killed.set()
+    def _follow(self) -> None:
+        pending = b""
+        while True:
+            exited = self.proc.poll() is not None  # read once more after the exit: nothing is missed
+            if self.events_path.exists():
+                with open(self.events_path, "rb") as f:
+                    f.seek(self._offset)
+                    data = f.read()
+                self._offset += len(data)
+                pending += data
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    self._on_event(json.loads(line))
+            if exited:
+                return
+            time.sleep(0.005)  # polling a file that another process appends to
+
+    def _on_event(self, event: dict) -> None:
+        with self._lock:
+            self.events.append(event)
+        if self.trigger is None or self.killed.is_set():
+            return
+        server_round, name = self.trigger
+        # The first time the event happens at or after the chosen round (a redone round
+        # may skip one: its updates are restored, not uploaded again).
+        if event["event"] == name and event.get("round", 0) >= server_round and self.proc.poll() is None:
+            self.proc.send_signal(self.sig)
+            self.killed.set()
+
+    def seen(self, name: str, **fields: object) -> list[dict]:
+        """The events named ``name`` so far whose fields include ``fields``."""
+        with self._lock:
+            return [e for e in self.events if e["event"] == name and all(e.get(k) == v for k, v in fields.items())]
+
+    def address(self, timeout: float = 60) -> str:
+        """The address this start listens on (waits for ``RUN_DIR/address``)."""
+        path = self.out / "address"
+        wait_until(lambda: path.exists() or self.proc.poll() is not None, timeout=timeout, what="coordinator address")
+        assert path.exists(), f"coordinator exited early with {self.proc.returncode}"
+        return path.read_text().strip()
+
+
+def deploy(tmp_path: Path, name: str, coordinator_args: list[str], *, clients: int, seed: int) -> Path:
+    """An uninterrupted coordinator with ``clients`` client processes (the same processes,
+    flags and thread count as the tests' fault-injected runs); returns its run directory."""
+    out = tmp_path / name
+    run = CoordinatorRun(out, coordinator_args, tmp_path / f"{name}.coordinator.log")
+    address = run.address()
+    procs = [start_client(address, tmp_path / f"{name}.client{i}.log", "--partition", f"{i}/{clients}", "--seed", str(seed))
+             for i in range(clients)]
+    try:
+        assert run.proc.wait(timeout=240) == 0, (tmp_path / f"{name}.coordinator.log").read_text()[-3000:]
+        for i, c in enumerate(procs):
+            assert c.wait(timeout=60) == 0, (tmp_path / f"{name}.client{i}.log").read_text()[-3000:]
+    finally:
+        for p in [run.proc, *procs]:
+            if p.poll() is None:
+                p.kill()
+    return out
+
+
+def assert_same_model(a: Path, b: Path) -> None:
+    """The two runs' final models hold the same tensors, bit for bit."""
+    from fedgrid.runlog import load_model
+
+    left, right = load_model(a / "model.safetensors"), load_model(b / "model.safetensors")
+    assert set(left) == set(right)
+    for name, tensor in left.items():
+        assert torch.equal(tensor, right[name]), name
 
 
 class Relay:
-    """A TCP relay in front of a server, for cutting connections mid-stream (fault injection).
+    """A TCP relay in front of a server: a fixed front address for clients while the server
+    behind it restarts on new ports, and a way to cut connections mid-stream.
 
-    ``cut()`` drops every open connection; new connections are relayed as before.
-    ``upstream_bytes`` counts what clients sent through it.
+    ``retarget(port)`` sends new connections to ``port`` (``None``: refuse them, as a
+    server that is down would); ``cut()`` drops every open connection; ``upstream_bytes``
+    counts what clients sent through it.
     """
 
-    def __init__(self, target_port: int) -> None:
+    def __init__(self, target_port: int | None) -> None:
         self.target_port = target_port
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
@@ -182,7 +266,15 @@ class Relay:
                 client, _ = self.listener.accept()
             except OSError:
                 return
-            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            port = self.target_port
+            try:
+                if port is None:
+                    raise ConnectionRefusedError("no server behind the relay")
+                upstream = socket.create_connection(("127.0.0.1", port), timeout=5)
+                upstream.settimeout(None)
+            except OSError:
+                client.close()  # the client sees the connection fail and retries
+                continue
             with self._lock:
                 self._conns += [client, upstream]
             threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
@@ -203,6 +295,9 @@ class Relay:
                     s.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+
+    def retarget(self, port: int | None) -> None:
+        self.target_port = port
 
     def cut(self) -> None:
         with self._lock:

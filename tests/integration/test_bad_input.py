@@ -53,15 +53,15 @@ def _snapshot(coordinator):
     cut by the transport, as gRPC does on an oversized message, may leave its verified
     chunks for a resume: a transfer buffer, not coordinator state.)"""
     fleet = coordinator.fleet
-    rnd = fleet._round
-    model = [(t.meta.name, t.meta.checksum, bytes(t.payload)) for t in rnd.downlink.for_client(None)[0]._tensors]
+    rnd = fleet.current_round
+    model = rnd.downlink.for_client(None)[0].payloads()
     return (fleet.state_dict(), rnd.task_id, rnd.server_round, rnd.closed, sorted(rnd.results), sorted(rnd.failures),
             sorted(rnd.uploading), rnd.bytes_up, model)
 
 
 def _assert_untouched(coordinator):
     assert _snapshot(coordinator) == coordinator.snap
-    assert coordinator.fleet._round.results == {}
+    assert coordinator.fleet.current_round.results == {}
 
 
 CASES = {
@@ -172,7 +172,7 @@ def test_duplicate_and_stale_uploads(coordinator, session, small_state):
     with pytest.raises(grpc.RpcError) as err:  # an update for a round that is over
         _upload(stub, _chunks(good, cid, token, task))
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "not open" in err.value.details()
-    assert coordinator.fleet._round.results == {}
+    assert coordinator.fleet.current_round.results == {}
 
 
 def test_client_without_task_is_refused(coordinator, session, small_state):

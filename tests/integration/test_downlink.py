@@ -39,14 +39,14 @@ def test_clients_hold_the_shadow_and_catch_up():
             out: list = []
             t = threading.Thread(target=lambda: out.append(fleet.fit_round(server_round=server_round, global_state=model, assignments=assignments, timeout=timedelta(seconds=60))))
             t.start()
-            wait_until(lambda: fleet._round is not None and fleet._round.server_round == server_round, timeout=10, what="round")
+            wait_until(lambda: fleet.current_round is not None and fleet.current_round.server_round == server_round, timeout=10, what="round")
             for i in active:
                 task = conns[i].poll(5).task
                 held = conns[i].fetch_model(task.task_id)
                 shadow = fleet.downlink.shadow.shadow
                 for name in model:
                     assert torch.equal(held[name], shadow[name]), (server_round, i, name)
-                assert conns[i].held_version == fleet._round.downlink.version
+                assert conns[i].held_version == fleet.current_round.downlink.version
                 conns[i].upload(task.task_id, server_round, held, 1, {})
             t.join(timeout=30)
             down = out[0].bytes_down

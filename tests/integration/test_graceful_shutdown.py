@@ -1,5 +1,5 @@
 """SIGTERM mid-round: NOT_SERVING, in-flight work completes or is refused cleanly, exit 0,
-and a restart resumes to the same final model."""
+and a restart resumes to the same final model as an uninterrupted deployment."""
 
 from __future__ import annotations
 
@@ -7,14 +7,11 @@ import signal
 
 import grpc
 import pytest
-import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from fedgrid.config import load_config
-from fedgrid.runlog import load_model, read_metrics
-from fedgrid.simulation.run import run_simulation
+from fedgrid.runlog import read_metrics
 
-from harness import CoordinatorRun, start_client, wait_until
+from harness import CoordinatorRun, Relay, assert_same_model, deploy, start_client, wait_until
 
 ROUNDS, CLIENTS, SEED = 5, 3, 4
 
@@ -25,28 +22,32 @@ def _health(address: str) -> int:
         return reply.status
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_sigterm_mid_round_then_resume(tmp_path):
-    out, state = tmp_path / "run", tmp_path / "state"
-    common = ["--rounds", str(ROUNDS), "--min-clients", str(CLIENTS), "--seed", str(SEED), "--state-dir", str(state),
-              "--out", str(out), "--heartbeat-interval-s", "2"]
-    first = CoordinatorRun(["--listen", "127.0.0.1:0", *common], tmp_path / "coordinator.log")
-    wait_until(lambda: (out / "address").exists(), timeout=60, what="coordinator address")
-    address = (out / "address").read_text().strip()
+    common = ["--rounds", str(ROUNDS), "--min-clients", str(CLIENTS), "--seed", str(SEED), "--heartbeat-interval-s", "2"]
+    reference = deploy(tmp_path, "reference", common, clients=CLIENTS, seed=SEED)
+
+    out, log_path = tmp_path / "run", tmp_path / "coordinator.log"
+    common += ["--state-dir", str(tmp_path / "state")]
+    # Terminate while round 3's uploads arrive.
+    first = CoordinatorRun(out, common, log_path, trigger=(3, "update_accepted"), sig=signal.SIGTERM)
+    address = first.address()
     assert _health(address) == health_pb2.HealthCheckResponse.SERVING
-    clients = [start_client(address, tmp_path / f"c{i}.log", "--partition", f"{i}/{CLIENTS}", "--seed", str(SEED)) for i in range(CLIENTS)]
+    relay = Relay(int(address.rpartition(":")[2]))
+    clients = [start_client(relay.address, tmp_path / f"c{i}.log", "--partition", f"{i}/{CLIENTS}", "--seed", str(SEED)) for i in range(CLIENTS)]
     second = None
     try:
-        # Terminate while round 3's uploads arrive.
-        wait_until(lambda: any("round 3: accepted update" in line for line in first.lines), timeout=120, what="round 3 uploads")
-        first.proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: first.killed.is_set() or first.proc.poll() is not None, timeout=120, what="round 3 uploads")
+        assert first.killed.is_set(), "the run ended before round 3's uploads"
         assert first.proc.wait(timeout=30) == 0
         committed = [m["round"] for m in read_metrics(out)]
         assert committed == list(range(1, len(committed) + 1)) and 2 <= len(committed) <= 3
-        assert any("stopped; state up to round" in line for line in first.lines)
+        assert [e["committed"] for e in first.seen("stopped")] == [len(committed)]
+        assert first.seen("round_closed", round=3, reason="stopping") or len(committed) == 3
 
-        port = address.rpartition(":")[2]
-        second = CoordinatorRun(["--listen", f"127.0.0.1:{port}", *common], tmp_path / "coordinator.log")
+        relay.retarget(None)
+        second = CoordinatorRun(out, common, log_path)
+        relay.retarget(int(second.address().rpartition(":")[2]))
         assert second.proc.wait(timeout=180) == 0
         for i, c in enumerate(clients):
             assert c.wait(timeout=60) == 0, (tmp_path / f"c{i}.log").read_text()[-2000:]
@@ -54,9 +55,7 @@ def test_sigterm_mid_round_then_resume(tmp_path):
         for p in [first.proc, *([second.proc] if second else []), *clients]:
             if p.poll() is None:
                 p.kill()
-    assert any(f"resuming after round {len(committed)}" in line for line in second.lines)
+        relay.close()
+    assert [e["round"] for e in second.seen("resumed")] == [len(committed)]
     assert [m["round"] for m in read_metrics(out)] == list(range(1, ROUNDS + 1))
-    reference, _ = run_simulation(load_config(overrides={"rounds": ROUNDS, "clients": CLIENTS, "seed": SEED, "engine": "sequential"}))
-    final = load_model(out / "model.safetensors")
-    for name, tensor in reference.items():
-        assert torch.equal(final[name], tensor), name
+    assert_same_model(out, reference)

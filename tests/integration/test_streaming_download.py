@@ -248,7 +248,7 @@ def test_grpc_fleet_sends_each_client_what_its_task_names(uplink, downlink):
         thread = threading.Thread(target=lambda: out.append(fleet.fit_round(
             server_round=1, global_state=model, assignments=assignments, timeout=timedelta(seconds=60))))
         thread.start()
-        wait_until(lambda: fleet._round is not None, timeout=10, what="round to open")
+        wait_until(lambda: fleet.current_round is not None, timeout=10, what="round to open")
         sizes = 0
         for i, conn in enumerate(conns):
             task = conn.poll(5).task
@@ -258,7 +258,7 @@ def test_grpc_fleet_sends_each_client_what_its_task_names(uplink, downlink):
             for name, tensor in held.items():  # the first round of a lossy downlink is exact too
                 assert torch.equal(tensor, model[name]), (i, name)
             part = OrderedDict((n, t) for n, t in model.items() if n in held)
-            header = serde.StreamInfo(run_id=fleet.run_id, task_id=task.task_id, round=1, version=fleet._round.downlink.version)
+            header = serde.StreamInfo(run_id=fleet.run_id, task_id=task.task_id, round=1, version=fleet.current_round.downlink.version)
             sizes += sum(serde.wire_size(f) for f in serde.EncodedModel(part).frames(header))
             conn.upload(task.task_id, 1, OrderedDict(c=held["c"] + 1.0 if "c" in held else model["c"] + 1.0), 1, {},
                         codec=uplink, global_state=held)

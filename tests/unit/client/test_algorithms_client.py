@@ -206,7 +206,7 @@ def test_streaming_diloco_client_that_missed_rounds_merges_every_fragment_it_mis
     replica = client.state_dict()["replica"]
     # The fleet adds the upload fragment (0) for an uplink that sends differences: it is not merged.
     download = _part(strategy.global_state, set(ins3.download) | set(strategy.fragment_of_round(3).names))
-    start = client._start_state(download, "streaming-diloco", ins3.config)
+    start = client.start_state(download, "streaming-diloco", ins3.config)
     assert list(start) == list(replica)
     for name, tensor in start.items():
         want = download[name] if name in ins3.download else replica[name]
