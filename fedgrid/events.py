@@ -81,6 +81,13 @@ class EventLog:
         self._lock = threading.Lock()
         self._subscribers: list[Callable[[Event], None]] = []
         self._file = open(path, "a", encoding="ascii") if path is not None else None
+        if self._file is not None and self._file.tell() > 0:
+            with open(path, "rb") as f:  # type: ignore[arg-type]
+                f.seek(-1, os.SEEK_END)
+                torn = f.read(1) != b"\n"
+            if torn:  # a process killed mid-write left half a line: end it, so the next event stands alone
+                self._file.write("\n")
+                self._file.flush()
 
     def subscribe(self, callback: Callable[[Event], None]) -> None:
         """Calls ``callback(event)`` for every later event, on the emitting thread."""

@@ -182,7 +182,11 @@ class CoordinatorRun:
                 pending += data
                 *lines, pending = pending.split(b"\n")
                 for line in lines:
-                    self._on_event(json.loads(line))
+                    try:
+                        event = json.loads(line)
+                    except json.JSONDecodeError:  # the torn last line of a killed start
+                        continue
+                    self._on_event(event)
             if exited:
                 return
             time.sleep(0.005)  # polling a file that another process appends to

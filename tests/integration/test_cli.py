@@ -50,6 +50,8 @@ def test_client_bad_partition(tmp_path):
     assert result.returncode == 2 and "config key 'partition'" in result.stderr
     result = _run("client", "--coordinator", "127.0.0.1:1", "--app", "no.such.module:factory")
     assert result.returncode == 2 and "config key 'app'" in result.stderr
+    result = _run("client", "--coordinator", "127.0.0.1:1", "--threads", "-1")
+    assert result.returncode == 2 and "config key 'threads'" in result.stderr
 
 
 def test_simulate_toml_then_flags(tmp_path):

@@ -105,7 +105,7 @@ def test_cli_simulate_and_coordinator_agree_with_topk(tmp_path):
     from fedgrid.runlog import load_model, read_metrics
     from fedgrid.simulation.run import run_simulation
 
-    from harness import start_client, start_coordinator
+    from harness import REFERENCE, start_client, start_coordinator
 
     flags = ["--rounds", "3", "--seed", str(SEED), "--codec", "topk:0.01"]
     proc, address = start_coordinator(tmp_path / "coord", *flags, "--min-clients", str(CLIENTS))
@@ -118,7 +118,7 @@ def test_cli_simulate_and_coordinator_agree_with_topk(tmp_path):
         for p in [proc, *clients]:
             if p.poll() is None:
                 p.kill()
-    reference, history = run_simulation(load_config(overrides={"rounds": 3, "clients": CLIENTS, "seed": SEED, "codec": "topk:0.01"}))
+    reference, history = run_simulation(load_config(overrides={"rounds": 3, "clients": CLIENTS, "seed": SEED, "codec": "topk:0.01", **REFERENCE}))
     deployed = load_model(tmp_path / "coord" / "model.safetensors")
     for name, tensor in reference.items():
         assert torch.equal(deployed[name], tensor), name

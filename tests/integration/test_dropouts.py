@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from fedgrid.aggregation import FedAvg
+from fedgrid.events import EventLog
 from fedgrid.server.app import Coordinator
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.grpc_fleet import GrpcFleet
@@ -47,7 +48,10 @@ def test_dropouts_and_straggler(tmp_path, monkeypatch):
     env = {"SLOW_APP_MARKER_DIR": str(markers), "SLOW_APP_FIT_S": "1.5", "SLOW_APP_SLOW_S": "30", "SLOW_APP_SLOW_CLIENT": str(SLOW)}
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=0.5))
+    events = EventLog()
+    seen: list = []
+    events.subscribe(seen.append)
+    fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=0.5), events=events)
     server = Coordinator("127.0.0.1:0", fleet, max_workers=64).start()
     strategy = Recording()
     strategy.initialize(initial_state=initial_state(slow_app.model, seed=0))
@@ -80,7 +84,15 @@ def test_dropouts_and_straggler(tmp_path, monkeypatch):
     assert len(engine.history) == ROUNDS
     for m in engine.history:
         assert m.clients_ok == len(survivors)
-        assert m.wall_s <= DEADLINE_S + 3.0  # closed by its deadline (plus setup)
+    # Each round closed because its deadline passed with the straggler still pending, not
+    # because a result arrived; no update was accepted after the close.
+    closes = [e for e in seen if e.event == "round_closed"]
+    assert [(e["round"], e["reason"], e["results"]) for e in closes] == [(r, "deadline", len(survivors)) for r in range(1, ROUNDS + 1)]
+    for r, close in zip(range(1, ROUNDS + 1), closes):
+        accepted = [e for e in seen if e.event == "update_accepted" and e["round"] == r]
+        assert len(accepted) == len(survivors) and all(e.t <= close.t for e in accepted)
+        opened = next(e for e in seen if e.event == "round_opened" and e["round"] == r)
+        assert close.t - opened.t >= DEADLINE_S - 0.05  # never before its deadline (wall clock vs monotonic)
     assert m.clients_failed == 1  # round 2: only the straggler; the killed clients left the registry
     assert engine.history[0].clients_failed == len(VICTIMS) + 1
     for (names, before), after in zip(strategy.rounds, [r[1] for r in strategy.rounds[1:]] + [strategy.global_state]):

@@ -1,17 +1,20 @@
-"""The backbone: a coordinator and three client processes over real gRPC equal `fedgrid simulate`."""
+"""The backbone: a coordinator and three client processes over real gRPC equal `fedgrid simulate`:
+bit for bit on the sequential engine with the same thread count, within
+``fedgrid.determinism.BATCHED_ATOL`` on the batched engine."""
 
 from __future__ import annotations
 
-import subprocess
+import tomllib
 
 import pytest
 import torch
 
 from fedgrid.config import load_config
+from fedgrid.determinism import BATCHED_ATOL
 from fedgrid.runlog import load_model, read_metrics
 from fedgrid.simulation.run import run_simulation
 
-from harness import start_client, start_coordinator
+from harness import REFERENCE, THREADS, start_client, start_coordinator
 
 ROUNDS, CLIENTS, SEED = 3, 3, 7
 KEYS = {"round", "loss", "accuracy", "bytes_up", "bytes_down", "wall_s", "clients_ok", "clients_failed"}
@@ -33,7 +36,11 @@ def test_coordinator_and_three_client_processes_match_simulation(tmp_path):
             if p.poll() is None:
                 p.kill()
     for i in range(CLIENTS):
-        assert f"{ROUNDS} rounds trained" in (tmp_path / f"client{i}.log").read_text()
+        text = (tmp_path / f"client{i}.log").read_text()
+        assert f"{ROUNDS} rounds trained" in text
+        assert f"fedgrid client {i}/{CLIENTS}: {THREADS} threads, torch {torch.__version__}" in text
+    recorded = tomllib.loads((run_dir / "config.toml").read_text())
+    assert recorded["threads"] == THREADS and recorded["environment"]["torch"] == torch.__version__
 
     metrics = read_metrics(run_dir)
     assert [m["round"] for m in metrics] == list(range(1, ROUNDS + 1))
@@ -45,12 +52,15 @@ def test_coordinator_and_three_client_processes_match_simulation(tmp_path):
     assert metrics[-1]["accuracy"] > metrics[0]["accuracy"]
     assert (run_dir / "config.toml").exists()
 
-    config = load_config(overrides={"rounds": ROUNDS, "clients": CLIENTS, "seed": SEED, "out": str(tmp_path / "sim")})
+    config = load_config(overrides={"rounds": ROUNDS, "clients": CLIENTS, "seed": SEED, "out": str(tmp_path / "sim"), **REFERENCE})
     sim_state, sim_history = run_simulation(config)
     deployed = load_model(run_dir / "model.safetensors")
     assert set(deployed) == set(sim_state)  # safetensors stores keys sorted
     for name, tensor in sim_state.items():
-        torch.testing.assert_close(deployed[name], tensor, atol=1e-5, rtol=0)
+        assert torch.equal(deployed[name], tensor), name  # sequential engine, same threads: the same bits
+    batched, _ = run_simulation(load_config(overrides={"rounds": ROUNDS, "clients": CLIENTS, "seed": SEED, "threads": THREADS, "engine": "batched"}))
+    for name, tensor in batched.items():
+        torch.testing.assert_close(deployed[name], tensor, atol=BATCHED_ATOL, rtol=0)
     # Bytes are counted the same way in simulation and deployment; deployment's stream
     # headers also carry the run, task, client id and session token (under 200 bytes each).
     for sim_m, m in zip(sim_history, metrics):

@@ -10,7 +10,7 @@ from fedgrid.config import load_config
 from fedgrid.runlog import load_model, read_metrics
 from fedgrid.simulation.run import run_simulation
 
-from harness import start_client, start_coordinator
+from harness import REFERENCE, start_client, start_coordinator
 
 ROUNDS, CLIENTS, SEED = 2, 2, 3
 OPTIONS = {"model": "logistic", "optimizer": "adam", "batch_size": 16, "lr": 0.01, "weight_decay": 0.001}
@@ -45,11 +45,11 @@ def test_deployed_clients_with_options_match_simulation(tmp_path):
     assert sum(t.numel() for t in deployed.values()) == 650  # logistic 64 -> 10
 
     config = load_config(
-        overrides={"rounds": ROUNDS, "clients": CLIENTS, "seed": SEED, "local_epochs": 1, "partition": "shards:2", "out": str(tmp_path / "sim"), **OPTIONS}
+        overrides={"rounds": ROUNDS, "clients": CLIENTS, "seed": SEED, "local_epochs": 1, "partition": "shards:2", "out": str(tmp_path / "sim"), **OPTIONS, **REFERENCE}
     )
     sim_state, sim_history = run_simulation(config)
     for name, tensor in sim_state.items():
-        torch.testing.assert_close(deployed[name], tensor, atol=1e-5, rtol=0)
+        assert torch.equal(deployed[name], tensor), name  # same engine, same threads: the same bits
     assert metrics[-1]["accuracy"] == pytest.approx(sim_history[-1].accuracy, abs=1e-6)
     # the options mattered: default SGD with momentum ends elsewhere
     default_state, _ = run_simulation(load_config(overrides={**config.to_dict(), "optimizer": "sgd", "out": ""}))

@@ -33,7 +33,7 @@ from fedgrid.simulation.run import run_simulation
 from fedgrid.simulation.tasks import client_options, resolve
 from fedgrid.types import FitIns, TensorSpec
 
-from harness import start_client, start_coordinator, wait_until
+from harness import REFERENCE, start_client, start_coordinator, wait_until
 from harness_clients import Named
 
 F, SEED = 3, 0
@@ -149,11 +149,11 @@ def test_coordinator_and_client_processes_match_simulation(tmp_path):
     metrics = read_metrics(run_dir)
     assert [m["clients_ok"] for m in metrics] == [clients] * rounds
 
-    sim_state, sim_history = run_simulation(load_config(overrides={**OPTIONS, "rounds": rounds, "clients": clients}))
+    sim_state, sim_history = run_simulation(load_config(overrides={**OPTIONS, "rounds": rounds, "clients": clients, **REFERENCE}))
     deployed = load_model(run_dir / "model.safetensors")
     assert set(deployed) == set(sim_state)
     for name, tensor in sim_state.items():
-        torch.testing.assert_close(deployed[name], tensor, atol=1e-5, rtol=0)
+        assert torch.equal(deployed[name], tensor), name  # same engine, same threads: the same bits
     # The same streams as in simulation; deployment's headers also carry run and task ids.
     for sim_m, m in zip(sim_history, metrics):
         assert 0 <= m["bytes_down"] - sim_m.bytes_down <= 200 * clients, (m["round"], m["bytes_down"], sim_m.bytes_down)

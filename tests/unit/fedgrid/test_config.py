@@ -175,6 +175,8 @@ def test_missing_file_and_bad_toml(tmp_path):
         ("dataset", "nope", "unknown dataset 'nope' \\(known: digits, fashion-mnist, shakespeare, synthetic\\)"),
         ("strategy", "fedsgd", "unknown strategy 'fedsgd' \\(known: fedavg, fedavgm"),
         ("aggregator", "mode", "unknown aggregator 'mode'"),
+        ("threads", -1, r"must be in 0\.\.1024 \(0: torch's default\), got -1"),
+        ("threads", 1025, r"must be in 0\.\.1024"),
     ],
 )
 def test_out_of_range_names_key(key, value, words):
@@ -250,3 +252,26 @@ def test_every_strategy_gets_options_and_the_selection_policy(name):
     assert type(strategy) is STRATEGIES[name]
     assert strategy.selection.clients_per_round == 4 and strategy.selection.over_selection == 0.5  # type: ignore[attr-defined]
     assert strategy.seed == 3 and strategy.fit_config == {"local_epochs": 2, "lr": 0.2}  # type: ignore[attr-defined]
+
+
+def test_threads_key_from_toml_and_flags(tmp_path):
+    assert load_config().threads == 0  # torch's own default
+    path = _write(tmp_path, "threads = 3\n")
+    assert load_config(path).threads == 3
+    assert load_config(path, {"threads": "1"}).threads == 1
+
+
+def test_environment_table_of_a_run_directory_is_read_back(tmp_path, caplog):
+    import torch
+
+    path = _write(tmp_path, f'rounds = 4\nthreads = 1\n\n[environment]\ntorch = "{torch.__version__}"\ncpu = "x"\n')
+    with caplog.at_level("WARNING"):
+        config = load_config(path)
+    assert (config.rounds, config.threads) == (4, 1) and not caplog.records
+    path = _write(tmp_path, 'rounds = 4\n\n[environment]\ntorch = "1.0.0"\n')
+    with caplog.at_level("WARNING"):
+        assert load_config(path).rounds == 4
+    assert "written by torch 1.0.0" in caplog.text
+    with pytest.raises(ConfigError) as info:
+        load_config(_write(tmp_path, 'environment = "cpu"\n'))
+    assert info.value.key == "environment"
