@@ -9,14 +9,14 @@ import threading
 from concurrent import futures
 from datetime import timedelta
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from fedgrid.config import Config
 from fedgrid.determinism import environment, intra_op_threads
-from fedgrid.events import EventLog
+from fedgrid.events import Event, EventLog
 from fedgrid.constants import FINISH_GRACE_S, MAX_MESSAGE_BYTES
 from fedgrid.runlog import RunWriter
 from fedgrid.server.engine import RoundEngine
@@ -86,28 +86,39 @@ class Coordinator:
         self.server.stop(grace).wait(grace + 1.0)
 
 
-def run_coordinator(config: Config, *, initial: ModelState | None = None, ready: threading.Event | None = None) -> ModelState | None:
+def run_coordinator(
+    config: Config,
+    *,
+    initial: ModelState | None = None,
+    ready: threading.Event | None = None,
+    on_event: Callable[[Event], None] | None = None,
+) -> ModelState | None:
     """Serves ``config.rounds`` rounds and returns the final global model.
 
     With ``config.state_dir`` it resumes after the last committed round. SIGTERM stops it
     gracefully (returns ``None``; the committed state stays for a restart).
 
     The bound address is printed and written to ``RUN_DIR/address`` so that scripts using
-    port 0 can find it. Events (``fedgrid.events``) are appended to ``RUN_DIR/events.jsonl``.
+    port 0 can find it. Events (``fedgrid.events``) are appended to ``RUN_DIR/events.jsonl``
+    and, with ``on_event``, handed to it on the emitting thread (after the file has them).
     Aggregation runs with ``config.threads`` intra-op threads (restored on return), which
     ``config.toml`` records with the torch version.
     """
     with intra_op_threads(config.threads) as threads:
-        return _serve(config, threads, initial, ready)
+        return _serve(config, threads, initial, ready, on_event)
 
 
-def _serve(config: Config, threads: int, initial: ModelState | None, ready: threading.Event | None) -> ModelState | None:
+def _serve(
+    config: Config, threads: int, initial: ModelState | None, ready: threading.Event | None, on_event: Callable[[Event], None] | None
+) -> ModelState | None:
     resolved = resolve(dataset=config.dataset, model=config.model, seed=config.seed, data_dir=config.data_dir)
     store = StateStore(config.state_dir) if config.state_dir else None
     strategy = build_strategy(config, num_clients=config.min_clients)
     strategy.initialize(initial_state=initial if initial is not None else resolved.initial_state)
     writer = RunWriter(config.out, {**config.to_dict(), "threads": threads}, environment=environment(threads_requested=config.threads))
     events = EventLog(writer.dir / "events.jsonl")
+    if on_event is not None:
+        events.subscribe(on_event)
     fleet = GrpcFleet(
         events=events,
         heartbeat_interval=timedelta(seconds=config.heartbeat_interval_s),

@@ -141,9 +141,11 @@ class CoordinatorRun:
     """One ``fedgrid coordinator`` process on port 0, whose events (``RUN_DIR/events.jsonl``,
     see ``fedgrid.events``) are followed as they are written.
 
-    ``trigger = (round, event)`` sends ``signal`` to it the first time ``event`` happens
-    for a round at or after ``round``: fault injection keyed on the coordinator's
-    documented events, not on its log text.
+    With ``trigger = (round, event)`` the process sends itself ``sig`` the first time
+    ``event`` happens for a round at or after ``round``, synchronously, from inside the
+    coordinator (``apps/fault_coordinator.py``): fault injection keyed on the
+    coordinator's documented events, not on its log text, and landing inside the phase
+    the event opens rather than some time after it.
 
     Args:
         out: the run directory (``--out``); a restart passes the same one.
@@ -162,10 +164,13 @@ class CoordinatorRun:
         self.trigger, self.sig = trigger, sig
         self.killed = threading.Event()
         self.log = open(log_path, "a")
-        self.proc = subprocess.Popen(
-            [*FEDGRID, "coordinator", "--listen", "127.0.0.1:0", "--out", str(out), "--threads", str(THREADS), *args],
-            stdout=self.log, stderr=subprocess.STDOUT, env=child_env(),
-        )
+        flags = ["--listen", "127.0.0.1:0", "--out", str(out), "--threads", str(THREADS), *args]
+        if trigger is None:
+            command = [*FEDGRID, "coordinator", *flags]
+        else:
+            injector = str(Path(__file__).parent / "apps" / "fault_coordinator.py")
+            command = [sys.executable, injector, str(trigger[0]), trigger[1], signal.Signals(sig).name, "--", *flags]
+        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=child_env())
         self._lock = threading.Lock()
         self.reader = threading.Thread(target=self._follow, daemon=True)
         self.reader.start()
@@ -198,9 +203,9 @@ class CoordinatorRun:
             return
         server_round, name = self.trigger
         # The first time the event happens at or after the chosen round (a redone round
-        # may skip one: its updates are restored, not uploaded again).
-        if event["event"] == name and event.get("round", 0) >= server_round and self.proc.poll() is None:
-            self.proc.send_signal(self.sig)
+        # may skip one: its updates are restored, not uploaded again): the process has
+        # signalled itself right after writing it.
+        if event["event"] == name and event.get("round", 0) >= server_round:
             self.killed.set()
 
     def seen(self, name: str, **fields: object) -> list[dict]:

@@ -73,8 +73,10 @@ def test_sigkill_at_random_moments_changes_nothing(tmp_path):
     assert [m["round"] for m in read_metrics(out)] == list(range(1, ROUNDS + 1))
     with sqlite3.connect(state / "history.sqlite") as db:
         assert [r[0] for r in db.execute("SELECT round FROM rounds ORDER BY round")] == list(range(1, ROUNDS + 1))
-    committed = [e["round"] for r in runs for e in r.seen("round_committed")]
-    assert sorted(set(committed)) == list(range(1, ROUNDS + 1))  # a round killed mid-commit may commit again, never diverge
+    # Each kill landed inside the phase its event opens: the killed round was not committed by that start.
+    for run in runs[:-1]:
+        killed_round = run.seen(run.trigger[1])[-1]["round"]
+        assert killed_round not in [e["round"] for e in run.seen("round_committed")]
     assert_same_model(out, reference)
 
 

@@ -99,5 +99,10 @@ def test_loss_and_accuracy_are_server_evaluation_of_final_model(runs):
 def test_run_dir_config_toml(runs):
     config, out = runs["a"][0], runs["a"][1]
     parsed = tomllib.loads((out / "config.toml").read_text())
-    assert parsed == {k: v for k, v in config.to_dict().items() if v is not None}  # unset strategy options: absent
-    assert load_config(out / "config.toml") == config
+    environment = parsed.pop("environment")
+    # What ran: the thread count in force and the engine auto chose, in place of 0 and "auto".
+    resolved = {**config.to_dict(), "threads": environment["threads"], "engine": parsed["engine"]}
+    assert parsed == {k: v for k, v in resolved.items() if v is not None}  # unset strategy options: absent
+    assert parsed["threads"] >= 1 and parsed["engine"] in ("batched", "sequential")
+    assert (environment["threads_requested"], environment["engine_requested"]) == (config.threads, config.engine)
+    assert load_config(out / "config.toml") == load_config(overrides={**config.to_dict(), "threads": parsed["threads"], "engine": parsed["engine"]})
