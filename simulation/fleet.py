@@ -72,7 +72,10 @@ class InProcessFleet(Fleet):
         engine: ``sequential`` (``client.fit`` one by one), ``batched`` (all clients
             trained at once in chunks; fails if they cannot be) or ``auto`` (batched where
             the clients can be batched and it pays: see ``batched.choose_engine``; else
-            sequential with a one-line notice).
+            sequential with a one-line notice). The sequential engine's model is
+            bit-identical to a deployment's at the same thread count; the batched one's
+            equal within ``fedgrid.determinism.BATCHED_ATOL`` (other kernels, other
+            accumulation order).
         batch_clients: clients the batched engine trains at once; 0 chooses from memory.
         profiles: simulated availability, region and training time. A client not available
             in a round fails without training; a client without a region gets its profile's;
