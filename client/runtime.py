@@ -38,14 +38,13 @@ from fedgrid.constants import (
 from fedgrid.compression import available_codecs
 from fedgrid.compression.feedback import apply_delta
 from fedgrid.errors import FedgridError, InvalidUpdateError
-from fedgrid.plugins import load_object
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
 from fedgrid.proto import serde
 from fedgrid.types import ModelState
 
 __all__ = [
-    "Connection", "ClientHandle", "RunSummary", "RpcFailed", "run", "start", "load_app", "TRANSIENT",
+    "Connection", "ClientHandle", "RunSummary", "RpcFailed", "run", "start", "TRANSIENT",
 ]
 
 log = logging.getLogger(__name__)
@@ -467,16 +466,3 @@ def start(
     handle = ClientHandle(thread, stop)
     thread.start()
     return handle
-
-
-def load_app(spec: str | None) -> Callable[..., Client]:
-    """Resolves ``MODULE:FACTORY``; ``None`` gives the built-in digits client factory.
-
-    Raises:
-        ConfigError: malformed spec, missing module or attribute.
-    """
-    if spec is None:
-        from fedgrid.simulation.tasks import digits_client
-
-        return digits_client
-    return load_object(spec, key="app")

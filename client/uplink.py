@@ -10,22 +10,15 @@ always travel whole. With the ``none`` codec the update travels whole and bit-ex
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any, Mapping
 
 import torch
 
 from fedgrid.compression import parse_codec_spec
-from fedgrid.compression.feedback import ErrorFeedback
+from fedgrid.compression.feedback import ErrorFeedback, is_delta_tensor, reconstruct
 from fedgrid.proto.serde import EncodedModel
-from fedgrid.types import ModelState
 
-__all__ = ["UplinkEncoder", "is_delta_tensor", "reconstruct"]
-
-
-def is_delta_tensor(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` travels as a difference to the global model."""
-    return tensor.dtype.is_floating_point
+__all__ = ["UplinkEncoder", "is_delta_tensor", "reconstruct"]  # the last two live in fedgrid.compression.feedback (the coordinator needs them too)
 
 
 class UplinkEncoder:
@@ -60,12 +53,3 @@ class UplinkEncoder:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if self.feedback is not None and state.get("feedback") is not None:
             self.feedback.load_state_dict(state["feedback"])
-
-
-def reconstruct(global_state: Mapping[str, torch.Tensor], received: Mapping[str, torch.Tensor], *, delta: bool) -> ModelState:
-    """The coordinator's half: the client's model from what it sent."""
-    if not delta:
-        return OrderedDict(received)
-    return OrderedDict(
-        (name, global_state[name] + value if is_delta_tensor(value) else value) for name, value in received.items()
-    )

@@ -36,7 +36,7 @@ from fedgrid.compression.base import LOSSY_DTYPES, Codec, IdentityCodec
 from fedgrid.compression.registry import get_codec, parse_codec_spec
 from fedgrid.errors import ConfigError, InvalidUpdateError
 
-__all__ = ["Transmitted", "ErrorFeedback", "DownlinkUpdate", "ShadowModel", "apply_delta", "apply_downlink"]
+__all__ = ["Transmitted", "ErrorFeedback", "DownlinkUpdate", "ShadowModel", "apply_delta", "apply_downlink", "is_delta_tensor", "reconstruct"]
 
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -188,6 +188,22 @@ def apply_delta(held: Mapping[str, torch.Tensor], decoded: Mapping[str, torch.Te
         d = decoded[name].to(t.device)
         out[name] = t + d if t.dtype in LOSSY_DTYPES else d.clone()
     return out
+
+
+def is_delta_tensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` travels as a difference to the global model on the uplink (float
+    tensors; integer and bool tensors such as step counters always travel whole)."""
+    return tensor.dtype.is_floating_point
+
+
+def reconstruct(global_state: Mapping[str, torch.Tensor], received: Mapping[str, torch.Tensor], *, delta: bool) -> "OrderedDict[str, torch.Tensor]":
+    """The coordinator's half of the uplink: the client's model from what it sent (``received``
+    may be part of the model, e.g. one streaming fragment)."""
+    if not delta:
+        return OrderedDict(received)
+    return OrderedDict(
+        (name, global_state[name] + value if is_delta_tensor(value) else value) for name, value in received.items()
+    )
 
 
 def apply_downlink(

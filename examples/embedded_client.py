@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fedgrid.client import TorchClient, start
 from fedgrid.config import load_config
-from fedgrid.server.app import run_coordinator
+from fedgrid.cli import serve
 from fedgrid.simulation.datasets import load_digits, partition_iid
 
 ROUNDS = 3
@@ -26,7 +26,7 @@ ROUNDS = 3
 run_dir = Path(tempfile.mkdtemp(prefix="fedgrid-embed-"))
 config = load_config(overrides={"listen": "127.0.0.1:0", "rounds": ROUNDS, "min_clients": 2, "out": str(run_dir)})
 ready = threading.Event()
-server = threading.Thread(target=run_coordinator, kwargs={"config": config, "ready": ready}, daemon=True)
+server = threading.Thread(target=serve, kwargs={"config": config, "ready": ready}, daemon=True)
 server.start()
 ready.wait(timeout=60)
 address = (run_dir / "address").read_text().strip()

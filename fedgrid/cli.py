@@ -10,12 +10,12 @@ from typing import Any, Sequence, TextIO
 
 from fedgrid.config import Config, config_keys, key_type, load_config
 from fedgrid.errors import ConfigError, FedgridError
-from fedgrid.types import RoundMetrics
+from fedgrid.types import ModelState, RoundMetrics
 
-__all__ = ["main", "build_parser", "SimulateProgress"]
+__all__ = ["main", "build_parser", "serve", "SimulateProgress"]
 
 # Keys each subcommand exposes as flags; every key is also accepted through --config.
-SIMULATE_KEYS = [k for k in config_keys() if k not in ("listen", "max_workers", "min_clients", "state_dir", "heartbeat_interval_s")]
+SIMULATE_KEYS = [k for k in config_keys() if k not in ("listen", "max_workers", "min_clients", "state_dir", "heartbeat_interval_s", "initial_model")]
 COORDINATOR_KEYS = [k for k in config_keys() if k != "clients"]
 # The built-in client factory's options (fedgrid.simulation.tasks.CLIENT_KEYS) as `fedgrid
 # client` flags, so a deployed client trains like its simulated twin; --data-partition is the spec.
@@ -133,9 +133,10 @@ def _simulate(args: argparse.Namespace) -> int:
     import torch
 
     from fedgrid.simulation.run import run_simulation
-    from fedgrid.simulation.tasks import get_task
+    from fedgrid.simulation.tasks import check_config, get_task
 
     config = _config_from(args, SIMULATE_KEYS)
+    check_config(config)
     task = get_task(config.dataset)
     print(
         f"fedgrid simulate: {config.clients} clients, {config.rounds} rounds, dataset {config.dataset}, "
@@ -167,29 +168,46 @@ def _simulate(args: argparse.Namespace) -> int:
 def _client_options(args: argparse.Namespace) -> dict[str, Any]:
     """The client factory's options from ``fedgrid client``'s flags, checked as config keys:
     the built-in factory gets all of them (defaults included), an ``--app`` only those given."""
-    from fedgrid.simulation.tasks import client_options
+    from fedgrid.simulation.tasks import check_config, client_options
 
     given = {k: getattr(args, k) for k in CLIENT_OPTION_KEYS if getattr(args, k, None) is not None}
     if args.partitioner:
         given["partition"] = args.partitioner
-    options = client_options(load_config(None, given))
+    config = load_config(None, given)
+    check_config(config)
+    options = client_options(config)
     if args.app is None:
         return options
     return {("partitioner" if k == "partition" else k): options["partitioner" if k == "partition" else k] for k in given}
 
 
-def _coordinator(args: argparse.Namespace) -> int:
-    from fedgrid.server.app import run_coordinator
+def serve(config: Config, **kwargs: Any) -> ModelState | None:
+    """``fedgrid coordinator``: ``run_coordinator`` with the initial model from an
+    ``initial_model`` file or a ``MODULE:FACTORY`` (no dataset code imported), else from
+    the built-in dataset's model, with its server-side evaluation. ``kwargs`` go to
+    ``run_coordinator`` (``ready``, ``on_event``)."""
+    from fedgrid.server.app import coordinator_model, run_coordinator
 
-    config = _config_from(args, COORDINATOR_KEYS)
-    run_coordinator(config)
+    initial = coordinator_model(config)
+    if initial is not None:
+        return run_coordinator(config, initial=initial, **kwargs)
+    from fedgrid.simulation.tasks import check_config, resolve
+
+    check_config(config)
+    resolved = resolve(dataset=config.dataset, model=config.model, seed=config.seed, data_dir=config.data_dir)
+    return run_coordinator(config, initial=resolved.initial_state, evaluate_fn=resolved.evaluate, **kwargs)
+
+
+def _coordinator(args: argparse.Namespace) -> int:
+    serve(_config_from(args, COORDINATOR_KEYS))
     return 0
 
 
 def _client(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from fedgrid.client.runtime import load_app, run
+    from fedgrid.client.runtime import run
+    from fedgrid.plugins import load_object
 
     try:
         index_s, total_s = args.partition.split("/")
@@ -203,7 +221,12 @@ def _client(args: argparse.Namespace) -> int:
     threads = load_config(None, {"threads": args.threads}).threads
     if threads:
         torch.set_num_threads(threads)  # before any work: data loading and model init included
-    factory = load_app(args.app)
+    if args.app:
+        factory = load_object(args.app, key="app")
+    else:
+        from fedgrid.simulation.tasks import builtin_client
+
+        factory = builtin_client
     client = factory(index, total, args.seed, **_client_options(args))
     print(f"fedgrid client {index}/{total}: {torch.get_num_threads()} threads, torch {torch.__version__}", flush=True)
     if args.region:

@@ -2,7 +2,10 @@
 
 Every key of ``Config`` can be set in a TOML file (flat, top-level keys) and overridden on
 the command line as ``--key-name VALUE``. Unknown keys, wrong types and out-of-range values
-raise ``ConfigError`` naming the key.
+raise ``ConfigError`` naming the key. The keys that name a dataset, a model, a partition or
+client heterogeneity are checked by ``fedgrid.simulation.tasks.check_config`` (the CLI and
+``run_simulation`` call it before any work): their registries live in the simulation layer,
+which this module, the server and the client never import.
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ class Config:
     dataset: str = _key("built-in dataset: digits, fashion-mnist, shakespeare or synthetic (data, default model, server-side evaluation)", "digits")
     data_dir: str = _key("folder of the dataset's files (fashion-mnist: the four idx.gz files; shakespeare: see the README)", "")
     model: str = _key("a built-in model of the dataset (digits: mlp, logistic; fashion-mnist: mlp, cnn, logistic; shakespeare: lstm; synthetic: logistic), or MODULE:FACTORY returning your nn.Module (no server-side evaluation); empty: the dataset's default", "")
+    initial_model: str = _key("fedgrid coordinator: a safetensors file holding the initial global model (instead of building --model)", "")
     app: str = _key("MODULE:FACTORY(partition, num_partitions, seed) -> Client for simulated clients", "")
     partition: str = _key("how the data is split among clients: iid, dirichlet:ALPHA, shards:N (N label-sorted shards per client) or natural; empty: the dataset's default (dirichlet:0.5; natural for shakespeare and synthetic)", "")
     batch_size: int = _key("client batch size (built-in datasets)", 32)
@@ -154,7 +158,7 @@ class Config:
         if self.selector not in SELECTORS:
             raise ConfigError("selector", f"unknown selector {self.selector!r} (known: {', '.join(SELECTORS)})")
         from fedgrid.compression.feedback import ErrorFeedback
-        from fedgrid.server.codec_policy import parse_region_codecs
+        from fedgrid.compression.registry import parse_region_codecs
 
         for key in ("codec", "downlink_codec"):
             spec = getattr(self, key)
@@ -187,11 +191,9 @@ class Config:
             raise ConfigError("threads", f"must be in 0..{MAX_THREADS} (0: torch's default), got {self.threads}")
         if self.batch_clients < 0:
             raise ConfigError("batch_clients", f"must be at least 0, got {self.batch_clients}")
-        from fedgrid.simulation.heterogeneity import check_heterogeneity
-        from fedgrid.simulation.tasks import check_options
-
-        check_options(dataset=self.dataset, data_dir=self.data_dir, model=self.model, partition=self.partition, optimizer=self.optimizer)
-        check_heterogeneity(self)
+        # The data, model and heterogeneity keys need the simulation layer's registries:
+        # ``fedgrid.simulation.tasks.check_config`` checks them (the CLI and run_simulation
+        # call it before any work), so this module and the server never import that layer.
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,13 +1,18 @@
-"""Resolves user code named as ``MODULE:ATTRIBUTE`` (``--app``, ``--model``)."""
+"""Resolves user code named as ``MODULE:ATTRIBUTE`` (``--app``, ``--model``), and builds a
+model's seeded initial state."""
 
 from __future__ import annotations
 
 import importlib
+from collections import OrderedDict
 from typing import Any, Callable
 
-from fedgrid.errors import ConfigError
+import torch
 
-__all__ = ["load_object", "check_spec"]
+from fedgrid.errors import ConfigError
+from fedgrid.types import ModelState
+
+__all__ = ["load_object", "check_spec", "initial_state", "model_state"]
 
 
 def check_spec(spec: str, *, key: str) -> tuple[str, str]:
@@ -40,3 +45,29 @@ def load_object(spec: str, *, key: str) -> Callable[..., Any]:
     if not callable(obj):
         raise ConfigError(key, f"{spec!r} is not callable")
     return obj
+
+
+def initial_state(model_factory: Callable[[], torch.nn.Module], seed: int) -> ModelState:
+    """The model initialized from ``seed`` (identical in every process; the global RNG is left as it was)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_factory()
+    return OrderedDict((k, v.detach().clone()) for k, v in model.state_dict().items())
+
+
+def model_state(spec: str, *, seed: int, key: str = "model") -> ModelState:
+    """The seeded initial state of the ``nn.Module`` that ``MODULE:FACTORY`` returns.
+
+    Raises:
+        ConfigError: the spec cannot be loaded, or building the model failed (names ``key``).
+    """
+    factory = load_object(spec, key=key)
+    try:
+        state = initial_state(factory, seed)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ConfigError(key, f"building the model failed: {type(exc).__name__}: {exc}") from None
+    if not state:
+        raise ConfigError(key, f"{spec!r} built a model without parameters or buffers")
+    return state

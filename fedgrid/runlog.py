@@ -4,16 +4,21 @@
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 import os
 from pathlib import Path
 from typing import Mapping, Sequence
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from fedgrid.types import ModelState, RoundMetrics
 
-__all__ = ["RunWriter", "load_model", "read_metrics", "to_toml"]
+__all__ = ["RunWriter", "load_model", "read_metrics", "to_toml", "ORDER_KEY"]
+
+#: safetensors metadata key holding the model's tensor names in its own order (JSON list).
+ORDER_KEY = "fedgrid.order"
 
 
 def _toml_string(value: str) -> str:
@@ -74,7 +79,10 @@ class RunWriter:
     def write_model(self, state: ModelState) -> Path:
         path = self.dir / "model.safetensors"
         tmp = path.with_suffix(".tmp")
-        save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}, str(tmp))
+        # safetensors stores tensors sorted by name; the model's own order (which e.g. block
+        # and fragment partitions follow) travels in the metadata.
+        save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}, str(tmp),
+                  metadata={ORDER_KEY: json.dumps(list(state))})
         os.replace(tmp, path)
         return path
 
@@ -87,9 +95,19 @@ class RunWriter:
         os.replace(tmp, self.dir / name)
 
 
-def load_model(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """Loads a ``model.safetensors`` written by a run."""
-    return load_file(str(path))
+def load_model(path: str | os.PathLike[str]) -> "OrderedDict[str, torch.Tensor]":
+    """Loads a ``model.safetensors`` (a run's, or any), in the model's own tensor order when
+    the file records it, else in the file's (sorted) order."""
+    tensors = load_file(str(path))
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata() or {}
+    try:
+        order = json.loads(metadata[ORDER_KEY])
+    except (KeyError, ValueError):
+        return OrderedDict(tensors)
+    if not isinstance(order, list) or sorted(order) != sorted(tensors):
+        return OrderedDict(tensors)
+    return OrderedDict((name, tensors[name]) for name in order)
 
 
 def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, object]]:

@@ -18,18 +18,19 @@ from fedgrid.config import Config
 from fedgrid.determinism import environment, intra_op_threads
 from fedgrid.events import Event, EventLog
 from fedgrid.constants import FINISH_GRACE_S, MAX_MESSAGE_BYTES
-from fedgrid.runlog import RunWriter
-from fedgrid.server.engine import RoundEngine
+from fedgrid.errors import ConfigError
+from fedgrid.plugins import model_state
+from fedgrid.runlog import RunWriter, load_model
+from fedgrid.server.engine import EvaluateFn, RoundEngine
 from fedgrid.server.codec_policy import build_codec_policy
 from fedgrid.server.grpc_fleet import GrpcFleet
 from fedgrid.server.memory import return_large_buffers_to_the_system
 from fedgrid.server.service import SERVICE, CoordinatorServicer, add_to_server
 from fedgrid.server.state import StateStore
 from fedgrid.server.strategies import build_strategy
-from fedgrid.simulation.tasks import resolve
 from fedgrid.types import ModelState
 
-__all__ = ["Coordinator", "run_coordinator", "SERVICE_NAME"]
+__all__ = ["Coordinator", "run_coordinator", "coordinator_model", "SERVICE_NAME"]
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +91,16 @@ def run_coordinator(
     config: Config,
     *,
     initial: ModelState | None = None,
+    evaluate_fn: EvaluateFn | None = None,
     ready: threading.Event | None = None,
     on_event: Callable[[Event], None] | None = None,
 ) -> ModelState | None:
     """Serves ``config.rounds`` rounds and returns the final global model.
+
+    The initial global model is ``initial``, else ``coordinator_model(config)``: the
+    ``initial_model`` safetensors file or the ``MODULE:FACTORY`` of ``model``. This layer
+    never imports dataset code; ``fedgrid coordinator`` builds the built-in datasets'
+    models and their server-side evaluation (``evaluate_fn``) itself.
 
     With ``config.state_dir`` it resumes after the last committed round. SIGTERM stops it
     gracefully (returns ``None``; the committed state stays for a restart).
@@ -105,16 +112,48 @@ def run_coordinator(
     ``config.toml`` records with the torch version.
     """
     with intra_op_threads(config.threads) as threads:
-        return _serve(config, threads, initial, ready, on_event)
+        return _serve(config, threads, initial, evaluate_fn, ready, on_event)
+
+
+def coordinator_model(config: Config) -> ModelState | None:
+    """The initial global model that ``config`` names without dataset code: the
+    ``initial_model`` safetensors file, or the seeded ``MODULE:FACTORY`` of ``model``;
+    ``None`` for a built-in model name.
+
+    Raises:
+        ConfigError: a missing or unreadable file, or a factory that cannot build a model.
+    """
+    if config.initial_model:
+        path = Path(config.initial_model)
+        if not path.is_file():
+            raise ConfigError("initial_model", f"file {config.initial_model!r} does not exist")
+        try:
+            return load_model(path)
+        except Exception as exc:  # safetensors raises its own error types
+            raise ConfigError("initial_model", f"{config.initial_model!r} is not a readable safetensors file: {exc}") from None
+    if ":" in config.model:
+        return model_state(config.model, seed=config.seed)
+    return None
 
 
 def _serve(
-    config: Config, threads: int, initial: ModelState | None, ready: threading.Event | None, on_event: Callable[[Event], None] | None
+    config: Config,
+    threads: int,
+    initial: ModelState | None,
+    evaluate_fn: EvaluateFn | None,
+    ready: threading.Event | None,
+    on_event: Callable[[Event], None] | None,
 ) -> ModelState | None:
-    resolved = resolve(dataset=config.dataset, model=config.model, seed=config.seed, data_dir=config.data_dir)
+    if initial is None:
+        initial = coordinator_model(config)
+    if initial is None:
+        raise ConfigError(
+            "model", f"{config.model or 'the dataset default'!r} is a built-in model: run_coordinator needs initial=..., "
+            "--model MODULE:FACTORY or --initial-model FILE.safetensors (the fedgrid coordinator command builds built-in models)"
+        )
     store = StateStore(config.state_dir) if config.state_dir else None
     strategy = build_strategy(config, num_clients=config.min_clients)
-    strategy.initialize(initial_state=initial if initial is not None else resolved.initial_state)
+    strategy.initialize(initial_state=initial)
     writer = RunWriter(config.out, {**config.to_dict(), "threads": threads}, environment=environment(threads_requested=config.threads))
     events = EventLog(writer.dir / "events.jsonl")
     if on_event is not None:
@@ -147,7 +186,7 @@ def _serve(
         min_clients=config.min_clients,
         round_timeout=timedelta(seconds=config.round_timeout_s),
         join_timeout=timedelta(seconds=config.join_timeout_s),
-        evaluate_fn=resolved.evaluate,
+        evaluate_fn=evaluate_fn,
         writer=writer,
         on_round=on_round,
         finish_timeout=timedelta(seconds=FINISH_GRACE_S),

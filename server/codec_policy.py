@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
 
 from fedgrid.compression import parse_codec_spec
-from fedgrid.errors import ConfigError
+from fedgrid.compression.registry import parse_region_codecs
 from fedgrid.types import ClientInfo
 
 if TYPE_CHECKING:
@@ -23,22 +23,6 @@ __all__ = ["CodecPolicy", "parse_region_codecs", "codec_family", "build_codec_po
 def codec_family(spec: str) -> str:
     """``topk`` for ``topk:0.01+zstd``: the part a client's advertised list names."""
     return spec.split("+", 1)[0].split(":", 1)[0]
-
-
-def parse_region_codecs(text: str) -> dict[str, str]:
-    """``"eu=bf16,us=topk:0.01"`` -> ``{"eu": "bf16", "us": "topk:0.01"}``.
-
-    Raises:
-        ConfigError: malformed entry or codec spec (key ``region_codecs``).
-    """
-    out: dict[str, str] = {}
-    for entry in filter(None, (e.strip() for e in text.split(","))):
-        region, sep, spec = entry.partition("=")
-        if not sep or not region.strip() or not spec.strip():
-            raise ConfigError("region_codecs", f"expected REGION=CODEC, got {entry!r}")
-        parse_codec_spec(spec.strip(), key="region_codecs")
-        out[region.strip()] = spec.strip()
-    return out
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from datetime import timedelta
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from fedgrid.compression import parse_codec_spec
+from fedgrid.compression.feedback import is_delta_tensor, reconstruct
 from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S, RETRY_MAX_WAIT_S
 from fedgrid.events import EventLog
 from fedgrid.errors import (
@@ -38,7 +39,6 @@ from fedgrid.server.fleet import Fleet, RoundOutcome
 from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.downlink import Downlink, RoundDownlink
 from fedgrid.server.spill import SpillWriter, UpdateSpill
-from fedgrid.client.uplink import is_delta_tensor, reconstruct
 from fedgrid.types import ClientInfo, EvaluateIns, EvaluateRes, FitIns, FitRes, Failure, ModelState, TensorSpec
 
 __all__ = ["GrpcFleet", "PollResult"]

@@ -16,7 +16,7 @@ from fedgrid.server.memory import keep_large_buffers
 from fedgrid.server.strategies import build_strategy
 from fedgrid.simulation.fleet import InProcessFleet
 from fedgrid.simulation.heterogeneity import ClientProfiles
-from fedgrid.simulation.tasks import client_options, resolve
+from fedgrid.simulation.tasks import check_config, client_options, resolve
 from fedgrid.types import ModelState, RoundMetrics
 
 __all__ = ["run_simulation", "clients_per_second"]
@@ -45,6 +45,7 @@ def run_simulation(config: Config, *, on_round: Callable[[RoundMetrics], None] |
     its ``[environment]`` table the torch version, so ``--config RUN/config.toml`` reruns
     it bit for bit.
     """
+    check_config(config)  # the data, model and heterogeneity keys, before any work
     with intra_op_threads(config.threads) as threads:
         return _run(config, threads, on_round)
 

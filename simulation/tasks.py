@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import os
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
@@ -32,6 +31,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from fedgrid.client.api import Client
 from fedgrid.client.torch_client import TorchClient, default_device
 from fedgrid.errors import ConfigError
+from fedgrid.plugins import initial_state
 from fedgrid.simulation.datasets import Dataset, load_digits, load_fashion_mnist, load_synthetic, parse_partition, partition
 from fedgrid.simulation.models import char_lstm, digits_mlp, fmnist_cnn, fmnist_mlp, logistic
 from fedgrid.types import ModelState
@@ -48,6 +48,7 @@ __all__ = [
     "resolve",
     "get_task",
     "check_options",
+    "check_config",
     "client_options",
     "load_data",
     "TaskData",
@@ -173,6 +174,19 @@ def get_task(name: str) -> Task:
         return TASKS[name]
     except KeyError:
         raise ConfigError("dataset", f"unknown dataset {name!r} (known: {', '.join(sorted(TASKS))})") from None
+
+
+def check_config(config: "Config") -> None:
+    """Checks the keys of ``config`` that need this layer: dataset, data folder, model,
+    partition, optimizer and the heterogeneity keys (reads a trace file, loads no data).
+
+    Raises:
+        ConfigError: a bad value, naming its key.
+    """
+    from fedgrid.simulation.heterogeneity import check_heterogeneity
+
+    check_options(dataset=config.dataset, data_dir=config.data_dir, model=config.model, partition=config.partition, optimizer=config.optimizer)
+    check_heterogeneity(config)
 
 
 def check_options(*, dataset: str, data_dir: str = "", model: str = "", partition: str = "", optimizer: str = "sgd") -> None:
@@ -348,14 +362,6 @@ def make_evaluate(dataset: str = "digits", model: str = "", data_dir: str = "") 
         return loss_sum / n, {"accuracy": correct / n}
 
     return evaluate
-
-
-def initial_state(model_factory: Callable[[], nn.Module], seed: int) -> ModelState:
-    """The model initialized from ``seed`` (identical in every process)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = model_factory()
-    return OrderedDict((k, v.detach().clone()) for k, v in model.state_dict().items())
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,9 @@ import os
 import signal
 import sys
 
-from fedgrid.cli import COORDINATOR_KEYS, build_parser
+from fedgrid.cli import COORDINATOR_KEYS, build_parser, serve
 from fedgrid.config import load_config
 from fedgrid.events import Event
-from fedgrid.server.app import run_coordinator
 
 
 def main(argv: list[str]) -> int:
@@ -29,7 +28,7 @@ def main(argv: list[str]) -> int:
             fired = True
             os.kill(os.getpid(), sig)
 
-    run_coordinator(config, on_event=hook)
+    serve(config, on_event=hook)
     return 0
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from fedgrid.config import load_config
 from fedgrid.errors import ConfigError
+from fedgrid.simulation.tasks import check_config
 from fedgrid.simulation.heterogeneity import ClientProfiles, load_trace, parse_regions, parse_speed
 
 pytestmark = pytest.mark.timeout(60)
@@ -94,10 +95,10 @@ def test_bad_traces_name_the_key(tmp_path, text, words):
         load_trace(path)
     assert info.value.key == "availability_trace"
     with pytest.raises(ConfigError) as info:
-        load_config(overrides={"availability_trace": str(path)})
+        check_config(load_config(overrides={"availability_trace": str(path)}))
     assert info.value.key == "availability_trace"
     with pytest.raises(ConfigError, match="cannot read") as info:
-        load_config(overrides={"availability_trace": str(tmp_path / "missing.json")})
+        check_config(load_config(overrides={"availability_trace": str(tmp_path / "missing.json")}))
     assert info.value.key == "availability_trace"
 
 
@@ -163,7 +164,7 @@ def test_from_config_reads_every_key(tmp_path):
 )
 def test_bad_values_name_the_key(key, value, words):
     with pytest.raises(ConfigError, match=words) as info:
-        load_config(overrides={key: value})
+        check_config(load_config(overrides={key: value}))
     assert info.value.key == key
 
 

@@ -162,11 +162,15 @@ def test_fashion_mnist_from_data_dir(fmnist_dir, model, params):
         ({"dataset": "digits", "engine": "gpu"}, "engine", "unknown engine 'gpu'"),
         ({"dataset": "digits", "batch_clients": -1}, "batch_clients", "must be at least 0"),
         ({"dataset": "digits", "momentum": -0.5}, "momentum", "at least 0"),
+        ({"partition": "foo"}, "partition", "unknown partitioner 'foo'"),
+        ({"partition": "dirichlet:abc"}, "partition", "dirichlet needs a number"),
+        ({"partition": "dirichlet:0"}, "partition", "alpha must be positive"),
+        ({"dataset": "nope"}, "dataset", "unknown dataset 'nope' \\(known: digits, fashion-mnist, shakespeare, synthetic\\)"),
     ],
 )
 def test_bad_options_fail_in_config_naming_the_key(options, key, words):
     with pytest.raises(ConfigError, match=words) as info:
-        load_config(overrides=options)
+        tasks.check_config(load_config(overrides=options))
     assert info.value.key == key
 
 
