@@ -23,6 +23,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m fedgrid.proto.generate --check
 	$(VENV)/bin/mypy fedgrid server client proto aggregation compression simulation
+	# Layer contracts (pyproject.toml [tool.importlinter]) over the package as Python imports it.
+	$(PY) tests/tools/import_tree.py build/layers
+	cd build/layers && PYTHONPATH=. $(CURDIR)/$(VENV)/bin/lint-imports $(CURDIR)/pyproject.toml
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 proto: $(STAMP)

@@ -52,12 +52,13 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def start_coordinator(out: Path, *args: str) -> tuple[subprocess.Popen, str]:
-    """Starts ``fedgrid coordinator`` on port 0 and returns it with its address."""
+def start_coordinator(out: Path, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """Starts ``fedgrid coordinator`` on port 0 (``env``: extra environment variables) and
+    returns it with its address."""
     log = open(out.parent / f"{out.name}.coordinator.log", "w")
     proc = subprocess.Popen(
         [*FEDGRID, "coordinator", "--listen", "127.0.0.1:0", "--out", str(out), "--threads", str(THREADS), *args],
-        stdout=log, stderr=subprocess.STDOUT, env=child_env(),
+        stdout=log, stderr=subprocess.STDOUT, env={**child_env(), **(env or {})},
     )
     address_file = out / "address"
     wait_until(lambda: address_file.exists() and address_file.read_text().strip() != "" or proc.poll() is not None, timeout=60, what="coordinator address")

@@ -19,7 +19,8 @@ COMMON = ["--rounds", "3", "--seed", "5", "--lr", "0.05", "--fraction-evaluate",
 @pytest.mark.timeout(240)
 def test_custom_app_with_federated_evaluation_matches_simulation(tmp_path, monkeypatch):
     run_dir = tmp_path / "coord"
-    proc, address = start_coordinator(run_dir, *COMMON, "--min-clients", "2", "--heartbeat-interval-s", "1")
+    # -X importtime lists every module the coordinator imports: a user model needs no dataset code.
+    proc, address = start_coordinator(run_dir, *COMMON, "--min-clients", "2", "--heartbeat-interval-s", "1", env={"PYTHONPROFILEIMPORTTIME": "1"})
     clients = [
         start_client(address, tmp_path / "c0.log", "--app", "linear_app:client", "--partition", "0/2", "--seed", "5"),
         start_client(address, tmp_path / "c1.log", "--app", "linear_app:client_without_eval", "--partition", "1/2", "--seed", "5"),
@@ -32,6 +33,9 @@ def test_custom_app_with_federated_evaluation_matches_simulation(tmp_path, monke
         for p in [proc, *clients]:
             if p.poll() is None:
                 p.kill()
+    imported = [line.rsplit("|", 1)[-1].strip() for line in (tmp_path / "coord.coordinator.log").read_text().splitlines() if line.startswith("import time:")]
+    assert "fedgrid.server.app" in imported and "fedgrid.server.grpc_fleet" in imported
+    assert not [m for m in imported if m.startswith(("fedgrid.simulation", "sklearn"))]
     metrics = read_metrics(run_dir)
     assert [m["round"] for m in metrics] == [1, 2, 3]
     for m in metrics:

@@ -111,3 +111,16 @@ def test_model_roundtrip(tmp_path):
     # writing again replaces the file
     writer.write_model(OrderedDict(w=torch.zeros(1)))
     assert list(load_model(path)) == ["w"]
+
+
+def test_model_file_keeps_the_models_tensor_order(tmp_path):
+    from collections import OrderedDict
+
+    from fedgrid.runlog import RunWriter, load_model
+
+    state = OrderedDict([("z.weight", torch.ones(2)), ("a.bias", torch.zeros(3)), ("m.steps", torch.tensor(4))])
+    path = RunWriter(tmp_path, {"rounds": 1}).write_model(state)
+    loaded = load_model(path)
+    assert list(loaded) == ["z.weight", "a.bias", "m.steps"]  # not safetensors' sorted order
+    for name, tensor in state.items():
+        assert torch.equal(loaded[name], tensor)
