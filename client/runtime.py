@@ -38,6 +38,7 @@ from fedgrid.constants import (
 from fedgrid.compression import available_codecs
 from fedgrid.compression.feedback import apply_delta
 from fedgrid.errors import FedgridError, InvalidUpdateError
+from fedgrid.constants import MAX_REASON_CHARS
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
 from fedgrid.proto import serde
@@ -196,6 +197,23 @@ class Connection:
         request = pb.PollRequest(client_id=self.client_id, session_token=self.token, wait_s=wait_s)
         return self._call("PollTask", lambda: self.stub.PollTask(request, timeout=wait_s + self.rpc_timeout))
 
+    def report_failure(self, task_id: str, reason: str) -> None:
+        """Tells the coordinator that this client's task ``task_id`` failed, so that the round
+        records it at once (the reason is cut to what the coordinator accepts)."""
+        request = pb.ReportFailureRequest(client_id=self.client_id, session_token=self.token, task_id=task_id, reason=reason[:MAX_REASON_CHARS])
+        self._call("ReportFailure", lambda: self.stub.ReportFailure(request, timeout=self.rpc_timeout))
+
+    def leave(self, reason: str, *, timeout: float = 5.0) -> bool:
+        """Tells the coordinator this client is going (one try, ``timeout`` seconds: the client
+        is on its way out either way). Returns whether the coordinator heard it."""
+        request = pb.LeaveRequest(client_id=self.client_id, session_token=self.token, reason=reason[:MAX_REASON_CHARS])
+        try:
+            self.stub.Leave(request, timeout=timeout)
+            return True
+        except (grpc.RpcError, ValueError) as exc:  # ValueError: the channel closed
+            log.info("could not tell the coordinator that this client leaves: %s", exc)
+            return False
+
     def heartbeat(self) -> float:
         request = pb.HeartbeatRequest(client_id=self.client_id, session_token=self.token)
         reply = self.stub.Heartbeat(request, timeout=self.rpc_timeout)
@@ -339,6 +357,8 @@ def run(
     beat_stop = threading.Event()
     rounds = rejoins = 0
     heartbeat: _Heartbeat | None = None
+    finished = False
+    leaving = "stopped"
     try:
         conn.join(client)
         log.info("joined %s as %s (run %s)", coordinator, conn.client_id, conn.run_id)
@@ -365,17 +385,23 @@ def run(
             rejoins = 0
             kind = reply.WhichOneof("reply")
             if kind == "finished":
+                finished = True
                 break
             if kind != "task":
                 continue
             task = reply.task
             state = conn.download(task.task_id) if task.kind == pb.EVALUATE else conn.fetch_model(task.task_id)
             config = serde.config_from_pb(task.config)
-            if task.kind == pb.EVALUATE:
-                update, num_examples, metrics = _evaluate(client, state, config)
-            else:
-                out = client.fit(state, serde.fit_ins_from_task(task))
-                update, num_examples, metrics = out.state, out.num_examples, dict(out.metrics)
+            try:
+                if task.kind == pb.EVALUATE:
+                    update, num_examples, metrics = _evaluate(client, state, config)
+                else:
+                    out = client.fit(state, serde.fit_ins_from_task(task))
+                    update, num_examples, metrics = out.state, out.num_examples, dict(out.metrics)
+            except Exception as exc:  # the application's code failed: the round hears it now, the client goes on
+                log.exception("round %d: %s failed", task.round, "evaluate" if task.kind == pb.EVALUATE else "fit")
+                conn.report_failure(task.task_id, f"{type(exc).__name__}: {exc}")
+                continue
             try:
                 conn.upload(
                     task.task_id, task.round, update, num_examples, metrics, codec=str(config.get("uplink_codec", "none")), global_state=state
@@ -389,7 +415,12 @@ def run(
             if task.kind != pb.EVALUATE:
                 rounds += 1
                 _save(state_path, conn, client, task)
+    except BaseException as exc:  # KeyboardInterrupt and SystemExit included: the client is going
+        leaving = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        raise
     finally:
+        if conn.client_id and not finished:  # joined, and the run did not end: say so, not just go silent
+            conn.leave(leaving)
         beat_stop.set()
         if heartbeat is not None:
             # A heartbeat in flight when the process exits can abort grpc's C++ core

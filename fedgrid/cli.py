@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import time
 from typing import Any, Sequence, TextIO
@@ -232,7 +233,18 @@ def _client(args: argparse.Namespace) -> int:
     if args.region:
         client.region = args.region
     state_path = Path(args.state_dir) / f"client-{index}.pt" if args.state_dir else None
-    summary = run(client, coordinator=args.coordinator, state_path=state_path)
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)  # unwinds run(), which tells the coordinator it leaves
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        summary = run(client, coordinator=args.coordinator, state_path=state_path)
+    except KeyboardInterrupt:
+        print(f"client {client.name}: stopped; left the federation", flush=True)
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(f"client {client.name}: {summary.rounds} rounds trained; run finished")
     return 0
 

@@ -18,6 +18,7 @@ __all__ = [
     "RETRY_MAX_WAIT_S",
     "RETRY_MAX_ELAPSED_S",
     "FINISH_GRACE_S",
+    "MAX_REASON_CHARS",
 ]
 
 
@@ -51,3 +52,5 @@ RETRY_MAX_WAIT_S = _env_float("FEDGRID_RETRY_MAX_WAIT_S", 10.0)
 RETRY_MAX_ELAPSED_S = _env_float("FEDGRID_RETRY_MAX_ELAPSED_S", 120.0)
 #: After the last round, how long the coordinator waits for clients to hear that the run ended.
 FINISH_GRACE_S = _env_float("FEDGRID_FINISH_GRACE_S", 15.0)
+#: Longest failure or leave reason a client sends (characters); the coordinator refuses longer.
+MAX_REASON_CHARS = 1000

@@ -264,3 +264,33 @@ class HeartbeatReply(_message.Message):
     INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     interval_s: float
     def __init__(self, interval_s: _Optional[float] = ...) -> None: ...
+
+class ReportFailureRequest(_message.Message):
+    __slots__ = ("client_id", "session_token", "task_id", "reason")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    session_token: str
+    task_id: str
+    reason: str
+    def __init__(self, client_id: _Optional[str] = ..., session_token: _Optional[str] = ..., task_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReportFailureReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("client_id", "session_token", "reason")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    session_token: str
+    reason: str
+    def __init__(self, client_id: _Optional[str] = ..., session_token: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class LeaveReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -64,6 +64,16 @@ class CoordinatorStub:
                 request_serializer=fedgrid__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=fedgrid__pb2.HeartbeatReply.FromString,
                 _registered_method=True)
+        self.ReportFailure = channel.unary_unary(
+                '/fedgrid.v1.Coordinator/ReportFailure',
+                request_serializer=fedgrid__pb2.ReportFailureRequest.SerializeToString,
+                response_deserializer=fedgrid__pb2.ReportFailureReply.FromString,
+                _registered_method=True)
+        self.Leave = channel.unary_unary(
+                '/fedgrid.v1.Coordinator/Leave',
+                request_serializer=fedgrid__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=fedgrid__pb2.LeaveReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -105,6 +115,20 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportFailure(self, request, context):
+        """The client's fit or evaluate failed: the round records it at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Leave(self, request, context):
+        """The client is going: removed from the registry and its open task at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +161,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=fedgrid__pb2.HeartbeatRequest.FromString,
                     response_serializer=fedgrid__pb2.HeartbeatReply.SerializeToString,
+            ),
+            'ReportFailure': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportFailure,
+                    request_deserializer=fedgrid__pb2.ReportFailureRequest.FromString,
+                    response_serializer=fedgrid__pb2.ReportFailureReply.SerializeToString,
+            ),
+            'Leave': grpc.unary_unary_rpc_method_handler(
+                    servicer.Leave,
+                    request_deserializer=fedgrid__pb2.LeaveRequest.FromString,
+                    response_serializer=fedgrid__pb2.LeaveReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -301,6 +335,60 @@ class Coordinator:
             '/fedgrid.v1.Coordinator/Heartbeat',
             fedgrid__pb2.HeartbeatRequest.SerializeToString,
             fedgrid__pb2.HeartbeatReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportFailure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedgrid.v1.Coordinator/ReportFailure',
+            fedgrid__pb2.ReportFailureRequest.SerializeToString,
+            fedgrid__pb2.ReportFailureReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Leave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedgrid.v1.Coordinator/Leave',
+            fedgrid__pb2.LeaveRequest.SerializeToString,
+            fedgrid__pb2.LeaveReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -23,7 +23,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from fedgrid.compression import parse_codec_spec
 from fedgrid.compression.feedback import is_delta_tensor, reconstruct
-from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S, RETRY_MAX_WAIT_S
+from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S, MAX_REASON_CHARS, RETRY_MAX_WAIT_S
 from fedgrid.events import EventLog
 from fedgrid.errors import (
     AuthenticationError,
@@ -57,6 +57,9 @@ class _ClientRecord:
     token: str
     last_seen: float
     heard_finished: bool = False
+    #: The task whose deadline it missed while alive: not selected until it shows it finished
+    #: that task (an upload or a failure report for it). Empty: selectable.
+    benched_task: str = ""
 
 
 @dataclass
@@ -171,8 +174,15 @@ class GrpcFleet(Fleet):
         info = dataclasses.replace(joining, client_id=uuid.uuid4().hex[:16])
         token = secrets.token_urlsafe(24)
         with self._cond:
+            # A restarted client rejoins under its name: its old session goes, no ghost stays.
+            ghosts = [cid for cid, rec in self._clients.items() if info.name and rec.info.name == info.name]
+            for cid in ghosts:
+                self._remove(cid, "replaced by a new session of the same name")
             self._clients[info.client_id] = _ClientRecord(info, token, time.monotonic())
             self._cond.notify_all()
+        for cid in ghosts:
+            log.info("client %r rejoined: session %s replaced", info.name, cid)
+            self.events.emit("client_left", client=cid, reason="replaced by a new session of the same name")
         log.info("client %r joined as %s (region %r, %d examples)", info.name, info.client_id, info.region, info.num_examples)
         self.events.emit("client_joined", client=info.client_id, name=info.name, region=info.region)
         return info, token
@@ -191,6 +201,59 @@ class GrpcFleet(Fleet):
                 raise AuthenticationError(f"bad session token for client {client_id!r}")
             record.last_seen = time.monotonic()
             return record
+
+    def _remove(self, client_id: str, reason: str) -> None:
+        """Drops a client from the registry, and from the open round as a failure (lock held)."""
+        record = self._clients.pop(client_id)
+        rnd = self._round
+        if rnd is not None and not rnd.closed and rnd.is_pending(client_id):
+            rnd.failures[client_id] = Failure(record.info, reason)
+            partial = rnd.partials.pop(client_id, None)
+            if partial is not None:
+                partial.abort()
+
+    @staticmethod
+    def _reason(text: str) -> str:
+        if len(text) > MAX_REASON_CHARS:
+            raise InvalidUpdateError(f"reason: {len(text)} characters, at most {MAX_REASON_CHARS}")
+        return text
+
+    def report_failure(self, client_id: str, token: str, task_id: str, reason: str) -> None:
+        """The client's ``fit`` or ``evaluate`` raised: its task fails at once with ``reason``.
+
+        Raises:
+            AuthenticationError, StaleTaskError: unknown session, or no open task ``task_id``.
+            DuplicateUpdateError: its result for the task was already accepted.
+            InvalidUpdateError: an oversized reason (nothing recorded).
+        """
+        reason = self._reason(reason)
+        record = self.authenticate(client_id, token)
+        with self._cond:
+            if record.benched_task == task_id:  # it finished the task it was benched for
+                record.benched_task = ""
+            rnd = self._open_task(client_id, task_id)
+            if client_id in rnd.results:
+                raise DuplicateUpdateError(f"result for round {rnd.server_round} from client {client_id!r} already accepted")
+            rnd.failures.setdefault(client_id, Failure(record.info, f"client reported: {reason}"))
+            self._cond.notify_all()
+        log.warning("round %d: client %r reported a failure: %r", rnd.server_round, record.info.name or client_id, reason)
+        self.events.emit("failure_reported", round=rnd.server_round, client=client_id, reason=reason)
+
+    def leave(self, client_id: str, token: str, reason: str) -> None:
+        """The client is going (stopped, interrupted, crashed): removed at once, its open task failed.
+
+        Raises:
+            AuthenticationError: unknown session.
+            InvalidUpdateError: an oversized reason (nothing changed).
+        """
+        reason = self._reason(reason)
+        record = self.authenticate(client_id, token)
+        with self._cond:
+            if client_id in self._clients:
+                self._remove(client_id, f"client left: {reason}")
+            self._cond.notify_all()
+        log.info("client %r left: %r", record.info.name or client_id, reason)
+        self.events.emit("client_left", client=client_id, reason=reason)
 
     def heartbeat(self, client_id: str, token: str) -> float:
         self.authenticate(client_id, token)
@@ -297,6 +360,8 @@ class GrpcFleet(Fleet):
             if current is not None and current.task_id == header.task_id and client_id in current.results:
                 # Checked before "closed": a retry whose first attempt landed learns it did.
                 raise DuplicateUpdateError(f"update for round {current.server_round} from client {client_id!r} already accepted")
+            if record.benched_task == header.task_id:  # late, but it did finish that task
+                record.benched_task = ""
             rnd = self._open_task(client_id, header.task_id)
             if client_id in rnd.uploading:
                 raise DuplicateUpdateError(f"an upload for round {rnd.server_round} from client {client_id!r} is in progress")
@@ -433,21 +498,32 @@ class GrpcFleet(Fleet):
         return [rec.info for rec in self._clients.values()]
 
     def live_clients(self) -> list[ClientInfo]:
+        """Every client heartbeating, benched ones included (``wait_for_clients`` leaves those out)."""
         with self._cond:
             return self._live()
 
+    def _selectable(self) -> list[ClientInfo]:
+        live = self._live()
+        return [info for info in live if not self._clients[info.client_id].benched_task]
+
     def wait_for_clients(self, *, min_clients: int, timeout: timedelta) -> list[ClientInfo]:
+        """The selectable clients (live, and not benched for a missed deadline), once there
+        are ``min_clients`` of them."""
         deadline = time.monotonic() + timeout.total_seconds()
         with self._cond:
             while True:
-                live = self._live()
+                live = self._selectable()
                 if len(live) >= min_clients:
                     return live
                 if self._interrupted:
                     raise InterruptedRunError("stopped while waiting for clients")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise TimeoutError(f"{len(live)} live clients after {timeout.total_seconds():.0f}s, need {min_clients}")
+                    benched = len(self._clients) - len(live)
+                    raise TimeoutError(
+                        f"{len(live)} live clients after {timeout.total_seconds():.0f}s, need {min_clients}"
+                        + (f" ({benched} more benched after missing a deadline)" if benched else "")
+                    )
                 self._cond.wait(min(remaining, self.heartbeat_interval_s))
 
     def fit_round(
@@ -529,6 +605,8 @@ class GrpcFleet(Fleet):
                 if now >= rnd.deadline:
                     for cid in rnd.pending():
                         rnd.failures[cid] = Failure(infos[cid], f"missed the round deadline of {timeout.total_seconds():.1f}s")
+                        if cid in self._clients and cid not in rnd.uploading:  # alive, yet no result: benched
+                            self._clients[cid].benched_task = rnd.task_id
                     reason = "deadline"
                     break
                 live = {info.client_id for info in self._live()}
@@ -573,7 +651,7 @@ class GrpcFleet(Fleet):
 
     def state_dict(self) -> dict[str, Any]:
         with self._cond:
-            clients = [{**dataclasses.asdict(r.info), "token": r.token} for r in self._clients.values()]
+            clients = [{**dataclasses.asdict(r.info), "token": r.token, "benched_task": r.benched_task} for r in self._clients.values()]
         return {"run_id": self.run_id, "clients": clients, "downlink": self.downlink.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -589,9 +667,9 @@ class GrpcFleet(Fleet):
                 self.downlink.load_state_dict(state["downlink"])
             self._clients = {}
             for entry in state["clients"]:
-                fields = {k: v for k, v in entry.items() if k != "token"}
+                fields = {k: v for k, v in entry.items() if k not in ("token", "benched_task")}
                 info = ClientInfo(**{**fields, "codecs": tuple(fields.get("codecs", ("none",)))})
-                self._clients[info.client_id] = _ClientRecord(info, str(entry["token"]), now)
+                self._clients[info.client_id] = _ClientRecord(info, str(entry["token"]), now, benched_task=str(entry.get("benched_task", "")))
             self._cond.notify_all()
 
     def finish(self, *, timeout: timedelta) -> None:

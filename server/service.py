@@ -111,6 +111,16 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         with _mapped(context):
             return pb.HeartbeatReply(interval_s=self.fleet.heartbeat(request.client_id, request.session_token))
 
+    def ReportFailure(self, request: pb.ReportFailureRequest, context: grpc.ServicerContext) -> pb.ReportFailureReply:
+        with _mapped(context):
+            self.fleet.report_failure(request.client_id, request.session_token, request.task_id, request.reason)
+            return pb.ReportFailureReply()
+
+    def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
+        with _mapped(context):
+            self.fleet.leave(request.client_id, request.session_token, request.reason)
+            return pb.LeaveReply()
+
 
 def add_to_server(servicer: CoordinatorServicer, server: grpc.Server) -> None:
     """Registers the service. The two chunk streams move encoded ``Chunk`` messages as bytes
@@ -138,6 +148,14 @@ def add_to_server(servicer: CoordinatorServicer, server: grpc.Server) -> None:
             servicer.Heartbeat,
             request_deserializer=pb.HeartbeatRequest.FromString,
             response_serializer=pb.HeartbeatReply.SerializeToString,
+        ),
+        "ReportFailure": grpc.unary_unary_rpc_method_handler(
+            servicer.ReportFailure,
+            request_deserializer=pb.ReportFailureRequest.FromString,
+            response_serializer=pb.ReportFailureReply.SerializeToString,
+        ),
+        "Leave": grpc.unary_unary_rpc_method_handler(
+            servicer.Leave, request_deserializer=pb.LeaveRequest.FromString, response_serializer=pb.LeaveReply.SerializeToString
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
