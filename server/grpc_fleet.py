@@ -39,6 +39,7 @@ from fedgrid.server.fleet import Fleet, RoundOutcome
 from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.downlink import Downlink, RoundDownlink
 from fedgrid.server.spill import SpillWriter, UpdateSpill
+from fedgrid.server.wakeups import Wakeups
 from fedgrid.types import ClientInfo, EvaluateIns, EvaluateRes, FitIns, FitRes, Failure, ModelState, TensorSpec
 
 __all__ = ["GrpcFleet", "PollResult"]
@@ -164,7 +165,8 @@ class GrpcFleet(Fleet):
         self._round: _Round | None = None
         self._finished = False
         self._interrupted = False
-        self._cond = threading.Condition()
+        self._lock = threading.RLock()
+        self._wake = Wakeups(self._lock)  # keyed: a task wakes its client's poll only
 
     # -- handlers (called by the servicer) -------------------------------------------------
     def join(self, joining: ClientInfo) -> tuple[ClientInfo, str]:
@@ -173,13 +175,13 @@ class GrpcFleet(Fleet):
             raise RunFinishedError("the run is over")
         info = dataclasses.replace(joining, client_id=uuid.uuid4().hex[:16])
         token = secrets.token_urlsafe(24)
-        with self._cond:
+        with self._lock:
             # A restarted client rejoins under its name: its old session goes, no ghost stays.
             ghosts = [cid for cid, rec in self._clients.items() if info.name and rec.info.name == info.name]
             for cid in ghosts:
                 self._remove(cid, "replaced by a new session of the same name")
             self._clients[info.client_id] = _ClientRecord(info, token, time.monotonic())
-            self._cond.notify_all()
+            self._wake.notify("registry")
         for cid in ghosts:
             log.info("client %r rejoined: session %s replaced", info.name, cid)
             self.events.emit("client_left", client=cid, reason="replaced by a new session of the same name")
@@ -193,7 +195,7 @@ class GrpcFleet(Fleet):
         Raises:
             AuthenticationError: unknown client or wrong token.
         """
-        with self._cond:
+        with self._lock:
             record = self._clients.get(client_id)
             if record is None:
                 raise AuthenticationError(f"unknown client {client_id!r}")
@@ -208,6 +210,7 @@ class GrpcFleet(Fleet):
         rnd = self._round
         if rnd is not None and not rnd.closed and rnd.is_pending(client_id):
             rnd.failures[client_id] = Failure(record.info, reason)
+            self._wake.notify("round")
             partial = rnd.partials.pop(client_id, None)
             if partial is not None:
                 partial.abort()
@@ -228,14 +231,14 @@ class GrpcFleet(Fleet):
         """
         reason = self._reason(reason)
         record = self.authenticate(client_id, token)
-        with self._cond:
+        with self._lock:
             if record.benched_task == task_id:  # it finished the task it was benched for
                 record.benched_task = ""
             rnd = self._open_task(client_id, task_id)
             if client_id in rnd.results:
                 raise DuplicateUpdateError(f"result for round {rnd.server_round} from client {client_id!r} already accepted")
             rnd.failures.setdefault(client_id, Failure(record.info, f"client reported: {reason}"))
-            self._cond.notify_all()
+            self._wake.notify("round")
         log.warning("round %d: client %r reported a failure: %r", rnd.server_round, record.info.name or client_id, reason)
         self.events.emit("failure_reported", round=rnd.server_round, client=client_id, reason=reason)
 
@@ -248,10 +251,10 @@ class GrpcFleet(Fleet):
         """
         reason = self._reason(reason)
         record = self.authenticate(client_id, token)
-        with self._cond:
+        with self._lock:
             if client_id in self._clients:
                 self._remove(client_id, f"client left: {reason}")
-            self._cond.notify_all()
+            self._wake.notify("registry", ("poll", client_id))
         log.info("client %r left: %r", record.info.name or client_id, reason)
         self.events.emit("client_left", client=client_id, reason=reason)
 
@@ -259,32 +262,62 @@ class GrpcFleet(Fleet):
         self.authenticate(client_id, token)
         return self.heartbeat_interval_s
 
+    def _poll_now(self, record: _ClientRecord) -> PollResult | None:
+        """The poll's answer if there is one now (lock held)."""
+        if self._finished:
+            record.heard_finished = True
+            self._wake.notify("finish")
+            return PollResult(finished=True)
+        if self._interrupted:  # stopping: answer now, before the server cancels the call
+            return PollResult(retry_after_s=1.0)
+        rnd = self._round
+        client_id = record.info.client_id
+        if rnd is not None and not rnd.closed and rnd.is_pending(client_id):
+            return PollResult(
+                task_id=rnd.task_id,
+                evaluate=rnd.evaluate,
+                server_round=rnd.server_round,
+                ins=rnd.assignments[client_id],
+                deadline_s=max(0.0, rnd.deadline - time.monotonic()),
+            )
+        return None
+
     def poll(self, client_id: str, token: str, wait_s: float) -> PollResult:
-        """Long poll: waits up to ``wait_s`` for a task for this client."""
+        """Long poll: waits up to ``wait_s`` for a task for this client (woken only by what
+        concerns it: its task, the end of the run, a stop)."""
         record = self.authenticate(client_id, token)
         deadline = time.monotonic() + max(0.0, min(wait_s, 60.0))
-        with self._cond:
+        with self._lock:
             while True:
-                if self._finished:
-                    record.heard_finished = True
-                    self._cond.notify_all()
-                    return PollResult(finished=True)
-                if self._interrupted:  # stopping: answer now, before the server cancels the call
-                    return PollResult(retry_after_s=1.0)
-                rnd = self._round
-                if rnd is not None and not rnd.closed and rnd.is_pending(client_id):
-                    return PollResult(
-                        task_id=rnd.task_id,
-                        evaluate=rnd.evaluate,
-                        server_round=rnd.server_round,
-                        ins=rnd.assignments[client_id],
-                        deadline_s=max(0.0, rnd.deadline - time.monotonic()),
-                    )
+                result = self._poll_now(record)
+                if result is not None:
+                    return result
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return PollResult(retry_after_s=0.0)
-                self._cond.wait(remaining)
+                self._wake.wait(("poll", client_id), remaining)
                 record.last_seen = time.monotonic()
+
+    async def poll_async(self, client_id: str, token: str, wait_s: float) -> PollResult:
+        """``poll`` for an asyncio server: the wait holds no thread."""
+        record = self.authenticate(client_id, token)
+        deadline = time.monotonic() + max(0.0, min(wait_s, 60.0))
+        answer: list[PollResult] = []
+
+        def ready() -> bool:
+            result = self._poll_now(record)
+            if result is not None:
+                answer.append(result)
+            return result is not None
+
+        while True:
+            await self._wake.wait_async(("poll", client_id), deadline - time.monotonic(), ready)
+            if answer:
+                return answer[0]
+            with self._lock:
+                record.last_seen = time.monotonic()
+            if time.monotonic() >= deadline:
+                return PollResult(retry_after_s=0.0)
 
     def _open_task(self, client_id: str, task_id: str) -> _Round:
         rnd = self._round
@@ -301,7 +334,7 @@ class GrpcFleet(Fleet):
         names (``FitIns.download``) on a lossless downlink, or on a compressed downlink the
         change since ``have_version`` when the client holds the previous version."""
         self.authenticate(client_id, token)
-        with self._cond:
+        with self._lock:
             rnd = self._open_task(client_id, task_id)
         names = self._download_names(rnd.assignments[client_id])
         if names is None:
@@ -323,11 +356,11 @@ class GrpcFleet(Fleet):
     def _part(self, rnd: _Round, names: frozenset[str]) -> serde.EncodedModel:
         """The tensors ``names`` of the round's exact model, encoded once per round and set of
         tensors (two clients racing may both encode it; one copy is kept)."""
-        with self._cond:
+        with self._lock:
             part = rnd.parts.get(names)
         if part is None:
             part = serde.EncodedModel(OrderedDict((n, t) for n, t in rnd.global_state.items() if n in names), codec=self.downlink.codec)
-            with self._cond:
+            with self._lock:
                 part = rnd.parts.setdefault(names, part)
         return part
 
@@ -338,7 +371,7 @@ class GrpcFleet(Fleet):
                 sent += serde.wire_size(frame)
                 yield frame
         finally:
-            with self._cond:
+            with self._lock:
                 rnd.bytes_down += sent
 
     def upload(self, frames: Iterable[bytes]) -> int:
@@ -355,7 +388,7 @@ class GrpcFleet(Fleet):
         header = serde.read_header(first)
         record = self.authenticate(header.client_id, header.session_token)
         client_id = record.info.client_id
-        with self._cond:
+        with self._lock:
             current = self._round
             if current is not None and current.task_id == header.task_id and client_id in current.results:
                 # Checked before "closed": a retry whose first attempt landed learns it did.
@@ -368,13 +401,13 @@ class GrpcFleet(Fleet):
             rnd.uploading.add(client_id)
         upload: _Upload | None = None
         try:
-            with self._cond:
+            with self._lock:
                 partial = rnd.partials.pop(client_id, None)
             if header.resume_from_chunk:
                 if partial is None or partial.asm.frames_received != header.resume_from_chunk:
                     held = 0 if partial is None else partial.asm.frames_received
                     if partial is not None:
-                        with self._cond:
+                        with self._lock:
                             rnd.partials[client_id] = partial
                     raise StaleTaskError(f"cannot resume at chunk {header.resume_from_chunk}: the coordinator holds {held} chunks of this upload")
                 upload = partial
@@ -391,7 +424,7 @@ class GrpcFleet(Fleet):
                 raise  # bad input: nothing kept
             except Exception:
                 # The connection broke: keep what arrived so that the client resumes from it.
-                with self._cond:
+                with self._lock:
                     if not rnd.closed:
                         rnd.partials[client_id] = upload
                         upload = None  # kept, not aborted
@@ -412,7 +445,7 @@ class GrpcFleet(Fleet):
                 serde.check_finite(state)
                 result = self.spill.put(task_id=rnd.task_id, result=FitRes(record.info, state, stream.num_examples, dict(stream.metrics)))
             del state
-            with self._cond:
+            with self._lock:
                 if rnd.closed or self._round is not rnd:
                     if not rnd.evaluate:
                         self.spill.discard(task_id=rnd.task_id, client_id=client_id)
@@ -424,7 +457,7 @@ class GrpcFleet(Fleet):
                 rnd.bytes_up += asm.wire_bytes
                 rnd.payload_up += asm.payload_bytes
                 rnd.raw_up += upload.raw_bytes
-                self._cond.notify_all()
+                self._wake.notify("round")
                 accepted, expected = len(rnd.results), len(rnd.assignments)
             log.info("round %d: accepted %s from %r (%d of %d)", rnd.server_round, "evaluation" if rnd.evaluate else "update",
                      record.info.name or client_id, accepted, expected)
@@ -434,9 +467,9 @@ class GrpcFleet(Fleet):
         finally:
             if upload is not None:  # rejected: drop what was written
                 upload.abort()
-            with self._cond:
+            with self._lock:
                 rnd.uploading.discard(client_id)
-                self._cond.notify_all()
+                self._wake.notify("round", ("upload", client_id))
 
     def _start_upload(self, rnd: _Round, client: ClientInfo, header: serde.StreamInfo) -> _Upload:
         """An assembler for a new upload; fit updates stream into their spill file."""
@@ -464,7 +497,7 @@ class GrpcFleet(Fleet):
     def upload_status(self, client_id: str, token: str, task_id: str) -> tuple[int, bool]:
         """(chunks of a broken upload the coordinator holds, whether the update already landed)."""
         self.authenticate(client_id, token)
-        with self._cond:
+        with self._lock:
             rnd = self._round
             if rnd is not None and rnd.task_id == task_id and client_id in rnd.results:
                 return 0, True
@@ -472,7 +505,7 @@ class GrpcFleet(Fleet):
             # A broken stream may still be winding down on its server thread: let it settle.
             deadline = time.monotonic() + 5.0
             while client_id in rnd.uploading and time.monotonic() < deadline:
-                self._cond.wait(deadline - time.monotonic())
+                self._wake.wait(("upload", client_id), deadline - time.monotonic())
             if client_id in rnd.results:
                 return 0, True
             partial = rnd.partials.get(client_id)
@@ -499,7 +532,7 @@ class GrpcFleet(Fleet):
 
     def live_clients(self) -> list[ClientInfo]:
         """Every client heartbeating, benched ones included (``wait_for_clients`` leaves those out)."""
-        with self._cond:
+        with self._lock:
             return self._live()
 
     def _selectable(self) -> list[ClientInfo]:
@@ -510,7 +543,7 @@ class GrpcFleet(Fleet):
         """The selectable clients (live, and not benched for a missed deadline), once there
         are ``min_clients`` of them."""
         deadline = time.monotonic() + timeout.total_seconds()
-        with self._cond:
+        with self._lock:
             while True:
                 live = self._selectable()
                 if len(live) >= min_clients:
@@ -524,7 +557,7 @@ class GrpcFleet(Fleet):
                         f"{len(live)} live clients after {timeout.total_seconds():.0f}s, need {min_clients}"
                         + (f" ({benched} more benched after missing a deadline)" if benched else "")
                     )
-                self._cond.wait(min(remaining, self.heartbeat_interval_s))
+                self._wake.wait("registry", min(remaining, self.heartbeat_interval_s))
 
     def fit_round(
         self,
@@ -590,9 +623,9 @@ class GrpcFleet(Fleet):
                 log.info("round %d: %d updates restored from before a restart", server_round, len(rnd.results))
                 self.events.emit("updates_restored", round=server_round, count=len(rnd.results))
         self.events.emit("round_opened", round=server_round, task=rnd.task_id, clients=len(rnd.assignments), evaluate=evaluate)
-        with self._cond:
+        with self._lock:
             self._round = rnd
-            self._cond.notify_all()
+            self._wake.notify(*(("poll", cid) for cid in rnd.assignments))  # only the clients with a task
             goal = len(rnd.assignments) if target is None else min(target, len(rnd.assignments))
             reason = "all"
             while rnd.pending() and len(rnd.results) < goal:
@@ -613,12 +646,11 @@ class GrpcFleet(Fleet):
                 for cid in rnd.pending():
                     if cid not in live and cid not in rnd.uploading:
                         rnd.failures[cid] = Failure(infos[cid], "client went silent (no heartbeat)")
-                self._cond.wait(min(rnd.deadline - now, self.heartbeat_interval_s))
+                self._wake.wait("round", min(rnd.deadline - now, self.heartbeat_interval_s))
             rnd.closed = True  # late uploads are refused from here on
             for partial in rnd.partials.values():
                 partial.abort()
             rnd.partials.clear()
-            self._cond.notify_all()
             results = [rnd.results[cid] for cid in rnd.assignments if cid in rnd.results]
             failures = [rnd.failures[cid] for cid in rnd.assignments if cid in rnd.failures]
             cancelled = [infos[cid] for cid in rnd.pending()]  # over-selected, not needed
@@ -634,7 +666,7 @@ class GrpcFleet(Fleet):
         return dataclasses.replace(ins, config={**ins.config, "uplink_codec": self.codec_policy.uplink(info)})
 
     def committed(self, server_round: int) -> None:
-        with self._cond:
+        with self._lock:
             if self._round is not None and self._round.closed:
                 self._round = None  # frees the round's models and results
         self.spill.clear()
@@ -643,14 +675,14 @@ class GrpcFleet(Fleet):
         self.spill.close()
 
     def interrupt(self) -> None:
-        with self._cond:
+        with self._lock:
             self._interrupted = True
             if self._round is not None:
                 self._round.closed = True  # in-flight uploads are refused cleanly
-            self._cond.notify_all()
+            self._wake.notify_all()
 
     def state_dict(self) -> dict[str, Any]:
-        with self._cond:
+        with self._lock:
             clients = [{**dataclasses.asdict(r.info), "token": r.token, "benched_task": r.benched_task} for r in self._clients.values()]
         return {"run_id": self.run_id, "clients": clients, "downlink": self.downlink.state_dict()}
 
@@ -661,7 +693,7 @@ class GrpcFleet(Fleet):
         sleeping in retry backoff (capped at ``RETRY_MAX_WAIT_S``) while the coordinator restarts.
         """
         now = time.monotonic() + RETRY_MAX_WAIT_S + RESTART_GRACE_S
-        with self._cond:
+        with self._lock:
             self.run_id = str(state["run_id"])
             if state.get("downlink") is not None:
                 self.downlink.load_state_dict(state["downlink"])
@@ -670,13 +702,13 @@ class GrpcFleet(Fleet):
                 fields = {k: v for k, v in entry.items() if k not in ("token", "benched_task")}
                 info = ClientInfo(**{**fields, "codecs": tuple(fields.get("codecs", ("none",)))})
                 self._clients[info.client_id] = _ClientRecord(info, str(entry["token"]), now, benched_task=str(entry.get("benched_task", "")))
-            self._cond.notify_all()
+            self._wake.notify_all()
 
     def finish(self, *, timeout: timedelta) -> None:
         deadline = time.monotonic() + timeout.total_seconds()
-        with self._cond:
+        with self._lock:
             self._finished = True
-            self._cond.notify_all()
+            self._wake.notify_all()
             while True:
                 waiting = [r for r in self._clients.values() if not r.heard_finished]
                 live = {info.client_id for info in self._live()}
@@ -684,4 +716,4 @@ class GrpcFleet(Fleet):
                 remaining = deadline - time.monotonic()
                 if not waiting or remaining <= 0:
                     return
-                self._cond.wait(min(remaining, 0.5))
+                self._wake.wait("finish", min(remaining, 0.5))
