@@ -19,6 +19,7 @@ __all__ = [
     "RETRY_MAX_ELAPSED_S",
     "FINISH_GRACE_S",
     "MAX_REASON_CHARS",
+    "STREAM_IDLE_S",
 ]
 
 
@@ -54,3 +55,5 @@ RETRY_MAX_ELAPSED_S = _env_float("FEDGRID_RETRY_MAX_ELAPSED_S", 120.0)
 FINISH_GRACE_S = _env_float("FEDGRID_FINISH_GRACE_S", 15.0)
 #: Longest failure or leave reason a client sends (characters); the coordinator refuses longer.
 MAX_REASON_CHARS = 1000
+#: An upload stream that sends nothing for this long is given up (what arrived is kept for resume).
+STREAM_IDLE_S = _env_float("FEDGRID_STREAM_IDLE_S", 60.0)

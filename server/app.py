@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -9,10 +10,11 @@ import threading
 from concurrent import futures
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import _async as health_aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fedgrid.config import Config
 from fedgrid.determinism import environment, intra_op_threads
@@ -43,48 +45,77 @@ GRPC_OPTIONS = [
 
 
 class Coordinator:
-    """A listening gRPC server over a ``GrpcFleet``; ``port`` is known once constructed.
+    """A listening gRPC server (``grpc.aio``) over a ``GrpcFleet``; ``port`` is known once constructed.
+
+    The server runs on an asyncio event loop in a thread of its own, so the calling thread
+    (the round engine) is free; idle long polls hold no thread.
 
     Args:
         listen: ``HOST:PORT``; port 0 binds a free port.
         fleet: the fleet the servicer serves.
-        max_workers: RPC threads (each long poll holds one).
-        interceptors: gRPC server interceptors (authentication, logging, fault injection).
+        max_workers: threads for CPU work (encoding downloads, checking and spilling uploads).
+        interceptors: ``grpc.aio`` server interceptors (authentication, logging, fault injection).
     """
 
     def __init__(
-        self, listen: str, fleet: GrpcFleet, *, max_workers: int = 256, interceptors: Sequence[grpc.ServerInterceptor] = ()
+        self, listen: str, fleet: GrpcFleet, *, max_workers: int = 256, interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
     ) -> None:
         self.fleet = fleet
         return_large_buffers_to_the_system()  # model-sized buffers go back to the OS when freed
-        self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="fedgrid-rpc"),
-            options=GRPC_OPTIONS,
-            interceptors=list(interceptors),
-        )
-        add_to_server(CoordinatorServicer(fleet), self.server)
-        self.health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(listen)
+        self.executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="fedgrid-cpu")
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="fedgrid-aio", daemon=True)
+        self._thread.start()
+
+        async def build() -> tuple[grpc.aio.Server, health_aio.HealthServicer, int]:
+            server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=list(interceptors))
+            add_to_server(CoordinatorServicer(fleet, self.executor), server)
+            checker = health_aio.HealthServicer()
+            health_pb2_grpc.add_HealthServicer_to_server(checker, server)
+            return server, checker, server.add_insecure_port(listen)
+
+        try:
+            self.server, self.health, self.port = self._run(build())
+        except Exception:
+            self._shutdown_loop()
+            raise
         if self.port == 0:
+            self._shutdown_loop()
             raise OSError(f"could not bind {listen}")
         host = listen.rpartition(":")[0]
         self.address = f"{'127.0.0.1' if host in ('0.0.0.0', '[::]') else host}:{self.port}"
 
+    def _run(self, coro: Any, timeout: float = 30.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def _shutdown_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
     def start(self) -> "Coordinator":
-        self.server.start()
+        self._run(self.server.start())
         self.set_serving(True)
         return self
 
     def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", SERVICE_NAME):
-            self.health.set(name, status)
+
+        async def set_all() -> None:
+            for name in ("", SERVICE_NAME):
+                await self.health.set(name, status)
+
+        self._run(set_all())
 
     def stop(self, grace: float = 5.0) -> None:
         """NOT_SERVING, then in-flight RPCs get ``grace`` seconds to finish."""
+        if not self._thread.is_alive():
+            return
         self.set_serving(False)
-        self.server.stop(grace).wait(grace + 1.0)
+        try:
+            self._run(self.server.stop(grace), timeout=grace + 5.0)
+        finally:
+            self._shutdown_loop()
 
 
 def run_coordinator(

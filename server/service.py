@@ -1,13 +1,24 @@
-"""The thin gRPC servicer: decode, call ``GrpcFleet``, map domain errors to status codes."""
+"""The thin gRPC servicer, on ``grpc.aio``: decode, call ``GrpcFleet``, map domain errors to
+status codes in one place.
+
+Handlers run on the server's event loop and never block it: a long poll awaits its own
+wake-up (``GrpcFleet.poll_async``), so ten thousand idle polls hold no thread; CPU work
+(encoding a download, checking and decoding an upload, spill writes, waiting for an upload
+to settle) runs on the ``executor`` threads.
+"""
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import logging
-from typing import Iterator, NoReturn
+import threading
+from concurrent.futures import CancelledError, Executor, Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, NoReturn, TypeVar
 
 import grpc
 
+from fedgrid.constants import STREAM_IDLE_S
 from fedgrid.errors import (
     AuthenticationError,
     DuplicateUpdateError,
@@ -17,7 +28,6 @@ from fedgrid.errors import (
     StaleTaskError,
 )
 from fedgrid.proto import fedgrid_pb2 as pb
-from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
 from fedgrid.proto import serde
 from fedgrid.server.grpc_fleet import GrpcFleet
 
@@ -26,6 +36,8 @@ __all__ = ["CoordinatorServicer", "STATUS_OF", "add_to_server", "SERVICE"]
 SERVICE = "fedgrid.v1.Coordinator"
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: One place maps each domain error to its status code (most specific first).
 STATUS_OF: tuple[tuple[type[FedgridError], grpc.StatusCode], ...] = (
@@ -37,31 +49,84 @@ STATUS_OF: tuple[tuple[type[FedgridError], grpc.StatusCode], ...] = (
 )
 
 
-def _abort(context: grpc.ServicerContext, exc: FedgridError) -> NoReturn:
+def status_of(exc: FedgridError) -> grpc.StatusCode:
     for kind, code in STATUS_OF:
         if isinstance(exc, kind):
-            log.info("rejected request: %s: %s", code.name, exc)
-            context.abort(code, str(exc))
-    context.abort(grpc.StatusCode.INTERNAL, str(exc))
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: FedgridError) -> NoReturn:
+    await context.abort(status_of(exc), str(exc))
     raise AssertionError("unreachable: context.abort raises")
 
 
-@contextlib.contextmanager
-def _mapped(context: grpc.ServicerContext) -> Iterator[None]:
-    try:
-        yield
-    except FedgridError as exc:
-        _abort(context, exc)
+_END = object()
 
 
-class CoordinatorServicer(pb_grpc.CoordinatorServicer):
-    """Implements ``fedgrid.v1.Coordinator`` over a ``GrpcFleet``."""
+class _StreamReader:
+    """Hands an upload's frames, read on the event loop, to the executor thread checking them.
 
-    def __init__(self, fleet: GrpcFleet) -> None:
+    Each frame is fetched from the loop as it is needed (backpressure for free). A stream
+    that sends nothing for ``STREAM_IDLE_S`` ends with ``TimeoutError``, and ``close`` (the
+    RPC was cancelled) ends it at once with ``ConnectionError``: either way the fleet keeps
+    what was verified so that the client resumes from there.
+    """
+
+    def __init__(self, it: AsyncIterator[bytes], loop: asyncio.AbstractEventLoop) -> None:
+        self.it, self.loop = it, loop
+        self._lock = threading.Lock()
+        self._closed = False
+        self._pending: Future[bytes] | None = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._pending is not None:
+                self._pending.cancel()
+
+    def frames(self, first: bytes) -> Iterator[bytes]:
+        yield first
+        while True:
+            with self._lock:
+                if self._closed:
+                    raise ConnectionError("the upload stream was cancelled")
+                pending: Future[bytes] = asyncio.run_coroutine_threadsafe(self.it.__anext__(), self.loop)  # type: ignore[arg-type]
+                self._pending = pending
+            try:
+                yield pending.result(timeout=STREAM_IDLE_S)
+            except StopAsyncIteration:
+                return
+            except FutureTimeout:
+                pending.cancel()
+                raise TimeoutError(f"upload stream idle for {STREAM_IDLE_S:.0f}s") from None
+            except CancelledError:
+                raise ConnectionError("the upload stream was cancelled") from None
+
+
+class CoordinatorServicer:
+    """Implements ``fedgrid.v1.Coordinator`` over a ``GrpcFleet``.
+
+    Args:
+        fleet: the coordinator's state.
+        executor: threads for CPU work and the few calls that may wait.
+    """
+
+    def __init__(self, fleet: GrpcFleet, executor: Executor) -> None:
         self.fleet = fleet
+        self.executor = executor
 
-    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
-        with _mapped(context):
+    async def _offload(self, fn: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def _call(self, context: grpc.aio.ServicerContext, body: Callable[[], Awaitable[T]]) -> T:
+        try:
+            return await body()
+        except FedgridError as exc:
+            await _abort(context, exc)
+
+    async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinReply:
+        async def body() -> pb.JoinReply:
             info, token = self.fleet.join(serde.client_info_from_join("", request))
             return pb.JoinReply(
                 client_id=info.client_id,
@@ -71,13 +136,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 chunk_size=self.fleet.chunk_size,
             )
 
-    def PollTask(self, request: pb.PollRequest, context: grpc.ServicerContext) -> pb.PollReply:
-        with _mapped(context):
+        return await self._call(context, body)
+
+    async def PollTask(self, request: pb.PollRequest, context: grpc.aio.ServicerContext) -> pb.PollReply:
+        async def body() -> pb.PollReply:
             wait = request.wait_s
             remaining = context.time_remaining()
             if remaining is not None:  # answer before the caller's deadline
                 wait = min(wait, max(0.0, remaining - 1.0))
-            result = self.fleet.poll(request.client_id, request.session_token, wait)
+            result = await self.fleet.poll_async(request.client_id, request.session_token, wait)
             if result.finished:
                 return pb.PollReply(finished=True)
             if result.ins is None:
@@ -92,70 +159,93 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 )
             )
 
-    def DownloadModel(self, request: pb.DownloadRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        with _mapped(context):
-            have = request.have_version if request.HasField("have_version") else None
-            yield from self.fleet.download(request.client_id, request.session_token, request.task_id, have)
+        return await self._call(context, body)
 
-    def UploadUpdate(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> pb.UploadReply:
-        with _mapped(context):
-            received = self.fleet.upload(request_iterator)
+    async def DownloadModel(self, request: pb.DownloadRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        have = request.have_version if request.HasField("have_version") else None
+        try:
+            # Encoding the round's model (once per round) and slicing frames are CPU work.
+            frames: Iterator[bytes] = await self._offload(self.fleet.download, request.client_id, request.session_token, request.task_id, have)
+        except FedgridError as exc:
+            await _abort(context, exc)
+        try:
+            while (frame := await self._offload(next, frames, _END)) is not _END:
+                yield frame  # type: ignore[misc]
+        finally:
+            close = getattr(frames, "close", None)
+            if close is not None:
+                close()  # counts the bytes sent, also when the client went away mid-stream
+
+    async def UploadUpdate(self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> pb.UploadReply:
+        it = request_iterator.__aiter__()
+        reader = _StreamReader(it, asyncio.get_running_loop())
+
+        async def body() -> pb.UploadReply:
+            # The header arrives on the loop: a stream that never sends one holds no thread.
+            try:
+                first = await asyncio.wait_for(it.__anext__(), STREAM_IDLE_S)  # type: ignore[arg-type]
+            except StopAsyncIteration:
+                raise InvalidUpdateError("empty upload stream: no header") from None
+            except asyncio.TimeoutError:
+                raise InvalidUpdateError(f"upload stream sent no header within {STREAM_IDLE_S:.0f}s") from None
+            try:
+                received = await self._offload(self.fleet.upload, reader.frames(first))
+            except asyncio.CancelledError:
+                reader.close()  # the client went away: the thread stops reading and keeps what arrived
+                raise
             return pb.UploadReply(accepted=True, bytes_received=received)
 
-    def UploadStatus(self, request: pb.UploadStatusRequest, context: grpc.ServicerContext) -> pb.UploadStatusReply:
-        with _mapped(context):
-            received, accepted = self.fleet.upload_status(request.client_id, request.session_token, request.task_id)
+        return await self._call(context, body)
+
+    async def UploadStatus(self, request: pb.UploadStatusRequest, context: grpc.aio.ServicerContext) -> pb.UploadStatusReply:
+        async def body() -> pb.UploadStatusReply:
+            # It may wait for a broken stream to settle on its thread: not on the loop.
+            received, accepted = await self._offload(self.fleet.upload_status, request.client_id, request.session_token, request.task_id)
             return pb.UploadStatusReply(chunks_received=received, accepted=accepted)
 
-    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
-        with _mapped(context):
+        return await self._call(context, body)
+
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatReply:
+        async def body() -> pb.HeartbeatReply:
             return pb.HeartbeatReply(interval_s=self.fleet.heartbeat(request.client_id, request.session_token))
 
-    def ReportFailure(self, request: pb.ReportFailureRequest, context: grpc.ServicerContext) -> pb.ReportFailureReply:
-        with _mapped(context):
+        return await self._call(context, body)
+
+    async def ReportFailure(self, request: pb.ReportFailureRequest, context: grpc.aio.ServicerContext) -> pb.ReportFailureReply:
+        async def body() -> pb.ReportFailureReply:
             self.fleet.report_failure(request.client_id, request.session_token, request.task_id, request.reason)
             return pb.ReportFailureReply()
 
-    def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
-        with _mapped(context):
+        return await self._call(context, body)
+
+    async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveReply:
+        async def body() -> pb.LeaveReply:
             self.fleet.leave(request.client_id, request.session_token, request.reason)
             return pb.LeaveReply()
 
+        return await self._call(context, body)
 
-def add_to_server(servicer: CoordinatorServicer, server: grpc.Server) -> None:
+
+def add_to_server(servicer: CoordinatorServicer, server: grpc.aio.Server) -> None:
     """Registers the service. The two chunk streams move encoded ``Chunk`` messages as bytes
     (identity serializers), so model payloads are copied once on each side instead of
     passing through protobuf objects; on the wire they are ordinary ``Chunk`` messages."""
+
+    def unary(method: Callable, request: Any, reply: Any) -> grpc.RpcMethodHandler:
+        return grpc.unary_unary_rpc_method_handler(method, request_deserializer=request.FromString, response_serializer=reply.SerializeToString)
+
     handlers = {
-        "Join": grpc.unary_unary_rpc_method_handler(
-            servicer.Join, request_deserializer=pb.JoinRequest.FromString, response_serializer=pb.JoinReply.SerializeToString
-        ),
-        "PollTask": grpc.unary_unary_rpc_method_handler(
-            servicer.PollTask, request_deserializer=pb.PollRequest.FromString, response_serializer=pb.PollReply.SerializeToString
-        ),
+        "Join": unary(servicer.Join, pb.JoinRequest, pb.JoinReply),
+        "PollTask": unary(servicer.PollTask, pb.PollRequest, pb.PollReply),
         "DownloadModel": grpc.unary_stream_rpc_method_handler(
             servicer.DownloadModel, request_deserializer=pb.DownloadRequest.FromString, response_serializer=None
         ),
         "UploadUpdate": grpc.stream_unary_rpc_method_handler(
             servicer.UploadUpdate, request_deserializer=None, response_serializer=pb.UploadReply.SerializeToString
         ),
-        "UploadStatus": grpc.unary_unary_rpc_method_handler(
-            servicer.UploadStatus,
-            request_deserializer=pb.UploadStatusRequest.FromString,
-            response_serializer=pb.UploadStatusReply.SerializeToString,
-        ),
-        "Heartbeat": grpc.unary_unary_rpc_method_handler(
-            servicer.Heartbeat,
-            request_deserializer=pb.HeartbeatRequest.FromString,
-            response_serializer=pb.HeartbeatReply.SerializeToString,
-        ),
-        "ReportFailure": grpc.unary_unary_rpc_method_handler(
-            servicer.ReportFailure,
-            request_deserializer=pb.ReportFailureRequest.FromString,
-            response_serializer=pb.ReportFailureReply.SerializeToString,
-        ),
-        "Leave": grpc.unary_unary_rpc_method_handler(
-            servicer.Leave, request_deserializer=pb.LeaveRequest.FromString, response_serializer=pb.LeaveReply.SerializeToString
-        ),
+        "UploadStatus": unary(servicer.UploadStatus, pb.UploadStatusRequest, pb.UploadStatusReply),
+        "Heartbeat": unary(servicer.Heartbeat, pb.HeartbeatRequest, pb.HeartbeatReply),
+        "ReportFailure": unary(servicer.ReportFailure, pb.ReportFailureRequest, pb.ReportFailureReply),
+        "Leave": unary(servicer.Leave, pb.LeaveRequest, pb.LeaveReply),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

@@ -114,26 +114,26 @@ class InProcessCoordinator:
         self.fleet.close()
 
 
-class FailFirst(grpc.ServerInterceptor):
-    """Fault injection: the first ``times`` calls of ``method`` end with ``code``."""
+class FailFirst(grpc.aio.ServerInterceptor):
+    """Fault injection: the first ``times`` calls of ``method`` (a unary method) end with ``code``."""
 
     def __init__(self, method: str, code: grpc.StatusCode, times: int) -> None:
         self.method, self.code, self.times = method, code, times
         self.calls = 0
         self._lock = threading.Lock()
 
-    def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(self, continuation, handler_call_details):
         if not handler_call_details.method.endswith("/" + self.method):
-            return continuation(handler_call_details)
+            return await continuation(handler_call_details)
         with self._lock:
             self.calls += 1
             fail = self.calls <= self.times
         if not fail:
-            return continuation(handler_call_details)
+            return await continuation(handler_call_details)
         code = self.code
 
-        def abort(request, context):
-            context.abort(code, f"injected {code.name}")
+        async def abort(request, context):
+            await context.abort(code, f"injected {code.name}")
 
         return grpc.unary_unary_rpc_method_handler(abort)
 
