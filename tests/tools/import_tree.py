@@ -19,15 +19,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def build(out: Path) -> Path:
-    """Writes the tree under ``out`` (replacing it) and returns ``out``."""
-    mapping = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+def build(out: Path, *, root: Path = ROOT) -> Path:
+    """Writes the tree of the checkout at ``root`` under ``out`` (replacing it); returns ``out``."""
+    mapping = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
     if out.exists():
         shutil.rmtree(out)
     for package, folder in mapping.items():
         target = out.joinpath(*package.split("."))
         target.mkdir(parents=True, exist_ok=True)
-        for source in sorted((ROOT / folder).glob("*.py")):
+        for source in sorted((root / folder).glob("*.py")):
             (target / source.name).symlink_to(source)
     return out
 
