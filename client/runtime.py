@@ -56,7 +56,9 @@ MAX_REJOINS = 3
 SERVICE = "fedgrid.v1.Coordinator"
 #: Retried with backoff. CANCELLED too: a coordinator shutting down cancels calls in flight
 #: (a call this client cancels itself ends the loop through ``stop`` instead).
-TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
+#: RESOURCE_EXHAUSTED too: the coordinator is at a limit (transfers in flight) for now.
+TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                       grpc.StatusCode.RESOURCE_EXHAUSTED})
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -20,6 +20,13 @@ __all__ = [
     "FINISH_GRACE_S",
     "MAX_REASON_CHARS",
     "STREAM_IDLE_S",
+    "MAX_POLLS_PER_CLIENT",
+    "MAX_TRANSFERS",
+    "MAX_STREAMS_PER_CONNECTION",
+    "KEEPALIVE_TIME_S",
+    "KEEPALIVE_TIMEOUT_S",
+    "MIN_CLIENT_PING_INTERVAL_S",
+    "MAX_CONNECTION_IDLE_S",
 ]
 
 
@@ -57,3 +64,17 @@ FINISH_GRACE_S = _env_float("FEDGRID_FINISH_GRACE_S", 15.0)
 MAX_REASON_CHARS = 1000
 #: An upload stream that sends nothing for this long is given up (what arrived is kept for resume).
 STREAM_IDLE_S = _env_float("FEDGRID_STREAM_IDLE_S", 60.0)
+#: Long polls one client may hold at once; more are refused (RESOURCE_EXHAUSTED).
+MAX_POLLS_PER_CLIENT = int(_env_float("FEDGRID_MAX_POLLS_PER_CLIENT", 2))
+#: Model downloads and uploads in flight on the coordinator at once; more are refused.
+MAX_TRANSFERS = int(_env_float("FEDGRID_MAX_TRANSFERS", 1024))
+#: Concurrent streams on one HTTP/2 connection (gRPC's ``grpc.max_concurrent_streams``).
+MAX_STREAMS_PER_CONNECTION = int(_env_float("FEDGRID_MAX_STREAMS_PER_CONNECTION", 100))
+#: The coordinator pings a connection idle this long, and drops it when no answer comes
+#: within ``KEEPALIVE_TIMEOUT_S`` (half-open connections of vanished clients).
+KEEPALIVE_TIME_S = _env_float("FEDGRID_KEEPALIVE_TIME_S", 30.0)
+KEEPALIVE_TIMEOUT_S = _env_float("FEDGRID_KEEPALIVE_TIMEOUT_S", 10.0)
+#: Clients may ping at most this often; faster pingers are disconnected.
+MIN_CLIENT_PING_INTERVAL_S = _env_float("FEDGRID_MIN_CLIENT_PING_INTERVAL_S", 10.0)
+#: A connection with no call for this long is closed (the client reconnects when it needs to).
+MAX_CONNECTION_IDLE_S = _env_float("FEDGRID_MAX_CONNECTION_IDLE_S", 300.0)

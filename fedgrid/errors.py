@@ -8,6 +8,7 @@ from __future__ import annotations
 
 __all__ = [
     "FedgridError",
+    "ResourceLimitError",
     "ConfigError",
     "InvalidUpdateError",
     "AuthenticationError",
@@ -57,3 +58,7 @@ class RunFinishedError(FedgridError):
 
 class InterruptedRunError(FedgridError):
     """The coordinator is stopping; the open round is abandoned and will be redone."""
+
+
+class ResourceLimitError(FedgridError):
+    """A client asked for more than the coordinator allows at once (polls, transfers); retry later."""

@@ -19,7 +19,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from fedgrid.config import Config
 from fedgrid.determinism import environment, intra_op_threads
 from fedgrid.events import Event, EventLog
-from fedgrid.constants import FINISH_GRACE_S, MAX_MESSAGE_BYTES
+from fedgrid.constants import (
+    FINISH_GRACE_S,
+    KEEPALIVE_TIME_S,
+    KEEPALIVE_TIMEOUT_S,
+    MAX_CONNECTION_IDLE_S,
+    MAX_MESSAGE_BYTES,
+    MAX_STREAMS_PER_CONNECTION,
+    MAX_TRANSFERS,
+    MIN_CLIENT_PING_INTERVAL_S,
+    STREAM_IDLE_S,
+)
 from fedgrid.errors import ConfigError
 from fedgrid.plugins import model_state
 from fedgrid.runlog import RunWriter, load_model
@@ -41,6 +51,13 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
+    ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+    ("grpc.keepalive_time_ms", int(KEEPALIVE_TIME_S * 1000)),
+    ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", int(MIN_CLIENT_PING_INTERVAL_S * 1000)),
+    ("grpc.http2.max_ping_strikes", 2),
+    ("grpc.max_connection_idle_ms", int(MAX_CONNECTION_IDLE_S * 1000)),
 ]
 
 
@@ -55,10 +72,22 @@ class Coordinator:
         fleet: the fleet the servicer serves.
         max_workers: threads for CPU work (encoding downloads, checking and spilling uploads).
         interceptors: ``grpc.aio`` server interceptors (authentication, logging, fault injection).
+        max_transfers: downloads and uploads in flight at once; more get RESOURCE_EXHAUSTED.
+        stream_idle_s: an upload stream silent this long is given up (DEADLINE_EXCEEDED).
+
+    Connection limits (streams per connection, keepalive, idle connections) are the
+    ``GRPC_OPTIONS``, from ``fedgrid.constants`` (``FEDGRID_*`` overrides).
     """
 
     def __init__(
-        self, listen: str, fleet: GrpcFleet, *, max_workers: int = 256, interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
+        self,
+        listen: str,
+        fleet: GrpcFleet,
+        *,
+        max_workers: int = 256,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        max_transfers: int = MAX_TRANSFERS,
+        stream_idle_s: float = STREAM_IDLE_S,
     ) -> None:
         self.fleet = fleet
         return_large_buffers_to_the_system()  # model-sized buffers go back to the OS when freed
@@ -69,7 +98,8 @@ class Coordinator:
 
         async def build() -> tuple[grpc.aio.Server, health_aio.HealthServicer, int]:
             server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=list(interceptors))
-            add_to_server(CoordinatorServicer(fleet, self.executor), server)
+            self.servicer = CoordinatorServicer(fleet, self.executor, max_transfers=max_transfers, stream_idle_s=stream_idle_s)
+            add_to_server(self.servicer, server)
             checker = health_aio.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(checker, server)
             return server, checker, server.add_insecure_port(listen)

@@ -23,7 +23,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from fedgrid.compression import parse_codec_spec
 from fedgrid.compression.feedback import is_delta_tensor, reconstruct
-from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S, MAX_REASON_CHARS, RETRY_MAX_WAIT_S
+from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S, MAX_POLLS_PER_CLIENT, MAX_REASON_CHARS, RETRY_MAX_WAIT_S
 from fedgrid.events import EventLog
 from fedgrid.errors import (
     AuthenticationError,
@@ -31,6 +31,7 @@ from fedgrid.errors import (
     DuplicateUpdateError,
     InterruptedRunError,
     InvalidUpdateError,
+    ResourceLimitError,
     RunFinishedError,
     StaleTaskError,
 )
@@ -61,6 +62,7 @@ class _ClientRecord:
     #: The task whose deadline it missed while alive: not selected until it shows it finished
     #: that task (an upload or a failure report for it). Empty: selectable.
     benched_task: str = ""
+    polls: int = 0  # long polls it holds now
 
 
 @dataclass
@@ -142,6 +144,8 @@ class GrpcFleet(Fleet):
             feedback (see ``server/downlink.py``), whatever ``FitIns.download`` says.
         events: where the fleet reports joins, drops, accepted uploads and round closes
             (``fedgrid.events``); default: nowhere.
+        max_polls_per_client: long polls one client may hold at once; more raise
+            ``ResourceLimitError`` (RESOURCE_EXHAUSTED).
     """
 
     def __init__(
@@ -153,9 +157,11 @@ class GrpcFleet(Fleet):
         codec_policy: CodecPolicy | None = None,
         downlink_codec: str = "none",
         events: EventLog | None = None,
+        max_polls_per_client: int = MAX_POLLS_PER_CLIENT,
     ) -> None:
         self.run_id = uuid.uuid4().hex
         self.events = events if events is not None else EventLog()
+        self.max_polls_per_client = max_polls_per_client
         self.codec_policy = codec_policy or CodecPolicy()
         self.downlink = Downlink(downlink_codec)
         self.spill = UpdateSpill(spill_dir)
@@ -299,7 +305,12 @@ class GrpcFleet(Fleet):
                 record.last_seen = time.monotonic()
 
     async def poll_async(self, client_id: str, token: str, wait_s: float) -> PollResult:
-        """``poll`` for an asyncio server: the wait holds no thread."""
+        """``poll`` for an asyncio server: the wait holds no thread.
+
+        Raises:
+            AuthenticationError: unknown session.
+            ResourceLimitError: the client already holds ``max_polls_per_client`` polls.
+        """
         record = self.authenticate(client_id, token)
         deadline = time.monotonic() + max(0.0, min(wait_s, 60.0))
         answer: list[PollResult] = []
@@ -310,14 +321,22 @@ class GrpcFleet(Fleet):
                 answer.append(result)
             return result is not None
 
-        while True:
-            await self._wake.wait_async(("poll", client_id), deadline - time.monotonic(), ready)
-            if answer:
-                return answer[0]
+        with self._lock:
+            if record.polls >= self.max_polls_per_client:
+                raise ResourceLimitError(f"client {client_id!r} already holds {record.polls} long polls (limit {self.max_polls_per_client})")
+            record.polls += 1
+        try:
+            while True:
+                await self._wake.wait_async(("poll", client_id), deadline - time.monotonic(), ready)
+                if answer:
+                    return answer[0]
+                with self._lock:
+                    record.last_seen = time.monotonic()
+                if time.monotonic() >= deadline:
+                    return PollResult(retry_after_s=0.0)
+        finally:
             with self._lock:
-                record.last_seen = time.monotonic()
-            if time.monotonic() >= deadline:
-                return PollResult(retry_after_s=0.0)
+                record.polls -= 1
 
     def _open_task(self, client_id: str, task_id: str) -> _Round:
         rnd = self._round
@@ -510,6 +529,12 @@ class GrpcFleet(Fleet):
                 return 0, True
             partial = rnd.partials.get(client_id)
             return (0 if partial is None else partial.asm.frames_received), False
+
+    def polls_held(self, client_id: str) -> int:
+        """Long polls ``client_id`` holds now (0 for an unknown client)."""
+        with self._lock:
+            record = self._clients.get(client_id)
+            return 0 if record is None else record.polls
 
     @property
     def current_round(self) -> _Round | None:

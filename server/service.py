@@ -18,12 +18,13 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, NoReturn, 
 
 import grpc
 
-from fedgrid.constants import STREAM_IDLE_S
+from fedgrid.constants import MAX_TRANSFERS, STREAM_IDLE_S
 from fedgrid.errors import (
     AuthenticationError,
     DuplicateUpdateError,
     FedgridError,
     InvalidUpdateError,
+    ResourceLimitError,
     RunFinishedError,
     StaleTaskError,
 )
@@ -46,6 +47,7 @@ STATUS_OF: tuple[tuple[type[FedgridError], grpc.StatusCode], ...] = (
     (DuplicateUpdateError, grpc.StatusCode.ALREADY_EXISTS),
     (StaleTaskError, grpc.StatusCode.FAILED_PRECONDITION),
     (RunFinishedError, grpc.StatusCode.FAILED_PRECONDITION),
+    (ResourceLimitError, grpc.StatusCode.RESOURCE_EXHAUSTED),
 )
 
 
@@ -73,8 +75,8 @@ class _StreamReader:
     what was verified so that the client resumes from there.
     """
 
-    def __init__(self, it: AsyncIterator[bytes], loop: asyncio.AbstractEventLoop) -> None:
-        self.it, self.loop = it, loop
+    def __init__(self, it: AsyncIterator[bytes], loop: asyncio.AbstractEventLoop, idle_s: float) -> None:
+        self.it, self.loop, self.idle_s = it, loop, idle_s
         self._lock = threading.Lock()
         self._closed = False
         self._pending: Future[bytes] | None = None
@@ -94,12 +96,12 @@ class _StreamReader:
                 pending: Future[bytes] = asyncio.run_coroutine_threadsafe(self.it.__anext__(), self.loop)  # type: ignore[arg-type]
                 self._pending = pending
             try:
-                yield pending.result(timeout=STREAM_IDLE_S)
+                yield pending.result(timeout=self.idle_s)
             except StopAsyncIteration:
                 return
             except FutureTimeout:
                 pending.cancel()
-                raise TimeoutError(f"upload stream idle for {STREAM_IDLE_S:.0f}s") from None
+                raise TimeoutError(f"upload stream idle for {self.idle_s:g}s") from None
             except CancelledError:
                 raise ConnectionError("the upload stream was cancelled") from None
 
@@ -110,11 +112,21 @@ class CoordinatorServicer:
     Args:
         fleet: the coordinator's state.
         executor: threads for CPU work and the few calls that may wait.
+        max_transfers: downloads and uploads in flight at once; more are refused.
+        stream_idle_s: an upload stream that sends nothing this long is given up.
     """
 
-    def __init__(self, fleet: GrpcFleet, executor: Executor) -> None:
+    def __init__(self, fleet: GrpcFleet, executor: Executor, *, max_transfers: int = MAX_TRANSFERS, stream_idle_s: float = STREAM_IDLE_S) -> None:
         self.fleet = fleet
         self.executor = executor
+        self.max_transfers = max_transfers
+        self.stream_idle_s = stream_idle_s
+        self.transfers = 0  # in flight; changed on the event loop only
+
+    def _start_transfer(self) -> None:
+        if self.transfers >= self.max_transfers:
+            raise ResourceLimitError(f"coordinator busy: {self.transfers} transfers in flight (limit {self.max_transfers}); retry later")
+        self.transfers += 1
 
     async def _offload(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -124,6 +136,9 @@ class CoordinatorServicer:
             return await body()
         except FedgridError as exc:
             await _abort(context, exc)
+        except TimeoutError as exc:  # an idle stream given up
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+            raise AssertionError("unreachable: context.abort raises") from exc
 
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinReply:
         async def body() -> pb.JoinReply:
@@ -164,36 +179,47 @@ class CoordinatorServicer:
     async def DownloadModel(self, request: pb.DownloadRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         have = request.have_version if request.HasField("have_version") else None
         try:
-            # Encoding the round's model (once per round) and slicing frames are CPU work.
-            frames: Iterator[bytes] = await self._offload(self.fleet.download, request.client_id, request.session_token, request.task_id, have)
+            self._start_transfer()
         except FedgridError as exc:
             await _abort(context, exc)
         try:
-            while (frame := await self._offload(next, frames, _END)) is not _END:
-                yield frame  # type: ignore[misc]
+            try:
+                # Encoding the round's model (once per round) and slicing frames are CPU work.
+                frames: Iterator[bytes] = await self._offload(self.fleet.download, request.client_id, request.session_token, request.task_id, have)
+            except FedgridError as exc:
+                await _abort(context, exc)
+            try:
+                while (frame := await self._offload(next, frames, _END)) is not _END:
+                    yield frame  # type: ignore[misc]
+            finally:
+                close = getattr(frames, "close", None)
+                if close is not None:
+                    close()  # counts the bytes sent, also when the client went away mid-stream
         finally:
-            close = getattr(frames, "close", None)
-            if close is not None:
-                close()  # counts the bytes sent, also when the client went away mid-stream
+            self.transfers -= 1
 
     async def UploadUpdate(self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> pb.UploadReply:
         it = request_iterator.__aiter__()
-        reader = _StreamReader(it, asyncio.get_running_loop())
+        reader = _StreamReader(it, asyncio.get_running_loop(), self.stream_idle_s)
 
         async def body() -> pb.UploadReply:
-            # The header arrives on the loop: a stream that never sends one holds no thread.
+            self._start_transfer()
             try:
-                first = await asyncio.wait_for(it.__anext__(), STREAM_IDLE_S)  # type: ignore[arg-type]
-            except StopAsyncIteration:
-                raise InvalidUpdateError("empty upload stream: no header") from None
-            except asyncio.TimeoutError:
-                raise InvalidUpdateError(f"upload stream sent no header within {STREAM_IDLE_S:.0f}s") from None
-            try:
-                received = await self._offload(self.fleet.upload, reader.frames(first))
-            except asyncio.CancelledError:
-                reader.close()  # the client went away: the thread stops reading and keeps what arrived
-                raise
-            return pb.UploadReply(accepted=True, bytes_received=received)
+                # The header arrives on the loop: a stream that never sends one holds no thread.
+                try:
+                    first = await asyncio.wait_for(it.__anext__(), self.stream_idle_s)  # type: ignore[arg-type]
+                except StopAsyncIteration:
+                    raise InvalidUpdateError("empty upload stream: no header") from None
+                except asyncio.TimeoutError:
+                    raise TimeoutError(f"upload stream sent no header within {self.stream_idle_s:g}s") from None
+                try:
+                    received = await self._offload(self.fleet.upload, reader.frames(first))
+                except asyncio.CancelledError:
+                    reader.close()  # the client went away: the thread stops reading and keeps what arrived
+                    raise
+                return pb.UploadReply(accepted=True, bytes_received=received)
+            finally:
+                self.transfers -= 1
 
         return await self._call(context, body)
 

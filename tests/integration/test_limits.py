@@ -1,0 +1,162 @@
+"""Limits that keep the coordinator responsive under broken or hostile clients: long polls
+per client, transfers in flight, idle upload streams; idle streams hold no thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from datetime import timedelta
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from fedgrid.client.runtime import Connection
+from fedgrid.proto import fedgrid_pb2 as pb
+from fedgrid.proto import serde
+from fedgrid.server.app import Coordinator
+from fedgrid.server.grpc_fleet import GrpcFleet
+
+from harness import wait_until
+from harness_clients import Named
+
+UPLOAD = "/fedgrid.v1.Coordinator/UploadUpdate"
+
+
+class IdleStreams:
+    """``n`` UploadUpdate streams that send nothing (or only ``first``), held open from an
+    asyncio loop in a thread of this process until ``close``."""
+
+    def __init__(self, address: str, n: int, first: bytes | None = None) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.codes: list[grpc.StatusCode] = []
+        self.details: list[str] = []
+
+        async def open_all() -> None:
+            self.never = asyncio.Event()
+            self.channel = grpc.aio.insecure_channel(address)
+            method = self.channel.stream_unary(UPLOAD, request_serializer=None, response_deserializer=None)
+
+            async def frames():
+                if first is not None:
+                    yield first
+                await self.never.wait()
+
+            async def one() -> None:
+                try:
+                    await method(frames())
+                except grpc.aio.AioRpcError as exc:
+                    self.codes.append(exc.code())
+                    self.details.append(exc.details() or "")
+
+            self.tasks = [asyncio.ensure_future(one()) for _ in range(n)]
+
+        asyncio.run_coroutine_threadsafe(open_all(), self.loop).result(30)
+
+    def close(self) -> None:
+        async def stop() -> None:
+            for t in self.tasks:
+                t.cancel()
+            await self.channel.close()
+
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def _server(**kwargs) -> tuple[GrpcFleet, Coordinator]:
+    fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=60), max_polls_per_client=kwargs.pop("max_polls_per_client", 2))
+    return fleet, Coordinator("127.0.0.1:0", fleet, max_workers=4, **kwargs).start()
+
+
+@pytest.mark.timeout(60)
+def test_a_client_holds_at_most_its_poll_limit(small_state):
+    fleet, server = _server(max_polls_per_client=2)
+    conn = Connection(server.address)
+    try:
+        conn.join(Named("poller"))
+        request = pb.PollRequest(client_id=conn.client_id, session_token=conn.token, wait_s=20)
+        held = [conn.stub.PollTask.future(request, timeout=30) for _ in range(2)]
+        wait_until(lambda: fleet.polls_held(conn.client_id) == 2, timeout=10, what="two polls held")
+        with pytest.raises(grpc.RpcError) as err:
+            conn.stub.PollTask(request, timeout=10)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "already holds 2 long polls (limit 2)" in err.value.details()
+        assert not any(f.done() for f in held)  # the held polls are untouched
+        for f in held:
+            f.cancel()
+        wait_until(lambda: fleet.polls_held(conn.client_id) == 0, timeout=10, what="polls released")
+        assert conn.stub.PollTask(pb.PollRequest(client_id=conn.client_id, session_token=conn.token, wait_s=0), timeout=10).retry_after_s == 0.0
+    finally:
+        conn.close()
+        server.stop(grace=0.5)
+        fleet.close()
+
+
+@pytest.mark.timeout(60)
+def test_transfers_beyond_the_limit_are_refused_and_join_stays_fast(small_state):
+    fleet, server = _server(max_transfers=3)
+    streams = IdleStreams(server.address, 3)
+    try:
+        wait_until(lambda: server_transfers(server) == 3, timeout=20, what="three idle streams at the server")
+        extra = IdleStreams(server.address, 1)
+        wait_until(lambda: extra.codes != [], timeout=20, what="the fourth stream refused")
+        assert extra.codes == [grpc.StatusCode.RESOURCE_EXHAUSTED] and "3 transfers in flight (limit 3)" in extra.details[0]
+        extra.close()
+        conn = Connection(server.address)
+        start = time.monotonic()
+        conn.join(Named("newcomer"))
+        with grpc.insecure_channel(server.address) as channel:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+        assert status == health_pb2.HealthCheckResponse.SERVING and conn.client_id
+        assert time.monotonic() - start < 5.0  # a generous bound: served at once, not after a time-out
+        conn.close()
+    finally:
+        streams.close()
+        server.stop(grace=0.5)
+        fleet.close()
+
+
+def server_transfers(server: Coordinator) -> int:
+    servicer = server.servicer
+    return servicer.transfers
+
+
+@pytest.mark.timeout(60)
+def test_idle_upload_streams_are_given_up(small_state):
+    from fedgrid.types import FitIns
+
+    fleet, server = _server(stream_idle_s=0.5)
+    conn = Connection(server.address)
+    try:
+        conn.join(Named("stalls"))
+        infos = fleet.wait_for_clients(min_clients=1, timeout=timedelta(seconds=10))
+        outcome = []
+        rnd = threading.Thread(target=lambda: outcome.append(fleet.fit_round(server_round=1, global_state=small_state,
+                                                                             assignments=[(infos[0], FitIns(round=1))], timeout=timedelta(seconds=30))))
+        rnd.start()
+        task = conn.poll(10).task
+        silent = IdleStreams(server.address, 1)  # not even a header
+        info = serde.StreamInfo(run_id=fleet.run_id, task_id=task.task_id, round=1, client_id=conn.client_id, session_token=conn.token,
+                                num_examples=3)
+        first = next(iter(serde.EncodedModel(small_state).frames(info, chunk_size=16)))
+        stalled = IdleStreams(server.address, 1, first=first)  # a header and a first chunk, then nothing
+        wait_until(lambda: silent.codes and stalled.codes, timeout=20, what="both streams given up")
+        assert silent.codes == [grpc.StatusCode.DEADLINE_EXCEEDED] and "sent no header within 0.5s" in silent.details[0]
+        assert stalled.codes == [grpc.StatusCode.DEADLINE_EXCEEDED] and "upload stream idle for 0.5s" in stalled.details[0]
+        wait_until(lambda: server_transfers(server) == 0, timeout=10, what="transfers released")
+        # What arrived is kept for the client to resume from, and the round still waits for it.
+        assert conn.stub.UploadStatus(pb.UploadStatusRequest(client_id=conn.client_id, session_token=conn.token, task_id=task.task_id),
+                                      timeout=10).chunks_received == 1
+        assert fleet.current_round is not None and fleet.current_round.results == {}
+        silent.close()
+        stalled.close()
+        fleet.interrupt()
+        rnd.join(10)
+    finally:
+        conn.close()
+        server.stop(grace=0.5)
+        fleet.close()
