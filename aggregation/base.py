@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from fedgrid.errors import FedgridError
+from fedgrid.errors import FedgridError, InvalidUpdateError
 from fedgrid.types import ClientInfo, EvaluateIns, EvaluateRes, FitIns, FitRes, Failure, ModelState
 
 __all__ = ["Aggregator", "AggregationPreconditionError", "Strategy", "weighted_metrics"]
@@ -137,3 +137,29 @@ class Strategy(ABC):
     @abstractmethod
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores what ``state_dict`` returned."""
+
+    def receive_global(self, *, state: ModelState) -> None:
+        """Adopts a global model that comes from outside the rounds (a regional coordinator
+        receiving the global coordinator's model), between rounds.
+
+        Default: after checking that ``state`` has the current model's tensors (names,
+        shapes, dtypes), starts again from it with ``initialize``, so per-run state tied to
+        the old model (server-optimizer moments, control variates) starts afresh. A
+        strategy whose state should survive such a jump overrides this.
+
+        Raises:
+            InvalidUpdateError: a tensor missing, extra, or of another shape or dtype
+                (the strategy is unchanged).
+        """
+        current = self.global_state
+        if list(state) != list(current):
+            missing, extra = sorted(set(current) - set(state)), sorted(set(state) - set(current))
+            raise InvalidUpdateError(f"received model: tensors differ (missing {missing}, unexpected {extra})" if missing or extra
+                                     else "received model: tensors in another order")
+        for name, tensor in state.items():
+            if tensor.shape != current[name].shape or tensor.dtype != current[name].dtype:
+                raise InvalidUpdateError(f"received model: tensor '{name}' is {tensor.dtype}{tuple(tensor.shape)}, "
+                                         f"expected {current[name].dtype}{tuple(current[name].shape)}")
+            if tensor.dtype.is_floating_point and not bool(torch.isfinite(tensor).all()):
+                raise InvalidUpdateError(f"received model: tensor '{name}' is not finite")
+        self.initialize(initial_state=state)

@@ -98,7 +98,10 @@ class RoundEngine:
         self.events.emit("resumed", round=ckpt.round)
         return ckpt.round + 1
 
-    def _commit(self, metrics: RoundMetrics) -> None:
+    def commit(self, metrics: RoundMetrics) -> None:
+        """Makes the round of ``metrics`` durable and visible: checkpoint (with a store),
+        history, ``metrics.jsonl``, ``on_round``. ``run_round`` then ``commit`` is one round;
+        ``run`` is the driver that loops them (a regional coordinator drives its own)."""
         self.history.append(metrics)
         if self.store is not None:
             self.events.emit("checkpoint_writing", round=metrics.round)
@@ -186,7 +189,7 @@ class RoundEngine:
             for server_round in range(first, self.rounds + 1):
                 if self._stop.is_set():
                     return None
-                self._commit(self.run_round(server_round))
+                self.commit(self.run_round(server_round))
         except InterruptedRunError as exc:
             log.info("%s", exc)
             return None

@@ -146,6 +146,8 @@ class GrpcFleet(Fleet):
             (``fedgrid.events``); default: nowhere.
         max_polls_per_client: long polls one client may hold at once; more raise
             ``ResourceLimitError`` (RESOURCE_EXHAUSTED).
+        task_scope: part of every task id, so that nested rounds (a global round made of
+            regional rounds, each regional round numbered from 1) never share a task id.
     """
 
     def __init__(
@@ -158,10 +160,12 @@ class GrpcFleet(Fleet):
         downlink_codec: str = "none",
         events: EventLog | None = None,
         max_polls_per_client: int = MAX_POLLS_PER_CLIENT,
+        task_scope: str = "",
     ) -> None:
         self.run_id = uuid.uuid4().hex
         self.events = events if events is not None else EventLog()
         self.max_polls_per_client = max_polls_per_client
+        self.task_scope = task_scope
         self.codec_policy = codec_policy or CodecPolicy()
         self.downlink = Downlink(downlink_codec)
         self.spill = UpdateSpill(spill_dir)
@@ -530,6 +534,17 @@ class GrpcFleet(Fleet):
             partial = rnd.partials.get(client_id)
             return (0 if partial is None else partial.asm.frames_received), False
 
+    @property
+    def task_scope(self) -> str:
+        """Part of every task id (set it before a round, e.g. ``g7`` for global round 7)."""
+        return self._task_scope
+
+    @task_scope.setter
+    def task_scope(self, scope: str) -> None:
+        if len(scope) > 64 or not all(ch.isascii() and (ch.isalnum() or ch in "-_.") for ch in scope):
+            raise ValueError(f"task_scope must be at most 64 of [A-Za-z0-9._-], got {scope!r}")
+        self._task_scope = scope
+
     def polls_held(self, client_id: str) -> int:
         """Long polls ``client_id`` holds now (0 for an unknown client)."""
         with self._lock:
@@ -632,7 +647,7 @@ class GrpcFleet(Fleet):
             server_round=server_round,
             # Deterministic: a round redone after a restart has the same task id, so a client's
             # retried upload of that round (same seed, same bits) is accepted.
-            task_id=f"{self.run_id[:12]}-r{server_round}-{'evaluate' if evaluate else 'fit'}",
+            task_id=f"{self.run_id[:12]}-{self.task_scope + '-' if self.task_scope else ''}r{server_round}-{'evaluate' if evaluate else 'fit'}",
             evaluate=evaluate,
             assignments={info.client_id: self._with_codec(info, ins) for info, ins in assignments},
             downlink=downlink,
