@@ -62,6 +62,9 @@ TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXC
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # Each client its own connection, also when a program embeds many: channels with the
+    # same target would otherwise share one, and its stream limit, and fail together.
+    ("grpc.use_local_subchannel_pool", 1),
 ]
 #: Tag of a client state file (``run(..., state_path=...)``); a file without it is not loaded.
 

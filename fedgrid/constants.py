@@ -69,7 +69,7 @@ MAX_POLLS_PER_CLIENT = int(_env_float("FEDGRID_MAX_POLLS_PER_CLIENT", 2))
 #: Model downloads and uploads in flight on the coordinator at once; more are refused.
 MAX_TRANSFERS = int(_env_float("FEDGRID_MAX_TRANSFERS", 1024))
 #: Concurrent streams on one HTTP/2 connection (gRPC's ``grpc.max_concurrent_streams``).
-MAX_STREAMS_PER_CONNECTION = int(_env_float("FEDGRID_MAX_STREAMS_PER_CONNECTION", 100))
+MAX_STREAMS_PER_CONNECTION = int(_env_float("FEDGRID_MAX_STREAMS_PER_CONNECTION", 256))
 #: The coordinator pings a connection idle this long, and drops it when no answer comes
 #: within ``KEEPALIVE_TIMEOUT_S`` (half-open connections of vanished clients).
 KEEPALIVE_TIME_S = _env_float("FEDGRID_KEEPALIVE_TIME_S", 30.0)
