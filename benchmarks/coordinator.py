@@ -292,6 +292,96 @@ def _swarm_main(spec: SwarmSpec, pipe: Pipe) -> None:
         pipe.close()
 
 
+#: Protocol clients one load-generator process hosts, and how many share a channel (connection).
+AIO_CLIENTS_PER_PROCESS = 1000
+AIO_CLIENTS_PER_CHANNEL = 50
+
+
+async def _protocol_client(channel: Any, name: str, compute_s: float) -> int:
+    """One lightweight protocol client, as a real one behaves on the wire: Join, heartbeats,
+    long polls, a chunked download, ``compute_s`` of "training", a chunked upload of
+    ``global + 1`` with the same metrics as ``BenchClient``. Returns the rounds it served."""
+    import asyncio
+
+    from fedgrid.proto import fedgrid_pb2 as pb
+    from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
+    from fedgrid.proto import serde
+
+    stub = pb_grpc.CoordinatorStub(channel)
+    download = channel.unary_stream("/fedgrid.v1.Coordinator/DownloadModel", request_serializer=pb.DownloadRequest.SerializeToString,
+                                    response_deserializer=None)
+    upload = channel.stream_unary("/fedgrid.v1.Coordinator/UploadUpdate", request_serializer=None,
+                                  response_deserializer=pb.UploadReply.FromString)
+    join = await stub.Join(pb.JoinRequest(name=name, num_examples=1, capabilities=pb.Capabilities(device="cpu", codecs=["none"])),
+                           timeout=START_TIMEOUT_S)
+    cid, token = join.client_id, join.session_token
+
+    async def beat() -> None:
+        while True:
+            await asyncio.sleep(join.heartbeat_interval_s)
+            try:
+                await stub.Heartbeat(pb.HeartbeatRequest(client_id=cid, session_token=token), timeout=30)
+            except Exception:  # noqa: BLE001 - the poll loop decides
+                pass
+
+    heart = asyncio.ensure_future(beat())
+    rounds = 0
+    try:
+        while True:
+            reply = await stub.PollTask(pb.PollRequest(client_id=cid, session_token=token, wait_s=10), timeout=40)
+            kind = reply.WhichOneof("reply")
+            if kind == "finished":
+                return rounds
+            if kind != "task":
+                continue
+            task = reply.task
+            asm = serde.ModelAssembler()
+            async for frame in download(pb.DownloadRequest(client_id=cid, session_token=token, task_id=task.task_id), timeout=60):
+                asm.feed(frame)
+            _, state = asm.finish()
+            start = time.monotonic()
+            await asyncio.sleep(compute_s)
+            out = OrderedDict((k, v + 1) for k, v in state.items())
+            end = time.monotonic()
+            info = serde.StreamInfo(run_id=join.run_id, task_id=task.task_id, round=task.round, client_id=cid, session_token=token,
+                                    num_examples=1, metrics={"compute_s": end - start, "fit_start": start, "fit_end": end})
+            frames = list(serde.EncodedModel(out).frames(info, chunk_size=join.chunk_size or (1 << 20)))
+
+            async def stream() -> Any:
+                for f in frames:
+                    yield f
+
+            await upload(stream(), timeout=60)
+            rounds += 1
+    finally:
+        heart.cancel()
+
+
+def _aio_swarm_main(spec: SwarmSpec, pipe: Pipe) -> None:
+    """Runs ``count`` protocol clients on one asyncio loop (``AIO_CLIENTS_PER_CHANNEL`` per
+    connection) until the run ends; reports rounds served and errors, like ``_swarm_main``."""
+    try:
+        import asyncio
+
+        async def main() -> dict[str, Any]:
+            channels = [grpc.aio.insecure_channel(spec.address, options=[("grpc.use_local_subchannel_pool", 1)])
+                        for _ in range(math.ceil(spec.count / AIO_CLIENTS_PER_CHANNEL))]
+            tasks = [asyncio.ensure_future(_protocol_client(channels[i // AIO_CLIENTS_PER_CHANNEL], f"c{spec.first + i:05d}", spec.compute_s))
+                     for i in range(spec.count)]
+            pipe.send(("ok", len(tasks)))
+            done = await asyncio.gather(*tasks, return_exceptions=True)
+            for c in channels:
+                await c.close()
+            return {"rounds": [d for d in done if isinstance(d, int)], "errors": [repr(d) for d in done if not isinstance(d, int)],
+                    "thread_crashes": [], "cpu_s": time.process_time()}
+
+        pipe.send(("ok", asyncio.run(asyncio.wait_for(main(), RUN_TIMEOUT_S))))
+    except BaseException:
+        pipe.send(("error", traceback.format_exc()))
+    finally:
+        pipe.close()
+
+
 def _poll_until(conn: Any, kind: str, deadline: float) -> Any:
     while time.monotonic() < deadline:
         reply = conn.poll(min(10.0, max(0.1, deadline - time.monotonic())))
@@ -375,16 +465,21 @@ def _run(ctx: SpawnContext, spec: CoordinatorSpec, clients: Callable[[str], list
 
 # -- the two measurements -------------------------------------------------------------------
 def measure_overhead(ctx: SpawnContext, *, clients: int, rounds: int, warmup: int, num_params: int, compute_s: float,
-                     max_workers: int) -> dict[str, Any]:
-    """Median round wall time, slowest compute and overhead over the measured rounds."""
-    procs = math.ceil(clients / CLIENTS_PER_PROCESS)
+                     max_workers: int, load: str = "aio") -> dict[str, Any]:
+    """Median round wall time, slowest compute and overhead over the measured rounds.
+
+    ``load``: ``aio`` (lightweight asyncio protocol clients, ``AIO_CLIENTS_PER_PROCESS`` per
+    process) or ``sdk`` (``fedgrid.client.start`` threads, ``CLIENTS_PER_PROCESS`` per process).
+    """
+    procs = math.ceil(clients / (AIO_CLIENTS_PER_PROCESS if load == "aio" else CLIENTS_PER_PROCESS))
     shares = [clients // procs + (i < clients % procs) for i in range(procs)]
     firsts = [sum(shares[:i]) for i in range(procs)]
     spec = CoordinatorSpec(clients=clients, rounds=warmup + rounds, num_params=num_params, max_workers=max_workers,
                            heartbeat_s=HEARTBEAT_INTERVAL_S)
     started = time.perf_counter()
     report, swarms = _run(ctx, spec, lambda address: [
-        Child(ctx, f"clients-{i}", _swarm_main, SwarmSpec(address, firsts[i], shares[i], compute_s)) for i in range(procs)
+        Child(ctx, f"clients-{i}", _aio_swarm_main if load == "aio" else _swarm_main, SwarmSpec(address, firsts[i], shares[i], compute_s))
+        for i in range(procs)
     ])
     measured = report["rounds"][warmup:]
     overheads = [r["wall_s"] - r["max_compute_s"] for r in measured]
@@ -462,7 +557,7 @@ def measure_memory(ctx: SpawnContext, *, num_params: int, updates: int, upload_w
 
 
 def run_benchmark(*, clients: list[int], rounds: int, warmup: int, num_params: int, compute_s: float, max_workers: list[int | None],
-                  updates: int, memory_params: int, upload_workers: int) -> dict[str, Any]:
+                  updates: int, memory_params: int, upload_workers: int, load: str = "aio") -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     rows = []
     for n in clients:
@@ -470,7 +565,7 @@ def run_benchmark(*, clients: list[int], rounds: int, warmup: int, num_params: i
             threads = workers if workers is not None else auto_workers(n)
             try:
                 rows.append(measure_overhead(ctx, clients=n, rounds=rounds, warmup=warmup, num_params=num_params,
-                                             compute_s=compute_s, max_workers=threads))
+                                             compute_s=compute_s, max_workers=threads, load=load))
             except (RuntimeError, TimeoutError) as exc:  # a scenario that breaks is a result too
                 reason = str(exc).strip().splitlines()[-1]
                 print(f"  {n} clients (max_workers {threads}): FAILED: {reason}", flush=True)
@@ -560,6 +655,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--params", type=parse_size, default=25_000_000, help="model size of the memory run (default 25M)")
     parser.add_argument("--updates", type=int, default=50, help="updates aggregated in the memory run (default 50; 0 skips it)")
     parser.add_argument("--upload-workers", type=int, default=2, help="uploader processes, i.e. uploads in flight (default 2)")
+    parser.add_argument("--load", choices=("aio", "sdk"), default="aio",
+                        help="clients: aio (asyncio protocol clients, 1000 per process) or sdk (fedgrid.client threads, 125 per process)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "coordinator.json")
     args = parser.parse_args(argv)
     clients = [int(c) for c in args.clients.split(",") if c.strip()]
@@ -571,7 +668,7 @@ def main(argv: list[str] | None = None) -> int:
           f"compute {args.compute_ms:.0f} ms; memory: {args.updates} updates of {args.params} params", flush=True)
     report = run_benchmark(clients=clients, rounds=args.rounds, warmup=args.warmup, num_params=args.small_params,
                            compute_s=args.compute_ms / 1e3, max_workers=max_workers, updates=args.updates,
-                           memory_params=args.params, upload_workers=args.upload_workers)
+                           memory_params=args.params, upload_workers=args.upload_workers, load=args.load)
     print()
     print_report(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
