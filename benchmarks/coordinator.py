@@ -312,13 +312,24 @@ async def _protocol_client(channel: Any, name: str, compute_s: float) -> int:
                                     response_deserializer=None)
     upload = channel.stream_unary("/fedgrid.v1.Coordinator/UploadUpdate", request_serializer=None,
                                   response_deserializer=pb.UploadReply.FromString)
-    join = await stub.Join(pb.JoinRequest(name=name, num_examples=1, capabilities=pb.Capabilities(device="cpu", codecs=["none"])),
-                           timeout=START_TIMEOUT_S)
+    request = pb.JoinRequest(name=name, num_examples=1, capabilities=pb.Capabilities(device="cpu", codecs=["none"]))
+    for attempt in range(8):  # as the SDK, transient failures are retried (thousands of joins at once see a few CANCELLED)
+        try:
+            join = await stub.Join(request, timeout=START_TIMEOUT_S)
+            break
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE) or attempt == 7:
+                raise
+            await asyncio.sleep(0.2 * 2**attempt)
     cid, token = join.client_id, join.session_token
 
-    async def beat() -> None:
+    polling = [False]
+
+    async def beat() -> None:  # as the SDK: no heartbeat while a long poll is in flight
         while True:
             await asyncio.sleep(join.heartbeat_interval_s)
+            if polling[0]:
+                continue
             try:
                 await stub.Heartbeat(pb.HeartbeatRequest(client_id=cid, session_token=token), timeout=30)
             except Exception:  # noqa: BLE001 - the poll loop decides
@@ -328,7 +339,11 @@ async def _protocol_client(channel: Any, name: str, compute_s: float) -> int:
     rounds = 0
     try:
         while True:
-            reply = await stub.PollTask(pb.PollRequest(client_id=cid, session_token=token, wait_s=10), timeout=40)
+            polling[0] = True
+            try:
+                reply = await stub.PollTask(pb.PollRequest(client_id=cid, session_token=token, wait_s=10), timeout=40)
+            finally:
+                polling[0] = False
             kind = reply.WhichOneof("reply")
             if kind == "finished":
                 return rounds

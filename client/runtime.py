@@ -141,6 +141,8 @@ class Connection:
         self._retry_max_wait = retry_max_wait
         self.client_id = ""
         self.token = ""
+        #: Whether a long poll is in flight (the heartbeat is then not needed).
+        self.polling = False
         self.run_id = ""
         self.heartbeat_interval_s = 5.0
         self.chunk_size = serde.CHUNK_SIZE
@@ -200,7 +202,11 @@ class Connection:
 
     def poll(self, wait_s: float = POLL_WAIT_S) -> pb.PollReply:
         request = pb.PollRequest(client_id=self.client_id, session_token=self.token, wait_s=wait_s)
-        return self._call("PollTask", lambda: self.stub.PollTask(request, timeout=wait_s + self.rpc_timeout))
+        self.polling = True  # a long poll in flight tells the coordinator this client is alive
+        try:
+            return self._call("PollTask", lambda: self.stub.PollTask(request, timeout=wait_s + self.rpc_timeout))
+        finally:
+            self.polling = False
 
     def report_failure(self, task_id: str, reason: str) -> None:
         """Tells the coordinator that this client's task ``task_id`` failed, so that the round
@@ -323,6 +329,8 @@ class _Heartbeat(threading.Thread):
     def run(self) -> None:
         interval = self.conn.heartbeat_interval_s
         while not self.stop.wait(interval):
+            if self.conn.polling:  # the coordinator counts a client holding a poll as alive
+                continue
             try:
                 interval = self.conn.heartbeat() or interval
             except grpc.RpcError as exc:

@@ -563,7 +563,9 @@ class GrpcFleet(Fleet):
     def _live(self) -> list[ClientInfo]:
         now = time.monotonic()
         limit = SILENCE_INTERVALS * self.heartbeat_interval_s
-        gone = [cid for cid, rec in self._clients.items() if now - rec.last_seen > limit]
+        # A client holding a long poll is alive however long the poll (its connection is
+        # watched by keepalive pings); heartbeats cover the time it trains.
+        gone = [cid for cid, rec in self._clients.items() if now - rec.last_seen > limit and rec.polls == 0]
         for cid in gone:
             log.warning("client %r silent for over %.1fs: dropped", self._clients[cid].info.name or cid, limit)
             del self._clients[cid]

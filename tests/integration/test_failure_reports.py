@@ -169,3 +169,25 @@ def test_bad_reports_change_nothing(small_state):
     t.join(timeout=10)
     assert [f.reason for f in result[0].failures] == ["client reported: boom\n\x1b[31m"]
     fleet.close()
+
+
+def test_a_client_holding_a_long_poll_is_alive_without_heartbeats():
+    import asyncio
+    import time
+
+    fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=0.1))  # silent for 0.3 s: gone
+    info, token = _join(fleet, "poller")
+
+    async def main() -> tuple[list[str], list[str]]:
+        poll = asyncio.ensure_future(fleet.poll_async(info.client_id, token, 1.0))
+        await asyncio.sleep(0.6)  # twice the silence limit, no heartbeat: the held poll counts
+        during = [c.name for c in fleet.live_clients()]
+        await poll
+        await asyncio.sleep(0.5)
+        return during, [c.name for c in fleet.live_clients()]
+
+    start = time.monotonic()
+    during, after = asyncio.run(main())
+    assert time.monotonic() - start >= 1.0
+    assert during == ["poller"] and after == []  # silence counts again once the poll returned
+    fleet.close()
