@@ -139,63 +139,45 @@ class FailFirst(grpc.aio.ServerInterceptor):
 
 
 class CoordinatorRun:
-    """One ``fedgrid coordinator`` process on port 0, whose events (``RUN_DIR/events.jsonl``,
-    see ``fedgrid.events``) are followed as they are written.
+    """One coordinator process on port 0 (``apps/event_coordinator.py``: ``fedgrid coordinator``
+    printing each event it emits, see ``fedgrid.events``), whose events are read as they happen.
 
     With ``trigger = (round, event)`` the process sends itself ``sig`` the first time
     ``event`` happens for a round at or after ``round``, synchronously, from inside the
-    coordinator (``apps/fault_coordinator.py``): fault injection keyed on the
-    coordinator's documented events, not on its log text, and landing inside the phase
-    the event opens rather than some time after it.
+    coordinator: fault injection keyed on the coordinator's documented events, not on its
+    log text, and landing inside the phase the event opens rather than some time after it.
 
     Args:
         out: the run directory (``--out``); a restart passes the same one.
         args: further coordinator flags.
-        log_path: the process's stdout and stderr are appended here.
+        log_path: the process's log (stderr) and other output are appended here.
     """
 
     def __init__(self, out: Path, args: list[str], log_path: Path, *, trigger: tuple[int, str] | None = None,
                  sig: int = signal.SIGKILL) -> None:
         out.mkdir(parents=True, exist_ok=True)
         self.out = out
-        self.events_path = out / "events.jsonl"
-        self._offset = self.events_path.stat().st_size if self.events_path.exists() else 0  # this start's events only
         (out / "address").unlink(missing_ok=True)
         self.events: list[dict] = []
         self.trigger, self.sig = trigger, sig
         self.killed = threading.Event()
         self.log = open(log_path, "a")
         flags = ["--listen", "127.0.0.1:0", "--out", str(out), "--threads", str(THREADS), *args]
-        if trigger is None:
-            command = [*FEDGRID, "coordinator", *flags]
-        else:
-            injector = str(Path(__file__).parent / "apps" / "fault_coordinator.py")
-            command = [sys.executable, injector, str(trigger[0]), trigger[1], signal.Signals(sig).name, "--", *flags]
-        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=child_env())
+        fault = [] if trigger is None else [str(trigger[0]), trigger[1], signal.Signals(sig).name]
+        command = [sys.executable, str(Path(__file__).parent / "apps" / "event_coordinator.py"), *fault, "--", *flags]
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self.log, text=True, env=child_env())
         self._lock = threading.Lock()
-        self.reader = threading.Thread(target=self._follow, daemon=True)
+        self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
 
-    def _follow(self) -> None:
-        pending = b""
-        while True:
-            exited = self.proc.poll() is not None  # read once more after the exit: nothing is missed
-            if self.events_path.exists():
-                with open(self.events_path, "rb") as f:
-                    f.seek(self._offset)
-                    data = f.read()
-                self._offset += len(data)
-                pending += data
-                *lines, pending = pending.split(b"\n")
-                for line in lines:
-                    try:
-                        event = json.loads(line)
-                    except json.JSONDecodeError:  # the torn last line of a killed start
-                        continue
-                    self._on_event(event)
-            if exited:
-                return
-            time.sleep(0.005)  # polling a file that another process appends to
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:  # blocking reads: each event as soon as it is printed
+            if line.startswith("EVENT "):
+                self._on_event(json.loads(line[len("EVENT "):]))
+            else:
+                self.log.write(line)
+                self.log.flush()
 
     def _on_event(self, event: dict) -> None:
         with self._lock:
@@ -205,12 +187,15 @@ class CoordinatorRun:
         server_round, name = self.trigger
         # The first time the event happens at or after the chosen round (a redone round
         # may skip one: its updates are restored, not uploaded again): the process has
-        # signalled itself right after writing it.
+        # signalled itself right after printing it.
         if event["event"] == name and event.get("round", 0) >= server_round:
             self.killed.set()
 
     def seen(self, name: str, **fields: object) -> list[dict]:
-        """The events named ``name`` so far whose fields include ``fields``."""
+        """The events named ``name`` so far (all of them once the process has exited) whose
+        fields include ``fields``."""
+        if self.proc.poll() is not None:
+            self.reader.join(timeout=30)  # the pipe is drained up to the last event
         with self._lock:
             return [e for e in self.events if e["event"] == name and all(e.get(k) == v for k, v in fields.items())]
 

@@ -1,0 +1,44 @@
+"""A coordinator for tests: ``python event_coordinator.py [ROUND EVENT SIGNAL] -- ARGS`` runs
+``fedgrid coordinator ARGS`` and prints each event it emits (``fedgrid.events``) on stdout
+as ``EVENT {json}``, as it happens, for the test to read without polling. Fault injection:
+with ``ROUND EVENT SIGNAL`` it sends itself ``SIGNAL`` (``SIGKILL`` or ``SIGTERM``) right
+after printing ``EVENT`` for a round at or after ``ROUND``, on the emitting thread, so a kill
+lands inside the phase that event opens, every time."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+
+from fedgrid.cli import COORDINATOR_KEYS, build_parser, serve
+from fedgrid.config import load_config
+from fedgrid.events import Event
+
+
+def main(argv: list[str]) -> int:
+    split = argv.index("--")
+    fault, flags = argv[:split], argv[split + 1:]
+    trigger = (int(fault[0]), fault[1], getattr(signal, fault[2])) if fault else None
+    args = build_parser().parse_args(["coordinator", *flags])
+    config = load_config(args.config, {k: getattr(args, k) for k in COORDINATOR_KEYS if getattr(args, k, None) is not None})
+    lock = threading.Lock()
+    fired = False
+
+    def hook(event: Event) -> None:
+        nonlocal fired
+        with lock:
+            sys.stdout.write("EVENT " + json.dumps({"event": event.event, **event.fields}) + "\n")
+            sys.stdout.flush()
+            if trigger is not None and not fired and event.event == trigger[1] and event.get("round", 0) >= trigger[0]:
+                fired = True
+                os.kill(os.getpid(), trigger[2])
+
+    serve(config, on_event=hook)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
