@@ -292,24 +292,9 @@ class GrpcFleet(Fleet):
             )
         return None
 
-    def poll(self, client_id: str, token: str, wait_s: float) -> PollResult:
-        """Long poll: waits up to ``wait_s`` for a task for this client (woken only by what
-        concerns it: its task, the end of the run, a stop)."""
-        record = self.authenticate(client_id, token)
-        deadline = time.monotonic() + max(0.0, min(wait_s, 60.0))
-        with self._lock:
-            while True:
-                result = self._poll_now(record)
-                if result is not None:
-                    return result
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return PollResult(retry_after_s=0.0)
-                self._wake.wait(("poll", client_id), remaining)
-                record.last_seen = time.monotonic()
-
     async def poll_async(self, client_id: str, token: str, wait_s: float) -> PollResult:
-        """``poll`` for an asyncio server: the wait holds no thread.
+        """Long poll: waits up to ``wait_s`` for a task for this client, woken only by what
+        concerns it (its task, the end of the run, a stop); the wait holds no thread.
 
         Raises:
             AuthenticationError: unknown session.

@@ -14,8 +14,11 @@ def test_notify_wakes_only_its_key():
     wake = Wakeups(lock)
     woke: dict[str, float] = {}
 
+    entered = {k: threading.Event() for k in ("a", "b")}
+
     def waiter(key: str) -> None:
         with lock:
+            entered[key].set()  # the lock is released only inside wait, once registered
             start = time.monotonic()
             wake.wait(key, 30.0)
             woke[key] = time.monotonic() - start
@@ -23,12 +26,9 @@ def test_notify_wakes_only_its_key():
     threads = {k: threading.Thread(target=waiter, args=(k,)) for k in ("a", "b")}
     for t in threads.values():
         t.start()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        with lock:
-            if wake.waiting("a") == 1 and wake.waiting("b") == 1:
-                break
-        time.sleep(0.01)
+    assert all(e.wait(10) for e in entered.values())
+    with lock:  # acquired once both waiters sleep, registered
+        assert wake.waiting("a") == 1 and wake.waiting("b") == 1
     with lock:
         wake.notify("a")
     threads["a"].join(timeout=10)
@@ -57,21 +57,25 @@ def test_async_waiter_is_woken_from_another_thread():
     wake = Wakeups(lock)
     state = {"ready": False}
 
+    checked = threading.Event()
+
+    def ready() -> bool:  # called holding the lock, just before the waiter registers
+        checked.set()
+        return state["ready"]
+
     async def main() -> float:
         start = time.monotonic()
 
         def notifier() -> None:
-            while True:
-                with lock:
-                    if wake.waiting("poll") == 1:
-                        state["ready"] = True
-                        wake.notify("poll")
-                        return
-                time.sleep(0.01)
+            assert checked.wait(10)
+            with lock:  # acquired once the waiter registered and released it
+                assert wake.waiting("poll") == 1
+                state["ready"] = True
+                wake.notify("poll")
 
         t = threading.Thread(target=notifier)
         t.start()
-        await wake.wait_async("poll", 30.0, lambda: state["ready"])
+        await wake.wait_async("poll", 30.0, ready)
         t.join()
         return time.monotonic() - start
 
