@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from fedgrid.errors import FedgridError, InvalidUpdateError
-from fedgrid.types import ClientInfo, EvaluateIns, EvaluateRes, FitIns, FitRes, Failure, ModelState
+from fedgrid.types import EVALUATE, FIT, ClientInfo, EvaluateIns, EvaluateRes, FitIns, FitRes, Failure, MessageIns, MessageRes, ModelState
 
 __all__ = ["Aggregator", "AggregationPreconditionError", "Strategy", "weighted_metrics"]
 
@@ -117,6 +117,33 @@ class Strategy(ABC):
     def round_target(self, *, num_live: int, num_assigned: int) -> int:
         """Results after which a round closes (fewer than assigned when over-selecting)."""
         return num_assigned
+
+    def phases(self, *, server_round: int) -> Sequence[str]:
+        """The phases of ``server_round``, in order: ``fit`` (``configure_round`` ->
+        ``aggregate``), ``evaluate`` (``configure_evaluate`` -> ``aggregate_evaluate``), and
+        any other name is a message phase (``configure_messages`` -> ``receive_messages``),
+        in which each chosen client sends small messages that the coordinator relays to
+        their recipients. Secure aggregation is advertise keys, share keys, a masked fit,
+        unmask. Default: ``("fit", "evaluate")``."""
+        return (FIT, EVALUATE)
+
+    def configure_messages(self, *, server_round: int, phase: str, clients: Sequence[ClientInfo]) -> list[tuple[ClientInfo, MessageIns]]:
+        """Chooses the clients of message phase ``phase`` and their tasks (``MessageIns.peers``
+        names who may be addressed). ``clients`` are the round's live clients.
+
+        Raises:
+            NotImplementedError: the default; a strategy declaring message phases implements it.
+        """
+        raise NotImplementedError(f"{type(self).__name__} declares message phase {phase!r} but does not implement configure_messages()")
+
+    def receive_messages(
+        self, *, server_round: int, phase: str, results: Sequence[MessageRes], failures: Sequence[Failure]
+    ) -> dict[str, float]:
+        """Receives what the clients of message phase ``phase`` sent (all of it: to peers,
+        to everyone and to the server), once the phase closed; returns round metrics. A
+        client that sent nothing by the deadline, reported a failure or left is a failure.
+        Default: keeps nothing."""
+        return {}
 
     def configure_evaluate(
         self, *, server_round: int, clients: Sequence[ClientInfo]

@@ -27,6 +27,9 @@ __all__ = [
     "KEEPALIVE_TIMEOUT_S",
     "MIN_CLIENT_PING_INTERVAL_S",
     "MAX_CONNECTION_IDLE_S",
+    "MAX_PHASE_MESSAGE_BYTES",
+    "MAX_OUTBOX_BYTES",
+    "MAX_INBOX_REPLY_BYTES",
 ]
 
 
@@ -78,3 +81,10 @@ KEEPALIVE_TIMEOUT_S = _env_float("FEDGRID_KEEPALIVE_TIMEOUT_S", 10.0)
 MIN_CLIENT_PING_INTERVAL_S = _env_float("FEDGRID_MIN_CLIENT_PING_INTERVAL_S", 10.0)
 #: A connection with no call for this long is closed (the client reconnects when it needs to).
 MAX_CONNECTION_IDLE_S = _env_float("FEDGRID_MAX_CONNECTION_IDLE_S", 300.0)
+#: Largest payload of one message in a message phase (FEDGRID_MAX_PHASE_MESSAGE_BYTES).
+MAX_PHASE_MESSAGE_BYTES = int(_env_float("FEDGRID_MAX_PHASE_MESSAGE_BYTES", 64 * 1024))
+#: Largest sum of payloads one client sends in one message phase (FEDGRID_MAX_OUTBOX_BYTES);
+#: it bounds the coordinator's memory per phase to this times the clients of the phase.
+MAX_OUTBOX_BYTES = int(_env_float("FEDGRID_MAX_OUTBOX_BYTES", 1 << 20))
+#: Payload bytes of relayed messages in one ReceiveMessages reply; a larger inbox is paged.
+MAX_INBOX_REPLY_BYTES = 2 * 1024 * 1024

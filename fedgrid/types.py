@@ -22,6 +22,13 @@ __all__ = [
     "EvaluateRes",
     "Failure",
     "RoundMetrics",
+    "MessageIns",
+    "MessageRes",
+    "FIT",
+    "EVALUATE",
+    "TO_SERVER",
+    "TO_ALL",
+    "check_phase_name",
 ]
 
 ModelState = OrderedDict[str, torch.Tensor]
@@ -141,6 +148,62 @@ class EvaluateRes:
     client: ClientInfo
     num_examples: int
     metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+#: The two model phases of a round; every other phase name is a message phase.
+FIT = "fit"
+EVALUATE = "evaluate"
+#: Recipients of a phase message besides a peer's client id: the coordinator (the strategy
+#: reads it) and every other peer of the phase (one copy relayed to each).
+TO_SERVER = ""
+TO_ALL = "*"
+
+
+def check_phase_name(name: str) -> str:
+    """Returns ``name`` if it is a valid phase name: ``fit``, ``evaluate``, or 1 to 32 of
+    ``[a-z0-9_-]`` for a message phase (it becomes part of task ids).
+
+    Raises:
+        ValueError: any other name.
+    """
+    if name in (FIT, EVALUATE) or (0 < len(name) <= 32 and all(ch in "abcdefghijklmnopqrstuvwxyz0123456789_-" for ch in name)):
+        return name
+    raise ValueError(f"phase name must be 'fit', 'evaluate' or 1 to 32 of [a-z0-9_-], got {name!r}")
+
+
+@dataclass(frozen=True)
+class MessageIns:
+    """A message-phase task: the client sends small messages to its peers (or to the
+    coordinator) and receives those addressed to it, relayed by the coordinator.
+
+    Attributes:
+        round: the server round.
+        phase: the phase's name (``Strategy.phases``), e.g. ``advertise-keys``.
+        client_id: the id of the client receiving this task (its own address).
+        peers: the client ids taking part in the phase, the client itself included, in the
+            strategy's order (e.g. the ring order); messages go to these ids only.
+        config: scalars sent with the task.
+    """
+
+    round: int
+    phase: str
+    client_id: str = ""
+    peers: tuple[str, ...] = ()
+    config: Mapping[str, Scalar] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class MessageRes:
+    """What a client sent in a message phase.
+
+    Attributes:
+        client: who sent it.
+        messages: payload by recipient: a peer's client id, ``TO_ALL`` (every other peer),
+            or ``TO_SERVER``.
+    """
+
+    client: ClientInfo
+    messages: Mapping[str, bytes]
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable
 
@@ -18,11 +19,28 @@ from fedgrid.aggregation.base import Strategy
 from fedgrid.errors import InterruptedRunError
 from fedgrid.events import EventLog
 from fedgrid.runlog import RunWriter
-from fedgrid.server.fleet import Fleet
+from fedgrid.server.fleet import Fleet, RoundOutcome
 from fedgrid.server.state import StateStore
-from fedgrid.types import ModelState, RoundMetrics
+from fedgrid.types import EVALUATE, FIT, ClientInfo, ModelState, RoundMetrics, check_phase_name
 
 __all__ = ["RoundEngine", "EvaluateFn"]
+
+
+@dataclass
+class _Tally:
+    """What a round's phases add up to, for its ``RoundMetrics``."""
+
+    loss: float | None = None
+    accuracy: float | None = None
+    bytes_up: int = 0
+    bytes_down: int = 0
+    clients_ok: int = 0
+    clients_failed: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def add_bytes(self, outcome: RoundOutcome) -> None:  # type: ignore[type-arg]
+        self.bytes_up += outcome.bytes_up
+        self.bytes_down += outcome.bytes_down
 
 log = logging.getLogger(__name__)
 
@@ -120,13 +138,47 @@ class RoundEngine:
             self.on_round(metrics)
 
     def run_round(self, server_round: int) -> RoundMetrics:
-        """Runs one round up to, not including, its commit.
+        """Runs one round, the phases the strategy declares in order (``Strategy.phases``:
+        fit, evaluate, message phases), up to, not including, its commit.
 
         Raises:
             InterruptedRunError: ``stop`` was called; nothing of the round was applied.
+            ValueError: the strategy declared an invalid or repeated phase name.
         """
         start = time.monotonic()
+        phases = [check_phase_name(p) for p in self.strategy.phases(server_round=server_round)]
+        if len(set(phases)) != len(phases):
+            raise ValueError(f"round {server_round}: the strategy declared a phase twice: {phases}")
         clients = self.fleet.wait_for_clients(min_clients=self.min_clients, timeout=self.join_timeout)
+        tally = _Tally()
+        for phase in phases:
+            if phase == FIT:
+                self._fit(server_round, clients, tally)
+            elif phase == EVALUATE:
+                self._evaluate(server_round, clients, tally)
+            else:
+                self._messages(server_round, phase, clients, tally)
+        if self.evaluate_fn is not None:  # a central test set, when the task has one, wins
+            tally.loss, eval_metrics = self.evaluate_fn(self.strategy.global_state)
+            tally.accuracy = eval_metrics.get("accuracy")
+            tally.extra.update({k: v for k, v in eval_metrics.items() if k != "accuracy"})
+        return RoundMetrics(
+            round=server_round,
+            loss=tally.loss,
+            accuracy=tally.accuracy,
+            bytes_up=tally.bytes_up,
+            bytes_down=tally.bytes_down,
+            wall_s=time.monotonic() - start,
+            clients_ok=tally.clients_ok,
+            clients_failed=tally.clients_failed,
+            extra=tally.extra,
+        )
+
+    def _check_stop(self, server_round: int) -> None:
+        if self._stop.is_set():
+            raise InterruptedRunError(f"round {server_round} abandoned: the coordinator is stopping")
+
+    def _fit(self, server_round: int, clients: list[ClientInfo], tally: "_Tally") -> None:
         assignments = self.strategy.configure_round(server_round=server_round, clients=clients)
         outcome = self.fleet.fit_round(
             server_round=server_round,
@@ -135,46 +187,49 @@ class RoundEngine:
             timeout=self.round_timeout,
             target=self.strategy.round_target(num_live=len(clients), num_assigned=len(assignments)),
         )
-        if self._stop.is_set():
-            raise InterruptedRunError(f"round {server_round} abandoned: the coordinator is stopping")
+        self._check_stop(server_round)
         for failure in outcome.failures:
             log.warning("round %d: client %s failed: %s", server_round, failure.client.name or failure.client.client_id, failure.reason)
         log.info("round %d: aggregating %d updates (%d failures)", server_round, len(outcome.results), len(outcome.failures))
         self.events.emit("aggregating", round=server_round, updates=len(outcome.results), failures=len(outcome.failures))
         agg_metrics = self.strategy.aggregate(server_round=server_round, results=outcome.results, failures=outcome.failures)
-        loss: float | None = agg_metrics.get("train_loss")
-        accuracy: float | None = None
-        extra = dict(agg_metrics)
-        bytes_up, bytes_down = outcome.bytes_up, outcome.bytes_down
+        tally.loss = agg_metrics.get("train_loss")
+        tally.extra.update(agg_metrics)
+        tally.extra.update(outcome.extra)
+        if outcome.cancelled:
+            tally.extra["clients_cancelled"] = len(outcome.cancelled)
+        tally.add_bytes(outcome)
+        tally.clients_ok, tally.clients_failed = len(outcome.results), len(outcome.failures)
+
+    def _evaluate(self, server_round: int, clients: list[ClientInfo], tally: "_Tally") -> None:
         evaluations = self.strategy.configure_evaluate(server_round=server_round, clients=clients)
-        if evaluations:
-            evaluated = self.fleet.evaluate_round(
-                server_round=server_round,
-                global_state=self.strategy.global_state,
-                assignments=evaluations,
-                timeout=self.round_timeout,
-            )
-            fed = self.strategy.aggregate_evaluate(server_round=server_round, results=evaluated.results, failures=evaluated.failures)
-            extra.update({f"federated_{k}": v for k, v in fed.items()})
-            extra["clients_evaluated"] = len(evaluated.results)
-            bytes_up, bytes_down = bytes_up + evaluated.bytes_up, bytes_down + evaluated.bytes_down
-            loss, accuracy = fed.get("loss", loss), fed.get("accuracy")
-        if self.evaluate_fn is not None:  # a central test set, when the task has one, wins
-            loss, eval_metrics = self.evaluate_fn(self.strategy.global_state)
-            accuracy = eval_metrics.get("accuracy")
-            extra.update({k: v for k, v in eval_metrics.items() if k != "accuracy"})
-        metrics = RoundMetrics(
-            round=server_round,
-            loss=loss,
-            accuracy=accuracy,
-            bytes_up=bytes_up,
-            bytes_down=bytes_down,
-            wall_s=time.monotonic() - start,
-            clients_ok=len(outcome.results),
-            clients_failed=len(outcome.failures),
-            extra={**extra, **outcome.extra, **({"clients_cancelled": len(outcome.cancelled)} if outcome.cancelled else {})},
+        if not evaluations:
+            return
+        evaluated = self.fleet.evaluate_round(
+            server_round=server_round,
+            global_state=self.strategy.global_state,
+            assignments=evaluations,
+            timeout=self.round_timeout,
         )
-        return metrics
+        self._check_stop(server_round)
+        fed = self.strategy.aggregate_evaluate(server_round=server_round, results=evaluated.results, failures=evaluated.failures)
+        tally.extra.update({f"federated_{k}": v for k, v in fed.items()})
+        tally.extra["clients_evaluated"] = len(evaluated.results)
+        tally.add_bytes(evaluated)
+        tally.loss, tally.accuracy = fed.get("loss", tally.loss), fed.get("accuracy")
+
+    def _messages(self, server_round: int, phase: str, clients: list[ClientInfo], tally: "_Tally") -> None:
+        assignments = self.strategy.configure_messages(server_round=server_round, phase=phase, clients=clients)
+        outcome = self.fleet.message_round(server_round=server_round, phase=phase, assignments=assignments, timeout=self.round_timeout)
+        self._check_stop(server_round)
+        for failure in outcome.failures:
+            log.warning("round %d, phase %s: client %s failed: %s", server_round, phase,
+                        failure.client.name or failure.client.client_id, failure.reason)
+        metrics = self.strategy.receive_messages(server_round=server_round, phase=phase, results=outcome.results, failures=outcome.failures)
+        tally.extra.update(metrics)
+        tally.extra[f"{phase}_ok"] = len(outcome.results)
+        tally.extra[f"{phase}_failed"] = len(outcome.failures)
+        tally.add_bytes(outcome)
 
     def run(self) -> ModelState | None:
         """Runs the remaining rounds, tells clients the run ended, writes the final model.

@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Generic, Mapping, Sequence, TypeVar
 
-from fedgrid.types import ClientInfo, EvaluateIns, EvaluateRes, FitIns, FitRes, Failure, ModelState
+from fedgrid.types import ClientInfo, EvaluateIns, EvaluateRes, FitIns, FitRes, Failure, MessageIns, MessageRes, ModelState
 
 __all__ = ["Fleet", "RoundOutcome"]
 
 
-R = TypeVar("R", FitRes, EvaluateRes)
+R = TypeVar("R", FitRes, EvaluateRes, MessageRes)
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,24 @@ class Fleet(ABC):
 
         A client that cannot evaluate, fails or misses the deadline becomes a ``Failure``.
         """
+
+    def message_round(
+        self,
+        *,
+        server_round: int,
+        phase: str,
+        assignments: Sequence[tuple[ClientInfo, MessageIns]],
+        timeout: timedelta,
+    ) -> RoundOutcome[MessageRes]:
+        """Runs message phase ``phase``: each assigned client sends its messages; once all
+        sent (or failed, or ``timeout`` passed) each one that sent receives the messages
+        addressed to it by the others that sent. Returns what each client sent.
+
+        A message to a recipient that is not a peer of the phase, or larger than the
+        limits (``fedgrid.constants.MAX_PHASE_MESSAGE_BYTES``, ``MAX_OUTBOX_BYTES``),
+        fails its sender, and nothing of it is relayed.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not run message phases")
 
     def committed(self, server_round: int) -> None:
         """Called once ``server_round`` is durably committed (its inputs may be dropped)."""

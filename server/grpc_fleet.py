@@ -1,8 +1,11 @@
 """``GrpcFleet``: the coordinator's side of the protocol, as plain Python.
 
-It keeps the client registry and the open round, and answers the handlers the servicer
-calls (join, poll, download, upload, heartbeat). It raises ``FedgridError`` subclasses; the
-servicer maps them to status codes. Every request is validated before it touches state.
+It answers the handlers the servicer calls (join, poll, download, upload, messages,
+heartbeat, failure reports, leave) and runs each phase of a round until it closes. The
+parts live beside it: the client registry (``server/registry.py``), the open task and the
+relay of message phases (``server/rounds.py``), uploads (``server/uploads.py``), spill and
+downlink. It raises ``FedgridError`` subclasses; the servicer maps them to status codes.
+Every request is validated before it touches state.
 """
 
 from __future__ import annotations
@@ -10,24 +13,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import secrets
 import threading
 import time
 import uuid
 from collections import OrderedDict
-
-import torch
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from fedgrid.compression import parse_codec_spec
-from fedgrid.compression.feedback import is_delta_tensor, reconstruct
-from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S, MAX_POLLS_PER_CLIENT, MAX_REASON_CHARS, RETRY_MAX_WAIT_S
+from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S, MAX_INBOX_REPLY_BYTES, MAX_POLLS_PER_CLIENT, MAX_REASON_CHARS, RETRY_MAX_WAIT_S
 from fedgrid.events import EventLog
 from fedgrid.errors import (
-    AuthenticationError,
-    FedgridError,
     DuplicateUpdateError,
     InterruptedRunError,
     InvalidUpdateError,
@@ -39,80 +36,33 @@ from fedgrid.proto import serde
 from fedgrid.server.fleet import Fleet, RoundOutcome
 from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.downlink import Downlink, RoundDownlink
-from fedgrid.server.spill import SpillWriter, UpdateSpill
+from fedgrid.server.registry import SILENCE_INTERVALS, ClientRecord, Registry
+from fedgrid.server.rounds import RoundTask, check_outbox, relay
+from fedgrid.server.spill import UpdateSpill
+from fedgrid.server.uploads import Uploads
 from fedgrid.server.wakeups import Wakeups
-from fedgrid.types import ClientInfo, EvaluateIns, EvaluateRes, FitIns, FitRes, Failure, ModelState, TensorSpec
+from fedgrid.types import (
+    EVALUATE,
+    FIT,
+    ClientInfo,
+    EvaluateIns,
+    EvaluateRes,
+    FitIns,
+    FitRes,
+    Failure,
+    MessageIns,
+    MessageRes,
+    ModelState,
+    TensorSpec,
+    check_phase_name,
+)
 
-__all__ = ["GrpcFleet", "PollResult"]
+__all__ = ["GrpcFleet", "PollResult", "SILENCE_INTERVALS"]
 
 log = logging.getLogger(__name__)
 
-#: A client silent for this many heartbeat intervals is considered gone.
-SILENCE_INTERVALS = 3.0
 #: After a restart, restored clients have the retry backoff cap plus this long to reconnect.
 RESTART_GRACE_S = 10.0
-
-
-@dataclass
-class _ClientRecord:
-    info: ClientInfo
-    token: str
-    last_seen: float
-    heard_finished: bool = False
-    #: The task whose deadline it missed while alive: not selected until it shows it finished
-    #: that task (an upload or a failure report for it). Empty: selectable.
-    benched_task: str = ""
-    polls: int = 0  # long polls it holds now
-
-
-@dataclass
-class _Round:
-    server_round: int
-    task_id: str
-    evaluate: bool  # an evaluation round: clients send metrics, no tensors
-    assignments: dict[str, FitIns | EvaluateIns]
-    downlink: RoundDownlink  # what clients download; .base is the model they then hold
-    global_state: ModelState  # what difference uploads apply to (= downlink.base)
-    expected: dict[str, TensorSpec]
-    deadline: float
-    results: dict[str, FitRes | EvaluateRes] = field(default_factory=dict)
-    failures: dict[str, Failure] = field(default_factory=dict)
-    uploading: set[str] = field(default_factory=set)
-    partials: dict[str, "_Upload"] = field(default_factory=dict)  # broken uploads, by client
-    closed: bool = False
-    closed_by: str = ""  # why it closed: one of fedgrid.events.CLOSE_REASONS
-    bytes_up: int = 0
-    bytes_down: int = 0
-    raw_up: int = 0  # what the accepted updates would weigh uncompressed
-    payload_up: int = 0  # their payload bytes as sent
-    parts: dict[frozenset[str], serde.EncodedModel] = field(default_factory=dict)  # partial downloads, by tensors
-
-    def pending(self) -> list[str]:
-        return [cid for cid in self.assignments if cid not in self.results and cid not in self.failures]
-
-    def is_pending(self, client_id: str) -> bool:
-        """O(1): a long poll asks this on every wake-up, with every client polling."""
-        return client_id in self.assignments and client_id not in self.results and client_id not in self.failures
-
-
-@dataclass
-class _Upload:
-    """An upload in progress (or broken, awaiting its resume)."""
-
-    asm: serde.ModelAssembler
-    writer: SpillWriter | None
-    raw_bytes: int  # its size uncompressed
-
-    def abort(self) -> None:
-        if self.writer is not None:
-            self.writer.abort()
-
-
-def _nbytes(spec: TensorSpec) -> int:
-    n = torch.empty((), dtype=spec.dtype).element_size()
-    for d in spec.shape:
-        n *= d
-    return n
 
 
 @dataclass(frozen=True)
@@ -121,11 +71,26 @@ class PollResult:
 
     task_id: str = ""
     server_round: int = 0
-    ins: FitIns | EvaluateIns | None = None
-    evaluate: bool = False
+    ins: FitIns | EvaluateIns | MessageIns | None = None
+    kind: str = FIT  # FIT, EVALUATE or a message phase's name
     deadline_s: float = 0.0
     retry_after_s: float = 0.0
     finished: bool = False
+
+    @property
+    def evaluate(self) -> bool:
+        return self.kind == EVALUATE
+
+
+@dataclass(frozen=True)
+class InboxPage:
+    """What ``receive_messages`` returns: once the phase closed (``ready``), the messages
+    relayed to the client from ``start`` on, by sender, and how many there are in all."""
+
+    ready: bool
+    messages: list[tuple[str, bytes]]
+    total: int = 0
+    retry_after_s: float = 0.0
 
 
 class GrpcFleet(Fleet):
@@ -171,53 +136,36 @@ class GrpcFleet(Fleet):
         self.spill = UpdateSpill(spill_dir)
         self.heartbeat_interval_s = heartbeat_interval.total_seconds()
         self.chunk_size = chunk_size
-        self._clients: dict[str, _ClientRecord] = {}
-        self._round: _Round | None = None
+        self._round: RoundTask | None = None
+        #: Message phases of the round in progress, closed and relayed, by task id: their
+        #: clients fetch their inboxes from here until the round is committed.
+        self._relayed: dict[str, RoundTask] = {}
         self._finished = False
         self._interrupted = False
         self._lock = threading.RLock()
         self._wake = Wakeups(self._lock)  # keyed: a task wakes its client's poll only
+        self.registry = Registry(self._wake, self.events, self.heartbeat_interval_s, self._fail_removed)
+        self.uploads = Uploads(self.registry, self.spill, self.events, self._open_task, lambda: self._round)
 
     # -- handlers (called by the servicer) -------------------------------------------------
     def join(self, joining: ClientInfo) -> tuple[ClientInfo, str]:
         """Registers a client (its ``client_id`` is assigned here); returns its info and session token."""
         if self._finished:
             raise RunFinishedError("the run is over")
-        info = dataclasses.replace(joining, client_id=uuid.uuid4().hex[:16])
-        token = secrets.token_urlsafe(24)
-        with self._lock:
-            # A restarted client rejoins under its name: its old session goes, no ghost stays.
-            ghosts = [cid for cid, rec in self._clients.items() if info.name and rec.info.name == info.name]
-            for cid in ghosts:
-                self._remove(cid, "replaced by a new session of the same name")
-            self._clients[info.client_id] = _ClientRecord(info, token, time.monotonic())
-            self._wake.notify("registry")
-        for cid in ghosts:
-            log.info("client %r rejoined: session %s replaced", info.name, cid)
-            self.events.emit("client_left", client=cid, reason="replaced by a new session of the same name")
-        log.info("client %r joined as %s (region %r, %d examples)", info.name, info.client_id, info.region, info.num_examples)
-        self.events.emit("client_joined", client=info.client_id, name=info.name, region=info.region)
-        return info, token
+        return self.registry.join(joining)
 
-    def authenticate(self, client_id: str, token: str) -> _ClientRecord:
+    def authenticate(self, client_id: str, token: str) -> ClientRecord:
         """Returns the client's record and marks it alive.
 
         Raises:
             AuthenticationError: unknown client or wrong token.
         """
-        with self._lock:
-            record = self._clients.get(client_id)
-            if record is None:
-                raise AuthenticationError(f"unknown client {client_id!r}")
-            if not secrets.compare_digest(record.token.encode(), token.encode()):
-                raise AuthenticationError(f"bad session token for client {client_id!r}")
-            record.last_seen = time.monotonic()
-            return record
+        return self.registry.authenticate(client_id, token)
 
-    def _remove(self, client_id: str, reason: str) -> None:
-        """Drops a client from the registry, and from the open round as a failure (lock held)."""
-        record = self._clients.pop(client_id)
+    def _fail_removed(self, record: ClientRecord, reason: str) -> None:
+        """A client left the registry: its open task fails now (lock held)."""
         rnd = self._round
+        client_id = record.info.client_id
         if rnd is not None and not rnd.closed and rnd.is_pending(client_id):
             rnd.failures[client_id] = Failure(record.info, reason)
             self._wake.notify("round")
@@ -232,7 +180,7 @@ class GrpcFleet(Fleet):
         return text
 
     def report_failure(self, client_id: str, token: str, task_id: str, reason: str) -> None:
-        """The client's ``fit`` or ``evaluate`` raised: its task fails at once with ``reason``.
+        """The client's ``fit``, ``evaluate`` or message handler raised: its task fails at once with ``reason``.
 
         Raises:
             AuthenticationError, StaleTaskError: unknown session, or no open task ``task_id``.
@@ -262,9 +210,9 @@ class GrpcFleet(Fleet):
         reason = self._reason(reason)
         record = self.authenticate(client_id, token)
         with self._lock:
-            if client_id in self._clients:
-                self._remove(client_id, f"client left: {reason}")
-            self._wake.notify("registry", ("poll", client_id))
+            if client_id in self.registry.records:
+                self.registry.remove(client_id, f"client left: {reason}")
+            self._wake.notify("registry", ("poll", client_id), ("inbox", client_id))
         log.info("client %r left: %r", record.info.name or client_id, reason)
         self.events.emit("client_left", client=client_id, reason=reason)
 
@@ -272,7 +220,7 @@ class GrpcFleet(Fleet):
         self.authenticate(client_id, token)
         return self.heartbeat_interval_s
 
-    def _poll_now(self, record: _ClientRecord) -> PollResult | None:
+    def _poll_now(self, record: ClientRecord) -> PollResult | None:
         """The poll's answer if there is one now (lock held)."""
         if self._finished:
             record.heard_finished = True
@@ -285,7 +233,7 @@ class GrpcFleet(Fleet):
         if rnd is not None and not rnd.closed and rnd.is_pending(client_id):
             return PollResult(
                 task_id=rnd.task_id,
-                evaluate=rnd.evaluate,
+                kind=rnd.kind,
                 server_round=rnd.server_round,
                 ins=rnd.assignments[client_id],
                 deadline_s=max(0.0, rnd.deadline - time.monotonic()),
@@ -327,7 +275,7 @@ class GrpcFleet(Fleet):
             with self._lock:
                 record.polls -= 1
 
-    def _open_task(self, client_id: str, task_id: str) -> _Round:
+    def _open_task(self, client_id: str, task_id: str) -> RoundTask:
         rnd = self._round
         if rnd is None or rnd.task_id != task_id:
             raise StaleTaskError(f"task {task_id!r} is not open (round closed or unknown)")
@@ -337,6 +285,93 @@ class GrpcFleet(Fleet):
             raise StaleTaskError(f"client {client_id!r} has no task in round {rnd.server_round}")
         return rnd
 
+    # -- message phases -------------------------------------------------------------------
+    def send_messages(self, client_id: str, token: str, task_id: str, messages: Mapping[str, bytes]) -> int:
+        """A client's messages of an open message phase (recipient -> payload, see
+        ``rounds.check_outbox``); returns the payload bytes accepted.
+
+        Raises:
+            AuthenticationError, StaleTaskError: unknown session, or no open message task ``task_id``.
+            DuplicateUpdateError: the client already sent its messages for this phase.
+            InvalidUpdateError, PayloadTooLargeError: a bad recipient or sizes (nothing kept).
+        """
+        record = self.authenticate(client_id, token)
+        with self._lock:
+            current = self._round
+            if current is not None and current.task_id == task_id and client_id in current.results:
+                raise DuplicateUpdateError(f"messages of phase {current.kind!r} from client {client_id!r} already accepted")
+            if record.benched_task == task_id:
+                record.benched_task = ""
+            rnd = self._open_task(client_id, task_id)
+            if not rnd.is_message:
+                raise StaleTaskError(f"task {task_id!r} is a {rnd.kind} task: it takes an upload, not messages")
+            ins = rnd.assignments[client_id]
+            assert isinstance(ins, MessageIns)
+            checked = check_outbox(ins, messages)
+            rnd.results[client_id] = MessageRes(record.info, checked)
+            size = sum(len(p) for p in checked.values())
+            rnd.bytes_up += size
+            self._wake.notify("round")
+            accepted, expected = len(rnd.results), len(rnd.assignments)
+        log.info("round %d, phase %s: messages from %r (%d of %d)", rnd.server_round, rnd.kind, record.info.name or client_id, accepted, expected)
+        self.events.emit("messages_accepted", round=rnd.server_round, phase=rnd.kind, client=client_id, accepted=accepted, expected=expected)
+        return size
+
+    def _inbox_now(self, client_id: str, task_id: str, start: int) -> InboxPage | None:
+        """The client's inbox page once its phase was relayed (lock held)."""
+        rnd = self._relayed.get(task_id)
+        if rnd is None:
+            current = self._round
+            if current is None or current.task_id != task_id or not current.is_message or client_id not in current.assignments:
+                raise StaleTaskError(f"task {task_id!r} is not a message phase of this round for client {client_id!r}")
+            if client_id in current.failures:
+                raise StaleTaskError(f"client {client_id!r} failed phase {current.kind!r}: {current.failures[client_id].reason}")
+            return None  # still open
+        assert rnd.inboxes is not None
+        inbox = rnd.inboxes.get(client_id)
+        if inbox is None:
+            failure = rnd.failures.get(client_id)
+            raise StaleTaskError(f"client {client_id!r} has no inbox in phase {rnd.kind!r}" + (f": {failure.reason}" if failure else ""))
+        items = list(inbox.items())
+        if start > len(items):
+            raise InvalidUpdateError(f"inbox start {start} is past its {len(items)} messages")
+        page: list[tuple[str, bytes]] = []
+        size = 0
+        for sender, payload in items[start:]:
+            if page and size + len(payload) > MAX_INBOX_REPLY_BYTES:
+                break
+            page.append((sender, payload))
+            size += len(payload)
+        rnd.bytes_down += size
+        return InboxPage(True, page, len(items))
+
+    async def receive_messages_async(self, client_id: str, token: str, task_id: str, start: int, wait_s: float) -> InboxPage:
+        """Long poll for the messages relayed to the client in message phase ``task_id``,
+        from message ``start`` on (a large inbox comes in pages); waits up to ``wait_s`` for
+        the phase to close.
+
+        Raises:
+            AuthenticationError: unknown session.
+            StaleTaskError: no such phase for this client, or the client failed it.
+        """
+        self.authenticate(client_id, token)
+        deadline = time.monotonic() + max(0.0, min(wait_s, 60.0))
+        answer: list[InboxPage] = []
+
+        def ready() -> bool:
+            page = self._inbox_now(client_id, task_id, start)
+            if page is not None:
+                answer.append(page)
+            return page is not None or self._interrupted
+
+        while True:
+            await self._wake.wait_async(("inbox", client_id), deadline - time.monotonic(), ready)
+            if answer:
+                return answer[0]
+            if time.monotonic() >= deadline or self._interrupted:
+                with self._lock:
+                    return self._inbox_now(client_id, task_id, start) or InboxPage(False, [], retry_after_s=0.0)
+
     def download(self, client_id: str, token: str, task_id: str, have_version: int | None = None) -> Iterator[bytes]:
         """The model of the client's open task, as a chunk stream: whole, or the tensors its task
         names (``FitIns.download``) on a lossless downlink, or on a compressed downlink the
@@ -344,6 +379,8 @@ class GrpcFleet(Fleet):
         self.authenticate(client_id, token)
         with self._lock:
             rnd = self._open_task(client_id, task_id)
+        if rnd.downlink is None:
+            raise StaleTaskError(f"task {task_id!r} is message phase {rnd.kind!r}: it has no model to download")
         names = self._download_names(rnd.assignments[client_id])
         if names is None:
             encoded, delta, base_version = rnd.downlink.for_client(have_version)
@@ -361,7 +398,7 @@ class GrpcFleet(Fleet):
         # An uplink sending differences takes them against the global values of what it uploads.
         return ins.download_names(lossless_downlink=self.downlink.lossless, delta_uplink=not parse_codec_spec(codec, key="codec").lossless)
 
-    def _part(self, rnd: _Round, names: frozenset[str]) -> serde.EncodedModel:
+    def _part(self, rnd: RoundTask, names: frozenset[str]) -> serde.EncodedModel:
         """The tensors ``names`` of the round's exact model, encoded once per round and set of
         tensors (two clients racing may both encode it; one copy is kept)."""
         with self._lock:
@@ -372,7 +409,7 @@ class GrpcFleet(Fleet):
                 part = rnd.parts.setdefault(names, part)
         return part
 
-    def _count_down(self, rnd: _Round, frames: Iterator[bytes]) -> Iterator[bytes]:
+    def _count_down(self, rnd: RoundTask, frames: Iterator[bytes]) -> Iterator[bytes]:
         sent = 0
         try:
             for frame in frames:
@@ -383,141 +420,12 @@ class GrpcFleet(Fleet):
                 rnd.bytes_down += sent
 
     def upload(self, frames: Iterable[bytes]) -> int:
-        """Receives one update stream; returns the payload bytes accepted.
-
-        Raises:
-            InvalidUpdateError: malformed stream or tensors (state unchanged).
-            AuthenticationError, StaleTaskError, DuplicateUpdateError: as named.
-        """
-        iterator = iter(frames)
-        first = next(iterator, None)
-        if first is None:
-            raise InvalidUpdateError("empty upload stream: no header")
-        header = serde.read_header(first)
-        record = self.authenticate(header.client_id, header.session_token)
-        client_id = record.info.client_id
-        with self._lock:
-            current = self._round
-            if current is not None and current.task_id == header.task_id and client_id in current.results:
-                # Checked before "closed": a retry whose first attempt landed learns it did.
-                raise DuplicateUpdateError(f"update for round {current.server_round} from client {client_id!r} already accepted")
-            if record.benched_task == header.task_id:  # late, but it did finish that task
-                record.benched_task = ""
-            rnd = self._open_task(client_id, header.task_id)
-            if client_id in rnd.uploading:
-                raise DuplicateUpdateError(f"an upload for round {rnd.server_round} from client {client_id!r} is in progress")
-            rnd.uploading.add(client_id)
-        upload: _Upload | None = None
-        try:
-            with self._lock:
-                partial = rnd.partials.pop(client_id, None)
-            if header.resume_from_chunk:
-                if partial is None or partial.asm.frames_received != header.resume_from_chunk:
-                    held = 0 if partial is None else partial.asm.frames_received
-                    if partial is not None:
-                        with self._lock:
-                            rnd.partials[client_id] = partial
-                    raise StaleTaskError(f"cannot resume at chunk {header.resume_from_chunk}: the coordinator holds {held} chunks of this upload")
-                upload = partial
-            else:
-                if partial is not None:
-                    partial.abort()
-                upload = self._start_upload(rnd, record.info, header)
-                upload.asm.feed(first)
-            asm = upload.asm
-            try:
-                for frame in iterator:
-                    asm.feed(frame)
-            except FedgridError:
-                raise  # bad input: nothing kept
-            except Exception:
-                # The connection broke: keep what arrived so that the client resumes from it.
-                with self._lock:
-                    if not rnd.closed:
-                        rnd.partials[client_id] = upload
-                        upload = None  # kept, not aborted
-                log.info("round %d: upload from %r broke after %d chunks; kept for resume",
-                         rnd.server_round, record.info.name or client_id, asm.frames_received)
-                self.events.emit("upload_broken", round=rnd.server_round, client=client_id, chunks=asm.frames_received)
-                raise
-            stream, state = asm.finish()
-            if stream.round != rnd.server_round:
-                raise InvalidUpdateError(f"header names round {stream.round}, the task is round {rnd.server_round}")
-            result: FitRes | EvaluateRes
-            if rnd.evaluate:
-                result = EvaluateRes(record.info, stream.num_examples, dict(stream.metrics))
-            elif upload.writer is not None:  # tensors were reconstructed, checked and written as they came
-                result = FitRes(record.info, upload.writer.commit(), stream.num_examples, dict(stream.metrics))  # type: ignore[arg-type]
-            else:
-                state = reconstruct(rnd.global_state, state, delta=stream.delta)
-                serde.check_finite(state)
-                result = self.spill.put(task_id=rnd.task_id, result=FitRes(record.info, state, stream.num_examples, dict(stream.metrics)))
-            del state
-            with self._lock:
-                if rnd.closed or self._round is not rnd:
-                    if not rnd.evaluate:
-                        self.spill.discard(task_id=rnd.task_id, client_id=client_id)
-                    raise StaleTaskError(f"round {rnd.server_round} closed before the upload completed")
-                if rnd.evaluate and stream.num_examples < 1:
-                    rnd.failures[client_id] = Failure(record.info, "evaluated no examples")
-                else:
-                    rnd.results[client_id] = result
-                rnd.bytes_up += asm.wire_bytes
-                rnd.payload_up += asm.payload_bytes
-                rnd.raw_up += upload.raw_bytes
-                self._wake.notify("round")
-                accepted, expected = len(rnd.results), len(rnd.assignments)
-            log.info("round %d: accepted %s from %r (%d of %d)", rnd.server_round, "evaluation" if rnd.evaluate else "update",
-                     record.info.name or client_id, accepted, expected)
-            self.events.emit("update_accepted", round=rnd.server_round, client=client_id, evaluate=rnd.evaluate, accepted=accepted, expected=expected)
-            upload = None
-            return asm.payload_bytes
-        finally:
-            if upload is not None:  # rejected: drop what was written
-                upload.abort()
-            with self._lock:
-                rnd.uploading.discard(client_id)
-                self._wake.notify("round", ("upload", client_id))
-
-    def _start_upload(self, rnd: _Round, client: ClientInfo, header: serde.StreamInfo) -> _Upload:
-        """An assembler for a new upload; fit updates stream into their spill file."""
-        ins = rnd.assignments[client.client_id]
-        # The expected specs bound every allocation; an evaluation carries no tensors.
-        expected: Mapping[str, TensorSpec] = {} if rnd.evaluate else (getattr(ins, "expected", None) or rnd.expected)
-        raw = sum(_nbytes(spec) for spec in expected.values())
-        if rnd.evaluate:
-            return _Upload(serde.ModelAssembler(expected=expected), None, raw)
-        if header.num_examples < 1:
-            raise InvalidUpdateError("num_examples must be at least 1")
-        writer = self.spill.writer(task_id=rnd.task_id, client=client, specs=expected, num_examples=header.num_examples,
-                                   metrics=header.metrics)
-        if writer is None:
-            return _Upload(serde.ModelAssembler(expected=expected), None, raw)
-        base = rnd.global_state
-
-        def sink(name: str, tensor: torch.Tensor) -> None:
-            value = base[name] + tensor if header.delta and is_delta_tensor(tensor) else tensor
-            serde.check_finite({name: value})
-            writer.write(name, value)
-
-        return _Upload(serde.ModelAssembler(expected=expected, sink=sink), writer, raw)
+        """Receives one update stream (``Uploads.upload``); returns the payload bytes accepted."""
+        return self.uploads.upload(frames)
 
     def upload_status(self, client_id: str, token: str, task_id: str) -> tuple[int, bool]:
         """(chunks of a broken upload the coordinator holds, whether the update already landed)."""
-        self.authenticate(client_id, token)
-        with self._lock:
-            rnd = self._round
-            if rnd is not None and rnd.task_id == task_id and client_id in rnd.results:
-                return 0, True
-            rnd = self._open_task(client_id, task_id)
-            # A broken stream may still be winding down on its server thread: let it settle.
-            deadline = time.monotonic() + 5.0
-            while client_id in rnd.uploading and time.monotonic() < deadline:
-                self._wake.wait(("upload", client_id), deadline - time.monotonic())
-            if client_id in rnd.results:
-                return 0, True
-            partial = rnd.partials.get(client_id)
-            return (0 if partial is None else partial.asm.frames_received), False
+        return self.uploads.status(client_id, token, task_id)
 
     @property
     def task_scope(self) -> str:
@@ -533,38 +441,22 @@ class GrpcFleet(Fleet):
     def polls_held(self, client_id: str) -> int:
         """Long polls ``client_id`` holds now (0 for an unknown client)."""
         with self._lock:
-            record = self._clients.get(client_id)
+            record = self.registry.records.get(client_id)
             return 0 if record is None else record.polls
 
     @property
-    def current_round(self) -> _Round | None:
-        """The round in progress, or closed and not yet committed (``None`` between rounds).
+    def current_round(self) -> RoundTask | None:
+        """The phase in progress, or closed and not yet committed (``None`` between rounds).
 
         For status pages and tests: read it, never change it.
         """
         return self._round
 
     # -- Fleet -----------------------------------------------------------------------------
-    def _live(self) -> list[ClientInfo]:
-        now = time.monotonic()
-        limit = SILENCE_INTERVALS * self.heartbeat_interval_s
-        # A client holding a long poll is alive however long the poll (its connection is
-        # watched by keepalive pings); heartbeats cover the time it trains.
-        gone = [cid for cid, rec in self._clients.items() if now - rec.last_seen > limit and rec.polls == 0]
-        for cid in gone:
-            log.warning("client %r silent for over %.1fs: dropped", self._clients[cid].info.name or cid, limit)
-            del self._clients[cid]
-            self.events.emit("client_dropped", client=cid, reason=f"silent for over {limit:.1f}s")
-        return [rec.info for rec in self._clients.values()]
-
     def live_clients(self) -> list[ClientInfo]:
         """Every client heartbeating, benched ones included (``wait_for_clients`` leaves those out)."""
         with self._lock:
-            return self._live()
-
-    def _selectable(self) -> list[ClientInfo]:
-        live = self._live()
-        return [info for info in live if not self._clients[info.client_id].benched_task]
+            return self.registry.live()
 
     def wait_for_clients(self, *, min_clients: int, timeout: timedelta) -> list[ClientInfo]:
         """The selectable clients (live, and not benched for a missed deadline), once there
@@ -572,14 +464,14 @@ class GrpcFleet(Fleet):
         deadline = time.monotonic() + timeout.total_seconds()
         with self._lock:
             while True:
-                live = self._selectable()
+                live = self.registry.selectable()
                 if len(live) >= min_clients:
                     return live
                 if self._interrupted:
                     raise InterruptedRunError("stopped while waiting for clients")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    benched = len(self._clients) - len(live)
+                    benched = len(self.registry.records) - len(live)
                     raise TimeoutError(
                         f"{len(live)} live clients after {timeout.total_seconds():.0f}s, need {min_clients}"
                         + (f" ({benched} more benched after missing a deadline)" if benched else "")
@@ -595,7 +487,14 @@ class GrpcFleet(Fleet):
         timeout: timedelta,
         target: int | None = None,
     ) -> RoundOutcome[FitRes]:
-        results, failures, cancelled, rnd = self._run(server_round, global_state, assignments, timeout, evaluate=False, target=target)
+        rnd = self._new_task(server_round, FIT, [(info, self._with_codec(info, ins)) for info, ins in assignments], timeout,
+                             downlink=self.downlink.prepare(global_state), expected=TensorSpec.of(global_state))
+        # Updates that landed before a restart are not asked for again.
+        rnd.results.update(self.spill.restore(task_id=rnd.task_id, assigned={info.client_id: info for info, _ in assignments}))
+        if rnd.results:
+            log.info("round %d: %d updates restored from before a restart", server_round, len(rnd.results))
+            self.events.emit("updates_restored", round=server_round, count=len(rnd.results))
+        results, failures, cancelled = self._run(rnd, timeout, target=target)
         extra = {"uplink_ratio": rnd.raw_up / rnd.payload_up} if rnd.payload_up else {}
         return RoundOutcome(
             [r for r in results if isinstance(r, FitRes)], failures, cancelled, bytes_up=rnd.bytes_up, bytes_down=rnd.bytes_down, extra=extra,
@@ -610,46 +509,63 @@ class GrpcFleet(Fleet):
         assignments: Sequence[tuple[ClientInfo, EvaluateIns]],
         timeout: timedelta,
     ) -> RoundOutcome[EvaluateRes]:
-        results, failures, cancelled, rnd = self._run(server_round, global_state, assignments, timeout, evaluate=True)
+        # Evaluation judges the exact global model, whatever the downlink policy.
+        downlink = RoundDownlink(base=global_state, version=0, _full=serde.EncodedModel(global_state))
+        rnd = self._new_task(server_round, EVALUATE, assignments, timeout, downlink=downlink, expected=TensorSpec.of(global_state))
+        results, failures, cancelled = self._run(rnd, timeout)
         return RoundOutcome(
             [r for r in results if isinstance(r, EvaluateRes)], failures, cancelled, bytes_up=rnd.bytes_up, bytes_down=rnd.bytes_down,
             closed_by=rnd.closed_by,
         )
 
-    def _run(
+    def message_round(
         self,
-        server_round: int,
-        global_state: ModelState,
-        assignments: Sequence[tuple[ClientInfo, FitIns | EvaluateIns]],
-        timeout: timedelta,
         *,
-        evaluate: bool,
-        target: int | None = None,
-    ) -> tuple[list[FitRes | EvaluateRes], list[Failure], list[ClientInfo], _Round]:
-        """Opens a task for the assigned clients and closes it when ``target`` (default: all)
-        reported, the rest failed or went silent, or the deadline passed."""
-        # Evaluation judges the exact global model; fit rounds go through the downlink policy.
-        downlink = RoundDownlink(base=global_state, version=0, _full=serde.EncodedModel(global_state)) if evaluate else self.downlink.prepare(global_state)
-        rnd = _Round(
-            server_round=server_round,
-            # Deterministic: a round redone after a restart has the same task id, so a client's
-            # retried upload of that round (same seed, same bits) is accepted.
-            task_id=f"{self.run_id[:12]}-{self.task_scope + '-' if self.task_scope else ''}r{server_round}-{'evaluate' if evaluate else 'fit'}",
-            evaluate=evaluate,
-            assignments={info.client_id: self._with_codec(info, ins) for info, ins in assignments},
-            downlink=downlink,
-            global_state=downlink.base,
-            expected=TensorSpec.of(global_state),
-            deadline=time.monotonic() + timeout.total_seconds(),
+        server_round: int,
+        phase: str,
+        assignments: Sequence[tuple[ClientInfo, MessageIns]],
+        timeout: timedelta,
+    ) -> RoundOutcome[MessageRes]:
+        """Runs message phase ``phase``: clients poll a ``MESSAGE`` task, send their messages
+        (``send_messages``), and once the phase closed fetch the ones relayed to them
+        (``receive_messages_async``), until this round is committed."""
+        if check_phase_name(phase) in (FIT, EVALUATE):
+            raise ValueError(f"{phase!r} is a model phase, not a message phase")
+        rnd = self._new_task(server_round, phase, [(info, dataclasses.replace(ins, client_id=info.client_id)) for info, ins in assignments], timeout)
+        results, failures, cancelled = self._run(rnd, timeout)
+        with self._lock:
+            sent = {cid: res.messages for cid, res in rnd.results.items() if isinstance(res, MessageRes)}
+            rnd.inboxes = relay(list(rnd.assignments), sent)
+            self._relayed[rnd.task_id] = rnd
+            self._wake.notify(*(("inbox", cid) for cid in rnd.assignments))
+        return RoundOutcome(
+            [r for r in results if isinstance(r, MessageRes)], failures, cancelled, bytes_up=rnd.bytes_up, bytes_down=rnd.bytes_down,
+            closed_by=rnd.closed_by,
         )
-        infos = {info.client_id: info for info, _ in assignments}
-        if not evaluate:
-            # Updates that landed before a restart are not asked for again.
-            rnd.results.update(self.spill.restore(task_id=rnd.task_id, assigned=infos))
-            if rnd.results:
-                log.info("round %d: %d updates restored from before a restart", server_round, len(rnd.results))
-                self.events.emit("updates_restored", round=server_round, count=len(rnd.results))
-        self.events.emit("round_opened", round=server_round, task=rnd.task_id, clients=len(rnd.assignments), evaluate=evaluate)
+
+    def _new_task(self, server_round: int, kind: str, assignments: Sequence[tuple[ClientInfo, FitIns | EvaluateIns | MessageIns]],
+                  timeout: timedelta, *, downlink: RoundDownlink | None = None, expected: Mapping[str, TensorSpec] | None = None) -> RoundTask:
+        # Deterministic: a round redone after a restart has the same task id, so a client's
+        # retried upload of that round (same seed, same bits) is accepted.
+        scope = self.task_scope + "-" if self.task_scope else ""
+        suffix = kind if kind in (FIT, EVALUATE) else f"msg-{kind}"
+        return RoundTask(
+            server_round=server_round,
+            task_id=f"{self.run_id[:12]}-{scope}r{server_round}-{suffix}",
+            kind=kind,
+            assignments={info.client_id: ins for info, ins in assignments},
+            clients={info.client_id: info for info, _ in assignments},
+            deadline=time.monotonic() + timeout.total_seconds(),
+            downlink=downlink,
+            expected=dict(expected or {}),
+        )
+
+    def _run(self, rnd: RoundTask, timeout: timedelta, *, target: int | None = None
+             ) -> tuple[list[FitRes | EvaluateRes | MessageRes], list[Failure], list[ClientInfo]]:
+        """Opens ``rnd`` for its clients and closes it when ``target`` (default: all)
+        reported, the rest failed or went silent, or the deadline passed."""
+        infos = rnd.clients
+        self.events.emit("round_opened", round=rnd.server_round, task=rnd.task_id, clients=len(rnd.assignments), evaluate=rnd.evaluate, phase=rnd.kind)
         with self._lock:
             self._round = rnd
             self._wake.notify(*(("poll", cid) for cid in rnd.assignments))  # only the clients with a task
@@ -665,11 +581,12 @@ class GrpcFleet(Fleet):
                 if now >= rnd.deadline:
                     for cid in rnd.pending():
                         rnd.failures[cid] = Failure(infos[cid], f"missed the round deadline of {timeout.total_seconds():.1f}s")
-                        if cid in self._clients and cid not in rnd.uploading:  # alive, yet no result: benched
-                            self._clients[cid].benched_task = rnd.task_id
+                        record = self.registry.records.get(cid)
+                        if record is not None and cid not in rnd.uploading:  # alive, yet no result: benched
+                            record.benched_task = rnd.task_id
                     reason = "deadline"
                     break
-                live = {info.client_id for info in self._live()}
+                live = {info.client_id for info in self.registry.live()}
                 for cid in rnd.pending():
                     if cid not in live and cid not in rnd.uploading:
                         rnd.failures[cid] = Failure(infos[cid], "client went silent (no heartbeat)")
@@ -684,18 +601,18 @@ class GrpcFleet(Fleet):
             if reason == "all" and cancelled:
                 reason = "target"
             rnd.closed_by = reason
-        self.events.emit("round_closed", round=server_round, evaluate=evaluate, reason=reason, results=len(results), failures=len(failures))
-        return results, failures, cancelled, rnd
+        self.events.emit("round_closed", round=rnd.server_round, evaluate=rnd.evaluate, phase=rnd.kind, reason=reason,
+                         results=len(results), failures=len(failures))
+        return results, failures, cancelled
 
-    def _with_codec(self, info: ClientInfo, ins: FitIns | EvaluateIns) -> FitIns | EvaluateIns:
-        if isinstance(ins, EvaluateIns):
-            return ins
+    def _with_codec(self, info: ClientInfo, ins: FitIns) -> FitIns:
         return dataclasses.replace(ins, config={**ins.config, "uplink_codec": self.codec_policy.uplink(info)})
 
     def committed(self, server_round: int) -> None:
         with self._lock:
             if self._round is not None and self._round.closed:
                 self._round = None  # frees the round's models and results
+            self._relayed.clear()
         self.spill.clear()
 
     def close(self) -> None:
@@ -709,9 +626,7 @@ class GrpcFleet(Fleet):
             self._wake.notify_all()
 
     def state_dict(self) -> dict[str, Any]:
-        with self._lock:
-            clients = [{**dataclasses.asdict(r.info), "token": r.token, "benched_task": r.benched_task} for r in self._clients.values()]
-        return {"run_id": self.run_id, "clients": clients, "downlink": self.downlink.state_dict()}
+        return {"run_id": self.run_id, "clients": self.registry.state_dict(), "downlink": self.downlink.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores the run id and registry: clients keep their sessions across a restart.
@@ -719,16 +634,11 @@ class GrpcFleet(Fleet):
         Restored clients get a grace period before silence counts against them: they may be
         sleeping in retry backoff (capped at ``RETRY_MAX_WAIT_S``) while the coordinator restarts.
         """
-        now = time.monotonic() + RETRY_MAX_WAIT_S + RESTART_GRACE_S
         with self._lock:
             self.run_id = str(state["run_id"])
             if state.get("downlink") is not None:
                 self.downlink.load_state_dict(state["downlink"])
-            self._clients = {}
-            for entry in state["clients"]:
-                fields = {k: v for k, v in entry.items() if k not in ("token", "benched_task")}
-                info = ClientInfo(**{**fields, "codecs": tuple(fields.get("codecs", ("none",)))})
-                self._clients[info.client_id] = _ClientRecord(info, str(entry["token"]), now, benched_task=str(entry.get("benched_task", "")))
+            self.registry.load_state_dict(state["clients"], seen_at=time.monotonic() + RETRY_MAX_WAIT_S + RESTART_GRACE_S)
             self._wake.notify_all()
 
     def finish(self, *, timeout: timedelta) -> None:
@@ -737,9 +647,8 @@ class GrpcFleet(Fleet):
             self._finished = True
             self._wake.notify_all()
             while True:
-                waiting = [r for r in self._clients.values() if not r.heard_finished]
-                live = {info.client_id for info in self._live()}
-                waiting = [r for r in waiting if r.info.client_id in live]
+                live = {info.client_id for info in self.registry.live()}
+                waiting = [r for r in self.registry.records.values() if not r.heard_finished and r.info.client_id in live]
                 remaining = deadline - time.monotonic()
                 if not waiting or remaining <= 0:
                     return

@@ -1,0 +1,129 @@
+"""The open task of a round (one phase: fit, evaluate or a message phase) and the relay of
+message phases.
+
+A ``RoundTask`` is what the fleet holds while a phase runs: its assignments, the results
+and failures so far, the bytes moved and, for a fit or evaluate phase, the model clients
+download. ``check_outbox`` and ``relay`` are the rules of message phases, shared by
+``GrpcFleet`` and the simulation's ``InProcessFleet`` so both relay the same messages.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+from fedgrid.constants import MAX_OUTBOX_BYTES, MAX_PHASE_MESSAGE_BYTES
+from fedgrid.errors import InvalidUpdateError, PayloadTooLargeError
+from fedgrid.proto import serde
+from fedgrid.server.downlink import RoundDownlink
+from fedgrid.types import EVALUATE, FIT, ClientInfo, TO_ALL, TO_SERVER, EvaluateIns, EvaluateRes, Failure, FitIns, FitRes, MessageIns, MessageRes, ModelState, TensorSpec
+
+if TYPE_CHECKING:
+    from fedgrid.server.uploads import Upload
+
+__all__ = ["RoundTask", "check_outbox", "relay", "Inbox"]
+
+#: Messages relayed to one client: payload by sender's client id, in the phase's peer order.
+Inbox = "OrderedDict[str, bytes]"
+
+
+@dataclass
+class RoundTask:
+    """One phase of a round, open on the fleet (or closed and not yet committed)."""
+
+    server_round: int
+    task_id: str
+    kind: str  # FIT, EVALUATE, or the name of a message phase
+    assignments: dict[str, FitIns | EvaluateIns | MessageIns]
+    clients: dict[str, ClientInfo]  # the assigned clients, by id
+    deadline: float
+    downlink: RoundDownlink | None = None  # fit/evaluate: what clients download; .base is the model they then hold
+    expected: dict[str, TensorSpec] = field(default_factory=dict)
+    results: dict[str, FitRes | EvaluateRes | MessageRes] = field(default_factory=dict)
+    failures: dict[str, Failure] = field(default_factory=dict)
+    uploading: set[str] = field(default_factory=set)
+    partials: dict[str, "Upload"] = field(default_factory=dict)  # broken uploads, by client
+    closed: bool = False
+    closed_by: str = ""  # why it closed: one of fedgrid.events.CLOSE_REASONS
+    bytes_up: int = 0
+    bytes_down: int = 0
+    raw_up: int = 0  # what the accepted updates would weigh uncompressed
+    payload_up: int = 0  # their payload bytes as sent
+    parts: dict[frozenset[str], serde.EncodedModel] = field(default_factory=dict)  # partial downloads, by tensors
+    inboxes: dict[str, "OrderedDict[str, bytes]"] | None = None  # message phase: set when it closed
+
+    @property
+    def evaluate(self) -> bool:
+        """An evaluation: clients send metrics, no tensors."""
+        return self.kind == EVALUATE
+
+    @property
+    def is_message(self) -> bool:
+        return self.kind not in (FIT, EVALUATE)
+
+    @property
+    def global_state(self) -> ModelState:
+        """What difference uploads apply to (= the downlink's base)."""
+        assert self.downlink is not None, "a message phase has no model"
+        return self.downlink.base
+
+    def pending(self) -> list[str]:
+        return [cid for cid in self.assignments if cid not in self.results and cid not in self.failures]
+
+    def is_pending(self, client_id: str) -> bool:
+        """O(1): a long poll asks this on every wake-up, with every client polling."""
+        return client_id in self.assignments and client_id not in self.results and client_id not in self.failures
+
+
+def check_outbox(ins: MessageIns, messages: Mapping[str, bytes], *, max_message: int = MAX_PHASE_MESSAGE_BYTES,
+                 max_total: int = MAX_OUTBOX_BYTES) -> "OrderedDict[str, bytes]":
+    """Checks what a client sends in a message phase; returns it in a canonical order.
+
+    Recipients are peers of the phase other than the sender, ``TO_ALL`` (every other peer;
+    not with peers named too) or ``TO_SERVER``.
+
+    Raises:
+        InvalidUpdateError: an unknown recipient, the sender itself, ``TO_ALL`` next to named
+            peers, or a payload that is not bytes.
+        PayloadTooLargeError: a message over ``max_message`` bytes, or all over ``max_total``.
+    """
+    peers = set(ins.peers)
+    total = 0
+    for recipient, payload in messages.items():
+        if not isinstance(payload, (bytes, bytearray)):
+            raise InvalidUpdateError(f"phase {ins.phase!r}: message to {recipient!r} is {type(payload).__name__}, not bytes")
+        if recipient in (TO_ALL, TO_SERVER):
+            pass
+        elif recipient == ins.client_id:
+            raise InvalidUpdateError(f"phase {ins.phase!r}: a client cannot address itself")
+        elif recipient not in peers:
+            raise InvalidUpdateError(f"phase {ins.phase!r}: recipient {recipient[:64]!r} is not a peer of this phase")
+        if len(payload) > max_message:
+            raise PayloadTooLargeError(f"phase {ins.phase!r}: message to {recipient[:64]!r} is {len(payload)} bytes, at most {max_message}")
+        total += len(payload)
+    if TO_ALL in messages and any(r not in (TO_ALL, TO_SERVER) for r in messages):
+        raise InvalidUpdateError(f"phase {ins.phase!r}: a message to every peer ({TO_ALL!r}) excludes messages to named peers")
+    if total > max_total:
+        raise PayloadTooLargeError(f"phase {ins.phase!r}: {total} bytes of messages, at most {max_total}")
+    order = {peer: i for i, peer in enumerate(ins.peers)}
+    return OrderedDict(sorted(((r, bytes(p)) for r, p in messages.items()), key=lambda kv: (order.get(kv[0], -1), kv[0])))
+
+
+def relay(peer_order: Sequence[str], sent: Mapping[str, Mapping[str, bytes]]) -> dict[str, "OrderedDict[str, bytes]"]:
+    """The inbox of every client that sent (``sent``: sender -> recipient -> payload): the
+    messages addressed to it, directly or to all, by sender in ``peer_order``. Messages to
+    the server or to clients that sent nothing (failed) are not relayed to anyone."""
+    inboxes: dict[str, OrderedDict[str, bytes]] = {cid: OrderedDict() for cid in peer_order if cid in sent}
+    for sender in peer_order:
+        messages = sent.get(sender)
+        if messages is None:
+            continue
+        for recipient, payload in messages.items():
+            if recipient == TO_ALL:
+                for cid, inbox in inboxes.items():
+                    if cid != sender:
+                        inbox[sender] = payload
+            elif recipient != TO_SERVER and recipient in inboxes:
+                inboxes[recipient][sender] = payload
+    return inboxes
