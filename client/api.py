@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from fedgrid.types import FitIns, ModelState, Scalar
+from fedgrid.types import FitIns, MessageIns, ModelState, Scalar
 
 __all__ = ["Client", "FitOutput", "EvaluateOutput"]
 
@@ -57,6 +57,18 @@ class Client(ABC):
     def evaluate(self, state: ModelState, config: Mapping[str, Scalar]) -> EvaluateOutput:
         """Evaluates the global ``state`` on local data. Optional."""
         raise NotImplementedError(f"{type(self).__name__} does not implement evaluate()")
+
+    def exchange(self, ins: MessageIns) -> Mapping[str, bytes]:
+        """A message phase of the round (``ins.phase``): returns the messages to send, payload
+        by recipient: a peer's client id from ``ins.peers``, ``fedgrid.types.TO_ALL`` (every
+        other peer) or ``fedgrid.types.TO_SERVER``. Small messages only (64 KiB each, 1 MiB in
+        all by default). Optional: a client of a strategy with message phases implements it."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement exchange() for message phase {ins.phase!r}")
+
+    def receive(self, ins: MessageIns, inbox: Mapping[str, bytes]) -> None:
+        """The messages relayed to this client in message phase ``ins.phase``, payload by
+        sender's client id (in the order of ``ins.peers``), once every peer sent or the phase
+        closed; only peers that sent appear. Default: ignores them."""
 
     def state_dict(self) -> dict[str, Any]:
         """What this client keeps across rounds besides the model (control variates, optimizer

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -225,6 +226,38 @@ class Connection:
             log.info("could not tell the coordinator that this client leaves: %s", exc)
             return False
 
+    def send_messages(self, task_id: str, messages: Mapping[str, bytes]) -> int:
+        """Sends this client's messages of message phase ``task_id`` (recipient -> payload)."""
+        request = pb.SendMessagesRequest(
+            client_id=self.client_id, session_token=self.token, task_id=task_id, messages=serde.envelopes_to_pb(messages.items())
+        )
+        reply: pb.SendMessagesReply = self._call("SendMessages", lambda: self.stub.SendMessages(request, timeout=self.rpc_timeout))
+        return reply.bytes_accepted
+
+    def receive_messages(self, task_id: str, *, deadline_s: float, wait_s: float = POLL_WAIT_S) -> "OrderedDict[str, bytes]":
+        """The messages relayed to this client in message phase ``task_id``, by sender:
+        long-polls until the phase closed (at most ``deadline_s``), then reads every page.
+
+        Raises:
+            TimeoutError: the phase did not close within ``deadline_s``.
+        """
+        inbox: OrderedDict[str, bytes] = OrderedDict()
+        give_up = time.monotonic() + deadline_s
+        while not self.stop.is_set():
+            wait = max(0.0, min(wait_s, give_up - time.monotonic()))
+            request = pb.ReceiveMessagesRequest(client_id=self.client_id, session_token=self.token, task_id=task_id, start=len(inbox), wait_s=wait)
+            reply: pb.ReceiveMessagesReply = self._call(
+                "ReceiveMessages", lambda: self.stub.ReceiveMessages(request, timeout=wait + self.rpc_timeout)
+            )
+            if reply.ready:
+                inbox.update((m.peer, m.payload) for m in reply.messages)
+                if len(inbox) >= reply.total or not reply.messages:
+                    return inbox
+                continue
+            if time.monotonic() >= give_up:
+                raise TimeoutError(f"message phase {task_id!r} did not close within {deadline_s:.1f}s")
+        raise InterruptedError("stopped while waiting for messages")
+
     def heartbeat(self) -> float:
         request = pb.HeartbeatRequest(client_id=self.client_id, session_token=self.token)
         reply = self.stub.Heartbeat(request, timeout=self.rpc_timeout)
@@ -403,6 +436,9 @@ def run(
             if kind != "task":
                 continue
             task = reply.task
+            if task.kind == pb.MESSAGE:
+                _exchange(conn, client, task)
+                continue
             state = conn.download(task.task_id) if task.kind == pb.EVALUATE else conn.fetch_model(task.task_id)
             config = serde.config_from_pb(task.config)
             try:
@@ -441,6 +477,32 @@ def run(
             heartbeat.join(timeout=conn.rpc_timeout + 1.0)
         conn.close()
     return RunSummary(client_id=conn.client_id, rounds=rounds)
+
+
+def _exchange(conn: Connection, client: Client, task: pb.Task) -> None:
+    """A message phase: the client's messages go out, the ones relayed to it come back."""
+    ins = serde.message_ins_from_task(task, conn.client_id)
+    try:
+        outbox = client.exchange(ins)
+    except Exception as exc:  # the application's code failed: the phase hears it now
+        log.exception("round %d: message phase %s failed", task.round, task.phase)
+        conn.report_failure(task.task_id, f"{type(exc).__name__}: {exc}")
+        return
+    try:
+        conn.send_messages(task.task_id, outbox)
+        inbox = conn.receive_messages(task.task_id, deadline_s=task.deadline_s + conn.rpc_timeout)
+    except RpcFailed as exc:
+        if exc.code not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
+            raise
+        log.warning("round %d: message phase %s: %s", task.round, task.phase, exc.details)
+        return
+    except (TimeoutError, InterruptedError) as exc:
+        log.warning("round %d: message phase %s: %s", task.round, task.phase, exc)
+        return
+    try:
+        client.receive(ins, inbox)
+    except Exception:  # its next task will tell
+        log.exception("round %d: receiving message phase %s failed", task.round, task.phase)
 
 
 def _save(path: str | os.PathLike[str] | None, conn: Connection, client: Client, task: pb.Task) -> None:

@@ -35,6 +35,7 @@ class TaskKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TASK_KIND_UNSPECIFIED: _ClassVar[TaskKind]
     FIT: _ClassVar[TaskKind]
     EVALUATE: _ClassVar[TaskKind]
+    MESSAGE: _ClassVar[TaskKind]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT64: DType
@@ -58,6 +59,7 @@ FLOAT8_E5M2FNUZ: DType
 TASK_KIND_UNSPECIFIED: TaskKind
 FIT: TaskKind
 EVALUATE: TaskKind
+MESSAGE: TaskKind
 
 class Scalar(_message.Message):
     __slots__ = ("f", "i", "s", "b")
@@ -120,7 +122,7 @@ class PollRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., session_token: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("task_id", "round", "kind", "config", "deadline_s")
+    __slots__ = ("task_id", "round", "kind", "config", "deadline_s", "phase", "peers")
     class ConfigEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -133,12 +135,16 @@ class Task(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     round: int
     kind: TaskKind
     config: _containers.MessageMap[str, Scalar]
     deadline_s: float
-    def __init__(self, task_id: _Optional[str] = ..., round: _Optional[int] = ..., kind: _Optional[_Union[TaskKind, str]] = ..., config: _Optional[_Mapping[str, Scalar]] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+    phase: str
+    peers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, task_id: _Optional[str] = ..., round: _Optional[int] = ..., kind: _Optional[_Union[TaskKind, str]] = ..., config: _Optional[_Mapping[str, Scalar]] = ..., deadline_s: _Optional[float] = ..., phase: _Optional[str] = ..., peers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PollReply(_message.Message):
     __slots__ = ("task", "retry_after_s", "finished")
@@ -294,3 +300,55 @@ class LeaveRequest(_message.Message):
 class LeaveReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class Envelope(_message.Message):
+    __slots__ = ("peer", "payload")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    payload: bytes
+    def __init__(self, peer: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class SendMessagesRequest(_message.Message):
+    __slots__ = ("client_id", "session_token", "task_id", "messages")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    session_token: str
+    task_id: str
+    messages: _containers.RepeatedCompositeFieldContainer[Envelope]
+    def __init__(self, client_id: _Optional[str] = ..., session_token: _Optional[str] = ..., task_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Envelope, _Mapping]]] = ...) -> None: ...
+
+class SendMessagesReply(_message.Message):
+    __slots__ = ("bytes_accepted",)
+    BYTES_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    bytes_accepted: int
+    def __init__(self, bytes_accepted: _Optional[int] = ...) -> None: ...
+
+class ReceiveMessagesRequest(_message.Message):
+    __slots__ = ("client_id", "session_token", "task_id", "start", "wait_s")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    session_token: str
+    task_id: str
+    start: int
+    wait_s: float
+    def __init__(self, client_id: _Optional[str] = ..., session_token: _Optional[str] = ..., task_id: _Optional[str] = ..., start: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class ReceiveMessagesReply(_message.Message):
+    __slots__ = ("ready", "messages", "total", "retry_after_s")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    ready: bool
+    messages: _containers.RepeatedCompositeFieldContainer[Envelope]
+    total: int
+    retry_after_s: float
+    def __init__(self, ready: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[Envelope, _Mapping]]] = ..., total: _Optional[int] = ..., retry_after_s: _Optional[float] = ...) -> None: ...

@@ -74,6 +74,16 @@ class CoordinatorStub:
                 request_serializer=fedgrid__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=fedgrid__pb2.LeaveReply.FromString,
                 _registered_method=True)
+        self.SendMessages = channel.unary_unary(
+                '/fedgrid.v1.Coordinator/SendMessages',
+                request_serializer=fedgrid__pb2.SendMessagesRequest.SerializeToString,
+                response_deserializer=fedgrid__pb2.SendMessagesReply.FromString,
+                _registered_method=True)
+        self.ReceiveMessages = channel.unary_unary(
+                '/fedgrid.v1.Coordinator/ReceiveMessages',
+                request_serializer=fedgrid__pb2.ReceiveMessagesRequest.SerializeToString,
+                response_deserializer=fedgrid__pb2.ReceiveMessagesReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -129,6 +139,19 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SendMessages(self, request, context):
+        """Message phases: send this client's messages, then fetch those relayed to it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReceiveMessages(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -171,6 +194,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=fedgrid__pb2.LeaveRequest.FromString,
                     response_serializer=fedgrid__pb2.LeaveReply.SerializeToString,
+            ),
+            'SendMessages': grpc.unary_unary_rpc_method_handler(
+                    servicer.SendMessages,
+                    request_deserializer=fedgrid__pb2.SendMessagesRequest.FromString,
+                    response_serializer=fedgrid__pb2.SendMessagesReply.SerializeToString,
+            ),
+            'ReceiveMessages': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReceiveMessages,
+                    request_deserializer=fedgrid__pb2.ReceiveMessagesRequest.FromString,
+                    response_serializer=fedgrid__pb2.ReceiveMessagesReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -389,6 +422,60 @@ class Coordinator:
             '/fedgrid.v1.Coordinator/Leave',
             fedgrid__pb2.LeaveRequest.SerializeToString,
             fedgrid__pb2.LeaveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SendMessages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedgrid.v1.Coordinator/SendMessages',
+            fedgrid__pb2.SendMessagesRequest.SerializeToString,
+            fedgrid__pb2.SendMessagesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReceiveMessages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedgrid.v1.Coordinator/ReceiveMessages',
+            fedgrid__pb2.ReceiveMessagesRequest.SerializeToString,
+            fedgrid__pb2.ReceiveMessagesReply.FromString,
             options,
             channel_credentials,
             insecure,

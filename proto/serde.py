@@ -25,7 +25,7 @@ from fedgrid.compression import get_codec
 from fedgrid.constants import CHUNK_SIZE, MAX_TENSOR_BYTES
 from fedgrid.errors import InvalidUpdateError, PayloadTooLargeError
 from fedgrid.proto import fedgrid_pb2 as pb
-from fedgrid.types import ClientInfo, FitIns, ModelState, Scalar, TensorSpec
+from fedgrid.types import ClientInfo, FitIns, MessageIns, ModelState, Scalar, TensorSpec
 
 __all__ = [
     "DTYPE_TO_PB",
@@ -46,6 +46,9 @@ __all__ = [
     "capabilities_to_pb",
     "client_info_from_join",
     "fit_ins_from_task",
+    "message_ins_from_task",
+    "envelopes_to_pb",
+    "outbox_from_pb",
 ]
 
 DTYPE_TO_PB: dict[torch.dtype, int] = {
@@ -599,3 +602,26 @@ def client_info_from_join(client_id: str, request: pb.JoinRequest) -> ClientInfo
 
 def fit_ins_from_task(task: pb.Task) -> FitIns:
     return FitIns(round=task.round, config=config_from_pb(task.config))
+
+
+def message_ins_from_task(task: pb.Task, client_id: str) -> MessageIns:
+    """The ``MessageIns`` of a ``MESSAGE`` task polled by ``client_id``."""
+    return MessageIns(round=task.round, phase=task.phase, client_id=client_id, peers=tuple(task.peers), config=config_from_pb(task.config))
+
+
+def envelopes_to_pb(messages: Iterable[tuple[str, bytes]]) -> list[pb.Envelope]:
+    return [pb.Envelope(peer=peer, payload=payload) for peer, payload in messages]
+
+
+def outbox_from_pb(envelopes: Iterable[pb.Envelope]) -> dict[str, bytes]:
+    """Recipient -> payload of a ``SendMessagesRequest``.
+
+    Raises:
+        InvalidUpdateError: two messages to one recipient.
+    """
+    out: dict[str, bytes] = {}
+    for envelope in envelopes:
+        if envelope.peer in out:
+            raise InvalidUpdateError(f"two messages to recipient {envelope.peer[:64]!r}")
+        out[envelope.peer] = envelope.payload
+    return out

@@ -229,6 +229,8 @@ class RoundEngine:
         tally.extra.update(metrics)
         tally.extra[f"{phase}_ok"] = len(outcome.results)
         tally.extra[f"{phase}_failed"] = len(outcome.failures)
+        tally.extra[f"{phase}_bytes_up"] = outcome.bytes_up
+        tally.extra[f"{phase}_bytes_down"] = outcome.bytes_down
         tally.add_bytes(outcome)
 
     def run(self) -> ModelState | None:

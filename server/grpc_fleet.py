@@ -342,7 +342,6 @@ class GrpcFleet(Fleet):
                 break
             page.append((sender, payload))
             size += len(payload)
-        rnd.bytes_down += size
         return InboxPage(True, page, len(items))
 
     async def receive_messages_async(self, client_id: str, token: str, task_id: str, start: int, wait_s: float) -> InboxPage:
@@ -536,6 +535,8 @@ class GrpcFleet(Fleet):
         with self._lock:
             sent = {cid: res.messages for cid, res in rnd.results.items() if isinstance(res, MessageRes)}
             rnd.inboxes = relay(list(rnd.assignments), sent)
+            # What the phase relays, counted when relayed (clients fetch it after the phase closed).
+            rnd.bytes_down = sum(len(p) for inbox in rnd.inboxes.values() for p in inbox.values())
             self._relayed[rnd.task_id] = rnd
             self._wake.notify(*(("inbox", cid) for cid in rnd.assignments))
         return RoundOutcome(

@@ -31,6 +31,7 @@ from fedgrid.errors import (
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import serde
 from fedgrid.server.grpc_fleet import GrpcFleet
+from fedgrid.types import EVALUATE, FIT, MessageIns
 
 __all__ = ["CoordinatorServicer", "STATUS_OF", "add_to_server", "SERVICE"]
 
@@ -164,15 +165,17 @@ class CoordinatorServicer:
                 return pb.PollReply(finished=True)
             if result.ins is None:
                 return pb.PollReply(retry_after_s=result.retry_after_s)
-            return pb.PollReply(
-                task=pb.Task(
-                    task_id=result.task_id,
-                    round=result.server_round,
-                    kind=pb.EVALUATE if result.evaluate else pb.FIT,
-                    config=serde.config_to_pb(result.ins.config),
-                    deadline_s=result.deadline_s,
-                )
+            task = pb.Task(
+                task_id=result.task_id,
+                round=result.server_round,
+                kind=pb.EVALUATE if result.kind == EVALUATE else pb.FIT if result.kind == FIT else pb.MESSAGE,
+                config=serde.config_to_pb(result.ins.config),
+                deadline_s=result.deadline_s,
             )
+            if isinstance(result.ins, MessageIns):
+                task.phase = result.ins.phase
+                task.peers.extend(result.ins.peers)
+            return pb.PollReply(task=task)
 
         return await self._call(context, body)
 
@@ -252,6 +255,28 @@ class CoordinatorServicer:
         return await self._call(context, body)
 
 
+    async def SendMessages(self, request: pb.SendMessagesRequest, context: grpc.aio.ServicerContext) -> pb.SendMessagesReply:
+        async def body() -> pb.SendMessagesReply:
+            outbox = serde.outbox_from_pb(request.messages)
+            accepted = self.fleet.send_messages(request.client_id, request.session_token, request.task_id, outbox)
+            return pb.SendMessagesReply(bytes_accepted=accepted)
+
+        return await self._call(context, body)
+
+    async def ReceiveMessages(self, request: pb.ReceiveMessagesRequest, context: grpc.aio.ServicerContext) -> pb.ReceiveMessagesReply:
+        async def body() -> pb.ReceiveMessagesReply:
+            wait = request.wait_s
+            remaining = context.time_remaining()
+            if remaining is not None:  # answer before the caller's deadline
+                wait = min(wait, max(0.0, remaining - 1.0))
+            page = await self.fleet.receive_messages_async(request.client_id, request.session_token, request.task_id, request.start, wait)
+            return pb.ReceiveMessagesReply(
+                ready=page.ready, messages=serde.envelopes_to_pb(page.messages), total=page.total, retry_after_s=page.retry_after_s
+            )
+
+        return await self._call(context, body)
+
+
 def add_to_server(servicer: CoordinatorServicer, server: grpc.aio.Server) -> None:
     """Registers the service. The two chunk streams move encoded ``Chunk`` messages as bytes
     (identity serializers), so model payloads are copied once on each side instead of
@@ -273,5 +298,7 @@ def add_to_server(servicer: CoordinatorServicer, server: grpc.aio.Server) -> Non
         "Heartbeat": unary(servicer.Heartbeat, pb.HeartbeatRequest, pb.HeartbeatReply),
         "ReportFailure": unary(servicer.ReportFailure, pb.ReportFailureRequest, pb.ReportFailureReply),
         "Leave": unary(servicer.Leave, pb.LeaveRequest, pb.LeaveReply),
+        "SendMessages": unary(servicer.SendMessages, pb.SendMessagesRequest, pb.SendMessagesReply),
+        "ReceiveMessages": unary(servicer.ReceiveMessages, pb.ReceiveMessagesRequest, pb.ReceiveMessagesReply),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

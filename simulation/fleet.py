@@ -31,8 +31,9 @@ from fedgrid.proto import serde
 from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.downlink import Downlink, RoundDownlink
 from fedgrid.server.fleet import Fleet, RoundOutcome
+from fedgrid.server.rounds import check_outbox, relay
 from fedgrid.simulation.batched import BatchedTrainer, choose_engine
-from fedgrid.types import ClientInfo, EvaluateIns, EvaluateRes, FitIns, FitRes, Failure, ModelState, TensorSpec
+from fedgrid.types import ClientInfo, EvaluateIns, EvaluateRes, FitIns, FitRes, Failure, MessageIns, MessageRes, ModelState, TensorSpec
 
 __all__ = ["InProcessFleet", "Profiles", "ENGINES"]
 
@@ -302,4 +303,42 @@ class InProcessFleet(Fleet):
                 failures.append(Failure(info, "evaluated no examples"))
                 continue
             results.append(EvaluateRes(info, header.num_examples, header.metrics))
+        return RoundOutcome(results, failures, bytes_up=bytes_up, bytes_down=bytes_down)
+
+    def message_round(
+        self,
+        *,
+        server_round: int,
+        phase: str,
+        assignments: Sequence[tuple[ClientInfo, MessageIns]],
+        timeout: timedelta,
+    ) -> RoundOutcome[MessageRes]:
+        """Each client's ``exchange`` in turn, checked as the coordinator checks it
+        (``rounds.check_outbox``), then the relay (``rounds.relay``) and each sender's
+        ``receive``: the messages and bytes of a deployment's phase."""
+        results: list[MessageRes] = []
+        failures: list[Failure] = []
+        sent: dict[str, dict[str, bytes]] = {}
+        tasks: dict[str, MessageIns] = {}
+        for info, ins in assignments:
+            ins = dataclasses.replace(ins, client_id=info.client_id)
+            if self.profiles is not None and not self.profiles.available(self._index[info.client_id], server_round):
+                failures.append(Failure(info, f"unavailable in round {server_round} (simulated)"))
+                continue
+            try:
+                checked = check_outbox(ins, self._clients[info.client_id].exchange(ins))
+            except Exception as exc:  # a client's failure is data for the strategy
+                failures.append(Failure(info, f"{type(exc).__name__}: {exc}"))
+                continue
+            sent[info.client_id], tasks[info.client_id] = checked, ins
+            results.append(MessageRes(info, checked))
+        inboxes = relay([info.client_id for info, _ in assignments], sent)
+        bytes_down = 0
+        for cid, inbox in inboxes.items():
+            bytes_down += sum(len(p) for p in inbox.values())
+            try:
+                self._clients[cid].receive(tasks[cid], inbox)
+            except Exception as exc:  # as a deployed client does: logged, its next task will tell
+                log.warning("client %s: receiving phase %s failed: %s", cid, phase, exc)
+        bytes_up = sum(len(p) for messages in sent.values() for p in messages.values())
         return RoundOutcome(results, failures, bytes_up=bytes_up, bytes_down=bytes_down)
