@@ -22,7 +22,7 @@ from datetime import timedelta
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from fedgrid.compression import parse_codec_spec
-from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S, MAX_INBOX_REPLY_BYTES, MAX_POLLS_PER_CLIENT, MAX_REASON_CHARS, RETRY_MAX_WAIT_S
+from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S, MAX_POLLS_PER_CLIENT, MAX_REASON_CHARS, RETRY_MAX_WAIT_S
 from fedgrid.events import EventLog
 from fedgrid.errors import (
     DuplicateUpdateError,
@@ -36,8 +36,9 @@ from fedgrid.proto import serde
 from fedgrid.server.fleet import Fleet, RoundOutcome
 from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.downlink import Downlink, RoundDownlink
+from fedgrid.server.messages import InboxPage, Mailbox
 from fedgrid.server.registry import SILENCE_INTERVALS, ClientRecord, Registry
-from fedgrid.server.rounds import RoundTask, check_outbox, relay
+from fedgrid.server.rounds import RoundTask
 from fedgrid.server.spill import UpdateSpill
 from fedgrid.server.uploads import Uploads
 from fedgrid.server.wakeups import Wakeups
@@ -80,17 +81,6 @@ class PollResult:
     @property
     def evaluate(self) -> bool:
         return self.kind == EVALUATE
-
-
-@dataclass(frozen=True)
-class InboxPage:
-    """What ``receive_messages`` returns: once the phase closed (``ready``), the messages
-    relayed to the client from ``start`` on, by sender, and how many there are in all."""
-
-    ready: bool
-    messages: list[tuple[str, bytes]]
-    total: int = 0
-    retry_after_s: float = 0.0
 
 
 class GrpcFleet(Fleet):
@@ -137,15 +127,13 @@ class GrpcFleet(Fleet):
         self.heartbeat_interval_s = heartbeat_interval.total_seconds()
         self.chunk_size = chunk_size
         self._round: RoundTask | None = None
-        #: Message phases of the round in progress, closed and relayed, by task id: their
-        #: clients fetch their inboxes from here until the round is committed.
-        self._relayed: dict[str, RoundTask] = {}
         self._finished = False
         self._interrupted = False
         self._lock = threading.RLock()
         self._wake = Wakeups(self._lock)  # keyed: a task wakes its client's poll only
         self.registry = Registry(self._wake, self.events, self.heartbeat_interval_s, self._fail_removed)
         self.uploads = Uploads(self.registry, self.spill, self.events, self._open_task, lambda: self._round)
+        self.mailbox = Mailbox(self.registry, self.events, self._open_task, lambda: self._round, lambda: self._interrupted)
 
     # -- handlers (called by the servicer) -------------------------------------------------
     def join(self, joining: ClientInfo) -> tuple[ClientInfo, str]:
@@ -287,89 +275,12 @@ class GrpcFleet(Fleet):
 
     # -- message phases -------------------------------------------------------------------
     def send_messages(self, client_id: str, token: str, task_id: str, messages: Mapping[str, bytes]) -> int:
-        """A client's messages of an open message phase (recipient -> payload, see
-        ``rounds.check_outbox``); returns the payload bytes accepted.
-
-        Raises:
-            AuthenticationError, StaleTaskError: unknown session, or no open message task ``task_id``.
-            DuplicateUpdateError: the client already sent its messages for this phase.
-            InvalidUpdateError, PayloadTooLargeError: a bad recipient or sizes (nothing kept).
-        """
-        record = self.authenticate(client_id, token)
-        with self._lock:
-            current = self._round
-            if current is not None and current.task_id == task_id and client_id in current.results:
-                raise DuplicateUpdateError(f"messages of phase {current.kind!r} from client {client_id!r} already accepted")
-            if record.benched_task == task_id:
-                record.benched_task = ""
-            rnd = self._open_task(client_id, task_id)
-            if not rnd.is_message:
-                raise StaleTaskError(f"task {task_id!r} is a {rnd.kind} task: it takes an upload, not messages")
-            ins = rnd.assignments[client_id]
-            assert isinstance(ins, MessageIns)
-            checked = check_outbox(ins, messages)
-            rnd.results[client_id] = MessageRes(record.info, checked)
-            size = sum(len(p) for p in checked.values())
-            rnd.bytes_up += size
-            self._wake.notify("round")
-            accepted, expected = len(rnd.results), len(rnd.assignments)
-        log.info("round %d, phase %s: messages from %r (%d of %d)", rnd.server_round, rnd.kind, record.info.name or client_id, accepted, expected)
-        self.events.emit("messages_accepted", round=rnd.server_round, phase=rnd.kind, client=client_id, accepted=accepted, expected=expected)
-        return size
-
-    def _inbox_now(self, client_id: str, task_id: str, start: int) -> InboxPage | None:
-        """The client's inbox page once its phase was relayed (lock held)."""
-        rnd = self._relayed.get(task_id)
-        if rnd is None:
-            current = self._round
-            if current is None or current.task_id != task_id or not current.is_message or client_id not in current.assignments:
-                raise StaleTaskError(f"task {task_id!r} is not a message phase of this round for client {client_id!r}")
-            if client_id in current.failures:
-                raise StaleTaskError(f"client {client_id!r} failed phase {current.kind!r}: {current.failures[client_id].reason}")
-            return None  # still open
-        assert rnd.inboxes is not None
-        inbox = rnd.inboxes.get(client_id)
-        if inbox is None:
-            failure = rnd.failures.get(client_id)
-            raise StaleTaskError(f"client {client_id!r} has no inbox in phase {rnd.kind!r}" + (f": {failure.reason}" if failure else ""))
-        items = list(inbox.items())
-        if start > len(items):
-            raise InvalidUpdateError(f"inbox start {start} is past its {len(items)} messages")
-        page: list[tuple[str, bytes]] = []
-        size = 0
-        for sender, payload in items[start:]:
-            if page and size + len(payload) > MAX_INBOX_REPLY_BYTES:
-                break
-            page.append((sender, payload))
-            size += len(payload)
-        return InboxPage(True, page, len(items))
+        """A client's messages of an open message phase (``Mailbox.send``)."""
+        return self.mailbox.send(client_id, token, task_id, messages)
 
     async def receive_messages_async(self, client_id: str, token: str, task_id: str, start: int, wait_s: float) -> InboxPage:
-        """Long poll for the messages relayed to the client in message phase ``task_id``,
-        from message ``start`` on (a large inbox comes in pages); waits up to ``wait_s`` for
-        the phase to close.
-
-        Raises:
-            AuthenticationError: unknown session.
-            StaleTaskError: no such phase for this client, or the client failed it.
-        """
-        self.authenticate(client_id, token)
-        deadline = time.monotonic() + max(0.0, min(wait_s, 60.0))
-        answer: list[InboxPage] = []
-
-        def ready() -> bool:
-            page = self._inbox_now(client_id, task_id, start)
-            if page is not None:
-                answer.append(page)
-            return page is not None or self._interrupted
-
-        while True:
-            await self._wake.wait_async(("inbox", client_id), deadline - time.monotonic(), ready)
-            if answer:
-                return answer[0]
-            if time.monotonic() >= deadline or self._interrupted:
-                with self._lock:
-                    return self._inbox_now(client_id, task_id, start) or InboxPage(False, [], retry_after_s=0.0)
+        """Long poll for the messages relayed to the client (``Mailbox.receive_async``)."""
+        return await self.mailbox.receive_async(client_id, token, task_id, start, wait_s)
 
     def download(self, client_id: str, token: str, task_id: str, have_version: int | None = None) -> Iterator[bytes]:
         """The model of the client's open task, as a chunk stream: whole, or the tensors its task
@@ -532,13 +443,7 @@ class GrpcFleet(Fleet):
             raise ValueError(f"{phase!r} is a model phase, not a message phase")
         rnd = self._new_task(server_round, phase, [(info, dataclasses.replace(ins, client_id=info.client_id)) for info, ins in assignments], timeout)
         results, failures, cancelled = self._run(rnd, timeout)
-        with self._lock:
-            sent = {cid: res.messages for cid, res in rnd.results.items() if isinstance(res, MessageRes)}
-            rnd.inboxes = relay(list(rnd.assignments), sent)
-            # What the phase relays, counted when relayed (clients fetch it after the phase closed).
-            rnd.bytes_down = sum(len(p) for inbox in rnd.inboxes.values() for p in inbox.values())
-            self._relayed[rnd.task_id] = rnd
-            self._wake.notify(*(("inbox", cid) for cid in rnd.assignments))
+        self.mailbox.relay(rnd)
         return RoundOutcome(
             [r for r in results if isinstance(r, MessageRes)], failures, cancelled, bytes_up=rnd.bytes_up, bytes_down=rnd.bytes_down,
             closed_by=rnd.closed_by,
@@ -613,7 +518,7 @@ class GrpcFleet(Fleet):
         with self._lock:
             if self._round is not None and self._round.closed:
                 self._round = None  # frees the round's models and results
-            self._relayed.clear()
+        self.mailbox.clear()
         self.spill.clear()
 
     def close(self) -> None:
