@@ -10,6 +10,7 @@ At each level, once every client joined and had a poll held and answered, this p
 Join and health-check calls (``--calls``, 5 s deadline each) while the clients hold their
 next polls and reads the coordinator's
 ``VmRSS`` and ``VmHWM`` from ``/proc``; the load processes report the polls that failed.
+A server whose timed Joins all time out at a level is not taken to the next.
 
 Servers, side by side in one run (the same levels, one after the other):
 
@@ -49,8 +50,8 @@ JOIN_CONCURRENCY = 50
 DEADLINE_S = 5.0
 #: Consecutive time-outs after which the rest of a level's calls count as time-outs too.
 GIVE_UP_AFTER = 3
-#: Longest wait for a level's clients to join and hold their polls.
-RAMP_TIMEOUT_S = 300.0
+#: Longest wait for a level's clients to join and have a poll answered; then it is timed as it is.
+RAMP_TIMEOUT_S = 120.0
 
 SERVER = """
 import sys
@@ -237,10 +238,13 @@ def run_server(name: str, tree: Path, ours: Path, levels: list[int], calls: int)
                    "poll_errors": after["poll_errors"], "errors": after["errors"], **_memory(server.pid),
                    **{f"{k}_{m}": v for k, r in timed.items() for m, v in r.items()}}
             rows.append(row)
-            print(f"{name:>9} {level:>6} clients | joined {row['joined']:>6} holding {row['holding']:>6} (ramp {ramp_s:5.1f} s) |"
+            print(f"{name:>9} {level:>6} clients | joined {row['joined']:>6} served {row['served']:>6} (ramp {ramp_s:5.1f} s) |"
                   f" join p50 {row['join_p50_ms']:7.1f} p99 {row['join_p99_ms']:7.1f} ms fail {row['join_failed']:3d} |"
                   f" health p50 {row['health_p50_ms']:7.1f} p99 {row['health_p99_ms']:7.1f} ms fail {row['health_failed']:3d} |"
                   f" RSS {row['rss_mb']:7.0f} MB (peak {row['peak_rss_mb']:7.0f}) | poll errors {row['poll_errors']}", flush=True)
+            if row["join_failed"] == calls:  # stalled: more clients would only take longer to say so
+                print(f"{name:>9} stalled at {level} clients: higher levels skipped", flush=True)
+                break
     finally:
         for loader in loaders:
             loader.close()
