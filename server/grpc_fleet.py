@@ -477,7 +477,10 @@ class GrpcFleet(Fleet):
             self._wake.notify(*(("poll", cid) for cid in rnd.assignments))  # only the clients with a task
             goal = len(rnd.assignments) if target is None else min(target, len(rnd.assignments))
             reason = "all"
-            while rnd.pending() and len(rnd.results) < goal:
+            # Results and failures are disjoint subsets of the assignments, so the pending count
+            # is O(1); liveness (O(clients)) is checked once a heartbeat interval, not per upload.
+            next_check = 0.0
+            while rnd.pending_count() and len(rnd.results) < goal:
                 if self._interrupted:
                     for cid in rnd.pending():
                         rnd.failures[cid] = Failure(infos[cid], "coordinator stopping")
@@ -492,11 +495,14 @@ class GrpcFleet(Fleet):
                             record.benched_task = rnd.task_id
                     reason = "deadline"
                     break
-                live = {info.client_id for info in self.registry.live()}
-                for cid in rnd.pending():
-                    if cid not in live and cid not in rnd.uploading:
-                        rnd.failures[cid] = Failure(infos[cid], "client went silent (no heartbeat)")
-                self._wake.wait("round", min(rnd.deadline - now, self.heartbeat_interval_s))
+                if now >= next_check:
+                    live = {info.client_id for info in self.registry.live()}
+                    for cid in rnd.pending():
+                        if cid not in live and cid not in rnd.uploading:
+                            rnd.failures[cid] = Failure(infos[cid], "client went silent (no heartbeat)")
+                    next_check = now + self.heartbeat_interval_s / 2
+                    continue
+                self._wake.wait("round", min(rnd.deadline, next_check) - now)
             rnd.closed = True  # late uploads are refused from here on
             for partial in rnd.partials.values():
                 partial.abort()

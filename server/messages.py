@@ -77,6 +77,8 @@ class Mailbox:
             if record.benched_task == task_id:
                 record.benched_task = ""
             rnd = self._open_task(client_id, task_id)
+            if client_id in rnd.failures:
+                raise StaleTaskError(f"round {rnd.server_round}: this task already failed ({rnd.failures[client_id].reason})")
             if not rnd.is_message:
                 raise StaleTaskError(f"task {task_id!r} is a {rnd.kind} task: it takes an upload, not messages")
             ins = rnd.assignments[client_id]

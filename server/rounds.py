@@ -68,6 +68,10 @@ class RoundTask:
         assert self.downlink is not None, "a message phase has no model"
         return self.downlink.base
 
+    def pending_count(self) -> int:
+        """O(1): results and failures are disjoint subsets of the assignments."""
+        return len(self.assignments) - len(self.results) - len(self.failures)
+
     def pending(self) -> list[str]:
         return [cid for cid in self.assignments if cid not in self.results and cid not in self.failures]
 

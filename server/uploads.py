@@ -93,6 +93,8 @@ class Uploads:
             if record.benched_task == header.task_id:  # late, but it did finish that task
                 record.benched_task = ""
             rnd = self._open_task(client_id, header.task_id)
+            if client_id in rnd.failures:  # it reported a failure, left, or was given up
+                raise StaleTaskError(f"round {rnd.server_round}: this task already failed ({rnd.failures[client_id].reason})")
             if rnd.is_message:
                 raise StaleTaskError(f"task {header.task_id!r} is message phase {rnd.kind!r}: it takes SendMessages, not an upload")
             if client_id in rnd.uploading:
@@ -146,9 +148,12 @@ class Uploads:
             del state
             with self.lock:
                 still_open = not rnd.closed and self._current() is rnd
-                if not still_open:
+                failed = rnd.failures.get(client_id)
+                if not still_open or failed is not None:
                     if not rnd.evaluate:
                         self.spill.discard(task_id=rnd.task_id, client_id=client_id)
+                    if failed is not None:  # it left or reported a failure while uploading
+                        raise StaleTaskError(f"round {rnd.server_round}: this task failed during the upload ({failed.reason})")
                     raise StaleTaskError(f"round {rnd.server_round} closed before the upload completed")
                 if rnd.evaluate and stream.num_examples < 1:
                     rnd.failures[client_id] = Failure(record.info, "evaluated no examples")
