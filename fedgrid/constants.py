@@ -27,6 +27,7 @@ __all__ = [
     "KEEPALIVE_TIMEOUT_S",
     "MIN_CLIENT_PING_INTERVAL_S",
     "MAX_CONNECTION_IDLE_S",
+    "SPILL_MEMORY_BYTES",
 ]
 
 
@@ -78,3 +79,7 @@ KEEPALIVE_TIMEOUT_S = _env_float("FEDGRID_KEEPALIVE_TIMEOUT_S", 10.0)
 MIN_CLIENT_PING_INTERVAL_S = _env_float("FEDGRID_MIN_CLIENT_PING_INTERVAL_S", 10.0)
 #: A connection with no call for this long is closed (the client reconnects when it needs to).
 MAX_CONNECTION_IDLE_S = _env_float("FEDGRID_MAX_CONNECTION_IDLE_S", 300.0)
+#: Accepted updates the coordinator holds in memory while they are written to disk in the
+#: background (FEDGRID_SPILL_MEMORY_BYTES); an update that does not fit is written before the
+#: client hears it was accepted. 0: every update is on disk before its reply. See ``server/spill.py``.
+SPILL_MEMORY_BYTES = int(_env_float("FEDGRID_SPILL_MEMORY_BYTES", 1 << 30))

@@ -39,7 +39,7 @@ from fedgrid.proto import serde
 from fedgrid.server.fleet import Fleet, RoundOutcome
 from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.downlink import Downlink, RoundDownlink
-from fedgrid.server.spill import SpillWriter, UpdateSpill
+from fedgrid.server.spill import UpdateSpill, UpdateWriter
 from fedgrid.server.wakeups import Wakeups
 from fedgrid.types import ClientInfo, EvaluateIns, EvaluateRes, FitIns, FitRes, Failure, ModelState, TensorSpec
 
@@ -100,7 +100,7 @@ class _Upload:
     """An upload in progress (or broken, awaiting its resume)."""
 
     asm: serde.ModelAssembler
-    writer: SpillWriter | None
+    writer: UpdateWriter | None
     raw_bytes: int  # its size uncompressed
 
     def abort(self) -> None:
@@ -684,6 +684,7 @@ class GrpcFleet(Fleet):
             if reason == "all" and cancelled:
                 reason = "target"
             rnd.closed_by = reason
+        self.spill.flush()  # held updates reach their files before the strategy sees them (server/spill.py)
         self.events.emit("round_closed", round=server_round, evaluate=evaluate, reason=reason, results=len(results), failures=len(failures))
         return results, failures, cancelled, rnd
 
