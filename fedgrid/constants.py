@@ -30,6 +30,7 @@ __all__ = [
     "MAX_PHASE_MESSAGE_BYTES",
     "MAX_OUTBOX_BYTES",
     "MAX_INBOX_REPLY_BYTES",
+    "SPILL_MEMORY_BYTES",
 ]
 
 
@@ -88,3 +89,7 @@ MAX_PHASE_MESSAGE_BYTES = int(_env_float("FEDGRID_MAX_PHASE_MESSAGE_BYTES", 64 *
 MAX_OUTBOX_BYTES = int(_env_float("FEDGRID_MAX_OUTBOX_BYTES", 1 << 20))
 #: Payload bytes of relayed messages in one ReceiveMessages reply; a larger inbox is paged.
 MAX_INBOX_REPLY_BYTES = 2 * 1024 * 1024
+#: Accepted updates the coordinator holds in memory while they are written to disk in the
+#: background (FEDGRID_SPILL_MEMORY_BYTES); an update that does not fit is written before the
+#: client hears it was accepted. 0: every update is on disk before its reply. See ``server/spill.py``.
+SPILL_MEMORY_BYTES = int(_env_float("FEDGRID_SPILL_MEMORY_BYTES", 1 << 30))

@@ -446,8 +446,11 @@ class ModelAssembler:
         if meta.codec == "none" and meta.nbytes != raw_size:
             raise InvalidUpdateError(f"tensor '{name}': payload is {meta.nbytes} bytes, {dtype} {list(shape)} needs {raw_size}")
         self._meta = meta
-        self._buf = torch.empty(meta.nbytes, dtype=torch.uint8)  # no zero fill: every byte is written
-        self._view = self._buf.numpy()
+        # numpy, not torch.empty: numpy asks for transparent huge pages on large buffers, and
+        # a fresh model-sized buffer then faults in about 4x faster (400 MB: 32 ms against
+        # 130 ms here), which is most of the receiver's cost. No zero fill: every byte is written.
+        self._view = np.empty(meta.nbytes, dtype=np.uint8)
+        self._buf = torch.from_numpy(self._view)
         self._filled = 0
         self._hasher = xxhash.xxh3_64()
 

@@ -513,6 +513,7 @@ class GrpcFleet(Fleet):
             if reason == "all" and cancelled:
                 reason = "target"
             rnd.closed_by = reason
+        self.spill.flush()  # held updates reach their files before the strategy sees them (server/spill.py)
         self.events.emit("round_closed", round=rnd.server_round, evaluate=rnd.evaluate, phase=rnd.kind, reason=reason,
                          results=len(results), failures=len(failures))
         return results, failures, cancelled

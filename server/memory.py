@@ -3,10 +3,16 @@
 glibc's allocator raises its mmap threshold as large blocks are freed, after which
 freed model-sized buffers (received tensors, accumulators) stay in the heap instead of
 going back to the system; a coordinator that handled a round of large updates then keeps
-several models' worth of memory it no longer uses. Pinning the threshold at 1 MiB makes
-every large buffer its own mapping, returned when freed. Measured with
+several models' worth of memory it no longer uses. Pinning the threshold makes every
+buffer above it its own mapping, returned when freed. Measured with
 ``benchmarks/coordinator.py`` (50 updates of a 100 MB model): memory after the upload
 phase fell from 4.4x to 1.9x the model net of the process baseline.
+
+The threshold sits just above the largest gRPC message, not at 1 MiB: every chunk of a
+model stream is a buffer of a little over 1 MiB (received message, encoded frame), and as
+a mapping of its own each one was mapped, faulted in page by page and unmapped again:
+about 130 ms per 400 MB streamed, a third of an upload's time. Under the threshold they
+reuse the same heap memory; model-sized buffers still go back to the system.
 
 The batched simulation engine wants the opposite: it allocates and frees the same stacked
 activation and gradient buffers (tens of MB) at every step, and with glibc's defaults each
@@ -21,12 +27,18 @@ import ctypes
 import ctypes.util
 import logging
 
-__all__ = ["return_large_buffers_to_the_system", "keep_large_buffers", "MMAP_THRESHOLD_MAX"]
+from fedgrid.constants import MAX_MESSAGE_BYTES
+
+__all__ = ["return_large_buffers_to_the_system", "keep_large_buffers", "MMAP_THRESHOLD_MAX", "MESSAGE_BUFFER_BYTES"]
 
 log = logging.getLogger(__name__)
 
 #: glibc's largest mmap threshold on 64-bit (HEAP_MAX_SIZE / 2): the biggest buffer it can keep in the heap.
 MMAP_THRESHOLD_MAX = 32 << 20
+
+#: The coordinator's mmap threshold: a gRPC message of the largest size, plus its framing and
+#: Python's object header, stays under it.
+MESSAGE_BUFFER_BYTES = MAX_MESSAGE_BYTES + (64 << 10)
 
 _M_TRIM_THRESHOLD = -1  # mallopt parameter numbers from <malloc.h>
 _M_MMAP_THRESHOLD = -3
@@ -46,7 +58,7 @@ def _mallopt(settings: dict[int, int]) -> bool:
     return applied
 
 
-def return_large_buffers_to_the_system(threshold: int = 1 << 20) -> bool:
+def return_large_buffers_to_the_system(threshold: int = MESSAGE_BUFFER_BYTES) -> bool:
     """Pins glibc's mmap threshold; returns whether it applied (not glibc: no-op)."""
     return _mallopt({_M_MMAP_THRESHOLD: threshold})
 

@@ -5,25 +5,55 @@ round's results then hold ``SpilledState`` mappings that read one tensor at a ti
 coordinator's memory while aggregating stays O(model size) however many clients report,
 and folding them sorted by client makes the aggregate bit-identical whatever order the
 uploads arrived in. With a state directory the files also survive a crash: a round redone
-after a restart takes the updates that had already landed without asking their clients again.
+after a restart takes the updates whose files had landed without asking their clients again.
+
+Writing a file and its fsync cost more than receiving and checking the update (400 MB:
+about 250 ms against 80 ms here), so neither has to come before the client's reply:
+
+- without a state directory (nothing to resume from), updates that fit a memory budget
+  (``SPILL_MEMORY_BYTES``, ``FEDGRID_SPILL_MEMORY_BYTES``) are held in memory (``HeldState``)
+  and written by a background thread, which then frees them; an update that does not fit
+  is streamed to its file before the reply;
+- under a state directory every update is written and renamed into place before the reply
+  (so a killed coordinator process finds it: the kernel's page cache outlives the
+  process), and its fsync runs in the background.
+
+What survives a crash of the coordinator under a state directory:
+- of a process crash (killed, OOM, a bug): every acknowledged update; the round redone
+  after the restart takes it without asking its client again;
+- of a machine crash: every update whose fsync completed; one acknowledged within the
+  last moments before the crash may be lost, and the redone round asks its client again;
+- never half of one: a file is renamed into place only once complete.
+The fleet calls ``flush`` when a round closes, so every update of a closed round is written
+and synced before the strategy sees it and before the round's checkpoint.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
+from typing import Callable, Protocol
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from fedgrid.constants import SPILL_MEMORY_BYTES, TRANSFER_TIMEOUT_S
 from fedgrid.types import ClientInfo, FitRes, TensorSpec
 
-__all__ = ["SpilledState", "UpdateSpill", "SpillWriter"]
+__all__ = ["SpilledState", "HeldState", "UpdateSpill", "UpdateWriter", "SpillWriter"]
+
+log = logging.getLogger(__name__)
 
 #: safetensors' dtype names (its file format's, stable across versions).
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
@@ -70,9 +100,11 @@ class SpillWriter:
     renames the file into place.
     """
 
-    def __init__(self, path: Path, specs: Mapping[str, TensorSpec], metadata: Mapping[str, str], *, durable: bool = True) -> None:
+    def __init__(self, path: Path, specs: Mapping[str, TensorSpec], metadata: Mapping[str, str], *, durable: bool = True,
+                 sync_later: "Callable[[Path], None] | None" = None) -> None:
         self.path = path
         self.durable = durable
+        self._sync_later = sync_later  # durable: fsync after the rename, off the reply's path
         self._tmp = path.with_suffix(".part")
         self._names = list(specs)
         header: dict[str, object] = {"__metadata__": dict(metadata)}
@@ -101,16 +133,26 @@ class SpillWriter:
         self._file.write(raw)
         self._written.add(name)
 
-    def commit(self) -> SpilledState:
+    def sync(self) -> None:
+        """Flushes (and, when durable, fsyncs) the complete file under its temporary name."""
         missing = [n for n in self._names if n not in self._written]
         if missing:
             raise ValueError(f"spill of {self.path.name} lacks tensors {missing[:3]}")
         self._file.flush()
-        if self.durable:
+        if self.durable and self._sync_later is None:
             os.fsync(self._file.fileno())
         self._file.close()
+
+    def rename(self) -> SpilledState:
+        """Puts the synced file in place: from here on a restart restores it."""
         os.replace(self._tmp, self.path)
+        if self.durable and self._sync_later is not None:
+            self._sync_later(self.path)
         return SpilledState(self.path, self._names)
+
+    def commit(self) -> SpilledState:
+        self.sync()
+        return self.rename()
 
     def abort(self) -> None:
         if not self._file.closed:
@@ -125,6 +167,97 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+class UpdateWriter(Protocol):
+    """Takes one update tensor by tensor: ``SpillWriter`` (to its file now) or one that holds
+    it in memory until a background write (``UpdateSpill.writer`` chooses)."""
+
+    def write(self, name: str, tensor: torch.Tensor) -> None: ...
+
+    def commit(self) -> Mapping[str, torch.Tensor]: ...
+
+    def abort(self) -> None: ...
+
+
+class HeldState(Mapping[str, torch.Tensor]):
+    """An accepted update held in memory until its file is written, then read from the file
+    (like ``SpilledState``) and no longer held. Its tensors must not be changed in place."""
+
+    def __init__(self, path: Path, tensors: "OrderedDict[str, torch.Tensor]") -> None:
+        self.path = path
+        self._names = list(tensors)
+        self._tensors: OrderedDict[str, torch.Tensor] | None = tensors
+        self._disk: SpilledState | None = None
+
+    @property
+    def on_disk(self) -> bool:
+        """Whether its file landed (and the memory was let go)."""
+        return self._disk is not None
+
+    def _landed(self, disk: SpilledState) -> None:
+        self._disk = disk  # readers find one of the two at every moment
+        self._tensors = None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensors = self._tensors
+        if tensors is not None:
+            return tensors[name]
+        assert self._disk is not None
+        return self._disk[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def items(self):  # type: ignore[override]
+        tensors = self._tensors
+        if tensors is not None:
+            yield from tensors.items()
+        else:
+            assert self._disk is not None
+            yield from self._disk.items()
+
+
+class _HeldWriter:
+    """Keeps an update's tensors (references, no copy) under a reservation of the spill's
+    memory budget; ``commit`` queues its file for the background writer."""
+
+    def __init__(self, spill: "UpdateSpill", path: Path, specs: Mapping[str, TensorSpec], metadata: Mapping[str, str], nbytes: int) -> None:
+        self._spill, self.path, self._specs, self._metadata, self.nbytes = spill, path, specs, metadata, nbytes
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._done = False  # committed or aborted: the reservation is no longer this writer's
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        spec = self._specs[name]
+        if tensor.dtype != spec.dtype or tuple(tensor.shape) != tuple(spec.shape):
+            raise ValueError(f"tensor '{name}': {tensor.dtype} {list(tensor.shape)}, the update holds {spec.dtype} {list(spec.shape)}")
+        self._tensors[name] = tensor.detach()
+
+    def commit(self) -> HeldState:
+        missing = [n for n in self._specs if n not in self._tensors]
+        if missing:
+            raise ValueError(f"spill of {self.path.name} lacks tensors {missing[:3]}")
+        state = HeldState(self.path, OrderedDict((n, self._tensors[n]) for n in self._specs))
+        self._done = True
+        self._spill._write_later(state, self._specs, self._metadata, self.nbytes)
+        return state
+
+    def abort(self) -> None:
+        if not self._done:
+            self._done = True
+            self._tensors.clear()
+            self._spill._release(self.nbytes)
+
+
+@dataclass
+class _Pending:
+    """A held update waiting for (or in) its background write."""
+
+    state: HeldState
+    cancelled: bool = False
+
+
 class UpdateSpill:
     """Spill directory for one coordinator.
 
@@ -132,28 +265,136 @@ class UpdateSpill:
         directory: where round folders go; ``None`` uses a private temporary directory
             (removed by ``close``), whose files are not fsynced: nothing reads them after a
             crash. Under a state directory they are, so a restart can trust them.
+        memory_bytes: without a state directory, the budget of updates held in memory until
+            their background write (see the module's docstring); 0 writes every update
+            before its reply. Under a state directory every update is written before its
+            reply (and fsynced after it).
     """
 
-    def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
+    def __init__(self, directory: str | os.PathLike[str] | None = None, *, memory_bytes: int = SPILL_MEMORY_BYTES) -> None:
+        if memory_bytes < 0:
+            raise ValueError(f"memory_bytes must be >= 0, got {memory_bytes}")
         self._temporary = directory is None
         self.durable = not self._temporary
+        self.memory_bytes = memory_bytes
         self.dir = Path(tempfile.mkdtemp(prefix="fedgrid-updates-")) if directory is None else Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._held = 0  # bytes reserved by held updates: being received, or waiting for their write
+        self._pending: dict[Path, _Pending] = {}
+        self._syncing = 0  # fsyncs queued or running
+        self._writes: ThreadPoolExecutor | None = None
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of updates held in memory now (in flight, or accepted and not yet written)."""
+        return self._held
 
     def _round_dir(self, task_id: str) -> Path:
         return self.dir / task_id
 
     def writer(self, *, task_id: str, client: ClientInfo, specs: Mapping[str, TensorSpec], num_examples: int,
-               metrics: Mapping[str, float]) -> SpillWriter | None:
-        """A streaming writer for one update, or ``None`` when a dtype cannot be spilled
-        that way (then ``put`` the finished update)."""
+               metrics: Mapping[str, float]) -> UpdateWriter | None:
+        """A writer for one update, or ``None`` when a dtype cannot be spilled that way (then
+        ``put`` the finished update). While the update fits the memory budget it is held
+        (written after its reply, in the background); otherwise it streams into its file."""
         if any(spec.dtype not in SAFETENSORS_DTYPES for spec in specs.values()):
             return None
         folder = self._round_dir(task_id)
         folder.mkdir(parents=True, exist_ok=True)
-        return SpillWriter(
-            folder / f"{client.client_id}.safetensors", specs, self._metadata(client, list(specs), num_examples, metrics), durable=self.durable
-        )
+        path = folder / f"{client.client_id}.safetensors"
+        metadata = self._metadata(client, list(specs), num_examples, metrics)
+        nbytes = sum(_numel(spec.shape) * torch.empty((), dtype=spec.dtype).element_size() for spec in specs.values())
+        if self.durable:  # on disk before the reply, synced in the background
+            return SpillWriter(path, specs, metadata, durable=True, sync_later=self._sync_later)
+        with self._lock:
+            if 0 < self.memory_bytes and nbytes <= self.memory_bytes - self._held:
+                self._held += nbytes
+                return _HeldWriter(self, path, specs, metadata, nbytes)
+        return SpillWriter(path, specs, metadata, durable=False)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._writes is None:
+                self._writes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedgrid-spill")
+            return self._writes
+
+    def _sync_later(self, path: Path) -> None:
+        """Queues the fsync of ``path`` (renamed into place); ``flush`` waits for it."""
+        with self._lock:
+            self._syncing += 1
+        self._executor().submit(self._sync, path)
+
+    def _sync(self, path: Path) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            fd = os.open(path.parent, os.O_RDONLY)  # the rename too
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except FileNotFoundError:
+            pass  # discarded meanwhile
+        except OSError:
+            log.exception("could not fsync %s", path)
+        finally:
+            with self._lock:
+                self._syncing -= 1
+                self._changed.notify_all()
+
+    def _release(self, nbytes: int) -> None:
+        with self._lock:
+            self._held -= nbytes
+            self._changed.notify_all()
+
+    def _write_later(self, state: HeldState, specs: Mapping[str, TensorSpec], metadata: Mapping[str, str], nbytes: int) -> None:
+        pending = _Pending(state)
+        with self._lock:
+            self._pending[state.path] = pending
+        self._executor().submit(self._write, pending, specs, metadata, nbytes)
+
+    def _write(self, pending: _Pending, specs: Mapping[str, TensorSpec], metadata: Mapping[str, str], nbytes: int) -> None:
+        """The background write of a held update; once its file is in place the memory goes."""
+        state = pending.state
+        writer: SpillWriter | None = None
+        try:
+            if pending.cancelled:
+                return
+            writer = SpillWriter(state.path, specs, metadata, durable=self.durable)
+            for name, tensor in state.items():
+                writer.write(name, tensor)
+            writer.sync()
+            with self._lock:  # a discard or clear either comes first (no rename) or removes the file after
+                if pending.cancelled:
+                    return
+                disk = writer.rename()
+            writer = None
+            state._landed(disk)
+        except Exception:  # the update stays valid in memory, only not crash-safe
+            log.exception("could not spill %s; the update stays in memory", state.path)
+        finally:
+            if writer is not None:
+                writer.abort()
+            with self._lock:
+                if self._pending.get(state.path) is pending:
+                    del self._pending[state.path]
+                self._held -= nbytes
+                self._changed.notify_all()
+
+    def flush(self, *, timeout: timedelta = timedelta(seconds=TRANSFER_TIMEOUT_S)) -> bool:
+        """Waits until every update accepted so far is written (held ones) and synced (under a
+        state directory); returns whether they were within ``timeout`` (if not, the rest stay
+        valid and are written later)."""
+        with self._lock:
+            done = self._changed.wait_for(lambda: not self._pending and not self._syncing, timeout.total_seconds())
+        if not done:
+            log.warning("%d held updates not yet spilled after %.0fs", len(self._pending), timeout.total_seconds())
+        return done
 
     @staticmethod
     def _metadata(client: ClientInfo, names: list[str], num_examples: int, metrics: Mapping[str, float]) -> dict[str, str]:
@@ -200,14 +441,32 @@ class UpdateSpill:
         return out
 
     def discard(self, *, task_id: str, client_id: str) -> None:
-        (self._round_dir(task_id) / f"{client_id}.safetensors").unlink(missing_ok=True)
+        path = self._round_dir(task_id) / f"{client_id}.safetensors"
+        with self._lock:
+            pending = self._pending.get(path)
+            if pending is not None:
+                pending.cancelled = True
+            path.unlink(missing_ok=True)
 
     def clear(self, *, keep: str | None = None) -> None:
-        """Removes every round folder but ``keep``."""
+        """Removes every round folder but ``keep`` (held updates of those rounds are not written)."""
+        with self._lock:
+            for path, pending in self._pending.items():
+                if path.parent.name != keep:
+                    pending.cancelled = True
         for folder in self.dir.iterdir():
             if folder.is_dir() and folder.name != keep:
                 shutil.rmtree(folder, ignore_errors=True)
 
     def close(self) -> None:
+        """Writes the held updates (under a state directory; a temporary one is removed)."""
+        if self._temporary:
+            with self._lock:
+                for pending in self._pending.values():
+                    pending.cancelled = True
+        else:
+            self.flush()
+        if self._writes is not None:
+            self._writes.shutdown(wait=True)
         if self._temporary:
             shutil.rmtree(self.dir, ignore_errors=True)

@@ -22,7 +22,7 @@ from fedgrid.events import EventLog
 from fedgrid.proto import serde
 from fedgrid.server.registry import Registry
 from fedgrid.server.rounds import RoundTask
-from fedgrid.server.spill import SpillWriter, UpdateSpill
+from fedgrid.server.spill import UpdateSpill, UpdateWriter
 from fedgrid.types import ClientInfo, EvaluateRes, Failure, FitRes, TensorSpec
 
 __all__ = ["Upload", "Uploads"]
@@ -35,7 +35,7 @@ class Upload:
     """An upload in progress (or broken, awaiting its resume)."""
 
     asm: serde.ModelAssembler
-    writer: SpillWriter | None
+    writer: UpdateWriter | None
     raw_bytes: int  # its size uncompressed
 
     def abort(self) -> None:
