@@ -12,8 +12,9 @@ about 250 ms against 80 ms here), so neither has to come before the client's rep
 
 - without a state directory (nothing to resume from), updates that fit a memory budget
   (``SPILL_MEMORY_BYTES``, ``FEDGRID_SPILL_MEMORY_BYTES``) are held in memory (``HeldState``)
-  and written by a background thread, which then frees them; an update that does not fit
-  is streamed to its file before the reply;
+  and written by a background thread, which then frees them (one under ``WRITE_BACK_BYTES``
+  stays in memory until its round is cleared: a file would cost more than it frees); an
+  update that does not fit is streamed to its file before the reply;
 - under a state directory every update is written and renamed into place before the reply
   (so a killed coordinator process finds it: the kernel's page cache outlives the
   process), and its fsync runs in the background.
@@ -51,9 +52,14 @@ from safetensors.torch import save_file
 from fedgrid.constants import SPILL_MEMORY_BYTES, TRANSFER_TIMEOUT_S
 from fedgrid.types import ClientInfo, FitRes, TensorSpec
 
-__all__ = ["SpilledState", "HeldState", "UpdateSpill", "UpdateWriter", "SpillWriter"]
+__all__ = ["SpilledState", "HeldState", "UpdateSpill", "UpdateWriter", "SpillWriter", "WRITE_BACK_BYTES"]
 
 log = logging.getLogger(__name__)
+
+#: Without a state directory, a held update smaller than this is never written: its file
+#: would cost more (create, write, read back) than the memory it frees. It stays reserved
+#: against the budget until its round is cleared.
+WRITE_BACK_BYTES = 1 << 20
 
 #: safetensors' dtype names (its file format's, stable across versions).
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
@@ -240,7 +246,10 @@ class _HeldWriter:
             raise ValueError(f"spill of {self.path.name} lacks tensors {missing[:3]}")
         state = HeldState(self.path, OrderedDict((n, self._tensors[n]) for n in self._specs))
         self._done = True
-        self._spill._write_later(state, self._specs, self._metadata, self.nbytes)
+        if self.nbytes < WRITE_BACK_BYTES:  # a file would cost more than the memory it frees
+            self._spill._keep(state, self.nbytes)
+        else:
+            self._spill._write_later(state, self._specs, self._metadata, self.nbytes)
         return state
 
     def abort(self) -> None:
@@ -284,6 +293,7 @@ class UpdateSpill:
         self._held = 0  # bytes reserved by held updates: being received, or waiting for their write
         self._pending: dict[Path, _Pending] = {}
         self._syncing = 0  # fsyncs queued or running
+        self._kept: dict[Path, int] = {}  # small held updates never written, with their reservations
         self._writes: ThreadPoolExecutor | None = None
 
     @property
@@ -346,6 +356,18 @@ class UpdateSpill:
             with self._lock:
                 self._syncing -= 1
                 self._changed.notify_all()
+
+    def _keep(self, state: HeldState, nbytes: int) -> None:
+        """A small held update stays in memory, reserved, until its round is cleared."""
+        with self._lock:
+            self._kept[state.path] = nbytes
+
+    def _forget(self, paths: list[Path]) -> None:
+        """Releases the reservations of kept updates (lock held)."""
+        for path in paths:
+            self._held -= self._kept.pop(path)
+        if paths:
+            self._changed.notify_all()
 
     def _release(self, nbytes: int) -> None:
         with self._lock:
@@ -446,6 +468,8 @@ class UpdateSpill:
             pending = self._pending.get(path)
             if pending is not None:
                 pending.cancelled = True
+            if path in self._kept:
+                self._forget([path])
             path.unlink(missing_ok=True)
 
     def clear(self, *, keep: str | None = None) -> None:
@@ -454,6 +478,7 @@ class UpdateSpill:
             for path, pending in self._pending.items():
                 if path.parent.name != keep:
                     pending.cancelled = True
+            self._forget([path for path in self._kept if path.parent.name != keep])
         for folder in self.dir.iterdir():
             if folder.is_dir() and folder.name != keep:
                 shutil.rmtree(folder, ignore_errors=True)
@@ -464,6 +489,7 @@ class UpdateSpill:
             with self._lock:
                 for pending in self._pending.values():
                     pending.cancelled = True
+                self._forget(list(self._kept))
         else:
             self.flush()
         if self._writes is not None:

@@ -37,7 +37,9 @@ def _accept(spill: UpdateSpill, client_id: str, update):
 
 @pytest.fixture
 def gate(monkeypatch):
-    """Background writes wait at ``sync`` until the test opens the gate."""
+    """Background writes wait at ``sync`` until the test opens the gate (and the test's small
+    updates are written back like large ones)."""
+    monkeypatch.setattr(spill_mod, "WRITE_BACK_BYTES", 0)
     opened = threading.Event()
     original = SpillWriter.sync
 
@@ -154,3 +156,23 @@ def test_discarded_held_update_never_lands(gate):
 def test_negative_budget_is_refused(tmp_path):
     with pytest.raises(ValueError, match="memory_bytes"):
         UpdateSpill(tmp_path, memory_bytes=-1)
+
+
+def test_small_held_updates_stay_in_memory_until_their_round_is_cleared(monkeypatch):
+    monkeypatch.setattr(spill_mod, "WRITE_BACK_BYTES", NBYTES + 1)  # the test's updates count as small
+    spill = UpdateSpill(None, memory_bytes=2 * NBYTES)
+    update = _update(6)
+    _, state = _accept(spill, "c1", update)
+    assert spill.flush(timeout=timedelta(seconds=5))  # nothing to write
+    assert isinstance(state, HeldState) and not state.on_disk and not (spill.dir / TASK / "c1.safetensors").exists()
+    _assert_equal(state, update)
+    assert spill.held_bytes == NBYTES  # still reserved: the budget bounds what is kept
+    _accept(spill, "c2", _update(7))
+    third = spill.writer(task_id=TASK, client=ClientInfo(client_id="c3"), specs=TensorSpec.of(update), num_examples=1, metrics={})
+    assert isinstance(third, SpillWriter)  # the budget is spent: this one goes to its file
+    third.abort()
+    spill.discard(task_id=TASK, client_id="c2")
+    assert spill.held_bytes == NBYTES
+    spill.clear()
+    assert spill.held_bytes == 0
+    spill.close()
