@@ -295,9 +295,28 @@ def _swarm_main(spec: SwarmSpec, pipe: Pipe) -> None:
 #: Protocol clients one load-generator process hosts, and how many share a channel (connection).
 AIO_CLIENTS_PER_PROCESS = 1000
 AIO_CLIENTS_PER_CHANNEL = 50
+#: Joins one load-generator process has in flight at once.
+JOIN_CONCURRENCY = 50
 
 
-async def _protocol_client(channel: Any, name: str, compute_s: float) -> int:
+#: What the SDK retries (``fedgrid.client.runtime.TRANSIENT``), with backoff.
+_TRANSIENT = (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+async def _retrying(call: Callable[[], Any], attempts: int = 8) -> Any:
+    """Awaits ``call()``, retrying transient failures with exponential backoff, as the SDK does."""
+    import asyncio
+
+    for attempt in range(attempts):
+        try:
+            return await call()
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in _TRANSIENT or attempt == attempts - 1:
+                raise
+            await asyncio.sleep(min(5.0, 0.2 * 2**attempt))
+
+
+async def _protocol_client(channel: Any, name: str, compute_s: float, join_gate: Any) -> int:
     """One lightweight protocol client, as a real one behaves on the wire: Join, heartbeats,
     long polls, a chunked download, ``compute_s`` of "training", a chunked upload of
     ``global + 1`` with the same metrics as ``BenchClient``. Returns the rounds it served."""
@@ -313,14 +332,15 @@ async def _protocol_client(channel: Any, name: str, compute_s: float) -> int:
     upload = channel.stream_unary("/fedgrid.v1.Coordinator/UploadUpdate", request_serializer=None,
                                   response_deserializer=pb.UploadReply.FromString)
     request = pb.JoinRequest(name=name, num_examples=1, capabilities=pb.Capabilities(device="cpu", codecs=["none"]))
-    for attempt in range(8):  # as the SDK, transient failures are retried (thousands of joins at once see a few CANCELLED)
-        try:
-            join = await stub.Join(request, timeout=START_TIMEOUT_S)
-            break
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE) or attempt == 7:
-                raise
-            await asyncio.sleep(0.2 * 2**attempt)
+    async with join_gate:  # a process's clients join at most JOIN_CONCURRENCY at a time, as a fleet coming online does
+        for attempt in range(8):  # as the SDK, transient failures are retried (thousands of joins at once see a few CANCELLED)
+            try:
+                join = await stub.Join(request, timeout=START_TIMEOUT_S)
+                break
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE) or attempt == 7:
+                    raise
+                await asyncio.sleep(0.2 * 2**attempt)
     cid, token = join.client_id, join.session_token
 
     polling = [False]
@@ -342,6 +362,11 @@ async def _protocol_client(channel: Any, name: str, compute_s: float) -> int:
             polling[0] = True
             try:
                 reply = await stub.PollTask(pb.PollRequest(client_id=cid, session_token=token, wait_s=10), timeout=40)
+            except grpc.aio.AioRpcError as exc:  # as the SDK: transient failures are retried with backoff
+                if exc.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                await asyncio.sleep(0.5)
+                continue
             finally:
                 polling[0] = False
             kind = reply.WhichOneof("reply")
@@ -350,10 +375,14 @@ async def _protocol_client(channel: Any, name: str, compute_s: float) -> int:
             if kind != "task":
                 continue
             task = reply.task
-            asm = serde.ModelAssembler()
-            async for frame in download(pb.DownloadRequest(client_id=cid, session_token=token, task_id=task.task_id), timeout=60):
-                asm.feed(frame)
-            _, state = asm.finish()
+
+            async def fetch() -> Any:
+                asm = serde.ModelAssembler()
+                async for frame in download(pb.DownloadRequest(client_id=cid, session_token=token, task_id=task.task_id), timeout=60):
+                    asm.feed(frame)
+                return asm.finish()[1]
+
+            state = await _retrying(fetch)
             start = time.monotonic()
             await asyncio.sleep(compute_s)
             out = OrderedDict((k, v + 1) for k, v in state.items())
@@ -366,7 +395,15 @@ async def _protocol_client(channel: Any, name: str, compute_s: float) -> int:
                 for f in frames:
                     yield f
 
-            await upload(stream(), timeout=60)
+            try:
+                await _retrying(lambda: upload(stream(), timeout=60))
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.ALREADY_EXISTS:  # a retry of an upload that had landed: done, as the SDK reads it
+                    pass
+                elif exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # the round closed first
+                    continue
+                else:
+                    raise
             rounds += 1
     finally:
         heart.cancel()
@@ -381,7 +418,8 @@ def _aio_swarm_main(spec: SwarmSpec, pipe: Pipe) -> None:
         async def main() -> dict[str, Any]:
             channels = [grpc.aio.insecure_channel(spec.address, options=[("grpc.use_local_subchannel_pool", 1)])
                         for _ in range(math.ceil(spec.count / AIO_CLIENTS_PER_CHANNEL))]
-            tasks = [asyncio.ensure_future(_protocol_client(channels[i // AIO_CLIENTS_PER_CHANNEL], f"c{spec.first + i:05d}", spec.compute_s))
+            gate = asyncio.Semaphore(JOIN_CONCURRENCY)
+            tasks = [asyncio.ensure_future(_protocol_client(channels[i // AIO_CLIENTS_PER_CHANNEL], f"c{spec.first + i:05d}", spec.compute_s, gate))
                      for i in range(spec.count)]
             pipe.send(("ok", len(tasks)))
             done = await asyncio.gather(*tasks, return_exceptions=True)
