@@ -20,6 +20,7 @@ Throughput is payload bytes / median time, in MB/s (10^6 bytes).
 
     python benchmarks/transport.py                 # 10M and 100M float32 parameters
     python benchmarks/transport.py --sizes 1M --repeats 3 --out /tmp/t.json
+    python benchmarks/transport.py --sizes 100M --fedgrid-env FEDGRID_BUFFER_POOL_BYTES=0   # also fedgrid so, as "fedgrid-env"
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ import torch
 __all__ = ["main", "run_benchmark", "parse_size"]
 
 TRANSPORTS = ("fedgrid", "grpc", "socket")
+#: fedgrid again, its peers started with ``--fedgrid-env``'s settings (before/after in one run).
+VARIANT = "fedgrid-env"
 DIRECTIONS = ("download", "upload")
 NUM_TENSORS = 4
 #: Deadline of one command sent to a peer process (one repetition of the largest size).
@@ -96,6 +99,7 @@ class PeerSpec:
     num_params: int
     chunk_size: int
     address: str = ""
+    env: tuple[tuple[str, str], ...] = ()  # set in the peer's process before it starts
 
 
 class FedgridServer:
@@ -345,6 +349,8 @@ class SocketClient:
 PEERS: dict[tuple[str, str], Callable[[PeerSpec], Any]] = {
     ("fedgrid", "server"): FedgridServer,
     ("fedgrid", "client"): FedgridClient,
+    (VARIANT, "server"): FedgridServer,
+    (VARIANT, "client"): FedgridClient,
     ("grpc", "server"): GrpcServer,
     ("grpc", "client"): GrpcClient,
     ("socket", "server"): SocketServer,
@@ -356,6 +362,7 @@ def _peer_main(spec: PeerSpec, pipe: Pipe) -> None:
     """Entry point of a peer process: build the peer, then answer commands until ``stop``."""
     peer = None
     try:
+        os.environ.update(spec.env)  # before any fedgrid import: its constants read the environment
         peer = PEERS[(spec.transport, spec.role)](spec)
         pipe.send(("ok", getattr(peer, "address", "")))
         while True:
@@ -405,14 +412,16 @@ class PeerProcess:
 
 
 # -- the run ------------------------------------------------------------------------------------
-def _start_pairs(ctx: SpawnContext, transports: tuple[str, ...], num_params: int, chunk_size: int) -> dict[str, tuple[PeerProcess, PeerProcess]]:
+def _start_pairs(ctx: SpawnContext, transports: tuple[str, ...], num_params: int, chunk_size: int,
+                 env: tuple[tuple[str, str], ...]) -> dict[str, tuple[PeerProcess, PeerProcess]]:
     """Starts every server, then every client once its server's address is known."""
     procs: list[PeerProcess] = []
+    envs = {t: env if t == VARIANT else () for t in transports}
     try:
-        servers = {t: PeerProcess(ctx, PeerSpec(t, "server", num_params, chunk_size)) for t in transports}
+        servers = {t: PeerProcess(ctx, PeerSpec(t, "server", num_params, chunk_size, env=envs[t])) for t in transports}
         procs += servers.values()
         addresses = {t: p.reply(START_TIMEOUT_S) for t, p in servers.items()}
-        clients = {t: PeerProcess(ctx, PeerSpec(t, "client", num_params, chunk_size, addresses[t])) for t in transports}
+        clients = {t: PeerProcess(ctx, PeerSpec(t, "client", num_params, chunk_size, addresses[t], envs[t])) for t in transports}
         procs += clients.values()
         for p in clients.values():
             p.reply(START_TIMEOUT_S)
@@ -424,10 +433,11 @@ def _start_pairs(ctx: SpawnContext, transports: tuple[str, ...], num_params: int
 
 
 def measure_size(
-    ctx: SpawnContext, *, num_params: int, repeats: int, warmup: int, chunk_size: int, transports: tuple[str, ...]
+    ctx: SpawnContext, *, num_params: int, repeats: int, warmup: int, chunk_size: int, transports: tuple[str, ...],
+    env: tuple[tuple[str, str], ...] = (),
 ) -> dict[str, dict[str, list[float]]]:
     """Seconds per transfer, per transport and direction; transports alternate within a repetition."""
-    pairs = _start_pairs(ctx, transports, num_params, chunk_size)
+    pairs = _start_pairs(ctx, transports, num_params, chunk_size, env)
     samples: dict[str, dict[str, list[float]]] = {t: {d: [] for d in DIRECTIONS} for t in transports}
     try:
         for rep in range(warmup + repeats):
@@ -463,7 +473,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def run_benchmark(
-    *, sizes: list[int], repeats: int | None, warmup: int, chunk_size: int, transports: tuple[str, ...]
+    *, sizes: list[int], repeats: int | None, warmup: int, chunk_size: int, transports: tuple[str, ...],
+    env: tuple[tuple[str, str], ...] = (),
 ) -> dict[str, Any]:
     """Runs every size and returns the JSON report (medians, ratios and raw samples)."""
     ctx = mp.get_context("spawn")
@@ -471,7 +482,7 @@ def run_benchmark(
     for num_params in sizes:
         reps = repeats if repeats is not None else (5 if num_params < 50_000_000 else 3)
         started = time.perf_counter()
-        samples = measure_size(ctx, num_params=num_params, repeats=reps, warmup=warmup, chunk_size=chunk_size, transports=transports)
+        samples = measure_size(ctx, num_params=num_params, repeats=reps, warmup=warmup, chunk_size=chunk_size, transports=transports, env=env)
         nbytes = num_params * 4
         for direction in DIRECTIONS:
             mbps = {t: nbytes / statistics.median(samples[t][direction]) / MB for t in transports}
@@ -484,6 +495,7 @@ def run_benchmark(
                     "mb_per_s": mbps,
                     "fedgrid_over_grpc": _ratio(mbps.get("fedgrid"), mbps.get("grpc")),
                     "fedgrid_over_socket": _ratio(mbps.get("fedgrid"), mbps.get("socket")),
+                    "variant_over_grpc": _ratio(mbps.get(VARIANT), mbps.get("grpc")),
                     "seconds": {t: samples[t][direction] for t in transports},
                 }
             )
@@ -491,7 +503,7 @@ def run_benchmark(
     return {
         "benchmark": "transport",
         "unit": "MB/s (10^6 payload bytes per second, median over repetitions)",
-        "config": {"sizes": sizes, "repeats": repeats, "warmup": warmup, "chunk_size": chunk_size, "transports": list(transports), "num_tensors": NUM_TENSORS, "dtype": "float32"},
+        "config": {"sizes": sizes, "repeats": repeats, "warmup": warmup, "chunk_size": chunk_size, "transports": list(transports), "fedgrid_env": dict(env), "num_tensors": NUM_TENSORS, "dtype": "float32"},
         "environment": {
             "python": platform.python_version(),
             "grpcio": grpc.__version__,
@@ -530,6 +542,10 @@ def print_report(report: dict[str, Any]) -> None:
             f"{_fmt(m.get('fedgrid'), '.0f'):>12} {_fmt(m.get('grpc'), '.0f'):>10} {_fmt(m.get('socket'), '.0f'):>11} | "
             f"{_fmt(r['fedgrid_over_grpc'], '.2f'):>12} {_fmt(r['fedgrid_over_socket'], '.2f'):>14}"
         )
+    if any(VARIANT in r["mb_per_s"] for r in report["rows"]):
+        print(f"{VARIANT} ({' '.join(f'{k}={v}' for k, v in report['config']['fedgrid_env'].items())}):")
+        for r in report["rows"]:
+            print(f"{_fmt_params(r['params']):>6} {r['direction']:>9}: {r['mb_per_s'][VARIANT]:.0f} MB/s, {VARIANT}/grpc {_fmt(r['variant_over_grpc'], '.2f')}")
     for key, label in (("fedgrid_over_grpc", "fedgrid/grpc  "), ("fedgrid_over_socket", "fedgrid/socket")):
         s = report["summary"][key]
         if s is not None:
@@ -543,10 +559,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured repetitions first (default 1)")
     parser.add_argument("--chunk-size", type=int, default=1 << 20, help="payload bytes per message (default 1 MiB)")
     parser.add_argument("--transports", default=",".join(TRANSPORTS), help=f"subset of {','.join(TRANSPORTS)}")
+    parser.add_argument("--fedgrid-env", default="", help=f"KEY=VALUE,...: also run fedgrid with these environment settings, as '{VARIANT}'")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "transport.json")
     args = parser.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     transports = tuple(t for t in TRANSPORTS if t in args.transports.split(","))
+    env = tuple(tuple(item.split("=", 1)) for item in args.fedgrid_env.split(",") if item.strip())
+    if any(len(kv) != 2 for kv in env):
+        parser.error("--fedgrid-env takes KEY=VALUE,...")
+    if env:
+        transports = transports[:1] + (VARIANT,) + transports[1:] if "fedgrid" in transports else (VARIANT,) + transports
     if not sizes or not transports:
         parser.error("need at least one size and one transport")
     if args.repeats is not None and args.repeats < 1 or args.warmup < 0:
@@ -555,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--chunk-size must be in (0, {MAX_MESSAGE_BYTES - 64 * 1024}]: a chunk plus its framing must fit fedgrid's message cap")
 
     print(f"transport benchmark: sizes {', '.join(map(_fmt_params, sizes))}, chunk {args.chunk_size} B, transports {', '.join(transports)}", flush=True)
-    report = run_benchmark(sizes=sizes, repeats=args.repeats, warmup=args.warmup, chunk_size=args.chunk_size, transports=transports)
+    report = run_benchmark(sizes=sizes, repeats=args.repeats, warmup=args.warmup, chunk_size=args.chunk_size, transports=transports, env=env)  # type: ignore[arg-type]
     print()
     print_report(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)

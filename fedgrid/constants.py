@@ -31,6 +31,8 @@ __all__ = [
     "MAX_OUTBOX_BYTES",
     "MAX_INBOX_REPLY_BYTES",
     "SPILL_MEMORY_BYTES",
+    "BUFFER_POOL_BYTES",
+    "BUFFER_POOL_IDLE_S",
 ]
 
 
@@ -95,3 +97,14 @@ MAX_INBOX_REPLY_BYTES = 2 * 1024 * 1024
 #: background (FEDGRID_SPILL_MEMORY_BYTES); an update that does not fit is written before the
 #: client hears it was accepted. 0: every update is on disk before its reply. See ``server/spill.py``.
 SPILL_MEMORY_BYTES = int(_env_float("FEDGRID_SPILL_MEMORY_BYTES", 1 << 30))
+#: Free receive buffers a process keeps for the next transfer (FEDGRID_BUFFER_POOL_BYTES).
+#: Freshly mapped memory faults in at about 0.9 GB/s on a VM, reused memory takes copies at
+#: over 10 GB/s, so reusing the last transfer's buffers is most of a receiver's speed. 512 MiB
+#: holds one 100M-parameter float32 model (400 MB) with room: the next download or upload of
+#: such a model reuses all of it; a larger model reuses what fits. It costs at most this much
+#: memory beyond what is in use, and only for ``BUFFER_POOL_IDLE_S``. 0: no pool. See ``proto/buffers.py``.
+BUFFER_POOL_BYTES = int(_env_float("FEDGRID_BUFFER_POOL_BYTES", 512 << 20))
+#: A free receive buffer unused this long goes back to the system (FEDGRID_BUFFER_POOL_IDLE_S).
+#: Reuse saves about 1 s per GB received; after a gap of 30 s that is under a few percent of
+#: the gap, so keeping buffers longer buys little, and an idle process gives them back soon.
+BUFFER_POOL_IDLE_S = _env_float("FEDGRID_BUFFER_POOL_IDLE_S", 30.0)

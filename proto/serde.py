@@ -25,6 +25,7 @@ from fedgrid.compression import get_codec
 from fedgrid.constants import CHUNK_SIZE, MAX_TENSOR_BYTES
 from fedgrid.errors import InvalidUpdateError, PayloadTooLargeError
 from fedgrid.proto import fedgrid_pb2 as pb
+from fedgrid.proto.buffers import BufferPool, receive_buffers
 from fedgrid.types import ClientInfo, FitIns, MessageIns, ModelState, Scalar, TensorSpec
 
 __all__ = [
@@ -304,6 +305,9 @@ def encode_model(
     return EncodedModel(state, codec=codec).chunks(info, chunk_size=chunk_size)
 
 
+_NO_BYTES = np.empty(0, dtype=np.uint8)
+
+
 class ModelAssembler:
     """Rebuilds named tensors from a chunk stream, validating as it goes.
 
@@ -315,6 +319,9 @@ class ModelAssembler:
         sink: when given, each tensor is handed to ``sink(name, tensor)`` as soon as it is
             complete and verified, and not kept (``finish`` then returns no tensors): a
             receiver can write an update to disk holding one tensor at a time.
+        buffers: where tensor buffers come from (default: the process's ``receive_buffers()``):
+            a raw tensor is its buffer, handed out again once the tensor and everything made
+            from it are gone.
 
     Raises (from ``feed`` and ``finish``):
         InvalidUpdateError: the stream breaks a rule; the message names the tensor and problem.
@@ -328,8 +335,10 @@ class ModelAssembler:
         max_tensor_bytes: int = MAX_TENSOR_BYTES,
         max_total_bytes: int | None = None,
         sink: Callable[[str, torch.Tensor], None] | None = None,
+        buffers: BufferPool | None = None,
     ) -> None:
         self._expected = expected
+        self._buffers = receive_buffers() if buffers is None else buffers
         self._sink = sink
         self._done: list[str] = []
         self._max_tensor_bytes = max_tensor_bytes
@@ -344,7 +353,7 @@ class ModelAssembler:
         self.tensors: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._meta: pb.TensorMeta | None = None
         self._buf: torch.Tensor | None = None
-        self._view: np.ndarray = np.empty(0, dtype=np.uint8)
+        self._view: np.ndarray = _NO_BYTES
         self._filled = 0
         self._hasher: "xxhash.xxh3_64 | None" = None
 
@@ -446,10 +455,10 @@ class ModelAssembler:
         if meta.codec == "none" and meta.nbytes != raw_size:
             raise InvalidUpdateError(f"tensor '{name}': payload is {meta.nbytes} bytes, {dtype} {list(shape)} needs {raw_size}")
         self._meta = meta
-        # numpy, not torch.empty: numpy asks for transparent huge pages on large buffers, and
-        # a fresh model-sized buffer then faults in about 4x faster (400 MB: 32 ms against
-        # 130 ms here), which is most of the receiver's cost. No zero fill: every byte is written.
-        self._view = np.empty(meta.nbytes, dtype=np.uint8)
+        # A reused buffer if one of this size is free: faulting in a fresh model-sized one is
+        # most of a receiver's cost (see proto/buffers.py). No zero fill: every byte is written
+        # before the tensor exists (_close_tensor raises on a short one).
+        self._view = self._buffers.take(meta.nbytes)
         self._buf = torch.from_numpy(self._view)
         self._filled = 0
         self._hasher = xxhash.xxh3_64()
@@ -485,7 +494,9 @@ class ModelAssembler:
             except InvalidUpdateError as exc:
                 raise InvalidUpdateError(f"tensor '{name}': {exc}") from None
         self._done.append(name)
-        self._meta, self._buf, self._hasher = None, None, None
+        # Let go of the buffer: a raw tensor holds it (the pool gets it back when the tensor
+        # is gone), a decoded one was copied out and it is free now.
+        self._meta, self._buf, self._hasher, self._view = None, None, None, _NO_BYTES
         if self._sink is not None:
             self._sink(name, tensor)
         else:
