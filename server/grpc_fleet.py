@@ -33,6 +33,7 @@ from fedgrid.errors import (
     StaleTaskError,
 )
 from fedgrid.proto import serde
+from fedgrid.proto.buffers import receive_buffers
 from fedgrid.server.fleet import Fleet, RoundOutcome
 from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.downlink import Downlink, RoundDownlink
@@ -514,6 +515,9 @@ class GrpcFleet(Fleet):
                 reason = "target"
             rnd.closed_by = reason
         self.spill.flush()  # held updates reach their files before the strategy sees them (server/spill.py)
+        # Receive buffers not in use go back to the system before the strategy aggregates:
+        # the pool speeds up the uploads of a round, it must not add to aggregation's memory.
+        receive_buffers().clear()
         self.events.emit("round_closed", round=rnd.server_round, evaluate=rnd.evaluate, phase=rnd.kind, reason=reason,
                          results=len(results), failures=len(failures))
         return results, failures, cancelled
