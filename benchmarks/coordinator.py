@@ -338,7 +338,8 @@ async def _protocol_client(channel: Any, name: str, compute_s: float, join_gate:
                 join = await stub.Join(request, timeout=START_TIMEOUT_S)
                 break
             except grpc.aio.AioRpcError as exc:
-                if exc.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE) or attempt == 7:
+                if exc.code() not in _TRANSIENT or attempt == 7:
+                    print(f"client {name}: join failed: {exc.code().name}: {exc.details()}", file=sys.stderr, flush=True)
                     raise
                 await asyncio.sleep(0.2 * 2**attempt)
     cid, token = join.client_id, join.session_token
@@ -363,7 +364,7 @@ async def _protocol_client(channel: Any, name: str, compute_s: float, join_gate:
             try:
                 reply = await stub.PollTask(pb.PollRequest(client_id=cid, session_token=token, wait_s=10), timeout=40)
             except grpc.aio.AioRpcError as exc:  # as the SDK: transient failures are retried with backoff
-                if exc.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                if exc.code() not in _TRANSIENT:
                     raise
                 await asyncio.sleep(0.5)
                 continue
@@ -423,6 +424,9 @@ def _aio_swarm_main(spec: SwarmSpec, pipe: Pipe) -> None:
                      for i in range(spec.count)]
             pipe.send(("ok", len(tasks)))
             done = await asyncio.gather(*tasks, return_exceptions=True)
+            for d in done:
+                if not isinstance(d, int):
+                    print(f"protocol client failed: {d!r}", file=sys.stderr, flush=True)
             for c in channels:
                 await c.close()
             return {"rounds": [d for d in done if isinstance(d, int)], "errors": [repr(d) for d in done if not isinstance(d, int)],
