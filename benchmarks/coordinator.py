@@ -332,17 +332,14 @@ async def _protocol_client(channel: Any, name: str, compute_s: float, join_gate:
     upload = channel.stream_unary("/fedgrid.v1.Coordinator/UploadUpdate", request_serializer=None,
                                   response_deserializer=pb.UploadReply.FromString)
     request = pb.JoinRequest(name=name, num_examples=1, capabilities=pb.Capabilities(device="cpu", codecs=["none"]))
-    async with join_gate:  # a process's clients join at most JOIN_CONCURRENCY at a time, as a fleet coming online does
-        for attempt in range(8):  # as the SDK, transient failures are retried (thousands of joins at once see a few CANCELLED)
-            try:
-                join = await stub.Join(request, timeout=START_TIMEOUT_S)
-                break
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() not in _TRANSIENT or attempt == 7:
-                    print(f"client {name}: join failed: {exc.code().name}: {exc.details()}", file=sys.stderr, flush=True)
-                    raise
-                await asyncio.sleep(0.2 * 2**attempt)
+
+    async def join_once() -> Any:
+        async with join_gate:  # a process's clients join at most JOIN_CONCURRENCY at a time, as a fleet coming online does
+            return await _retrying(lambda: stub.Join(request, timeout=START_TIMEOUT_S))
+
+    join = await join_once()
     cid, token = join.client_id, join.session_token
+    rejoins = 0
 
     polling = [False]
 
@@ -364,6 +361,12 @@ async def _protocol_client(channel: Any, name: str, compute_s: float, join_gate:
             try:
                 reply = await stub.PollTask(pb.PollRequest(client_id=cid, session_token=token, wait_s=10), timeout=40)
             except grpc.aio.AioRpcError as exc:  # as the SDK: transient failures are retried with backoff
+                if exc.code() == grpc.StatusCode.UNAUTHENTICATED and rejoins < 3:  # as the SDK: dropped, so join again
+                    rejoins += 1
+                    print(f"client {name}: session refused ({exc.details()}): joining again", file=sys.stderr, flush=True)
+                    join = await join_once()
+                    cid, token = join.client_id, join.session_token
+                    continue
                 if exc.code() not in _TRANSIENT:
                     raise
                 await asyncio.sleep(0.5)
@@ -522,7 +525,7 @@ def _run(ctx: SpawnContext, spec: CoordinatorSpec, clients: Callable[[str], list
 
 # -- the two measurements -------------------------------------------------------------------
 def measure_overhead(ctx: SpawnContext, *, clients: int, rounds: int, warmup: int, num_params: int, compute_s: float,
-                     max_workers: int, load: str = "aio") -> dict[str, Any]:
+                     max_workers: int, load: str = "aio", heartbeat_s: float = HEARTBEAT_INTERVAL_S) -> dict[str, Any]:
     """Median round wall time, slowest compute and overhead over the measured rounds.
 
     ``load``: ``aio`` (lightweight asyncio protocol clients, ``AIO_CLIENTS_PER_PROCESS`` per
@@ -532,7 +535,7 @@ def measure_overhead(ctx: SpawnContext, *, clients: int, rounds: int, warmup: in
     shares = [clients // procs + (i < clients % procs) for i in range(procs)]
     firsts = [sum(shares[:i]) for i in range(procs)]
     spec = CoordinatorSpec(clients=clients, rounds=warmup + rounds, num_params=num_params, max_workers=max_workers,
-                           heartbeat_s=HEARTBEAT_INTERVAL_S)
+                           heartbeat_s=heartbeat_s)
     started = time.perf_counter()
     report, swarms = _run(ctx, spec, lambda address: [
         Child(ctx, f"clients-{i}", _aio_swarm_main if load == "aio" else _swarm_main, SwarmSpec(address, firsts[i], shares[i], compute_s))
@@ -614,7 +617,8 @@ def measure_memory(ctx: SpawnContext, *, num_params: int, updates: int, upload_w
 
 
 def run_benchmark(*, clients: list[int], rounds: int, warmup: int, num_params: int, compute_s: float, max_workers: list[int | None],
-                  updates: int, memory_params: int, upload_workers: int, load: str = "aio") -> dict[str, Any]:
+                  updates: int, memory_params: int, upload_workers: int, load: str = "aio",
+                  heartbeat_s: float = HEARTBEAT_INTERVAL_S) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     rows = []
     for n in clients:
@@ -622,7 +626,7 @@ def run_benchmark(*, clients: list[int], rounds: int, warmup: int, num_params: i
             threads = workers if workers is not None else auto_workers(n)
             try:
                 rows.append(measure_overhead(ctx, clients=n, rounds=rounds, warmup=warmup, num_params=num_params,
-                                             compute_s=compute_s, max_workers=threads, load=load))
+                                             compute_s=compute_s, max_workers=threads, load=load, heartbeat_s=heartbeat_s))
             except (RuntimeError, TimeoutError) as exc:  # a scenario that breaks is a result too
                 reason = str(exc).strip().splitlines()[-1]
                 print(f"  {n} clients (max_workers {threads}): FAILED: {reason}", flush=True)
@@ -633,7 +637,7 @@ def run_benchmark(*, clients: list[int], rounds: int, warmup: int, num_params: i
         "unit": "seconds (median over measured rounds); bytes",
         "config": {"clients": clients, "rounds": rounds, "warmup": warmup, "params": num_params, "compute_s": compute_s,
                    "max_workers": ["auto" if w is None else w for w in max_workers], "updates": updates,
-                   "memory_params": memory_params, "upload_workers": upload_workers, "num_tensors": NUM_TENSORS, "dtype": "float32"},
+                   "memory_params": memory_params, "upload_workers": upload_workers, "num_tensors": NUM_TENSORS, "dtype": "float32", "heartbeat_s": heartbeat_s},
         "environment": {"python": platform.python_version(), "grpcio": grpc.__version__, "torch": torch.__version__,
                         "cpus": os.cpu_count(), "platform": platform.platform()},
         "overhead": rows,
@@ -714,6 +718,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--upload-workers", type=int, default=2, help="uploader processes, i.e. uploads in flight (default 2)")
     parser.add_argument("--load", choices=("aio", "sdk"), default="aio",
                         help="clients: aio (asyncio protocol clients, 1000 per process) or sdk (fedgrid.client threads, 125 per process)")
+    parser.add_argument("--heartbeat-s", type=float, default=HEARTBEAT_INTERVAL_S,
+                        help=f"the coordinator's heartbeat interval (default {HEARTBEAT_INTERVAL_S:g}; a client silent for 3 is dropped). "
+                             "Thousands of load clients sharing 2 cores with the coordinator fall behind on heartbeats: raise it there")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "coordinator.json")
     args = parser.parse_args(argv)
     clients = [int(c) for c in args.clients.split(",") if c.strip()]
@@ -725,7 +732,7 @@ def main(argv: list[str] | None = None) -> int:
           f"compute {args.compute_ms:.0f} ms; memory: {args.updates} updates of {args.params} params", flush=True)
     report = run_benchmark(clients=clients, rounds=args.rounds, warmup=args.warmup, num_params=args.small_params,
                            compute_s=args.compute_ms / 1e3, max_workers=max_workers, updates=args.updates,
-                           memory_params=args.params, upload_workers=args.upload_workers, load=args.load)
+                           memory_params=args.params, upload_workers=args.upload_workers, load=args.load, heartbeat_s=args.heartbeat_s)
     print()
     print_report(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
