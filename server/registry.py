@@ -59,6 +59,7 @@ class Registry:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.on_remove = on_remove
         self.records: dict[str, ClientRecord] = {}
+        self._by_name: dict[str, str] = {}  # name -> client id: a rejoin finds its ghost in O(1)
 
     def join(self, joining: ClientInfo) -> tuple[ClientInfo, str]:
         """Registers a client under a new id; a session of the same name is replaced."""
@@ -66,10 +67,13 @@ class Registry:
         token = secrets.token_urlsafe(24)
         with self.lock:
             # A restarted client rejoins under its name: its old session goes, no ghost stays.
-            ghosts = [cid for cid, rec in self.records.items() if info.name and rec.info.name == info.name]
+            ghost = self._by_name.get(info.name) if info.name else None
+            ghosts = [ghost] if ghost is not None and ghost in self.records else []
             for cid in ghosts:
                 self.remove(cid, "replaced by a new session of the same name")
             self.records[info.client_id] = ClientRecord(info, token, time.monotonic())
+            if info.name:
+                self._by_name[info.name] = info.client_id
             self.wake.notify("registry")
         for cid in ghosts:
             log.info("client %r rejoined: session %s replaced", info.name, cid)
@@ -96,7 +100,12 @@ class Registry:
     def remove(self, client_id: str, reason: str) -> None:
         """Drops a client, failing its open task (lock held)."""
         record = self.records.pop(client_id)
+        self._unindex(record)
         self.on_remove(record, reason)
+
+    def _unindex(self, record: ClientRecord) -> None:
+        if self._by_name.get(record.info.name) == record.info.client_id:
+            del self._by_name[record.info.name]
 
     def live(self) -> list[ClientInfo]:
         """Every client heard from lately; the silent ones are dropped here (lock held)."""
@@ -105,7 +114,7 @@ class Registry:
         gone = [cid for cid, rec in self.records.items() if now - rec.last_seen > limit and rec.polls == 0]
         for cid in gone:
             log.warning("client %r silent for over %.1fs: dropped", self.records[cid].info.name or cid, limit)
-            del self.records[cid]
+            self._unindex(self.records.pop(cid))
             self.events.emit("client_dropped", client=cid, reason=f"silent for over {limit:.1f}s")
         return [rec.info for rec in self.records.values()]
 
@@ -121,7 +130,10 @@ class Registry:
         """Restores the clients with their sessions, as last seen at ``seen_at`` (monotonic)."""
         with self.lock:
             self.records = {}
+            self._by_name = {}
             for entry in entries:
                 fields = {k: v for k, v in entry.items() if k not in ("token", "benched_task")}
                 info = ClientInfo(**{**fields, "codecs": tuple(fields.get("codecs", ("none",)))})
                 self.records[info.client_id] = ClientRecord(info, str(entry["token"]), seen_at, benched_task=str(entry.get("benched_task", "")))
+                if info.name:
+                    self._by_name[info.name] = info.client_id
