@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,14 +41,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "tools"))
 from import_tree import build  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from idle_streams import DEADLINE_S, time_calls  # noqa: E402
+
 #: Clients one load process hosts, and how many share one connection.
 CLIENTS_PER_PROCESS = 1000
 CLIENTS_PER_CHANNEL = 100
 #: Joins one load process has in flight at once while it ramps up.
 JOIN_CONCURRENCY = 50
-DEADLINE_S = 5.0
-#: Consecutive time-outs after which the rest of a level's calls count as time-outs too.
-GIVE_UP_AFTER = 3
 #: Longest wait for a level's clients to join and have a poll answered; then it is timed as it is.
 RAMP_TIMEOUT_S = 120.0
 
@@ -143,41 +142,6 @@ def _memory(pid: int) -> dict[str, float]:
     return {"rss_mb": fields["VmRSS"], "peak_rss_mb": fields["VmHWM"]}
 
 
-def _time_calls(port: int, calls: int) -> dict[str, dict[str, float]]:
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from fedgrid.proto import fedgrid_pb2 as pb
-    from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
-
-    out = {}
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub, health = pb_grpc.CoordinatorStub(channel), health_pb2_grpc.HealthStub(channel)
-        kinds = {
-            "join": lambda i: stub.Join(pb.JoinRequest(name=f"probe-{time.monotonic_ns()}-{i}", num_examples=1), timeout=DEADLINE_S),
-            "health": lambda i: health.Check(health_pb2.HealthCheckRequest(service="fedgrid.v1.Coordinator"), timeout=DEADLINE_S),
-        }
-        for kind, call in kinds.items():
-            times, failed, streak = [], 0, 0
-            for i in range(calls):
-                if streak >= GIVE_UP_AFTER:  # the server is stalled: the remaining calls would time out too
-                    failed += calls - i
-                    times += [DEADLINE_S] * (calls - i)
-                    break
-                t0 = time.perf_counter()
-                try:
-                    call(i)
-                    times.append(time.perf_counter() - t0)
-                    streak = 0
-                except grpc.RpcError:
-                    failed += 1
-                    streak += 1
-                    times.append(DEADLINE_S)
-            times.sort()
-            out[kind] = {"p50_ms": 1e3 * statistics.median(times), "p99_ms": 1e3 * times[min(len(times) - 1, int(0.99 * len(times)))],
-                         "failed": failed}
-    return out
-
-
 class Loader:
     def __init__(self, ours: Path, port: int, first: int, count: int) -> None:
         env = {**os.environ, "PYTHONPATH": str(ours)}
@@ -231,7 +195,7 @@ def run_server(name: str, tree: Path, ours: Path, levels: list[int], calls: int)
                 time.sleep(1.0)
             ramp_s = time.monotonic() - t0
             before = _total(loaders)
-            timed = _time_calls(port, calls)
+            timed = time_calls(port, calls)
             after = _total(loaders)
             row = {"server": name, "clients": level, "joined": after["joined"], "join_errors": after["join_errors"],
                    "holding": after["holding"], "served": after["served"], "ramp_s": round(ramp_s, 1), "poll_errors_while_timing": after["poll_errors"] - before["poll_errors"],
