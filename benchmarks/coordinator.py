@@ -55,7 +55,7 @@ import torch
 
 from fedgrid.aggregation.fedavg import FedAvg
 from fedgrid.client.api import Client, FitOutput
-from fedgrid.constants import HEARTBEAT_INTERVAL_S
+from fedgrid.constants import HEARTBEAT_INTERVAL_S, RETRY_MAX_ELAPSED_S, RETRY_MAX_WAIT_S
 from fedgrid.types import ClientInfo, FitIns, FitRes, Failure, ModelState
 
 __all__ = ["main", "run_benchmark"]
@@ -303,17 +303,22 @@ JOIN_CONCURRENCY = 50
 _TRANSIENT = (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
-async def _retrying(call: Callable[[], Any], attempts: int = 8) -> Any:
-    """Awaits ``call()``, retrying transient failures with exponential backoff, as the SDK does."""
+async def _retrying(call: Callable[[], Any]) -> Any:
+    """Awaits ``call()``, retrying transient failures with jittered exponential backoff (capped at
+    ``RETRY_MAX_WAIT_S``) for up to ``RETRY_MAX_ELAPSED_S``, as the SDK does."""
     import asyncio
+    import random
 
-    for attempt in range(attempts):
+    give_up = time.monotonic() + RETRY_MAX_ELAPSED_S
+    attempt = 0
+    while True:
         try:
             return await call()
         except grpc.aio.AioRpcError as exc:
-            if exc.code() not in _TRANSIENT or attempt == attempts - 1:
+            if exc.code() not in _TRANSIENT or time.monotonic() >= give_up:
                 raise
-            await asyncio.sleep(min(5.0, 0.2 * 2**attempt))
+            await asyncio.sleep(random.uniform(0, min(RETRY_MAX_WAIT_S, 0.2 * 2**attempt)))
+            attempt += 1
 
 
 async def _protocol_client(channel: Any, name: str, compute_s: float, join_gate: Any) -> int:
@@ -423,13 +428,17 @@ def _aio_swarm_main(spec: SwarmSpec, pipe: Pipe) -> None:
             channels = [grpc.aio.insecure_channel(spec.address, options=[("grpc.use_local_subchannel_pool", 1)])
                         for _ in range(math.ceil(spec.count / AIO_CLIENTS_PER_CHANNEL))]
             gate = asyncio.Semaphore(JOIN_CONCURRENCY)
-            tasks = [asyncio.ensure_future(_protocol_client(channels[i // AIO_CLIENTS_PER_CHANNEL], f"c{spec.first + i:05d}", spec.compute_s, gate))
-                     for i in range(spec.count)]
+            async def reported(i: int) -> int:
+                name = f"c{spec.first + i:05d}"
+                try:
+                    return await _protocol_client(channels[i // AIO_CLIENTS_PER_CHANNEL], name, spec.compute_s, gate)
+                except Exception as exc:  # told at once: the benchmark may be stopped before the end
+                    print(f"protocol client {name} failed: {exc!r}"[:400], file=sys.stderr, flush=True)
+                    raise
+
+            tasks = [asyncio.ensure_future(reported(i)) for i in range(spec.count)]
             pipe.send(("ok", len(tasks)))
             done = await asyncio.gather(*tasks, return_exceptions=True)
-            for d in done:
-                if not isinstance(d, int):
-                    print(f"protocol client failed: {d!r}", file=sys.stderr, flush=True)
             for c in channels:
                 await c.close()
             return {"rounds": [d for d in done if isinstance(d, int)], "errors": [repr(d) for d in done if not isinstance(d, int)],
