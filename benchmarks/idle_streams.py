@@ -74,7 +74,7 @@ DEADLINE_S = 5.0
 GIVE_UP_AFTER = 3
 
 
-def _tree(rev: str | None, work: Path) -> Path:
+def worktree_import_tree(rev: str | None, work: Path) -> Path:
     """An import tree of this checkout (``rev`` None) or of ``rev`` (a git worktree)."""
     if rev is None:
         return build(work / "ours")
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        trees = {"ours": _tree(None, work), "threaded": _tree(args.baseline, work)}
+        trees = {"ours": worktree_import_tree(None, work), "threaded": worktree_import_tree(args.baseline, work)}
         try:
             for n in counts:
                 for name, tree in trees.items():  # side by side, alternating

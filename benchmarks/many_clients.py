@@ -38,11 +38,8 @@ from typing import Any
 import grpc
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "tools"))
-from import_tree import build  # noqa: E402
-
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from idle_streams import DEADLINE_S, time_calls  # noqa: E402
+from idle_streams import DEADLINE_S, time_calls, worktree_import_tree  # noqa: E402
 
 #: Clients one load process hosts, and how many share one connection.
 CLIENTS_PER_PROCESS = 1000
@@ -122,15 +119,6 @@ async def main():
 
 asyncio.run(main())
 """
-
-
-def _tree(rev: str | None, work: Path) -> Path:
-    """An import tree of this checkout (``rev`` None) or of ``rev`` (a git worktree)."""
-    if rev is None:
-        return build(work / "ours")
-    checkout = work / "checkout"
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(checkout), rev], check=True, capture_output=True)
-    return build(work / "threaded", root=checkout)
 
 
 def _memory(pid: int) -> dict[str, float]:
@@ -230,9 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        ours = _tree(None, work)
+        ours = worktree_import_tree(None, work)
         try:
-            trees = {"ours": ours, **({"threaded": _tree(args.baseline, work)} if "threaded" in servers else {})}
+            trees = {"ours": ours, **({"threaded": worktree_import_tree(args.baseline, work)} if "threaded" in servers else {})}
             for name in servers:
                 rows += run_server(name, trees[name], ours, levels, args.calls)
         finally:

@@ -5,6 +5,7 @@ A model travels as a ``ModelState``: an ordered mapping from parameter name to t
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Mapping, Union
@@ -41,6 +42,11 @@ class TensorSpec:
 
     dtype: torch.dtype
     shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of a tensor of this spec, uncompressed."""
+        return math.prod(self.shape) * self.dtype.itemsize
 
     @staticmethod
     def of(state: Mapping[str, torch.Tensor]) -> "OrderedDict[str, TensorSpec]":

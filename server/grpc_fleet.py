@@ -79,10 +79,6 @@ class PollResult:
     retry_after_s: float = 0.0
     finished: bool = False
 
-    @property
-    def evaluate(self) -> bool:
-        return self.kind == EVALUATE
-
 
 class GrpcFleet(Fleet):
     """Clients reached over gRPC; they pull their tasks.

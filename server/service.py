@@ -58,6 +58,12 @@ def status_of(exc: FedgridError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def _long_poll_wait(wait_s: float, context: grpc.aio.ServicerContext) -> float:
+    """How long a long poll may wait: what the client asked, answered before its deadline."""
+    remaining = context.time_remaining()
+    return wait_s if remaining is None else min(wait_s, max(0.0, remaining - 1.0))
+
+
 async def _abort(context: grpc.aio.ServicerContext, exc: FedgridError) -> NoReturn:
     await context.abort(status_of(exc), str(exc))
     raise AssertionError("unreachable: context.abort raises")
@@ -181,11 +187,7 @@ class CoordinatorServicer:
 
     async def PollTask(self, request: pb.PollRequest, context: grpc.aio.ServicerContext) -> pb.PollReply:
         async def body() -> pb.PollReply:
-            wait = request.wait_s
-            remaining = context.time_remaining()
-            if remaining is not None:  # answer before the caller's deadline
-                wait = min(wait, max(0.0, remaining - 1.0))
-            result = await self.fleet.poll_async(request.client_id, request.session_token, wait)
+            result = await self.fleet.poll_async(request.client_id, request.session_token, _long_poll_wait(request.wait_s, context))
             if result.finished:
                 return pb.PollReply(finished=True)
             if result.ins is None:
@@ -294,11 +296,8 @@ class CoordinatorServicer:
 
     async def ReceiveMessages(self, request: pb.ReceiveMessagesRequest, context: grpc.aio.ServicerContext) -> pb.ReceiveMessagesReply:
         async def body() -> pb.ReceiveMessagesReply:
-            wait = request.wait_s
-            remaining = context.time_remaining()
-            if remaining is not None:  # answer before the caller's deadline
-                wait = min(wait, max(0.0, remaining - 1.0))
-            page = await self.fleet.receive_messages_async(request.client_id, request.session_token, request.task_id, request.start, wait)
+            page = await self.fleet.receive_messages_async(request.client_id, request.session_token, request.task_id, request.start,
+                                                           _long_poll_wait(request.wait_s, context))
             return pb.ReceiveMessagesReply(
                 ready=page.ready, messages=serde.envelopes_to_pb(page.messages), total=page.total, retry_after_s=page.retry_after_s
             )

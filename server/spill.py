@@ -117,7 +117,7 @@ class SpillWriter:
         self._offsets: dict[str, tuple[int, int]] = {}
         offset = 0
         for name, spec in specs.items():
-            size = _numel(spec.shape) * torch.empty((), dtype=spec.dtype).element_size()
+            size = spec.nbytes
             header[name] = {"dtype": SAFETENSORS_DTYPES[spec.dtype], "shape": list(spec.shape), "data_offsets": [offset, offset + size]}
             self._offsets[name] = (offset, offset + size)
             offset += size
@@ -165,12 +165,6 @@ class SpillWriter:
             self._file.close()
         self._tmp.unlink(missing_ok=True)
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 class UpdateWriter(Protocol):
@@ -315,7 +309,7 @@ class UpdateSpill:
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"{client.client_id}.safetensors"
         metadata = self._metadata(client, list(specs), num_examples, metrics)
-        nbytes = sum(_numel(spec.shape) * torch.empty((), dtype=spec.dtype).element_size() for spec in specs.values())
+        nbytes = sum(spec.nbytes for spec in specs.values())
         if self.durable:  # on disk before the reply, synced in the background
             return SpillWriter(path, specs, metadata, durable=True, sync_later=self._sync_later)
         with self._lock:

@@ -43,13 +43,6 @@ class Upload:
             self.writer.abort()
 
 
-def _nbytes(spec: TensorSpec) -> int:
-    n = torch.empty((), dtype=spec.dtype).element_size()
-    for d in spec.shape:
-        n *= d
-    return n
-
-
 class Uploads:
     """The upload handlers of a fleet.
 
@@ -181,7 +174,7 @@ class Uploads:
         ins = rnd.assignments[client.client_id]
         # The expected specs bound every allocation; an evaluation carries no tensors.
         expected: Mapping[str, TensorSpec] = {} if rnd.evaluate else (getattr(ins, "expected", None) or rnd.expected)
-        raw = sum(_nbytes(spec) for spec in expected.values())
+        raw = sum(spec.nbytes for spec in expected.values())
         if rnd.evaluate:
             return Upload(serde.ModelAssembler(expected=expected), None, raw)
         if header.num_examples < 1:
