@@ -380,6 +380,12 @@ class ModelAssembler:
             self._append(data)
         self.frames_received += 1
 
+    @property
+    def ended_early(self) -> bool:
+        """The stream stopped short of the payload its header declared (cut, or cut short):
+        what arrived is verified and more frames may still be fed."""
+        return self.info is not None and self._received_total < self._total_bytes
+
     def finish(self) -> tuple[StreamInfo, "OrderedDict[str, torch.Tensor]"]:
         """Checks the stream is complete and returns its header and tensors."""
         if self.info is None:

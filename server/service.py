@@ -70,6 +70,7 @@ async def _abort(context: grpc.aio.ServicerContext, exc: FedgridError) -> NoRetu
 
 
 _END = object()
+_CANCELLED = object()
 
 #: Upload frames the event loop reads ahead of the thread checking them (per stream).
 READ_AHEAD_FRAMES = 4
@@ -100,9 +101,10 @@ class _StreamReader:
         self._task = self.loop.create_task(self._pump())
 
     def close(self) -> None:
-        """Stops reading; a thread taking frames raises ``ConnectionError`` at its next one."""
+        """Stops reading; the thread checks the frames already received, then raises
+        ``ConnectionError`` (so the client resumes after every frame that arrived whole)."""
         self._closed = True
-        self._queue.put(_END)  # wakes a thread waiting for a frame
+        self._queue.put(_CANCELLED)  # after the queued frames; wakes a thread waiting for one
         if self._task is not None:
             self._task.cancel()
 
@@ -127,7 +129,7 @@ class _StreamReader:
                 item = self._queue.get(timeout=self.idle_s)
             except queue.Empty:
                 raise TimeoutError(f"upload stream idle for {self.idle_s:g}s") from None
-            if self._closed:
+            if item is _CANCELLED:
                 raise ConnectionError("the upload stream was cancelled")
             if not self._room.is_set():
                 self.loop.call_soon_threadsafe(self._room.set)

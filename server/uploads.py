@@ -126,7 +126,17 @@ class Uploads:
                          rnd.server_round, record.info.name or client_id, asm.frames_received)
                 self.events.emit("upload_broken", round=rnd.server_round, client=client_id, chunks=asm.frames_received)
                 raise
-            stream, state = asm.finish()
+            try:
+                stream, state = asm.finish()
+            except InvalidUpdateError:
+                # A cut connection can look like a stream that ended: keep what was verified so
+                # that the client resumes from it (the sender hears the error either way).
+                if asm.ended_early:
+                    with self.lock:
+                        if not rnd.closed:
+                            rnd.partials[client_id] = upload
+                            upload = None  # kept, not aborted
+                raise
             if stream.round != rnd.server_round:
                 raise InvalidUpdateError(f"header names round {stream.round}, the task is round {rnd.server_round}")
             result: FitRes | EvaluateRes

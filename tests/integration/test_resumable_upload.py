@@ -31,7 +31,10 @@ def test_cut_upload_resumes_from_acknowledged_chunk():
         result: list[int] = []
         uploader = threading.Thread(target=lambda: result.append(conn.upload(task.task_id, task.round, update, 3, {"loss": 1.0})))
         uploader.start()
-        wait_until(lambda: relay.upstream_bytes - before > 7_000_000, timeout=60, what="half the upload", interval=0.001)
+        # Cut once half is sent and the coordinator is checking the stream (under load it may
+        # not have begun yet, and then it holds nothing to resume from).
+        wait_until(lambda: relay.upstream_bytes - before > 7_000_000 and conn.client_id in server.fleet.current_round.uploading,
+                   timeout=60, what="half the upload, being checked", interval=0.001)
         relay.cut()
         uploader.join(timeout=60)
         assert result == [16_000_000]
