@@ -117,12 +117,14 @@ class FedgridServer:
         self._thread: threading.Thread | None = None
         self._outcome: Any = None
         self._error: BaseException | None = None
+        self._round = 0
 
     def arm(self, server_round: int) -> None:
         from fedgrid.types import FitIns
 
         clients = self.fleet.wait_for_clients(min_clients=1, timeout=timedelta(seconds=30))
         self._outcome, self._error = None, None
+        self._round = server_round
 
         def target() -> None:
             try:
@@ -152,6 +154,8 @@ class FedgridServer:
         for name, tensor in self.state.items():
             if not torch.equal(received[name], tensor):
                 raise RuntimeError(f"uploaded tensor {name!r} differs from the global model")
+        del received
+        self.fleet.committed(self._round)  # as the round engine does: the round's updates go
         return {"bytes_up": outcome.bytes_up, "bytes_down": outcome.bytes_down}
 
     def close(self) -> None:

@@ -33,6 +33,7 @@ __all__ = [
     "SPILL_MEMORY_BYTES",
     "BUFFER_POOL_BYTES",
     "BUFFER_POOL_IDLE_S",
+    "GIL_SWITCH_INTERVAL_S",
 ]
 
 
@@ -93,8 +94,9 @@ MAX_PHASE_MESSAGE_BYTES = int(_env_float("FEDGRID_MAX_PHASE_MESSAGE_BYTES", 64 *
 MAX_OUTBOX_BYTES = int(_env_float("FEDGRID_MAX_OUTBOX_BYTES", 1 << 20))
 #: Payload bytes of relayed messages in one ReceiveMessages reply; a larger inbox is paged.
 MAX_INBOX_REPLY_BYTES = 2 * 1024 * 1024
-#: Accepted updates the coordinator holds in memory while they are written to disk in the
-#: background (FEDGRID_SPILL_MEMORY_BYTES); an update that does not fit is written before the
+#: Accepted updates a coordinator without a state directory holds in memory
+#: (FEDGRID_SPILL_MEMORY_BYTES): written back to disk, oldest first and in the background,
+#: only when the budget needs their room; an update that does not fit is written before the
 #: client hears it was accepted. 0: every update is on disk before its reply. See ``server/spill.py``.
 SPILL_MEMORY_BYTES = int(_env_float("FEDGRID_SPILL_MEMORY_BYTES", 1 << 30))
 #: Free receive buffers a process keeps for the next transfer (FEDGRID_BUFFER_POOL_BYTES).
@@ -108,3 +110,9 @@ BUFFER_POOL_BYTES = int(_env_float("FEDGRID_BUFFER_POOL_BYTES", 512 << 20))
 #: Reuse saves about 1 s per GB received; after a gap of 30 s that is under a few percent of
 #: the gap, so keeping buffers longer buys little, and an idle process gives them back soon.
 BUFFER_POOL_IDLE_S = _env_float("FEDGRID_BUFFER_POOL_IDLE_S", 30.0)
+#: The coordinator process's GIL switch interval (FEDGRID_GIL_SWITCH_INTERVAL_S; Python's
+#: default is 5 ms). Its event loop and the executor threads checking uploads hand the GIL
+#: back and forth for every frame; at 5 ms a thread that gave it up (numpy's copy, xxhash)
+#: often waits a whole interval to get it back: 1,224 against 1,514 MB/s of 100 MB uploads
+#: at 0.2 ms, 1,408 against 1,591 at 1 ms (``benchmarks/transport.py``, 2 cores).
+GIL_SWITCH_INTERVAL_S = _env_float("FEDGRID_GIL_SWITCH_INTERVAL_S", 0.001)

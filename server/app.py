@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 import threading
 from concurrent import futures
 from datetime import timedelta
@@ -21,6 +22,7 @@ from fedgrid.determinism import environment, intra_op_threads
 from fedgrid.events import Event, EventLog
 from fedgrid.constants import (
     FINISH_GRACE_S,
+    GIL_SWITCH_INTERVAL_S,
     KEEPALIVE_TIME_S,
     KEEPALIVE_TIMEOUT_S,
     MAX_CONNECTION_IDLE_S,
@@ -91,6 +93,8 @@ class Coordinator:
     ) -> None:
         self.fleet = fleet
         return_large_buffers_to_the_system()  # model-sized buffers go back to the OS when freed
+        # Shorter GIL turns (process-wide, never longer than already set): see GIL_SWITCH_INTERVAL_S.
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         self.executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="fedgrid-cpu")
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="fedgrid-aio", daemon=True)

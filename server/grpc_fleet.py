@@ -512,7 +512,7 @@ class GrpcFleet(Fleet):
             if reason == "all" and cancelled:
                 reason = "target"
             rnd.closed_by = reason
-        self.spill.flush()  # held updates reach their files before the strategy sees them (server/spill.py)
+        self.spill.flush()  # write-backs under way land, and fsyncs, before the strategy sees them (server/spill.py)
         # Receive buffers not in use go back to the system before the strategy aggregates:
         # the pool speeds up the uploads of a round, it must not add to aggregation's memory.
         receive_buffers().clear()

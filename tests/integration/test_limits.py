@@ -186,3 +186,28 @@ def test_many_clients_in_one_process_each_have_their_own_connection(tmp_path):
             proc.kill()
     assert [m["clients_ok"] for m in read_metrics(tmp_path / "coord")] == [6, 6]
     assert not [e for e in read_events(tmp_path / "coord" / "events.jsonl") if e.event == "client_dropped"]
+
+
+@pytest.mark.timeout(120)
+def test_the_coordinator_shortens_the_gil_switch_interval_from_the_environment():
+    """Process-wide, so in a process of its own: the env override applies, and a coordinator
+    never lengthens an interval already shorter."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from fedgrid.server.app import Coordinator\n"
+        "from fedgrid.server.grpc_fleet import GrpcFleet\n"
+        "before = sys.getswitchinterval()\n"
+        "Coordinator('127.0.0.1:0', GrpcFleet()).stop()\n"
+        "after = sys.getswitchinterval()\n"
+        "sys.setswitchinterval(0.0001)\n"
+        "Coordinator('127.0.0.1:0', GrpcFleet()).stop()\n"
+        "print(before, after, sys.getswitchinterval())\n"
+    )
+    env = {**os.environ, "FEDGRID_GIL_SWITCH_INTERVAL_S": "0.0025"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=100, check=True)
+    before, after, kept = (float(x) for x in out.stdout.split())
+    assert before == pytest.approx(0.005, rel=0.02) and after == pytest.approx(0.0025, rel=0.02) and kept == pytest.approx(0.0001, rel=0.02)

@@ -1,5 +1,6 @@
 """The spill off the reply's path: without a state directory, updates under the memory
-budget are held and written in the background; under one, every update is in place before
+budget are held, and written back in the background (oldest first) only when the budget
+needs their room; under one, every update is in place before
 its reply (a killed process finds it) and fsynced in the background, before the round closes."""
 
 from __future__ import annotations
@@ -60,19 +61,32 @@ def _assert_equal(state, update):
 
 
 @pytest.mark.timeout(60)
-def test_update_under_the_budget_is_held_until_its_background_write(gate):
-    spill = UpdateSpill(None, memory_bytes=10 * NBYTES)  # no state directory: nothing to resume from
-    update = _update(0)
-    _, state = _accept(spill, "c1", update)
-    path = spill.dir / TASK / "c1.safetensors"
-    assert isinstance(state, HeldState) and not state.on_disk
-    assert not path.exists() and spill.held_bytes == NBYTES
-    _assert_equal(state, update)  # readable while held
-    assert not spill.flush(timeout=timedelta(seconds=0.2))  # the write has not landed
+def test_held_updates_stay_in_memory_until_the_budget_needs_their_room(gate):
+    spill = UpdateSpill(None, memory_bytes=2 * NBYTES)  # no state directory: nothing to resume from
+    first, second = _update(0), _update(1)
+    _, state1 = _accept(spill, "c1", first)
+    _, state2 = _accept(spill, "c2", second)
+    path1, path2 = spill.dir / TASK / "c1.safetensors", spill.dir / TASK / "c2.safetensors"
+    assert isinstance(state1, HeldState) and not state1.on_disk and not state2.on_disk
+    assert spill.flush(timeout=timedelta(seconds=0.2))  # nothing was queued: a round closes at once
+    assert not path1.exists() and not path2.exists() and spill.held_bytes == 2 * NBYTES
+    _assert_equal(state1, first)  # readable while held
+    third = spill.writer(task_id=TASK, client=ClientInfo(client_id="c3"), specs=TensorSpec.of(first), num_examples=1, metrics={})
+    assert isinstance(third, SpillWriter)  # over the budget: this one goes to its file, and the oldest makes room
+    assert not spill.flush(timeout=timedelta(seconds=0.2))  # c1's write waits at the gate
+    assert spill.held_bytes == 2 * NBYTES  # reserved until its file lands
     gate.set()
     assert spill.flush(timeout=timedelta(seconds=30))
-    assert state.on_disk and path.exists() and spill.held_bytes == 0
-    _assert_equal(state, update)  # now read from the file
+    assert state1.on_disk and path1.exists() and spill.held_bytes == NBYTES
+    assert not state2.on_disk and not path2.exists()  # only as much as the next update needs
+    _assert_equal(state1, first)  # now read from the file
+    _assert_equal(state2, second)
+    third.abort()
+    fourth = spill.writer(task_id=TASK, client=ClientInfo(client_id="c4"), specs=TensorSpec.of(first), num_examples=1, metrics={})
+    assert not isinstance(fourth, SpillWriter)  # room again: held
+    fourth.abort()
+    spill.clear()
+    assert spill.held_bytes == 0
     spill.close()
 
 
@@ -142,14 +156,17 @@ def test_no_budget_writes_every_update_before_its_reply():
 
 @pytest.mark.timeout(60)
 def test_discarded_held_update_never_lands(gate):
-    spill = UpdateSpill(None, memory_bytes=10 * NBYTES)
+    spill = UpdateSpill(None, memory_bytes=2 * NBYTES)
     _accept(spill, "late", _update(3))
     _, kept = _accept(spill, "kept", _update(4))
+    third = spill.writer(task_id=TASK, client=ClientInfo(client_id="c3"), specs=TensorSpec.of(_update(5)), num_examples=1, metrics={})
+    assert isinstance(third, SpillWriter)  # "late" is queued for its write-back, held at the gate
     spill.discard(task_id=TASK, client_id="late")  # the round closed before this upload completed
     gate.set()
     assert spill.flush(timeout=timedelta(seconds=30))
-    assert sorted(p.name for p in (spill.dir / TASK).iterdir()) == ["kept.safetensors"]
-    assert kept.on_disk and spill.held_bytes == 0
+    third.abort()
+    assert not list((spill.dir / TASK).iterdir())  # the discarded one never landed
+    assert not kept.on_disk and spill.held_bytes == NBYTES  # the other is still held
     spill.close()
 
 
