@@ -45,7 +45,7 @@ from typing import Any, Callable, Iterator, Sequence
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.hazmat.primitives.asymmetric import ec, ed448, ed25519, rsa
 from cryptography.hazmat.primitives.asymmetric.types import CertificateIssuerPrivateKeyTypes, CertificatePublicKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
@@ -519,6 +519,10 @@ class RevocationList:
         self.interval_s = interval_s
         self._clock = clock
         self._ca = _load_certs(Path(ca_cert_path), "CA certificate")[0]
+        ca_key = self._ca.public_key()
+        if not isinstance(ca_key, (ec.EllipticCurvePublicKey, rsa.RSAPublicKey, ed25519.Ed25519PublicKey, ed448.Ed448PublicKey)):
+            raise PKIError(f"{ca_cert_path}: a {type(ca_key).__name__} CA key cannot sign a CRL")
+        self._ca_key = ca_key
         self._lock = threading.Lock()
         self._seen = self._stat()
         if self._seen is None:
@@ -573,7 +577,7 @@ class RevocationList:
             crl = x509.load_pem_x509_crl(data) if data.lstrip().startswith(b"-----BEGIN") else x509.load_der_x509_crl(data)
         except ValueError as exc:
             raise PKIError(f"{self.crl_path}: not a CRL ({exc})") from None
-        if crl.issuer != self._ca.subject or not crl.is_signature_valid(self._ca.public_key()):  # type: ignore[arg-type]
+        if crl.issuer != self._ca.subject or not crl.is_signature_valid(self._ca_key):
             raise PKIError(f"{self.crl_path}: CRL not signed by the CA {self._ca.subject.rfc4514_string()}")
         return frozenset(r.serial_number for r in crl)
 
