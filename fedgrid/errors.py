@@ -17,6 +17,8 @@ __all__ = [
     "PayloadTooLargeError",
     "RunFinishedError",
     "InterruptedRunError",
+    "PKIError",
+    "EnrollmentError",
 ]
 
 
@@ -62,3 +64,15 @@ class InterruptedRunError(FedgridError):
 
 class ResourceLimitError(FedgridError):
     """A client asked for more than the coordinator allows at once (polls, transfers); retry later."""
+
+
+class PKIError(FedgridError, ValueError):
+    """A certificate directory or a certificate, key or CRL file is missing, malformed or
+    inconsistent (key not matching its certificate, certificate not signed by the CA, expired).
+    The message names the file; nothing was changed."""
+
+
+class EnrollmentError(AuthenticationError):
+    """An enrollment was refused: the token is unknown, used, expired or revoked, or the CSR is
+    invalid or asks for a name it may not have. A subclass of ``AuthenticationError`` so that the
+    servicer answers it with UNAUTHENTICATED like any other failed credential."""

@@ -1,0 +1,832 @@
+"""The certificate authority behind fedgrid's trust boundary (mutual TLS).
+
+A certificate directory holds one CA and everything it issued::
+
+    ca.pem  ca.key (0600)   the CA: EC P-256, self-signed, CA:true, keyCertSign + cRLSign
+    crl.pem                 the CRL, signed by the CA, listing every revoked serial
+    index.json              the registry: name, serial, kind, validity, revoked and when
+    tokens.json (0600)      enrollment tokens: only the SHA-256 of each secret is kept
+    NAME.pem  NAME.key      leaf certificates (the key is 0600; enrolled clients keep theirs)
+
+A client's identity is its certificate's common name, checked with ``check_identity``; it is
+the key of the coordinator's registry and of canonical aggregation order, so it is limited to
+printable ASCII that survives logs, file names and terminals. Client certificates carry only
+the clientAuth extended key usage and server certificates only serverAuth, so a stolen
+server key cannot log in as a client and the other way round.
+
+Every write is atomic (a temporary file, then ``os.replace``) so that a reader, the
+coordinator's ``RevocationList`` above all, never sees half a file; secrets are created
+with mode 0600 rather than narrowed afterwards. Changes to ``index.json`` and
+``tokens.json`` are made under an exclusive ``flock`` on ``DIR/.lock``, which is what makes
+a one-time token usable once even when two enrollments race with it.
+
+Private keys are stored unencrypted (gRPC reads them as is); the directory is created 0700.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import re
+import secrets
+import threading
+import time
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, ed448, ed25519, rsa
+from cryptography.hazmat.primitives.asymmetric.types import CertificateIssuerPrivateKeyTypes, CertificatePublicKeyTypes
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from fedgrid.errors import EnrollmentError, PKIError
+
+__all__ = [
+    "IDENTITY_RE",
+    "CertRecord",
+    "RevocationList",
+    "check_identity",
+    "enroll",
+    "identity_of",
+    "init_ca",
+    "issue",
+    "issue_token",
+    "list_certs",
+    "load_pem_files",
+    "make_csr",
+    "parse_duration",
+    "revoke",
+    "revoke_token",
+    "serial_of",
+]
+
+logger = logging.getLogger(__name__)
+
+CA_CERT, CA_KEY, CRL, INDEX, TOKENS, LOCK = "ca.pem", "ca.key", "crl.pem", "index.json", "tokens.json", ".lock"
+#: Names whose NAME.pem / NAME.key would be the CA's own files.
+RESERVED_NAMES = frozenset({"ca", "crl"})
+#: A client identity: letters, digits and ``.-_@:``, 1 to 128 characters. No spaces, no
+#: control characters (a newline or an ANSI escape in a name would forge log lines).
+IDENTITY_RE = re.compile(r"[A-Za-z0-9._@:-]{1,128}")
+MAX_IDENTITY_CHARS = 128
+#: Leaf certificates start this long before issue, for clocks that run a little behind.
+CLOCK_SKEW = timedelta(minutes=5)
+CLIENT_URI_PREFIX = "fedgrid://client/"
+
+
+def _utcnow() -> datetime:
+    # One clock for validity and token expiry; tests replace it.
+    return datetime.now(timezone.utc)
+
+
+# --- identity -------------------------------------------------------------------------
+
+
+def check_identity(name: str) -> str:
+    """Checks a client identity (a certificate CN, a token's name, a file name in DIR).
+
+    Returns:
+        ``name`` unchanged.
+    Raises:
+        ValueError: ``name`` is not a string, is empty, is longer than 128 characters or
+            contains a character outside letters, digits and ``.-_@:`` (the message says which).
+    """
+    if not isinstance(name, str):
+        raise ValueError(f"identity must be a string, got {type(name).__name__}")
+    if not name:
+        raise ValueError("identity is empty")
+    if len(name) > MAX_IDENTITY_CHARS:
+        raise ValueError(f"identity is {len(name)} characters long; at most {MAX_IDENTITY_CHARS} are allowed")
+    if IDENTITY_RE.fullmatch(name) is None:
+        pos, ch = next((i, c) for i, c in enumerate(name) if IDENTITY_RE.fullmatch(c) is None)
+        raise ValueError(f"identity {name!r} has character {ch!r} at position {pos}; allowed: letters, digits and . - _ @ :")
+    return name
+
+
+def _check_file_name(name: str) -> str:
+    check_identity(name)
+    if name in RESERVED_NAMES:
+        raise ValueError(f"name {name!r} is reserved: {name}.pem is the CA's own file")
+    return name
+
+
+def parse_duration(text: str) -> timedelta:
+    """``30m``, ``24h``, ``7d``, ``90s`` or a sum such as ``1d12h``, as a positive timedelta.
+
+    Raises:
+        ValueError: not of that form, or zero.
+    """
+    units = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
+    parts = re.findall(r"(\d+)([smhd])", text)
+    if not parts or "".join(n + u for n, u in parts) != text.strip():
+        raise ValueError(f"duration {text!r}: expected a number and a unit s, m, h or d, e.g. 30m, 24h, 7d")
+    total = sum((timedelta(**{units[u]: int(n)}) for n, u in parts), timedelta())
+    if total <= timedelta():
+        raise ValueError(f"duration {text!r} is zero")
+    return total
+
+
+# --- files ----------------------------------------------------------------------------
+
+
+def _write_atomic(path: Path, data: bytes, mode: int) -> None:
+    """Writes ``path`` whole or not at all, with ``mode`` from the file's creation."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), mode)  # exactly mode, whatever the umask (0644 files stay readable)
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # the rename itself survives a crash
+    finally:
+        os.close(dir_fd)
+
+
+def _write_json(path: Path, data: dict[str, Any], mode: int) -> None:
+    _write_atomic(path, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode(), mode)
+
+
+def _read_json(path: Path, *, missing: dict[str, Any] | None = None) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        if missing is not None:
+            return missing
+        raise PKIError(f"{path}: missing; is {path.parent} a certificate directory (fedgrid certs init)?") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PKIError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict) or data.get("version") != 1:
+        raise PKIError(f"{path}: not a fedgrid {path.stem} file (expected a JSON object with version 1)")
+    return data
+
+
+@contextlib.contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    """Holds the directory's exclusive lock: one writer of index.json and tokens.json at a
+    time, across threads (each call opens its own file description) and processes."""
+    fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _read_bytes(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise PKIError(f"{path}: {what} file not found") from None
+    except IsADirectoryError:
+        raise PKIError(f"{path}: is a directory, expected a {what} file") from None
+    except PermissionError:
+        raise PKIError(f"{path}: {what} file not readable (permission denied)") from None
+
+
+def _key_pem(key: CertificateIssuerPrivateKeyTypes) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+
+
+def _cert_pem(cert: x509.Certificate) -> bytes:
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+def _subject(name: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+
+
+def _iso(t: datetime) -> str:
+    return t.astimezone(timezone.utc).isoformat(timespec="seconds")
+
+
+def _load_ca(directory: Path) -> tuple[x509.Certificate, CertificateIssuerPrivateKeyTypes]:
+    cert_path, key_path = directory / CA_CERT, directory / CA_KEY
+    if not cert_path.exists():
+        raise PKIError(f"{cert_path}: no CA in {directory}; create one with `fedgrid certs init --dir {directory}`")
+    cert = x509.load_pem_x509_certificate(_read_bytes(cert_path, "CA certificate"))
+    key = serialization.load_pem_private_key(_read_bytes(key_path, "CA key"), password=None)
+    if not isinstance(key, (ec.EllipticCurvePrivateKey, rsa.RSAPrivateKey)):
+        raise PKIError(f"{key_path}: unsupported CA key type {type(key).__name__}")
+    return cert, key
+
+
+# --- the CA and its certificates ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CertRecord:
+    """One certificate in ``index.json``.
+
+    Attributes:
+        name: the identity (client) or host name (server) it was issued to.
+        serial: its serial number.
+        kind: ``"client"`` or ``"server"``.
+        not_before, not_after: its validity (UTC).
+        revoked_at: when it was revoked; ``None`` while it is not.
+    """
+
+    name: str
+    serial: int
+    kind: str
+    not_before: datetime
+    not_after: datetime
+    revoked_at: datetime | None = None
+
+    @property
+    def revoked(self) -> bool:
+        return self.revoked_at is not None
+
+    def status(self, now: datetime | None = None) -> str:
+        """``"revoked"``, ``"expired"`` or ``"valid"`` (at ``now``, default the current time)."""
+        if self.revoked:
+            return "revoked"
+        return "expired" if (now or _utcnow()) > self.not_after else "valid"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "serial": f"{self.serial:x}", "kind": self.kind, "not_before": _iso(self.not_before),
+            "not_after": _iso(self.not_after), "revoked": self.revoked,
+            "revoked_at": None if self.revoked_at is None else _iso(self.revoked_at),
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> CertRecord:
+        return cls(
+            name=d["name"], serial=int(d["serial"], 16), kind=d["kind"], not_before=datetime.fromisoformat(d["not_before"]),
+            not_after=datetime.fromisoformat(d["not_after"]),
+            revoked_at=None if d.get("revoked_at") is None else datetime.fromisoformat(d["revoked_at"]),
+        )
+
+
+def _records(directory: Path) -> list[CertRecord]:
+    index = _read_json(directory / INDEX)
+    try:
+        return [CertRecord.from_json(d) for d in index["certs"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PKIError(f"{directory / INDEX}: malformed certificate entry ({exc!r})") from None
+
+
+def _save_records(directory: Path, records: Sequence[CertRecord]) -> None:
+    _write_json(directory / INDEX, {"version": 1, "certs": [r.to_json() for r in records]}, 0o644)
+
+
+def _check_name_free(records: Sequence[CertRecord], name: str, now: datetime, error: type[Exception]) -> None:
+    for r in records:
+        if r.name == name and r.status(now) == "valid":
+            raise error(f"name {name!r} already has a valid certificate (serial {r.serial:x}); revoke it first")
+
+
+def init_ca(directory: str | os.PathLike[str], *, name: str = "fedgrid CA", days: int = 3650) -> Path:
+    """Creates a CA in ``directory`` (made 0700 if missing): ``ca.pem``, ``ca.key`` (0600),
+    an empty ``crl.pem``, an empty ``index.json`` and ``tokens.json`` (0600).
+
+    Args:
+        directory: the certificate directory.
+        name: the CA certificate's common name.
+        days: how long the CA certificate is valid; every leaf expires by then.
+    Returns:
+        The path of ``ca.pem``.
+    Raises:
+        PKIError: the directory already holds a CA (it is never overwritten).
+        ValueError: ``days`` is not positive or ``name`` is empty.
+    """
+    if days <= 0:
+        raise ValueError(f"CA validity must be at least 1 day, got {days}")
+    if not name or not name.isprintable():
+        raise ValueError(f"CA name {name!r} must be non-empty printable text")
+    d = Path(directory)
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with _locked(d):
+        for existing in (CA_CERT, CA_KEY):
+            if (d / existing).exists():
+                raise PKIError(f"{d / existing} exists: refusing to overwrite an existing CA")
+        key = ec.generate_private_key(ec.SECP256R1())
+        now = _utcnow()
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(_subject(name)).issuer_name(_subject(name))
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - CLOCK_SKEW).not_valid_after(now + timedelta(days=days))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(
+                x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False, data_encipherment=False,
+                              key_agreement=False, key_cert_sign=True, crl_sign=True, encipher_only=False, decipher_only=False),
+                critical=True,
+            )
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .sign(key, hashes.SHA256())
+        )
+        _write_atomic(d / CA_KEY, _key_pem(key), 0o600)  # the key first: a ca.pem never exists without it
+        _write_atomic(d / CA_CERT, _cert_pem(cert), 0o644)
+        _save_records(d, [])
+        _write_json(d / TOKENS, {"version": 1, "tokens": {}}, 0o600)
+        _write_crl(d, cert, key, [])
+    return d / CA_CERT
+
+
+def _key_usage_signature() -> x509.KeyUsage:
+    return x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False, data_encipherment=False,
+                         key_agreement=False, key_cert_sign=False, crl_sign=False, encipher_only=False, decipher_only=False)
+
+
+def _general_names(sans: Sequence[str]) -> list[x509.GeneralName]:
+    names: list[x509.GeneralName] = []
+    for san in sans:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(san)))
+            continue
+        except ValueError:
+            pass
+        if not san or not san.isascii() or any(c.isspace() or not c.isprintable() for c in san):
+            raise ValueError(f"subject alternative name {san!r} is neither an IP address nor an ASCII DNS name")
+        names.append(x509.DNSName(san))
+    return names
+
+
+def _sign_leaf(
+    ca_cert: x509.Certificate, ca_key: CertificateIssuerPrivateKeyTypes, *, name: str, public_key: CertificatePublicKeyTypes,
+    server: bool, sans: Sequence[str], days: int,
+) -> x509.Certificate:
+    if days <= 0:
+        raise ValueError(f"certificate validity must be at least 1 day, got {days}")
+    now = _utcnow()
+    # A leaf cannot outlive its CA (verifiers would refuse it then anyway): clip it.
+    not_after = min(now + timedelta(days=days), ca_cert.not_valid_after_utc)
+    if server:
+        eku, alt = ExtendedKeyUsageOID.SERVER_AUTH, _general_names(sans or ("localhost", "127.0.0.1"))
+    else:
+        eku, alt = ExtendedKeyUsageOID.CLIENT_AUTH, [x509.UniformResourceIdentifier(CLIENT_URI_PREFIX + name)]
+    ca_ski = ca_cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
+    return (
+        x509.CertificateBuilder()
+        .subject_name(_subject(name)).issuer_name(ca_cert.subject)
+        .public_key(public_key).serial_number(x509.random_serial_number())
+        .not_valid_before(now - CLOCK_SKEW).not_valid_after(not_after)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(_key_usage_signature(), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([eku]), critical=False)
+        .add_extension(x509.SubjectAlternativeName(alt), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+
+
+def _record_of(cert: x509.Certificate, name: str, kind: str) -> CertRecord:
+    return CertRecord(name=name, serial=cert.serial_number, kind=kind, not_before=cert.not_valid_before_utc,
+                      not_after=cert.not_valid_after_utc)
+
+
+def issue(
+    directory: str | os.PathLike[str], name: str, *, server: bool = False, sans: Sequence[str] = (), days: int = 365,
+) -> tuple[Path, Path]:
+    """Issues a leaf certificate and its key (EC P-256, made here): ``NAME.pem``, ``NAME.key`` (0600).
+
+    A client certificate has CN = ``name``, SAN URI ``fedgrid://client/NAME`` and EKU
+    clientAuth only; a server certificate has SANs from ``sans`` (IP addresses where they
+    parse as one, DNS names otherwise; ``localhost`` and ``127.0.0.1`` when empty) and EKU
+    serverAuth only.
+
+    Args:
+        directory: the certificate directory (made by ``init_ca``).
+        name: the client identity or server name, checked with ``check_identity``.
+        server: issue a server certificate.
+        sans: the server's host names and addresses.
+        days: validity, clipped to the CA's.
+    Returns:
+        ``(cert_path, key_path)``.
+    Raises:
+        ValueError: ``name`` is not a valid identity or is reserved (``ca``, ``crl``); ``sans``
+            given for a client; a SAN is malformed; ``days`` is not positive.
+        PKIError: ``name`` already has a valid certificate, or the directory has no CA.
+    """
+    _check_file_name(name)
+    if sans and not server:
+        raise ValueError("subject alternative names (--san) are for server certificates (--server)")
+    d = Path(directory)
+    with _locked(d):
+        ca_cert, ca_key = _load_ca(d)
+        records = _records(d)
+        _check_name_free(records, name, _utcnow(), PKIError)
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = _sign_leaf(ca_cert, ca_key, name=name, public_key=key.public_key(), server=server, sans=sans, days=days)
+        _write_atomic(d / f"{name}.key", _key_pem(key), 0o600)
+        _write_atomic(d / f"{name}.pem", _cert_pem(cert), 0o644)
+        _save_records(d, [*records, _record_of(cert, name, "server" if server else "client")])
+    return d / f"{name}.pem", d / f"{name}.key"
+
+
+def _write_crl(directory: Path, ca_cert: x509.Certificate, ca_key: CertificateIssuerPrivateKeyTypes, records: Sequence[CertRecord]) -> None:
+    now = _utcnow()
+    builder = (
+        x509.CertificateRevocationListBuilder()
+        .issuer_name(ca_cert.subject)
+        .last_update(now)
+        # The CRL is only rewritten on a revocation; an earlier next_update would make it look
+        # stale to a verifier that checks it while nothing changed. It lives as long as the CA.
+        .next_update(max(ca_cert.not_valid_after_utc, now + timedelta(days=1)))
+        .add_extension(x509.CRLNumber(int(now.timestamp() * 1000)), critical=False)
+    )
+    for r in records:
+        if r.revoked_at is not None:
+            builder = builder.add_revoked_certificate(
+                x509.RevokedCertificateBuilder().serial_number(r.serial).revocation_date(r.revoked_at).build()
+            )
+    crl = builder.sign(ca_key, hashes.SHA256())
+    _write_atomic(directory / CRL, crl.public_bytes(serialization.Encoding.PEM), 0o644)
+
+
+def revoke(directory: str | os.PathLike[str], name: str) -> list[int]:
+    """Revokes every unrevoked certificate issued to ``name`` and rewrites ``crl.pem``.
+
+    Returns:
+        The serials revoked now.
+    Raises:
+        PKIError: no certificate was ever issued to ``name``, or all of them are revoked already.
+    """
+    d = Path(directory)
+    with _locked(d):
+        ca_cert, ca_key = _load_ca(d)
+        records = _records(d)
+        mine = [r for r in records if r.name == name]
+        if not mine:
+            raise PKIError(f"no certificate named {name!r} in {d / INDEX}")
+        if all(r.revoked for r in mine):
+            raise PKIError(f"every certificate of {name!r} is revoked already")
+        now = _utcnow()
+        revoked = [r.serial for r in mine if not r.revoked]
+        records = [replace(r, revoked_at=now) if r.name == name and not r.revoked else r for r in records]
+        _save_records(d, records)
+        _write_crl(d, ca_cert, ca_key, records)
+    return revoked
+
+
+def list_certs(directory: str | os.PathLike[str]) -> list[CertRecord]:
+    """Every certificate the CA in ``directory`` issued, in issue order (revoked ones included)."""
+    return _records(Path(directory))
+
+
+# --- revocation on the hot path -------------------------------------------------------
+
+
+class RevocationList:
+    """The revoked serials of a CRL file, kept current for a server's per-call check.
+
+    ``is_revoked`` costs a clock read; at most once per ``interval_s`` it also stats the file
+    and, when its inode, mtime or size changed, re-reads it and verifies its signature against
+    the CA. A rewrite that is unreadable or badly signed is logged and the last good list stays
+    in force (revocations are never silently dropped); a missing or bad CRL at construction
+    raises, so a server never starts without one. Thread-safe.
+
+    Args:
+        crl_path: the CRL (PEM or DER), rewritten atomically by ``revoke``.
+        ca_cert_path: the CA certificate that must have signed it.
+        interval_s: the longest time a changed file goes unnoticed.
+        clock: a monotonic clock in seconds (tests pass their own).
+    Raises:
+        PKIError: at construction, the CA or the CRL is missing, unreadable or the CRL is not
+            signed by the CA.
+    """
+
+    def __init__(
+        self, crl_path: str | os.PathLike[str], ca_cert_path: str | os.PathLike[str], *, interval_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if interval_s < 0:
+            raise ValueError(f"interval_s must be >= 0, got {interval_s}")
+        self.crl_path = Path(crl_path)
+        self.interval_s = interval_s
+        self._clock = clock
+        self._ca = _load_certs(Path(ca_cert_path), "CA certificate")[0]
+        ca_key = self._ca.public_key()
+        if not isinstance(ca_key, (ec.EllipticCurvePublicKey, rsa.RSAPublicKey, ed25519.Ed25519PublicKey, ed448.Ed448PublicKey)):
+            raise PKIError(f"{ca_cert_path}: a {type(ca_key).__name__} CA key cannot sign a CRL")
+        self._ca_key = ca_key
+        self._lock = threading.Lock()
+        self._seen = self._stat()
+        if self._seen is None:
+            raise PKIError(f"{self.crl_path}: CRL file not found")
+        self._serials = self._parse(_read_bytes(self.crl_path, "CRL"))
+        self._good = True
+        self._next_check = clock() + interval_s
+
+    @property
+    def serials(self) -> frozenset[int]:
+        """The revoked serials in force."""
+        return self._serials
+
+    def is_revoked(self, serial: int) -> bool:
+        """Whether ``serial`` is on the list (re-read first when the file changed and the interval passed)."""
+        if self._clock() >= self._next_check:
+            self.reload(force=False)
+        return serial in self._serials
+
+    def reload(self, *, force: bool = True) -> bool:
+        """Re-reads the file now (``force``) or when its inode, mtime or size changed.
+
+        Returns:
+            True when the list in force is the file's current content; False when the file is
+            missing or bad and the last good list stays (logged as an error).
+        """
+        with self._lock:
+            self._next_check = self._clock() + self.interval_s
+            seen = self._stat()
+            if seen == self._seen and not force:
+                return self._good
+            self._seen = seen  # a bad file is reported once, not every interval
+            try:
+                if seen is None:
+                    raise PKIError(f"{self.crl_path}: CRL file not found")
+                self._serials = self._parse(_read_bytes(self.crl_path, "CRL"))
+                self._good = True
+            except PKIError as exc:
+                logger.error("keeping the last good revocation list (%d revoked serials): %s", len(self._serials), exc)
+                self._good = False
+            return self._good
+
+    def _stat(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.crl_path)
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    def _parse(self, data: bytes) -> frozenset[int]:
+        try:
+            crl = x509.load_pem_x509_crl(data) if data.lstrip().startswith(b"-----BEGIN") else x509.load_der_x509_crl(data)
+        except ValueError as exc:
+            raise PKIError(f"{self.crl_path}: not a CRL ({exc})") from None
+        if crl.issuer != self._ca.subject or not crl.is_signature_valid(self._ca_key):
+            raise PKIError(f"{self.crl_path}: CRL not signed by the CA {self._ca.subject.rfc4514_string()}")
+        return frozenset(r.serial_number for r in crl)
+
+
+# --- inspecting certificates ----------------------------------------------------------
+
+
+def _as_cert(cert: bytes | x509.Certificate) -> x509.Certificate:
+    if isinstance(cert, x509.Certificate):
+        return cert
+    if cert.lstrip().startswith(b"-----BEGIN"):
+        return x509.load_pem_x509_certificate(cert)
+    return x509.load_der_x509_certificate(cert)
+
+
+def serial_of(cert: bytes | x509.Certificate) -> int:
+    """The serial number of a certificate (PEM, DER or loaded): what ``RevocationList`` checks."""
+    return _as_cert(cert).serial_number
+
+
+def identity_of(cert: bytes | x509.Certificate) -> str:
+    """The client identity of a client certificate: its common name, checked.
+
+    Args:
+        cert: PEM (the first certificate is taken) or DER, e.g. gRPC's ``x509_pem_cert``.
+    Raises:
+        ValueError: not a certificate; no clientAuth extended key usage (a server certificate
+            is not a client identity); no common name, several, or one that fails ``check_identity``.
+    """
+    c = _as_cert(cert)
+    try:
+        eku = c.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        raise ValueError("not a client certificate: it has no extended key usage (clientAuth required)") from None
+    if ExtendedKeyUsageOID.CLIENT_AUTH not in eku:
+        raise ValueError("not a client certificate: its extended key usage lacks clientAuth")
+    cns = c.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    if len(cns) != 1:
+        raise ValueError(f"client certificate has {len(cns)} common names; exactly one is its identity")
+    value = cns[0].value
+    return check_identity(value if isinstance(value, str) else value.decode("ascii", "replace"))
+
+
+def _load_certs(path: Path, what: str) -> list[x509.Certificate]:
+    data = _read_bytes(path, what)
+    if b"-----BEGIN CERTIFICATE-----" not in data:
+        raise PKIError(f"{path}: not a PEM {what} (no -----BEGIN CERTIFICATE----- line)")
+    try:
+        return x509.load_pem_x509_certificates(data)
+    except ValueError as exc:
+        raise PKIError(f"{path}: malformed PEM {what} ({exc})") from None
+
+
+def _public_der(key: Any) -> bytes:
+    return key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def _signed_by(cert: x509.Certificate, issuer: x509.Certificate) -> bool:
+    try:
+        cert.verify_directly_issued_by(issuer)
+        return True
+    except (ValueError, TypeError, InvalidSignature):
+        return False
+
+
+def load_pem_files(
+    ca: str | os.PathLike[str], cert: str | os.PathLike[str], key: str | os.PathLike[str],
+) -> tuple[bytes, bytes, bytes]:
+    """Reads a TLS identity (``--ca``, ``--cert``, ``--key``) and checks it before any
+    connection does, so a wrong file fails with its name rather than as a handshake error.
+
+    Files from any PKI work (openssl, a corporate CA): ``ca`` may be a bundle of several
+    certificates, ``cert`` may carry intermediates after the leaf, keys may be EC or RSA.
+
+    Returns:
+        ``(ca_bytes, cert_bytes, key_bytes)``, the files as read, for gRPC's credentials.
+    Raises:
+        PKIError: a file is missing or not PEM; the key is encrypted or does not match the
+            certificate; the certificate is not signed by a certificate of the bundle (through
+            its intermediates); the certificate or its CA is expired or not yet valid.
+    """
+    ca_path, cert_path, key_path = Path(ca), Path(cert), Path(key)
+    cas = _load_certs(ca_path, "CA certificate bundle")
+    chain = _load_certs(cert_path, "certificate")
+    key_bytes = _read_bytes(key_path, "private key")
+    if b"PRIVATE KEY-----" not in key_bytes:
+        raise PKIError(f"{key_path}: not a PEM private key (no -----BEGIN ... PRIVATE KEY----- line)")
+    try:
+        private = serialization.load_pem_private_key(key_bytes, password=None)
+    except TypeError:
+        raise PKIError(f"{key_path}: the private key is encrypted; gRPC needs it unencrypted") from None
+    except ValueError as exc:
+        raise PKIError(f"{key_path}: malformed private key ({exc})") from None
+    leaf = chain[0]
+    if _public_der(private.public_key()) != _public_der(leaf.public_key()):
+        raise PKIError(f"{key_path}: the private key does not match the certificate {cert_path}")
+    now = _utcnow()
+    current, anchor = leaf, None
+    for _ in range(len(chain)):
+        anchor = next((c for c in cas if _signed_by(current, c)), None)
+        if anchor is not None:
+            break
+        step = next((c for c in chain[1:] if c is not current and _signed_by(current, c)), None)
+        if step is None:
+            break
+        current = step
+    if anchor is None:
+        raise PKIError(f"{cert_path}: certificate {leaf.subject.rfc4514_string()} is not signed by any certificate in {ca_path}")
+    for c, path in ((leaf, cert_path), (anchor, ca_path)):
+        if now > c.not_valid_after_utc:
+            raise PKIError(f"{path}: certificate {c.subject.rfc4514_string()} expired on {_iso(c.not_valid_after_utc)}")
+        if now < c.not_valid_before_utc:
+            raise PKIError(f"{path}: certificate {c.subject.rfc4514_string()} is not valid before {_iso(c.not_valid_before_utc)}")
+    return _read_bytes(ca_path, "CA certificate bundle"), _read_bytes(cert_path, "certificate"), key_bytes
+
+
+# --- enrollment -----------------------------------------------------------------------
+
+
+def _digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def issue_token(directory: str | os.PathLike[str], *, name: str | None = None, expires: timedelta = timedelta(hours=24)) -> str:
+    """Makes a one-time enrollment token; only its SHA-256 is stored, so show it once.
+
+    Args:
+        directory: the certificate directory.
+        name: the only identity the token may enroll; ``None``: any free valid identity.
+        expires: how long the token can be used.
+    Returns:
+        ``"<token_id>.<secret>"``.
+    Raises:
+        ValueError: ``name`` is not a valid identity or ``expires`` is not positive.
+    """
+    if name is not None:
+        _check_file_name(name)
+    if expires <= timedelta():
+        raise ValueError(f"token expiry must be positive, got {expires}")
+    d = Path(directory)
+    token_id, secret = secrets.token_hex(6), secrets.token_urlsafe(32)
+    with _locked(d):
+        _load_ca(d)  # a token for a directory without a CA could never be used
+        store = _read_json(d / TOKENS, missing={"version": 1, "tokens": {}})
+        store["tokens"][token_id] = {
+            "hash": _digest(secret), "name": name, "created_at": _iso(_utcnow()), "expires_at": _iso(_utcnow() + expires),
+            "used_at": None, "used_by": None, "revoked": False,
+        }
+        _write_json(d / TOKENS, store, 0o600)
+    return f"{token_id}.{secret}"
+
+
+def revoke_token(directory: str | os.PathLike[str], token_id: str) -> None:
+    """Revokes an enrollment token so it can no longer be used.
+
+    Raises:
+        PKIError: no token has that id.
+    """
+    d = Path(directory)
+    with _locked(d):
+        store = _read_json(d / TOKENS, missing={"version": 1, "tokens": {}})
+        if token_id not in store["tokens"]:
+            raise PKIError(f"no enrollment token with id {token_id!r} in {d / TOKENS}")
+        store["tokens"][token_id]["revoked"] = True
+        _write_json(d / TOKENS, store, 0o600)
+
+
+def make_csr(name: str) -> tuple[bytes, bytes]:
+    """A client's half of enrollment: a new EC P-256 key and a CSR for identity ``name``.
+
+    Returns:
+        ``(key_pem, csr_pem)``; the key never leaves the client.
+    Raises:
+        ValueError: ``name`` is not a valid identity.
+    """
+    check_identity(name)
+    key = ec.generate_private_key(ec.SECP256R1())
+    csr = x509.CertificateSigningRequestBuilder().subject_name(_subject(name)).sign(key, hashes.SHA256())
+    return _key_pem(key), csr.public_bytes(serialization.Encoding.PEM)
+
+
+def _csr_identity(csr_pem: bytes) -> tuple[str, CertificatePublicKeyTypes]:
+    try:
+        csr = x509.load_pem_x509_csr(csr_pem)
+    except ValueError:
+        raise EnrollmentError("CSR is not a PEM certificate request") from None
+    if not csr.is_signature_valid:
+        raise EnrollmentError("CSR signature invalid")
+    public = csr.public_key()
+    if not (isinstance(public, ec.EllipticCurvePublicKey) and public.curve.name in ("secp256r1", "secp384r1")) and not (
+        isinstance(public, rsa.RSAPublicKey) and public.key_size >= 2048
+    ):
+        raise EnrollmentError(f"CSR key unsupported ({type(public).__name__}); use EC P-256/P-384 or RSA of 2048 bits or more")
+    cns = csr.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    if len(cns) != 1 or not isinstance(cns[0].value, str):
+        raise EnrollmentError(f"CSR must name exactly one common name (the identity), it has {len(cns)}")
+    try:
+        return _check_file_name(cns[0].value), public
+    except ValueError as exc:
+        raise EnrollmentError(f"CSR name invalid: {exc}") from None
+
+
+def enroll(directory: str | os.PathLike[str], token: str, csr_pem: bytes, *, days: int = 365) -> tuple[bytes, str]:
+    """The coordinator's half of enrollment: spends a one-time token on a client certificate.
+
+    Only the CSR's common name and public key are used; every extension is set here (EKU
+    clientAuth, SAN ``fedgrid://client/NAME``). The token is marked used, under the directory
+    lock, before the certificate is returned; two enrollments racing with one token get one
+    certificate between them. ``tokens.json`` is written before ``index.json``, so a crash in
+    between spends the token without issuing anything, never the other way round.
+
+    Args:
+        directory: the certificate directory.
+        token: ``"<token_id>.<secret>"`` from ``issue_token``.
+        csr_pem: the client's CSR (``make_csr``).
+        days: the certificate's validity, clipped to the CA's.
+    Returns:
+        ``(cert_pem, name)``: the client certificate and the identity it carries.
+    Raises:
+        EnrollmentError: malformed or unknown token; token already used, expired or revoked;
+            CSR unparsable, badly signed or with an invalid name; name mismatch with the
+            token; the name already has a valid certificate.
+    """
+    d = Path(directory)
+    token_id, dot, secret = token.strip().partition(".")
+    if not dot or not token_id or not secret:
+        raise EnrollmentError("malformed enrollment token: expected <token_id>.<secret>")
+    name, public = _csr_identity(csr_pem)
+    with _locked(d):
+        store = _read_json(d / TOKENS, missing={"version": 1, "tokens": {}})
+        entry = store["tokens"].get(token_id)
+        # An unknown id and a wrong secret read the same: the answer reveals no valid id.
+        if entry is None or not hmac.compare_digest(entry["hash"], _digest(secret)):
+            raise EnrollmentError("unknown enrollment token")
+        now = _utcnow()
+        if entry["revoked"]:
+            raise EnrollmentError(f"enrollment token {token_id} revoked")
+        if entry["used_at"] is not None:
+            raise EnrollmentError(f"enrollment token {token_id} already used (at {entry['used_at']})")
+        if now >= datetime.fromisoformat(entry["expires_at"]):
+            raise EnrollmentError(f"enrollment token {token_id} expired at {entry['expires_at']}")
+        if entry["name"] is not None and entry["name"] != name:
+            raise EnrollmentError(f"name mismatch: the token is for {entry['name']!r}, the CSR asks for {name!r}")
+        ca_cert, ca_key = _load_ca(d)
+        records = _records(d)
+        _check_name_free(records, name, now, EnrollmentError)
+        cert = _sign_leaf(ca_cert, ca_key, name=name, public_key=public, server=False, sans=(), days=days)
+        entry.update(used_at=_iso(now), used_by=name, serial=f"{cert.serial_number:x}")
+        _write_json(d / TOKENS, store, 0o600)
+        _save_records(d, [*records, _record_of(cert, name, "client")])
+        _write_atomic(d / f"{name}.pem", _cert_pem(cert), 0o644)
+    return _cert_pem(cert), name
