@@ -330,6 +330,7 @@ async def _protocol_client(channel: Any, name: str, compute_s: float, join_gate:
     from fedgrid.proto import fedgrid_pb2 as pb
     from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
     from fedgrid.proto import serde
+    from fedgrid.proto.tls import session_metadata
 
     stub = pb_grpc.CoordinatorStub(channel)
     download = channel.unary_stream("/fedgrid.v1.Coordinator/DownloadModel", request_serializer=pb.DownloadRequest.SerializeToString,
@@ -354,7 +355,7 @@ async def _protocol_client(channel: Any, name: str, compute_s: float, join_gate:
             if polling[0]:
                 continue
             try:
-                await stub.Heartbeat(pb.HeartbeatRequest(client_id=cid, session_token=token), timeout=30)
+                await stub.Heartbeat(pb.HeartbeatRequest(client_id=cid), metadata=session_metadata(token), timeout=30)
             except Exception:  # noqa: BLE001 - the poll loop decides
                 pass
 
@@ -364,7 +365,7 @@ async def _protocol_client(channel: Any, name: str, compute_s: float, join_gate:
         while True:
             polling[0] = True
             try:
-                reply = await stub.PollTask(pb.PollRequest(client_id=cid, session_token=token, wait_s=10), timeout=40)
+                reply = await stub.PollTask(pb.PollRequest(client_id=cid, wait_s=10), metadata=session_metadata(token), timeout=40)
             except grpc.aio.AioRpcError as exc:  # as the SDK: transient failures are retried with backoff
                 if exc.code() == grpc.StatusCode.UNAUTHENTICATED and rejoins < 3:  # as the SDK: dropped, so join again
                     rejoins += 1
@@ -387,7 +388,7 @@ async def _protocol_client(channel: Any, name: str, compute_s: float, join_gate:
 
             async def fetch() -> Any:
                 asm = serde.ModelAssembler()
-                async for frame in download(pb.DownloadRequest(client_id=cid, session_token=token, task_id=task.task_id), timeout=60):
+                async for frame in download(pb.DownloadRequest(client_id=cid, task_id=task.task_id), metadata=session_metadata(token), timeout=60):
                     asm.feed(frame)
                 return asm.finish()[1]
 
@@ -396,7 +397,7 @@ async def _protocol_client(channel: Any, name: str, compute_s: float, join_gate:
             await asyncio.sleep(compute_s)
             out = OrderedDict((k, v + 1) for k, v in state.items())
             end = time.monotonic()
-            info = serde.StreamInfo(run_id=join.run_id, task_id=task.task_id, round=task.round, client_id=cid, session_token=token,
+            info = serde.StreamInfo(run_id=join.run_id, task_id=task.task_id, round=task.round, client_id=cid,
                                     num_examples=1, metrics={"compute_s": end - start, "fit_start": start, "fit_end": end})
             frames = list(serde.EncodedModel(out).frames(info, chunk_size=join.chunk_size or (1 << 20)))
 
@@ -405,7 +406,7 @@ async def _protocol_client(channel: Any, name: str, compute_s: float, join_gate:
                     yield f
 
             try:
-                await _retrying(lambda: upload(stream(), timeout=60))
+                await _retrying(lambda: upload(stream(), metadata=session_metadata(token), timeout=60))
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.ALREADY_EXISTS:  # a retry of an upload that had landed: done, as the SDK reads it
                     pass

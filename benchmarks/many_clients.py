@@ -65,6 +65,7 @@ import asyncio, json, sys, time
 import grpc
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
+from fedgrid.proto.tls import session_metadata
 
 PORT, FIRST, COUNT, PER_CHANNEL, CONCURRENCY = (int(a) for a in sys.argv[1:6])
 stats = {"joined": 0, "join_errors": 0, "holding": 0, "served": 0, "polls": 0, "poll_errors": 0}
@@ -82,14 +83,15 @@ async def client(stub, name, gate):
                     return
                 await asyncio.sleep(0.2 * 2 ** attempt)
     stats["joined"] += 1
-    request = pb.PollRequest(client_id=join.client_id, session_token=join.session_token, wait_s=10)
+    request = pb.PollRequest(client_id=join.client_id, wait_s=10)
+    md = session_metadata(join.session_token)
     held = served = False
     while True:
         if not held:
             stats["holding"] += 1
             held = True
         try:
-            await stub.PollTask(request, timeout=40)
+            await stub.PollTask(request, metadata=md, timeout=40)
             stats["polls"] += 1
             if not served:  # the server held its poll and answered it
                 stats["served"] += 1

@@ -19,7 +19,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, TypeVar
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 import grpc
 import tenacity
@@ -43,6 +43,8 @@ from fedgrid.constants import MAX_REASON_CHARS
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
 from fedgrid.proto import serde
+from fedgrid.proto.tls import TLSFiles, channel_credentials, session_metadata
+from fedgrid.pki import identity_of
 from fedgrid.types import ModelState
 
 __all__ = [
@@ -113,6 +115,11 @@ class Connection:
         retry_max_elapsed: stop retrying a transient failure after this many seconds.
         retry_max_wait: cap of the backoff between attempts.
         stop: when set, retries stop early.
+        tls: the CA bundle to trust and this client's certificate and key: the connection is
+            then mutual TLS, and the client is the identity of its certificate (it joins
+            without a name of its own). ``None``: plaintext.
+        server_name: the name the coordinator's certificate must hold, when it is not the
+            host of ``target`` (an IP address, a tunnel).
     """
 
     def __init__(
@@ -124,9 +131,20 @@ class Connection:
         retry_max_elapsed: float = RETRY_MAX_ELAPSED_S,
         retry_max_wait: float = RETRY_MAX_WAIT_S,
         stop: threading.Event | None = None,
+        tls: TLSFiles | None = None,
+        server_name: str = "",
     ) -> None:
         self.target = target
-        self.channel = grpc.insecure_channel(target, options=GRPC_OPTIONS)
+        self.tls = tls
+        #: Under mTLS, the identity of this client's certificate: its name to the coordinator.
+        self.identity = identity_of(Path(tls.cert).read_bytes()) if tls is not None else None
+        #: The name the coordinator knows this client by (set by ``join``).
+        self.name = self.identity or ""
+        if tls is None:
+            self.channel = grpc.insecure_channel(target, options=GRPC_OPTIONS)
+        else:
+            options = [*GRPC_OPTIONS, ("grpc.ssl_target_name_override", server_name)] if server_name else GRPC_OPTIONS
+            self.channel = grpc.secure_channel(target, channel_credentials(tls), options=options)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
         # The chunk streams carry encoded Chunk messages as bytes (see server/service.py).
         self._download = self.channel.unary_stream(
@@ -157,6 +175,9 @@ class Connection:
 
     def close(self) -> None:
         self.channel.close()
+
+    def _session(self) -> Sequence[tuple[str, str]]:
+        return session_metadata(self.token)
 
     def uplink_state_dict(self) -> dict[str, dict[str, Any]]:
         """Every uplink encoder's state (its error-feedback residuals), by codec spec."""
@@ -191,36 +212,37 @@ class Connection:
 
     def join(self, client: Client) -> None:
         request = pb.JoinRequest(
-            name=client.name,
+            name="" if self.tls is not None else client.name,  # under mTLS the certificate names it
             region=client.region,
             num_examples=client.num_examples,
             capabilities=pb.Capabilities(device="cpu", codecs=list(available_codecs())),
         )
         reply: pb.JoinReply = self._call("Join", lambda: self.stub.Join(request, timeout=self.rpc_timeout))
         self.client_id, self.token, self.run_id = reply.client_id, reply.session_token, reply.run_id
+        self.name = self.identity or client.name
         self.heartbeat_interval_s = reply.heartbeat_interval_s or self.heartbeat_interval_s
         self.chunk_size = reply.chunk_size or self.chunk_size
 
     def poll(self, wait_s: float = POLL_WAIT_S) -> pb.PollReply:
-        request = pb.PollRequest(client_id=self.client_id, session_token=self.token, wait_s=wait_s)
+        request = pb.PollRequest(client_id=self.client_id, wait_s=wait_s)
         self.polling = True  # a long poll in flight tells the coordinator this client is alive
         try:
-            return self._call("PollTask", lambda: self.stub.PollTask(request, timeout=wait_s + self.rpc_timeout))
+            return self._call("PollTask", lambda: self.stub.PollTask(request, metadata=self._session(), timeout=wait_s + self.rpc_timeout))
         finally:
             self.polling = False
 
     def report_failure(self, task_id: str, reason: str) -> None:
         """Tells the coordinator that this client's task ``task_id`` failed, so that the round
         records it at once (the reason is cut to what the coordinator accepts)."""
-        request = pb.ReportFailureRequest(client_id=self.client_id, session_token=self.token, task_id=task_id, reason=reason[:MAX_REASON_CHARS])
-        self._call("ReportFailure", lambda: self.stub.ReportFailure(request, timeout=self.rpc_timeout))
+        request = pb.ReportFailureRequest(client_id=self.client_id, task_id=task_id, reason=reason[:MAX_REASON_CHARS])
+        self._call("ReportFailure", lambda: self.stub.ReportFailure(request, metadata=self._session(), timeout=self.rpc_timeout))
 
     def leave(self, reason: str, *, timeout: float = 5.0) -> bool:
         """Tells the coordinator this client is going (one try, ``timeout`` seconds: the client
         is on its way out either way). Returns whether the coordinator heard it."""
-        request = pb.LeaveRequest(client_id=self.client_id, session_token=self.token, reason=reason[:MAX_REASON_CHARS])
+        request = pb.LeaveRequest(client_id=self.client_id, reason=reason[:MAX_REASON_CHARS])
         try:
-            self.stub.Leave(request, timeout=timeout)
+            self.stub.Leave(request, metadata=self._session(), timeout=timeout)
             return True
         except (grpc.RpcError, ValueError) as exc:  # ValueError: the channel closed
             log.info("could not tell the coordinator that this client leaves: %s", exc)
@@ -229,9 +251,9 @@ class Connection:
     def send_messages(self, task_id: str, messages: Mapping[str, bytes]) -> int:
         """Sends this client's messages of message phase ``task_id`` (recipient -> payload)."""
         request = pb.SendMessagesRequest(
-            client_id=self.client_id, session_token=self.token, task_id=task_id, messages=serde.envelopes_to_pb(messages.items())
+            client_id=self.client_id, task_id=task_id, messages=serde.envelopes_to_pb(messages.items())
         )
-        reply: pb.SendMessagesReply = self._call("SendMessages", lambda: self.stub.SendMessages(request, timeout=self.rpc_timeout))
+        reply: pb.SendMessagesReply = self._call("SendMessages", lambda: self.stub.SendMessages(request, metadata=self._session(), timeout=self.rpc_timeout))
         return reply.bytes_accepted
 
     def receive_messages(self, task_id: str, *, deadline_s: float, wait_s: float = POLL_WAIT_S) -> "OrderedDict[str, bytes]":
@@ -245,9 +267,9 @@ class Connection:
         give_up = time.monotonic() + deadline_s
         while not self.stop.is_set():
             wait = max(0.0, min(wait_s, give_up - time.monotonic()))
-            request = pb.ReceiveMessagesRequest(client_id=self.client_id, session_token=self.token, task_id=task_id, start=len(inbox), wait_s=wait)
+            request = pb.ReceiveMessagesRequest(client_id=self.client_id, task_id=task_id, start=len(inbox), wait_s=wait)
             reply: pb.ReceiveMessagesReply = self._call(
-                "ReceiveMessages", lambda: self.stub.ReceiveMessages(request, timeout=wait + self.rpc_timeout)
+                "ReceiveMessages", lambda: self.stub.ReceiveMessages(request, metadata=self._session(), timeout=wait + self.rpc_timeout)
             )
             if reply.ready:
                 inbox.update((m.peer, m.payload) for m in reply.messages)
@@ -259,8 +281,8 @@ class Connection:
         raise InterruptedError("stopped while waiting for messages")
 
     def heartbeat(self) -> float:
-        request = pb.HeartbeatRequest(client_id=self.client_id, session_token=self.token)
-        reply = self.stub.Heartbeat(request, timeout=self.rpc_timeout)
+        request = pb.HeartbeatRequest(client_id=self.client_id)
+        reply = self.stub.Heartbeat(request, metadata=self._session(), timeout=self.rpc_timeout)
         return reply.interval_s
 
     def download(self, task_id: str) -> ModelState:
@@ -269,13 +291,13 @@ class Connection:
 
     def download_stream(self, task_id: str, *, have_version: int | None = None) -> tuple[serde.StreamInfo, ModelState]:
         """The stream of ``task_id``: its header (a difference? which versions?) and tensors."""
-        request = pb.DownloadRequest(client_id=self.client_id, session_token=self.token, task_id=task_id)
+        request = pb.DownloadRequest(client_id=self.client_id, task_id=task_id)
         if have_version is not None:
             request.have_version = have_version
 
         def attempt() -> tuple[serde.StreamInfo, ModelState]:
             asm = serde.ModelAssembler()
-            for frame in self._download(request, timeout=self.transfer_timeout):
+            for frame in self._download(request, metadata=self._session(), timeout=self.transfer_timeout):
                 asm.feed(frame)
             return asm.finish()
 
@@ -320,18 +342,17 @@ class Connection:
             task_id=task_id,
             round=server_round,
             client_id=self.client_id,
-            session_token=self.token,
             num_examples=num_examples,
             metrics=metrics,
             delta=delta,
         )
         self.upload_attempts = []
-        status_request = pb.UploadStatusRequest(client_id=self.client_id, session_token=self.token, task_id=task_id)
+        status_request = pb.UploadStatusRequest(client_id=self.client_id, task_id=task_id)
 
         def attempt() -> int:
             start = 0
             if self.upload_attempts:  # a retry: continue from what the coordinator holds
-                status = self.stub.UploadStatus(status_request, timeout=self.rpc_timeout)
+                status = self.stub.UploadStatus(status_request, metadata=self._session(), timeout=self.rpc_timeout)
                 if status.accepted:
                     return encoded.total_bytes  # an earlier attempt landed; its reply was lost
                 start = int(status.chunks_received)
@@ -344,7 +365,7 @@ class Connection:
                     yield frame
 
             try:
-                reply = self._upload(counted(), timeout=self.transfer_timeout)
+                reply = self._upload(counted(), metadata=self._session(), timeout=self.transfer_timeout)
             except grpc.RpcError as exc:
                 if len(self.upload_attempts) > 1 and exc.code() == grpc.StatusCode.ALREADY_EXISTS:
                     return encoded.total_bytes
@@ -379,6 +400,10 @@ def run(
     stop: threading.Event | None = None,
     poll_wait_s: float = POLL_WAIT_S,
     state_path: str | os.PathLike[str] | None = None,
+    ca: str = "",
+    cert: str = "",
+    key: str = "",
+    server_name: str = "",
     **connection_options: float,
 ) -> RunSummary:
     """Joins ``coordinator`` and serves tasks until the run finishes or ``stop`` is set.
@@ -392,14 +417,21 @@ def run(
             restored from at start, when the file is this client's (same ``name``) and from
             the run the coordinator serves; any other file is logged and ignored (see
             ``load_client_state``). ``None``: kept in memory only.
+        ca, cert, key: PEM files for mutual TLS (all three or none): the CA bundle that signs
+            the coordinator's certificate, this client's certificate and its key. The client
+            is then the identity of its certificate, which also names its state file's owner.
+        server_name: the name the coordinator's certificate holds, when not the host of
+            ``coordinator``.
         connection_options: passed to ``Connection``.
 
     Raises:
         RpcFailed: a non-transient error, or transient ones past the retry budget.
+        ValueError: an incomplete or unreadable set of TLS files (named).
     """
     stop = stop or threading.Event()
-    saved = load_client_state(state_path, name=client.name) if state_path is not None else None
-    conn = Connection(coordinator, stop=stop, **connection_options)
+    tls = TLSFiles.from_options(ca, cert, key, what="client TLS")
+    conn = Connection(coordinator, stop=stop, tls=tls, server_name=server_name, **connection_options)
+    saved = load_client_state(state_path, name=conn.identity or client.name) if state_path is not None else None
     beat_stop = threading.Event()
     rounds = rejoins = 0
     heartbeat: _Heartbeat | None = None
@@ -556,9 +588,10 @@ class ClientHandle:
 
 
 def start(
-    client: Client, coordinator: str, *, state_path: str | os.PathLike[str] | None = None, **options: float
+    client: Client, coordinator: str, *, state_path: str | os.PathLike[str] | None = None, **options: Any
 ) -> ClientHandle:
-    """Runs ``run(client, coordinator, state_path=..., **options)`` in a daemon thread of the host program."""
+    """Runs ``run(client, coordinator, state_path=..., **options)`` in a daemon thread of the
+    host program (``options``: ``ca``, ``cert``, ``key``, ``server_name`` and ``Connection``'s)."""
     stop = threading.Event()
     handle: ClientHandle
 

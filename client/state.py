@@ -40,7 +40,7 @@ def save_client_state(path: str | os.PathLike[str], *, run_id: str, server_round
         "format": STATE_FORMAT,
         "run_id": run_id,
         "round": server_round,
-        "name": client.name,
+        "name": conn.name or client.name,  # under mTLS, its certificate's identity
         "uplink": conn.uplink_state_dict(),
         "client": hook() if callable(hook) else None,
     }

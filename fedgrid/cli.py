@@ -16,7 +16,8 @@ from fedgrid.types import ModelState, RoundMetrics
 __all__ = ["main", "build_parser", "serve", "SimulateProgress"]
 
 # Keys each subcommand exposes as flags; every key is also accepted through --config.
-SIMULATE_KEYS = [k for k in config_keys() if k not in ("listen", "max_workers", "min_clients", "state_dir", "heartbeat_interval_s", "initial_model")]
+SIMULATE_KEYS = [k for k in config_keys() if k not in ("listen", "max_workers", "min_clients", "state_dir", "heartbeat_interval_s", "initial_model",
+                                                     "ca", "cert", "key", "crl", "insecure")]
 COORDINATOR_KEYS = [k for k in config_keys() if k != "clients"]
 # The built-in client factory's options (fedgrid.simulation.tasks.CLIENT_KEYS) as `fedgrid
 # client` flags, so a deployed client trains like its simulated twin; --data-partition is the spec.
@@ -31,12 +32,15 @@ def _add_config_flags(parser: argparse.ArgumentParser, keys: Sequence[str], *, w
         f = fields[key]
         kind, optional = key_type(f)
         default = "the strategy's" if optional and f.default is None else repr(f.default)
+        # A bare boolean flag means true (--insecure); --insecure false still parses.
+        flag: dict[str, Any] = {"nargs": "?", "const": "true"} if kind is bool else {}
         parser.add_argument(
             "--" + key.replace("_", "-"),
             dest=key,
             metavar=kind.__name__.upper(),
             default=None,
             help=f"{f.metadata['help']} (default: {default})",
+            **flag,
         )
 
 
@@ -58,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_argument("--seed", type=int, default=0)
     cli.add_argument("--data-partition", dest="partitioner", default=None, metavar="SPEC", help="iid, dirichlet:ALPHA, shards:N or natural (built-in datasets)")
     cli.add_argument("--region", default="")
+    cli.add_argument("--ca", default="", metavar="FILE", help="mutual TLS: PEM CA bundle that signs the coordinator's certificate")
+    cli.add_argument("--cert", default="", metavar="FILE", help="mutual TLS: this client's certificate (its identity is the client's name)")
+    cli.add_argument("--key", default="", metavar="FILE", help="mutual TLS: this client's private key")
+    cli.add_argument("--server-name", dest="server_name", default="", metavar="NAME",
+                     help="the name the coordinator's certificate holds, when not the host of --coordinator")
     _add_config_flags(cli, [*CLIENT_OPTION_KEYS, "threads"], with_config=False)
     cli.add_argument(
         "--state-dir", dest="state_dir", default=None, metavar="DIR",
@@ -268,7 +277,8 @@ def _client(args: argparse.Namespace) -> int:
 
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:
-        summary = run(client, coordinator=args.coordinator, state_path=state_path)
+        summary = run(client, coordinator=args.coordinator, state_path=state_path, ca=args.ca, cert=args.cert, key=args.key,
+                      server_name=args.server_name)
     except KeyboardInterrupt:
         print(f"client {client.name}: stopped; left the federation", flush=True)
         return 0

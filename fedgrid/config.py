@@ -138,6 +138,11 @@ class Config:
     chunk_size: int = _key("payload bytes per wire chunk", CHUNK_SIZE)
     listen: str = _key("coordinator address HOST:PORT (port 0 picks a free one)", "0.0.0.0:50051")
     max_workers: int = _key("coordinator RPC threads (one per long poll)", 256)
+    ca: str = _key("mutual TLS: PEM file of the CA certificate(s) that sign the peers' certificates (see `fedgrid certs`)", "")
+    cert: str = _key("mutual TLS: PEM file of this side's certificate", "")
+    key: str = _key("mutual TLS: PEM file of this side's private key (mode 0600)", "")
+    crl: str = _key("coordinator, mutual TLS: PEM revocation list, re-read when it changes (fedgrid certs keeps DIR/crl.pem)", "")
+    insecure: bool = _key("coordinator: serve plaintext on a non-loopback address (anyone who reaches the port can join)", False)
     out: str = _key("run directory", "")
     state_dir: str = _key("durable coordinator state directory", "")
 
@@ -179,6 +184,14 @@ class Config:
         # ranges, and the aggregator; a model-dependent check (block partition) follows at
         # initialize, the client-count check (Krum's n > 2f + 2) once that count is known.
         build_strategy_from(self.strategy, seed=self.seed, **self.strategy_options())
+        tls_given = [k for k in ("ca", "cert", "key") if getattr(self, k)]
+        if tls_given and len(tls_given) != 3:
+            missing = [k for k in ("ca", "cert", "key") if k not in tls_given]
+            raise ConfigError(missing[0], f"ca, cert and key go together (mutual TLS); missing {', '.join(missing)}")
+        if self.crl and not tls_given:
+            raise ConfigError("crl", "a revocation list needs ca, cert and key (mutual TLS)")
+        if tls_given and self.insecure:
+            raise ConfigError("insecure", "insecure (plaintext) contradicts ca/cert/key (mutual TLS)")
         host, sep, port = self.listen.rpartition(":")
         if not sep or not host or not port.isdigit() or int(port) > 65535:
             raise ConfigError("listen", f"expected HOST:PORT, got {self.listen!r}")

@@ -12,6 +12,7 @@ __all__ = [
     "ConfigError",
     "InvalidUpdateError",
     "AuthenticationError",
+    "PermissionDeniedError",
     "StaleTaskError",
     "DuplicateUpdateError",
     "PayloadTooLargeError",
@@ -43,7 +44,12 @@ class PayloadTooLargeError(InvalidUpdateError):
 
 
 class AuthenticationError(FedgridError):
-    """Unknown client id or wrong session token."""
+    """Unknown client id or wrong session token, or a revoked certificate."""
+
+
+class PermissionDeniedError(FedgridError):
+    """An authenticated peer asked for what its identity may not do (act as another
+    client, join under another name, present a certificate not made for a client)."""
 
 
 class StaleTaskError(FedgridError):

@@ -112,14 +112,12 @@ class JoinReply(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., session_token: _Optional[str] = ..., run_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., chunk_size: _Optional[int] = ...) -> None: ...
 
 class PollRequest(_message.Message):
-    __slots__ = ("client_id", "session_token", "wait_s")
+    __slots__ = ("client_id", "wait_s")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
-    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     client_id: str
-    session_token: str
     wait_s: float
-    def __init__(self, client_id: _Optional[str] = ..., session_token: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, client_id: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class Task(_message.Message):
     __slots__ = ("task_id", "round", "kind", "config", "deadline_s", "phase", "peers")
@@ -157,16 +155,14 @@ class PollReply(_message.Message):
     def __init__(self, task: _Optional[_Union[Task, _Mapping]] = ..., retry_after_s: _Optional[float] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class DownloadRequest(_message.Message):
-    __slots__ = ("client_id", "session_token", "task_id", "have_version")
+    __slots__ = ("client_id", "task_id", "have_version")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
-    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     HAVE_VERSION_FIELD_NUMBER: _ClassVar[int]
     client_id: str
-    session_token: str
     task_id: str
     have_version: int
-    def __init__(self, client_id: _Optional[str] = ..., session_token: _Optional[str] = ..., task_id: _Optional[str] = ..., have_version: _Optional[int] = ...) -> None: ...
+    def __init__(self, client_id: _Optional[str] = ..., task_id: _Optional[str] = ..., have_version: _Optional[int] = ...) -> None: ...
 
 class TensorMeta(_message.Message):
     __slots__ = ("name", "dtype", "shape", "codec", "nbytes", "checksum")
@@ -185,7 +181,7 @@ class TensorMeta(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., codec: _Optional[str] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class StreamHeader(_message.Message):
-    __slots__ = ("run_id", "task_id", "round", "num_tensors", "total_bytes", "client_id", "session_token", "num_examples", "metrics", "resume_from_chunk", "delta", "version", "base_version")
+    __slots__ = ("run_id", "task_id", "round", "num_tensors", "total_bytes", "client_id", "num_examples", "metrics", "resume_from_chunk", "delta", "version", "base_version")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -199,7 +195,6 @@ class StreamHeader(_message.Message):
     NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
-    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     RESUME_FROM_CHUNK_FIELD_NUMBER: _ClassVar[int]
@@ -212,14 +207,13 @@ class StreamHeader(_message.Message):
     num_tensors: int
     total_bytes: int
     client_id: str
-    session_token: str
     num_examples: int
     metrics: _containers.ScalarMap[str, float]
     resume_from_chunk: int
     delta: bool
     version: int
     base_version: int
-    def __init__(self, run_id: _Optional[str] = ..., task_id: _Optional[str] = ..., round: _Optional[int] = ..., num_tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ..., client_id: _Optional[str] = ..., session_token: _Optional[str] = ..., num_examples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., resume_from_chunk: _Optional[int] = ..., delta: _Optional[bool] = ..., version: _Optional[int] = ..., base_version: _Optional[int] = ...) -> None: ...
+    def __init__(self, run_id: _Optional[str] = ..., task_id: _Optional[str] = ..., round: _Optional[int] = ..., num_tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ..., client_id: _Optional[str] = ..., num_examples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., resume_from_chunk: _Optional[int] = ..., delta: _Optional[bool] = ..., version: _Optional[int] = ..., base_version: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("header", "tensor", "data")
@@ -240,14 +234,12 @@ class UploadReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class UploadStatusRequest(_message.Message):
-    __slots__ = ("client_id", "session_token", "task_id")
+    __slots__ = ("client_id", "task_id")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
-    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     client_id: str
-    session_token: str
     task_id: str
-    def __init__(self, client_id: _Optional[str] = ..., session_token: _Optional[str] = ..., task_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, client_id: _Optional[str] = ..., task_id: _Optional[str] = ...) -> None: ...
 
 class UploadStatusReply(_message.Message):
     __slots__ = ("chunks_received", "accepted")
@@ -258,12 +250,10 @@ class UploadStatusReply(_message.Message):
     def __init__(self, chunks_received: _Optional[int] = ..., accepted: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("client_id", "session_token")
+    __slots__ = ("client_id",)
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
-    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     client_id: str
-    session_token: str
-    def __init__(self, client_id: _Optional[str] = ..., session_token: _Optional[str] = ...) -> None: ...
+    def __init__(self, client_id: _Optional[str] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("interval_s",)
@@ -272,30 +262,26 @@ class HeartbeatReply(_message.Message):
     def __init__(self, interval_s: _Optional[float] = ...) -> None: ...
 
 class ReportFailureRequest(_message.Message):
-    __slots__ = ("client_id", "session_token", "task_id", "reason")
+    __slots__ = ("client_id", "task_id", "reason")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
-    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     client_id: str
-    session_token: str
     task_id: str
     reason: str
-    def __init__(self, client_id: _Optional[str] = ..., session_token: _Optional[str] = ..., task_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    def __init__(self, client_id: _Optional[str] = ..., task_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ReportFailureReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("client_id", "session_token", "reason")
+    __slots__ = ("client_id", "reason")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
-    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     client_id: str
-    session_token: str
     reason: str
-    def __init__(self, client_id: _Optional[str] = ..., session_token: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    def __init__(self, client_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class LeaveReply(_message.Message):
     __slots__ = ()
@@ -310,16 +296,14 @@ class Envelope(_message.Message):
     def __init__(self, peer: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class SendMessagesRequest(_message.Message):
-    __slots__ = ("client_id", "session_token", "task_id", "messages")
+    __slots__ = ("client_id", "task_id", "messages")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
-    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     client_id: str
-    session_token: str
     task_id: str
     messages: _containers.RepeatedCompositeFieldContainer[Envelope]
-    def __init__(self, client_id: _Optional[str] = ..., session_token: _Optional[str] = ..., task_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Envelope, _Mapping]]] = ...) -> None: ...
+    def __init__(self, client_id: _Optional[str] = ..., task_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Envelope, _Mapping]]] = ...) -> None: ...
 
 class SendMessagesReply(_message.Message):
     __slots__ = ("bytes_accepted",)
@@ -328,18 +312,16 @@ class SendMessagesReply(_message.Message):
     def __init__(self, bytes_accepted: _Optional[int] = ...) -> None: ...
 
 class ReceiveMessagesRequest(_message.Message):
-    __slots__ = ("client_id", "session_token", "task_id", "start", "wait_s")
+    __slots__ = ("client_id", "task_id", "start", "wait_s")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
-    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     client_id: str
-    session_token: str
     task_id: str
     start: int
     wait_s: float
-    def __init__(self, client_id: _Optional[str] = ..., session_token: _Optional[str] = ..., task_id: _Optional[str] = ..., start: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, client_id: _Optional[str] = ..., task_id: _Optional[str] = ..., start: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class ReceiveMessagesReply(_message.Message):
     __slots__ = ("ready", "messages", "total", "retry_after_s")

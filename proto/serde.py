@@ -112,7 +112,6 @@ class StreamInfo:
     task_id: str = ""
     round: int = 0
     client_id: str = ""
-    session_token: str = ""
     num_examples: int = 0
     metrics: Mapping[str, float] = field(default_factory=dict)
     resume_from_chunk: int = 0
@@ -187,7 +186,6 @@ class EncodedModel:
             num_tensors=len(self._tensors),
             total_bytes=self.total_bytes,
             client_id=info.client_id,
-            session_token=info.session_token,
             num_examples=info.num_examples,
             metrics=dict(info.metrics),
             resume_from_chunk=start,
@@ -515,7 +513,6 @@ def _info(header: pb.StreamHeader) -> StreamInfo:
         task_id=header.task_id,
         round=header.round,
         client_id=header.client_id,
-        session_token=header.session_token,
         num_examples=header.num_examples,
         metrics=dict(header.metrics),
         resume_from_chunk=header.resume_from_chunk,

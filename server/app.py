@@ -33,12 +33,15 @@ from fedgrid.constants import (
     STREAM_IDLE_S,
 )
 from fedgrid.errors import ConfigError
+from fedgrid.pki import RevocationList
 from fedgrid.plugins import model_state
+from fedgrid.proto.tls import TLSFiles, is_loopback, server_credentials
 from fedgrid.runlog import RunWriter, load_model
 from fedgrid.server.engine import EvaluateFn, RoundEngine
 from fedgrid.server.codec_policy import build_codec_policy
 from fedgrid.server.grpc_fleet import GrpcFleet
 from fedgrid.server.memory import return_large_buffers_to_the_system
+from fedgrid.server.peers import PeerCheck
 from fedgrid.server.service import SERVICE, CoordinatorServicer, add_to_server
 from fedgrid.server.state import StateStore
 from fedgrid.server.strategies import build_strategy
@@ -76,6 +79,15 @@ class Coordinator:
         interceptors: ``grpc.aio`` server interceptors (authentication, logging, fault injection).
         max_transfers: downloads and uploads in flight at once; more get RESOURCE_EXHAUSTED.
         stream_idle_s: an upload stream silent this long is given up (DEADLINE_EXCEEDED).
+        tls: the coordinator's CA bundle, certificate and key (and, optionally, revocation
+            list): it then speaks only mutual TLS, and a client's identity is its certificate's
+            (``server/peers.py``). Without it the coordinator speaks plaintext, which it does
+            only on a loopback address or with ``insecure``.
+        insecure: allow plaintext on a non-loopback address (logged as a warning).
+
+    Raises:
+        ConfigError: plaintext on a non-loopback address without ``insecure``; unreadable
+            or mismatched TLS files (named).
 
     Connection limits (streams per connection, keepalive, idle connections) are the
     ``GRPC_OPTIONS``, from ``fedgrid.constants`` (``FEDGRID_*`` overrides).
@@ -90,8 +102,13 @@ class Coordinator:
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
         max_transfers: int = MAX_TRANSFERS,
         stream_idle_s: float = STREAM_IDLE_S,
+        tls: TLSFiles | None = None,
+        insecure: bool = False,
     ) -> None:
         self.fleet = fleet
+        host = listen.rpartition(":")[0]
+        credentials, check = self._security(host, tls, insecure)
+        self.tls = tls is not None
         return_large_buffers_to_the_system()  # model-sized buffers go back to the OS when freed
         # Shorter GIL turns (process-wide, never longer than already set): see GIL_SWITCH_INTERVAL_S.
         sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
@@ -103,10 +120,11 @@ class Coordinator:
         async def build() -> tuple[grpc.aio.Server, health_aio.HealthServicer, int]:
             server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=list(interceptors))
             self.servicer = CoordinatorServicer(fleet, self.executor, max_transfers=max_transfers, stream_idle_s=stream_idle_s)
-            add_to_server(self.servicer, server)
+            add_to_server(self.servicer, server, check)
             checker = health_aio.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(checker, server)
-            return server, checker, server.add_insecure_port(listen)
+            port = server.add_insecure_port(listen) if credentials is None else server.add_secure_port(listen, credentials)
+            return server, checker, port
 
         try:
             self.server, self.health, self.port = self._run(build())
@@ -116,8 +134,27 @@ class Coordinator:
         if self.port == 0:
             self._shutdown_loop()
             raise OSError(f"could not bind {listen}")
-        host = listen.rpartition(":")[0]
         self.address = f"{'127.0.0.1' if host in ('0.0.0.0', '[::]') else host}:{self.port}"
+
+    @staticmethod
+    def _security(host: str, tls: TLSFiles | None, insecure: bool) -> tuple[grpc.ServerCredentials | None, PeerCheck]:
+        """The server's credentials and per-call check; refuses open plaintext."""
+        if tls is not None:
+            try:
+                credentials = server_credentials(tls)
+                revocations = RevocationList(tls.crl, tls.ca) if tls.crl else None
+            except (OSError, ValueError) as exc:
+                raise ConfigError("cert", str(exc)) from None
+            log.info("mutual TLS: clients need a certificate of %s%s", tls.ca, f", revocations from {tls.crl}" if tls.crl else "")
+            return credentials, PeerCheck(tls=True, revocations=revocations)
+        if is_loopback(host):
+            log.info("plaintext on loopback address %s: for development only (give --ca/--cert/--key to use mTLS)", host)
+        elif insecure:
+            log.warning("INSECURE: plaintext on %s: anyone who reaches the port can join and send updates", host)
+        else:
+            raise ConfigError("listen", f"{host!r} is not a loopback address: a coordinator there needs --ca, --cert and --key "
+                              "(mutual TLS; see `fedgrid certs`), or --insecure to serve plaintext anyway")
+        return None, PeerCheck(tls=False)
 
     def _run(self, coro: Any, timeout: float = 30.0) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -231,7 +268,8 @@ def _serve(
         codec_policy=build_codec_policy(config),
         downlink_codec=config.downlink_codec,
     )
-    coordinator = Coordinator(config.listen, fleet, max_workers=config.max_workers).start()
+    tls = TLSFiles.from_options(config.ca, config.cert, config.key, config.crl)
+    coordinator = Coordinator(config.listen, fleet, max_workers=config.max_workers, tls=tls, insecure=config.insecure).start()
     address_tmp = Path(config.out) / "address.tmp"  # atomic: a script waiting for the file never reads half of it
     address_tmp.write_text(coordinator.address + "\n")
     os.replace(address_tmp, Path(config.out) / "address")

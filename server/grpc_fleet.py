@@ -133,11 +133,12 @@ class GrpcFleet(Fleet):
         self.mailbox = Mailbox(self.registry, self.events, self._open_task, lambda: self._round, lambda: self._interrupted)
 
     # -- handlers (called by the servicer) -------------------------------------------------
-    def join(self, joining: ClientInfo) -> tuple[ClientInfo, str]:
-        """Registers a client (its ``client_id`` is assigned here); returns its info and session token."""
+    def join(self, joining: ClientInfo, *, identity: str | None = None) -> tuple[ClientInfo, str]:
+        """Registers a client (its ``client_id`` is assigned here); returns its info and session
+        token. ``identity``: its certificate's, under mTLS (``Registry.join``)."""
         if self._finished:
             raise RunFinishedError("the run is over")
-        return self.registry.join(joining)
+        return self.registry.join(joining, identity=identity)
 
     def authenticate(self, client_id: str, token: str) -> ClientRecord:
         """Returns the client's record and marks it alive.
@@ -326,9 +327,10 @@ class GrpcFleet(Fleet):
             with self._lock:
                 rnd.bytes_down += sent
 
-    def upload(self, frames: Iterable[bytes]) -> int:
-        """Receives one update stream (``Uploads.upload``); returns the payload bytes accepted."""
-        return self.uploads.upload(frames)
+    def upload(self, frames: Iterable[bytes], token: str) -> int:
+        """Receives one update stream of the session ``token`` (``Uploads.upload``); returns
+        the payload bytes accepted."""
+        return self.uploads.upload(frames, token)
 
     def upload_status(self, client_id: str, token: str, task_id: str) -> tuple[int, bool]:
         """(chunks of a broken upload the coordinator holds, whether the update already landed)."""

@@ -15,8 +15,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from fedgrid.errors import AuthenticationError
+from fedgrid.errors import AuthenticationError, PermissionDeniedError
 from fedgrid.events import EventLog
+from fedgrid.server.peers import CALLER
 from fedgrid.server.wakeups import Wakeups
 from fedgrid.types import ClientInfo
 
@@ -61,8 +62,23 @@ class Registry:
         self.records: dict[str, ClientRecord] = {}
         self._by_name: dict[str, str] = {}  # name -> client id: a rejoin finds its ghost in O(1)
 
-    def join(self, joining: ClientInfo) -> tuple[ClientInfo, str]:
-        """Registers a client under a new id; a session of the same name is replaced."""
+    def join(self, joining: ClientInfo, *, identity: str | None = None) -> tuple[ClientInfo, str]:
+        """Registers a client under a new id; a session of the same name is replaced.
+
+        Under mutual TLS ``identity`` is the client's certificate identity, and it is the
+        client's name: the key of the name index (so one identity has one live session, a
+        second join replacing the first), of the canonical aggregation order
+        (``ClientInfo.sort_key``) and of its state file. The client id stays a per-session
+        handle, so a replaced session's late calls never pass for the new one's. A join that
+        names another name is refused.
+
+        Raises:
+            PermissionDeniedError: the request's name is not the certificate's identity.
+        """
+        if identity is not None:
+            if joining.name and joining.name != identity:
+                raise PermissionDeniedError(f"the certificate of {identity!r} cannot join as {joining.name[:128]!r}")
+            joining = dataclasses.replace(joining, name=identity)
         info = dataclasses.replace(joining, client_id=uuid.uuid4().hex[:16])
         token = secrets.token_urlsafe(24)
         with self.lock:
@@ -85,15 +101,22 @@ class Registry:
     def authenticate(self, client_id: str, token: str) -> ClientRecord:
         """Returns the client's record and marks it alive.
 
+        Under mutual TLS the calling peer (``CALLER``, set by the service's guard) must be
+        the identity the session joined as.
+
         Raises:
             AuthenticationError: unknown client or wrong token.
+            PermissionDeniedError: the session is another identity's.
         """
+        caller = CALLER.get(None)
         with self.lock:
             record = self.records.get(client_id)
             if record is None:
-                raise AuthenticationError(f"unknown client {client_id!r}")
+                raise AuthenticationError(f"unknown client {client_id[:64]!r}")
             if not secrets.compare_digest(record.token.encode(), token.encode()):
-                raise AuthenticationError(f"bad session token for client {client_id!r}")
+                raise AuthenticationError(f"bad session token for client {client_id[:64]!r}")
+            if caller is not None and caller.identity is not None and caller.identity != record.info.name:
+                raise PermissionDeniedError(f"the certificate of {caller.identity!r} cannot act as client {client_id!r} ({record.info.name!r})")
             record.last_seen = time.monotonic()
             return record
 

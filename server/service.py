@@ -10,6 +10,7 @@ to settle) runs on the ``executor`` threads.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import queue
 from concurrent.futures import Executor
@@ -23,6 +24,7 @@ from fedgrid.errors import (
     DuplicateUpdateError,
     FedgridError,
     InvalidUpdateError,
+    PermissionDeniedError,
     ResourceLimitError,
     RunFinishedError,
     StaleTaskError,
@@ -30,6 +32,7 @@ from fedgrid.errors import (
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import serde
 from fedgrid.server.grpc_fleet import GrpcFleet
+from fedgrid.server.peers import CALLER, PeerCheck
 from fedgrid.types import EVALUATE, FIT, MessageIns
 
 __all__ = ["CoordinatorServicer", "STATUS_OF", "add_to_server", "SERVICE"]
@@ -44,6 +47,7 @@ T = TypeVar("T")
 STATUS_OF: tuple[tuple[type[FedgridError], grpc.StatusCode], ...] = (
     (InvalidUpdateError, grpc.StatusCode.INVALID_ARGUMENT),
     (AuthenticationError, grpc.StatusCode.UNAUTHENTICATED),
+    (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
     (DuplicateUpdateError, grpc.StatusCode.ALREADY_EXISTS),
     (StaleTaskError, grpc.StatusCode.FAILED_PRECONDITION),
     (RunFinishedError, grpc.StatusCode.FAILED_PRECONDITION),
@@ -56,6 +60,11 @@ def status_of(exc: FedgridError) -> grpc.StatusCode:
         if isinstance(exc, kind):
             return code
     return grpc.StatusCode.INTERNAL
+
+
+def _token() -> str:
+    """The session token of the call being served (its metadata, read by ``guard``)."""
+    return CALLER.get().token
 
 
 def _long_poll_wait(wait_s: float, context: grpc.aio.ServicerContext) -> float:
@@ -163,7 +172,8 @@ class CoordinatorServicer:
         self.transfers += 1
 
     async def _offload(self, fn: Callable[..., T], *args: object) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        # In the call's context, so the registry sees its caller (CALLER) on the thread too.
+        return await asyncio.get_running_loop().run_in_executor(self.executor, contextvars.copy_context().run, fn, *args)
 
     async def _call(self, context: grpc.aio.ServicerContext, body: Callable[[], Awaitable[T]]) -> T:
         try:
@@ -176,7 +186,7 @@ class CoordinatorServicer:
 
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinReply:
         async def body() -> pb.JoinReply:
-            info, token = self.fleet.join(serde.client_info_from_join("", request))
+            info, token = self.fleet.join(serde.client_info_from_join("", request), identity=CALLER.get().identity)
             return pb.JoinReply(
                 client_id=info.client_id,
                 session_token=token,
@@ -189,7 +199,7 @@ class CoordinatorServicer:
 
     async def PollTask(self, request: pb.PollRequest, context: grpc.aio.ServicerContext) -> pb.PollReply:
         async def body() -> pb.PollReply:
-            result = await self.fleet.poll_async(request.client_id, request.session_token, _long_poll_wait(request.wait_s, context))
+            result = await self.fleet.poll_async(request.client_id, _token(), _long_poll_wait(request.wait_s, context))
             if result.finished:
                 return pb.PollReply(finished=True)
             if result.ins is None:
@@ -217,7 +227,7 @@ class CoordinatorServicer:
         try:
             try:
                 # Encoding the round's model (once per round) and slicing frames are CPU work.
-                frames: Iterator[bytes] = await self._offload(self.fleet.download, request.client_id, request.session_token, request.task_id, have)
+                frames: Iterator[bytes] = await self._offload(self.fleet.download, request.client_id, _token(), request.task_id, have)
             except FedgridError as exc:
                 await _abort(context, exc)
             try:
@@ -248,7 +258,7 @@ class CoordinatorServicer:
                     raise TimeoutError(f"upload stream sent no header within {self.stream_idle_s:g}s") from None
                 reader.start()
                 try:
-                    received = await self._offload(self.fleet.upload, reader.frames(first))
+                    received = await self._offload(self.fleet.upload, reader.frames(first), _token())
                 finally:
                     # Cancelled: the client went away, the thread stops reading and keeps what
                     # arrived. Otherwise the stream was read to its end or refused.
@@ -262,27 +272,27 @@ class CoordinatorServicer:
     async def UploadStatus(self, request: pb.UploadStatusRequest, context: grpc.aio.ServicerContext) -> pb.UploadStatusReply:
         async def body() -> pb.UploadStatusReply:
             # It may wait for a broken stream to settle on its thread: not on the loop.
-            received, accepted = await self._offload(self.fleet.upload_status, request.client_id, request.session_token, request.task_id)
+            received, accepted = await self._offload(self.fleet.upload_status, request.client_id, _token(), request.task_id)
             return pb.UploadStatusReply(chunks_received=received, accepted=accepted)
 
         return await self._call(context, body)
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatReply:
         async def body() -> pb.HeartbeatReply:
-            return pb.HeartbeatReply(interval_s=self.fleet.heartbeat(request.client_id, request.session_token))
+            return pb.HeartbeatReply(interval_s=self.fleet.heartbeat(request.client_id, _token()))
 
         return await self._call(context, body)
 
     async def ReportFailure(self, request: pb.ReportFailureRequest, context: grpc.aio.ServicerContext) -> pb.ReportFailureReply:
         async def body() -> pb.ReportFailureReply:
-            self.fleet.report_failure(request.client_id, request.session_token, request.task_id, request.reason)
+            self.fleet.report_failure(request.client_id, _token(), request.task_id, request.reason)
             return pb.ReportFailureReply()
 
         return await self._call(context, body)
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveReply:
         async def body() -> pb.LeaveReply:
-            self.fleet.leave(request.client_id, request.session_token, request.reason)
+            self.fleet.leave(request.client_id, _token(), request.reason)
             return pb.LeaveReply()
 
         return await self._call(context, body)
@@ -291,14 +301,14 @@ class CoordinatorServicer:
     async def SendMessages(self, request: pb.SendMessagesRequest, context: grpc.aio.ServicerContext) -> pb.SendMessagesReply:
         async def body() -> pb.SendMessagesReply:
             outbox = serde.outbox_from_pb(request.messages)
-            accepted = self.fleet.send_messages(request.client_id, request.session_token, request.task_id, outbox)
+            accepted = self.fleet.send_messages(request.client_id, _token(), request.task_id, outbox)
             return pb.SendMessagesReply(bytes_accepted=accepted)
 
         return await self._call(context, body)
 
     async def ReceiveMessages(self, request: pb.ReceiveMessagesRequest, context: grpc.aio.ServicerContext) -> pb.ReceiveMessagesReply:
         async def body() -> pb.ReceiveMessagesReply:
-            page = await self.fleet.receive_messages_async(request.client_id, request.session_token, request.task_id, request.start,
+            page = await self.fleet.receive_messages_async(request.client_id, _token(), request.task_id, request.start,
                                                            _long_poll_wait(request.wait_s, context))
             return pb.ReceiveMessagesReply(
                 ready=page.ready, messages=serde.envelopes_to_pb(page.messages), total=page.total, retry_after_s=page.retry_after_s
@@ -307,10 +317,13 @@ class CoordinatorServicer:
         return await self._call(context, body)
 
 
-def add_to_server(servicer: CoordinatorServicer, server: grpc.aio.Server) -> None:
-    """Registers the service. The two chunk streams move encoded ``Chunk`` messages as bytes
-    (identity serializers), so model payloads are copied once on each side instead of
-    passing through protobuf objects; on the wire they are ordinary ``Chunk`` messages."""
+def add_to_server(servicer: CoordinatorServicer, server: grpc.aio.Server, check: PeerCheck | None = None) -> None:
+    """Registers the service, each method behind ``guard(check)`` (default: a plaintext
+    server's check, which only reads the session token). The two chunk streams move encoded
+    ``Chunk`` messages as bytes (identity serializers), so model payloads are copied once on
+    each side instead of passing through protobuf objects; on the wire they are ordinary
+    ``Chunk`` messages."""
+    check = check or PeerCheck(tls=False)
 
     def unary(method: Callable, request: Any, reply: Any) -> grpc.RpcMethodHandler:
         return grpc.unary_unary_rpc_method_handler(method, request_deserializer=request.FromString, response_serializer=reply.SerializeToString)
@@ -331,4 +344,43 @@ def add_to_server(servicer: CoordinatorServicer, server: grpc.aio.Server) -> Non
         "SendMessages": unary(servicer.SendMessages, pb.SendMessagesRequest, pb.SendMessagesReply),
         "ReceiveMessages": unary(servicer.ReceiveMessages, pb.ReceiveMessagesRequest, pb.ReceiveMessagesReply),
     }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    guarded = {name: guard(check, handler) for name, handler in handlers.items()}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, guarded),))
+
+
+async def _refuse(context: grpc.aio.ServicerContext, exc: FedgridError) -> None:
+    log.info("refused a call from %s: %s", context.peer()[:128].encode("unicode_escape").decode(), exc)
+    await context.abort(status_of(exc), str(exc))
+
+
+def guard(check: PeerCheck, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """``handler`` with ``check`` run first; its behaviour sees the caller in ``CALLER``."""
+
+    def unary(behaviour: Callable[[Any, Any], Awaitable[Any]]) -> Callable[[Any, Any], Awaitable[Any]]:
+        async def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                CALLER.set(check.caller(context))
+            except FedgridError as exc:
+                await _refuse(context, exc)
+            return await behaviour(request, context)
+
+        return checked
+
+    def streaming(behaviour: Callable[[Any, Any], AsyncIterator[Any]]) -> Callable[[Any, Any], AsyncIterator[Any]]:
+        async def checked(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                CALLER.set(check.caller(context))
+            except FedgridError as exc:
+                await _refuse(context, exc)
+            async for item in behaviour(request, context):
+                yield item
+
+        return checked
+
+    if handler.unary_unary is not None:
+        return handler._replace(unary_unary=unary(handler.unary_unary))  # type: ignore[attr-defined]
+    if handler.stream_unary is not None:
+        return handler._replace(stream_unary=unary(handler.stream_unary))  # type: ignore[attr-defined]
+    if handler.unary_stream is not None:
+        return handler._replace(unary_stream=streaming(handler.unary_stream))  # type: ignore[attr-defined]
+    raise TypeError("guard: bidirectional streams are not part of fedgrid.v1")

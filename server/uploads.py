@@ -64,8 +64,8 @@ class Uploads:
         self._open_task = open_task
         self._current = current
 
-    def upload(self, frames: Iterable[bytes]) -> int:
-        """Receives one update stream; returns the payload bytes accepted.
+    def upload(self, frames: Iterable[bytes], token: str) -> int:
+        """Receives one update stream of the session ``token``; returns the payload bytes accepted.
 
         Raises:
             InvalidUpdateError: malformed stream or tensors (state unchanged).
@@ -76,7 +76,7 @@ class Uploads:
         if first is None:
             raise InvalidUpdateError("empty upload stream: no header")
         header = serde.read_header(first)
-        record = self.registry.authenticate(header.client_id, header.session_token)
+        record = self.registry.authenticate(header.client_id, token)
         client_id = record.info.client_id
         with self.lock:
             current = self._current()

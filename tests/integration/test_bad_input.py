@@ -12,6 +12,7 @@ import torch
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
 from fedgrid.proto import serde
+from fedgrid.proto.tls import session_metadata
 
 
 @pytest.fixture
@@ -21,20 +22,29 @@ def session(coordinator):
     stub = pb_grpc.CoordinatorStub(channel)
     joined = stub.Join(pb.JoinRequest(name="probe", num_examples=10), timeout=10)
     coordinator.open_round()
-    reply = stub.PollTask(pb.PollRequest(client_id=joined.client_id, session_token=joined.session_token, wait_s=5), timeout=10)
+    reply = stub.PollTask(pb.PollRequest(client_id=joined.client_id, wait_s=5), metadata=session_metadata(joined.session_token), timeout=10)
     assert reply.WhichOneof("reply") == "task"
     coordinator.snap = _snapshot(coordinator)
     yield stub, joined.client_id, joined.session_token, reply.task
     channel.close()
 
 
-def _upload(stub, chunks):
-    return stub.UploadUpdate(iter(list(chunks)), timeout=10)
+class _Stream(list):
+    """An upload's chunks, and the session token its call carries in metadata."""
+
+    def __init__(self, chunks, token: str) -> None:
+        super().__init__(chunks)
+        self.token = token
+
+
+def _upload(stub, chunks, token=None):
+    """Uploads ``chunks`` in the session ``token`` (default: the stream's own)."""
+    return stub.UploadUpdate(iter(list(chunks)), metadata=session_metadata(chunks.token if token is None else token), timeout=10)
 
 
 def _chunks(state, cid, token, task, **overrides):
-    info = serde.StreamInfo(task_id=task.task_id, round=task.round, client_id=cid, session_token=token, num_examples=5, **overrides)
-    return list(serde.encode_model(state, info, chunk_size=16))
+    info = serde.StreamInfo(task_id=task.task_id, round=task.round, client_id=cid, num_examples=5, **overrides)
+    return _Stream(serde.encode_model(state, info, chunk_size=16), token)
 
 
 def _good(small_state):
@@ -118,11 +128,11 @@ def test_truncated_and_oversized_tensor(coordinator, session, small_state):
     stub, cid, token, task = session
     chunks = _chunks(_good(small_state), cid, token, task)
     with pytest.raises(grpc.RpcError) as err:
-        _upload(stub, chunks[:-1])
+        _upload(stub, chunks[:-1], token)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "truncated" in err.value.details()
     longer = chunks[:2] + [pb.Chunk(data=b"\0" * 16)] + chunks[2:]
     with pytest.raises(grpc.RpcError) as err:
-        _upload(stub, longer)
+        _upload(stub, longer, token)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "larger than declared" in err.value.details()
     _assert_untouched(coordinator)
 
@@ -143,9 +153,9 @@ def test_unauthenticated_everywhere(coordinator, session, small_state, who):
     bad_cid, bad_token = ("not-a-client", token) if who == "unknown client" else (cid, token + "x")
     calls = {
         "upload": lambda: _upload(stub, _chunks(_good(small_state), bad_cid, bad_token, task)),
-        "poll": lambda: stub.PollTask(pb.PollRequest(client_id=bad_cid, session_token=bad_token, wait_s=0), timeout=10),
-        "download": lambda: list(stub.DownloadModel(pb.DownloadRequest(client_id=bad_cid, session_token=bad_token, task_id=task.task_id), timeout=10)),
-        "heartbeat": lambda: stub.Heartbeat(pb.HeartbeatRequest(client_id=bad_cid, session_token=bad_token), timeout=10),
+        "poll": lambda: stub.PollTask(pb.PollRequest(client_id=bad_cid, wait_s=0), metadata=session_metadata(bad_token), timeout=10),
+        "download": lambda: list(stub.DownloadModel(pb.DownloadRequest(client_id=bad_cid, task_id=task.task_id), metadata=session_metadata(bad_token), timeout=10)),
+        "heartbeat": lambda: stub.Heartbeat(pb.HeartbeatRequest(client_id=bad_cid), metadata=session_metadata(bad_token), timeout=10),
     }
     for name, call in calls.items():
         with pytest.raises(grpc.RpcError) as err:
@@ -211,8 +221,8 @@ def test_unknown_codec(coordinator, session, small_state):
 @pytest.mark.parametrize("codec", ["fp16", "int8", "topk:0.5"])
 def test_compressed_payload_that_lies_about_its_size(coordinator, session, small_state, codec):
     stub, cid, token, task = session
-    info = serde.StreamInfo(task_id=task.task_id, round=task.round, client_id=cid, session_token=token, num_examples=5)
-    chunks = list(serde.EncodedModel(_good(small_state), codec=codec).chunks(info, chunk_size=1 << 20))
+    info = serde.StreamInfo(task_id=task.task_id, round=task.round, client_id=cid, num_examples=5)
+    chunks = _Stream(serde.EncodedModel(_good(small_state), codec=codec).chunks(info, chunk_size=1 << 20), token)
     payload = chunks[0].data
     chunks[0].header.total_bytes -= 2
     _tampered(chunks, 0, data=payload[:-2])  # two bytes short of what its own header says
@@ -222,7 +232,7 @@ def test_compressed_payload_that_lies_about_its_size(coordinator, session, small
     assert f"tensor 'layer.weight': {codec} payload" in err.value.details()
     _assert_untouched(coordinator)
     # A compressed update that tells the truth is accepted and decoded.
-    good = list(serde.EncodedModel(_good(small_state), codec=codec).chunks(info, chunk_size=1 << 20))
+    good = _Stream(serde.EncodedModel(_good(small_state), codec=codec).chunks(info, chunk_size=1 << 20), token)
     assert _upload(stub, good).accepted
 
 

@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from fedgrid.client.runtime import Connection
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import serde
+from fedgrid.proto.tls import session_metadata
 from fedgrid.server.app import Coordinator
 from fedgrid.server.grpc_fleet import GrpcFleet
 
@@ -28,7 +29,7 @@ class IdleStreams:
     """``n`` UploadUpdate streams that send nothing (or only ``first``), held open from an
     asyncio loop in a thread of this process until ``close``."""
 
-    def __init__(self, address: str, n: int, first: bytes | None = None) -> None:
+    def __init__(self, address: str, n: int, first: bytes | None = None, metadata=None) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -47,7 +48,7 @@ class IdleStreams:
 
             async def one() -> None:
                 try:
-                    await method(frames())
+                    await method(frames(), metadata=metadata)
                 except grpc.aio.AioRpcError as exc:
                     self.codes.append(exc.code())
                     self.details.append(exc.details() or "")
@@ -78,18 +79,19 @@ def test_a_client_holds_at_most_its_poll_limit(small_state):
     conn = Connection(server.address)
     try:
         conn.join(Named("poller"))
-        request = pb.PollRequest(client_id=conn.client_id, session_token=conn.token, wait_s=20)
-        held = [conn.stub.PollTask.future(request, timeout=30) for _ in range(2)]
+        request = pb.PollRequest(client_id=conn.client_id, wait_s=20)
+        md = session_metadata(conn.token)
+        held = [conn.stub.PollTask.future(request, metadata=md, timeout=30) for _ in range(2)]
         wait_until(lambda: fleet.polls_held(conn.client_id) == 2, timeout=10, what="two polls held")
         with pytest.raises(grpc.RpcError) as err:
-            conn.stub.PollTask(request, timeout=10)
+            conn.stub.PollTask(request, metadata=md, timeout=10)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "already holds 2 long polls (limit 2)" in err.value.details()
         assert not any(f.done() for f in held)  # the held polls are untouched
         for f in held:
             f.cancel()
         wait_until(lambda: fleet.polls_held(conn.client_id) == 0, timeout=10, what="polls released")
-        assert conn.stub.PollTask(pb.PollRequest(client_id=conn.client_id, session_token=conn.token, wait_s=0), timeout=10).retry_after_s == 0.0
+        assert conn.stub.PollTask(pb.PollRequest(client_id=conn.client_id, wait_s=0), metadata=md, timeout=10).retry_after_s == 0.0
     finally:
         conn.close()
         server.stop(grace=0.5)
@@ -140,17 +142,17 @@ def test_idle_upload_streams_are_given_up(small_state):
         rnd.start()
         task = conn.poll(10).task
         silent = IdleStreams(server.address, 1)  # not even a header
-        info = serde.StreamInfo(run_id=fleet.run_id, task_id=task.task_id, round=1, client_id=conn.client_id, session_token=conn.token,
+        info = serde.StreamInfo(run_id=fleet.run_id, task_id=task.task_id, round=1, client_id=conn.client_id,
                                 num_examples=3)
         first = next(iter(serde.EncodedModel(small_state).frames(info, chunk_size=16)))
-        stalled = IdleStreams(server.address, 1, first=first)  # a header and a first chunk, then nothing
+        stalled = IdleStreams(server.address, 1, first=first, metadata=session_metadata(conn.token))  # a header and a first chunk, then nothing
         wait_until(lambda: silent.codes and stalled.codes, timeout=20, what="both streams given up")
         assert silent.codes == [grpc.StatusCode.DEADLINE_EXCEEDED] and "sent no header within 0.5s" in silent.details[0]
         assert stalled.codes == [grpc.StatusCode.DEADLINE_EXCEEDED] and "upload stream idle for 0.5s" in stalled.details[0]
         wait_until(lambda: server_transfers(server) == 0, timeout=10, what="transfers released")
         # What arrived is kept for the client to resume from, and the round still waits for it.
-        assert conn.stub.UploadStatus(pb.UploadStatusRequest(client_id=conn.client_id, session_token=conn.token, task_id=task.task_id),
-                                      timeout=10).chunks_received == 1
+        assert conn.stub.UploadStatus(pb.UploadStatusRequest(client_id=conn.client_id, task_id=task.task_id),
+                                      metadata=session_metadata(conn.token), timeout=10).chunks_received == 1
         assert fleet.current_round is not None and fleet.current_round.results == {}
         silent.close()
         stalled.close()

@@ -136,6 +136,7 @@ def test_message_rpcs_refuse_bad_input_with_a_named_status_and_change_nothing():
     import grpc
 
     from fedgrid.proto import fedgrid_pb2 as pb
+    from fedgrid.proto.tls import session_metadata
     from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
     from fedgrid.types import TO_ALL, MessageIns
 
@@ -153,12 +154,12 @@ def test_message_rpcs_refuse_bad_input_with_a_named_status_and_change_nothing():
             server_round=1, phase="keys", assignments=[(i, MessageIns(round=1, phase="keys", peers=peers)) for i in infos],
             timeout=timedelta(seconds=30))))
         phase.start()
-        task = stub.PollTask(pb.PollRequest(client_id=a.client_id, session_token=a.session_token, wait_s=5), timeout=10).task
+        task = stub.PollTask(pb.PollRequest(client_id=a.client_id, wait_s=5), metadata=session_metadata(a.session_token), timeout=10).task
         assert (task.kind, task.phase, tuple(task.peers)) == (pb.MESSAGE, "keys", peers)
 
         def send(who, *envelopes, token=None, task_id=None):
-            return stub.SendMessages(pb.SendMessagesRequest(client_id=who.client_id, session_token=token or who.session_token,
-                                                            task_id=task_id or task.task_id, messages=list(envelopes)), timeout=10)
+            return stub.SendMessages(pb.SendMessagesRequest(client_id=who.client_id, task_id=task_id or task.task_id, messages=list(envelopes)),
+                                     metadata=session_metadata(token or who.session_token), timeout=10)
 
         def refused(code, words, *envelopes, **kw):
             snapshot = (dict(fleet.current_round.results), fleet.current_round.bytes_up)
@@ -179,14 +180,15 @@ def test_message_rpcs_refuse_bad_input_with_a_named_status_and_change_nothing():
         refused(grpc.StatusCode.UNAUTHENTICATED, "bad session token", env(peer=b.client_id, payload=b"x"), token="forged")
         refused(grpc.StatusCode.FAILED_PRECONDITION, "is not open", env(peer=b.client_id, payload=b"x"), task_id="other-task")
         # Before the phase closes there is nothing to receive yet; then a's messages count once.
-        early = stub.ReceiveMessages(pb.ReceiveMessagesRequest(client_id=a.client_id, session_token=a.session_token, task_id=task.task_id, wait_s=0), timeout=10)
+        early = stub.ReceiveMessages(pb.ReceiveMessagesRequest(client_id=a.client_id, task_id=task.task_id, wait_s=0),
+                                     metadata=session_metadata(a.session_token), timeout=10)
         assert not early.ready
         assert send(a, env(peer=b.client_id, payload=b"hello b")).bytes_accepted == 7
         refused(grpc.StatusCode.ALREADY_EXISTS, "already accepted", env(peer=b.client_id, payload=b"again"))
         # A model phase's RPCs are refused for a message task.
         with_download = None
         try:
-            list(stub.DownloadModel(pb.DownloadRequest(client_id=a.client_id, session_token=a.session_token, task_id=task.task_id), timeout=10))
+            list(stub.DownloadModel(pb.DownloadRequest(client_id=a.client_id, task_id=task.task_id), metadata=session_metadata(a.session_token), timeout=10))
         except grpc.RpcError as exc:
             with_download = (exc.code(), "has no model to download" in exc.details())
         assert with_download == (grpc.StatusCode.FAILED_PRECONDITION, True)
@@ -194,8 +196,8 @@ def test_message_rpcs_refuse_bad_input_with_a_named_status_and_change_nothing():
         phase.join(timeout=30)
         got = {}
         for who in (a, b):
-            reply = stub.ReceiveMessages(pb.ReceiveMessagesRequest(client_id=who.client_id, session_token=who.session_token,
-                                                                   task_id=task.task_id, wait_s=5), timeout=10)
+            reply = stub.ReceiveMessages(pb.ReceiveMessagesRequest(client_id=who.client_id, task_id=task.task_id, wait_s=5),
+                                         metadata=session_metadata(who.session_token), timeout=10)
             got[who.client_id] = (reply.ready, reply.total, [(m.peer, m.payload) for m in reply.messages])
         assert got == {a.client_id: (True, 1, [(b.client_id, b"hi all")]), b.client_id: (True, 1, [(a.client_id, b"hello b")])}
         assert [len(r.messages) for r in outcome["o"].results] == [1, 1] and outcome["o"].failures == []

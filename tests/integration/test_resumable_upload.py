@@ -45,7 +45,7 @@ def test_cut_upload_resumes_from_acknowledged_chunk():
         assert first.start_chunk == 0 and second.start_chunk >= 1
         encoded = serde.EncodedModel(update)
         info = serde.StreamInfo(run_id=conn.run_id, task_id=task.task_id, round=task.round, client_id=conn.client_id,
-                                session_token=conn.token, num_examples=3, metrics={"loss": 1.0}, resume_from_chunk=0)
+                                num_examples=3, metrics={"loss": 1.0}, resume_from_chunk=0)
         rest = sum(len(f) for f in encoded.frames(info, chunk_size=conn.chunk_size, start=second.start_chunk))
         full = sum(len(f) for f in encoded.frames(info, chunk_size=conn.chunk_size))
         assert second.bytes_sent == rest

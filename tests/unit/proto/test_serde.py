@@ -107,7 +107,6 @@ def test_header_fields_roundtrip():
         task_id="task-9",
         round=7,
         client_id="c-3",
-        session_token="tok",
         num_examples=123,
         metrics={"loss": 0.25, "acc": 1.0},
     )
