@@ -268,7 +268,7 @@ def test_revocation_list_keeps_the_last_good_list_on_a_bad_rewrite(ca_dir, tmp_p
         caplog.clear()
         (ca_dir / "crl.pem").write_bytes(bad)
         _bump_mtime(ca_dir / "crl.pem")
-        with caplog.at_level(logging.ERROR, logger="fedgrid.pki"):
+        with caplog.at_level(logging.ERROR, logger="fedgrid.trust"):
             assert crl.is_revoked(serial)
             assert crl.is_revoked(serial)  # logged once per bad file, not once per call
         assert [problem in r.getMessage() and "keeping the last good" in r.getMessage() for r in caplog.records] == [True]
