@@ -234,6 +234,7 @@ class CertRecord:
         return "expired" if (now or _utcnow()) > self.not_after else "valid"
 
     def to_json(self) -> dict[str, Any]:
+        """The entry in ``index.json`` (serial in hex: JSON readers outside Python lose 160-bit ints)."""
         return {
             "name": self.name, "serial": f"{self.serial:x}", "kind": self.kind, "not_before": _iso(self.not_before),
             "not_after": _iso(self.not_after), "revoked": self.revoked,
@@ -242,6 +243,7 @@ class CertRecord:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> CertRecord:
+        """The record of an ``index.json`` entry written by ``to_json``."""
         return cls(
             name=d["name"], serial=int(d["serial"], 16), kind=d["kind"], not_before=datetime.fromisoformat(d["not_before"]),
             not_after=datetime.fromisoformat(d["not_after"]),
@@ -592,4 +594,7 @@ def enroll(directory: str | os.PathLike[str], token: str, csr_pem: bytes, *, day
         _write_json(d / TOKENS, store, 0o600)
         _save_records(d, [*records, _record_of(cert, name, "client")])
         _write_atomic(d / f"{name}.pem", _cert_pem(cert), 0o644)
+        # The key of this certificate stays with the client; one left by an earlier `issue`
+        # of the name would sit beside a certificate it does not match.
+        (d / f"{name}.key").unlink(missing_ok=True)
     return _cert_pem(cert), name

@@ -346,6 +346,14 @@ def test_enroll_issues_a_client_certificate_once(ca_dir):
     assert issubclass(EnrollmentError, AuthenticationError)  # UNAUTHENTICATED at the servicer
 
 
+def test_enrolling_a_reissued_name_drops_the_old_key(ca_dir):
+    pki.issue(ca_dir, "alice")
+    pki.revoke(ca_dir, "alice")
+    cert_pem, _ = pki.enroll(ca_dir, pki.issue_token(ca_dir), pki.make_csr("alice")[1])
+    assert (ca_dir / "alice.pem").read_bytes() == cert_pem and not (ca_dir / "alice.key").exists()
+    assert [r.status() for r in pki.list_certs(ca_dir)] == ["revoked", "valid"]
+
+
 def test_concurrent_enrollments_with_one_token_issue_one_certificate(ca_dir):
     token = pki.issue_token(ca_dir)
     csrs = [pki.make_csr(f"client-{i}")[1] for i in range(6)]
