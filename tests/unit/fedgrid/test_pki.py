@@ -268,7 +268,7 @@ def test_revocation_list_keeps_the_last_good_list_on_a_bad_rewrite(ca_dir, tmp_p
         caplog.clear()
         (ca_dir / "crl.pem").write_bytes(bad)
         _bump_mtime(ca_dir / "crl.pem")
-        with caplog.at_level(logging.ERROR, logger="fedgrid.pki"):
+        with caplog.at_level(logging.ERROR, logger="fedgrid.trust"):
             assert crl.is_revoked(serial)
             assert crl.is_revoked(serial)  # logged once per bad file, not once per call
         assert [problem in r.getMessage() and "keeping the last good" in r.getMessage() for r in caplog.records] == [True]
@@ -344,6 +344,14 @@ def test_enroll_issues_a_client_certificate_once(ca_dir):
         pki.enroll(ca_dir, token, pki.make_csr("alice")[1])
     assert len(pki.list_certs(ca_dir)) == 1
     assert issubclass(EnrollmentError, AuthenticationError)  # UNAUTHENTICATED at the servicer
+
+
+def test_enrolling_a_reissued_name_drops_the_old_key(ca_dir):
+    pki.issue(ca_dir, "alice")
+    pki.revoke(ca_dir, "alice")
+    cert_pem, _ = pki.enroll(ca_dir, pki.issue_token(ca_dir), pki.make_csr("alice")[1])
+    assert (ca_dir / "alice.pem").read_bytes() == cert_pem and not (ca_dir / "alice.key").exists()
+    assert [r.status() for r in pki.list_certs(ca_dir)] == ["revoked", "valid"]
 
 
 def test_concurrent_enrollments_with_one_token_issue_one_certificate(ca_dir):
