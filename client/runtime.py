@@ -208,7 +208,17 @@ class Connection:
         try:
             return retrying(fn)
         except grpc.RpcError as exc:
-            raise RpcFailed(method, exc.code(), exc.details() or "") from exc
+            raise RpcFailed(method, exc.code(), (exc.details() or "") + self._hint(exc)) from exc
+
+    def _hint(self, exc: grpc.RpcError) -> str:
+        """What a connection closed at the TLS handshake most likely means: the client only
+        sees the socket close (the coordinator's reason stays in its own log)."""
+        if exc.code() != grpc.StatusCode.UNAVAILABLE or "Socket closed" not in (exc.details() or ""):
+            return ""
+        if self.tls is None:
+            return " (a coordinator that requires mutual TLS closes plaintext connections: give ca, cert and key)"
+        return (" (a coordinator closes the connection at the handshake when it does not accept the client's certificate: "
+                "signed by another CA, expired or not yet valid, or not a client certificate)")
 
     def join(self, client: Client) -> None:
         request = pb.JoinRequest(
