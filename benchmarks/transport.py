@@ -21,7 +21,8 @@ repetition, the throughput of:
 Server and client of every transport live in separate processes (spawned), as they do in a
 deployment; the parent only sends commands and collects timings. Times are taken on the
 client from the request to complete receipt (download) or to the server's reply (upload).
-Throughput is payload bytes / median time, in MB/s (10^6 bytes).
+Throughput is payload bytes / median time, in MB/s (10^6 bytes). Each side's CPU time per repetition
+(all threads, user + system) is reported per GB moved.
 
     python benchmarks/transport.py                 # 10M and 100M float32 parameters
     python benchmarks/transport.py --sizes 1M --repeats 3 --out /tmp/t.json
@@ -426,6 +427,9 @@ def _peer_main(spec: PeerSpec, pipe: Pipe) -> None:
             command, args = pipe.recv()
             if command == "stop":
                 break
+            if command == "cpu":  # CPU seconds of the whole process (every thread, user + system) so far
+                pipe.send(("ok", time.process_time()))
+                continue
             pipe.send(("ok", getattr(peer, command)(*args)))
     except BaseException:
         pipe.send(("error", traceback.format_exc()))
@@ -493,26 +497,44 @@ def _start_pairs(ctx: SpawnContext, transports: tuple[str, ...], num_params: int
 def measure_size(
     ctx: SpawnContext, *, num_params: int, repeats: int, warmup: int, chunk_size: int, transports: tuple[str, ...],
     env: tuple[tuple[str, str], ...] = (), tls_dir: str = "",
-) -> dict[str, dict[str, list[float]]]:
-    """Seconds per transfer, per transport and direction; transports alternate within a repetition."""
+) -> tuple[dict[str, dict[str, list[float]]], dict[str, dict[str, list[float]]]]:
+    """Seconds per transfer, per transport and direction, and CPU seconds per repetition
+    (download and upload together), per transport and side; transports alternate within a
+    repetition (``_order``)."""
     pairs = _start_pairs(ctx, transports, num_params, chunk_size, env, tls_dir)
     samples: dict[str, dict[str, list[float]]] = {t: {d: [] for d in DIRECTIONS} for t in transports}
+    cpu: dict[str, dict[str, list[float]]] = {t: {"server": [], "client": []} for t in transports}
     try:
         for rep in range(warmup + repeats):
-            shift = rep % len(transports)  # rotate who goes first, so no transport always follows another
-            for transport in transports[shift:] + transports[:shift]:
+            for transport in _order(transports, rep):
                 server, client = pairs[transport]
+                cpu0 = server.call("cpu"), client.call("cpu")
                 server.call("arm", rep + 1)
                 down_s, up_s = client.call("rep", rep + 1)
                 server.call("collect")
+                cpu1 = server.call("cpu"), client.call("cpu")
                 if rep >= warmup:
                     samples[transport]["download"].append(down_s)
                     samples[transport]["upload"].append(up_s)
+                    cpu[transport]["server"].append(cpu1[0] - cpu0[0])
+                    cpu[transport]["client"].append(cpu1[1] - cpu0[1])
     finally:
         for server, client in pairs.values():
             client.stop()
             server.stop()
-    return samples
+    return samples, cpu
+
+
+def _order(transports: tuple[str, ...], rep: int) -> tuple[str, ...]:
+    """Repetition ``rep``'s order: rotated by one every second repetition, and reversed in odd
+    ones. A rotation alone keeps the cyclic order, so every transport would always run right
+    after the same one (``fedgrid-tls`` after ``fedgrid``), and inherit its after-effects
+    (memory it freed, background page reclaim); reversing every second repetition gives
+    each transport two different predecessors, and over ``2 * len(transports)`` repetitions
+    each goes first twice."""
+    shift = (rep // 2) % len(transports)
+    order = transports[shift:] + transports[:shift]
+    return order[::-1] if rep % 2 else order
 
 
 def parse_size(text: str) -> int:
@@ -576,7 +598,7 @@ def _measure_rows(
     """The report's rows of one size: one per direction."""
     reps = repeats if repeats is not None else (5 if num_params < 50_000_000 else 3)
     started = time.perf_counter()
-    samples = measure_size(ctx, num_params=num_params, repeats=reps, warmup=warmup, chunk_size=chunk_size, transports=transports, env=env, tls_dir=tls_dir)
+    samples, cpu = measure_size(ctx, num_params=num_params, repeats=reps, warmup=warmup, chunk_size=chunk_size, transports=transports, env=env, tls_dir=tls_dir)
     nbytes = num_params * 4
     rows: list[dict[str, Any]] = []
     for direction in DIRECTIONS:
@@ -592,6 +614,11 @@ def _measure_rows(
                 "seconds": {t: samples[t][direction] for t in transports},
             }
         )
+    # CPU per GB moved, a repetition moving the model down and back up (2 * nbytes): less
+    # noisy than wall time on a shared machine, and what TLS adds per byte on each side.
+    rows[-1]["cpu_s_per_gb"] = rows[-2]["cpu_s_per_gb"] = {
+        t: {side: statistics.median(cpu[t][side]) / (2 * nbytes / 1e9) for side in ("server", "client")} for t in transports
+    }
     print(f"  {_fmt_params(num_params)}: {reps} repetitions (+{warmup} warm-up) in {time.perf_counter() - started:.1f}s", flush=True)
     return rows
 
@@ -638,6 +665,9 @@ def print_report(report: dict[str, Any]) -> None:
                 f"{_fmt_params(r['params']):>6} {r['direction']:>9} | {_fmt(m.get('fedgrid-tls'), '.0f'):>16} {_fmt(m.get('grpc-tls'), '.0f'):>13} | "
                 f"{_fmt(r['fedgrid_tls_over_fedgrid'], '.2f'):>19} {_fmt(r['grpc_tls_over_grpc'], '.2f'):>13} {_fmt(r['fedgrid_tls_over_grpc_tls'], '.2f'):>20}"
             )
+    print("CPU seconds per GB moved (median repetition, down and up together; includes the harness's checks):")
+    for r in report["rows"][1::2]:
+        print(f"{_fmt_params(r['params']):>6}: " + ", ".join(f"{t} {c['server']:.2f} server + {c['client']:.2f} client" for t, c in r["cpu_s_per_gb"].items()))
     labels = {"fedgrid_over_grpc": "fedgrid/grpc", "fedgrid_over_socket": "fedgrid/socket", "fedgrid_tls_over_fedgrid": "fedgrid-tls/fedgrid",
               "grpc_tls_over_grpc": "grpc-tls/grpc"}
     for key, label in labels.items():
