@@ -12,15 +12,22 @@ repetition, the throughput of:
   receiver only counts the bytes: this is what grpcio itself can carry.
 - ``socket``: the same bytes over one TCP connection on 127.0.0.1, received with
   ``recv_into`` a preallocated buffer: the physical limit of the machine.
+- ``fedgrid-tls`` and ``grpc-tls`` (``--tls``): ``fedgrid`` and ``grpc`` over mutual TLS
+  (the client presents a certificate, the server requires one), with a CA, a server
+  certificate for 127.0.0.1 and a client certificate made once per run by ``fedgrid.pki``
+  in a temporary directory. ``fedgrid-tls/fedgrid`` is what TLS costs fedgrid,
+  ``grpc-tls/grpc`` what it costs grpcio itself.
 
 Server and client of every transport live in separate processes (spawned), as they do in a
 deployment; the parent only sends commands and collects timings. Times are taken on the
 client from the request to complete receipt (download) or to the server's reply (upload).
-Throughput is payload bytes / median time, in MB/s (10^6 bytes).
+Throughput is payload bytes / median time, in MB/s (10^6 bytes). Each side's CPU time per repetition
+(all threads, user + system) is reported per GB moved.
 
     python benchmarks/transport.py                 # 10M and 100M float32 parameters
     python benchmarks/transport.py --sizes 1M --repeats 3 --out /tmp/t.json
     python benchmarks/transport.py --sizes 100M --fedgrid-env FEDGRID_BUFFER_POOL_BYTES=0   # also fedgrid so, as "fedgrid-env"
+    python benchmarks/transport.py --sizes 100M --repeats 5 --tls                          # also fedgrid-tls, grpc-tls
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import platform
 import socket
 import statistics
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -51,6 +59,12 @@ import torch
 __all__ = ["main", "run_benchmark", "parse_size"]
 
 TRANSPORTS = ("fedgrid", "grpc", "socket")
+#: The mutual-TLS twin of a transport (``--tls``), run next to it.
+TLS_TWIN = {"fedgrid": "fedgrid-tls", "grpc": "grpc-tls"}
+#: Every transport, in the order a run interleaves them.
+ALL_TRANSPORTS = ("fedgrid", "fedgrid-tls", "grpc", "grpc-tls", "socket")
+#: File names in the run's certificate directory (``make_certs``).
+SERVER_CERT, CLIENT_CERT = "server", "bench"
 #: fedgrid again, its peers started with ``--fedgrid-env``'s settings (before/after in one run).
 VARIANT = "fedgrid-env"
 DIRECTIONS = ("download", "upload")
@@ -100,6 +114,32 @@ class PeerSpec:
     chunk_size: int
     address: str = ""
     env: tuple[tuple[str, str], ...] = ()  # set in the peer's process before it starts
+    tls_dir: str = ""  # mutual TLS with the certificates of ``make_certs`` there; "" plaintext
+
+
+def make_certs(directory: Path) -> Path:
+    """A CA, a server certificate for 127.0.0.1 / localhost and a client certificate in
+    ``directory`` (``fedgrid.pki``, EC P-256), as an operator makes them with ``fedgrid certs``."""
+    from fedgrid import pki
+
+    pki.init_ca(directory)
+    pki.issue(directory, SERVER_CERT, server=True, sans=("127.0.0.1", "localhost"))
+    pki.issue(directory, CLIENT_CERT)
+    return directory
+
+
+def _pem_paths(tls_dir: str, role: str) -> tuple[Path, Path, Path]:
+    """(CA, certificate, key) of ``role``'s side in a ``make_certs`` directory."""
+    d = Path(tls_dir)
+    name = SERVER_CERT if role == "server" else CLIENT_CERT
+    return d / "ca.pem", d / f"{name}.pem", d / f"{name}.key"
+
+
+def _fedgrid_tls(spec: PeerSpec) -> Any:
+    """The peer's ``TLSFiles``, or ``None`` for plaintext."""
+    from fedgrid.proto.tls import TLSFiles
+
+    return TLSFiles(*map(str, _pem_paths(spec.tls_dir, spec.role))) if spec.tls_dir else None
 
 
 class FedgridServer:
@@ -112,7 +152,7 @@ class FedgridServer:
         self.state = make_state(spec.num_params)
         # The harness sends no heartbeats: a long interval keeps the client registered.
         self.fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=600), chunk_size=spec.chunk_size)
-        self.coordinator = Coordinator("127.0.0.1:0", self.fleet).start()
+        self.coordinator = Coordinator("127.0.0.1:0", self.fleet, tls=_fedgrid_tls(spec)).start()
         self.address = self.coordinator.address
         self._thread: threading.Thread | None = None
         self._outcome: Any = None
@@ -176,7 +216,7 @@ class FedgridClient:
                 raise AssertionError("the benchmark never trains")
 
         self.nbytes = spec.num_params * 4
-        self.conn = Connection(spec.address)
+        self.conn = Connection(spec.address, tls=_fedgrid_tls(spec))
         self.conn.join(_Stub())
 
     def rep(self, server_round: int) -> tuple[float, float]:
@@ -215,7 +255,12 @@ class GrpcServer:
         )
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS + [("grpc.so_reuseport", 0)])
         self.server.add_generic_rpc_handlers((handler,))
-        port = self.server.add_insecure_port("127.0.0.1:0")
+        if spec.tls_dir:  # as fedgrid's coordinator: a client certificate of the CA required
+            ca, cert, key = (p.read_bytes() for p in _pem_paths(spec.tls_dir, "server"))
+            credentials = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
+            port = self.server.add_secure_port("127.0.0.1:0", credentials)
+        else:
+            port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
         self.address = f"127.0.0.1:{port}"
 
@@ -243,7 +288,12 @@ class GrpcClient:
     def __init__(self, spec: PeerSpec) -> None:
         self.chunks = payload_chunks(spec.num_params, spec.chunk_size)
         self.nbytes = sum(len(c) for c in self.chunks)
-        self.channel = grpc.insecure_channel(spec.address, options=GRPC_OPTIONS)
+        if spec.tls_dir:
+            ca, cert, key = (p.read_bytes() for p in _pem_paths(spec.tls_dir, "client"))
+            credentials = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+            self.channel = grpc.secure_channel(spec.address, credentials, options=GRPC_OPTIONS)
+        else:
+            self.channel = grpc.insecure_channel(spec.address, options=GRPC_OPTIONS)
         grpc.channel_ready_future(self.channel).result(timeout=30)
         self.download = self.channel.unary_stream(f"/{SERVICE}/Download")
         self.upload = self.channel.stream_unary(f"/{SERVICE}/Upload")
@@ -355,6 +405,10 @@ PEERS: dict[tuple[str, str], Callable[[PeerSpec], Any]] = {
     ("fedgrid", "client"): FedgridClient,
     (VARIANT, "server"): FedgridServer,
     (VARIANT, "client"): FedgridClient,
+    ("fedgrid-tls", "server"): FedgridServer,
+    ("fedgrid-tls", "client"): FedgridClient,
+    ("grpc-tls", "server"): GrpcServer,
+    ("grpc-tls", "client"): GrpcClient,
     ("grpc", "server"): GrpcServer,
     ("grpc", "client"): GrpcClient,
     ("socket", "server"): SocketServer,
@@ -373,6 +427,9 @@ def _peer_main(spec: PeerSpec, pipe: Pipe) -> None:
             command, args = pipe.recv()
             if command == "stop":
                 break
+            if command == "cpu":  # CPU seconds of the whole process (every thread, user + system) so far
+                pipe.send(("ok", time.process_time()))
+                continue
             pipe.send(("ok", getattr(peer, command)(*args)))
     except BaseException:
         pipe.send(("error", traceback.format_exc()))
@@ -417,15 +474,16 @@ class PeerProcess:
 
 # -- the run ------------------------------------------------------------------------------------
 def _start_pairs(ctx: SpawnContext, transports: tuple[str, ...], num_params: int, chunk_size: int,
-                 env: tuple[tuple[str, str], ...]) -> dict[str, tuple[PeerProcess, PeerProcess]]:
+                 env: tuple[tuple[str, str], ...], tls_dir: str) -> dict[str, tuple[PeerProcess, PeerProcess]]:
     """Starts every server, then every client once its server's address is known."""
     procs: list[PeerProcess] = []
     envs = {t: env if t == VARIANT else () for t in transports}
+    tls = {t: tls_dir if t.endswith("-tls") else "" for t in transports}
     try:
-        servers = {t: PeerProcess(ctx, PeerSpec(t, "server", num_params, chunk_size, env=envs[t])) for t in transports}
+        servers = {t: PeerProcess(ctx, PeerSpec(t, "server", num_params, chunk_size, env=envs[t], tls_dir=tls[t])) for t in transports}
         procs += servers.values()
         addresses = {t: p.reply(START_TIMEOUT_S) for t, p in servers.items()}
-        clients = {t: PeerProcess(ctx, PeerSpec(t, "client", num_params, chunk_size, addresses[t], envs[t])) for t in transports}
+        clients = {t: PeerProcess(ctx, PeerSpec(t, "client", num_params, chunk_size, addresses[t], envs[t], tls[t])) for t in transports}
         procs += clients.values()
         for p in clients.values():
             p.reply(START_TIMEOUT_S)
@@ -438,27 +496,45 @@ def _start_pairs(ctx: SpawnContext, transports: tuple[str, ...], num_params: int
 
 def measure_size(
     ctx: SpawnContext, *, num_params: int, repeats: int, warmup: int, chunk_size: int, transports: tuple[str, ...],
-    env: tuple[tuple[str, str], ...] = (),
-) -> dict[str, dict[str, list[float]]]:
-    """Seconds per transfer, per transport and direction; transports alternate within a repetition."""
-    pairs = _start_pairs(ctx, transports, num_params, chunk_size, env)
+    env: tuple[tuple[str, str], ...] = (), tls_dir: str = "",
+) -> tuple[dict[str, dict[str, list[float]]], dict[str, dict[str, list[float]]]]:
+    """Seconds per transfer, per transport and direction, and CPU seconds per repetition
+    (download and upload together), per transport and side; transports alternate within a
+    repetition (``_order``)."""
+    pairs = _start_pairs(ctx, transports, num_params, chunk_size, env, tls_dir)
     samples: dict[str, dict[str, list[float]]] = {t: {d: [] for d in DIRECTIONS} for t in transports}
+    cpu: dict[str, dict[str, list[float]]] = {t: {"server": [], "client": []} for t in transports}
     try:
         for rep in range(warmup + repeats):
-            shift = rep % len(transports)  # rotate who goes first, so no transport always follows another
-            for transport in transports[shift:] + transports[:shift]:
+            for transport in _order(transports, rep):
                 server, client = pairs[transport]
+                cpu0 = server.call("cpu"), client.call("cpu")
                 server.call("arm", rep + 1)
                 down_s, up_s = client.call("rep", rep + 1)
                 server.call("collect")
+                cpu1 = server.call("cpu"), client.call("cpu")
                 if rep >= warmup:
                     samples[transport]["download"].append(down_s)
                     samples[transport]["upload"].append(up_s)
+                    cpu[transport]["server"].append(cpu1[0] - cpu0[0])
+                    cpu[transport]["client"].append(cpu1[1] - cpu0[1])
     finally:
         for server, client in pairs.values():
             client.stop()
             server.stop()
-    return samples
+    return samples, cpu
+
+
+def _order(transports: tuple[str, ...], rep: int) -> tuple[str, ...]:
+    """Repetition ``rep``'s order: rotated by one every second repetition, and reversed in odd
+    ones. A rotation alone keeps the cyclic order, so every transport would always run right
+    after the same one (``fedgrid-tls`` after ``fedgrid``), and inherit its after-effects
+    (memory it freed, background page reclaim); reversing every second repetition gives
+    each transport two different predecessors, and over ``2 * len(transports)`` repetitions
+    each goes first twice."""
+    shift = (rep // 2) % len(transports)
+    order = transports[shift:] + transports[:shift]
+    return order[::-1] if rep % 2 else order
 
 
 def parse_size(text: str) -> int:
@@ -483,31 +559,15 @@ def run_benchmark(
     """Runs every size and returns the JSON report (medians, ratios and raw samples)."""
     ctx = mp.get_context("spawn")
     rows: list[dict[str, Any]] = []
-    for num_params in sizes:
-        reps = repeats if repeats is not None else (5 if num_params < 50_000_000 else 3)
-        started = time.perf_counter()
-        samples = measure_size(ctx, num_params=num_params, repeats=reps, warmup=warmup, chunk_size=chunk_size, transports=transports, env=env)
-        nbytes = num_params * 4
-        for direction in DIRECTIONS:
-            mbps = {t: nbytes / statistics.median(samples[t][direction]) / MB for t in transports}
-            rows.append(
-                {
-                    "params": num_params,
-                    "bytes": nbytes,
-                    "direction": direction,
-                    "repeats": reps,
-                    "mb_per_s": mbps,
-                    "fedgrid_over_grpc": _ratio(mbps.get("fedgrid"), mbps.get("grpc")),
-                    "fedgrid_over_socket": _ratio(mbps.get("fedgrid"), mbps.get("socket")),
-                    "variant_over_grpc": _ratio(mbps.get(VARIANT), mbps.get("grpc")),
-                    "seconds": {t: samples[t][direction] for t in transports},
-                }
-            )
-        print(f"  {_fmt_params(num_params)}: {reps} repetitions (+{warmup} warm-up) in {time.perf_counter() - started:.1f}s", flush=True)
+    with tempfile.TemporaryDirectory(prefix="fedgrid-bench-certs-") as tmp:
+        tls_dir = str(make_certs(Path(tmp) / "certs")) if any(t.endswith("-tls") for t in transports) else ""
+        for num_params in sizes:
+            rows += _measure_rows(ctx, num_params, repeats, warmup, chunk_size, transports, env, tls_dir)
     return {
         "benchmark": "transport",
         "unit": "MB/s (10^6 payload bytes per second, median over repetitions)",
-        "config": {"sizes": sizes, "repeats": repeats, "warmup": warmup, "chunk_size": chunk_size, "transports": list(transports), "fedgrid_env": dict(env), "num_tensors": NUM_TENSORS, "dtype": "float32"},
+        "config": {"sizes": sizes, "repeats": repeats, "warmup": warmup, "chunk_size": chunk_size, "transports": list(transports), "fedgrid_env": dict(env), "num_tensors": NUM_TENSORS, "dtype": "float32",
+                   "tls": "mutual TLS, EC P-256 certificates of fedgrid.pki" if any(t.endswith("-tls") for t in transports) else None},
         "environment": {
             "python": platform.python_version(),
             "grpcio": grpc.__version__,
@@ -516,8 +576,51 @@ def run_benchmark(
             "platform": platform.platform(),
         },
         "rows": rows,
-        "summary": {key: _summarize([r[key] for r in rows if r[key] is not None]) for key in ("fedgrid_over_grpc", "fedgrid_over_socket")},
+        "summary": {key: _summarize([r[key] for r in rows if r[key] is not None]) for key in RATIOS},
     }
+
+
+#: The ratios of a row, each (numerator, denominator) transports; ``summary`` has min and geomean of each.
+RATIOS = {
+    "fedgrid_over_grpc": ("fedgrid", "grpc"),
+    "fedgrid_over_socket": ("fedgrid", "socket"),
+    "variant_over_grpc": (VARIANT, "grpc"),
+    "fedgrid_tls_over_fedgrid": ("fedgrid-tls", "fedgrid"),
+    "grpc_tls_over_grpc": ("grpc-tls", "grpc"),
+    "fedgrid_tls_over_grpc_tls": ("fedgrid-tls", "grpc-tls"),
+}
+
+
+def _measure_rows(
+    ctx: SpawnContext, num_params: int, repeats: int | None, warmup: int, chunk_size: int, transports: tuple[str, ...],
+    env: tuple[tuple[str, str], ...], tls_dir: str,
+) -> list[dict[str, Any]]:
+    """The report's rows of one size: one per direction."""
+    reps = repeats if repeats is not None else (5 if num_params < 50_000_000 else 3)
+    started = time.perf_counter()
+    samples, cpu = measure_size(ctx, num_params=num_params, repeats=reps, warmup=warmup, chunk_size=chunk_size, transports=transports, env=env, tls_dir=tls_dir)
+    nbytes = num_params * 4
+    rows: list[dict[str, Any]] = []
+    for direction in DIRECTIONS:
+        mbps = {t: nbytes / statistics.median(samples[t][direction]) / MB for t in transports}
+        rows.append(
+            {
+                "params": num_params,
+                "bytes": nbytes,
+                "direction": direction,
+                "repeats": reps,
+                "mb_per_s": mbps,
+                **{key: _ratio(mbps.get(a), mbps.get(b)) for key, (a, b) in RATIOS.items()},
+                "seconds": {t: samples[t][direction] for t in transports},
+            }
+        )
+    # CPU per GB moved, a repetition moving the model down and back up (2 * nbytes): less
+    # noisy than wall time on a shared machine, and what TLS adds per byte on each side.
+    rows[-1]["cpu_s_per_gb"] = rows[-2]["cpu_s_per_gb"] = {
+        t: {side: statistics.median(cpu[t][side]) / (2 * nbytes / 1e9) for side in ("server", "client")} for t in transports
+    }
+    print(f"  {_fmt_params(num_params)}: {reps} repetitions (+{warmup} warm-up) in {time.perf_counter() - started:.1f}s", flush=True)
+    return rows
 
 
 def _summarize(ratios: list[float]) -> dict[str, float] | None:
@@ -550,10 +653,27 @@ def print_report(report: dict[str, Any]) -> None:
         print(f"{VARIANT} ({' '.join(f'{k}={v}' for k, v in report['config']['fedgrid_env'].items())}):")
         for r in report["rows"]:
             print(f"{_fmt_params(r['params']):>6} {r['direction']:>9}: {r['mb_per_s'][VARIANT]:.0f} MB/s, {VARIANT}/grpc {_fmt(r['variant_over_grpc'], '.2f')}")
-    for key, label in (("fedgrid_over_grpc", "fedgrid/grpc  "), ("fedgrid_over_socket", "fedgrid/socket")):
+    if any(t in r["mb_per_s"] for r in report["rows"] for t in TLS_TWIN.values()):
+        print("mutual TLS:")
+        header = (f"{'size':>6} {'direction':>9} | {'fedgrid-tls MB/s':>16} {'grpc-tls MB/s':>13} | {'fedgrid-tls/fedgrid':>19} "
+                  f"{'grpc-tls/grpc':>13} {'fedgrid-tls/grpc-tls':>20}")
+        print(header)
+        print("-" * len(header))
+        for r in report["rows"]:
+            m = r["mb_per_s"]
+            print(
+                f"{_fmt_params(r['params']):>6} {r['direction']:>9} | {_fmt(m.get('fedgrid-tls'), '.0f'):>16} {_fmt(m.get('grpc-tls'), '.0f'):>13} | "
+                f"{_fmt(r['fedgrid_tls_over_fedgrid'], '.2f'):>19} {_fmt(r['grpc_tls_over_grpc'], '.2f'):>13} {_fmt(r['fedgrid_tls_over_grpc_tls'], '.2f'):>20}"
+            )
+    print("CPU seconds per GB moved (median repetition, down and up together; includes the harness's checks):")
+    for r in report["rows"][1::2]:
+        print(f"{_fmt_params(r['params']):>6}: " + ", ".join(f"{t} {c['server']:.2f} server + {c['client']:.2f} client" for t, c in r["cpu_s_per_gb"].items()))
+    labels = {"fedgrid_over_grpc": "fedgrid/grpc", "fedgrid_over_socket": "fedgrid/socket", "fedgrid_tls_over_fedgrid": "fedgrid-tls/fedgrid",
+              "grpc_tls_over_grpc": "grpc-tls/grpc"}
+    for key, label in labels.items():
         s = report["summary"][key]
         if s is not None:
-            print(f"{label}: min {s['min']:.2f}, geometric mean {s['geomean']:.2f}")
+            print(f"{label:<19}: min {s['min']:.2f}, geometric mean {s['geomean']:.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -562,12 +682,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="measured repetitions per size (default 5; 3 from 50M parameters)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured repetitions first (default 1)")
     parser.add_argument("--chunk-size", type=int, default=1 << 20, help="payload bytes per message (default 1 MiB)")
-    parser.add_argument("--transports", default=",".join(TRANSPORTS), help=f"subset of {','.join(TRANSPORTS)}")
+    parser.add_argument("--transports", default=",".join(TRANSPORTS), help=f"subset of {','.join(ALL_TRANSPORTS)}")
+    parser.add_argument("--tls", action="store_true", help="also run fedgrid and grpc over mutual TLS (fedgrid-tls, grpc-tls), interleaved with the rest")
     parser.add_argument("--fedgrid-env", default="", help=f"KEY=VALUE,...: also run fedgrid with these environment settings, as '{VARIANT}'")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "transport.json")
     args = parser.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
-    transports = tuple(t for t in TRANSPORTS if t in args.transports.split(","))
+    chosen = {t.strip() for t in args.transports.split(",") if t.strip()}
+    if chosen - set(ALL_TRANSPORTS):
+        parser.error(f"unknown transports {', '.join(sorted(chosen - set(ALL_TRANSPORTS)))}: choose from {', '.join(ALL_TRANSPORTS)}")
+    if args.tls:
+        chosen |= {TLS_TWIN[t] for t in chosen if t in TLS_TWIN}
+    transports = tuple(t for t in ALL_TRANSPORTS if t in chosen)
     env = tuple(tuple(item.split("=", 1)) for item in args.fedgrid_env.split(",") if item.strip())
     if any(len(kv) != 2 for kv in env):
         parser.error("--fedgrid-env takes KEY=VALUE,...")
