@@ -84,7 +84,7 @@ def _sync_dir(path: Path) -> None:
 
 def _request(address: str, request: pb.EnrollRequest, ca_pem: bytes, *, server_name: str, timeout: float,
              retry_max_elapsed: float) -> pb.EnrollReply:
-    options = [("grpc.max_receive_message_length", 64 * 1024), ("grpc.use_local_subchannel_pool", 1)]
+    options: list[tuple[str, int | str]] = [("grpc.max_receive_message_length", 64 * 1024), ("grpc.use_local_subchannel_pool", 1)]
     if server_name:
         options.append(("grpc.ssl_target_name_override", server_name))
     retrying = tenacity.Retrying(
