@@ -74,14 +74,6 @@ def _existing_identity(ca: str, cert: Path, key: Path, name: str | None) -> str 
     return identity
 
 
-def _sync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _request(address: str, request: pb.EnrollRequest, ca_pem: bytes, *, server_name: str, timeout: float,
              retry_max_elapsed: float) -> pb.EnrollReply:
     options: list[tuple[str, int | str]] = [("grpc.max_receive_message_length", 64 * 1024), ("grpc.use_local_subchannel_pool", 1)]
@@ -170,8 +162,9 @@ def enroll(
         if got != identity or reply.identity != identity:
             raise PKIError(f"the enrollment service returned a certificate of {got!r} (reply names {reply.identity[:128]!r}), "
                            f"not of {identity!r}")
-        os.replace(staged, cert_path)
-        _sync_dir(cert_path.parent)  # the certificate the token paid for survives a power cut
+        # Written again, not renamed: write_atomic also makes the rename durable, so the
+        # certificate the token paid for survives a power cut.
+        write_atomic(cert_path, reply.certificate_pem, 0o644)
     except ValueError as exc:
         raise PKIError(f"the certificate the enrollment service at {address} returned does not check out: {exc}") from None
     finally:

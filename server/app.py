@@ -207,7 +207,8 @@ def run_coordinator(
 
     The bound address is printed and written to ``RUN_DIR/address`` so that scripts using
     port 0 can find it. With ``config.enroll_listen`` the enrollment service
-    (``server/enrollment.py``) runs beside it, its address in ``RUN_DIR/enroll_address``. Events (``fedgrid.events``) are appended to ``RUN_DIR/events.jsonl``
+    (``server/enrollment.py``) runs beside it, its address in ``RUN_DIR/enroll_address``.
+    Events (``fedgrid.events``) are appended to ``RUN_DIR/events.jsonl``
     and, with ``on_event``, handed to it on the emitting thread (after the file has them).
     Aggregation runs with ``config.threads`` intra-op threads (restored on return), which
     ``config.toml`` records with the torch version.
@@ -279,16 +280,17 @@ def _serve(
     enrollment = EnrollmentServer(config.enroll_listen, ca_dir=config.enroll_dir, tls=tls) if config.enroll_listen else None
     try:
         coordinator = Coordinator(config.listen, fleet, max_workers=config.max_workers, tls=tls, insecure=config.insecure).start()
+        if enrollment is not None:
+            enrollment.start()
     except BaseException:
         if enrollment is not None:
             enrollment.stop(grace=0)
         raise
-    _write_address(Path(config.out) / "address", coordinator.address)
-    print(f"fedgrid coordinator listening on {coordinator.address} (run {fleet.run_id}, dir {config.out}, {threads} threads)", flush=True)
-    if enrollment is not None:
-        enrollment.start()
+    if enrollment is not None:  # first: a script that sees RUN_DIR/address finds this one too
         _write_address(Path(config.out) / "enroll_address", enrollment.address)
         print(f"fedgrid enrollment service listening on {enrollment.address} (certificates of {config.enroll_dir})", flush=True)
+    _write_address(Path(config.out) / "address", coordinator.address)
+    print(f"fedgrid coordinator listening on {coordinator.address} (run {fleet.run_id}, dir {config.out}, {threads} threads)", flush=True)
     events.emit("started", run_id=fleet.run_id, address=coordinator.address, threads=threads)
     if ready is not None:
         ready.set()

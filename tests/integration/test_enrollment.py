@@ -260,8 +260,7 @@ def test_cli_client_enrolls_then_trains_over_mtls(tmp_path, ca_dir):
     proc, address = start_coordinator(out, "--model", "linear_app:model", "--rounds", "1", "--min-clients", "1",
                                       "--local-epochs", "1", "--enroll-listen", "127.0.0.1:0", "--enroll-dir", str(ca_dir), *tls)
     try:
-        wait_until(lambda: (out / "enroll_address").exists(), timeout=30, what="the enrollment address")
-        enroll_address = (out / "enroll_address").read_text().strip()
+        enroll_address = (out / "enroll_address").read_text().strip()  # written before RUN_DIR/address
         token = pki.issue_token(ca_dir, name="edge-cli")
         files = device(tmp_path, ca_dir)
         client = subprocess.run(
