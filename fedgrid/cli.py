@@ -17,7 +17,8 @@ __all__ = ["main", "build_parser", "serve", "SimulateProgress"]
 
 # Keys each subcommand exposes as flags; every key is also accepted through --config.
 SIMULATE_KEYS = [k for k in config_keys() if k not in ("listen", "max_workers", "min_clients", "state_dir", "heartbeat_interval_s", "initial_model",
-                                                     "ca", "cert", "key", "crl", "insecure")]
+                                                     "ca", "cert", "key", "crl", "insecure",
+                                                     "enroll_listen", "enroll_dir")]
 COORDINATOR_KEYS = [k for k in config_keys() if k != "clients"]
 # The built-in client factory's options (fedgrid.simulation.tasks.CLIENT_KEYS) as `fedgrid
 # client` flags, so a deployed client trains like its simulated twin; --data-partition is the spec.
@@ -67,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_argument("--key", default="", metavar="FILE", help="mutual TLS: this client's private key")
     cli.add_argument("--server-name", dest="server_name", default="", metavar="NAME",
                      help="the name the coordinator's certificate holds, when not the host of --coordinator")
+    cli.add_argument("--enroll", default="", metavar="TOKEN",
+                     help="enroll first: trade this one-time token (fedgrid certs token) for a certificate, written to --cert "
+                     "with a key made here in --key (0600); skipped when --cert and --key already hold a valid identity")
+    cli.add_argument("--enroll-address", dest="enroll_address", default="", metavar="HOST:PORT",
+                     help="the coordinator's enrollment service (its --enroll-listen)")
+    cli.add_argument("--name", default=None, metavar="NAME",
+                     help="with --enroll: the identity to ask for (the token's name if it was issued with one; default client-TOKEN_ID)")
     _add_config_flags(cli, [*CLIENT_OPTION_KEYS, "threads"], with_config=False)
     cli.add_argument(
         "--state-dir", dest="state_dir", default=None, metavar="DIR",
@@ -255,6 +263,8 @@ def _client(args: argparse.Namespace) -> int:
         raise ConfigError("partition", f"expected I/N, got {args.partition!r}") from None
     if not 0 <= index < total:
         raise ConfigError("partition", f"index {index} is outside 0..{total - 1}")
+    if args.enroll or args.enroll_address or args.name is not None:
+        _enroll(args)  # before any data or model is loaded: a refused token fails fast
     import torch
 
     threads = load_config(None, {"threads": args.threads}).threads
@@ -286,6 +296,27 @@ def _client(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
     print(f"client {client.name}: {summary.rounds} rounds trained; run finished")
     return 0
+
+
+def _enroll(args: argparse.Namespace) -> None:
+    """``fedgrid client --enroll``: the device's certificate, once (``fedgrid.client.enroll``)."""
+    from fedgrid.client.enroll import enroll
+
+    if not args.enroll:
+        raise ConfigError("enroll", "--enroll-address and --name go with --enroll TOKEN (under mTLS the certificate names the client)")
+    missing = [flag for flag, value in (("--enroll-address", args.enroll_address), ("--ca", args.ca), ("--cert", args.cert),
+                                        ("--key", args.key)) if not value]
+    if missing:
+        raise ConfigError("enroll", f"--enroll needs {', '.join(missing)}: the enrollment service, the CA bundle that signs "
+                          "the coordinator, and where this client's certificate and key go")
+    try:
+        identity = enroll(args.enroll_address, args.enroll, ca=args.ca, cert=args.cert, key=args.key,
+                          server_name=args.server_name, name=args.name)
+    except ValueError as exc:
+        if isinstance(exc, FedgridError):  # PKIError: a file named in the message
+            raise
+        raise ConfigError("enroll" if args.name is None else "name", str(exc)) from None
+    print(f"fedgrid client: identity {identity!r} (certificate {args.cert}, key {args.key})", flush=True)
 
 
 def _certs(args: argparse.Namespace) -> int:

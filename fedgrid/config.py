@@ -143,6 +143,11 @@ class Config:
     key: str = _key("mutual TLS: PEM file of this side's private key (mode 0600)", "")
     crl: str = _key("coordinator, mutual TLS: PEM revocation list, re-read when it changes (fedgrid certs keeps DIR/crl.pem)", "")
     insecure: bool = _key("coordinator: serve plaintext on a non-loopback address (anyone who reaches the port can join)", False)
+    enroll_listen: str = _key("coordinator: HOST:PORT of the enrollment service, where devices trade a one-time token "
+                              "(`fedgrid certs token`) for a client certificate; TLS with the coordinator's cert, needs ca/cert/key "
+                              "and enroll_dir (port 0 picks a free one, written to RUN_DIR/enroll_address); empty: off", "")
+    enroll_dir: str = _key("coordinator, with enroll_listen: the certificate directory whose CA signs enrolled clients "
+                           "(ca.pem, ca.key, tokens.json of `fedgrid certs init`)", "")
     out: str = _key("run directory", "")
     state_dir: str = _key("durable coordinator state directory", "")
 
@@ -192,9 +197,17 @@ class Config:
             raise ConfigError("crl", "a revocation list needs ca, cert and key (mutual TLS)")
         if tls_given and self.insecure:
             raise ConfigError("insecure", "insecure (plaintext) contradicts ca/cert/key (mutual TLS)")
-        host, sep, port = self.listen.rpartition(":")
-        if not sep or not host or not port.isdigit() or int(port) > 65535:
-            raise ConfigError("listen", f"expected HOST:PORT, got {self.listen!r}")
+        for key in ("listen", "enroll_listen") if self.enroll_listen else ("listen",):
+            host, sep, port = getattr(self, key).rpartition(":")
+            if not sep or not host or not port.isdigit() or int(port) > 65535:
+                raise ConfigError(key, f"expected HOST:PORT, got {getattr(self, key)!r}")
+        if self.enroll_listen and not self.enroll_dir:
+            raise ConfigError("enroll_dir", "enroll_listen needs enroll_dir, the certificate directory whose CA signs enrolled clients")
+        if self.enroll_dir and not self.enroll_listen:
+            raise ConfigError("enroll_dir", "is used only with enroll_listen (the address of the enrollment service)")
+        if self.enroll_listen and not tls_given:
+            raise ConfigError("enroll_listen", "enrollment needs ca, cert and key: it serves TLS with the coordinator's certificate, "
+                              "never plaintext (a listener on the path would read tokens and could hand out certificates)")
         for key in ("momentum", "weight_decay"):
             if not 0.0 <= getattr(self, key) < float("inf"):
                 raise ConfigError(key, f"must be a finite number at least 0, got {getattr(self, key)}")

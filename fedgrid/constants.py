@@ -34,6 +34,9 @@ __all__ = [
     "BUFFER_POOL_BYTES",
     "BUFFER_POOL_IDLE_S",
     "GIL_SWITCH_INTERVAL_S",
+    "ENROLL_MAX_MESSAGE_BYTES",
+    "ENROLL_MAX_CONCURRENT",
+    "ENROLL_TIMEOUT_S",
 ]
 
 
@@ -116,3 +119,11 @@ BUFFER_POOL_IDLE_S = _env_float("FEDGRID_BUFFER_POOL_IDLE_S", 30.0)
 #: often waits a whole interval to get it back: 1,224 against 1,514 MB/s of 100 MB uploads
 #: at 0.2 ms, 1,408 against 1,591 at 1 ms (``benchmarks/transport.py``, 2 cores).
 GIL_SWITCH_INTERVAL_S = _env_float("FEDGRID_GIL_SWITCH_INTERVAL_S", 0.001)
+#: Largest message the enrollment service accepts: a CSR is under 1 KiB (EC) or 2 KiB (RSA-4096),
+#: so 16 KiB refuses junk before it is parsed, for peers that hold no certificate yet.
+ENROLL_MAX_MESSAGE_BYTES = 16 * 1024
+#: Enrollments signed at once (FEDGRID_ENROLL_MAX_CONCURRENT); more are refused (RESOURCE_EXHAUSTED).
+#: Each holds a thread and waits on the certificate directory's lock, which serializes them anyway.
+ENROLL_MAX_CONCURRENT = int(_env_float("FEDGRID_ENROLL_MAX_CONCURRENT", 4))
+#: Deadline of an enrollment, on both sides (FEDGRID_ENROLL_TIMEOUT_S): signing takes milliseconds.
+ENROLL_TIMEOUT_S = _env_float("FEDGRID_ENROLL_TIMEOUT_S", 10.0)

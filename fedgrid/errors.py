@@ -20,6 +20,8 @@ __all__ = [
     "InterruptedRunError",
     "PKIError",
     "EnrollmentError",
+    "CSRError",
+    "EnrollmentNameError",
 ]
 
 
@@ -82,3 +84,15 @@ class EnrollmentError(AuthenticationError):
     """An enrollment was refused: the token is unknown, used, expired or revoked, or the CSR is
     invalid or asks for a name it may not have. A subclass of ``AuthenticationError`` so that the
     servicer answers it with UNAUTHENTICATED like any other failed credential."""
+
+
+class CSRError(EnrollmentError):
+    """An enrollment's certificate request is malformed: not a PEM CSR, badly signed, an
+    unsupported key, or a common name that is not a valid identity. The request is at fault,
+    not the credential (the enrollment service answers INVALID_ARGUMENT); the token is not spent."""
+
+
+class EnrollmentNameError(EnrollmentError):
+    """An enrollment asked for a name it may not have: the token was issued for another name,
+    or the name already has a valid certificate (the enrollment service answers
+    PERMISSION_DENIED); the token is not spent."""

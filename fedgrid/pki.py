@@ -48,7 +48,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.hazmat.primitives.asymmetric.types import CertificateIssuerPrivateKeyTypes, CertificatePublicKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from fedgrid.errors import EnrollmentError, PKIError
+from fedgrid.errors import CSRError, EnrollmentError, EnrollmentNameError, PKIError
 from fedgrid.trust import (
     IDENTITY_RE,
     MAX_IDENTITY_CHARS,
@@ -72,6 +72,7 @@ __all__ = [
     "parse_duration",
     "revoke",
     "revoke_token",
+    "write_atomic",
     # fedgrid.trust's, so that one import gives the whole PKI API
     "IDENTITY_RE",
     "MAX_IDENTITY_CHARS",
@@ -124,8 +125,18 @@ def parse_duration(text: str) -> timedelta:
 # --- files ----------------------------------------------------------------------------
 
 
-def _write_atomic(path: Path, data: bytes, mode: int) -> None:
-    """Writes ``path`` whole or not at all, with ``mode`` from the file's creation."""
+def write_atomic(path: str | os.PathLike[str], data: bytes, mode: int) -> None:
+    """Writes ``path`` whole or not at all, with ``mode`` from the file's creation: a key is
+    never readable by others, not even for a moment, and a reader never sees half a file.
+
+    Args:
+        path: the file; its folder must exist.
+        data: the whole content.
+        mode: permission bits, e.g. ``0o600`` for a key (exactly these, whatever the umask).
+    Raises:
+        OSError: the folder is missing or not writable (nothing is left behind).
+    """
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
@@ -147,7 +158,7 @@ def _write_atomic(path: Path, data: bytes, mode: int) -> None:
 
 
 def _write_json(path: Path, data: dict[str, Any], mode: int) -> None:
-    _write_atomic(path, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode(), mode)
+    write_atomic(path, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode(), mode)
 
 
 def _read_json(path: Path, *, missing: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -309,8 +320,8 @@ def init_ca(directory: str | os.PathLike[str], *, name: str = "fedgrid CA", days
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
             .sign(key, hashes.SHA256())
         )
-        _write_atomic(d / CA_KEY, _key_pem(key), 0o600)  # the key first: a ca.pem never exists without it
-        _write_atomic(d / CA_CERT, _cert_pem(cert), 0o644)
+        write_atomic(d / CA_KEY, _key_pem(key), 0o600)  # the key first: a ca.pem never exists without it
+        write_atomic(d / CA_CERT, _cert_pem(cert), 0o644)
         _save_records(d, [])
         _write_json(d / TOKENS, {"version": 1, "tokens": {}}, 0o600)
         _write_crl(d, cert, key, [])
@@ -403,8 +414,8 @@ def issue(
         _check_name_free(records, name, _utcnow(), PKIError)
         key = ec.generate_private_key(ec.SECP256R1())
         cert = _sign_leaf(ca_cert, ca_key, name=name, public_key=key.public_key(), server=server, sans=sans, days=days)
-        _write_atomic(d / f"{name}.key", _key_pem(key), 0o600)
-        _write_atomic(d / f"{name}.pem", _cert_pem(cert), 0o644)
+        write_atomic(d / f"{name}.key", _key_pem(key), 0o600)
+        write_atomic(d / f"{name}.pem", _cert_pem(cert), 0o644)
         _save_records(d, [*records, _record_of(cert, name, "server" if server else "client")])
     return d / f"{name}.pem", d / f"{name}.key"
 
@@ -426,7 +437,7 @@ def _write_crl(directory: Path, ca_cert: x509.Certificate, ca_key: CertificateIs
                 x509.RevokedCertificateBuilder().serial_number(r.serial).revocation_date(r.revoked_at).build()
             )
     crl = builder.sign(ca_key, hashes.SHA256())
-    _write_atomic(directory / CRL, crl.public_bytes(serialization.Encoding.PEM), 0o644)
+    write_atomic(directory / CRL, crl.public_bytes(serialization.Encoding.PEM), 0o644)
 
 
 def revoke(directory: str | os.PathLike[str], name: str) -> list[int]:
@@ -510,16 +521,28 @@ def revoke_token(directory: str | os.PathLike[str], token_id: str) -> None:
         _write_json(d / TOKENS, store, 0o600)
 
 
-def make_csr(name: str) -> tuple[bytes, bytes]:
-    """A client's half of enrollment: a new EC P-256 key and a CSR for identity ``name``.
+def make_csr(name: str, *, key_pem: bytes | None = None) -> tuple[bytes, bytes]:
+    """A client's half of enrollment: a CSR for identity ``name``, signed by a new EC P-256
+    key or by ``key_pem`` (a key an interrupted enrollment left, so a retry keeps it).
 
     Returns:
         ``(key_pem, csr_pem)``; the key never leaves the client.
     Raises:
-        ValueError: ``name`` is not a valid identity.
+        ValueError: ``name`` is not a valid identity; ``key_pem`` is not an unencrypted PEM
+            EC or RSA private key.
     """
     check_identity(name)
-    key = ec.generate_private_key(ec.SECP256R1())
+    key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey
+    if key_pem is None:
+        key = ec.generate_private_key(ec.SECP256R1())
+    else:
+        try:
+            loaded = serialization.load_pem_private_key(key_pem, password=None)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"not an unencrypted PEM private key ({exc})") from None
+        if not isinstance(loaded, (ec.EllipticCurvePrivateKey, rsa.RSAPrivateKey)):
+            raise ValueError(f"unsupported private key type {type(loaded).__name__}; use EC or RSA")
+        key = loaded
     csr = x509.CertificateSigningRequestBuilder().subject_name(_subject(name)).sign(key, hashes.SHA256())
     return _key_pem(key), csr.public_bytes(serialization.Encoding.PEM)
 
@@ -528,21 +551,21 @@ def _csr_identity(csr_pem: bytes) -> tuple[str, CertificatePublicKeyTypes]:
     try:
         csr = x509.load_pem_x509_csr(csr_pem)
     except ValueError:
-        raise EnrollmentError("CSR is not a PEM certificate request") from None
+        raise CSRError("CSR is not a PEM certificate request") from None
     if not csr.is_signature_valid:
-        raise EnrollmentError("CSR signature invalid")
+        raise CSRError("CSR signature invalid")
     public = csr.public_key()
     if not (isinstance(public, ec.EllipticCurvePublicKey) and public.curve.name in ("secp256r1", "secp384r1")) and not (
         isinstance(public, rsa.RSAPublicKey) and public.key_size >= 2048
     ):
-        raise EnrollmentError(f"CSR key unsupported ({type(public).__name__}); use EC P-256/P-384 or RSA of 2048 bits or more")
+        raise CSRError(f"CSR key unsupported ({type(public).__name__}); use EC P-256/P-384 or RSA of 2048 bits or more")
     cns = csr.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
     if len(cns) != 1 or not isinstance(cns[0].value, str):
-        raise EnrollmentError(f"CSR must name exactly one common name (the identity), it has {len(cns)}")
+        raise CSRError(f"CSR must name exactly one common name (the identity), it has {len(cns)}")
     try:
         return _check_file_name(cns[0].value), public
     except ValueError as exc:
-        raise EnrollmentError(f"CSR name invalid: {exc}") from None
+        raise CSRError(f"CSR name invalid: {exc}") from None
 
 
 def enroll(directory: str | os.PathLike[str], token: str, csr_pem: bytes, *, days: int = 365) -> tuple[bytes, str]:
@@ -585,15 +608,15 @@ def enroll(directory: str | os.PathLike[str], token: str, csr_pem: bytes, *, day
         if now >= datetime.fromisoformat(entry["expires_at"]):
             raise EnrollmentError(f"enrollment token {token_id} expired at {entry['expires_at']}")
         if entry["name"] is not None and entry["name"] != name:
-            raise EnrollmentError(f"name mismatch: the token is for {entry['name']!r}, the CSR asks for {name!r}")
+            raise EnrollmentNameError(f"name mismatch: the token is for {entry['name']!r}, the CSR asks for {name!r}")
         ca_cert, ca_key = _load_ca(d)
         records = _records(d)
-        _check_name_free(records, name, now, EnrollmentError)
+        _check_name_free(records, name, now, EnrollmentNameError)
         cert = _sign_leaf(ca_cert, ca_key, name=name, public_key=public, server=False, sans=(), days=days)
         entry.update(used_at=_iso(now), used_by=name, serial=f"{cert.serial_number:x}")
         _write_json(d / TOKENS, store, 0o600)
         _save_records(d, [*records, _record_of(cert, name, "client")])
-        _write_atomic(d / f"{name}.pem", _cert_pem(cert), 0o644)
+        write_atomic(d / f"{name}.pem", _cert_pem(cert), 0o644)
         # The key of this certificate stays with the client; one left by an earlier `issue`
         # of the name would sit beside a certificate it does not match.
         (d / f"{name}.key").unlink(missing_ok=True)

@@ -334,3 +334,19 @@ class ReceiveMessagesReply(_message.Message):
     total: int
     retry_after_s: float
     def __init__(self, ready: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[Envelope, _Mapping]]] = ..., total: _Optional[int] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
+
+class EnrollRequest(_message.Message):
+    __slots__ = ("token", "csr_pem")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CSR_PEM_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    csr_pem: bytes
+    def __init__(self, token: _Optional[str] = ..., csr_pem: _Optional[bytes] = ...) -> None: ...
+
+class EnrollReply(_message.Message):
+    __slots__ = ("certificate_pem", "identity")
+    CERTIFICATE_PEM_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    certificate_pem: bytes
+    identity: str
+    def __init__(self, certificate_pem: _Optional[bytes] = ..., identity: _Optional[str] = ...) -> None: ...

@@ -485,3 +485,75 @@ class Coordinator:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class EnrollmentStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Enroll = channel.unary_unary(
+                '/fedgrid.v1.Enrollment/Enroll',
+                request_serializer=fedgrid__pb2.EnrollRequest.SerializeToString,
+                response_deserializer=fedgrid__pb2.EnrollReply.FromString,
+                _registered_method=True)
+
+
+class EnrollmentServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Enroll(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_EnrollmentServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Enroll': grpc.unary_unary_rpc_method_handler(
+                    servicer.Enroll,
+                    request_deserializer=fedgrid__pb2.EnrollRequest.FromString,
+                    response_serializer=fedgrid__pb2.EnrollReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'fedgrid.v1.Enrollment', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('fedgrid.v1.Enrollment', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Enrollment:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Enroll(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedgrid.v1.Enrollment/Enroll',
+            fedgrid__pb2.EnrollRequest.SerializeToString,
+            fedgrid__pb2.EnrollReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import signal
@@ -37,7 +36,9 @@ from fedgrid.pki import RevocationList
 from fedgrid.plugins import model_state
 from fedgrid.proto.tls import TLSFiles, is_loopback, server_credentials
 from fedgrid.runlog import RunWriter, load_model
+from fedgrid.server.aio import LoopThread, advertised_address
 from fedgrid.server.engine import EvaluateFn, RoundEngine
+from fedgrid.server.enrollment import EnrollmentServer
 from fedgrid.server.codec_policy import build_codec_policy
 from fedgrid.server.grpc_fleet import GrpcFleet
 from fedgrid.server.memory import return_large_buffers_to_the_system
@@ -113,9 +114,7 @@ class Coordinator:
         # Shorter GIL turns (process-wide, never longer than already set): see GIL_SWITCH_INTERVAL_S.
         sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         self.executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="fedgrid-cpu")
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="fedgrid-aio", daemon=True)
-        self._thread.start()
+        self._aio = LoopThread("fedgrid-aio")
 
         async def build() -> tuple[grpc.aio.Server, health_aio.HealthServicer, int]:
             server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=list(interceptors))
@@ -134,7 +133,7 @@ class Coordinator:
         if self.port == 0:
             self._shutdown_loop()
             raise OSError(f"could not bind {listen}")
-        self.address = f"{'127.0.0.1' if host in ('0.0.0.0', '[::]') else host}:{self.port}"
+        self.address = advertised_address(listen, self.port)
 
     @staticmethod
     def _security(host: str, tls: TLSFiles | None, insecure: bool) -> tuple[grpc.ServerCredentials | None, PeerCheck]:
@@ -157,11 +156,10 @@ class Coordinator:
         return None, PeerCheck(tls=False)
 
     def _run(self, coro: Any, timeout: float = 30.0) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+        return self._aio.run(coro, timeout)
 
     def _shutdown_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
+        self._aio.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     def start(self) -> "Coordinator":
@@ -180,7 +178,7 @@ class Coordinator:
 
     def stop(self, grace: float = 5.0) -> None:
         """NOT_SERVING, then in-flight RPCs get ``grace`` seconds to finish."""
-        if not self._thread.is_alive():
+        if not self._aio.alive:
             return
         self.set_serving(False)
         try:
@@ -208,7 +206,9 @@ def run_coordinator(
     gracefully (returns ``None``; the committed state stays for a restart).
 
     The bound address is printed and written to ``RUN_DIR/address`` so that scripts using
-    port 0 can find it. Events (``fedgrid.events``) are appended to ``RUN_DIR/events.jsonl``
+    port 0 can find it. With ``config.enroll_listen`` the enrollment service
+    (``server/enrollment.py``) runs beside it, its address in ``RUN_DIR/enroll_address``.
+    Events (``fedgrid.events``) are appended to ``RUN_DIR/events.jsonl``
     and, with ``on_event``, handed to it on the emitting thread (after the file has them).
     Aggregation runs with ``config.threads`` intra-op threads (restored on return), which
     ``config.toml`` records with the torch version.
@@ -236,6 +236,13 @@ def coordinator_model(config: Config) -> ModelState | None:
     if ":" in config.model:
         return model_state(config.model, seed=config.seed)
     return None
+
+
+def _write_address(path: Path, address: str) -> None:
+    """Writes ``address`` to ``path`` atomically: a script waiting for the file never reads half of it."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(address + "\n")
+    os.replace(tmp, path)
 
 
 def _serve(
@@ -269,10 +276,20 @@ def _serve(
         downlink_codec=config.downlink_codec,
     )
     tls = TLSFiles.from_options(config.ca, config.cert, config.key, config.crl)
-    coordinator = Coordinator(config.listen, fleet, max_workers=config.max_workers, tls=tls, insecure=config.insecure).start()
-    address_tmp = Path(config.out) / "address.tmp"  # atomic: a script waiting for the file never reads half of it
-    address_tmp.write_text(coordinator.address + "\n")
-    os.replace(address_tmp, Path(config.out) / "address")
+    # Bound (and its directory checked) before the coordinator starts: a bad enroll_dir fails first.
+    enrollment = EnrollmentServer(config.enroll_listen, ca_dir=config.enroll_dir, tls=tls) if config.enroll_listen else None
+    try:
+        coordinator = Coordinator(config.listen, fleet, max_workers=config.max_workers, tls=tls, insecure=config.insecure).start()
+        if enrollment is not None:
+            enrollment.start()
+    except BaseException:
+        if enrollment is not None:
+            enrollment.stop(grace=0)
+        raise
+    if enrollment is not None:  # first: a script that sees RUN_DIR/address finds this one too
+        _write_address(Path(config.out) / "enroll_address", enrollment.address)
+        print(f"fedgrid enrollment service listening on {enrollment.address} (certificates of {config.enroll_dir})", flush=True)
+    _write_address(Path(config.out) / "address", coordinator.address)
     print(f"fedgrid coordinator listening on {coordinator.address} (run {fleet.run_id}, dir {config.out}, {threads} threads)", flush=True)
     events.emit("started", run_id=fleet.run_id, address=coordinator.address, threads=threads)
     if ready is not None:
@@ -309,6 +326,8 @@ def _serve(
     try:
         final = engine.run()
     finally:
+        if enrollment is not None:
+            enrollment.stop()
         coordinator.stop(grace=5.0)
         fleet.close()
         if in_main:

@@ -271,3 +271,30 @@ def test_environment_table_of_a_run_directory_is_read_back(tmp_path, caplog):
     with pytest.raises(ConfigError) as info:
         load_config(_write(tmp_path, 'environment = "cpu"\n'))
     assert info.value.key == "environment"
+
+
+_TLS = {"ca": "ca.pem", "cert": "coordinator.pem", "key": "coordinator.key"}
+
+
+@pytest.mark.parametrize(
+    "overrides, key, words",
+    [
+        ({"enroll_listen": "127.0.0.1:0", **_TLS}, "enroll_dir", "needs enroll_dir"),
+        ({"enroll_dir": "pki", **_TLS}, "enroll_dir", "only with enroll_listen"),
+        ({"enroll_listen": "127.0.0.1:0", "enroll_dir": "pki"}, "enroll_listen", "needs ca, cert and key"),
+        ({"enroll_listen": "nowhere", "enroll_dir": "pki", **_TLS}, "enroll_listen", "expected HOST:PORT"),
+    ],
+)
+def test_enrollment_keys_are_checked_together(overrides, key, words):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert info.value.key == key and words in str(info.value)
+
+
+def test_enrollment_keys_are_coordinator_flags_only():
+    from fedgrid.cli import COORDINATOR_KEYS, SIMULATE_KEYS
+
+    config = load_config(None, {"enroll_listen": "127.0.0.1:0", "enroll_dir": "pki", **_TLS})
+    assert (config.enroll_listen, config.enroll_dir) == ("127.0.0.1:0", "pki")
+    assert {"enroll_listen", "enroll_dir"} <= set(COORDINATOR_KEYS)
+    assert not {"enroll_listen", "enroll_dir"} & set(SIMULATE_KEYS)

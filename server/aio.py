@@ -1,0 +1,56 @@
+"""The event-loop thread the coordinator's gRPC servers (``grpc.aio``) run on.
+
+A ``grpc.aio`` server lives on an asyncio loop; the coordinator's callers (the round engine,
+``_serve``, tests) are plain threads. ``LoopThread`` runs one loop forever in a daemon thread
+and lets those threads run coroutines on it with a deadline, so the coordinator service
+(``server/app.py``) and the enrollment service (``server/enrollment.py``) share the plumbing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any, Coroutine, TypeVar
+
+__all__ = ["LoopThread", "advertised_address"]
+
+T = TypeVar("T")
+
+
+class LoopThread:
+    """An asyncio event loop running in a daemon thread of its own, started at construction.
+
+    Args:
+        name: the thread's name (it shows in stack dumps and ``py-spy``).
+    """
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the loop still runs (``close`` not called yet)."""
+        return self._thread.is_alive()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
+        """Runs ``coro`` on the loop and waits for its result.
+
+        Raises:
+            TimeoutError: it took longer than ``timeout`` seconds (it goes on running).
+            Exception: whatever ``coro`` raised.
+        """
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stops the loop and waits up to ``timeout`` seconds for its thread to end."""
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=timeout)
+
+
+def advertised_address(listen: str, port: int) -> str:
+    """The ``HOST:PORT`` a local script dials for a server bound to ``listen`` on ``port``: a
+    wildcard host (``0.0.0.0``, ``[::]``) becomes ``127.0.0.1``."""
+    host = listen.rpartition(":")[0]
+    return f"{'127.0.0.1' if host in ('0.0.0.0', '[::]') else host}:{port}"
