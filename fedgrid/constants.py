@@ -34,6 +34,7 @@ __all__ = [
     "BUFFER_POOL_BYTES",
     "BUFFER_POOL_IDLE_S",
     "GIL_SWITCH_INTERVAL_S",
+    "MAX_NUM_EXAMPLES",
 ]
 
 
@@ -116,3 +117,8 @@ BUFFER_POOL_IDLE_S = _env_float("FEDGRID_BUFFER_POOL_IDLE_S", 30.0)
 #: often waits a whole interval to get it back: 1,224 against 1,514 MB/s of 100 MB uploads
 #: at 0.2 ms, 1,408 against 1,591 at 1 ms (``benchmarks/transport.py``, 2 cores).
 GIL_SWITCH_INTERVAL_S = _env_float("FEDGRID_GIL_SWITCH_INTERVAL_S", 0.001)
+#: Largest ``num_examples`` a client may report at Join or claim for an update
+#: (FEDGRID_MAX_NUM_EXAMPLES; the ``max_num_examples`` config key overrides it per run). An
+#: update's weight is its claim: without a cap one client claiming 2**64-1 examples *is* the
+#: weighted mean. A billion examples is more than any one federated client holds.
+MAX_NUM_EXAMPLES = int(_env_float("FEDGRID_MAX_NUM_EXAMPLES", 10**9))

@@ -17,6 +17,7 @@ __all__ = [
     "PayloadTooLargeError",
     "RunFinishedError",
     "InterruptedRunError",
+    "NonFiniteAggregateError",
 ]
 
 
@@ -62,3 +63,8 @@ class InterruptedRunError(FedgridError):
 
 class ResourceLimitError(FedgridError):
     """A client asked for more than the coordinator allows at once (polls, transfers); retry later."""
+
+
+class NonFiniteAggregateError(FedgridError):
+    """A round's aggregate holds NaN or Inf (finite updates can still overflow: two clients
+    sending 3e38 sum to Inf): the round fails and the previous global model stays."""

@@ -35,6 +35,7 @@ from fedgrid.constants import (
 from fedgrid.errors import ConfigError
 from fedgrid.plugins import model_state
 from fedgrid.runlog import RunWriter, load_model
+from fedgrid.server.bounds import build_bounds
 from fedgrid.server.engine import EvaluateFn, RoundEngine
 from fedgrid.server.codec_policy import build_codec_policy
 from fedgrid.server.grpc_fleet import GrpcFleet
@@ -230,6 +231,7 @@ def _serve(
         spill_dir=Path(config.state_dir) / "updates" if config.state_dir else None,
         codec_policy=build_codec_policy(config),
         downlink_codec=config.downlink_codec,
+        bounds=build_bounds(config),
     )
     coordinator = Coordinator(config.listen, fleet, max_workers=config.max_workers).start()
     address_tmp = Path(config.out) / "address.tmp"  # atomic: a script waiting for the file never reads half of it
