@@ -73,7 +73,7 @@ def encode_state(obj: Any) -> tuple[Any, dict[str, torch.Tensor]]:
         TypeError: a value of a type a checkpoint cannot hold (the message names its path).
     """
     tensors: dict[str, torch.Tensor] = {}
-    storages: set[tuple[int, int]] = set()
+    storages: set[int] = set()  # storage addresses of the tensors kept
 
     def enc(value: Any, path: str) -> Any:
         if value is None or isinstance(value, (bool, str)):
@@ -86,10 +86,9 @@ def encode_state(obj: Any) -> tuple[Any, dict[str, torch.Tensor]]:
             key = path if path not in tensors else f"{path}#{len(tensors)}"
             t = value.detach().cpu().contiguous()
             if t.numel():  # safetensors refuses tensors sharing memory: copy a second view
-                where = (t.untyped_storage().data_ptr(), t.storage_offset())
-                if where in storages:
+                if t.untyped_storage().data_ptr() in storages:
                     t = t.clone()
-                storages.add((t.untyped_storage().data_ptr(), t.storage_offset()))
+                storages.add(t.untyped_storage().data_ptr())
             tensors[key] = t
             return {"tensor": key}
         if isinstance(value, np.generic):
@@ -123,7 +122,8 @@ def decode_state(doc: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     if "tensor" in doc:
         return tensors[doc["tensor"]]
     if "dict" in doc or "odict" in doc:
-        items = [(decode_state(k, tensors), decode_state(v, tensors)) for k, v in doc.get("dict", doc.get("odict"))]
+        pairs = doc["odict"] if "odict" in doc else doc["dict"]
+        items = [(decode_state(k, tensors), decode_state(v, tensors)) for k, v in pairs]
         return OrderedDict(items) if "odict" in doc else dict(items)
     if "tuple" in doc:
         return tuple(decode_state(v, tensors) for v in doc["tuple"])
