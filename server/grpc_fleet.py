@@ -166,6 +166,8 @@ class GrpcFleet(Fleet):
 
     @staticmethod
     def _reason(text: str) -> str:
+        """A failure or leave reason: length-capped only. Unlike names, a reason may hold any
+        text (exception messages span lines); it is kept as sent and escaped wherever logged."""
         if len(text) > MAX_REASON_CHARS:
             raise InvalidUpdateError(f"reason: {len(text)} characters, at most {MAX_REASON_CHARS}")
         return text
