@@ -191,7 +191,10 @@ class TorchClient(Client):
         elif algorithm == "scaffold":
             out = OrderedDict(full)
             out.update(self.scaffold.finish(full))
-        num_examples = seen if steps else seen // epochs
+        # The weight is the distinct examples trained on, never more than held (and reported
+        # at join; the coordinator refuses a claim above that): H steps may cycle the data.
+        held = self.num_examples
+        num_examples = (min(seen, held) if held else seen) if steps else seen // epochs
         return FitOutput(state=out, num_examples=num_examples, metrics={"loss": loss_sum / seen})
 
     def round_seed(self, ins: FitIns) -> int:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S
+from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S, MAX_NUM_EXAMPLES
 from fedgrid.determinism import MAX_THREADS
 from fedgrid.compression import parse_codec_spec
 from fedgrid.errors import ConfigError
@@ -132,6 +132,8 @@ class Config:
     num_blocks: int | None = _key("bcd: B, blocks of the default partition", None)
     block_prefixes: str | None = _key("bcd: blocks as name prefixes, e.g. 'conv1,conv2;fc'", None)
     block_schedule: str | None = _key("bcd: cyclic, random or capacity", None)
+    max_num_examples: int = _key("largest num_examples a client may report at join or claim for an update; an update may also claim no more than its client reported at join", MAX_NUM_EXAMPLES)
+    max_update_norm: float = _key("refuse an update whose L2 distance from the round's global model (floating tensors) is over this (0: no bound)", 0.0)
     round_timeout_s: float = _key("each round closes by this deadline", 300.0)
     join_timeout_s: float = _key("longest wait for min_clients before a round", 600.0)
     heartbeat_interval_s: float = _key("client heartbeat interval", HEARTBEAT_INTERVAL_S)
@@ -152,7 +154,7 @@ class Config:
     state_dir: str = _key("durable coordinator state directory", "")
 
     def __post_init__(self) -> None:
-        positive_ints = ("rounds", "clients", "min_clients", "local_epochs", "chunk_size", "max_workers", "batch_size")
+        positive_ints = ("rounds", "clients", "min_clients", "local_epochs", "chunk_size", "max_workers", "batch_size", "max_num_examples")
         for key in positive_ints:
             if getattr(self, key) < 1:
                 raise ConfigError(key, f"must be at least 1, got {getattr(self, key)}")
@@ -208,7 +210,7 @@ class Config:
         if self.enroll_listen and not tls_given:
             raise ConfigError("enroll_listen", "enrollment needs ca, cert and key: it serves TLS with the coordinator's certificate, "
                               "never plaintext (a listener on the path would read tokens and could hand out certificates)")
-        for key in ("momentum", "weight_decay"):
+        for key in ("momentum", "weight_decay", "max_update_norm"):
             if not 0.0 <= getattr(self, key) < float("inf"):
                 raise ConfigError(key, f"must be a finite number at least 0, got {getattr(self, key)}")
         if self.engine not in ENGINES:

@@ -37,6 +37,7 @@ __all__ = [
     "ENROLL_MAX_MESSAGE_BYTES",
     "ENROLL_MAX_CONCURRENT",
     "ENROLL_TIMEOUT_S",
+    "MAX_NUM_EXAMPLES",
 ]
 
 
@@ -127,3 +128,8 @@ ENROLL_MAX_MESSAGE_BYTES = 16 * 1024
 ENROLL_MAX_CONCURRENT = int(_env_float("FEDGRID_ENROLL_MAX_CONCURRENT", 4))
 #: Deadline of an enrollment, on both sides (FEDGRID_ENROLL_TIMEOUT_S): signing takes milliseconds.
 ENROLL_TIMEOUT_S = _env_float("FEDGRID_ENROLL_TIMEOUT_S", 10.0)
+#: Largest ``num_examples`` a client may report at Join or claim for an update
+#: (FEDGRID_MAX_NUM_EXAMPLES; the ``max_num_examples`` config key overrides it per run). An
+#: update's weight is its claim: without a cap one client claiming 2**64-1 examples *is* the
+#: weighted mean. A billion examples is more than any one federated client holds.
+MAX_NUM_EXAMPLES = int(_env_float("FEDGRID_MAX_NUM_EXAMPLES", 10**9))

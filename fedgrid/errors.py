@@ -22,6 +22,7 @@ __all__ = [
     "EnrollmentError",
     "CSRError",
     "EnrollmentNameError",
+    "NonFiniteAggregateError",
 ]
 
 
@@ -96,3 +97,8 @@ class EnrollmentNameError(EnrollmentError):
     """An enrollment asked for a name it may not have: the token was issued for another name,
     or the name already has a valid certificate (the enrollment service answers
     PERMISSION_DENIED); the token is not spent."""
+
+
+class NonFiniteAggregateError(FedgridError):
+    """A round's aggregate holds NaN or Inf (finite updates can still overflow: two clients
+    sending 3e38 sum to Inf): the round fails and the previous global model stays."""

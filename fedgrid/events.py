@@ -22,6 +22,7 @@ their fields below are a contract.
 | ``checkpoint_writing`` | ``round`` | the checkpoint of the round is being written |
 | ``checkpoint_written`` | ``round`` | it is durable |
 | ``round_committed`` | ``round`` | checkpoint, history and metrics hold the round |
+| ``round_failed`` | ``round``, ``reason`` | the round's aggregate was not finite: the previous model stays, no checkpoint is written, history and metrics hold the round (``round_failed: 1``) |
 | ``stopped`` | ``committed`` (rounds) | a graceful stop (SIGTERM) ended the run early |
 | ``finished`` | ``rounds`` | the run is complete and the model written |
 

@@ -26,6 +26,7 @@ from fedgrid.constants import CHUNK_SIZE, MAX_TENSOR_BYTES
 from fedgrid.errors import InvalidUpdateError, PayloadTooLargeError
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto.buffers import BufferPool, receive_buffers
+from fedgrid.textsafe import MAX_LABEL_CHARS, check_label, escape
 from fedgrid.types import ClientInfo, FitIns, MessageIns, ModelState, Scalar, TensorSpec
 
 __all__ = [
@@ -76,6 +77,10 @@ DTYPE_TO_PB: dict[torch.dtype, int] = {
 PB_TO_DTYPE: dict[int, torch.dtype] = {v: k for k, v in DTYPE_TO_PB.items()}
 
 M = TypeVar("M", bound=Message)
+
+#: Metrics one stream header may carry (each name a label of at most ``MAX_LABEL_CHARS``
+#: printable characters: metric names end up in logs and in ``metrics.jsonl``).
+MAX_METRICS = 64
 
 #: gRPC's length-prefixed message framing: 1 flag byte + 4 length bytes per message.
 GRPC_FRAME_BYTES = 5
@@ -139,7 +144,7 @@ class EncodedModel:
         self._tensors: list[_Encoded] = []
         for name, tensor in state.items():
             if tensor.dtype not in DTYPE_TO_PB:
-                raise InvalidUpdateError(f"tensor '{name}': dtype {tensor.dtype} cannot be sent")
+                raise InvalidUpdateError(f"tensor {escape(name)}: dtype {tensor.dtype} cannot be sent")
             self._add(name, tensor.dtype, tuple(tensor.shape), codec, impl.encode(tensor))
         self.total_bytes = sum(t.meta.nbytes for t in self._tensors)
 
@@ -415,9 +420,12 @@ class ModelAssembler:
             raise PayloadTooLargeError(
                 f"stream declares {header.total_bytes} payload bytes, over the limit of {self._max_total_bytes}"
             )
+        if len(header.metrics) > MAX_METRICS:
+            raise InvalidUpdateError(f"metrics: {len(header.metrics)} reported, at most {MAX_METRICS}")
         for key, value in header.metrics.items():
+            check_label(key, what="metric name", limit=MAX_LABEL_CHARS)
             if not math.isfinite(value):
-                raise InvalidUpdateError(f"metric '{key}' is {value}")
+                raise InvalidUpdateError(f"metric {escape(key)} is {value}")
         self._num_tensors = header.num_tensors
         self._total_bytes = header.total_bytes
         self.info = _info(header)
@@ -427,37 +435,37 @@ class ModelAssembler:
         if not name:
             raise InvalidUpdateError("tensor with an empty name")
         if name in self._done:
-            raise InvalidUpdateError(f"tensor '{name}' sent twice")
+            raise InvalidUpdateError(f"tensor {escape(name)} sent twice")
         if len(self._done) >= self._num_tensors:
             raise InvalidUpdateError(f"tensor count: '{name}' is beyond the {self._num_tensors} tensors declared")
         dtype = PB_TO_DTYPE.get(meta.dtype)
         if dtype is None:
-            raise InvalidUpdateError(f"tensor '{name}': unknown dtype {meta.dtype}")
+            raise InvalidUpdateError(f"tensor {escape(name)}: unknown dtype {meta.dtype}")
         shape = tuple(meta.shape)
         if any(d < 0 for d in shape):
-            raise InvalidUpdateError(f"tensor '{name}': negative dimension in shape {list(shape)}")
+            raise InvalidUpdateError(f"tensor {escape(name)}: negative dimension in shape {list(shape)}")
         if self._expected is not None:
             spec = self._expected.get(name)
             if spec is None:
-                raise InvalidUpdateError(f"tensor '{name}' is not part of the model")
+                raise InvalidUpdateError(f"tensor {escape(name)} is not part of the model")
             if dtype != spec.dtype:
-                raise InvalidUpdateError(f"tensor '{name}': wrong dtype {dtype}, expected {spec.dtype}")
+                raise InvalidUpdateError(f"tensor {escape(name)}: wrong dtype {dtype}, expected {spec.dtype}")
             if shape != spec.shape:
-                raise InvalidUpdateError(f"tensor '{name}': wrong shape {list(shape)}, expected {list(spec.shape)}")
+                raise InvalidUpdateError(f"tensor {escape(name)}: wrong shape {list(shape)}, expected {list(spec.shape)}")
         try:
             codec = get_codec(meta.codec)
         except InvalidUpdateError as exc:
-            raise InvalidUpdateError(f"tensor '{name}': {exc}") from None
+            raise InvalidUpdateError(f"tensor {escape(name)}: {exc}") from None
         limit = min(codec.max_payload_bytes(dtype=dtype, shape=shape), self._max_tensor_bytes)
         if meta.nbytes > limit:
             raise PayloadTooLargeError(
-                f"tensor '{name}': declares {meta.nbytes} payload bytes, over the {limit} its dtype, shape and codec allow"
+                f"tensor {escape(name)}: declares {meta.nbytes} payload bytes, over the {limit} its dtype, shape and codec allow"
             )
         if self._received_total + meta.nbytes > self._total_bytes:
-            raise PayloadTooLargeError(f"tensor '{name}': payload runs past the stream's declared total")
+            raise PayloadTooLargeError(f"tensor {escape(name)}: payload runs past the stream's declared total")
         raw_size = _numel(shape) * _itemsize(dtype)
         if meta.codec == "none" and meta.nbytes != raw_size:
-            raise InvalidUpdateError(f"tensor '{name}': payload is {meta.nbytes} bytes, {dtype} {list(shape)} needs {raw_size}")
+            raise InvalidUpdateError(f"tensor {escape(name)}: payload is {meta.nbytes} bytes, {dtype} {list(shape)} needs {raw_size}")
         self._meta = meta
         # A reused buffer if one of this size is free: faulting in a fresh model-sized one is
         # most of a receiver's cost (see proto/buffers.py). No zero fill: every byte is written
@@ -473,7 +481,7 @@ class ModelAssembler:
         end = self._filled + len(data)
         if end > self._buf.numel():
             raise PayloadTooLargeError(
-                f"tensor '{self._meta.name}': larger than declared ({end} > {self._buf.numel()} bytes)"
+                f"tensor {escape(self._meta.name)}: larger than declared ({end} > {self._buf.numel()} bytes)"
             )
         self._view[self._filled : end] = np.frombuffer(data, dtype=np.uint8)
         self._hasher.update(data)
@@ -486,9 +494,9 @@ class ModelAssembler:
             return
         name = meta.name
         if self._filled != buf.numel():
-            raise InvalidUpdateError(f"tensor '{name}': truncated, received {self._filled} of {buf.numel()} bytes")
+            raise InvalidUpdateError(f"tensor {escape(name)}: truncated, received {self._filled} of {buf.numel()} bytes")
         if self._hasher.intdigest() != meta.checksum:
-            raise InvalidUpdateError(f"tensor '{name}': checksum mismatch")
+            raise InvalidUpdateError(f"tensor {escape(name)}: checksum mismatch")
         dtype, shape = PB_TO_DTYPE[meta.dtype], tuple(meta.shape)
         if meta.codec == "none":  # raw bytes: the received buffer is the tensor, no copy
             tensor = buf.view(dtype).reshape(shape) if buf.numel() else torch.empty(shape, dtype=dtype)
@@ -496,7 +504,7 @@ class ModelAssembler:
             try:
                 tensor = get_codec(meta.codec).decode(bytearray(self._view), dtype=dtype, shape=shape)
             except InvalidUpdateError as exc:
-                raise InvalidUpdateError(f"tensor '{name}': {exc}") from None
+                raise InvalidUpdateError(f"tensor {escape(name)}: {exc}") from None
         self._done.append(name)
         # Let go of the buffer: a raw tensor holds it (the pool gets it back when the tensor
         # is gone), a decoded one was copied out and it is free now.
@@ -552,7 +560,7 @@ def check_finite(state: Mapping[str, torch.Tensor]) -> None:
         low, high = torch.aminmax(probe)
         if not (bool(torch.isfinite(low)) and bool(torch.isfinite(high))):
             bad = "NaN" if bool(torch.isnan(probe).any()) else "Inf"
-            raise InvalidUpdateError(f"tensor '{name}': contains {bad}")
+            raise InvalidUpdateError(f"tensor {escape(name)}: contains {bad}")
 
 
 def decode_chunks(

@@ -37,6 +37,7 @@ from fedgrid.plugins import model_state
 from fedgrid.proto.tls import TLSFiles, is_loopback, server_credentials
 from fedgrid.runlog import RunWriter, load_model
 from fedgrid.server.aio import LoopThread, advertised_address
+from fedgrid.server.bounds import build_bounds
 from fedgrid.server.engine import EvaluateFn, RoundEngine
 from fedgrid.server.enrollment import EnrollmentServer
 from fedgrid.server.codec_policy import build_codec_policy
@@ -274,6 +275,7 @@ def _serve(
         spill_dir=Path(config.state_dir) / "updates" if config.state_dir else None,
         codec_policy=build_codec_policy(config),
         downlink_codec=config.downlink_codec,
+        bounds=build_bounds(config),
     )
     tls = TLSFiles.from_options(config.ca, config.cert, config.key, config.crl)
     # Bound (and its directory checked) before the coordinator starts: a bad enroll_dir fails first.

@@ -4,6 +4,18 @@ Each round: wait for enough live clients, let the strategy choose clients and ta
 them on the fleet, let the strategy aggregate results and failures, evaluate, then commit:
 checkpoint (with a ``StateStore``), SQLite history, ``metrics.jsonl``. A round is either
 committed whole or redone whole after a restart, so none is applied twice.
+
+A round whose new strategy state (the global model, server-optimizer moments, control
+variates) holds NaN or Inf *fails* (``NonFiniteAggregateError``): finite updates can still
+overflow an aggregate (two clients sending 3e38), and a NaN model, once checkpointed, is
+what every restart would resume and every client would train from. The strategy goes back
+to the state it had when the round began (so the run equals one in which the round never
+ran), nothing is checkpointed for the round, the error is logged and emitted as
+``round_failed``, and its metrics (``round_failed: 1``) still go to the history and
+``metrics.jsonl``. The run goes on with the next round: one poisoned round must not end a
+run that honest clients can carry on, and a run whose every round fails shows it in its
+metrics. (A restart after a failed round resumes from the last committed one and runs the
+failed round again.)
 """
 
 from __future__ import annotations
@@ -13,17 +25,20 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable
+from typing import Any, Callable
+
+import torch
 
 from fedgrid.aggregation.base import Strategy
-from fedgrid.errors import InterruptedRunError
+from fedgrid.errors import InterruptedRunError, NonFiniteAggregateError
 from fedgrid.events import EventLog
 from fedgrid.runlog import RunWriter
 from fedgrid.server.fleet import Fleet, RoundOutcome
 from fedgrid.server.state import StateStore
+from fedgrid.textsafe import escape
 from fedgrid.types import EVALUATE, FIT, ClientInfo, ModelState, RoundMetrics, check_phase_name
 
-__all__ = ["RoundEngine", "EvaluateFn"]
+__all__ = ["RoundEngine", "EvaluateFn", "ROUND_FAILED", "first_non_finite"]
 
 
 @dataclass
@@ -45,6 +60,30 @@ class _Tally:
 log = logging.getLogger(__name__)
 
 EvaluateFn = Callable[[ModelState], "tuple[float, dict[str, float]]"]
+
+#: ``RoundMetrics.extra`` key of a round whose aggregate was not finite (value 1.0).
+ROUND_FAILED = "round_failed"
+
+
+def first_non_finite(state: Any, where: str = "") -> str | None:
+    """The path of the first floating tensor holding NaN or Inf in a (nested) state, or ``None``."""
+    if isinstance(state, torch.Tensor):
+        if state.dtype.is_floating_point or state.dtype.is_complex:
+            probe = torch.view_as_real(state) if state.dtype.is_complex else state
+            if probe.numel() and not bool(torch.isfinite(probe.float() if probe.dtype.itemsize == 1 else probe).all()):
+                return where or "tensor"
+        return None
+    if isinstance(state, dict):
+        items: Any = state.items()
+    elif isinstance(state, (list, tuple)):
+        items = enumerate(state)
+    else:
+        return None
+    for key, value in items:
+        found = first_non_finite(value, f"{where}.{key}" if where else str(key))
+        if found is not None:
+            return found
+    return None
 
 
 class RoundEngine:
@@ -119,9 +158,13 @@ class RoundEngine:
     def commit(self, metrics: RoundMetrics) -> None:
         """Makes the round of ``metrics`` durable and visible: checkpoint (with a store),
         history, ``metrics.jsonl``, ``on_round``. ``run_round`` then ``commit`` is one round;
-        ``run`` is the driver that loops them (a regional coordinator drives its own)."""
+        ``run`` is the driver that loops them (a regional coordinator drives its own).
+
+        A failed round (``ROUND_FAILED`` in its metrics) goes to the history and metrics but
+        writes no checkpoint, and emits ``round_failed`` instead of ``round_committed``."""
         self.history.append(metrics)
-        if self.store is not None:
+        failed = bool(metrics.extra.get(ROUND_FAILED))
+        if self.store is not None and not failed:
             self.events.emit("checkpoint_writing", round=metrics.round)
             self.store.save(
                 server_round=metrics.round,
@@ -133,7 +176,10 @@ class RoundEngine:
         self.fleet.committed(metrics.round)
         if self.writer is not None:
             self.writer.write_round(metrics)
-        self.events.emit("round_committed", round=metrics.round)
+        if failed:
+            self.events.emit("round_failed", round=metrics.round, reason="non-finite aggregate")
+        else:
+            self.events.emit("round_committed", round=metrics.round)
         if self.on_round is not None:
             self.on_round(metrics)
 
@@ -151,13 +197,24 @@ class RoundEngine:
             raise ValueError(f"round {server_round}: the strategy declared a phase twice: {phases}")
         clients = self.fleet.wait_for_clients(min_clients=self.min_clients, timeout=self.join_timeout)
         tally = _Tally()
-        for phase in phases:
-            if phase == FIT:
-                self._fit(server_round, clients, tally)
-            elif phase == EVALUATE:
-                self._evaluate(server_round, clients, tally)
-            else:
-                self._messages(server_round, phase, clients, tally)
+        before = self.strategy.state_dict()  # copies: what a failed round goes back to
+        try:
+            for phase in phases:
+                if phase == FIT:
+                    self._fit(server_round, clients, tally)
+                elif phase == EVALUATE:
+                    self._evaluate(server_round, clients, tally)
+                else:
+                    self._messages(server_round, phase, clients, tally)
+                # The model first (no copy), before a later phase sends it to clients ...
+                self._check_finite(server_round, phase, self.strategy.global_state)
+            # ... then everything the checkpoint would hold (optimizer moments overflow too).
+            self._check_finite(server_round, "the end of the round", self.strategy.state_dict())
+        except NonFiniteAggregateError as exc:
+            self.strategy.load_state_dict(before)
+            log.error("%s; the previous global model is kept and the run goes on", exc)
+            tally.extra[ROUND_FAILED] = 1.0
+        del before
         if self.evaluate_fn is not None:  # a central test set, when the task has one, wins
             tally.loss, eval_metrics = self.evaluate_fn(self.strategy.global_state)
             tally.accuracy = eval_metrics.get("accuracy")
@@ -174,6 +231,12 @@ class RoundEngine:
             extra=tally.extra,
         )
 
+    @staticmethod
+    def _check_finite(server_round: int, phase: str, state: Any) -> None:
+        bad = first_non_finite(state)
+        if bad is not None:
+            raise NonFiniteAggregateError(f"round {server_round} failed: after {phase}, the strategy state's {bad} holds NaN or Inf")
+
     def _check_stop(self, server_round: int) -> None:
         if self._stop.is_set():
             raise InterruptedRunError(f"round {server_round} abandoned: the coordinator is stopping")
@@ -189,7 +252,8 @@ class RoundEngine:
         )
         self._check_stop(server_round)
         for failure in outcome.failures:
-            log.warning("round %d: client %s failed: %s", server_round, failure.client.name or failure.client.client_id, failure.reason)
+            log.warning("round %d: client %s failed: %s", server_round, escape(failure.client.name or failure.client.client_id),
+                        escape(failure.reason))
         log.info("round %d: aggregating %d updates (%d failures)", server_round, len(outcome.results), len(outcome.failures))
         self.events.emit("aggregating", round=server_round, updates=len(outcome.results), failures=len(outcome.failures))
         agg_metrics = self.strategy.aggregate(server_round=server_round, results=outcome.results, failures=outcome.failures)
@@ -224,7 +288,7 @@ class RoundEngine:
         self._check_stop(server_round)
         for failure in outcome.failures:
             log.warning("round %d, phase %s: client %s failed: %s", server_round, phase,
-                        failure.client.name or failure.client.client_id, failure.reason)
+                        escape(failure.client.name or failure.client.client_id), escape(failure.reason))
         metrics = self.strategy.receive_messages(server_round=server_round, phase=phase, results=outcome.results, failures=outcome.failures)
         tally.extra.update(metrics)
         tally.extra[f"{phase}_ok"] = len(outcome.results)

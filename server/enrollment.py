@@ -37,6 +37,7 @@ from cryptography.hazmat.primitives import serialization
 
 from fedgrid import pki
 from fedgrid.constants import ENROLL_MAX_CONCURRENT, ENROLL_MAX_MESSAGE_BYTES, ENROLL_TIMEOUT_S
+from fedgrid.textsafe import escape
 from fedgrid.errors import ConfigError, CSRError, EnrollmentError, EnrollmentNameError
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
@@ -67,12 +68,6 @@ GRPC_OPTIONS = [
     ("grpc.max_connection_idle_ms", 30_000),
     ("grpc.max_connection_age_ms", 120_000),
 ]
-
-
-def _escape(text: str, limit: int) -> str:
-    """``text`` as ``repr`` quotes it (newlines, escapes and control characters escaped), cut
-    to ``limit`` characters: client text cannot forge or flood a log line."""
-    return repr(text) if len(text) <= limit else f"{text[:limit]!r}...(+{len(text) - limit} chars)"
 
 
 def _clip(text: str) -> str:
@@ -113,8 +108,8 @@ class EnrollmentServicer:
             job.exception()  # retrieved: a late failure is logged by Enroll, not as "never retrieved"
 
     async def Enroll(self, request: pb.EnrollRequest, context: grpc.aio.ServicerContext) -> pb.EnrollReply:
-        peer = _escape(context.peer() or "", 64)
-        token_id = _escape(request.token.partition(".")[0], 32)  # never the secret
+        peer = escape(context.peer() or "", 64)
+        token_id = escape(request.token.partition(".")[0], 32)  # never the secret
         if self.in_flight >= self.max_concurrent:
             log.warning("enrollment of token %s from %s refused: %d in progress", token_id, peer, self.in_flight)
             await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -135,7 +130,7 @@ class EnrollmentServicer:
                          "now reads as used, the certificate was issued: revoke the name and issue a new token")
         except EnrollmentError as exc:
             code = next(c for kind, c in STATUS_OF if isinstance(exc, kind))
-            log.info("enrollment of token %s from %s refused (%s): %s", token_id, peer, code.name, _escape(str(exc), 300))
+            log.info("enrollment of token %s from %s refused (%s): %s", token_id, peer, code.name, escape(str(exc), 300))
             await _abort(context, code, _clip(str(exc)))
         except Exception:
             log.exception("enrollment of token %s from %s failed", token_id, peer)

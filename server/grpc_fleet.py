@@ -34,7 +34,9 @@ from fedgrid.errors import (
 )
 from fedgrid.proto import serde
 from fedgrid.proto.buffers import receive_buffers
+from fedgrid.textsafe import escape
 from fedgrid.server.fleet import Fleet, RoundOutcome
+from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.downlink import Downlink, RoundDownlink
 from fedgrid.server.messages import InboxPage, Mailbox
@@ -100,6 +102,7 @@ class GrpcFleet(Fleet):
             ``ResourceLimitError`` (RESOURCE_EXHAUSTED).
         task_scope: part of every task id, so that nested rounds (a global round made of
             regional rounds, each regional round numbered from 1) never share a task id.
+        bounds: what a Join may report and an update may claim and change (``server/bounds.py``).
     """
 
     def __init__(
@@ -113,8 +116,10 @@ class GrpcFleet(Fleet):
         events: EventLog | None = None,
         max_polls_per_client: int = MAX_POLLS_PER_CLIENT,
         task_scope: str = "",
+        bounds: UpdateBounds | None = None,
     ) -> None:
         self.run_id = uuid.uuid4().hex
+        self.bounds = bounds if bounds is not None else UpdateBounds()
         self.events = events if events is not None else EventLog()
         self.max_polls_per_client = max_polls_per_client
         self.task_scope = task_scope
@@ -128,8 +133,9 @@ class GrpcFleet(Fleet):
         self._interrupted = False
         self._lock = threading.RLock()
         self._wake = Wakeups(self._lock)  # keyed: a task wakes its client's poll only
-        self.registry = Registry(self._wake, self.events, self.heartbeat_interval_s, self._fail_removed)
-        self.uploads = Uploads(self.registry, self.spill, self.events, self._open_task, lambda: self._round)
+        self.registry = Registry(self._wake, self.events, self.heartbeat_interval_s, self._fail_removed, self.bounds)
+        self.uploads = Uploads(self.registry, self.spill, self.events, self._open_task, lambda: self._round,
+                               bounds=self.bounds, run_id=lambda: self.run_id)
         self.mailbox = Mailbox(self.registry, self.events, self._open_task, lambda: self._round, lambda: self._interrupted)
 
     # -- handlers (called by the servicer) -------------------------------------------------
@@ -161,6 +167,8 @@ class GrpcFleet(Fleet):
 
     @staticmethod
     def _reason(text: str) -> str:
+        """A failure or leave reason: length-capped only. Unlike names, a reason may hold any
+        text (exception messages span lines); it is kept as sent and escaped wherever logged."""
         if len(text) > MAX_REASON_CHARS:
             raise InvalidUpdateError(f"reason: {len(text)} characters, at most {MAX_REASON_CHARS}")
         return text
@@ -180,10 +188,10 @@ class GrpcFleet(Fleet):
                 record.benched_task = ""
             rnd = self._open_task(client_id, task_id)
             if client_id in rnd.results:
-                raise DuplicateUpdateError(f"result for round {rnd.server_round} from client {client_id!r} already accepted")
+                raise DuplicateUpdateError(f"result for round {rnd.server_round} from client {escape(client_id)} already accepted")
             rnd.failures.setdefault(client_id, Failure(record.info, f"client reported: {reason}"))
             self._wake.notify("round")
-        log.warning("round %d: client %r reported a failure: %r", rnd.server_round, record.info.name or client_id, reason)
+        log.warning("round %d: client %s reported a failure: %s", rnd.server_round, escape(record.info.name or client_id), escape(reason))
         self.events.emit("failure_reported", round=rnd.server_round, client=client_id, reason=reason)
 
     def leave(self, client_id: str, token: str, reason: str) -> None:
@@ -199,7 +207,7 @@ class GrpcFleet(Fleet):
             if client_id in self.registry.records:
                 self.registry.remove(client_id, f"client left: {reason}")
             self._wake.notify("registry", ("poll", client_id), ("inbox", client_id))
-        log.info("client %r left: %r", record.info.name or client_id, reason)
+        log.info("client %s left: %s", escape(record.info.name or client_id), escape(reason))
         self.events.emit("client_left", client=client_id, reason=reason)
 
     def heartbeat(self, client_id: str, token: str) -> float:
@@ -246,7 +254,7 @@ class GrpcFleet(Fleet):
 
         with self._lock:
             if record.polls >= self.max_polls_per_client:
-                raise ResourceLimitError(f"client {client_id!r} already holds {record.polls} long polls (limit {self.max_polls_per_client})")
+                raise ResourceLimitError(f"client {escape(client_id)} already holds {record.polls} long polls (limit {self.max_polls_per_client})")
             record.polls += 1
         try:
             while True:
@@ -264,11 +272,11 @@ class GrpcFleet(Fleet):
     def _open_task(self, client_id: str, task_id: str) -> RoundTask:
         rnd = self._round
         if rnd is None or rnd.task_id != task_id:
-            raise StaleTaskError(f"task {task_id!r} is not open (round closed or unknown)")
+            raise StaleTaskError(f"task {escape(task_id)} is not open (round closed or unknown)")
         if rnd.closed:
             raise StaleTaskError(f"round {rnd.server_round} is closed")
         if client_id not in rnd.assignments:
-            raise StaleTaskError(f"client {client_id!r} has no task in round {rnd.server_round}")
+            raise StaleTaskError(f"client {escape(client_id)} has no task in round {rnd.server_round}")
         return rnd
 
     # -- message phases -------------------------------------------------------------------
@@ -288,7 +296,7 @@ class GrpcFleet(Fleet):
         with self._lock:
             rnd = self._open_task(client_id, task_id)
         if rnd.downlink is None:
-            raise StaleTaskError(f"task {task_id!r} is message phase {rnd.kind!r}: it has no model to download")
+            raise StaleTaskError(f"task {escape(task_id)} is message phase {rnd.kind!r}: it has no model to download")
         names = self._download_names(rnd.assignments[client_id])
         if names is None:
             encoded, delta, base_version = rnd.downlink.for_client(have_version)

@@ -17,6 +17,7 @@ from fedgrid.errors import DuplicateUpdateError, InvalidUpdateError, StaleTaskEr
 from fedgrid.events import EventLog
 from fedgrid.server.registry import Registry
 from fedgrid.server.rounds import RoundTask, check_outbox, relay
+from fedgrid.textsafe import escape
 from fedgrid.types import MessageIns, MessageRes
 
 __all__ = ["InboxPage", "Mailbox"]
@@ -73,14 +74,14 @@ class Mailbox:
         with self.lock:
             current = self._current()
             if current is not None and current.task_id == task_id and client_id in current.results:
-                raise DuplicateUpdateError(f"messages of phase {current.kind!r} from client {client_id!r} already accepted")
+                raise DuplicateUpdateError(f"messages of phase {current.kind!r} from client {escape(client_id)} already accepted")
             if record.benched_task == task_id:
                 record.benched_task = ""
             rnd = self._open_task(client_id, task_id)
             if client_id in rnd.failures:
                 raise StaleTaskError(f"round {rnd.server_round}: this task already failed ({rnd.failures[client_id].reason})")
             if not rnd.is_message:
-                raise StaleTaskError(f"task {task_id!r} is a {rnd.kind} task: it takes an upload, not messages")
+                raise StaleTaskError(f"task {escape(task_id)} is a {rnd.kind} task: it takes an upload, not messages")
             ins = rnd.assignments[client_id]
             assert isinstance(ins, MessageIns)
             checked = check_outbox(ins, messages)
@@ -89,7 +90,7 @@ class Mailbox:
             rnd.bytes_up += size
             self.wake.notify("round")
             accepted, expected = len(rnd.results), len(rnd.assignments)
-        log.info("round %d, phase %s: messages from %r (%d of %d)", rnd.server_round, rnd.kind, record.info.name or client_id, accepted, expected)
+        log.info("round %d, phase %s: messages from %s (%d of %d)", rnd.server_round, rnd.kind, escape(record.info.name or client_id), accepted, expected)
         self.events.emit("messages_accepted", round=rnd.server_round, phase=rnd.kind, client=client_id, accepted=accepted, expected=expected)
         return size
 
@@ -99,15 +100,15 @@ class Mailbox:
         if rnd is None:
             current = self._current()
             if current is None or current.task_id != task_id or not current.is_message or client_id not in current.assignments:
-                raise StaleTaskError(f"task {task_id!r} is not a message phase of this round for client {client_id!r}")
+                raise StaleTaskError(f"task {escape(task_id)} is not a message phase of this round for client {escape(client_id)}")
             if client_id in current.failures:
-                raise StaleTaskError(f"client {client_id!r} failed phase {current.kind!r}: {current.failures[client_id].reason}")
+                raise StaleTaskError(f"client {escape(client_id)} failed phase {current.kind!r}: {current.failures[client_id].reason}")
             return None  # still open
         assert rnd.inboxes is not None
         inbox = rnd.inboxes.get(client_id)
         if inbox is None:
             failure = rnd.failures.get(client_id)
-            raise StaleTaskError(f"client {client_id!r} has no inbox in phase {rnd.kind!r}" + (f": {failure.reason}" if failure else ""))
+            raise StaleTaskError(f"client {escape(client_id)} has no inbox in phase {rnd.kind!r}" + (f": {failure.reason}" if failure else ""))
         items = list(inbox.items())
         if start > len(items):
             raise InvalidUpdateError(f"inbox start {start} is past its {len(items)} messages")

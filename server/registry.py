@@ -3,11 +3,24 @@
 It lives under the fleet's one state lock and wakes waiters through the fleet's
 ``Wakeups`` (key ``"registry"`` for joins and leaves). Removing a client calls
 ``on_remove`` (lock held) so that the open round fails the client's task at once.
+
+Session tokens are kept only as SHA-256 hashes (``ClientRecord.token_hash``), in memory and
+in ``state_dict`` (so in checkpoints): a leaked checkpoint holds no usable session. A token
+is 24 random bytes, so an unsalted fast hash is enough (nothing to brute-force); presented
+tokens are compared by hash with ``hmac.compare_digest``. A restored coordinator still
+authenticates the sessions clients hold.
+
+A Join is checked before it touches state: name (at most ``MAX_NAME_CHARS``), region
+(``MAX_REGION_CHARS``), device and codec names (``MAX_LABEL_CHARS``, at most
+``MAX_CODECS``) are printable text (``fedgrid.textsafe.check_label``), and ``num_examples``
+is within ``UpdateBounds.max_num_examples``. Client text is logged through ``escape``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import logging
 import secrets
 import time
@@ -15,24 +28,45 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from fedgrid.errors import AuthenticationError, PermissionDeniedError
+from fedgrid.errors import AuthenticationError, InvalidUpdateError, PermissionDeniedError
 from fedgrid.events import EventLog
+from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.peers import CALLER
 from fedgrid.server.wakeups import Wakeups
+from fedgrid.textsafe import MAX_LABEL_CHARS, MAX_NAME_CHARS, MAX_REGION_CHARS, check_label, escape
 from fedgrid.types import ClientInfo
 
-__all__ = ["ClientRecord", "Registry", "SILENCE_INTERVALS"]
+__all__ = ["ClientRecord", "Registry", "SILENCE_INTERVALS", "MAX_CODECS", "token_hash", "check_joining"]
 
 log = logging.getLogger(__name__)
 
 #: A client silent for this many heartbeat intervals is considered gone.
 SILENCE_INTERVALS = 3.0
+#: Codec names a client may advertise at Join.
+MAX_CODECS = 32
+
+
+def token_hash(token: str) -> str:
+    """SHA-256 hex digest of a session token: what the registry keeps instead of the token."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def check_joining(joining: ClientInfo, bounds: UpdateBounds) -> None:
+    """Raises ``InvalidUpdateError`` naming the rule a Join breaks (see the module docstring)."""
+    check_label(joining.name, what="name", limit=MAX_NAME_CHARS)
+    check_label(joining.region, what="region", limit=MAX_REGION_CHARS)
+    check_label(joining.device, what="device", limit=MAX_LABEL_CHARS)
+    if len(joining.codecs) > MAX_CODECS:
+        raise InvalidUpdateError(f"codecs: {len(joining.codecs)} advertised, at most {MAX_CODECS}")
+    for codec in joining.codecs:
+        check_label(codec, what="codec name", limit=MAX_LABEL_CHARS)
+    bounds.check_join(joining.num_examples)
 
 
 @dataclass
 class ClientRecord:
     info: ClientInfo
-    token: str
+    token_hash: str  # SHA-256 hex of the session token; the token itself is never kept
     last_seen: float
     heard_finished: bool = False
     #: The task whose deadline it missed while alive: not selected until it shows it finished
@@ -50,10 +84,12 @@ class Registry:
         heartbeat_interval_s: silence for ``SILENCE_INTERVALS`` of these drops a client
             (unless it holds a long poll: its connection is watched by keepalive pings).
         on_remove: called with the record and the reason when a client is removed (lock held).
+        bounds: what a Join may report (``num_examples``).
     """
 
     def __init__(self, wake: Wakeups, events: EventLog, heartbeat_interval_s: float,
-                 on_remove: Callable[[ClientRecord, str], None]) -> None:
+                 on_remove: Callable[[ClientRecord, str], None], bounds: UpdateBounds | None = None) -> None:
+        self.bounds = bounds if bounds is not None else UpdateBounds()
         self.wake = wake
         self.lock = wake.lock
         self.events = events
@@ -74,11 +110,13 @@ class Registry:
 
         Raises:
             PermissionDeniedError: the request's name is not the certificate's identity.
+            InvalidUpdateError: the Join breaks a rule of ``check_joining`` (nothing changed).
         """
         if identity is not None:
             if joining.name and joining.name != identity:
-                raise PermissionDeniedError(f"the certificate of {identity!r} cannot join as {joining.name[:128]!r}")
+                raise PermissionDeniedError(f"the certificate of {identity!r} cannot join as {escape(joining.name)}")
             joining = dataclasses.replace(joining, name=identity)
+        check_joining(joining, self.bounds)
         info = dataclasses.replace(joining, client_id=uuid.uuid4().hex[:16])
         token = secrets.token_urlsafe(24)
         with self.lock:
@@ -87,14 +125,14 @@ class Registry:
             ghosts = [ghost] if ghost is not None and ghost in self.records else []
             for cid in ghosts:
                 self.remove(cid, "replaced by a new session of the same name")
-            self.records[info.client_id] = ClientRecord(info, token, time.monotonic())
+            self.records[info.client_id] = ClientRecord(info, token_hash(token), time.monotonic())
             if info.name:
                 self._by_name[info.name] = info.client_id
             self.wake.notify("registry")
         for cid in ghosts:
-            log.info("client %r rejoined: session %s replaced", info.name, cid)
+            log.info("client %s rejoined: session %s replaced", escape(info.name), cid)
             self.events.emit("client_left", client=cid, reason="replaced by a new session of the same name")
-        log.info("client %r joined as %s (region %r, %d examples)", info.name, info.client_id, info.region, info.num_examples)
+        log.info("client %s joined as %s (region %s, %d examples)", escape(info.name), info.client_id, escape(info.region), info.num_examples)
         self.events.emit("client_joined", client=info.client_id, name=info.name, region=info.region)
         return info, token
 
@@ -112,11 +150,11 @@ class Registry:
         with self.lock:
             record = self.records.get(client_id)
             if record is None:
-                raise AuthenticationError(f"unknown client {client_id[:64]!r}")
-            if not secrets.compare_digest(record.token.encode(), token.encode()):
-                raise AuthenticationError(f"bad session token for client {client_id[:64]!r}")
+                raise AuthenticationError(f"unknown client {escape(client_id)}")
+            if not hmac.compare_digest(token_hash(token), record.token_hash):
+                raise AuthenticationError(f"bad session token for client {escape(client_id)}")
             if caller is not None and caller.identity is not None and caller.identity != record.info.name:
-                raise PermissionDeniedError(f"the certificate of {caller.identity!r} cannot act as client {client_id!r} ({record.info.name!r})")
+                raise PermissionDeniedError(f"the certificate of {caller.identity!r} cannot act as client {escape(client_id)} ({escape(record.info.name)})")
             record.last_seen = time.monotonic()
             return record
 
@@ -136,7 +174,7 @@ class Registry:
         limit = SILENCE_INTERVALS * self.heartbeat_interval_s
         gone = [cid for cid, rec in self.records.items() if now - rec.last_seen > limit and rec.polls == 0]
         for cid in gone:
-            log.warning("client %r silent for over %.1fs: dropped", self.records[cid].info.name or cid, limit)
+            log.warning("client %s silent for over %.1fs: dropped", escape(self.records[cid].info.name or cid), limit)
             self._unindex(self.records.pop(cid))
             self.events.emit("client_dropped", client=cid, reason=f"silent for over {limit:.1f}s")
         return [rec.info for rec in self.records.values()]
@@ -146,8 +184,10 @@ class Registry:
         return [info for info in self.live() if not self.records[info.client_id].benched_task]
 
     def state_dict(self) -> list[dict[str, Any]]:
+        """Each client's info, token hash and benched task: plain JSON values, no token."""
         with self.lock:
-            return [{**dataclasses.asdict(r.info), "token": r.token, "benched_task": r.benched_task} for r in self.records.values()]
+            return [{**dataclasses.asdict(r.info), "token_sha256": r.token_hash, "benched_task": r.benched_task}
+                    for r in self.records.values()]
 
     def load_state_dict(self, entries: list[Mapping[str, Any]], *, seen_at: float) -> None:
         """Restores the clients with their sessions, as last seen at ``seen_at`` (monotonic)."""
@@ -155,8 +195,9 @@ class Registry:
             self.records = {}
             self._by_name = {}
             for entry in entries:
-                fields = {k: v for k, v in entry.items() if k not in ("token", "benched_task")}
+                fields = {k: v for k, v in entry.items() if k not in ("token_sha256", "benched_task")}
                 info = ClientInfo(**{**fields, "codecs": tuple(fields.get("codecs", ("none",)))})
-                self.records[info.client_id] = ClientRecord(info, str(entry["token"]), seen_at, benched_task=str(entry.get("benched_task", "")))
+                self.records[info.client_id] = ClientRecord(info, str(entry["token_sha256"]), seen_at,
+                                                            benched_task=str(entry.get("benched_task", "")))
                 if info.name:
                     self._by_name[info.name] = info.client_id

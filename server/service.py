@@ -33,6 +33,7 @@ from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import serde
 from fedgrid.server.grpc_fleet import GrpcFleet
 from fedgrid.server.peers import CALLER, PeerCheck
+from fedgrid.textsafe import escape
 from fedgrid.types import EVALUATE, FIT, MessageIns
 
 __all__ = ["CoordinatorServicer", "STATUS_OF", "add_to_server", "SERVICE"]
@@ -349,7 +350,7 @@ def add_to_server(servicer: CoordinatorServicer, server: grpc.aio.Server, check:
 
 
 async def _refuse(context: grpc.aio.ServicerContext, exc: FedgridError) -> None:
-    log.info("refused a call from %s: %s", context.peer()[:128].encode("unicode_escape").decode(), exc)
+    log.info("refused a call from %s: %s", escape(context.peer() or "", 128), exc)
     await context.abort(status_of(exc), str(exc))
 
 

@@ -3,8 +3,15 @@ keeping a broken one for its resume, and answering where a broken one stands.
 
 Every frame is checked before it touches state (``serde.ModelAssembler``: sizes, checksums,
 the expected specs); a fit update's tensors are reconstructed (differences applied to the
-round's model), checked finite and written to their spill file as they complete. An
-update is accepted whole or not at all.
+round's model), checked finite, measured against the norm bound and written to their
+spill file as they complete. An update is accepted whole or not at all.
+
+Before any tensor is read, the header must name this run (``run_id``: the id the client got
+at Join), say ``delta`` exactly when the client's negotiated uplink codec sends differences
+(a lossless codec never does: a ``delta`` update on a ``none`` task would be added to the
+global model), and claim no more examples than the client reported at Join nor than
+``max_num_examples`` (``server/bounds.py``). Each refusal is INVALID_ARGUMENT naming the
+numbers or ids, and changes nothing.
 """
 
 from __future__ import annotations
@@ -16,13 +23,16 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
+from fedgrid.compression import parse_codec_spec
 from fedgrid.compression.feedback import is_delta_tensor, reconstruct
 from fedgrid.errors import DuplicateUpdateError, FedgridError, InvalidUpdateError, StaleTaskError
 from fedgrid.events import EventLog
 from fedgrid.proto import serde
+from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.registry import Registry
 from fedgrid.server.rounds import RoundTask
 from fedgrid.server.spill import UpdateSpill, UpdateWriter
+from fedgrid.textsafe import escape
 from fedgrid.types import ClientInfo, EvaluateRes, Failure, FitRes, TensorSpec
 
 __all__ = ["Upload", "Uploads"]
@@ -52,11 +62,16 @@ class Uploads:
         events: where accepted and broken uploads are reported.
         open_task: the fleet's check that a client has the open task ``task_id`` (lock held).
         current: the fleet's open task, or ``None``.
+        bounds: the weight and norm bounds every update must meet.
+        run_id: the fleet's run id (it changes when a restarted coordinator loads its state).
     """
 
     def __init__(self, registry: Registry, spill: UpdateSpill, events: EventLog,
-                 open_task: Callable[[str, str], RoundTask], current: Callable[[], RoundTask | None]) -> None:
+                 open_task: Callable[[str, str], RoundTask], current: Callable[[], RoundTask | None], *,
+                 bounds: UpdateBounds | None = None, run_id: Callable[[], str] = lambda: "") -> None:
         self.registry = registry
+        self.bounds = bounds if bounds is not None else UpdateBounds()
+        self._run_id = run_id
         self.lock = registry.lock
         self.wake = registry.wake
         self.spill = spill
@@ -68,7 +83,9 @@ class Uploads:
         """Receives one update stream of the session ``token``; returns the payload bytes accepted.
 
         Raises:
-            InvalidUpdateError: malformed stream or tensors (state unchanged).
+            InvalidUpdateError: malformed stream or tensors, another run's id, a ``delta``
+                flag that does not match the task's codec, a weight or norm over its bound
+                (state unchanged).
             AuthenticationError, StaleTaskError, DuplicateUpdateError: as named.
         """
         iterator = iter(frames)
@@ -78,20 +95,25 @@ class Uploads:
         header = serde.read_header(first)
         record = self.registry.authenticate(header.client_id, token)
         client_id = record.info.client_id
+        run_id = self._run_id()
+        if header.run_id != run_id:
+            raise InvalidUpdateError(f"run_id: the upload names run {escape(header.run_id)}, this coordinator runs {run_id!r}")
         with self.lock:
             current = self._current()
             if current is not None and current.task_id == header.task_id and client_id in current.results:
                 # Checked before "closed": a retry whose first attempt landed learns it did.
-                raise DuplicateUpdateError(f"update for round {current.server_round} from client {client_id!r} already accepted")
+                raise DuplicateUpdateError(f"update for round {current.server_round} from client {escape(client_id)} already accepted")
             if record.benched_task == header.task_id:  # late, but it did finish that task
                 record.benched_task = ""
             rnd = self._open_task(client_id, header.task_id)
             if client_id in rnd.failures:  # it reported a failure, left, or was given up
                 raise StaleTaskError(f"round {rnd.server_round}: this task already failed ({rnd.failures[client_id].reason})")
             if rnd.is_message:
-                raise StaleTaskError(f"task {header.task_id!r} is message phase {rnd.kind!r}: it takes SendMessages, not an upload")
+                raise StaleTaskError(f"task {escape(header.task_id)} is message phase {rnd.kind!r}: it takes SendMessages, not an upload")
+            if not rnd.evaluate:
+                self._check_delta(rnd, client_id, header.delta)
             if client_id in rnd.uploading:
-                raise DuplicateUpdateError(f"an upload for round {rnd.server_round} from client {client_id!r} is in progress")
+                raise DuplicateUpdateError(f"an upload for round {rnd.server_round} from client {escape(client_id)} is in progress")
             rnd.uploading.add(client_id)
         upload: Upload | None = None
         try:
@@ -122,8 +144,8 @@ class Uploads:
                     if not rnd.closed:
                         rnd.partials[client_id] = upload
                         upload = None  # kept, not aborted
-                log.info("round %d: upload from %r broke after %d chunks; kept for resume",
-                         rnd.server_round, record.info.name or client_id, asm.frames_received)
+                log.info("round %d: upload from %s broke after %d chunks; kept for resume",
+                         rnd.server_round, escape(record.info.name or client_id), asm.frames_received)
                 self.events.emit("upload_broken", round=rnd.server_round, client=client_id, chunks=asm.frames_received)
                 raise
             try:
@@ -147,6 +169,7 @@ class Uploads:
             else:
                 state = reconstruct(rnd.global_state, state, delta=stream.delta)
                 serde.check_finite(state)
+                self.bounds.check_update(state, rnd.global_state)
                 result = self.spill.put(task_id=rnd.task_id, result=FitRes(record.info, state, stream.num_examples, dict(stream.metrics)))
             del state
             with self.lock:
@@ -167,8 +190,8 @@ class Uploads:
                 rnd.raw_up += upload.raw_bytes
                 self.wake.notify("round")
                 accepted, expected = len(rnd.results), len(rnd.assignments)
-            log.info("round %d: accepted %s from %r (%d of %d)", rnd.server_round, "evaluation" if rnd.evaluate else "update",
-                     record.info.name or client_id, accepted, expected)
+            log.info("round %d: accepted %s from %s (%d of %d)", rnd.server_round, "evaluation" if rnd.evaluate else "update",
+                     escape(record.info.name or client_id), accepted, expected)
             self.events.emit("update_accepted", round=rnd.server_round, client=client_id, evaluate=rnd.evaluate, accepted=accepted, expected=expected)
             upload = None
             return asm.payload_bytes
@@ -179,12 +202,24 @@ class Uploads:
                 rnd.uploading.discard(client_id)
                 self.wake.notify("round", ("upload", client_id))
 
+    @staticmethod
+    def _check_delta(rnd: RoundTask, client_id: str, delta: bool) -> None:
+        """A fit upload carries differences exactly when its task's uplink codec sends them."""
+        codec = str(rnd.assignments[client_id].config.get("uplink_codec", "none"))
+        sends_differences = not parse_codec_spec(codec, key="uplink_codec").lossless
+        if delta != sends_differences:
+            raise InvalidUpdateError(
+                f"delta: the upload says delta={delta}, the task's uplink codec {codec!r} sends "
+                + ("differences (delta=True)" if sends_differences else "whole values (delta=False)")
+            )
+
     def _start(self, rnd: RoundTask, client: ClientInfo, header: serde.StreamInfo) -> Upload:
         """An assembler for a new upload; fit updates stream into their spill file."""
         ins = rnd.assignments[client.client_id]
         # The expected specs bound every allocation; an evaluation carries no tensors.
         expected: Mapping[str, TensorSpec] = {} if rnd.evaluate else (getattr(ins, "expected", None) or rnd.expected)
         raw = sum(spec.nbytes for spec in expected.values())
+        self.bounds.check_claim(header.num_examples, joined=client.num_examples, evaluate=rnd.evaluate)
         if rnd.evaluate:
             return Upload(serde.ModelAssembler(expected=expected), None, raw)
         if header.num_examples < 1:
@@ -194,10 +229,13 @@ class Uploads:
         if writer is None:
             return Upload(serde.ModelAssembler(expected=expected), None, raw)
         base = rnd.global_state
+        norm = self.bounds.norm(base)  # lives in the assembler: a resumed upload goes on counting
 
         def sink(name: str, tensor: torch.Tensor) -> None:
             value = base[name] + tensor if header.delta and is_delta_tensor(tensor) else tensor
             serde.check_finite({name: value})
+            if norm is not None:
+                norm.add(name, value)
             writer.write(name, value)
 
         return Upload(serde.ModelAssembler(expected=expected, sink=sink), writer, raw)

@@ -10,7 +10,9 @@ counted in ``bytes_down``; and gets its task; (2) the clients train, through an 
 ``TorchClient`` clients of one model at once with stacked parameters
 (``fedgrid.simulation.batched``); (3) each client's update is encoded with its
 uplink codec (error feedback per client), framed, decoded, reconstructed and checked as the
-coordinator does. A client's error in any phase is a ``Failure``, never an exception.
+coordinator does, bounds included (``server/bounds.py``: the weight a result claims, the
+update's norm; names and counts at construction). A client's error in any phase is a
+``Failure``, never an exception.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from fedgrid.client.uplink import UplinkEncoder, reconstruct
 from fedgrid.compression import available_codecs
 from fedgrid.errors import ConfigError
 from fedgrid.proto import serde
+from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.downlink import Downlink, RoundDownlink
 from fedgrid.server.fleet import Fleet, RoundOutcome
+from fedgrid.server.registry import check_joining
 from fedgrid.server.rounds import check_outbox, relay
 from fedgrid.simulation.batched import BatchedTrainer, choose_engine
 from fedgrid.types import ClientInfo, EvaluateIns, EvaluateRes, FitIns, FitRes, Failure, MessageIns, MessageRes, ModelState, TensorSpec
@@ -83,10 +87,13 @@ class InProcessFleet(Fleet):
             ``RoundOutcome.extra["sim_round_s"]`` is the simulated round time (the slowest
             kept client's ``train_seconds`` on its ``num_examples``); with a ``target``, the
             clients that would finish first by simulated time are the ones kept.
+        bounds: the coordinator's bounds on weights and update norms; a result over them is a ``Failure``.
 
     Raises:
         ConfigError: an unknown ``engine``, a negative ``batch_clients``, or ``batched`` for
             clients or a model that cannot be batched (the message says why).
+        InvalidUpdateError: a client whose name, region or ``num_examples`` a coordinator
+            would refuse at Join.
     """
 
     def __init__(
@@ -99,7 +106,9 @@ class InProcessFleet(Fleet):
         engine: str = "sequential",
         batch_clients: int = 0,
         profiles: Profiles | None = None,
+        bounds: UpdateBounds | None = None,
     ) -> None:
+        self.bounds = bounds if bounds is not None else UpdateBounds()
         if engine not in ENGINES:
             raise ConfigError("engine", f"unknown engine {engine!r} (known: {', '.join(ENGINES)})")
         if batch_clients < 0:
@@ -113,9 +122,9 @@ class InProcessFleet(Fleet):
             self._clients[cid] = client
             self._index[cid] = i
             region = client.region or (profiles.region(i) if profiles is not None else "")
-            self._infos.append(
-                ClientInfo(client_id=cid, name=client.name or cid, region=region, num_examples=client.num_examples, codecs=codecs)
-            )
+            info = ClientInfo(client_id=cid, name=client.name or cid, region=region, num_examples=client.num_examples, codecs=codecs)
+            check_joining(info, self.bounds)
+            self._infos.append(info)
         self.chunk_size = chunk_size
         self.codec_policy = codec_policy or CodecPolicy()
         self.profiles = profiles
@@ -258,8 +267,10 @@ class InProcessFleet(Fleet):
                     info_up = serde.StreamInfo(round=server_round, num_examples=out.num_examples, metrics=out.metrics, delta=delta_up)
                     up = list(encoded_up.frames(info_up, chunk_size=self.chunk_size))
                     header, received = serde.decode_chunks(up, expected=ins.expected or expected)
+                    self.bounds.check_claim(header.num_examples, joined=info.num_examples)
                     update = reconstruct(base, received, delta=header.delta)
                     serde.check_finite(update)
+                    self.bounds.check_update(update, base)
                 except Exception as exc:  # a client's failure is data for the strategy
                     log.warning("client %s failed in round %d: %s", info.name, server_round, exc)
                     failures.append(Failure(info, f"{type(exc).__name__}: {exc}"))
@@ -295,6 +306,7 @@ class InProcessFleet(Fleet):
                 info_up = serde.StreamInfo(round=server_round, num_examples=out.num_examples, metrics=out.metrics)
                 up = list(serde.EncodedModel({}).frames(info_up))
                 header, _ = serde.decode_chunks(up, expected={})
+                self.bounds.check_claim(header.num_examples, joined=info.num_examples, evaluate=True)
             except Exception as exc:  # a client's failure is data for the strategy
                 failures.append(Failure(info, f"{type(exc).__name__}: {exc}"))
                 continue

@@ -14,6 +14,7 @@ from fedgrid.server.codec_policy import build_codec_policy
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.memory import keep_large_buffers
 from fedgrid.server.strategies import build_strategy
+from fedgrid.server.bounds import build_bounds
 from fedgrid.simulation.fleet import InProcessFleet
 from fedgrid.simulation.heterogeneity import ClientProfiles
 from fedgrid.simulation.tasks import check_config, client_options, resolve
@@ -70,6 +71,7 @@ def _run(config: Config, threads: int, on_round: Callable[[RoundMetrics], None] 
         engine=config.engine,
         batch_clients=config.batch_clients,
         profiles=profiles,
+        bounds=build_bounds(config),
     )  # checks the engine can train these clients: fails before the run directory exists
     if fleet.device is not None and fleet.device.type == "cpu":
         keep_large_buffers()  # the batched engine frees and reallocates the same large buffers at every step

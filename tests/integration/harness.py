@@ -76,8 +76,8 @@ def start_client(address: str, log_path: Path, *args: str) -> subprocess.Popen:
 class InProcessCoordinator:
     """A real gRPC coordinator in this process (for direct access to its state)."""
 
-    def __init__(self, state: "OrderedDict[str, torch.Tensor]", *, heartbeat_s: float = 60.0, interceptors=()) -> None:
-        self.fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=heartbeat_s))
+    def __init__(self, state: "OrderedDict[str, torch.Tensor]", *, heartbeat_s: float = 60.0, interceptors=(), bounds=None) -> None:
+        self.fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=heartbeat_s), bounds=bounds)
         self.coordinator = Coordinator("127.0.0.1:0", self.fleet, max_workers=16, interceptors=interceptors).start()
         self.address = self.coordinator.address
         self.state = state

@@ -15,12 +15,22 @@ from fedgrid.proto import serde
 from fedgrid.proto.tls import session_metadata
 
 
+#: The run id each probe session got at Join, by client id (an upload must name its run).
+RUN_IDS: dict[str, str] = {}
+
+
+def _join(stub, name, num_examples):
+    joined = stub.Join(pb.JoinRequest(name=name, num_examples=num_examples), timeout=10)
+    RUN_IDS[joined.client_id] = joined.run_id
+    return joined
+
+
 @pytest.fixture
 def session(coordinator):
     """A joined client with an open task: (stub, client_id, token, task)."""
     channel = grpc.insecure_channel(coordinator.address)
     stub = pb_grpc.CoordinatorStub(channel)
-    joined = stub.Join(pb.JoinRequest(name="probe", num_examples=10), timeout=10)
+    joined = _join(stub, "probe", 10)
     coordinator.open_round()
     reply = stub.PollTask(pb.PollRequest(client_id=joined.client_id, wait_s=5), metadata=session_metadata(joined.session_token), timeout=10)
     assert reply.WhichOneof("reply") == "task"
@@ -43,7 +53,8 @@ def _upload(stub, chunks, token=None):
 
 
 def _chunks(state, cid, token, task, **overrides):
-    info = serde.StreamInfo(task_id=task.task_id, round=task.round, client_id=cid, num_examples=5, **overrides)
+    fields = {"run_id": RUN_IDS.get(cid, ""), "num_examples": 5, **overrides}
+    info = serde.StreamInfo(task_id=task.task_id, round=task.round, client_id=cid, **fields)
     return _Stream(serde.encode_model(state, info, chunk_size=16), token)
 
 
@@ -187,7 +198,7 @@ def test_duplicate_and_stale_uploads(coordinator, session, small_state):
 
 def test_client_without_task_is_refused(coordinator, session, small_state):
     stub, _, _, task = session
-    other = stub.Join(pb.JoinRequest(name="late", num_examples=3), timeout=10)  # joined after the round opened
+    other = _join(stub, "late", 3)  # joined after the round opened
     coordinator.snap = _snapshot(coordinator)
     with pytest.raises(grpc.RpcError) as err:
         _upload(stub, _chunks(_good(small_state), other.client_id, other.session_token, task))
@@ -221,7 +232,7 @@ def test_unknown_codec(coordinator, session, small_state):
 @pytest.mark.parametrize("codec", ["fp16", "int8", "topk:0.5"])
 def test_compressed_payload_that_lies_about_its_size(coordinator, session, small_state, codec):
     stub, cid, token, task = session
-    info = serde.StreamInfo(task_id=task.task_id, round=task.round, client_id=cid, num_examples=5)
+    info = serde.StreamInfo(run_id=RUN_IDS[cid], task_id=task.task_id, round=task.round, client_id=cid, num_examples=5)
     chunks = _Stream(serde.EncodedModel(_good(small_state), codec=codec).chunks(info, chunk_size=1 << 20), token)
     payload = chunks[0].data
     chunks[0].header.total_bytes -= 2

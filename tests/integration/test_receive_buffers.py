@@ -17,6 +17,10 @@ from harness import InProcessCoordinator
 class _Named(Client):
     name = "pool-probe"
 
+    @property
+    def num_examples(self) -> int:  # reported at join: its updates may claim no more
+        return 1
+
     def fit(self, state, ins):  # type: ignore[no-untyped-def]
         raise AssertionError("not trained")
 

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-import io
+import json
 from typing import Any, Callable
 
 import pytest
+import safetensors.torch
 import torch
 
 from aggsim import clients, model_state, run_round
 from fedgrid.aggregation import STRATEGIES, FedAdam, Strategy, build_strategy_from
+from fedgrid.server.state import decode_state, encode_state
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -34,10 +36,9 @@ CASES.update(
 
 
 def _through_disk(state: dict[str, Any]) -> dict[str, Any]:
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)  # plain containers and tensors only
+    """Through the checkpoint format (JSON and safetensors, no pickle: ``server/state.py``)."""
+    doc, tensors = encode_state(state)
+    return decode_state(json.loads(json.dumps(doc, allow_nan=False)), safetensors.torch.load(safetensors.torch.save(tensors)))
 
 
 def _assert_same(a: Any, b: Any, where: str = "state") -> None:

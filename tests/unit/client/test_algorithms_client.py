@@ -137,7 +137,11 @@ def test_diloco_runs_inner_steps_with_persistent_adamw():
     ins = _task(strategy)
     client = _small_client(batch_size=10, examples=24)  # batches of 10, 10, 4
     out = client.fit(_global(), ins)
-    assert out.num_examples == 10 + 10 + 4 + 10 + 10 + 4 + 10  # 7 steps, cycling the loader
+    # 7 steps cycle the loader (58 examples seen); the weight is the 24 distinct ones, what the
+    # client reports at join: the coordinator refuses a claim above that (server/bounds.py).
+    assert out.num_examples == 24 == client.num_examples
+    short = _small_client(batch_size=10, examples=100).fit(_global(), _task(strategy))
+    assert short.num_examples == 70  # 7 batches of 10, fewer than held
     opt = client.inner_optimizer
     assert isinstance(opt, torch.optim.AdamW)  # not the client's SGD factory
     steps = {int(s["step"]) for s in opt.state.values()}

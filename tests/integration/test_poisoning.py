@@ -1,0 +1,174 @@
+"""What an admitted client can do to the model is bounded: an independent client speaking
+the wire protocol (no SDK) claims too much weight, sends differences on a lossless task,
+names another run, joins under a name that forges log lines, or sends an update too far
+from the global model. Each is refused with INVALID_ARGUMENT naming the rule and the
+numbers, and changes nothing: the registry, the open round, the global model."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import grpc
+import pytest
+import torch
+
+from fedgrid.proto import fedgrid_pb2 as pb
+from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
+from fedgrid.proto import serde
+from fedgrid.proto.tls import session_metadata
+from fedgrid.server.bounds import UpdateBounds
+
+from harness import InProcessCoordinator
+
+pytestmark = pytest.mark.timeout(60)
+
+HUGE = 2**64 - 1  # the largest uint64 a header can carry
+INJECTION = "\n[FAKE] round 9 committed\x1b[31m"
+
+
+class Probe:
+    """A joined wire-level client with the round's task open."""
+
+    def __init__(self, server: InProcessCoordinator, *, num_examples: int = 10) -> None:
+        self.server = server
+        self.channel = grpc.insecure_channel(server.address)
+        self.stub = pb_grpc.CoordinatorStub(self.channel)
+        self.joined = self.stub.Join(pb.JoinRequest(name="probe", num_examples=num_examples), timeout=10)
+        server.open_round()
+        self.md = session_metadata(self.joined.session_token)
+        reply = self.stub.PollTask(pb.PollRequest(client_id=self.joined.client_id, wait_s=5), metadata=self.md, timeout=10)
+        assert reply.WhichOneof("reply") == "task"
+        self.task = reply.task
+        self.snap = self.snapshot()
+
+    def upload(self, state, **header):
+        fields = {"run_id": self.joined.run_id, "num_examples": 5, **header}
+        info = serde.StreamInfo(task_id=self.task.task_id, round=self.task.round, client_id=self.joined.client_id, **fields)
+        return self.stub.UploadUpdate(iter(list(serde.encode_model(state, info, chunk_size=16))), metadata=self.md, timeout=10)
+
+    def refused(self, state, **header) -> str:
+        with pytest.raises(grpc.RpcError) as err:
+            self.upload(state, **header)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert self.snapshot() == self.snap  # nothing changed
+        return err.value.details()
+
+    def snapshot(self):
+        fleet = self.server.fleet
+        rnd = fleet.current_round
+        return (fleet.state_dict(), rnd.task_id, rnd.closed, sorted(rnd.results), sorted(rnd.failures), sorted(rnd.uploading),
+                rnd.bytes_up, rnd.downlink.for_client(None)[0].payloads())
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+@pytest.fixture
+def server(small_state):
+    s = InProcessCoordinator(small_state, bounds=UpdateBounds(max_update_norm=3.0))
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def probe(server):
+    p = Probe(server)
+    yield p
+    p.close()
+
+
+def _shifted(state, by: float = 0.5):
+    return OrderedDict((k, v + by if v.is_floating_point() else v) for k, v in state.items())
+
+
+def _accepted_once(probe, state, good) -> None:
+    """After the refusals, the honest update is the one counted, bit for bit."""
+    assert probe.upload(good).accepted
+    outcome = probe.server.wait_round()
+    assert len(outcome.results) == 1 and outcome.failures == []
+    assert outcome.results[0].num_examples == 5
+    for name, tensor in good.items():
+        assert torch.equal(outcome.results[0].state[name], tensor)
+
+
+def test_weight_above_the_join_report_or_the_maximum_is_refused(probe, small_state):
+    good = _shifted(small_state)
+    assert f"the update claims 11, the client reported 10 at join" in probe.refused(good, num_examples=11)
+    assert f"num_examples: {HUGE} claimed, over the maximum of 1000000000" in probe.refused(good, num_examples=HUGE)
+    _accepted_once(probe, small_state, good)
+
+
+def test_update_over_the_norm_bound_is_refused_naming_the_norm(probe, small_state):
+    far = _shifted(small_state)
+    far["layer.bias"] = small_state["layer.bias"] + 2.0  # the bias alone: sqrt(12 * 0.25 + 4 * 4) = sqrt(19)
+    details = probe.refused(far)
+    assert "update norm 4.3589 is over max_update_norm 3" in details and "'layer.bias'" in details
+    huge = OrderedDict((k, torch.full_like(v, 3e38) if v.is_floating_point() else v) for k, v in small_state.items())
+    # Refused at the first tensor (12 values of 3e38), before the rest is read; float64 squares do not overflow.
+    assert "update norm 1.03923e+39 is over max_update_norm 3" in probe.refused(huge)
+    _accepted_once(probe, small_state, _shifted(small_state))  # norm 2: within the bound
+
+
+def test_delta_on_a_lossless_task_is_refused(probe, small_state):
+    details = probe.refused(_shifted(small_state, 0.0), delta=True)  # zeros as differences: the model itself
+    assert "delta: the upload says delta=True, the task's uplink codec 'none' sends whole values (delta=False)" in details
+    _accepted_once(probe, small_state, _shifted(small_state))
+
+
+def test_another_runs_id_is_refused_naming_both(probe, small_state):
+    run_id = probe.server.fleet.run_id
+    details = probe.refused(_shifted(small_state), run_id="f" * 32)
+    assert f"run_id: the upload names run '{'f' * 32}', this coordinator runs '{run_id}'" in details
+    assert f"this coordinator runs '{run_id}'" in probe.refused(_shifted(small_state), run_id="")
+    _accepted_once(probe, small_state, _shifted(small_state))
+
+
+@pytest.mark.parametrize(
+    "request_fields, message",
+    [
+        ({"name": "site" + INJECTION}, "name: character 4 is '\\n'; only printable characters"),
+        ({"name": "site\x1b[31m"}, "name: character 4 is '\\x1b'"),
+        ({"name": "x" * 129}, "name: 129 characters, at most 128 printable characters allowed"),
+        ({"name": "ok", "region": "eu\u202ewest"}, "region: character 2 is '\\u202e'"),
+        ({"name": "ok", "region": "r" * 65}, "region: 65 characters, at most 64"),
+        ({"name": "ok", "num_examples": HUGE}, f"num_examples: {HUGE} reported at join, must be in 0..1000000000"),
+        ({"name": "ok", "capabilities": pb.Capabilities(codecs=["none", "int8\n"])}, "codec name: character 4 is '\\n'"),
+    ],
+)
+def test_join_with_a_bad_label_or_count_is_refused(server, request_fields, message):
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Join(pb.JoinRequest(**request_fields), timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert message in err.value.details()
+        assert server.fleet.registry.records == {}
+        # A name in any script is fine: only what moves the cursor or ends a line is not.
+        assert stub.Join(pb.JoinRequest(name="Zürich-站点 7", num_examples=3), timeout=10).client_id
+
+
+def test_client_text_reaches_the_log_escaped(probe, small_state, caplog):
+    details = probe.refused(_shifted(small_state), metrics={"loss" + INJECTION: 1.0})
+    assert "metric name: character 4 is '\\n'" in details
+    with caplog.at_level(logging.DEBUG, logger="fedgrid"):
+        probe.stub.ReportFailure(pb.ReportFailureRequest(client_id=probe.joined.client_id,
+                                                         task_id=probe.task.task_id, reason="fit failed" + INJECTION), metadata=probe.md, timeout=10)
+        outcome = probe.server.wait_round()
+        probe.stub.Leave(pb.LeaveRequest(client_id=probe.joined.client_id,
+                                         reason="bye" + INJECTION), metadata=probe.md, timeout=10)
+    assert [f.reason for f in outcome.failures] == ["client reported: fit failed" + INJECTION]  # the data is kept as sent
+    lines = [r.getMessage() for r in caplog.records]
+    mentions = [line for line in lines if "[FAKE]" in line]
+    assert len(mentions) == 2, lines  # the failure report and the leave
+    for line in lines:
+        assert "\n" not in line and "\x1b" not in line, line
+    assert any("'fit failed\\n[FAKE] round 9 committed\\x1b[31m'" in line for line in mentions)
+
+
+def test_long_client_text_is_cut_in_the_log(probe, caplog):
+    with caplog.at_level(logging.INFO, logger="fedgrid"):
+        probe.stub.Leave(pb.LeaveRequest(client_id=probe.joined.client_id,
+                                         reason="z" * 1000), metadata=probe.md, timeout=10)
+    line = next(r.getMessage() for r in caplog.records if "left" in r.getMessage())
+    assert "z" * 200 + "'...(+800 chars)" in line and "z" * 201 not in line
