@@ -13,6 +13,7 @@ client process carries on where it stopped.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -489,6 +490,12 @@ def run(
                 else:
                     out = client.fit(state, serde.fit_ins_from_task(task))
                     update, num_examples, metrics = out.state, out.num_examples, dict(out.metrics)
+                    # Diverged training (NaN or Inf) is the round's failure, not the client's end:
+                    # the coordinator would refuse the upload, and a refused upload stops the client.
+                    serde.check_finite(update)
+                    bad = [k for k, v in metrics.items() if not math.isfinite(v)]
+                    if bad:
+                        raise InvalidUpdateError(f"metric {bad[0]!r} is {metrics[bad[0]]}")
             except Exception as exc:  # the application's code failed: the round hears it now, the client goes on
                 log.exception("round %d: %s failed", task.round, "evaluate" if task.kind == pb.EVALUATE else "fit")
                 conn.report_failure(task.task_id, f"{type(exc).__name__}: {exc}")

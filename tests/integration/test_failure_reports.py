@@ -59,6 +59,48 @@ def test_fit_error_is_reported_at_once_and_the_client_carries_on(small_state):
         server.stop()
 
 
+class DivergesFirst(Named):
+    """Returns NaN weights in its first round, an infinite loss in its second, then trains."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.calls = 0
+
+    def fit(self, state, ins):
+        self.calls += 1
+        out = super().fit(state, ins)
+        if self.calls == 1:
+            out.state["layer.weight"] = torch.full_like(out.state["layer.weight"], float("nan"))
+        if self.calls == 2:
+            return type(out)(out.state, out.num_examples, {"loss": float("inf")})
+        return out
+
+
+@pytest.mark.timeout(120)
+def test_a_diverged_update_is_reported_and_the_client_carries_on(small_state):
+    """The coordinator would refuse it, and a refused upload ends the client: the SDK checks
+    first, reports the round's failure, and trains the next round."""
+    server = InProcessCoordinator(small_state)
+    client = DivergesFirst("diverging")
+    handle = start(client, server.address, poll_wait_s=1.0)
+    try:
+        wait_until(lambda: len(server.fleet.live_clients()) == 1, timeout=30, what="client to join")
+        reasons = []
+        for r in (1, 2):
+            server.open_round(timeout_s=ROUND_TIMEOUT_S, server_round=r)
+            outcome = server.wait_round(timeout=60)
+            assert outcome.results == [] and outcome.closed_by == "all"
+            reasons += [f.reason for f in outcome.failures]
+        assert reasons == ["client reported: InvalidUpdateError: tensor 'layer.weight': contains NaN",
+                           "client reported: InvalidUpdateError: metric 'loss' is inf"]
+        server.open_round(timeout_s=ROUND_TIMEOUT_S, server_round=3)
+        outcome = server.wait_round(timeout=60)
+        assert [r.client.name for r in outcome.results] == ["diverging"] and handle.running
+    finally:
+        handle.stop()
+        server.stop()
+
+
 @pytest.mark.timeout(60)
 def test_stopped_client_leaves_at_once(small_state):
     server = InProcessCoordinator(small_state, heartbeat_s=60.0)  # silence would take 180 s to notice
