@@ -39,6 +39,7 @@ PLOTS: dict[str, tuple[str, tuple[str, ...]]] = {
 _STYLE = {"bytes_up": "-", "bytes_down": "--", "clients_ok": "-", "clients_failed": "--"}
 # Heatmap cells: 0 no event, 1 failed (reported a failure or broke its upload), 2 update accepted.
 _FAILED, _OK = 1, 2
+_COLORS = ["#eeeeee", "#d62728", "#2ca02c"]
 
 
 class ReportError(FedgridError, ValueError):
@@ -228,15 +229,18 @@ def figures(runs: Sequence[Run]) -> dict[str, Any]:
             continue
         clients, rounds, cells = grid
         from matplotlib.colors import ListedColormap
+        from matplotlib.patches import Patch
 
-        fig = Figure(figsize=(max(5.0, 0.35 * len(rounds) + 2.5), max(2.5, 0.3 * len(clients) + 1.5)), layout="constrained")
+        fig = Figure(figsize=(max(6.5, 0.35 * len(rounds) + 4.0), max(2.5, 0.3 * len(clients) + 1.5)), layout="constrained")
         ax = fig.subplots()
         ax.imshow(cells, aspect="auto", interpolation="nearest", vmin=0, vmax=_OK,
-                  cmap=ListedColormap(["#eeeeee", "#d62728", "#2ca02c"]))
+                  cmap=ListedColormap(_COLORS))
         ax.set_xticks(range(len(rounds)), [str(r) for r in rounds])
         ax.set_yticks(range(len(clients)), [_plain(c) for c in clients])
         ax.set_xlabel("round")
-        ax.set_title(_plain(f"{run.label}: participation (green: update accepted, red: failed, grey: none)"), fontsize="medium")
+        ax.set_title(_plain(f"{run.label}: participation per client"), fontsize="medium")
+        fig.legend(handles=[Patch(color=c, label=t) for c, t in zip(_COLORS[::-1], ("update accepted", "failed", "no event"))],
+                   loc="outside right upper", fontsize="small")
         out[f"participation-{number}.png"] = fig
     return out
 
