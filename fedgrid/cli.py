@@ -370,7 +370,11 @@ def _report(args: argparse.Namespace) -> int:
     except ImportError:
         print("fedgrid report: error: plotting needs matplotlib, which is not installed: pip install 'fedgrid[report]'", file=sys.stderr)
         return 2
-    written, notes = write_report(runs, args.out)
+    try:
+        written, notes = write_report(runs, args.out)
+    except OSError as exc:
+        print(f"fedgrid report: error: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     for note in notes:
         print(f"fedgrid report: {note}", file=sys.stderr)
     print(f"fedgrid report: {len(runs)} run(s); wrote {', '.join(str(p) for p in written)}")

@@ -209,3 +209,9 @@ def test_malformed_event_line_is_named(runs, tmp_path, capsys):
     (d / "events.jsonl").write_text("".join(lines[:4] + ["not json\n"] + lines[4:]))
     with pytest.raises(ReportError, match=re.escape(f"{d}/events.jsonl:5: not valid JSON")):
         load_run(d)
+
+
+def test_an_unwritable_out_is_one_line(runs, tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    assert main(["report", str(runs[0]), "--out", str(tmp_path / "file")]) == 1
+    assert capsys.readouterr().err.splitlines() == [f"fedgrid report: error: cannot write {tmp_path / 'file'}: File exists"]
