@@ -22,6 +22,7 @@ from fedgrid.determinism import MAX_THREADS
 from fedgrid.compression import parse_codec_spec
 from fedgrid.errors import ConfigError
 from fedgrid.plugins import check_spec
+from fedgrid.trackers import parse_trackers
 
 __all__ = ["Config", "load_config", "config_keys", "key_type", "SELECTORS", "ENGINES", "STRATEGY_KEYS"]
 
@@ -150,6 +151,8 @@ class Config:
                               "and enroll_dir (port 0 picks a free one, written to RUN_DIR/enroll_address); empty: off", "")
     enroll_dir: str = _key("coordinator, with enroll_listen: the certificate directory whose CA signs enrolled clients "
                            "(ca.pem, ca.key, tokens.json of `fedgrid certs init`)", "")
+    tracker: str = _key("experiment trackers fed every round's metrics, comma-separated: tensorboard (RUN_DIR/tensorboard/), "
+                        "mlflow (where MLFLOW_TRACKING_URI points); empty: none (metrics.jsonl is always written)", "")
     out: str = _key("run directory", "")
     state_dir: str = _key("durable coordinator state directory", "")
 
@@ -213,6 +216,7 @@ class Config:
         for key in ("momentum", "weight_decay", "max_update_norm"):
             if not 0.0 <= getattr(self, key) < float("inf"):
                 raise ConfigError(key, f"must be a finite number at least 0, got {getattr(self, key)}")
+        parse_trackers(self.tracker)  # known names, packages installed: before any work
         if self.engine not in ENGINES:
             raise ConfigError("engine", f"unknown engine {self.engine!r} (known: {', '.join(ENGINES)})")
         if not 0 <= self.threads <= MAX_THREADS:

@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from fedgrid.trackers import Trackers, build_trackers
 from fedgrid.types import ModelState, RoundMetrics
 
 __all__ = ["RunWriter", "load_model", "read_metrics", "to_toml", "ORDER_KEY"]
@@ -53,10 +54,18 @@ class RunWriter:
         config: the resolved configuration, written at once as ``config.toml``.
         environment: what the run ran on (``fedgrid.determinism.environment``), written
             as the file's ``[environment]`` table; ``load_config`` reads the file back.
+
+    The experiment trackers that ``config["tracker"]`` names (``fedgrid.trackers``) get
+    every row this writer appends to ``metrics.jsonl``, after the file has it; ``close``
+    ends them.
+
+    Raises:
+        ConfigError: a tracker's package is missing (before the directory is made).
     """
 
     def __init__(self, out: str | os.PathLike[str], config: Mapping[str, object], *, environment: Mapping[str, object] | None = None) -> None:
         self.dir = Path(out)
+        self.trackers: Trackers = build_trackers(str(config.get("tracker") or ""), self.dir, config)
         self.dir.mkdir(parents=True, exist_ok=True)
         text = to_toml(config)
         if environment:
@@ -69,12 +78,20 @@ class RunWriter:
         """Makes ``metrics.jsonl`` hold exactly ``rows`` (a fresh run: none; a resumed one:
         the committed rounds), replacing the file atomically."""
         self._atomic_write("metrics.jsonl", "".join(json.dumps(dict(r)) + "\n" for r in rows).encode())
+        self.trackers.resume(rows)
 
     def write_round(self, metrics: RoundMetrics) -> None:
+        """Appends the round to ``metrics.jsonl`` (durably), then hands it to the trackers."""
+        row = metrics.to_json()
         with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(metrics.to_json()) + "\n")
+            f.write(json.dumps(row) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        self.trackers.log_round(row)
+
+    def close(self) -> None:
+        """Ends the trackers (flushes TensorBoard, ends the MLflow run); the files need no closing."""
+        self.trackers.close()
 
     def write_model(self, state: ModelState) -> Path:
         path = self.dir / "model.safetensors"

@@ -332,6 +332,7 @@ def _serve(
             enrollment.stop()
         coordinator.stop(grace=5.0)
         fleet.close()
+        writer.close()  # the trackers (fedgrid.trackers)
         if in_main:
             signal.signal(signal.SIGTERM, previous)
     if final is None:

@@ -90,5 +90,9 @@ def _run(config: Config, threads: int, on_round: Callable[[RoundMetrics], None] 
         writer=writer,
         on_round=report,
     )
-    final = engine.run()
+    try:
+        final = engine.run()
+    finally:
+        if writer is not None:
+            writer.close()  # the trackers (fedgrid.trackers)
     return final, engine.history
