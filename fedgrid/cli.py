@@ -1,4 +1,4 @@
-"""The ``fedgrid`` command: ``simulate``, ``coordinator``, ``client`` and ``certs`` (the CA for mutual TLS)."""
+"""The ``fedgrid`` command: ``simulate``, ``coordinator``, ``client``, ``certs`` (the CA for mutual TLS) and ``new`` (an app template)."""
 
 from __future__ import annotations
 
@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
         "DIR/client-I.pt after every round and resume from it on restart (default: memory only)",
     )
     _add_certs_parser(sub)
+    new = sub.add_parser("new", help="write a runnable app template into ./NAME/ (model, client factory, data, config.toml)")
+    new.add_argument("name", metavar="NAME", help="the app's package name: a Python identifier, not an existing directory")
     return parser
 
 
@@ -352,6 +354,14 @@ def _certs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _new(args: argparse.Namespace) -> int:
+    from fedgrid.new_app import create_app
+
+    folder = create_app(args.name)
+    print(f"wrote {folder}/ ({', '.join(sorted(p.name for p in folder.iterdir()))}); run: fedgrid simulate --config {folder}/config.toml")
+    return 0
+
+
 def _certs_table(records: Sequence[Any]) -> str:
     rows = [("NAME", "KIND", "SERIAL", "NOT AFTER", "STATUS")]
     rows += [(r.name, r.kind, f"{r.serial:x}", r.not_after.strftime("%Y-%m-%d %H:%M:%SZ"), r.status()) for r in records]
@@ -362,11 +372,11 @@ def _certs_table(records: Sequence[Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # simulate and certs print what they did; the services log what they do.
-    quiet = args.command in ("simulate", "certs")
+    quiet = args.command in ("simulate", "certs", "new")
     level = logging.DEBUG if args.verbose else (logging.WARNING if quiet else logging.INFO)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return {"simulate": _simulate, "coordinator": _coordinator, "client": _client, "certs": _certs}[args.command](args)
+        return {"simulate": _simulate, "coordinator": _coordinator, "client": _client, "certs": _certs, "new": _new}[args.command](args)
     except ConfigError as exc:
         print(f"fedgrid: error: {exc}", file=sys.stderr)
         return 2
