@@ -12,7 +12,7 @@ fedgrid's round engine and in-process fleet on the built-in digits clients (scik
 digits, no files), with the built-in server-side evaluation.
 
 Run: ``python examples/custom_strategy.py [--rounds 10] [--clients 10]``. Prints one line per
-round (accuracy, loss, clients) and last ``final accuracy A`` (about 0.9 after 10 rounds).
+round (accuracy, loss, clients) and last ``final accuracy A`` (0.86 after the default 10 rounds).
 """
 
 from __future__ import annotations
