@@ -1,11 +1,12 @@
-# Two commands: `make demo` runs a federated training, `make test` runs the tests.
+# Two commands: `make demo` runs a federated training, `make test` runs the tests
+# (`make docs` builds the documentation into build/docs/).
 # Both create .venv when it is missing and install what is needed first.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install proto proto-check bench clean
+.PHONY: demo test docs install proto proto-check bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +28,9 @@ test: $(STAMP)
 	$(PY) tests/tools/import_tree.py build/layers
 	cd build/layers && PYTHONPATH=. $(CURDIR)/$(VENV)/bin/lint-imports $(CURDIR)/pyproject.toml
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+docs: $(STAMP)
+	$(VENV)/bin/sphinx-build -W --keep-going -q -b html docs build/docs
 
 proto: $(STAMP)
 	$(PY) -m fedgrid.proto.generate

@@ -111,8 +111,8 @@ class StreamingDiLoCo(DiLoCo):
 
     Args:
         num_fragments: F, the number of fragments.
-        outer_lr, outer_momentum, inner_steps, aggregator, fraction_fit, min_fit_clients,
-            fraction_evaluate, seed, fit_config: as ``DiLoCo``.
+        others: ``outer_lr``, ``outer_momentum``, ``inner_steps``, ``aggregator``, ``fraction_fit``,
+            ``min_fit_clients``, ``fraction_evaluate``, ``seed``, ``fit_config``: as ``DiLoCo``.
 
     Raises:
         ValueError: an argument is out of range.

@@ -9,7 +9,7 @@ SCAFFOLD: the server keeps a control variate ``c`` (one tensor per real floating
 tensor, zero at first) and sends it with the model (``downlink_state``: the model plus
 ``scaffold.c.<name>`` tensors). Client ``i`` keeps its own ``c_i`` across rounds, corrects
 each local step by ``c - c_i``, and sends back its model and ``c_delta_i = c_i+ - c_i`` as
-``scaffold.c_delta.<name>`` tensors (declared in ``FitIns.expected``). The server sets
+``scaffold.c_delta.<name>`` tensors (declared in ``FitIns.expected``). The server sets::
 
     x <- x + server_lr * aggregate(y_i - x)        (a FedOpt step with ServerSGD)
     c <- c + (|S| / N) * mean(c_delta_i)

@@ -1,4 +1,4 @@
-"""The ``fedgrid`` command: ``simulate``, ``coordinator``, ``client``, ``certs`` (the CA for mutual TLS) and ``report`` (plots of run directories)."""
+"""The ``fedgrid`` command: ``simulate``, ``coordinator``, ``client``, ``certs`` (the CA for mutual TLS), ``report`` (plots of run directories) and ``new`` (an app template)."""
 
 from __future__ import annotations
 
@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--out", default="report", metavar="DIR", help="where the PNGs and report.html go (default: ./report)")
     rep.add_argument("--label", action="append", default=[], metavar="NAME",
                      help="the legend name of a run, once per RUN_DIR in order (default: the directory's name)")
+    new = sub.add_parser("new", help="write a runnable app template into ./NAME/ (model, client factory, data, config.toml)")
+    new.add_argument("name", metavar="NAME", help="the app's package name: a Python identifier, not an existing directory")
     return parser
 
 
@@ -378,6 +380,13 @@ def _report(args: argparse.Namespace) -> int:
     for note in notes:
         print(f"fedgrid report: {note}", file=sys.stderr)
     print(f"fedgrid report: {len(runs)} run(s); wrote {', '.join(str(p) for p in written)}")
+
+
+def _new(args: argparse.Namespace) -> int:
+    from fedgrid.new_app import create_app
+
+    folder = create_app(args.name)
+    print(f"wrote {folder}/ ({', '.join(sorted(p.name for p in folder.iterdir()))}); run: fedgrid simulate --config {folder}/config.toml")
     return 0
 
 
@@ -391,11 +400,12 @@ def _certs_table(records: Sequence[Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # simulate and certs print what they did; the services log what they do.
-    quiet = args.command in ("simulate", "certs", "report")
+    quiet = args.command in ("simulate", "certs", "report", "new")
     level = logging.DEBUG if args.verbose else (logging.WARNING if quiet else logging.INFO)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return {"simulate": _simulate, "coordinator": _coordinator, "client": _client, "certs": _certs, "report": _report}[args.command](args)
+        return {"simulate": _simulate, "coordinator": _coordinator, "client": _client, "certs": _certs, "report": _report,
+                "new": _new}[args.command](args)
     except ConfigError as exc:
         print(f"fedgrid: error: {exc}", file=sys.stderr)
         return 2

@@ -4,6 +4,8 @@ model's seeded initial state."""
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -30,10 +32,18 @@ def check_spec(spec: str, *, key: str) -> tuple[str, str]:
 def load_object(spec: str, *, key: str) -> Callable[..., Any]:
     """Imports ``MODULE`` and returns its callable ``ATTRIBUTE``.
 
+    The current directory is searched last, after ``sys.path``, as ``python -m`` would search
+    it (first): the ``fedgrid`` console script does not put it there, and an app made by
+    ``fedgrid new NAME`` is run from the folder holding ``NAME/``. Appending it never shadows
+    an installed module.
+
     Raises:
         ConfigError: malformed spec, module not importable, attribute missing or not callable.
     """
     module_name, attr = check_spec(spec, key=key)
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

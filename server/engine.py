@@ -90,7 +90,7 @@ class RoundEngine:
     """Drives ``rounds`` rounds of ``strategy`` on ``fleet``.
 
     Args:
-        strategy: decides tasks and aggregation; already ``initialize``d.
+        strategy: decides tasks and aggregation; ``initialize`` already called.
         fleet: reaches the clients.
         rounds: number of rounds to run.
         min_clients: a round starts only when this many clients are live.
