@@ -380,6 +380,7 @@ def _report(args: argparse.Namespace) -> int:
     for note in notes:
         print(f"fedgrid report: {note}", file=sys.stderr)
     print(f"fedgrid report: {len(runs)} run(s); wrote {', '.join(str(p) for p in written)}")
+    return 0
 
 
 def _new(args: argparse.Namespace) -> int:
