@@ -160,6 +160,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def parse_request(self) -> bool:
         if len(self.raw_requestline) > MAX_REQUEST_LINE:
+            self.command, self.request_version, self.requestline = "", self.protocol_version, "(too long)"
+            self.close_connection = True
             self.send_error(HTTPStatus.REQUEST_URI_TOO_LONG)
             return False
         if not super().parse_request():

@@ -61,7 +61,7 @@ _PHASE_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 
 
 def failure_reason(text: str) -> str:
     """The ``FAILURE_REASONS`` label of a failure's text (``Failure.reason``)."""
-    rules = (("missed the round deadline", "deadline"), ("went silent", "silent"), ("silent for", "silent"),
+    rules = (("missed the round deadline", "deadline"), ("client went silent", "silent"), ("silent for", "silent"),
              ("coordinator stopping", "stopping"), ("client reported:", "client_error"), ("client left:", "left"),
              ("replaced by a new session", "replaced"), ("evaluated no examples", "no_examples"))
     for prefix, label in rules:
