@@ -106,7 +106,8 @@ class TaskReport:
         kind: ``fit`` or ``evaluate``.
         num_examples: examples the result claims.
         loss: the result's ``loss`` or ``train_loss`` metric, if it has one.
-        bytes_up: wire bytes sent for the upload, every try included.
+        bytes_up: wire bytes (``serde.wire_size``, as the coordinator counts them) sent for
+            the upload, every try included.
         bytes_down: wire bytes received for the task's model download.
         upload_retries: tries of the upload after the first.
     """
@@ -190,8 +191,10 @@ class Connection:
         self.chunk_size = serde.CHUNK_SIZE
         #: The tries of the latest upload (a resumed upload has more than one).
         self.upload_attempts: list[UploadAttempt] = []
-        #: Wire bytes of the model downloads so far (every try).
+        #: Wire bytes (``serde.wire_size``, as the coordinator counts them) of the model
+        #: downloads and the uploads so far, every try included.
         self.bytes_down = 0
+        self.bytes_up = 0
         #: The model the client holds and its downlink version (compressed downlinks).
         self.held: ModelState | None = None
         self.held_version: int | None = None
@@ -333,7 +336,7 @@ class Connection:
         def attempt() -> tuple[serde.StreamInfo, ModelState]:
             asm = serde.ModelAssembler()
             for frame in self._download(request, metadata=self._session(), timeout=self.transfer_timeout):
-                self.bytes_down += len(frame)
+                self.bytes_down += serde.wire_size(frame)
                 asm.feed(frame)
             return asm.finish()
 
@@ -398,6 +401,7 @@ class Connection:
             def counted() -> Iterator[bytes]:
                 for frame in encoded.frames(info, chunk_size=self.chunk_size, start=start):
                     sent[0] += len(frame)
+                    self.bytes_up += serde.wire_size(frame)
                     yield frame
 
             try:
@@ -510,7 +514,7 @@ def run(
             if task.kind == pb.MESSAGE:
                 _exchange(conn, client, task)
                 continue
-            down_before = conn.bytes_down
+            down_before, up_before = conn.bytes_down, conn.bytes_up
             state = conn.download(task.task_id) if task.kind == pb.EVALUATE else conn.fetch_model(task.task_id)
             config = serde.config_from_pb(task.config)
             try:
@@ -539,7 +543,7 @@ def run(
             if on_task is not None:
                 loss = metrics.get("loss", metrics.get("train_loss"))
                 on_task(TaskReport(round=task.round, kind="evaluate" if task.kind == pb.EVALUATE else "fit", num_examples=num_examples,
-                                   loss=None if loss is None else float(loss), bytes_up=sum(a.bytes_sent for a in conn.upload_attempts),
+                                   loss=None if loss is None else float(loss), bytes_up=conn.bytes_up - up_before,
                                    bytes_down=conn.bytes_down - down_before, upload_retries=max(0, len(conn.upload_attempts) - 1)))
     except BaseException as exc:  # KeyboardInterrupt and SystemExit included: the client is going
         leaving = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

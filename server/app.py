@@ -268,8 +268,6 @@ def _serve(
     strategy.initialize(initial_state=initial)
     writer = RunWriter(config.out, {**config.to_dict(), "threads": threads}, environment=environment(threads_requested=config.threads))
     events = EventLog(writer.dir / "events.jsonl")
-    if on_event is not None:
-        events.subscribe(on_event)
     fleet = GrpcFleet(
         events=events,
         heartbeat_interval=timedelta(seconds=config.heartbeat_interval_s),
@@ -284,6 +282,8 @@ def _serve(
     monitor = CoordinatorMonitor(fleet, rounds=config.rounds, history=lambda: engine.history) if config.http else None
     if monitor is not None:
         events.subscribe(monitor.on_event)
+    if on_event is not None:  # after the monitor: a caller reading the status sees the event counted
+        events.subscribe(on_event)
 
     def on_round(m):
         acc = "" if m.accuracy is None else f" accuracy {m.accuracy:.4f}"
