@@ -277,32 +277,13 @@ def _serve(
         downlink_codec=config.downlink_codec,
         bounds=build_bounds(config),
     )
-    # Built before the server so that the status view (``--http``) can read its history.
-    engine: RoundEngine  # built below, before any request can come
+    engine: RoundEngine  # built below; the status server serves (reads its history) only once it is
     monitor = CoordinatorMonitor(fleet, rounds=config.rounds, history=lambda: engine.history) if config.http else None
     if monitor is not None:
         events.subscribe(monitor.on_event)
     if on_event is not None:  # after the monitor: a caller reading the status sees the event counted
         events.subscribe(on_event)
 
-    def on_round(m):
-        acc = "" if m.accuracy is None else f" accuracy {m.accuracy:.4f}"
-        print(f"round {m.round}/{config.rounds} loss {m.loss if m.loss is None else round(m.loss, 4)}{acc} clients {m.clients_ok} ok {m.clients_failed} failed ({m.wall_s:.2f}s)", flush=True)
-
-    engine = RoundEngine(
-        strategy=strategy,
-        fleet=fleet,
-        rounds=config.rounds,
-        min_clients=config.min_clients,
-        round_timeout=timedelta(seconds=config.round_timeout_s),
-        join_timeout=timedelta(seconds=config.join_timeout_s),
-        evaluate_fn=evaluate_fn,
-        writer=writer,
-        on_round=on_round if monitor is None else (lambda m: (on_round(m), monitor.on_round(m))),
-        finish_timeout=timedelta(seconds=FINISH_GRACE_S),
-        store=store,
-        events=events,
-    )
     tls = TLSFiles.from_options(config.ca, config.cert, config.key, config.crl)
     # Bound (and its directory checked) before the coordinator starts: a bad enroll_dir fails first.
     enrollment = EnrollmentServer(config.enroll_listen, ca_dir=config.enroll_dir, tls=tls) if config.enroll_listen else None
@@ -323,7 +304,6 @@ def _serve(
             http.stop()
         raise
     if http is not None:
-        http.start()
         _write_address(Path(config.out) / "http_address", http.address)
         print(f"fedgrid status on http://{http.address}/ (/metrics, /api/status{'; bearer token required' if http.authenticated else ''})", flush=True)
     if enrollment is not None:  # first: a script that sees RUN_DIR/address finds this one too
@@ -334,6 +314,27 @@ def _serve(
     events.emit("started", run_id=fleet.run_id, address=coordinator.address, threads=threads)
     if ready is not None:
         ready.set()
+
+    def on_round(m):
+        acc = "" if m.accuracy is None else f" accuracy {m.accuracy:.4f}"
+        print(f"round {m.round}/{config.rounds} loss {m.loss if m.loss is None else round(m.loss, 4)}{acc} clients {m.clients_ok} ok {m.clients_failed} failed ({m.wall_s:.2f}s)", flush=True)
+
+    engine = RoundEngine(
+        strategy=strategy,
+        fleet=fleet,
+        rounds=config.rounds,
+        min_clients=config.min_clients,
+        round_timeout=timedelta(seconds=config.round_timeout_s),
+        join_timeout=timedelta(seconds=config.join_timeout_s),
+        evaluate_fn=evaluate_fn,
+        writer=writer,
+        on_round=on_round if monitor is None else (lambda m: (on_round(m), monitor.on_round(m))),
+        finish_timeout=timedelta(seconds=FINISH_GRACE_S),
+        store=store,
+        events=events,
+    )
+    if http is not None:  # bound and listening since before the coordinator: early requests waited in the backlog
+        http.start()
 
     def on_term(signum: int, frame: object) -> None:
         # Graceful: report NOT_SERVING, abandon the open round (it is redone on restart),

@@ -157,3 +157,34 @@ def test_coordinator_http_off_loopback_without_token_fails_before_listening(tmp_
     err = capsys.readouterr().err
     assert "fedgrid: error: config key 'http': '0.0.0.0' is not a loopback address" in err and "http_token_file" in err
     assert not (out / "address").exists() and not (out / "http_address").exists()
+
+
+def test_rpc_latencies_carry_the_status_code_of_refused_calls(small_state):
+    import grpc
+
+    from fedgrid.proto import fedgrid_pb2 as pb
+    from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
+    from fedgrid.proto.tls import session_metadata
+    from fedgrid.server.grpc_fleet import GrpcFleet
+    from fedgrid.server.monitor import CoordinatorMonitor
+    from harness import InProcessCoordinator
+
+    probe = GrpcFleet()  # the monitor's histogram, timing another coordinator's calls
+    monitor = CoordinatorMonitor(probe, rounds=1, history=list)
+    c = InProcessCoordinator(small_state, interceptors=(monitor.interceptor(),))
+    try:
+        with grpc.insecure_channel(c.address) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            joined = stub.Join(pb.JoinRequest(name="probe", num_examples=3), timeout=10)
+            for _ in range(2):
+                with pytest.raises(grpc.RpcError) as info:
+                    stub.Heartbeat(pb.HeartbeatRequest(client_id=joined.client_id), metadata=session_metadata("wrong"), timeout=10)
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            stub.Heartbeat(pb.HeartbeatRequest(client_id=joined.client_id), metadata=session_metadata(joined.session_token), timeout=10)
+    finally:
+        c.stop()
+        probe.close()
+    got = _metrics(monitor.metrics_text().decode())
+    assert got[("fedgrid_rpc_duration_seconds_count", (("code", "OK"), ("method", "Join")))] == 1
+    assert got[("fedgrid_rpc_duration_seconds_count", (("code", "UNAUTHENTICATED"), ("method", "Heartbeat")))] == 2
+    assert got[("fedgrid_rpc_duration_seconds_count", (("code", "OK"), ("method", "Heartbeat")))] == 1
