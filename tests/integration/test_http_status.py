@@ -188,3 +188,37 @@ def test_rpc_latencies_carry_the_status_code_of_refused_calls(small_state):
     assert got[("fedgrid_rpc_duration_seconds_count", (("code", "OK"), ("method", "Join")))] == 1
     assert got[("fedgrid_rpc_duration_seconds_count", (("code", "UNAUTHENTICATED"), ("method", "Heartbeat")))] == 2
     assert got[("fedgrid_rpc_duration_seconds_count", (("code", "OK"), ("method", "Heartbeat")))] == 1
+
+
+def test_processes_serve_http_from_their_flags(tmp_path):
+    """``fedgrid coordinator --http`` and ``fedgrid client --http`` as processes: the coordinator
+    waits for a second client, so both stay up while they are read."""
+    import re
+    import subprocess
+    import sys
+
+    from harness import child_env, start_client, start_coordinator
+
+    out = tmp_path / "run"
+    coordinator, address = start_coordinator(out, "--http", "127.0.0.1:0", "--min-clients", "2", "--rounds", "1")
+    client = start_client(address, tmp_path / "client.log", "--http", "127.0.0.1:0", "--partition", "0/2")
+    try:
+        base = f"http://{(out / 'http_address').read_text().strip()}"
+        wait_until(lambda: json.loads(_get(base + "/api/status"))["clients_total"] == 1, timeout=60, what="the client's join")
+        status = json.loads(_get(base + "/api/status"))
+        assert (status["state"], status["phase"], status["committed"], status["rounds"]) == ("running", "waiting", 0, 1)
+        assert [(c["name"], c["state"]) for c in status["clients"]] == [("digits-0000/2", "idle")]
+        wait_until(lambda: "metrics on http://" in (tmp_path / "client.log").read_text(), timeout=60, what="the client's metrics address")
+        client_url = re.search(r"metrics on (http://\S+/metrics)", (tmp_path / "client.log").read_text()).group(1)
+        got = _metrics(_get(client_url).decode())
+        assert got[("fedgrid_client_rounds_trained_total", ())] == 0
+        assert got[("fedgrid_client_bytes_total", (("direction", "up"),))] == 0
+        assert _metrics(_get(base + "/metrics").decode())[("fedgrid_live_clients", ())] == 1
+        shown = subprocess.run([sys.executable, "-m", "fedgrid.cli", "status", base.removeprefix("http://")],
+                               capture_output=True, text=True, timeout=60, env=child_env())
+        assert shown.returncode == 0, shown.stderr
+        assert "0 / 1" in shown.stdout and "digits-0000/2" in shown.stdout and "idle" in shown.stdout
+    finally:
+        for proc in (client, coordinator):
+            proc.kill()
+            proc.wait(timeout=30)
