@@ -21,7 +21,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/fedgrid simulate --out runs/demo
 
+# The status page's test renders it in headless Chromium (Debian's package): installed here
+# when missing and running as root (CI); elsewhere the test says why it is skipped.
 test: $(STAMP)
+	command -v chromium >/dev/null || [ "$$(id -u)" != 0 ] || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium)
 	$(PY) -m fedgrid.proto.generate --check
 	$(VENV)/bin/mypy fedgrid server client proto aggregation compression simulation
 	# Layer contracts (pyproject.toml [tool.importlinter]) over the package as Python imports it.

@@ -49,7 +49,7 @@ from fedgrid.pki import identity_of
 from fedgrid.types import ModelState
 
 __all__ = [
-    "Connection", "ClientHandle", "RunSummary", "RpcFailed", "run", "start", "TRANSIENT",
+    "Connection", "ClientHandle", "RunSummary", "TaskReport", "RpcFailed", "run", "start", "TRANSIENT",
 ]
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,30 @@ class UploadAttempt:
     @property
     def bytes_sent(self) -> int:
         return self.sent[0]
+
+
+@dataclass(frozen=True)
+class TaskReport:
+    """One task the client finished and uploaded, for an observer (``run``'s ``on_task``).
+
+    Attributes:
+        round: the coordinator's round.
+        kind: ``fit`` or ``evaluate``.
+        num_examples: examples the result claims.
+        loss: the result's ``loss`` or ``train_loss`` metric, if it has one.
+        bytes_up: wire bytes (``serde.wire_size``, as the coordinator counts them) sent for
+            the upload, every try included.
+        bytes_down: wire bytes received for the task's model download.
+        upload_retries: tries of the upload after the first.
+    """
+
+    round: int
+    kind: str
+    num_examples: int
+    loss: float | None
+    bytes_up: int
+    bytes_down: int
+    upload_retries: int
 
 
 @dataclass(frozen=True)
@@ -168,6 +192,10 @@ class Connection:
         self.chunk_size = serde.CHUNK_SIZE
         #: The tries of the latest upload (a resumed upload has more than one).
         self.upload_attempts: list[UploadAttempt] = []
+        #: Wire bytes (``serde.wire_size``, as the coordinator counts them) of the model
+        #: downloads and the uploads so far, every try included.
+        self.bytes_down = 0
+        self.bytes_up = 0
         #: The model the client holds and its downlink version (compressed downlinks).
         self.held: ModelState | None = None
         self.held_version: int | None = None
@@ -309,6 +337,7 @@ class Connection:
         def attempt() -> tuple[serde.StreamInfo, ModelState]:
             asm = serde.ModelAssembler()
             for frame in self._download(request, metadata=self._session(), timeout=self.transfer_timeout):
+                self.bytes_down += serde.wire_size(frame)
                 asm.feed(frame)
             return asm.finish()
 
@@ -373,6 +402,7 @@ class Connection:
             def counted() -> Iterator[bytes]:
                 for frame in encoded.frames(info, chunk_size=self.chunk_size, start=start):
                     sent[0] += len(frame)
+                    self.bytes_up += serde.wire_size(frame)
                     yield frame
 
             try:
@@ -415,6 +445,7 @@ def run(
     cert: str = "",
     key: str = "",
     server_name: str = "",
+    on_task: Callable[[TaskReport], None] | None = None,
     **connection_options: float,
 ) -> RunSummary:
     """Joins ``coordinator`` and serves tasks until the run finishes or ``stop`` is set.
@@ -433,6 +464,8 @@ def run(
             is then the identity of its certificate, which also names its state file's owner.
         server_name: the name the coordinator's certificate holds, when not the host of
             ``coordinator``.
+        on_task: called with a ``TaskReport`` after each fit or evaluate task whose upload
+            landed (``fedgrid client --http`` counts them as metrics).
         connection_options: passed to ``Connection``.
 
     Raises:
@@ -482,6 +515,7 @@ def run(
             if task.kind == pb.MESSAGE:
                 _exchange(conn, client, task)
                 continue
+            down_before, up_before = conn.bytes_down, conn.bytes_up
             state = conn.download(task.task_id) if task.kind == pb.EVALUATE else conn.fetch_model(task.task_id)
             config = serde.config_from_pb(task.config)
             try:
@@ -513,6 +547,11 @@ def run(
             if task.kind != pb.EVALUATE:
                 rounds += 1
                 _save(state_path, conn, client, task)
+            if on_task is not None:
+                loss = metrics.get("loss", metrics.get("train_loss"))
+                on_task(TaskReport(round=task.round, kind="evaluate" if task.kind == pb.EVALUATE else "fit", num_examples=num_examples,
+                                   loss=None if loss is None else float(loss), bytes_up=conn.bytes_up - up_before,
+                                   bytes_down=conn.bytes_down - down_before, upload_retries=max(0, len(conn.upload_attempts) - 1)))
     except BaseException as exc:  # KeyboardInterrupt and SystemExit included: the client is going
         leaving = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         raise

@@ -1,4 +1,4 @@
-"""The ``fedgrid`` command: ``simulate``, ``coordinator``, ``client``, ``certs`` (the CA for mutual TLS), ``report`` (plots of run directories) and ``new`` (an app template)."""
+"""The ``fedgrid`` command: ``simulate``, ``coordinator``, ``client``, ``certs`` (the CA for mutual TLS), ``report`` (plots of run directories), ``new`` (an app template) and ``status`` (a running coordinator)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ __all__ = ["main", "build_parser", "serve", "SimulateProgress"]
 # Keys each subcommand exposes as flags; every key is also accepted through --config.
 SIMULATE_KEYS = [k for k in config_keys() if k not in ("listen", "max_workers", "min_clients", "state_dir", "heartbeat_interval_s", "initial_model",
                                                      "ca", "cert", "key", "crl", "insecure",
-                                                     "enroll_listen", "enroll_dir")]
+                                                     "enroll_listen", "enroll_dir", "http", "http_token_file")]
 COORDINATOR_KEYS = [k for k in config_keys() if k != "clients"]
 # The built-in client factory's options (fedgrid.simulation.tasks.CLIENT_KEYS) as `fedgrid
 # client` flags, so a deployed client trains like its simulated twin; --data-partition is the spec.
@@ -81,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="save the client's state across rounds (error-feedback residuals, the client's own state) to "
         "DIR/client-I.pt after every round and resume from it on restart (default: memory only)",
     )
+    cli.add_argument("--http", default="", metavar="HOST:PORT",
+                     help="serve this client's /metrics (Prometheus) here, read-only (needs the monitor extra; port 0: a free one)")
+    cli.add_argument("--http-token-file", dest="http_token_file", default="", metavar="FILE",
+                     help="with --http: the bearer token the metrics ask for (required on a non-loopback host)")
     _add_certs_parser(sub)
     rep = sub.add_parser("report", help="plot run directories: PNG files and one self-contained HTML page")
     rep.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (metrics.jsonl), overlaid in one plot per metric")
@@ -89,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the legend name of a run, once per RUN_DIR in order (default: the directory's name)")
     new = sub.add_parser("new", help="write a runnable app template into ./NAME/ (model, client factory, data, config.toml)")
     new.add_argument("name", metavar="NAME", help="the app's package name: a Python identifier, not an existing directory")
+    status = sub.add_parser("status", help="show a running coordinator's round, progress and clients (its --http address)")
+    status.add_argument("address", metavar="ADDRESS", help="HOST:PORT of the coordinator's --http server")
+    status.add_argument("--watch", action="store_true", help="redraw until Ctrl-C")
+    status.add_argument("--interval", type=float, default=2.0, metavar="S", help="seconds between redraws with --watch (default 2)")
+    status.add_argument("--token-file", dest="token_file", default="", metavar="FILE", help="the coordinator's http_token_file")
     return parser
 
 
@@ -292,15 +301,26 @@ def _client(args: argparse.Namespace) -> int:
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt(signal.Signals(signum).name)  # unwinds run(), which tells the coordinator it leaves
 
+    on_task, http = None, None
+    if args.http or args.http_token_file:
+        from fedgrid.client.monitor import serve_client_metrics
+
+        if not args.http:
+            raise ConfigError("http_token_file", "goes with --http (the address of the client's metrics)")
+        monitor, http = serve_client_metrics(args.http, token_file=args.http_token_file)
+        on_task = monitor.on_task
+        print(f"fedgrid client {index}/{total}: metrics on http://{http.address}/metrics", flush=True)
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:
         summary = run(client, coordinator=args.coordinator, state_path=state_path, ca=args.ca, cert=args.cert, key=args.key,
-                      server_name=args.server_name)
+                      server_name=args.server_name, on_task=on_task)
     except KeyboardInterrupt:
         print(f"client {client.name}: stopped; left the federation", flush=True)
         return 0
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if http is not None:
+            http.stop()
     print(f"client {client.name}: {summary.rounds} rounds trained; run finished")
     return 0
 
@@ -324,6 +344,17 @@ def _enroll(args: argparse.Namespace) -> None:
             raise
         raise ConfigError("enroll" if args.name is None else "name", str(exc)) from None
     print(f"fedgrid client: identity {identity!r} (certificate {args.cert}, key {args.key})", flush=True)
+
+
+def _status(args: argparse.Namespace) -> int:
+    """``fedgrid status ADDRESS`` (``fedgrid.watch``): one line naming the address when it cannot connect."""
+    from fedgrid.watch import StatusUnavailable, status_command
+
+    try:
+        return status_command(args.address, watch=args.watch, interval=args.interval, token_file=args.token_file)
+    except StatusUnavailable as exc:
+        print(f"fedgrid status: {exc}", file=sys.stderr)
+        return 1
 
 
 def _certs(args: argparse.Namespace) -> int:
@@ -401,12 +432,12 @@ def _certs_table(records: Sequence[Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # simulate and certs print what they did; the services log what they do.
-    quiet = args.command in ("simulate", "certs", "report", "new")
+    quiet = args.command in ("simulate", "certs", "report", "new", "status")
     level = logging.DEBUG if args.verbose else (logging.WARNING if quiet else logging.INFO)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return {"simulate": _simulate, "coordinator": _coordinator, "client": _client, "certs": _certs, "report": _report,
-                "new": _new}[args.command](args)
+                "new": _new, "status": _status}[args.command](args)
     except ConfigError as exc:
         print(f"fedgrid: error: {exc}", file=sys.stderr)
         return 2

@@ -153,6 +153,11 @@ class Config:
                            "(ca.pem, ca.key, tokens.json of `fedgrid certs init`)", "")
     tracker: str = _key("experiment trackers fed every round's metrics, comma-separated: tensorboard (RUN_DIR/tensorboard/), "
                         "mlflow (where MLFLOW_TRACKING_URI points); empty: none (metrics.jsonl is always written)", "")
+    http: str = _key("coordinator: HOST:PORT of a read-only HTTP server with /metrics (Prometheus), /api/status and a status "
+                     "page (port 0 picks a free one, written to RUN_DIR/http_address; needs the monitor extra); a non-loopback "
+                     "host needs http_token_file; empty: off", "")
+    http_token_file: str = _key("coordinator, with http: a file holding the bearer token the HTTP server asks for "
+                                "(Authorization: Bearer TOKEN; required on a non-loopback host)", "")
     out: str = _key("run directory", "")
     state_dir: str = _key("durable coordinator state directory", "")
 
@@ -202,10 +207,12 @@ class Config:
             raise ConfigError("crl", "a revocation list needs ca, cert and key (mutual TLS)")
         if tls_given and self.insecure:
             raise ConfigError("insecure", "insecure (plaintext) contradicts ca/cert/key (mutual TLS)")
-        for key in ("listen", "enroll_listen") if self.enroll_listen else ("listen",):
+        for key in [k for k in ("listen", "enroll_listen", "http") if k == "listen" or getattr(self, k)]:
             host, sep, port = getattr(self, key).rpartition(":")
             if not sep or not host or not port.isdigit() or int(port) > 65535:
                 raise ConfigError(key, f"expected HOST:PORT, got {getattr(self, key)!r}")
+        if self.http_token_file and not self.http:
+            raise ConfigError("http_token_file", "is used only with http (the address of the HTTP status server)")
         if self.enroll_listen and not self.enroll_dir:
             raise ConfigError("enroll_dir", "enroll_listen needs enroll_dir, the certificate directory whose CA signs enrolled clients")
         if self.enroll_dir and not self.enroll_listen:

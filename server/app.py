@@ -43,11 +43,13 @@ from fedgrid.server.enrollment import EnrollmentServer
 from fedgrid.server.codec_policy import build_codec_policy
 from fedgrid.server.grpc_fleet import GrpcFleet
 from fedgrid.server.memory import return_large_buffers_to_the_system
+from fedgrid.server.monitor import CoordinatorMonitor
 from fedgrid.server.peers import PeerCheck
 from fedgrid.server.service import SERVICE, CoordinatorServicer, add_to_server
 from fedgrid.server.state import StateStore
 from fedgrid.server.strategies import build_strategy
 from fedgrid.types import ModelState
+from fedgrid.webserve import StatusServer
 
 __all__ = ["Coordinator", "run_coordinator", "coordinator_model", "SERVICE_NAME"]
 
@@ -266,8 +268,6 @@ def _serve(
     strategy.initialize(initial_state=initial)
     writer = RunWriter(config.out, {**config.to_dict(), "threads": threads}, environment=environment(threads_requested=config.threads))
     events = EventLog(writer.dir / "events.jsonl")
-    if on_event is not None:
-        events.subscribe(on_event)
     fleet = GrpcFleet(
         events=events,
         heartbeat_interval=timedelta(seconds=config.heartbeat_interval_s),
@@ -277,17 +277,35 @@ def _serve(
         downlink_codec=config.downlink_codec,
         bounds=build_bounds(config),
     )
+    engine: RoundEngine  # built below; the status server serves (reads its history) only once it is
+    monitor = CoordinatorMonitor(fleet, rounds=config.rounds, history=lambda: engine.history) if config.http else None
+    if monitor is not None:
+        events.subscribe(monitor.on_event)
+    if on_event is not None:  # after the monitor: a caller reading the status sees the event counted
+        events.subscribe(on_event)
+
     tls = TLSFiles.from_options(config.ca, config.cert, config.key, config.crl)
     # Bound (and its directory checked) before the coordinator starts: a bad enroll_dir fails first.
     enrollment = EnrollmentServer(config.enroll_listen, ca_dir=config.enroll_dir, tls=tls) if config.enroll_listen else None
+    http: StatusServer | None = None
     try:
-        coordinator = Coordinator(config.listen, fleet, max_workers=config.max_workers, tls=tls, insecure=config.insecure).start()
+        # Bound first: a refused --http (no token off loopback, port taken) fails before any client can join.
+        if monitor is not None:
+            http = StatusServer(config.http, monitor.routes(), token_file=config.http_token_file)
+        interceptors = [monitor.interceptor()] if monitor is not None else []
+        coordinator = Coordinator(config.listen, fleet, max_workers=config.max_workers, tls=tls, insecure=config.insecure,
+                                  interceptors=interceptors).start()
         if enrollment is not None:
             enrollment.start()
     except BaseException:
         if enrollment is not None:
             enrollment.stop(grace=0)
+        if http is not None:
+            http.stop()
         raise
+    if http is not None:
+        _write_address(Path(config.out) / "http_address", http.address)
+        print(f"fedgrid status on http://{http.address}/ (/metrics, /api/status{'; bearer token required' if http.authenticated else ''})", flush=True)
     if enrollment is not None:  # first: a script that sees RUN_DIR/address finds this one too
         _write_address(Path(config.out) / "enroll_address", enrollment.address)
         print(f"fedgrid enrollment service listening on {enrollment.address} (certificates of {config.enroll_dir})", flush=True)
@@ -310,11 +328,13 @@ def _serve(
         join_timeout=timedelta(seconds=config.join_timeout_s),
         evaluate_fn=evaluate_fn,
         writer=writer,
-        on_round=on_round,
+        on_round=on_round if monitor is None else (lambda m: (on_round(m), monitor.on_round(m))),
         finish_timeout=timedelta(seconds=FINISH_GRACE_S),
         store=store,
         events=events,
     )
+    if http is not None:  # bound and listening since before the coordinator: early requests waited in the backlog
+        http.start()
 
     def on_term(signum: int, frame: object) -> None:
         # Graceful: report NOT_SERVING, abandon the open round (it is redone on restart),
@@ -332,6 +352,8 @@ def _serve(
             enrollment.stop()
         coordinator.stop(grace=5.0)
         fleet.close()
+        if http is not None:
+            http.stop()
         writer.close()  # the trackers (fedgrid.trackers)
         if in_main:
             signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,318 @@
+"""The coordinator's live view: Prometheus metrics, ``/api/status`` and the status page.
+
+``CoordinatorMonitor`` is fed by what the coordinator already produces, not by metric calls
+spread through the code: the event stream (``fedgrid.events``, subscribed), each round's
+``RoundMetrics`` (the engine's ``on_round``), the fleet's state (read when asked) and a
+``grpc.aio`` server interceptor timing every RPC. ``fedgrid coordinator --http HOST:PORT``
+serves it (``start_monitoring``) with ``fedgrid.webserve``.
+
+Metrics (one ``CollectorRegistry`` per coordinator, never the global one):
+
+| metric | labels | what |
+|---|---|---|
+| ``fedgrid_rounds_committed_total`` | | rounds committed (checkpoint, history and metrics hold them) |
+| ``fedgrid_rounds_failed_total`` | | rounds whose aggregate was not finite |
+| ``fedgrid_round`` | | the round in progress, else the last one run |
+| ``fedgrid_live_clients`` | | clients in the registry |
+| ``fedgrid_clients_joined_total`` | | Joins accepted |
+| ``fedgrid_clients_gone_total`` | ``reason`` (``left``, ``dropped``, ``replaced``) | clients that left the registry |
+| ``fedgrid_updates_accepted_total`` | ``phase`` | uploads verified and kept |
+| ``fedgrid_client_failures_total`` | ``phase``, ``reason`` | failed client tasks, by ``FAILURE_REASONS`` |
+| ``fedgrid_client_results_total`` | ``outcome`` (``ok``, ``failed``) | fit results per round, as ``metrics.jsonl``'s ``clients_ok`` / ``clients_failed`` |
+| ``fedgrid_bytes_total`` | ``direction`` (``up``, ``down``) | wire bytes of the rounds, as ``metrics.jsonl``'s ``bytes_up`` / ``bytes_down`` |
+| ``fedgrid_phase_duration_seconds`` | ``phase`` | histogram: a phase open to close (``fit``, ``evaluate``, message phases), ``aggregate``, ``checkpoint`` |
+| ``fedgrid_round_duration_seconds`` | | histogram: a round's ``wall_s`` |
+| ``fedgrid_rpc_duration_seconds`` | ``method``, ``code`` | histogram: a gRPC call's time in the servicer (long polls included) |
+
+Label values are all from fixed sets or server-side names (methods, phases the strategy
+declares): no client-supplied text ever becomes a label, so a client cannot grow the
+series without bound. Failure reasons (client text among them) are sorted into
+``FAILURE_REASONS``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any, Awaitable, Callable, Sequence
+
+import grpc
+
+from fedgrid.events import Event
+from fedgrid.server.grpc_fleet import GrpcFleet
+from fedgrid.server.registry import SILENCE_INTERVALS
+from fedgrid.server.status_page import page_response
+from fedgrid.types import RoundMetrics
+from fedgrid.webserve import Response, Route, require_prometheus
+
+__all__ = ["CoordinatorMonitor", "RpcTimer", "failure_reason", "FAILURE_REASONS", "MAX_STATUS_CLIENTS"]
+
+#: The ``reason`` label of ``fedgrid_client_failures_total``: what a failure's text says, sorted.
+FAILURE_REASONS = ("deadline", "silent", "stopping", "client_error", "left", "replaced", "no_examples", "other")
+#: Clients listed in ``/api/status`` (the count of all is ``clients_total``).
+MAX_STATUS_CLIENTS = 1000
+#: The gRPC methods timed by name; any other is ``other``.
+_METHODS = frozenset({"Join", "PollTask", "DownloadModel", "UploadUpdate", "UploadStatus", "Heartbeat", "ReportFailure",
+                      "Leave", "SendMessages", "ReceiveMessages", "Check", "Watch"})
+_RPC_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, float("inf"))
+_PHASE_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0, float("inf"))
+
+
+def failure_reason(text: str) -> str:
+    """The ``FAILURE_REASONS`` label of a failure's text (``Failure.reason``)."""
+    rules = (("missed the round deadline", "deadline"), ("client went silent", "silent"), ("silent for", "silent"),
+             ("coordinator stopping", "stopping"), ("client reported:", "client_error"), ("client left:", "left"),
+             ("replaced by a new session", "replaced"), ("evaluated no examples", "no_examples"))
+    for prefix, label in rules:
+        if text.startswith(prefix):
+            return label
+    return "other"
+
+
+class CoordinatorMonitor:
+    """Metrics and status of one coordinator.
+
+    Args:
+        fleet: the coordinator's fleet (clients and the open phase are read from it).
+        rounds: the run's rounds.
+        history: the committed rounds' metrics, read when asked (``RoundEngine.history``).
+
+    Raises:
+        ConfigError: ``prometheus-client`` is not installed (the message names the extra).
+    """
+
+    def __init__(self, fleet: GrpcFleet, *, rounds: int, history: Callable[[], Sequence[RoundMetrics]]) -> None:
+        prom = require_prometheus()
+        self.fleet = fleet
+        self.rounds = rounds
+        self._history = history
+        self.registry = prom.CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.rounds_committed = prom.Counter("fedgrid_rounds_committed", "rounds committed", registry=r)
+        self.rounds_failed = prom.Counter("fedgrid_rounds_failed", "rounds whose aggregate was not finite", registry=r)
+        self.round = prom.Gauge("fedgrid_round", "the round in progress, else the last one run", registry=r)
+        self.live_clients = prom.Gauge("fedgrid_live_clients", "clients in the registry", registry=r)
+        self.live_clients.set_function(self._client_count)
+        self.joined = prom.Counter("fedgrid_clients_joined", "Joins accepted", registry=r)
+        self.gone = prom.Counter("fedgrid_clients_gone", "clients that left the registry", ["reason"], registry=r)
+        self.accepted = prom.Counter("fedgrid_updates_accepted", "uploads verified and kept", ["phase"], registry=r)
+        self.failures = prom.Counter("fedgrid_client_failures", "failed client tasks", ["phase", "reason"], registry=r)
+        self.results = prom.Counter("fedgrid_client_results", "fit results of the rounds run", ["outcome"], registry=r)
+        self.bytes = prom.Counter("fedgrid_bytes", "wire bytes of the rounds run", ["direction"], registry=r)
+        self.phase_seconds = prom.Histogram("fedgrid_phase_duration_seconds", "time in a phase of a round", ["phase"],
+                                            buckets=_PHASE_BUCKETS, registry=r)
+        self.round_seconds = prom.Histogram("fedgrid_round_duration_seconds", "a round's wall time", buckets=_PHASE_BUCKETS, registry=r)
+        self.rpc_seconds = prom.Histogram("fedgrid_rpc_duration_seconds", "gRPC calls' time in the servicer", ["method", "code"],
+                                          buckets=_RPC_BUCKETS, registry=r)
+        for direction in ("up", "down"):
+            self.bytes.labels(direction=direction)
+        for outcome in ("ok", "failed"):
+            self.results.labels(outcome=outcome)
+        self._generate_latest = prom.generate_latest
+        self._content_type = prom.CONTENT_TYPE_LATEST
+        self._lock = threading.Lock()  # this object's own state; never held while calling the fleet
+        self.run_id = fleet.run_id
+        self.state = "starting"  # starting, running, finished, stopped
+        self.phase = "waiting"  # waiting (for clients), a phase name, aggregating, checkpointing
+        self.current = 0
+        self._opened: dict[str, float] = {}  # phase -> when it opened
+        self._aggregating: float | None = None
+        self._checkpointing: float | None = None
+
+    # -- feeds -----------------------------------------------------------------------------
+    def on_event(self, e: Event) -> None:
+        """Subscriber of the coordinator's ``EventLog`` (called on the emitting thread)."""
+        name = e.event
+        with self._lock:
+            self._end_aggregate(e.t)
+            if name == "started":
+                self.state = "running"
+            elif name == "client_joined":
+                self.joined.inc()
+            elif name in ("client_left", "client_dropped"):
+                reason = "dropped" if name == "client_dropped" else ("replaced" if str(e.get("reason", "")).startswith("replaced") else "left")
+                self.gone.labels(reason=reason).inc()
+            elif name == "round_opened":
+                self.current = int(e["round"])
+                self.round.set(self.current)
+                self.phase = str(e.get("phase") or ("evaluate" if e.get("evaluate") else "fit"))
+                self._opened[self.phase] = e.t
+            elif name == "update_accepted":
+                self.accepted.labels(phase="evaluate" if e.get("evaluate") else "fit").inc()
+            elif name == "messages_accepted":
+                self.accepted.labels(phase=str(e.get("phase", "message"))).inc()
+            elif name == "round_closed":
+                phase = str(e.get("phase") or ("evaluate" if e.get("evaluate") else "fit"))
+                opened = self._opened.pop(phase, None)
+                if opened is not None:
+                    self.phase_seconds.labels(phase=phase).observe(max(0.0, e.t - opened))
+                self._count_failures(phase)
+            elif name == "aggregating":
+                self.phase = "aggregating"
+                self._aggregating = e.t
+            elif name == "checkpoint_writing":
+                self.phase = "checkpointing"
+                self._checkpointing = e.t
+            elif name == "checkpoint_written" and self._checkpointing is not None:
+                self.phase_seconds.labels(phase="checkpoint").observe(max(0.0, e.t - self._checkpointing))
+                self._checkpointing = None
+            elif name in ("round_committed", "round_failed"):
+                (self.rounds_committed if name == "round_committed" else self.rounds_failed).inc()
+                self.phase = "waiting"
+            elif name in ("finished", "stopped"):
+                self.state = name
+                self.phase = name
+
+    def _end_aggregate(self, t: float) -> None:
+        # Aggregation runs from ``aggregating`` to the round's next event (lock held).
+        if self._aggregating is not None:
+            self.phase_seconds.labels(phase="aggregate").observe(max(0.0, t - self._aggregating))
+            self._aggregating = None
+
+    def _count_failures(self, phase: str) -> None:
+        # round_closed is emitted after the phase closed: its failures no longer change.
+        rnd = self.fleet.current_round
+        if rnd is None or not rnd.closed:
+            return
+        for failure in list(rnd.failures.values()):
+            self.failures.labels(phase=phase, reason=failure_reason(failure.reason)).inc()
+
+    def on_round(self, m: RoundMetrics) -> None:
+        """The engine's ``on_round``: a round's totals, as ``metrics.jsonl`` has them."""
+        self.bytes.labels(direction="up").inc(m.bytes_up)
+        self.bytes.labels(direction="down").inc(m.bytes_down)
+        self.results.labels(outcome="ok").inc(m.clients_ok)
+        self.results.labels(outcome="failed").inc(m.clients_failed)
+        self.round_seconds.observe(m.wall_s)
+
+    def _client_count(self) -> float:
+        with self.fleet.registry.lock:
+            return float(len(self.fleet.registry.records))
+
+    # -- views -----------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        """What ``/api/status`` serves (see the README's "Watching a federation")."""
+        now_mono, now = time.monotonic(), time.time()
+        rnd = self.fleet.current_round
+        limit = SILENCE_INTERVALS * self.fleet.heartbeat_interval_s
+        with self.fleet.registry.lock:  # a snapshot: the records are not changed here
+            records = [(r.info, r.last_seen, r.benched_task, r.polls) for r in self.fleet.registry.records.values()]
+            progress = None
+            if rnd is not None:
+                progress = {"round": rnd.server_round, "phase": rnd.kind, "results": len(rnd.results), "failures": len(rnd.failures),
+                            "expected": len(rnd.assignments), "closed": rnd.closed}
+            assigned = {} if rnd is None or rnd.closed else {cid: self._task_state(rnd, cid) for cid in rnd.assignments}
+        records.sort(key=lambda r: r[0].sort_key)
+        clients = []
+        for info, last_seen, benched, polls in records[:MAX_STATUS_CLIENTS]:
+            ago = max(0.0, now_mono - last_seen)
+            state = assigned.get(info.client_id) or ("benched" if benched else "silent" if ago > limit and polls == 0 else "idle")
+            clients.append({"id": info.client_id, "name": info.name, "region": info.region, "state": state,
+                            "last_seen": round(now - ago, 3), "last_seen_s": round(ago, 3)})
+        with self._lock:
+            state, phase, current = self.state, self.phase, self.current
+        history = [
+            {"round": m.round, "accuracy": m.accuracy, "loss": m.loss, "bytes_up": m.bytes_up, "bytes_down": m.bytes_down,
+             "wall_s": round(m.wall_s, 6), "clients_ok": m.clients_ok, "clients_failed": m.clients_failed,
+             "failed": bool(m.extra.get("round_failed"))}
+            for m in list(self._history())
+        ]
+        return {"run_id": self.run_id, "state": state, "round": current or len(history), "rounds": self.rounds,
+                "committed": len(history), "phase": phase, "progress": progress, "clients_total": len(records),
+                "clients": clients, "history": history, "time": round(now, 3)}
+
+    @staticmethod
+    def _task_state(rnd: Any, cid: str) -> str:
+        if cid in rnd.results:
+            return "reported"
+        if cid in rnd.failures:
+            return "failed"
+        if cid in rnd.uploading:
+            return "uploading"
+        return {"fit": "training", "evaluate": "evaluating"}.get(rnd.kind, "exchanging")
+
+    def metrics_text(self) -> bytes:
+        return self._generate_latest(self.registry)
+
+    def routes(self) -> dict[str, Route]:
+        """The HTTP routes: ``/`` (public static page), ``/metrics``, ``/api/status``."""
+        return {
+            "/": Route(page_response, public=True),
+            "/index.html": Route(page_response, public=True),
+            "/metrics": Route(lambda: Response(self.metrics_text(), content_type=self._content_type)),
+            "/api/status": Route(lambda: Response(json.dumps(self.status(), ensure_ascii=True, allow_nan=False).encode(),
+                                                  content_type="application/json")),
+        }
+
+    def interceptor(self) -> "RpcTimer":
+        return RpcTimer(self.rpc_seconds)
+
+
+class RpcTimer(grpc.aio.ServerInterceptor):
+    """Times each call of the coordinator's service into ``histogram`` (labels method, code)."""
+
+    def __init__(self, histogram: Any) -> None:
+        self.histogram = histogram
+
+    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method = details.method.rpartition("/")[2]
+        method = method if method in _METHODS else "other"
+        observe = self.histogram
+
+        def done(start: float, context: Any, error: BaseException | None) -> None:
+            code = _code_name(context, error)
+            observe.labels(method=method, code=code).observe(time.monotonic() - start)
+
+        def unary(behaviour: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+            async def timed(request: Any, context: Any) -> Any:
+                start, error = time.monotonic(), None
+                try:
+                    return await behaviour(request, context)
+                except BaseException as exc:
+                    error = exc
+                    raise
+                finally:
+                    done(start, context, error)
+            return timed
+
+        def streaming(behaviour: Callable[..., Any]) -> Callable[..., Any]:
+            async def timed(request: Any, context: Any) -> Any:
+                start, error = time.monotonic(), None
+                try:
+                    async for item in behaviour(request, context):
+                        yield item
+                except BaseException as exc:
+                    error = exc
+                    raise
+                finally:
+                    done(start, context, error)
+            return timed
+
+        if handler.unary_unary is not None:
+            return handler._replace(unary_unary=unary(handler.unary_unary))
+        if handler.stream_unary is not None:
+            return handler._replace(stream_unary=unary(handler.stream_unary))
+        if handler.unary_stream is not None:
+            return handler._replace(unary_stream=streaming(handler.unary_stream))
+        return handler
+
+
+def _code_name(context: Any, error: BaseException | None) -> str:
+    """The call's status code name (``OK`` when it returned and set none)."""
+    code = None
+    try:
+        code = context.code()
+    except Exception:  # noqa: BLE001 - older grpc.aio contexts have no code()
+        code = None
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    if isinstance(code, int):
+        for c in grpc.StatusCode:
+            if c.value[0] == code:
+                return c.name
+    return "OK" if error is None else "UNKNOWN"
+

@@ -1,0 +1,98 @@
+"""``server/monitor.py``: the metrics and the status a coordinator's events and fleet add up to."""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from fedgrid.server.grpc_fleet import GrpcFleet
+from fedgrid.server.monitor import FAILURE_REASONS, CoordinatorMonitor, failure_reason
+from fedgrid.server.status_page import page_response
+from fedgrid.types import ClientInfo, RoundMetrics
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _samples(monitor: CoordinatorMonitor) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(monitor.metrics_text().decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+@pytest.mark.parametrize("text, label", [
+    ("missed the round deadline of 3.0s", "deadline"),
+    ("client went silent (no heartbeat)", "silent"),
+    ("silent for over 9.0s", "silent"),
+    ("coordinator stopping", "stopping"),
+    ("client reported: ValueError: \n[FAKE] injected", "client_error"),
+    ("client left: KeyboardInterrupt", "left"),
+    ("replaced by a new session of the same name", "replaced"),
+    ("evaluated no examples", "no_examples"),
+    ("\x1b[31manything a client makes up", "other"),
+])
+def test_failure_reasons_are_a_fixed_label_set(text, label):
+    assert failure_reason(text) == label
+    assert label in FAILURE_REASONS
+
+
+def test_events_and_rounds_become_metrics_and_status():
+    fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=60))
+    history: list[RoundMetrics] = []
+    monitor = CoordinatorMonitor(fleet, rounds=4, history=lambda: history)
+    fleet.events.subscribe(monitor.on_event)
+    a, _ = fleet.join(ClientInfo("", name="alpha", region="eu", num_examples=5))
+    b, _ = fleet.join(ClientInfo("", name="<b>beta</b>", region="us", num_examples=5))
+    ev = fleet.events
+    ev.emit("started", run_id=fleet.run_id, address="x", threads=1)
+    ev.emit("round_opened", round=1, task="t", clients=2, evaluate=False, phase="fit")
+    status = monitor.status()
+    assert (status["state"], status["phase"], status["round"], status["rounds"]) == ("running", "fit", 1, 4)
+    assert [(c["name"], c["region"], c["state"]) for c in status["clients"]] == [("<b>beta</b>", "us", "idle"), ("alpha", "eu", "idle")]
+    ev.emit("round_closed", round=1, evaluate=False, phase="fit", reason="all", results=2, failures=0)
+    ev.emit("aggregating", round=1, updates=2, failures=0)
+    ev.emit("checkpoint_writing", round=1)
+    ev.emit("checkpoint_written", round=1)
+    ev.emit("round_committed", round=1)
+    m = RoundMetrics(round=1, loss=0.5, accuracy=0.75, bytes_up=1000, bytes_down=2000, wall_s=1.5, clients_ok=2, clients_failed=0)
+    history.append(m)
+    monitor.on_round(m)
+    ev.emit("round_failed", round=2, reason="non-finite aggregate")
+    ev.emit("client_left", client=a.client_id, reason="KeyboardInterrupt")
+    ev.emit("client_dropped", client=b.client_id, reason="silent for over 3.0s")
+    got = _samples(monitor)
+    assert got[("fedgrid_rounds_committed_total", ())] == 1
+    assert got[("fedgrid_rounds_failed_total", ())] == 1
+    assert got[("fedgrid_clients_joined_total", ())] == 2
+    assert got[("fedgrid_clients_gone_total", (("reason", "left"),))] == 1
+    assert got[("fedgrid_clients_gone_total", (("reason", "dropped"),))] == 1
+    assert got[("fedgrid_bytes_total", (("direction", "up"),))] == 1000
+    assert got[("fedgrid_bytes_total", (("direction", "down"),))] == 2000
+    assert got[("fedgrid_client_results_total", (("outcome", "ok"),))] == 2
+    assert got[("fedgrid_live_clients", ())] == 2  # the registry still holds both (the events were made up)
+    for phase in ("fit", "aggregate", "checkpoint"):
+        assert got[("fedgrid_phase_duration_seconds_count", (("phase", phase),))] == 1
+    assert got[("fedgrid_round_duration_seconds_sum", ())] == 1.5
+    status = monitor.status()
+    assert status["committed"] == 1 and status["phase"] == "waiting"
+    assert status["history"] == [{"round": 1, "accuracy": 0.75, "loss": 0.5, "bytes_up": 1000, "bytes_down": 2000, "wall_s": 1.5,
+                                  "clients_ok": 2, "clients_failed": 0, "failed": False}]
+    # No client text in any label: the names and regions are nowhere in the metrics.
+    text = monitor.metrics_text().decode()
+    assert "beta" not in text and "alpha" not in text and '"eu"' not in text
+
+
+def test_the_page_loads_nothing_from_elsewhere_and_names_its_nonce():
+    first, second = page_response(), page_response()
+    csp = first.headers["Content-Security-Policy"]
+    nonce = re.search(r"script-src 'nonce-([^']+)'", csp).group(1)
+    body = first.body.decode()
+    assert f'<script nonce="{nonce}">' in body and f'<style nonce="{nonce}">' in body
+    assert "default-src 'self'" in csp and "unsafe-inline" not in csp
+    assert second.headers["Content-Security-Policy"] != csp  # a fresh nonce per response
+    assert not re.search(r"\b(src|href)\s*=", body)  # no script, style, font or image from anywhere
+    assert "innerHTML" not in body and "textContent" in body
