@@ -486,7 +486,7 @@ def run(
             is then the identity of its certificate, which also names its state file's owner.
         server_name: the name the coordinator's certificate holds, when not the host of
             ``coordinator``.
-        connection_options: passed to ``Connection``.
+        connection_options: passed to ``Connection`` (``connect_timeout``, ``rpc_timeout``, ...).
 
     Raises:
         CoordinatorUnreachable: no answer from ``coordinator`` within ``connect_timeout``

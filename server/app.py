@@ -332,7 +332,7 @@ def _serve(
         # Graceful: report NOT_SERVING, abandon the open round (it is redone on restart),
         # then stop() below lets in-flight RPCs finish within the grace period.
         print(f"{signal_name}: stopping; a second one exits at once", flush=True)
-        log.info("%s: stopping after in-flight requests; the last committed round is kept", signal_name)
+        log.info("%s: stopping after in-flight requests; the open round is abandoned", signal_name)
         coordinator.set_serving(False)
         engine.stop()
 

@@ -102,6 +102,8 @@ class RoundEngine:
         store: durable state; when given, ``run`` resumes after the last committed round.
         events: where ``resumed``, ``aggregating``, ``round_committed`` and ``finished`` go
             (``fedgrid.events``); default: nowhere.
+        stop: once set, ``run`` ends before its next round (the open one finishes and
+            commits; ``stop()`` abandons it instead).
     """
 
     def __init__(
@@ -134,8 +136,9 @@ class RoundEngine:
         self.store = store
         self.events = events if events is not None else EventLog()
         self.history: list[RoundMetrics] = []
+        self._stop = threading.Event()
         # Set from outside (``stop``): the run ends before its next round, the open one finishes.
-        self._stop = stop if stop is not None else threading.Event()
+        self._finish_early = stop if stop is not None else threading.Event()
         self._first: int | None = None
 
     def stop(self) -> None:
@@ -324,7 +327,7 @@ class RoundEngine:
             self.writer.reset_metrics([m.to_json() for m in self.history])
         try:
             for server_round in range(first, self.rounds + 1):
-                if self._stop.is_set():
+                if self._stop.is_set() or self._finish_early.is_set():
                     self._stopped()
                     return None
                 self.commit(self.run_round(server_round))
