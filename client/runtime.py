@@ -111,6 +111,18 @@ def check_target(target: str, *, what: str = "coordinator") -> str:
     return target
 
 
+def _identity(cert: str) -> str:
+    """The identity of the certificate in file ``cert``.
+
+    Raises:
+        ValueError: the file holds no client certificate, or one without a valid identity (named).
+    """
+    try:
+        return identity_of(Path(cert).read_bytes())
+    except ValueError as exc:
+        raise ValueError(f"certificate {cert}: {exc}") from None
+
+
 def _one_line(text: str) -> str:
     """gRPC's details can span lines (its debug string): one line for a log or an error."""
     return " ".join(text.split())
@@ -184,7 +196,7 @@ class Connection:
         self.reached = False
         self.tls = tls
         #: Under mTLS, the identity of this client's certificate: its name to the coordinator.
-        self.identity = identity_of(Path(tls.cert).read_bytes()) if tls is not None else None
+        self.identity = _identity(tls.cert) if tls is not None else None
         #: The name the coordinator knows this client by (set by ``join``).
         self.name = self.identity or ""
         if tls is None:

@@ -11,7 +11,7 @@ from typing import Any, Sequence, TextIO
 from fedgrid.cli_support import FedgridParser, error_line, package_version, with_default_out
 from fedgrid.config import COORDINATOR_ONLY_KEYS, SIMULATION_ONLY_KEYS, Config, config_keys, key_type, load_config
 from fedgrid.errors import ConfigError, FedgridError
-from fedgrid.interrupts import FORCED_EXIT_STATUS, GracefulStop
+from fedgrid.interrupts import FORCED_EXIT_STATUS, GracefulStop, say
 from fedgrid.types import ModelState, RoundMetrics
 
 __all__ = ["main", "build_parser", "serve", "SimulateProgress"]
@@ -206,9 +206,8 @@ def _simulate(args: argparse.Namespace) -> int:
     stop = threading.Event()
 
     def on_stop(signal_name: str) -> None:
-        if progress is not None:
-            progress.clear()
-        print(f"{signal_name}: stopping after the current round; a second one exits at once", flush=True)
+        erase = "\r\033[K" if progress is not None and progress.tty else ""  # the in-place line, without writing into its stream
+        say(f"{erase}{signal_name}: stopping after the current round; a second one exits at once")
         stop.set()
 
     def show(m: RoundMetrics) -> None:
@@ -336,6 +335,10 @@ def _client(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(f"client {client.name}: stopped; left the federation", flush=True)
         return 0
+    except ValueError as exc:
+        if isinstance(exc, FedgridError):
+            raise
+        raise ConfigError("cert", str(exc)) from None  # TLS files incomplete or unreadable (the message names the file)
     print(f"client {client.name}: {summary.rounds} rounds trained; run finished")
     return 0
 

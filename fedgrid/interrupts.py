@@ -13,13 +13,26 @@ import signal
 import sys
 import threading
 from types import FrameType, TracebackType
-from typing import Callable
+from typing import Callable, TextIO
 
-__all__ = ["GracefulStop", "FORCED_EXIT_STATUS"]
+__all__ = ["GracefulStop", "FORCED_EXIT_STATUS", "say"]
 
 #: Exit status of a forced exit (the shell's 128 + SIGINT).
 FORCED_EXIT_STATUS = 130
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def say(line: str, *, stream: TextIO | None = None) -> None:
+    """Writes ``line`` from a signal handler: straight to the file descriptor, since the
+    handler may run while the main thread is inside a ``print`` to the same buffered stream
+    (a second write into it raises "reentrant call"). What was printed before with
+    ``flush=True`` comes first."""
+    stream = stream if stream is not None else sys.stdout
+    try:
+        os.write(stream.fileno(), (line + "\n").encode())
+    except (OSError, ValueError, AttributeError):  # no descriptor (a test's capture): the stream itself
+        stream.write(line + "\n")
+        stream.flush()
 
 
 class GracefulStop:
@@ -48,9 +61,7 @@ class GracefulStop:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self.received is not None:
-            sys.stdout.flush()
-            sys.stderr.write(f"fedgrid {self.what}: {name} again while stopping: exiting now\n")
-            sys.stderr.flush()
+            say(f"fedgrid {self.what}: {name} again while stopping: exiting now", stream=sys.stderr)
             os._exit(FORCED_EXIT_STATUS)
         self.received = name
         self.on_stop(name)

@@ -31,7 +31,7 @@ from fedgrid.constants import (
     STREAM_IDLE_S,
 )
 from fedgrid.errors import ConfigError
-from fedgrid.interrupts import GracefulStop
+from fedgrid.interrupts import GracefulStop, say
 from fedgrid.pki import RevocationList
 from fedgrid.plugins import model_state
 from fedgrid.proto.tls import TLSFiles, is_loopback, server_credentials
@@ -331,7 +331,7 @@ def _serve(
     def on_term(signal_name: str) -> None:
         # Graceful: report NOT_SERVING, abandon the open round (it is redone on restart),
         # then stop() below lets in-flight RPCs finish within the grace period.
-        print(f"{signal_name}: stopping; a second one exits at once", flush=True)
+        say(f"{signal_name}: stopping; a second one exits at once")
         log.info("%s: stopping after in-flight requests; the open round is abandoned", signal_name)
         coordinator.set_serving(False)
         engine.stop()
