@@ -224,3 +224,22 @@ def test_waiting_coordinator_says_what_it_waits_for(monkeypatch, caplog):
         fleet.close()
     waiting = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting")]
     assert 3 <= len(waiting) <= 6 and set(waiting) == {"waiting for 2 clients (0 joined)"}
+
+
+def test_rpc_and_tls_errors_are_one_line(tmp_path, capsys):
+    import grpc
+
+    from fedgrid.cli_support import error_line
+    from fedgrid.client.runtime import RpcFailed
+
+    failed = RpcFailed("Join", grpc.StatusCode.UNAVAILABLE, "failed to connect\n  debug_error_string = {...}\n")
+    assert error_line(failed) == "fedgrid: error: Join failed: UNAVAILABLE: failed to connect debug_error_string = {...}"
+    bad = tmp_path / "bad.pem"
+    bad.write_text("not a certificate\n")
+    threads = torch.get_num_threads()
+    try:
+        code = cli.main(["client", "--coordinator", "127.0.0.1:9", "--ca", str(bad), "--cert", str(bad), "--key", str(bad), "--threads", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith(f"fedgrid: error: config key 'cert': certificate {bad}: ")
