@@ -30,6 +30,7 @@ from fedgrid.client.api import Client
 from fedgrid.client.state import load_client_state, restore_client_state, save_client_state
 from fedgrid.client.uplink import UplinkEncoder
 from fedgrid.constants import (
+    CONNECT_TIMEOUT_S,
     MAX_MESSAGE_BYTES,
     POLL_WAIT_S,
     RETRY_MAX_ELAPSED_S,
@@ -49,7 +50,8 @@ from fedgrid.pki import identity_of
 from fedgrid.types import ModelState
 
 __all__ = [
-    "Connection", "ClientHandle", "RunSummary", "TaskReport", "RpcFailed", "run", "start", "TRANSIENT",
+    "Connection", "ClientHandle", "RunSummary", "TaskReport", "RpcFailed", "CoordinatorUnreachable", "run", "start", "TRANSIENT",
+    "check_target",
 ]
 
 log = logging.getLogger(__name__)
@@ -80,6 +82,57 @@ class RpcFailed(FedgridError):
         super().__init__(f"{method} failed: {code.name}: {details}")
         self.code = code
         self.details = details
+
+
+class CoordinatorUnreachable(RpcFailed):
+    """The client never reached its coordinator within the connect deadline."""
+
+    def __init__(self, target: str, deadline_s: float, code: grpc.StatusCode, details: str, tls: bool) -> None:
+        RpcFailed.__init__(self, "Join", code, details)
+        check_tls = ("the coordinator accepts this client's certificate (--ca, --cert, --key)" if tls else
+                     "the coordinator serves plaintext (one with mutual TLS needs --ca, --cert and --key)")
+        self.args = (f"could not reach the coordinator at {target} within {deadline_s:g}s ({code.name}: {_one_line(details)}): "
+                     f"check that it is running, that {target} is its address and port (RUN_DIR/address), and that {check_tls}",)
+
+
+def check_target(target: str, *, what: str = "coordinator") -> str:
+    """``target`` if it is ``HOST:PORT`` with a port in 1..65535 (``[::1]:PORT`` for IPv6).
+
+    gRPC reads a bare host as port 443 and other odd forms as name-resolver schemes: a
+    typo would dial something else and retry there for as long as the deadline allows.
+
+    Raises:
+        ValueError: not of that form (the message names ``what`` and the expected form).
+    """
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or host.endswith(":") and not host.startswith("["):
+        raise ValueError(f"{what} address {target!r} has no port: expected HOST:PORT, e.g. 127.0.0.1:50051")
+    if not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(f"{what} address {target!r} has port {port!r}: expected HOST:PORT with a port in 1..65535")
+    return target
+
+
+def _identity(cert: str) -> str:
+    """The identity of the certificate in file ``cert``.
+
+    Raises:
+        ValueError: the file holds no client certificate, or one without a valid identity (named).
+    """
+    try:
+        return identity_of(Path(cert).read_bytes())
+    except ValueError as exc:
+        raise ValueError(f"certificate {cert}: {exc}") from None
+
+
+def _one_line(text: str) -> str:
+    """gRPC's details can span lines (its debug string): one line for a log or an error."""
+    return " ".join(text.split())
+
+
+def _describe(exc: BaseException | None) -> str:
+    if isinstance(exc, grpc.RpcError):
+        return f"{exc.code().name}: {_one_line(exc.details() or '')}"
+    return _one_line(f"{type(exc).__name__}: {exc}") if exc is not None else ""
 
 
 def _is_transient(exc: BaseException) -> bool:
@@ -138,6 +191,8 @@ class Connection:
         rpc_timeout: deadline of unary calls, seconds.
         transfer_timeout: deadline of model downloads and uploads, seconds.
         retry_max_elapsed: stop retrying a transient failure after this many seconds.
+        connect_timeout: until the first call succeeds (``join``), give up retrying after
+            this many seconds, with ``CoordinatorUnreachable`` naming the address.
         retry_max_wait: cap of the backoff between attempts.
         stop: when set, retries stop early.
         tls: the CA bundle to trust and this client's certificate and key: the connection is
@@ -155,14 +210,18 @@ class Connection:
         transfer_timeout: float = TRANSFER_TIMEOUT_S,
         retry_max_elapsed: float = RETRY_MAX_ELAPSED_S,
         retry_max_wait: float = RETRY_MAX_WAIT_S,
+        connect_timeout: float = CONNECT_TIMEOUT_S,
         stop: threading.Event | None = None,
         tls: TLSFiles | None = None,
         server_name: str = "",
     ) -> None:
-        self.target = target
+        self.target = check_target(target)
+        self.connect_timeout = connect_timeout
+        #: Whether a call ever got an answer from the coordinator.
+        self.reached = False
         self.tls = tls
         #: Under mTLS, the identity of this client's certificate: its name to the coordinator.
-        self.identity = identity_of(Path(tls.cert).read_bytes()) if tls is not None else None
+        self.identity = _identity(tls.cert) if tls is not None else None
         #: The name the coordinator knows this client by (set by ``join``).
         self.name = self.identity or ""
         if tls is None:
@@ -227,17 +286,24 @@ class Connection:
 
     def _call(self, method: str, fn: Callable[[], T]) -> T:
         """Calls ``fn``, retrying transient failures with jittered exponential backoff."""
+        connecting = not self.reached
+        budget = min(self.connect_timeout, self._retry_max_elapsed) if connecting else self._retry_max_elapsed
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(_is_transient),
             wait=tenacity.wait_random_exponential(multiplier=0.2, max=self._retry_max_wait),
-            stop=tenacity.stop_after_delay(self._retry_max_elapsed) | tenacity.stop_when_event_set(self.stop),
-            before_sleep=lambda rs: log.info("retrying %s: %s", method, rs.outcome.exception() if rs.outcome else ""),
+            stop=tenacity.stop_after_delay(budget) | tenacity.stop_when_event_set(self.stop),
+            before_sleep=lambda rs: log.info("retrying %s on %s: %s", method, self.target, _describe(rs.outcome.exception() if rs.outcome else None)),
             reraise=True,
         )
         try:
-            return retrying(fn)
+            result = retrying(fn)
         except grpc.RpcError as exc:
-            raise RpcFailed(method, exc.code(), (exc.details() or "") + self._hint(exc)) from exc
+            details = (exc.details() or "") + self._hint(exc)
+            if connecting and _is_transient(exc) and not self.stop.is_set():
+                raise CoordinatorUnreachable(self.target, budget, exc.code(), details, self.tls is not None) from exc
+            raise RpcFailed(method, exc.code(), _one_line(details)) from exc
+        self.reached = True
+        return result
 
     def _hint(self, exc: grpc.RpcError) -> str:
         """What a connection closed at the TLS handshake most likely means: the client only
@@ -466,11 +532,14 @@ def run(
             ``coordinator``.
         on_task: called with a ``TaskReport`` after each fit or evaluate task whose upload
             landed (``fedgrid client --http`` counts them as metrics).
-        connection_options: passed to ``Connection``.
+        connection_options: passed to ``Connection`` (``connect_timeout``, ``rpc_timeout``, ...).
 
     Raises:
+        CoordinatorUnreachable: no answer from ``coordinator`` within ``connect_timeout``
+            (a ``connection_options`` key; default ``CONNECT_TIMEOUT_S``).
         RpcFailed: a non-transient error, or transient ones past the retry budget.
-        ValueError: an incomplete or unreadable set of TLS files (named).
+        ValueError: an incomplete or unreadable set of TLS files (named), or a
+            ``coordinator`` that is not ``HOST:PORT``.
     """
     stop = stop or threading.Event()
     tls = TLSFiles.from_options(ca, cert, key, what="client TLS")
@@ -516,6 +585,7 @@ def run(
                 _exchange(conn, client, task)
                 continue
             down_before, up_before = conn.bytes_down, conn.bytes_up
+            task_started = time.monotonic()
             state = conn.download(task.task_id) if task.kind == pb.EVALUATE else conn.fetch_model(task.task_id)
             config = serde.config_from_pb(task.config)
             try:
@@ -544,11 +614,13 @@ def run(
                 log.warning("round %d closed before the update landed: %s", task.round, exc.details)
                 _save(state_path, conn, client, task)  # the residuals moved on all the same
                 continue
+            loss = metrics.get("loss", metrics.get("train_loss"))
             if task.kind != pb.EVALUATE:
                 rounds += 1
                 _save(state_path, conn, client, task)
+                log.info("round %d: trained on %d examples, loss %s, %.2fs", task.round, num_examples,
+                         "-" if loss is None else f"{loss:.4f}", time.monotonic() - task_started)
             if on_task is not None:
-                loss = metrics.get("loss", metrics.get("train_loss"))
                 on_task(TaskReport(round=task.round, kind="evaluate" if task.kind == pb.EVALUATE else "fit", num_examples=num_examples,
                                    loss=None if loss is None else float(loss), bytes_up=conn.bytes_up - up_before,
                                    bytes_down=conn.bytes_down - down_before, upload_retries=max(0, len(conn.upload_attempts) - 1)))

@@ -4,25 +4,27 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import time
+import threading
 from typing import Any, Sequence, TextIO
 
-from fedgrid.config import Config, config_keys, key_type, load_config
+from fedgrid.cli_support import FedgridParser, error_line, package_version, with_default_out
+from fedgrid.config import COORDINATOR_ONLY_KEYS, SIMULATION_ONLY_KEYS, Config, config_keys, key_type, load_config
 from fedgrid.errors import ConfigError, FedgridError
+from fedgrid.interrupts import FORCED_EXIT_STATUS, GracefulStop, say
 from fedgrid.types import ModelState, RoundMetrics
 
 __all__ = ["main", "build_parser", "serve", "SimulateProgress"]
 
 # Keys each subcommand exposes as flags; every key is also accepted through --config.
-SIMULATE_KEYS = [k for k in config_keys() if k not in ("listen", "max_workers", "min_clients", "state_dir", "heartbeat_interval_s", "initial_model",
-                                                     "ca", "cert", "key", "crl", "insecure",
-                                                     "enroll_listen", "enroll_dir", "http", "http_token_file")]
-COORDINATOR_KEYS = [k for k in config_keys() if k != "clients"]
+SIMULATE_KEYS = [k for k in config_keys() if k not in COORDINATOR_ONLY_KEYS]
+COORDINATOR_KEYS = [k for k in config_keys() if k not in SIMULATION_ONLY_KEYS]
 # The built-in client factory's options (fedgrid.simulation.tasks.CLIENT_KEYS) as `fedgrid
 # client` flags, so a deployed client trains like its simulated twin; --data-partition is the spec.
 CLIENT_OPTION_KEYS = ["dataset", "data_dir", "model", "batch_size", "optimizer", "lr", "momentum", "weight_decay"]
+#: What ``fedgrid client --config FILE`` takes from the file (flags override it); the file's
+#: other keys (a TOML shared with the coordinator) are checked and left alone.
+CLIENT_CONFIG_KEYS = [*CLIENT_OPTION_KEYS, "partition", "threads", "ca", "cert", "key"]
 
 
 def _add_config_flags(parser: argparse.ArgumentParser, keys: Sequence[str], *, with_config: bool = True) -> None:
@@ -46,8 +48,9 @@ def _add_config_flags(parser: argparse.ArgumentParser, keys: Sequence[str], *, w
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fedgrid", description="Federated training for PyTorch.")
+    parser = FedgridParser(prog="fedgrid", description="Federated training for PyTorch.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"fedgrid {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     sim = sub.add_parser("simulate", help="run a whole federation in this process")
@@ -57,15 +60,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(coord, COORDINATOR_KEYS)
 
     cli = sub.add_parser("client", help="join a coordinator and train")
-    cli.add_argument("--coordinator", required=True, metavar="HOST:PORT")
+    cli.add_argument("--config", metavar="FILE", help="TOML file: its " + ", ".join(CLIENT_CONFIG_KEYS) + " apply; flags override them")
+    cli.add_argument("--coordinator", required=True, metavar="HOST:PORT",
+                     help="the coordinator's address, as it prints it (and writes to RUN_DIR/address)")
+    cli.add_argument("--connect-timeout-s", dest="connect_timeout_s", type=float, default=None, metavar="SECONDS",
+                     help="give up when the coordinator cannot be reached for this long before the first join "
+                     "(default: 60, FEDGRID_CONNECT_TIMEOUT_S)")
     cli.add_argument("--app", metavar="MODULE:FACTORY", help="client factory(partition, num_partitions, seed) -> Client; default: built-in digits")
     cli.add_argument("--partition", default="0/1", metavar="I/N", help="take partition I of N (default 0/1)")
-    cli.add_argument("--seed", type=int, default=0)
+    cli.add_argument("--seed", type=int, default=0, help="the seed of the data partition and shuffling: the coordinator's "
+                     "--seed, so that partition I/N is the same data in every client (default 0)")
     cli.add_argument("--data-partition", dest="partitioner", default=None, metavar="SPEC", help="iid, dirichlet:ALPHA, shards:N or natural (built-in datasets)")
-    cli.add_argument("--region", default="")
-    cli.add_argument("--ca", default="", metavar="FILE", help="mutual TLS: PEM CA bundle that signs the coordinator's certificate")
-    cli.add_argument("--cert", default="", metavar="FILE", help="mutual TLS: this client's certificate (its identity is the client's name)")
-    cli.add_argument("--key", default="", metavar="FILE", help="mutual TLS: this client's private key")
+    cli.add_argument("--region", default="", help="this client's region label, for region-balanced selection and "
+                     "--region-codecs on the coordinator (default: none)")
+    cli.add_argument("--ca", default=None, metavar="FILE", help="mutual TLS: PEM CA bundle that signs the coordinator's certificate")
+    cli.add_argument("--cert", default=None, metavar="FILE", help="mutual TLS: this client's certificate (its identity is the client's name)")
+    cli.add_argument("--key", default=None, metavar="FILE", help="mutual TLS: this client's private key")
     cli.add_argument("--server-name", dest="server_name", default="", metavar="NAME",
                      help="the name the coordinator's certificate holds, when not the host of --coordinator")
     cli.add_argument("--enroll", default="", metavar="TOKEN",
@@ -131,9 +141,7 @@ def _add_certs_parser(sub: Any) -> None:
 
 def _config_from(args: argparse.Namespace, keys: Sequence[str]) -> Config:
     overrides = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
-    if not overrides.get("out"):
-        overrides["out"] = f"runs/{args.command}-{time.strftime('%Y%m%d-%H%M%S')}"
-    return load_config(args.config, overrides)
+    return with_default_out(load_config(args.config, overrides), args.command)
 
 
 class SimulateProgress:
@@ -201,12 +209,22 @@ def _simulate(args: argparse.Namespace) -> int:
     config = _config_from(args, SIMULATE_KEYS)
     check_config(config)
     task = get_task(config.dataset)
-    print(
-        f"fedgrid simulate: {config.clients} clients, {config.rounds} rounds, dataset {config.dataset}, "
-        f"model {config.model or task.default_model}, partition {config.partition or task.default_partition}, "
-        f"engine {config.engine}, seed {config.seed}, {config.threads or torch.get_num_threads()} threads"
-    )
+
+    def header(engine: str, why: str) -> None:  # once the engine is chosen: auto's choice shows
+        chosen = f"engine {engine} ({why})" if config.engine == "auto" else f"engine {engine}"
+        print(
+            f"fedgrid simulate: {config.clients} clients, {config.rounds} rounds, dataset {config.dataset}, "
+            f"model {config.model or task.default_model}, partition {config.partition or task.default_partition}, "
+            f"{chosen}, seed {config.seed}, {config.threads or torch.get_num_threads()} threads", flush=True,
+        )
+
     progress = SimulateProgress(config.rounds, sys.stderr) if config.progress else None
+    stop = threading.Event()
+
+    def on_stop(signal_name: str) -> None:
+        erase = "\r\033[K" if progress is not None and progress.tty else ""  # the in-place line, without writing into its stream
+        say(f"{erase}{signal_name}: stopping after the current round; a second one exits at once")
+        stop.set()
 
     def show(m: RoundMetrics) -> None:
         acc = "" if m.accuracy is None else f" accuracy {m.accuracy:.4f}"
@@ -217,26 +235,39 @@ def _simulate(args: argparse.Namespace) -> int:
         if progress is not None:
             progress.update(m)
 
-    try:
-        _, history = run_simulation(config, on_round=show)
-    finally:
-        if progress is not None:
-            progress.close()
+    with GracefulStop(on_stop, what="simulate"):
+        try:
+            final_model, history = run_simulation(config, on_round=show, on_start=header, stop=stop)
+        finally:
+            if progress is not None:
+                progress.close()
+    if final_model is None:
+        saved = f"; model of round {len(history)} in {config.out}/model.safetensors" if history else ""
+        print(f"stopped after {len(history)} of {config.rounds} rounds{saved}; run directory {config.out}")
+        return 0
     final = history[-1]
     metric = f"final test accuracy {final.accuracy:.4f}" if final.accuracy is not None else f"final loss {final.loss}"
     print(f"{metric}; run directory {config.out}")
     return 0
 
 
-def _client_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The client factory's options from ``fedgrid client``'s flags, checked as config keys:
-    the built-in factory gets all of them (defaults included), an ``--app`` only those given."""
-    from fedgrid.simulation.tasks import check_config, client_options
-
-    given = {k: getattr(args, k) for k in CLIENT_OPTION_KEYS if getattr(args, k, None) is not None}
+def _client_config(args: argparse.Namespace) -> Config:
+    """``fedgrid client``'s settings: ``--config``'s file, then the flags given."""
+    # --partition is the client's I/N; the data partition (the key "partition") is --data-partition.
+    given = {k: getattr(args, k) for k in CLIENT_CONFIG_KEYS if k != "partition" and getattr(args, k, None) is not None}
     if args.partitioner:
         given["partition"] = args.partitioner
-    config = load_config(None, given)
+    return load_config(args.config, given)
+
+
+def _client_options(args: argparse.Namespace, config: Config | None = None) -> dict[str, Any]:
+    """The client factory's options, checked as config keys: the built-in factory gets all of
+    them (the file's and the defaults included), an ``--app`` only the flags given (as
+    ``fedgrid simulate`` gives an app none of the file's)."""
+    from fedgrid.simulation.tasks import check_config, client_options
+
+    given = [k for k in CLIENT_OPTION_KEYS if getattr(args, k, None) is not None] + (["partition"] if args.partitioner else [])
+    config = config if config is not None else _client_config(args)
     check_config(config)
     options = client_options(config)
     if args.app is None:
@@ -269,8 +300,20 @@ def _coordinator(args: argparse.Namespace) -> int:
 def _client(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from fedgrid.client.runtime import run
+    from fedgrid.client.runtime import check_target, run
     from fedgrid.plugins import load_object
+
+    config = _client_config(args)
+    args.ca, args.cert, args.key = config.ca, config.cert, config.key
+    try:
+        check_target(args.coordinator)
+    except ValueError as exc:
+        raise ConfigError("coordinator", str(exc)) from None
+    if args.enroll_address:
+        try:
+            check_target(args.enroll_address, what="enrollment")
+        except ValueError as exc:
+            raise ConfigError("enroll_address", str(exc)) from None
 
     try:
         index_s, total_s = args.partition.split("/")
@@ -283,23 +326,22 @@ def _client(args: argparse.Namespace) -> int:
         _enroll(args)  # before any data or model is loaded: a refused token fails fast
     import torch
 
-    threads = load_config(None, {"threads": args.threads}).threads
-    if threads:
-        torch.set_num_threads(threads)  # before any work: data loading and model init included
+    if config.threads:
+        torch.set_num_threads(config.threads)  # before any work: data loading and model init included
     if args.app:
         factory = load_object(args.app, key="app")
     else:
         from fedgrid.simulation.tasks import builtin_client
 
         factory = builtin_client
-    client = factory(index, total, args.seed, **_client_options(args))
+    client = factory(index, total, args.seed, **_client_options(args, config))
     print(f"fedgrid client {index}/{total}: {torch.get_num_threads()} threads, torch {torch.__version__}", flush=True)
     if args.region:
         client.region = args.region
     state_path = Path(args.state_dir) / f"client-{index}.pt" if args.state_dir else None
 
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(signal.Signals(signum).name)  # unwinds run(), which tells the coordinator it leaves
+    def interrupt(signal_name: str) -> None:
+        raise KeyboardInterrupt(signal_name)  # unwinds run(), which tells the coordinator it leaves
 
     on_task, http = None, None
     if args.http or args.http_token_file:
@@ -310,15 +352,19 @@ def _client(args: argparse.Namespace) -> int:
         monitor, http = serve_client_metrics(args.http, token_file=args.http_token_file)
         on_task = monitor.on_task
         print(f"fedgrid client {index}/{total}: metrics on http://{http.address}/metrics", flush=True)
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    timeout = {} if args.connect_timeout_s is None else {"connect_timeout": args.connect_timeout_s}
     try:
-        summary = run(client, coordinator=args.coordinator, state_path=state_path, ca=args.ca, cert=args.cert, key=args.key,
-                      server_name=args.server_name, on_task=on_task)
+        with GracefulStop(interrupt, what="client"):
+            summary = run(client, coordinator=args.coordinator, state_path=state_path, ca=args.ca, cert=args.cert, key=args.key,
+                          server_name=args.server_name, on_task=on_task, **timeout)
     except KeyboardInterrupt:
         print(f"client {client.name}: stopped; left the federation", flush=True)
         return 0
+    except ValueError as exc:
+        if isinstance(exc, FedgridError):
+            raise
+        raise ConfigError("cert", str(exc)) from None  # TLS files incomplete or unreadable (the message names the file)
     finally:
-        signal.signal(signal.SIGTERM, previous)
         if http is not None:
             http.stop()
     print(f"client {client.name}: {summary.rounds} rounds trained; run finished")
@@ -439,11 +485,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return {"simulate": _simulate, "coordinator": _coordinator, "client": _client, "certs": _certs, "report": _report,
                 "new": _new, "status": _status}[args.command](args)
     except ConfigError as exc:
-        print(f"fedgrid: error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
-    except FedgridError as exc:
-        print(f"fedgrid: {exc}", file=sys.stderr)
+    except (FedgridError, OSError) as exc:  # an RPC that failed, a port taken, a file unreadable
+        print(error_line(exc), file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # before a command installed its own handling (loading data, building a model)
+        print(f"fedgrid {args.command}: interrupted", file=sys.stderr)
+        return FORCED_EXIT_STATUS
 
 
 if __name__ == "__main__":

@@ -11,11 +11,12 @@ which this module, the server and the client never import.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import logging
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S, MAX_NUM_EXAMPLES
 from fedgrid.determinism import MAX_THREADS
@@ -24,7 +25,10 @@ from fedgrid.errors import ConfigError
 from fedgrid.plugins import check_spec
 from fedgrid.trackers import parse_trackers
 
-__all__ = ["Config", "load_config", "config_keys", "key_type", "SELECTORS", "ENGINES", "STRATEGY_KEYS"]
+__all__ = [
+    "Config", "load_config", "config_keys", "key_type", "did_you_mean", "SELECTORS", "ENGINES", "STRATEGY_KEYS",
+    "SIMULATION_ONLY_KEYS", "COORDINATOR_ONLY_KEYS",
+]
 
 SELECTORS = ("uniform", "region-balanced")
 ENGINES = ("auto", "batched", "sequential")
@@ -57,6 +61,18 @@ STRATEGY_KEYS = (
     "block_prefixes",
     "block_schedule",
 )
+#: Keys only ``fedgrid simulate`` uses: the simulated clients, their heterogeneity, the
+#: engine that trains them, the progress line. ``fedgrid coordinator`` has no flags for them
+#: (a shared TOML file may still hold them).
+SIMULATION_ONLY_KEYS = frozenset({
+    "clients", "app", "engine", "batch_clients", "dropout_prob", "availability_trace", "speed", "examples_per_second",
+    "regions", "progress",
+})
+#: Keys only a deployed coordinator uses: its network, TLS, durable state, enrollment and status server.
+COORDINATOR_ONLY_KEYS = frozenset({
+    "listen", "max_workers", "min_clients", "state_dir", "heartbeat_interval_s", "initial_model", "ca", "cert", "key", "crl",
+    "insecure", "enroll_listen", "enroll_dir", "http", "http_token_file",
+})
 log = logging.getLogger(__name__)
 
 #: The table of a run directory's ``config.toml`` that records what the run ran on
@@ -253,6 +269,18 @@ def key_type(f: dataclasses.Field) -> tuple[type, bool]:
     return _KINDS[text.removesuffix("|None")], optional
 
 
+_KEYS_LISTED = " (see `fedgrid simulate --help` or `fedgrid coordinator --help` for the keys)"
+
+
+def did_you_mean(word: str, known: Iterable[str], *, otherwise: str = _KEYS_LISTED) -> str:
+    """``" (did you mean 'x'?)"`` for the known words closest to ``word`` (``difflib``), else
+    ``otherwise`` (a pointer to where they are listed): never the whole list, which buries the answer."""
+    close = difflib.get_close_matches(word, list(known), n=3, cutoff=0.6)
+    if not close:
+        return otherwise
+    return " (did you mean " + " or ".join(repr(c) for c in close) + "?)"
+
+
 def _coerce(key: str, value: Any, kind: type) -> Any:
     if kind is bool:
         if isinstance(value, bool):
@@ -309,12 +337,12 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
             raise ConfigError(ENVIRONMENT_TABLE, f"in {path} must be a table, got {recorded!r}")
         for key, value in data.items():
             if key not in keys:
-                raise ConfigError(key, f"unknown key in {path} (known: {', '.join(sorted(keys))})")
+                raise ConfigError(key, f"unknown key in {path}{did_you_mean(key, keys)}")
             values[key] = _coerce(key, value, types[key])
     for key, value in (overrides or {}).items():
         if value is None:
             continue
         if key not in keys:
-            raise ConfigError(key, f"unknown key (known: {', '.join(sorted(keys))})")
+            raise ConfigError(key, f"unknown key{did_you_mean(key, keys)}")
         values[key] = _coerce(key, value, types[key])
     return Config(**values)

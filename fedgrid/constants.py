@@ -38,6 +38,8 @@ __all__ = [
     "ENROLL_MAX_CONCURRENT",
     "ENROLL_TIMEOUT_S",
     "MAX_NUM_EXAMPLES",
+    "CONNECT_TIMEOUT_S",
+    "WAITING_REPORT_S",
 ]
 
 
@@ -69,6 +71,12 @@ HEARTBEAT_INTERVAL_S = _env_float("FEDGRID_HEARTBEAT_INTERVAL_S", 5.0)
 RETRY_MAX_WAIT_S = _env_float("FEDGRID_RETRY_MAX_WAIT_S", 10.0)
 #: Give up retrying a transient failure after this long (FEDGRID_RETRY_MAX_ELAPSED_S).
 RETRY_MAX_ELAPSED_S = _env_float("FEDGRID_RETRY_MAX_ELAPSED_S", 120.0)
+#: A client that has not reached its coordinator once (its first Join) within this long gives
+#: up: a wrong address or port, a coordinator not running, a TLS mismatch (FEDGRID_CONNECT_TIMEOUT_S).
+CONNECT_TIMEOUT_S = _env_float("FEDGRID_CONNECT_TIMEOUT_S", 60.0)
+#: A coordinator waiting for min_clients says so this often, and whenever a client joins
+#: (FEDGRID_WAITING_REPORT_S).
+WAITING_REPORT_S = _env_float("FEDGRID_WAITING_REPORT_S", 10.0)
 #: After the last round, how long the coordinator waits for clients to hear that the run ended.
 FINISH_GRACE_S = _env_float("FEDGRID_FINISH_GRACE_S", 15.0)
 #: Longest failure or leave reason a client sends (characters); the coordinator refuses longer.

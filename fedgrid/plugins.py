@@ -4,6 +4,7 @@ model's seeded initial state."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import sys
 from collections import OrderedDict
@@ -38,16 +39,11 @@ def load_object(spec: str, *, key: str) -> Callable[..., Any]:
     an installed module.
 
     Raises:
-        ConfigError: malformed spec, module not importable, attribute missing or not callable.
+        ConfigError: malformed spec, module not found or failing at import (which module,
+            searched where, and the exception), attribute missing or not callable.
     """
     module_name, attr = check_spec(spec, key=key)
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.append(cwd)
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(key, f"cannot import {module_name!r}: {exc}") from None
+    module = _import(module_name, key=key)
     try:
         obj = getattr(module, attr)
     except AttributeError:
@@ -55,6 +51,38 @@ def load_object(spec: str, *, key: str) -> Callable[..., Any]:
     if not callable(obj):
         raise ConfigError(key, f"{spec!r} is not callable")
     return obj
+
+
+def _import(module_name: str, *, key: str) -> Any:
+    """Imports ``module_name`` with the current directory on the import path, as
+    ``python -m`` has it: ``fedgrid client --app myapp:make`` finds ``./myapp.py`` also when
+    run through the ``fedgrid`` script (whose ``sys.path[0]`` is the script's folder).
+
+    Raises:
+        ConfigError: the module is not found (the folders searched are named) or raised while
+            importing (the exception and the file are named).
+    """
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise ConfigError(key, f"no module {module_name!r} in the current directory ({cwd}) or on the import path "
+                              f"(sys.path, PYTHONPATH): {exc}") from None
+        raise ConfigError(key, f"importing {module_name!r} ({_origin(module_name)}) failed: {type(exc).__name__}: {exc}") from None
+    except Exception as exc:  # a SyntaxError, or any error of the module's own code at import
+        raise ConfigError(key, f"importing {module_name!r} ({_origin(module_name)}) failed: {type(exc).__name__}: {exc}") from None
+
+
+def _origin(module_name: str) -> str:
+    """Where ``module_name`` was found, for an error message."""
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except Exception:
+        spec = None
+    return spec.origin if spec is not None and spec.origin else "location unknown"
 
 
 def initial_state(model_factory: Callable[[], torch.nn.Module], seed: int) -> ModelState:

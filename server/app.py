@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 import threading
 from concurrent import futures
@@ -32,6 +31,7 @@ from fedgrid.constants import (
     STREAM_IDLE_S,
 )
 from fedgrid.errors import ConfigError
+from fedgrid.interrupts import GracefulStop, say
 from fedgrid.pki import RevocationList
 from fedgrid.plugins import model_state
 from fedgrid.proto.tls import TLSFiles, is_loopback, server_credentials
@@ -206,7 +206,9 @@ def run_coordinator(
     models and their server-side evaluation (``evaluate_fn``) itself.
 
     With ``config.state_dir`` it resumes after the last committed round. SIGTERM stops it
-    gracefully (returns ``None``; the committed state stays for a restart).
+    gracefully, and so does SIGINT (Ctrl-C); a second one exits at once (``fedgrid.interrupts``). A stopped
+    run returns ``None``; the committed state stays for a restart and the last committed model is
+    written to ``RUN_DIR/model.safetensors``.
 
     The bound address is printed and written to ``RUN_DIR/address`` so that scripts using
     port 0 can find it. With ``config.enroll_listen`` the enrollment service
@@ -239,6 +241,14 @@ def coordinator_model(config: Config) -> ModelState | None:
     if ":" in config.model:
         return model_state(config.model, seed=config.seed)
     return None
+
+
+def _stopped_line(config: Config, rounds_done: int, model: Path) -> str:
+    """What a stopped coordinator leaves behind, said without claiming durability it lacks."""
+    model_text = f"; model of round {rounds_done} in {model}" if rounds_done else ""
+    if config.state_dir:
+        return f"stopped; state up to round {rounds_done} is committed in {config.state_dir} (a restart resumes there){model_text}"
+    return f"stopped after {rounds_done} of {config.rounds} rounds{model_text} (no --state-dir: nothing to resume from)"
 
 
 def _write_address(path: Path, address: str) -> None:
@@ -284,6 +294,27 @@ def _serve(
     if on_event is not None:  # after the monitor: a caller reading the status sees the event counted
         events.subscribe(on_event)
 
+    def on_round(m):
+        acc = "" if m.accuracy is None else f" accuracy {m.accuracy:.4f}"
+        print(f"round {m.round}/{config.rounds} loss {m.loss if m.loss is None else round(m.loss, 4)}{acc} clients {m.clients_ok} ok {m.clients_failed} failed ({m.wall_s:.2f}s)", flush=True)
+
+    engine = RoundEngine(
+        strategy=strategy,
+        fleet=fleet,
+        rounds=config.rounds,
+        min_clients=config.min_clients,
+        round_timeout=timedelta(seconds=config.round_timeout_s),
+        join_timeout=timedelta(seconds=config.join_timeout_s),
+        evaluate_fn=evaluate_fn,
+        writer=writer,
+        on_round=on_round if monitor is None else (lambda m: (on_round(m), monitor.on_round(m))),
+        finish_timeout=timedelta(seconds=FINISH_GRACE_S),
+        store=store,
+        events=events,
+    )
+
+    # The checkpoint first: the run id printed, and handed to the first clients, is the restored one.
+    engine.resume()
     tls = TLSFiles.from_options(config.ca, config.cert, config.key, config.crl)
     # Bound (and its directory checked) before the coordinator starts: a bad enroll_dir fails first.
     enrollment = EnrollmentServer(config.enroll_listen, ca_dir=config.enroll_dir, tls=tls) if config.enroll_listen else None
@@ -315,50 +346,30 @@ def _serve(
     if ready is not None:
         ready.set()
 
-    def on_round(m):
-        acc = "" if m.accuracy is None else f" accuracy {m.accuracy:.4f}"
-        print(f"round {m.round}/{config.rounds} loss {m.loss if m.loss is None else round(m.loss, 4)}{acc} clients {m.clients_ok} ok {m.clients_failed} failed ({m.wall_s:.2f}s)", flush=True)
-
-    engine = RoundEngine(
-        strategy=strategy,
-        fleet=fleet,
-        rounds=config.rounds,
-        min_clients=config.min_clients,
-        round_timeout=timedelta(seconds=config.round_timeout_s),
-        join_timeout=timedelta(seconds=config.join_timeout_s),
-        evaluate_fn=evaluate_fn,
-        writer=writer,
-        on_round=on_round if monitor is None else (lambda m: (on_round(m), monitor.on_round(m))),
-        finish_timeout=timedelta(seconds=FINISH_GRACE_S),
-        store=store,
-        events=events,
-    )
     if http is not None:  # bound and listening since before the coordinator: early requests waited in the backlog
         http.start()
 
-    def on_term(signum: int, frame: object) -> None:
+    def on_term(signal_name: str) -> None:
         # Graceful: report NOT_SERVING, abandon the open round (it is redone on restart),
         # then stop() below lets in-flight RPCs finish within the grace period.
-        log.info("signal %d: stopping after in-flight requests; the last committed round is kept", signum)
+        say(f"{signal_name}: stopping; a second one exits at once")
+        log.info("%s: stopping after in-flight requests; the open round is abandoned", signal_name)
         coordinator.set_serving(False)
         engine.stop()
 
-    in_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, on_term) if in_main else None
-    try:
-        final = engine.run()
-    finally:
-        if enrollment is not None:
-            enrollment.stop()
-        coordinator.stop(grace=5.0)
-        fleet.close()
-        if http is not None:
-            http.stop()
-        writer.close()  # the trackers (fedgrid.trackers)
-        if in_main:
-            signal.signal(signal.SIGTERM, previous)
+    with GracefulStop(on_term, what="coordinator"):
+        try:
+            final = engine.run()
+        finally:
+            if enrollment is not None:
+                enrollment.stop()
+            coordinator.stop(grace=5.0)
+            fleet.close()
+            if http is not None:
+                http.stop()
+            writer.close()  # the trackers (fedgrid.trackers)
     if final is None:
-        print(f"stopped; state up to round {len(engine.history)} is committed", flush=True)
+        print(_stopped_line(config, len(engine.history), writer.dir / "model.safetensors"), flush=True)
         events.emit("stopped", committed=len(engine.history))
         events.close()
         return None

@@ -102,6 +102,8 @@ class RoundEngine:
         store: durable state; when given, ``run`` resumes after the last committed round.
         events: where ``resumed``, ``aggregating``, ``round_committed`` and ``finished`` go
             (``fedgrid.events``); default: nowhere.
+        stop: once set, ``run`` ends before its next round (the open one finishes and
+            commits; ``stop()`` abandons it instead).
     """
 
     def __init__(
@@ -119,6 +121,7 @@ class RoundEngine:
         finish_timeout: timedelta = timedelta(seconds=15),
         store: StateStore | None = None,
         events: EventLog | None = None,
+        stop: threading.Event | None = None,
     ) -> None:
         self.strategy = strategy
         self.fleet = fleet
@@ -134,14 +137,24 @@ class RoundEngine:
         self.events = events if events is not None else EventLog()
         self.history: list[RoundMetrics] = []
         self._stop = threading.Event()
+        # Set from outside (``stop``): the run ends before its next round, the open one finishes.
+        self._finish_early = stop if stop is not None else threading.Event()
+        self._first: int | None = None
 
     def stop(self) -> None:
         """Abandons the open round (to be redone on restart) and ends ``run`` without finishing the run."""
         self._stop.set()
         self.fleet.interrupt()
 
+    def resume(self) -> int:
+        """Loads the last committed round, if any (once: ``run`` calls it when nobody did);
+        returns the first round to run. A coordinator calls it before it serves, so that
+        the run id it prints and hands to joining clients is the restored one."""
+        if self._first is None:
+            self._first = self._resume()
+        return self._first
+
     def _resume(self) -> int:
-        """Loads the last committed round, if any; returns the first round to run."""
         if self.store is None:
             return 1
         ckpt = self.store.load_latest()
@@ -197,7 +210,7 @@ class RoundEngine:
             raise ValueError(f"round {server_round}: the strategy declared a phase twice: {phases}")
         clients = self.fleet.wait_for_clients(min_clients=self.min_clients, timeout=self.join_timeout)
         tally = _Tally()
-        before = self.strategy.state_dict()  # copies: what a failed round goes back to
+        before = self.strategy.state_dict()  # copies: what a failed or abandoned round goes back to
         try:
             for phase in phases:
                 if phase == FIT:
@@ -210,6 +223,11 @@ class RoundEngine:
                 self._check_finite(server_round, phase, self.strategy.global_state)
             # ... then everything the checkpoint would hold (optimizer moments overflow too).
             self._check_finite(server_round, "the end of the round", self.strategy.state_dict())
+        except InterruptedRunError:
+            # Stopped after a phase had aggregated (fit, before evaluate): the state in
+            # memory goes back to the committed one, which a graceful stop writes out.
+            self.strategy.load_state_dict(before)
+            raise
         except NonFiniteAggregateError as exc:
             self.strategy.load_state_dict(before)
             log.error("%s; the previous global model is kept and the run goes on", exc)
@@ -301,21 +319,29 @@ class RoundEngine:
         """Runs the remaining rounds, tells clients the run ended, writes the final model.
 
         Returns the final model, or ``None`` when ``stop`` interrupted the run (the state
-        of the last committed round stays on disk for a restart).
+        of the last committed round stays on disk for a restart, and the model of that
+        round, when there is one, is written to the run directory all the same).
         """
-        first = self._resume()
+        first = self.resume()
         if self.writer is not None:
             self.writer.reset_metrics([m.to_json() for m in self.history])
         try:
             for server_round in range(first, self.rounds + 1):
-                if self._stop.is_set():
+                if self._stop.is_set() or self._finish_early.is_set():
+                    self._stopped()
                     return None
                 self.commit(self.run_round(server_round))
         except InterruptedRunError as exc:
             log.info("%s", exc)
+            self._stopped()
             return None
         self.fleet.finish(timeout=self.finish_timeout)
         if self.writer is not None:
             self.writer.write_model(self.strategy.global_state)
         self.events.emit("finished", rounds=self.rounds)
         return self.strategy.global_state
+
+    def _stopped(self) -> None:
+        """A stopped run leaves the model of its last committed round in the run directory."""
+        if self.writer is not None and self.history:
+            self.writer.write_model(self.strategy.global_state)

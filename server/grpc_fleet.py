@@ -22,7 +22,7 @@ from datetime import timedelta
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from fedgrid.compression import parse_codec_spec
-from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S, MAX_POLLS_PER_CLIENT, MAX_REASON_CHARS, RETRY_MAX_WAIT_S
+from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S, MAX_POLLS_PER_CLIENT, MAX_REASON_CHARS, RETRY_MAX_WAIT_S, WAITING_REPORT_S
 from fedgrid.events import EventLog
 from fedgrid.errors import (
     DuplicateUpdateError,
@@ -377,15 +377,23 @@ class GrpcFleet(Fleet):
 
     def wait_for_clients(self, *, min_clients: int, timeout: timedelta) -> list[ClientInfo]:
         """The selectable clients (live, and not benched for a missed deadline), once there
-        are ``min_clients`` of them."""
+        are ``min_clients`` of them. While it waits it logs ``waiting for N clients (k joined)``
+        every ``WAITING_REPORT_S`` and whenever k changes: a coordinator waiting for minutes
+        says what it waits for."""
         deadline = time.monotonic() + timeout.total_seconds()
+        reported: int | None = None
+        next_report = time.monotonic()
         with self._lock:
             while True:
                 # O(1) first: the O(clients) scan only once enough are registered (a join wakes this).
-                enough = len(self.registry.records) >= min_clients
+                joined = len(self.registry.records)
+                enough = joined >= min_clients
                 live = self.registry.selectable() if enough or time.monotonic() >= deadline else []
                 if len(live) >= min_clients:
                     return live
+                if joined != reported or time.monotonic() >= next_report:
+                    log.info("waiting for %d clients (%d joined)", min_clients, joined)
+                    reported, next_report = joined, time.monotonic() + WAITING_REPORT_S
                 if self._interrupted:
                     raise InterruptedRunError("stopped while waiting for clients")
                 remaining = deadline - time.monotonic()
@@ -395,7 +403,7 @@ class GrpcFleet(Fleet):
                         f"{len(live)} live clients after {timeout.total_seconds():.0f}s, need {min_clients}"
                         + (f" ({benched} more benched after missing a deadline)" if benched else "")
                     )
-                self._wake.wait("registry", min(remaining, self.heartbeat_interval_s))
+                self._wake.wait("registry", max(0.0, min(remaining, self.heartbeat_interval_s, next_report - time.monotonic())))
 
     def fit_round(
         self,

@@ -232,8 +232,8 @@ def load_synthetic(
 
 
 def parse_partition(spec: str) -> tuple[str, float | None]:
-    """Parses ``iid``, ``dirichlet[:ALPHA]`` (default 0.5), ``shards[:N]`` (N shards per
-    client, default 2) or ``natural``.
+    """Parses ``iid``, ``dirichlet[:ALPHA]`` (default 0.5), ``shards:N`` (N shards per
+    client: no default, since N sets how skewed the split is) or ``natural``.
 
     Returns:
         ``(name, parameter)``: alpha for dirichlet, N (an int) for shards, else ``None``.
@@ -253,8 +253,10 @@ def parse_partition(spec: str) -> tuple[str, float | None]:
             raise ConfigError("partition", f"dirichlet alpha must be positive, got {alpha}")
         return "dirichlet", alpha
     if name == "shards":
+        if not param:
+            raise ConfigError("partition", f"{spec!r} needs the shards per client: expected shards:N, e.g. shards:2")
         try:
-            shards = int(param) if param else 2
+            shards = int(param)
         except ValueError:
             raise ConfigError("partition", f"shards needs a whole number of shards per client, got {param!r}") from None
         if shards < 1:

@@ -4,6 +4,7 @@ strategy and serialization as a deployed coordinator."""
 from __future__ import annotations
 
 import logging
+import threading
 from datetime import timedelta
 from typing import Callable
 
@@ -30,13 +31,24 @@ def clients_per_second(metrics: RoundMetrics) -> float:
     return metrics.clients_ok / metrics.wall_s if metrics.wall_s > 0 else 0.0
 
 
-def run_simulation(config: Config, *, on_round: Callable[[RoundMetrics], None] | None = None) -> tuple[ModelState, list[RoundMetrics]]:
+def run_simulation(
+    config: Config,
+    *,
+    on_round: Callable[[RoundMetrics], None] | None = None,
+    on_start: Callable[[str, str], None] | None = None,
+    stop: threading.Event | None = None,
+) -> tuple[ModelState | None, list[RoundMetrics]]:
     """Runs ``config.rounds`` rounds over ``config.clients`` in-process clients.
 
     Client ``i`` is the same client that ``fedgrid client --partition i/N --seed S`` runs
     with the same data and training options (``fedgrid.simulation.tasks.CLIENT_KEYS``).
     Availability, speed and region follow ``ClientProfiles`` (the heterogeneity keys).
     Returns the final global model and the per-round metrics.
+
+    ``on_start(engine, why)`` hears the engine in use (``auto`` resolves to ``batched`` or
+    ``sequential``) before the first round. Setting ``stop`` ends the run after the round in
+    progress: the final model is then ``None``, and the run directory holds the model of the
+    last round done.
 
     The run uses ``config.threads`` intra-op threads (restored afterwards). On the
     sequential engine its model is bit-identical to a deployment whose coordinator and
@@ -48,10 +60,16 @@ def run_simulation(config: Config, *, on_round: Callable[[RoundMetrics], None] |
     """
     check_config(config)  # the data, model and heterogeneity keys, before any work
     with intra_op_threads(config.threads) as threads:
-        return _run(config, threads, on_round)
+        return _run(config, threads, on_round, on_start, stop)
 
 
-def _run(config: Config, threads: int, on_round: Callable[[RoundMetrics], None] | None) -> tuple[ModelState, list[RoundMetrics]]:
+def _run(
+    config: Config,
+    threads: int,
+    on_round: Callable[[RoundMetrics], None] | None,
+    on_start: Callable[[str, str], None] | None,
+    stop: threading.Event | None,
+) -> tuple[ModelState | None, list[RoundMetrics]]:
     strategy = build_strategy(config, num_clients=config.clients)  # a bad option fails before any work
     resolved = resolve(dataset=config.dataset, model=config.model, app=config.app, seed=config.seed, data_dir=config.data_dir)
     strategy.initialize(initial_state=resolved.initial_state)
@@ -89,7 +107,11 @@ def _run(config: Config, threads: int, on_round: Callable[[RoundMetrics], None] 
         evaluate_fn=resolved.evaluate,
         writer=writer,
         on_round=report,
+        stop=stop,
     )
+    log.info("engine: %s (%s)", fleet.engine, fleet.engine_reason)
+    if on_start is not None:
+        on_start(fleet.engine, fleet.engine_reason)
     try:
         final = engine.run()
     finally:

@@ -3,13 +3,16 @@ and a restart resumes to the same final model as an uninterrupted deployment."""
 
 from __future__ import annotations
 
+import re
 import signal
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from fedgrid.runlog import read_metrics
+import torch
+
+from fedgrid.runlog import load_model, read_metrics
 
 from harness import CoordinatorRun, Relay, assert_same_model, deploy, start_client, wait_until
 
@@ -44,6 +47,9 @@ def test_sigterm_mid_round_then_resume(tmp_path):
         assert committed == list(range(1, len(committed) + 1)) and 2 <= len(committed) <= 3
         assert [e["committed"] for e in first.seen("stopped")] == [len(committed)]
         assert first.seen("round_closed", round=3, reason="stopping") or len(committed) == 3
+        # the model of the last committed round is in --out, as after a finished run
+        stopped_model = load_model(out / "model.safetensors")
+        assert stopped_model and all(torch.isfinite(t).all() for t in stopped_model.values())
 
         relay.retarget(None)
         second = CoordinatorRun(out, common, log_path)
@@ -57,5 +63,12 @@ def test_sigterm_mid_round_then_resume(tmp_path):
                 p.kill()
         relay.close()
     assert [e["round"] for e in second.seen("resumed")] == [len(committed)]
+    # the restart prints (and its clients hear) the restored run id, not a fresh one
+    run_id = first.seen("started")[0]["run_id"]
+    assert [e["run_id"] for e in second.seen("started")] == [run_id]
     assert [m["round"] for m in read_metrics(out)] == list(range(1, ROUNDS + 1))
     assert_same_model(out, reference)
+    # each client says what it did each round, in one line
+    trained = re.findall(r"INFO fedgrid\.client\.runtime: round (\d+): trained on (\d+) examples, loss (\d+\.\d{4}), \d+\.\d\ds$",
+                         (tmp_path / "c0.log").read_text(), flags=re.M)
+    assert {int(r) for r, _, _ in trained} >= {1, 2, ROUNDS} and all(int(n) > 0 for _, n, _ in trained)

@@ -107,9 +107,28 @@ def test_unknown_key_in_file_names_key(tmp_path):
 
 
 def test_unknown_key_in_overrides_names_key():
-    with pytest.raises(ConfigError, match=r"config key 'epochs': unknown key \(known: .*local_epochs") as info:
+    with pytest.raises(ConfigError, match=r"config key 'epochs': unknown key \(did you mean 'local_epochs'\?\)$") as info:
         load_config(overrides={"epochs": 3})
     assert info.value.key == "epochs"
+
+
+def test_unknown_key_suggests_the_close_ones_not_the_whole_list(tmp_path):
+    path = _write(tmp_path, "roundz = 3\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == f"config key 'roundz': unknown key in {path} (did you mean 'rounds'?)"
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides={"xyzzy": 1})
+    assert "did you mean" not in str(info.value) and "min_clients" not in str(info.value) and "--help" in str(info.value)
+
+
+def test_simulation_only_keys_are_no_coordinator_flags():
+    from fedgrid.cli import COORDINATOR_KEYS, SIMULATE_KEYS
+    from fedgrid.config import COORDINATOR_ONLY_KEYS, SIMULATION_ONLY_KEYS
+
+    assert {"engine", "dropout_prob", "progress", "speed", "clients", "app"} <= SIMULATION_ONLY_KEYS
+    assert not SIMULATION_ONLY_KEYS & set(COORDINATOR_KEYS) and not COORDINATOR_ONLY_KEYS & set(SIMULATE_KEYS)
+    assert set(COORDINATOR_KEYS) | set(SIMULATE_KEYS) == set(config_keys())  # every key is someone's flag
 
 
 def test_table_in_file_is_unknown_key(tmp_path):

@@ -130,7 +130,7 @@ def test_natural_on_synthetic_devices():
 
 @pytest.mark.parametrize(
     "spec,expected",
-    [("shards:2", ("shards", 2)), ("shards", ("shards", 2)), ("shards:5", ("shards", 5)), ("natural", ("natural", None)), ("iid", ("iid", None))],
+    [("shards:2", ("shards", 2)), ("shards:5", ("shards", 5)), ("natural", ("natural", None)), ("iid", ("iid", None))],
 )
 def test_parse_new_specs(spec, expected):
     assert parse_partition(spec) == expected
@@ -143,6 +143,8 @@ def test_parse_new_specs(spec, expected):
         ("shards:-2", "shards per client must be at least 1"),
         ("shards:2.5", "shards needs a whole number of shards per client, got '2.5'"),
         ("shards:x", "shards needs a whole number"),
+        ("shards", r"'shards' needs the shards per client: expected shards:N"),
+        ("shards:", r"'shards:' needs the shards per client: expected shards:N"),
         ("natural:3", "unknown partitioner 'natural:3'"),
         ("pathological", r"unknown partitioner 'pathological' \(known: iid, dirichlet:ALPHA, shards:N, natural\)"),
     ],

@@ -1,0 +1,78 @@
+"""Ctrl-C and SIGTERM for the long-running commands: the first one stops gracefully, a second forces the exit.
+
+A process that is stopping gracefully (a coordinator letting in-flight requests finish, a
+client telling the coordinator it leaves, a simulation finishing its round) can take
+seconds; a user who presses Ctrl-C again means "now", and gets one line and exit status
+130 rather than a traceback from whatever the process was doing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from types import FrameType, TracebackType
+from typing import Callable, TextIO
+
+__all__ = ["GracefulStop", "FORCED_EXIT_STATUS", "say"]
+
+#: Exit status of a forced exit (the shell's 128 + SIGINT).
+FORCED_EXIT_STATUS = 130
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def say(line: str, *, stream: TextIO | None = None) -> None:
+    """Writes ``line`` from a signal handler: straight to the file descriptor, since the
+    handler may run while the main thread is inside a ``print`` to the same buffered stream
+    (a second write into it raises "reentrant call"). What was printed before with
+    ``flush=True`` comes first."""
+    stream = stream if stream is not None else sys.stdout
+    try:
+        os.write(stream.fileno(), (line + "\n").encode())
+    except (OSError, ValueError, AttributeError):  # no descriptor (a test's capture): the stream itself
+        stream.write(line + "\n")
+        stream.flush()
+
+
+class GracefulStop:
+    """Installs handlers for SIGINT and SIGTERM for the duration of a ``with`` block.
+
+    The first signal calls ``on_stop(signal_name)`` (which may raise, e.g. ``KeyboardInterrupt``
+    to unwind a blocking call); any later one writes ``fedgrid: <what>: interrupted again,
+    exiting now`` to stderr and ends the process at once with status 130 (``os._exit``: the
+    graceful stop in progress is what a second signal cuts short).
+
+    Outside the main thread (an embedding program, a test) it installs nothing: Python only
+    delivers signals there.
+
+    Args:
+        on_stop: the graceful stop.
+        what: the command, named in the forced-exit line.
+    """
+
+    def __init__(self, on_stop: Callable[[str], None], *, what: str) -> None:
+        self.on_stop = on_stop
+        self.what = what
+        #: The first signal's name once one arrived.
+        self.received: str | None = None
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.received is not None:
+            say(f"fedgrid {self.what}: {name} again while stopping: exiting now", stream=sys.stderr)
+            os._exit(FORCED_EXIT_STATUS)
+        self.received = name
+        self.on_stop(name)
+
+    def __enter__(self) -> "GracefulStop":
+        if threading.current_thread() is threading.main_thread():
+            for sig in _SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)  # type: ignore[arg-type]
+        self._previous.clear()
