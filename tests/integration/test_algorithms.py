@@ -40,8 +40,8 @@ CONVERGENCE = [
     ("fedadagrad", {}, 10, 0.92),  # 0.958
     ("fedprox", {"proximal_mu": 0.1}, 10, 0.90),  # 0.930
     ("scaffold", {}, 10, 0.91),  # 0.942
-    ("diloco", {"inner_steps": 20, "lr": 0.01}, 10, 0.93),  # 0.967 (AdamW inner lr 0.01)
-    ("streaming-diloco", {"inner_steps": 20, "lr": 0.01}, 10, 0.93),  # 0.964
+    ("diloco", {"inner_steps": 20, "inner_lr": 0.01}, 10, 0.93),  # 0.967 (AdamW inner lr 0.01)
+    ("streaming-diloco", {"inner_steps": 20, "inner_lr": 0.01}, 10, 0.93),  # 0.964
     ("bcd", {"num_blocks": 2, "local_epochs": 1, "lr": 0.05}, 20, 0.86),  # 0.894
 ]
 

@@ -250,7 +250,7 @@ def test_build_aggregator_names_and_params():
         ("krum", {"beta": 0.1}, "krum takes no option 'beta' \\(its options: f\\)"),
         ("trimmed-mean", {"beta": 0.5}, r"trimmed-mean: beta must be in \[0, 0.5\), got 0.5"),
         ("krum", {"f": -2}, "krum: f must be a non-negative integer"),
-        ("norm-clip", {}, "norm-clip needs a bound"),
+        ("norm-clip", {"bound": float("inf")}, "bound must be positive and finite, got inf"),
         ("norm-clip", {"bound": -1.0}, "bound must be positive"),
         ("centered-clip", {"iterations": 0}, "iterations must be a positive integer"),
     ],
