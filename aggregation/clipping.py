@@ -74,7 +74,14 @@ class NormClip(WeightedMean):
     def add(self, update: Mapping[str, torch.Tensor], weight: float) -> None:
         check_weight(weight)
         if self.bound is None:
-            self._pending.append((update, weight, update_norm(update)))
+            if self._pending:  # the checks WeightedMean.add makes, now rather than at result()
+                first = self._pending[0][0]
+                if list(update) != list(first):
+                    raise ValueError("update holds different tensors than the first one added")
+                for name, t in update.items():
+                    if t.shape != first[name].shape:
+                        raise ValueError(f"tensor '{name}': shape {list(t.shape)} differs from {list(first[name].shape)}")
+            self._pending.append((OrderedDict((k, v.detach().to("cpu")) for k, v in update.items()), weight, update_norm(update)))
             return
         self._add_clipped(update, weight, update_norm(update), self.bound)
 

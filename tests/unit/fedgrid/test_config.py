@@ -245,11 +245,12 @@ def test_every_strategy_gets_options_and_the_selection_policy(name):
     from fedgrid.aggregation import STRATEGIES
     from fedgrid.server.strategies import build_strategy
 
-    config = load_config(overrides={"strategy": name, "clients_per_round": 4, "over_selection": 0.5, "seed": 3, "lr": 0.2})
+    lr = {"inner_lr": 0.2} if name == "streaming-diloco" else {"lr": 0.2}  # its inner optimizer's rate, sent as the task's lr
+    config = load_config(overrides={"strategy": name, "clients_per_round": 4, "over_selection": 0.5, "seed": 3, **lr})
     strategy = build_strategy(config)
     assert type(strategy) is STRATEGIES[name]
     assert strategy.selection.clients_per_round == 4 and strategy.selection.over_selection == 0.5  # type: ignore[attr-defined]
-    assert strategy.seed == 3 and strategy.fit_config == {"local_epochs": 2, "lr": 0.2}  # type: ignore[attr-defined]
+    assert strategy.seed == 3 and strategy._task_config(1)["lr"] == 0.2  # type: ignore[attr-defined]
 
 
 def test_threads_key_from_toml_and_flags(tmp_path):
