@@ -27,7 +27,7 @@ are trained by disjoint groups of about k/B clients, each against the *old* valu
 other blocks, and the server joins the pieces. On non-IID data each block then follows the
 labels of its group (which changes every round), and the joined blocks were never trained
 together: on digits (10 clients, ``dirichlet:0.5``, the defaults) ``cyclic`` stays at 0.3-0.5
-accuracy after 5 rounds (seeds 0-2: 0.38, 0.54, 0.45) where ``per-round`` reaches 0.70-0.88.
+accuracy after 5 rounds (seeds 0-2: 0.38, 0.54, 0.45) where ``per-round`` reaches 0.71-0.88.
 The price of ``per-round`` is that a block trains in 1/B of the rounds; ``cyclic`` and
 ``capacity`` suit fleets where every round must train every block (a client's memory
 holds one block's training state, and many clients share each block).
