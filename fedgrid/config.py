@@ -137,7 +137,7 @@ class Config:
     num_fragments: int | None = _key("streaming-diloco: F, fragments synced in rotation", None)
     num_blocks: int | None = _key("bcd: B, blocks of the default partition", None)
     block_prefixes: str | None = _key("bcd: blocks as name prefixes, e.g. 'conv1,conv2;fc'", None)
-    block_schedule: str | None = _key("bcd: per-round (default: all clients train block (round - 1) % B), cyclic, random or capacity", None)
+    block_schedule: str | None = _key("bcd: per-round (default: every client trains block (round - 1) mod B), cyclic, random or capacity", None)
     max_num_examples: int = _key("largest num_examples a client may report at join or claim for an update; an update may also claim no more than its client reported at join", MAX_NUM_EXAMPLES)
     max_update_norm: float = _key("refuse an update whose L2 distance from the round's global model (floating tensors) is over this (0: no bound)", 0.0)
     round_timeout_s: float = _key("each round closes by this deadline", 300.0)
