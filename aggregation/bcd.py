@@ -9,6 +9,10 @@ it and leaves the other blocks unchanged.
 
 Schedules (client ``i`` of the ``k`` selected, in canonical order; round ``r``):
 
+- ``per-round`` (the default): every client trains block ``(r - 1) % B``. Block-coordinate
+  descent proper (Gauss-Seidel): each block is trained on every selected client's data,
+  against the other blocks' latest values, in one round of every B; the uplink carries
+  1/B of the model each round.
 - ``cyclic``: block ``(offset + i) % B`` with ``offset = (r - 1) % B`` when ``k >= B`` (every
   block trained each round, each client moving on one block per round), and
   ``offset = (r - 1) * k % B`` when ``k < B`` (consecutive rounds cover consecutive blocks).
@@ -17,6 +21,16 @@ Schedules (client ``i`` of the ``k`` selected, in canonical order; round ``r``):
   ``k >= B`` the client of memory rank ``j`` (ascending) gets the block of size rank
   ``floor(j * B / k)``, so every block is trained; with ``k < B`` the round trains the
   ``k`` blocks of the cyclic window, the largest to the client with the most memory.
+
+Why ``per-round`` is the default: under ``cyclic`` and ``random`` the blocks of one round
+are trained by disjoint groups of about k/B clients, each against the *old* values of the
+other blocks, and the server joins the pieces. On non-IID data each block then follows the
+labels of its group (which changes every round), and the joined blocks were never trained
+together: on digits (10 clients, ``dirichlet:0.5``, the defaults) ``cyclic`` stays at 0.3-0.5
+accuracy after 5 rounds (seeds 0-2: 0.38, 0.54, 0.45) where ``per-round`` reaches 0.71-0.88.
+The price of ``per-round`` is that a block trains in 1/B of the rounds; ``cyclic`` and
+``capacity`` suit fleets where every round must train every block (a client's memory
+holds one block's training state, and many clients share each block).
 
 Task config sent to clients: ``algorithm = "bcd"``, ``block`` (index), ``num_blocks``,
 ``block_prefixes`` (comma-joined; a tensor belongs to the block when it matches one,
@@ -38,7 +52,7 @@ from fedgrid.types import ClientInfo, FitIns, FitRes, Failure, ModelState, Scala
 
 __all__ = ["BlockCoordinate", "SCHEDULES"]
 
-SCHEDULES = ("cyclic", "random", "capacity")
+SCHEDULES = ("per-round", "cyclic", "random", "capacity")
 
 
 class BlockCoordinate(FedAvg):
@@ -49,7 +63,8 @@ class BlockCoordinate(FedAvg):
             must be omitted or equal to their number.
         block_prefixes: one list of name prefixes per block, instead of the default
             partition; together they must cover every tensor exactly once.
-        block_schedule: ``cyclic``, ``random`` (seeded by ``seed`` and the round) or ``capacity``.
+        block_schedule: ``per-round`` (every client the same block, in rotation), ``cyclic``,
+            ``random`` (seeded by ``seed`` and the round) or ``capacity``; see the module docstring.
         aggregator: the rule applied per block to its clients' updates; ``None`` averages
             the clients' block values by examples.
         fraction_fit, min_fit_clients, fraction_evaluate, seed, fit_config: as ``FedAvg``.
@@ -67,7 +82,7 @@ class BlockCoordinate(FedAvg):
         *,
         num_blocks: int | None = None,
         block_prefixes: Sequence[Sequence[str]] | None = None,
-        block_schedule: str = "cyclic",
+        block_schedule: str = "per-round",
         aggregator: Aggregator | None = None,
         fraction_fit: float = 1.0,
         min_fit_clients: int = 1,
@@ -124,6 +139,8 @@ class BlockCoordinate(FedAvg):
         k, count = len(clients), self.num_blocks
         if k == 0:
             return []
+        if self.schedule == "per-round":
+            return [(server_round - 1) % count] * k
         if self.schedule == "random":
             perm = list(range(count))
             random.Random(derive_seed("bcd", self.seed, server_round)).shuffle(perm)
@@ -142,6 +159,8 @@ class BlockCoordinate(FedAvg):
 
     def min_clients_per_block(self, clients_per_round: int) -> int:
         """The fewest clients any trained block gets in a round of ``clients_per_round`` clients."""
+        if self.schedule == "per-round":
+            return clients_per_round
         return clients_per_round // self.num_blocks if clients_per_round >= self.num_blocks else min(clients_per_round, 1)
 
     def check_preconditions(self, *, num_clients: int) -> None:

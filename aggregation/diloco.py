@@ -4,7 +4,18 @@ DiLoCo: each worker runs ``inner_steps`` (H) steps of its own inner optimizer (A
 state kept across rounds on the worker) from the global model and sends back its model;
 the server applies Nesterov SGD (outer lr 0.7, momentum 0.9) to the averaged
 pseudo-gradient ``global - mean(workers)``. That is ``FedOpt`` with a Nesterov outer
-optimizer; the task config tells workers ``inner_steps``.
+optimizer; the task config tells workers ``inner_steps`` and the inner learning rate
+(``lr``, from ``inner_lr``).
+
+Defaults. The outer step is the paper's. The inner learning rate is DiLoCo's own
+(``inner_lr``, default 1e-3, AdamW's usual rate; the paper uses 4e-4 on transformers), not
+the clients' ``lr`` of the epoch-based strategies: that one is an SGD rate (0.1 by
+default), and AdamW at 0.1 diverges (digits: accuracy 0.09 after round 1). ``inner_steps``
+defaults to 50, not the paper's 500: the paper's workers hold a pre-training corpus, while
+a federated client of a few hundred examples would run 500 steps as ~100 local epochs
+(digits: 10x the compute of 50 steps per round, for 0.978 instead of 0.908 accuracy after
+5 rounds), and 50 batches of 32 is about the work of FedAvg's two local epochs on a client
+of 800 examples.
 
 Streaming DiLoCo: the model is split into F fragments (contiguous groups of modules,
 balanced by size; ``blocks.default_blocks``). Round ``r`` syncs fragment ``r % F`` only:
@@ -36,6 +47,7 @@ model next round.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from typing import Any, Mapping, Sequence
 
@@ -47,18 +59,24 @@ from fedgrid.aggregation.server_opt import ServerSGD
 from fedgrid.errors import ConfigError
 from fedgrid.types import ClientInfo, FitIns, FitRes, Failure, ModelState, Scalar, TensorSpec
 
-__all__ = ["DiLoCo", "StreamingDiLoCo"]
+__all__ = ["DiLoCo", "StreamingDiLoCo", "DEFAULT_INNER_LR", "DEFAULT_INNER_STEPS"]
+
+#: The inner AdamW's learning rate unless ``inner_lr`` says otherwise (see the module docstring).
+DEFAULT_INNER_LR = 1e-3
+#: H unless ``inner_steps`` says otherwise (see the module docstring).
+DEFAULT_INNER_STEPS = 50
 
 
 class DiLoCo(FedOpt):
     """DiLoCo's server: Nesterov outer SGD on the averaged pseudo-gradient.
 
-    Task config sent to workers: ``algorithm = "diloco"``, ``inner_steps``.
+    Task config sent to workers: ``algorithm = "diloco"``, ``inner_steps``, ``lr`` (= ``inner_lr``).
 
     Args:
         outer_lr: outer learning rate.
         outer_momentum: outer Nesterov momentum.
         inner_steps: H, the inner optimizer steps each worker runs per round.
+        inner_lr: the inner optimizer's learning rate, sent as the task's ``lr``.
         aggregator: the rule applied to the workers' updates (default: weighted mean).
         fraction_fit, min_fit_clients, fraction_evaluate, seed, fit_config: as ``FedAvg``.
 
@@ -73,7 +91,8 @@ class DiLoCo(FedOpt):
         *,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
-        inner_steps: int = 500,
+        inner_steps: int = DEFAULT_INNER_STEPS,
+        inner_lr: float = DEFAULT_INNER_LR,
         aggregator: Aggregator | None = None,
         fraction_fit: float = 1.0,
         min_fit_clients: int = 1,
@@ -83,6 +102,8 @@ class DiLoCo(FedOpt):
     ) -> None:
         if inner_steps < 1:
             raise ValueError(f"inner_steps must be at least 1, got {inner_steps}")
+        if not (inner_lr > 0 and math.isfinite(inner_lr)):
+            raise ValueError(f"inner_lr must be positive and finite, got {inner_lr}")
         super().__init__(
             server_optimizer=ServerSGD(lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0),
             aggregator=aggregator,
@@ -93,9 +114,11 @@ class DiLoCo(FedOpt):
             fit_config=fit_config,
         )
         self.inner_steps = inner_steps
+        self.inner_lr = float(inner_lr)
 
     def _task_config(self, server_round: int) -> dict[str, Scalar]:
-        return {**super()._task_config(server_round), "algorithm": self.name, "inner_steps": self.inner_steps}
+        # ``lr`` replaces the clients' epoch-strategy rate that ``fit_config`` may carry.
+        return {**super()._task_config(server_round), "algorithm": self.name, "inner_steps": self.inner_steps, "lr": self.inner_lr}
 
 
 class StreamingDiLoCo(DiLoCo):
@@ -111,7 +134,7 @@ class StreamingDiLoCo(DiLoCo):
 
     Args:
         num_fragments: F, the number of fragments.
-        others: ``outer_lr``, ``outer_momentum``, ``inner_steps``, ``aggregator``, ``fraction_fit``,
+        others: ``outer_lr``, ``outer_momentum``, ``inner_steps``, ``inner_lr``, ``aggregator``, ``fraction_fit``,
             ``min_fit_clients``, ``fraction_evaluate``, ``seed``, ``fit_config``: as ``DiLoCo``.
 
     Raises:
@@ -128,7 +151,8 @@ class StreamingDiLoCo(DiLoCo):
         num_fragments: int = 2,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
-        inner_steps: int = 500,
+        inner_steps: int = DEFAULT_INNER_STEPS,
+        inner_lr: float = DEFAULT_INNER_LR,
         aggregator: Aggregator | None = None,
         fraction_fit: float = 1.0,
         min_fit_clients: int = 1,
@@ -142,6 +166,7 @@ class StreamingDiLoCo(DiLoCo):
             outer_lr=outer_lr,
             outer_momentum=outer_momentum,
             inner_steps=inner_steps,
+            inner_lr=inner_lr,
             aggregator=aggregator,
             fraction_fit=fraction_fit,
             min_fit_clients=min_fit_clients,

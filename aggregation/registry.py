@@ -83,8 +83,8 @@ _STRATEGY_OPTIONS: dict[str, tuple[str, ...]] = {
     "fedadagrad": ("server_lr", "server_beta1", "server_tau"),
     "fedprox": ("proximal_mu",),
     "scaffold": ("server_lr", "total_clients"),
-    "diloco": ("outer_lr", "outer_momentum", "inner_steps"),
-    "streaming-diloco": ("outer_lr", "outer_momentum", "inner_steps", "num_fragments"),
+    "diloco": ("outer_lr", "outer_momentum", "inner_steps", "inner_lr"),
+    "streaming-diloco": ("outer_lr", "outer_momentum", "inner_steps", "inner_lr", "num_fragments"),
     "bcd": ("num_blocks", "block_prefixes", "block_schedule"),
 }
 
@@ -106,8 +106,6 @@ def build_aggregator(name: str, **params: Any) -> Aggregator:
     unknown = sorted(set(given) - set(_AGGREGATOR_PARAMS[name]))
     if unknown:
         raise ConfigError("aggregator", f"{name} takes no option {unknown[0]!r} (its options: {', '.join(_AGGREGATOR_PARAMS[name])})")
-    if name == "norm-clip" and "bound" not in given:
-        raise ConfigError("aggregator", "norm-clip needs a bound (aggregator_bound): the largest L2 norm an update keeps")
     try:
         return AGGREGATORS[name](**given)
     except (TypeError, ValueError) as exc:

@@ -156,7 +156,7 @@ class Bench:
         """``steps // inner_steps`` rounds of ``strategy`` through fedgrid's engine."""
         rounds = steps // inner_steps
         config = load_config(overrides={
-            "strategy": strategy, "clients": self.workers, "rounds": rounds, "seed": self.seed, "lr": self.lr,
+            "strategy": strategy, "clients": self.workers, "rounds": rounds, "seed": self.seed, "inner_lr": self.lr,
             "local_epochs": 1, "fraction_fit": 1.0, "inner_steps": inner_steps, "num_fragments": num_fragments,
         })
         built = build_strategy(config, num_clients=self.workers)

@@ -56,6 +56,7 @@ STRATEGY_KEYS = (
     "outer_lr",
     "outer_momentum",
     "inner_steps",
+    "inner_lr",
     "num_fragments",
     "num_blocks",
     "block_prefixes",
@@ -74,6 +75,10 @@ COORDINATOR_ONLY_KEYS = frozenset({
     "insecure", "enroll_listen", "enroll_dir", "http", "http_token_file",
 })
 log = logging.getLogger(__name__)
+#: Strategies whose clients' inner optimizer takes ``inner_lr`` instead of ``lr``.
+_INNER_LR_STRATEGIES = ("diloco", "streaming-diloco")
+#: ``Config.lr``'s default: the only value of ``lr`` those strategies accept.
+_LR_DEFAULT = 0.1
 
 #: The table of a run directory's ``config.toml`` that records what the run ran on
 #: (``fedgrid.determinism.environment``); informational when the file is loaded again.
@@ -102,7 +107,7 @@ class Config:
     downlink_codec: str = _key("downlink codec: none, or a lossy codec with server-side error feedback", "none")
     fraction_evaluate: float = _key("share of live clients asked to evaluate each new model on their data (0: off)", 0.0)
     local_epochs: int = _key("local epochs per round", 2)
-    lr: float = _key("client learning rate (diloco: of the inner optimizer, AdamW by default)", 0.1)
+    lr: float = _key("client learning rate (not diloco, streaming-diloco: their inner optimizer is AdamW, whose rate is inner_lr)", _LR_DEFAULT)
     seed: int = _key("seed for model init, partitioning, sampling and shuffling", 0)
     dataset: str = _key("built-in dataset: digits, fashion-mnist, shakespeare or synthetic (data, default model, server-side evaluation)", "digits")
     data_dir: str = _key("folder of the dataset's files (fashion-mnist: the four idx.gz files; shakespeare: see the README)", "")
@@ -130,7 +135,7 @@ class Config:
     aggregator_f: int | None = _key("krum / multi-krum: Byzantine clients tolerated", None)
     aggregator_m: int | None = _key("multi-krum: updates averaged (default n - f)", None)
     aggregator_beta: float | None = _key("trimmed-mean: share trimmed at each end", None)
-    aggregator_bound: float | None = _key("norm-clip: largest L2 norm an update keeps", None)
+    aggregator_bound: float | None = _key("norm-clip: largest L2 norm an update keeps (default: the median norm of the round's updates)", None)
     aggregator_tau: float | None = _key("centered-clip: clipping radius", None)
     aggregator_iterations: int | None = _key("centered-clip: iterations", None)
     aggregator_weighted: bool | None = _key("weight updates by examples in the aggregator", None)
@@ -142,13 +147,14 @@ class Config:
     server_tau: float | None = _key("fedadam, fedyogi, fedadagrad: adaptivity (epsilon)", None)
     proximal_mu: float | None = _key("fedprox: proximal coefficient mu", None)
     total_clients: int | None = _key("scaffold: N, all clients (default: the live clients)", None)
-    outer_lr: float | None = _key("diloco, streaming-diloco: outer learning rate", None)
-    outer_momentum: float | None = _key("diloco, streaming-diloco: outer Nesterov momentum", None)
-    inner_steps: int | None = _key("diloco, streaming-diloco: H, inner optimizer steps per round", None)
+    outer_lr: float | None = _key("diloco, streaming-diloco: outer learning rate (default 0.7)", None)
+    outer_momentum: float | None = _key("diloco, streaming-diloco: outer Nesterov momentum (default 0.9)", None)
+    inner_steps: int | None = _key("diloco, streaming-diloco: H, inner optimizer steps per round (default 50)", None)
+    inner_lr: float | None = _key("diloco, streaming-diloco: learning rate of the inner optimizer, AdamW (default 1e-3; lr does not apply to them)", None)
     num_fragments: int | None = _key("streaming-diloco: F, fragments synced in rotation", None)
     num_blocks: int | None = _key("bcd: B, blocks of the default partition", None)
     block_prefixes: str | None = _key("bcd: blocks as name prefixes, e.g. 'conv1,conv2;fc'", None)
-    block_schedule: str | None = _key("bcd: cyclic, random or capacity", None)
+    block_schedule: str | None = _key("bcd: per-round (default: every client trains block (round - 1) mod B), cyclic, random or capacity", None)
     max_num_examples: int = _key("largest num_examples a client may report at join or claim for an update; an update may also claim no more than its client reported at join", MAX_NUM_EXAMPLES)
     max_update_norm: float = _key("refuse an update whose L2 distance from the round's global model (floating tensors) is over this (0: no bound)", 0.0)
     round_timeout_s: float = _key("each round closes by this deadline", 300.0)
@@ -215,6 +221,10 @@ class Config:
         # ranges, and the aggregator; a model-dependent check (block partition) follows at
         # initialize, the client-count check (Krum's n > 2f + 2) once that count is known.
         build_strategy_from(self.strategy, seed=self.seed, **self.strategy_options())
+        if self.strategy in _INNER_LR_STRATEGIES and self.lr != _LR_DEFAULT:
+            # The task's lr would be replaced by inner_lr: an lr given here would do nothing.
+            raise ConfigError("lr", f"does not apply to strategy {self.strategy!r}: its inner optimizer (AdamW) "
+                              f"takes inner_lr (default 1e-3), got lr={self.lr}")
         tls_given = [k for k in ("ca", "cert", "key") if getattr(self, k)]
         if tls_given and len(tls_given) != 3:
             missing = [k for k in ("ca", "cert", "key") if k not in tls_given]

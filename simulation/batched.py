@@ -51,12 +51,34 @@ from fedgrid.server.memory import MMAP_THRESHOLD_MAX
 from fedgrid.simulation.batched_optim import BatchedOptimizer, NotBatchable, OptimizerSpec, optimizer_spec
 from fedgrid.types import FitIns, ModelState
 
-__all__ = ["BatchedTrainer", "NotBatchable", "choose_engine", "memory_budget"]
+__all__ = ["BatchedTrainer", "NotBatchable", "choose_engine", "memory_budget", "recurrent_module"]
 
 log = logging.getLogger(__name__)
 
 Outcome: TypeAlias = Union[FitOutput, Exception]
 _TORCH_CLIENT_METHODS = ("fit", "_train", "_batches", "_load", "_state", "start_state", "round_seed")
+
+
+def recurrent_module(clients: Sequence[Client]) -> str | None:
+    """Why ``auto`` should not batch ``clients``: their first recurrent module, or ``None``.
+
+    ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` (``nn.RNNBase``) run fused kernels (on CPU
+    ``aten::mkldnn_rnn_layer``) for which ``torch.func.vmap`` has no batching rule: it warns
+    and falls back to a loop over the stacked clients, slower than the sequential engine,
+    so ``auto`` does not even try a batched step (which would print the warning).
+    """
+    seen: set[int] = set()
+    for client in clients:
+        model = getattr(client, "model", None) if isinstance(client, TorchClient) else None
+        if model is None or id(model) in seen:
+            continue
+        seen.add(id(model))
+        for name, module in model.named_modules():
+            if isinstance(module, nn.RNNBase):
+                where = f" '{name}'" if name else ""
+                return (f"the model has a recurrent module{where} ({type(module).__name__}), which torch.func.vmap "
+                        "runs through a slow per-client fallback")
+    return None
 
 
 def choose_engine(*, device: torch.device, conv_share: float) -> tuple[str, str]:

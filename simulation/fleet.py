@@ -36,7 +36,7 @@ from fedgrid.server.downlink import Downlink, RoundDownlink
 from fedgrid.server.fleet import Fleet, RoundOutcome
 from fedgrid.server.registry import check_joining
 from fedgrid.server.rounds import check_outbox, relay
-from fedgrid.simulation.batched import BatchedTrainer, choose_engine
+from fedgrid.simulation.batched import BatchedTrainer, choose_engine, recurrent_module
 from fedgrid.types import ClientInfo, EvaluateIns, EvaluateRes, FitIns, FitRes, Failure, MessageIns, MessageRes, ModelState, TensorSpec
 
 __all__ = ["InProcessFleet", "Profiles", "ENGINES"]
@@ -77,7 +77,8 @@ class InProcessFleet(Fleet):
         engine: ``sequential`` (``client.fit`` one by one), ``batched`` (all clients
             trained at once in chunks; fails if they cannot be) or ``auto`` (batched where
             the clients can be batched and it pays: see ``batched.choose_engine``; else
-            sequential with a one-line notice). The sequential engine's model is
+            sequential with a one-line notice; sequential at once, logged at INFO, for a
+            model with a recurrent module: ``batched.recurrent_module``). The sequential engine's model is
             bit-identical to a deployment's at the same thread count; the batched one's
             equal within ``fedgrid.determinism.BATCHED_ATOL`` (other kernels, other
             accumulation order).
@@ -134,7 +135,11 @@ class InProcessFleet(Fleet):
         self._trainer: BatchedTrainer | None = None
         #: The engine in use (``batched`` or ``sequential``) and why.
         self.engine, self.engine_reason = "sequential", "requested"
-        if engine != "sequential":
+        recurrent = recurrent_module(clients) if engine == "auto" else None
+        if recurrent is not None:  # decided before a trial batched step, which would warn
+            self.engine_reason = recurrent
+            log.info("engine: sequential (%s)", recurrent)
+        elif engine != "sequential":
             self._choose(engine, BatchedTrainer(list(clients), batch_clients=batch_clients))
 
     @property

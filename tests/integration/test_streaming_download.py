@@ -37,7 +37,7 @@ from harness import REFERENCE, start_client, start_coordinator, wait_until
 from harness_clients import Named
 
 F, SEED = 3, 0
-OPTIONS = {"strategy": "streaming-diloco", "num_fragments": F, "inner_steps": 20, "lr": 0.01, "seed": SEED}
+OPTIONS = {"strategy": "streaming-diloco", "num_fragments": F, "inner_steps": 20, "inner_lr": 0.01, "seed": SEED}
 MODEL_BYTES = 4 * 4810
 FRAMING = 60 + 40 * 4  # stream header, plus the metadata of each tensor (4 in the model)
 
@@ -134,7 +134,7 @@ def test_coordinator_and_client_processes_match_simulation(tmp_path):
     rounds, clients = 4, 3
     run_dir = tmp_path / "coord"
     proc, address = start_coordinator(
-        run_dir, "--strategy", "streaming-diloco", "--num-fragments", str(F), "--inner-steps", "20", "--lr", "0.01",
+        run_dir, "--strategy", "streaming-diloco", "--num-fragments", str(F), "--inner-steps", "20", "--inner-lr", "0.01",
         "--rounds", str(rounds), "--min-clients", str(clients), "--seed", str(SEED), "--heartbeat-interval-s", "1",
     )
     procs = [start_client(address, tmp_path / f"client{i}.log", "--partition", f"{i}/{clients}", "--seed", str(SEED)) for i in range(clients)]

@@ -107,8 +107,22 @@ def test_bcd_tasks_expect_exactly_their_block(schedule):
         assert set(counts) == {0, 1, 2} and min(counts.values()) >= 7 // 3  # k >= B: every block trained
 
 
-def test_bcd_cyclic_schedule_rotates():
+def test_bcd_per_round_schedule_is_the_default_and_gives_every_client_the_same_block():
     strategy = _bcd(num_blocks=3)
+    assert strategy.schedule == "per-round"
+    live = clients(5)
+    assert [strategy.assign_blocks(server_round=r, clients=live) for r in (1, 2, 3, 4)] == [[0] * 5, [1] * 5, [2] * 5, [0] * 5]
+    pairs = strategy.configure_round(server_round=2, clients=live)
+    assert {ins.config["block"] for _, ins in pairs} == {1} and len({id(ins) for _, ins in pairs}) == 1  # one shared task
+    assert strategy.min_clients_per_block(5) == 5
+    strategy = _bcd(num_blocks=2, aggregator=Krum(f=1))  # every client on the one block: Krum sees all 5
+    strategy.check_preconditions(num_clients=5)
+    with pytest.raises(ConfigError, match="krum"):
+        strategy.check_preconditions(num_clients=4)
+
+
+def test_bcd_cyclic_schedule_rotates():
+    strategy = _bcd(num_blocks=3, block_schedule="cyclic")
     live = clients(3)
     rounds = [strategy.assign_blocks(server_round=r, clients=live) for r in (1, 2, 3)]
     assert rounds == [[0, 1, 2], [1, 2, 0], [2, 0, 1]]  # each client visits every block
@@ -144,7 +158,7 @@ def test_bcd_capacity_gives_larger_blocks_to_larger_memory():
 
 
 def test_bcd_averages_each_block_over_its_clients():
-    strategy = _bcd(num_blocks=3)
+    strategy = _bcd(num_blocks=3, block_schedule="cyclic")
     init = model_state()
     live = clients(5)  # round 1, cyclic: blocks 0, 1, 2, 0, 1
     pairs = strategy.configure_round(server_round=1, clients=live)
@@ -177,9 +191,9 @@ def test_bcd_rejects_result_of_no_block():
 
 
 def test_bcd_robust_aggregator_per_block():
-    strategy = _bcd(num_blocks=2, aggregator=Median())
+    strategy = _bcd(num_blocks=2, aggregator=Median(), block_schedule="cyclic")
     run_round(strategy, 1, clients(6))
-    strategy = _bcd(num_blocks=2, aggregator=Krum(f=0))  # needs 3 per block
+    strategy = _bcd(num_blocks=2, aggregator=Krum(f=0), block_schedule="cyclic")  # needs 3 per block
     metrics = run_round(strategy, 1, clients(5))  # blocks get 3 and 2 clients
     assert metrics["blocks_updated"] == 1.0 and metrics["blocks_skipped"] == 1.0
     strategy.check_preconditions(num_clients=6)

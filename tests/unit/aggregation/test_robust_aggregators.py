@@ -162,6 +162,22 @@ def test_norm_clip_hand_computed():
     assert _agg(NormClip(bound=10.0), [[3.0, 4.0]]) == [3.0, 4.0]  # one short update passes unchanged
 
 
+def test_norm_clip_without_a_bound_clips_to_the_rounds_median_norm():
+    rule = NormClip()
+    # norms 5, 0.5, 50: median 5; [30, 40] -> [3, 4]; the others pass
+    assert _agg(rule, [[3.0, 4.0], [0.3, 0.4], [30.0, 40.0]]) == pytest.approx([6.3 / 3, 8.4 / 3], rel=1e-12)
+    assert rule.last_bound == 5.0
+    # even count: the mean of the two middle norms (0.5 and 5 -> 2.75), recomputed each round;
+    # [3, 4] and [30, 40] both become [1.65, 2.2]
+    assert _agg(rule, [[3.0, 4.0], [0.3, 0.4], [0.0, 0.0], [30.0, 40.0]]) == pytest.approx([0.9, 1.2], rel=1e-12)
+    assert rule.last_bound == 2.75
+    # a minority of huge updates cannot raise the bound: 3 honest norms of 1, 2 attackers at 1e6
+    honest, attack = [[1.0, 0.0], [0.0, 1.0], [0.6, 0.8]], [[1e6, 0.0], [0.0, 1e6]]
+    assert _agg(rule, honest + attack) == pytest.approx([(1 + 0.6 + 1) / 5, (1 + 0.8 + 1) / 5], rel=1e-12)
+    assert rule.last_bound == 1.0
+    assert _agg(rule, [[0.0, 0.0], [0.0, 0.0]]) == [0.0, 0.0]  # all zero: median 0, nothing divided by it
+
+
 def test_norm_clip_norm_spans_tensors_and_skips_integers():
     rule = NormClip(bound=2.5)
     rule.add(OrderedDict(a=torch.tensor([3.0]), b=torch.tensor([4.0]), n=torch.tensor([8])), 1.0)  # norm 5 -> half
@@ -198,6 +214,7 @@ RULES = [
     lambda: Krum(f=0),
     lambda: MultiKrum(f=0),
     lambda: NormClip(bound=1.0),
+    lambda: NormClip(),
     lambda: CenteredClip(),
 ]
 
@@ -250,7 +267,7 @@ def test_build_aggregator_names_and_params():
         ("krum", {"beta": 0.1}, "krum takes no option 'beta' \\(its options: f\\)"),
         ("trimmed-mean", {"beta": 0.5}, r"trimmed-mean: beta must be in \[0, 0.5\), got 0.5"),
         ("krum", {"f": -2}, "krum: f must be a non-negative integer"),
-        ("norm-clip", {}, "norm-clip needs a bound"),
+        ("norm-clip", {"bound": float("inf")}, "bound must be positive and finite, got inf"),
         ("norm-clip", {"bound": -1.0}, "bound must be positive"),
         ("centered-clip", {"iterations": 0}, "iterations must be a positive integer"),
     ],

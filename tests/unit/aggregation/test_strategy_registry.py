@@ -57,7 +57,7 @@ def test_defaults():
     assert isinstance(opt, ServerSGD) and (opt.lr, opt.momentum, opt.nesterov) == (0.7, 0.9, True)
     adam = build_strategy_from("fedadam")
     assert isinstance(adam, FedAdam) and isinstance(adam.server_optimizer, ServerAdam)
-    assert (adam.server_optimizer.lr, adam.server_optimizer.beta1, adam.server_optimizer.beta2, adam.server_optimizer.tau) == (1e-2, 0.9, 0.99, 1e-3)
+    assert (adam.server_optimizer.lr, adam.server_optimizer.beta1, adam.server_optimizer.beta2, adam.server_optimizer.tau) == (3e-2, 0.9, 0.99, 1e-3)
     assert build_strategy_from("fedavg").aggregator is None  # type: ignore[attr-defined]
 
 
@@ -103,7 +103,7 @@ def test_unknown_strategy():
         ("fedprox", {"outer_lr": 0.1}, "outer_lr", "its own options: proximal_mu"),
         ("fedavg", {"colour": "red"}, "colour", "does not apply"),
         ("fedadam", {"server_beta1": 1.5}, "strategy", "fedadam: beta1 must be in \\[0, 1\\)"),
-        ("bcd", {"block_schedule": "greedy"}, "strategy", "block_schedule must be one of cyclic, random, capacity"),
+        ("bcd", {"block_schedule": "greedy"}, "strategy", "block_schedule must be one of per-round, cyclic, random, capacity"),
         ("bcd", {"block_prefixes": "enc;;bn"}, "block_prefixes", "empty block"),
         ("fedavg", {"aggregator": "krum", "aggregator_beta": 0.1}, "aggregator", "krum takes no option 'beta'"),
         ("fedavg", {"aggregator": "mode"}, "aggregator", "unknown aggregator"),

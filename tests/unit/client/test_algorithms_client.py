@@ -240,7 +240,7 @@ def test_streaming_diloco_client_without_replica_refuses_part_of_the_model():
 
 # -- bcd -----------------------------------------------------------------------------------
 def test_bcd_trains_and_uploads_only_the_block():
-    strategy = BlockCoordinate(num_blocks=2, fit_config={"local_epochs": 2})
+    strategy = BlockCoordinate(num_blocks=2, block_schedule="cyclic", fit_config={"local_epochs": 2})  # both blocks in one round
     strategy.initialize(initial_state=_global())
     tasks = strategy.configure_round(server_round=1, clients=INFOS)
     assert {int(ins.config["block"]) for _, ins in tasks} == {0, 1}

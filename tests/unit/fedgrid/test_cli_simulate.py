@@ -73,3 +73,14 @@ def test_bad_client_flag_names_the_key():
     with pytest.raises(ConfigError) as info:
         _client_options(args)
     assert info.value.key == "optimizer"
+
+
+@pytest.mark.parametrize("command", ["simulate", "coordinator"])
+def test_help_renders_every_key_with_the_strategy_defaults(command, capsys):
+    """argparse %-formats help text: a stray '%' in a key's help breaks --help for everyone."""
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args([command, "--help"])
+    assert info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--inner-lr FLOAT diloco, streaming-diloco: learning rate of the inner optimizer, AdamW (default 1e-3" in out
+    assert "every client trains block (round - 1) mod B" in out and "the median norm of the round's updates" in out

@@ -235,7 +235,9 @@ def test_strategy_options_from_toml_and_flags(tmp_path):
         ({"strategy": "fedprox", "proximal_mu": -1.0}, "strategy", "proximal_mu must be non-negative"),
         ({"strategy": "bcd", "block_schedule": "zigzag"}, "strategy", "block_schedule must be one of"),
         ({"aggregator": "krum", "aggregator_beta": 0.1}, "aggregator", "krum takes no option 'beta'"),
-        ({"aggregator": "norm-clip"}, "aggregator", "norm-clip needs a bound"),
+        ({"strategy": "diloco", "lr": 0.01}, "lr", "does not apply to strategy 'diloco'.*takes inner_lr"),
+        ({"strategy": "streaming-diloco", "inner_lr": 0.0}, "strategy", "inner_lr must be positive and finite, got 0.0"),
+        ({"strategy": "fedavg", "inner_lr": 0.01}, "inner_lr", "does not apply to strategy 'fedavg'"),
         ({"aggregator": "trimmed-mean", "aggregator_beta": 0.7}, "aggregator", r"beta must be in \[0, 0.5\)"),
         ({"inner_steps": "many"}, "inner_steps", "expected int"),
         ({"strategy": "bcd", "block_prefixes": "0;;2"}, "block_prefixes", "empty block"),
@@ -262,11 +264,12 @@ def test_every_strategy_gets_options_and_the_selection_policy(name):
     from fedgrid.aggregation import STRATEGIES
     from fedgrid.server.strategies import build_strategy
 
-    config = load_config(overrides={"strategy": name, "clients_per_round": 4, "over_selection": 0.5, "seed": 3, "lr": 0.2})
+    lr = {"inner_lr": 0.2} if name == "streaming-diloco" else {"lr": 0.2}  # its inner optimizer's rate, sent as the task's lr
+    config = load_config(overrides={"strategy": name, "clients_per_round": 4, "over_selection": 0.5, "seed": 3, **lr})
     strategy = build_strategy(config)
     assert type(strategy) is STRATEGIES[name]
     assert strategy.selection.clients_per_round == 4 and strategy.selection.over_selection == 0.5  # type: ignore[attr-defined]
-    assert strategy.seed == 3 and strategy.fit_config == {"local_epochs": 2, "lr": 0.2}  # type: ignore[attr-defined]
+    assert strategy.seed == 3 and strategy._task_config(1)["lr"] == 0.2  # type: ignore[attr-defined]
 
 
 def test_threads_key_from_toml_and_flags(tmp_path):

@@ -262,6 +262,56 @@ def test_auto_picks_sequential_for_a_convolutional_model_on_cpu():
     _compare(got, want)
 
 
+class _TinyLSTM(nn.Module):
+    """A character model in miniature: embedding, a 1-layer LSTM, a head on the last step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5, 4)
+        self.rnn = nn.LSTM(4, 6, batch_first=True)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(self.embed(x))
+        return self.head(out[:, -1])
+
+
+def _lstm_clients() -> list[TorchClient]:
+    gen = torch.Generator().manual_seed(0)
+    clients = []
+    for i, n in enumerate(SIZES):
+        data = TensorDataset(torch.randint(0, 5, (n, 7), generator=gen), torch.randint(0, 3, (n,), generator=gen))
+        torch.manual_seed(1)
+        optimizer = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+        clients.append(TorchClient(_TinyLSTM(), DataLoader(data, batch_size=8, shuffle=True), nn.functional.cross_entropy, optimizer,
+                                   device="cpu", seed=i, name=f"c{i}"))
+    return clients
+
+
+@pytest.mark.parametrize("rnn", [nn.LSTM, nn.GRU, nn.RNN])
+def test_auto_picks_sequential_for_a_recurrent_model_without_trying_vmap(rnn, caplog, recwarn):
+    clients = _lstm_clients()
+    for c in clients:
+        c.model.rnn = rnn(4, 6, batch_first=True)
+    with caplog.at_level(logging.INFO, logger="fedgrid.simulation.fleet"):
+        fleet = InProcessFleet(clients, engine="auto")
+    assert fleet.engine == "sequential" and fleet.device is None
+    notices = [r for r in caplog.records if r.getMessage().startswith("engine:")]
+    assert [r.levelname for r in notices] == ["INFO"]
+    assert f"recurrent module 'rnn' ({rnn.__name__})" in notices[0].getMessage() == f"engine: sequential ({fleet.engine_reason})"
+    assert not [w for w in recwarn if "batching rule" in str(w.message)]  # no trial batched step ran
+    state = _state(clients)
+    (outcome,) = _rounds(fleet, state, rounds=1)
+    assert len(outcome.results) == len(SIZES) and not outcome.failures
+
+
+def test_recurrent_models_can_still_be_batched_when_asked():
+    with pytest.warns(UserWarning, match="batching rule"):  # the warning auto avoids: vmap's fallback is slow, not wrong
+        fleet = InProcessFleet(_lstm_clients(), engine="batched")
+    assert fleet.engine == "batched" and fleet.engine_reason == "requested"
+    assert InProcessFleet(_clients(), engine="auto").engine == "batched"  # the check looks for recurrent modules only
+
+
 def test_optimizer_spec_reads_the_factory():
     spec = optimizer_spec(torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=0.3, betas=(0.5, 0.6), eps=1e-6))
     assert (spec.kind, spec.lr, spec.beta1, spec.beta2, spec.eps, spec.weight_decay, spec.decoupled) == ("adam", 0.3, 0.5, 0.6, 1e-6, 0.01, True)
