@@ -38,6 +38,8 @@ __all__ = [
     "encode_model",
     "ModelAssembler",
     "decode_chunks",
+    "check_metrics",
+    "stream_wire_bytes",
     "check_finite",
     "checksum",
     "wire_size",
@@ -95,6 +97,60 @@ def wire_size(message: pb.Chunk | bytes) -> int:
     """Bytes a message occupies on the wire: its encoding plus gRPC's message framing."""
     size = len(message) if isinstance(message, (bytes, bytearray, memoryview)) else message.ByteSize()
     return size + GRPC_FRAME_BYTES
+
+
+def check_metrics(metrics: Mapping[str, float]) -> None:
+    """A stream's metrics: at most ``MAX_METRICS``, printable names, finite values.
+
+    Raises:
+        InvalidUpdateError: naming the rule broken.
+    """
+    if len(metrics) > MAX_METRICS:
+        raise InvalidUpdateError(f"metrics: {len(metrics)} reported, at most {MAX_METRICS}")
+    for key, value in metrics.items():
+        check_label(key, what="metric name", limit=MAX_LABEL_CHARS)
+        if not math.isfinite(value):
+            raise InvalidUpdateError(f"metric {escape(key)} is {value}")
+
+
+def stream_wire_bytes(state: Mapping[str, torch.Tensor], info: StreamInfo, *, chunk_size: int = CHUNK_SIZE) -> int:
+    """What ``EncodedModel(state).frames(info, chunk_size=...)`` puts on the wire (``wire_size``
+    of each frame, summed), computed without encoding: with the raw codec a payload is the
+    tensor's bytes, so only the header and the tensor metas are serialized (to measure them).
+
+    Exact but for one case: a payload whose xxh3 checksum is 0 (a 2**-64 chance) has that
+    field omitted by protobuf, 9 bytes fewer than counted here.
+
+    Raises:
+        InvalidUpdateError: a dtype that cannot be sent.
+        ValueError: ``chunk_size`` is not positive.
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    parts: list[tuple[int, int]] = []  # (serialized meta bytes, payload bytes) per tensor
+    for name, tensor in state.items():
+        if tensor.dtype not in DTYPE_TO_PB:
+            raise InvalidUpdateError(f"tensor {escape(name)}: dtype {tensor.dtype} cannot be sent")
+        nbytes = tensor.numel() * tensor.element_size()
+        meta = pb.TensorMeta(name=name, dtype=DTYPE_TO_PB[tensor.dtype], shape=list(tensor.shape), codec="none", nbytes=nbytes, checksum=1)
+        parts.append((meta.ByteSize(), nbytes))
+    header = pb.StreamHeader(
+        run_id=info.run_id, task_id=info.task_id, round=info.round, num_tensors=len(parts), total_bytes=sum(n for _, n in parts),
+        client_id=info.client_id, num_examples=info.num_examples, metrics=dict(info.metrics), delta=info.delta,
+        version=info.version, base_version=info.base_version,
+    ).ByteSize()
+
+    def field(n: int) -> int:  # key byte, length varint, bytes
+        return 1 + len(_varint(n)) + n
+
+    size = field(header)
+    frames = 0
+    for meta, nbytes in parts:
+        size += field(meta)
+        full, rest = divmod(nbytes, chunk_size)
+        size += full * field(chunk_size) + (field(rest) if rest else 0)
+        frames += max(1, full + (1 if rest else 0))
+    return size + max(1, frames) * GRPC_FRAME_BYTES
 
 
 def read_header(frame: bytes | memoryview) -> StreamInfo:
@@ -420,12 +476,7 @@ class ModelAssembler:
             raise PayloadTooLargeError(
                 f"stream declares {header.total_bytes} payload bytes, over the limit of {self._max_total_bytes}"
             )
-        if len(header.metrics) > MAX_METRICS:
-            raise InvalidUpdateError(f"metrics: {len(header.metrics)} reported, at most {MAX_METRICS}")
-        for key, value in header.metrics.items():
-            check_label(key, what="metric name", limit=MAX_LABEL_CHARS)
-            if not math.isfinite(value):
-                raise InvalidUpdateError(f"metric {escape(key)} is {value}")
+        check_metrics(header.metrics)
         self._num_tensors = header.num_tensors
         self._total_bytes = header.total_bytes
         self.info = _info(header)

@@ -1,7 +1,10 @@
 """``InProcessFleet``: the simulated clients of a run, trained in this process.
 
 Models cross the same serialization as on the wire (``fedgrid.proto.serde``), so a
-simulated run moves the same bytes, and produces the same bits, as a deployed one.
+simulated run moves the same bytes, and produces the same bits, as a deployed one. A raw
+(``none``) uplink is lossless, so its update skips the encoding, framing and decoding that
+would hand back the same bits (``_raw_passes``); its bytes are counted arithmetically
+(``serde.stream_wire_bytes``), equal to the frames'.
 
 A round runs in three phases per group of clients: (1) each client downloads the model,
 or the part its task names (``FitIns.download``): the frames a real client would receive,
@@ -9,7 +12,7 @@ counted in ``bytes_down``; and gets its task; (2) the clients train, through an 
 ``sequential`` calls ``client.fit`` one client at a time, ``batched`` trains many
 ``TorchClient`` clients of one model at once with stacked parameters
 (``fedgrid.simulation.batched``); (3) each client's update is encoded with its
-uplink codec (error feedback per client), framed, decoded, reconstructed and checked as the
+uplink codec (error feedback per client), framed, decoded (but for a raw one, above), reconstructed and checked as the
 coordinator does, bounds included (``server/bounds.py``: the weight a result claims, the
 update's norm; names and counts at construction). A client's error in any phase is a
 ``Failure``, never an exception.
@@ -21,7 +24,7 @@ import dataclasses
 import logging
 from collections import OrderedDict
 from datetime import timedelta
-from typing import Protocol, Sequence, Union
+from typing import Mapping, Protocol, Sequence, Union
 
 import torch
 
@@ -65,6 +68,20 @@ class Profiles(Protocol):
         """Simulated seconds client ``index`` trains a round on ``num_examples`` examples."""
 
 
+def _raw_passes(out: FitOutput, expected: Mapping[str, TensorSpec]) -> bool:
+    """Whether a raw (codec ``none``) upload of ``out`` would decode to exactly ``out``: then
+    ``InProcessFleet`` skips encoding, framing and decoding it (a lossless fast path; the wire
+    bytes are counted by ``serde.stream_wire_bytes``, equal to the frames'). Anything the wire
+    would refuse or change (specs other than the task's, a dtype it cannot carry, metrics or
+    an example count that protobuf cannot hold as sent) takes the wire's own path, so its
+    failure reads exactly as in deployment."""
+    if TensorSpec.of(out.state) != dict(expected) or any(t.dtype not in serde.DTYPE_TO_PB for t in out.state.values()):
+        return False
+    if type(out.num_examples) is not int or not 0 <= out.num_examples < 2**64:
+        return False
+    return all(type(k) is str and type(v) in (int, float) for k, v in out.metrics.items())
+
+
 class InProcessFleet(Fleet):
     """Runs ``clients`` in process, through the sequential or the batched engine.
 
@@ -96,6 +113,10 @@ class InProcessFleet(Fleet):
         InvalidUpdateError: a client whose name, region or ``num_examples`` a coordinator
             would refuse at Join.
     """
+
+    #: Skip the simulated wire for raw (``none``) uplinks (``_raw_passes``); tests turn it off
+    #: to compare with the wire's path, bit for bit and byte for byte.
+    fast_lossless = True
 
     def __init__(
         self,
@@ -268,10 +289,21 @@ class InProcessFleet(Fleet):
                     if isinstance(out, Exception):
                         raise out
                     state = states[info.client_id]
-                    encoded_up, delta_up = self._uplink(info.client_id, codec).encode(global_state=state, new_state=out.state)
-                    info_up = serde.StreamInfo(round=server_round, num_examples=out.num_examples, metrics=out.metrics, delta=delta_up)
-                    up = list(encoded_up.frames(info_up, chunk_size=self.chunk_size))
-                    header, received = serde.decode_chunks(up, expected=ins.expected or expected)
+                    fast = self.fast_lossless and codec == "none" and _raw_passes(out, ins.expected or expected)
+                    if fast:  # what the wire would deliver, without the wire (see _raw_passes)
+                        header = serde.StreamInfo(round=server_round, num_examples=out.num_examples,
+                                                  metrics={k: float(v) for k, v in out.metrics.items()})
+                        serde.check_metrics(header.metrics)
+                        received = OrderedDict((n, t.detach().to("cpu").clone(memory_format=torch.contiguous_format))
+                                               for n, t in out.state.items())
+                        up_bytes = serde.stream_wire_bytes(received, header, chunk_size=self.chunk_size)
+                        up_payload = sum(t.numel() * t.element_size() for t in received.values())
+                    else:
+                        encoded_up, delta_up = self._uplink(info.client_id, codec).encode(global_state=state, new_state=out.state)
+                        info_up = serde.StreamInfo(round=server_round, num_examples=out.num_examples, metrics=out.metrics, delta=delta_up)
+                        up = list(encoded_up.frames(info_up, chunk_size=self.chunk_size))
+                        header, received = serde.decode_chunks(up, expected=ins.expected or expected)
+                        up_bytes, up_payload = sum(serde.wire_size(c) for c in up), encoded_up.total_bytes
                     self.bounds.check_claim(header.num_examples, joined=info.num_examples)
                     update = reconstruct(base, received, delta=header.delta)
                     serde.check_finite(update)
@@ -280,8 +312,8 @@ class InProcessFleet(Fleet):
                     log.warning("client %s failed in round %d: %s", info.name, server_round, exc)
                     failures.append(Failure(info, f"{type(exc).__name__}: {exc}"))
                     continue
-                bytes_up += sum(serde.wire_size(c) for c in up)
-                payload_up += encoded_up.total_bytes
+                bytes_up += up_bytes
+                payload_up += up_payload
                 raw_up += sum(t.numel() * t.element_size() for t in update.values())
                 results.append(FitRes(info, update, header.num_examples, header.metrics))
         cancelled = [info for info, _ in pending[done:]]
