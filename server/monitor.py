@@ -202,7 +202,9 @@ class CoordinatorMonitor:
             if rnd is not None:
                 progress = {"round": rnd.server_round, "phase": rnd.kind, "results": len(rnd.results), "failures": len(rnd.failures),
                             "expected": len(rnd.assignments), "closed": rnd.closed}
-            assigned = {} if rnd is None or rnd.closed else {cid: self._task_state(rnd, cid) for cid in rnd.assignments}
+            # The last round's outcome stays visible until the next one opens (a closed round
+            # still knows who reported); over-selected clients it no longer waits for are idle.
+            assigned = {} if rnd is None else {cid: self._task_state(rnd, cid) for cid in rnd.assignments}
         records.sort(key=lambda r: r[0].sort_key)
         clients = []
         for info, last_seen, benched, polls in records[:MAX_STATUS_CLIENTS]:
@@ -228,6 +230,8 @@ class CoordinatorMonitor:
             return "reported"
         if cid in rnd.failures:
             return "failed"
+        if rnd.closed:
+            return ""  # asked, but the round closed without it: its own state shows
         if cid in rnd.uploading:
             return "uploading"
         return {"fit": "training", "evaluate": "evaluating"}.get(rnd.kind, "exchanging")
