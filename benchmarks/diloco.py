@@ -54,7 +54,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from fedgrid.aggregation.diloco import DiLoCo, StreamingDiLoCo
 from fedgrid.client.torch_client import TorchClient
@@ -63,11 +63,11 @@ from fedgrid.seeding import derive_seed
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.strategies import build_strategy
 from fedgrid.simulation.fleet import InProcessFleet
-from fedgrid.simulation.shakespeare import CharData, load_shakespeare, partition_natural
+from fedgrid.simulation.shakespeare import CharData, NextChars, load_shakespeare, partition_natural
 from fedgrid.simulation.tasks import initial_state
 from fedgrid.types import ModelState, RoundMetrics
 
-__all__ = ["main", "CharLSTM", "NextChars", "Bench"]
+__all__ = ["main", "CharLSTM", "Bench"]
 
 DEFAULT_DATA = "/work/shared/data/shakespeare"
 VARIANTS = ("dp", "diloco", "streaming", "streaming-long", "trend")
@@ -92,20 +92,6 @@ def seq_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over every position."""
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
-
-class NextChars(Dataset):
-    """Window ``i``: ``text[s : s + L]`` and its targets ``text[s + 1 : s + L + 1]``, ``s = starts[i]``
-    (the last target is LEAF's next character)."""
-
-    def __init__(self, text: torch.Tensor, starts: torch.Tensor, seq_len: int) -> None:
-        self.text, self.starts, self.seq_len = text, starts, seq_len
-
-    def __len__(self) -> int:
-        return len(self.starts)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        s = int(self.starts[i])
-        return self.text[s : s + self.seq_len], self.text[s + 1 : s + self.seq_len + 1]
 
 
 class Bench:

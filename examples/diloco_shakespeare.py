@@ -28,11 +28,11 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from fedgrid import DiLoCo, InProcessFleet, ModelState, RoundEngine, TorchClient
 from fedgrid.plugins import initial_state
-from fedgrid.simulation.shakespeare import VOCAB, load_shakespeare, partition_natural
+from fedgrid.simulation.shakespeare import VOCAB, NextChars, load_shakespeare, partition_natural
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "shakespeare"
 
@@ -60,19 +60,6 @@ def char_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over every position."""
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
-
-class NextChars(Dataset):
-    """Window ``i``: ``text[s : s + L]`` and the characters after each, ``text[s + 1 : s + L + 1]``."""
-
-    def __init__(self, text: torch.Tensor, starts: torch.Tensor, seq_len: int) -> None:
-        self.text, self.starts, self.seq_len = text, starts, seq_len
-
-    def __len__(self) -> int:
-        return len(self.starts)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        s = int(self.starts[i])
-        return self.text[s : s + self.seq_len], self.text[s + 1 : s + self.seq_len + 1]
 
 
 def main(argv: list[str] | None = None) -> tuple[float, float]:

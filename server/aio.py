@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any, Coroutine, TypeVar
+from typing import Any, Callable, Coroutine, TypeVar
 
-__all__ = ["LoopThread", "advertised_address"]
+import grpc
+
+__all__ = ["LoopThread", "advertised_address", "wrap_behaviour"]
 
 T = TypeVar("T")
 
@@ -54,3 +56,18 @@ def advertised_address(listen: str, port: int) -> str:
     wildcard host (``0.0.0.0``, ``[::]``) becomes ``127.0.0.1``."""
     host = listen.rpartition(":")[0]
     return f"{'127.0.0.1' if host in ('0.0.0.0', '[::]') else host}:{port}"
+
+
+def wrap_behaviour(handler: grpc.RpcMethodHandler, unary: Callable[[Any], Any],
+                   streaming: Callable[[Any], Any]) -> grpc.RpcMethodHandler | None:
+    """``handler`` with its behaviour wrapped: by ``unary`` for a call that returns one reply
+    (unary-unary, stream-unary: an awaitable), by ``streaming`` for one that yields replies
+    (unary-stream: an async generator). ``None`` for a bidirectional stream, which
+    ``fedgrid.v1`` does not have: the caller decides."""
+    if handler.unary_unary is not None:
+        return handler._replace(unary_unary=unary(handler.unary_unary))  # type: ignore[attr-defined]
+    if handler.stream_unary is not None:
+        return handler._replace(stream_unary=unary(handler.stream_unary))  # type: ignore[attr-defined]
+    if handler.unary_stream is not None:
+        return handler._replace(unary_stream=streaming(handler.unary_stream))  # type: ignore[attr-defined]
+    return None

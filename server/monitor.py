@@ -40,6 +40,7 @@ from typing import Any, Awaitable, Callable, Sequence
 import grpc
 
 from fedgrid.events import Event
+from fedgrid.server.aio import wrap_behaviour
 from fedgrid.server.grpc_fleet import GrpcFleet
 from fedgrid.server.registry import SILENCE_INTERVALS
 from fedgrid.server.status_page import page_response
@@ -296,13 +297,7 @@ class RpcTimer(grpc.aio.ServerInterceptor):
                     done(start, context, error)
             return timed
 
-        if handler.unary_unary is not None:
-            return handler._replace(unary_unary=unary(handler.unary_unary))
-        if handler.stream_unary is not None:
-            return handler._replace(stream_unary=unary(handler.stream_unary))
-        if handler.unary_stream is not None:
-            return handler._replace(unary_stream=streaming(handler.unary_stream))
-        return handler
+        return wrap_behaviour(handler, unary, streaming) or handler
 
 
 def _code_name(context: Any, error: BaseException | None) -> str:

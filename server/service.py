@@ -31,6 +31,7 @@ from fedgrid.errors import (
 )
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import serde
+from fedgrid.server.aio import wrap_behaviour
 from fedgrid.server.grpc_fleet import GrpcFleet
 from fedgrid.server.peers import CALLER, PeerCheck
 from fedgrid.textsafe import escape
@@ -378,10 +379,7 @@ def guard(check: PeerCheck, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHan
 
         return checked
 
-    if handler.unary_unary is not None:
-        return handler._replace(unary_unary=unary(handler.unary_unary))  # type: ignore[attr-defined]
-    if handler.stream_unary is not None:
-        return handler._replace(stream_unary=unary(handler.stream_unary))  # type: ignore[attr-defined]
-    if handler.unary_stream is not None:
-        return handler._replace(unary_stream=streaming(handler.unary_stream))  # type: ignore[attr-defined]
-    raise TypeError("guard: bidirectional streams are not part of fedgrid.v1")
+    wrapped = wrap_behaviour(handler, unary, streaming)
+    if wrapped is None:
+        raise TypeError("guard: bidirectional streams are not part of fedgrid.v1")
+    return wrapped

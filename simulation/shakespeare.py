@@ -58,6 +58,7 @@ from torch.utils.data import Dataset as TorchDataset
 from fedgrid.errors import ConfigError
 
 __all__ = [
+    "NextChars",
     "TARBALL",
     "VOCAB",
     "UNKNOWN_INDEX",
@@ -242,6 +243,22 @@ class CharWindows(TorchDataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         s = int(self.starts[i])
         return self.text[s : s + self.seq_len], self.text[s + self.seq_len]
+
+
+class NextChars(TorchDataset):
+    """``(x, y)`` windows for a model that predicts every next character (a causal
+    transformer): ``x = text[s : s + seq_len]``, ``y = text[s + 1 : s + seq_len + 1]`` for
+    ``s = starts[i]`` (the last target is ``CharWindows``' one, LEAF's next character)."""
+
+    def __init__(self, text: torch.Tensor, starts: torch.Tensor, seq_len: int) -> None:
+        self.text, self.starts, self.seq_len = text, starts, seq_len
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = int(self.starts[i])
+        return self.text[s : s + self.seq_len], self.text[s + 1 : s + self.seq_len + 1]
 
 
 def load_shakespeare(data_dir: str | os.PathLike[str], *, seq_len: int = 80) -> CharData:
