@@ -245,16 +245,10 @@ class CharWindows(TorchDataset):
         return self.text[s : s + self.seq_len], self.text[s + self.seq_len]
 
 
-class NextChars(TorchDataset):
+class NextChars(CharWindows):
     """``(x, y)`` windows for a model that predicts every next character (a causal
     transformer): ``x = text[s : s + seq_len]``, ``y = text[s + 1 : s + seq_len + 1]`` for
     ``s = starts[i]`` (the last target is ``CharWindows``' one, LEAF's next character)."""
-
-    def __init__(self, text: torch.Tensor, starts: torch.Tensor, seq_len: int) -> None:
-        self.text, self.starts, self.seq_len = text, starts, seq_len
-
-    def __len__(self) -> int:
-        return len(self.starts)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         s = int(self.starts[i])
