@@ -181,6 +181,9 @@ class TorchClient(Client):
             seed = self.round_seed(ins)
             loss_sum, seen = self._train(optimizer, seed=seed, epochs=epochs, steps=steps, proximal=proximal,
                                          after_backward=(lambda: self.scaffold.correct(named)) if algorithm == "scaffold" else None)
+            loss_sum, seen = self._reduce_totals(loss_sum, seen)
+        if seen == 0:
+            raise ValueError(f"client {self.name!r} has no training data")
         full = self._state()
         out = full
         if algorithm == "streaming-diloco":
@@ -234,6 +237,7 @@ class TorchClient(Client):
             ValueError: the loader gave no data.
         """
         total_loss, seen = 0.0, 0
+        module = self._training_module()
         # torch's RNG is process-wide: clients training in threads of one process (the SDK's
         # start(), a host running several) take turns, so each sees only its own seed.
         with RNG_LOCK, torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
@@ -241,17 +245,32 @@ class TorchClient(Client):
             for inputs, targets in self._batches(epochs=epochs, steps=steps):
                 inputs, targets = inputs.to(self.device), targets.to(self.device)
                 optimizer.zero_grad(set_to_none=True)
-                loss = self.loss_fn(self.model(inputs), targets)
+                loss, example_loss_sum = self._batch_loss(module, inputs, targets)
                 objective = loss + proximal() if proximal is not None else loss
                 objective.backward()
                 if after_backward is not None:
                     after_backward()
                 optimizer.step()
-                total_loss += float(loss.detach()) * len(targets)
+                total_loss += example_loss_sum
                 seen += len(targets)
-        if seen == 0:
-            raise ValueError(f"client {self.name!r} has no training data")
         return total_loss, seen
+
+    # Seams a trainer over several processes (``fedgrid.client.parallel``) overrides; the
+    # algorithms above call only these, so each works unchanged on a DDP or FSDP client.
+
+    def _training_module(self) -> nn.Module:
+        """The module a fit calls, once its trainable parameters are set (``self.model`` here;
+        a DDP wrapper of it on a data-parallel client)."""
+        return self.model
+
+    def _batch_loss(self, module: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """The loss to back-propagate for one batch, and the sum of its example losses."""
+        loss = self.loss_fn(module(inputs), targets)
+        return loss, float(loss.detach()) * len(targets)
+
+    def _reduce_totals(self, loss_sum: float, seen: int) -> tuple[float, int]:
+        """A fit's (sum of example losses, examples seen) over every process training it."""
+        return loss_sum, seen
 
     def state_dict(self) -> dict[str, Any]:
         """What this client keeps across rounds: SCAFFOLD's ``c_i``, the inner optimizer, the replica."""
