@@ -9,7 +9,7 @@ import threading
 from typing import Any, Sequence, TextIO
 
 from fedgrid.cli_support import FedgridParser, error_line, package_version, with_default_out
-from fedgrid.config import COORDINATOR_ONLY_KEYS, SIMULATION_ONLY_KEYS, Config, config_keys, key_type, load_config
+from fedgrid.config import CLIENT_ONLY_KEYS, COORDINATOR_ONLY_KEYS, SIMULATION_ONLY_KEYS, Config, config_keys, key_type, load_config
 from fedgrid.errors import ConfigError, FedgridError
 from fedgrid.interrupts import FORCED_EXIT_STATUS, GracefulStop, say
 from fedgrid.types import ModelState, RoundMetrics
@@ -17,14 +17,14 @@ from fedgrid.types import ModelState, RoundMetrics
 __all__ = ["main", "build_parser", "serve", "SimulateProgress"]
 
 # Keys each subcommand exposes as flags; every key is also accepted through --config.
-SIMULATE_KEYS = [k for k in config_keys() if k not in COORDINATOR_ONLY_KEYS]
-COORDINATOR_KEYS = [k for k in config_keys() if k not in SIMULATION_ONLY_KEYS]
+SIMULATE_KEYS = [k for k in config_keys() if k not in COORDINATOR_ONLY_KEYS | CLIENT_ONLY_KEYS]
+COORDINATOR_KEYS = [k for k in config_keys() if k not in SIMULATION_ONLY_KEYS | CLIENT_ONLY_KEYS]
 # The built-in client factory's options (fedgrid.simulation.tasks.CLIENT_KEYS) as `fedgrid
 # client` flags, so a deployed client trains like its simulated twin; --data-partition is the spec.
 CLIENT_OPTION_KEYS = ["dataset", "data_dir", "model", "batch_size", "optimizer", "lr", "momentum", "weight_decay"]
 #: What ``fedgrid client --config FILE`` takes from the file (flags override it); the file's
 #: other keys (a TOML shared with the coordinator) are checked and left alone.
-CLIENT_CONFIG_KEYS = [*CLIENT_OPTION_KEYS, "partition", "threads", "ca", "cert", "key"]
+CLIENT_CONFIG_KEYS = [*CLIENT_OPTION_KEYS, "partition", "threads", "ca", "cert", "key", *sorted(CLIENT_ONLY_KEYS)]
 
 
 def _add_config_flags(parser: argparse.ArgumentParser, keys: Sequence[str], *, with_config: bool = True) -> None:
@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the coordinator's enrollment service (its --enroll-listen)")
     cli.add_argument("--name", default=None, metavar="NAME",
                      help="with --enroll: the identity to ask for (the token's name if it was issued with one; default client-TOKEN_ID)")
-    _add_config_flags(cli, [*CLIENT_OPTION_KEYS, "threads"], with_config=False)
+    _add_config_flags(cli, [*CLIENT_OPTION_KEYS, "threads", *sorted(CLIENT_ONLY_KEYS)], with_config=False)
     cli.add_argument(
         "--state-dir", dest="state_dir", default=None, metavar="DIR",
         help="save the client's state across rounds (error-feedback residuals, the client's own state) to "
@@ -292,6 +292,23 @@ def serve(config: Config, **kwargs: Any) -> ModelState | None:
     return run_coordinator(config, initial=resolved.initial_state, evaluate_fn=resolved.evaluate, **kwargs)
 
 
+def _parallel_spec(config: Config) -> Any:
+    """The client's ``ParallelSpec`` from its keys; under torchrun, its world size is the ranks'.
+
+    Raises:
+        ConfigError: a bad ``parallel``, ``comm_hook`` or rank count (the key named).
+    """
+    from fedgrid.client.parallel import ParallelSpec, torchrun_rank
+
+    ranks = torchrun_rank()
+    nproc = ranks[2] if ranks is not None else config.nproc_per_node
+    try:
+        return ParallelSpec.parse(nproc, config.parallel, comm_hook=config.comm_hook, collective_timeout_s=config.collective_timeout_s)
+    except ValueError as exc:
+        key = next((k for k in ("comm_hook", "nproc_per_node", "collective_timeout_s") if str(exc).startswith(k)), "parallel")
+        raise ConfigError(key, str(exc)) from None
+
+
 def _coordinator(args: argparse.Namespace) -> int:
     serve(_config_from(args, COORDINATOR_KEYS))
     return 0
@@ -300,6 +317,7 @@ def _coordinator(args: argparse.Namespace) -> int:
 def _client(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from fedgrid.client.parallel import torchrun_rank
     from fedgrid.client.runtime import check_target, run
     from fedgrid.plugins import load_object
 
@@ -322,7 +340,8 @@ def _client(args: argparse.Namespace) -> int:
         raise ConfigError("partition", f"expected I/N, got {args.partition!r}") from None
     if not 0 <= index < total:
         raise ConfigError("partition", f"index {index} is outside 0..{total - 1}")
-    if args.enroll or args.enroll_address or args.name is not None:
+    rank = torchrun_rank()
+    if (args.enroll or args.enroll_address or args.name is not None) and (rank is None or rank[0] == 0):
         _enroll(args)  # before any data or model is loaded: a refused token fails fast
     import torch
 
@@ -334,8 +353,17 @@ def _client(args: argparse.Namespace) -> int:
         from fedgrid.simulation.tasks import builtin_client
 
         factory = builtin_client
-    client = factory(index, total, args.seed, **_client_options(args, config))
-    print(f"fedgrid client {index}/{total}: {torch.get_num_threads()} threads, torch {torch.__version__}", flush=True)
+    options = _client_options(args, config)
+    spec = _parallel_spec(config)
+    client: Any
+    if spec.nproc > 1 and torchrun_rank() is None:
+        from fedgrid.client.parallel import ParallelClient
+
+        client = ParallelClient(factory, (index, total, args.seed), options, spec=spec, threads=config.threads)
+    else:
+        client = factory(index, total, args.seed, **options)
+    print(f"fedgrid client {index}/{total}: {torch.get_num_threads()} threads, torch {torch.__version__}"
+          + (f", {spec.nproc} ranks ({config.parallel})" if spec.nproc > 1 else ""), flush=True)
     if args.region:
         client.region = args.region
     state_path = Path(args.state_dir) / f"client-{index}.pt" if args.state_dir else None
@@ -344,7 +372,7 @@ def _client(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt(signal_name)  # unwinds run(), which tells the coordinator it leaves
 
     on_task, http = None, None
-    if args.http or args.http_token_file:
+    if (args.http or args.http_token_file) and (rank is None or rank[0] == 0):
         from fedgrid.client.monitor import serve_client_metrics
 
         if not args.http:
@@ -353,10 +381,21 @@ def _client(args: argparse.Namespace) -> int:
         on_task = monitor.on_task
         print(f"fedgrid client {index}/{total}: metrics on http://{http.address}/metrics", flush=True)
     timeout = {} if args.connect_timeout_s is None else {"connect_timeout": args.connect_timeout_s}
+
+    def serve_tasks(member: Any) -> Any:
+        return run(member, coordinator=args.coordinator, state_path=state_path, ca=args.ca, cert=args.cert, key=args.key,
+                   server_name=args.server_name, on_task=on_task, **timeout)
+
     try:
         with GracefulStop(interrupt, what="client"):
-            summary = run(client, coordinator=args.coordinator, state_path=state_path, ca=args.ca, cert=args.cert, key=args.key,
-                          server_name=args.server_name, on_task=on_task, **timeout)
+            if torchrun_rank() is not None:  # rank 0 serves the coordinator's tasks, the other ranks rank 0's
+                from fedgrid.client.parallel import serve_torchrun
+
+                summary = serve_torchrun(client, spec, serve_tasks)
+                if summary is None:
+                    return 0
+            else:
+                summary = serve_tasks(client)
     except KeyboardInterrupt:
         print(f"client {client.name}: stopped; left the federation", flush=True)
         return 0
@@ -367,6 +406,8 @@ def _client(args: argparse.Namespace) -> int:
     finally:
         if http is not None:
             http.stop()
+        if hasattr(client, "close"):
+            client.close()  # a ParallelClient's workers
     print(f"client {client.name}: {summary.rounds} rounds trained; run finished")
     return 0
 

@@ -27,7 +27,7 @@ from fedgrid.trackers import parse_trackers
 
 __all__ = [
     "Config", "load_config", "config_keys", "key_type", "did_you_mean", "SELECTORS", "ENGINES", "STRATEGY_KEYS",
-    "SIMULATION_ONLY_KEYS", "COORDINATOR_ONLY_KEYS",
+    "SIMULATION_ONLY_KEYS", "COORDINATOR_ONLY_KEYS", "CLIENT_ONLY_KEYS",
 ]
 
 SELECTORS = ("uniform", "region-balanced")
@@ -74,6 +74,8 @@ COORDINATOR_ONLY_KEYS = frozenset({
     "listen", "max_workers", "min_clients", "state_dir", "heartbeat_interval_s", "initial_model", "ca", "cert", "key", "crl",
     "insecure", "enroll_listen", "enroll_dir", "http", "http_token_file",
 })
+#: Keys only ``fedgrid client`` uses: how it trains across its node's devices (``fedgrid.client.parallel``).
+CLIENT_ONLY_KEYS = frozenset({"nproc_per_node", "parallel", "comm_hook", "collective_timeout_s"})
 log = logging.getLogger(__name__)
 #: Strategies whose clients' inner optimizer takes ``inner_lr`` instead of ``lr``.
 _INNER_LR_STRATEGIES = ("diloco", "streaming-diloco")
@@ -180,6 +182,14 @@ class Config:
                      "host needs http_token_file; empty: off", "")
     http_token_file: str = _key("coordinator, with http: a file holding the bearer token the HTTP server asks for "
                                 "(Authorization: Bearer TOKEN; required on a non-loopback host)", "")
+    nproc_per_node: int = _key("fedgrid client: local processes (ranks) that train together, one per GPU (gloo on CPU); "
+                               "this process is rank 0 and starts the others (or torchrun does)", 1)
+    parallel: str = _key("fedgrid client, with nproc_per_node: dp (DDP), fsdp (FSDP2) or hsdp:RxS (FSDP2 on R replicas, each "
+                         "sharded S ways)", "dp")
+    comm_hook: str = _key("fedgrid client, with nproc_per_node: gradient compression between its ranks: none, fp16, bf16 or "
+                          "powersgd[:RANK] (DDP only)", "none")
+    collective_timeout_s: float = _key("fedgrid client, with nproc_per_node: timeout of every collective between its ranks; a "
+                                       "rank that hangs fails the round after this long", 300.0)
     out: str = _key("run directory", "")
     state_dir: str = _key("durable coordinator state directory", "")
 
@@ -188,7 +198,9 @@ class Config:
         for key in positive_ints:
             if getattr(self, key) < 1:
                 raise ConfigError(key, f"must be at least 1, got {getattr(self, key)}")
-        for key in ("lr", "round_timeout_s", "join_timeout_s", "heartbeat_interval_s", "examples_per_second"):
+        if self.nproc_per_node < 1:
+            raise ConfigError("nproc_per_node", f"must be at least 1, got {self.nproc_per_node}")
+        for key in ("collective_timeout_s", "lr", "round_timeout_s", "join_timeout_s", "heartbeat_interval_s", "examples_per_second"):
             if not getattr(self, key) > 0:
                 raise ConfigError(key, f"must be positive, got {getattr(self, key)}")
         if not 0.0 < self.fraction_fit <= 1.0:
