@@ -126,6 +126,9 @@ class ParallelSpec:
             raise ValueError(f"comm_hook {comm_hook!r} is a DDP hook: it needs parallel dp, not {parallel!r}")
         if backend not in ("", "nccl", "gloo"):
             raise ValueError(f"backend {backend!r}: expected nccl or gloo")
+        gloo = (backend or ("nccl" if torch.cuda.is_available() else "gloo")) == "gloo"
+        if hook == "bf16" and mode == "dp" and gloo:
+            raise ValueError(f"comm_hook {comm_hook!r}: torch's bf16 DDP hook needs NCCL (CUDA); on gloo use fp16 or powersgd")
         if not collective_timeout_s > 0:
             raise ValueError(f"collective_timeout_s must be positive, got {collective_timeout_s}")
         return cls(nproc, mode, replicas if mode == "hsdp" else 1, shards if mode != "dp" else 1, comm_hook, backend,
@@ -408,6 +411,9 @@ class ParallelClient(Client):
 
         spec, world = self.spec, self.spec.nproc
         backend = spec.resolved_backend
+        if dist.is_initialized():
+            raise RuntimeError("this process already has a torch.distributed process group (another ParallelClient's, or the "
+                               "program's own): a process runs one multi-rank client at a time")
         os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback())  # the workers inherit it
         if backend == "nccl":
             os.environ.setdefault("NCCL_SOCKET_IFNAME", _loopback())
@@ -471,6 +477,10 @@ class ParallelClient(Client):
                 says which (the runtime reports it as the round's failure).
         """
         with self._lock:
+            if self.spec.nproc == 1:  # one rank: no group to start, TorchClient as it is
+                assert self._local is not None
+                with _threads(self.threads):
+                    return call(self._local, state)
             if self._commands is not None and not all(w.is_alive() for w in self._workers):
                 self._teardown()  # a worker died between tasks: start afresh
             try:

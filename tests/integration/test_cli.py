@@ -37,6 +37,22 @@ def test_bad_flag_names_the_key_and_starts_nothing(tmp_path, args, key):
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    "args, key, words",
+    [
+        (["--nproc-per-node", "4", "--parallel", "hsdp:3x2"], "parallel", "R x S must equal nproc_per_node (4)"),
+        (["--nproc-per-node", "2", "--parallel", "zero"], "parallel", "expected dp, fsdp or hsdp:RxS"),
+        (["--nproc-per-node", "2", "--parallel", "fsdp", "--comm-hook", "powersgd:4"], "comm_hook", "is a DDP hook"),
+        (["--nproc-per-node", "0"], "nproc_per_node", "must be at least 1"),
+    ],
+)
+def test_client_bad_parallel_flags_name_the_key(args, key, words):
+    # An address that nobody serves: the flags must fail before any connection is tried.
+    result = _run("client", "--coordinator", "127.0.0.1:9", "--connect-timeout-s", "1", *args)
+    assert result.returncode == 2, result.stderr
+    assert f"config key '{key}'" in result.stderr and words in result.stderr, result.stderr
+
+
 def test_bad_toml_key_names_the_key(tmp_path):
     config = tmp_path / "run.toml"
     config.write_text('rounds = 3\nroundz = 4\n')

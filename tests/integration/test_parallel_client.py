@@ -153,3 +153,25 @@ def test_fedgrid_client_on_two_ranks_completes_a_run(tmp_path, launch):
     assert "client site-0: 2 rounds trained; run finished" in text
     rows = [line for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert len(rows) == 2 and all('"clients_ok": 1' in row for row in rows), rows
+
+
+@pytest.mark.timeout(180)
+def test_ddp_communication_hooks_compress_between_the_ranks(app):
+    ins = FitIns(round=1, config={"local_epochs": 1})
+    exact = app.client(0, 1, 0).fit(_global(app), ins)
+    start_state = _global(app)
+    moved = max(float((exact.state[n] - start_state[n]).abs().max()) for n in start_state)
+    off = {}
+    for hook in ("fp16", "powersgd:1"):
+        client = ParallelClient(app.client, (0, 1, 0), spec=ParallelSpec.parse(2, "dp", comm_hook=hook))
+        try:
+            out = client.fit(_global(app), ins)
+        finally:
+            client.close()
+        off[hook] = max(float((out.state[n] - exact.state[n]).abs().max()) for n in exact.state)
+        assert out.num_examples == 203 and out.metrics["loss"] < 1.2
+    # Each hook changes the bits (it ran), by what its compression loses: fp16's 11-bit
+    # mantissa little, a rank-1 PowerSGD approximation much more.
+    assert 0 < off["fp16"] < 1e-3 < off["powersgd:1"] < moved, (off, moved)
+    with pytest.raises(ValueError, match="bf16 DDP hook needs NCCL"):
+        ParallelSpec.parse(2, "dp", comm_hook="bf16", backend="gloo")
