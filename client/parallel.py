@@ -191,7 +191,7 @@ class _DistributedSeams:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
-        return OrderedDict((k, v.detach().to("cpu").clone()) for k, v in full.items())
+        return OrderedDict((k, v.detach().to("cpu").clone()) for k, v in full.items() if isinstance(v, torch.Tensor))
 
     def _training_module(self) -> nn.Module:
         if self._spec.mode != "dp" or self._world == 1:
