@@ -13,6 +13,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -175,3 +177,38 @@ def test_ddp_communication_hooks_compress_between_the_ranks(app):
     assert 0 < off["fp16"] < 1e-3 < off["powersgd:1"] < moved, (off, moved)
     with pytest.raises(ValueError, match="bf16 DDP hook needs NCCL"):
         ParallelSpec.parse(2, "dp", comm_hook="bf16", backend="gloo")
+
+
+@pytest.mark.timeout(180)
+def test_a_hung_worker_times_its_collective_out_and_the_next_task_trains(app, tmp_path):
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    timeout_s = 4.0
+    client = ParallelClient(app.client, (0, 1, 0), {"marker_dir": str(markers), "step_s": 0.05},
+                            spec=ParallelSpec.parse(2, "dp", collective_timeout_s=timeout_s))
+    ins = FitIns(round=1, config={"local_epochs": 1})
+    try:
+        client.fit(_global(app), ins)  # starts the ranks
+        [worker] = client.worker_pids
+        (markers / "rank-1.pid").unlink()
+        failed: list[BaseException] = []
+
+        def fit() -> None:
+            try:
+                client.fit(_global(app), FitIns(round=2, config=ins.config))
+            except RuntimeError as exc:
+                failed.append(exc)
+
+        thread = threading.Thread(target=fit)
+        thread.start()
+        wait_until((markers / "rank-1.pid").exists, timeout=60, what="rank 1 to train")
+        os.kill(worker, signal.SIGSTOP)  # alive but silent: only the collective's timeout can tell
+        stopped = time.monotonic()
+        thread.join(timeout=60)
+        assert not thread.is_alive() and len(failed) == 1
+        assert timeout_s - 0.5 < time.monotonic() - stopped < timeout_s + 30, time.monotonic() - stopped
+        assert "parallel client (2 ranks)" in str(failed[0]) and "start again for the next task" in str(failed[0])
+        out = client.fit(_global(app), FitIns(round=3, config=ins.config))
+        assert out.num_examples == 203 and client.worker_pids != [worker]
+    finally:
+        client.close()
