@@ -9,7 +9,7 @@ import threading
 from typing import Any, Sequence, TextIO
 
 from fedgrid.cli_support import FedgridParser, error_line, package_version, with_default_out
-from fedgrid.config import CLIENT_ONLY_KEYS, COORDINATOR_ONLY_KEYS, SIMULATION_ONLY_KEYS, Config, config_keys, key_type, load_config
+from fedgrid.config import CLIENT_ONLY_KEYS, COORDINATOR_ONLY_KEYS, REGION_ONLY_KEYS, SIMULATION_ONLY_KEYS, Config, config_keys, key_type, load_config
 from fedgrid.errors import ConfigError, FedgridError
 from fedgrid.interrupts import FORCED_EXIT_STATUS, GracefulStop, say
 from fedgrid.types import ModelState, RoundMetrics
@@ -17,8 +17,12 @@ from fedgrid.types import ModelState, RoundMetrics
 __all__ = ["main", "build_parser", "serve", "SimulateProgress"]
 
 # Keys each subcommand exposes as flags; every key is also accepted through --config.
-SIMULATE_KEYS = [k for k in config_keys() if k not in COORDINATOR_ONLY_KEYS | CLIENT_ONLY_KEYS]
-COORDINATOR_KEYS = [k for k in config_keys() if k not in SIMULATION_ONLY_KEYS | CLIENT_ONLY_KEYS]
+SIMULATE_KEYS = [k for k in config_keys() if k not in COORDINATOR_ONLY_KEYS | CLIENT_ONLY_KEYS | REGION_ONLY_KEYS]
+COORDINATOR_KEYS = [k for k in config_keys() if k not in SIMULATION_ONLY_KEYS | CLIENT_ONLY_KEYS | REGION_ONLY_KEYS]
+#: ``fedgrid region``: a coordinator's keys for its own clients (not the global run's length, model or
+#: enrollment and status servers, which the global coordinator has), and its upstream link.
+REGION_KEYS = [k for k in COORDINATOR_KEYS if k not in ("rounds", "initial_model", "model", "enroll_listen", "enroll_dir", "http",
+                                                        "http_token_file")] + sorted(REGION_ONLY_KEYS)
 # The built-in client factory's options (fedgrid.simulation.tasks.CLIENT_KEYS) as `fedgrid
 # client` flags, so a deployed client trains like its simulated twin; --data-partition is the spec.
 CLIENT_OPTION_KEYS = ["dataset", "data_dir", "model", "batch_size", "optimizer", "lr", "momentum", "weight_decay"]
@@ -58,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     coord = sub.add_parser("coordinator", help="serve rounds to clients over gRPC")
     _add_config_flags(coord, COORDINATOR_KEYS)
+
+    region = sub.add_parser("region", help="coordinate a region's clients and join the global coordinator as one client")
+    _add_config_flags(region, REGION_KEYS)
 
     cli = sub.add_parser("client", help="join a coordinator and train")
     cli.add_argument("--config", metavar="FILE", help="TOML file: its " + ", ".join(CLIENT_CONFIG_KEYS) + " apply; flags override them")
@@ -309,6 +316,13 @@ def _parallel_spec(config: Config) -> Any:
         raise ConfigError(key, str(exc)) from None
 
 
+def _region(args: argparse.Namespace) -> int:
+    from fedgrid.region import run_region
+
+    run_region(_config_from(args, REGION_KEYS))
+    return 0
+
+
 def _coordinator(args: argparse.Namespace) -> int:
     serve(_config_from(args, COORDINATOR_KEYS))
     return 0
@@ -523,7 +537,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     level = logging.DEBUG if args.verbose else (logging.WARNING if quiet else logging.INFO)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return {"simulate": _simulate, "coordinator": _coordinator, "client": _client, "certs": _certs, "report": _report,
+        return {"simulate": _simulate, "coordinator": _coordinator, "region": _region, "client": _client, "certs": _certs, "report": _report,
                 "new": _new, "status": _status}[args.command](args)
     except ConfigError as exc:
         print(error_line(exc), file=sys.stderr)

@@ -27,7 +27,7 @@ from fedgrid.trackers import parse_trackers
 
 __all__ = [
     "Config", "load_config", "config_keys", "key_type", "did_you_mean", "SELECTORS", "ENGINES", "STRATEGY_KEYS",
-    "SIMULATION_ONLY_KEYS", "COORDINATOR_ONLY_KEYS", "CLIENT_ONLY_KEYS",
+    "SIMULATION_ONLY_KEYS", "COORDINATOR_ONLY_KEYS", "CLIENT_ONLY_KEYS", "REGION_ONLY_KEYS",
 ]
 
 SELECTORS = ("uniform", "region-balanced")
@@ -76,6 +76,8 @@ COORDINATOR_ONLY_KEYS = frozenset({
 })
 #: Keys only ``fedgrid client`` uses: how it trains across its node's devices (``fedgrid.client.parallel``).
 CLIENT_ONLY_KEYS = frozenset({"nproc_per_node", "parallel", "comm_hook", "collective_timeout_s"})
+#: Keys only ``fedgrid region`` uses: its upstream link and its name there (``fedgrid.region``).
+REGION_ONLY_KEYS = frozenset({"upstream", "name", "regional_rounds", "upstream_ca", "upstream_cert", "upstream_key", "upstream_server_name"})
 log = logging.getLogger(__name__)
 #: Strategies whose clients' inner optimizer takes ``inner_lr`` instead of ``lr``.
 _INNER_LR_STRATEGIES = ("diloco", "streaming-diloco")
@@ -190,6 +192,13 @@ class Config:
                           "powersgd[:RANK] (DDP only)", "none")
     collective_timeout_s: float = _key("fedgrid client, with nproc_per_node: timeout of every collective between its ranks; a "
                                        "rank that hangs fails the round after this long", 300.0)
+    upstream: str = _key("fedgrid region: HOST:PORT of the global coordinator it joins as one client", "")
+    name: str = _key("fedgrid region: its name ([A-Za-z0-9._-], at most 64): its client name upstream and its region label", "")
+    regional_rounds: int = _key("fedgrid region: H, regional rounds per global round (hierarchical local SGD)", 1)
+    upstream_ca: str = _key("fedgrid region, mutual TLS upstream: PEM CA bundle that signs the global coordinator's certificate", "")
+    upstream_cert: str = _key("fedgrid region, mutual TLS upstream: the region's client certificate (its identity is its name upstream)", "")
+    upstream_key: str = _key("fedgrid region, mutual TLS upstream: the region's client key", "")
+    upstream_server_name: str = _key("fedgrid region: the name the global coordinator's certificate holds, when not the host of upstream", "")
     out: str = _key("run directory", "")
     state_dir: str = _key("durable coordinator state directory", "")
 
@@ -198,6 +207,8 @@ class Config:
         for key in positive_ints:
             if getattr(self, key) < 1:
                 raise ConfigError(key, f"must be at least 1, got {getattr(self, key)}")
+        if self.regional_rounds < 1:
+            raise ConfigError("regional_rounds", f"must be at least 1, got {self.regional_rounds}")
         if self.nproc_per_node < 1:
             raise ConfigError("nproc_per_node", f"must be at least 1, got {self.nproc_per_node}")
         for key in ("collective_timeout_s", "lr", "round_timeout_s", "join_timeout_s", "heartbeat_interval_s", "examples_per_second"):

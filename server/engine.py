@@ -282,6 +282,7 @@ class RoundEngine:
             tally.extra["clients_cancelled"] = len(outcome.cancelled)
         tally.add_bytes(outcome)
         tally.clients_ok, tally.clients_failed = len(outcome.results), len(outcome.failures)
+        tally.extra["examples"] = float(sum(r.num_examples for r in outcome.results))  # a region's weight upstream
 
     def _evaluate(self, server_round: int, clients: list[ClientInfo], tally: "_Tally") -> None:
         evaluations = self.strategy.configure_evaluate(server_round=server_round, clients=clients)

@@ -305,7 +305,7 @@ class GrpcFleet(Fleet):
         info = serde.StreamInfo(
             run_id=self.run_id, task_id=task_id, round=rnd.server_round, delta=delta, version=rnd.downlink.version, base_version=base_version
         )
-        return self._count_down(rnd, encoded.frames(info, chunk_size=self.chunk_size))
+        return self._count_down(rnd, encoded.frames(info, chunk_size=self.chunk_size), rnd.clients[client_id].region)
 
     def _download_names(self, ins: FitIns | EvaluateIns) -> frozenset[str] | None:
         if not isinstance(ins, FitIns):
@@ -325,7 +325,7 @@ class GrpcFleet(Fleet):
                 part = rnd.parts.setdefault(names, part)
         return part
 
-    def _count_down(self, rnd: RoundTask, frames: Iterator[bytes]) -> Iterator[bytes]:
+    def _count_down(self, rnd: RoundTask, frames: Iterator[bytes], region: str) -> Iterator[bytes]:
         sent = 0
         try:
             for frame in frames:
@@ -334,6 +334,8 @@ class GrpcFleet(Fleet):
         finally:
             with self._lock:
                 rnd.bytes_down += sent
+                if region:
+                    rnd.region_bytes.setdefault(region, [0, 0])[1] += sent
 
     def upload(self, frames: Iterable[bytes], token: str) -> int:
         """Receives one update stream of the session ``token`` (``Uploads.upload``); returns
@@ -423,6 +425,8 @@ class GrpcFleet(Fleet):
             self.events.emit("updates_restored", round=server_round, count=len(rnd.results))
         results, failures, cancelled = self._run(rnd, timeout, target=target)
         extra = {"uplink_ratio": rnd.raw_up / rnd.payload_up} if rnd.payload_up else {}
+        for region, (up, down) in sorted(rnd.region_bytes.items()):  # labels checked at Join; one pair per region in the round
+            extra[f"bytes_up.{region}"], extra[f"bytes_down.{region}"] = float(up), float(down)
         return RoundOutcome(
             [r for r in results if isinstance(r, FitRes)], failures, cancelled, bytes_up=rnd.bytes_up, bytes_down=rnd.bytes_down, extra=extra,
             closed_by=rnd.closed_by,
