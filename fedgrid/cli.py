@@ -22,7 +22,7 @@ COORDINATOR_KEYS = [k for k in config_keys() if k not in SIMULATION_ONLY_KEYS | 
 #: ``fedgrid region``: a coordinator's keys for its own clients (not the global run's length, model or
 #: enrollment and status servers, which the global coordinator has), and its upstream link.
 REGION_KEYS = [k for k in COORDINATOR_KEYS if k not in ("rounds", "initial_model", "model", "enroll_listen", "enroll_dir", "http",
-                                                        "http_token_file")] + sorted(REGION_ONLY_KEYS)
+                                                        "http_token_file")] + ["regional_rounds", *sorted(REGION_ONLY_KEYS)]
 # The built-in client factory's options (fedgrid.simulation.tasks.CLIENT_KEYS) as `fedgrid
 # client` flags, so a deployed client trains like its simulated twin; --data-partition is the spec.
 CLIENT_OPTION_KEYS = ["dataset", "data_dir", "model", "batch_size", "optimizer", "lr", "momentum", "weight_decay"]

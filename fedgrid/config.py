@@ -67,7 +67,7 @@ STRATEGY_KEYS = (
 #: (a shared TOML file may still hold them).
 SIMULATION_ONLY_KEYS = frozenset({
     "clients", "app", "engine", "batch_clients", "dropout_prob", "availability_trace", "speed", "examples_per_second",
-    "regions", "progress",
+    "regions", "progress", "hierarchy", "region_strategy", "lan_codec", "regional_rounds",
 })
 #: Keys only a deployed coordinator uses: its network, TLS, durable state, enrollment and status server.
 COORDINATOR_ONLY_KEYS = frozenset({
@@ -77,7 +77,7 @@ COORDINATOR_ONLY_KEYS = frozenset({
 #: Keys only ``fedgrid client`` uses: how it trains across its node's devices (``fedgrid.client.parallel``).
 CLIENT_ONLY_KEYS = frozenset({"nproc_per_node", "parallel", "comm_hook", "collective_timeout_s"})
 #: Keys only ``fedgrid region`` uses: its upstream link and its name there (``fedgrid.region``).
-REGION_ONLY_KEYS = frozenset({"upstream", "name", "regional_rounds", "upstream_ca", "upstream_cert", "upstream_key", "upstream_server_name"})
+REGION_ONLY_KEYS = frozenset({"upstream", "name", "upstream_ca", "upstream_cert", "upstream_key", "upstream_server_name"})
 log = logging.getLogger(__name__)
 #: Strategies whose clients' inner optimizer takes ``inner_lr`` instead of ``lr``.
 _INNER_LR_STRATEGIES = ("diloco", "streaming-diloco")
@@ -194,7 +194,12 @@ class Config:
                                        "rank that hangs fails the round after this long", 300.0)
     upstream: str = _key("fedgrid region: HOST:PORT of the global coordinator it joins as one client", "")
     name: str = _key("fedgrid region: its name ([A-Za-z0-9._-], at most 64): its client name upstream and its region label", "")
-    regional_rounds: int = _key("fedgrid region: H, regional rounds per global round (hierarchical local SGD)", 1)
+    regional_rounds: int = _key("fedgrid region, and simulate with hierarchy: H, regional rounds per global round (hierarchical local SGD)", 1)
+    hierarchy: bool = _key("simulation: the regions (the regions key) are tiers, as fedgrid region runs them: each aggregates its clients "
+                           "regional_rounds rounds with region_strategy and the lan_codec uplink, then sends its model up (codec, "
+                           "region_codecs: the WAN uplink) to the global strategy", False)
+    region_strategy: str = _key("simulation with hierarchy: the regions' own strategy, with its defaults (the global tier's is strategy)", "fedavg")
+    lan_codec: str = _key("simulation with hierarchy: the uplink codec from a region's clients to it (a region's codec)", "none")
     upstream_ca: str = _key("fedgrid region, mutual TLS upstream: PEM CA bundle that signs the global coordinator's certificate", "")
     upstream_cert: str = _key("fedgrid region, mutual TLS upstream: the region's client certificate (its identity is its name upstream)", "")
     upstream_key: str = _key("fedgrid region, mutual TLS upstream: the region's client key", "")

@@ -94,7 +94,9 @@ class RegionClient(Client):
 
     @property
     def num_examples(self) -> int:
-        self.joined_examples = sum(info.num_examples for info in self.engine.fleet.live_clients())
+        """The examples of the region's clients now joined (what it reports when it joins upstream)."""
+        live = self.engine.fleet.wait_for_clients(min_clients=0, timeout=timedelta(0))
+        self.joined_examples = sum(info.num_examples for info in live)
         return self.joined_examples
 
     def fit(self, state: ModelState, ins: FitIns) -> FitOutput:
@@ -116,10 +118,12 @@ class RegionClient(Client):
             strategy.initialize(initial_state=OrderedDict((k, v.clone()) for k, v in state.items()))
             self._initialized = True
         metrics = None
+        lan_up = lan_down = 0
         for h in range(1, self.regional_rounds + 1):
             regional_round = (ins.round - 1) * self.regional_rounds + h
             metrics = self.engine.run_round(regional_round)
             self.engine.commit(metrics)
+            lan_up, lan_down = lan_up + metrics.bytes_up, lan_down + metrics.bytes_down
             if metrics.extra.get(ROUND_FAILED) or metrics.clients_ok == 0:
                 raise RuntimeError(f"regional round {regional_round} (global round {ins.round}, {h} of {self.regional_rounds}): "
                                    f"{metrics.clients_ok} clients completed, {metrics.clients_failed} failed"
@@ -133,8 +137,8 @@ class RegionClient(Client):
                         escape(self.name), examples, self.joined_examples, self.joined_examples)
             examples = self.joined_examples
         out = OrderedDict((k, v.detach().clone()) for k, v in strategy.global_state.items())
-        reported = {"regional_rounds": float(self.regional_rounds), "lan_bytes_up": float(metrics.bytes_up),
-                    "lan_bytes_down": float(metrics.bytes_down), "region_clients": float(metrics.clients_ok)}
+        reported = {"regional_rounds": float(self.regional_rounds), "lan_bytes_up": float(lan_up), "lan_bytes_down": float(lan_down),
+                    "region_clients": float(metrics.clients_ok)}
         if metrics.loss is not None:
             reported["loss"] = float(metrics.loss)
         return FitOutput(state=out, num_examples=max(examples, 1), metrics=reported)

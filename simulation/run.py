@@ -63,6 +63,39 @@ def run_simulation(
         return _run(config, threads, on_round, on_start, stop)
 
 
+def _regions(config: Config, clients: list, profiles: ClientProfiles) -> list:
+    """The regions of a hierarchical simulation, each a ``RegionClient`` over its own clients, as ``fedgrid region`` runs it.
+
+    A region's clients are those ``profiles`` labels with its name; it trains them with
+    ``region_strategy`` (its defaults, and the run's ``local_epochs``, ``lr``, ``seed``,
+    ``fraction_fit``) on the ``lan_codec`` uplink, ``regional_rounds`` rounds per global task.
+
+    Raises:
+        ConfigError: ``hierarchy`` without ``regions``.
+    """
+    from dataclasses import replace
+
+    from fedgrid.config import STRATEGY_KEYS
+    from fedgrid.errors import ConfigError
+    from fedgrid.region.region import RegionClient
+    from fedgrid.server.codec_policy import CodecPolicy
+
+    labels = sorted({profiles.region(i) for i in range(len(clients))} - {""})
+    if not labels:
+        raise ConfigError("hierarchy", "needs regions (e.g. regions = 'eu:0.5,us:0.5'): the tiers to aggregate in")
+    regional = replace(config, strategy=config.region_strategy, **{k: None for k in STRATEGY_KEYS})
+    out = []
+    for label in labels:
+        mine = [c for i, c in enumerate(clients) if profiles.region(i) == label]
+        strategy = build_strategy(regional, num_clients=len(mine))
+        fleet = InProcessFleet(mine, chunk_size=config.chunk_size, codec_policy=CodecPolicy(default=config.lan_codec), engine=config.engine,
+                               batch_clients=config.batch_clients, bounds=build_bounds(config))
+        engine = RoundEngine(strategy=strategy, fleet=fleet, rounds=0, min_clients=1, round_timeout=timedelta(seconds=config.round_timeout_s),
+                             join_timeout=timedelta(seconds=config.join_timeout_s))
+        out.append(RegionClient(engine, name=label, regional_rounds=config.regional_rounds))
+    return out
+
+
 def _run(
     config: Config,
     threads: int,
@@ -81,14 +114,17 @@ def _run(
         if on_round is not None:
             on_round(metrics)
 
+    members: list = list(clients)
+    if config.hierarchy:
+        members = _regions(config, clients, profiles)
     fleet = InProcessFleet(
-        clients,
+        members,
         chunk_size=config.chunk_size,
         codec_policy=build_codec_policy(config),
         downlink_codec=config.downlink_codec,
-        engine=config.engine,
+        engine="sequential" if config.hierarchy else config.engine,  # a region's engine is its own
         batch_clients=config.batch_clients,
-        profiles=profiles,
+        profiles=None if config.hierarchy else profiles,
         bounds=build_bounds(config),
     )  # checks the engine can train these clients: fails before the run directory exists
     if fleet.device is not None and fleet.device.type == "cpu":

@@ -138,3 +138,38 @@ def test_a_region_killed_mid_round_is_that_rounds_failure_and_rejoins_from_its_s
     assert "resumed" in (tmp_path / "region-b.log").read_text()
     b_rounds = [m["round"] for m in read_metrics(tmp_path / "region-b")]
     assert b_rounds[-4:] == [5, 6, 7, 8] and 3 not in b_rounds[b_rounds.index(5):]  # global rounds 3 and 4, after the restart
+
+
+@pytest.mark.timeout(300)
+def test_a_deployed_hierarchy_equals_fedgrid_simulate_with_the_same_hierarchy(tmp_path):
+    from fedgrid.simulation.heterogeneity import ClientProfiles
+
+    regions, h = "region-a:0.5,region-b:0.5", 2
+    profiles = ClientProfiles(4, seed=SEED, regions=regions)
+    top = tmp_path / "global"
+    coordinator, address = start_coordinator(top, "--rounds", str(ROUNDS), "--min-clients", "2", "--seed", str(SEED))
+    procs = [coordinator]
+    try:
+        for name in ("region-a", "region-b"):
+            region, region_address = start_region(tmp_path / name, address, name, "--min-clients", "2", "--regional-rounds", str(h))
+            procs.append(region)
+            for i in (i for i in range(4) if profiles.region(i) == name):  # the simulation's deal of clients to regions
+                procs.append(start_client(region_address, tmp_path / f"client{i}.log", "--partition", f"{i}/4", "--seed", str(SEED)))
+        for proc in procs[::-1]:
+            assert proc.wait(timeout=240) == 0, [p.read_text()[-3000:] for p in sorted(tmp_path.glob("*.log"))]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    config = load_config(overrides={"rounds": ROUNDS, "clients": 4, "seed": SEED, "regions": regions, "hierarchy": True,
+                                    "regional_rounds": h, "out": str(tmp_path / "sim"), **REFERENCE})
+    simulated, history = run_simulation(config)
+    deployed = load_model(top / "model.safetensors")
+    for name, tensor in simulated.items():
+        assert torch.equal(deployed[name], tensor), name  # the same program, the same order: the same bits
+    deployed_metrics = read_metrics(top)
+    for sim_m, m in zip(history, deployed_metrics):
+        assert sim_m.extra["examples"] == m["examples"] and sim_m.clients_ok == m["clients_ok"] == 2
+        for name in ("region-a", "region-b"):  # LAN bytes as the regions reported them, H rounds each
+            assert abs(sim_m.extra[f"lan_bytes_up.{name}"] - m[f"lan_bytes_up.{name}"]) <= 200 * h * 2
+            assert sim_m.extra[f"lan_bytes_up.{name}"] > h * 1.9 * sim_m.extra[f"bytes_up.{name}"]

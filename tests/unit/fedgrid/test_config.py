@@ -124,13 +124,13 @@ def test_unknown_key_suggests_the_close_ones_not_the_whole_list(tmp_path):
 
 def test_simulation_only_keys_are_no_coordinator_flags():
     from fedgrid.cli import COORDINATOR_KEYS, SIMULATE_KEYS
-    from fedgrid.cli import CLIENT_CONFIG_KEYS
+    from fedgrid.cli import CLIENT_CONFIG_KEYS, REGION_KEYS
     from fedgrid.config import CLIENT_ONLY_KEYS, COORDINATOR_ONLY_KEYS, REGION_ONLY_KEYS, SIMULATION_ONLY_KEYS
 
     assert {"engine", "dropout_prob", "progress", "speed", "clients", "app"} <= SIMULATION_ONLY_KEYS
     assert not SIMULATION_ONLY_KEYS & set(COORDINATOR_KEYS) and not COORDINATOR_ONLY_KEYS & set(SIMULATE_KEYS)
     assert not CLIENT_ONLY_KEYS & (set(COORDINATOR_KEYS) | set(SIMULATE_KEYS)) and CLIENT_ONLY_KEYS <= set(CLIENT_CONFIG_KEYS)
-    assert not REGION_ONLY_KEYS & (set(COORDINATOR_KEYS) | set(SIMULATE_KEYS))
+    assert not REGION_ONLY_KEYS & (set(COORDINATOR_KEYS) | set(SIMULATE_KEYS)) and REGION_ONLY_KEYS <= set(REGION_KEYS)
     assert set(COORDINATOR_KEYS) | set(SIMULATE_KEYS) | CLIENT_ONLY_KEYS | REGION_ONLY_KEYS == set(config_keys())  # every key is someone's flag
 
 
