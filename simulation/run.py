@@ -80,6 +80,11 @@ def _regions(config: Config, clients: list, profiles: ClientProfiles) -> list:
     from fedgrid.region.region import RegionClient
     from fedgrid.server.codec_policy import CodecPolicy
 
+    from fedgrid.region.region import PARTIAL_ALGORITHMS
+
+    if config.strategy in PARTIAL_ALGORITHMS:
+        raise ConfigError("strategy", f"{config.strategy} clients send part of the model or extra tensors; the regions of a hierarchy "
+                          "send their whole model (use fedavg, the fedopt family or diloco as the global strategy)")
     labels = sorted({profiles.region(i) for i in range(len(clients))} - {""})
     if not labels:
         raise ConfigError("hierarchy", "needs regions (e.g. regions = 'eu:0.5,us:0.5'): the tiers to aggregate in")
