@@ -28,8 +28,11 @@ ends; the coordinator hears it at the deadline or from the heartbeat); nothing o
 counted. Restarted with the same ``state_dir`` it resumes its committed regional state,
 rejoins under the same name (the coordinator replaces the old session), and the next
 global task's model replaces whatever it had. A region that loses its upstream keeps
-serving its own clients (they stay joined and idle) and joins again with backoff
-(``UPSTREAM_RETRY_MAX_S``) until the global coordinator answers or the region is stopped.
+serving its own clients (they stay joined and idle) and retries its calls with the same
+session for as long as it runs: a global coordinator restarted from its state directory
+knows that session and its open task (an update trained meanwhile is uploaded when it
+answers), and one that does not refuses it and the region joins again. A join that is
+refused or not answered within ``UPSTREAM_RETRY_MAX_S`` is tried again with backoff.
 """
 
 from __future__ import annotations
@@ -224,13 +227,16 @@ def _serve(config: Config, threads: int, ready: threading.Event | None, stop: th
                 except Exception:  # not enough clients yet (or stopping): look again
                     continue
                 try:
+                    # Transient failures are retried with the same session for as long as the region runs: a global
+                    # coordinator restarted from its state directory still knows it (and its task), a new one refuses
+                    # it and the runtime joins again.
                     summary = run(region, config.upstream, stop=stop, ca=config.upstream_ca, cert=config.upstream_cert,
                                   key=config.upstream_key, server_name=config.upstream_server_name, on_task=on_task,
-                                  connect_timeout=UPSTREAM_RETRY_MAX_S)
+                                  connect_timeout=UPSTREAM_RETRY_MAX_S, retry_max_elapsed=float("inf"))
                     trained += summary.rounds
                     finished = not stop.is_set()
                     break
-                except RpcFailed as exc:  # lost upstream past the retry budget: keep the clients, join again
+                except RpcFailed as exc:  # refused upstream (or unreachable at the first join): keep the clients, join again
                     log.warning("region %s: upstream %s: %s; joining again in %.0fs", escape(config.name), config.upstream,
                                 escape(str(exc)), backoff)
                     say(f"region {config.name}: upstream lost ({exc.code.name}); its clients stay; joining again")

@@ -173,3 +173,53 @@ def test_a_deployed_hierarchy_equals_fedgrid_simulate_with_the_same_hierarchy(tm
         for name in ("region-a", "region-b"):  # LAN bytes as the regions reported them, H rounds each
             assert abs(sim_m.extra[f"lan_bytes_up.{name}"] - m[f"lan_bytes_up.{name}"]) <= 200 * h * 2
             assert sim_m.extra[f"lan_bytes_up.{name}"] > h * 1.9 * sim_m.extra[f"bytes_up.{name}"]
+
+
+@pytest.mark.timeout(420)
+def test_a_region_that_loses_its_upstream_keeps_its_clients_and_joins_again(tmp_path, monkeypatch):
+    """The global coordinator dies after round 1 and comes back from its state directory on its
+    port: each region keeps its clients joined and retries with its session until the global
+    coordinator answers again, and the run completes with the same region and client
+    processes; every global round counts both regions once (slow_app: +6 a round, see above)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "apps"))
+    from fedgrid.plugins import model_state
+
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    client_env = {"SLOW_APP_MARKER_DIR": str(markers), "SLOW_APP_FIT_S": "0.2", "FEDGRID_RETRY_MAX_WAIT_S": "1"}
+    region_env = client_env
+    top, state = tmp_path / "global", tmp_path / "global-state"
+    global_args = ["--model", "slow_app:model", "--rounds", "3", "--min-clients", "2", "--seed", str(SEED), "--heartbeat-interval-s", "1",
+                   "--round-timeout-s", "120", "--state-dir", str(state)]
+    coordinator, address = start_coordinator(top, *global_args)
+    procs, clients = [coordinator], []
+    try:
+        for r, name in enumerate(("region-a", "region-b")):
+            procs.append(_start([*FEDGRID, "region", "--upstream", address, "--name", name, "--listen", "127.0.0.1:0", "--out",
+                                 str(tmp_path / name), "--threads", str(THREADS), "--seed", str(SEED), "--min-clients", "2",
+                                 "--regional-rounds", "2", "--heartbeat-interval-s", "1"], tmp_path / f"{name}.log", region_env))
+            path = tmp_path / name / "address"
+            wait_until(lambda: path.exists() and path.read_text().strip() != "", timeout=60, what=f"{name}'s address")
+            for i in (2 * r, 2 * r + 1):
+                clients.append(_start([*FEDGRID, "client", "--coordinator", path.read_text().strip(), "--app", "slow_app:client",
+                                       "--partition", f"{i}/4", "--threads", str(THREADS)], tmp_path / f"client{i}.log", client_env))
+        procs += clients
+        wait_until(lambda: (top / "metrics.jsonl").exists() and len(read_metrics(top)) >= 1, timeout=180, what="global round 1")
+        coordinator.kill()
+        coordinator.wait(timeout=30)
+        assert all(p.poll() is None for p in procs[1:])  # the regions and their clients stay
+        restarted = subprocess.Popen([*FEDGRID, "coordinator", "--listen", address, "--out", str(top), "--threads", str(THREADS), *global_args],
+                                     stdout=open(tmp_path / "global-restarted.log", "w"), stderr=subprocess.STDOUT, env=child_env())
+        procs.append(restarted)
+        for proc in procs[::-1]:
+            if proc is not coordinator:
+                assert proc.wait(timeout=240) == 0, [p.read_text()[-2000:] for p in sorted(tmp_path.glob("*.log"))]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    rounds = read_metrics(top)
+    assert [m["round"] for m in rounds] == [1, 2, 3] and [m["clients_ok"] for m in rounds] == [2, 2, 2]
+    final, initial = load_model(top / "model.safetensors"), model_state("slow_app:model", seed=SEED)
+    for name, tensor in initial.items():
+        torch.testing.assert_close(final[name], tensor + 18.0, atol=1e-4, rtol=0)
