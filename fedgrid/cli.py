@@ -9,7 +9,7 @@ import threading
 from typing import Any, Sequence, TextIO
 
 from fedgrid.cli_support import FedgridParser, error_line, package_version, with_default_out
-from fedgrid.config import COORDINATOR_ONLY_KEYS, SIMULATION_ONLY_KEYS, Config, config_keys, key_type, load_config
+from fedgrid.config import CLIENT_ONLY_KEYS, COORDINATOR_ONLY_KEYS, SIMULATION_ONLY_KEYS, Config, config_keys, key_type, load_config
 from fedgrid.errors import ConfigError, FedgridError
 from fedgrid.interrupts import FORCED_EXIT_STATUS, GracefulStop, say
 from fedgrid.types import ModelState, RoundMetrics
@@ -17,14 +17,14 @@ from fedgrid.types import ModelState, RoundMetrics
 __all__ = ["main", "build_parser", "serve", "SimulateProgress"]
 
 # Keys each subcommand exposes as flags; every key is also accepted through --config.
-SIMULATE_KEYS = [k for k in config_keys() if k not in COORDINATOR_ONLY_KEYS]
-COORDINATOR_KEYS = [k for k in config_keys() if k not in SIMULATION_ONLY_KEYS]
+SIMULATE_KEYS = [k for k in config_keys() if k not in COORDINATOR_ONLY_KEYS | CLIENT_ONLY_KEYS]
+COORDINATOR_KEYS = [k for k in config_keys() if k not in SIMULATION_ONLY_KEYS | CLIENT_ONLY_KEYS]
 # The built-in client factory's options (fedgrid.simulation.tasks.CLIENT_KEYS) as `fedgrid
 # client` flags, so a deployed client trains like its simulated twin; --data-partition is the spec.
 CLIENT_OPTION_KEYS = ["dataset", "data_dir", "model", "batch_size", "optimizer", "lr", "momentum", "weight_decay"]
 #: What ``fedgrid client --config FILE`` takes from the file (flags override it); the file's
 #: other keys (a TOML shared with the coordinator) are checked and left alone.
-CLIENT_CONFIG_KEYS = [*CLIENT_OPTION_KEYS, "partition", "threads", "ca", "cert", "key"]
+CLIENT_CONFIG_KEYS = [*CLIENT_OPTION_KEYS, "partition", "threads", "ca", "cert", "key", *sorted(CLIENT_ONLY_KEYS)]
 
 
 def _add_config_flags(parser: argparse.ArgumentParser, keys: Sequence[str], *, with_config: bool = True) -> None:
@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the coordinator's enrollment service (its --enroll-listen)")
     cli.add_argument("--name", default=None, metavar="NAME",
                      help="with --enroll: the identity to ask for (the token's name if it was issued with one; default client-TOKEN_ID)")
-    _add_config_flags(cli, [*CLIENT_OPTION_KEYS, "threads"], with_config=False)
+    _add_config_flags(cli, [*CLIENT_OPTION_KEYS, "threads", *sorted(CLIENT_ONLY_KEYS)], with_config=False)
     cli.add_argument(
         "--state-dir", dest="state_dir", default=None, metavar="DIR",
         help="save the client's state across rounds (error-feedback residuals, the client's own state) to "
@@ -338,6 +338,9 @@ def _client(args: argparse.Namespace) -> int:
     print(f"fedgrid client {index}/{total}: {torch.get_num_threads()} threads, torch {torch.__version__}", flush=True)
     if args.region:
         client.region = args.region
+    from fedgrid.client.capabilities import override_from
+
+    client.capability_override = override_from(config)
     state_path = Path(args.state_dir) / f"client-{index}.pt" if args.state_dir else None
 
     def interrupt(signal_name: str) -> None:

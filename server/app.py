@@ -47,7 +47,7 @@ from fedgrid.server.monitor import CoordinatorMonitor
 from fedgrid.server.peers import PeerCheck
 from fedgrid.server.service import SERVICE, CoordinatorServicer, add_to_server
 from fedgrid.server.state import StateStore
-from fedgrid.server.strategies import build_strategy
+from fedgrid.server.strategies import build_capability_filter, build_strategy
 from fedgrid.types import ModelState
 from fedgrid.webserve import StatusServer
 
@@ -286,6 +286,7 @@ def _serve(
         codec_policy=build_codec_policy(config),
         downlink_codec=config.downlink_codec,
         bounds=build_bounds(config),
+        requirements=build_capability_filter(config),
     )
     engine: RoundEngine  # built below; the status server serves (reads its history) only once it is
     monitor = CoordinatorMonitor(fleet, rounds=config.rounds, history=lambda: engine.history) if config.http else None
