@@ -153,7 +153,7 @@ class GrpcFleet(Fleet):
         info, token = self.registry.join(joining, identity=identity)
         missing = self.requirements.shortfall(info) if self.requirements is not None else None
         if missing is not None:
-            log.info("client %s takes no tasks: %s (the coordinator's capability requirements)", escape(info.name or info.client_id), missing)
+            log.warning("client %s takes no tasks: %s (the coordinator's capability requirements)", escape(info.name or info.client_id), missing)
         return info, token
 
     def authenticate(self, client_id: str, token: str) -> ClientRecord:
