@@ -25,7 +25,7 @@ from fedgrid.errors import InvalidUpdateError
 from fedgrid.textsafe import escape
 
 __all__ = [
-    "Capabilities", "CapabilityOverride", "check_capabilities", "parse_size", "format_size", "MAX_ACCELERATORS",
+    "Capabilities", "CapabilityOverride", "check_capabilities", "parse_size", "format_size", "describe", "MAX_ACCELERATORS",
     "MAX_MEMORY_BYTES", "MAX_DEVICE_CHARS",
 ]
 
@@ -130,3 +130,8 @@ def format_size(nbytes: int) -> str:
             break
         value /= 1024
     return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+
+
+def describe(device: str, num_accelerators: int, memory_bytes: int) -> str:
+    """``cuda x2, 80.0 GiB``: a report in a few characters (a count or size of 0, unknown, left out)."""
+    return device + (f" x{num_accelerators}" if num_accelerators else "") + (f", {format_size(memory_bytes)}" if memory_bytes else "")

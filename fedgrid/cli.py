@@ -338,9 +338,16 @@ def _client(args: argparse.Namespace) -> int:
     print(f"fedgrid client {index}/{total}: {torch.get_num_threads()} threads, torch {torch.__version__}", flush=True)
     if args.region:
         client.region = args.region
+    from fedgrid.capabilities import describe
     from fedgrid.client.capabilities import override_from
 
     client.capability_override = override_from(config)
+    try:
+        reported = client.capabilities()
+    except ValueError as exc:  # an --app's own capabilities(): before run(), whose ValueErrors are TLS files
+        raise ConfigError("app", f"the client's capabilities: {exc}") from None
+    print(f"fedgrid client {index}/{total}: reports {describe(reported.device, reported.num_accelerators, reported.memory_bytes)} "
+          "at join", flush=True)
     state_path = Path(args.state_dir) / f"client-{index}.pt" if args.state_dir else None
 
     def interrupt(signal_name: str) -> None:

@@ -15,7 +15,7 @@ import urllib.error
 import urllib.request
 from typing import Any, Mapping
 
-from fedgrid.capabilities import format_size
+from fedgrid.capabilities import describe
 from fedgrid.errors import FedgridError
 
 __all__ = ["fetch_status", "render_status", "status_command", "StatusUnavailable", "FETCH_TIMEOUT_S"]
@@ -66,8 +66,7 @@ def _plain(value: object) -> Any:
 def _device(client: Mapping[str, Any]) -> str:
     """``cuda x2, 80.0 GiB``: a client's device type, accelerators and memory (what a coordinator
     older than these fields leaves out, left out)."""
-    accelerators, memory = int(client.get("accelerators") or 0), int(client.get("memory_bytes") or 0)
-    return str(client.get("device", "")) + (f" x{accelerators}" if accelerators else "") + (f", {format_size(memory)}" if memory else "")
+    return describe(str(client.get("device", "")), int(client.get("accelerators") or 0), int(client.get("memory_bytes") or 0))
 
 
 def render_status(status: Mapping[str, Any]) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fedgrid.capabilities import (
-    MAX_ACCELERATORS, MAX_MEMORY_BYTES, Capabilities, CapabilityOverride, check_capabilities, format_size, parse_size,
+    MAX_ACCELERATORS, MAX_MEMORY_BYTES, Capabilities, CapabilityOverride, check_capabilities, describe, format_size, parse_size,
 )
 from fedgrid.errors import InvalidUpdateError
 
@@ -31,6 +31,10 @@ def test_bad_sizes_name_the_key(text, message):
     with pytest.raises(ValueError) as info:
         parse_size(text, what="min_client_memory")
     assert message in str(info.value)
+
+
+def test_a_report_in_a_few_characters():
+    assert [describe("cuda", 2, 80 << 30), describe("cpu", 0, 16 << 30), describe("cpu", 0, 0)] == ["cuda x2, 80.0 GiB", "cpu, 16.0 GiB", "cpu"]
 
 
 def test_format_size_picks_the_largest_binary_unit():

@@ -108,7 +108,7 @@ def test_client_takes_its_keys_from_the_config_file_flags_winning(tmp_path, monk
     assert info.value.key == "optimizer"
 
 
-def test_client_reports_what_its_file_and_flags_state_at_join(tmp_path, monkeypatch):
+def test_client_reports_what_its_file_and_flags_state_at_join(tmp_path, monkeypatch, capsys):
     from fedgrid.capabilities import Capabilities
 
     seen = {}
@@ -125,6 +125,7 @@ def test_client_reports_what_its_file_and_flags_state_at_join(tmp_path, monkeypa
     assert cli.main(["client", "--config", str(config), "--coordinator", "127.0.0.1:9", "--report-accelerators", "2",
                      "--report-memory", "40GiB", "--threads", "1"]) == 0
     assert seen["reported"] == Capabilities("cuda", 2, 40 << 30)  # the flag wins over the file
+    assert "fedgrid client 0/1: reports cuda x2, 40.0 GiB at join" in capsys.readouterr().out
 
 
 def test_a_bad_report_flag_stops_the_client_in_one_line_and_is_no_coordinator_flag(capsys):
