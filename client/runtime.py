@@ -316,11 +316,13 @@ class Connection:
                 "signed by another CA, expired or not yet valid, or not a client certificate)")
 
     def join(self, client: Client) -> None:
+        caps = client.capabilities()
         request = pb.JoinRequest(
             name="" if self.tls is not None else client.name,  # under mTLS the certificate names it
             region=client.region,
             num_examples=client.num_examples,
-            capabilities=pb.Capabilities(device="cpu", codecs=list(available_codecs())),
+            capabilities=pb.Capabilities(device=caps.device, num_accelerators=caps.num_accelerators, memory_bytes=caps.memory_bytes,
+                                         codecs=list(available_codecs())),
         )
         reply: pb.JoinReply = self._call("Join", lambda: self.stub.Join(request, timeout=self.rpc_timeout))
         self.client_id, self.token, self.run_id = reply.client_id, reply.session_token, reply.run_id

@@ -48,6 +48,8 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(["Codec", "get_codec", "available_codecs"], "fedgrid.compression"),
     # configuration
     **dict.fromkeys(["Config", "load_config"], "fedgrid.config"),
+    # what a client reports at Join
+    **dict.fromkeys(["Capabilities", "CapabilityOverride"], "fedgrid.capabilities"),
     # types
     **dict.fromkeys(
         [

@@ -380,6 +380,16 @@ def _client(args: argparse.Namespace) -> int:
           + (f", {spec.nproc} ranks ({config.parallel})" if spec.nproc > 1 else ""), flush=True)
     if args.region:
         client.region = args.region
+    from fedgrid.capabilities import describe
+    from fedgrid.client.capabilities import override_from
+
+    client.capability_override = override_from(config)
+    try:
+        reported = client.capabilities()
+    except ValueError as exc:  # an --app's own capabilities(): before run(), whose ValueErrors are TLS files
+        raise ConfigError("app", f"the client's capabilities: {exc}") from None
+    print(f"fedgrid client {index}/{total}: reports {describe(reported.device, reported.num_accelerators, reported.memory_bytes)} "
+          "at join", flush=True)
     state_path = Path(args.state_dir) / f"client-{index}.pt" if args.state_dir else None
 
     def interrupt(signal_name: str) -> None:

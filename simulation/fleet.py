@@ -323,8 +323,8 @@ class InProcessFleet(Fleet):
                 results.append(FitRes(info, update, header.num_examples, header.metrics))
         cancelled = [info for info, _ in pending[done:]]
         extra = {"uplink_ratio": raw_up / payload_up} if payload_up else {}
-        for region, (up, down) in sorted(by_region.items()):
-            extra[f"bytes_up.{region}"], extra[f"bytes_down.{region}"] = float(up), float(down)
+        for region, (region_up, region_down) in sorted(by_region.items()):
+            extra[f"bytes_up.{region}"], extra[f"bytes_down.{region}"] = float(region_up), float(region_down)
         if self.profiles is not None:
             extra["sim_round_s"] = max((seconds[r.client.client_id] for r in results), default=0.0)
         return RoundOutcome(results, failures, cancelled, bytes_up=bytes_up, bytes_down=bytes_down, extra=extra)

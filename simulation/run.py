@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 from datetime import timedelta
-from typing import Callable
+from typing import Any, Callable
 
 from fedgrid.config import Config
 from fedgrid.determinism import environment, intra_op_threads
@@ -88,7 +88,8 @@ def _regions(config: Config, clients: list, profiles: ClientProfiles) -> list:
     labels = sorted({profiles.region(i) for i in range(len(clients))} - {""})
     if not labels:
         raise ConfigError("hierarchy", "needs regions (e.g. regions = 'eu:0.5,us:0.5'): the tiers to aggregate in")
-    regional = replace(config, strategy=config.region_strategy, **{k: None for k in STRATEGY_KEYS})
+    defaults: dict[str, Any] = {k: None for k in STRATEGY_KEYS}  # the regional strategy's own defaults
+    regional = replace(config, strategy=config.region_strategy, **defaults)
     out = []
     for label in labels:
         mine = [c for i, c in enumerate(clients) if profiles.region(i) == label]
