@@ -20,7 +20,7 @@ from fedgrid.config import load_config
 from fedgrid.errors import SessionError
 from fedgrid.events import Event
 from fedgrid.runlog import load_model
-from fedgrid.types import EVALUATE, FIT, TO_SERVER, MessageIns
+from fedgrid.types import EVALUATE, FIT, TO_SERVER, FitIns, MessageIns
 
 from harness import THREADS, InProcessCoordinator, wait_until
 
@@ -60,8 +60,9 @@ def shifted(state) -> "OrderedDict[str, torch.Tensor]":  # type: ignore[no-untyp
     return OrderedDict((k, v + SHIFT if v.is_floating_point() else v.clone()) for k, v in state.items())
 
 
-def check_run(run: Run, session, globals_seen: list[dict[str, torch.Tensor]]) -> None:  # type: ignore[no-untyped-def]
-    """Three rounds, each starting from the last one's result; the Leave heard; the final model as computed."""
+def check_run(run: Run, session, globals_seen: list[dict[str, torch.Tensor]], *, atol: float = 1e-6) -> None:  # type: ignore[no-untyped-def]
+    """Three rounds, each starting from the last one's result; the Leave heard; the final model as
+    computed (within ``atol``: a lossy uplink codec's error)."""
     final = run.finish()
     assert [int(e["round"]) for e in run.seen("round_committed")] == [1, 2, 3]
     assert [(e["client"], e["reason"]) for e in run.seen("client_left")] == [(session.client_id, "the host program closed the session")]
@@ -71,25 +72,29 @@ def check_run(run: Run, session, globals_seen: list[dict[str, torch.Tensor]]) ->
     initial = globals_seen[0]
     for r in range(1, ROUNDS):  # round r + 1 trains from round r's aggregate: the host's result
         for name, tensor in initial.items():
-            torch.testing.assert_close(globals_seen[r][name], tensor + r * SHIFT, rtol=0, atol=1e-6)
+            torch.testing.assert_close(globals_seen[r][name], tensor + r * SHIFT, rtol=0, atol=atol)
     assert set(final) == set(initial)
     for name, tensor in initial.items():
-        torch.testing.assert_close(final[name], tensor + ROUNDS * SHIFT, rtol=0, atol=1e-6)
+        torch.testing.assert_close(final[name], tensor + ROUNDS * SHIFT, rtol=0, atol=atol)
         assert not torch.equal(final[name], tensor)
 
 
-def test_a_session_in_a_host_loop_trains_three_rounds_and_leaves(tmp_path):
-    run = Run(tmp_path / "run")
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_a_session_in_a_host_loop_trains_three_rounds_and_leaves(tmp_path, codec):
+    run = Run(tmp_path / "run", codec=codec)
     reports, globals_seen = [], []
     with connect(run.address, name="host", num_examples=EXAMPLES, on_task=reports.append) as session:
         for task in session.tasks():
-            assert task.kind == FIT and task.ins.round == task.round and task.config["lr"] > 0
+            assert task.kind == FIT and task.ins.round == task.round and task.config.get("uplink_codec", "none") == codec
             globals_seen.append(OrderedDict((k, v.clone()) for k, v in task.state.items()))
             report = session.submit(FitOutput(shifted(task.state), num_examples=EXAMPLES, metrics={"loss": 1.0 / task.round}))
             assert report is not None and report.round == task.round
             if task.round == ROUNDS:  # the host program decides it has trained enough
                 break
-    check_run(run, session, globals_seen)
+    # int8: one step of 1/127 of the largest change at most, error feedback carrying the rest to the next round
+    check_run(run, session, globals_seen, atol=1e-6 if codec == "none" else 2 * SHIFT / 127)
+    raw = sum(t.numel() * t.element_size() for t in globals_seen[0].values())
+    assert all(r.bytes_up > raw if codec == "none" else r.bytes_up < 0.3 * raw for r in reports), (raw, reports)
     assert [(r.round, r.kind, r.num_examples, r.loss) for r in reports] == [(1, FIT, EXAMPLES, 1.0), (2, FIT, EXAMPLES, 0.5),
                                                                            (3, FIT, EXAMPLES, pytest.approx(1 / 3))]
     assert all(r.bytes_up > 0 and r.bytes_down > 0 for r in reports) and session.rounds == ROUNDS
@@ -308,3 +313,40 @@ def test_a_closed_session_refuses_use_and_a_bad_address_is_named():
     with pytest.raises(SessionError, match="opens once"):
         session.open()
     assert session.left is None  # never joined: nothing to leave
+
+
+def test_a_session_under_mutual_tls_is_its_certificates_identity(tmp_path, small_state):
+    from datetime import timedelta
+
+    from fedgrid import pki
+    from fedgrid.proto.tls import TLSFiles
+    from fedgrid.server.app import Coordinator
+    from fedgrid.server.grpc_fleet import GrpcFleet
+
+    pki.init_ca(tmp_path)
+    pki.issue(tmp_path, "coordinator", server=True)  # SANs localhost, 127.0.0.1
+    pki.issue(tmp_path, "hospital-7")
+    fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=60))
+    tls = TLSFiles(str(tmp_path / "ca.pem"), str(tmp_path / "coordinator.pem"), str(tmp_path / "coordinator.key"))
+    coordinator = Coordinator("127.0.0.1:0", fleet, max_workers=4, tls=tls).start()
+    outcome: list = []
+    try:
+        port = coordinator.address.rpartition(":")[2]
+        with connect(f"127.0.0.1:{port}", name="ignored", num_examples=3, ca=str(tmp_path / "ca.pem"),
+                     cert=str(tmp_path / "hospital-7.pem"), key=str(tmp_path / "hospital-7.key"), server_name="localhost") as session:
+            [info] = fleet.wait_for_clients(min_clients=1, timeout=timedelta(seconds=30))
+            assert info.name == "hospital-7"  # the certificate names it, not name=
+            rnd = threading.Thread(target=lambda: outcome.append(fleet.fit_round(
+                server_round=1, global_state=small_state, assignments=[(info, FitIns(round=1))], timeout=timedelta(seconds=60))))
+            rnd.start()
+            task = next(iter(session.tasks()))
+            assert session.submit(FitOutput(shifted(task.state), num_examples=3)) is not None
+            rnd.join(timeout=30)
+        assert [r.client.name for r in outcome[0].results] == ["hospital-7"]
+        torch.testing.assert_close(outcome[0].results[0].state["layer.weight"], small_state["layer.weight"] + SHIFT, rtol=0, atol=0)
+        assert session.leave_heard and fleet.live_clients() == []
+        with pytest.raises(ValueError, match="session TLS: ca, cert and key go together; missing cert, key"):
+            connect(coordinator.address, ca=str(tmp_path / "ca.pem"))
+    finally:
+        coordinator.stop(grace=0.5)
+        fleet.close()
