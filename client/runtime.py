@@ -601,6 +601,8 @@ class TaskFeed:
                 rejoins += 1
                 if exc.code != grpc.StatusCode.UNAUTHENTICATED or rejoins > MAX_REJOINS:
                     raise
+                if conn.stop.is_set():  # it left meanwhile (a Leave from another thread): nothing to rejoin
+                    return
                 # The coordinator no longer knows this session (it restarted without our
                 # registration): join again and carry on.
                 log.warning("session refused (%s): joining again", exc.details)

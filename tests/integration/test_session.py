@@ -16,6 +16,7 @@ import torch
 
 from fedgrid.cli import serve
 from fedgrid.client import EvaluateOutput, FitOutput, Task, aconnect, connect
+from fedgrid.client.state import load_client_state
 from fedgrid.config import load_config
 from fedgrid.errors import SessionError
 from fedgrid.events import Event
@@ -83,7 +84,8 @@ def check_run(run: Run, session, globals_seen: list[dict[str, torch.Tensor]], *,
 def test_a_session_in_a_host_loop_trains_three_rounds_and_leaves(tmp_path, codec):
     run = Run(tmp_path / "run", codec=codec)
     reports, globals_seen = [], []
-    with connect(run.address, name="host", num_examples=EXAMPLES, on_task=reports.append) as session:
+    state_path = tmp_path / "session-state.pt"
+    with connect(run.address, name="host", num_examples=EXAMPLES, on_task=reports.append, state_path=state_path) as session:
         for task in session.tasks():
             assert task.kind == FIT and task.ins.round == task.round and task.config.get("uplink_codec", "none") == codec
             globals_seen.append(OrderedDict((k, v.clone()) for k, v in task.state.items()))
@@ -98,6 +100,8 @@ def test_a_session_in_a_host_loop_trains_three_rounds_and_leaves(tmp_path, codec
     assert [(r.round, r.kind, r.num_examples, r.loss) for r in reports] == [(1, FIT, EXAMPLES, 1.0), (2, FIT, EXAMPLES, 0.5),
                                                                            (3, FIT, EXAMPLES, pytest.approx(1 / 3))]
     assert all(r.bytes_up > 0 and r.bytes_down > 0 for r in reports) and session.rounds == ROUNDS
+    saved = load_client_state(state_path, name="host")  # the uplink's residuals, for a restarted host program
+    assert saved is not None and (saved["run_id"], saved["round"]) == (session.run_id, ROUNDS) and list(saved["uplink"]) == [codec]
     accepted = run.seen("update_accepted")
     assert [(int(e["round"]), e["client"]) for e in accepted] == [(r, session.client_id) for r in (1, 2, 3)]
 
