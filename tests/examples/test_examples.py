@@ -136,3 +136,4 @@ def test_federated_loop_continues_from_the_federated_average(capsys):
     assert [(r["round"], r["clients_ok"], r["clients_evaluated"]) for r in rows] == [(1, 2, 2), (2, 2, 2)]
     events = [e.event for e in read_events(result["run_dir"] / "events.jsonl")]
     assert events.count("client_joined") == 2 and "client_left" not in events  # one session each, ended by the run
+    assert len((EXAMPLES / "federated_loop.py").read_text().splitlines()) < 100  # what the docs promise

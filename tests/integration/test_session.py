@@ -354,3 +354,32 @@ def test_a_session_under_mutual_tls_is_its_certificates_identity(tmp_path, small
     finally:
         coordinator.stop(grace=0.5)
         fleet.close()
+
+
+def test_an_async_session_reports_failures_and_leaves_on_an_exception(small_state):
+    server = InProcessCoordinator(small_state, heartbeat_s=60.0)
+
+    async def host() -> None:
+        async with aconnect(server.address, name="async-flaky", num_examples=3, poll_wait_s=2.0) as session:
+            await asyncio.to_thread(wait_until, lambda: len(server.fleet.live_clients()) == 1, timeout=30, what="the session to join")
+            await asyncio.to_thread(server.open_round, server_round=1, timeout_s=120)
+            async for task in session.tasks():
+                if task.round == 1:
+                    await session.report_failure(MemoryError("batch of 512 does not fit"))
+                    first.append(await asyncio.to_thread(server.wait_round, 30))
+                    await asyncio.to_thread(server.open_round, server_round=2, timeout_s=120)
+                    continue
+                raise RuntimeError(f"the host's data pipeline broke in round {task.round}")
+
+    first: list = []
+    with pytest.raises(RuntimeError, match="data pipeline broke in round 2"):
+        asyncio.run(host())
+    try:
+        second = server.wait_round(timeout=30)
+        assert [[f.reason for f in o.failures] for o in (first[0], second)] == [
+            ["client reported: MemoryError: batch of 512 does not fit"],
+            ["client left: RuntimeError: the host's data pipeline broke in round 2"]]
+        assert all(o.results == [] and o.closed_by == "all" for o in (first[0], second))
+        assert server.fleet.live_clients() == []
+    finally:
+        server.stop()
