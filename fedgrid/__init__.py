@@ -27,6 +27,7 @@ _EXPORTS: dict[str, str] = {
     # client SDK
     **dict.fromkeys(["Client", "FitOutput", "EvaluateOutput"], "fedgrid.client.api"),
     **dict.fromkeys(["run", "start", "ClientHandle", "RunSummary", "RpcFailed"], "fedgrid.client.runtime"),
+    **dict.fromkeys(["connect", "aconnect", "Session", "AsyncSession"], "fedgrid.client.session"),
     "TorchClient": "fedgrid.client.torch_client",
     # coordinator
     **dict.fromkeys(["Coordinator", "run_coordinator"], "fedgrid.server.app"),
@@ -64,7 +65,7 @@ _EXPORTS: dict[str, str] = {
             "FedgridError", "ResourceLimitError", "ConfigError", "InvalidUpdateError", "AuthenticationError",
             "PermissionDeniedError", "StaleTaskError", "DuplicateUpdateError", "PayloadTooLargeError",
             "RunFinishedError", "InterruptedRunError", "PKIError", "EnrollmentError", "CSRError",
-            "EnrollmentNameError", "NonFiniteAggregateError",
+            "EnrollmentNameError", "NonFiniteAggregateError", "SessionError",
         ],
         "fedgrid.errors",
     ),
@@ -99,13 +100,14 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
     )
     from fedgrid.client.api import Client, EvaluateOutput, FitOutput
     from fedgrid.client.runtime import ClientHandle, RpcFailed, RunSummary, run, start
+    from fedgrid.client.session import AsyncSession, Session, aconnect, connect
     from fedgrid.client.torch_client import TorchClient
     from fedgrid.compression import Codec, available_codecs, get_codec
     from fedgrid.config import Config, load_config
     from fedgrid.errors import (
         AuthenticationError, ConfigError, CSRError, DuplicateUpdateError, EnrollmentError, EnrollmentNameError,
         FedgridError, InterruptedRunError, InvalidUpdateError, NonFiniteAggregateError, PayloadTooLargeError,
-        PermissionDeniedError, PKIError, ResourceLimitError, RunFinishedError, StaleTaskError,
+        PermissionDeniedError, PKIError, ResourceLimitError, RunFinishedError, SessionError, StaleTaskError,
     )
     from fedgrid.server.app import Coordinator, run_coordinator
     from fedgrid.server.engine import RoundEngine
