@@ -29,11 +29,11 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
-def like(full_tensor: torch.Tensor, param: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``full_tensor`` (the whole, unsharded value) on ``param``'s device, in ``dtype`` (default
-    ``param``'s), and distributed as ``param`` is: a ``DTensor`` with its mesh and placements
-    when ``param`` is one (FSDP2), cut locally, as every rank holds the same ``full_tensor``."""
-    local = full_tensor.to(param.device, dtype or param.dtype)
+def like(full_tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``full_tensor`` (the whole, unsharded value) on ``param``'s device and in its dtype, and
+    distributed as ``param`` is: a ``DTensor`` with its mesh and placements when ``param`` is
+    one (FSDP2), cut locally, as every rank holds the same ``full_tensor``."""
+    local = full_tensor.to(param.device, param.dtype)
     if _is_dtensor(param):
         from torch.distributed.tensor import distribute_tensor
 
@@ -152,7 +152,8 @@ class ScaffoldControl:
             if name not in self.c_i or self.c_i[name].shape != c.shape:
                 self.c_i[name] = torch.zeros_like(c)
         self._correction = {n: like(self._server[n] - self.c_i[n], p) for n, p in params.items() if n in self._server}
-        self._grad_sums = {n: like(torch.zeros(p.shape, dtype=torch.float32), p, torch.float32) for n in self._correction for p in [params[n]]}
+        # zeros_like: sharded like the parameter when it is a DTensor
+        self._grad_sums = {n: torch.zeros_like(params[n], dtype=torch.float32, memory_format=torch.contiguous_format) for n in self._correction}
         self._counts = {n: 0 for n in self._correction}
 
     def correct(self, params: Mapping[str, nn.Parameter]) -> None:

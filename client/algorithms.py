@@ -39,7 +39,7 @@ engine cannot stack (DiLoCo's persistent inner optimizer) says why in ``not_batc
 
 The per-step hooks are elementwise on a parameter and its gradient, and tensors they add to
 a gradient are distributed like the parameter (``like``), so they run unchanged on sharded
-parameters (FSDP2's ``DTensor``s) and after DDP's gradient all-reduce.
+parameters (FSDP2's ``DTensor``) and after DDP's gradient all-reduce.
 
 A new algorithm is one subclass with a ``name``, passed to ``register``.
 """

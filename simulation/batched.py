@@ -12,11 +12,13 @@ and backward in one batched kernel per layer), then one batched optimizer step
   its own per-example losses (its ``loss_fn`` applied to one example at a time), so padding
   changes nothing; clients are sorted by their number of steps, so the clients still active
   at step ``s`` are a prefix ``[:k]`` of the stacks: no gather, no compute for finished ones;
-- algorithms: ``fedavg`` family, ``fedprox`` (proximal term in the objective), ``bcd`` (only
-  the block trains and is returned) and ``scaffold`` (gradient correction ``c - c_i``, the
-  client's ``ScaffoldControl`` updated as ``finish`` does). ``diloco`` and
-  ``streaming-diloco`` keep a persistent inner optimizer and replica per client: those
-  clients train through ``TorchClient.fit`` one by one.
+- algorithms: the client's own ``ClientAlgorithm`` (``fedgrid.client.algorithms``) gives
+  the loop, the start state, the trained names, the optimizer's hyperparameters and the
+  upload through the hooks ``fit`` calls; its step hook comes as data: ``proximal_mu`` (a
+  proximal term in the objective, FedProx) and ``correction`` (added to each step's
+  gradient, SCAFFOLD, whose raw gradient sums go back through ``record``). An algorithm
+  that is ``not_batchable`` (DiLoCo's persistent inner optimizer and replica), or that runs
+  inner steps, trains through ``TorchClient.fit`` one client at a time.
 
 What cannot batch (``NotBatchable``, checked when the trainer is built): clients that are not
 plain ``TorchClient``; loaders other than a ``DataLoader`` (``num_workers=0``, default
