@@ -242,12 +242,29 @@ def _simulate(args: argparse.Namespace) -> int:
         if progress is not None:
             progress.update(m)
 
+    from fedgrid.client.parallel import torchrun_rank
+
+    ranks = torchrun_rank()
+    if ranks is not None:  # torchrun: each rank trains its share of the clients (fedgrid.simulation.sharded)
+        import torch.distributed as dist
+        from datetime import timedelta
+
+        dist.init_process_group("gloo", timeout=timedelta(seconds=config.round_timeout_s))
+        if ranks[0] != 0:  # rank 0 speaks for the run
+            progress = None
+            header = show = lambda *a: None  # noqa: E731
     with GracefulStop(on_stop, what="simulate"):
         try:
             final_model, history = run_simulation(config, on_round=show, on_start=header, stop=stop)
         finally:
             if progress is not None:
                 progress.close()
+            if ranks is not None:
+                import torch.distributed as dist
+
+                dist.destroy_process_group()
+    if ranks is not None and ranks[0] != 0:
+        return 0
     if final_model is None:
         saved = f"; model of round {len(history)} in {config.out}/model.safetensors" if history else ""
         print(f"stopped after {len(history)} of {config.rounds} rounds{saved}; run directory {config.out}")

@@ -163,6 +163,10 @@ class InProcessFleet(Fleet):
         elif engine != "sequential":
             self._choose(engine, BatchedTrainer(list(clients), batch_clients=batch_clients))
 
+    def index_of(self, client_id: str) -> int:
+        """The position of client ``client_id`` in the list the fleet was made with."""
+        return self._index[client_id]
+
     @property
     def device(self) -> torch.device | None:
         """Where the batched engine trains; ``None`` on the sequential engine (each client's own device)."""

@@ -13,6 +13,7 @@ from fedgrid.determinism import environment, intra_op_threads
 from fedgrid.runlog import RunWriter
 from fedgrid.server.codec_policy import build_codec_policy
 from fedgrid.server.engine import RoundEngine
+from fedgrid.server.fleet import Fleet
 from fedgrid.server.memory import keep_large_buffers
 from fedgrid.server.strategies import build_strategy
 from fedgrid.server.bounds import build_bounds
@@ -61,6 +62,15 @@ def run_simulation(
     check_config(config)  # the data, model and heterogeneity keys, before any work
     with intra_op_threads(config.threads) as threads:
         return _run(config, threads, on_round, on_start, stop)
+
+
+def _ranks() -> tuple[int, int]:
+    """(rank, world size) of the default ``torch.distributed`` group; (0, 1) without one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 def _regions(config: Config, clients: list, profiles: ClientProfiles) -> list:
@@ -135,20 +145,26 @@ def _run(
     )  # checks the engine can train these clients: fails before the run directory exists
     if fleet.device is not None and fleet.device.type == "cpu":
         keep_large_buffers()  # the batched engine frees and reallocates the same large buffers at every step
+    rank, world = _ranks()
+    run_fleet: Fleet = fleet
+    if world > 1:  # torchrun: this rank trains its share of the clients (simulation/sharded.py)
+        from fedgrid.simulation.sharded import ShardedFleet
+
+        run_fleet = ShardedFleet(fleet, rank=rank, world=world)
     writer = None
-    if config.out:
+    if config.out and rank == 0:
         recorded = {**config.to_dict(), "threads": threads, "engine": fleet.engine}
         writer = RunWriter(config.out, recorded, environment=environment(engine_requested=config.engine, threads_requested=config.threads))
     engine = RoundEngine(
         strategy=strategy,
-        fleet=fleet,
+        fleet=run_fleet,
         rounds=config.rounds,
         min_clients=1,
         round_timeout=timedelta(seconds=config.round_timeout_s),
         join_timeout=timedelta(seconds=config.join_timeout_s),
         evaluate_fn=resolved.evaluate,
         writer=writer,
-        on_round=report,
+        on_round=report if rank == 0 else None,
         stop=stop,
     )
     log.info("engine: %s (%s)", fleet.engine, fleet.engine_reason)
