@@ -250,12 +250,12 @@ def _simulate(args: argparse.Namespace) -> int:
         from datetime import timedelta
 
         dist.init_process_group("gloo", timeout=timedelta(seconds=config.round_timeout_s))
-        if ranks[0] != 0:  # rank 0 speaks for the run
-            progress = None
-            header = show = lambda *a: None  # noqa: E731
+    quiet = ranks is not None and ranks[0] != 0  # rank 0 speaks for the run
+    if quiet:
+        progress = None
     with GracefulStop(on_stop, what="simulate"):
         try:
-            final_model, history = run_simulation(config, on_round=show, on_start=header, stop=stop)
+            final_model, history = run_simulation(config, on_round=None if quiet else show, on_start=None if quiet else header, stop=stop)
         finally:
             if progress is not None:
                 progress.close()
