@@ -50,8 +50,8 @@ from fedgrid.pki import identity_of
 from fedgrid.types import ModelState
 
 __all__ = [
-    "Connection", "ClientHandle", "RunSummary", "TaskReport", "RpcFailed", "CoordinatorUnreachable", "run", "start", "TRANSIENT",
-    "check_target",
+    "Connection", "ClientHandle", "RunSummary", "TaskReport", "ClientEvent", "RpcFailed", "CoordinatorUnreachable", "run", "start",
+    "TRANSIENT", "check_target",
 ]
 
 log = logging.getLogger(__name__)
@@ -173,6 +173,26 @@ class TaskReport:
     bytes_up: int
     bytes_down: int
     upload_retries: int
+
+
+@dataclass(frozen=True)
+class ClientEvent:
+    """A change of the client's session, for an observer (``run``'s ``on_event``).
+
+    Attributes:
+        kind: ``joined`` (``client_id``, ``run_id``; again after a refused session),
+            ``polling`` (waiting for a task), ``task`` (``round``, ``task``: ``fit``,
+            ``evaluate`` or ``message``), ``error`` (``round``, ``detail``: the task failed or
+            its round closed first; the client goes on), ``finished`` (the run ended) or
+            ``left`` (``detail``: why this client stopped).
+    """
+
+    kind: str
+    round: int = 0
+    task: str = ""
+    client_id: str = ""
+    run_id: str = ""
+    detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -512,6 +532,7 @@ def run(
     key: str = "",
     server_name: str = "",
     on_task: Callable[[TaskReport], None] | None = None,
+    on_event: Callable[[ClientEvent], None] | None = None,
     **connection_options: float,
 ) -> RunSummary:
     """Joins ``coordinator`` and serves tasks until the run finishes or ``stop`` is set.
@@ -532,6 +553,8 @@ def run(
             ``coordinator``.
         on_task: called with a ``TaskReport`` after each fit or evaluate task whose upload
             landed (``fedgrid client --http`` counts them as metrics).
+        on_event: called with a ``ClientEvent`` at each change of the session (``fedgrid
+            client --http`` serves the latest as ``/api/status``).
         connection_options: passed to ``Connection`` (``connect_timeout``, ``rpc_timeout``, ...).
 
     Raises:
@@ -550,8 +573,14 @@ def run(
     heartbeat: _Heartbeat | None = None
     finished = False
     leaving = "stopped"
+
+    def emit(kind: str, **fields: Any) -> None:
+        if on_event is not None:
+            on_event(ClientEvent(kind=kind, **fields))
+
     try:
         conn.join(client)
+        emit("joined", client_id=conn.client_id, run_id=conn.run_id)
         log.info("joined %s as %s (run %s)", coordinator, conn.client_id, conn.run_id)
         if saved is not None and state_path is not None:
             restore_client_state(conn, client, saved, state_path)
@@ -559,6 +588,7 @@ def run(
         heartbeat.start()
         while not stop.is_set():
             try:
+                emit("polling")
                 reply = conn.poll(poll_wait_s)
             except RpcFailed as exc:
                 rejoins += 1
@@ -569,6 +599,7 @@ def run(
                 log.warning("session refused (%s): joining again", exc.details)
                 run_id = conn.run_id
                 conn.join(client)
+                emit("joined", client_id=conn.client_id, run_id=conn.run_id)
                 if conn.run_id != run_id:  # a new run: residuals of the old model mean nothing
                     log.warning("the coordinator now runs %s (was %s): uplink state reset", conn.run_id, run_id)
                     conn.load_uplink_state_dict({})
@@ -581,6 +612,7 @@ def run(
             if kind != "task":
                 continue
             task = reply.task
+            emit("task", round=task.round, task={pb.MESSAGE: "message", pb.EVALUATE: "evaluate"}.get(task.kind, "fit"))
             if task.kind == pb.MESSAGE:
                 _exchange(conn, client, task)
                 continue
@@ -603,6 +635,7 @@ def run(
             except Exception as exc:  # the application's code failed: the round hears it now, the client goes on
                 log.exception("round %d: %s failed", task.round, "evaluate" if task.kind == pb.EVALUATE else "fit")
                 conn.report_failure(task.task_id, f"{type(exc).__name__}: {exc}")
+                emit("error", round=task.round, detail=f"{type(exc).__name__}: {exc}")
                 continue
             try:
                 conn.upload(
@@ -612,6 +645,7 @@ def run(
                 if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
                     raise
                 log.warning("round %d closed before the update landed: %s", task.round, exc.details)
+                emit("error", round=task.round, detail=f"round closed before the update landed: {exc.details}")
                 _save(state_path, conn, client, task)  # the residuals moved on all the same
                 continue
             loss = metrics.get("loss", metrics.get("train_loss"))
@@ -628,6 +662,10 @@ def run(
         leaving = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         raise
     finally:
+        if finished:
+            emit("finished")
+        else:
+            emit("left", detail=leaving)
         if conn.client_id and not finished:  # joined, and the run did not end: say so, not just go silent
             conn.leave(leaving)
         beat_stop.set()
