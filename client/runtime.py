@@ -50,8 +50,8 @@ from fedgrid.pki import identity_of
 from fedgrid.types import EVALUATE, FIT, FitIns, ModelState, Scalar
 
 __all__ = [
-    "Connection", "ClientHandle", "RunSummary", "TaskReport", "TaskStep", "TaskFeed", "RpcFailed", "CoordinatorUnreachable", "run",
-    "start", "TRANSIENT", "check_target",
+    "Connection", "ClientHandle", "RunSummary", "TaskReport", "ClientEvent", "TaskStep", "TaskFeed", "RpcFailed", "CoordinatorUnreachable",
+    "run", "start", "TRANSIENT", "check_target",
 ]
 
 log = logging.getLogger(__name__)
@@ -173,6 +173,26 @@ class TaskReport:
     bytes_up: int
     bytes_down: int
     upload_retries: int
+
+
+@dataclass(frozen=True)
+class ClientEvent:
+    """A change of the client's session, for an observer (``run``'s ``on_event``).
+
+    Attributes:
+        kind: ``joined`` (``client_id``, ``run_id``; again after a refused session),
+            ``polling`` (waiting for a task), ``task`` (``round``, ``task``: ``fit``,
+            ``evaluate`` or ``message``), ``error`` (``round``, ``detail``: the task failed or
+            its round closed first; the client goes on), ``finished`` (the run ended) or
+            ``left`` (``detail``: why this client stopped).
+    """
+
+    kind: str
+    round: int = 0
+    task: str = ""
+    client_id: str = ""
+    run_id: str = ""
+    detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -581,10 +601,17 @@ class TaskFeed:
     no Join follows its Leave.
     """
 
-    def __init__(self, conn: Connection, client: Client, *, poll_wait_s: float = POLL_WAIT_S) -> None:
+    def __init__(self, conn: Connection, client: Client, *, poll_wait_s: float = POLL_WAIT_S,
+                 on_event: Callable[[ClientEvent], None] | None = None) -> None:
         self.conn, self.client, self.poll_wait_s = conn, client, poll_wait_s
+        self.on_event = on_event
         self.finished = False
         self.lock = threading.Lock()
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        """Tells ``on_event`` of a change of the session (``ClientEvent``)."""
+        if self.on_event is not None:
+            self.on_event(ClientEvent(kind=kind, **fields))
 
     def join(self) -> bool:
         """Joins (again); returns ``False`` without joining once ``conn.stop`` is set."""
@@ -592,12 +619,14 @@ class TaskFeed:
             if self.conn.stop.is_set():
                 return False
             self.conn.join(self.client)
-            return True
+        self.emit("joined", client_id=self.conn.client_id, run_id=self.conn.run_id)
+        return True
 
     def __iter__(self) -> Iterator[TaskStep]:
         conn, rejoins = self.conn, 0
         while not conn.stop.is_set():
             try:
+                self.emit("polling")
                 reply = conn.poll(self.poll_wait_s)
             except RpcFailed as exc:
                 rejoins += 1
@@ -622,6 +651,7 @@ class TaskFeed:
                 return
             if kind != "task":
                 continue
+            self.emit("task", round=reply.task.round, task={pb.MESSAGE: "message", pb.EVALUATE: EVALUATE}.get(reply.task.kind, FIT))
             if reply.task.kind == pb.MESSAGE:
                 _exchange(conn, self.client, reply.task)
                 continue
@@ -640,6 +670,7 @@ def run(
     key: str = "",
     server_name: str = "",
     on_task: Callable[[TaskReport], None] | None = None,
+    on_event: Callable[[ClientEvent], None] | None = None,
     **connection_options: float,
 ) -> RunSummary:
     """Joins ``coordinator`` and serves tasks until the run finishes or ``stop`` is set.
@@ -660,6 +691,8 @@ def run(
             ``coordinator``.
         on_task: called with a ``TaskReport`` after each fit or evaluate task whose upload
             landed (``fedgrid client --http`` counts them as metrics).
+        on_event: called with a ``ClientEvent`` at each change of the session (``fedgrid
+            client --http`` serves the latest as ``/api/status``).
         connection_options: passed to ``Connection`` (``connect_timeout``, ``rpc_timeout``, ...).
 
     Raises:
@@ -674,7 +707,7 @@ def run(
     conn = Connection(coordinator, stop=stop, tls=tls, server_name=server_name, **connection_options)
     saved = load_client_state(state_path, name=conn.identity or client.name) if state_path is not None else None
     beat_stop = threading.Event()
-    feed = TaskFeed(conn, client, poll_wait_s=poll_wait_s)
+    feed = TaskFeed(conn, client, poll_wait_s=poll_wait_s, on_event=on_event)
     rounds = 0
     heartbeat: _Heartbeat | None = None
     leaving = "stopped"
@@ -698,10 +731,12 @@ def run(
             except Exception as exc:  # the application's code failed: the round hears it now, the client goes on
                 log.exception("round %d: %s failed", step.round, step.kind)
                 step.fail(f"{type(exc).__name__}: {exc}")
+                feed.emit("error", round=step.round, detail=f"{type(exc).__name__}: {exc}")
                 continue
             report = step.deliver(update, num_examples, metrics)
             _save(state_path, conn, client, step)  # a late update too: the residuals moved on all the same
             if report is None:
+                feed.emit("error", round=step.round, detail="the round closed before the update landed")
                 continue
             if step.kind == FIT:
                 rounds += 1
@@ -711,6 +746,7 @@ def run(
         leaving = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         raise
     finally:
+        feed.emit("finished") if feed.finished else feed.emit("left", detail=leaving)
         if conn.client_id and not feed.finished:  # joined, and the run did not end: say so, not just go silent
             conn.leave(leaving)
         beat_stop.set()

@@ -26,8 +26,9 @@ except PackageNotFoundError:  # run from a source tree that was never installed
 _EXPORTS: dict[str, str] = {
     # client SDK
     **dict.fromkeys(["Client", "FitOutput", "EvaluateOutput"], "fedgrid.client.api"),
-    **dict.fromkeys(["run", "start", "ClientHandle", "RunSummary", "RpcFailed"], "fedgrid.client.runtime"),
+    **dict.fromkeys(["run", "start", "ClientHandle", "RunSummary", "RpcFailed", "TaskReport", "ClientEvent"], "fedgrid.client.runtime"),
     **dict.fromkeys(["connect", "aconnect", "Session", "AsyncSession"], "fedgrid.client.session"),
+    "ClientMonitor": "fedgrid.client.monitor",
     "TorchClient": "fedgrid.client.torch_client",
     # coordinator
     **dict.fromkeys(["Coordinator", "run_coordinator"], "fedgrid.server.app"),
@@ -99,7 +100,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
         WeightedMean, build_strategy_from,
     )
     from fedgrid.client.api import Client, EvaluateOutput, FitOutput
-    from fedgrid.client.runtime import ClientHandle, RpcFailed, RunSummary, run, start
+    from fedgrid.client.monitor import ClientMonitor
+    from fedgrid.client.runtime import ClientEvent, ClientHandle, RpcFailed, RunSummary, TaskReport, run, start
     from fedgrid.client.session import AsyncSession, Session, aconnect, connect
     from fedgrid.client.torch_client import TorchClient
     from fedgrid.compression import Codec, available_codecs, get_codec

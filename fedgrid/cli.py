@@ -99,9 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
         "DIR/client-I.pt after every round and resume from it on restart (default: memory only)",
     )
     cli.add_argument("--http", default="", metavar="HOST:PORT",
-                     help="serve this client's /metrics (Prometheus) here, read-only (needs the monitor extra; port 0: a free one)")
+                     help="serve this client's /metrics (Prometheus) and /api/status (JSON) here, read-only (needs the monitor "
+                     "extra; port 0: a free one)")
     cli.add_argument("--http-token-file", dest="http_token_file", default="", metavar="FILE",
-                     help="with --http: the bearer token the metrics ask for (required on a non-loopback host)")
+                     help="with --http: the bearer token /metrics and /api/status ask for (required on a non-loopback host)")
     _add_certs_parser(sub)
     rep = sub.add_parser("report", help="plot run directories: PNG files and one self-contained HTML page")
     rep.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (metrics.jsonl), overlaid in one plot per metric")
@@ -412,20 +413,21 @@ def _client(args: argparse.Namespace) -> int:
     def interrupt(signal_name: str) -> None:
         raise KeyboardInterrupt(signal_name)  # unwinds run(), which tells the coordinator it leaves
 
-    on_task, http = None, None
+    on_task, on_event, http = None, None, None
     if (args.http or args.http_token_file) and (rank is None or rank[0] == 0):
         from fedgrid.client.monitor import serve_client_metrics
 
         if not args.http:
             raise ConfigError("http_token_file", "goes with --http (the address of the client's metrics)")
-        monitor, http = serve_client_metrics(args.http, token_file=args.http_token_file)
-        on_task = monitor.on_task
-        print(f"fedgrid client {index}/{total}: metrics on http://{http.address}/metrics", flush=True)
+        monitor, http = serve_client_metrics(args.http, token_file=args.http_token_file, name=client.name, coordinator=args.coordinator)
+        on_task, on_event = monitor.on_task, monitor.on_event
+        print(f"fedgrid client {index}/{total}: metrics on http://{http.address}/metrics, status on http://{http.address}/api/status"
+              f"{' (bearer token required)' if http.authenticated else ''}", flush=True)
     timeout = {} if args.connect_timeout_s is None else {"connect_timeout": args.connect_timeout_s}
 
     def serve_tasks(member: Any) -> Any:
         return run(member, coordinator=args.coordinator, state_path=state_path, ca=args.ca, cert=args.cert, key=args.key,
-                   server_name=args.server_name, on_task=on_task, **timeout)
+                   server_name=args.server_name, on_task=on_task, on_event=on_event, **timeout)
 
     try:
         with GracefulStop(interrupt, what="client"):

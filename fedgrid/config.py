@@ -41,6 +41,8 @@ STRATEGY_KEYS = (
     "aggregator",
     "aggregator_f",
     "aggregator_m",
+    "aggregator_bucket_size",
+    "aggregator_resamplings",
     "aggregator_beta",
     "aggregator_bound",
     "aggregator_tau",
@@ -148,6 +150,8 @@ class Config:
     aggregator: str | None = _key("robust aggregation rule: " + ", ".join(_AGGREGATOR_NAMES) + " (default mean)", None)
     aggregator_f: int | None = _key("krum / multi-krum: Byzantine clients tolerated", None)
     aggregator_m: int | None = _key("multi-krum: updates averaged (default n - f)", None)
+    aggregator_bucket_size: int | None = _key("krum: updates averaged per bucket before Krum picks (default: the most that n > 2 s f + 2 allows; 1: plain Krum)", None)
+    aggregator_resamplings: int | None = _key("krum: bucket shuffles whose picks are averaged (default 10)", None)
     aggregator_beta: float | None = _key("trimmed-mean: share trimmed at each end", None)
     aggregator_bound: float | None = _key("norm-clip: largest L2 norm an update keeps (default: the median norm of the round's updates)", None)
     aggregator_tau: float | None = _key("centered-clip: clipping radius", None)
