@@ -289,8 +289,8 @@ class _Pipe:
                 if self.dst.can_write_eof():
                     self.dst.write_eof()
                 return
+            self.relay._count(self.up, len(piece))  # first: the peer may read the bytes before write() returns
             self.dst.write(piece)
-            self.relay._count(self.up, len(piece))
             await self.dst.drain()
             self.queued -= len(piece)
             self.changed.set()
