@@ -333,11 +333,13 @@ class WanRelay:
         self.listen = listen
         self.max_connections = max_connections
         self._link = link if link is not None else WanLink()
-        #: Bytes delivered to the target (up) and back to the connecting side (down).
+        #: Bytes delivered to the target.
         self.bytes_up = 0
+        #: Bytes delivered back to the connecting side.
         self.bytes_down = 0
-        #: Connections accepted and forwarded since start, and open now.
+        #: Connections accepted and forwarded since start.
         self.connections_total = 0
+        #: Connections reset on arrival (a reset partition, ``max_connections`` reached).
         self.connections_refused = 0
         #: Segments lost (each delivered one RTO late), both directions.
         self.segments_lost = 0
@@ -355,6 +357,7 @@ class WanRelay:
 
     @property
     def link(self) -> WanLink:
+        """The link in force (``set_link`` changes it)."""
         return self._link
 
     @property
@@ -365,6 +368,7 @@ class WanRelay:
 
     @property
     def connections_open(self) -> int:
+        """Connections open now (a blackhole's stalled new ones included)."""
         return len(self._conns)
 
     @property
