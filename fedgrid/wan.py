@@ -318,19 +318,22 @@ class WanRelay:
             channel = grpc.insecure_channel(relay.address)
 
     Args:
-        target: ``(host, port)`` every connection is forwarded to.
+        target: ``(host, port)`` (or ``"HOST:PORT"``) every connection is forwarded to.
         link: the link both ways (``WanLink()``: none).
-        listen: ``(host, port)`` to bind; port 0 picks a free one. Loopback by default: any
-            other host must be given explicitly.
+        listen: ``(host, port)`` (or ``"HOST:PORT"``) to bind; port 0 picks a free one.
+            Loopback by default: any other host must be given explicitly.
         max_connections: connections open at once; more are reset on arrival.
+
+    Raises:
+        ConfigError: a bad address or ``max_connections``.
     """
 
-    def __init__(self, target: tuple[str, int], link: WanLink | None = None, listen: tuple[str, int] = ("127.0.0.1", 0),
+    def __init__(self, target: tuple[str, int] | str, link: WanLink | None = None, listen: tuple[str, int] | str = ("127.0.0.1", 0),
                  *, max_connections: int = MAX_CONNECTIONS) -> None:
         if max_connections < 1:
             raise ConfigError("max_connections", f"must be at least 1, not {max_connections}")
-        self.target = target
-        self.listen = listen
+        self.target = parse_hostport(target, key="target") if isinstance(target, str) else target
+        self.listen = parse_hostport(listen, key="listen") if isinstance(listen, str) else listen
         self.max_connections = max_connections
         self._link = link if link is not None else WanLink()
         #: Bytes delivered to the target.

@@ -217,8 +217,7 @@ def test_a_fedgrid_round_crosses_the_wan_and_the_relay_counts_its_bytes():
     server = InProcessCoordinator(state)
     rate_mbit = 40
     try:
-        host, port = parse_hostport(server.address)
-        with WanRelay((host, port), WanLink(delay_ms=10, rate_mbit=rate_mbit)) as relay:
+        with WanRelay(server.address, WanLink(delay_ms=10, rate_mbit=rate_mbit)) as relay:
             handle = start(Named("far"), relay.address, poll_wait_s=1.0)
             wait_until(lambda: len(server.fleet.live_clients()) == 1, timeout=30, what="the client to join across the WAN")
             began = time.monotonic()
@@ -286,7 +285,7 @@ def test_set_link_changes_the_delay_of_a_running_connection(echo):
             _recv_exactly(sock, 1)
             return time.monotonic() - began
 
-        assert rtt() < 0.010 + 0.040
+        assert min(rtt() for _ in range(3)) < 0.010 + 0.050  # well under what follows, on a loaded machine too
         relay.set_link(WanLink(delay_ms=60))
         assert rtt() >= 0.120
 
