@@ -255,7 +255,7 @@ class _Pipe:
             data = await self.src.read(READ_BYTES)
             if not data:  # the sender's FIN crosses the link after its data, and not through a partition
                 await self.relay._passable()
-                self._put(self.clock.last_arrival, b"")
+                self._put(max(self.clock.last_arrival, loop.time() + self.relay.link.delay_ms / 1000), b"")
                 return
             link = self.relay.link
             step = link.piece_bytes
