@@ -395,7 +395,7 @@ class WanRelay:
         loop = asyncio.new_event_loop()
         self._loop = loop
         self._healed = asyncio.Event()
-        if self._mode != "blackhole":
+        if self._mode is None:
             self._healed.set()
         self._thread = threading.Thread(target=loop.run_forever, name=f"fedgrid-wan-{self._port}", daemon=True)
         self._thread.start()

@@ -134,6 +134,21 @@ def test_a_large_transfer_moves_at_the_rate(digest):
     assert elapsed < ideal * 1.25 + 0.5, f"{elapsed:.2f}s for {ideal:.2f}s of link time"
 
 
+@pytest.mark.timeout(60)
+def test_connections_share_the_link(digest):
+    payloads = [bytes([i]) * 2_000_000 for i in range(2)]
+    with WanRelay(digest, WanLink(rate_mbit=20)) as relay:
+        began = time.monotonic()
+        with futures.ThreadPoolExecutor(2) as pool:
+            each = list(pool.map(lambda p: _transfer(relay, p), payloads))
+        elapsed = time.monotonic() - began
+        assert relay.bytes_up == 4_000_000 and relay.connections_total == 2
+    # 4 MB in all through one 20 Mbit/s link: 1.6 s, not the 0.8 s of a limit per connection.
+    assert 1.6 - 0.01 <= elapsed < 1.6 * 1.25 + 0.5
+    # They take turns (about 10 Mbit/s each): neither goes first at the full rate (0.8 s).
+    assert min(each) > 1.2, each
+
+
 @pytest.mark.timeout(90)
 def test_lost_segments_cost_one_rto_each_and_the_data_arrives_intact(digest):
     payload = bytes(range(256)) * (300_000 // 256)
