@@ -47,11 +47,11 @@ from fedgrid.server.monitor import CoordinatorMonitor
 from fedgrid.server.peers import PeerCheck
 from fedgrid.server.service import SERVICE, CoordinatorServicer, add_to_server
 from fedgrid.server.state import StateStore
-from fedgrid.server.strategies import build_strategy
+from fedgrid.server.strategies import build_capability_filter, build_strategy
 from fedgrid.types import ModelState
 from fedgrid.webserve import StatusServer
 
-__all__ = ["Coordinator", "run_coordinator", "coordinator_model", "SERVICE_NAME"]
+__all__ = ["Coordinator", "run_coordinator", "coordinator_model", "build_fleet", "write_address", "SERVICE_NAME"]
 
 log = logging.getLogger(__name__)
 
@@ -243,6 +243,20 @@ def coordinator_model(config: Config) -> ModelState | None:
     return None
 
 
+def build_fleet(config: Config, events: EventLog) -> GrpcFleet:
+    """The ``GrpcFleet`` of a coordinator (or a region's) with ``config``'s links, limits and spill directory."""
+    return GrpcFleet(
+        events=events,
+        heartbeat_interval=timedelta(seconds=config.heartbeat_interval_s),
+        chunk_size=config.chunk_size,
+        spill_dir=Path(config.state_dir) / "updates" if config.state_dir else None,
+        codec_policy=build_codec_policy(config),
+        downlink_codec=config.downlink_codec,
+        bounds=build_bounds(config),
+        requirements=build_capability_filter(config),
+    )
+
+
 def _stopped_line(config: Config, rounds_done: int, model: Path) -> str:
     """What a stopped coordinator leaves behind, said without claiming durability it lacks."""
     model_text = f"; model of round {rounds_done} in {model}" if rounds_done else ""
@@ -251,7 +265,7 @@ def _stopped_line(config: Config, rounds_done: int, model: Path) -> str:
     return f"stopped after {rounds_done} of {config.rounds} rounds{model_text} (no --state-dir: nothing to resume from)"
 
 
-def _write_address(path: Path, address: str) -> None:
+def write_address(path: Path, address: str) -> None:
     """Writes ``address`` to ``path`` atomically: a script waiting for the file never reads half of it."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(address + "\n")
@@ -278,15 +292,7 @@ def _serve(
     strategy.initialize(initial_state=initial)
     writer = RunWriter(config.out, {**config.to_dict(), "threads": threads}, environment=environment(threads_requested=config.threads))
     events = EventLog(writer.dir / "events.jsonl")
-    fleet = GrpcFleet(
-        events=events,
-        heartbeat_interval=timedelta(seconds=config.heartbeat_interval_s),
-        chunk_size=config.chunk_size,
-        spill_dir=Path(config.state_dir) / "updates" if config.state_dir else None,
-        codec_policy=build_codec_policy(config),
-        downlink_codec=config.downlink_codec,
-        bounds=build_bounds(config),
-    )
+    fleet = build_fleet(config, events)
     engine: RoundEngine  # built below; the status server serves (reads its history) only once it is
     monitor = CoordinatorMonitor(fleet, rounds=config.rounds, history=lambda: engine.history) if config.http else None
     if monitor is not None:
@@ -335,12 +341,12 @@ def _serve(
             http.stop()
         raise
     if http is not None:
-        _write_address(Path(config.out) / "http_address", http.address)
+        write_address(Path(config.out) / "http_address", http.address)
         print(f"fedgrid status on http://{http.address}/ (/metrics, /api/status{'; bearer token required' if http.authenticated else ''})", flush=True)
     if enrollment is not None:  # first: a script that sees RUN_DIR/address finds this one too
-        _write_address(Path(config.out) / "enroll_address", enrollment.address)
+        write_address(Path(config.out) / "enroll_address", enrollment.address)
         print(f"fedgrid enrollment service listening on {enrollment.address} (certificates of {config.enroll_dir})", flush=True)
-    _write_address(Path(config.out) / "address", coordinator.address)
+    write_address(Path(config.out) / "address", coordinator.address)
     print(f"fedgrid coordinator listening on {coordinator.address} (run {fleet.run_id}, dir {config.out}, {threads} threads)", flush=True)
     events.emit("started", run_id=fleet.run_id, address=coordinator.address, threads=threads)
     if ready is not None:

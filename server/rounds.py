@@ -48,6 +48,7 @@ class RoundTask:
     closed_by: str = ""  # why it closed: one of fedgrid.events.CLOSE_REASONS
     bytes_up: int = 0
     bytes_down: int = 0
+    region_bytes: dict[str, list[int]] = field(default_factory=dict)  # [up, down] wire bytes by client region (labelled ones)
     raw_up: int = 0  # what the accepted updates would weigh uncompressed
     payload_up: int = 0  # their payload bytes as sent
     parts: dict[frozenset[str], serde.EncodedModel] = field(default_factory=dict)  # partial downloads, by tensors

@@ -186,6 +186,8 @@ class Uploads:
                 else:
                     rnd.results[client_id] = result
                 rnd.bytes_up += asm.wire_bytes
+                if record.info.region:
+                    rnd.region_bytes.setdefault(record.info.region, [0, 0])[0] += asm.wire_bytes
                 rnd.payload_up += asm.payload_bytes
                 rnd.raw_up += upload.raw_bytes
                 self.wake.notify("round")

@@ -40,6 +40,7 @@ def test_the_docs_build_without_warnings_and_document_the_public_api(tmp_path):
     ]
     api = (html / "api.html").read_text()
     for anchor in ["fedgrid.client.api.Client", "fedgrid.client.torch_client.TorchClient", "fedgrid.client.runtime.run",
+                   "fedgrid.client.session.connect", "fedgrid.client.session.aconnect",
                    "fedgrid.server.app.run_coordinator", "fedgrid.simulation.run.run_simulation", "fedgrid.aggregation.base.Strategy",
                    "fedgrid.aggregation.fedavg.FedAvg", "fedgrid.aggregation.diloco.DiLoCo", "fedgrid.config.load_config",
                    "fedgrid.types.FitIns", "fedgrid.errors.FedgridError"]:
@@ -47,6 +48,7 @@ def test_the_docs_build_without_warnings_and_document_the_public_api(tmp_path):
     assert "Raises" in api and "Parameters" in api  # napoleon turned Args:/Raises: into fields
     quickstart = _text(html / "quickstart.html")
     assert "fedgrid new myapp" in quickstart
+    assert "for task in session.tasks():" in quickstart and "async with aconnect(" in quickstart
     # The deployment commands are included from the README (literalinclude), not copied.
     readme = (DOCS.parent / "README.md").read_text()
     block = readme[readme.index("fedgrid certs init --dir pki"):]

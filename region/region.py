@@ -1,0 +1,257 @@
+"""``fedgrid region``: the coordinator of a region's clients, and one client of the global coordinator.
+
+A region runs its own fleet, round engine, state directory and strategy for the clients on
+its LAN, and joins the global coordinator as a single client (its ``name`` is its client
+name and its region label). Each global task is H regional rounds (hierarchical local SGD):
+
+1. the global model the task downloads becomes the regional strategy's model
+   (``Strategy.receive_global``; the first task initializes it);
+2. H regional rounds run on the region's clients, each committed to the region's own run
+   directory and state directory;
+3. the regional model goes up, weighted by the examples of the last regional round's
+   clients (a weighted mean of weighted means: with H = 1 and lossless links, flat FedAvg).
+
+**Links.** The region's ``codec`` / ``downlink_codec`` are its LAN links; the global
+coordinator's ``codec`` / ``region_codecs`` (the task's ``uplink_codec``) is the region's WAN
+uplink, with its own error feedback (``client.runtime``'s encoder, per connection). The
+region's ``metrics.jsonl`` counts LAN bytes per regional round; ``wan.jsonl`` counts the WAN
+bytes of each global task; the global coordinator's ``metrics.jsonl`` has ``bytes_up.NAME``
+and ``bytes_down.NAME`` per region.
+
+**Strategies.** The regional strategy is the region's own (``strategy`` and its keys); the
+global one may differ (FedAvg in regions, a DiLoCo outer step globally). A region sends
+its whole model, so a global strategy whose clients send part of it or extra tensors
+(``scaffold``, ``streaming-diloco``, ``bcd``) is refused by name.
+
+**Failures.** A region that dies mid-round is that global round's failure (its session
+ends; the coordinator hears it at the deadline or from the heartbeat); nothing of it is
+counted. Restarted with the same ``state_dir`` it resumes its committed regional state,
+rejoins under the same name (the coordinator replaces the old session), and the next
+global task's model replaces whatever it had. A region that loses its upstream keeps
+serving its own clients (they stay joined and idle) and retries its calls with the same
+session for as long as it runs: a global coordinator restarted from its state directory
+knows that session and its open task (an update trained meanwhile is uploaded when it
+answers), and one that does not refuses it and the region joins again. A join that is
+refused or not answered within ``UPSTREAM_RETRY_MAX_S`` is tried again with backoff.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from collections import OrderedDict
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+from fedgrid.client.api import Client, FitOutput
+from fedgrid.client.runtime import RpcFailed, TaskReport, check_target, run
+from fedgrid.config import Config
+from fedgrid.constants import FINISH_GRACE_S
+from fedgrid.determinism import environment, intra_op_threads
+from fedgrid.errors import ConfigError
+from fedgrid.events import EventLog
+from fedgrid.interrupts import GracefulStop, say
+from fedgrid.proto.tls import TLSFiles
+from fedgrid.runlog import RunWriter
+from fedgrid.server.app import Coordinator, build_fleet, write_address
+from fedgrid.server.engine import ROUND_FAILED, RoundEngine
+from fedgrid.server.state import StateStore
+from fedgrid.server.strategies import build_strategy
+from fedgrid.textsafe import escape
+from fedgrid.types import FitIns, ModelState
+
+__all__ = ["RegionClient", "run_region", "UPSTREAM_RETRY_MAX_S", "PARTIAL_ALGORITHMS"]
+
+log = logging.getLogger(__name__)
+
+#: Longest wait between two tries to join the global coordinator again.
+UPSTREAM_RETRY_MAX_S = 60.0
+#: What a region's name may be: it names files, metrics and the region upstream.
+NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+#: Global strategies whose clients send something other than the whole model.
+PARTIAL_ALGORITHMS = ("scaffold", "streaming-diloco", "bcd")
+
+
+class RegionClient(Client):
+    """The region as one client of the global coordinator: each fit is ``regional_rounds`` rounds of ``engine``.
+
+    Args:
+        engine: the region's round engine (its fleet, strategy, writer and store).
+        name: the region's name upstream (its client name and region label).
+        regional_rounds: H, regional rounds per global task.
+        initialized: the strategy already holds a model (resumed from the state directory).
+    """
+
+    def __init__(self, engine: RoundEngine, *, name: str, regional_rounds: int, initialized: bool = False) -> None:
+        if regional_rounds < 1:
+            raise ValueError(f"regional_rounds must be at least 1, got {regional_rounds}")
+        self.engine = engine
+        self.name, self.region = name, name
+        self.regional_rounds = regional_rounds
+        self._initialized = initialized
+        #: Examples reported at join (an update may claim no more upstream).
+        self.joined_examples = 0
+
+    @property
+    def num_examples(self) -> int:
+        """The examples of the region's clients now joined (what it reports when it joins upstream)."""
+        live = self.engine.fleet.wait_for_clients(min_clients=0, timeout=timedelta(0))
+        self.joined_examples = sum(info.num_examples for info in live)
+        return self.joined_examples
+
+    def fit(self, state: ModelState, ins: FitIns) -> FitOutput:
+        """Runs H regional rounds from the global ``state``; returns the regional model.
+
+        Raises:
+            ValueError: a global strategy whose clients send part of the model (named).
+            RuntimeError: a regional round that no client completed, or whose aggregate
+                failed (the global round hears it as this region's failure).
+        """
+        algorithm = str(ins.config.get("algorithm", "fedavg"))
+        if algorithm in PARTIAL_ALGORITHMS:
+            raise ValueError(f"the global strategy asks for {algorithm!r}, whose clients send part of the model or extra tensors; "
+                             "a region sends its whole regional model (use fedavg, the fedopt family or diloco globally)")
+        strategy = self.engine.strategy
+        if self._initialized:
+            strategy.receive_global(state=state)
+        else:
+            strategy.initialize(initial_state=OrderedDict((k, v.clone()) for k, v in state.items()))
+            self._initialized = True
+        metrics = None
+        lan_up = lan_down = 0
+        for h in range(1, self.regional_rounds + 1):
+            regional_round = (ins.round - 1) * self.regional_rounds + h
+            metrics = self.engine.run_round(regional_round)
+            self.engine.commit(metrics)
+            lan_up, lan_down = lan_up + metrics.bytes_up, lan_down + metrics.bytes_down
+            if metrics.extra.get(ROUND_FAILED) or metrics.clients_ok == 0:
+                raise RuntimeError(f"regional round {regional_round} (global round {ins.round}, {h} of {self.regional_rounds}): "
+                                   f"{metrics.clients_ok} clients completed, {metrics.clients_failed} failed"
+                                   + ("; its aggregate was not finite" if metrics.extra.get(ROUND_FAILED) else ""))
+        assert metrics is not None
+        examples = int(metrics.extra.get("examples", 0))
+        if self.joined_examples and examples > self.joined_examples:
+            # The coordinator refuses a claim above the join's; clients that joined the region
+            # since then count in its average, not in its weight upstream.
+            log.warning("region %s: %d examples this round, more than the %d reported at join: claiming %d",
+                        escape(self.name), examples, self.joined_examples, self.joined_examples)
+            examples = self.joined_examples
+        out = OrderedDict((k, v.detach().clone()) for k, v in strategy.global_state.items())
+        reported = {"regional_rounds": float(self.regional_rounds), "lan_bytes_up": float(lan_up), "lan_bytes_down": float(lan_down),
+                    "region_clients": float(metrics.clients_ok)}
+        if metrics.loss is not None:
+            reported["loss"] = float(metrics.loss)
+        return FitOutput(state=out, num_examples=max(examples, 1), metrics=reported)
+
+
+def _wan_writer(path: Path) -> Callable[[TaskReport], None]:
+    """Appends each global task's WAN bytes to ``path`` (``wan.jsonl``), one JSON object a line."""
+
+    def on_task(report: TaskReport) -> None:
+        row = {"round": report.round, "kind": report.kind, "bytes_up": report.bytes_up, "bytes_down": report.bytes_down,
+               "upload_retries": report.upload_retries, "num_examples": report.num_examples}
+        with path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    return on_task
+
+
+def run_region(config: Config, *, ready: threading.Event | None = None, stop: threading.Event | None = None) -> int:
+    """Serves the region's clients and the global coordinator's tasks until the global run ends.
+
+    Uses ``config``'s coordinator keys for the region (``listen``, ``min_clients``, the
+    strategy and its keys, ``codec``, ``state_dir``, TLS ``ca``/``cert``/``key``) and its
+    region keys (``upstream``, ``name``, ``regional_rounds``, ``upstream_ca``/``_cert``/
+    ``_key``/``_server_name``). Returns the global tasks trained; SIGTERM or Ctrl-C (or
+    ``stop``) leaves upstream and stops.
+
+    Raises:
+        ConfigError: no ``upstream`` or ``name``, or a bad one (named).
+    """
+    if not config.upstream:
+        raise ConfigError("upstream", "a region needs the global coordinator's HOST:PORT (--upstream)")
+    try:
+        check_target(config.upstream, what="upstream")
+    except ValueError as exc:
+        raise ConfigError("upstream", str(exc)) from None
+    if not NAME.fullmatch(config.name):
+        raise ConfigError("name", f"a region needs a name of 1 to 64 of [A-Za-z0-9._-] (--name), got {escape(config.name)!r}: "
+                          "its client name upstream, its region label and part of metric names")
+    with intra_op_threads(config.threads) as threads:
+        return _serve(config, threads, ready, stop or threading.Event())
+
+
+def _serve(config: Config, threads: int, ready: threading.Event | None, stop: threading.Event) -> int:
+    upstream_tls = TLSFiles.from_options(config.upstream_ca, config.upstream_cert, config.upstream_key, what="upstream TLS")
+    strategy = build_strategy(config, num_clients=config.min_clients)
+    writer = RunWriter(config.out, {**config.to_dict(), "threads": threads}, environment=environment(threads_requested=config.threads))
+    events = EventLog(writer.dir / "events.jsonl")
+    fleet = build_fleet(config, events)
+    fleet.task_scope = "region"
+
+    def on_round(m: Any) -> None:
+        print(f"region {config.name}: regional round {m.round} loss {m.loss if m.loss is None else round(m.loss, 4)} "
+              f"clients {m.clients_ok} ok {m.clients_failed} failed, LAN {m.bytes_up / 1e6:.2f} MB up "
+              f"{m.bytes_down / 1e6:.2f} MB down ({m.wall_s:.2f}s)", flush=True)
+
+    engine = RoundEngine(strategy=strategy, fleet=fleet, rounds=0, min_clients=config.min_clients,
+                         round_timeout=timedelta(seconds=config.round_timeout_s), join_timeout=timedelta(seconds=config.join_timeout_s),
+                         writer=writer, on_round=on_round, store=StateStore(config.state_dir) if config.state_dir else None, events=events)
+    resumed = engine.resume() > 1
+    region = RegionClient(engine, name=config.name, regional_rounds=config.regional_rounds, initialized=resumed)
+    coordinator = Coordinator(config.listen, fleet, max_workers=config.max_workers,
+                              tls=TLSFiles.from_options(config.ca, config.cert, config.key, config.crl), insecure=config.insecure).start()
+    write_address(writer.dir / "address", coordinator.address)
+    print(f"fedgrid region {config.name} listening on {coordinator.address} (upstream {config.upstream}, {config.regional_rounds} "
+          f"regional rounds per global round, dir {writer.dir}{', resumed' if resumed else ''})", flush=True)
+    events.emit("started", run_id=fleet.run_id, address=coordinator.address, threads=threads)
+    if ready is not None:
+        ready.set()
+
+    def on_term(signal_name: str) -> None:
+        say(f"{signal_name}: region {config.name} stopping; a second one exits at once")
+        stop.set()
+        engine.stop()
+
+    trained, finished, backoff = 0, False, 1.0
+    on_task = _wan_writer(writer.dir / "wan.jsonl")
+    try:
+        with GracefulStop(on_term, what="region"):
+            while not stop.is_set():
+                try:
+                    # Its clients first: the examples it reports at join are theirs.
+                    fleet.wait_for_clients(min_clients=config.min_clients, timeout=timedelta(seconds=min(config.join_timeout_s, 5.0)))
+                except Exception:  # not enough clients yet (or stopping): look again
+                    continue
+                try:
+                    # Transient failures are retried with the same session for as long as the region runs: a global
+                    # coordinator restarted from its state directory still knows it (and its task), a new one refuses
+                    # it and the runtime joins again.
+                    summary = run(region, config.upstream, stop=stop, ca=config.upstream_ca, cert=config.upstream_cert,
+                                  key=config.upstream_key, server_name=config.upstream_server_name, on_task=on_task,
+                                  connect_timeout=UPSTREAM_RETRY_MAX_S, retry_max_elapsed=float("inf"))
+                    trained += summary.rounds
+                    finished = not stop.is_set()
+                    break
+                except RpcFailed as exc:  # refused upstream (or unreachable at the first join): keep the clients, join again
+                    log.warning("region %s: upstream %s: %s; joining again in %.0fs", escape(config.name), config.upstream,
+                                escape(str(exc)), backoff)
+                    say(f"region {config.name}: upstream lost ({exc.code.name}); its clients stay; joining again")
+                    stop.wait(backoff)
+                    backoff = min(backoff * 2, UPSTREAM_RETRY_MAX_S)
+    finally:
+        if finished:
+            fleet.finish(timeout=timedelta(seconds=FINISH_GRACE_S))
+            if engine.history:
+                writer.write_model(strategy.global_state)
+        coordinator.stop(grace=5.0)
+        fleet.close()
+        writer.close()
+        events.emit("finished" if finished else "stopped", rounds=trained)
+        events.close()
+    print(f"region {config.name}: {trained} global rounds trained; {'run finished' if finished else 'stopped'}", flush=True)
+    return trained
+
