@@ -35,8 +35,8 @@ def test_the_docs_build_without_warnings_and_document_the_public_api(tmp_path):
     assert result.stderr == ""  # -q: warnings are all it would print
     html = tmp_path / "html"
     assert sorted(p.name for p in html.glob("*.html")) == [
-        "api.html", "concepts.html", "deployment.html", "examples.html", "genindex.html", "index.html", "py-modindex.html",
-        "quickstart.html", "search.html",
+        "api.html", "concepts.html", "deployment.html", "examples.html", "genindex.html", "index.html", "multigpu.html",
+        "py-modindex.html", "quickstart.html", "regions.html", "search.html",
     ]
     api = (html / "api.html").read_text()
     for anchor in ["fedgrid.client.api.Client", "fedgrid.client.torch_client.TorchClient", "fedgrid.client.runtime.run",
