@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import tomllib
-
 import re
 import subprocess
 import sys
