@@ -350,6 +350,10 @@ class Connection:
         reply = self.stub.Heartbeat(request, metadata=self._session(), timeout=self.rpc_timeout)
         return reply.interval_s
 
+    def heartbeat_future(self) -> "grpc.Future":
+        """A heartbeat sent without waiting for its answer (``_Heartbeat``); ``.result()`` is the reply."""
+        return self.stub.Heartbeat.future(pb.HeartbeatRequest(client_id=self.client_id), metadata=self._session(), timeout=self.rpc_timeout)
+
     def download(self, task_id: str) -> ModelState:
         """The model of ``task_id``, checked tensor by tensor (checksums, sizes)."""
         return self.download_stream(task_id)[1]
@@ -443,18 +447,38 @@ class Connection:
 
 
 class _Heartbeat(threading.Thread):
+    """Heartbeats every interval, each sent without waiting for the last one's answer.
+
+    Over a saturated link the answers wait behind the client's own download (one
+    connection), seconds each; a heartbeat that waited for its answer before the next would
+    reach the coordinator that rarely, and the client would be taken for silent. Each has
+    the RPC deadline, so at most ``rpc_timeout / interval + 1`` are ever outstanding.
+    """
+
     def __init__(self, conn: Connection, stop: threading.Event) -> None:
         super().__init__(name="fedgrid-heartbeat", daemon=True)
         self.conn, self.stop = conn, stop
 
     def run(self) -> None:
         interval = self.conn.heartbeat_interval_s
-        while not self.stop.wait(interval):
-            if self.conn.polling:  # the coordinator counts a client holding a poll as alive
-                continue
-            try:
-                interval = self.conn.heartbeat() or interval
-            except grpc.RpcError as exc:
-                log.debug("heartbeat failed: %s", exc.code())  # the main loop's retries decide
-            except ValueError:  # the channel closed as the run ended
-                return
+        in_flight: list[Any] = []
+        try:
+            while not self.stop.wait(interval):
+                for future in [f for f in in_flight if f.done()]:
+                    in_flight.remove(future)
+                    try:
+                        interval = future.result().interval_s or interval
+                    except grpc.RpcError as exc:
+                        log.debug("heartbeat failed: %s", exc.code())  # the main loop's retries decide
+                if self.conn.polling:  # a client holding a poll counts as alive
+                    continue
+                if len(in_flight) > self.conn.rpc_timeout / max(interval, 1e-3) + 1:  # a deadline that did not fire: never pile up
+                    continue
+                try:
+                    in_flight.append(self.conn.heartbeat_future())
+                except ValueError:  # the channel closed as the run ended
+                    return
+        finally:
+            # One in flight when the process exits can abort grpc's C++ core: end them first.
+            for future in in_flight:
+                future.cancel()

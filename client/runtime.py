@@ -148,6 +148,12 @@ class TaskStep:
         try:
             self.conn.upload(self.task_id, self.round, update, num_examples, metrics, codec=codec, global_state=self.state)
         except RpcFailed as exc:
+            if exc.code == grpc.StatusCode.UNAUTHENTICATED:
+                # The coordinator dropped the session meanwhile (it heard nothing from it for too
+                # long, or restarted without it): this update is lost, and the next poll joins again.
+                log.warning("round %d: the coordinator no longer knows this session (%s): the update is lost", self.round, exc.details)
+                self.late = exc.details or "the session ended"
+                return None
             if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
                 raise
             log.warning("round %d closed before the update landed: %s", self.round, exc.details)

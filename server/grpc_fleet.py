@@ -315,7 +315,7 @@ class GrpcFleet(Fleet):
         info = serde.StreamInfo(
             run_id=self.run_id, task_id=task_id, round=rnd.server_round, delta=delta, version=rnd.downlink.version, base_version=base_version
         )
-        return self._count_down(rnd, encoded.frames(info, chunk_size=self.chunk_size), rnd.clients[client_id].region)
+        return self._count_down(rnd, encoded.frames(info, chunk_size=self.chunk_size), client_id)
 
     def _download_names(self, ins: FitIns | EvaluateIns) -> frozenset[str] | None:
         if not isinstance(ins, FitIns):
@@ -335,14 +335,23 @@ class GrpcFleet(Fleet):
                 part = rnd.parts.setdefault(names, part)
         return part
 
-    def _count_down(self, rnd: RoundTask, frames: Iterator[bytes], region: str) -> Iterator[bytes]:
+    def _count_down(self, rnd: RoundTask, frames: Iterator[bytes], client_id: str) -> Iterator[bytes]:
+        """``frames``, counted; the client counts as alive while it downloads (``Registry.live``)."""
         sent = 0
+        region = rnd.clients[client_id].region
+        with self._lock:
+            record = self.registry.records.get(client_id)
+            if record is not None:
+                record.transfers += 1
         try:
             for frame in frames:
                 sent += serde.wire_size(frame)
                 yield frame
         finally:
             with self._lock:
+                if record is not None:
+                    record.transfers -= 1
+                    record.last_seen = time.monotonic()
                 rnd.bytes_down += sent
                 if region:
                     rnd.region_bytes.setdefault(region, [0, 0])[1] += sent

@@ -76,6 +76,7 @@ class ClientRecord:
     #: that task (an upload or a failure report for it). Empty: selectable.
     benched_task: str = ""
     polls: int = 0  # long polls it holds now
+    transfers: int = 0  # model downloads and uploads it has in flight (its heartbeats may wait behind them)
 
 
 class Registry:
@@ -175,7 +176,9 @@ class Registry:
         """Every client heard from lately; the silent ones are dropped here (lock held)."""
         now = time.monotonic()
         limit = SILENCE_INTERVALS * self.heartbeat_interval_s
-        gone = [cid for cid, rec in self.records.items() if now - rec.last_seen > limit and rec.polls == 0]
+        # A client in a long poll or a transfer is alive: over a saturated link its heartbeats
+        # wait behind its own download or upload on the one connection.
+        gone = [cid for cid, rec in self.records.items() if now - rec.last_seen > limit and rec.polls == 0 and rec.transfers == 0]
         for cid in gone:
             log.warning("client %s silent for over %.1fs: dropped", escape(self.records[cid].info.name or cid), limit)
             self._unindex(self.records.pop(cid))

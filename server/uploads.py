@@ -115,6 +115,7 @@ class Uploads:
             if client_id in rnd.uploading:
                 raise DuplicateUpdateError(f"an upload for round {rnd.server_round} from client {escape(client_id)} is in progress")
             rnd.uploading.add(client_id)
+            record.transfers += 1
         upload: Upload | None = None
         try:
             with self.lock:
@@ -202,6 +203,8 @@ class Uploads:
                 upload.abort()
             with self.lock:
                 rnd.uploading.discard(client_id)
+                record.transfers -= 1
+                record.last_seen = time.monotonic()
                 self.wake.notify("round", ("upload", client_id))
 
     @staticmethod

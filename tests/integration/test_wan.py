@@ -347,3 +347,4 @@ def test_the_fedgrid_wan_command_refuses_a_bad_flag_naming_it(capsys):
     assert capsys.readouterr().err == "fedgrid: error: config key 'target': expected HOST:PORT, not 'localhost'\n"
     assert cli.main(["wan", "--target", "127.0.0.1:1", "--loss", "1.5"]) == 2
     assert "config key 'loss': is a probability per segment, in [0, 1), not 1.5" in capsys.readouterr().err
+
