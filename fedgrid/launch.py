@@ -437,7 +437,7 @@ class Launcher:
             for p in region.partitions:
                 self._spawn(f"client-{p}", client_argv(top, p, coordinator=region_address, state_dir=str(region_dir / "client-state"),
                                                        tls=ids[f"client-{p}"]), region_dir / f"client-{p}.log")
-            self.say(f"region {region.name} on {region_address}: {len(region.partitions)} clients (partitions "
+            self.say(f"region {region.name} on {region_address}: {len(region.partitions)} client{'s' if len(region.partitions) > 1 else ''} (partitions "
                      f"{', '.join(map(str, region.partitions))} of {top.num_partitions}), run directory {region_dir}")
 
     def _check_exits(self) -> None:
