@@ -44,6 +44,7 @@ SIGTERM if the launcher itself dies (``PR_SET_PDEATHSIG``).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -241,9 +242,9 @@ def load_topology(path: str | os.PathLike[str], *, rounds: int | None = None) ->
         raise TopologyError(where, "global.region_codecs", f"names {unknown[0]!r}, which is no region of the file "
                             f"({', '.join(r.name for r in regions)})")
     for key in SHARED_WITH_CLIENTS:
-        if key in top and key in clients and top[key] != clients[key]:
-            raise TopologyError(where, f"clients.{key}", f"is {clients[key]!r} but global.{key} is {top[key]!r}: "
-                                "the clients train the global coordinator's model on its dataset")
+        if key in clients:
+            raise TopologyError(where, f"clients.{key}", f"goes in [global] (the launcher gives it to the clients): the "
+                                "global coordinator initializes and evaluates the model the clients train")
         if key in top:
             clients[key] = top[key]
     _checked(where, "clients", clients)
@@ -320,7 +321,7 @@ def _last_line(path: Path) -> str:
     return lines[-1].strip()[:300] if lines else ""
 
 
-def _session_of_its_own() -> None:
+def _session_of_its_own(launcher: int) -> None:
     """In the child, before exec: a session of its own (a terminal's Ctrl-C reaches only the
     launcher), and SIGTERM when the launcher dies (Linux), so no process outlives it."""
     os.setsid()
@@ -328,12 +329,20 @@ def _session_of_its_own() -> None:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        if os.getppid() == 1:  # the launcher died before prctl took effect
+        if os.getppid() != launcher:  # the launcher died before prctl took effect
             os._exit(1)
+
+
+def _status(code: int) -> str:
+    return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
 
 
 class _Stopped(Exception):
     """A signal asked the launcher to stop."""
+
+
+class _TimedOut(LaunchFailed):
+    """A wait's deadline passed."""
 
 
 class Launcher:
@@ -395,7 +404,7 @@ class Launcher:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with open(log, "wb") as sink:
             popen = subprocess.Popen([*FEDGRID, *argv], stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT, env=env,
-                                     preexec_fn=_session_of_its_own)  # noqa: PLW1509 - the launcher runs no other thread
+                                     preexec_fn=functools.partial(_session_of_its_own, os.getpid()))  # the launcher runs no other thread
         process = _Process(name, popen, log)
         self.processes.append(process)
         return process
@@ -406,14 +415,26 @@ class Launcher:
         while not condition():
             self._check_exits()
             if time.monotonic() > deadline:
-                raise LaunchFailed(f"timed out after {timeout:g}s waiting for {what}")
+                raise _TimedOut(f"timed out after {timeout:g}s waiting for {what}")
             if self._stop.wait(POLL_S):
                 raise _Stopped
 
     def _address(self, process: _Process, run_dir: Path) -> str:
+        """What ``process`` wrote to ``RUN_DIR/address`` once it listens."""
         path = run_dir / "address"
-        self._wait(lambda: path.exists() and path.read_text().strip() != "", timeout=LAUNCH_START_TIMEOUT_S,
-                   what=f"{process.name}'s address in {path} (log {process.log}: {_last_line(process.log)!r})")
+
+        def listening() -> bool:
+            if path.exists() and path.read_text().strip() != "":
+                return True
+            if process.popen.poll() == 0:  # a failure is _check_exits'
+                raise LaunchFailed(f"{process.name} exited before it listened: {_last_line(process.log)} (log {process.log})")
+            return False
+
+        try:
+            self._wait(listening, timeout=LAUNCH_START_TIMEOUT_S, what=f"{process.name}'s address")
+        except _TimedOut:
+            raise LaunchFailed(f"{process.name} wrote no address to {path} within {LAUNCH_START_TIMEOUT_S:g}s "
+                               f"(FEDGRID_LAUNCH_START_TIMEOUT_S); its log {process.log} ends: {_last_line(process.log)}") from None
         return path.read_text().strip()
 
     def _start(self) -> None:
@@ -444,7 +465,7 @@ class Launcher:
         for process in self.processes:
             status = process.popen.poll()
             if status not in (None, 0):
-                raise LaunchFailed(f"{process.name} exited with status {status}: {_last_line(process.log)} (log {process.log})")
+                raise LaunchFailed(f"{process.name} {_status(status)}: {_last_line(process.log)} (log {process.log})")
 
     def _watch(self) -> None:
         coordinator = self.processes[0]
@@ -458,7 +479,7 @@ class Launcher:
         finish = 2 * FINISH_GRACE_S + LAUNCH_STOP_GRACE_S  # a region tells its clients, then finishes itself
         try:
             self._wait(lambda: all(p.popen.poll() is not None for p in self.processes), timeout=finish, what="the regions and clients to finish")
-        except LaunchFailed:
+        except _TimedOut:
             running = [p.name for p in self.processes if p.popen.poll() is None]
             raise LaunchFailed(f"the global run finished but {', '.join(running)} did not exit within {finish:g}s") from None
 

@@ -7,7 +7,7 @@ every tier's run directory, per-region H and per-link codecs to show in the metr
 from __future__ import annotations
 
 import json
-import os
+import re
 import signal
 import subprocess
 import sys
@@ -140,6 +140,29 @@ def test_ctrl_c_stops_every_process(tmp_path):
     assert [pid for pid in children if alive(pid)] == []
 
 
+@pytest.mark.timeout(240)
+def test_a_failing_process_stops_the_others_and_is_named(tmp_path):
+    topology = tmp_path / "topology.toml"
+    # A value only the client's own check refuses (the built-in task's optimizers).
+    topology.write_text(SMALL.replace("[clients]", '[clients]\noptimizer = "nosuch"'))
+    out = tmp_path / "out"
+    launcher = subprocess.Popen([*LAUNCH, str(topology), "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=child_env())
+    try:
+        stdout, stderr = launcher.communicate(timeout=200)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 1, (stdout, stderr)
+    line = stderr.strip().splitlines()[-1]
+    assert re.fullmatch(r"fedgrid: error: client-[01] exited with status 2: fedgrid: error: .*optimizer.*nosuch.* \(log .*/client-[01]\.log\)",
+                        line), line
+    assert "fedgrid launch: global round" not in stdout
+    # The others were stopped: the coordinator and both regions logged their SIGTERM.
+    for log in (out / "global" / "coordinator.log", out / "region-a" / "region.log", out / "region-b" / "region.log"):
+        assert "SIGTERM" in log.read_text(), log
+
+
 @pytest.mark.parametrize(
     "edit,key,problem",
     [
@@ -152,6 +175,7 @@ def test_ctrl_c_stops_every_process(tmp_path):
         (("num_partitions = 4", "num_partitions = 1"), "clients.num_partitions", "partition 1 (region-b's) is outside 0..0"),
         (("[clients]", "[clients]\nseed = 3"), "clients.seed", "is set by fedgrid launch"),
         (("[global]", "[globl]"), "globl", "unknown table (did you mean 'global'?)"),
+        (("[clients]", "[clients]\nmodel = \"cnn\""), "clients.model", "goes in [global]"),
     ],
 )
 def test_a_bad_topology_names_the_key(tmp_path, edit, key, problem):
