@@ -25,7 +25,8 @@ The launcher sets what ties the tiers together, and refuses it in the file: addr
 (every server on ``127.0.0.1:0``, the address read back from ``RUN_DIR/address``), run and
 state directories, certificates, each region's upstream, and the seed, which is the global
 table's everywhere (partition I/N must be the same data in every client). ``dataset``,
-``data_dir`` and ``model`` given in ``[global]`` go to the clients too. A region's
+``data_dir`` and ``model`` go in ``[global]`` only, and the launcher gives them to the
+clients (the coordinator initializes and evaluates the model they train). A region's
 ``min_clients`` defaults to its client count, the global one to the number of regions.
 
 Under ``--out``: ``certs/``; ``global/`` (the coordinator's run directory, ``state/``,
@@ -37,7 +38,7 @@ It exits 0 once the global run finished and every process exited 0; a process th
 stops the rest (exit 1, naming it and its log's last line). Ctrl-C or SIGTERM stops
 everything: SIGTERM to each process, ``LAUNCH_STOP_GRACE_S`` to stop, then SIGKILL; exit
 128 + the signal's number. The processes run in sessions of their own, so a terminal's
-Ctrl-C reaches only the launcher, which stops them in order; on Linux each also gets
+Ctrl-C reaches only the launcher, which then stops them itself; on Linux each also gets
 SIGTERM if the launcher itself dies (``PR_SET_PDEATHSIG``).
 """
 
