@@ -13,12 +13,12 @@ import argparse
 import json
 import os
 import re
-import shlex
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
+import dockerfile
 import pytest
 from cryptography import x509
 
@@ -220,29 +220,26 @@ def test_the_certs_service_makes_every_file_the_others_use_once(config, tmp_path
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
-def dockerfile() -> list[tuple[str, str]]:
-    """The Dockerfile's instructions as (KEYWORD, arguments), continuation lines joined, comments dropped."""
-    text = re.sub(r"\\\n", " ", "\n".join(line for line in (DOCKER / "Dockerfile").read_text().splitlines() if not line.lstrip().startswith("#")))
-    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1].strip()) for line in text.splitlines() if line.strip()]
-
-
 def test_dockerfile_cpu_default_cuda_argument_non_root_entrypoint():
-    steps = dockerfile()
-    keywords = [k for k, _ in steps]
+    # BuildKit's own parser (the dockerfile package wraps it): what `docker build` would read.
+    steps = dockerfile.parse_file(str(DOCKER / "Dockerfile"))
+    keywords = [c.cmd.upper() for c in steps]
+    first = {c.cmd.upper(): c for c in reversed(steps)}
     assert set(keywords) <= {"ARG", "FROM", "ENV", "RUN", "WORKDIR", "COPY", "USER", "EXPOSE", "ENTRYPOINT", "CMD"}
-    args = {a.split("=", 1)[0]: a.split("=", 1)[1] for k, a in steps if k == "ARG" and "=" in a}
+    args = dict(c.value[0].split("=", 1) for c in steps if c.cmd.upper() == "ARG")
     assert args["BASE_IMAGE"] == "python:3.11-slim" and args["TORCH_INDEX"] == "https://download.pytorch.org/whl/cpu"
-    assert keywords.index("ARG") < keywords.index("FROM") and dict(steps)["FROM"] == "${BASE_IMAGE}"  # the CUDA base is a build argument
-    runs = [a for k, a in steps if k == "RUN"]
-    assert any('--index-url "${TORCH_INDEX}"' in r and 'torch==${TORCH_VERSION}' in r for r in runs)
+    assert keywords.index("ARG") < keywords.index("FROM") and first["FROM"].value == ("${BASE_IMAGE}",)  # the CUDA base is a build argument
+    runs = [c.value[0] for c in steps if c.cmd.upper() == "RUN"]
+    assert keywords.index("FROM") < keywords.index("RUN")  # TORCH_INDEX and TORCH_VERSION are declared after FROM: in scope
+    assert any('--index-url "${TORCH_INDEX}"' in r and "torch==${TORCH_VERSION}" in r for r in runs)
     assert any(re.search(r"\bpip install \.(\s|$)", r) for r in runs)
     # pip install . builds every package pyproject.toml maps to a folder: each must be copied in.
     package_dirs = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
-    copied = {source for k, a in steps if k == "COPY" for source in shlex.split(a)[:-1]}
+    copied = {source for c in steps if c.cmd.upper() == "COPY" for source in c.value[:-1]}
     assert package_dirs | {"pyproject.toml", "README.md"} == copied and all((ROOT / c).exists() for c in copied)
-    users = [a for k, a in steps if k == "USER"]
-    assert users and users[-1] not in ("root", "0") and keywords.index("USER") > max(i for i, k in enumerate(keywords) if k == "RUN")
-    assert any(f"useradd" in r and users[-1] in r for r in runs)
+    users = [c.value[0] for c in steps if c.cmd.upper() == "USER"]
+    assert users == ["fedgrid"] and keywords.index("USER") > max(i for i, k in enumerate(keywords) if k == "RUN")
+    assert any("useradd" in r and "fedgrid" in r for r in runs)
     # The mount points compose.yaml uses exist and belong to that user (a named volume takes their owner).
     assert any("chown fedgrid:fedgrid /ca /certs /var/lib/fedgrid" in r for r in runs)
-    assert json.loads(dict(steps)["ENTRYPOINT"]) == ["fedgrid"] and dict(steps)["EXPOSE"] == "50051"
+    assert first["ENTRYPOINT"].json and first["ENTRYPOINT"].value == ("fedgrid",) and first["EXPOSE"].value == ("50051",)
