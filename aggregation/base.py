@@ -60,6 +60,11 @@ class Aggregator(ABC):
     def reset(self) -> None:
         """Forgets everything added so far."""
 
+    def begin_round(self, *, seed: int) -> None:
+        """Receives the seed of the round about to be aggregated, for a rule that draws at
+        random (Krum's buckets); strategies derive it from the run's seed and the round, so a
+        replayed round gives the same bits. Default: ignored (the rule is deterministic)."""
+
     def check_preconditions(self, *, num_clients: int) -> None:
         """Checks, when a run is configured, that this rule can run on ``num_clients`` updates.
 

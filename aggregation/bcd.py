@@ -196,6 +196,7 @@ class BlockCoordinate(FedAvg):
         new = OrderedDict(self.global_state)
         skipped = 0
         for index in sorted(by_block):
+            self._begin_aggregation(server_round, index)
             try:
                 new.update(self._update_subset(names=self.blocks[index].names, results=by_block[index]))
             except AggregationPreconditionError:

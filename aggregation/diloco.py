@@ -250,6 +250,7 @@ class StreamingDiLoCo(DiLoCo):
         ordered = sorted(results, key=lambda r: r.client.sort_key)
         metrics = {**train_metrics(ordered), "fragment": float(self.fragment_of_round(server_round).index)}
         names = self.fragment_of_round(server_round).names
+        self._begin_aggregation(server_round)
         try:
             update = self._update_subset(names=names, results=ordered)
         except AggregationPreconditionError:

@@ -102,6 +102,12 @@ class FedAvg(Strategy):
         chosen = self.selection.selector.select(ordered, count, rng)
         return sorted(chosen, key=lambda c: c.sort_key)
 
+    def _begin_aggregation(self, server_round: int, part: int = 0) -> None:
+        """Seeds the aggregator's random draws (Krum's buckets) for ``server_round`` and ``part``
+        of the model (a block), from the run's seed: the same round always draws the same."""
+        if self.aggregator is not None:
+            self.aggregator.begin_round(seed=derive_seed("aggregate", self.seed, server_round, part))
+
     def _select_fit(self, clients: Sequence[ClientInfo], server_round: int) -> list[ClientInfo]:
         """The clients a fit round asks: the target count plus over-selection."""
         asked = self.selection.asked(self.clients_per_round(len(clients)), len(clients))
@@ -164,6 +170,7 @@ class FedAvg(Strategy):
             return {}
         ordered = sorted(results, key=lambda r: r.client.sort_key)  # canonical order
         metrics = train_metrics(ordered)
+        self._begin_aggregation(server_round)
         try:
             update = self._update_subset(names=list(self.global_state), results=ordered)
         except AggregationPreconditionError:

@@ -48,7 +48,7 @@ _AGGREGATOR_PARAMS: dict[str, tuple[str, ...]] = {
     "mean": ("weighted",),
     "median": ("weighted",),
     "trimmed-mean": ("beta", "weighted"),
-    "krum": ("f",),
+    "krum": ("f", "bucket_size", "resamplings"),
     "multi-krum": ("f", "m", "weighted"),
     "norm-clip": ("bound", "weighted"),
     "centered-clip": ("tau", "iterations", "weighted"),
@@ -93,7 +93,7 @@ def build_aggregator(name: str, **params: Any) -> Aggregator:
     """The aggregator ``name`` with ``params`` (``None`` values mean "the default").
 
     Options: ``mean`` (weighted), ``median`` (weighted), ``trimmed-mean`` (beta, weighted),
-    ``krum`` (f), ``multi-krum`` (f, m, weighted), ``norm-clip`` (bound, weighted),
+    ``krum`` (f, bucket_size, resamplings), ``multi-krum`` (f, m, weighted), ``norm-clip`` (bound, weighted),
     ``centered-clip`` (tau, iterations, weighted).
 
     Raises:

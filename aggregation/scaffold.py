@@ -162,6 +162,7 @@ class Scaffold(FedOpt):
             return {}
         ordered = sorted(results, key=lambda r: r.client.sort_key)
         metrics = train_metrics(ordered)
+        self._begin_aggregation(server_round)
         try:
             update = self._update_subset(names=list(self.global_state), results=ordered)
             c_step = self._control_step(ordered)

@@ -55,19 +55,42 @@ class RegionBalancedSelector(Selector):
 
 @dataclass(frozen=True)
 class CapabilityFilter(Selector):
-    """Only clients that meet every stated minimum; ``inner`` chooses among them."""
+    """Only clients that meet every stated requirement; ``inner`` chooses among them.
+
+    The coordinator's ``require_device``, ``min_accelerators`` and ``min_client_memory``
+    keys build one (``fedgrid.server.strategies.build_capability_filter``), which the fleet
+    applies before the strategy sees any client: a round waits for ``min_clients``
+    *qualifying* clients and ``fraction_fit`` is a share of those.
+
+    Attributes:
+        min_memory_bytes: least ``memory_bytes`` reported.
+        min_accelerators: least ``num_accelerators`` reported.
+        regions: the regions allowed (empty: any).
+        devices: the device types allowed (empty: any).
+        inner: chooses among the qualifying clients.
+    """
 
     min_memory_bytes: int = 0
     min_accelerators: int = 0
     regions: tuple[str, ...] = ()
+    devices: tuple[str, ...] = ()
     inner: Selector = field(default_factory=UniformSelector)
 
     def eligible(self, client: ClientInfo) -> bool:
-        return (
-            client.memory_bytes >= self.min_memory_bytes
-            and client.num_accelerators >= self.min_accelerators
-            and (not self.regions or client.region in self.regions)
-        )
+        """Whether ``client`` meets every requirement."""
+        return self.shortfall(client) is None
+
+    def shortfall(self, client: ClientInfo) -> str | None:
+        """The first requirement ``client`` misses, in words (``None``: it meets them all)."""
+        if self.devices and client.device not in self.devices:
+            return f"device {client.device!r} is not {' or '.join(map(repr, self.devices))}"
+        if client.num_accelerators < self.min_accelerators:
+            return f"{client.num_accelerators} accelerators, fewer than {self.min_accelerators}"
+        if client.memory_bytes < self.min_memory_bytes:
+            return f"memory {client.memory_bytes} bytes, less than {self.min_memory_bytes}"
+        if self.regions and client.region not in self.regions:
+            return f"region {client.region!r} is not {' or '.join(map(repr, self.regions))}"
+        return None
 
     def select(self, clients: Sequence[ClientInfo], count: int, rng: random.Random) -> list[ClientInfo]:
         return self.inner.select([c for c in clients if self.eligible(c)], count, rng)

@@ -1,4 +1,4 @@
-"""The client halves of the training algorithms, selected by the task's ``algorithm`` key.
+"""The client halves of the training algorithms: one ``ClientAlgorithm`` class each, by ``algorithm`` key.
 
 The server half of each lives in ``fedgrid.aggregation``; it tells clients what to do
 through the task config only, so a client reached over gRPC (which sees the config, not
@@ -17,36 +17,234 @@ the server-side ``FitIns.expected``) sends exactly the tensors its task declares
 - ``bcd``: only the ``block_prefixes`` tensors train (the rest frozen, their modules in
   eval mode so their buffers stay as downloaded) and only they are sent.
 
-Everything here is state and arithmetic on tensors; ``TorchClient`` runs the loop.
+Each is a ``ClientAlgorithm``: hooks that every trainer calls in the same order, so the
+trainer itself never asks which algorithm runs (``TorchClient.fit``, a multi-process
+subclass of it, and the batched simulation engine ``fedgrid.simulation.batched``). A fit
+of task ``ctx`` (a ``FitContext``) runs::
+
+    loop(ctx=)                              -> Loop(epochs, steps)
+    start(download=, ctx=)                  -> the state to load and train from
+    trained(names=, ctx=)                   -> the state names that train
+    optimizer(trainer=, params=, ctx=)      -> the optimizer of the round
+    begin(params=, ctx=)                    -> round-local state (anchors, corrections)
+    after_backward(params=)                 after each backward pass, before the step
+    upload(state=, trained=, ctx=)          -> the tensors sent
+
+and ``state_dict`` / ``load_state_dict`` carry what it keeps across rounds. The batched
+engine does not call ``after_backward``: it applies the hook's tensorized form, which an
+algorithm states as data (``proximal_mu``, ``correction``, ``record``). An algorithm that
+defines ``after_backward`` without restating ``not_batchable`` is trained one client at a
+time by that engine, so a new hook cannot be silently skipped there; one with state the
+engine cannot stack (DiLoCo's persistent inner optimizer) says why in ``not_batchable``.
+
+The per-step hooks are elementwise on a parameter and its gradient, and tensors they add to
+a gradient are distributed like the parameter (``like``), so they run unchanged on sharded
+parameters (FSDP2's ``DTensor``) and after DDP's gradient all-reduce.
+
+A new algorithm is one subclass with a ``name``, passed to ``register``.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from contextlib import contextmanager
-from typing import Any, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Iterable, Mapping, NamedTuple, Protocol, Sequence, TypeVar
 
 import torch
 from torch import nn
 
-from fedgrid.aggregation.blocks import matches_prefix
-from fedgrid.aggregation.scaffold import CONTROL_DELTA_PREFIX, CONTROL_PREFIX
+from fedgrid.client.algorithm_math import ProximalTerm, ScaffoldControl, full, like, names_under, train_only
 from fedgrid.types import ModelState, Scalar
 
 __all__ = [
     "ALGORITHMS",
-    "STEP_ALGORITHMS",
-    "algorithm_of",
-    "names_under",
+    "BlockCoordinate",
+    "ClientAlgorithm",
+    "DiLoCo",
+    "FedAvg",
+    "FedProx",
+    "FitContext",
+    "Loop",
+    "OptimizerFactory",
     "ProximalTerm",
+    "Scaffold",
     "ScaffoldControl",
+    "StreamingDiLoCo",
+    "Trainer",
+    "algorithm_of",
+    "full",
+    "like",
+    "names_under",
+    "register",
     "train_only",
 ]
 
-#: ``algorithm`` values a ``TorchClient`` understands (absent means ``fedavg``).
-ALGORITHMS = ("fedavg", "fedprox", "scaffold", "diloco", "streaming-diloco", "bcd")
-#: Algorithms that run ``inner_steps`` optimizer steps instead of ``local_epochs`` epochs.
-STEP_ALGORITHMS = ("diloco", "streaming-diloco")
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class FitContext:
+    """What every per-round hook sees.
+
+    Attributes:
+        config: the task config.
+        model: the model's ``state_dict`` keys, in order.
+        client: the client's name, for messages.
+    """
+
+    config: Mapping[str, Scalar]
+    model: tuple[str, ...]
+    client: str = ""
+
+
+class Loop(NamedTuple):
+    """A fit's length: ``epochs`` passes over the data, or (``steps`` > 0) exactly ``steps`` batches."""
+
+    epochs: int
+    steps: int
+
+
+class Trainer(Protocol):
+    """What ``ClientAlgorithm.optimizer`` may use of the client that trains (``TorchClient``)."""
+
+    model: nn.Module
+    optimizer_factory: OptimizerFactory
+
+    @property
+    def inner_optimizer(self) -> torch.optim.Optimizer:
+        """A persistent optimizer over all of ``model``'s parameters, made once and kept across rounds."""
+        ...
+
+
+class ClientAlgorithm:
+    """The client half of one training algorithm: the hooks every trainer calls (module docstring).
+
+    One instance per client and algorithm, kept across rounds; the defaults are FedAvg's.
+    Hooks take keyword arguments only.
+
+    Attributes:
+        name: the task config's ``algorithm`` value that selects it.
+        not_batchable: ``None``, or why the batched engine leaves this algorithm's clients
+            to ``TorchClient.fit`` one by one.
+    """
+
+    name: ClassVar[str] = ""
+    not_batchable: ClassVar[str | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "after_backward" in cls.__dict__ and "not_batchable" not in cls.__dict__:
+            # The batched engine applies proximal_mu and correction, never after_backward.
+            cls.not_batchable = f"{cls.__name__}.after_backward has no batched form (set not_batchable = None once proximal_mu/correction state it)"
+
+    def loop(self, *, ctx: FitContext) -> Loop:
+        """How long the fit trains: ``local_epochs`` (default 1) epochs.
+
+        Raises:
+            ValueError: a bad value in the task.
+        """
+        epochs = int(ctx.config.get("local_epochs", 1))
+        if epochs < 1:
+            raise ValueError(f"local_epochs must be at least 1, got {epochs}")
+        return Loop(epochs, 0)
+
+    def start(self, *, download: ModelState, ctx: FitContext) -> ModelState:
+        """The state to load and train from (default: the download as it is)."""
+        return download
+
+    def trained(self, *, names: Sequence[str], ctx: FitContext) -> list[str]:
+        """Of the state ``names`` trained from (in that order), those that train (default: all).
+
+        Every other parameter is frozen, and modules with none of their tensors here are in
+        eval mode (``train_only``).
+        """
+        return list(names)
+
+    def optimizer(self, *, trainer: Trainer, params: Sequence[nn.Parameter], ctx: FitContext) -> torch.optim.Optimizer:
+        """The round's optimizer over the trainable ``params`` (default: a fresh one from the
+        client's factory over all the model's parameters; the task's ``lr`` is set after).
+
+        The batched engine takes the hyperparameters of what this returns and starts their
+        state afresh each round: an optimizer kept across rounds needs ``not_batchable``.
+        """
+        return trainer.optimizer_factory(trainer.model.parameters())
+
+    def begin(self, *, params: Mapping[str, nn.Parameter], ctx: FitContext) -> None:
+        """Starts the round once the start state is loaded; ``params`` are the trainable parameters by name.
+
+        The batched engine passes the client's own parameters, which hold other values than
+        the start state there: use them for names, devices and dtypes only.
+
+        Raises:
+            ValueError: a bad value in the task.
+        """
+
+    def after_backward(self, *, params: Mapping[str, nn.Parameter]) -> None:
+        """After each backward pass, before the optimizer's step: may change the gradients.
+
+        Elementwise on each parameter and its gradient, so it works on sharded ``DTensor``
+        parameters (add tensors made with ``like``).
+        """
+
+    def upload(self, *, state: ModelState, trained: Sequence[str], ctx: FitContext) -> ModelState:
+        """What the client sends, from ``state``, the whole model after training (default: all
+        of it); ``trained`` is what ``trained`` returned. Ends the round."""
+        return state
+
+    # -- the tensorized form of after_backward, for the batched engine ---------------------
+
+    def proximal_mu(self, *, ctx: FitContext) -> float:
+        """``mu`` of a ``mu / 2 * ||w - w_start||^2`` term the objective has over the trainable
+        parameters (default 0: none); ``w_start`` is their start state.
+
+        Raises:
+            ValueError: a bad value in the task.
+        """
+        return 0.0
+
+    @property
+    def correction(self) -> Mapping[str, torch.Tensor]:
+        """Between ``begin`` and ``upload``: what each step adds to the gradient, by parameter
+        name (default: nothing); the raw gradients of these parameters go to ``record``."""
+        return {}
+
+    def record(self, *, name: str, grad_sum: torch.Tensor, count: int) -> None:
+        """The sum of ``count`` raw (uncorrected) gradients of ``name`` in the round, from an
+        engine that corrects gradients itself (called before ``upload``)."""
+
+    # -- across rounds ---------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What it keeps across rounds, as top-level keys of the client's state (default: nothing).
+
+        Tensors and plain containers only (a client state file is read with
+        ``torch.load(weights_only=True)``); a key names its algorithm, no other one uses it.
+        """
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores its keys of a client's state (what ``state_dict`` returned); a key absent
+        from ``state`` means a fresh start."""
+
+
+A = TypeVar("A", bound=type[ClientAlgorithm])
+
+#: ``algorithm`` value -> its client half; ``register`` adds one (absent means ``fedavg``).
+ALGORITHMS: dict[str, type[ClientAlgorithm]] = {}
+
+
+def register(cls: A) -> A:
+    """Adds ``cls`` to ``ALGORITHMS`` under ``cls.name`` (usable as a class decorator).
+
+    Raises:
+        ValueError: no name, or the name is another class's.
+    """
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no name (the task config's 'algorithm' value that selects it)")
+    if ALGORITHMS.get(cls.name, cls) is not cls:
+        raise ValueError(f"algorithm {cls.name!r} is already {ALGORITHMS[cls.name].__name__}'s")
+    ALGORITHMS[cls.name] = cls
+    return cls
 
 
 def algorithm_of(config: Mapping[str, Scalar]) -> str:
@@ -61,150 +259,177 @@ def algorithm_of(config: Mapping[str, Scalar]) -> str:
     return name
 
 
-def names_under(names: Sequence[str], prefixes: str, *, key: str) -> list[str]:
-    """The ``names`` under any of the comma-joined ``prefixes`` (``blocks.matches_prefix``), in order.
-
-    Raises:
-        ValueError: no prefix given, or they match no tensor (``key`` names the config key).
-    """
-    wanted = [p.strip() for p in prefixes.split(",") if p.strip()]
-    if not wanted:
-        raise ValueError(f"task config '{key}' names no tensor prefix")
-    out = [n for n in names if any(matches_prefix(n, p) for p in wanted)]
-    if not out:
-        raise ValueError(f"task config '{key}' = {prefixes!r} matches no tensor of the model")
-    return out
+# -- the built-in algorithms, registered in the order an unknown algorithm's error lists them --
 
 
-class ProximalTerm:
-    """FedProx's ``mu / 2 * sum ||w - w_global||^2`` over ``params``, anchored at their values now.
+@register
+class FedAvg(ClientAlgorithm):
+    """``fedavg`` (also FedAvgM and FedOpt): the defaults, the whole model for ``local_epochs``."""
 
-    Args:
-        params: the trainable parameters, just loaded with the global model.
-        mu: the proximal coefficient (``proximal_mu`` of the task).
-    """
-
-    def __init__(self, params: Sequence[nn.Parameter], mu: float) -> None:
-        if not (mu >= 0 and mu != float("inf")):
-            raise ValueError(f"proximal_mu must be non-negative and finite, got {mu}")
-        self.mu = float(mu)
-        self.params = list(params)
-        self.anchor = [p.detach().clone() for p in self.params]
-
-    def __call__(self) -> torch.Tensor:
-        total = sum(((p - a) ** 2).sum() for p, a in zip(self.params, self.anchor))
-        return 0.5 * self.mu * torch.as_tensor(total)
+    name = "fedavg"
 
 
-class ScaffoldControl:
-    """SCAFFOLD's client control variate ``c_i``, kept across rounds (zero at first).
+@register
+class FedProx(ClientAlgorithm):
+    """``fedprox``: the gradient of ``proximal_mu / 2 * ||w - w_global||^2`` added at each step."""
 
-    Per round: ``begin`` with the server's ``c``, ``correct`` after each backward pass,
-    ``finish`` for the ``scaffold.c_delta.<name>`` tensors to upload.
-
-    The new ``c_i`` is the mean of the uncorrected minibatch gradients of the round: the
-    paper's option I evaluated along the local trajectory instead of at the global model.
-    Option II (``(x - y_i) / (K * lr)``) assumes plain SGD; with momentum or Adam, which
-    the built-in clients use, it misestimates the gradient by the optimizer's gain.
-    """
+    name = "fedprox"
+    not_batchable = None  # the batched engine puts proximal_mu's term in its objective
 
     def __init__(self) -> None:
-        self.c_i: "OrderedDict[str, torch.Tensor]" = OrderedDict()
-        self._server: "OrderedDict[str, torch.Tensor]" = OrderedDict()
-        self._correction: dict[str, torch.Tensor] = {}
-        self._grad_sums: dict[str, torch.Tensor] = {}
-        self._counts: dict[str, int] = {}
+        self._mu = 0.0
+        self._term: ProximalTerm | None = None
 
-    @staticmethod
-    def split(download: Mapping[str, torch.Tensor]) -> tuple[ModelState, ModelState]:
-        """Splits a SCAFFOLD download into (model, server control variate by model name).
+    def proximal_mu(self, *, ctx: FitContext) -> float:
+        mu = float(ctx.config.get("proximal_mu", 0.0))
+        if not (mu >= 0 and mu != float("inf")):
+            raise ValueError(f"proximal_mu must be non-negative and finite, got {mu}")
+        return mu
 
-        Raises:
-            ValueError: a control tensor names no model tensor, or has another shape.
-        """
-        model: ModelState = OrderedDict((n, t) for n, t in download.items() if not n.startswith(CONTROL_PREFIX))
-        control: ModelState = OrderedDict()
-        for name, tensor in download.items():
-            if name.startswith(CONTROL_PREFIX):
-                target = name[len(CONTROL_PREFIX) :]
-                if target not in model or model[target].shape != tensor.shape:
-                    raise ValueError(f"control variate '{name}' matches no model tensor of its shape")
-                control[target] = tensor
-        return model, control
+    def begin(self, *, params: Mapping[str, nn.Parameter], ctx: FitContext) -> None:
+        self._mu, self._term = self.proximal_mu(ctx=ctx), None
 
-    def begin(self, server_control: Mapping[str, torch.Tensor], params: Mapping[str, nn.Parameter]) -> None:
-        """Starts a round: the gradient of parameter ``n`` will be corrected by ``c[n] - c_i[n]``."""
-        self._server = OrderedDict((n, c.detach().to("cpu", torch.float32)) for n, c in server_control.items())
-        for name, c in self._server.items():
-            if name not in self.c_i or self.c_i[name].shape != c.shape:
-                self.c_i[name] = torch.zeros_like(c)
-        self._correction = {n: (self._server[n] - self.c_i[n]).to(p.device, p.dtype) for n, p in params.items() if n in self._server}
-        self._grad_sums = {n: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for n in self._correction for p in [params[n]]}
-        self._counts = {n: 0 for n in self._correction}
+    def after_backward(self, *, params: Mapping[str, nn.Parameter]) -> None:
+        if self._term is None:
+            # Anchored at the first step, before the optimizer moved anything: the start state.
+            # Not in begin, which the batched engine also calls, with parameters it does not train.
+            self._term = ProximalTerm(list(params.values()), self._mu)
+        self._term.add_gradients()
 
-    def correct(self, params: Mapping[str, nn.Parameter]) -> None:
-        """After a backward pass: records the raw gradients, then adds ``c - c_i`` to them."""
-        for name, correction in self._correction.items():
-            grad = params[name].grad
-            if grad is None:
-                continue
-            self._grad_sums[name] += grad.detach().float()
-            self._counts[name] += 1
-            grad.add_(correction)
+    def upload(self, *, state: ModelState, trained: Sequence[str], ctx: FitContext) -> ModelState:
+        self._term = None
+        return state
+
+
+@register
+class Scaffold(ClientAlgorithm):
+    """``scaffold``: gradients corrected by ``c - c_i``; uploads the model and the ``c_i`` deltas.
+
+    Attributes:
+        control: the client's ``ScaffoldControl`` (its ``c_i``), kept across rounds.
+    """
+
+    name = "scaffold"
+    not_batchable = None  # the batched engine adds ``correction`` and reports to ``record``
+
+    def __init__(self) -> None:
+        self.control = ScaffoldControl()
+        self._server: ModelState = OrderedDict()
+
+    def start(self, *, download: ModelState, ctx: FitContext) -> ModelState:
+        model, self._server = ScaffoldControl.split(download)
+        return model
+
+    def begin(self, *, params: Mapping[str, nn.Parameter], ctx: FitContext) -> None:
+        self.control.begin(self._server, params)
+
+    def after_backward(self, *, params: Mapping[str, nn.Parameter]) -> None:
+        self.control.correct(params)
 
     @property
     def correction(self) -> Mapping[str, torch.Tensor]:
-        """Between ``begin`` and ``finish``: ``c - c_i`` by parameter name (what ``correct`` adds)."""
-        return dict(self._correction)
+        return self.control.correction
 
-    def record(self, name: str, grad_sum: torch.Tensor, count: int) -> None:
-        """Records ``count`` raw gradients of ``name`` summed in ``grad_sum`` (float32), as ``count``
-        calls of ``correct`` would; for engines that correct gradients themselves."""
-        self._grad_sums[name] += grad_sum.to(self._grad_sums[name].device)
-        self._counts[name] += count
+    def record(self, *, name: str, grad_sum: torch.Tensor, count: int) -> None:
+        self.control.record(name, grad_sum, count)
 
-    def finish(self, model: Mapping[str, torch.Tensor]) -> ModelState:
-        """Ends a round: updates ``c_i``; returns ``scaffold.c_delta.<name>`` (in ``model``'s dtypes).
-
-        A control tensor without gradients this round (a buffer, a frozen or unused
-        parameter) keeps its ``c_i``: its delta is zero.
-        """
-        deltas: ModelState = OrderedDict()
-        for name in self._server:
-            old = self.c_i[name]
-            count = self._counts.get(name, 0)
-            new = self._grad_sums[name].cpu() / count if count else old
-            deltas[CONTROL_DELTA_PREFIX + name] = (new - old).to(model[name].dtype)
-            self.c_i[name] = new.clone()
-        self._correction, self._grad_sums, self._counts = {}, {}, {}
-        return deltas
+    def upload(self, *, state: ModelState, trained: Sequence[str], ctx: FitContext) -> ModelState:
+        out = OrderedDict(state)
+        out.update(self.control.finish(state))
+        self._server = OrderedDict()
+        return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"c_i": OrderedDict((n, c.clone()) for n, c in self.c_i.items())}
+        return {"scaffold": self.control.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.c_i = OrderedDict((n, c.detach().to("cpu", torch.float32).clone()) for n, c in state["c_i"].items())
+        self.control = ScaffoldControl()
+        if state.get("scaffold") is not None:
+            self.control.load_state_dict(state["scaffold"])
 
 
-@contextmanager
-def train_only(model: nn.Module, names: Sequence[str]) -> Iterator[list[nn.Parameter]]:
-    """Within the block, only the parameters ``names`` train; yields the trainable ones.
+@register
+class DiLoCo(ClientAlgorithm):
+    """``diloco``: ``inner_steps`` steps of the client's persistent inner optimizer (``Trainer.inner_optimizer``)."""
 
-    Every other parameter has ``requires_grad`` off (no gradient, no optimizer state), and
-    modules whose own tensors all lie outside ``names`` are in eval mode, so their buffers
-    (BatchNorm statistics) stay as downloaded. ``requires_grad`` is restored on exit.
-    """
-    chosen = set(names)
-    params = OrderedDict(model.named_parameters())
-    saved = {n: p.requires_grad for n, p in params.items()}
-    try:
-        for n, p in params.items():
-            p.requires_grad_(saved[n] and n in chosen)  # a parameter the user froze stays frozen
-        for prefix, module in model.named_modules():
-            own = [f"{prefix}.{n}" if prefix else n for n, _ in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]]
-            if own and not any(n in chosen for n in own):
-                module.eval()
-        yield [p for p in params.values() if p.requires_grad]
-    finally:
-        for n, p in params.items():
-            p.requires_grad_(saved[n])
+    name = "diloco"
+    not_batchable = "a persistent inner optimizer per client"
+
+    def loop(self, *, ctx: FitContext) -> Loop:
+        steps = int(ctx.config.get("inner_steps", 0))
+        if steps < 1:
+            raise ValueError(f"inner_steps must be at least 1, got {steps}")
+        return Loop(0, steps)
+
+    def optimizer(self, *, trainer: Trainer, params: Sequence[nn.Parameter], ctx: FitContext) -> torch.optim.Optimizer:
+        return trainer.inner_optimizer
+
+
+@register
+class StreamingDiLoCo(DiLoCo):
+    """``streaming-diloco``: DiLoCo on a replica kept across rounds; fragments merged and sent."""
+
+    name = "streaming-diloco"
+    not_batchable = "a persistent inner optimizer and replica per client"
+
+    def __init__(self) -> None:
+        self.replica: ModelState | None = None
+
+    def start(self, *, download: ModelState, ctx: FitContext) -> ModelState:
+        """The download, or the replica with the ``merge_fragment_prefixes`` tensors taken from it.
+
+        A streaming task downloads the whole model, or only the fragments synced since this
+        client's last round (``FitIns.download``, see ``fedgrid.aggregation.diloco``).
+        Without a replica, the download must be the whole model.
+
+        Raises:
+            ValueError: a download that is part of the model and no replica to complete it
+                (a client restarted without its state), or a download without a tensor the
+                task says to merge.
+        """
+        model = list(ctx.model)
+        if not set(download) <= set(model):
+            return download  # not this model: loading it says what differs
+        if self.replica is None or list(self.replica) != model:
+            if len(download) < len(model):
+                raise ValueError(
+                    f"streaming-diloco: the download holds {len(download)} of the model's {len(model)} tensors (the fragments "
+                    f"synced since client {ctx.client!r} last trained), but the client keeps no replica of the rest (restarted "
+                    "without its state?); the coordinator sends the whole model after this failed round"
+                )
+            return download
+        merge = names_under(model, str(ctx.config.get("merge_fragment_prefixes", "")), key="merge_fragment_prefixes")
+        missing = [n for n in merge if n not in download]
+        if missing:
+            raise ValueError(f"streaming-diloco: the download lacks {len(missing)} tensors the task says to merge (first: {missing[0]!r})")
+        merged = OrderedDict(self.replica)
+        for name in merge:
+            merged[name] = download[name]
+        return merged
+
+    def upload(self, *, state: ModelState, trained: Sequence[str], ctx: FitContext) -> ModelState:
+        self.replica = state
+        return OrderedDict((n, state[n]) for n in names_under(trained, str(ctx.config.get("fragment_prefixes", "")), key="fragment_prefixes"))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"replica": None if self.replica is None else OrderedDict((n, t.clone()) for n, t in self.replica.items())}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        replica = state.get("replica")
+        self.replica = None if replica is None else OrderedDict((n, t.detach().clone()) for n, t in replica.items())
+
+
+@register
+class BlockCoordinate(ClientAlgorithm):
+    """``bcd``: only the ``block_prefixes`` tensors train, with optimizer state for them alone, and are sent."""
+
+    name = "bcd"
+
+    def trained(self, *, names: Sequence[str], ctx: FitContext) -> list[str]:
+        return names_under(names, str(ctx.config.get("block_prefixes", "")), key="block_prefixes")
+
+    def optimizer(self, *, trainer: Trainer, params: Sequence[nn.Parameter], ctx: FitContext) -> torch.optim.Optimizer:
+        return trainer.optimizer_factory(params)
+
+    def upload(self, *, state: ModelState, trained: Sequence[str], ctx: FitContext) -> ModelState:
+        return OrderedDict((n, state[n]) for n in trained)

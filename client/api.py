@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from fedgrid.capabilities import Capabilities, CapabilityOverride
 from fedgrid.types import FitIns, MessageIns, ModelState, Scalar
 
 __all__ = ["Client", "FitOutput", "EvaluateOutput"]
@@ -40,10 +41,27 @@ class Client(ABC):
     Attributes:
         name: stable label sent at join; the coordinator orders results by it.
         region: region label sent at join.
+        capability_override: capabilities stated in place of detected ones at Join, field
+            by field (``fedgrid client --report-device/--report-accelerators/--report-memory``).
     """
 
     name: str = ""
     region: str = ""
+    capability_override: CapabilityOverride = CapabilityOverride()
+
+    def capabilities(self) -> Capabilities:
+        """What Join reports of this client's hardware, for capability-based selection and BCD's
+        ``capacity`` schedule: detected on the client's training device (its ``device``
+        attribute, as a ``TorchClient`` has; else the CPU) by
+        ``fedgrid.client.capabilities.detect_capabilities``, then ``capability_override``
+        applied. Override it to state everything yourself.
+
+        Raises:
+            ValueError: an override out of bounds (``fedgrid.capabilities.Capabilities``).
+        """
+        from fedgrid.client.capabilities import detect_capabilities  # torch.cuda: only when a client joins
+
+        return self.capability_override.apply(detect_capabilities(getattr(self, "device", None)))
 
     @property
     def num_examples(self) -> int:

@@ -47,11 +47,11 @@ from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
 from fedgrid.proto import serde
 from fedgrid.proto.tls import TLSFiles, channel_credentials, session_metadata
 from fedgrid.pki import identity_of
-from fedgrid.types import ModelState
+from fedgrid.types import EVALUATE, FIT, FitIns, ModelState, Scalar
 
 __all__ = [
-    "Connection", "ClientHandle", "RunSummary", "TaskReport", "RpcFailed", "CoordinatorUnreachable", "run", "start", "TRANSIENT",
-    "check_target",
+    "Connection", "ClientHandle", "RunSummary", "TaskReport", "ClientEvent", "TaskStep", "TaskFeed", "RpcFailed", "CoordinatorUnreachable",
+    "run", "start", "TRANSIENT", "check_target",
 ]
 
 log = logging.getLogger(__name__)
@@ -173,6 +173,26 @@ class TaskReport:
     bytes_up: int
     bytes_down: int
     upload_retries: int
+
+
+@dataclass(frozen=True)
+class ClientEvent:
+    """A change of the client's session, for an observer (``run``'s ``on_event``).
+
+    Attributes:
+        kind: ``joined`` (``client_id``, ``run_id``; again after a refused session),
+            ``polling`` (waiting for a task), ``task`` (``round``, ``task``: ``fit``,
+            ``evaluate`` or ``message``), ``error`` (``round``, ``detail``: the task failed or
+            its round closed first; the client goes on), ``finished`` (the run ended) or
+            ``left`` (``detail``: why this client stopped).
+    """
+
+    kind: str
+    round: int = 0
+    task: str = ""
+    client_id: str = ""
+    run_id: str = ""
+    detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -316,11 +336,13 @@ class Connection:
                 "signed by another CA, expired or not yet valid, or not a client certificate)")
 
     def join(self, client: Client) -> None:
+        caps = client.capabilities()
         request = pb.JoinRequest(
             name="" if self.tls is not None else client.name,  # under mTLS the certificate names it
             region=client.region,
             num_examples=client.num_examples,
-            capabilities=pb.Capabilities(device="cpu", codecs=list(available_codecs())),
+            capabilities=pb.Capabilities(device=caps.device, num_accelerators=caps.num_accelerators, memory_bytes=caps.memory_bytes,
+                                         codecs=list(available_codecs())),
         )
         reply: pb.JoinReply = self._call("Join", lambda: self.stub.Join(request, timeout=self.rpc_timeout))
         self.client_id, self.token, self.run_id = reply.client_id, reply.session_token, reply.run_id
@@ -500,6 +522,142 @@ class _Heartbeat(threading.Thread):
                 return
 
 
+class TaskStep:
+    """One fit or evaluate task, its model downloaded (by ``TaskFeed``): the caller trains or
+    evaluates, then ``deliver``s the result or ``fail``s the task. What ``run`` does with every
+    task and what a ``fedgrid.client.session.Session`` hands its host program.
+
+    Attributes:
+        task_id, round, deadline_s: the coordinator's task id, round and seconds for the task.
+        kind: ``fedgrid.types.FIT`` or ``EVALUATE``.
+        state: the global model. Lossy uplinks send the difference to it, and a compressed
+            downlink applies the next round's difference to it: never change it in place.
+        config: the task's scalars; ``ins``: a fit task's ``FitIns`` (``None`` for an evaluation).
+    """
+
+    def __init__(self, conn: Connection, task: pb.Task) -> None:
+        self.conn = conn
+        self.task_id, self.round, self.deadline_s = task.task_id, int(task.round), float(task.deadline_s)
+        self.kind = EVALUATE if task.kind == pb.EVALUATE else FIT
+        self._down_before, self._up_before = conn.bytes_down, conn.bytes_up
+        self.started = time.monotonic()
+        self.state: ModelState = conn.download(task.task_id) if self.kind == EVALUATE else conn.fetch_model(task.task_id)
+        self.config: dict[str, Scalar] = serde.config_from_pb(task.config)
+        self.ins: FitIns | None = serde.fit_ins_from_task(task) if self.kind == FIT else None
+        #: Why the coordinator refused the latest ``deliver`` as late ("" if it did not).
+        self.late = ""
+
+    @staticmethod
+    def check(update: ModelState, metrics: Mapping[str, float]) -> None:
+        """Refuses a diverged fit result before it goes out (the coordinator would refuse it).
+
+        Raises:
+            InvalidUpdateError: naming the first tensor or metric that is not finite.
+        """
+        serde.check_finite(update)
+        bad = [k for k, v in metrics.items() if not math.isfinite(v)]
+        if bad:
+            raise InvalidUpdateError(f"metric {bad[0]!r} is {metrics[bad[0]]}")
+
+    def fail(self, reason: str) -> None:
+        """Reports the task failed with ``reason``: the round records it at once."""
+        self.conn.report_failure(self.task_id, reason)
+
+    def deliver(self, update: ModelState, num_examples: int, metrics: Mapping[str, float]) -> TaskReport | None:
+        """Uploads the result through the task's ``uplink_codec`` (error feedback kept in the
+        connection). Returns what it cost, or ``None`` (``late`` says why) when the round
+        closed before the update landed.
+
+        Raises:
+            RpcFailed: any other refusal, or transient failures past the retry budget.
+        """
+        metrics, self.late, codec = dict(metrics), "", str(self.config.get("uplink_codec", "none"))
+        try:
+            self.conn.upload(self.task_id, self.round, update, num_examples, metrics, codec=codec, global_state=self.state)
+        except RpcFailed as exc:
+            if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            log.warning("round %d closed before the update landed: %s", self.round, exc.details)
+            self.late = exc.details or "the round closed"
+            return None
+        loss = metrics.get("loss", metrics.get("train_loss"))
+        if self.kind == FIT:
+            log.info("round %d: trained on %d examples, loss %s, %.2fs", self.round, num_examples,
+                     "-" if loss is None else f"{loss:.4f}", time.monotonic() - self.started)
+        return TaskReport(round=self.round, kind=self.kind, num_examples=num_examples, loss=None if loss is None else float(loss),
+                          bytes_up=self.conn.bytes_up - self._up_before, bytes_down=self.conn.bytes_down - self._down_before,
+                          upload_retries=max(0, len(self.conn.upload_attempts) - 1))
+
+
+class TaskFeed:
+    """``run``'s loop without the training: joins, long-polls, joins again when the
+    coordinator no longer knows the session (at most ``MAX_REJOINS`` times in a row), runs
+    message phases through ``client.exchange``/``receive``, and yields every fit or evaluate
+    task as a downloaded ``TaskStep``, until the run finishes or ``conn.stop`` is set.
+
+    ``client`` is what Join says (name, region, examples) and who takes part in message
+    phases. ``finished``: the coordinator said the run is over (no Leave is owed). ``lock`` is
+    held across every Join: a thread that sets ``conn.stop`` and leaves under it is sure that
+    no Join follows its Leave.
+    """
+
+    def __init__(self, conn: Connection, client: Client, *, poll_wait_s: float = POLL_WAIT_S,
+                 on_event: Callable[[ClientEvent], None] | None = None) -> None:
+        self.conn, self.client, self.poll_wait_s = conn, client, poll_wait_s
+        self.on_event = on_event
+        self.finished = False
+        self.lock = threading.Lock()
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        """Tells ``on_event`` of a change of the session (``ClientEvent``)."""
+        if self.on_event is not None:
+            self.on_event(ClientEvent(kind=kind, **fields))
+
+    def join(self) -> bool:
+        """Joins (again); returns ``False`` without joining once ``conn.stop`` is set."""
+        with self.lock:
+            if self.conn.stop.is_set():
+                return False
+            self.conn.join(self.client)
+        self.emit("joined", client_id=self.conn.client_id, run_id=self.conn.run_id)
+        return True
+
+    def __iter__(self) -> Iterator[TaskStep]:
+        conn, rejoins = self.conn, 0
+        while not conn.stop.is_set():
+            try:
+                self.emit("polling")
+                reply = conn.poll(self.poll_wait_s)
+            except RpcFailed as exc:
+                rejoins += 1
+                if exc.code != grpc.StatusCode.UNAUTHENTICATED or rejoins > MAX_REJOINS:
+                    raise
+                if conn.stop.is_set():  # it left meanwhile (a Leave from another thread): nothing to rejoin
+                    return
+                # The coordinator no longer knows this session (it restarted without our
+                # registration): join again and carry on.
+                log.warning("session refused (%s): joining again", exc.details)
+                run_id = conn.run_id
+                if not self.join():
+                    return
+                if conn.run_id != run_id:  # a new run: residuals of the old model mean nothing
+                    log.warning("the coordinator now runs %s (was %s): uplink state reset", conn.run_id, run_id)
+                    conn.load_uplink_state_dict({})
+                continue
+            rejoins = 0
+            kind = reply.WhichOneof("reply")
+            if kind == "finished":
+                self.finished = True
+                return
+            if kind != "task":
+                continue
+            self.emit("task", round=reply.task.round, task={pb.MESSAGE: "message", pb.EVALUATE: EVALUATE}.get(reply.task.kind, FIT))
+            if reply.task.kind == pb.MESSAGE:
+                _exchange(conn, self.client, reply.task)
+                continue
+            yield TaskStep(conn, reply.task)
+
+
 def run(
     client: Client,
     coordinator: str,
@@ -512,6 +670,7 @@ def run(
     key: str = "",
     server_name: str = "",
     on_task: Callable[[TaskReport], None] | None = None,
+    on_event: Callable[[ClientEvent], None] | None = None,
     **connection_options: float,
 ) -> RunSummary:
     """Joins ``coordinator`` and serves tasks until the run finishes or ``stop`` is set.
@@ -532,6 +691,8 @@ def run(
             ``coordinator``.
         on_task: called with a ``TaskReport`` after each fit or evaluate task whose upload
             landed (``fedgrid client --http`` counts them as metrics).
+        on_event: called with a ``ClientEvent`` at each change of the session (``fedgrid
+            client --http`` serves the latest as ``/api/status``).
         connection_options: passed to ``Connection`` (``connect_timeout``, ``rpc_timeout``, ...).
 
     Raises:
@@ -546,89 +707,47 @@ def run(
     conn = Connection(coordinator, stop=stop, tls=tls, server_name=server_name, **connection_options)
     saved = load_client_state(state_path, name=conn.identity or client.name) if state_path is not None else None
     beat_stop = threading.Event()
-    rounds = rejoins = 0
+    feed = TaskFeed(conn, client, poll_wait_s=poll_wait_s, on_event=on_event)
+    rounds = 0
     heartbeat: _Heartbeat | None = None
-    finished = False
     leaving = "stopped"
     try:
-        conn.join(client)
+        feed.join()
         log.info("joined %s as %s (run %s)", coordinator, conn.client_id, conn.run_id)
         if saved is not None and state_path is not None:
             restore_client_state(conn, client, saved, state_path)
         heartbeat = _Heartbeat(conn, beat_stop)
         heartbeat.start()
-        while not stop.is_set():
+        for step in feed:
             try:
-                reply = conn.poll(poll_wait_s)
-            except RpcFailed as exc:
-                rejoins += 1
-                if exc.code != grpc.StatusCode.UNAUTHENTICATED or rejoins > MAX_REJOINS:
-                    raise
-                # The coordinator no longer knows this session (it restarted without our
-                # registration): join again and carry on.
-                log.warning("session refused (%s): joining again", exc.details)
-                run_id = conn.run_id
-                conn.join(client)
-                if conn.run_id != run_id:  # a new run: residuals of the old model mean nothing
-                    log.warning("the coordinator now runs %s (was %s): uplink state reset", conn.run_id, run_id)
-                    conn.load_uplink_state_dict({})
-                continue
-            rejoins = 0
-            kind = reply.WhichOneof("reply")
-            if kind == "finished":
-                finished = True
-                break
-            if kind != "task":
-                continue
-            task = reply.task
-            if task.kind == pb.MESSAGE:
-                _exchange(conn, client, task)
-                continue
-            down_before, up_before = conn.bytes_down, conn.bytes_up
-            task_started = time.monotonic()
-            state = conn.download(task.task_id) if task.kind == pb.EVALUATE else conn.fetch_model(task.task_id)
-            config = serde.config_from_pb(task.config)
-            try:
-                if task.kind == pb.EVALUATE:
-                    update, num_examples, metrics = _evaluate(client, state, config)
+                if step.kind == EVALUATE:
+                    update, num_examples, metrics = _evaluate(client, step.state, step.config)
                 else:
-                    out = client.fit(state, serde.fit_ins_from_task(task))
+                    assert step.ins is not None
+                    out = client.fit(step.state, step.ins)
                     update, num_examples, metrics = out.state, out.num_examples, dict(out.metrics)
-                    # Diverged training (NaN or Inf) is the round's failure, not the client's end:
-                    # the coordinator would refuse the upload, and a refused upload stops the client.
-                    serde.check_finite(update)
-                    bad = [k for k, v in metrics.items() if not math.isfinite(v)]
-                    if bad:
-                        raise InvalidUpdateError(f"metric {bad[0]!r} is {metrics[bad[0]]}")
+                    # Diverged training (NaN or Inf) is the round's failure, not the client's end.
+                    step.check(update, metrics)
             except Exception as exc:  # the application's code failed: the round hears it now, the client goes on
-                log.exception("round %d: %s failed", task.round, "evaluate" if task.kind == pb.EVALUATE else "fit")
-                conn.report_failure(task.task_id, f"{type(exc).__name__}: {exc}")
+                log.exception("round %d: %s failed", step.round, step.kind)
+                step.fail(f"{type(exc).__name__}: {exc}")
+                feed.emit("error", round=step.round, detail=f"{type(exc).__name__}: {exc}")
                 continue
-            try:
-                conn.upload(
-                    task.task_id, task.round, update, num_examples, metrics, codec=str(config.get("uplink_codec", "none")), global_state=state
-                )
-            except RpcFailed as exc:
-                if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
-                    raise
-                log.warning("round %d closed before the update landed: %s", task.round, exc.details)
-                _save(state_path, conn, client, task)  # the residuals moved on all the same
+            report = step.deliver(update, num_examples, metrics)
+            _save(state_path, conn, client, step)  # a late update too: the residuals moved on all the same
+            if report is None:
+                feed.emit("error", round=step.round, detail="the round closed before the update landed")
                 continue
-            loss = metrics.get("loss", metrics.get("train_loss"))
-            if task.kind != pb.EVALUATE:
+            if step.kind == FIT:
                 rounds += 1
-                _save(state_path, conn, client, task)
-                log.info("round %d: trained on %d examples, loss %s, %.2fs", task.round, num_examples,
-                         "-" if loss is None else f"{loss:.4f}", time.monotonic() - task_started)
             if on_task is not None:
-                on_task(TaskReport(round=task.round, kind="evaluate" if task.kind == pb.EVALUATE else "fit", num_examples=num_examples,
-                                   loss=None if loss is None else float(loss), bytes_up=conn.bytes_up - up_before,
-                                   bytes_down=conn.bytes_down - down_before, upload_retries=max(0, len(conn.upload_attempts) - 1)))
+                on_task(report)
     except BaseException as exc:  # KeyboardInterrupt and SystemExit included: the client is going
         leaving = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         raise
     finally:
-        if conn.client_id and not finished:  # joined, and the run did not end: say so, not just go silent
+        feed.emit("finished") if feed.finished else feed.emit("left", detail=leaving)
+        if conn.client_id and not feed.finished:  # joined, and the run did not end: say so, not just go silent
             conn.leave(leaving)
         beat_stop.set()
         if heartbeat is not None:
@@ -665,11 +784,11 @@ def _exchange(conn: Connection, client: Client, task: pb.Task) -> None:
         log.exception("round %d: receiving message phase %s failed", task.round, task.phase)
 
 
-def _save(path: str | os.PathLike[str] | None, conn: Connection, client: Client, task: pb.Task) -> None:
-    if path is None or task.kind == pb.EVALUATE:
+def _save(path: str | os.PathLike[str] | None, conn: Connection, client: Client, step: TaskStep) -> None:
+    if path is None or step.kind == EVALUATE:
         return
     try:
-        save_client_state(path, run_id=conn.run_id, server_round=task.round, client=client, conn=conn)
+        save_client_state(path, run_id=conn.run_id, server_round=step.round, client=client, conn=conn)
     except OSError as exc:  # training goes on; the next round tries again
         log.error("could not save client state to %s: %s", path, exc)
 

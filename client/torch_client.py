@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
-from fedgrid.client.algorithms import STEP_ALGORITHMS, ProximalTerm, ScaffoldControl, algorithm_of, names_under, train_only
+from fedgrid.client.algorithms import ALGORITHMS, ClientAlgorithm, FitContext, OptimizerFactory, algorithm_of, train_only
 from fedgrid.client.api import Client, EvaluateOutput, FitOutput
 from fedgrid.seeding import derive_seed
 from fedgrid.types import FitIns, ModelState, Scalar
@@ -20,8 +20,6 @@ from fedgrid.types import FitIns, ModelState, Scalar
 RNG_LOCK = threading.Lock()
 
 __all__ = ["TorchClient", "RNG_LOCK", "default_device", "default_inner_optimizer"]
-
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
 def default_inner_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -40,11 +38,12 @@ class TorchClient(Client):
     Task config keys it reads: ``local_epochs`` (default 1), ``lr`` (overrides the
     optimizer's learning rate), ``round`` and ``seed`` (with this client's own ``seed`` and
     ``name`` they seed shuffling and dropout, so a run is reproducible in any process), and
-    ``algorithm`` with its keys (see ``fedgrid.client.algorithms``): FedProx's proximal
-    term, SCAFFOLD's control variates, DiLoCo's inner steps, streaming DiLoCo's fragments,
-    block-coordinate blocks. What an algorithm keeps across rounds (SCAFFOLD's ``c_i``, the
-    DiLoCo inner optimizer, the streaming replica) lives in this object; ``state_dict`` /
-    ``load_state_dict`` save and restore it.
+    ``algorithm`` with its keys: the ``ClientAlgorithm`` registered under that name
+    (``fedgrid.client.algorithms``: FedProx's proximal term, SCAFFOLD's control variates,
+    DiLoCo's inner steps, streaming DiLoCo's fragments, block-coordinate blocks) whose hooks
+    ``fit`` runs. This object holds one instance of each algorithm (``algorithm(name)``), so
+    what one keeps across rounds (SCAFFOLD's ``c_i``, the streaming replica) and the DiLoCo
+    inner optimizer live here; ``state_dict`` / ``load_state_dict`` save and restore them.
 
     Args:
         model: the module; its ``state_dict`` is what travels.
@@ -84,9 +83,8 @@ class TorchClient(Client):
         self.seed = seed
         self.name = name
         self.region = region
-        self.scaffold = ScaffoldControl()
+        self._algorithms: dict[str, ClientAlgorithm] = {}
         self._inner_optimizer: torch.optim.Optimizer | None = None
-        self._replica: ModelState | None = None
 
     @property
     def num_examples(self) -> int:
@@ -101,99 +99,58 @@ class TorchClient(Client):
 
     @property
     def inner_optimizer(self) -> torch.optim.Optimizer:
-        """DiLoCo's inner optimizer over all parameters, created at first use and kept."""
+        """The persistent inner optimizer over all parameters (DiLoCo's), created at first use and
+        kept across rounds (``fedgrid.client.algorithms.Trainer``)."""
         if self._inner_optimizer is None:
             self._inner_optimizer = self.inner_optimizer_factory(self.model.parameters())
         return self._inner_optimizer
 
-    def start_state(self, download: ModelState, algorithm: str, config: Mapping[str, Scalar]) -> ModelState:
-        """The model to train from: the download, or streaming DiLoCo's replica with fragments merged.
-
-        A streaming task downloads the whole model, or only the fragments synced since this
-        client's last round (``FitIns.download``, see ``fedgrid.aggregation.diloco``). With a
-        replica, the ``merge_fragment_prefixes`` tensors are taken from the download and the
-        rest from the replica; without one, the download must be the whole model.
+    def algorithm(self, name: str) -> ClientAlgorithm:
+        """This client's instance of algorithm ``name`` (``fedgrid.client.algorithms.ALGORITHMS``),
+        made at first use and kept, with what it keeps across rounds.
 
         Raises:
-            ValueError: a download that is part of the model and no replica to complete it
-                (a client restarted without its state), or a download without a tensor the
-                task says to merge.
+            ValueError: an algorithm that is not registered.
         """
-        if algorithm != "streaming-diloco":
-            return download
-        model = list(self.model.state_dict())
-        if not set(download) <= set(model):
-            return download  # not this model: loading it says what differs
-        if self._replica is None or list(self._replica) != model:
-            if len(download) < len(model):
-                raise ValueError(
-                    f"streaming-diloco: the download holds {len(download)} of the model's {len(model)} tensors (the fragments "
-                    f"synced since client {self.name!r} last trained), but the client keeps no replica of the rest (restarted "
-                    "without its state?); the coordinator sends the whole model after this failed round"
-                )
-            return download
-        merge = names_under(model, str(config.get("merge_fragment_prefixes", "")), key="merge_fragment_prefixes")
-        missing = [n for n in merge if n not in download]
-        if missing:
-            raise ValueError(f"streaming-diloco: the download lacks {len(missing)} tensors the task says to merge (first: {missing[0]!r})")
-        merged = OrderedDict(self._replica)
-        for name in merge:
-            merged[name] = download[name]
-        return merged
+        instance = self._algorithms.get(name)
+        if instance is None:
+            if name not in ALGORITHMS:
+                algorithm_of({"algorithm": name})  # raises, naming those there are
+            instance = self._algorithms[name] = ALGORITHMS[name]()
+        return instance
 
     def fit(self, state: ModelState, ins: FitIns) -> FitOutput:
         """Trains from ``state`` as the task's ``algorithm`` asks; returns the tensors it declares.
 
+        The algorithm's hooks (``fedgrid.client.algorithms.ClientAlgorithm``) decide what to
+        train from, what trains, with which optimizer, for how long, the gradients of each
+        step and what is sent; this method runs them in order around ``_train``.
+
         Raises:
-            ValueError: an unknown algorithm, a bad task value, no training data, or a streaming
-                download this client cannot complete (see ``start_state``).
+            ValueError: an unknown algorithm, a bad task value, no training data, or a download
+                the algorithm cannot train from (e.g. a streaming fragment without a replica).
         """
         config = ins.config
-        algorithm = algorithm_of(config)
-        if algorithm in STEP_ALGORITHMS:
-            steps, epochs = int(config.get("inner_steps", 0)), 0
-            if steps < 1:
-                raise ValueError(f"inner_steps must be at least 1, got {steps}")
-        else:
-            steps, epochs = 0, int(config.get("local_epochs", 1))
-            if epochs < 1:
-                raise ValueError(f"local_epochs must be at least 1, got {epochs}")
-        control: ModelState = OrderedDict()
-        if algorithm == "scaffold":
-            state, control = ScaffoldControl.split(state)
-        start = self.start_state(state, algorithm, config)
+        algorithm = self.algorithm(algorithm_of(config))
+        ctx = FitContext(config=config, model=tuple(self.model.state_dict()), client=self.name)
+        epochs, steps = algorithm.loop(ctx=ctx)
+        start = algorithm.start(download=state, ctx=ctx)
         self._load(start)
-        names = list(start)  # the whole model, also when the download was part of it
-        trained = names_under(names, str(config.get("block_prefixes", "")), key="block_prefixes") if algorithm == "bcd" else names
+        trained = algorithm.trained(names=list(start), ctx=ctx)  # of the whole model, also when the download was part of it
         self.model.train()
         with train_only(self.model, trained) as params:
-            if algorithm in STEP_ALGORITHMS:
-                optimizer = self.inner_optimizer
-            else:  # bcd: optimizer state for the block alone
-                optimizer = self.optimizer_factory(params if algorithm == "bcd" else self.model.parameters())
+            optimizer = algorithm.optimizer(trainer=self, params=params, ctx=ctx)
             if "lr" in config:
                 for group in optimizer.param_groups:
                     group["lr"] = float(config["lr"])
             named = OrderedDict((n, p) for n, p in self.model.named_parameters() if p.requires_grad)
-            proximal = ProximalTerm(list(named.values()), float(config.get("proximal_mu", 0.0))) if algorithm == "fedprox" else None
-            if algorithm == "scaffold":
-                self.scaffold.begin(control, named)
-            seed = self.round_seed(ins)
-            loss_sum, seen = self._train(optimizer, seed=seed, epochs=epochs, steps=steps, proximal=proximal,
-                                         after_backward=(lambda: self.scaffold.correct(named)) if algorithm == "scaffold" else None)
+            algorithm.begin(params=named, ctx=ctx)
+            loss_sum, seen = self._train(optimizer, seed=self.round_seed(ins), epochs=epochs, steps=steps,
+                                         after_backward=lambda: algorithm.after_backward(params=named))
             loss_sum, seen = self._reduce_totals(loss_sum, seen)
         if seen == 0:
             raise ValueError(f"client {self.name!r} has no training data")
-        full = self._state()
-        out = full
-        if algorithm == "streaming-diloco":
-            self._replica = full
-            out = OrderedDict((n, full[n]) for n in names_under(names, str(config.get("fragment_prefixes", "")), key="fragment_prefixes"))
-        elif algorithm == "bcd":
-            out = OrderedDict((n, full[n]) for n in trained)
-        elif algorithm == "scaffold":
-            out = OrderedDict(full)
-            out.update(self.scaffold.finish(full))
+        out = algorithm.upload(state=self._state(), trained=trained, ctx=ctx)
         # The weight is the distinct examples trained on, never more than held (and reported
         # at join; the coordinator refuses a claim above that): H steps may cycle the data.
         held = self.num_examples
@@ -228,10 +185,10 @@ class TorchClient(Client):
         seed: int,
         epochs: int,
         steps: int,
-        proximal: ProximalTerm | None,
-        after_backward: Callable[[], None] | None,
+        after_backward: Callable[[], None] | None = None,
     ) -> tuple[float, int]:
-        """The local loop; returns (sum of example losses, examples seen).
+        """The local loop; returns (sum of example losses, examples seen). ``after_backward``
+        runs after each backward pass, before the optimizer's step (the algorithm's hook).
 
         Raises:
             ValueError: the loader gave no data.
@@ -246,8 +203,7 @@ class TorchClient(Client):
                 inputs, targets = inputs.to(self.device), targets.to(self.device)
                 optimizer.zero_grad(set_to_none=True)
                 loss, example_loss_sum = self._batch_loss(module, inputs, targets)
-                objective = loss + proximal() if proximal is not None else loss
-                objective.backward()
+                loss.backward()
                 if after_backward is not None:
                     after_backward()
                 optimizer.step()
@@ -273,23 +229,29 @@ class TorchClient(Client):
         return loss_sum, seen
 
     def state_dict(self) -> dict[str, Any]:
-        """What this client keeps across rounds: SCAFFOLD's ``c_i``, the inner optimizer, the replica."""
-        return {
-            "scaffold": self.scaffold.state_dict(),
-            # A snapshot: the optimizer's own state_dict shares its tensors, which later steps change in place.
-            "inner_optimizer": None if self._inner_optimizer is None else copy.deepcopy(self._inner_optimizer.state_dict()),
-            "replica": None if self._replica is None else OrderedDict((n, t.clone()) for n, t in self._replica.items()),
-        }
+        """What this client keeps across rounds: the inner optimizer and each algorithm's state
+        (SCAFFOLD's ``c_i`` under ``scaffold``, streaming DiLoCo's ``replica``, ...).
+
+        Raises:
+            ValueError: two algorithms keep state under one key.
+        """
+        # A snapshot: the optimizer's own state_dict shares its tensors, which later steps change in place.
+        state: dict[str, Any] = {"inner_optimizer": None if self._inner_optimizer is None else copy.deepcopy(self._inner_optimizer.state_dict())}
+        for name in ALGORITHMS:  # every one, so the keys do not depend on which have run
+            for key, value in self.algorithm(name).state_dict().items():
+                if key in state:
+                    raise ValueError(f"algorithm {name!r} keeps state under {key!r}, which another already uses")
+                state[key] = value
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores what ``state_dict`` returned (the model's weights come with the next task)."""
-        self.scaffold.load_state_dict(state["scaffold"])
         if state.get("inner_optimizer") is not None:
             self.inner_optimizer.load_state_dict(copy.deepcopy(state["inner_optimizer"]))
         else:
             self._inner_optimizer = None
-        replica = state.get("replica")
-        self._replica = None if replica is None else OrderedDict((n, t.detach().clone()) for n, t in replica.items())
+        for name in ALGORITHMS:
+            self.algorithm(name).load_state_dict(state)
 
     @torch.no_grad()
     def evaluate(self, state: ModelState, config: Mapping[str, Scalar]) -> EvaluateOutput:

@@ -26,7 +26,9 @@ except PackageNotFoundError:  # run from a source tree that was never installed
 _EXPORTS: dict[str, str] = {
     # client SDK
     **dict.fromkeys(["Client", "FitOutput", "EvaluateOutput"], "fedgrid.client.api"),
-    **dict.fromkeys(["run", "start", "ClientHandle", "RunSummary", "RpcFailed"], "fedgrid.client.runtime"),
+    **dict.fromkeys(["run", "start", "ClientHandle", "RunSummary", "RpcFailed", "TaskReport", "ClientEvent"], "fedgrid.client.runtime"),
+    **dict.fromkeys(["connect", "aconnect", "Session", "AsyncSession"], "fedgrid.client.session"),
+    "ClientMonitor": "fedgrid.client.monitor",
     "TorchClient": "fedgrid.client.torch_client",
     # coordinator
     **dict.fromkeys(["Coordinator", "run_coordinator"], "fedgrid.server.app"),
@@ -48,6 +50,8 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(["Codec", "get_codec", "available_codecs"], "fedgrid.compression"),
     # configuration
     **dict.fromkeys(["Config", "load_config"], "fedgrid.config"),
+    # what a client reports at Join
+    **dict.fromkeys(["Capabilities", "CapabilityOverride"], "fedgrid.capabilities"),
     # types
     **dict.fromkeys(
         [
@@ -62,7 +66,7 @@ _EXPORTS: dict[str, str] = {
             "FedgridError", "ResourceLimitError", "ConfigError", "InvalidUpdateError", "AuthenticationError",
             "PermissionDeniedError", "StaleTaskError", "DuplicateUpdateError", "PayloadTooLargeError",
             "RunFinishedError", "InterruptedRunError", "PKIError", "EnrollmentError", "CSRError",
-            "EnrollmentNameError", "NonFiniteAggregateError",
+            "EnrollmentNameError", "NonFiniteAggregateError", "SessionError",
         ],
         "fedgrid.errors",
     ),
@@ -96,14 +100,16 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
         WeightedMean, build_strategy_from,
     )
     from fedgrid.client.api import Client, EvaluateOutput, FitOutput
-    from fedgrid.client.runtime import ClientHandle, RpcFailed, RunSummary, run, start
+    from fedgrid.client.monitor import ClientMonitor
+    from fedgrid.client.runtime import ClientEvent, ClientHandle, RpcFailed, RunSummary, TaskReport, run, start
+    from fedgrid.client.session import AsyncSession, Session, aconnect, connect
     from fedgrid.client.torch_client import TorchClient
     from fedgrid.compression import Codec, available_codecs, get_codec
     from fedgrid.config import Config, load_config
     from fedgrid.errors import (
         AuthenticationError, ConfigError, CSRError, DuplicateUpdateError, EnrollmentError, EnrollmentNameError,
         FedgridError, InterruptedRunError, InvalidUpdateError, NonFiniteAggregateError, PayloadTooLargeError,
-        PermissionDeniedError, PKIError, ResourceLimitError, RunFinishedError, StaleTaskError,
+        PermissionDeniedError, PKIError, ResourceLimitError, RunFinishedError, SessionError, StaleTaskError,
     )
     from fedgrid.server.app import Coordinator, run_coordinator
     from fedgrid.server.engine import RoundEngine

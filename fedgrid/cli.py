@@ -23,7 +23,7 @@ COORDINATOR_KEYS = [k for k in config_keys() if k not in SIMULATION_ONLY_KEYS | 
 #: ``fedgrid region``: a coordinator's keys for its own clients (not the global run's length, model or
 #: enrollment and status servers, which the global coordinator has), and its upstream link.
 REGION_KEYS = [k for k in COORDINATOR_KEYS if k not in ("rounds", "initial_model", "model", "enroll_listen", "enroll_dir", "http",
-                                                        "http_token_file")] + sorted(REGION_ONLY_KEYS)
+                                                        "http_token_file")] + ["regional_rounds", *sorted(REGION_ONLY_KEYS)]
 # The built-in client factory's options (fedgrid.simulation.tasks.CLIENT_KEYS) as `fedgrid
 # client` flags, so a deployed client trains like its simulated twin; --data-partition is the spec.
 CLIENT_OPTION_KEYS = ["dataset", "data_dir", "model", "batch_size", "optimizer", "lr", "momentum", "weight_decay"]
@@ -100,9 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
         "DIR/client-I.pt after every round and resume from it on restart (default: memory only)",
     )
     cli.add_argument("--http", default="", metavar="HOST:PORT",
-                     help="serve this client's /metrics (Prometheus) here, read-only (needs the monitor extra; port 0: a free one)")
+                     help="serve this client's /metrics (Prometheus) and /api/status (JSON) here, read-only (needs the monitor "
+                     "extra; port 0: a free one)")
     cli.add_argument("--http-token-file", dest="http_token_file", default="", metavar="FILE",
-                     help="with --http: the bearer token the metrics ask for (required on a non-loopback host)")
+                     help="with --http: the bearer token /metrics and /api/status ask for (required on a non-loopback host)")
     _add_certs_parser(sub)
     rep = sub.add_parser("report", help="plot run directories: PNG files and one self-contained HTML page")
     rep.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (metrics.jsonl), overlaid in one plot per metric")
@@ -245,12 +246,29 @@ def _simulate(args: argparse.Namespace) -> int:
         if progress is not None:
             progress.update(m)
 
+    from fedgrid.client.parallel import torchrun_rank
+
+    ranks = torchrun_rank()
+    if ranks is not None:  # torchrun: each rank trains its share of the clients (fedgrid.simulation.sharded)
+        import torch.distributed as dist
+        from datetime import timedelta
+
+        dist.init_process_group("gloo", timeout=timedelta(seconds=config.round_timeout_s))
+    quiet = ranks is not None and ranks[0] != 0  # rank 0 speaks for the run
+    if quiet:
+        progress = None
     with GracefulStop(on_stop, what="simulate"):
         try:
-            final_model, history = run_simulation(config, on_round=show, on_start=header, stop=stop)
+            final_model, history = run_simulation(config, on_round=None if quiet else show, on_start=None if quiet else header, stop=stop)
         finally:
             if progress is not None:
                 progress.close()
+            if ranks is not None:
+                import torch.distributed as dist
+
+                dist.destroy_process_group()
+    if ranks is not None and ranks[0] != 0:
+        return 0
     if final_model is None:
         saved = f"; model of round {len(history)} in {config.out}/model.safetensors" if history else ""
         print(f"stopped after {len(history)} of {config.rounds} rounds{saved}; run directory {config.out}")
@@ -383,25 +401,36 @@ def _client(args: argparse.Namespace) -> int:
           + (f", {spec.nproc} ranks ({config.parallel})" if spec.nproc > 1 else ""), flush=True)
     if args.region:
         client.region = args.region
+    from fedgrid.capabilities import describe
+    from fedgrid.client.capabilities import override_from
+
+    client.capability_override = override_from(config)
+    try:
+        reported = client.capabilities()
+    except ValueError as exc:  # an --app's own capabilities(): before run(), whose ValueErrors are TLS files
+        raise ConfigError("app", f"the client's capabilities: {exc}") from None
+    print(f"fedgrid client {index}/{total}: reports {describe(reported.device, reported.num_accelerators, reported.memory_bytes)} "
+          "at join", flush=True)
     state_path = Path(args.state_dir) / f"client-{index}.pt" if args.state_dir else None
 
     def interrupt(signal_name: str) -> None:
         raise KeyboardInterrupt(signal_name)  # unwinds run(), which tells the coordinator it leaves
 
-    on_task, http = None, None
+    on_task, on_event, http = None, None, None
     if (args.http or args.http_token_file) and (rank is None or rank[0] == 0):
         from fedgrid.client.monitor import serve_client_metrics
 
         if not args.http:
             raise ConfigError("http_token_file", "goes with --http (the address of the client's metrics)")
-        monitor, http = serve_client_metrics(args.http, token_file=args.http_token_file)
-        on_task = monitor.on_task
-        print(f"fedgrid client {index}/{total}: metrics on http://{http.address}/metrics", flush=True)
+        monitor, http = serve_client_metrics(args.http, token_file=args.http_token_file, name=client.name, coordinator=args.coordinator)
+        on_task, on_event = monitor.on_task, monitor.on_event
+        print(f"fedgrid client {index}/{total}: metrics on http://{http.address}/metrics, status on http://{http.address}/api/status"
+              f"{' (bearer token required)' if http.authenticated else ''}", flush=True)
     timeout = {} if args.connect_timeout_s is None else {"connect_timeout": args.connect_timeout_s}
 
     def serve_tasks(member: Any) -> Any:
         return run(member, coordinator=args.coordinator, state_path=state_path, ca=args.ca, cert=args.cert, key=args.key,
-                   server_name=args.server_name, on_task=on_task, **timeout)
+                   server_name=args.server_name, on_task=on_task, on_event=on_event, **timeout)
 
     try:
         with GracefulStop(interrupt, what="client"):

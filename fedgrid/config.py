@@ -18,10 +18,11 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from fedgrid.capabilities import MAX_ACCELERATORS, check_capabilities, parse_size
 from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S, MAX_NUM_EXAMPLES
 from fedgrid.determinism import MAX_THREADS
 from fedgrid.compression import parse_codec_spec
-from fedgrid.errors import ConfigError
+from fedgrid.errors import ConfigError, InvalidUpdateError
 from fedgrid.plugins import check_spec
 from fedgrid.trackers import parse_trackers
 
@@ -40,6 +41,8 @@ STRATEGY_KEYS = (
     "aggregator",
     "aggregator_f",
     "aggregator_m",
+    "aggregator_bucket_size",
+    "aggregator_resamplings",
     "aggregator_beta",
     "aggregator_bound",
     "aggregator_tau",
@@ -67,17 +70,19 @@ STRATEGY_KEYS = (
 #: (a shared TOML file may still hold them).
 SIMULATION_ONLY_KEYS = frozenset({
     "clients", "app", "engine", "batch_clients", "dropout_prob", "availability_trace", "speed", "examples_per_second",
-    "regions", "progress",
+    "regions", "progress", "hierarchy", "region_strategy", "lan_codec", "regional_rounds",
 })
 #: Keys only a deployed coordinator uses: its network, TLS, durable state, enrollment and status server.
 COORDINATOR_ONLY_KEYS = frozenset({
     "listen", "max_workers", "min_clients", "state_dir", "heartbeat_interval_s", "initial_model", "ca", "cert", "key", "crl",
-    "insecure", "enroll_listen", "enroll_dir", "http", "http_token_file",
+    "insecure", "enroll_listen", "enroll_dir", "http", "http_token_file", "require_device", "min_accelerators", "min_client_memory",
 })
-#: Keys only ``fedgrid client`` uses: how it trains across its node's devices (``fedgrid.client.parallel``).
-CLIENT_ONLY_KEYS = frozenset({"nproc_per_node", "parallel", "comm_hook", "collective_timeout_s"})
+#: Keys only ``fedgrid client`` uses (its ``--config`` file or its flags): what it reports at Join, and how
+#: it trains across its node's devices (``fedgrid.client.parallel``).
+CLIENT_ONLY_KEYS = frozenset({"report_device", "report_accelerators", "report_memory",
+                              "nproc_per_node", "parallel", "comm_hook", "collective_timeout_s"})
 #: Keys only ``fedgrid region`` uses: its upstream link and its name there (``fedgrid.region``).
-REGION_ONLY_KEYS = frozenset({"upstream", "name", "regional_rounds", "upstream_ca", "upstream_cert", "upstream_key", "upstream_server_name"})
+REGION_ONLY_KEYS = frozenset({"upstream", "name", "upstream_ca", "upstream_cert", "upstream_key", "upstream_server_name"})
 log = logging.getLogger(__name__)
 #: Strategies whose clients' inner optimizer takes ``inner_lr`` instead of ``lr``.
 _INNER_LR_STRATEGIES = ("diloco", "streaming-diloco")
@@ -106,6 +111,10 @@ class Config:
     clients_per_round: int = _key("results a round waits for (0: fraction_fit of the live clients)", 0)
     over_selection: float = _key("ask this fraction more clients; close when clients_per_round reported", 0.0)
     selector: str = _key("which clients a round asks: uniform or region-balanced", "uniform")
+    require_device: str = _key("coordinator: only clients that report this device type (e.g. cuda) take tasks; empty: any", "")
+    min_accelerators: int = _key("coordinator: only clients that report at least this many accelerators take tasks", 0)
+    min_client_memory: str = _key("coordinator: only clients that report at least this much memory (e.g. 16GiB: an accelerator's "
+                                  "on a GPU client, the host's on a CPU client) take tasks", "0")
     codec: str = _key("uplink codec NAME[:PARAM][+zstd] (none, fp16, bf16, int8, qsgd:L, topk:F, randk:F, powersgd:R, sign)", "none")
     region_codecs: str = _key("per-region uplink codecs, e.g. 'eu=bf16,us=topk:0.01' (others use codec)", "")
     downlink_codec: str = _key("downlink codec: none, or a lossy codec with server-side error feedback", "none")
@@ -124,6 +133,9 @@ class Config:
     momentum: float = _key("client SGD momentum (built-in datasets, optimizer sgd)", 0.9)
     weight_decay: float = _key("client weight decay (built-in datasets)", 0.0)
     threads: int = _key("torch intra-op threads, set (torch.set_num_threads) before any work; 0: torch's default. Results are bit-identical only between runs with the same thread count (see the README's Determinism)", 0)
+    report_device: str = _key("fedgrid client: the device type Join reports instead of the detected one (empty: detected)", "")
+    report_accelerators: int | None = _key("fedgrid client: the accelerator count Join reports instead of the detected one", None)
+    report_memory: str = _key("fedgrid client: the memory Join reports instead of the detected one, e.g. 16GiB (empty: detected)", "")
     engine: str = _key("simulation engine: auto (batched where it pays, else sequential), batched or sequential", "auto")
     batch_clients: int = _key("clients the batched engine trains at once (0: as many as fit the device)", 0)
     dropout_prob: float = _key("simulation: probability that a client is unavailable in a round (i.i.d. per client and round)", 0.0)
@@ -138,6 +150,8 @@ class Config:
     aggregator: str | None = _key("robust aggregation rule: " + ", ".join(_AGGREGATOR_NAMES) + " (default mean)", None)
     aggregator_f: int | None = _key("krum / multi-krum: Byzantine clients tolerated", None)
     aggregator_m: int | None = _key("multi-krum: updates averaged (default n - f)", None)
+    aggregator_bucket_size: int | None = _key("krum: updates averaged per bucket before Krum picks (default: the most that n > 2 s f + 2 allows; 1: plain Krum)", None)
+    aggregator_resamplings: int | None = _key("krum: bucket shuffles whose picks are averaged (default 10)", None)
     aggregator_beta: float | None = _key("trimmed-mean: share trimmed at each end", None)
     aggregator_bound: float | None = _key("norm-clip: largest L2 norm an update keeps (default: the median norm of the round's updates)", None)
     aggregator_tau: float | None = _key("centered-clip: clipping radius", None)
@@ -194,7 +208,12 @@ class Config:
                                        "rank that hangs fails the round after this long", 300.0)
     upstream: str = _key("fedgrid region: HOST:PORT of the global coordinator it joins as one client", "")
     name: str = _key("fedgrid region: its name ([A-Za-z0-9._-], at most 64): its client name upstream and its region label", "")
-    regional_rounds: int = _key("fedgrid region: H, regional rounds per global round (hierarchical local SGD)", 1)
+    regional_rounds: int = _key("fedgrid region, and simulate with hierarchy: H, regional rounds per global round (hierarchical local SGD)", 1)
+    hierarchy: bool = _key("simulation: the regions (the regions key) are tiers, as fedgrid region runs them: each aggregates its clients "
+                           "regional_rounds rounds with region_strategy and the lan_codec uplink, then sends its model up (codec, "
+                           "region_codecs: the WAN uplink) to the global strategy", False)
+    region_strategy: str = _key("simulation with hierarchy: the regions' own strategy, with its defaults (the global tier's is strategy)", "fedavg")
+    lan_codec: str = _key("simulation with hierarchy: the uplink codec from a region's clients to it (a region's codec)", "none")
     upstream_ca: str = _key("fedgrid region, mutual TLS upstream: PEM CA bundle that signs the global coordinator's certificate", "")
     upstream_cert: str = _key("fedgrid region, mutual TLS upstream: the region's client certificate (its identity is its name upstream)", "")
     upstream_key: str = _key("fedgrid region, mutual TLS upstream: the region's client key", "")
@@ -279,9 +298,29 @@ class Config:
             raise ConfigError("threads", f"must be in 0..{MAX_THREADS} (0: torch's default), got {self.threads}")
         if self.batch_clients < 0:
             raise ConfigError("batch_clients", f"must be at least 0, got {self.batch_clients}")
+        self._check_capability_keys()
         # The data, model and heterogeneity keys need the simulation layer's registries:
         # ``fedgrid.simulation.tasks.check_config`` checks them (the CLI and run_simulation
         # call it before any work), so this module and the server never import that layer.
+
+    def _check_capability_keys(self) -> None:
+        """The capability requirements (``require_device`` ...) and what a client states (``report_*``)."""
+        for key in ("require_device", "report_device"):
+            if getattr(self, key):
+                try:
+                    check_capabilities(getattr(self, key), 0, 0)
+                except InvalidUpdateError as exc:
+                    raise ConfigError(key, str(exc).removeprefix("device: ")) from None
+        for key in ("min_accelerators", "report_accelerators"):
+            value = getattr(self, key)
+            if value is not None and not 0 <= value <= MAX_ACCELERATORS:
+                raise ConfigError(key, f"must be in 0..{MAX_ACCELERATORS}, got {value}")
+        for key in ("min_client_memory", "report_memory"):
+            if key == "min_client_memory" or self.report_memory:
+                try:
+                    parse_size(getattr(self, key), what=key)
+                except ValueError as exc:
+                    raise ConfigError(key, str(exc).removeprefix(f"{key}: ")) from None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

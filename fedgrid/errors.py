@@ -23,6 +23,7 @@ __all__ = [
     "CSRError",
     "EnrollmentNameError",
     "NonFiniteAggregateError",
+    "SessionError",
 ]
 
 
@@ -102,3 +103,8 @@ class EnrollmentNameError(EnrollmentError):
 class NonFiniteAggregateError(FedgridError):
     """A round's aggregate holds NaN or Inf (finite updates can still overflow: two clients
     sending 3e38 sum to Inf): the round fails and the previous global model stays."""
+
+
+class SessionError(FedgridError, RuntimeError):
+    """An embedding session (``fedgrid.client.connect``) was used out of order: a result with
+    no task to answer, tasks before it joined or after it closed."""

@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 from typing import Any, Mapping
 
+from fedgrid.capabilities import describe
 from fedgrid.errors import FedgridError
 
 __all__ = ["fetch_status", "render_status", "status_command", "StatusUnavailable", "FETCH_TIMEOUT_S"]
@@ -62,6 +63,12 @@ def _plain(value: object) -> Any:
     return Text("".join(ch if ch.isprintable() else "\N{REPLACEMENT CHARACTER}" for ch in str(value)))
 
 
+def _device(client: Mapping[str, Any]) -> str:
+    """``cuda x2, 80.0 GiB``: a client's device type, accelerators and memory (what a coordinator
+    older than these fields leaves out, left out)."""
+    return describe(str(client.get("device", "")), int(client.get("accelerators") or 0), int(client.get("memory_bytes") or 0))
+
+
 def render_status(status: Mapping[str, Any]) -> Any:
     """A ``rich`` renderable of ``status`` (the JSON of ``/api/status``)."""
     from rich.console import Group
@@ -81,10 +88,10 @@ def render_status(status: Mapping[str, Any]) -> Any:
         loss = "-" if last.get("loss") is None else f"{last['loss']:.4f}"
         head.add_row("last round", _plain(last["round"]), "accuracy / loss", _plain(f"{acc} / {loss}"))
     clients = Table(title=f"{status.get('clients_total', len(status['clients']))} clients", title_justify="left")
-    for column in ("name", "region", "state", "last seen", "id"):
+    for column in ("name", "region", "state", "device", "last seen", "id"):
         clients.add_column(column)
     for c in status["clients"]:
-        clients.add_row(_plain(c.get("name", "")), _plain(c.get("region", "")), _plain(c.get("state", "")),
+        clients.add_row(_plain(c.get("name", "")), _plain(c.get("region", "")), _plain(c.get("state", "")), _plain(_device(c)),
                         _plain(f"{float(c.get('last_seen_s', 0)):.1f}s ago"), _plain(c.get("id", "")))
     return Group(head, clients)
 

@@ -28,8 +28,11 @@ ends; the coordinator hears it at the deadline or from the heartbeat); nothing o
 counted. Restarted with the same ``state_dir`` it resumes its committed regional state,
 rejoins under the same name (the coordinator replaces the old session), and the next
 global task's model replaces whatever it had. A region that loses its upstream keeps
-serving its own clients (they stay joined and idle) and joins again with backoff
-(``UPSTREAM_RETRY_MAX_S``) until the global coordinator answers or the region is stopped.
+serving its own clients (they stay joined and idle) and retries its calls with the same
+session for as long as it runs: a global coordinator restarted from its state directory
+knows that session and its open task (an update trained meanwhile is uploaded when it
+answers), and one that does not refuses it and the region joins again. A join that is
+refused or not answered within ``UPSTREAM_RETRY_MAX_S`` is tried again with backoff.
 """
 
 from __future__ import annotations
@@ -94,7 +97,9 @@ class RegionClient(Client):
 
     @property
     def num_examples(self) -> int:
-        self.joined_examples = sum(info.num_examples for info in self.engine.fleet.live_clients())
+        """The examples of the region's clients now joined (what it reports when it joins upstream)."""
+        live = self.engine.fleet.wait_for_clients(min_clients=0, timeout=timedelta(0))
+        self.joined_examples = sum(info.num_examples for info in live)
         return self.joined_examples
 
     def fit(self, state: ModelState, ins: FitIns) -> FitOutput:
@@ -116,10 +121,12 @@ class RegionClient(Client):
             strategy.initialize(initial_state=OrderedDict((k, v.clone()) for k, v in state.items()))
             self._initialized = True
         metrics = None
+        lan_up = lan_down = 0
         for h in range(1, self.regional_rounds + 1):
             regional_round = (ins.round - 1) * self.regional_rounds + h
             metrics = self.engine.run_round(regional_round)
             self.engine.commit(metrics)
+            lan_up, lan_down = lan_up + metrics.bytes_up, lan_down + metrics.bytes_down
             if metrics.extra.get(ROUND_FAILED) or metrics.clients_ok == 0:
                 raise RuntimeError(f"regional round {regional_round} (global round {ins.round}, {h} of {self.regional_rounds}): "
                                    f"{metrics.clients_ok} clients completed, {metrics.clients_failed} failed"
@@ -133,8 +140,8 @@ class RegionClient(Client):
                         escape(self.name), examples, self.joined_examples, self.joined_examples)
             examples = self.joined_examples
         out = OrderedDict((k, v.detach().clone()) for k, v in strategy.global_state.items())
-        reported = {"regional_rounds": float(self.regional_rounds), "lan_bytes_up": float(metrics.bytes_up),
-                    "lan_bytes_down": float(metrics.bytes_down), "region_clients": float(metrics.clients_ok)}
+        reported = {"regional_rounds": float(self.regional_rounds), "lan_bytes_up": float(lan_up), "lan_bytes_down": float(lan_down),
+                    "region_clients": float(metrics.clients_ok)}
         if metrics.loss is not None:
             reported["loss"] = float(metrics.loss)
         return FitOutput(state=out, num_examples=max(examples, 1), metrics=reported)
@@ -220,13 +227,16 @@ def _serve(config: Config, threads: int, ready: threading.Event | None, stop: th
                 except Exception:  # not enough clients yet (or stopping): look again
                     continue
                 try:
+                    # Transient failures are retried with the same session for as long as the region runs: a global
+                    # coordinator restarted from its state directory still knows it (and its task), a new one refuses
+                    # it and the runtime joins again.
                     summary = run(region, config.upstream, stop=stop, ca=config.upstream_ca, cert=config.upstream_cert,
                                   key=config.upstream_key, server_name=config.upstream_server_name, on_task=on_task,
-                                  connect_timeout=UPSTREAM_RETRY_MAX_S)
+                                  connect_timeout=UPSTREAM_RETRY_MAX_S, retry_max_elapsed=float("inf"))
                     trained += summary.rounds
                     finished = not stop.is_set()
                     break
-                except RpcFailed as exc:  # lost upstream past the retry budget: keep the clients, join again
+                except RpcFailed as exc:  # refused upstream (or unreachable at the first join): keep the clients, join again
                     log.warning("region %s: upstream %s: %s; joining again in %.0fs", escape(config.name), config.upstream,
                                 escape(str(exc)), backoff)
                     say(f"region {config.name}: upstream lost ({exc.code.name}); its clients stay; joining again")

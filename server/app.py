@@ -47,7 +47,7 @@ from fedgrid.server.monitor import CoordinatorMonitor
 from fedgrid.server.peers import PeerCheck
 from fedgrid.server.service import SERVICE, CoordinatorServicer, add_to_server
 from fedgrid.server.state import StateStore
-from fedgrid.server.strategies import build_strategy
+from fedgrid.server.strategies import build_capability_filter, build_strategy
 from fedgrid.types import ModelState
 from fedgrid.webserve import StatusServer
 
@@ -253,6 +253,7 @@ def build_fleet(config: Config, events: EventLog) -> GrpcFleet:
         codec_policy=build_codec_policy(config),
         downlink_codec=config.downlink_codec,
         bounds=build_bounds(config),
+        requirements=build_capability_filter(config),
     )
 
 

@@ -283,6 +283,11 @@ class RoundEngine:
         tally.add_bytes(outcome)
         tally.clients_ok, tally.clients_failed = len(outcome.results), len(outcome.failures)
         tally.extra["examples"] = float(sum(r.num_examples for r in outcome.results))  # a region's weight upstream
+        for r in outcome.results:  # regions (fedgrid.region) report their LAN links' bytes: summed, not averaged
+            for key in ("lan_bytes_up", "lan_bytes_down"):
+                if key in r.metrics and r.client.region:
+                    tally.extra[key] = tally.extra.get(key, 0.0) + float(r.metrics[key])
+                    tally.extra[f"{key}.{r.client.region}"] = tally.extra.get(f"{key}.{r.client.region}", 0.0) + float(r.metrics[key])
 
     def _evaluate(self, server_round: int, clients: list[ClientInfo], tally: "_Tally") -> None:
         evaluations = self.strategy.configure_evaluate(server_round=server_round, clients=clients)

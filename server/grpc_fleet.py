@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
+from fedgrid.aggregation.selection import CapabilityFilter
 from fedgrid.compression import parse_codec_spec
 from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S, MAX_POLLS_PER_CLIENT, MAX_REASON_CHARS, RETRY_MAX_WAIT_S, WAITING_REPORT_S
 from fedgrid.events import EventLog
@@ -103,6 +104,9 @@ class GrpcFleet(Fleet):
         task_scope: part of every task id, so that nested rounds (a global round made of
             regional rounds, each regional round numbered from 1) never share a task id.
         bounds: what a Join may report and an update may claim and change (``server/bounds.py``).
+        requirements: the capabilities a client must report to take tasks (``require_device``
+            and the other keys; ``None``: any client). The others stay registered and
+            heartbeat, but ``wait_for_clients`` neither counts nor returns them.
     """
 
     def __init__(
@@ -117,8 +121,10 @@ class GrpcFleet(Fleet):
         max_polls_per_client: int = MAX_POLLS_PER_CLIENT,
         task_scope: str = "",
         bounds: UpdateBounds | None = None,
+        requirements: CapabilityFilter | None = None,
     ) -> None:
         self.run_id = uuid.uuid4().hex
+        self.requirements = requirements
         self.bounds = bounds if bounds is not None else UpdateBounds()
         self.events = events if events is not None else EventLog()
         self.max_polls_per_client = max_polls_per_client
@@ -144,7 +150,11 @@ class GrpcFleet(Fleet):
         token. ``identity``: its certificate's, under mTLS (``Registry.join``)."""
         if self._finished:
             raise RunFinishedError("the run is over")
-        return self.registry.join(joining, identity=identity)
+        info, token = self.registry.join(joining, identity=identity)
+        missing = self.requirements.shortfall(info) if self.requirements is not None else None
+        if missing is not None:
+            log.warning("client %s takes no tasks: %s (the coordinator's capability requirements)", escape(info.name or info.client_id), missing)
+        return info, token
 
     def authenticate(self, client_id: str, token: str) -> ClientRecord:
         """Returns the client's record and marks it alive.
@@ -378,8 +388,8 @@ class GrpcFleet(Fleet):
             return self.registry.live()
 
     def wait_for_clients(self, *, min_clients: int, timeout: timedelta) -> list[ClientInfo]:
-        """The selectable clients (live, and not benched for a missed deadline), once there
-        are ``min_clients`` of them. While it waits it logs ``waiting for N clients (k joined)``
+        """The selectable clients (live, not benched for a missed deadline, meeting the
+        ``requirements``), once there are ``min_clients`` of them. While it waits it logs ``waiting for N clients (k joined)``
         every ``WAITING_REPORT_S`` and whenever k changes: a coordinator waiting for minutes
         says what it waits for."""
         deadline = time.monotonic() + timeout.total_seconds()
@@ -391,19 +401,25 @@ class GrpcFleet(Fleet):
                 joined = len(self.registry.records)
                 enough = joined >= min_clients
                 live = self.registry.selectable() if enough or time.monotonic() >= deadline else []
+                unfit = 0
+                if self.requirements is not None:
+                    qualifying = [c for c in live if self.requirements.eligible(c)]
+                    unfit, live = len(live) - len(qualifying), qualifying
                 if len(live) >= min_clients:
                     return live
                 if joined != reported or time.monotonic() >= next_report:
-                    log.info("waiting for %d clients (%d joined)", min_clients, joined)
+                    log.info("waiting for %d clients (%d joined%s)", min_clients, joined,
+                             f", {unfit} short of the capability requirements" if unfit else "")
                     reported, next_report = joined, time.monotonic() + WAITING_REPORT_S
                 if self._interrupted:
                     raise InterruptedRunError("stopped while waiting for clients")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    benched = len(self.registry.records) - len(live)
+                    benched = len(self.registry.records) - len(live) - unfit
                     raise TimeoutError(
                         f"{len(live)} live clients after {timeout.total_seconds():.0f}s, need {min_clients}"
                         + (f" ({benched} more benched after missing a deadline)" if benched else "")
+                        + (f" ({unfit} more short of the capability requirements)" if unfit else "")
                     )
                 self._wake.wait("registry", max(0.0, min(remaining, self.heartbeat_interval_s, next_report - time.monotonic())))
 

@@ -212,7 +212,8 @@ class CoordinatorMonitor:
             ago = max(0.0, now_mono - last_seen)
             state = assigned.get(info.client_id) or ("benched" if benched else "silent" if ago > limit and polls == 0 else "idle")
             clients.append({"id": info.client_id, "name": info.name, "region": info.region, "state": state,
-                            "last_seen": round(now - ago, 3), "last_seen_s": round(ago, 3)})
+                            "last_seen": round(now - ago, 3), "last_seen_s": round(ago, 3), "device": info.device,
+                            "accelerators": info.num_accelerators, "memory_bytes": info.memory_bytes})
         with self._lock:
             state, phase, current = self.state, self.phase, self.current
         history = [

@@ -11,9 +11,11 @@ tokens are compared by hash with ``hmac.compare_digest``. A restored coordinator
 authenticates the sessions clients hold.
 
 A Join is checked before it touches state: name (at most ``MAX_NAME_CHARS``), region
-(``MAX_REGION_CHARS``), device and codec names (``MAX_LABEL_CHARS``, at most
-``MAX_CODECS``) are printable text (``fedgrid.textsafe.check_label``), and ``num_examples``
-is within ``UpdateBounds.max_num_examples``. Client text is logged through ``escape``.
+(``MAX_REGION_CHARS``) and codec names (``MAX_LABEL_CHARS``, at most ``MAX_CODECS``) are
+printable text (``fedgrid.textsafe.check_label``); the device is a device type and the
+accelerator count and memory are within ``fedgrid.capabilities``' bounds
+(``check_capabilities``); ``num_examples`` is within ``UpdateBounds.max_num_examples``.
+Client text is logged through ``escape``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from fedgrid.capabilities import check_capabilities
 from fedgrid.errors import AuthenticationError, InvalidUpdateError, PermissionDeniedError
 from fedgrid.events import EventLog
 from fedgrid.server.bounds import UpdateBounds
@@ -55,7 +58,7 @@ def check_joining(joining: ClientInfo, bounds: UpdateBounds) -> None:
     """Raises ``InvalidUpdateError`` naming the rule a Join breaks (see the module docstring)."""
     check_label(joining.name, what="name", limit=MAX_NAME_CHARS)
     check_label(joining.region, what="region", limit=MAX_REGION_CHARS)
-    check_label(joining.device, what="device", limit=MAX_LABEL_CHARS)
+    check_capabilities(joining.device, joining.num_accelerators, joining.memory_bytes)
     if len(joining.codecs) > MAX_CODECS:
         raise InvalidUpdateError(f"codecs: {len(joining.codecs)} advertised, at most {MAX_CODECS}")
     for codec in joining.codecs:

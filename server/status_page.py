@@ -69,6 +69,9 @@ function plot(id, values) {
   label(lo.toPrecision(4), H - PAD + 12);
 }
 function text(id, value) { document.getElementById(id).textContent = value; }
+function device(c) {  // "cuda x2, 80.0 GiB": the device type, accelerators, memory
+  return (c.device || "") + (c.accelerators ? " x" + c.accelerators : "") + (c.memory_bytes ? ", " + (c.memory_bytes / 1073741824).toFixed(1) + " GiB" : "");
+}
 function ago(s) { return s < 60 ? s.toFixed(1) + " s ago" : (s / 60).toFixed(1) + " min ago"; }
 function render(s) {
   text("run", s.run_id);
@@ -84,7 +87,7 @@ function render(s) {
   body.replaceChildren();
   for (const c of s.clients) {
     const tr = document.createElement("tr");
-    for (const v of [c.name, c.region, c.state, ago(c.last_seen_s), c.id]) {
+    for (const v of [c.name, c.region, c.state, device(c), ago(c.last_seen_s), c.id]) {
       const td = document.createElement("td");
       td.textContent = v;  // client text: never parsed as HTML
       tr.appendChild(td);
@@ -124,7 +127,7 @@ _PAGE = """<!doctype html>
 <figure><svg id="plot-bytes" width="340" height="160" viewBox="0 0 340 160"></svg><figcaption>bytes (up + down) per round</figcaption></figure>
 </div>
 <p id="clients-total"></p>
-<table><thead><tr><th>name</th><th>region</th><th>state</th><th>last seen</th><th>id</th></tr></thead>
+<table><thead><tr><th>name</th><th>region</th><th>state</th><th>device</th><th>last seen</th><th>id</th></tr></thead>
 <tbody id="clients"></tbody></table>
 <script nonce="{nonce}">{script}</script>
 </body></html>

@@ -4,17 +4,28 @@ from __future__ import annotations
 
 from fedgrid.aggregation import FedAvg, Strategy
 from fedgrid.aggregation.registry import build_strategy_from
-from fedgrid.aggregation.selection import RegionBalancedSelector, SelectionPolicy, Selector, UniformSelector
+from fedgrid.aggregation.selection import CapabilityFilter, RegionBalancedSelector, SelectionPolicy, Selector, UniformSelector
+from fedgrid.capabilities import parse_size
 from fedgrid.config import Config
 from fedgrid.errors import ConfigError
 
-__all__ = ["build_strategy", "build_selection"]
+__all__ = ["build_strategy", "build_selection", "build_capability_filter"]
 
 
 def build_selection(config: Config) -> SelectionPolicy:
     """The selection policy of ``config`` (count, over-selection, selector)."""
     selector: Selector = RegionBalancedSelector() if config.selector == "region-balanced" else UniformSelector()
     return SelectionPolicy(clients_per_round=config.clients_per_round, over_selection=config.over_selection, selector=selector)
+
+
+def build_capability_filter(config: Config) -> CapabilityFilter | None:
+    """The clients a coordinator gives tasks to, by what they report at Join
+    (``require_device``, ``min_accelerators``, ``min_client_memory``); ``None``: every client."""
+    memory = parse_size(config.min_client_memory, what="min_client_memory")
+    if not (config.require_device or config.min_accelerators or memory):
+        return None
+    devices = (config.require_device,) if config.require_device else ()
+    return CapabilityFilter(min_memory_bytes=memory, min_accelerators=config.min_accelerators, devices=devices)
 
 
 def build_strategy(config: Config, *, num_clients: int | None = None) -> Strategy:

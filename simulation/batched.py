@@ -12,11 +12,13 @@ and backward in one batched kernel per layer), then one batched optimizer step
   its own per-example losses (its ``loss_fn`` applied to one example at a time), so padding
   changes nothing; clients are sorted by their number of steps, so the clients still active
   at step ``s`` are a prefix ``[:k]`` of the stacks: no gather, no compute for finished ones;
-- algorithms: ``fedavg`` family, ``fedprox`` (proximal term in the objective), ``bcd`` (only
-  the block trains and is returned) and ``scaffold`` (gradient correction ``c - c_i``, the
-  client's ``ScaffoldControl`` updated as ``finish`` does). ``diloco`` and
-  ``streaming-diloco`` keep a persistent inner optimizer and replica per client: those
-  clients train through ``TorchClient.fit`` one by one.
+- algorithms: the client's own ``ClientAlgorithm`` (``fedgrid.client.algorithms``) gives
+  the loop, the start state, the trained names, the optimizer's hyperparameters and the
+  upload through the hooks ``fit`` calls; its step hook comes as data: ``proximal_mu`` (a
+  proximal term in the objective, FedProx) and ``correction`` (added to each step's
+  gradient, SCAFFOLD, whose raw gradient sums go back through ``record``). An algorithm
+  that is ``not_batchable`` (DiLoCo's persistent inner optimizer and replica), or that runs
+  inner steps, trains through ``TorchClient.fit`` one client at a time.
 
 What cannot batch (``NotBatchable``, checked when the trainer is built): clients that are not
 plain ``TorchClient``; loaders other than a ``DataLoader`` (``num_workers=0``, default
@@ -44,7 +46,7 @@ from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler, Subset, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
-from fedgrid.client.algorithms import STEP_ALGORITHMS, ScaffoldControl, algorithm_of, names_under, train_only
+from fedgrid.client.algorithms import ClientAlgorithm, FitContext, algorithm_of, train_only
 from fedgrid.client.api import Client, FitOutput
 from fedgrid.client.torch_client import RNG_LOCK, TorchClient
 from fedgrid.server.memory import MMAP_THRESHOLD_MAX
@@ -56,7 +58,7 @@ __all__ = ["BatchedTrainer", "NotBatchable", "choose_engine", "memory_budget", "
 log = logging.getLogger(__name__)
 
 Outcome: TypeAlias = Union[FitOutput, Exception]
-_TORCH_CLIENT_METHODS = ("fit", "_train", "_batches", "_load", "_state", "start_state", "round_seed")
+_TORCH_CLIENT_METHODS = ("fit", "algorithm", "_train", "_batches", "_load", "_state", "_training_module", "_batch_loss", "_reduce_totals", "round_seed")
 
 
 def recurrent_module(clients: Sequence[Client]) -> str | None:
@@ -152,12 +154,12 @@ class _Job:
 
     pos: int
     static: _Static
-    state: ModelState
-    control: ModelState
-    algorithm: str
+    state: ModelState  # what the algorithm's ``start`` hook gave to train from
+    algorithm: ClientAlgorithm  # the client's own instance
+    ctx: FitContext
     epochs: int
     trained: tuple[str, ...]  # canonical parameters that train
-    out_keys: tuple[str, ...]  # state keys returned
+    names: tuple[str, ...]  # state keys that train (the ``trained`` hook's), for ``train_only`` and ``upload``
     spec: OptimizerSpec
     mu: float
     batches: list[torch.Tensor]
@@ -472,7 +474,7 @@ class BatchedTrainer:
                 outcomes[pos] = self._sequential(index, state, ins)
                 continue
             s = job.static
-            key = (s.model, s.loss_key, job.spec, job.algorithm, job.trained, job.out_keys, job.mu, self._rows[s.index][0])
+            key = (s.model, s.loss_key, job.spec, job.algorithm.name, job.trained, frozenset(job.names), job.mu, self._rows[s.index][0])
             groups.setdefault(key, []).append(job)
         for group in groups.values():
             group.sort(key=lambda j: -len(j.batches))  # similar lengths share a chunk; stable
@@ -496,39 +498,37 @@ class BatchedTrainer:
             return exc
 
     def _prepare(self, pos: int, s: _Static, state: ModelState, ins: FitIns) -> _Job | None:
-        """The job as the batched engine trains it; None for an algorithm it leaves to ``fit``.
+        """The job as the batched engine trains it, from the client's algorithm hooks; None for
+        an algorithm that says it is ``not_batchable``, or a step loop (left to ``fit``).
 
         Raises:
             Exception: anything ``TorchClient.fit`` would reject (the caller lets ``fit`` raise it).
         """
         config = ins.config
-        algorithm = algorithm_of(config)
-        if algorithm in STEP_ALGORITHMS:
-            if algorithm not in self._logged_sequential:
-                self._logged_sequential.add(algorithm)
-                log.info("engine: %s clients train sequentially (persistent inner optimizer and replica)", algorithm)
+        algorithm = s.client.algorithm(algorithm_of(config))
+        if algorithm.not_batchable is not None:
+            if algorithm.name not in self._logged_sequential:
+                self._logged_sequential.add(algorithm.name)
+                log.info("engine: %s clients train sequentially (%s)", algorithm.name, algorithm.not_batchable)
             return None
-        epochs = int(config.get("local_epochs", 1))
-        if epochs < 1:
-            return None
-        control: ModelState = OrderedDict()
-        if algorithm == "scaffold":
-            state, control = ScaffoldControl.split(state)
         m = self._models[s.model]
+        ctx = FitContext(config=config, model=tuple(m.state_keys), client=s.client.name)
+        epochs, steps = algorithm.loop(ctx=ctx)
+        if steps:
+            return None
+        state = algorithm.start(download=state, ctx=ctx)
         if set(state) != set(m.state_keys) or any(tuple(state[k].shape) != m.shapes[k] for k in m.state_keys):
             return None  # load_state_dict raises in fit
-        names = list(state)
-        out_keys = names_under(names, str(config.get("block_prefixes", "")), key="block_prefixes") if algorithm == "bcd" else m.state_keys
-        trained = tuple(n for n in m.params if n in out_keys) if algorithm == "bcd" else tuple(m.params)
+        names = algorithm.trained(names=list(state), ctx=ctx)
+        chosen = set(names)
+        trained = tuple(n for n in m.params if n in chosen)
         model_params = dict(s.client.model.named_parameters())
-        spec = optimizer_spec(s.client.optimizer_factory([model_params[n] for n in trained] if algorithm == "bcd" else list(s.client.model.parameters())))
+        spec = optimizer_spec(algorithm.optimizer(trainer=s.client, params=[model_params[n] for n in trained], ctx=ctx))
         if "lr" in config:
             spec = spec.with_lr(float(config["lr"]))
-        mu = float(config.get("proximal_mu", 0.0)) if algorithm == "fedprox" else 0.0
-        if not (mu >= 0 and mu != float("inf")):
-            return None
+        mu = algorithm.proximal_mu(ctx=ctx)
         batches = self._batch_order(s, s.client.round_seed(ins), epochs)  # last: it may advance a loader's generator
-        return _Job(pos, s, state, control, algorithm, epochs, trained, tuple(out_keys), spec, mu, batches)
+        return _Job(pos, s, state, algorithm, ctx, epochs, trained, tuple(names), spec, mu, batches)
 
     @staticmethod
     def _batch_order(s: _Static, seed: int, epochs: int) -> list[torch.Tensor]:
@@ -582,20 +582,20 @@ class BatchedTrainer:
         frozen = {n: stack(n) for n in [*m.params, *m.frozen_params, *m.buffers] if n not in trained}
         anchor = {n: t.clone() for n, t in trained.items()} if first.mu else None
         optimizer = BatchedOptimizer(first.spec, list(trained.values()))
-        correction: dict[str, torch.Tensor] = {}
-        grad_sums: dict[str, torch.Tensor] = {}
-        if first.algorithm == "scaffold":
-            for job in chunk:
-                params = dict(job.static.client.model.named_parameters())
-                job.static.client.scaffold.begin(job.control, {n: params[n] for n in first.trained})
-            corrected = list(first.static.client.scaffold.correction)
-            correction = {n: torch.stack([j.static.client.scaffold.correction[n] for j in chunk]).to(device) for n in corrected}
-            grad_sums = {n: torch.zeros(trained[n].shape, dtype=torch.float32, device=device) for n in corrected}
+        for job in chunk:  # here, not in _prepare: round-local state (SCAFFOLD's sums) for one chunk at a time
+            params = dict(job.static.client.model.named_parameters())
+            job.algorithm.begin(params={n: params[n] for n in first.trained}, ctx=job.ctx)
+        corrections = [job.algorithm.correction for job in chunk]
+        corrected = list(corrections[0])
+        if any(list(c) != corrected for c in corrections):
+            raise NotBatchable("the clients of a chunk correct the gradients of different parameters")
+        correction = {n: torch.stack([c[n] for c in corrections]).to(device) for n in corrected}
+        grad_sums = {n: torch.zeros(trained[n].shape, dtype=torch.float32, device=device) for n in corrected}
         fn = self._step_fn(m, first.static.client.loss_fn, first.static.loss_key, first.mu)
         loss_sums = torch.zeros(k_all, dtype=torch.float64, device=device)
         names = list(trained)
         m.template.train()
-        with train_only(m.template, list(first.out_keys)):  # bcd: modules outside the block in eval mode, as in fit
+        with train_only(m.template, list(first.names)):  # bcd: modules outside the block in eval mode, as in fit
             for s, k in enumerate(active):
                 rows = idx[:k, s]
                 views = {n: t[:k] for n, t in trained.items()}
@@ -623,15 +623,9 @@ class BatchedTrainer:
                 name = m.canonical[key]
                 source = trained_cpu.get(name)
                 full[key] = (source if source is not None else frozen_cpu[name])[i].clone()
-            out = full
-            if job.algorithm == "bcd":
-                out = OrderedDict((n, full[n]) for n in job.out_keys)
-            elif job.algorithm == "scaffold":
-                control = job.static.client.scaffold
-                for n, g in grad_sums.items():
-                    control.record(n, g[i], steps[i])
-                out = OrderedDict(full)
-                out.update(control.finish(full))
+            for n, g in grad_sums.items():
+                job.algorithm.record(name=n, grad_sum=g[i], count=steps[i])
+            out = job.algorithm.upload(state=full, trained=job.names, ctx=job.ctx)
             seen = int(seen_list[i])
             outputs.append(FitOutput(state=out, num_examples=seen // job.epochs, metrics={"loss": loss_list[i] / seen}))
         return outputs

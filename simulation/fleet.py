@@ -163,6 +163,10 @@ class InProcessFleet(Fleet):
         elif engine != "sequential":
             self._choose(engine, BatchedTrainer(list(clients), batch_clients=batch_clients))
 
+    def index_of(self, client_id: str) -> int:
+        """The position of client ``client_id`` in the list the fleet was made with."""
+        return self._index[client_id]
+
     @property
     def device(self) -> torch.device | None:
         """Where the batched engine trains; ``None`` on the sequential engine (each client's own device)."""
@@ -245,6 +249,7 @@ class InProcessFleet(Fleet):
         results: list[FitRes] = []
         failures: list[Failure] = []
         bytes_up = bytes_down = raw_up = payload_up = 0
+        by_region: dict[str, list[int]] = {}  # [up, down] by client region, as GrpcFleet counts them
         goal = len(assignments) if target is None else target
         pending: list[tuple[ClientInfo, FitIns]] = []
         seconds: dict[str, float] = {}
@@ -275,6 +280,8 @@ class InProcessFleet(Fleet):
                     names = ins.download_names(lossless_downlink=self.downlink.lossless, delta_uplink=not self._uplink(info.client_id, codec).lossless)
                     state, size = self._download(downlink, server_round, info, downloads, names)
                     bytes_down += size
+                    if info.region:
+                        by_region.setdefault(info.region, [0, 0])[1] += size
                     states[info.client_id] = state
                     jobs.append((info, state, dataclasses.replace(ins, config={**ins.config, "uplink_codec": codec})))
                     prepared.append((info, ins, codec, None))
@@ -313,11 +320,15 @@ class InProcessFleet(Fleet):
                     failures.append(Failure(info, f"{type(exc).__name__}: {exc}"))
                     continue
                 bytes_up += up_bytes
+                if info.region:
+                    by_region.setdefault(info.region, [0, 0])[0] += up_bytes
                 payload_up += up_payload
                 raw_up += sum(t.numel() * t.element_size() for t in update.values())
                 results.append(FitRes(info, update, header.num_examples, header.metrics))
         cancelled = [info for info, _ in pending[done:]]
         extra = {"uplink_ratio": raw_up / payload_up} if payload_up else {}
+        for region, (region_up, region_down) in sorted(by_region.items()):
+            extra[f"bytes_up.{region}"], extra[f"bytes_down.{region}"] = float(region_up), float(region_down)
         if self.profiles is not None:
             extra["sim_round_s"] = max((seconds[r.client.client_id] for r in results), default=0.0)
         return RoundOutcome(results, failures, cancelled, bytes_up=bytes_up, bytes_down=bytes_down, extra=extra)

@@ -6,13 +6,14 @@ from __future__ import annotations
 import logging
 import threading
 from datetime import timedelta
-from typing import Callable
+from typing import Any, Callable
 
 from fedgrid.config import Config
 from fedgrid.determinism import environment, intra_op_threads
 from fedgrid.runlog import RunWriter
 from fedgrid.server.codec_policy import build_codec_policy
 from fedgrid.server.engine import RoundEngine
+from fedgrid.server.fleet import Fleet
 from fedgrid.server.memory import keep_large_buffers
 from fedgrid.server.strategies import build_strategy
 from fedgrid.server.bounds import build_bounds
@@ -63,6 +64,54 @@ def run_simulation(
         return _run(config, threads, on_round, on_start, stop)
 
 
+def _ranks() -> tuple[int, int]:
+    """(rank, world size) of the default ``torch.distributed`` group; (0, 1) without one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _regions(config: Config, clients: list, profiles: ClientProfiles) -> list:
+    """The regions of a hierarchical simulation, each a ``RegionClient`` over its own clients, as ``fedgrid region`` runs it.
+
+    A region's clients are those ``profiles`` labels with its name; it trains them with
+    ``region_strategy`` (its defaults, and the run's ``local_epochs``, ``lr``, ``seed``,
+    ``fraction_fit``) on the ``lan_codec`` uplink, ``regional_rounds`` rounds per global task.
+
+    Raises:
+        ConfigError: ``hierarchy`` without ``regions``.
+    """
+    from dataclasses import replace
+
+    from fedgrid.config import STRATEGY_KEYS
+    from fedgrid.errors import ConfigError
+    from fedgrid.region.region import RegionClient
+    from fedgrid.server.codec_policy import CodecPolicy
+
+    from fedgrid.region.region import PARTIAL_ALGORITHMS
+
+    if config.strategy in PARTIAL_ALGORITHMS:
+        raise ConfigError("strategy", f"{config.strategy} clients send part of the model or extra tensors; the regions of a hierarchy "
+                          "send their whole model (use fedavg, the fedopt family or diloco as the global strategy)")
+    labels = sorted({profiles.region(i) for i in range(len(clients))} - {""})
+    if not labels:
+        raise ConfigError("hierarchy", "needs regions (e.g. regions = 'eu:0.5,us:0.5'): the tiers to aggregate in")
+    defaults: dict[str, Any] = {k: None for k in STRATEGY_KEYS}  # the regional strategy's own defaults
+    regional = replace(config, strategy=config.region_strategy, **defaults)
+    out = []
+    for label in labels:
+        mine = [c for i, c in enumerate(clients) if profiles.region(i) == label]
+        strategy = build_strategy(regional, num_clients=len(mine))
+        fleet = InProcessFleet(mine, chunk_size=config.chunk_size, codec_policy=CodecPolicy(default=config.lan_codec), engine=config.engine,
+                               batch_clients=config.batch_clients, bounds=build_bounds(config))
+        engine = RoundEngine(strategy=strategy, fleet=fleet, rounds=0, min_clients=1, round_timeout=timedelta(seconds=config.round_timeout_s),
+                             join_timeout=timedelta(seconds=config.join_timeout_s))
+        out.append(RegionClient(engine, name=label, regional_rounds=config.regional_rounds))
+    return out
+
+
 def _run(
     config: Config,
     threads: int,
@@ -81,32 +130,41 @@ def _run(
         if on_round is not None:
             on_round(metrics)
 
+    members: list = list(clients)
+    if config.hierarchy:
+        members = _regions(config, clients, profiles)
     fleet = InProcessFleet(
-        clients,
+        members,
         chunk_size=config.chunk_size,
         codec_policy=build_codec_policy(config),
         downlink_codec=config.downlink_codec,
-        engine=config.engine,
+        engine="sequential" if config.hierarchy else config.engine,  # a region's engine is its own
         batch_clients=config.batch_clients,
-        profiles=profiles,
+        profiles=None if config.hierarchy else profiles,
         bounds=build_bounds(config),
     )  # checks the engine can train these clients: fails before the run directory exists
     if fleet.device is not None and fleet.device.type == "cpu":
         keep_large_buffers()  # the batched engine frees and reallocates the same large buffers at every step
+    rank, world = _ranks()
+    run_fleet: Fleet = fleet
+    if world > 1:  # torchrun: this rank trains its share of the clients (simulation/sharded.py)
+        from fedgrid.simulation.sharded import ShardedFleet
+
+        run_fleet = ShardedFleet(fleet, rank=rank, world=world)
     writer = None
-    if config.out:
+    if config.out and rank == 0:
         recorded = {**config.to_dict(), "threads": threads, "engine": fleet.engine}
         writer = RunWriter(config.out, recorded, environment=environment(engine_requested=config.engine, threads_requested=config.threads))
     engine = RoundEngine(
         strategy=strategy,
-        fleet=fleet,
+        fleet=run_fleet,
         rounds=config.rounds,
         min_clients=1,
         round_timeout=timedelta(seconds=config.round_timeout_s),
         join_timeout=timedelta(seconds=config.join_timeout_s),
         evaluate_fn=resolved.evaluate,
         writer=writer,
-        on_round=report,
+        on_round=report if rank == 0 else None,
         stop=stop,
     )
     log.info("engine: %s (%s)", fleet.engine, fleet.engine_reason)

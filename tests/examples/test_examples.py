@@ -7,6 +7,7 @@ clone (CI) has no ``../shared/data``.
 from __future__ import annotations
 
 import importlib.util
+import json
 import io
 import random
 import sys
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from fedgrid import ClientInfo, Failure, FitRes
+from fedgrid.events import read_events
 from fedgrid.runlog import load_model
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -130,3 +132,8 @@ def test_federated_loop_continues_from_the_federated_average(capsys):
     for name, tensor in final.items():
         assert torch.equal(last[name], tensor), name  # the loop's model after the last sync is the federation's
     assert "site-0 step   10" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (result["run_dir"] / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["round"], r["clients_ok"], r["clients_evaluated"]) for r in rows] == [(1, 2, 2), (2, 2, 2)]
+    events = [e.event for e in read_events(result["run_dir"] / "events.jsonl")]
+    assert events.count("client_joined") == 2 and "client_left" not in events  # one session each, ended by the run
+    assert len((EXAMPLES / "federated_loop.py").read_text().splitlines()) < 100  # what the docs promise

@@ -44,10 +44,12 @@ AGGREGATORS = {
     "norm-clip": "0.886 / 0.838 / 0.825",
     "centered-clip": "0.883 / 0.855 / 0.808",
 }
-#: Krum keeps one client's update; on non-IID data that is the smallest one (the client with
-#: the fewest examples), every round, so the model follows one client's labels. Not fixed by
-#: any value of f (0-3 tried); what fixes it is bucketing (Karimireddy et al. 2022), not built.
-KRUM = "0.632 / 0.309 / 0.192"
+#: Krum's default runs over bucket means (``aggregation/robust.py``: buckets of 3 for 10 clients
+#: and f = 1, 10 shuffles averaged). Plain Krum (``--aggregator-bucket-size 1``) keeps one
+#: client's update, on non-IID data the smallest one (the client with the fewest examples),
+#: every round, and reaches 0.632 / 0.309 / 0.192; buckets of 2 without resampling 0.819 /
+#: 0.552 / 0.588. Over seeds 0-7 the default's worst is 0.671.
+KRUM = "0.875 / 0.788 / 0.674"
 
 
 def _final_accuracy(overrides: dict, seed: int = 0) -> tuple[float, list[float], float]:
@@ -80,8 +82,7 @@ def test_every_aggregator_learns_digits_with_its_defaults(aggregator):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.xfail(strict=True, reason="Krum on non-IID digits keeps the smallest client's update each round (see KRUM)")
 def test_krum_learns_digits_with_its_defaults():
-    """Seed 0 alone passes (0.632); seeds 1 and 2 do not. Strict: a fix makes this fail until the mark goes."""
+    """Three seeds, not one: Krum follows a few clients a round, so its margin varies most."""
     finals = [_final_accuracy({"aggregator": "krum"}, seed)[0] for seed in (0, 1, 2)]
-    assert min(finals) >= THRESHOLD, finals
+    assert min(finals) >= THRESHOLD, f"krum: final accuracy over seeds 0/1/2: {finals} (observed {KRUM})"

@@ -72,12 +72,15 @@ def test_a_multi_process_client_takes_the_single_process_steps(app, nproc, paral
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("parallel", ["dp", "fsdp"])
 @pytest.mark.parametrize("config", [{"algorithm": "fedprox", "proximal_mu": 0.5}, {"algorithm": "scaffold"}], ids=["fedprox", "scaffold"])
-def test_fedprox_and_scaffold_on_a_dp_client_equal_one_process(app, config):
+def test_fedprox_and_scaffold_on_a_distributed_client_equal_one_process(app, config, parallel):
+    # Their step hooks are elementwise on a parameter and its gradient: on FSDP2's sharded
+    # DTensors too (client/algorithms.py), with SCAFFOLD's c_i gathered whole at upload.
     ins = FitIns(round=1, config={"local_epochs": 1, **config})
     single = app.client(0, 1, 0)
     one = single.fit(_global(app, config), ins)
-    client = ParallelClient(app.client, (0, 1, 0), spec=ParallelSpec.parse(2, "dp"))
+    client = ParallelClient(app.client, (0, 1, 0), spec=ParallelSpec.parse(2, parallel))
     try:
         many = client.fit(_global(app, config), ins)
         if config["algorithm"] == "scaffold":  # c_i carries over: a second round must agree as well

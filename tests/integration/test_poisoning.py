@@ -134,6 +134,12 @@ def test_another_runs_id_is_refused_naming_both(probe, small_state):
         ({"name": "ok", "region": "r" * 65}, "region: 65 characters, at most 64"),
         ({"name": "ok", "num_examples": HUGE}, f"num_examples: {HUGE} reported at join, must be in 0..1000000000"),
         ({"name": "ok", "capabilities": pb.Capabilities(codecs=["none", "int8\n"])}, "codec name: character 4 is '\\n'"),
+        ({"name": "ok", "capabilities": pb.Capabilities(device="cuda" + INJECTION)}, "device: 'cuda\\n[FAKE] round 9 committed"),
+        ({"name": "ok", "capabilities": pb.Capabilities(device="A100")}, "device: 'A100' is not a device type (lowercase letters"),
+        ({"name": "ok", "capabilities": pb.Capabilities(num_accelerators=2**32 - 1)},
+         "num_accelerators: 4294967295 reported, must be in 0..1024"),
+        ({"name": "ok", "capabilities": pb.Capabilities(memory_bytes=2**64 - 1)},
+         f"memory_bytes: {2**64 - 1} reported, must be in 0..{1 << 50} (1 PiB)"),
     ],
 )
 def test_join_with_a_bad_label_or_count_is_refused(server, request_fields, message):

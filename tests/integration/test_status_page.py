@@ -65,7 +65,7 @@ def live_status(tmp_path):
     of history, round 3 without an accuracy (a failed round), served on loopback with a token."""
     fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=60))
     fleet.join(ClientInfo("", name="<b>bold</b> client", region="eu-west", num_examples=3))
-    fleet.join(ClientInfo("", name="plain", region="us-east", num_examples=3))
+    fleet.join(ClientInfo("", name="plain", region="us-east", num_examples=3, device="cuda", num_accelerators=2, memory_bytes=80 << 30))
     history = [RoundMetrics(round=r, loss=1.0 / r, accuracy=None if r == 3 else 0.5 + r / 10, bytes_up=1000 * r, bytes_down=500,
                             wall_s=0.1, clients_ok=2, clients_failed=0) for r in range(1, 5)]
     monitor = CoordinatorMonitor(fleet, rounds=6, history=lambda: history)
@@ -85,6 +85,7 @@ def test_status_page_renders_round_plots_and_escaped_clients(tmp_path, live_stat
     assert "&lt;b&gt;bold&lt;/b&gt; client" in dom
     assert "<b>bold</b>" not in dom
     assert "plain" in dom and "eu-west" in dom and "idle" in dom
+    assert "<td>cuda x2, 80.0 GiB</td>" in dom and "<td>cpu</td>" in dom  # device, accelerators, memory
     assert _plot_points(dom, "accuracy") == 3  # round 3 has none
     assert _plot_points(dom, "loss") == 4
     assert _plot_points(dom, "bytes") == 4

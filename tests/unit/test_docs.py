@@ -36,10 +36,11 @@ def test_the_docs_build_without_warnings_and_document_the_public_api(tmp_path):
     html = tmp_path / "html"
     assert sorted(p.name for p in html.glob("*.html")) == [
         "api.html", "concepts.html", "deployment.html", "examples.html", "genindex.html", "index.html", "multigpu.html", "multisite.html",
-        "py-modindex.html", "quickstart.html", "search.html",
+        "py-modindex.html", "quickstart.html", "regions.html", "search.html",
     ]
     api = (html / "api.html").read_text()
     for anchor in ["fedgrid.client.api.Client", "fedgrid.client.torch_client.TorchClient", "fedgrid.client.runtime.run",
+                   "fedgrid.client.session.connect", "fedgrid.client.session.aconnect",
                    "fedgrid.server.app.run_coordinator", "fedgrid.simulation.run.run_simulation", "fedgrid.aggregation.base.Strategy",
                    "fedgrid.aggregation.fedavg.FedAvg", "fedgrid.aggregation.diloco.DiLoCo", "fedgrid.config.load_config",
                    "fedgrid.types.FitIns", "fedgrid.errors.FedgridError", "fedgrid.launch.load_topology", "fedgrid.health.check"]:
@@ -49,6 +50,7 @@ def test_the_docs_build_without_warnings_and_document_the_public_api(tmp_path):
     assert 'region_codecs = "region-a=int8,region-b=int8"' in _text(html / "multisite.html")
     quickstart = _text(html / "quickstart.html")
     assert "fedgrid new myapp" in quickstart
+    assert "for task in session.tasks():" in quickstart and "async with aconnect(" in quickstart
     # The deployment commands are included from the README (literalinclude), not copied.
     readme = (DOCS.parent / "README.md").read_text()
     block = readme[readme.index("fedgrid certs init --dir pki"):]

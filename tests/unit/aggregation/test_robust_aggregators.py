@@ -264,7 +264,7 @@ def test_build_aggregator_names_and_params():
     "name,params,message",
     [
         ("mode", {}, "unknown aggregator 'mode' \\(known: mean, median"),
-        ("krum", {"beta": 0.1}, "krum takes no option 'beta' \\(its options: f\\)"),
+        ("krum", {"beta": 0.1}, "krum takes no option 'beta' \\(its options: f, bucket_size, resamplings\\)"),
         ("trimmed-mean", {"beta": 0.5}, r"trimmed-mean: beta must be in \[0, 0.5\), got 0.5"),
         ("krum", {"f": -2}, "krum: f must be a non-negative integer"),
         ("norm-clip", {"bound": float("inf")}, "bound must be positive and finite, got inf"),

@@ -57,3 +57,15 @@ def test_capability_filter():
     chosen = CapabilityFilter(min_memory_bytes=500, regions=("eu", "us")).select(clients, 10, random.Random(0))
     assert sorted(c.name for c in chosen) == ["c06", "c07", "c09"]
     assert UniformSelector().select(clients, 3, random.Random(1)) == UniformSelector().select(clients, 3, random.Random(1))
+
+
+def test_capability_filter_by_device_and_accelerators_says_what_is_missing():
+    gpu = ClientInfo("g", name="gpu", device="cuda", num_accelerators=2, memory_bytes=80 << 30)
+    small = ClientInfo("s", name="small-gpu", device="cuda", num_accelerators=1, memory_bytes=8 << 30)
+    cpu = ClientInfo("c", name="cpu", device="cpu", memory_bytes=512 << 30)
+    needs = CapabilityFilter(min_memory_bytes=16 << 30, min_accelerators=1, devices=("cuda",))
+    assert needs.select([cpu, gpu, small], 3, random.Random(0)) == [gpu]
+    assert needs.shortfall(gpu) is None
+    assert needs.shortfall(cpu) == "device 'cpu' is not 'cuda'"
+    assert needs.shortfall(small) == f"memory {8 << 30} bytes, less than {16 << 30}"
+    assert CapabilityFilter(min_accelerators=2).shortfall(small) == "1 accelerators, fewer than 2"

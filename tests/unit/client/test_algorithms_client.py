@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fedgrid.aggregation import BlockCoordinate, DiLoCo, FedProx, Scaffold, StreamingDiLoCo
 from fedgrid.aggregation.scaffold import CONTROL_DELTA_PREFIX, CONTROL_PREFIX
+from fedgrid.client.algorithms import FitContext
 from fedgrid.client.torch_client import TorchClient
 from fedgrid.types import ClientInfo, Failure, FitIns, FitRes, TensorSpec
 
@@ -102,7 +103,7 @@ def test_scaffold_correction_and_c_i_persist_hand_computed():
     assert list(first.state) == ["weight", CONTROL_DELTA_PREFIX + "weight"]
     assert first.state["weight"].item() == pytest.approx(0.4, abs=1e-6)  # 0 - 0.1 * (-5 + 1 - 0)
     assert first.state[CONTROL_DELTA_PREFIX + "weight"].item() == pytest.approx(-5.0, abs=1e-6)  # c_i+ = mean grad
-    assert client.scaffold.c_i["weight"].item() == pytest.approx(-5.0, abs=1e-6)
+    assert client.algorithm("scaffold").control.c_i["weight"].item() == pytest.approx(-5.0, abs=1e-6)
 
     saved = client.state_dict()
     second = client.fit(download, FitIns(round=2, config=ins.config))
@@ -210,7 +211,8 @@ def test_streaming_diloco_client_that_missed_rounds_merges_every_fragment_it_mis
     replica = client.state_dict()["replica"]
     # The fleet adds the upload fragment (0) for an uplink that sends differences: it is not merged.
     download = _part(strategy.global_state, set(ins3.download) | set(strategy.fragment_of_round(3).names))
-    start = client.start_state(download, "streaming-diloco", ins3.config)
+    ctx = FitContext(config=ins3.config, model=tuple(client.model.state_dict()))
+    start = client.algorithm("streaming-diloco").start(download=download, ctx=ctx)
     assert list(start) == list(replica)
     for name, tensor in start.items():
         want = download[name] if name in ins3.download else replica[name]

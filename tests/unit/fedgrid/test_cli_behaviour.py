@@ -108,6 +108,35 @@ def test_client_takes_its_keys_from_the_config_file_flags_winning(tmp_path, monk
     assert info.value.key == "optimizer"
 
 
+def test_client_reports_what_its_file_and_flags_state_at_join(tmp_path, monkeypatch, capsys):
+    from fedgrid.capabilities import Capabilities
+
+    seen = {}
+
+    def fake_run(client, *, coordinator, **options):
+        seen["reported"] = client.capabilities()  # what Connection.join sends
+        from fedgrid.client.runtime import RunSummary
+
+        return RunSummary(client_id="c", rounds=0)
+
+    monkeypatch.setattr("fedgrid.client.runtime.run", fake_run)
+    config = tmp_path / "run.toml"
+    config.write_text('dataset = "synthetic"\nreport_device = "cuda"\nreport_memory = "8GiB"\nrequire_device = "cuda"\n')
+    assert cli.main(["client", "--config", str(config), "--coordinator", "127.0.0.1:9", "--report-accelerators", "2",
+                     "--report-memory", "40GiB", "--threads", "1"]) == 0
+    assert seen["reported"] == Capabilities("cuda", 2, 40 << 30)  # the flag wins over the file
+    assert "fedgrid client 0/1: reports cuda x2, 40.0 GiB at join" in capsys.readouterr().out
+
+
+def test_a_bad_report_flag_stops_the_client_in_one_line_and_is_no_coordinator_flag(capsys):
+    assert cli.main(["client", "--coordinator", "127.0.0.1:9", "--report-memory", "lots"]) == 2
+    err = capsys.readouterr().err
+    assert "config key 'report_memory': 'lots' is not a size (e.g. 16GiB, 512MB or a byte count)" in err and err.count("\n") == 1
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["coordinator", "--report-memory", "8GiB"])
+    assert cli.build_parser().parse_args(["coordinator", "--min-client-memory", "8GiB"]).min_client_memory == "8GiB"
+
+
 def test_client_tls_files_from_the_config_file(tmp_path):
     config = tmp_path / "run.toml"
     config.write_text('ca = "ca.pem"\ncert = "c.pem"\nkey = "c.key"\n')

@@ -124,14 +124,36 @@ def test_unknown_key_suggests_the_close_ones_not_the_whole_list(tmp_path):
 
 def test_simulation_only_keys_are_no_coordinator_flags():
     from fedgrid.cli import COORDINATOR_KEYS, SIMULATE_KEYS
-    from fedgrid.cli import CLIENT_CONFIG_KEYS
+    from fedgrid.cli import CLIENT_CONFIG_KEYS, REGION_KEYS
     from fedgrid.config import CLIENT_ONLY_KEYS, COORDINATOR_ONLY_KEYS, REGION_ONLY_KEYS, SIMULATION_ONLY_KEYS
 
     assert {"engine", "dropout_prob", "progress", "speed", "clients", "app"} <= SIMULATION_ONLY_KEYS
     assert not SIMULATION_ONLY_KEYS & set(COORDINATOR_KEYS) and not COORDINATOR_ONLY_KEYS & set(SIMULATE_KEYS)
     assert not CLIENT_ONLY_KEYS & (set(COORDINATOR_KEYS) | set(SIMULATE_KEYS)) and CLIENT_ONLY_KEYS <= set(CLIENT_CONFIG_KEYS)
-    assert not REGION_ONLY_KEYS & (set(COORDINATOR_KEYS) | set(SIMULATE_KEYS))
+    assert not REGION_ONLY_KEYS & (set(COORDINATOR_KEYS) | set(SIMULATE_KEYS)) and REGION_ONLY_KEYS <= set(REGION_KEYS)
     assert set(COORDINATOR_KEYS) | set(SIMULATE_KEYS) | CLIENT_ONLY_KEYS | REGION_ONLY_KEYS == set(config_keys())  # every key is someone's flag
+    assert {"require_device", "min_accelerators", "min_client_memory"} <= COORDINATOR_ONLY_KEYS
+
+
+@pytest.mark.parametrize("overrides, key, problem", [
+    ({"require_device": "GPU"}, "require_device", "'GPU' is not a device type (lowercase letters"),
+    ({"report_device": "cuda\x1b[2J"}, "report_device", "'cuda\\x1b[2J' is not a device type"),
+    ({"min_accelerators": -1}, "min_accelerators", "must be in 0..1024, got -1"),
+    ({"report_accelerators": 2000}, "report_accelerators", "must be in 0..1024, got 2000"),
+    ({"min_client_memory": "16 gigs"}, "min_client_memory", "'16 gigs' is not a size (e.g. 16GiB, 512MB or a byte count)"),
+    ({"report_memory": "2PiB"}, "report_memory", "'2PiB' is over the most a client may report, 1.0 PiB"),
+])
+def test_bad_capability_keys_name_the_key(overrides, key, problem):
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=overrides)
+    assert info.value.key == key and problem in str(info.value)
+
+
+def test_capability_keys_from_a_file(tmp_path):
+    text = 'require_device = "cuda"\nmin_accelerators = 2\nmin_client_memory = "40GiB"\nreport_memory = "8GB"\nreport_accelerators = 0\n'
+    config = load_config(_write(tmp_path, text))
+    assert (config.require_device, config.min_accelerators, config.min_client_memory) == ("cuda", 2, "40GiB")
+    assert (config.report_device, config.report_accelerators, config.report_memory) == ("", 0, "8GB")
 
 
 def test_table_in_file_is_unknown_key(tmp_path):

@@ -34,6 +34,7 @@ def test_a_base_module_does_not_pull_the_layers_above_it():
 
 def test_every_public_name_resolves_to_the_defining_object():
     from fedgrid.aggregation.base import Strategy
+    from fedgrid.client.session import aconnect, connect
     from fedgrid.client.torch_client import TorchClient
     from fedgrid.server.app import run_coordinator
     from fedgrid.simulation.run import run_simulation
@@ -42,6 +43,7 @@ def test_every_public_name_resolves_to_the_defining_object():
         assert getattr(fedgrid, name) is not None, name
     assert fedgrid.Strategy is Strategy and fedgrid.TorchClient is TorchClient
     assert fedgrid.run_coordinator is run_coordinator and fedgrid.run_simulation is run_simulation
+    assert fedgrid.connect is connect and fedgrid.aconnect is aconnect
     assert issubclass(fedgrid.ConfigError, fedgrid.FedgridError)
     assert fedgrid.FedAvg.__mro__[1:].count(fedgrid.Strategy) == 1
 

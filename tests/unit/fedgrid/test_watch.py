@@ -16,8 +16,9 @@ STATUS = {
     "progress": {"round": 2, "phase": "fit", "results": 1, "failures": 0, "expected": 2, "closed": False},
     "clients_total": 2,
     "clients": [
-        {"id": "a1", "name": "[bold red]fake[/] \x1b[2J", "region": "eu", "state": "training", "last_seen_s": 1.25},
-        {"id": "b2", "name": "plain", "region": "us", "state": "reported", "last_seen_s": 0.5},
+        {"id": "a1", "name": "[bold red]fake[/] \x1b[2J", "region": "eu", "state": "training", "last_seen_s": 1.25,
+         "device": "cuda", "accelerators": 2, "memory_bytes": 80 << 30},
+        {"id": "b2", "name": "plain", "region": "us", "state": "reported", "last_seen_s": 0.5},  # an older coordinator's
     ],
     "history": [{"round": 1, "accuracy": 0.8125, "loss": 0.5, "bytes_up": 10, "bytes_down": 20}],
 }
@@ -33,6 +34,7 @@ def test_status_view_shows_round_progress_and_clients():
     text = _draw(STATUS)
     assert "2 / 5" in text and "1 of 2 results, 0 failed" in text and "0.8125 / 0.5000" in text
     assert "training" in text and "reported" in text and "1.2s ago" in text and "2 clients" in text
+    assert "cuda x2, 80.0 GiB" in text
 
 
 def test_client_text_is_not_markup_and_loses_control_characters():

@@ -45,14 +45,15 @@ def test_events_and_rounds_become_metrics_and_status():
     history: list[RoundMetrics] = []
     monitor = CoordinatorMonitor(fleet, rounds=4, history=lambda: history)
     fleet.events.subscribe(monitor.on_event)
-    a, _ = fleet.join(ClientInfo("", name="alpha", region="eu", num_examples=5))
-    b, _ = fleet.join(ClientInfo("", name="<b>beta</b>", region="us", num_examples=5))
+    a, _ = fleet.join(ClientInfo("", name="alpha", region="eu", num_examples=5, device="cuda", num_accelerators=8, memory_bytes=80 << 30))
+    b, _ = fleet.join(ClientInfo("", name="<b>beta</b>", region="us", num_examples=5, memory_bytes=16 << 30))
     ev = fleet.events
     ev.emit("started", run_id=fleet.run_id, address="x", threads=1)
     ev.emit("round_opened", round=1, task="t", clients=2, evaluate=False, phase="fit")
     status = monitor.status()
     assert (status["state"], status["phase"], status["round"], status["rounds"]) == ("running", "fit", 1, 4)
     assert [(c["name"], c["region"], c["state"]) for c in status["clients"]] == [("<b>beta</b>", "us", "idle"), ("alpha", "eu", "idle")]
+    assert [(c["device"], c["accelerators"], c["memory_bytes"]) for c in status["clients"]] == [("cpu", 0, 16 << 30), ("cuda", 8, 80 << 30)]
     ev.emit("round_closed", round=1, evaluate=False, phase="fit", reason="all", results=2, failures=0)
     ev.emit("aggregating", round=1, updates=2, failures=0)
     ev.emit("checkpoint_writing", round=1)

@@ -129,8 +129,8 @@ def test_scaffold_corrections_and_client_state_match_over_two_rounds():
     got, want, batched, sequential = _both(clients, {"algorithm": "scaffold"}, rounds=2, state=download)
     _compare(got, want)
     for b, s in zip(batched, sequential):
-        for name, c in s.scaffold.c_i.items():
-            torch.testing.assert_close(b.scaffold.c_i[name], c, atol=ATOL, rtol=0)
+        for name, c in s.algorithm("scaffold").control.c_i.items():
+            torch.testing.assert_close(b.algorithm("scaffold").control.c_i[name], c, atol=ATOL, rtol=0)
             assert c.abs().sum() > 0
 
 

@@ -1,0 +1,457 @@
+"""An embedding session: the federation as an iterator inside a program that owns its loop.
+
+``run`` calls the application (``Client.fit``); a session turns that around for a program
+that already has its own training loop: the program asks for the next task, trains however
+it likes, and hands the result back::
+
+    with fedgrid.client.connect("coord.example.org:50051", name="site-a", num_examples=len(data)) as session:
+        for task in session.tasks():
+            model.load_state_dict(task.state)          # the round's global model
+            loss = train_for_a_while(model)            # the program's own loop
+            session.submit(FitOutput(model.state_dict(), num_examples=len(data), metrics={"loss": loss}))
+
+``aconnect`` is the same for asyncio (``async with`` / ``async for`` / ``await``): its
+blocking gRPC calls run in a worker thread of the session, so the event loop never blocks.
+
+A session is ``run``'s machinery with the training left out: the same ``Connection``
+(deadlines, retries, mutual TLS), ``TaskFeed`` (long polls, a new Join when the coordinator
+forgot the session, message phases) and ``TaskStep`` (the finite check, the upload through
+the task's ``uplink_codec`` with error feedback, the ``TaskReport``), and its heartbeat.
+Leaving the ``with`` for whatever reason (its end, an exception, Ctrl-C) sends Leave (unless
+the run finished), stops the heartbeat and closes the channel; no Join ever follows the
+Leave, so the coordinator holds no half-open registration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Protocol, TypeVar
+
+import grpc
+
+from fedgrid.client.api import Client, EvaluateOutput, FitOutput
+from fedgrid.client.runtime import Connection, RpcFailed, TaskFeed, TaskReport, TaskStep, _Heartbeat, _save
+from fedgrid.client.state import load_client_state, restore_client_state
+from fedgrid.constants import POLL_WAIT_S
+from fedgrid.errors import InvalidUpdateError, SessionError, StaleTaskError
+from fedgrid.proto.tls import TLSFiles
+from fedgrid.types import EVALUATE, FIT, EvaluateIns, FitIns, MessageIns, ModelState, Scalar
+
+__all__ = ["Task", "Session", "AsyncSession", "MessageHandler", "ErrorHook", "connect", "aconnect"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task for the host program: train (``kind == "fit"``) or evaluate the global model.
+
+    Attributes:
+        round: the coordinator's round.
+        kind: ``fedgrid.types.FIT`` or ``fedgrid.types.EVALUATE``.
+        state: the global model. Read it (``load_state_dict`` copies); never change it in
+            place: lossy uplinks send the difference to it, and a compressed downlink applies
+            the next round's difference to it.
+        config: the scalars the strategy sent (``lr``, ``local_epochs``, ``uplink_codec``, ...).
+        ins: the same as the ``FitIns`` (fit) or ``EvaluateIns`` (evaluate) a ``Client`` gets.
+        deadline_s: seconds the coordinator gives the task from when it was sent.
+        task_id: the coordinator's id of the task.
+    """
+
+    round: int
+    kind: str
+    state: ModelState
+    config: Mapping[str, Scalar]
+    ins: FitIns | EvaluateIns
+    deadline_s: float
+    task_id: str
+
+
+class MessageHandler(Protocol):
+    """Takes part in a strategy's message phases (a ``fedgrid.client.Client`` is one):
+    ``exchange`` returns the messages to send, ``receive`` gets those relayed back."""
+
+    def exchange(self, ins: MessageIns) -> Mapping[str, bytes]: ...
+
+    def receive(self, ins: MessageIns, inbox: Mapping[str, bytes]) -> None: ...
+
+
+class ErrorHook(Protocol):
+    """``on_error``: what went wrong, and the task it concerned (``None``: the session's end)."""
+
+    def __call__(self, *, error: BaseException, task: Task | None) -> None: ...
+
+
+class _Member(Client):
+    """What Join tells the coordinator about the session; message phases go to ``messages``."""
+
+    def __init__(self, name: str, region: str, num_examples: int, messages: MessageHandler | None) -> None:
+        self.name, self.region, self._num_examples, self._messages = name, region, num_examples, messages
+
+    @property
+    def num_examples(self) -> int:
+        return self._num_examples
+
+    def fit(self, state: ModelState, ins: FitIns) -> FitOutput:
+        raise NotImplementedError("a session's fit tasks go to its host program")  # TaskFeed never calls it
+
+    def exchange(self, ins: MessageIns) -> Mapping[str, bytes]:
+        if self._messages is None:  # TaskFeed reports this as the phase's failure, naming the phase
+            raise NotImplementedError(f"this session has no handler for message phase {ins.phase!r}: "
+                                      "pass connect(..., messages=...) an object with exchange() and receive()")
+        return self._messages.exchange(ins)
+
+    def receive(self, ins: MessageIns, inbox: Mapping[str, bytes]) -> None:
+        if self._messages is not None:
+            self._messages.receive(ins, inbox)
+
+
+def _reason(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+class Session:
+    """A client of ``coordinator`` whose host program trains: see the module's docstring.
+
+    Made by ``connect``; entering it (or ``open``) joins, leaving it (or ``close``) leaves.
+
+    Args:
+        coordinator: ``HOST:PORT``.
+        name: stable label sent at join (under mutual TLS the certificate names the client).
+        region: region label sent at join.
+        num_examples: training examples held (reported at join; used by selection).
+        ca, cert, key: PEM files for mutual TLS (all three or none), as ``run`` takes them.
+        server_name: the name the coordinator's certificate holds, when not the host of
+            ``coordinator``.
+        poll_wait_s: longest long poll; ``close`` from another thread ends one at once.
+        evaluate: hand evaluate tasks to the host program. ``False``: the session answers
+            them itself with zero examples, as ``run`` does for a client without ``evaluate``.
+        state_path: where the uplink's error-feedback residuals are saved after every fit
+            task and restored from at ``open`` (``run``'s ``state_path``). ``None``: memory only.
+        messages: takes part in message phases; without it a message phase is reported
+            failed, naming the phase.
+        on_task: called with a ``TaskReport`` after each upload that landed (``run``'s
+            ``on_task``: ``fedgrid.client.monitor.ClientMonitor.on_task`` fits).
+        on_error: called with ``error=`` and ``task=`` for what did not land (a non-finite
+            result, refused here and reported as the round's failure; an update the round
+            closed before) and for the error that ends the session (``task`` is then the
+            unanswered task, if any). Called on the thread that made the call.
+        connection_options: passed to ``Connection`` (``connect_timeout``, ``rpc_timeout``, ...).
+
+    Raises:
+        ValueError: an incomplete or unreadable set of TLS files, or a ``coordinator`` that
+            is not ``HOST:PORT``.
+    """
+
+    def __init__(
+        self,
+        coordinator: str,
+        *,
+        name: str = "",
+        region: str = "",
+        num_examples: int = 0,
+        ca: str = "",
+        cert: str = "",
+        key: str = "",
+        server_name: str = "",
+        poll_wait_s: float = POLL_WAIT_S,
+        evaluate: bool = True,
+        state_path: str | os.PathLike[str] | None = None,
+        messages: MessageHandler | None = None,
+        on_task: Callable[[TaskReport], None] | None = None,
+        on_error: ErrorHook | None = None,
+        **connection_options: float,
+    ) -> None:
+        tls = TLSFiles.from_options(ca, cert, key, what="session TLS")
+        self.conn = Connection(coordinator, stop=threading.Event(), tls=tls, server_name=server_name, **connection_options)
+        self._member = _Member(name, region, num_examples, messages)
+        self._feed = TaskFeed(self.conn, self._member, poll_wait_s=poll_wait_s)
+        self._evaluate, self._state_path = evaluate, state_path
+        self._on_task, self._on_error = on_task, on_error
+        self._beat_stop = threading.Event()
+        self._heartbeat: _Heartbeat | None = None
+        self._lock = threading.Lock()  # guards the open task and the closing
+        self._open: tuple[TaskStep, Task] | None = None
+        self._joined = self._closed = False
+        #: Fit results that landed.
+        self.rounds = 0
+        #: The reason sent with Leave, and whether the coordinator heard it (``None``: no
+        #: Leave was sent: never joined, or the run finished).
+        self.left: str | None = None
+        self.leave_heard = False
+
+    @property
+    def client_id(self) -> str:
+        """The coordinator's id of this client ("" before it joined)."""
+        return self.conn.client_id
+
+    @property
+    def run_id(self) -> str:
+        return self.conn.run_id
+
+    @property
+    def finished(self) -> bool:
+        """The coordinator said the run is over (``tasks()`` ended for that reason)."""
+        return self._feed.finished
+
+    def open(self) -> "Session":
+        """Joins the coordinator and starts the heartbeat.
+
+        Raises:
+            CoordinatorUnreachable: no answer within ``connect_timeout``.
+            RpcFailed: the Join was refused.
+            SessionError: the session was already opened or closed.
+        """
+        with self._lock:
+            if self._joined or self._closed:
+                raise SessionError("a session opens once: connect() again for a new one")
+            self._joined = True
+        name = self.conn.identity or self._member.name
+        saved = load_client_state(self._state_path, name=name) if self._state_path is not None else None
+        try:
+            if not self._feed.join():
+                raise SessionError("the session was closed while it joined")
+            log.info("session joined %s as %s (run %s)", self.conn.target, self.conn.client_id, self.conn.run_id)
+            if saved is not None and self._state_path is not None:
+                restore_client_state(self.conn, self._member, saved, self._state_path)
+            self._heartbeat = _Heartbeat(self.conn, self._beat_stop)
+            self._heartbeat.start()
+        except BaseException as exc:
+            self.close(_reason(exc))
+            raise
+        return self
+
+    def __enter__(self) -> "Session":
+        return self.open()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        try:
+            if exc is not None:
+                with self._lock:
+                    task = self._open[1] if self._open is not None else None
+                self._error(exc, task)
+        finally:
+            self.close("the host program closed the session" if exc is None else _reason(exc))
+
+    def tasks(self) -> Iterator[Task]:
+        """The tasks the coordinator sends, each with its model downloaded, until the run
+        finishes or the session closes. Answer each with ``submit`` or ``report_failure``; one
+        left unanswered when the next is asked for is reported failed at once.
+
+        Raises:
+            SessionError: the session is not open.
+            RpcFailed: a non-transient error, or transient ones past the retry budget.
+        """
+        if not self._joined or self._closed:
+            raise SessionError("tasks() needs an open session: use `with connect(...) as session:`")
+        feed = iter(self._feed)
+        while True:
+            try:
+                step = next(feed, None)
+            except RpcFailed:
+                if self._closed:  # close() from another thread cut the call short
+                    return
+                raise
+            if step is None:
+                return
+            if step.kind == EVALUATE and not self._evaluate:
+                self._deliver(step, self._task(step), OrderedDict(), 0, {})
+                continue
+            task = self._task(step)
+            with self._lock:
+                self._open = (step, task)
+            yield task
+            with self._lock:
+                unanswered, self._open = self._open is not None and self._open[0] is step, None
+            if unanswered:
+                reason = f"the host program asked for the next task without answering round {step.round}'s {step.kind} task"
+                self._fail(step, task, reason)
+                self._error(SessionError(reason), task)
+
+    def submit(self, result: FitOutput | EvaluateOutput) -> TaskReport | None:
+        """Answers the open task: a ``FitOutput`` (state, examples, metrics) for a fit task,
+        an ``EvaluateOutput`` for an evaluation. Returns the upload's ``TaskReport``, or
+        ``None`` when it did not land (``on_error`` says why): a fit result with NaN or Inf
+        is refused here and reported as the round's failure, and a round may close first.
+
+        Raises:
+            SessionError: no task is open.
+            TypeError: the wrong kind of result for the task (the task stays open).
+            ValueError: a fit result claiming more examples than ``num_examples`` (it stays open).
+            RpcFailed: a refused upload, or transient failures past the retry budget.
+        """
+        step, task = self._take("submit", result)
+        metrics = dict(result.metrics)
+        update: ModelState = OrderedDict()
+        if isinstance(result, FitOutput):
+            update = result.state
+            try:
+                step.check(update, metrics)
+            except InvalidUpdateError as exc:
+                self._fail(step, task, _reason(exc))
+                self._error(exc, task)
+                return None
+        return self._deliver(step, task, update, result.num_examples, metrics)
+
+    def report_failure(self, reason: str | BaseException) -> None:
+        """Answers the open task with a failure: the round records ``reason`` at once (an
+        exception is named by its type and message) instead of waiting out its deadline.
+
+        Raises:
+            SessionError: no task is open.
+            RpcFailed: the report was refused (other than for a round that closed first).
+        """
+        step, task = self._take("report_failure")
+        self._fail(step, task, reason if isinstance(reason, str) else _reason(reason))
+
+    def close(self, reason: str = "the host program closed the session") -> None:
+        """Leaves (unless the run finished), stops the heartbeat and closes the channel.
+        Idempotent, and callable from any thread: a ``tasks()`` waiting in another thread
+        ends (the Leave wakes its long poll)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed, self._open = True, None
+        with self._feed.lock:  # no Join after this Leave
+            self.conn.stop.set()
+            if self.conn.client_id and not self._feed.finished:
+                self.left, self.leave_heard = reason, self.conn.leave(reason)
+        self._beat_stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=self.conn.rpc_timeout + 1.0)  # not mid-call when the channel closes
+        self.conn.close()
+
+    # -- inside ----------------------------------------------------------------------------
+    @staticmethod
+    def _task(step: TaskStep) -> Task:
+        ins: FitIns | EvaluateIns = step.ins if step.ins is not None else EvaluateIns(round=step.round, config=step.config)
+        return Task(round=step.round, kind=step.kind, state=step.state, config=step.config, ins=ins,
+                    deadline_s=step.deadline_s, task_id=step.task_id)
+
+    def _take(self, what: str, result: object = None) -> tuple[TaskStep, Task]:
+        with self._lock:
+            if self._open is None:
+                state = "the session is closed" if self._closed else "take one from session.tasks() first"
+                raise SessionError(f"{what}(): no task is open ({state})")
+            step, task = self._open
+            if result is not None:
+                expected = FitOutput if step.kind == FIT else EvaluateOutput
+                if not isinstance(result, expected):
+                    raise TypeError(f"round {step.round}'s {step.kind} task takes a {expected.__name__}, got {type(result).__name__}")
+                # The coordinator refuses such an update, and a refused upload ends the session.
+                claimed, joined = getattr(result, "num_examples", 0), self._member.num_examples
+                if step.kind == FIT and claimed > joined:
+                    raise ValueError(f"round {step.round}'s result claims {claimed} examples, the session reported {joined} at join "
+                                     "(connect(..., num_examples=N) bounds what an update may claim)")
+            self._open = None
+            return step, task
+
+    def _fail(self, step: TaskStep, task: Task, reason: str) -> None:
+        try:
+            step.fail(reason)
+        except RpcFailed as exc:
+            if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            log.info("round %d closed before its failure was reported: %s", step.round, exc.details)  # nothing left to fail
+
+    def _deliver(self, step: TaskStep, task: Task, update: ModelState, num_examples: int, metrics: dict[str, float]) -> TaskReport | None:
+        report = step.deliver(update, num_examples, metrics)
+        _save(self._state_path, self.conn, self._member, step)  # a late update too: the residuals moved on
+        if report is None:
+            self._error(StaleTaskError(f"round {step.round} closed before the {step.kind} result landed: {step.late}"), task)
+            return None
+        if step.kind == FIT:
+            self.rounds += 1
+        if self._on_task is not None:
+            self._on_task(report)
+        return report
+
+    def _error(self, error: BaseException, task: Task | None) -> None:
+        if self._on_error is None:
+            return
+        try:
+            self._on_error(error=error, task=task)
+        except Exception:  # a broken hook must not keep the session from answering or leaving
+            log.exception("the session's on_error hook failed")
+
+
+class AsyncSession:
+    """``Session`` for asyncio: each blocking call runs in the session's own worker thread
+    (one, so calls keep their order); ``close`` runs beside it, so that a long poll in flight
+    does not hold up the Leave. Made by ``aconnect``."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedgrid-session")
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+
+    async def __aenter__(self) -> "AsyncSession":
+        try:
+            await self._call(self.session.open)
+        except BaseException:
+            self._worker.shutdown(wait=False)
+            raise
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.session.__exit__, exc_type, exc, tb)
+        finally:
+            self._worker.shutdown(wait=False)
+
+    async def tasks(self) -> AsyncIterator[Task]:
+        """``Session.tasks`` without blocking the event loop."""
+        feed = self.session.tasks()
+        while (task := await self._call(next, feed, None)) is not None:
+            yield task
+
+    async def submit(self, result: FitOutput | EvaluateOutput) -> TaskReport | None:
+        """``Session.submit``."""
+        return await self._call(self.session.submit, result)
+
+    async def report_failure(self, reason: str | BaseException) -> None:
+        """``Session.report_failure``."""
+        await self._call(self.session.report_failure, reason)
+
+    async def close(self, reason: str = "the host program closed the session") -> None:
+        """``Session.close``."""
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.session.close, reason)
+        finally:
+            self._worker.shutdown(wait=False)
+
+    @property
+    def finished(self) -> bool:
+        return self.session.finished
+
+
+def connect(coordinator: str, **options: Any) -> Session:
+    """A session with ``coordinator`` for a program that owns its training loop; ``with``
+    joins and leaves. ``options`` are ``Session``'s (``name``, ``num_examples``, ``ca``,
+    ``cert``, ``key``, ``on_task``, ``on_error``, ...).
+
+    Raises:
+        ValueError: bad TLS files or a ``coordinator`` that is not ``HOST:PORT``.
+    """
+    return Session(coordinator, **options)
+
+
+def aconnect(coordinator: str, **options: Any) -> AsyncSession:
+    """``connect`` for asyncio: ``async with aconnect(...) as session: async for task in
+    session.tasks(): ... await session.submit(...)``.
+
+    Raises:
+        ValueError: bad TLS files or a ``coordinator`` that is not ``HOST:PORT``.
+    """
+    return AsyncSession(Session(coordinator, **options))
