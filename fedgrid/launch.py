@@ -75,7 +75,8 @@ MANAGED_KEYS = frozenset({"listen", "out", "state_dir", "ca", "cert", "key", "cr
 _COORDINATOR = frozenset(config_keys()) - SIMULATION_ONLY_KEYS - CLIENT_ONLY_KEYS - REGION_ONLY_KEYS
 GLOBAL_KEYS = _COORDINATOR - MANAGED_KEYS
 #: ``fedgrid region`` takes no run length, model, enrollment or status server: the global coordinator has them.
-REGION_KEYS = (_COORDINATOR - {"rounds", "initial_model", "model", "http", "http_token_file", "seed"} | REGION_ONLY_KEYS) - MANAGED_KEYS
+REGION_KEYS = (_COORDINATOR - {"rounds", "initial_model", "model", "http", "http_token_file", "seed"} | REGION_ONLY_KEYS
+               | {"regional_rounds"}) - MANAGED_KEYS
 #: ``fedgrid client``'s config keys (``partition`` is its ``--data-partition``).
 CLIENT_KEYS = frozenset({"dataset", "data_dir", "model", "batch_size", "optimizer", "lr", "momentum", "weight_decay", "partition",
                          "threads"}) | CLIENT_ONLY_KEYS

@@ -198,6 +198,17 @@ def test_the_command_exits_2_on_a_bad_topology_before_it_starts_anything(tmp_pat
     assert not out.exists()
 
 
+def test_each_table_takes_the_keys_of_its_command():
+    """The tables' keys are the flags of ``fedgrid coordinator``, ``region`` and ``client``, less what the launcher sets
+    (this module may not import the CLI: the lists are its, checked here against the CLI's)."""
+    from fedgrid import cli, launch
+
+    managed = launch.MANAGED_KEYS
+    assert launch.GLOBAL_KEYS == set(cli.COORDINATOR_KEYS) - managed
+    assert launch.REGION_KEYS == set(cli.REGION_KEYS) - managed - {"seed"}
+    assert launch.CLIENT_KEYS == set(cli.CLIENT_CONFIG_KEYS) - managed
+
+
 def test_the_shipped_topology_parses():
     top = load_topology(Path(__file__).resolve().parents[2] / "docker" / "topology.toml", rounds=3)
     assert top.rounds == 3 and top.num_partitions == 6 and top.seed == 0
