@@ -1,4 +1,4 @@
-"""The ``fedgrid`` command: ``simulate``, ``coordinator``, ``region``, ``client``, ``certs`` (the CA for mutual TLS), ``report`` (plots of run directories), ``new`` (an app template), ``status`` (a running coordinator), ``health`` (is it serving) and ``launch`` (a whole topology as local processes)."""
+"""The ``fedgrid`` command: ``simulate``, ``coordinator``, ``region``, ``client``, ``certs`` (the CA for mutual TLS), ``report`` (plots of run directories), ``new`` (an app template), ``status`` (a running coordinator), ``wan`` (an emulated WAN link, ``fedgrid.wan``), ``health`` (is it serving) and ``launch`` (a whole topology as local processes)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from fedgrid.config import CLIENT_ONLY_KEYS, COORDINATOR_ONLY_KEYS, REGION_ONLY_
 from fedgrid.errors import ConfigError, FedgridError
 from fedgrid.interrupts import FORCED_EXIT_STATUS, GracefulStop, say
 from fedgrid.types import ModelState, RoundMetrics
+from fedgrid.wan import add_arguments as add_wan_arguments
+from fedgrid.wan import command as wan_command
 
 __all__ = ["main", "build_parser", "serve", "SimulateProgress"]
 
@@ -117,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--watch", action="store_true", help="redraw until Ctrl-C")
     status.add_argument("--interval", type=float, default=2.0, metavar="S", help="seconds between redraws with --watch (default 2)")
     status.add_argument("--token-file", dest="token_file", default="", metavar="FILE", help="the coordinator's http_token_file")
+    wan = sub.add_parser("wan", help="relay TCP to --target through an emulated WAN link (delay, bandwidth, loss); until SIGTERM")
+    add_wan_arguments(wan)
     health.add_parser(sub)
     launch.add_parser(sub)
     return parser
@@ -570,7 +574,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return {"simulate": _simulate, "coordinator": _coordinator, "region": _region, "client": _client, "certs": _certs, "report": _report,
-                "new": _new, "status": _status, "health": health.command, "launch": launch.command}[args.command](args)
+                "new": _new, "status": _status, "wan": wan_command, "health": health.command, "launch": launch.command}[args.command](args)
     except ConfigError as exc:
         print(error_line(exc), file=sys.stderr)
         return 2

@@ -155,7 +155,7 @@ def test_failed_save_leaves_the_previous_file(tmp_path, conn, monkeypatch):
         f.write(b"partial")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(runtime.torch, "save", full_disk)
+    monkeypatch.setattr(torch, "save", full_disk)  # what save_client_state writes with
     with pytest.raises(OSError, match="No space"):
         save_client_state(path, run_id=RUN, server_round=2, client=Counting(), conn=conn)
     assert path.read_bytes() == before

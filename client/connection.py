@@ -1,0 +1,460 @@
+"""A client's session with a coordinator (``Connection``): typed calls with deadlines, retries and mutual TLS.
+
+Every RPC has a deadline. Transient failures (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED,
+RESOURCE_EXHAUSTED) are retried with exponential backoff and jitter, bounded in time; other
+errors surface with the server's message (``RpcFailed``). ``fedgrid.client.runtime``'s loop
+and the embedding session (``fedgrid.client.session``) are built on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
+
+import grpc
+import tenacity
+
+from fedgrid.client.api import Client
+from fedgrid.client.uplink import UplinkEncoder
+from fedgrid.constants import (
+    CONNECT_TIMEOUT_S,
+    MAX_MESSAGE_BYTES,
+    POLL_WAIT_S,
+    RETRY_MAX_ELAPSED_S,
+    RETRY_MAX_WAIT_S,
+    RPC_TIMEOUT_S,
+    TRANSFER_TIMEOUT_S,
+)
+from fedgrid.compression import available_codecs
+from fedgrid.compression.feedback import apply_delta
+from fedgrid.errors import FedgridError, InvalidUpdateError
+from fedgrid.constants import MAX_REASON_CHARS
+from fedgrid.proto import fedgrid_pb2 as pb
+from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
+from fedgrid.proto import serde
+from fedgrid.proto.tls import TLSFiles, channel_credentials, session_metadata
+from fedgrid.pki import identity_of
+from fedgrid.types import ModelState
+
+__all__ = ["Connection", "RpcFailed", "CoordinatorUnreachable", "UploadAttempt", "TRANSIENT", "GRPC_OPTIONS", "SERVICE", "check_target"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+#: Consecutive refused sessions after which the client gives up instead of joining again.
+MAX_REJOINS = 3
+SERVICE = "fedgrid.v1.Coordinator"
+#: Retried with backoff. CANCELLED too: a coordinator shutting down cancels calls in flight
+#: (a call this client cancels itself ends the loop through ``stop`` instead).
+#: RESOURCE_EXHAUSTED too: the coordinator is at a limit (transfers in flight) for now.
+TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                       grpc.StatusCode.RESOURCE_EXHAUSTED})
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # Each client its own connection, also when a program embeds many: channels with the
+    # same target would otherwise share one, and its stream limit, and fail together.
+    ("grpc.use_local_subchannel_pool", 1),
+]
+#: Tag of a client state file (``run(..., state_path=...)``); a file without it is not loaded.
+
+
+class RpcFailed(FedgridError):
+    """An RPC failed with a non-transient status, or retries ran out. ``code`` is the status."""
+
+    def __init__(self, method: str, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{method} failed: {code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+class CoordinatorUnreachable(RpcFailed):
+    """The client never reached its coordinator within the connect deadline."""
+
+    def __init__(self, target: str, deadline_s: float, code: grpc.StatusCode, details: str, tls: bool) -> None:
+        RpcFailed.__init__(self, "Join", code, details)
+        check_tls = ("the coordinator accepts this client's certificate (--ca, --cert, --key)" if tls else
+                     "the coordinator serves plaintext (one with mutual TLS needs --ca, --cert and --key)")
+        self.args = (f"could not reach the coordinator at {target} within {deadline_s:g}s ({code.name}: {_one_line(details)}): "
+                     f"check that it is running, that {target} is its address and port (RUN_DIR/address), and that {check_tls}",)
+
+
+def check_target(target: str, *, what: str = "coordinator") -> str:
+    """``target`` if it is ``HOST:PORT`` with a port in 1..65535 (``[::1]:PORT`` for IPv6).
+
+    gRPC reads a bare host as port 443 and other odd forms as name-resolver schemes: a
+    typo would dial something else and retry there for as long as the deadline allows.
+
+    Raises:
+        ValueError: not of that form (the message names ``what`` and the expected form).
+    """
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or host.endswith(":") and not host.startswith("["):
+        raise ValueError(f"{what} address {target!r} has no port: expected HOST:PORT, e.g. 127.0.0.1:50051")
+    if not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(f"{what} address {target!r} has port {port!r}: expected HOST:PORT with a port in 1..65535")
+    return target
+
+
+def _identity(cert: str) -> str:
+    """The identity of the certificate in file ``cert``.
+
+    Raises:
+        ValueError: the file holds no client certificate, or one without a valid identity (named).
+    """
+    try:
+        return identity_of(Path(cert).read_bytes())
+    except ValueError as exc:
+        raise ValueError(f"certificate {cert}: {exc}") from None
+
+
+def _one_line(text: str) -> str:
+    """gRPC's details can span lines (its debug string): one line for a log or an error."""
+    return " ".join(text.split())
+
+
+def _describe(exc: BaseException | None) -> str:
+    if isinstance(exc, grpc.RpcError):
+        return f"{exc.code().name}: {_one_line(exc.details() or '')}"
+    return _one_line(f"{type(exc).__name__}: {exc}") if exc is not None else ""
+
+
+def _is_transient(exc: BaseException) -> bool:
+    return isinstance(exc, grpc.RpcError) and exc.code() in TRANSIENT
+
+
+@dataclass(frozen=True)
+class UploadAttempt:
+    """One try at an upload: the chunk it started from and the bytes it sent (``sent[0]``)."""
+
+    start_chunk: int
+    sent: list[int]
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.sent[0]
+
+
+
+class Connection:
+    """One client's session with a coordinator: typed calls with deadlines and retries.
+
+    Args:
+        target: ``HOST:PORT`` of the coordinator.
+        rpc_timeout: deadline of unary calls, seconds.
+        transfer_timeout: deadline of model downloads and uploads, seconds.
+        retry_max_elapsed: stop retrying a transient failure after this many seconds.
+        connect_timeout: until the first call succeeds (``join``), give up retrying after
+            this many seconds, with ``CoordinatorUnreachable`` naming the address.
+        retry_max_wait: cap of the backoff between attempts.
+        stop: when set, retries stop early.
+        tls: the CA bundle to trust and this client's certificate and key: the connection is
+            then mutual TLS, and the client is the identity of its certificate (it joins
+            without a name of its own). ``None``: plaintext.
+        server_name: the name the coordinator's certificate must hold, when it is not the
+            host of ``target`` (an IP address, a tunnel).
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        rpc_timeout: float = RPC_TIMEOUT_S,
+        transfer_timeout: float = TRANSFER_TIMEOUT_S,
+        retry_max_elapsed: float = RETRY_MAX_ELAPSED_S,
+        retry_max_wait: float = RETRY_MAX_WAIT_S,
+        connect_timeout: float = CONNECT_TIMEOUT_S,
+        stop: threading.Event | None = None,
+        tls: TLSFiles | None = None,
+        server_name: str = "",
+    ) -> None:
+        self.target = check_target(target)
+        self.connect_timeout = connect_timeout
+        #: Whether a call ever got an answer from the coordinator.
+        self.reached = False
+        self.tls = tls
+        #: Under mTLS, the identity of this client's certificate: its name to the coordinator.
+        self.identity = _identity(tls.cert) if tls is not None else None
+        #: The name the coordinator knows this client by (set by ``join``).
+        self.name = self.identity or ""
+        if tls is None:
+            self.channel = grpc.insecure_channel(target, options=GRPC_OPTIONS)
+        else:
+            options = [*GRPC_OPTIONS, ("grpc.ssl_target_name_override", server_name)] if server_name else GRPC_OPTIONS
+            self.channel = grpc.secure_channel(target, channel_credentials(tls), options=options)
+        self.stub = pb_grpc.CoordinatorStub(self.channel)
+        # The chunk streams carry encoded Chunk messages as bytes (see server/service.py).
+        self._download = self.channel.unary_stream(
+            f"/{SERVICE}/DownloadModel", request_serializer=pb.DownloadRequest.SerializeToString, response_deserializer=None
+        )
+        self._upload = self.channel.stream_unary(
+            f"/{SERVICE}/UploadUpdate", request_serializer=None, response_deserializer=pb.UploadReply.FromString
+        )
+        self.rpc_timeout = rpc_timeout
+        self.transfer_timeout = transfer_timeout
+        self.stop = stop or threading.Event()
+        self._retry_max_elapsed = retry_max_elapsed
+        self._retry_max_wait = retry_max_wait
+        self.client_id = ""
+        self.token = ""
+        #: Whether a long poll is in flight (the heartbeat is then not needed).
+        self.polling = False
+        self.run_id = ""
+        self.heartbeat_interval_s = 5.0
+        self.chunk_size = serde.CHUNK_SIZE
+        #: The tries of the latest upload (a resumed upload has more than one).
+        self.upload_attempts: list[UploadAttempt] = []
+        #: Wire bytes (``serde.wire_size``, as the coordinator counts them) of the model
+        #: downloads and the uploads so far, every try included.
+        self.bytes_down = 0
+        self.bytes_up = 0
+        #: The model the client holds and its downlink version (compressed downlinks).
+        self.held: ModelState | None = None
+        self.held_version: int | None = None
+        #: Uplink encoders by codec: their error-feedback residuals persist across rounds.
+        self._uplinks: dict[str, UplinkEncoder] = {}
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def _session(self) -> Sequence[tuple[str, str]]:
+        return session_metadata(self.token)
+
+    def uplink_state_dict(self) -> dict[str, dict[str, Any]]:
+        """Every uplink encoder's state (its error-feedback residuals), by codec spec."""
+        return {codec: encoder.state_dict() for codec, encoder in self._uplinks.items()}
+
+    def load_uplink_state_dict(self, states: Mapping[str, Mapping[str, Any]]) -> None:
+        """Replaces the uplink encoders with those of ``uplink_state_dict()``, all or none.
+
+        Raises:
+            ConfigError: a codec spec that does not parse or is not contractive.
+            ValueError, KeyError, TypeError, AttributeError: a state that is not an encoder's.
+        """
+        uplinks = {}
+        for codec, state in states.items():
+            uplinks[codec] = UplinkEncoder(codec)
+            uplinks[codec].load_state_dict(state)
+        self._uplinks = uplinks
+
+    def _call(self, method: str, fn: Callable[[], T]) -> T:
+        """Calls ``fn``, retrying transient failures with jittered exponential backoff."""
+        connecting = not self.reached
+        budget = min(self.connect_timeout, self._retry_max_elapsed) if connecting else self._retry_max_elapsed
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(_is_transient),
+            wait=tenacity.wait_random_exponential(multiplier=0.2, max=self._retry_max_wait),
+            stop=tenacity.stop_after_delay(budget) | tenacity.stop_when_event_set(self.stop),
+            before_sleep=lambda rs: log.info("retrying %s on %s: %s", method, self.target, _describe(rs.outcome.exception() if rs.outcome else None)),
+            reraise=True,
+        )
+        try:
+            result = retrying(fn)
+        except grpc.RpcError as exc:
+            details = (exc.details() or "") + self._hint(exc)
+            if connecting and _is_transient(exc) and not self.stop.is_set():
+                raise CoordinatorUnreachable(self.target, budget, exc.code(), details, self.tls is not None) from exc
+            raise RpcFailed(method, exc.code(), _one_line(details)) from exc
+        self.reached = True
+        return result
+
+    def _hint(self, exc: grpc.RpcError) -> str:
+        """What a connection closed at the TLS handshake most likely means: the client only
+        sees the socket close (the coordinator's reason stays in its own log)."""
+        if exc.code() != grpc.StatusCode.UNAVAILABLE or "Socket closed" not in (exc.details() or ""):
+            return ""
+        if self.tls is None:
+            return " (a coordinator that requires mutual TLS closes plaintext connections: give ca, cert and key)"
+        return (" (a coordinator closes the connection at the handshake when it does not accept the client's certificate: "
+                "signed by another CA, expired or not yet valid, or not a client certificate)")
+
+    def join(self, client: Client) -> None:
+        caps = client.capabilities()
+        request = pb.JoinRequest(
+            name="" if self.tls is not None else client.name,  # under mTLS the certificate names it
+            region=client.region,
+            num_examples=client.num_examples,
+            capabilities=pb.Capabilities(device=caps.device, num_accelerators=caps.num_accelerators, memory_bytes=caps.memory_bytes,
+                                         codecs=list(available_codecs())),
+        )
+        reply: pb.JoinReply = self._call("Join", lambda: self.stub.Join(request, timeout=self.rpc_timeout))
+        self.client_id, self.token, self.run_id = reply.client_id, reply.session_token, reply.run_id
+        self.name = self.identity or client.name
+        self.heartbeat_interval_s = reply.heartbeat_interval_s or self.heartbeat_interval_s
+        self.chunk_size = reply.chunk_size or self.chunk_size
+
+    def poll(self, wait_s: float = POLL_WAIT_S) -> pb.PollReply:
+        request = pb.PollRequest(client_id=self.client_id, wait_s=wait_s)
+        self.polling = True  # a long poll in flight tells the coordinator this client is alive
+        try:
+            return self._call("PollTask", lambda: self.stub.PollTask(request, metadata=self._session(), timeout=wait_s + self.rpc_timeout))
+        finally:
+            self.polling = False
+
+    def report_failure(self, task_id: str, reason: str) -> None:
+        """Tells the coordinator that this client's task ``task_id`` failed, so that the round
+        records it at once (the reason is cut to what the coordinator accepts)."""
+        request = pb.ReportFailureRequest(client_id=self.client_id, task_id=task_id, reason=reason[:MAX_REASON_CHARS])
+        self._call("ReportFailure", lambda: self.stub.ReportFailure(request, metadata=self._session(), timeout=self.rpc_timeout))
+
+    def leave(self, reason: str, *, timeout: float = 5.0) -> bool:
+        """Tells the coordinator this client is going (one try, ``timeout`` seconds: the client
+        is on its way out either way). Returns whether the coordinator heard it."""
+        request = pb.LeaveRequest(client_id=self.client_id, reason=reason[:MAX_REASON_CHARS])
+        try:
+            self.stub.Leave(request, metadata=self._session(), timeout=timeout)
+            return True
+        except (grpc.RpcError, ValueError) as exc:  # ValueError: the channel closed
+            log.info("could not tell the coordinator that this client leaves: %s", exc)
+            return False
+
+    def send_messages(self, task_id: str, messages: Mapping[str, bytes]) -> int:
+        """Sends this client's messages of message phase ``task_id`` (recipient -> payload)."""
+        request = pb.SendMessagesRequest(
+            client_id=self.client_id, task_id=task_id, messages=serde.envelopes_to_pb(messages.items())
+        )
+        reply: pb.SendMessagesReply = self._call("SendMessages", lambda: self.stub.SendMessages(request, metadata=self._session(), timeout=self.rpc_timeout))
+        return reply.bytes_accepted
+
+    def receive_messages(self, task_id: str, *, deadline_s: float, wait_s: float = POLL_WAIT_S) -> "OrderedDict[str, bytes]":
+        """The messages relayed to this client in message phase ``task_id``, by sender:
+        long-polls until the phase closed (at most ``deadline_s``), then reads every page.
+
+        Raises:
+            TimeoutError: the phase did not close within ``deadline_s``.
+        """
+        inbox: OrderedDict[str, bytes] = OrderedDict()
+        give_up = time.monotonic() + deadline_s
+        while not self.stop.is_set():
+            wait = max(0.0, min(wait_s, give_up - time.monotonic()))
+            request = pb.ReceiveMessagesRequest(client_id=self.client_id, task_id=task_id, start=len(inbox), wait_s=wait)
+            reply: pb.ReceiveMessagesReply = self._call(
+                "ReceiveMessages", lambda: self.stub.ReceiveMessages(request, metadata=self._session(), timeout=wait + self.rpc_timeout)
+            )
+            if reply.ready:
+                inbox.update((m.peer, m.payload) for m in reply.messages)
+                if len(inbox) >= reply.total or not reply.messages:
+                    return inbox
+                continue
+            if time.monotonic() >= give_up:
+                raise TimeoutError(f"message phase {task_id!r} did not close within {deadline_s:.1f}s")
+        raise InterruptedError("stopped while waiting for messages")
+
+    def heartbeat(self) -> float:
+        request = pb.HeartbeatRequest(client_id=self.client_id)
+        reply = self.stub.Heartbeat(request, metadata=self._session(), timeout=self.rpc_timeout)
+        return reply.interval_s
+
+    def download(self, task_id: str) -> ModelState:
+        """The model of ``task_id``, checked tensor by tensor (checksums, sizes)."""
+        return self.download_stream(task_id)[1]
+
+    def download_stream(self, task_id: str, *, have_version: int | None = None) -> tuple[serde.StreamInfo, ModelState]:
+        """The stream of ``task_id``: its header (a difference? which versions?) and tensors."""
+        request = pb.DownloadRequest(client_id=self.client_id, task_id=task_id)
+        if have_version is not None:
+            request.have_version = have_version
+
+        def attempt() -> tuple[serde.StreamInfo, ModelState]:
+            asm = serde.ModelAssembler()
+            for frame in self._download(request, metadata=self._session(), timeout=self.transfer_timeout):
+                self.bytes_down += serde.wire_size(frame)
+                asm.feed(frame)
+            return asm.finish()
+
+        return self._call("DownloadModel", attempt)
+
+    def fetch_model(self, task_id: str) -> ModelState:
+        """The model to train on for a fit task, keeping the client's copy across rounds: on
+        a compressed downlink the coordinator sends only the change since the version held."""
+        info, received = self.download_stream(task_id, have_version=self.held_version)
+        if info.delta:
+            if self.held is None or info.base_version != self.held_version:
+                raise InvalidUpdateError(f"downlink difference applies to version {info.base_version}, client holds {self.held_version}")
+            self.held = apply_delta(self.held, received)
+        else:
+            self.held = received
+        self.held_version = info.version or None  # 0: an uncompressed link keeps no versions
+        return self.held
+
+    def upload(
+        self,
+        task_id: str,
+        server_round: int,
+        state: ModelState,
+        num_examples: int,
+        metrics: dict[str, float],
+        *,
+        codec: str = "none",
+        global_state: ModelState | None = None,
+    ) -> int:
+        """Sends an update, through ``codec`` (lossy codecs send the difference to
+        ``global_state`` with error feedback kept across rounds). A retry asks the
+        coordinator how many chunks it holds and resumes from there; one that finds the
+        update already accepted counts as success."""
+        uplink = self._uplinks.get(codec)
+        if uplink is None:
+            uplink = self._uplinks[codec] = UplinkEncoder(codec)
+        if not uplink.lossless and global_state is None:
+            raise ValueError(f"codec {codec!r} sends differences: pass the global model")
+        encoded, delta = uplink.encode(global_state=global_state or {}, new_state=state)
+        info = serde.StreamInfo(
+            run_id=self.run_id,
+            task_id=task_id,
+            round=server_round,
+            client_id=self.client_id,
+            num_examples=num_examples,
+            metrics=metrics,
+            delta=delta,
+        )
+        self.upload_attempts = []
+        status_request = pb.UploadStatusRequest(client_id=self.client_id, task_id=task_id)
+
+        def attempt() -> int:
+            start = 0
+            if self.upload_attempts:  # a retry: continue from what the coordinator holds
+                status = self.stub.UploadStatus(status_request, metadata=self._session(), timeout=self.rpc_timeout)
+                if status.accepted:
+                    return encoded.total_bytes  # an earlier attempt landed; its reply was lost
+                start = int(status.chunks_received)
+            sent = [0]
+            self.upload_attempts.append(UploadAttempt(start, sent))
+
+            def counted() -> Iterator[bytes]:
+                for frame in encoded.frames(info, chunk_size=self.chunk_size, start=start):
+                    sent[0] += len(frame)
+                    self.bytes_up += serde.wire_size(frame)
+                    yield frame
+
+            try:
+                reply = self._upload(counted(), metadata=self._session(), timeout=self.transfer_timeout)
+            except grpc.RpcError as exc:
+                if len(self.upload_attempts) > 1 and exc.code() == grpc.StatusCode.ALREADY_EXISTS:
+                    return encoded.total_bytes
+                raise
+            return int(reply.bytes_received)
+
+        return self._call("UploadUpdate", attempt)
+
+
+class _Heartbeat(threading.Thread):
+    def __init__(self, conn: Connection, stop: threading.Event) -> None:
+        super().__init__(name="fedgrid-heartbeat", daemon=True)
+        self.conn, self.stop = conn, stop
+
+    def run(self) -> None:
+        interval = self.conn.heartbeat_interval_s
+        while not self.stop.wait(interval):
+            if self.conn.polling:  # the coordinator counts a client holding a poll as alive
+                continue
+            try:
+                interval = self.conn.heartbeat() or interval
+            except grpc.RpcError as exc:
+                log.debug("heartbeat failed: %s", exc.code())  # the main loop's retries decide
+            except ValueError:  # the channel closed as the run ended
+                return

@@ -1,0 +1,622 @@
+"""Emulated WAN links: a userspace TCP relay that adds delay, a bandwidth limit, loss and
+partitions between a client and a server (``fedgrid wan``, the tests, the multi-region
+benchmark).
+
+Why a relay: the kernel of these machines has no ``tc netem`` (DESIGN.md section 5), and
+a relay needs neither root nor network namespaces, so a test can put a WAN in front of any
+TCP server on port 0. A process reaches the target "across the WAN" by dialing the relay's
+address instead of the target's; everything on top of TCP (gRPC, TLS end to end) passes
+through unchanged.
+
+The model, per direction ("up" is the accepting side to the target, "down" the way back):
+
+- **Delay.** Every byte arrives ``delay_ms`` (plus a uniform draw in ``±jitter_ms``,
+  never below zero, never reordering bytes) after it leaves the link, so the round-trip
+  time through the relay is 2 × ``delay_ms`` plus the real one (loopback: tens of µs).
+- **Bandwidth.** Each direction is one link of ``rate_mbit``, shared by all the relay's
+  connections (a site's uplink, not a per-flow limit). Bytes leave it in pieces of about
+  2 ms of link time (one MSS at least, 64 KiB at most) no faster than the rate, so the
+  largest burst is one piece and a long transfer's throughput converges to the rate. A
+  connection reserves link time at most 20 ms ahead, so connections sharing the link
+  take turns instead of one queueing megabytes in front of the others.
+- **Loss.** TCP is reliable: a lost packet shows up as a stall, not as missing bytes. The
+  stream is cut into MSS-sized segments (1448 bytes) at fixed offsets, each lost with
+  probability ``loss`` (seeded: one ``random.Random`` per connection and direction, so a
+  seeded run loses the same segments however the reads fall). A lost segment arrives one
+  retransmission timeout late, RTO = max(200 ms, 2 × the emulated RTT), and holds back
+  everything behind it on its connection (in-order delivery), so each lost segment costs
+  its connection one RTO: a transfer of S segments takes about S × ``loss`` × RTO longer.
+  This is the retransmission-timeout case of every loss; real TCP recovers many single
+  losses by fast retransmit in about one RTT but also shrinks its window, which this
+  model leaves out. Other connections keep the link meanwhile.
+- **Partitions.** ``partition("blackhole")``: connections stay open but nothing crosses
+  (neither data nor a FIN), and new connections are accepted but stall, as a real
+  partition looks to TCP and to gRPC keepalives; after ``heal()`` what was held is
+  delivered. ``partition("reset")``: every connection is reset (RST both ways) and new
+  ones are reset as soon as they are accepted (the listening port stays the relay's, so
+  its address holds across partitions).
+- **Buffers.** A connection holds at most its link's bandwidth-delay product plus 1 MiB
+  per direction (64 MiB at most); past that it stops reading from the sender, whose
+  kernel buffers fill and whose writes block (backpressure, as through a real path). An
+  unlimited link is therefore window-limited to about 1 MiB per RTT.
+
+It is an emulator, not a network service: no authentication and nothing of its own to
+protect, it listens on loopback unless told otherwise, and it still bounds what a peer can
+make it hold (``max_connections``, the per-connection buffers above). ``set_link`` changes
+the link at run time: pieces already scheduled keep their times, later ones use the new
+link. Public methods are called from threads other than the relay's own event loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import logging
+import math
+import os
+import random
+import socket
+import struct
+import sys
+import threading
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Coroutine, TypeVar
+
+from fedgrid.errors import ConfigError
+from fedgrid.interrupts import GracefulStop, say
+
+__all__ = ["WanLink", "WanRelay", "LinkClock", "parse_hostport", "add_arguments", "command", "MSS", "MIN_RTO_S"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+#: Bytes of one TCP segment (Ethernet MTU 1500 minus IP, TCP and timestamp headers): the unit of loss.
+MSS = 1448
+#: Linux's minimum retransmission timeout.
+MIN_RTO_S = 0.2
+#: Link time per paced piece: small enough that a piece is no burst, large enough that a
+#: 20 Mbit/s link moves ~500 pieces a second, not ten thousand.
+PIECE_S = 0.002
+MAX_PIECE_BYTES = 64 * 1024
+READ_BYTES = 64 * 1024
+#: How far ahead of the link's clock a connection may reserve link time.
+HORIZON_S = 0.02
+#: A connection's buffer past the bandwidth-delay product, and the cap of the whole.
+BUFFER_SLACK_BYTES = 1 << 20
+MAX_BUFFER_BYTES = 64 << 20
+MAX_CONNECTIONS = 256
+#: Deadline of the relay's own connect to the target (loopback or a LAN: seconds are plenty).
+CONNECT_TIMEOUT_S = 10.0
+#: Deadline of start(), stop(), partition() and heal() waiting on the relay's loop.
+CONTROL_TIMEOUT_S = 10.0
+PARTITION_MODES = ("blackhole", "reset")
+
+
+@dataclass(frozen=True)
+class WanLink:
+    """One emulated WAN link, the same both ways (see the module's docstring for the model).
+
+    Args:
+        delay_ms: one-way delay per direction; the RTT through the relay is twice this.
+        rate_mbit: bandwidth per direction in Mbit/s (10^6 bit/s); ``None``: unlimited.
+        loss: probability that a 1448-byte segment is lost (and arrives one RTO late).
+        jitter_ms: the delay varies uniformly within ± this (bytes stay in order).
+        seed: seeds the loss and jitter draws of each connection.
+
+    Raises:
+        ConfigError: a negative delay or jitter, a rate that is not positive, a loss outside [0, 1).
+    """
+
+    delay_ms: float = 0.0
+    rate_mbit: float | None = None
+    loss: float = 0.0
+    jitter_ms: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for key in ("delay_ms", "jitter_ms"):
+            value = getattr(self, key)
+            if not math.isfinite(value) or value < 0:
+                raise ConfigError(key, f"must be a finite number >= 0, not {value!r}")
+        if self.rate_mbit is not None and not (math.isfinite(self.rate_mbit) and self.rate_mbit > 0):
+            raise ConfigError("rate_mbit", f"must be a number > 0 (or unset for no limit), not {self.rate_mbit!r}")
+        if not 0 <= self.loss < 1:
+            raise ConfigError("loss", f"is a probability per segment, in [0, 1), not {self.loss!r}")
+
+    @property
+    def rtt_s(self) -> float:
+        """The round-trip time the link adds (2 × delay)."""
+        return 2 * self.delay_ms / 1000
+
+    @property
+    def rto_s(self) -> float:
+        """The retransmission timeout a lost segment costs: max(200 ms, 2 × RTT)."""
+        return max(MIN_RTO_S, 2 * self.rtt_s)
+
+    @property
+    def bytes_per_s(self) -> float:
+        """The rate in bytes per second (infinite when unlimited)."""
+        return math.inf if self.rate_mbit is None else self.rate_mbit * 1e6 / 8
+
+    @property
+    def piece_bytes(self) -> int:
+        """Bytes paced as one piece: about 2 ms of link time, within [MSS, 64 KiB]."""
+        if self.rate_mbit is None:
+            return MAX_PIECE_BYTES
+        return max(MSS, min(MAX_PIECE_BYTES, int(self.bytes_per_s * PIECE_S)))
+
+    @property
+    def buffer_bytes(self) -> int:
+        """What a connection holds per direction before it stops reading: BDP + 1 MiB, 64 MiB at most."""
+        bdp = 0.0 if self.rate_mbit is None else self.bytes_per_s * self.rtt_s
+        return int(min(MAX_BUFFER_BYTES, BUFFER_SLACK_BYTES + bdp))
+
+    def describe(self) -> str:
+        """The link in one line, as a log or a benchmark table names it."""
+        rate = "unlimited" if self.rate_mbit is None else f"{self.rate_mbit:g} Mbit/s"
+        jitter = f" ±{self.jitter_ms:g} ms" if self.jitter_ms else ""
+        return f"delay {self.delay_ms:g} ms{jitter} each way (RTT +{2 * self.delay_ms:g} ms), {rate}, loss {self.loss:g}"
+
+
+class LinkClock:
+    """The schedule of one connection in one direction: when each piece arrives. Pure (no
+    I/O, the caller gives the time), so the model is tested without sockets.
+
+    The direction's shared link clock is ``line``, a one-element list holding the time the
+    link is next free, shared by every connection's ``LinkClock`` of that direction.
+
+    Args:
+        rng: this connection's and direction's draws (loss, jitter).
+        line: the direction's shared ``[free_at]``.
+    """
+
+    def __init__(self, rng: random.Random, line: list[float]) -> None:
+        self.rng = rng
+        self.line = line
+        #: Stream bytes scheduled so far (segment boundaries are multiples of MSS in it).
+        self.offset = 0
+        #: Segments lost so far.
+        self.lost = 0
+        self.last_arrival = 0.0
+        #: After a loss, nothing of this connection leaves before this time.
+        self.stalled_until = 0.0
+
+    def ready_at(self) -> float:
+        """The earliest time worth scheduling the next piece: the link (or this connection's
+        stall) frees within ``HORIZON_S`` of it."""
+        return max(self.line[0], self.stalled_until) - HORIZON_S
+
+    def schedule(self, size: int, now: float, link: WanLink) -> float:
+        """Reserves the link for the next ``size`` bytes of the stream and returns their arrival time.
+
+        They leave when the link is free and this connection is not stalled, take
+        ``size / rate`` on the link, and arrive ``delay`` (± jitter) later, plus one RTO per
+        segment lost among those starting in them, never before the previous piece.
+        """
+        start = max(now, self.line[0], self.stalled_until)
+        end = start + size / link.bytes_per_s
+        self.line[0] = end
+        lost = 0
+        if link.loss > 0:
+            first, last = -(-self.offset // MSS), (self.offset + size - 1) // MSS
+            lost = sum(1 for _ in range(first, last + 1) if self.rng.random() < link.loss)
+        self.offset += size
+        delay = link.delay_ms / 1000
+        if link.jitter_ms:
+            delay = max(0.0, delay + self.rng.uniform(-link.jitter_ms, link.jitter_ms) / 1000)
+        arrival = max(self.last_arrival, end + delay)
+        if lost:
+            self.lost += lost
+            self.stalled_until = end + lost * link.rto_s
+            arrival += lost * link.rto_s
+        self.last_arrival = arrival
+        return arrival
+
+
+def _reset(writer: asyncio.StreamWriter | None) -> None:
+    """Closes a connection with a RST (SO_LINGER 0), as a real path reset would look to its peer."""
+    if writer is None:
+        return
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:  # already closed
+            pass
+    writer.transport.abort()
+
+
+class _Pipe:
+    """One direction of one connection: ``pump`` reads and schedules, ``deliver`` writes on time."""
+
+    def __init__(self, relay: "WanRelay", src: asyncio.StreamReader, dst: asyncio.StreamWriter, clock: LinkClock, up: bool) -> None:
+        self.relay, self.src, self.dst, self.clock, self.up = relay, src, dst, clock, up
+        self.queue: deque[tuple[float, bytes]] = deque()
+        self.queued = 0
+        self.changed = asyncio.Event()
+
+    async def _until(self, condition: Any) -> None:
+        while not condition():
+            self.changed.clear()
+            await self.changed.wait()
+
+    def _put(self, arrival: float, piece: bytes) -> None:
+        self.queue.append((arrival, piece))
+        self.queued += len(piece)
+        self.changed.set()
+
+    async def pump(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            data = await self.src.read(READ_BYTES)
+            if not data:  # the sender's FIN crosses the link after its data, and not through a partition
+                await self.relay._passable()
+                self._put(max(self.clock.last_arrival, loop.time() + self.relay.link.delay_ms / 1000), b"")
+                return
+            link = self.relay.link
+            step = link.piece_bytes
+            for i in range(0, len(data), step):
+                piece = data[i:i + step]
+                while True:
+                    await self.relay._passable()
+                    link = self.relay.link
+                    await self._until(lambda: self.queued < link.buffer_bytes)
+                    wait = self.clock.ready_at() - loop.time()
+                    if wait <= 0 and self.relay._healed.is_set():
+                        break
+                    if wait > 0:
+                        await asyncio.sleep(wait)
+                lost = self.clock.lost
+                arrival = self.clock.schedule(len(piece), loop.time(), link)
+                self.relay.segments_lost += self.clock.lost - lost
+                self._put(arrival, piece)
+
+    async def deliver(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._until(lambda: bool(self.queue))
+            arrival, piece = self.queue[0]
+            wait = arrival - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            await self.relay._passable()
+            self.queue.popleft()
+            if not piece:
+                if self.dst.can_write_eof():
+                    self.dst.write_eof()
+                return
+            self.relay._count(self.up, len(piece))  # first: the peer may read the bytes before write() returns
+            self.dst.write(piece)
+            await self.dst.drain()
+            self.queued -= len(piece)
+            self.changed.set()
+
+
+@dataclass
+class _Connection:
+    index: int
+    client: asyncio.StreamWriter
+    task: asyncio.Task[Any] | None
+    target: asyncio.StreamWriter | None = None
+
+    def reset(self) -> None:
+        _reset(self.client)
+        _reset(self.target)
+
+
+class WanRelay:
+    """A TCP relay that forwards every connection accepted on ``listen`` to ``target``
+    through an emulated WAN link (module docstring: the model, partitions, bounds).
+
+    Use it as a context manager, or ``start()`` and ``stop()``::
+
+        with WanRelay(("127.0.0.1", server_port), WanLink(delay_ms=25, rate_mbit=20)) as relay:
+            channel = grpc.insecure_channel(relay.address)
+
+    Args:
+        target: ``(host, port)`` (or ``"HOST:PORT"``) every connection is forwarded to.
+        link: the link both ways (``WanLink()``: none).
+        listen: ``(host, port)`` (or ``"HOST:PORT"``) to bind; port 0 picks a free one.
+            Loopback by default: any other host must be given explicitly.
+        max_connections: connections open at once; more are reset on arrival.
+
+    Raises:
+        ConfigError: a bad address or ``max_connections``.
+    """
+
+    def __init__(self, target: tuple[str, int] | str, link: WanLink | None = None, listen: tuple[str, int] | str = ("127.0.0.1", 0),
+                 *, max_connections: int = MAX_CONNECTIONS) -> None:
+        if max_connections < 1:
+            raise ConfigError("max_connections", f"must be at least 1, not {max_connections}")
+        self.target = parse_hostport(target, key="target") if isinstance(target, str) else target
+        self.listen = parse_hostport(listen, key="listen") if isinstance(listen, str) else listen
+        self.max_connections = max_connections
+        self._link = link if link is not None else WanLink()
+        #: Bytes delivered to the target.
+        self.bytes_up = 0
+        #: Bytes delivered back to the connecting side.
+        self.bytes_down = 0
+        #: Connections accepted and forwarded since start.
+        self.connections_total = 0
+        #: Connections reset on arrival (a reset partition, ``max_connections`` reached).
+        self.connections_refused = 0
+        #: Segments lost (each delivered one RTO late), both directions.
+        self.segments_lost = 0
+        self._lines = {True: [0.0], False: [0.0]}
+        self._mode: str | None = None
+        self._conns: dict[int, _Connection] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server: asyncio.AbstractServer | None = None
+        # Set while no partition holds traffic (an asyncio.Event binds to a loop on first use: made anew in start()).
+        self._healed = asyncio.Event()
+        self._port = 0
+
+    # -- the public API (any thread but the relay's) --------------------------------------------
+
+    @property
+    def link(self) -> WanLink:
+        """The link in force (``set_link`` changes it)."""
+        return self._link
+
+    @property
+    def address(self) -> str:
+        """``HOST:PORT`` the relay listens on (the port bound when ``listen`` asked for 0)."""
+        host = self.listen[0]
+        return f"[{host}]:{self._port}" if ":" in host else f"{host}:{self._port}"
+
+    @property
+    def connections_open(self) -> int:
+        """Connections open now (a blackhole's stalled new ones included)."""
+        return len(self._conns)
+
+    @property
+    def partitioned(self) -> str | None:
+        """The partition mode in force, or ``None``."""
+        return self._mode
+
+    def start(self) -> "WanRelay":
+        """Binds and starts forwarding in a background thread.
+
+        Raises:
+            OSError: the address cannot be bound (in use, not local).
+            RuntimeError: already started.
+        """
+        if self._thread is not None:
+            raise RuntimeError("WanRelay.start(): already started")
+        host, port = self.listen
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.create_server((host, port), family=family, backlog=128)
+        self._port = sock.getsockname()[1]
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        self._healed = asyncio.Event()
+        if self._mode is None:
+            self._healed.set()
+        self._thread = threading.Thread(target=loop.run_forever, name=f"fedgrid-wan-{self._port}", daemon=True)
+        self._thread.start()
+
+        async def serve() -> asyncio.AbstractServer:
+            return await asyncio.start_server(self._handle, sock=sock, limit=READ_BYTES)
+
+        self._server = self._call(serve())
+        log.info("WAN relay %s -> %s:%s: %s", self.address, *self.target, self._link.describe())
+        return self
+
+    def stop(self) -> None:
+        """Stops listening and closes every connection (reset). Idempotent."""
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+
+        async def shutdown() -> None:
+            if self._server is not None:
+                self._server.close()
+            tasks = [c.task for c in self._conns.values() if c.task is not None]
+            for conn in list(self._conns.values()):
+                conn.reset()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            self._call(shutdown())
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(CONTROL_TIMEOUT_S)
+            if not thread.is_alive():
+                loop.close()
+            self._loop = self._thread = None
+
+    def set_link(self, link: WanLink) -> None:
+        """Changes the link from now on (pieces already scheduled keep their times)."""
+        self._link = link
+        log.info("WAN relay %s: link now %s", self.address, link.describe())
+
+    def partition(self, mode: str = "blackhole") -> None:
+        """Cuts the link: ``"blackhole"`` holds everything (connections stay open and new ones
+        stall), ``"reset"`` resets every connection and every new one until ``heal()``.
+
+        Raises:
+            ConfigError: an unknown mode.
+        """
+        if mode not in PARTITION_MODES:
+            raise ConfigError("partition", f"mode is one of {', '.join(PARTITION_MODES)}, not {mode!r}")
+
+        async def cut() -> None:
+            self._mode = mode
+            self._healed.clear()
+            if mode == "reset":
+                for conn in list(self._conns.values()):
+                    conn.reset()
+                    if conn.task is not None:
+                        conn.task.cancel()
+
+        self._call(cut())
+        log.info("WAN relay %s: partitioned (%s)", self.address, mode)
+
+    def heal(self) -> None:
+        """Ends a partition: what a blackhole held is delivered, new connections go through."""
+
+        async def mend() -> None:
+            self._mode = None
+            self._healed.set()
+
+        self._call(mend())
+        log.info("WAN relay %s: healed", self.address)
+
+    def __enter__(self) -> "WanRelay":
+        return self.start() if self._thread is None else self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+    # -- inside the relay's loop ---------------------------------------------------------------
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._loop is None:
+            coro.close()
+            raise RuntimeError("WanRelay: not started")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(CONTROL_TIMEOUT_S)
+
+    async def _passable(self) -> None:
+        if not self._healed.is_set():
+            await self._healed.wait()
+
+    def _count(self, up: bool, n: int) -> None:
+        if up:
+            self.bytes_up += n
+        else:
+            self.bytes_down += n
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await self._forward(reader, writer)
+        except asyncio.CancelledError:
+            # Cancelled by a reset partition or stop(): the end of this connection, not an error
+            # (asyncio's streams would log a cancelled handler task as "exception in callback").
+            pass
+
+    async def _forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._mode == "reset" or len(self._conns) >= self.max_connections:
+            if self._mode != "reset":
+                log.warning("WAN relay %s: %d connections open (max_connections): one more reset", self.address, len(self._conns))
+            self.connections_refused += 1
+            _reset(writer)
+            return
+        index = self.connections_total
+        self.connections_total += 1
+        conn = _Connection(index, writer, asyncio.current_task())
+        self._conns[index] = conn
+        try:
+            await self._passable()  # a blackhole: accepted, then silence (no SYN reaches the target)
+            host, port = self.target
+            try:
+                target_reader, target = await asyncio.wait_for(asyncio.open_connection(host, port, limit=READ_BYTES), CONNECT_TIMEOUT_S)
+            except (OSError, asyncio.TimeoutError) as exc:
+                log.warning("WAN relay %s: cannot reach the target %s:%s (%s): connection reset", self.address, host, port, exc or "timeout")
+                conn.reset()
+                return
+            conn.target = target
+            seed = self._link.seed
+            up = LinkClock(random.Random(f"{seed}/{index}/up"), self._lines[True])
+            down = LinkClock(random.Random(f"{seed}/{index}/down"), self._lines[False])
+            pipes = [_Pipe(self, reader, target, up, True), _Pipe(self, target_reader, writer, down, False)]
+            tasks = [asyncio.ensure_future(c) for p in pipes for c in (p.pump(), p.deliver())]
+            try:
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+                if any(t.exception() is not None for t in done):  # a peer reset or vanished: so does the other
+                    conn.reset()
+                else:
+                    writer.close()
+                    target.close()
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            self._conns.pop(index, None)
+
+
+# -- the command: ``fedgrid wan`` -----------------------------------------------------------------
+
+
+def parse_hostport(value: str, *, key: str = "address") -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) as ``(host, port)``.
+
+    Raises:
+        ConfigError: no port, or a port outside 0-65535 (``key`` named).
+    """
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(key, f"expected HOST:PORT, not {value!r}")
+    return host.strip("[]"), int(port)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``fedgrid wan``'s flags."""
+    parser.add_argument("--target", required=True, metavar="HOST:PORT", help="where every connection is forwarded (e.g. the coordinator)")
+    parser.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT",
+                        help="where to listen (default 127.0.0.1:0, a free port on loopback; another host must be given here)")
+    parser.add_argument("--delay-ms", dest="delay_ms", type=float, default=0.0, metavar="MS", help="one-way delay each way (default 0)")
+    parser.add_argument("--jitter-ms", dest="jitter_ms", type=float, default=0.0, metavar="MS", help="the delay varies within ± this (default 0)")
+    parser.add_argument("--rate-mbit", dest="rate_mbit", type=float, default=None, metavar="MBIT",
+                        help="bandwidth each way in Mbit/s, shared by all connections (default: unlimited)")
+    parser.add_argument("--loss", type=float, default=0.0, metavar="P",
+                        help="probability that a 1448-byte segment is lost and arrives one RTO late (default 0)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the loss and jitter draws (default 0)")
+    parser.add_argument("--max-connections", dest="max_connections", type=int, default=MAX_CONNECTIONS, metavar="N",
+                        help=f"connections open at once; more are reset (default {MAX_CONNECTIONS})")
+    parser.add_argument("--address-file", dest="address_file", default="", metavar="FILE",
+                        help="write the relay's HOST:PORT here once it listens (atomically)")
+
+
+def command(args: argparse.Namespace) -> int:
+    """``fedgrid wan``: relays until SIGTERM or Ctrl-C, then exits 0.
+
+    Raises:
+        ConfigError: a bad flag (exit 2).
+        OSError: the address cannot be bound (exit 1).
+    """
+    link = WanLink(delay_ms=args.delay_ms, rate_mbit=args.rate_mbit, loss=args.loss, jitter_ms=args.jitter_ms, seed=args.seed)
+    listen = parse_hostport(args.listen, key="listen")
+    target = parse_hostport(args.target, key="target")
+    relay = WanRelay(target, link, listen, max_connections=args.max_connections).start()
+    stop = threading.Event()
+
+    def on_stop(signal_name: str) -> None:
+        say(f"{signal_name}: stopping the relay; a second one exits at once")
+        stop.set()
+
+    try:
+        if not _is_loopback(listen[0]):
+            print(f"fedgrid wan: listening on {listen[0]}, not loopback: the relay is a network emulator with no "
+                  "authentication; anyone who reaches it reaches the target", file=sys.stderr, flush=True)
+        if args.address_file:
+            path = Path(args.address_file)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(relay.address + "\n")
+            os.replace(tmp, path)
+        print(f"fedgrid wan relaying {relay.address} -> {args.target}: {link.describe()}", flush=True)
+        with GracefulStop(on_stop, what="wan"):
+            while not stop.wait(1.0):
+                pass
+    finally:
+        relay.stop()
+    print(f"fedgrid wan stopped: {relay.connections_total} connections, {relay.bytes_up} bytes up, "
+          f"{relay.bytes_down} bytes down, {relay.segments_lost} segments lost", flush=True)
+    return 0
+
