@@ -191,5 +191,5 @@ def test_client_config_file_and_an_unreachable_coordinator_in_one_line(tmp_path)
     assert lines[-1].endswith(f"check that it is running, that 127.0.0.1:{port} is its address and port (RUN_DIR/address), "
                               "and that the coordinator serves plaintext (one with mutual TLS needs --ca, --cert and --key)")
     retries = [line for line in lines[:-1]]
-    assert retries and all(re.match(r"\d{4}-\d\d-\d\d .* INFO fedgrid\.client\.runtime: retrying Join on 127\.0\.0\.1:\d+: UNAVAILABLE: ", line)
+    assert retries and all(re.match(r"\d{4}-\d\d-\d\d .* INFO fedgrid\.client\.connection: retrying Join on 127\.0\.0\.1:\d+: UNAVAILABLE: ", line)
                            for line in retries), retries
