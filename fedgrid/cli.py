@@ -1,4 +1,4 @@
-"""The ``fedgrid`` command: ``simulate``, ``coordinator``, ``client``, ``certs`` (the CA for mutual TLS), ``report`` (plots of run directories), ``new`` (an app template), ``status`` (a running coordinator) and ``wan`` (an emulated WAN link, ``fedgrid.wan``)."""
+"""The ``fedgrid`` command: ``simulate``, ``coordinator``, ``region``, ``client``, ``certs`` (the CA for mutual TLS), ``report`` (plots of run directories), ``new`` (an app template), ``status`` (a running coordinator), ``wan`` (an emulated WAN link, ``fedgrid.wan``), ``health`` (is it serving) and ``launch`` (a whole topology as local processes)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 import threading
 from typing import Any, Sequence, TextIO
 
+from fedgrid import health, launch
 from fedgrid.cli_support import FedgridParser, error_line, package_version, with_default_out
 from fedgrid.config import CLIENT_ONLY_KEYS, COORDINATOR_ONLY_KEYS, REGION_ONLY_KEYS, SIMULATION_ONLY_KEYS, Config, config_keys, key_type, load_config
 from fedgrid.errors import ConfigError, FedgridError
@@ -120,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--token-file", dest="token_file", default="", metavar="FILE", help="the coordinator's http_token_file")
     wan = sub.add_parser("wan", help="relay TCP to --target through an emulated WAN link (delay, bandwidth, loss); until SIGTERM")
     add_wan_arguments(wan)
+    health.add_parser(sub)
+    launch.add_parser(sub)
     return parser
 
 
@@ -566,12 +569,12 @@ def _certs_table(records: Sequence[Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # simulate and certs print what they did; the services log what they do.
-    quiet = args.command in ("simulate", "certs", "report", "new", "status")
+    quiet = args.command in ("simulate", "certs", "report", "new", "status", "health", "launch")
     level = logging.DEBUG if args.verbose else (logging.WARNING if quiet else logging.INFO)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return {"simulate": _simulate, "coordinator": _coordinator, "region": _region, "client": _client, "certs": _certs, "report": _report,
-                "new": _new, "status": _status, "wan": wan_command}[args.command](args)
+                "new": _new, "status": _status, "wan": wan_command, "health": health.command, "launch": launch.command}[args.command](args)
     except ConfigError as exc:
         print(error_line(exc), file=sys.stderr)
         return 2

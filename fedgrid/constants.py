@@ -40,6 +40,9 @@ __all__ = [
     "MAX_NUM_EXAMPLES",
     "CONNECT_TIMEOUT_S",
     "WAITING_REPORT_S",
+    "HEALTH_TIMEOUT_S",
+    "LAUNCH_START_TIMEOUT_S",
+    "LAUNCH_STOP_GRACE_S",
 ]
 
 
@@ -141,3 +144,13 @@ ENROLL_TIMEOUT_S = _env_float("FEDGRID_ENROLL_TIMEOUT_S", 10.0)
 #: update's weight is its claim: without a cap one client claiming 2**64-1 examples *is* the
 #: weighted mean. A billion examples is more than any one federated client holds.
 MAX_NUM_EXAMPLES = int(_env_float("FEDGRID_MAX_NUM_EXAMPLES", 10**9))
+#: Deadline of one ``fedgrid health`` check, connection included (FEDGRID_HEALTH_TIMEOUT_S):
+#: under a container's health-check timeout, so a hung peer reads as unhealthy, not as a killed probe.
+HEALTH_TIMEOUT_S = _env_float("FEDGRID_HEALTH_TIMEOUT_S", 5.0)
+#: ``fedgrid launch``: longest wait for a coordinator or region to write its address
+#: (FEDGRID_LAUNCH_START_TIMEOUT_S); importing torch on a loaded 2-core machine takes seconds.
+LAUNCH_START_TIMEOUT_S = _env_float("FEDGRID_LAUNCH_START_TIMEOUT_S", 120.0)
+#: ``fedgrid launch``: how long its processes get to stop after SIGTERM before they are
+#: killed (FEDGRID_LAUNCH_STOP_GRACE_S): a coordinator's own stop grace (5 s) and a client's
+#: leave RPC fit in it.
+LAUNCH_STOP_GRACE_S = _env_float("FEDGRID_LAUNCH_STOP_GRACE_S", 20.0)

@@ -35,7 +35,7 @@ def test_the_docs_build_without_warnings_and_document_the_public_api(tmp_path):
     assert result.stderr == ""  # -q: warnings are all it would print
     html = tmp_path / "html"
     assert sorted(p.name for p in html.glob("*.html")) == [
-        "api.html", "concepts.html", "deployment.html", "examples.html", "genindex.html", "index.html", "multigpu.html",
+        "api.html", "concepts.html", "deployment.html", "examples.html", "genindex.html", "index.html", "multigpu.html", "multisite.html",
         "py-modindex.html", "quickstart.html", "regions.html", "search.html",
     ]
     api = (html / "api.html").read_text()
@@ -43,9 +43,11 @@ def test_the_docs_build_without_warnings_and_document_the_public_api(tmp_path):
                    "fedgrid.client.session.connect", "fedgrid.client.session.aconnect",
                    "fedgrid.server.app.run_coordinator", "fedgrid.simulation.run.run_simulation", "fedgrid.aggregation.base.Strategy",
                    "fedgrid.aggregation.fedavg.FedAvg", "fedgrid.aggregation.diloco.DiLoCo", "fedgrid.config.load_config",
-                   "fedgrid.types.FitIns", "fedgrid.errors.FedgridError"]:
+                   "fedgrid.types.FitIns", "fedgrid.errors.FedgridError", "fedgrid.launch.load_topology", "fedgrid.health.check"]:
         assert f'id="{anchor}"' in api, anchor
     assert "Raises" in api and "Parameters" in api  # napoleon turned Args:/Raises: into fields
+    # The multi-site page shows the shipped topology itself (literalinclude), not a copy.
+    assert 'region_codecs = "region-a=int8,region-b=int8"' in _text(html / "multisite.html")
     quickstart = _text(html / "quickstart.html")
     assert "fedgrid new myapp" in quickstart
     assert "for task in session.tasks():" in quickstart and "async with aconnect(" in quickstart
