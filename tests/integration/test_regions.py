@@ -26,6 +26,19 @@ ROUNDS, SEED = 2, 3
 TOLERANCE = 1e-6
 
 
+def _wait_all(procs: list[subprocess.Popen], logs: Path, *, timeout: float, skip: tuple[subprocess.Popen, ...] = ()) -> None:
+    """Every process but ``skip`` exits 0 (the last started first); else the logs' tails say why."""
+    for proc in procs[::-1]:
+        if proc not in skip:
+            assert proc.wait(timeout=timeout) == 0, [p.read_text()[-3000:] for p in sorted(logs.glob("*.log"))]
+
+
+def _kill_all(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def start_region(out: Path, upstream: str, name: str, *args: str) -> tuple[subprocess.Popen, str]:
     """``fedgrid region`` on port 0; returns it with its address (``RUN_DIR/address``)."""
     log = open(out.parent / f"{out.name}.log", "w")
@@ -48,12 +61,9 @@ def test_two_regions_with_one_regional_round_are_flat_fedavg(tmp_path):
             procs.append(region)
             for i in (2 * r, 2 * r + 1):
                 procs.append(start_client(region_address, tmp_path / f"client{i}.log", "--partition", f"{i}/4", "--seed", str(SEED)))
-        for proc in procs[::-1]:
-            assert proc.wait(timeout=240) == 0, [p.read_text()[-3000:] for p in sorted(tmp_path.glob("*.log"))]
+        _wait_all(procs, tmp_path, timeout=240)
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+        _kill_all(procs)
 
     flat, _ = run_simulation(load_config(overrides={"rounds": ROUNDS, "clients": 4, "seed": SEED, "out": str(tmp_path / "flat"), **REFERENCE}))
     hierarchical = load_model(top / "model.safetensors")
@@ -119,13 +129,9 @@ def test_a_region_killed_mid_round_is_that_rounds_failure_and_rejoins_from_its_s
                    what="global round 2 to close without region-b")
         restarted = _start(region_command("region-b", b_address), tmp_path / "region-b.log", env)  # same port: its clients retry it
         procs.append(restarted)
-        for proc in procs[::-1]:
-            if proc is not regions["region-b"]:
-                assert proc.wait(timeout=240) == 0, [p.read_text()[-2000:] for p in sorted(tmp_path.glob("*.log"))]
+        _wait_all(procs, tmp_path, timeout=240, skip=(regions["region-b"],))
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+        _kill_all(procs)
 
     rounds = read_metrics(top)
     assert [m["round"] for m in rounds] == [1, 2, 3, 4]
@@ -155,12 +161,9 @@ def test_a_deployed_hierarchy_equals_fedgrid_simulate_with_the_same_hierarchy(tm
             procs.append(region)
             for i in (i for i in range(4) if profiles.region(i) == name):  # the simulation's deal of clients to regions
                 procs.append(start_client(region_address, tmp_path / f"client{i}.log", "--partition", f"{i}/4", "--seed", str(SEED)))
-        for proc in procs[::-1]:
-            assert proc.wait(timeout=240) == 0, [p.read_text()[-3000:] for p in sorted(tmp_path.glob("*.log"))]
+        _wait_all(procs, tmp_path, timeout=240)
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+        _kill_all(procs)
     config = load_config(overrides={"rounds": ROUNDS, "clients": 4, "seed": SEED, "regions": regions, "hierarchy": True,
                                     "regional_rounds": h, "out": str(tmp_path / "sim"), **REFERENCE})
     simulated, history = run_simulation(config)
@@ -211,13 +214,9 @@ def test_a_region_that_loses_its_upstream_keeps_its_clients_and_joins_again(tmp_
         restarted = subprocess.Popen([*FEDGRID, "coordinator", "--listen", address, "--out", str(top), "--threads", str(THREADS), *global_args],
                                      stdout=open(tmp_path / "global-restarted.log", "w"), stderr=subprocess.STDOUT, env=child_env())
         procs.append(restarted)
-        for proc in procs[::-1]:
-            if proc is not coordinator:
-                assert proc.wait(timeout=240) == 0, [p.read_text()[-2000:] for p in sorted(tmp_path.glob("*.log"))]
+        _wait_all(procs, tmp_path, timeout=240, skip=(coordinator,))
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+        _kill_all(procs)
     rounds = read_metrics(top)
     assert [m["round"] for m in rounds] == [1, 2, 3] and [m["clients_ok"] for m in rounds] == [2, 2, 2]
     final, initial = load_model(top / "model.safetensors"), model_state("slow_app:model", seed=SEED)
@@ -245,12 +244,9 @@ def test_two_regions_of_three_clients_over_an_emulated_wan_learn_as_flat_does(tm
             procs.append(region)
             for i in range(3 * r, 3 * r + 3):
                 procs.append(start_client(region_address, tmp_path / f"client{i}.log", "--partition", f"{i}/6", "--seed", str(SEED)))
-        for proc in procs[::-1]:
-            assert proc.wait(timeout=300) == 0, [p.read_text()[-3000:] for p in sorted(tmp_path.glob("*.log"))]
+        _wait_all(procs, tmp_path, timeout=300)
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+        _kill_all(procs)
         for relay in relays:
             relay.stop()
     metrics = read_metrics(top)
