@@ -57,6 +57,7 @@ from torch import nn
 
 from fedgrid.client.api import Client, EvaluateOutput, FitOutput
 from fedgrid.client.torch_client import TorchClient
+from fedgrid.determinism import intra_op_threads
 from fedgrid.types import FitIns, ModelState, Scalar
 
 __all__ = ["ParallelSpec", "ParallelClient", "COMM_HOOKS", "serve_torchrun", "torchrun_rank"]
@@ -224,12 +225,22 @@ class _DistributedSeams:
         return float(totals[0]), int(totals[1])
 
 
-def _distribute(client: TorchClient, spec: ParallelSpec, rank: int, device: torch.device) -> TorchClient:
-    """Turns ``client`` (built by the factory on this rank) into its distributed self, in place."""
+def _checked(client: object) -> TorchClient:
+    """``client`` if a factory's product can train on every rank: a ``TorchClient`` whose ``fit`` is TorchClient's.
+
+    Raises:
+        TypeError: anything else (named).
+    """
     if not isinstance(client, TorchClient):
         raise TypeError(f"a parallel client's factory must return a TorchClient (its fit runs on every rank), got {type(client).__name__}")
     if type(client).fit is not TorchClient.fit:
         raise TypeError(f"{type(client).__name__} overrides TorchClient.fit: a parallel client runs TorchClient's loop on every rank")
+    return client
+
+
+def _distribute(client: TorchClient, spec: ParallelSpec, rank: int, device: torch.device) -> TorchClient:
+    """Turns ``client`` (built by the factory on this rank) into its distributed self, in place."""
+    _checked(client)
     world = dist.get_world_size()
     # A subclass of the client's own class with the seams in it (a mixin base would change
     # the instance layout, which ``__class__`` assignment refuses); other overrides stay.
@@ -387,10 +398,7 @@ class ParallelClient(Client):
         self._lock = threading.Lock()  # fit and evaluate of one client never overlap
 
     def _build(self) -> TorchClient:
-        client = self.factory(*self.args, **self.kwargs)
-        if not isinstance(client, TorchClient):
-            raise TypeError(f"a parallel client's factory must return a TorchClient, got {type(client).__name__}")
-        return client
+        return _checked(self.factory(*self.args, **self.kwargs))
 
     @property
     def num_examples(self) -> int:
@@ -433,7 +441,7 @@ class ParallelClient(Client):
         dist.init_process_group(backend=_backends(backend), store=store, rank=0, world_size=world,
                                 timeout=timedelta(seconds=spec.collective_timeout_s))
         local = self._local if self._local is not None else self._build()
-        with _threads(self.threads):
+        with intra_op_threads(self.threads):
             self._local = _distribute(local, spec, 0, device)
         self._commands = _Commands(store)
         _broadcast_object(self._saved)
@@ -479,7 +487,7 @@ class ParallelClient(Client):
         with self._lock:
             if self.spec.nproc == 1:  # one rank: no group to start, TorchClient as it is
                 assert self._local is not None
-                with _threads(self.threads):
+                with intra_op_threads(self.threads):
                     return call(self._local, state)
             if self._commands is not None and not all(w.is_alive() for w in self._workers):
                 self._teardown()  # a worker died between tasks: start afresh
@@ -488,7 +496,7 @@ class ParallelClient(Client):
                     self._start()
                 assert self._commands is not None and self._local is not None
                 self._commands.send({"op": op, "round": round_, "config": dict(config)})
-                with _threads(self.threads):
+                with intra_op_threads(self.threads):
                     out = call(self._local, _broadcast_state(state, self._local.device))
                 dead = [w.name for w in self._workers if not w.is_alive()]
                 if dead:
@@ -531,21 +539,6 @@ class ParallelClient(Client):
 def _loopback() -> str:
     """The loopback interface's name, for gloo's and NCCL's sockets."""
     return "lo0" if sys.platform == "darwin" else "lo"
-
-
-class _threads:
-    """Within the block, torch uses ``n`` threads (0: unchanged)."""
-
-    def __init__(self, n: int) -> None:
-        self.n, self.before = n, 0
-
-    def __enter__(self) -> None:
-        self.before = torch.get_num_threads()
-        if self.n:
-            torch.set_num_threads(self.n)
-
-    def __exit__(self, *exc: object) -> None:
-        torch.set_num_threads(self.before)
 
 
 def torchrun_rank() -> tuple[int, int, int] | None:

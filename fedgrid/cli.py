@@ -250,13 +250,14 @@ def _simulate(args: argparse.Namespace) -> int:
         if progress is not None:
             progress.update(m)
 
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
     from fedgrid.client.parallel import torchrun_rank
 
     ranks = torchrun_rank()
     if ranks is not None:  # torchrun: each rank trains its share of the clients (fedgrid.simulation.sharded)
-        import torch.distributed as dist
-        from datetime import timedelta
-
         dist.init_process_group("gloo", timeout=timedelta(seconds=config.round_timeout_s))
     quiet = ranks is not None and ranks[0] != 0  # rank 0 speaks for the run
     if quiet:
@@ -268,10 +269,8 @@ def _simulate(args: argparse.Namespace) -> int:
             if progress is not None:
                 progress.close()
             if ranks is not None:
-                import torch.distributed as dist
-
                 dist.destroy_process_group()
-    if ranks is not None and ranks[0] != 0:
+    if quiet:
         return 0
     if final_model is None:
         saved = f"; model of round {len(history)} in {config.out}/model.safetensors" if history else ""
