@@ -12,6 +12,7 @@ from torch import nn
 
 from fedgrid.client.algorithms import ALGORITHMS, ClientAlgorithm, FitContext, OptimizerFactory, algorithm_of, train_only
 from fedgrid.client.api import Client, EvaluateOutput, FitOutput
+from fedgrid.client.loaders import NotPlainLoader, PlainLoader, plain_loader
 from fedgrid.seeding import derive_seed
 from fedgrid.types import FitIns, ModelState, Scalar
 
@@ -85,6 +86,7 @@ class TorchClient(Client):
         self.region = region
         self._algorithms: dict[str, ClientAlgorithm] = {}
         self._inner_optimizer: torch.optim.Optimizer | None = None
+        self._plain: tuple[object, object, PlainLoader | None] | None = None  # (loader, its dataset, plain_loader of it)
 
     @property
     def num_examples(self) -> int:
@@ -161,16 +163,30 @@ class TorchClient(Client):
         """The seed of this client's shuffling (and dropout) for task ``ins``."""
         return derive_seed(ins.config.get("seed", 0), ins.round, self.seed, self.name)
 
+    def _epoch(self) -> Iterable[Any]:
+        """One pass over the loader: a plain ``DataLoader`` is read by indexing its tensors
+        (``fedgrid.client.loaders``: the same batches, the same draws from the RNGs, without
+        its per-example fetch and collate), any other iterable as it is."""
+        loader = self.train_loader
+        cached = self._plain
+        if cached is None or cached[0] is not loader or cached[1] is not getattr(loader, "dataset", None):
+            try:
+                plain: PlainLoader | None = plain_loader(loader)
+            except NotPlainLoader:
+                plain = None
+            cached = self._plain = (loader, getattr(loader, "dataset", None), plain)
+        return cached[2].batches() if cached[2] is not None else loader
+
     def _batches(self, *, epochs: int, steps: int) -> Iterator[tuple[Any, Any]]:
         """``epochs`` passes over the loader, or exactly ``steps`` batches (cycling through it)."""
         if not steps:
             for _ in range(epochs):
-                yield from self.train_loader
+                yield from self._epoch()
             return
         produced = 0
         while produced < steps:
             before = produced
-            for batch in self.train_loader:
+            for batch in self._epoch():
                 yield batch
                 produced += 1
                 if produced == steps:

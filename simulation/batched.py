@@ -43,11 +43,11 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 from torch.nn.utils.rnn import pad_sequence
-from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler, Subset, TensorDataset
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data import TensorDataset
 
 from fedgrid.client.algorithms import ClientAlgorithm, FitContext, algorithm_of, train_only
 from fedgrid.client.api import Client, FitOutput
+from fedgrid.client.loaders import NotPlainLoader, PlainLoader, plain_loader
 from fedgrid.client.torch_client import RNG_LOCK, TorchClient
 from fedgrid.server.memory import MMAP_THRESHOLD_MAX
 from fedgrid.simulation.batched_optim import BatchedOptimizer, NotBatchable, OptimizerSpec, optimizer_spec
@@ -140,12 +140,19 @@ class _Static:
     client: TorchClient
     model: int  # index into BatchedTrainer._models
     loss_key: object
-    base: TensorDataset
-    local: torch.Tensor | None  # indices into ``base`` (a Subset), or None for all of it
-    batch_size: int
-    shuffle: bool
-    drop_last: bool
-    generator: torch.Generator | None
+    loader: PlainLoader  # its train_loader, read by indexing
+
+    @property
+    def base(self) -> TensorDataset:
+        return self.loader.base
+
+    @property
+    def local(self) -> torch.Tensor | None:  # indices into ``base`` (a Subset), or None for all of it
+        return self.loader.local
+
+    @property
+    def batch_size(self) -> int:
+        return self.loader.batch_size
 
 
 @dataclass
@@ -166,7 +173,7 @@ class _Job:
 
 
 def _size(s: _Static) -> int:
-    return len(s.local) if s.local is not None else len(s.base)
+    return len(s.loader)
 
 
 def _loss_key(fn: Callable[..., Any]) -> object:
@@ -192,37 +199,6 @@ def _per_example(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Ca
 
         return cross_entropy
     return vmap(lambda o, t: fn(o.unsqueeze(0), t.unsqueeze(0)))
-
-
-def _dataset_of(loader: DataLoader) -> tuple[TensorDataset, torch.Tensor | None]:
-    dataset, local = loader.dataset, None
-    while isinstance(dataset, Subset):
-        idx = torch.as_tensor(list(dataset.indices), dtype=torch.int64)
-        local = idx if local is None else idx[local]
-        dataset = dataset.dataset
-    if not isinstance(dataset, TensorDataset) or len(dataset.tensors) != 2:
-        raise NotBatchable(f"its dataset is {type(loader.dataset).__name__}, not a TensorDataset of (inputs, targets) or a Subset of one")
-    return dataset, local
-
-
-def _inspect_loader(loader: object) -> tuple[TensorDataset, torch.Tensor | None, int, bool, bool, torch.Generator | None]:
-    if not isinstance(loader, DataLoader):
-        raise NotBatchable(f"its train_loader is a {type(loader).__name__}, not a torch DataLoader")
-    if loader.num_workers != 0:
-        raise NotBatchable("its DataLoader uses worker processes (num_workers > 0)")
-    if loader.collate_fn is not default_collate or loader.batch_size is None or type(loader.batch_sampler) is not BatchSampler:
-        raise NotBatchable("its DataLoader has a custom collate_fn or batch sampler")
-    sampler = loader.sampler
-    if type(sampler) is RandomSampler:
-        if sampler.replacement or sampler._num_samples is not None or sampler.generator is not loader.generator:
-            raise NotBatchable("its RandomSampler draws with replacement, a custom number of samples or its own generator")
-        shuffle = True
-    elif type(sampler) is SequentialSampler:
-        shuffle = False
-    else:
-        raise NotBatchable(f"its DataLoader samples with {type(sampler).__name__}, not RandomSampler or SequentialSampler")
-    dataset, local = _dataset_of(loader)
-    return dataset, local, int(loader.batch_size), shuffle, bool(loader.drop_last), loader.generator
 
 
 def _check_modules(model: nn.Module) -> None:
@@ -310,9 +286,9 @@ class BatchedTrainer:
             if overridden:
                 raise NotBatchable(f"{label} overrides TorchClient.{overridden[0]}")
             try:
-                dataset, local, batch_size, shuffle, drop_last, generator = _inspect_loader(client.train_loader)
+                loader = plain_loader(client.train_loader)
                 optimizer_spec(client.optimizer_factory(list(client.model.parameters())))
-            except NotBatchable as exc:
+            except (NotBatchable, NotPlainLoader) as exc:
                 raise NotBatchable(f"{label}: {exc}") from None
             model = client.model
             sig = (type(model), repr(model), client.device, tuple((k, t.dtype, tuple(t.shape)) for k, t in model.state_dict().items()))
@@ -323,7 +299,7 @@ class BatchedTrainer:
                     raise NotBatchable(f"{label}: {exc}") from None
                 signatures[sig] = len(self._models)
                 self._models.append(_describe(model, client.device))
-            self._statics[i] = _Static(i, client, signatures[sig], _loss_key(client.loss_fn), dataset, local, batch_size, shuffle, drop_last, generator)
+            self._statics[i] = _Static(i, client, signatures[sig], _loss_key(client.loss_fn), loader)
         self.device = self._models[0].device
         for m_index, m in enumerate(self._models):
             users = [s for s in self._statics.values() if s.model == m_index]
@@ -532,28 +508,15 @@ class BatchedTrainer:
 
     @staticmethod
     def _batch_order(s: _Static, seed: int, epochs: int) -> list[torch.Tensor]:
-        """The client's index batches for the round, as its own loader would yield them under ``seed``.
-
-        Each pass iterates a look-alike loader over ``range(n)``: it draws from the RNGs
-        exactly what the client's loader draws (the iterator's base seed, then the sampler's
-        seed or permutation), whatever the batch size, so one batch of ``n`` per pass gives
-        the order, which is then cut into the loader's batches.
-        """
-        n = _size(s)
-        lookalike: DataLoader[int] = DataLoader(range(n), batch_size=max(n, 1), shuffle=s.shuffle, generator=s.generator)  # type: ignore[arg-type]
+        """The client's index batches for the round, as its own loader would yield them under ``seed``
+        (``PlainLoader.order``: the same draws from the RNGs, whatever the batch size)."""
         # As TorchClient._train seeds, but only the CPU generator (the one samplers draw from):
         # torch.manual_seed also seeds every lazily initialised accelerator, which costs a
         # traceback capture per call.
         with RNG_LOCK, torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(seed)
-            orders = [torch.cat(list(lookalike)) if n else torch.zeros(0, dtype=torch.int64) for _ in range(epochs)]
-        batches: list[torch.Tensor] = []
-        for order in orders:
-            cut = list(order.split(s.batch_size))
-            if cut and s.drop_last and len(cut[-1]) < s.batch_size:
-                cut.pop()
-            batches.extend(cut)
-        return batches
+            orders = [s.loader.order() for _ in range(epochs)]
+        return [b for order in orders for b in s.loader.index_batches(order)]
 
     def _train_chunk(self, chunk: list[_Job]) -> list[FitOutput]:
         first = chunk[0]
