@@ -53,7 +53,7 @@ from fedgrid.server.memory import MMAP_THRESHOLD_MAX
 from fedgrid.simulation.batched_optim import BatchedOptimizer, NotBatchable, OptimizerSpec, optimizer_spec
 from fedgrid.types import FitIns, ModelState
 
-__all__ = ["BatchedTrainer", "NotBatchable", "choose_engine", "memory_budget", "recurrent_module"]
+__all__ = ["BatchedTrainer", "NotBatchable", "choose_engine", "memory_budget", "out_of_memory", "recurrent_module"]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,15 @@ def recurrent_module(clients: Sequence[Client]) -> str | None:
                 return (f"the model has a recurrent module{where} ({type(module).__name__}), which torch.func.vmap "
                         "runs through a slow per-client fallback")
     return None
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` says an allocation failed: CUDA's ``torch.OutOfMemoryError``, or the
+    CPU allocator's ``RuntimeError`` ("DefaultCPUAllocator: can't allocate memory") or a ``MemoryError``."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text or "not enough memory" in text)
 
 
 def choose_engine(*, device: torch.device, conv_share: float) -> tuple[str, str]:
@@ -248,6 +257,9 @@ class BatchedTrainer:
             K is also at most ``32 MiB // T``, T the largest single tensor of one client (a
             parameter or a module's output), so stacked temporaries stay below glibc's
             largest mmap threshold. A group of clients is split into chunks of even size.
+            A chunk that runs out of memory trains as two halves, and K stays at most the
+            half for that model from then on (``_train_fitting``): no out-of-memory failure
+            at any client count, down to one client at a time.
 
     Attributes:
         reason: why not every client can train batched (``None``: all can).
@@ -267,6 +279,7 @@ class BatchedTrainer:
         self._rows: dict[int, tuple[tuple[Any, ...], torch.Tensor]] = {}
         self._step_fns: dict[tuple[Any, ...], Callable[..., Any]] = {}
         self._logged_sequential: set[str] = set()
+        self._k_caps: dict[int, int] = {}  # model index -> the K that last fit in memory (``_train_fitting``)
         try:
             self._inspect_all()
         except NotBatchable as exc:
@@ -380,8 +393,9 @@ class BatchedTrainer:
 
     def chunk_size(self, m_index: int = 0, spec: OptimizerSpec | None = None) -> int:
         """K for model ``m_index`` (see the class docstring)."""
+        cap = self._k_caps.get(m_index)
         if self.batch_clients > 0:
-            return self.batch_clients
+            return min(self.batch_clients, cap or self.batch_clients)
         m = self._models[m_index]
         states = spec.states if spec is not None else 2
         per_client = m.state_bytes * (4 + states) + 3 * m.activation_bytes
@@ -392,7 +406,7 @@ class BatchedTrainer:
             # activation kept below it is recycled from the heap (measured: K=100 clients of
             # the 784-200-200-10 MLP ran 1.3x slower per client than K=34 on this machine).
             k = min(k, MMAP_THRESHOLD_MAX // max(m.largest_bytes, 1))
-        return max(1, k)
+        return max(1, min(k, cap or k))
 
     @property
     def clients_per_call(self) -> int:
@@ -459,13 +473,37 @@ class BatchedTrainer:
             for start in range(0, len(group), k):
                 chunk = group[start : start + k]
                 try:
-                    results = self._train_chunk(chunk)
-                except Exception as exc:  # e.g. out of memory: the clients train one by one instead
+                    results = self._train_fitting(chunk)
+                except Exception as exc:  # not memory (that halves K): the clients train one by one instead
                     log.warning("batched engine: a chunk of %d clients failed (%s: %s); training them sequentially", len(chunk), type(exc).__name__, exc)
                     results = [self._sequential(j.static.index, jobs[j.pos][1], jobs[j.pos][2]) for j in chunk]
                 for job, result in zip(chunk, results):
                     outcomes[job.pos] = result
         return [o if o is not None else RuntimeError("batched engine lost a job") for o in outcomes]
+
+    def _train_fitting(self, chunk: list[_Job]) -> list[FitOutput]:
+        """``_train_chunk``, halving the chunk while it runs out of memory.
+
+        K comes from an estimate of memory per client (``chunk_size``); when the device says
+        otherwise (a CUDA out-of-memory error, or a failed host allocation), the chunk
+        trains as two halves, and K for the model stays at most the half from then on, so
+        later rounds do not fail again. A single client that does not fit raises.
+        """
+        try:
+            return self._train_chunk(chunk)
+        except Exception as exc:
+            if len(chunk) == 1 or not out_of_memory(exc):
+                raise
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        # Outside the handler: the traceback, and the stacks its frames hold, are released.
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        half = -(-len(chunk) // 2)
+        m_index = chunk[0].static.model
+        self._k_caps[m_index] = min(self._k_caps.get(m_index, half), half)
+        log.warning("batched engine: %d clients at once ran out of memory on %s (%s); training %d at a time from now on",
+                    len(chunk), self.device, reason, self._k_caps[m_index])
+        return self._train_fitting(chunk[:half]) + self._train_fitting(chunk[half:])
 
     def _sequential(self, index: int, state: ModelState, ins: FitIns) -> Outcome:
         try:

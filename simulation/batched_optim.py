@@ -14,6 +14,7 @@ corrections are the same scalar for all of them, and the active clients are a pr
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -143,8 +144,9 @@ class BatchedOptimizer:
         torch._foreach_lerp_(exp_avg, grads, 1 - s.beta1)
         torch._foreach_mul_(exp_avg_sq, s.beta2)
         torch._foreach_addcmul_(exp_avg_sq, grads, grads, value=1 - s.beta2)
-        # torch keeps the step count as a float32 tensor and reads it back as a Python float.
-        t = float(torch.tensor(step + 1, dtype=torch.float32).item())
+        # torch keeps the step count as a float32 tensor and reads it back as a Python float:
+        # the same rounding, on the host (no tensor read back, so no device sync on CUDA).
+        t = array("f", [step + 1])[0]
         bias_correction1 = 1 - s.beta1**t
         bias_correction2 = 1 - s.beta2**t
         step_size = s.lr / bias_correction1

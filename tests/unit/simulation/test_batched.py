@@ -152,6 +152,105 @@ def test_chunks_of_k_give_the_same_updates():
     _compare(got_two, want)
 
 
+def test_out_of_memory_halves_k_and_keeps_it_down(monkeypatch, caplog):
+    """A chunk larger than the device takes (here: more than 2 clients) trains as halves, batched;
+    K stays down for later rounds; nothing falls back to one-by-one ``fit``."""
+    clients = _clients(sizes=(30, 5, 17, 8, 12))
+    got_want = _both(copy.deepcopy(clients), {}, rounds=1)
+    trainer = BatchedTrainer(clients)
+    assert trainer.chunk_size() >= 5  # the estimate: all of them at once
+    real = BatchedTrainer._train_chunk
+    sizes: list[int] = []
+
+    def tight(self, chunk):
+        sizes.append(len(chunk))
+        if len(chunk) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(self, chunk)
+
+    monkeypatch.setattr(BatchedTrainer, "_train_chunk", tight)
+    monkeypatch.setattr(BatchedTrainer, "_sequential", lambda *a: pytest.fail("a client trained alone"))
+    state = _state(clients)
+    ins = FitIns(round=1, config={"seed": 3})
+    with caplog.at_level(logging.WARNING, logger="fedgrid.simulation.batched"):
+        got = trainer.fit([(i, state, ins) for i in range(len(clients))])
+    _compare(got, got_want[1])
+    assert sizes == [5, 3, 2, 1, 2]  # 5 -> 3 + 2, 3 -> 2 + 1
+    assert trainer.chunk_size() == 2 and trainer.clients_per_call == 2
+    assert "5 clients at once ran out of memory" in caplog.text and "training 2 at a time" in caplog.text
+    sizes.clear()
+    trainer.fit([(i, state, ins) for i in range(len(clients))])
+    assert max(sizes) == 2  # the next round starts at the K that fit
+
+
+def test_an_error_that_is_not_memory_trains_the_chunk_one_by_one(monkeypatch):
+    clients = _clients(sizes=(10, 6))
+    trainer = BatchedTrainer(clients)
+    monkeypatch.setattr(BatchedTrainer, "_train_chunk", lambda self, chunk: (_ for _ in ()).throw(RuntimeError("a kernel failed")))
+    state = _state(clients)
+    got = trainer.fit([(i, state, FitIns(round=1, config={"seed": 3})) for i in range(2)])
+    assert [o.num_examples for o in got] == [10, 6] and trainer.chunk_size() >= 2  # trained by fit; K unchanged
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Records every call that reads a tensor's value back to the host (a device sync on CUDA)."""
+
+    READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__,
+             torch.Tensor.__index__, torch.Tensor.numpy, torch.Tensor.cpu}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.READS or (func is torch.Tensor.to and any(str(a) == "cpu" for a in (*args[1:], *(kwargs or {}).values()))):
+            self.reads.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", ["sgd-momentum", "adam"])
+def test_no_host_reads_in_the_training_steps(monkeypatch, name):
+    """The CUDA path by construction: from a chunk's first step to reading its results
+    (``_outputs``, once per chunk), no step reads a value back to the host."""
+    clients = _clients(OPTIMIZERS[name], sizes=(40, 33, 17, 8))  # up to 5 steps
+    trainer = BatchedTrainer(clients)
+    mode = _HostReads()
+    real_outputs, real_step_fn = BatchedTrainer._outputs, BatchedTrainer._step_fn
+    steps = []
+
+    def outputs(self, *args):
+        mode.__exit__(None, None, None)
+        return real_outputs(self, *args)
+
+    def step_fn(self, *args):
+        fn = real_step_fn(self, *args)
+
+        def first_step_enters(*a):
+            if not steps:
+                mode.__enter__()
+            steps.append(1)
+            return fn(*a)
+
+        return first_step_enters
+
+    monkeypatch.setattr(BatchedTrainer, "_outputs", outputs)
+    state = _state(clients)  # the trial step in the constructor ran with the real step function
+    monkeypatch.setattr(BatchedTrainer, "_step_fn", step_fn)
+    got = trainer.fit([(i, state, FitIns(round=1, config={"seed": 3, "local_epochs": 2})) for i in range(4)])
+    assert [o.num_examples for o in got] == [40, 33, 17, 8]
+    assert len(steps) == 10 and mode.reads == []  # 2 epochs of 5 batches
+
+
+def test_out_of_memory_is_recognised_by_its_message():
+    from fedgrid.simulation.batched import out_of_memory
+
+    assert out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
+    assert out_of_memory(RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 GB"))
+    assert out_of_memory(MemoryError())
+    assert not out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not out_of_memory(ValueError("out of memory"))
+
+
 def test_errors_and_step_algorithms_go_through_fit(caplog):
     clients = _clients(sizes=(10, 10))
     twins = copy.deepcopy(clients)
