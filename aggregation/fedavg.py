@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 import torch
 
 from fedgrid.aggregation.base import AggregationPreconditionError, Aggregator, Strategy, weighted_metrics
-from fedgrid.aggregation.mean import WeightedMean, weighted_mean
+from fedgrid.aggregation.mean import WeightedMean, weighted_mean, weighted_mean_of_rows
 from fedgrid.aggregation.updates import aggregate_deltas, apply_delta, average_values, split_names
 from fedgrid.aggregation.selection import SelectionPolicy
 from fedgrid.seeding import derive_seed
@@ -143,8 +143,17 @@ class FedAvg(Strategy):
             # mapped) results only that slice of one update is read at a time, and the
             # float64 accumulator is one slice, so aggregating costs about the new model.
             out: ModelState = OrderedDict()
+            weights = [float(res.num_examples) for res in results]
             for name in names:
                 target = state[name]
+                got = [res.state.get(name) for res in results]
+                if all(g is not None and g.shape == target.shape for g in got):
+                    # The batched simulation engine's results are rows of its stacks: one reduction per stack.
+                    rows = weighted_mean_of_rows(got, weights)  # type: ignore[arg-type]
+                    if rows is not None:
+                        out[name] = rows.to(target.dtype)
+                        continue
+                del got
                 new_value = torch.empty_like(target)
                 flat = new_value.view(-1)
                 for start in range(0, max(target.numel(), 1), AGGREGATION_SLICE):

@@ -53,7 +53,7 @@ from fedgrid.server.memory import MMAP_THRESHOLD_MAX
 from fedgrid.simulation.batched_optim import BatchedOptimizer, NotBatchable, OptimizerSpec, optimizer_spec
 from fedgrid.types import FitIns, ModelState
 
-__all__ = ["BatchedTrainer", "NotBatchable", "choose_engine", "memory_budget", "out_of_memory", "recurrent_module"]
+__all__ = ["BatchedTrainer", "NotBatchable", "choose_engine", "memory_budget", "out_of_memory", "recurrent_module", "StackedRows"]
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,13 @@ def memory_budget(device: torch.device) -> int:
     except (ValueError, OSError, AttributeError):
         available = 8 << 30
     return min(2 << 30, available // 4)
+
+
+class StackedRows(OrderedDict):
+    """A client's trained state from the batched engine: its tensors are its rows of the
+    chunk's stacks (on the CPU, contiguous), which nothing else holds or changes. The fleet
+    takes them without a copy, and ``FedAvg`` averages a stack's rows in one reduction
+    (``fedgrid.aggregation.mean.weighted_mean_of_rows``)."""
 
 
 @dataclass
@@ -619,11 +626,11 @@ class BatchedTrainer:
         seen_list = lengths.sum(dim=1).tolist()
         outputs: list[FitOutput] = []
         for i, job in enumerate(chunk):
-            full: ModelState = OrderedDict()
+            full: ModelState = StackedRows()
             for key in m.state_keys:
                 name = m.canonical[key]
                 source = trained_cpu.get(name)
-                full[key] = (source if source is not None else frozen_cpu[name])[i].clone()
+                full[key] = (source if source is not None else frozen_cpu[name])[i]  # a row of the stack: no copy
             for n, g in grad_sums.items():
                 job.algorithm.record(name=n, grad_sum=g[i], count=steps[i])
             out = job.algorithm.upload(state=full, trained=job.names, ctx=job.ctx)
