@@ -146,14 +146,14 @@ class FedAvg(Strategy):
             weights = [float(res.num_examples) for res in results]
             for name in names:
                 target = state[name]
-                got = [res.state.get(name) for res in results]
-                if all(g is not None and g.shape == target.shape for g in got):
+                given = [res.state.get(name) for res in results]
+                if all(g is not None and g.shape == target.shape for g in given):
                     # The batched simulation engine's results are rows of its stacks: one reduction per stack.
-                    rows = weighted_mean_of_rows(got, weights)  # type: ignore[arg-type]
+                    rows = weighted_mean_of_rows(given, weights)  # type: ignore[arg-type]
                     if rows is not None:
                         out[name] = rows.to(target.dtype)
                         continue
-                del got
+                del given
                 new_value = torch.empty_like(target)
                 flat = new_value.view(-1)
                 for start in range(0, max(target.numel(), 1), AGGREGATION_SLICE):

@@ -131,11 +131,11 @@ def weighted_mean_of_rows(tensors: Sequence[torch.Tensor], weights: Sequence[flo
         order = sorted(range(len(rows)), key=rows.__getitem__)  # stack order: every row of a stack needs no gather
         rows, ws = [rows[i] for i in order], [ws[i] for i in order]
         picked = flat if rows == list(range(flat.shape[0])) else flat.index_select(0, torch.tensor(rows))
-        w = torch.tensor(ws, dtype=torch.float64)
+        row_weights = torch.tensor(ws, dtype=torch.float64)
         step = max(1, slice_elements // len(rows))
         for start in range(0, numel, step):
             part = picked[:, start : start + step].to(torch.float64)
-            total[start : start + part.shape[1]].addmv_(part.t(), w)
+            total[start : start + part.shape[1]].addmv_(part.t(), row_weights)
     mean = total.div_(sum(float(w) for w in weights))
     if not first.dtype.is_floating_point:
         mean = mean.round_()

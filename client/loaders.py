@@ -81,18 +81,18 @@ class PlainLoader:
 
 
 def _reads_as(dataset: object, kind: type) -> bool:
-    """``dataset`` is a ``kind`` that fetches examples as ``kind`` does (a subclass that
-    overrides ``__getitem__``, to transform or augment, is not)."""
-    return isinstance(dataset, kind) and all(getattr(type(dataset), m, None) is getattr(kind, m, None) for m in ("__getitem__", "__getitems__"))
+    """``dataset`` fetches examples as ``kind`` does (a subclass that overrides ``__getitem__``,
+    to transform or augment, does not)."""
+    return all(getattr(type(dataset), m, None) is getattr(kind, m, None) for m in ("__getitem__", "__getitems__"))
 
 
 def _dataset_of(loader: DataLoader) -> tuple[TensorDataset, torch.Tensor | None]:
     dataset, local = loader.dataset, None
-    while _reads_as(dataset, Subset):
+    while isinstance(dataset, Subset) and _reads_as(dataset, Subset):
         idx = torch.as_tensor(list(dataset.indices), dtype=torch.int64)
         local = idx if local is None else idx[local]
         dataset = dataset.dataset
-    if not _reads_as(dataset, TensorDataset) or len(dataset.tensors) != 2:
+    if not (isinstance(dataset, TensorDataset) and _reads_as(dataset, TensorDataset)) or len(dataset.tensors) != 2:
         raise NotPlainLoader(f"its dataset is {type(dataset).__name__}, not a TensorDataset of (inputs, targets) or a Subset of one "
                              "(read through their own __getitem__)")
     return dataset, local
