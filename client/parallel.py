@@ -247,7 +247,8 @@ def _distribute(client: TorchClient, spec: ParallelSpec, rank: int, device: torc
     seams_of = {name: value for name, value in vars(_DistributedSeams).items() if callable(value)}
     client.__class__ = type(f"Distributed{type(client).__name__}", (type(client),), {**seams_of, "_base": type(client)})
     client.device = device
-    client.model = client.model.to(device)
+    client.memory_format = "contiguous"  # DDP's buckets and FSDP2's shards take parameters as they are laid out by default
+    client.model = client.model.to(device, memory_format=torch.contiguous_format)
     seams: Any = client
     seams._spec, seams._rank, seams._world = spec, rank, world
     seams._hook = _comm_hook(spec) if spec.mode == "dp" else None

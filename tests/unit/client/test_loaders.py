@@ -124,3 +124,35 @@ def test_a_new_loader_is_inspected_again() -> None:
     client.train_loader = DataLoader(Subset(_data(), [1, 2, 3]), batch_size=2)
     out = client.fit(client._state(), FitIns(round=1, config={}))
     assert out.num_examples == 3 and client._plain[2] is not first and len(client._plain[2]) == 3
+
+
+def _conv_client(memory_format: str) -> TorchClient:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(8, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 2 * 2, 5))
+    g = torch.Generator().manual_seed(2)
+    data = TensorDataset(torch.randn(40, 3, 8, 8, generator=g), torch.randint(0, 5, (40,), generator=g))
+    return TorchClient(model, DataLoader(data, batch_size=8, shuffle=True), nn.functional.cross_entropy,
+                       lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), eval_loader=DataLoader(data, batch_size=16),
+                       device="cpu", seed=1, name="conv", memory_format=memory_format)
+
+
+def test_convolutions_train_channels_last_on_cpu_and_upload_contiguous_state() -> None:
+    auto, plain = _conv_client("auto"), _conv_client("contiguous")
+    assert auto.channels_last and not plain.channels_last and not _client(DataLoader(_data(), batch_size=4)).channels_last  # no Conv2d
+    state = plain._state()
+    ins = FitIns(round=1, config={"seed": 5, "local_epochs": 2})
+    a, b = auto.fit(state, ins), plain.fit(state, ins)
+    assert auto.model[0].weight.is_contiguous(memory_format=torch.channels_last) and not auto.model[0].weight.is_contiguous()
+    assert plain.model[0].weight.is_contiguous()
+    for name in a.state:
+        assert a.state[name].is_contiguous(), name  # what travels is laid out as the wire expects
+        torch.testing.assert_close(a.state[name], b.state[name], atol=1e-5, rtol=0)  # another convolution algorithm, the same training
+    assert not torch.equal(a.state["0.weight"], state["0.weight"])
+    again = _conv_client("auto").fit(state, ins)
+    assert all(torch.equal(a.state[n], again.state[n]) for n in a.state)  # deterministic: a simulation and a deployment agree
+    assert auto.evaluate(a.state, {}).metrics["accuracy"] == pytest.approx(plain.evaluate(b.state, {}).metrics["accuracy"])
+
+
+def test_a_bad_memory_format_is_named() -> None:
+    with pytest.raises(ValueError, match="memory_format must be one of auto, contiguous, channels_last, got 'nhwc'"):
+        _conv_client("nhwc")
