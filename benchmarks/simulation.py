@@ -69,7 +69,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from flower_sim import MODELS, index_batches, load_positional, shuffle_seed  # noqa: E402  (the benchmark's own model definitions)
 
-__all__ = ["accuracy", "combine", "main", "prepare", "run_variant", "summarize", "train_flops_per_example"]
+__all__ = ["accuracy", "add_work_arguments", "check_work_arguments", "combine", "main", "prepare", "run_variant", "summarize",
+           "train_flops_per_example", "write_results"]
 
 FEDGRID = {"batched": "batched", "sequential": "sequential", "auto": "auto"}
 LOOPS = {"loop": "slice", "loop-dataloader": "dataloader"}
@@ -96,6 +97,11 @@ def _positional(template: "OrderedDict[str, torch.Tensor]", values: list[torch.T
     if [tuple(t.shape) for t in template.values()] != [tuple(v.shape) for v in values]:
         raise ValueError("the shared initial model does not fit fedgrid's model (shapes differ)")
     return OrderedDict((k, v.clone()) for k, v in zip(template, values))
+
+
+def _progress(spec: dict[str, Any], round_s: list[float]) -> None:
+    """Writes the rounds done so far, for ``run_variant`` to report if the run times out."""
+    Path(spec["result_path"] + ".partial").write_text(json.dumps(round_s))
 
 
 def work_fedgrid(spec: dict[str, Any]) -> dict[str, Any]:
@@ -149,6 +155,7 @@ def work_fedgrid(spec: dict[str, Any]) -> dict[str, Any]:
     def on_round(m: Any) -> None:
         stamps.append(time.perf_counter())
         walls.append(m.wall_s)
+        _progress(spec, walls[:1] + [b - a for a, b in zip(stamps, stamps[1:])])
 
     final, history = sim_run.run_simulation(config, on_round=on_round)
     if final is None:
@@ -266,6 +273,7 @@ def work_loop(spec: dict[str, Any]) -> dict[str, Any]:
         if device.type == "cuda":
             torch.cuda.synchronize()
         round_s.append(time.perf_counter() - start)
+        _progress(spec, round_s)
     notes = [f"batches: {'randperm + index slicing' if slicing else 'DataLoader'}"]
     if spec.get("loop_clients"):
         notes.append(f"trained {len(chosen)} of the {spec['clients']} clients ({examples} examples)")
@@ -279,7 +287,7 @@ def worker_main(spec_path: str) -> None:
     out: dict[str, Any] = {}
     try:
         result = work_fedgrid(spec) if spec["kind"] == "fedgrid" else work_loop(spec)
-        torch.save(result.pop("final"), spec["final_path"])
+        torch.save([t.detach().cpu() for t in result.pop("final")], spec["final_path"])  # the parent loads it without CUDA
         out = {**result, "final_path": spec["final_path"]}
     except Exception as exc:  # reported as a FAILED row
         import traceback
@@ -290,6 +298,7 @@ def worker_main(spec_path: str) -> None:
     out["threads"] = torch.get_num_threads()
     if torch.cuda.is_available() and spec["device"] == "cuda":
         out["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        out["gpu"] = torch.cuda.get_device_name()  # here, not in the parent: it holds no CUDA context
     Path(spec["result_path"]).write_text(json.dumps(out))
 
 
@@ -459,7 +468,10 @@ def run_variant(args: argparse.Namespace, work: Path, model: str, variant: str, 
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            return {"error": f"timed out after {timeout:.0f} s (log: {log_path})"}
+            partial = Path(spec["result_path"] + ".partial")
+            done = json.loads(partial.read_text()) if partial.exists() else []
+            rounds = f"; rounds done, s: {' '.join(f'{t:.2f}' for t in done)}" if done else "; no round done"
+            return {"error": f"timed out after {timeout:.0f} s{rounds} (log: {log_path})", "partial_round_s": done}
     result_path = Path(spec["result_path"])
     if not result_path.exists():
         tail = log_path.read_text()[-600:].strip().replace("\n", " | ")
@@ -585,22 +597,42 @@ def log_ratios(res: dict[str, Any], log: Callable[[str], None]) -> None:
         log(f"     {r['ratio']:<28}{value:>7}{base:<17} {goal:<26} {detail}")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_work_arguments(parser: argparse.ArgumentParser, *, clients: int, rounds: int, repeats: int) -> None:
+    """The options that define the work and its timing, shared with ``simulation_gpu.py``."""
     parser.add_argument("--models", default="mlp,cnn")
-    parser.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma-separated, from {', '.join(ALL_VARIANTS)}")
-    parser.add_argument("--clients", type=int, default=100)
-    parser.add_argument("--rounds", type=int, default=4, help="rounds per variant, the first --warmup of them untimed")
+    parser.add_argument("--clients", type=int, default=clients)
+    parser.add_argument("--rounds", type=int, default=rounds, help="rounds per run, the first --warmup of them untimed")
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=3, help="runs of every variant, interleaved; medians over them")
+    parser.add_argument("--repeats", type=int, default=repeats, help="runs of every variant, interleaved; medians over them")
     parser.add_argument("--alpha", type=float, default=0.5)
     parser.add_argument("--local-epochs", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch-clients", type=int, default=0, help="fedgrid's batch_clients (0: the engine chooses)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads of every in-process variant")
+    parser.add_argument("--batch-clients", type=int, default=0, help="fedgrid's batch_clients (0: K from memory)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads of every in-process run")
+    parser.add_argument("--work-dir", type=Path, default=None, help="keep the shared files, logs and final models here")
+
+
+def check_work_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Splits ``--models`` and rejects what cannot run (argparse's error: the message and exit 2)."""
+    args.models = [m for m in args.models.split(",") if m]
+    unknown = [m for m in args.models if m not in MODELS]
+    if unknown:
+        parser.error(f"unknown model(s): {', '.join(unknown)} (from {', '.join(MODELS)})")
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    if args.rounds <= args.warmup:
+        parser.error(f"--rounds must exceed --warmup ({args.warmup})")
+    if args.device == "cuda" and not torch.cuda.is_available():  # counts devices; creates no CUDA context
+        parser.error("--device cuda: torch sees no CUDA device here")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_work_arguments(parser, clients=100, rounds=4, repeats=3)
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma-separated, from {', '.join(ALL_VARIANTS)}")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
     parser.add_argument("--data-dir", type=Path, default=HERE.parents[1] / "shared" / "data" / "fashion-mnist")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "simulation.json")
@@ -608,22 +640,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds one variant may take")
     parser.add_argument("--max-spread", type=float, default=2.0, help="accuracy points beyond which the comparison is VOID")
     parser.add_argument("--malloc-tunables", action="store_true", help=f"GLIBC_TUNABLES={MALLOC_TUNABLES} for every variant")
-    parser.add_argument("--work-dir", type=Path, default=None, help="keep the shared files, logs and final models here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         return worker_main(args.worker)
-    args.models = [m for m in args.models.split(",") if m]
+    check_work_arguments(parser, args)
     variants = [v for v in args.variants.split(",") if v]
-    unknown = [m for m in args.models if m not in MODELS] + [v for v in variants if v not in ALL_VARIANTS]
+    unknown = [v for v in variants if v not in ALL_VARIANTS]
     if unknown:
-        parser.error(f"unknown model or variant: {', '.join(unknown)}")
-    if args.repeats < 1:
-        parser.error("--repeats must be at least 1")
-    if args.rounds <= args.warmup:
-        parser.error(f"--rounds must exceed --warmup ({args.warmup})")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device here")
+        parser.error(f"unknown variant(s): {', '.join(unknown)}")
     if args.clients > 100 and args.device == "cpu":
         print(f"note: {args.clients} clients on CPU; the issue's 1,000-client goal is for a GPU")
 
@@ -664,7 +689,7 @@ def main(argv: list[str] | None = None) -> None:
                 row = run_variant(args, work, model, variant, flower_python, repeat=repeat)
                 summarize(row, args, flops_round, shared["examples"])
                 if row.get("final_path"):
-                    row["accuracy"] = accuracy(model, torch.load(row["final_path"]), shared["x_test"], shared["y_test"])
+                    row["accuracy"] = accuracy(model, torch.load(row["final_path"], map_location="cpu"), shared["x_test"], shared["y_test"])
                 runs[variant].append(row)
                 shown = f"{row['s_per_round']:.3f} s/round, accuracy {row.get('accuracy', float('nan')):.4f}" if "error" not in row else f"FAILED: {row['error'][:300]}"
                 log(f"    {shown}")
@@ -695,17 +720,22 @@ def main(argv: list[str] | None = None) -> None:
             for run in row["runs"]:
                 run.pop("final_path", None)
                 run.pop("extra", None)
-    env = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
-           "load_average_before": load_before, "load_average_after": load_after,
+    env = {"load_average_before": load_before, "load_average_after": load_after,
            "glibc_tunables": MALLOC_TUNABLES if args.malloc_tunables else os.environ.get("GLIBC_TUNABLES", "")}
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "worker"}
-    payload = {"config": {**config, "variants": variants}, "environment": env, "matmul_gflops": limit, "results": results,
-               "table": lines, "wall_s": time.monotonic() - started}
+    write_results(args, {"variants": variants}, env, {"matmul_gflops": limit, "results": results, "table": lines,
+                                                      "wall_s": time.monotonic() - started})
+    if work_ctx:
+        work_ctx.cleanup()
+
+
+def write_results(args: argparse.Namespace, config: dict[str, Any], env: dict[str, Any], rest: dict[str, Any]) -> None:
+    """Writes ``args.out``: the options (plus ``config``), the environment (plus ``env``) and ``rest``."""
+    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "worker"}
+    base = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count()}
+    payload = {"config": {**options, **config}, "environment": {**base, **env}, **rest}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(payload, indent=2, default=str))
     print(f"wrote {args.out}")
-    if work_ctx:
-        work_ctx.cleanup()
 
 
 if __name__ == "__main__":
