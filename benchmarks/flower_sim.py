@@ -15,6 +15,11 @@ imports no fedgrid code. Everything it needs comes from a spec JSON written by
 - rounds, lr, momentum, batch size, local epochs, client resources (``null``: Flower's
   default, ``num_cpus=2``).
 
+The client trains with the plain loop's code (``index_batches``: the client's whole tensors,
+``randperm`` and index slicing, no ``DataLoader``; one model per Ray worker, reused), so
+that Flower and ``simulation.py``'s ``loop`` differ only in the framework around the
+training (Ray actors, messages, serialization, the strategy), not in how batches are made.
+
 FedAvg (``flwr.serverapp.strategy.FedAvg``, ``fraction_train=1.0``, no federated
 evaluation) over ``flwr.simulation.run_simulation`` with ``num_supernodes`` = clients.
 Round times are taken on the server: the strategy calls ``evaluate_fn`` before round 1
@@ -40,14 +45,13 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
-__all__ = ["mlp", "cnn", "MODELS", "load_positional", "shuffle_seed", "main"]
+__all__ = ["mlp", "cnn", "MODELS", "index_batches", "load_positional", "shuffle_seed", "main"]
 
 SPEC_ENV = "FEDGRID_BENCH_FLOWER_SPEC"
 
@@ -102,13 +106,37 @@ def load_positional(model: nn.Module, values: list[torch.Tensor]) -> None:
     model.load_state_dict(dict(zip(state, values)))
 
 
+def index_batches(x: torch.Tensor, y: torch.Tensor, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """One epoch of one client's batches by ``randperm`` and index slicing of its tensors.
+
+    The batches ``DataLoader(TensorDataset(x, y), batch_size, shuffle=True)`` would give,
+    drawn from the same random numbers at the same points (its iterator's base seed, then
+    ``RandomSampler``'s seed for a generator of its own), so under ``shuffle_seed`` they are
+    fedgrid's batches too; without the per-example fetch and collate of a ``DataLoader``.
+    The permutation is drawn on the CPU (as ``RandomSampler`` does); on CUDA it goes over
+    through pinned memory without blocking, so the loop issues no host synchronization.
+    """
+    torch.empty((), dtype=torch.int64).random_()  # the iterator's base seed (unused, but drawn)
+    sampler_seed = int(torch.empty((), dtype=torch.int64).random_().item())
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(sampler_seed))
+    if x.device.type == "cuda":
+        order = order.pin_memory().to(x.device, non_blocking=True)
+    elif x.device != order.device:
+        order = order.to(x.device)
+    for start in range(0, len(y), batch_size):
+        pick = order[start : start + batch_size]
+        yield x[pick], y[pick]
+
+
 # ---- client side: runs inside Ray workers (this module is imported there by name) ----
 
 _CACHE: dict[str, Any] = {}
 
 
-def _client_data(partition_id: int) -> tuple[Any, dict[str, Any]]:
-    """This worker's cached spec and memory-mapped data, and the loader of one client."""
+def _client_data(partition_id: int) -> tuple[tuple[torch.Tensor, torch.Tensor], dict[str, Any]]:
+    """This worker's cached spec and memory-mapped data, and one client's tensors (a copy
+    gathered from the memory map per call: a Ray worker serves many clients, and caching
+    each one's tensors would hold the dataset once per worker)."""
     if "spec" not in _CACHE:
         spec = json.loads(Path(os.environ[SPEC_ENV]).read_text())
         work = Path(spec["work_dir"])
@@ -121,31 +149,31 @@ def _client_data(partition_id: int) -> tuple[Any, dict[str, Any]]:
     spec = _CACHE["spec"]
     off = _CACHE["off"]
     idx = _CACHE["idx"][off[partition_id] : off[partition_id + 1]]
-    data = TensorDataset(torch.from_numpy(np.ascontiguousarray(_CACHE["x"][idx])), torch.from_numpy(np.ascontiguousarray(_CACHE["y"][idx])))
-    return DataLoader(data, batch_size=spec["batch_size"], shuffle=True), spec
+    x, y = np.asarray(_CACHE["x"][idx]), np.asarray(_CACHE["y"][idx])  # fancy indexing copies: writable arrays
+    return (torch.from_numpy(x), torch.from_numpy(y)), spec
 
 
 def _train(msg: Any, context: Any) -> Any:
     from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
     client = int(context.node_config["partition-id"])
-    loader, spec = _client_data(client)
+    (x, y), spec = _client_data(client)
     model: nn.Module = _CACHE["model"]
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"], momentum=spec["momentum"])
-    loss_sum, seen = 0.0, 0
+    loss_sum = torch.zeros(())  # summed as a tensor: no .item() per step
     torch.manual_seed(shuffle_seed(spec["seed"], int(msg.content["config"]["server-round"]), client, spec["clients"]))
     for _ in range(spec["local_epochs"]):
-        for xb, yb in loader:
+        for xb, yb in index_batches(x, y, spec["batch_size"]):
             optimizer.zero_grad(set_to_none=True)
             loss = nn.functional.cross_entropy(model(xb), yb)
             loss.backward()
             optimizer.step()
-            loss_sum += loss.item() * len(yb)
-            seen += len(yb)
-    n = len(loader.dataset)  # type: ignore[arg-type]
-    metrics = MetricRecord({"train_loss": loss_sum / max(seen, 1), "num-examples": n, "threads": torch.get_num_threads()})
+            loss_sum += loss.detach() * len(yb)
+    n = len(y)
+    seen = n * spec["local_epochs"]
+    metrics = MetricRecord({"train_loss": float(loss_sum) / max(seen, 1), "num-examples": n, "threads": torch.get_num_threads()})
     return Message(content=RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": metrics}), reply_to=msg)
 
 
