@@ -111,10 +111,16 @@ def choose_engine(*, device: torch.device, conv_share: float) -> tuple[str, str]
 
 
 def memory_budget(device: torch.device) -> int:
-    """Bytes the batched engine may use: 80% of free CUDA memory; on CPU min(2 GiB, 1/4 of available memory)."""
+    """Bytes the batched engine may use: 80% of free CUDA memory; on CPU min(2 GiB, 1/4 of available memory).
+
+    Free CUDA memory counts what torch's caching allocator holds but no tensor uses
+    (``memory_reserved - memory_allocated``): the device reports it as taken, yet the next
+    chunk reuses it, so K does not shrink after the first round.
+    """
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.8)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int((free + max(cached, 0)) * 0.8)
     try:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):

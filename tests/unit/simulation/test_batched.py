@@ -483,3 +483,18 @@ def test_own_region_wins_over_the_profile():
     clients[0].region = "ap"
     infos = InProcessFleet(clients, profiles=_Profiles()).wait_for_clients(min_clients=1, timeout=timedelta(seconds=1))
     assert [i.region for i in infos] == ["ap", "eu", "us", "eu"]
+
+
+def test_cuda_budget_counts_what_the_caching_allocator_holds_unused(monkeypatch):
+    """After a round, torch keeps freed blocks reserved; the device reports them as taken. K
+    must come from memory free to torch: the device's free memory plus those blocks."""
+    from fedgrid.simulation.batched import memory_budget
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 30 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 4 * gib)
+    assert memory_budget(torch.device("cuda")) == int((10 + 26) * gib * 0.8)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    assert memory_budget(torch.device("cuda")) == int(10 * gib * 0.8)
