@@ -88,6 +88,7 @@ class TorchClient(Client):
         if memory_format not in MEMORY_FORMATS:
             raise ValueError(f"memory_format must be one of {', '.join(MEMORY_FORMATS)}, got {memory_format!r}")
         self.memory_format = memory_format
+        self._nhwc = False  # channels_last, as the last _lay_out found it
         self.device = torch.device(device) if device is not None else default_device()
         self.model = model.to(self.device)
         self.train_loader = train_loader
@@ -116,14 +117,16 @@ class TorchClient(Client):
 
     def _lay_out(self) -> None:
         """Puts the model's 4-d parameters in the layout ``channels_last`` says (in place: the
-        parameters stay the same objects, so a kept optimizer still holds them)."""
-        layout = torch.channels_last if self.channels_last else torch.contiguous_format
+        parameters stay the same objects, so a kept optimizer still holds them), and keeps
+        the answer for the batches of this fit."""
+        self._nhwc = self.channels_last
+        layout = torch.channels_last if self._nhwc else torch.contiguous_format
         if any(p.dim() == 4 and not p.is_contiguous(memory_format=layout) for p in self.model.parameters()):
             self.model.to(memory_format=layout)
 
     def _inputs(self, inputs: Any) -> Any:
-        """A batch's inputs on the device, 4-d ones in the training layout."""
-        if self.channels_last and isinstance(inputs, torch.Tensor) and inputs.dim() == 4:
+        """A batch's inputs on the device, 4-d ones in the layout ``_lay_out`` chose."""
+        if self._nhwc and isinstance(inputs, torch.Tensor) and inputs.dim() == 4:
             return inputs.to(self.device, memory_format=torch.channels_last)
         return inputs.to(self.device)
 
@@ -249,7 +252,14 @@ class TorchClient(Client):
         # torch's RNG is process-wide: clients training in threads of one process (the SDK's
         # start(), a host running several) take turns, so each sees only its own seed.
         with RNG_LOCK, torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            torch.manual_seed(seed)
+            # The generators this client draws from: the CPU's (shuffling, and dropout on the
+            # CPU) and its own device's. ``torch.manual_seed`` would also seed every other,
+            # lazily initialised accelerator, capturing a traceback per call (a tenth of a
+            # 100-client round) and leaking past the fork.
+            torch.default_generator.manual_seed(seed)
+            if self.device.type == "cuda":
+                with torch.cuda.device(self.device):
+                    torch.cuda.manual_seed(seed)
             for inputs, targets in self._batches(epochs=epochs, steps=steps):
                 inputs, targets = self._inputs(inputs), targets.to(self.device)
                 optimizer.zero_grad(set_to_none=True)

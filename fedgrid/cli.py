@@ -265,6 +265,10 @@ def _simulate(args: argparse.Namespace) -> int:
     with GracefulStop(on_stop, what="simulate"):
         try:
             final_model, history = run_simulation(config, on_round=None if quiet else show, on_start=None if quiet else header, stop=stop)
+            if ranks is not None:
+                # Every rank past the last collective before any tears gloo down: a rank that
+                # exits while a peer's gather is in flight aborts that peer.
+                dist.barrier()
         finally:
             if progress is not None:
                 progress.close()

@@ -339,6 +339,10 @@ def _sharded_worker(rank: int, store_path: str) -> None:
         w.grad = None
         prox.after_backward(params={"w": w})
         assert torch.equal(full(w.grad), torch.ones(4, 2))  # 0.5 * 2 everywhere
+        # Both ranks past their last collective before either tears gloo down: a rank that
+        # exits while its peer's all-gather is still in flight aborts the peer ("terminate
+        # called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
