@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -10,6 +11,13 @@ from fedgrid.capabilities import Capabilities, CapabilityOverride
 from fedgrid.types import FitIns, MessageIns, ModelState, Scalar
 
 __all__ = ["Client", "FitOutput", "EvaluateOutput"]
+
+
+class OwnedState(OrderedDict):
+    """A ``FitOutput.state`` whose tensors are fresh, contiguous CPU copies that the client
+    keeps no reference to, so a receiver in the same process (the simulated fleet) may keep
+    them as they are instead of copying them again. ``TorchClient`` uploads one (unless an
+    algorithm's ``upload`` hook builds another mapping); anything else is copied."""
 
 
 @dataclass(frozen=True)

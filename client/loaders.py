@@ -18,6 +18,7 @@ from it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterator
 
 import torch
@@ -58,11 +59,15 @@ class PlainLoader:
         A look-alike loader over ``range(n)`` with one batch of ``n`` runs the loader's own
         code for its seeds and sampler, whatever the batch size.
         """
-        n = len(self)
-        if n == 0:
+        if len(self) == 0:
             return torch.zeros(0, dtype=torch.int64)
-        lookalike: DataLoader[int] = DataLoader(range(n), batch_size=n, shuffle=self.shuffle, generator=self.generator)  # type: ignore[arg-type]
-        return torch.cat(list(lookalike))
+        return torch.cat(list(self._lookalike))
+
+    @cached_property
+    def _lookalike(self) -> DataLoader:
+        """Made once: each ``iter`` of it draws anew, as each ``iter`` of the client's loader does."""
+        n = len(self)
+        return DataLoader(range(n), batch_size=n, shuffle=self.shuffle, generator=self.generator)  # type: ignore[arg-type]
 
     def index_batches(self, order: torch.Tensor) -> list[torch.Tensor]:
         """``order`` cut into the loader's batches of positions (the last one dropped if short and ``drop_last``)."""

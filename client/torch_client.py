@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from fedgrid.client.algorithms import ALGORITHMS, ClientAlgorithm, FitContext, OptimizerFactory, algorithm_of, train_only
-from fedgrid.client.api import Client, EvaluateOutput, FitOutput
+from fedgrid.client.api import Client, EvaluateOutput, FitOutput, OwnedState
 from fedgrid.client.loaders import NotPlainLoader, PlainLoader, plain_loader
 from fedgrid.seeding import derive_seed
 from fedgrid.types import FitIns, ModelState, Scalar
@@ -134,7 +134,7 @@ class TorchClient(Client):
         self.model.load_state_dict(state, strict=True)
 
     def _state(self) -> ModelState:
-        return OrderedDict((k, v.detach().to("cpu").clone(memory_format=torch.contiguous_format)) for k, v in self.model.state_dict().items())
+        return OwnedState((k, v.detach().to("cpu").clone(memory_format=torch.contiguous_format)) for k, v in self.model.state_dict().items())
 
     @property
     def inner_optimizer(self) -> torch.optim.Optimizer:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TypeAlias, Union
 
@@ -46,7 +45,7 @@ from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import TensorDataset
 
 from fedgrid.client.algorithms import ClientAlgorithm, FitContext, algorithm_of, train_only
-from fedgrid.client.api import Client, FitOutput
+from fedgrid.client.api import Client, FitOutput, OwnedState
 from fedgrid.client.loaders import NotPlainLoader, PlainLoader, plain_loader
 from fedgrid.client.torch_client import RNG_LOCK, TorchClient
 from fedgrid.server.memory import MMAP_THRESHOLD_MAX
@@ -128,7 +127,7 @@ def memory_budget(device: torch.device) -> int:
     return min(2 << 30, available // 4)
 
 
-class StackedRows(OrderedDict):
+class StackedRows(OwnedState):
     """A client's trained state from the batched engine: its tensors are its rows of the
     chunk's stacks (on the CPU, contiguous), which nothing else holds or changes. The fleet
     takes them without a copy, and ``FedAvg`` averages a stack's rows in one reduction

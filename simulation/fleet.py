@@ -28,7 +28,7 @@ from typing import Mapping, Protocol, Sequence, Union
 
 import torch
 
-from fedgrid.client.api import Client, FitOutput
+from fedgrid.client.api import Client, FitOutput, OwnedState
 from fedgrid.client.uplink import UplinkEncoder, reconstruct
 from fedgrid.compression import available_codecs
 from fedgrid.errors import ConfigError
@@ -39,7 +39,7 @@ from fedgrid.server.downlink import Downlink, RoundDownlink
 from fedgrid.server.fleet import Fleet, RoundOutcome
 from fedgrid.server.registry import check_joining
 from fedgrid.server.rounds import check_outbox, relay
-from fedgrid.simulation.batched import BatchedTrainer, StackedRows, choose_engine, recurrent_module
+from fedgrid.simulation.batched import BatchedTrainer, choose_engine, recurrent_module
 from fedgrid.types import ClientInfo, EvaluateIns, EvaluateRes, FitIns, FitRes, Failure, MessageIns, MessageRes, ModelState, TensorSpec
 
 __all__ = ["InProcessFleet", "Profiles", "ENGINES"]
@@ -301,8 +301,9 @@ class InProcessFleet(Fleet):
                         header = serde.StreamInfo(round=server_round, num_examples=out.num_examples,
                                                   metrics={k: float(v) for k, v in out.metrics.items()})
                         serde.check_metrics(header.metrics)
-                        # The batched engine's rows are its own (StackedRows); anything else a client may still hold.
-                        received = (OrderedDict(out.state) if isinstance(out.state, StackedRows) else
+                        # A TorchClient's upload and the batched engine's rows are fresh copies (OwnedState);
+                        # anything else a client may still hold.
+                        received = (OrderedDict(out.state) if isinstance(out.state, OwnedState) else
                                     OrderedDict((n, t.detach().to("cpu").clone(memory_format=torch.contiguous_format)) for n, t in out.state.items()))
                         up_bytes = serde.stream_wire_bytes(received, header, chunk_size=self.chunk_size)
                         up_payload = sum(t.numel() * t.element_size() for t in received.values())
