@@ -122,7 +122,7 @@ class TorchClient(Client):
         self._nhwc = self.channels_last
         layout = torch.channels_last if self._nhwc else torch.contiguous_format
         if any(p.dim() == 4 and not p.is_contiguous(memory_format=layout) for p in self.model.parameters()):
-            self.model.to(memory_format=layout)
+            self.model.to(memory_format=layout)  # type: ignore[call-overload]  # Module.to takes it; its stubs omit it
 
     def _inputs(self, inputs: Any) -> Any:
         """A batch's inputs on the device, 4-d ones in the layout ``_lay_out`` chose."""
