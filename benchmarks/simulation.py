@@ -17,6 +17,9 @@ model of each network is built once from ``--seed`` and handed to every variant.
                      (no DataLoader), add the weights times examples; average
     loop-dataloader  the same loop over DataLoader(shuffle=True, batch_size=32) (issue 6's
                      baseline; not in the default set)
+    loop-channels-last  ``loop`` with the model and 4-d inputs in channels-last layout, as
+                     fedgrid's TorchClient trains a CNN on the CPU: how much of fedgrid's CNN
+                     speed is that layout (not in the default set)
     flower           Flower 1.42 run_simulation, client_resources num_cpus=1 (flower_sim.py);
                      its clients train with the loop's code (index slicing, no DataLoader)
     flower-default   the same with Flower's default client resources (num_cpus=2)
@@ -73,7 +76,7 @@ __all__ = ["accuracy", "add_work_arguments", "check_work_arguments", "combine", 
            "train_flops_per_example", "write_results"]
 
 FEDGRID = {"batched": "batched", "sequential": "sequential", "auto": "auto"}
-LOOPS = {"loop": "slice", "loop-dataloader": "dataloader"}
+LOOPS = {"loop": "slice", "loop-dataloader": "dataloader", "loop-channels-last": "slice-nhwc"}
 FLOWER = {"flower": {"num_cpus": 1, "num_gpus": 0.0}, "flower-default": None}
 ALL_VARIANTS = (*FEDGRID, *LOOPS, *FLOWER)
 DEFAULT_VARIANTS = "batched,sequential,auto,loop,flower,flower-default"
@@ -235,7 +238,10 @@ def work_loop(spec: dict[str, Any]) -> dict[str, Any]:
     parts = [torch.from_numpy(indices[offsets[i] : offsets[i + 1]]) for i in chosen]
     model = MODELS[spec["model"]]().to(device)
     load_positional(model, torch.load(work / f"init_{spec['model']}.pt"))
-    slicing = spec["loop"] == "slice"
+    slicing = spec["loop"] in ("slice", "slice-nhwc")
+    nhwc = spec["loop"] == "slice-nhwc"
+    if nhwc:
+        model = model.to(memory_format=torch.channels_last)
     bs = spec["batch_size"]
     if slicing:
         clients: list[Any] = [(x[p].to(device), y[p].to(device)) for p in parts]
@@ -246,7 +252,8 @@ def work_loop(spec: dict[str, Any]) -> dict[str, Any]:
 
     def batches(client: Any) -> Any:
         if slicing:
-            yield from index_batches(client[0], client[1], bs)
+            for xb, yb in index_batches(client[0], client[1], bs):
+                yield (xb.contiguous(memory_format=torch.channels_last) if nhwc and xb.dim() == 4 else xb), yb
             return
         for xb, yb in client:
             yield xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
@@ -274,7 +281,7 @@ def work_loop(spec: dict[str, Any]) -> dict[str, Any]:
             torch.cuda.synchronize()
         round_s.append(time.perf_counter() - start)
         _progress(spec, round_s)
-    notes = [f"batches: {'randperm + index slicing' if slicing else 'DataLoader'}"]
+    notes = [f"batches: {'randperm + index slicing' if slicing else 'DataLoader'}{', channels-last' if nhwc else ''}"]
     if spec.get("loop_clients"):
         notes.append(f"trained {len(chosen)} of the {spec['clients']} clients ({examples} examples)")
     return {"round_s": round_s, "final": [t.cpu() for t in global_state], "notes": notes,
