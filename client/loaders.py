@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler, Subset, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler, Subset, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
 __all__ = ["NotPlainLoader", "PlainLoader", "plain_loader"]
@@ -65,9 +65,11 @@ class PlainLoader:
 
     @cached_property
     def _lookalike(self) -> DataLoader:
-        """Made once: each ``iter`` of it draws anew, as each ``iter`` of the client's loader does."""
+        """Made once: each ``iter`` of it draws anew, as each ``iter`` of the client's loader
+        does. Its dataset hands over the whole batch of positions in one call (no
+        per-example fetch and collate)."""
         n = len(self)
-        return DataLoader(range(n), batch_size=n, shuffle=self.shuffle, generator=self.generator)  # type: ignore[arg-type]
+        return DataLoader(_Positions(n), batch_size=n, shuffle=self.shuffle, generator=self.generator, collate_fn=_as_is)
 
     def index_batches(self, order: torch.Tensor) -> list[torch.Tensor]:
         """``order`` cut into the loader's batches of positions (the last one dropped if short and ``drop_last``)."""
@@ -83,6 +85,27 @@ class PlainLoader:
         x, y = self.base.tensors
         for pick in self.index_batches(rows):
             yield [x[pick], y[pick]]
+
+
+class _Positions(Dataset):
+    """``0..n-1``, fetched a batch at a time (``DataLoader`` calls ``__getitems__`` with the batch)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+    def __getitems__(self, indices: list[int]) -> torch.Tensor:
+        return torch.as_tensor(indices, dtype=torch.int64)
+
+
+def _as_is(batch: Any) -> Any:
+    """The collate of ``_Positions``: its ``__getitems__`` already made the batch."""
+    return batch
 
 
 def _reads_as(dataset: object, kind: type) -> bool:
