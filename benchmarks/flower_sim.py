@@ -262,7 +262,7 @@ def main(argv: list[str]) -> None:
 
     rounds, clients = spec["rounds"], spec["clients"]
     model = MODELS[spec["model"]]()
-    load_positional(model, torch.load(Path(spec["work_dir"]) / f"init_{spec['model']}.pt"))
+    load_positional(model, torch.load(Path(spec["work_dir"]) / f"init_{spec['model']}.pt", weights_only=True))
     stamps: dict[str, dict[int, float]] = {"enter": {}, "exit": {}}
     actor_threads: list[float] = []
     final_path = Path(spec["final_path"])

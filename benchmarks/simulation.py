@@ -137,7 +137,7 @@ def work_fedgrid(spec: dict[str, Any]) -> dict[str, Any]:
     fedgrid_log = logging.getLogger("fedgrid")
     fedgrid_log.setLevel(logging.INFO)
     fedgrid_log.addHandler(EngineNotes())
-    init = torch.load(Path(spec["work_dir"]) / f"init_{spec['model']}.pt")
+    init = torch.load(Path(spec["work_dir"]) / f"init_{spec['model']}.pt", weights_only=True)
     # Hand fedgrid the shared initial model and no per-round evaluation (it would count in
     # wall_s); run_simulation builds both through ``resolve``.
     original = getattr(sim_run, "resolve", None)
@@ -237,7 +237,7 @@ def work_loop(spec: dict[str, Any]) -> dict[str, Any]:
     chosen = spec.get("loop_clients") or list(range(len(offsets) - 1))
     parts = [torch.from_numpy(indices[offsets[i] : offsets[i + 1]]) for i in chosen]
     model = MODELS[spec["model"]]().to(device)
-    load_positional(model, torch.load(work / f"init_{spec['model']}.pt"))
+    load_positional(model, torch.load(work / f"init_{spec['model']}.pt", weights_only=True))
     slicing = spec["loop"] in ("slice", "slice-nhwc")
     nhwc = spec["loop"] == "slice-nhwc"
     if nhwc:
@@ -360,9 +360,10 @@ def train_flops_per_example(name: str, batch: int) -> float:
 
 
 @torch.no_grad()
-def accuracy(name: str, values: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> float:
+def accuracy(name: str, final_path: str, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Test accuracy of the final model a run saved (tensors only: ``weights_only``, no code runs)."""
     model = MODELS[name]()
-    load_positional(model, values)
+    load_positional(model, torch.load(final_path, map_location="cpu", weights_only=True))
     model.eval()
     correct = sum(int((model(x[i : i + 2000]).argmax(1) == y[i : i + 2000]).sum()) for i in range(0, len(y), 2000))
     return correct / len(y)
@@ -696,7 +697,7 @@ def main(argv: list[str] | None = None) -> None:
                 row = run_variant(args, work, model, variant, flower_python, repeat=repeat)
                 summarize(row, args, flops_round, shared["examples"])
                 if row.get("final_path"):
-                    row["accuracy"] = accuracy(model, torch.load(row["final_path"], map_location="cpu"), shared["x_test"], shared["y_test"])
+                    row["accuracy"] = accuracy(model, row["final_path"], shared["x_test"], shared["y_test"])
                 runs[variant].append(row)
                 shown = f"{row['s_per_round']:.3f} s/round, accuracy {row.get('accuracy', float('nan')):.4f}" if "error" not in row else f"FAILED: {row['error'][:300]}"
                 log(f"    {shown}")

@@ -49,8 +49,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from simulation import (  # noqa: E402
@@ -135,7 +133,7 @@ def measure_model(args: argparse.Namespace, work: Path, model: str, shared: dict
                 row["round_s"] = [t * scale for t in row["round_s"]]
                 summarize(row, args, flops_round, shared["examples"])
             if row.get("final_path") and (variant != "loop" or not subset):
-                row["accuracy"] = accuracy(model, torch.load(row["final_path"], map_location="cpu"), shared["x_test"], shared["y_test"])
+                row["accuracy"] = accuracy(model, row["final_path"], shared["x_test"], shared["y_test"])
             row.pop("final_path", None)
             row.pop("extra", None)
             runs[variant].append(row)
