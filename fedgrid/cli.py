@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import threading
-from typing import Any, Sequence, TextIO
+from typing import Any, Callable, Sequence, TextIO
 
 from fedgrid import health, launch
 from fedgrid.cli_support import FedgridParser, error_line, package_version, with_default_out
@@ -90,7 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the name the coordinator's certificate holds, when not the host of --coordinator")
     cli.add_argument("--enroll", default="", metavar="TOKEN",
                      help="enroll first: trade this one-time token (fedgrid certs token) for a certificate, written to --cert "
-                     "with a key made here in --key (0600); skipped when --cert and --key already hold a valid identity")
+                     "with a key made here in --key (0600); skipped when --cert and --key already hold a valid identity. "
+                     "A command line is visible to every local user: prefer --enroll-file or $FEDGRID_ENROLL_TOKEN")
+    cli.add_argument("--enroll-file", dest="enroll_file", default="", metavar="FILE",
+                     help="like --enroll, the token read from FILE (fedgrid certs token --out; a container secret)")
     cli.add_argument("--enroll-address", dest="enroll_address", default="", metavar="HOST:PORT",
                      help="the coordinator's enrollment service (its --enroll-listen)")
     cli.add_argument("--name", default=None, metavar="NAME",
@@ -150,6 +154,8 @@ def _add_certs_parser(sub: Any) -> None:
     token = command("token", "print a one-time enrollment token (shown once: only its hash is kept)")
     token.add_argument("--name", default=None, help="the only identity the token may enroll (default: any)")
     token.add_argument("--expires", default="24h", metavar="DURATION", help="e.g. 30m, 24h, 7d (default: 24h)")
+    token.add_argument("--out", default="", metavar="FILE",
+                       help="write the token to FILE (new, mode 0600) for fedgrid client --enroll-file, instead of printing it")
     revoke_token = command("revoke-token", "revoke an enrollment token by its id (the part before the dot)")
     revoke_token.add_argument("--id", dest="token_id", required=True, metavar="TOKEN_ID")
 
@@ -383,6 +389,7 @@ def _client(args: argparse.Namespace) -> int:
     if not 0 <= index < total:
         raise ConfigError("partition", f"index {index} is outside 0..{total - 1}")
     rank = torchrun_rank()
+    args.enroll = _enroll_token(args)
     if (args.enroll or args.enroll_address or args.name is not None) and (rank is None or rank[0] == 0):
         _enroll(args)  # before any data or model is loaded: a refused token fails fast
     import torch
@@ -465,12 +472,44 @@ def _client(args: argparse.Namespace) -> int:
     return 0
 
 
+#: Where ``fedgrid client`` finds an enrollment token that is not on its command line.
+ENROLL_TOKEN_ENV = "FEDGRID_ENROLL_TOKEN"
+#: Longest token file read (a token is about 60 characters).
+MAX_TOKEN_FILE_BYTES = 4096
+
+
+def _enroll_token(args: argparse.Namespace) -> str:
+    """The enrollment token: ``--enroll``, else ``--enroll-file``, else ``$FEDGRID_ENROLL_TOKEN``
+    ("" for none). A token on the command line works, with a warning: other local users can read
+    it in ``ps`` until it is spent."""
+    if args.enroll and args.enroll_file:
+        raise ConfigError("enroll", "give the token once: --enroll TOKEN or --enroll-file FILE, not both")
+    if args.enroll:
+        print("fedgrid client: warning: the token on the command line is visible to other users of this machine "
+              f"until it is spent; prefer --enroll-file FILE or ${ENROLL_TOKEN_ENV}", file=sys.stderr)
+        return str(args.enroll)
+    if args.enroll_file:
+        try:
+            with open(args.enroll_file, "rb") as f:
+                data = f.read(MAX_TOKEN_FILE_BYTES + 1)
+        except OSError as exc:
+            raise ConfigError("enroll_file", f"cannot read {args.enroll_file}: {exc.strerror}") from None
+        if len(data) > MAX_TOKEN_FILE_BYTES:
+            raise ConfigError("enroll_file", f"{args.enroll_file} is over {MAX_TOKEN_FILE_BYTES} bytes: not a token file")
+        token = data.decode("ascii", "replace").strip()
+        if not token:
+            raise ConfigError("enroll_file", f"{args.enroll_file} is empty")
+        return token
+    return os.environ.get(ENROLL_TOKEN_ENV, "").strip()
+
+
 def _enroll(args: argparse.Namespace) -> None:
     """``fedgrid client --enroll``: the device's certificate, once (``fedgrid.client.enroll``)."""
     from fedgrid.client.enroll import enroll
 
     if not args.enroll:
-        raise ConfigError("enroll", "--enroll-address and --name go with --enroll TOKEN (under mTLS the certificate names the client)")
+        raise ConfigError("enroll", "--enroll-address and --name go with --enroll TOKEN, --enroll-file FILE or "
+                          f"${ENROLL_TOKEN_ENV} (under mTLS the certificate names the client)")
     missing = [flag for flag, value in (("--enroll-address", args.enroll_address), ("--ca", args.ca), ("--cert", args.cert),
                                         ("--key", args.key)) if not value]
     if missing:
@@ -517,10 +556,14 @@ def _certs(args: argparse.Namespace) -> int:
             print(_certs_table(pki.list_certs(d)))
         elif args.certs_command == "token":
             expires = pki.parse_duration(args.expires)
-            token = pki.issue_token(d, name=args.name, expires=expires)
             scope = f"for {args.name!r}" if args.name else "for any name"
-            print(f"enrollment token {token.partition('.')[0]} {scope}, valid {args.expires}; shown once:", file=sys.stderr)
-            print(token)
+            if args.out:
+                token = _token_to_file(args.out, lambda: pki.issue_token(d, name=args.name, expires=expires))
+                print(f"enrollment token {token.partition('.')[0]} {scope}, valid {args.expires}: written to {args.out} (0600)")
+            else:
+                token = pki.issue_token(d, name=args.name, expires=expires)
+                print(f"enrollment token {token.partition('.')[0]} {scope}, valid {args.expires}; shown once:", file=sys.stderr)
+                print(token)
         else:
             pki.revoke_token(d, args.token_id)
             print(f"enrollment token {args.token_id} revoked")
@@ -528,6 +571,24 @@ def _certs(args: argparse.Namespace) -> int:
         print(f"fedgrid certs {args.certs_command}: error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _token_to_file(path: str, issue: Callable[[], str]) -> str:
+    """``issue()``'s token, written to the new file ``path`` (mode 0600 from its creation). The
+    file is made first, so a path that cannot be written spends no token; a failed issue
+    leaves no file."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        raise ValueError(f"cannot create {path}: {exc.strerror} (the token file must be new)") from None
+    try:
+        token = issue()
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+    except BaseException:
+        os.unlink(path)
+        raise
+    return token
 
 
 def _report(args: argparse.Namespace) -> int:

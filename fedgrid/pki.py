@@ -181,6 +181,8 @@ def _read_json(path: Path, *, missing: dict[str, Any] | None = None) -> dict[str
 def _locked(directory: Path) -> Iterator[None]:
     """Holds the directory's exclusive lock: one writer of index.json and tokens.json at a
     time, across threads (each call opens its own file description) and processes."""
+    if not directory.is_dir():
+        raise PKIError(f"{directory}: no such certificate directory; create a CA with `fedgrid certs init --dir {directory}`")
     fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)

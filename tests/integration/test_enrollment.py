@@ -261,16 +261,17 @@ def test_cli_client_enrolls_then_trains_over_mtls(tmp_path, ca_dir):
                                       "--local-epochs", "1", "--enroll-listen", "127.0.0.1:0", "--enroll-dir", str(ca_dir), *tls)
     try:
         enroll_address = (out / "enroll_address").read_text().strip()  # written before RUN_DIR/address
-        token = pki.issue_token(ca_dir, name="edge-cli")
+        token_file = tmp_path / "edge.token"  # as `fedgrid certs token --out` writes it: off the command line
+        token_file.write_text(pki.issue_token(ca_dir, name="edge-cli") + "\n")
         files = device(tmp_path, ca_dir)
         client = subprocess.run(
             [*FEDGRID, "client", "--coordinator", address, "--app", "linear_app:client", "--threads", str(THREADS),
-             "--enroll", token, "--enroll-address", enroll_address, "--name", "edge-cli",
+             "--enroll-file", str(token_file), "--enroll-address", enroll_address, "--name", "edge-cli",
              "--ca", files["ca"], "--cert", files["cert"], "--key", files["key"]],
             capture_output=True, text=True, env=child_env(), timeout=90,
         )
         assert client.returncode == 0, client.stdout + client.stderr
-        assert "identity 'edge-cli'" in client.stdout
+        assert "identity 'edge-cli'" in client.stdout and "visible to other users" not in client.stderr
         assert proc.wait(timeout=60) == 0
         assert '"name": "edge-cli"' in (out / "events.jsonl").read_text()
         assert stat.S_IMODE(os.stat(files["key"]).st_mode) == 0o600
@@ -280,18 +281,44 @@ def test_cli_client_enrolls_then_trains_over_mtls(tmp_path, ca_dir):
             proc.wait(timeout=30)
 
 
+ENROLL_FILES = ["--enroll-address", "127.0.0.1:1", "--ca", "{d}/ca.pem", "--cert", "{d}/c.pem", "--key", "{d}/k"]
+
+
 @pytest.mark.parametrize(
     "flags, words",
     [
         (["--enroll", "abc.def"], "--enroll needs --enroll-address, --ca, --cert, --key"),
-        (["--name", "edge-1"], "go with --enroll TOKEN"),
-        (["--enroll", "no-dot", "--enroll-address", "127.0.0.1:1", "--ca", "{d}/ca.pem", "--cert", "{d}/c.pem", "--key", "{d}/k"],
-         "<token_id>.<secret>"),
+        (["--name", "edge-1"], "go with --enroll TOKEN, --enroll-file FILE or $FEDGRID_ENROLL_TOKEN"),
+        (["--enroll", "no-dot", *ENROLL_FILES], "<token_id>.<secret>"),
+        (["--enroll", "a.b", "--enroll-file", "{d}/t", *ENROLL_FILES], "not both"),
+        (["--enroll-file", "{d}/missing", *ENROLL_FILES], "cannot read {d}/missing: No such file or directory"),
+        (["--enroll-file", "{d}/empty", *ENROLL_FILES], "{d}/empty is empty"),
+        (["--enroll-file", "{d}/big", *ENROLL_FILES], "{d}/big is over 4096 bytes"),
+        (["--enroll-file", "{d}/no-dot", *ENROLL_FILES], "<token_id>.<secret>"),  # read, stripped, then checked
     ],
 )
-def test_cli_enroll_flags_are_checked_before_any_work(tmp_path, capsys, flags, words):
+def test_cli_enroll_flags_are_checked_before_any_work(tmp_path, capsys, monkeypatch, flags, words):
     from fedgrid.cli import main
 
+    monkeypatch.delenv("FEDGRID_ENROLL_TOKEN", raising=False)
+    (tmp_path / "empty").write_text(" \n")
+    (tmp_path / "big").write_text("x" * 5000)
+    (tmp_path / "no-dot").write_text("no-dot\n")
     assert main(["client", "--coordinator", "127.0.0.1:1", *(f.format(d=tmp_path) for f in flags)]) == 2
-    assert words in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert words.format(d=tmp_path) in err
+    assert ("visible to other users of this machine" in err) == (flags[0] == "--enroll" and "--enroll-file" not in flags)
     assert not (tmp_path / "k").exists()
+
+
+def test_cli_enroll_token_from_the_environment(tmp_path, capsys, monkeypatch):
+    """$FEDGRID_ENROLL_TOKEN is the token when no flag gives one: it reaches the token check."""
+    from fedgrid.cli import main
+
+    monkeypatch.setenv("FEDGRID_ENROLL_TOKEN", " no-dot\n")
+    assert main(["client", "--coordinator", "127.0.0.1:1", *(f.format(d=tmp_path) for f in ENROLL_FILES)]) == 2
+    err = capsys.readouterr().err
+    assert "<token_id>.<secret>" in err and "visible to other users" not in err
+    monkeypatch.delenv("FEDGRID_ENROLL_TOKEN")
+    assert main(["client", "--coordinator", "127.0.0.1:1", *(f.format(d=tmp_path) for f in ENROLL_FILES)]) == 2
+    assert "go with --enroll TOKEN" in capsys.readouterr().err  # no token anywhere: the flags alone are refused

@@ -55,6 +55,8 @@ def test_bad_input_exits_2_and_names_the_problem(tmp_path, capsys):
         (["token", "--dir", d, "--expires", "soon"], "duration 'soon'"),
         (["revoke-token", "--dir", d, "--id", "nope"], "no enrollment token with id 'nope'"),
         (["list", "--dir", str(tmp_path / "elsewhere")], "index.json: missing"),
+        (["token", "--dir", str(tmp_path / "elsewhere")], "elsewhere: no such certificate directory"),
+        (["issue", "--dir", str(tmp_path / "elsewhere"), "--name", "bob"], "elsewhere: no such certificate directory"),
     ]
     for args, problem in cases:
         code, _, err = _run(capsys, *args)
@@ -76,3 +78,33 @@ def test_token_is_printed_once_and_enrolls(tmp_path, capsys):
     other = out.strip().split(".")[0]
     assert _run(capsys, "revoke-token", "--dir", d, "--id", other)[0] == 0
     assert json.loads((Path(d) / "tokens.json").read_text())["tokens"][other]["revoked"] is True
+
+
+def test_token_out_writes_a_new_0600_file_and_prints_no_secret(tmp_path, capsys):
+    d = str(tmp_path / "pki")
+    _run(capsys, "init", "--dir", d)
+    path = tmp_path / "edge.token"
+    code, out, err = _run(capsys, "token", "--dir", d, "--name", "bob", "--out", str(path))
+    token = path.read_text().strip()
+    token_id, secret = token.split(".", 1)
+    assert code == 0 and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert f"{token_id} for 'bob'" in out and str(path) in out and secret not in out + err
+    assert pki.enroll(d, token, pki.make_csr("bob")[1])[1] == "bob"
+
+
+def test_token_out_refuses_an_existing_file_and_spends_no_token(tmp_path, capsys):
+    d = str(tmp_path / "pki")
+    _run(capsys, "init", "--dir", d)
+    path = tmp_path / "edge.token"
+    path.write_text("keep me\n")
+    store = (Path(d) / "tokens.json").read_bytes()
+    code, out, err = _run(capsys, "token", "--dir", d, "--out", str(path))
+    assert code == 2 and f"cannot create {path}" in err and "must be new" in err and out == ""
+    assert path.read_text() == "keep me\n" and (Path(d) / "tokens.json").read_bytes() == store
+
+
+def test_token_out_leaves_no_file_when_the_token_cannot_be_issued(tmp_path, capsys):
+    path = tmp_path / "edge.token"
+    code, _, err = _run(capsys, "token", "--dir", str(tmp_path / "no-ca"), "--out", str(path))
+    assert code == 2 and "no-ca: no such certificate directory" in err and not path.exists()
+    assert not (tmp_path / "no-ca").exists()
