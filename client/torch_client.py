@@ -270,6 +270,9 @@ class TorchClient(Client):
                 optimizer.step()
                 total_loss += example_loss_sum
                 seen += len(targets)
+        # The last step's gradients are no use between rounds; kept, they are a second model per
+        # client (in a 100-client CNN simulation, 650 MB of the process).
+        optimizer.zero_grad(set_to_none=True)
         return total_loss, seen
 
     # Seams a trainer over several processes (``fedgrid.client.parallel``) overrides; the

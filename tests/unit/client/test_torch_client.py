@@ -85,6 +85,16 @@ def test_fit_does_not_modify_input_and_output_is_detached(init_state):
     assert not torch.equal(client.model.state_dict()["0.weight"], out.state["0.weight"])
 
 
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedprox", "scaffold"])
+def test_fit_keeps_no_gradients_between_rounds(init_state, algorithm):
+    """A client between rounds holds its weights, not a second copy of them as ``.grad``."""
+    client = _client()
+    config = {**CONFIG, "algorithm": algorithm, "mu": 0.1} if algorithm == "fedprox" else {**CONFIG, "algorithm": algorithm}
+    out = client.fit(_copy(init_state), FitIns(round=1, config=config))
+    assert not torch.equal(out.state["0.weight"], init_state["0.weight"])  # it trained
+    assert [name for name, p in client.model.named_parameters() if p.grad is not None] == []
+
+
 def test_fit_lr_zero_leaves_weights(init_state):
     out = _client().fit(_copy(init_state), FitIns(round=1, config={**CONFIG, "lr": 0.0}))
     _assert_states_equal(out.state, init_state)
