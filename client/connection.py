@@ -52,6 +52,8 @@ SERVICE = "fedgrid.v1.Coordinator"
 #: Retried with backoff. CANCELLED too: a coordinator shutting down cancels calls in flight
 #: (a call this client cancels itself ends the loop through ``stop`` instead).
 #: RESOURCE_EXHAUSTED too: the coordinator is at a limit (transfers in flight) for now.
+#: The smallest upload chunk a slow link makes the client fall back to (``upload_chunk_cap``).
+MIN_UPLOAD_CHUNK = 16 << 10
 TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
                        grpc.StatusCode.RESOURCE_EXHAUSTED})
 GRPC_OPTIONS = [
@@ -130,10 +132,12 @@ def _is_transient(exc: BaseException) -> bool:
 
 @dataclass(frozen=True)
 class UploadAttempt:
-    """One try at an upload: the chunk it started from and the bytes it sent (``sent[0]``)."""
+    """One try at an upload: the chunk it started from, the bytes it sent (``sent[0]``) and
+    the payload bytes per chunk it sent them in."""
 
     start_chunk: int
     sent: list[int]
+    chunk_size: int = 0
 
     @property
     def bytes_sent(self) -> int:
@@ -207,6 +211,10 @@ class Connection:
         self.run_id = ""
         self.heartbeat_interval_s = 5.0
         self.chunk_size = serde.CHUNK_SIZE
+        #: At most this many payload bytes per upload chunk: halved (down to
+        #: ``MIN_UPLOAD_CHUNK``) when a try ran out of time without the coordinator getting one
+        #: more whole chunk, as over a link too slow to carry a chunk within its idle limit.
+        self.upload_chunk_cap = serde.CHUNK_SIZE
         #: The tries of the latest upload (a resumed upload has more than one).
         self.upload_attempts: list[UploadAttempt] = []
         #: Wire bytes (``serde.wire_size``, as the coordinator counts them) of the model
@@ -419,18 +427,31 @@ class Connection:
         self.upload_attempts = []
         status_request = pb.UploadStatusRequest(client_id=self.client_id, task_id=task_id)
 
+        stalled = [False]  # the last try ran out of time (DEADLINE_EXCEEDED)
+        chunk_size = min(self.chunk_size, self.upload_chunk_cap)
+
         def attempt() -> int:
+            nonlocal chunk_size
             start = 0
             if self.upload_attempts:  # a retry: continue from what the coordinator holds
                 status = self.stub.UploadStatus(status_request, metadata=self._session(), timeout=self.rpc_timeout)
                 if status.accepted:
                     return encoded.total_bytes  # an earlier attempt landed; its reply was lost
                 start = int(status.chunks_received)
+                if stalled[0] and start <= self.upload_attempts[-1].start_chunk and chunk_size > MIN_UPLOAD_CHUNK:
+                    # Not one more chunk got through before the deadline: chunks this size take
+                    # longer than the coordinator waits for one. Start over in smaller ones (a
+                    # resume must keep the size of the chunks it continues).
+                    chunk_size = self.upload_chunk_cap = max(MIN_UPLOAD_CHUNK, chunk_size // 2)
+                    start = 0
+                    log.warning("upload of task %r: no chunk reached the coordinator in time; sending %d-byte chunks from now on",
+                                task_id, chunk_size)
             sent = [0]
-            self.upload_attempts.append(UploadAttempt(start, sent))
+            self.upload_attempts.append(UploadAttempt(start, sent, chunk_size))
+            stalled[0] = False
 
             def counted() -> Iterator[bytes]:
-                for frame in encoded.frames(info, chunk_size=self.chunk_size, start=start):
+                for frame in encoded.frames(info, chunk_size=chunk_size, start=start):
                     sent[0] += len(frame)
                     self.bytes_up += serde.wire_size(frame)
                     yield frame
@@ -440,6 +461,7 @@ class Connection:
             except grpc.RpcError as exc:
                 if len(self.upload_attempts) > 1 and exc.code() == grpc.StatusCode.ALREADY_EXISTS:
                     return encoded.total_bytes
+                stalled[0] = exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                 raise
             return int(reply.bytes_received)
 

@@ -76,9 +76,10 @@ def start_client(address: str, log_path: Path, *args: str) -> subprocess.Popen:
 class InProcessCoordinator:
     """A real gRPC coordinator in this process (for direct access to its state)."""
 
-    def __init__(self, state: "OrderedDict[str, torch.Tensor]", *, heartbeat_s: float = 60.0, interceptors=(), bounds=None) -> None:
+    def __init__(self, state: "OrderedDict[str, torch.Tensor]", *, heartbeat_s: float = 60.0, interceptors=(), bounds=None,
+                 **coordinator_options) -> None:
         self.fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=heartbeat_s), bounds=bounds)
-        self.coordinator = Coordinator("127.0.0.1:0", self.fleet, max_workers=16, interceptors=interceptors).start()
+        self.coordinator = Coordinator("127.0.0.1:0", self.fleet, max_workers=16, interceptors=interceptors, **coordinator_options).start()
         self.address = self.coordinator.address
         self.state = state
         self.outcome = None

@@ -58,3 +58,37 @@ def test_cut_upload_resumes_from_acknowledged_chunk():
     finally:
         relay.close()
         server.stop()
+
+
+@pytest.mark.timeout(180)
+def test_upload_over_a_link_too_slow_for_a_chunk_falls_back_to_smaller_chunks(caplog):
+    """At 4 Mbit/s a 1 MiB chunk takes 2.1 s, over the coordinator's 1 s idle limit: every try
+    would time out at the same chunk. The client halves its chunks after a try in which none
+    got through, and the upload lands whole."""
+    from fedgrid.wan import WanLink, WanRelay
+
+    g = torch.Generator().manual_seed(3)
+    state = OrderedDict([("w", torch.randn(300_000, generator=g))])  # 1.2 MB: two 1 MiB chunks
+    server = InProcessCoordinator(state, stream_idle_s=1.0)
+    with WanRelay(server.address, WanLink(rate_mbit=4)) as relay:
+        try:
+            conn = Connection(relay.address, retry_max_wait=0.5)
+            conn.join(Named("slow-link"))
+            assert conn.chunk_size == serde.CHUNK_SIZE == conn.upload_chunk_cap
+            server.open_round(timeout_s=150)
+            task = conn.poll(5).task
+            update = OrderedDict((k, v * 2) for k, v in conn.download(task.task_id).items())
+            with caplog.at_level("WARNING", logger="fedgrid.client.connection"):
+                assert conn.upload(task.task_id, task.round, update, 3, {"loss": 1.0}) == 1_200_000
+            sizes = [a.chunk_size for a in conn.upload_attempts]
+            assert sizes[0] == serde.CHUNK_SIZE and len(sizes) >= 2
+            assert all(b in (a, a // 2) for a, b in zip(sizes, sizes[1:]))  # halved, or kept for a resume
+            # The chunks that landed take well under the 1 s limit at 0.5 MB/s.
+            assert 16 << 10 <= conn.upload_chunk_cap == sizes[-1] <= 256 << 10
+            assert "no chunk reached the coordinator in time" in caplog.text
+            outcome = server.wait_round(timeout=150)
+            assert len(outcome.results) == 1 and not outcome.failures
+            assert torch.equal(outcome.results[0].state["w"], update["w"])
+            conn.close()
+        finally:
+            server.stop()
