@@ -49,11 +49,11 @@ T = TypeVar("T")
 #: Consecutive refused sessions after which the client gives up instead of joining again.
 MAX_REJOINS = 3
 SERVICE = "fedgrid.v1.Coordinator"
+#: The smallest upload chunk a slow link makes the client fall back to (``upload_chunk_cap``).
+MIN_UPLOAD_CHUNK = 16 << 10
 #: Retried with backoff. CANCELLED too: a coordinator shutting down cancels calls in flight
 #: (a call this client cancels itself ends the loop through ``stop`` instead).
 #: RESOURCE_EXHAUSTED too: the coordinator is at a limit (transfers in flight) for now.
-#: The smallest upload chunk a slow link makes the client fall back to (``upload_chunk_cap``).
-MIN_UPLOAD_CHUNK = 16 << 10
 TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
                        grpc.StatusCode.RESOURCE_EXHAUSTED})
 GRPC_OPTIONS = [
@@ -427,18 +427,18 @@ class Connection:
         self.upload_attempts = []
         status_request = pb.UploadStatusRequest(client_id=self.client_id, task_id=task_id)
 
-        stalled = [False]  # the last try ran out of time (DEADLINE_EXCEEDED)
+        stalled = False  # the last try ran out of time (DEADLINE_EXCEEDED)
         chunk_size = min(self.chunk_size, self.upload_chunk_cap)
 
         def attempt() -> int:
-            nonlocal chunk_size
+            nonlocal chunk_size, stalled
             start = 0
             if self.upload_attempts:  # a retry: continue from what the coordinator holds
                 status = self.stub.UploadStatus(status_request, metadata=self._session(), timeout=self.rpc_timeout)
                 if status.accepted:
                     return encoded.total_bytes  # an earlier attempt landed; its reply was lost
                 start = int(status.chunks_received)
-                if stalled[0] and start <= self.upload_attempts[-1].start_chunk and chunk_size > MIN_UPLOAD_CHUNK:
+                if stalled and start <= self.upload_attempts[-1].start_chunk and chunk_size > MIN_UPLOAD_CHUNK:
                     # Not one more chunk got through before the deadline: chunks this size take
                     # longer than the coordinator waits for one. Start over in smaller ones (a
                     # resume must keep the size of the chunks it continues).
@@ -448,7 +448,7 @@ class Connection:
                                 task_id, chunk_size)
             sent = [0]
             self.upload_attempts.append(UploadAttempt(start, sent, chunk_size))
-            stalled[0] = False
+            stalled = False
 
             def counted() -> Iterator[bytes]:
                 for frame in encoded.frames(info, chunk_size=chunk_size, start=start):
@@ -461,7 +461,7 @@ class Connection:
             except grpc.RpcError as exc:
                 if len(self.upload_attempts) > 1 and exc.code() == grpc.StatusCode.ALREADY_EXISTS:
                     return encoded.total_bytes
-                stalled[0] = exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                stalled = exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                 raise
             return int(reply.bytes_received)
 

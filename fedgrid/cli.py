@@ -389,9 +389,10 @@ def _client(args: argparse.Namespace) -> int:
     if not 0 <= index < total:
         raise ConfigError("partition", f"index {index} is outside 0..{total - 1}")
     rank = torchrun_rank()
-    args.enroll = _enroll_token(args)
-    if (args.enroll or args.enroll_address or args.name is not None) and (rank is None or rank[0] == 0):
-        _enroll(args)  # before any data or model is loaded: a refused token fails fast
+    if rank is None or rank[0] == 0:  # rank 0 enrolls; the others train with the files it wrote
+        args.enroll = _enroll_token(args)
+        if args.enroll or args.enroll_address or args.name is not None:
+            _enroll(args)  # before any data or model is loaded: a refused token fails fast
     import torch
 
     if config.threads:
