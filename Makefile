@@ -26,7 +26,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	command -v chromium >/dev/null || [ "$$(id -u)" != 0 ] || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium)
 	$(PY) -m fedgrid.proto.generate --check
-	$(VENV)/bin/mypy fedgrid server client proto aggregation compression simulation region
+	$(VENV)/bin/mypy fedgrid server client proto aggregation compression simulation region ops cli
 	# Layer contracts (pyproject.toml [tool.importlinter]) over the package as Python imports it.
 	$(PY) tests/tools/import_tree.py build/layers
 	cd build/layers && PYTHONPATH=. $(CURDIR)/$(VENV)/bin/lint-imports $(CURDIR)/pyproject.toml

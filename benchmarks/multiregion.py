@@ -1,7 +1,7 @@
 """Flat against regional aggregation over the same emulated WAN: round time, WAN bytes, accuracy.
 
 Topology: 3 regions x 4 clients and a global coordinator. Each region reaches the global
-coordinator through its own emulated WAN link (``fedgrid.wan.WanRelay``: 50 ms each way,
+coordinator through its own emulated WAN link (``fedgrid.ops.wan.WanRelay``: 50 ms each way,
 so 100 ms RTT, 20 Mbit/s each way shared by the region's connections, 0.1% segment loss),
 as a site's uplink would be shared.
 
@@ -45,7 +45,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from fedgrid.runlog import load_model, read_metrics  # noqa: E402
-from fedgrid.wan import WanLink, WanRelay  # noqa: E402
+from fedgrid.ops.wan import WanLink, WanRelay  # noqa: E402
 
 REGIONS, CLIENTS_PER_REGION = 3, 4
 SEED = 5

@@ -120,7 +120,7 @@ class PeerSpec:
 def make_certs(directory: Path) -> Path:
     """A CA, a server certificate for 127.0.0.1 / localhost and a client certificate in
     ``directory`` (``fedgrid.pki``, EC P-256), as an operator makes them with ``fedgrid certs``."""
-    from fedgrid import pki
+    from fedgrid.ops import pki
 
     pki.init_ca(directory)
     pki.issue(directory, SERVER_CERT, server=True, sans=("127.0.0.1", "localhost"))

@@ -23,8 +23,8 @@ import pytest
 from cryptography import x509
 
 from fedgrid.cli import build_parser
-from fedgrid.health import _flags as health_flags
-from fedgrid.launch import Identity, client_argv, coordinator_argv, load_topology, region_argv
+from fedgrid.ops.health import _flags as health_flags
+from fedgrid.ops.launch import Identity, client_argv, coordinator_argv, load_topology, region_argv
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
@@ -98,7 +98,7 @@ def test_compose_services_networks_volumes_and_health_checks(config):
     for name in ("coordinator", *REGIONS):
         check = services[name]["healthcheck"]
         test = check["test"]
-        assert test[:4] == ["CMD", "python", "-m", "fedgrid.health"]
+        assert test[:4] == ["CMD", "python", "-m", "fedgrid.ops.health"]
         probe = health_flags(argparse.ArgumentParser()).parse_args(test[4:])
         assert probe.address == "127.0.0.1:50051" and (probe.ca, probe.cert, probe.key) == ("/certs/ca.pem", "/certs/probe.pem", "/certs/probe.key")
         assert probe.server_name == name  # the host name in the server's certificate (issued by the certs service)
@@ -160,7 +160,7 @@ SHIM = '''#!{python}
 """Stands in for `fedgrid` in the certificate script: records each call and makes the
 certificate with fedgrid.pki, as `fedgrid certs` does (without the CLI's torch import)."""
 import argparse, json, sys
-from fedgrid import pki
+from fedgrid.ops import pki
 with open({log!r}, "a") as f:
     f.write(json.dumps(sys.argv[1:]) + "\\n")
 p = argparse.ArgumentParser()

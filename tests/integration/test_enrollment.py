@@ -19,7 +19,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from fedgrid import pki
+import fedgrid.pki as pki_kernel  # the kernel half: its clock and files serve both halves
+from fedgrid.ops import pki
 from fedgrid.client.enroll import enroll
 from fedgrid.client.runtime import Connection, RpcFailed
 from fedgrid.constants import ENROLL_MAX_MESSAGE_BYTES
@@ -151,8 +152,8 @@ def test_revoked_token_is_refused(tmp_path, ca_dir, service):
 
 def test_expired_token_is_refused(tmp_path, ca_dir, service, monkeypatch):
     token = pki.issue_token(ca_dir, expires=timedelta(minutes=30))
-    real_now = pki._utcnow
-    monkeypatch.setattr(pki, "_utcnow", lambda: real_now() + timedelta(hours=1))  # the service's clock, in this process
+    real_now = pki_kernel._utcnow
+    monkeypatch.setattr(pki_kernel, "_utcnow", lambda: real_now() + timedelta(hours=1))  # the service's clock, in this process
     with pytest.raises(RpcFailed) as info:
         enroll(service.address, token, **device(tmp_path, ca_dir))
     assert info.value.code == grpc.StatusCode.UNAUTHENTICATED and "expired" in info.value.details
@@ -191,7 +192,7 @@ def test_oversized_request_is_refused_before_parsing(ca_dir, service):
     error = refusal(service, ca_dir, token, b"x" * (ENROLL_MAX_MESSAGE_BYTES + 1))
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error
     assert "larger than max" in error.details()
-    assert pki._read_json(ca_dir / "tokens.json")["tokens"][token.partition(".")[0]]["used_at"] is None
+    assert pki_kernel._read_json(ca_dir / "tokens.json")["tokens"][token.partition(".")[0]]["used_at"] is None
 
 
 def test_concurrent_enrollments_beyond_the_cap_are_resource_exhausted(tmp_path, ca_dir):

@@ -9,8 +9,8 @@ from datetime import timedelta
 
 import pytest
 
-from fedgrid import pki
-from fedgrid.health import check, coordinator_service
+from fedgrid.ops import pki
+from fedgrid.ops.health import check, coordinator_service
 from fedgrid.proto.tls import TLSFiles
 from fedgrid.server.app import Coordinator
 from fedgrid.server.grpc_fleet import GrpcFleet
@@ -18,8 +18,8 @@ from fedgrid.server.service import SERVICE
 
 from harness import child_env
 
-#: ``python -m fedgrid.health``: what docker/compose.yaml's health checks run.
-PROBE = [sys.executable, "-m", "fedgrid.health"]
+#: ``python -m fedgrid.ops.health``: what docker/compose.yaml's health checks run.
+PROBE = [sys.executable, "-m", "fedgrid.ops.health"]
 
 
 def free_port() -> int:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from fedgrid.errors import ConfigError
-from fedgrid.launch import load_topology
+from fedgrid.ops.launch import load_topology
 from fedgrid.runlog import read_metrics
 
 from harness import child_env, wait_until
@@ -201,7 +201,8 @@ def test_the_command_exits_2_on_a_bad_topology_before_it_starts_anything(tmp_pat
 def test_each_table_takes_the_keys_of_its_command():
     """The tables' keys are the flags of ``fedgrid coordinator``, ``region`` and ``client``, less what the launcher sets
     (this module may not import the CLI: the lists are its, checked here against the CLI's)."""
-    from fedgrid import cli, launch
+    from fedgrid import cli
+    from fedgrid.ops import launch
 
     managed = launch.MANAGED_KEYS
     assert launch.GLOBAL_KEYS == set(cli.COORDINATOR_KEYS) - managed

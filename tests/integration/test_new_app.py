@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedgrid.new_app import TEMPLATES, AppNameError, create_app
+from fedgrid.ops.new_app import TEMPLATES, AppNameError, create_app
 from fedgrid.runlog import load_model, read_metrics
 
 from harness import child_env, wait_until

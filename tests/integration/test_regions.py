@@ -230,7 +230,7 @@ def test_two_regions_of_three_clients_over_an_emulated_wan_learn_as_flat_does(tm
     way: 50 ms RTT, 20 Mbit/s, 0.1% loss); regions run H = 2 rounds with their clients on the
     LAN and send int8 (with error feedback) over the WAN. Five global rounds reach the flat
     simulation's accuracy within 0.05 (the same six clients, FedAvg, five rounds)."""
-    from fedgrid.wan import WanLink, WanRelay
+    from fedgrid.ops.wan import WanLink, WanRelay
 
     top = tmp_path / "global"
     rounds = 5

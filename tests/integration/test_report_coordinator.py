@@ -9,7 +9,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from fedgrid.cli import main
-from fedgrid.report import PLOTS, figures, load_run, participation
+from fedgrid.ops.report import PLOTS, figures, load_run, participation
 from fedgrid.runlog import read_metrics
 from fedgrid.trackers import scalars
 

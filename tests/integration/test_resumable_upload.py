@@ -65,7 +65,7 @@ def test_upload_over_a_link_too_slow_for_a_chunk_falls_back_to_smaller_chunks(ca
     """At 4 Mbit/s a 1 MiB chunk takes 2.1 s, over the coordinator's 1 s idle limit: every try
     would time out at the same chunk. The client halves its chunks after a try in which none
     got through, and the upload lands whole."""
-    from fedgrid.wan import WanLink, WanRelay
+    from fedgrid.ops.wan import WanLink, WanRelay
 
     g = torch.Generator().manual_seed(3)
     state = OrderedDict([("w", torch.randn(300_000, generator=g))])  # 1.2 MB: two 1 MiB chunks

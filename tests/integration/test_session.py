@@ -322,7 +322,7 @@ def test_a_closed_session_refuses_use_and_a_bad_address_is_named():
 def test_a_session_under_mutual_tls_is_its_certificates_identity(tmp_path, small_state):
     from datetime import timedelta
 
-    from fedgrid import pki
+    from fedgrid.ops import pki
     from fedgrid.proto.tls import TLSFiles
     from fedgrid.server.app import Coordinator
     from fedgrid.server.grpc_fleet import GrpcFleet

@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from fedgrid import pki
+from fedgrid.ops import pki
 from fedgrid.client.runtime import Connection, RpcFailed
 from fedgrid.errors import ConfigError
 from fedgrid.proto import fedgrid_pb2 as pb

@@ -18,7 +18,7 @@ import grpc
 import pytest
 import torch
 
-from fedgrid import pki
+from fedgrid.ops import pki
 from fedgrid.aggregation import build_strategy_from
 from fedgrid.client import Client, FitOutput, start
 from fedgrid.client.runtime import RpcFailed

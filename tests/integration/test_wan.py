@@ -1,4 +1,4 @@
-"""The emulated WAN (``fedgrid.wan``) over real sockets: RTT, bandwidth, loss, partitions as
+"""The emulated WAN (``fedgrid.ops.wan``) over real sockets: RTT, bandwidth, loss, partitions as
 gRPC sees them, a fedgrid round across it, bounded buffers, and ``fedgrid wan``.
 
 Every server binds port 0; waits are on conditions with deadlines; the time bounds are the
@@ -28,7 +28,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from fedgrid.client import start
-from fedgrid.wan import MSS, WanLink, WanRelay, parse_hostport
+from fedgrid.ops.wan import MSS, WanLink, WanRelay, parse_hostport
 
 from harness import FEDGRID, InProcessCoordinator, child_env, wait_until
 from harness_clients import Named

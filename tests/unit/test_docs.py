@@ -43,7 +43,7 @@ def test_the_docs_build_without_warnings_and_document_the_public_api(tmp_path):
                    "fedgrid.client.session.connect", "fedgrid.client.session.aconnect",
                    "fedgrid.server.app.run_coordinator", "fedgrid.simulation.run.run_simulation", "fedgrid.aggregation.base.Strategy",
                    "fedgrid.aggregation.fedavg.FedAvg", "fedgrid.aggregation.diloco.DiLoCo", "fedgrid.config.load_config",
-                   "fedgrid.types.FitIns", "fedgrid.errors.FedgridError", "fedgrid.launch.load_topology", "fedgrid.health.check"]:
+                   "fedgrid.types.FitIns", "fedgrid.errors.FedgridError", "fedgrid.ops.launch.load_topology", "fedgrid.ops.health.check"]:
         assert f'id="{anchor}"' in api, anchor
     assert "Raises" in api and "Parameters" in api  # napoleon turned Args:/Raises: into fields
     # The multi-site page shows the shipped topology itself (literalinclude), not a copy.

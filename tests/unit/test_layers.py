@@ -27,35 +27,35 @@ def tree(tmp_path_factory) -> Path:
     return build(tmp_path_factory.mktemp("layers"))
 
 
-@pytest.mark.timeout(180)
 def test_the_package_keeps_every_contract(tree):
     result = _lint(tree)
     assert result.returncode == 0, result.stdout + result.stderr
     contracts = len(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"])
-    assert contracts >= 7 and f"Contracts: {contracts} kept, 0 broken." in result.stdout
+    assert contracts >= 4 and f"Contracts: {contracts} kept, 0 broken." in result.stdout
 
 
-@pytest.mark.timeout(180)
+LAYERS = "the layers of the package"
+
+
 @pytest.mark.parametrize(
     "where,code,contract",
     [
-        ("server", "import fedgrid.simulation.tasks\n", "server and client import neither simulation nor the CLI"),
-        ("server", "from fedgrid.client import uplink\n", "server and client never import each other"),
-        ("compression", "import grpc\n", "the math layers (aggregation, compression) do no I/O"),
-        ("fedgrid", "from fedgrid.server import engine\n", "the base modules import no layer above them"),
-        ("fedgrid.launch", "from fedgrid.region import run_region\n", "fedgrid launch and fedgrid health run fedgrid processes"),
-        ("fedgrid.health", "import fedgrid.server.service\n", "fedgrid launch and fedgrid health run fedgrid processes"),
+        ("server/_probe.py", "import fedgrid.simulation.tasks\n", LAYERS),
+        ("server/_probe.py", "from fedgrid.client import uplink\n", LAYERS),
+        ("compression/_probe.py", "import grpc\n", "the math layers (aggregation, compression) do no I/O"),
+        ("types.py", "from fedgrid.server import engine\n", LAYERS),
+        ("config.py", "from fedgrid.ops import wan\n", LAYERS),
+        ("_unlisted.py", "import fedgrid.errors\n", LAYERS),  # a module no layer names
+        ("ops/launch.py", "from fedgrid.region import run_region\n", "fedgrid launch and fedgrid health run fedgrid processes"),
+        ("ops/health.py", "import fedgrid.server.service\n", "fedgrid launch and fedgrid health run fedgrid processes"),
     ],
 )
 def test_a_module_that_breaks_a_layer_is_caught(tmp_path, where, code, contract):
     tree = build(tmp_path / "tree")
-    if where == "fedgrid" or where.startswith("fedgrid."):  # a module importing upwards: change it (a copy, not the link)
-        module = tree / "fedgrid" / f"{where.partition('.')[2] or 'types'}.py"
-        text = module.read_text()
-        module.unlink()
-        module.write_text(text + "\n" + code)
-    else:
-        (tree / "fedgrid" / where / "_probe.py").write_text(code)
+    module = tree / "fedgrid" / where
+    text = module.read_text() if module.exists() else ""
+    module.unlink(missing_ok=True)  # the tree links the checkout's file: change a copy, not the link
+    module.write_text(text + "\n" + code)
     result = _lint(tree)
     assert result.returncode == 1, result.stdout
     report = " ".join(result.stdout.split())

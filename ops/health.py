@@ -12,7 +12,7 @@ certificate) and a client certificate and key of the same CA. The health service
 the TLS port but outside the coordinator's per-call identity check, so any client
 certificate of the CA will do (``docker/compose.yaml`` issues one named ``probe``).
 
-``python -m fedgrid.health`` is the same command without the rest of the CLI's imports
+``python -m fedgrid.ops.health`` is the same command without the rest of the CLI's imports
 (torch): the probe a container runs every few seconds costs a gRPC import, not torch's.
 """
 
@@ -117,7 +117,7 @@ def command(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m fedgrid.health``: the same flags as ``fedgrid health``."""
+    """``python -m fedgrid.ops.health``: the same flags as ``fedgrid health``."""
     return command(_flags(argparse.ArgumentParser(prog="fedgrid health")).parse_args(argv))
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from fedgrid.cli import main
-from fedgrid.report import PLOTS, ReportError, figures, load_run, load_runs, participation
+from fedgrid.ops.report import PLOTS, ReportError, figures, load_run, load_runs, participation
 from fedgrid.runlog import read_metrics
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,4 +1,4 @@
-"""The WAN link model (``fedgrid.wan``) without sockets: pacing, delay, the RTO cost of a
+"""The WAN link model (``fedgrid.ops.wan``) without sockets: pacing, delay, the RTO cost of a
 loss, seeded draws that do not depend on how reads fall, and a link shared by connections."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import random
 import pytest
 
 from fedgrid.errors import ConfigError
-from fedgrid.wan import MSS, LinkClock, WanLink, parse_hostport
+from fedgrid.ops.wan import MSS, LinkClock, WanLink, parse_hostport
 
 
 def _send(clock: LinkClock, link: WanLink, total: int, step: int, now: float = 0.0) -> list[float]:

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from fedgrid import cli
+from fedgrid.cli.client import client_config, client_options
+from fedgrid.cli.support import config_from
 from fedgrid.aggregation.fedavg import FedAvg
 from fedgrid.client.runtime import Connection, check_target
 from fedgrid.errors import ConfigError
@@ -100,11 +102,11 @@ def test_client_takes_its_keys_from_the_config_file_flags_winning(tmp_path, monk
         torch.set_num_threads(threads)
     assert seen["threads"] == 2 and seen["connect_timeout"] == 7.0
     args = cli.build_parser().parse_args(["client", "--config", str(config), "--coordinator", "h:1", "--lr", "0.5"])
-    options = cli._client_options(args, cli._client_config(args))
+    options = client_options(args, client_config(args))
     assert (options["dataset"], options["batch_size"], options["lr"]) == ("synthetic", 5, 0.5)
     config.write_text('optimizer = "lbfgs"\n')
     with pytest.raises(ConfigError) as info:
-        cli._client_options(args, cli._client_config(args))
+        client_options(args, client_config(args))
     assert info.value.key == "optimizer"
 
 
@@ -141,7 +143,7 @@ def test_client_tls_files_from_the_config_file(tmp_path):
     config = tmp_path / "run.toml"
     config.write_text('ca = "ca.pem"\ncert = "c.pem"\nkey = "c.key"\n')
     args = cli.build_parser().parse_args(["client", "--config", str(config), "--coordinator", "h:1", "--key", "other.key"])
-    loaded = cli._client_config(args)
+    loaded = client_config(args)
     assert (loaded.ca, loaded.cert, loaded.key) == ("ca.pem", "c.pem", "other.key")
 
 
@@ -149,11 +151,11 @@ def test_out_in_the_config_file_wins_over_the_default_run_directory(tmp_path):
     config = tmp_path / "run.toml"
     config.write_text(f'out = "{tmp_path / "mine"}"\n')
     args = cli.build_parser().parse_args(["simulate", "--config", str(config)])
-    assert cli._config_from(args, cli.SIMULATE_KEYS).out == str(tmp_path / "mine")
+    assert config_from(args, cli.SIMULATE_KEYS).out == str(tmp_path / "mine")
     args = cli.build_parser().parse_args(["simulate", "--config", str(config), "--out", "flag"])
-    assert cli._config_from(args, cli.SIMULATE_KEYS).out == "flag"
+    assert config_from(args, cli.SIMULATE_KEYS).out == "flag"
     args = cli.build_parser().parse_args(["simulate"])
-    assert cli._config_from(args, cli.SIMULATE_KEYS).out.startswith("runs/simulate-")
+    assert config_from(args, cli.SIMULATE_KEYS).out.startswith("runs/simulate-")
 
 
 def test_simulate_header_names_the_engine_auto_chose(tmp_path, capsys):
@@ -258,7 +260,7 @@ def test_waiting_coordinator_says_what_it_waits_for(monkeypatch, caplog):
 def test_rpc_and_tls_errors_are_one_line(tmp_path, capsys):
     import grpc
 
-    from fedgrid.cli_support import error_line
+    from fedgrid.cli.support import error_line
     from fedgrid.client.runtime import RpcFailed
 
     failed = RpcFailed("Join", grpc.StatusCode.UNAVAILABLE, "failed to connect\n  debug_error_string = {...}\n")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fedgrid import pki
+from fedgrid.ops import pki
 from fedgrid.cli import main
 
 pytestmark = pytest.mark.timeout(60)

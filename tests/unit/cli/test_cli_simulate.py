@@ -6,7 +6,8 @@ import io
 
 import pytest
 
-from fedgrid.cli import SimulateProgress, _client_options, build_parser
+from fedgrid.cli import SimulateProgress, build_parser
+from fedgrid.cli.client import client_options as _client_options
 from fedgrid.errors import ConfigError
 from fedgrid.types import RoundMetrics
 

@@ -295,7 +295,7 @@ def make_certificates(directory: Path, top: Topology) -> dict[str, Identity]:
         ``NAME`` (its client certificate upstream) and ``NAME-lan`` (its server
         certificate), per client ``client-I``.
     """
-    from fedgrid import pki
+    from fedgrid.ops import pki
 
     pki.init_ca(directory, name="fedgrid launch CA")
     ca = str(directory / pki.CA_CERT)

@@ -18,7 +18,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from fedgrid import pki
+import fedgrid.pki as pki_kernel  # the kernel half: its clock and files serve both halves
+from fedgrid.ops import pki
 from fedgrid.errors import AuthenticationError, EnrollmentError, PKIError
 
 pytestmark = pytest.mark.timeout(60)
@@ -44,8 +45,8 @@ def ca_dir(tmp_path: Path) -> Path:
 
 
 def _later(monkeypatch: pytest.MonkeyPatch, delta: timedelta) -> None:
-    real = pki._utcnow()
-    monkeypatch.setattr(pki, "_utcnow", lambda: real + delta)
+    real = pki_kernel._utcnow()
+    monkeypatch.setattr(pki_kernel, "_utcnow", lambda: real + delta)
 
 
 # --- identities -----------------------------------------------------------------------

@@ -7,7 +7,7 @@ import io
 import pytest
 from rich.console import Console
 
-from fedgrid.watch import StatusUnavailable, fetch_status, render_status
+from fedgrid.ops.watch import StatusUnavailable, fetch_status, render_status
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -44,7 +44,7 @@ def test_client_text_is_not_markup_and_loses_control_characters():
 
 
 def test_a_reply_that_is_not_a_status_is_refused(monkeypatch):
-    import fedgrid.watch as watch
+    import fedgrid.ops.watch as watch
 
     class Reply(io.BytesIO):
         def __enter__(self):

@@ -1,0 +1,148 @@
+"""``fedgrid simulate``: a whole federation in this process, with a progress line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+from typing import Any, TextIO
+
+from fedgrid.cli.support import SIMULATE_KEYS, add_config_flags, config_from
+from fedgrid.interrupts import GracefulStop, say
+from fedgrid.types import RoundMetrics
+
+__all__ = ["SimulateProgress", "add_parser", "run"]
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    sim = sub.add_parser("simulate", help="run a whole federation in this process")
+    add_config_flags(sim, SIMULATE_KEYS)
+    return sim
+
+
+class SimulateProgress:
+    """``fedgrid simulate``'s progress line after each round: round r/R, client updates per
+    second, the latest accuracy and loss, and the time left (mean round time so far times
+    the rounds left). On a terminal it is one line rewritten in place; otherwise one plain
+    line per round.
+
+    Args:
+        rounds: the run's rounds.
+        stream: where the line goes (stderr).
+    """
+
+    def __init__(self, rounds: int, stream: TextIO) -> None:
+        self.rounds = rounds
+        self.stream = stream
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self._walls: list[float] = []
+        self._shown = False
+
+    @staticmethod
+    def line(m: RoundMetrics, rounds: int, eta_s: float) -> str:
+        from fedgrid.simulation.run import clients_per_second
+
+        acc = "-" if m.accuracy is None else f"{m.accuracy:.4f}"
+        loss = "-" if m.loss is None else f"{m.loss:.4f}"
+        minutes, seconds = divmod(int(round(eta_s)), 60)
+        return (
+            f"round {m.round}/{rounds} | {clients_per_second(m):.1f} clients/s | accuracy {acc} | loss {loss} | "
+            f"ETA {minutes // 60}:{minutes % 60:02d}:{seconds:02d}"
+        )
+
+    def clear(self) -> None:
+        """Takes the in-place line away (before other output on the terminal)."""
+        if self._shown:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+            self._shown = False
+
+    def update(self, m: RoundMetrics) -> None:
+        self._walls.append(m.wall_s)
+        eta = sum(self._walls) / len(self._walls) * max(self.rounds - m.round, 0)
+        text = self.line(m, self.rounds, eta)
+        if self.tty:
+            self.stream.write("\r" + text + "\033[K")
+            self._shown = True
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        """Ends the in-place line so that later output starts on a line of its own."""
+        if self._shown:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._shown = False
+
+
+def run(args: argparse.Namespace) -> int:
+    """``fedgrid simulate``: the whole federation in this process (or across torchrun's ranks)."""
+    import torch
+
+    from fedgrid.simulation.run import run_simulation
+    from fedgrid.simulation.tasks import check_config, get_task
+
+    config = config_from(args, SIMULATE_KEYS)
+    check_config(config)
+    task = get_task(config.dataset)
+
+    def header(engine: str, why: str) -> None:  # once the engine is chosen: auto's choice shows
+        chosen = f"engine {engine} ({why})" if config.engine == "auto" else f"engine {engine}"
+        print(
+            f"fedgrid simulate: {config.clients} clients, {config.rounds} rounds, dataset {config.dataset}, "
+            f"model {config.model or task.default_model}, partition {config.partition or task.default_partition}, "
+            f"{chosen}, seed {config.seed}, {config.threads or torch.get_num_threads()} threads", flush=True,
+        )
+
+    progress = SimulateProgress(config.rounds, sys.stderr) if config.progress else None
+    stop = threading.Event()
+
+    def on_stop(signal_name: str) -> None:
+        erase = "\r\033[K" if progress is not None and progress.tty else ""  # the in-place line, without writing into its stream
+        say(f"{erase}{signal_name}: stopping after the current round; a second one exits at once")
+        stop.set()
+
+    def show(m: RoundMetrics) -> None:
+        acc = "" if m.accuracy is None else f" accuracy {m.accuracy:.4f}"
+        loss = "" if m.loss is None else f" loss {m.loss:.4f}"
+        if progress is not None:
+            progress.clear()
+        print(f"round {m.round:3d}/{config.rounds}{loss}{acc} clients {m.clients_ok} ok {m.clients_failed} failed  up {m.bytes_up / 1e6:.2f} MB down {m.bytes_down / 1e6:.2f} MB  {m.wall_s:.2f}s", flush=True)
+        if progress is not None:
+            progress.update(m)
+
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from fedgrid.client.parallel import torchrun_rank
+
+    ranks = torchrun_rank()
+    if ranks is not None:  # torchrun: each rank trains its share of the clients (fedgrid.simulation.sharded)
+        dist.init_process_group("gloo", timeout=timedelta(seconds=config.round_timeout_s))
+    quiet = ranks is not None and ranks[0] != 0  # rank 0 speaks for the run
+    if quiet:
+        progress = None
+    with GracefulStop(on_stop, what="simulate"):
+        try:
+            final_model, history = run_simulation(config, on_round=None if quiet else show, on_start=None if quiet else header, stop=stop)
+            if ranks is not None:
+                # Every rank past the last collective before any tears gloo down: a rank that
+                # exits while a peer's gather is in flight aborts that peer.
+                dist.barrier()
+        finally:
+            if progress is not None:
+                progress.close()
+            if ranks is not None:
+                dist.destroy_process_group()
+    if quiet:
+        return 0
+    if final_model is None:
+        saved = f"; model of round {len(history)} in {config.out}/model.safetensors" if history else ""
+        print(f"stopped after {len(history)} of {config.rounds} rounds{saved}; run directory {config.out}")
+        return 0
+    final = history[-1]
+    metric = f"final test accuracy {final.accuracy:.4f}" if final.accuracy is not None else f"final loss {final.loss}"
+    print(f"{metric}; run directory {config.out}")
+    return 0

@@ -1,0 +1,111 @@
+"""What ``fedgrid``'s commands share: a parser that suggests the flag meant, the version, the
+default run directory, errors as one line, and the config keys each command takes as flags."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from importlib import metadata
+from typing import Any, NoReturn, Sequence
+
+from fedgrid.config import (
+    CLIENT_ONLY_KEYS,
+    COORDINATOR_ONLY_KEYS,
+    REGION_ONLY_KEYS,
+    SIMULATION_ONLY_KEYS,
+    Config,
+    config_keys,
+    did_you_mean,
+    key_type,
+    load_config,
+)
+
+__all__ = [
+    "FedgridParser", "package_version", "with_default_out", "error_line", "add_config_flags", "config_from",
+    "SIMULATE_KEYS", "COORDINATOR_KEYS", "REGION_KEYS", "CLIENT_OPTION_KEYS", "CLIENT_CONFIG_KEYS",
+]
+
+# Keys each subcommand exposes as flags; every key is also accepted through --config.
+SIMULATE_KEYS = [k for k in config_keys() if k not in COORDINATOR_ONLY_KEYS | CLIENT_ONLY_KEYS | REGION_ONLY_KEYS]
+COORDINATOR_KEYS = [k for k in config_keys() if k not in SIMULATION_ONLY_KEYS | CLIENT_ONLY_KEYS | REGION_ONLY_KEYS]
+#: ``fedgrid region``: a coordinator's keys for its own clients (not the global run's length, model or
+#: enrollment and status servers, which the global coordinator has), and its upstream link.
+REGION_KEYS = [k for k in COORDINATOR_KEYS if k not in ("rounds", "initial_model", "model", "enroll_listen", "enroll_dir", "http",
+                                                        "http_token_file")] + ["regional_rounds", *sorted(REGION_ONLY_KEYS)]
+# The built-in client factory's options (fedgrid.simulation.tasks.CLIENT_KEYS) as `fedgrid
+# client` flags, so a deployed client trains like its simulated twin; --data-partition is the spec.
+CLIENT_OPTION_KEYS = ["dataset", "data_dir", "model", "batch_size", "optimizer", "lr", "momentum", "weight_decay"]
+#: What ``fedgrid client --config FILE`` takes from the file (flags override it); the file's
+#: other keys (a TOML shared with the coordinator) are checked and left alone.
+CLIENT_CONFIG_KEYS = [*CLIENT_OPTION_KEYS, "partition", "threads", "ca", "cert", "key", *sorted(CLIENT_ONLY_KEYS)]
+
+
+
+class FedgridParser(argparse.ArgumentParser):
+    """``argparse`` whose "unrecognized arguments" error names the closest flags of the
+    subcommand given (``--roundz``: did you mean ``--rounds``?) instead of leaving the user
+    to read the whole ``--help``."""
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self._unrecognized(parsed, extras)
+        return parsed
+
+    def _unrecognized(self, parsed: argparse.Namespace, extras: list[str]) -> NoReturn:
+        parser: argparse.ArgumentParser = self
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction) and getattr(parsed, action.dest, None) in action.choices:
+                parser = action.choices[getattr(parsed, action.dest)]
+        flags = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+        words = [f"{e}{did_you_mean(e.partition('=')[0], flags, otherwise='')}" if e.startswith("--") else e for e in extras]
+        # One line, not the whole usage: the suggestion is the answer, --help has the rest.
+        parser.exit(2, f"{parser.prog}: error: unrecognized arguments: {' '.join(words)} (all flags: {parser.prog} --help)\n")
+
+
+def package_version() -> str:
+    """fedgrid's version from the installed package's metadata."""
+    try:
+        return metadata.version("fedgrid")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+def with_default_out(config: Config, command: str) -> Config:
+    """``config`` with ``out`` set to ``runs/COMMAND-TIME`` when neither a flag nor the TOML
+    file set it (the file's ``out`` wins over this default)."""
+    if config.out:
+        return config
+    return dataclasses.replace(config, out=f"runs/{command}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def error_line(exc: BaseException) -> str:
+    """An error as the one line ``fedgrid: error: ...``: gRPC and library messages can hold
+    newlines, which would read as several errors (or a traceback) on a terminal."""
+    return "fedgrid: error: " + " ".join(str(exc).split())
+
+
+def add_config_flags(parser: argparse.ArgumentParser, keys: Sequence[str], *, with_config: bool = True) -> None:
+    if with_config:
+        parser.add_argument("--config", metavar="FILE", help="TOML file; flags override its keys")
+    fields = config_keys()
+    for key in keys:
+        f = fields[key]
+        kind, optional = key_type(f)
+        default = "the strategy's" if optional and f.default is None else repr(f.default)
+        # A bare boolean flag means true (--insecure); --insecure false still parses.
+        flag: dict[str, Any] = {"nargs": "?", "const": "true"} if kind is bool else {}
+        parser.add_argument(
+            "--" + key.replace("_", "-"),
+            dest=key,
+            metavar=kind.__name__.upper(),
+            default=None,
+            help=f"{f.metadata['help']} (default: {default})",
+            **flag,
+        )
+
+
+def config_from(args: argparse.Namespace, keys: Sequence[str]) -> Config:
+    overrides = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+    return with_default_out(load_config(args.config, overrides), args.command)
