@@ -137,7 +137,8 @@ def test_the_quickstart_is_the_same_in_the_readme_and_the_docs_and_runs(tmp_path
     rounds = re.findall(r"^round (\d+): accuracy ([0-9.]+), ([0-9.]+) kB up$", result.stdout, re.M)
     assert [int(r) for r, _, _ in rounds] == [1, 2, 3, 4, 5], result.stdout
     assert float(rounds[-1][1]) > 0.5 and all(float(kb) > 0 for _, _, kb in rounds)
-    assert {p.name for p in (tmp_path / "runs" / "quickstart").iterdir()} >= {"metrics.jsonl", "model.safetensors", "config.toml"}
+    run_dir = tmp_path / "runs" / "quickstart"
+    assert {p.name for p in run_dir.iterdir()} >= {"metrics.jsonl", "model.safetensors", "config.toml"}
 
 
 @pytest.mark.timeout(120)
