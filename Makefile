@@ -1,12 +1,12 @@
-# Two commands: `make demo` runs a federated training, `make test` runs the tests
-# (`make docs` builds the documentation into build/docs/).
+# Two commands: `make demo` runs a federated training, `make test` runs the tests (every tier);
+# `make test-fast` runs the unit and integration tiers, `make docs` builds the documentation into build/docs/.
 # Both create .venv when it is missing and install what is needed first.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test docs install proto proto-check bench clean
+.PHONY: demo test test-fast lint docs install proto proto-check bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,16 +21,21 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/fedgrid simulate --out runs/demo
 
-# The status page's test renders it in headless Chromium (Debian's package): installed here
-# when missing and running as root (CI); elsewhere the test says why it is skipped.
-test: $(STAMP)
-	command -v chromium >/dev/null || [ "$$(id -u)" != 0 ] || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium)
+# Generated code up to date, types, then every tier (tests/conftest.py: unit, integration, e2e,
+# examples). The layer contracts (pyproject.toml [tool.importlinter]) are checked by tests/e2e/test_layers.py.
+lint: $(STAMP)
 	$(PY) -m fedgrid.proto.generate --check
 	$(VENV)/bin/mypy fedgrid server client proto aggregation compression simulation region ops cli
-	# Layer contracts (pyproject.toml [tool.importlinter]) over the package as Python imports it.
-	$(PY) tests/tools/import_tree.py build/layers
-	cd build/layers && PYTHONPATH=. $(CURDIR)/$(VENV)/bin/lint-imports $(CURDIR)/pyproject.toml
+
+# The status page's test renders it in headless Chromium (Debian's package): installed here
+# when missing and running as root (CI); elsewhere the test says why it is skipped.
+test: lint
+	command -v chromium >/dev/null || [ "$$(id -u)" != 0 ] || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium)
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+# The development loop: unit and integration tiers (no subprocesses).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider tests/unit tests/integration
 
 docs: $(STAMP)
 	$(VENV)/bin/sphinx-build -W --keep-going -q -b html docs build/docs

@@ -73,7 +73,6 @@ def test_custom_strategy_samples_its_fraction_and_decays_the_client_lr():
     assert round1[0][1].config["lr"] == pytest.approx(0.1) and round3[0][1].config["lr"] == pytest.approx(0.025)
 
 
-@pytest.mark.timeout(240)
 def test_custom_strategy_example_learns_digits(capsys):
     accuracy = _load("custom_strategy").main(["--rounds", "5", "--clients", "6"])
     out = capsys.readouterr().out
@@ -100,7 +99,6 @@ def _synthetic_shakespeare(folder: Path) -> Path:
     return folder
 
 
-@pytest.mark.timeout(240)
 def test_diloco_shakespeare_example_lowers_the_held_out_loss(tmp_path, capsys):
     data_dir = _synthetic_shakespeare(tmp_path / "shakespeare")
     torch_threads = torch.get_num_threads()
@@ -117,7 +115,6 @@ def test_diloco_shakespeare_example_lowers_the_held_out_loss(tmp_path, capsys):
 
 
 # -- federated_loop.py -----------------------------------------------------------------------
-@pytest.mark.timeout(240)
 def test_federated_loop_continues_from_the_federated_average(capsys):
     result = _load("federated_loop").main(["--rounds", "2", "--sync-every", "5"])
     log = result["log"]

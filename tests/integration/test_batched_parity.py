@@ -16,7 +16,6 @@ from fedgrid.determinism import BATCHED_ATOL
 from fedgrid.simulation.run import run_simulation
 from fedgrid.simulation.tasks import resolve
 
-pytestmark = pytest.mark.timeout(120)
 
 BASE = {"rounds": 2, "clients": 4, "seed": 3, "local_epochs": 1, "progress": False}
 

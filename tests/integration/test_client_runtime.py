@@ -33,7 +33,6 @@ class AddOne(Client):
         return FitOutput(OrderedDict((k, v + 1) for k, v in state.items()), num_examples=3, metrics={"loss": 0.5})
 
 
-@pytest.mark.timeout(180)
 def test_model_over_64_mb_crosses_the_wire_intact():
     g = torch.Generator().manual_seed(1)
     state = OrderedDict(

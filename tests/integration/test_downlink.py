@@ -18,7 +18,6 @@ from harness import wait_until
 from harness_clients import Named
 
 
-@pytest.mark.timeout(120)
 def test_clients_hold_the_shadow_and_catch_up():
     g = torch.Generator().manual_seed(5)
     fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=60), downlink_codec="topk:0.2")

@@ -21,7 +21,6 @@ from fedgrid.server.bounds import UpdateBounds
 
 from harness import InProcessCoordinator
 
-pytestmark = pytest.mark.timeout(60)
 
 HUGE = 2**64 - 1  # the largest uint64 a header can carry
 INJECTION = "\n[FAKE] round 9 committed\x1b[31m"

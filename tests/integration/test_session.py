@@ -25,7 +25,6 @@ from fedgrid.types import EVALUATE, FIT, TO_SERVER, FitIns, MessageIns
 
 from harness import THREADS, InProcessCoordinator, wait_until
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 ROUNDS = 3
 SHIFT = 0.25  # what the host's "training" adds to every weight: the final model is initial + ROUNDS * SHIFT

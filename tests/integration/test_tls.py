@@ -121,7 +121,6 @@ def _creds(d: Path, name: str, ca: Path | None = None) -> grpc.ChannelCredential
     return grpc.ssl_channel_credentials((ca_dir / "ca.pem").read_bytes(), (d / f"{name}.key").read_bytes(), (d / f"{name}.pem").read_bytes())
 
 
-@pytest.mark.timeout(60)
 def test_an_admitted_client_trains_under_its_certificate_identity(server, pki_dir, small_state):
     fleet, coordinator, spy = server
     conn = Connection(coordinator.address, tls=_files(pki_dir, "alice"))
@@ -145,7 +144,6 @@ def test_an_admitted_client_trains_under_its_certificate_identity(server, pki_di
         conn.close()
 
 
-@pytest.mark.timeout(60)
 @pytest.mark.parametrize("case", ["plaintext", "wrong CA", "expired", "not yet valid", "server certificate as client's", "no client certificate"])
 def test_a_bad_connection_is_refused_at_the_handshake(server, pki_dir, case):
     fleet, coordinator, spy = server
@@ -162,7 +160,6 @@ def test_a_bad_connection_is_refused_at_the_handshake(server, pki_dir, case):
     assert spy.calls == [] and fleet.registry.records == {}  # the servicer saw nothing
 
 
-@pytest.mark.timeout(60)
 @pytest.mark.parametrize("case", ["wrong host name", "client certificate as server's"])
 def test_the_client_refuses_a_coordinator_with_the_wrong_certificate(pki_dir, case):
     name = {"wrong host name": "elsewhere", "client certificate as server's": "bob"}[case]
@@ -182,7 +179,6 @@ def test_the_client_refuses_a_coordinator_with_the_wrong_certificate(pki_dir, ca
         fleet.close()
 
 
-@pytest.mark.timeout(60)
 def test_a_revoked_certificate_is_refused_before_the_servicer_once_the_list_changes(pki_dir, tmp_path):
     d = tmp_path / "ca"
     pki.init_ca(d)
@@ -218,7 +214,6 @@ def test_a_revoked_certificate_is_refused_before_the_servicer_once_the_list_chan
         fleet.close()
 
 
-@pytest.mark.timeout(60)
 def test_identity_binds_the_session(server, pki_dir):
     fleet, coordinator, spy = server
     alice = grpc.secure_channel(coordinator.address, _creds(pki_dir, "alice"))
@@ -271,7 +266,6 @@ def test_plaintext_off_loopback_needs_insecure(caplog):
     fleet.close()
 
 
-@pytest.mark.timeout(60)
 def test_the_sdk_says_why_a_tls_coordinator_closed_its_plaintext_connection(server):
     fleet, coordinator, spy = server
     conn = Connection(coordinator.address, retry_max_elapsed=0.5, rpc_timeout=5)

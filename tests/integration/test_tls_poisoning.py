@@ -81,7 +81,6 @@ def _files(d: Path, name: str) -> dict[str, str]:
     return {"ca": str(d / "ca.pem"), "cert": str(d / f"{name}.pem"), "key": str(d / f"{name}.key")}
 
 
-@pytest.mark.timeout(180)
 def test_admitted_attackers_cannot_move_the_model_under_mtls(tmp_path):
     d = tmp_path / "pki"
     pki.init_ca(d)

@@ -22,7 +22,6 @@ from fedgrid.aggregation.blocks import balanced_split
 from fedgrid.errors import ConfigError
 from fedgrid.types import ClientInfo, Failure, FitRes, TensorSpec
 
-pytestmark = pytest.mark.timeout(60)
 
 SPECS = TensorSpec.of(model_state())
 NAMES = list(SPECS)

@@ -12,7 +12,6 @@ import torch
 from fedgrid.aggregation import FedAvg, WeightedMean, weighted_mean
 from fedgrid.types import ClientInfo, FitIns, FitRes, Failure
 
-pytestmark = pytest.mark.timeout(60)
 
 
 def _od(**tensors: torch.Tensor) -> "OrderedDict[str, torch.Tensor]":

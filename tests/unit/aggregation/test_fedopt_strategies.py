@@ -27,7 +27,6 @@ from fedgrid.aggregation import (
 )
 from fedgrid.types import ClientInfo, FitIns, FitRes, Failure, TensorSpec
 
-pytestmark = pytest.mark.timeout(60)
 
 
 def _res(name: str, num_examples: int, **tensors: torch.Tensor) -> FitRes:

@@ -14,7 +14,6 @@ from fedgrid.aggregation import AggregationPreconditionError, FedAvg, Krum, Mult
 from fedgrid.errors import ConfigError
 from fedgrid.types import ClientInfo, FitRes
 
-pytestmark = pytest.mark.timeout(60)
 
 
 def _run(rule: Krum, updates: Sequence[torch.Tensor], seed: int = 0) -> torch.Tensor:

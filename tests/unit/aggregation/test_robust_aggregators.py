@@ -24,7 +24,6 @@ from fedgrid.aggregation import (
 from fedgrid.errors import ConfigError
 from fedgrid.types import ClientInfo, FitRes
 
-pytestmark = pytest.mark.timeout(60)
 
 
 def _agg(rule: Aggregator, values: Sequence[Sequence[float] | float], weights: Sequence[float] | None = None) -> list[float]:

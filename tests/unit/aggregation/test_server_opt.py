@@ -11,7 +11,6 @@ import torch
 
 from fedgrid.aggregation import ServerAdagrad, ServerAdam, ServerSGD, ServerYogi
 
-pytestmark = pytest.mark.timeout(60)
 
 
 def _od(**tensors: torch.Tensor) -> "OrderedDict[str, torch.Tensor]":

@@ -13,7 +13,6 @@ from aggsim import clients, model_state, run_round
 from fedgrid.aggregation import STRATEGIES, FedAdam, Strategy, build_strategy_from
 from fedgrid.server.state import decode_state, encode_state
 
-pytestmark = pytest.mark.timeout(60)
 
 ROUNDS, STOP = 5, 2
 

@@ -28,7 +28,6 @@ from fedgrid.aggregation import (
 from fedgrid.aggregation.registry import parse_block_prefixes
 from fedgrid.errors import ConfigError
 
-pytestmark = pytest.mark.timeout(60)
 
 
 def test_every_name_builds_its_class():

@@ -24,7 +24,6 @@ from fedgrid.server.engine import RoundEngine
 from fedgrid.server.fleet import Fleet, RoundOutcome
 from fedgrid.types import ClientInfo, FitRes
 
-pytestmark = pytest.mark.timeout(60)
 
 CLIENTS = [ClientInfo(client_id="c0", name="n0")]
 

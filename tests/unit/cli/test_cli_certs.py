@@ -13,7 +13,6 @@ import pytest
 from fedgrid.ops import pki
 from fedgrid.cli import main
 
-pytestmark = pytest.mark.timeout(60)
 
 
 def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:

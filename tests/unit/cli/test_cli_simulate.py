@@ -11,7 +11,6 @@ from fedgrid.cli.client import client_options as _client_options
 from fedgrid.errors import ConfigError
 from fedgrid.types import RoundMetrics
 
-pytestmark = pytest.mark.timeout(60)
 
 
 class _Terminal(io.StringIO):

@@ -11,8 +11,6 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -29,7 +27,6 @@ from fedgrid.client.algorithms import (
     ProximalTerm,
     Scaffold,
     algorithm_of,
-    full,
     like,
     register,
 )
@@ -37,7 +34,6 @@ from fedgrid.client.torch_client import TorchClient
 from fedgrid.simulation.batched import BatchedTrainer
 from fedgrid.types import FitIns, ModelState
 
-pytestmark = pytest.mark.timeout(60)
 
 X = torch.tensor([[1.0], [2.0]])
 NAMES = ("0.weight", "0.bias", "2.weight", "2.bias")
@@ -304,49 +300,3 @@ def test_an_algorithm_with_a_step_hook_but_no_batched_form_trains_through_fit(_r
     assert not isinstance(got[0], Exception)
     assert got[0].state["weight"].item() == pytest.approx(0.25, abs=1e-6)  # 0 - 0.1 * (-5 / 2)
     assert sum("test-halve clients train sequentially (Halve.after_backward has no batched form" in r.message for r in caplog.records) == 1
-
-
-# -- the per-step hooks on sharded parameters ----------------------------------------------
-def _sharded_worker(rank: int, store_path: str) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
-    try:
-        mesh = init_device_mesh("cpu", (2,))
-        whole = torch.arange(8.0).reshape(4, 2)
-        w = nn.Parameter(distribute_tensor(whole.clone(), mesh, [Shard(0)], src_data_rank=None))
-        correction = like(torch.ones(4, 2), w)
-        assert correction.placements == w.placements and correction.to_local().shape == (2, 2)  # type: ignore[attr-defined]
-
-        scaffold, ctx = Scaffold(), FitContext(config={}, model=("w",))
-        download = OrderedDict(w=whole.clone())
-        download[CONTROL_PREFIX + "w"] = torch.full((4, 2), 3.0)
-        scaffold.start(download=download, ctx=ctx)
-        scaffold.begin(params={"w": w}, ctx=ctx)
-        w.grad = distribute_tensor(torch.full((4, 2), -1.0), mesh, [Shard(0)], src_data_rank=None)
-        scaffold.after_backward(params={"w": w})
-        assert torch.equal(full(w.grad), torch.full((4, 2), 2.0))  # -1 + (c - c_i) = -1 + 3
-        deltas = scaffold.upload(state=OrderedDict(w=whole.clone()), trained=["w"], ctx=ctx)
-        assert torch.equal(deltas[CONTROL_DELTA_PREFIX + "w"], torch.full((4, 2), -1.0))  # gathered: the whole tensor
-
-        prox = FedProx()
-        prox.begin(params={"w": w}, ctx=FitContext(config={"proximal_mu": 0.5}, model=("w",)))
-        w.grad = None
-        prox.after_backward(params={"w": w})  # anchors at w
-        with torch.no_grad():
-            w.add_(2.0)
-        w.grad = None
-        prox.after_backward(params={"w": w})
-        assert torch.equal(full(w.grad), torch.ones(4, 2))  # 0.5 * 2 everywhere
-        # Both ranks past their last collective before either tears gloo down: a rank that
-        # exits while its peer's all-gather is still in flight aborts the peer ("terminate
-        # called without an active exception").
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.timeout(180)  # two spawned interpreters importing torch, on a loaded machine
-def test_scaffold_and_fedprox_hooks_on_dtensor_parameters_over_two_processes(tmp_path):
-    mp.start_processes(_sharded_worker, args=(str(tmp_path / "store"),), nprocs=2, start_method="spawn", join=True)

@@ -19,7 +19,6 @@ from fedgrid.client.algorithms import FitContext
 from fedgrid.client.torch_client import TorchClient
 from fedgrid.types import ClientInfo, Failure, FitIns, FitRes, TensorSpec
 
-pytestmark = pytest.mark.timeout(60)
 
 X = torch.tensor([[1.0], [2.0]])
 INFOS = [ClientInfo(client_id=f"c{i}", name=f"c{i}") for i in range(2)]

@@ -13,7 +13,6 @@ from fedgrid.client import Client, FitOutput
 from fedgrid.client import capabilities as caps
 from fedgrid.config import load_config
 
-pytestmark = pytest.mark.timeout(30)
 
 PHYSICAL = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 

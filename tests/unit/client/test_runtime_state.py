@@ -16,7 +16,6 @@ from fedgrid.client.runtime import Connection
 from fedgrid.client.state import STATE_FORMAT, load_client_state, restore_client_state, save_client_state
 from fedgrid.client.uplink import UplinkEncoder
 
-pytestmark = pytest.mark.timeout(60)
 
 RUN = "run-0123"
 

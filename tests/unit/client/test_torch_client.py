@@ -15,7 +15,6 @@ from fedgrid.seeding import derive_seed
 from fedgrid.simulation import tasks
 from fedgrid.types import FitIns
 
-pytestmark = pytest.mark.timeout(60)
 
 CONFIG = {"local_epochs": 1, "lr": 0.1, "seed": 0, "round": 1}
 

@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 from fedgrid.compression import get_codec
 from fedgrid.errors import InvalidUpdateError
 
-pytestmark = pytest.mark.timeout(120)
 
 F32 = torch.float32
 SPECS = ["fp16", "bf16", "int8", "qsgd:5", "qsgd:300", "topk:0.05", "randk:0.3", "powersgd:2", "sign", "none+zstd", "int8+zstd", "topk:0.05+zstd"]

@@ -11,7 +11,6 @@ from fedgrid.compression import get_codec
 from fedgrid.errors import InvalidUpdateError, PayloadTooLargeError
 from fedgrid.proto import serde
 
-pytestmark = pytest.mark.timeout(60)
 
 SPECS = ["fp16", "bf16", "int8", "qsgd:8", "topk:0.05", "randk:0.05", "powersgd:2", "sign", "none+zstd", "topk:0.01+zstd"]
 

@@ -23,7 +23,6 @@ from fedgrid.compression import registry
 from fedgrid.compression.quantize import QSGD_BUCKET
 from fedgrid.errors import ConfigError, InvalidUpdateError
 
-pytestmark = pytest.mark.timeout(120)
 
 FLOATS = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 LOSSY = ["fp16", "bf16", "int8", "int8:64", "qsgd:1", "qsgd:7", "qsgd:127", "qsgd:300", "topk:0.1", "randk:0.25", "powersgd:2", "sign"]

@@ -19,7 +19,6 @@ from fedgrid.compression import (
 )
 from fedgrid.errors import ConfigError, InvalidUpdateError
 
-pytestmark = pytest.mark.timeout(120)
 
 LOSSY = ["topk:0.05", "randk:0.1", "sign", "int8", "qsgd:32", "powersgd:2", "fp16", "bf16", "int8+zstd"]
 

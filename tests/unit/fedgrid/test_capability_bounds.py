@@ -9,7 +9,6 @@ from fedgrid.capabilities import (
 )
 from fedgrid.errors import InvalidUpdateError
 
-pytestmark = pytest.mark.timeout(30)
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -10,7 +10,6 @@ from fedgrid.config import Config, config_keys, load_config
 from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S
 from fedgrid.errors import ConfigError, FedgridError
 
-pytestmark = pytest.mark.timeout(60)
 
 
 def _write(tmp_path, text: str):

@@ -44,7 +44,6 @@ def test_environment_names_torch_and_threads():
     assert env["engine_requested"] == "auto" and env["cpu"]
 
 
-@pytest.mark.timeout(120)
 def test_run_directory_records_threads_engine_and_torch_and_reruns_bit_for_bit(tmp_path):
     """``config.toml`` holds the thread count and the engine actually used (``auto`` resolved),
     so ``load_config(RUN/config.toml)`` reruns the run to the same bits."""

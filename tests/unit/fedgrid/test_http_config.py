@@ -8,7 +8,6 @@ from fedgrid.cli import COORDINATOR_KEYS, SIMULATE_KEYS, build_parser
 from fedgrid.config import load_config
 from fedgrid.errors import ConfigError
 
-pytestmark = pytest.mark.timeout(60)
 
 
 def test_http_keys_are_coordinator_and_client_flags_only():

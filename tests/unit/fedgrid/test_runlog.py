@@ -14,7 +14,6 @@ from fedgrid.config import load_config
 from fedgrid.runlog import RunWriter, load_model, read_metrics, to_toml
 from fedgrid.types import RoundMetrics
 
-pytestmark = pytest.mark.timeout(60)
 
 
 def test_config_toml_parses_back_to_same_values(tmp_path):

@@ -23,7 +23,6 @@ from fedgrid.runlog import RunWriter, read_metrics
 from fedgrid.trackers import parse_trackers, scalars
 from fedgrid.types import RoundMetrics
 
-pytestmark = pytest.mark.timeout(120)
 
 
 def _simulate(out: Path, *flags: str) -> list[dict]:

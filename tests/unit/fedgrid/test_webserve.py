@@ -12,7 +12,6 @@ from fedgrid import webserve
 from fedgrid.errors import ConfigError
 from fedgrid.webserve import MAX_CONNECTIONS, MAX_REQUEST_LINE, Response, Route, StatusServer
 
-pytestmark = pytest.mark.timeout(60)
 
 TOKEN = "s3cret-token-0123456789"
 

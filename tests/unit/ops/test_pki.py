@@ -22,7 +22,6 @@ import fedgrid.pki as pki_kernel  # the kernel half: its clock and files serve b
 from fedgrid.ops import pki
 from fedgrid.errors import AuthenticationError, EnrollmentError, PKIError
 
-pytestmark = pytest.mark.timeout(60)
 
 
 def _mode(path: Path) -> int:

@@ -17,7 +17,6 @@ from fedgrid.cli import main
 from fedgrid.ops.report import PLOTS, ReportError, figures, load_run, load_runs, participation
 from fedgrid.runlog import read_metrics
 
-pytestmark = pytest.mark.timeout(120)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

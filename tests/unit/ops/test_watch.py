@@ -9,7 +9,6 @@ from rich.console import Console
 
 from fedgrid.ops.watch import StatusUnavailable, fetch_status, render_status
 
-pytestmark = pytest.mark.timeout(60)
 
 STATUS = {
     "run_id": "r1", "state": "running", "phase": "fit", "round": 2, "rounds": 5, "committed": 1,

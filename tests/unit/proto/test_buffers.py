@@ -23,7 +23,6 @@ from fedgrid.proto.buffers import MIN_POOLED_BYTES, BufferPool, receive_buffers
 from fedgrid.server.spill import HeldState, SpilledState, SpillWriter
 from fedgrid.types import TensorSpec
 
-pytestmark = pytest.mark.timeout(60)
 
 MiB = 1 << 20
 N = 2 * MiB  # bytes of each test buffer: above MIN_POOLED_BYTES

@@ -15,7 +15,6 @@ from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import serde
 from fedgrid.types import ClientInfo
 
-pytestmark = pytest.mark.timeout(60)
 
 MiB = 1 << 20
 

@@ -13,7 +13,6 @@ from fedgrid.server.monitor import FAILURE_REASONS, CoordinatorMonitor, failure_
 from fedgrid.server.status_page import page_response
 from fedgrid.types import ClientInfo, RoundMetrics
 
-pytestmark = pytest.mark.timeout(60)
 
 
 def _samples(monitor: CoordinatorMonitor) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

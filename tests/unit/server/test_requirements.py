@@ -12,7 +12,6 @@ from fedgrid.server.grpc_fleet import GrpcFleet
 from fedgrid.server.strategies import build_capability_filter
 from fedgrid.types import ClientInfo
 
-pytestmark = pytest.mark.timeout(30)
 
 
 def test_requirements_come_from_the_three_keys():

@@ -60,7 +60,6 @@ def _assert_equal(state, update):
         torch.testing.assert_close(tensor, expected, rtol=0, atol=0)
 
 
-@pytest.mark.timeout(60)
 def test_held_updates_stay_in_memory_until_the_budget_needs_their_room(gate):
     spill = UpdateSpill(None, memory_bytes=2 * NBYTES)  # no state directory: nothing to resume from
     first, second = _update(0), _update(1)
@@ -90,7 +89,6 @@ def test_held_updates_stay_in_memory_until_the_budget_needs_their_room(gate):
     spill.close()
 
 
-@pytest.mark.timeout(60)
 def test_under_a_state_directory_an_update_is_in_place_before_its_reply_and_synced_after(tmp_path, monkeypatch):
     synced = threading.Event()
     fsyncs: list[int] = []
@@ -117,7 +115,6 @@ def test_under_a_state_directory_an_update_is_in_place_before_its_reply_and_sync
     spill.close()
 
 
-@pytest.mark.timeout(60)
 def test_update_over_the_budget_is_on_disk_before_commit_returns(gate):
     gate.set()  # the direct path writes on the caller's thread
     spill = UpdateSpill(None, memory_bytes=NBYTES - 1)
@@ -129,7 +126,6 @@ def test_update_over_the_budget_is_on_disk_before_commit_returns(gate):
     spill.close()
 
 
-@pytest.mark.timeout(60)
 def test_budget_counts_uploads_in_flight_and_aborts_give_it_back(gate):
     gate.set()
     spill = UpdateSpill(None, memory_bytes=NBYTES)
@@ -146,7 +142,6 @@ def test_budget_counts_uploads_in_flight_and_aborts_give_it_back(gate):
     spill.close()
 
 
-@pytest.mark.timeout(60)
 def test_no_budget_writes_every_update_before_its_reply():
     spill = UpdateSpill(None, memory_bytes=0)
     writer, state = _accept(spill, "c1", _update(2))
@@ -154,7 +149,6 @@ def test_no_budget_writes_every_update_before_its_reply():
     spill.close()
 
 
-@pytest.mark.timeout(60)
 def test_discarded_held_update_never_lands(gate):
     spill = UpdateSpill(None, memory_bytes=2 * NBYTES)
     _accept(spill, "late", _update(3))

@@ -23,7 +23,6 @@ from fedgrid.simulation.batched_optim import NotBatchable, optimizer_spec
 from fedgrid.simulation.fleet import InProcessFleet
 from fedgrid.types import FitIns, ModelState
 
-pytestmark = pytest.mark.timeout(60)
 
 
 

@@ -9,7 +9,6 @@ import torch
 from fedgrid.errors import ConfigError
 from fedgrid.simulation.datasets import load_digits, parse_partition, partition, partition_dirichlet, partition_iid
 
-pytestmark = pytest.mark.timeout(60)
 
 # 10 balanced classes of 100 examples, in class order (the worst case for a naive split)
 LABELS = np.repeat(np.arange(10), 100)

@@ -13,7 +13,6 @@ from fedgrid.errors import ConfigError
 from fedgrid.simulation.tasks import check_config
 from fedgrid.simulation.heterogeneity import ClientProfiles, load_trace, parse_regions, parse_speed
 
-pytestmark = pytest.mark.timeout(60)
 
 
 def test_defaults_are_homogeneous():

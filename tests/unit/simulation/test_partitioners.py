@@ -12,7 +12,6 @@ import pytest
 from fedgrid.errors import ConfigError
 from fedgrid.simulation.datasets import load_synthetic, parse_partition, partition, partition_dirichlet, partition_shards
 
-pytestmark = pytest.mark.timeout(60)
 
 # 10 balanced classes of 100 examples, in class order (the worst case for a naive split)
 LABELS = np.repeat(np.arange(10), 100)

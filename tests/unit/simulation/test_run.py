@@ -14,7 +14,6 @@ from fedgrid.runlog import load_model
 from fedgrid.simulation.run import run_simulation
 from fedgrid.simulation.tasks import build_model, digits_evaluate, initial_state
 
-pytestmark = pytest.mark.timeout(120)
 
 KEYS = {"round", "loss", "accuracy", "bytes_up", "bytes_down", "wall_s", "clients_ok", "clients_failed"}
 

@@ -21,7 +21,6 @@ from fedgrid.simulation.shakespeare import (
     partition_natural,
 )
 
-pytestmark = pytest.mark.timeout(60)
 
 SEQ = 8  # short windows keep the synthetic roles small
 

@@ -16,7 +16,6 @@ from fedgrid.simulation.datasets import load_synthetic
 from fedgrid.simulation.models import char_lstm, digits_mlp, fmnist_cnn, fmnist_mlp, logistic
 from fedgrid.types import FitIns
 
-pytestmark = pytest.mark.timeout(120)
 
 
 def _params(model: torch.nn.Module) -> int:

@@ -1,0 +1,66 @@
+"""The test tiers, by folder, and what every tier shares.
+
+- ``unit/``: one process, no sockets; timeout 180 s a test.
+- ``integration/``: real gRPC servers in this process, on port 0; 300 s.
+- ``e2e/``: other processes (``fedgrid`` commands, torchrun, spawned ranks, the docs build, the
+  layer contracts, a browser); 900 s.
+- ``examples/``: every program in ``examples/``, run whole; 600 s.
+
+Each test gets its folder's marker (``pytest -m unit``) and timeout, so neither is set by hand;
+``make test-fast`` runs ``unit`` and ``integration``. ``support/`` holds what the tiers share:
+the harness that starts coordinators and clients, test clients, attacks and the apps that
+``--app`` loads; it is put on ``sys.path`` here.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+import pytest
+
+if TYPE_CHECKING:
+    import torch
+    from harness import InProcessCoordinator
+
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS / "support"))
+
+#: Folder under tests/ -> (marker, timeout in seconds).
+TIERS = {"unit": 180, "integration": 300, "e2e": 900, "examples": 600}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for tier in TIERS:
+        config.addinivalue_line("markers", f"{tier}: tests under tests/{tier}/ (applied by tests/conftest.py)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = Path(item.path).resolve().relative_to(TESTS).parts[0]
+        if tier not in TIERS:
+            raise pytest.UsageError(f"{item.nodeid}: tests live in a tier folder ({', '.join(TIERS)})")
+        item.add_marker(getattr(pytest.mark, tier))
+        item.add_marker(pytest.mark.timeout(TIERS[tier]))
+
+
+@pytest.fixture
+def small_state() -> "OrderedDict[str, torch.Tensor]":
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return OrderedDict(
+        [("layer.weight", torch.randn(4, 3, generator=g)), ("layer.bias", torch.randn(4, generator=g)),
+         ("steps", torch.tensor(7))]
+    )
+
+
+@pytest.fixture
+def coordinator(small_state) -> Iterator["InProcessCoordinator"]:
+    from harness import InProcessCoordinator
+
+    c = InProcessCoordinator(small_state)
+    yield c
+    c.stop()
