@@ -25,7 +25,10 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from fedgrid import ClientInfo, Failure, FitIns, FitRes, InProcessFleet, ModelState, RoundEngine, Strategy
+from fedgrid import ModelState, Strategy
+from fedgrid.types import ClientInfo, Failure, FitIns, FitRes
+from fedgrid.simulation.fleet import InProcessFleet
+from fedgrid.server.engine import RoundEngine
 from fedgrid.simulation.tasks import resolve
 
 

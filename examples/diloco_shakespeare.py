@@ -30,7 +30,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from fedgrid import DiLoCo, InProcessFleet, ModelState, RoundEngine, TorchClient
+from fedgrid import ModelState, TorchClient
+from fedgrid.strategies import DiLoCo
+from fedgrid.simulation.fleet import InProcessFleet
+from fedgrid.server.engine import RoundEngine
 from fedgrid.plugins import initial_state
 from fedgrid.simulation.shakespeare import VOCAB, NextChars, load_shakespeare, partition_natural
 

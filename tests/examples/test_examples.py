@@ -19,7 +19,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from fedgrid import ClientInfo, Failure, FitRes
+from fedgrid.types import ClientInfo, Failure, FitRes
 from fedgrid.events import read_events
 from fedgrid.runlog import load_model
 
