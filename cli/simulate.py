@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 import threading
-from typing import Any, TextIO
+from typing import Any, Callable, Sequence, TextIO
 
 from fedgrid.cli.support import SIMULATE_KEYS, add_config_flags, config_from
+from fedgrid.config import Config
 from fedgrid.interrupts import GracefulStop, say
 from fedgrid.types import RoundMetrics
 
@@ -76,18 +77,15 @@ class SimulateProgress:
             self._shown = False
 
 
-def run(args: argparse.Namespace) -> int:
-    """``fedgrid simulate``: the whole federation in this process (or across torchrun's ranks)."""
+def _header(config: Config) -> Callable[[str, str], None]:
+    """The run's first line, printed once the engine is chosen (so auto's choice shows)."""
     import torch
 
-    from fedgrid.simulation.run import run_simulation
-    from fedgrid.simulation.tasks import check_config, get_task
+    from fedgrid.simulation.tasks import get_task
 
-    config = config_from(args, SIMULATE_KEYS)
-    check_config(config)
     task = get_task(config.dataset)
 
-    def header(engine: str, why: str) -> None:  # once the engine is chosen: auto's choice shows
+    def header(engine: str, why: str) -> None:
         chosen = f"engine {engine} ({why})" if config.engine == "auto" else f"engine {engine}"
         print(
             f"fedgrid simulate: {config.clients} clients, {config.rounds} rounds, dataset {config.dataset}, "
@@ -95,38 +93,64 @@ def run(args: argparse.Namespace) -> int:
             f"{chosen}, seed {config.seed}, {config.threads or torch.get_num_threads()} threads", flush=True,
         )
 
-    progress = SimulateProgress(config.rounds, sys.stderr) if config.progress else None
-    stop = threading.Event()
+    return header
 
-    def on_stop(signal_name: str) -> None:
-        erase = "\r\033[K" if progress is not None and progress.tty else ""  # the in-place line, without writing into its stream
-        say(f"{erase}{signal_name}: stopping after the current round; a second one exits at once")
-        stop.set()
+
+def _round_line(config: Config, progress: SimulateProgress | None) -> Callable[[RoundMetrics], None]:
+    """One line per round (above the progress line, which it then redraws)."""
 
     def show(m: RoundMetrics) -> None:
         acc = "" if m.accuracy is None else f" accuracy {m.accuracy:.4f}"
         loss = "" if m.loss is None else f" loss {m.loss:.4f}"
         if progress is not None:
             progress.clear()
-        print(f"round {m.round:3d}/{config.rounds}{loss}{acc} clients {m.clients_ok} ok {m.clients_failed} failed  up {m.bytes_up / 1e6:.2f} MB down {m.bytes_down / 1e6:.2f} MB  {m.wall_s:.2f}s", flush=True)
+        print(f"round {m.round:3d}/{config.rounds}{loss}{acc} clients {m.clients_ok} ok {m.clients_failed} failed  "
+              f"up {m.bytes_up / 1e6:.2f} MB down {m.bytes_down / 1e6:.2f} MB  {m.wall_s:.2f}s", flush=True)
         if progress is not None:
             progress.update(m)
 
+    return show
+
+
+def _final_line(config: Config, final_model: Any, history: Sequence[RoundMetrics]) -> None:
+    if final_model is None:
+        saved = f"; model of round {len(history)} in {config.out}/model.safetensors" if history else ""
+        print(f"stopped after {len(history)} of {config.rounds} rounds{saved}; run directory {config.out}")
+        return
+    final = history[-1]
+    metric = f"final test accuracy {final.accuracy:.4f}" if final.accuracy is not None else f"final loss {final.loss}"
+    print(f"{metric}; run directory {config.out}")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``fedgrid simulate``: the whole federation in this process (or across torchrun's ranks,
+    each training its share of the clients: ``fedgrid.simulation.sharded``; rank 0 speaks for the run)."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
     from fedgrid.client.parallel import torchrun_rank
+    from fedgrid.simulation.run import run_simulation
+    from fedgrid.simulation.tasks import check_config
 
+    config = config_from(args, SIMULATE_KEYS)
+    check_config(config)
     ranks = torchrun_rank()
-    if ranks is not None:  # torchrun: each rank trains its share of the clients (fedgrid.simulation.sharded)
+    quiet = ranks is not None and ranks[0] != 0
+    progress = SimulateProgress(config.rounds, sys.stderr) if config.progress and not quiet else None
+    stop = threading.Event()
+
+    def on_stop(signal_name: str) -> None:
+        erase = "\r\033[K" if progress is not None and progress.tty else ""  # the in-place line, not into its stream
+        say(f"{erase}{signal_name}: stopping after the current round; a second one exits at once")
+        stop.set()
+
+    if ranks is not None:
         dist.init_process_group("gloo", timeout=timedelta(seconds=config.round_timeout_s))
-    quiet = ranks is not None and ranks[0] != 0  # rank 0 speaks for the run
-    if quiet:
-        progress = None
     with GracefulStop(on_stop, what="simulate"):
         try:
-            final_model, history = run_simulation(config, on_round=None if quiet else show, on_start=None if quiet else header, stop=stop)
+            final_model, history = run_simulation(config, on_round=None if quiet else _round_line(config, progress),
+                                                  on_start=None if quiet else _header(config), stop=stop)
             if ranks is not None:
                 # Every rank past the last collective before any tears gloo down: a rank that
                 # exits while a peer's gather is in flight aborts that peer.
@@ -136,13 +160,6 @@ def run(args: argparse.Namespace) -> int:
                 progress.close()
             if ranks is not None:
                 dist.destroy_process_group()
-    if quiet:
-        return 0
-    if final_model is None:
-        saved = f"; model of round {len(history)} in {config.out}/model.safetensors" if history else ""
-        print(f"stopped after {len(history)} of {config.rounds} rounds{saved}; run directory {config.out}")
-        return 0
-    final = history[-1]
-    metric = f"final test accuracy {final.accuracy:.4f}" if final.accuracy is not None else f"final loss {final.loss}"
-    print(f"{metric}; run directory {config.out}")
+    if not quiet:
+        _final_line(config, final_model, history)
     return 0
