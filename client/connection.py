@@ -3,7 +3,8 @@
 Every RPC has a deadline. Transient failures (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED,
 RESOURCE_EXHAUSTED) are retried with exponential backoff and jitter, bounded in time; other
 errors surface with the server's message (``RpcFailed``). ``fedgrid.client.runtime``'s loop
-and the embedding session (``fedgrid.client.session``) are built on it.
+and the embedding session (``fedgrid.client.session``) are built on it; what its calls may
+meet (errors, retried codes, channel options) is ``fedgrid.client.rpc``.
 """
 
 from __future__ import annotations
@@ -20,10 +21,20 @@ import grpc
 import tenacity
 
 from fedgrid.client.api import Client
+from fedgrid.client.rpc import (
+    GRPC_OPTIONS,
+    SERVICE,
+    TRANSIENT,
+    CoordinatorUnreachable,
+    RpcFailed,
+    _describe,
+    _is_transient,
+    _one_line,
+    check_target,
+)
 from fedgrid.client.uplink import UplinkEncoder
 from fedgrid.constants import (
     CONNECT_TIMEOUT_S,
-    MAX_MESSAGE_BYTES,
     POLL_WAIT_S,
     RETRY_MAX_ELAPSED_S,
     RETRY_MAX_WAIT_S,
@@ -32,7 +43,7 @@ from fedgrid.constants import (
 )
 from fedgrid.compression import available_codecs
 from fedgrid.compression.feedback import apply_delta
-from fedgrid.errors import FedgridError, InvalidUpdateError
+from fedgrid.errors import InvalidUpdateError
 from fedgrid.constants import MAX_REASON_CHARS
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
@@ -48,59 +59,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 #: Consecutive refused sessions after which the client gives up instead of joining again.
 MAX_REJOINS = 3
-SERVICE = "fedgrid.v1.Coordinator"
 #: The smallest upload chunk a slow link makes the client fall back to (``upload_chunk_cap``).
 MIN_UPLOAD_CHUNK = 16 << 10
-#: Retried with backoff. CANCELLED too: a coordinator shutting down cancels calls in flight
-#: (a call this client cancels itself ends the loop through ``stop`` instead).
-#: RESOURCE_EXHAUSTED too: the coordinator is at a limit (transfers in flight) for now.
-TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-                       grpc.StatusCode.RESOURCE_EXHAUSTED})
-GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    # Each client its own connection, also when a program embeds many: channels with the
-    # same target would otherwise share one, and its stream limit, and fail together.
-    ("grpc.use_local_subchannel_pool", 1),
-]
-#: Tag of a client state file (``run(..., state_path=...)``); a file without it is not loaded.
-
-
-class RpcFailed(FedgridError):
-    """An RPC failed with a non-transient status, or retries ran out. ``code`` is the status."""
-
-    def __init__(self, method: str, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{method} failed: {code.name}: {details}")
-        self.code = code
-        self.details = details
-
-
-class CoordinatorUnreachable(RpcFailed):
-    """The client never reached its coordinator within the connect deadline."""
-
-    def __init__(self, target: str, deadline_s: float, code: grpc.StatusCode, details: str, tls: bool) -> None:
-        RpcFailed.__init__(self, "Join", code, details)
-        check_tls = ("the coordinator accepts this client's certificate (--ca, --cert, --key)" if tls else
-                     "the coordinator serves plaintext (one with mutual TLS needs --ca, --cert and --key)")
-        self.args = (f"could not reach the coordinator at {target} within {deadline_s:g}s ({code.name}: {_one_line(details)}): "
-                     f"check that it is running, that {target} is its address and port (RUN_DIR/address), and that {check_tls}",)
-
-
-def check_target(target: str, *, what: str = "coordinator") -> str:
-    """``target`` if it is ``HOST:PORT`` with a port in 1..65535 (``[::1]:PORT`` for IPv6).
-
-    gRPC reads a bare host as port 443 and other odd forms as name-resolver schemes: a
-    typo would dial something else and retry there for as long as the deadline allows.
-
-    Raises:
-        ValueError: not of that form (the message names ``what`` and the expected form).
-    """
-    host, sep, port = target.rpartition(":")
-    if not sep or not host or host.endswith(":") and not host.startswith("["):
-        raise ValueError(f"{what} address {target!r} has no port: expected HOST:PORT, e.g. 127.0.0.1:50051")
-    if not port.isdigit() or not 0 < int(port) <= 65535:
-        raise ValueError(f"{what} address {target!r} has port {port!r}: expected HOST:PORT with a port in 1..65535")
-    return target
 
 
 def _identity(cert: str) -> str:
@@ -115,19 +75,14 @@ def _identity(cert: str) -> str:
         raise ValueError(f"certificate {cert}: {exc}") from None
 
 
-def _one_line(text: str) -> str:
-    """gRPC's details can span lines (its debug string): one line for a log or an error."""
-    return " ".join(text.split())
+def _open_channel(target: str, tls: TLSFiles | None, server_name: str) -> grpc.Channel:
+    """A plaintext channel to ``target``, or a mutual-TLS one (``server_name``: the name the
+    coordinator's certificate must hold, when it is not the host of ``target``)."""
+    if tls is None:
+        return grpc.insecure_channel(target, options=GRPC_OPTIONS)
+    options = [*GRPC_OPTIONS, ("grpc.ssl_target_name_override", server_name)] if server_name else GRPC_OPTIONS
+    return grpc.secure_channel(target, channel_credentials(tls), options=options)
 
-
-def _describe(exc: BaseException | None) -> str:
-    if isinstance(exc, grpc.RpcError):
-        return f"{exc.code().name}: {_one_line(exc.details() or '')}"
-    return _one_line(f"{type(exc).__name__}: {exc}") if exc is not None else ""
-
-
-def _is_transient(exc: BaseException) -> bool:
-    return isinstance(exc, grpc.RpcError) and exc.code() in TRANSIENT
 
 
 @dataclass(frozen=True)
@@ -186,19 +141,13 @@ class Connection:
         self.identity = _identity(tls.cert) if tls is not None else None
         #: The name the coordinator knows this client by (set by ``join``).
         self.name = self.identity or ""
-        if tls is None:
-            self.channel = grpc.insecure_channel(target, options=GRPC_OPTIONS)
-        else:
-            options = [*GRPC_OPTIONS, ("grpc.ssl_target_name_override", server_name)] if server_name else GRPC_OPTIONS
-            self.channel = grpc.secure_channel(target, channel_credentials(tls), options=options)
+        self.channel = _open_channel(target, tls, server_name)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
         # The chunk streams carry encoded Chunk messages as bytes (see server/service.py).
-        self._download = self.channel.unary_stream(
-            f"/{SERVICE}/DownloadModel", request_serializer=pb.DownloadRequest.SerializeToString, response_deserializer=None
-        )
-        self._upload = self.channel.stream_unary(
-            f"/{SERVICE}/UploadUpdate", request_serializer=None, response_deserializer=pb.UploadReply.FromString
-        )
+        self._download = self.channel.unary_stream(f"/{SERVICE}/DownloadModel", response_deserializer=None,
+                                                   request_serializer=pb.DownloadRequest.SerializeToString)
+        self._upload = self.channel.stream_unary(f"/{SERVICE}/UploadUpdate", request_serializer=None,
+                                                 response_deserializer=pb.UploadReply.FromString)
         self.rpc_timeout = rpc_timeout
         self.transfer_timeout = transfer_timeout
         self.stop = stop or threading.Event()
@@ -409,21 +358,10 @@ class Connection:
         ``global_state`` with error feedback kept across rounds). A retry asks the
         coordinator how many chunks it holds and resumes from there; one that finds the
         update already accepted counts as success."""
-        uplink = self._uplinks.get(codec)
-        if uplink is None:
-            uplink = self._uplinks[codec] = UplinkEncoder(codec)
-        if not uplink.lossless and global_state is None:
-            raise ValueError(f"codec {codec!r} sends differences: pass the global model")
+        uplink = self._uplink(codec, has_global=global_state is not None)
         encoded, delta = uplink.encode(global_state=global_state or {}, new_state=state)
-        info = serde.StreamInfo(
-            run_id=self.run_id,
-            task_id=task_id,
-            round=server_round,
-            client_id=self.client_id,
-            num_examples=num_examples,
-            metrics=metrics,
-            delta=delta,
-        )
+        info = serde.StreamInfo(run_id=self.run_id, task_id=task_id, round=server_round, client_id=self.client_id,
+                                num_examples=num_examples, metrics=metrics, delta=delta)
         self.upload_attempts = []
         status_request = pb.UploadStatusRequest(client_id=self.client_id, task_id=task_id)
 
@@ -442,22 +380,14 @@ class Connection:
                     # Not one more chunk got through before the deadline: chunks this size take
                     # longer than the coordinator waits for one. Start over in smaller ones (a
                     # resume must keep the size of the chunks it continues).
-                    chunk_size = self.upload_chunk_cap = max(MIN_UPLOAD_CHUNK, chunk_size // 2)
-                    start = 0
-                    log.warning("upload of task %r: no chunk reached the coordinator in time; sending %d-byte chunks from now on",
-                                task_id, chunk_size)
+                    chunk_size, start = self._halve_chunks(task_id, chunk_size), 0
             sent = [0]
             self.upload_attempts.append(UploadAttempt(start, sent, chunk_size))
             stalled = False
 
-            def counted() -> Iterator[bytes]:
-                for frame in encoded.frames(info, chunk_size=chunk_size, start=start):
-                    sent[0] += len(frame)
-                    self.bytes_up += serde.wire_size(frame)
-                    yield frame
-
+            frames = self._counted(encoded.frames(info, chunk_size=chunk_size, start=start), sent)
             try:
-                reply = self._upload(counted(), metadata=self._session(), timeout=self.transfer_timeout)
+                reply = self._upload(frames, metadata=self._session(), timeout=self.transfer_timeout)
             except grpc.RpcError as exc:
                 if len(self.upload_attempts) > 1 and exc.code() == grpc.StatusCode.ALREADY_EXISTS:
                     return encoded.total_bytes
@@ -466,6 +396,34 @@ class Connection:
             return int(reply.bytes_received)
 
         return self._call("UploadUpdate", attempt)
+
+    def _uplink(self, codec: str, *, has_global: bool) -> UplinkEncoder:
+        """The uplink encoder of ``codec``, made at its first use (its residuals persist).
+
+        Raises:
+            ValueError: a lossy codec without the global model to take the difference to.
+        """
+        uplink = self._uplinks.get(codec)
+        if uplink is None:
+            uplink = self._uplinks[codec] = UplinkEncoder(codec)
+        if not uplink.lossless and not has_global:
+            raise ValueError(f"codec {codec!r} sends differences: pass the global model")
+        return uplink
+
+    def _halve_chunks(self, task_id: str, chunk_size: int) -> int:
+        """The upload chunk size after a try in which no chunk reached the coordinator in time
+        (half, down to ``MIN_UPLOAD_CHUNK``); the connection keeps it (``upload_chunk_cap``)."""
+        self.upload_chunk_cap = max(MIN_UPLOAD_CHUNK, chunk_size // 2)
+        log.warning("upload of task %r: no chunk reached the coordinator in time; sending %d-byte chunks from now on",
+                    task_id, self.upload_chunk_cap)
+        return self.upload_chunk_cap
+
+    def _counted(self, frames: Iterator[bytes], sent: list[int]) -> Iterator[bytes]:
+        """``frames`` as they go, counted in ``sent[0]`` (this try's bytes) and ``bytes_up``."""
+        for frame in frames:
+            sent[0] += len(frame)
+            self.bytes_up += serde.wire_size(frame)
+            yield frame
 
 
 class _Heartbeat(threading.Thread):

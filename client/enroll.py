@@ -141,6 +141,21 @@ def enroll(
         ca_pem = Path(ca).read_bytes()
     except OSError as exc:
         raise PKIError(f"{ca}: CA bundle not readable ({exc.strerror})") from None
+    csr_pem = _key_and_csr(identity, key_path)
+    reply = _request(address, pb.EnrollRequest(token=token.strip(), csr_pem=csr_pem), ca_pem, server_name=server_name,
+                     timeout=timeout, retry_max_elapsed=retry_max_elapsed)
+    _install_certificate(reply, address=address, ca=ca, cert_path=cert_path, key_path=key_path, identity=identity)
+    log.info("enrolled as %r: certificate %s, key %s", identity, cert_path, key_path)
+    return identity
+
+
+def _key_and_csr(identity: str, key_path: Path) -> bytes:
+    """A CSR of ``identity`` for the key in ``key_path``: the one an earlier enrollment left
+    there, else a new one, written (mode 0600) before the CSR leaves.
+
+    Raises:
+        PKIError: ``key_path`` holds no usable key.
+    """
     old_key = key_path.read_bytes() if key_path.exists() else None
     try:
         key_pem, csr_pem = make_csr(identity, key_pem=old_key)
@@ -151,8 +166,17 @@ def enroll(
         write_atomic(key_path, key_pem, 0o600)  # on disk before the CSR leaves: no certificate without its key
     else:
         log.info("enrolling with the key an earlier enrollment left in %s", key_path)
-    reply = _request(address, pb.EnrollRequest(token=token.strip(), csr_pem=csr_pem), ca_pem, server_name=server_name,
-                     timeout=timeout, retry_max_elapsed=retry_max_elapsed)
+    return csr_pem
+
+
+def _install_certificate(reply: pb.EnrollReply, *, address: str, ca: str | os.PathLike[str], cert_path: Path,
+                         key_path: Path, identity: str) -> None:
+    """Writes the certificate of ``reply`` to ``cert_path`` once it checks out: signed by
+    ``ca``, for the key in ``key_path``, valid now, a client certificate of ``identity``.
+
+    Raises:
+        PKIError: it does not check out (``cert_path`` is then left as it was).
+    """
     staged = cert_path.with_name(f".{cert_path.name}.enrolling")
     cert_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     write_atomic(staged, reply.certificate_pem, 0o644)
@@ -170,5 +194,3 @@ def enroll(
     finally:
         with contextlib.suppress(FileNotFoundError):
             staged.unlink()
-    log.info("enrolled as %r: certificate %s, key %s", identity, cert_path, key_path)
-    return identity

@@ -23,8 +23,9 @@ from typing import Any, Callable, Iterator, Mapping
 import grpc
 
 from fedgrid.client.api import Client
-# Connection and its errors live in client/connection.py; the SDK's users import them from here.
-from fedgrid.client.connection import GRPC_OPTIONS, MAX_REJOINS, TRANSIENT, Connection, CoordinatorUnreachable, RpcFailed, _Heartbeat, check_target
+# Connection lives in client/connection.py and its errors in client/rpc.py; the SDK's users import them from here.
+from fedgrid.client.connection import MAX_REJOINS, Connection, _Heartbeat
+from fedgrid.client.rpc import GRPC_OPTIONS, TRANSIENT, CoordinatorUnreachable, RpcFailed, check_target
 from fedgrid.client.state import load_client_state, restore_client_state, save_client_state
 from fedgrid.constants import POLL_WAIT_S
 from fedgrid.errors import InvalidUpdateError
@@ -237,21 +238,10 @@ class TaskFeed:
             yield TaskStep(conn, reply.task)
 
 
-def run(
-    client: Client,
-    coordinator: str,
-    *,
-    stop: threading.Event | None = None,
-    poll_wait_s: float = POLL_WAIT_S,
-    state_path: str | os.PathLike[str] | None = None,
-    ca: str = "",
-    cert: str = "",
-    key: str = "",
-    server_name: str = "",
-    on_task: Callable[[TaskReport], None] | None = None,
-    on_event: Callable[[ClientEvent], None] | None = None,
-    **connection_options: float,
-) -> RunSummary:
+def run(client: Client, coordinator: str, *, stop: threading.Event | None = None, poll_wait_s: float = POLL_WAIT_S,
+        state_path: str | os.PathLike[str] | None = None, ca: str = "", cert: str = "", key: str = "",
+        server_name: str = "", on_task: Callable[[TaskReport], None] | None = None,
+        on_event: Callable[[ClientEvent], None] | None = None, **connection_options: float) -> RunSummary:
     """Joins ``coordinator`` and serves tasks until the run finishes or ``stop`` is set.
 
     Args:
@@ -287,54 +277,77 @@ def run(
     saved = load_client_state(state_path, name=conn.identity or client.name) if state_path is not None else None
     beat_stop = threading.Event()
     feed = TaskFeed(conn, client, poll_wait_s=poll_wait_s, on_event=on_event)
-    rounds = 0
     heartbeat: _Heartbeat | None = None
     leaving = "stopped"
     try:
-        feed.join()
-        log.info("joined %s as %s (run %s)", coordinator, conn.client_id, conn.run_id)
-        if saved is not None and state_path is not None:
-            restore_client_state(conn, client, saved, state_path)
-        heartbeat = _Heartbeat(conn, beat_stop)
-        heartbeat.start()
-        for step in feed:
-            try:
-                if step.kind == EVALUATE:
-                    update, num_examples, metrics = _evaluate(client, step.state, step.config)
-                else:
-                    assert step.ins is not None
-                    out = client.fit(step.state, step.ins)
-                    update, num_examples, metrics = out.state, out.num_examples, dict(out.metrics)
-                    # Diverged training (NaN or Inf) is the round's failure, not the client's end.
-                    step.check(update, metrics)
-            except Exception as exc:  # the application's code failed: the round hears it now, the client goes on
-                log.exception("round %d: %s failed", step.round, step.kind)
-                step.fail(f"{type(exc).__name__}: {exc}")
-                feed.emit("error", round=step.round, detail=f"{type(exc).__name__}: {exc}")
-                continue
-            report = step.deliver(update, num_examples, metrics)
-            _save(state_path, conn, client, step)  # a late update too: the residuals moved on all the same
-            if report is None:
-                feed.emit("error", round=step.round, detail="the round closed before the update landed")
-                continue
-            if step.kind == FIT:
-                rounds += 1
-            if on_task is not None:
-                on_task(report)
+        heartbeat = _open(feed, coordinator, saved, state_path, beat_stop)
+        rounds = _serve(feed, state_path, on_task)
     except BaseException as exc:  # KeyboardInterrupt and SystemExit included: the client is going
         leaving = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         raise
     finally:
-        feed.emit("finished") if feed.finished else feed.emit("left", detail=leaving)
-        if conn.client_id and not feed.finished:  # joined, and the run did not end: say so, not just go silent
-            conn.leave(leaving)
-        beat_stop.set()
-        if heartbeat is not None:
-            # A heartbeat in flight when the process exits can abort grpc's C++ core
-            # ("terminate called without an active exception"): let it finish first.
-            heartbeat.join(timeout=conn.rpc_timeout + 1.0)
-        conn.close()
+        _close(feed, leaving, beat_stop, heartbeat)
     return RunSummary(client_id=conn.client_id, rounds=rounds)
+
+
+def _open(feed: TaskFeed, coordinator: str, saved: Mapping[str, Any] | None,
+          state_path: str | os.PathLike[str] | None, beat_stop: threading.Event) -> _Heartbeat:
+    """``run``'s start: joins, restores the client's saved state, starts the heartbeat."""
+    conn, client = feed.conn, feed.client
+    feed.join()
+    log.info("joined %s as %s (run %s)", coordinator, conn.client_id, conn.run_id)
+    if saved is not None and state_path is not None:
+        restore_client_state(conn, client, saved, state_path)
+    heartbeat = _Heartbeat(conn, beat_stop)
+    heartbeat.start()
+    return heartbeat
+
+
+def _serve(feed: TaskFeed, state_path: str | os.PathLike[str] | None,
+           on_task: Callable[[TaskReport], None] | None) -> int:
+    """``run``'s loop: trains or evaluates every task of ``feed`` and uploads the result;
+    returns the fit rounds whose update landed."""
+    conn, client, rounds = feed.conn, feed.client, 0
+    for step in feed:
+        try:
+            if step.kind == EVALUATE:
+                update, num_examples, metrics = _evaluate(client, step.state, step.config)
+            else:
+                assert step.ins is not None
+                out = client.fit(step.state, step.ins)
+                update, num_examples, metrics = out.state, out.num_examples, dict(out.metrics)
+                # Diverged training (NaN or Inf) is the round's failure, not the client's end.
+                step.check(update, metrics)
+        except Exception as exc:  # the application's code failed: the round hears it now, the client goes on
+            log.exception("round %d: %s failed", step.round, step.kind)
+            step.fail(f"{type(exc).__name__}: {exc}")
+            feed.emit("error", round=step.round, detail=f"{type(exc).__name__}: {exc}")
+            continue
+        report = step.deliver(update, num_examples, metrics)
+        _save(state_path, conn, client, step)  # a late update too: the residuals moved on all the same
+        if report is None:
+            feed.emit("error", round=step.round, detail="the round closed before the update landed")
+            continue
+        if step.kind == FIT:
+            rounds += 1
+        if on_task is not None:
+            on_task(report)
+    return rounds
+
+
+def _close(feed: TaskFeed, leaving: str, beat_stop: threading.Event, heartbeat: _Heartbeat | None) -> None:
+    """``run``'s end, however it ends: tells the coordinator the client leaves (unless the run
+    finished), stops the heartbeat and closes the connection."""
+    conn = feed.conn
+    feed.emit("finished") if feed.finished else feed.emit("left", detail=leaving)
+    if conn.client_id and not feed.finished:  # joined, and the run did not end: say so, not just go silent
+        conn.leave(leaving)
+    beat_stop.set()
+    if heartbeat is not None:
+        # A heartbeat in flight when the process exits can abort grpc's C++ core
+        # ("terminate called without an active exception"): let it finish first.
+        heartbeat.join(timeout=conn.rpc_timeout + 1.0)
+    conn.close()
 
 
 def _exchange(conn: Connection, client: Client, task: pb.Task) -> None:

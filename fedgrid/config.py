@@ -222,6 +222,27 @@ class Config:
     state_dir: str = _key("durable coordinator state directory", "")
 
     def __post_init__(self) -> None:
+        # The checks run in this order: of several wrong keys, the first one found is reported.
+        self._check_ranges()
+        self._check_codecs_and_strategy()
+        self._check_endpoints()
+        for key in ("momentum", "weight_decay", "max_update_norm"):
+            if not 0.0 <= getattr(self, key) < float("inf"):
+                raise ConfigError(key, f"must be a finite number at least 0, got {getattr(self, key)}")
+        parse_trackers(self.tracker)  # known names, packages installed: before any work
+        if self.engine not in ENGINES:
+            raise ConfigError("engine", f"unknown engine {self.engine!r} (known: {', '.join(ENGINES)})")
+        if not 0 <= self.threads <= MAX_THREADS:
+            raise ConfigError("threads", f"must be in 0..{MAX_THREADS} (0: torch's default), got {self.threads}")
+        if self.batch_clients < 0:
+            raise ConfigError("batch_clients", f"must be at least 0, got {self.batch_clients}")
+        self._check_capability_keys()
+        # The data, model and heterogeneity keys need the simulation layer's registries:
+        # ``fedgrid.simulation.tasks.check_config`` checks them (the CLI and run_simulation
+        # call it before any work), so this module and the server never import that layer.
+
+    def _check_ranges(self) -> None:
+        """Counts, timeouts and fractions in their ranges, and a known client selector."""
         positive_ints = ("rounds", "clients", "min_clients", "local_epochs", "chunk_size", "max_workers", "batch_size", "max_num_examples")
         for key in positive_ints:
             if getattr(self, key) < 1:
@@ -241,6 +262,10 @@ class Config:
             raise ConfigError("over_selection", f"must be in [0, 10], got {self.over_selection}")
         if self.selector not in SELECTORS:
             raise ConfigError("selector", f"unknown selector {self.selector!r} (known: {', '.join(SELECTORS)})")
+
+    def _check_codecs_and_strategy(self) -> None:
+        """The codec specs, the evaluation fraction, the app, the chunk size, and the strategy
+        with its options (built once to check them)."""
         from fedgrid.compression.feedback import ErrorFeedback
         from fedgrid.compression.registry import parse_region_codecs
 
@@ -267,6 +292,10 @@ class Config:
             # The task's lr would be replaced by inner_lr: an lr given here would do nothing.
             raise ConfigError("lr", f"does not apply to strategy {self.strategy!r}: its inner optimizer (AdamW) "
                               f"takes inner_lr (default 1e-3), got lr={self.lr}")
+
+    def _check_endpoints(self) -> None:
+        """Mutual TLS files (all or none), the listen, enrollment and HTTP addresses, and the
+        keys that only go with one of them."""
         tls_given = [k for k in ("ca", "cert", "key") if getattr(self, k)]
         if tls_given and len(tls_given) != 3:
             missing = [k for k in ("ca", "cert", "key") if k not in tls_given]
@@ -288,20 +317,6 @@ class Config:
         if self.enroll_listen and not tls_given:
             raise ConfigError("enroll_listen", "enrollment needs ca, cert and key: it serves TLS with the coordinator's certificate, "
                               "never plaintext (a listener on the path would read tokens and could hand out certificates)")
-        for key in ("momentum", "weight_decay", "max_update_norm"):
-            if not 0.0 <= getattr(self, key) < float("inf"):
-                raise ConfigError(key, f"must be a finite number at least 0, got {getattr(self, key)}")
-        parse_trackers(self.tracker)  # known names, packages installed: before any work
-        if self.engine not in ENGINES:
-            raise ConfigError("engine", f"unknown engine {self.engine!r} (known: {', '.join(ENGINES)})")
-        if not 0 <= self.threads <= MAX_THREADS:
-            raise ConfigError("threads", f"must be in 0..{MAX_THREADS} (0: torch's default), got {self.threads}")
-        if self.batch_clients < 0:
-            raise ConfigError("batch_clients", f"must be at least 0, got {self.batch_clients}")
-        self._check_capability_keys()
-        # The data, model and heterogeneity keys need the simulation layer's registries:
-        # ``fedgrid.simulation.tasks.check_config`` checks them (the CLI and run_simulation
-        # call it before any work), so this module and the server never import that layer.
 
     def _check_capability_keys(self) -> None:
         """The capability requirements (``require_device`` ...) and what a client states (``report_*``)."""

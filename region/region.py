@@ -58,6 +58,7 @@ from fedgrid.proto.tls import TLSFiles
 from fedgrid.runlog import RunWriter
 from fedgrid.server.app import Coordinator, build_fleet, write_address
 from fedgrid.server.engine import ROUND_FAILED, RoundEngine
+from fedgrid.server.grpc_fleet import GrpcFleet
 from fedgrid.server.state import StateStore
 from fedgrid.server.strategies import build_strategy
 from fedgrid.textsafe import escape
@@ -216,32 +217,10 @@ def _serve(config: Config, threads: int, ready: threading.Event | None, stop: th
         stop.set()
         engine.stop()
 
-    trained, finished, backoff = 0, False, 1.0
-    on_task = _wan_writer(writer.dir / "wan.jsonl")
+    trained, finished = 0, False
     try:
         with GracefulStop(on_term, what="region"):
-            while not stop.is_set():
-                try:
-                    # Its clients first: the examples it reports at join are theirs.
-                    fleet.wait_for_clients(min_clients=config.min_clients, timeout=timedelta(seconds=min(config.join_timeout_s, 5.0)))
-                except Exception:  # not enough clients yet (or stopping): look again
-                    continue
-                try:
-                    # Transient failures are retried with the same session for as long as the region runs: a global
-                    # coordinator restarted from its state directory still knows it (and its task), a new one refuses
-                    # it and the runtime joins again.
-                    summary = run(region, config.upstream, stop=stop, ca=config.upstream_ca, cert=config.upstream_cert,
-                                  key=config.upstream_key, server_name=config.upstream_server_name, on_task=on_task,
-                                  connect_timeout=UPSTREAM_RETRY_MAX_S, retry_max_elapsed=float("inf"))
-                    trained += summary.rounds
-                    finished = not stop.is_set()
-                    break
-                except RpcFailed as exc:  # refused upstream (or unreachable at the first join): keep the clients, join again
-                    log.warning("region %s: upstream %s: %s; joining again in %.0fs", escape(config.name), config.upstream,
-                                escape(str(exc)), backoff)
-                    say(f"region {config.name}: upstream lost ({exc.code.name}); its clients stay; joining again")
-                    stop.wait(backoff)
-                    backoff = min(backoff * 2, UPSTREAM_RETRY_MAX_S)
+            trained, finished = _serve_upstream(config, region, fleet, stop, _wan_writer(writer.dir / "wan.jsonl"))
     finally:
         if finished:
             fleet.finish(timeout=timedelta(seconds=FINISH_GRACE_S))
@@ -255,3 +234,31 @@ def _serve(config: Config, threads: int, ready: threading.Event | None, stop: th
     print(f"region {config.name}: {trained} global rounds trained; {'run finished' if finished else 'stopped'}", flush=True)
     return trained
 
+
+def _serve_upstream(config: Config, region: RegionClient, fleet: GrpcFleet, stop: threading.Event,
+                    on_task: Callable[[TaskReport], None]) -> tuple[int, bool]:
+    """Serves the global coordinator's tasks once the region has its clients, joining upstream
+    again (with backoff) while it refuses the region; returns the global tasks trained and
+    whether the global run finished (``False``: stopped)."""
+    backoff = 1.0
+    while not stop.is_set():
+        try:
+            # Its clients first: the examples it reports at join are theirs.
+            fleet.wait_for_clients(min_clients=config.min_clients, timeout=timedelta(seconds=min(config.join_timeout_s, 5.0)))
+        except Exception:  # not enough clients yet (or stopping): look again
+            continue
+        try:
+            # Transient failures are retried with the same session for as long as the region runs: a global
+            # coordinator restarted from its state directory still knows it (and its task), a new one refuses
+            # it and the runtime joins again.
+            summary = run(region, config.upstream, stop=stop, ca=config.upstream_ca, cert=config.upstream_cert,
+                          key=config.upstream_key, server_name=config.upstream_server_name, on_task=on_task,
+                          connect_timeout=UPSTREAM_RETRY_MAX_S, retry_max_elapsed=float("inf"))
+            return summary.rounds, not stop.is_set()
+        except RpcFailed as exc:  # refused upstream (or unreachable at the first join): keep the clients, join again
+            log.warning("region %s: upstream %s: %s; joining again in %.0fs", escape(config.name), config.upstream,
+                        escape(str(exc)), backoff)
+            say(f"region {config.name}: upstream lost ({exc.code.name}); its clients stay; joining again")
+            stop.wait(backoff)
+            backoff = min(backoff * 2, UPSTREAM_RETRY_MAX_S)
+    return 0, False

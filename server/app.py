@@ -7,6 +7,7 @@ import os
 import sys
 import threading
 from concurrent import futures
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -280,75 +281,15 @@ def _serve(
     ready: threading.Event | None,
     on_event: Callable[[Event], None] | None,
 ) -> ModelState | None:
-    if initial is None:
-        initial = coordinator_model(config)
-    if initial is None:
-        raise ConfigError(
-            "model", f"{config.model or 'the dataset default'!r} is a built-in model: run_coordinator needs initial=..., "
-            "--model MODULE:FACTORY or --initial-model FILE.safetensors (the fedgrid coordinator command builds built-in models)"
-        )
-    store = StateStore(config.state_dir) if config.state_dir else None
-    strategy = build_strategy(config, num_clients=config.min_clients)
-    strategy.initialize(initial_state=initial)
-    writer = RunWriter(config.out, {**config.to_dict(), "threads": threads}, environment=environment(threads_requested=config.threads))
-    events = EventLog(writer.dir / "events.jsonl")
-    fleet = build_fleet(config, events)
-    engine: RoundEngine  # built below; the status server serves (reads its history) only once it is
-    monitor = CoordinatorMonitor(fleet, rounds=config.rounds, history=lambda: engine.history) if config.http else None
-    if monitor is not None:
-        events.subscribe(monitor.on_event)
-    if on_event is not None:  # after the monitor: a caller reading the status sees the event counted
-        events.subscribe(on_event)
-
-    def on_round(m):
-        acc = "" if m.accuracy is None else f" accuracy {m.accuracy:.4f}"
-        print(f"round {m.round}/{config.rounds} loss {m.loss if m.loss is None else round(m.loss, 4)}{acc} clients {m.clients_ok} ok {m.clients_failed} failed ({m.wall_s:.2f}s)", flush=True)
-
-    engine = RoundEngine(
-        strategy=strategy,
-        fleet=fleet,
-        rounds=config.rounds,
-        min_clients=config.min_clients,
-        round_timeout=timedelta(seconds=config.round_timeout_s),
-        join_timeout=timedelta(seconds=config.join_timeout_s),
-        evaluate_fn=evaluate_fn,
-        writer=writer,
-        on_round=on_round if monitor is None else (lambda m: (on_round(m), monitor.on_round(m))),
-        finish_timeout=timedelta(seconds=FINISH_GRACE_S),
-        store=store,
-        events=events,
-    )
-
+    wired = _wire(config, threads, _initial_model(config, initial), evaluate_fn, on_event)
+    writer, events, fleet, engine = wired.writer, wired.events, wired.fleet, wired.engine
     # The checkpoint first: the run id printed, and handed to the first clients, is the restored one.
     engine.resume()
     tls = TLSFiles.from_options(config.ca, config.cert, config.key, config.crl)
     # Bound (and its directory checked) before the coordinator starts: a bad enroll_dir fails first.
     enrollment = EnrollmentServer(config.enroll_listen, ca_dir=config.enroll_dir, tls=tls) if config.enroll_listen else None
-    http: StatusServer | None = None
-    try:
-        # Bound first: a refused --http (no token off loopback, port taken) fails before any client can join.
-        if monitor is not None:
-            http = StatusServer(config.http, monitor.routes(), token_file=config.http_token_file)
-        interceptors = [monitor.interceptor()] if monitor is not None else []
-        coordinator = Coordinator(config.listen, fleet, max_workers=config.max_workers, tls=tls, insecure=config.insecure,
-                                  interceptors=interceptors).start()
-        if enrollment is not None:
-            enrollment.start()
-    except BaseException:
-        if enrollment is not None:
-            enrollment.stop(grace=0)
-        if http is not None:
-            http.stop()
-        raise
-    if http is not None:
-        write_address(Path(config.out) / "http_address", http.address)
-        print(f"fedgrid status on http://{http.address}/ (/metrics, /api/status{'; bearer token required' if http.authenticated else ''})", flush=True)
-    if enrollment is not None:  # first: a script that sees RUN_DIR/address finds this one too
-        write_address(Path(config.out) / "enroll_address", enrollment.address)
-        print(f"fedgrid enrollment service listening on {enrollment.address} (certificates of {config.enroll_dir})", flush=True)
-    write_address(Path(config.out) / "address", coordinator.address)
-    print(f"fedgrid coordinator listening on {coordinator.address} (run {fleet.run_id}, dir {config.out}, {threads} threads)", flush=True)
-    events.emit("started", run_id=fleet.run_id, address=coordinator.address, threads=threads)
+    coordinator, http = _start_servers(config, fleet, wired.monitor, tls, enrollment)
+    _announce(config, threads, fleet, events, coordinator, enrollment, http)
     if ready is not None:
         ready.set()
 
@@ -382,3 +323,105 @@ def _serve(
     events.close()
     print(f"run finished: final model in {writer.dir / 'model.safetensors'}", flush=True)
     return final
+
+
+def _initial_model(config: Config, initial: ModelState | None) -> ModelState:
+    """``initial``, else ``coordinator_model(config)``.
+
+    Raises:
+        ConfigError: neither (a built-in model, which only ``fedgrid coordinator`` builds).
+    """
+    if initial is None:
+        initial = coordinator_model(config)
+    if initial is None:
+        raise ConfigError(
+            "model", f"{config.model or 'the dataset default'!r} is a built-in model: run_coordinator needs initial=..., "
+            "--model MODULE:FACTORY or --initial-model FILE.safetensors (the fedgrid coordinator command builds built-in models)"
+        )
+    return initial
+
+
+@dataclass(frozen=True)
+class _Wired:
+    """A coordinator's parts before it serves: the run's directory, its events, the fleet,
+    the round engine and (with ``config.http``) the monitor."""
+
+    writer: RunWriter
+    events: EventLog
+    fleet: GrpcFleet
+    engine: RoundEngine
+    monitor: CoordinatorMonitor | None
+
+
+def _wire(config: Config, threads: int, initial: ModelState, evaluate_fn: EvaluateFn | None,
+          on_event: Callable[[Event], None] | None) -> _Wired:
+    """Builds the strategy, the run directory, the event log, the fleet, the monitor and the engine."""
+    store = StateStore(config.state_dir) if config.state_dir else None
+    strategy = build_strategy(config, num_clients=config.min_clients)
+    strategy.initialize(initial_state=initial)
+    writer = RunWriter(config.out, {**config.to_dict(), "threads": threads}, environment=environment(threads_requested=config.threads))
+    events = EventLog(writer.dir / "events.jsonl")
+    fleet = build_fleet(config, events)
+    engine: RoundEngine  # built below; the status server serves (reads its history) only once it is
+    monitor = CoordinatorMonitor(fleet, rounds=config.rounds, history=lambda: engine.history) if config.http else None
+    if monitor is not None:
+        events.subscribe(monitor.on_event)
+    if on_event is not None:  # after the monitor: a caller reading the status sees the event counted
+        events.subscribe(on_event)
+
+    def on_round(m):
+        acc = "" if m.accuracy is None else f" accuracy {m.accuracy:.4f}"
+        print(f"round {m.round}/{config.rounds} loss {m.loss if m.loss is None else round(m.loss, 4)}{acc} clients {m.clients_ok} ok {m.clients_failed} failed ({m.wall_s:.2f}s)", flush=True)
+
+    engine = RoundEngine(
+        strategy=strategy,
+        fleet=fleet,
+        rounds=config.rounds,
+        min_clients=config.min_clients,
+        round_timeout=timedelta(seconds=config.round_timeout_s),
+        join_timeout=timedelta(seconds=config.join_timeout_s),
+        evaluate_fn=evaluate_fn,
+        writer=writer,
+        on_round=on_round if monitor is None else (lambda m: (on_round(m), monitor.on_round(m))),
+        finish_timeout=timedelta(seconds=FINISH_GRACE_S),
+        store=store,
+        events=events,
+    )
+    return _Wired(writer, events, fleet, engine, monitor)
+
+
+def _start_servers(config: Config, fleet: GrpcFleet, monitor: CoordinatorMonitor | None, tls: TLSFiles | None,
+                   enrollment: EnrollmentServer | None) -> tuple[Coordinator, StatusServer | None]:
+    """Binds the status server (with a monitor), starts the coordinator, then the enrollment
+    service; what was bound is stopped again when a later step fails."""
+    http: StatusServer | None = None
+    try:
+        # Bound first: a refused --http (no token off loopback, port taken) fails before any client can join.
+        if monitor is not None:
+            http = StatusServer(config.http, monitor.routes(), token_file=config.http_token_file)
+        interceptors = [monitor.interceptor()] if monitor is not None else []
+        coordinator = Coordinator(config.listen, fleet, max_workers=config.max_workers, tls=tls, insecure=config.insecure,
+                                  interceptors=interceptors).start()
+        if enrollment is not None:
+            enrollment.start()
+    except BaseException:
+        if enrollment is not None:
+            enrollment.stop(grace=0)
+        if http is not None:
+            http.stop()
+        raise
+    return coordinator, http
+
+
+def _announce(config: Config, threads: int, fleet: GrpcFleet, events: EventLog, coordinator: Coordinator,
+              enrollment: EnrollmentServer | None, http: StatusServer | None) -> None:
+    """Writes the bound addresses to ``RUN_DIR`` and prints them; emits ``started``."""
+    if http is not None:
+        write_address(Path(config.out) / "http_address", http.address)
+        print(f"fedgrid status on http://{http.address}/ (/metrics, /api/status{'; bearer token required' if http.authenticated else ''})", flush=True)
+    if enrollment is not None:  # first: a script that sees RUN_DIR/address finds this one too
+        write_address(Path(config.out) / "enroll_address", enrollment.address)
+        print(f"fedgrid enrollment service listening on {enrollment.address} (certificates of {config.enroll_dir})", flush=True)
+    write_address(Path(config.out) / "address", coordinator.address)
+    print(f"fedgrid coordinator listening on {coordinator.address} (run {fleet.run_id}, dir {config.out}, {threads} threads)", flush=True)
+    events.emit("started", run_id=fleet.run_id, address=coordinator.address, threads=threads)

@@ -124,46 +124,65 @@ class CoordinatorMonitor:
     # -- feeds -----------------------------------------------------------------------------
     def on_event(self, e: Event) -> None:
         """Subscriber of the coordinator's ``EventLog`` (called on the emitting thread)."""
-        name = e.event
+        handler = _EVENT_HANDLERS.get(e.event)
         with self._lock:
             self._end_aggregate(e.t)
-            if name == "started":
-                self.state = "running"
-            elif name == "client_joined":
-                self.joined.inc()
-            elif name in ("client_left", "client_dropped"):
-                reason = "dropped" if name == "client_dropped" else ("replaced" if str(e.get("reason", "")).startswith("replaced") else "left")
-                self.gone.labels(reason=reason).inc()
-            elif name == "round_opened":
-                self.current = int(e["round"])
-                self.round.set(self.current)
-                self.phase = str(e.get("phase") or ("evaluate" if e.get("evaluate") else "fit"))
-                self._opened[self.phase] = e.t
-            elif name == "update_accepted":
-                self.accepted.labels(phase="evaluate" if e.get("evaluate") else "fit").inc()
-            elif name == "messages_accepted":
-                self.accepted.labels(phase=str(e.get("phase", "message"))).inc()
-            elif name == "round_closed":
-                phase = str(e.get("phase") or ("evaluate" if e.get("evaluate") else "fit"))
-                opened = self._opened.pop(phase, None)
-                if opened is not None:
-                    self.phase_seconds.labels(phase=phase).observe(max(0.0, e.t - opened))
-                self._count_failures(phase)
-            elif name == "aggregating":
-                self.phase = "aggregating"
-                self._aggregating = e.t
-            elif name == "checkpoint_writing":
-                self.phase = "checkpointing"
-                self._checkpointing = e.t
-            elif name == "checkpoint_written" and self._checkpointing is not None:
-                self.phase_seconds.labels(phase="checkpoint").observe(max(0.0, e.t - self._checkpointing))
-                self._checkpointing = None
-            elif name in ("round_committed", "round_failed"):
-                (self.rounds_committed if name == "round_committed" else self.rounds_failed).inc()
-                self.phase = "waiting"
-            elif name in ("finished", "stopped"):
-                self.state = name
-                self.phase = name
+            if handler is not None:
+                handler(self, e)
+
+    # The handlers of ``_EVENT_HANDLERS``, one per kind of event (called with the lock held).
+    def _started(self, e: Event) -> None:
+        self.state = "running"
+
+    def _client_joined(self, e: Event) -> None:
+        self.joined.inc()
+
+    def _client_gone(self, e: Event) -> None:
+        if e.event == "client_dropped":
+            reason = "dropped"
+        else:
+            reason = "replaced" if str(e.get("reason", "")).startswith("replaced") else "left"
+        self.gone.labels(reason=reason).inc()
+
+    def _round_opened(self, e: Event) -> None:
+        self.current = int(e["round"])
+        self.round.set(self.current)
+        self.phase = str(e.get("phase") or ("evaluate" if e.get("evaluate") else "fit"))
+        self._opened[self.phase] = e.t
+
+    def _update_accepted(self, e: Event) -> None:
+        self.accepted.labels(phase="evaluate" if e.get("evaluate") else "fit").inc()
+
+    def _messages_accepted(self, e: Event) -> None:
+        self.accepted.labels(phase=str(e.get("phase", "message"))).inc()
+
+    def _round_closed(self, e: Event) -> None:
+        phase = str(e.get("phase") or ("evaluate" if e.get("evaluate") else "fit"))
+        opened = self._opened.pop(phase, None)
+        if opened is not None:
+            self.phase_seconds.labels(phase=phase).observe(max(0.0, e.t - opened))
+        self._count_failures(phase)
+
+    def _aggregating_started(self, e: Event) -> None:
+        self.phase = "aggregating"
+        self._aggregating = e.t
+
+    def _checkpoint_writing(self, e: Event) -> None:
+        self.phase = "checkpointing"
+        self._checkpointing = e.t
+
+    def _checkpoint_written(self, e: Event) -> None:
+        if self._checkpointing is not None:
+            self.phase_seconds.labels(phase="checkpoint").observe(max(0.0, e.t - self._checkpointing))
+            self._checkpointing = None
+
+    def _round_ended(self, e: Event) -> None:
+        (self.rounds_committed if e.event == "round_committed" else self.rounds_failed).inc()
+        self.phase = "waiting"
+
+    def _run_ended(self, e: Event) -> None:
+        self.state = e.event
+        self.phase = e.event
 
     def _end_aggregate(self, t: float) -> None:
         # Aggregation runs from ``aggregating`` to the round's next event (lock held).
@@ -253,6 +272,26 @@ class CoordinatorMonitor:
 
     def interceptor(self) -> "RpcTimer":
         return RpcTimer(self.rpc_seconds)
+
+
+#: What each kind of event does to the monitor (``CoordinatorMonitor.on_event``); other kinds do nothing.
+_EVENT_HANDLERS: dict[str, Callable[[CoordinatorMonitor, Event], None]] = {
+    "started": CoordinatorMonitor._started,
+    "client_joined": CoordinatorMonitor._client_joined,
+    "client_left": CoordinatorMonitor._client_gone,
+    "client_dropped": CoordinatorMonitor._client_gone,
+    "round_opened": CoordinatorMonitor._round_opened,
+    "update_accepted": CoordinatorMonitor._update_accepted,
+    "messages_accepted": CoordinatorMonitor._messages_accepted,
+    "round_closed": CoordinatorMonitor._round_closed,
+    "aggregating": CoordinatorMonitor._aggregating_started,
+    "checkpoint_writing": CoordinatorMonitor._checkpoint_writing,
+    "checkpoint_written": CoordinatorMonitor._checkpoint_written,
+    "round_committed": CoordinatorMonitor._round_ended,
+    "round_failed": CoordinatorMonitor._round_ended,
+    "finished": CoordinatorMonitor._run_ended,
+    "stopped": CoordinatorMonitor._run_ended,
+}
 
 
 class RpcTimer(grpc.aio.ServerInterceptor):

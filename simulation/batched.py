@@ -28,27 +28,41 @@ place, which vmap cannot batch, and batch statistics would include padding); dro
 (masks drawn per client in one batched call would not be the ones drawn alone); losses that
 are not a mean over examples; and anything a one-step trial call rejects (data-dependent
 control flow, ops without a batching rule that fail).
+
+Its parts: ``batched_models`` (what the engine reads of a model and its clients),
+``batched_memory`` (which engine pays, and how many clients fit) and ``batched_optim``
+(the batched optimizer step).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TypeAlias, Union
 
 import torch
-from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import TensorDataset
 
 from fedgrid.client.algorithms import ClientAlgorithm, FitContext, algorithm_of, train_only
 from fedgrid.client.api import Client, FitOutput, OwnedState
-from fedgrid.client.loaders import NotPlainLoader, PlainLoader, plain_loader
+from fedgrid.client.loaders import NotPlainLoader, plain_loader
 from fedgrid.client.torch_client import RNG_LOCK, TorchClient
 from fedgrid.server.memory import MMAP_THRESHOLD_MAX
+from fedgrid.simulation.batched_memory import choose_engine, memory_budget, out_of_memory
+from fedgrid.simulation.batched_models import (
+    _TORCH_CLIENT_METHODS,
+    _check_modules,
+    _describe,
+    _loss_key,
+    _Model,
+    _per_example,
+    _size,
+    _Static,
+    recurrent_module,
+)
 from fedgrid.simulation.batched_optim import BatchedOptimizer, NotBatchable, OptimizerSpec, optimizer_spec
 from fedgrid.types import FitIns, ModelState
 
@@ -57,74 +71,6 @@ __all__ = ["BatchedTrainer", "NotBatchable", "choose_engine", "memory_budget", "
 log = logging.getLogger(__name__)
 
 Outcome: TypeAlias = Union[FitOutput, Exception]
-_TORCH_CLIENT_METHODS = ("fit", "algorithm", "_train", "_batches", "_load", "_state", "_training_module", "_batch_loss", "_reduce_totals", "round_seed")
-
-
-def recurrent_module(clients: Sequence[Client]) -> str | None:
-    """Why ``auto`` should not batch ``clients``: their first recurrent module, or ``None``.
-
-    ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` (``nn.RNNBase``) run fused kernels (on CPU
-    ``aten::mkldnn_rnn_layer``) for which ``torch.func.vmap`` has no batching rule: it warns
-    and falls back to a loop over the stacked clients, slower than the sequential engine,
-    so ``auto`` does not even try a batched step (which would print the warning).
-    """
-    seen: set[int] = set()
-    for client in clients:
-        model = getattr(client, "model", None) if isinstance(client, TorchClient) else None
-        if model is None or id(model) in seen:
-            continue
-        seen.add(id(model))
-        for name, module in model.named_modules():
-            if isinstance(module, nn.RNNBase):
-                where = f" '{name}'" if name else ""
-                return (f"the model has a recurrent module{where} ({type(module).__name__}), which torch.func.vmap "
-                        "runs through a slow per-client fallback")
-    return None
-
-
-def out_of_memory(exc: BaseException) -> bool:
-    """Whether ``exc`` says an allocation failed: CUDA's ``torch.OutOfMemoryError``, or the
-    CPU allocator's ``RuntimeError`` ("DefaultCPUAllocator: can't allocate memory") or a ``MemoryError``."""
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
-        return True
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text or "not enough memory" in text)
-
-
-def choose_engine(*, device: torch.device, conv_share: float) -> tuple[str, str]:
-    """The engine ``auto`` picks for a batchable model: ``(engine, reason)``.
-
-    On CUDA, batched: one kernel per layer for K clients replaces K small ones, and small
-    models leave a GPU idle otherwise. On CPU, batched for models whose training FLOPs are
-    mostly matmuls (a per-client loop of small matmuls is dominated by per-step Python and
-    dispatch overhead, which batching removes), sequential when convolutions carry most of
-    the FLOPs (``conv_share > 0.5``): a per-client loop already keeps the cores busy in
-    convolution kernels, and batched convolutions churn large temporary buffers (issue 6
-    measured a batched CNN slower than the loop on 2 cores).
-    """
-    if device.type == "cuda":
-        return "batched", "CUDA device"
-    if conv_share > 0.5:
-        return "sequential", f"convolutions carry {conv_share:.0%} of the model's FLOPs, which batching does not speed up on CPU"
-    return "batched", "matmul-dominated model"
-
-
-def memory_budget(device: torch.device) -> int:
-    """Bytes the batched engine may use: 80% of free CUDA memory; on CPU min(2 GiB, 1/4 of available memory).
-
-    Free CUDA memory counts what torch's caching allocator holds but no tensor uses
-    (``memory_reserved - memory_allocated``): the device reports it as taken, yet the next
-    chunk reuses it, so K does not shrink after the first round.
-    """
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return int((free + max(cached, 0)) * 0.8)
-    try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        available = 8 << 30
-    return min(2 << 30, available // 4)
 
 
 class StackedRows(OwnedState):
@@ -132,48 +78,6 @@ class StackedRows(OwnedState):
     chunk's stacks (on the CPU, contiguous), which nothing else holds or changes. The fleet
     takes them without a copy, and ``FedAvg`` averages a stack's rows in one reduction
     (``fedgrid.aggregation.mean.weighted_mean_of_rows``)."""
-
-
-@dataclass
-class _Model:
-    """A model architecture shared by clients: the template module ``functional_call`` runs."""
-
-    template: nn.Module
-    device: torch.device
-    state_keys: list[str]  # state_dict keys, in order
-    canonical: dict[str, str]  # state key -> the parameter/buffer name functional_call takes (tied weights)
-    params: list[str]  # canonical names of the parameters that train (requires_grad)
-    frozen_params: list[str]  # canonical parameters the user froze (requires_grad False)
-    buffers: list[str]  # persistent buffers
-    dtypes: dict[str, torch.dtype]
-    shapes: dict[str, tuple[int, ...]]  # by state key
-    state_bytes: int = 0
-    activation_bytes: int = 0  # one client's batch: outputs of every leaf module
-    largest_bytes: int = 0  # one client's largest tensor: a parameter or a leaf module's output
-    conv_share: float = 0.0
-
-
-@dataclass
-class _Static:
-    """What a client brings that does not change between rounds."""
-
-    index: int
-    client: TorchClient
-    model: int  # index into BatchedTrainer._models
-    loss_key: object
-    loader: PlainLoader  # its train_loader, read by indexing
-
-    @property
-    def base(self) -> TensorDataset:
-        return self.loader.base
-
-    @property
-    def local(self) -> torch.Tensor | None:  # indices into ``base`` (a Subset), or None for all of it
-        return self.loader.local
-
-    @property
-    def batch_size(self) -> int:
-        return self.loader.batch_size
 
 
 @dataclass
@@ -193,65 +97,6 @@ class _Job:
     batches: list[torch.Tensor]
 
 
-def _size(s: _Static) -> int:
-    return len(s.loader)
-
-
-def _loss_key(fn: Callable[..., Any]) -> object:
-    """Clients whose losses share this key compute the same function."""
-    if isinstance(fn, nn.Module):
-        return (type(fn), repr(fn))
-    code = getattr(fn, "__code__", None)
-    if code is not None and getattr(fn, "__closure__", None) is None:
-        return (code, getattr(fn, "__defaults__", None))
-    return fn
-
-
-def _per_example(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """``loss_fn`` per example: ``[B, ...] -> [B]``, their mean being ``loss_fn`` of the batch."""
-    ce = fn is nn.functional.cross_entropy or (type(fn) is nn.CrossEntropyLoss and fn.weight is None and fn.reduction == "mean")
-    if ce:
-        smoothing = float(getattr(fn, "label_smoothing", 0.0))
-        ignore = int(getattr(fn, "ignore_index", -100))
-
-        def cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            per = nn.functional.cross_entropy(out, y, reduction="none", ignore_index=ignore, label_smoothing=smoothing)
-            return per.flatten(1).mean(1) if per.dim() > 1 else per
-
-        return cross_entropy
-    return vmap(lambda o, t: fn(o.unsqueeze(0), t.unsqueeze(0)))
-
-
-def _check_modules(model: nn.Module) -> None:
-    for name, module in model.named_modules():
-        kind = type(module).__name__
-        if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            if module.track_running_stats:
-                raise NotBatchable(f"{kind} at '{name}' updates running statistics, which vmap cannot batch")
-            raise NotBatchable(f"{kind} at '{name}' normalizes over the batch, which padding would change")
-        if isinstance(module, nn.modules.instancenorm._InstanceNorm) and module.track_running_stats:
-            raise NotBatchable(f"{kind} at '{name}' updates running statistics, which vmap cannot batch")
-        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
-            raise NotBatchable(
-                f"{kind} at '{name}' draws random masks, which batched clients would not draw as each does alone (same seed, same stream)"
-            )
-
-
-def _describe(model: nn.Module, device: torch.device) -> _Model:
-    raw = model.state_dict(keep_vars=True)
-    first: dict[int, str] = {}
-    canonical: dict[str, str] = {}
-    params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
-    for key, t in raw.items():
-        canonical[key] = first.setdefault(id(t), key)
-    trainable = [n for n, p in params.items() if p.requires_grad]
-    frozen = [n for n, p in params.items() if not p.requires_grad]
-    persistent = [n for n in buffers if n in raw]
-    dtypes = {n: t.dtype for n, t in [*params.items(), *buffers.items()]}
-    state_bytes = sum(t.numel() * t.element_size() for t in [*params.values(), *buffers.values()])
-    shapes = {k: tuple(t.shape) for k, t in raw.items()}
-    return _Model(model, device, list(raw), canonical, trainable, frozen, persistent, dtypes, shapes, state_bytes)
 
 
 class BatchedTrainer:

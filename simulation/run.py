@@ -112,6 +112,27 @@ def _regions(config: Config, clients: list, profiles: ClientProfiles) -> list:
     return out
 
 
+def _fleet(config: Config, clients: list, profiles: ClientProfiles) -> InProcessFleet:
+    """The simulation's fleet: its clients, or with ``hierarchy`` its regions over them (whose
+    own fleets train their clients); building it checks that its engine can train them."""
+    members: list = list(clients)
+    if config.hierarchy:
+        members = _regions(config, clients, profiles)
+    fleet = InProcessFleet(
+        members,
+        chunk_size=config.chunk_size,
+        codec_policy=build_codec_policy(config),
+        downlink_codec=config.downlink_codec,
+        engine="sequential" if config.hierarchy else config.engine,  # a region's engine is its own
+        batch_clients=config.batch_clients,
+        profiles=None if config.hierarchy else profiles,
+        bounds=build_bounds(config),
+    )  # checks the engine can train these clients: fails before the run directory exists
+    if fleet.device is not None and fleet.device.type == "cpu":
+        keep_large_buffers()  # the batched engine frees and reallocates the same large buffers at every step
+    return fleet
+
+
 def _run(
     config: Config,
     threads: int,
@@ -130,21 +151,7 @@ def _run(
         if on_round is not None:
             on_round(metrics)
 
-    members: list = list(clients)
-    if config.hierarchy:
-        members = _regions(config, clients, profiles)
-    fleet = InProcessFleet(
-        members,
-        chunk_size=config.chunk_size,
-        codec_policy=build_codec_policy(config),
-        downlink_codec=config.downlink_codec,
-        engine="sequential" if config.hierarchy else config.engine,  # a region's engine is its own
-        batch_clients=config.batch_clients,
-        profiles=None if config.hierarchy else profiles,
-        bounds=build_bounds(config),
-    )  # checks the engine can train these clients: fails before the run directory exists
-    if fleet.device is not None and fleet.device.type == "cpu":
-        keep_large_buffers()  # the batched engine frees and reallocates the same large buffers at every step
+    fleet = _fleet(config, clients, profiles)  # a fleet that cannot train fails before the run directory exists
     rank, world = _ranks()
     run_fleet: Fleet = fleet
     if world > 1:  # torchrun: this rank trains its share of the clients (simulation/sharded.py)

@@ -1,0 +1,195 @@
+"""The chunk stream's framing: dtype codes, the stream header, and ``Chunk`` frames read and
+written without protobuf objects for the bulk data.
+
+A model travels as a stream of ``Chunk`` messages: the first carries a ``StreamHeader``; a
+chunk that carries a ``TensorMeta`` starts a tensor; ``data`` carries up to ``chunk_size``
+bytes of the current tensor's payload. Part of ``fedgrid.proto.serde``'s conversion layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, TypeVar
+
+import torch
+import xxhash
+from google.protobuf.message import DecodeError, Message
+
+from fedgrid.errors import InvalidUpdateError
+from fedgrid.proto import fedgrid_pb2 as pb
+
+__all__ = [
+    "DTYPE_TO_PB",
+    "PB_TO_DTYPE",
+    "GRPC_FRAME_BYTES",
+    "StreamInfo",
+    "checksum",
+    "wire_size",
+    "parse_frame",
+    "read_header",
+]
+
+DTYPE_TO_PB: dict[torch.dtype, int] = {
+    torch.float32: pb.FLOAT32,
+    torch.float64: pb.FLOAT64,
+    torch.float16: pb.FLOAT16,
+    torch.bfloat16: pb.BFLOAT16,
+    torch.float8_e4m3fn: pb.FLOAT8_E4M3FN,
+    torch.float8_e5m2: pb.FLOAT8_E5M2,
+    torch.float8_e4m3fnuz: pb.FLOAT8_E4M3FNUZ,
+    torch.float8_e5m2fnuz: pb.FLOAT8_E5M2FNUZ,
+    torch.int8: pb.INT8,
+    torch.int16: pb.INT16,
+    torch.int32: pb.INT32,
+    torch.int64: pb.INT64,
+    torch.uint8: pb.UINT8,
+    torch.uint16: pb.UINT16,
+    torch.uint32: pb.UINT32,
+    torch.uint64: pb.UINT64,
+    torch.bool: pb.BOOL,
+    torch.complex64: pb.COMPLEX64,
+    torch.complex128: pb.COMPLEX128,
+}
+PB_TO_DTYPE: dict[int, torch.dtype] = {v: k for k, v in DTYPE_TO_PB.items()}
+
+M = TypeVar("M", bound=Message)
+
+#: gRPC's length-prefixed message framing: 1 flag byte + 4 length bytes per message.
+GRPC_FRAME_BYTES = 5
+
+
+def checksum(data: bytes | bytearray | memoryview) -> int:
+    """xxh3-64 of ``data``: about 9 GB/s here, over twice zlib's CRC32, so it costs little."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def wire_size(message: pb.Chunk | bytes) -> int:
+    """Bytes a message occupies on the wire: its encoding plus gRPC's message framing."""
+    size = len(message) if isinstance(message, (bytes, bytearray, memoryview)) else message.ByteSize()
+    return size + GRPC_FRAME_BYTES
+
+
+@dataclass(frozen=True)
+class StreamInfo:
+    """The header of a chunk stream, as plain Python."""
+
+    run_id: str = ""
+    task_id: str = ""
+    round: int = 0
+    client_id: str = ""
+    num_examples: int = 0
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    resume_from_chunk: int = 0
+    delta: bool = False
+    version: int = 0
+    base_version: int = 0
+
+
+def _info(header: pb.StreamHeader) -> StreamInfo:
+    return StreamInfo(
+        run_id=header.run_id,
+        task_id=header.task_id,
+        round=header.round,
+        client_id=header.client_id,
+        num_examples=header.num_examples,
+        metrics=dict(header.metrics),
+        resume_from_chunk=header.resume_from_chunk,
+        delta=header.delta,
+        version=header.version,
+        base_version=header.base_version,
+    )
+
+
+def _parse(kind: type[M], data: memoryview, what: str) -> M:
+    try:
+        return kind.FromString(data.tobytes())
+    except DecodeError:
+        raise InvalidUpdateError(f"malformed chunk: cannot decode the {what}") from None
+
+
+# Chunk's fields on the wire: key = field number << 3 | wire type 2 (length-delimited).
+_HEADER_KEY, _TENSOR_KEY, _DATA_KEY = b"\x0a", b"\x12", b"\x1a"
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _frame(header: bytes | None, meta: bytes | None, data: memoryview) -> bytes:
+    parts: list[bytes | memoryview] = []
+    if header is not None:
+        parts += [_HEADER_KEY, _varint(len(header)), header]
+    if meta is not None:
+        parts += [_TENSOR_KEY, _varint(len(meta)), meta]
+    if len(data):
+        parts += [_DATA_KEY, _varint(len(data)), data]
+    return b"".join(parts)
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise InvalidUpdateError("malformed chunk: bad varint")
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+
+
+def parse_frame(frame: bytes | memoryview) -> tuple[memoryview | None, memoryview | None, memoryview | None]:
+    """Splits an encoded ``Chunk`` into its header, tensor and data fields, without copying.
+
+    Raises:
+        InvalidUpdateError: not a well-formed ``Chunk`` encoding.
+    """
+    buf = memoryview(frame).cast("B")
+    fields: list[memoryview | None] = [None, None, None]
+    pos, n = 0, len(buf)
+    while pos < n:
+        key, pos = _read_varint(buf, pos)
+        number, wire_type = key >> 3, key & 7
+        if wire_type == 2:
+            length, pos = _read_varint(buf, pos)
+            if pos + length > n:
+                raise InvalidUpdateError("malformed chunk: a field runs past the end of the message")
+            value, pos = buf[pos : pos + length], pos + length
+        elif wire_type == 0:
+            _, pos = _read_varint(buf, pos)
+            value = None
+        elif wire_type in (1, 5):
+            pos += 8 if wire_type == 1 else 4
+            value = None
+        else:
+            raise InvalidUpdateError(f"malformed chunk: wire type {wire_type}")
+        if 1 <= number <= 3:
+            if value is None:
+                raise InvalidUpdateError(f"malformed chunk: field {number} has the wrong wire type")
+            if fields[number - 1] is not None:
+                raise InvalidUpdateError(f"malformed chunk: field {number} repeated in one message")
+            fields[number - 1] = value
+    if pos != n:
+        raise InvalidUpdateError("malformed chunk: truncated field")
+    return fields[0], fields[1], fields[2]
+
+def read_header(frame: bytes | memoryview) -> StreamInfo:
+    """The ``StreamHeader`` of a stream's first message.
+
+    Raises:
+        InvalidUpdateError: the message is malformed or carries no header.
+    """
+    header, _, _ = parse_frame(frame)
+    if header is None:
+        raise InvalidUpdateError("stream does not start with a header")
+    return _info(_parse(pb.StreamHeader, header, "stream header"))
+
