@@ -46,9 +46,10 @@ from typing import Any, Mapping, Sequence
 from fedgrid.aggregation.base import AggregationPreconditionError, Aggregator
 from fedgrid.aggregation.blocks import Block, blocks_from_prefixes, default_blocks
 from fedgrid.aggregation.fedavg import FedAvg, train_metrics
+from fedgrid.aggregation.selection import Sampling
 from fedgrid.errors import ConfigError
 from fedgrid.seeding import derive_seed
-from fedgrid.types import ClientInfo, FitIns, FitRes, Failure, ModelState, Scalar, TensorSpec
+from fedgrid.types import ClientInfo, FitIns, FitRes, Failure, ModelState, TensorSpec
 
 __all__ = ["BlockCoordinate", "SCHEDULES"]
 
@@ -67,7 +68,7 @@ class BlockCoordinate(FedAvg):
             ``random`` (seeded by ``seed`` and the round) or ``capacity``; see the module docstring.
         aggregator: the rule applied per block to its clients' updates; ``None`` averages
             the clients' block values by examples.
-        fraction_fit, min_fit_clients, fraction_evaluate, seed, fit_config: as ``FedAvg``.
+        sampling, legacy: as ``FedAvg`` (which clients a round asks; the old keywords).
 
     Raises:
         ValueError: an argument is out of range.
@@ -84,11 +85,8 @@ class BlockCoordinate(FedAvg):
         block_prefixes: Sequence[Sequence[str]] | None = None,
         block_schedule: str = "per-round",
         aggregator: Aggregator | None = None,
-        fraction_fit: float = 1.0,
-        min_fit_clients: int = 1,
-        fraction_evaluate: float = 0.0,
-        seed: int = 0,
-        fit_config: Mapping[str, Scalar] | None = None,
+        sampling: Sampling | None = None,
+        **legacy: Any,
     ) -> None:
         if block_schedule not in SCHEDULES:
             raise ValueError(f"block_schedule must be one of {', '.join(SCHEDULES)}, got {block_schedule!r}")
@@ -100,12 +98,9 @@ class BlockCoordinate(FedAvg):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         super().__init__(
-            fraction_fit=fraction_fit,
-            min_fit_clients=min_fit_clients,
-            fraction_evaluate=fraction_evaluate,
-            seed=seed,
-            fit_config=fit_config,
+            sampling=sampling,
             aggregator=aggregator,
+            **legacy,
         )
         self.num_blocks = num_blocks
         self.block_prefixes = [list(group) for group in block_prefixes] if block_prefixes is not None else None
@@ -169,7 +164,7 @@ class BlockCoordinate(FedAvg):
             self.aggregator.check_preconditions(num_clients=per_block)
 
     def configure_round(self, *, server_round: int, clients: Sequence[ClientInfo]) -> list[tuple[ClientInfo, FitIns]]:
-        chosen = self._select_fit(clients, server_round)
+        chosen = self.sampling.fit_clients(clients, server_round)
         specs = TensorSpec.of(self.global_state)
         base = {**self._task_config(server_round), "algorithm": self.name, "num_blocks": self.num_blocks}
         tasks: dict[int, FitIns] = {}

@@ -56,6 +56,7 @@ from fedgrid.aggregation.blocks import Block, default_blocks
 from fedgrid.aggregation.fedavg import train_metrics
 from fedgrid.aggregation.fedopt import FedOpt
 from fedgrid.aggregation.server_opt import ServerSGD
+from fedgrid.aggregation.selection import Sampling
 from fedgrid.errors import ConfigError
 from fedgrid.types import ClientInfo, FitIns, FitRes, Failure, ModelState, Scalar, TensorSpec
 
@@ -78,7 +79,7 @@ class DiLoCo(FedOpt):
         inner_steps: H, the inner optimizer steps each worker runs per round.
         inner_lr: the inner optimizer's learning rate, sent as the task's ``lr``.
         aggregator: the rule applied to the workers' updates (default: weighted mean).
-        fraction_fit, min_fit_clients, fraction_evaluate, seed, fit_config: as ``FedAvg``.
+        sampling, legacy: as ``FedAvg`` (which clients a round asks; the old keywords).
 
     Raises:
         ValueError: an argument is out of range.
@@ -94,11 +95,8 @@ class DiLoCo(FedOpt):
         inner_steps: int = DEFAULT_INNER_STEPS,
         inner_lr: float = DEFAULT_INNER_LR,
         aggregator: Aggregator | None = None,
-        fraction_fit: float = 1.0,
-        min_fit_clients: int = 1,
-        fraction_evaluate: float = 0.0,
-        seed: int = 0,
-        fit_config: Mapping[str, Scalar] | None = None,
+        sampling: Sampling | None = None,
+        **legacy: Any,
     ) -> None:
         if inner_steps < 1:
             raise ValueError(f"inner_steps must be at least 1, got {inner_steps}")
@@ -107,11 +105,8 @@ class DiLoCo(FedOpt):
         super().__init__(
             server_optimizer=ServerSGD(lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0),
             aggregator=aggregator,
-            fraction_fit=fraction_fit,
-            min_fit_clients=min_fit_clients,
-            fraction_evaluate=fraction_evaluate,
-            seed=seed,
-            fit_config=fit_config,
+            sampling=sampling,
+            **legacy,
         )
         self.inner_steps = inner_steps
         self.inner_lr = float(inner_lr)
@@ -134,8 +129,8 @@ class StreamingDiLoCo(DiLoCo):
 
     Args:
         num_fragments: F, the number of fragments.
-        others: ``outer_lr``, ``outer_momentum``, ``inner_steps``, ``inner_lr``, ``aggregator``, ``fraction_fit``,
-            ``min_fit_clients``, ``fraction_evaluate``, ``seed``, ``fit_config``: as ``DiLoCo``.
+        others: ``outer_lr``, ``outer_momentum``, ``inner_steps``, ``inner_lr``, ``aggregator``, ``sampling``,
+            ``legacy``: as ``DiLoCo``.
 
     Raises:
         ValueError: an argument is out of range.
@@ -154,11 +149,8 @@ class StreamingDiLoCo(DiLoCo):
         inner_steps: int = DEFAULT_INNER_STEPS,
         inner_lr: float = DEFAULT_INNER_LR,
         aggregator: Aggregator | None = None,
-        fraction_fit: float = 1.0,
-        min_fit_clients: int = 1,
-        fraction_evaluate: float = 0.0,
-        seed: int = 0,
-        fit_config: Mapping[str, Scalar] | None = None,
+        sampling: Sampling | None = None,
+        **legacy: Any,
     ) -> None:
         if num_fragments < 1:
             raise ValueError(f"num_fragments must be at least 1, got {num_fragments}")
@@ -168,11 +160,8 @@ class StreamingDiLoCo(DiLoCo):
             inner_steps=inner_steps,
             inner_lr=inner_lr,
             aggregator=aggregator,
-            fraction_fit=fraction_fit,
-            min_fit_clients=min_fit_clients,
-            fraction_evaluate=fraction_evaluate,
-            seed=seed,
-            fit_config=fit_config,
+            sampling=sampling,
+            **legacy,
         )
         self.num_fragments = num_fragments
         self._fragments: list[Block] = []
@@ -224,7 +213,7 @@ class StreamingDiLoCo(DiLoCo):
         expected = OrderedDict((n, specs[n]) for n in fragment.names)
         tasks: dict[tuple[int, ...] | None, FitIns] = {}  # clients that missed the same rounds share a task
         out: list[tuple[ClientInfo, FitIns]] = []
-        for client in self._select_fit(clients, server_round):
+        for client in self.sampling.fit_clients(clients, server_round):
             synced = self.synced_since(client, server_round)
             key = None if synced is None else tuple(f.index for f in synced)
             if key not in tasks:

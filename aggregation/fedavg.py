@@ -1,14 +1,16 @@
 """Federated averaging (McMahan et al. 2017): the example-weighted mean of client models.
 
-``FedAvg`` is also the base of every other strategy here: client sampling, task configs,
-canonical result order, checkpoints, and ``_update_subset``, the one place where results
-become new values of (part of) the global model.
+``FedAvg`` is also the base of the other built-in strategies: canonical result order,
+checkpoints, and ``_update_subset``, the one place where results become new values of (part
+of) the global model. Which clients a round asks is its ``Sampling``
+(``fedgrid.aggregation.selection``), held rather than inherited.
 """
 
 from __future__ import annotations
 
-import random
+import warnings
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
@@ -16,7 +18,7 @@ import torch
 from fedgrid.aggregation.base import AggregationPreconditionError, Aggregator, Strategy, weighted_metrics
 from fedgrid.aggregation.mean import WeightedMean, weighted_mean, weighted_mean_of_rows
 from fedgrid.aggregation.updates import aggregate_deltas, apply_delta, average_values, split_names
-from fedgrid.aggregation.selection import SelectionPolicy
+from fedgrid.aggregation.selection import Sampling, SelectionPolicy
 from fedgrid.seeding import derive_seed
 from fedgrid.types import ClientInfo, EvaluateIns, FitIns, FitRes, Failure, ModelState, Scalar
 
@@ -36,45 +38,38 @@ class FedAvg(Strategy):
     themselves, exactly as McMahan et al.
 
     Args:
-        fraction_fit: share of live clients asked each round (at least ``min_fit_clients``).
-        min_fit_clients: fewest clients a round asks.
-        fraction_evaluate: share of live clients asked to evaluate each new global model on
-            their own data (federated evaluation); 0 turns it off.
-        seed: seeds client sampling, so a run's selection is reproducible.
-        fit_config: scalars sent with every task (``local_epochs``, ``lr``, ...).
+        sampling: which clients a round asks and waits for, and what every task carries
+            (default: every live client, no federated evaluation, seed 0).
         aggregator: the rule applied to the clients' updates; ``None`` averages models.
+        legacy: ``fraction_fit``, ``min_fit_clients``, ``fraction_evaluate``, ``seed`` and
+            ``fit_config`` as keywords, as before ``Sampling``: they still work for one
+            release, with a ``DeprecationWarning``.
 
     Raises:
         ValueError: an argument is out of range.
+        TypeError: an unknown keyword, or ``sampling`` given with the old keywords.
     """
 
     name: ClassVar[str] = "fedavg"
 
-    def __init__(
-        self,
-        *,
-        fraction_fit: float = 1.0,
-        min_fit_clients: int = 1,
-        fraction_evaluate: float = 0.0,
-        seed: int = 0,
-        fit_config: Mapping[str, Scalar] | None = None,
-        aggregator: Aggregator | None = None,
-    ) -> None:
-        if not 0.0 < fraction_fit <= 1.0:
-            raise ValueError(f"fraction_fit must be in (0, 1], got {fraction_fit}")
-        if min_fit_clients < 1:
-            raise ValueError(f"min_fit_clients must be at least 1, got {min_fit_clients}")
-        if not 0.0 <= fraction_evaluate <= 1.0:
-            raise ValueError(f"fraction_evaluate must be in [0, 1], got {fraction_evaluate}")
-        self.fraction_fit = fraction_fit
-        self.fraction_evaluate = fraction_evaluate
-        self.min_fit_clients = min_fit_clients
-        self.seed = seed
-        self.fit_config = dict(fit_config or {})
+    def __init__(self, *, sampling: Sampling | None = None, aggregator: Aggregator | None = None, **legacy: Any) -> None:
+        self.sampling = sampling_from(sampling, legacy, type(self).__name__)
         self.aggregator = aggregator
-        #: How many clients a round asks and waits for, and which; replace to change.
-        self.selection = SelectionPolicy()
         self._state: ModelState | None = None
+
+    @property
+    def seed(self) -> int:
+        """The seed of the run's draws (``sampling.seed``)."""
+        return self.sampling.seed
+
+    @property
+    def selection(self) -> SelectionPolicy:
+        """How many clients a round asks and waits for, and which (``sampling.policy``); set to change."""
+        return self.sampling.policy
+
+    @selection.setter
+    def selection(self, policy: SelectionPolicy) -> None:
+        self.sampling = replace(self.sampling, policy=policy)
 
     def initialize(self, *, initial_state: ModelState) -> None:
         self._state = OrderedDict((k, v.detach().clone()) for k, v in initial_state.items())
@@ -87,7 +82,7 @@ class FedAvg(Strategy):
 
     def clients_per_round(self, num_clients: int) -> int:
         """How many results a round with ``num_clients`` live clients waits for."""
-        return self.selection.target(num_live=num_clients, fraction=self.fraction_fit, minimum=self.min_fit_clients)
+        return self.sampling.clients_per_round(num_clients)
 
     def round_target(self, *, num_live: int, num_assigned: int) -> int:
         return min(num_assigned, self.clients_per_round(num_live))
@@ -96,37 +91,23 @@ class FedAvg(Strategy):
         if self.aggregator is not None:
             self.aggregator.check_preconditions(num_clients=self.clients_per_round(num_clients))
 
-    def _sample(self, clients: Sequence[ClientInfo], count: int, server_round: int, salt: int) -> list[ClientInfo]:
-        ordered = sorted(clients, key=lambda c: c.sort_key)
-        rng = random.Random(derive_seed("sample", self.seed, server_round, salt))
-        chosen = self.selection.selector.select(ordered, count, rng)
-        return sorted(chosen, key=lambda c: c.sort_key)
-
     def _begin_aggregation(self, server_round: int, part: int = 0) -> None:
         """Seeds the aggregator's random draws (Krum's buckets) for ``server_round`` and ``part``
         of the model (a block), from the run's seed: the same round always draws the same."""
         if self.aggregator is not None:
             self.aggregator.begin_round(seed=derive_seed("aggregate", self.seed, server_round, part))
 
-    def _select_fit(self, clients: Sequence[ClientInfo], server_round: int) -> list[ClientInfo]:
-        """The clients a fit round asks: the target count plus over-selection."""
-        asked = self.selection.asked(self.clients_per_round(len(clients)), len(clients))
-        return self._sample(clients, asked, server_round, 0)
-
     def _task_config(self, server_round: int) -> dict[str, Scalar]:
         """The scalars every task of ``server_round`` carries."""
-        return {**self.fit_config, "round": server_round, "seed": self.seed}
+        return self.sampling.task_config(server_round)
 
     def configure_round(self, *, server_round: int, clients: Sequence[ClientInfo]) -> list[tuple[ClientInfo, FitIns]]:
         ins = FitIns(round=server_round, config=self._task_config(server_round))
-        return [(client, ins) for client in self._select_fit(clients, server_round)]
+        return [(client, ins) for client in self.sampling.fit_clients(clients, server_round)]
 
     def configure_evaluate(self, *, server_round: int, clients: Sequence[ClientInfo]) -> list[tuple[ClientInfo, EvaluateIns]]:
-        if self.fraction_evaluate == 0.0:
-            return []
         ins = EvaluateIns(round=server_round, config={"round": server_round, "seed": self.seed})
-        count = min(len(clients), max(1, int(self.fraction_evaluate * len(clients))))
-        return [(client, ins) for client in self._sample(clients, count, server_round, 1)]
+        return [(client, ins) for client in self.sampling.evaluate_clients(clients, server_round)]
 
     def _update_subset(self, *, names: Sequence[str], results: Sequence[FitRes]) -> ModelState:
         """The new values of the global tensors ``names`` from ``results`` (canonical order).
@@ -193,7 +174,7 @@ class FedAvg(Strategy):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         check_strategy_tag(state, self.name)
         self.initialize(initial_state=state["global_state"])
-        self.seed = int(state.get("seed", self.seed))
+        self.sampling = self.sampling.with_seed(int(state.get("seed", self.seed)))
 
 
 def train_metrics(ordered: Sequence[FitRes]) -> dict[str, float]:
@@ -211,3 +192,27 @@ def check_strategy_tag(state: Mapping[str, Any], name: str) -> None:
     tag = state.get("strategy")
     if tag is not None and tag != name:
         raise ValueError(f"checkpoint was written by strategy {tag!r}, cannot resume it as {name!r}")
+
+
+#: The keywords strategies took before ``Sampling``, kept for one release.
+LEGACY_SAMPLING_KEYWORDS = ("fraction_fit", "min_fit_clients", "fraction_evaluate", "seed", "fit_config")
+
+
+def sampling_from(sampling: Sampling | None, legacy: Mapping[str, Any], owner: str) -> Sampling:
+    """A strategy's ``Sampling``: ``sampling``, or one made from the old keywords (with a
+    ``DeprecationWarning``), or the default.
+
+    Raises:
+        TypeError: an unknown keyword, or ``sampling`` given with the old keywords.
+        ValueError: a value out of range.
+    """
+    unknown = sorted(set(legacy) - set(LEGACY_SAMPLING_KEYWORDS))
+    if unknown:
+        raise TypeError(f"{owner}() got an unexpected keyword argument {unknown[0]!r}")
+    if not legacy:
+        return sampling if sampling is not None else Sampling()
+    if sampling is not None:
+        raise TypeError(f"{owner}(): give sampling=Sampling(...) or the old keywords {sorted(legacy)}, not both")
+    warnings.warn(f"{owner}({', '.join(f'{k}=' for k in legacy)}...) is deprecated and goes in the next release: "
+                  "pass sampling=fedgrid.aggregation.selection.Sampling(...)", DeprecationWarning, stacklevel=3)
+    return Sampling(**{k: v for k, v in legacy.items() if v is not None})

@@ -16,7 +16,8 @@ from fedgrid.aggregation.base import Aggregator
 from fedgrid.aggregation.fedavg import FedAvg
 from fedgrid.aggregation.server_opt import ServerAdagrad, ServerAdam, ServerOptimizer, ServerSGD, ServerYogi
 from fedgrid.aggregation.updates import aggregate_deltas, average_values, split_names
-from fedgrid.types import FitRes, ModelState, Scalar
+from fedgrid.aggregation.selection import Sampling
+from fedgrid.types import FitRes, ModelState
 
 __all__ = ["FedOpt", "FedAvgM", "FedAdam", "FedYogi", "FedAdagrad"]
 
@@ -31,7 +32,7 @@ class FedOpt(FedAvg):
         server_optimizer: the optimizer; default ``ServerSGD(lr=1.0)``, which is FedAvg
             (up to float rounding: it averages deltas rather than models).
         aggregator: the rule applied to the updates; default the example-weighted mean.
-        fraction_fit, min_fit_clients, fraction_evaluate, seed, fit_config: as ``FedAvg``.
+        sampling, legacy: as ``FedAvg`` (which clients a round asks; the old keywords).
     """
 
     name = "fedopt"
@@ -41,19 +42,13 @@ class FedOpt(FedAvg):
         *,
         server_optimizer: ServerOptimizer | None = None,
         aggregator: Aggregator | None = None,
-        fraction_fit: float = 1.0,
-        min_fit_clients: int = 1,
-        fraction_evaluate: float = 0.0,
-        seed: int = 0,
-        fit_config: Mapping[str, Scalar] | None = None,
+        sampling: Sampling | None = None,
+        **legacy: Any,
     ) -> None:
         super().__init__(
-            fraction_fit=fraction_fit,
-            min_fit_clients=min_fit_clients,
-            fraction_evaluate=fraction_evaluate,
-            seed=seed,
-            fit_config=fit_config,
+            sampling=sampling,
             aggregator=aggregator,
+            **legacy,
         )
         self.server_optimizer = server_optimizer if server_optimizer is not None else ServerSGD(lr=1.0)
 
@@ -86,7 +81,7 @@ class FedAvgM(FedOpt):
         server_lr: server learning rate.
         server_momentum: momentum in [0, 1).
         server_nesterov: Nesterov momentum instead.
-        aggregator, fraction_fit, min_fit_clients, fraction_evaluate, seed, fit_config: as ``FedOpt``.
+        aggregator, sampling, legacy: as ``FedOpt`` (which clients a round asks; the old keywords).
     """
 
     name = "fedavgm"
@@ -98,20 +93,14 @@ class FedAvgM(FedOpt):
         server_momentum: float = 0.9,
         server_nesterov: bool = False,
         aggregator: Aggregator | None = None,
-        fraction_fit: float = 1.0,
-        min_fit_clients: int = 1,
-        fraction_evaluate: float = 0.0,
-        seed: int = 0,
-        fit_config: Mapping[str, Scalar] | None = None,
+        sampling: Sampling | None = None,
+        **legacy: Any,
     ) -> None:
         super().__init__(
             server_optimizer=ServerSGD(lr=server_lr, momentum=server_momentum, nesterov=server_nesterov),
             aggregator=aggregator,
-            fraction_fit=fraction_fit,
-            min_fit_clients=min_fit_clients,
-            fraction_evaluate=fraction_evaluate,
-            seed=seed,
-            fit_config=fit_config,
+            sampling=sampling,
+            **legacy,
         )
 
 
@@ -122,7 +111,7 @@ class FedAdam(FedOpt):
         server_lr: ``eta`` (default 0.03: at 0.01, 5 rounds on digits reached 0.59-0.82 over
             seeds 0-2; at 0.03, 0.82-0.86; Reddi et al. tune it per task between 1e-3 and 1).
             server_beta1, server_beta2: moment decays. server_tau: adaptivity ``tau``.
-        aggregator, fraction_fit, min_fit_clients, fraction_evaluate, seed, fit_config: as ``FedOpt``.
+        aggregator, sampling, legacy: as ``FedOpt`` (which clients a round asks; the old keywords).
     """
 
     name = "fedadam"
@@ -136,20 +125,14 @@ class FedAdam(FedOpt):
         server_beta2: float = 0.99,
         server_tau: float = 1e-3,
         aggregator: Aggregator | None = None,
-        fraction_fit: float = 1.0,
-        min_fit_clients: int = 1,
-        fraction_evaluate: float = 0.0,
-        seed: int = 0,
-        fit_config: Mapping[str, Scalar] | None = None,
+        sampling: Sampling | None = None,
+        **legacy: Any,
     ) -> None:
         super().__init__(
             server_optimizer=self._optimizer(lr=server_lr, beta1=server_beta1, beta2=server_beta2, tau=server_tau),
             aggregator=aggregator,
-            fraction_fit=fraction_fit,
-            min_fit_clients=min_fit_clients,
-            fraction_evaluate=fraction_evaluate,
-            seed=seed,
-            fit_config=fit_config,
+            sampling=sampling,
+            **legacy,
         )
 
 
@@ -167,7 +150,7 @@ class FedAdagrad(FedOpt):
     Args:
         server_lr: ``eta``. server_beta1: first-moment decay (default 0: classic Adagrad).
         server_tau: adaptivity ``tau``.
-        aggregator, fraction_fit, min_fit_clients, fraction_evaluate, seed, fit_config: as ``FedOpt``.
+        aggregator, sampling, legacy: as ``FedOpt`` (which clients a round asks; the old keywords).
     """
 
     name = "fedadagrad"
@@ -179,18 +162,12 @@ class FedAdagrad(FedOpt):
         server_beta1: float = 0.0,
         server_tau: float = 1e-3,
         aggregator: Aggregator | None = None,
-        fraction_fit: float = 1.0,
-        min_fit_clients: int = 1,
-        fraction_evaluate: float = 0.0,
-        seed: int = 0,
-        fit_config: Mapping[str, Scalar] | None = None,
+        sampling: Sampling | None = None,
+        **legacy: Any,
     ) -> None:
         super().__init__(
             server_optimizer=ServerAdagrad(lr=server_lr, beta1=server_beta1, tau=server_tau),
             aggregator=aggregator,
-            fraction_fit=fraction_fit,
-            min_fit_clients=min_fit_clients,
-            fraction_evaluate=fraction_evaluate,
-            seed=seed,
-            fit_config=fit_config,
+            sampling=sampling,
+            **legacy,
         )

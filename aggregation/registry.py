@@ -19,7 +19,9 @@ from fedgrid.aggregation.fedavg import FedAvg
 from fedgrid.aggregation.fedopt import FedAdagrad, FedAdam, FedAvgM, FedYogi
 from fedgrid.aggregation.mean import Mean
 from fedgrid.aggregation.robust import Krum, Median, MultiKrum, TrimmedMean
-from fedgrid.aggregation.scaffold import FedProx, Scaffold
+from fedgrid.aggregation.fedprox import FedProx
+from fedgrid.aggregation.scaffold import Scaffold
+from fedgrid.aggregation.selection import Sampling, SelectionPolicy
 from fedgrid.errors import ConfigError
 
 __all__ = [
@@ -68,7 +70,7 @@ STRATEGIES: dict[str, Callable[..., Strategy]] = {
     "bcd": BlockCoordinate,
 }
 
-#: Options every strategy takes (``FedAvg``'s arguments).
+#: Options every strategy takes: its ``Sampling``.
 COMMON_OPTIONS = ("fraction_fit", "min_fit_clients", "fraction_evaluate", "seed", "fit_config")
 #: Options of the robust aggregator, for every strategy: ``aggregator`` and ``aggregator_<param>``.
 AGGREGATOR_OPTIONS = ("aggregator",) + tuple(
@@ -146,10 +148,12 @@ def _aggregator_from(options: Mapping[str, Any]) -> Aggregator | None:
     return build_aggregator(name, **params)
 
 
-def build_strategy_from(name: str, **options: Any) -> Strategy:
+def build_strategy_from(name: str, *, policy: SelectionPolicy | None = None, **options: Any) -> Strategy:
     """The strategy ``name`` configured from ``options`` (see ``strategy_options(name)``).
 
-    ``aggregator`` is a name (``--aggregator``; default ``mean``) with its parameters as
+    The common options (``fraction_fit``, ``min_fit_clients``, ``fraction_evaluate``, ``seed``,
+    ``fit_config``) and ``policy`` (count, over-selection, selector) make the strategy's
+    ``Sampling``. ``aggregator`` is a name (``--aggregator``; default ``mean``) with its parameters as
     ``aggregator_<param>`` options, or an ``Aggregator`` instance. ``block_prefixes`` may
     be a string as ``parse_block_prefixes`` reads it, or a list of lists. Call
     ``check_preconditions(num_clients=...)`` on the result once the number of clients is
@@ -166,7 +170,8 @@ def build_strategy_from(name: str, **options: Any) -> Strategy:
         if key not in allowed:
             specific = ", ".join(_STRATEGY_OPTIONS[name]) or "none"
             raise ConfigError(key, f"does not apply to strategy {name!r} (its own options: {specific})")
-    kwargs = {k: v for k, v in given.items() if not k.startswith("aggregator")}
+    kwargs = {k: v for k, v in given.items() if not k.startswith("aggregator") and k not in COMMON_OPTIONS}
+    common = {k: v for k, v in given.items() if k in COMMON_OPTIONS}
     aggregator = _aggregator_from(given)
     if aggregator is not None:
         kwargs["aggregator"] = aggregator
@@ -176,6 +181,6 @@ def build_strategy_from(name: str, **options: Any) -> Strategy:
     elif prefixes is not None and not all(isinstance(g, Sequence) and not isinstance(g, str) for g in prefixes):
         raise ConfigError("block_prefixes", "expected a string like 'conv1,conv2;fc' or a list of lists of prefixes")
     try:
-        return STRATEGIES[name](**kwargs)
+        return STRATEGIES[name](sampling=Sampling(**common, **({"policy": policy} if policy is not None else {})), **kwargs)
     except (TypeError, ValueError) as exc:
         raise ConfigError("strategy", f"{name}: {exc}") from None

@@ -1,11 +1,7 @@
-"""SCAFFOLD (Karimireddy et al. 2020) and FedProx (Li et al. 2020), server side.
+"""SCAFFOLD (Karimireddy et al. 2020), server side: it corrects client drift on the client, and
+the server's part is small (FedProx, the other drift correction, is ``fedgrid.aggregation.fedprox``).
 
-Both correct client drift on the client; the server's part is small.
-
-FedProx: FedAvg aggregation; the task config carries ``proximal_mu``, and the client adds
-``mu / 2 * ||w - w_global||^2`` to its loss.
-
-SCAFFOLD: the server keeps a control variate ``c`` (one tensor per real floating model
+The server keeps a control variate ``c`` (one tensor per real floating model
 tensor, zero at first) and sends it with the model (``downlink_state``: the model plus
 ``scaffold.c.<name>`` tensors). Client ``i`` keeps its own ``c_i`` across rounds, corrects
 each local step by ``c - c_i``, and sends back its model and ``c_delta_i = c_i+ - c_i`` as
@@ -30,61 +26,20 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from fedgrid.aggregation.base import AggregationPreconditionError, Aggregator
-from fedgrid.aggregation.fedavg import FedAvg, train_metrics
+from fedgrid.aggregation.fedavg import train_metrics
 from fedgrid.aggregation.fedopt import FedOpt
 from fedgrid.aggregation.mean import Mean
 from fedgrid.aggregation.server_opt import ServerSGD
 from fedgrid.aggregation.updates import compute_dtype, split_names
-from fedgrid.types import ClientInfo, FitIns, FitRes, Failure, ModelState, Scalar, TensorSpec
+from fedgrid.aggregation.selection import Sampling
+from fedgrid.types import ClientInfo, FitIns, FitRes, Failure, ModelState, TensorSpec
 
-__all__ = ["Scaffold", "FedProx", "CONTROL_PREFIX", "CONTROL_DELTA_PREFIX"]
+__all__ = ["Scaffold", "CONTROL_PREFIX", "CONTROL_DELTA_PREFIX"]
 
 #: Downlink tensor ``CONTROL_PREFIX + name`` is the server control variate of model tensor ``name``.
 CONTROL_PREFIX = "scaffold.c."
 #: Uplink tensor ``CONTROL_DELTA_PREFIX + name`` is a client's control-variate change for ``name``.
 CONTROL_DELTA_PREFIX = "scaffold.c_delta."
-
-
-class FedProx(FedAvg):
-    """FedProx's server: FedAvg that sends ``proximal_mu`` with every task.
-
-    Task config: ``algorithm = "fedprox"``, ``proximal_mu``.
-
-    Args:
-        proximal_mu: the proximal coefficient mu (>= 0; 0 is FedAvg).
-        aggregator, fraction_fit, min_fit_clients, fraction_evaluate, seed, fit_config: as ``FedAvg``.
-
-    Raises:
-        ValueError: ``proximal_mu`` is negative or not finite.
-    """
-
-    name = "fedprox"
-
-    def __init__(
-        self,
-        *,
-        proximal_mu: float = 0.01,
-        aggregator: Aggregator | None = None,
-        fraction_fit: float = 1.0,
-        min_fit_clients: int = 1,
-        fraction_evaluate: float = 0.0,
-        seed: int = 0,
-        fit_config: Mapping[str, Scalar] | None = None,
-    ) -> None:
-        if not (proximal_mu >= 0 and proximal_mu != float("inf")):
-            raise ValueError(f"proximal_mu must be non-negative and finite, got {proximal_mu}")
-        super().__init__(
-            fraction_fit=fraction_fit,
-            min_fit_clients=min_fit_clients,
-            fraction_evaluate=fraction_evaluate,
-            seed=seed,
-            fit_config=fit_config,
-            aggregator=aggregator,
-        )
-        self.proximal_mu = float(proximal_mu)
-
-    def _task_config(self, server_round: int) -> dict[str, Scalar]:
-        return {**super()._task_config(server_round), "algorithm": self.name, "proximal_mu": self.proximal_mu}
 
 
 class Scaffold(FedOpt):
@@ -97,7 +52,7 @@ class Scaffold(FedOpt):
     Args:
         server_lr: the global step size ``eta_g`` (1.0 in the paper's experiments).
         total_clients: N; ``None`` uses the number of live clients of the round.
-        aggregator, fraction_fit, min_fit_clients, fraction_evaluate, seed, fit_config: as ``FedAvg``.
+        aggregator, sampling, legacy: as ``FedAvg`` (which clients a round asks; the old keywords).
     """
 
     name = "scaffold"
@@ -108,22 +63,16 @@ class Scaffold(FedOpt):
         server_lr: float = 1.0,
         total_clients: int | None = None,
         aggregator: Aggregator | None = None,
-        fraction_fit: float = 1.0,
-        min_fit_clients: int = 1,
-        fraction_evaluate: float = 0.0,
-        seed: int = 0,
-        fit_config: Mapping[str, Scalar] | None = None,
+        sampling: Sampling | None = None,
+        **legacy: Any,
     ) -> None:
         if total_clients is not None and total_clients < 1:
             raise ValueError(f"total_clients must be at least 1, got {total_clients}")
         super().__init__(
             server_optimizer=ServerSGD(lr=server_lr),
             aggregator=aggregator,
-            fraction_fit=fraction_fit,
-            min_fit_clients=min_fit_clients,
-            fraction_evaluate=fraction_evaluate,
-            seed=seed,
-            fit_config=fit_config,
+            sampling=sampling,
+            **legacy,
         )
         self.total_clients = total_clients
         self._live_clients: int | None = None
@@ -155,7 +104,7 @@ class Scaffold(FedOpt):
             expected[CONTROL_DELTA_PREFIX + name] = expected[name]
         config = {**self._task_config(server_round), "algorithm": self.name}
         ins = FitIns(round=server_round, config=config, expected=expected)
-        return [(client, ins) for client in self._select_fit(clients, server_round)]
+        return [(client, ins) for client in self.sampling.fit_clients(clients, server_round)]
 
     def aggregate(self, *, server_round: int, results: Sequence[FitRes], failures: Sequence[Failure]) -> dict[str, float]:
         if not results:

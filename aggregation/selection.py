@@ -1,5 +1,10 @@
 """Client selection: how many clients a round asks, how many it waits for, and which.
 
+``Sampling`` is what a strategy holds of it: the share of clients a round asks, the fewest,
+the share that evaluates, the seed of the draws, the scalars every task carries, and a
+``SelectionPolicy``. Strategies hold one rather than inherit it, so a strategy of one's own
+need not subclass ``FedAvg`` to be sampled as the coordinator is configured.
+
 ``SelectionPolicy`` says how many: a fixed count per round or a fraction of the live
 clients, plus over-selection (ask more than needed; the round closes as soon as the target
 count has reported, or at its deadline). A ``Selector`` says which: uniformly at random by
@@ -12,12 +17,13 @@ from __future__ import annotations
 import math
 import random
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Mapping, Sequence
 
-from fedgrid.types import ClientInfo
+from fedgrid.seeding import derive_seed
+from fedgrid.types import ClientInfo, Scalar
 
-__all__ = ["Selector", "UniformSelector", "RegionBalancedSelector", "CapabilityFilter", "SelectionPolicy"]
+__all__ = ["Selector", "UniformSelector", "RegionBalancedSelector", "CapabilityFilter", "SelectionPolicy", "Sampling"]
 
 
 class Selector(ABC):
@@ -28,6 +34,7 @@ class Selector(ABC):
         """Returns at most ``count`` distinct clients."""
 
 
+@dataclass(frozen=True)
 class UniformSelector(Selector):
     """Every client equally likely."""
 
@@ -35,6 +42,7 @@ class UniformSelector(Selector):
         return list(clients) if count >= len(clients) else rng.sample(list(clients), count)
 
 
+@dataclass(frozen=True)
 class RegionBalancedSelector(Selector):
     """Round-robin over regions (in random order), uniformly within each: every region is
     represented in proportion as equal as the count allows."""
@@ -126,3 +134,68 @@ class SelectionPolicy:
     def asked(self, target: int, num_live: int) -> int:
         """Clients a round asks, over-selection included."""
         return min(num_live, math.ceil(target * (1.0 + self.over_selection)))
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Which clients a round asks and waits for, and what every task carries.
+
+    Attributes:
+        fraction_fit: share of live clients asked each round (at least ``min_fit_clients``).
+        min_fit_clients: fewest clients a round asks.
+        fraction_evaluate: share of live clients asked to evaluate each new global model on
+            their own data (federated evaluation); 0 turns it off.
+        seed: seeds the draws, so a run's selection is reproducible.
+        fit_config: scalars sent with every task (``local_epochs``, ``lr``, ...).
+        policy: a fixed count per round, over-selection, the selector.
+
+    Raises:
+        ValueError: a value out of range (named).
+    """
+
+    fraction_fit: float = 1.0
+    min_fit_clients: int = 1
+    fraction_evaluate: float = 0.0
+    seed: int = 0
+    fit_config: Mapping[str, Scalar] = field(default_factory=dict)
+    policy: SelectionPolicy = field(default_factory=SelectionPolicy)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.fraction_fit <= 1.0:
+            raise ValueError(f"fraction_fit must be in (0, 1], got {self.fraction_fit}")
+        if self.min_fit_clients < 1:
+            raise ValueError(f"min_fit_clients must be at least 1, got {self.min_fit_clients}")
+        if not 0.0 <= self.fraction_evaluate <= 1.0:
+            raise ValueError(f"fraction_evaluate must be in [0, 1], got {self.fraction_evaluate}")
+        object.__setattr__(self, "fit_config", dict(self.fit_config))
+
+    def with_seed(self, seed: int) -> Sampling:
+        """The same sampling, drawing from ``seed`` (a resumed run's)."""
+        return replace(self, seed=seed)
+
+    def clients_per_round(self, num_clients: int) -> int:
+        """How many results a round with ``num_clients`` live clients waits for."""
+        return self.policy.target(num_live=num_clients, fraction=self.fraction_fit, minimum=self.min_fit_clients)
+
+    def sample(self, clients: Sequence[ClientInfo], count: int, server_round: int, salt: int) -> list[ClientInfo]:
+        """``count`` of ``clients`` drawn for ``server_round`` (``salt`` tells draws of one round
+        apart), in canonical order; the same clients, round and seed give the same draw."""
+        ordered = sorted(clients, key=lambda c: c.sort_key)
+        rng = random.Random(derive_seed("sample", self.seed, server_round, salt))
+        return sorted(self.policy.selector.select(ordered, count, rng), key=lambda c: c.sort_key)
+
+    def fit_clients(self, clients: Sequence[ClientInfo], server_round: int) -> list[ClientInfo]:
+        """The clients a fit round asks: the target count plus over-selection."""
+        asked = self.policy.asked(self.clients_per_round(len(clients)), len(clients))
+        return self.sample(clients, asked, server_round, 0)
+
+    def evaluate_clients(self, clients: Sequence[ClientInfo], server_round: int) -> list[ClientInfo]:
+        """The clients asked to evaluate after ``server_round`` (none when ``fraction_evaluate`` is 0)."""
+        if self.fraction_evaluate == 0.0:
+            return []
+        count = min(len(clients), max(1, int(self.fraction_evaluate * len(clients))))
+        return self.sample(clients, count, server_round, 1)
+
+    def task_config(self, server_round: int) -> dict[str, Scalar]:
+        """The scalars every task of ``server_round`` carries."""
+        return {**self.fit_config, "round": server_round, "seed": self.seed}

@@ -18,6 +18,7 @@ ln 80 = 4.38 for a uniform guess) before training and after every round, then
 ``held-out loss A -> B``.
 """
 
+from fedgrid.aggregation.selection import Sampling
 from __future__ import annotations
 
 import argparse
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> tuple[float, float]:
         return float(char_loss(m(test_x), test_y)), {}
 
     start = initial_state(model, args.seed)
-    strategy = DiLoCo(inner_steps=args.inner_steps, seed=args.seed)
+    strategy = DiLoCo(sampling=Sampling(seed=args.seed), inner_steps=args.inner_steps)
     strategy.initialize(initial_state=start)
     workers = []
     for w, part in enumerate(parts):

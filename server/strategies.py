@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from fedgrid.aggregation import FedAvg, Strategy
+from fedgrid.aggregation import Strategy
 from fedgrid.aggregation.registry import build_strategy_from
 from fedgrid.aggregation.selection import CapabilityFilter, RegionBalancedSelector, SelectionPolicy, Selector, UniformSelector
 from fedgrid.capabilities import parse_size
 from fedgrid.config import Config
-from fedgrid.errors import ConfigError
 
 __all__ = ["build_strategy", "build_selection", "build_capability_filter"]
 
@@ -44,6 +43,7 @@ def build_strategy(config: Config, *, num_clients: int | None = None) -> Strateg
     fit_config = {"local_epochs": config.local_epochs, "lr": config.lr}
     strategy = build_strategy_from(
         config.strategy,
+        policy=build_selection(config),
         fraction_fit=config.fraction_fit,
         fraction_evaluate=config.fraction_evaluate,
         min_fit_clients=1,
@@ -51,9 +51,6 @@ def build_strategy(config: Config, *, num_clients: int | None = None) -> Strateg
         fit_config=fit_config,
         **config.strategy_options(),
     )
-    if not isinstance(strategy, FedAvg):  # every registered strategy is; selection lives there
-        raise ConfigError("strategy", f"{config.strategy} does not support client selection policies")
-    strategy.selection = build_selection(config)
     if num_clients is not None:
         strategy.check_preconditions(num_clients=num_clients)
     return strategy

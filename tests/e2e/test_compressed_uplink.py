@@ -7,6 +7,7 @@ from datetime import timedelta
 import pytest
 import torch
 
+from fedgrid.aggregation.selection import Sampling
 from fedgrid.aggregation import FedAvg
 from fedgrid.client import start
 from fedgrid.server.app import Coordinator
@@ -22,7 +23,7 @@ CLIENTS, ROUNDS, SEED = 3, 3, 2
 
 
 def _engine(fleet, rounds=ROUNDS):
-    strategy = FedAvg(seed=SEED, fit_config={"local_epochs": 1, "lr": 0.1})
+    strategy = FedAvg(sampling=Sampling(seed=SEED, fit_config={"local_epochs": 1, "lr": 0.1}))
     strategy.initialize(initial_state=initial_state(digits_model, SEED))
     return RoundEngine(strategy=strategy, fleet=fleet, rounds=rounds, min_clients=CLIENTS, round_timeout=timedelta(seconds=120),
                        join_timeout=timedelta(seconds=60), finish_timeout=timedelta(seconds=10))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from aggsim import clients, fake_fit, model_state, run_round
+from fedgrid.aggregation.selection import Sampling
 from fedgrid.aggregation import (
     BlockCoordinate,
     DiLoCo,
@@ -90,7 +91,7 @@ def _bcd(**kwargs) -> BlockCoordinate:
 
 @pytest.mark.parametrize("schedule", ["cyclic", "random", "capacity"])
 def test_bcd_tasks_expect_exactly_their_block(schedule):
-    strategy = _bcd(num_blocks=3, block_schedule=schedule, fit_config={"lr": 0.1})
+    strategy = _bcd(num_blocks=3, block_schedule=schedule, sampling=Sampling(fit_config={"lr": 0.1}))
     _assert_partition(strategy.blocks)
     live = clients(7, memory=[5, 1, 7, 3, 2, 6, 4])
     for server_round in (1, 2, 3):
@@ -132,9 +133,9 @@ def test_bcd_cyclic_schedule_rotates():
 
 def test_bcd_random_schedule_is_seeded():
     live = clients(4)
-    a = [_bcd(num_blocks=4, block_schedule="random", seed=5).assign_blocks(server_round=r, clients=live) for r in range(1, 9)]
-    b = [_bcd(num_blocks=4, block_schedule="random", seed=5).assign_blocks(server_round=r, clients=live) for r in range(1, 9)]
-    c = [_bcd(num_blocks=4, block_schedule="random", seed=6).assign_blocks(server_round=r, clients=live) for r in range(1, 9)]
+    a = [_bcd(num_blocks=4, block_schedule="random", sampling=Sampling(seed=5)).assign_blocks(server_round=r, clients=live) for r in range(1, 9)]
+    b = [_bcd(num_blocks=4, block_schedule="random", sampling=Sampling(seed=5)).assign_blocks(server_round=r, clients=live) for r in range(1, 9)]
+    c = [_bcd(num_blocks=4, block_schedule="random", sampling=Sampling(seed=6)).assign_blocks(server_round=r, clients=live) for r in range(1, 9)]
     assert a == b and a != c
     assert all(sorted(x) == [0, 1, 2, 3] for x in a)  # a permutation each round
     assert len({tuple(x) for x in a}) > 1

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 import math
 from collections import OrderedDict
 
 import pytest
 import torch
 
-from fedgrid.aggregation import FedAvg, WeightedMean, weighted_mean
+from fedgrid.aggregation.selection import Sampling
+from fedgrid.aggregation import FedAdam, FedAvg, WeightedMean, weighted_mean
 from fedgrid.types import ClientInfo, FitIns, FitRes, Failure
 
 
@@ -169,7 +171,7 @@ def _clients(n: int) -> list[ClientInfo]:
 def test_configure_round_all_clients_sorted_by_sort_key():
     clients = _clients(6)
     shuffled = [clients[i] for i in (3, 0, 5, 1, 4, 2)]
-    strategy = FedAvg(seed=3, fit_config={"lr": 0.1, "local_epochs": 2})
+    strategy = FedAvg(sampling=Sampling(seed=3, fit_config={"lr": 0.1, "local_epochs": 2}))
     pairs = strategy.configure_round(server_round=4, clients=shuffled)
     assert [c for c, _ in pairs] == clients
     for _, ins in pairs:
@@ -186,7 +188,7 @@ def test_configure_round_sort_key_breaks_name_ties_by_id():
 
 def test_configure_round_fraction_samples_reproducibly():
     clients = _clients(10)
-    strategy = FedAvg(fraction_fit=0.5, seed=11)
+    strategy = FedAvg(sampling=Sampling(fraction_fit=0.5, seed=11))
     picks = {}
     for server_round in range(1, 6):
         chosen = [c for c, _ in strategy.configure_round(server_round=server_round, clients=clients)]
@@ -194,7 +196,7 @@ def test_configure_round_fraction_samples_reproducibly():
         assert len({c.client_id for c in chosen}) == 5
         assert chosen == sorted(chosen, key=lambda c: c.sort_key)
         assert set(chosen) <= set(clients)
-        again = FedAvg(fraction_fit=0.5, seed=11).configure_round(server_round=server_round, clients=list(reversed(clients)))
+        again = FedAvg(sampling=Sampling(fraction_fit=0.5, seed=11)).configure_round(server_round=server_round, clients=list(reversed(clients)))
         assert [c for c, _ in again] == chosen
         picks[server_round] = tuple(c.client_id for c in chosen)
     assert len(set(picks.values())) > 1  # rounds draw different subsets
@@ -203,7 +205,7 @@ def test_configure_round_fraction_samples_reproducibly():
 def test_configure_round_seed_changes_sample():
     clients = _clients(10)
     draws = {
-        tuple(c.client_id for c, _ in FedAvg(fraction_fit=0.5, seed=seed).configure_round(server_round=1, clients=clients))
+        tuple(c.client_id for c, _ in FedAvg(sampling=Sampling(fraction_fit=0.5, seed=seed)).configure_round(server_round=1, clients=clients))
         for seed in range(5)
     }
     assert len(draws) > 1
@@ -214,14 +216,26 @@ def test_configure_round_seed_changes_sample():
     [(0.1, 1, 10, 1), (0.01, 1, 10, 1), (0.3, 1, 10, 3), (0.1, 4, 10, 4), (0.5, 20, 10, 10), (1.0, 1, 3, 3), (0.5, 1, 0, 0)],
 )
 def test_configure_round_count(fraction, min_fit, n, count):
-    pairs = FedAvg(fraction_fit=fraction, min_fit_clients=min_fit).configure_round(server_round=1, clients=_clients(n) if n else [])
+    pairs = FedAvg(sampling=Sampling(fraction_fit=fraction, min_fit_clients=min_fit)).configure_round(server_round=1, clients=_clients(n) if n else [])
     assert len(pairs) == count
 
 
 @pytest.mark.parametrize("kwargs", [{"fraction_fit": 0.0}, {"fraction_fit": 1.5}, {"fraction_fit": -0.1}, {"min_fit_clients": 0}])
 def test_fedavg_rejects_bad_arguments(kwargs):
     with pytest.raises(ValueError):
-        FedAvg(**kwargs)
+        FedAvg(sampling=Sampling(**kwargs))
+    with pytest.raises(ValueError), pytest.warns(DeprecationWarning, match="pass sampling="):
+        FedAvg(**kwargs)  # the keywords of before Sampling, for one release
+
+
+def test_the_old_sampling_keywords_still_work_for_one_release_with_a_warning():
+    with pytest.warns(DeprecationWarning, match=r"FedAdam\(fraction_fit=, seed=\.\.\.\) is deprecated"):
+        old = FedAdam(fraction_fit=0.5, seed=4, server_lr=0.1)
+    assert old.sampling == Sampling(fraction_fit=0.5, seed=4) and old.server_optimizer.lr == 0.1
+    with pytest.raises(TypeError, match="not both"):
+        FedAvg(sampling=Sampling(), seed=3)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'fraction'"):
+        FedAvg(fraction=0.5)
 
 
 def test_global_state_before_initialize_raises():
@@ -277,22 +291,22 @@ def test_aggregate_independent_of_result_order():
 
 
 def test_state_dict_roundtrip():
-    strategy = FedAvg(seed=42)
+    strategy = FedAvg(sampling=Sampling(seed=42))
     strategy.initialize(initial_state=_od(w=torch.tensor([1.0, 2.0]), b=torch.tensor([3], dtype=torch.int64)))
     state = strategy.state_dict()
     assert state["seed"] == 42
     strategy.global_state["w"].add_(100.0)  # state_dict is a copy
     assert state["global_state"]["w"].tolist() == [1.0, 2.0]
 
-    restored = FedAvg(seed=0)
+    restored = FedAvg(sampling=Sampling(seed=0))
     restored.load_state_dict(state)
     assert restored.seed == 42
     assert list(restored.global_state) == ["w", "b"]
     assert restored.global_state["w"].tolist() == [1.0, 2.0]
     assert restored.global_state["b"].dtype == torch.int64 and restored.global_state["b"].tolist() == [3]
     clients = _clients(10)
-    a = FedAvg(fraction_fit=0.5, seed=42).configure_round(server_round=3, clients=clients)
-    restored.fraction_fit = 0.5
+    a = FedAvg(sampling=Sampling(fraction_fit=0.5, seed=42)).configure_round(server_round=3, clients=clients)
+    restored.sampling = replace(restored.sampling, fraction_fit=0.5)
     assert restored.configure_round(server_round=3, clients=clients) == a
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from aggsim import clients, fake_fit, model_state, run_round
+from fedgrid.aggregation.selection import Sampling
 from fedgrid.aggregation import (
     CONTROL_DELTA_PREFIX,
     CONTROL_PREFIX,
@@ -113,7 +114,7 @@ def test_check_preconditions_uses_clients_per_round():
 
     FedAvg(aggregator=Krum(f=1)).check_preconditions(num_clients=5)
     with pytest.raises(ConfigError, match="needs more than 2f"):
-        FedAvg(aggregator=Krum(f=1), fraction_fit=0.5).check_preconditions(num_clients=9)  # 4 per round
+        FedAvg(sampling=Sampling(fraction_fit=0.5), aggregator=Krum(f=1)).check_preconditions(num_clients=9)  # 4 per round
     FedAvg().check_preconditions(num_clients=1)
 
 
@@ -136,7 +137,7 @@ def test_diloco_one_round_hand_computed_and_config():
 
 
 def test_fedprox_sends_mu_and_averages_like_fedavg():
-    strategy = FedProx(proximal_mu=0.1, fit_config={"lr": 0.5})
+    strategy = FedProx(sampling=Sampling(fit_config={"lr": 0.5}), proximal_mu=0.1)
     strategy.initialize(initial_state=model_state())
     pairs = strategy.configure_round(server_round=2, clients=clients(2))
     assert pairs[0][1].config == {"lr": 0.5, "round": 2, "seed": 0, "algorithm": "fedprox", "proximal_mu": 0.1}
@@ -214,7 +215,7 @@ def test_no_results_changes_nothing():
 
 
 def test_configure_round_default_tasks_expect_the_model():
-    strategy = FedAdam(fit_config={"local_epochs": 1})
+    strategy = FedAdam(sampling=Sampling(fit_config={"local_epochs": 1}))
     strategy.initialize(initial_state=model_state())
     for _, ins in strategy.configure_round(server_round=1, clients=clients(2)):
         assert ins == FitIns(round=1, config={"local_epochs": 1, "round": 1, "seed": 0})

@@ -10,6 +10,7 @@ from typing import Sequence
 import pytest
 import torch
 
+from fedgrid.aggregation.selection import Sampling
 from fedgrid.aggregation import AggregationPreconditionError, FedAvg, Krum, MultiKrum, build_strategy_from
 from fedgrid.errors import ConfigError
 from fedgrid.types import ClientInfo, FitRes
@@ -97,7 +98,7 @@ def test_strategies_seed_the_buckets_by_round():
     deltas = [torch.randn(20, generator=gen) for _ in range(10)]
 
     def after(server_round: int, seed: int = 0) -> torch.Tensor:
-        strategy = FedAvg(aggregator=Krum(f=1), seed=seed)
+        strategy = FedAvg(sampling=Sampling(seed=seed), aggregator=Krum(f=1))
         strategy.initialize(initial_state=OrderedDict(w=torch.zeros(20)))
         results = [FitRes(ClientInfo(client_id=f"id{i}", name=f"c{i:02d}"), OrderedDict(w=d.clone()), num_examples=5)
                    for i, d in enumerate(deltas)]

@@ -8,6 +8,7 @@ from datetime import timedelta
 import pytest
 import torch
 
+from fedgrid.aggregation.selection import Sampling
 from fedgrid.aggregation import FedAvg
 from fedgrid.aggregation.registry import build_strategy_from
 from fedgrid.errors import InvalidUpdateError
@@ -20,7 +21,7 @@ def _state(value: float) -> "OrderedDict[str, torch.Tensor]":
 
 
 def test_fedavg_adopts_the_received_model():
-    strategy = FedAvg(seed=0)
+    strategy = FedAvg(sampling=Sampling(seed=0))
     strategy.initialize(initial_state=_state(0.0))
     strategy.receive_global(state=_state(2.5))
     for name, tensor in _state(2.5).items():
@@ -64,7 +65,7 @@ def _same(a, b) -> bool:
     ],
 )
 def test_a_received_model_that_does_not_fit_changes_nothing(bad, words):
-    strategy = FedAvg(seed=0)
+    strategy = FedAvg(sampling=Sampling(seed=0))
     strategy.initialize(initial_state=_state(1.0))
     with pytest.raises(InvalidUpdateError, match=words):
         strategy.receive_global(state=bad)

@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
+from fedgrid.aggregation.selection import Sampling
 from fedgrid.aggregation import FedAvg
 from fedgrid.aggregation.selection import CapabilityFilter, RegionBalancedSelector, SelectionPolicy, UniformSelector
 from fedgrid.types import ClientInfo
@@ -29,7 +30,7 @@ def test_policy_counts():
 
 
 def test_fedavg_over_selects_and_sets_target():
-    strategy = FedAvg(seed=3)
+    strategy = FedAvg(sampling=Sampling(seed=3))
     strategy.initialize(initial_state={"w": torch.zeros(1)})
     strategy.selection = SelectionPolicy(clients_per_round=4, over_selection=0.5)
     clients = _clients(10)

@@ -64,7 +64,7 @@ def test_options_reach_the_strategy():
     s = build_strategy_from("fedadam", server_lr=0.3, server_beta1=0.5, server_tau=1e-4, fraction_fit=0.5, seed=9, fit_config={"lr": 0.1})
     assert isinstance(s, FedAdam)
     assert (s.server_optimizer.lr, s.server_optimizer.beta1, s.server_optimizer.tau) == (0.3, 0.5, 1e-4)
-    assert (s.fraction_fit, s.seed, s.fit_config) == (0.5, 9, {"lr": 0.1})
+    assert (s.sampling.fraction_fit, s.seed, s.sampling.fit_config) == (0.5, 9, {"lr": 0.1})
     s2 = build_strategy_from("bcd", num_blocks=3, block_schedule="capacity", block_prefixes="")
     assert isinstance(s2, BlockCoordinate) and (s2.num_blocks, s2.schedule, s2.block_prefixes) == (3, "capacity", None)
     s3 = build_strategy_from("bcd", block_prefixes="enc, head;bn")

@@ -12,6 +12,7 @@ from datetime import timedelta
 import pytest
 import torch
 
+from fedgrid.aggregation.selection import Sampling
 from fedgrid import cli
 from fedgrid.cli.client import client_config, client_options
 from fedgrid.cli.support import config_from
@@ -214,7 +215,7 @@ class _OneClient(Fleet):
 
 
 def _engine(tmp_path, fleet, **kwargs):
-    strategy = FedAvg(fraction_evaluate=1.0)
+    strategy = FedAvg(sampling=Sampling(fraction_evaluate=1.0))
     strategy.initialize(initial_state=OrderedDict(w=torch.zeros(2)))
     engine = RoundEngine(strategy=strategy, fleet=fleet, rounds=5, min_clients=1, round_timeout=timedelta(seconds=1),
                          join_timeout=timedelta(seconds=1), writer=RunWriter(tmp_path / "run", {}), **kwargs)

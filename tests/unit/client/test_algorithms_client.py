@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from fedgrid.aggregation.selection import Sampling
 from fedgrid.aggregation import BlockCoordinate, DiLoCo, FedProx, Scaffold, StreamingDiLoCo
 from fedgrid.aggregation.scaffold import CONTROL_DELTA_PREFIX, CONTROL_PREFIX
 from fedgrid.client.algorithms import FitContext
@@ -76,7 +77,7 @@ def test_fedprox_hand_computed_two_steps():
 
 
 def test_fedprox_term_changes_the_update_and_mu_zero_is_fedavg():
-    strategy = FedProx(proximal_mu=0.5, fit_config={"local_epochs": 3})
+    strategy = FedProx(sampling=Sampling(fit_config={"local_epochs": 3}), proximal_mu=0.5)
     strategy.initialize(initial_state=_global())
     ins = _task(strategy)
     assert ins.config["algorithm"] == "fedprox" and ins.config["proximal_mu"] == 0.5
@@ -241,7 +242,7 @@ def test_streaming_diloco_client_without_replica_refuses_part_of_the_model():
 
 # -- bcd -----------------------------------------------------------------------------------
 def test_bcd_trains_and_uploads_only_the_block():
-    strategy = BlockCoordinate(num_blocks=2, block_schedule="cyclic", fit_config={"local_epochs": 2})  # both blocks in one round
+    strategy = BlockCoordinate(sampling=Sampling(fit_config={"local_epochs": 2}), num_blocks=2, block_schedule="cyclic")  # both blocks in one round
     strategy.initialize(initial_state=_global())
     tasks = strategy.configure_round(server_round=1, clients=INFOS)
     assert {int(ins.config["block"]) for _, ins in tasks} == {0, 1}

@@ -8,6 +8,7 @@ from datetime import timedelta
 import pytest
 import torch
 
+from fedgrid.aggregation.selection import Sampling
 from fedgrid.aggregation.fedavg import FedAvg
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.fleet import Fleet, RoundOutcome
@@ -38,7 +39,7 @@ class Recorder(Fleet):
 
 class Phased(FedAvg):
     def __init__(self, phases):
-        super().__init__(fraction_evaluate=1.0)
+        super().__init__(sampling=Sampling(fraction_evaluate=1.0))
         self._phases = phases
         self.received = []
 
