@@ -58,18 +58,18 @@ from fedgrid.types import ModelState, Scalar
 
 __all__ = [
     "ALGORITHMS",
-    "BlockCoordinate",
+    "BlockCoordinateTraining",
     "ClientAlgorithm",
-    "DiLoCo",
-    "FedAvg",
-    "FedProx",
+    "DiLoCoTraining",
+    "FedAvgTraining",
+    "FedProxTraining",
     "FitContext",
     "Loop",
     "OptimizerFactory",
     "ProximalTerm",
-    "Scaffold",
+    "ScaffoldTraining",
     "ScaffoldControl",
-    "StreamingDiLoCo",
+    "StreamingDiLoCoTraining",
     "Trainer",
     "algorithm_of",
     "full",
@@ -263,14 +263,14 @@ def algorithm_of(config: Mapping[str, Scalar]) -> str:
 
 
 @register
-class FedAvg(ClientAlgorithm):
+class FedAvgTraining(ClientAlgorithm):
     """``fedavg`` (also FedAvgM and FedOpt): the defaults, the whole model for ``local_epochs``."""
 
     name = "fedavg"
 
 
 @register
-class FedProx(ClientAlgorithm):
+class FedProxTraining(ClientAlgorithm):
     """``fedprox``: the gradient of ``proximal_mu / 2 * ||w - w_global||^2`` added at each step."""
 
     name = "fedprox"
@@ -302,7 +302,7 @@ class FedProx(ClientAlgorithm):
 
 
 @register
-class Scaffold(ClientAlgorithm):
+class ScaffoldTraining(ClientAlgorithm):
     """``scaffold``: gradients corrected by ``c - c_i``; uploads the model and the ``c_i`` deltas.
 
     Attributes:
@@ -349,7 +349,7 @@ class Scaffold(ClientAlgorithm):
 
 
 @register
-class DiLoCo(ClientAlgorithm):
+class DiLoCoTraining(ClientAlgorithm):
     """``diloco``: ``inner_steps`` steps of the client's persistent inner optimizer (``Trainer.inner_optimizer``)."""
 
     name = "diloco"
@@ -366,7 +366,7 @@ class DiLoCo(ClientAlgorithm):
 
 
 @register
-class StreamingDiLoCo(DiLoCo):
+class StreamingDiLoCoTraining(DiLoCoTraining):
     """``streaming-diloco``: DiLoCo on a replica kept across rounds; fragments merged and sent."""
 
     name = "streaming-diloco"
@@ -420,7 +420,7 @@ class StreamingDiLoCo(DiLoCo):
 
 
 @register
-class BlockCoordinate(ClientAlgorithm):
+class BlockCoordinateTraining(ClientAlgorithm):
     """``bcd``: only the ``block_prefixes`` tensors train, with optimizer state for them alone, and are sent."""
 
     name = "bcd"
@@ -433,3 +433,19 @@ class BlockCoordinate(ClientAlgorithm):
 
     def upload(self, *, state: ModelState, trained: Sequence[str], ctx: FitContext) -> ModelState:
         return OrderedDict((n, state[n]) for n in trained)
+
+
+#: The client halves' names before they were told apart from the strategies (``FedAvg`` meant
+#: both); they still work for one release, with a ``DeprecationWarning``.
+_RENAMED = {n: f"fedgrid.client.algorithms.{n}Training" for n in
+            ("FedAvg", "FedProx", "Scaffold", "DiLoCo", "StreamingDiLoCo", "BlockCoordinate")}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RENAMED:
+        import warnings
+
+        warnings.warn(f"fedgrid.client.algorithms.{name} is deprecated and goes in the next release: use {_RENAMED[name]}",
+                      DeprecationWarning, stacklevel=2)
+        return globals()[name + "Training"]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

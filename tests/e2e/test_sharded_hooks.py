@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from fedgrid.aggregation.scaffold import CONTROL_DELTA_PREFIX, CONTROL_PREFIX
-from fedgrid.client.algorithms import FedProx, FitContext, Scaffold, full, like
+from fedgrid.client.algorithms import FedProxTraining, FitContext, ScaffoldTraining, full, like
 
 
 def _sharded_worker(rank: int, store_path: str) -> None:
@@ -26,7 +26,7 @@ def _sharded_worker(rank: int, store_path: str) -> None:
         correction = like(torch.ones(4, 2), w)
         assert correction.placements == w.placements and correction.to_local().shape == (2, 2)  # type: ignore[attr-defined]
 
-        scaffold, ctx = Scaffold(), FitContext(config={}, model=("w",))
+        scaffold, ctx = ScaffoldTraining(), FitContext(config={}, model=("w",))
         download = OrderedDict(w=whole.clone())
         download[CONTROL_PREFIX + "w"] = torch.full((4, 2), 3.0)
         scaffold.start(download=download, ctx=ctx)
@@ -37,7 +37,7 @@ def _sharded_worker(rank: int, store_path: str) -> None:
         deltas = scaffold.upload(state=OrderedDict(w=whole.clone()), trained=["w"], ctx=ctx)
         assert torch.equal(deltas[CONTROL_DELTA_PREFIX + "w"], torch.full((4, 2), -1.0))  # gathered: the whole tensor
 
-        prox = FedProx()
+        prox = FedProxTraining()
         prox.begin(params={"w": w}, ctx=FitContext(config={"proximal_mu": 0.5}, model=("w",)))
         w.grad = None
         prox.after_backward(params={"w": w})  # anchors at w

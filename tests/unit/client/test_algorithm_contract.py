@@ -17,15 +17,15 @@ from torch.utils.data import DataLoader, TensorDataset
 from fedgrid.aggregation.scaffold import CONTROL_DELTA_PREFIX, CONTROL_PREFIX
 from fedgrid.client.algorithms import (
     ALGORITHMS,
-    BlockCoordinate,
+    BlockCoordinateTraining,
     ClientAlgorithm,
-    DiLoCo,
-    FedAvg,
-    FedProx,
+    DiLoCoTraining,
+    FedAvgTraining,
+    FedProxTraining,
     FitContext,
     Loop,
     ProximalTerm,
-    Scaffold,
+    ScaffoldTraining,
     algorithm_of,
     like,
     register,
@@ -56,7 +56,7 @@ def _zero() -> ModelState:
 # -- the registry --------------------------------------------------------------------------
 def test_registry_maps_every_builtin_and_refuses_a_nameless_or_taken_name():
     assert list(ALGORITHMS) == ["fedavg", "fedprox", "scaffold", "diloco", "streaming-diloco", "bcd"]
-    assert ALGORITHMS["bcd"] is BlockCoordinate and algorithm_of({}) == "fedavg"
+    assert ALGORITHMS["bcd"] is BlockCoordinateTraining and algorithm_of({}) == "fedavg"
     with pytest.raises(ValueError, match="task asks for algorithm 'nope'; this client implements fedavg, fedprox, scaffold"):
         algorithm_of({"algorithm": "nope"})
     with pytest.raises(ValueError, match="task asks for algorithm 'nope'"):
@@ -70,9 +70,9 @@ def test_registry_maps_every_builtin_and_refuses_a_nameless_or_taken_name():
 
     with pytest.raises(ValueError, match="Nameless has no name"):
         register(Nameless)
-    with pytest.raises(ValueError, match="algorithm 'fedprox' is already FedProx's"):
+    with pytest.raises(ValueError, match="algorithm 'fedprox' is already FedProxTraining's"):
         register(Impostor)
-    assert register(FedProx) is FedProx and ALGORITHMS["fedprox"] is FedProx  # registering again is a no-op
+    assert register(FedProxTraining) is FedProxTraining and ALGORITHMS["fedprox"] is FedProxTraining  # registering again is a no-op
 
 
 def test_which_builtins_the_batched_engine_trains():
@@ -82,7 +82,7 @@ def test_which_builtins_the_batched_engine_trains():
         "streaming-diloco": "a persistent inner optimizer and replica per client",
     }
 
-    class OwnStep(FedAvg):  # a step hook the batched engine cannot see: sequential unless it says otherwise
+    class OwnStep(FedAvgTraining):  # a step hook the batched engine cannot see: sequential unless it says otherwise
         name = "own-step"
 
         def after_backward(self, *, params: Mapping[str, nn.Parameter]) -> None:
@@ -93,19 +93,19 @@ def test_which_builtins_the_batched_engine_trains():
 
 # -- each built-in's hooks, against numbers ------------------------------------------------
 def test_loop_lengths_and_their_errors():
-    assert FedAvg().loop(ctx=_ctx()) == Loop(epochs=1, steps=0)
-    assert BlockCoordinate().loop(ctx=_ctx(local_epochs=3)) == Loop(3, 0)
-    assert DiLoCo().loop(ctx=_ctx(inner_steps=7, local_epochs=3)) == Loop(0, 7)
+    assert FedAvgTraining().loop(ctx=_ctx()) == Loop(epochs=1, steps=0)
+    assert BlockCoordinateTraining().loop(ctx=_ctx(local_epochs=3)) == Loop(3, 0)
+    assert DiLoCoTraining().loop(ctx=_ctx(inner_steps=7, local_epochs=3)) == Loop(0, 7)
     with pytest.raises(ValueError, match="local_epochs must be at least 1, got 0"):
-        FedProx().loop(ctx=_ctx(local_epochs=0))
+        FedProxTraining().loop(ctx=_ctx(local_epochs=0))
     with pytest.raises(ValueError, match="inner_steps must be at least 1, got 0"):
-        DiLoCo().loop(ctx=_ctx())
+        DiLoCoTraining().loop(ctx=_ctx())
 
 
 def test_bcd_trains_sends_and_optimizes_the_block_only():
-    bcd, ctx = BlockCoordinate(), _ctx(block_prefixes="2")
+    bcd, ctx = BlockCoordinateTraining(), _ctx(block_prefixes="2")
     assert bcd.trained(names=list(NAMES), ctx=ctx) == ["2.weight", "2.bias"]
-    assert FedAvg().trained(names=list(NAMES), ctx=ctx) == list(NAMES)
+    assert FedAvgTraining().trained(names=list(NAMES), ctx=ctx) == list(NAMES)
     state = OrderedDict((n, torch.full((1,), float(i))) for i, n in enumerate(NAMES))
     assert list(bcd.upload(state=state, trained=["2.weight", "2.bias"], ctx=ctx)) == ["2.weight", "2.bias"]
     with pytest.raises(ValueError, match="'block_prefixes' = '9' matches no tensor"):
@@ -113,12 +113,12 @@ def test_bcd_trains_sends_and_optimizes_the_block_only():
     client = _linear_client()
     model, block = list(client.model.parameters()), [nn.Parameter(torch.zeros(1))]
     assert bcd.optimizer(trainer=client, params=block, ctx=ctx).param_groups[0]["params"] == block  # the block's alone
-    assert FedAvg().optimizer(trainer=client, params=block, ctx=ctx).param_groups[0]["params"] == model  # the whole model
-    assert DiLoCo().optimizer(trainer=client, params=block, ctx=ctx) is client.inner_optimizer  # kept across rounds
+    assert FedAvgTraining().optimizer(trainer=client, params=block, ctx=ctx).param_groups[0]["params"] == model  # the whole model
+    assert DiLoCoTraining().optimizer(trainer=client, params=block, ctx=ctx) is client.inner_optimizer  # kept across rounds
 
 
 def test_scaffold_hooks_split_correct_and_upload_deltas():
-    scaffold, ctx = Scaffold(), FitContext(config={}, model=("weight",))
+    scaffold, ctx = ScaffoldTraining(), FitContext(config={}, model=("weight",))
     download = OrderedDict(weight=torch.zeros(1, 1))
     download[CONTROL_PREFIX + "weight"] = torch.full((1, 1), 2.0)
     assert list(scaffold.start(download=download, ctx=ctx)) == ["weight"]
@@ -135,7 +135,7 @@ def test_scaffold_hooks_split_correct_and_upload_deltas():
     assert scaffold.state_dict()["scaffold"]["c_i"]["weight"].item() == -4.0
 
     # The batched engine's form: it corrects gradients itself and records their raw sum.
-    engine = Scaffold()
+    engine = ScaffoldTraining()
     engine.start(download=download, ctx=ctx)
     engine.begin(params={"weight": w}, ctx=ctx)
     engine.record(name="weight", grad_sum=torch.full((1, 1), -8.0), count=2)
@@ -143,8 +143,8 @@ def test_scaffold_hooks_split_correct_and_upload_deltas():
 
 
 def test_fedprox_hook_adds_mu_times_the_drift_from_the_start():
-    prox = FedProx()
-    assert prox.proximal_mu(ctx=_ctx(proximal_mu=0.25)) == 0.25 and FedAvg().proximal_mu(ctx=_ctx(proximal_mu=0.25)) == 0.0
+    prox = FedProxTraining()
+    assert prox.proximal_mu(ctx=_ctx(proximal_mu=0.25)) == 0.25 and FedAvgTraining().proximal_mu(ctx=_ctx(proximal_mu=0.25)) == 0.0
     with pytest.raises(ValueError, match="proximal_mu must be non-negative and finite, got -1.0"):
         prox.begin(params={}, ctx=_ctx(proximal_mu=-1.0))
     w = nn.Parameter(torch.tensor([1.0, -2.0]))
@@ -190,7 +190,7 @@ def test_client_state_has_every_algorithms_keys_and_refuses_a_shared_key(_regist
     client = _linear_client()
     assert set(client.state_dict()) == {"inner_optimizer", "scaffold", "replica", "test-drift"}
 
-    class Squatter(FedAvg):
+    class Squatter(FedAvgTraining):
         name = "test-squatter"
 
         def state_dict(self) -> dict[str, Any]:
@@ -283,7 +283,7 @@ def test_a_new_algorithm_trains_batched_as_through_fit(_registered, caplog):
 
 
 def test_an_algorithm_with_a_step_hook_but_no_batched_form_trains_through_fit(_registered, caplog):
-    class Halve(FedAvg):
+    class Halve(FedAvgTraining):
         name = "test-halve"
 
         def after_backward(self, *, params: Mapping[str, nn.Parameter]) -> None:
@@ -300,3 +300,12 @@ def test_an_algorithm_with_a_step_hook_but_no_batched_form_trains_through_fit(_r
     assert not isinstance(got[0], Exception)
     assert got[0].state["weight"].item() == pytest.approx(0.25, abs=1e-6)  # 0 - 0.1 * (-5 / 2)
     assert sum("test-halve clients train sequentially (Halve.after_backward has no batched form" in r.message for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("old", ["FedAvg", "FedProx", "Scaffold", "DiLoCo", "StreamingDiLoCo", "BlockCoordinate"])
+def test_the_client_halves_old_names_work_for_one_release_with_a_warning(old):
+    import fedgrid.client.algorithms as algorithms
+
+    with pytest.warns(DeprecationWarning, match=f"algorithms.{old} is deprecated .*use fedgrid.client.algorithms.{old}Training"):
+        cls = getattr(algorithms, old)
+    assert cls is getattr(algorithms, f"{old}Training") and old not in algorithms.__all__
