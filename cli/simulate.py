@@ -81,9 +81,9 @@ def _header(config: Config) -> Callable[[str, str], None]:
     """The run's first line, printed once the engine is chosen (so auto's choice shows)."""
     import torch
 
-    from fedgrid.simulation.tasks import get_task
+    from fedgrid.simulation.tasks import get_dataset
 
-    task = get_task(config.dataset)
+    task = get_dataset(config.dataset)
 
     def header(engine: str, why: str) -> None:
         chosen = f"engine {engine} ({why})" if config.engine == "auto" else f"engine {engine}"

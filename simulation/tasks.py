@@ -40,18 +40,18 @@ if TYPE_CHECKING:
     from fedgrid.config import Config
 
 __all__ = [
-    "Task",
-    "TASKS",
+    "BuiltinDataset",
+    "DATASETS",
     "OPTIMIZERS",
     "CLIENT_KEYS",
     "Resolved",
     "resolve",
-    "get_task",
+    "get_dataset",
     "check_options",
     "check_config",
     "client_options",
     "load_data",
-    "TaskData",
+    "DatasetData",
     "build_model",
     "make_evaluate",
     "initial_state",
@@ -69,12 +69,12 @@ CLIENT_KEYS = ("dataset", "data_dir", "partition", "model", "batch_size", "optim
 #: Test examples per forward pass of the server-side evaluation.
 EVAL_CHUNK = 1024
 
-ModelFactory = Callable[["TaskData"], nn.Module]
+ModelFactory = Callable[["DatasetData"], nn.Module]
 _EVAL_SEED = 4321
 
 
 @dataclass(frozen=True)
-class Task:
+class BuiltinDataset:
     """A built-in dataset: how to load it, its models, its default partition.
 
     Attributes:
@@ -98,7 +98,7 @@ class Task:
         return next(iter(self.models))
 
 
-class TaskData:
+class DatasetData:
     """A loaded dataset as the tasks use it: labels and groups up front, inputs gathered
     per subset (Shakespeare's full window matrix would take ~2.4 GB).
 
@@ -141,14 +141,14 @@ def _load_shakespeare(data_dir: str) -> Any:
     return load_shakespeare(data_dir)
 
 
-TASKS: dict[str, Task] = {
-    "digits": Task(
+DATASETS: dict[str, BuiltinDataset] = {
+    "digits": BuiltinDataset(
         "digits",
         lambda _: load_digits(),
         {"mlp": lambda d: digits_mlp(), "logistic": lambda d: logistic(64, d.num_classes)},
         "dirichlet:0.5",
     ),
-    "fashion-mnist": Task(
+    "fashion-mnist": BuiltinDataset(
         "fashion-mnist",
         load_fashion_mnist,
         {"mlp": lambda d: fmnist_mlp(d.num_classes), "cnn": lambda d: fmnist_cnn(d.num_classes), "logistic": lambda d: logistic(784, d.num_classes)},
@@ -157,23 +157,23 @@ TASKS: dict[str, Task] = {
     ),
     # 2,000 of the 0.36 M test windows (a fixed subset): the LSTM on the whole test split would
     # cost a CPU many minutes per round.
-    "shakespeare": Task(
+    "shakespeare": BuiltinDataset(
         "shakespeare", _load_shakespeare, {"lstm": lambda d: char_lstm(d.num_classes)}, "natural", needs_data_dir=True, natural=True, eval_limit=2_000
     ),
-    "synthetic": Task("synthetic", lambda _: load_synthetic(), {"logistic": lambda d: logistic(60, d.num_classes)}, "natural", natural=True),
+    "synthetic": BuiltinDataset("synthetic", lambda _: load_synthetic(), {"logistic": lambda d: logistic(60, d.num_classes)}, "natural", natural=True),
 }
 
 
-def get_task(name: str) -> Task:
+def get_dataset(name: str) -> BuiltinDataset:
     """Returns the built-in dataset ``name``.
 
     Raises:
         ConfigError: no such dataset (names ``dataset``).
     """
     try:
-        return TASKS[name]
+        return DATASETS[name]
     except KeyError:
-        raise ConfigError("dataset", f"unknown dataset {name!r} (known: {', '.join(sorted(TASKS))})") from None
+        raise ConfigError("dataset", f"unknown dataset {name!r} (known: {', '.join(sorted(DATASETS))})") from None
 
 
 def check_config(config: "Config") -> None:
@@ -198,7 +198,7 @@ def check_options(*, dataset: str, data_dir: str = "", model: str = "", partitio
     """
     from fedgrid.plugins import check_spec
 
-    task = get_task(dataset)
+    task = get_dataset(dataset)
     if task.needs_data_dir and not data_dir:
         raise ConfigError("data_dir", f"dataset {dataset} reads its files from --data-dir (see the README)")
     if data_dir and not os.path.isdir(data_dir):
@@ -209,18 +209,18 @@ def check_options(*, dataset: str, data_dir: str = "", model: str = "", partitio
         raise ConfigError("model", f"unknown model {model!r} for dataset {dataset} (known: {', '.join(task.models)}; or MODULE:FACTORY)")
     name, _ = parse_partition(partition or task.default_partition)
     if name == "natural" and not task.natural:
-        natural = ", ".join(n for n, t in TASKS.items() if t.natural)
+        natural = ", ".join(n for n, t in DATASETS.items() if t.natural)
         raise ConfigError("partition", f"natural needs a dataset with natural groups ({natural}); {dataset} has none")
     if optimizer not in OPTIMIZERS:
         raise ConfigError("optimizer", f"unknown optimizer {optimizer!r} (known: {', '.join(OPTIMIZERS)})")
 
 
 @functools.lru_cache(maxsize=4)
-def load_data(dataset: str, data_dir: str = "") -> TaskData:
+def load_data(dataset: str, data_dir: str = "") -> DatasetData:
     """The dataset's train/test split, loaded once per process."""
-    task = get_task(dataset)
+    task = get_dataset(dataset)
     try:
-        return TaskData(task.load(data_dir), eval_limit=task.eval_limit)
+        return DatasetData(task.load(data_dir), eval_limit=task.eval_limit)
     except ConfigError:
         raise
     except (OSError, ValueError) as exc:
@@ -245,7 +245,7 @@ def build_model(dataset: str = "digits", model: str = "", data_dir: str = "") ->
         from fedgrid.plugins import load_object
 
         return load_object(model, key="model")()
-    task = get_task(dataset)
+    task = get_dataset(dataset)
     name = model or task.default_model
     if name not in task.models:
         raise ConfigError("model", f"unknown model {name!r} for dataset {dataset} (known: {', '.join(task.models)}; or MODULE:FACTORY)")
@@ -295,7 +295,7 @@ def builtin_client(
     """
     if not 0 <= partition_index < num_partitions:
         raise ConfigError("partition", f"index {partition_index} is outside 0..{num_partitions - 1}")
-    task = get_task(dataset)
+    task = get_dataset(dataset)
     spec = partitioner or task.default_partition
     check_options(dataset=dataset, data_dir=data_dir, model=model, partition=spec, optimizer=optimizer)
     if batch_size < 1:
@@ -331,7 +331,7 @@ def client_options(config: "Config") -> dict[str, Any]:
 
 def make_evaluate(dataset: str = "digits", model: str = "", data_dir: str = "") -> Callable[[ModelState], tuple[float, dict[str, float]]]:
     """The server-side evaluation of a built-in model: mean cross-entropy and accuracy on
-    the dataset's fixed test split (``Task.eval_limit``: a fixed subset of it), in chunks of
+    the dataset's fixed test split (``BuiltinDataset.eval_limit``: a fixed subset of it), in chunks of
     ``EVAL_CHUNK`` examples."""
     held: list[nn.Module] = []
 
@@ -386,7 +386,7 @@ def resolve(*, dataset: str = "digits", model: str = "", app: str = "", seed: in
     """
     from fedgrid.plugins import load_object
 
-    get_task(dataset)
+    get_dataset(dataset)
     custom = ":" in model
     if custom:
         load_object(model, key="model")  # a bad spec names the key before the model is built
@@ -405,3 +405,17 @@ def resolve(*, dataset: str = "digits", model: str = "", app: str = "", seed: in
 digits_model = digits_mlp
 digits_client = builtin_client
 digits_evaluate = make_evaluate("digits")
+
+
+#: Names before "task" meant one thing in the package (a round's task); for one release, with a warning.
+_RENAMED = {"Task": "BuiltinDataset", "TaskData": "DatasetData", "TASKS": "DATASETS", "get_task": "get_dataset"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RENAMED:
+        import warnings
+
+        warnings.warn(f"fedgrid.simulation.tasks.{name} is deprecated and goes in the next release: use "
+                      f"fedgrid.simulation.tasks.{_RENAMED[name]}", DeprecationWarning, stacklevel=2)
+        return globals()[_RENAMED[name]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
