@@ -272,9 +272,9 @@ def _swarm_main(spec: SwarmSpec, pipe: Pipe) -> None:
     crashed: list[str] = []
     threading.excepthook = lambda args: crashed.append(f"{args.thread.name if args.thread else '?'}: {args.exc_type.__name__}: {args.exc_value}")
     try:
-        from fedgrid.client import start
+        from fedgrid.client import start_client
 
-        handles = [start(BenchClient(f"c{i:04d}", spec.compute_s), spec.address) for i in range(spec.first, spec.first + spec.count)]
+        handles = [start_client(BenchClient(f"c{i:04d}", spec.compute_s), spec.address) for i in range(spec.first, spec.first + spec.count)]
         pipe.send(("ok", len(handles)))
         deadline = time.monotonic() + RUN_TIMEOUT_S
         rounds: list[int] = []

@@ -1,10 +1,19 @@
-"""Client SDK: implement or build a ``Client`` and ``run`` it against a coordinator, or
+"""Client SDK: implement or build a ``Client`` and ``run_client`` it against a coordinator, or
 ``connect`` a program that owns its training loop (``aconnect`` for asyncio)."""
 
 from fedgrid.client.api import Client, EvaluateOutput, FitOutput
-from fedgrid.client.runtime import ClientHandle, CoordinatorUnreachable, RunSummary, RpcFailed, TaskReport, run, start
+from fedgrid.client.runtime import ClientHandle, CoordinatorUnreachable, RunSummary, RpcFailed, TaskReport, run_client, start_client
 from fedgrid.client.session import AsyncSession, Session, Task, aconnect, connect
 from fedgrid.client.torch_client import TorchClient
 
-__all__ = ["Client", "EvaluateOutput", "FitOutput", "TorchClient", "ClientHandle", "RunSummary", "RpcFailed", "CoordinatorUnreachable", "run", "start",
+__all__ = ["Client", "EvaluateOutput", "FitOutput", "TorchClient", "ClientHandle", "RunSummary", "RpcFailed", "CoordinatorUnreachable", "run_client",
+           "start_client",
            "TaskReport", "connect", "aconnect", "Session", "AsyncSession", "Task"]
+
+
+def __getattr__(name: str) -> object:
+    if name in ("run", "start"):  # the old names, for one release (the warning names the new one)
+        from fedgrid.client import runtime
+
+        return getattr(runtime, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

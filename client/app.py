@@ -3,7 +3,7 @@ client factory to a finished run.
 
 ``serve_client`` enrolls (rank 0, once), builds the client (one process, or a
 ``ParallelClient`` over local ranks), reports its capabilities, serves its metrics when
-asked, and runs ``fedgrid.client.runtime.run`` until the federation finishes or a signal
+asked, and runs ``fedgrid.client.runtime.run_client`` until the federation finishes or a signal
 stops it. The command line (``fedgrid.cli.client``) parses flags and picks the factory: the
 built-in one lives with the datasets, which this layer never imports.
 """
@@ -159,7 +159,7 @@ def serve_client(factory: ClientFactory, args: argparse.Namespace, config: Confi
         on_task, on_event, http = _monitor(args, client)
 
         def serve_tasks(member: Any) -> Any:
-            return runtime.run(member, coordinator=args.coordinator, state_path=state_path, ca=args.ca, cert=args.cert,
+            return runtime.run_client(member, coordinator=args.coordinator, state_path=state_path, ca=args.ca, cert=args.cert,
                                key=args.key, server_name=args.server_name, on_task=on_task, on_event=on_event, **timeout)
 
         with GracefulStop(interrupt, what="client"):

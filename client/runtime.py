@@ -36,7 +36,7 @@ from fedgrid.types import EVALUATE, FIT, FitIns, ModelState, Scalar
 
 __all__ = [
     "Connection", "ClientHandle", "RunSummary", "TaskReport", "ClientEvent", "TaskStep", "TaskFeed", "RpcFailed", "CoordinatorUnreachable",
-    "run", "start", "TRANSIENT", "GRPC_OPTIONS", "check_target",
+    "run_client", "start_client", "TRANSIENT", "GRPC_OPTIONS", "check_target",
 ]
 
 log = logging.getLogger(__name__)
@@ -238,7 +238,7 @@ class TaskFeed:
             yield TaskStep(conn, reply.task)
 
 
-def run(client: Client, coordinator: str, *, stop: threading.Event | None = None, poll_wait_s: float = POLL_WAIT_S,
+def run_client(client: Client, coordinator: str, *, stop: threading.Event | None = None, poll_wait_s: float = POLL_WAIT_S,
         state_path: str | os.PathLike[str] | None = None, ca: str = "", cert: str = "", key: str = "",
         server_name: str = "", on_task: Callable[[TaskReport], None] | None = None,
         on_event: Callable[[ClientEvent], None] | None = None, **connection_options: float) -> RunSummary:
@@ -426,17 +426,17 @@ class ClientHandle:
         return self._thread.is_alive()
 
 
-def start(
+def start_client(
     client: Client, coordinator: str, *, state_path: str | os.PathLike[str] | None = None, **options: Any
 ) -> ClientHandle:
-    """Runs ``run(client, coordinator, state_path=..., **options)`` in a daemon thread of the
+    """Runs ``run_client(client, coordinator, state_path=..., **options)`` in a daemon thread of the
     host program (``options``: ``ca``, ``cert``, ``key``, ``server_name`` and ``Connection``'s)."""
     stop = threading.Event()
     handle: ClientHandle
 
     def target() -> None:
         try:
-            handle.summary = run(client, coordinator, stop=stop, state_path=state_path, **options)
+            handle.summary = run_client(client, coordinator, stop=stop, state_path=state_path, **options)
         except BaseException as exc:  # handed to join()
             handle.error = exc
 
@@ -444,3 +444,17 @@ def start(
     handle = ClientHandle(thread, stop)
     thread.start()
     return handle
+
+
+#: ``run`` and ``start`` started a client without saying so; for one release, with a warning.
+_RENAMED = {"run": "run_client", "start": "start_client"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RENAMED:
+        import warnings
+
+        warnings.warn(f"fedgrid.client.runtime.{name} is deprecated and goes in the next release: use "
+                      f"fedgrid.client.runtime.{_RENAMED[name]}", DeprecationWarning, stacklevel=2)
+        return globals()[_RENAMED[name]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

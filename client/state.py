@@ -1,6 +1,6 @@
 """What a client keeps across rounds, on disk: the uplink's error-feedback residuals and the
 ``Client``'s own ``state_dict``, written atomically after every fit task and restored when a
-client of the same name rejoins the same run (``fedgrid.client.runtime.run(state_path=...)``).
+client of the same name rejoins the same run (``fedgrid.client.runtime.run_client(state_path=...)``).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from fedgrid.client import TorchClient, start
+from fedgrid.client import TorchClient, start_client
 from fedgrid.config import load_config
 from fedgrid.cli import serve
 from fedgrid.simulation.datasets import load_digits, partition_iid
@@ -39,7 +39,7 @@ for i, part in enumerate(partition_iid(len(data.y_train), 2, seed=0)):
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))  # the coordinator's model
     loader = DataLoader(TensorDataset(data.x_train[idx], data.y_train[idx]), batch_size=32, shuffle=True)
     client = TorchClient(model, loader, nn.functional.cross_entropy, lambda p: torch.optim.SGD(p, lr=0.1), name=f"site-{i}")
-    handles.append(start(client, coordinator=address))  # trains in a background thread
+    handles.append(start_client(client, coordinator=address))  # trains in a background thread
 
 for handle in handles:
     print(f"client finished after {handle.join(timeout=300).rounds} rounds")

@@ -29,8 +29,8 @@ _EXPORTS: dict[str, str] = {
     # writing and running a client
     **dict.fromkeys(["Client", "FitOutput", "EvaluateOutput"], "fedgrid.client.api"),
     "TorchClient": "fedgrid.client.torch_client",
-    "run_client": "fedgrid.client.runtime:run",
-    "start_client": "fedgrid.client.runtime:start",
+    "run_client": "fedgrid.client.runtime",
+    "start_client": "fedgrid.client.runtime",
     "connect": "fedgrid.client.session",
     # a coordinator, a simulation
     **dict.fromkeys(["Coordinator", "run_coordinator"], "fedgrid.server.app"),
@@ -75,8 +75,7 @@ __getattr__, __dir__ = exports("fedgrid", _EXPORTS, deprecated=_MOVED, globals_=
 if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
     from fedgrid.aggregation.base import Strategy
     from fedgrid.client.api import Client, EvaluateOutput, FitOutput
-    from fedgrid.client.runtime import run as run_client
-    from fedgrid.client.runtime import start as start_client
+    from fedgrid.client.runtime import run_client, start_client
     from fedgrid.client.session import connect
     from fedgrid.client.torch_client import TorchClient
     from fedgrid.compression.base import Codec

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fedgrid.client.api import Client, FitOutput
-from fedgrid.client.runtime import RpcFailed, TaskReport, check_target, run
+from fedgrid.client.runtime import RpcFailed, TaskReport, check_target, run_client
 from fedgrid.config import Config
 from fedgrid.constants import FINISH_GRACE_S
 from fedgrid.determinism import environment, intra_op_threads
@@ -251,7 +251,7 @@ def _serve_upstream(config: Config, region: RegionClient, fleet: GrpcFleet, stop
             # Transient failures are retried with the same session for as long as the region runs: a global
             # coordinator restarted from its state directory still knows it (and its task), a new one refuses
             # it and the runtime joins again.
-            summary = run(region, config.upstream, stop=stop, ca=config.upstream_ca, cert=config.upstream_cert,
+            summary = run_client(region, config.upstream, stop=stop, ca=config.upstream_ca, cert=config.upstream_cert,
                           key=config.upstream_key, server_name=config.upstream_server_name, on_task=on_task,
                           connect_timeout=UPSTREAM_RETRY_MAX_S, retry_max_elapsed=float("inf"))
             return summary.rounds, not stop.is_set()

@@ -16,7 +16,8 @@ from typing import Any, Iterator, Mapping
 import pytest
 import torch
 
-from fedgrid.client import Client, FitOutput, start
+from fedgrid.client import Client, FitOutput
+from fedgrid.client import start_client as start  # harness.start_client starts a process
 from fedgrid.client import runtime
 from fedgrid.client.state import STATE_FORMAT
 from fedgrid.client.uplink import UplinkEncoder, reconstruct

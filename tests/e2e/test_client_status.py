@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 
 from fedgrid.cli import serve
-from fedgrid.client import start
+from fedgrid.client import start_client as start  # harness.start_client starts a process
 from fedgrid.client.monitor import STATES, ClientMonitor, serve_client_metrics
 from fedgrid.client.runtime import ClientEvent
 from fedgrid.config import load_config

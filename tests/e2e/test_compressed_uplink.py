@@ -9,7 +9,7 @@ import torch
 
 from fedgrid.aggregation.selection import Sampling
 from fedgrid.aggregation import FedAvg
-from fedgrid.client import start
+from fedgrid.client import start_client as start  # harness.start_client starts a process
 from fedgrid.server.app import Coordinator
 from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.engine import RoundEngine

@@ -47,7 +47,7 @@ def test_the_docs_build_without_warnings_and_document_the_public_api(tmp_path):
     assert sorted(p.name for p in html.glob("*.html")) == sorted(
         [f"{page}.html" for page in PAGES] + ["genindex.html", "py-modindex.html", "search.html"])
     api = (html / "api.html").read_text()
-    for anchor in ["fedgrid.client.api.Client", "fedgrid.client.torch_client.TorchClient", "fedgrid.client.runtime.run",
+    for anchor in ["fedgrid.client.api.Client", "fedgrid.client.torch_client.TorchClient", "fedgrid.client.runtime.run_client",
                    "fedgrid.client.session.connect", "fedgrid.client.session.aconnect",
                    "fedgrid.server.app.run_coordinator", "fedgrid.simulation.run.run_simulation", "fedgrid.aggregation.base.Strategy",
                    "fedgrid.aggregation.fedavg.FedAvg", "fedgrid.aggregation.diloco.DiLoCo", "fedgrid.config.load_config",

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fedgrid.cli import main, serve
-from fedgrid.client import start
+from fedgrid.client import start_client
 from fedgrid.client.monitor import ClientMonitor, serve_client_metrics
 from fedgrid.config import load_config
 from fedgrid.events import Event
@@ -64,7 +64,7 @@ def test_metrics_and_status_follow_a_real_run(tmp_path, capsys):
     monitors = [ClientMonitor(), None]
     monitors[1], client_http = serve_client_metrics("127.0.0.1:0")
     clients = [builtin_client(i, 2, 0) for i in range(2)]
-    handles = [start(c, address, on_task=m.on_task) for c, m in zip(clients, monitors)]
+    handles = [start_client(c, address, on_task=m.on_task) for c, m in zip(clients, monitors)]
     try:
         summaries = [h.join(timeout=180) for h in handles]
         coordinator.join(timeout=60)

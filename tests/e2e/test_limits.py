@@ -164,7 +164,7 @@ def test_idle_upload_streams_are_given_up(small_state):
 def test_many_clients_in_one_process_each_have_their_own_connection(tmp_path):
     """With 4 streams allowed per connection, six SDK clients in this process (a long poll
     and a heartbeat each) still all train: channels to one target do not share a connection."""
-    from fedgrid.client import start
+    from fedgrid.client import start_client
     from fedgrid.events import read_events
     from fedgrid.runlog import read_metrics
 
@@ -172,7 +172,7 @@ def test_many_clients_in_one_process_each_have_their_own_connection(tmp_path):
 
     proc, address = start_coordinator(tmp_path / "coord", "--rounds", "2", "--min-clients", "6", "--heartbeat-interval-s", "1",
                                       env={"FEDGRID_MAX_STREAMS_PER_CONNECTION": "4"})
-    handles = [start(Named(f"embedded-{i}"), address, poll_wait_s=5.0) for i in range(6)]
+    handles = [start_client(Named(f"embedded-{i}"), address, poll_wait_s=5.0) for i in range(6)]
     try:
         for h in handles:
             assert h.join(timeout=120).rounds == 2

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fedgrid.aggregation import build_strategy_from
-from fedgrid.client import Client, FitOutput, start
+from fedgrid.client import Client, FitOutput, start_client
 from fedgrid.events import EventLog
 from fedgrid.server.app import Coordinator
 from fedgrid.server.bounds import UpdateBounds
@@ -73,7 +73,7 @@ def _deploy(tmp_path, bounds: UpdateBounds | None = None, *, min_clients: int = 
     strategy.initialize(initial_state=_initial())
     store = StateStore(tmp_path / "state", keep=5)
     engine = _engine(fleet, strategy, min_clients=min_clients, store=store, events=events)
-    handles = [start(c, server.address, poll_wait_s=1.0) for c in _clients(POISONED)]
+    handles = [start_client(c, server.address, poll_wait_s=1.0) for c in _clients(POISONED)]
     try:
         wait_until(lambda: len(fleet.live_clients()) == 4, timeout=30, what="clients to join")
         runner = threading.Thread(target=engine.run, daemon=True)

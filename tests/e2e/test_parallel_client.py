@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedgrid.client import start
+from fedgrid.client import start_client
 from fedgrid.client.parallel import ParallelClient, ParallelSpec
 from fedgrid.types import FitIns
 
@@ -97,7 +97,7 @@ def test_a_killed_worker_fails_its_round_at_once_and_the_next_round_trains(app, 
     markers = tmp_path / "markers"
     markers.mkdir()
     client = ParallelClient(app.client, (0, 1, 0), {"marker_dir": str(markers), "step_s": 0.1}, spec=ParallelSpec.parse(2, "dp"))
-    handle = start(client, server.address, poll_wait_s=1.0)
+    handle = start_client(client, server.address, poll_wait_s=1.0)
     try:
         wait_until(lambda: len(server.fleet.live_clients()) == 1, timeout=60, what="the client to join")
         server.open_round(timeout_s=120.0)

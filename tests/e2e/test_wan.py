@@ -27,7 +27,7 @@ import pytest
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from fedgrid.client import start
+from fedgrid.client import start_client
 from fedgrid.ops.wan import MSS, WanLink, WanRelay, parse_hostport
 
 from harness import FEDGRID, InProcessCoordinator, child_env, wait_until
@@ -238,7 +238,7 @@ def test_a_fedgrid_round_crosses_the_wan_and_the_relay_counts_its_bytes():
     rate_mbit = 40
     try:
         with WanRelay(server.address, WanLink(delay_ms=10, rate_mbit=rate_mbit)) as relay:
-            handle = start(Named("far"), relay.address, poll_wait_s=1.0)
+            handle = start_client(Named("far"), relay.address, poll_wait_s=1.0)
             wait_until(lambda: len(server.fleet.live_clients()) == 1, timeout=30, what="the client to join across the WAN")
             began = time.monotonic()
             server.open_round()

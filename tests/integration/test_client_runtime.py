@@ -10,7 +10,7 @@ import grpc
 import pytest
 import torch
 
-from fedgrid.client import Client, FitOutput, RpcFailed, run, start
+from fedgrid.client import Client, FitOutput, RpcFailed, run_client, start_client
 from fedgrid.client.runtime import Connection
 from fedgrid.proto import serde
 
@@ -62,7 +62,7 @@ def test_background_client_trains_and_leaves(small_state):
     server = InProcessCoordinator(small_state)
     client = AddOne()
     try:
-        handle = start(client, server.address, poll_wait_s=1.0)
+        handle = start_client(client, server.address, poll_wait_s=1.0)
         wait_until(lambda: len(server.fleet.live_clients()) == 1, timeout=20, what="client to join")
         server.open_round()
         outcome = server.wait_round()
@@ -97,7 +97,7 @@ def test_retries_are_bounded(small_state):
     try:
         start_t = time.monotonic()
         with pytest.raises(RpcFailed) as err:
-            run(AddOne(), server.address, retry_max_elapsed=1.0, retry_max_wait=0.1)
+            run_client(AddOne(), server.address, retry_max_elapsed=1.0, retry_max_wait=0.1)
         assert err.value.code == grpc.StatusCode.UNAVAILABLE
         assert "injected UNAVAILABLE" in str(err.value)
         assert time.monotonic() - start_t < 10
@@ -111,7 +111,7 @@ def test_other_errors_surface_at_once_with_their_message(small_state):
     server = InProcessCoordinator(small_state, interceptors=[denied])
     try:
         with pytest.raises(RpcFailed) as err:
-            run(AddOne(), server.address)
+            run_client(AddOne(), server.address)
         assert err.value.code == grpc.StatusCode.PERMISSION_DENIED
         assert "Join failed: PERMISSION_DENIED: injected PERMISSION_DENIED" == str(err.value)
         assert denied.calls == 1
@@ -129,7 +129,7 @@ def test_client_fit_error_rejected_update_surfaces(small_state):
 
     server = InProcessCoordinator(small_state)
     try:
-        handle = start(Broken(), server.address, poll_wait_s=1.0)
+        handle = start_client(Broken(), server.address, poll_wait_s=1.0)
         wait_until(lambda: len(server.fleet.live_clients()) == 1, timeout=20, what="client to join")
         server.open_round(timeout_s=5)
         with pytest.raises(RpcFailed) as err:

@@ -9,7 +9,7 @@ from datetime import timedelta
 
 import torch
 
-from fedgrid.client import Client, FitOutput, start
+from fedgrid.client import Client, FitOutput, start_client
 
 from harness import InProcessCoordinator, wait_until
 
@@ -37,7 +37,7 @@ def test_round_closes_at_target_and_refuses_the_rest(small_state):
     fast.set()
     clients = [Gated(f"fast-{i}", fast) for i in range(3)] + [Gated(f"slow-{i}", slow) for i in range(2)]
     try:
-        handles = [start(c, server.address, poll_wait_s=1.0) for c in clients]
+        handles = [start_client(c, server.address, poll_wait_s=1.0) for c in clients]
         wait_until(lambda: len(server.fleet.live_clients()) == 5, timeout=30, what="clients to join")
         server.open_round(min_clients=5, target=3)
         outcome = server.wait_round(timeout=30)

@@ -20,7 +20,7 @@ import torch
 
 from fedgrid.ops import pki
 from fedgrid.aggregation import build_strategy_from
-from fedgrid.client import Client, FitOutput, start
+from fedgrid.client import Client, FitOutput, start_client
 from fedgrid.client.runtime import RpcFailed
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
@@ -92,7 +92,7 @@ def test_admitted_attackers_cannot_move_the_model_under_mtls(tmp_path):
     tls = TLSFiles(str(d / "ca.pem"), str(d / "coordinator.pem"), str(d / "coordinator.key"), str(d / "crl.pem"))
     server = Coordinator("127.0.0.1:0", fleet, max_workers=16, tls=tls).start()
     engine = _engine(fleet)
-    handles = [start(c, server.address, poll_wait_s=1.0, **_files(d, c.name)) for c in clients]
+    handles = [start_client(c, server.address, poll_wait_s=1.0, **_files(d, c.name)) for c in clients]
     try:
         wait_until(lambda: len(fleet.live_clients()) == 4, timeout=30, what="clients to join")
         assert sorted(i.name for i in fleet.live_clients()) == ["heavy", "honest-1", "honest-2", "huge"]  # certificate identities

@@ -90,7 +90,7 @@ def test_client_takes_its_keys_from_the_config_file_flags_winning(tmp_path, monk
 
         return RunSummary(client_id="c", rounds=0)
 
-    monkeypatch.setattr("fedgrid.client.runtime.run", fake_run)
+    monkeypatch.setattr("fedgrid.client.runtime.run_client", fake_run)
     config = tmp_path / "run.toml"
     # A file shared with the coordinator: its other keys are checked and left alone.
     config.write_text('rounds = 7\nmin_clients = 3\ndataset = "synthetic"\nbatch_size = 5\nlr = 0.25\nthreads = 2\n')
@@ -121,7 +121,7 @@ def test_client_reports_what_its_file_and_flags_state_at_join(tmp_path, monkeypa
 
         return RunSummary(client_id="c", rounds=0)
 
-    monkeypatch.setattr("fedgrid.client.runtime.run", fake_run)
+    monkeypatch.setattr("fedgrid.client.runtime.run_client", fake_run)
     config = tmp_path / "run.toml"
     config.write_text('dataset = "synthetic"\nreport_device = "cuda"\nreport_memory = "8GiB"\nrequire_device = "cuda"\n')
     assert cli.main(["client", "--config", str(config), "--coordinator", "127.0.0.1:9", "--report-accelerators", "2",

@@ -168,7 +168,7 @@ def test_cli_client_puts_the_state_in_state_dir(tmp_path, monkeypatch):
         calls.append((coordinator, state_path))
         return runtime.RunSummary(client_id="c", rounds=0)
 
-    monkeypatch.setattr(runtime, "run", fake_run)
+    monkeypatch.setattr(runtime, "run_client", fake_run)
     assert cli.main(["client", "--coordinator", "127.0.0.1:9", "--partition", "2/5", "--state-dir", str(tmp_path / "s")]) == 0
     assert cli.main(["client", "--coordinator", "127.0.0.1:9", "--partition", "1/5"]) == 0
     assert calls == [("127.0.0.1:9", tmp_path / "s" / "client-2.pt"), ("127.0.0.1:9", None)]

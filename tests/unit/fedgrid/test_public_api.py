@@ -9,7 +9,8 @@ import fedgrid
 
 def test_every_public_name_resolves_to_the_defining_object():
     from fedgrid.aggregation.base import Strategy
-    from fedgrid.client.runtime import run, start
+    from fedgrid.client.runtime import run_client as run
+    from fedgrid.client.runtime import start_client as start
     from fedgrid.client.session import connect
     from fedgrid.client.torch_client import TorchClient
     from fedgrid.compression.base import Codec
@@ -68,3 +69,16 @@ def test_version_is_the_installed_distributions():
 def test_an_unknown_name_is_an_attribute_error_naming_it():
     with pytest.raises(AttributeError, match="no attribute 'Trainer'"):
         fedgrid.Trainer  # noqa: B018
+
+
+@pytest.mark.parametrize("module", ["fedgrid.client", "fedgrid.client.runtime"])
+def test_run_and_start_work_for_one_release_as_run_client_and_start_client(module):
+    import importlib
+
+    from fedgrid.client.runtime import run_client, start_client
+
+    namespace = importlib.import_module(module)
+    with pytest.warns(DeprecationWarning, match="runtime.run is deprecated .*use fedgrid.client.runtime.run_client"):
+        assert namespace.run is run_client
+    with pytest.warns(DeprecationWarning, match="runtime.start is deprecated .*use fedgrid.client.runtime.start_client"):
+        assert namespace.start is start_client
