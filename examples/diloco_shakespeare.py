@@ -18,7 +18,6 @@ ln 80 = 4.38 for a uniform guess) before training and after every round, then
 ``held-out loss A -> B``.
 """
 
-from fedgrid.aggregation.selection import Sampling
 from __future__ import annotations
 
 import argparse
@@ -33,6 +32,7 @@ from torch.utils.data import DataLoader
 
 from fedgrid import ModelState, TorchClient
 from fedgrid.strategies import DiLoCo
+from fedgrid.aggregation.selection import Sampling
 from fedgrid.simulation.fleet import InProcessFleet
 from fedgrid.server.engine import RoundEngine
 from fedgrid.plugins import initial_state

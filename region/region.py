@@ -186,7 +186,8 @@ def run_region(config: Config, *, ready: threading.Event | None = None, stop: th
 
 
 def _serve(config: Config, threads: int, ready: threading.Event | None, stop: threading.Event) -> int:
-    upstream_tls = TLSFiles.from_options(config.upstream_ca, config.upstream_cert, config.upstream_key, what="upstream TLS")
+    # Incomplete or unreadable upstream TLS files fail here, before any server starts.
+    TLSFiles.from_options(config.upstream_ca, config.upstream_cert, config.upstream_key, what="upstream TLS")
     strategy = build_strategy(config, num_clients=config.min_clients)
     writer = RunWriter(config.out, {**config.to_dict(), "threads": threads}, environment=environment(threads_requested=config.threads))
     events = EventLog(writer.dir / "events.jsonl")

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from fedgrid.capabilities import CapabilityOverride
-from fedgrid.client import ClientHandle, TorchClient, start_client
+from fedgrid.client import ClientHandle, TorchClient
+from fedgrid.client import start_client as start  # harness.start_client starts a process
 
 from harness import CoordinatorRun, start_client, wait_until
 
@@ -66,13 +67,13 @@ def test_a_coordinator_configured_with_requirements_selects_only_qualifying_clie
     # The clients that fall short join first: a coordinator that ignored the requirements
     # would have four clients to ask, and round 1 would ask them all.
     short = [
-        start_client(_sdk_client(0, "cpu-host", CapabilityOverride(memory_bytes=512 * GiB)), address, poll_wait_s=1.0),  # device cpu
-        start_client(_sdk_client(1, "small-gpu", CapabilityOverride("cuda", 1, 4 * GiB)), address, poll_wait_s=1.0),   # memory
-        start_client(_sdk_client(2, "no-gpu-count", CapabilityOverride("cuda", 0, 80 * GiB)), address, poll_wait_s=1.0),  # accelerators
+        start(_sdk_client(0, "cpu-host", CapabilityOverride(memory_bytes=512 * GiB)), address, poll_wait_s=1.0),  # device cpu
+        start(_sdk_client(1, "small-gpu", CapabilityOverride("cuda", 1, 4 * GiB)), address, poll_wait_s=1.0),   # memory
+        start(_sdk_client(2, "no-gpu-count", CapabilityOverride("cuda", 0, 80 * GiB)), address, poll_wait_s=1.0),  # accelerators
     ]
     wait_until(lambda: len(run.seen("client_joined")) == 3, timeout=60, what="the short clients to join")
     assert run.seen("round_opened") == []  # three live clients, none qualifying: no round
-    good = start_client(_sdk_client(3, "big-gpu", CapabilityOverride("cuda", 2, 80 * GiB)), address, poll_wait_s=1.0)
+    good = start(_sdk_client(3, "big-gpu", CapabilityOverride("cuda", 2, 80 * GiB)), address, poll_wait_s=1.0)
     cli = start_client(address, tmp_path / "cli-client.log", "--app", "linear_app:client", "--partition", "0/2", "--seed", "1",
                        "--report-device", "cuda", "--report-accelerators", "1", "--report-memory", "16GiB")
     _finish(run, [*short, good], log, [cli])
@@ -110,7 +111,7 @@ def test_bcd_capacity_gives_the_largest_block_to_the_client_reporting_the_most_m
         client.__class__ = Recording
         client.blocks = []
         clients.append(client)
-    handles = [start_client(c, address, poll_wait_s=1.0) for c in clients]
+    handles = [start(c, address, poll_wait_s=1.0) for c in clients]
     _finish(run, handles, log)
     # k = 3 clients >= B = 2 blocks: memory ranks b < c < a get block-size ranks 0, 0, 1.
     assert {c.name: c.blocks for c in clients} == {"a": [(1, 0), (2, 0)], "b": [(1, 1), (2, 1)], "c": [(1, 1), (2, 1)]}

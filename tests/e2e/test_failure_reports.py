@@ -11,7 +11,7 @@ import grpc
 import pytest
 import torch
 
-from fedgrid.client import start_client
+from fedgrid.client import start_client as start  # harness.start_client starts a process
 from fedgrid.client.runtime import Connection
 from fedgrid.errors import AuthenticationError, InvalidUpdateError, StaleTaskError
 from fedgrid.server.grpc_fleet import GrpcFleet
@@ -40,7 +40,7 @@ class FailsFirst(Named):
 def test_fit_error_is_reported_at_once_and_the_client_carries_on(small_state):
     server = InProcessCoordinator(small_state)
     client = FailsFirst("flaky")
-    handle = start_client(client, server.address, poll_wait_s=1.0)
+    handle = start(client, server.address, poll_wait_s=1.0)
     try:
         wait_until(lambda: len(server.fleet.live_clients()) == 1, timeout=30, what="client to join")
         server.open_round(timeout_s=ROUND_TIMEOUT_S)
@@ -80,7 +80,7 @@ def test_a_diverged_update_is_reported_and_the_client_carries_on(small_state):
     first, reports the round's failure, and trains the next round."""
     server = InProcessCoordinator(small_state)
     client = DivergesFirst("diverging")
-    handle = start_client(client, server.address, poll_wait_s=1.0)
+    handle = start(client, server.address, poll_wait_s=1.0)
     try:
         wait_until(lambda: len(server.fleet.live_clients()) == 1, timeout=30, what="client to join")
         reasons = []
@@ -101,7 +101,7 @@ def test_a_diverged_update_is_reported_and_the_client_carries_on(small_state):
 
 def test_stopped_client_leaves_at_once(small_state):
     server = InProcessCoordinator(small_state, heartbeat_s=60.0)  # silence would take 180 s to notice
-    handle = start_client(Named("leaver"), server.address, poll_wait_s=1.0)
+    handle = start(Named("leaver"), server.address, poll_wait_s=1.0)
     try:
         wait_until(lambda: len(server.fleet.live_clients()) == 1, timeout=30, what="client to join")
         handle.stop()
