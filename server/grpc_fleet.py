@@ -352,9 +352,7 @@ class GrpcFleet(Fleet):
                 if record is not None:
                     record.transfers -= 1
                     record.last_seen = time.monotonic()
-                rnd.bytes_down += sent
-                if region:
-                    rnd.region_bytes.setdefault(region, [0, 0])[1] += sent
+                rnd.tally.add_down(region, sent)
 
     def upload(self, frames: Iterable[bytes], token: str) -> int:
         """Receives one update stream of the session ``token`` (``Uploads.upload``); returns
@@ -449,11 +447,9 @@ class GrpcFleet(Fleet):
             log.info("round %d: %d updates restored from before a restart", server_round, len(rnd.results))
             self.events.emit("updates_restored", round=server_round, count=len(rnd.results))
         results, failures, cancelled = self._run(rnd, timeout, target=target)
-        extra = {"uplink_ratio": rnd.raw_up / rnd.payload_up} if rnd.payload_up else {}
-        for region, (up, down) in sorted(rnd.region_bytes.items()):  # labels checked at Join; one pair per region in the round
-            extra[f"bytes_up.{region}"], extra[f"bytes_down.{region}"] = float(up), float(down)
         return RoundOutcome(
-            [r for r in results if isinstance(r, FitRes)], failures, cancelled, bytes_up=rnd.bytes_up, bytes_down=rnd.bytes_down, extra=extra,
+            [r for r in results if isinstance(r, FitRes)], failures, cancelled, bytes_up=rnd.bytes_up, bytes_down=rnd.bytes_down,
+            extra=rnd.tally.extra(),
             closed_by=rnd.closed_by,
         )
 

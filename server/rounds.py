@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 from fedgrid.constants import MAX_OUTBOX_BYTES, MAX_PHASE_MESSAGE_BYTES
 from fedgrid.errors import InvalidUpdateError, PayloadTooLargeError
 from fedgrid.proto import serde
+from fedgrid.server.accept import RoundTally
 from fedgrid.server.downlink import RoundDownlink
 from fedgrid.types import EVALUATE, FIT, ClientInfo, TO_ALL, TO_SERVER, EvaluateIns, EvaluateRes, Failure, FitIns, FitRes, MessageIns, MessageRes, ModelState, TensorSpec
 
@@ -46,13 +47,25 @@ class RoundTask:
     partials: dict[str, "Upload"] = field(default_factory=dict)  # broken uploads, by client
     closed: bool = False
     closed_by: str = ""  # why it closed: one of fedgrid.events.CLOSE_REASONS
-    bytes_up: int = 0
-    bytes_down: int = 0
-    region_bytes: dict[str, list[int]] = field(default_factory=dict)  # [up, down] wire bytes by client region (labelled ones)
-    raw_up: int = 0  # what the accepted updates would weigh uncompressed
-    payload_up: int = 0  # their payload bytes as sent
+    tally: RoundTally = field(default_factory=RoundTally)  # the bytes moved (``server/accept.py``)
     parts: dict[frozenset[str], serde.EncodedModel] = field(default_factory=dict)  # partial downloads, by tensors
     inboxes: dict[str, "OrderedDict[str, bytes]"] | None = None  # message phase: set when it closed
+
+    @property
+    def bytes_up(self) -> int:
+        return self.tally.bytes_up
+
+    @bytes_up.setter
+    def bytes_up(self, value: int) -> None:
+        self.tally.bytes_up = value
+
+    @property
+    def bytes_down(self) -> int:
+        return self.tally.bytes_down
+
+    @bytes_down.setter
+    def bytes_down(self, value: int) -> None:
+        self.tally.bytes_down = value
 
     @property
     def evaluate(self) -> bool:
