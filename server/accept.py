@@ -89,22 +89,33 @@ class UpdateCheck:
         base: the round's model the client started from (what differences apply to).
         bounds: the norm bound the update must meet.
         delta: the update's floating tensors are differences from ``base``.
+        keep_delta: keep differences as they are (``FitRes.delta``): allowed when ``base`` is
+            exactly the model the fleet was given (``RoundDownlink.exact``). Otherwise they
+            are added to ``base`` and the update kept as values.
     """
 
-    def __init__(self, base: Mapping[str, torch.Tensor], bounds: UpdateBounds, *, delta: bool) -> None:
+    def __init__(self, base: Mapping[str, torch.Tensor], bounds: UpdateBounds, *, delta: bool,
+                 keep_delta: bool = False) -> None:
         self.base, self.delta = base, delta
+        self.keeps_delta = delta and keep_delta
         self.norm = bounds.norm(base)  # accumulates over the tensors: a resumed upload goes on counting
 
     def add(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Tensor ``name`` as received; returns the value to keep.
+        """Tensor ``name`` as received; returns the value to keep (``keeps_delta``: a difference).
 
         Raises:
-            InvalidUpdateError: the value is not finite, or the norm so far is over its bound.
+            InvalidUpdateError: the value (or the difference kept) is not finite, or the norm
+                so far is over its bound.
         """
-        value = self.base[name] + tensor if self.delta and is_delta_tensor(tensor) else tensor
+        difference = self.delta and is_delta_tensor(tensor)
+        if difference and self.keeps_delta:  # no pass over the model, no rounding
+            value = tensor
+        else:
+            value = self.base[name] + tensor if difference else tensor
+            difference = False
         serde.check_finite({name: value})
         if self.norm is not None:
-            self.norm.add(name, value)
+            self.norm.add(name, value, difference=difference)
         return value
 
     def whole(self, received: Mapping[str, torch.Tensor]) -> ModelState:

@@ -60,7 +60,8 @@ class Downloads:
         else:
             encoded, delta, base_version = self._part(rnd, names), False, 0
         info = serde.StreamInfo(
-            run_id=self._run_id(), task_id=task_id, round=rnd.server_round, delta=delta, version=rnd.downlink.version, base_version=base_version
+            run_id=self._run_id(), task_id=task_id, round=rnd.server_round, delta=delta, version=rnd.downlink.version,
+            base_version=base_version,
         )
         return self._counted(rnd, encoded.frames(info, chunk_size=self._chunk_size()), client_id)
 
@@ -77,7 +78,8 @@ class Downloads:
         with self.lock:
             part = rnd.parts.get(names)
         if part is None:
-            part = serde.EncodedModel(OrderedDict((n, t) for n, t in rnd.global_state.items() if n in names), codec=self.downlink.codec)
+            tensors = OrderedDict((n, t) for n, t in rnd.global_state.items() if n in names)
+            part = serde.EncodedModel(tensors, codec=self.downlink.codec)
             with self.lock:
                 part = rnd.parts.setdefault(names, part)
         return part

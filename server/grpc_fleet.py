@@ -335,8 +335,8 @@ class GrpcFleet(Fleet):
             self.events.emit("updates_restored", round=server_round, count=len(rnd.results))
         results, failures, cancelled = self._run(rnd, timeout, target=target)
         return RoundOutcome(
-            [r for r in results if isinstance(r, FitRes)], failures, cancelled, bytes_up=rnd.bytes_up, bytes_down=rnd.bytes_down,
-            extra=rnd.tally.extra(),
+            [r for r in results if isinstance(r, FitRes)], failures, cancelled, bytes_up=rnd.bytes_up,
+            bytes_down=rnd.bytes_down, extra=rnd.tally.extra(),
             closed_by=rnd.closed_by,
         )
 
@@ -404,8 +404,9 @@ class GrpcFleet(Fleet):
             self._round = rnd
             self._wake.notify(*(("poll", cid) for cid in rnd.assignments))  # only the clients with a task
             goal = len(rnd.assignments) if target is None else min(target, len(rnd.assignments))
-            reason = wait_for_close(rnd, goal=goal, registry=self.registry, wake=self._wake, interrupted=lambda: self._interrupted,
-                                    check_every_s=self.heartbeat_interval_s / 2, timeout_s=timeout.total_seconds())
+            reason = wait_for_close(rnd, goal=goal, registry=self.registry, wake=self._wake,
+                                    interrupted=lambda: self._interrupted, check_every_s=self.heartbeat_interval_s / 2,
+                                    timeout_s=timeout.total_seconds())
             results, failures, cancelled = rnd.close(reason)
             reason = rnd.closed_by
         self.spill.flush()  # write-backs under way land, and fsyncs, before the strategy sees them (server/spill.py)

@@ -94,7 +94,8 @@ class Polls:
 
         with self.lock:
             if record.polls >= self._max_polls():
-                raise ResourceLimitError(f"client {escape(client_id)} already holds {record.polls} long polls (limit {self._max_polls()})")
+                raise ResourceLimitError(
+                    f"client {escape(client_id)} already holds {record.polls} long polls (limit {self._max_polls()})")
             record.polls += 1
         try:
             while True:

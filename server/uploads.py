@@ -47,6 +47,7 @@ class Upload:
     writer: UpdateWriter | None
     raw_bytes: int  # its size uncompressed
     client_id: str = ""
+    delta: bool = False  # its fit result holds differences (FitRes.delta)
     kept: bool = False  # held in the round's partials for a resume: not aborted when the call ends
 
     def abort(self) -> None:
@@ -155,7 +156,8 @@ class Uploads:
                 if partial is not None:
                     with self.lock:
                         rnd.partials[client_id] = partial
-                raise StaleTaskError(f"cannot resume at chunk {header.resume_from_chunk}: the coordinator holds {held} chunks of this upload")
+                raise StaleTaskError(f"cannot resume at chunk {header.resume_from_chunk}: "
+                                     f"the coordinator holds {held} chunks of this upload")
             partial.kept = False
             return partial
         if partial is not None:
@@ -202,10 +204,17 @@ class Uploads:
         metrics = dict(stream.metrics)
         if rnd.evaluate:
             return EvaluateRes(client, stream.num_examples, metrics)
-        if upload.writer is not None:  # tensors were reconstructed, checked and written as they came
-            return FitRes(client, upload.writer.commit(), stream.num_examples, metrics)  # type: ignore[arg-type]
-        checked = accept.UpdateCheck(rnd.global_state, self.bounds, delta=stream.delta).whole(state)
-        return self.spill.put(task_id=rnd.task_id, result=FitRes(client, checked, stream.num_examples, metrics))
+        if upload.writer is not None:  # tensors were checked and written as they came
+            state = upload.writer.commit()  # type: ignore[assignment]
+            return FitRes(client, state, stream.num_examples, metrics, upload.delta)
+        check = accept.UpdateCheck(rnd.global_state, self.bounds, delta=stream.delta, keep_delta=self._keep_delta(rnd))
+        result = FitRes(client, check.whole(state), stream.num_examples, metrics, check.keeps_delta)
+        return self.spill.put(task_id=rnd.task_id, result=result)
+
+    @staticmethod
+    def _keep_delta(rnd: RoundTask) -> bool:
+        """Differences are kept as such (``FitRes.delta``) when clients hold the exact model."""
+        return rnd.downlink is not None and rnd.downlink.exact
 
     def _count(self, rnd: RoundTask, client: ClientInfo, upload: Upload, result: FitRes | EvaluateRes) -> None:
         """Adds the result to the round if it is still open for it (lock taken here)."""
@@ -217,18 +226,21 @@ class Uploads:
                 if not rnd.evaluate:
                     self.spill.discard(task_id=rnd.task_id, client_id=client_id)
                 if failed is not None:  # it left or reported a failure while uploading
-                    raise StaleTaskError(f"round {rnd.server_round}: this task failed during the upload ({failed.reason})")
+                    raise StaleTaskError(
+                        f"round {rnd.server_round}: this task failed during the upload ({failed.reason})")
                 raise StaleTaskError(f"round {rnd.server_round} closed before the upload completed")
             if isinstance(result, EvaluateRes) and result.num_examples < 1:
                 rnd.failures[client_id] = Failure(client, "evaluated no examples")
             else:
                 rnd.results[client_id] = result
-            rnd.tally.add_up(client.region, wire=upload.asm.wire_bytes, payload=upload.asm.payload_bytes, raw=upload.raw_bytes)
+            asm = upload.asm
+            rnd.tally.add_up(client.region, wire=asm.wire_bytes, payload=asm.payload_bytes, raw=upload.raw_bytes)
             self.wake.notify("round")
             accepted, expected = len(rnd.results), len(rnd.assignments)
-        log.info("round %d: accepted %s from %s (%d of %d)", rnd.server_round, "evaluation" if rnd.evaluate else "update",
-                 escape(client.name or client_id), accepted, expected)
-        self.events.emit("update_accepted", round=rnd.server_round, client=client_id, evaluate=rnd.evaluate, accepted=accepted, expected=expected)
+        log.info("round %d: accepted %s from %s (%d of %d)", rnd.server_round,
+                 "evaluation" if rnd.evaluate else "update", escape(client.name or client_id), accepted, expected)
+        self.events.emit("update_accepted", round=rnd.server_round, client=client_id, evaluate=rnd.evaluate,
+                         accepted=accepted, expected=expected)
 
     def _start(self, rnd: RoundTask, client: ClientInfo, header: serde.StreamInfo) -> Upload:
         """An assembler for a new upload; fit updates stream into their spill file."""
@@ -239,16 +251,17 @@ class Uploads:
         accept.check_claim(self.bounds, client, header.num_examples, evaluate=rnd.evaluate)
         if rnd.evaluate:
             return Upload(serde.ModelAssembler(expected=expected), None, raw, client.client_id)
+        check = accept.UpdateCheck(rnd.global_state, self.bounds, delta=header.delta, keep_delta=self._keep_delta(rnd))
         writer = self.spill.writer(task_id=rnd.task_id, client=client, specs=expected, num_examples=header.num_examples,
-                                   metrics=header.metrics)
+                                   metrics=header.metrics, delta=check.keeps_delta)
         if writer is None:
             return Upload(serde.ModelAssembler(expected=expected), None, raw, client.client_id)
-        check = accept.UpdateCheck(rnd.global_state, self.bounds, delta=header.delta)
 
         def sink(name: str, tensor: torch.Tensor) -> None:
             writer.write(name, check.add(name, tensor))
 
-        return Upload(serde.ModelAssembler(expected=expected, sink=sink), writer, raw, client.client_id)
+        asm = serde.ModelAssembler(expected=expected, sink=sink)
+        return Upload(asm, writer, raw, client.client_id, check.keeps_delta)
 
     def status(self, client_id: str, token: str, task_id: str) -> tuple[int, bool]:
         """(chunks of a broken upload the coordinator holds, whether the update already landed)."""

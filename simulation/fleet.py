@@ -271,7 +271,8 @@ class InProcessFleet(Fleet):
                     out = next(outcomes)
                     if isinstance(out, Exception):
                         raise out
-                    results.append(self._upload(server_round, info, ins, codec, state, out, downlink.base, expected, tally))
+                    results.append(self._upload(server_round, info, ins, codec, state, out, downlink.base, expected,
+                                                tally))
                 except Exception as exc:  # a client's failure is data for the strategy
                     log.warning("client %s failed in round %d: %s", info.name, server_round, exc)
                     failures.append(Failure(info, f"{type(exc).__name__}: {exc}"))
@@ -279,10 +280,12 @@ class InProcessFleet(Fleet):
         extra = tally.extra()
         if self.profiles is not None:
             extra["sim_round_s"] = max((seconds[r.client.client_id] for r in results), default=0.0)
-        return RoundOutcome(results, failures, cancelled, bytes_up=tally.bytes_up, bytes_down=tally.bytes_down, extra=extra)
+        return RoundOutcome(results, failures, cancelled, bytes_up=tally.bytes_up, bytes_down=tally.bytes_down,
+                            extra=extra)
 
-    def _available(self, server_round: int, assignments: Sequence[tuple[ClientInfo, FitIns]], failures: list[Failure], *,
-                   keep_fastest: bool) -> tuple[list[tuple[ClientInfo, FitIns]], dict[str, float]]:
+    def _available(self, server_round: int, assignments: Sequence[tuple[ClientInfo, FitIns]],
+                   failures: list[Failure], *, keep_fastest: bool
+                   ) -> tuple[list[tuple[ClientInfo, FitIns]], dict[str, float]]:
         """The assignments of the clients available this round (the others fail), fastest
         first under over-selection, and each one's simulated training seconds."""
         pending: list[tuple[ClientInfo, FitIns]] = []
@@ -309,10 +312,12 @@ class InProcessFleet(Fleet):
             try:
                 codec = self.codec_policy.uplink(info)
                 # An uplink sending differences takes them against the global values of what it uploads.
-                names = ins.download_names(lossless_downlink=self.downlink.lossless, delta_uplink=not self._uplink(info.client_id, codec).lossless)
+                delta_uplink = not self._uplink(info.client_id, codec).lossless
+                names = ins.download_names(lossless_downlink=self.downlink.lossless, delta_uplink=delta_uplink)
                 state, size = self._download(downlink, server_round, info, downloads, names)
                 tally.add_down(info.region, size)
-                prepared.append((info, dataclasses.replace(ins, config={**ins.config, "uplink_codec": codec}), codec, state))
+                task = dataclasses.replace(ins, config={**ins.config, "uplink_codec": codec})
+                prepared.append((info, task, codec, state))
             except Exception as exc:  # a client's failure is data for the strategy
                 prepared.append((info, ins, "", exc))
         return prepared
@@ -327,13 +332,14 @@ class InProcessFleet(Fleet):
         """
         expected = ins.expected or round_specs
         if self.fast_lossless and codec == "none" and _raw_passes(out, expected):  # the wire's result, without the wire
-            header = serde.StreamInfo(round=server_round, num_examples=out.num_examples, metrics={k: float(v) for k, v in out.metrics.items()})
+            metrics = {k: float(v) for k, v in out.metrics.items()}
+            header = serde.StreamInfo(round=server_round, num_examples=out.num_examples, metrics=metrics)
             serde.check_metrics(header.metrics)
             accept.check_header(self.bounds, info, num_examples=header.num_examples, delta=False, codec=codec)
             # A TorchClient's upload and the batched engine's rows are fresh copies (OwnedState);
             # anything else a client may still hold.
-            received = (OrderedDict(out.state) if isinstance(out.state, OwnedState) else
-                        OrderedDict((n, t.detach().to("cpu").clone(memory_format=torch.contiguous_format)) for n, t in out.state.items()))
+            received = (OrderedDict(out.state) if isinstance(out.state, OwnedState) else OrderedDict(
+                (n, t.detach().to("cpu").clone(memory_format=torch.contiguous_format)) for n, t in out.state.items()))
             wire = serde.stream_wire_bytes(received, header, chunk_size=self.chunk_size)
             payload = sum(t.numel() * t.element_size() for t in received.values())
         else:
@@ -344,9 +350,11 @@ class InProcessFleet(Fleet):
             accept.check_header(self.bounds, info, num_examples=sent.num_examples, delta=sent.delta, codec=codec)
             header, received = serde.decode_chunks(frames, expected=expected)
             wire, payload = sum(serde.wire_size(c) for c in frames), encoded.total_bytes
-        update = accept.UpdateCheck(base, self.bounds, delta=header.delta).whole(received)
+        # Differences are kept as such (FitRes.delta) where clients hold the exact model, as GrpcFleet keeps them.
+        check = accept.UpdateCheck(base, self.bounds, delta=header.delta, keep_delta=self.downlink.lossless)
+        update = check.whole(received)
         tally.add_up(info.region, wire=wire, payload=payload, raw=accept.raw_bytes(expected))
-        return FitRes(info, update, header.num_examples, header.metrics)
+        return FitRes(info, update, header.num_examples, header.metrics, check.keeps_delta)
 
     def evaluate_round(
         self,

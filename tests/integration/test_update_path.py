@@ -44,11 +44,15 @@ def _with(state, name, value):
 #: difference on a ``none`` run, what the refusal says).
 CASES = {
     "zero examples": (_trained, 0, False, "num_examples must be at least 1"),
-    "more than joined": (_trained, JOINED + 1, False, f"num_examples: the update claims {JOINED + 1}, the client reported {JOINED} at join"),
-    "huge examples": (_trained, MAX_NUM_EXAMPLES + 1, False, f"num_examples: {MAX_NUM_EXAMPLES + 1} claimed, over the maximum"),
-    "NaN": (lambda s: _with(s, "layer.weight", torch.full((4, 3), math.nan)), 5, False, "tensor 'layer.weight': contains NaN"),
+    "more than joined": (_trained, JOINED + 1, False,
+                         f"num_examples: the update claims {JOINED + 1}, the client reported {JOINED} at join"),
+    "huge examples": (_trained, MAX_NUM_EXAMPLES + 1, False,
+                      f"num_examples: {MAX_NUM_EXAMPLES + 1} claimed, over the maximum"),
+    "NaN": (lambda s: _with(s, "layer.weight", torch.full((4, 3), math.nan)), 5, False,
+            "tensor 'layer.weight': contains NaN"),
     "wrong shape": (lambda s: _with(s, "layer.bias", torch.zeros(5)), 5, False, "tensor 'layer.bias': wrong shape"),
-    "delta on none": (_trained, 5, True, "delta: the upload says delta=True, the task's uplink codec 'none' sends whole values"),
+    "delta on none": (_trained, 5, True,
+                      "delta: the upload says delta=True, the task's uplink codec 'none' sends whole values"),
 }
 
 
@@ -75,12 +79,14 @@ def _deployed(coordinator, small_state, case):
     coordinator.open_round(min_clients=2)
     tasks = {}
     for name, j in joined.items():
-        reply = stub.PollTask(pb.PollRequest(client_id=j.client_id, wait_s=5), metadata=session_metadata(j.session_token), timeout=10)
+        reply = stub.PollTask(pb.PollRequest(client_id=j.client_id, wait_s=5),
+                              metadata=session_metadata(j.session_token), timeout=10)
         tasks[name] = reply.task
 
     def upload(name, state, **fields):
         j, task = joined[name], tasks[name]
-        info = serde.StreamInfo(task_id=task.task_id, round=task.round, client_id=j.client_id, run_id=j.run_id, **fields)
+        info = serde.StreamInfo(task_id=task.task_id, round=task.round, client_id=j.client_id, run_id=j.run_id,
+                                **fields)
         chunks = serde.encode_model(state, info, chunk_size=64)
         return stub.UploadUpdate(iter(chunks), metadata=session_metadata(j.session_token), timeout=10)
 
@@ -105,9 +111,11 @@ def _simulated(small_state, case):
         fleet.fast_lossless = False
         encoder = UplinkEncoder("int8")
         real = fleet._uplink
-        fleet._uplink = lambda cid, codec: encoder if cid == bad.client_id else real(cid, codec)  # type: ignore[method-assign]
+        fleet._uplink = (  # type: ignore[method-assign]
+            lambda cid, codec: encoder if cid == bad.client_id else real(cid, codec))
     bad, good = fleet.wait_for_clients(min_clients=2, timeout=timedelta(seconds=1))
-    return fleet.fit_round(server_round=1, global_state=small_state, assignments=[(bad, FitIns(round=1)), (good, FitIns(round=1))],
+    assignments = [(bad, FitIns(round=1)), (good, FitIns(round=1))]
+    return fleet.fit_round(server_round=1, global_state=small_state, assignments=assignments,
                            timeout=timedelta(seconds=60))
 
 
