@@ -137,3 +137,22 @@ def test_the_engine_hands_models_to_a_strategy_that_does_not_take_deltas():
     assert not delta
     torch.testing.assert_close(w, glob["w"] + 0.5, rtol=0, atol=0.02)
     assert torch.equal(strategy.global_state["w"], w)
+
+
+class NoExamples(Trained):
+    """Trains, then claims it trained on nothing."""
+
+    def fit(self, state, ins):
+        return FitOutput(super().fit(state, ins).state, 0, {})
+
+
+def test_a_simulated_client_claiming_no_examples_fails_its_round_and_the_run_goes_on():
+    glob = OrderedDict(w=torch.linspace(-1, 1, 300))
+    strategy = FedAvg()
+    strategy.initialize(initial_state=glob)
+    fleet = InProcessFleet([Trained("a", 0.5), NoExamples("z", 100.0)])
+    engine = RoundEngine(strategy=strategy, fleet=fleet, rounds=2, min_clients=2, round_timeout=timedelta(seconds=5),
+                         join_timeout=timedelta(seconds=1))
+    final = engine.run()
+    assert final is not None and [(m.clients_ok, m.clients_failed) for m in engine.history] == [(1, 1), (1, 1)]
+    torch.testing.assert_close(final["w"], glob["w"] + 0.5 + 0.5, rtol=0, atol=0)  # "z" never counted
