@@ -76,7 +76,15 @@ class Aggregator(ABC):
 
 
 class Strategy(ABC):
-    """Decides what each round asks of whom, and how results become the next global state."""
+    """Decides what each round asks of whom, and how results become the next global state.
+
+    Attributes:
+        accepts_deltas: ``aggregate`` takes results whose ``FitRes.delta`` is set (their
+            floating tensors are differences from ``downlink_state``). Otherwise the round
+            engine hands it models (``aggregation.updates.as_model``). Default ``False``.
+    """
+
+    accepts_deltas: bool = False
 
     @abstractmethod
     def initialize(self, *, initial_state: ModelState) -> None:

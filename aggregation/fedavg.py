@@ -17,7 +17,7 @@ import torch
 
 from fedgrid.aggregation.base import AggregationPreconditionError, Aggregator, Strategy, weighted_metrics
 from fedgrid.aggregation.mean import WeightedMean, weighted_mean, weighted_mean_of_rows
-from fedgrid.aggregation.updates import aggregate_deltas, apply_delta, average_values, split_names
+from fedgrid.aggregation.updates import aggregate_deltas, apply_delta, average_values, client_value, split_names
 from fedgrid.aggregation.selection import Sampling, SelectionPolicy
 from fedgrid.seeding import derive_seed
 from fedgrid.types import ClientInfo, EvaluateIns, FitIns, FitRes, Failure, ModelState, Scalar
@@ -37,6 +37,10 @@ class FedAvg(Strategy):
     the example-weighted mean of the clients' values. Without one, it averages the models
     themselves, exactly as McMahan et al.
 
+    It takes results holding deltas (``accepts_deltas``; ``FitRes.delta``, a lossy uplink): an
+    aggregator gets them as they are, and the plain mean adds the global model back slice by
+    slice as it averages.
+
     Args:
         sampling: which clients a round asks and waits for, and what every task carries
             (default: every live client, no federated evaluation, seed 0).
@@ -51,6 +55,7 @@ class FedAvg(Strategy):
     """
 
     name: ClassVar[str] = "fedavg"
+    accepts_deltas = True
 
     def __init__(self, *, sampling: Sampling | None = None, aggregator: Aggregator | None = None, **legacy: Any) -> None:
         self.sampling = sampling_from(sampling, legacy, type(self).__name__)
@@ -128,7 +133,8 @@ class FedAvg(Strategy):
             for name in names:
                 target = state[name]
                 given = [res.state.get(name) for res in results]
-                if all(g is not None and g.shape == target.shape for g in given):
+                values = not any(res.delta for res in results)  # rows of deltas would need the model added back
+                if values and all(g is not None and g.shape == target.shape for g in given):
                     # The batched simulation engine's results are rows of its stacks: one reduction per stack.
                     rows = weighted_mean_of_rows(given, weights)  # type: ignore[arg-type]
                     if rows is not None:
@@ -144,8 +150,9 @@ class FedAvg(Strategy):
                         if got is None or got.shape != target.shape:
                             who = res.client.name or res.client.client_id
                             raise ValueError(f"result from client {who!r}: tensor '{name}' is missing or has the wrong shape")
-                        agg.add({name: got.reshape(-1)[start : start + AGGREGATION_SLICE]}, float(res.num_examples))
-                        del got
+                        part = client_value(state, res, name, slice(start, start + AGGREGATION_SLICE))
+                        agg.add({name: part}, float(res.num_examples))
+                        del got, part
                     piece = agg.result()[name]
                     flat[start : start + piece.numel()] = piece
                 out[name] = new_value

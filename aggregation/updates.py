@@ -8,10 +8,16 @@ example-weighted mean of the clients' values, as in FedAvg.
 
 Deltas are computed in float32 (float64 for float64 tensors), so a bfloat16 model's
 updates are not rounded to bfloat16 before they are averaged.
+
+A result may already hold deltas (``FitRes.delta``: a lossy uplink sends differences, see
+docs/updates.md): ``client_delta`` then takes them as they are, with no pass over the model
+and no rounding; ``client_value`` and ``as_model`` add the global model back for whoever
+wants values.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from typing import Mapping, Sequence
 
@@ -26,6 +32,8 @@ __all__ = [
     "compute_dtype",
     "split_names",
     "client_delta",
+    "client_value",
+    "as_model",
     "aggregate_deltas",
     "average_values",
     "apply_delta",
@@ -51,7 +59,8 @@ def split_names(state: Mapping[str, torch.Tensor], names: Sequence[str] | None =
 
 
 def client_delta(global_state: Mapping[str, torch.Tensor], res: FitRes, names: Sequence[str]) -> ModelState:
-    """``res.state[n] - global_state[n]`` for each of ``names``, in the compute dtype.
+    """``res.state[n] - global_state[n]`` for each of ``names``, in the compute dtype; for a
+    result holding deltas (``res.delta``), ``res.state[n]`` itself.
 
     Raises:
         ValueError: the result lacks one of ``names`` or holds it with another shape.
@@ -66,8 +75,41 @@ def client_delta(global_state: Mapping[str, torch.Tensor], res: FitRes, names: S
         if got.shape != ref.shape:
             raise ValueError(f"result from client {who!r}: tensor '{name}' has shape {list(got.shape)}, expected {list(ref.shape)}")
         dtype = compute_dtype(ref.dtype)
-        out[name] = got.detach().to("cpu", dtype) - ref.detach().to("cpu", dtype)
+        if res.delta and is_optimizable(got.dtype):  # already a difference: as sent
+            out[name] = got.detach().to("cpu", dtype)
+        else:
+            out[name] = got.detach().to("cpu", dtype) - ref.detach().to("cpu", dtype)
     return out
+
+
+def client_value(
+    global_state: Mapping[str, torch.Tensor], res: FitRes, name: str, part: slice | None = None
+) -> torch.Tensor | None:
+    """The client's value of tensor ``name`` (``None`` if the result lacks it): ``res.state[name]``,
+    or for a delta result's floating tensor ``global_state[name] + res.state[name]`` in the
+    model's dtype, the same bits the fleet's add-back gave. ``part``: only that slice of the
+    flattened tensor (the sum is then computed for the slice alone).
+    """
+    got = res.state.get(name)
+    if got is None:
+        return None
+    if part is not None:
+        got = got.reshape(-1)[part]
+    if not (res.delta and is_optimizable(got.dtype)):
+        return got
+    ref = global_state[name]
+    return (ref if part is None else ref.reshape(-1)[part]).to(got.device) + got
+
+
+def as_model(global_state: Mapping[str, torch.Tensor], res: FitRes) -> FitRes:
+    """``res`` holding values: a delta result with the global model added back (``client_value``);
+    any other result as it is."""
+    if not res.delta:
+        return res
+    state: ModelState = OrderedDict(
+        (name, client_value(global_state, res, name)) for name in res.state  # type: ignore[misc]
+    )
+    return dataclasses.replace(res, state=state, delta=False)
 
 
 def aggregate_deltas(

@@ -139,12 +139,17 @@ class FitRes:
         state: the tensors the client sends back (for FedAvg, its new weights).
         num_examples: examples trained on; the weight in averaging.
         metrics: scalar training metrics (``loss``, ...).
+        delta: each floating tensor of ``state`` is a difference: the client's value minus
+            the tensor of the same name in the state the fleet was given for the round
+            (``Strategy.downlink_state``); other tensors are values. A fleet sets it for a
+            lossy uplink over an exact downlink (see docs/updates.md); ``False``: values.
     """
 
     client: ClientInfo
     state: ModelState
     num_examples: int
     metrics: Mapping[str, float] = field(default_factory=dict)
+    delta: bool = False
 
 
 @dataclass(frozen=True)

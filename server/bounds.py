@@ -15,8 +15,9 @@ bounds magnitudes: no coordinate of an accepted update is further than the bound
 global model. With it off, finite but huge updates can still overflow an aggregate; the
 round engine never commits a non-finite one (``server/engine.py``).
 
-``GrpcFleet`` (``server/uploads.py``) and ``InProcessFleet`` apply the same bounds, so a
-simulated run refuses what a deployment would.
+``GrpcFleet`` (``server/uploads.py``) and ``InProcessFleet`` apply the same bounds, through
+the same functions (``server/accept.py``), so a simulated run refuses what a deployment would.
+A difference kept as such (``FitRes.delta``) is measured as received, not against ``base``.
 """
 
 from __future__ import annotations
@@ -107,19 +108,24 @@ class UpdateNorm:
         """The norm of the tensors added so far."""
         return math.sqrt(self.squares)
 
-    def add(self, name: str, value: torch.Tensor) -> None:
-        """Adds tensor ``name`` (its reconstructed value).
+    def add(self, name: str, value: torch.Tensor, *, difference: bool = False) -> None:
+        """Adds tensor ``name``: its reconstructed value, or with ``difference`` its difference
+        from ``base`` as received (then ``base`` is not read).
 
         Raises:
             InvalidUpdateError: the norm so far is over the bound (it names both).
         """
         if not (value.dtype.is_floating_point or value.dtype.is_complex) or not value.numel():
             return
-        mine, theirs = value.detach().reshape(-1), self.base[name].detach().reshape(-1).to(value.device)
+        mine = value.detach().reshape(-1)
+        theirs = None if difference else self.base[name].detach().reshape(-1).to(value.device)
         if value.dtype.is_complex:
-            mine, theirs = torch.view_as_real(mine).reshape(-1), torch.view_as_real(theirs).reshape(-1)
+            mine = torch.view_as_real(mine).reshape(-1)
+            theirs = None if theirs is None else torch.view_as_real(theirs).reshape(-1)
         for start in range(0, mine.numel(), _NORM_SLICE):
-            diff = mine[start : start + _NORM_SLICE].double() - theirs[start : start + _NORM_SLICE].double()
+            diff = mine[start : start + _NORM_SLICE].double()
+            if theirs is not None:
+                diff = diff - theirs[start : start + _NORM_SLICE].double()
             self.squares += float(torch.dot(diff, diff))
         if not self.value <= self.bound:  # also refuses a NaN norm
             raise InvalidUpdateError(

@@ -51,6 +51,12 @@ class RoundDownlink:
     _shadow: ShadowModel | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
+    @property
+    def exact(self) -> bool:
+        """Clients hold exactly the round's model (an uncompressed link): a difference a client
+        sends is then a difference from the model the fleet was given."""
+        return self.version == 0
+
     def for_client(self, have_version: int | None) -> tuple[EncodedModel, bool, int]:
         """(what to send, whether it is a difference, the version it applies to)."""
         if self._delta is not None and have_version is not None and have_version == self._base_version:

@@ -30,6 +30,7 @@ from typing import Any, Callable
 import torch
 
 from fedgrid.aggregation.base import Strategy
+from fedgrid.aggregation.updates import as_model
 from fedgrid.errors import InterruptedRunError, NonFiniteAggregateError
 from fedgrid.events import EventLog
 from fedgrid.runlog import RunWriter
@@ -261,9 +262,10 @@ class RoundEngine:
 
     def _fit(self, server_round: int, clients: list[ClientInfo], tally: "_Tally") -> None:
         assignments = self.strategy.configure_round(server_round=server_round, clients=clients)
+        sent = self.strategy.downlink_state(server_round=server_round)  # e.g. SCAFFOLD adds its control variate
         outcome = self.fleet.fit_round(
             server_round=server_round,
-            global_state=self.strategy.downlink_state(server_round=server_round),  # e.g. SCAFFOLD adds its control variate
+            global_state=sent,
             assignments=assignments,
             timeout=self.round_timeout,
             target=self.strategy.round_target(num_live=len(clients), num_assigned=len(assignments)),
@@ -274,7 +276,10 @@ class RoundEngine:
                         escape(failure.reason))
         log.info("round %d: aggregating %d updates (%d failures)", server_round, len(outcome.results), len(outcome.failures))
         self.events.emit("aggregating", round=server_round, updates=len(outcome.results), failures=len(outcome.failures))
-        agg_metrics = self.strategy.aggregate(server_round=server_round, results=outcome.results, failures=outcome.failures)
+        results = outcome.results
+        if not getattr(self.strategy, "accepts_deltas", False):  # it reads results as models (docs/updates.md)
+            results = [as_model(sent, r) for r in results]
+        agg_metrics = self.strategy.aggregate(server_round=server_round, results=results, failures=outcome.failures)
         tally.loss = agg_metrics.get("train_loss")
         tally.extra.update(agg_metrics)
         tally.extra.update(outcome.extra)

@@ -2,10 +2,13 @@
 
 It answers the handlers the servicer calls (join, poll, download, upload, messages,
 heartbeat, failure reports, leave) and runs each phase of a round until it closes. The
-parts live beside it: the client registry (``server/registry.py``), the open task and the
-relay of message phases (``server/rounds.py``), uploads (``server/uploads.py``), spill and
-downlink. It raises ``FedgridError`` subclasses; the servicer maps them to status codes.
-Every request is validated before it touches state.
+parts live beside it, each a collaborator sharing the fleet's lock: the client registry
+(``server/registry.py``), long polls (``server/polls.py``), downloads
+(``server/downloads.py``), uploads (``server/uploads.py``, accepting through
+``server/accept.py``), message phases (``server/messages.py``), the open task, its closing
+and the relay rules (``server/rounds.py``), spill and downlink. It raises ``FedgridError``
+subclasses; the servicer maps them to status codes. Every request is validated before it
+touches state.
 """
 
 from __future__ import annotations
@@ -16,20 +19,16 @@ import os
 import threading
 import time
 import uuid
-from collections import OrderedDict
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from fedgrid.aggregation.selection import CapabilityFilter
-from fedgrid.compression import parse_codec_spec
 from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S, MAX_POLLS_PER_CLIENT, MAX_REASON_CHARS, RETRY_MAX_WAIT_S, WAITING_REPORT_S
 from fedgrid.events import EventLog
 from fedgrid.errors import (
     DuplicateUpdateError,
     InterruptedRunError,
     InvalidUpdateError,
-    ResourceLimitError,
     RunFinishedError,
     StaleTaskError,
 )
@@ -40,9 +39,11 @@ from fedgrid.server.fleet import Fleet, RoundOutcome
 from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.downlink import Downlink, RoundDownlink
+from fedgrid.server.downloads import Downloads
 from fedgrid.server.messages import InboxPage, Mailbox
 from fedgrid.server.registry import SILENCE_INTERVALS, ClientRecord, Registry
-from fedgrid.server.rounds import RoundTask
+from fedgrid.server.polls import PollResult, Polls
+from fedgrid.server.rounds import RoundTask, wait_for_close
 from fedgrid.server.spill import UpdateSpill
 from fedgrid.server.uploads import Uploads
 from fedgrid.server.wakeups import Wakeups
@@ -68,19 +69,6 @@ log = logging.getLogger(__name__)
 
 #: After a restart, restored clients have the retry backoff cap plus this long to reconnect.
 RESTART_GRACE_S = 10.0
-
-
-@dataclass(frozen=True)
-class PollResult:
-    """What a long poll returns: a task, a hint to poll again, or the end of the run."""
-
-    task_id: str = ""
-    server_round: int = 0
-    ins: FitIns | EvaluateIns | MessageIns | None = None
-    kind: str = FIT  # FIT, EVALUATE or a message phase's name
-    deadline_s: float = 0.0
-    retry_after_s: float = 0.0
-    finished: bool = False
 
 
 class GrpcFleet(Fleet):
@@ -143,6 +131,10 @@ class GrpcFleet(Fleet):
         self.uploads = Uploads(self.registry, self.spill, self.events, self._open_task, lambda: self._round,
                                bounds=self.bounds, run_id=lambda: self.run_id)
         self.mailbox = Mailbox(self.registry, self.events, self._open_task, lambda: self._round, lambda: self._interrupted)
+        self.downloads = Downloads(self.registry, self.downlink, self._open_task, run_id=lambda: self.run_id,
+                                   chunk_size=lambda: self.chunk_size)
+        self.polls = Polls(self.registry, lambda: self._round, finished=lambda: self._finished,
+                           interrupted=lambda: self._interrupted, max_polls=lambda: self.max_polls_per_client)
 
     # -- handlers (called by the servicer) -------------------------------------------------
     def join(self, joining: ClientInfo, *, identity: str | None = None) -> tuple[ClientInfo, str]:
@@ -224,60 +216,9 @@ class GrpcFleet(Fleet):
         self.authenticate(client_id, token)
         return self.heartbeat_interval_s
 
-    def _poll_now(self, record: ClientRecord) -> PollResult | None:
-        """The poll's answer if there is one now (lock held)."""
-        if self._finished:
-            record.heard_finished = True
-            self._wake.notify("finish")
-            return PollResult(finished=True)
-        if self._interrupted:  # stopping: answer now, before the server cancels the call
-            return PollResult(retry_after_s=1.0)
-        rnd = self._round
-        client_id = record.info.client_id
-        if rnd is not None and not rnd.closed and rnd.is_pending(client_id):
-            return PollResult(
-                task_id=rnd.task_id,
-                kind=rnd.kind,
-                server_round=rnd.server_round,
-                ins=rnd.assignments[client_id],
-                deadline_s=max(0.0, rnd.deadline - time.monotonic()),
-            )
-        return None
-
     async def poll_async(self, client_id: str, token: str, wait_s: float) -> PollResult:
-        """Long poll: waits up to ``wait_s`` for a task for this client, woken only by what
-        concerns it (its task, the end of the run, a stop); the wait holds no thread.
-
-        Raises:
-            AuthenticationError: unknown session.
-            ResourceLimitError: the client already holds ``max_polls_per_client`` polls.
-        """
-        record = self.authenticate(client_id, token)
-        deadline = time.monotonic() + max(0.0, min(wait_s, 60.0))
-        answer: list[PollResult] = []
-
-        def ready() -> bool:
-            result = self._poll_now(record)
-            if result is not None:
-                answer.append(result)
-            return result is not None
-
-        with self._lock:
-            if record.polls >= self.max_polls_per_client:
-                raise ResourceLimitError(f"client {escape(client_id)} already holds {record.polls} long polls (limit {self.max_polls_per_client})")
-            record.polls += 1
-        try:
-            while True:
-                await self._wake.wait_async(("poll", client_id), deadline - time.monotonic(), ready)
-                if answer:
-                    return answer[0]
-                with self._lock:
-                    record.last_seen = time.monotonic()
-                if time.monotonic() >= deadline:
-                    return PollResult(retry_after_s=0.0)
-        finally:
-            with self._lock:
-                record.polls -= 1
+        """Long poll: waits up to ``wait_s`` for a task for this client (``Polls.wait``)."""
+        return await self.polls.wait(client_id, token, wait_s)
 
     def _open_task(self, client_id: str, task_id: str) -> RoundTask:
         rnd = self._round
@@ -299,62 +240,8 @@ class GrpcFleet(Fleet):
         return await self.mailbox.receive_async(client_id, token, task_id, start, wait_s)
 
     def download(self, client_id: str, token: str, task_id: str, have_version: int | None = None) -> Iterator[bytes]:
-        """The model of the client's open task, as a chunk stream: whole, or the tensors its task
-        names (``FitIns.download``) on a lossless downlink, or on a compressed downlink the
-        change since ``have_version`` when the client holds the previous version."""
-        self.authenticate(client_id, token)
-        with self._lock:
-            rnd = self._open_task(client_id, task_id)
-        if rnd.downlink is None:
-            raise StaleTaskError(f"task {escape(task_id)} is message phase {rnd.kind!r}: it has no model to download")
-        names = self._download_names(rnd.assignments[client_id])
-        if names is None:
-            encoded, delta, base_version = rnd.downlink.for_client(have_version)
-        else:
-            encoded, delta, base_version = self._part(rnd, names), False, 0
-        info = serde.StreamInfo(
-            run_id=self.run_id, task_id=task_id, round=rnd.server_round, delta=delta, version=rnd.downlink.version, base_version=base_version
-        )
-        return self._count_down(rnd, encoded.frames(info, chunk_size=self.chunk_size), client_id)
-
-    def _download_names(self, ins: FitIns | EvaluateIns) -> frozenset[str] | None:
-        if not isinstance(ins, FitIns):
-            return None
-        codec = str(ins.config.get("uplink_codec", "none"))
-        # An uplink sending differences takes them against the global values of what it uploads.
-        return ins.download_names(lossless_downlink=self.downlink.lossless, delta_uplink=not parse_codec_spec(codec, key="codec").lossless)
-
-    def _part(self, rnd: RoundTask, names: frozenset[str]) -> serde.EncodedModel:
-        """The tensors ``names`` of the round's exact model, encoded once per round and set of
-        tensors (two clients racing may both encode it; one copy is kept)."""
-        with self._lock:
-            part = rnd.parts.get(names)
-        if part is None:
-            part = serde.EncodedModel(OrderedDict((n, t) for n, t in rnd.global_state.items() if n in names), codec=self.downlink.codec)
-            with self._lock:
-                part = rnd.parts.setdefault(names, part)
-        return part
-
-    def _count_down(self, rnd: RoundTask, frames: Iterator[bytes], client_id: str) -> Iterator[bytes]:
-        """``frames``, counted; the client counts as alive while it downloads (``Registry.live``)."""
-        sent = 0
-        region = rnd.clients[client_id].region
-        with self._lock:
-            record = self.registry.records.get(client_id)
-            if record is not None:
-                record.transfers += 1
-        try:
-            for frame in frames:
-                sent += serde.wire_size(frame)
-                yield frame
-        finally:
-            with self._lock:
-                if record is not None:
-                    record.transfers -= 1
-                    record.last_seen = time.monotonic()
-                rnd.bytes_down += sent
-                if region:
-                    rnd.region_bytes.setdefault(region, [0, 0])[1] += sent
+        """The model of the client's open task, as a chunk stream (``Downloads.download``)."""
+        return self.downloads.download(client_id, token, task_id, have_version)
 
     def upload(self, frames: Iterable[bytes], token: str) -> int:
         """Receives one update stream of the session ``token`` (``Uploads.upload``); returns
@@ -378,9 +265,7 @@ class GrpcFleet(Fleet):
 
     def polls_held(self, client_id: str) -> int:
         """Long polls ``client_id`` holds now (0 for an unknown client)."""
-        with self._lock:
-            record = self.registry.records.get(client_id)
-            return 0 if record is None else record.polls
+        return self.polls.held(client_id)
 
     @property
     def current_round(self) -> RoundTask | None:
@@ -449,11 +334,9 @@ class GrpcFleet(Fleet):
             log.info("round %d: %d updates restored from before a restart", server_round, len(rnd.results))
             self.events.emit("updates_restored", round=server_round, count=len(rnd.results))
         results, failures, cancelled = self._run(rnd, timeout, target=target)
-        extra = {"uplink_ratio": rnd.raw_up / rnd.payload_up} if rnd.payload_up else {}
-        for region, (up, down) in sorted(rnd.region_bytes.items()):  # labels checked at Join; one pair per region in the round
-            extra[f"bytes_up.{region}"], extra[f"bytes_down.{region}"] = float(up), float(down)
         return RoundOutcome(
-            [r for r in results if isinstance(r, FitRes)], failures, cancelled, bytes_up=rnd.bytes_up, bytes_down=rnd.bytes_down, extra=extra,
+            [r for r in results if isinstance(r, FitRes)], failures, cancelled, bytes_up=rnd.bytes_up,
+            bytes_down=rnd.bytes_down, extra=rnd.tally.extra(),
             closed_by=rnd.closed_by,
         )
 
@@ -516,49 +399,16 @@ class GrpcFleet(Fleet):
              ) -> tuple[list[FitRes | EvaluateRes | MessageRes], list[Failure], list[ClientInfo]]:
         """Opens ``rnd`` for its clients and closes it when ``target`` (default: all)
         reported, the rest failed or went silent, or the deadline passed."""
-        infos = rnd.clients
         self.events.emit("round_opened", round=rnd.server_round, task=rnd.task_id, clients=len(rnd.assignments), evaluate=rnd.evaluate, phase=rnd.kind)
         with self._lock:
             self._round = rnd
             self._wake.notify(*(("poll", cid) for cid in rnd.assignments))  # only the clients with a task
             goal = len(rnd.assignments) if target is None else min(target, len(rnd.assignments))
-            reason = "all"
-            # Results and failures are disjoint subsets of the assignments, so the pending count
-            # is O(1); liveness (O(clients)) is checked once a heartbeat interval, not per upload.
-            next_check = 0.0
-            while rnd.pending_count() and len(rnd.results) < goal:
-                if self._interrupted:
-                    for cid in rnd.pending():
-                        rnd.failures[cid] = Failure(infos[cid], "coordinator stopping")
-                    reason = "stopping"
-                    break
-                now = time.monotonic()
-                if now >= rnd.deadline:
-                    for cid in rnd.pending():
-                        rnd.failures[cid] = Failure(infos[cid], f"missed the round deadline of {timeout.total_seconds():.1f}s")
-                        record = self.registry.records.get(cid)
-                        if record is not None and cid not in rnd.uploading:  # alive, yet no result: benched
-                            record.benched_task = rnd.task_id
-                    reason = "deadline"
-                    break
-                if now >= next_check:
-                    live = {info.client_id for info in self.registry.live()}
-                    for cid in rnd.pending():
-                        if cid not in live and cid not in rnd.uploading:
-                            rnd.failures[cid] = Failure(infos[cid], "client went silent (no heartbeat)")
-                    next_check = now + self.heartbeat_interval_s / 2
-                    continue
-                self._wake.wait("round", min(rnd.deadline, next_check) - now)
-            rnd.closed = True  # late uploads are refused from here on
-            for partial in rnd.partials.values():
-                partial.abort()
-            rnd.partials.clear()
-            results = [rnd.results[cid] for cid in rnd.assignments if cid in rnd.results]
-            failures = [rnd.failures[cid] for cid in rnd.assignments if cid in rnd.failures]
-            cancelled = [infos[cid] for cid in rnd.pending()]  # over-selected, not needed
-            if reason == "all" and cancelled:
-                reason = "target"
-            rnd.closed_by = reason
+            reason = wait_for_close(rnd, goal=goal, registry=self.registry, wake=self._wake,
+                                    interrupted=lambda: self._interrupted, check_every_s=self.heartbeat_interval_s / 2,
+                                    timeout_s=timeout.total_seconds())
+            results, failures, cancelled = rnd.close(reason)
+            reason = rnd.closed_by
         self.spill.flush()  # write-backs under way land, and fsyncs, before the strategy sees them (server/spill.py)
         # Receive buffers not in use go back to the system before the strategy aggregates:
         # the pool speeds up the uploads of a round, it must not add to aggregation's memory.

@@ -9,20 +9,24 @@ download. ``check_outbox`` and ``relay`` are the rules of message phases, shared
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from fedgrid.constants import MAX_OUTBOX_BYTES, MAX_PHASE_MESSAGE_BYTES
 from fedgrid.errors import InvalidUpdateError, PayloadTooLargeError
 from fedgrid.proto import serde
+from fedgrid.server.accept import RoundTally
 from fedgrid.server.downlink import RoundDownlink
 from fedgrid.types import EVALUATE, FIT, ClientInfo, TO_ALL, TO_SERVER, EvaluateIns, EvaluateRes, Failure, FitIns, FitRes, MessageIns, MessageRes, ModelState, TensorSpec
 
 if TYPE_CHECKING:
+    from fedgrid.server.registry import Registry
     from fedgrid.server.uploads import Upload
+    from fedgrid.server.wakeups import Wakeups
 
-__all__ = ["RoundTask", "check_outbox", "relay", "Inbox"]
+__all__ = ["RoundTask", "check_outbox", "relay", "wait_for_close", "Inbox"]
 
 #: Messages relayed to one client: payload by sender's client id, in the phase's peer order.
 Inbox = "OrderedDict[str, bytes]"
@@ -46,13 +50,25 @@ class RoundTask:
     partials: dict[str, "Upload"] = field(default_factory=dict)  # broken uploads, by client
     closed: bool = False
     closed_by: str = ""  # why it closed: one of fedgrid.events.CLOSE_REASONS
-    bytes_up: int = 0
-    bytes_down: int = 0
-    region_bytes: dict[str, list[int]] = field(default_factory=dict)  # [up, down] wire bytes by client region (labelled ones)
-    raw_up: int = 0  # what the accepted updates would weigh uncompressed
-    payload_up: int = 0  # their payload bytes as sent
+    tally: RoundTally = field(default_factory=RoundTally)  # the bytes moved (``server/accept.py``)
     parts: dict[frozenset[str], serde.EncodedModel] = field(default_factory=dict)  # partial downloads, by tensors
     inboxes: dict[str, "OrderedDict[str, bytes]"] | None = None  # message phase: set when it closed
+
+    @property
+    def bytes_up(self) -> int:
+        return self.tally.bytes_up
+
+    @bytes_up.setter
+    def bytes_up(self, value: int) -> None:
+        self.tally.bytes_up = value
+
+    @property
+    def bytes_down(self) -> int:
+        return self.tally.bytes_down
+
+    @bytes_down.setter
+    def bytes_down(self, value: int) -> None:
+        self.tally.bytes_down = value
 
     @property
     def evaluate(self) -> bool:
@@ -69,6 +85,20 @@ class RoundTask:
         assert self.downlink is not None, "a message phase has no model"
         return self.downlink.base
 
+    def close(self, reason: str) -> tuple[list[FitRes | EvaluateRes | MessageRes], list[Failure], list[ClientInfo]]:
+        """Closes the phase (lock held): late uploads are refused from here on, broken ones are
+        dropped. Returns the results, failures and cancelled clients, in assignment order;
+        ``closed_by`` is ``reason``, or ``target`` when clients were left over after ``all``."""
+        self.closed = True
+        for partial in self.partials.values():
+            partial.abort()
+        self.partials.clear()
+        results = [self.results[cid] for cid in self.assignments if cid in self.results]
+        failures = [self.failures[cid] for cid in self.assignments if cid in self.failures]
+        cancelled = [self.clients[cid] for cid in self.pending()]  # over-selected, not needed
+        self.closed_by = "target" if reason == "all" and cancelled else reason
+        return results, failures, cancelled
+
     def pending_count(self) -> int:
         """O(1): results and failures are disjoint subsets of the assignments."""
         return len(self.assignments) - len(self.results) - len(self.failures)
@@ -79,6 +109,43 @@ class RoundTask:
     def is_pending(self, client_id: str) -> bool:
         """O(1): a long poll asks this on every wake-up, with every client polling."""
         return client_id in self.assignments and client_id not in self.results and client_id not in self.failures
+
+
+def wait_for_close(rnd: RoundTask, *, goal: int, registry: "Registry", wake: "Wakeups", interrupted: Callable[[], bool],
+                   check_every_s: float, timeout_s: float) -> str:
+    """Waits (lock held) until ``rnd`` has ``goal`` results or no pending client, failing the
+    clients that went silent (checked every ``check_every_s``), that missed the deadline
+    (the ones still alive are benched) or that the coordinator's stop cut off.
+
+    Returns:
+        Why it stopped waiting: ``all``, ``deadline`` or ``stopping`` (``RoundTask.close``'s reason).
+    """
+    infos = rnd.clients
+    # Results and failures are disjoint subsets of the assignments, so the pending count
+    # is O(1); liveness (O(clients)) is checked once a heartbeat interval, not per upload.
+    next_check = 0.0
+    while rnd.pending_count() and len(rnd.results) < goal:
+        if interrupted():
+            for cid in rnd.pending():
+                rnd.failures[cid] = Failure(infos[cid], "coordinator stopping")
+            return "stopping"
+        now = time.monotonic()
+        if now >= rnd.deadline:
+            for cid in rnd.pending():
+                rnd.failures[cid] = Failure(infos[cid], f"missed the round deadline of {timeout_s:.1f}s")
+                record = registry.records.get(cid)
+                if record is not None and cid not in rnd.uploading:  # alive, yet no result: benched
+                    record.benched_task = rnd.task_id
+            return "deadline"
+        if now >= next_check:
+            live = {info.client_id for info in registry.live()}
+            for cid in rnd.pending():
+                if cid not in live and cid not in rnd.uploading:
+                    rnd.failures[cid] = Failure(infos[cid], "client went silent (no heartbeat)")
+            next_check = now + check_every_s
+            continue
+        wake.wait("round", min(rnd.deadline, next_check) - now)
+    return "all"
 
 
 def check_outbox(ins: MessageIns, messages: Mapping[str, bytes], *, max_message: int = MAX_PHASE_MESSAGE_BYTES,

@@ -203,7 +203,7 @@ class UpdateSpill:
         return self.dir / task_id
 
     def writer(self, *, task_id: str, client: ClientInfo, specs: Mapping[str, TensorSpec], num_examples: int,
-               metrics: Mapping[str, float]) -> UpdateWriter | None:
+               metrics: Mapping[str, float], delta: bool = False) -> UpdateWriter | None:
         """A writer for one update, or ``None`` when a dtype cannot be spilled that way (then
         ``put`` the finished update). While the update fits the memory budget it is held;
         otherwise older held updates are queued for writing back, to make room for the next
@@ -214,6 +214,8 @@ class UpdateSpill:
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"{client.client_id}.safetensors"
         metadata = self._metadata(client, list(specs), num_examples, metrics)
+        if delta:  # FitRes.delta, restored with the update after a restart
+            metadata["delta"] = "1"
         nbytes = sum(spec.nbytes for spec in specs.values())
         if self.durable:  # on disk before the reply, synced in the background
             return SpillWriter(path, specs, metadata, durable=True, sync_later=self._sync_later)
@@ -349,12 +351,14 @@ class UpdateSpill:
         tmp = path.with_suffix(".tmp")
         names = list(result.state)
         meta = self._metadata(result.client, names, result.num_examples, result.metrics)
+        if result.delta:
+            meta["delta"] = "1"
         save_file({k: v.contiguous() for k, v in result.state.items()}, str(tmp), metadata=meta)
         if self.durable:
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
-        return FitRes(result.client, SpilledState(path, names), result.num_examples, result.metrics)  # type: ignore[arg-type]
+        return FitRes(result.client, SpilledState(path, names), result.num_examples, result.metrics, result.delta)  # type: ignore[arg-type]
 
     def restore(self, *, task_id: str, assigned: Mapping[str, ClientInfo]) -> dict[str, FitRes]:
         """The results of ``task_id`` already on disk, for clients in ``assigned``."""
@@ -371,7 +375,8 @@ class UpdateSpill:
                     meta = f.metadata()
                 names = json.loads(meta["names"])
                 metrics = {k: float(v) for k, v in json.loads(meta["metrics"]).items()}
-                out[cid] = FitRes(assigned[cid], SpilledState(path, names), int(meta["num_examples"]), metrics)  # type: ignore[arg-type]
+                out[cid] = FitRes(assigned[cid], SpilledState(path, names), int(meta["num_examples"]), metrics,  # type: ignore[arg-type]
+                                  meta.get("delta") == "1")
             except Exception:  # a damaged spill file only costs that client a retrain
                 path.unlink(missing_ok=True)
         return out

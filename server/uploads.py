@@ -2,16 +2,16 @@
 keeping a broken one for its resume, and answering where a broken one stands.
 
 Every frame is checked before it touches state (``serde.ModelAssembler``: sizes, checksums,
-the expected specs); a fit update's tensors are reconstructed (differences applied to the
-round's model), checked finite, measured against the norm bound and written to their
-spill file as they complete. An update is accepted whole or not at all.
+the expected specs); a fit update's tensors are checked as they complete and written to
+their spill file. An update is accepted whole or not at all.
 
 Before any tensor is read, the header must name this run (``run_id``: the id the client got
-at Join), say ``delta`` exactly when the client's negotiated uplink codec sends differences
-(a lossless codec never does: a ``delta`` update on a ``none`` task would be added to the
-global model), and claim no more examples than the client reported at Join nor than
-``max_num_examples`` (``server/bounds.py``). Each refusal is INVALID_ARGUMENT naming the
-numbers or ids, and changes nothing.
+at Join) and pass ``server/accept.py``'s header checks (the ``delta`` flag against the
+negotiated uplink codec, ``num_examples`` against its bounds); each tensor then passes its
+``UpdateCheck`` (finite, within the norm bound), and the bytes go to the round's
+``RoundTally``. The simulated fleets take the same checks, so a simulated run refuses what
+a deployment refuses. Each refusal is INVALID_ARGUMENT naming the numbers or ids, and
+changes nothing.
 """
 
 from __future__ import annotations
@@ -19,21 +19,20 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from fedgrid.compression import parse_codec_spec
-from fedgrid.compression.feedback import is_delta_tensor, reconstruct
 from fedgrid.errors import DuplicateUpdateError, FedgridError, InvalidUpdateError, StaleTaskError
 from fedgrid.events import EventLog
 from fedgrid.proto import serde
+from fedgrid.server import accept
 from fedgrid.server.bounds import UpdateBounds
-from fedgrid.server.registry import Registry
+from fedgrid.server.registry import ClientRecord, Registry
 from fedgrid.server.rounds import RoundTask
 from fedgrid.server.spill import UpdateSpill, UpdateWriter
 from fedgrid.textsafe import escape
-from fedgrid.types import ClientInfo, EvaluateRes, Failure, FitRes, TensorSpec
+from fedgrid.types import ClientInfo, EvaluateRes, Failure, FitRes, ModelState, TensorSpec
 
 __all__ = ["Upload", "Uploads"]
 
@@ -47,6 +46,9 @@ class Upload:
     asm: serde.ModelAssembler
     writer: UpdateWriter | None
     raw_bytes: int  # its size uncompressed
+    client_id: str = ""
+    delta: bool = False  # its fit result holds differences (FitRes.delta)
+    kept: bool = False  # held in the round's partials for a resume: not aborted when the call ends
 
     def abort(self) -> None:
         if self.writer is not None:
@@ -85,7 +87,7 @@ class Uploads:
         Raises:
             InvalidUpdateError: malformed stream or tensors, another run's id, a ``delta``
                 flag that does not match the task's codec, a weight or norm over its bound
-                (state unchanged).
+                (state unchanged; the checks are ``server/accept.py``'s).
             AuthenticationError, StaleTaskError, DuplicateUpdateError: as named.
         """
         iterator = iter(frames)
@@ -98,6 +100,31 @@ class Uploads:
         run_id = self._run_id()
         if header.run_id != run_id:
             raise InvalidUpdateError(f"run_id: the upload names run {escape(header.run_id)}, this coordinator runs {run_id!r}")
+        rnd = self._open_upload(record, header)
+        upload: Upload | None = None
+        try:
+            upload = self._resume_or_start(rnd, record, header, first)
+            self._receive(rnd, record, upload, iterator)
+            stream, state = self._finish(rnd, upload)
+            if stream.round != rnd.server_round:
+                raise InvalidUpdateError(f"header names round {stream.round}, the task is round {rnd.server_round}")
+            result = self._result(rnd, record.info, upload, stream, state)
+            del state
+            self._count(rnd, record.info, upload, result)
+            accepted, upload = upload, None
+            return accepted.asm.payload_bytes
+        finally:
+            if upload is not None and not upload.kept:  # rejected: drop what was written
+                upload.abort()
+            with self.lock:
+                rnd.uploading.discard(client_id)
+                record.transfers -= 1
+                record.last_seen = time.monotonic()
+                self.wake.notify("round", ("upload", client_id))
+
+    def _open_upload(self, record: ClientRecord, header: serde.StreamInfo) -> RoundTask:
+        """The open task the upload is for, marked as uploading (lock taken here)."""
+        client_id = record.info.client_id
         with self.lock:
             current = self._current()
             if current is not None and current.task_id == header.task_id and client_id in current.results:
@@ -111,139 +138,130 @@ class Uploads:
             if rnd.is_message:
                 raise StaleTaskError(f"task {escape(header.task_id)} is message phase {rnd.kind!r}: it takes SendMessages, not an upload")
             if not rnd.evaluate:
-                self._check_delta(rnd, client_id, header.delta)
+                accept.check_delta(str(rnd.assignments[client_id].config.get("uplink_codec", "none")), header.delta)
             if client_id in rnd.uploading:
                 raise DuplicateUpdateError(f"an upload for round {rnd.server_round} from client {escape(client_id)} is in progress")
             rnd.uploading.add(client_id)
             record.transfers += 1
-        upload: Upload | None = None
-        try:
-            with self.lock:
-                partial = rnd.partials.pop(client_id, None)
-            if header.resume_from_chunk:
-                if partial is None or partial.asm.frames_received != header.resume_from_chunk:
-                    held = 0 if partial is None else partial.asm.frames_received
-                    if partial is not None:
-                        with self.lock:
-                            rnd.partials[client_id] = partial
-                    raise StaleTaskError(f"cannot resume at chunk {header.resume_from_chunk}: the coordinator holds {held} chunks of this upload")
-                upload = partial
-            else:
+        return rnd
+
+    def _resume_or_start(self, rnd: RoundTask, record: ClientRecord, header: serde.StreamInfo, first: bytes) -> Upload:
+        """The broken upload this one resumes, or a new one fed its first frame."""
+        client_id = record.info.client_id
+        with self.lock:
+            partial = rnd.partials.pop(client_id, None)
+        if header.resume_from_chunk:
+            if partial is None or partial.asm.frames_received != header.resume_from_chunk:
+                held = 0 if partial is None else partial.asm.frames_received
                 if partial is not None:
-                    partial.abort()
-                upload = self._start(rnd, record.info, header)
-                upload.asm.feed(first)
-            asm = upload.asm
-            try:
-                for frame in iterator:
-                    asm.feed(frame)
-            except FedgridError:
-                raise  # bad input: nothing kept
-            except Exception:
-                # The connection broke: keep what arrived so that the client resumes from it.
-                with self.lock:
-                    if not rnd.closed:
-                        rnd.partials[client_id] = upload
-                        upload = None  # kept, not aborted
-                log.info("round %d: upload from %s broke after %d chunks; kept for resume",
-                         rnd.server_round, escape(record.info.name or client_id), asm.frames_received)
-                self.events.emit("upload_broken", round=rnd.server_round, client=client_id, chunks=asm.frames_received)
-                raise
-            try:
-                stream, state = asm.finish()
-            except InvalidUpdateError:
-                # A cut connection can look like a stream that ended: keep what was verified so
-                # that the client resumes from it (the sender hears the error either way).
-                if asm.ended_early:
                     with self.lock:
-                        if not rnd.closed:
-                            rnd.partials[client_id] = upload
-                            upload = None  # kept, not aborted
-                raise
-            if stream.round != rnd.server_round:
-                raise InvalidUpdateError(f"header names round {stream.round}, the task is round {rnd.server_round}")
-            result: FitRes | EvaluateRes
-            if rnd.evaluate:
-                result = EvaluateRes(record.info, stream.num_examples, dict(stream.metrics))
-            elif upload.writer is not None:  # tensors were reconstructed, checked and written as they came
-                result = FitRes(record.info, upload.writer.commit(), stream.num_examples, dict(stream.metrics))  # type: ignore[arg-type]
-            else:
-                state = reconstruct(rnd.global_state, state, delta=stream.delta)
-                serde.check_finite(state)
-                self.bounds.check_update(state, rnd.global_state)
-                result = self.spill.put(task_id=rnd.task_id, result=FitRes(record.info, state, stream.num_examples, dict(stream.metrics)))
-            del state
-            with self.lock:
-                still_open = not rnd.closed and self._current() is rnd
-                failed = rnd.failures.get(client_id)
-                if not still_open or failed is not None:
-                    if not rnd.evaluate:
-                        self.spill.discard(task_id=rnd.task_id, client_id=client_id)
-                    if failed is not None:  # it left or reported a failure while uploading
-                        raise StaleTaskError(f"round {rnd.server_round}: this task failed during the upload ({failed.reason})")
-                    raise StaleTaskError(f"round {rnd.server_round} closed before the upload completed")
-                if rnd.evaluate and stream.num_examples < 1:
-                    rnd.failures[client_id] = Failure(record.info, "evaluated no examples")
-                else:
-                    rnd.results[client_id] = result
-                rnd.bytes_up += asm.wire_bytes
-                if record.info.region:
-                    rnd.region_bytes.setdefault(record.info.region, [0, 0])[0] += asm.wire_bytes
-                rnd.payload_up += asm.payload_bytes
-                rnd.raw_up += upload.raw_bytes
-                self.wake.notify("round")
-                accepted, expected = len(rnd.results), len(rnd.assignments)
-            log.info("round %d: accepted %s from %s (%d of %d)", rnd.server_round, "evaluation" if rnd.evaluate else "update",
-                     escape(record.info.name or client_id), accepted, expected)
-            self.events.emit("update_accepted", round=rnd.server_round, client=client_id, evaluate=rnd.evaluate, accepted=accepted, expected=expected)
-            upload = None
-            return asm.payload_bytes
-        finally:
-            if upload is not None:  # rejected: drop what was written
-                upload.abort()
-            with self.lock:
-                rnd.uploading.discard(client_id)
-                record.transfers -= 1
-                record.last_seen = time.monotonic()
-                self.wake.notify("round", ("upload", client_id))
+                        rnd.partials[client_id] = partial
+                raise StaleTaskError(f"cannot resume at chunk {header.resume_from_chunk}: "
+                                     f"the coordinator holds {held} chunks of this upload")
+            partial.kept = False
+            return partial
+        if partial is not None:
+            partial.abort()
+        upload = self._start(rnd, record.info, header)
+        upload.asm.feed(first)
+        return upload
+
+    def _keep(self, rnd: RoundTask, client_id: str, upload: Upload) -> None:
+        """Keeps a broken upload for its resume (unless the round closed)."""
+        with self.lock:
+            if not rnd.closed:
+                rnd.partials[client_id] = upload
+                upload.kept = True
+
+    def _receive(self, rnd: RoundTask, record: ClientRecord, upload: Upload, frames: Iterator[bytes]) -> None:
+        """Feeds the rest of the stream; a broken connection keeps what arrived for the resume."""
+        try:
+            for frame in frames:
+                upload.asm.feed(frame)
+        except FedgridError:
+            raise  # bad input: nothing kept
+        except Exception:
+            self._keep(rnd, record.info.client_id, upload)
+            chunks = upload.asm.frames_received
+            log.info("round %d: upload from %s broke after %d chunks; kept for resume",
+                     rnd.server_round, escape(record.info.name or record.info.client_id), chunks)
+            self.events.emit("upload_broken", round=rnd.server_round, client=record.info.client_id, chunks=chunks)
+            raise
+
+    def _finish(self, rnd: RoundTask, upload: Upload) -> tuple[serde.StreamInfo, ModelState]:
+        try:
+            return upload.asm.finish()
+        except InvalidUpdateError:
+            # A cut connection can look like a stream that ended: keep what was verified so
+            # that the client resumes from it (the sender hears the error either way).
+            if upload.asm.ended_early:
+                self._keep(rnd, upload.client_id, upload)
+            raise
+
+    def _result(self, rnd: RoundTask, client: ClientInfo, upload: Upload, stream: serde.StreamInfo,
+                state: ModelState) -> FitRes | EvaluateRes:
+        """The result the upload delivers (a fit update spilled)."""
+        metrics = dict(stream.metrics)
+        if rnd.evaluate:
+            return EvaluateRes(client, stream.num_examples, metrics)
+        if upload.writer is not None:  # tensors were checked and written as they came
+            state = upload.writer.commit()  # type: ignore[assignment]
+            return FitRes(client, state, stream.num_examples, metrics, upload.delta)
+        check = accept.UpdateCheck(rnd.global_state, self.bounds, delta=stream.delta, keep_delta=self._keep_delta(rnd))
+        result = FitRes(client, check.whole(state), stream.num_examples, metrics, check.keeps_delta)
+        return self.spill.put(task_id=rnd.task_id, result=result)
 
     @staticmethod
-    def _check_delta(rnd: RoundTask, client_id: str, delta: bool) -> None:
-        """A fit upload carries differences exactly when its task's uplink codec sends them."""
-        codec = str(rnd.assignments[client_id].config.get("uplink_codec", "none"))
-        sends_differences = not parse_codec_spec(codec, key="uplink_codec").lossless
-        if delta != sends_differences:
-            raise InvalidUpdateError(
-                f"delta: the upload says delta={delta}, the task's uplink codec {codec!r} sends "
-                + ("differences (delta=True)" if sends_differences else "whole values (delta=False)")
-            )
+    def _keep_delta(rnd: RoundTask) -> bool:
+        """Differences are kept as such (``FitRes.delta``) when clients hold the exact model."""
+        return rnd.downlink is not None and rnd.downlink.exact
+
+    def _count(self, rnd: RoundTask, client: ClientInfo, upload: Upload, result: FitRes | EvaluateRes) -> None:
+        """Adds the result to the round if it is still open for it (lock taken here)."""
+        client_id = client.client_id
+        with self.lock:
+            still_open = not rnd.closed and self._current() is rnd
+            failed = rnd.failures.get(client_id)
+            if not still_open or failed is not None:
+                if not rnd.evaluate:
+                    self.spill.discard(task_id=rnd.task_id, client_id=client_id)
+                if failed is not None:  # it left or reported a failure while uploading
+                    raise StaleTaskError(
+                        f"round {rnd.server_round}: this task failed during the upload ({failed.reason})")
+                raise StaleTaskError(f"round {rnd.server_round} closed before the upload completed")
+            if isinstance(result, EvaluateRes) and result.num_examples < 1:
+                rnd.failures[client_id] = Failure(client, "evaluated no examples")
+            else:
+                rnd.results[client_id] = result
+            asm = upload.asm
+            rnd.tally.add_up(client.region, wire=asm.wire_bytes, payload=asm.payload_bytes, raw=upload.raw_bytes)
+            self.wake.notify("round")
+            accepted, expected = len(rnd.results), len(rnd.assignments)
+        log.info("round %d: accepted %s from %s (%d of %d)", rnd.server_round,
+                 "evaluation" if rnd.evaluate else "update", escape(client.name or client_id), accepted, expected)
+        self.events.emit("update_accepted", round=rnd.server_round, client=client_id, evaluate=rnd.evaluate,
+                         accepted=accepted, expected=expected)
 
     def _start(self, rnd: RoundTask, client: ClientInfo, header: serde.StreamInfo) -> Upload:
         """An assembler for a new upload; fit updates stream into their spill file."""
         ins = rnd.assignments[client.client_id]
         # The expected specs bound every allocation; an evaluation carries no tensors.
         expected: Mapping[str, TensorSpec] = {} if rnd.evaluate else (getattr(ins, "expected", None) or rnd.expected)
-        raw = sum(spec.nbytes for spec in expected.values())
-        self.bounds.check_claim(header.num_examples, joined=client.num_examples, evaluate=rnd.evaluate)
+        raw = accept.raw_bytes(expected)
+        accept.check_claim(self.bounds, client, header.num_examples, evaluate=rnd.evaluate)
         if rnd.evaluate:
-            return Upload(serde.ModelAssembler(expected=expected), None, raw)
-        if header.num_examples < 1:
-            raise InvalidUpdateError("num_examples must be at least 1")
+            return Upload(serde.ModelAssembler(expected=expected), None, raw, client.client_id)
+        check = accept.UpdateCheck(rnd.global_state, self.bounds, delta=header.delta, keep_delta=self._keep_delta(rnd))
         writer = self.spill.writer(task_id=rnd.task_id, client=client, specs=expected, num_examples=header.num_examples,
-                                   metrics=header.metrics)
+                                   metrics=header.metrics, delta=check.keeps_delta)
         if writer is None:
-            return Upload(serde.ModelAssembler(expected=expected), None, raw)
-        base = rnd.global_state
-        norm = self.bounds.norm(base)  # lives in the assembler: a resumed upload goes on counting
+            return Upload(serde.ModelAssembler(expected=expected), None, raw, client.client_id)
 
         def sink(name: str, tensor: torch.Tensor) -> None:
-            value = base[name] + tensor if header.delta and is_delta_tensor(tensor) else tensor
-            serde.check_finite({name: value})
-            if norm is not None:
-                norm.add(name, value)
-            writer.write(name, value)
+            writer.write(name, check.add(name, tensor))
 
-        return Upload(serde.ModelAssembler(expected=expected, sink=sink), writer, raw)
+        asm = serde.ModelAssembler(expected=expected, sink=sink)
+        return Upload(asm, writer, raw, client.client_id, check.keeps_delta)
 
     def status(self, client_id: str, token: str, task_id: str) -> tuple[int, bool]:
         """(chunks of a broken upload the coordinator holds, whether the update already landed)."""

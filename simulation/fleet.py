@@ -12,10 +12,12 @@ counted in ``bytes_down``; and gets its task; (2) the clients train, through an 
 ``sequential`` calls ``client.fit`` one client at a time, ``batched`` trains many
 ``TorchClient`` clients of one model at once with stacked parameters
 (``fedgrid.simulation.batched``); (3) each client's update is encoded with its
-uplink codec (error feedback per client), framed, decoded (but for a raw one, above), reconstructed and checked as the
-coordinator does, bounds included (``server/bounds.py``: the weight a result claims, the
-update's norm; names and counts at construction). A client's error in any phase is a
-``Failure``, never an exception.
+uplink codec (error feedback per client), framed, decoded (but for a raw one, above), and
+accepted by the coordinator's own functions (``server/accept.py``: the header's ``delta``
+flag and ``num_examples``, then each tensor finite and within the norm bound, then the
+round's bytes), so a simulated client fails exactly where a deployed one would, with the
+same message; names and counts are checked at construction as at Join. A client's error in
+any phase is a ``Failure``, never an exception.
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ from typing import Mapping, Protocol, Sequence, Union
 import torch
 
 from fedgrid.client.api import Client, FitOutput, OwnedState
-from fedgrid.client.uplink import UplinkEncoder, reconstruct
+from fedgrid.client.uplink import UplinkEncoder
 from fedgrid.compression import available_codecs
 from fedgrid.errors import ConfigError
 from fedgrid.proto import serde
+from fedgrid.server import accept
+from fedgrid.server.accept import RoundTally
 from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.downlink import Downlink, RoundDownlink
@@ -244,13 +248,46 @@ class InProcessFleet(Fleet):
         target: int | None = None,
     ) -> RoundOutcome[FitRes]:
         downlink = self.downlink.prepare(global_state)
-        base = downlink.base  # what clients hold after downloading: differences apply to it
         expected = TensorSpec.of(global_state)
         results: list[FitRes] = []
         failures: list[Failure] = []
-        bytes_up = bytes_down = raw_up = payload_up = 0
-        by_region: dict[str, list[int]] = {}  # [up, down] by client region, as GrpcFleet counts them
+        tally = RoundTally()  # as GrpcFleet counts a round (server/accept.py)
         goal = len(assignments) if target is None else target
+        pending, seconds = self._available(server_round, assignments, failures, keep_fastest=target is not None)
+        # Clients finish in order: once ``goal`` results are in, the rest are not needed.
+        step = 1 if self._trainer is None else self._trainer.clients_per_call
+        done = 0
+        downloads: dict[_Stream, tuple[ModelState, int]] = {}
+        while done < len(pending) and len(results) < goal:
+            group = pending[done : done + min(step, goal - len(results))]
+            done += len(group)
+            prepared = self._prepare(downlink, server_round, group, downloads, tally)  # phase 1
+            jobs = [(info, state, ins) for info, ins, _, state in prepared if not isinstance(state, Exception)]
+            outcomes = iter(self._train(jobs))  # phase 2
+            for info, ins, codec, state in prepared:  # phase 3: upload, as the coordinator receives it
+                try:
+                    if isinstance(state, Exception):
+                        raise state
+                    out = next(outcomes)
+                    if isinstance(out, Exception):
+                        raise out
+                    results.append(self._upload(server_round, info, ins, codec, state, out, downlink.base, expected,
+                                                tally))
+                except Exception as exc:  # a client's failure is data for the strategy
+                    log.warning("client %s failed in round %d: %s", info.name, server_round, exc)
+                    failures.append(Failure(info, f"{type(exc).__name__}: {exc}"))
+        cancelled = [info for info, _ in pending[done:]]
+        extra = tally.extra()
+        if self.profiles is not None:
+            extra["sim_round_s"] = max((seconds[r.client.client_id] for r in results), default=0.0)
+        return RoundOutcome(results, failures, cancelled, bytes_up=tally.bytes_up, bytes_down=tally.bytes_down,
+                            extra=extra)
+
+    def _available(self, server_round: int, assignments: Sequence[tuple[ClientInfo, FitIns]],
+                   failures: list[Failure], *, keep_fastest: bool
+                   ) -> tuple[list[tuple[ClientInfo, FitIns]], dict[str, float]]:
+        """The assignments of the clients available this round (the others fail), fastest
+        first under over-selection, and each one's simulated training seconds."""
         pending: list[tuple[ClientInfo, FitIns]] = []
         seconds: dict[str, float] = {}
         for info, ins in assignments:
@@ -261,79 +298,63 @@ class InProcessFleet(Fleet):
                     continue
                 seconds[info.client_id] = self.profiles.train_seconds(index, info.num_examples)
             pending.append((info, ins))
-        if seconds and target is not None:  # over-selection keeps the clients that finish first
+        if seconds and keep_fastest:  # over-selection keeps the clients that finish first
             pending.sort(key=lambda a: seconds[a[0].client_id])
-        # Clients finish in order: once ``goal`` results are in, the rest are not needed.
-        step = 1 if self._trainer is None else self._trainer.clients_per_call
-        done = 0
-        downloads: dict[_Stream, tuple[ModelState, int]] = {}
-        while done < len(pending) and len(results) < goal:
-            group = pending[done : done + min(step, goal - len(results))]
-            done += len(group)
-            prepared: list[tuple[ClientInfo, FitIns, str, Exception | None]] = []
-            jobs: list[tuple[ClientInfo, ModelState, FitIns]] = []
-            states: dict[str, ModelState] = {}
-            for info, ins in group:  # phase 1: download and task
-                try:
-                    codec = self.codec_policy.uplink(info)
-                    # An uplink sending differences takes them against the global values of what it uploads.
-                    names = ins.download_names(lossless_downlink=self.downlink.lossless, delta_uplink=not self._uplink(info.client_id, codec).lossless)
-                    state, size = self._download(downlink, server_round, info, downloads, names)
-                    bytes_down += size
-                    if info.region:
-                        by_region.setdefault(info.region, [0, 0])[1] += size
-                    states[info.client_id] = state
-                    jobs.append((info, state, dataclasses.replace(ins, config={**ins.config, "uplink_codec": codec})))
-                    prepared.append((info, ins, codec, None))
-                except Exception as exc:  # a client's failure is data for the strategy
-                    prepared.append((info, ins, "", exc))
-            outcomes = iter(self._train(jobs))  # phase 2
-            for info, ins, codec, error in prepared:  # phase 3: upload, as the coordinator receives it
-                try:
-                    if error is not None:
-                        raise error
-                    out = next(outcomes)
-                    if isinstance(out, Exception):
-                        raise out
-                    state = states[info.client_id]
-                    fast = self.fast_lossless and codec == "none" and _raw_passes(out, ins.expected or expected)
-                    if fast:  # what the wire would deliver, without the wire (see _raw_passes)
-                        header = serde.StreamInfo(round=server_round, num_examples=out.num_examples,
-                                                  metrics={k: float(v) for k, v in out.metrics.items()})
-                        serde.check_metrics(header.metrics)
-                        # A TorchClient's upload and the batched engine's rows are fresh copies (OwnedState);
-                        # anything else a client may still hold.
-                        received = (OrderedDict(out.state) if isinstance(out.state, OwnedState) else
-                                    OrderedDict((n, t.detach().to("cpu").clone(memory_format=torch.contiguous_format)) for n, t in out.state.items()))
-                        up_bytes = serde.stream_wire_bytes(received, header, chunk_size=self.chunk_size)
-                        up_payload = sum(t.numel() * t.element_size() for t in received.values())
-                    else:
-                        encoded_up, delta_up = self._uplink(info.client_id, codec).encode(global_state=state, new_state=out.state)
-                        info_up = serde.StreamInfo(round=server_round, num_examples=out.num_examples, metrics=out.metrics, delta=delta_up)
-                        up = list(encoded_up.frames(info_up, chunk_size=self.chunk_size))
-                        header, received = serde.decode_chunks(up, expected=ins.expected or expected)
-                        up_bytes, up_payload = sum(serde.wire_size(c) for c in up), encoded_up.total_bytes
-                    self.bounds.check_claim(header.num_examples, joined=info.num_examples)
-                    update = reconstruct(base, received, delta=header.delta)
-                    serde.check_finite(update)
-                    self.bounds.check_update(update, base)
-                except Exception as exc:  # a client's failure is data for the strategy
-                    log.warning("client %s failed in round %d: %s", info.name, server_round, exc)
-                    failures.append(Failure(info, f"{type(exc).__name__}: {exc}"))
-                    continue
-                bytes_up += up_bytes
-                if info.region:
-                    by_region.setdefault(info.region, [0, 0])[0] += up_bytes
-                payload_up += up_payload
-                raw_up += sum(t.numel() * t.element_size() for t in update.values())
-                results.append(FitRes(info, update, header.num_examples, header.metrics))
-        cancelled = [info for info, _ in pending[done:]]
-        extra = {"uplink_ratio": raw_up / payload_up} if payload_up else {}
-        for region, (region_up, region_down) in sorted(by_region.items()):
-            extra[f"bytes_up.{region}"], extra[f"bytes_down.{region}"] = float(region_up), float(region_down)
-        if self.profiles is not None:
-            extra["sim_round_s"] = max((seconds[r.client.client_id] for r in results), default=0.0)
-        return RoundOutcome(results, failures, cancelled, bytes_up=bytes_up, bytes_down=bytes_down, extra=extra)
+        return pending, seconds
+
+    def _prepare(self, downlink: RoundDownlink, server_round: int, group: Sequence[tuple[ClientInfo, FitIns]],
+                 downloads: dict[_Stream, tuple[ModelState, int]], tally: RoundTally
+                 ) -> list[tuple[ClientInfo, FitIns, str, ModelState | Exception]]:
+        """Phase 1: each client's uplink codec and downloaded model (or its exception); the task
+        it trains on carries the codec, as a deployed client's does."""
+        prepared: list[tuple[ClientInfo, FitIns, str, ModelState | Exception]] = []
+        for info, ins in group:
+            try:
+                codec = self.codec_policy.uplink(info)
+                # An uplink sending differences takes them against the global values of what it uploads.
+                delta_uplink = not self._uplink(info.client_id, codec).lossless
+                names = ins.download_names(lossless_downlink=self.downlink.lossless, delta_uplink=delta_uplink)
+                state, size = self._download(downlink, server_round, info, downloads, names)
+                tally.add_down(info.region, size)
+                task = dataclasses.replace(ins, config={**ins.config, "uplink_codec": codec})
+                prepared.append((info, task, codec, state))
+            except Exception as exc:  # a client's failure is data for the strategy
+                prepared.append((info, ins, "", exc))
+        return prepared
+
+    def _upload(self, server_round: int, info: ClientInfo, ins: FitIns, codec: str, state: ModelState, out: FitOutput,
+                base: ModelState, round_specs: Mapping[str, TensorSpec], tally: RoundTally) -> FitRes:
+        """Phase 3 for one client: its update through its uplink codec, accepted as the
+        coordinator accepts it (``server/accept.py``: header, then each tensor, then the bytes).
+
+        Raises:
+            InvalidUpdateError: whatever the coordinator would refuse, with its message.
+        """
+        expected = ins.expected or round_specs
+        if self.fast_lossless and codec == "none" and _raw_passes(out, expected):  # the wire's result, without the wire
+            metrics = {k: float(v) for k, v in out.metrics.items()}
+            header = serde.StreamInfo(round=server_round, num_examples=out.num_examples, metrics=metrics)
+            serde.check_metrics(header.metrics)
+            accept.check_header(self.bounds, info, num_examples=header.num_examples, delta=False, codec=codec)
+            # A TorchClient's upload and the batched engine's rows are fresh copies (OwnedState);
+            # anything else a client may still hold.
+            received = (OrderedDict(out.state) if isinstance(out.state, OwnedState) else OrderedDict(
+                (n, t.detach().to("cpu").clone(memory_format=torch.contiguous_format)) for n, t in out.state.items()))
+            wire = serde.stream_wire_bytes(received, header, chunk_size=self.chunk_size)
+            payload = sum(t.numel() * t.element_size() for t in received.values())
+        else:
+            encoded, delta = self._uplink(info.client_id, codec).encode(global_state=state, new_state=out.state)
+            head = serde.StreamInfo(round=server_round, num_examples=out.num_examples, metrics=out.metrics, delta=delta)
+            frames = list(encoded.frames(head, chunk_size=self.chunk_size))
+            sent = serde.read_header(frames[0])
+            accept.check_header(self.bounds, info, num_examples=sent.num_examples, delta=sent.delta, codec=codec)
+            header, received = serde.decode_chunks(frames, expected=expected)
+            wire, payload = sum(serde.wire_size(c) for c in frames), encoded.total_bytes
+        # Differences are kept as such (FitRes.delta) where clients hold the exact model, as GrpcFleet keeps them.
+        check = accept.UpdateCheck(base, self.bounds, delta=header.delta, keep_delta=self.downlink.lossless)
+        update = check.whole(received)
+        tally.add_up(info.region, wire=wire, payload=payload, raw=accept.raw_bytes(expected))
+        return FitRes(info, update, header.num_examples, header.metrics, check.keeps_delta)
 
     def evaluate_round(
         self,
@@ -356,7 +377,7 @@ class InProcessFleet(Fleet):
                 info_up = serde.StreamInfo(round=server_round, num_examples=out.num_examples, metrics=out.metrics)
                 up = list(serde.EncodedModel({}).frames(info_up))
                 header, _ = serde.decode_chunks(up, expected={})
-                self.bounds.check_claim(header.num_examples, joined=info.num_examples, evaluate=True)
+                accept.check_claim(self.bounds, info, header.num_examples, evaluate=True)
             except Exception as exc:  # a client's failure is data for the strategy
                 failures.append(Failure(info, f"{type(exc).__name__}: {exc}"))
                 continue

@@ -130,12 +130,12 @@ class ShardedFleet(Fleet):
 class _FitPacking:
     @staticmethod
     def pack(r: FitRes) -> Any:
-        return (r.state, r.num_examples, dict(r.metrics))
+        return (r.state, r.num_examples, dict(r.metrics), r.delta)
 
     @staticmethod
     def unpack(info: ClientInfo, packed: Any) -> FitRes:
-        state, num_examples, metrics = packed
-        return FitRes(info, state, num_examples, metrics)
+        state, num_examples, metrics, delta = packed
+        return FitRes(info, state, num_examples, metrics, delta)
 
     @staticmethod
     def raw_bytes(packed: Any) -> float:

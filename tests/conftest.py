@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 from collections import OrderedDict
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import pytest
 
@@ -44,6 +44,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             raise pytest.UsageError(f"{item.nodeid}: tests live in a tier folder ({', '.join(TIERS)})")
         item.add_marker(getattr(pytest.mark, tier))
         item.add_marker(pytest.mark.timeout(TIERS[tier]))
+
+
+@pytest.fixture(scope="session")
+def reference_deployment(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``get(coordinator_args, clients=, seed=)``: the run directory of an uninterrupted
+    deployment (``harness.deploy``), made once per session for each distinct set of arguments,
+    so the parity, crash and shutdown tests that compare against the same run share it. Its
+    logs are beside it: ``reference.coordinator.log``, ``reference.clientI.log``."""
+    from harness import deploy
+
+    made: dict[tuple[tuple[str, ...], int, int], Path] = {}
+
+    def get(coordinator_args: Sequence[str], *, clients: int, seed: int) -> Path:
+        key = (tuple(coordinator_args), clients, seed)
+        if key not in made:
+            made[key] = deploy(tmp_path_factory.mktemp("reference"), "reference", list(coordinator_args), clients=clients,
+                               seed=seed)
+        return made[key]
+
+    return get
 
 
 @pytest.fixture

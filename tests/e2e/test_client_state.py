@@ -16,6 +16,7 @@ from typing import Any, Iterator, Mapping
 import pytest
 import torch
 
+from fedgrid.aggregation.updates import as_model
 from fedgrid.client import Client, FitOutput
 from fedgrid.client import start_client as start  # harness.start_client starts a process
 from fedgrid.client import runtime
@@ -99,7 +100,8 @@ class Server:
         outcome = self.fleet.fit_round(server_round=server_round, global_state=state, assignments=[(info, FitIns(round=server_round))],
                                        timeout=timedelta(seconds=60))
         assert not outcome.failures, outcome.failures
-        update = OrderedDict((k, v.clone()) for k, v in outcome.results[0].state.items())
+        # A lossy uplink's result holds the difference (FitRes.delta): the model is the global one plus it.
+        update = OrderedDict((k, v.clone()) for k, v in as_model(state, outcome.results[0]).state.items())
         self.fleet.committed(server_round)
         return update
 

@@ -15,9 +15,20 @@ import pytest
 
 from fedgrid.runlog import read_metrics
 
-from harness import CoordinatorRun, Relay, assert_same_model, deploy, start_client, wait_until
+from harness import (
+    REFERENCE_ARGS,
+    REFERENCE_CLIENTS,
+    REFERENCE_ROUNDS,
+    REFERENCE_SEED,
+    CoordinatorRun,
+    Relay,
+    assert_same_model,
+    start_client,
+    wait_until,
+)
 
-ROUNDS, CLIENTS, SEED, KILLS = 10, 3, 11, 5
+# The shared reference deployment's run (tests/conftest.py), killed once in each of its first five rounds.
+ROUNDS, CLIENTS, SEED, KILLS = REFERENCE_ROUNDS, REFERENCE_CLIENTS, REFERENCE_SEED, 5
 PHASES = {"upload": "update_accepted", "aggregate": "aggregating", "checkpoint": "checkpoint_writing"}
 
 
@@ -55,13 +66,13 @@ def run_with_kills(tmp_path, common: list[str], schedule: list[tuple[int, str]],
     return runs
 
 
-def test_sigkill_at_random_moments_changes_nothing(tmp_path):
+def test_sigkill_at_random_moments_changes_nothing(tmp_path, reference_deployment):
     rng = random.Random(SEED)
     # One kill in each phase, the rest anywhere; rounds drawn from the seed, in run order.
     phases = list(PHASES) + rng.choices(list(PHASES), k=KILLS - len(PHASES))
     schedule = [(r, PHASES[p]) for r, p in sorted(zip(sorted(rng.sample(range(1, ROUNDS), KILLS)), phases))]
-    common = ["--rounds", str(ROUNDS), "--min-clients", str(CLIENTS), "--seed", str(SEED), "--heartbeat-interval-s", "2"]
-    reference = deploy(tmp_path, "reference", common, clients=CLIENTS, seed=SEED)
+    common = REFERENCE_ARGS
+    reference = reference_deployment(common, clients=CLIENTS, seed=SEED)
 
     state = tmp_path / "state"
     runs = run_with_kills(tmp_path, [*common, "--state-dir", str(state)], schedule, clients=CLIENTS, seed=SEED)
@@ -79,13 +90,13 @@ def test_sigkill_at_random_moments_changes_nothing(tmp_path):
     assert_same_model(out, reference)
 
 
-def test_fedadam_coordinator_killed_and_resumed_ends_bit_identical(tmp_path):
+def test_fedadam_coordinator_killed_and_resumed_ends_bit_identical(tmp_path, reference_deployment):
     """SIGKILL mid-aggregation and mid-upload: the server optimizer's moments come back from
     the checkpoint, so the resumed run ends with exactly the uninterrupted model."""
     rounds, clients, seed = 5, 3, 5
     common = ["--rounds", str(rounds), "--min-clients", str(clients), "--seed", str(seed), "--heartbeat-interval-s", "2",
               "--strategy", "fedadam", "--server-lr", "0.03"]
-    reference = deploy(tmp_path, "reference", common, clients=clients, seed=seed)
+    reference = reference_deployment(common, clients=clients, seed=seed)
     runs = run_with_kills(tmp_path, [*common, "--state-dir", str(tmp_path / "state")], [(2, "aggregating"), (4, "update_accepted")],
                           clients=clients, seed=seed)
     assert [len(r.seen("resumed")) for r in runs] == [0, 1, 1]

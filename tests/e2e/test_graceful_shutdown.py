@@ -14,9 +14,20 @@ import torch
 
 from fedgrid.runlog import load_model, read_metrics
 
-from harness import CoordinatorRun, Relay, assert_same_model, deploy, start_client, wait_until
+from harness import (
+    REFERENCE_ARGS,
+    REFERENCE_CLIENTS,
+    REFERENCE_ROUNDS,
+    REFERENCE_SEED,
+    CoordinatorRun,
+    Relay,
+    assert_same_model,
+    start_client,
+    wait_until,
+)
 
-ROUNDS, CLIENTS, SEED = 5, 3, 4
+# The shared reference deployment's run (tests/conftest.py), stopped in round 3 and resumed.
+ROUNDS, CLIENTS, SEED = REFERENCE_ROUNDS, REFERENCE_CLIENTS, REFERENCE_SEED
 
 
 def _health(address: str) -> int:
@@ -25,9 +36,9 @@ def _health(address: str) -> int:
         return reply.status
 
 
-def test_sigterm_mid_round_then_resume(tmp_path):
-    common = ["--rounds", str(ROUNDS), "--min-clients", str(CLIENTS), "--seed", str(SEED), "--heartbeat-interval-s", "2"]
-    reference = deploy(tmp_path, "reference", common, clients=CLIENTS, seed=SEED)
+def test_sigterm_mid_round_then_resume(tmp_path, reference_deployment):
+    common = list(REFERENCE_ARGS)
+    reference = reference_deployment(common, clients=CLIENTS, seed=SEED)
 
     out, log_path = tmp_path / "run", tmp_path / "coordinator.log"
     common += ["--state-dir", str(tmp_path / "state")]

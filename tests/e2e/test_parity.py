@@ -14,28 +14,17 @@ from fedgrid.determinism import BATCHED_ATOL
 from fedgrid.runlog import load_model, read_metrics
 from fedgrid.simulation.run import run_simulation
 
-from harness import REFERENCE, THREADS, start_client, start_coordinator
+from harness import REFERENCE, REFERENCE_ARGS, REFERENCE_CLIENTS, REFERENCE_ROUNDS, REFERENCE_SEED, THREADS
 
-ROUNDS, CLIENTS, SEED = 3, 3, 7
+# The shared reference deployment (tests/conftest.py): a coordinator and three client processes.
+ROUNDS, CLIENTS, SEED = REFERENCE_ROUNDS, REFERENCE_CLIENTS, REFERENCE_SEED
 KEYS = {"round", "loss", "accuracy", "bytes_up", "bytes_down", "wall_s", "clients_ok", "clients_failed"}
 
 
-def test_coordinator_and_three_client_processes_match_simulation(tmp_path):
-    run_dir = tmp_path / "coord"
-    proc, address = start_coordinator(
-        run_dir, "--rounds", str(ROUNDS), "--min-clients", str(CLIENTS), "--seed", str(SEED), "--heartbeat-interval-s", "1"
-    )
-    clients = [start_client(address, tmp_path / f"client{i}.log", "--partition", f"{i}/{CLIENTS}", "--seed", str(SEED)) for i in range(CLIENTS)]
-    try:
-        for i, c in enumerate(clients):
-            assert c.wait(timeout=180) == 0, (tmp_path / f"client{i}.log").read_text()
-        assert proc.wait(timeout=60) == 0
-    finally:
-        for p in [proc, *clients]:
-            if p.poll() is None:
-                p.kill()
+def test_coordinator_and_three_client_processes_match_simulation(tmp_path, reference_deployment):
+    run_dir = reference_deployment(REFERENCE_ARGS, clients=CLIENTS, seed=SEED)
     for i in range(CLIENTS):
-        text = (tmp_path / f"client{i}.log").read_text()
+        text = (run_dir.parent / f"reference.client{i}.log").read_text()
         assert f"{ROUNDS} rounds trained" in text
         assert f"fedgrid client {i}/{CLIENTS}: {THREADS} threads, torch {torch.__version__}" in text
     recorded = tomllib.loads((run_dir / "config.toml").read_text())

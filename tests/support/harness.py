@@ -208,6 +208,13 @@ class CoordinatorRun:
         return path.read_text().strip()
 
 
+#: The reference deployment the parity, crash and shutdown tests share (``reference_deployment``):
+#: a coordinator and CLIENTS client processes, uninterrupted, ROUNDS rounds from SEED.
+REFERENCE_ROUNDS, REFERENCE_CLIENTS, REFERENCE_SEED = 6, 3, 7
+REFERENCE_ARGS = ["--rounds", str(REFERENCE_ROUNDS), "--min-clients", str(REFERENCE_CLIENTS), "--seed", str(REFERENCE_SEED),
+                  "--heartbeat-interval-s", "2"]
+
+
 def deploy(tmp_path: Path, name: str, coordinator_args: list[str], *, clients: int, seed: int) -> Path:
     """An uninterrupted coordinator with ``clients`` client processes (the same processes,
     flags and thread count as the tests' fault-injected runs); returns its run directory."""

@@ -1,0 +1,157 @@
+"""Accepting an update: the one path every fleet takes from "a client sent this" to "a result
+of the round".
+
+``GrpcFleet`` (``server/uploads.py``) and the simulated fleets (``simulation/fleet.py``)
+call these functions, so a simulated run refuses what a deployment refuses, with the same
+error and message, and counts the same bytes:
+
+1. ``check_header``, before any tensor is read: the ``delta`` flag must match the task's
+   uplink codec (a lossless codec never sends differences: a ``delta`` update on a ``none``
+   task would be added to the global model), and ``num_examples`` must be within its bounds
+   (``server/bounds.py``; a fit update claims at least one example, since its claim is its
+   weight in a mean).
+2. ``UpdateCheck``, on each tensor as it completes (shape and dtype are the decoder's,
+   ``serde.ModelAssembler``, against the task's expected specs): a difference is taken as
+   its value against the round's model, which must be finite and within the norm bound.
+3. ``RoundTally``: the round's wire, payload and uncompressed bytes, up and down, by region.
+
+Each refusal raises ``InvalidUpdateError``; the gRPC servicer maps it to INVALID_ARGUMENT
+and the simulated fleet records it as the client's ``Failure`` for the round.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+
+from fedgrid.compression import parse_codec_spec
+from fedgrid.compression.feedback import is_delta_tensor
+from fedgrid.errors import InvalidUpdateError
+from fedgrid.proto import serde
+from fedgrid.server.bounds import UpdateBounds
+from fedgrid.types import ClientInfo, ModelState, TensorSpec
+
+__all__ = ["RoundTally", "UpdateCheck", "check_claim", "check_delta", "check_header", "raw_bytes", "sends_differences"]
+
+
+def sends_differences(codec: str) -> bool:
+    """Whether uplink codec ``codec`` sends differences to the global model (every lossy one does)."""
+    return not parse_codec_spec(codec, key="uplink_codec").lossless
+
+
+def check_delta(codec: str, delta: bool) -> None:
+    """A fit update carries differences exactly when its task's uplink codec sends them.
+
+    Raises:
+        InvalidUpdateError: naming the flag and the codec.
+    """
+    differences = sends_differences(codec)
+    if delta != differences:
+        raise InvalidUpdateError(
+            f"delta: the upload says delta={delta}, the task's uplink codec {codec!r} sends "
+            + ("differences (delta=True)" if differences else "whole values (delta=False)")
+        )
+
+
+def check_claim(bounds: UpdateBounds, client: ClientInfo, num_examples: int, *, evaluate: bool = False) -> None:
+    """The ``num_examples`` a result claims: within ``bounds`` and, for a fit update, at least 1.
+
+    An evaluation of no examples is not refused here: it fails the client's round when it is
+    counted (it says nothing about the model).
+
+    Raises:
+        InvalidUpdateError: naming the numbers.
+    """
+    bounds.check_claim(num_examples, joined=client.num_examples, evaluate=evaluate)
+    if not evaluate and num_examples < 1:
+        raise InvalidUpdateError("num_examples must be at least 1")
+
+
+def check_header(bounds: UpdateBounds, client: ClientInfo, *, num_examples: int, delta: bool, codec: str) -> None:
+    """Everything a fit update's header must pass before its tensors are read
+    (``check_delta``, then ``check_claim``)."""
+    check_delta(codec, delta)
+    check_claim(bounds, client, num_examples)
+
+
+def raw_bytes(expected: Mapping[str, TensorSpec]) -> int:
+    """What an update of the specs ``expected`` weighs uncompressed."""
+    return sum(spec.nbytes for spec in expected.values())
+
+
+class UpdateCheck:
+    """Checks one fit update tensor by tensor, as each completes.
+
+    Args:
+        base: the round's model the client started from (what differences apply to).
+        bounds: the norm bound the update must meet.
+        delta: the update's floating tensors are differences from ``base``.
+        keep_delta: keep differences as they are (``FitRes.delta``): allowed when ``base`` is
+            exactly the model the fleet was given (``RoundDownlink.exact``). Otherwise they
+            are added to ``base`` and the update kept as values.
+    """
+
+    def __init__(self, base: Mapping[str, torch.Tensor], bounds: UpdateBounds, *, delta: bool,
+                 keep_delta: bool = False) -> None:
+        self.base, self.delta = base, delta
+        self.keeps_delta = delta and keep_delta
+        self.norm = bounds.norm(base)  # accumulates over the tensors: a resumed upload goes on counting
+
+    def add(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Tensor ``name`` as received; returns the value to keep (``keeps_delta``: a difference).
+
+        Raises:
+            InvalidUpdateError: the value (or the difference kept) is not finite, or the norm
+                so far is over its bound.
+        """
+        difference = self.delta and is_delta_tensor(tensor)
+        if difference and self.keeps_delta:  # no pass over the model, no rounding
+            value = tensor
+        else:
+            value = self.base[name] + tensor if difference else tensor
+            difference = False
+        serde.check_finite({name: value})
+        if self.norm is not None:
+            self.norm.add(name, value, difference=difference)
+        return value
+
+    def whole(self, received: Mapping[str, torch.Tensor]) -> ModelState:
+        """``add`` on every tensor of ``received``, in order."""
+        return OrderedDict((name, self.add(name, tensor)) for name, tensor in received.items())
+
+
+@dataclass
+class RoundTally:
+    """The bytes of one round's phase: wire bytes up and down, by client region too, and what
+    the accepted updates weigh as sent (``payload_up``) and uncompressed (``raw_up``)."""
+
+    bytes_up: int = 0
+    bytes_down: int = 0
+    region_bytes: dict[str, list[int]] = field(default_factory=dict)  # [up, down] by region (labelled ones)
+    raw_up: int = 0
+    payload_up: int = 0
+
+    def add_up(self, region: str, *, wire: int, payload: int = 0, raw: int = 0) -> None:
+        """An accepted upload of ``wire`` bytes on the wire."""
+        self.bytes_up += wire
+        if region:
+            self.region_bytes.setdefault(region, [0, 0])[0] += wire
+        self.payload_up += payload
+        self.raw_up += raw
+
+    def add_down(self, region: str, wire: int) -> None:
+        """A download of ``wire`` bytes on the wire."""
+        self.bytes_down += wire
+        if region:
+            self.region_bytes.setdefault(region, [0, 0])[1] += wire
+
+    def extra(self) -> dict[str, float]:
+        """``RoundOutcome.extra``'s byte entries: ``uplink_ratio`` (when anything was accepted)
+        and ``bytes_up.REGION`` / ``bytes_down.REGION``, regions in sorted order."""
+        extra = {"uplink_ratio": self.raw_up / self.payload_up} if self.payload_up else {}
+        for region, (up, down) in sorted(self.region_bytes.items()):
+            extra[f"bytes_up.{region}"], extra[f"bytes_down.{region}"] = float(up), float(down)
+        return extra
