@@ -17,7 +17,7 @@ import torch
 
 from fedgrid.aggregation.base import AggregationPreconditionError, Aggregator, Strategy, weighted_metrics
 from fedgrid.aggregation.mean import WeightedMean, weighted_mean, weighted_mean_of_rows
-from fedgrid.aggregation.updates import aggregate_deltas, apply_delta, average_values, client_value, split_names
+from fedgrid.aggregation.updates import add_update, aggregate_deltas, average_values, client_value, split_names
 from fedgrid.aggregation.selection import Sampling, SelectionPolicy
 from fedgrid.seeding import derive_seed
 from fedgrid.types import ClientInfo, EvaluateIns, FitIns, FitRes, Failure, ModelState, Scalar
@@ -158,7 +158,7 @@ class FedAvg(Strategy):
                 out[name] = new_value
             return out
         floating, others = split_names(state, names)
-        new = apply_delta(state, aggregate_deltas(global_state=state, results=results, names=floating, aggregator=self.aggregator))
+        new = add_update(state, aggregate_deltas(global_state=state, results=results, names=floating, aggregator=self.aggregator))
         new.update(average_values(results, others))
         return OrderedDict((n, new[n]) for n in names)
 

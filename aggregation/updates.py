@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -36,7 +36,7 @@ __all__ = [
     "as_model",
     "aggregate_deltas",
     "average_values",
-    "apply_delta",
+    "add_update",
 ]
 
 
@@ -153,10 +153,21 @@ def average_values(results: Sequence[FitRes], names: Sequence[str]) -> ModelStat
     return agg.result()
 
 
-def apply_delta(global_state: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor]) -> ModelState:
-    """``global + delta`` for each name of ``delta``, cast back to the global tensor's dtype."""
+def add_update(global_state: Mapping[str, torch.Tensor], update: Mapping[str, torch.Tensor]) -> ModelState:
+    """``global + update`` for each name of ``update`` (an aggregated difference), cast back to the global
+    tensor's dtype. (``fedgrid.compression.feedback.apply_delta`` is what a receiver of one delta runs.)"""
     out: ModelState = OrderedDict()
-    for name, d in delta.items():
+    for name, d in update.items():
         ref = global_state[name]
         out[name] = (ref.to(d.dtype) + d).to(ref.dtype)
     return out
+
+
+def __getattr__(name: str) -> Any:
+    if name == "apply_delta":  # two functions had this name; this one is add_update (for one release, with a warning)
+        import warnings
+
+        warnings.warn("fedgrid.aggregation.updates.apply_delta is deprecated and goes in the next release: use "
+                      "fedgrid.aggregation.updates.add_update", DeprecationWarning, stacklevel=2)
+        return add_update
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,7 +3,7 @@
 Two measurements, in one run:
 
 - ``overhead``: for each client count (default 10, 100 and 500), a coordinator
-  (``RoundEngine`` + ``GrpcFleet`` + ``Coordinator``, FedAvg over every live client) runs
+  (``RoundEngine`` + ``RemoteFleet`` + ``Coordinator``, FedAvg over every live client) runs
   warm-up + measured rounds of a tiny model against lightweight clients on loopback. Each
   client is ``fedgrid.client.start`` (the SDK's run loop, with its heartbeat thread) in a
   thread of a client process holding many of them; its ``fit`` sleeps a fixed compute time
@@ -212,9 +212,9 @@ def _coordinator_main(spec: CoordinatorSpec, pipe: Pipe) -> None:
     try:
         from fedgrid.server.app import Coordinator
         from fedgrid.server.engine import RoundEngine
-        from fedgrid.server.grpc_fleet import GrpcFleet
+        from fedgrid.server.remote_fleet import RemoteFleet
 
-        fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=spec.heartbeat_s))
+        fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=spec.heartbeat_s))
         cleanup.append(fleet.close)
         coordinator = Coordinator("127.0.0.1:0", fleet, max_workers=spec.max_workers).start()
         cleanup.append(lambda: coordinator.stop(grace=1.0))

@@ -49,9 +49,9 @@ import sys
 from datetime import timedelta
 from fedgrid.proto.tls import TLSFiles
 from fedgrid.server.app import Coordinator
-from fedgrid.server.grpc_fleet import GrpcFleet
+from fedgrid.server.remote_fleet import RemoteFleet
 tls = TLSFiles(*sys.argv[1:4]) if len(sys.argv) > 1 else None
-fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=600))
+fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=600))
 server = Coordinator("127.0.0.1:0", fleet, tls=tls).start()
 print(server.port, flush=True)
 sys.stdin.read()

@@ -37,8 +37,8 @@ SERVER = """
 import sys, threading
 from datetime import timedelta
 from fedgrid.server.app import Coordinator
-from fedgrid.server.grpc_fleet import GrpcFleet
-fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=600))
+from fedgrid.server.remote_fleet import RemoteFleet
+fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=600))
 server = Coordinator("127.0.0.1:0", fleet, max_workers=256).start()
 print(server.port, flush=True)
 sys.stdin.read()

@@ -53,8 +53,8 @@ SERVER = """
 import sys
 from datetime import timedelta
 from fedgrid.server.app import Coordinator
-from fedgrid.server.grpc_fleet import GrpcFleet
-fleet = GrpcFleet()
+from fedgrid.server.remote_fleet import RemoteFleet
+fleet = RemoteFleet()
 server = Coordinator("127.0.0.1:0", fleet, max_workers=256).start()
 print(server.port, flush=True)
 sys.stdin.read()

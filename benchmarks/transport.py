@@ -3,7 +3,7 @@
 For each model size and direction it measures, in one run and interleaved repetition by
 repetition, the throughput of:
 
-- ``fedgrid``: the coordinator (``Coordinator`` over a ``GrpcFleet``) and the client SDK's
+- ``fedgrid``: the coordinator (``Coordinator`` over a ``RemoteFleet``) and the client SDK's
   ``Connection``; download is ``Connection.download`` (chunk stream, checksums, tensor
   assembly), upload is ``Connection.upload`` up to the server's reply, which comes only
   after the server has assembled and validated the update (shapes, checksums, NaN/Inf).
@@ -143,15 +143,15 @@ def _fedgrid_tls(spec: PeerSpec) -> Any:
 
 
 class FedgridServer:
-    """Coordinator + GrpcFleet; each repetition is one ``fit_round`` with the client."""
+    """Coordinator + RemoteFleet; each repetition is one ``fit_round`` with the client."""
 
     def __init__(self, spec: PeerSpec) -> None:
         from fedgrid.server.app import Coordinator
-        from fedgrid.server.grpc_fleet import GrpcFleet
+        from fedgrid.server.remote_fleet import RemoteFleet
 
         self.state = make_state(spec.num_params)
         # The harness sends no heartbeats: a long interval keeps the client registered.
-        self.fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=600), chunk_size=spec.chunk_size)
+        self.fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=600), chunk_size=spec.chunk_size)
         self.coordinator = Coordinator("127.0.0.1:0", self.fleet, tls=_fedgrid_tls(spec)).start()
         self.address = self.coordinator.address
         self._thread: threading.Thread | None = None

@@ -58,7 +58,7 @@ from fedgrid.proto.tls import TLSFiles
 from fedgrid.runlog import RunWriter
 from fedgrid.server.app import Coordinator, build_fleet, write_address
 from fedgrid.server.engine import ROUND_FAILED, RoundEngine
-from fedgrid.server.grpc_fleet import GrpcFleet
+from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.state import StateStore
 from fedgrid.server.strategies import build_strategy
 from fedgrid.textsafe import escape
@@ -236,7 +236,7 @@ def _serve(config: Config, threads: int, ready: threading.Event | None, stop: th
     return trained
 
 
-def _serve_upstream(config: Config, region: RegionClient, fleet: GrpcFleet, stop: threading.Event,
+def _serve_upstream(config: Config, region: RegionClient, fleet: RemoteFleet, stop: threading.Event,
                     on_task: Callable[[TaskReport], None]) -> tuple[int, bool]:
     """Serves the global coordinator's tasks once the region has its clients, joining upstream
     again (with backoff) while it refuses the region; returns the global tasks trained and

@@ -1,7 +1,7 @@
 """Accepting an update: the one path every fleet takes from "a client sent this" to "a result
 of the round".
 
-``GrpcFleet`` (``server/uploads.py``) and the simulated fleets (``simulation/fleet.py``)
+``RemoteFleet`` (``server/uploads.py``) and the simulated fleets (``simulation/fleet.py``)
 call these functions, so a simulated run refuses what a deployment refuses, with the same
 error and message, and counts the same bytes:
 

@@ -42,7 +42,7 @@ from fedgrid.server.bounds import build_bounds
 from fedgrid.server.engine import EvaluateFn, RoundEngine
 from fedgrid.server.enrollment import EnrollmentServer
 from fedgrid.server.codec_policy import build_codec_policy
-from fedgrid.server.grpc_fleet import GrpcFleet
+from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.memory import return_large_buffers_to_the_system
 from fedgrid.server.monitor import CoordinatorMonitor
 from fedgrid.server.peers import PeerCheck
@@ -72,7 +72,7 @@ GRPC_OPTIONS = [
 
 
 class Coordinator:
-    """A listening gRPC server (``grpc.aio``) over a ``GrpcFleet``; ``port`` is known once constructed.
+    """A listening gRPC server (``grpc.aio``) over a ``RemoteFleet``; ``port`` is known once constructed.
 
     The server runs on an asyncio event loop in a thread of its own, so the calling thread
     (the round engine) is free; idle long polls hold no thread.
@@ -101,7 +101,7 @@ class Coordinator:
     def __init__(
         self,
         listen: str,
-        fleet: GrpcFleet,
+        fleet: RemoteFleet,
         *,
         max_workers: int = 256,
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
@@ -244,9 +244,9 @@ def coordinator_model(config: Config) -> ModelState | None:
     return None
 
 
-def build_fleet(config: Config, events: EventLog) -> GrpcFleet:
-    """The ``GrpcFleet`` of a coordinator (or a region's) with ``config``'s links, limits and spill directory."""
-    return GrpcFleet(
+def build_fleet(config: Config, events: EventLog) -> RemoteFleet:
+    """The ``RemoteFleet`` of a coordinator (or a region's) with ``config``'s links, limits and spill directory."""
+    return RemoteFleet(
         events=events,
         heartbeat_interval=timedelta(seconds=config.heartbeat_interval_s),
         chunk_size=config.chunk_size,
@@ -348,7 +348,7 @@ class _Wired:
 
     writer: RunWriter
     events: EventLog
-    fleet: GrpcFleet
+    fleet: RemoteFleet
     engine: RoundEngine
     monitor: CoordinatorMonitor | None
 
@@ -390,7 +390,7 @@ def _wire(config: Config, threads: int, initial: ModelState, evaluate_fn: Evalua
     return _Wired(writer, events, fleet, engine, monitor)
 
 
-def _start_servers(config: Config, fleet: GrpcFleet, monitor: CoordinatorMonitor | None, tls: TLSFiles | None,
+def _start_servers(config: Config, fleet: RemoteFleet, monitor: CoordinatorMonitor | None, tls: TLSFiles | None,
                    enrollment: EnrollmentServer | None) -> tuple[Coordinator, StatusServer | None]:
     """Binds the status server (with a monitor), starts the coordinator, then the enrollment
     service; what was bound is stopped again when a later step fails."""
@@ -413,7 +413,7 @@ def _start_servers(config: Config, fleet: GrpcFleet, monitor: CoordinatorMonitor
     return coordinator, http
 
 
-def _announce(config: Config, threads: int, fleet: GrpcFleet, events: EventLog, coordinator: Coordinator,
+def _announce(config: Config, threads: int, fleet: RemoteFleet, events: EventLog, coordinator: Coordinator,
               enrollment: EnrollmentServer | None, http: StatusServer | None) -> None:
     """Writes the bound addresses to ``RUN_DIR`` and prints them; emits ``started``."""
     if http is not None:

@@ -15,7 +15,7 @@ bounds magnitudes: no coordinate of an accepted update is further than the bound
 global model. With it off, finite but huge updates can still overflow an aggregate; the
 round engine never commits a non-finite one (``server/engine.py``).
 
-``GrpcFleet`` (``server/uploads.py``) and ``InProcessFleet`` apply the same bounds, through
+``RemoteFleet`` (``server/uploads.py``) and ``InProcessFleet`` apply the same bounds, through
 the same functions (``server/accept.py``), so a simulated run refuses what a deployment would.
 A difference kept as such (``FitRes.delta``) is measured as received, not against ``base``.
 """

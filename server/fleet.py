@@ -1,6 +1,6 @@
 """The ``Fleet`` seam: how the round engine reaches clients.
 
-``GrpcFleet`` (``server/grpc_fleet.py``) reaches real clients over the network; the
+``RemoteFleet`` (``server/remote_fleet.py``) reaches real clients over the network; the
 simulation fleets run them in process. The engine, strategies and codecs never know which.
 """
 

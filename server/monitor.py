@@ -41,7 +41,7 @@ import grpc
 
 from fedgrid.events import Event
 from fedgrid.server.aio import wrap_behaviour
-from fedgrid.server.grpc_fleet import GrpcFleet
+from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.registry import SILENCE_INTERVALS
 from fedgrid.server.status_page import page_response
 from fedgrid.types import RoundMetrics
@@ -83,7 +83,7 @@ class CoordinatorMonitor:
         ConfigError: ``prometheus-client`` is not installed (the message names the extra).
     """
 
-    def __init__(self, fleet: GrpcFleet, *, rounds: int, history: Callable[[], Sequence[RoundMetrics]]) -> None:
+    def __init__(self, fleet: RemoteFleet, *, rounds: int, history: Callable[[], Sequence[RoundMetrics]]) -> None:
         prom = require_prometheus()
         self.fleet = fleet
         self.rounds = rounds

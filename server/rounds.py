@@ -4,7 +4,7 @@ message phases.
 A ``RoundTask`` is what the fleet holds while a phase runs: its assignments, the results
 and failures so far, the bytes moved and, for a fit or evaluate phase, the model clients
 download. ``check_outbox`` and ``relay`` are the rules of message phases, shared by
-``GrpcFleet`` and the simulation's ``InProcessFleet`` so both relay the same messages.
+``RemoteFleet`` and the simulation's ``InProcessFleet`` so both relay the same messages.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""The thin gRPC servicer, on ``grpc.aio``: decode, call ``GrpcFleet``, map domain errors to
+"""The thin gRPC servicer, on ``grpc.aio``: decode, call ``RemoteFleet``, map domain errors to
 status codes in one place.
 
 Handlers run on the server's event loop and never block it: a long poll awaits its own
-wake-up (``GrpcFleet.poll_async``), so ten thousand idle polls hold no thread; CPU work
+wake-up (``RemoteFleet.poll_async``), so ten thousand idle polls hold no thread; CPU work
 (encoding a download, checking and decoding an upload, spill writes, waiting for an upload
 to settle) runs on the ``executor`` threads.
 """
@@ -32,7 +32,7 @@ from fedgrid.errors import (
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import serde
 from fedgrid.server.aio import wrap_behaviour
-from fedgrid.server.grpc_fleet import GrpcFleet
+from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.peers import CALLER, PeerCheck
 from fedgrid.textsafe import escape
 from fedgrid.types import EVALUATE, FIT, MessageIns
@@ -152,7 +152,7 @@ class _StreamReader:
 
 
 class CoordinatorServicer:
-    """Implements ``fedgrid.v1.Coordinator`` over a ``GrpcFleet``.
+    """Implements ``fedgrid.v1.Coordinator`` over a ``RemoteFleet``.
 
     Args:
         fleet: the coordinator's state.
@@ -161,7 +161,7 @@ class CoordinatorServicer:
         stream_idle_s: an upload stream that sends nothing this long is given up.
     """
 
-    def __init__(self, fleet: GrpcFleet, executor: Executor, *, max_transfers: int = MAX_TRANSFERS, stream_idle_s: float = STREAM_IDLE_S) -> None:
+    def __init__(self, fleet: RemoteFleet, executor: Executor, *, max_transfers: int = MAX_TRANSFERS, stream_idle_s: float = STREAM_IDLE_S) -> None:
         self.fleet = fleet
         self.executor = executor
         self.max_transfers = max_transfers

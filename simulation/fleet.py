@@ -251,7 +251,7 @@ class InProcessFleet(Fleet):
         expected = TensorSpec.of(global_state)
         results: list[FitRes] = []
         failures: list[Failure] = []
-        tally = RoundTally()  # as GrpcFleet counts a round (server/accept.py)
+        tally = RoundTally()  # as RemoteFleet counts a round (server/accept.py)
         goal = len(assignments) if target is None else target
         pending, seconds = self._available(server_round, assignments, failures, keep_fastest=target is not None)
         # Clients finish in order: once ``goal`` results are in, the rest are not needed.
@@ -350,7 +350,7 @@ class InProcessFleet(Fleet):
             accept.check_header(self.bounds, info, num_examples=sent.num_examples, delta=sent.delta, codec=codec)
             header, received = serde.decode_chunks(frames, expected=expected)
             wire, payload = sum(serde.wire_size(c) for c in frames), encoded.total_bytes
-        # Differences are kept as such (FitRes.delta) where clients hold the exact model, as GrpcFleet keeps them.
+        # Differences are kept as such (FitRes.delta) where clients hold the exact model, as RemoteFleet keeps them.
         check = accept.UpdateCheck(base, self.bounds, delta=header.delta, keep_delta=self.downlink.lossless)
         update = check.whole(received)
         tally.add_up(info.region, wire=wire, payload=payload, raw=accept.raw_bytes(expected))

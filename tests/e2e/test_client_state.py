@@ -25,7 +25,7 @@ from fedgrid.client.uplink import UplinkEncoder, reconstruct
 from fedgrid.proto import serde
 from fedgrid.server.app import Coordinator
 from fedgrid.server.codec_policy import CodecPolicy
-from fedgrid.server.grpc_fleet import GrpcFleet
+from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.types import ClientInfo, FitIns, ModelState
 
 from harness import wait_until
@@ -79,7 +79,7 @@ class Server:
     """A coordinator whose rounds the test drives one by one, for one named client."""
 
     def __init__(self) -> None:
-        self.fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=30), codec_policy=CodecPolicy(CODEC))
+        self.fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=30), codec_policy=CodecPolicy(CODEC))
         self.coordinator = Coordinator("127.0.0.1:0", self.fleet, max_workers=16).start()
         self.address = self.coordinator.address
         self.known: set[str] = set()

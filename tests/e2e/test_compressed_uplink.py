@@ -13,7 +13,7 @@ from fedgrid.client import start_client as start  # harness.start_client starts 
 from fedgrid.server.app import Coordinator
 from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.engine import RoundEngine
-from fedgrid.server.grpc_fleet import GrpcFleet
+from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.simulation.fleet import InProcessFleet
 from fedgrid.simulation.tasks import digits_client, digits_model, initial_state
 
@@ -35,7 +35,7 @@ def _clients():
 
 def _deploy(policy, downlink_codec="none"):
     """The same run over real gRPC, clients in threads of this process; returns the engine."""
-    fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=30), codec_policy=policy, downlink_codec=downlink_codec)
+    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=30), codec_policy=policy, downlink_codec=downlink_codec)
     server = Coordinator("127.0.0.1:0", fleet, max_workers=16).start()
     try:
         handles = [start(c, server.address, poll_wait_s=1.0) for c in _clients()]

@@ -33,7 +33,7 @@ def test_custom_app_with_federated_evaluation_matches_simulation(tmp_path, monke
             if p.poll() is None:
                 p.kill()
     imported = [line.rsplit("|", 1)[-1].strip() for line in (tmp_path / "coord.coordinator.log").read_text().splitlines() if line.startswith("import time:")]
-    assert "fedgrid.server.app" in imported and "fedgrid.server.grpc_fleet" in imported
+    assert "fedgrid.server.app" in imported and "fedgrid.server.remote_fleet" in imported
     assert not [m for m in imported if m.startswith(("fedgrid.simulation", "sklearn"))]
     metrics = read_metrics(run_dir)
     assert [m["round"] for m in metrics] == [1, 2, 3]

@@ -17,7 +17,7 @@ from fedgrid.aggregation import FedAvg
 from fedgrid.events import EventLog
 from fedgrid.server.app import Coordinator
 from fedgrid.server.engine import RoundEngine
-from fedgrid.server.grpc_fleet import GrpcFleet
+from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.simulation.tasks import initial_state
 
 from harness import child_env, start_client, wait_until
@@ -51,7 +51,7 @@ def test_dropouts_and_straggler(tmp_path, monkeypatch):
     events = EventLog()
     seen: list = []
     events.subscribe(seen.append)
-    fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=0.5), events=events)
+    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=0.5), events=events)
     server = Coordinator("127.0.0.1:0", fleet, max_workers=64).start()
     strategy = Recording()
     strategy.initialize(initial_state=initial_state(slow_app.model, seed=0))

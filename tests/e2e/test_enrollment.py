@@ -30,7 +30,7 @@ from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
 from fedgrid.proto.tls import TLSFiles
 from fedgrid.server.app import Coordinator
 from fedgrid.server.enrollment import EnrollmentServer
-from fedgrid.server.grpc_fleet import GrpcFleet
+from fedgrid.server.remote_fleet import RemoteFleet
 from harness import FEDGRID, THREADS, child_env, start_coordinator, wait_until
 from harness_clients import Named
 
@@ -57,7 +57,7 @@ def service(ca_dir: Path):
 
 @pytest.fixture
 def coordinator(ca_dir: Path):
-    fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=60))
+    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=60))
     c = Coordinator("127.0.0.1:0", fleet, max_workers=8, tls=server_tls(ca_dir)).start()
     yield c
     c.stop(grace=0.5)

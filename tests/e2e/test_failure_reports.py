@@ -14,7 +14,7 @@ import torch
 from fedgrid.client import start_client as start  # harness.start_client starts a process
 from fedgrid.client.runtime import Connection
 from fedgrid.errors import AuthenticationError, InvalidUpdateError, StaleTaskError
-from fedgrid.server.grpc_fleet import GrpcFleet
+from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.types import ClientInfo, FitIns
 
 from harness import InProcessCoordinator, start_client, wait_until
@@ -152,12 +152,12 @@ def test_rejoin_under_the_same_name_replaces_the_old_session(small_state):
         server.stop()
 
 
-def _join(fleet: GrpcFleet, name: str) -> tuple[ClientInfo, str]:
+def _join(fleet: RemoteFleet, name: str) -> tuple[ClientInfo, str]:
     return fleet.join(ClientInfo(client_id="", name=name, num_examples=1))
 
 
 def test_a_client_that_never_delivers_costs_one_deadline_then_is_benched(small_state):
-    fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=60))
+    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=60))
     mute, mute_token = _join(fleet, "mute")
     other, other_token = _join(fleet, "other")
     outcome = fleet.fit_round(server_round=1, global_state=small_state, assignments=[(mute, FitIns(round=1)), (other, FitIns(round=1))],
@@ -169,7 +169,7 @@ def test_a_client_that_never_delivers_costs_one_deadline_then_is_benched(small_s
     with pytest.raises(TimeoutError, match=r"0 live clients .* \(2 more benched after missing a deadline\)"):
         fleet.wait_for_clients(min_clients=1, timeout=timedelta(seconds=0.2))
     # The benching survives a restart of the coordinator.
-    restored = GrpcFleet(heartbeat_interval=timedelta(seconds=60))
+    restored = RemoteFleet(heartbeat_interval=timedelta(seconds=60))
     restored.load_state_dict(fleet.state_dict())
     with pytest.raises(TimeoutError):
         restored.wait_for_clients(min_clients=1, timeout=timedelta(seconds=0.1))
@@ -183,7 +183,7 @@ def test_a_client_that_never_delivers_costs_one_deadline_then_is_benched(small_s
 
 
 def test_bad_reports_change_nothing(small_state):
-    fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=60))
+    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=60))
     info, token = _join(fleet, "c")
     import threading
 
@@ -212,7 +212,7 @@ def test_a_client_holding_a_long_poll_is_alive_without_heartbeats():
     import asyncio
     import time
 
-    fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=0.1))  # silent for 0.3 s: gone
+    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=0.1))  # silent for 0.3 s: gone
     info, token = _join(fleet, "poller")
 
     async def main() -> tuple[list[str], list[str]]:

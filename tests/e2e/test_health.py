@@ -13,7 +13,7 @@ from fedgrid.ops import pki
 from fedgrid.ops.health import check, coordinator_service
 from fedgrid.proto.tls import TLSFiles
 from fedgrid.server.app import Coordinator
-from fedgrid.server.grpc_fleet import GrpcFleet
+from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.service import SERVICE
 
 from harness import child_env
@@ -46,7 +46,7 @@ def test_the_service_name_is_the_servers():
 
 
 def test_serving_not_serving_and_nothing_listening_over_plaintext():
-    coordinator = Coordinator("127.0.0.1:0", GrpcFleet(heartbeat_interval=timedelta(seconds=60)), max_workers=4).start()
+    coordinator = Coordinator("127.0.0.1:0", RemoteFleet(heartbeat_interval=timedelta(seconds=60)), max_workers=4).start()
     try:
         result = check(coordinator.address, timeout=10)
         assert result.serving and result.line == f"{coordinator.address}: SERVING (fedgrid.v1.Coordinator)"
@@ -69,7 +69,7 @@ def test_serving_not_serving_and_nothing_listening_over_plaintext():
 def test_mutual_tls_probe_and_the_fedgrid_health_command(certs):
     d, other = certs
     server = TLSFiles(str(d / "ca.pem"), str(d / "coordinator.pem"), str(d / "coordinator.key"), str(d / "crl.pem"))
-    coordinator = Coordinator("127.0.0.1:0", GrpcFleet(heartbeat_interval=timedelta(seconds=60)), max_workers=4, tls=server).start()
+    coordinator = Coordinator("127.0.0.1:0", RemoteFleet(heartbeat_interval=timedelta(seconds=60)), max_workers=4, tls=server).start()
     try:
         probe = dict(ca=str(d / "ca.pem"), cert=str(d / "probe.pem"), key=str(d / "probe.key"))
         assert check(coordinator.address, **probe, timeout=10).serving

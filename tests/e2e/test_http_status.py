@@ -164,11 +164,11 @@ def test_rpc_latencies_carry_the_status_code_of_refused_calls(small_state):
     from fedgrid.proto import fedgrid_pb2 as pb
     from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
     from fedgrid.proto.tls import session_metadata
-    from fedgrid.server.grpc_fleet import GrpcFleet
+    from fedgrid.server.remote_fleet import RemoteFleet
     from fedgrid.server.monitor import CoordinatorMonitor
     from harness import InProcessCoordinator
 
-    probe = GrpcFleet()  # the monitor's histogram, timing another coordinator's calls
+    probe = RemoteFleet()  # the monitor's histogram, timing another coordinator's calls
     monitor = CoordinatorMonitor(probe, rounds=1, history=list)
     c = InProcessCoordinator(small_state, interceptors=(monitor.interceptor(),))
     try:

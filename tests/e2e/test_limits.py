@@ -17,7 +17,7 @@ from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import serde
 from fedgrid.proto.tls import session_metadata
 from fedgrid.server.app import Coordinator
-from fedgrid.server.grpc_fleet import GrpcFleet
+from fedgrid.server.remote_fleet import RemoteFleet
 
 from harness import wait_until
 from harness_clients import Named
@@ -68,8 +68,8 @@ class IdleStreams:
         self.thread.join(10)
 
 
-def _server(**kwargs) -> tuple[GrpcFleet, Coordinator]:
-    fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=60), max_polls_per_client=kwargs.pop("max_polls_per_client", 2))
+def _server(**kwargs) -> tuple[RemoteFleet, Coordinator]:
+    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=60), max_polls_per_client=kwargs.pop("max_polls_per_client", 2))
     return fleet, Coordinator("127.0.0.1:0", fleet, max_workers=4, **kwargs).start()
 
 
@@ -196,12 +196,12 @@ def test_the_coordinator_shortens_the_gil_switch_interval_from_the_environment()
     code = (
         "import sys\n"
         "from fedgrid.server.app import Coordinator\n"
-        "from fedgrid.server.grpc_fleet import GrpcFleet\n"
+        "from fedgrid.server.remote_fleet import RemoteFleet\n"
         "before = sys.getswitchinterval()\n"
-        "Coordinator('127.0.0.1:0', GrpcFleet()).stop()\n"
+        "Coordinator('127.0.0.1:0', RemoteFleet()).stop()\n"
         "after = sys.getswitchinterval()\n"
         "sys.setswitchinterval(0.0001)\n"
-        "Coordinator('127.0.0.1:0', GrpcFleet()).stop()\n"
+        "Coordinator('127.0.0.1:0', RemoteFleet()).stop()\n"
         "print(before, after, sys.getswitchinterval())\n"
     )
     env = {**os.environ, "FEDGRID_GIL_SWITCH_INTERVAL_S": "0.0025"}

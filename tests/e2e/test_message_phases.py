@@ -12,7 +12,7 @@ import torch
 from fedgrid.determinism import intra_op_threads
 from fedgrid.server.app import Coordinator
 from fedgrid.server.engine import RoundEngine
-from fedgrid.server.grpc_fleet import GrpcFleet
+from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.simulation.fleet import InProcessFleet
 
 from harness import THREADS, start_client
@@ -98,7 +98,7 @@ def message_bytes(history: list) -> list[tuple[float, ...]]:
 
 def test_ring_over_grpc_with_a_client_crashing_between_phases_equals_simulation(tmp_path):
     sim_strategy, _ = simulate()
-    fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=0.5))
+    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=0.5))
     coordinator = Coordinator("127.0.0.1:0", fleet, max_workers=8).start()
     procs = []
     try:
@@ -140,7 +140,7 @@ def test_message_rpcs_refuse_bad_input_with_a_named_status_and_change_nothing():
     from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
     from fedgrid.types import TO_ALL, MessageIns
 
-    fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=60))
+    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=60))
     coordinator = Coordinator("127.0.0.1:0", fleet, max_workers=4).start()
     channel = grpc.insecure_channel(coordinator.address)
     stub = pb_grpc.CoordinatorStub(channel)

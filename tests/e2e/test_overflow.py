@@ -22,7 +22,7 @@ from fedgrid.events import EventLog
 from fedgrid.server.app import Coordinator
 from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.engine import ROUND_FAILED, RoundEngine
-from fedgrid.server.grpc_fleet import GrpcFleet
+from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.state import StateStore
 from fedgrid.simulation.fleet import InProcessFleet
 
@@ -67,7 +67,7 @@ def _engine(fleet, strategy, *, min_clients: int = 4, **kw) -> RoundEngine:
 def _deploy(tmp_path, bounds: UpdateBounds | None = None, *, min_clients: int = 4):
     events, seen = EventLog(), []
     events.subscribe(seen.append)
-    fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=30), events=events, bounds=bounds)
+    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=30), events=events, bounds=bounds)
     server = Coordinator("127.0.0.1:0", fleet, max_workers=16).start()
     strategy = build_strategy_from("fedadam", seed=0)
     strategy.initialize(initial_state=_initial())

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from fedgrid.server.grpc_fleet import GrpcFleet
+from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.monitor import CoordinatorMonitor
 from fedgrid.types import ClientInfo, RoundMetrics
 from fedgrid.webserve import StatusServer
@@ -62,7 +62,7 @@ def _plot_points(dom: str, name: str) -> int:
 def live_status(tmp_path):
     """A monitor over a fleet with two joined clients (one named with HTML) and four rounds
     of history, round 3 without an accuracy (a failed round), served on loopback with a token."""
-    fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=60))
+    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=60))
     fleet.join(ClientInfo("", name="<b>bold</b> client", region="eu-west", num_examples=3))
     fleet.join(ClientInfo("", name="plain", region="us-east", num_examples=3, device="cuda", num_accelerators=2, memory_bytes=80 << 30))
     history = [RoundMetrics(round=r, loss=1.0 / r, accuracy=None if r == 3 else 0.5 + r / 10, bytes_up=1000 * r, bytes_down=500,

@@ -27,7 +27,7 @@ from fedgrid.proto import serde
 from fedgrid.runlog import load_model, read_metrics
 from fedgrid.server.app import Coordinator
 from fedgrid.server.codec_policy import CodecPolicy
-from fedgrid.server.grpc_fleet import GrpcFleet
+from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.strategies import build_strategy
 from fedgrid.simulation.fleet import InProcessFleet
 from fedgrid.simulation.run import run_simulation
@@ -231,7 +231,7 @@ def test_grpc_fleet_sends_each_client_what_its_task_names(uplink, downlink):
     lossy downlink sends both the whole shadow); every upload is reconstructed right."""
     g = torch.Generator().manual_seed(3)
     model = OrderedDict(a=torch.randn(30, 4, generator=g), b=torch.randn(4, generator=g), c=torch.randn(6, generator=g), n=torch.tensor(3))
-    fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=60), codec_policy=CodecPolicy(default=uplink), downlink_codec=downlink)
+    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=60), codec_policy=CodecPolicy(default=uplink), downlink_codec=downlink)
     server = Coordinator("127.0.0.1:0", fleet, max_workers=8).start()
     conns = [Connection(server.address) for _ in range(2)]
     try:

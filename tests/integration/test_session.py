@@ -1,7 +1,7 @@
 """The embedding session (``fedgrid.client.connect`` / ``aconnect``) in a host program that owns
 its loop, against real coordinators over gRPC on port 0: whole runs (``fedgrid coordinator``'s
 ``serve`` in a thread, its events and final model read back) and single rounds driven on a
-``GrpcFleet`` (its outcomes and registry read directly)."""
+``RemoteFleet`` (its outcomes and registry read directly)."""
 
 from __future__ import annotations
 
@@ -324,12 +324,12 @@ def test_a_session_under_mutual_tls_is_its_certificates_identity(tmp_path, small
     from fedgrid.ops import pki
     from fedgrid.proto.tls import TLSFiles
     from fedgrid.server.app import Coordinator
-    from fedgrid.server.grpc_fleet import GrpcFleet
+    from fedgrid.server.remote_fleet import RemoteFleet
 
     pki.init_ca(tmp_path)
     pki.issue(tmp_path, "coordinator", server=True)  # SANs localhost, 127.0.0.1
     pki.issue(tmp_path, "hospital-7")
-    fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=60))
+    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=60))
     tls = TLSFiles(str(tmp_path / "ca.pem"), str(tmp_path / "coordinator.pem"), str(tmp_path / "coordinator.key"))
     coordinator = Coordinator("127.0.0.1:0", fleet, max_workers=4, tls=tls).start()
     outcome: list = []

@@ -29,7 +29,7 @@ from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
 from fedgrid.proto.tls import TLSFiles, session_metadata
 from fedgrid.server.app import Coordinator
-from fedgrid.server.grpc_fleet import GrpcFleet
+from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.types import FitIns
 
 from harness import wait_until
@@ -82,7 +82,7 @@ class Spy:
 
     METHODS = ("join", "poll_async", "heartbeat", "download", "upload", "leave")
 
-    def __init__(self, fleet: GrpcFleet) -> None:
+    def __init__(self, fleet: RemoteFleet) -> None:
         self.calls: list[str] = []
         for name in self.METHODS:
             original = getattr(fleet, name)
@@ -96,7 +96,7 @@ class Spy:
 
 @pytest.fixture
 def server(pki_dir):
-    fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=60))
+    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=60))
     spy = Spy(fleet)
     files = TLSFiles(str(pki_dir / "ca.pem"), str(pki_dir / "coordinator.pem"), str(pki_dir / "coordinator.key"), str(pki_dir / "crl.pem"))
     coordinator = Coordinator("127.0.0.1:0", fleet, max_workers=4, tls=files).start()
@@ -163,7 +163,7 @@ def test_a_bad_connection_is_refused_at_the_handshake(server, pki_dir, case):
 @pytest.mark.parametrize("case", ["wrong host name", "client certificate as server's"])
 def test_the_client_refuses_a_coordinator_with_the_wrong_certificate(pki_dir, case):
     name = {"wrong host name": "elsewhere", "client certificate as server's": "bob"}[case]
-    fleet = GrpcFleet()
+    fleet = RemoteFleet()
     coordinator = Coordinator("127.0.0.1:0", fleet, tls=_files(pki_dir, name)).start()
     try:
         conn = Connection(coordinator.address, tls=_files(pki_dir, "alice"), retry_max_elapsed=0.5, rpc_timeout=5)
@@ -184,7 +184,7 @@ def test_a_revoked_certificate_is_refused_before_the_servicer_once_the_list_chan
     pki.init_ca(d)
     pki.issue(d, "coordinator", server=True)
     pki.issue(d, "dave")
-    fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=60))
+    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=60))
     files = TLSFiles(str(d / "ca.pem"), str(d / "coordinator.pem"), str(d / "coordinator.key"), str(d / "crl.pem"))
     coordinator = Coordinator("127.0.0.1:0", fleet, tls=files).start()
     try:
@@ -249,7 +249,7 @@ def test_identity_binds_the_session(server, pki_dir):
 
 
 def test_plaintext_off_loopback_needs_insecure(caplog):
-    fleet = GrpcFleet()
+    fleet = RemoteFleet()
     with pytest.raises(ConfigError, match="not a loopback address.*--insecure"):
         Coordinator("0.0.0.0:0", fleet)
     with caplog.at_level(logging.WARNING, logger="fedgrid.server.app"):
@@ -277,7 +277,7 @@ def test_the_sdk_says_why_a_tls_coordinator_closed_its_plaintext_connection(serv
 
 
 def test_mismatched_tls_files_are_named_before_any_connection(pki_dir):
-    fleet = GrpcFleet()
+    fleet = RemoteFleet()
     wrong_key = TLSFiles(str(pki_dir / "ca.pem"), str(pki_dir / "coordinator.pem"), str(pki_dir / "alice.key"))
     with pytest.raises(ConfigError, match="alice.key"):
         Coordinator("127.0.0.1:0", fleet, tls=wrong_key)

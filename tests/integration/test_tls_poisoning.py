@@ -28,7 +28,7 @@ from fedgrid.proto.tls import TLSFiles
 from fedgrid.server.app import Coordinator
 from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.engine import RoundEngine
-from fedgrid.server.grpc_fleet import GrpcFleet
+from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.simulation.fleet import InProcessFleet
 
 from harness import wait_until
@@ -88,7 +88,7 @@ def test_admitted_attackers_cannot_move_the_model_under_mtls(tmp_path):
     clients = [Honest("honest-1", 1), Honest("honest-2", 2), Heavy("heavy", 3), Huge("huge", 4)]
     for c in clients:
         pki.issue(d, c.name)
-    fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=30), bounds=UpdateBounds(max_update_norm=1e6))
+    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=30), bounds=UpdateBounds(max_update_norm=1e6))
     tls = TLSFiles(str(d / "ca.pem"), str(d / "coordinator.pem"), str(d / "coordinator.key"), str(d / "crl.pem"))
     server = Coordinator("127.0.0.1:0", fleet, max_workers=16, tls=tls).start()
     engine = _engine(fleet)

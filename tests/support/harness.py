@@ -24,7 +24,7 @@ import grpc
 import torch
 
 from fedgrid.server.app import Coordinator
-from fedgrid.server.grpc_fleet import GrpcFleet
+from fedgrid.server.remote_fleet import RemoteFleet
 
 FEDGRID = [sys.executable, "-m", "fedgrid.cli"]
 #: Intra-op threads of every fedgrid process the tests start (one: the machines have two
@@ -78,7 +78,7 @@ class InProcessCoordinator:
 
     def __init__(self, state: "OrderedDict[str, torch.Tensor]", *, heartbeat_s: float = 60.0, interceptors=(), bounds=None,
                  **coordinator_options) -> None:
-        self.fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=heartbeat_s), bounds=bounds)
+        self.fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=heartbeat_s), bounds=bounds)
         self.coordinator = Coordinator("127.0.0.1:0", self.fleet, max_workers=16, interceptors=interceptors, **coordinator_options).start()
         self.address = self.coordinator.address
         self.state = state

@@ -12,7 +12,7 @@ from fedgrid.aggregation.selection import Sampling
 from fedgrid.aggregation import FedAvg
 from fedgrid.aggregation.registry import build_strategy_from
 from fedgrid.errors import InvalidUpdateError
-from fedgrid.server.grpc_fleet import GrpcFleet
+from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.types import ClientInfo, FitIns, FitRes
 
 
@@ -74,7 +74,7 @@ def test_a_received_model_that_does_not_fit_changes_nothing(bad, words):
 
 
 def test_nested_rounds_get_distinct_task_ids():
-    fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=60))
+    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=60))
     info, _ = fleet.join(ClientInfo(client_id="", name="c", num_examples=1))
     ids = []
     for scope in ("g1", "g2"):

@@ -244,12 +244,12 @@ def test_stop_mid_round_writes_the_committed_model_not_the_half_done_one(tmp_pat
 
 
 def test_waiting_coordinator_says_what_it_waits_for(monkeypatch, caplog):
-    from fedgrid.server import grpc_fleet
+    from fedgrid.server import remote_fleet
 
-    monkeypatch.setattr(grpc_fleet, "WAITING_REPORT_S", 0.1)
-    fleet = grpc_fleet.GrpcFleet(heartbeat_interval=timedelta(seconds=60))
+    monkeypatch.setattr(remote_fleet, "WAITING_REPORT_S", 0.1)
+    fleet = remote_fleet.RemoteFleet(heartbeat_interval=timedelta(seconds=60))
     try:
-        with caplog.at_level(logging.INFO, logger="fedgrid.server.grpc_fleet"), pytest.raises(TimeoutError):
+        with caplog.at_level(logging.INFO, logger="fedgrid.server.remote_fleet"), pytest.raises(TimeoutError):
             fleet.wait_for_clients(min_clients=2, timeout=timedelta(seconds=0.45))
     finally:
         fleet.close()

@@ -82,3 +82,19 @@ def test_run_and_start_work_for_one_release_as_run_client_and_start_client(modul
         assert namespace.run is run_client
     with pytest.warns(DeprecationWarning, match="runtime.start is deprecated .*use fedgrid.client.runtime.start_client"):
         assert namespace.start is start_client
+
+
+def test_renamed_helpers_work_for_one_release_with_a_warning():
+    import importlib
+
+    from fedgrid.aggregation.updates import add_update
+    from fedgrid.server.remote_fleet import RemoteFleet
+
+    updates = importlib.import_module("fedgrid.aggregation.updates")
+    with pytest.warns(DeprecationWarning, match="updates.apply_delta is deprecated .*use fedgrid.aggregation.updates.add_update"):
+        assert updates.apply_delta is add_update
+    with pytest.warns(DeprecationWarning, match="fedgrid.server.grpc_fleet is deprecated .*use fedgrid.server.remote_fleet"):
+        old = importlib.import_module("fedgrid.server.grpc_fleet")
+        old = importlib.reload(old)  # the warning comes on import: once per process, so import it afresh
+    with pytest.warns(DeprecationWarning, match="GrpcFleet is deprecated"):
+        assert old.GrpcFleet is RemoteFleet

@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from fedgrid.server.grpc_fleet import GrpcFleet
+from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.monitor import FAILURE_REASONS, CoordinatorMonitor, failure_reason
 from fedgrid.server.status_page import page_response
 from fedgrid.types import ClientInfo, RoundMetrics
@@ -40,7 +40,7 @@ def test_failure_reasons_are_a_fixed_label_set(text, label):
 
 
 def test_events_and_rounds_become_metrics_and_status():
-    fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=60))
+    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=60))
     history: list[RoundMetrics] = []
     monitor = CoordinatorMonitor(fleet, rounds=4, history=lambda: history)
     fleet.events.subscribe(monitor.on_event)

@@ -8,7 +8,7 @@ import pytest
 
 from fedgrid.aggregation.selection import CapabilityFilter
 from fedgrid.config import load_config
-from fedgrid.server.grpc_fleet import GrpcFleet
+from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.strategies import build_capability_filter
 from fedgrid.types import ClientInfo
 
@@ -23,7 +23,7 @@ def test_requirements_come_from_the_three_keys():
 
 
 def test_the_fleet_waits_for_qualifying_clients_and_returns_only_them():
-    fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=60), requirements=CapabilityFilter(devices=("cuda",), min_memory_bytes=8 << 30))
+    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=60), requirements=CapabilityFilter(devices=("cuda",), min_memory_bytes=8 << 30))
     try:
         fleet.join(ClientInfo("", name="cpu", memory_bytes=64 << 30))
         small, _ = fleet.join(ClientInfo("", name="small", device="cuda", num_accelerators=1, memory_bytes=4 << 30))

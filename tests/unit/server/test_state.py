@@ -73,10 +73,10 @@ def test_checkpoint_is_private_holds_no_token_and_keeps_value_types(tmp_path):
 
     import numpy as np
 
-    from fedgrid.server.grpc_fleet import GrpcFleet
+    from fedgrid.server.remote_fleet import RemoteFleet
     from fedgrid.types import ClientInfo
 
-    fleet = GrpcFleet(heartbeat_interval=timedelta(seconds=60))
+    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=60))
     info, token = fleet.join(ClientInfo(client_id="", name="site-1", num_examples=4, codecs=("none", "int8")))
     strategy = {
         "global_state": OrderedDict(w=torch.arange(6.0).reshape(2, 3), steps=torch.tensor(7)),
@@ -101,7 +101,7 @@ def test_checkpoint_is_private_holds_no_token_and_keeps_value_types(tmp_path):
     assert got["pair"] == (1, 2.5) and got["odd"] != got["odd"] and got["np"] == np.float32(0.25) and type(got["np"]) is np.float32
     assert got["raw"] == b"\x00\xff" and got["none"] is None and torch.equal(got["view"], torch.tensor([0.0, 1.0]))
     # A restored coordinator authenticates the session the client holds (by its hash).
-    restored = GrpcFleet(heartbeat_interval=timedelta(seconds=60))
+    restored = RemoteFleet(heartbeat_interval=timedelta(seconds=60))
     restored.load_state_dict(ckpt.fleet)
     assert restored.authenticate(info.client_id, token).info == info
     with pytest.raises(Exception, match="bad session token"):

@@ -1,0 +1,468 @@
+"""``RemoteFleet``: the coordinator's side of the protocol, as plain Python: the fleet of clients
+that are elsewhere (it imports no grpc; the servicer in ``server/service.py`` is the gRPC edge).
+
+It answers the handlers the servicer calls (join, poll, download, upload, messages,
+heartbeat, failure reports, leave) and runs each phase of a round until it closes. The
+parts live beside it, each a collaborator sharing the fleet's lock: the client registry
+(``server/registry.py``), long polls (``server/polls.py``), downloads
+(``server/downloads.py``), uploads (``server/uploads.py``, accepting through
+``server/accept.py``), message phases (``server/messages.py``), the open task, its closing
+and the relay rules (``server/rounds.py``), spill and downlink. It raises ``FedgridError``
+subclasses; the servicer maps them to status codes. Every request is validated before it
+touches state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+import uuid
+from datetime import timedelta
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+from fedgrid.aggregation.selection import CapabilityFilter
+from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S, MAX_POLLS_PER_CLIENT, MAX_REASON_CHARS, RETRY_MAX_WAIT_S, WAITING_REPORT_S
+from fedgrid.events import EventLog
+from fedgrid.errors import (
+    DuplicateUpdateError,
+    InterruptedRunError,
+    InvalidUpdateError,
+    RunFinishedError,
+    StaleTaskError,
+)
+from fedgrid.proto import serde
+from fedgrid.proto.buffers import receive_buffers
+from fedgrid.textsafe import escape
+from fedgrid.server.fleet import Fleet, RoundOutcome
+from fedgrid.server.bounds import UpdateBounds
+from fedgrid.server.codec_policy import CodecPolicy
+from fedgrid.server.downlink import Downlink, RoundDownlink
+from fedgrid.server.downloads import Downloads
+from fedgrid.server.messages import InboxPage, Mailbox
+from fedgrid.server.registry import SILENCE_INTERVALS, ClientRecord, Registry
+from fedgrid.server.polls import PollResult, Polls
+from fedgrid.server.rounds import RoundTask, wait_for_close
+from fedgrid.server.spill import UpdateSpill
+from fedgrid.server.uploads import Uploads
+from fedgrid.server.wakeups import Wakeups
+from fedgrid.types import (
+    EVALUATE,
+    FIT,
+    ClientInfo,
+    EvaluateIns,
+    EvaluateRes,
+    FitIns,
+    FitRes,
+    Failure,
+    MessageIns,
+    MessageRes,
+    ModelState,
+    TensorSpec,
+    check_phase_name,
+)
+
+__all__ = ["RemoteFleet", "PollResult", "SILENCE_INTERVALS"]
+
+log = logging.getLogger(__name__)
+
+#: After a restart, restored clients have the retry backoff cap plus this long to reconnect.
+RESTART_GRACE_S = 10.0
+
+
+class RemoteFleet(Fleet):
+    """Clients reached over gRPC; they pull their tasks.
+
+    Args:
+        heartbeat_interval: how often clients report; silence for ``SILENCE_INTERVALS``
+            of these drops a client from the round and the registry.
+        chunk_size: payload bytes per chunk of model downloads.
+        spill_dir: where accepted updates wait for aggregation (see ``server/spill.py``);
+            under the state directory they survive a crash. Default: a temporary directory.
+        codec_policy: the uplink codec of each client (sent with its task).
+        downlink_codec: ``none`` (every client downloads the exact global model, or the
+            part of it its task names in ``FitIns.download``) or a lossy spec: clients get
+            the compressed change since the version they hold, with server-side error
+            feedback (see ``server/downlink.py``), whatever ``FitIns.download`` says.
+        events: where the fleet reports joins, drops, accepted uploads and round closes
+            (``fedgrid.events``); default: nowhere.
+        max_polls_per_client: long polls one client may hold at once; more raise
+            ``ResourceLimitError`` (RESOURCE_EXHAUSTED).
+        task_scope: part of every task id, so that nested rounds (a global round made of
+            regional rounds, each regional round numbered from 1) never share a task id.
+        bounds: what a Join may report and an update may claim and change (``server/bounds.py``).
+        requirements: the capabilities a client must report to take tasks (``require_device``
+            and the other keys; ``None``: any client). The others stay registered and
+            heartbeat, but ``wait_for_clients`` neither counts nor returns them.
+    """
+
+    def __init__(
+        self,
+        *,
+        heartbeat_interval: timedelta = timedelta(seconds=HEARTBEAT_INTERVAL_S),
+        chunk_size: int = CHUNK_SIZE,
+        spill_dir: str | os.PathLike[str] | None = None,
+        codec_policy: CodecPolicy | None = None,
+        downlink_codec: str = "none",
+        events: EventLog | None = None,
+        max_polls_per_client: int = MAX_POLLS_PER_CLIENT,
+        task_scope: str = "",
+        bounds: UpdateBounds | None = None,
+        requirements: CapabilityFilter | None = None,
+    ) -> None:
+        self.run_id = uuid.uuid4().hex
+        self.requirements = requirements
+        self.bounds = bounds if bounds is not None else UpdateBounds()
+        self.events = events if events is not None else EventLog()
+        self.max_polls_per_client = max_polls_per_client
+        self.task_scope = task_scope
+        self.codec_policy = codec_policy or CodecPolicy()
+        self.downlink = Downlink(downlink_codec)
+        self.spill = UpdateSpill(spill_dir)
+        self.heartbeat_interval_s = heartbeat_interval.total_seconds()
+        self.chunk_size = chunk_size
+        self._round: RoundTask | None = None
+        self._finished = False
+        self._interrupted = False
+        self._lock = threading.RLock()
+        self._wake = Wakeups(self._lock)  # keyed: a task wakes its client's poll only
+        self.registry = Registry(self._wake, self.events, self.heartbeat_interval_s, self._fail_removed, self.bounds)
+        self.uploads = Uploads(self.registry, self.spill, self.events, self._open_task, lambda: self._round,
+                               bounds=self.bounds, run_id=lambda: self.run_id)
+        self.mailbox = Mailbox(self.registry, self.events, self._open_task, lambda: self._round, lambda: self._interrupted)
+        self.downloads = Downloads(self.registry, self.downlink, self._open_task, run_id=lambda: self.run_id,
+                                   chunk_size=lambda: self.chunk_size)
+        self.polls = Polls(self.registry, lambda: self._round, finished=lambda: self._finished,
+                           interrupted=lambda: self._interrupted, max_polls=lambda: self.max_polls_per_client)
+
+    # -- handlers (called by the servicer) -------------------------------------------------
+    def join(self, joining: ClientInfo, *, identity: str | None = None) -> tuple[ClientInfo, str]:
+        """Registers a client (its ``client_id`` is assigned here); returns its info and session
+        token. ``identity``: its certificate's, under mTLS (``Registry.join``)."""
+        if self._finished:
+            raise RunFinishedError("the run is over")
+        info, token = self.registry.join(joining, identity=identity)
+        missing = self.requirements.shortfall(info) if self.requirements is not None else None
+        if missing is not None:
+            log.warning("client %s takes no tasks: %s (the coordinator's capability requirements)", escape(info.name or info.client_id), missing)
+        return info, token
+
+    def authenticate(self, client_id: str, token: str) -> ClientRecord:
+        """Returns the client's record and marks it alive.
+
+        Raises:
+            AuthenticationError: unknown client or wrong token.
+        """
+        return self.registry.authenticate(client_id, token)
+
+    def _fail_removed(self, record: ClientRecord, reason: str) -> None:
+        """A client left the registry: its open task fails now (lock held)."""
+        rnd = self._round
+        client_id = record.info.client_id
+        if rnd is not None and not rnd.closed and rnd.is_pending(client_id):
+            rnd.failures[client_id] = Failure(record.info, reason)
+            self._wake.notify("round")
+            partial = rnd.partials.pop(client_id, None)
+            if partial is not None:
+                partial.abort()
+
+    @staticmethod
+    def _reason(text: str) -> str:
+        """A failure or leave reason: length-capped only. Unlike names, a reason may hold any
+        text (exception messages span lines); it is kept as sent and escaped wherever logged."""
+        if len(text) > MAX_REASON_CHARS:
+            raise InvalidUpdateError(f"reason: {len(text)} characters, at most {MAX_REASON_CHARS}")
+        return text
+
+    def report_failure(self, client_id: str, token: str, task_id: str, reason: str) -> None:
+        """The client's ``fit``, ``evaluate`` or message handler raised: its task fails at once with ``reason``.
+
+        Raises:
+            AuthenticationError, StaleTaskError: unknown session, or no open task ``task_id``.
+            DuplicateUpdateError: its result for the task was already accepted.
+            InvalidUpdateError: an oversized reason (nothing recorded).
+        """
+        reason = self._reason(reason)
+        record = self.authenticate(client_id, token)
+        with self._lock:
+            if record.benched_task == task_id:  # it finished the task it was benched for
+                record.benched_task = ""
+            rnd = self._open_task(client_id, task_id)
+            if client_id in rnd.results:
+                raise DuplicateUpdateError(f"result for round {rnd.server_round} from client {escape(client_id)} already accepted")
+            rnd.failures.setdefault(client_id, Failure(record.info, f"client reported: {reason}"))
+            self._wake.notify("round")
+        log.warning("round %d: client %s reported a failure: %s", rnd.server_round, escape(record.info.name or client_id), escape(reason))
+        self.events.emit("failure_reported", round=rnd.server_round, client=client_id, reason=reason)
+
+    def leave(self, client_id: str, token: str, reason: str) -> None:
+        """The client is going (stopped, interrupted, crashed): removed at once, its open task failed.
+
+        Raises:
+            AuthenticationError: unknown session.
+            InvalidUpdateError: an oversized reason (nothing changed).
+        """
+        reason = self._reason(reason)
+        record = self.authenticate(client_id, token)
+        with self._lock:
+            if client_id in self.registry.records:
+                self.registry.remove(client_id, f"client left: {reason}")
+            self._wake.notify("registry", ("poll", client_id), ("inbox", client_id))
+        log.info("client %s left: %s", escape(record.info.name or client_id), escape(reason))
+        self.events.emit("client_left", client=client_id, reason=reason)
+
+    def heartbeat(self, client_id: str, token: str) -> float:
+        self.authenticate(client_id, token)
+        return self.heartbeat_interval_s
+
+    async def poll_async(self, client_id: str, token: str, wait_s: float) -> PollResult:
+        """Long poll: waits up to ``wait_s`` for a task for this client (``Polls.wait``)."""
+        return await self.polls.wait(client_id, token, wait_s)
+
+    def _open_task(self, client_id: str, task_id: str) -> RoundTask:
+        rnd = self._round
+        if rnd is None or rnd.task_id != task_id:
+            raise StaleTaskError(f"task {escape(task_id)} is not open (round closed or unknown)")
+        if rnd.closed:
+            raise StaleTaskError(f"round {rnd.server_round} is closed")
+        if client_id not in rnd.assignments:
+            raise StaleTaskError(f"client {escape(client_id)} has no task in round {rnd.server_round}")
+        return rnd
+
+    # -- message phases -------------------------------------------------------------------
+    def send_messages(self, client_id: str, token: str, task_id: str, messages: Mapping[str, bytes]) -> int:
+        """A client's messages of an open message phase (``Mailbox.send``)."""
+        return self.mailbox.send(client_id, token, task_id, messages)
+
+    async def receive_messages_async(self, client_id: str, token: str, task_id: str, start: int, wait_s: float) -> InboxPage:
+        """Long poll for the messages relayed to the client (``Mailbox.receive_async``)."""
+        return await self.mailbox.receive_async(client_id, token, task_id, start, wait_s)
+
+    def download(self, client_id: str, token: str, task_id: str, have_version: int | None = None) -> Iterator[bytes]:
+        """The model of the client's open task, as a chunk stream (``Downloads.download``)."""
+        return self.downloads.download(client_id, token, task_id, have_version)
+
+    def upload(self, frames: Iterable[bytes], token: str) -> int:
+        """Receives one update stream of the session ``token`` (``Uploads.upload``); returns
+        the payload bytes accepted."""
+        return self.uploads.upload(frames, token)
+
+    def upload_status(self, client_id: str, token: str, task_id: str) -> tuple[int, bool]:
+        """(chunks of a broken upload the coordinator holds, whether the update already landed)."""
+        return self.uploads.status(client_id, token, task_id)
+
+    @property
+    def task_scope(self) -> str:
+        """Part of every task id (set it before a round, e.g. ``g7`` for global round 7)."""
+        return self._task_scope
+
+    @task_scope.setter
+    def task_scope(self, scope: str) -> None:
+        if len(scope) > 64 or not all(ch.isascii() and (ch.isalnum() or ch in "-_.") for ch in scope):
+            raise ValueError(f"task_scope must be at most 64 of [A-Za-z0-9._-], got {scope!r}")
+        self._task_scope = scope
+
+    def polls_held(self, client_id: str) -> int:
+        """Long polls ``client_id`` holds now (0 for an unknown client)."""
+        return self.polls.held(client_id)
+
+    @property
+    def current_round(self) -> RoundTask | None:
+        """The phase in progress, or closed and not yet committed (``None`` between rounds).
+
+        For status pages and tests: read it, never change it.
+        """
+        return self._round
+
+    # -- Fleet -----------------------------------------------------------------------------
+    def live_clients(self) -> list[ClientInfo]:
+        """Every client heartbeating, benched ones included (``wait_for_clients`` leaves those out)."""
+        with self._lock:
+            return self.registry.live()
+
+    def wait_for_clients(self, *, min_clients: int, timeout: timedelta) -> list[ClientInfo]:
+        """The selectable clients (live, not benched for a missed deadline, meeting the
+        ``requirements``), once there are ``min_clients`` of them. While it waits it logs ``waiting for N clients (k joined)``
+        every ``WAITING_REPORT_S`` and whenever k changes: a coordinator waiting for minutes
+        says what it waits for."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        reported: int | None = None
+        next_report = time.monotonic()
+        with self._lock:
+            while True:
+                # O(1) first: the O(clients) scan only once enough are registered (a join wakes this).
+                joined = len(self.registry.records)
+                enough = joined >= min_clients
+                live = self.registry.selectable() if enough or time.monotonic() >= deadline else []
+                unfit = 0
+                if self.requirements is not None:
+                    qualifying = [c for c in live if self.requirements.eligible(c)]
+                    unfit, live = len(live) - len(qualifying), qualifying
+                if len(live) >= min_clients:
+                    return live
+                if joined != reported or time.monotonic() >= next_report:
+                    log.info("waiting for %d clients (%d joined%s)", min_clients, joined,
+                             f", {unfit} short of the capability requirements" if unfit else "")
+                    reported, next_report = joined, time.monotonic() + WAITING_REPORT_S
+                if self._interrupted:
+                    raise InterruptedRunError("stopped while waiting for clients")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    benched = len(self.registry.records) - len(live) - unfit
+                    raise TimeoutError(
+                        f"{len(live)} live clients after {timeout.total_seconds():.0f}s, need {min_clients}"
+                        + (f" ({benched} more benched after missing a deadline)" if benched else "")
+                        + (f" ({unfit} more short of the capability requirements)" if unfit else "")
+                    )
+                self._wake.wait("registry", max(0.0, min(remaining, self.heartbeat_interval_s, next_report - time.monotonic())))
+
+    def fit_round(
+        self,
+        *,
+        server_round: int,
+        global_state: ModelState,
+        assignments: Sequence[tuple[ClientInfo, FitIns]],
+        timeout: timedelta,
+        target: int | None = None,
+    ) -> RoundOutcome[FitRes]:
+        rnd = self._new_task(server_round, FIT, [(info, self._with_codec(info, ins)) for info, ins in assignments], timeout,
+                             downlink=self.downlink.prepare(global_state), expected=TensorSpec.of(global_state))
+        # Updates that landed before a restart are not asked for again.
+        rnd.results.update(self.spill.restore(task_id=rnd.task_id, assigned={info.client_id: info for info, _ in assignments}))
+        if rnd.results:
+            log.info("round %d: %d updates restored from before a restart", server_round, len(rnd.results))
+            self.events.emit("updates_restored", round=server_round, count=len(rnd.results))
+        results, failures, cancelled = self._run(rnd, timeout, target=target)
+        return RoundOutcome(
+            [r for r in results if isinstance(r, FitRes)], failures, cancelled, bytes_up=rnd.bytes_up,
+            bytes_down=rnd.bytes_down, extra=rnd.tally.extra(),
+            closed_by=rnd.closed_by,
+        )
+
+    def evaluate_round(
+        self,
+        *,
+        server_round: int,
+        global_state: ModelState,
+        assignments: Sequence[tuple[ClientInfo, EvaluateIns]],
+        timeout: timedelta,
+    ) -> RoundOutcome[EvaluateRes]:
+        # Evaluation judges the exact global model, whatever the downlink policy.
+        downlink = RoundDownlink(base=global_state, version=0, _full=serde.EncodedModel(global_state))
+        rnd = self._new_task(server_round, EVALUATE, assignments, timeout, downlink=downlink, expected=TensorSpec.of(global_state))
+        results, failures, cancelled = self._run(rnd, timeout)
+        return RoundOutcome(
+            [r for r in results if isinstance(r, EvaluateRes)], failures, cancelled, bytes_up=rnd.bytes_up, bytes_down=rnd.bytes_down,
+            closed_by=rnd.closed_by,
+        )
+
+    def message_round(
+        self,
+        *,
+        server_round: int,
+        phase: str,
+        assignments: Sequence[tuple[ClientInfo, MessageIns]],
+        timeout: timedelta,
+    ) -> RoundOutcome[MessageRes]:
+        """Runs message phase ``phase``: clients poll a ``MESSAGE`` task, send their messages
+        (``send_messages``), and once the phase closed fetch the ones relayed to them
+        (``receive_messages_async``), until this round is committed."""
+        if check_phase_name(phase) in (FIT, EVALUATE):
+            raise ValueError(f"{phase!r} is a model phase, not a message phase")
+        rnd = self._new_task(server_round, phase, [(info, dataclasses.replace(ins, client_id=info.client_id)) for info, ins in assignments], timeout)
+        results, failures, cancelled = self._run(rnd, timeout)
+        self.mailbox.relay(rnd)
+        return RoundOutcome(
+            [r for r in results if isinstance(r, MessageRes)], failures, cancelled, bytes_up=rnd.bytes_up, bytes_down=rnd.bytes_down,
+            closed_by=rnd.closed_by,
+        )
+
+    def _new_task(self, server_round: int, kind: str, assignments: Sequence[tuple[ClientInfo, FitIns | EvaluateIns | MessageIns]],
+                  timeout: timedelta, *, downlink: RoundDownlink | None = None, expected: Mapping[str, TensorSpec] | None = None) -> RoundTask:
+        # Deterministic: a round redone after a restart has the same task id, so a client's
+        # retried upload of that round (same seed, same bits) is accepted.
+        scope = self.task_scope + "-" if self.task_scope else ""
+        suffix = kind if kind in (FIT, EVALUATE) else f"msg-{kind}"
+        return RoundTask(
+            server_round=server_round,
+            task_id=f"{self.run_id[:12]}-{scope}r{server_round}-{suffix}",
+            kind=kind,
+            assignments={info.client_id: ins for info, ins in assignments},
+            clients={info.client_id: info for info, _ in assignments},
+            deadline=time.monotonic() + timeout.total_seconds(),
+            downlink=downlink,
+            expected=dict(expected or {}),
+        )
+
+    def _run(self, rnd: RoundTask, timeout: timedelta, *, target: int | None = None
+             ) -> tuple[list[FitRes | EvaluateRes | MessageRes], list[Failure], list[ClientInfo]]:
+        """Opens ``rnd`` for its clients and closes it when ``target`` (default: all)
+        reported, the rest failed or went silent, or the deadline passed."""
+        self.events.emit("round_opened", round=rnd.server_round, task=rnd.task_id, clients=len(rnd.assignments), evaluate=rnd.evaluate, phase=rnd.kind)
+        with self._lock:
+            self._round = rnd
+            self._wake.notify(*(("poll", cid) for cid in rnd.assignments))  # only the clients with a task
+            goal = len(rnd.assignments) if target is None else min(target, len(rnd.assignments))
+            reason = wait_for_close(rnd, goal=goal, registry=self.registry, wake=self._wake,
+                                    interrupted=lambda: self._interrupted, check_every_s=self.heartbeat_interval_s / 2,
+                                    timeout_s=timeout.total_seconds())
+            results, failures, cancelled = rnd.close(reason)
+            reason = rnd.closed_by
+        self.spill.flush()  # write-backs under way land, and fsyncs, before the strategy sees them (server/spill.py)
+        # Receive buffers not in use go back to the system before the strategy aggregates:
+        # the pool speeds up the uploads of a round, it must not add to aggregation's memory.
+        receive_buffers().clear()
+        self.events.emit("round_closed", round=rnd.server_round, evaluate=rnd.evaluate, phase=rnd.kind, reason=reason,
+                         results=len(results), failures=len(failures))
+        return results, failures, cancelled
+
+    def _with_codec(self, info: ClientInfo, ins: FitIns) -> FitIns:
+        return dataclasses.replace(ins, config={**ins.config, "uplink_codec": self.codec_policy.uplink(info)})
+
+    def committed(self, server_round: int) -> None:
+        with self._lock:
+            if self._round is not None and self._round.closed:
+                self._round = None  # frees the round's models and results
+        self.mailbox.clear()
+        self.spill.clear()
+
+    def close(self) -> None:
+        self.spill.close()
+
+    def interrupt(self) -> None:
+        with self._lock:
+            self._interrupted = True
+            if self._round is not None:
+                self._round.closed = True  # in-flight uploads are refused cleanly
+            self._wake.notify_all()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "clients": self.registry.state_dict(), "downlink": self.downlink.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores the run id and registry: clients keep their sessions across a restart.
+
+        Restored clients get a grace period before silence counts against them: they may be
+        sleeping in retry backoff (capped at ``RETRY_MAX_WAIT_S``) while the coordinator restarts.
+        """
+        with self._lock:
+            self.run_id = str(state["run_id"])
+            if state.get("downlink") is not None:
+                self.downlink.load_state_dict(state["downlink"])
+            self.registry.load_state_dict(state["clients"], seen_at=time.monotonic() + RETRY_MAX_WAIT_S + RESTART_GRACE_S)
+            self._wake.notify_all()
+
+    def finish(self, *, timeout: timedelta) -> None:
+        deadline = time.monotonic() + timeout.total_seconds()
+        with self._lock:
+            self._finished = True
+            self._wake.notify_all()
+            while True:
+                live = {info.client_id for info in self.registry.live()}
+                waiting = [r for r in self.registry.records.values() if not r.heard_finished and r.info.client_id in live]
+                remaining = deadline - time.monotonic()
+                if not waiting or remaining <= 0:
+                    return
+                self._wake.wait("finish", min(remaining, 0.5))
