@@ -21,10 +21,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/fedgrid simulate --out runs/demo
 
-# Generated code up to date, types, then every tier (tests/conftest.py: unit, integration, e2e,
+# Generated code up to date, formatting and lint (ruff), types; then every tier (tests/conftest.py: unit, integration, e2e,
 # examples). The layer contracts (pyproject.toml [tool.importlinter]) are checked by tests/e2e/test_layers.py.
 lint: $(STAMP)
 	$(PY) -m fedgrid.proto.generate --check
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy fedgrid server client proto aggregation compression simulation region ops cli
 
 # The status page's test renders it in headless Chromium (Debian's package): installed here

@@ -11,10 +11,16 @@ from fedgrid.aggregation.clipping import CenteredClip, NormClip
 from fedgrid.aggregation.diloco import DiLoCo, StreamingDiLoCo
 from fedgrid.aggregation.fedavg import FedAvg
 from fedgrid.aggregation.fedopt import FedAdagrad, FedAdam, FedAvgM, FedOpt, FedYogi
-from fedgrid.aggregation.mean import Mean, WeightedMean, weighted_mean
-from fedgrid.aggregation.registry import AGGREGATORS, STRATEGIES, build_aggregator, build_strategy_from, strategy_options
-from fedgrid.aggregation.robust import Krum, Median, MultiKrum, TrimmedMean
 from fedgrid.aggregation.fedprox import FedProx
+from fedgrid.aggregation.mean import Mean, WeightedMean, weighted_mean
+from fedgrid.aggregation.registry import (
+    AGGREGATORS,
+    STRATEGIES,
+    build_aggregator,
+    build_strategy_from,
+    strategy_options,
+)
+from fedgrid.aggregation.robust import Krum, Median, MultiKrum, TrimmedMean
 from fedgrid.aggregation.scaffold import CONTROL_DELTA_PREFIX, CONTROL_PREFIX, Scaffold
 from fedgrid.aggregation.server_opt import ServerAdagrad, ServerAdam, ServerOptimizer, ServerSGD, ServerYogi
 

@@ -14,7 +14,19 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from fedgrid.errors import FedgridError, InvalidUpdateError
-from fedgrid.types import EVALUATE, FIT, ClientInfo, EvaluateIns, EvaluateRes, FitIns, FitRes, Failure, MessageIns, MessageRes, ModelState
+from fedgrid.types import (
+    EVALUATE,
+    FIT,
+    ClientInfo,
+    EvaluateIns,
+    EvaluateRes,
+    Failure,
+    FitIns,
+    FitRes,
+    MessageIns,
+    MessageRes,
+    ModelState,
+)
 
 __all__ = ["Aggregator", "AggregationPreconditionError", "Strategy", "weighted_metrics"]
 
@@ -96,11 +108,15 @@ class Strategy(ABC):
         """The current global model."""
 
     @abstractmethod
-    def configure_round(self, *, server_round: int, clients: Sequence[ClientInfo]) -> list[tuple[ClientInfo, FitIns]]:
+    def configure_round(
+        self, *, server_round: int, clients: Sequence[ClientInfo]
+    ) -> list[tuple[ClientInfo, FitIns]]:
         """Chooses the clients of ``server_round`` among the live ``clients`` and their tasks."""
 
     @abstractmethod
-    def aggregate(self, *, server_round: int, results: Sequence[FitRes], failures: Sequence[Failure]) -> dict[str, float]:
+    def aggregate(
+        self, *, server_round: int, results: Sequence[FitRes], failures: Sequence[Failure]
+    ) -> dict[str, float]:
         """Folds the round's results into the global model; returns round metrics.
 
         Failures are data: the strategy decides what a failed client means for the round.
@@ -140,14 +156,18 @@ class Strategy(ABC):
         unmask. Default: ``("fit", "evaluate")``."""
         return (FIT, EVALUATE)
 
-    def configure_messages(self, *, server_round: int, phase: str, clients: Sequence[ClientInfo]) -> list[tuple[ClientInfo, MessageIns]]:
+    def configure_messages(
+        self, *, server_round: int, phase: str, clients: Sequence[ClientInfo]
+    ) -> list[tuple[ClientInfo, MessageIns]]:
         """Chooses the clients of message phase ``phase`` and their tasks (``MessageIns.peers``
         names who may be addressed). ``clients`` are the round's live clients.
 
         Raises:
             NotImplementedError: the default; a strategy declaring message phases implements it.
         """
-        raise NotImplementedError(f"{type(self).__name__} declares message phase {phase!r} but does not implement configure_messages()")
+        raise NotImplementedError(
+            f"{type(self).__name__} declares message phase {phase!r} but does not implement configure_messages()"
+        )
 
     def receive_messages(
         self, *, server_round: int, phase: str, results: Sequence[MessageRes], failures: Sequence[Failure]
@@ -168,7 +188,9 @@ class Strategy(ABC):
         self, *, server_round: int, results: Sequence[EvaluateRes], failures: Sequence[Failure]
     ) -> dict[str, float]:
         """Example-weighted mean of each metric the clients reported (keys as reported)."""
-        return weighted_metrics([(r.num_examples, r.metrics) for r in sorted(results, key=lambda r: r.client.sort_key)])
+        return weighted_metrics(
+            [(r.num_examples, r.metrics) for r in sorted(results, key=lambda r: r.client.sort_key)]
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume exactly (global model included)."""
@@ -194,12 +216,17 @@ class Strategy(ABC):
         current = self.global_state
         if list(state) != list(current):
             missing, extra = sorted(set(current) - set(state)), sorted(set(state) - set(current))
-            raise InvalidUpdateError(f"received model: tensors differ (missing {missing}, unexpected {extra})" if missing or extra
-                                     else "received model: tensors in another order")
+            raise InvalidUpdateError(
+                f"received model: tensors differ (missing {missing}, unexpected {extra})"
+                if missing or extra
+                else "received model: tensors in another order"
+            )
         for name, tensor in state.items():
             if tensor.shape != current[name].shape or tensor.dtype != current[name].dtype:
-                raise InvalidUpdateError(f"received model: tensor '{name}' is {tensor.dtype}{tuple(tensor.shape)}, "
-                                         f"expected {current[name].dtype}{tuple(current[name].shape)}")
+                raise InvalidUpdateError(
+                    f"received model: tensor '{name}' is {tensor.dtype}{tuple(tensor.shape)}, "
+                    f"expected {current[name].dtype}{tuple(current[name].shape)}"
+                )
             if tensor.dtype.is_floating_point and not bool(torch.isfinite(tensor).all()):
                 raise InvalidUpdateError(f"received model: tensor '{name}' is not finite")
         self.initialize(initial_state=state)

@@ -49,7 +49,7 @@ from fedgrid.aggregation.fedavg import FedAvg, train_metrics
 from fedgrid.aggregation.selection import Sampling
 from fedgrid.errors import ConfigError
 from fedgrid.seeding import derive_seed
-from fedgrid.types import ClientInfo, FitIns, FitRes, Failure, ModelState, TensorSpec
+from fedgrid.types import ClientInfo, Failure, FitIns, FitRes, ModelState, TensorSpec
 
 __all__ = ["BlockCoordinate", "SCHEDULES"]
 
@@ -92,7 +92,9 @@ class BlockCoordinate(FedAvg):
             raise ValueError(f"block_schedule must be one of {', '.join(SCHEDULES)}, got {block_schedule!r}")
         if block_prefixes is not None:
             if num_blocks is not None and num_blocks != len(block_prefixes):
-                raise ValueError(f"num_blocks={num_blocks} but {len(block_prefixes)} blocks of prefixes were given")
+                raise ValueError(
+                    f"num_blocks={num_blocks} but {len(block_prefixes)} blocks of prefixes were given"
+                )
             num_blocks = len(block_prefixes)
         num_blocks = 2 if num_blocks is None else num_blocks
         if num_blocks < 1:
@@ -103,7 +105,9 @@ class BlockCoordinate(FedAvg):
             **legacy,
         )
         self.num_blocks = num_blocks
-        self.block_prefixes = [list(group) for group in block_prefixes] if block_prefixes is not None else None
+        self.block_prefixes = (
+            [list(group) for group in block_prefixes] if block_prefixes is not None else None
+        )
         self.schedule = block_schedule
         self._blocks: list[Block] = []
         self._block_of_names: dict[frozenset[str], int] = {}
@@ -115,7 +119,9 @@ class BlockCoordinate(FedAvg):
                 return blocks_from_prefixes(specs, self.block_prefixes)
             return default_blocks(specs, self.num_blocks)
         except ValueError as exc:  # the model is known only now: still a configuration error
-            raise ConfigError("block_prefixes" if self.block_prefixes is not None else "num_blocks", str(exc)) from None
+            raise ConfigError(
+                "block_prefixes" if self.block_prefixes is not None else "num_blocks", str(exc)
+            ) from None
 
     def initialize(self, *, initial_state: ModelState) -> None:
         self._blocks = self._partition(initial_state)
@@ -156,14 +162,20 @@ class BlockCoordinate(FedAvg):
         """The fewest clients any trained block gets in a round of ``clients_per_round`` clients."""
         if self.schedule == "per-round":
             return clients_per_round
-        return clients_per_round // self.num_blocks if clients_per_round >= self.num_blocks else min(clients_per_round, 1)
+        return (
+            clients_per_round // self.num_blocks
+            if clients_per_round >= self.num_blocks
+            else min(clients_per_round, 1)
+        )
 
     def check_preconditions(self, *, num_clients: int) -> None:
         if self.aggregator is not None:
             per_block = self.min_clients_per_block(self.clients_per_round(num_clients))
             self.aggregator.check_preconditions(num_clients=per_block)
 
-    def configure_round(self, *, server_round: int, clients: Sequence[ClientInfo]) -> list[tuple[ClientInfo, FitIns]]:
+    def configure_round(
+        self, *, server_round: int, clients: Sequence[ClientInfo]
+    ) -> list[tuple[ClientInfo, FitIns]]:
         chosen = self.sampling.fit_clients(clients, server_round)
         specs = TensorSpec.of(self.global_state)
         base = {**self._task_config(server_round), "algorithm": self.name, "num_blocks": self.num_blocks}
@@ -173,11 +185,17 @@ class BlockCoordinate(FedAvg):
             if index not in tasks:
                 block = self.blocks[index]
                 config = {**base, "block": index, "block_prefixes": ",".join(block.prefixes)}
-                tasks[index] = FitIns(round=server_round, config=config, expected=OrderedDict((n, specs[n]) for n in block.names))
+                tasks[index] = FitIns(
+                    round=server_round,
+                    config=config,
+                    expected=OrderedDict((n, specs[n]) for n in block.names),
+                )
             out.append((client, tasks[index]))
         return out
 
-    def aggregate(self, *, server_round: int, results: Sequence[FitRes], failures: Sequence[Failure]) -> dict[str, float]:
+    def aggregate(
+        self, *, server_round: int, results: Sequence[FitRes], failures: Sequence[Failure]
+    ) -> dict[str, float]:
         if not results:
             return {}
         ordered = sorted(results, key=lambda r: r.client.sort_key)
@@ -186,7 +204,9 @@ class BlockCoordinate(FedAvg):
             index = self._block_of_names.get(frozenset(res.state))
             if index is None:
                 who = res.client.name or res.client.client_id
-                raise ValueError(f"result from client {who!r} holds tensors that form no block ({len(res.state)} tensors)")
+                raise ValueError(
+                    f"result from client {who!r} holds tensors that form no block ({len(res.state)} tensors)"
+                )
             by_block.setdefault(index, []).append(res)
         new = OrderedDict(self.global_state)
         skipped = 0
@@ -207,6 +227,8 @@ class BlockCoordinate(FedAvg):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         saved = state.get("blocks")
-        if saved is not None and [list(b.names) for b in self._partition(state["global_state"])] != [list(n) for n in saved]:
+        if saved is not None and [list(b.names) for b in self._partition(state["global_state"])] != [
+            list(n) for n in saved
+        ]:
             raise ValueError("checkpoint was written with another block partition than this strategy's")
         super().load_state_dict(state)

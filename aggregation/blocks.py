@@ -127,7 +127,14 @@ def default_blocks(specs: Mapping[str, TensorSpec], num_blocks: int) -> list[Blo
     blocks = []
     for index in range(num_blocks):
         names = tuple(n for n in specs if owner[n] == index)
-        blocks.append(Block(index, tuple(keys[starts[index] : starts[index + 1]]), names, sum(_numel(specs[n]) for n in names)))
+        blocks.append(
+            Block(
+                index,
+                tuple(keys[starts[index] : starts[index + 1]]),
+                names,
+                sum(_numel(specs[n]) for n in names),
+            )
+        )
     return blocks
 
 
@@ -146,15 +153,21 @@ def blocks_from_prefixes(specs: Mapping[str, TensorSpec], prefixes: Sequence[Seq
         for name in specs:
             if any(matches_prefix(name, p) for p in group):
                 if name in owner:
-                    raise ValueError(f"tensor '{name}' matches blocks {owner[name]} and {index}: block prefixes must not overlap")
+                    raise ValueError(
+                        f"tensor '{name}' matches blocks {owner[name]} and {index}: block prefixes must not overlap"
+                    )
                 owner[name] = index
     missing = [n for n in specs if n not in owner]
     if missing:
-        raise ValueError(f"tensors {missing[:5]} match no block prefix ({len(missing)} in all): the blocks must cover the model")
+        raise ValueError(
+            f"tensors {missing[:5]} match no block prefix ({len(missing)} in all): the blocks must cover the model"
+        )
     blocks = []
     for index, group in enumerate(prefixes):
         names = tuple(n for n in specs if owner[n] == index)
         if not names:
             raise ValueError(f"block {index} (prefixes {list(group)}) matches no tensor")
-        blocks.append(Block(index, tuple(p.rstrip(".") for p in group), names, sum(_numel(specs[n]) for n in names)))
+        blocks.append(
+            Block(index, tuple(p.rstrip(".") for p in group), names, sum(_numel(specs[n]) for n in names))
+        )
     return blocks

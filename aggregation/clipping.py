@@ -69,7 +69,9 @@ class NormClip(WeightedMean):
         self.weighted = weighted
         #: The bound applied to the latest result (the fixed one, or that round's median norm).
         self.last_bound: float | None = self.bound
-        self._pending: list[tuple[Mapping[str, torch.Tensor], float, float]] = []  # adaptive: (update, weight, norm)
+        self._pending: list[
+            tuple[Mapping[str, torch.Tensor], float, float]
+        ] = []  # adaptive: (update, weight, norm)
 
     def add(self, update: Mapping[str, torch.Tensor], weight: float) -> None:
         check_weight(weight)
@@ -80,16 +82,27 @@ class NormClip(WeightedMean):
                     raise ValueError("update holds different tensors than the first one added")
                 for name, t in update.items():
                     if t.shape != first[name].shape:
-                        raise ValueError(f"tensor '{name}': shape {list(t.shape)} differs from {list(first[name].shape)}")
-            self._pending.append((OrderedDict((k, v.detach().to("cpu")) for k, v in update.items()), weight, update_norm(update)))
+                        raise ValueError(
+                            f"tensor '{name}': shape {list(t.shape)} differs from {list(first[name].shape)}"
+                        )
+            self._pending.append(
+                (
+                    OrderedDict((k, v.detach().to("cpu")) for k, v in update.items()),
+                    weight,
+                    update_norm(update),
+                )
+            )
             return
         self._add_clipped(update, weight, update_norm(update), self.bound)
 
-    def _add_clipped(self, update: Mapping[str, torch.Tensor], weight: float, norm: float, bound: float) -> None:
+    def _add_clipped(
+        self, update: Mapping[str, torch.Tensor], weight: float, norm: float, bound: float
+    ) -> None:
         if norm > bound:
             scale = bound / norm
             update = OrderedDict(
-                (k, (v.to(torch.float64) * scale).to(v.dtype) if v.dtype.is_floating_point else v) for k, v in update.items()
+                (k, (v.to(torch.float64) * scale).to(v.dtype) if v.dtype.is_floating_point else v)
+                for k, v in update.items()
             )
         super().add(update, weight if self.weighted else 1.0)
 
@@ -163,5 +176,7 @@ class CenteredClip(BufferedAggregator):
                 out[n] = cast_back(center[n], t.dtype)
             else:  # integer buffers are not clipped: their weighted mean
                 stacked = self._stack(n)
-                out[n] = cast_back((stacked * self._weights_like(stacked)).sum(dim=0) / weights.sum(), t.dtype)
+                out[n] = cast_back(
+                    (stacked * self._weights_like(stacked)).sum(dim=0) / weights.sum(), t.dtype
+                )
         return out

@@ -55,10 +55,10 @@ from fedgrid.aggregation.base import AggregationPreconditionError, Aggregator
 from fedgrid.aggregation.blocks import Block, default_blocks
 from fedgrid.aggregation.fedavg import train_metrics
 from fedgrid.aggregation.fedopt import FedOpt
-from fedgrid.aggregation.server_opt import ServerSGD
 from fedgrid.aggregation.selection import Sampling
+from fedgrid.aggregation.server_opt import ServerSGD
 from fedgrid.errors import ConfigError
-from fedgrid.types import ClientInfo, FitIns, FitRes, Failure, ModelState, Scalar, TensorSpec
+from fedgrid.types import ClientInfo, Failure, FitIns, FitRes, ModelState, Scalar, TensorSpec
 
 __all__ = ["DiLoCo", "StreamingDiLoCo", "DEFAULT_INNER_LR", "DEFAULT_INNER_STEPS"]
 
@@ -113,7 +113,12 @@ class DiLoCo(FedOpt):
 
     def _task_config(self, server_round: int) -> dict[str, Scalar]:
         # ``lr`` replaces the clients' epoch-strategy rate that ``fit_config`` may carry.
-        return {**super()._task_config(server_round), "algorithm": self.name, "inner_steps": self.inner_steps, "lr": self.inner_lr}
+        return {
+            **super()._task_config(server_round),
+            "algorithm": self.name,
+            "inner_steps": self.inner_steps,
+            "lr": self.inner_lr,
+        }
 
 
 class StreamingDiLoCo(DiLoCo):
@@ -200,7 +205,9 @@ class StreamingDiLoCo(DiLoCo):
         synced = {r % self.num_fragments for r in range(last, server_round)}
         return [f for f in self.fragments if f.index in synced]
 
-    def configure_round(self, *, server_round: int, clients: Sequence[ClientInfo]) -> list[tuple[ClientInfo, FitIns]]:
+    def configure_round(
+        self, *, server_round: int, clients: Sequence[ClientInfo]
+    ) -> list[tuple[ClientInfo, FitIns]]:
         fragment = self.fragment_of_round(server_round)
         config = {
             **self._task_config(server_round),
@@ -220,20 +227,27 @@ class StreamingDiLoCo(DiLoCo):
                 merge = self.fragments if synced is None else synced
                 tasks[key] = FitIns(
                     round=server_round,
-                    config={**config, "merge_fragment_prefixes": ",".join(p for f in merge for p in f.prefixes)},
+                    config={
+                        **config,
+                        "merge_fragment_prefixes": ",".join(p for f in merge for p in f.prefixes),
+                    },
                     expected=expected,
                     download=None if synced is None else tuple(n for f in synced for n in f.names),
                 )
             out.append((client, tasks[key]))
         return out
 
-    def aggregate(self, *, server_round: int, results: Sequence[FitRes], failures: Sequence[Failure]) -> dict[str, float]:
+    def aggregate(
+        self, *, server_round: int, results: Sequence[FitRes], failures: Sequence[Failure]
+    ) -> dict[str, float]:
         for failure in failures:  # it may have lost its replica: the whole model next time
             self._last_round.pop(failure.client.client_id, None)
         for result in results:
             self._last_round[result.client.client_id] = server_round
         # Bounded memory: a client absent for F rounds needs the whole model, as one without a record.
-        self._last_round = {cid: r for cid, r in sorted(self._last_round.items()) if server_round + 1 - r < self.num_fragments}
+        self._last_round = {
+            cid: r for cid, r in sorted(self._last_round.items()) if server_round + 1 - r < self.num_fragments
+        }
         if not results:
             return {}
         ordered = sorted(results, key=lambda r: r.client.sort_key)
@@ -248,7 +262,11 @@ class StreamingDiLoCo(DiLoCo):
         return metrics
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "num_fragments": self.num_fragments, "last_round": dict(self._last_round)}
+        return {
+            **super().state_dict(),
+            "num_fragments": self.num_fragments,
+            "last_round": dict(self._last_round),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores what ``state_dict`` returned; a checkpoint without ``last_round`` (older
@@ -258,7 +276,9 @@ class StreamingDiLoCo(DiLoCo):
             ValueError: another number of fragments, or a malformed ``last_round``.
         """
         if int(state.get("num_fragments", self.num_fragments)) != self.num_fragments:
-            raise ValueError(f"checkpoint has {state['num_fragments']} fragments, this strategy {self.num_fragments}")
+            raise ValueError(
+                f"checkpoint has {state['num_fragments']} fragments, this strategy {self.num_fragments}"
+            )
         try:
             last_round = {str(cid): int(r) for cid, r in dict(state.get("last_round", {})).items()}
         except (TypeError, ValueError) as exc:

@@ -17,12 +17,25 @@ import torch
 
 from fedgrid.aggregation.base import AggregationPreconditionError, Aggregator, Strategy, weighted_metrics
 from fedgrid.aggregation.mean import WeightedMean, weighted_mean, weighted_mean_of_rows
-from fedgrid.aggregation.updates import add_update, aggregate_deltas, average_values, client_value, split_names
 from fedgrid.aggregation.selection import Sampling, SelectionPolicy
+from fedgrid.aggregation.updates import (
+    add_update,
+    aggregate_deltas,
+    average_values,
+    client_value,
+    split_names,
+)
 from fedgrid.seeding import derive_seed
-from fedgrid.types import ClientInfo, EvaluateIns, FitIns, FitRes, Failure, ModelState, Scalar
+from fedgrid.types import ClientInfo, EvaluateIns, Failure, FitIns, FitRes, ModelState, Scalar
 
-__all__ = ["WeightedMean", "FedAvg", "weighted_mean", "train_metrics", "check_strategy_tag", "AGGREGATION_SLICE"]
+__all__ = [
+    "WeightedMean",
+    "FedAvg",
+    "weighted_mean",
+    "train_metrics",
+    "check_strategy_tag",
+    "AGGREGATION_SLICE",
+]
 
 #: Elements averaged at a time (a float64 accumulator of 8 MB).
 AGGREGATION_SLICE = 1 << 20
@@ -57,7 +70,9 @@ class FedAvg(Strategy):
     name: ClassVar[str] = "fedavg"
     accepts_deltas = True
 
-    def __init__(self, *, sampling: Sampling | None = None, aggregator: Aggregator | None = None, **legacy: Any) -> None:
+    def __init__(
+        self, *, sampling: Sampling | None = None, aggregator: Aggregator | None = None, **legacy: Any
+    ) -> None:
         self.sampling = sampling_from(sampling, legacy, type(self).__name__)
         self.aggregator = aggregator
         self._state: ModelState | None = None
@@ -106,11 +121,15 @@ class FedAvg(Strategy):
         """The scalars every task of ``server_round`` carries."""
         return self.sampling.task_config(server_round)
 
-    def configure_round(self, *, server_round: int, clients: Sequence[ClientInfo]) -> list[tuple[ClientInfo, FitIns]]:
+    def configure_round(
+        self, *, server_round: int, clients: Sequence[ClientInfo]
+    ) -> list[tuple[ClientInfo, FitIns]]:
         ins = FitIns(round=server_round, config=self._task_config(server_round))
         return [(client, ins) for client in self.sampling.fit_clients(clients, server_round)]
 
-    def configure_evaluate(self, *, server_round: int, clients: Sequence[ClientInfo]) -> list[tuple[ClientInfo, EvaluateIns]]:
+    def configure_evaluate(
+        self, *, server_round: int, clients: Sequence[ClientInfo]
+    ) -> list[tuple[ClientInfo, EvaluateIns]]:
         ins = EvaluateIns(round=server_round, config={"round": server_round, "seed": self.seed})
         return [(client, ins) for client in self.sampling.evaluate_clients(clients, server_round)]
 
@@ -133,7 +152,9 @@ class FedAvg(Strategy):
             for name in names:
                 target = state[name]
                 given = [res.state.get(name) for res in results]
-                values = not any(res.delta for res in results)  # rows of deltas would need the model added back
+                values = not any(
+                    res.delta for res in results
+                )  # rows of deltas would need the model added back
                 if values and all(g is not None and g.shape == target.shape for g in given):
                     # The batched simulation engine's results are rows of its stacks: one reduction per stack.
                     rows = weighted_mean_of_rows(given, weights)  # type: ignore[arg-type]
@@ -149,7 +170,9 @@ class FedAvg(Strategy):
                         got = res.state.get(name)
                         if got is None or got.shape != target.shape:
                             who = res.client.name or res.client.client_id
-                            raise ValueError(f"result from client {who!r}: tensor '{name}' is missing or has the wrong shape")
+                            raise ValueError(
+                                f"result from client {who!r}: tensor '{name}' is missing or has the wrong shape"
+                            )
                         part = client_value(state, res, name, slice(start, start + AGGREGATION_SLICE))
                         agg.add({name: part}, float(res.num_examples))
                         del got, part
@@ -158,11 +181,16 @@ class FedAvg(Strategy):
                 out[name] = new_value
             return out
         floating, others = split_names(state, names)
-        new = add_update(state, aggregate_deltas(global_state=state, results=results, names=floating, aggregator=self.aggregator))
+        new = add_update(
+            state,
+            aggregate_deltas(global_state=state, results=results, names=floating, aggregator=self.aggregator),
+        )
         new.update(average_values(results, others))
         return OrderedDict((n, new[n]) for n in names)
 
-    def aggregate(self, *, server_round: int, results: Sequence[FitRes], failures: Sequence[Failure]) -> dict[str, float]:
+    def aggregate(
+        self, *, server_round: int, results: Sequence[FitRes], failures: Sequence[Failure]
+    ) -> dict[str, float]:
         if not results:
             return {}
         ordered = sorted(results, key=lambda r: r.client.sort_key)  # canonical order
@@ -186,7 +214,9 @@ class FedAvg(Strategy):
 
 def train_metrics(ordered: Sequence[FitRes]) -> dict[str, float]:
     """``train_loss``: the example-weighted mean of the ``loss`` the clients reported, if any."""
-    train = weighted_metrics([(r.num_examples, {"loss": r.metrics["loss"]}) for r in ordered if "loss" in r.metrics])
+    train = weighted_metrics(
+        [(r.num_examples, {"loss": r.metrics["loss"]}) for r in ordered if "loss" in r.metrics]
+    )
     return {"train_loss": train["loss"]} if train else {}
 
 
@@ -219,7 +249,13 @@ def sampling_from(sampling: Sampling | None, legacy: Mapping[str, Any], owner: s
     if not legacy:
         return sampling if sampling is not None else Sampling()
     if sampling is not None:
-        raise TypeError(f"{owner}(): give sampling=Sampling(...) or the old keywords {sorted(legacy)}, not both")
-    warnings.warn(f"{owner}({', '.join(f'{k}=' for k in legacy)}...) is deprecated and goes in the next release: "
-                  "pass sampling=fedgrid.aggregation.selection.Sampling(...)", DeprecationWarning, stacklevel=3)
+        raise TypeError(
+            f"{owner}(): give sampling=Sampling(...) or the old keywords {sorted(legacy)}, not both"
+        )
+    warnings.warn(
+        f"{owner}({', '.join(f'{k}=' for k in legacy)}...) is deprecated and goes in the next release: "
+        "pass sampling=fedgrid.aggregation.selection.Sampling(...)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
     return Sampling(**{k: v for k, v in legacy.items() if v is not None})

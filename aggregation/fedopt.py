@@ -14,9 +14,9 @@ from typing import Any, Mapping, Sequence
 
 from fedgrid.aggregation.base import Aggregator
 from fedgrid.aggregation.fedavg import FedAvg
+from fedgrid.aggregation.selection import Sampling
 from fedgrid.aggregation.server_opt import ServerAdagrad, ServerAdam, ServerOptimizer, ServerSGD, ServerYogi
 from fedgrid.aggregation.updates import aggregate_deltas, average_values, split_names
-from fedgrid.aggregation.selection import Sampling
 from fedgrid.types import FitRes, ModelState
 
 __all__ = ["FedOpt", "FedAvgM", "FedAdam", "FedYogi", "FedAdagrad"]
@@ -59,9 +59,13 @@ class FedOpt(FedAvg):
     def _update_subset(self, *, names: Sequence[str], results: Sequence[FitRes]) -> ModelState:
         state = self.global_state
         floating, others = split_names(state, names)
-        delta = aggregate_deltas(global_state=state, results=results, names=floating, aggregator=self.aggregator)
+        delta = aggregate_deltas(
+            global_state=state, results=results, names=floating, aggregator=self.aggregator
+        )
         pseudo_grad = OrderedDict((n, d.neg()) for n, d in delta.items())
-        stepped = self.server_optimizer.step(global_state=OrderedDict((n, state[n]) for n in floating), pseudo_grad=pseudo_grad)
+        stepped = self.server_optimizer.step(
+            global_state=OrderedDict((n, state[n]) for n in floating), pseudo_grad=pseudo_grad
+        )
         stepped.update(average_values(results, others))
         return OrderedDict((n, stepped[n]) for n in names)
 
@@ -129,7 +133,9 @@ class FedAdam(FedOpt):
         **legacy: Any,
     ) -> None:
         super().__init__(
-            server_optimizer=self._optimizer(lr=server_lr, beta1=server_beta1, beta2=server_beta2, tau=server_tau),
+            server_optimizer=self._optimizer(
+                lr=server_lr, beta1=server_beta1, beta2=server_beta2, tau=server_tau
+            ),
             aggregator=aggregator,
             sampling=sampling,
             **legacy,

@@ -84,7 +84,13 @@ def weighted_mean(updates: Sequence[Mapping[str, torch.Tensor]], weights: Sequen
 def _row_of(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     """``(stack, i)`` when ``t`` is ``stack[i]`` of a contiguous stack, else ``None``."""
     stack = t._base
-    if stack is None or not stack.is_contiguous() or stack.dim() != t.dim() + 1 or stack.shape[1:] != t.shape or not t.is_contiguous():
+    if (
+        stack is None
+        or not stack.is_contiguous()
+        or stack.dim() != t.dim() + 1
+        or stack.shape[1:] != t.shape
+        or not t.is_contiguous()
+    ):
         return None
     offset = t.storage_offset() - stack.storage_offset()
     size = max(t.numel(), 1)
@@ -93,7 +99,9 @@ def _row_of(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     return stack, offset // size
 
 
-def weighted_mean_of_rows(tensors: Sequence[torch.Tensor], weights: Sequence[float], *, slice_elements: int = 1 << 18) -> torch.Tensor | None:
+def weighted_mean_of_rows(
+    tensors: Sequence[torch.Tensor], weights: Sequence[float], *, slice_elements: int = 1 << 18
+) -> torch.Tensor | None:
     """The weighted mean of ``tensors`` when each is a row of a stacked tensor (the batched
     simulation engine's outputs: K clients' models stacked along dim 0); ``None`` when one is not.
 
@@ -117,7 +125,11 @@ def weighted_mean_of_rows(tensors: Sequence[torch.Tensor], weights: Sequence[flo
     for t, w in zip(tensors, weights, strict=True):
         if not (w > 0 and w != float("inf")):
             raise ValueError(f"weight must be positive and finite, got {w}")
-        found = _row_of(t) if t.dtype == first.dtype and t.shape == first.shape and t.device == first.device else None
+        found = (
+            _row_of(t)
+            if t.dtype == first.dtype and t.shape == first.shape and t.device == first.device
+            else None
+        )
         if found is None:
             return None
         stack, row = found
@@ -128,7 +140,9 @@ def weighted_mean_of_rows(tensors: Sequence[torch.Tensor], weights: Sequence[flo
     total = torch.zeros(numel, dtype=torch.float64)
     for stack, rows, ws in groups.values():
         flat = stack.reshape(stack.shape[0], numel)
-        order = sorted(range(len(rows)), key=rows.__getitem__)  # stack order: every row of a stack needs no gather
+        order = sorted(
+            range(len(rows)), key=rows.__getitem__
+        )  # stack order: every row of a stack needs no gather
         rows, ws = [rows[i] for i in order], [ws[i] for i in order]
         picked = flat if rows == list(range(flat.shape[0])) else flat.index_select(0, torch.tensor(rows))
         row_weights = torch.tensor(ws, dtype=torch.float64)

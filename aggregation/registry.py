@@ -17,9 +17,9 @@ from fedgrid.aggregation.clipping import CenteredClip, NormClip
 from fedgrid.aggregation.diloco import DiLoCo, StreamingDiLoCo
 from fedgrid.aggregation.fedavg import FedAvg
 from fedgrid.aggregation.fedopt import FedAdagrad, FedAdam, FedAvgM, FedYogi
+from fedgrid.aggregation.fedprox import FedProx
 from fedgrid.aggregation.mean import Mean
 from fedgrid.aggregation.robust import Krum, Median, MultiKrum, TrimmedMean
-from fedgrid.aggregation.fedprox import FedProx
 from fedgrid.aggregation.scaffold import Scaffold
 from fedgrid.aggregation.selection import Sampling, SelectionPolicy
 from fedgrid.errors import ConfigError
@@ -107,7 +107,10 @@ def build_aggregator(name: str, **params: Any) -> Aggregator:
     given = {k: v for k, v in params.items() if v is not None}
     unknown = sorted(set(given) - set(_AGGREGATOR_PARAMS[name]))
     if unknown:
-        raise ConfigError("aggregator", f"{name} takes no option {unknown[0]!r} (its options: {', '.join(_AGGREGATOR_PARAMS[name])})")
+        raise ConfigError(
+            "aggregator",
+            f"{name} takes no option {unknown[0]!r} (its options: {', '.join(_AGGREGATOR_PARAMS[name])})",
+        )
     try:
         return AGGREGATORS[name](**given)
     except (TypeError, ValueError) as exc:
@@ -135,7 +138,11 @@ def parse_block_prefixes(text: str) -> list[list[str]]:
 
 def _aggregator_from(options: Mapping[str, Any]) -> Aggregator | None:
     chosen = options.get("aggregator")
-    params = {k[len("aggregator_") :]: v for k, v in options.items() if k.startswith("aggregator_") and v is not None}
+    params = {
+        k[len("aggregator_") :]: v
+        for k, v in options.items()
+        if k.startswith("aggregator_") and v is not None
+    }
     if isinstance(chosen, Aggregator):
         if params:
             raise ConfigError("aggregator", f"options {sorted(params)} given with an aggregator instance")
@@ -178,9 +185,15 @@ def build_strategy_from(name: str, *, policy: SelectionPolicy | None = None, **o
     prefixes = kwargs.get("block_prefixes")
     if isinstance(prefixes, str):
         kwargs["block_prefixes"] = parse_block_prefixes(prefixes) if prefixes.strip() else None
-    elif prefixes is not None and not all(isinstance(g, Sequence) and not isinstance(g, str) for g in prefixes):
-        raise ConfigError("block_prefixes", "expected a string like 'conv1,conv2;fc' or a list of lists of prefixes")
+    elif prefixes is not None and not all(
+        isinstance(g, Sequence) and not isinstance(g, str) for g in prefixes
+    ):
+        raise ConfigError(
+            "block_prefixes", "expected a string like 'conv1,conv2;fc' or a list of lists of prefixes"
+        )
     try:
-        return STRATEGIES[name](sampling=Sampling(**common, **({"policy": policy} if policy is not None else {})), **kwargs)
+        return STRATEGIES[name](
+            sampling=Sampling(**common, **({"policy": policy} if policy is not None else {})), **kwargs
+        )
     except (TypeError, ValueError) as exc:
         raise ConfigError("strategy", f"{name}: {exc}") from None

@@ -39,7 +39,16 @@ from fedgrid.errors import ConfigError
 from fedgrid.seeding import derive_seed
 from fedgrid.types import ModelState
 
-__all__ = ["BufferedAggregator", "Median", "TrimmedMean", "Krum", "MultiKrum", "weighted_median", "cast_back", "check_weight"]
+__all__ = [
+    "BufferedAggregator",
+    "Median",
+    "TrimmedMean",
+    "Krum",
+    "MultiKrum",
+    "weighted_median",
+    "cast_back",
+    "check_weight",
+]
 
 
 def check_weight(weight: float) -> None:
@@ -82,7 +91,9 @@ class BufferedAggregator(Aggregator):
                 raise ValueError("update holds different tensors than the first one added")
             for name, t in update.items():
                 if t.shape != first[name].shape:
-                    raise ValueError(f"tensor '{name}': shape {list(t.shape)} differs from {list(first[name].shape)}")
+                    raise ValueError(
+                        f"tensor '{name}': shape {list(t.shape)} differs from {list(first[name].shape)}"
+                    )
         # References, not copies: the caller hands over fresh delta tensors.
         self._updates.append(OrderedDict((k, v.detach().to("cpu")) for k, v in update.items()))
         self._weights.append(float(weight) if self.weighted else 1.0)
@@ -262,10 +273,14 @@ class Krum(BufferedAggregator):
 
     name = "krum"
 
-    def __init__(self, *, f: int = 1, bucket_size: int | None = None, resamplings: int = 10, weighted: bool = False) -> None:
+    def __init__(
+        self, *, f: int = 1, bucket_size: int | None = None, resamplings: int = 10, weighted: bool = False
+    ) -> None:
         if isinstance(f, bool) or not isinstance(f, int) or f < 0:
             raise ValueError(f"f must be a non-negative integer, got {f!r}")
-        if bucket_size is not None and (isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1):
+        if bucket_size is not None and (
+            isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1
+        ):
             raise ValueError(f"bucket_size must be a positive integer, got {bucket_size!r}")
         if isinstance(resamplings, bool) or not isinstance(resamplings, int) or resamplings < 1:
             raise ValueError(f"resamplings must be a positive integer, got {resamplings!r}")

@@ -29,10 +29,10 @@ from fedgrid.aggregation.base import AggregationPreconditionError, Aggregator
 from fedgrid.aggregation.fedavg import train_metrics
 from fedgrid.aggregation.fedopt import FedOpt
 from fedgrid.aggregation.mean import Mean
+from fedgrid.aggregation.selection import Sampling
 from fedgrid.aggregation.server_opt import ServerSGD
 from fedgrid.aggregation.updates import compute_dtype, split_names
-from fedgrid.aggregation.selection import Sampling
-from fedgrid.types import ClientInfo, FitIns, FitRes, Failure, ModelState, TensorSpec
+from fedgrid.types import ClientInfo, Failure, FitIns, FitRes, ModelState, TensorSpec
 
 __all__ = ["Scaffold", "CONTROL_PREFIX", "CONTROL_DELTA_PREFIX"]
 
@@ -82,7 +82,8 @@ class Scaffold(FedOpt):
         super().initialize(initial_state=initial_state)
         floating, _ = split_names(self.global_state)
         self._control = OrderedDict(
-            (n, torch.zeros(self.global_state[n].shape, dtype=compute_dtype(self.global_state[n].dtype))) for n in floating
+            (n, torch.zeros(self.global_state[n].shape, dtype=compute_dtype(self.global_state[n].dtype)))
+            for n in floating
         )
         self._live_clients = None
 
@@ -97,7 +98,9 @@ class Scaffold(FedOpt):
             out[CONTROL_PREFIX + name] = c.to(self.global_state[name].dtype)
         return out
 
-    def configure_round(self, *, server_round: int, clients: Sequence[ClientInfo]) -> list[tuple[ClientInfo, FitIns]]:
+    def configure_round(
+        self, *, server_round: int, clients: Sequence[ClientInfo]
+    ) -> list[tuple[ClientInfo, FitIns]]:
         self._live_clients = len(clients)
         expected = TensorSpec.of(self.global_state)
         for name in self._control:
@@ -106,7 +109,9 @@ class Scaffold(FedOpt):
         ins = FitIns(round=server_round, config=config, expected=expected)
         return [(client, ins) for client in self.sampling.fit_clients(clients, server_round)]
 
-    def aggregate(self, *, server_round: int, results: Sequence[FitRes], failures: Sequence[Failure]) -> dict[str, float]:
+    def aggregate(
+        self, *, server_round: int, results: Sequence[FitRes], failures: Sequence[Failure]
+    ) -> dict[str, float]:
         if not results:
             return {}
         ordered = sorted(results, key=lambda r: r.client.sort_key)
@@ -132,7 +137,9 @@ class Scaffold(FedOpt):
                 got = res.state.get(CONTROL_DELTA_PREFIX + name)
                 if got is None or got.shape != c.shape:
                     who = res.client.name or res.client.client_id
-                    raise ValueError(f"result from client {who!r}: '{CONTROL_DELTA_PREFIX}{name}' is missing or has the wrong shape")
+                    raise ValueError(
+                        f"result from client {who!r}: '{CONTROL_DELTA_PREFIX}{name}' is missing or has the wrong shape"
+                    )
                 delta[name] = got.detach().to("cpu", c.dtype)
             agg.add(delta, 1.0)
         out = agg.result()

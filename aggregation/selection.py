@@ -23,7 +23,14 @@ from typing import Mapping, Sequence
 from fedgrid.seeding import derive_seed
 from fedgrid.types import ClientInfo, Scalar
 
-__all__ = ["Selector", "UniformSelector", "RegionBalancedSelector", "CapabilityFilter", "SelectionPolicy", "Sampling"]
+__all__ = [
+    "Selector",
+    "UniformSelector",
+    "RegionBalancedSelector",
+    "CapabilityFilter",
+    "SelectionPolicy",
+    "Sampling",
+]
 
 
 class Selector(ABC):
@@ -175,9 +182,13 @@ class Sampling:
 
     def clients_per_round(self, num_clients: int) -> int:
         """How many results a round with ``num_clients`` live clients waits for."""
-        return self.policy.target(num_live=num_clients, fraction=self.fraction_fit, minimum=self.min_fit_clients)
+        return self.policy.target(
+            num_live=num_clients, fraction=self.fraction_fit, minimum=self.min_fit_clients
+        )
 
-    def sample(self, clients: Sequence[ClientInfo], count: int, server_round: int, salt: int) -> list[ClientInfo]:
+    def sample(
+        self, clients: Sequence[ClientInfo], count: int, server_round: int, salt: int
+    ) -> list[ClientInfo]:
         """``count`` of ``clients`` drawn for ``server_round`` (``salt`` tells draws of one round
         apart), in canonical order; the same clients, round and seed give the same draw."""
         ordered = sorted(clients, key=lambda c: c.sort_key)

@@ -65,7 +65,9 @@ class ServerOptimizer(ABC):
         self.steps = 0
         self._buffers: dict[str, dict[str, torch.Tensor]] = {b: {} for b in self.buffer_names}
 
-    def step(self, *, global_state: Mapping[str, torch.Tensor], pseudo_grad: Mapping[str, torch.Tensor]) -> ModelState:
+    def step(
+        self, *, global_state: Mapping[str, torch.Tensor], pseudo_grad: Mapping[str, torch.Tensor]
+    ) -> ModelState:
         """One server step.
 
         Args:
@@ -85,9 +87,13 @@ class ServerOptimizer(ABC):
             if ref is None:
                 raise ValueError(f"pseudo-gradient names tensor '{name}', which the model does not hold")
             if not is_optimizable(ref.dtype):
-                raise ValueError(f"tensor '{name}' has dtype {ref.dtype}: only real floating tensors are optimized")
+                raise ValueError(
+                    f"tensor '{name}' has dtype {ref.dtype}: only real floating tensors are optimized"
+                )
             if grad.shape != ref.shape:
-                raise ValueError(f"pseudo-gradient of '{name}' has shape {list(grad.shape)}, the model {list(ref.shape)}")
+                raise ValueError(
+                    f"pseudo-gradient of '{name}' has shape {list(grad.shape)}, the model {list(ref.shape)}"
+                )
         out: ModelState = OrderedDict(global_state.items())
         for name, grad in pseudo_grad.items():
             ref = global_state[name]
@@ -117,10 +123,14 @@ class ServerOptimizer(ABC):
     def check_state_dict(self, state: Mapping[str, Any]) -> None:
         """Raises ``ValueError`` unless ``state`` is a ``state_dict()`` of this kind of optimizer."""
         if state.get("kind") != self.kind:
-            raise ValueError(f"optimizer state is of kind {state.get('kind')!r}, this optimizer is {self.kind!r}")
+            raise ValueError(
+                f"optimizer state is of kind {state.get('kind')!r}, this optimizer is {self.kind!r}"
+            )
         buffers = state.get("buffers", {})
         if set(buffers) != set(self.buffer_names) or "steps" not in state:
-            raise ValueError(f"optimizer state holds buffers {sorted(buffers)}, expected {sorted(self.buffer_names)}")
+            raise ValueError(
+                f"optimizer state holds buffers {sorted(buffers)}, expected {sorted(self.buffer_names)}"
+            )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores ``state_dict()``'s output; hyperparameters stay those given to the constructor.
@@ -212,7 +222,9 @@ class ServerAdam(_AdaptiveOptimizer):
 
     kind = "adam"
 
-    def __init__(self, *, lr: float = 1e-2, beta1: float = 0.9, beta2: float = 0.99, tau: float = 1e-3) -> None:
+    def __init__(
+        self, *, lr: float = 1e-2, beta1: float = 0.9, beta2: float = 0.99, tau: float = 1e-3
+    ) -> None:
         super().__init__(lr=lr, beta1=beta1, beta2=beta2, tau=tau)
 
     def _second_moment(self, v: torch.Tensor, grad_sq: torch.Tensor) -> None:
@@ -227,7 +239,9 @@ class ServerYogi(_AdaptiveOptimizer):
 
     kind = "yogi"
 
-    def __init__(self, *, lr: float = 1e-2, beta1: float = 0.9, beta2: float = 0.99, tau: float = 1e-3) -> None:
+    def __init__(
+        self, *, lr: float = 1e-2, beta1: float = 0.9, beta2: float = 0.99, tau: float = 1e-3
+    ) -> None:
         super().__init__(lr=lr, beta1=beta1, beta2=beta2, tau=tau)
 
     def _second_moment(self, v: torch.Tensor, grad_sq: torch.Tensor) -> None:

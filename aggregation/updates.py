@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, cast
 
 import torch
 
@@ -50,7 +50,9 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def split_names(state: Mapping[str, torch.Tensor], names: Sequence[str] | None = None) -> tuple[list[str], list[str]]:
+def split_names(
+    state: Mapping[str, torch.Tensor], names: Sequence[str] | None = None
+) -> tuple[list[str], list[str]]:
     """Splits ``names`` (default: all of ``state``) into (real floating, everything else), in order."""
     chosen = list(state) if names is None else list(names)
     floating = [n for n in chosen if is_optimizable(state[n].dtype)]
@@ -73,7 +75,9 @@ def client_delta(global_state: Mapping[str, torch.Tensor], res: FitRes, names: S
         if got is None:
             raise ValueError(f"result from client {who!r} lacks tensor '{name}'")
         if got.shape != ref.shape:
-            raise ValueError(f"result from client {who!r}: tensor '{name}' has shape {list(got.shape)}, expected {list(ref.shape)}")
+            raise ValueError(
+                f"result from client {who!r}: tensor '{name}' has shape {list(got.shape)}, expected {list(ref.shape)}"
+            )
         dtype = compute_dtype(ref.dtype)
         if res.delta and is_optimizable(got.dtype):  # already a difference: as sent
             out[name] = got.detach().to("cpu", dtype)
@@ -106,8 +110,9 @@ def as_model(global_state: Mapping[str, torch.Tensor], res: FitRes) -> FitRes:
     any other result as it is."""
     if not res.delta:
         return res
+    # Every name of res.state has a value: client_value's None (a missing tensor) cannot occur here.
     state: ModelState = OrderedDict(
-        (name, client_value(global_state, res, name)) for name in res.state  # type: ignore[misc]
+        (name, cast(torch.Tensor, client_value(global_state, res, name))) for name in res.state
     )
     return dataclasses.replace(res, state=state, delta=False)
 
@@ -164,10 +169,16 @@ def add_update(global_state: Mapping[str, torch.Tensor], update: Mapping[str, to
 
 
 def __getattr__(name: str) -> Any:
-    if name == "apply_delta":  # two functions had this name; this one is add_update (for one release, with a warning)
+    if (
+        name == "apply_delta"
+    ):  # two functions had this name; this one is add_update (for one release, with a warning)
         import warnings
 
-        warnings.warn("fedgrid.aggregation.updates.apply_delta is deprecated and goes in the next release: use "
-                      "fedgrid.aggregation.updates.add_update", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "fedgrid.aggregation.updates.apply_delta is deprecated and goes in the next release: use "
+            "fedgrid.aggregation.updates.add_update",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return add_update
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -71,9 +71,16 @@ FRACTIONS = (0.1, 0.2, 0.3)
 def cnn() -> nn.Module:
     """The CNN every run trains: two 3x3 conv layers (8, 16 channels) with max-pooling, then 784 -> 64 -> 10."""
     return nn.Sequential(
-        nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(16 * 7 * 7, 64), nn.ReLU(), nn.Linear(64, 10),
+        nn.Conv2d(1, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(16 * 7 * 7, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
     )
 
 
@@ -159,10 +166,18 @@ class Federation:
         stop_at: float | None = None,
     ) -> list[RoundMetrics]:
         """Runs up to ``rounds`` rounds (stops after the first at ``stop_at`` accuracy)."""
-        config = load_config(overrides={
-            "strategy": strategy, "clients": self.num_clients, "rounds": rounds, "seed": self.seed, "lr": self.lr,
-            "local_epochs": 1, "fraction_fit": per_round / self.num_clients, **options,
-        })
+        config = load_config(
+            overrides={
+                "strategy": strategy,
+                "clients": self.num_clients,
+                "rounds": rounds,
+                "seed": self.seed,
+                "lr": self.lr,
+                "local_epochs": 1,
+                "fraction_fit": per_round / self.num_clients,
+                **options,
+            }
+        )
         built = build_strategy(config, num_clients=self.num_clients)
         built.initialize(initial_state=self.initial)
         attackers = attackers or {}
@@ -172,8 +187,13 @@ class Federation:
             honest = self.client(i, flip_labels=attack == "label-flip")
             clients.append(PoisonedModel(honest, attack) if attack in ("sign-flip", "gaussian") else honest)
         engine = RoundEngine(
-            strategy=built, fleet=InProcessFleet(clients), rounds=rounds, min_clients=1,
-            round_timeout=timedelta(hours=1), join_timeout=timedelta(seconds=1), evaluate_fn=self.evaluate,
+            strategy=built,
+            fleet=InProcessFleet(clients),
+            rounds=rounds,
+            min_clients=1,
+            round_timeout=timedelta(hours=1),
+            join_timeout=timedelta(seconds=1),
+            evaluate_fn=self.evaluate,
         )
         history = []
         for r in range(1, rounds + 1):
@@ -184,7 +204,16 @@ class Federation:
 
 
 def _summary(history: list[RoundMetrics]) -> list[dict[str, Any]]:
-    return [{"round": m.round, "accuracy": m.accuracy, "bytes_up": m.bytes_up, "bytes_down": m.bytes_down, "wall_s": m.wall_s} for m in history]
+    return [
+        {
+            "round": m.round,
+            "accuracy": m.accuracy,
+            "bytes_up": m.bytes_up,
+            "bytes_down": m.bytes_down,
+            "wall_s": m.wall_s,
+        }
+        for m in history
+    ]
 
 
 def section_rounds(fed: Federation, args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
@@ -197,14 +226,18 @@ def section_rounds(fed: Federation, args: argparse.Namespace, log: Callable[[str
         out[name] = {"options": options, "rounds_to_target": reached, "history": _summary(h)}
         best = max(m.accuracy or 0.0 for m in h)
         shown = str(reached) if reached else f">{args.max_rounds}"
-        log(f"{name:<12}{shown:>8}{best:>10.3f}{sum(m.bytes_up for m in h) / 1e6:>10.1f}{sum(m.wall_s for m in h) / len(h):>9.1f}")
+        log(
+            f"{name:<12}{shown:>8}{best:>10.3f}{sum(m.bytes_up for m in h) / 1e6:>10.1f}{sum(m.wall_s for m in h) / len(h):>9.1f}"
+        )
     return out
 
 
 def section_bcd(fed: Federation, args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
     runs = {
         "fedavg": fed.run("fedavg", {}, rounds=args.bcd_rounds, per_round=args.per_round),
-        f"bcd-{args.blocks}": fed.run("bcd", {"num_blocks": args.blocks}, rounds=args.bcd_rounds, per_round=args.per_round),
+        f"bcd-{args.blocks}": fed.run(
+            "bcd", {"num_blocks": args.blocks}, rounds=args.bcd_rounds, per_round=args.per_round
+        ),
     }
     log(f"\naccuracy against cumulative upload (MB): fedavg vs bcd with {args.blocks} blocks")
     log(f"{'round':>6}" + "".join(f"{name + ' MB':>14}{name + ' acc':>14}" for name in runs))
@@ -234,18 +267,33 @@ def section_robust(fed: Federation, args: argparse.Namespace, log: Callable[[str
     out: dict[str, Any] = {"clean": {}, "attacked": {}}
     rng = random.Random(derive_seed("attackers", fed.seed))
     order = rng.sample(range(fed.num_clients), fed.num_clients)
-    log(f"\nrobust aggregation: test accuracy after {args.robust_rounds} rounds, worst case over {', '.join(ATTACKS)}")
-    log(f"{'aggregator':<14}{'clean':>8}" + "".join(f"{f'{int(f * 100)}% worst':>12}" for f in FRACTIONS) + "  (worst attack)")
+    log(
+        f"\nrobust aggregation: test accuracy after {args.robust_rounds} rounds, worst case over {', '.join(ATTACKS)}"
+    )
+    log(
+        f"{'aggregator':<14}{'clean':>8}"
+        + "".join(f"{f'{int(f * 100)}% worst':>12}" for f in FRACTIONS)
+        + "  (worst attack)"
+    )
     for agg in args.aggregators.split(","):
         options = AGGREGATORS[agg]
-        clean = fed.run("fedavg", options, rounds=args.robust_rounds, per_round=args.per_round)[-1].accuracy or 0.0
+        clean = (
+            fed.run("fedavg", options, rounds=args.robust_rounds, per_round=args.per_round)[-1].accuracy
+            or 0.0
+        )
         out["clean"][agg] = clean
         cells, worst_names = [], []
         for fraction in FRACTIONS:
             bad = order[: round(fraction * fed.num_clients)]
             results = {}
             for attack in ATTACKS:
-                h = fed.run("fedavg", options, rounds=args.robust_rounds, per_round=args.per_round, attackers={i: attack for i in bad})
+                h = fed.run(
+                    "fedavg",
+                    options,
+                    rounds=args.robust_rounds,
+                    per_round=args.per_round,
+                    attackers={i: attack for i in bad},
+                )
                 results[attack] = h[-1].accuracy or 0.0
                 out["attacked"][f"{agg}/{attack}/{fraction}"] = results[attack]
             worst = min(results, key=lambda a: results[a])
@@ -257,7 +305,9 @@ def section_robust(fed: Federation, args: argparse.Namespace, log: Callable[[str
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "fashion-mnist"))
+    parser.add_argument(
+        "--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "fashion-mnist")
+    )
     parser.add_argument("--sections", default="rounds,bcd,robust")
     parser.add_argument("--clients", type=int, default=100)
     parser.add_argument("--per-round", type=int, default=10)
@@ -269,13 +319,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--blocks", type=int, default=3)
     parser.add_argument("--bcd-rounds", type=int, default=60)
     parser.add_argument("--robust-rounds", type=int, default=30)
-    parser.add_argument("--aggregators", default=",".join(AGGREGATORS), help="robust section: which aggregators")
+    parser.add_argument(
+        "--aggregators", default=",".join(AGGREGATORS), help="robust section: which aggregators"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "algorithms.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     start = time.monotonic()
-    fed = Federation(load_fashion_mnist(args.data), num_clients=args.clients, alpha=args.alpha, seed=args.seed, lr=args.lr)
+    fed = Federation(
+        load_fashion_mnist(args.data), num_clients=args.clients, alpha=args.alpha, seed=args.seed, lr=args.lr
+    )
     lines: list[str] = []
 
     def log(line: str) -> None:
@@ -287,8 +341,13 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     env = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine()}
-    payload = {"config": {k: v for k, v in vars(args).items()}, "environment": env, "results": results, "table": lines,
-               "wall_s": time.monotonic() - start}
+    payload = {
+        "config": {k: v for k, v in vars(args).items()},
+        "environment": env,
+        "results": results,
+        "table": lines,
+        "wall_s": time.monotonic() - start,
+    }
     out.write_text(json.dumps(payload, indent=2))
     print(f"wrote {out} ({time.monotonic() - start:.0f}s)")
 

@@ -49,21 +49,34 @@ BATCH = 256
 
 def mlp() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Flatten(), nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)
+    )
 
 
 def make_client(partition: int, num_partitions: int, seed: int, *, examples: int = 5120) -> TorchClient:
     """The benchmark's client: a factory the ranks import (this module is on their path)."""
     g = torch.Generator().manual_seed(seed)
     x, y = torch.randn(examples, 1, 28, 28, generator=g), torch.randint(0, 10, (examples,), generator=g)
-    return TorchClient(mlp(), DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True), nn.functional.cross_entropy,
-                       lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), device="cpu", name=f"bench-{partition}", seed=seed)
+    return TorchClient(
+        mlp(),
+        DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True),
+        nn.functional.cross_entropy,
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+        device="cpu",
+        name=f"bench-{partition}",
+        seed=seed,
+    )
 
 
 def cpu(repeats: int, steps: int) -> list[dict[str, Any]]:
     configs = [("1 rank, 1 thread", 1, 1), ("1 rank, 2 threads", 1, 2), ("2 ranks (dp), 1 thread each", 2, 1)]
-    clients = {name: ParallelClient(make_client, (0, 1, 0), {"examples": steps * BATCH}, spec=ParallelSpec.parse(n, "dp"), threads=t)
-               for name, n, t in configs}
+    clients = {
+        name: ParallelClient(
+            make_client, (0, 1, 0), {"examples": steps * BATCH}, spec=ParallelSpec.parse(n, "dp"), threads=t
+        )
+        for name, n, t in configs
+    }
     state = make_client(0, 1, 0, examples=BATCH).model.state_dict()
     times: dict[str, list[float]] = {name: [] for name, _, _ in configs}
     try:
@@ -81,8 +94,16 @@ def cpu(repeats: int, steps: int) -> list[dict[str, Any]]:
     rows = []
     for name, n, threads in configs:
         median = statistics.median(times[name])
-        rows.append({"config": name, "ranks": n, "threads_per_rank": threads, "fit_s": times[name], "median_fit_s": median,
-                     "samples_per_s": steps * BATCH / median})
+        rows.append(
+            {
+                "config": name,
+                "ranks": n,
+                "threads_per_rank": threads,
+                "fit_s": times[name],
+                "median_fit_s": median,
+                "samples_per_s": steps * BATCH / median,
+            }
+        )
     base = rows[0]["samples_per_s"]
     for row in rows:
         row["vs_1_rank_1_thread"] = row["samples_per_s"] / base
@@ -101,7 +122,11 @@ class Block(nn.Module):
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
         q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        y = (
+            nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            .transpose(1, 2)
+            .reshape(b, t, d)
+        )
         x = x + self.proj(y)
         return x + self.out(nn.functional.gelu(self.fc(self.ln2(x))))
 
@@ -109,7 +134,9 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """GPT-2 small: 12 layers, width 768, 12 heads, vocabulary 50304 (tied embedding), context 1024."""
 
-    def __init__(self, vocab: int = 50304, d: int = 768, layers: int = 12, heads: int = 12, context: int = 1024) -> None:
+    def __init__(
+        self, vocab: int = 50304, d: int = 768, layers: int = 12, heads: int = 12, context: int = 1024
+    ) -> None:
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(context, d)
         self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
@@ -152,41 +179,88 @@ def gpu(steps: int, batch: int, peak_tflops: float) -> dict[str, Any]:
     elapsed = (time.perf_counter() - started) / steps
     flops_per_token = 6 * params + 12 * layers * context * d
     achieved = flops_per_token * batch * context / elapsed
-    return {"device": torch.cuda.get_device_name(), "parameters": params, "batch": batch, "context": context, "step_s": elapsed,
-            "tokens_per_s": batch * context / elapsed, "achieved_tflops": achieved / 1e12, "peak_tflops": peak_tflops,
-            "mfu": achieved / (peak_tflops * 1e12), "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
+    return {
+        "device": torch.cuda.get_device_name(),
+        "parameters": params,
+        "batch": batch,
+        "context": context,
+        "step_s": elapsed,
+        "tokens_per_s": batch * context / elapsed,
+        "achieved_tflops": achieved / 1e12,
+        "peak_tflops": peak_tflops,
+        "mfu": achieved / (peak_tflops * 1e12),
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=3, help="timed fits per configuration (default 3; the table shows medians)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed fits per configuration (default 3; the table shows medians)",
+    )
     parser.add_argument("--steps", type=int, default=40, help="steps per fit (batches of 256; default 40)")
-    parser.add_argument("--gpu", action="store_true", help="measure the GPT-2-small step's MFU on one GPU instead")
+    parser.add_argument(
+        "--gpu", action="store_true", help="measure the GPT-2-small step's MFU on one GPU instead"
+    )
     parser.add_argument("--gpu-steps", type=int, default=20)
-    parser.add_argument("--gpu-batch", type=int, default=16, help="sequences of 1024 tokens per step (default 16)")
-    parser.add_argument("--peak-tflops", type=float, default=989.0, help="the chip's dense bf16 peak (default 989: H100/H200 SXM)")
+    parser.add_argument(
+        "--gpu-batch", type=int, default=16, help="sequences of 1024 tokens per step (default 16)"
+    )
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=989.0,
+        help="the chip's dense bf16 peak (default 989: H100/H200 SXM)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "client_parallel.json")
     args = parser.parse_args(argv)
-    env = {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
-           "machine": platform.processor() or platform.machine(), "platform": platform.platform()}
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "machine": platform.processor() or platform.machine(),
+        "platform": platform.platform(),
+    }
     if args.gpu:
         if not torch.cuda.is_available():
             parser.error("--gpu needs CUDA")
         result = gpu(args.gpu_steps, args.gpu_batch, args.peak_tflops)
-        print(f"{result['device']}: GPT-2 small ({result['parameters'] / 1e6:.0f}M params), batch {result['batch']}x{result['context']}: "
-              f"{result['step_s'] * 1e3:.1f} ms/step, {result['tokens_per_s']:.0f} tokens/s, {result['achieved_tflops']:.0f} TFLOP/s, "
-              f"MFU {result['mfu']:.1%} (peak {result['peak_tflops']:.0f}), peak memory {result['peak_memory_gib']:.1f} GiB")
-        report: dict[str, Any] = {"benchmark": "client_parallel", "kind": "gpu", "environment": env, "result": result}
+        print(
+            f"{result['device']}: GPT-2 small ({result['parameters'] / 1e6:.0f}M params), batch {result['batch']}x{result['context']}: "
+            f"{result['step_s'] * 1e3:.1f} ms/step, {result['tokens_per_s']:.0f} tokens/s, {result['achieved_tflops']:.0f} TFLOP/s, "
+            f"MFU {result['mfu']:.1%} (peak {result['peak_tflops']:.0f}), peak memory {result['peak_memory_gib']:.1f} GiB"
+        )
+        report: dict[str, Any] = {
+            "benchmark": "client_parallel",
+            "kind": "gpu",
+            "environment": env,
+            "result": result,
+        }
     else:
         rows = cpu(args.repeats, args.steps)
-        header = f"{'configuration':<30} | {'median fit s':>12} | {'samples/s':>9} | {'vs 1 rank, 1 thread':>19}"
+        header = (
+            f"{'configuration':<30} | {'median fit s':>12} | {'samples/s':>9} | {'vs 1 rank, 1 thread':>19}"
+        )
         print(header)
         print("-" * len(header))
         for row in rows:
-            print(f"{row['config']:<30} | {row['median_fit_s']:>12.3f} | {row['samples_per_s']:>9.0f} | {row['vs_1_rank_1_thread']:>19.2f}")
+            print(
+                f"{row['config']:<30} | {row['median_fit_s']:>12.3f} | {row['samples_per_s']:>9.0f} | {row['vs_1_rank_1_thread']:>19.2f}"
+            )
         print(f"scaling ratio, 2 ranks / 1 rank (1 thread each): {rows[2]['vs_1_rank_1_thread']:.2f}")
-        report = {"benchmark": "client_parallel", "kind": "cpu", "batch": BATCH, "steps": args.steps, "repeats": args.repeats,
-                  "model": "MLP 784-1024-1024-10", "environment": env, "rows": rows}
+        report = {
+            "benchmark": "client_parallel",
+            "kind": "cpu",
+            "batch": BATCH,
+            "steps": args.steps,
+            "repeats": args.repeats,
+            "model": "MLP 784-1024-1024-10",
+            "environment": env,
+            "rows": rows,
+        }
     out = args.out if not args.gpu else args.out.with_name("client_parallel_gpu.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

@@ -49,7 +49,9 @@ DEFAULT_SPECS = (
 )
 
 
-def run_benchmark(specs: tuple[str, ...], shape: tuple[int, ...], repeats: int, seed: int = 0) -> list[dict[str, Any]]:
+def run_benchmark(
+    specs: tuple[str, ...], shape: tuple[int, ...], repeats: int, seed: int = 0
+) -> list[dict[str, Any]]:
     """Measures every spec on one Gaussian float32 tensor of ``shape``; returns one row per spec."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=gen)

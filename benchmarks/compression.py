@@ -53,8 +53,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from algorithms import Federation  # noqa: E402  (benchmarks/ is not a package)
-
 from fedgrid.compression import parse_codec_spec  # noqa: E402
 from fedgrid.config import load_config  # noqa: E402
 from fedgrid.server.codec_policy import build_codec_policy  # noqa: E402
@@ -64,30 +62,56 @@ from fedgrid.simulation.datasets import load_fashion_mnist  # noqa: E402
 from fedgrid.simulation.fleet import InProcessFleet  # noqa: E402
 from fedgrid.types import FitIns, ModelState, RoundMetrics  # noqa: E402
 
+from algorithms import Federation  # noqa: E402  (benchmarks/ is not a package)
+
 __all__ = ["main", "run_codec", "time_codec", "DEFAULT_CODECS", "GOALS"]
 
 DEFAULT_CODECS = ("none", "fp16", "bf16", "int8", "qsgd:127", "topk:0.01", "randk:0.01", "powersgd:4", "sign")
 #: codec -> (least byte ratio vs none, most accuracy points below none)
-GOALS: dict[str, tuple[float, float]] = {"topk:0.01": (50.0, 1.0), "int8": (3.9, 0.2), "powersgd:4": (20.0, 1.0)}
+GOALS: dict[str, tuple[float, float]] = {
+    "topk:0.01": (50.0, 1.0),
+    "int8": (3.9, 0.2),
+    "powersgd:4": (20.0, 1.0),
+}
 
 
-def run_codec(fed: Federation, codec: str, *, rounds: int, per_round: int, log: Callable[[str], None]) -> list[RoundMetrics]:
+def run_codec(
+    fed: Federation, codec: str, *, rounds: int, per_round: int, log: Callable[[str], None]
+) -> list[RoundMetrics]:
     """One fedavg run of ``fed``'s clients with ``codec`` on every uplink; returns each round's metrics."""
-    config = load_config(overrides={
-        "strategy": "fedavg", "clients": fed.num_clients, "rounds": rounds, "seed": fed.seed, "lr": fed.lr,
-        "local_epochs": 1, "fraction_fit": per_round / fed.num_clients, "codec": codec,
-    })
+    config = load_config(
+        overrides={
+            "strategy": "fedavg",
+            "clients": fed.num_clients,
+            "rounds": rounds,
+            "seed": fed.seed,
+            "lr": fed.lr,
+            "local_epochs": 1,
+            "fraction_fit": per_round / fed.num_clients,
+            "codec": codec,
+        }
+    )
     strategy = build_strategy(config, num_clients=fed.num_clients)
     strategy.initialize(initial_state=fed.initial)
-    fleet = InProcessFleet([fed.client(i) for i in range(fed.num_clients)], codec_policy=build_codec_policy(config))
+    fleet = InProcessFleet(
+        [fed.client(i) for i in range(fed.num_clients)], codec_policy=build_codec_policy(config)
+    )
 
     def show(m: RoundMetrics) -> None:
         if m.round == 1 or m.round % 5 == 0 or m.round == rounds:
-            log(f"  {codec:<12} round {m.round:>3}  acc {m.accuracy or 0.0:.4f}  up {m.bytes_up:>9} B  {m.wall_s:.1f}s")
+            log(
+                f"  {codec:<12} round {m.round:>3}  acc {m.accuracy or 0.0:.4f}  up {m.bytes_up:>9} B  {m.wall_s:.1f}s"
+            )
 
     engine = RoundEngine(
-        strategy=strategy, fleet=fleet, rounds=rounds, min_clients=1, round_timeout=timedelta(hours=1),
-        join_timeout=timedelta(seconds=1), evaluate_fn=fed.evaluate, on_round=show,
+        strategy=strategy,
+        fleet=fleet,
+        rounds=rounds,
+        min_clients=1,
+        round_timeout=timedelta(hours=1),
+        join_timeout=timedelta(seconds=1),
+        evaluate_fn=fed.evaluate,
+        on_round=show,
     )
     engine.run()
     return engine.history
@@ -97,7 +121,9 @@ def real_update(fed: Federation) -> ModelState:
     """Client 0's first-round change to the initial model: the tensors a codec meets in this run."""
     start = OrderedDict((k, v.clone()) for k, v in fed.initial.items())
     out = fed.client(0).fit(start, FitIns(round=1, config={"local_epochs": 1, "lr": fed.lr}))
-    return OrderedDict((k, (v - fed.initial[k]).float()) for k, v in out.state.items() if v.is_floating_point())
+    return OrderedDict(
+        (k, (v - fed.initial[k]).float()) for k, v in out.state.items() if v.is_floating_point()
+    )
 
 
 def time_codec(specs: tuple[str, ...], tensors: ModelState, repeats: int) -> dict[str, dict[str, Any]]:
@@ -112,7 +138,7 @@ def time_codec(specs: tuple[str, ...], tensors: ModelState, repeats: int) -> dic
     dec: dict[str, list[float]] = {s: [] for s in specs}
     payload_bytes: dict[str, int] = {}
     for rep in range(repeats + 1):  # repetition 0 warms up and is dropped
-        order = specs[rep % len(specs):] + specs[: rep % len(specs)]
+        order = specs[rep % len(specs) :] + specs[: rep % len(specs)]
         for spec in order:
             codec = codecs[spec]
             e = d = 0.0
@@ -132,11 +158,13 @@ def time_codec(specs: tuple[str, ...], tensors: ModelState, repeats: int) -> dic
     for spec in specs:
         both = [a + b for a, b in zip(enc[spec], dec[spec])]
         out[spec] = {
-            "raw_bytes": raw, "payload_bytes": payload_bytes[spec],
+            "raw_bytes": raw,
+            "payload_bytes": payload_bytes[spec],
             "encode_mb_s": raw / 1e6 / statistics.median(enc[spec]),
             "decode_mb_s": raw / 1e6 / statistics.median(dec[spec]),
             "combined_mb_s": raw / 1e6 / statistics.median(both),
-            "encode_s": enc[spec], "decode_s": dec[spec],
+            "encode_s": enc[spec],
+            "decode_s": dec[spec],
         }
     return out
 
@@ -173,15 +201,26 @@ def check_goals(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
             continue
         ratio_ok = row["ratio_vs_none"] >= least_ratio
         acc_ok = row["accuracy_diff_points"] >= -most_drop
-        goals[spec] = {"ratio": row["ratio_vs_none"], "need_ratio": least_ratio, "diff_points": row["accuracy_diff_points"],
-                       "max_drop_points": most_drop, "ratio_met": ratio_ok, "accuracy_met": acc_ok, "met": ratio_ok and acc_ok}
+        goals[spec] = {
+            "ratio": row["ratio_vs_none"],
+            "need_ratio": least_ratio,
+            "diff_points": row["accuracy_diff_points"],
+            "max_drop_points": most_drop,
+            "ratio_met": ratio_ok,
+            "accuracy_met": acc_ok,
+            "met": ratio_ok and acc_ok,
+        }
     return goals
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "fashion-mnist"))
-    parser.add_argument("--codecs", default=",".join(DEFAULT_CODECS), help="comma-separated uplink codec specs")
+    parser.add_argument(
+        "--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "fashion-mnist")
+    )
+    parser.add_argument(
+        "--codecs", default=",".join(DEFAULT_CODECS), help="comma-separated uplink codec specs"
+    )
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--clients", type=int, default=100)
     parser.add_argument("--per-round", type=int, default=10)
@@ -203,11 +242,16 @@ def main(argv: list[str] | None = None) -> None:
         print(line, flush=True)
         lines.append(line)
 
-    fed = Federation(load_fashion_mnist(args.data), num_clients=args.clients, alpha=args.alpha, seed=args.seed, lr=args.lr)
+    fed = Federation(
+        load_fashion_mnist(args.data), num_clients=args.clients, alpha=args.alpha, seed=args.seed, lr=args.lr
+    )
     log(f"codec throughput, median of {args.repeats} repetitions (torch threads {args.threads})")
     update = real_update(fed)
     big = OrderedDict(x=torch.randn(1024, 1024, generator=torch.Generator().manual_seed(args.seed)))
-    timing = {"cnn_update": time_codec(codecs, update, args.repeats), "1m_float": time_codec(codecs, big, args.repeats)}
+    timing = {
+        "cnn_update": time_codec(codecs, update, args.repeats),
+        "1m_float": time_codec(codecs, big, args.repeats),
+    }
     runs: dict[str, list[RoundMetrics]] = {}
     for spec in codecs:
         log(f"training with uplink codec {spec} ({args.rounds} rounds)")
@@ -217,28 +261,59 @@ def main(argv: list[str] | None = None) -> None:
     def fmt(value: float | None, pattern: str) -> str:
         return "-" if value is None else format(value, pattern)
 
-    log(f"\n{args.clients} clients, Dirichlet({args.alpha}), {args.per_round} per round, {args.rounds} rounds of fedavg, seed {args.seed}")
-    log("MB/s: raw float32 MB per second through the codec; CNN = a real 52k-parameter update (8 tensors), 1M = 1024x1024")
-    log(f"{'codec':<12}{'B up/round':>12}{'ratio':>8}{'payload x':>10}{'acc':>8}{'d acc':>7}{'last5':>7}"
-        f"{'CNN enc':>9}{'dec':>7}{'e+d':>7}{'1M enc':>8}{'dec':>7}{'e+d':>7}")
+    log(
+        f"\n{args.clients} clients, Dirichlet({args.alpha}), {args.per_round} per round, {args.rounds} rounds of fedavg, seed {args.seed}"
+    )
+    log(
+        "MB/s: raw float32 MB per second through the codec; CNN = a real 52k-parameter update (8 tensors), 1M = 1024x1024"
+    )
+    log(
+        f"{'codec':<12}{'B up/round':>12}{'ratio':>8}{'payload x':>10}{'acc':>8}{'d acc':>7}{'last5':>7}"
+        f"{'CNN enc':>9}{'dec':>7}{'e+d':>7}{'1M enc':>8}{'dec':>7}{'e+d':>7}"
+    )
     for spec in codecs:
         r, c, b = rows[spec], timing["cnn_update"][spec], timing["1m_float"][spec]
-        log(f"{spec:<12}{r['bytes_up_per_round']:>12.0f}{fmt(r['ratio_vs_none'], '.2f'):>8}{fmt(r['payload_ratio'], '.2f'):>10}"
+        log(
+            f"{spec:<12}{r['bytes_up_per_round']:>12.0f}{fmt(r['ratio_vs_none'], '.2f'):>8}{fmt(r['payload_ratio'], '.2f'):>10}"
             f"{r['final_accuracy']:>8.4f}{fmt(r['accuracy_diff_points'], '+.2f'):>7}{r['last5_accuracy']:>7.4f}"
             f"{c['encode_mb_s']:>9.0f}{c['decode_mb_s']:>7.0f}{c['combined_mb_s']:>7.0f}"
-            f"{b['encode_mb_s']:>8.0f}{b['decode_mb_s']:>7.0f}{b['combined_mb_s']:>7.0f}")
+            f"{b['encode_mb_s']:>8.0f}{b['decode_mb_s']:>7.0f}{b['combined_mb_s']:>7.0f}"
+        )
     goals = check_goals(rows)
     for spec, g in goals.items():
-        log(f"goal {spec}: >= {g['need_ratio']:g}x fewer uplink bytes ({g['ratio']:.2f}x: {'met' if g['ratio_met'] else 'NOT met'}), "
+        log(
+            f"goal {spec}: >= {g['need_ratio']:g}x fewer uplink bytes ({g['ratio']:.2f}x: {'met' if g['ratio_met'] else 'NOT met'}), "
             f"within {g['max_drop_points']:g} points of none ({g['diff_points']:+.2f}: {'met' if g['accuracy_met'] else 'NOT met'}) "
-            f"-> {'met' if g['met'] else 'NOT MET'}")
+            f"-> {'met' if g['met'] else 'NOT MET'}"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     env = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine()}
-    history = {spec: [{"round": m.round, "accuracy": m.accuracy, "loss": m.loss, "bytes_up": m.bytes_up, "bytes_down": m.bytes_down,
-                       "uplink_ratio": m.extra.get("uplink_ratio"), "wall_s": m.wall_s} for m in h] for spec, h in runs.items()}
-    payload = {"config": vars(args), "environment": env, "rows": rows, "goals": goals, "timing": timing, "history": history,
-               "table": lines, "wall_s": time.monotonic() - start}
+    history = {
+        spec: [
+            {
+                "round": m.round,
+                "accuracy": m.accuracy,
+                "loss": m.loss,
+                "bytes_up": m.bytes_up,
+                "bytes_down": m.bytes_down,
+                "uplink_ratio": m.extra.get("uplink_ratio"),
+                "wall_s": m.wall_s,
+            }
+            for m in h
+        ]
+        for spec, h in runs.items()
+    }
+    payload = {
+        "config": vars(args),
+        "environment": env,
+        "rows": rows,
+        "goals": goals,
+        "timing": timing,
+        "history": history,
+        "table": lines,
+        "wall_s": time.monotonic() - start,
+    }
     out.write_text(json.dumps(payload, indent=2))
     print(f"wrote {out} ({time.monotonic() - start:.0f}s)")
 

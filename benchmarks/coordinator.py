@@ -56,7 +56,7 @@ import torch
 from fedgrid.aggregation.fedavg import FedAvg
 from fedgrid.client.api import Client, FitOutput
 from fedgrid.constants import HEARTBEAT_INTERVAL_S, RETRY_MAX_ELAPSED_S, RETRY_MAX_WAIT_S
-from fedgrid.types import ClientInfo, FitIns, FitRes, Failure, ModelState
+from fedgrid.types import ClientInfo, Failure, FitIns, FitRes, ModelState
 
 __all__ = ["main", "run_benchmark"]
 
@@ -136,7 +136,9 @@ class MemoryProbe:
         self._started = 0.0
         self._max: dict[str, int] = {}
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, args=(interval_s,), name="bench-memory", daemon=True)
+        self._thread = threading.Thread(
+            target=self._sample, args=(interval_s,), name="bench-memory", daemon=True
+        )
         self._thread.start()
 
     def _sample(self, interval_s: float) -> None:
@@ -151,14 +153,16 @@ class MemoryProbe:
         with self._lock:
             now = read_status()
             if self._name:
-                self.phases.append({
-                    "phase": self._name,
-                    "seconds": time.monotonic() - self._started,
-                    "peak_rss": max(now["VmHWM"], self._max.get("VmRSS", 0)),
-                    "peak_anon_sampled": max(self._max.get("RssAnon", 0), now["RssAnon"]),
-                    "peak_file_sampled": max(self._max.get("RssFile", 0), now["RssFile"]),
-                    "end_rss": now["VmRSS"],
-                })
+                self.phases.append(
+                    {
+                        "phase": self._name,
+                        "seconds": time.monotonic() - self._started,
+                        "peak_rss": max(now["VmHWM"], self._max.get("VmRSS", 0)),
+                        "peak_anon_sampled": max(self._max.get("RssAnon", 0), now["RssAnon"]),
+                        "peak_file_sampled": max(self._max.get("RssFile", 0), now["RssFile"]),
+                        "end_rss": now["VmRSS"],
+                    }
+                )
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # VmHWM := VmRSS (Linux >= 4.0)
             self._name, self._started, self._max = name, time.monotonic(), {}
@@ -176,17 +180,23 @@ class ProbeFedAvg(FedAvg):
         self.on_phase = on_phase or (lambda name: None)
         self.marks: dict[int, dict[str, float]] = {}
 
-    def configure_round(self, *, server_round: int, clients: Sequence[ClientInfo]) -> list[tuple[ClientInfo, FitIns]]:
+    def configure_round(
+        self, *, server_round: int, clients: Sequence[ClientInfo]
+    ) -> list[tuple[ClientInfo, FitIns]]:
         self.marks[server_round] = {"configured": time.monotonic()}
         return super().configure_round(server_round=server_round, clients=clients)
 
-    def aggregate(self, *, server_round: int, results: Sequence[FitRes], failures: Sequence[Failure]) -> dict[str, float]:
+    def aggregate(
+        self, *, server_round: int, results: Sequence[FitRes], failures: Sequence[Failure]
+    ) -> dict[str, float]:
         marks = self.marks[server_round]
         marks["aggregate_start"] = time.monotonic()
         marks["max_compute_s"] = max((float(r.metrics.get("compute_s", 0.0)) for r in results), default=0.0)
         starts = [float(r.metrics["fit_start"]) for r in results if "fit_start" in r.metrics]
         ends = [float(r.metrics["fit_end"]) for r in results if "fit_end" in r.metrics]
-        marks["last_fit_start"] = max(starts, default=marks["configured"])  # no result: no fan-out to speak of
+        marks["last_fit_start"] = max(
+            starts, default=marks["configured"]
+        )  # no result: no fan-out to speak of
         marks["last_fit_end"] = max(ends, default=marks["aggregate_start"])
         self.on_phase("aggregate")
         out = super().aggregate(server_round=server_round, results=results, failures=failures)
@@ -235,13 +245,28 @@ def _coordinator_main(spec: CoordinatorSpec, pipe: Pipe) -> None:
         def on_round(m: Any) -> None:
             nonlocal last_cpu
             cpu = time.process_time()
-            rounds.append({"round": m.round, "wall_s": m.wall_s, "clients_ok": m.clients_ok, "clients_failed": m.clients_failed,
-                           "cpu_s": cpu - last_cpu, **strategy.marks.get(m.round, {})})
+            rounds.append(
+                {
+                    "round": m.round,
+                    "wall_s": m.wall_s,
+                    "clients_ok": m.clients_ok,
+                    "clients_failed": m.clients_failed,
+                    "cpu_s": cpu - last_cpu,
+                    **strategy.marks.get(m.round, {}),
+                }
+            )
             last_cpu = cpu
 
-        engine = RoundEngine(strategy=strategy, fleet=fleet, rounds=spec.rounds, min_clients=spec.clients,
-                             round_timeout=timedelta(seconds=ROUND_TIMEOUT_S), join_timeout=timedelta(seconds=START_TIMEOUT_S),
-                             on_round=on_round, finish_timeout=timedelta(seconds=15))
+        engine = RoundEngine(
+            strategy=strategy,
+            fleet=fleet,
+            rounds=spec.rounds,
+            min_clients=spec.clients,
+            round_timeout=timedelta(seconds=ROUND_TIMEOUT_S),
+            join_timeout=timedelta(seconds=START_TIMEOUT_S),
+            on_round=on_round,
+            finish_timeout=timedelta(seconds=15),
+        )
         final = engine.run()
         if probe is not None:
             probe.phase("")
@@ -249,8 +274,18 @@ def _coordinator_main(spec: CoordinatorSpec, pipe: Pipe) -> None:
         if final is None:
             raise RuntimeError("the run was interrupted")
         error = aggregate_error(final, plus(make_state(spec.num_params), spec.rounds))
-        pipe.send(("ok", {"rounds": rounds, **error, "baseline": baseline, "with_model": with_model,
-                          "phases": probe.phases if probe is not None else []}))
+        pipe.send(
+            (
+                "ok",
+                {
+                    "rounds": rounds,
+                    **error,
+                    "baseline": baseline,
+                    "with_model": with_model,
+                    "phases": probe.phases if probe is not None else [],
+                },
+            )
+        )
     except BaseException:
         pipe.send(("error", traceback.format_exc()))
     finally:
@@ -270,11 +305,16 @@ class SwarmSpec:
 def _swarm_main(spec: SwarmSpec, pipe: Pipe) -> None:
     """Runs ``count`` SDK clients as threads until the run ends; reports rounds served and errors."""
     crashed: list[str] = []
-    threading.excepthook = lambda args: crashed.append(f"{args.thread.name if args.thread else '?'}: {args.exc_type.__name__}: {args.exc_value}")
+    threading.excepthook = lambda args: crashed.append(
+        f"{args.thread.name if args.thread else '?'}: {args.exc_type.__name__}: {args.exc_value}"
+    )
     try:
         from fedgrid.client import start_client
 
-        handles = [start_client(BenchClient(f"c{i:04d}", spec.compute_s), spec.address) for i in range(spec.first, spec.first + spec.count)]
+        handles = [
+            start_client(BenchClient(f"c{i:04d}", spec.compute_s), spec.address)
+            for i in range(spec.first, spec.first + spec.count)
+        ]
         pipe.send(("ok", len(handles)))
         deadline = time.monotonic() + RUN_TIMEOUT_S
         rounds: list[int] = []
@@ -285,7 +325,12 @@ def _swarm_main(spec: SwarmSpec, pipe: Pipe) -> None:
             except BaseException as exc:  # reported, the run's numbers say what it cost
                 handle.stop()
                 errors.append(repr(exc))
-        pipe.send(("ok", {"rounds": rounds, "errors": errors, "thread_crashes": crashed, "cpu_s": time.process_time()}))
+        pipe.send(
+            (
+                "ok",
+                {"rounds": rounds, "errors": errors, "thread_crashes": crashed, "cpu_s": time.process_time()},
+            )
+        )
     except BaseException:
         pipe.send(("error", traceback.format_exc()))
     finally:
@@ -300,7 +345,12 @@ JOIN_CONCURRENCY = 50
 
 
 #: What the SDK retries (``fedgrid.client.runtime.TRANSIENT``), with backoff.
-_TRANSIENT = (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED)
+_TRANSIENT = (
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+)
 
 
 async def _retrying(call: Callable[[], Any]) -> Any:
@@ -333,14 +383,24 @@ async def _protocol_client(channel: Any, name: str, compute_s: float, join_gate:
     from fedgrid.proto.tls import session_metadata
 
     stub = pb_grpc.CoordinatorStub(channel)
-    download = channel.unary_stream("/fedgrid.v1.Coordinator/DownloadModel", request_serializer=pb.DownloadRequest.SerializeToString,
-                                    response_deserializer=None)
-    upload = channel.stream_unary("/fedgrid.v1.Coordinator/UploadUpdate", request_serializer=None,
-                                  response_deserializer=pb.UploadReply.FromString)
-    request = pb.JoinRequest(name=name, num_examples=1, capabilities=pb.Capabilities(device="cpu", codecs=["none"]))
+    download = channel.unary_stream(
+        "/fedgrid.v1.Coordinator/DownloadModel",
+        request_serializer=pb.DownloadRequest.SerializeToString,
+        response_deserializer=None,
+    )
+    upload = channel.stream_unary(
+        "/fedgrid.v1.Coordinator/UploadUpdate",
+        request_serializer=None,
+        response_deserializer=pb.UploadReply.FromString,
+    )
+    request = pb.JoinRequest(
+        name=name, num_examples=1, capabilities=pb.Capabilities(device="cpu", codecs=["none"])
+    )
 
     async def join_once() -> Any:
-        async with join_gate:  # a process's clients join at most JOIN_CONCURRENCY at a time, as a fleet coming online does
+        async with (
+            join_gate
+        ):  # a process's clients join at most JOIN_CONCURRENCY at a time, as a fleet coming online does
             return await _retrying(lambda: stub.Join(request, timeout=START_TIMEOUT_S))
 
     join = await join_once()
@@ -355,7 +415,9 @@ async def _protocol_client(channel: Any, name: str, compute_s: float, join_gate:
             if polling[0]:
                 continue
             try:
-                await stub.Heartbeat(pb.HeartbeatRequest(client_id=cid), metadata=session_metadata(token), timeout=30)
+                await stub.Heartbeat(
+                    pb.HeartbeatRequest(client_id=cid), metadata=session_metadata(token), timeout=30
+                )
             except Exception:  # noqa: BLE001 - the poll loop decides
                 pass
 
@@ -365,11 +427,19 @@ async def _protocol_client(channel: Any, name: str, compute_s: float, join_gate:
         while True:
             polling[0] = True
             try:
-                reply = await stub.PollTask(pb.PollRequest(client_id=cid, wait_s=10), metadata=session_metadata(token), timeout=40)
+                reply = await stub.PollTask(
+                    pb.PollRequest(client_id=cid, wait_s=10), metadata=session_metadata(token), timeout=40
+                )
             except grpc.aio.AioRpcError as exc:  # as the SDK: transient failures are retried with backoff
-                if exc.code() == grpc.StatusCode.UNAUTHENTICATED and rejoins < 3:  # as the SDK: dropped, so join again
+                if (
+                    exc.code() == grpc.StatusCode.UNAUTHENTICATED and rejoins < 3
+                ):  # as the SDK: dropped, so join again
                     rejoins += 1
-                    print(f"client {name}: session refused ({exc.details()}): joining again", file=sys.stderr, flush=True)
+                    print(
+                        f"client {name}: session refused ({exc.details()}): joining again",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     join = await join_once()
                     cid, token = join.client_id, join.session_token
                     continue
@@ -388,7 +458,11 @@ async def _protocol_client(channel: Any, name: str, compute_s: float, join_gate:
 
             async def fetch() -> Any:
                 asm = serde.ModelAssembler()
-                async for frame in download(pb.DownloadRequest(client_id=cid, task_id=task.task_id), metadata=session_metadata(token), timeout=60):
+                async for frame in download(
+                    pb.DownloadRequest(client_id=cid, task_id=task.task_id),
+                    metadata=session_metadata(token),
+                    timeout=60,
+                ):
                     asm.feed(frame)
                 return asm.finish()[1]
 
@@ -397,8 +471,14 @@ async def _protocol_client(channel: Any, name: str, compute_s: float, join_gate:
             await asyncio.sleep(compute_s)
             out = OrderedDict((k, v + 1) for k, v in state.items())
             end = time.monotonic()
-            info = serde.StreamInfo(run_id=join.run_id, task_id=task.task_id, round=task.round, client_id=cid,
-                                    num_examples=1, metrics={"compute_s": end - start, "fit_start": start, "fit_end": end})
+            info = serde.StreamInfo(
+                run_id=join.run_id,
+                task_id=task.task_id,
+                round=task.round,
+                client_id=cid,
+                num_examples=1,
+                metrics={"compute_s": end - start, "fit_start": start, "fit_end": end},
+            )
             frames = list(serde.EncodedModel(out).frames(info, chunk_size=join.chunk_size or (1 << 20)))
 
             async def stream() -> Any:
@@ -408,7 +488,9 @@ async def _protocol_client(channel: Any, name: str, compute_s: float, join_gate:
             try:
                 await _retrying(lambda: upload(stream(), metadata=session_metadata(token), timeout=60))
             except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.ALREADY_EXISTS:  # a retry of an upload that had landed: done, as the SDK reads it
+                if (
+                    exc.code() == grpc.StatusCode.ALREADY_EXISTS
+                ):  # a retry of an upload that had landed: done, as the SDK reads it
                     pass
                 elif exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # the round closed first
                     continue
@@ -426,13 +508,18 @@ def _aio_swarm_main(spec: SwarmSpec, pipe: Pipe) -> None:
         import asyncio
 
         async def main() -> dict[str, Any]:
-            channels = [grpc.aio.insecure_channel(spec.address, options=[("grpc.use_local_subchannel_pool", 1)])
-                        for _ in range(math.ceil(spec.count / AIO_CLIENTS_PER_CHANNEL))]
+            channels = [
+                grpc.aio.insecure_channel(spec.address, options=[("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(math.ceil(spec.count / AIO_CLIENTS_PER_CHANNEL))
+            ]
             gate = asyncio.Semaphore(JOIN_CONCURRENCY)
+
             async def reported(i: int) -> int:
                 name = f"c{spec.first + i:05d}"
                 try:
-                    return await _protocol_client(channels[i // AIO_CLIENTS_PER_CHANNEL], name, spec.compute_s, gate)
+                    return await _protocol_client(
+                        channels[i // AIO_CLIENTS_PER_CHANNEL], name, spec.compute_s, gate
+                    )
                 except Exception as exc:  # told at once: the benchmark may be stopped before the end
                     print(f"protocol client {name} failed: {exc!r}"[:400], file=sys.stderr, flush=True)
                     raise
@@ -442,8 +529,12 @@ def _aio_swarm_main(spec: SwarmSpec, pipe: Pipe) -> None:
             done = await asyncio.gather(*tasks, return_exceptions=True)
             for c in channels:
                 await c.close()
-            return {"rounds": [d for d in done if isinstance(d, int)], "errors": [repr(d) for d in done if not isinstance(d, int)],
-                    "thread_crashes": [], "cpu_s": time.process_time()}
+            return {
+                "rounds": [d for d in done if isinstance(d, int)],
+                "errors": [repr(d) for d in done if not isinstance(d, int)],
+                "thread_crashes": [],
+                "cpu_s": time.process_time(),
+            }
 
         pipe.send(("ok", asyncio.run(asyncio.wait_for(main(), RUN_TIMEOUT_S))))
     except BaseException:
@@ -476,7 +567,9 @@ def _uploader_main(spec: SwarmSpec, pipe: Pipe) -> None:
         for conn in conns:
             mine = _poll_until(conn, "task", deadline).task
             if mine.task_id != task.task_id:
-                raise RuntimeError(f"client {conn.client_id} got task {mine.task_id}, expected {task.task_id}")
+                raise RuntimeError(
+                    f"client {conn.client_id} got task {mine.task_id}, expected {task.task_id}"
+                )
             t0 = time.perf_counter()
             conn.upload(task.task_id, task.round, update, 1, {})
             seconds.append(time.perf_counter() - t0)
@@ -515,7 +608,9 @@ class Child:
             self.process.join(5.0)
 
 
-def _run(ctx: SpawnContext, spec: CoordinatorSpec, clients: Callable[[str], list[Child]]) -> tuple[dict[str, Any], list[Any]]:
+def _run(
+    ctx: SpawnContext, spec: CoordinatorSpec, clients: Callable[[str], list[Child]]
+) -> tuple[dict[str, Any], list[Any]]:
     """Starts the coordinator, then the client processes; returns what each reported at the end."""
     children: list[Child] = []
     try:
@@ -534,8 +629,18 @@ def _run(ctx: SpawnContext, spec: CoordinatorSpec, clients: Callable[[str], list
 
 
 # -- the two measurements -------------------------------------------------------------------
-def measure_overhead(ctx: SpawnContext, *, clients: int, rounds: int, warmup: int, num_params: int, compute_s: float,
-                     max_workers: int, load: str = "aio", heartbeat_s: float = HEARTBEAT_INTERVAL_S) -> dict[str, Any]:
+def measure_overhead(
+    ctx: SpawnContext,
+    *,
+    clients: int,
+    rounds: int,
+    warmup: int,
+    num_params: int,
+    compute_s: float,
+    max_workers: int,
+    load: str = "aio",
+    heartbeat_s: float = HEARTBEAT_INTERVAL_S,
+) -> dict[str, Any]:
     """Median round wall time, slowest compute and overhead over the measured rounds.
 
     ``load``: ``aio`` (lightweight asyncio protocol clients, ``AIO_CLIENTS_PER_PROCESS`` per
@@ -544,13 +649,27 @@ def measure_overhead(ctx: SpawnContext, *, clients: int, rounds: int, warmup: in
     procs = math.ceil(clients / (AIO_CLIENTS_PER_PROCESS if load == "aio" else CLIENTS_PER_PROCESS))
     shares = [clients // procs + (i < clients % procs) for i in range(procs)]
     firsts = [sum(shares[:i]) for i in range(procs)]
-    spec = CoordinatorSpec(clients=clients, rounds=warmup + rounds, num_params=num_params, max_workers=max_workers,
-                           heartbeat_s=heartbeat_s)
+    spec = CoordinatorSpec(
+        clients=clients,
+        rounds=warmup + rounds,
+        num_params=num_params,
+        max_workers=max_workers,
+        heartbeat_s=heartbeat_s,
+    )
     started = time.perf_counter()
-    report, swarms = _run(ctx, spec, lambda address: [
-        Child(ctx, f"clients-{i}", _aio_swarm_main if load == "aio" else _swarm_main, SwarmSpec(address, firsts[i], shares[i], compute_s))
-        for i in range(procs)
-    ])
+    report, swarms = _run(
+        ctx,
+        spec,
+        lambda address: [
+            Child(
+                ctx,
+                f"clients-{i}",
+                _aio_swarm_main if load == "aio" else _swarm_main,
+                SwarmSpec(address, firsts[i], shares[i], compute_s),
+            )
+            for i in range(procs)
+        ],
+    )
     measured = report["rounds"][warmup:]
     overheads = [r["wall_s"] - r["max_compute_s"] for r in measured]
     errors = [e for s in swarms for e in s["errors"]]
@@ -558,6 +677,7 @@ def measure_overhead(ctx: SpawnContext, *, clients: int, rounds: int, warmup: in
 
     def median(key: Callable[[dict[str, Any]], float]) -> float:
         return statistics.median(key(r) for r in measured)
+
     row = {
         "clients": clients,
         "max_workers": max_workers,
@@ -579,32 +699,52 @@ def measure_overhead(ctx: SpawnContext, *, clients: int, rounds: int, warmup: in
         "clients_failed": sum(r["clients_failed"] for r in report["rounds"]),
         "client_errors": len(errors),
         "client_thread_crashes": len(crashes),
-        "aggregate_exact": report["aggregate_exact"], "aggregate_max_abs_error": report["aggregate_max_abs_error"],
+        "aggregate_exact": report["aggregate_exact"],
+        "aggregate_max_abs_error": report["aggregate_max_abs_error"],
         "per_round": report["rounds"],
         "client_error_samples": errors[:3],
         "client_thread_crash_samples": crashes[:3],
     }
-    print(f"  {clients} clients (max_workers {max_workers}): {len(measured)} rounds (+{warmup} warm-up) "
-          f"in {time.perf_counter() - started:.1f}s", flush=True)
+    print(
+        f"  {clients} clients (max_workers {max_workers}): {len(measured)} rounds (+{warmup} warm-up) "
+        f"in {time.perf_counter() - started:.1f}s",
+        flush=True,
+    )
     return row
 
 
-def measure_memory(ctx: SpawnContext, *, num_params: int, updates: int, upload_workers: int) -> dict[str, Any]:
+def measure_memory(
+    ctx: SpawnContext, *, num_params: int, updates: int, upload_workers: int
+) -> dict[str, Any]:
     """Peak RSS of the coordinator over one round of ``updates`` uploads and their aggregation."""
     workers = min(upload_workers, updates)
     shares = [updates // workers + (i < updates % workers) for i in range(workers)]
-    spec = CoordinatorSpec(clients=updates, rounds=1, num_params=num_params, max_workers=256, heartbeat_s=MEMORY_HEARTBEAT_S,
-                           memory=True)
+    spec = CoordinatorSpec(
+        clients=updates,
+        rounds=1,
+        num_params=num_params,
+        max_workers=256,
+        heartbeat_s=MEMORY_HEARTBEAT_S,
+        memory=True,
+    )
     started = time.perf_counter()
-    report, uploaders = _run(ctx, spec, lambda address: [
-        Child(ctx, f"uploader-{i}", _uploader_main, SwarmSpec(address, sum(shares[:i]), shares[i], 0.0)) for i in range(workers)
-    ])
+    report, uploaders = _run(
+        ctx,
+        spec,
+        lambda address: [
+            Child(ctx, f"uploader-{i}", _uploader_main, SwarmSpec(address, sum(shares[:i]), shares[i], 0.0))
+            for i in range(workers)
+        ],
+    )
     model_bytes = num_params * 4
     base = report["baseline"]["VmRSS"]
     phases = [p for p in report["phases"] if p["phase"] != "setup"]
     peak = max(p["peak_rss"] for p in phases)
     upload_s = [s for u in uploaders for s in u["upload_s"]]
-    print(f"  memory: {updates} updates of {num_params * 4 / MB:.0f} MB in {time.perf_counter() - started:.1f}s", flush=True)
+    print(
+        f"  memory: {updates} updates of {num_params * 4 / MB:.0f} MB in {time.perf_counter() - started:.1f}s",
+        flush=True,
+    )
     return {
         "params": num_params,
         "model_bytes": model_bytes,
@@ -621,35 +761,78 @@ def measure_memory(ctx: SpawnContext, *, num_params: int, updates: int, upload_w
         "meets_goal_net": (peak - base) / model_bytes <= 3.0,
         "phases": {p["phase"]: {**p, "multiple_net": (p["peak_rss"] - base) / model_bytes} for p in phases},
         "upload_s_median": statistics.median(upload_s),
-        "aggregate_exact": report["aggregate_exact"], "aggregate_max_abs_error": report["aggregate_max_abs_error"],
+        "aggregate_exact": report["aggregate_exact"],
+        "aggregate_max_abs_error": report["aggregate_max_abs_error"],
         "round": report["rounds"][0],
     }
 
 
-def run_benchmark(*, clients: list[int], rounds: int, warmup: int, num_params: int, compute_s: float, max_workers: list[int | None],
-                  updates: int, memory_params: int, upload_workers: int, load: str = "aio",
-                  heartbeat_s: float = HEARTBEAT_INTERVAL_S) -> dict[str, Any]:
+def run_benchmark(
+    *,
+    clients: list[int],
+    rounds: int,
+    warmup: int,
+    num_params: int,
+    compute_s: float,
+    max_workers: list[int | None],
+    updates: int,
+    memory_params: int,
+    upload_workers: int,
+    load: str = "aio",
+    heartbeat_s: float = HEARTBEAT_INTERVAL_S,
+) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     rows = []
     for n in clients:
         for workers in max_workers:
             threads = workers if workers is not None else auto_workers(n)
             try:
-                rows.append(measure_overhead(ctx, clients=n, rounds=rounds, warmup=warmup, num_params=num_params,
-                                             compute_s=compute_s, max_workers=threads, load=load, heartbeat_s=heartbeat_s))
+                rows.append(
+                    measure_overhead(
+                        ctx,
+                        clients=n,
+                        rounds=rounds,
+                        warmup=warmup,
+                        num_params=num_params,
+                        compute_s=compute_s,
+                        max_workers=threads,
+                        load=load,
+                        heartbeat_s=heartbeat_s,
+                    )
+                )
             except (RuntimeError, TimeoutError) as exc:  # a scenario that breaks is a result too
                 reason = str(exc).strip().splitlines()[-1]
                 print(f"  {n} clients (max_workers {threads}): FAILED: {reason}", flush=True)
                 rows.append({"clients": n, "max_workers": threads, "error": reason})
-    memory = measure_memory(ctx, num_params=memory_params, updates=updates, upload_workers=upload_workers) if updates else None
+    memory = (
+        measure_memory(ctx, num_params=memory_params, updates=updates, upload_workers=upload_workers)
+        if updates
+        else None
+    )
     return {
         "benchmark": "coordinator",
         "unit": "seconds (median over measured rounds); bytes",
-        "config": {"clients": clients, "rounds": rounds, "warmup": warmup, "params": num_params, "compute_s": compute_s,
-                   "max_workers": ["auto" if w is None else w for w in max_workers], "updates": updates,
-                   "memory_params": memory_params, "upload_workers": upload_workers, "num_tensors": NUM_TENSORS, "dtype": "float32", "heartbeat_s": heartbeat_s},
-        "environment": {"python": platform.python_version(), "grpcio": grpc.__version__, "torch": torch.__version__,
-                        "cpus": os.cpu_count(), "platform": platform.platform()},
+        "config": {
+            "clients": clients,
+            "rounds": rounds,
+            "warmup": warmup,
+            "params": num_params,
+            "compute_s": compute_s,
+            "max_workers": ["auto" if w is None else w for w in max_workers],
+            "updates": updates,
+            "memory_params": memory_params,
+            "upload_workers": upload_workers,
+            "num_tensors": NUM_TENSORS,
+            "dtype": "float32",
+            "heartbeat_s": heartbeat_s,
+        },
+        "environment": {
+            "python": platform.python_version(),
+            "grpcio": grpc.__version__,
+            "torch": torch.__version__,
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+        },
         "overhead": rows,
         "memory": memory,
     }
@@ -670,19 +853,23 @@ def print_report(report: dict[str, Any]) -> None:
 
 
 def print_overhead(rows: list[dict[str, Any]]) -> None:
-    header = (f"{'clients':>7} {'workers':>7} {'rounds':>6} | {'wall s':>7} {'compute s':>9} {'overhead s':>10} "
-              f"{'per client ms':>13} | {'fan-out s':>9} {'collect s':>9} {'agg s':>6} | {'coord CPU s':>11} "
-              f"{'clients CPU s':>13} | {'failed':>6} {'max |err|':>9}")
+    header = (
+        f"{'clients':>7} {'workers':>7} {'rounds':>6} | {'wall s':>7} {'compute s':>9} {'overhead s':>10} "
+        f"{'per client ms':>13} | {'fan-out s':>9} {'collect s':>9} {'agg s':>6} | {'coord CPU s':>11} "
+        f"{'clients CPU s':>13} | {'failed':>6} {'max |err|':>9}"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
         if "error" in r:
             print(f"{r['clients']:>7} {r['max_workers']:>7} FAILED: {r['error']}")
             continue
-        print(f"{r['clients']:>7} {r['max_workers']:>7} {r['rounds']:>6} | {r['wall_s']:>7.3f} {r['max_compute_s']:>9.3f} "
-              f"{r['overhead_s']:>10.3f} {r['overhead_per_client_ms']:>13.2f} | {r['fanout_s']:>9.3f} {r['collect_s']:>9.3f} "
-              f"{r['aggregate_s']:>6.3f} | {r['coordinator_cpu_s']:>11.3f} {r['clients_cpu_s']:>13.3f} | "
-              f"{r['clients_failed'] + r['client_errors']:>6} {r['aggregate_max_abs_error']:>9.1e}")
+        print(
+            f"{r['clients']:>7} {r['max_workers']:>7} {r['rounds']:>6} | {r['wall_s']:>7.3f} {r['max_compute_s']:>9.3f} "
+            f"{r['overhead_s']:>10.3f} {r['overhead_per_client_ms']:>13.2f} | {r['fanout_s']:>9.3f} {r['collect_s']:>9.3f} "
+            f"{r['aggregate_s']:>6.3f} | {r['coordinator_cpu_s']:>11.3f} {r['clients_cpu_s']:>13.3f} | "
+            f"{r['clients_failed'] + r['client_errors']:>6} {r['aggregate_max_abs_error']:>9.1e}"
+        )
     crashes = sum(r.get("client_thread_crashes", 0) for r in rows)
     if crashes:
         sample = next(r["client_thread_crash_samples"][0] for r in rows if r.get("client_thread_crashes"))
@@ -691,16 +878,24 @@ def print_overhead(rows: list[dict[str, Any]]) -> None:
 
 def print_memory(m: dict[str, Any]) -> None:
     print()
-    print(f"memory: {m['updates']} updates of a {m['model_bytes'] / MB:.0f} MB model, {m['upload_workers']} uploads in flight at most")
-    print(f"  baseline RSS (before the model) {m['baseline_rss'] / MB:.0f} MB (anon {m['baseline_anon'] / MB:.0f} MB), "
-          f"with the model {m['rss_with_model'] / MB:.0f} MB, after the round {m['rss_after_round'] / MB:.0f} MB")
+    print(
+        f"memory: {m['updates']} updates of a {m['model_bytes'] / MB:.0f} MB model, {m['upload_workers']} uploads in flight at most"
+    )
+    print(
+        f"  baseline RSS (before the model) {m['baseline_rss'] / MB:.0f} MB (anon {m['baseline_anon'] / MB:.0f} MB), "
+        f"with the model {m['rss_with_model'] / MB:.0f} MB, after the round {m['rss_after_round'] / MB:.0f} MB"
+    )
     for name, p in m["phases"].items():
-        print(f"  {name:<13} {p['seconds']:>6.1f}s  peak RSS {p['peak_rss'] / MB:>7.0f} MB = {p['multiple_net']:>5.2f}x model net of baseline"
-              f"  (anon {p['peak_anon_sampled'] / MB:.0f} MB, file {p['peak_file_sampled'] / MB:.0f} MB sampled)")
+        print(
+            f"  {name:<13} {p['seconds']:>6.1f}s  peak RSS {p['peak_rss'] / MB:>7.0f} MB = {p['multiple_net']:>5.2f}x model net of baseline"
+            f"  (anon {p['peak_anon_sampled'] / MB:.0f} MB, file {p['peak_file_sampled'] / MB:.0f} MB sampled)"
+        )
     verdict = "meets" if m["multiple_net"] <= m["goal_multiple"] else "misses"
-    print(f"  peak {m['peak_rss'] / MB:.0f} MB = {m['multiple_raw']:.2f}x the model raw (the baseline alone is "
-          f"{m['baseline_rss'] / m['model_bytes']:.2f}x), {m['multiple_net']:.2f}x net of baseline: {verdict} the goal of "
-          f"{m['goal_multiple']:.0f}x; aggregate max |error| {m['aggregate_max_abs_error']:.1e}")
+    print(
+        f"  peak {m['peak_rss'] / MB:.0f} MB = {m['multiple_raw']:.2f}x the model raw (the baseline alone is "
+        f"{m['baseline_rss'] / m['model_bytes']:.2f}x), {m['multiple_net']:.2f}x net of baseline: {verdict} the goal of "
+        f"{m['goal_multiple']:.0f}x; aggregate max |error| {m['aggregate_max_abs_error']:.1e}"
+    )
 
 
 def parse_size(text: str) -> int:
@@ -714,35 +909,97 @@ def parse_size(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--clients", default="10,100,500", help="concurrent clients per overhead scenario, comma-separated (empty skips them)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--clients",
+        default="10,100,500",
+        help="concurrent clients per overhead scenario, comma-separated (empty skips them)",
+    )
     parser.add_argument("--rounds", type=int, default=5, help="measured rounds per scenario (default 5)")
-    parser.add_argument("--warmup", type=int, default=1, help="unmeasured rounds first (default 1; it includes the joins)")
-    parser.add_argument("--compute-ms", type=float, default=100.0, help="each client's fixed compute time per round (default 100)")
-    parser.add_argument("--small-params", type=parse_size, default=4096, help="model size of the overhead scenarios (default 4096)")
-    parser.add_argument("--max-workers", default="256",
-                        help="Coordinator(max_workers=...): RPC threads, comma-separated to compare (default 256, the "
-                             "coordinator's default; 'auto' = max(256, 2*clients+64))")
-    parser.add_argument("--params", type=parse_size, default=25_000_000, help="model size of the memory run (default 25M)")
-    parser.add_argument("--updates", type=int, default=50, help="updates aggregated in the memory run (default 50; 0 skips it)")
-    parser.add_argument("--upload-workers", type=int, default=2, help="uploader processes, i.e. uploads in flight (default 2)")
-    parser.add_argument("--load", choices=("aio", "sdk"), default="aio",
-                        help="clients: aio (asyncio protocol clients, 1000 per process) or sdk (fedgrid.client threads, 125 per process)")
-    parser.add_argument("--heartbeat-s", type=float, default=HEARTBEAT_INTERVAL_S,
-                        help=f"the coordinator's heartbeat interval (default {HEARTBEAT_INTERVAL_S:g}; a client silent for 3 is dropped). "
-                             "Thousands of load clients sharing 2 cores with the coordinator fall behind on heartbeats: raise it there")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "coordinator.json")
+    parser.add_argument(
+        "--warmup", type=int, default=1, help="unmeasured rounds first (default 1; it includes the joins)"
+    )
+    parser.add_argument(
+        "--compute-ms",
+        type=float,
+        default=100.0,
+        help="each client's fixed compute time per round (default 100)",
+    )
+    parser.add_argument(
+        "--small-params",
+        type=parse_size,
+        default=4096,
+        help="model size of the overhead scenarios (default 4096)",
+    )
+    parser.add_argument(
+        "--max-workers",
+        default="256",
+        help="Coordinator(max_workers=...): RPC threads, comma-separated to compare (default 256, the "
+        "coordinator's default; 'auto' = max(256, 2*clients+64))",
+    )
+    parser.add_argument(
+        "--params", type=parse_size, default=25_000_000, help="model size of the memory run (default 25M)"
+    )
+    parser.add_argument(
+        "--updates",
+        type=int,
+        default=50,
+        help="updates aggregated in the memory run (default 50; 0 skips it)",
+    )
+    parser.add_argument(
+        "--upload-workers", type=int, default=2, help="uploader processes, i.e. uploads in flight (default 2)"
+    )
+    parser.add_argument(
+        "--load",
+        choices=("aio", "sdk"),
+        default="aio",
+        help="clients: aio (asyncio protocol clients, 1000 per process) or sdk (fedgrid.client threads, 125 per process)",
+    )
+    parser.add_argument(
+        "--heartbeat-s",
+        type=float,
+        default=HEARTBEAT_INTERVAL_S,
+        help=f"the coordinator's heartbeat interval (default {HEARTBEAT_INTERVAL_S:g}; a client silent for 3 is dropped). "
+        "Thousands of load clients sharing 2 cores with the coordinator fall behind on heartbeats: raise it there",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path(__file__).resolve().parent / "results" / "coordinator.json"
+    )
     args = parser.parse_args(argv)
     clients = [int(c) for c in args.clients.split(",") if c.strip()]
     max_workers = [None if w.strip() == "auto" else int(w) for w in args.max_workers.split(",") if w.strip()]
-    if (clients and min(clients) < 1) or not max_workers or args.rounds < 1 or args.warmup < 0 or args.updates < 0 or args.upload_workers < 1:
-        parser.error("need client counts >= 1, --rounds >= 1, --warmup >= 0, --updates >= 0, --upload-workers >= 1")
+    if (
+        (clients and min(clients) < 1)
+        or not max_workers
+        or args.rounds < 1
+        or args.warmup < 0
+        or args.updates < 0
+        or args.upload_workers < 1
+    ):
+        parser.error(
+            "need client counts >= 1, --rounds >= 1, --warmup >= 0, --updates >= 0, --upload-workers >= 1"
+        )
 
-    print(f"coordinator benchmark: clients {','.join(map(str, clients))}, {args.rounds} rounds (+{args.warmup} warm-up), "
-          f"compute {args.compute_ms:.0f} ms; memory: {args.updates} updates of {args.params} params", flush=True)
-    report = run_benchmark(clients=clients, rounds=args.rounds, warmup=args.warmup, num_params=args.small_params,
-                           compute_s=args.compute_ms / 1e3, max_workers=max_workers, updates=args.updates,
-                           memory_params=args.params, upload_workers=args.upload_workers, load=args.load, heartbeat_s=args.heartbeat_s)
+    print(
+        f"coordinator benchmark: clients {','.join(map(str, clients))}, {args.rounds} rounds (+{args.warmup} warm-up), "
+        f"compute {args.compute_ms:.0f} ms; memory: {args.updates} updates of {args.params} params",
+        flush=True,
+    )
+    report = run_benchmark(
+        clients=clients,
+        rounds=args.rounds,
+        warmup=args.warmup,
+        num_params=args.small_params,
+        compute_s=args.compute_ms / 1e3,
+        max_workers=max_workers,
+        updates=args.updates,
+        memory_params=args.params,
+        upload_workers=args.upload_workers,
+        load=args.load,
+        heartbeat_s=args.heartbeat_s,
+    )
     print()
     print_report(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)

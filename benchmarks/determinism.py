@@ -32,14 +32,24 @@ def _gap(a: dict, b: dict) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", default="3,10", help="round counts, comma-separated")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "determinism.json")
+    parser.add_argument(
+        "--out", type=Path, default=Path(__file__).resolve().parent / "results" / "determinism.json"
+    )
     args = parser.parse_args(argv)
     rows = []
-    print(f"{'rounds':>6} | {'batched-seq 1t':>14} {'batched-seq 2t':>14} | {'seq 1t-2t':>10} {'batched 1t-2t':>13} | atol {BATCHED_ATOL:g}")
+    print(
+        f"{'rounds':>6} | {'batched-seq 1t':>14} {'batched-seq 2t':>14} | {'seq 1t-2t':>10} {'batched 1t-2t':>13} | atol {BATCHED_ATOL:g}"
+    )
     for rounds in (int(r) for r in args.rounds.split(",") if r):
-        runs = {(engine, threads): run_simulation(load_config(overrides={"rounds": rounds, "engine": engine, "threads": threads,
-                                                                        "progress": False}))[0]
-                for engine in ("sequential", "batched") for threads in (1, 2)}
+        runs = {
+            (engine, threads): run_simulation(
+                load_config(
+                    overrides={"rounds": rounds, "engine": engine, "threads": threads, "progress": False}
+                )
+            )[0]
+            for engine in ("sequential", "batched")
+            for threads in (1, 2)
+        }
         row = {
             "rounds": rounds,
             "batched_vs_sequential_1_thread": _gap(runs["batched", 1], runs["sequential", 1]),
@@ -48,11 +58,25 @@ def main(argv: list[str] | None = None) -> int:
             "batched_1_vs_2_threads": _gap(runs["batched", 1], runs["batched", 2]),
         }
         rows.append(row)
-        print(f"{rounds:>6} | {row['batched_vs_sequential_1_thread']:>14.2e} {row['batched_vs_sequential_2_threads']:>14.2e} | "
-              f"{row['sequential_1_vs_2_threads']:>10.2e} {row['batched_1_vs_2_threads']:>13.2e} |")
+        print(
+            f"{rounds:>6} | {row['batched_vs_sequential_1_thread']:>14.2e} {row['batched_vs_sequential_2_threads']:>14.2e} | "
+            f"{row['sequential_1_vs_2_threads']:>10.2e} {row['batched_1_vs_2_threads']:>13.2e} |"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"benchmark": "determinism", "environment": environment(), "machine": platform.machine(),
-                                    "torch": torch.__version__, "batched_atol": BATCHED_ATOL, "rows": rows}, indent=2) + "\n")
+    args.out.write_text(
+        json.dumps(
+            {
+                "benchmark": "determinism",
+                "environment": environment(),
+                "machine": platform.machine(),
+                "torch": torch.__version__,
+                "batched_atol": BATCHED_ATOL,
+                "rows": rows,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {args.out}")
     return 0
 

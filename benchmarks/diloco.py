@@ -65,7 +65,7 @@ from fedgrid.server.strategies import build_strategy
 from fedgrid.simulation.fleet import InProcessFleet
 from fedgrid.simulation.shakespeare import CharData, NextChars, load_shakespeare, partition_natural
 from fedgrid.simulation.tasks import initial_state
-from fedgrid.types import ModelState, RoundMetrics
+from fedgrid.types import RoundMetrics
 
 __all__ = ["main", "CharLSTM", "Bench"]
 
@@ -93,7 +93,6 @@ def seq_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-
 class Bench:
     """The data split, the initial model and the test subset shared by every variant.
 
@@ -106,21 +105,30 @@ class Bench:
         test_windows: size of the fixed held-out subset.
     """
 
-    def __init__(self, data: CharData, *, workers: int, batch_size: int, lr: float, seed: int, test_windows: int) -> None:
+    def __init__(
+        self, data: CharData, *, workers: int, batch_size: int, lr: float, seed: int, test_windows: int
+    ) -> None:
         self.data, self.workers, self.batch_size, self.lr, self.seed = data, workers, batch_size, lr, seed
         self.parts = partition_natural(data.train_roles, workers)
         self.initial = initial_state(CharLSTM, seed)
         self.param_bytes = sum(t.numel() * t.element_size() for t in self.initial.values())
         n_test = len(data.test_starts)
-        pick = np.sort(np.random.default_rng(seed).choice(n_test, size=min(test_windows, n_test), replace=False))
+        pick = np.sort(
+            np.random.default_rng(seed).choice(n_test, size=min(test_windows, n_test), replace=False)
+        )
         test = NextChars(data.text, data.test_starts[torch.from_numpy(pick)], data.seq_len)
         self.test_x = torch.stack([test[i][0] for i in range(len(test))])
         self.test_y = torch.stack([test[i][1] for i in range(len(test))])
 
     def loader(self, worker: int, *, generator: torch.Generator | None = None) -> DataLoader:
         starts = self.data.train_starts[torch.from_numpy(self.parts[worker])]
-        return DataLoader(NextChars(self.data.text, starts, self.data.seq_len), batch_size=self.batch_size,
-                          shuffle=True, drop_last=True, generator=generator)
+        return DataLoader(
+            NextChars(self.data.text, starts, self.data.seq_len),
+            batch_size=self.batch_size,
+            shuffle=True,
+            drop_last=True,
+            generator=generator,
+        )
 
     @torch.no_grad()
     def evaluate(self, state: Mapping[str, torch.Tensor]) -> dict[str, float]:
@@ -132,33 +140,58 @@ class Bench:
         for i in range(0, len(self.test_y), 1000):
             x, y = self.test_x[i : i + 1000], self.test_y[i : i + 1000]
             out = model(x)
-            total += float(nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction="sum"))
+            total += float(
+                nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction="sum")
+            )
             last += float(nn.functional.cross_entropy(out[:, -1], y[:, -1], reduction="sum"))
             correct += float((out[:, -1].argmax(-1) == y[:, -1]).sum())
         n = len(self.test_y)
-        return {"loss": total / (n * y.shape[1]), "last_char_loss": last / n, "last_char_accuracy": correct / n}
+        return {
+            "loss": total / (n * y.shape[1]),
+            "last_char_loss": last / n,
+            "last_char_accuracy": correct / n,
+        }
 
-    def run_fedgrid(self, strategy: str, *, inner_steps: int, steps: int, num_fragments: int | None = None) -> dict[str, Any]:
+    def run_fedgrid(
+        self, strategy: str, *, inner_steps: int, steps: int, num_fragments: int | None = None
+    ) -> dict[str, Any]:
         """``steps // inner_steps`` rounds of ``strategy`` through fedgrid's engine."""
         rounds = steps // inner_steps
-        config = load_config(overrides={
-            "strategy": strategy, "clients": self.workers, "rounds": rounds, "seed": self.seed, "inner_lr": self.lr,
-            "local_epochs": 1, "fraction_fit": 1.0, "inner_steps": inner_steps, "num_fragments": num_fragments,
-        })
+        config = load_config(
+            overrides={
+                "strategy": strategy,
+                "clients": self.workers,
+                "rounds": rounds,
+                "seed": self.seed,
+                "inner_lr": self.lr,
+                "local_epochs": 1,
+                "fraction_fit": 1.0,
+                "inner_steps": inner_steps,
+                "num_fragments": num_fragments,
+            }
+        )
         built = build_strategy(config, num_clients=self.workers)
         built.initialize(initial_state=self.initial)
         clients = [
             TorchClient(
-                CharLSTM(), self.loader(w), seq_loss,
+                CharLSTM(),
+                self.loader(w),
+                seq_loss,
                 lambda params: torch.optim.AdamW(params, lr=self.lr),
                 inner_optimizer=lambda params: torch.optim.AdamW(params, lr=self.lr),
-                device="cpu", seed=self.seed, name=f"worker-{w}",
+                device="cpu",
+                seed=self.seed,
+                name=f"worker-{w}",
             )
             for w in range(self.workers)
         ]
         engine = RoundEngine(
-            strategy=built, fleet=InProcessFleet(clients), rounds=rounds, min_clients=self.workers,
-            round_timeout=timedelta(hours=1), join_timeout=timedelta(seconds=1),
+            strategy=built,
+            fleet=InProcessFleet(clients),
+            rounds=rounds,
+            min_clients=self.workers,
+            round_timeout=timedelta(hours=1),
+            join_timeout=timedelta(seconds=1),
         )
         history: list[RoundMetrics] = []
         curve = []
@@ -174,12 +207,28 @@ class Bench:
         up = sum(m.bytes_up for m in history) / self.workers
         down = sum(m.bytes_down for m in history) / self.workers
         out: dict[str, Any] = {
-            "strategy": strategy, "inner_steps": inner_steps, "rounds": rounds, "steps": rounds * inner_steps,
-            "outer_lr": getattr(opt, "lr", None), "outer_momentum": getattr(opt, "momentum", None),
-            "bytes_up_per_worker": up, "bytes_down_per_worker": down, "bytes_per_worker": up + down,
-            "wall_s": wall, "curve": curve, "final": curve[-1],
-            "rounds_detail": [{"round": m.round, "bytes_up": m.bytes_up, "bytes_down": m.bytes_down,
-                               "train_loss": m.extra.get("train_loss", m.loss), "clients_ok": m.clients_ok} for m in history],
+            "strategy": strategy,
+            "inner_steps": inner_steps,
+            "rounds": rounds,
+            "steps": rounds * inner_steps,
+            "outer_lr": getattr(opt, "lr", None),
+            "outer_momentum": getattr(opt, "momentum", None),
+            "bytes_up_per_worker": up,
+            "bytes_down_per_worker": down,
+            "bytes_per_worker": up + down,
+            "wall_s": wall,
+            "curve": curve,
+            "final": curve[-1],
+            "rounds_detail": [
+                {
+                    "round": m.round,
+                    "bytes_up": m.bytes_up,
+                    "bytes_down": m.bytes_down,
+                    "train_loss": m.extra.get("train_loss", m.loss),
+                    "clients_ok": m.clients_ok,
+                }
+                for m in history
+            ],
         }
         if isinstance(built, StreamingDiLoCo):
             out["num_fragments"] = built.num_fragments
@@ -195,8 +244,12 @@ class Bench:
         model.load_state_dict(self.initial)
         model.train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=self.lr)
-        streams = [self._cycle(self.loader(w, generator=torch.Generator().manual_seed(derive_seed("dp", self.seed, w))))
-                   for w in range(self.workers)]
+        streams = [
+            self._cycle(
+                self.loader(w, generator=torch.Generator().manual_seed(derive_seed("dp", self.seed, w)))
+            )
+            for w in range(self.workers)
+        ]
         curve = []
         start = time.monotonic()
         for step in range(1, steps + 1):
@@ -210,9 +263,17 @@ class Bench:
         wall = time.monotonic() - start
         per_worker = 2.0 * self.param_bytes * steps
         return {
-            "strategy": "data-parallel", "inner_steps": 1, "rounds": steps, "steps": steps, "sync_period_steps": 1,
-            "bytes_up_per_worker": per_worker / 2, "bytes_down_per_worker": per_worker / 2, "bytes_per_worker": per_worker,
-            "wall_s": wall, "curve": curve, "final": curve[-1],
+            "strategy": "data-parallel",
+            "inner_steps": 1,
+            "rounds": steps,
+            "steps": steps,
+            "sync_period_steps": 1,
+            "bytes_up_per_worker": per_worker / 2,
+            "bytes_down_per_worker": per_worker / 2,
+            "bytes_per_worker": per_worker,
+            "wall_s": wall,
+            "curve": curve,
+            "final": curve[-1],
         }
 
     @staticmethod
@@ -222,7 +283,9 @@ class Bench:
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--data-dir", default=DEFAULT_DATA, help="folder holding gutenberg-texts.tar.gz")
     p.add_argument("--workers", type=int, default=4, help="workers (1-8)")
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps per worker, every variant")
@@ -255,11 +318,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     t0 = time.monotonic()
     data = load_shakespeare(args.data_dir)
-    bench = Bench(data, workers=args.workers, batch_size=args.batch_size, lr=args.lr, seed=args.seed, test_windows=args.test_windows)
-    log(f"Shakespeare: {len(data.roles)} roles, {len(data.train_starts):,} train / {len(data.test_starts):,} test windows "
-        f"(loaded in {time.monotonic() - t0:.1f} s); workers hold {[len(p) for p in bench.parts]} windows")
-    log(f"model: {bench.param_bytes // 4:,} float32 parameters ({bench.param_bytes:,} bytes); initial held-out loss "
-        f"{bench.evaluate(bench.initial)['loss']:.3f}")
+    bench = Bench(
+        data,
+        workers=args.workers,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        seed=args.seed,
+        test_windows=args.test_windows,
+    )
+    log(
+        f"Shakespeare: {len(data.roles)} roles, {len(data.train_starts):,} train / {len(data.test_starts):,} test windows "
+        f"(loaded in {time.monotonic() - t0:.1f} s); workers hold {[len(p) for p in bench.parts]} windows"
+    )
+    log(
+        f"model: {bench.param_bytes // 4:,} float32 parameters ({bench.param_bytes:,} bytes); initial held-out loss "
+        f"{bench.evaluate(bench.initial)['loss']:.3f}"
+    )
     H, F = args.inner_steps, args.fragments
     plan: list[tuple[str, str, dict[str, Any]]] = []  # (label, kind, kwargs)
     if "dp" in args.variants:
@@ -267,7 +341,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "diloco" in args.variants:
         plan.append((f"diloco H={H}", "diloco", {"inner_steps": H}))
     if "streaming" in args.variants:
-        plan.append((f"streaming F={F}, H/F={max(1, round(H / F))}", "streaming-diloco", {"inner_steps": max(1, round(H / F)), "num_fragments": F}))
+        plan.append(
+            (
+                f"streaming F={F}, H/F={max(1, round(H / F))}",
+                "streaming-diloco",
+                {"inner_steps": max(1, round(H / F)), "num_fragments": F},
+            )
+        )
     if "streaming-long" in args.variants:
         plan.append((f"streaming F={F}, H={H}", "streaming-diloco", {"inner_steps": H, "num_fragments": F}))
     if "trend" in args.variants:
@@ -275,32 +355,55 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, dict[str, Any]] = {}
     for label, kind, kwargs in plan:
         log(f"running {label} ...")
-        res = bench.run_dp(steps=args.steps) if kind == "dp" else bench.run_fedgrid(kind, steps=args.steps, **kwargs)
+        res = (
+            bench.run_dp(steps=args.steps)
+            if kind == "dp"
+            else bench.run_fedgrid(kind, steps=args.steps, **kwargs)
+        )
         results[label] = res
-        log(f"  {res['rounds']} rounds, {res['wall_s']:.0f} s, held-out loss {res['final']['loss']:.4f}, "
+        log(
+            f"  {res['rounds']} rounds, {res['wall_s']:.0f} s, held-out loss {res['final']['loss']:.4f}, "
             f"{res['bytes_per_worker'] / 1e6:.2f} MB/worker; curve "
-            + ", ".join(f"{c['steps']}:{c['loss']:.3f}" for c in res["curve"]))
+            + ", ".join(f"{c['steps']}:{c['loss']:.3f}" for c in res["curve"])
+        )
     dp_bytes = results["data-parallel"]["bytes_per_worker"] if "data-parallel" in results else None
     log()
-    log(f"{args.workers} workers x {args.steps} steps x batch {args.batch_size} (x 80 characters); held-out: {len(bench.test_y):,} test windows")
+    log(
+        f"{args.workers} workers x {args.steps} steps x batch {args.batch_size} (x 80 characters); held-out: {len(bench.test_y):,} test windows"
+    )
     header = f"{'variant':<24}{'H/round':>8}{'sync every':>11}{'rounds':>7}{'test loss':>10}{'last-char acc':>14}{'MB/worker':>11}{'up MB':>8}{'down MB':>9}{'vs DP':>8}"
     log(header)
     log("-" * len(header))
     for label, res in results.items():
         ratio = f"{res['bytes_per_worker'] / dp_bytes:.4f}" if dp_bytes else "-"
-        log(f"{label:<24}{res['inner_steps']:>8}{res['sync_period_steps']:>11}{res['rounds']:>7}{res['final']['loss']:>10.4f}"
+        log(
+            f"{label:<24}{res['inner_steps']:>8}{res['sync_period_steps']:>11}{res['rounds']:>7}{res['final']['loss']:>10.4f}"
             f"{res['final']['last_char_accuracy']:>14.3f}{res['bytes_per_worker'] / 1e6:>11.2f}{res['bytes_up_per_worker'] / 1e6:>8.2f}"
-            f"{res['bytes_down_per_worker'] / 1e6:>9.2f}{ratio:>8}")
+            f"{res['bytes_down_per_worker'] / 1e6:>9.2f}{ratio:>8}"
+        )
         if dp_bytes:
             res["bytes_vs_dp"] = res["bytes_per_worker"] / dp_bytes
     report = {
         "config": {k: v for k, v in vars(args).items() if k != "out"},
-        "environment": {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
-                        "threads": torch.get_num_threads(), "argv": sys.argv},
-        "data": {"roles": len(data.roles), "train_windows": len(data.train_starts), "test_windows": len(data.test_starts),
-                 "worker_windows": [len(p) for p in bench.parts], "held_out_windows": len(bench.test_y)},
-        "model": {"params": bench.param_bytes // 4, "float32_bytes": bench.param_bytes,
-                  "initial_loss": bench.evaluate(bench.initial)["loss"]},
+        "environment": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "platform": platform.platform(),
+            "threads": torch.get_num_threads(),
+            "argv": sys.argv,
+        },
+        "data": {
+            "roles": len(data.roles),
+            "train_windows": len(data.train_starts),
+            "test_windows": len(data.test_starts),
+            "worker_windows": [len(p) for p in bench.parts],
+            "held_out_windows": len(bench.test_y),
+        },
+        "model": {
+            "params": bench.param_bytes // 4,
+            "float32_bytes": bench.param_bytes,
+            "initial_loss": bench.evaluate(bench.initial)["loss"],
+        },
         "variants": results,
     }
     out = Path(args.out)

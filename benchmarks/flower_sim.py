@@ -66,9 +66,16 @@ def mlp() -> nn.Module:
 def cnn() -> nn.Module:
     """McMahan et al. 2017's CNN (as ``fedgrid.simulation.models.fmnist_cnn``)."""
     return nn.Sequential(
-        nn.Conv2d(1, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(3136, 512), nn.ReLU(), nn.Linear(512, 10),
+        nn.Conv2d(1, 32, 5, padding=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 5, padding=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(3136, 512),
+        nn.ReLU(),
+        nn.Linear(512, 10),
     )
 
 
@@ -87,7 +94,9 @@ def shuffle_seed(seed: int, server_round: int, client: int, clients: int) -> int
     against fedgrid's before it runs.
     """
     parts = (seed, server_round, seed, f"fashion-mnist-{client:04d}/{clients}")
-    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") & ((1 << 63) - 1)
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") & (
+        (1 << 63) - 1
+    )
 
 
 def load_positional(model: nn.Module, values: list[torch.Tensor]) -> None:
@@ -106,7 +115,9 @@ def load_positional(model: nn.Module, values: list[torch.Tensor]) -> None:
     model.load_state_dict(dict(zip(state, values)))
 
 
-def index_batches(x: torch.Tensor, y: torch.Tensor, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def index_batches(
+    x: torch.Tensor, y: torch.Tensor, batch_size: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """One epoch of one client's batches by ``randperm`` and index slicing of its tensors.
 
     The batches ``DataLoader(TensorDataset(x, y), batch_size, shuffle=True)`` would give,
@@ -149,7 +160,10 @@ def _client_data(partition_id: int) -> tuple[tuple[torch.Tensor, torch.Tensor], 
     spec = _CACHE["spec"]
     off = _CACHE["off"]
     idx = _CACHE["idx"][off[partition_id] : off[partition_id + 1]]
-    x, y = np.asarray(_CACHE["x"][idx]), np.asarray(_CACHE["y"][idx])  # fancy indexing copies: writable arrays
+    x, y = (
+        np.asarray(_CACHE["x"][idx]),
+        np.asarray(_CACHE["y"][idx]),
+    )  # fancy indexing copies: writable arrays
     return (torch.from_numpy(x), torch.from_numpy(y)), spec
 
 
@@ -163,7 +177,9 @@ def _train(msg: Any, context: Any) -> Any:
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"], momentum=spec["momentum"])
     loss_sum = torch.zeros(())  # summed as a tensor: no .item() per step
-    torch.manual_seed(shuffle_seed(spec["seed"], int(msg.content["config"]["server-round"]), client, spec["clients"]))
+    torch.manual_seed(
+        shuffle_seed(spec["seed"], int(msg.content["config"]["server-round"]), client, spec["clients"])
+    )
     for _ in range(spec["local_epochs"]):
         for xb, yb in index_batches(x, y, spec["batch_size"]):
             optimizer.zero_grad(set_to_none=True)
@@ -173,8 +189,12 @@ def _train(msg: Any, context: Any) -> Any:
             loss_sum += loss.detach() * len(yb)
     n = len(y)
     seen = n * spec["local_epochs"]
-    metrics = MetricRecord({"train_loss": float(loss_sum) / max(seen, 1), "num-examples": n, "threads": torch.get_num_threads()})
-    return Message(content=RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": metrics}), reply_to=msg)
+    metrics = MetricRecord(
+        {"train_loss": float(loss_sum) / max(seen, 1), "num-examples": n, "threads": torch.get_num_threads()}
+    )
+    return Message(
+        content=RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": metrics}), reply_to=msg
+    )
 
 
 def _client_app() -> Any:
@@ -277,17 +297,28 @@ def main(argv: list[str]) -> None:
 
     @server_app.main()
     def _server(grid: Grid, context: Context) -> None:
-        strategy = FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=clients, min_available_nodes=clients)
-        result = strategy.start(grid=grid, initial_arrays=ArrayRecord(model.state_dict()), num_rounds=rounds,
-                                train_config=ConfigRecord({"lr": spec["lr"]}), evaluate_fn=evaluate_fn)
+        strategy = FedAvg(
+            fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=clients, min_available_nodes=clients
+        )
+        result = strategy.start(
+            grid=grid,
+            initial_arrays=ArrayRecord(model.state_dict()),
+            num_rounds=rounds,
+            train_config=ConfigRecord({"lr": spec["lr"]}),
+            evaluate_fn=evaluate_fn,
+        )
         last = result.train_metrics_clientapp.get(rounds)
         if last is not None:
-            actor_threads.append(round(float(last["threads"]), 2))  # mean over clients of torch threads in the actor
+            actor_threads.append(
+                round(float(last["threads"]), 2)
+            )  # mean over clients of torch threads in the actor
 
     backend_config = {"client_resources": spec["client_resources"]} if spec["client_resources"] else None
     memory = TreeMemory().start()
     start = time.perf_counter()
-    run_simulation(server_app=server_app, client_app=_client_app(), num_supernodes=clients, backend_config=backend_config)
+    run_simulation(
+        server_app=server_app, client_app=_client_app(), num_supernodes=clients, backend_config=backend_config
+    )
     total = time.perf_counter() - start
     memory.stop()
     missing = [r for r in range(rounds + 1) if r not in stamps["enter"]]
@@ -295,7 +326,11 @@ def main(argv: list[str]) -> None:
         "flwr": flwr.__version__,
         "torch": torch.__version__,
         "client_resources": spec["client_resources"] or "flower default",
-        "round_s": [stamps["enter"][r] - stamps["exit"][r - 1] for r in range(1, rounds + 1) if r not in missing and r - 1 not in missing],
+        "round_s": [
+            stamps["enter"][r] - stamps["exit"][r - 1]
+            for r in range(1, rounds + 1)
+            if r not in missing and r - 1 not in missing
+        ],
         "startup_s": stamps["exit"].get(0, start) - start,
         "total_s": total,
         "memory": memory.report(),
@@ -303,7 +338,9 @@ def main(argv: list[str]) -> None:
         "final_path": str(final_path) if final_path.exists() else None,
     }
     if missing or not final_path.exists():
-        result["error"] = f"rounds without a server timestamp: {missing}; final model saved: {final_path.exists()}"
+        result["error"] = (
+            f"rounds without a server timestamp: {missing}; final model saved: {final_path.exists()}"
+        )
     Path(spec["result_path"]).write_text(json.dumps(result, indent=2))
 
 

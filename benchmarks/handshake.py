@@ -83,7 +83,9 @@ class Server:
 
     def __init__(self, tls: tuple[Path, Path, Path] | None) -> None:
         args = [str(p) for p in tls] if tls else []
-        self.proc = subprocess.Popen([sys.executable, "-c", SERVER, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", SERVER, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         line = self._readline(START_TIMEOUT_S)
         self.address = f"127.0.0.1:{int(line)}"
 
@@ -105,7 +107,9 @@ class Server:
         self.proc.wait()
 
 
-def _scenarios(servers: dict[str, Server], certs: Path) -> tuple[dict[tuple[str, str], Callable[[], Callable[[], None]]], list[Any]]:
+def _scenarios(
+    servers: dict[str, Server], certs: Path
+) -> tuple[dict[tuple[str, str], Callable[[], Callable[[], None]]], list[Any]]:
     """One Join callable per (server, kind), and the warm channels to close at the end. A
     callable returns what closes its connection, which the caller runs outside the timed window."""
     from fedgrid.client.api import Client
@@ -120,21 +124,27 @@ def _scenarios(servers: dict[str, Server], certs: Path) -> tuple[dict[tuple[str,
         def fit(self, state, ins):  # type: ignore[no-untyped-def]
             raise AssertionError("the benchmark never trains")
 
-    client_files = TLSFiles(str(certs / "ca.pem"), str(certs / f"{CLIENT_CERT}.pem"), str(certs / f"{CLIENT_CERT}.key"))
+    client_files = TLSFiles(
+        str(certs / "ca.pem"), str(certs / f"{CLIENT_CERT}.pem"), str(certs / f"{CLIENT_CERT}.key")
+    )
     credentials = channel_credentials(client_files)
     probe = Probe()
     out: dict[tuple[str, str], Callable[[], Callable[[], None]]] = {}
     warm_channels = []
     for name, server in servers.items():
         tls = name == "mtls"
-        request = pb.JoinRequest(name="" if tls else "probe", num_examples=1)  # under mTLS the certificate names it
+        request = pb.JoinRequest(
+            name="" if tls else "probe", num_examples=1
+        )  # under mTLS the certificate names it
 
         def channel(address: str = server.address, tls: bool = tls) -> grpc.Channel:
             if tls:
                 return grpc.secure_channel(address, credentials, options=GRPC_OPTIONS)
             return grpc.insecure_channel(address, options=GRPC_OPTIONS)
 
-        def fresh(channel: Callable[[], grpc.Channel] = channel, request: Any = request) -> Callable[[], None]:
+        def fresh(
+            channel: Callable[[], grpc.Channel] = channel, request: Any = request
+        ) -> Callable[[], None]:
             ch = channel()
             try:
                 pb_grpc.CoordinatorStub(ch).Join(request, timeout=DEADLINE_S)
@@ -152,7 +162,9 @@ def _scenarios(servers: dict[str, Server], certs: Path) -> tuple[dict[tuple[str,
             return lambda: None
 
         def sdk(address: str = server.address, tls: bool = tls) -> Callable[[], None]:
-            conn = Connection(address, tls=client_files if tls else None, rpc_timeout=DEADLINE_S, retry_max_elapsed=0.0)
+            conn = Connection(
+                address, tls=client_files if tls else None, rpc_timeout=DEADLINE_S, retry_max_elapsed=0.0
+            )
             try:
                 conn.join(probe)
             except BaseException:
@@ -166,8 +178,11 @@ def _scenarios(servers: dict[str, Server], certs: Path) -> tuple[dict[tuple[str,
 
 def _stats(times: list[float]) -> dict[str, float]:
     times = sorted(times)
-    return {"p50_ms": 1e3 * statistics.median(times), "p99_ms": 1e3 * times[min(len(times) - 1, int(0.99 * len(times)))],
-            "mean_ms": 1e3 * statistics.fmean(times)}
+    return {
+        "p50_ms": 1e3 * statistics.median(times),
+        "p99_ms": 1e3 * times[min(len(times) - 1, int(0.99 * len(times)))],
+        "mean_ms": 1e3 * statistics.fmean(times),
+    }
 
 
 def measure(calls: int) -> list[dict[str, Any]]:
@@ -196,7 +211,9 @@ def measure(calls: int) -> list[dict[str, Any]]:
                         elapsed = time.perf_counter() - t0
                         ok = True
                         close()  # outside the timed window, inside the CPU one: a connection's teardown is its cost
-                    except Exception as exc:  # grpc.RpcError, RpcFailed: counted as the deadline, reported below
+                    except (
+                        Exception
+                    ) as exc:  # grpc.RpcError, RpcFailed: counted as the deadline, reported below
                         elapsed, ok = DEADLINE_S, False
                         if i < WARMUP:
                             raise RuntimeError(f"{key}: {exc}") from exc
@@ -211,45 +228,71 @@ def measure(calls: int) -> list[dict[str, Any]]:
                 ch.close()
             for server in servers.values():
                 server.close()
-    return [{"server": server, "kind": kind, "calls": calls, **_stats(times[(server, kind)]), "failed": failed[(server, kind)],
-             "client_cpu_ms": 1e3 * cpu_client[(server, kind)] / calls, "server_cpu_ms": 1e3 * cpu_server[(server, kind)] / calls}
-            for server, kind in order]
+    return [
+        {
+            "server": server,
+            "kind": kind,
+            "calls": calls,
+            **_stats(times[(server, kind)]),
+            "failed": failed[(server, kind)],
+            "client_cpu_ms": 1e3 * cpu_client[(server, kind)] / calls,
+            "server_cpu_ms": 1e3 * cpu_server[(server, kind)] / calls,
+        }
+        for server, kind in order
+    ]
 
 
 def print_report(rows: list[dict[str, Any]]) -> None:
     by = {(r["server"], r["kind"]): r for r in rows}
-    header = (f"{'kind':>6} {'server':>10} | {'p50 ms':>7} {'p99 ms':>7} {'mean ms':>7} | {'client CPU ms':>13} {'server CPU ms':>13} | "
-              f"{'failed':>6} | {'p50 mtls/plain':>14}")
+    header = (
+        f"{'kind':>6} {'server':>10} | {'p50 ms':>7} {'p99 ms':>7} {'mean ms':>7} | {'client CPU ms':>13} {'server CPU ms':>13} | "
+        f"{'failed':>6} | {'p50 mtls/plain':>14}"
+    )
     print(header)
     print("-" * len(header))
     for kind in KINDS:
         for server in SERVERS:
             r = by[(server, kind)]
             ratio = r["p50_ms"] / by[("plaintext", kind)]["p50_ms"]
-            print(f"{kind:>6} {server:>10} | {r['p50_ms']:>7.2f} {r['p99_ms']:>7.2f} {r['mean_ms']:>7.2f} | {r['client_cpu_ms']:>13.2f} "
-                  f"{r['server_cpu_ms']:>13.2f} | {r['failed']:>6} | {ratio if server == 'mtls' else 1.0:>14.2f}")
+            print(
+                f"{kind:>6} {server:>10} | {r['p50_ms']:>7.2f} {r['p99_ms']:>7.2f} {r['mean_ms']:>7.2f} | {r['client_cpu_ms']:>13.2f} "
+                f"{r['server_cpu_ms']:>13.2f} | {r['failed']:>6} | {ratio if server == 'mtls' else 1.0:>14.2f}"
+            )
     for server in SERVERS:
         extra = by[(server, "fresh")]["p50_ms"] - by[(server, "warm")]["p50_ms"]
         print(f"{server}: a fresh connection adds {extra:.2f} ms to a Join (p50 fresh - p50 warm)")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--calls", type=int, default=200, help="timed Joins of each kind against each server (default 200)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--calls", type=int, default=200, help="timed Joins of each kind against each server (default 200)"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "handshake.json")
     args = parser.parse_args(argv)
     if args.calls < 1:
         parser.error("--calls must be >= 1")
     started = time.perf_counter()
     rows = measure(args.calls)
-    print(f"{args.calls} Joins of each kind per server (+{WARMUP} warm-up), interleaved, in {time.perf_counter() - started:.1f}s")
+    print(
+        f"{args.calls} Joins of each kind per server (+{WARMUP} warm-up), interleaved, in {time.perf_counter() - started:.1f}s"
+    )
     print_report(rows)
     report = {
         "benchmark": "handshake",
-        "calls": args.calls, "warmup": WARMUP, "deadline_s": DEADLINE_S,
+        "calls": args.calls,
+        "warmup": WARMUP,
+        "deadline_s": DEADLINE_S,
         "tls": "mutual TLS, EC P-256 certificates of fedgrid.pki, no session resumption",
-        "environment": {"python": platform.python_version(), "grpcio": grpc.__version__, "cpus": os.cpu_count(),
-                        "machine": platform.processor() or platform.machine(), "platform": platform.platform()},
+        "environment": {
+            "python": platform.python_version(),
+            "grpcio": grpc.__version__,
+            "cpus": os.cpu_count(),
+            "machine": platform.processor() or platform.machine(),
+            "platform": platform.platform(),
+        },
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

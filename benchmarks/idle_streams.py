@@ -79,7 +79,11 @@ def worktree_import_tree(rev: str | None, work: Path) -> Path:
     if rev is None:
         return build(work / "ours")
     checkout = work / "checkout"
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(checkout), rev], check=True, capture_output=True)
+    subprocess.run(
+        ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(checkout), rev],
+        check=True,
+        capture_output=True,
+    )
     return build(work / "threaded", root=checkout)
 
 
@@ -96,8 +100,12 @@ def time_calls(port: int, calls: int) -> dict[str, dict[str, float]]:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub, health = pb_grpc.CoordinatorStub(channel), health_pb2_grpc.HealthStub(channel)
         kinds = {
-            "join": lambda i: stub.Join(pb.JoinRequest(name=f"probe-{time.monotonic_ns()}-{i}", num_examples=1), timeout=DEADLINE_S),
-            "health": lambda i: health.Check(health_pb2.HealthCheckRequest(service="fedgrid.v1.Coordinator"), timeout=DEADLINE_S),
+            "join": lambda i: stub.Join(
+                pb.JoinRequest(name=f"probe-{time.monotonic_ns()}-{i}", num_examples=1), timeout=DEADLINE_S
+            ),
+            "health": lambda i: health.Check(
+                health_pb2.HealthCheckRequest(service="fedgrid.v1.Coordinator"), timeout=DEADLINE_S
+            ),
         }
         for kind, call in kinds.items():
             times, failed, streak = [], 0, 0
@@ -116,19 +124,34 @@ def time_calls(port: int, calls: int) -> dict[str, dict[str, float]]:
                     streak += 1
                     times.append(DEADLINE_S)
             times.sort()
-            out[kind] = {"p50_ms": 1e3 * statistics.median(times), "p99_ms": 1e3 * times[min(len(times) - 1, int(0.99 * len(times)))],
-                         "failed": failed}
+            out[kind] = {
+                "p50_ms": 1e3 * statistics.median(times),
+                "p99_ms": 1e3 * times[min(len(times) - 1, int(0.99 * len(times)))],
+                "failed": failed,
+            }
     return out
 
 
 def run(tree: Path, streams: int, calls: int) -> dict[str, dict[str, float]]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    server = subprocess.Popen([sys.executable, "-c", SERVER], cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [sys.executable, "-c", SERVER],
+        cwd=tree,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     opener = None
     try:
         port = int(server.stdout.readline())  # type: ignore[union-attr]
         if streams:
-            opener = subprocess.Popen([sys.executable, "-c", OPENER, str(port), str(streams)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            opener = subprocess.Popen(
+                [sys.executable, "-c", OPENER, str(port), str(streams)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             assert opener.stdout.readline().strip() == "open"  # type: ignore[union-attr]
         return time_calls(port, calls)
     finally:
@@ -149,17 +172,32 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        trees = {"ours": worktree_import_tree(None, work), "threaded": worktree_import_tree(args.baseline, work)}
+        trees = {
+            "ours": worktree_import_tree(None, work),
+            "threaded": worktree_import_tree(args.baseline, work),
+        }
         try:
             for n in counts:
                 for name, tree in trees.items():  # side by side, alternating
                     result = run(tree, n, args.calls)
-                    rows.append({"server": name, "streams": n, **{f"{k}_{m}": v for k, r in result.items() for m, v in r.items()}})
-                    print(f"{name:>9} {n:>6} idle streams | join p50 {result['join']['p50_ms']:8.1f} ms  p99 {result['join']['p99_ms']:8.1f} ms"
-                          f"  failed {result['join']['failed']:3d} | health p50 {result['health']['p50_ms']:8.1f} ms"
-                          f"  p99 {result['health']['p99_ms']:8.1f} ms  failed {result['health']['failed']:3d}", flush=True)
+                    rows.append(
+                        {
+                            "server": name,
+                            "streams": n,
+                            **{f"{k}_{m}": v for k, r in result.items() for m, v in r.items()},
+                        }
+                    )
+                    print(
+                        f"{name:>9} {n:>6} idle streams | join p50 {result['join']['p50_ms']:8.1f} ms  p99 {result['join']['p99_ms']:8.1f} ms"
+                        f"  failed {result['join']['failed']:3d} | health p50 {result['health']['p50_ms']:8.1f} ms"
+                        f"  p99 {result['health']['p99_ms']:8.1f} ms  failed {result['health']['failed']:3d}",
+                        flush=True,
+                    )
         finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(work / "checkout")], capture_output=True)
+            subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(work / "checkout")],
+                capture_output=True,
+            )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"calls": args.calls, "deadline_s": DEADLINE_S, "rows": rows}, indent=2))
     print(f"wrote {args.out}")

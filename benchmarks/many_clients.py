@@ -35,8 +35,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import grpc
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from idle_streams import DEADLINE_S, time_calls, worktree_import_tree  # noqa: E402
@@ -135,8 +133,22 @@ def _memory(pid: int) -> dict[str, float]:
 class Loader:
     def __init__(self, ours: Path, port: int, first: int, count: int) -> None:
         env = {**os.environ, "PYTHONPATH": str(ours)}
-        self.proc = subprocess.Popen([sys.executable, "-c", LOADER, str(port), str(first), str(count), str(CLIENTS_PER_CHANNEL),
-                                      str(JOIN_CONCURRENCY)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                LOADER,
+                str(port),
+                str(first),
+                str(count),
+                str(CLIENTS_PER_CHANNEL),
+                str(JOIN_CONCURRENCY),
+            ],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
 
     def status(self) -> dict[str, Any]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -153,7 +165,15 @@ class Loader:
 
 
 def _total(loaders: list[Loader]) -> dict[str, Any]:
-    total: dict[str, Any] = {"joined": 0, "join_errors": 0, "holding": 0, "served": 0, "polls": 0, "poll_errors": 0, "errors": {}}
+    total: dict[str, Any] = {
+        "joined": 0,
+        "join_errors": 0,
+        "holding": 0,
+        "served": 0,
+        "polls": 0,
+        "poll_errors": 0,
+        "errors": {},
+    }
     for loader in loaders:
         s = loader.status()
         for k in ("joined", "join_errors", "holding", "served", "polls", "poll_errors"):
@@ -165,7 +185,14 @@ def _total(loaders: list[Loader]) -> dict[str, Any]:
 
 def run_server(name: str, tree: Path, ours: Path, levels: list[int], calls: int) -> list[dict[str, Any]]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    server = subprocess.Popen([sys.executable, "-c", SERVER], cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [sys.executable, "-c", SERVER],
+        cwd=tree,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     loaders: list[Loader] = []
     rows = []
     try:
@@ -187,15 +214,28 @@ def run_server(name: str, tree: Path, ours: Path, levels: list[int], calls: int)
             before = _total(loaders)
             timed = time_calls(port, calls)
             after = _total(loaders)
-            row = {"server": name, "clients": level, "joined": after["joined"], "join_errors": after["join_errors"],
-                   "holding": after["holding"], "served": after["served"], "ramp_s": round(ramp_s, 1), "poll_errors_while_timing": after["poll_errors"] - before["poll_errors"],
-                   "poll_errors": after["poll_errors"], "errors": after["errors"], **_memory(server.pid),
-                   **{f"{k}_{m}": v for k, r in timed.items() for m, v in r.items()}}
+            row = {
+                "server": name,
+                "clients": level,
+                "joined": after["joined"],
+                "join_errors": after["join_errors"],
+                "holding": after["holding"],
+                "served": after["served"],
+                "ramp_s": round(ramp_s, 1),
+                "poll_errors_while_timing": after["poll_errors"] - before["poll_errors"],
+                "poll_errors": after["poll_errors"],
+                "errors": after["errors"],
+                **_memory(server.pid),
+                **{f"{k}_{m}": v for k, r in timed.items() for m, v in r.items()},
+            }
             rows.append(row)
-            print(f"{name:>9} {level:>6} clients | joined {row['joined']:>6} served {row['served']:>6} (ramp {ramp_s:5.1f} s) |"
-                  f" join p50 {row['join_p50_ms']:7.1f} p99 {row['join_p99_ms']:7.1f} ms fail {row['join_failed']:3d} |"
-                  f" health p50 {row['health_p50_ms']:7.1f} p99 {row['health_p99_ms']:7.1f} ms fail {row['health_failed']:3d} |"
-                  f" RSS {row['rss_mb']:7.0f} MB (peak {row['peak_rss_mb']:7.0f}) | poll errors {row['poll_errors']}", flush=True)
+            print(
+                f"{name:>9} {level:>6} clients | joined {row['joined']:>6} served {row['served']:>6} (ramp {ramp_s:5.1f} s) |"
+                f" join p50 {row['join_p50_ms']:7.1f} p99 {row['join_p99_ms']:7.1f} ms fail {row['join_failed']:3d} |"
+                f" health p50 {row['health_p50_ms']:7.1f} p99 {row['health_p99_ms']:7.1f} ms fail {row['health_failed']:3d} |"
+                f" RSS {row['rss_mb']:7.0f} MB (peak {row['peak_rss_mb']:7.0f}) | poll errors {row['poll_errors']}",
+                flush=True,
+            )
             if row["join_failed"] == calls:  # stalled: more clients would only take longer to say so
                 print(f"{name:>9} stalled at {level} clients: higher levels skipped", flush=True)
                 break
@@ -209,7 +249,9 @@ def run_server(name: str, tree: Path, ours: Path, levels: list[int], calls: int)
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--levels", default="1000,5000,10000", help="connected clients, increasing, comma-separated")
+    parser.add_argument(
+        "--levels", default="1000,5000,10000", help="connected clients, increasing, comma-separated"
+    )
     parser.add_argument("--calls", type=int, default=200, help="timed calls of each kind per level")
     parser.add_argument("--servers", default="ours,threaded", help="which servers to run (ours, threaded)")
     parser.add_argument("--baseline", default="0e85252", help="the threaded revision to compare with")
@@ -222,14 +264,30 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         ours = worktree_import_tree(None, work)
         try:
-            trees = {"ours": ours, **({"threaded": worktree_import_tree(args.baseline, work)} if "threaded" in servers else {})}
+            trees = {
+                "ours": ours,
+                **({"threaded": worktree_import_tree(args.baseline, work)} if "threaded" in servers else {}),
+            }
             for name in servers:
                 rows += run_server(name, trees[name], ours, levels, args.calls)
         finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(work / "checkout")], capture_output=True)
+            subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(work / "checkout")],
+                capture_output=True,
+            )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"calls": args.calls, "deadline_s": DEADLINE_S, "machine": platform.processor() or platform.machine(),
-                                    "cpus": os.cpu_count(), "rows": rows}, indent=2))
+    args.out.write_text(
+        json.dumps(
+            {
+                "calls": args.calls,
+                "deadline_s": DEADLINE_S,
+                "machine": platform.processor() or platform.machine(),
+                "cpus": os.cpu_count(),
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {args.out}")
     return 0
 

@@ -72,8 +72,18 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from flower_sim import MODELS, index_batches, load_positional, shuffle_seed  # noqa: E402  (the benchmark's own model definitions)
 
-__all__ = ["accuracy", "add_work_arguments", "check_work_arguments", "combine", "main", "prepare", "run_variant", "summarize",
-           "train_flops_per_example", "write_results"]
+__all__ = [
+    "accuracy",
+    "add_work_arguments",
+    "check_work_arguments",
+    "combine",
+    "main",
+    "prepare",
+    "run_variant",
+    "summarize",
+    "train_flops_per_example",
+    "write_results",
+]
 
 FEDGRID = {"batched": "batched", "sequential": "sequential", "auto": "auto"}
 LOOPS = {"loop": "slice", "loop-dataloader": "dataloader", "loop-channels-last": "slice-nhwc"}
@@ -96,7 +106,9 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def _positional(template: "OrderedDict[str, torch.Tensor]", values: list[torch.Tensor]) -> "OrderedDict[str, torch.Tensor]":
+def _positional(
+    template: "OrderedDict[str, torch.Tensor]", values: list[torch.Tensor]
+) -> "OrderedDict[str, torch.Tensor]":
     if [tuple(t.shape) for t in template.values()] != [tuple(v.shape) for v in values]:
         raise ValueError("the shared initial model does not fit fedgrid's model (shapes differ)")
     return OrderedDict((k, v.clone()) for k, v in zip(template, values))
@@ -109,19 +121,34 @@ def _progress(spec: dict[str, Any], round_s: list[float]) -> None:
 
 def work_fedgrid(spec: dict[str, Any]) -> dict[str, Any]:
     """One fedgrid run: ``run_simulation`` with the config keys of issue 6."""
-    from fedgrid.config import config_keys, load_config
     import fedgrid.simulation.run as sim_run
+    from fedgrid.config import config_keys, load_config
 
     keys = config_keys()
     dataset_key = "dataset" if "dataset" in keys else "task"
     overrides: dict[str, Any] = {
-        dataset_key: "fashion-mnist", "data_dir": spec["data_dir"], "model": spec["model"], "engine": spec["engine"],
-        "clients": spec["clients"], "fraction_fit": 1.0, "local_epochs": spec["local_epochs"],
-        "batch_size": spec["batch_size"], "lr": spec["lr"], "momentum": spec["momentum"], "optimizer": "sgd",
-        "partition": f"dirichlet:{spec['alpha']}", "rounds": spec["rounds"], "seed": spec["seed"],
-        "batch_clients": spec["batch_clients"], "device": spec["device"],
+        dataset_key: "fashion-mnist",
+        "data_dir": spec["data_dir"],
+        "model": spec["model"],
+        "engine": spec["engine"],
+        "clients": spec["clients"],
+        "fraction_fit": 1.0,
+        "local_epochs": spec["local_epochs"],
+        "batch_size": spec["batch_size"],
+        "lr": spec["lr"],
+        "momentum": spec["momentum"],
+        "optimizer": "sgd",
+        "partition": f"dirichlet:{spec['alpha']}",
+        "rounds": spec["rounds"],
+        "seed": spec["seed"],
+        "batch_clients": spec["batch_clients"],
+        "device": spec["device"],
     }
-    optional = {"optimizer", "batch_clients", "device"}  # absent: fedgrid's own choice (sgd, auto, CUDA when present)
+    optional = {
+        "optimizer",
+        "batch_clients",
+        "device",
+    }  # absent: fedgrid's own choice (sgd, auto, CUDA when present)
     missing = sorted(k for k in overrides if k not in keys and k not in optional)
     if missing:
         raise RuntimeError(f"fedgrid.config has no key(s) {', '.join(missing)} yet")
@@ -142,15 +169,20 @@ def work_fedgrid(spec: dict[str, Any]) -> dict[str, Any]:
     # wall_s); run_simulation builds both through ``resolve``.
     original = getattr(sim_run, "resolve", None)
     if original is not None:
+
         def resolve(*args: Any, **kwargs: Any) -> Any:
             resolved = original(*args, **kwargs)
             same = all(torch.equal(a, b) for a, b in zip(resolved.initial_state.values(), init))
             notes.append(f"fedgrid's own seeded init identical to the shared one: {same}")
-            return dataclasses.replace(resolved, initial_state=_positional(resolved.initial_state, init), evaluate=None)
+            return dataclasses.replace(
+                resolved, initial_state=_positional(resolved.initial_state, init), evaluate=None
+            )
 
         sim_run.resolve = resolve  # type: ignore[attr-defined]
     else:
-        notes.append("run_simulation has no resolve hook: fedgrid built its own init from the same seed, evaluated each round")
+        notes.append(
+            "run_simulation has no resolve hook: fedgrid built its own init from the same seed, evaluated each round"
+        )
     config = load_config(overrides={k: v for k, v in overrides.items() if k in keys})
     stamps: list[float] = []
     walls: list[float] = []
@@ -170,11 +202,21 @@ def work_fedgrid(spec: dict[str, Any]) -> dict[str, Any]:
     notes.append(f"engine {spec['engine']} via fedgrid.simulation.run.run_simulation")
     if engine_k.get("k_values"):
         first = engine_k["budgets"][0] if engine_k["budgets"] else {}
-        free = f", {first['free_bytes'] / 2**30:.1f} GiB free of {first['total_bytes'] / 2**30:.1f}" if "free_bytes" in first else ""
+        free = (
+            f", {first['free_bytes'] / 2**30:.1f} GiB free of {first['total_bytes'] / 2**30:.1f}"
+            if "free_bytes" in first
+            else ""
+        )
         budget = f" (budget {first['budget_bytes'] / 2**30:.2f} GiB{free} at the first call)" if first else ""
         notes.append(f"K (BatchedTrainer.chunk_size): {'/'.join(map(str, engine_k['k_values']))}{budget}")
-    return {"round_s": round_s, "engine_wall_s": walls, "final": list(final.values()), "notes": notes,
-            "extra": [dict(m.extra) for m in history], "engine_k": engine_k}
+    return {
+        "round_s": round_s,
+        "engine_wall_s": walls,
+        "final": list(final.values()),
+        "notes": notes,
+        "extra": [dict(m.extra) for m in history],
+        "engine_k": engine_k,
+    }
 
 
 def _record_chunk_sizes() -> dict[str, Any]:
@@ -191,6 +233,7 @@ def _record_chunk_sizes() -> dict[str, Any]:
     chunk_size = getattr(trainer, "chunk_size", None)
     budget_fn = getattr(batched, "memory_budget", None)
     if budget_fn is not None:
+
         def memory_budget(device: torch.device, *args: Any, **kwargs: Any) -> int:
             budget = budget_fn(device, *args, **kwargs)
             entry: dict[str, Any] = {"device": str(device), "budget_bytes": int(budget)}
@@ -205,6 +248,7 @@ def _record_chunk_sizes() -> dict[str, Any]:
 
         batched.memory_budget = memory_budget  # type: ignore[assignment]
     if trainer is not None and chunk_size is not None:
+
         def wrapped(self: Any, *args: Any, **kwargs: Any) -> int:
             k = chunk_size(self, *args, **kwargs)
             record["chunk_size_calls"] += 1
@@ -214,9 +258,6 @@ def _record_chunk_sizes() -> dict[str, Any]:
 
         trainer.chunk_size = wrapped
     return record
-
-
-
 
 
 def work_loop(spec: dict[str, Any]) -> dict[str, Any]:
@@ -281,11 +322,18 @@ def work_loop(spec: dict[str, Any]) -> dict[str, Any]:
             torch.cuda.synchronize()
         round_s.append(time.perf_counter() - start)
         _progress(spec, round_s)
-    notes = [f"batches: {'randperm + index slicing' if slicing else 'DataLoader'}{', channels-last' if nhwc else ''}"]
+    notes = [
+        f"batches: {'randperm + index slicing' if slicing else 'DataLoader'}{', channels-last' if nhwc else ''}"
+    ]
     if spec.get("loop_clients"):
         notes.append(f"trained {len(chosen)} of the {spec['clients']} clients ({examples} examples)")
-    return {"round_s": round_s, "final": [t.cpu() for t in global_state], "notes": notes,
-            "loop_clients": len(chosen), "loop_examples": examples}
+    return {
+        "round_s": round_s,
+        "final": [t.cpu() for t in global_state],
+        "notes": notes,
+        "loop_clients": len(chosen),
+        "loop_examples": examples,
+    }
 
 
 def worker_main(spec_path: str) -> None:
@@ -294,7 +342,9 @@ def worker_main(spec_path: str) -> None:
     out: dict[str, Any] = {}
     try:
         result = work_fedgrid(spec) if spec["kind"] == "fedgrid" else work_loop(spec)
-        torch.save([t.detach().cpu() for t in result.pop("final")], spec["final_path"])  # the parent loads it without CUDA
+        torch.save(
+            [t.detach().cpu() for t in result.pop("final")], spec["final_path"]
+        )  # the parent loads it without CUDA
         out = {**result, "final_path": spec["final_path"]}
     except Exception as exc:  # reported as a FAILED row
         import traceback
@@ -315,7 +365,11 @@ def worker_main(spec_path: str) -> None:
 def ensure_flower(venv: Path, log: Callable[[str], None]) -> Path:
     """The Flower interpreter, creating ``venv`` and installing ``FLOWER_PINS`` if needed."""
     python = venv / "bin" / "python"
-    probe = [str(python), "-c", "import flwr, ray, torch, psutil; print(flwr.__version__, ray.__version__, torch.__version__)"]
+    probe = [
+        str(python),
+        "-c",
+        "import flwr, ray, torch, psutil; print(flwr.__version__, ray.__version__, torch.__version__)",
+    ]
     if python.exists():
         found = subprocess.run(probe, capture_output=True, text=True)
         if found.returncode == 0 and found.stdout.startswith("1.42"):
@@ -365,7 +419,9 @@ def accuracy(name: str, final_path: str, x: torch.Tensor, y: torch.Tensor) -> fl
     model = MODELS[name]()
     load_positional(model, torch.load(final_path, map_location="cpu", weights_only=True))
     model.eval()
-    correct = sum(int((model(x[i : i + 2000]).argmax(1) == y[i : i + 2000]).sum()) for i in range(0, len(y), 2000))
+    correct = sum(
+        int((model(x[i : i + 2000]).argmax(1) == y[i : i + 2000]).sum()) for i in range(0, len(y), 2000)
+    )
     return correct / len(y)
 
 
@@ -376,10 +432,20 @@ def check_batch_order(args: argparse.Namespace) -> str:
         from fedgrid.types import FitIns
 
         last = args.clients - 1
-        client = builtin_client(last, args.clients, args.seed, dataset="fashion-mnist", data_dir=str(args.data_dir),
-                                partitioner=f"dirichlet:{args.alpha}", device="cpu")
-        same = all(client.round_seed(FitIns(round=r, config={"seed": args.seed})) == shuffle_seed(args.seed, r, last, args.clients)
-                   for r in range(1, args.rounds + 1))
+        client = builtin_client(
+            last,
+            args.clients,
+            args.seed,
+            dataset="fashion-mnist",
+            data_dir=str(args.data_dir),
+            partitioner=f"dirichlet:{args.alpha}",
+            device="cpu",
+        )
+        same = all(
+            client.round_seed(FitIns(round=r, config={"seed": args.seed}))
+            == shuffle_seed(args.seed, r, last, args.clients)
+            for r in range(1, args.rounds + 1)
+        )
     except Exception as exc:  # an informative check, not a precondition
         return f"could not compare with fedgrid's clients ({type(exc).__name__}: {exc})"
     if same:
@@ -398,8 +464,10 @@ def prepare(args: argparse.Namespace, work: Path, log: Callable[[str], None]) ->
     np.save(work / "parts_indices.npy", np.concatenate(parts))
     np.save(work / "parts_offsets.npy", np.cumsum([0] + [len(p) for p in parts]))
     sizes = [len(p) for p in parts]
-    log(f"data: {len(data.y_train)} train / {len(data.y_test)} test images; {args.clients} clients, "
-        f"Dirichlet({args.alpha}): {min(sizes)}..{max(sizes)} examples (median {int(np.median(sizes))})")
+    log(
+        f"data: {len(data.y_train)} train / {len(data.y_test)} test images; {args.clients} clients, "
+        f"Dirichlet({args.alpha}): {min(sizes)}..{max(sizes)} examples (median {int(np.median(sizes))})"
+    )
     try:
         from fedgrid.simulation import models as fedgrid_models
 
@@ -414,20 +482,35 @@ def prepare(args: argparse.Namespace, work: Path, log: Callable[[str], None]) ->
         if name in factories:
             torch.manual_seed(args.seed)
             theirs = list(factories[name]().state_dict().values())
-            same = len(ours) == len(theirs) and all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(ours, theirs))
+            same = len(ours) == len(theirs) and all(
+                a.shape == b.shape and torch.equal(a, b) for a, b in zip(ours, theirs)
+            )
             if not same:
-                raise SystemExit(f"{name}: the benchmark's model differs from fedgrid.simulation.models (shapes or seeded init)")
+                raise SystemExit(
+                    f"{name}: the benchmark's model differs from fedgrid.simulation.models (shapes or seeded init)"
+                )
             checked.append(name)
         torch.save(ours, work / f"init_{name}.pt")
     if checked:
-        log(f"models: the benchmark's {', '.join(checked)} equal fedgrid.simulation.models' (shapes and seeded init)")
+        log(
+            f"models: the benchmark's {', '.join(checked)} equal fedgrid.simulation.models' (shapes and seeded init)"
+        )
     log(f"batch order: {check_batch_order(args)}")
     log(f"one initial model per network from seed {args.seed}, shared by every variant")
     return {"x_test": data.x_test, "y_test": data.y_test, "examples": sum(sizes), "sizes": sizes}
 
 
-def run_variant(args: argparse.Namespace, work: Path, model: str, variant: str, flower_python: Path | None, *,
-                repeat: int = 0, extra: dict[str, Any] | None = None, timeout: float | None = None) -> dict[str, Any]:
+def run_variant(
+    args: argparse.Namespace,
+    work: Path,
+    model: str,
+    variant: str,
+    flower_python: Path | None,
+    *,
+    repeat: int = 0,
+    extra: dict[str, Any] | None = None,
+    timeout: float | None = None,
+) -> dict[str, Any]:
     """One run of ``variant`` on ``model`` in a process of its own; its result, or ``{"error": ...}``.
 
     Args:
@@ -444,11 +527,22 @@ def run_variant(args: argparse.Namespace, work: Path, model: str, variant: str, 
     tag = f"{model}_{variant}_r{repeat}"
     timeout = args.timeout if timeout is None else timeout
     spec = {
-        "model": model, "work_dir": str(work), "data_dir": str(args.data_dir), "clients": args.clients,
-        "rounds": args.rounds, "local_epochs": args.local_epochs, "batch_size": args.batch_size, "lr": args.lr,
-        "momentum": args.momentum, "alpha": args.alpha, "seed": args.seed, "threads": args.threads,
-        "device": args.device, "batch_clients": args.batch_clients,
-        "final_path": str(work / f"final_{tag}.pt"), "result_path": str(work / f"result_{tag}.json"),
+        "model": model,
+        "work_dir": str(work),
+        "data_dir": str(args.data_dir),
+        "clients": args.clients,
+        "rounds": args.rounds,
+        "local_epochs": args.local_epochs,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "momentum": args.momentum,
+        "alpha": args.alpha,
+        "seed": args.seed,
+        "threads": args.threads,
+        "device": args.device,
+        "batch_clients": args.batch_clients,
+        "final_path": str(work / f"final_{tag}.pt"),
+        "result_path": str(work / f"result_{tag}.json"),
     }
     env = dict(os.environ)
     if args.malloc_tunables:
@@ -461,7 +555,11 @@ def run_variant(args: argparse.Namespace, work: Path, model: str, variant: str, 
         spec["client_resources"] = FLOWER[variant]
         command = [str(flower_python), str(HERE / "flower_sim.py")]
     else:
-        spec.update({"kind": "fedgrid", "engine": FEDGRID[variant]} if variant in FEDGRID else {"kind": "loop", "loop": LOOPS[variant]})
+        spec.update(
+            {"kind": "fedgrid", "engine": FEDGRID[variant]}
+            if variant in FEDGRID
+            else {"kind": "loop", "loop": LOOPS[variant]}
+        )
         command = [sys.executable, str(Path(__file__).resolve()), "--worker"]
     spec.update(extra or {})
     spec_path = work / f"spec_{tag}.json"
@@ -470,7 +568,13 @@ def run_variant(args: argparse.Namespace, work: Path, model: str, variant: str, 
     start = time.perf_counter()
     with open(log_path, "w") as log_file:
         # A session of its own, so a timeout ends the whole tree (Ray's raylet and workers too).
-        proc = subprocess.Popen([*command, str(spec_path)], stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            [*command, str(spec_path)],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -479,7 +583,10 @@ def run_variant(args: argparse.Namespace, work: Path, model: str, variant: str, 
             partial = Path(spec["result_path"] + ".partial")
             done = json.loads(partial.read_text()) if partial.exists() else []
             rounds = f"; rounds done, s: {' '.join(f'{t:.2f}' for t in done)}" if done else "; no round done"
-            return {"error": f"timed out after {timeout:.0f} s{rounds} (log: {log_path})", "partial_round_s": done}
+            return {
+                "error": f"timed out after {timeout:.0f} s{rounds} (log: {log_path})",
+                "partial_round_s": done,
+            }
     result_path = Path(spec["result_path"])
     if not result_path.exists():
         tail = log_path.read_text()[-600:].strip().replace("\n", " | ")
@@ -500,7 +607,14 @@ def summarize(row: dict[str, Any], args: argparse.Namespace, flops_round: float,
         row.setdefault("error", "no timed rounds")
         return
     s = statistics.median(timed)
-    row.update({"s_per_round": s, "clients_per_s": args.clients / s, "gflops": flops_round / s / 1e9, "examples_per_round": examples})
+    row.update(
+        {
+            "s_per_round": s,
+            "clients_per_s": args.clients / s,
+            "gflops": flops_round / s / 1e9,
+            "examples_per_round": examples,
+        }
+    )
 
 
 def combine(runs: list[dict[str, Any]], args: argparse.Namespace, flops_round: float) -> dict[str, Any]:
@@ -518,13 +632,20 @@ def combine(runs: list[dict[str, Any]], args: argparse.Namespace, flops_round: f
     per_run = [r["s_per_round"] for r in good]
     s = statistics.median(per_run)
     accs = [r["accuracy"] for r in good if r.get("accuracy") is not None]
-    row.update({
-        "s_per_round": s, "runs_s_per_round": per_run, "spread_s": [min(per_run), max(per_run)],
-        "clients_per_s": args.clients / s, "gflops": flops_round / s / 1e9,
-        "peak_rss_mib": max(r.get("peak_rss_mib") or 0.0 for r in good),
-        "accuracy": statistics.median(accs) if accs else None, "accuracies": accs,
-        "threads": good[0].get("threads"), "notes": good[0].get("notes", []),
-    })
+    row.update(
+        {
+            "s_per_round": s,
+            "runs_s_per_round": per_run,
+            "spread_s": [min(per_run), max(per_run)],
+            "clients_per_s": args.clients / s,
+            "gflops": flops_round / s / 1e9,
+            "peak_rss_mib": max(r.get("peak_rss_mib") or 0.0 for r in good),
+            "accuracy": statistics.median(accs) if accs else None,
+            "accuracies": accs,
+            "threads": good[0].get("threads"),
+            "notes": good[0].get("notes", []),
+        }
+    )
     gpu = [r["peak_gpu_mib"] for r in good if r.get("peak_gpu_mib") is not None]
     if gpu:
         row["peak_gpu_mib"] = max(gpu)
@@ -540,8 +661,16 @@ def goals(model: str, device: str) -> dict[tuple[str, str], float]:
     return {("auto", "loop"): 1.0}
 
 
-RATIO_PAIRS = (("batched", "loop"), ("sequential", "loop"), ("auto", "loop"), ("batched", "flower-best"),
-               ("sequential", "flower-best"), ("auto", "flower-best"), ("loop", "flower-best"), ("loop", "loop-dataloader"))
+RATIO_PAIRS = (
+    ("batched", "loop"),
+    ("sequential", "loop"),
+    ("auto", "loop"),
+    ("batched", "flower-best"),
+    ("sequential", "flower-best"),
+    ("auto", "flower-best"),
+    ("loop", "flower-best"),
+    ("loop", "loop-dataloader"),
+)
 
 
 def ratios(rows: dict[str, dict[str, Any]], model: str, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -553,6 +682,7 @@ def ratios(rows: dict[str, dict[str, Any]], model: str, args: argparse.Namespace
     Flower variant with the lower median. A ratio whose two sides did not both run is left
     out, unless it has a goal (then its value is ``None``).
     """
+
     def s(v: str) -> float | None:
         return rows.get(v, {}).get("s_per_round")
 
@@ -572,16 +702,27 @@ def ratios(rows: dict[str, dict[str, Any]], model: str, args: argparse.Namespace
                 per_repeat.append(b["s_per_round"] / v["s_per_round"] if ok else None)
         values = [r for r in per_repeat if r is not None]
         value = statistics.median(values) if values else None
-        out.append({"ratio": f"{num}/{den}", "baseline": base, "value": value, "per_repeat": per_repeat,
-                    "min": min(values) if values else None, "max": max(values) if values else None,
-                    "of_medians": s(base) / s(num) if base and s(base) and s(num) else None,  # type: ignore[operator]
-                    "goal": goal, "met": None if goal is None or value is None else value >= goal})
+        out.append(
+            {
+                "ratio": f"{num}/{den}",
+                "baseline": base,
+                "value": value,
+                "per_repeat": per_repeat,
+                "min": min(values) if values else None,
+                "max": max(values) if values else None,
+                "of_medians": s(base) / s(num) if base and s(base) and s(num) else None,  # type: ignore[operator]
+                "goal": goal,
+                "met": None if goal is None or value is None else value >= goal,
+            }
+        )
     return out
 
 
 def log_table(model: str, rows: dict[str, dict[str, Any]], limit: float, log: Callable[[str], None]) -> None:
-    log(f"\n{model}: {'variant':<16}{'s/round':>9}  {'runs (s/round)':<24}{'min-max':<13}{'clients/s':>10}{'peak MiB':>10}"
-        f"{'accuracy':>10}{'GFLOP/s':>9}{'% mm':>6}{'thr':>5}")
+    log(
+        f"\n{model}: {'variant':<16}{'s/round':>9}  {'runs (s/round)':<24}{'min-max':<13}{'clients/s':>10}{'peak MiB':>10}"
+        f"{'accuracy':>10}{'GFLOP/s':>9}{'% mm':>6}{'thr':>5}"
+    )
     for variant, row in rows.items():
         if "error" in row:
             log(f"{'':<5}{variant:<16} FAILED: {row['error'][:300]}")
@@ -589,19 +730,27 @@ def log_table(model: str, rows: dict[str, dict[str, Any]], limit: float, log: Ca
         runs = " ".join(f"{r['s_per_round']:.3f}" if "error" not in r else "FAIL" for r in row["runs"])
         spread = f"{row['spread_s'][0]:.3f}-{row['spread_s'][1]:.3f}"
         acc = f"{row['accuracy']:.4f}" if row.get("accuracy") is not None else "-"
-        log(f"{'':<5}{variant:<16}{row['s_per_round']:>9.3f}  {runs:<24}{spread:<13}{row['clients_per_s']:>10.1f}"
-            f"{row['peak_rss_mib']:>10.0f}{acc:>10}{row['gflops']:>9.1f}{100 * row['gflops'] / limit:>6.0f}{row.get('threads') or 0:>5.0f}")
+        log(
+            f"{'':<5}{variant:<16}{row['s_per_round']:>9.3f}  {runs:<24}{spread:<13}{row['clients_per_s']:>10.1f}"
+            f"{row['peak_rss_mib']:>10.0f}{acc:>10}{row['gflops']:>9.1f}{100 * row['gflops'] / limit:>6.0f}{row.get('threads') or 0:>5.0f}"
+        )
 
 
 def log_ratios(res: dict[str, Any], log: Callable[[str], None]) -> None:
     for r in res["ratios"]:
         value = f"{r['value']:.2f}x" if r["value"] is not None else "n/a"
-        goal = f"goal >= {r['goal']:.2f}x: {'met' if r['met'] else 'NOT met' if r['met'] is not None else 'n/a'}" if r["goal"] else ""
+        goal = (
+            f"goal >= {r['goal']:.2f}x: {'met' if r['met'] else 'NOT met' if r['met'] is not None else 'n/a'}"
+            if r["goal"]
+            else ""
+        )
         base = f" ({r['baseline']})" if r["baseline"] and r["ratio"].endswith("flower-best") else ""
         detail = ""
         if r["value"] is not None:
             each = " ".join(f"{x:.2f}" if x is not None else "-" for x in r["per_repeat"])
-            detail = f"per repeat {each}; min-max {r['min']:.2f}-{r['max']:.2f}; of medians {r['of_medians']:.2f}"
+            detail = (
+                f"per repeat {each}; min-max {r['min']:.2f}-{r['max']:.2f}; of medians {r['of_medians']:.2f}"
+            )
         log(f"     {r['ratio']:<28}{value:>7}{base:<17} {goal:<26} {detail}")
 
 
@@ -609,18 +758,28 @@ def add_work_arguments(parser: argparse.ArgumentParser, *, clients: int, rounds:
     """The options that define the work and its timing, shared with ``simulation_gpu.py``."""
     parser.add_argument("--models", default="mlp,cnn")
     parser.add_argument("--clients", type=int, default=clients)
-    parser.add_argument("--rounds", type=int, default=rounds, help="rounds per run, the first --warmup of them untimed")
+    parser.add_argument(
+        "--rounds", type=int, default=rounds, help="rounds per run, the first --warmup of them untimed"
+    )
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=repeats, help="runs of every variant, interleaved; medians over them")
+    parser.add_argument(
+        "--repeats", type=int, default=repeats, help="runs of every variant, interleaved; medians over them"
+    )
     parser.add_argument("--alpha", type=float, default=0.5)
     parser.add_argument("--local-epochs", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch-clients", type=int, default=0, help="fedgrid's batch_clients (0: K from memory)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads of every in-process run")
-    parser.add_argument("--work-dir", type=Path, default=None, help="keep the shared files, logs and final models here")
+    parser.add_argument(
+        "--batch-clients", type=int, default=0, help="fedgrid's batch_clients (0: K from memory)"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=os.cpu_count() or 1, help="torch threads of every in-process run"
+    )
+    parser.add_argument(
+        "--work-dir", type=Path, default=None, help="keep the shared files, logs and final models here"
+    )
 
 
 def check_work_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -638,16 +797,28 @@ def check_work_arguments(parser: argparse.ArgumentParser, args: argparse.Namespa
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_work_arguments(parser, clients=100, rounds=4, repeats=3)
-    parser.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma-separated, from {', '.join(ALL_VARIANTS)}")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--data-dir", type=Path, default=HERE.parents[1] / "shared" / "data" / "fashion-mnist")
+    parser.add_argument(
+        "--variants", default=DEFAULT_VARIANTS, help=f"comma-separated, from {', '.join(ALL_VARIANTS)}"
+    )
+    parser.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda")
+    )
+    parser.add_argument(
+        "--data-dir", type=Path, default=HERE.parents[1] / "shared" / "data" / "fashion-mnist"
+    )
     parser.add_argument("--out", type=Path, default=HERE / "results" / "simulation.json")
     parser.add_argument("--flower-venv", type=Path, default=HERE / ".venv-flower")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds one variant may take")
-    parser.add_argument("--max-spread", type=float, default=2.0, help="accuracy points beyond which the comparison is VOID")
-    parser.add_argument("--malloc-tunables", action="store_true", help=f"GLIBC_TUNABLES={MALLOC_TUNABLES} for every variant")
+    parser.add_argument(
+        "--max-spread", type=float, default=2.0, help="accuracy points beyond which the comparison is VOID"
+    )
+    parser.add_argument(
+        "--malloc-tunables", action="store_true", help=f"GLIBC_TUNABLES={MALLOC_TUNABLES} for every variant"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -670,9 +841,11 @@ def main(argv: list[str] | None = None) -> None:
     work_ctx = tempfile.TemporaryDirectory(prefix="fedgrid-sim-") if args.work_dir is None else None
     work = Path(work_ctx.name) if work_ctx else args.work_dir
     work.mkdir(parents=True, exist_ok=True)
-    log(f"simulation benchmark: {args.clients} clients, {args.rounds} rounds ({args.warmup} warm-up), "
+    log(
+        f"simulation benchmark: {args.clients} clients, {args.rounds} rounds ({args.warmup} warm-up), "
         f"{args.local_epochs} local epoch(s), batch {args.batch_size}, SGD lr {args.lr} momentum {args.momentum}, "
-        f"device {args.device}, {args.threads} torch threads, {os.cpu_count()} CPUs, load average {load_before[0]:.1f}")
+        f"device {args.device}, {args.threads} torch threads, {os.cpu_count()} CPUs, load average {load_before[0]:.1f}"
+    )
     shared = prepare(args, work, log)
     n = 8192 if args.device == "cuda" else 2048  # a GPU needs a larger product to reach its rate
     limit = matmul_gflops(args.threads, args.device, n)
@@ -688,8 +861,10 @@ def main(argv: list[str] | None = None) -> None:
     for model in args.models:
         per_example = train_flops_per_example(model, args.batch_size)
         flops_round = per_example * shared["examples"] * args.local_epochs
-        log(f"\n{model}: {per_example / 1e6:.2f} MFLOP per training example (forward + backward, FlopCounterMode), "
-            f"{flops_round / 1e9:.1f} GFLOP per round")
+        log(
+            f"\n{model}: {per_example / 1e6:.2f} MFLOP per training example (forward + backward, FlopCounterMode), "
+            f"{flops_round / 1e9:.1f} GFLOP per round"
+        )
         runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
         for repeat in range(args.repeats):  # interleaved: v1, v2, v3, v1, v2, v3, ...
             for variant in variants:
@@ -699,47 +874,76 @@ def main(argv: list[str] | None = None) -> None:
                 if row.get("final_path"):
                     row["accuracy"] = accuracy(model, row["final_path"], shared["x_test"], shared["y_test"])
                 runs[variant].append(row)
-                shown = f"{row['s_per_round']:.3f} s/round, accuracy {row.get('accuracy', float('nan')):.4f}" if "error" not in row else f"FAILED: {row['error'][:300]}"
+                shown = (
+                    f"{row['s_per_round']:.3f} s/round, accuracy {row.get('accuracy', float('nan')):.4f}"
+                    if "error" not in row
+                    else f"FAILED: {row['error'][:300]}"
+                )
                 log(f"    {shown}")
                 for note in row.get("notes", []) if repeat == 0 else []:
                     log(f"      {note}")
         rows = {v: combine(runs[v], args, flops_round) for v in variants}
         accs = [a for r in rows.values() for a in r.get("accuracies", [])]
         spread = 100 * (max(accs) - min(accs)) if accs else None
-        results[model] = {"flops_per_example": per_example, "flops_per_round": flops_round, "variants": rows,
-                          "accuracy_spread_points": spread, "void": spread is not None and spread > args.max_spread,
-                          "ratios": ratios(rows, model, args)}
+        results[model] = {
+            "flops_per_example": per_example,
+            "flops_per_round": flops_round,
+            "variants": rows,
+            "accuracy_spread_points": spread,
+            "void": spread is not None and spread > args.max_spread,
+            "ratios": ratios(rows, model, args),
+        }
 
-    log(f"\n=== results: {args.clients} clients; per run the median of {args.rounds - args.warmup} rounds after {args.warmup} "
+    log(
+        f"\n=== results: {args.clients} clients; per run the median of {args.rounds - args.warmup} rounds after {args.warmup} "
         f"warm-up, per variant the median of {args.repeats} interleaved run(s); ratios: median of the per-repeat ratios; "
-        f"matmul limit {limit:.1f} GFLOP/s ===")
+        f"matmul limit {limit:.1f} GFLOP/s ==="
+    )
     for model, res in results.items():
         log_table(model, res["variants"], limit, log)
         spread = res["accuracy_spread_points"]
         if spread is not None:
             verdict = "VOID: accuracies disagree" if res["void"] else "ok"
-            log(f"     accuracy spread (max - min over every run): {spread:.2f} points (limit {args.max_spread}) -> {verdict}")
+            log(
+                f"     accuracy spread (max - min over every run): {spread:.2f} points (limit {args.max_spread}) -> {verdict}"
+            )
         log_ratios(res, log)
     load_after = os.getloadavg()
-    log(f"\nload average {load_before[0]:.1f} before, {load_after[0]:.1f} after; {time.monotonic() - started:.0f} s in all")
+    log(
+        f"\nload average {load_before[0]:.1f} before, {load_after[0]:.1f} after; {time.monotonic() - started:.0f} s in all"
+    )
 
     for res in results.values():  # keep the JSON small: no tensors, no per-round engine extras
         for row in res["variants"].values():
             for run in row["runs"]:
                 run.pop("final_path", None)
                 run.pop("extra", None)
-    env = {"load_average_before": load_before, "load_average_after": load_after,
-           "glibc_tunables": MALLOC_TUNABLES if args.malloc_tunables else os.environ.get("GLIBC_TUNABLES", "")}
-    write_results(args, {"variants": variants}, env, {"matmul_gflops": limit, "results": results, "table": lines,
-                                                      "wall_s": time.monotonic() - started})
+    env = {
+        "load_average_before": load_before,
+        "load_average_after": load_after,
+        "glibc_tunables": MALLOC_TUNABLES if args.malloc_tunables else os.environ.get("GLIBC_TUNABLES", ""),
+    }
+    write_results(
+        args,
+        {"variants": variants},
+        env,
+        {"matmul_gflops": limit, "results": results, "table": lines, "wall_s": time.monotonic() - started},
+    )
     if work_ctx:
         work_ctx.cleanup()
 
 
-def write_results(args: argparse.Namespace, config: dict[str, Any], env: dict[str, Any], rest: dict[str, Any]) -> None:
+def write_results(
+    args: argparse.Namespace, config: dict[str, Any], env: dict[str, Any], rest: dict[str, Any]
+) -> None:
     """Writes ``args.out``: the options (plus ``config``), the environment (plus ``env``) and ``rest``."""
     options = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "worker"}
-    base = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count()}
+    base = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+    }
     payload = {"config": {**options, **config}, "environment": {**base, **env}, **rest}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(payload, indent=2, default=str))

@@ -52,7 +52,14 @@ from typing import Any, Callable
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from simulation import (  # noqa: E402
-    accuracy, add_work_arguments, check_work_arguments, combine, prepare, run_variant, summarize, train_flops_per_example,
+    accuracy,
+    add_work_arguments,
+    check_work_arguments,
+    combine,
+    prepare,
+    run_variant,
+    summarize,
+    train_flops_per_example,
     write_results,
 )
 
@@ -96,8 +103,12 @@ def k_summary(run: dict[str, Any]) -> dict[str, Any]:
     record = run.get("engine_k") or {}
     budgets = record.get("budgets") or []
     first = budgets[0] if budgets else {}
-    out: dict[str, Any] = {"k_values": record.get("k_values", []), "budget_bytes": first.get("budget_bytes"),
-                           "free_bytes": first.get("free_bytes"), "total_bytes": first.get("total_bytes")}
+    out: dict[str, Any] = {
+        "k_values": record.get("k_values", []),
+        "budget_bytes": first.get("budget_bytes"),
+        "free_bytes": first.get("free_bytes"),
+        "total_bytes": first.get("total_bytes"),
+    }
     last = record.get("last_budget") or {}
     if last and last != first:
         out["last_budget_bytes"], out["last_free_bytes"] = last.get("budget_bytes"), last.get("free_bytes")
@@ -105,8 +116,14 @@ def k_summary(run: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def measure_model(args: argparse.Namespace, work: Path, model: str, shared: dict[str, Any], budget: Budget,
-                  log: Callable[[str], None]) -> dict[str, Any]:
+def measure_model(
+    args: argparse.Namespace,
+    work: Path,
+    model: str,
+    shared: dict[str, Any],
+    budget: Budget,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
     """The batched engine and the loop on ``model``, ``--repeats`` times interleaved."""
     per_example = train_flops_per_example(model, args.batch_size)
     flops_round = per_example * shared["examples"] * args.local_epochs
@@ -118,15 +135,28 @@ def measure_model(args: argparse.Namespace, work: Path, model: str, shared: dict
         for variant in runs:
             left = budget.next_run_s()
             if left < MIN_RUN_S:
-                runs[variant].append({"error": f"skipped: the --budget-s {args.budget_s:.0f} s budget is spent"})
+                runs[variant].append(
+                    {"error": f"skipped: the --budget-s {args.budget_s:.0f} s budget is spent"}
+                )
                 log(f"  {model} / {variant}: skipped (budget spent)")
                 continue
-            log(f"  running {model} / {variant} (repeat {repeat + 1}/{args.repeats}, at most {left:.0f} s) ...")
+            log(
+                f"  running {model} / {variant} (repeat {repeat + 1}/{args.repeats}, at most {left:.0f} s) ..."
+            )
             extra = {"loop_clients": subset} if variant == "loop" and subset else None
-            row = run_variant(args, work, model, variant, None, repeat=repeat, extra=extra, timeout=min(args.timeout, left))
-            if len(row.get("partial_round_s", [])) > args.warmup:  # timed out after some timed rounds: keep them
-                row = {"round_s": row["partial_round_s"], "timed_out": row.pop("error"),
-                       "notes": [f"timed out after {len(row['partial_round_s'])} round(s): no final model, no peak memory"]}
+            row = run_variant(
+                args, work, model, variant, None, repeat=repeat, extra=extra, timeout=min(args.timeout, left)
+            )
+            if (
+                len(row.get("partial_round_s", [])) > args.warmup
+            ):  # timed out after some timed rounds: keep them
+                row = {
+                    "round_s": row["partial_round_s"],
+                    "timed_out": row.pop("error"),
+                    "notes": [
+                        f"timed out after {len(row['partial_round_s'])} round(s): no final model, no peak memory"
+                    ],
+                }
             summarize(row, args, flops_round, shared["examples"])
             if "error" not in row and variant == "loop" and subset:  # scaled to every client by examples
                 row["measured_s_per_round"], row["measured_round_s"] = row["s_per_round"], row["round_s"]
@@ -149,26 +179,41 @@ def measure_model(args: argparse.Namespace, work: Path, model: str, shared: dict
     ratio = lp["s_per_round"] / b["s_per_round"] if "error" not in b and "error" not in lp else None
     good_batched = [r for r in runs["batched"] if "error" not in r]
     recorded = next((r for r in good_batched if r.get("engine_k")), None)
-    per_repeat = [bl["s_per_round"] / bb["s_per_round"] if "s_per_round" in bl and "s_per_round" in bb else None
-                  for bb, bl in zip(runs["batched"], runs["loop"])]
+    per_repeat = [
+        bl["s_per_round"] / bb["s_per_round"] if "s_per_round" in bl and "s_per_round" in bb else None
+        for bb, bl in zip(runs["batched"], runs["loop"])
+    ]
     accs = [a for r in rows.values() for a in r.get("accuracies", [])]
     return {
-        "flops_per_example": per_example, "flops_per_round": flops_round, "variants": rows,
+        "flops_per_example": per_example,
+        "flops_per_round": flops_round,
+        "variants": rows,
         "k": k_summary(recorded) if recorded else {},
         "gpu": next((r.get("gpu") for r in good_batched if r.get("gpu")), None),
-        "loop_clients": len(subset) if subset else args.clients, "loop_examples": subset_examples, "loop_scale": scale,
-        "ratio_batched_over_loop": ratio, "ratio_per_repeat": per_repeat, "goal_ratio": GOAL_RATIO, "ratio_met": None if ratio is None else ratio >= GOAL_RATIO,
+        "loop_clients": len(subset) if subset else args.clients,
+        "loop_examples": subset_examples,
+        "loop_scale": scale,
+        "ratio_batched_over_loop": ratio,
+        "ratio_per_repeat": per_repeat,
+        "goal_ratio": GOAL_RATIO,
+        "ratio_met": None if ratio is None else ratio >= GOAL_RATIO,
         "goal_updates_per_s": GOAL_MLP_UPDATES_PER_S if model == "mlp" else None,
-        "updates_per_s_met": (b["clients_per_s"] >= GOAL_MLP_UPDATES_PER_S if "error" not in b else None) if model == "mlp" else None,
+        "updates_per_s_met": (b["clients_per_s"] >= GOAL_MLP_UPDATES_PER_S if "error" not in b else None)
+        if model == "mlp"
+        else None,
         "accuracy_spread_points": 100 * (max(accs) - min(accs)) if len(accs) > 1 else None,
     }
 
 
 def log_results(args: argparse.Namespace, results: dict[str, Any], log: Callable[[str], None]) -> None:
     gib = 2**30
-    log(f"\n=== {args.clients} clients on {args.device}; per run the median of {args.rounds - args.warmup} round(s) after "
-        f"{args.warmup} warm-up, per engine the median of {args.repeats} run(s) ===")
-    log(f"{'model':<6}{'engine':<9}{'s/round':>9}{'updates/s':>11}{'peak GPU MiB':>14}{'peak RSS MiB':>14}{'accuracy':>10}  notes")
+    log(
+        f"\n=== {args.clients} clients on {args.device}; per run the median of {args.rounds - args.warmup} round(s) after "
+        f"{args.warmup} warm-up, per engine the median of {args.repeats} run(s) ==="
+    )
+    log(
+        f"{'model':<6}{'engine':<9}{'s/round':>9}{'updates/s':>11}{'peak GPU MiB':>14}{'peak RSS MiB':>14}{'accuracy':>10}  notes"
+    )
     for model, res in results.items():
         for variant, row in res["variants"].items():
             if "error" in row:
@@ -180,34 +225,58 @@ def log_results(args: argparse.Namespace, results: dict[str, Any], log: Callable
             if variant == "batched" and res["k"].get("k_values"):
                 k = res["k"]
                 free = f" of {k['free_bytes'] / gib:.1f} GiB free" if k.get("free_bytes") is not None else ""
-                budget = f" (budget {k['budget_bytes'] / gib:.1f} GiB{free})" if k.get("budget_bytes") is not None else ""
+                budget = (
+                    f" (budget {k['budget_bytes'] / gib:.1f} GiB{free})"
+                    if k.get("budget_bytes") is not None
+                    else ""
+                )
                 note = f"K = {'/'.join(map(str, k['k_values']))}{budget}"
             if variant == "loop" and res["loop_clients"] < args.clients:
-                measured = statistics.median(r["measured_s_per_round"] for r in row["runs"] if "measured_s_per_round" in r)
-                note = (f"ran {res['loop_clients']} of {args.clients} clients ({res['loop_examples']} examples) in "
-                        f"{measured:.3f} s/round; scaled x{res['loop_scale']:.2f} by examples")
+                measured = statistics.median(
+                    r["measured_s_per_round"] for r in row["runs"] if "measured_s_per_round" in r
+                )
+                note = (
+                    f"ran {res['loop_clients']} of {args.clients} clients ({res['loop_examples']} examples) in "
+                    f"{measured:.3f} s/round; scaled x{res['loop_scale']:.2f} by examples"
+                )
             timed_out = sum(1 for r in row["runs"] if r.get("timed_out"))
             if timed_out:
                 note += f"{'; ' if note else ''}{timed_out} run(s) timed out: their rounds done so far"
             rss = f"{row['peak_rss_mib']:.0f}" if row.get("peak_rss_mib") else "-"
-            log(f"{model:<6}{variant:<9}{row['s_per_round']:>9.3f}{row['clients_per_s']:>11.1f}{gpu:>14}{rss:>14}{acc:>10}  {note}")
+            log(
+                f"{model:<6}{variant:<9}{row['s_per_round']:>9.3f}{row['clients_per_s']:>11.1f}{gpu:>14}{rss:>14}{acc:>10}  {note}"
+            )
         ratio = res["ratio_batched_over_loop"]
         shown = f"{ratio:.2f}x" if ratio is not None else "n/a"
         verdict = "n/a" if res["ratio_met"] is None else "met" if res["ratio_met"] else "NOT met"
         log(f"{'':<6}batched/loop {shown} (goal >= {GOAL_RATIO:.0f}x: {verdict})")
         if res["goal_updates_per_s"]:
-            verdict = "n/a" if res["updates_per_s_met"] is None else "met" if res["updates_per_s_met"] else "NOT met"
+            verdict = (
+                "n/a"
+                if res["updates_per_s_met"] is None
+                else "met"
+                if res["updates_per_s_met"]
+                else "NOT met"
+            )
             log(f"{'':<6}client updates/s, batched: goal >= {GOAL_MLP_UPDATES_PER_S:.0f}: {verdict}")
         if res["accuracy_spread_points"] is not None:
-            log(f"{'':<6}accuracy spread (batched vs loop, every run): {res['accuracy_spread_points']:.2f} points")
+            log(
+                f"{'':<6}accuracy spread (batched vs loop, every run): {res['accuracy_spread_points']:.2f} points"
+            )
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_work_arguments(parser, clients=1000, rounds=3, repeats=1)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--loop-clients", type=int, default=0, help="clients the loop trains, scaled by examples (0: all)")
-    parser.add_argument("--budget-s", type=float, default=480.0, help="seconds the whole measurement may take")
+    parser.add_argument(
+        "--loop-clients", type=int, default=0, help="clients the loop trains, scaled by examples (0: all)"
+    )
+    parser.add_argument(
+        "--budget-s", type=float, default=480.0, help="seconds the whole measurement may take"
+    )
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one run may take at most")
     parser.add_argument("--data-dir", type=Path, default=default_data_dir())
     parser.add_argument("--out", type=Path, default=HERE / "results" / "simulation_gpu.json")
@@ -231,14 +300,18 @@ def main(argv: list[str] | None = None) -> None:
     work_ctx = tempfile.TemporaryDirectory(prefix="fedgrid-simgpu-") if args.work_dir is None else None
     work = Path(work_ctx.name) if work_ctx else args.work_dir
     work.mkdir(parents=True, exist_ok=True)
-    log(f"GPU simulation benchmark: {args.clients} clients, {args.rounds} rounds ({args.warmup} warm-up), device {args.device}, "
-        f"{args.threads} torch threads, {os.cpu_count()} CPUs, budget {args.budget_s:.0f} s")
+    log(
+        f"GPU simulation benchmark: {args.clients} clients, {args.rounds} rounds ({args.warmup} warm-up), device {args.device}, "
+        f"{args.threads} torch threads, {os.cpu_count()} CPUs, budget {args.budget_s:.0f} s"
+    )
     shared = prepare(args, work, log)
     results = {model: measure_model(args, work, model, shared, budget, log) for model in args.models}
     log_results(args, results, log)
     log(f"\n{time.monotonic() - started:.0f} s in all")
     gpu = next((r["gpu"] for r in results.values() if r.get("gpu")), None)
-    write_results(args, {}, {"gpu": gpu}, {"results": results, "table": lines, "wall_s": time.monotonic() - started})
+    write_results(
+        args, {}, {"gpu": gpu}, {"results": results, "table": lines, "wall_s": time.monotonic() - started}
+    )
     if work_ctx:
         work_ctx.cleanup()
 

@@ -29,12 +29,32 @@ DATA = ROOT.parent / "shared" / "data" / "fashion-mnist"
 
 
 def _once(ranks: int, out: Path, flags: list[str]) -> float:
-    launcher = [sys.executable, "-m", "fedgrid.cli"] if ranks == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "-m", "fedgrid.cli"]
+    launcher = (
+        [sys.executable, "-m", "fedgrid.cli"]
+        if ranks == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(ranks),
+            "-m",
+            "fedgrid.cli",
+        ]
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([*launcher, "simulate", "--out", str(out), "--threads", "1", "--progress", "false", *flags], check=True,
-                   stdout=subprocess.DEVNULL, env=env)
-    walls = [json.loads(line)["wall_s"] for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    subprocess.run(
+        [*launcher, "simulate", "--out", str(out), "--threads", "1", "--progress", "false", *flags],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        env=env,
+    )
+    walls = [
+        json.loads(line)["wall_s"]
+        for line in (out / "metrics.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     return statistics.median(walls[1:] if len(walls) > 1 else walls)
 
 
@@ -47,9 +67,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-dir", type=Path, default=DATA)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "simulation_ranks.json")
     args = parser.parse_args(argv)
-    dataset = ["--dataset", "fashion-mnist", "--data-dir", str(args.data_dir), "--model", "mlp"] if args.data_dir.exists() else ["--dataset", "digits"]
-    flags = [*dataset, "--clients", str(args.clients), "--rounds", str(args.rounds), "--local-epochs", "1", "--lr", "0.05",
-             "--momentum", "0", "--engine", args.engine, "--seed", "0"]
+    dataset = (
+        ["--dataset", "fashion-mnist", "--data-dir", str(args.data_dir), "--model", "mlp"]
+        if args.data_dir.exists()
+        else ["--dataset", "digits"]
+    )
+    flags = [
+        *dataset,
+        "--clients",
+        str(args.clients),
+        "--rounds",
+        str(args.rounds),
+        "--local-epochs",
+        "1",
+        "--lr",
+        "0.05",
+        "--momentum",
+        "0",
+        "--engine",
+        args.engine,
+        "--seed",
+        "0",
+    ]
     times: dict[int, list[float]] = {1: [], 2: []}
     with tempfile.TemporaryDirectory(prefix="fedgrid-ranks-") as tmp:
         for r in range(args.repeats):
@@ -60,9 +99,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'processes':>9} | {'s/round (median)':>16} | {'speed-up':>8}")
     print(f"{1:>9} | {one:>16.3f} | {1.0:>8.2f}")
     print(f"{2:>9} | {two:>16.3f} | {one / two:>8.2f}")
-    report: dict[str, Any] = {"benchmark": "simulation_ranks", "flags": flags, "repeats": args.repeats, "s_per_round": times,
-                              "median_s_per_round": {"1": one, "2": two}, "speedup": one / two,
-                              "environment": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()}}
+    report: dict[str, Any] = {
+        "benchmark": "simulation_ranks",
+        "flags": flags,
+        "repeats": args.repeats,
+        "s_per_round": times,
+        "median_s_per_round": {"1": one, "2": two},
+        "speedup": one / two,
+        "environment": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+        },
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -88,7 +88,9 @@ def make_state(num_params: int) -> "OrderedDict[str, torch.Tensor]":
     """A float32 model of ``num_params`` parameters in ``NUM_TENSORS`` tensors, the same in every process."""
     gen = torch.Generator().manual_seed(0)
     flat = torch.randn(num_params, generator=gen)
-    return OrderedDict((f"layer{i}.weight", t.clone()) for i, t in enumerate(torch.tensor_split(flat, NUM_TENSORS)))
+    return OrderedDict(
+        (f"layer{i}.weight", t.clone()) for i, t in enumerate(torch.tensor_split(flat, NUM_TENSORS))
+    )
 
 
 def payload_chunks(num_params: int, chunk_size: int) -> list[bytes]:
@@ -230,7 +232,10 @@ class FedgridClient:
         t1 = time.perf_counter()
         received = self.conn.upload(task_id, server_round, state, 1, {})
         t2 = time.perf_counter()
-        if sum(t.numel() * t.element_size() for t in state.values()) != self.nbytes or received != self.nbytes:
+        if (
+            sum(t.numel() * t.element_size() for t in state.values()) != self.nbytes
+            or received != self.nbytes
+        ):
             raise RuntimeError(f"moved the wrong number of bytes (server acknowledged {received})")
         return t1 - t0, t2 - t1
 
@@ -254,11 +259,15 @@ class GrpcServer:
                 "Upload": grpc.stream_unary_rpc_method_handler(self._upload),
             },
         )
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS + [("grpc.so_reuseport", 0)])
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS + [("grpc.so_reuseport", 0)]
+        )
         self.server.add_generic_rpc_handlers((handler,))
         if spec.tls_dir:  # as fedgrid's coordinator: a client certificate of the CA required
             ca, cert, key = (p.read_bytes() for p in _pem_paths(spec.tls_dir, "server"))
-            credentials = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
+            credentials = grpc.ssl_server_credentials(
+                [(key, cert)], root_certificates=ca, require_client_auth=True
+            )
             port = self.server.add_secure_port("127.0.0.1:0", credentials)
         else:
             port = self.server.add_insecure_port("127.0.0.1:0")
@@ -291,7 +300,9 @@ class GrpcClient:
         self.nbytes = sum(len(c) for c in self.chunks)
         if spec.tls_dir:
             ca, cert, key = (p.read_bytes() for p in _pem_paths(spec.tls_dir, "client"))
-            credentials = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=ca, private_key=key, certificate_chain=cert
+            )
             self.channel = grpc.secure_channel(spec.address, credentials, options=GRPC_OPTIONS)
         else:
             self.channel = grpc.insecure_channel(spec.address, options=GRPC_OPTIONS)
@@ -334,7 +345,9 @@ class SocketServer:
 
     def __init__(self, spec: PeerSpec) -> None:
         self.payload = memoryview(b"".join(payload_chunks(spec.num_params, spec.chunk_size)))
-        self.inbox = memoryview(bytearray(len(self.payload)))  # allocated and touched once, reused: the best case
+        self.inbox = memoryview(
+            bytearray(len(self.payload))
+        )  # allocated and touched once, reused: the best case
         self.chunk_size = spec.chunk_size
         self.last_upload = 0
         self.error: BaseException | None = None
@@ -393,7 +406,9 @@ class SocketClient:
         _send_chunked(self.sock, self.payload, self.chunk_size)
         ack = self.sock.recv(1)
         t2 = time.perf_counter()
-        if ack != b"K" or self.inbox.obj != self.payload.obj:  # bytearray == bytes is a memcmp; memoryviews compare slowly
+        if (
+            ack != b"K" or self.inbox.obj != self.payload.obj
+        ):  # bytearray == bytes is a memcmp; memoryviews compare slowly
             raise RuntimeError("socket transfer lost or corrupted bytes")
         return t1 - t0, t2 - t1
 
@@ -474,17 +489,29 @@ class PeerProcess:
 
 
 # -- the run ------------------------------------------------------------------------------------
-def _start_pairs(ctx: SpawnContext, transports: tuple[str, ...], num_params: int, chunk_size: int,
-                 env: tuple[tuple[str, str], ...], tls_dir: str) -> dict[str, tuple[PeerProcess, PeerProcess]]:
+def _start_pairs(
+    ctx: SpawnContext,
+    transports: tuple[str, ...],
+    num_params: int,
+    chunk_size: int,
+    env: tuple[tuple[str, str], ...],
+    tls_dir: str,
+) -> dict[str, tuple[PeerProcess, PeerProcess]]:
     """Starts every server, then every client once its server's address is known."""
     procs: list[PeerProcess] = []
     envs = {t: env if t == VARIANT else () for t in transports}
     tls = {t: tls_dir if t.endswith("-tls") else "" for t in transports}
     try:
-        servers = {t: PeerProcess(ctx, PeerSpec(t, "server", num_params, chunk_size, env=envs[t], tls_dir=tls[t])) for t in transports}
+        servers = {
+            t: PeerProcess(ctx, PeerSpec(t, "server", num_params, chunk_size, env=envs[t], tls_dir=tls[t]))
+            for t in transports
+        }
         procs += servers.values()
         addresses = {t: p.reply(START_TIMEOUT_S) for t, p in servers.items()}
-        clients = {t: PeerProcess(ctx, PeerSpec(t, "client", num_params, chunk_size, addresses[t], envs[t], tls[t])) for t in transports}
+        clients = {
+            t: PeerProcess(ctx, PeerSpec(t, "client", num_params, chunk_size, addresses[t], envs[t], tls[t]))
+            for t in transports
+        }
         procs += clients.values()
         for p in clients.values():
             p.reply(START_TIMEOUT_S)
@@ -496,8 +523,15 @@ def _start_pairs(ctx: SpawnContext, transports: tuple[str, ...], num_params: int
 
 
 def measure_size(
-    ctx: SpawnContext, *, num_params: int, repeats: int, warmup: int, chunk_size: int, transports: tuple[str, ...],
-    env: tuple[tuple[str, str], ...] = (), tls_dir: str = "",
+    ctx: SpawnContext,
+    *,
+    num_params: int,
+    repeats: int,
+    warmup: int,
+    chunk_size: int,
+    transports: tuple[str, ...],
+    env: tuple[tuple[str, str], ...] = (),
+    tls_dir: str = "",
 ) -> tuple[dict[str, dict[str, list[float]]], dict[str, dict[str, list[float]]]]:
     """Seconds per transfer, per transport and direction, and CPU seconds per repetition
     (download and upload together), per transport and side; transports alternate within a
@@ -554,7 +588,12 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def run_benchmark(
-    *, sizes: list[int], repeats: int | None, warmup: int, chunk_size: int, transports: tuple[str, ...],
+    *,
+    sizes: list[int],
+    repeats: int | None,
+    warmup: int,
+    chunk_size: int,
+    transports: tuple[str, ...],
     env: tuple[tuple[str, str], ...] = (),
 ) -> dict[str, Any]:
     """Runs every size and returns the JSON report (medians, ratios and raw samples)."""
@@ -567,8 +606,19 @@ def run_benchmark(
     return {
         "benchmark": "transport",
         "unit": "MB/s (10^6 payload bytes per second, median over repetitions)",
-        "config": {"sizes": sizes, "repeats": repeats, "warmup": warmup, "chunk_size": chunk_size, "transports": list(transports), "fedgrid_env": dict(env), "num_tensors": NUM_TENSORS, "dtype": "float32",
-                   "tls": "mutual TLS, EC P-256 certificates of fedgrid.pki" if any(t.endswith("-tls") for t in transports) else None},
+        "config": {
+            "sizes": sizes,
+            "repeats": repeats,
+            "warmup": warmup,
+            "chunk_size": chunk_size,
+            "transports": list(transports),
+            "fedgrid_env": dict(env),
+            "num_tensors": NUM_TENSORS,
+            "dtype": "float32",
+            "tls": "mutual TLS, EC P-256 certificates of fedgrid.pki"
+            if any(t.endswith("-tls") for t in transports)
+            else None,
+        },
         "environment": {
             "python": platform.python_version(),
             "grpcio": grpc.__version__,
@@ -593,13 +643,28 @@ RATIOS = {
 
 
 def _measure_rows(
-    ctx: SpawnContext, num_params: int, repeats: int | None, warmup: int, chunk_size: int, transports: tuple[str, ...],
-    env: tuple[tuple[str, str], ...], tls_dir: str,
+    ctx: SpawnContext,
+    num_params: int,
+    repeats: int | None,
+    warmup: int,
+    chunk_size: int,
+    transports: tuple[str, ...],
+    env: tuple[tuple[str, str], ...],
+    tls_dir: str,
 ) -> list[dict[str, Any]]:
     """The report's rows of one size: one per direction."""
     reps = repeats if repeats is not None else (5 if num_params < 50_000_000 else 3)
     started = time.perf_counter()
-    samples, cpu = measure_size(ctx, num_params=num_params, repeats=reps, warmup=warmup, chunk_size=chunk_size, transports=transports, env=env, tls_dir=tls_dir)
+    samples, cpu = measure_size(
+        ctx,
+        num_params=num_params,
+        repeats=reps,
+        warmup=warmup,
+        chunk_size=chunk_size,
+        transports=transports,
+        env=env,
+        tls_dir=tls_dir,
+    )
     nbytes = num_params * 4
     rows: list[dict[str, Any]] = []
     for direction in DIRECTIONS:
@@ -618,9 +683,13 @@ def _measure_rows(
     # CPU per GB moved, a repetition moving the model down and back up (2 * nbytes): less
     # noisy than wall time on a shared machine, and what TLS adds per byte on each side.
     rows[-1]["cpu_s_per_gb"] = rows[-2]["cpu_s_per_gb"] = {
-        t: {side: statistics.median(cpu[t][side]) / (2 * nbytes / 1e9) for side in ("server", "client")} for t in transports
+        t: {side: statistics.median(cpu[t][side]) / (2 * nbytes / 1e9) for side in ("server", "client")}
+        for t in transports
     }
-    print(f"  {_fmt_params(num_params)}: {reps} repetitions (+{warmup} warm-up) in {time.perf_counter() - started:.1f}s", flush=True)
+    print(
+        f"  {_fmt_params(num_params)}: {reps} repetitions (+{warmup} warm-up) in {time.perf_counter() - started:.1f}s",
+        flush=True,
+    )
     return rows
 
 
@@ -653,11 +722,15 @@ def print_report(report: dict[str, Any]) -> None:
     if any(VARIANT in r["mb_per_s"] for r in report["rows"]):
         print(f"{VARIANT} ({' '.join(f'{k}={v}' for k, v in report['config']['fedgrid_env'].items())}):")
         for r in report["rows"]:
-            print(f"{_fmt_params(r['params']):>6} {r['direction']:>9}: {r['mb_per_s'][VARIANT]:.0f} MB/s, {VARIANT}/grpc {_fmt(r['variant_over_grpc'], '.2f')}")
+            print(
+                f"{_fmt_params(r['params']):>6} {r['direction']:>9}: {r['mb_per_s'][VARIANT]:.0f} MB/s, {VARIANT}/grpc {_fmt(r['variant_over_grpc'], '.2f')}"
+            )
     if any(t in r["mb_per_s"] for r in report["rows"] for t in TLS_TWIN.values()):
         print("mutual TLS:")
-        header = (f"{'size':>6} {'direction':>9} | {'fedgrid-tls MB/s':>16} {'grpc-tls MB/s':>13} | {'fedgrid-tls/fedgrid':>19} "
-                  f"{'grpc-tls/grpc':>13} {'fedgrid-tls/grpc-tls':>20}")
+        header = (
+            f"{'size':>6} {'direction':>9} | {'fedgrid-tls MB/s':>16} {'grpc-tls MB/s':>13} | {'fedgrid-tls/fedgrid':>19} "
+            f"{'grpc-tls/grpc':>13} {'fedgrid-tls/grpc-tls':>20}"
+        )
         print(header)
         print("-" * len(header))
         for r in report["rows"]:
@@ -666,11 +739,23 @@ def print_report(report: dict[str, Any]) -> None:
                 f"{_fmt_params(r['params']):>6} {r['direction']:>9} | {_fmt(m.get('fedgrid-tls'), '.0f'):>16} {_fmt(m.get('grpc-tls'), '.0f'):>13} | "
                 f"{_fmt(r['fedgrid_tls_over_fedgrid'], '.2f'):>19} {_fmt(r['grpc_tls_over_grpc'], '.2f'):>13} {_fmt(r['fedgrid_tls_over_grpc_tls'], '.2f'):>20}"
             )
-    print("CPU seconds per GB moved (median repetition, down and up together; includes the harness's checks):")
+    print(
+        "CPU seconds per GB moved (median repetition, down and up together; includes the harness's checks):"
+    )
     for r in report["rows"][1::2]:
-        print(f"{_fmt_params(r['params']):>6}: " + ", ".join(f"{t} {c['server']:.2f} server + {c['client']:.2f} client" for t, c in r["cpu_s_per_gb"].items()))
-    labels = {"fedgrid_over_grpc": "fedgrid/grpc", "fedgrid_over_socket": "fedgrid/socket", "fedgrid_tls_over_fedgrid": "fedgrid-tls/fedgrid",
-              "grpc_tls_over_grpc": "grpc-tls/grpc"}
+        print(
+            f"{_fmt_params(r['params']):>6}: "
+            + ", ".join(
+                f"{t} {c['server']:.2f} server + {c['client']:.2f} client"
+                for t, c in r["cpu_s_per_gb"].items()
+            )
+        )
+    labels = {
+        "fedgrid_over_grpc": "fedgrid/grpc",
+        "fedgrid_over_socket": "fedgrid/socket",
+        "fedgrid_tls_over_fedgrid": "fedgrid-tls/fedgrid",
+        "grpc_tls_over_grpc": "grpc-tls/grpc",
+    }
     for key, label in labels.items():
         s = report["summary"][key]
         if s is not None:
@@ -678,20 +763,47 @@ def print_report(report: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="10M,100M", help="float32 parameter counts, comma-separated (K/M/G = 10^3/10^6/10^9)")
-    parser.add_argument("--repeats", type=int, default=None, help="measured repetitions per size (default 5; 3 from 50M parameters)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--sizes",
+        default="10M,100M",
+        help="float32 parameter counts, comma-separated (K/M/G = 10^3/10^6/10^9)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="measured repetitions per size (default 5; 3 from 50M parameters)",
+    )
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured repetitions first (default 1)")
-    parser.add_argument("--chunk-size", type=int, default=1 << 20, help="payload bytes per message (default 1 MiB)")
-    parser.add_argument("--transports", default=",".join(TRANSPORTS), help=f"subset of {','.join(ALL_TRANSPORTS)}")
-    parser.add_argument("--tls", action="store_true", help="also run fedgrid and grpc over mutual TLS (fedgrid-tls, grpc-tls), interleaved with the rest")
-    parser.add_argument("--fedgrid-env", default="", help=f"KEY=VALUE,...: also run fedgrid with these environment settings, as '{VARIANT}'")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "transport.json")
+    parser.add_argument(
+        "--chunk-size", type=int, default=1 << 20, help="payload bytes per message (default 1 MiB)"
+    )
+    parser.add_argument(
+        "--transports", default=",".join(TRANSPORTS), help=f"subset of {','.join(ALL_TRANSPORTS)}"
+    )
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="also run fedgrid and grpc over mutual TLS (fedgrid-tls, grpc-tls), interleaved with the rest",
+    )
+    parser.add_argument(
+        "--fedgrid-env",
+        default="",
+        help=f"KEY=VALUE,...: also run fedgrid with these environment settings, as '{VARIANT}'",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path(__file__).resolve().parent / "results" / "transport.json"
+    )
     args = parser.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     chosen = {t.strip() for t in args.transports.split(",") if t.strip()}
     if chosen - set(ALL_TRANSPORTS):
-        parser.error(f"unknown transports {', '.join(sorted(chosen - set(ALL_TRANSPORTS)))}: choose from {', '.join(ALL_TRANSPORTS)}")
+        parser.error(
+            f"unknown transports {', '.join(sorted(chosen - set(ALL_TRANSPORTS)))}: choose from {', '.join(ALL_TRANSPORTS)}"
+        )
     if args.tls:
         chosen |= {TLS_TWIN[t] for t in chosen if t in TLS_TWIN}
     transports = tuple(t for t in ALL_TRANSPORTS if t in chosen)
@@ -699,16 +811,32 @@ def main(argv: list[str] | None = None) -> int:
     if any(len(kv) != 2 for kv in env):
         parser.error("--fedgrid-env takes KEY=VALUE,...")
     if env:
-        transports = transports[:1] + (VARIANT,) + transports[1:] if "fedgrid" in transports else (VARIANT,) + transports
+        transports = (
+            transports[:1] + (VARIANT,) + transports[1:]
+            if "fedgrid" in transports
+            else (VARIANT,) + transports
+        )
     if not sizes or not transports:
         parser.error("need at least one size and one transport")
     if args.repeats is not None and args.repeats < 1 or args.warmup < 0:
         parser.error("--repeats must be >= 1 and --warmup >= 0")
     if not 0 < args.chunk_size <= MAX_MESSAGE_BYTES - 64 * 1024:
-        parser.error(f"--chunk-size must be in (0, {MAX_MESSAGE_BYTES - 64 * 1024}]: a chunk plus its framing must fit fedgrid's message cap")
+        parser.error(
+            f"--chunk-size must be in (0, {MAX_MESSAGE_BYTES - 64 * 1024}]: a chunk plus its framing must fit fedgrid's message cap"
+        )
 
-    print(f"transport benchmark: sizes {', '.join(map(_fmt_params, sizes))}, chunk {args.chunk_size} B, transports {', '.join(transports)}", flush=True)
-    report = run_benchmark(sizes=sizes, repeats=args.repeats, warmup=args.warmup, chunk_size=args.chunk_size, transports=transports, env=env)  # type: ignore[arg-type]
+    print(
+        f"transport benchmark: sizes {', '.join(map(_fmt_params, sizes))}, chunk {args.chunk_size} B, transports {', '.join(transports)}",
+        flush=True,
+    )
+    report = run_benchmark(
+        sizes=sizes,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        chunk_size=args.chunk_size,
+        transports=transports,
+        env=env,
+    )  # type: ignore[arg-type]
     print()
     print_report(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)

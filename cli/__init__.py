@@ -30,14 +30,29 @@ from fedgrid.errors import ConfigError, FedgridError
 from fedgrid.interrupts import FORCED_EXIT_STATUS
 
 __all__ = [
-    "main", "build_parser", "serve", "SimulateProgress", "SIMULATE_KEYS", "COORDINATOR_KEYS", "REGION_KEYS",
+    "main",
+    "build_parser",
+    "serve",
+    "SimulateProgress",
+    "SIMULATE_KEYS",
+    "COORDINATOR_KEYS",
+    "REGION_KEYS",
     "CLIENT_CONFIG_KEYS",
 ]
 
 #: The subcommands in ``--help``'s order: each module's ``add_parser`` and ``run``.
 COMMANDS = {
-    "simulate": simulate, "coordinator": coordinator, "region": region, "client": client, "certs": certs,
-    "report": report, "new": new, "status": status, "wan": wan, "health": health, "launch": launch,
+    "simulate": simulate,
+    "coordinator": coordinator,
+    "region": region,
+    "client": client,
+    "certs": certs,
+    "report": report,
+    "new": new,
+    "status": status,
+    "wan": wan,
+    "health": health,
+    "launch": launch,
 }
 #: Commands that print what they did (the services log what they do).
 QUIET = ("simulate", "certs", "report", "new", "status", "health", "launch")

@@ -11,8 +11,12 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    certs = sub.add_parser("certs", help="the certificate authority for mutual TLS: certificates, revocation, enrollment tokens")
-    csub = certs.add_subparsers(dest="certs_command", required=True, metavar="{init,issue,revoke,list,token,revoke-token}")
+    certs = sub.add_parser(
+        "certs", help="the certificate authority for mutual TLS: certificates, revocation, enrollment tokens"
+    )
+    csub = certs.add_subparsers(
+        dest="certs_command", required=True, metavar="{init,issue,revoke,list,token,revoke-token}"
+    )
 
     def command(name: str, help: str) -> argparse.ArgumentParser:
         p = csub.add_parser(name, help=help, description=help)
@@ -24,18 +28,31 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     init.add_argument("--days", type=int, default=3650, help="validity in days (default: 3650)")
     issue = command("issue", "issue a client (default) or server certificate: DIR/NAME.pem and DIR/NAME.key")
     issue.add_argument("--name", required=True, help="the client identity, or the server's name")
-    issue.add_argument("--server", action="store_true", help="a server certificate (EKU serverAuth) instead of a client one")
-    issue.add_argument("--san", action="append", default=[], metavar="HOST",
-                       help="a server's DNS name or IP address; repeat for more (default: localhost and 127.0.0.1)")
+    issue.add_argument(
+        "--server", action="store_true", help="a server certificate (EKU serverAuth) instead of a client one"
+    )
+    issue.add_argument(
+        "--san",
+        action="append",
+        default=[],
+        metavar="HOST",
+        help="a server's DNS name or IP address; repeat for more (default: localhost and 127.0.0.1)",
+    )
     issue.add_argument("--days", type=int, default=365, help="validity in days (default: 365)")
     revoke = command("revoke", "revoke NAME's certificate and rewrite DIR/crl.pem")
     revoke.add_argument("--name", required=True)
     command("list", "list the certificates issued: name, kind, serial, expiry, status")
     token = command("token", "print a one-time enrollment token (shown once: only its hash is kept)")
     token.add_argument("--name", default=None, help="the only identity the token may enroll (default: any)")
-    token.add_argument("--expires", default="24h", metavar="DURATION", help="e.g. 30m, 24h, 7d (default: 24h)")
-    token.add_argument("--out", default="", metavar="FILE",
-                       help="write the token to FILE (new, mode 0600) for fedgrid client --enroll-file, instead of printing it")
+    token.add_argument(
+        "--expires", default="24h", metavar="DURATION", help="e.g. 30m, 24h, 7d (default: 24h)"
+    )
+    token.add_argument(
+        "--out",
+        default="",
+        metavar="FILE",
+        help="write the token to FILE (new, mode 0600) for fedgrid client --enroll-file, instead of printing it",
+    )
     revoke_token = command("revoke-token", "revoke an enrollment token by its id (the part before the dot)")
     revoke_token.add_argument("--id", dest="token_id", required=True, metavar="TOKEN_ID")
     return certs
@@ -53,10 +70,14 @@ def run(args: argparse.Namespace) -> int:
             print(f"CA {args.name!r} created: {path} (key {pki.CA_KEY}, 0600); revocation list {pki.CRL}")
         elif args.certs_command == "issue":
             cert, key = pki.issue(d, args.name, server=args.server, sans=args.san, days=args.days)
-            print(f"{'server' if args.server else 'client'} certificate for {args.name!r}: {cert} (key {key}, 0600)")
+            print(
+                f"{'server' if args.server else 'client'} certificate for {args.name!r}: {cert} (key {key}, 0600)"
+            )
         elif args.certs_command == "revoke":
             serials = pki.revoke(d, args.name)
-            print(f"revoked {args.name!r} (serial {', '.join(f'{s:x}' for s in serials)}); {pki.CRL} rewritten")
+            print(
+                f"revoked {args.name!r} (serial {', '.join(f'{s:x}' for s in serials)}); {pki.CRL} rewritten"
+            )
         elif args.certs_command == "list":
             print(_certs_table(pki.list_certs(d)))
         elif args.certs_command == "token":
@@ -64,10 +85,15 @@ def run(args: argparse.Namespace) -> int:
             scope = f"for {args.name!r}" if args.name else "for any name"
             if args.out:
                 token = _token_to_file(args.out, lambda: pki.issue_token(d, name=args.name, expires=expires))
-                print(f"enrollment token {token.partition('.')[0]} {scope}, valid {args.expires}: written to {args.out} (0600)")
+                print(
+                    f"enrollment token {token.partition('.')[0]} {scope}, valid {args.expires}: written to {args.out} (0600)"
+                )
             else:
                 token = pki.issue_token(d, name=args.name, expires=expires)
-                print(f"enrollment token {token.partition('.')[0]} {scope}, valid {args.expires}; shown once:", file=sys.stderr)
+                print(
+                    f"enrollment token {token.partition('.')[0]} {scope}, valid {args.expires}; shown once:",
+                    file=sys.stderr,
+                )
                 print(token)
         else:
             pki.revoke_token(d, args.token_id)
@@ -98,6 +124,9 @@ def _token_to_file(path: str, issue: Callable[[], str]) -> str:
 
 def _certs_table(records: Sequence[Any]) -> str:
     rows = [("NAME", "KIND", "SERIAL", "NOT AFTER", "STATUS")]
-    rows += [(r.name, r.kind, f"{r.serial:x}", r.not_after.strftime("%Y-%m-%d %H:%M:%SZ"), r.status()) for r in records]
+    rows += [
+        (r.name, r.kind, f"{r.serial:x}", r.not_after.strftime("%Y-%m-%d %H:%M:%SZ"), r.status())
+        for r in records
+    ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)

@@ -13,52 +13,134 @@ __all__ = ["add_parser", "client_config", "client_options", "run"]
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     cli = sub.add_parser("client", help="join a coordinator and train")
-    cli.add_argument("--config", metavar="FILE", help="TOML file: its " + ", ".join(CLIENT_CONFIG_KEYS) + " apply; flags override them")
-    cli.add_argument("--coordinator", required=True, metavar="HOST:PORT",
-                     help="the coordinator's address, as it prints it (and writes to RUN_DIR/address)")
-    cli.add_argument("--connect-timeout-s", dest="connect_timeout_s", type=float, default=None, metavar="SECONDS",
-                     help="give up when the coordinator cannot be reached for this long before the first join "
-                     "(default: 60, FEDGRID_CONNECT_TIMEOUT_S)")
-    cli.add_argument("--app", metavar="MODULE:FACTORY", help="client factory(partition, num_partitions, seed) -> Client; default: built-in digits")
+    cli.add_argument(
+        "--config",
+        metavar="FILE",
+        help="TOML file: its " + ", ".join(CLIENT_CONFIG_KEYS) + " apply; flags override them",
+    )
+    cli.add_argument(
+        "--coordinator",
+        required=True,
+        metavar="HOST:PORT",
+        help="the coordinator's address, as it prints it (and writes to RUN_DIR/address)",
+    )
+    cli.add_argument(
+        "--connect-timeout-s",
+        dest="connect_timeout_s",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="give up when the coordinator cannot be reached for this long before the first join "
+        "(default: 60, FEDGRID_CONNECT_TIMEOUT_S)",
+    )
+    cli.add_argument(
+        "--app",
+        metavar="MODULE:FACTORY",
+        help="client factory(partition, num_partitions, seed) -> Client; default: built-in digits",
+    )
     cli.add_argument("--partition", default="0/1", metavar="I/N", help="take partition I of N (default 0/1)")
-    cli.add_argument("--seed", type=int, default=0, help="the seed of the data partition and shuffling: the coordinator's "
-                     "--seed, so that partition I/N is the same data in every client (default 0)")
-    cli.add_argument("--data-partition", dest="partitioner", default=None, metavar="SPEC", help="iid, dirichlet:ALPHA, shards:N or natural (built-in datasets)")
-    cli.add_argument("--region", default="", help="this client's region label, for region-balanced selection and "
-                     "--region-codecs on the coordinator (default: none)")
-    cli.add_argument("--ca", default=None, metavar="FILE", help="mutual TLS: PEM CA bundle that signs the coordinator's certificate")
-    cli.add_argument("--cert", default=None, metavar="FILE", help="mutual TLS: this client's certificate (its identity is the client's name)")
+    cli.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="the seed of the data partition and shuffling: the coordinator's "
+        "--seed, so that partition I/N is the same data in every client (default 0)",
+    )
+    cli.add_argument(
+        "--data-partition",
+        dest="partitioner",
+        default=None,
+        metavar="SPEC",
+        help="iid, dirichlet:ALPHA, shards:N or natural (built-in datasets)",
+    )
+    cli.add_argument(
+        "--region",
+        default="",
+        help="this client's region label, for region-balanced selection and "
+        "--region-codecs on the coordinator (default: none)",
+    )
+    cli.add_argument(
+        "--ca",
+        default=None,
+        metavar="FILE",
+        help="mutual TLS: PEM CA bundle that signs the coordinator's certificate",
+    )
+    cli.add_argument(
+        "--cert",
+        default=None,
+        metavar="FILE",
+        help="mutual TLS: this client's certificate (its identity is the client's name)",
+    )
     cli.add_argument("--key", default=None, metavar="FILE", help="mutual TLS: this client's private key")
-    cli.add_argument("--server-name", dest="server_name", default="", metavar="NAME",
-                     help="the name the coordinator's certificate holds, when not the host of --coordinator")
-    cli.add_argument("--enroll", default="", metavar="TOKEN",
-                     help="enroll first: trade this one-time token (fedgrid certs token) for a certificate, written to --cert "
-                     "with a key made here in --key (0600); skipped when --cert and --key already hold a valid identity. "
-                     "A command line is visible to every local user: prefer --enroll-file or $FEDGRID_ENROLL_TOKEN")
-    cli.add_argument("--enroll-file", dest="enroll_file", default="", metavar="FILE",
-                     help="like --enroll, the token read from FILE (fedgrid certs token --out; a container secret)")
-    cli.add_argument("--enroll-address", dest="enroll_address", default="", metavar="HOST:PORT",
-                     help="the coordinator's enrollment service (its --enroll-listen)")
-    cli.add_argument("--name", default=None, metavar="NAME",
-                     help="with --enroll: the identity to ask for (the token's name if it was issued with one; default client-TOKEN_ID)")
+    cli.add_argument(
+        "--server-name",
+        dest="server_name",
+        default="",
+        metavar="NAME",
+        help="the name the coordinator's certificate holds, when not the host of --coordinator",
+    )
+    cli.add_argument(
+        "--enroll",
+        default="",
+        metavar="TOKEN",
+        help="enroll first: trade this one-time token (fedgrid certs token) for a certificate, written to --cert "
+        "with a key made here in --key (0600); skipped when --cert and --key already hold a valid identity. "
+        "A command line is visible to every local user: prefer --enroll-file or $FEDGRID_ENROLL_TOKEN",
+    )
+    cli.add_argument(
+        "--enroll-file",
+        dest="enroll_file",
+        default="",
+        metavar="FILE",
+        help="like --enroll, the token read from FILE (fedgrid certs token --out; a container secret)",
+    )
+    cli.add_argument(
+        "--enroll-address",
+        dest="enroll_address",
+        default="",
+        metavar="HOST:PORT",
+        help="the coordinator's enrollment service (its --enroll-listen)",
+    )
+    cli.add_argument(
+        "--name",
+        default=None,
+        metavar="NAME",
+        help="with --enroll: the identity to ask for (the token's name if it was issued with one; default client-TOKEN_ID)",
+    )
     add_config_flags(cli, [*CLIENT_OPTION_KEYS, "threads", *sorted(CLIENT_ONLY_KEYS)], with_config=False)
     cli.add_argument(
-        "--state-dir", dest="state_dir", default=None, metavar="DIR",
+        "--state-dir",
+        dest="state_dir",
+        default=None,
+        metavar="DIR",
         help="save the client's state across rounds (error-feedback residuals, the client's own state) to "
         "DIR/client-I.pt after every round and resume from it on restart (default: memory only)",
     )
-    cli.add_argument("--http", default="", metavar="HOST:PORT",
-                     help="serve this client's /metrics (Prometheus) and /api/status (JSON) here, read-only (needs the monitor "
-                     "extra; port 0: a free one)")
-    cli.add_argument("--http-token-file", dest="http_token_file", default="", metavar="FILE",
-                     help="with --http: the bearer token /metrics and /api/status ask for (required on a non-loopback host)")
+    cli.add_argument(
+        "--http",
+        default="",
+        metavar="HOST:PORT",
+        help="serve this client's /metrics (Prometheus) and /api/status (JSON) here, read-only (needs the monitor "
+        "extra; port 0: a free one)",
+    )
+    cli.add_argument(
+        "--http-token-file",
+        dest="http_token_file",
+        default="",
+        metavar="FILE",
+        help="with --http: the bearer token /metrics and /api/status ask for (required on a non-loopback host)",
+    )
     return cli
 
 
 def client_config(args: argparse.Namespace) -> Config:
     """``fedgrid client``'s settings: ``--config``'s file, then the flags given."""
     # --partition is the client's I/N; the data partition (the key "partition") is --data-partition.
-    given = {k: getattr(args, k) for k in CLIENT_CONFIG_KEYS if k != "partition" and getattr(args, k, None) is not None}
+    given = {
+        k: getattr(args, k)
+        for k in CLIENT_CONFIG_KEYS
+        if k != "partition" and getattr(args, k, None) is not None
+    }
     if args.partitioner:
         given["partition"] = args.partitioner
     return load_config(args.config, given)
@@ -71,13 +153,18 @@ def client_options(args: argparse.Namespace, config: Config | None = None) -> di
     from fedgrid.simulation.tasks import check_config
     from fedgrid.simulation.tasks import client_options as factory_options
 
-    given = [k for k in CLIENT_OPTION_KEYS if getattr(args, k, None) is not None] + (["partition"] if args.partitioner else [])
+    given = [k for k in CLIENT_OPTION_KEYS if getattr(args, k, None) is not None] + (
+        ["partition"] if args.partitioner else []
+    )
     config = config if config is not None else client_config(args)
     check_config(config)
     options = factory_options(config)
     if args.app is None:
         return options
-    return {("partitioner" if k == "partition" else k): options["partitioner" if k == "partition" else k] for k in given}
+    return {
+        ("partitioner" if k == "partition" else k): options["partitioner" if k == "partition" else k]
+        for k in given
+    }
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,7 +11,9 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    region = sub.add_parser("region", help="coordinate a region's clients and join the global coordinator as one client")
+    region = sub.add_parser(
+        "region", help="coordinate a region's clients and join the global coordinator as one client"
+    )
     add_config_flags(region, REGION_KEYS)
     return region
 

@@ -11,10 +11,22 @@ __all__ = ["add_parser", "run"]
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="plot run directories: PNG files and one self-contained HTML page")
-    rep.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (metrics.jsonl), overlaid in one plot per metric")
-    rep.add_argument("--out", default="report", metavar="DIR", help="where the PNGs and report.html go (default: ./report)")
-    rep.add_argument("--label", action="append", default=[], metavar="NAME",
-                     help="the legend name of a run, once per RUN_DIR in order (default: the directory's name)")
+    rep.add_argument(
+        "runs",
+        nargs="+",
+        metavar="RUN_DIR",
+        help="run directories (metrics.jsonl), overlaid in one plot per metric",
+    )
+    rep.add_argument(
+        "--out", default="report", metavar="DIR", help="where the PNGs and report.html go (default: ./report)"
+    )
+    rep.add_argument(
+        "--label",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="the legend name of a run, once per RUN_DIR in order (default: the directory's name)",
+    )
     return rep
 
 
@@ -29,7 +41,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"fedgrid report: error: {exc}", file=sys.stderr)
         return 2
     except ImportError:
-        print("fedgrid report: error: plotting needs matplotlib, which is not installed: pip install 'fedgrid[report]'", file=sys.stderr)
+        print(
+            "fedgrid report: error: plotting needs matplotlib, which is not installed: pip install 'fedgrid[report]'",
+            file=sys.stderr,
+        )
         return 2
     try:
         written, notes = write_report(runs, args.out)

@@ -90,7 +90,8 @@ def _header(config: Config) -> Callable[[str, str], None]:
         print(
             f"fedgrid simulate: {config.clients} clients, {config.rounds} rounds, dataset {config.dataset}, "
             f"model {config.model or task.default_model}, partition {config.partition or task.default_partition}, "
-            f"{chosen}, seed {config.seed}, {config.threads or torch.get_num_threads()} threads", flush=True,
+            f"{chosen}, seed {config.seed}, {config.threads or torch.get_num_threads()} threads",
+            flush=True,
         )
 
     return header
@@ -104,8 +105,11 @@ def _round_line(config: Config, progress: SimulateProgress | None) -> Callable[[
         loss = "" if m.loss is None else f" loss {m.loss:.4f}"
         if progress is not None:
             progress.clear()
-        print(f"round {m.round:3d}/{config.rounds}{loss}{acc} clients {m.clients_ok} ok {m.clients_failed} failed  "
-              f"up {m.bytes_up / 1e6:.2f} MB down {m.bytes_down / 1e6:.2f} MB  {m.wall_s:.2f}s", flush=True)
+        print(
+            f"round {m.round:3d}/{config.rounds}{loss}{acc} clients {m.clients_ok} ok {m.clients_failed} failed  "
+            f"up {m.bytes_up / 1e6:.2f} MB down {m.bytes_down / 1e6:.2f} MB  {m.wall_s:.2f}s",
+            flush=True,
+        )
         if progress is not None:
             progress.update(m)
 
@@ -118,7 +122,11 @@ def _final_line(config: Config, final_model: Any, history: Sequence[RoundMetrics
         print(f"stopped after {len(history)} of {config.rounds} rounds{saved}; run directory {config.out}")
         return
     final = history[-1]
-    metric = f"final test accuracy {final.accuracy:.4f}" if final.accuracy is not None else f"final loss {final.loss}"
+    metric = (
+        f"final test accuracy {final.accuracy:.4f}"
+        if final.accuracy is not None
+        else f"final loss {final.loss}"
+    )
     print(f"{metric}; run directory {config.out}")
 
 
@@ -141,7 +149,9 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
 
     def on_stop(signal_name: str) -> None:
-        erase = "\r\033[K" if progress is not None and progress.tty else ""  # the in-place line, not into its stream
+        erase = (
+            "\r\033[K" if progress is not None and progress.tty else ""
+        )  # the in-place line, not into its stream
         say(f"{erase}{signal_name}: stopping after the current round; a second one exits at once")
         stop.set()
 
@@ -149,8 +159,12 @@ def run(args: argparse.Namespace) -> int:
         dist.init_process_group("gloo", timeout=timedelta(seconds=config.round_timeout_s))
     with GracefulStop(on_stop, what="simulate"):
         try:
-            final_model, history = run_simulation(config, on_round=None if quiet else _round_line(config, progress),
-                                                  on_start=None if quiet else _header(config), stop=stop)
+            final_model, history = run_simulation(
+                config,
+                on_round=None if quiet else _round_line(config, progress),
+                on_start=None if quiet else _header(config),
+                stop=stop,
+            )
             if ranks is not None:
                 # Every rank past the last collective before any tears gloo down: a rank that
                 # exits while a peer's gather is in flight aborts that peer.

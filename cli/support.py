@@ -22,24 +22,56 @@ from fedgrid.config import (
 )
 
 __all__ = [
-    "FedgridParser", "package_version", "with_default_out", "error_line", "add_config_flags", "config_from",
-    "SIMULATE_KEYS", "COORDINATOR_KEYS", "REGION_KEYS", "CLIENT_OPTION_KEYS", "CLIENT_CONFIG_KEYS",
+    "FedgridParser",
+    "package_version",
+    "with_default_out",
+    "error_line",
+    "add_config_flags",
+    "config_from",
+    "SIMULATE_KEYS",
+    "COORDINATOR_KEYS",
+    "REGION_KEYS",
+    "CLIENT_OPTION_KEYS",
+    "CLIENT_CONFIG_KEYS",
 ]
 
 # Keys each subcommand exposes as flags; every key is also accepted through --config.
-SIMULATE_KEYS = [k for k in config_keys() if k not in COORDINATOR_ONLY_KEYS | CLIENT_ONLY_KEYS | REGION_ONLY_KEYS]
-COORDINATOR_KEYS = [k for k in config_keys() if k not in SIMULATION_ONLY_KEYS | CLIENT_ONLY_KEYS | REGION_ONLY_KEYS]
+SIMULATE_KEYS = [
+    k for k in config_keys() if k not in COORDINATOR_ONLY_KEYS | CLIENT_ONLY_KEYS | REGION_ONLY_KEYS
+]
+COORDINATOR_KEYS = [
+    k for k in config_keys() if k not in SIMULATION_ONLY_KEYS | CLIENT_ONLY_KEYS | REGION_ONLY_KEYS
+]
 #: ``fedgrid region``: a coordinator's keys for its own clients (not the global run's length, model or
 #: enrollment and status servers, which the global coordinator has), and its upstream link.
-REGION_KEYS = [k for k in COORDINATOR_KEYS if k not in ("rounds", "initial_model", "model", "enroll_listen", "enroll_dir", "http",
-                                                        "http_token_file")] + ["regional_rounds", *sorted(REGION_ONLY_KEYS)]
+REGION_KEYS = [
+    k
+    for k in COORDINATOR_KEYS
+    if k not in ("rounds", "initial_model", "model", "enroll_listen", "enroll_dir", "http", "http_token_file")
+] + ["regional_rounds", *sorted(REGION_ONLY_KEYS)]
 # The built-in client factory's options (fedgrid.simulation.tasks.CLIENT_KEYS) as `fedgrid
 # client` flags, so a deployed client trains like its simulated twin; --data-partition is the spec.
-CLIENT_OPTION_KEYS = ["dataset", "data_dir", "model", "batch_size", "optimizer", "lr", "momentum", "weight_decay"]
+CLIENT_OPTION_KEYS = [
+    "dataset",
+    "data_dir",
+    "model",
+    "batch_size",
+    "optimizer",
+    "lr",
+    "momentum",
+    "weight_decay",
+]
 #: What ``fedgrid client --config FILE`` takes from the file (flags override it); the file's
 #: other keys (a TOML shared with the coordinator) are checked and left alone.
-CLIENT_CONFIG_KEYS = [*CLIENT_OPTION_KEYS, "partition", "threads", "ca", "cert", "key", *sorted(CLIENT_ONLY_KEYS)]
-
+CLIENT_CONFIG_KEYS = [
+    *CLIENT_OPTION_KEYS,
+    "partition",
+    "threads",
+    "ca",
+    "cert",
+    "key",
+    *sorted(CLIENT_ONLY_KEYS),
+]
 
 
 class FedgridParser(argparse.ArgumentParser):
@@ -56,12 +88,21 @@ class FedgridParser(argparse.ArgumentParser):
     def _unrecognized(self, parsed: argparse.Namespace, extras: list[str]) -> NoReturn:
         parser: argparse.ArgumentParser = self
         for action in self._actions:
-            if isinstance(action, argparse._SubParsersAction) and getattr(parsed, action.dest, None) in action.choices:
+            if (
+                isinstance(action, argparse._SubParsersAction)
+                and getattr(parsed, action.dest, None) in action.choices
+            ):
                 parser = action.choices[getattr(parsed, action.dest)]
         flags = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
-        words = [f"{e}{did_you_mean(e.partition('=')[0], flags, otherwise='')}" if e.startswith("--") else e for e in extras]
+        words = [
+            f"{e}{did_you_mean(e.partition('=')[0], flags, otherwise='')}" if e.startswith("--") else e
+            for e in extras
+        ]
         # One line, not the whole usage: the suggestion is the answer, --help has the rest.
-        parser.exit(2, f"{parser.prog}: error: unrecognized arguments: {' '.join(words)} (all flags: {parser.prog} --help)\n")
+        parser.exit(
+            2,
+            f"{parser.prog}: error: unrecognized arguments: {' '.join(words)} (all flags: {parser.prog} --help)\n",
+        )
 
 
 def package_version() -> str:
@@ -86,7 +127,9 @@ def error_line(exc: BaseException) -> str:
     return "fedgrid: error: " + " ".join(str(exc).split())
 
 
-def add_config_flags(parser: argparse.ArgumentParser, keys: Sequence[str], *, with_config: bool = True) -> None:
+def add_config_flags(
+    parser: argparse.ArgumentParser, keys: Sequence[str], *, with_config: bool = True
+) -> None:
     if with_config:
         parser.add_argument("--config", metavar="FILE", help="TOML file; flags override its keys")
     fields = config_keys()

@@ -12,6 +12,9 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    wan = sub.add_parser("wan", help="relay TCP to --target through an emulated WAN link (delay, bandwidth, loss); until SIGTERM")
+    wan = sub.add_parser(
+        "wan",
+        help="relay TCP to --target through an emulated WAN link (delay, bandwidth, loss); until SIGTERM",
+    )
     add_arguments(wan)
     return wan

@@ -2,13 +2,36 @@
 ``connect`` a program that owns its training loop (``aconnect`` for asyncio)."""
 
 from fedgrid.client.api import Client, EvaluateOutput, FitOutput
-from fedgrid.client.runtime import ClientHandle, CoordinatorUnreachable, RunSummary, RpcFailed, TaskReport, run_client, start_client
+from fedgrid.client.runtime import (
+    ClientHandle,
+    CoordinatorUnreachable,
+    RpcFailed,
+    RunSummary,
+    TaskReport,
+    run_client,
+    start_client,
+)
 from fedgrid.client.session import AsyncSession, Session, Task, aconnect, connect
 from fedgrid.client.torch_client import TorchClient
 
-__all__ = ["Client", "EvaluateOutput", "FitOutput", "TorchClient", "ClientHandle", "RunSummary", "RpcFailed", "CoordinatorUnreachable", "run_client",
-           "start_client",
-           "TaskReport", "connect", "aconnect", "Session", "AsyncSession", "Task"]
+__all__ = [
+    "Client",
+    "EvaluateOutput",
+    "FitOutput",
+    "TorchClient",
+    "ClientHandle",
+    "RunSummary",
+    "RpcFailed",
+    "CoordinatorUnreachable",
+    "run_client",
+    "start_client",
+    "TaskReport",
+    "connect",
+    "aconnect",
+    "Session",
+    "AsyncSession",
+    "Task",
+]
 
 
 def __getattr__(name: str) -> object:

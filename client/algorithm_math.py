@@ -135,7 +135,9 @@ class ScaffoldControl:
         Raises:
             ValueError: a control tensor names no model tensor, or has another shape.
         """
-        model: ModelState = OrderedDict((n, t) for n, t in download.items() if not n.startswith(CONTROL_PREFIX))
+        model: ModelState = OrderedDict(
+            (n, t) for n, t in download.items() if not n.startswith(CONTROL_PREFIX)
+        )
         control: ModelState = OrderedDict()
         for name, tensor in download.items():
             if name.startswith(CONTROL_PREFIX):
@@ -147,13 +149,20 @@ class ScaffoldControl:
 
     def begin(self, server_control: Mapping[str, torch.Tensor], params: Mapping[str, nn.Parameter]) -> None:
         """Starts a round: the gradient of parameter ``n`` will be corrected by ``c[n] - c_i[n]``."""
-        self._server = OrderedDict((n, c.detach().to("cpu", torch.float32)) for n, c in server_control.items())
+        self._server = OrderedDict(
+            (n, c.detach().to("cpu", torch.float32)) for n, c in server_control.items()
+        )
         for name, c in self._server.items():
             if name not in self.c_i or self.c_i[name].shape != c.shape:
                 self.c_i[name] = torch.zeros_like(c)
-        self._correction = {n: like(self._server[n] - self.c_i[n], p) for n, p in params.items() if n in self._server}
+        self._correction = {
+            n: like(self._server[n] - self.c_i[n], p) for n, p in params.items() if n in self._server
+        }
         # zeros_like: sharded like the parameter when it is a DTensor
-        self._grad_sums = {n: torch.zeros_like(params[n], dtype=torch.float32, memory_format=torch.contiguous_format) for n in self._correction}
+        self._grad_sums = {
+            n: torch.zeros_like(params[n], dtype=torch.float32, memory_format=torch.contiguous_format)
+            for n in self._correction
+        }
         self._counts = {n: 0 for n in self._correction}
 
     def correct(self, params: Mapping[str, nn.Parameter]) -> None:
@@ -197,7 +206,9 @@ class ScaffoldControl:
         return {"c_i": OrderedDict((n, c.clone()) for n, c in self.c_i.items())}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.c_i = OrderedDict((n, c.detach().to("cpu", torch.float32).clone()) for n, c in state["c_i"].items())
+        self.c_i = OrderedDict(
+            (n, c.detach().to("cpu", torch.float32).clone()) for n, c in state["c_i"].items()
+        )
 
 
 @contextmanager
@@ -215,7 +226,10 @@ def train_only(model: nn.Module, names: Sequence[str]) -> Iterator[list[nn.Param
         for n, p in params.items():
             p.requires_grad_(saved[n] and n in chosen)  # a parameter the user froze stays frozen
         for prefix, module in model.named_modules():
-            own = [f"{prefix}.{n}" if prefix else n for n, _ in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]]
+            own = [
+                f"{prefix}.{n}" if prefix else n
+                for n, _ in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+            ]
             if own and not any(n in chosen for n in own):
                 module.eval()
         yield [p for p in params.values() if p.requires_grad]

@@ -160,7 +160,9 @@ class ClientAlgorithm:
         """
         return list(names)
 
-    def optimizer(self, *, trainer: Trainer, params: Sequence[nn.Parameter], ctx: FitContext) -> torch.optim.Optimizer:
+    def optimizer(
+        self, *, trainer: Trainer, params: Sequence[nn.Parameter], ctx: FitContext
+    ) -> torch.optim.Optimizer:
         """The round's optimizer over the trainable ``params`` (default: a fresh one from the
         client's factory over all the model's parameters; the task's ``lr`` is set after).
 
@@ -361,7 +363,9 @@ class DiLoCoTraining(ClientAlgorithm):
             raise ValueError(f"inner_steps must be at least 1, got {steps}")
         return Loop(0, steps)
 
-    def optimizer(self, *, trainer: Trainer, params: Sequence[nn.Parameter], ctx: FitContext) -> torch.optim.Optimizer:
+    def optimizer(
+        self, *, trainer: Trainer, params: Sequence[nn.Parameter], ctx: FitContext
+    ) -> torch.optim.Optimizer:
         return trainer.inner_optimizer
 
 
@@ -398,10 +402,14 @@ class StreamingDiLoCoTraining(DiLoCoTraining):
                     "without its state?); the coordinator sends the whole model after this failed round"
                 )
             return download
-        merge = names_under(model, str(ctx.config.get("merge_fragment_prefixes", "")), key="merge_fragment_prefixes")
+        merge = names_under(
+            model, str(ctx.config.get("merge_fragment_prefixes", "")), key="merge_fragment_prefixes"
+        )
         missing = [n for n in merge if n not in download]
         if missing:
-            raise ValueError(f"streaming-diloco: the download lacks {len(missing)} tensors the task says to merge (first: {missing[0]!r})")
+            raise ValueError(
+                f"streaming-diloco: the download lacks {len(missing)} tensors the task says to merge (first: {missing[0]!r})"
+            )
         merged = OrderedDict(self.replica)
         for name in merge:
             merged[name] = download[name]
@@ -409,14 +417,25 @@ class StreamingDiLoCoTraining(DiLoCoTraining):
 
     def upload(self, *, state: ModelState, trained: Sequence[str], ctx: FitContext) -> ModelState:
         self.replica = state
-        return OrderedDict((n, state[n]) for n in names_under(trained, str(ctx.config.get("fragment_prefixes", "")), key="fragment_prefixes"))
+        return OrderedDict(
+            (n, state[n])
+            for n in names_under(
+                trained, str(ctx.config.get("fragment_prefixes", "")), key="fragment_prefixes"
+            )
+        )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"replica": None if self.replica is None else OrderedDict((n, t.clone()) for n, t in self.replica.items())}
+        return {
+            "replica": None
+            if self.replica is None
+            else OrderedDict((n, t.clone()) for n, t in self.replica.items())
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         replica = state.get("replica")
-        self.replica = None if replica is None else OrderedDict((n, t.detach().clone()) for n, t in replica.items())
+        self.replica = (
+            None if replica is None else OrderedDict((n, t.detach().clone()) for n, t in replica.items())
+        )
 
 
 @register
@@ -428,7 +447,9 @@ class BlockCoordinateTraining(ClientAlgorithm):
     def trained(self, *, names: Sequence[str], ctx: FitContext) -> list[str]:
         return names_under(names, str(ctx.config.get("block_prefixes", "")), key="block_prefixes")
 
-    def optimizer(self, *, trainer: Trainer, params: Sequence[nn.Parameter], ctx: FitContext) -> torch.optim.Optimizer:
+    def optimizer(
+        self, *, trainer: Trainer, params: Sequence[nn.Parameter], ctx: FitContext
+    ) -> torch.optim.Optimizer:
         return trainer.optimizer_factory(params)
 
     def upload(self, *, state: ModelState, trained: Sequence[str], ctx: FitContext) -> ModelState:
@@ -437,15 +458,20 @@ class BlockCoordinateTraining(ClientAlgorithm):
 
 #: The client halves' names before they were told apart from the strategies (``FedAvg`` meant
 #: both); they still work for one release, with a ``DeprecationWarning``.
-_RENAMED = {n: f"fedgrid.client.algorithms.{n}Training" for n in
-            ("FedAvg", "FedProx", "Scaffold", "DiLoCo", "StreamingDiLoCo", "BlockCoordinate")}
+_RENAMED = {
+    n: f"fedgrid.client.algorithms.{n}Training"
+    for n in ("FedAvg", "FedProx", "Scaffold", "DiLoCo", "StreamingDiLoCo", "BlockCoordinate")
+}
 
 
 def __getattr__(name: str) -> Any:
     if name in _RENAMED:
         import warnings
 
-        warnings.warn(f"fedgrid.client.algorithms.{name} is deprecated and goes in the next release: use {_RENAMED[name]}",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            f"fedgrid.client.algorithms.{name} is deprecated and goes in the next release: use {_RENAMED[name]}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return globals()[name + "Training"]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

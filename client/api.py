@@ -89,7 +89,9 @@ class Client(ABC):
         by recipient: a peer's client id from ``ins.peers``, ``fedgrid.types.TO_ALL`` (every
         other peer) or ``fedgrid.types.TO_SERVER``. Small messages only (64 KiB each, 1 MiB in
         all by default). Optional: a client of a strategy with message phases implements it."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement exchange() for message phase {ins.phase!r}")
+        raise NotImplementedError(
+            f"{type(self).__name__} does not implement exchange() for message phase {ins.phase!r}"
+        )
 
     def receive(self, ins: MessageIns, inbox: Mapping[str, bytes]) -> None:
         """The messages relayed to this client in message phase ``ins.phase``, payload by

@@ -22,8 +22,14 @@ from fedgrid.errors import ConfigError, FedgridError
 from fedgrid.interrupts import GracefulStop
 
 __all__ = [
-    "ENROLL_TOKEN_ENV", "MAX_TOKEN_FILE_BYTES", "check_addresses", "enroll_client", "enroll_token", "parallel_spec",
-    "parse_partition", "serve_client",
+    "ENROLL_TOKEN_ENV",
+    "MAX_TOKEN_FILE_BYTES",
+    "check_addresses",
+    "enroll_client",
+    "enroll_token",
+    "parallel_spec",
+    "parse_partition",
+    "serve_client",
 ]
 
 #: A client factory: ``factory(partition, num_partitions, seed, **options) -> Client``.
@@ -74,9 +80,17 @@ def parallel_spec(config: Config) -> Any:
     ranks = torchrun_rank()
     nproc = ranks[2] if ranks is not None else config.nproc_per_node
     try:
-        return ParallelSpec.parse(nproc, config.parallel, comm_hook=config.comm_hook, collective_timeout_s=config.collective_timeout_s)
+        return ParallelSpec.parse(
+            nproc,
+            config.parallel,
+            comm_hook=config.comm_hook,
+            collective_timeout_s=config.collective_timeout_s,
+        )
     except ValueError as exc:
-        key = next((k for k in ("comm_hook", "nproc_per_node", "collective_timeout_s") if str(exc).startswith(k)), "parallel")
+        key = next(
+            (k for k in ("comm_hook", "nproc_per_node", "collective_timeout_s") if str(exc).startswith(k)),
+            "parallel",
+        )
         raise ConfigError(key, str(exc)) from None
 
 
@@ -92,11 +106,16 @@ def _build(factory: ClientFactory, args: argparse.Namespace, config: Config, opt
     if spec.nproc > 1 and torchrun_rank() is None:
         from fedgrid.client.parallel import ParallelClient
 
-        client = ParallelClient(factory, (index, total, args.seed), options, spec=spec, threads=config.threads)
+        client = ParallelClient(
+            factory, (index, total, args.seed), options, spec=spec, threads=config.threads
+        )
     else:
         client = factory(index, total, args.seed, **options)
-    print(f"fedgrid client {index}/{total}: {torch.get_num_threads()} threads, torch {torch.__version__}"
-          + (f", {spec.nproc} ranks ({config.parallel})" if spec.nproc > 1 else ""), flush=True)
+    print(
+        f"fedgrid client {index}/{total}: {torch.get_num_threads()} threads, torch {torch.__version__}"
+        + (f", {spec.nproc} ranks ({config.parallel})" if spec.nproc > 1 else ""),
+        flush=True,
+    )
     if args.region:
         client.region = args.region
     from fedgrid.capabilities import describe
@@ -107,8 +126,11 @@ def _build(factory: ClientFactory, args: argparse.Namespace, config: Config, opt
         reported = client.capabilities()
     except ValueError as exc:  # an --app's own capabilities(): before run(), whose ValueErrors are TLS files
         raise ConfigError("app", f"the client's capabilities: {exc}") from None
-    print(f"fedgrid client {index}/{total}: reports "
-          f"{describe(reported.device, reported.num_accelerators, reported.memory_bytes)} at join", flush=True)
+    print(
+        f"fedgrid client {index}/{total}: reports "
+        f"{describe(reported.device, reported.num_accelerators, reported.memory_bytes)} at join",
+        flush=True,
+    )
     return client
 
 
@@ -123,15 +145,21 @@ def _monitor(args: argparse.Namespace, client: Any) -> tuple[Any, Any, Any]:
 
     if not args.http:
         raise ConfigError("http_token_file", "goes with --http (the address of the client's metrics)")
-    monitor, http = serve_client_metrics(args.http, token_file=args.http_token_file, name=client.name,
-                                         coordinator=args.coordinator)
+    monitor, http = serve_client_metrics(
+        args.http, token_file=args.http_token_file, name=client.name, coordinator=args.coordinator
+    )
     index, total = parse_partition(args.partition)
-    print(f"fedgrid client {index}/{total}: metrics on http://{http.address}/metrics, status on "
-          f"http://{http.address}/api/status{' (bearer token required)' if http.authenticated else ''}", flush=True)
+    print(
+        f"fedgrid client {index}/{total}: metrics on http://{http.address}/metrics, status on "
+        f"http://{http.address}/api/status{' (bearer token required)' if http.authenticated else ''}",
+        flush=True,
+    )
     return monitor.on_task, monitor.on_event, http
 
 
-def serve_client(factory: ClientFactory, args: argparse.Namespace, config: Config, options: dict[str, Any]) -> int:
+def serve_client(
+    factory: ClientFactory, args: argparse.Namespace, config: Config, options: dict[str, Any]
+) -> int:
     """Builds the client from ``factory`` and serves the coordinator's tasks until the run ends.
 
     Args:
@@ -159,8 +187,18 @@ def serve_client(factory: ClientFactory, args: argparse.Namespace, config: Confi
         on_task, on_event, http = _monitor(args, client)
 
         def serve_tasks(member: Any) -> Any:
-            return runtime.run_client(member, coordinator=args.coordinator, state_path=state_path, ca=args.ca, cert=args.cert,
-                               key=args.key, server_name=args.server_name, on_task=on_task, on_event=on_event, **timeout)
+            return runtime.run_client(
+                member,
+                coordinator=args.coordinator,
+                state_path=state_path,
+                ca=args.ca,
+                cert=args.cert,
+                key=args.key,
+                server_name=args.server_name,
+                on_task=on_task,
+                on_event=on_event,
+                **timeout,
+            )
 
         with GracefulStop(interrupt, what="client"):
             if torchrun_rank() is not None:  # rank 0 serves the coordinator's tasks, the other ranks rank 0's
@@ -177,7 +215,9 @@ def serve_client(factory: ClientFactory, args: argparse.Namespace, config: Confi
     except ValueError as exc:
         if isinstance(exc, FedgridError):
             raise
-        raise ConfigError("cert", str(exc)) from None  # TLS files incomplete or unreadable (the message names the file)
+        raise ConfigError(
+            "cert", str(exc)
+        ) from None  # TLS files incomplete or unreadable (the message names the file)
     finally:
         if http is not None:
             http.stop()
@@ -200,8 +240,11 @@ def enroll_token(args: argparse.Namespace) -> str:
     if args.enroll and args.enroll_file:
         raise ConfigError("enroll", "give the token once: --enroll TOKEN or --enroll-file FILE, not both")
     if args.enroll:
-        print("fedgrid client: warning: the token on the command line is visible to other users of this machine "
-              f"until it is spent; prefer --enroll-file FILE or ${ENROLL_TOKEN_ENV}", file=sys.stderr)
+        print(
+            "fedgrid client: warning: the token on the command line is visible to other users of this machine "
+            f"until it is spent; prefer --enroll-file FILE or ${ENROLL_TOKEN_ENV}",
+            file=sys.stderr,
+        )
         return str(args.enroll)
     if args.enroll_file:
         try:
@@ -210,7 +253,9 @@ def enroll_token(args: argparse.Namespace) -> str:
         except OSError as exc:
             raise ConfigError("enroll_file", f"cannot read {args.enroll_file}: {exc.strerror}") from None
         if len(data) > MAX_TOKEN_FILE_BYTES:
-            raise ConfigError("enroll_file", f"{args.enroll_file} is over {MAX_TOKEN_FILE_BYTES} bytes: not a token file")
+            raise ConfigError(
+                "enroll_file", f"{args.enroll_file} is over {MAX_TOKEN_FILE_BYTES} bytes: not a token file"
+            )
         token = data.decode("ascii", "replace").strip()
         if not token:
             raise ConfigError("enroll_file", f"{args.enroll_file} is empty")
@@ -223,16 +268,37 @@ def enroll_client(args: argparse.Namespace) -> None:
     from fedgrid.client.enroll import enroll
 
     if not args.enroll:
-        raise ConfigError("enroll", "--enroll-address and --name go with --enroll TOKEN, --enroll-file FILE or "
-                          f"${ENROLL_TOKEN_ENV} (under mTLS the certificate names the client)")
-    missing = [flag for flag, value in (("--enroll-address", args.enroll_address), ("--ca", args.ca), ("--cert", args.cert),
-                                        ("--key", args.key)) if not value]
+        raise ConfigError(
+            "enroll",
+            "--enroll-address and --name go with --enroll TOKEN, --enroll-file FILE or "
+            f"${ENROLL_TOKEN_ENV} (under mTLS the certificate names the client)",
+        )
+    missing = [
+        flag
+        for flag, value in (
+            ("--enroll-address", args.enroll_address),
+            ("--ca", args.ca),
+            ("--cert", args.cert),
+            ("--key", args.key),
+        )
+        if not value
+    ]
     if missing:
-        raise ConfigError("enroll", f"--enroll needs {', '.join(missing)}: the enrollment service, the CA bundle that signs "
-                          "the coordinator, and where this client's certificate and key go")
+        raise ConfigError(
+            "enroll",
+            f"--enroll needs {', '.join(missing)}: the enrollment service, the CA bundle that signs "
+            "the coordinator, and where this client's certificate and key go",
+        )
     try:
-        identity = enroll(args.enroll_address, args.enroll, ca=args.ca, cert=args.cert, key=args.key,
-                          server_name=args.server_name, name=args.name)
+        identity = enroll(
+            args.enroll_address,
+            args.enroll,
+            ca=args.ca,
+            cert=args.cert,
+            key=args.key,
+            server_name=args.server_name,
+            name=args.name,
+        )
     except ValueError as exc:
         if isinstance(exc, FedgridError):  # PKIError: a file named in the message
             raise

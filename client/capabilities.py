@@ -26,7 +26,13 @@ from typing import Any
 
 import torch
 
-from fedgrid.capabilities import MAX_ACCELERATORS, MAX_MEMORY_BYTES, Capabilities, CapabilityOverride, parse_size
+from fedgrid.capabilities import (
+    MAX_ACCELERATORS,
+    MAX_MEMORY_BYTES,
+    Capabilities,
+    CapabilityOverride,
+    parse_size,
+)
 from fedgrid.config import Config
 
 __all__ = ["detect_capabilities", "host_memory_bytes", "override_from", "CGROUP_LIMIT_FILES"]
@@ -67,7 +73,11 @@ def detect_capabilities(device: Any = None) -> Capabilities:
     except (RuntimeError, AssertionError) as exc:  # a CUDA device named on a host whose driver is gone
         log.warning("cannot read the CUDA devices (%s): reporting 0 accelerators and 0 bytes", exc)
         count, memory = 0, 0
-    return Capabilities(device="cuda", num_accelerators=min(count, MAX_ACCELERATORS), memory_bytes=min(memory, MAX_MEMORY_BYTES))
+    return Capabilities(
+        device="cuda",
+        num_accelerators=min(count, MAX_ACCELERATORS),
+        memory_bytes=min(memory, MAX_MEMORY_BYTES),
+    )
 
 
 def override_from(config: Config) -> CapabilityOverride:

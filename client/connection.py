@@ -33,26 +33,35 @@ from fedgrid.client.rpc import (
     check_target,
 )
 from fedgrid.client.uplink import UplinkEncoder
+from fedgrid.compression import available_codecs
+from fedgrid.compression.feedback import apply_delta
 from fedgrid.constants import (
     CONNECT_TIMEOUT_S,
+    MAX_REASON_CHARS,
     POLL_WAIT_S,
     RETRY_MAX_ELAPSED_S,
     RETRY_MAX_WAIT_S,
     RPC_TIMEOUT_S,
     TRANSFER_TIMEOUT_S,
 )
-from fedgrid.compression import available_codecs
-from fedgrid.compression.feedback import apply_delta
 from fedgrid.errors import InvalidUpdateError
-from fedgrid.constants import MAX_REASON_CHARS
+from fedgrid.pki import identity_of
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
 from fedgrid.proto import serde
 from fedgrid.proto.tls import TLSFiles, channel_credentials, session_metadata
-from fedgrid.pki import identity_of
 from fedgrid.types import ModelState
 
-__all__ = ["Connection", "RpcFailed", "CoordinatorUnreachable", "UploadAttempt", "TRANSIENT", "GRPC_OPTIONS", "SERVICE", "check_target"]
+__all__ = [
+    "Connection",
+    "RpcFailed",
+    "CoordinatorUnreachable",
+    "UploadAttempt",
+    "TRANSIENT",
+    "GRPC_OPTIONS",
+    "SERVICE",
+    "check_target",
+]
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +93,6 @@ def _open_channel(target: str, tls: TLSFiles | None, server_name: str) -> grpc.C
     return grpc.secure_channel(target, channel_credentials(tls), options=options)
 
 
-
 @dataclass(frozen=True)
 class UploadAttempt:
     """One try at an upload: the chunk it started from, the bytes it sent (``sent[0]``) and
@@ -97,7 +105,6 @@ class UploadAttempt:
     @property
     def bytes_sent(self) -> int:
         return self.sent[0]
-
 
 
 class Connection:
@@ -144,10 +151,16 @@ class Connection:
         self.channel = _open_channel(target, tls, server_name)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
         # The chunk streams carry encoded Chunk messages as bytes (see server/service.py).
-        self._download = self.channel.unary_stream(f"/{SERVICE}/DownloadModel", response_deserializer=None,
-                                                   request_serializer=pb.DownloadRequest.SerializeToString)
-        self._upload = self.channel.stream_unary(f"/{SERVICE}/UploadUpdate", request_serializer=None,
-                                                 response_deserializer=pb.UploadReply.FromString)
+        self._download = self.channel.unary_stream(
+            f"/{SERVICE}/DownloadModel",
+            response_deserializer=None,
+            request_serializer=pb.DownloadRequest.SerializeToString,
+        )
+        self._upload = self.channel.stream_unary(
+            f"/{SERVICE}/UploadUpdate",
+            request_serializer=None,
+            response_deserializer=pb.UploadReply.FromString,
+        )
         self.rpc_timeout = rpc_timeout
         self.transfer_timeout = transfer_timeout
         self.stop = stop or threading.Event()
@@ -207,7 +220,12 @@ class Connection:
             retry=tenacity.retry_if_exception(_is_transient),
             wait=tenacity.wait_random_exponential(multiplier=0.2, max=self._retry_max_wait),
             stop=tenacity.stop_after_delay(budget) | tenacity.stop_when_event_set(self.stop),
-            before_sleep=lambda rs: log.info("retrying %s on %s: %s", method, self.target, _describe(rs.outcome.exception() if rs.outcome else None)),
+            before_sleep=lambda rs: log.info(
+                "retrying %s on %s: %s",
+                method,
+                self.target,
+                _describe(rs.outcome.exception() if rs.outcome else None),
+            ),
             reraise=True,
         )
         try:
@@ -215,7 +233,9 @@ class Connection:
         except grpc.RpcError as exc:
             details = (exc.details() or "") + self._hint(exc)
             if connecting and _is_transient(exc) and not self.stop.is_set():
-                raise CoordinatorUnreachable(self.target, budget, exc.code(), details, self.tls is not None) from exc
+                raise CoordinatorUnreachable(
+                    self.target, budget, exc.code(), details, self.tls is not None
+                ) from exc
             raise RpcFailed(method, exc.code(), _one_line(details)) from exc
         self.reached = True
         return result
@@ -227,8 +247,10 @@ class Connection:
             return ""
         if self.tls is None:
             return " (a coordinator that requires mutual TLS closes plaintext connections: give ca, cert and key)"
-        return (" (a coordinator closes the connection at the handshake when it does not accept the client's certificate: "
-                "signed by another CA, expired or not yet valid, or not a client certificate)")
+        return (
+            " (a coordinator closes the connection at the handshake when it does not accept the client's certificate: "
+            "signed by another CA, expired or not yet valid, or not a client certificate)"
+        )
 
     def join(self, client: Client) -> None:
         caps = client.capabilities()
@@ -236,8 +258,12 @@ class Connection:
             name="" if self.tls is not None else client.name,  # under mTLS the certificate names it
             region=client.region,
             num_examples=client.num_examples,
-            capabilities=pb.Capabilities(device=caps.device, num_accelerators=caps.num_accelerators, memory_bytes=caps.memory_bytes,
-                                         codecs=list(available_codecs())),
+            capabilities=pb.Capabilities(
+                device=caps.device,
+                num_accelerators=caps.num_accelerators,
+                memory_bytes=caps.memory_bytes,
+                codecs=list(available_codecs()),
+            ),
         )
         reply: pb.JoinReply = self._call("Join", lambda: self.stub.Join(request, timeout=self.rpc_timeout))
         self.client_id, self.token, self.run_id = reply.client_id, reply.session_token, reply.run_id
@@ -249,15 +275,25 @@ class Connection:
         request = pb.PollRequest(client_id=self.client_id, wait_s=wait_s)
         self.polling = True  # a long poll in flight tells the coordinator this client is alive
         try:
-            return self._call("PollTask", lambda: self.stub.PollTask(request, metadata=self._session(), timeout=wait_s + self.rpc_timeout))
+            return self._call(
+                "PollTask",
+                lambda: self.stub.PollTask(
+                    request, metadata=self._session(), timeout=wait_s + self.rpc_timeout
+                ),
+            )
         finally:
             self.polling = False
 
     def report_failure(self, task_id: str, reason: str) -> None:
         """Tells the coordinator that this client's task ``task_id`` failed, so that the round
         records it at once (the reason is cut to what the coordinator accepts)."""
-        request = pb.ReportFailureRequest(client_id=self.client_id, task_id=task_id, reason=reason[:MAX_REASON_CHARS])
-        self._call("ReportFailure", lambda: self.stub.ReportFailure(request, metadata=self._session(), timeout=self.rpc_timeout))
+        request = pb.ReportFailureRequest(
+            client_id=self.client_id, task_id=task_id, reason=reason[:MAX_REASON_CHARS]
+        )
+        self._call(
+            "ReportFailure",
+            lambda: self.stub.ReportFailure(request, metadata=self._session(), timeout=self.rpc_timeout),
+        )
 
     def leave(self, reason: str, *, timeout: float = 5.0) -> bool:
         """Tells the coordinator this client is going (one try, ``timeout`` seconds: the client
@@ -275,10 +311,15 @@ class Connection:
         request = pb.SendMessagesRequest(
             client_id=self.client_id, task_id=task_id, messages=serde.envelopes_to_pb(messages.items())
         )
-        reply: pb.SendMessagesReply = self._call("SendMessages", lambda: self.stub.SendMessages(request, metadata=self._session(), timeout=self.rpc_timeout))
+        reply: pb.SendMessagesReply = self._call(
+            "SendMessages",
+            lambda: self.stub.SendMessages(request, metadata=self._session(), timeout=self.rpc_timeout),
+        )
         return reply.bytes_accepted
 
-    def receive_messages(self, task_id: str, *, deadline_s: float, wait_s: float = POLL_WAIT_S) -> "OrderedDict[str, bytes]":
+    def receive_messages(
+        self, task_id: str, *, deadline_s: float, wait_s: float = POLL_WAIT_S
+    ) -> "OrderedDict[str, bytes]":
         """The messages relayed to this client in message phase ``task_id``, by sender:
         long-polls until the phase closed (at most ``deadline_s``), then reads every page.
 
@@ -289,9 +330,14 @@ class Connection:
         give_up = time.monotonic() + deadline_s
         while not self.stop.is_set():
             wait = max(0.0, min(wait_s, give_up - time.monotonic()))
-            request = pb.ReceiveMessagesRequest(client_id=self.client_id, task_id=task_id, start=len(inbox), wait_s=wait)
+            request = pb.ReceiveMessagesRequest(
+                client_id=self.client_id, task_id=task_id, start=len(inbox), wait_s=wait
+            )
             reply: pb.ReceiveMessagesReply = self._call(
-                "ReceiveMessages", lambda: self.stub.ReceiveMessages(request, metadata=self._session(), timeout=wait + self.rpc_timeout)
+                "ReceiveMessages",
+                lambda: self.stub.ReceiveMessages(
+                    request, metadata=self._session(), timeout=wait + self.rpc_timeout
+                ),
             )
             if reply.ready:
                 inbox.update((m.peer, m.payload) for m in reply.messages)
@@ -309,13 +355,17 @@ class Connection:
 
     def heartbeat_future(self) -> "grpc.Future":
         """A heartbeat sent without waiting for its answer (``_Heartbeat``); ``.result()`` is the reply."""
-        return self.stub.Heartbeat.future(pb.HeartbeatRequest(client_id=self.client_id), metadata=self._session(), timeout=self.rpc_timeout)
+        return self.stub.Heartbeat.future(
+            pb.HeartbeatRequest(client_id=self.client_id), metadata=self._session(), timeout=self.rpc_timeout
+        )
 
     def download(self, task_id: str) -> ModelState:
         """The model of ``task_id``, checked tensor by tensor (checksums, sizes)."""
         return self.download_stream(task_id)[1]
 
-    def download_stream(self, task_id: str, *, have_version: int | None = None) -> tuple[serde.StreamInfo, ModelState]:
+    def download_stream(
+        self, task_id: str, *, have_version: int | None = None
+    ) -> tuple[serde.StreamInfo, ModelState]:
         """The stream of ``task_id``: its header (a difference? which versions?) and tensors."""
         request = pb.DownloadRequest(client_id=self.client_id, task_id=task_id)
         if have_version is not None:
@@ -336,7 +386,9 @@ class Connection:
         info, received = self.download_stream(task_id, have_version=self.held_version)
         if info.delta:
             if self.held is None or info.base_version != self.held_version:
-                raise InvalidUpdateError(f"downlink difference applies to version {info.base_version}, client holds {self.held_version}")
+                raise InvalidUpdateError(
+                    f"downlink difference applies to version {info.base_version}, client holds {self.held_version}"
+                )
             self.held = apply_delta(self.held, received)
         else:
             self.held = received
@@ -360,8 +412,15 @@ class Connection:
         update already accepted counts as success."""
         uplink = self._uplink(codec, has_global=global_state is not None)
         encoded, delta = uplink.encode(global_state=global_state or {}, new_state=state)
-        info = serde.StreamInfo(run_id=self.run_id, task_id=task_id, round=server_round, client_id=self.client_id,
-                                num_examples=num_examples, metrics=metrics, delta=delta)
+        info = serde.StreamInfo(
+            run_id=self.run_id,
+            task_id=task_id,
+            round=server_round,
+            client_id=self.client_id,
+            num_examples=num_examples,
+            metrics=metrics,
+            delta=delta,
+        )
         self.upload_attempts = []
         status_request = pb.UploadStatusRequest(client_id=self.client_id, task_id=task_id)
 
@@ -372,11 +431,17 @@ class Connection:
             nonlocal chunk_size, stalled
             start = 0
             if self.upload_attempts:  # a retry: continue from what the coordinator holds
-                status = self.stub.UploadStatus(status_request, metadata=self._session(), timeout=self.rpc_timeout)
+                status = self.stub.UploadStatus(
+                    status_request, metadata=self._session(), timeout=self.rpc_timeout
+                )
                 if status.accepted:
                     return encoded.total_bytes  # an earlier attempt landed; its reply was lost
                 start = int(status.chunks_received)
-                if stalled and start <= self.upload_attempts[-1].start_chunk and chunk_size > MIN_UPLOAD_CHUNK:
+                if (
+                    stalled
+                    and start <= self.upload_attempts[-1].start_chunk
+                    and chunk_size > MIN_UPLOAD_CHUNK
+                ):
                     # Not one more chunk got through before the deadline: chunks this size take
                     # longer than the coordinator waits for one. Start over in smaller ones (a
                     # resume must keep the size of the chunks it continues).
@@ -414,8 +479,11 @@ class Connection:
         """The upload chunk size after a try in which no chunk reached the coordinator in time
         (half, down to ``MIN_UPLOAD_CHUNK``); the connection keeps it (``upload_chunk_cap``)."""
         self.upload_chunk_cap = max(MIN_UPLOAD_CHUNK, chunk_size // 2)
-        log.warning("upload of task %r: no chunk reached the coordinator in time; sending %d-byte chunks from now on",
-                    task_id, self.upload_chunk_cap)
+        log.warning(
+            "upload of task %r: no chunk reached the coordinator in time; sending %d-byte chunks from now on",
+            task_id,
+            self.upload_chunk_cap,
+        )
         return self.upload_chunk_cap
 
     def _counted(self, frames: Iterator[bytes], sent: list[int]) -> Iterator[bytes]:
@@ -452,7 +520,9 @@ class _Heartbeat(threading.Thread):
                         log.debug("heartbeat failed: %s", exc.code())  # the main loop's retries decide
                 if self.conn.polling:  # a client holding a poll counts as alive
                     continue
-                if len(in_flight) > self.conn.rpc_timeout / max(interval, 1e-3) + 1:  # a deadline that did not fire: never pile up
+                if (
+                    len(in_flight) > self.conn.rpc_timeout / max(interval, 1e-3) + 1
+                ):  # a deadline that did not fire: never pile up
                     continue
                 try:
                     in_flight.append(self.conn.heartbeat_future())

@@ -28,12 +28,12 @@ from pathlib import Path
 import grpc
 import tenacity
 
+from fedgrid.client.runtime import RpcFailed
 from fedgrid.constants import ENROLL_TIMEOUT_S, RETRY_MAX_ELAPSED_S, RETRY_MAX_WAIT_S
 from fedgrid.errors import PKIError
 from fedgrid.pki import check_identity, identity_of, load_pem_files, make_csr, write_atomic
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
-from fedgrid.client.runtime import RpcFailed
 
 __all__ = ["enroll", "default_name", "RETRIED"]
 
@@ -67,26 +67,44 @@ def _existing_identity(ca: str, cert: Path, key: Path, name: str | None) -> str 
         load_pem_files(ca, cert, key)
         identity = identity_of(cert.read_bytes())
     except ValueError as exc:  # PKIError is one
-        raise PKIError(f"{cert} and {key} exist but are not a valid client identity of {ca} ({exc}); "
-                       "remove both to enroll again with a new token") from None
+        raise PKIError(
+            f"{cert} and {key} exist but are not a valid client identity of {ca} ({exc}); "
+            "remove both to enroll again with a new token"
+        ) from None
     if name is not None and name != identity:
-        raise PKIError(f"{cert} holds identity {identity!r}, not {name!r}; remove {cert} and {key} to enroll as {name!r}")
+        raise PKIError(
+            f"{cert} holds identity {identity!r}, not {name!r}; remove {cert} and {key} to enroll as {name!r}"
+        )
     return identity
 
 
-def _request(address: str, request: pb.EnrollRequest, ca_pem: bytes, *, server_name: str, timeout: float,
-             retry_max_elapsed: float) -> pb.EnrollReply:
-    options: list[tuple[str, int | str]] = [("grpc.max_receive_message_length", 64 * 1024), ("grpc.use_local_subchannel_pool", 1)]
+def _request(
+    address: str,
+    request: pb.EnrollRequest,
+    ca_pem: bytes,
+    *,
+    server_name: str,
+    timeout: float,
+    retry_max_elapsed: float,
+) -> pb.EnrollReply:
+    options: list[tuple[str, int | str]] = [
+        ("grpc.max_receive_message_length", 64 * 1024),
+        ("grpc.use_local_subchannel_pool", 1),
+    ]
     if server_name:
         options.append(("grpc.ssl_target_name_override", server_name))
     retrying = tenacity.Retrying(
         retry=tenacity.retry_if_exception(lambda e: isinstance(e, grpc.RpcError) and e.code() in RETRIED),
         wait=tenacity.wait_random_exponential(multiplier=0.2, max=RETRY_MAX_WAIT_S),
         stop=tenacity.stop_after_delay(retry_max_elapsed),
-        before_sleep=lambda rs: log.info("retrying enrollment: %s", rs.outcome.exception() if rs.outcome else ""),
+        before_sleep=lambda rs: log.info(
+            "retrying enrollment: %s", rs.outcome.exception() if rs.outcome else ""
+        ),
         reraise=True,
     )
-    with grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca_pem), options=options) as channel:
+    with grpc.secure_channel(
+        address, grpc.ssl_channel_credentials(root_certificates=ca_pem), options=options
+    ) as channel:
         stub = pb_grpc.EnrollmentStub(channel)
         try:
             return retrying(lambda: stub.Enroll(request, timeout=timeout))
@@ -142,9 +160,17 @@ def enroll(
     except OSError as exc:
         raise PKIError(f"{ca}: CA bundle not readable ({exc.strerror})") from None
     csr_pem = _key_and_csr(identity, key_path)
-    reply = _request(address, pb.EnrollRequest(token=token.strip(), csr_pem=csr_pem), ca_pem, server_name=server_name,
-                     timeout=timeout, retry_max_elapsed=retry_max_elapsed)
-    _install_certificate(reply, address=address, ca=ca, cert_path=cert_path, key_path=key_path, identity=identity)
+    reply = _request(
+        address,
+        pb.EnrollRequest(token=token.strip(), csr_pem=csr_pem),
+        ca_pem,
+        server_name=server_name,
+        timeout=timeout,
+        retry_max_elapsed=retry_max_elapsed,
+    )
+    _install_certificate(
+        reply, address=address, ca=ca, cert_path=cert_path, key_path=key_path, identity=identity
+    )
     log.info("enrolled as %r: certificate %s, key %s", identity, cert_path, key_path)
     return identity
 
@@ -163,14 +189,23 @@ def _key_and_csr(identity: str, key_path: Path) -> bytes:
         raise PKIError(f"{key_path}: {exc}; remove it to enroll with a new key") from None
     if old_key is None:
         key_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        write_atomic(key_path, key_pem, 0o600)  # on disk before the CSR leaves: no certificate without its key
+        write_atomic(
+            key_path, key_pem, 0o600
+        )  # on disk before the CSR leaves: no certificate without its key
     else:
         log.info("enrolling with the key an earlier enrollment left in %s", key_path)
     return csr_pem
 
 
-def _install_certificate(reply: pb.EnrollReply, *, address: str, ca: str | os.PathLike[str], cert_path: Path,
-                         key_path: Path, identity: str) -> None:
+def _install_certificate(
+    reply: pb.EnrollReply,
+    *,
+    address: str,
+    ca: str | os.PathLike[str],
+    cert_path: Path,
+    key_path: Path,
+    identity: str,
+) -> None:
     """Writes the certificate of ``reply`` to ``cert_path`` once it checks out: signed by
     ``ca``, for the key in ``key_path``, valid now, a client certificate of ``identity``.
 
@@ -184,13 +219,17 @@ def _install_certificate(reply: pb.EnrollReply, *, address: str, ca: str | os.Pa
         load_pem_files(ca, staged, key_path)  # signed by ca, for this key, valid now
         got = identity_of(reply.certificate_pem)  # a client certificate (clientAuth) and its name
         if got != identity or reply.identity != identity:
-            raise PKIError(f"the enrollment service returned a certificate of {got!r} (reply names {reply.identity[:128]!r}), "
-                           f"not of {identity!r}")
+            raise PKIError(
+                f"the enrollment service returned a certificate of {got!r} (reply names {reply.identity[:128]!r}), "
+                f"not of {identity!r}"
+            )
         # Written again, not renamed: write_atomic also makes the rename durable, so the
         # certificate the token paid for survives a power cut.
         write_atomic(cert_path, reply.certificate_pem, 0o644)
     except ValueError as exc:
-        raise PKIError(f"the certificate the enrollment service at {address} returned does not check out: {exc}") from None
+        raise PKIError(
+            f"the certificate the enrollment service at {address} returned does not check out: {exc}"
+        ) from None
     finally:
         with contextlib.suppress(FileNotFoundError):
             staged.unlink()

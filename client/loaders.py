@@ -22,7 +22,15 @@ from functools import cached_property
 from typing import Any, Iterator
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler, Subset, TensorDataset
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    RandomSampler,
+    SequentialSampler,
+    Subset,
+    TensorDataset,
+)
 from torch.utils.data._utils.collate import default_collate
 
 __all__ = ["NotPlainLoader", "PlainLoader", "plain_loader"]
@@ -69,7 +77,9 @@ class PlainLoader:
         does. Its dataset hands over the whole batch of positions in one call (no
         per-example fetch and collate)."""
         n = len(self)
-        return DataLoader(_Positions(n), batch_size=n, shuffle=self.shuffle, generator=self.generator, collate_fn=_as_is)
+        return DataLoader(
+            _Positions(n), batch_size=n, shuffle=self.shuffle, generator=self.generator, collate_fn=_as_is
+        )
 
     def index_batches(self, order: torch.Tensor) -> list[torch.Tensor]:
         """``order`` cut into the loader's batches of positions (the last one dropped if short and ``drop_last``)."""
@@ -111,7 +121,9 @@ def _as_is(batch: Any) -> Any:
 def _reads_as(dataset: object, kind: type) -> bool:
     """``dataset`` fetches examples as ``kind`` does (a subclass that overrides ``__getitem__``,
     to transform or augment, does not)."""
-    return all(getattr(type(dataset), m, None) is getattr(kind, m, None) for m in ("__getitem__", "__getitems__"))
+    return all(
+        getattr(type(dataset), m, None) is getattr(kind, m, None) for m in ("__getitem__", "__getitems__")
+    )
 
 
 def _dataset_of(loader: DataLoader) -> tuple[TensorDataset, torch.Tensor | None]:
@@ -120,9 +132,14 @@ def _dataset_of(loader: DataLoader) -> tuple[TensorDataset, torch.Tensor | None]
         idx = torch.as_tensor(list(dataset.indices), dtype=torch.int64)
         local = idx if local is None else idx[local]
         dataset = dataset.dataset
-    if not (isinstance(dataset, TensorDataset) and _reads_as(dataset, TensorDataset)) or len(dataset.tensors) != 2:
-        raise NotPlainLoader(f"its dataset is {type(dataset).__name__}, not a TensorDataset of (inputs, targets) or a Subset of one "
-                             "(read through their own __getitem__)")
+    if (
+        not (isinstance(dataset, TensorDataset) and _reads_as(dataset, TensorDataset))
+        or len(dataset.tensors) != 2
+    ):
+        raise NotPlainLoader(
+            f"its dataset is {type(dataset).__name__}, not a TensorDataset of (inputs, targets) or a Subset of one "
+            "(read through their own __getitem__)"
+        )
     return dataset, local
 
 
@@ -136,16 +153,30 @@ def plain_loader(loader: object) -> PlainLoader:
         raise NotPlainLoader(f"its train_loader is a {type(loader).__name__}, not a torch DataLoader")
     if loader.num_workers != 0:
         raise NotPlainLoader("its DataLoader uses worker processes (num_workers > 0)")
-    if loader.collate_fn is not default_collate or loader.batch_size is None or type(loader.batch_sampler) is not BatchSampler:
+    if (
+        loader.collate_fn is not default_collate
+        or loader.batch_size is None
+        or type(loader.batch_sampler) is not BatchSampler
+    ):
         raise NotPlainLoader("its DataLoader has a custom collate_fn or batch sampler")
     sampler = loader.sampler
     if type(sampler) is RandomSampler:
-        if sampler.replacement or sampler._num_samples is not None or sampler.generator is not loader.generator:
-            raise NotPlainLoader("its RandomSampler draws with replacement, a custom number of samples or its own generator")
+        if (
+            sampler.replacement
+            or sampler._num_samples is not None
+            or sampler.generator is not loader.generator
+        ):
+            raise NotPlainLoader(
+                "its RandomSampler draws with replacement, a custom number of samples or its own generator"
+            )
         shuffle = True
     elif type(sampler) is SequentialSampler:
         shuffle = False
     else:
-        raise NotPlainLoader(f"its DataLoader samples with {type(sampler).__name__}, not RandomSampler or SequentialSampler")
+        raise NotPlainLoader(
+            f"its DataLoader samples with {type(sampler).__name__}, not RandomSampler or SequentialSampler"
+        )
     dataset, local = _dataset_of(loader)
-    return PlainLoader(dataset, local, int(loader.batch_size), shuffle, bool(loader.drop_last), loader.generator)
+    return PlainLoader(
+        dataset, local, int(loader.batch_size), shuffle, bool(loader.drop_last), loader.generator
+    )

@@ -60,14 +60,20 @@ class ClientMonitor:
     def __init__(self, *, name: str = "", coordinator: str = "") -> None:
         prom = require_prometheus()
         self.registry = r = prom.CollectorRegistry(auto_describe=True)
-        self.rounds = prom.Counter("fedgrid_client_rounds_trained", "fit tasks trained and uploaded", registry=r)
+        self.rounds = prom.Counter(
+            "fedgrid_client_rounds_trained", "fit tasks trained and uploaded", registry=r
+        )
         self.tasks = prom.Counter("fedgrid_client_tasks", "tasks finished", ["kind"], registry=r)
-        self.examples = prom.Counter("fedgrid_client_examples", "examples the results claimed", ["kind"], registry=r)
+        self.examples = prom.Counter(
+            "fedgrid_client_examples", "examples the results claimed", ["kind"], registry=r
+        )
         self.last_loss = prom.Gauge("fedgrid_client_last_loss", "the latest fit result's loss", registry=r)
         self.last_loss.set(float("nan"))
         self.last_round = prom.Gauge("fedgrid_client_last_round", "the round of the latest task", registry=r)
         self.bytes = prom.Counter("fedgrid_client_bytes", "wire bytes moved", ["direction"], registry=r)
-        self.retries = prom.Counter("fedgrid_client_upload_retries", "upload tries after the first", registry=r)
+        self.retries = prom.Counter(
+            "fedgrid_client_upload_retries", "upload tries after the first", registry=r
+        )
         for kind in ("fit", "evaluate"):
             self.tasks.labels(kind=kind)
             self.examples.labels(kind=kind)
@@ -78,10 +84,23 @@ class ClientMonitor:
         self._lock = threading.Lock()
         self._started = time.monotonic()
         self._view: dict[str, Any] = {
-            "name": _label(name, MAX_NAME_CHARS), "coordinator": _label(coordinator, ESCAPE_LIMIT), "client_id": "",
-            "run_id": "", "state": "connecting", "joined": False, "joins": 0, "round": 0, "task": None,
-            "rounds_trained": 0, "tasks": {"fit": 0, "evaluate": 0}, "last_loss": None, "bytes_up": 0, "bytes_down": 0,
-            "upload_retries": 0, "last_error": None, "last_error_round": None,
+            "name": _label(name, MAX_NAME_CHARS),
+            "coordinator": _label(coordinator, ESCAPE_LIMIT),
+            "client_id": "",
+            "run_id": "",
+            "state": "connecting",
+            "joined": False,
+            "joins": 0,
+            "round": 0,
+            "task": None,
+            "rounds_trained": 0,
+            "tasks": {"fit": 0, "evaluate": 0},
+            "last_loss": None,
+            "bytes_up": 0,
+            "bytes_down": 0,
+            "upload_retries": 0,
+            "last_error": None,
+            "last_error_round": None,
         }
 
     def on_task(self, report: TaskReport) -> None:
@@ -113,8 +132,14 @@ class ClientMonitor:
         with self._lock:
             v = self._view
             if event.kind == "joined":
-                v.update(client_id=_label(event.client_id, ESCAPE_LIMIT), run_id=_label(event.run_id, ESCAPE_LIMIT),
-                         joined=True, joins=v["joins"] + 1, state="idle", task=None)
+                v.update(
+                    client_id=_label(event.client_id, ESCAPE_LIMIT),
+                    run_id=_label(event.run_id, ESCAPE_LIMIT),
+                    joined=True,
+                    joins=v["joins"] + 1,
+                    state="idle",
+                    task=None,
+                )
             elif event.kind == "polling":
                 v.update(state="idle", task=None)
             elif event.kind == "task":
@@ -123,9 +148,14 @@ class ClientMonitor:
                 v.update(last_error=escape(event.detail), last_error_round=event.round)
             elif event.kind in ("finished", "left"):
                 # Stopped on purpose (``stop``, Ctrl-C, SIGTERM) or not: ``detail`` is the exception.
-                failed = event.kind == "left" and not (event.detail == "stopped" or event.detail.startswith("KeyboardInterrupt"))
-                v.update(state="finished" if event.kind == "finished" else "failed" if failed else "stopped",
-                         joined=False, task=None)
+                failed = event.kind == "left" and not (
+                    event.detail == "stopped" or event.detail.startswith("KeyboardInterrupt")
+                )
+                v.update(
+                    state="finished" if event.kind == "finished" else "failed" if failed else "stopped",
+                    joined=False,
+                    task=None,
+                )
                 if failed:
                     v.update(last_error=escape(event.detail), last_error_round=None)
 
@@ -150,13 +180,21 @@ class ClientMonitor:
     def routes(self) -> dict[str, Route]:
         """``/metrics`` and ``/api/status``, both behind the bearer token when there is one."""
         return {
-            "/metrics": Route(lambda: Response(self._generate(self.registry), content_type=self._content_type)),
-            "/api/status": Route(lambda: Response(json.dumps(self.status(), ensure_ascii=True, allow_nan=False).encode(),
-                                                  content_type="application/json")),
+            "/metrics": Route(
+                lambda: Response(self._generate(self.registry), content_type=self._content_type)
+            ),
+            "/api/status": Route(
+                lambda: Response(
+                    json.dumps(self.status(), ensure_ascii=True, allow_nan=False).encode(),
+                    content_type="application/json",
+                )
+            ),
         }
 
 
-def serve_client_metrics(address: str, *, token_file: str = "", name: str = "", coordinator: str = "") -> tuple[ClientMonitor, StatusServer]:
+def serve_client_metrics(
+    address: str, *, token_file: str = "", name: str = "", coordinator: str = ""
+) -> tuple[ClientMonitor, StatusServer]:
     """A started ``StatusServer`` on ``address`` serving a new ``ClientMonitor``'s ``/metrics``
     and ``/api/status`` (``name`` and ``coordinator`` as ``ClientMonitor`` takes them).
 

@@ -102,8 +102,15 @@ class ParallelSpec:
     collective_timeout_s: float = 300.0
 
     @classmethod
-    def parse(cls, nproc: int, parallel: str = "dp", *, comm_hook: str = "none", backend: str = "",
-              collective_timeout_s: float = 300.0) -> "ParallelSpec":
+    def parse(
+        cls,
+        nproc: int,
+        parallel: str = "dp",
+        *,
+        comm_hook: str = "none",
+        backend: str = "",
+        collective_timeout_s: float = 300.0,
+    ) -> "ParallelSpec":
         """``--nproc-per-node N --parallel dp|fsdp|hsdp:RxS --comm-hook H``, checked.
 
         Raises:
@@ -121,13 +128,21 @@ class ParallelSpec:
                 r_text, s_text = shape.lower().split("x")
                 replicas, shards = int(r_text), int(s_text)
             except ValueError:
-                raise ValueError(f"parallel {parallel!r}: expected hsdp:RxS (R replicas, each sharded S ways), e.g. hsdp:2x4") from None
+                raise ValueError(
+                    f"parallel {parallel!r}: expected hsdp:RxS (R replicas, each sharded S ways), e.g. hsdp:2x4"
+                ) from None
             if replicas < 1 or shards < 1 or replicas * shards != nproc:
-                raise ValueError(f"parallel {parallel!r}: R x S must equal nproc_per_node ({nproc}), got {replicas} x {shards}")
+                raise ValueError(
+                    f"parallel {parallel!r}: R x S must equal nproc_per_node ({nproc}), got {replicas} x {shards}"
+                )
         else:
             raise ValueError(f"parallel {parallel!r}: expected dp, fsdp or hsdp:RxS")
         hook, _, hook_rank = comm_hook.partition(":")
-        if hook not in COMM_HOOKS or hook_rank and (hook != "powersgd" or not hook_rank.isdigit() or int(hook_rank) < 1):
+        if (
+            hook not in COMM_HOOKS
+            or hook_rank
+            and (hook != "powersgd" or not hook_rank.isdigit() or int(hook_rank) < 1)
+        ):
             raise ValueError(f"comm_hook {comm_hook!r}: expected none, fp16, bf16 or powersgd[:RANK]")
         if hook == "powersgd" and mode != "dp":
             raise ValueError(f"comm_hook {comm_hook!r} is a DDP hook: it needs parallel dp, not {parallel!r}")
@@ -135,17 +150,24 @@ class ParallelSpec:
             raise ValueError(f"backend {backend!r}: expected nccl or gloo")
         gloo = (backend or ("nccl" if torch.cuda.is_available() else "gloo")) == "gloo"
         if hook == "bf16" and mode == "dp" and gloo:
-            raise ValueError(f"comm_hook {comm_hook!r}: torch's bf16 DDP hook needs NCCL (CUDA); on gloo use fp16 or powersgd")
+            raise ValueError(
+                f"comm_hook {comm_hook!r}: torch's bf16 DDP hook needs NCCL (CUDA); on gloo use fp16 or powersgd"
+            )
         if not collective_timeout_s > 0:
             raise ValueError(f"collective_timeout_s must be positive, got {collective_timeout_s}")
-        return cls(nproc, mode, replicas if mode == "hsdp" else 1, shards if mode != "dp" else 1, comm_hook, backend,
-                   float(collective_timeout_s))
+        return cls(
+            nproc,
+            mode,
+            replicas if mode == "hsdp" else 1,
+            shards if mode != "dp" else 1,
+            comm_hook,
+            backend,
+            float(collective_timeout_s),
+        )
 
     @property
     def resolved_backend(self) -> str:
         return self.backend or ("nccl" if torch.cuda.is_available() else "gloo")
-
-
 
 
 class ParallelClient(Client):
@@ -162,11 +184,20 @@ class ParallelClient(Client):
         TypeError: the factory returns no ``TorchClient``, or one that overrides ``fit``.
     """
 
-    def __init__(self, factory: Callable[..., TorchClient], args: tuple[Any, ...] = (), kwargs: Mapping[str, Any] | None = None,
-                 *, spec: ParallelSpec, threads: int = 0) -> None:
+    def __init__(
+        self,
+        factory: Callable[..., TorchClient],
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        *,
+        spec: ParallelSpec,
+        threads: int = 0,
+    ) -> None:
         self.factory, self.args, self.kwargs = factory, tuple(args), dict(kwargs or {})
         self.spec = spec
-        self.threads = threads or (0 if spec.resolved_backend == "nccl" else max(1, (os.cpu_count() or 1) // spec.nproc))
+        self.threads = threads or (
+            0 if spec.resolved_backend == "nccl" else max(1, (os.cpu_count() or 1) // spec.nproc)
+        )
         first = self._build()
         self._local: TorchClient | None = first
         self.name, self.region = first.name, first.region
@@ -201,8 +232,10 @@ class ParallelClient(Client):
         spec, world = self.spec, self.spec.nproc
         backend = spec.resolved_backend
         if dist.is_initialized():
-            raise RuntimeError("this process already has a torch.distributed process group (another ParallelClient's, or the "
-                               "program's own): a process runs one multi-rank client at a time")
+            raise RuntimeError(
+                "this process already has a torch.distributed process group (another ParallelClient's, or the "
+                "program's own): a process runs one multi-rank client at a time"
+            )
         os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback())  # the workers inherit it
         if backend == "nccl":
             os.environ.setdefault("NCCL_SOCKET_IFNAME", _loopback())
@@ -211,16 +244,35 @@ class ParallelClient(Client):
         store_path = os.path.join(self._dir, f"store-{self._generation}")
         context = mp.get_context("spawn")
         self._workers = [
-            context.Process(target=_worker_main, name=f"fedgrid-rank-{rank}", daemon=True,
-                            args=(rank, world, store_path, spec, self.factory, self.args, self.kwargs, os.getpid(), self.threads))
+            context.Process(
+                target=_worker_main,
+                name=f"fedgrid-rank-{rank}",
+                daemon=True,
+                args=(
+                    rank,
+                    world,
+                    store_path,
+                    spec,
+                    self.factory,
+                    self.args,
+                    self.kwargs,
+                    os.getpid(),
+                    self.threads,
+                ),
+            )
             for rank in range(1, world)
         ]
         for worker in self._workers:
             worker.start()
         device = _device_for(backend, 0)
         store = dist.FileStore(store_path, world)
-        dist.init_process_group(backend=_backends(backend), store=store, rank=0, world_size=world,
-                                timeout=timedelta(seconds=spec.collective_timeout_s))
+        dist.init_process_group(
+            backend=_backends(backend),
+            store=store,
+            rank=0,
+            world_size=world,
+            timeout=timedelta(seconds=spec.collective_timeout_s),
+        )
         local = self._local if self._local is not None else self._build()
         with intra_op_threads(self.threads):
             self._local = _distribute(local, spec, 0, device)
@@ -257,8 +309,14 @@ class ParallelClient(Client):
             if self._commands is not None:
                 self._teardown()
 
-    def _run(self, op: str, state: ModelState, config: Mapping[str, Scalar], call: Callable[[TorchClient, ModelState], Any],
-             round_: int = 0) -> Any:
+    def _run(
+        self,
+        op: str,
+        state: ModelState,
+        config: Mapping[str, Scalar],
+        call: Callable[[TorchClient, ModelState], Any],
+        round_: int = 0,
+    ) -> Any:
         """Runs one task on every rank (starting them first if needed); a failure ends the group.
 
         Raises:
@@ -285,7 +343,9 @@ class ParallelClient(Client):
             except Exception as exc:
                 reason = self._reason(exc)
                 self._teardown()
-                raise RuntimeError(f"parallel client ({self.spec.nproc} ranks): {reason}; its workers start again for the next task") from exc
+                raise RuntimeError(
+                    f"parallel client ({self.spec.nproc} ranks): {reason}; its workers start again for the next task"
+                ) from exc
             if op == "fit":
                 self._saved = self._local.state_dict()
             return out
@@ -295,7 +355,11 @@ class ParallelClient(Client):
         for worker in self._workers:
             worker.join(timeout=1.0)  # a worker that just died needs a moment to be reaped
             if worker.exitcode is not None:
-                how = f"killed by signal {-worker.exitcode}" if worker.exitcode < 0 else f"exit code {worker.exitcode}"
+                how = (
+                    f"killed by signal {-worker.exitcode}"
+                    if worker.exitcode < 0
+                    else f"exit code {worker.exitcode}"
+                )
                 return f"local worker {worker.name} died ({how})"
         return f"{type(exc).__name__}: {exc}"
 

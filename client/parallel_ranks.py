@@ -46,8 +46,12 @@ def _comm_hook(spec: ParallelSpec) -> tuple[Any, Any] | None:
         return None, default_hooks.bf16_compress_hook
     # Compress from the second step on: a federated round is a few hundred steps, not the
     # thousands of warm-up steps PowerSGD's default assumes; error feedback keeps it unbiased.
-    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=int(rank or 1), start_powerSGD_iter=2,
-                                        min_compression_rate=1.0)
+    state = powerSGD_hook.PowerSGDState(
+        process_group=None,
+        matrix_approximation_rank=int(rank or 1),
+        start_powerSGD_iter=2,
+        min_compression_rate=1.0,
+    )
     return state, powerSGD_hook.powerSGD_hook
 
 
@@ -73,7 +77,9 @@ class _DistributedSeams:
 
         # Every rank holds the broadcast download; each keeps its own shard. The helper puts
         # DTensors into the dict it is given: a copy, so the caller's stays plain.
-        set_model_state_dict(self.model, dict(state), options=StateDictOptions(full_state_dict=True, strict=True))
+        set_model_state_dict(
+            self.model, dict(state), options=StateDictOptions(full_state_dict=True, strict=True)
+        )
 
     def _state(self) -> ModelState:
         if self._spec.mode == "dp":
@@ -81,14 +87,18 @@ class _DistributedSeams:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
-        return OrderedDict((k, v.detach().to("cpu").clone()) for k, v in full.items() if isinstance(v, torch.Tensor))
+        return OrderedDict(
+            (k, v.detach().to("cpu").clone()) for k, v in full.items() if isinstance(v, torch.Tensor)
+        )
 
     def _training_module(self) -> nn.Module:
         if self._spec.mode != "dp" or self._world == 1:
             return self.model
         from torch.nn.parallel import DistributedDataParallel
 
-        ddp = DistributedDataParallel(self.model, device_ids=[self.device] if self.device.type == "cuda" else None)
+        ddp = DistributedDataParallel(
+            self.model, device_ids=[self.device] if self.device.type == "cuda" else None
+        )
         if self._hook is not None:
             ddp.register_comm_hook(*self._hook)
         return ddp
@@ -96,9 +106,14 @@ class _DistributedSeams:
     def _batches(self, *, epochs: int, steps: int) -> Iterator[tuple[Any, Any]]:
         for inputs, targets in self._base._batches(self, epochs=epochs, steps=steps):  # type: ignore[arg-type]
             self._global = (inputs, targets)
-            yield torch.tensor_split(inputs, self._world)[self._rank], torch.tensor_split(targets, self._world)[self._rank]
+            yield (
+                torch.tensor_split(inputs, self._world)[self._rank],
+                torch.tensor_split(targets, self._world)[self._rank],
+            )
 
-    def _batch_loss(self, module: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, float]:
+    def _batch_loss(
+        self, module: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, float]:
         batch = len(self._global[1])
         share = len(targets)
         if share == 0:
@@ -121,9 +136,13 @@ def _checked(client: object) -> TorchClient:
         TypeError: anything else (named).
     """
     if not isinstance(client, TorchClient):
-        raise TypeError(f"a parallel client's factory must return a TorchClient (its fit runs on every rank), got {type(client).__name__}")
+        raise TypeError(
+            f"a parallel client's factory must return a TorchClient (its fit runs on every rank), got {type(client).__name__}"
+        )
     if type(client).fit is not TorchClient.fit:
-        raise TypeError(f"{type(client).__name__} overrides TorchClient.fit: a parallel client runs TorchClient's loop on every rank")
+        raise TypeError(
+            f"{type(client).__name__} overrides TorchClient.fit: a parallel client runs TorchClient's loop on every rank"
+        )
     return client
 
 
@@ -134,9 +153,13 @@ def _distribute(client: TorchClient, spec: ParallelSpec, rank: int, device: torc
     # A subclass of the client's own class with the seams in it (a mixin base would change
     # the instance layout, which ``__class__`` assignment refuses); other overrides stay.
     seams_of = {name: value for name, value in vars(_DistributedSeams).items() if callable(value)}
-    client.__class__ = type(f"Distributed{type(client).__name__}", (type(client),), {**seams_of, "_base": type(client)})
+    client.__class__ = type(
+        f"Distributed{type(client).__name__}", (type(client),), {**seams_of, "_base": type(client)}
+    )
     client.device = device
-    client.memory_format = "contiguous"  # DDP's buckets and FSDP2's shards take parameters as they are laid out by default
+    client.memory_format = (
+        "contiguous"  # DDP's buckets and FSDP2's shards take parameters as they are laid out by default
+    )
     client.model = client.model.to(device, memory_format=torch.contiguous_format)
     seams: Any = client
     seams._spec, seams._rank, seams._world = spec, rank, world
@@ -146,7 +169,9 @@ def _distribute(client: TorchClient, spec: ParallelSpec, rank: int, device: torc
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         if spec.mode == "hsdp":
-            mesh = init_device_mesh(device.type, (spec.replicas, spec.shards), mesh_dim_names=("replicate", "shard"))
+            mesh = init_device_mesh(
+                device.type, (spec.replicas, spec.shards), mesh_dim_names=("replicate", "shard")
+            )
         else:
             mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
         reduce_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(spec.comm_hook.partition(":")[0])
@@ -233,8 +258,17 @@ def _serve(client: TorchClient, commands: _Commands, alive: Callable[[], bool]) 
             client.evaluate(state, command["config"])
 
 
-def _worker_main(rank: int, world: int, store_path: str, spec: ParallelSpec, factory: Callable[..., TorchClient],
-                 args: tuple[Any, ...], kwargs: Mapping[str, Any], parent: int, threads: int) -> None:
+def _worker_main(
+    rank: int,
+    world: int,
+    store_path: str,
+    spec: ParallelSpec,
+    factory: Callable[..., TorchClient],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    parent: int,
+    threads: int,
+) -> None:
     """A spawned rank: joins the group, builds its client, serves rank 0's commands."""
     if threads:
         torch.set_num_threads(threads)
@@ -243,8 +277,13 @@ def _worker_main(rank: int, world: int, store_path: str, spec: ParallelSpec, fac
     if device.type == "cuda":
         torch.cuda.set_device(device)
     store = dist.FileStore(store_path, world)
-    dist.init_process_group(backend=_backends(backend), store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=spec.collective_timeout_s))
+    dist.init_process_group(
+        backend=_backends(backend),
+        store=store,
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=spec.collective_timeout_s),
+    )
     try:
         client = _distribute(factory(*args, **kwargs), spec, rank, device)
         _serve(client, _Commands(store), alive=lambda: os.getppid() == parent)

@@ -16,8 +16,14 @@ SERVICE = "fedgrid.v1.Coordinator"
 #: Retried with backoff. CANCELLED too: a coordinator shutting down cancels calls in flight
 #: (a call this client cancels itself ends the loop through ``stop`` instead).
 #: RESOURCE_EXHAUSTED too: the coordinator is at a limit (transfers in flight) for now.
-TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-                       grpc.StatusCode.RESOURCE_EXHAUSTED})
+TRANSIENT = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
+)
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -39,12 +45,19 @@ class RpcFailed(FedgridError):
 class CoordinatorUnreachable(RpcFailed):
     """The client never reached its coordinator within the connect deadline."""
 
-    def __init__(self, target: str, deadline_s: float, code: grpc.StatusCode, details: str, tls: bool) -> None:
+    def __init__(
+        self, target: str, deadline_s: float, code: grpc.StatusCode, details: str, tls: bool
+    ) -> None:
         RpcFailed.__init__(self, "Join", code, details)
-        check_tls = ("the coordinator accepts this client's certificate (--ca, --cert, --key)" if tls else
-                     "the coordinator serves plaintext (one with mutual TLS needs --ca, --cert and --key)")
-        self.args = (f"could not reach the coordinator at {target} within {deadline_s:g}s ({code.name}: {_one_line(details)}): "
-                     f"check that it is running, that {target} is its address and port (RUN_DIR/address), and that {check_tls}",)
+        check_tls = (
+            "the coordinator accepts this client's certificate (--ca, --cert, --key)"
+            if tls
+            else "the coordinator serves plaintext (one with mutual TLS needs --ca, --cert and --key)"
+        )
+        self.args = (
+            f"could not reach the coordinator at {target} within {deadline_s:g}s ({code.name}: {_one_line(details)}): "
+            f"check that it is running, that {target} is its address and port (RUN_DIR/address), and that {check_tls}",
+        )
 
 
 def check_target(target: str, *, what: str = "coordinator") -> str:
@@ -60,7 +73,9 @@ def check_target(target: str, *, what: str = "coordinator") -> str:
     if not sep or not host or host.endswith(":") and not host.startswith("["):
         raise ValueError(f"{what} address {target!r} has no port: expected HOST:PORT, e.g. 127.0.0.1:50051")
     if not port.isdigit() or not 0 < int(port) <= 65535:
-        raise ValueError(f"{what} address {target!r} has port {port!r}: expected HOST:PORT with a port in 1..65535")
+        raise ValueError(
+            f"{what} address {target!r} has port {port!r}: expected HOST:PORT with a port in 1..65535"
+        )
     return target
 
 
@@ -77,5 +92,3 @@ def _describe(exc: BaseException | None) -> str:
 
 def _is_transient(exc: BaseException) -> bool:
     return isinstance(exc, grpc.RpcError) and exc.code() in TRANSIENT
-
-

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator, Mapping
 import grpc
 
 from fedgrid.client.api import Client
+
 # Connection lives in client/connection.py and its errors in client/rpc.py; the SDK's users import them from here.
 from fedgrid.client.connection import MAX_REJOINS, Connection, _Heartbeat
 from fedgrid.client.rpc import GRPC_OPTIONS, TRANSIENT, CoordinatorUnreachable, RpcFailed, check_target
@@ -35,8 +36,20 @@ from fedgrid.proto.tls import TLSFiles
 from fedgrid.types import EVALUATE, FIT, FitIns, ModelState, Scalar
 
 __all__ = [
-    "Connection", "ClientHandle", "RunSummary", "TaskReport", "ClientEvent", "TaskStep", "TaskFeed", "RpcFailed", "CoordinatorUnreachable",
-    "run_client", "start_client", "TRANSIENT", "GRPC_OPTIONS", "check_target",
+    "Connection",
+    "ClientHandle",
+    "RunSummary",
+    "TaskReport",
+    "ClientEvent",
+    "TaskStep",
+    "TaskFeed",
+    "RpcFailed",
+    "CoordinatorUnreachable",
+    "run_client",
+    "start_client",
+    "TRANSIENT",
+    "GRPC_OPTIONS",
+    "check_target",
 ]
 
 log = logging.getLogger(__name__)
@@ -94,8 +107,6 @@ class RunSummary:
     rounds: int
 
 
-
-
 class TaskStep:
     """One fit or evaluate task, its model downloaded (by ``TaskFeed``): the caller trains or
     evaluates, then ``deliver``s the result or ``fail``s the task. What ``run`` does with every
@@ -115,7 +126,9 @@ class TaskStep:
         self.kind = EVALUATE if task.kind == pb.EVALUATE else FIT
         self._down_before, self._up_before = conn.bytes_down, conn.bytes_up
         self.started = time.monotonic()
-        self.state: ModelState = conn.download(task.task_id) if self.kind == EVALUATE else conn.fetch_model(task.task_id)
+        self.state: ModelState = (
+            conn.download(task.task_id) if self.kind == EVALUATE else conn.fetch_model(task.task_id)
+        )
         self.config: dict[str, Scalar] = serde.config_from_pb(task.config)
         self.ins: FitIns | None = serde.fit_ins_from_task(task) if self.kind == FIT else None
         #: Why the coordinator refused the latest ``deliver`` as late ("" if it did not).
@@ -137,7 +150,9 @@ class TaskStep:
         """Reports the task failed with ``reason``: the round records it at once."""
         self.conn.report_failure(self.task_id, reason)
 
-    def deliver(self, update: ModelState, num_examples: int, metrics: Mapping[str, float]) -> TaskReport | None:
+    def deliver(
+        self, update: ModelState, num_examples: int, metrics: Mapping[str, float]
+    ) -> TaskReport | None:
         """Uploads the result through the task's ``uplink_codec`` (error feedback kept in the
         connection). Returns what it cost, or ``None`` (``late`` says why) when the round
         closed before the update landed.
@@ -147,12 +162,18 @@ class TaskStep:
         """
         metrics, self.late, codec = dict(metrics), "", str(self.config.get("uplink_codec", "none"))
         try:
-            self.conn.upload(self.task_id, self.round, update, num_examples, metrics, codec=codec, global_state=self.state)
+            self.conn.upload(
+                self.task_id, self.round, update, num_examples, metrics, codec=codec, global_state=self.state
+            )
         except RpcFailed as exc:
             if exc.code == grpc.StatusCode.UNAUTHENTICATED:
                 # The coordinator dropped the session meanwhile (it heard nothing from it for too
                 # long, or restarted without it): this update is lost, and the next poll joins again.
-                log.warning("round %d: the coordinator no longer knows this session (%s): the update is lost", self.round, exc.details)
+                log.warning(
+                    "round %d: the coordinator no longer knows this session (%s): the update is lost",
+                    self.round,
+                    exc.details,
+                )
                 self.late = exc.details or "the session ended"
                 return None
             if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
@@ -162,11 +183,22 @@ class TaskStep:
             return None
         loss = metrics.get("loss", metrics.get("train_loss"))
         if self.kind == FIT:
-            log.info("round %d: trained on %d examples, loss %s, %.2fs", self.round, num_examples,
-                     "-" if loss is None else f"{loss:.4f}", time.monotonic() - self.started)
-        return TaskReport(round=self.round, kind=self.kind, num_examples=num_examples, loss=None if loss is None else float(loss),
-                          bytes_up=self.conn.bytes_up - self._up_before, bytes_down=self.conn.bytes_down - self._down_before,
-                          upload_retries=max(0, len(self.conn.upload_attempts) - 1))
+            log.info(
+                "round %d: trained on %d examples, loss %s, %.2fs",
+                self.round,
+                num_examples,
+                "-" if loss is None else f"{loss:.4f}",
+                time.monotonic() - self.started,
+            )
+        return TaskReport(
+            round=self.round,
+            kind=self.kind,
+            num_examples=num_examples,
+            loss=None if loss is None else float(loss),
+            bytes_up=self.conn.bytes_up - self._up_before,
+            bytes_down=self.conn.bytes_down - self._down_before,
+            upload_retries=max(0, len(self.conn.upload_attempts) - 1),
+        )
 
 
 class TaskFeed:
@@ -181,8 +213,14 @@ class TaskFeed:
     no Join follows its Leave.
     """
 
-    def __init__(self, conn: Connection, client: Client, *, poll_wait_s: float = POLL_WAIT_S,
-                 on_event: Callable[[ClientEvent], None] | None = None) -> None:
+    def __init__(
+        self,
+        conn: Connection,
+        client: Client,
+        *,
+        poll_wait_s: float = POLL_WAIT_S,
+        on_event: Callable[[ClientEvent], None] | None = None,
+    ) -> None:
         self.conn, self.client, self.poll_wait_s = conn, client, poll_wait_s
         self.on_event = on_event
         self.finished = False
@@ -221,7 +259,9 @@ class TaskFeed:
                 if not self.join():
                     return
                 if conn.run_id != run_id:  # a new run: residuals of the old model mean nothing
-                    log.warning("the coordinator now runs %s (was %s): uplink state reset", conn.run_id, run_id)
+                    log.warning(
+                        "the coordinator now runs %s (was %s): uplink state reset", conn.run_id, run_id
+                    )
                     conn.load_uplink_state_dict({})
                 continue
             rejoins = 0
@@ -231,17 +271,32 @@ class TaskFeed:
                 return
             if kind != "task":
                 continue
-            self.emit("task", round=reply.task.round, task={pb.MESSAGE: "message", pb.EVALUATE: EVALUATE}.get(reply.task.kind, FIT))
+            self.emit(
+                "task",
+                round=reply.task.round,
+                task={pb.MESSAGE: "message", pb.EVALUATE: EVALUATE}.get(reply.task.kind, FIT),
+            )
             if reply.task.kind == pb.MESSAGE:
                 _exchange(conn, self.client, reply.task)
                 continue
             yield TaskStep(conn, reply.task)
 
 
-def run_client(client: Client, coordinator: str, *, stop: threading.Event | None = None, poll_wait_s: float = POLL_WAIT_S,
-        state_path: str | os.PathLike[str] | None = None, ca: str = "", cert: str = "", key: str = "",
-        server_name: str = "", on_task: Callable[[TaskReport], None] | None = None,
-        on_event: Callable[[ClientEvent], None] | None = None, **connection_options: float) -> RunSummary:
+def run_client(
+    client: Client,
+    coordinator: str,
+    *,
+    stop: threading.Event | None = None,
+    poll_wait_s: float = POLL_WAIT_S,
+    state_path: str | os.PathLike[str] | None = None,
+    ca: str = "",
+    cert: str = "",
+    key: str = "",
+    server_name: str = "",
+    on_task: Callable[[TaskReport], None] | None = None,
+    on_event: Callable[[ClientEvent], None] | None = None,
+    **connection_options: float,
+) -> RunSummary:
     """Joins ``coordinator`` and serves tasks until the run finishes or ``stop`` is set.
 
     Args:
@@ -274,7 +329,9 @@ def run_client(client: Client, coordinator: str, *, stop: threading.Event | None
     stop = stop or threading.Event()
     tls = TLSFiles.from_options(ca, cert, key, what="client TLS")
     conn = Connection(coordinator, stop=stop, tls=tls, server_name=server_name, **connection_options)
-    saved = load_client_state(state_path, name=conn.identity or client.name) if state_path is not None else None
+    saved = (
+        load_client_state(state_path, name=conn.identity or client.name) if state_path is not None else None
+    )
     beat_stop = threading.Event()
     feed = TaskFeed(conn, client, poll_wait_s=poll_wait_s, on_event=on_event)
     heartbeat: _Heartbeat | None = None
@@ -290,8 +347,13 @@ def run_client(client: Client, coordinator: str, *, stop: threading.Event | None
     return RunSummary(client_id=conn.client_id, rounds=rounds)
 
 
-def _open(feed: TaskFeed, coordinator: str, saved: Mapping[str, Any] | None,
-          state_path: str | os.PathLike[str] | None, beat_stop: threading.Event) -> _Heartbeat:
+def _open(
+    feed: TaskFeed,
+    coordinator: str,
+    saved: Mapping[str, Any] | None,
+    state_path: str | os.PathLike[str] | None,
+    beat_stop: threading.Event,
+) -> _Heartbeat:
     """``run``'s start: joins, restores the client's saved state, starts the heartbeat."""
     conn, client = feed.conn, feed.client
     feed.join()
@@ -303,8 +365,9 @@ def _open(feed: TaskFeed, coordinator: str, saved: Mapping[str, Any] | None,
     return heartbeat
 
 
-def _serve(feed: TaskFeed, state_path: str | os.PathLike[str] | None,
-           on_task: Callable[[TaskReport], None] | None) -> int:
+def _serve(
+    feed: TaskFeed, state_path: str | os.PathLike[str] | None, on_task: Callable[[TaskReport], None] | None
+) -> int:
     """``run``'s loop: trains or evaluates every task of ``feed`` and uploads the result;
     returns the fit rounds whose update landed."""
     conn, client, rounds = feed.conn, feed.client, 0
@@ -454,7 +517,11 @@ def __getattr__(name: str) -> Any:
     if name in _RENAMED:
         import warnings
 
-        warnings.warn(f"fedgrid.client.runtime.{name} is deprecated and goes in the next release: use "
-                      f"fedgrid.client.runtime.{_RENAMED[name]}", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            f"fedgrid.client.runtime.{name} is deprecated and goes in the next release: use "
+            f"fedgrid.client.runtime.{_RENAMED[name]}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return globals()[_RENAMED[name]]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

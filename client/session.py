@@ -106,8 +106,10 @@ class _Member(Client):
 
     def exchange(self, ins: MessageIns) -> Mapping[str, bytes]:
         if self._messages is None:  # TaskFeed reports this as the phase's failure, naming the phase
-            raise NotImplementedError(f"this session has no handler for message phase {ins.phase!r}: "
-                                      "pass connect(..., messages=...) an object with exchange() and receive()")
+            raise NotImplementedError(
+                f"this session has no handler for message phase {ins.phase!r}: "
+                "pass connect(..., messages=...) an object with exchange() and receive()"
+            )
         return self._messages.exchange(ins)
 
     def receive(self, ins: MessageIns, inbox: Mapping[str, bytes]) -> None:
@@ -172,7 +174,9 @@ class Session:
         **connection_options: float,
     ) -> None:
         tls = TLSFiles.from_options(ca, cert, key, what="session TLS")
-        self.conn = Connection(coordinator, stop=threading.Event(), tls=tls, server_name=server_name, **connection_options)
+        self.conn = Connection(
+            coordinator, stop=threading.Event(), tls=tls, server_name=server_name, **connection_options
+        )
         self._member = _Member(name, region, num_examples, messages)
         self._feed = TaskFeed(self.conn, self._member, poll_wait_s=poll_wait_s)
         self._evaluate, self._state_path = evaluate, state_path
@@ -220,7 +224,9 @@ class Session:
         try:
             if not self._feed.join():
                 raise SessionError("the session was closed while it joined")
-            log.info("session joined %s as %s (run %s)", self.conn.target, self.conn.client_id, self.conn.run_id)
+            log.info(
+                "session joined %s as %s (run %s)", self.conn.target, self.conn.client_id, self.conn.run_id
+            )
             if saved is not None and self._state_path is not None:
                 restore_client_state(self.conn, self._member, saved, self._state_path)
             self._heartbeat = _Heartbeat(self.conn, self._beat_stop)
@@ -233,7 +239,9 @@ class Session:
     def __enter__(self) -> "Session":
         return self.open()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         try:
             if exc is not None:
                 with self._lock:
@@ -333,9 +341,18 @@ class Session:
     # -- inside ----------------------------------------------------------------------------
     @staticmethod
     def _task(step: TaskStep) -> Task:
-        ins: FitIns | EvaluateIns = step.ins if step.ins is not None else EvaluateIns(round=step.round, config=step.config)
-        return Task(round=step.round, kind=step.kind, state=step.state, config=step.config, ins=ins,
-                    deadline_s=step.deadline_s, task_id=step.task_id)
+        ins: FitIns | EvaluateIns = (
+            step.ins if step.ins is not None else EvaluateIns(round=step.round, config=step.config)
+        )
+        return Task(
+            round=step.round,
+            kind=step.kind,
+            state=step.state,
+            config=step.config,
+            ins=ins,
+            deadline_s=step.deadline_s,
+            task_id=step.task_id,
+        )
 
     def _take(self, what: str, result: object = None) -> tuple[TaskStep, Task]:
         with self._lock:
@@ -346,12 +363,16 @@ class Session:
             if result is not None:
                 expected = FitOutput if step.kind == FIT else EvaluateOutput
                 if not isinstance(result, expected):
-                    raise TypeError(f"round {step.round}'s {step.kind} task takes a {expected.__name__}, got {type(result).__name__}")
+                    raise TypeError(
+                        f"round {step.round}'s {step.kind} task takes a {expected.__name__}, got {type(result).__name__}"
+                    )
                 # The coordinator refuses such an update, and a refused upload ends the session.
                 claimed, joined = getattr(result, "num_examples", 0), self._member.num_examples
                 if step.kind == FIT and claimed > joined:
-                    raise ValueError(f"round {step.round}'s result claims {claimed} examples, the session reported {joined} at join "
-                                     "(connect(..., num_examples=N) bounds what an update may claim)")
+                    raise ValueError(
+                        f"round {step.round}'s result claims {claimed} examples, the session reported {joined} at join "
+                        "(connect(..., num_examples=N) bounds what an update may claim)"
+                    )
             self._open = None
             return step, task
 
@@ -361,13 +382,22 @@ class Session:
         except RpcFailed as exc:
             if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
                 raise
-            log.info("round %d closed before its failure was reported: %s", step.round, exc.details)  # nothing left to fail
+            log.info(
+                "round %d closed before its failure was reported: %s", step.round, exc.details
+            )  # nothing left to fail
 
-    def _deliver(self, step: TaskStep, task: Task, update: ModelState, num_examples: int, metrics: dict[str, float]) -> TaskReport | None:
+    def _deliver(
+        self, step: TaskStep, task: Task, update: ModelState, num_examples: int, metrics: dict[str, float]
+    ) -> TaskReport | None:
         report = step.deliver(update, num_examples, metrics)
         _save(self._state_path, self.conn, self._member, step)  # a late update too: the residuals moved on
         if report is None:
-            self._error(StaleTaskError(f"round {step.round} closed before the {step.kind} result landed: {step.late}"), task)
+            self._error(
+                StaleTaskError(
+                    f"round {step.round} closed before the {step.kind} result landed: {step.late}"
+                ),
+                task,
+            )
             return None
         if step.kind == FIT:
             self.rounds += 1
@@ -404,7 +434,9 @@ class AsyncSession:
             raise
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         try:
             await asyncio.get_running_loop().run_in_executor(None, self.session.__exit__, exc_type, exc, tb)
         finally:

@@ -25,7 +25,9 @@ log = logging.getLogger(__name__)
 STATE_FORMAT = "fedgrid-client-state/1"
 
 
-def save_client_state(path: str | os.PathLike[str], *, run_id: str, server_round: int, client: Client, conn: "Connection") -> None:
+def save_client_state(
+    path: str | os.PathLike[str], *, run_id: str, server_round: int, client: Client, conn: "Connection"
+) -> None:
     """Writes the client's state across rounds to ``path`` atomically (temporary file, fsync, rename).
 
     The file holds ``{"format", "run_id", "round", "name", "uplink": {codec: encoder state},
@@ -87,15 +89,24 @@ def load_client_state(path: str | os.PathLike[str], *, name: str) -> dict[str, A
         log.error("client state %s lacks its run id or uplink state, ignoring it", target)
         return None
     if state.get("name") != name:
-        log.error("client state %s belongs to client %r, not %r: ignoring it", target, state.get("name"), name)
+        log.error(
+            "client state %s belongs to client %r, not %r: ignoring it", target, state.get("name"), name
+        )
         return None
     return state
 
 
-def restore_client_state(conn: "Connection", client: Client, saved: Mapping[str, Any], path: str | os.PathLike[str]) -> bool:
+def restore_client_state(
+    conn: "Connection", client: Client, saved: Mapping[str, Any], path: str | os.PathLike[str]
+) -> bool:
     """Restores ``saved`` if it is from the run ``conn`` joined; says whether it did."""
     if saved["run_id"] != conn.run_id:
-        log.warning("client state %s is from run %s, the coordinator runs %s: starting afresh", path, saved["run_id"], conn.run_id)
+        log.warning(
+            "client state %s is from run %s, the coordinator runs %s: starting afresh",
+            path,
+            saved["run_id"],
+            conn.run_id,
+        )
         return False
     try:
         conn.load_uplink_state_dict(saved["uplink"])
@@ -103,7 +114,14 @@ def restore_client_state(conn: "Connection", client: Client, saved: Mapping[str,
             client.load_state_dict(saved["client"])
     except Exception as exc:  # a state this client cannot take is ignored, not fatal
         conn.load_uplink_state_dict({})
-        log.error("client state %s does not fit this client, ignoring it (%s: %s)", path, type(exc).__name__, exc)
+        log.error(
+            "client state %s does not fit this client, ignoring it (%s: %s)", path, type(exc).__name__, exc
+        )
         return False
-    log.info("restored client state of round %s from %s (uplink codecs: %s)", saved.get("round"), path, ", ".join(saved["uplink"]) or "none")
+    log.info(
+        "restored client state of round %s from %s (uplink codecs: %s)",
+        saved.get("round"),
+        path,
+        ", ".join(saved["uplink"]) or "none",
+    )
     return True

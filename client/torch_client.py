@@ -10,7 +10,14 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
-from fedgrid.client.algorithms import ALGORITHMS, ClientAlgorithm, FitContext, OptimizerFactory, algorithm_of, train_only
+from fedgrid.client.algorithms import (
+    ALGORITHMS,
+    ClientAlgorithm,
+    FitContext,
+    OptimizerFactory,
+    algorithm_of,
+    train_only,
+)
 from fedgrid.client.api import Client, EvaluateOutput, FitOutput, OwnedState
 from fedgrid.client.loaders import NotPlainLoader, PlainLoader, plain_loader
 from fedgrid.seeding import derive_seed
@@ -86,7 +93,9 @@ class TorchClient(Client):
         memory_format: str = "auto",
     ) -> None:
         if memory_format not in MEMORY_FORMATS:
-            raise ValueError(f"memory_format must be one of {', '.join(MEMORY_FORMATS)}, got {memory_format!r}")
+            raise ValueError(
+                f"memory_format must be one of {', '.join(MEMORY_FORMATS)}, got {memory_format!r}"
+            )
         self.memory_format = memory_format
         self._nhwc = False  # channels_last, as the last _lay_out found it
         self.device = torch.device(device) if device is not None else default_device()
@@ -101,7 +110,9 @@ class TorchClient(Client):
         self.region = region
         self._algorithms: dict[str, ClientAlgorithm] = {}
         self._inner_optimizer: torch.optim.Optimizer | None = None
-        self._plain: tuple[object, object, PlainLoader | None] | None = None  # (loader, its dataset, plain_loader of it)
+        self._plain: tuple[object, object, PlainLoader | None] | None = (
+            None  # (loader, its dataset, plain_loader of it)
+        )
 
     @property
     def num_examples(self) -> int:
@@ -134,7 +145,10 @@ class TorchClient(Client):
         self.model.load_state_dict(state, strict=True)
 
     def _state(self) -> ModelState:
-        return OwnedState((k, v.detach().to("cpu").clone(memory_format=torch.contiguous_format)) for k, v in self.model.state_dict().items())
+        return OwnedState(
+            (k, v.detach().to("cpu").clone(memory_format=torch.contiguous_format))
+            for k, v in self.model.state_dict().items()
+        )
 
     @property
     def inner_optimizer(self) -> torch.optim.Optimizer:
@@ -176,7 +190,9 @@ class TorchClient(Client):
         start = algorithm.start(download=state, ctx=ctx)
         self._lay_out()
         self._load(start)
-        trained = algorithm.trained(names=list(start), ctx=ctx)  # of the whole model, also when the download was part of it
+        trained = algorithm.trained(
+            names=list(start), ctx=ctx
+        )  # of the whole model, also when the download was part of it
         self.model.train()
         with train_only(self.model, trained) as params:
             optimizer = algorithm.optimizer(trainer=self, params=params, ctx=ctx)
@@ -185,8 +201,13 @@ class TorchClient(Client):
                     group["lr"] = float(config["lr"])
             named = OrderedDict((n, p) for n, p in self.model.named_parameters() if p.requires_grad)
             algorithm.begin(params=named, ctx=ctx)
-            loss_sum, seen = self._train(optimizer, seed=self.round_seed(ins), epochs=epochs, steps=steps,
-                                         after_backward=lambda: algorithm.after_backward(params=named))
+            loss_sum, seen = self._train(
+                optimizer,
+                seed=self.round_seed(ins),
+                epochs=epochs,
+                steps=steps,
+                after_backward=lambda: algorithm.after_backward(params=named),
+            )
             loss_sum, seen = self._reduce_totals(loss_sum, seen)
         if seen == 0:
             raise ValueError(f"client {self.name!r} has no training data")
@@ -283,7 +304,9 @@ class TorchClient(Client):
         a DDP wrapper of it on a data-parallel client)."""
         return self.model
 
-    def _batch_loss(self, module: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, float]:
+    def _batch_loss(
+        self, module: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, float]:
         """The loss to back-propagate for one batch, and the sum of its example losses."""
         loss = self.loss_fn(module(inputs), targets)
         return loss, float(loss.detach()) * len(targets)
@@ -300,11 +323,17 @@ class TorchClient(Client):
             ValueError: two algorithms keep state under one key.
         """
         # A snapshot: the optimizer's own state_dict shares its tensors, which later steps change in place.
-        state: dict[str, Any] = {"inner_optimizer": None if self._inner_optimizer is None else copy.deepcopy(self._inner_optimizer.state_dict())}
+        state: dict[str, Any] = {
+            "inner_optimizer": None
+            if self._inner_optimizer is None
+            else copy.deepcopy(self._inner_optimizer.state_dict())
+        }
         for name in ALGORITHMS:  # every one, so the keys do not depend on which have run
             for key, value in self.algorithm(name).state_dict().items():
                 if key in state:
-                    raise ValueError(f"algorithm {name!r} keeps state under {key!r}, which another already uses")
+                    raise ValueError(
+                        f"algorithm {name!r} keeps state under {key!r}, which another already uses"
+                    )
                 state[key] = value
         return state
 
@@ -331,7 +360,12 @@ class TorchClient(Client):
             outputs = self.model(inputs)
             total_loss += float(self.loss_fn(outputs, targets)) * len(targets)
             # Accuracy is defined only for class scores against integer labels.
-            classification = classification and outputs.dim() == 2 and targets.dim() == 1 and not targets.is_floating_point()
+            classification = (
+                classification
+                and outputs.dim() == 2
+                and targets.dim() == 1
+                and not targets.is_floating_point()
+            )
             if classification:
                 correct += int((outputs.argmax(dim=1) == targets).sum())
             seen += len(targets)

@@ -18,7 +18,11 @@ from fedgrid.compression import parse_codec_spec
 from fedgrid.compression.feedback import ErrorFeedback, is_delta_tensor, reconstruct
 from fedgrid.proto.serde import EncodedModel
 
-__all__ = ["UplinkEncoder", "is_delta_tensor", "reconstruct"]  # the last two live in fedgrid.compression.feedback (the coordinator needs them too)
+__all__ = [
+    "UplinkEncoder",
+    "is_delta_tensor",
+    "reconstruct",
+]  # the last two live in fedgrid.compression.feedback (the coordinator needs them too)
 
 
 class UplinkEncoder:
@@ -36,7 +40,9 @@ class UplinkEncoder:
         self.lossless = parse_codec_spec(codec, key="codec").lossless
         self.feedback = None if self.lossless else ErrorFeedback(codec)
 
-    def encode(self, *, global_state: Mapping[str, torch.Tensor], new_state: Mapping[str, torch.Tensor]) -> tuple[EncodedModel, bool]:
+    def encode(
+        self, *, global_state: Mapping[str, torch.Tensor], new_state: Mapping[str, torch.Tensor]
+    ) -> tuple[EncodedModel, bool]:
         """Returns the encoded update and whether it carries differences."""
         if self.feedback is None:
             return EncodedModel(new_state, codec=self.spec), False

@@ -49,7 +49,9 @@ def tensor_bytes(tensor: torch.Tensor) -> bytes:
     return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
 
 
-def raw_decode(data: bytes | bytearray | memoryview, *, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+def raw_decode(
+    data: bytes | bytearray | memoryview, *, dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor:
     """Rebuilds a tensor from its raw bytes; the length must match exactly."""
     expected = numel(shape) * itemsize(dtype)
     if len(data) != expected:
@@ -194,7 +196,9 @@ def decode_indices(reader: Reader, n: int, k: int) -> np.ndarray:
     if fmt == IDX_FIXED:
         width = index_width(n)
         if reader.remaining != k * width:
-            raise reader.fail(f"index section is {reader.remaining} bytes, {k} indices of {width} bytes need {k * width}")
+            raise reader.fail(
+                f"index section is {reader.remaining} bytes, {k} indices of {width} bytes need {k * width}"
+            )
         idx = reader.array(_NP_UINT[width], k, "indices").astype(np.int64)
         if k and int(idx.max()) >= n:
             raise reader.fail(f"index {int(idx.max())} out of range for {n} elements")
@@ -219,7 +223,9 @@ def _varint_decode(reader: Reader, n: int, k: int) -> np.ndarray:
     # A varint stream is never longer than the fixed-width or bitmap forms (the encoder picks
     # the smallest), which also bounds the working memory below.
     if reader.remaining > max_index_bytes(n, k):
-        raise reader.fail(f"varint index section is {reader.remaining} bytes, over the {max_index_bytes(n, k)} allowed")
+        raise reader.fail(
+            f"varint index section is {reader.remaining} bytes, over the {max_index_bytes(n, k)} allowed"
+        )
     data = np.frombuffer(reader.rest(), dtype=np.uint8)
     if k == 0:
         if len(data):
@@ -237,7 +243,9 @@ def _varint_decode(reader: Reader, n: int, k: int) -> np.ndarray:
     lengths = ends - starts + 1
     max_len = max(1, math.ceil(max(n - 1, 1).bit_length() / 7))
     if int(lengths.max()) > max_len:
-        raise reader.fail(f"a varint index gap is {int(lengths.max())} bytes, {n} elements need at most {max_len}")
+        raise reader.fail(
+            f"a varint index gap is {int(lengths.max())} bytes, {n} elements need at most {max_len}"
+        )
     pos = np.arange(len(data), dtype=np.uint64) - np.repeat(starts, lengths).astype(np.uint64)
     parts = (data & 0x7F).astype(np.uint64) << (np.uint64(7) * pos)
     gaps = np.add.reduceat(parts, starts)

@@ -34,7 +34,9 @@ __all__ = ["Codec", "IdentityCodec", "FloatCodec", "LOSSY_DTYPES", "Payload"]
 Payload = bytes | memoryview
 
 #: Dtypes that lossy codecs compress; every other dtype goes through the lossless raw path.
-LOSSY_DTYPES: frozenset[torch.dtype] = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+LOSSY_DTYPES: frozenset[torch.dtype] = frozenset(
+    {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+)
 
 MODE_CODED, MODE_RAW = 0, 1
 
@@ -76,7 +78,9 @@ class Codec(ABC):
         """
 
     @abstractmethod
-    def decode(self, payload: bytearray | bytes | memoryview, *, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    def decode(
+        self, payload: bytearray | bytes | memoryview, *, dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> torch.Tensor:
         """Rebuilds a CPU tensor of ``dtype`` and ``shape``.
 
         Raises:
@@ -114,10 +118,14 @@ class IdentityCodec(Codec):
         array = flat.view(torch.uint8).numpy()
         return memoryview(array.data)
 
-    def decode(self, payload: bytearray | bytes | memoryview, *, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    def decode(
+        self, payload: bytearray | bytes | memoryview, *, dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> torch.Tensor:
         expected = self.max_payload_bytes(dtype=dtype, shape=shape)
         if len(payload) != expected:
-            raise InvalidUpdateError(f"payload is {len(payload)} bytes, {dtype} {list(shape)} needs {expected}")
+            raise InvalidUpdateError(
+                f"payload is {len(payload)} bytes, {dtype} {list(shape)} needs {expected}"
+            )
         if expected == 0:
             return torch.empty(shape, dtype=dtype)
         buf = payload if isinstance(payload, bytearray) else bytearray(payload)
@@ -175,13 +183,17 @@ class FloatCodec(Codec):
             return tensor_bytes(x)
         if self._coded(tuple(x.shape), x.dtype) is not None:
             if not _all_finite(x):
-                raise InvalidUpdateError(f"codec '{self.name}' encodes finite tensors only; this one holds NaN or Inf")
+                raise InvalidUpdateError(
+                    f"codec '{self.name}' encodes finite tensors only; this one holds NaN or Inf"
+                )
             parts = self._encode_body(x, generator=generator, key=key)
             if parts is not None:
                 return b"".join([bytes([MODE_CODED]), *parts])
         return bytes([MODE_RAW]) + tensor_bytes(x)
 
-    def decode(self, payload: bytearray | bytes | memoryview, *, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    def decode(
+        self, payload: bytearray | bytes | memoryview, *, dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> torch.Tensor:
         limit = self.max_payload_bytes(dtype=dtype, shape=shape)
         if len(payload) > limit:
             raise InvalidUpdateError(

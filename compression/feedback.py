@@ -36,7 +36,16 @@ from fedgrid.compression.base import LOSSY_DTYPES, Codec, IdentityCodec
 from fedgrid.compression.registry import get_codec, parse_codec_spec
 from fedgrid.errors import ConfigError, InvalidUpdateError
 
-__all__ = ["Transmitted", "ErrorFeedback", "DownlinkUpdate", "ShadowModel", "apply_delta", "apply_downlink", "is_delta_tensor", "reconstruct"]
+__all__ = [
+    "Transmitted",
+    "ErrorFeedback",
+    "DownlinkUpdate",
+    "ShadowModel",
+    "apply_delta",
+    "apply_downlink",
+    "is_delta_tensor",
+    "reconstruct",
+]
 
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -82,7 +91,9 @@ class ErrorFeedback:
         self.codec = _codec(codec, "codec")
         self._residuals: dict[str, torch.Tensor] = {}
 
-    def encode(self, name: str, tensor: torch.Tensor, *, generator: torch.Generator | None = None) -> Transmitted:
+    def encode(
+        self, name: str, tensor: torch.Tensor, *, generator: torch.Generator | None = None
+    ) -> Transmitted:
         """Encodes ``tensor + residual[name]`` and keeps what the codec dropped as the new residual.
 
         Raises:
@@ -134,7 +145,9 @@ class ErrorFeedback:
             ValueError: the state was saved with another codec.
         """
         if state.get("codec") != self.codec.name:
-            raise ValueError(f"error-feedback state is for codec {state.get('codec')!r}, this one uses {self.codec.name!r}")
+            raise ValueError(
+                f"error-feedback state is for codec {state.get('codec')!r}, this one uses {self.codec.name!r}"
+            )
         self._residuals = {k: v.clone() for k, v in state["residuals"].items()}
         self.codec.load_state_dict(state.get("codec_state", {}))
 
@@ -173,7 +186,9 @@ class DownlinkUpdate:
         return self.codec if not self.is_full and dtype in LOSSY_DTYPES else self.value_codec
 
 
-def apply_delta(held: Mapping[str, torch.Tensor], decoded: Mapping[str, torch.Tensor]) -> "OrderedDict[str, torch.Tensor]":
+def apply_delta(
+    held: Mapping[str, torch.Tensor], decoded: Mapping[str, torch.Tensor]
+) -> "OrderedDict[str, torch.Tensor]":
     """The model after a delta update: ``held + decoded`` for float tensors, ``decoded`` for the rest.
 
     Clients and ``ShadowModel`` both run this, so they compute the same bits. New tensors
@@ -196,13 +211,16 @@ def is_delta_tensor(tensor: torch.Tensor) -> bool:
     return tensor.dtype.is_floating_point
 
 
-def reconstruct(global_state: Mapping[str, torch.Tensor], received: Mapping[str, torch.Tensor], *, delta: bool) -> "OrderedDict[str, torch.Tensor]":
+def reconstruct(
+    global_state: Mapping[str, torch.Tensor], received: Mapping[str, torch.Tensor], *, delta: bool
+) -> "OrderedDict[str, torch.Tensor]":
     """The coordinator's half of the uplink: the client's model from what it sent (``received``
     may be part of the model, e.g. one streaming fragment)."""
     if not delta:
         return OrderedDict(received)
     return OrderedDict(
-        (name, global_state[name] + value if is_delta_tensor(value) else value) for name, value in received.items()
+        (name, global_state[name] + value if is_delta_tensor(value) else value)
+        for name, value in received.items()
     )
 
 
@@ -246,7 +264,9 @@ def _check_specs(reference: Mapping[str, torch.Tensor], other: Mapping[str, torc
     for name, t in reference.items():
         o = other[name]
         if o.dtype != t.dtype or o.shape != t.shape:
-            raise InvalidUpdateError(f"tensor '{name}': {o.dtype} {list(o.shape)}, expected {t.dtype} {list(t.shape)}")
+            raise InvalidUpdateError(
+                f"tensor '{name}': {o.dtype} {list(o.shape)}, expected {t.dtype} {list(t.shape)}"
+            )
 
 
 class ShadowModel:
@@ -263,12 +283,16 @@ class ShadowModel:
         ValueError: ``catch_up_codec`` is lossy.
     """
 
-    def __init__(self, initial: Mapping[str, torch.Tensor], *, codec: Codec | str, catch_up_codec: str = "none") -> None:
+    def __init__(
+        self, initial: Mapping[str, torch.Tensor], *, codec: Codec | str, catch_up_codec: str = "none"
+    ) -> None:
         self.codec = _codec(codec, "downlink_codec")
         self._catch_up = parse_codec_spec(catch_up_codec, key="catch_up_codec")
         if not self._catch_up.lossless:
             raise ValueError(f"catch-up codec must be lossless, {catch_up_codec!r} is not")
-        self._shadow: OrderedDict[str, torch.Tensor] = OrderedDict((k, v.detach().clone()) for k, v in initial.items())
+        self._shadow: OrderedDict[str, torch.Tensor] = OrderedDict(
+            (k, v.detach().clone()) for k, v in initial.items()
+        )
         self.version = 0
 
     @property
@@ -308,7 +332,11 @@ class ShadowModel:
         """The whole shadow, lossless, for a client that is new or missed a round (cache it per version)."""
         payloads = {name: bytes(self._catch_up.encode(t)) for name, t in self._shadow.items()}
         return DownlinkUpdate(
-            version=self.version, base_version=None, codec=self._catch_up.name, payloads=payloads, value_codec=self._catch_up.name
+            version=self.version,
+            base_version=None,
+            codec=self._catch_up.name,
+            payloads=payloads,
+            value_codec=self._catch_up.name,
         )
 
     def gap(self, global_state: Mapping[str, torch.Tensor]) -> "OrderedDict[str, torch.Tensor]":
@@ -336,7 +364,9 @@ class ShadowModel:
             ValueError: the state was saved with another codec.
         """
         if state.get("codec") != self.codec.name:
-            raise ValueError(f"shadow state is for codec {state.get('codec')!r}, this one uses {self.codec.name!r}")
+            raise ValueError(
+                f"shadow state is for codec {state.get('codec')!r}, this one uses {self.codec.name!r}"
+            )
         self._shadow = OrderedDict((k, v.clone()) for k, v in state["shadow"].items())
         self.version = int(state["version"])
         self.codec.load_state_dict(state.get("codec_state", {}))

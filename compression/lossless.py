@@ -78,7 +78,9 @@ class ZstdCodec(Codec):
                     best, flag = shuffled, FLAG_SHUFFLED
         return bytes([flag]) + best
 
-    def decode(self, payload: bytearray | bytes | memoryview, *, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    def decode(
+        self, payload: bytearray | bytes | memoryview, *, dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> torch.Tensor:
         limit = self.max_payload_bytes(dtype=dtype, shape=shape)
         if len(payload) > limit:
             raise InvalidUpdateError(
@@ -107,9 +109,13 @@ class ZstdCodec(Codec):
         if size < 0:
             raise reader.fail("zstd frame does not declare its content size")
         if size > limit:
-            raise reader.fail(f"zstd frame decompresses to {size} bytes, over the {limit} the inner codec allows")
+            raise reader.fail(
+                f"zstd frame decompresses to {size} bytes, over the {limit} the inner codec allows"
+            )
         try:
-            out = zstandard.ZstdDecompressor().decompress(frame, max_output_size=limit, allow_extra_data=False)
+            out = zstandard.ZstdDecompressor().decompress(
+                frame, max_output_size=limit, allow_extra_data=False
+            )
         except zstandard.ZstdError as exc:
             raise reader.fail(f"corrupt zstd frame ({exc})") from None
         if len(out) != size:

@@ -68,7 +68,9 @@ class PowerSGDCodec(FloatCodec):
         gen = generator if generator is not None else torch.Generator().manual_seed(self.seed)
         return torch.randn(cols, self.rank, generator=gen, device=gen.device).to(device)
 
-    def _encode_body(self, x: torch.Tensor, *, generator: torch.Generator | None, key: str | None) -> list[bytes]:
+    def _encode_body(
+        self, x: torch.Tensor, *, generator: torch.Generator | None, key: str | None
+    ) -> list[bytes]:
         view = matrix_view(tuple(x.shape))
         assert view is not None  # _max_body sent every other shape down the raw path
         rows, cols = view

@@ -72,7 +72,9 @@ class CastCodec(FloatCodec):
     def _max_body(self, shape: tuple[int, ...], dtype: torch.dtype) -> int | None:
         return 2 * numel(shape)
 
-    def _encode_body(self, x: torch.Tensor, *, generator: torch.Generator | None, key: str | None) -> list[bytes] | None:
+    def _encode_body(
+        self, x: torch.Tensor, *, generator: torch.Generator | None, key: str | None
+    ) -> list[bytes] | None:
         y = x.reshape(-1).to(self.target)
         if not bool(torch.isfinite(y).all()):
             return None  # out of the target's range: send the exact bytes instead
@@ -106,7 +108,9 @@ class Int8Codec(FloatCodec):
         n = numel(shape)
         return 4 + 4 * math.ceil(n / self.block) + n
 
-    def _encode_body(self, x: torch.Tensor, *, generator: torch.Generator | None, key: str | None) -> list[bytes]:
+    def _encode_body(
+        self, x: torch.Tensor, *, generator: torch.Generator | None, key: str | None
+    ) -> list[bytes]:
         n = x.numel()
         blocks = _blocks(x, self.block)
         absmax = blocks.abs().amax(dim=1)
@@ -188,13 +192,17 @@ class QSGDCodec(FloatCodec):
         n = numel(shape)
         return 6 + 4 * math.ceil(n / QSGD_BUCKET) + math.ceil(n * self.bits / 8)
 
-    def _encode_body(self, x: torch.Tensor, *, generator: torch.Generator | None, key: str | None) -> list[bytes]:
+    def _encode_body(
+        self, x: torch.Tensor, *, generator: torch.Generator | None, key: str | None
+    ) -> list[bytes]:
         n, s = x.numel(), self.levels
         blocks = _blocks(x, QSGD_BUCKET)
         norms = torch.linalg.vector_norm(blocks, dim=1)
         inv = torch.where(norms > 0, s / norms, torch.zeros_like(norms))
         scaled = (blocks.abs() * inv[:, None]).reshape(-1)[:n].clamp_(0, s)
-        noise = torch.rand(n, generator=generator, device=generator.device if generator is not None else "cpu")
+        noise = torch.rand(
+            n, generator=generator, device=generator.device if generator is not None else "cpu"
+        )
         # floor(r + u), u ~ U[0, 1), is floor(r) + 1 with probability frac(r): E = r, unbiased.
         level = scaled.add_(noise.to(x.device)).floor_().clamp_(max=s)
         codes = (torch.where(x.reshape(-1) < 0, -level, level) + s).to(torch.int32)
@@ -228,7 +236,9 @@ class SignCodec(FloatCodec):
     def _max_body(self, shape: tuple[int, ...], dtype: torch.dtype) -> int | None:
         return 4 + math.ceil(numel(shape) / 8)
 
-    def _encode_body(self, x: torch.Tensor, *, generator: torch.Generator | None, key: str | None) -> list[bytes]:
+    def _encode_body(
+        self, x: torch.Tensor, *, generator: torch.Generator | None, key: str | None
+    ) -> list[bytes]:
         flat = x.reshape(-1).float()
         scale = flat.abs().mean()
         return [_f32_bytes(scale.reshape(1)), pack_bits(flat < 0)]
@@ -240,4 +250,3 @@ class SignCodec(FloatCodec):
         reader.finish()
         # 1 - 2 * bit is +1 or -1 exactly, so this is +-scale bit for bit.
         return torch.from_numpy(bits).to(torch.float32).mul_(-2.0).add_(1.0).mul_(scale)
-

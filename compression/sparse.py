@@ -57,7 +57,9 @@ class SparseCodec(FloatCodec):
         k = self.k_for(n)
         return 8 + k * dtype.itemsize + 1 + max_index_bytes(n, k)
 
-    def _encode_body(self, x: torch.Tensor, *, generator: torch.Generator | None, key: str | None) -> list[bytes]:
+    def _encode_body(
+        self, x: torch.Tensor, *, generator: torch.Generator | None, key: str | None
+    ) -> list[bytes]:
         flat = x.reshape(-1)
         n = flat.numel()
         k = self.k_for(n)
@@ -107,4 +109,3 @@ class RandKCodec(SparseCodec):
         seed = int(torch.randint(0, 2**63 - 1, (1,), generator=generator, device=device))
         chosen = np.random.default_rng(seed).choice(flat.numel(), size=k, replace=False, shuffle=False)
         return torch.from_numpy(chosen.astype(np.int64)).to(flat.device)
-

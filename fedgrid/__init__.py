@@ -46,26 +46,90 @@ _EXPORTS: dict[str, str] = {
 _MOVED: dict[str, str] = {
     "run": "fedgrid.run_client",
     "start": "fedgrid.start_client",
-    **{n: f"fedgrid.client.runtime.{n}" for n in ["ClientHandle", "RunSummary", "RpcFailed", "TaskReport", "ClientEvent"]},
+    **{
+        n: f"fedgrid.client.runtime.{n}"
+        for n in ["ClientHandle", "RunSummary", "RpcFailed", "TaskReport", "ClientEvent"]
+    },
     **{n: f"fedgrid.client.session.{n}" for n in ["aconnect", "Session", "AsyncSession"]},
     "ClientMonitor": "fedgrid.client.monitor.ClientMonitor",
     "RoundEngine": "fedgrid.server.engine.RoundEngine",
     **{n: f"fedgrid.server.fleet.{n}" for n in ["Fleet", "RoundOutcome"]},
     "InProcessFleet": "fedgrid.simulation.fleet.InProcessFleet",
-    **{n: f"fedgrid.strategies.{n}" for n in [
-        "FedAvg", "FedOpt", "FedAvgM", "FedAdam", "FedYogi", "FedAdagrad", "FedProx", "Scaffold", "DiLoCo",
-        "StreamingDiLoCo", "BlockCoordinate", "STRATEGIES", "build_strategy_from"]},
-    **{n: f"fedgrid.aggregators.{n}" for n in [
-        "Aggregator", "WeightedMean", "Mean", "Median", "TrimmedMean", "Krum", "MultiKrum", "NormClip", "CenteredClip"]},
+    **{
+        n: f"fedgrid.strategies.{n}"
+        for n in [
+            "FedAvg",
+            "FedOpt",
+            "FedAvgM",
+            "FedAdam",
+            "FedYogi",
+            "FedAdagrad",
+            "FedProx",
+            "Scaffold",
+            "DiLoCo",
+            "StreamingDiLoCo",
+            "BlockCoordinate",
+            "STRATEGIES",
+            "build_strategy_from",
+        ]
+    },
+    **{
+        n: f"fedgrid.aggregators.{n}"
+        for n in [
+            "Aggregator",
+            "WeightedMean",
+            "Mean",
+            "Median",
+            "TrimmedMean",
+            "Krum",
+            "MultiKrum",
+            "NormClip",
+            "CenteredClip",
+        ]
+    },
     **{n: f"fedgrid.codecs.{n}" for n in ["get_codec", "available_codecs"]},
     **{n: f"fedgrid.capabilities.{n}" for n in ["Capabilities", "CapabilityOverride"]},
-    **{n: f"fedgrid.types.{n}" for n in [
-        "TensorSpec", "Scalar", "ClientInfo", "FitIns", "FitRes", "EvaluateIns", "EvaluateRes", "Failure",
-        "RoundMetrics", "MessageIns", "MessageRes", "FIT", "EVALUATE", "TO_SERVER", "TO_ALL"]},
-    **{n: f"fedgrid.errors.{n}" for n in [
-        "ResourceLimitError", "ConfigError", "InvalidUpdateError", "AuthenticationError", "PermissionDeniedError",
-        "StaleTaskError", "DuplicateUpdateError", "PayloadTooLargeError", "RunFinishedError", "InterruptedRunError",
-        "PKIError", "EnrollmentError", "CSRError", "EnrollmentNameError", "NonFiniteAggregateError", "SessionError"]},
+    **{
+        n: f"fedgrid.types.{n}"
+        for n in [
+            "TensorSpec",
+            "Scalar",
+            "ClientInfo",
+            "FitIns",
+            "FitRes",
+            "EvaluateIns",
+            "EvaluateRes",
+            "Failure",
+            "RoundMetrics",
+            "MessageIns",
+            "MessageRes",
+            "FIT",
+            "EVALUATE",
+            "TO_SERVER",
+            "TO_ALL",
+        ]
+    },
+    **{
+        n: f"fedgrid.errors.{n}"
+        for n in [
+            "ResourceLimitError",
+            "ConfigError",
+            "InvalidUpdateError",
+            "AuthenticationError",
+            "PermissionDeniedError",
+            "StaleTaskError",
+            "DuplicateUpdateError",
+            "PayloadTooLargeError",
+            "RunFinishedError",
+            "InterruptedRunError",
+            "PKIError",
+            "EnrollmentError",
+            "CSRError",
+            "EnrollmentNameError",
+            "NonFiniteAggregateError",
+            "SessionError",
+        ]
+    },
 }
 
 __all__ = ["__version__", *_EXPORTS]

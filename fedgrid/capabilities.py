@@ -25,8 +25,15 @@ from fedgrid.errors import InvalidUpdateError
 from fedgrid.textsafe import escape
 
 __all__ = [
-    "Capabilities", "CapabilityOverride", "check_capabilities", "parse_size", "format_size", "describe", "MAX_ACCELERATORS",
-    "MAX_MEMORY_BYTES", "MAX_DEVICE_CHARS",
+    "Capabilities",
+    "CapabilityOverride",
+    "check_capabilities",
+    "parse_size",
+    "format_size",
+    "describe",
+    "MAX_ACCELERATORS",
+    "MAX_MEMORY_BYTES",
+    "MAX_DEVICE_CHARS",
 ]
 
 #: Most accelerators a client may report (a large node has 8 to 16).
@@ -38,9 +45,23 @@ MAX_DEVICE_CHARS = 32
 
 _DEVICE = re.compile(r"[a-z][a-z0-9_]*")
 _UNITS = {
-    "": 1, "B": 1,
-    "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9, "T": 10**12, "TB": 10**12, "P": 10**15, "PB": 10**15,
-    "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40, "PIB": 1 << 50,
+    "": 1,
+    "B": 1,
+    "K": 10**3,
+    "KB": 10**3,
+    "M": 10**6,
+    "MB": 10**6,
+    "G": 10**9,
+    "GB": 10**9,
+    "T": 10**12,
+    "TB": 10**12,
+    "P": 10**15,
+    "PB": 10**15,
+    "KIB": 1 << 10,
+    "MIB": 1 << 20,
+    "GIB": 1 << 30,
+    "TIB": 1 << 40,
+    "PIB": 1 << 50,
 }
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
 
@@ -48,12 +69,18 @@ _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
 def check_capabilities(device: str, num_accelerators: int, memory_bytes: int) -> None:
     """Raises ``InvalidUpdateError`` naming the first of the three that breaks its rule (see the module docstring)."""
     if len(device) > MAX_DEVICE_CHARS or not _DEVICE.fullmatch(device):
-        raise InvalidUpdateError(f"device: {escape(device)} is not a device type (lowercase letters, digits and '_', "
-                                 f"starting with a letter, at most {MAX_DEVICE_CHARS} characters; e.g. 'cpu', 'cuda')")
+        raise InvalidUpdateError(
+            f"device: {escape(device)} is not a device type (lowercase letters, digits and '_', "
+            f"starting with a letter, at most {MAX_DEVICE_CHARS} characters; e.g. 'cpu', 'cuda')"
+        )
     if not 0 <= num_accelerators <= MAX_ACCELERATORS:
-        raise InvalidUpdateError(f"num_accelerators: {num_accelerators} reported, must be in 0..{MAX_ACCELERATORS}")
+        raise InvalidUpdateError(
+            f"num_accelerators: {num_accelerators} reported, must be in 0..{MAX_ACCELERATORS}"
+        )
     if not 0 <= memory_bytes <= MAX_MEMORY_BYTES:
-        raise InvalidUpdateError(f"memory_bytes: {memory_bytes} reported, must be in 0..{MAX_MEMORY_BYTES} (1 PiB)")
+        raise InvalidUpdateError(
+            f"memory_bytes: {memory_bytes} reported, must be in 0..{MAX_MEMORY_BYTES} (1 PiB)"
+        )
 
 
 @dataclass(frozen=True)
@@ -100,7 +127,9 @@ class CapabilityOverride:
         """
         return Capabilities(
             device=detected.device if self.device is None else self.device,
-            num_accelerators=detected.num_accelerators if self.num_accelerators is None else self.num_accelerators,
+            num_accelerators=detected.num_accelerators
+            if self.num_accelerators is None
+            else self.num_accelerators,
             memory_bytes=detected.memory_bytes if self.memory_bytes is None else self.memory_bytes,
         )
 
@@ -118,7 +147,9 @@ def parse_size(text: str, *, what: str = "size") -> int:
         raise ValueError(f"{what}: {text!r} is not a size (e.g. 16GiB, 512MB or a byte count)")
     value = int(float(match.group(1)) * _UNITS[unit])
     if value > MAX_MEMORY_BYTES:
-        raise ValueError(f"{what}: {text!r} is over the most a client may report, {format_size(MAX_MEMORY_BYTES)}")
+        raise ValueError(
+            f"{what}: {text!r} is over the most a client may report, {format_size(MAX_MEMORY_BYTES)}"
+        )
     return value
 
 
@@ -134,4 +165,8 @@ def format_size(nbytes: int) -> str:
 
 def describe(device: str, num_accelerators: int, memory_bytes: int) -> str:
     """``cuda x2, 80.0 GiB``: a report in a few characters (a count or size of 0, unknown, left out)."""
-    return device + (f" x{num_accelerators}" if num_accelerators else "") + (f", {format_size(memory_bytes)}" if memory_bytes else "")
+    return (
+        device
+        + (f" x{num_accelerators}" if num_accelerators else "")
+        + (f", {format_size(memory_bytes)}" if memory_bytes else "")
+    )

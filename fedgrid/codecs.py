@@ -11,16 +11,44 @@ from typing import TYPE_CHECKING
 from fedgrid.lazy import exports
 
 __all__ = [
-    "Codec", "IdentityCodec", "CastCodec", "Int8Codec", "QSGDCodec", "SignCodec", "SparseCodec", "TopKCodec",
-    "RandKCodec", "PowerSGDCodec", "ZstdCodec", "ErrorFeedback", "get_codec", "available_codecs", "parse_codec_spec",
-    "register_codec", "register_codec_family",
+    "Codec",
+    "IdentityCodec",
+    "CastCodec",
+    "Int8Codec",
+    "QSGDCodec",
+    "SignCodec",
+    "SparseCodec",
+    "TopKCodec",
+    "RandKCodec",
+    "PowerSGDCodec",
+    "ZstdCodec",
+    "ErrorFeedback",
+    "get_codec",
+    "available_codecs",
+    "parse_codec_spec",
+    "register_codec",
+    "register_codec_family",
 ]
 
 __getattr__, __dir__ = exports(__name__, dict.fromkeys(__all__, "fedgrid.compression"), globals_=globals())
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
     from fedgrid.compression import (
-        CastCodec, Codec, ErrorFeedback, IdentityCodec, Int8Codec, PowerSGDCodec, QSGDCodec, RandKCodec, SignCodec,
-        SparseCodec, TopKCodec, ZstdCodec, available_codecs, get_codec, parse_codec_spec, register_codec,
+        CastCodec,
+        Codec,
+        ErrorFeedback,
+        IdentityCodec,
+        Int8Codec,
+        PowerSGDCodec,
+        QSGDCodec,
+        RandKCodec,
+        SignCodec,
+        SparseCodec,
+        TopKCodec,
+        ZstdCodec,
+        available_codecs,
+        get_codec,
+        parse_codec_spec,
+        register_codec,
         register_codec_family,
     )

@@ -129,4 +129,3 @@ def read_events(path: str | os.PathLike[str]) -> list[Event]:
                 continue
             out.append(Event(obj.pop("event"), obj.pop("t"), obj))
     return out
-

@@ -72,7 +72,9 @@ class GracefulStop:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)  # type: ignore[arg-type]
         self._previous.clear()

@@ -17,7 +17,11 @@ __all__ = ["exports"]
 
 
 def exports(
-    namespace: str, names: dict[str, str], *, deprecated: dict[str, str] | None = None, globals_: dict[str, Any],
+    namespace: str,
+    names: dict[str, str],
+    *,
+    deprecated: dict[str, str] | None = None,
+    globals_: dict[str, Any],
 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """A module's ``__getattr__`` and ``__dir__`` for lazily imported names.
 
@@ -46,8 +50,11 @@ def exports(
         if name in old:
             home = old[name]
             module, _, attribute = home.rpartition(".")
-            warnings.warn(f"{namespace}.{name} is deprecated and goes in the next release: use {home}",
-                          DeprecationWarning, stacklevel=2)
+            warnings.warn(
+                f"{namespace}.{name} is deprecated and goes in the next release: use {home}",
+                DeprecationWarning,
+                stacklevel=2,
+            )
             return getattr(importlib.import_module(module), attribute)
         raise AttributeError(f"module {namespace!r} has no attribute {name!r}")
 

@@ -47,7 +47,10 @@ from typing import Any, Iterator, Sequence
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
-from cryptography.hazmat.primitives.asymmetric.types import CertificateIssuerPrivateKeyTypes, CertificatePublicKeyTypes
+from cryptography.hazmat.primitives.asymmetric.types import (
+    CertificateIssuerPrivateKeyTypes,
+    CertificatePublicKeyTypes,
+)
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fedgrid.errors import CSRError, EnrollmentError, EnrollmentNameError, PKIError
@@ -78,7 +81,14 @@ __all__ = [
     "serial_of",
 ]
 
-CA_CERT, CA_KEY, CRL, INDEX, TOKENS, LOCK = "ca.pem", "ca.key", "crl.pem", "index.json", "tokens.json", ".lock"
+CA_CERT, CA_KEY, CRL, INDEX, TOKENS, LOCK = (
+    "ca.pem",
+    "ca.key",
+    "crl.pem",
+    "index.json",
+    "tokens.json",
+    ".lock",
+)
 #: Names whose NAME.pem / NAME.key would be the CA's own files.
 RESERVED_NAMES = frozenset({"ca", "crl"})
 #: Leaf certificates start this long before issue, for clocks that run a little behind.
@@ -146,7 +156,9 @@ def _read_json(path: Path, *, missing: dict[str, Any] | None = None) -> dict[str
     except FileNotFoundError:
         if missing is not None:
             return missing
-        raise PKIError(f"{path}: missing; is {path.parent} a certificate directory (fedgrid certs init)?") from None
+        raise PKIError(
+            f"{path}: missing; is {path.parent} a certificate directory (fedgrid certs init)?"
+        ) from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -161,7 +173,9 @@ def _locked(directory: Path) -> Iterator[None]:
     """Holds the directory's exclusive lock: one writer of index.json and tokens.json at a
     time, across threads (each call opens its own file description) and processes."""
     if not directory.is_dir():
-        raise PKIError(f"{directory}: no such certificate directory; create a CA with `fedgrid certs init --dir {directory}`")
+        raise PKIError(
+            f"{directory}: no such certificate directory; create a CA with `fedgrid certs init --dir {directory}`"
+        )
     fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -171,7 +185,9 @@ def _locked(directory: Path) -> Iterator[None]:
 
 
 def _key_pem(key: CertificateIssuerPrivateKeyTypes) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def _cert_pem(cert: x509.Certificate) -> bytes:
@@ -185,7 +201,9 @@ def _subject(name: str) -> x509.Name:
 def _load_ca(directory: Path) -> tuple[x509.Certificate, CertificateIssuerPrivateKeyTypes]:
     cert_path, key_path = directory / CA_CERT, directory / CA_KEY
     if not cert_path.exists():
-        raise PKIError(f"{cert_path}: no CA in {directory}; create one with `fedgrid certs init --dir {directory}`")
+        raise PKIError(
+            f"{cert_path}: no CA in {directory}; create one with `fedgrid certs init --dir {directory}`"
+        )
     cert = x509.load_pem_x509_certificate(_read_bytes(cert_path, "CA certificate"))
     key = serialization.load_pem_private_key(_read_bytes(key_path, "CA key"), password=None)
     if not isinstance(key, (ec.EllipticCurvePrivateKey, rsa.RSAPrivateKey)):
@@ -228,8 +246,12 @@ class CertRecord:
     def to_json(self) -> dict[str, Any]:
         """The entry in ``index.json`` (serial in hex: JSON readers outside Python lose 160-bit ints)."""
         return {
-            "name": self.name, "serial": f"{self.serial:x}", "kind": self.kind, "not_before": _iso(self.not_before),
-            "not_after": _iso(self.not_after), "revoked": self.revoked,
+            "name": self.name,
+            "serial": f"{self.serial:x}",
+            "kind": self.kind,
+            "not_before": _iso(self.not_before),
+            "not_after": _iso(self.not_after),
+            "revoked": self.revoked,
             "revoked_at": None if self.revoked_at is None else _iso(self.revoked_at),
         }
 
@@ -237,7 +259,10 @@ class CertRecord:
     def from_json(cls, d: dict[str, Any]) -> CertRecord:
         """The record of an ``index.json`` entry written by ``to_json``."""
         return cls(
-            name=d["name"], serial=int(d["serial"], 16), kind=d["kind"], not_before=datetime.fromisoformat(d["not_before"]),
+            name=d["name"],
+            serial=int(d["serial"], 16),
+            kind=d["kind"],
+            not_before=datetime.fromisoformat(d["not_before"]),
             not_after=datetime.fromisoformat(d["not_after"]),
             revoked_at=None if d.get("revoked_at") is None else datetime.fromisoformat(d["revoked_at"]),
         )
@@ -258,12 +283,23 @@ def _save_records(directory: Path, records: Sequence[CertRecord]) -> None:
 def _check_name_free(records: Sequence[CertRecord], name: str, now: datetime, error: type[Exception]) -> None:
     for r in records:
         if r.name == name and r.status(now) == "valid":
-            raise error(f"name {name!r} already has a valid certificate (serial {r.serial:x}); revoke it first")
+            raise error(
+                f"name {name!r} already has a valid certificate (serial {r.serial:x}); revoke it first"
+            )
 
 
 def _key_usage_signature() -> x509.KeyUsage:
-    return x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False, data_encipherment=False,
-                         key_agreement=False, key_cert_sign=False, crl_sign=False, encipher_only=False, decipher_only=False)
+    return x509.KeyUsage(
+        digital_signature=True,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=False,
+        crl_sign=False,
+        encipher_only=False,
+        decipher_only=False,
+    )
 
 
 def _general_names(sans: Sequence[str]) -> list[x509.GeneralName]:
@@ -275,14 +311,22 @@ def _general_names(sans: Sequence[str]) -> list[x509.GeneralName]:
         except ValueError:
             pass
         if not san or not san.isascii() or any(c.isspace() or not c.isprintable() for c in san):
-            raise ValueError(f"subject alternative name {san!r} is neither an IP address nor an ASCII DNS name")
+            raise ValueError(
+                f"subject alternative name {san!r} is neither an IP address nor an ASCII DNS name"
+            )
         names.append(x509.DNSName(san))
     return names
 
 
 def _sign_leaf(
-    ca_cert: x509.Certificate, ca_key: CertificateIssuerPrivateKeyTypes, *, name: str, public_key: CertificatePublicKeyTypes,
-    server: bool, sans: Sequence[str], days: int,
+    ca_cert: x509.Certificate,
+    ca_key: CertificateIssuerPrivateKeyTypes,
+    *,
+    name: str,
+    public_key: CertificatePublicKeyTypes,
+    server: bool,
+    sans: Sequence[str],
+    days: int,
 ) -> x509.Certificate:
     if days <= 0:
         raise ValueError(f"certificate validity must be at least 1 day, got {days}")
@@ -296,9 +340,12 @@ def _sign_leaf(
     ca_ski = ca_cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
     return (
         x509.CertificateBuilder()
-        .subject_name(_subject(name)).issuer_name(ca_cert.subject)
-        .public_key(public_key).serial_number(x509.random_serial_number())
-        .not_valid_before(now - CLOCK_SKEW).not_valid_after(not_after)
+        .subject_name(_subject(name))
+        .issuer_name(ca_cert.subject)
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - CLOCK_SKEW)
+        .not_valid_after(not_after)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(_key_usage_signature(), critical=True)
         .add_extension(x509.ExtendedKeyUsage([eku]), critical=False)
@@ -310,11 +357,21 @@ def _sign_leaf(
 
 
 def _record_of(cert: x509.Certificate, name: str, kind: str) -> CertRecord:
-    return CertRecord(name=name, serial=cert.serial_number, kind=kind, not_before=cert.not_valid_before_utc,
-                      not_after=cert.not_valid_after_utc)
+    return CertRecord(
+        name=name,
+        serial=cert.serial_number,
+        kind=kind,
+        not_before=cert.not_valid_before_utc,
+        not_after=cert.not_valid_after_utc,
+    )
 
 
-def _write_crl(directory: Path, ca_cert: x509.Certificate, ca_key: CertificateIssuerPrivateKeyTypes, records: Sequence[CertRecord]) -> None:
+def _write_crl(
+    directory: Path,
+    ca_cert: x509.Certificate,
+    ca_key: CertificateIssuerPrivateKeyTypes,
+    records: Sequence[CertRecord],
+) -> None:
     now = _utcnow()
     builder = (
         x509.CertificateRevocationListBuilder()
@@ -375,10 +432,12 @@ def _csr_identity(csr_pem: bytes) -> tuple[str, CertificatePublicKeyTypes]:
     if not csr.is_signature_valid:
         raise CSRError("CSR signature invalid")
     public = csr.public_key()
-    if not (isinstance(public, ec.EllipticCurvePublicKey) and public.curve.name in ("secp256r1", "secp384r1")) and not (
-        isinstance(public, rsa.RSAPublicKey) and public.key_size >= 2048
-    ):
-        raise CSRError(f"CSR key unsupported ({type(public).__name__}); use EC P-256/P-384 or RSA of 2048 bits or more")
+    if not (
+        isinstance(public, ec.EllipticCurvePublicKey) and public.curve.name in ("secp256r1", "secp384r1")
+    ) and not (isinstance(public, rsa.RSAPublicKey) and public.key_size >= 2048):
+        raise CSRError(
+            f"CSR key unsupported ({type(public).__name__}); use EC P-256/P-384 or RSA of 2048 bits or more"
+        )
     cns = csr.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
     if len(cns) != 1 or not isinstance(cns[0].value, str):
         raise CSRError(f"CSR must name exactly one common name (the identity), it has {len(cns)}")
@@ -388,7 +447,9 @@ def _csr_identity(csr_pem: bytes) -> tuple[str, CertificatePublicKeyTypes]:
         raise CSRError(f"CSR name invalid: {exc}") from None
 
 
-def enroll(directory: str | os.PathLike[str], token: str, csr_pem: bytes, *, days: int = 365) -> tuple[bytes, str]:
+def enroll(
+    directory: str | os.PathLike[str], token: str, csr_pem: bytes, *, days: int = 365
+) -> tuple[bytes, str]:
     """The coordinator's half of enrollment: spends a one-time token on a client certificate.
 
     Only the CSR's common name and public key are used; every extension is set here (EKU
@@ -428,7 +489,9 @@ def enroll(directory: str | os.PathLike[str], token: str, csr_pem: bytes, *, day
         if now >= datetime.fromisoformat(entry["expires_at"]):
             raise EnrollmentError(f"enrollment token {token_id} expired at {entry['expires_at']}")
         if entry["name"] is not None and entry["name"] != name:
-            raise EnrollmentNameError(f"name mismatch: the token is for {entry['name']!r}, the CSR asks for {name!r}")
+            raise EnrollmentNameError(
+                f"name mismatch: the token is for {entry['name']!r}, the CSR asks for {name!r}"
+            )
         ca_cert, ca_key = _load_ca(d)
         records = _records(d)
         _check_name_free(records, name, now, EnrollmentNameError)

@@ -69,11 +69,18 @@ def _import(module_name: str, *, key: str) -> Any:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name is not None and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            raise ConfigError(key, f"no module {module_name!r} in the current directory ({cwd}) or on the import path "
-                              f"(sys.path, PYTHONPATH): {exc}") from None
-        raise ConfigError(key, f"importing {module_name!r} ({_origin(module_name)}) failed: {type(exc).__name__}: {exc}") from None
+            raise ConfigError(
+                key,
+                f"no module {module_name!r} in the current directory ({cwd}) or on the import path "
+                f"(sys.path, PYTHONPATH): {exc}",
+            ) from None
+        raise ConfigError(
+            key, f"importing {module_name!r} ({_origin(module_name)}) failed: {type(exc).__name__}: {exc}"
+        ) from None
     except Exception as exc:  # a SyntaxError, or any error of the module's own code at import
-        raise ConfigError(key, f"importing {module_name!r} ({_origin(module_name)}) failed: {type(exc).__name__}: {exc}") from None
+        raise ConfigError(
+            key, f"importing {module_name!r} ({_origin(module_name)}) failed: {type(exc).__name__}: {exc}"
+        ) from None
 
 
 def _origin(module_name: str) -> str:

@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
 import os
+from collections import OrderedDict
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -25,7 +25,8 @@ ORDER_KEY = "fedgrid.order"
 def _toml_string(value: str) -> str:
     """A TOML basic string: quotes, backslashes and control characters escaped, the rest as is."""
     escaped = "".join(
-        f"\\u{ord(ch):04x}" if ord(ch) < 0x20 or ord(ch) == 0x7F else "\\" + ch if ch in '"\\' else ch for ch in value
+        f"\\u{ord(ch):04x}" if ord(ch) < 0x20 or ord(ch) == 0x7F else "\\" + ch if ch in '"\\' else ch
+        for ch in value
     )
     return f'"{escaped}"'
 
@@ -63,7 +64,13 @@ class RunWriter:
         ConfigError: a tracker's package is missing (before the directory is made).
     """
 
-    def __init__(self, out: str | os.PathLike[str], config: Mapping[str, object], *, environment: Mapping[str, object] | None = None) -> None:
+    def __init__(
+        self,
+        out: str | os.PathLike[str],
+        config: Mapping[str, object],
+        *,
+        environment: Mapping[str, object] | None = None,
+    ) -> None:
         self.dir = Path(out)
         self.trackers: Trackers = build_trackers(str(config.get("tracker") or ""), self.dir, config)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -98,8 +105,11 @@ class RunWriter:
         tmp = path.with_suffix(".tmp")
         # safetensors stores tensors sorted by name; the model's own order (which e.g. block
         # and fragment partitions follow) travels in the metadata.
-        save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}, str(tmp),
-                  metadata={ORDER_KEY: json.dumps(list(state))})
+        save_file(
+            {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()},
+            str(tmp),
+            metadata={ORDER_KEY: json.dumps(list(state))},
+        )
         os.replace(tmp, path)
         return path
 

@@ -12,16 +12,50 @@ from typing import TYPE_CHECKING
 from fedgrid.lazy import exports
 
 __all__ = [
-    "Strategy", "FedAvg", "FedOpt", "FedAvgM", "FedAdam", "FedYogi", "FedAdagrad", "FedProx", "Scaffold", "DiLoCo",
-    "StreamingDiLoCo", "BlockCoordinate", "STRATEGIES", "build_strategy_from", "strategy_options", "ServerOptimizer",
-    "ServerSGD", "ServerAdam", "ServerYogi", "ServerAdagrad",
+    "Strategy",
+    "FedAvg",
+    "FedOpt",
+    "FedAvgM",
+    "FedAdam",
+    "FedYogi",
+    "FedAdagrad",
+    "FedProx",
+    "Scaffold",
+    "DiLoCo",
+    "StreamingDiLoCo",
+    "BlockCoordinate",
+    "STRATEGIES",
+    "build_strategy_from",
+    "strategy_options",
+    "ServerOptimizer",
+    "ServerSGD",
+    "ServerAdam",
+    "ServerYogi",
+    "ServerAdagrad",
 ]
 
 __getattr__, __dir__ = exports(__name__, dict.fromkeys(__all__, "fedgrid.aggregation"), globals_=globals())
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
     from fedgrid.aggregation import (
-        STRATEGIES, BlockCoordinate, DiLoCo, FedAdagrad, FedAdam, FedAvg, FedAvgM, FedOpt, FedProx, FedYogi, Scaffold,
-        ServerAdagrad, ServerAdam, ServerOptimizer, ServerSGD, ServerYogi, Strategy, StreamingDiLoCo,
-        build_strategy_from, strategy_options,
+        STRATEGIES,
+        BlockCoordinate,
+        DiLoCo,
+        FedAdagrad,
+        FedAdam,
+        FedAvg,
+        FedAvgM,
+        FedOpt,
+        FedProx,
+        FedYogi,
+        Scaffold,
+        ServerAdagrad,
+        ServerAdam,
+        ServerOptimizer,
+        ServerSGD,
+        ServerYogi,
+        Strategy,
+        StreamingDiLoCo,
+        build_strategy_from,
+        strategy_options,
     )

@@ -50,7 +50,9 @@ def check_label(text: str, *, what: str, limit: int) -> str:
             names the rule and the first offending character, escaped).
     """
     if len(text) > limit:
-        raise InvalidUpdateError(f"{what}: {len(text)} characters, at most {limit} printable characters allowed")
+        raise InvalidUpdateError(
+            f"{what}: {len(text)} characters, at most {limit} printable characters allowed"
+        )
     for i, ch in enumerate(text):
         if not ch.isprintable():
             raise InvalidUpdateError(

@@ -28,19 +28,34 @@ from typing import Any, Mapping, Sequence
 
 from fedgrid.errors import ConfigError
 
-__all__ = ["TRACKERS", "Tracker", "TensorBoardTracker", "MLflowTracker", "Trackers", "parse_trackers", "build_trackers", "scalars"]
+__all__ = [
+    "TRACKERS",
+    "Tracker",
+    "TensorBoardTracker",
+    "MLflowTracker",
+    "Trackers",
+    "parse_trackers",
+    "build_trackers",
+    "scalars",
+]
 
 log = logging.getLogger(__name__)
 
 #: tracker name -> (the module it needs, the fedgrid extra that installs it).
-TRACKERS: dict[str, tuple[str, str]] = {"tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow")}
+TRACKERS: dict[str, tuple[str, str]] = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "mlflow": ("mlflow", "mlflow"),
+}
 #: MLflow's log_params takes at most 100 params a call.
 _MLFLOW_PARAMS_PER_CALL = 100
 
 
 def _missing(name: str) -> ConfigError:
     module, extra = TRACKERS[name]
-    return ConfigError("tracker", f"{name} needs the {module} package, which is not installed: pip install 'fedgrid[{extra}]'")
+    return ConfigError(
+        "tracker",
+        f"{name} needs the {module} package, which is not installed: pip install 'fedgrid[{extra}]'",
+    )
 
 
 def parse_trackers(spec: str) -> tuple[str, ...]:
@@ -64,8 +79,11 @@ def parse_trackers(spec: str) -> tuple[str, ...]:
 def scalars(row: Mapping[str, object]) -> dict[str, float]:
     """The numbers of a ``metrics.jsonl`` row that a tracker logs: every numeric key but
     ``round`` (the step); ``None`` (e.g. no accuracy) and text are left out."""
-    return {k: float(v) for k, v in row.items()
-            if k != "round" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {
+        k: float(v)
+        for k, v in row.items()
+        if k != "round" and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
 
 
 class Tracker(ABC):
@@ -155,7 +173,7 @@ class MLflowTracker(Tracker):
         self._active = True
         items = list(self._params.items())
         for i in range(0, len(items), _MLFLOW_PARAMS_PER_CALL):
-            self._mlflow.log_params(dict(items[i:i + _MLFLOW_PARAMS_PER_CALL]))
+            self._mlflow.log_params(dict(items[i : i + _MLFLOW_PARAMS_PER_CALL]))
 
     def resume(self, rows: Sequence[Mapping[str, object]]) -> None:
         for row in rows:
@@ -191,8 +209,12 @@ class Trackers:
                 count = self.errors.get(tracker.name, 0)
                 self.errors[tracker.name] = count + 1
                 if count == 0:
-                    log.exception("tracker %s: %s failed; training goes on and metrics.jsonl keeps every round "
-                                  "(later errors of this tracker are counted, not logged)", tracker.name, what)
+                    log.exception(
+                        "tracker %s: %s failed; training goes on and metrics.jsonl keeps every round "
+                        "(later errors of this tracker are counted, not logged)",
+                        tracker.name,
+                        what,
+                    )
 
     def resume(self, rows: Sequence[Mapping[str, object]]) -> None:
         self._each("resume", lambda t: t.resume(rows))
@@ -203,7 +225,9 @@ class Trackers:
     def close(self) -> None:
         self._each("close", lambda t: t.close())
         for name, count in self.errors.items():
-            log.warning("tracker %s: %d call(s) failed in this run; metrics.jsonl has every round", name, count)
+            log.warning(
+                "tracker %s: %d call(s) failed in this run; metrics.jsonl has every round", name, count
+            )
 
 
 def build_trackers(spec: str, run_dir: str | os.PathLike[str], config: Mapping[str, object]) -> Trackers:

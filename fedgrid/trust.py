@@ -25,7 +25,15 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fedgrid.errors import PKIError
 
-__all__ = ["IDENTITY_RE", "MAX_IDENTITY_CHARS", "RevocationList", "check_identity", "identity_of", "load_pem_files", "serial_of"]
+__all__ = [
+    "IDENTITY_RE",
+    "MAX_IDENTITY_CHARS",
+    "RevocationList",
+    "check_identity",
+    "identity_of",
+    "load_pem_files",
+    "serial_of",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +68,9 @@ def check_identity(name: str) -> str:
         raise ValueError(f"identity is {len(name)} characters long; at most {MAX_IDENTITY_CHARS} are allowed")
     if IDENTITY_RE.fullmatch(name) is None:
         pos, ch = next((i, c) for i, c in enumerate(name) if IDENTITY_RE.fullmatch(c) is None)
-        raise ValueError(f"identity {name!r} has character {ch!r} at position {pos}; allowed: letters, digits and . - _ @ :")
+        raise ValueError(
+            f"identity {name!r} has character {ch!r} at position {pos}; allowed: letters, digits and . - _ @ :"
+        )
     return name
 
 
@@ -98,7 +108,11 @@ class RevocationList:
     """
 
     def __init__(
-        self, crl_path: str | os.PathLike[str], ca_cert_path: str | os.PathLike[str], *, interval_s: float = 1.0,
+        self,
+        crl_path: str | os.PathLike[str],
+        ca_cert_path: str | os.PathLike[str],
+        *,
+        interval_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if interval_s < 0:
@@ -108,7 +122,10 @@ class RevocationList:
         self._clock = clock
         self._ca = _load_certs(Path(ca_cert_path), "CA certificate")[0]
         ca_key = self._ca.public_key()
-        if not isinstance(ca_key, (ec.EllipticCurvePublicKey, rsa.RSAPublicKey, ed25519.Ed25519PublicKey, ed448.Ed448PublicKey)):
+        if not isinstance(
+            ca_key,
+            (ec.EllipticCurvePublicKey, rsa.RSAPublicKey, ed25519.Ed25519PublicKey, ed448.Ed448PublicKey),
+        ):
             raise PKIError(f"{ca_cert_path}: a {type(ca_key).__name__} CA key cannot sign a CRL")
         self._ca_key = ca_key
         self._lock = threading.Lock()
@@ -149,7 +166,9 @@ class RevocationList:
                 self._serials = self._parse(_read_bytes(self.crl_path, "CRL"))
                 self._good = True
             except PKIError as exc:
-                logger.error("keeping the last good revocation list (%d revoked serials): %s", len(self._serials), exc)
+                logger.error(
+                    "keeping the last good revocation list (%d revoked serials): %s", len(self._serials), exc
+                )
                 self._good = False
             return self._good
 
@@ -162,7 +181,11 @@ class RevocationList:
 
     def _parse(self, data: bytes) -> frozenset[int]:
         try:
-            crl = x509.load_pem_x509_crl(data) if data.lstrip().startswith(b"-----BEGIN") else x509.load_der_x509_crl(data)
+            crl = (
+                x509.load_pem_x509_crl(data)
+                if data.lstrip().startswith(b"-----BEGIN")
+                else x509.load_der_x509_crl(data)
+            )
         except ValueError as exc:
             raise PKIError(f"{self.crl_path}: not a CRL ({exc})") from None
         if crl.issuer != self._ca.subject or not crl.is_signature_valid(self._ca_key):
@@ -199,7 +222,9 @@ def identity_of(cert: bytes | x509.Certificate) -> str:
     try:
         eku = c.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
     except x509.ExtensionNotFound:
-        raise ValueError("not a client certificate: it has no extended key usage (clientAuth required)") from None
+        raise ValueError(
+            "not a client certificate: it has no extended key usage (clientAuth required)"
+        ) from None
     if ExtendedKeyUsageOID.CLIENT_AUTH not in eku:
         raise ValueError("not a client certificate: its extended key usage lacks clientAuth")
     cns = c.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
@@ -232,7 +257,9 @@ def _signed_by(cert: x509.Certificate, issuer: x509.Certificate) -> bool:
 
 
 def load_pem_files(
-    ca: str | os.PathLike[str], cert: str | os.PathLike[str], key: str | os.PathLike[str],
+    ca: str | os.PathLike[str],
+    cert: str | os.PathLike[str],
+    key: str | os.PathLike[str],
 ) -> tuple[bytes, bytes, bytes]:
     """Reads a TLS identity (``--ca``, ``--cert``, ``--key``) and checks it before any
     connection does, so a wrong file fails with its name rather than as a handshake error.
@@ -273,10 +300,16 @@ def load_pem_files(
             break
         current = step
     if anchor is None:
-        raise PKIError(f"{cert_path}: certificate {leaf.subject.rfc4514_string()} is not signed by any certificate in {ca_path}")
+        raise PKIError(
+            f"{cert_path}: certificate {leaf.subject.rfc4514_string()} is not signed by any certificate in {ca_path}"
+        )
     for c, path in ((leaf, cert_path), (anchor, ca_path)):
         if now > c.not_valid_after_utc:
-            raise PKIError(f"{path}: certificate {c.subject.rfc4514_string()} expired on {_iso(c.not_valid_after_utc)}")
+            raise PKIError(
+                f"{path}: certificate {c.subject.rfc4514_string()} expired on {_iso(c.not_valid_after_utc)}"
+            )
         if now < c.not_valid_before_utc:
-            raise PKIError(f"{path}: certificate {c.subject.rfc4514_string()} is not valid before {_iso(c.not_valid_before_utc)}")
+            raise PKIError(
+                f"{path}: certificate {c.subject.rfc4514_string()} is not valid before {_iso(c.not_valid_before_utc)}"
+            )
     return _read_bytes(ca_path, "CA certificate bundle"), _read_bytes(cert_path, "certificate"), key_bytes

@@ -177,7 +177,9 @@ def check_phase_name(name: str) -> str:
     Raises:
         ValueError: any other name.
     """
-    if name in (FIT, EVALUATE) or (0 < len(name) <= 32 and all(ch in "abcdefghijklmnopqrstuvwxyz0123456789_-" for ch in name)):
+    if name in (FIT, EVALUATE) or (
+        0 < len(name) <= 32 and all(ch in "abcdefghijklmnopqrstuvwxyz0123456789_-" for ch in name)
+    ):
         return name
     raise ValueError(f"phase name must be 'fit', 'evaluate' or 1 to 32 of [a-z0-9_-], got {name!r}")
 
@@ -242,7 +244,16 @@ class RoundMetrics:
     @staticmethod
     def from_json(row: Mapping[str, object]) -> "RoundMetrics":
         """Inverse of ``to_json``: keys beyond the standard ones go to ``extra``."""
-        standard = ("round", "loss", "accuracy", "bytes_up", "bytes_down", "wall_s", "clients_ok", "clients_failed")
+        standard = (
+            "round",
+            "loss",
+            "accuracy",
+            "bytes_up",
+            "bytes_down",
+            "wall_s",
+            "clients_ok",
+            "clients_failed",
+        )
         r = dict(row)
         return RoundMetrics(
             round=int(r["round"]),  # type: ignore[call-overload]

@@ -40,8 +40,18 @@ from fedgrid.proto.tls import is_loopback
 from fedgrid.textsafe import escape
 
 __all__ = [
-    "Response", "Route", "StatusServer", "require_prometheus", "read_token", "split_address",
-    "MAX_CONNECTIONS", "READ_TIMEOUT_S", "MAX_REQUEST_LINE", "MAX_HEADER_BYTES", "MIN_TOKEN_CHARS", "MONITOR_EXTRA",
+    "Response",
+    "Route",
+    "StatusServer",
+    "require_prometheus",
+    "read_token",
+    "split_address",
+    "MAX_CONNECTIONS",
+    "READ_TIMEOUT_S",
+    "MAX_REQUEST_LINE",
+    "MAX_HEADER_BYTES",
+    "MIN_TOKEN_CHARS",
+    "MONITOR_EXTRA",
 ]
 
 log = logging.getLogger(__name__)
@@ -67,8 +77,11 @@ def require_prometheus() -> Any:
     try:
         import prometheus_client
     except ImportError:
-        raise ConfigError("http", f"serving metrics needs prometheus-client: pip install 'fedgrid[{MONITOR_EXTRA}]' "
-                          "(or pip install prometheus-client)") from None
+        raise ConfigError(
+            "http",
+            f"serving metrics needs prometheus-client: pip install 'fedgrid[{MONITOR_EXTRA}]' "
+            "(or pip install prometheus-client)",
+        ) from None
     return prometheus_client
 
 
@@ -96,7 +109,9 @@ def read_token(path: str, *, key: str = "http_token_file") -> str:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(key, f"cannot read the token file {path!r}: {exc}") from None
     if len(token) < MIN_TOKEN_CHARS or any(ch.isspace() or not ch.isprintable() for ch in token):
-        raise ConfigError(key, f"{path!r} must hold one token of at least {MIN_TOKEN_CHARS} printable characters, no spaces")
+        raise ConfigError(
+            key, f"{path!r} must hold one token of at least {MIN_TOKEN_CHARS} printable characters, no spaces"
+        )
     return token
 
 
@@ -122,7 +137,9 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = MAX_CONNECTIONS
 
-    def __init__(self, address: tuple[str, int], handler: type, *, routes: Mapping[str, Route], token: str | None) -> None:
+    def __init__(
+        self, address: tuple[str, int], handler: type, *, routes: Mapping[str, Route], token: str | None
+    ) -> None:
         import socket
 
         if ":" in address[0]:
@@ -136,7 +153,9 @@ class _Server(ThreadingHTTPServer):
         # Over the cap: answered at once on this thread and closed, so no thread is spent on it.
         if not self.slots.acquire(blocking=False):
             try:
-                request.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                request.sendall(
+                    b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                )
             except OSError:
                 pass
             self.shutdown_request(request)
@@ -195,8 +214,11 @@ class _Handler(BaseHTTPRequestHandler):
         if route is None:
             response = Response(b"not found\n", status=404)
         elif not route.public and not self._authorized():
-            response = Response(b"unauthorized: send Authorization: Bearer TOKEN\n", status=401,
-                                headers={"WWW-Authenticate": 'Bearer realm="fedgrid"'})
+            response = Response(
+                b"unauthorized: send Authorization: Bearer TOKEN\n",
+                status=401,
+                headers={"WWW-Authenticate": 'Bearer realm="fedgrid"'},
+            )
         else:
             try:
                 response = route.handler()
@@ -240,13 +262,18 @@ class StatusServer:
             unreadable or too short token, or an address that cannot be bound.
     """
 
-    def __init__(self, address: str, routes: Mapping[str, Route], *, token_file: str = "", key: str = "http") -> None:
+    def __init__(
+        self, address: str, routes: Mapping[str, Route], *, token_file: str = "", key: str = "http"
+    ) -> None:
         host, port = split_address(address, key=key)
         token = read_token(token_file, key=f"{key}_token_file") if token_file else None
         if token is None and not is_loopback(host):
-            raise ConfigError(key, f"{host!r} is not a loopback address: serving status there needs a bearer token "
-                              f"({key}_token_file: a file holding at least {MIN_TOKEN_CHARS} characters), "
-                              "or bind 127.0.0.1 and reach it through a tunnel")
+            raise ConfigError(
+                key,
+                f"{host!r} is not a loopback address: serving status there needs a bearer token "
+                f"({key}_token_file: a file holding at least {MIN_TOKEN_CHARS} characters), "
+                "or bind 127.0.0.1 and reach it through a tunnel",
+            )
         try:
             self._server = _Server((host, port), _Handler, routes=routes, token=token)
         except OSError as exc:
@@ -254,8 +281,9 @@ class StatusServer:
         bound = self._server.server_address[1]
         self.address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
         self.authenticated = token is not None
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="fedgrid-http", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.2}, name="fedgrid-http", daemon=True
+        )
 
     def start(self) -> "StatusServer":
         self._thread.start()

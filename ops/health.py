@@ -43,8 +43,16 @@ def coordinator_service() -> str:
     return str(fedgrid_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name)
 
 
-def check(address: str, *, ca: str = "", cert: str = "", key: str = "", server_name: str = "", service: str | None = None,
-          timeout: float = HEALTH_TIMEOUT_S) -> HealthResult:
+def check(
+    address: str,
+    *,
+    ca: str = "",
+    cert: str = "",
+    key: str = "",
+    server_name: str = "",
+    service: str | None = None,
+    timeout: float = HEALTH_TIMEOUT_S,
+) -> HealthResult:
     """One ``Health/Check`` of ``service`` at ``address``, plaintext or mutual TLS.
 
     Args:
@@ -79,9 +87,13 @@ def check(address: str, *, ca: str = "", cert: str = "", key: str = "", server_n
             code = exc.code() if hasattr(exc, "code") else None
             details = " ".join(str(exc.details() if hasattr(exc, "details") else exc).split())
             if code == grpc.StatusCode.NOT_FOUND:
-                return HealthResult(False, f"{address}: no health status for service {service!r} (not a fedgrid coordinator?)")
+                return HealthResult(
+                    False, f"{address}: no health status for service {service!r} (not a fedgrid coordinator?)"
+                )
             what = "no answer" if code == grpc.StatusCode.DEADLINE_EXCEEDED else "not reachable"
-            return HealthResult(False, f"{address}: {what} within {timeout:g}s ({code.name if code else 'error'}: {details})")
+            return HealthResult(
+                False, f"{address}: {what} within {timeout:g}s ({code.name if code else 'error'}: {details})"
+            )
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     serving = reply.status == health_pb2.HealthCheckResponse.SERVING
     return HealthResult(serving, f"{address}: {status} ({service})")
@@ -89,28 +101,64 @@ def check(address: str, *, ca: str = "", cert: str = "", key: str = "", server_n
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Adds ``health`` to the ``fedgrid`` subcommands (``sub``: argparse's subparsers)."""
-    return _flags(sub.add_parser("health", help="check that a coordinator or region serves (gRPC health): exit 0 if SERVING, 1 otherwise"))
+    return _flags(
+        sub.add_parser(
+            "health",
+            help="check that a coordinator or region serves (gRPC health): exit 0 if SERVING, 1 otherwise",
+        )
+    )
 
 
 def _flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("address", metavar="HOST:PORT", help="the coordinator's or region's address")
-    parser.add_argument("--ca", default="", metavar="FILE", help="mutual TLS: PEM CA bundle that signs the server's certificate")
-    parser.add_argument("--cert", default="", metavar="FILE", help="mutual TLS: a client certificate of the same CA")
+    parser.add_argument(
+        "--ca",
+        default="",
+        metavar="FILE",
+        help="mutual TLS: PEM CA bundle that signs the server's certificate",
+    )
+    parser.add_argument(
+        "--cert", default="", metavar="FILE", help="mutual TLS: a client certificate of the same CA"
+    )
     parser.add_argument("--key", default="", metavar="FILE", help="mutual TLS: that certificate's key")
-    parser.add_argument("--server-name", dest="server_name", default="", metavar="NAME",
-                        help="the name the server's certificate holds, when not the host of HOST:PORT")
-    parser.add_argument("--service", default=None, metavar="NAME", help="the health service to ask about (default: fedgrid.v1.Coordinator)")
-    parser.add_argument("--timeout", type=float, default=HEALTH_TIMEOUT_S, metavar="S",
-                        help=f"deadline of the check, in seconds (default {HEALTH_TIMEOUT_S:g}, FEDGRID_HEALTH_TIMEOUT_S)")
+    parser.add_argument(
+        "--server-name",
+        dest="server_name",
+        default="",
+        metavar="NAME",
+        help="the name the server's certificate holds, when not the host of HOST:PORT",
+    )
+    parser.add_argument(
+        "--service",
+        default=None,
+        metavar="NAME",
+        help="the health service to ask about (default: fedgrid.v1.Coordinator)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=HEALTH_TIMEOUT_S,
+        metavar="S",
+        help=f"deadline of the check, in seconds (default {HEALTH_TIMEOUT_S:g}, FEDGRID_HEALTH_TIMEOUT_S)",
+    )
     return parser
 
 
 def command(args: argparse.Namespace) -> int:
     """``fedgrid health``: prints one line (stdout when serving, stderr otherwise); returns 0 or 1."""
     try:
-        result = check(args.address, ca=args.ca, cert=args.cert, key=args.key, server_name=args.server_name,
-                       service=args.service, timeout=args.timeout)
-    except ValueError as exc:  # TLS flags incomplete, a PEM file unreadable: unhealthy too (Docker reserves 2)
+        result = check(
+            args.address,
+            ca=args.ca,
+            cert=args.cert,
+            key=args.key,
+            server_name=args.server_name,
+            service=args.service,
+            timeout=args.timeout,
+        )
+    except (
+        ValueError
+    ) as exc:  # TLS flags incomplete, a PEM file unreadable: unhealthy too (Docker reserves 2)
         result = HealthResult(False, " ".join(str(exc).split()))
     print(f"fedgrid health: {result.line}", file=sys.stdout if result.serving else sys.stderr, flush=True)
     return 0 if result.serving else 1

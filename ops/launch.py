@@ -55,8 +55,23 @@ from fedgrid.ops.topology import (  # noqa: F401 - the topology half, re-exporte
     region_argv,
 )
 
-__all__ = ["Topology", "RegionSpec", "Identity", "TopologyError", "LaunchFailed", "load_topology", "make_certificates",
-           "coordinator_argv", "region_argv", "client_argv", "Launcher", "add_parser", "command", "FEDGRID"]
+__all__ = [
+    "Topology",
+    "RegionSpec",
+    "Identity",
+    "TopologyError",
+    "LaunchFailed",
+    "load_topology",
+    "make_certificates",
+    "coordinator_argv",
+    "region_argv",
+    "client_argv",
+    "Launcher",
+    "add_parser",
+    "command",
+    "FEDGRID",
+]
+
 
 class LaunchFailed(FedgridError):
     """A process of the topology failed, or did not start or finish in time (the message names it and its log)."""
@@ -138,8 +153,10 @@ class Launcher:
             LaunchFailed: a process failed, did not start or did not finish (named; the others stopped).
         """
         if self.out.exists() and any(self.out.iterdir()):
-            raise LaunchFailed(f"{self.out} is not empty: give a new --out (the state directories in it would resume "
-                               "the run that is there)")
+            raise LaunchFailed(
+                f"{self.out} is not empty: give a new --out (the state directories in it would resume "
+                "the run that is there)"
+            )
 
         def on_signal(name: str) -> None:
             self._signal = name
@@ -151,22 +168,34 @@ class Launcher:
                 self._watch()
             except _Stopped:
                 stopped, killed = self._stop_all()
-                say(f"fedgrid launch: {self._signal}: stopped {stopped} processes" + (f" ({killed} killed after "
-                    f"{LAUNCH_STOP_GRACE_S:g}s)" if killed else "") + f"; run directories under {self.out}", stream=self.stream)
+                say(
+                    f"fedgrid launch: {self._signal}: stopped {stopped} processes"
+                    + (f" ({killed} killed after {LAUNCH_STOP_GRACE_S:g}s)" if killed else "")
+                    + f"; run directories under {self.out}",
+                    stream=self.stream,
+                )
                 return 128 + int(getattr(signal, self._signal or "SIGTERM"))
             except BaseException:
                 self._stop_all()
                 raise
-        self.say(f"run finished: {self.rounds_done} global rounds; model {self.out / 'global' / 'model.safetensors'}; "
-                 f"run directories under {self.out}")
+        self.say(
+            f"run finished: {self.rounds_done} global rounds; model {self.out / 'global' / 'model.safetensors'}; "
+            f"run directories under {self.out}"
+        )
         return 0
 
     def _spawn(self, name: str, argv: Sequence[str], log: Path) -> _Process:
         log.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with open(log, "wb") as sink:
-            popen = subprocess.Popen([*FEDGRID, *argv], stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT, env=env,
-                                     preexec_fn=functools.partial(_session_of_its_own, os.getpid()))  # the launcher runs no other thread
+            popen = subprocess.Popen(
+                [*FEDGRID, *argv],
+                stdin=subprocess.DEVNULL,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                env=env,
+                preexec_fn=functools.partial(_session_of_its_own, os.getpid()),
+            )  # the launcher runs no other thread
         process = _Process(name, popen, log)
         self.processes.append(process)
         return process
@@ -189,14 +218,18 @@ class Launcher:
             if path.exists() and path.read_text().strip() != "":
                 return True
             if process.popen.poll() == 0:  # a failure is _check_exits'
-                raise LaunchFailed(f"{process.name} exited before it listened: {_last_line(process.log)} (log {process.log})")
+                raise LaunchFailed(
+                    f"{process.name} exited before it listened: {_last_line(process.log)} (log {process.log})"
+                )
             return False
 
         try:
             self._wait(listening, timeout=LAUNCH_START_TIMEOUT_S, what=f"{process.name}'s address")
         except _TimedOut:
-            raise LaunchFailed(f"{process.name} wrote no address to {path} within {LAUNCH_START_TIMEOUT_S:g}s "
-                               f"(FEDGRID_LAUNCH_START_TIMEOUT_S); its log {process.log} ends: {_last_line(process.log)}") from None
+            raise LaunchFailed(
+                f"{process.name} wrote no address to {path} within {LAUNCH_START_TIMEOUT_S:g}s "
+                f"(FEDGRID_LAUNCH_START_TIMEOUT_S); its log {process.log} ends: {_last_line(process.log)}"
+            ) from None
         return path.read_text().strip()
 
     def _start(self) -> None:
@@ -205,29 +238,61 @@ class Launcher:
         if self._stop.is_set():
             raise _Stopped
         run_dir = out / "global"
-        coordinator = self._spawn("coordinator", coordinator_argv(top, listen="127.0.0.1:0", out=str(run_dir), state_dir=str(run_dir / "state"),
-                                                                  tls=ids["global"]), run_dir / "coordinator.log")
+        coordinator = self._spawn(
+            "coordinator",
+            coordinator_argv(
+                top,
+                listen="127.0.0.1:0",
+                out=str(run_dir),
+                state_dir=str(run_dir / "state"),
+                tls=ids["global"],
+            ),
+            run_dir / "coordinator.log",
+        )
         address = self._address(coordinator, run_dir)
-        self.say(f"coordinator on {address}: {top.rounds} global rounds, {len(top.regions)} regions (run directory {run_dir})")
+        self.say(
+            f"coordinator on {address}: {top.rounds} global rounds, {len(top.regions)} regions (run directory {run_dir})"
+        )
         started = []
         for region in top.regions:  # all regions start at once: each takes seconds to import torch
             region_dir = out / region.name
-            argv = region_argv(top, region, upstream=address, listen="127.0.0.1:0", out=str(region_dir), state_dir=str(region_dir / "state"),
-                               tls=ids[f"{region.name}-lan"], upstream_tls=ids[region.name])
+            argv = region_argv(
+                top,
+                region,
+                upstream=address,
+                listen="127.0.0.1:0",
+                out=str(region_dir),
+                state_dir=str(region_dir / "state"),
+                tls=ids[f"{region.name}-lan"],
+                upstream_tls=ids[region.name],
+            )
             started.append((region, region_dir, self._spawn(region.name, argv, region_dir / "region.log")))
         for region, region_dir, process in started:
             region_address = self._address(process, region_dir)
             for p in region.partitions:
-                self._spawn(f"client-{p}", client_argv(top, p, coordinator=region_address, state_dir=str(region_dir / "client-state"),
-                                                       tls=ids[f"client-{p}"]), region_dir / f"client-{p}.log")
-            self.say(f"region {region.name} on {region_address}: {len(region.partitions)} client{'s' if len(region.partitions) > 1 else ''} (partitions "
-                     f"{', '.join(map(str, region.partitions))} of {top.num_partitions}), run directory {region_dir}")
+                self._spawn(
+                    f"client-{p}",
+                    client_argv(
+                        top,
+                        p,
+                        coordinator=region_address,
+                        state_dir=str(region_dir / "client-state"),
+                        tls=ids[f"client-{p}"],
+                    ),
+                    region_dir / f"client-{p}.log",
+                )
+            self.say(
+                f"region {region.name} on {region_address}: {len(region.partitions)} client{'s' if len(region.partitions) > 1 else ''} (partitions "
+                f"{', '.join(map(str, region.partitions))} of {top.num_partitions}), run directory {region_dir}"
+            )
 
     def _check_exits(self) -> None:
         for process in self.processes:
             status = process.popen.poll()
             if status not in (None, 0):
-                raise LaunchFailed(f"{process.name} {_status(status)}: {_last_line(process.log)} (log {process.log})")
+                raise LaunchFailed(
+                    f"{process.name} {_status(status)}: {_last_line(process.log)} (log {process.log})"
+                )
 
     def _watch(self) -> None:
         coordinator = self.processes[0]
@@ -236,14 +301,22 @@ class Launcher:
             self._print_rounds()
             return coordinator.popen.poll() == 0
 
-        self._wait(finished, timeout=float("inf"), what="the global run")  # the coordinator's own deadlines bound it
+        self._wait(
+            finished, timeout=float("inf"), what="the global run"
+        )  # the coordinator's own deadlines bound it
         self._print_rounds()
         finish = 2 * FINISH_GRACE_S + LAUNCH_STOP_GRACE_S  # a region tells its clients, then finishes itself
         try:
-            self._wait(lambda: all(p.popen.poll() is not None for p in self.processes), timeout=finish, what="the regions and clients to finish")
+            self._wait(
+                lambda: all(p.popen.poll() is not None for p in self.processes),
+                timeout=finish,
+                what="the regions and clients to finish",
+            )
         except _TimedOut:
             running = [p.name for p in self.processes if p.popen.poll() is None]
-            raise LaunchFailed(f"the global run finished but {', '.join(running)} did not exit within {finish:g}s") from None
+            raise LaunchFailed(
+                f"the global run finished but {', '.join(running)} did not exit within {finish:g}s"
+            ) from None
 
     def _print_rounds(self) -> None:
         """Prints a status line for each global round ``global/metrics.jsonl`` gained since the last look."""
@@ -259,7 +332,11 @@ class Launcher:
         for line in complete.decode().splitlines():
             if line.strip():
                 self.rounds_done += 1
-                self.say(round_line(json.loads(line), rounds=self.top.rounds, regions=[r.name for r in self.top.regions]))
+                self.say(
+                    round_line(
+                        json.loads(line), rounds=self.top.rounds, regions=[r.name for r in self.top.regions]
+                    )
+                )
 
     def _stop_all(self) -> tuple[int, int]:
         """SIGTERM to every running process, then SIGKILL to those still running after the grace; returns (stopped, killed)."""
@@ -285,23 +362,45 @@ def _size(n: float) -> str:
 
 def round_line(row: Mapping[str, Any], *, rounds: int, regions: Sequence[str]) -> str:
     """The status line of one global round (a ``metrics.jsonl`` row): loss, accuracy, regions, WAN bytes per region."""
+
     def number(key: str) -> str:
         value = row.get(key)
         return f"{value:.4f}" if isinstance(value, (int, float)) else "-"
 
-    per_region = ", ".join(f"{name} {_size(row.get(f'bytes_up.{name}', 0))}/{_size(row.get(f'bytes_down.{name}', 0))}" for name in regions)
-    return (f"global round {row['round']}/{rounds}: loss {number('loss')}, accuracy {number('accuracy')}; regions "
-            f"{row['clients_ok']} ok, {row['clients_failed']} failed; WAN {_size(row['bytes_up'])} up, {_size(row['bytes_down'])} down "
-            f"(up/down: {per_region}); {float(row['wall_s']):.2f}s")
+    per_region = ", ".join(
+        f"{name} {_size(row.get(f'bytes_up.{name}', 0))}/{_size(row.get(f'bytes_down.{name}', 0))}"
+        for name in regions
+    )
+    return (
+        f"global round {row['round']}/{rounds}: loss {number('loss')}, accuracy {number('accuracy')}; regions "
+        f"{row['clients_ok']} ok, {row['clients_failed']} failed; WAN {_size(row['bytes_up'])} up, {_size(row['bytes_down'])} down "
+        f"(up/down: {per_region}); {float(row['wall_s']):.2f}s"
+    )
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Adds ``launch`` to the ``fedgrid`` subcommands (``sub``: argparse's subparsers)."""
-    parser = sub.add_parser("launch", help="run a multi-region topology (docker/topology.toml) as local processes over mutual TLS")
-    parser.add_argument("topology", metavar="TOPOLOGY.toml", help="the topology: [global], [clients], [[regions]] (see docker/topology.toml)")
-    parser.add_argument("--rounds", type=int, default=None, metavar="N", help="global rounds (default: the file's [global] rounds)")
-    parser.add_argument("--out", default=None, metavar="DIR", help="where certificates, run directories and logs go "
-                        "(empty or new; default runs/launch-TIME)")
+    parser = sub.add_parser(
+        "launch", help="run a multi-region topology (docker/topology.toml) as local processes over mutual TLS"
+    )
+    parser.add_argument(
+        "topology",
+        metavar="TOPOLOGY.toml",
+        help="the topology: [global], [clients], [[regions]] (see docker/topology.toml)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        metavar="N",
+        help="global rounds (default: the file's [global] rounds)",
+    )
+    parser.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="where certificates, run directories and logs go (empty or new; default runs/launch-TIME)",
+    )
     return parser
 
 

@@ -24,6 +24,7 @@ __all__ = ["create_app", "check_app_name", "AppNameError", "TEMPLATES"]
 class AppNameError(FedgridError, ValueError):
     """NAME cannot name a new app: not an identifier, a keyword, an importable module, or taken."""
 
+
 _INIT = '''"""$name: a fedgrid app (made by `fedgrid new $name`). See README.md beside this file."""
 '''
 
@@ -106,7 +107,7 @@ def client(partition: int, num_partitions: int, seed: int, *, batch_size: int = 
     )
 '''
 
-_CONFIG = '''# $name: one configuration for a simulation and a deployment. Every key can be overridden by a
+_CONFIG = """# $name: one configuration for a simulation and a deployment. Every key can be overridden by a
 # flag (--rounds 20); `fedgrid simulate --help` lists them. Run from the folder holding $name/.
 #
 #   fedgrid simulate --config $name/config.toml
@@ -124,9 +125,9 @@ local_epochs = 1
 lr = 0.1
 fraction_evaluate = 1.0    # every client evaluates each new global model: metrics.jsonl's accuracy
 listen = "127.0.0.1:50051"  # loopback: plaintext for development; see the docs for mutual TLS
-'''
+"""
 
-_README = '''# $name
+_README = """# $name
 
 A fedgrid app made by `fedgrid new $name`: a small MLP on scikit-learn's digits, split
 among the clients.
@@ -147,7 +148,7 @@ fedgrid client --coordinator 127.0.0.1:50051 --app $name.app:client --partition 
 
 Each run writes a run directory (`runs/...`) with `metrics.jsonl`, `model.safetensors`
 and the resolved `config.toml`.
-'''
+"""
 
 #: File name -> template (``$name`` is substituted).
 TEMPLATES: dict[str, str] = {
@@ -167,8 +168,10 @@ def check_app_name(name: str) -> str:
             module Python already imports (it would shadow the app, or the app it).
     """
     if not name.isidentifier() or not name.isascii():
-        raise AppNameError(f"app name {name!r} is not a valid Python identifier (letters, digits and _, not starting with a digit): "
-                          "the app is imported as NAME.app")
+        raise AppNameError(
+            f"app name {name!r} is not a valid Python identifier (letters, digits and _, not starting with a digit): "
+            "the app is imported as NAME.app"
+        )
     if keyword.iskeyword(name):
         raise AppNameError(f"app name {name!r} is a Python keyword and cannot name a package")
     try:
@@ -176,8 +179,10 @@ def check_app_name(name: str) -> str:
     except (ImportError, ValueError):
         spec = None
     if spec is not None:
-        raise AppNameError(f"app name {name!r} is already an importable module ({spec.origin or 'a namespace package'}): "
-                          "the app would not be the one imported; pick another name")
+        raise AppNameError(
+            f"app name {name!r} is already an importable module ({spec.origin or 'a namespace package'}): "
+            "the app would not be the one imported; pick another name"
+        )
     return name
 
 

@@ -82,19 +82,33 @@ def init_ca(directory: str | os.PathLike[str], *, name: str = "fedgrid CA", days
         now = ca._utcnow()
         cert = (
             x509.CertificateBuilder()
-            .subject_name(ca._subject(name)).issuer_name(ca._subject(name))
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - ca.CLOCK_SKEW).not_valid_after(now + timedelta(days=days))
+            .subject_name(ca._subject(name))
+            .issuer_name(ca._subject(name))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - ca.CLOCK_SKEW)
+            .not_valid_after(now + timedelta(days=days))
             .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
             .add_extension(
-                x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False, data_encipherment=False,
-                              key_agreement=False, key_cert_sign=True, crl_sign=True, encipher_only=False, decipher_only=False),
+                x509.KeyUsage(
+                    digital_signature=False,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
                 critical=True,
             )
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
             .sign(key, hashes.SHA256())
         )
-        ca.write_atomic(d / ca.CA_KEY, ca._key_pem(key), 0o600)  # the key first: a ca.pem never exists without it
+        ca.write_atomic(
+            d / ca.CA_KEY, ca._key_pem(key), 0o600
+        )  # the key first: a ca.pem never exists without it
         ca.write_atomic(d / ca.CA_CERT, ca._cert_pem(cert), 0o644)
         ca._save_records(d, [])
         ca._write_json(d / ca.TOKENS, {"version": 1, "tokens": {}}, 0o600)
@@ -103,7 +117,12 @@ def init_ca(directory: str | os.PathLike[str], *, name: str = "fedgrid CA", days
 
 
 def issue(
-    directory: str | os.PathLike[str], name: str, *, server: bool = False, sans: Sequence[str] = (), days: int = 365,
+    directory: str | os.PathLike[str],
+    name: str,
+    *,
+    server: bool = False,
+    sans: Sequence[str] = (),
+    days: int = 365,
 ) -> tuple[Path, Path]:
     """Issues a leaf certificate and its key (EC P-256, made here): ``NAME.pem``, ``NAME.key`` (0600).
 
@@ -134,7 +153,9 @@ def issue(
         records = ca._records(d)
         ca._check_name_free(records, name, ca._utcnow(), PKIError)
         key = ec.generate_private_key(ec.SECP256R1())
-        cert = ca._sign_leaf(ca_cert, ca_key, name=name, public_key=key.public_key(), server=server, sans=sans, days=days)
+        cert = ca._sign_leaf(
+            ca_cert, ca_key, name=name, public_key=key.public_key(), server=server, sans=sans, days=days
+        )
         ca.write_atomic(d / f"{name}.key", ca._key_pem(key), 0o600)
         ca.write_atomic(d / f"{name}.pem", ca._cert_pem(cert), 0o644)
         ca._save_records(d, [*records, ca._record_of(cert, name, "server" if server else "client")])
@@ -171,7 +192,9 @@ def list_certs(directory: str | os.PathLike[str]) -> list[ca.CertRecord]:
     return ca._records(Path(directory))
 
 
-def issue_token(directory: str | os.PathLike[str], *, name: str | None = None, expires: timedelta = timedelta(hours=24)) -> str:
+def issue_token(
+    directory: str | os.PathLike[str], *, name: str | None = None, expires: timedelta = timedelta(hours=24)
+) -> str:
     """Makes a one-time enrollment token; only its SHA-256 is stored, so show it once.
 
     Args:
@@ -193,8 +216,13 @@ def issue_token(directory: str | os.PathLike[str], *, name: str | None = None, e
         ca._load_ca(d)  # a token for a directory without a CA could never be used
         store = ca._read_json(d / ca.TOKENS, missing={"version": 1, "tokens": {}})
         store["tokens"][token_id] = {
-            "hash": ca._digest(secret), "name": name, "created_at": ca._iso(ca._utcnow()), "expires_at": ca._iso(ca._utcnow() + expires),
-            "used_at": None, "used_by": None, "revoked": False,
+            "hash": ca._digest(secret),
+            "name": name,
+            "created_at": ca._iso(ca._utcnow()),
+            "expires_at": ca._iso(ca._utcnow() + expires),
+            "used_at": None,
+            "used_by": None,
+            "revoked": False,
         }
         ca._write_json(d / ca.TOKENS, store, 0o600)
     return f"{token_id}.{secret}"

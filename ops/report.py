@@ -18,14 +18,25 @@ import io
 import json
 import math
 import os
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+import tomllib
+
 from fedgrid.errors import FedgridError
 
-__all__ = ["ReportError", "Run", "load_run", "load_runs", "participation", "figures", "write_report", "METRICS", "PLOTS"]
+__all__ = [
+    "ReportError",
+    "Run",
+    "load_run",
+    "load_runs",
+    "participation",
+    "figures",
+    "write_report",
+    "METRICS",
+    "PLOTS",
+]
 
 #: The metrics ``fedgrid report`` plots, in the order of the page.
 METRICS = ("accuracy", "loss", "bytes_up", "bytes_down", "clients_ok", "clients_failed")
@@ -66,8 +77,11 @@ class Run:
 
     def series(self, metric: str) -> tuple[list[int], list[float]]:
         """Rounds and values of ``metric``, from the rows that have it as a number."""
-        points = [(int(r["round"]), float(r[metric])) for r in self.rows
-                  if isinstance(r.get(metric), (int, float)) and not isinstance(r.get(metric), bool)]
+        points = [
+            (int(r["round"]), float(r[metric]))
+            for r in self.rows
+            if isinstance(r.get(metric), (int, float)) and not isinstance(r.get(metric), bool)
+        ]
         return [p[0] for p in points], [p[1] for p in points]
 
     def missing(self) -> list[str]:
@@ -132,7 +146,13 @@ def load_run(path: str | os.PathLike[str], label: str | None = None) -> Run:
         except tomllib.TOMLDecodeError as exc:
             raise ReportError(f"{d / 'config.toml'}: not valid TOML ({exc})") from None
     events = _json_lines(d / "events.jsonl", torn_tail_ok=True) if (d / "events.jsonl").is_file() else []
-    return Run(label=label if label is not None else (d.resolve().name or str(d)), path=d, rows=rows, config=config, events=events)
+    return Run(
+        label=label if label is not None else (d.resolve().name or str(d)),
+        path=d,
+        rows=rows,
+        config=config,
+        events=events,
+    )
 
 
 def load_runs(paths: Sequence[str], labels: Sequence[str] | None = None) -> list[Run]:
@@ -143,7 +163,9 @@ def load_runs(paths: Sequence[str], labels: Sequence[str] | None = None) -> list
         ReportError: see ``load_run``; also a count of labels that is not the count of runs.
     """
     if labels and len(labels) != len(paths):
-        raise ReportError(f"{len(labels)} --label for {len(paths)} run directories: give one per run, in order")
+        raise ReportError(
+            f"{len(labels)} --label for {len(paths)} run directories: give one per run, in order"
+        )
     runs = [load_run(p, labels[i] if labels else None) for i, p in enumerate(paths)]
     if not labels and len({r.label for r in runs}) < len(runs):
         for run, given in zip(runs, paths):
@@ -202,14 +224,27 @@ def figures(runs: Sequence[Run]) -> dict[str, Any]:
         if not any(run.series(m)[0] for run in runs for m in metrics):
             continue
         fig = Figure(figsize=(7.5, 3.2 * len(metrics) if name == "bytes.png" else 4.0), layout="constrained")
-        axes = fig.subplots(len(metrics), 1, squeeze=False)[:, 0] if name == "bytes.png" else [fig.subplots()] * len(metrics)
+        axes = (
+            fig.subplots(len(metrics), 1, squeeze=False)[:, 0]
+            if name == "bytes.png"
+            else [fig.subplots()] * len(metrics)
+        )
         for ax, metric in zip(axes, metrics):
             for run, color in zip(runs, colors):
                 xs, ys = run.series(metric)
                 if xs:
-                    suffix = f" ({metric.replace('_', ' ')})" if len(metrics) > 1 and name != "bytes.png" else ""
-                    ax.plot(xs, ys, _STYLE.get(metric, "-"), color=color, marker="o", markersize=3,
-                            label=_plain(run.label + suffix))
+                    suffix = (
+                        f" ({metric.replace('_', ' ')})" if len(metrics) > 1 and name != "bytes.png" else ""
+                    )
+                    ax.plot(
+                        xs,
+                        ys,
+                        _STYLE.get(metric, "-"),
+                        color=color,
+                        marker="o",
+                        markersize=3,
+                        label=_plain(run.label + suffix),
+                    )
             ax.set_xlabel("round")
             ax.set_ylabel(metric.replace("_", " ") if len(set(axes)) > 1 else title.split(" per")[0].lower())
             ax.grid(True, alpha=0.3)
@@ -231,16 +266,26 @@ def figures(runs: Sequence[Run]) -> dict[str, Any]:
         from matplotlib.colors import ListedColormap
         from matplotlib.patches import Patch
 
-        fig = Figure(figsize=(max(6.5, 0.35 * len(rounds) + 4.0), max(2.5, 0.3 * len(clients) + 1.5)), layout="constrained")
+        fig = Figure(
+            figsize=(max(6.5, 0.35 * len(rounds) + 4.0), max(2.5, 0.3 * len(clients) + 1.5)),
+            layout="constrained",
+        )
         ax = fig.subplots()
-        ax.imshow(cells, aspect="auto", interpolation="nearest", vmin=0, vmax=_OK,
-                  cmap=ListedColormap(_COLORS))
+        ax.imshow(
+            cells, aspect="auto", interpolation="nearest", vmin=0, vmax=_OK, cmap=ListedColormap(_COLORS)
+        )
         ax.set_xticks(range(len(rounds)), [str(r) for r in rounds])
         ax.set_yticks(range(len(clients)), [_plain(c) for c in clients])
         ax.set_xlabel("round")
         ax.set_title(_plain(f"{run.label}: participation per client"), fontsize="medium")
-        fig.legend(handles=[Patch(color=c, label=t) for c, t in zip(_COLORS[::-1], ("update accepted", "failed", "no event"))],
-                   loc="outside right upper", fontsize="small")
+        fig.legend(
+            handles=[
+                Patch(color=c, label=t)
+                for c, t in zip(_COLORS[::-1], ("update accepted", "failed", "no event"))
+            ],
+            loc="outside right upper",
+            fontsize="small",
+        )
         out[f"participation-{number}.png"] = fig
     return out
 
@@ -263,17 +308,38 @@ def _number(value: float | None, kind: str) -> str:
 
 def _html(runs: Sequence[Run], pngs: Mapping[str, bytes], notes: Sequence[str]) -> str:
     e = html.escape
-    head = ["run", "rounds", "final accuracy", "final loss", "bytes up (total)", "bytes down (total)",
-            "wall s (total)", "clients ok (total)", "clients failed (total)", "directory"]
+    head = [
+        "run",
+        "rounds",
+        "final accuracy",
+        "final loss",
+        "bytes up (total)",
+        "bytes down (total)",
+        "wall s (total)",
+        "clients ok (total)",
+        "clients failed (total)",
+        "directory",
+    ]
     rows = []
     for run in runs:
-        cells = [e(run.label), str(len(run.rows)), _number(run.final("accuracy"), "f"), _number(run.final("loss"), "f"),
-                 _number(run.total("bytes_up"), "bytes"), _number(run.total("bytes_down"), "bytes"),
-                 _number(run.total("wall_s"), "f"), _number(run.total("clients_ok"), "int"),
-                 _number(run.total("clients_failed"), "int"), e(str(run.path))]
+        cells = [
+            e(run.label),
+            str(len(run.rows)),
+            _number(run.final("accuracy"), "f"),
+            _number(run.final("loss"), "f"),
+            _number(run.total("bytes_up"), "bytes"),
+            _number(run.total("bytes_down"), "bytes"),
+            _number(run.total("wall_s"), "f"),
+            _number(run.total("clients_ok"), "int"),
+            _number(run.total("clients_failed"), "int"),
+            e(str(run.path)),
+        ]
         rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
-    images = "\n".join(f'<figure><img alt="{e(name)}" src="data:image/png;base64,{base64.b64encode(data).decode("ascii")}">'
-                       f"<figcaption>{e(name)}</figcaption></figure>" for name, data in pngs.items())
+    images = "\n".join(
+        f'<figure><img alt="{e(name)}" src="data:image/png;base64,{base64.b64encode(data).decode("ascii")}">'
+        f"<figcaption>{e(name)}</figcaption></figure>"
+        for name, data in pngs.items()
+    )
     note_html = "".join(f"<li>{e(n)}</li>" for n in notes)
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>fedgrid report: {e(", ".join(r.label for r in runs))}</title>
@@ -298,7 +364,9 @@ def write_report(runs: Sequence[Run], out: str | os.PathLike[str]) -> tuple[list
     """
     d = Path(out)
     d.mkdir(parents=True, exist_ok=True)
-    notes = [f"{run.label}: no {', '.join(run.missing())} recorded; not plotted" for run in runs if run.missing()]
+    notes = [
+        f"{run.label}: no {', '.join(run.missing())} recorded; not plotted" for run in runs if run.missing()
+    ]
     pngs = {name: _png(fig) for name, fig in figures(runs).items()}
     written = []
     for name, data in pngs.items():

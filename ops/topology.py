@@ -29,28 +29,84 @@ from __future__ import annotations
 
 import os
 import re
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from fedgrid.config import CLIENT_ONLY_KEYS, REGION_ONLY_KEYS, SIMULATION_ONLY_KEYS, config_keys, did_you_mean, load_config
+import tomllib
+
+from fedgrid.config import (
+    CLIENT_ONLY_KEYS,
+    REGION_ONLY_KEYS,
+    SIMULATION_ONLY_KEYS,
+    config_keys,
+    did_you_mean,
+    load_config,
+)
 from fedgrid.errors import ConfigError, FedgridError
 
-__all__ = ["Topology", "RegionSpec", "Identity", "TopologyError", "load_topology", "make_certificates",
-           "coordinator_argv", "region_argv", "client_argv", "GLOBAL_KEYS", "REGION_KEYS", "CLIENT_KEYS", "MANAGED_KEYS"]
+__all__ = [
+    "Topology",
+    "RegionSpec",
+    "Identity",
+    "TopologyError",
+    "load_topology",
+    "make_certificates",
+    "coordinator_argv",
+    "region_argv",
+    "client_argv",
+    "GLOBAL_KEYS",
+    "REGION_KEYS",
+    "CLIENT_KEYS",
+    "MANAGED_KEYS",
+]
 
 #: Set by the launcher for every tier, so refused in the file (the seed: the global table's).
-MANAGED_KEYS = frozenset({"listen", "out", "state_dir", "ca", "cert", "key", "crl", "insecure", "enroll_listen", "enroll_dir",
-                          "upstream", "upstream_ca", "upstream_cert", "upstream_key", "upstream_server_name"})
+MANAGED_KEYS = frozenset(
+    {
+        "listen",
+        "out",
+        "state_dir",
+        "ca",
+        "cert",
+        "key",
+        "crl",
+        "insecure",
+        "enroll_listen",
+        "enroll_dir",
+        "upstream",
+        "upstream_ca",
+        "upstream_cert",
+        "upstream_key",
+        "upstream_server_name",
+    }
+)
 _COORDINATOR = frozenset(config_keys()) - SIMULATION_ONLY_KEYS - CLIENT_ONLY_KEYS - REGION_ONLY_KEYS
 GLOBAL_KEYS = _COORDINATOR - MANAGED_KEYS
 #: ``fedgrid region`` takes no run length, model, enrollment or status server: the global coordinator has them.
-REGION_KEYS = (_COORDINATOR - {"rounds", "initial_model", "model", "http", "http_token_file", "seed"} | REGION_ONLY_KEYS
-               | {"regional_rounds"}) - MANAGED_KEYS
+REGION_KEYS = (
+    _COORDINATOR - {"rounds", "initial_model", "model", "http", "http_token_file", "seed"}
+    | REGION_ONLY_KEYS
+    | {"regional_rounds"}
+) - MANAGED_KEYS
 #: ``fedgrid client``'s config keys (``partition`` is its ``--data-partition``).
-CLIENT_KEYS = frozenset({"dataset", "data_dir", "model", "batch_size", "optimizer", "lr", "momentum", "weight_decay", "partition",
-                         "threads"}) | CLIENT_ONLY_KEYS
+CLIENT_KEYS = (
+    frozenset(
+        {
+            "dataset",
+            "data_dir",
+            "model",
+            "batch_size",
+            "optimizer",
+            "lr",
+            "momentum",
+            "weight_decay",
+            "partition",
+            "threads",
+        }
+    )
+    | CLIENT_ONLY_KEYS
+)
 #: ``[global]`` keys the clients take too: their data and model are the coordinator's.
 SHARED_WITH_CLIENTS = ("dataset", "data_dir", "model")
 #: A region's name names files, certificates and its client identity upstream.
@@ -112,13 +168,21 @@ def _table(data: Mapping[str, Any], name: str, path: str) -> dict[str, Any]:
     return dict(value)
 
 
-def _check_keys(path: str, where: str, table: Mapping[str, Any], allowed: frozenset[str], extra: Sequence[str] = ()) -> None:
+def _check_keys(
+    path: str, where: str, table: Mapping[str, Any], allowed: frozenset[str], extra: Sequence[str] = ()
+) -> None:
     for key in table:
         if key in MANAGED_KEYS or (key == "seed" and where != "global"):
-            raise TopologyError(path, f"{where}.{key}", "is set by fedgrid launch (addresses, directories, certificates, the "
-                                "global seed); leave it out")
+            raise TopologyError(
+                path,
+                f"{where}.{key}",
+                "is set by fedgrid launch (addresses, directories, certificates, the "
+                "global seed); leave it out",
+            )
         if key not in allowed and key not in extra:
-            raise TopologyError(path, f"{where}.{key}", f"unknown key{did_you_mean(key, [*allowed, *extra], otherwise='')}")
+            raise TopologyError(
+                path, f"{where}.{key}", f"unknown key{did_you_mean(key, [*allowed, *extra], otherwise='')}"
+            )
 
 
 def _checked(path: str, where: str, keys: Mapping[str, Any]) -> None:
@@ -156,8 +220,12 @@ def load_topology(path: str | os.PathLike[str], *, rounds: int | None = None) ->
     num_partitions = _int(where, "clients.num_partitions", clients.pop("num_partitions", len(taken)), low=1)
     outside = sorted(p for p in taken if not 0 <= p < num_partitions)
     if outside:
-        raise TopologyError(where, "clients.num_partitions", f"is {num_partitions}, but partition {outside[0]} "
-                            f"({taken[outside[0]]}'s) is outside 0..{num_partitions - 1}")
+        raise TopologyError(
+            where,
+            "clients.num_partitions",
+            f"is {num_partitions}, but partition {outside[0]} "
+            f"({taken[outside[0]]}'s) is outside 0..{num_partitions - 1}",
+        )
     top.setdefault("min_clients", len(regions))
     _checked(where, "global", top)
     _check_tiers(where, top, clients, regions, taken)
@@ -174,15 +242,25 @@ def _read(where: str) -> dict[str, Any]:
         raise TopologyError(where, "", f"not valid TOML: {exc}") from None
     for key in data:
         if key not in ("global", "clients", "regions"):
-            raise TopologyError(where, key, f"unknown table{did_you_mean(key, ['global', 'clients', 'regions'], otherwise='')} "
-                                "(the file has [global], [clients] and [[regions]])")
+            raise TopologyError(
+                where,
+                key,
+                f"unknown table{did_you_mean(key, ['global', 'clients', 'regions'], otherwise='')} "
+                "(the file has [global], [clients] and [[regions]])",
+            )
     return data
 
 
 def _regions(where: str, regions_data: Any) -> tuple[list[RegionSpec], dict[int, str]]:
     """The ``[[regions]]`` tables, checked, and which region each global partition is in."""
-    if not isinstance(regions_data, list) or not regions_data or not all(isinstance(r, dict) for r in regions_data):
-        raise TopologyError(where, "regions", "needs at least one [[regions]] table (name, clients or partitions, ...)")
+    if (
+        not isinstance(regions_data, list)
+        or not regions_data
+        or not all(isinstance(r, dict) for r in regions_data)
+    ):
+        raise TopologyError(
+            where, "regions", "needs at least one [[regions]] table (name, clients or partitions, ...)"
+        )
     regions: list[RegionSpec] = []
     taken: dict[int, str] = {}
     next_partition = 0  # clients = N takes the N after the previous region's last
@@ -191,7 +269,11 @@ def _regions(where: str, regions_data: Any) -> tuple[list[RegionSpec], dict[int,
         name = table.pop("name", None)
         label = f"regions[{i}]"
         if not isinstance(name, str) or not NAME.fullmatch(name) or name in ("global", "certs"):
-            raise TopologyError(where, f"{label}.name", f"must be 1-64 of [A-Za-z0-9._-], not 'global' or 'certs', got {name!r}")
+            raise TopologyError(
+                where,
+                f"{label}.name",
+                f"must be 1-64 of [A-Za-z0-9._-], not 'global' or 'certs', got {name!r}",
+            )
         if any(r.name == name for r in regions):
             raise TopologyError(where, f"{label}.name", f"{name!r} names two regions")
         label = f"regions.{name}"
@@ -216,36 +298,62 @@ def _partitions(where: str, label: str, table: dict[str, Any], *, next_partition
         if count is None:
             raise TopologyError(where, f"{label}.clients", "give clients = N or partitions = [I, ...]")
         return list(range(next_partition, next_partition + _int(where, f"{label}.clients", count, low=1)))
-    if not isinstance(partitions, list) or not partitions or not all(isinstance(p, int) and not isinstance(p, bool)
-                                                                     for p in partitions):
-        raise TopologyError(where, f"{label}.partitions", f"must be a non-empty list of partition indices, got {partitions!r}")
+    if (
+        not isinstance(partitions, list)
+        or not partitions
+        or not all(isinstance(p, int) and not isinstance(p, bool) for p in partitions)
+    ):
+        raise TopologyError(
+            where, f"{label}.partitions", f"must be a non-empty list of partition indices, got {partitions!r}"
+        )
     if count is not None and _int(where, f"{label}.clients", count, low=1) != len(partitions):
         raise TopologyError(where, f"{label}.clients", f"is {count} but partitions lists {len(partitions)}")
     return partitions
 
 
-def _check_tiers(where: str, top: dict[str, Any], clients: dict[str, Any], regions: Sequence[RegionSpec],
-                 taken: Mapping[int, str]) -> None:
+def _check_tiers(
+    where: str,
+    top: dict[str, Any],
+    clients: dict[str, Any],
+    regions: Sequence[RegionSpec],
+    taken: Mapping[int, str],
+) -> None:
     """What ties the tiers together: region codecs name regions, the model keys are the global
     table's (given to the clients), and no two processes share a certificate name."""
     from fedgrid.compression.registry import parse_region_codecs
 
     unknown = sorted(set(parse_region_codecs(str(top.get("region_codecs", "")))) - {r.name for r in regions})
     if unknown:
-        raise TopologyError(where, "global.region_codecs", f"names {unknown[0]!r}, which is no region of the file "
-                            f"({', '.join(r.name for r in regions)})")
+        raise TopologyError(
+            where,
+            "global.region_codecs",
+            f"names {unknown[0]!r}, which is no region of the file ({', '.join(r.name for r in regions)})",
+        )
     for key in SHARED_WITH_CLIENTS:
         if key in clients:
-            raise TopologyError(where, f"clients.{key}", "goes in [global] (the launcher gives it to the clients): the "
-                                "global coordinator initializes and evaluates the model the clients train")
+            raise TopologyError(
+                where,
+                f"clients.{key}",
+                "goes in [global] (the launcher gives it to the clients): the "
+                "global coordinator initializes and evaluates the model the clients train",
+            )
         if key in top:
             clients[key] = top[key]
     _checked(where, "clients", clients)
-    names = ["global", "probe", *(n for r in regions for n in (r.name, f"{r.name}-lan")), *(f"client-{p}" for p in taken)]
+    names = [
+        "global",
+        "probe",
+        *(n for r in regions for n in (r.name, f"{r.name}-lan")),
+        *(f"client-{p}" for p in taken),
+    ]
     clash = next((n for n in names if names.count(n) > 1), None)
     if clash is not None:
-        raise TopologyError(where, "regions", f"the certificate name {clash!r} would be two identities (a region's name "
-                            "is its client identity, NAME-lan its server's, client-I its clients')")
+        raise TopologyError(
+            where,
+            "regions",
+            f"the certificate name {clash!r} would be two identities (a region's name "
+            "is its client identity, NAME-lan its server's, client-I its clients')",
+        )
 
 
 def _flags(keys: Mapping[str, Any]) -> list[str]:
@@ -259,22 +367,73 @@ def _flags(keys: Mapping[str, Any]) -> list[str]:
 
 def coordinator_argv(top: Topology, *, listen: str, out: str, state_dir: str, tls: Identity) -> list[str]:
     """``fedgrid coordinator``'s arguments for the topology's global tier."""
-    return ["coordinator", "--listen", listen, "--out", out, "--state-dir", state_dir, *tls.flags(), *_flags(top.global_keys)]
+    return [
+        "coordinator",
+        "--listen",
+        listen,
+        "--out",
+        out,
+        "--state-dir",
+        state_dir,
+        *tls.flags(),
+        *_flags(top.global_keys),
+    ]
 
 
-def region_argv(top: Topology, region: RegionSpec, *, upstream: str, listen: str, out: str, state_dir: str, tls: Identity,
-                upstream_tls: Identity, upstream_server_name: str = "") -> list[str]:
+def region_argv(
+    top: Topology,
+    region: RegionSpec,
+    *,
+    upstream: str,
+    listen: str,
+    out: str,
+    state_dir: str,
+    tls: Identity,
+    upstream_tls: Identity,
+    upstream_server_name: str = "",
+) -> list[str]:
     """``fedgrid region``'s arguments: it serves its LAN with ``tls`` and joins ``upstream`` with ``upstream_tls``."""
     server_name = ["--upstream-server-name", upstream_server_name] if upstream_server_name else []
-    return ["region", "--name", region.name, "--upstream", upstream, *upstream_tls.flags("upstream-"), *server_name,
-            "--listen", listen, "--out", out, "--state-dir", state_dir, *tls.flags(), "--seed", str(top.seed), *_flags(region.keys)]
+    return [
+        "region",
+        "--name",
+        region.name,
+        "--upstream",
+        upstream,
+        *upstream_tls.flags("upstream-"),
+        *server_name,
+        "--listen",
+        listen,
+        "--out",
+        out,
+        "--state-dir",
+        state_dir,
+        *tls.flags(),
+        "--seed",
+        str(top.seed),
+        *_flags(region.keys),
+    ]
 
 
-def client_argv(top: Topology, partition: int, *, coordinator: str, state_dir: str, tls: Identity, server_name: str = "") -> list[str]:
+def client_argv(
+    top: Topology, partition: int, *, coordinator: str, state_dir: str, tls: Identity, server_name: str = ""
+) -> list[str]:
     """``fedgrid client``'s arguments for global partition ``partition``, joining its region at ``coordinator``."""
     name = ["--server-name", server_name] if server_name else []
-    return ["client", "--coordinator", coordinator, *name, "--partition", f"{partition}/{top.num_partitions}", "--seed", str(top.seed),
-            *tls.flags(), "--state-dir", state_dir, *_flags(top.client_keys)]
+    return [
+        "client",
+        "--coordinator",
+        coordinator,
+        *name,
+        "--partition",
+        f"{partition}/{top.num_partitions}",
+        "--seed",
+        str(top.seed),
+        *tls.flags(),
+        "--state-dir",
+        state_dir,
+        *_flags(top.client_keys),
+    ]
 
 
 def make_certificates(directory: Path, top: Topology) -> dict[str, Identity]:

@@ -65,6 +65,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Coroutine, TypeVar
 
+from fedgrid.errors import ConfigError
+from fedgrid.interrupts import GracefulStop, say
 from fedgrid.ops.wan_link import (
     MAX_CONNECTIONS,
     MIN_RTO_S,
@@ -74,10 +76,16 @@ from fedgrid.ops.wan_link import (
     WanLink,
 )
 
-from fedgrid.errors import ConfigError
-from fedgrid.interrupts import GracefulStop, say
-
-__all__ = ["WanLink", "WanRelay", "LinkClock", "parse_hostport", "add_arguments", "command", "MSS", "MIN_RTO_S"]
+__all__ = [
+    "WanLink",
+    "WanRelay",
+    "LinkClock",
+    "parse_hostport",
+    "add_arguments",
+    "command",
+    "MSS",
+    "MIN_RTO_S",
+]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -105,7 +113,14 @@ def _reset(writer: asyncio.StreamWriter | None) -> None:
 class _Pipe:
     """One direction of one connection: ``pump`` reads and schedules, ``deliver`` writes on time."""
 
-    def __init__(self, relay: "WanRelay", src: asyncio.StreamReader, dst: asyncio.StreamWriter, clock: LinkClock, up: bool) -> None:
+    def __init__(
+        self,
+        relay: "WanRelay",
+        src: asyncio.StreamReader,
+        dst: asyncio.StreamWriter,
+        clock: LinkClock,
+        up: bool,
+    ) -> None:
         self.relay, self.src, self.dst, self.clock, self.up = relay, src, dst, clock, up
         self.queue: deque[tuple[float, bytes]] = deque()
         self.queued = 0
@@ -132,7 +147,7 @@ class _Pipe:
             link = self.relay.link
             step = link.piece_bytes
             for i in range(0, len(data), step):
-                piece = data[i:i + step]
+                piece = data[i : i + step]
                 while True:
                     await self.relay._passable()
                     link = self.relay.link
@@ -161,7 +176,9 @@ class _Pipe:
                 if self.dst.can_write_eof():
                     self.dst.write_eof()
                 return
-            self.relay._count(self.up, len(piece))  # first: the peer may read the bytes before write() returns
+            self.relay._count(
+                self.up, len(piece)
+            )  # first: the peer may read the bytes before write() returns
             self.dst.write(piece)
             await self.dst.drain()
             self.queued -= len(piece)
@@ -200,8 +217,14 @@ class WanRelay:
         ConfigError: a bad address or ``max_connections``.
     """
 
-    def __init__(self, target: tuple[str, int] | str, link: WanLink | None = None, listen: tuple[str, int] | str = ("127.0.0.1", 0),
-                 *, max_connections: int = MAX_CONNECTIONS) -> None:
+    def __init__(
+        self,
+        target: tuple[str, int] | str,
+        link: WanLink | None = None,
+        listen: tuple[str, int] | str = ("127.0.0.1", 0),
+        *,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
         if max_connections < 1:
             raise ConfigError("max_connections", f"must be at least 1, not {max_connections}")
         self.target = parse_hostport(target, key="target") if isinstance(target, str) else target
@@ -269,7 +292,9 @@ class WanRelay:
         self._healed = asyncio.Event()
         if self._mode is None:
             self._healed.set()
-        self._thread = threading.Thread(target=loop.run_forever, name=f"fedgrid-wan-{self._port}", daemon=True)
+        self._thread = threading.Thread(
+            target=loop.run_forever, name=f"fedgrid-wan-{self._port}", daemon=True
+        )
         self._thread.start()
 
         async def serve() -> asyncio.AbstractServer:
@@ -344,7 +369,9 @@ class WanRelay:
     def __enter__(self) -> "WanRelay":
         return self.start() if self._thread is None else self
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()
 
     # -- inside the relay's loop ---------------------------------------------------------------
@@ -376,7 +403,11 @@ class WanRelay:
     async def _forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self._mode == "reset" or len(self._conns) >= self.max_connections:
             if self._mode != "reset":
-                log.warning("WAN relay %s: %d connections open (max_connections): one more reset", self.address, len(self._conns))
+                log.warning(
+                    "WAN relay %s: %d connections open (max_connections): one more reset",
+                    self.address,
+                    len(self._conns),
+                )
             self.connections_refused += 1
             _reset(writer)
             return
@@ -388,9 +419,17 @@ class WanRelay:
             await self._passable()  # a blackhole: accepted, then silence (no SYN reaches the target)
             host, port = self.target
             try:
-                target_reader, target = await asyncio.wait_for(asyncio.open_connection(host, port, limit=READ_BYTES), CONNECT_TIMEOUT_S)
+                target_reader, target = await asyncio.wait_for(
+                    asyncio.open_connection(host, port, limit=READ_BYTES), CONNECT_TIMEOUT_S
+                )
             except (OSError, asyncio.TimeoutError) as exc:
-                log.warning("WAN relay %s: cannot reach the target %s:%s (%s): connection reset", self.address, host, port, exc or "timeout")
+                log.warning(
+                    "WAN relay %s: cannot reach the target %s:%s (%s): connection reset",
+                    self.address,
+                    host,
+                    port,
+                    exc or "timeout",
+                )
                 conn.reset()
                 return
             conn.target = target
@@ -401,7 +440,9 @@ class WanRelay:
             tasks = [asyncio.ensure_future(c) for p in pipes for c in (p.pump(), p.deliver())]
             try:
                 done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-                if any(t.exception() is not None for t in done):  # a peer reset or vanished: so does the other
+                if any(
+                    t.exception() is not None for t in done
+                ):  # a peer reset or vanished: so does the other
                     conn.reset()
                 else:
                     writer.close()
@@ -440,20 +481,65 @@ def _is_loopback(host: str) -> bool:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``fedgrid wan``'s flags."""
-    parser.add_argument("--target", required=True, metavar="HOST:PORT", help="where every connection is forwarded (e.g. the coordinator)")
-    parser.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT",
-                        help="where to listen (default 127.0.0.1:0, a free port on loopback; another host must be given here)")
-    parser.add_argument("--delay-ms", dest="delay_ms", type=float, default=0.0, metavar="MS", help="one-way delay each way (default 0)")
-    parser.add_argument("--jitter-ms", dest="jitter_ms", type=float, default=0.0, metavar="MS", help="the delay varies within ± this (default 0)")
-    parser.add_argument("--rate-mbit", dest="rate_mbit", type=float, default=None, metavar="MBIT",
-                        help="bandwidth each way in Mbit/s, shared by all connections (default: unlimited)")
-    parser.add_argument("--loss", type=float, default=0.0, metavar="P",
-                        help="probability that a 1448-byte segment is lost and arrives one RTO late (default 0)")
+    parser.add_argument(
+        "--target",
+        required=True,
+        metavar="HOST:PORT",
+        help="where every connection is forwarded (e.g. the coordinator)",
+    )
+    parser.add_argument(
+        "--listen",
+        default="127.0.0.1:0",
+        metavar="HOST:PORT",
+        help="where to listen (default 127.0.0.1:0, a free port on loopback; another host must be given here)",
+    )
+    parser.add_argument(
+        "--delay-ms",
+        dest="delay_ms",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="one-way delay each way (default 0)",
+    )
+    parser.add_argument(
+        "--jitter-ms",
+        dest="jitter_ms",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="the delay varies within ± this (default 0)",
+    )
+    parser.add_argument(
+        "--rate-mbit",
+        dest="rate_mbit",
+        type=float,
+        default=None,
+        metavar="MBIT",
+        help="bandwidth each way in Mbit/s, shared by all connections (default: unlimited)",
+    )
+    parser.add_argument(
+        "--loss",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="probability that a 1448-byte segment is lost and arrives one RTO late (default 0)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the loss and jitter draws (default 0)")
-    parser.add_argument("--max-connections", dest="max_connections", type=int, default=MAX_CONNECTIONS, metavar="N",
-                        help=f"connections open at once; more are reset (default {MAX_CONNECTIONS})")
-    parser.add_argument("--address-file", dest="address_file", default="", metavar="FILE",
-                        help="write the relay's HOST:PORT here once it listens (atomically)")
+    parser.add_argument(
+        "--max-connections",
+        dest="max_connections",
+        type=int,
+        default=MAX_CONNECTIONS,
+        metavar="N",
+        help=f"connections open at once; more are reset (default {MAX_CONNECTIONS})",
+    )
+    parser.add_argument(
+        "--address-file",
+        dest="address_file",
+        default="",
+        metavar="FILE",
+        help="write the relay's HOST:PORT here once it listens (atomically)",
+    )
 
 
 def command(args: argparse.Namespace) -> int:
@@ -463,7 +549,13 @@ def command(args: argparse.Namespace) -> int:
         ConfigError: a bad flag (exit 2).
         OSError: the address cannot be bound (exit 1).
     """
-    link = WanLink(delay_ms=args.delay_ms, rate_mbit=args.rate_mbit, loss=args.loss, jitter_ms=args.jitter_ms, seed=args.seed)
+    link = WanLink(
+        delay_ms=args.delay_ms,
+        rate_mbit=args.rate_mbit,
+        loss=args.loss,
+        jitter_ms=args.jitter_ms,
+        seed=args.seed,
+    )
     listen = parse_hostport(args.listen, key="listen")
     target = parse_hostport(args.target, key="target")
     relay = WanRelay(target, link, listen, max_connections=args.max_connections).start()
@@ -475,8 +567,12 @@ def command(args: argparse.Namespace) -> int:
 
     try:
         if not _is_loopback(listen[0]):
-            print(f"fedgrid wan: listening on {listen[0]}, not loopback: the relay is a network emulator with no "
-                  "authentication; anyone who reaches it reaches the target", file=sys.stderr, flush=True)
+            print(
+                f"fedgrid wan: listening on {listen[0]}, not loopback: the relay is a network emulator with no "
+                "authentication; anyone who reaches it reaches the target",
+                file=sys.stderr,
+                flush=True,
+            )
         if args.address_file:
             path = Path(args.address_file)
             tmp = path.with_name(path.name + ".tmp")
@@ -488,7 +584,9 @@ def command(args: argparse.Namespace) -> int:
                 pass
     finally:
         relay.stop()
-    print(f"fedgrid wan stopped: {relay.connections_total} connections, {relay.bytes_up} bytes up, "
-          f"{relay.bytes_down} bytes down, {relay.segments_lost} segments lost", flush=True)
+    print(
+        f"fedgrid wan stopped: {relay.connections_total} connections, {relay.bytes_up} bytes up, "
+        f"{relay.bytes_down} bytes down, {relay.segments_lost} segments lost",
+        flush=True,
+    )
     return 0
-

@@ -58,7 +58,9 @@ class WanLink:
             if not math.isfinite(value) or value < 0:
                 raise ConfigError(key, f"must be a finite number >= 0, not {value!r}")
         if self.rate_mbit is not None and not (math.isfinite(self.rate_mbit) and self.rate_mbit > 0):
-            raise ConfigError("rate_mbit", f"must be a number > 0 (or unset for no limit), not {self.rate_mbit!r}")
+            raise ConfigError(
+                "rate_mbit", f"must be a number > 0 (or unset for no limit), not {self.rate_mbit!r}"
+            )
         if not 0 <= self.loss < 1:
             raise ConfigError("loss", f"is a probability per segment, in [0, 1), not {self.loss!r}")
 

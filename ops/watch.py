@@ -33,7 +33,9 @@ def _url(address: str) -> str:
     return base.rstrip("/") + "/api/status"
 
 
-def fetch_status(address: str, *, token: str | None = None, timeout: float = FETCH_TIMEOUT_S) -> dict[str, Any]:
+def fetch_status(
+    address: str, *, token: str | None = None, timeout: float = FETCH_TIMEOUT_S
+) -> dict[str, Any]:
     """The JSON of ``ADDRESS/api/status``.
 
     Raises:
@@ -53,7 +55,9 @@ def fetch_status(address: str, *, token: str | None = None, timeout: float = FET
     except ValueError as exc:
         raise StatusUnavailable(f"{url} did not answer JSON: {exc}") from None
     if not isinstance(data, dict) or "clients" not in data or "round" not in data:
-        raise StatusUnavailable(f"{url} did not answer a fedgrid status (is {address} a coordinator's --http address?)")
+        raise StatusUnavailable(
+            f"{url} did not answer a fedgrid status (is {address} a coordinator's --http address?)"
+        )
     return data
 
 
@@ -66,7 +70,11 @@ def _plain(value: object) -> Any:
 def _device(client: Mapping[str, Any]) -> str:
     """``cuda x2, 80.0 GiB``: a client's device type, accelerators and memory (what a coordinator
     older than these fields leaves out, left out)."""
-    return describe(str(client.get("device", "")), int(client.get("accelerators") or 0), int(client.get("memory_bytes") or 0))
+    return describe(
+        str(client.get("device", "")),
+        int(client.get("accelerators") or 0),
+        int(client.get("memory_bytes") or 0),
+    )
 
 
 def render_status(status: Mapping[str, Any]) -> Any:
@@ -75,11 +83,23 @@ def render_status(status: Mapping[str, Any]) -> Any:
     from rich.table import Table
 
     head = Table.grid(padding=(0, 2))
-    head.add_row("run", _plain(status.get("run_id", "")), "state", _plain(f"{status.get('state')} / {status.get('phase')}"))
-    head.add_row("round", _plain(f"{status.get('round')} / {status.get('rounds')}"), "committed", _plain(status.get("committed", 0)))
+    head.add_row(
+        "run",
+        _plain(status.get("run_id", "")),
+        "state",
+        _plain(f"{status.get('state')} / {status.get('phase')}"),
+    )
+    head.add_row(
+        "round",
+        _plain(f"{status.get('round')} / {status.get('rounds')}"),
+        "committed",
+        _plain(status.get("committed", 0)),
+    )
     p = status.get("progress")
     if p:
-        done = f"{p['results']} of {p['expected']} results, {p['failures']} failed" + (" (closed)" if p.get("closed") else "")
+        done = f"{p['results']} of {p['expected']} results, {p['failures']} failed" + (
+            " (closed)" if p.get("closed") else ""
+        )
         head.add_row("phase", _plain(p["phase"]), "progress", _plain(done))
     history = status.get("history") or []
     if history:
@@ -87,12 +107,20 @@ def render_status(status: Mapping[str, Any]) -> Any:
         acc = "-" if last.get("accuracy") is None else f"{last['accuracy']:.4f}"
         loss = "-" if last.get("loss") is None else f"{last['loss']:.4f}"
         head.add_row("last round", _plain(last["round"]), "accuracy / loss", _plain(f"{acc} / {loss}"))
-    clients = Table(title=f"{status.get('clients_total', len(status['clients']))} clients", title_justify="left")
+    clients = Table(
+        title=f"{status.get('clients_total', len(status['clients']))} clients", title_justify="left"
+    )
     for column in ("name", "region", "state", "device", "last seen", "id"):
         clients.add_column(column)
     for c in status["clients"]:
-        clients.add_row(_plain(c.get("name", "")), _plain(c.get("region", "")), _plain(c.get("state", "")), _plain(_device(c)),
-                        _plain(f"{float(c.get('last_seen_s', 0)):.1f}s ago"), _plain(c.get("id", "")))
+        clients.add_row(
+            _plain(c.get("name", "")),
+            _plain(c.get("region", "")),
+            _plain(c.get("state", "")),
+            _plain(_device(c)),
+            _plain(f"{float(c.get('last_seen_s', 0)):.1f}s ago"),
+            _plain(c.get("id", "")),
+        )
     return Group(head, clients)
 
 

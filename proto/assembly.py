@@ -44,7 +44,6 @@ def check_metrics(metrics: Mapping[str, float]) -> None:
             raise InvalidUpdateError(f"metric {escape(key)} is {value}")
 
 
-
 _NO_BYTES = np.empty(0, dtype=np.uint8)
 
 
@@ -134,7 +133,9 @@ class ModelAssembler:
         if self._expected is not None:
             missing = [n for n in self._expected if n not in self._done]
             if missing:
-                raise InvalidUpdateError(f"truncated stream: missing tensors {missing[:5]} (expected {len(self._expected)})")
+                raise InvalidUpdateError(
+                    f"truncated stream: missing tensors {missing[:5]} (expected {len(self._expected)})"
+                )
             if self._sink is None:
                 self.tensors = OrderedDict((n, self.tensors[n]) for n in self._expected)
         if len(self._done) != self._num_tensors:
@@ -169,7 +170,9 @@ class ModelAssembler:
         if name in self._done:
             raise InvalidUpdateError(f"tensor {escape(name)} sent twice")
         if len(self._done) >= self._num_tensors:
-            raise InvalidUpdateError(f"tensor count: '{name}' is beyond the {self._num_tensors} tensors declared")
+            raise InvalidUpdateError(
+                f"tensor count: '{name}' is beyond the {self._num_tensors} tensors declared"
+            )
         dtype = PB_TO_DTYPE.get(meta.dtype)
         if dtype is None:
             raise InvalidUpdateError(f"tensor {escape(name)}: unknown dtype {meta.dtype}")
@@ -183,7 +186,9 @@ class ModelAssembler:
             if dtype != spec.dtype:
                 raise InvalidUpdateError(f"tensor {escape(name)}: wrong dtype {dtype}, expected {spec.dtype}")
             if shape != spec.shape:
-                raise InvalidUpdateError(f"tensor {escape(name)}: wrong shape {list(shape)}, expected {list(spec.shape)}")
+                raise InvalidUpdateError(
+                    f"tensor {escape(name)}: wrong shape {list(shape)}, expected {list(spec.shape)}"
+                )
         try:
             codec = get_codec(meta.codec)
         except InvalidUpdateError as exc:
@@ -194,10 +199,14 @@ class ModelAssembler:
                 f"tensor {escape(name)}: declares {meta.nbytes} payload bytes, over the {limit} its dtype, shape and codec allow"
             )
         if self._received_total + meta.nbytes > self._total_bytes:
-            raise PayloadTooLargeError(f"tensor {escape(name)}: payload runs past the stream's declared total")
+            raise PayloadTooLargeError(
+                f"tensor {escape(name)}: payload runs past the stream's declared total"
+            )
         raw_size = _numel(shape) * _itemsize(dtype)
         if meta.codec == "none" and meta.nbytes != raw_size:
-            raise InvalidUpdateError(f"tensor {escape(name)}: payload is {meta.nbytes} bytes, {dtype} {list(shape)} needs {raw_size}")
+            raise InvalidUpdateError(
+                f"tensor {escape(name)}: payload is {meta.nbytes} bytes, {dtype} {list(shape)} needs {raw_size}"
+            )
         self._meta = meta
         # A reused buffer if one of this size is free: faulting in a fresh model-sized one is
         # most of a receiver's cost (see proto/buffers.py). No zero fill: every byte is written
@@ -226,7 +235,9 @@ class ModelAssembler:
             return
         name = meta.name
         if self._filled != buf.numel():
-            raise InvalidUpdateError(f"tensor {escape(name)}: truncated, received {self._filled} of {buf.numel()} bytes")
+            raise InvalidUpdateError(
+                f"tensor {escape(name)}: truncated, received {self._filled} of {buf.numel()} bytes"
+            )
         if self._hasher.intdigest() != meta.checksum:
             raise InvalidUpdateError(f"tensor {escape(name)}: checksum mismatch")
         dtype, shape = PB_TO_DTYPE[meta.dtype], tuple(meta.shape)
@@ -258,7 +269,6 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-
 def check_finite(state: Mapping[str, torch.Tensor]) -> None:
     """Raises ``InvalidUpdateError`` naming the first tensor that holds NaN or Inf."""
     for name, tensor in state.items():
@@ -282,8 +292,9 @@ def decode_chunks(
     max_total_bytes: int | None = None,
 ) -> tuple[StreamInfo, "OrderedDict[str, torch.Tensor]"]:
     """Assembles a whole stream (see ``ModelAssembler``)."""
-    asm = ModelAssembler(expected=expected, max_tensor_bytes=max_tensor_bytes, max_total_bytes=max_total_bytes)
+    asm = ModelAssembler(
+        expected=expected, max_tensor_bytes=max_tensor_bytes, max_total_bytes=max_total_bytes
+    )
     for chunk in chunks:
         asm.feed(chunk)
     return asm.finish()
-

@@ -86,10 +86,18 @@ class BufferPool:
         ValueError: a negative size or idle time.
     """
 
-    def __init__(self, *, max_free_bytes: int = BUFFER_POOL_BYTES, idle_s: float = BUFFER_POOL_IDLE_S,
-                 min_bytes: int = MIN_POOLED_BYTES, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *,
+        max_free_bytes: int = BUFFER_POOL_BYTES,
+        idle_s: float = BUFFER_POOL_IDLE_S,
+        min_bytes: int = MIN_POOLED_BYTES,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if max_free_bytes < 0 or min_bytes < 0:
-            raise ValueError(f"max_free_bytes and min_bytes must be >= 0, got {max_free_bytes} and {min_bytes}")
+            raise ValueError(
+                f"max_free_bytes and min_bytes must be >= 0, got {max_free_bytes} and {min_bytes}"
+            )
         if not idle_s > 0:
             raise ValueError(f"idle_s must be > 0, got {idle_s}")
         self.max_free_bytes = max_free_bytes
@@ -141,7 +149,14 @@ class BufferPool:
     def stats(self) -> PoolStats:
         with self._lock:
             dropped = self._settle()
-            out = PoolStats(self._free_bytes, len(self._free), self._leased_bytes, len(self._leases), self._reused, self._allocated)
+            out = PoolStats(
+                self._free_bytes,
+                len(self._free),
+                self._leased_bytes,
+                len(self._leases),
+                self._reused,
+                self._allocated,
+            )
         del dropped
         self._drain()
         return out
@@ -220,7 +235,9 @@ class BufferPool:
         return dropped
 
     def _pop_free(self, nbytes: int) -> np.ndarray | None:
-        for i in range(len(self._free) - 1, -1, -1):  # the most recently returned: the likeliest still in cache
+        for i in range(
+            len(self._free) - 1, -1, -1
+        ):  # the most recently returned: the likeliest still in cache
             if len(self._free[i].owner) == nbytes:
                 owner = self._free.pop(i).owner
                 self._free_bytes -= nbytes

@@ -20,7 +20,9 @@ from fedgrid.textsafe import escape
 __all__ = ["EncodedModel", "encode_model", "stream_wire_bytes"]
 
 
-def stream_wire_bytes(state: Mapping[str, torch.Tensor], info: StreamInfo, *, chunk_size: int = CHUNK_SIZE) -> int:
+def stream_wire_bytes(
+    state: Mapping[str, torch.Tensor], info: StreamInfo, *, chunk_size: int = CHUNK_SIZE
+) -> int:
     """What ``EncodedModel(state).frames(info, chunk_size=...)`` puts on the wire (``wire_size``
     of each frame, summed), computed without encoding: with the raw codec a payload is the
     tensor's bytes, so only the header and the tensor metas are serialized (to measure them).
@@ -39,12 +41,27 @@ def stream_wire_bytes(state: Mapping[str, torch.Tensor], info: StreamInfo, *, ch
         if tensor.dtype not in DTYPE_TO_PB:
             raise InvalidUpdateError(f"tensor {escape(name)}: dtype {tensor.dtype} cannot be sent")
         nbytes = tensor.numel() * tensor.element_size()
-        meta = pb.TensorMeta(name=name, dtype=DTYPE_TO_PB[tensor.dtype], shape=list(tensor.shape), codec="none", nbytes=nbytes, checksum=1)
+        meta = pb.TensorMeta(
+            name=name,
+            dtype=DTYPE_TO_PB[tensor.dtype],
+            shape=list(tensor.shape),
+            codec="none",
+            nbytes=nbytes,
+            checksum=1,
+        )
         parts.append((meta.ByteSize(), nbytes))
     header = pb.StreamHeader(
-        run_id=info.run_id, task_id=info.task_id, round=info.round, num_tensors=len(parts), total_bytes=sum(n for _, n in parts),
-        client_id=info.client_id, num_examples=info.num_examples, metrics=dict(info.metrics), delta=info.delta,
-        version=info.version, base_version=info.base_version,
+        run_id=info.run_id,
+        task_id=info.task_id,
+        round=info.round,
+        num_tensors=len(parts),
+        total_bytes=sum(n for _, n in parts),
+        client_id=info.client_id,
+        num_examples=info.num_examples,
+        metrics=dict(info.metrics),
+        delta=info.delta,
+        version=info.version,
+        base_version=info.base_version,
     ).ByteSize()
 
     def field(n: int) -> int:  # key byte, length varint, bytes
@@ -84,7 +101,9 @@ class EncodedModel:
         self.total_bytes = sum(t.meta.nbytes for t in self._tensors)
 
     @classmethod
-    def from_payloads(cls, items: Iterable[tuple[str, torch.dtype, tuple[int, ...], str, bytes]]) -> "EncodedModel":
+    def from_payloads(
+        cls, items: Iterable[tuple[str, torch.dtype, tuple[int, ...], str, bytes]]
+    ) -> "EncodedModel":
         """A model already encoded elsewhere (error feedback must send exactly the payloads it
         kept residuals for): ``(name, dtype, shape, codec spec, payload)`` per tensor."""
         self = cls({})
@@ -93,10 +112,17 @@ class EncodedModel:
         self.total_bytes = sum(t.meta.nbytes for t in self._tensors)
         return self
 
-    def _add(self, name: str, dtype: torch.dtype, shape: tuple[int, ...], codec: str, payload: bytes | memoryview) -> None:
+    def _add(
+        self, name: str, dtype: torch.dtype, shape: tuple[int, ...], codec: str, payload: bytes | memoryview
+    ) -> None:
         view = memoryview(payload).cast("B")
         meta = pb.TensorMeta(
-            name=name, dtype=DTYPE_TO_PB[dtype], shape=list(shape), codec=codec, nbytes=len(view), checksum=checksum(view)
+            name=name,
+            dtype=DTYPE_TO_PB[dtype],
+            shape=list(shape),
+            codec=codec,
+            nbytes=len(view),
+            checksum=checksum(view),
         )
         self._tensors.append(_Encoded(meta, view))
 
@@ -159,9 +185,9 @@ class EncodedModel:
         for frame in self.frames(info, chunk_size=chunk_size):
             yield pb.Chunk.FromString(frame)
 
+
 def encode_model(
     state: Mapping[str, torch.Tensor], info: StreamInfo, *, chunk_size: int = CHUNK_SIZE, codec: str = "none"
 ) -> Iterator[pb.Chunk]:
     """Encodes ``state`` and yields its chunk stream (see ``EncodedModel``)."""
     return EncodedModel(state, codec=codec).chunks(info, chunk_size=chunk_size)
-

@@ -182,6 +182,7 @@ def parse_frame(frame: bytes | memoryview) -> tuple[memoryview | None, memoryvie
         raise InvalidUpdateError("malformed chunk: truncated field")
     return fields[0], fields[1], fields[2]
 
+
 def read_header(frame: bytes | memoryview) -> StreamInfo:
     """The ``StreamHeader`` of a stream's first message.
 
@@ -192,4 +193,3 @@ def read_header(frame: bytes | memoryview) -> StreamInfo:
     if header is None:
         raise InvalidUpdateError("stream does not start with a header")
     return _info(_parse(pb.StreamHeader, header, "stream header"))
-

@@ -70,9 +70,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         generate(Path(tmp))
-        stale = [name for name in OUTPUTS if not (HERE / name).exists() or not filecmp.cmp(Path(tmp) / name, HERE / name, shallow=False)]
+        stale = [
+            name
+            for name in OUTPUTS
+            if not (HERE / name).exists() or not filecmp.cmp(Path(tmp) / name, HERE / name, shallow=False)
+        ]
     if stale:
-        print(f"generated protobuf code is stale: {', '.join(stale)}; run `make proto` and commit", file=sys.stderr)
+        print(
+            f"generated protobuf code is stale: {', '.join(stale)}; run `make proto` and commit",
+            file=sys.stderr,
+        )
         return 1
     print("generated protobuf code is up to date")
     return 0

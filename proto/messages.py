@@ -76,7 +76,13 @@ def fit_ins_from_task(task: pb.Task) -> FitIns:
 
 def message_ins_from_task(task: pb.Task, client_id: str) -> MessageIns:
     """The ``MessageIns`` of a ``MESSAGE`` task polled by ``client_id``."""
-    return MessageIns(round=task.round, phase=task.phase, client_id=client_id, peers=tuple(task.peers), config=config_from_pb(task.config))
+    return MessageIns(
+        round=task.round,
+        phase=task.phase,
+        client_id=client_id,
+        peers=tuple(task.peers),
+        config=config_from_pb(task.config),
+    )
 
 
 def envelopes_to_pb(messages: Iterable[tuple[str, bytes]]) -> list[pb.Envelope]:

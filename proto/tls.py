@@ -23,7 +23,14 @@ import grpc
 
 from fedgrid.pki import load_pem_files
 
-__all__ = ["SESSION_METADATA_KEY", "TLSFiles", "server_credentials", "channel_credentials", "is_loopback", "session_metadata"]
+__all__ = [
+    "SESSION_METADATA_KEY",
+    "TLSFiles",
+    "server_credentials",
+    "channel_credentials",
+    "is_loopback",
+    "session_metadata",
+]
 
 #: The call-metadata key of a session token (gRPC keys are lowercase ASCII).
 SESSION_METADATA_KEY = "fedgrid-session"

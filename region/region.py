@@ -86,7 +86,9 @@ class RegionClient(Client):
         initialized: the strategy already holds a model (resumed from the state directory).
     """
 
-    def __init__(self, engine: RoundEngine, *, name: str, regional_rounds: int, initialized: bool = False) -> None:
+    def __init__(
+        self, engine: RoundEngine, *, name: str, regional_rounds: int, initialized: bool = False
+    ) -> None:
         if regional_rounds < 1:
             raise ValueError(f"regional_rounds must be at least 1, got {regional_rounds}")
         self.engine = engine
@@ -113,8 +115,10 @@ class RegionClient(Client):
         """
         algorithm = str(ins.config.get("algorithm", "fedavg"))
         if algorithm in PARTIAL_ALGORITHMS:
-            raise ValueError(f"the global strategy asks for {algorithm!r}, whose clients send part of the model or extra tensors; "
-                             "a region sends its whole regional model (use fedavg, the fedopt family or diloco globally)")
+            raise ValueError(
+                f"the global strategy asks for {algorithm!r}, whose clients send part of the model or extra tensors; "
+                "a region sends its whole regional model (use fedavg, the fedopt family or diloco globally)"
+            )
         strategy = self.engine.strategy
         if self._initialized:
             strategy.receive_global(state=state)
@@ -129,20 +133,31 @@ class RegionClient(Client):
             self.engine.commit(metrics)
             lan_up, lan_down = lan_up + metrics.bytes_up, lan_down + metrics.bytes_down
             if metrics.extra.get(ROUND_FAILED) or metrics.clients_ok == 0:
-                raise RuntimeError(f"regional round {regional_round} (global round {ins.round}, {h} of {self.regional_rounds}): "
-                                   f"{metrics.clients_ok} clients completed, {metrics.clients_failed} failed"
-                                   + ("; its aggregate was not finite" if metrics.extra.get(ROUND_FAILED) else ""))
+                raise RuntimeError(
+                    f"regional round {regional_round} (global round {ins.round}, {h} of {self.regional_rounds}): "
+                    f"{metrics.clients_ok} clients completed, {metrics.clients_failed} failed"
+                    + ("; its aggregate was not finite" if metrics.extra.get(ROUND_FAILED) else "")
+                )
         assert metrics is not None
         examples = int(metrics.extra.get("examples", 0))
         if self.joined_examples and examples > self.joined_examples:
             # The coordinator refuses a claim above the join's; clients that joined the region
             # since then count in its average, not in its weight upstream.
-            log.warning("region %s: %d examples this round, more than the %d reported at join: claiming %d",
-                        escape(self.name), examples, self.joined_examples, self.joined_examples)
+            log.warning(
+                "region %s: %d examples this round, more than the %d reported at join: claiming %d",
+                escape(self.name),
+                examples,
+                self.joined_examples,
+                self.joined_examples,
+            )
             examples = self.joined_examples
         out = OrderedDict((k, v.detach().clone()) for k, v in strategy.global_state.items())
-        reported = {"regional_rounds": float(self.regional_rounds), "lan_bytes_up": float(lan_up), "lan_bytes_down": float(lan_down),
-                    "region_clients": float(metrics.clients_ok)}
+        reported = {
+            "regional_rounds": float(self.regional_rounds),
+            "lan_bytes_up": float(lan_up),
+            "lan_bytes_down": float(lan_down),
+            "region_clients": float(metrics.clients_ok),
+        }
         if metrics.loss is not None:
             reported["loss"] = float(metrics.loss)
         return FitOutput(state=out, num_examples=max(examples, 1), metrics=reported)
@@ -152,15 +167,23 @@ def _wan_writer(path: Path) -> Callable[[TaskReport], None]:
     """Appends each global task's WAN bytes to ``path`` (``wan.jsonl``), one JSON object a line."""
 
     def on_task(report: TaskReport) -> None:
-        row = {"round": report.round, "kind": report.kind, "bytes_up": report.bytes_up, "bytes_down": report.bytes_down,
-               "upload_retries": report.upload_retries, "num_examples": report.num_examples}
+        row = {
+            "round": report.round,
+            "kind": report.kind,
+            "bytes_up": report.bytes_up,
+            "bytes_down": report.bytes_down,
+            "upload_retries": report.upload_retries,
+            "num_examples": report.num_examples,
+        }
         with path.open("a") as f:
             f.write(json.dumps(row) + "\n")
 
     return on_task
 
 
-def run_region(config: Config, *, ready: threading.Event | None = None, stop: threading.Event | None = None) -> int:
+def run_region(
+    config: Config, *, ready: threading.Event | None = None, stop: threading.Event | None = None
+) -> int:
     """Serves the region's clients and the global coordinator's tasks until the global run ends.
 
     Uses ``config``'s coordinator keys for the region (``listen``, ``min_clients``, the
@@ -179,8 +202,11 @@ def run_region(config: Config, *, ready: threading.Event | None = None, stop: th
     except ValueError as exc:
         raise ConfigError("upstream", str(exc)) from None
     if not NAME.fullmatch(config.name):
-        raise ConfigError("name", f"a region needs a name of 1 to 64 of [A-Za-z0-9._-] (--name), got {escape(config.name)!r}: "
-                          "its client name upstream, its region label and part of metric names")
+        raise ConfigError(
+            "name",
+            f"a region needs a name of 1 to 64 of [A-Za-z0-9._-] (--name), got {escape(config.name)!r}: "
+            "its client name upstream, its region label and part of metric names",
+        )
     with intra_op_threads(config.threads) as threads:
         return _serve(config, threads, ready, stop or threading.Event())
 
@@ -189,26 +215,52 @@ def _serve(config: Config, threads: int, ready: threading.Event | None, stop: th
     # Incomplete or unreadable upstream TLS files fail here, before any server starts.
     TLSFiles.from_options(config.upstream_ca, config.upstream_cert, config.upstream_key, what="upstream TLS")
     strategy = build_strategy(config, num_clients=config.min_clients)
-    writer = RunWriter(config.out, {**config.to_dict(), "threads": threads}, environment=environment(threads_requested=config.threads))
+    writer = RunWriter(
+        config.out,
+        {**config.to_dict(), "threads": threads},
+        environment=environment(threads_requested=config.threads),
+    )
     events = EventLog(writer.dir / "events.jsonl")
     fleet = build_fleet(config, events)
     fleet.task_scope = "region"
 
     def on_round(m: Any) -> None:
-        print(f"region {config.name}: regional round {m.round} loss {m.loss if m.loss is None else round(m.loss, 4)} "
-              f"clients {m.clients_ok} ok {m.clients_failed} failed, LAN {m.bytes_up / 1e6:.2f} MB up "
-              f"{m.bytes_down / 1e6:.2f} MB down ({m.wall_s:.2f}s)", flush=True)
+        print(
+            f"region {config.name}: regional round {m.round} loss {m.loss if m.loss is None else round(m.loss, 4)} "
+            f"clients {m.clients_ok} ok {m.clients_failed} failed, LAN {m.bytes_up / 1e6:.2f} MB up "
+            f"{m.bytes_down / 1e6:.2f} MB down ({m.wall_s:.2f}s)",
+            flush=True,
+        )
 
-    engine = RoundEngine(strategy=strategy, fleet=fleet, rounds=0, min_clients=config.min_clients,
-                         round_timeout=timedelta(seconds=config.round_timeout_s), join_timeout=timedelta(seconds=config.join_timeout_s),
-                         writer=writer, on_round=on_round, store=StateStore(config.state_dir) if config.state_dir else None, events=events)
+    engine = RoundEngine(
+        strategy=strategy,
+        fleet=fleet,
+        rounds=0,
+        min_clients=config.min_clients,
+        round_timeout=timedelta(seconds=config.round_timeout_s),
+        join_timeout=timedelta(seconds=config.join_timeout_s),
+        writer=writer,
+        on_round=on_round,
+        store=StateStore(config.state_dir) if config.state_dir else None,
+        events=events,
+    )
     resumed = engine.resume() > 1
-    region = RegionClient(engine, name=config.name, regional_rounds=config.regional_rounds, initialized=resumed)
-    coordinator = Coordinator(config.listen, fleet, max_workers=config.max_workers,
-                              tls=TLSFiles.from_options(config.ca, config.cert, config.key, config.crl), insecure=config.insecure).start()
+    region = RegionClient(
+        engine, name=config.name, regional_rounds=config.regional_rounds, initialized=resumed
+    )
+    coordinator = Coordinator(
+        config.listen,
+        fleet,
+        max_workers=config.max_workers,
+        tls=TLSFiles.from_options(config.ca, config.cert, config.key, config.crl),
+        insecure=config.insecure,
+    ).start()
     write_address(writer.dir / "address", coordinator.address)
-    print(f"fedgrid region {config.name} listening on {coordinator.address} (upstream {config.upstream}, {config.regional_rounds} "
-          f"regional rounds per global round, dir {writer.dir}{', resumed' if resumed else ''})", flush=True)
+    print(
+        f"fedgrid region {config.name} listening on {coordinator.address} (upstream {config.upstream}, {config.regional_rounds} "
+        f"regional rounds per global round, dir {writer.dir}{', resumed' if resumed else ''})",
+        flush=True,
+    )
     events.emit("started", run_id=fleet.run_id, address=coordinator.address, threads=threads)
     if ready is not None:
         ready.set()
@@ -221,7 +273,9 @@ def _serve(config: Config, threads: int, ready: threading.Event | None, stop: th
     trained, finished = 0, False
     try:
         with GracefulStop(on_term, what="region"):
-            trained, finished = _serve_upstream(config, region, fleet, stop, _wan_writer(writer.dir / "wan.jsonl"))
+            trained, finished = _serve_upstream(
+                config, region, fleet, stop, _wan_writer(writer.dir / "wan.jsonl")
+            )
     finally:
         if finished:
             fleet.finish(timeout=timedelta(seconds=FINISH_GRACE_S))
@@ -232,12 +286,20 @@ def _serve(config: Config, threads: int, ready: threading.Event | None, stop: th
         writer.close()
         events.emit("finished" if finished else "stopped", rounds=trained)
         events.close()
-    print(f"region {config.name}: {trained} global rounds trained; {'run finished' if finished else 'stopped'}", flush=True)
+    print(
+        f"region {config.name}: {trained} global rounds trained; {'run finished' if finished else 'stopped'}",
+        flush=True,
+    )
     return trained
 
 
-def _serve_upstream(config: Config, region: RegionClient, fleet: RemoteFleet, stop: threading.Event,
-                    on_task: Callable[[TaskReport], None]) -> tuple[int, bool]:
+def _serve_upstream(
+    config: Config,
+    region: RegionClient,
+    fleet: RemoteFleet,
+    stop: threading.Event,
+    on_task: Callable[[TaskReport], None],
+) -> tuple[int, bool]:
     """Serves the global coordinator's tasks once the region has its clients, joining upstream
     again (with backoff) while it refuses the region; returns the global tasks trained and
     whether the global run finished (``False``: stopped)."""
@@ -245,20 +307,38 @@ def _serve_upstream(config: Config, region: RegionClient, fleet: RemoteFleet, st
     while not stop.is_set():
         try:
             # Its clients first: the examples it reports at join are theirs.
-            fleet.wait_for_clients(min_clients=config.min_clients, timeout=timedelta(seconds=min(config.join_timeout_s, 5.0)))
+            fleet.wait_for_clients(
+                min_clients=config.min_clients, timeout=timedelta(seconds=min(config.join_timeout_s, 5.0))
+            )
         except Exception:  # not enough clients yet (or stopping): look again
             continue
         try:
             # Transient failures are retried with the same session for as long as the region runs: a global
             # coordinator restarted from its state directory still knows it (and its task), a new one refuses
             # it and the runtime joins again.
-            summary = run_client(region, config.upstream, stop=stop, ca=config.upstream_ca, cert=config.upstream_cert,
-                          key=config.upstream_key, server_name=config.upstream_server_name, on_task=on_task,
-                          connect_timeout=UPSTREAM_RETRY_MAX_S, retry_max_elapsed=float("inf"))
+            summary = run_client(
+                region,
+                config.upstream,
+                stop=stop,
+                ca=config.upstream_ca,
+                cert=config.upstream_cert,
+                key=config.upstream_key,
+                server_name=config.upstream_server_name,
+                on_task=on_task,
+                connect_timeout=UPSTREAM_RETRY_MAX_S,
+                retry_max_elapsed=float("inf"),
+            )
             return summary.rounds, not stop.is_set()
-        except RpcFailed as exc:  # refused upstream (or unreachable at the first join): keep the clients, join again
-            log.warning("region %s: upstream %s: %s; joining again in %.0fs", escape(config.name), config.upstream,
-                        escape(str(exc)), backoff)
+        except (
+            RpcFailed
+        ) as exc:  # refused upstream (or unreachable at the first join): keep the clients, join again
+            log.warning(
+                "region %s: upstream %s: %s; joining again in %.0fs",
+                escape(config.name),
+                config.upstream,
+                escape(str(exc)),
+                backoff,
+            )
             say(f"region {config.name}: upstream lost ({exc.code.name}); its clients stay; joining again")
             stop.wait(backoff)
             backoff = min(backoff * 2, UPSTREAM_RETRY_MAX_S)

@@ -34,7 +34,15 @@ from fedgrid.proto import serde
 from fedgrid.server.bounds import UpdateBounds
 from fedgrid.types import ClientInfo, ModelState, TensorSpec
 
-__all__ = ["RoundTally", "UpdateCheck", "check_claim", "check_delta", "check_header", "raw_bytes", "sends_differences"]
+__all__ = [
+    "RoundTally",
+    "UpdateCheck",
+    "check_claim",
+    "check_delta",
+    "check_header",
+    "raw_bytes",
+    "sends_differences",
+]
 
 
 def sends_differences(codec: str) -> bool:
@@ -56,7 +64,9 @@ def check_delta(codec: str, delta: bool) -> None:
         )
 
 
-def check_claim(bounds: UpdateBounds, client: ClientInfo, num_examples: int, *, evaluate: bool = False) -> None:
+def check_claim(
+    bounds: UpdateBounds, client: ClientInfo, num_examples: int, *, evaluate: bool = False
+) -> None:
     """The ``num_examples`` a result claims: within ``bounds`` and, for a fit update, at least 1.
 
     An evaluation of no examples is not refused here: it fails the client's round when it is
@@ -70,7 +80,9 @@ def check_claim(bounds: UpdateBounds, client: ClientInfo, num_examples: int, *, 
         raise InvalidUpdateError("num_examples must be at least 1")
 
 
-def check_header(bounds: UpdateBounds, client: ClientInfo, *, num_examples: int, delta: bool, codec: str) -> None:
+def check_header(
+    bounds: UpdateBounds, client: ClientInfo, *, num_examples: int, delta: bool, codec: str
+) -> None:
     """Everything a fit update's header must pass before its tensors are read
     (``check_delta``, then ``check_claim``)."""
     check_delta(codec, delta)
@@ -94,8 +106,9 @@ class UpdateCheck:
             are added to ``base`` and the update kept as values.
     """
 
-    def __init__(self, base: Mapping[str, torch.Tensor], bounds: UpdateBounds, *, delta: bool,
-                 keep_delta: bool = False) -> None:
+    def __init__(
+        self, base: Mapping[str, torch.Tensor], bounds: UpdateBounds, *, delta: bool, keep_delta: bool = False
+    ) -> None:
         self.base, self.delta = base, delta
         self.keeps_delta = delta and keep_delta
         self.norm = bounds.norm(base)  # accumulates over the tensors: a resumed upload goes on counting

@@ -58,8 +58,9 @@ def advertised_address(listen: str, port: int) -> str:
     return f"{'127.0.0.1' if host in ('0.0.0.0', '[::]') else host}:{port}"
 
 
-def wrap_behaviour(handler: grpc.RpcMethodHandler, unary: Callable[[Any], Any],
-                   streaming: Callable[[Any], Any]) -> grpc.RpcMethodHandler | None:
+def wrap_behaviour(
+    handler: grpc.RpcMethodHandler, unary: Callable[[Any], Any], streaming: Callable[[Any], Any]
+) -> grpc.RpcMethodHandler | None:
     """``handler`` with its behaviour wrapped: by ``unary`` for a call that returns one reply
     (unary-unary, stream-unary: an awaitable), by ``streaming`` for one that yields replies
     (unary-stream: an async generator). ``None`` for a bidirectional stream, which

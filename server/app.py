@@ -17,8 +17,6 @@ from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fedgrid.config import Config
-from fedgrid.determinism import environment, intra_op_threads
-from fedgrid.events import Event, EventLog
 from fedgrid.constants import (
     FINISH_GRACE_S,
     GIL_SWITCH_INTERVAL_S,
@@ -31,7 +29,9 @@ from fedgrid.constants import (
     MIN_CLIENT_PING_INTERVAL_S,
     STREAM_IDLE_S,
 )
+from fedgrid.determinism import environment, intra_op_threads
 from fedgrid.errors import ConfigError
+from fedgrid.events import Event, EventLog
 from fedgrid.interrupts import GracefulStop, say
 from fedgrid.pki import RevocationList
 from fedgrid.plugins import model_state
@@ -39,20 +39,27 @@ from fedgrid.proto.tls import TLSFiles, is_loopback, server_credentials
 from fedgrid.runlog import RunWriter, load_model
 from fedgrid.server.aio import LoopThread, advertised_address
 from fedgrid.server.bounds import build_bounds
+from fedgrid.server.codec_policy import build_codec_policy
 from fedgrid.server.engine import EvaluateFn, RoundEngine
 from fedgrid.server.enrollment import EnrollmentServer
-from fedgrid.server.codec_policy import build_codec_policy
-from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.memory import return_large_buffers_to_the_system
 from fedgrid.server.monitor import CoordinatorMonitor
 from fedgrid.server.peers import PeerCheck
+from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.service import SERVICE, CoordinatorServicer, add_to_server
 from fedgrid.server.state import StateStore
 from fedgrid.server.strategies import build_capability_filter, build_strategy
 from fedgrid.types import ModelState
 from fedgrid.webserve import StatusServer
 
-__all__ = ["Coordinator", "run_coordinator", "coordinator_model", "build_fleet", "write_address", "SERVICE_NAME"]
+__all__ = [
+    "Coordinator",
+    "run_coordinator",
+    "coordinator_model",
+    "build_fleet",
+    "write_address",
+    "SERVICE_NAME",
+]
 
 log = logging.getLogger(__name__)
 
@@ -122,11 +129,17 @@ class Coordinator:
 
         async def build() -> tuple[grpc.aio.Server, health_aio.HealthServicer, int]:
             server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=list(interceptors))
-            self.servicer = CoordinatorServicer(fleet, self.executor, max_transfers=max_transfers, stream_idle_s=stream_idle_s)
+            self.servicer = CoordinatorServicer(
+                fleet, self.executor, max_transfers=max_transfers, stream_idle_s=stream_idle_s
+            )
             add_to_server(self.servicer, server, check)
             checker = health_aio.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(checker, server)
-            port = server.add_insecure_port(listen) if credentials is None else server.add_secure_port(listen, credentials)
+            port = (
+                server.add_insecure_port(listen)
+                if credentials is None
+                else server.add_secure_port(listen, credentials)
+            )
             return server, checker, port
 
         try:
@@ -140,7 +153,9 @@ class Coordinator:
         self.address = advertised_address(listen, self.port)
 
     @staticmethod
-    def _security(host: str, tls: TLSFiles | None, insecure: bool) -> tuple[grpc.ServerCredentials | None, PeerCheck]:
+    def _security(
+        host: str, tls: TLSFiles | None, insecure: bool
+    ) -> tuple[grpc.ServerCredentials | None, PeerCheck]:
         """The server's credentials and per-call check; refuses open plaintext."""
         if tls is not None:
             try:
@@ -148,15 +163,27 @@ class Coordinator:
                 revocations = RevocationList(tls.crl, tls.ca) if tls.crl else None
             except (OSError, ValueError) as exc:
                 raise ConfigError("cert", str(exc)) from None
-            log.info("mutual TLS: clients need a certificate of %s%s", tls.ca, f", revocations from {tls.crl}" if tls.crl else "")
+            log.info(
+                "mutual TLS: clients need a certificate of %s%s",
+                tls.ca,
+                f", revocations from {tls.crl}" if tls.crl else "",
+            )
             return credentials, PeerCheck(tls=True, revocations=revocations)
         if is_loopback(host):
-            log.info("plaintext on loopback address %s: for development only (give --ca/--cert/--key to use mTLS)", host)
+            log.info(
+                "plaintext on loopback address %s: for development only (give --ca/--cert/--key to use mTLS)",
+                host,
+            )
         elif insecure:
-            log.warning("INSECURE: plaintext on %s: anyone who reaches the port can join and send updates", host)
+            log.warning(
+                "INSECURE: plaintext on %s: anyone who reaches the port can join and send updates", host
+            )
         else:
-            raise ConfigError("listen", f"{host!r} is not a loopback address: a coordinator there needs --ca, --cert and --key "
-                              "(mutual TLS; see `fedgrid certs`), or --insecure to serve plaintext anyway")
+            raise ConfigError(
+                "listen",
+                f"{host!r} is not a loopback address: a coordinator there needs --ca, --cert and --key "
+                "(mutual TLS; see `fedgrid certs`), or --insecure to serve plaintext anyway",
+            )
         return None, PeerCheck(tls=False)
 
     def _run(self, coro: Any, timeout: float = 30.0) -> Any:
@@ -172,7 +199,9 @@ class Coordinator:
         return self
 
     def set_serving(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
 
         async def set_all() -> None:
             for name in ("", SERVICE_NAME):
@@ -238,7 +267,9 @@ def coordinator_model(config: Config) -> ModelState | None:
         try:
             return load_model(path)
         except Exception as exc:  # safetensors raises its own error types
-            raise ConfigError("initial_model", f"{config.initial_model!r} is not a readable safetensors file: {exc}") from None
+            raise ConfigError(
+                "initial_model", f"{config.initial_model!r} is not a readable safetensors file: {exc}"
+            ) from None
     if ":" in config.model:
         return model_state(config.model, seed=config.seed)
     return None
@@ -287,13 +318,19 @@ def _serve(
     engine.resume()
     tls = TLSFiles.from_options(config.ca, config.cert, config.key, config.crl)
     # Bound (and its directory checked) before the coordinator starts: a bad enroll_dir fails first.
-    enrollment = EnrollmentServer(config.enroll_listen, ca_dir=config.enroll_dir, tls=tls) if config.enroll_listen else None
+    enrollment = (
+        EnrollmentServer(config.enroll_listen, ca_dir=config.enroll_dir, tls=tls)
+        if config.enroll_listen
+        else None
+    )
     coordinator, http = _start_servers(config, fleet, wired.monitor, tls, enrollment)
     _announce(config, threads, fleet, events, coordinator, enrollment, http)
     if ready is not None:
         ready.set()
 
-    if http is not None:  # bound and listening since before the coordinator: early requests waited in the backlog
+    if (
+        http is not None
+    ):  # bound and listening since before the coordinator: early requests waited in the backlog
         http.start()
 
     def on_term(signal_name: str) -> None:
@@ -335,8 +372,9 @@ def _initial_model(config: Config, initial: ModelState | None) -> ModelState:
         initial = coordinator_model(config)
     if initial is None:
         raise ConfigError(
-            "model", f"{config.model or 'the dataset default'!r} is a built-in model: run_coordinator needs initial=..., "
-            "--model MODULE:FACTORY or --initial-model FILE.safetensors (the fedgrid coordinator command builds built-in models)"
+            "model",
+            f"{config.model or 'the dataset default'!r} is a built-in model: run_coordinator needs initial=..., "
+            "--model MODULE:FACTORY or --initial-model FILE.safetensors (the fedgrid coordinator command builds built-in models)",
         )
     return initial
 
@@ -353,17 +391,30 @@ class _Wired:
     monitor: CoordinatorMonitor | None
 
 
-def _wire(config: Config, threads: int, initial: ModelState, evaluate_fn: EvaluateFn | None,
-          on_event: Callable[[Event], None] | None) -> _Wired:
+def _wire(
+    config: Config,
+    threads: int,
+    initial: ModelState,
+    evaluate_fn: EvaluateFn | None,
+    on_event: Callable[[Event], None] | None,
+) -> _Wired:
     """Builds the strategy, the run directory, the event log, the fleet, the monitor and the engine."""
     store = StateStore(config.state_dir) if config.state_dir else None
     strategy = build_strategy(config, num_clients=config.min_clients)
     strategy.initialize(initial_state=initial)
-    writer = RunWriter(config.out, {**config.to_dict(), "threads": threads}, environment=environment(threads_requested=config.threads))
+    writer = RunWriter(
+        config.out,
+        {**config.to_dict(), "threads": threads},
+        environment=environment(threads_requested=config.threads),
+    )
     events = EventLog(writer.dir / "events.jsonl")
     fleet = build_fleet(config, events)
     engine: RoundEngine  # built below; the status server serves (reads its history) only once it is
-    monitor = CoordinatorMonitor(fleet, rounds=config.rounds, history=lambda: engine.history) if config.http else None
+    monitor = (
+        CoordinatorMonitor(fleet, rounds=config.rounds, history=lambda: engine.history)
+        if config.http
+        else None
+    )
     if monitor is not None:
         events.subscribe(monitor.on_event)
     if on_event is not None:  # after the monitor: a caller reading the status sees the event counted
@@ -371,7 +422,10 @@ def _wire(config: Config, threads: int, initial: ModelState, evaluate_fn: Evalua
 
     def on_round(m):
         acc = "" if m.accuracy is None else f" accuracy {m.accuracy:.4f}"
-        print(f"round {m.round}/{config.rounds} loss {m.loss if m.loss is None else round(m.loss, 4)}{acc} clients {m.clients_ok} ok {m.clients_failed} failed ({m.wall_s:.2f}s)", flush=True)
+        print(
+            f"round {m.round}/{config.rounds} loss {m.loss if m.loss is None else round(m.loss, 4)}{acc} clients {m.clients_ok} ok {m.clients_failed} failed ({m.wall_s:.2f}s)",
+            flush=True,
+        )
 
     engine = RoundEngine(
         strategy=strategy,
@@ -390,8 +444,13 @@ def _wire(config: Config, threads: int, initial: ModelState, evaluate_fn: Evalua
     return _Wired(writer, events, fleet, engine, monitor)
 
 
-def _start_servers(config: Config, fleet: RemoteFleet, monitor: CoordinatorMonitor | None, tls: TLSFiles | None,
-                   enrollment: EnrollmentServer | None) -> tuple[Coordinator, StatusServer | None]:
+def _start_servers(
+    config: Config,
+    fleet: RemoteFleet,
+    monitor: CoordinatorMonitor | None,
+    tls: TLSFiles | None,
+    enrollment: EnrollmentServer | None,
+) -> tuple[Coordinator, StatusServer | None]:
     """Binds the status server (with a monitor), starts the coordinator, then the enrollment
     service; what was bound is stopped again when a later step fails."""
     http: StatusServer | None = None
@@ -400,8 +459,14 @@ def _start_servers(config: Config, fleet: RemoteFleet, monitor: CoordinatorMonit
         if monitor is not None:
             http = StatusServer(config.http, monitor.routes(), token_file=config.http_token_file)
         interceptors = [monitor.interceptor()] if monitor is not None else []
-        coordinator = Coordinator(config.listen, fleet, max_workers=config.max_workers, tls=tls, insecure=config.insecure,
-                                  interceptors=interceptors).start()
+        coordinator = Coordinator(
+            config.listen,
+            fleet,
+            max_workers=config.max_workers,
+            tls=tls,
+            insecure=config.insecure,
+            interceptors=interceptors,
+        ).start()
         if enrollment is not None:
             enrollment.start()
     except BaseException:
@@ -413,15 +478,31 @@ def _start_servers(config: Config, fleet: RemoteFleet, monitor: CoordinatorMonit
     return coordinator, http
 
 
-def _announce(config: Config, threads: int, fleet: RemoteFleet, events: EventLog, coordinator: Coordinator,
-              enrollment: EnrollmentServer | None, http: StatusServer | None) -> None:
+def _announce(
+    config: Config,
+    threads: int,
+    fleet: RemoteFleet,
+    events: EventLog,
+    coordinator: Coordinator,
+    enrollment: EnrollmentServer | None,
+    http: StatusServer | None,
+) -> None:
     """Writes the bound addresses to ``RUN_DIR`` and prints them; emits ``started``."""
     if http is not None:
         write_address(Path(config.out) / "http_address", http.address)
-        print(f"fedgrid status on http://{http.address}/ (/metrics, /api/status{'; bearer token required' if http.authenticated else ''})", flush=True)
+        print(
+            f"fedgrid status on http://{http.address}/ (/metrics, /api/status{'; bearer token required' if http.authenticated else ''})",
+            flush=True,
+        )
     if enrollment is not None:  # first: a script that sees RUN_DIR/address finds this one too
         write_address(Path(config.out) / "enroll_address", enrollment.address)
-        print(f"fedgrid enrollment service listening on {enrollment.address} (certificates of {config.enroll_dir})", flush=True)
+        print(
+            f"fedgrid enrollment service listening on {enrollment.address} (certificates of {config.enroll_dir})",
+            flush=True,
+        )
     write_address(Path(config.out) / "address", coordinator.address)
-    print(f"fedgrid coordinator listening on {coordinator.address} (run {fleet.run_id}, dir {config.out}, {threads} threads)", flush=True)
+    print(
+        f"fedgrid coordinator listening on {coordinator.address} (run {fleet.run_id}, dir {config.out}, {threads} threads)",
+        flush=True,
+    )
     events.emit("started", run_id=fleet.run_id, address=coordinator.address, threads=threads)

@@ -60,12 +60,16 @@ class UpdateBounds:
         if self.max_num_examples < 1:
             raise ValueError(f"max_num_examples must be at least 1, got {self.max_num_examples}")
         if not (math.isfinite(self.max_update_norm) and self.max_update_norm >= 0):
-            raise ValueError(f"max_update_norm must be a finite number at least 0, got {self.max_update_norm}")
+            raise ValueError(
+                f"max_update_norm must be a finite number at least 0, got {self.max_update_norm}"
+            )
 
     def check_join(self, num_examples: int) -> None:
         """Raises ``InvalidUpdateError`` unless ``0 <= num_examples <= max_num_examples``."""
         if not 0 <= num_examples <= self.max_num_examples:
-            raise InvalidUpdateError(f"num_examples: {num_examples} reported at join, must be in 0..{self.max_num_examples}")
+            raise InvalidUpdateError(
+                f"num_examples: {num_examples} reported at join, must be in 0..{self.max_num_examples}"
+            )
 
     def check_claim(self, claimed: int, *, joined: int, evaluate: bool = False) -> None:
         """Raises ``InvalidUpdateError`` when an update's (or evaluation's) ``num_examples`` is over its bound.
@@ -76,9 +80,13 @@ class UpdateBounds:
             evaluate: the result is an evaluation (bounded by ``max_num_examples`` alone).
         """
         if claimed > self.max_num_examples:
-            raise InvalidUpdateError(f"num_examples: {claimed} claimed, over the maximum of {self.max_num_examples}")
+            raise InvalidUpdateError(
+                f"num_examples: {claimed} claimed, over the maximum of {self.max_num_examples}"
+            )
         if not evaluate and claimed > joined:
-            raise InvalidUpdateError(f"num_examples: the update claims {claimed}, the client reported {joined} at join")
+            raise InvalidUpdateError(
+                f"num_examples: the update claims {claimed}, the client reported {joined} at join"
+            )
 
     def norm(self, base: Mapping[str, torch.Tensor]) -> "UpdateNorm | None":
         """A meter of one update's norm against ``base``, or ``None`` when the bound is off."""

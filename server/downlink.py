@@ -28,7 +28,8 @@ __all__ = ["Downlink", "RoundDownlink"]
 
 def _encoded(update: DownlinkUpdate, like: Mapping[str, torch.Tensor]) -> EncodedModel:
     return EncodedModel.from_payloads(
-        (name, t.dtype, tuple(t.shape), update.codec_for(t.dtype), update.payloads[name]) for name, t in like.items()
+        (name, t.dtype, tuple(t.shape), update.codec_for(t.dtype), update.payloads[name])
+        for name, t in like.items()
     )
 
 
@@ -86,10 +87,14 @@ class Downlink:
     def prepare(self, global_state: ModelState) -> RoundDownlink:
         """The downloads of a round whose global model is ``global_state``."""
         if self.lossless:
-            return RoundDownlink(base=global_state, version=0, _full=EncodedModel(global_state, codec=self.codec))
+            return RoundDownlink(
+                base=global_state, version=0, _full=EncodedModel(global_state, codec=self.codec)
+            )
         if self.shadow is None:  # first round: everyone starts from the exact model
             self.shadow = ShadowModel(global_state, codec=self.codec)
-            return RoundDownlink(base=OrderedDict(self.shadow.shadow), version=self.shadow.version + 1, _shadow=self.shadow)
+            return RoundDownlink(
+                base=OrderedDict(self.shadow.shadow), version=self.shadow.version + 1, _shadow=self.shadow
+            )
         update, shadow = self.shadow.sync(global_state)
         assert update.base_version is not None
         return RoundDownlink(

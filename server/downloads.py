@@ -36,8 +36,15 @@ class Downloads:
         chunk_size: the fleet's payload bytes per chunk.
     """
 
-    def __init__(self, registry: Registry, downlink: Downlink, open_task: Callable[[str, str], RoundTask], *,
-                 run_id: Callable[[], str], chunk_size: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        downlink: Downlink,
+        open_task: Callable[[str, str], RoundTask],
+        *,
+        run_id: Callable[[], str],
+        chunk_size: Callable[[], int],
+    ) -> None:
         self.registry = registry
         self.lock = registry.lock
         self.downlink = downlink
@@ -45,7 +52,9 @@ class Downloads:
         self._run_id = run_id
         self._chunk_size = chunk_size
 
-    def download(self, client_id: str, token: str, task_id: str, have_version: int | None = None) -> Iterator[bytes]:
+    def download(
+        self, client_id: str, token: str, task_id: str, have_version: int | None = None
+    ) -> Iterator[bytes]:
         """The model of the client's open task, as a chunk stream: whole, or the tensors its task
         names (``FitIns.download``) on a lossless downlink, or on a compressed downlink the
         change since ``have_version`` when the client holds the previous version."""
@@ -53,14 +62,20 @@ class Downloads:
         with self.lock:
             rnd = self._open_task(client_id, task_id)
         if rnd.downlink is None:
-            raise StaleTaskError(f"task {escape(task_id)} is message phase {rnd.kind!r}: it has no model to download")
+            raise StaleTaskError(
+                f"task {escape(task_id)} is message phase {rnd.kind!r}: it has no model to download"
+            )
         names = self._names(rnd.assignments[client_id])
         if names is None:
             encoded, delta, base_version = rnd.downlink.for_client(have_version)
         else:
             encoded, delta, base_version = self._part(rnd, names), False, 0
         info = serde.StreamInfo(
-            run_id=self._run_id(), task_id=task_id, round=rnd.server_round, delta=delta, version=rnd.downlink.version,
+            run_id=self._run_id(),
+            task_id=task_id,
+            round=rnd.server_round,
+            delta=delta,
+            version=rnd.downlink.version,
             base_version=base_version,
         )
         return self._counted(rnd, encoded.frames(info, chunk_size=self._chunk_size()), client_id)
@@ -70,7 +85,9 @@ class Downloads:
             return None
         codec = str(ins.config.get("uplink_codec", "none"))
         # An uplink sending differences takes them against the global values of what it uploads.
-        return ins.download_names(lossless_downlink=self.downlink.lossless, delta_uplink=sends_differences(codec))
+        return ins.download_names(
+            lossless_downlink=self.downlink.lossless, delta_uplink=sends_differences(codec)
+        )
 
     def _part(self, rnd: RoundTask, names: frozenset[str]) -> serde.EncodedModel:
         """The tensors ``names`` of the round's exact model, encoded once per round and set of

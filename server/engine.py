@@ -58,6 +58,7 @@ class _Tally:
         self.bytes_up += outcome.bytes_up
         self.bytes_down += outcome.bytes_down
 
+
 log = logging.getLogger(__name__)
 
 EvaluateFn = Callable[[ModelState], "tuple[float, dict[str, float]]"]
@@ -71,7 +72,9 @@ def first_non_finite(state: Any, where: str = "") -> str | None:
     if isinstance(state, torch.Tensor):
         if state.dtype.is_floating_point or state.dtype.is_complex:
             probe = torch.view_as_real(state) if state.dtype.is_complex else state
-            if probe.numel() and not bool(torch.isfinite(probe.float() if probe.dtype.itemsize == 1 else probe).all()):
+            if probe.numel() and not bool(
+                torch.isfinite(probe.float() if probe.dtype.itemsize == 1 else probe).all()
+            ):
                 return where or "tensor"
         return None
     if isinstance(state, dict):
@@ -254,7 +257,9 @@ class RoundEngine:
     def _check_finite(server_round: int, phase: str, state: Any) -> None:
         bad = first_non_finite(state)
         if bad is not None:
-            raise NonFiniteAggregateError(f"round {server_round} failed: after {phase}, the strategy state's {bad} holds NaN or Inf")
+            raise NonFiniteAggregateError(
+                f"round {server_round} failed: after {phase}, the strategy state's {bad} holds NaN or Inf"
+            )
 
     def _check_stop(self, server_round: int) -> None:
         if self._stop.is_set():
@@ -262,7 +267,9 @@ class RoundEngine:
 
     def _fit(self, server_round: int, clients: list[ClientInfo], tally: "_Tally") -> None:
         assignments = self.strategy.configure_round(server_round=server_round, clients=clients)
-        sent = self.strategy.downlink_state(server_round=server_round)  # e.g. SCAFFOLD adds its control variate
+        sent = self.strategy.downlink_state(
+            server_round=server_round
+        )  # e.g. SCAFFOLD adds its control variate
         outcome = self.fleet.fit_round(
             server_round=server_round,
             global_state=sent,
@@ -272,14 +279,29 @@ class RoundEngine:
         )
         self._check_stop(server_round)
         for failure in outcome.failures:
-            log.warning("round %d: client %s failed: %s", server_round, escape(failure.client.name or failure.client.client_id),
-                        escape(failure.reason))
-        log.info("round %d: aggregating %d updates (%d failures)", server_round, len(outcome.results), len(outcome.failures))
-        self.events.emit("aggregating", round=server_round, updates=len(outcome.results), failures=len(outcome.failures))
+            log.warning(
+                "round %d: client %s failed: %s",
+                server_round,
+                escape(failure.client.name or failure.client.client_id),
+                escape(failure.reason),
+            )
+        log.info(
+            "round %d: aggregating %d updates (%d failures)",
+            server_round,
+            len(outcome.results),
+            len(outcome.failures),
+        )
+        self.events.emit(
+            "aggregating", round=server_round, updates=len(outcome.results), failures=len(outcome.failures)
+        )
         results = outcome.results
-        if not getattr(self.strategy, "accepts_deltas", False):  # it reads results as models (docs/updates.md)
+        if not getattr(
+            self.strategy, "accepts_deltas", False
+        ):  # it reads results as models (docs/updates.md)
             results = [as_model(sent, r) for r in results]
-        agg_metrics = self.strategy.aggregate(server_round=server_round, results=results, failures=outcome.failures)
+        agg_metrics = self.strategy.aggregate(
+            server_round=server_round, results=results, failures=outcome.failures
+        )
         tally.loss = agg_metrics.get("train_loss")
         tally.extra.update(agg_metrics)
         tally.extra.update(outcome.extra)
@@ -287,12 +309,18 @@ class RoundEngine:
             tally.extra["clients_cancelled"] = len(outcome.cancelled)
         tally.add_bytes(outcome)
         tally.clients_ok, tally.clients_failed = len(outcome.results), len(outcome.failures)
-        tally.extra["examples"] = float(sum(r.num_examples for r in outcome.results))  # a region's weight upstream
-        for r in outcome.results:  # regions (fedgrid.region) report their LAN links' bytes: summed, not averaged
+        tally.extra["examples"] = float(
+            sum(r.num_examples for r in outcome.results)
+        )  # a region's weight upstream
+        for (
+            r
+        ) in outcome.results:  # regions (fedgrid.region) report their LAN links' bytes: summed, not averaged
             for key in ("lan_bytes_up", "lan_bytes_down"):
                 if key in r.metrics and r.client.region:
                     tally.extra[key] = tally.extra.get(key, 0.0) + float(r.metrics[key])
-                    tally.extra[f"{key}.{r.client.region}"] = tally.extra.get(f"{key}.{r.client.region}", 0.0) + float(r.metrics[key])
+                    tally.extra[f"{key}.{r.client.region}"] = tally.extra.get(
+                        f"{key}.{r.client.region}", 0.0
+                    ) + float(r.metrics[key])
 
     def _evaluate(self, server_round: int, clients: list[ClientInfo], tally: "_Tally") -> None:
         evaluations = self.strategy.configure_evaluate(server_round=server_round, clients=clients)
@@ -305,20 +333,33 @@ class RoundEngine:
             timeout=self.round_timeout,
         )
         self._check_stop(server_round)
-        fed = self.strategy.aggregate_evaluate(server_round=server_round, results=evaluated.results, failures=evaluated.failures)
+        fed = self.strategy.aggregate_evaluate(
+            server_round=server_round, results=evaluated.results, failures=evaluated.failures
+        )
         tally.extra.update({f"federated_{k}": v for k, v in fed.items()})
         tally.extra["clients_evaluated"] = len(evaluated.results)
         tally.add_bytes(evaluated)
         tally.loss, tally.accuracy = fed.get("loss", tally.loss), fed.get("accuracy")
 
     def _messages(self, server_round: int, phase: str, clients: list[ClientInfo], tally: "_Tally") -> None:
-        assignments = self.strategy.configure_messages(server_round=server_round, phase=phase, clients=clients)
-        outcome = self.fleet.message_round(server_round=server_round, phase=phase, assignments=assignments, timeout=self.round_timeout)
+        assignments = self.strategy.configure_messages(
+            server_round=server_round, phase=phase, clients=clients
+        )
+        outcome = self.fleet.message_round(
+            server_round=server_round, phase=phase, assignments=assignments, timeout=self.round_timeout
+        )
         self._check_stop(server_round)
         for failure in outcome.failures:
-            log.warning("round %d, phase %s: client %s failed: %s", server_round, phase,
-                        escape(failure.client.name or failure.client.client_id), escape(failure.reason))
-        metrics = self.strategy.receive_messages(server_round=server_round, phase=phase, results=outcome.results, failures=outcome.failures)
+            log.warning(
+                "round %d, phase %s: client %s failed: %s",
+                server_round,
+                phase,
+                escape(failure.client.name or failure.client.client_id),
+                escape(failure.reason),
+            )
+        metrics = self.strategy.receive_messages(
+            server_round=server_round, phase=phase, results=outcome.results, failures=outcome.failures
+        )
         tally.extra.update(metrics)
         tally.extra[f"{phase}_ok"] = len(outcome.results)
         tally.extra[f"{phase}_failed"] = len(outcome.failures)

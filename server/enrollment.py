@@ -37,12 +37,12 @@ from cryptography.hazmat.primitives import serialization
 
 from fedgrid import pki
 from fedgrid.constants import ENROLL_MAX_CONCURRENT, ENROLL_MAX_MESSAGE_BYTES, ENROLL_TIMEOUT_S
-from fedgrid.textsafe import escape
 from fedgrid.errors import ConfigError, CSRError, EnrollmentError, EnrollmentNameError
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
 from fedgrid.proto.tls import TLSFiles
 from fedgrid.server.aio import LoopThread, advertised_address
+from fedgrid.textsafe import escape
 
 __all__ = ["ENROLLMENT_SERVICE", "EnrollmentServer", "EnrollmentServicer", "STATUS_OF"]
 
@@ -89,7 +89,9 @@ class EnrollmentServicer:
         days: validity of the certificates, clipped to the CA's.
     """
 
-    def __init__(self, ca_dir: Path, executor: ThreadPoolExecutor, *, max_concurrent: int, timeout_s: float, days: int) -> None:
+    def __init__(
+        self, ca_dir: Path, executor: ThreadPoolExecutor, *, max_concurrent: int, timeout_s: float, days: int
+    ) -> None:
         self.ca_dir, self.executor = ca_dir, executor
         self.max_concurrent, self.timeout_s, self.days = max_concurrent, timeout_s, days
         #: Enrollments whose signing thread has not returned yet (changed on the loop only).
@@ -111,9 +113,14 @@ class EnrollmentServicer:
         peer = escape(context.peer() or "", 64)
         token_id = escape(request.token.partition(".")[0], 32)  # never the secret
         if self.in_flight >= self.max_concurrent:
-            log.warning("enrollment of token %s from %s refused: %d in progress", token_id, peer, self.in_flight)
-            await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                         f"enrollment: {self.in_flight} enrollments in progress, the most this coordinator signs at once; retry shortly")
+            log.warning(
+                "enrollment of token %s from %s refused: %d in progress", token_id, peer, self.in_flight
+            )
+            await _abort(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"enrollment: {self.in_flight} enrollments in progress, the most this coordinator signs at once; retry shortly",
+            )
         remaining = context.time_remaining()
         timeout = self.timeout_s if remaining is None else max(0.0, min(self.timeout_s, remaining))
         self.in_flight += 1
@@ -125,16 +132,27 @@ class EnrollmentServicer:
             cert, name = await asyncio.wait_for(asyncio.shield(job), timeout)
         except (asyncio.TimeoutError, _Late):
             log.warning("enrollment of token %s from %s not signed within %.1fs", token_id, peer, timeout)
-            await _abort(context, grpc.StatusCode.DEADLINE_EXCEEDED,
-                         f"enrollment: not signed within {timeout:.1f}s (the certificate directory is busy); if the token "
-                         "now reads as used, the certificate was issued: revoke the name and issue a new token")
+            await _abort(
+                context,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"enrollment: not signed within {timeout:.1f}s (the certificate directory is busy); if the token "
+                "now reads as used, the certificate was issued: revoke the name and issue a new token",
+            )
         except EnrollmentError as exc:
             code = next(c for kind, c in STATUS_OF if isinstance(exc, kind))
-            log.info("enrollment of token %s from %s refused (%s): %s", token_id, peer, code.name, escape(str(exc), 300))
+            log.info(
+                "enrollment of token %s from %s refused (%s): %s",
+                token_id,
+                peer,
+                code.name,
+                escape(str(exc), 300),
+            )
             await _abort(context, code, _clip(str(exc)))
         except Exception:
             log.exception("enrollment of token %s from %s failed", token_id, peer)
-            await _abort(context, grpc.StatusCode.INTERNAL, "enrollment failed on the coordinator; its log says why")
+            await _abort(
+                context, grpc.StatusCode.INTERNAL, "enrollment failed on the coordinator; its log says why"
+            )
         log.info("enrolled %r (token %s) from %s", name, token_id, peer)
         return pb.EnrollReply(certificate_pem=cert, identity=name)
 
@@ -159,18 +177,28 @@ def _credentials(tls: TLSFiles, ca_dir: Path) -> grpc.ServerCredentials:
     try:
         own = x509.load_pem_x509_certificate(ca_cert_path.read_bytes())
     except (OSError, ValueError) as exc:
-        raise ConfigError("enroll_dir", f"{ca_cert_path}: no readable CA certificate ({exc}); is {ca_dir} a "
-                          "certificate directory (fedgrid certs init)?") from None
+        raise ConfigError(
+            "enroll_dir",
+            f"{ca_cert_path}: no readable CA certificate ({exc}); is {ca_dir} a "
+            "certificate directory (fedgrid certs init)?",
+        ) from None
     if not os.access(ca_key_path, os.R_OK):
-        raise ConfigError("enroll_dir", f"{ca_key_path}: the CA key is missing or unreadable; enrollment signs with it")
+        raise ConfigError(
+            "enroll_dir", f"{ca_key_path}: the CA key is missing or unreadable; enrollment signs with it"
+        )
     if _der(own) not in {_der(c) for c in x509.load_pem_x509_certificates(ca)}:
         # The devices verify their new certificate against this bundle and the coordinator's
         # handshake checks it: a certificate of any other CA would be useless to them.
-        raise ConfigError("enroll_dir", f"the CA of {ca_dir} ({own.subject.rfc4514_string()}) is not in {tls.ca}, the CA "
-                          "bundle the coordinator accepts clients of: enrolled certificates could not join")
+        raise ConfigError(
+            "enroll_dir",
+            f"the CA of {ca_dir} ({own.subject.rfc4514_string()}) is not in {tls.ca}, the CA "
+            "bundle the coordinator accepts clients of: enrolled certificates could not join",
+        )
     if not tls.crl:
-        log.warning("enrollment without a revocation list (crl): an enrolled client cannot be revoked; give crl = %s",
-                    ca_dir / pki.CRL)
+        log.warning(
+            "enrollment without a revocation list (crl): an enrolled client cannot be revoked; give crl = %s",
+            ca_dir / pki.CRL,
+        )
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=None, require_client_auth=False)
 
 
@@ -205,13 +233,20 @@ class EnrollmentServer:
         days: int = 365,
     ) -> None:
         if tls is None:
-            raise ConfigError("enroll_listen", "the enrollment service serves TLS only: over plaintext anyone on the path "
-                              "reads the token and can hand the device a certificate of its own; give ca, cert and key")
+            raise ConfigError(
+                "enroll_listen",
+                "the enrollment service serves TLS only: over plaintext anyone on the path "
+                "reads the token and can hand the device a certificate of its own; give ca, cert and key",
+            )
         if max_concurrent < 1 or not timeout_s > 0:
-            raise ValueError(f"max_concurrent must be at least 1 and timeout_s positive, got {max_concurrent} and {timeout_s}")
+            raise ValueError(
+                f"max_concurrent must be at least 1 and timeout_s positive, got {max_concurrent} and {timeout_s}"
+            )
         credentials = _credentials(tls, Path(ca_dir))
         self.executor = ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="fedgrid-enroll")
-        self.servicer = EnrollmentServicer(Path(ca_dir), self.executor, max_concurrent=max_concurrent, timeout_s=timeout_s, days=days)
+        self.servicer = EnrollmentServicer(
+            Path(ca_dir), self.executor, max_concurrent=max_concurrent, timeout_s=timeout_s, days=days
+        )
         self._aio = LoopThread("fedgrid-enroll-aio")
 
         async def build() -> tuple[grpc.aio.Server, int]:

@@ -11,7 +11,17 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Generic, Mapping, Sequence, TypeVar
 
-from fedgrid.types import ClientInfo, EvaluateIns, EvaluateRes, FitIns, FitRes, Failure, MessageIns, MessageRes, ModelState
+from fedgrid.types import (
+    ClientInfo,
+    EvaluateIns,
+    EvaluateRes,
+    Failure,
+    FitIns,
+    FitRes,
+    MessageIns,
+    MessageRes,
+    ModelState,
+)
 
 __all__ = ["Fleet", "RoundOutcome"]
 

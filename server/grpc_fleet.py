@@ -10,13 +10,19 @@ from fedgrid.server.remote_fleet import PollResult, RemoteFleet  # noqa: F401 - 
 
 __all__ = ["RemoteFleet", "PollResult"]
 
-warnings.warn("fedgrid.server.grpc_fleet is deprecated and goes in the next release: use fedgrid.server.remote_fleet",
-              DeprecationWarning, stacklevel=2)
+warnings.warn(
+    "fedgrid.server.grpc_fleet is deprecated and goes in the next release: use fedgrid.server.remote_fleet",
+    DeprecationWarning,
+    stacklevel=2,
+)
 
 
 def __getattr__(name: str) -> Any:
     if name == "GrpcFleet":
-        warnings.warn("GrpcFleet is deprecated and goes in the next release: use fedgrid.server.remote_fleet.RemoteFleet",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "GrpcFleet is deprecated and goes in the next release: use fedgrid.server.remote_fleet.RemoteFleet",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return RemoteFleet
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

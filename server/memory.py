@@ -29,7 +29,12 @@ import logging
 
 from fedgrid.constants import MAX_MESSAGE_BYTES
 
-__all__ = ["return_large_buffers_to_the_system", "keep_large_buffers", "MMAP_THRESHOLD_MAX", "MESSAGE_BUFFER_BYTES"]
+__all__ = [
+    "return_large_buffers_to_the_system",
+    "keep_large_buffers",
+    "MMAP_THRESHOLD_MAX",
+    "MESSAGE_BUFFER_BYTES",
+]
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,6 @@ class InboxPage:
     retry_after_s: float = 0.0
 
 
-
 class Mailbox:
     """The message-phase handlers of a fleet.
 
@@ -48,8 +47,14 @@ class Mailbox:
         interrupted: whether the fleet is stopping.
     """
 
-    def __init__(self, registry: Registry, events: EventLog, open_task: Callable[[str, str], RoundTask],
-                 current: Callable[[], RoundTask | None], interrupted: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        events: EventLog,
+        open_task: Callable[[str, str], RoundTask],
+        current: Callable[[], RoundTask | None],
+        interrupted: Callable[[], bool],
+    ) -> None:
         self.registry = registry
         self.lock = registry.lock
         self.wake = registry.wake
@@ -74,14 +79,20 @@ class Mailbox:
         with self.lock:
             current = self._current()
             if current is not None and current.task_id == task_id and client_id in current.results:
-                raise DuplicateUpdateError(f"messages of phase {current.kind!r} from client {escape(client_id)} already accepted")
+                raise DuplicateUpdateError(
+                    f"messages of phase {current.kind!r} from client {escape(client_id)} already accepted"
+                )
             if record.benched_task == task_id:
                 record.benched_task = ""
             rnd = self._open_task(client_id, task_id)
             if client_id in rnd.failures:
-                raise StaleTaskError(f"round {rnd.server_round}: this task already failed ({rnd.failures[client_id].reason})")
+                raise StaleTaskError(
+                    f"round {rnd.server_round}: this task already failed ({rnd.failures[client_id].reason})"
+                )
             if not rnd.is_message:
-                raise StaleTaskError(f"task {escape(task_id)} is a {rnd.kind} task: it takes an upload, not messages")
+                raise StaleTaskError(
+                    f"task {escape(task_id)} is a {rnd.kind} task: it takes an upload, not messages"
+                )
             ins = rnd.assignments[client_id]
             assert isinstance(ins, MessageIns)
             checked = check_outbox(ins, messages)
@@ -90,8 +101,22 @@ class Mailbox:
             rnd.bytes_up += size
             self.wake.notify("round")
             accepted, expected = len(rnd.results), len(rnd.assignments)
-        log.info("round %d, phase %s: messages from %s (%d of %d)", rnd.server_round, rnd.kind, escape(record.info.name or client_id), accepted, expected)
-        self.events.emit("messages_accepted", round=rnd.server_round, phase=rnd.kind, client=client_id, accepted=accepted, expected=expected)
+        log.info(
+            "round %d, phase %s: messages from %s (%d of %d)",
+            rnd.server_round,
+            rnd.kind,
+            escape(record.info.name or client_id),
+            accepted,
+            expected,
+        )
+        self.events.emit(
+            "messages_accepted",
+            round=rnd.server_round,
+            phase=rnd.kind,
+            client=client_id,
+            accepted=accepted,
+            expected=expected,
+        )
         return size
 
     def _inbox_now(self, client_id: str, task_id: str, start: int) -> InboxPage | None:
@@ -99,16 +124,28 @@ class Mailbox:
         rnd = self.relayed.get(task_id)
         if rnd is None:
             current = self._current()
-            if current is None or current.task_id != task_id or not current.is_message or client_id not in current.assignments:
-                raise StaleTaskError(f"task {escape(task_id)} is not a message phase of this round for client {escape(client_id)}")
+            if (
+                current is None
+                or current.task_id != task_id
+                or not current.is_message
+                or client_id not in current.assignments
+            ):
+                raise StaleTaskError(
+                    f"task {escape(task_id)} is not a message phase of this round for client {escape(client_id)}"
+                )
             if client_id in current.failures:
-                raise StaleTaskError(f"client {escape(client_id)} failed phase {current.kind!r}: {current.failures[client_id].reason}")
+                raise StaleTaskError(
+                    f"client {escape(client_id)} failed phase {current.kind!r}: {current.failures[client_id].reason}"
+                )
             return None  # still open
         assert rnd.inboxes is not None
         inbox = rnd.inboxes.get(client_id)
         if inbox is None:
             failure = rnd.failures.get(client_id)
-            raise StaleTaskError(f"client {escape(client_id)} has no inbox in phase {rnd.kind!r}" + (f": {failure.reason}" if failure else ""))
+            raise StaleTaskError(
+                f"client {escape(client_id)} has no inbox in phase {rnd.kind!r}"
+                + (f": {failure.reason}" if failure else "")
+            )
         items = list(inbox.items())
         if start > len(items):
             raise InvalidUpdateError(f"inbox start {start} is past its {len(items)} messages")
@@ -121,7 +158,9 @@ class Mailbox:
             size += len(payload)
         return InboxPage(True, page, len(items))
 
-    async def receive_async(self, client_id: str, token: str, task_id: str, start: int, wait_s: float) -> InboxPage:
+    async def receive_async(
+        self, client_id: str, token: str, task_id: str, start: int, wait_s: float
+    ) -> InboxPage:
         """Long poll for the messages relayed to the client in message phase ``task_id``,
         from message ``start`` on (a large inbox comes in pages); waits up to ``wait_s`` for
         the phase to close.
@@ -146,7 +185,9 @@ class Mailbox:
                 return answer[0]
             if time.monotonic() >= deadline or self._interrupted():
                 with self.lock:
-                    return self._inbox_now(client_id, task_id, start) or InboxPage(False, [], retry_after_s=0.0)
+                    return self._inbox_now(client_id, task_id, start) or InboxPage(
+                        False, [], retry_after_s=0.0
+                    )
 
     def relay(self, rnd: RoundTask) -> None:
         """The phase ``rnd`` closed: computes every inbox and wakes the clients waiting for theirs."""

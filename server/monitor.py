@@ -41,8 +41,8 @@ import grpc
 
 from fedgrid.events import Event
 from fedgrid.server.aio import wrap_behaviour
-from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.registry import SILENCE_INTERVALS
+from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.status_page import page_response
 from fedgrid.types import RoundMetrics
 from fedgrid.webserve import Response, Route, require_prometheus
@@ -50,21 +50,51 @@ from fedgrid.webserve import Response, Route, require_prometheus
 __all__ = ["CoordinatorMonitor", "RpcTimer", "failure_reason", "FAILURE_REASONS", "MAX_STATUS_CLIENTS"]
 
 #: The ``reason`` label of ``fedgrid_client_failures_total``: what a failure's text says, sorted.
-FAILURE_REASONS = ("deadline", "silent", "stopping", "client_error", "left", "replaced", "no_examples", "other")
+FAILURE_REASONS = (
+    "deadline",
+    "silent",
+    "stopping",
+    "client_error",
+    "left",
+    "replaced",
+    "no_examples",
+    "other",
+)
 #: Clients listed in ``/api/status`` (the count of all is ``clients_total``).
 MAX_STATUS_CLIENTS = 1000
 #: The gRPC methods timed by name; any other is ``other``.
-_METHODS = frozenset({"Join", "PollTask", "DownloadModel", "UploadUpdate", "UploadStatus", "Heartbeat", "ReportFailure",
-                      "Leave", "SendMessages", "ReceiveMessages", "Check", "Watch"})
+_METHODS = frozenset(
+    {
+        "Join",
+        "PollTask",
+        "DownloadModel",
+        "UploadUpdate",
+        "UploadStatus",
+        "Heartbeat",
+        "ReportFailure",
+        "Leave",
+        "SendMessages",
+        "ReceiveMessages",
+        "Check",
+        "Watch",
+    }
+)
 _RPC_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, float("inf"))
 _PHASE_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0, float("inf"))
 
 
 def failure_reason(text: str) -> str:
     """The ``FAILURE_REASONS`` label of a failure's text (``Failure.reason``)."""
-    rules = (("missed the round deadline", "deadline"), ("client went silent", "silent"), ("silent for", "silent"),
-             ("coordinator stopping", "stopping"), ("client reported:", "client_error"), ("client left:", "left"),
-             ("replaced by a new session", "replaced"), ("evaluated no examples", "no_examples"))
+    rules = (
+        ("missed the round deadline", "deadline"),
+        ("client went silent", "silent"),
+        ("silent for", "silent"),
+        ("coordinator stopping", "stopping"),
+        ("client reported:", "client_error"),
+        ("client left:", "left"),
+        ("replaced by a new session", "replaced"),
+        ("evaluated no examples", "no_examples"),
+    )
     for prefix, label in rules:
         if text.startswith(prefix):
             return label
@@ -83,7 +113,9 @@ class CoordinatorMonitor:
         ConfigError: ``prometheus-client`` is not installed (the message names the extra).
     """
 
-    def __init__(self, fleet: RemoteFleet, *, rounds: int, history: Callable[[], Sequence[RoundMetrics]]) -> None:
+    def __init__(
+        self, fleet: RemoteFleet, *, rounds: int, history: Callable[[], Sequence[RoundMetrics]]
+    ) -> None:
         prom = require_prometheus()
         self.fleet = fleet
         self.rounds = rounds
@@ -91,21 +123,43 @@ class CoordinatorMonitor:
         self.registry = prom.CollectorRegistry(auto_describe=True)
         r = self.registry
         self.rounds_committed = prom.Counter("fedgrid_rounds_committed", "rounds committed", registry=r)
-        self.rounds_failed = prom.Counter("fedgrid_rounds_failed", "rounds whose aggregate was not finite", registry=r)
+        self.rounds_failed = prom.Counter(
+            "fedgrid_rounds_failed", "rounds whose aggregate was not finite", registry=r
+        )
         self.round = prom.Gauge("fedgrid_round", "the round in progress, else the last one run", registry=r)
         self.live_clients = prom.Gauge("fedgrid_live_clients", "clients in the registry", registry=r)
         self.live_clients.set_function(self._client_count)
         self.joined = prom.Counter("fedgrid_clients_joined", "Joins accepted", registry=r)
-        self.gone = prom.Counter("fedgrid_clients_gone", "clients that left the registry", ["reason"], registry=r)
-        self.accepted = prom.Counter("fedgrid_updates_accepted", "uploads verified and kept", ["phase"], registry=r)
-        self.failures = prom.Counter("fedgrid_client_failures", "failed client tasks", ["phase", "reason"], registry=r)
-        self.results = prom.Counter("fedgrid_client_results", "fit results of the rounds run", ["outcome"], registry=r)
+        self.gone = prom.Counter(
+            "fedgrid_clients_gone", "clients that left the registry", ["reason"], registry=r
+        )
+        self.accepted = prom.Counter(
+            "fedgrid_updates_accepted", "uploads verified and kept", ["phase"], registry=r
+        )
+        self.failures = prom.Counter(
+            "fedgrid_client_failures", "failed client tasks", ["phase", "reason"], registry=r
+        )
+        self.results = prom.Counter(
+            "fedgrid_client_results", "fit results of the rounds run", ["outcome"], registry=r
+        )
         self.bytes = prom.Counter("fedgrid_bytes", "wire bytes of the rounds run", ["direction"], registry=r)
-        self.phase_seconds = prom.Histogram("fedgrid_phase_duration_seconds", "time in a phase of a round", ["phase"],
-                                            buckets=_PHASE_BUCKETS, registry=r)
-        self.round_seconds = prom.Histogram("fedgrid_round_duration_seconds", "a round's wall time", buckets=_PHASE_BUCKETS, registry=r)
-        self.rpc_seconds = prom.Histogram("fedgrid_rpc_duration_seconds", "gRPC calls' time in the servicer", ["method", "code"],
-                                          buckets=_RPC_BUCKETS, registry=r)
+        self.phase_seconds = prom.Histogram(
+            "fedgrid_phase_duration_seconds",
+            "time in a phase of a round",
+            ["phase"],
+            buckets=_PHASE_BUCKETS,
+            registry=r,
+        )
+        self.round_seconds = prom.Histogram(
+            "fedgrid_round_duration_seconds", "a round's wall time", buckets=_PHASE_BUCKETS, registry=r
+        )
+        self.rpc_seconds = prom.Histogram(
+            "fedgrid_rpc_duration_seconds",
+            "gRPC calls' time in the servicer",
+            ["method", "code"],
+            buckets=_RPC_BUCKETS,
+            registry=r,
+        )
         for direction in ("up", "down"):
             self.bytes.labels(direction=direction)
         for outcome in ("ok", "failed"):
@@ -217,11 +271,19 @@ class CoordinatorMonitor:
         rnd = self.fleet.current_round
         limit = SILENCE_INTERVALS * self.fleet.heartbeat_interval_s
         with self.fleet.registry.lock:  # a snapshot: the records are not changed here
-            records = [(r.info, r.last_seen, r.benched_task, r.polls) for r in self.fleet.registry.records.values()]
+            records = [
+                (r.info, r.last_seen, r.benched_task, r.polls) for r in self.fleet.registry.records.values()
+            ]
             progress = None
             if rnd is not None:
-                progress = {"round": rnd.server_round, "phase": rnd.kind, "results": len(rnd.results), "failures": len(rnd.failures),
-                            "expected": len(rnd.assignments), "closed": rnd.closed}
+                progress = {
+                    "round": rnd.server_round,
+                    "phase": rnd.kind,
+                    "results": len(rnd.results),
+                    "failures": len(rnd.failures),
+                    "expected": len(rnd.assignments),
+                    "closed": rnd.closed,
+                }
             # The last round's outcome stays visible until the next one opens (a closed round
             # still knows who reported); over-selected clients it no longer waits for are idle.
             assigned = {} if rnd is None else {cid: self._task_state(rnd, cid) for cid in rnd.assignments}
@@ -229,21 +291,51 @@ class CoordinatorMonitor:
         clients = []
         for info, last_seen, benched, polls in records[:MAX_STATUS_CLIENTS]:
             ago = max(0.0, now_mono - last_seen)
-            state = assigned.get(info.client_id) or ("benched" if benched else "silent" if ago > limit and polls == 0 else "idle")
-            clients.append({"id": info.client_id, "name": info.name, "region": info.region, "state": state,
-                            "last_seen": round(now - ago, 3), "last_seen_s": round(ago, 3), "device": info.device,
-                            "accelerators": info.num_accelerators, "memory_bytes": info.memory_bytes})
+            state = assigned.get(info.client_id) or (
+                "benched" if benched else "silent" if ago > limit and polls == 0 else "idle"
+            )
+            clients.append(
+                {
+                    "id": info.client_id,
+                    "name": info.name,
+                    "region": info.region,
+                    "state": state,
+                    "last_seen": round(now - ago, 3),
+                    "last_seen_s": round(ago, 3),
+                    "device": info.device,
+                    "accelerators": info.num_accelerators,
+                    "memory_bytes": info.memory_bytes,
+                }
+            )
         with self._lock:
             state, phase, current = self.state, self.phase, self.current
         history = [
-            {"round": m.round, "accuracy": m.accuracy, "loss": m.loss, "bytes_up": m.bytes_up, "bytes_down": m.bytes_down,
-             "wall_s": round(m.wall_s, 6), "clients_ok": m.clients_ok, "clients_failed": m.clients_failed,
-             "failed": bool(m.extra.get("round_failed"))}
+            {
+                "round": m.round,
+                "accuracy": m.accuracy,
+                "loss": m.loss,
+                "bytes_up": m.bytes_up,
+                "bytes_down": m.bytes_down,
+                "wall_s": round(m.wall_s, 6),
+                "clients_ok": m.clients_ok,
+                "clients_failed": m.clients_failed,
+                "failed": bool(m.extra.get("round_failed")),
+            }
             for m in list(self._history())
         ]
-        return {"run_id": self.run_id, "state": state, "round": current or len(history), "rounds": self.rounds,
-                "committed": len(history), "phase": phase, "progress": progress, "clients_total": len(records),
-                "clients": clients, "history": history, "time": round(now, 3)}
+        return {
+            "run_id": self.run_id,
+            "state": state,
+            "round": current or len(history),
+            "rounds": self.rounds,
+            "committed": len(history),
+            "phase": phase,
+            "progress": progress,
+            "clients_total": len(records),
+            "clients": clients,
+            "history": history,
+            "time": round(now, 3),
+        }
 
     @staticmethod
     def _task_state(rnd: Any, cid: str) -> str:
@@ -266,8 +358,12 @@ class CoordinatorMonitor:
             "/": Route(page_response, public=True),
             "/index.html": Route(page_response, public=True),
             "/metrics": Route(lambda: Response(self.metrics_text(), content_type=self._content_type)),
-            "/api/status": Route(lambda: Response(json.dumps(self.status(), ensure_ascii=True, allow_nan=False).encode(),
-                                                  content_type="application/json")),
+            "/api/status": Route(
+                lambda: Response(
+                    json.dumps(self.status(), ensure_ascii=True, allow_nan=False).encode(),
+                    content_type="application/json",
+                )
+            ),
         }
 
     def interceptor(self) -> "RpcTimer":
@@ -300,7 +396,9 @@ class RpcTimer(grpc.aio.ServerInterceptor):
     def __init__(self, histogram: Any) -> None:
         self.histogram = histogram
 
-    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details: grpc.HandlerCallDetails) -> Any:
+    async def intercept_service(
+        self, continuation: Callable[[Any], Awaitable[Any]], details: grpc.HandlerCallDetails
+    ) -> Any:
         handler = await continuation(details)
         if handler is None:
             return None
@@ -322,6 +420,7 @@ class RpcTimer(grpc.aio.ServerInterceptor):
                     raise
                 finally:
                     done(start, context, error)
+
             return timed
 
         def streaming(behaviour: Callable[..., Any]) -> Callable[..., Any]:
@@ -335,6 +434,7 @@ class RpcTimer(grpc.aio.ServerInterceptor):
                     raise
                 finally:
                     done(start, context, error)
+
             return timed
 
         return wrap_behaviour(handler, unary, streaming) or handler
@@ -354,4 +454,3 @@ def _code_name(context: Any, error: BaseException | None) -> str:
             if c.value[0] == code:
                 return c.name
     return "OK" if error is None else "UNKNOWN"
-

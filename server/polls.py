@@ -33,7 +33,6 @@ class PollResult:
     finished: bool = False
 
 
-
 class Polls:
     """The long-poll handler of a fleet.
 
@@ -45,8 +44,15 @@ class Polls:
         max_polls: long polls one client may hold at once.
     """
 
-    def __init__(self, registry: Registry, current: Callable[[], RoundTask | None], *, finished: Callable[[], bool],
-                 interrupted: Callable[[], bool], max_polls: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        current: Callable[[], RoundTask | None],
+        *,
+        finished: Callable[[], bool],
+        interrupted: Callable[[], bool],
+        max_polls: Callable[[], int],
+    ) -> None:
         self.registry = registry
         self.lock, self.wake = registry.lock, registry.wake
         self._current = current
@@ -95,7 +101,8 @@ class Polls:
         with self.lock:
             if record.polls >= self._max_polls():
                 raise ResourceLimitError(
-                    f"client {escape(client_id)} already holds {record.polls} long polls (limit {self._max_polls()})")
+                    f"client {escape(client_id)} already holds {record.polls} long polls (limit {self._max_polls()})"
+                )
             record.polls += 1
         try:
             while True:

@@ -91,8 +91,14 @@ class Registry:
         bounds: what a Join may report (``num_examples``).
     """
 
-    def __init__(self, wake: Wakeups, events: EventLog, heartbeat_interval_s: float,
-                 on_remove: Callable[[ClientRecord, str], None], bounds: UpdateBounds | None = None) -> None:
+    def __init__(
+        self,
+        wake: Wakeups,
+        events: EventLog,
+        heartbeat_interval_s: float,
+        on_remove: Callable[[ClientRecord, str], None],
+        bounds: UpdateBounds | None = None,
+    ) -> None:
         self.bounds = bounds if bounds is not None else UpdateBounds()
         self.wake = wake
         self.lock = wake.lock
@@ -118,7 +124,9 @@ class Registry:
         """
         if identity is not None:
             if joining.name and joining.name != identity:
-                raise PermissionDeniedError(f"the certificate of {identity!r} cannot join as {escape(joining.name)}")
+                raise PermissionDeniedError(
+                    f"the certificate of {identity!r} cannot join as {escape(joining.name)}"
+                )
             joining = dataclasses.replace(joining, name=identity)
         check_joining(joining, self.bounds)
         info = dataclasses.replace(joining, client_id=uuid.uuid4().hex[:16])
@@ -136,7 +144,13 @@ class Registry:
         for cid in ghosts:
             log.info("client %s rejoined: session %s replaced", escape(info.name), cid)
             self.events.emit("client_left", client=cid, reason="replaced by a new session of the same name")
-        log.info("client %s joined as %s (region %s, %d examples)", escape(info.name), info.client_id, escape(info.region), info.num_examples)
+        log.info(
+            "client %s joined as %s (region %s, %d examples)",
+            escape(info.name),
+            info.client_id,
+            escape(info.region),
+            info.num_examples,
+        )
         self.events.emit("client_joined", client=info.client_id, name=info.name, region=info.region)
         return info, token
 
@@ -158,7 +172,9 @@ class Registry:
             if not hmac.compare_digest(token_hash(token), record.token_hash):
                 raise AuthenticationError(f"bad session token for client {escape(client_id)}")
             if caller is not None and caller.identity is not None and caller.identity != record.info.name:
-                raise PermissionDeniedError(f"the certificate of {caller.identity!r} cannot act as client {escape(client_id)} ({escape(record.info.name)})")
+                raise PermissionDeniedError(
+                    f"the certificate of {caller.identity!r} cannot act as client {escape(client_id)} ({escape(record.info.name)})"
+                )
             record.last_seen = time.monotonic()
             return record
 
@@ -178,9 +194,15 @@ class Registry:
         limit = SILENCE_INTERVALS * self.heartbeat_interval_s
         # A client in a long poll or a transfer is alive: over a saturated link its heartbeats
         # wait behind its own download or upload on the one connection.
-        gone = [cid for cid, rec in self.records.items() if now - rec.last_seen > limit and rec.polls == 0 and rec.transfers == 0]
+        gone = [
+            cid
+            for cid, rec in self.records.items()
+            if now - rec.last_seen > limit and rec.polls == 0 and rec.transfers == 0
+        ]
         for cid in gone:
-            log.warning("client %s silent for over %.1fs: dropped", escape(self.records[cid].info.name or cid), limit)
+            log.warning(
+                "client %s silent for over %.1fs: dropped", escape(self.records[cid].info.name or cid), limit
+            )
             self._unindex(self.records.pop(cid))
             self.events.emit("client_dropped", client=cid, reason=f"silent for over {limit:.1f}s")
         return [rec.info for rec in self.records.values()]
@@ -192,8 +214,10 @@ class Registry:
     def state_dict(self) -> list[dict[str, Any]]:
         """Each client's info, token hash and benched task: plain JSON values, no token."""
         with self.lock:
-            return [{**dataclasses.asdict(r.info), "token_sha256": r.token_hash, "benched_task": r.benched_task}
-                    for r in self.records.values()]
+            return [
+                {**dataclasses.asdict(r.info), "token_sha256": r.token_hash, "benched_task": r.benched_task}
+                for r in self.records.values()
+            ]
 
     def load_state_dict(self, entries: list[Mapping[str, Any]], *, seen_at: float) -> None:
         """Restores the clients with their sessions, as last seen at ``seen_at`` (monotonic)."""
@@ -203,7 +227,8 @@ class Registry:
             for entry in entries:
                 fields = {k: v for k, v in entry.items() if k not in ("token_sha256", "benched_task")}
                 info = ClientInfo(**{**fields, "codecs": tuple(fields.get("codecs", ("none",)))})
-                self.records[info.client_id] = ClientRecord(info, str(entry["token_sha256"]), seen_at,
-                                                            benched_task=str(entry.get("benched_task", "")))
+                self.records[info.client_id] = ClientRecord(
+                    info, str(entry["token_sha256"]), seen_at, benched_task=str(entry.get("benched_task", ""))
+                )
                 if info.name:
                     self._by_name[info.name] = info.client_id

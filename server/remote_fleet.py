@@ -24,8 +24,14 @@ from datetime import timedelta
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from fedgrid.aggregation.selection import CapabilityFilter
-from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S, MAX_POLLS_PER_CLIENT, MAX_REASON_CHARS, RETRY_MAX_WAIT_S, WAITING_REPORT_S
-from fedgrid.events import EventLog
+from fedgrid.constants import (
+    CHUNK_SIZE,
+    HEARTBEAT_INTERVAL_S,
+    MAX_POLLS_PER_CLIENT,
+    MAX_REASON_CHARS,
+    RETRY_MAX_WAIT_S,
+    WAITING_REPORT_S,
+)
 from fedgrid.errors import (
     DuplicateUpdateError,
     InterruptedRunError,
@@ -33,30 +39,31 @@ from fedgrid.errors import (
     RunFinishedError,
     StaleTaskError,
 )
+from fedgrid.events import EventLog
 from fedgrid.proto import serde
 from fedgrid.proto.buffers import receive_buffers
-from fedgrid.textsafe import escape
-from fedgrid.server.fleet import Fleet, RoundOutcome
 from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.downlink import Downlink, RoundDownlink
 from fedgrid.server.downloads import Downloads
+from fedgrid.server.fleet import Fleet, RoundOutcome
 from fedgrid.server.messages import InboxPage, Mailbox
-from fedgrid.server.registry import SILENCE_INTERVALS, ClientRecord, Registry
 from fedgrid.server.polls import PollResult, Polls
+from fedgrid.server.registry import SILENCE_INTERVALS, ClientRecord, Registry
 from fedgrid.server.rounds import RoundTask, wait_for_close
 from fedgrid.server.spill import UpdateSpill
 from fedgrid.server.uploads import Uploads
 from fedgrid.server.wakeups import Wakeups
+from fedgrid.textsafe import escape
 from fedgrid.types import (
     EVALUATE,
     FIT,
     ClientInfo,
     EvaluateIns,
     EvaluateRes,
+    Failure,
     FitIns,
     FitRes,
-    Failure,
     MessageIns,
     MessageRes,
     ModelState,
@@ -128,14 +135,35 @@ class RemoteFleet(Fleet):
         self._interrupted = False
         self._lock = threading.RLock()
         self._wake = Wakeups(self._lock)  # keyed: a task wakes its client's poll only
-        self.registry = Registry(self._wake, self.events, self.heartbeat_interval_s, self._fail_removed, self.bounds)
-        self.uploads = Uploads(self.registry, self.spill, self.events, self._open_task, lambda: self._round,
-                               bounds=self.bounds, run_id=lambda: self.run_id)
-        self.mailbox = Mailbox(self.registry, self.events, self._open_task, lambda: self._round, lambda: self._interrupted)
-        self.downloads = Downloads(self.registry, self.downlink, self._open_task, run_id=lambda: self.run_id,
-                                   chunk_size=lambda: self.chunk_size)
-        self.polls = Polls(self.registry, lambda: self._round, finished=lambda: self._finished,
-                           interrupted=lambda: self._interrupted, max_polls=lambda: self.max_polls_per_client)
+        self.registry = Registry(
+            self._wake, self.events, self.heartbeat_interval_s, self._fail_removed, self.bounds
+        )
+        self.uploads = Uploads(
+            self.registry,
+            self.spill,
+            self.events,
+            self._open_task,
+            lambda: self._round,
+            bounds=self.bounds,
+            run_id=lambda: self.run_id,
+        )
+        self.mailbox = Mailbox(
+            self.registry, self.events, self._open_task, lambda: self._round, lambda: self._interrupted
+        )
+        self.downloads = Downloads(
+            self.registry,
+            self.downlink,
+            self._open_task,
+            run_id=lambda: self.run_id,
+            chunk_size=lambda: self.chunk_size,
+        )
+        self.polls = Polls(
+            self.registry,
+            lambda: self._round,
+            finished=lambda: self._finished,
+            interrupted=lambda: self._interrupted,
+            max_polls=lambda: self.max_polls_per_client,
+        )
 
     # -- handlers (called by the servicer) -------------------------------------------------
     def join(self, joining: ClientInfo, *, identity: str | None = None) -> tuple[ClientInfo, str]:
@@ -146,7 +174,11 @@ class RemoteFleet(Fleet):
         info, token = self.registry.join(joining, identity=identity)
         missing = self.requirements.shortfall(info) if self.requirements is not None else None
         if missing is not None:
-            log.warning("client %s takes no tasks: %s (the coordinator's capability requirements)", escape(info.name or info.client_id), missing)
+            log.warning(
+                "client %s takes no tasks: %s (the coordinator's capability requirements)",
+                escape(info.name or info.client_id),
+                missing,
+            )
         return info, token
 
     def authenticate(self, client_id: str, token: str) -> ClientRecord:
@@ -191,10 +223,17 @@ class RemoteFleet(Fleet):
                 record.benched_task = ""
             rnd = self._open_task(client_id, task_id)
             if client_id in rnd.results:
-                raise DuplicateUpdateError(f"result for round {rnd.server_round} from client {escape(client_id)} already accepted")
+                raise DuplicateUpdateError(
+                    f"result for round {rnd.server_round} from client {escape(client_id)} already accepted"
+                )
             rnd.failures.setdefault(client_id, Failure(record.info, f"client reported: {reason}"))
             self._wake.notify("round")
-        log.warning("round %d: client %s reported a failure: %s", rnd.server_round, escape(record.info.name or client_id), escape(reason))
+        log.warning(
+            "round %d: client %s reported a failure: %s",
+            rnd.server_round,
+            escape(record.info.name or client_id),
+            escape(reason),
+        )
         self.events.emit("failure_reported", round=rnd.server_round, client=client_id, reason=reason)
 
     def leave(self, client_id: str, token: str, reason: str) -> None:
@@ -236,11 +275,15 @@ class RemoteFleet(Fleet):
         """A client's messages of an open message phase (``Mailbox.send``)."""
         return self.mailbox.send(client_id, token, task_id, messages)
 
-    async def receive_messages_async(self, client_id: str, token: str, task_id: str, start: int, wait_s: float) -> InboxPage:
+    async def receive_messages_async(
+        self, client_id: str, token: str, task_id: str, start: int, wait_s: float
+    ) -> InboxPage:
         """Long poll for the messages relayed to the client (``Mailbox.receive_async``)."""
         return await self.mailbox.receive_async(client_id, token, task_id, start, wait_s)
 
-    def download(self, client_id: str, token: str, task_id: str, have_version: int | None = None) -> Iterator[bytes]:
+    def download(
+        self, client_id: str, token: str, task_id: str, have_version: int | None = None
+    ) -> Iterator[bytes]:
         """The model of the client's open task, as a chunk stream (``Downloads.download``)."""
         return self.downloads.download(client_id, token, task_id, have_version)
 
@@ -303,8 +346,12 @@ class RemoteFleet(Fleet):
                 if len(live) >= min_clients:
                     return live
                 if joined != reported or time.monotonic() >= next_report:
-                    log.info("waiting for %d clients (%d joined%s)", min_clients, joined,
-                             f", {unfit} short of the capability requirements" if unfit else "")
+                    log.info(
+                        "waiting for %d clients (%d joined%s)",
+                        min_clients,
+                        joined,
+                        f", {unfit} short of the capability requirements" if unfit else "",
+                    )
                     reported, next_report = joined, time.monotonic() + WAITING_REPORT_S
                 if self._interrupted:
                     raise InterruptedRunError("stopped while waiting for clients")
@@ -316,7 +363,10 @@ class RemoteFleet(Fleet):
                         + (f" ({benched} more benched after missing a deadline)" if benched else "")
                         + (f" ({unfit} more short of the capability requirements)" if unfit else "")
                     )
-                self._wake.wait("registry", max(0.0, min(remaining, self.heartbeat_interval_s, next_report - time.monotonic())))
+                self._wake.wait(
+                    "registry",
+                    max(0.0, min(remaining, self.heartbeat_interval_s, next_report - time.monotonic())),
+                )
 
     def fit_round(
         self,
@@ -327,17 +377,31 @@ class RemoteFleet(Fleet):
         timeout: timedelta,
         target: int | None = None,
     ) -> RoundOutcome[FitRes]:
-        rnd = self._new_task(server_round, FIT, [(info, self._with_codec(info, ins)) for info, ins in assignments], timeout,
-                             downlink=self.downlink.prepare(global_state), expected=TensorSpec.of(global_state))
+        rnd = self._new_task(
+            server_round,
+            FIT,
+            [(info, self._with_codec(info, ins)) for info, ins in assignments],
+            timeout,
+            downlink=self.downlink.prepare(global_state),
+            expected=TensorSpec.of(global_state),
+        )
         # Updates that landed before a restart are not asked for again.
-        rnd.results.update(self.spill.restore(task_id=rnd.task_id, assigned={info.client_id: info for info, _ in assignments}))
+        rnd.results.update(
+            self.spill.restore(
+                task_id=rnd.task_id, assigned={info.client_id: info for info, _ in assignments}
+            )
+        )
         if rnd.results:
             log.info("round %d: %d updates restored from before a restart", server_round, len(rnd.results))
             self.events.emit("updates_restored", round=server_round, count=len(rnd.results))
         results, failures, cancelled = self._run(rnd, timeout, target=target)
         return RoundOutcome(
-            [r for r in results if isinstance(r, FitRes)], failures, cancelled, bytes_up=rnd.bytes_up,
-            bytes_down=rnd.bytes_down, extra=rnd.tally.extra(),
+            [r for r in results if isinstance(r, FitRes)],
+            failures,
+            cancelled,
+            bytes_up=rnd.bytes_up,
+            bytes_down=rnd.bytes_down,
+            extra=rnd.tally.extra(),
             closed_by=rnd.closed_by,
         )
 
@@ -351,10 +415,21 @@ class RemoteFleet(Fleet):
     ) -> RoundOutcome[EvaluateRes]:
         # Evaluation judges the exact global model, whatever the downlink policy.
         downlink = RoundDownlink(base=global_state, version=0, _full=serde.EncodedModel(global_state))
-        rnd = self._new_task(server_round, EVALUATE, assignments, timeout, downlink=downlink, expected=TensorSpec.of(global_state))
+        rnd = self._new_task(
+            server_round,
+            EVALUATE,
+            assignments,
+            timeout,
+            downlink=downlink,
+            expected=TensorSpec.of(global_state),
+        )
         results, failures, cancelled = self._run(rnd, timeout)
         return RoundOutcome(
-            [r for r in results if isinstance(r, EvaluateRes)], failures, cancelled, bytes_up=rnd.bytes_up, bytes_down=rnd.bytes_down,
+            [r for r in results if isinstance(r, EvaluateRes)],
+            failures,
+            cancelled,
+            bytes_up=rnd.bytes_up,
+            bytes_down=rnd.bytes_down,
             closed_by=rnd.closed_by,
         )
 
@@ -371,16 +446,33 @@ class RemoteFleet(Fleet):
         (``receive_messages_async``), until this round is committed."""
         if check_phase_name(phase) in (FIT, EVALUATE):
             raise ValueError(f"{phase!r} is a model phase, not a message phase")
-        rnd = self._new_task(server_round, phase, [(info, dataclasses.replace(ins, client_id=info.client_id)) for info, ins in assignments], timeout)
+        rnd = self._new_task(
+            server_round,
+            phase,
+            [(info, dataclasses.replace(ins, client_id=info.client_id)) for info, ins in assignments],
+            timeout,
+        )
         results, failures, cancelled = self._run(rnd, timeout)
         self.mailbox.relay(rnd)
         return RoundOutcome(
-            [r for r in results if isinstance(r, MessageRes)], failures, cancelled, bytes_up=rnd.bytes_up, bytes_down=rnd.bytes_down,
+            [r for r in results if isinstance(r, MessageRes)],
+            failures,
+            cancelled,
+            bytes_up=rnd.bytes_up,
+            bytes_down=rnd.bytes_down,
             closed_by=rnd.closed_by,
         )
 
-    def _new_task(self, server_round: int, kind: str, assignments: Sequence[tuple[ClientInfo, FitIns | EvaluateIns | MessageIns]],
-                  timeout: timedelta, *, downlink: RoundDownlink | None = None, expected: Mapping[str, TensorSpec] | None = None) -> RoundTask:
+    def _new_task(
+        self,
+        server_round: int,
+        kind: str,
+        assignments: Sequence[tuple[ClientInfo, FitIns | EvaluateIns | MessageIns]],
+        timeout: timedelta,
+        *,
+        downlink: RoundDownlink | None = None,
+        expected: Mapping[str, TensorSpec] | None = None,
+    ) -> RoundTask:
         # Deterministic: a round redone after a restart has the same task id, so a client's
         # retried upload of that round (same seed, same bits) is accepted.
         scope = self.task_scope + "-" if self.task_scope else ""
@@ -396,26 +488,47 @@ class RemoteFleet(Fleet):
             expected=dict(expected or {}),
         )
 
-    def _run(self, rnd: RoundTask, timeout: timedelta, *, target: int | None = None
-             ) -> tuple[list[FitRes | EvaluateRes | MessageRes], list[Failure], list[ClientInfo]]:
+    def _run(
+        self, rnd: RoundTask, timeout: timedelta, *, target: int | None = None
+    ) -> tuple[list[FitRes | EvaluateRes | MessageRes], list[Failure], list[ClientInfo]]:
         """Opens ``rnd`` for its clients and closes it when ``target`` (default: all)
         reported, the rest failed or went silent, or the deadline passed."""
-        self.events.emit("round_opened", round=rnd.server_round, task=rnd.task_id, clients=len(rnd.assignments), evaluate=rnd.evaluate, phase=rnd.kind)
+        self.events.emit(
+            "round_opened",
+            round=rnd.server_round,
+            task=rnd.task_id,
+            clients=len(rnd.assignments),
+            evaluate=rnd.evaluate,
+            phase=rnd.kind,
+        )
         with self._lock:
             self._round = rnd
             self._wake.notify(*(("poll", cid) for cid in rnd.assignments))  # only the clients with a task
             goal = len(rnd.assignments) if target is None else min(target, len(rnd.assignments))
-            reason = wait_for_close(rnd, goal=goal, registry=self.registry, wake=self._wake,
-                                    interrupted=lambda: self._interrupted, check_every_s=self.heartbeat_interval_s / 2,
-                                    timeout_s=timeout.total_seconds())
+            reason = wait_for_close(
+                rnd,
+                goal=goal,
+                registry=self.registry,
+                wake=self._wake,
+                interrupted=lambda: self._interrupted,
+                check_every_s=self.heartbeat_interval_s / 2,
+                timeout_s=timeout.total_seconds(),
+            )
             results, failures, cancelled = rnd.close(reason)
             reason = rnd.closed_by
         self.spill.flush()  # write-backs under way land, and fsyncs, before the strategy sees them (server/spill.py)
         # Receive buffers not in use go back to the system before the strategy aggregates:
         # the pool speeds up the uploads of a round, it must not add to aggregation's memory.
         receive_buffers().clear()
-        self.events.emit("round_closed", round=rnd.server_round, evaluate=rnd.evaluate, phase=rnd.kind, reason=reason,
-                         results=len(results), failures=len(failures))
+        self.events.emit(
+            "round_closed",
+            round=rnd.server_round,
+            evaluate=rnd.evaluate,
+            phase=rnd.kind,
+            reason=reason,
+            results=len(results),
+            failures=len(failures),
+        )
         return results, failures, cancelled
 
     def _with_codec(self, info: ClientInfo, ins: FitIns) -> FitIns:
@@ -439,7 +552,11 @@ class RemoteFleet(Fleet):
             self._wake.notify_all()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "clients": self.registry.state_dict(), "downlink": self.downlink.state_dict()}
+        return {
+            "run_id": self.run_id,
+            "clients": self.registry.state_dict(),
+            "downlink": self.downlink.state_dict(),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores the run id and registry: clients keep their sessions across a restart.
@@ -451,7 +568,9 @@ class RemoteFleet(Fleet):
             self.run_id = str(state["run_id"])
             if state.get("downlink") is not None:
                 self.downlink.load_state_dict(state["downlink"])
-            self.registry.load_state_dict(state["clients"], seen_at=time.monotonic() + RETRY_MAX_WAIT_S + RESTART_GRACE_S)
+            self.registry.load_state_dict(
+                state["clients"], seen_at=time.monotonic() + RETRY_MAX_WAIT_S + RESTART_GRACE_S
+            )
             self._wake.notify_all()
 
     def finish(self, *, timeout: timedelta) -> None:
@@ -461,7 +580,11 @@ class RemoteFleet(Fleet):
             self._wake.notify_all()
             while True:
                 live = {info.client_id for info in self.registry.live()}
-                waiting = [r for r in self.registry.records.values() if not r.heard_finished and r.info.client_id in live]
+                waiting = [
+                    r
+                    for r in self.registry.records.values()
+                    if not r.heard_finished and r.info.client_id in live
+                ]
                 remaining = deadline - time.monotonic()
                 if not waiting or remaining <= 0:
                     return

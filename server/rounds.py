@@ -19,7 +19,22 @@ from fedgrid.errors import InvalidUpdateError, PayloadTooLargeError
 from fedgrid.proto import serde
 from fedgrid.server.accept import RoundTally
 from fedgrid.server.downlink import RoundDownlink
-from fedgrid.types import EVALUATE, FIT, ClientInfo, TO_ALL, TO_SERVER, EvaluateIns, EvaluateRes, Failure, FitIns, FitRes, MessageIns, MessageRes, ModelState, TensorSpec
+from fedgrid.types import (
+    EVALUATE,
+    FIT,
+    TO_ALL,
+    TO_SERVER,
+    ClientInfo,
+    EvaluateIns,
+    EvaluateRes,
+    Failure,
+    FitIns,
+    FitRes,
+    MessageIns,
+    MessageRes,
+    ModelState,
+    TensorSpec,
+)
 
 if TYPE_CHECKING:
     from fedgrid.server.registry import Registry
@@ -42,7 +57,9 @@ class RoundTask:
     assignments: dict[str, FitIns | EvaluateIns | MessageIns]
     clients: dict[str, ClientInfo]  # the assigned clients, by id
     deadline: float
-    downlink: RoundDownlink | None = None  # fit/evaluate: what clients download; .base is the model they then hold
+    downlink: RoundDownlink | None = (
+        None  # fit/evaluate: what clients download; .base is the model they then hold
+    )
     expected: dict[str, TensorSpec] = field(default_factory=dict)
     results: dict[str, FitRes | EvaluateRes | MessageRes] = field(default_factory=dict)
     failures: dict[str, Failure] = field(default_factory=dict)
@@ -51,7 +68,9 @@ class RoundTask:
     closed: bool = False
     closed_by: str = ""  # why it closed: one of fedgrid.events.CLOSE_REASONS
     tally: RoundTally = field(default_factory=RoundTally)  # the bytes moved (``server/accept.py``)
-    parts: dict[frozenset[str], serde.EncodedModel] = field(default_factory=dict)  # partial downloads, by tensors
+    parts: dict[frozenset[str], serde.EncodedModel] = field(
+        default_factory=dict
+    )  # partial downloads, by tensors
     inboxes: dict[str, "OrderedDict[str, bytes]"] | None = None  # message phase: set when it closed
 
     @property
@@ -85,7 +104,9 @@ class RoundTask:
         assert self.downlink is not None, "a message phase has no model"
         return self.downlink.base
 
-    def close(self, reason: str) -> tuple[list[FitRes | EvaluateRes | MessageRes], list[Failure], list[ClientInfo]]:
+    def close(
+        self, reason: str
+    ) -> tuple[list[FitRes | EvaluateRes | MessageRes], list[Failure], list[ClientInfo]]:
         """Closes the phase (lock held): late uploads are refused from here on, broken ones are
         dropped. Returns the results, failures and cancelled clients, in assignment order;
         ``closed_by`` is ``reason``, or ``target`` when clients were left over after ``all``."""
@@ -108,11 +129,21 @@ class RoundTask:
 
     def is_pending(self, client_id: str) -> bool:
         """O(1): a long poll asks this on every wake-up, with every client polling."""
-        return client_id in self.assignments and client_id not in self.results and client_id not in self.failures
+        return (
+            client_id in self.assignments and client_id not in self.results and client_id not in self.failures
+        )
 
 
-def wait_for_close(rnd: RoundTask, *, goal: int, registry: "Registry", wake: "Wakeups", interrupted: Callable[[], bool],
-                   check_every_s: float, timeout_s: float) -> str:
+def wait_for_close(
+    rnd: RoundTask,
+    *,
+    goal: int,
+    registry: "Registry",
+    wake: "Wakeups",
+    interrupted: Callable[[], bool],
+    check_every_s: float,
+    timeout_s: float,
+) -> str:
     """Waits (lock held) until ``rnd`` has ``goal`` results or no pending client, failing the
     clients that went silent (checked every ``check_every_s``), that missed the deadline
     (the ones still alive are benched) or that the coordinator's stop cut off.
@@ -148,8 +179,13 @@ def wait_for_close(rnd: RoundTask, *, goal: int, registry: "Registry", wake: "Wa
     return "all"
 
 
-def check_outbox(ins: MessageIns, messages: Mapping[str, bytes], *, max_message: int = MAX_PHASE_MESSAGE_BYTES,
-                 max_total: int = MAX_OUTBOX_BYTES) -> "OrderedDict[str, bytes]":
+def check_outbox(
+    ins: MessageIns,
+    messages: Mapping[str, bytes],
+    *,
+    max_message: int = MAX_PHASE_MESSAGE_BYTES,
+    max_total: int = MAX_OUTBOX_BYTES,
+) -> "OrderedDict[str, bytes]":
     """Checks what a client sends in a message phase; returns it in a canonical order.
 
     Recipients are peers of the phase other than the sender, ``TO_ALL`` (every other peer;
@@ -164,25 +200,37 @@ def check_outbox(ins: MessageIns, messages: Mapping[str, bytes], *, max_message:
     total = 0
     for recipient, payload in messages.items():
         if not isinstance(payload, (bytes, bytearray)):
-            raise InvalidUpdateError(f"phase {ins.phase!r}: message to {recipient!r} is {type(payload).__name__}, not bytes")
+            raise InvalidUpdateError(
+                f"phase {ins.phase!r}: message to {recipient!r} is {type(payload).__name__}, not bytes"
+            )
         if recipient in (TO_ALL, TO_SERVER):
             pass
         elif recipient == ins.client_id:
             raise InvalidUpdateError(f"phase {ins.phase!r}: a client cannot address itself")
         elif recipient not in peers:
-            raise InvalidUpdateError(f"phase {ins.phase!r}: recipient {recipient[:64]!r} is not a peer of this phase")
+            raise InvalidUpdateError(
+                f"phase {ins.phase!r}: recipient {recipient[:64]!r} is not a peer of this phase"
+            )
         if len(payload) > max_message:
-            raise PayloadTooLargeError(f"phase {ins.phase!r}: message to {recipient[:64]!r} is {len(payload)} bytes, at most {max_message}")
+            raise PayloadTooLargeError(
+                f"phase {ins.phase!r}: message to {recipient[:64]!r} is {len(payload)} bytes, at most {max_message}"
+            )
         total += len(payload)
     if TO_ALL in messages and any(r not in (TO_ALL, TO_SERVER) for r in messages):
-        raise InvalidUpdateError(f"phase {ins.phase!r}: a message to every peer ({TO_ALL!r}) excludes messages to named peers")
+        raise InvalidUpdateError(
+            f"phase {ins.phase!r}: a message to every peer ({TO_ALL!r}) excludes messages to named peers"
+        )
     if total > max_total:
         raise PayloadTooLargeError(f"phase {ins.phase!r}: {total} bytes of messages, at most {max_total}")
     order = {peer: i for i, peer in enumerate(ins.peers)}
-    return OrderedDict(sorted(((r, bytes(p)) for r, p in messages.items()), key=lambda kv: (order.get(kv[0], -1), kv[0])))
+    return OrderedDict(
+        sorted(((r, bytes(p)) for r, p in messages.items()), key=lambda kv: (order.get(kv[0], -1), kv[0]))
+    )
 
 
-def relay(peer_order: Sequence[str], sent: Mapping[str, Mapping[str, bytes]]) -> dict[str, "OrderedDict[str, bytes]"]:
+def relay(
+    peer_order: Sequence[str], sent: Mapping[str, Mapping[str, bytes]]
+) -> dict[str, "OrderedDict[str, bytes]"]:
     """The inbox of every client that sent (``sent``: sender -> recipient -> payload): the
     messages addressed to it, directly or to all, by sender in ``peer_order``. Messages to
     the server or to clients that sent nothing (failed) are not relayed to anyone."""

@@ -32,8 +32,8 @@ from fedgrid.errors import (
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import serde
 from fedgrid.server.aio import wrap_behaviour
-from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.peers import CALLER, PeerCheck
+from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.textsafe import escape
 from fedgrid.types import EVALUATE, FIT, MessageIns
 
@@ -161,7 +161,14 @@ class CoordinatorServicer:
         stream_idle_s: an upload stream that sends nothing this long is given up.
     """
 
-    def __init__(self, fleet: RemoteFleet, executor: Executor, *, max_transfers: int = MAX_TRANSFERS, stream_idle_s: float = STREAM_IDLE_S) -> None:
+    def __init__(
+        self,
+        fleet: RemoteFleet,
+        executor: Executor,
+        *,
+        max_transfers: int = MAX_TRANSFERS,
+        stream_idle_s: float = STREAM_IDLE_S,
+    ) -> None:
         self.fleet = fleet
         self.executor = executor
         self.max_transfers = max_transfers
@@ -170,12 +177,16 @@ class CoordinatorServicer:
 
     def _start_transfer(self) -> None:
         if self.transfers >= self.max_transfers:
-            raise ResourceLimitError(f"coordinator busy: {self.transfers} transfers in flight (limit {self.max_transfers}); retry later")
+            raise ResourceLimitError(
+                f"coordinator busy: {self.transfers} transfers in flight (limit {self.max_transfers}); retry later"
+            )
         self.transfers += 1
 
     async def _offload(self, fn: Callable[..., T], *args: object) -> T:
         # In the call's context, so the registry sees its caller (CALLER) on the thread too.
-        return await asyncio.get_running_loop().run_in_executor(self.executor, contextvars.copy_context().run, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(
+            self.executor, contextvars.copy_context().run, fn, *args
+        )
 
     async def _call(self, context: grpc.aio.ServicerContext, body: Callable[[], Awaitable[T]]) -> T:
         try:
@@ -188,7 +199,9 @@ class CoordinatorServicer:
 
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinReply:
         async def body() -> pb.JoinReply:
-            info, token = self.fleet.join(serde.client_info_from_join("", request), identity=CALLER.get().identity)
+            info, token = self.fleet.join(
+                serde.client_info_from_join("", request), identity=CALLER.get().identity
+            )
             return pb.JoinReply(
                 client_id=info.client_id,
                 session_token=token,
@@ -201,7 +214,9 @@ class CoordinatorServicer:
 
     async def PollTask(self, request: pb.PollRequest, context: grpc.aio.ServicerContext) -> pb.PollReply:
         async def body() -> pb.PollReply:
-            result = await self.fleet.poll_async(request.client_id, _token(), _long_poll_wait(request.wait_s, context))
+            result = await self.fleet.poll_async(
+                request.client_id, _token(), _long_poll_wait(request.wait_s, context)
+            )
             if result.finished:
                 return pb.PollReply(finished=True)
             if result.ins is None:
@@ -220,7 +235,9 @@ class CoordinatorServicer:
 
         return await self._call(context, body)
 
-    async def DownloadModel(self, request: pb.DownloadRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+    async def DownloadModel(
+        self, request: pb.DownloadRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
         have = request.have_version if request.HasField("have_version") else None
         try:
             self._start_transfer()
@@ -229,7 +246,9 @@ class CoordinatorServicer:
         try:
             try:
                 # Encoding the round's model (once per round) and slicing frames are CPU work.
-                frames: Iterator[bytes] = await self._offload(self.fleet.download, request.client_id, _token(), request.task_id, have)
+                frames: Iterator[bytes] = await self._offload(
+                    self.fleet.download, request.client_id, _token(), request.task_id, have
+                )
             except FedgridError as exc:
                 await _abort(context, exc)
             try:
@@ -244,7 +263,9 @@ class CoordinatorServicer:
         finally:
             self.transfers -= 1
 
-    async def UploadUpdate(self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> pb.UploadReply:
+    async def UploadUpdate(
+        self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> pb.UploadReply:
         it = request_iterator.__aiter__()
         reader = _StreamReader(it, asyncio.get_running_loop(), self.stream_idle_s)
 
@@ -257,7 +278,9 @@ class CoordinatorServicer:
                 except StopAsyncIteration:
                     raise InvalidUpdateError("empty upload stream: no header") from None
                 except asyncio.TimeoutError:
-                    raise TimeoutError(f"upload stream sent no header within {self.stream_idle_s:g}s") from None
+                    raise TimeoutError(
+                        f"upload stream sent no header within {self.stream_idle_s:g}s"
+                    ) from None
                 reader.start()
                 try:
                     received = await self._offload(self.fleet.upload, reader.frames(first), _token())
@@ -271,21 +294,29 @@ class CoordinatorServicer:
 
         return await self._call(context, body)
 
-    async def UploadStatus(self, request: pb.UploadStatusRequest, context: grpc.aio.ServicerContext) -> pb.UploadStatusReply:
+    async def UploadStatus(
+        self, request: pb.UploadStatusRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UploadStatusReply:
         async def body() -> pb.UploadStatusReply:
             # It may wait for a broken stream to settle on its thread: not on the loop.
-            received, accepted = await self._offload(self.fleet.upload_status, request.client_id, _token(), request.task_id)
+            received, accepted = await self._offload(
+                self.fleet.upload_status, request.client_id, _token(), request.task_id
+            )
             return pb.UploadStatusReply(chunks_received=received, accepted=accepted)
 
         return await self._call(context, body)
 
-    async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatReply:
+    async def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HeartbeatReply:
         async def body() -> pb.HeartbeatReply:
             return pb.HeartbeatReply(interval_s=self.fleet.heartbeat(request.client_id, _token()))
 
         return await self._call(context, body)
 
-    async def ReportFailure(self, request: pb.ReportFailureRequest, context: grpc.aio.ServicerContext) -> pb.ReportFailureReply:
+    async def ReportFailure(
+        self, request: pb.ReportFailureRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReportFailureReply:
         async def body() -> pb.ReportFailureReply:
             self.fleet.report_failure(request.client_id, _token(), request.task_id, request.reason)
             return pb.ReportFailureReply()
@@ -299,8 +330,9 @@ class CoordinatorServicer:
 
         return await self._call(context, body)
 
-
-    async def SendMessages(self, request: pb.SendMessagesRequest, context: grpc.aio.ServicerContext) -> pb.SendMessagesReply:
+    async def SendMessages(
+        self, request: pb.SendMessagesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SendMessagesReply:
         async def body() -> pb.SendMessagesReply:
             outbox = serde.outbox_from_pb(request.messages)
             accepted = self.fleet.send_messages(request.client_id, _token(), request.task_id, outbox)
@@ -308,18 +340,30 @@ class CoordinatorServicer:
 
         return await self._call(context, body)
 
-    async def ReceiveMessages(self, request: pb.ReceiveMessagesRequest, context: grpc.aio.ServicerContext) -> pb.ReceiveMessagesReply:
+    async def ReceiveMessages(
+        self, request: pb.ReceiveMessagesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReceiveMessagesReply:
         async def body() -> pb.ReceiveMessagesReply:
-            page = await self.fleet.receive_messages_async(request.client_id, _token(), request.task_id, request.start,
-                                                           _long_poll_wait(request.wait_s, context))
+            page = await self.fleet.receive_messages_async(
+                request.client_id,
+                _token(),
+                request.task_id,
+                request.start,
+                _long_poll_wait(request.wait_s, context),
+            )
             return pb.ReceiveMessagesReply(
-                ready=page.ready, messages=serde.envelopes_to_pb(page.messages), total=page.total, retry_after_s=page.retry_after_s
+                ready=page.ready,
+                messages=serde.envelopes_to_pb(page.messages),
+                total=page.total,
+                retry_after_s=page.retry_after_s,
             )
 
         return await self._call(context, body)
 
 
-def add_to_server(servicer: CoordinatorServicer, server: grpc.aio.Server, check: PeerCheck | None = None) -> None:
+def add_to_server(
+    servicer: CoordinatorServicer, server: grpc.aio.Server, check: PeerCheck | None = None
+) -> None:
     """Registers the service, each method behind ``guard(check)`` (default: a plaintext
     server's check, which only reads the session token). The two chunk streams move encoded
     ``Chunk`` messages as bytes (identity serializers), so model payloads are copied once on
@@ -328,23 +372,31 @@ def add_to_server(servicer: CoordinatorServicer, server: grpc.aio.Server, check:
     check = check or PeerCheck(tls=False)
 
     def unary(method: Callable, request: Any, reply: Any) -> grpc.RpcMethodHandler:
-        return grpc.unary_unary_rpc_method_handler(method, request_deserializer=request.FromString, response_serializer=reply.SerializeToString)
+        return grpc.unary_unary_rpc_method_handler(
+            method, request_deserializer=request.FromString, response_serializer=reply.SerializeToString
+        )
 
     handlers = {
         "Join": unary(servicer.Join, pb.JoinRequest, pb.JoinReply),
         "PollTask": unary(servicer.PollTask, pb.PollRequest, pb.PollReply),
         "DownloadModel": grpc.unary_stream_rpc_method_handler(
-            servicer.DownloadModel, request_deserializer=pb.DownloadRequest.FromString, response_serializer=None
+            servicer.DownloadModel,
+            request_deserializer=pb.DownloadRequest.FromString,
+            response_serializer=None,
         ),
         "UploadUpdate": grpc.stream_unary_rpc_method_handler(
-            servicer.UploadUpdate, request_deserializer=None, response_serializer=pb.UploadReply.SerializeToString
+            servicer.UploadUpdate,
+            request_deserializer=None,
+            response_serializer=pb.UploadReply.SerializeToString,
         ),
         "UploadStatus": unary(servicer.UploadStatus, pb.UploadStatusRequest, pb.UploadStatusReply),
         "Heartbeat": unary(servicer.Heartbeat, pb.HeartbeatRequest, pb.HeartbeatReply),
         "ReportFailure": unary(servicer.ReportFailure, pb.ReportFailureRequest, pb.ReportFailureReply),
         "Leave": unary(servicer.Leave, pb.LeaveRequest, pb.LeaveReply),
         "SendMessages": unary(servicer.SendMessages, pb.SendMessagesRequest, pb.SendMessagesReply),
-        "ReceiveMessages": unary(servicer.ReceiveMessages, pb.ReceiveMessagesRequest, pb.ReceiveMessagesReply),
+        "ReceiveMessages": unary(
+            servicer.ReceiveMessages, pb.ReceiveMessagesRequest, pb.ReceiveMessagesReply
+        ),
     }
     guarded = {name: guard(check, handler) for name, handler in handlers.items()}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, guarded),))
@@ -368,7 +420,9 @@ def guard(check: PeerCheck, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHan
 
         return checked
 
-    def streaming(behaviour: Callable[[Any, Any], AsyncIterator[Any]]) -> Callable[[Any, Any], AsyncIterator[Any]]:
+    def streaming(
+        behaviour: Callable[[Any, Any], AsyncIterator[Any]],
+    ) -> Callable[[Any, Any], AsyncIterator[Any]]:
         async def checked(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             try:
                 CALLER.set(check.caller(context))

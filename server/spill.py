@@ -126,15 +126,30 @@ class _HeldWriter:
     memory budget; ``commit`` hands it to the spill, which holds it until the budget needs
     its room."""
 
-    def __init__(self, spill: "UpdateSpill", path: Path, specs: Mapping[str, TensorSpec], metadata: Mapping[str, str], nbytes: int) -> None:
-        self._spill, self.path, self._specs, self._metadata, self.nbytes = spill, path, specs, metadata, nbytes
+    def __init__(
+        self,
+        spill: "UpdateSpill",
+        path: Path,
+        specs: Mapping[str, TensorSpec],
+        metadata: Mapping[str, str],
+        nbytes: int,
+    ) -> None:
+        self._spill, self.path, self._specs, self._metadata, self.nbytes = (
+            spill,
+            path,
+            specs,
+            metadata,
+            nbytes,
+        )
         self._tensors: dict[str, torch.Tensor] = {}
         self._done = False  # committed or aborted: the reservation is no longer this writer's
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         spec = self._specs[name]
         if tensor.dtype != spec.dtype or tuple(tensor.shape) != tuple(spec.shape):
-            raise ValueError(f"tensor '{name}': {tensor.dtype} {list(tensor.shape)}, the update holds {spec.dtype} {list(spec.shape)}")
+            raise ValueError(
+                f"tensor '{name}': {tensor.dtype} {list(tensor.shape)}, the update holds {spec.dtype} {list(spec.shape)}"
+            )
         self._tensors[name] = tensor.detach()
 
     def commit(self) -> HeldState:
@@ -177,7 +192,9 @@ class UpdateSpill:
             reply (and fsynced after it).
     """
 
-    def __init__(self, directory: str | os.PathLike[str] | None = None, *, memory_bytes: int = SPILL_MEMORY_BYTES) -> None:
+    def __init__(
+        self, directory: str | os.PathLike[str] | None = None, *, memory_bytes: int = SPILL_MEMORY_BYTES
+    ) -> None:
         if memory_bytes < 0:
             raise ValueError(f"memory_bytes must be >= 0, got {memory_bytes}")
         self._temporary = directory is None
@@ -202,8 +219,16 @@ class UpdateSpill:
     def _round_dir(self, task_id: str) -> Path:
         return self.dir / task_id
 
-    def writer(self, *, task_id: str, client: ClientInfo, specs: Mapping[str, TensorSpec], num_examples: int,
-               metrics: Mapping[str, float], delta: bool = False) -> UpdateWriter | None:
+    def writer(
+        self,
+        *,
+        task_id: str,
+        client: ClientInfo,
+        specs: Mapping[str, TensorSpec],
+        num_examples: int,
+        metrics: Mapping[str, float],
+        delta: bool = False,
+    ) -> UpdateWriter | None:
         """A writer for one update, or ``None`` when a dtype cannot be spilled that way (then
         ``put`` the finished update). While the update fits the memory budget it is held;
         otherwise older held updates are queued for writing back, to make room for the next
@@ -223,7 +248,9 @@ class UpdateSpill:
             if 0 < self.memory_bytes and nbytes <= self.memory_bytes - self._held:
                 self._held += nbytes
                 return _HeldWriter(self, path, specs, metadata, nbytes)
-            evicted = self._evict(nbytes - (self.memory_bytes - self._held)) if nbytes <= self.memory_bytes else []
+            evicted = (
+                self._evict(nbytes - (self.memory_bytes - self._held)) if nbytes <= self.memory_bytes else []
+            )
         for held in evicted:
             self._executor().submit(self._write, held)
         return SpillWriter(path, specs, metadata, durable=False)
@@ -329,13 +356,19 @@ class UpdateSpill:
         directory, every update is synced; returns whether they did within ``timeout`` (if
         not, the rest stay valid and land later). Kept updates stay in memory."""
         with self._lock:
-            done = self._changed.wait_for(lambda: not self._pending and not self._syncing, timeout.total_seconds())
+            done = self._changed.wait_for(
+                lambda: not self._pending and not self._syncing, timeout.total_seconds()
+            )
         if not done:
-            log.warning("%d held updates not yet spilled after %.0fs", len(self._pending), timeout.total_seconds())
+            log.warning(
+                "%d held updates not yet spilled after %.0fs", len(self._pending), timeout.total_seconds()
+            )
         return done
 
     @staticmethod
-    def _metadata(client: ClientInfo, names: list[str], num_examples: int, metrics: Mapping[str, float]) -> dict[str, str]:
+    def _metadata(
+        client: ClientInfo, names: list[str], num_examples: int, metrics: Mapping[str, float]
+    ) -> dict[str, str]:
         return {
             "client": json.dumps({**client.__dict__, "codecs": list(client.codecs)}),
             "num_examples": str(num_examples),
@@ -358,7 +391,9 @@ class UpdateSpill:
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
-        return FitRes(result.client, SpilledState(path, names), result.num_examples, result.metrics, result.delta)  # type: ignore[arg-type]
+        return FitRes(
+            result.client, SpilledState(path, names), result.num_examples, result.metrics, result.delta
+        )  # type: ignore[arg-type]
 
     def restore(self, *, task_id: str, assigned: Mapping[str, ClientInfo]) -> dict[str, FitRes]:
         """The results of ``task_id`` already on disk, for clients in ``assigned``."""
@@ -375,8 +410,13 @@ class UpdateSpill:
                     meta = f.metadata()
                 names = json.loads(meta["names"])
                 metrics = {k: float(v) for k, v in json.loads(meta["metrics"]).items()}
-                out[cid] = FitRes(assigned[cid], SpilledState(path, names), int(meta["num_examples"]), metrics,  # type: ignore[arg-type]
-                                  meta.get("delta") == "1")
+                out[cid] = FitRes(
+                    assigned[cid],
+                    SpilledState(path, names),
+                    int(meta["num_examples"]),
+                    metrics,  # type: ignore[arg-type]
+                    meta.get("delta") == "1",
+                )
             except Exception:  # a damaged spill file only costs that client a retrain
                 path.unlink(missing_ok=True)
         return out

@@ -20,11 +20,24 @@ __all__ = ["SAFETENSORS_DTYPES", "SpilledState", "SpillWriter"]
 
 #: safetensors' dtype names (its file format's, stable across versions).
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64", torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
-    torch.float8_e5m2fnuz: "F8_E5M2FNUZ", torch.complex64: "C64",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
+    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+    torch.complex64: "C64",
 }
 
 
@@ -63,8 +76,15 @@ class SpillWriter:
     renames the file into place.
     """
 
-    def __init__(self, path: Path, specs: Mapping[str, TensorSpec], metadata: Mapping[str, str], *, durable: bool = True,
-                 sync_later: "Callable[[Path], None] | None" = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        specs: Mapping[str, TensorSpec],
+        metadata: Mapping[str, str],
+        *,
+        durable: bool = True,
+        sync_later: "Callable[[Path], None] | None" = None,
+    ) -> None:
         self.path = path
         self.durable = durable
         self._sync_later = sync_later  # durable: fsync after the rename, off the reply's path
@@ -75,7 +95,11 @@ class SpillWriter:
         offset = 0
         for name, spec in specs.items():
             size = spec.nbytes
-            header[name] = {"dtype": SAFETENSORS_DTYPES[spec.dtype], "shape": list(spec.shape), "data_offsets": [offset, offset + size]}
+            header[name] = {
+                "dtype": SAFETENSORS_DTYPES[spec.dtype],
+                "shape": list(spec.shape),
+                "data_offsets": [offset, offset + size],
+            }
             self._offsets[name] = (offset, offset + size)
             offset += size
         text = json.dumps(header, separators=(",", ":")).encode()

@@ -48,7 +48,14 @@ import safetensors.torch
 import torch
 import xxhash
 
-__all__ = ["Checkpoint", "StateStore", "CorruptCheckpointError", "CheckpointFormatError", "encode_state", "decode_state"]
+__all__ = [
+    "Checkpoint",
+    "StateStore",
+    "CorruptCheckpointError",
+    "CheckpointFormatError",
+    "encode_state",
+    "decode_state",
+]
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +109,9 @@ def encode_state(obj: Any) -> tuple[Any, dict[str, torch.Tensor]]:
         if isinstance(value, dict):
             items = [[enc(k, f"{path}.<key>"), enc(v, f"{path}.{k}")] for k, v in value.items()]
             return {"odict" if isinstance(value, OrderedDict) else "dict": items}
-        raise TypeError(f"checkpoint value at {path or '<root>'}: {type(value).__name__} cannot be stored (no pickles)")
+        raise TypeError(
+            f"checkpoint value at {path or '<root>'}: {type(value).__name__} cannot be stored (no pickles)"
+        )
 
     return enc(obj, ""), tensors
 
@@ -221,7 +230,14 @@ class StateStore:
             TypeError: the state holds a value a checkpoint cannot store (nothing written).
         """
         log.info("round %d: writing checkpoint", server_round)
-        payload = _payload({"round": server_round, "strategy": dict(strategy), "fleet": dict(fleet), "history": list(history)})
+        payload = _payload(
+            {
+                "round": server_round,
+                "strategy": dict(strategy),
+                "fleet": dict(fleet),
+                "history": list(history),
+            }
+        )
         path = self.dir / f"ckpt-{server_round:08d}.bin"
         tmp = path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

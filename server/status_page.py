@@ -138,7 +138,12 @@ def page_response() -> Response:
     """The page with a fresh nonce, and the Content-Security-Policy that names it."""
     nonce = secrets.token_urlsafe(18)
     body = _PAGE.format(nonce=nonce, style=_STYLE, script=_SCRIPT.replace("POLL_MS_VALUE", str(POLL_MS)))
-    csp = (f"default-src 'self'; script-src 'nonce-{nonce}'; style-src 'nonce-{nonce}'; img-src 'self'; "
-           "connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
-    return Response(body.encode("utf-8"), content_type="text/html; charset=utf-8",
-                    headers={"Content-Security-Policy": csp, "X-Frame-Options": "DENY"})
+    csp = (
+        f"default-src 'self'; script-src 'nonce-{nonce}'; style-src 'nonce-{nonce}'; img-src 'self'; "
+        "connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    )
+    return Response(
+        body.encode("utf-8"),
+        content_type="text/html; charset=utf-8",
+        headers={"Content-Security-Policy": csp, "X-Frame-Options": "DENY"},
+    )

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from fedgrid.aggregation import Strategy
 from fedgrid.aggregation.registry import build_strategy_from
-from fedgrid.aggregation.selection import CapabilityFilter, RegionBalancedSelector, SelectionPolicy, Selector, UniformSelector
+from fedgrid.aggregation.selection import (
+    CapabilityFilter,
+    RegionBalancedSelector,
+    SelectionPolicy,
+    Selector,
+    UniformSelector,
+)
 from fedgrid.capabilities import parse_size
 from fedgrid.config import Config
 
@@ -13,8 +19,12 @@ __all__ = ["build_strategy", "build_selection", "build_capability_filter"]
 
 def build_selection(config: Config) -> SelectionPolicy:
     """The selection policy of ``config`` (count, over-selection, selector)."""
-    selector: Selector = RegionBalancedSelector() if config.selector == "region-balanced" else UniformSelector()
-    return SelectionPolicy(clients_per_round=config.clients_per_round, over_selection=config.over_selection, selector=selector)
+    selector: Selector = (
+        RegionBalancedSelector() if config.selector == "region-balanced" else UniformSelector()
+    )
+    return SelectionPolicy(
+        clients_per_round=config.clients_per_round, over_selection=config.over_selection, selector=selector
+    )
 
 
 def build_capability_filter(config: Config) -> CapabilityFilter | None:
@@ -24,7 +34,9 @@ def build_capability_filter(config: Config) -> CapabilityFilter | None:
     if not (config.require_device or config.min_accelerators or memory):
         return None
     devices = (config.require_device,) if config.require_device else ()
-    return CapabilityFilter(min_memory_bytes=memory, min_accelerators=config.min_accelerators, devices=devices)
+    return CapabilityFilter(
+        min_memory_bytes=memory, min_accelerators=config.min_accelerators, devices=devices
+    )
 
 
 def build_strategy(config: Config, *, num_clients: int | None = None) -> Strategy:

@@ -68,9 +68,17 @@ class Uploads:
         run_id: the fleet's run id (it changes when a restarted coordinator loads its state).
     """
 
-    def __init__(self, registry: Registry, spill: UpdateSpill, events: EventLog,
-                 open_task: Callable[[str, str], RoundTask], current: Callable[[], RoundTask | None], *,
-                 bounds: UpdateBounds | None = None, run_id: Callable[[], str] = lambda: "") -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        spill: UpdateSpill,
+        events: EventLog,
+        open_task: Callable[[str, str], RoundTask],
+        current: Callable[[], RoundTask | None],
+        *,
+        bounds: UpdateBounds | None = None,
+        run_id: Callable[[], str] = lambda: "",
+    ) -> None:
         self.registry = registry
         self.bounds = bounds if bounds is not None else UpdateBounds()
         self._run_id = run_id
@@ -99,7 +107,9 @@ class Uploads:
         client_id = record.info.client_id
         run_id = self._run_id()
         if header.run_id != run_id:
-            raise InvalidUpdateError(f"run_id: the upload names run {escape(header.run_id)}, this coordinator runs {run_id!r}")
+            raise InvalidUpdateError(
+                f"run_id: the upload names run {escape(header.run_id)}, this coordinator runs {run_id!r}"
+            )
         rnd = self._open_upload(record, header)
         upload: Upload | None = None
         try:
@@ -107,7 +117,9 @@ class Uploads:
             self._receive(rnd, record, upload, iterator)
             stream, state = self._finish(rnd, upload)
             if stream.round != rnd.server_round:
-                raise InvalidUpdateError(f"header names round {stream.round}, the task is round {rnd.server_round}")
+                raise InvalidUpdateError(
+                    f"header names round {stream.round}, the task is round {rnd.server_round}"
+                )
             result = self._result(rnd, record.info, upload, stream, state)
             del state
             self._count(rnd, record.info, upload, result)
@@ -129,23 +141,35 @@ class Uploads:
             current = self._current()
             if current is not None and current.task_id == header.task_id and client_id in current.results:
                 # Checked before "closed": a retry whose first attempt landed learns it did.
-                raise DuplicateUpdateError(f"update for round {current.server_round} from client {escape(client_id)} already accepted")
+                raise DuplicateUpdateError(
+                    f"update for round {current.server_round} from client {escape(client_id)} already accepted"
+                )
             if record.benched_task == header.task_id:  # late, but it did finish that task
                 record.benched_task = ""
             rnd = self._open_task(client_id, header.task_id)
             if client_id in rnd.failures:  # it reported a failure, left, or was given up
-                raise StaleTaskError(f"round {rnd.server_round}: this task already failed ({rnd.failures[client_id].reason})")
+                raise StaleTaskError(
+                    f"round {rnd.server_round}: this task already failed ({rnd.failures[client_id].reason})"
+                )
             if rnd.is_message:
-                raise StaleTaskError(f"task {escape(header.task_id)} is message phase {rnd.kind!r}: it takes SendMessages, not an upload")
+                raise StaleTaskError(
+                    f"task {escape(header.task_id)} is message phase {rnd.kind!r}: it takes SendMessages, not an upload"
+                )
             if not rnd.evaluate:
-                accept.check_delta(str(rnd.assignments[client_id].config.get("uplink_codec", "none")), header.delta)
+                accept.check_delta(
+                    str(rnd.assignments[client_id].config.get("uplink_codec", "none")), header.delta
+                )
             if client_id in rnd.uploading:
-                raise DuplicateUpdateError(f"an upload for round {rnd.server_round} from client {escape(client_id)} is in progress")
+                raise DuplicateUpdateError(
+                    f"an upload for round {rnd.server_round} from client {escape(client_id)} is in progress"
+                )
             rnd.uploading.add(client_id)
             record.transfers += 1
         return rnd
 
-    def _resume_or_start(self, rnd: RoundTask, record: ClientRecord, header: serde.StreamInfo, first: bytes) -> Upload:
+    def _resume_or_start(
+        self, rnd: RoundTask, record: ClientRecord, header: serde.StreamInfo, first: bytes
+    ) -> Upload:
         """The broken upload this one resumes, or a new one fed its first frame."""
         client_id = record.info.client_id
         with self.lock:
@@ -156,8 +180,10 @@ class Uploads:
                 if partial is not None:
                     with self.lock:
                         rnd.partials[client_id] = partial
-                raise StaleTaskError(f"cannot resume at chunk {header.resume_from_chunk}: "
-                                     f"the coordinator holds {held} chunks of this upload")
+                raise StaleTaskError(
+                    f"cannot resume at chunk {header.resume_from_chunk}: "
+                    f"the coordinator holds {held} chunks of this upload"
+                )
             partial.kept = False
             return partial
         if partial is not None:
@@ -183,9 +209,15 @@ class Uploads:
         except Exception:
             self._keep(rnd, record.info.client_id, upload)
             chunks = upload.asm.frames_received
-            log.info("round %d: upload from %s broke after %d chunks; kept for resume",
-                     rnd.server_round, escape(record.info.name or record.info.client_id), chunks)
-            self.events.emit("upload_broken", round=rnd.server_round, client=record.info.client_id, chunks=chunks)
+            log.info(
+                "round %d: upload from %s broke after %d chunks; kept for resume",
+                rnd.server_round,
+                escape(record.info.name or record.info.client_id),
+                chunks,
+            )
+            self.events.emit(
+                "upload_broken", round=rnd.server_round, client=record.info.client_id, chunks=chunks
+            )
             raise
 
     def _finish(self, rnd: RoundTask, upload: Upload) -> tuple[serde.StreamInfo, ModelState]:
@@ -198,8 +230,9 @@ class Uploads:
                 self._keep(rnd, upload.client_id, upload)
             raise
 
-    def _result(self, rnd: RoundTask, client: ClientInfo, upload: Upload, stream: serde.StreamInfo,
-                state: ModelState) -> FitRes | EvaluateRes:
+    def _result(
+        self, rnd: RoundTask, client: ClientInfo, upload: Upload, stream: serde.StreamInfo, state: ModelState
+    ) -> FitRes | EvaluateRes:
         """The result the upload delivers (a fit update spilled)."""
         metrics = dict(stream.metrics)
         if rnd.evaluate:
@@ -207,7 +240,9 @@ class Uploads:
         if upload.writer is not None:  # tensors were checked and written as they came
             state = upload.writer.commit()  # type: ignore[assignment]
             return FitRes(client, state, stream.num_examples, metrics, upload.delta)
-        check = accept.UpdateCheck(rnd.global_state, self.bounds, delta=stream.delta, keep_delta=self._keep_delta(rnd))
+        check = accept.UpdateCheck(
+            rnd.global_state, self.bounds, delta=stream.delta, keep_delta=self._keep_delta(rnd)
+        )
         result = FitRes(client, check.whole(state), stream.num_examples, metrics, check.keeps_delta)
         return self.spill.put(task_id=rnd.task_id, result=result)
 
@@ -216,7 +251,9 @@ class Uploads:
         """Differences are kept as such (``FitRes.delta``) when clients hold the exact model."""
         return rnd.downlink is not None and rnd.downlink.exact
 
-    def _count(self, rnd: RoundTask, client: ClientInfo, upload: Upload, result: FitRes | EvaluateRes) -> None:
+    def _count(
+        self, rnd: RoundTask, client: ClientInfo, upload: Upload, result: FitRes | EvaluateRes
+    ) -> None:
         """Adds the result to the round if it is still open for it (lock taken here)."""
         client_id = client.client_id
         with self.lock:
@@ -227,33 +264,58 @@ class Uploads:
                     self.spill.discard(task_id=rnd.task_id, client_id=client_id)
                 if failed is not None:  # it left or reported a failure while uploading
                     raise StaleTaskError(
-                        f"round {rnd.server_round}: this task failed during the upload ({failed.reason})")
+                        f"round {rnd.server_round}: this task failed during the upload ({failed.reason})"
+                    )
                 raise StaleTaskError(f"round {rnd.server_round} closed before the upload completed")
             if isinstance(result, EvaluateRes) and result.num_examples < 1:
                 rnd.failures[client_id] = Failure(client, "evaluated no examples")
             else:
                 rnd.results[client_id] = result
             asm = upload.asm
-            rnd.tally.add_up(client.region, wire=asm.wire_bytes, payload=asm.payload_bytes, raw=upload.raw_bytes)
+            rnd.tally.add_up(
+                client.region, wire=asm.wire_bytes, payload=asm.payload_bytes, raw=upload.raw_bytes
+            )
             self.wake.notify("round")
             accepted, expected = len(rnd.results), len(rnd.assignments)
-        log.info("round %d: accepted %s from %s (%d of %d)", rnd.server_round,
-                 "evaluation" if rnd.evaluate else "update", escape(client.name or client_id), accepted, expected)
-        self.events.emit("update_accepted", round=rnd.server_round, client=client_id, evaluate=rnd.evaluate,
-                         accepted=accepted, expected=expected)
+        log.info(
+            "round %d: accepted %s from %s (%d of %d)",
+            rnd.server_round,
+            "evaluation" if rnd.evaluate else "update",
+            escape(client.name or client_id),
+            accepted,
+            expected,
+        )
+        self.events.emit(
+            "update_accepted",
+            round=rnd.server_round,
+            client=client_id,
+            evaluate=rnd.evaluate,
+            accepted=accepted,
+            expected=expected,
+        )
 
     def _start(self, rnd: RoundTask, client: ClientInfo, header: serde.StreamInfo) -> Upload:
         """An assembler for a new upload; fit updates stream into their spill file."""
         ins = rnd.assignments[client.client_id]
         # The expected specs bound every allocation; an evaluation carries no tensors.
-        expected: Mapping[str, TensorSpec] = {} if rnd.evaluate else (getattr(ins, "expected", None) or rnd.expected)
+        expected: Mapping[str, TensorSpec] = (
+            {} if rnd.evaluate else (getattr(ins, "expected", None) or rnd.expected)
+        )
         raw = accept.raw_bytes(expected)
         accept.check_claim(self.bounds, client, header.num_examples, evaluate=rnd.evaluate)
         if rnd.evaluate:
             return Upload(serde.ModelAssembler(expected=expected), None, raw, client.client_id)
-        check = accept.UpdateCheck(rnd.global_state, self.bounds, delta=header.delta, keep_delta=self._keep_delta(rnd))
-        writer = self.spill.writer(task_id=rnd.task_id, client=client, specs=expected, num_examples=header.num_examples,
-                                   metrics=header.metrics, delta=check.keeps_delta)
+        check = accept.UpdateCheck(
+            rnd.global_state, self.bounds, delta=header.delta, keep_delta=self._keep_delta(rnd)
+        )
+        writer = self.spill.writer(
+            task_id=rnd.task_id,
+            client=client,
+            specs=expected,
+            num_examples=header.num_examples,
+            metrics=header.metrics,
+            delta=check.keeps_delta,
+        )
         if writer is None:
             return Upload(serde.ModelAssembler(expected=expected), None, raw, client.client_id)
 

@@ -66,7 +66,15 @@ from fedgrid.simulation.batched_models import (
 from fedgrid.simulation.batched_optim import BatchedOptimizer, NotBatchable, OptimizerSpec, optimizer_spec
 from fedgrid.types import FitIns, ModelState
 
-__all__ = ["BatchedTrainer", "NotBatchable", "choose_engine", "memory_budget", "out_of_memory", "recurrent_module", "StackedRows"]
+__all__ = [
+    "BatchedTrainer",
+    "NotBatchable",
+    "choose_engine",
+    "memory_budget",
+    "out_of_memory",
+    "recurrent_module",
+    "StackedRows",
+]
 
 log = logging.getLogger(__name__)
 
@@ -91,12 +99,12 @@ class _Job:
     ctx: FitContext
     epochs: int
     trained: tuple[str, ...]  # canonical parameters that train
-    names: tuple[str, ...]  # state keys that train (the ``trained`` hook's), for ``train_only`` and ``upload``
+    names: tuple[
+        str, ...
+    ]  # state keys that train (the ``trained`` hook's), for ``train_only`` and ``upload``
     spec: OptimizerSpec
     mu: float
     batches: list[torch.Tensor]
-
-
 
 
 class BatchedTrainer:
@@ -152,7 +160,9 @@ class BatchedTrainer:
             label = f"client {client.name or i!r}"
             if not isinstance(client, TorchClient):
                 raise NotBatchable(f"{label} is a {type(client).__name__}, not a TorchClient")
-            overridden = [m for m in _TORCH_CLIENT_METHODS if getattr(type(client), m) is not getattr(TorchClient, m)]
+            overridden = [
+                m for m in _TORCH_CLIENT_METHODS if getattr(type(client), m) is not getattr(TorchClient, m)
+            ]
             if overridden:
                 raise NotBatchable(f"{label} overrides TorchClient.{overridden[0]}")
             try:
@@ -161,7 +171,12 @@ class BatchedTrainer:
             except (NotBatchable, NotPlainLoader) as exc:
                 raise NotBatchable(f"{label}: {exc}") from None
             model = client.model
-            sig = (type(model), repr(model), client.device, tuple((k, t.dtype, tuple(t.shape)) for k, t in model.state_dict().items()))
+            sig = (
+                type(model),
+                repr(model),
+                client.device,
+                tuple((k, t.dtype, tuple(t.shape)) for k, t in model.state_dict().items()),
+            )
             if sig not in signatures:
                 try:
                     _check_modules(model)
@@ -180,7 +195,9 @@ class BatchedTrainer:
             except NotBatchable as exc:
                 raise NotBatchable(f"{label}: {exc}") from None
             except Exception as exc:
-                raise NotBatchable(f"{label}: a trial batched step failed ({type(exc).__name__}: {exc})") from None
+                raise NotBatchable(
+                    f"{label}: a trial batched step failed ({type(exc).__name__}: {exc})"
+                ) from None
             self.conv_share = max(self.conv_share, m.conv_share)
 
     def _trial(self, m: _Model, s: _Static) -> None:
@@ -197,9 +214,19 @@ class BatchedTrainer:
         template.train()
         leaves = [mod for mod in template.modules() if not list(mod.children())]
         sizes: list[int] = []
-        hooks = [mod.register_forward_hook(lambda _m, _i, o: sizes.append(o.numel() * o.element_size() if isinstance(o, torch.Tensor) else 0)) for mod in leaves]
+        hooks = [
+            mod.register_forward_hook(
+                lambda _m, _i, o: sizes.append(
+                    o.numel() * o.element_size() if isinstance(o, torch.Tensor) else 0
+                )
+            )
+            for mod in leaves
+        ]
         try:
-            with torch.random.fork_rng(devices=[m.device] if m.device.type == "cuda" else []), FlopCounterMode(display=False) as counter:
+            with (
+                torch.random.fork_rng(devices=[m.device] if m.device.type == "cuda" else []),
+                FlopCounterMode(display=False) as counter,
+            ):
                 out = template(x)
                 full = s.client.loss_fn(out, y)
                 per = per_example(out, y)
@@ -209,34 +236,61 @@ class BatchedTrainer:
             for h in hooks:
                 h.remove()
             template.zero_grad(set_to_none=True)
-        if unused:  # torch.optim skips them; torch.func.grad would give zeros that weight decay and Adam act on
+        if (
+            unused
+        ):  # torch.optim skips them; torch.func.grad would give zeros that weight decay and Adam act on
             raise NotBatchable(f"parameter '{unused[0]}' gets no gradient")
         batch_loss, mean_loss = float(full.detach()), float(per.detach().mean())
         if not math.isclose(mean_loss, batch_loss, rel_tol=1e-5, abs_tol=1e-6):
-            raise NotBatchable(f"its loss_fn is not a mean over examples ({batch_loss:.6g} on a batch, {mean_loss:.6g} averaged per example)")
+            raise NotBatchable(
+                f"its loss_fn is not a mean over examples ({batch_loss:.6g} on a batch, {mean_loss:.6g} averaged per example)"
+            )
         m.activation_bytes = sum(sizes) + x.numel() * x.element_size()
-        m.largest_bytes = max([*sizes, x.numel() * x.element_size(), *(p.numel() * p.element_size() for p in template.parameters())])
+        m.largest_bytes = max(
+            [
+                *sizes,
+                x.numel() * x.element_size(),
+                *(p.numel() * p.element_size() for p in template.parameters()),
+            ]
+        )
         counts = counter.get_flop_counts().get("Global", {})
         total = sum(counts.values())
         conv = sum(v for op, v in counts.items() if "convolution" in str(op))
         m.conv_share = conv / total if total else 0.0
-        stacked = {n: torch.stack([p.detach()] * 2) for n, p in template.named_parameters() if p.requires_grad}
-        frozen = {n: torch.stack([t.detach()] * 2) for n, t in [*template.named_parameters(), *template.named_buffers()] if n not in stacked}
+        stacked = {
+            n: torch.stack([p.detach()] * 2) for n, p in template.named_parameters() if p.requires_grad
+        }
+        frozen = {
+            n: torch.stack([t.detach()] * 2)
+            for n, t in [*template.named_parameters(), *template.named_buffers()]
+            if n not in stacked
+        }
         fn = self._step_fn(m, s.client.loss_fn, s.loss_key, 0.0)
         mask = torch.ones(2, len(rows), dtype=torch.bool, device=m.device)
         count = torch.full((2,), float(len(rows)), device=m.device)
         grads, (_, loss) = fn(stacked, frozen, None, torch.stack([x, x]), torch.stack([y, y]), mask, count)
         if not math.isclose(float(loss[0]), batch_loss, rel_tol=1e-4, abs_tol=1e-5):
-            raise NotBatchable(f"a trial batched step gave loss {float(loss[0]):.6g}, the model alone {batch_loss:.6g}")
+            raise NotBatchable(
+                f"a trial batched step gave loss {float(loss[0]):.6g}, the model alone {batch_loss:.6g}"
+            )
 
-    def _step_fn(self, m: _Model, loss_fn: Callable[..., Any], loss_key: object, mu: float) -> Callable[..., Any]:
+    def _step_fn(
+        self, m: _Model, loss_fn: Callable[..., Any], loss_key: object, mu: float
+    ) -> Callable[..., Any]:
         key = (id(m), loss_key, mu)
         if key in self._step_fns:
             return self._step_fns[key]
         template, per_example = m.template, _per_example(loss_fn)
 
-        def objective(trained: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor], anchor: dict[str, torch.Tensor] | None,
-                      x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def objective(
+            trained: dict[str, torch.Tensor],
+            frozen: dict[str, torch.Tensor],
+            anchor: dict[str, torch.Tensor] | None,
+            x: torch.Tensor,
+            y: torch.Tensor,
+            mask: torch.Tensor,
+            count: torch.Tensor,
+        ) -> tuple[torch.Tensor, torch.Tensor]:
             per = per_example(functional_call(template, (trained, frozen), (x,)), y)
             loss = torch.where(mask, per, 0.0).sum() / count
             if anchor is None:
@@ -287,8 +341,10 @@ class BatchedTrainer:
             device = key[-1]
             xs = [b.tensors[0] for b in bases]
             ys = [b.tensors[1] for b in bases]
-            self._data[key] = (xs[0].to(device) if len(xs) == 1 else torch.cat(xs).to(device),
-                               ys[0].to(device) if len(ys) == 1 else torch.cat(ys).to(device))
+            self._data[key] = (
+                xs[0].to(device) if len(xs) == 1 else torch.cat(xs).to(device),
+                ys[0].to(device) if len(ys) == 1 else torch.cat(ys).to(device),
+            )
         for i, s in self._statics.items():
             key, offset = seen[id(s.base)]
             local = s.local if s.local is not None else torch.arange(len(s.base))
@@ -321,7 +377,16 @@ class BatchedTrainer:
                 outcomes[pos] = self._sequential(index, state, ins)
                 continue
             s = job.static
-            key = (s.model, s.loss_key, job.spec, job.algorithm.name, job.trained, frozenset(job.names), job.mu, self._rows[s.index][0])
+            key = (
+                s.model,
+                s.loss_key,
+                job.spec,
+                job.algorithm.name,
+                job.trained,
+                frozenset(job.names),
+                job.mu,
+                self._rows[s.index][0],
+            )
             groups.setdefault(key, []).append(job)
         for group in groups.values():
             group.sort(key=lambda j: -len(j.batches))  # similar lengths share a chunk; stable
@@ -332,8 +397,15 @@ class BatchedTrainer:
                 try:
                     results = self._train_fitting(chunk)
                 except Exception as exc:  # not memory (that halves K): the clients train one by one instead
-                    log.warning("batched engine: a chunk of %d clients failed (%s: %s); training them sequentially", len(chunk), type(exc).__name__, exc)
-                    results = [self._sequential(j.static.index, jobs[j.pos][1], jobs[j.pos][2]) for j in chunk]
+                    log.warning(
+                        "batched engine: a chunk of %d clients failed (%s: %s); training them sequentially",
+                        len(chunk),
+                        type(exc).__name__,
+                        exc,
+                    )
+                    results = [
+                        self._sequential(j.static.index, jobs[j.pos][1], jobs[j.pos][2]) for j in chunk
+                    ]
                 for job, result in zip(chunk, results):
                     outcomes[job.pos] = result
         return [o if o is not None else RuntimeError("batched engine lost a job") for o in outcomes]
@@ -358,8 +430,13 @@ class BatchedTrainer:
         half = -(-len(chunk) // 2)
         m_index = chunk[0].static.model
         self._k_caps[m_index] = min(self._k_caps.get(m_index, half), half)
-        log.warning("batched engine: %d clients at once ran out of memory on %s (%s); training %d at a time from now on",
-                    len(chunk), self.device, reason, self._k_caps[m_index])
+        log.warning(
+            "batched engine: %d clients at once ran out of memory on %s (%s); training %d at a time from now on",
+            len(chunk),
+            self.device,
+            reason,
+            self._k_caps[m_index],
+        )
         return self._train_fitting(chunk[:half]) + self._train_fitting(chunk[half:])
 
     def _sequential(self, index: int, state: ModelState, ins: FitIns) -> Outcome:
@@ -380,7 +457,9 @@ class BatchedTrainer:
         if algorithm.not_batchable is not None:
             if algorithm.name not in self._logged_sequential:
                 self._logged_sequential.add(algorithm.name)
-                log.info("engine: %s clients train sequentially (%s)", algorithm.name, algorithm.not_batchable)
+                log.info(
+                    "engine: %s clients train sequentially (%s)", algorithm.name, algorithm.not_batchable
+                )
             return None
         m = self._models[s.model]
         ctx = FitContext(config=config, model=tuple(m.state_keys), client=s.client.name)
@@ -394,11 +473,15 @@ class BatchedTrainer:
         chosen = set(names)
         trained = tuple(n for n in m.params if n in chosen)
         model_params = dict(s.client.model.named_parameters())
-        spec = optimizer_spec(algorithm.optimizer(trainer=s.client, params=[model_params[n] for n in trained], ctx=ctx))
+        spec = optimizer_spec(
+            algorithm.optimizer(trainer=s.client, params=[model_params[n] for n in trained], ctx=ctx)
+        )
         if "lr" in config:
             spec = spec.with_lr(float(config["lr"]))
         mu = algorithm.proximal_mu(ctx=ctx)
-        batches = self._batch_order(s, s.client.round_seed(ins), epochs)  # last: it may advance a loader's generator
+        batches = self._batch_order(
+            s, s.client.round_seed(ins), epochs
+        )  # last: it may advance a loader's generator
         return _Job(pos, s, state, algorithm, ctx, epochs, trained, tuple(names), spec, mu, batches)
 
     @staticmethod
@@ -425,7 +508,9 @@ class BatchedTrainer:
         idx = torch.zeros(k_all, steps[0], width, dtype=torch.int64)
         lengths = torch.zeros(k_all, steps[0], dtype=torch.int64)
         for i, job in enumerate(chunk):
-            padded = pad_sequence(job.batches, batch_first=True)  # pads with local index 0: a real row, masked
+            padded = pad_sequence(
+                job.batches, batch_first=True
+            )  # pads with local index 0: a real row, masked
             idx[i, : steps[i], : padded.shape[1]] = self._rows[job.static.index][1][padded]
             lengths[i, : steps[i]] = torch.tensor([len(b) for b in job.batches])
         mask = (torch.arange(width) < lengths.unsqueeze(-1)).to(device)
@@ -440,7 +525,9 @@ class BatchedTrainer:
         frozen = {n: stack(n) for n in [*m.params, *m.frozen_params, *m.buffers] if n not in trained}
         anchor = {n: t.clone() for n, t in trained.items()} if first.mu else None
         optimizer = BatchedOptimizer(first.spec, list(trained.values()))
-        for job in chunk:  # here, not in _prepare: round-local state (SCAFFOLD's sums) for one chunk at a time
+        for (
+            job
+        ) in chunk:  # here, not in _prepare: round-local state (SCAFFOLD's sums) for one chunk at a time
             params = dict(job.static.client.model.named_parameters())
             job.algorithm.begin(params={n: params[n] for n in first.trained}, ctx=job.ctx)
         corrections = [job.algorithm.correction for job in chunk]
@@ -453,14 +540,21 @@ class BatchedTrainer:
         loss_sums = torch.zeros(k_all, dtype=torch.float64, device=device)
         names = list(trained)
         m.template.train()
-        with train_only(m.template, list(first.names)):  # bcd: modules outside the block in eval mode, as in fit
+        with train_only(
+            m.template, list(first.names)
+        ):  # bcd: modules outside the block in eval mode, as in fit
             for s, k in enumerate(active):
                 rows = idx[:k, s]
                 views = {n: t[:k] for n, t in trained.items()}
-                grads, (_, loss) = fn(views, {n: t[:k] for n, t in frozen.items()},
-                                      None if anchor is None else {n: t[:k] for n, t in anchor.items()},
-                                      xs.index_select(0, rows.reshape(-1)).view(k, width, *xs.shape[1:]),
-                                      ys.index_select(0, rows.reshape(-1)).view(k, width, *ys.shape[1:]), mask[:k, s], count[:k, s])
+                grads, (_, loss) = fn(
+                    views,
+                    {n: t[:k] for n, t in frozen.items()},
+                    None if anchor is None else {n: t[:k] for n, t in anchor.items()},
+                    xs.index_select(0, rows.reshape(-1)).view(k, width, *xs.shape[1:]),
+                    ys.index_select(0, rows.reshape(-1)).view(k, width, *ys.shape[1:]),
+                    mask[:k, s],
+                    count[:k, s],
+                )
                 loss_sums[:k] += loss.detach().double() * count[:k, s].double()
                 for n, c in correction.items():
                     grad_sums[n][:k] += grads[n].float()
@@ -468,8 +562,17 @@ class BatchedTrainer:
                 optimizer.step(s, k, [views[n] for n in names], [grads[n] for n in names])
         return self._outputs(chunk, m, trained, frozen, loss_sums, lengths, steps, grad_sums)
 
-    def _outputs(self, chunk: list[_Job], m: _Model, trained: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor],
-                 loss_sums: torch.Tensor, lengths: torch.Tensor, steps: list[int], grad_sums: dict[str, torch.Tensor]) -> list[FitOutput]:
+    def _outputs(
+        self,
+        chunk: list[_Job],
+        m: _Model,
+        trained: dict[str, torch.Tensor],
+        frozen: dict[str, torch.Tensor],
+        loss_sums: torch.Tensor,
+        lengths: torch.Tensor,
+        steps: list[int],
+        grad_sums: dict[str, torch.Tensor],
+    ) -> list[FitOutput]:
         trained_cpu = {n: t.detach().to("cpu") for n, t in trained.items()}
         frozen_cpu = {n: t.detach().to("cpu") for n, t in frozen.items()}
         loss_list = loss_sums.tolist()
@@ -480,10 +583,14 @@ class BatchedTrainer:
             for key in m.state_keys:
                 name = m.canonical[key]
                 source = trained_cpu.get(name)
-                full[key] = (source if source is not None else frozen_cpu[name])[i]  # a row of the stack: no copy
+                full[key] = (source if source is not None else frozen_cpu[name])[
+                    i
+                ]  # a row of the stack: no copy
             for n, g in grad_sums.items():
                 job.algorithm.record(name=n, grad_sum=g[i], count=steps[i])
             out = job.algorithm.upload(state=full, trained=job.names, ctx=job.ctx)
             seen = int(seen_list[i])
-            outputs.append(FitOutput(state=out, num_examples=seen // job.epochs, metrics={"loss": loss_list[i] / seen}))
+            outputs.append(
+                FitOutput(state=out, num_examples=seen // job.epochs, metrics={"loss": loss_list[i] / seen})
+            )
         return outputs

@@ -19,7 +19,9 @@ def out_of_memory(exc: BaseException) -> bool:
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return True
     text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text or "not enough memory" in text)
+    return isinstance(exc, RuntimeError) and (
+        "out of memory" in text or "can't allocate memory" in text or "not enough memory" in text
+    )
 
 
 def choose_engine(*, device: torch.device, conv_share: float) -> tuple[str, str]:
@@ -36,7 +38,10 @@ def choose_engine(*, device: torch.device, conv_share: float) -> tuple[str, str]
     if device.type == "cuda":
         return "batched", "CUDA device"
     if conv_share > 0.5:
-        return "sequential", f"convolutions carry {conv_share:.0%} of the model's FLOPs, which batching does not speed up on CPU"
+        return (
+            "sequential",
+            f"convolutions carry {conv_share:.0%} of the model's FLOPs, which batching does not speed up on CPU",
+        )
     return "batched", "matmul-dominated model"
 
 

@@ -23,7 +23,18 @@ from fedgrid.simulation.batched_optim import NotBatchable
 
 __all__ = ["recurrent_module"]
 
-_TORCH_CLIENT_METHODS = ("fit", "algorithm", "_train", "_batches", "_load", "_state", "_training_module", "_batch_loss", "_reduce_totals", "round_seed")
+_TORCH_CLIENT_METHODS = (
+    "fit",
+    "algorithm",
+    "_train",
+    "_batches",
+    "_load",
+    "_state",
+    "_training_module",
+    "_batch_loss",
+    "_reduce_totals",
+    "round_seed",
+)
 
 
 def recurrent_module(clients: Sequence[Client]) -> str | None:
@@ -43,8 +54,10 @@ def recurrent_module(clients: Sequence[Client]) -> str | None:
         for name, module in model.named_modules():
             if isinstance(module, nn.RNNBase):
                 where = f" '{name}'" if name else ""
-                return (f"the model has a recurrent module{where} ({type(module).__name__}), which torch.func.vmap "
-                        "runs through a slow per-client fallback")
+                return (
+                    f"the model has a recurrent module{where} ({type(module).__name__}), which torch.func.vmap "
+                    "runs through a slow per-client fallback"
+                )
     return None
 
 
@@ -90,7 +103,6 @@ class _Static:
         return self.loader.batch_size
 
 
-
 def _size(s: _Static) -> int:
     return len(s.loader)
 
@@ -105,15 +117,21 @@ def _loss_key(fn: Callable[..., Any]) -> object:
     return fn
 
 
-def _per_example(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def _per_example(
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``loss_fn`` per example: ``[B, ...] -> [B]``, their mean being ``loss_fn`` of the batch."""
-    ce = fn is nn.functional.cross_entropy or (type(fn) is nn.CrossEntropyLoss and fn.weight is None and fn.reduction == "mean")
+    ce = fn is nn.functional.cross_entropy or (
+        type(fn) is nn.CrossEntropyLoss and fn.weight is None and fn.reduction == "mean"
+    )
     if ce:
         smoothing = float(getattr(fn, "label_smoothing", 0.0))
         ignore = int(getattr(fn, "ignore_index", -100))
 
         def cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            per = nn.functional.cross_entropy(out, y, reduction="none", ignore_index=ignore, label_smoothing=smoothing)
+            per = nn.functional.cross_entropy(
+                out, y, reduction="none", ignore_index=ignore, label_smoothing=smoothing
+            )
             return per.flatten(1).mean(1) if per.dim() > 1 else per
 
         return cross_entropy
@@ -149,4 +167,6 @@ def _describe(model: nn.Module, device: torch.device) -> _Model:
     dtypes = {n: t.dtype for n, t in [*params.items(), *buffers.items()]}
     state_bytes = sum(t.numel() * t.element_size() for t in [*params.values(), *buffers.values()])
     shapes = {k: tuple(t.shape) for k, t in raw.items()}
-    return _Model(model, device, list(raw), canonical, trainable, frozen, persistent, dtypes, shapes, state_bytes)
+    return _Model(
+        model, device, list(raw), canonical, trainable, frozen, persistent, dtypes, shapes, state_bytes
+    )

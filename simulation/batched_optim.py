@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -71,18 +71,35 @@ def optimizer_spec(optimizer: torch.optim.Optimizer) -> OptimizerSpec:
     if kind not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
         raise NotBatchable(f"optimizer {name} is not one the batched engine implements (SGD, Adam, AdamW)")
     if len(optimizer.param_groups) != 1:
-        raise NotBatchable(f"optimizer {name} has {len(optimizer.param_groups)} parameter groups; the batched engine needs one")
+        raise NotBatchable(
+            f"optimizer {name} has {len(optimizer.param_groups)} parameter groups; the batched engine needs one"
+        )
     g = optimizer.param_groups[0]
     if g.get("differentiable"):
         raise NotBatchable(f"optimizer {name} is differentiable=True")
-    common = dict(lr=_scalar(g["lr"]), weight_decay=_scalar(g["weight_decay"]), maximize=bool(g.get("maximize", False)))
+    common: dict[str, Any] = dict(
+        lr=_scalar(g["lr"]), weight_decay=_scalar(g["weight_decay"]), maximize=bool(g.get("maximize", False))
+    )
     if kind is torch.optim.SGD:
-        return OptimizerSpec("sgd", momentum=_scalar(g["momentum"]), dampening=_scalar(g["dampening"]), nesterov=bool(g["nesterov"]), **common)  # type: ignore[arg-type]
+        return OptimizerSpec(
+            "sgd",
+            momentum=_scalar(g["momentum"]),
+            dampening=_scalar(g["dampening"]),
+            nesterov=bool(g["nesterov"]),
+            **common,
+        )
     if g.get("amsgrad"):
         raise NotBatchable(f"optimizer {name} uses amsgrad, which the batched engine does not implement")
     beta1, beta2 = g["betas"]
     decoupled = kind is torch.optim.AdamW or bool(g.get("decoupled_weight_decay", False))
-    return OptimizerSpec("adam", beta1=_scalar(beta1), beta2=_scalar(beta2), eps=_scalar(g["eps"]), decoupled=decoupled, **common)  # type: ignore[arg-type]
+    return OptimizerSpec(
+        "adam",
+        beta1=_scalar(beta1),
+        beta2=_scalar(beta2),
+        eps=_scalar(g["eps"]),
+        decoupled=decoupled,
+        **common,
+    )
 
 
 class BatchedOptimizer:

@@ -139,7 +139,13 @@ def partition_iid(num_examples: int, num_clients: int, seed: int) -> list[np.nda
 
 
 def partition_dirichlet(
-    labels: np.ndarray, num_clients: int, alpha: float, seed: int, *, min_size: int = 10, max_tries: int = 1000
+    labels: np.ndarray,
+    num_clients: int,
+    alpha: float,
+    seed: int,
+    *,
+    min_size: int = 10,
+    max_tries: int = 1000,
 ) -> list[np.ndarray]:
     """Label-skewed split: each class is divided among clients by a Dirichlet(alpha) draw.
 
@@ -164,7 +170,9 @@ def partition_dirichlet(
     raise ValueError(f"no Dirichlet({alpha}) split gave {num_clients} clients {min_size} examples each")
 
 
-def partition_shards(labels: np.ndarray, num_clients: int, shards_per_client: int, seed: int) -> list[np.ndarray]:
+def partition_shards(
+    labels: np.ndarray, num_clients: int, shards_per_client: int, seed: int
+) -> list[np.ndarray]:
     """McMahan et al. 2017's pathological non-IID split: sorts examples by label (stable),
     cuts them into ``num_clients * shards_per_client`` near-equal shards and deals
     ``shards_per_client`` random shards to each client.
@@ -174,7 +182,10 @@ def partition_shards(labels: np.ndarray, num_clients: int, shards_per_client: in
     """
     num_shards = num_clients * shards_per_client
     if num_shards > len(labels):
-        raise ConfigError("partition", f"shards:{shards_per_client} cuts {num_shards} shards from only {len(labels)} examples")
+        raise ConfigError(
+            "partition",
+            f"shards:{shards_per_client} cuts {num_shards} shards from only {len(labels)} examples",
+        )
     order = np.argsort(np.asarray(labels), kind="stable")
     shards = np.array_split(order, num_shards)
     dealt = np.random.default_rng(seed).permutation(num_shards).reshape(num_clients, shards_per_client)
@@ -226,8 +237,13 @@ def load_synthetic(
     test = np.concatenate(is_test)
     train_idx, test_idx = torch.from_numpy(np.flatnonzero(~test)), torch.from_numpy(np.flatnonzero(test))
     return Dataset(
-        x_all[train_idx], y_all[train_idx], x_all[test_idx], y_all[test_idx], num_classes=num_classes,
-        train_groups=g_all[~test], test_groups=g_all[test],
+        x_all[train_idx],
+        y_all[train_idx],
+        x_all[test_idx],
+        y_all[test_idx],
+        num_classes=num_classes,
+        train_groups=g_all[~test],
+        test_groups=g_all[test],
     )
 
 
@@ -254,11 +270,15 @@ def parse_partition(spec: str) -> tuple[str, float | None]:
         return "dirichlet", alpha
     if name == "shards":
         if not param:
-            raise ConfigError("partition", f"{spec!r} needs the shards per client: expected shards:N, e.g. shards:2")
+            raise ConfigError(
+                "partition", f"{spec!r} needs the shards per client: expected shards:N, e.g. shards:2"
+            )
         try:
             shards = int(param)
         except ValueError:
-            raise ConfigError("partition", f"shards needs a whole number of shards per client, got {param!r}") from None
+            raise ConfigError(
+                "partition", f"shards needs a whole number of shards per client, got {param!r}"
+            ) from None
         if shards < 1:
             raise ConfigError("partition", f"shards per client must be at least 1, got {shards}")
         return "shards", shards

@@ -44,7 +44,18 @@ from fedgrid.server.fleet import Fleet, RoundOutcome
 from fedgrid.server.registry import check_joining
 from fedgrid.server.rounds import check_outbox, relay
 from fedgrid.simulation.batched import BatchedTrainer, choose_engine, recurrent_module
-from fedgrid.types import ClientInfo, EvaluateIns, EvaluateRes, FitIns, FitRes, Failure, MessageIns, MessageRes, ModelState, TensorSpec
+from fedgrid.types import (
+    ClientInfo,
+    EvaluateIns,
+    EvaluateRes,
+    Failure,
+    FitIns,
+    FitRes,
+    MessageIns,
+    MessageRes,
+    ModelState,
+    TensorSpec,
+)
 
 __all__ = ["InProcessFleet", "Profiles", "ENGINES"]
 
@@ -79,7 +90,9 @@ def _raw_passes(out: FitOutput, expected: Mapping[str, TensorSpec]) -> bool:
     would refuse or change (specs other than the task's, a dtype it cannot carry, metrics or
     an example count that protobuf cannot hold as sent) takes the wire's own path, so its
     failure reads exactly as in deployment."""
-    if TensorSpec.of(out.state) != dict(expected) or any(t.dtype not in serde.DTYPE_TO_PB for t in out.state.values()):
+    if TensorSpec.of(out.state) != dict(expected) or any(
+        t.dtype not in serde.DTYPE_TO_PB for t in out.state.values()
+    ):
         return False
     if type(out.num_examples) is not int or not 0 <= out.num_examples < 2**64:
         return False
@@ -148,13 +161,21 @@ class InProcessFleet(Fleet):
             self._clients[cid] = client
             self._index[cid] = i
             region = client.region or (profiles.region(i) if profiles is not None else "")
-            info = ClientInfo(client_id=cid, name=client.name or cid, region=region, num_examples=client.num_examples, codecs=codecs)
+            info = ClientInfo(
+                client_id=cid,
+                name=client.name or cid,
+                region=region,
+                num_examples=client.num_examples,
+                codecs=codecs,
+            )
             check_joining(info, self.bounds)
             self._infos.append(info)
         self.chunk_size = chunk_size
         self.codec_policy = codec_policy or CodecPolicy()
         self.profiles = profiles
-        self._uplinks: dict[tuple[str, str], UplinkEncoder] = {}  # per client and codec, as each client process keeps
+        self._uplinks: dict[
+            tuple[str, str], UplinkEncoder
+        ] = {}  # per client and codec, as each client process keeps
         self.downlink = Downlink(downlink_codec)
         self._held: dict[str, int] = {}  # downlink version each client holds
         self._trainer: BatchedTrainer | None = None
@@ -179,15 +200,27 @@ class InProcessFleet(Fleet):
     def _choose(self, engine: str, trainer: BatchedTrainer) -> None:
         if trainer.reason is not None:
             if engine == "batched":
-                raise ConfigError("engine", f"the batched engine cannot train these clients: {trainer.reason}; use --engine sequential")
+                raise ConfigError(
+                    "engine",
+                    f"the batched engine cannot train these clients: {trainer.reason}; use --engine sequential",
+                )
             self.engine_reason = trainer.reason
             log.warning("engine: sequential (%s)", trainer.reason)
             return
-        choice, why = choose_engine(device=trainer.device, conv_share=trainer.conv_share) if engine == "auto" else ("batched", "requested")
+        choice, why = (
+            choose_engine(device=trainer.device, conv_share=trainer.conv_share)
+            if engine == "auto"
+            else ("batched", "requested")
+        )
         self.engine, self.engine_reason = choice, why
         if choice == "batched":
             self._trainer = trainer
-            log.info("engine: batched on %s (%s; up to %d clients at once)", trainer.device, why, trainer.clients_per_call)
+            log.info(
+                "engine: batched on %s (%s; up to %d clients at once)",
+                trainer.device,
+                why,
+                trainer.clients_per_call,
+            )
         else:
             log.info("engine: sequential (%s)", why)
 
@@ -199,11 +232,19 @@ class InProcessFleet(Fleet):
 
     def wait_for_clients(self, *, min_clients: int, timeout: timedelta) -> list[ClientInfo]:
         if len(self._infos) < min_clients:
-            raise TimeoutError(f"simulation has {len(self._infos)} clients, fewer than min_clients={min_clients}")
+            raise TimeoutError(
+                f"simulation has {len(self._infos)} clients, fewer than min_clients={min_clients}"
+            )
         return list(self._infos)
 
-    def _download(self, downlink: RoundDownlink, server_round: int, info: ClientInfo, cache: dict[_Stream, tuple[ModelState, int]],
-                  names: frozenset[str] | None = None) -> tuple[ModelState, int]:
+    def _download(
+        self,
+        downlink: RoundDownlink,
+        server_round: int,
+        info: ClientInfo,
+        cache: dict[_Stream, tuple[ModelState, int]],
+        names: frozenset[str] | None = None,
+    ) -> tuple[ModelState, int]:
         """What ``info``'s client holds after downloading (its own copy), and the bytes it downloaded.
 
         ``names``: on a lossless downlink, the client downloads only these tensors
@@ -215,12 +256,20 @@ class InProcessFleet(Fleet):
         key = (delta, base_version, names)
         if key not in cache:
             if names is not None:
-                encoded = serde.EncodedModel(OrderedDict((n, t) for n, t in downlink.base.items() if n in names), codec=self.downlink.codec)
-            head = serde.StreamInfo(round=server_round, delta=delta, version=downlink.version, base_version=base_version)
+                encoded = serde.EncodedModel(
+                    OrderedDict((n, t) for n, t in downlink.base.items() if n in names),
+                    codec=self.downlink.codec,
+                )
+            head = serde.StreamInfo(
+                round=server_round, delta=delta, version=downlink.version, base_version=base_version
+            )
             down = list(encoded.frames(head, chunk_size=self.chunk_size))
             # A client applying a difference to the version it holds reaches ``base`` bit for
             # bit (ShadowModel runs the clients' apply_delta), so it holds a copy of ``base``.
-            cache[key] = (downlink.base if delta else serde.decode_chunks(down)[1], sum(serde.wire_size(c) for c in down))
+            cache[key] = (
+                downlink.base if delta else serde.decode_chunks(down)[1],
+                sum(serde.wire_size(c) for c in down),
+            )
         held, size = cache[key]
         if downlink.version:
             self._held[info.client_id] = downlink.version
@@ -229,7 +278,9 @@ class InProcessFleet(Fleet):
     def _train(self, jobs: list[tuple[ClientInfo, ModelState, FitIns]]) -> list[Union[FitOutput, Exception]]:
         """Phase 2: one outcome per job, a client's exception as its outcome."""
         if self._trainer is not None:
-            return self._trainer.fit([(self._index[info.client_id], state, task) for info, state, task in jobs])
+            return self._trainer.fit(
+                [(self._index[info.client_id], state, task) for info, state, task in jobs]
+            )
         outcomes: list[Union[FitOutput, Exception]] = []
         for info, state, task in jobs:
             try:
@@ -253,7 +304,9 @@ class InProcessFleet(Fleet):
         failures: list[Failure] = []
         tally = RoundTally()  # as RemoteFleet counts a round (server/accept.py)
         goal = len(assignments) if target is None else target
-        pending, seconds = self._available(server_round, assignments, failures, keep_fastest=target is not None)
+        pending, seconds = self._available(
+            server_round, assignments, failures, keep_fastest=target is not None
+        )
         # Clients finish in order: once ``goal`` results are in, the rest are not needed.
         step = 1 if self._trainer is None else self._trainer.clients_per_call
         done = 0
@@ -262,7 +315,9 @@ class InProcessFleet(Fleet):
             group = pending[done : done + min(step, goal - len(results))]
             done += len(group)
             prepared = self._prepare(downlink, server_round, group, downloads, tally)  # phase 1
-            jobs = [(info, state, ins) for info, ins, _, state in prepared if not isinstance(state, Exception)]
+            jobs = [
+                (info, state, ins) for info, ins, _, state in prepared if not isinstance(state, Exception)
+            ]
             outcomes = iter(self._train(jobs))  # phase 2
             for info, ins, codec, state in prepared:  # phase 3: upload, as the coordinator receives it
                 try:
@@ -271,8 +326,11 @@ class InProcessFleet(Fleet):
                     out = next(outcomes)
                     if isinstance(out, Exception):
                         raise out
-                    results.append(self._upload(server_round, info, ins, codec, state, out, downlink.base, expected,
-                                                tally))
+                    results.append(
+                        self._upload(
+                            server_round, info, ins, codec, state, out, downlink.base, expected, tally
+                        )
+                    )
                 except Exception as exc:  # a client's failure is data for the strategy
                     log.warning("client %s failed in round %d: %s", info.name, server_round, exc)
                     failures.append(Failure(info, f"{type(exc).__name__}: {exc}"))
@@ -280,12 +338,18 @@ class InProcessFleet(Fleet):
         extra = tally.extra()
         if self.profiles is not None:
             extra["sim_round_s"] = max((seconds[r.client.client_id] for r in results), default=0.0)
-        return RoundOutcome(results, failures, cancelled, bytes_up=tally.bytes_up, bytes_down=tally.bytes_down,
-                            extra=extra)
+        return RoundOutcome(
+            results, failures, cancelled, bytes_up=tally.bytes_up, bytes_down=tally.bytes_down, extra=extra
+        )
 
-    def _available(self, server_round: int, assignments: Sequence[tuple[ClientInfo, FitIns]],
-                   failures: list[Failure], *, keep_fastest: bool
-                   ) -> tuple[list[tuple[ClientInfo, FitIns]], dict[str, float]]:
+    def _available(
+        self,
+        server_round: int,
+        assignments: Sequence[tuple[ClientInfo, FitIns]],
+        failures: list[Failure],
+        *,
+        keep_fastest: bool,
+    ) -> tuple[list[tuple[ClientInfo, FitIns]], dict[str, float]]:
         """The assignments of the clients available this round (the others fail), fastest
         first under over-selection, and each one's simulated training seconds."""
         pending: list[tuple[ClientInfo, FitIns]] = []
@@ -302,9 +366,14 @@ class InProcessFleet(Fleet):
             pending.sort(key=lambda a: seconds[a[0].client_id])
         return pending, seconds
 
-    def _prepare(self, downlink: RoundDownlink, server_round: int, group: Sequence[tuple[ClientInfo, FitIns]],
-                 downloads: dict[_Stream, tuple[ModelState, int]], tally: RoundTally
-                 ) -> list[tuple[ClientInfo, FitIns, str, ModelState | Exception]]:
+    def _prepare(
+        self,
+        downlink: RoundDownlink,
+        server_round: int,
+        group: Sequence[tuple[ClientInfo, FitIns]],
+        downloads: dict[_Stream, tuple[ModelState, int]],
+        tally: RoundTally,
+    ) -> list[tuple[ClientInfo, FitIns, str, ModelState | Exception]]:
         """Phase 1: each client's uplink codec and downloaded model (or its exception); the task
         it trains on carries the codec, as a deployed client's does."""
         prepared: list[tuple[ClientInfo, FitIns, str, ModelState | Exception]] = []
@@ -313,7 +382,9 @@ class InProcessFleet(Fleet):
                 codec = self.codec_policy.uplink(info)
                 # An uplink sending differences takes them against the global values of what it uploads.
                 delta_uplink = not self._uplink(info.client_id, codec).lossless
-                names = ins.download_names(lossless_downlink=self.downlink.lossless, delta_uplink=delta_uplink)
+                names = ins.download_names(
+                    lossless_downlink=self.downlink.lossless, delta_uplink=delta_uplink
+                )
                 state, size = self._download(downlink, server_round, info, downloads, names)
                 tally.add_down(info.region, size)
                 task = dataclasses.replace(ins, config={**ins.config, "uplink_codec": codec})
@@ -322,8 +393,18 @@ class InProcessFleet(Fleet):
                 prepared.append((info, ins, "", exc))
         return prepared
 
-    def _upload(self, server_round: int, info: ClientInfo, ins: FitIns, codec: str, state: ModelState, out: FitOutput,
-                base: ModelState, round_specs: Mapping[str, TensorSpec], tally: RoundTally) -> FitRes:
+    def _upload(
+        self,
+        server_round: int,
+        info: ClientInfo,
+        ins: FitIns,
+        codec: str,
+        state: ModelState,
+        out: FitOutput,
+        base: ModelState,
+        round_specs: Mapping[str, TensorSpec],
+        tally: RoundTally,
+    ) -> FitRes:
         """Phase 3 for one client: its update through its uplink codec, accepted as the
         coordinator accepts it (``server/accept.py``: header, then each tensor, then the bytes).
 
@@ -331,23 +412,37 @@ class InProcessFleet(Fleet):
             InvalidUpdateError: whatever the coordinator would refuse, with its message.
         """
         expected = ins.expected or round_specs
-        if self.fast_lossless and codec == "none" and _raw_passes(out, expected):  # the wire's result, without the wire
+        if (
+            self.fast_lossless and codec == "none" and _raw_passes(out, expected)
+        ):  # the wire's result, without the wire
             metrics = {k: float(v) for k, v in out.metrics.items()}
             header = serde.StreamInfo(round=server_round, num_examples=out.num_examples, metrics=metrics)
             serde.check_metrics(header.metrics)
             accept.check_header(self.bounds, info, num_examples=header.num_examples, delta=False, codec=codec)
             # A TorchClient's upload and the batched engine's rows are fresh copies (OwnedState);
             # anything else a client may still hold.
-            received = (OrderedDict(out.state) if isinstance(out.state, OwnedState) else OrderedDict(
-                (n, t.detach().to("cpu").clone(memory_format=torch.contiguous_format)) for n, t in out.state.items()))
+            received = (
+                OrderedDict(out.state)
+                if isinstance(out.state, OwnedState)
+                else OrderedDict(
+                    (n, t.detach().to("cpu").clone(memory_format=torch.contiguous_format))
+                    for n, t in out.state.items()
+                )
+            )
             wire = serde.stream_wire_bytes(received, header, chunk_size=self.chunk_size)
             payload = sum(t.numel() * t.element_size() for t in received.values())
         else:
-            encoded, delta = self._uplink(info.client_id, codec).encode(global_state=state, new_state=out.state)
-            head = serde.StreamInfo(round=server_round, num_examples=out.num_examples, metrics=out.metrics, delta=delta)
+            encoded, delta = self._uplink(info.client_id, codec).encode(
+                global_state=state, new_state=out.state
+            )
+            head = serde.StreamInfo(
+                round=server_round, num_examples=out.num_examples, metrics=out.metrics, delta=delta
+            )
             frames = list(encoded.frames(head, chunk_size=self.chunk_size))
             sent = serde.read_header(frames[0])
-            accept.check_header(self.bounds, info, num_examples=sent.num_examples, delta=sent.delta, codec=codec)
+            accept.check_header(
+                self.bounds, info, num_examples=sent.num_examples, delta=sent.delta, codec=codec
+            )
             header, received = serde.decode_chunks(frames, expected=expected)
             wire, payload = sum(serde.wire_size(c) for c in frames), encoded.total_bytes
         # Differences are kept as such (FitRes.delta) where clients hold the exact model, as RemoteFleet keeps them.
@@ -374,7 +469,9 @@ class InProcessFleet(Fleet):
             _, state = serde.decode_chunks(down)
             try:
                 out = self._clients[info.client_id].evaluate(state, ins.config)
-                info_up = serde.StreamInfo(round=server_round, num_examples=out.num_examples, metrics=out.metrics)
+                info_up = serde.StreamInfo(
+                    round=server_round, num_examples=out.num_examples, metrics=out.metrics
+                )
                 up = list(serde.EncodedModel({}).frames(info_up))
                 header, _ = serde.decode_chunks(up, expected={})
                 accept.check_claim(self.bounds, info, header.num_examples, evaluate=True)
@@ -405,7 +502,9 @@ class InProcessFleet(Fleet):
         tasks: dict[str, MessageIns] = {}
         for info, ins in assignments:
             ins = dataclasses.replace(ins, client_id=info.client_id)
-            if self.profiles is not None and not self.profiles.available(self._index[info.client_id], server_round):
+            if self.profiles is not None and not self.profiles.available(
+                self._index[info.client_id], server_round
+            ):
                 failures.append(Failure(info, f"unavailable in round {server_round} (simulated)"))
                 continue
             try:

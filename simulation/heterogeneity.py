@@ -116,9 +116,13 @@ def load_trace(path: str | Path) -> dict[int, frozenset[int]]:
             index = int(str(client).strip())
             parsed = {int(str(r).strip()) for r in rounds}
         except ValueError:
-            raise ConfigError(key, f"{path}: client indices and rounds must be whole numbers, got {client!r}: {rounds!r}") from None
+            raise ConfigError(
+                key, f"{path}: client indices and rounds must be whole numbers, got {client!r}: {rounds!r}"
+            ) from None
         if index < 0 or any(r < 1 for r in parsed):
-            raise ConfigError(key, f"{path}: client indices start at 0 and rounds at 1, got {index}: {sorted(parsed)}")
+            raise ConfigError(
+                key, f"{path}: client indices start at 0 and rounds at 1, got {index}: {sorted(parsed)}"
+            )
         trace.setdefault(index, set()).update(parsed)
 
     if text.lstrip().startswith("{"):
@@ -202,7 +206,12 @@ class ClientProfiles:
         if kind == "constant":
             self._speeds = np.full(num_clients, value)
         else:
-            self._speeds = np.array([np.random.default_rng(derive_seed(seed, "speed", i)).lognormal(0.0, value) for i in range(num_clients)])
+            self._speeds = np.array(
+                [
+                    np.random.default_rng(derive_seed(seed, "speed", i)).lognormal(0.0, value)
+                    for i in range(num_clients)
+                ]
+            )
         self._regions = self._deal_regions(parse_regions(regions))
 
     @classmethod
@@ -225,7 +234,9 @@ class ClientProfiles:
         exact = [share * self.num_clients for _, share in shares]
         counts = [math.floor(x) for x in exact]
         # Largest remainder; ties go to the region listed first.
-        for j in sorted(range(len(shares)), key=lambda j: (-(exact[j] - counts[j]), j))[: self.num_clients - sum(counts)]:
+        for j in sorted(range(len(shares)), key=lambda j: (-(exact[j] - counts[j]), j))[
+            : self.num_clients - sum(counts)
+        ]:
             counts[j] += 1
         labels = np.array([label for (label, _), n in zip(shares, counts) for _ in range(n)], dtype=object)
         order = np.random.default_rng(derive_seed(self.seed, "regions")).permutation(self.num_clients)
@@ -234,7 +245,12 @@ class ClientProfiles:
     @property
     def homogeneous(self) -> bool:
         """Every client always available, of speed 1, without a region label."""
-        return self.dropout_prob == 0.0 and not self.trace and bool(np.all(self._speeds == 1.0)) and not any(self._regions)
+        return (
+            self.dropout_prob == 0.0
+            and not self.trace
+            and bool(np.all(self._speeds == 1.0))
+            and not any(self._regions)
+        )
 
     def _check(self, index: int) -> None:
         if not 0 <= index < self.num_clients:

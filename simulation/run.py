@@ -11,12 +11,12 @@ from typing import Any, Callable
 from fedgrid.config import Config
 from fedgrid.determinism import environment, intra_op_threads
 from fedgrid.runlog import RunWriter
+from fedgrid.server.bounds import build_bounds
 from fedgrid.server.codec_policy import build_codec_policy
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.fleet import Fleet
 from fedgrid.server.memory import keep_large_buffers
 from fedgrid.server.strategies import build_strategy
-from fedgrid.server.bounds import build_bounds
 from fedgrid.simulation.fleet import InProcessFleet
 from fedgrid.simulation.heterogeneity import ClientProfiles
 from fedgrid.simulation.tasks import check_config, client_options, resolve
@@ -87,27 +87,42 @@ def _regions(config: Config, clients: list, profiles: ClientProfiles) -> list:
 
     from fedgrid.config import STRATEGY_KEYS
     from fedgrid.errors import ConfigError
-    from fedgrid.region.region import RegionClient
+    from fedgrid.region.region import PARTIAL_ALGORITHMS, RegionClient
     from fedgrid.server.codec_policy import CodecPolicy
 
-    from fedgrid.region.region import PARTIAL_ALGORITHMS
-
     if config.strategy in PARTIAL_ALGORITHMS:
-        raise ConfigError("strategy", f"{config.strategy} clients send part of the model or extra tensors; the regions of a hierarchy "
-                          "send their whole model (use fedavg, the fedopt family or diloco as the global strategy)")
+        raise ConfigError(
+            "strategy",
+            f"{config.strategy} clients send part of the model or extra tensors; the regions of a hierarchy "
+            "send their whole model (use fedavg, the fedopt family or diloco as the global strategy)",
+        )
     labels = sorted({profiles.region(i) for i in range(len(clients))} - {""})
     if not labels:
-        raise ConfigError("hierarchy", "needs regions (e.g. regions = 'eu:0.5,us:0.5'): the tiers to aggregate in")
+        raise ConfigError(
+            "hierarchy", "needs regions (e.g. regions = 'eu:0.5,us:0.5'): the tiers to aggregate in"
+        )
     defaults: dict[str, Any] = {k: None for k in STRATEGY_KEYS}  # the regional strategy's own defaults
     regional = replace(config, strategy=config.region_strategy, **defaults)
     out = []
     for label in labels:
         mine = [c for i, c in enumerate(clients) if profiles.region(i) == label]
         strategy = build_strategy(regional, num_clients=len(mine))
-        fleet = InProcessFleet(mine, chunk_size=config.chunk_size, codec_policy=CodecPolicy(default=config.lan_codec), engine=config.engine,
-                               batch_clients=config.batch_clients, bounds=build_bounds(config))
-        engine = RoundEngine(strategy=strategy, fleet=fleet, rounds=0, min_clients=1, round_timeout=timedelta(seconds=config.round_timeout_s),
-                             join_timeout=timedelta(seconds=config.join_timeout_s))
+        fleet = InProcessFleet(
+            mine,
+            chunk_size=config.chunk_size,
+            codec_policy=CodecPolicy(default=config.lan_codec),
+            engine=config.engine,
+            batch_clients=config.batch_clients,
+            bounds=build_bounds(config),
+        )
+        engine = RoundEngine(
+            strategy=strategy,
+            fleet=fleet,
+            rounds=0,
+            min_clients=1,
+            round_timeout=timedelta(seconds=config.round_timeout_s),
+            join_timeout=timedelta(seconds=config.join_timeout_s),
+        )
         out.append(RegionClient(engine, name=label, regional_rounds=config.regional_rounds))
     return out
 
@@ -141,17 +156,30 @@ def _run(
     stop: threading.Event | None,
 ) -> tuple[ModelState | None, list[RoundMetrics]]:
     strategy = build_strategy(config, num_clients=config.clients)  # a bad option fails before any work
-    resolved = resolve(dataset=config.dataset, model=config.model, app=config.app, seed=config.seed, data_dir=config.data_dir)
+    resolved = resolve(
+        dataset=config.dataset, model=config.model, app=config.app, seed=config.seed, data_dir=config.data_dir
+    )
     strategy.initialize(initial_state=resolved.initial_state)
     profiles = ClientProfiles.from_config(config)
     options = {} if config.app else client_options(config)
-    clients = [resolved.client_factory(i, config.clients, config.seed, **options) for i in range(config.clients)]
+    clients = [
+        resolved.client_factory(i, config.clients, config.seed, **options) for i in range(config.clients)
+    ]
+
     def report(metrics: RoundMetrics) -> None:
-        log.info("round %d: %d clients in %.2fs (%.1f clients/s)", metrics.round, metrics.clients_ok, metrics.wall_s, clients_per_second(metrics))
+        log.info(
+            "round %d: %d clients in %.2fs (%.1f clients/s)",
+            metrics.round,
+            metrics.clients_ok,
+            metrics.wall_s,
+            clients_per_second(metrics),
+        )
         if on_round is not None:
             on_round(metrics)
 
-    fleet = _fleet(config, clients, profiles)  # a fleet that cannot train fails before the run directory exists
+    fleet = _fleet(
+        config, clients, profiles
+    )  # a fleet that cannot train fails before the run directory exists
     rank, world = _ranks()
     run_fleet: Fleet = fleet
     if world > 1:  # torchrun: this rank trains its share of the clients (simulation/sharded.py)
@@ -161,7 +189,11 @@ def _run(
     writer = None
     if config.out and rank == 0:
         recorded = {**config.to_dict(), "threads": threads, "engine": fleet.engine}
-        writer = RunWriter(config.out, recorded, environment=environment(engine_requested=config.engine, threads_requested=config.threads))
+        writer = RunWriter(
+            config.out,
+            recorded,
+            environment=environment(engine_requested=config.engine, threads_requested=config.threads),
+        )
     engine = RoundEngine(
         strategy=strategy,
         fleet=run_fleet,

@@ -140,7 +140,9 @@ def _parse_tarball(path: str, size: int, mtime_ns: int) -> tuple[tuple[str, str]
     del size, mtime_ns  # part of the cache key only
     roles: dict[str, str] = {}
     with tarfile.open(path, "r:gz") as tar:
-        members = sorted((m for m in tar.getmembers() if m.isfile() and m.name.endswith(_SUFFIX)), key=lambda m: m.name)
+        members = sorted(
+            (m for m in tar.getmembers() if m.isfile() and m.name.endswith(_SUFFIX)), key=lambda m: m.name
+        )
         for member in members:
             handle = tar.extractfile(member)
             assert handle is not None  # a regular file
@@ -188,7 +190,9 @@ class CharData:
             return self.test_starts
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
 
-    def windows(self, split: Split, index: torch.Tensor | np.ndarray | slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def windows(
+        self, split: Split, index: torch.Tensor | np.ndarray | slice | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs ``[n, seq_len]`` and targets ``[n]`` (int64) of the chosen examples of ``split``.
 
         Args:
@@ -197,7 +201,9 @@ class CharData:
         """
         starts = self._starts(split)
         if index is not None:
-            starts = starts[torch.as_tensor(index, dtype=torch.int64) if not isinstance(index, slice) else index]
+            starts = starts[
+                torch.as_tensor(index, dtype=torch.int64) if not isinstance(index, slice) else index
+            ]
         # unfold is a view; indexing it copies only the chosen windows
         return self.text.unfold(0, self.seq_len, 1)[starts], self.text[starts + self.seq_len]
 
@@ -274,7 +280,10 @@ def load_shakespeare(data_dir: str | os.PathLike[str], *, seq_len: int = 80) -> 
         raise ConfigError("seq_len", f"must be at least 1, got {seq_len}")
     path = Path(data_dir) / TARBALL
     if not path.is_file():
-        raise ConfigError("data_dir", f"{path} not found: expected the Shakespeare Gutenberg tarball {TARBALL} in {data_dir}")
+        raise ConfigError(
+            "data_dir",
+            f"{path} not found: expected the Shakespeare Gutenberg tarball {TARBALL} in {data_dir}",
+        )
     stat = path.stat()
     parsed = _parse_tarball(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
     kept = [(role, text) for role, text in parsed if len(text) - seq_len >= MIN_EXAMPLES]
@@ -284,7 +293,9 @@ def load_shakespeare(data_dir: str | os.PathLike[str], *, seq_len: int = 80) -> 
         n = len(text) - seq_len  # windows; window j starts at j and predicts text[j + seq_len]
         n_train = int(TRAIN_FRACTION * n)
         train = np.arange(offset, offset + n_train, dtype=np.int64)
-        test = np.arange(offset + n_train + seq_len, offset + n, dtype=np.int64)  # empty when n - n_train <= seq_len
+        test = np.arange(
+            offset + n_train + seq_len, offset + n, dtype=np.int64
+        )  # empty when n - n_train <= seq_len
         train_starts.append(train)
         test_starts.append(test)
         train_roles.append(np.full(len(train), r, dtype=np.int64))
@@ -329,7 +340,10 @@ def partition_natural(roles: np.ndarray, num_clients: int) -> list[np.ndarray]:
     if num_clients < 1:
         raise ConfigError("clients", f"must be at least 1, got {num_clients}")
     if num_clients > len(present):
-        raise ConfigError("clients", f"{num_clients} clients but only {len(present)} roles to deal: each client needs a whole role")
+        raise ConfigError(
+            "clients",
+            f"{num_clients} clients but only {len(present)} roles to deal: each client needs a whole role",
+        )
     heap = [(0, c) for c in range(num_clients)]  # (examples held, client)
     held: list[list[int]] = [[] for _ in range(num_clients)]
     for k in sorted(range(len(present)), key=lambda k: (-counts[k], present[k])):

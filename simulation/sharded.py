@@ -27,7 +27,17 @@ import torch.distributed as dist
 from fedgrid.errors import ConfigError
 from fedgrid.server.fleet import Fleet, RoundOutcome
 from fedgrid.simulation.fleet import InProcessFleet
-from fedgrid.types import ClientInfo, EvaluateIns, EvaluateRes, Failure, FitIns, FitRes, MessageIns, MessageRes, ModelState
+from fedgrid.types import (
+    ClientInfo,
+    EvaluateIns,
+    EvaluateRes,
+    Failure,
+    FitIns,
+    FitRes,
+    MessageIns,
+    MessageRes,
+    ModelState,
+)
 
 __all__ = ["ShardedFleet"]
 
@@ -43,7 +53,9 @@ class ShardedFleet(Fleet):
     def __init__(self, fleet: InProcessFleet, *, rank: int, world: int) -> None:
         self.fleet, self.rank, self.world = fleet, rank, world
         self.engine, self.engine_reason = fleet.engine, fleet.engine_reason
-        self._infos = {info.client_id: info for info in fleet.wait_for_clients(min_clients=0, timeout=timedelta(0))}
+        self._infos = {
+            info.client_id: info for info in fleet.wait_for_clients(min_clients=0, timeout=timedelta(0))
+        }
 
     @property
     def device(self) -> Any:
@@ -56,12 +68,15 @@ class ShardedFleet(Fleet):
     def wait_for_clients(self, *, min_clients: int, timeout: timedelta) -> list[ClientInfo]:
         return self.fleet.wait_for_clients(min_clients=min_clients, timeout=timeout)
 
-    def _gather(self, outcome: RoundOutcome[Any], assigned: Sequence[ClientInfo], make: Any) -> RoundOutcome[Any]:
+    def _gather(
+        self, outcome: RoundOutcome[Any], assigned: Sequence[ClientInfo], make: Any
+    ) -> RoundOutcome[Any]:
         """Every rank's ``outcome`` merged, results and failures in the order of ``assigned``."""
         mine = {
             "results": [(r.client.client_id, make.pack(r)) for r in outcome.results],
             "failures": [(f.client.client_id, f.reason) for f in outcome.failures],
-            "bytes": (outcome.bytes_up, outcome.bytes_down), "extra": dict(outcome.extra),
+            "bytes": (outcome.bytes_up, outcome.bytes_down),
+            "extra": dict(outcome.extra),
         }
         gathered: list[Any] = [None] * self.world
         dist.all_gather_object(gathered, mine)  # pickles, among this run's own ranks only
@@ -86,27 +101,62 @@ class ShardedFleet(Fleet):
         return RoundOutcome(
             [make.unpack(self._infos[cid], results[cid]) for cid in order if cid in results],
             [Failure(self._infos[cid], failures[cid]) for cid in order if cid in failures],
-            bytes_up=sum(p["bytes"][0] for p in gathered), bytes_down=sum(p["bytes"][1] for p in gathered), extra=extra,
+            bytes_up=sum(p["bytes"][0] for p in gathered),
+            bytes_down=sum(p["bytes"][1] for p in gathered),
+            extra=extra,
         )
 
-    def fit_round(self, *, server_round: int, global_state: ModelState, assignments: Sequence[tuple[ClientInfo, FitIns]],
-                  timeout: timedelta, target: int | None = None) -> RoundOutcome[FitRes]:
+    def fit_round(
+        self,
+        *,
+        server_round: int,
+        global_state: ModelState,
+        assignments: Sequence[tuple[ClientInfo, FitIns]],
+        timeout: timedelta,
+        target: int | None = None,
+    ) -> RoundOutcome[FitRes]:
         if target is not None and target < len(assignments):
-            raise ConfigError("over_selection", "a simulation sharded across ranks trains every assigned client: over-selection "
-                              "(a round closing at its first results) is not sharded")
-        outcome = self.fleet.fit_round(server_round=server_round, global_state=global_state,
-                                       assignments=[(i, ins) for i, ins in assignments if self.mine(i)], timeout=timeout)
+            raise ConfigError(
+                "over_selection",
+                "a simulation sharded across ranks trains every assigned client: over-selection "
+                "(a round closing at its first results) is not sharded",
+            )
+        outcome = self.fleet.fit_round(
+            server_round=server_round,
+            global_state=global_state,
+            assignments=[(i, ins) for i, ins in assignments if self.mine(i)],
+            timeout=timeout,
+        )
         return self._gather(outcome, [info for info, _ in assignments], _FitPacking)
 
-    def evaluate_round(self, *, server_round: int, global_state: ModelState, assignments: Sequence[tuple[ClientInfo, EvaluateIns]],
-                       timeout: timedelta) -> RoundOutcome[EvaluateRes]:
-        outcome = self.fleet.evaluate_round(server_round=server_round, global_state=global_state,
-                                            assignments=[(i, ins) for i, ins in assignments if self.mine(i)], timeout=timeout)
+    def evaluate_round(
+        self,
+        *,
+        server_round: int,
+        global_state: ModelState,
+        assignments: Sequence[tuple[ClientInfo, EvaluateIns]],
+        timeout: timedelta,
+    ) -> RoundOutcome[EvaluateRes]:
+        outcome = self.fleet.evaluate_round(
+            server_round=server_round,
+            global_state=global_state,
+            assignments=[(i, ins) for i, ins in assignments if self.mine(i)],
+            timeout=timeout,
+        )
         return self._gather(outcome, [info for info, _ in assignments], _EvaluatePacking)
 
-    def message_round(self, *, server_round: int, phase: str, assignments: Sequence[tuple[ClientInfo, MessageIns]],
-                      timeout: timedelta) -> RoundOutcome[MessageRes]:
-        raise ConfigError("strategy", f"message phase {phase!r}: a simulation sharded across ranks does not relay messages between them")
+    def message_round(
+        self,
+        *,
+        server_round: int,
+        phase: str,
+        assignments: Sequence[tuple[ClientInfo, MessageIns]],
+        timeout: timedelta,
+    ) -> RoundOutcome[MessageRes]:
+        raise ConfigError(
+            "strategy",
+            f"message phase {phase!r}: a simulation sharded across ranks does not relay messages between them",
+        )
 
     def committed(self, server_round: int) -> None:
         self.fleet.committed(server_round)

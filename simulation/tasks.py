@@ -32,7 +32,14 @@ from fedgrid.client.api import Client
 from fedgrid.client.torch_client import TorchClient, default_device
 from fedgrid.errors import ConfigError
 from fedgrid.plugins import initial_state
-from fedgrid.simulation.datasets import Dataset, load_digits, load_fashion_mnist, load_synthetic, parse_partition, partition
+from fedgrid.simulation.datasets import (
+    Dataset,
+    load_digits,
+    load_fashion_mnist,
+    load_synthetic,
+    parse_partition,
+    partition,
+)
 from fedgrid.simulation.models import char_lstm, digits_mlp, fmnist_cnn, fmnist_mlp, logistic
 from fedgrid.types import ModelState
 
@@ -65,7 +72,17 @@ __all__ = [
 DIGITS_BATCH_SIZE = 32
 OPTIMIZERS = ("sgd", "adam", "adamw")
 #: Config keys the built-in client factory takes (``partition`` arrives as ``partitioner``).
-CLIENT_KEYS = ("dataset", "data_dir", "partition", "model", "batch_size", "optimizer", "lr", "momentum", "weight_decay")
+CLIENT_KEYS = (
+    "dataset",
+    "data_dir",
+    "partition",
+    "model",
+    "batch_size",
+    "optimizer",
+    "lr",
+    "momentum",
+    "weight_decay",
+)
 #: Test examples per forward pass of the server-side evaluation.
 EVAL_CHUNK = 1024
 
@@ -120,7 +137,9 @@ class DatasetData:
         n = len(self.y_test)
         self.eval_index: torch.Tensor | None = None
         if eval_limit is not None and n > eval_limit:  # a fixed subset, the same in every run
-            self.eval_index = torch.from_numpy(np.sort(np.random.default_rng(_EVAL_SEED).choice(n, eval_limit, replace=False)))
+            self.eval_index = torch.from_numpy(
+                np.sort(np.random.default_rng(_EVAL_SEED).choice(n, eval_limit, replace=False))
+            )
 
     def train(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and labels of the chosen training examples."""
@@ -151,16 +170,32 @@ DATASETS: dict[str, BuiltinDataset] = {
     "fashion-mnist": BuiltinDataset(
         "fashion-mnist",
         load_fashion_mnist,
-        {"mlp": lambda d: fmnist_mlp(d.num_classes), "cnn": lambda d: fmnist_cnn(d.num_classes), "logistic": lambda d: logistic(784, d.num_classes)},
+        {
+            "mlp": lambda d: fmnist_mlp(d.num_classes),
+            "cnn": lambda d: fmnist_cnn(d.num_classes),
+            "logistic": lambda d: logistic(784, d.num_classes),
+        },
         "dirichlet:0.5",
         needs_data_dir=True,
     ),
     # 2,000 of the 0.36 M test windows (a fixed subset): the LSTM on the whole test split would
     # cost a CPU many minutes per round.
     "shakespeare": BuiltinDataset(
-        "shakespeare", _load_shakespeare, {"lstm": lambda d: char_lstm(d.num_classes)}, "natural", needs_data_dir=True, natural=True, eval_limit=2_000
+        "shakespeare",
+        _load_shakespeare,
+        {"lstm": lambda d: char_lstm(d.num_classes)},
+        "natural",
+        needs_data_dir=True,
+        natural=True,
+        eval_limit=2_000,
     ),
-    "synthetic": BuiltinDataset("synthetic", lambda _: load_synthetic(), {"logistic": lambda d: logistic(60, d.num_classes)}, "natural", natural=True),
+    "synthetic": BuiltinDataset(
+        "synthetic",
+        lambda _: load_synthetic(),
+        {"logistic": lambda d: logistic(60, d.num_classes)},
+        "natural",
+        natural=True,
+    ),
 }
 
 
@@ -173,7 +208,9 @@ def get_dataset(name: str) -> BuiltinDataset:
     try:
         return DATASETS[name]
     except KeyError:
-        raise ConfigError("dataset", f"unknown dataset {name!r} (known: {', '.join(sorted(DATASETS))})") from None
+        raise ConfigError(
+            "dataset", f"unknown dataset {name!r} (known: {', '.join(sorted(DATASETS))})"
+        ) from None
 
 
 def check_config(config: "Config") -> None:
@@ -185,11 +222,19 @@ def check_config(config: "Config") -> None:
     """
     from fedgrid.simulation.heterogeneity import check_heterogeneity
 
-    check_options(dataset=config.dataset, data_dir=config.data_dir, model=config.model, partition=config.partition, optimizer=config.optimizer)
+    check_options(
+        dataset=config.dataset,
+        data_dir=config.data_dir,
+        model=config.model,
+        partition=config.partition,
+        optimizer=config.optimizer,
+    )
     check_heterogeneity(config)
 
 
-def check_options(*, dataset: str, data_dir: str = "", model: str = "", partition: str = "", optimizer: str = "sgd") -> None:
+def check_options(
+    *, dataset: str, data_dir: str = "", model: str = "", partition: str = "", optimizer: str = "sgd"
+) -> None:
     """Checks the data and model options without loading any data.
 
     Raises:
@@ -206,11 +251,16 @@ def check_options(*, dataset: str, data_dir: str = "", model: str = "", partitio
     if ":" in model:
         check_spec(model, key="model")
     elif model and model not in task.models:
-        raise ConfigError("model", f"unknown model {model!r} for dataset {dataset} (known: {', '.join(task.models)}; or MODULE:FACTORY)")
+        raise ConfigError(
+            "model",
+            f"unknown model {model!r} for dataset {dataset} (known: {', '.join(task.models)}; or MODULE:FACTORY)",
+        )
     name, _ = parse_partition(partition or task.default_partition)
     if name == "natural" and not task.natural:
         natural = ", ".join(n for n, t in DATASETS.items() if t.natural)
-        raise ConfigError("partition", f"natural needs a dataset with natural groups ({natural}); {dataset} has none")
+        raise ConfigError(
+            "partition", f"natural needs a dataset with natural groups ({natural}); {dataset} has none"
+        )
     if optimizer not in OPTIMIZERS:
         raise ConfigError("optimizer", f"unknown optimizer {optimizer!r} (known: {', '.join(OPTIMIZERS)})")
 
@@ -248,11 +298,16 @@ def build_model(dataset: str = "digits", model: str = "", data_dir: str = "") ->
     task = get_dataset(dataset)
     name = model or task.default_model
     if name not in task.models:
-        raise ConfigError("model", f"unknown model {name!r} for dataset {dataset} (known: {', '.join(task.models)}; or MODULE:FACTORY)")
+        raise ConfigError(
+            "model",
+            f"unknown model {name!r} for dataset {dataset} (known: {', '.join(task.models)}; or MODULE:FACTORY)",
+        )
     return task.models[name](load_data(dataset, data_dir))
 
 
-def _optimizer(name: str, *, lr: float, momentum: float, weight_decay: float) -> Callable[..., torch.optim.Optimizer]:
+def _optimizer(
+    name: str, *, lr: float, momentum: float, weight_decay: float
+) -> Callable[..., torch.optim.Optimizer]:
     if name == "sgd":
         return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     if name == "adam":
@@ -303,8 +358,14 @@ def builtin_client(
     data = load_data(dataset, data_dir)
     mine = _parts(dataset, data_dir, num_partitions, spec, seed)[partition_index]
     train = TensorDataset(*data.train(torch.from_numpy(mine)))
-    if parse_partition(spec)[0] == "natural" and data.train_groups is not None and data.test_groups is not None:
-        test = TensorDataset(*data.test(torch.from_numpy(np.flatnonzero(np.isin(data.test_groups, data.train_groups[mine])))))
+    if (
+        parse_partition(spec)[0] == "natural"
+        and data.train_groups is not None
+        and data.test_groups is not None
+    ):
+        test = TensorDataset(
+            *data.test(torch.from_numpy(np.flatnonzero(np.isin(data.test_groups, data.train_groups[mine]))))
+        )
     else:  # the server's test examples (views of one tensor, except Shakespeare's subset)
         test = TensorDataset(*data.test(slice(None) if data.eval_index is None else data.eval_index))
     with torch.random.fork_rng(devices=[]):
@@ -329,7 +390,9 @@ def client_options(config: "Config") -> dict[str, Any]:
     return options
 
 
-def make_evaluate(dataset: str = "digits", model: str = "", data_dir: str = "") -> Callable[[ModelState], tuple[float, dict[str, float]]]:
+def make_evaluate(
+    dataset: str = "digits", model: str = "", data_dir: str = ""
+) -> Callable[[ModelState], tuple[float, dict[str, float]]]:
     """The server-side evaluation of a built-in model: mean cross-entropy and accuracy on
     the dataset's fixed test split (``BuiltinDataset.eval_limit``: a fixed subset of it), in chunks of
     ``EVAL_CHUNK`` examples."""
@@ -351,10 +414,14 @@ def make_evaluate(dataset: str = "digits", model: str = "", data_dir: str = "") 
             x, y = data.test(slice(None) if index is None else index)
             out = net(x.to(device))
             y = y.to(device)
-            return float(nn.functional.cross_entropy(out, y)), {"accuracy": float((out.argmax(1) == y).float().mean())}
+            return float(nn.functional.cross_entropy(out, y)), {
+                "accuracy": float((out.argmax(1) == y).float().mean())
+            }
         loss_sum, correct = 0.0, 0
         for start in range(0, n, EVAL_CHUNK):
-            x, y = data.test(slice(start, start + EVAL_CHUNK) if index is None else index[start : start + EVAL_CHUNK])
+            x, y = data.test(
+                slice(start, start + EVAL_CHUNK) if index is None else index[start : start + EVAL_CHUNK]
+            )
             x, y = x.to(device), y.to(device)
             out = net(x)
             loss_sum += float(nn.functional.cross_entropy(out, y, reduction="sum"))
@@ -373,7 +440,9 @@ class Resolved:
     client_factory: Callable[..., Client]
 
 
-def resolve(*, dataset: str = "digits", model: str = "", app: str = "", seed: int = 0, data_dir: str = "") -> Resolved:
+def resolve(
+    *, dataset: str = "digits", model: str = "", app: str = "", seed: int = 0, data_dir: str = ""
+) -> Resolved:
     """Builds the initial model and finds the evaluation and client factory.
 
     A built-in ``model`` name (or none: the dataset's default) keeps the server-side
@@ -408,14 +477,23 @@ digits_evaluate = make_evaluate("digits")
 
 
 #: Names before "task" meant one thing in the package (a round's task); for one release, with a warning.
-_RENAMED = {"Task": "BuiltinDataset", "TaskData": "DatasetData", "TASKS": "DATASETS", "get_task": "get_dataset"}
+_RENAMED = {
+    "Task": "BuiltinDataset",
+    "TaskData": "DatasetData",
+    "TASKS": "DATASETS",
+    "get_task": "get_dataset",
+}
 
 
 def __getattr__(name: str) -> Any:
     if name in _RENAMED:
         import warnings
 
-        warnings.warn(f"fedgrid.simulation.tasks.{name} is deprecated and goes in the next release: use "
-                      f"fedgrid.simulation.tasks.{_RENAMED[name]}", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            f"fedgrid.simulation.tasks.{name} is deprecated and goes in the next release: use "
+            f"fedgrid.simulation.tasks.{_RENAMED[name]}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return globals()[_RENAMED[name]]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -23,6 +23,7 @@ import pytest
 
 if TYPE_CHECKING:
     import torch
+
     from harness import InProcessCoordinator
 
 TESTS = Path(__file__).resolve().parent
@@ -34,7 +35,9 @@ TIERS = {"unit": 180, "integration": 300, "e2e": 900, "examples": 600}
 
 def pytest_configure(config: pytest.Config) -> None:
     for tier in TIERS:
-        config.addinivalue_line("markers", f"{tier}: tests under tests/{tier}/ (applied by tests/conftest.py)")
+        config.addinivalue_line(
+            "markers", f"{tier}: tests under tests/{tier}/ (applied by tests/conftest.py)"
+        )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -59,8 +62,13 @@ def reference_deployment(tmp_path_factory: pytest.TempPathFactory) -> Callable[.
     def get(coordinator_args: Sequence[str], *, clients: int, seed: int) -> Path:
         key = (tuple(coordinator_args), clients, seed)
         if key not in made:
-            made[key] = deploy(tmp_path_factory.mktemp("reference"), "reference", list(coordinator_args), clients=clients,
-                               seed=seed)
+            made[key] = deploy(
+                tmp_path_factory.mktemp("reference"),
+                "reference",
+                list(coordinator_args),
+                clients=clients,
+                seed=seed,
+            )
         return made[key]
 
     return get
@@ -72,8 +80,11 @@ def small_state() -> "OrderedDict[str, torch.Tensor]":
 
     g = torch.Generator().manual_seed(0)
     return OrderedDict(
-        [("layer.weight", torch.randn(4, 3, generator=g)), ("layer.bias", torch.randn(4, generator=g)),
-         ("steps", torch.tensor(7))]
+        [
+            ("layer.weight", torch.randn(4, 3, generator=g)),
+            ("layer.bias", torch.randn(4, generator=g)),
+            ("steps", torch.tensor(7)),
+        ]
     )
 
 

@@ -8,7 +8,6 @@ the seed; the margin absorbs float differences across machines and thread counts
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -31,6 +30,7 @@ def one_thread():
     yield
     torch.set_num_threads(before)
 
+
 # (strategy, options, rounds, accuracy it must reach by then); observed with seed 0 in the comment
 CONVERGENCE = [
     ("fedavg", {}, 10, 0.90),  # 0.933
@@ -47,9 +47,15 @@ CONVERGENCE = [
 ]
 
 
-@pytest.mark.parametrize("strategy,options,rounds,threshold", CONVERGENCE, ids=[c[0] + ("-" + str(c[1]["block_schedule"]) if "block_schedule" in c[1] else "") for c in CONVERGENCE])
+@pytest.mark.parametrize(
+    "strategy,options,rounds,threshold",
+    CONVERGENCE,
+    ids=[c[0] + ("-" + str(c[1]["block_schedule"]) if "block_schedule" in c[1] else "") for c in CONVERGENCE],
+)
 def test_strategy_converges_on_digits(strategy, options, rounds, threshold):
-    config = load_config(overrides={"strategy": strategy, "rounds": rounds, "clients": 10, "seed": SEED, **options})
+    config = load_config(
+        overrides={"strategy": strategy, "rounds": rounds, "clients": 10, "seed": SEED, **options}
+    )
     _, history = run_simulation(config)
     accuracy = [m.accuracy for m in history]
     assert accuracy[-1] >= threshold, f"{strategy}: accuracy by round {rounds}: {accuracy}"
@@ -64,7 +70,9 @@ def test_bcd_uploads_a_block_per_client(blocks):
     client is 1/B of FedAvg's model plus framing (stream header, tensor metadata)."""
     common = {"rounds": 2, "clients": 8, "seed": SEED, "local_epochs": 1}
     _, fedavg = run_simulation(load_config(overrides=common))
-    _, bcd = run_simulation(load_config(overrides={**common, "strategy": "bcd", "num_blocks": blocks, "block_schedule": "cyclic"}))
+    _, bcd = run_simulation(
+        load_config(overrides={**common, "strategy": "bcd", "num_blocks": blocks, "block_schedule": "cyclic"})
+    )
     framing = 100  # bytes per client and round
     for full, part in zip(fedavg, bcd):
         per_client_full = full.bytes_up / full.clients_ok
@@ -99,7 +107,9 @@ def clean_accuracy() -> float:
 def test_robust_aggregators_survive_what_breaks_the_mean(attack, clean_accuracy):
     assert clean_accuracy >= 0.92
     mean = _attacked(attack, {})  # observed: sign-flip 0.092, gaussian 0.688
-    assert mean < clean_accuracy - 0.15, f"the {attack} attack did not hurt the mean ({mean} vs {clean_accuracy})"
+    assert mean < clean_accuracy - 0.15, (
+        f"the {attack} attack did not hurt the mean ({mean} vs {clean_accuracy})"
+    )
     for name, options in AGGREGATORS.items():  # observed 0.928 to 0.944
         robust = _attacked(attack, options)
         assert robust >= clean_accuracy - 0.05, f"{name} under {attack}: {robust} vs clean {clean_accuracy}"
@@ -109,10 +119,24 @@ def test_scaffold_over_grpc_matches_simulation(tmp_path):
     rounds, clients, seed = 3, 3, 7
     run_dir = tmp_path / "coord"
     proc, address = start_coordinator(
-        run_dir, "--strategy", "scaffold", "--rounds", str(rounds), "--min-clients", str(clients), "--seed", str(seed),
-        "--heartbeat-interval-s", "1",
+        run_dir,
+        "--strategy",
+        "scaffold",
+        "--rounds",
+        str(rounds),
+        "--min-clients",
+        str(clients),
+        "--seed",
+        str(seed),
+        "--heartbeat-interval-s",
+        "1",
     )
-    procs = [start_client(address, tmp_path / f"client{i}.log", "--partition", f"{i}/{clients}", "--seed", str(seed)) for i in range(clients)]
+    procs = [
+        start_client(
+            address, tmp_path / f"client{i}.log", "--partition", f"{i}/{clients}", "--seed", str(seed)
+        )
+        for i in range(clients)
+    ]
     try:
         for i, c in enumerate(procs):
             assert c.wait(timeout=180) == 0, (tmp_path / f"client{i}.log").read_text()
@@ -128,7 +152,9 @@ def test_scaffold_over_grpc_matches_simulation(tmp_path):
         assert 2 * model_bytes * clients < m["bytes_down"] < 2 * model_bytes * clients + 2000
         assert 2 * model_bytes * clients < m["bytes_up"] < 2 * model_bytes * clients + 2000
 
-    config = load_config(overrides={"strategy": "scaffold", "rounds": rounds, "clients": clients, "seed": seed, **REFERENCE})
+    config = load_config(
+        overrides={"strategy": "scaffold", "rounds": rounds, "clients": clients, "seed": seed, **REFERENCE}
+    )
     sim_state, sim_history = run_simulation(config)
     deployed = load_model(run_dir / "model.safetensors")
     assert set(deployed) == set(sim_state)

@@ -10,10 +10,7 @@ stating its capabilities with flags and SDK clients stating theirs with
 from __future__ import annotations
 
 import sys
-from datetime import timedelta
 from pathlib import Path
-
-import pytest
 
 from fedgrid.capabilities import CapabilityOverride
 from fedgrid.client import ClientHandle, TorchClient
@@ -61,21 +58,55 @@ def test_a_coordinator_configured_with_requirements_selects_only_qualifying_clie
     config = tmp_path / "coordinator.toml"
     config.write_text('require_device = "cuda"\nmin_client_memory = "8GiB"\nmin_accelerators = 1\n')
     log = tmp_path / "coordinator.log"
-    run = CoordinatorRun(tmp_path / "run", ["--config", str(config), "--model", "linear_app:model", "--rounds", "2",
-                                            "--min-clients", "2", "--seed", "1"], log)
+    run = CoordinatorRun(
+        tmp_path / "run",
+        [
+            "--config",
+            str(config),
+            "--model",
+            "linear_app:model",
+            "--rounds",
+            "2",
+            "--min-clients",
+            "2",
+            "--seed",
+            "1",
+        ],
+        log,
+    )
     address = run.address()
     # The clients that fall short join first: a coordinator that ignored the requirements
     # would have four clients to ask, and round 1 would ask them all.
     short = [
-        start(_sdk_client(0, "cpu-host", CapabilityOverride(memory_bytes=512 * GiB)), address, poll_wait_s=1.0),  # device cpu
-        start(_sdk_client(1, "small-gpu", CapabilityOverride("cuda", 1, 4 * GiB)), address, poll_wait_s=1.0),   # memory
-        start(_sdk_client(2, "no-gpu-count", CapabilityOverride("cuda", 0, 80 * GiB)), address, poll_wait_s=1.0),  # accelerators
+        start(
+            _sdk_client(0, "cpu-host", CapabilityOverride(memory_bytes=512 * GiB)), address, poll_wait_s=1.0
+        ),  # device cpu
+        start(
+            _sdk_client(1, "small-gpu", CapabilityOverride("cuda", 1, 4 * GiB)), address, poll_wait_s=1.0
+        ),  # memory
+        start(
+            _sdk_client(2, "no-gpu-count", CapabilityOverride("cuda", 0, 80 * GiB)), address, poll_wait_s=1.0
+        ),  # accelerators
     ]
     wait_until(lambda: len(run.seen("client_joined")) == 3, timeout=60, what="the short clients to join")
     assert run.seen("round_opened") == []  # three live clients, none qualifying: no round
     good = start(_sdk_client(3, "big-gpu", CapabilityOverride("cuda", 2, 80 * GiB)), address, poll_wait_s=1.0)
-    cli = start_client(address, tmp_path / "cli-client.log", "--app", "linear_app:client", "--partition", "0/2", "--seed", "1",
-                       "--report-device", "cuda", "--report-accelerators", "1", "--report-memory", "16GiB")
+    cli = start_client(
+        address,
+        tmp_path / "cli-client.log",
+        "--app",
+        "linear_app:client",
+        "--partition",
+        "0/2",
+        "--seed",
+        "1",
+        "--report-device",
+        "cuda",
+        "--report-accelerators",
+        "1",
+        "--report-memory",
+        "16GiB",
+    )
     _finish(run, [*short, good], log, [cli])
     assert _uploads_by_round(run) == {1: {"big-gpu", "linear-0/2"}, 2: {"big-gpu", "linear-0/2"}}
     assert [e["clients"] for e in run.seen("round_opened", evaluate=False)] == [2, 2]
@@ -98,9 +129,26 @@ class Recording(TorchClient):
 def test_bcd_capacity_gives_the_largest_block_to_the_client_reporting_the_most_memory(tmp_path):
     log = tmp_path / "coordinator.log"
     # Blocks: weight (3 elements, block 0) and bias (1 element, block 1).
-    run = CoordinatorRun(tmp_path / "run", ["--model", "linear_app:model", "--strategy", "bcd", "--block-schedule", "capacity",
-                                            "--block-prefixes", "weight;bias", "--rounds", "2", "--min-clients", "3",
-                                            "--seed", "1"], log)
+    run = CoordinatorRun(
+        tmp_path / "run",
+        [
+            "--model",
+            "linear_app:model",
+            "--strategy",
+            "bcd",
+            "--block-schedule",
+            "capacity",
+            "--block-prefixes",
+            "weight;bias",
+            "--rounds",
+            "2",
+            "--min-clients",
+            "3",
+            "--seed",
+            "1",
+        ],
+        log,
+    )
     address = run.address()
     # Canonical (name) order differs from memory order, so a schedule that ignored memory
     # (cyclic, or capacity over equal reports) would deal the blocks otherwise.
@@ -114,5 +162,9 @@ def test_bcd_capacity_gives_the_largest_block_to_the_client_reporting_the_most_m
     handles = [start(c, address, poll_wait_s=1.0) for c in clients]
     _finish(run, handles, log)
     # k = 3 clients >= B = 2 blocks: memory ranks b < c < a get block-size ranks 0, 0, 1.
-    assert {c.name: c.blocks for c in clients} == {"a": [(1, 0), (2, 0)], "b": [(1, 1), (2, 1)], "c": [(1, 1), (2, 1)]}
+    assert {c.name: c.blocks for c in clients} == {
+        "a": [(1, 0), (2, 0)],
+        "b": [(1, 1), (2, 1)],
+        "c": [(1, 1), (2, 1)],
+    }
     assert [h.summary.rounds for h in handles] == [2, 2, 2]

@@ -40,9 +40,17 @@ def test_bad_flag_names_the_key_and_starts_nothing(tmp_path, args, key):
 @pytest.mark.parametrize(
     "args, key, words",
     [
-        (["--nproc-per-node", "4", "--parallel", "hsdp:3x2"], "parallel", "R x S must equal nproc_per_node (4)"),
+        (
+            ["--nproc-per-node", "4", "--parallel", "hsdp:3x2"],
+            "parallel",
+            "R x S must equal nproc_per_node (4)",
+        ),
         (["--nproc-per-node", "2", "--parallel", "zero"], "parallel", "expected dp, fsdp or hsdp:RxS"),
-        (["--nproc-per-node", "2", "--parallel", "fsdp", "--comm-hook", "powersgd:4"], "comm_hook", "is a DDP hook"),
+        (
+            ["--nproc-per-node", "2", "--parallel", "fsdp", "--comm-hook", "powersgd:4"],
+            "comm_hook",
+            "is a DDP hook",
+        ),
         (["--nproc-per-node", "0"], "nproc_per_node", "must be at least 1"),
     ],
 )
@@ -55,7 +63,7 @@ def test_client_bad_parallel_flags_name_the_key(args, key, words):
 
 def test_bad_toml_key_names_the_key(tmp_path):
     config = tmp_path / "run.toml"
-    config.write_text('rounds = 3\nroundz = 4\n')
+    config.write_text("rounds = 3\nroundz = 4\n")
     result = _run("simulate", "--config", str(config), "--out", str(tmp_path / "run"))
     assert result.returncode == 2 and "config key 'roundz'" in result.stderr
     config.write_text('rounds = "three"\n')
@@ -76,7 +84,9 @@ def test_client_bad_partition(tmp_path):
 def test_simulate_toml_then_flags(tmp_path):
     config = tmp_path / "run.toml"
     out = tmp_path / "run"
-    config.write_text(f'rounds = 5\nclients = 4\nseed = 3\nout = "{out}"\n')  # the file's out is the run directory
+    config.write_text(
+        f'rounds = 5\nclients = 4\nseed = 3\nout = "{out}"\n'
+    )  # the file's out is the run directory
     result = _run("simulate", "--config", str(config), "--rounds", "2")
     assert result.returncode == 0, result.stderr
     assert "round   2/2" in result.stdout and "final test accuracy" in result.stdout
@@ -91,31 +101,68 @@ def test_simulate_toml_then_flags(tmp_path):
     for line, row in zip(progress, lines):
         fields = line.split(" | ")
         assert fields[1].endswith(" clients/s") and float(fields[1].split()[0]) > 0
-        assert fields[2] == f"accuracy {json.loads(row)['accuracy']:.4f}" and fields[3] == f"loss {json.loads(row)['loss']:.4f}"
+        assert (
+            fields[2] == f"accuracy {json.loads(row)['accuracy']:.4f}"
+            and fields[3] == f"loss {json.loads(row)['loss']:.4f}"
+        )
         assert re.fullmatch(r"ETA \d+:\d\d:\d\d", fields[4])
     assert progress[1].endswith("ETA 0:00:00")
 
 
 def test_simulate_progress_off(tmp_path):
-    result = _run("simulate", "--rounds", "1", "--clients", "2", "--local-epochs", "1", "--progress", "false", "--out", str(tmp_path / "run"))
+    result = _run(
+        "simulate",
+        "--rounds",
+        "1",
+        "--clients",
+        "2",
+        "--local-epochs",
+        "1",
+        "--progress",
+        "false",
+        "--out",
+        str(tmp_path / "run"),
+    )
     assert result.returncode == 0, result.stderr
     assert "clients/s" not in result.stderr and "round   1/1" in result.stdout
 
 
 # -- a CLI that behaves: Ctrl-C, a second Ctrl-C, a coordinator that is not there ----------
 def _popen(*args: str, env: dict[str, str] | None = None, log=None) -> subprocess.Popen:
-    return subprocess.Popen([*FEDGRID, *args], stdout=log or subprocess.PIPE, stderr=subprocess.STDOUT if log else subprocess.PIPE,
-                            text=True, env={**child_env(), **(env or {})})
+    return subprocess.Popen(
+        [*FEDGRID, *args],
+        stdout=log or subprocess.PIPE,
+        stderr=subprocess.STDOUT if log else subprocess.PIPE,
+        text=True,
+        env={**child_env(), **(env or {})},
+    )
 
 
 def _slow_simulation(tmp_path: Path, fit_s: float, rounds: int) -> tuple[subprocess.Popen, Path]:
     markers = tmp_path / "markers"
     markers.mkdir()
     out = tmp_path / "run"
-    proc = _popen("simulate", "--app", "slow_app:client", "--model", "slow_app:model", "--clients", "2", "--rounds", str(rounds),
-                  "--threads", str(THREADS), "--progress", "false", "--out", str(out),
-                  env={"SLOW_APP_FIT_S": str(fit_s), "SLOW_APP_MARKER_DIR": str(markers)})
-    wait_until(lambda: (markers / "fit-0-1").exists() or proc.poll() is not None, timeout=60, what="round 1 to start")
+    proc = _popen(
+        "simulate",
+        "--app",
+        "slow_app:client",
+        "--model",
+        "slow_app:model",
+        "--clients",
+        "2",
+        "--rounds",
+        str(rounds),
+        "--threads",
+        str(THREADS),
+        "--progress",
+        "false",
+        "--out",
+        str(out),
+        env={"SLOW_APP_FIT_S": str(fit_s), "SLOW_APP_MARKER_DIR": str(markers)},
+    )
+    wait_until(
+        lambda: (markers / "fit-0-1").exists() or proc.poll() is not None, timeout=60, what="round 1 to start"
+    )
     return proc, out
 
 
@@ -128,7 +175,10 @@ def test_ctrl_c_in_simulate_stops_after_the_round_with_its_model(tmp_path):
     done = len((out / "metrics.jsonl").read_text().splitlines())
     assert 1 <= done < 5
     assert "SIGINT: stopping after the current round; a second one exits at once" in stdout
-    assert stdout.splitlines()[-1] == f"stopped after {done} of 5 rounds; model of round {done} in {out}/model.safetensors; run directory {out}"
+    assert (
+        stdout.splitlines()[-1]
+        == f"stopped after {done} of 5 rounds; model of round {done} in {out}/model.safetensors; run directory {out}"
+    )
     assert (out / "model.safetensors").stat().st_size > 0
 
 
@@ -137,25 +187,40 @@ def test_a_second_ctrl_c_forces_the_exit_in_one_line(tmp_path):
     assert proc.stdout is not None
     proc.send_signal(signal.SIGINT)
     lines = []
-    wait_until(lambda: lines.append(proc.stdout.readline()) or "stopping after the current round" in lines[-1], timeout=30,
-               what="the graceful stop to begin")
+    wait_until(
+        lambda: lines.append(proc.stdout.readline()) or "stopping after the current round" in lines[-1],
+        timeout=30,
+        what="the graceful stop to begin",
+    )
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 130
     assert "Traceback" not in stderr
     assert stderr.splitlines()[-1] == "fedgrid simulate: SIGINT again while stopping: exiting now"
-    assert not [line for line in stderr.splitlines()[:-1] if not re.match(r"\d{4}-\d\d-\d\d ", line)]  # log lines only
+    assert not [
+        line for line in stderr.splitlines()[:-1] if not re.match(r"\d{4}-\d\d-\d\d ", line)
+    ]  # log lines only
 
 
 def test_ctrl_c_stops_coordinator_and_client_gracefully(tmp_path):
     out = tmp_path / "run"
-    coordinator, address = start_coordinator(out, "--min-clients", "2", env={"FEDGRID_WAITING_REPORT_S": "0.2"})
+    coordinator, address = start_coordinator(
+        out, "--min-clients", "2", env={"FEDGRID_WAITING_REPORT_S": "0.2"}
+    )
     log = out.parent / f"{out.name}.coordinator.log"
     client = None
     try:
-        wait_until(lambda: log.read_text().count("waiting for 2 clients (0 joined)") >= 3, timeout=60, what="periodic waiting lines")
+        wait_until(
+            lambda: log.read_text().count("waiting for 2 clients (0 joined)") >= 3,
+            timeout=60,
+            what="periodic waiting lines",
+        )
         client = start_client(address, tmp_path / "client.log", "--partition", "0/2")
-        wait_until(lambda: "waiting for 2 clients (1 joined)" in log.read_text(), timeout=60, what="the client's join")
+        wait_until(
+            lambda: "waiting for 2 clients (1 joined)" in log.read_text(),
+            timeout=60,
+            what="the client's join",
+        )
         client.send_signal(signal.SIGINT)
         assert client.wait(timeout=60) == 0
         coordinator.send_signal(signal.SIGINT)
@@ -168,7 +233,10 @@ def test_ctrl_c_stops_coordinator_and_client_gracefully(tmp_path):
     assert "Traceback" not in client_log + coordinator_log
     assert client_log.splitlines()[-1].endswith(": stopped; left the federation")
     assert "SIGINT: stopping; a second one exits at once" in coordinator_log
-    assert coordinator_log.splitlines()[-1] == "stopped after 0 of 10 rounds (no --state-dir: nothing to resume from)"
+    assert (
+        coordinator_log.splitlines()[-1]
+        == "stopped after 0 of 10 rounds (no --state-dir: nothing to resume from)"
+    )
     assert "committed" not in coordinator_log
 
 
@@ -177,15 +245,28 @@ def test_client_config_file_and_an_unreachable_coordinator_in_one_line(tmp_path)
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     config = tmp_path / "run.toml"
-    config.write_text('rounds = 3\nthreads = 2\nbatch_size = 16\n')  # threads: the file's, not torch's default of 1 here
-    result = _run("client", "--config", str(config), "--coordinator", f"127.0.0.1:{port}", "--connect-timeout-s", "1")
+    config.write_text(
+        "rounds = 3\nthreads = 2\nbatch_size = 16\n"
+    )  # threads: the file's, not torch's default of 1 here
+    result = _run(
+        "client", "--config", str(config), "--coordinator", f"127.0.0.1:{port}", "--connect-timeout-s", "1"
+    )
     assert result.returncode == 1
     assert "fedgrid client 0/1: 2 threads" in result.stdout
     assert "Traceback" not in result.stderr
     lines = result.stderr.splitlines()
-    assert lines[-1].startswith(f"fedgrid: error: could not reach the coordinator at 127.0.0.1:{port} within 1s (UNAVAILABLE: ")
-    assert lines[-1].endswith(f"check that it is running, that 127.0.0.1:{port} is its address and port (RUN_DIR/address), "
-                              "and that the coordinator serves plaintext (one with mutual TLS needs --ca, --cert and --key)")
+    assert lines[-1].startswith(
+        f"fedgrid: error: could not reach the coordinator at 127.0.0.1:{port} within 1s (UNAVAILABLE: "
+    )
+    assert lines[-1].endswith(
+        f"check that it is running, that 127.0.0.1:{port} is its address and port (RUN_DIR/address), "
+        "and that the coordinator serves plaintext (one with mutual TLS needs --ca, --cert and --key)"
+    )
     retries = [line for line in lines[:-1]]
-    assert retries and all(re.match(r"\d{4}-\d\d-\d\d .* INFO fedgrid\.client\.connection: retrying Join on 127\.0\.0\.1:\d+: UNAVAILABLE: ", line)
-                           for line in retries), retries
+    assert retries and all(
+        re.match(
+            r"\d{4}-\d\d-\d\d .* INFO fedgrid\.client\.connection: retrying Join on 127\.0\.0\.1:\d+: UNAVAILABLE: ",
+            line,
+        )
+        for line in retries
+    ), retries

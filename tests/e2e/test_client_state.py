@@ -19,7 +19,6 @@ import torch
 from fedgrid.aggregation.updates import as_model
 from fedgrid.client import Client, FitOutput
 from fedgrid.client import start_client as start  # harness.start_client starts a process
-from fedgrid.client import runtime
 from fedgrid.client.state import STATE_FORMAT
 from fedgrid.client.uplink import UplinkEncoder, reconstruct
 from fedgrid.proto import serde
@@ -47,7 +46,10 @@ class Drifting(Client):
     def fit(self, state, ins):
         self.fits += 1
         g = torch.Generator().manual_seed(1000 * ins.round + self.fits)
-        out = OrderedDict((k, v + torch.randn(v.shape, generator=g) if v.is_floating_point() else v + 1) for k, v in state.items())
+        out = OrderedDict(
+            (k, v + torch.randn(v.shape, generator=g) if v.is_floating_point() else v + 1)
+            for k, v in state.items()
+        )
         return FitOutput(out, 4)
 
     def state_dict(self) -> dict[str, Any]:
@@ -59,10 +61,14 @@ class Drifting(Client):
 
 def _initial() -> ModelState:
     g = torch.Generator().manual_seed(0)
-    return OrderedDict(w=torch.randn(20, 10, generator=g), b=torch.randn(10, generator=g), steps=torch.tensor(0))
+    return OrderedDict(
+        w=torch.randn(20, 10, generator=g), b=torch.randn(10, generator=g), steps=torch.tensor(0)
+    )
 
 
-def _reference(rounds: int, *, client: Drifting | None = None, encoder: UplinkEncoder | None = None) -> tuple[list[ModelState], UplinkEncoder]:
+def _reference(
+    rounds: int, *, client: Drifting | None = None, encoder: UplinkEncoder | None = None
+) -> tuple[list[ModelState], UplinkEncoder]:
     """The global model after each round of one uninterrupted client, and its encoder."""
     client, encoder = client or Drifting(), encoder or UplinkEncoder(CODEC)
     models, g = [], _initial()
@@ -97,8 +103,12 @@ class Server:
         return new[0]
 
     def fit(self, server_round: int, state: ModelState, info: ClientInfo) -> ModelState:
-        outcome = self.fleet.fit_round(server_round=server_round, global_state=state, assignments=[(info, FitIns(round=server_round))],
-                                       timeout=timedelta(seconds=60))
+        outcome = self.fleet.fit_round(
+            server_round=server_round,
+            global_state=state,
+            assignments=[(info, FitIns(round=server_round))],
+            timeout=timedelta(seconds=60),
+        )
         assert not outcome.failures, outcome.failures
         # A lossy uplink's result holds the difference (FitRes.delta): the model is the global one plus it.
         update = OrderedDict((k, v.clone()) for k, v in as_model(state, outcome.results[0]).state.items())
@@ -148,10 +158,17 @@ def test_restarted_client_resumes_its_residuals(server, tmp_path, caplog):
     assert handle.join(timeout=30).rounds == 2
 
     saved = torch.load(path, weights_only=True)
-    assert (saved["format"], saved["run_id"], saved["name"], saved["client"]) == (STATE_FORMAT, server.fleet.run_id, "drifting", {"fits": 2})
+    assert (saved["format"], saved["run_id"], saved["name"], saved["client"]) == (
+        STATE_FORMAT,
+        server.fleet.run_id,
+        "drifting",
+        {"fits": 2},
+    )
     residuals = saved["uplink"][CODEC]["feedback"]["residuals"]
     _assert_equal(residuals, after_two.feedback.residuals)
-    assert all(float(t.abs().sum()) > 0 for t in residuals.values())  # topk:0.1 left most of each update behind
+    assert all(
+        float(t.abs().sum()) > 0 for t in residuals.values()
+    )  # topk:0.1 left most of each update behind
 
     # A new loop (a new client object, as after a process restart) with the same file.
     handle = start(Drifting(), server.address, poll_wait_s=1.0, state_path=path)
@@ -165,7 +182,9 @@ def test_restarted_client_resumes_its_residuals(server, tmp_path, caplog):
 
     # Without the saved state round 3 would have been another update: the check above can fail.
     fresh_client, fresh = Drifting(), UplinkEncoder(CODEC)
-    encoded, delta = fresh.encode(global_state=expected[1], new_state=fresh_client.fit(expected[1], FitIns(round=3)).state)
+    encoded, delta = fresh.encode(
+        global_state=expected[1], new_state=fresh_client.fit(expected[1], FitIns(round=3)).state
+    )
     _, received = serde.decode_chunks(list(encoded.frames(serde.StreamInfo(round=3, delta=delta))))
     assert not torch.equal(reconstruct(expected[1], received, delta=delta)["w"], g["w"])
 
@@ -177,8 +196,17 @@ def test_foreign_or_corrupt_state_is_logged_and_ignored(server, tmp_path, caplog
         path.write_bytes(b"\x80\x02 this is not a client state")
     else:
         _, stale = _reference(2)
-        torch.save({"format": STATE_FORMAT, "run_id": "another-run", "round": 2, "name": "drifting",
-                    "uplink": {CODEC: stale.state_dict()}, "client": {"fits": 2}}, path)
+        torch.save(
+            {
+                "format": STATE_FORMAT,
+                "run_id": "another-run",
+                "round": 2,
+                "name": "drifting",
+                "uplink": {CODEC: stale.state_dict()},
+                "client": {"fits": 2},
+            },
+            path,
+        )
     expected, _ = _reference(1)
     caplog.set_level(logging.INFO, logger="fedgrid.client")
 
@@ -194,7 +222,10 @@ def test_foreign_or_corrupt_state_is_logged_and_ignored(server, tmp_path, caplog
         errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
         assert len(errors) == 1 and f"client state {path} is unreadable, ignoring it" in errors[0]
     else:
-        assert f"client state {path} is from run another-run, the coordinator runs {server.fleet.run_id}: starting afresh" in caplog.text
+        assert (
+            f"client state {path} is from run another-run, the coordinator runs {server.fleet.run_id}: starting afresh"
+            in caplog.text
+        )
     assert "restored client state" not in caplog.text
     saved = torch.load(path, weights_only=True)
     assert (saved["run_id"], saved["round"], saved["client"]) == (server.fleet.run_id, 1, {"fits": 1})
@@ -206,8 +237,12 @@ def test_cli_client_saves_its_state_in_state_dir(tmp_path):
 
     from harness import start_client, start_coordinator
 
-    proc, address = start_coordinator(tmp_path / "coord", "--rounds", "2", "--codec", "topk:0.01", "--min-clients", "1")
-    client = start_client(address, tmp_path / "c.log", "--partition", "1/3", "--state-dir", str(tmp_path / "state"))
+    proc, address = start_coordinator(
+        tmp_path / "coord", "--rounds", "2", "--codec", "topk:0.01", "--min-clients", "1"
+    )
+    client = start_client(
+        address, tmp_path / "c.log", "--partition", "1/3", "--state-dir", str(tmp_path / "state")
+    )
     try:
         assert client.wait(timeout=180) == 0, (tmp_path / "c.log").read_text()[-2000:]
         assert proc.wait(timeout=60) == 0

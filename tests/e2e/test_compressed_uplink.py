@@ -7,8 +7,8 @@ from datetime import timedelta
 import pytest
 import torch
 
-from fedgrid.aggregation.selection import Sampling
 from fedgrid.aggregation import FedAvg
+from fedgrid.aggregation.selection import Sampling
 from fedgrid.client import start_client as start  # harness.start_client starts a process
 from fedgrid.server.app import Coordinator
 from fedgrid.server.codec_policy import CodecPolicy
@@ -25,8 +25,15 @@ CLIENTS, ROUNDS, SEED = 3, 3, 2
 def _engine(fleet, rounds=ROUNDS):
     strategy = FedAvg(sampling=Sampling(seed=SEED, fit_config={"local_epochs": 1, "lr": 0.1}))
     strategy.initialize(initial_state=initial_state(digits_model, SEED))
-    return RoundEngine(strategy=strategy, fleet=fleet, rounds=rounds, min_clients=CLIENTS, round_timeout=timedelta(seconds=120),
-                       join_timeout=timedelta(seconds=60), finish_timeout=timedelta(seconds=10))
+    return RoundEngine(
+        strategy=strategy,
+        fleet=fleet,
+        rounds=rounds,
+        min_clients=CLIENTS,
+        round_timeout=timedelta(seconds=120),
+        join_timeout=timedelta(seconds=60),
+        finish_timeout=timedelta(seconds=10),
+    )
 
 
 def _clients():
@@ -35,7 +42,9 @@ def _clients():
 
 def _deploy(policy, downlink_codec="none"):
     """The same run over real gRPC, clients in threads of this process; returns the engine."""
-    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=30), codec_policy=policy, downlink_codec=downlink_codec)
+    fleet = RemoteFleet(
+        heartbeat_interval=timedelta(seconds=30), codec_policy=policy, downlink_codec=downlink_codec
+    )
     server = Coordinator("127.0.0.1:0", fleet, max_workers=16).start()
     try:
         handles = [start(c, server.address, poll_wait_s=1.0) for c in _clients()]
@@ -107,7 +116,10 @@ def test_cli_simulate_and_coordinator_agree_with_topk(tmp_path):
 
     flags = ["--rounds", "3", "--seed", str(SEED), "--codec", "topk:0.01"]
     proc, address = start_coordinator(tmp_path / "coord", *flags, "--min-clients", str(CLIENTS))
-    clients = [start_client(address, tmp_path / f"c{i}.log", "--partition", f"{i}/{CLIENTS}", "--seed", str(SEED)) for i in range(CLIENTS)]
+    clients = [
+        start_client(address, tmp_path / f"c{i}.log", "--partition", f"{i}/{CLIENTS}", "--seed", str(SEED))
+        for i in range(CLIENTS)
+    ]
     try:
         for i, c in enumerate(clients):
             assert c.wait(timeout=180) == 0, (tmp_path / f"c{i}.log").read_text()[-2000:]
@@ -116,10 +128,16 @@ def test_cli_simulate_and_coordinator_agree_with_topk(tmp_path):
         for p in [proc, *clients]:
             if p.poll() is None:
                 p.kill()
-    reference, history = run_simulation(load_config(overrides={"rounds": 3, "clients": CLIENTS, "seed": SEED, "codec": "topk:0.01", **REFERENCE}))
+    reference, history = run_simulation(
+        load_config(
+            overrides={"rounds": 3, "clients": CLIENTS, "seed": SEED, "codec": "topk:0.01", **REFERENCE}
+        )
+    )
     deployed = load_model(tmp_path / "coord" / "model.safetensors")
     for name, tensor in reference.items():
         assert torch.equal(deployed[name], tensor), name
     metrics = read_metrics(tmp_path / "coord")
     assert all(m["uplink_ratio"] > 50 for m in metrics)
-    assert [round(m["uplink_ratio"], 6) for m in metrics] == [round(m.extra["uplink_ratio"], 6) for m in history]
+    assert [round(m["uplink_ratio"], 6) for m in metrics] == [
+        round(m.extra["uplink_ratio"], 6) for m in history
+    ]

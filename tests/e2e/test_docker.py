@@ -15,11 +15,11 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import dockerfile
 import pytest
+import tomllib
 from cryptography import x509
 
 from fedgrid.cli import build_parser
@@ -42,9 +42,18 @@ def compose_binary() -> Path:
 
 def compose_config(path: Path) -> subprocess.CompletedProcess[str]:
     # No .env or inherited COMPOSE_* variable may change what is checked.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "DOCKER_", "FEDGRID_IMAGE", "BASE_IMAGE", "TORCH_INDEX"))}
-    return subprocess.run([str(compose_binary()), "-f", str(path), "config", "--format", "json"], capture_output=True, text=True,
-                          env=env, timeout=60)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("COMPOSE_", "DOCKER_", "FEDGRID_IMAGE", "BASE_IMAGE", "TORCH_INDEX"))
+    }
+    return subprocess.run(
+        [str(compose_binary()), "-f", str(path), "config", "--format", "json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +97,9 @@ def test_compose_services_networks_volumes_and_health_checks(config):
     mounts = {name: {v["source"]: v for v in s.get("volumes", [])} for name, s in services.items()}
     assert set(mounts["certs"]) == {"ca", "certs"} and not mounts["certs"]["certs"].get("read_only")
     for name in set(services) - {"certs"}:
-        assert set(mounts[name]) == {"certs", f"{name}-data"}, name  # the CA (and its key) only in the certs service
+        assert set(mounts[name]) == {"certs", f"{name}-data"}, (
+            name
+        )  # the CA (and its key) only in the certs service
         assert mounts[name]["certs"]["read_only"] is True and mounts[name]["certs"]["target"] == "/certs"
         assert mounts[name][f"{name}-data"]["target"] == "/var/lib/fedgrid"
         assert pairs(services[name]["command"])["--state-dir"] == "/var/lib/fedgrid/state"
@@ -100,8 +111,14 @@ def test_compose_services_networks_volumes_and_health_checks(config):
         test = check["test"]
         assert test[:4] == ["CMD", "python", "-m", "fedgrid.ops.health"]
         probe = health_flags(argparse.ArgumentParser()).parse_args(test[4:])
-        assert probe.address == "127.0.0.1:50051" and (probe.ca, probe.cert, probe.key) == ("/certs/ca.pem", "/certs/probe.pem", "/certs/probe.key")
-        assert probe.server_name == name  # the host name in the server's certificate (issued by the certs service)
+        assert probe.address == "127.0.0.1:50051" and (probe.ca, probe.cert, probe.key) == (
+            "/certs/ca.pem",
+            "/certs/probe.pem",
+            "/certs/probe.key",
+        )
+        assert (
+            probe.server_name == name
+        )  # the host name in the server's certificate (issued by the certs service)
         assert pairs(services[name]["command"])["--listen"] == "0.0.0.0:50051"
     assert services["region-a"]["depends_on"]["coordinator"]["condition"] == "service_healthy"
     for client, region in CLIENTS.items():
@@ -116,11 +133,16 @@ def test_every_command_parses_with_fedgrid_and_speaks_mutual_tls(config):
         command = services[name]["command"]
         parser.parse_args(command)  # exits (fails the test) on a flag fedgrid does not have
         flags = pairs(command)
-        assert flags["--ca"] == "/certs/ca.pem" and flags["--key"] == flags["--cert"].removesuffix(".pem") + ".key"
+        assert (
+            flags["--ca"] == "/certs/ca.pem"
+            and flags["--key"] == flags["--cert"].removesuffix(".pem") + ".key"
+        )
     assert pairs(services["coordinator"]["command"])["--cert"] == "/certs/global.pem"
     for region in REGIONS:
         flags = pairs(services[region]["command"])
-        assert flags["--upstream"] == "coordinator:50051" and flags["--upstream-cert"] == f"/certs/{region}.pem"
+        assert (
+            flags["--upstream"] == "coordinator:50051" and flags["--upstream-cert"] == f"/certs/{region}.pem"
+        )
         assert flags["--cert"] == f"/certs/{region}-lan.pem" and flags["--name"] == region
     for client, region in CLIENTS.items():
         flags = pairs(services[client]["command"])
@@ -134,8 +156,20 @@ def test_the_shipped_topology_is_the_compose_topology(config):
     assert {r.name for r in top.regions} == set(REGIONS)
     assert {f"client-{p}" for r in top.regions for p in r.partitions} == set(CLIENTS)
     x = Identity("ca", "cert", "key")
-    managed = {"--listen", "--out", "--state-dir", "--ca", "--cert", "--key", "--crl", "--upstream", "--upstream-ca", "--upstream-cert",
-               "--upstream-key", "--coordinator"}
+    managed = {
+        "--listen",
+        "--out",
+        "--state-dir",
+        "--ca",
+        "--cert",
+        "--key",
+        "--crl",
+        "--upstream",
+        "--upstream-ca",
+        "--upstream-cert",
+        "--upstream-key",
+        "--coordinator",
+    }
 
     def topology_flags(argv: list[str]) -> dict[str, str]:
         return {k: v for k, v in pairs(argv).items() if k not in managed}
@@ -143,15 +177,21 @@ def test_the_shipped_topology_is_the_compose_topology(config):
     def compose_flags(name: str) -> dict[str, str]:
         return {k: v for k, v in pairs(services[name]["command"]).items() if k not in managed}
 
-    assert compose_flags("coordinator") == topology_flags(coordinator_argv(top, listen="", out="", state_dir="", tls=x))
+    assert compose_flags("coordinator") == topology_flags(
+        coordinator_argv(top, listen="", out="", state_dir="", tls=x)
+    )
     for region in top.regions:
         argv = region_argv(top, region, upstream="", listen="", out="", state_dir="", tls=x, upstream_tls=x)
         assert compose_flags(region.name) == topology_flags(argv)
-        assert {"--regional-rounds", "--codec", "--strategy", "--min-clients"} <= set(compose_flags(region.name))
+        assert {"--regional-rounds", "--codec", "--strategy", "--min-clients"} <= set(
+            compose_flags(region.name)
+        )
         for p in region.partitions:
             client = f"client-{p}"
             assert CLIENTS[client] == region.name
-            assert compose_flags(client) == topology_flags(client_argv(top, p, coordinator="", state_dir="", tls=x))
+            assert compose_flags(client) == topology_flags(
+                client_argv(top, p, coordinator="", state_dir="", tls=x)
+            )
     # The WAN codecs name the regions: each region's uplink to the global coordinator.
     assert pairs(services["coordinator"]["command"])["--region-codecs"] == "region-a=int8,region-b=int8"
 
@@ -203,14 +243,22 @@ def test_the_certs_service_makes_every_file_the_others_use_once(config, tmp_path
     assert [c[1] for c in calls] == ["init"] + ["issue"] * 12
 
     # Every file a service names is there; the CA's key is not.
-    named = {v for s in services.values() for v in [*s.get("command", []), *s.get("healthcheck", {}).get("test", [])]
-             if isinstance(v, str) and v.startswith("/certs/")}
+    named = {
+        v
+        for s in services.values()
+        for v in [*s.get("command", []), *s.get("healthcheck", {}).get("test", [])]
+        if isinstance(v, str) and v.startswith("/certs/")
+    }
     assert {f"/certs/{p.name}" for p in out.iterdir()} >= named and not (out / "ca.key").exists()
-    assert len(named) == 2 + 2 * 12  # ca.pem, crl.pem; a certificate and key each: global, 2 x region-lan, 2 x region, 6 clients, probe
+    assert (
+        len(named) == 2 + 2 * 12
+    )  # ca.pem, crl.pem; a certificate and key each: global, 2 x region-lan, 2 x region, 6 clients, probe
     assert oct((out / "client-0.key").stat().st_mode & 0o777) == "0o600"
     for name, host in (("global", "coordinator"), ("region-a-lan", "region-a"), ("region-b-lan", "region-b")):
         cert = x509.load_pem_x509_certificate((out / f"{name}.pem").read_bytes())
-        assert cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName) == [host]
+        assert cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+            x509.DNSName
+        ) == [host]
 
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     again = subprocess.run(["/bin/sh", "-ec", script], capture_output=True, text=True, env=env, timeout=90)
@@ -224,21 +272,49 @@ def test_dockerfile_cpu_default_cuda_argument_non_root_entrypoint():
     steps = dockerfile.parse_file(str(DOCKER / "Dockerfile"))
     keywords = [c.cmd.upper() for c in steps]
     first = {c.cmd.upper(): c for c in reversed(steps)}
-    assert set(keywords) <= {"ARG", "FROM", "ENV", "RUN", "WORKDIR", "COPY", "USER", "EXPOSE", "ENTRYPOINT", "CMD"}
+    assert set(keywords) <= {
+        "ARG",
+        "FROM",
+        "ENV",
+        "RUN",
+        "WORKDIR",
+        "COPY",
+        "USER",
+        "EXPOSE",
+        "ENTRYPOINT",
+        "CMD",
+    }
     args = dict(c.value[0].split("=", 1) for c in steps if c.cmd.upper() == "ARG")
-    assert args["BASE_IMAGE"] == "python:3.11-slim" and args["TORCH_INDEX"] == "https://download.pytorch.org/whl/cpu"
-    assert keywords.index("ARG") < keywords.index("FROM") and first["FROM"].value == ("${BASE_IMAGE}",)  # the CUDA base is a build argument
+    assert (
+        args["BASE_IMAGE"] == "python:3.11-slim"
+        and args["TORCH_INDEX"] == "https://download.pytorch.org/whl/cpu"
+    )
+    assert keywords.index("ARG") < keywords.index("FROM") and first["FROM"].value == (
+        "${BASE_IMAGE}",
+    )  # the CUDA base is a build argument
     runs = [c.value[0] for c in steps if c.cmd.upper() == "RUN"]
-    assert keywords.index("FROM") < keywords.index("RUN")  # TORCH_INDEX and TORCH_VERSION are declared after FROM: in scope
+    assert keywords.index("FROM") < keywords.index(
+        "RUN"
+    )  # TORCH_INDEX and TORCH_VERSION are declared after FROM: in scope
     assert any('--index-url "${TORCH_INDEX}"' in r and "torch==${TORCH_VERSION}" in r for r in runs)
     assert any(re.search(r"\bpip install \.(\s|$)", r) for r in runs)
     # pip install . builds every package pyproject.toml maps to a folder: each must be copied in.
-    package_dirs = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
+    package_dirs = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values()
+    )
     copied = {source for c in steps if c.cmd.upper() == "COPY" for source in c.value[:-1]}
-    assert package_dirs | {"pyproject.toml", "README.md"} == copied and all((ROOT / c).exists() for c in copied)
+    assert package_dirs | {"pyproject.toml", "README.md"} == copied and all(
+        (ROOT / c).exists() for c in copied
+    )
     users = [c.value[0] for c in steps if c.cmd.upper() == "USER"]
-    assert users == ["fedgrid"] and keywords.index("USER") > max(i for i, k in enumerate(keywords) if k == "RUN")
+    assert users == ["fedgrid"] and keywords.index("USER") > max(
+        i for i, k in enumerate(keywords) if k == "RUN"
+    )
     assert any("useradd" in r and "fedgrid" in r for r in runs)
     # The mount points compose.yaml uses exist and belong to that user (a named volume takes their owner).
     assert any("chown fedgrid:fedgrid /ca /certs /var/lib/fedgrid" in r for r in runs)
-    assert first["ENTRYPOINT"].json and first["ENTRYPOINT"].value == ("fedgrid",) and first["EXPOSE"].value == ("50051",)
+    assert (
+        first["ENTRYPOINT"].json
+        and first["ENTRYPOINT"].value == ("fedgrid",)
+        and first["EXPOSE"].value == ("50051",)
+    )

@@ -17,14 +17,31 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
-PAGES = ["algorithms", "api", "architecture", "concepts", "deployment", "determinism", "embedding", "examples",
-         "failures", "index", "links", "monitoring", "multigpu", "multisite", "quickstart", "regions", "reports",
-         "running", "security", "simulation"]
+PAGES = [
+    "algorithms",
+    "api",
+    "architecture",
+    "concepts",
+    "deployment",
+    "determinism",
+    "embedding",
+    "examples",
+    "failures",
+    "index",
+    "links",
+    "monitoring",
+    "multigpu",
+    "multisite",
+    "quickstart",
+    "regions",
+    "reports",
+    "running",
+    "security",
+    "simulation",
+]
 # The deployment commands the quickstart shows (mutual TLS end to end, then the same in one process).
 DEPLOYMENT = "fedgrid certs init --dir pki"
 
@@ -35,8 +52,12 @@ def _text(page: Path) -> str:
 
 
 def _build(source: Path, out: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", str(source), str(out)],
-                          capture_output=True, text=True, timeout=240)
+    return subprocess.run(
+        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", str(source), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 def test_the_docs_build_without_warnings_and_document_the_public_api(tmp_path):
@@ -45,13 +66,26 @@ def test_the_docs_build_without_warnings_and_document_the_public_api(tmp_path):
     assert result.stderr == ""  # -q: warnings are all it would print
     html = tmp_path / "html"
     assert sorted(p.name for p in html.glob("*.html")) == sorted(
-        [f"{page}.html" for page in PAGES] + ["genindex.html", "py-modindex.html", "search.html"])
+        [f"{page}.html" for page in PAGES] + ["genindex.html", "py-modindex.html", "search.html"]
+    )
     api = (html / "api.html").read_text()
-    for anchor in ["fedgrid.client.api.Client", "fedgrid.client.torch_client.TorchClient", "fedgrid.client.runtime.run_client",
-                   "fedgrid.client.session.connect", "fedgrid.client.session.aconnect",
-                   "fedgrid.server.app.run_coordinator", "fedgrid.simulation.run.run_simulation", "fedgrid.aggregation.base.Strategy",
-                   "fedgrid.aggregation.fedavg.FedAvg", "fedgrid.aggregation.diloco.DiLoCo", "fedgrid.config.load_config",
-                   "fedgrid.types.FitIns", "fedgrid.errors.FedgridError", "fedgrid.ops.launch.load_topology", "fedgrid.ops.health.check"]:
+    for anchor in [
+        "fedgrid.client.api.Client",
+        "fedgrid.client.torch_client.TorchClient",
+        "fedgrid.client.runtime.run_client",
+        "fedgrid.client.session.connect",
+        "fedgrid.client.session.aconnect",
+        "fedgrid.server.app.run_coordinator",
+        "fedgrid.simulation.run.run_simulation",
+        "fedgrid.aggregation.base.Strategy",
+        "fedgrid.aggregation.fedavg.FedAvg",
+        "fedgrid.aggregation.diloco.DiLoCo",
+        "fedgrid.config.load_config",
+        "fedgrid.types.FitIns",
+        "fedgrid.errors.FedgridError",
+        "fedgrid.ops.launch.load_topology",
+        "fedgrid.ops.health.check",
+    ]:
         assert f'id="{anchor}"' in api, anchor
     assert "Raises" in api and "Parameters" in api  # napoleon turned Args:/Raises: into fields
     # The multi-site page shows the shipped topology itself (literalinclude), not a copy.
@@ -79,21 +113,21 @@ def _indented(text: str) -> str:
 def _rst_code_after(page: Path, marker: str) -> str:
     """The rest of the code block of ``page`` whose line holds ``marker``, from that line on."""
     text = page.read_text()
-    return _indented(text[text.rindex("\n", 0, text.index(marker)) + 1:])
+    return _indented(text[text.rindex("\n", 0, text.index(marker)) + 1 :])
 
 
 def _docs_quickstart() -> str:
     """The Python block under the docs quickstart's "In 20 lines" heading."""
     text = (DOCS / "quickstart.rst").read_text()
     directive = ".. code-block:: python\n"
-    return _indented(text[text.index(directive, text.index("In 20 lines\n")) + len(directive):])
+    return _indented(text[text.index(directive, text.index("In 20 lines\n")) + len(directive) :])
 
 
 def _readme_quickstart() -> str:
     """The Python block of the README's Quickstart section."""
     text = README.read_text()
-    section = text[text.index("\n## Quickstart\n"):]
-    block = section[section.index("```python\n") + len("```python\n"):]
+    section = text[text.index("\n## Quickstart\n") :]
+    block = section[section.index("```python\n") + len("```python\n") :]
     return block[: block.index("```")].rstrip("\n")
 
 
@@ -112,15 +146,19 @@ def test_the_readme_is_a_front_door_of_at_most_12_kib():
     assert len(data) <= 12_288, f"README.md is {len(data)} bytes"
     text = data.decode()
     commands = re.findall(r"```sh\n(.*?)```", text, re.S)
-    assert any(re.search(r"^make demo\b", c, re.M) and re.search(r"^make test\b", c, re.M) for c in commands), commands
+    assert any(
+        re.search(r"^make demo\b", c, re.M) and re.search(r"^make test\b", c, re.M) for c in commands
+    ), commands
     assert "make test-fast" in text
     # Every link to a page (docs/..., benchmarks/README.md) leads to a file that exists, and every docs
     # page but the index is linked: the README's feature map is the way into the docs.
     targets = re.findall(r"\]\(([^)#]+)\)", text)
-    assert targets and all((ROOT / t).is_file() for t in targets), [t for t in targets if not (ROOT / t).is_file()]
+    assert targets and all((ROOT / t).is_file() for t in targets), [
+        t for t in targets if not (ROOT / t).is_file()
+    ]
     assert {f"docs/{page}.rst" for page in PAGES if page != "index"} <= set(targets)
     # The layout table names every folder pyproject.toml maps to a subpackage (and region/).
-    layout = text[text.index("\n## Layout\n"):]
+    layout = text[text.index("\n## Layout\n") :]
     folders = set(re.findall(r"^\| `([a-z_]+)/` \|", layout, re.M))
     mapped = set(re.findall(r'^"fedgrid[.a-z_]*" = "([a-z_]+)"', (ROOT / "pyproject.toml").read_text(), re.M))
     assert mapped and mapped | {"region"} <= folders, mapped - folders
@@ -130,7 +168,9 @@ def test_the_quickstart_is_the_same_in_the_readme_and_the_docs_and_runs(tmp_path
     code = _docs_quickstart()
     assert code == _readme_quickstart()  # one program: what the README shows is the docs page's
     assert len(code.splitlines()) <= 20
-    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=200)
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=200
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     rounds = re.findall(r"^round (\d+): accuracy ([0-9.]+), ([0-9.]+) kB up$", result.stdout, re.M)
     assert [int(r) for r, _, _ in rounds] == [1, 2, 3, 4, 5], result.stdout

@@ -10,7 +10,6 @@ from collections import OrderedDict
 from datetime import timedelta
 from pathlib import Path
 
-import pytest
 import torch
 
 from fedgrid.aggregation import FedAvg
@@ -20,7 +19,7 @@ from fedgrid.server.engine import RoundEngine
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.simulation.tasks import initial_state
 
-from harness import child_env, start_client, wait_until
+from harness import start_client, wait_until
 
 CLIENTS, VICTIMS, SLOW, DEADLINE_S, ROUNDS = 10, (1, 4, 8), 6, 6.0, 2
 
@@ -45,7 +44,12 @@ def test_dropouts_and_straggler(tmp_path, monkeypatch):
 
     markers = tmp_path / "markers"
     markers.mkdir()
-    env = {"SLOW_APP_MARKER_DIR": str(markers), "SLOW_APP_FIT_S": "1.5", "SLOW_APP_SLOW_S": "30", "SLOW_APP_SLOW_CLIENT": str(SLOW)}
+    env = {
+        "SLOW_APP_MARKER_DIR": str(markers),
+        "SLOW_APP_FIT_S": "1.5",
+        "SLOW_APP_SLOW_S": "30",
+        "SLOW_APP_SLOW_CLIENT": str(SLOW),
+    }
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     events = EventLog()
@@ -56,11 +60,23 @@ def test_dropouts_and_straggler(tmp_path, monkeypatch):
     strategy = Recording()
     strategy.initialize(initial_state=initial_state(slow_app.model, seed=0))
     engine = RoundEngine(
-        strategy=strategy, fleet=fleet, rounds=ROUNDS, min_clients=CLIENTS - len(VICTIMS) - 1,
-        round_timeout=timedelta(seconds=DEADLINE_S), join_timeout=timedelta(seconds=60), finish_timeout=timedelta(seconds=5),
+        strategy=strategy,
+        fleet=fleet,
+        rounds=ROUNDS,
+        min_clients=CLIENTS - len(VICTIMS) - 1,
+        round_timeout=timedelta(seconds=DEADLINE_S),
+        join_timeout=timedelta(seconds=60),
+        finish_timeout=timedelta(seconds=5),
     )
     clients = [
-        start_client(server.address, tmp_path / f"c{i}.log", "--app", "slow_app:client", "--partition", f"{i}/{CLIENTS}")
+        start_client(
+            server.address,
+            tmp_path / f"c{i}.log",
+            "--app",
+            "slow_app:client",
+            "--partition",
+            f"{i}/{CLIENTS}",
+        )
         for i in range(CLIENTS)
     ]
     try:
@@ -68,7 +84,11 @@ def test_dropouts_and_straggler(tmp_path, monkeypatch):
         runner = threading.Thread(target=engine.run, daemon=True)
         runner.start()
         # Kill 30% of the clients while they compute round 1.
-        wait_until(lambda: all((markers / f"fit-{i}-1").exists() for i in VICTIMS), timeout=60, what="victims mid-round")
+        wait_until(
+            lambda: all((markers / f"fit-{i}-1").exists() for i in VICTIMS),
+            timeout=60,
+            what="victims mid-round",
+        )
         for i in VICTIMS:
             clients[i].send_signal(signal.SIGKILL)
         runner.join(timeout=120)
@@ -88,16 +108,25 @@ def test_dropouts_and_straggler(tmp_path, monkeypatch):
     # because a result arrived; no update was accepted after the close. Round 2 did not ask
     # the benched straggler, so it closed when every client it asked had reported.
     closes = [e for e in seen if e.event == "round_closed"]
-    assert [(e["round"], e["reason"], e["results"]) for e in closes] == [(1, "deadline", len(survivors)), (2, "all", len(survivors))]
+    assert [(e["round"], e["reason"], e["results"]) for e in closes] == [
+        (1, "deadline", len(survivors)),
+        (2, "all", len(survivors)),
+    ]
     opened = [e for e in seen if e.event == "round_opened"]
     assert [e["clients"] for e in opened] == [CLIENTS, len(survivors)]
     for r, close in zip(range(1, ROUNDS + 1), closes):
         accepted = [e for e in seen if e.event == "update_accepted" and e["round"] == r]
         assert len(accepted) == len(survivors) and all(e.t <= close.t for e in accepted)
-    assert closes[0].t - opened[0].t >= DEADLINE_S - 0.05  # never before its deadline (wall clock vs monotonic)
+    assert (
+        closes[0].t - opened[0].t >= DEADLINE_S - 0.05
+    )  # never before its deadline (wall clock vs monotonic)
     assert engine.history[0].clients_failed == len(VICTIMS) + 1
-    assert engine.history[1].clients_failed == 0  # the killed clients left the registry; the straggler is benched
-    for (names, before), after in zip(strategy.rounds, [r[1] for r in strategy.rounds[1:]] + [strategy.global_state]):
+    assert (
+        engine.history[1].clients_failed == 0
+    )  # the killed clients left the registry; the straggler is benched
+    for (names, before), after in zip(
+        strategy.rounds, [r[1] for r in strategy.rounds[1:]] + [strategy.global_state]
+    ):
         assert names == sorted(f"slow-{i:03d}/{CLIENTS}" for i in survivors)
         # The exact example-weighted mean of the arrived updates: global + sum w_i (i+1) / sum w_i, w_i = i + 1.
         shift = sum((i + 1) * (i + 1) for i in survivors) / sum(i + 1 for i in survivors)

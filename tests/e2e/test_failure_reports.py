@@ -89,8 +89,10 @@ def test_a_diverged_update_is_reported_and_the_client_carries_on(small_state):
             outcome = server.wait_round(timeout=60)
             assert outcome.results == [] and outcome.closed_by == "all"
             reasons += [f.reason for f in outcome.failures]
-        assert reasons == ["client reported: InvalidUpdateError: tensor 'layer.weight': contains NaN",
-                           "client reported: InvalidUpdateError: metric 'loss' is inf"]
+        assert reasons == [
+            "client reported: InvalidUpdateError: tensor 'layer.weight': contains NaN",
+            "client reported: InvalidUpdateError: metric 'loss' is inf",
+        ]
         server.open_round(timeout_s=ROUND_TIMEOUT_S, server_round=3)
         outcome = server.wait_round(timeout=60)
         assert [r.client.name for r in outcome.results] == ["diverging"] and handle.running
@@ -160,8 +162,12 @@ def test_a_client_that_never_delivers_costs_one_deadline_then_is_benched(small_s
     fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=60))
     mute, mute_token = _join(fleet, "mute")
     other, other_token = _join(fleet, "other")
-    outcome = fleet.fit_round(server_round=1, global_state=small_state, assignments=[(mute, FitIns(round=1)), (other, FitIns(round=1))],
-                              timeout=timedelta(seconds=0.3))
+    outcome = fleet.fit_round(
+        server_round=1,
+        global_state=small_state,
+        assignments=[(mute, FitIns(round=1)), (other, FitIns(round=1))],
+        timeout=timedelta(seconds=0.3),
+    )
     assert outcome.closed_by == "deadline" and len(outcome.failures) == 2
     fleet.committed(1)
     # Both heartbeat, neither delivered: both are live, neither is selectable.
@@ -188,8 +194,16 @@ def test_bad_reports_change_nothing(small_state):
     import threading
 
     result = []
-    t = threading.Thread(target=lambda: result.append(fleet.fit_round(server_round=1, global_state=small_state,
-                                                                       assignments=[(info, FitIns(round=1))], timeout=timedelta(seconds=30))))
+    t = threading.Thread(
+        target=lambda: result.append(
+            fleet.fit_round(
+                server_round=1,
+                global_state=small_state,
+                assignments=[(info, FitIns(round=1))],
+                timeout=timedelta(seconds=30),
+            )
+        )
+    )
     t.start()
     wait_until(lambda: fleet.current_round is not None, timeout=10, what="round to open")
     task = fleet.current_round.task_id
@@ -201,8 +215,12 @@ def test_bad_reports_change_nothing(small_state):
         fleet.report_failure(info.client_id, token, "no-such-task", "boom")
     with pytest.raises(InvalidUpdateError):
         fleet.leave(info.client_id, token, "y" * 5000)
-    assert fleet.current_round.failures == {} and [c.client_id for c in fleet.live_clients()] == [info.client_id]
-    fleet.report_failure(info.client_id, token, task, "boom\n\x1b[31m")  # control characters are data, logged escaped
+    assert fleet.current_round.failures == {} and [c.client_id for c in fleet.live_clients()] == [
+        info.client_id
+    ]
+    fleet.report_failure(
+        info.client_id, token, task, "boom\n\x1b[31m"
+    )  # control characters are data, logged escaped
     t.join(timeout=10)
     assert [f.reason for f in result[0].failures] == ["client reported: boom\n\x1b[31m"]
     fleet.close()

@@ -7,10 +7,8 @@ import re
 import signal
 
 import grpc
-import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fedgrid.runlog import load_model, read_metrics
 
@@ -32,7 +30,9 @@ ROUNDS, CLIENTS, SEED = REFERENCE_ROUNDS, REFERENCE_CLIENTS, REFERENCE_SEED
 
 def _health(address: str) -> int:
     with grpc.insecure_channel(address) as channel:
-        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="fedgrid.v1.Coordinator"), timeout=5)
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="fedgrid.v1.Coordinator"), timeout=5
+        )
         return reply.status
 
 
@@ -47,10 +47,19 @@ def test_sigterm_mid_round_then_resume(tmp_path, reference_deployment):
     address = first.address()
     assert _health(address) == health_pb2.HealthCheckResponse.SERVING
     relay = Relay(int(address.rpartition(":")[2]))
-    clients = [start_client(relay.address, tmp_path / f"c{i}.log", "--partition", f"{i}/{CLIENTS}", "--seed", str(SEED)) for i in range(CLIENTS)]
+    clients = [
+        start_client(
+            relay.address, tmp_path / f"c{i}.log", "--partition", f"{i}/{CLIENTS}", "--seed", str(SEED)
+        )
+        for i in range(CLIENTS)
+    ]
     second = None
     try:
-        wait_until(lambda: first.killed.is_set() or first.proc.poll() is not None, timeout=120, what="round 3 uploads")
+        wait_until(
+            lambda: first.killed.is_set() or first.proc.poll() is not None,
+            timeout=120,
+            what="round 3 uploads",
+        )
         assert first.killed.is_set(), "the run ended before round 3's uploads"
         assert first.proc.wait(timeout=30) == 0
         committed = [m["round"] for m in read_metrics(out)]
@@ -59,7 +68,9 @@ def test_sigterm_mid_round_then_resume(tmp_path, reference_deployment):
         # Round 3 closed by the stop, or had closed (all uploads in) just before the signal was
         # heard and was then committed or abandoned whole: never committed by half.
         assert [e["round"] for e in first.seen("round_committed")] == committed
-        assert first.seen("round_closed", round=3, reason="stopping") or first.seen("round_closed", round=3, reason="all")
+        assert first.seen("round_closed", round=3, reason="stopping") or first.seen(
+            "round_closed", round=3, reason="all"
+        )
         # the model of the last committed round is in --out, as after a finished run
         stopped_model = load_model(out / "model.safetensors")
         assert stopped_model and all(torch.isfinite(t).all() for t in stopped_model.values())
@@ -82,6 +93,9 @@ def test_sigterm_mid_round_then_resume(tmp_path, reference_deployment):
     assert [m["round"] for m in read_metrics(out)] == list(range(1, ROUNDS + 1))
     assert_same_model(out, reference)
     # each client says what it did each round, in one line
-    trained = re.findall(r"INFO fedgrid\.client\.runtime: round (\d+): trained on (\d+) examples, loss (\d+\.\d{4}), \d+\.\d\ds$",
-                         (tmp_path / "c0.log").read_text(), flags=re.M)
+    trained = re.findall(
+        r"INFO fedgrid\.client\.runtime: round (\d+): trained on (\d+) examples, loss (\d+\.\d{4}), \d+\.\d\ds$",
+        (tmp_path / "c0.log").read_text(),
+        flags=re.M,
+    )
     assert {int(r) for r, _, _ in trained} >= {1, 2, ROUNDS} and all(int(n) > 0 for _, n, _ in trained)

@@ -46,30 +46,51 @@ def test_the_service_name_is_the_servers():
 
 
 def test_serving_not_serving_and_nothing_listening_over_plaintext():
-    coordinator = Coordinator("127.0.0.1:0", RemoteFleet(heartbeat_interval=timedelta(seconds=60)), max_workers=4).start()
+    coordinator = Coordinator(
+        "127.0.0.1:0", RemoteFleet(heartbeat_interval=timedelta(seconds=60)), max_workers=4
+    ).start()
     try:
         result = check(coordinator.address, timeout=10)
         assert result.serving and result.line == f"{coordinator.address}: SERVING (fedgrid.v1.Coordinator)"
-        assert check(coordinator.address, service="no.such.Service", timeout=10).line.endswith("no health status for service "
-                                                                                                 "'no.such.Service' (not a fedgrid coordinator?)")
-        done = subprocess.run([*PROBE, coordinator.address], capture_output=True, text=True, env=child_env(), timeout=60)
-        assert (done.returncode, done.stdout, done.stderr) == (0, f"fedgrid health: {coordinator.address}: SERVING (fedgrid.v1.Coordinator)\n", "")
+        assert check(coordinator.address, service="no.such.Service", timeout=10).line.endswith(
+            "no health status for service 'no.such.Service' (not a fedgrid coordinator?)"
+        )
+        done = subprocess.run(
+            [*PROBE, coordinator.address], capture_output=True, text=True, env=child_env(), timeout=60
+        )
+        assert (done.returncode, done.stdout, done.stderr) == (
+            0,
+            f"fedgrid health: {coordinator.address}: SERVING (fedgrid.v1.Coordinator)\n",
+            "",
+        )
         coordinator.set_serving(False)  # what a stopping coordinator reports
         result = check(coordinator.address, timeout=10)
-        assert not result.serving and result.line == f"{coordinator.address}: NOT_SERVING (fedgrid.v1.Coordinator)"
+        assert (
+            not result.serving
+            and result.line == f"{coordinator.address}: NOT_SERVING (fedgrid.v1.Coordinator)"
+        )
     finally:
         coordinator.stop(grace=0.5)
 
     address = f"127.0.0.1:{free_port()}"
-    done = subprocess.run([*PROBE, address, "--timeout", "2"], capture_output=True, text=True, env=child_env(), timeout=60)
+    done = subprocess.run(
+        [*PROBE, address, "--timeout", "2"], capture_output=True, text=True, env=child_env(), timeout=60
+    )
     assert done.returncode == 1 and done.stdout == ""
-    assert done.stderr.startswith(f"fedgrid health: {address}: not reachable within 2s (UNAVAILABLE: ") and done.stderr.count("\n") == 1
+    assert (
+        done.stderr.startswith(f"fedgrid health: {address}: not reachable within 2s (UNAVAILABLE: ")
+        and done.stderr.count("\n") == 1
+    )
 
 
 def test_mutual_tls_probe_and_the_fedgrid_health_command(certs):
     d, other = certs
-    server = TLSFiles(str(d / "ca.pem"), str(d / "coordinator.pem"), str(d / "coordinator.key"), str(d / "crl.pem"))
-    coordinator = Coordinator("127.0.0.1:0", RemoteFleet(heartbeat_interval=timedelta(seconds=60)), max_workers=4, tls=server).start()
+    server = TLSFiles(
+        str(d / "ca.pem"), str(d / "coordinator.pem"), str(d / "coordinator.key"), str(d / "crl.pem")
+    )
+    coordinator = Coordinator(
+        "127.0.0.1:0", RemoteFleet(heartbeat_interval=timedelta(seconds=60)), max_workers=4, tls=server
+    ).start()
     try:
         probe = dict(ca=str(d / "ca.pem"), cert=str(d / "probe.pem"), key=str(d / "probe.key"))
         assert check(coordinator.address, **probe, timeout=10).serving
@@ -80,18 +101,50 @@ def test_mutual_tls_probe_and_the_fedgrid_health_command(certs):
         # CAs, so its own check of the files passes); no certificate at all too.
         bundle = other / "both.pem"
         bundle.write_bytes((d / "ca.pem").read_bytes() + (other / "ca.pem").read_bytes())
-        stranger = check(coordinator.address, ca=str(bundle), cert=str(other / "stranger.pem"), key=str(other / "stranger.key"), timeout=3)
+        stranger = check(
+            coordinator.address,
+            ca=str(bundle),
+            cert=str(other / "stranger.pem"),
+            key=str(other / "stranger.key"),
+            timeout=3,
+        )
         assert not stranger.serving and "UNAVAILABLE" in stranger.line
         plaintext = check(coordinator.address, timeout=3)
         assert not plaintext.serving and "UNAVAILABLE" in plaintext.line
 
         flags = ["--ca", probe["ca"], "--cert", probe["cert"], "--key", probe["key"]]
-        done = subprocess.run([sys.executable, "-m", "fedgrid.cli", "health", coordinator.address, *flags],
-                              capture_output=True, text=True, env=child_env(), timeout=90)
-        assert (done.returncode, done.stdout) == (0, f"fedgrid health: {coordinator.address}: SERVING (fedgrid.v1.Coordinator)\n")
+        done = subprocess.run(
+            [sys.executable, "-m", "fedgrid.cli", "health", coordinator.address, *flags],
+            capture_output=True,
+            text=True,
+            env=child_env(),
+            timeout=90,
+        )
+        assert (done.returncode, done.stdout) == (
+            0,
+            f"fedgrid health: {coordinator.address}: SERVING (fedgrid.v1.Coordinator)\n",
+        )
         # Unreadable TLS files are unhealthy (1, never Docker's reserved 2), with the file named.
-        done = subprocess.run([*PROBE, coordinator.address, "--ca", probe["ca"], "--cert", str(d / "missing.pem"), "--key", probe["key"]],
-                              capture_output=True, text=True, env=child_env(), timeout=60)
-        assert done.returncode == 1 and done.stderr.startswith("fedgrid health: ") and "missing.pem" in done.stderr
+        done = subprocess.run(
+            [
+                *PROBE,
+                coordinator.address,
+                "--ca",
+                probe["ca"],
+                "--cert",
+                str(d / "missing.pem"),
+                "--key",
+                probe["key"],
+            ],
+            capture_output=True,
+            text=True,
+            env=child_env(),
+            timeout=60,
+        )
+        assert (
+            done.returncode == 1
+            and done.stderr.startswith("fedgrid health: ")
+            and "missing.pem" in done.stderr
+        )
     finally:
         coordinator.stop(grace=0.5)

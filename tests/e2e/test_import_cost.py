@@ -9,7 +9,9 @@ import sys
 
 
 def _in_fresh_interpreter(code: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
     return json.loads(out.stdout)
 
 
@@ -24,4 +26,8 @@ def test_a_base_module_does_not_pull_the_layers_above_it():
     loaded = _in_fresh_interpreter(
         "import json, sys, fedgrid.config; print(json.dumps(sorted(m for m in sys.modules if m.startswith('fedgrid.'))))"
     )
-    assert not [m for m in loaded if m.startswith(("fedgrid.server", "fedgrid.client", "fedgrid.simulation", "fedgrid.proto"))]
+    assert not [
+        m
+        for m in loaded
+        if m.startswith(("fedgrid.server", "fedgrid.client", "fedgrid.simulation", "fedgrid.proto"))
+    ]

@@ -5,21 +5,31 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from import_tree import ROOT, build  # noqa: E402
 
-LINT = [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"]
+LINT = [
+    sys.executable,
+    "-c",
+    "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())",
+]
 
 
 def _lint(tree: Path) -> subprocess.CompletedProcess:
     # Run from inside the tree, so that its fedgrid/ is the one imported (not the checkout's).
-    return subprocess.run([*LINT, str(ROOT / "pyproject.toml")], cwd=tree, capture_output=True, text=True, timeout=120,
-                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tree)})
+    return subprocess.run(
+        [*LINT, str(ROOT / "pyproject.toml")],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tree)},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +56,16 @@ LAYERS = "the layers of the package"
         ("types.py", "from fedgrid.server import engine\n", LAYERS),
         ("config.py", "from fedgrid.ops import wan\n", LAYERS),
         ("_unlisted.py", "import fedgrid.errors\n", LAYERS),  # a module no layer names
-        ("ops/launch.py", "from fedgrid.region import run_region\n", "fedgrid launch and fedgrid health run fedgrid processes"),
-        ("ops/health.py", "import fedgrid.server.service\n", "fedgrid launch and fedgrid health run fedgrid processes"),
+        (
+            "ops/launch.py",
+            "from fedgrid.region import run_region\n",
+            "fedgrid launch and fedgrid health run fedgrid processes",
+        ),
+        (
+            "ops/health.py",
+            "import fedgrid.server.service\n",
+            "fedgrid launch and fedgrid health run fedgrid processes",
+        ),
     ],
 )
 def test_a_module_that_breaks_a_layer_is_caught(tmp_path, where, code, contract):

@@ -69,7 +69,9 @@ class IdleStreams:
 
 
 def _server(**kwargs) -> tuple[RemoteFleet, Coordinator]:
-    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=60), max_polls_per_client=kwargs.pop("max_polls_per_client", 2))
+    fleet = RemoteFleet(
+        heartbeat_interval=timedelta(seconds=60), max_polls_per_client=kwargs.pop("max_polls_per_client", 2)
+    )
     return fleet, Coordinator("127.0.0.1:0", fleet, max_workers=4, **kwargs).start()
 
 
@@ -90,7 +92,12 @@ def test_a_client_holds_at_most_its_poll_limit(small_state):
         for f in held:
             f.cancel()
         wait_until(lambda: fleet.polls_held(conn.client_id) == 0, timeout=10, what="polls released")
-        assert conn.stub.PollTask(pb.PollRequest(client_id=conn.client_id, wait_s=0), metadata=md, timeout=10).retry_after_s == 0.0
+        assert (
+            conn.stub.PollTask(
+                pb.PollRequest(client_id=conn.client_id, wait_s=0), metadata=md, timeout=10
+            ).retry_after_s
+            == 0.0
+        )
     finally:
         conn.close()
         server.stop(grace=0.5)
@@ -104,13 +111,20 @@ def test_transfers_beyond_the_limit_are_refused_and_join_stays_fast(small_state)
         wait_until(lambda: server_transfers(server) == 3, timeout=20, what="three idle streams at the server")
         extra = IdleStreams(server.address, 1)
         wait_until(lambda: extra.codes != [], timeout=20, what="the fourth stream refused")
-        assert extra.codes == [grpc.StatusCode.RESOURCE_EXHAUSTED] and "3 transfers in flight (limit 3)" in extra.details[0]
+        assert (
+            extra.codes == [grpc.StatusCode.RESOURCE_EXHAUSTED]
+            and "3 transfers in flight (limit 3)" in extra.details[0]
+        )
         extra.close()
         conn = Connection(server.address)
         start = time.monotonic()
         conn.join(Named("newcomer"))
         with grpc.insecure_channel(server.address) as channel:
-            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+            status = (
+                health_pb2_grpc.HealthStub(channel)
+                .Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+                .status
+            )
         assert status == health_pb2.HealthCheckResponse.SERVING and conn.client_id
         assert time.monotonic() - start < 5.0  # a generous bound: served at once, not after a time-out
         conn.close()
@@ -134,22 +148,45 @@ def test_idle_upload_streams_are_given_up(small_state):
         conn.join(Named("stalls"))
         infos = fleet.wait_for_clients(min_clients=1, timeout=timedelta(seconds=10))
         outcome = []
-        rnd = threading.Thread(target=lambda: outcome.append(fleet.fit_round(server_round=1, global_state=small_state,
-                                                                             assignments=[(infos[0], FitIns(round=1))], timeout=timedelta(seconds=30))))
+        rnd = threading.Thread(
+            target=lambda: outcome.append(
+                fleet.fit_round(
+                    server_round=1,
+                    global_state=small_state,
+                    assignments=[(infos[0], FitIns(round=1))],
+                    timeout=timedelta(seconds=30),
+                )
+            )
+        )
         rnd.start()
         task = conn.poll(10).task
         silent = IdleStreams(server.address, 1)  # not even a header
-        info = serde.StreamInfo(run_id=fleet.run_id, task_id=task.task_id, round=1, client_id=conn.client_id,
-                                num_examples=3)
+        info = serde.StreamInfo(
+            run_id=fleet.run_id, task_id=task.task_id, round=1, client_id=conn.client_id, num_examples=3
+        )
         first = next(iter(serde.EncodedModel(small_state).frames(info, chunk_size=16)))
-        stalled = IdleStreams(server.address, 1, first=first, metadata=session_metadata(conn.token))  # a header and a first chunk, then nothing
+        stalled = IdleStreams(
+            server.address, 1, first=first, metadata=session_metadata(conn.token)
+        )  # a header and a first chunk, then nothing
         wait_until(lambda: silent.codes and stalled.codes, timeout=20, what="both streams given up")
-        assert silent.codes == [grpc.StatusCode.DEADLINE_EXCEEDED] and "sent no header within 0.5s" in silent.details[0]
-        assert stalled.codes == [grpc.StatusCode.DEADLINE_EXCEEDED] and "upload stream idle for 0.5s" in stalled.details[0]
+        assert (
+            silent.codes == [grpc.StatusCode.DEADLINE_EXCEEDED]
+            and "sent no header within 0.5s" in silent.details[0]
+        )
+        assert (
+            stalled.codes == [grpc.StatusCode.DEADLINE_EXCEEDED]
+            and "upload stream idle for 0.5s" in stalled.details[0]
+        )
         wait_until(lambda: server_transfers(server) == 0, timeout=10, what="transfers released")
         # What arrived is kept for the client to resume from, and the round still waits for it.
-        assert conn.stub.UploadStatus(pb.UploadStatusRequest(client_id=conn.client_id, task_id=task.task_id),
-                                      metadata=session_metadata(conn.token), timeout=10).chunks_received == 1
+        assert (
+            conn.stub.UploadStatus(
+                pb.UploadStatusRequest(client_id=conn.client_id, task_id=task.task_id),
+                metadata=session_metadata(conn.token),
+                timeout=10,
+            ).chunks_received
+            == 1
+        )
         assert fleet.current_round is not None and fleet.current_round.results == {}
         silent.close()
         stalled.close()
@@ -170,8 +207,16 @@ def test_many_clients_in_one_process_each_have_their_own_connection(tmp_path):
 
     from harness import start_coordinator
 
-    proc, address = start_coordinator(tmp_path / "coord", "--rounds", "2", "--min-clients", "6", "--heartbeat-interval-s", "1",
-                                      env={"FEDGRID_MAX_STREAMS_PER_CONNECTION": "4"})
+    proc, address = start_coordinator(
+        tmp_path / "coord",
+        "--rounds",
+        "2",
+        "--min-clients",
+        "6",
+        "--heartbeat-interval-s",
+        "1",
+        env={"FEDGRID_MAX_STREAMS_PER_CONNECTION": "4"},
+    )
     handles = [start_client(Named(f"embedded-{i}"), address, poll_wait_s=5.0) for i in range(6)]
     try:
         for h in handles:
@@ -205,6 +250,12 @@ def test_the_coordinator_shortens_the_gil_switch_interval_from_the_environment()
         "print(before, after, sys.getswitchinterval())\n"
     )
     env = {**os.environ, "FEDGRID_GIL_SWITCH_INTERVAL_S": "0.0025"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=100, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=100, check=True
+    )
     before, after, kept = (float(x) for x in out.stdout.split())
-    assert before == pytest.approx(0.005, rel=0.02) and after == pytest.approx(0.0025, rel=0.02) and kept == pytest.approx(0.0001, rel=0.02)
+    assert (
+        before == pytest.approx(0.005, rel=0.02)
+        and after == pytest.approx(0.0025, rel=0.02)
+        and kept == pytest.approx(0.0001, rel=0.02)
+    )

@@ -47,7 +47,9 @@ def check_protocol(strategy: ring_app.RingStrategy) -> None:
     assert {n: got for n, (got, _) in strategy.report[1].items()} == want
     # Its neighbours still received its vector: it was sent before it dropped.
     left, right = ring_app.neighbours(NAMES, dropper)
-    assert want[left] != hand_sums([n for n in NAMES if n != dropper], [n for n in NAMES if n != dropper], 1).get(left)
+    assert want[left] != hand_sums(
+        [n for n in NAMES if n != dropper], [n for n in NAMES if n != dropper], 1
+    ).get(left)
     # Round 2: a ring of three, without it.
     ring2 = [n for n in NAMES if n != dropper]
     assert strategy.rings[2] == ring2
@@ -56,13 +58,23 @@ def check_protocol(strategy: ring_app.RingStrategy) -> None:
 
 
 def engine(strategy: ring_app.RingStrategy, fleet, min_clients: int) -> RoundEngine:  # type: ignore[no-untyped-def]
-    return RoundEngine(strategy=strategy, fleet=fleet, rounds=ROUNDS, min_clients=min_clients,
-                       round_timeout=timedelta(seconds=60), join_timeout=timedelta(seconds=60))
+    return RoundEngine(
+        strategy=strategy,
+        fleet=fleet,
+        rounds=ROUNDS,
+        min_clients=min_clients,
+        round_timeout=timedelta(seconds=60),
+        join_timeout=timedelta(seconds=60),
+    )
 
 
 def simulate() -> tuple[ring_app.RingStrategy, list]:
-    clients = [ring_app.sim_client_gone_after_share(i, CLIENTS, SEED) if i == DROPPER else ring_app.client(i, CLIENTS, SEED)
-               for i in range(CLIENTS)]
+    clients = [
+        ring_app.sim_client_gone_after_share(i, CLIENTS, SEED)
+        if i == DROPPER
+        else ring_app.client(i, CLIENTS, SEED)
+        for i in range(CLIENTS)
+    ]
     strategy = ring_app.RingStrategy(seed=SEED)
     strategy.initialize(initial_state=initial())
     with intra_op_threads(THREADS):
@@ -80,7 +92,12 @@ def test_ring_in_simulation_checks_out_by_hand_with_a_client_gone_between_phases
     strategy, history = simulate()
     check_protocol(strategy)
     r1 = history[0]
-    assert (r1.extra["share_ok"], r1.extra["share_failed"], r1.extra["sum_ok"], r1.extra["sum_failed"]) == (4, 0, 3, 1)
+    assert (r1.extra["share_ok"], r1.extra["share_failed"], r1.extra["sum_ok"], r1.extra["sum_failed"]) == (
+        4,
+        0,
+        3,
+        1,
+    )
     assert r1.extra["ring_ok"] == 1.0 and history[1].extra["ring_ok"] == 1.0
     assert (r1.clients_ok, r1.clients_failed) == (3, 0)  # the dropper was not asked to fit
     assert message_bytes(history) == EXPECTED_BYTES
@@ -93,7 +110,10 @@ EXPECTED_BYTES = [(8 * VEC, 8 * VEC, 3 * VEC, 0), (6 * VEC, 6 * VEC, 3 * VEC, 0)
 
 
 def message_bytes(history: list) -> list[tuple[float, ...]]:
-    return [tuple(m.extra[k] for k in ("share_bytes_up", "share_bytes_down", "sum_bytes_up", "sum_bytes_down")) for m in history]
+    return [
+        tuple(m.extra[k] for k in ("share_bytes_up", "share_bytes_down", "sum_bytes_up", "sum_bytes_down"))
+        for m in history
+    ]
 
 
 def test_ring_over_grpc_with_a_client_crashing_between_phases_equals_simulation(tmp_path):
@@ -104,11 +124,23 @@ def test_ring_over_grpc_with_a_client_crashing_between_phases_equals_simulation(
     try:
         for i in range(CLIENTS):
             app = "ring_app:client_drops_after_share" if i == DROPPER else "ring_app:client"
-            procs.append(start_client(coordinator.address, tmp_path / f"c{i}.log", "--app", app, "--partition", f"{i}/{CLIENTS}",
-                                      "--seed", str(SEED)))
+            procs.append(
+                start_client(
+                    coordinator.address,
+                    tmp_path / f"c{i}.log",
+                    "--app",
+                    app,
+                    "--partition",
+                    f"{i}/{CLIENTS}",
+                    "--seed",
+                    str(SEED),
+                )
+            )
         strategy = ring_app.RingStrategy(seed=SEED)
         strategy.initialize(initial_state=initial())
-        fleet.wait_for_clients(min_clients=CLIENTS, timeout=timedelta(seconds=60))  # then round 2 runs with the three left
+        fleet.wait_for_clients(
+            min_clients=CLIENTS, timeout=timedelta(seconds=60)
+        )  # then round 2 runs with the three left
         with intra_op_threads(THREADS):
             eng = engine(strategy, fleet, CLIENTS - 1)
             final = eng.run()
@@ -136,8 +168,8 @@ def test_message_rpcs_refuse_bad_input_with_a_named_status_and_change_nothing():
     import grpc
 
     from fedgrid.proto import fedgrid_pb2 as pb
-    from fedgrid.proto.tls import session_metadata
     from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
+    from fedgrid.proto.tls import session_metadata
     from fedgrid.types import TO_ALL, MessageIns
 
     fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=60))
@@ -150,16 +182,32 @@ def test_message_rpcs_refuse_bad_input_with_a_named_status_and_change_nothing():
         infos = fleet.wait_for_clients(min_clients=2, timeout=timedelta(seconds=10))
         peers = tuple(i.client_id for i in infos)
         outcome = {}
-        phase = threading.Thread(target=lambda: outcome.update(o=fleet.message_round(
-            server_round=1, phase="keys", assignments=[(i, MessageIns(round=1, phase="keys", peers=peers)) for i in infos],
-            timeout=timedelta(seconds=30))))
+        phase = threading.Thread(
+            target=lambda: outcome.update(
+                o=fleet.message_round(
+                    server_round=1,
+                    phase="keys",
+                    assignments=[(i, MessageIns(round=1, phase="keys", peers=peers)) for i in infos],
+                    timeout=timedelta(seconds=30),
+                )
+            )
+        )
         phase.start()
-        task = stub.PollTask(pb.PollRequest(client_id=a.client_id, wait_s=5), metadata=session_metadata(a.session_token), timeout=10).task
+        task = stub.PollTask(
+            pb.PollRequest(client_id=a.client_id, wait_s=5),
+            metadata=session_metadata(a.session_token),
+            timeout=10,
+        ).task
         assert (task.kind, task.phase, tuple(task.peers)) == (pb.MESSAGE, "keys", peers)
 
         def send(who, *envelopes, token=None, task_id=None):
-            return stub.SendMessages(pb.SendMessagesRequest(client_id=who.client_id, task_id=task_id or task.task_id, messages=list(envelopes)),
-                                     metadata=session_metadata(token or who.session_token), timeout=10)
+            return stub.SendMessages(
+                pb.SendMessagesRequest(
+                    client_id=who.client_id, task_id=task_id or task.task_id, messages=list(envelopes)
+                ),
+                metadata=session_metadata(token or who.session_token),
+                timeout=10,
+            )
 
         def refused(code, words, *envelopes, **kw):
             snapshot = (dict(fleet.current_round.results), fleet.current_round.bytes_up)
@@ -172,23 +220,58 @@ def test_message_rpcs_refuse_bad_input_with_a_named_status_and_change_nothing():
             assert (dict(fleet.current_round.results), fleet.current_round.bytes_up) == snapshot
 
         env = pb.Envelope
-        refused(grpc.StatusCode.INVALID_ARGUMENT, "is not a peer of this phase", env(peer="nobody", payload=b"x"))
-        refused(grpc.StatusCode.INVALID_ARGUMENT, "cannot address itself", env(peer=a.client_id, payload=b"x"))
-        refused(grpc.StatusCode.INVALID_ARGUMENT, "two messages to recipient", env(peer=b.client_id, payload=b"1"), env(peer=b.client_id, payload=b"2"))
-        refused(grpc.StatusCode.INVALID_ARGUMENT, "at most 65536", env(peer=b.client_id, payload=b"x" * 65537))
-        refused(grpc.StatusCode.INVALID_ARGUMENT, "excludes messages to named peers", env(peer=TO_ALL, payload=b"x"), env(peer=b.client_id, payload=b"y"))
-        refused(grpc.StatusCode.UNAUTHENTICATED, "bad session token", env(peer=b.client_id, payload=b"x"), token="forged")
-        refused(grpc.StatusCode.FAILED_PRECONDITION, "is not open", env(peer=b.client_id, payload=b"x"), task_id="other-task")
+        refused(
+            grpc.StatusCode.INVALID_ARGUMENT, "is not a peer of this phase", env(peer="nobody", payload=b"x")
+        )
+        refused(
+            grpc.StatusCode.INVALID_ARGUMENT, "cannot address itself", env(peer=a.client_id, payload=b"x")
+        )
+        refused(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "two messages to recipient",
+            env(peer=b.client_id, payload=b"1"),
+            env(peer=b.client_id, payload=b"2"),
+        )
+        refused(
+            grpc.StatusCode.INVALID_ARGUMENT, "at most 65536", env(peer=b.client_id, payload=b"x" * 65537)
+        )
+        refused(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "excludes messages to named peers",
+            env(peer=TO_ALL, payload=b"x"),
+            env(peer=b.client_id, payload=b"y"),
+        )
+        refused(
+            grpc.StatusCode.UNAUTHENTICATED,
+            "bad session token",
+            env(peer=b.client_id, payload=b"x"),
+            token="forged",
+        )
+        refused(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "is not open",
+            env(peer=b.client_id, payload=b"x"),
+            task_id="other-task",
+        )
         # Before the phase closes there is nothing to receive yet; then a's messages count once.
-        early = stub.ReceiveMessages(pb.ReceiveMessagesRequest(client_id=a.client_id, task_id=task.task_id, wait_s=0),
-                                     metadata=session_metadata(a.session_token), timeout=10)
+        early = stub.ReceiveMessages(
+            pb.ReceiveMessagesRequest(client_id=a.client_id, task_id=task.task_id, wait_s=0),
+            metadata=session_metadata(a.session_token),
+            timeout=10,
+        )
         assert not early.ready
         assert send(a, env(peer=b.client_id, payload=b"hello b")).bytes_accepted == 7
         refused(grpc.StatusCode.ALREADY_EXISTS, "already accepted", env(peer=b.client_id, payload=b"again"))
         # A model phase's RPCs are refused for a message task.
         with_download = None
         try:
-            list(stub.DownloadModel(pb.DownloadRequest(client_id=a.client_id, task_id=task.task_id), metadata=session_metadata(a.session_token), timeout=10))
+            list(
+                stub.DownloadModel(
+                    pb.DownloadRequest(client_id=a.client_id, task_id=task.task_id),
+                    metadata=session_metadata(a.session_token),
+                    timeout=10,
+                )
+            )
         except grpc.RpcError as exc:
             with_download = (exc.code(), "has no model to download" in exc.details())
         assert with_download == (grpc.StatusCode.FAILED_PRECONDITION, True)
@@ -196,10 +279,16 @@ def test_message_rpcs_refuse_bad_input_with_a_named_status_and_change_nothing():
         phase.join(timeout=30)
         got = {}
         for who in (a, b):
-            reply = stub.ReceiveMessages(pb.ReceiveMessagesRequest(client_id=who.client_id, task_id=task.task_id, wait_s=5),
-                                         metadata=session_metadata(who.session_token), timeout=10)
+            reply = stub.ReceiveMessages(
+                pb.ReceiveMessagesRequest(client_id=who.client_id, task_id=task.task_id, wait_s=5),
+                metadata=session_metadata(who.session_token),
+                timeout=10,
+            )
             got[who.client_id] = (reply.ready, reply.total, [(m.peer, m.payload) for m in reply.messages])
-        assert got == {a.client_id: (True, 1, [(b.client_id, b"hi all")]), b.client_id: (True, 1, [(a.client_id, b"hello b")])}
+        assert got == {
+            a.client_id: (True, 1, [(b.client_id, b"hi all")]),
+            b.client_id: (True, 1, [(a.client_id, b"hello b")]),
+        }
         assert [len(r.messages) for r in outcome["o"].results] == [1, 1] and outcome["o"].failures == []
     finally:
         channel.close()

@@ -20,7 +20,9 @@ FEDGRID = Path(sys.executable).with_name("fedgrid")  # the console script of thi
 
 
 def _fedgrid(cwd: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([str(FEDGRID), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=child_env())
+    return subprocess.run(
+        [str(FEDGRID), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=child_env()
+    )
 
 
 @pytest.fixture
@@ -48,18 +50,45 @@ def test_new_app_simulates_with_federated_accuracy(app_dir):
 def test_new_app_deploys_with_the_same_config_and_matches_the_simulation(app_dir):
     common = ["--config", "myapp/config.toml", "--rounds", "2", "--threads", "1"]
     out = app_dir / "runs" / "coord"
-    coord = subprocess.Popen([str(FEDGRID), "coordinator", *common, "--listen", "127.0.0.1:0", "--out", str(out)], cwd=app_dir,
-                             stdout=open(app_dir / "coord.log", "w"), stderr=subprocess.STDOUT, env=child_env())
+    coord = subprocess.Popen(
+        [str(FEDGRID), "coordinator", *common, "--listen", "127.0.0.1:0", "--out", str(out)],
+        cwd=app_dir,
+        stdout=open(app_dir / "coord.log", "w"),
+        stderr=subprocess.STDOUT,
+        env=child_env(),
+    )
     clients: list[subprocess.Popen] = []
     try:
-        wait_until(lambda: (out / "address").exists() and (out / "address").read_text().strip() != "" or coord.poll() is not None,
-                   timeout=90, what="coordinator address")
+        wait_until(
+            lambda: (
+                (out / "address").exists()
+                and (out / "address").read_text().strip() != ""
+                or coord.poll() is not None
+            ),
+            timeout=90,
+            what="coordinator address",
+        )
         assert coord.poll() is None, (app_dir / "coord.log").read_text()
         address = (out / "address").read_text().strip()
         clients = [
-            subprocess.Popen([str(FEDGRID), "client", "--coordinator", address, "--app", "myapp.app:client", "--partition", f"{i}/3",
-                              "--threads", "1"], cwd=app_dir, stdout=open(app_dir / f"c{i}.log", "w"), stderr=subprocess.STDOUT,
-                             env=child_env())
+            subprocess.Popen(
+                [
+                    str(FEDGRID),
+                    "client",
+                    "--coordinator",
+                    address,
+                    "--app",
+                    "myapp.app:client",
+                    "--partition",
+                    f"{i}/3",
+                    "--threads",
+                    "1",
+                ],
+                cwd=app_dir,
+                stdout=open(app_dir / f"c{i}.log", "w"),
+                stderr=subprocess.STDOUT,
+                env=child_env(),
+            )
             for i in range(3)
         ]
         for i, c in enumerate(clients):
@@ -78,7 +107,9 @@ def test_new_app_deploys_with_the_same_config_and_matches_the_simulation(app_dir
     assert list(model) == list(simulated) == ["0.weight", "0.bias", "2.weight", "2.bias"]
     for name, tensor in simulated.items():
         assert torch.equal(model[name], tensor), name  # same engine and threads: the same bits
-    assert [m["accuracy"] for m in read_metrics(app_dir / "runs" / "sim")] == [m["accuracy"] for m in deployed]
+    assert [m["accuracy"] for m in read_metrics(app_dir / "runs" / "sim")] == [
+        m["accuracy"] for m in deployed
+    ]
 
 
 def test_new_refuses_an_existing_directory_and_changes_nothing(tmp_path):

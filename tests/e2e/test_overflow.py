@@ -13,7 +13,6 @@ import threading
 from collections import OrderedDict
 from datetime import timedelta
 
-import pytest
 import torch
 
 from fedgrid.aggregation import build_strategy_from
@@ -47,21 +46,44 @@ class Shift(Client):
                 return v
             return torch.full_like(v, 3e38) if ins.round in self.poisoned else v + 0.01 * self.k
 
-        return FitOutput(OrderedDict((n, out(v)) for n, v in state.items()), num_examples=3, metrics={"loss": float(self.k)})
+        return FitOutput(
+            OrderedDict((n, out(v)) for n, v in state.items()),
+            num_examples=3,
+            metrics={"loss": float(self.k)},
+        )
 
 
 def _clients(poisoned: tuple[int, ...]) -> list[Client]:
-    return [Shift("honest-1", 1), Shift("honest-2", 2), Shift("attacker-1", 3, poisoned), Shift("attacker-2", 4, poisoned)]
+    return [
+        Shift("honest-1", 1),
+        Shift("honest-2", 2),
+        Shift("attacker-1", 3, poisoned),
+        Shift("attacker-2", 4, poisoned),
+    ]
 
 
 def _initial():
     g = torch.Generator().manual_seed(5)
-    return OrderedDict([("w", torch.randn(4, 3, generator=g)), ("b", torch.randn(4, generator=g)), ("steps", torch.tensor(7))])
+    return OrderedDict(
+        [
+            ("w", torch.randn(4, 3, generator=g)),
+            ("b", torch.randn(4, generator=g)),
+            ("steps", torch.tensor(7)),
+        ]
+    )
 
 
 def _engine(fleet, strategy, *, min_clients: int = 4, **kw) -> RoundEngine:
-    return RoundEngine(strategy=strategy, fleet=fleet, rounds=ROUNDS, min_clients=min_clients, round_timeout=timedelta(seconds=60),
-                       join_timeout=timedelta(seconds=60), finish_timeout=timedelta(seconds=10), **kw)
+    return RoundEngine(
+        strategy=strategy,
+        fleet=fleet,
+        rounds=ROUNDS,
+        min_clients=min_clients,
+        round_timeout=timedelta(seconds=60),
+        join_timeout=timedelta(seconds=60),
+        finish_timeout=timedelta(seconds=10),
+        **kw,
+    )
 
 
 def _deploy(tmp_path, bounds: UpdateBounds | None = None, *, min_clients: int = 4):
@@ -123,7 +145,9 @@ def test_rounds_with_an_overflowing_aggregate_fail_and_the_run_goes_on(tmp_path)
     failed = [m.round for m in engine.history if m.extra.get(ROUND_FAILED)]
     assert failed == list(POISONED)
     assert [m.round for m in engine.history] == [1, 2, 3, 4, 5]
-    assert all(m.clients_ok == 4 and m.clients_failed == 0 for m in engine.history)  # every update passed its checks
+    assert all(
+        m.clients_ok == 4 and m.clients_failed == 0 for m in engine.history
+    )  # every update passed its checks
     assert [e["round"] for e in seen if e.event == "round_failed"] == list(POISONED)
     assert [e["round"] for e in seen if e.event == "checkpoint_written"] == [1, 3, 5]
     assert [e["round"] for e in seen if e.event == "round_committed"] == [1, 3, 5]
@@ -133,7 +157,9 @@ def test_rounds_with_an_overflowing_aggregate_fail_and_the_run_goes_on(tmp_path)
     reference = _reference([1, 3, 5])
     for name, tensor in reference.strategy.global_state.items():
         assert torch.equal(engine.strategy.global_state[name], tensor), name
-    _assert_same_state(engine.strategy.state_dict(), reference.strategy.state_dict())  # moments and step count too
+    _assert_same_state(
+        engine.strategy.state_dict(), reference.strategy.state_dict()
+    )  # moments and step count too
     latest = store.load_latest()  # a restart resumes the same finite state
     assert latest.round == 5
     for name, tensor in reference.strategy.global_state.items():
@@ -144,8 +170,18 @@ def test_with_a_norm_bound_the_overflowing_uploads_are_refused(tmp_path):
     # The SDK gives up on a refused upload and leaves: the honest clients carry the run.
     engine, _, seen, summaries = _deploy(tmp_path, UpdateBounds(max_update_norm=1.0), min_clients=2)
     assert [m.round for m in engine.history if m.extra.get(ROUND_FAILED)] == []
-    assert [(m.clients_ok, m.clients_failed) for m in engine.history] == [(4, 0), (2, 2), (2, 0), (2, 0), (2, 0)]
+    assert [(m.clients_ok, m.clients_failed) for m in engine.history] == [
+        (4, 0),
+        (2, 2),
+        (2, 0),
+        (2, 0),
+        (2, 0),
+    ]
     assert [type(s).__name__ for s in summaries[2:]] == ["RpcFailed", "RpcFailed"]
-    assert all("INVALID_ARGUMENT: update norm 1.03923e+39 is over max_update_norm 1" in str(s) for s in summaries[2:])
+    assert all(
+        "INVALID_ARGUMENT: update norm 1.03923e+39 is over max_update_norm 1" in str(s) for s in summaries[2:]
+    )
     assert [e["round"] for e in seen if e.event == "round_committed"] == [1, 2, 3, 4, 5]
-    assert all(torch.isfinite(t).all() for t in engine.strategy.global_state.values() if t.is_floating_point())
+    assert all(
+        torch.isfinite(t).all() for t in engine.strategy.global_state.values() if t.is_floating_point()
+    )

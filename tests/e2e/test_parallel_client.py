@@ -43,7 +43,9 @@ def _global(app, config=None) -> "OrderedDict[str, torch.Tensor]":
     state = OrderedDict((k, v.clone()) for k, v in app.model().state_dict().items())
     if config and config.get("algorithm") == "scaffold":
         for name, tensor in list(state.items()):
-            state[f"scaffold.c.{name}"] = torch.full_like(tensor, 0.01) * torch.arange(tensor.numel()).reshape(tensor.shape).remainder(3)
+            state[f"scaffold.c.{name}"] = torch.full_like(tensor, 0.01) * torch.arange(
+                tensor.numel()
+            ).reshape(tensor.shape).remainder(3)
     return state
 
 
@@ -52,7 +54,10 @@ def _assert_same_update(one, many) -> None:
     assert many.metrics["loss"] == pytest.approx(one.metrics["loss"], abs=1e-6)
     assert list(many.state) == list(one.state)
     for name, tensor in one.state.items():
-        assert torch.allclose(many.state[name], tensor, atol=TOLERANCE, rtol=0), (name, (many.state[name] - tensor).abs().max())
+        assert torch.allclose(many.state[name], tensor, atol=TOLERANCE, rtol=0), (
+            name,
+            (many.state[name] - tensor).abs().max(),
+        )
 
 
 @pytest.mark.parametrize("nproc,parallel", [(2, "dp"), (2, "fsdp"), (4, "hsdp:2x2")])
@@ -71,7 +76,11 @@ def test_a_multi_process_client_takes_the_single_process_steps(app, nproc, paral
 
 
 @pytest.mark.parametrize("parallel", ["dp", "fsdp"])
-@pytest.mark.parametrize("config", [{"algorithm": "fedprox", "proximal_mu": 0.5}, {"algorithm": "scaffold"}], ids=["fedprox", "scaffold"])
+@pytest.mark.parametrize(
+    "config",
+    [{"algorithm": "fedprox", "proximal_mu": 0.5}, {"algorithm": "scaffold"}],
+    ids=["fedprox", "scaffold"],
+)
 def test_fedprox_and_scaffold_on_a_distributed_client_equal_one_process(app, config, parallel):
     # Their step hooks are elementwise on a parameter and its gradient: on FSDP2's sharded
     # DTensors too (client/algorithms.py), with SCAFFOLD's c_i gathered whole at upload.
@@ -96,7 +105,9 @@ def test_a_killed_worker_fails_its_round_at_once_and_the_next_round_trains(app, 
     server = InProcessCoordinator(initial)
     markers = tmp_path / "markers"
     markers.mkdir()
-    client = ParallelClient(app.client, (0, 1, 0), {"marker_dir": str(markers), "step_s": 0.1}, spec=ParallelSpec.parse(2, "dp"))
+    client = ParallelClient(
+        app.client, (0, 1, 0), {"marker_dir": str(markers), "step_s": 0.1}, spec=ParallelSpec.parse(2, "dp")
+    )
     handle = start_client(client, server.address, poll_wait_s=1.0)
     try:
         wait_until(lambda: len(server.fleet.live_clients()) == 1, timeout=60, what="the client to join")
@@ -113,7 +124,9 @@ def test_a_killed_worker_fails_its_round_at_once_and_the_next_round_trains(app, 
         assert int(marker.read_text()) == old_worker
         os.kill(old_worker, signal.SIGKILL)
         second = server.wait_round(timeout=60)
-        assert second.results == [] and second.closed_by == "all"  # reported at once, not waited out to the deadline
+        assert (
+            second.results == [] and second.closed_by == "all"
+        )  # reported at once, not waited out to the deadline
         [failure] = second.failures
         assert "local worker fedgrid-rank-1 died (killed by signal 9)" in failure.reason, failure.reason
 
@@ -130,22 +143,54 @@ def test_a_killed_worker_fails_its_round_at_once_and_the_next_round_trains(app, 
 
 
 def _client_cli(address: str, *launcher: str, extra: tuple[str, ...] = ()) -> list[str]:
-    return [*launcher, "client", "--coordinator", address, "--app", "parallel_app:client", "--threads", "1", *extra]
+    return [
+        *launcher,
+        "client",
+        "--coordinator",
+        address,
+        "--app",
+        "parallel_app:client",
+        "--threads",
+        "1",
+        *extra,
+    ]
 
 
 @pytest.mark.parametrize("launch", ["nproc-per-node", "torchrun"])
 def test_fedgrid_client_on_two_ranks_completes_a_run(tmp_path, launch):
     out = tmp_path / "run"
-    coordinator, address = start_coordinator(out, "--model", "parallel_app:model", "--rounds", "2", "--min-clients", "1",
-                                             "--local-epochs", "1", "--lr", "0.05")
+    coordinator, address = start_coordinator(
+        out,
+        "--model",
+        "parallel_app:model",
+        "--rounds",
+        "2",
+        "--min-clients",
+        "1",
+        "--local-epochs",
+        "1",
+        "--lr",
+        "0.05",
+    )
     if launch == "torchrun":
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "fedgrid.cli"]
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "fedgrid.cli",
+        ]
         command = _client_cli(address, *launcher)
     else:
         command = _client_cli(address, *FEDGRID, extra=("--nproc-per-node", "2", "--parallel", "fsdp"))
     log = tmp_path / "client.log"
     try:
-        client = subprocess.run(command, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=child_env(), timeout=240)
+        client = subprocess.run(
+            command, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=child_env(), timeout=240
+        )
         assert coordinator.wait(timeout=60) == 0
     finally:
         coordinator.kill()
@@ -181,8 +226,12 @@ def test_a_hung_worker_times_its_collective_out_and_the_next_task_trains(app, tm
     markers = tmp_path / "markers"
     markers.mkdir()
     timeout_s = 4.0
-    client = ParallelClient(app.client, (0, 1, 0), {"marker_dir": str(markers), "step_s": 0.05},
-                            spec=ParallelSpec.parse(2, "dp", collective_timeout_s=timeout_s))
+    client = ParallelClient(
+        app.client,
+        (0, 1, 0),
+        {"marker_dir": str(markers), "step_s": 0.05},
+        spec=ParallelSpec.parse(2, "dp", collective_timeout_s=timeout_s),
+    )
     ins = FitIns(round=1, config={"local_epochs": 1})
     try:
         client.fit(_global(app), ins)  # starts the ranks
@@ -204,7 +253,9 @@ def test_a_hung_worker_times_its_collective_out_and_the_next_task_trains(app, tm
         thread.join(timeout=60)
         assert not thread.is_alive() and len(failed) == 1
         assert timeout_s - 0.5 < time.monotonic() - stopped < timeout_s + 30, time.monotonic() - stopped
-        assert "parallel client (2 ranks)" in str(failed[0]) and "start again for the next task" in str(failed[0])
+        assert "parallel client (2 ranks)" in str(failed[0]) and "start again for the next task" in str(
+            failed[0]
+        )
         out = client.fit(_global(app), FitIns(round=3, config=ins.config))
         assert out.num_examples == 203 and client.worker_pids != [worker]
     finally:

@@ -5,8 +5,6 @@ bit for bit on the sequential engine with the same thread count, within
 from __future__ import annotations
 
 import tomllib
-
-import pytest
 import torch
 
 from fedgrid.config import load_config
@@ -35,18 +33,38 @@ def test_coordinator_and_three_client_processes_match_simulation(tmp_path, refer
     for m in metrics:
         assert KEYS <= set(m)
         assert m["clients_ok"] == CLIENTS and m["clients_failed"] == 0
-        assert m["bytes_up"] > 3 * 4 * 4810 and m["bytes_down"] > 3 * 4 * 4810  # 3 clients x 4810 float32 params
+        assert (
+            m["bytes_up"] > 3 * 4 * 4810 and m["bytes_down"] > 3 * 4 * 4810
+        )  # 3 clients x 4810 float32 params
     assert metrics[-1]["accuracy"] > 0.85
     assert metrics[-1]["accuracy"] > metrics[0]["accuracy"]
     assert (run_dir / "config.toml").exists()
 
-    config = load_config(overrides={"rounds": ROUNDS, "clients": CLIENTS, "seed": SEED, "out": str(tmp_path / "sim"), **REFERENCE})
+    config = load_config(
+        overrides={
+            "rounds": ROUNDS,
+            "clients": CLIENTS,
+            "seed": SEED,
+            "out": str(tmp_path / "sim"),
+            **REFERENCE,
+        }
+    )
     sim_state, sim_history = run_simulation(config)
     deployed = load_model(run_dir / "model.safetensors")
     assert set(deployed) == set(sim_state)  # safetensors stores keys sorted
     for name, tensor in sim_state.items():
         assert torch.equal(deployed[name], tensor), name  # sequential engine, same threads: the same bits
-    batched, _ = run_simulation(load_config(overrides={"rounds": ROUNDS, "clients": CLIENTS, "seed": SEED, "threads": THREADS, "engine": "batched"}))
+    batched, _ = run_simulation(
+        load_config(
+            overrides={
+                "rounds": ROUNDS,
+                "clients": CLIENTS,
+                "seed": SEED,
+                "threads": THREADS,
+                "engine": "batched",
+            }
+        )
+    )
     for name, tensor in batched.items():
         torch.testing.assert_close(deployed[name], tensor, atol=BATCHED_ATOL, rtol=0)
     # Bytes are counted the same way in simulation and deployment; deployment's stream

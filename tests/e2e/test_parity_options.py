@@ -24,10 +24,29 @@ def test_deployed_clients_with_options_match_simulation(tmp_path):
     run_dir = tmp_path / "coord"
     common = ["--rounds", str(ROUNDS), "--seed", str(SEED), "--local-epochs", "1"]
     proc, address = start_coordinator(
-        run_dir, *common, "--min-clients", str(CLIENTS), "--heartbeat-interval-s", "1", "--model", "logistic", "--lr", "0.01"
+        run_dir,
+        *common,
+        "--min-clients",
+        str(CLIENTS),
+        "--heartbeat-interval-s",
+        "1",
+        "--model",
+        "logistic",
+        "--lr",
+        "0.01",
     )
     clients = [
-        start_client(address, tmp_path / f"client{i}.log", "--partition", f"{i}/{CLIENTS}", "--seed", str(SEED), "--data-partition", "shards:2", *_flags(OPTIONS))
+        start_client(
+            address,
+            tmp_path / f"client{i}.log",
+            "--partition",
+            f"{i}/{CLIENTS}",
+            "--seed",
+            str(SEED),
+            "--data-partition",
+            "shards:2",
+            *_flags(OPTIONS),
+        )
         for i in range(CLIENTS)
     ]
     try:
@@ -44,12 +63,23 @@ def test_deployed_clients_with_options_match_simulation(tmp_path):
     assert sum(t.numel() for t in deployed.values()) == 650  # logistic 64 -> 10
 
     config = load_config(
-        overrides={"rounds": ROUNDS, "clients": CLIENTS, "seed": SEED, "local_epochs": 1, "partition": "shards:2", "out": str(tmp_path / "sim"), **OPTIONS, **REFERENCE}
+        overrides={
+            "rounds": ROUNDS,
+            "clients": CLIENTS,
+            "seed": SEED,
+            "local_epochs": 1,
+            "partition": "shards:2",
+            "out": str(tmp_path / "sim"),
+            **OPTIONS,
+            **REFERENCE,
+        }
     )
     sim_state, sim_history = run_simulation(config)
     for name, tensor in sim_state.items():
         assert torch.equal(deployed[name], tensor), name  # same engine, same threads: the same bits
     assert metrics[-1]["accuracy"] == pytest.approx(sim_history[-1].accuracy, abs=1e-6)
     # the options mattered: default SGD with momentum ends elsewhere
-    default_state, _ = run_simulation(load_config(overrides={**config.to_dict(), "optimizer": "sgd", "out": ""}))
+    default_state, _ = run_simulation(
+        load_config(overrides={**config.to_dict(), "optimizer": "sgd", "out": ""})
+    )
     assert not torch.allclose(default_state["1.weight"], sim_state["1.weight"], atol=1e-3)

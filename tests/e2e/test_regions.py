@@ -12,7 +12,6 @@ import json
 import subprocess
 from pathlib import Path
 
-import pytest
 import torch
 
 from fedgrid.config import load_config
@@ -26,11 +25,15 @@ ROUNDS, SEED = 2, 3
 TOLERANCE = 1e-6
 
 
-def _wait_all(procs: list[subprocess.Popen], logs: Path, *, timeout: float, skip: tuple[subprocess.Popen, ...] = ()) -> None:
+def _wait_all(
+    procs: list[subprocess.Popen], logs: Path, *, timeout: float, skip: tuple[subprocess.Popen, ...] = ()
+) -> None:
     """Every process but ``skip`` exits 0 (the last started first); else the logs' tails say why."""
     for proc in procs[::-1]:
         if proc not in skip:
-            assert proc.wait(timeout=timeout) == 0, [p.read_text()[-3000:] for p in sorted(logs.glob("*.log"))]
+            assert proc.wait(timeout=timeout) == 0, [
+                p.read_text()[-3000:] for p in sorted(logs.glob("*.log"))
+            ]
 
 
 def _kill_all(procs: list[subprocess.Popen]) -> None:
@@ -42,29 +45,76 @@ def _kill_all(procs: list[subprocess.Popen]) -> None:
 def start_region(out: Path, upstream: str, name: str, *args: str) -> tuple[subprocess.Popen, str]:
     """``fedgrid region`` on port 0; returns it with its address (``RUN_DIR/address``)."""
     log = open(out.parent / f"{out.name}.log", "w")
-    proc = subprocess.Popen([*FEDGRID, "region", "--upstream", upstream, "--name", name, "--listen", "127.0.0.1:0", "--out", str(out),
-                             "--threads", str(THREADS), "--seed", str(SEED), *args], stdout=log, stderr=subprocess.STDOUT, env=child_env())
+    proc = subprocess.Popen(
+        [
+            *FEDGRID,
+            "region",
+            "--upstream",
+            upstream,
+            "--name",
+            name,
+            "--listen",
+            "127.0.0.1:0",
+            "--out",
+            str(out),
+            "--threads",
+            str(THREADS),
+            "--seed",
+            str(SEED),
+            *args,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=child_env(),
+    )
     address = out / "address"
-    wait_until(lambda: address.exists() and address.read_text().strip() != "" or proc.poll() is not None, timeout=60, what=f"region {name}'s address")
+    wait_until(
+        lambda: address.exists() and address.read_text().strip() != "" or proc.poll() is not None,
+        timeout=60,
+        what=f"region {name}'s address",
+    )
     assert proc.poll() is None, (out.parent / f"{out.name}.log").read_text()
     return proc, address.read_text().strip()
 
 
 def test_two_regions_with_one_regional_round_are_flat_fedavg(tmp_path):
     top = tmp_path / "global"
-    coordinator, address = start_coordinator(top, "--rounds", str(ROUNDS), "--min-clients", "2", "--seed", str(SEED))
+    coordinator, address = start_coordinator(
+        top, "--rounds", str(ROUNDS), "--min-clients", "2", "--seed", str(SEED)
+    )
     procs = [coordinator]
     try:
         for r, name in enumerate(("region-a", "region-b")):
-            region, region_address = start_region(tmp_path / name, address, name, "--min-clients", "2", "--regional-rounds", "1")
+            region, region_address = start_region(
+                tmp_path / name, address, name, "--min-clients", "2", "--regional-rounds", "1"
+            )
             procs.append(region)
             for i in (2 * r, 2 * r + 1):
-                procs.append(start_client(region_address, tmp_path / f"client{i}.log", "--partition", f"{i}/4", "--seed", str(SEED)))
+                procs.append(
+                    start_client(
+                        region_address,
+                        tmp_path / f"client{i}.log",
+                        "--partition",
+                        f"{i}/4",
+                        "--seed",
+                        str(SEED),
+                    )
+                )
         _wait_all(procs, tmp_path, timeout=240)
     finally:
         _kill_all(procs)
 
-    flat, _ = run_simulation(load_config(overrides={"rounds": ROUNDS, "clients": 4, "seed": SEED, "out": str(tmp_path / "flat"), **REFERENCE}))
+    flat, _ = run_simulation(
+        load_config(
+            overrides={
+                "rounds": ROUNDS,
+                "clients": 4,
+                "seed": SEED,
+                "out": str(tmp_path / "flat"),
+                **REFERENCE,
+            }
+        )
+    )
     hierarchical = load_model(top / "model.safetensors")
     for name, tensor in flat.items():
         torch.testing.assert_close(hierarchical[name], tensor, atol=TOLERANCE, rtol=0)
@@ -78,13 +128,20 @@ def test_two_regions_with_one_regional_round_are_flat_fedavg(tmp_path):
         assert [w["round"] for w in wan] == [1, 2]
         for g, w, m in zip(top_metrics, wan, lan):
             # Each tier counts its own links: the global coordinator a region's WAN bytes, the region its LAN's.
-            assert abs(w["bytes_up"] - g[f"bytes_up.{name}"]) <= 400 and abs(g[f"bytes_down.{name}"] - w["bytes_down"]) <= 400
-            assert m["bytes_up"] > 1.9 * g[f"bytes_up.{name}"]  # two clients' updates in, one regional model out
+            assert (
+                abs(w["bytes_up"] - g[f"bytes_up.{name}"]) <= 400
+                and abs(g[f"bytes_down.{name}"] - w["bytes_down"]) <= 400
+            )
+            assert (
+                m["bytes_up"] > 1.9 * g[f"bytes_up.{name}"]
+            )  # two clients' updates in, one regional model out
         assert g[f"bytes_up.{name}"] > 4 * 4000
 
 
 def _start(command: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen(command, stdout=open(log, "a"), stderr=subprocess.STDOUT, env={**child_env(), **env})
+    return subprocess.Popen(
+        command, stdout=open(log, "a"), stderr=subprocess.STDOUT, env={**child_env(), **env}
+    )
 
 
 def test_a_region_killed_mid_round_is_that_rounds_failure_and_rejoins_from_its_state(tmp_path, monkeypatch):
@@ -99,14 +156,53 @@ def test_a_region_killed_mid_round_is_that_rounds_failure_and_rejoins_from_its_s
     markers.mkdir()
     env = {"SLOW_APP_MARKER_DIR": str(markers), "SLOW_APP_FIT_S": "0.3", "FEDGRID_RETRY_MAX_WAIT_S": "1"}
     top = tmp_path / "global"
-    coordinator, address = start_coordinator(top, "--model", "slow_app:model", "--rounds", "4", "--min-clients", "2", "--seed", str(SEED),
-                                             "--heartbeat-interval-s", "1", "--round-timeout-s", "120")
+    coordinator, address = start_coordinator(
+        top,
+        "--model",
+        "slow_app:model",
+        "--rounds",
+        "4",
+        "--min-clients",
+        "2",
+        "--seed",
+        str(SEED),
+        "--heartbeat-interval-s",
+        "1",
+        "--round-timeout-s",
+        "120",
+    )
     procs = [coordinator]
-    region_args = ["--min-clients", "2", "--regional-rounds", "2", "--heartbeat-interval-s", "1", "--round-timeout-s", "60"]
+    region_args = [
+        "--min-clients",
+        "2",
+        "--regional-rounds",
+        "2",
+        "--heartbeat-interval-s",
+        "1",
+        "--round-timeout-s",
+        "60",
+    ]
 
     def region_command(name: str, listen: str) -> list[str]:
-        return [*FEDGRID, "region", "--upstream", address, "--name", name, "--listen", listen, "--out", str(tmp_path / name),
-                "--state-dir", str(tmp_path / f"{name}-state"), "--threads", str(THREADS), "--seed", str(SEED), *region_args]
+        return [
+            *FEDGRID,
+            "region",
+            "--upstream",
+            address,
+            "--name",
+            name,
+            "--listen",
+            listen,
+            "--out",
+            str(tmp_path / name),
+            "--state-dir",
+            str(tmp_path / f"{name}-state"),
+            "--threads",
+            str(THREADS),
+            "--seed",
+            str(SEED),
+            *region_args,
+        ]
 
     try:
         regions = {}
@@ -114,18 +210,43 @@ def test_a_region_killed_mid_round_is_that_rounds_failure_and_rejoins_from_its_s
             regions[name] = _start(region_command(name, "127.0.0.1:0"), tmp_path / f"{name}.log", env)
             procs.append(regions[name])
             path = tmp_path / name / "address"
-            wait_until(lambda: path.exists() and path.read_text().strip() != "", timeout=60, what=f"{name}'s address")
+            wait_until(
+                lambda: path.exists() and path.read_text().strip() != "", timeout=60, what=f"{name}'s address"
+            )
             for i in (2 * r, 2 * r + 1):
-                procs.append(_start([*FEDGRID, "client", "--coordinator", path.read_text().strip(), "--app", "slow_app:client",
-                                     "--partition", f"{i}/4", "--threads", str(THREADS)], tmp_path / f"client{i}.log", env))
+                procs.append(
+                    _start(
+                        [
+                            *FEDGRID,
+                            "client",
+                            "--coordinator",
+                            path.read_text().strip(),
+                            "--app",
+                            "slow_app:client",
+                            "--partition",
+                            f"{i}/4",
+                            "--threads",
+                            str(THREADS),
+                        ],
+                        tmp_path / f"client{i}.log",
+                        env,
+                    )
+                )
         b_address = (tmp_path / "region-b" / "address").read_text().strip()
         # Regional round 3 is global round 2's first: kill region-b while client 2 trains it.
-        wait_until((markers / "fit-2-3").exists, timeout=180, what="region-b's clients to train global round 2")
+        wait_until(
+            (markers / "fit-2-3").exists, timeout=180, what="region-b's clients to train global round 2"
+        )
         regions["region-b"].kill()
         regions["region-b"].wait(timeout=30)
-        wait_until(lambda: len(read_metrics(top)) >= 2 if (top / "metrics.jsonl").exists() else False, timeout=120,
-                   what="global round 2 to close without region-b")
-        restarted = _start(region_command("region-b", b_address), tmp_path / "region-b.log", env)  # same port: its clients retry it
+        wait_until(
+            lambda: len(read_metrics(top)) >= 2 if (top / "metrics.jsonl").exists() else False,
+            timeout=120,
+            what="global round 2 to close without region-b",
+        )
+        restarted = _start(
+            region_command("region-b", b_address), tmp_path / "region-b.log", env
+        )  # same port: its clients retry it
         procs.append(restarted)
         _wait_all(procs, tmp_path, timeout=240, skip=(regions["region-b"],))
     finally:
@@ -141,7 +262,9 @@ def test_a_region_killed_mid_round_is_that_rounds_failure_and_rejoins_from_its_s
         torch.testing.assert_close(final[name], tensor + expected, atol=1e-4, rtol=0)
     assert "resumed" in (tmp_path / "region-b.log").read_text()
     b_rounds = [m["round"] for m in read_metrics(tmp_path / "region-b")]
-    assert b_rounds[-4:] == [5, 6, 7, 8] and 3 not in b_rounds[b_rounds.index(5):]  # global rounds 3 and 4, after the restart
+    assert (
+        b_rounds[-4:] == [5, 6, 7, 8] and 3 not in b_rounds[b_rounds.index(5) :]
+    )  # global rounds 3 and 4, after the restart
 
 
 def test_a_deployed_hierarchy_equals_fedgrid_simulate_with_the_same_hierarchy(tmp_path):
@@ -150,19 +273,44 @@ def test_a_deployed_hierarchy_equals_fedgrid_simulate_with_the_same_hierarchy(tm
     regions, h = "region-a:0.5,region-b:0.5", 2
     profiles = ClientProfiles(4, seed=SEED, regions=regions)
     top = tmp_path / "global"
-    coordinator, address = start_coordinator(top, "--rounds", str(ROUNDS), "--min-clients", "2", "--seed", str(SEED))
+    coordinator, address = start_coordinator(
+        top, "--rounds", str(ROUNDS), "--min-clients", "2", "--seed", str(SEED)
+    )
     procs = [coordinator]
     try:
         for name in ("region-a", "region-b"):
-            region, region_address = start_region(tmp_path / name, address, name, "--min-clients", "2", "--regional-rounds", str(h))
+            region, region_address = start_region(
+                tmp_path / name, address, name, "--min-clients", "2", "--regional-rounds", str(h)
+            )
             procs.append(region)
-            for i in (i for i in range(4) if profiles.region(i) == name):  # the simulation's deal of clients to regions
-                procs.append(start_client(region_address, tmp_path / f"client{i}.log", "--partition", f"{i}/4", "--seed", str(SEED)))
+            for i in (
+                i for i in range(4) if profiles.region(i) == name
+            ):  # the simulation's deal of clients to regions
+                procs.append(
+                    start_client(
+                        region_address,
+                        tmp_path / f"client{i}.log",
+                        "--partition",
+                        f"{i}/4",
+                        "--seed",
+                        str(SEED),
+                    )
+                )
         _wait_all(procs, tmp_path, timeout=240)
     finally:
         _kill_all(procs)
-    config = load_config(overrides={"rounds": ROUNDS, "clients": 4, "seed": SEED, "regions": regions, "hierarchy": True,
-                                    "regional_rounds": h, "out": str(tmp_path / "sim"), **REFERENCE})
+    config = load_config(
+        overrides={
+            "rounds": ROUNDS,
+            "clients": 4,
+            "seed": SEED,
+            "regions": regions,
+            "hierarchy": True,
+            "regional_rounds": h,
+            "out": str(tmp_path / "sim"),
+            **REFERENCE,
+        }
+    )
     simulated, history = run_simulation(config)
     deployed = load_model(top / "model.safetensors")
     for name, tensor in simulated.items():
@@ -185,30 +333,109 @@ def test_a_region_that_loses_its_upstream_keeps_its_clients_and_joins_again(tmp_
 
     markers = tmp_path / "markers"
     markers.mkdir()
-    client_env = {"SLOW_APP_MARKER_DIR": str(markers), "SLOW_APP_FIT_S": "0.2", "FEDGRID_RETRY_MAX_WAIT_S": "1"}
+    client_env = {
+        "SLOW_APP_MARKER_DIR": str(markers),
+        "SLOW_APP_FIT_S": "0.2",
+        "FEDGRID_RETRY_MAX_WAIT_S": "1",
+    }
     region_env = client_env
     top, state = tmp_path / "global", tmp_path / "global-state"
-    global_args = ["--model", "slow_app:model", "--rounds", "3", "--min-clients", "2", "--seed", str(SEED), "--heartbeat-interval-s", "1",
-                   "--round-timeout-s", "120", "--state-dir", str(state)]
+    global_args = [
+        "--model",
+        "slow_app:model",
+        "--rounds",
+        "3",
+        "--min-clients",
+        "2",
+        "--seed",
+        str(SEED),
+        "--heartbeat-interval-s",
+        "1",
+        "--round-timeout-s",
+        "120",
+        "--state-dir",
+        str(state),
+    ]
     coordinator, address = start_coordinator(top, *global_args)
     procs, clients = [coordinator], []
     try:
         for r, name in enumerate(("region-a", "region-b")):
-            procs.append(_start([*FEDGRID, "region", "--upstream", address, "--name", name, "--listen", "127.0.0.1:0", "--out",
-                                 str(tmp_path / name), "--threads", str(THREADS), "--seed", str(SEED), "--min-clients", "2",
-                                 "--regional-rounds", "2", "--heartbeat-interval-s", "1"], tmp_path / f"{name}.log", region_env))
+            procs.append(
+                _start(
+                    [
+                        *FEDGRID,
+                        "region",
+                        "--upstream",
+                        address,
+                        "--name",
+                        name,
+                        "--listen",
+                        "127.0.0.1:0",
+                        "--out",
+                        str(tmp_path / name),
+                        "--threads",
+                        str(THREADS),
+                        "--seed",
+                        str(SEED),
+                        "--min-clients",
+                        "2",
+                        "--regional-rounds",
+                        "2",
+                        "--heartbeat-interval-s",
+                        "1",
+                    ],
+                    tmp_path / f"{name}.log",
+                    region_env,
+                )
+            )
             path = tmp_path / name / "address"
-            wait_until(lambda: path.exists() and path.read_text().strip() != "", timeout=60, what=f"{name}'s address")
+            wait_until(
+                lambda: path.exists() and path.read_text().strip() != "", timeout=60, what=f"{name}'s address"
+            )
             for i in (2 * r, 2 * r + 1):
-                clients.append(_start([*FEDGRID, "client", "--coordinator", path.read_text().strip(), "--app", "slow_app:client",
-                                       "--partition", f"{i}/4", "--threads", str(THREADS)], tmp_path / f"client{i}.log", client_env))
+                clients.append(
+                    _start(
+                        [
+                            *FEDGRID,
+                            "client",
+                            "--coordinator",
+                            path.read_text().strip(),
+                            "--app",
+                            "slow_app:client",
+                            "--partition",
+                            f"{i}/4",
+                            "--threads",
+                            str(THREADS),
+                        ],
+                        tmp_path / f"client{i}.log",
+                        client_env,
+                    )
+                )
         procs += clients
-        wait_until(lambda: (top / "metrics.jsonl").exists() and len(read_metrics(top)) >= 1, timeout=180, what="global round 1")
+        wait_until(
+            lambda: (top / "metrics.jsonl").exists() and len(read_metrics(top)) >= 1,
+            timeout=180,
+            what="global round 1",
+        )
         coordinator.kill()
         coordinator.wait(timeout=30)
         assert all(p.poll() is None for p in procs[1:])  # the regions and their clients stay
-        restarted = subprocess.Popen([*FEDGRID, "coordinator", "--listen", address, "--out", str(top), "--threads", str(THREADS), *global_args],
-                                     stdout=open(tmp_path / "global-restarted.log", "w"), stderr=subprocess.STDOUT, env=child_env())
+        restarted = subprocess.Popen(
+            [
+                *FEDGRID,
+                "coordinator",
+                "--listen",
+                address,
+                "--out",
+                str(top),
+                "--threads",
+                str(THREADS),
+                *global_args,
+            ],
+            stdout=open(tmp_path / "global-restarted.log", "w"),
+            stderr=subprocess.STDOUT,
+            env=child_env(),
+        )
         procs.append(restarted)
         _wait_all(procs, tmp_path, timeout=240, skip=(coordinator,))
     finally:
@@ -229,16 +456,29 @@ def test_two_regions_of_three_clients_over_an_emulated_wan_learn_as_flat_does(tm
 
     top = tmp_path / "global"
     rounds = 5
-    coordinator, address = start_coordinator(top, "--rounds", str(rounds), "--min-clients", "2", "--seed", str(SEED), "--codec", "int8")
+    coordinator, address = start_coordinator(
+        top, "--rounds", str(rounds), "--min-clients", "2", "--seed", str(SEED), "--codec", "int8"
+    )
     procs, relays = [coordinator], []
     try:
         for r, name in enumerate(("region-a", "region-b")):
             relay = WanRelay(address, link=WanLink(delay_ms=25, rate_mbit=20, loss=0.001, seed=r)).start()
             relays.append(relay)
-            region, region_address = start_region(tmp_path / name, relay.address, name, "--min-clients", "3", "--regional-rounds", "2")
+            region, region_address = start_region(
+                tmp_path / name, relay.address, name, "--min-clients", "3", "--regional-rounds", "2"
+            )
             procs.append(region)
             for i in range(3 * r, 3 * r + 3):
-                procs.append(start_client(region_address, tmp_path / f"client{i}.log", "--partition", f"{i}/6", "--seed", str(SEED)))
+                procs.append(
+                    start_client(
+                        region_address,
+                        tmp_path / f"client{i}.log",
+                        "--partition",
+                        f"{i}/6",
+                        "--seed",
+                        str(SEED),
+                    )
+                )
         _wait_all(procs, tmp_path, timeout=300)
     finally:
         _kill_all(procs)
@@ -249,5 +489,10 @@ def test_two_regions_of_three_clients_over_an_emulated_wan_learn_as_flat_does(tm
     assert all(m["wall_s"] > 0.1 for m in metrics)  # a download and an upload each cross a 50 ms RTT at least
     for relay in relays:  # the WAN carried each region's int8 uplink and its float32 downloads, nothing else
         assert relay.bytes_down > rounds * 4 * 4000 and rounds * 4000 < relay.bytes_up < relay.bytes_down / 2
-    _, flat = run_simulation(load_config(overrides={"rounds": rounds, "clients": 6, "seed": SEED, **REFERENCE}))
-    assert abs(metrics[-1]["accuracy"] - flat[-1].accuracy) <= 0.05, (metrics[-1]["accuracy"], flat[-1].accuracy)
+    _, flat = run_simulation(
+        load_config(overrides={"rounds": rounds, "clients": 6, "seed": SEED, **REFERENCE})
+    )
+    assert abs(metrics[-1]["accuracy"] - flat[-1].accuracy) <= 0.05, (
+        metrics[-1]["accuracy"],
+        flat[-1].accuracy,
+    )

@@ -5,7 +5,6 @@ with ``--tracker tensorboard``: its TensorBoard scalars equal its ``metrics.json
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from fedgrid.cli import main
@@ -16,9 +15,14 @@ from fedgrid.trackers import scalars
 from harness import deploy
 
 
-
 def test_coordinator_run_reports_participation_and_feeds_tensorboard(tmp_path):
-    out = deploy(tmp_path, "coord", ["--rounds", "2", "--min-clients", "2", "--tracker", "tensorboard"], clients=2, seed=0)
+    out = deploy(
+        tmp_path,
+        "coord",
+        ["--rounds", "2", "--min-clients", "2", "--tracker", "tensorboard"],
+        clients=2,
+        seed=0,
+    )
     rows = read_metrics(out)
     assert [(r["round"], r["clients_ok"], r["clients_failed"]) for r in rows] == [(1, 2, 0), (2, 2, 0)]
 
@@ -26,7 +30,9 @@ def test_coordinator_run_reports_participation_and_feeds_tensorboard(tmp_path):
     acc.Reload()
     assert set(acc.Tags()["scalars"]) == set(scalars(rows[0]))
     for tag in acc.Tags()["scalars"]:
-        assert [(s.step, s.value) for s in acc.Scalars(tag)] == [(r["round"], float(np.float32(r[tag]))) for r in rows], tag
+        assert [(s.step, s.value) for s in acc.Scalars(tag)] == [
+            (r["round"], float(np.float32(r[tag]))) for r in rows
+        ], tag
 
     run = load_run(out)
     grid = participation(run)

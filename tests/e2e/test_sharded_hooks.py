@@ -35,7 +35,9 @@ def _sharded_worker(rank: int, store_path: str) -> None:
         scaffold.after_backward(params={"w": w})
         assert torch.equal(full(w.grad), torch.full((4, 2), 2.0))  # -1 + (c - c_i) = -1 + 3
         deltas = scaffold.upload(state=OrderedDict(w=whole.clone()), trained=["w"], ctx=ctx)
-        assert torch.equal(deltas[CONTROL_DELTA_PREFIX + "w"], torch.full((4, 2), -1.0))  # gathered: the whole tensor
+        assert torch.equal(
+            deltas[CONTROL_DELTA_PREFIX + "w"], torch.full((4, 2), -1.0)
+        )  # gathered: the whole tensor
 
         prox = FedProxTraining()
         prox.begin(params={"w": w}, ctx=FitContext(config={"proximal_mu": 0.5}, model=("w",)))
@@ -55,4 +57,6 @@ def _sharded_worker(rank: int, store_path: str) -> None:
 
 
 def test_scaffold_and_fedprox_hooks_on_dtensor_parameters_over_two_processes(tmp_path):
-    mp.start_processes(_sharded_worker, args=(str(tmp_path / "store"),), nprocs=2, start_method="spawn", join=True)
+    mp.start_processes(
+        _sharded_worker, args=(str(tmp_path / "store"),), nprocs=2, start_method="spawn", join=True
+    )

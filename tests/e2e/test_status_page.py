@@ -18,21 +18,30 @@ from pathlib import Path
 
 import pytest
 
-from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.monitor import CoordinatorMonitor
+from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.types import ClientInfo, RoundMetrics
 from fedgrid.webserve import StatusServer
 
-
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 TOKEN = "page-token-0123456789abcdef"
 
 
 def _chromium() -> str:
     path = shutil.which("chromium") or shutil.which("chromium-browser")
     if path is None:
-        reason = "Debian's chromium is not installed (make test installs it as root: apt-get install chromium)"
+        reason = (
+            "Debian's chromium is not installed (make test installs it as root: apt-get install chromium)"
+        )
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(f"CI must render the status page: {reason}")
         pytest.skip(reason)
@@ -42,8 +51,13 @@ def _chromium() -> str:
 def _browse(tmp_path: Path, url: str, *extra: str) -> subprocess.CompletedProcess:
     profile = tmp_path / f"profile-{len(list(tmp_path.glob('profile-*')))}"
     profile.mkdir()
-    return subprocess.run([_chromium(), *FLAGS, f"--user-data-dir={profile}", *extra, url],
-                          capture_output=True, text=True, timeout=120, check=True)
+    return subprocess.run(
+        [_chromium(), *FLAGS, f"--user-data-dir={profile}", *extra, url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
 
 
 def _png_size(path: Path) -> tuple[int, int]:
@@ -64,9 +78,30 @@ def live_status(tmp_path):
     of history, round 3 without an accuracy (a failed round), served on loopback with a token."""
     fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=60))
     fleet.join(ClientInfo("", name="<b>bold</b> client", region="eu-west", num_examples=3))
-    fleet.join(ClientInfo("", name="plain", region="us-east", num_examples=3, device="cuda", num_accelerators=2, memory_bytes=80 << 30))
-    history = [RoundMetrics(round=r, loss=1.0 / r, accuracy=None if r == 3 else 0.5 + r / 10, bytes_up=1000 * r, bytes_down=500,
-                            wall_s=0.1, clients_ok=2, clients_failed=0) for r in range(1, 5)]
+    fleet.join(
+        ClientInfo(
+            "",
+            name="plain",
+            region="us-east",
+            num_examples=3,
+            device="cuda",
+            num_accelerators=2,
+            memory_bytes=80 << 30,
+        )
+    )
+    history = [
+        RoundMetrics(
+            round=r,
+            loss=1.0 / r,
+            accuracy=None if r == 3 else 0.5 + r / 10,
+            bytes_up=1000 * r,
+            bytes_down=500,
+            wall_s=0.1,
+            clients_ok=2,
+            clients_failed=0,
+        )
+        for r in range(1, 5)
+    ]
     monitor = CoordinatorMonitor(fleet, rounds=6, history=lambda: history)
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)

@@ -38,7 +38,13 @@ from harness import REFERENCE, start_client, start_coordinator, wait_until
 from harness_clients import Named
 
 F, SEED = 3, 0
-OPTIONS = {"strategy": "streaming-diloco", "num_fragments": F, "inner_steps": 20, "inner_lr": 0.01, "seed": SEED}
+OPTIONS = {
+    "strategy": "streaming-diloco",
+    "num_fragments": F,
+    "inner_steps": 20,
+    "inner_lr": 0.01,
+    "seed": SEED,
+}
 MODEL_BYTES = 4 * 4810
 FRAMING = 60 + 40 * 4  # stream header, plus the metadata of each tensor (4 in the model)
 
@@ -56,7 +62,9 @@ def _whole_model_downloads(monkeypatch: pytest.MonkeyPatch) -> None:
     configure = StreamingDiLoCo.configure_round
 
     def whole(self, **kwargs):
-        return [(client, dataclasses.replace(ins, download=None)) for client, ins in configure(self, **kwargs)]
+        return [
+            (client, dataclasses.replace(ins, download=None)) for client, ins in configure(self, **kwargs)
+        ]
 
     monkeypatch.setattr(StreamingDiLoCo, "configure_round", whole)
 
@@ -86,7 +94,9 @@ def test_simulation_downloads_one_fragment_per_round_and_ends_bit_identical(monk
     assert history[-1].accuracy is not None and history[-1].accuracy > 0.85  # 0.930 observed
     for m in before:  # the whole model every round: 19,240 bytes + framing per client
         assert MODEL_BYTES < m.bytes_down / clients <= MODEL_BYTES + FRAMING
-    assert MODEL_BYTES < history[0].bytes_down / clients <= MODEL_BYTES + FRAMING  # round 1: everyone needs it all
+    assert (
+        MODEL_BYTES < history[0].bytes_down / clients <= MODEL_BYTES + FRAMING
+    )  # round 1: everyone needs it all
     for m in history[1:]:  # the fragment synced last round, alone
         fragment = sizes[(m.round - 1) % F]
         assert fragment < m.bytes_down / clients <= fragment + FRAMING, (m.round, m.bytes_down)
@@ -99,7 +109,11 @@ def test_simulation_downloads_one_fragment_per_round_and_ends_bit_identical(monk
     assert after < whole / 2.9
 
 
-@pytest.mark.parametrize("codecs", [{"codec": "int8"}, {"downlink_codec": "int8"}, {"downlink_codec": "none+zstd"}], ids=lambda c: str(c))
+@pytest.mark.parametrize(
+    "codecs",
+    [{"codec": "int8"}, {"downlink_codec": "int8"}, {"downlink_codec": "none+zstd"}],
+    ids=lambda c: str(c),
+)
 def test_other_codecs(codecs, monkeypatch):
     """A lossy uplink sends differences against the global values of the uploaded fragment:
     those are downloaded too. A lossy downlink keeps one shadow for every client: downloads
@@ -125,17 +139,41 @@ def test_other_codecs(codecs, monkeypatch):
             wanted = _fragment_bytes(strategy, merged) + _fragment_bytes(strategy, uploaded)
             assert wanted < m.bytes_down / clients <= wanted + FRAMING
         else:
-            assert m.bytes_down / clients <= _fragment_bytes(strategy, merged) + FRAMING < was.bytes_down / clients
+            assert (
+                m.bytes_down / clients
+                <= _fragment_bytes(strategy, merged) + FRAMING
+                < was.bytes_down / clients
+            )
 
 
 def test_coordinator_and_client_processes_match_simulation(tmp_path):
     rounds, clients = 4, 3
     run_dir = tmp_path / "coord"
     proc, address = start_coordinator(
-        run_dir, "--strategy", "streaming-diloco", "--num-fragments", str(F), "--inner-steps", "20", "--inner-lr", "0.01",
-        "--rounds", str(rounds), "--min-clients", str(clients), "--seed", str(SEED), "--heartbeat-interval-s", "1",
+        run_dir,
+        "--strategy",
+        "streaming-diloco",
+        "--num-fragments",
+        str(F),
+        "--inner-steps",
+        "20",
+        "--inner-lr",
+        "0.01",
+        "--rounds",
+        str(rounds),
+        "--min-clients",
+        str(clients),
+        "--seed",
+        str(SEED),
+        "--heartbeat-interval-s",
+        "1",
     )
-    procs = [start_client(address, tmp_path / f"client{i}.log", "--partition", f"{i}/{clients}", "--seed", str(SEED)) for i in range(clients)]
+    procs = [
+        start_client(
+            address, tmp_path / f"client{i}.log", "--partition", f"{i}/{clients}", "--seed", str(SEED)
+        )
+        for i in range(clients)
+    ]
     try:
         for i, c in enumerate(procs):
             assert c.wait(timeout=240) == 0, (tmp_path / f"client{i}.log").read_text()[-3000:]
@@ -147,16 +185,24 @@ def test_coordinator_and_client_processes_match_simulation(tmp_path):
     metrics = read_metrics(run_dir)
     assert [m["clients_ok"] for m in metrics] == [clients] * rounds
 
-    sim_state, sim_history = run_simulation(load_config(overrides={**OPTIONS, "rounds": rounds, "clients": clients, **REFERENCE}))
+    sim_state, sim_history = run_simulation(
+        load_config(overrides={**OPTIONS, "rounds": rounds, "clients": clients, **REFERENCE})
+    )
     deployed = load_model(run_dir / "model.safetensors")
     assert set(deployed) == set(sim_state)
     for name, tensor in sim_state.items():
         assert torch.equal(deployed[name], tensor), name  # same engine, same threads: the same bits
     # The same streams as in simulation; deployment's headers also carry run and task ids.
     for sim_m, m in zip(sim_history, metrics):
-        assert 0 <= m["bytes_down"] - sim_m.bytes_down <= 200 * clients, (m["round"], m["bytes_down"], sim_m.bytes_down)
+        assert 0 <= m["bytes_down"] - sim_m.bytes_down <= 200 * clients, (
+            m["round"],
+            m["bytes_down"],
+            sim_m.bytes_down,
+        )
     assert metrics[0]["bytes_down"] > clients * MODEL_BYTES
-    assert metrics[1]["bytes_down"] < clients * (4 * 704 + FRAMING + 200)  # round 2: fragment 1 (704 parameters)
+    assert metrics[1]["bytes_down"] < clients * (
+        4 * 704 + FRAMING + 200
+    )  # round 2: fragment 1 (704 parameters)
     assert metrics[3]["bytes_down"] < clients * (4 * 4096 + FRAMING + 200) < clients * MODEL_BYTES
 
 
@@ -203,7 +249,9 @@ def test_missed_rounds_and_a_lost_replica():
         live = [info for i, info in enumerate(infos) if i not in absent.get(server_round, set())]
         pairs = strategy.configure_round(server_round=server_round, clients=live)
         sent = strategy.downlink_state(server_round=server_round)
-        outcome = fleet.fit_round(server_round=server_round, global_state=sent, assignments=pairs, timeout=timedelta(seconds=60))
+        outcome = fleet.fit_round(
+            server_round=server_round, global_state=sent, assignments=pairs, timeout=timedelta(seconds=60)
+        )
         # Every client's download counted as what was sent to it.
         assert outcome.bytes_down == sum(_stream_bytes(sent, ins.download or sent) for _, ins in pairs)
         strategy.aggregate(server_round=server_round, results=outcome.results, failures=outcome.failures)
@@ -230,8 +278,17 @@ def test_grpc_fleet_sends_each_client_what_its_task_names(uplink, downlink):
     ``c``, the tensor it uploads, when its uplink sends differences), c1's the whole model (a
     lossy downlink sends both the whole shadow); every upload is reconstructed right."""
     g = torch.Generator().manual_seed(3)
-    model = OrderedDict(a=torch.randn(30, 4, generator=g), b=torch.randn(4, generator=g), c=torch.randn(6, generator=g), n=torch.tensor(3))
-    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=60), codec_policy=CodecPolicy(default=uplink), downlink_codec=downlink)
+    model = OrderedDict(
+        a=torch.randn(30, 4, generator=g),
+        b=torch.randn(4, generator=g),
+        c=torch.randn(6, generator=g),
+        n=torch.tensor(3),
+    )
+    fleet = RemoteFleet(
+        heartbeat_interval=timedelta(seconds=60),
+        codec_policy=CodecPolicy(default=uplink),
+        downlink_codec=downlink,
+    )
     server = Coordinator("127.0.0.1:0", fleet, max_workers=8).start()
     conns = [Connection(server.address) for _ in range(2)]
     try:
@@ -239,10 +296,18 @@ def test_grpc_fleet_sends_each_client_what_its_task_names(uplink, downlink):
             conn.join(Named(f"c{i}"))
         infos = {info.name: info for info in fleet.live_clients()}
         expected = OrderedDict(c=TensorSpec.of(model)["c"])
-        assignments = [(infos["c0"], FitIns(round=1, expected=expected, download=("a",))), (infos["c1"], FitIns(round=1, expected=expected))]
+        assignments = [
+            (infos["c0"], FitIns(round=1, expected=expected, download=("a",))),
+            (infos["c1"], FitIns(round=1, expected=expected)),
+        ]
         out: list = []
-        thread = threading.Thread(target=lambda: out.append(fleet.fit_round(
-            server_round=1, global_state=model, assignments=assignments, timeout=timedelta(seconds=60))))
+        thread = threading.Thread(
+            target=lambda: out.append(
+                fleet.fit_round(
+                    server_round=1, global_state=model, assignments=assignments, timeout=timedelta(seconds=60)
+                )
+            )
+        )
         thread.start()
         wait_until(lambda: fleet.current_round is not None, timeout=10, what="round to open")
         sizes = 0
@@ -254,10 +319,22 @@ def test_grpc_fleet_sends_each_client_what_its_task_names(uplink, downlink):
             for name, tensor in held.items():  # the first round of a lossy downlink is exact too
                 assert torch.equal(tensor, model[name]), (i, name)
             part = OrderedDict((n, t) for n, t in model.items() if n in held)
-            header = serde.StreamInfo(run_id=fleet.run_id, task_id=task.task_id, round=1, version=fleet.current_round.downlink.version)
+            header = serde.StreamInfo(
+                run_id=fleet.run_id,
+                task_id=task.task_id,
+                round=1,
+                version=fleet.current_round.downlink.version,
+            )
             sizes += sum(serde.wire_size(f) for f in serde.EncodedModel(part).frames(header))
-            conn.upload(task.task_id, 1, OrderedDict(c=held["c"] + 1.0 if "c" in held else model["c"] + 1.0), 1, {},
-                        codec=uplink, global_state=held)
+            conn.upload(
+                task.task_id,
+                1,
+                OrderedDict(c=held["c"] + 1.0 if "c" in held else model["c"] + 1.0),
+                1,
+                {},
+                codec=uplink,
+                global_state=held,
+            )
         thread.join(timeout=30)
         outcome = out[0]
         assert len(outcome.results) == 2 and not outcome.failures

@@ -123,7 +123,11 @@ def test_the_round_trip_time_is_twice_the_delay(echo):
 
 
 def test_a_large_transfer_moves_at_the_rate(digest):
-    payload = torch.randint(0, 256, (4_000_000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)).numpy().tobytes()
+    payload = (
+        torch.randint(0, 256, (4_000_000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+        .numpy()
+        .tobytes()
+    )
     with WanRelay(digest, WanLink(rate_mbit=20)) as relay:
         elapsed = _transfer(relay, payload)
         assert relay.bytes_up == 4_000_000 and relay.bytes_down == 40
@@ -175,7 +179,9 @@ def grpc_server() -> Iterator[tuple[str, int]]:
 
 
 def _check(channel: grpc.Channel, timeout: float, wait_for_ready: bool = False) -> int:
-    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout, wait_for_ready=wait_for_ready)
+    reply = health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(), timeout=timeout, wait_for_ready=wait_for_ready
+    )
     return reply.status
 
 
@@ -198,7 +204,11 @@ def _assert_reset_on_arrival(relay: WanRelay) -> None:
     wait_until(lambda: relay.connections_refused > refused, timeout=10, what="the relay to count the reset")
 
 
-FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 300)]
+FAST_RECONNECT = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 300),
+]
 
 
 def test_a_blackhole_times_grpc_calls_out_at_their_deadline_until_healed(grpc_server):
@@ -220,7 +230,10 @@ def test_a_blackhole_times_grpc_calls_out_at_their_deadline_until_healed(grpc_se
 
 
 def test_a_reset_partition_makes_grpc_calls_unavailable_until_healed(grpc_server):
-    with WanRelay(grpc_server, WanLink(delay_ms=5)) as relay, grpc.insecure_channel(relay.address, options=FAST_RECONNECT) as channel:
+    with (
+        WanRelay(grpc_server, WanLink(delay_ms=5)) as relay,
+        grpc.insecure_channel(relay.address, options=FAST_RECONNECT) as channel,
+    ):
         assert _check(channel, timeout=10) == health_pb2.HealthCheckResponse.SERVING
         relay.partition("reset")
         wait_until(lambda: relay.connections_open == 0, timeout=10, what="the connection to be reset")
@@ -232,14 +245,20 @@ def test_a_reset_partition_makes_grpc_calls_unavailable_until_healed(grpc_server
 
 
 def test_a_fedgrid_round_crosses_the_wan_and_the_relay_counts_its_bytes():
-    state = OrderedDict([("w", torch.randn(250_000, generator=torch.Generator().manual_seed(0))), ("b", torch.zeros(10))])
+    state = OrderedDict(
+        [("w", torch.randn(250_000, generator=torch.Generator().manual_seed(0))), ("b", torch.zeros(10))]
+    )
     model_bytes = sum(t.numel() * t.element_size() for t in state.values())
     server = InProcessCoordinator(state)
     rate_mbit = 40
     try:
         with WanRelay(server.address, WanLink(delay_ms=10, rate_mbit=rate_mbit)) as relay:
             handle = start_client(Named("far"), relay.address, poll_wait_s=1.0)
-            wait_until(lambda: len(server.fleet.live_clients()) == 1, timeout=30, what="the client to join across the WAN")
+            wait_until(
+                lambda: len(server.fleet.live_clients()) == 1,
+                timeout=30,
+                what="the client to join across the WAN",
+            )
             began = time.monotonic()
             server.open_round()
             outcome = server.wait_round(timeout=60)
@@ -272,7 +291,11 @@ def test_a_receiver_that_does_not_read_blocks_the_sender_at_a_bounded_buffer():
                 except BlockingIOError:
                     continue
                 assert sent < 512 << 20, "the relay kept reading: no backpressure"
-            kernel = sum(s.getsockopt(socket.SOL_SOCKET, o) for s in (sock, peer) for o in (socket.SO_SNDBUF, socket.SO_RCVBUF))
+            kernel = sum(
+                s.getsockopt(socket.SOL_SOCKET, o)
+                for s in (sock, peer)
+                for o in (socket.SO_SNDBUF, socket.SO_RCVBUF)
+            )
             # The sender's and receiver's kernel buffers, the relay's two sockets' (about as
             # large), the relay's bound and one read: nothing unbounded in between.
             assert sent <= 2 * kernel + link.buffer_bytes + (1 << 17), (sent, kernel, link.buffer_bytes)
@@ -291,24 +314,48 @@ def test_connections_over_the_maximum_are_reset(echo):
 
 def test_set_link_changes_the_delay_of_a_running_connection(echo):
     with WanRelay(echo, WanLink(delay_ms=5)) as relay, _connect(relay) as sock:
+
         def rtt() -> float:
             began = time.monotonic()
             sock.sendall(b"x")
             _recv_exactly(sock, 1)
             return time.monotonic() - began
 
-        assert min(rtt() for _ in range(3)) < 0.010 + 0.050  # well under what follows, on a loaded machine too
+        assert (
+            min(rtt() for _ in range(3)) < 0.010 + 0.050
+        )  # well under what follows, on a loaded machine too
         relay.set_link(WanLink(delay_ms=60))
         assert rtt() >= 0.120
 
 
 def test_the_fedgrid_wan_command_relays_and_exits_0_on_sigterm(echo, tmp_path: Path):
     address_file = tmp_path / "wan-address"
-    proc = subprocess.Popen([*FEDGRID, "wan", "--target", f"127.0.0.1:{echo[1]}", "--delay-ms", "20", "--rate-mbit", "20",
-                             "--loss", "0.001", "--address-file", str(address_file)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env())
+    proc = subprocess.Popen(
+        [
+            *FEDGRID,
+            "wan",
+            "--target",
+            f"127.0.0.1:{echo[1]}",
+            "--delay-ms",
+            "20",
+            "--rate-mbit",
+            "20",
+            "--loss",
+            "0.001",
+            "--address-file",
+            str(address_file),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=child_env(),
+    )
     try:
-        wait_until(lambda: address_file.exists() or proc.poll() is not None, timeout=30, what="the relay's address file")
+        wait_until(
+            lambda: address_file.exists() or proc.poll() is not None,
+            timeout=30,
+            what="the relay's address file",
+        )
         assert proc.poll() is None
         host, port = parse_hostport(address_file.read_text().strip())
         assert host == "127.0.0.1" and port > 0
@@ -324,7 +371,10 @@ def test_the_fedgrid_wan_command_relays_and_exits_0_on_sigterm(echo, tmp_path: P
             proc.kill()
             proc.communicate()
     assert proc.returncode == 0, out
-    assert f"fedgrid wan relaying 127.0.0.1:{port} -> 127.0.0.1:{echo[1]}: delay 20 ms each way (RTT +40 ms), 20 Mbit/s, loss 0.001" in out
+    assert (
+        f"fedgrid wan relaying 127.0.0.1:{port} -> 127.0.0.1:{echo[1]}: delay 20 ms each way (RTT +40 ms), 20 Mbit/s, loss 0.001"
+        in out
+    )
     assert "SIGTERM: stopping the relay" in out
     assert "fedgrid wan stopped: 1 connections, 4 bytes up, 4 bytes down" in out
 
@@ -333,7 +383,9 @@ def test_the_fedgrid_wan_command_refuses_a_bad_flag_naming_it(capsys):
     from fedgrid import cli
 
     assert cli.main(["wan", "--target", "localhost", "--delay-ms", "5"]) == 2
-    assert capsys.readouterr().err == "fedgrid: error: config key 'target': expected HOST:PORT, not 'localhost'\n"
+    assert (
+        capsys.readouterr().err
+        == "fedgrid: error: config key 'target': expected HOST:PORT, not 'localhost'\n"
+    )
     assert cli.main(["wan", "--target", "127.0.0.1:1", "--loss", "1.5"]) == 2
     assert "config key 'loss': is a probability per segment, in [0, 1), not 1.5" in capsys.readouterr().err
-

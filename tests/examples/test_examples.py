@@ -7,8 +7,8 @@ clone (CI) has no ``../shared/data``.
 from __future__ import annotations
 
 import importlib.util
-import json
 import io
+import json
 import random
 import sys
 import tarfile
@@ -19,9 +19,9 @@ from types import ModuleType
 import pytest
 import torch
 
-from fedgrid.types import ClientInfo, Failure, FitRes
 from fedgrid.events import read_events
 from fedgrid.runlog import load_model
+from fedgrid.types import ClientInfo, Failure, FitRes
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -38,7 +38,12 @@ def _load(name: str) -> ModuleType:
 # -- custom_strategy.py ----------------------------------------------------------------------
 def _result(name: str, weight: float, examples: int) -> FitRes:
     state = OrderedDict([("w", torch.full((2,), weight)), ("steps", torch.tensor(7))])
-    return FitRes(client=ClientInfo(client_id=f"id-{name}", name=name), state=state, num_examples=examples, metrics={"loss": weight})
+    return FitRes(
+        client=ClientInfo(client_id=f"id-{name}", name=name),
+        state=state,
+        num_examples=examples,
+        metrics={"loss": weight},
+    )
 
 
 def test_custom_strategy_steps_towards_the_weighted_mean_in_canonical_order():
@@ -69,8 +74,12 @@ def test_custom_strategy_samples_its_fraction_and_decays_the_client_lr():
     round1 = strategy.configure_round(server_round=1, clients=clients)
     round3 = strategy.configure_round(server_round=3, clients=clients[::-1])
     assert len(round1) == len(round3) == 5
-    assert [c.name for c, _ in strategy.configure_round(server_round=1, clients=clients[::-1])] == [c.name for c, _ in round1]
-    assert round1[0][1].config["lr"] == pytest.approx(0.1) and round3[0][1].config["lr"] == pytest.approx(0.025)
+    assert [c.name for c, _ in strategy.configure_round(server_round=1, clients=clients[::-1])] == [
+        c.name for c, _ in round1
+    ]
+    assert round1[0][1].config["lr"] == pytest.approx(0.1) and round3[0][1].config["lr"] == pytest.approx(
+        0.025
+    )
 
 
 def test_custom_strategy_example_learns_digits(capsys):
@@ -87,7 +96,10 @@ def _synthetic_shakespeare(folder: Path) -> Path:
     words = "the king and queen shall speak of love and war to thee my lord what news from rome".split()
     folder.mkdir(parents=True)
     with tarfile.open(folder / "gutenberg-texts.tar.gz", "w:gz") as tar:
-        for play, speakers in {"tempest": ["Pros.", "Mir.", "Ari."], "hamlet": ["Ham.", "Hor.", "Oph."]}.items():
+        for play, speakers in {
+            "tempest": ["Pros.", "Mir.", "Ari."],
+            "hamlet": ["Ham.", "Hor.", "Oph."],
+        }.items():
             lines = [play.upper(), ""]
             for _ in range(60):
                 for speaker in speakers:
@@ -104,8 +116,21 @@ def test_diloco_shakespeare_example_lowers_the_held_out_loss(tmp_path, capsys):
     torch_threads = torch.get_num_threads()
     try:
         before, after = _load("diloco_shakespeare").main(
-            ["--data-dir", str(data_dir), "--workers", "2", "--rounds", "3", "--inner-steps", "10", "--seq-len", "16",
-             "--test-windows", "128"])
+            [
+                "--data-dir",
+                str(data_dir),
+                "--workers",
+                "2",
+                "--rounds",
+                "3",
+                "--inner-steps",
+                "10",
+                "--seq-len",
+                "16",
+                "--test-windows",
+                "128",
+            ]
+        )
     finally:
         torch.set_num_threads(torch_threads)
     out = capsys.readouterr().out
@@ -127,10 +152,14 @@ def test_federated_loop_continues_from_the_federated_average(capsys):
     final = load_model(result["run_dir"] / "model.safetensors")
     last = next(e for e in log if e["round"] == 2 and e["site"] == 0)["state"]
     for name, tensor in final.items():
-        assert torch.equal(last[name], tensor), name  # the loop's model after the last sync is the federation's
+        assert torch.equal(last[name], tensor), (
+            name
+        )  # the loop's model after the last sync is the federation's
     assert "site-0 step   10" in capsys.readouterr().out
     rows = [json.loads(line) for line in (result["run_dir"] / "metrics.jsonl").read_text().splitlines()]
     assert [(r["round"], r["clients_ok"], r["clients_evaluated"]) for r in rows] == [(1, 2, 2), (2, 2, 2)]
     events = [e.event for e in read_events(result["run_dir"] / "events.jsonl")]
-    assert events.count("client_joined") == 2 and "client_left" not in events  # one session each, ended by the run
+    assert (
+        events.count("client_joined") == 2 and "client_left" not in events
+    )  # one session each, ended by the run
     assert len((EXAMPLES / "federated_loop.py").read_text().splitlines()) < 100  # what the docs promise

@@ -14,7 +14,6 @@ from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
 from fedgrid.proto import serde
 from fedgrid.proto.tls import session_metadata
 
-
 #: The run id each probe session got at Join, by client id (an upload must name its run).
 RUN_IDS: dict[str, str] = {}
 
@@ -32,7 +31,11 @@ def session(coordinator):
     stub = pb_grpc.CoordinatorStub(channel)
     joined = _join(stub, "probe", 10)
     coordinator.open_round()
-    reply = stub.PollTask(pb.PollRequest(client_id=joined.client_id, wait_s=5), metadata=session_metadata(joined.session_token), timeout=10)
+    reply = stub.PollTask(
+        pb.PollRequest(client_id=joined.client_id, wait_s=5),
+        metadata=session_metadata(joined.session_token),
+        timeout=10,
+    )
     assert reply.WhichOneof("reply") == "task"
     coordinator.snap = _snapshot(coordinator)
     yield stub, joined.client_id, joined.session_token, reply.task
@@ -49,7 +52,9 @@ class _Stream(list):
 
 def _upload(stub, chunks, token=None):
     """Uploads ``chunks`` in the session ``token`` (default: the stream's own)."""
-    return stub.UploadUpdate(iter(list(chunks)), metadata=session_metadata(chunks.token if token is None else token), timeout=10)
+    return stub.UploadUpdate(
+        iter(list(chunks)), metadata=session_metadata(chunks.token if token is None else token), timeout=10
+    )
 
 
 def _chunks(state, cid, token, task, **overrides):
@@ -76,8 +81,17 @@ def _snapshot(coordinator):
     fleet = coordinator.fleet
     rnd = fleet.current_round
     model = rnd.downlink.for_client(None)[0].payloads()
-    return (fleet.state_dict(), rnd.task_id, rnd.server_round, rnd.closed, sorted(rnd.results), sorted(rnd.failures),
-            sorted(rnd.uploading), rnd.bytes_up, model)
+    return (
+        fleet.state_dict(),
+        rnd.task_id,
+        rnd.server_round,
+        rnd.closed,
+        sorted(rnd.results),
+        sorted(rnd.failures),
+        sorted(rnd.uploading),
+        rnd.bytes_up,
+        model,
+    )
 
 
 def _assert_untouched(coordinator):
@@ -87,12 +101,26 @@ def _assert_untouched(coordinator):
 
 CASES = {
     "wrong shape": (lambda s: _with(s, "layer.bias", torch.zeros(5)), "tensor 'layer.bias': wrong shape"),
-    "wrong dtype": (lambda s: _with(s, "layer.weight", torch.zeros(4, 3, dtype=torch.float64)), "tensor 'layer.weight': wrong dtype"),
-    "NaN": (lambda s: _with(s, "layer.weight", torch.full((4, 3), math.nan)), "tensor 'layer.weight': contains NaN"),
-    "Inf": (lambda s: _with(s, "layer.bias", torch.tensor([1.0, math.inf, 0.0, 0.0])), "tensor 'layer.bias': contains Inf"),
+    "wrong dtype": (
+        lambda s: _with(s, "layer.weight", torch.zeros(4, 3, dtype=torch.float64)),
+        "tensor 'layer.weight': wrong dtype",
+    ),
+    "NaN": (
+        lambda s: _with(s, "layer.weight", torch.full((4, 3), math.nan)),
+        "tensor 'layer.weight': contains NaN",
+    ),
+    "Inf": (
+        lambda s: _with(s, "layer.bias", torch.tensor([1.0, math.inf, 0.0, 0.0])),
+        "tensor 'layer.bias': contains Inf",
+    ),
     "missing tensor": (lambda s: OrderedDict(list(_good(s).items())[:2]), "tensor count"),
     "extra tensor": (lambda s: _with(s, "intruder", torch.zeros(2)), "tensor count"),
-    "unknown name": (lambda s: OrderedDict([("layer.weight", s["layer.weight"]), ("layer.bias", s["layer.bias"]), ("nope", s["steps"])]), "tensor 'nope' is not part of the model"),
+    "unknown name": (
+        lambda s: OrderedDict(
+            [("layer.weight", s["layer.weight"]), ("layer.bias", s["layer.bias"]), ("nope", s["steps"])]
+        ),
+        "tensor 'nope' is not part of the model",
+    ),
 }
 
 
@@ -144,7 +172,9 @@ def test_truncated_and_oversized_tensor(coordinator, session, small_state):
     longer = chunks[:2] + [pb.Chunk(data=b"\0" * 16)] + chunks[2:]
     with pytest.raises(grpc.RpcError) as err:
         _upload(stub, longer, token)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "larger than declared" in err.value.details()
+    assert (
+        err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "larger than declared" in err.value.details()
+    )
     _assert_untouched(coordinator)
 
 
@@ -164,9 +194,19 @@ def test_unauthenticated_everywhere(coordinator, session, small_state, who):
     bad_cid, bad_token = ("not-a-client", token) if who == "unknown client" else (cid, token + "x")
     calls = {
         "upload": lambda: _upload(stub, _chunks(_good(small_state), bad_cid, bad_token, task)),
-        "poll": lambda: stub.PollTask(pb.PollRequest(client_id=bad_cid, wait_s=0), metadata=session_metadata(bad_token), timeout=10),
-        "download": lambda: list(stub.DownloadModel(pb.DownloadRequest(client_id=bad_cid, task_id=task.task_id), metadata=session_metadata(bad_token), timeout=10)),
-        "heartbeat": lambda: stub.Heartbeat(pb.HeartbeatRequest(client_id=bad_cid), metadata=session_metadata(bad_token), timeout=10),
+        "poll": lambda: stub.PollTask(
+            pb.PollRequest(client_id=bad_cid, wait_s=0), metadata=session_metadata(bad_token), timeout=10
+        ),
+        "download": lambda: list(
+            stub.DownloadModel(
+                pb.DownloadRequest(client_id=bad_cid, task_id=task.task_id),
+                metadata=session_metadata(bad_token),
+                timeout=10,
+            )
+        ),
+        "heartbeat": lambda: stub.Heartbeat(
+            pb.HeartbeatRequest(client_id=bad_cid), metadata=session_metadata(bad_token), timeout=10
+        ),
     }
     for name, call in calls.items():
         with pytest.raises(grpc.RpcError) as err:
@@ -232,8 +272,12 @@ def test_unknown_codec(coordinator, session, small_state):
 @pytest.mark.parametrize("codec", ["fp16", "int8", "topk:0.5"])
 def test_compressed_payload_that_lies_about_its_size(coordinator, session, small_state, codec):
     stub, cid, token, task = session
-    info = serde.StreamInfo(run_id=RUN_IDS[cid], task_id=task.task_id, round=task.round, client_id=cid, num_examples=5)
-    chunks = _Stream(serde.EncodedModel(_good(small_state), codec=codec).chunks(info, chunk_size=1 << 20), token)
+    info = serde.StreamInfo(
+        run_id=RUN_IDS[cid], task_id=task.task_id, round=task.round, client_id=cid, num_examples=5
+    )
+    chunks = _Stream(
+        serde.EncodedModel(_good(small_state), codec=codec).chunks(info, chunk_size=1 << 20), token
+    )
     payload = chunks[0].data
     chunks[0].header.total_bytes -= 2
     _tampered(chunks, 0, data=payload[:-2])  # two bytes short of what its own header says
@@ -243,7 +287,9 @@ def test_compressed_payload_that_lies_about_its_size(coordinator, session, small
     assert f"tensor 'layer.weight': {codec} payload" in err.value.details()
     _assert_untouched(coordinator)
     # A compressed update that tells the truth is accepted and decoded.
-    good = _Stream(serde.EncodedModel(_good(small_state), codec=codec).chunks(info, chunk_size=1 << 20), token)
+    good = _Stream(
+        serde.EncodedModel(_good(small_state), codec=codec).chunks(info, chunk_size=1 << 20), token
+    )
     assert _upload(stub, good).accepted
 
 

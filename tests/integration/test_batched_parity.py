@@ -16,7 +16,6 @@ from fedgrid.determinism import BATCHED_ATOL
 from fedgrid.simulation.run import run_simulation
 from fedgrid.simulation.tasks import resolve
 
-
 BASE = {"rounds": 2, "clients": 4, "seed": 3, "local_epochs": 1, "progress": False}
 
 
@@ -32,7 +31,9 @@ def _one_thread():
 @pytest.mark.parametrize(
     "options",
     [
-        {"codec": "topk:0.1"},  # SGD with momentum (the digits default), compressed uplink with error feedback
+        {
+            "codec": "topk:0.1"
+        },  # SGD with momentum (the digits default), compressed uplink with error feedback
         {"optimizer": "adam", "lr": 0.01, "weight_decay": 0.001},
         {"strategy": "fedprox", "proximal_mu": 0.1},
         {"strategy": "scaffold"},
@@ -53,6 +54,11 @@ def test_digits_run_batched_equals_sequential(options):
     initial = resolve(dataset="digits", seed=BASE["seed"]).initial_state
     assert any(not torch.equal(final_s[name], initial[name]) for name in initial)  # the runs trained
     for mb, ms in zip(history_b, history_s, strict=True):
-        assert (mb.bytes_up, mb.bytes_down, mb.clients_ok, mb.clients_failed) == (ms.bytes_up, ms.bytes_down, ms.clients_ok, ms.clients_failed)
+        assert (mb.bytes_up, mb.bytes_down, mb.clients_ok, mb.clients_failed) == (
+            ms.bytes_up,
+            ms.bytes_down,
+            ms.clients_ok,
+            ms.clients_failed,
+        )
         assert (ms.clients_ok, ms.clients_failed) == (BASE["clients"], 0)
         assert mb.loss == pytest.approx(ms.loss, abs=1e-5)

@@ -30,13 +30,18 @@ class AddOne(Client):
 
     def fit(self, state, ins):
         self.seen_rounds.append(ins.round)
-        return FitOutput(OrderedDict((k, v + 1) for k, v in state.items()), num_examples=3, metrics={"loss": 0.5})
+        return FitOutput(
+            OrderedDict((k, v + 1) for k, v in state.items()), num_examples=3, metrics={"loss": 0.5}
+        )
 
 
 def test_model_over_64_mb_crosses_the_wire_intact():
     g = torch.Generator().manual_seed(1)
     state = OrderedDict(
-        [("embed", torch.randn(17_000_000, generator=g)), ("head", torch.randn(1000, 10, generator=g).to(torch.bfloat16))]
+        [
+            ("embed", torch.randn(17_000_000, generator=g)),
+            ("head", torch.randn(1000, 10, generator=g).to(torch.bfloat16)),
+        ]
     )
     assert sum(t.numel() * t.element_size() for t in state.values()) > 64 * 1024 * 1024
     server = InProcessCoordinator(state)
@@ -47,9 +52,13 @@ def test_model_over_64_mb_crosses_the_wire_intact():
         task = conn.poll(5).task
         got = conn.download(task.task_id)
         for name, tensor in state.items():
-            assert serde.checksum(memoryview(got[name].view(torch.uint8).numpy())) == serde.checksum(memoryview(tensor.view(torch.uint8).numpy()))
+            assert serde.checksum(memoryview(got[name].view(torch.uint8).numpy())) == serde.checksum(
+                memoryview(tensor.view(torch.uint8).numpy())
+            )
             assert torch.equal(got[name], tensor)
-        assert conn.upload(task.task_id, task.round, got, 1, {}) == sum(t.numel() * t.element_size() for t in state.values())
+        assert conn.upload(task.task_id, task.round, got, 1, {}) == sum(
+            t.numel() * t.element_size() for t in state.values()
+        )
         outcome = server.wait_round()
         assert torch.equal(outcome.results[0].state["embed"], state["embed"])
         assert outcome.bytes_down > 68_000_000 and outcome.bytes_up > 68_000_000
@@ -125,7 +134,9 @@ def test_client_fit_error_rejected_update_surfaces(small_state):
 
     class Broken(AddOne):
         def fit(self, state, ins):
-            return FitOutput(OrderedDict((k, v + 1) for k, v in state.items()), num_examples=1000)  # it reported 3
+            return FitOutput(
+                OrderedDict((k, v + 1) for k, v in state.items()), num_examples=1000
+            )  # it reported 3
 
     server = InProcessCoordinator(small_state)
     try:

@@ -55,7 +55,9 @@ KRUM = "0.875 / 0.788 / 0.674"
 def _final_accuracy(overrides: dict, seed: int = 0) -> tuple[float, list[float], float]:
     """Final accuracy, the curve, and the CPU seconds the run took (wall time on a shared
     machine measures the neighbours)."""
-    config = load_config(overrides={"rounds": ROUNDS, "seed": seed, "threads": 1, "progress": False, **overrides})
+    config = load_config(
+        overrides={"rounds": ROUNDS, "seed": seed, "threads": 1, "progress": False, **overrides}
+    )
     start = time.process_time()
     _, history = run_simulation(config)
     elapsed = time.process_time() - start
@@ -67,15 +69,21 @@ def _final_accuracy(overrides: dict, seed: int = 0) -> tuple[float, list[float],
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_every_strategy_learns_digits_with_its_defaults(strategy):
     accuracy, curve, elapsed = _final_accuracy({"strategy": strategy})
-    assert accuracy >= THRESHOLD, f"{strategy}: accuracy by round {ROUNDS}: {curve} (seeds 0/1/2 gave {STRATEGIES[strategy]})"
+    assert accuracy >= THRESHOLD, (
+        f"{strategy}: accuracy by round {ROUNDS}: {curve} (seeds 0/1/2 gave {STRATEGIES[strategy]})"
+    )
     assert curve[-1] > curve[0] or curve[0] >= 0.8  # it learned over the run
-    assert elapsed < 15, f"{strategy}: {ROUNDS} rounds took {elapsed:.1f} CPU s"  # 0.3-2 s (DiLoCo: 2,500 inner steps)
+    assert elapsed < 15, (
+        f"{strategy}: {ROUNDS} rounds took {elapsed:.1f} CPU s"
+    )  # 0.3-2 s (DiLoCo: 2,500 inner steps)
 
 
 @pytest.mark.parametrize("aggregator", list(AGGREGATORS))
 def test_every_aggregator_learns_digits_with_its_defaults(aggregator):
     accuracy, curve, elapsed = _final_accuracy({"aggregator": aggregator})
-    assert accuracy >= THRESHOLD, f"{aggregator}: accuracy by round {ROUNDS}: {curve} (seeds 0/1/2 gave {AGGREGATORS[aggregator]})"
+    assert accuracy >= THRESHOLD, (
+        f"{aggregator}: accuracy by round {ROUNDS}: {curve} (seeds 0/1/2 gave {AGGREGATORS[aggregator]})"
+    )
     assert elapsed < 15, f"{aggregator}: {ROUNDS} rounds took {elapsed:.1f} CPU s"
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from datetime import timedelta
 
-import pytest
 import torch
 
 from fedgrid.client.runtime import Connection
@@ -27,18 +26,36 @@ def test_clients_hold_the_shadow_and_catch_up():
         for i, c in enumerate(conns):
             c.join(Named(f"c{i}"))
         infos = {info.name: info for info in fleet.live_clients()}
-        model = OrderedDict(w=torch.randn(200, 5, generator=g), b=torch.randn(5, generator=g), n=torch.tensor(3))
+        model = OrderedDict(
+            w=torch.randn(200, 5, generator=g), b=torch.randn(5, generator=g), n=torch.tensor(3)
+        )
         import threading
 
         for server_round in range(1, 5):
-            model = OrderedDict((k, v + 0.1 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v + 1) for k, v in model.items())
+            model = OrderedDict(
+                (k, v + 0.1 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v + 1)
+                for k, v in model.items()
+            )
             # c1 sits out round 2, so in round 3 it needs a catch-up.
             active = [i for i in range(2) if not (i == 1 and server_round == 2)]
             assignments = [(infos[f"c{i}"], FitIns(round=server_round)) for i in active]
             out: list = []
-            t = threading.Thread(target=lambda: out.append(fleet.fit_round(server_round=server_round, global_state=model, assignments=assignments, timeout=timedelta(seconds=60))))
+            t = threading.Thread(
+                target=lambda: out.append(
+                    fleet.fit_round(
+                        server_round=server_round,
+                        global_state=model,
+                        assignments=assignments,
+                        timeout=timedelta(seconds=60),
+                    )
+                )
+            )
             t.start()
-            wait_until(lambda: fleet.current_round is not None and fleet.current_round.server_round == server_round, timeout=10, what="round")
+            wait_until(
+                lambda: fleet.current_round is not None and fleet.current_round.server_round == server_round,
+                timeout=10,
+                what="round",
+            )
             for i in active:
                 task = conns[i].poll(5).task
                 held = conns[i].fetch_model(task.task_id)

@@ -7,8 +7,6 @@ import threading
 from collections import OrderedDict
 from datetime import timedelta
 
-import torch
-
 from fedgrid.client import Client, FitOutput, start_client
 
 from harness import InProcessCoordinator, wait_until

@@ -21,7 +21,6 @@ from fedgrid.server.bounds import UpdateBounds
 
 from harness import InProcessCoordinator
 
-
 HUGE = 2**64 - 1  # the largest uint64 a header can carry
 INJECTION = "\n[FAKE] round 9 committed\x1b[31m"
 
@@ -36,15 +35,21 @@ class Probe:
         self.joined = self.stub.Join(pb.JoinRequest(name="probe", num_examples=num_examples), timeout=10)
         server.open_round()
         self.md = session_metadata(self.joined.session_token)
-        reply = self.stub.PollTask(pb.PollRequest(client_id=self.joined.client_id, wait_s=5), metadata=self.md, timeout=10)
+        reply = self.stub.PollTask(
+            pb.PollRequest(client_id=self.joined.client_id, wait_s=5), metadata=self.md, timeout=10
+        )
         assert reply.WhichOneof("reply") == "task"
         self.task = reply.task
         self.snap = self.snapshot()
 
     def upload(self, state, **header):
         fields = {"run_id": self.joined.run_id, "num_examples": 5, **header}
-        info = serde.StreamInfo(task_id=self.task.task_id, round=self.task.round, client_id=self.joined.client_id, **fields)
-        return self.stub.UploadUpdate(iter(list(serde.encode_model(state, info, chunk_size=16))), metadata=self.md, timeout=10)
+        info = serde.StreamInfo(
+            task_id=self.task.task_id, round=self.task.round, client_id=self.joined.client_id, **fields
+        )
+        return self.stub.UploadUpdate(
+            iter(list(serde.encode_model(state, info, chunk_size=16))), metadata=self.md, timeout=10
+        )
 
     def refused(self, state, **header) -> str:
         with pytest.raises(grpc.RpcError) as err:
@@ -56,8 +61,16 @@ class Probe:
     def snapshot(self):
         fleet = self.server.fleet
         rnd = fleet.current_round
-        return (fleet.state_dict(), rnd.task_id, rnd.closed, sorted(rnd.results), sorted(rnd.failures), sorted(rnd.uploading),
-                rnd.bytes_up, rnd.downlink.for_client(None)[0].payloads())
+        return (
+            fleet.state_dict(),
+            rnd.task_id,
+            rnd.closed,
+            sorted(rnd.results),
+            sorted(rnd.failures),
+            sorted(rnd.uploading),
+            rnd.bytes_up,
+            rnd.downlink.for_client(None)[0].payloads(),
+        )
 
     def close(self) -> None:
         self.channel.close()
@@ -93,8 +106,10 @@ def _accepted_once(probe, state, good) -> None:
 
 def test_weight_above_the_join_report_or_the_maximum_is_refused(probe, small_state):
     good = _shifted(small_state)
-    assert f"the update claims 11, the client reported 10 at join" in probe.refused(good, num_examples=11)
-    assert f"num_examples: {HUGE} claimed, over the maximum of 1000000000" in probe.refused(good, num_examples=HUGE)
+    assert "the update claims 11, the client reported 10 at join" in probe.refused(good, num_examples=11)
+    assert f"num_examples: {HUGE} claimed, over the maximum of 1000000000" in probe.refused(
+        good, num_examples=HUGE
+    )
     _accepted_once(probe, small_state, good)
 
 
@@ -103,7 +118,9 @@ def test_update_over_the_norm_bound_is_refused_naming_the_norm(probe, small_stat
     far["layer.bias"] = small_state["layer.bias"] + 2.0  # the bias alone: sqrt(12 * 0.25 + 4 * 4) = sqrt(19)
     details = probe.refused(far)
     assert "update norm 4.3589 is over max_update_norm 3" in details and "'layer.bias'" in details
-    huge = OrderedDict((k, torch.full_like(v, 3e38) if v.is_floating_point() else v) for k, v in small_state.items())
+    huge = OrderedDict(
+        (k, torch.full_like(v, 3e38) if v.is_floating_point() else v) for k, v in small_state.items()
+    )
     # Refused at the first tensor (12 values of 3e38), before the rest is read; float64 squares do not overflow.
     assert "update norm 1.03923e+39 is over max_update_norm 3" in probe.refused(huge)
     _accepted_once(probe, small_state, _shifted(small_state))  # norm 2: within the bound
@@ -111,7 +128,10 @@ def test_update_over_the_norm_bound_is_refused_naming_the_norm(probe, small_stat
 
 def test_delta_on_a_lossless_task_is_refused(probe, small_state):
     details = probe.refused(_shifted(small_state, 0.0), delta=True)  # zeros as differences: the model itself
-    assert "delta: the upload says delta=True, the task's uplink codec 'none' sends whole values (delta=False)" in details
+    assert (
+        "delta: the upload says delta=True, the task's uplink codec 'none' sends whole values (delta=False)"
+        in details
+    )
     _accepted_once(probe, small_state, _shifted(small_state))
 
 
@@ -131,14 +151,30 @@ def test_another_runs_id_is_refused_naming_both(probe, small_state):
         ({"name": "x" * 129}, "name: 129 characters, at most 128 printable characters allowed"),
         ({"name": "ok", "region": "eu\u202ewest"}, "region: character 2 is '\\u202e'"),
         ({"name": "ok", "region": "r" * 65}, "region: 65 characters, at most 64"),
-        ({"name": "ok", "num_examples": HUGE}, f"num_examples: {HUGE} reported at join, must be in 0..1000000000"),
-        ({"name": "ok", "capabilities": pb.Capabilities(codecs=["none", "int8\n"])}, "codec name: character 4 is '\\n'"),
-        ({"name": "ok", "capabilities": pb.Capabilities(device="cuda" + INJECTION)}, "device: 'cuda\\n[FAKE] round 9 committed"),
-        ({"name": "ok", "capabilities": pb.Capabilities(device="A100")}, "device: 'A100' is not a device type (lowercase letters"),
-        ({"name": "ok", "capabilities": pb.Capabilities(num_accelerators=2**32 - 1)},
-         "num_accelerators: 4294967295 reported, must be in 0..1024"),
-        ({"name": "ok", "capabilities": pb.Capabilities(memory_bytes=2**64 - 1)},
-         f"memory_bytes: {2**64 - 1} reported, must be in 0..{1 << 50} (1 PiB)"),
+        (
+            {"name": "ok", "num_examples": HUGE},
+            f"num_examples: {HUGE} reported at join, must be in 0..1000000000",
+        ),
+        (
+            {"name": "ok", "capabilities": pb.Capabilities(codecs=["none", "int8\n"])},
+            "codec name: character 4 is '\\n'",
+        ),
+        (
+            {"name": "ok", "capabilities": pb.Capabilities(device="cuda" + INJECTION)},
+            "device: 'cuda\\n[FAKE] round 9 committed",
+        ),
+        (
+            {"name": "ok", "capabilities": pb.Capabilities(device="A100")},
+            "device: 'A100' is not a device type (lowercase letters",
+        ),
+        (
+            {"name": "ok", "capabilities": pb.Capabilities(num_accelerators=2**32 - 1)},
+            "num_accelerators: 4294967295 reported, must be in 0..1024",
+        ),
+        (
+            {"name": "ok", "capabilities": pb.Capabilities(memory_bytes=2**64 - 1)},
+            f"memory_bytes: {2**64 - 1} reported, must be in 0..{1 << 50} (1 PiB)",
+        ),
     ],
 )
 def test_join_with_a_bad_label_or_count_is_refused(server, request_fields, message):
@@ -157,12 +193,22 @@ def test_client_text_reaches_the_log_escaped(probe, small_state, caplog):
     details = probe.refused(_shifted(small_state), metrics={"loss" + INJECTION: 1.0})
     assert "metric name: character 4 is '\\n'" in details
     with caplog.at_level(logging.DEBUG, logger="fedgrid"):
-        probe.stub.ReportFailure(pb.ReportFailureRequest(client_id=probe.joined.client_id,
-                                                         task_id=probe.task.task_id, reason="fit failed" + INJECTION), metadata=probe.md, timeout=10)
+        probe.stub.ReportFailure(
+            pb.ReportFailureRequest(
+                client_id=probe.joined.client_id, task_id=probe.task.task_id, reason="fit failed" + INJECTION
+            ),
+            metadata=probe.md,
+            timeout=10,
+        )
         outcome = probe.server.wait_round()
-        probe.stub.Leave(pb.LeaveRequest(client_id=probe.joined.client_id,
-                                         reason="bye" + INJECTION), metadata=probe.md, timeout=10)
-    assert [f.reason for f in outcome.failures] == ["client reported: fit failed" + INJECTION]  # the data is kept as sent
+        probe.stub.Leave(
+            pb.LeaveRequest(client_id=probe.joined.client_id, reason="bye" + INJECTION),
+            metadata=probe.md,
+            timeout=10,
+        )
+    assert [f.reason for f in outcome.failures] == [
+        "client reported: fit failed" + INJECTION
+    ]  # the data is kept as sent
     lines = [r.getMessage() for r in caplog.records]
     mentions = [line for line in lines if "[FAKE]" in line]
     assert len(mentions) == 2, lines  # the failure report and the leave
@@ -173,7 +219,10 @@ def test_client_text_reaches_the_log_escaped(probe, small_state, caplog):
 
 def test_long_client_text_is_cut_in_the_log(probe, caplog):
     with caplog.at_level(logging.INFO, logger="fedgrid"):
-        probe.stub.Leave(pb.LeaveRequest(client_id=probe.joined.client_id,
-                                         reason="z" * 1000), metadata=probe.md, timeout=10)
+        probe.stub.Leave(
+            pb.LeaveRequest(client_id=probe.joined.client_id, reason="z" * 1000),
+            metadata=probe.md,
+            timeout=10,
+        )
     line = next(r.getMessage() for r in caplog.records if "left" in r.getMessage())
     assert "z" * 200 + "'...(+800 chars)" in line and "z" * 201 not in line

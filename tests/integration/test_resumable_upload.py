@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-import pytest
 import torch
 
 from fedgrid.client.runtime import Connection
@@ -17,7 +16,9 @@ from harness_clients import Named
 
 def test_cut_upload_resumes_from_acknowledged_chunk():
     g = torch.Generator().manual_seed(2)
-    state = OrderedDict([("a", torch.randn(3_000_000, generator=g)), ("b", torch.randn(1_000_000, generator=g))])  # 16 MB, 16 chunks
+    state = OrderedDict(
+        [("a", torch.randn(3_000_000, generator=g)), ("b", torch.randn(1_000_000, generator=g))]
+    )  # 16 MB, 16 chunks
     server = InProcessCoordinator(state)
     relay = Relay(server.coordinator.port)
     try:
@@ -28,12 +29,21 @@ def test_cut_upload_resumes_from_acknowledged_chunk():
         update = OrderedDict((k, v * 2) for k, v in conn.download(task.task_id).items())
         before = relay.upstream_bytes
         result: list[int] = []
-        uploader = threading.Thread(target=lambda: result.append(conn.upload(task.task_id, task.round, update, 3, {"loss": 1.0})))
+        uploader = threading.Thread(
+            target=lambda: result.append(conn.upload(task.task_id, task.round, update, 3, {"loss": 1.0}))
+        )
         uploader.start()
         # Cut once half is sent and the coordinator is checking the stream (under load it may
         # not have begun yet, and then it holds nothing to resume from).
-        wait_until(lambda: relay.upstream_bytes - before > 7_000_000 and conn.client_id in server.fleet.current_round.uploading,
-                   timeout=60, what="half the upload, being checked", interval=0.001)
+        wait_until(
+            lambda: (
+                relay.upstream_bytes - before > 7_000_000
+                and conn.client_id in server.fleet.current_round.uploading
+            ),
+            timeout=60,
+            what="half the upload, being checked",
+            interval=0.001,
+        )
         relay.cut()
         uploader.join(timeout=60)
         assert result == [16_000_000]
@@ -43,12 +53,21 @@ def test_cut_upload_resumes_from_acknowledged_chunk():
         # of what the first try sent was still in flight), not restarted.
         assert first.start_chunk == 0 and second.start_chunk >= 1
         encoded = serde.EncodedModel(update)
-        info = serde.StreamInfo(run_id=conn.run_id, task_id=task.task_id, round=task.round, client_id=conn.client_id,
-                                num_examples=3, metrics={"loss": 1.0}, resume_from_chunk=0)
+        info = serde.StreamInfo(
+            run_id=conn.run_id,
+            task_id=task.task_id,
+            round=task.round,
+            client_id=conn.client_id,
+            num_examples=3,
+            metrics={"loss": 1.0},
+            resume_from_chunk=0,
+        )
         rest = sum(len(f) for f in encoded.frames(info, chunk_size=conn.chunk_size, start=second.start_chunk))
         full = sum(len(f) for f in encoded.frames(info, chunk_size=conn.chunk_size))
         assert second.bytes_sent == rest
-        assert rest <= full - second.start_chunk * conn.chunk_size + 1024  # only the missing chunks, plus a header
+        assert (
+            rest <= full - second.start_chunk * conn.chunk_size + 1024
+        )  # only the missing chunks, plus a header
         outcome = server.wait_round()
         assert len(outcome.results) == 1 and outcome.results[0].num_examples == 3
         for name, tensor in update.items():

@@ -25,7 +25,6 @@ from fedgrid.types import EVALUATE, FIT, TO_SERVER, FitIns, MessageIns
 
 from harness import THREADS, InProcessCoordinator, wait_until
 
-
 ROUNDS = 3
 SHIFT = 0.25  # what the host's "training" adds to every weight: the final model is initial + ROUNDS * SHIFT
 EXAMPLES = 40
@@ -36,13 +35,27 @@ class Run:
 
     def __init__(self, out: Path, **overrides: Any) -> None:
         self.out, self.events, self.result = out, [], {}  # type: ignore[var-annotated]
-        config = load_config(overrides={"listen": "127.0.0.1:0", "out": str(out), "rounds": ROUNDS, "min_clients": 1,
-                                        "threads": THREADS, "seed": 0, **overrides})
-        self.thread = threading.Thread(target=lambda: self.result.setdefault("final", serve(config, on_event=self.events.append)),
-                                       daemon=True)
+        config = load_config(
+            overrides={
+                "listen": "127.0.0.1:0",
+                "out": str(out),
+                "rounds": ROUNDS,
+                "min_clients": 1,
+                "threads": THREADS,
+                "seed": 0,
+                **overrides,
+            }
+        )
+        self.thread = threading.Thread(
+            target=lambda: self.result.setdefault("final", serve(config, on_event=self.events.append)),
+            daemon=True,
+        )
         self.thread.start()
-        wait_until(lambda: (out / "address").exists() and (out / "address").read_text().strip() != "", timeout=60,
-                   what="the coordinator's address")
+        wait_until(
+            lambda: (out / "address").exists() and (out / "address").read_text().strip() != "",
+            timeout=60,
+            what="the coordinator's address",
+        )
         self.address = (out / "address").read_text().strip()
 
     def seen(self, name: str) -> list[Event]:
@@ -65,9 +78,13 @@ def check_run(run: Run, session, globals_seen: list[dict[str, torch.Tensor]], *,
     computed (within ``atol``: a lossy uplink codec's error)."""
     final = run.finish()
     assert [int(e["round"]) for e in run.seen("round_committed")] == [1, 2, 3]
-    assert [(e["client"], e["reason"]) for e in run.seen("client_left")] == [(session.client_id, "the host program closed the session")]
+    assert [(e["client"], e["reason"]) for e in run.seen("client_left")] == [
+        (session.client_id, "the host program closed the session")
+    ]
     assert len(run.seen("client_joined")) == 1  # one registration, never a second
-    assert session.left == "the host program closed the session" and session.leave_heard and not session.finished
+    assert (
+        session.left == "the host program closed the session" and session.leave_heard and not session.finished
+    )
     assert len(globals_seen) == ROUNDS
     initial = globals_seen[0]
     for r in range(1, ROUNDS):  # round r + 1 trains from round r's aggregate: the host's result
@@ -84,23 +101,41 @@ def test_a_session_in_a_host_loop_trains_three_rounds_and_leaves(tmp_path, codec
     run = Run(tmp_path / "run", codec=codec)
     reports, globals_seen = [], []
     state_path = tmp_path / "session-state.pt"
-    with connect(run.address, name="host", num_examples=EXAMPLES, on_task=reports.append, state_path=state_path) as session:
+    with connect(
+        run.address, name="host", num_examples=EXAMPLES, on_task=reports.append, state_path=state_path
+    ) as session:
         for task in session.tasks():
-            assert task.kind == FIT and task.ins.round == task.round and task.config.get("uplink_codec", "none") == codec
+            assert (
+                task.kind == FIT
+                and task.ins.round == task.round
+                and task.config.get("uplink_codec", "none") == codec
+            )
             globals_seen.append(OrderedDict((k, v.clone()) for k, v in task.state.items()))
-            report = session.submit(FitOutput(shifted(task.state), num_examples=EXAMPLES, metrics={"loss": 1.0 / task.round}))
+            report = session.submit(
+                FitOutput(shifted(task.state), num_examples=EXAMPLES, metrics={"loss": 1.0 / task.round})
+            )
             assert report is not None and report.round == task.round
             if task.round == ROUNDS:  # the host program decides it has trained enough
                 break
     # int8: one step of 1/127 of the largest change at most, error feedback carrying the rest to the next round
     check_run(run, session, globals_seen, atol=1e-6 if codec == "none" else 2 * SHIFT / 127)
     raw = sum(t.numel() * t.element_size() for t in globals_seen[0].values())
-    assert all(r.bytes_up > raw if codec == "none" else r.bytes_up < 0.3 * raw for r in reports), (raw, reports)
-    assert [(r.round, r.kind, r.num_examples, r.loss) for r in reports] == [(1, FIT, EXAMPLES, 1.0), (2, FIT, EXAMPLES, 0.5),
-                                                                           (3, FIT, EXAMPLES, pytest.approx(1 / 3))]
+    assert all(r.bytes_up > raw if codec == "none" else r.bytes_up < 0.3 * raw for r in reports), (
+        raw,
+        reports,
+    )
+    assert [(r.round, r.kind, r.num_examples, r.loss) for r in reports] == [
+        (1, FIT, EXAMPLES, 1.0),
+        (2, FIT, EXAMPLES, 0.5),
+        (3, FIT, EXAMPLES, pytest.approx(1 / 3)),
+    ]
     assert all(r.bytes_up > 0 and r.bytes_down > 0 for r in reports) and session.rounds == ROUNDS
     saved = load_client_state(state_path, name="host")  # the uplink's residuals, for a restarted host program
-    assert saved is not None and (saved["run_id"], saved["round"]) == (session.run_id, ROUNDS) and list(saved["uplink"]) == [codec]
+    assert (
+        saved is not None
+        and (saved["run_id"], saved["round"]) == (session.run_id, ROUNDS)
+        and list(saved["uplink"]) == [codec]
+    )
     accepted = run.seen("update_accepted")
     assert [(int(e["round"]), e["client"]) for e in accepted] == [(r, session.client_id) for r in (1, 2, 3)]
 
@@ -113,17 +148,26 @@ def test_an_async_session_trains_evaluates_and_leaves(tmp_path):
 
     async def host() -> Any:
         loop_thread = threading.current_thread().name
-        async with aconnect(run.address, name="async-host", num_examples=EXAMPLES, poll_wait_s=2.0,
-                            on_task=lambda report: threads.add(threading.current_thread().name)) as session:
+        async with aconnect(
+            run.address,
+            name="async-host",
+            num_examples=EXAMPLES,
+            poll_wait_s=2.0,
+            on_task=lambda report: threads.add(threading.current_thread().name),
+        ) as session:
             async for task in session.tasks():
                 kinds.append((task.round, task.kind))
                 if task.kind == EVALUATE:
-                    await session.submit(EvaluateOutput(num_examples=7, metrics={"loss": 0.5, "accuracy": 0.75}))
+                    await session.submit(
+                        EvaluateOutput(num_examples=7, metrics={"loss": 0.5, "accuracy": 0.75})
+                    )
                     if task.round == ROUNDS:
                         break
                     continue
                 globals_seen.append(OrderedDict((k, v.clone()) for k, v in task.state.items()))
-                await session.submit(FitOutput(shifted(task.state), num_examples=EXAMPLES, metrics={"loss": 0.1}))
+                await session.submit(
+                    FitOutput(shifted(task.state), num_examples=EXAMPLES, metrics={"loss": 0.1})
+                )
         assert loop_thread not in threads  # the blocking calls ran off the event loop
         return session.session
 
@@ -134,19 +178,29 @@ def test_an_async_session_trains_evaluates_and_leaves(tmp_path):
     check_run(run, session, globals_seen)
     assert kinds == [(r, k) for r in (1, 2, 3) for k in (FIT, EVALUATE)]
     assert [int(e["round"]) for e in run.seen("update_accepted") if e["evaluate"]] == [1, 2, 3]
-    assert len(threads) == 1 and next(iter(threads)).startswith("fedgrid-session")  # one worker: calls keep their order
+    assert len(threads) == 1 and next(iter(threads)).startswith(
+        "fedgrid-session"
+    )  # one worker: calls keep their order
 
 
-@pytest.mark.parametrize("error", [ValueError("the host loop broke"), KeyboardInterrupt()], ids=["exception", "ctrl-c"])
+@pytest.mark.parametrize(
+    "error", [ValueError("the host loop broke"), KeyboardInterrupt()], ids=["exception", "ctrl-c"]
+)
 def test_an_exception_inside_the_with_leaves_and_fails_the_open_task(small_state, error):
     server = InProcessCoordinator(small_state, heartbeat_s=60.0)  # silence would take minutes to notice
     errors: list[tuple[BaseException, Task | None]] = []
     reason = "ValueError: the host loop broke" if isinstance(error, ValueError) else "KeyboardInterrupt"
     try:
         with pytest.raises(type(error)):
-            with connect(server.address, name="crashing", num_examples=3,
-                         on_error=lambda *, error, task: errors.append((error, task))) as session:
-                wait_until(lambda: len(server.fleet.live_clients()) == 1, timeout=30, what="the session to join")
+            with connect(
+                server.address,
+                name="crashing",
+                num_examples=3,
+                on_error=lambda *, error, task: errors.append((error, task)),
+            ) as session:
+                wait_until(
+                    lambda: len(server.fleet.live_clients()) == 1, timeout=30, what="the session to join"
+                )
                 server.open_round(timeout_s=120)
                 for task in session.tasks():
                     assert task.round == 1
@@ -167,8 +221,12 @@ def test_failures_reported_through_the_session_are_the_rounds_failures(small_sta
     server = InProcessCoordinator(small_state, heartbeat_s=60.0)
     errors: list[tuple[str, int]] = []
     try:
-        with connect(server.address, name="flaky", num_examples=3,
-                     on_error=lambda *, error, task: errors.append((type(error).__name__, task.round))) as session:
+        with connect(
+            server.address,
+            name="flaky",
+            num_examples=3,
+            on_error=lambda *, error, task: errors.append((type(error).__name__, task.round)),
+        ) as session:
             wait_until(lambda: len(server.fleet.live_clients()) == 1, timeout=30, what="the session to join")
             tasks = session.tasks()
             reasons = []
@@ -199,7 +257,9 @@ def test_failures_reported_through_the_session_are_the_rounds_failures(small_sta
                 session.submit(EvaluateOutput(num_examples=3))
             with pytest.raises(ValueError, match="claims 9 examples, the session reported 3 at join"):
                 session.submit(FitOutput(shifted(got[0].state), num_examples=9))
-            assert session.submit(FitOutput(shifted(got[0].state), num_examples=3)) is not None  # still open after both
+            assert (
+                session.submit(FitOutput(shifted(got[0].state), num_examples=3)) is not None
+            )  # still open after both
             fourth = server.wait_round(timeout=30)
             with pytest.raises(SessionError, match="no task is open"):
                 session.submit(FitOutput(shifted(got[0].state), num_examples=3))
@@ -214,8 +274,12 @@ def test_failures_reported_through_the_session_are_the_rounds_failures(small_sta
     assert errors == [("InvalidUpdateError", 2), ("SessionError", 3)]
     assert [r.client.name for r in fourth.results] == ["flaky"] and fourth.failures == []
     for name, tensor in small_state.items():
-        torch.testing.assert_close(fourth.results[0].state[name], tensor + SHIFT if tensor.is_floating_point() else tensor,
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            fourth.results[0].state[name],
+            tensor + SHIFT if tensor.is_floating_point() else tensor,
+            rtol=0,
+            atol=0,
+        )
 
 
 def test_a_session_in_a_background_thread_runs_to_the_end_of_the_run(tmp_path):
@@ -257,12 +321,19 @@ def test_close_from_another_thread_ends_a_long_poll_and_leaves(small_state):
 
         thread = threading.Thread(target=host, daemon=True)
         thread.start()
-        wait_until(lambda: server.fleet.polls_held(session.client_id) == 1 if session.client_id else False, timeout=30,
-                   what="the session's long poll")
+        wait_until(
+            lambda: server.fleet.polls_held(session.client_id) == 1 if session.client_id else False,
+            timeout=30,
+            what="the session's long poll",
+        )
         session.close("the operator stopped the site")
         thread.join(timeout=15)  # far less than the poll's 60 s
         assert not thread.is_alive() and box == {"tasks": []}, box
-        assert server.fleet.live_clients() == [] and session.left == "the operator stopped the site" and session.leave_heard
+        assert (
+            server.fleet.live_clients() == []
+            and session.left == "the operator stopped the site"
+            and session.leave_heard
+        )
     finally:
         server.stop()
 
@@ -286,20 +357,33 @@ def test_message_phases_go_to_the_handler_or_are_refused_naming_the_phase(small_
 
     server = InProcessCoordinator(small_state, heartbeat_s=60.0)
     try:
-        with connect(server.address, name="messenger", num_examples=3, poll_wait_s=2.0, messages=handler) as session:
+        with connect(
+            server.address, name="messenger", num_examples=3, poll_wait_s=2.0, messages=handler
+        ) as session:
             waiting = threading.Thread(target=lambda: list(session.tasks()), daemon=True)
             waiting.start()  # message phases are run inside tasks(), never handed to the loop
             info = server.fleet.wait_for_clients(min_clients=1, timeout=timedelta(seconds=30))[0]
-            outcome = server.fleet.message_round(server_round=1, phase="advertise-keys", timeout=timedelta(seconds=60),
-                                                 assignments=[(info, MessageIns(round=1, phase="advertise-keys", peers=(info.client_id,)))])
+            outcome = server.fleet.message_round(
+                server_round=1,
+                phase="advertise-keys",
+                timeout=timedelta(seconds=60),
+                assignments=[(info, MessageIns(round=1, phase="advertise-keys", peers=(info.client_id,)))],
+            )
             if handler is None:
                 assert outcome.results == [] and [f.reason for f in outcome.failures] == [
                     "client reported: NotImplementedError: this session has no handler for message phase 'advertise-keys': "
-                    "pass connect(..., messages=...) an object with exchange() and receive()"]
+                    "pass connect(..., messages=...) an object with exchange() and receive()"
+                ]
             else:
-                assert [dict(r.messages) for r in outcome.results] == [{TO_SERVER: b"hello from advertise-keys"}]
+                assert [dict(r.messages) for r in outcome.results] == [
+                    {TO_SERVER: b"hello from advertise-keys"}
+                ]
                 assert outcome.failures == []
-                wait_until(lambda: handler.received == [("advertise-keys", {})], timeout=30, what="the phase's (empty) inbox")
+                wait_until(
+                    lambda: handler.received == [("advertise-keys", {})],
+                    timeout=30,
+                    what="the phase's (empty) inbox",
+                )
         waiting.join(timeout=15)
         assert not waiting.is_alive() and server.fleet.live_clients() == []
     finally:
@@ -330,23 +414,42 @@ def test_a_session_under_mutual_tls_is_its_certificates_identity(tmp_path, small
     pki.issue(tmp_path, "coordinator", server=True)  # SANs localhost, 127.0.0.1
     pki.issue(tmp_path, "hospital-7")
     fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=60))
-    tls = TLSFiles(str(tmp_path / "ca.pem"), str(tmp_path / "coordinator.pem"), str(tmp_path / "coordinator.key"))
+    tls = TLSFiles(
+        str(tmp_path / "ca.pem"), str(tmp_path / "coordinator.pem"), str(tmp_path / "coordinator.key")
+    )
     coordinator = Coordinator("127.0.0.1:0", fleet, max_workers=4, tls=tls).start()
     outcome: list = []
     try:
         port = coordinator.address.rpartition(":")[2]
-        with connect(f"127.0.0.1:{port}", name="ignored", num_examples=3, ca=str(tmp_path / "ca.pem"),
-                     cert=str(tmp_path / "hospital-7.pem"), key=str(tmp_path / "hospital-7.key"), server_name="localhost") as session:
+        with connect(
+            f"127.0.0.1:{port}",
+            name="ignored",
+            num_examples=3,
+            ca=str(tmp_path / "ca.pem"),
+            cert=str(tmp_path / "hospital-7.pem"),
+            key=str(tmp_path / "hospital-7.key"),
+            server_name="localhost",
+        ) as session:
             [info] = fleet.wait_for_clients(min_clients=1, timeout=timedelta(seconds=30))
             assert info.name == "hospital-7"  # the certificate names it, not name=
-            rnd = threading.Thread(target=lambda: outcome.append(fleet.fit_round(
-                server_round=1, global_state=small_state, assignments=[(info, FitIns(round=1))], timeout=timedelta(seconds=60))))
+            rnd = threading.Thread(
+                target=lambda: outcome.append(
+                    fleet.fit_round(
+                        server_round=1,
+                        global_state=small_state,
+                        assignments=[(info, FitIns(round=1))],
+                        timeout=timedelta(seconds=60),
+                    )
+                )
+            )
             rnd.start()
             task = next(iter(session.tasks()))
             assert session.submit(FitOutput(shifted(task.state), num_examples=3)) is not None
             rnd.join(timeout=30)
         assert [r.client.name for r in outcome[0].results] == ["hospital-7"]
-        torch.testing.assert_close(outcome[0].results[0].state["layer.weight"], small_state["layer.weight"] + SHIFT, rtol=0, atol=0)
+        torch.testing.assert_close(
+            outcome[0].results[0].state["layer.weight"], small_state["layer.weight"] + SHIFT, rtol=0, atol=0
+        )
         assert session.leave_heard and fleet.live_clients() == []
         with pytest.raises(ValueError, match="session TLS: ca, cert and key go together; missing cert, key"):
             connect(coordinator.address, ca=str(tmp_path / "ca.pem"))
@@ -360,7 +463,12 @@ def test_an_async_session_reports_failures_and_leaves_on_an_exception(small_stat
 
     async def host() -> None:
         async with aconnect(server.address, name="async-flaky", num_examples=3, poll_wait_s=2.0) as session:
-            await asyncio.to_thread(wait_until, lambda: len(server.fleet.live_clients()) == 1, timeout=30, what="the session to join")
+            await asyncio.to_thread(
+                wait_until,
+                lambda: len(server.fleet.live_clients()) == 1,
+                timeout=30,
+                what="the session to join",
+            )
             await asyncio.to_thread(server.open_round, server_round=1, timeout_s=120)
             async for task in session.tasks():
                 if task.round == 1:
@@ -377,7 +485,8 @@ def test_an_async_session_reports_failures_and_leaves_on_an_exception(small_stat
         second = server.wait_round(timeout=30)
         assert [[f.reason for f in o.failures] for o in (first[0], second)] == [
             ["client reported: MemoryError: batch of 512 does not fit"],
-            ["client left: RuntimeError: the host's data pipeline broke in round 2"]]
+            ["client left: RuntimeError: the host's data pipeline broke in round 2"],
+        ]
         assert all(o.results == [] and o.closed_by == "all" for o in (first[0], second))
         assert server.fleet.live_clients() == []
     finally:

@@ -22,9 +22,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from fedgrid.ops import pki
 from fedgrid.client.runtime import Connection, RpcFailed
 from fedgrid.errors import ConfigError
+from fedgrid.ops import pki
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
 from fedgrid.proto.tls import TLSFiles, session_metadata
@@ -40,7 +40,9 @@ def _files(d: Path, name: str, ca: Path | None = None) -> TLSFiles:
     return TLSFiles(str((ca or d) / "ca.pem"), str(d / f"{name}.pem"), str(d / f"{name}.key"))
 
 
-def _crafted(d: Path, name: str, *, not_before: datetime, not_after: datetime, eku=ExtendedKeyUsageOID.CLIENT_AUTH) -> None:
+def _crafted(
+    d: Path, name: str, *, not_before: datetime, not_after: datetime, eku=ExtendedKeyUsageOID.CLIENT_AUTH
+) -> None:
     """A leaf signed by the CA of ``d`` with the given validity (what ``pki.issue`` never makes)."""
     ca = x509.load_pem_x509_certificate((d / "ca.pem").read_bytes())
     ca_key = serialization.load_pem_private_key((d / "ca.key").read_bytes(), None)
@@ -57,7 +59,11 @@ def _crafted(d: Path, name: str, *, not_before: datetime, not_after: datetime, e
         .sign(ca_key, hashes.SHA256())  # type: ignore[arg-type]
     )
     (d / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (d / f"{name}.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    (d / f"{name}.key").write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +104,12 @@ class Spy:
 def server(pki_dir):
     fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=60))
     spy = Spy(fleet)
-    files = TLSFiles(str(pki_dir / "ca.pem"), str(pki_dir / "coordinator.pem"), str(pki_dir / "coordinator.key"), str(pki_dir / "crl.pem"))
+    files = TLSFiles(
+        str(pki_dir / "ca.pem"),
+        str(pki_dir / "coordinator.pem"),
+        str(pki_dir / "coordinator.key"),
+        str(pki_dir / "crl.pem"),
+    )
     coordinator = Coordinator("127.0.0.1:0", fleet, max_workers=4, tls=files).start()
     yield fleet, coordinator, spy
     coordinator.stop(grace=0.5)
@@ -106,7 +117,11 @@ def server(pki_dir):
 
 
 def _raw_join(address: str, credentials: grpc.ChannelCredentials | None) -> grpc.RpcError:
-    channel = grpc.secure_channel(address, credentials) if credentials is not None else grpc.insecure_channel(address)
+    channel = (
+        grpc.secure_channel(address, credentials)
+        if credentials is not None
+        else grpc.insecure_channel(address)
+    )
     try:
         pb_grpc.CoordinatorStub(channel).Join(pb.JoinRequest(num_examples=3), timeout=5)
     except grpc.RpcError as exc:
@@ -118,7 +133,9 @@ def _raw_join(address: str, credentials: grpc.ChannelCredentials | None) -> grpc
 
 def _creds(d: Path, name: str, ca: Path | None = None) -> grpc.ChannelCredentials:
     ca_dir = ca or d
-    return grpc.ssl_channel_credentials((ca_dir / "ca.pem").read_bytes(), (d / f"{name}.key").read_bytes(), (d / f"{name}.pem").read_bytes())
+    return grpc.ssl_channel_credentials(
+        (ca_dir / "ca.pem").read_bytes(), (d / f"{name}.key").read_bytes(), (d / f"{name}.pem").read_bytes()
+    )
 
 
 def test_an_admitted_client_trains_under_its_certificate_identity(server, pki_dir, small_state):
@@ -129,8 +146,16 @@ def test_an_admitted_client_trains_under_its_certificate_identity(server, pki_di
         [info] = fleet.wait_for_clients(min_clients=1, timeout=timedelta(seconds=10))
         assert info.name == "alice" and conn.name == "alice"
         outcome: list = []
-        rnd = threading.Thread(target=lambda: outcome.append(fleet.fit_round(
-            server_round=1, global_state=small_state, assignments=[(info, FitIns(round=1))], timeout=timedelta(seconds=30))))
+        rnd = threading.Thread(
+            target=lambda: outcome.append(
+                fleet.fit_round(
+                    server_round=1,
+                    global_state=small_state,
+                    assignments=[(info, FitIns(round=1))],
+                    timeout=timedelta(seconds=30),
+                )
+            )
+        )
         rnd.start()
         task = conn.poll(10).task
         state = conn.download(task.task_id)
@@ -144,7 +169,17 @@ def test_an_admitted_client_trains_under_its_certificate_identity(server, pki_di
         conn.close()
 
 
-@pytest.mark.parametrize("case", ["plaintext", "wrong CA", "expired", "not yet valid", "server certificate as client's", "no client certificate"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "plaintext",
+        "wrong CA",
+        "expired",
+        "not yet valid",
+        "server certificate as client's",
+        "no client certificate",
+    ],
+)
 def test_a_bad_connection_is_refused_at_the_handshake(server, pki_dir, case):
     fleet, coordinator, spy = server
     credentials = {
@@ -166,12 +201,17 @@ def test_the_client_refuses_a_coordinator_with_the_wrong_certificate(pki_dir, ca
     fleet = RemoteFleet()
     coordinator = Coordinator("127.0.0.1:0", fleet, tls=_files(pki_dir, name)).start()
     try:
-        conn = Connection(coordinator.address, tls=_files(pki_dir, "alice"), retry_max_elapsed=0.5, rpc_timeout=5)
+        conn = Connection(
+            coordinator.address, tls=_files(pki_dir, "alice"), retry_max_elapsed=0.5, rpc_timeout=5
+        )
         with pytest.raises(RpcFailed) as err:
             conn.join(Named("x"))
         conn.close()
         assert err.value.code == grpc.StatusCode.UNAVAILABLE
-        words = {"wrong host name": "Hostname Verification", "client certificate as server's": "unsupported certificate purpose"}[case]
+        words = {
+            "wrong host name": "Hostname Verification",
+            "client certificate as server's": "unsupported certificate purpose",
+        }[case]
         assert words in str(err.value)  # the handshake's own reason reaches the SDK's error
         assert fleet.registry.records == {}
     finally:
@@ -185,7 +225,9 @@ def test_a_revoked_certificate_is_refused_before_the_servicer_once_the_list_chan
     pki.issue(d, "coordinator", server=True)
     pki.issue(d, "dave")
     fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=60))
-    files = TLSFiles(str(d / "ca.pem"), str(d / "coordinator.pem"), str(d / "coordinator.key"), str(d / "crl.pem"))
+    files = TLSFiles(
+        str(d / "ca.pem"), str(d / "coordinator.pem"), str(d / "coordinator.key"), str(d / "crl.pem")
+    )
     coordinator = Coordinator("127.0.0.1:0", fleet, tls=files).start()
     try:
         conn = Connection(coordinator.address, tls=_files(d, "dave"))
@@ -197,9 +239,15 @@ def test_a_revoked_certificate_is_refused_before_the_servicer_once_the_list_chan
         def refused() -> bool:
             before = len(spy.calls)
             try:
-                conn.stub.Heartbeat(pb.HeartbeatRequest(client_id=conn.client_id), metadata=session_metadata(conn.token), timeout=5)
+                conn.stub.Heartbeat(
+                    pb.HeartbeatRequest(client_id=conn.client_id),
+                    metadata=session_metadata(conn.token),
+                    timeout=5,
+                )
             except grpc.RpcError as exc:
-                assert exc.code() == grpc.StatusCode.UNAUTHENTICATED and "is revoked" in exc.details(), exc.details()
+                assert exc.code() == grpc.StatusCode.UNAUTHENTICATED and "is revoked" in exc.details(), (
+                    exc.details()
+                )
                 assert len(spy.calls) == before  # the refused call never reached the fleet
                 return True
             return False
@@ -223,26 +271,49 @@ def test_identity_binds_the_session(server, pki_dir):
         # A certificate cannot join under another name.
         with pytest.raises(grpc.RpcError) as err:
             a.Join(pb.JoinRequest(name="bob", num_examples=3), timeout=5)
-        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "cannot join as 'bob'" in err.value.details()
+        assert (
+            err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            and "cannot join as 'bob'" in err.value.details()
+        )
         assert fleet.registry.records == {}
         first = a.Join(pb.JoinRequest(num_examples=3), timeout=5)
         joined_b = b.Join(pb.JoinRequest(name="bob", num_examples=3), timeout=5)  # its own name is fine
         # Bob's session presented over Alice's certificate is refused, though the token is right.
         with pytest.raises(grpc.RpcError) as err:
-            a.Heartbeat(pb.HeartbeatRequest(client_id=joined_b.client_id), metadata=session_metadata(joined_b.session_token), timeout=5)
-        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "certificate of 'alice' cannot act" in err.value.details()
+            a.Heartbeat(
+                pb.HeartbeatRequest(client_id=joined_b.client_id),
+                metadata=session_metadata(joined_b.session_token),
+                timeout=5,
+            )
+        assert (
+            err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            and "certificate of 'alice' cannot act" in err.value.details()
+        )
         # No token in the metadata: refused (it is not read from the body any more).
         with pytest.raises(grpc.RpcError) as err:
             a.Heartbeat(pb.HeartbeatRequest(client_id=first.client_id), timeout=5)
-        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "bad session token" in err.value.details()
+        assert (
+            err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "bad session token" in err.value.details()
+        )
         # One identity, one live session: a second join replaces the first.
         second = a.Join(pb.JoinRequest(num_examples=3), timeout=5)
         names = sorted(r.info.name for r in fleet.registry.records.values())
         assert names == ["alice", "bob"] and first.client_id not in fleet.registry.records
         with pytest.raises(grpc.RpcError) as err:
-            a.Heartbeat(pb.HeartbeatRequest(client_id=first.client_id), metadata=session_metadata(first.session_token), timeout=5)
+            a.Heartbeat(
+                pb.HeartbeatRequest(client_id=first.client_id),
+                metadata=session_metadata(first.session_token),
+                timeout=5,
+            )
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        assert a.Heartbeat(pb.HeartbeatRequest(client_id=second.client_id), metadata=session_metadata(second.session_token), timeout=5).interval_s > 0
+        assert (
+            a.Heartbeat(
+                pb.HeartbeatRequest(client_id=second.client_id),
+                metadata=session_metadata(second.session_token),
+                timeout=5,
+            ).interval_s
+            > 0
+        )
     finally:
         alice.close()
         bob.close()
@@ -255,7 +326,9 @@ def test_plaintext_off_loopback_needs_insecure(caplog):
     with caplog.at_level(logging.WARNING, logger="fedgrid.server.app"):
         coordinator = Coordinator("0.0.0.0:0", fleet, insecure=True).start()
     try:
-        assert any(r.levelno == logging.WARNING and "INSECURE: plaintext" in r.getMessage() for r in caplog.records)
+        assert any(
+            r.levelno == logging.WARNING and "INSECURE: plaintext" in r.getMessage() for r in caplog.records
+        )
     finally:
         coordinator.stop(grace=0.5)
     caplog.clear()
@@ -272,13 +345,18 @@ def test_the_sdk_says_why_a_tls_coordinator_closed_its_plaintext_connection(serv
     with pytest.raises(RpcFailed) as err:
         conn.join(Named("plain"))
     conn.close()
-    assert err.value.code == grpc.StatusCode.UNAVAILABLE and "requires mutual TLS closes plaintext connections" in str(err.value)
+    assert (
+        err.value.code == grpc.StatusCode.UNAVAILABLE
+        and "requires mutual TLS closes plaintext connections" in str(err.value)
+    )
     assert spy.calls == []
 
 
 def test_mismatched_tls_files_are_named_before_any_connection(pki_dir):
     fleet = RemoteFleet()
-    wrong_key = TLSFiles(str(pki_dir / "ca.pem"), str(pki_dir / "coordinator.pem"), str(pki_dir / "alice.key"))
+    wrong_key = TLSFiles(
+        str(pki_dir / "ca.pem"), str(pki_dir / "coordinator.pem"), str(pki_dir / "alice.key")
+    )
     with pytest.raises(ConfigError, match="alice.key"):
         Coordinator("127.0.0.1:0", fleet, tls=wrong_key)
     with pytest.raises(ValueError, match="expired"):

@@ -18,10 +18,10 @@ import grpc
 import pytest
 import torch
 
-from fedgrid.ops import pki
 from fedgrid.aggregation import build_strategy_from
 from fedgrid.client import Client, FitOutput, start_client
 from fedgrid.client.runtime import RpcFailed
+from fedgrid.ops import pki
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
 from fedgrid.proto.tls import TLSFiles
@@ -53,7 +53,9 @@ class Heavy(Honest):
     """Replaces the model with 0.123 and claims 2**63 examples (it reported 3 at Join)."""
 
     def fit(self, state, ins):
-        out = OrderedDict((n, torch.full_like(v, 0.123) if v.is_floating_point() else v) for n, v in state.items())
+        out = OrderedDict(
+            (n, torch.full_like(v, 0.123) if v.is_floating_point() else v) for n, v in state.items()
+        )
         return FitOutput(out, num_examples=2**63, metrics={"loss": 0.0})
 
 
@@ -61,20 +63,35 @@ class Huge(Honest):
     """Uploads the finite value 3e38 everywhere."""
 
     def fit(self, state, ins):
-        out = OrderedDict((n, torch.full_like(v, 3e38) if v.is_floating_point() else v) for n, v in state.items())
+        out = OrderedDict(
+            (n, torch.full_like(v, 3e38) if v.is_floating_point() else v) for n, v in state.items()
+        )
         return FitOutput(out, num_examples=3, metrics={"loss": 0.0})
 
 
 def _initial():
     g = torch.Generator().manual_seed(11)
-    return OrderedDict([("w", torch.randn(4, 3, generator=g)), ("b", torch.randn(4, generator=g)), ("steps", torch.tensor(7))])
+    return OrderedDict(
+        [
+            ("w", torch.randn(4, 3, generator=g)),
+            ("b", torch.randn(4, generator=g)),
+            ("steps", torch.tensor(7)),
+        ]
+    )
 
 
 def _engine(fleet) -> RoundEngine:
     strategy = build_strategy_from("fedavg", seed=0)
     strategy.initialize(initial_state=_initial())
-    return RoundEngine(strategy=strategy, fleet=fleet, rounds=ROUNDS, min_clients=2, round_timeout=timedelta(seconds=60),
-                       join_timeout=timedelta(seconds=60), finish_timeout=timedelta(seconds=10))
+    return RoundEngine(
+        strategy=strategy,
+        fleet=fleet,
+        rounds=ROUNDS,
+        min_clients=2,
+        round_timeout=timedelta(seconds=60),
+        join_timeout=timedelta(seconds=60),
+        finish_timeout=timedelta(seconds=10),
+    )
 
 
 def _files(d: Path, name: str) -> dict[str, str]:
@@ -89,15 +106,24 @@ def test_admitted_attackers_cannot_move_the_model_under_mtls(tmp_path):
     for c in clients:
         pki.issue(d, c.name)
     fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=30), bounds=UpdateBounds(max_update_norm=1e6))
-    tls = TLSFiles(str(d / "ca.pem"), str(d / "coordinator.pem"), str(d / "coordinator.key"), str(d / "crl.pem"))
+    tls = TLSFiles(
+        str(d / "ca.pem"), str(d / "coordinator.pem"), str(d / "coordinator.key"), str(d / "crl.pem")
+    )
     server = Coordinator("127.0.0.1:0", fleet, max_workers=16, tls=tls).start()
     engine = _engine(fleet)
     handles = [start_client(c, server.address, poll_wait_s=1.0, **_files(d, c.name)) for c in clients]
     try:
         wait_until(lambda: len(fleet.live_clients()) == 4, timeout=30, what="clients to join")
-        assert sorted(i.name for i in fleet.live_clients()) == ["heavy", "honest-1", "honest-2", "huge"]  # certificate identities
+        assert sorted(i.name for i in fleet.live_clients()) == [
+            "heavy",
+            "honest-1",
+            "honest-2",
+            "huge",
+        ]  # certificate identities
         # A process without a certificate cannot even connect.
-        channel = grpc.secure_channel(server.address, grpc.ssl_channel_credentials((d / "ca.pem").read_bytes()))
+        channel = grpc.secure_channel(
+            server.address, grpc.ssl_channel_credentials((d / "ca.pem").read_bytes())
+        )
         with pytest.raises(grpc.RpcError) as err:
             pb_grpc.CoordinatorStub(channel).Join(pb.JoinRequest(name="anonymous", num_examples=3), timeout=5)
         channel.close()
@@ -131,4 +157,6 @@ def test_admitted_attackers_cannot_move_the_model_under_mtls(tmp_path):
         reference.commit(reference.run_round(r))
     for name, tensor in reference.strategy.global_state.items():
         assert torch.equal(engine.strategy.global_state[name], tensor), name
-    assert not torch.equal(reference.strategy.global_state["w"], _initial()["w"])  # the honest clients did move it
+    assert not torch.equal(
+        reference.strategy.global_state["w"], _initial()["w"]
+    )  # the honest clients did move it

@@ -44,15 +44,36 @@ def _with(state, name, value):
 #: difference on a ``none`` run, what the refusal says).
 CASES = {
     "zero examples": (_trained, 0, False, "num_examples must be at least 1"),
-    "more than joined": (_trained, JOINED + 1, False,
-                         f"num_examples: the update claims {JOINED + 1}, the client reported {JOINED} at join"),
-    "huge examples": (_trained, MAX_NUM_EXAMPLES + 1, False,
-                      f"num_examples: {MAX_NUM_EXAMPLES + 1} claimed, over the maximum"),
-    "NaN": (lambda s: _with(s, "layer.weight", torch.full((4, 3), math.nan)), 5, False,
-            "tensor 'layer.weight': contains NaN"),
-    "wrong shape": (lambda s: _with(s, "layer.bias", torch.zeros(5)), 5, False, "tensor 'layer.bias': wrong shape"),
-    "delta on none": (_trained, 5, True,
-                      "delta: the upload says delta=True, the task's uplink codec 'none' sends whole values"),
+    "more than joined": (
+        _trained,
+        JOINED + 1,
+        False,
+        f"num_examples: the update claims {JOINED + 1}, the client reported {JOINED} at join",
+    ),
+    "huge examples": (
+        _trained,
+        MAX_NUM_EXAMPLES + 1,
+        False,
+        f"num_examples: {MAX_NUM_EXAMPLES + 1} claimed, over the maximum",
+    ),
+    "NaN": (
+        lambda s: _with(s, "layer.weight", torch.full((4, 3), math.nan)),
+        5,
+        False,
+        "tensor 'layer.weight': contains NaN",
+    ),
+    "wrong shape": (
+        lambda s: _with(s, "layer.bias", torch.zeros(5)),
+        5,
+        False,
+        "tensor 'layer.bias': wrong shape",
+    ),
+    "delta on none": (
+        _trained,
+        5,
+        True,
+        "delta: the upload says delta=True, the task's uplink codec 'none' sends whole values",
+    ),
 }
 
 
@@ -75,18 +96,25 @@ def _deployed(coordinator, small_state, case):
     make, num_examples, delta, _ = CASES[case]
     channel = grpc.insecure_channel(coordinator.address)
     stub = pb_grpc.CoordinatorStub(channel)
-    joined = {name: stub.Join(pb.JoinRequest(name=name, num_examples=JOINED), timeout=10) for name in ("bad", "good")}
+    joined = {
+        name: stub.Join(pb.JoinRequest(name=name, num_examples=JOINED), timeout=10)
+        for name in ("bad", "good")
+    }
     coordinator.open_round(min_clients=2)
     tasks = {}
     for name, j in joined.items():
-        reply = stub.PollTask(pb.PollRequest(client_id=j.client_id, wait_s=5),
-                              metadata=session_metadata(j.session_token), timeout=10)
+        reply = stub.PollTask(
+            pb.PollRequest(client_id=j.client_id, wait_s=5),
+            metadata=session_metadata(j.session_token),
+            timeout=10,
+        )
         tasks[name] = reply.task
 
     def upload(name, state, **fields):
         j, task = joined[name], tasks[name]
-        info = serde.StreamInfo(task_id=task.task_id, round=task.round, client_id=j.client_id, run_id=j.run_id,
-                                **fields)
+        info = serde.StreamInfo(
+            task_id=task.task_id, round=task.round, client_id=j.client_id, run_id=j.run_id, **fields
+        )
         chunks = serde.encode_model(state, info, chunk_size=64)
         return stub.UploadUpdate(iter(chunks), metadata=session_metadata(j.session_token), timeout=10)
 
@@ -95,9 +123,15 @@ def _deployed(coordinator, small_state, case):
         upload("bad", make(small_state), num_examples=num_examples, delta=delta)
     # A client that cannot deliver reports the error as its task's failure (client/runtime.py).
     bad = joined["bad"]
-    stub.ReportFailure(pb.ReportFailureRequest(client_id=bad.client_id, task_id=tasks["bad"].task_id,
-                                               reason=f"InvalidUpdateError: {refused.value.details()}"),
-                       metadata=session_metadata(bad.session_token), timeout=10)
+    stub.ReportFailure(
+        pb.ReportFailureRequest(
+            client_id=bad.client_id,
+            task_id=tasks["bad"].task_id,
+            reason=f"InvalidUpdateError: {refused.value.details()}",
+        ),
+        metadata=session_metadata(bad.session_token),
+        timeout=10,
+    )
     outcome = coordinator.wait_round()
     channel.close()
     return refused.value.code(), refused.value.details(), outcome
@@ -105,18 +139,24 @@ def _deployed(coordinator, small_state, case):
 
 def _simulated(small_state, case):
     make, num_examples, delta, _ = CASES[case]
-    fleet = InProcessFleet([Fixed("bad", FitOutput(make(small_state), num_examples, {})),
-                            Fixed("good", FitOutput(_trained(small_state), 5, {}))])
+    fleet = InProcessFleet(
+        [
+            Fixed("bad", FitOutput(make(small_state), num_examples, {})),
+            Fixed("good", FitOutput(_trained(small_state), 5, {})),
+        ]
+    )
     if delta:  # the bad client's uplink sends differences, whatever its task's codec says
         fleet.fast_lossless = False
         encoder = UplinkEncoder("int8")
         real = fleet._uplink
         fleet._uplink = (  # type: ignore[method-assign]
-            lambda cid, codec: encoder if cid == bad.client_id else real(cid, codec))
+            lambda cid, codec: encoder if cid == bad.client_id else real(cid, codec)
+        )
     bad, good = fleet.wait_for_clients(min_clients=2, timeout=timedelta(seconds=1))
     assignments = [(bad, FitIns(round=1)), (good, FitIns(round=1))]
-    return fleet.fit_round(server_round=1, global_state=small_state, assignments=assignments,
-                           timeout=timedelta(seconds=60))
+    return fleet.fit_round(
+        server_round=1, global_state=small_state, assignments=assignments, timeout=timedelta(seconds=60)
+    )
 
 
 def _aggregate(small_state, results):

@@ -49,7 +49,9 @@ class Byzantine(Client):
             elif self.attack == "sign-flip":
                 poisoned[name] = state[name] - self.scale * (trained - state[name])
             else:
-                poisoned[name] = state[name] + self.scale * torch.randn(trained.shape, generator=noise, dtype=trained.dtype)
+                poisoned[name] = state[name] + self.scale * torch.randn(
+                    trained.shape, generator=noise, dtype=trained.dtype
+                )
         return FitOutput(poisoned, out.num_examples, out.metrics)
 
     def evaluate(self, state: ModelState, config) -> EvaluateOutput:  # type: ignore[no-untyped-def]
@@ -61,7 +63,10 @@ def simulate(config: Config, *, wrap: Callable[[int, Client], Client] = lambda i
     strategy = build_strategy(config, num_clients=config.clients)
     resolved = resolve(dataset=config.dataset, seed=config.seed, data_dir=config.data_dir)
     strategy.initialize(initial_state=resolved.initial_state)
-    clients = [wrap(i, resolved.client_factory(i, config.clients, config.seed, **client_options(config))) for i in range(config.clients)]
+    clients = [
+        wrap(i, resolved.client_factory(i, config.clients, config.seed, **client_options(config)))
+        for i in range(config.clients)
+    ]
     engine = RoundEngine(
         strategy=strategy,
         fleet=InProcessFleet(clients),

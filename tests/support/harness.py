@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -18,7 +18,7 @@ import time
 from collections import OrderedDict
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import grpc
 import torch
@@ -52,40 +52,78 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def start_coordinator(out: Path, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+def start_coordinator(
+    out: Path, *args: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, str]:
     """Starts ``fedgrid coordinator`` on port 0 (``env``: extra environment variables) and
     returns it with its address."""
     log = open(out.parent / f"{out.name}.coordinator.log", "w")
     proc = subprocess.Popen(
-        [*FEDGRID, "coordinator", "--listen", "127.0.0.1:0", "--out", str(out), "--threads", str(THREADS), *args],
-        stdout=log, stderr=subprocess.STDOUT, env={**child_env(), **(env or {})},
+        [
+            *FEDGRID,
+            "coordinator",
+            "--listen",
+            "127.0.0.1:0",
+            "--out",
+            str(out),
+            "--threads",
+            str(THREADS),
+            *args,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**child_env(), **(env or {})},
     )
     address_file = out / "address"
-    wait_until(lambda: address_file.exists() and address_file.read_text().strip() != "" or proc.poll() is not None, timeout=60, what="coordinator address")
-    assert proc.poll() is None, f"coordinator exited early: {(out.parent / f'{out.name}.coordinator.log').read_text()}"
+    wait_until(
+        lambda: address_file.exists() and address_file.read_text().strip() != "" or proc.poll() is not None,
+        timeout=60,
+        what="coordinator address",
+    )
+    assert proc.poll() is None, (
+        f"coordinator exited early: {(out.parent / f'{out.name}.coordinator.log').read_text()}"
+    )
     return proc, address_file.read_text().strip()
 
 
 def start_client(address: str, log_path: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
         [*FEDGRID, "client", "--coordinator", address, "--threads", str(THREADS), *args],
-        stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=child_env(),
+        stdout=open(log_path, "w"),
+        stderr=subprocess.STDOUT,
+        env=child_env(),
     )
 
 
 class InProcessCoordinator:
     """A real gRPC coordinator in this process (for direct access to its state)."""
 
-    def __init__(self, state: "OrderedDict[str, torch.Tensor]", *, heartbeat_s: float = 60.0, interceptors=(), bounds=None,
-                 **coordinator_options) -> None:
+    def __init__(
+        self,
+        state: "OrderedDict[str, torch.Tensor]",
+        *,
+        heartbeat_s: float = 60.0,
+        interceptors=(),
+        bounds=None,
+        **coordinator_options,
+    ) -> None:
         self.fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=heartbeat_s), bounds=bounds)
-        self.coordinator = Coordinator("127.0.0.1:0", self.fleet, max_workers=16, interceptors=interceptors, **coordinator_options).start()
+        self.coordinator = Coordinator(
+            "127.0.0.1:0", self.fleet, max_workers=16, interceptors=interceptors, **coordinator_options
+        ).start()
         self.address = self.coordinator.address
         self.state = state
         self.outcome = None
         self._thread: threading.Thread | None = None
 
-    def open_round(self, *, min_clients: int = 1, server_round: int = 1, timeout_s: float = 60.0, target: int | None = None) -> None:
+    def open_round(
+        self,
+        *,
+        min_clients: int = 1,
+        server_round: int = 1,
+        timeout_s: float = 60.0,
+        target: int | None = None,
+    ) -> None:
         """Runs one round in a background thread over the clients that joined."""
         from fedgrid.types import FitIns
 
@@ -102,7 +140,11 @@ class InProcessCoordinator:
 
         self._thread = threading.Thread(target=run_round, daemon=True)
         self._thread.start()
-        wait_until(lambda: (r := self.fleet.current_round) is not None and r.server_round == server_round, timeout=10, what="round to open")
+        wait_until(
+            lambda: (r := self.fleet.current_round) is not None and r.server_round == server_round,
+            timeout=10,
+            what="round to open",
+        )
 
     def wait_round(self, timeout: float = 60.0):
         assert self._thread is not None
@@ -154,8 +196,15 @@ class CoordinatorRun:
         log_path: the process's log (stderr) and other output are appended here.
     """
 
-    def __init__(self, out: Path, args: list[str], log_path: Path, *, trigger: tuple[int, str] | None = None,
-                 sig: int = signal.SIGKILL) -> None:
+    def __init__(
+        self,
+        out: Path,
+        args: list[str],
+        log_path: Path,
+        *,
+        trigger: tuple[int, str] | None = None,
+        sig: int = signal.SIGKILL,
+    ) -> None:
         out.mkdir(parents=True, exist_ok=True)
         self.out = out
         (out / "address").unlink(missing_ok=True)
@@ -165,8 +214,16 @@ class CoordinatorRun:
         self.log = open(log_path, "a")
         flags = ["--listen", "127.0.0.1:0", "--out", str(out), "--threads", str(THREADS), *args]
         fault = [] if trigger is None else [str(trigger[0]), trigger[1], signal.Signals(sig).name]
-        command = [sys.executable, str(Path(__file__).parent / "apps" / "event_coordinator.py"), *fault, "--", *flags]
-        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self.log, text=True, env=child_env())
+        command = [
+            sys.executable,
+            str(Path(__file__).parent / "apps" / "event_coordinator.py"),
+            *fault,
+            "--",
+            *flags,
+        ]
+        self.proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=self.log, text=True, env=child_env()
+        )
         self._lock = threading.Lock()
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -175,7 +232,7 @@ class CoordinatorRun:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:  # blocking reads: each event as soon as it is printed
             if line.startswith("EVENT "):
-                self._on_event(json.loads(line[len("EVENT "):]))
+                self._on_event(json.loads(line[len("EVENT ") :]))
             else:
                 self.log.write(line)
                 self.log.flush()
@@ -198,12 +255,16 @@ class CoordinatorRun:
         if self.proc.poll() is not None:
             self.reader.join(timeout=30)  # the pipe is drained up to the last event
         with self._lock:
-            return [e for e in self.events if e["event"] == name and all(e.get(k) == v for k, v in fields.items())]
+            return [
+                e for e in self.events if e["event"] == name and all(e.get(k) == v for k, v in fields.items())
+            ]
 
     def address(self, timeout: float = 60) -> str:
         """The address this start listens on (waits for ``RUN_DIR/address``)."""
         path = self.out / "address"
-        wait_until(lambda: path.exists() or self.proc.poll() is not None, timeout=timeout, what="coordinator address")
+        wait_until(
+            lambda: path.exists() or self.proc.poll() is not None, timeout=timeout, what="coordinator address"
+        )
         assert path.exists(), f"coordinator exited early with {self.proc.returncode}"
         return path.read_text().strip()
 
@@ -211,8 +272,16 @@ class CoordinatorRun:
 #: The reference deployment the parity, crash and shutdown tests share (``reference_deployment``):
 #: a coordinator and CLIENTS client processes, uninterrupted, ROUNDS rounds from SEED.
 REFERENCE_ROUNDS, REFERENCE_CLIENTS, REFERENCE_SEED = 6, 3, 7
-REFERENCE_ARGS = ["--rounds", str(REFERENCE_ROUNDS), "--min-clients", str(REFERENCE_CLIENTS), "--seed", str(REFERENCE_SEED),
-                  "--heartbeat-interval-s", "2"]
+REFERENCE_ARGS = [
+    "--rounds",
+    str(REFERENCE_ROUNDS),
+    "--min-clients",
+    str(REFERENCE_CLIENTS),
+    "--seed",
+    str(REFERENCE_SEED),
+    "--heartbeat-interval-s",
+    "2",
+]
 
 
 def deploy(tmp_path: Path, name: str, coordinator_args: list[str], *, clients: int, seed: int) -> Path:
@@ -221,8 +290,12 @@ def deploy(tmp_path: Path, name: str, coordinator_args: list[str], *, clients: i
     out = tmp_path / name
     run = CoordinatorRun(out, coordinator_args, tmp_path / f"{name}.coordinator.log")
     address = run.address()
-    procs = [start_client(address, tmp_path / f"{name}.client{i}.log", "--partition", f"{i}/{clients}", "--seed", str(seed))
-             for i in range(clients)]
+    procs = [
+        start_client(
+            address, tmp_path / f"{name}.client{i}.log", "--partition", f"{i}/{clients}", "--seed", str(seed)
+        )
+        for i in range(clients)
+    ]
     try:
         assert run.proc.wait(timeout=240) == 0, (tmp_path / f"{name}.coordinator.log").read_text()[-3000:]
         for i, c in enumerate(procs):

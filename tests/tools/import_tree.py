@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import shutil
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -20,10 +20,12 @@ from fedgrid.events import Event
 
 def main(argv: list[str]) -> int:
     split = argv.index("--")
-    fault, flags = argv[:split], argv[split + 1:]
+    fault, flags = argv[:split], argv[split + 1 :]
     trigger = (int(fault[0]), fault[1], getattr(signal, fault[2])) if fault else None
     args = build_parser().parse_args(["coordinator", *flags])
-    config = load_config(args.config, {k: getattr(args, k) for k in COORDINATOR_KEYS if getattr(args, k, None) is not None})
+    config = load_config(
+        args.config, {k: getattr(args, k) for k in COORDINATOR_KEYS if getattr(args, k, None) is not None}
+    )
     lock = threading.Lock()
     fired = False
 
@@ -32,7 +34,12 @@ def main(argv: list[str]) -> int:
         with lock:
             sys.stdout.write("EVENT " + json.dumps({"event": event.event, **event.fields}) + "\n")
             sys.stdout.flush()
-            if trigger is not None and not fired and event.event == trigger[1] and event.get("round", 0) >= trigger[0]:
+            if (
+                trigger is not None
+                and not fired
+                and event.event == trigger[1]
+                and event.get("round", 0) >= trigger[0]
+            ):
                 fired = True
                 os.kill(os.getpid(), trigger[2])
 

@@ -44,11 +44,25 @@ class MarkedLoss:
         return nn.functional.cross_entropy(outputs, targets)
 
 
-def client(partition: int, num_partitions: int, seed: int, *, marker_dir: str = "", step_s: float = 0.0,
-           batch_size: int = BATCH) -> TorchClient:
+def client(
+    partition: int,
+    num_partitions: int,
+    seed: int,
+    *,
+    marker_dir: str = "",
+    step_s: float = 0.0,
+    batch_size: int = BATCH,
+) -> TorchClient:
     g = torch.Generator().manual_seed(7 + partition)
     x = torch.randn(EXAMPLES, 10, generator=g)
     y = torch.randint(0, 3, (EXAMPLES,), generator=g)
-    return TorchClient(model(), DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True), MarkedLoss(marker_dir, step_s),
-                       lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), device="cpu", seed=seed, name=f"site-{partition}",
-                       eval_loader=DataLoader(TensorDataset(x, y), batch_size=64))
+    return TorchClient(
+        model(),
+        DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True),
+        MarkedLoss(marker_dir, step_s),
+        lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+        device="cpu",
+        seed=seed,
+        name=f"site-{partition}",
+        eval_loader=DataLoader(TensorDataset(x, y), batch_size=64),
+    )

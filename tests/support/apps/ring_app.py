@@ -65,7 +65,9 @@ class RingStrategy(FedAvg):
     def phases(self, *, server_round: int) -> Sequence[str]:
         return ("share", "sum", "fit")
 
-    def configure_messages(self, *, server_round: int, phase: str, clients: Sequence[ClientInfo]) -> list[tuple[ClientInfo, MessageIns]]:
+    def configure_messages(
+        self, *, server_round: int, phase: str, clients: Sequence[ClientInfo]
+    ) -> list[tuple[ClientInfo, MessageIns]]:
         if phase == "share":
             ring = sorted((c for c in clients if c.name not in self.dropped), key=lambda c: c.sort_key)
             self.rings[server_round] = [c.name for c in ring]
@@ -75,7 +77,9 @@ class RingStrategy(FedAvg):
         peers = tuple(c.client_id for c in ring)
         return [(c, MessageIns(round=server_round, phase=phase, peers=peers)) for c in ring]
 
-    def receive_messages(self, *, server_round: int, phase: str, results: Sequence[MessageRes], failures: Sequence[Failure]) -> dict[str, float]:
+    def receive_messages(
+        self, *, server_round: int, phase: str, results: Sequence[MessageRes], failures: Sequence[Failure]
+    ) -> dict[str, float]:
         self.dropped.update(f.client.name for f in failures)
         if phase == "share":
             self._share = {res.client.client_id: res for res in results}
@@ -91,10 +95,16 @@ class RingStrategy(FedAvg):
         self.report[server_round] = report
         return {"ring_ok": float(all(got == want for got, want in report.values()))}
 
-    def configure_round(self, *, server_round: int, clients: Sequence[ClientInfo]) -> list[tuple[ClientInfo, FitIns]]:
-        return super().configure_round(server_round=server_round, clients=[c for c in clients if c.name not in self.dropped])
+    def configure_round(
+        self, *, server_round: int, clients: Sequence[ClientInfo]
+    ) -> list[tuple[ClientInfo, FitIns]]:
+        return super().configure_round(
+            server_round=server_round, clients=[c for c in clients if c.name not in self.dropped]
+        )
 
-    def aggregate(self, *, server_round: int, results: Sequence[Any], failures: Sequence[Failure]) -> dict[str, float]:
+    def aggregate(
+        self, *, server_round: int, results: Sequence[Any], failures: Sequence[Failure]
+    ) -> dict[str, float]:
         self.dropped.update(f.client.name for f in failures)
         return super().aggregate(server_round=server_round, results=results, failures=failures)
 

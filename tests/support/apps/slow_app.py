@@ -13,7 +13,6 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from fedgrid.client import Client, FitOutput

@@ -33,7 +33,12 @@ def model_state() -> "OrderedDict[str, torch.Tensor]":
 
 def clients(n: int, *, memory: Sequence[int] | None = None) -> list[ClientInfo]:
     return [
-        ClientInfo(client_id=f"id-{i}", name=f"c{i:02d}", num_examples=10 + 3 * i, memory_bytes=(memory[i] if memory else 0))
+        ClientInfo(
+            client_id=f"id-{i}",
+            name=f"c{i:02d}",
+            num_examples=10 + 3 * i,
+            memory_bytes=(memory[i] if memory else 0),
+        )
         for i in range(n)
     ]
 
@@ -41,7 +46,9 @@ def clients(n: int, *, memory: Sequence[int] | None = None) -> list[ClientInfo]:
 def fake_fit(client: ClientInfo, ins: FitIns, sent: ModelState, *, scale: float = 0.1) -> FitRes:
     """A result for ``ins``: the tensors it expects (default: the model) near what was sent."""
     gen = torch.Generator().manual_seed(derive_seed("fit", client.name, ins.round))
-    names = list(ins.expected) if ins.expected is not None else [n for n in sent if not n.startswith("scaffold.")]
+    names = (
+        list(ins.expected) if ins.expected is not None else [n for n in sent if not n.startswith("scaffold.")]
+    )
     out: ModelState = OrderedDict()
     for name in names:
         if name.startswith(CONTROL_DELTA_PREFIX):
@@ -52,10 +59,17 @@ def fake_fit(client: ClientInfo, ins: FitIns, sent: ModelState, *, scale: float 
             out[name] = (sent[name].to(torch.float64) + noise).to(sent[name].dtype)
         else:
             out[name] = sent[name] + int(torch.randint(1, 4, (), generator=gen))
-    return FitRes(client, out, num_examples=client.num_examples, metrics={"loss": float(ins.round) / (1 + len(client.name))})
+    return FitRes(
+        client,
+        out,
+        num_examples=client.num_examples,
+        metrics={"loss": float(ins.round) / (1 + len(client.name))},
+    )
 
 
-def run_round(strategy: Strategy, server_round: int, live: Sequence[ClientInfo], *, drop: int = 0) -> dict[str, float]:
+def run_round(
+    strategy: Strategy, server_round: int, live: Sequence[ClientInfo], *, drop: int = 0
+) -> dict[str, float]:
     """One round: configure, fake-train every task (the last ``drop`` clients fail), aggregate."""
     pairs = strategy.configure_round(server_round=server_round, clients=live)
     sent = strategy.downlink_state(server_round=server_round)

@@ -7,8 +7,6 @@ from collections import Counter, OrderedDict
 import pytest
 import torch
 
-from aggsim import clients, fake_fit, model_state, run_round
-from fedgrid.aggregation.selection import Sampling
 from fedgrid.aggregation import (
     BlockCoordinate,
     DiLoCo,
@@ -20,9 +18,11 @@ from fedgrid.aggregation import (
     matches_prefix,
 )
 from fedgrid.aggregation.blocks import balanced_split
+from fedgrid.aggregation.selection import Sampling
 from fedgrid.errors import ConfigError
 from fedgrid.types import ClientInfo, Failure, FitRes, TensorSpec
 
+from aggsim import clients, fake_fit, model_state, run_round
 
 SPECS = TensorSpec.of(model_state())
 NAMES = list(SPECS)
@@ -102,7 +102,9 @@ def test_bcd_tasks_expect_exactly_their_block(schedule):
             assert ins.expected == OrderedDict((n, SPECS[n]) for n in block.names)
             prefixes = str(ins.config["block_prefixes"]).split(",")
             assert [n for n in NAMES if any(matches_prefix(n, p) for p in prefixes)] == list(block.names)
-            assert ins.config["algorithm"] == "bcd" and ins.config["num_blocks"] == 3 and ins.config["lr"] == 0.1
+            assert (
+                ins.config["algorithm"] == "bcd" and ins.config["num_blocks"] == 3 and ins.config["lr"] == 0.1
+            )
         counts = Counter(ins.config["block"] for _, ins in pairs)
         assert set(counts) == {0, 1, 2} and min(counts.values()) >= 7 // 3  # k >= B: every block trained
 
@@ -111,9 +113,16 @@ def test_bcd_per_round_schedule_is_the_default_and_gives_every_client_the_same_b
     strategy = _bcd(num_blocks=3)
     assert strategy.schedule == "per-round"
     live = clients(5)
-    assert [strategy.assign_blocks(server_round=r, clients=live) for r in (1, 2, 3, 4)] == [[0] * 5, [1] * 5, [2] * 5, [0] * 5]
+    assert [strategy.assign_blocks(server_round=r, clients=live) for r in (1, 2, 3, 4)] == [
+        [0] * 5,
+        [1] * 5,
+        [2] * 5,
+        [0] * 5,
+    ]
     pairs = strategy.configure_round(server_round=2, clients=live)
-    assert {ins.config["block"] for _, ins in pairs} == {1} and len({id(ins) for _, ins in pairs}) == 1  # one shared task
+    assert {ins.config["block"] for _, ins in pairs} == {1} and len(
+        {id(ins) for _, ins in pairs}
+    ) == 1  # one shared task
     assert strategy.min_clients_per_block(5) == 5
     strategy = _bcd(num_blocks=2, aggregator=Krum(f=1))  # every client on the one block: Krum sees all 5
     strategy.check_preconditions(num_clients=5)
@@ -133,9 +142,24 @@ def test_bcd_cyclic_schedule_rotates():
 
 def test_bcd_random_schedule_is_seeded():
     live = clients(4)
-    a = [_bcd(num_blocks=4, block_schedule="random", sampling=Sampling(seed=5)).assign_blocks(server_round=r, clients=live) for r in range(1, 9)]
-    b = [_bcd(num_blocks=4, block_schedule="random", sampling=Sampling(seed=5)).assign_blocks(server_round=r, clients=live) for r in range(1, 9)]
-    c = [_bcd(num_blocks=4, block_schedule="random", sampling=Sampling(seed=6)).assign_blocks(server_round=r, clients=live) for r in range(1, 9)]
+    a = [
+        _bcd(num_blocks=4, block_schedule="random", sampling=Sampling(seed=5)).assign_blocks(
+            server_round=r, clients=live
+        )
+        for r in range(1, 9)
+    ]
+    b = [
+        _bcd(num_blocks=4, block_schedule="random", sampling=Sampling(seed=5)).assign_blocks(
+            server_round=r, clients=live
+        )
+        for r in range(1, 9)
+    ]
+    c = [
+        _bcd(num_blocks=4, block_schedule="random", sampling=Sampling(seed=6)).assign_blocks(
+            server_round=r, clients=live
+        )
+        for r in range(1, 9)
+    ]
     assert a == b and a != c
     assert all(sorted(x) == [0, 1, 2, 3] for x in a)  # a permutation each round
     assert len({tuple(x) for x in a}) > 1
@@ -242,7 +266,9 @@ def test_streaming_fragments_partition_and_rotate():
             # Round 1: nobody has a record, so everyone takes the whole model; then the fragment synced last round.
             merged = strategy.fragments if server_round == 1 else [strategy.fragments[(server_round - 1) % 3]]
             assert ins.config["merge_fragment_prefixes"] == ",".join(p for f in merged for p in f.prefixes)
-            assert ins.download == (None if server_round == 1 else strategy.fragments[(server_round - 1) % 3].names)
+            assert ins.download == (
+                None if server_round == 1 else strategy.fragments[(server_round - 1) % 3].names
+            )
         before = OrderedDict((k, v.clone()) for k, v in strategy.global_state.items())
         metrics = run_round(strategy, server_round, live)
         assert metrics["fragment"] == float(fragment.index)
@@ -295,8 +321,16 @@ def test_streaming_downloads_the_fragments_synced_since_each_clients_last_round(
         pairs = strategy.configure_round(server_round=server_round, clients=live[server_round])
         tasks[server_round] = {client.name: ins for client, ins in pairs}
         sent = strategy.downlink_state(server_round=server_round)
-        results = [fake_fit(client, ins, sent) for client, ins in pairs if not (client.name == "c02" and server_round == 2)]
-        failures = [Failure(client, "ValueError: no replica") for client, _ in pairs if client.name == "c02" and server_round == 2]
+        results = [
+            fake_fit(client, ins, sent)
+            for client, ins in pairs
+            if not (client.name == "c02" and server_round == 2)
+        ]
+        failures = [
+            Failure(client, "ValueError: no replica")
+            for client, _ in pairs
+            if client.name == "c02" and server_round == 2
+        ]
         strategy.aggregate(server_round=server_round, results=results, failures=failures)
 
     def download(server_round, name):
@@ -308,7 +342,9 @@ def test_streaming_downloads_the_fragments_synced_since_each_clients_last_round(
     assert download(4, "c01") == _names(strategy, 0, 2)  # missed round 3: fragments 2 and 0, in model order
     merge = tasks[4]["c01"].config["merge_fragment_prefixes"]
     assert merge == ",".join(p for f in strategy.fragments if f.index in (0, 2) for p in f.prefixes)
-    assert download(3, "c02") is None and download(4, "c02") == _names(strategy, 0)  # failed: whole model once
+    assert download(3, "c02") is None and download(4, "c02") == _names(
+        strategy, 0
+    )  # failed: whole model once
     assert download(4, "c04") is None  # new
     assert download(5, "c03") is None  # away for F rounds: every fragment changed
     whole = ",".join(p for f in strategy.fragments for p in f.prefixes)
@@ -343,7 +379,9 @@ def test_streaming_checkpoint_keeps_the_records_and_refuses_bad_ones():
     assert state["last_round"] == {"id-0": 2, "id-1": 2, "id-2": 1}
     resumed = StreamingDiLoCo(num_fragments=3)
     resumed.load_state_dict(state)
-    assert resumed.configure_round(server_round=3, clients=clients(3)) == strategy.configure_round(server_round=3, clients=clients(3))
+    assert resumed.configure_round(server_round=3, clients=clients(3)) == strategy.configure_round(
+        server_round=3, clients=clients(3)
+    )
     with pytest.raises(ValueError, match="last_round"):
         resumed.load_state_dict({**state, "last_round": {"id-0": "soon"}})
     assert resumed.state_dict()["last_round"] == state["last_round"]  # unchanged by the refused load

@@ -20,18 +20,25 @@ pytestmark = pytest.mark.timeout(60)
 
 def _global():
     g = torch.Generator().manual_seed(0)
-    return OrderedDict(w=torch.randn(64, 33, generator=g) * 100, b=torch.randn(7, generator=g), steps=torch.tensor(3))
+    return OrderedDict(
+        w=torch.randn(64, 33, generator=g) * 100, b=torch.randn(7, generator=g), steps=torch.tensor(3)
+    )
 
 
 def _deltas(seed):
     g = torch.Generator().manual_seed(seed)
     # Small against the global values: global + delta rounds in float32.
-    return OrderedDict(w=torch.randn(64, 33, generator=g) * 1e-3, b=torch.randn(7, generator=g) * 1e-3,
-                       steps=torch.tensor(3 + seed))
+    return OrderedDict(
+        w=torch.randn(64, 33, generator=g) * 1e-3,
+        b=torch.randn(7, generator=g) * 1e-3,
+        steps=torch.tensor(3 + seed),
+    )
 
 
 def _results(n=3):
-    return [FitRes(ClientInfo(f"c{i}", name=f"c{i}"), _deltas(i + 1), 10 + i, {}, delta=True) for i in range(n)]
+    return [
+        FitRes(ClientInfo(f"c{i}", name=f"c{i}"), _deltas(i + 1), 10 + i, {}, delta=True) for i in range(n)
+    ]
 
 
 def test_a_delta_result_is_its_own_delta_unrounded():
@@ -42,7 +49,9 @@ def test_a_delta_result_is_its_own_delta_unrounded():
     model = as_model(glob, res)
     old = client_delta(glob, model, ["w"])["w"]
     assert not model.delta and not torch.equal(old, res.state["w"])
-    torch.testing.assert_close(old, res.state["w"], rtol=0, atol=2e-5)  # half a float32 ulp of |global| <= 400
+    torch.testing.assert_close(
+        old, res.state["w"], rtol=0, atol=2e-5
+    )  # half a float32 ulp of |global| <= 400
 
 
 def test_as_model_adds_the_global_model_back_to_floating_tensors_only():
@@ -71,8 +80,9 @@ def test_plain_fedavg_averages_the_same_models_from_deltas():
         assert torch.equal(from_deltas[name], tensor), name
 
 
-@pytest.mark.parametrize("make", [lambda: FedAvg(aggregator=Median()),
-                                  lambda: FedAvgM(server_lr=1.0, server_momentum=0.0)])
+@pytest.mark.parametrize(
+    "make", [lambda: FedAvg(aggregator=Median()), lambda: FedAvgM(server_lr=1.0, server_momentum=0.0)]
+)
 def test_pseudo_gradient_strategies_take_the_deltas_as_sent(make):
     deltas = _results()
     got = _aggregate(make(), deltas)

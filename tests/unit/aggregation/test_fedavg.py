@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
 import math
 from collections import OrderedDict
+from dataclasses import replace
 
 import pytest
 import torch
 
-from fedgrid.aggregation.selection import Sampling
 from fedgrid.aggregation import FedAdam, FedAvg, WeightedMean, weighted_mean
-from fedgrid.types import ClientInfo, FitIns, FitRes, Failure
-
+from fedgrid.aggregation.selection import Sampling
+from fedgrid.types import ClientInfo, Failure, FitIns, FitRes
 
 
 def _od(**tensors: torch.Tensor) -> "OrderedDict[str, torch.Tensor]":
@@ -52,7 +51,10 @@ def test_weighted_mean_one_client_is_identity():
 
 def test_weighted_mean_integer_tensors_round_to_nearest():
     out = weighted_mean(
-        [_od(n=torch.tensor([1, 10, 0], dtype=torch.int64)), _od(n=torch.tensor([2, 0, 7], dtype=torch.int64))],
+        [
+            _od(n=torch.tensor([1, 10, 0], dtype=torch.int64)),
+            _od(n=torch.tensor([2, 0, 7], dtype=torch.int64)),
+        ],
         [1.0, 2.0],
     )
     # exact means [5/3, 10/3, 14/3] = [1.67, 3.33, 4.67]
@@ -62,8 +64,10 @@ def test_weighted_mean_integer_tensors_round_to_nearest():
 
 def test_weighted_mean_int32_and_bool():
     out = weighted_mean(
-        [_od(i=torch.tensor([-3], dtype=torch.int32), m=torch.tensor([True, False])),
-         _od(i=torch.tensor([4], dtype=torch.int32), m=torch.tensor([True, True]))],
+        [
+            _od(i=torch.tensor([-3], dtype=torch.int32), m=torch.tensor([True, False])),
+            _od(i=torch.tensor([4], dtype=torch.int32), m=torch.tensor([True, True])),
+        ],
         [3.0, 1.0],
     )
     # i: (-9 + 4) / 4 = -1.25 -> -1; m: [1, 0.25] -> [True, False]
@@ -149,7 +153,10 @@ def test_weighted_mean_does_not_modify_inputs():
 
 def test_weighted_mean_independent_of_order():
     gen = torch.Generator().manual_seed(0)
-    updates = [_od(w=torch.randn(1000, generator=gen) * 10 ** (i % 3), b=torch.randn(7, generator=gen)) for i in range(5)]
+    updates = [
+        _od(w=torch.randn(1000, generator=gen) * 10 ** (i % 3), b=torch.randn(7, generator=gen))
+        for i in range(5)
+    ]
     weights = [1.0, 7.0, 3.0, 250.0, 11.0]
     reference = weighted_mean(updates, weights)
     expected = sum(u["w"].double() * w for u, w in zip(updates, weights)) / sum(weights)
@@ -165,7 +172,10 @@ def test_weighted_mean_independent_of_order():
 # -- FedAvg strategy -----------------------------------------------------------------------
 def _clients(n: int) -> list[ClientInfo]:
     # ids deliberately out of step with names: the order must follow sort_key (name first)
-    return [ClientInfo(client_id=f"id-{(7 * i) % n:02d}", name=f"client-{i:02d}", num_examples=10 + i) for i in range(n)]
+    return [
+        ClientInfo(client_id=f"id-{(7 * i) % n:02d}", name=f"client-{i:02d}", num_examples=10 + i)
+        for i in range(n)
+    ]
 
 
 def test_configure_round_all_clients_sorted_by_sort_key():
@@ -196,7 +206,9 @@ def test_configure_round_fraction_samples_reproducibly():
         assert len({c.client_id for c in chosen}) == 5
         assert chosen == sorted(chosen, key=lambda c: c.sort_key)
         assert set(chosen) <= set(clients)
-        again = FedAvg(sampling=Sampling(fraction_fit=0.5, seed=11)).configure_round(server_round=server_round, clients=list(reversed(clients)))
+        again = FedAvg(sampling=Sampling(fraction_fit=0.5, seed=11)).configure_round(
+            server_round=server_round, clients=list(reversed(clients))
+        )
         assert [c for c, _ in again] == chosen
         picks[server_round] = tuple(c.client_id for c in chosen)
     assert len(set(picks.values())) > 1  # rounds draw different subsets
@@ -205,7 +217,12 @@ def test_configure_round_fraction_samples_reproducibly():
 def test_configure_round_seed_changes_sample():
     clients = _clients(10)
     draws = {
-        tuple(c.client_id for c, _ in FedAvg(sampling=Sampling(fraction_fit=0.5, seed=seed)).configure_round(server_round=1, clients=clients))
+        tuple(
+            c.client_id
+            for c, _ in FedAvg(sampling=Sampling(fraction_fit=0.5, seed=seed)).configure_round(
+                server_round=1, clients=clients
+            )
+        )
         for seed in range(5)
     }
     assert len(draws) > 1
@@ -213,14 +230,26 @@ def test_configure_round_seed_changes_sample():
 
 @pytest.mark.parametrize(
     "fraction,min_fit,n,count",
-    [(0.1, 1, 10, 1), (0.01, 1, 10, 1), (0.3, 1, 10, 3), (0.1, 4, 10, 4), (0.5, 20, 10, 10), (1.0, 1, 3, 3), (0.5, 1, 0, 0)],
+    [
+        (0.1, 1, 10, 1),
+        (0.01, 1, 10, 1),
+        (0.3, 1, 10, 3),
+        (0.1, 4, 10, 4),
+        (0.5, 20, 10, 10),
+        (1.0, 1, 3, 3),
+        (0.5, 1, 0, 0),
+    ],
 )
 def test_configure_round_count(fraction, min_fit, n, count):
-    pairs = FedAvg(sampling=Sampling(fraction_fit=fraction, min_fit_clients=min_fit)).configure_round(server_round=1, clients=_clients(n) if n else [])
+    pairs = FedAvg(sampling=Sampling(fraction_fit=fraction, min_fit_clients=min_fit)).configure_round(
+        server_round=1, clients=_clients(n) if n else []
+    )
     assert len(pairs) == count
 
 
-@pytest.mark.parametrize("kwargs", [{"fraction_fit": 0.0}, {"fraction_fit": 1.5}, {"fraction_fit": -0.1}, {"min_fit_clients": 0}])
+@pytest.mark.parametrize(
+    "kwargs", [{"fraction_fit": 0.0}, {"fraction_fit": 1.5}, {"fraction_fit": -0.1}, {"min_fit_clients": 0}]
+)
 def test_fedavg_rejects_bad_arguments(kwargs):
     with pytest.raises(ValueError):
         FedAvg(sampling=Sampling(**kwargs))
@@ -256,8 +285,18 @@ def test_aggregate_weighted_mean_and_train_loss():
     strategy = FedAvg()
     strategy.initialize(initial_state=_od(w=torch.zeros(2), n=torch.tensor(0)))
     results = [
-        FitRes(clients[2], _od(w=torch.tensor([3.0, 6.0]), n=torch.tensor(4)), num_examples=30, metrics={"loss": 0.5}),
-        FitRes(clients[0], _od(w=torch.tensor([1.0, 2.0]), n=torch.tensor(2)), num_examples=10, metrics={"loss": 2.0}),
+        FitRes(
+            clients[2],
+            _od(w=torch.tensor([3.0, 6.0]), n=torch.tensor(4)),
+            num_examples=30,
+            metrics={"loss": 0.5},
+        ),
+        FitRes(
+            clients[0],
+            _od(w=torch.tensor([1.0, 2.0]), n=torch.tensor(2)),
+            num_examples=10,
+            metrics={"loss": 2.0},
+        ),
         FitRes(clients[1], _od(w=torch.tensor([0.0, 0.0]), n=torch.tensor(0)), num_examples=60, metrics={}),
     ]
     failures = [Failure(ClientInfo(client_id="gone"), "timeout")]
@@ -272,19 +311,32 @@ def test_aggregate_weighted_mean_and_train_loss():
 def test_aggregate_without_results_keeps_state():
     strategy = FedAvg()
     strategy.initialize(initial_state=_od(w=torch.tensor([4.0])))
-    assert strategy.aggregate(server_round=1, results=[], failures=[Failure(ClientInfo(client_id="x"), "crash")]) == {}
+    assert (
+        strategy.aggregate(server_round=1, results=[], failures=[Failure(ClientInfo(client_id="x"), "crash")])
+        == {}
+    )
     assert strategy.global_state["w"].tolist() == [4.0]
 
 
 def test_aggregate_independent_of_result_order():
     clients = _clients(4)
     gen = torch.Generator().manual_seed(1)
-    results = [FitRes(c, _od(w=torch.randn(100, generator=gen)), num_examples=c.num_examples, metrics={"loss": float(i)}) for i, c in enumerate(clients)]
+    results = [
+        FitRes(
+            c, _od(w=torch.randn(100, generator=gen)), num_examples=c.num_examples, metrics={"loss": float(i)}
+        )
+        for i, c in enumerate(clients)
+    ]
     outs = []
     for perm in [(0, 1, 2, 3), (3, 2, 1, 0), (1, 3, 0, 2)]:
         strategy = FedAvg()
         strategy.initialize(initial_state=_od(w=torch.zeros(100)))
-        outs.append((strategy.aggregate(server_round=1, results=[results[i] for i in perm], failures=[]), strategy.global_state["w"]))
+        outs.append(
+            (
+                strategy.aggregate(server_round=1, results=[results[i] for i in perm], failures=[]),
+                strategy.global_state["w"],
+            )
+        )
     for metrics, w in outs[1:]:
         assert metrics == outs[0][0]
         assert torch.equal(w, outs[0][1])  # canonical order makes it bit-identical

@@ -10,11 +10,10 @@ from typing import Sequence
 import pytest
 import torch
 
-from fedgrid.aggregation.selection import Sampling
 from fedgrid.aggregation import AggregationPreconditionError, FedAvg, Krum, MultiKrum, build_strategy_from
+from fedgrid.aggregation.selection import Sampling
 from fedgrid.errors import ConfigError
 from fedgrid.types import ClientInfo, FitRes
-
 
 
 def _run(rule: Krum, updates: Sequence[torch.Tensor], seed: int = 0) -> torch.Tensor:
@@ -27,7 +26,18 @@ def _run(rule: Krum, updates: Sequence[torch.Tensor], seed: int = 0) -> torch.Te
 
 @pytest.mark.parametrize(
     "f,n,expected",
-    [(1, 10, 3), (1, 7, 2), (1, 6, 1), (2, 7, 1), (2, 10, 1), (2, 11, 2), (2, 20, 4), (0, 3, 1), (0, 10, 3), (3, 100, 16)],
+    [
+        (1, 10, 3),
+        (1, 7, 2),
+        (1, 6, 1),
+        (2, 7, 1),
+        (2, 10, 1),
+        (2, 11, 2),
+        (2, 20, 4),
+        (0, 3, 1),
+        (0, 10, 3),
+        (3, 100, 16),
+    ],
 )
 def test_bucket_size_is_the_largest_krum_allows(f, n, expected):
     """n > 2 s f + 2 (f = 0 chooses as f = 1), and never below 1 (plain Krum)."""
@@ -42,12 +52,17 @@ def test_bucket_size_is_the_largest_krum_allows(f, n, expected):
 def test_a_bucket_size_too_large_for_the_round_is_refused():
     rule = Krum(f=1, bucket_size=3)
     assert rule.problem(9) is None  # 9 > 2 * 3 * 1 + 2
-    with pytest.raises(ConfigError, match=r"krum: bucket_size=3 lets f=1 Byzantine updates reach 3 of 8 buckets; "
-                                          r"Krum needs more than 8 buckets, so at most bucket_size=2 for 8 updates"):
+    with pytest.raises(
+        ConfigError,
+        match=r"krum: bucket_size=3 lets f=1 Byzantine updates reach 3 of 8 buckets; "
+        r"Krum needs more than 8 buckets, so at most bucket_size=2 for 8 updates",
+    ):
         rule.check_preconditions(num_clients=8)
     with pytest.raises(AggregationPreconditionError, match="bucket_size=3"):
         _run(rule, [torch.full((2,), float(i)) for i in range(8)])
-    with pytest.raises(ConfigError, match="needs more than 2f \\+ 2 = 4 updates per round to tolerate f=1, got 4"):
+    with pytest.raises(
+        ConfigError, match="needs more than 2f \\+ 2 = 4 updates per round to tolerate f=1, got 4"
+    ):
         Krum(f=1).check_preconditions(num_clients=4)  # the plain condition comes first
 
 
@@ -70,7 +85,9 @@ def test_bucket_size_one_is_plain_krum():
     values = [torch.tensor([v]) for v in (0.0, 1.0, 2.0, 100.0, 3.0, 4.0, 2.5, 1.5, 50.0, 0.5)]
     for seed in (0, 1, 2):
         rule = Krum(f=1, bucket_size=1)
-        assert _run(rule, values, seed).tolist() == [2.0]  # neighbours 1.5, 2.5, 1, 3, 0.5, 4, 0: the lowest sum
+        assert _run(rule, values, seed).tolist() == [
+            2.0
+        ]  # neighbours 1.5, 2.5, 1, 3, 0.5, 4, 0: the lowest sum
         assert rule.last_weights == [0.0, 0.0, 1.0] + [0.0] * 7
 
 
@@ -100,8 +117,10 @@ def test_strategies_seed_the_buckets_by_round():
     def after(server_round: int, seed: int = 0) -> torch.Tensor:
         strategy = FedAvg(sampling=Sampling(seed=seed), aggregator=Krum(f=1))
         strategy.initialize(initial_state=OrderedDict(w=torch.zeros(20)))
-        results = [FitRes(ClientInfo(client_id=f"id{i}", name=f"c{i:02d}"), OrderedDict(w=d.clone()), num_examples=5)
-                   for i, d in enumerate(deltas)]
+        results = [
+            FitRes(ClientInfo(client_id=f"id{i}", name=f"c{i:02d}"), OrderedDict(w=d.clone()), num_examples=5)
+            for i, d in enumerate(deltas)
+        ]
         strategy.aggregate(server_round=server_round, results=results[::-1], failures=[])  # any arrival order
         return strategy.global_state["w"]
 
@@ -167,7 +186,9 @@ def test_multi_krum_does_not_bucket():
 
 
 def test_registry_builds_bucket_options():
-    strategy = build_strategy_from("fedavg", aggregator="krum", aggregator_f=2, aggregator_bucket_size=2, aggregator_resamplings=3)
+    strategy = build_strategy_from(
+        "fedavg", aggregator="krum", aggregator_f=2, aggregator_bucket_size=2, aggregator_resamplings=3
+    )
     rule = strategy.aggregator  # type: ignore[attr-defined]
     assert isinstance(rule, Krum) and (rule.f, rule.bucket_size, rule.resamplings) == (2, 2, 3)
     with pytest.raises(ConfigError, match="krum: bucket_size=2 lets f=2"):

@@ -8,16 +8,18 @@ from datetime import timedelta
 import pytest
 import torch
 
-from fedgrid.aggregation.selection import Sampling
 from fedgrid.aggregation import FedAvg
 from fedgrid.aggregation.registry import build_strategy_from
+from fedgrid.aggregation.selection import Sampling
 from fedgrid.errors import InvalidUpdateError
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.types import ClientInfo, FitIns, FitRes
 
 
 def _state(value: float) -> "OrderedDict[str, torch.Tensor]":
-    return OrderedDict([("w", torch.full((2, 3), value)), ("b", torch.full((2,), value)), ("steps", torch.tensor(3))])
+    return OrderedDict(
+        [("w", torch.full((2, 3), value)), ("b", torch.full((2,), value)), ("steps", torch.tensor(3))]
+    )
 
 
 def test_fedavg_adopts_the_received_model():
@@ -59,9 +61,26 @@ def _same(a, b) -> bool:
     "bad,words",
     [
         (OrderedDict([("w", torch.zeros(2, 3)), ("b", torch.zeros(2))]), r"missing \['steps'\]"),
-        (OrderedDict([("w", torch.zeros(3, 2)), ("b", torch.zeros(2)), ("steps", torch.tensor(1))]), r"tensor 'w' is torch.float32\(3, 2\)"),
-        (OrderedDict([("w", torch.zeros(2, 3, dtype=torch.float64)), ("b", torch.zeros(2)), ("steps", torch.tensor(1))]), "tensor 'w' is torch.float64"),
-        (OrderedDict([("w", torch.full((2, 3), float("nan"))), ("b", torch.zeros(2)), ("steps", torch.tensor(1))]), "tensor 'w' is not finite"),
+        (
+            OrderedDict([("w", torch.zeros(3, 2)), ("b", torch.zeros(2)), ("steps", torch.tensor(1))]),
+            r"tensor 'w' is torch.float32\(3, 2\)",
+        ),
+        (
+            OrderedDict(
+                [
+                    ("w", torch.zeros(2, 3, dtype=torch.float64)),
+                    ("b", torch.zeros(2)),
+                    ("steps", torch.tensor(1)),
+                ]
+            ),
+            "tensor 'w' is torch.float64",
+        ),
+        (
+            OrderedDict(
+                [("w", torch.full((2, 3), float("nan"))), ("b", torch.zeros(2)), ("steps", torch.tensor(1))]
+            ),
+            "tensor 'w' is not finite",
+        ),
     ],
 )
 def test_a_received_model_that_does_not_fit_changes_nothing(bad, words):
@@ -79,7 +98,12 @@ def test_nested_rounds_get_distinct_task_ids():
     ids = []
     for scope in ("g1", "g2"):
         fleet.task_scope = scope
-        fleet.fit_round(server_round=1, global_state=_state(0.0), assignments=[(info, FitIns(round=1))], timeout=timedelta(seconds=0.05))
+        fleet.fit_round(
+            server_round=1,
+            global_state=_state(0.0),
+            assignments=[(info, FitIns(round=1))],
+            timeout=timedelta(seconds=0.05),
+        )
         ids.append(fleet.current_round.task_id)
         fleet.committed(1)
     assert ids[0] != ids[1] and "-g1-r1-fit" in ids[0] and "-g2-r1-fit" in ids[1]

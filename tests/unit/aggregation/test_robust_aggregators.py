@@ -25,12 +25,17 @@ from fedgrid.errors import ConfigError
 from fedgrid.types import ClientInfo, FitRes
 
 
-
-def _agg(rule: Aggregator, values: Sequence[Sequence[float] | float], weights: Sequence[float] | None = None) -> list[float]:
+def _agg(
+    rule: Aggregator, values: Sequence[Sequence[float] | float], weights: Sequence[float] | None = None
+) -> list[float]:
     """Aggregates one tensor ``w`` per update; returns the result as a list."""
     rule.reset()
     for i, v in enumerate(values):
-        t = torch.tensor(v, dtype=torch.float64) if isinstance(v, (int, float)) else torch.tensor(list(v), dtype=torch.float64)
+        t = (
+            torch.tensor(v, dtype=torch.float64)
+            if isinstance(v, (int, float))
+            else torch.tensor(list(v), dtype=torch.float64)
+        )
         rule.add(OrderedDict(w=t.reshape(-1)), 1.0 if weights is None else weights[i])
     return rule.result()["w"].tolist()
 
@@ -59,7 +64,9 @@ def test_median_ignores_weights_unless_asked():
 def test_median_keeps_dtype_and_rounds_integers():
     rule = Median()
     for v in ([1, 2], [2, 2], [4, 9], [5, 9]):
-        rule.add(OrderedDict(w=torch.tensor(v, dtype=torch.float32), n=torch.tensor(v, dtype=torch.int64)), 1.0)
+        rule.add(
+            OrderedDict(w=torch.tensor(v, dtype=torch.float32), n=torch.tensor(v, dtype=torch.int64)), 1.0
+        )
     out = rule.result()
     assert out["w"].dtype == torch.float32 and out["w"].tolist() == [3.0, 5.5]
     assert out["n"].dtype == torch.int64 and out["n"].tolist() == [3, 6]  # 5.5 rounds half to even
@@ -118,7 +125,9 @@ def test_krum_f_at_its_bound():
     values = [0.0, 1.0, 2.0, 3.0, 50.0, -50.0, 4.0]  # n = 7 = 2f + 3 for f = 2
     Krum(f=2).check_preconditions(num_clients=7)
     assert _agg(Krum(f=2), values) in ([1.0], [2.0], [3.0])
-    with pytest.raises(ConfigError, match=r"config key 'aggregator': krum: needs more than 2f \+ 2 = 6 updates"):
+    with pytest.raises(
+        ConfigError, match=r"config key 'aggregator': krum: needs more than 2f \+ 2 = 6 updates"
+    ):
         Krum(f=2).check_preconditions(num_clients=6)
     with pytest.raises(AggregationPreconditionError, match="needs more than 2f"):
         _agg(Krum(f=2), values[:6])
@@ -156,8 +165,12 @@ def test_norm_clip_hand_computed():
     # [3, 4] has norm 5 -> [0.6, 0.8]; [0.3, 0.4] has norm 0.5 and passes
     assert _agg(NormClip(bound=1.0), [[3.0, 4.0], [0.3, 0.4]]) == pytest.approx([0.45, 0.6], rel=1e-12)
     # weighted by default: (3 * [0.6, 0.8] + [0.3, 0.4]) / 4
-    assert _agg(NormClip(bound=1.0), [[3.0, 4.0], [0.3, 0.4]], [3, 1]) == pytest.approx([0.525, 0.7], rel=1e-12)
-    assert _agg(NormClip(bound=1.0, weighted=False), [[3.0, 4.0], [0.3, 0.4]], [3, 1]) == pytest.approx([0.45, 0.6], rel=1e-12)
+    assert _agg(NormClip(bound=1.0), [[3.0, 4.0], [0.3, 0.4]], [3, 1]) == pytest.approx(
+        [0.525, 0.7], rel=1e-12
+    )
+    assert _agg(NormClip(bound=1.0, weighted=False), [[3.0, 4.0], [0.3, 0.4]], [3, 1]) == pytest.approx(
+        [0.45, 0.6], rel=1e-12
+    )
     assert _agg(NormClip(bound=10.0), [[3.0, 4.0]]) == [3.0, 4.0]  # one short update passes unchanged
 
 
@@ -168,7 +181,9 @@ def test_norm_clip_without_a_bound_clips_to_the_rounds_median_norm():
     assert rule.last_bound == 5.0
     # even count: the mean of the two middle norms (0.5 and 5 -> 2.75), recomputed each round;
     # [3, 4] and [30, 40] both become [1.65, 2.2]
-    assert _agg(rule, [[3.0, 4.0], [0.3, 0.4], [0.0, 0.0], [30.0, 40.0]]) == pytest.approx([0.9, 1.2], rel=1e-12)
+    assert _agg(rule, [[3.0, 4.0], [0.3, 0.4], [0.0, 0.0], [30.0, 40.0]]) == pytest.approx(
+        [0.9, 1.2], rel=1e-12
+    )
     assert rule.last_bound == 2.75
     # a minority of huge updates cannot raise the bound: 3 honest norms of 1, 2 attackers at 1e6
     honest, attack = [[1.0, 0.0], [0.0, 1.0], [0.6, 0.8]], [[1e6, 0.0], [0.0, 1e6]]
@@ -179,7 +194,9 @@ def test_norm_clip_without_a_bound_clips_to_the_rounds_median_norm():
 
 def test_norm_clip_norm_spans_tensors_and_skips_integers():
     rule = NormClip(bound=2.5)
-    rule.add(OrderedDict(a=torch.tensor([3.0]), b=torch.tensor([4.0]), n=torch.tensor([8])), 1.0)  # norm 5 -> half
+    rule.add(
+        OrderedDict(a=torch.tensor([3.0]), b=torch.tensor([4.0]), n=torch.tensor([8])), 1.0
+    )  # norm 5 -> half
     out = rule.result()
     assert out["a"].tolist() == [1.5] and out["b"].tolist() == [2.0] and out["n"].tolist() == [8]
 
@@ -190,7 +207,9 @@ def test_centered_clip_hand_computed():
     # second iteration: diffs -1/3, -1/3, 29/3 (clipped to 1) -> v = 1/3 + (1/3) / 3 = 4/9
     assert _agg(CenteredClip(tau=1.0, iterations=2), [0.0, 0.0, 10.0]) == pytest.approx([4 / 9], rel=1e-12)
     # weighted: 0 has weight 2, 10 weight 1 (clipped to 1) -> v = 1/3 as well; unweighted ignores them
-    assert _agg(CenteredClip(tau=1.0, iterations=1, weighted=True), [0.0, 10.0], [2, 1]) == pytest.approx([1 / 3], rel=1e-12)
+    assert _agg(CenteredClip(tau=1.0, iterations=1, weighted=True), [0.0, 10.0], [2, 1]) == pytest.approx(
+        [1 / 3], rel=1e-12
+    )
     assert _agg(CenteredClip(tau=1.0, iterations=1), [0.0, 10.0], [2, 1]) == pytest.approx([0.5], rel=1e-12)
     # a large tau clips nothing: one iteration is the mean
     assert _agg(CenteredClip(tau=1e6, iterations=1), [1.0, 2.0, 6.0]) == [3.0]
@@ -278,7 +297,9 @@ def test_build_aggregator_errors(name, params, message):
 
 
 # -- under attack --------------------------------------------------------------------------
-def _attacked(attack: str, n: int = 10, bad: int = 2, dim: int = 50) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _attacked(
+    attack: str, n: int = 10, bad: int = 2, dim: int = 50
+) -> tuple[list[torch.Tensor], torch.Tensor]:
     gen = torch.Generator().manual_seed(7)
     direction = torch.ones(dim)
     honest = [direction + 0.1 * torch.randn(dim, generator=gen) for _ in range(n - bad)]
@@ -299,8 +320,16 @@ def test_robust_rules_resist_twenty_percent_attackers(attack):
         return float((rule.result()["w"] - honest_mean).norm() / honest_mean.norm())
 
     assert error(Mean()) > 0.3  # the attack works on the plain mean ...
-    for rule in (Median(), TrimmedMean(beta=0.2), Krum(f=2), MultiKrum(f=2), CenteredClip(tau=1.0, iterations=30)):
-        assert error(rule) < 0.15, rule.name  # ... and not on the robust rules (one honest update is ~0.09 off)
+    for rule in (
+        Median(),
+        TrimmedMean(beta=0.2),
+        Krum(f=2),
+        MultiKrum(f=2),
+        CenteredClip(tau=1.0, iterations=30),
+    ):
+        assert error(rule) < 0.15, (
+            rule.name
+        )  # ... and not on the robust rules (one honest update is ~0.09 off)
     if attack == "gaussian":
         assert error(NormClip(bound=8.0)) < 0.5 < 10 < error(Mean())  # bounded influence, not robustness
 
@@ -317,7 +346,11 @@ def test_fedavg_with_robust_aggregator_resists_attack(attack):
     for label, rule in (("mean", None), ("median", Median()), ("krum", Krum(f=2))):
         strategy = FedAvg(aggregator=rule)
         strategy.initialize(initial_state=OrderedDict(w=torch.zeros(50), n=torch.tensor(0)))
-        strategy.aggregate(server_round=1, results=[_result(i, u) for i, u in enumerate(updates)], failures=[])
+        strategy.aggregate(
+            server_round=1, results=[_result(i, u) for i, u in enumerate(updates)], failures=[]
+        )
         outcomes[label] = float((strategy.global_state["w"] - honest_mean).norm() / honest_mean.norm())
-        assert strategy.global_state["n"].item() == 4  # integer buffers: weighted mean of the values, 4.5 -> 4
+        assert (
+            strategy.global_state["n"].item() == 4
+        )  # integer buffers: weighted mean of the values, 4.5 -> 4
     assert outcomes["mean"] > 0.3 and outcomes["median"] < 0.1 and outcomes["krum"] < 0.1

@@ -8,14 +8,24 @@ from collections import Counter
 import pytest
 import torch
 
-from fedgrid.aggregation.selection import Sampling
 from fedgrid.aggregation import FedAvg
-from fedgrid.aggregation.selection import CapabilityFilter, RegionBalancedSelector, SelectionPolicy, UniformSelector
+from fedgrid.aggregation.selection import (
+    CapabilityFilter,
+    RegionBalancedSelector,
+    Sampling,
+    SelectionPolicy,
+    UniformSelector,
+)
 from fedgrid.types import ClientInfo
 
 
 def _clients(n, regions=("eu", "us", "ap")):
-    return [ClientInfo(client_id=f"id{i}", name=f"c{i:02d}", region=regions[i % len(regions)], memory_bytes=i * 100) for i in range(n)]
+    return [
+        ClientInfo(
+            client_id=f"id{i}", name=f"c{i:02d}", region=regions[i % len(regions)], memory_bytes=i * 100
+        )
+        for i in range(n)
+    ]
 
 
 def test_policy_counts():
@@ -39,7 +49,9 @@ def test_fedavg_over_selects_and_sets_target():
     assert strategy.round_target(num_live=10, num_assigned=len(asked)) == 4
     again = strategy.configure_round(server_round=1, clients=list(reversed(clients)))
     assert [c.client_id for c, _ in again] == [c.client_id for c, _ in asked]  # seeded, order-free
-    assert [c.client_id for c, _ in strategy.configure_round(server_round=2, clients=clients)] != [c.client_id for c, _ in asked]
+    assert [c.client_id for c, _ in strategy.configure_round(server_round=2, clients=clients)] != [
+        c.client_id for c, _ in asked
+    ]
 
 
 def test_region_balanced_covers_every_region_evenly():
@@ -55,9 +67,13 @@ def test_region_balanced_covers_every_region_evenly():
 
 def test_capability_filter():
     clients = _clients(10)
-    chosen = CapabilityFilter(min_memory_bytes=500, regions=("eu", "us")).select(clients, 10, random.Random(0))
+    chosen = CapabilityFilter(min_memory_bytes=500, regions=("eu", "us")).select(
+        clients, 10, random.Random(0)
+    )
     assert sorted(c.name for c in chosen) == ["c06", "c07", "c09"]
-    assert UniformSelector().select(clients, 3, random.Random(1)) == UniformSelector().select(clients, 3, random.Random(1))
+    assert UniformSelector().select(clients, 3, random.Random(1)) == UniformSelector().select(
+        clients, 3, random.Random(1)
+    )
 
 
 def test_capability_filter_by_device_and_accelerators_says_what_is_missing():

@@ -12,7 +12,6 @@ import torch
 from fedgrid.aggregation import ServerAdagrad, ServerAdam, ServerSGD, ServerYogi
 
 
-
 def _od(**tensors: torch.Tensor) -> "OrderedDict[str, torch.Tensor]":
     return OrderedDict(tensors)
 
@@ -88,7 +87,9 @@ def test_adam_two_steps_hand_computed():
 
 def test_adam_round_numbers():
     # beta1 = beta2 = 0: m = g, v = g^2, so x - lr * g / (|g| + tau) = 2 - 3 / (3 + 1)
-    out = ServerAdam(lr=1.0, beta1=0.0, beta2=0.0, tau=1.0).step(global_state=_od(w=_f64(2.0)), pseudo_grad=_od(w=_f64(3.0)))
+    out = ServerAdam(lr=1.0, beta1=0.0, beta2=0.0, tau=1.0).step(
+        global_state=_od(w=_f64(2.0)), pseudo_grad=_od(w=_f64(3.0))
+    )
     _close(out["w"], [1.25])
 
 
@@ -126,7 +127,9 @@ def test_yogi_sign_zero_keeps_v():
 
 def test_adagrad_two_steps_hand_computed():
     opt = ServerAdagrad(lr=1.0, tau=1.0)  # beta1 = 0: m = g; v = 1 + sum g^2
-    x = opt.step(global_state=_od(w=_f64(0.0)), pseudo_grad=_od(w=_f64(math.sqrt(3.0))))  # v = 4, step sqrt3 / 3
+    x = opt.step(
+        global_state=_od(w=_f64(0.0)), pseudo_grad=_od(w=_f64(math.sqrt(3.0)))
+    )  # v = 4, step sqrt3 / 3
     _close(x["w"], [-math.sqrt(3.0) / 3.0])
     x = opt.step(global_state=x, pseudo_grad=_od(w=_f64(math.sqrt(5.0))))  # v = 9, step sqrt5 / 4
     _close(x["w"], [-math.sqrt(3.0) / 3.0 - math.sqrt(5.0) / 4.0])

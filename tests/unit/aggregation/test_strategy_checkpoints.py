@@ -9,12 +9,13 @@ import pytest
 import safetensors.torch
 import torch
 
-from aggsim import clients, model_state, run_round
 from fedgrid.aggregation import STRATEGIES, FedAdam, Strategy, build_strategy_from
 from fedgrid.server.state import decode_state, encode_state
 
+from aggsim import clients, model_state, run_round
 
 ROUNDS, STOP = 5, 2
+
 
 # Every registered strategy, plus a few with a robust aggregator or a non-default schedule.
 def _registered(name: str) -> Callable[[], Strategy]:
@@ -25,8 +26,12 @@ CASES: dict[str, Callable[[], Strategy]] = {name: _registered(name) for name in 
 CASES.update(
     {
         "fedadam+median": lambda: build_strategy_from("fedadam", aggregator="median", seed=3),
-        "scaffold+trimmed-mean": lambda: build_strategy_from("scaffold", aggregator="trimmed-mean", aggregator_beta=0.2, seed=3),
-        "diloco+centered-clip": lambda: build_strategy_from("diloco", aggregator="centered-clip", aggregator_tau=0.5),
+        "scaffold+trimmed-mean": lambda: build_strategy_from(
+            "scaffold", aggregator="trimmed-mean", aggregator_beta=0.2, seed=3
+        ),
+        "diloco+centered-clip": lambda: build_strategy_from(
+            "diloco", aggregator="centered-clip", aggregator_tau=0.5
+        ),
         "bcd-random": lambda: build_strategy_from("bcd", num_blocks=3, block_schedule="random", seed=3),
         "bcd-capacity": lambda: build_strategy_from("bcd", num_blocks=3, block_schedule="capacity"),
         "streaming-diloco-3": lambda: build_strategy_from("streaming-diloco", num_fragments=3),
@@ -37,7 +42,9 @@ CASES.update(
 def _through_disk(state: dict[str, Any]) -> dict[str, Any]:
     """Through the checkpoint format (JSON and safetensors, no pickle: ``server/state.py``)."""
     doc, tensors = encode_state(state)
-    return decode_state(json.loads(json.dumps(doc, allow_nan=False)), safetensors.torch.load(safetensors.torch.save(tensors)))
+    return decode_state(
+        json.loads(json.dumps(doc, allow_nan=False)), safetensors.torch.load(safetensors.torch.save(tensors))
+    )
 
 
 def _assert_same(a: Any, b: Any, where: str = "state") -> None:
@@ -79,11 +86,15 @@ def test_resumed_run_is_bit_identical(case):
     _assert_same(straight.state_dict(), resumed.state_dict())
     # What the strategy remembers of clients (e.g. streaming DiLoCo's last round per client,
     # which decides what each downloads) came back too: the next round's tasks are the same.
-    assert resumed.configure_round(server_round=ROUNDS + 1, clients=live) == straight.configure_round(server_round=ROUNDS + 1, clients=live)
+    assert resumed.configure_round(server_round=ROUNDS + 1, clients=live) == straight.configure_round(
+        server_round=ROUNDS + 1, clients=live
+    )
     if case.startswith("streaming-diloco"):
         assert straight.state_dict()["last_round"] and saved["last_round"]
     initial = model_state()
-    assert any(not torch.equal(straight.global_state[n], initial[n]) for n in initial)  # the runs did something
+    assert any(
+        not torch.equal(straight.global_state[n], initial[n]) for n in initial
+    )  # the runs did something
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -12,11 +12,11 @@ from datetime import timedelta
 import pytest
 import torch
 
-from fedgrid.aggregation.selection import Sampling
 from fedgrid import cli
+from fedgrid.aggregation.fedavg import FedAvg
+from fedgrid.aggregation.selection import Sampling
 from fedgrid.cli.client import client_config, client_options
 from fedgrid.cli.support import config_from
-from fedgrid.aggregation.fedavg import FedAvg
 from fedgrid.client.runtime import Connection, check_target
 from fedgrid.errors import ConfigError
 from fedgrid.plugins import load_object
@@ -24,7 +24,6 @@ from fedgrid.runlog import RunWriter, load_model
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.fleet import Fleet, RoundOutcome
 from fedgrid.types import ClientInfo, FitRes
-
 
 CLIENTS = [ClientInfo(client_id="c0", name="n0")]
 
@@ -42,15 +41,21 @@ def test_mistyped_flag_suggests_the_flag_meant_in_one_line(capsys):
         cli.main(["simulate", "--roundz", "3"])
     err = capsys.readouterr().err
     assert info.value.code == 2
-    assert err == "fedgrid simulate: error: unrecognized arguments: --roundz (did you mean '--rounds' or '--out'?) 3 " \
-                  "(all flags: fedgrid simulate --help)\n"
+    assert (
+        err
+        == "fedgrid simulate: error: unrecognized arguments: --roundz (did you mean '--rounds' or '--out'?) 3 "
+        "(all flags: fedgrid simulate --help)\n"
+    )
 
 
 def test_help_shows_each_command_its_own_flags_and_says_what_they_do():
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if a.dest == "command").choices
     coordinator = {s for a in sub["coordinator"]._actions for s in a.option_strings}
-    assert not {"--engine", "--dropout-prob", "--progress", "--speed", "--clients", "--batch-clients"} & coordinator
+    assert (
+        not {"--engine", "--dropout-prob", "--progress", "--speed", "--clients", "--batch-clients"}
+        & coordinator
+    )
     assert {"--listen", "--min-clients", "--rounds", "--state-dir"} <= coordinator
     client = {a.dest: a for a in sub["client"]._actions}
     for dest in ("coordinator", "seed", "region", "config", "connect_timeout_s"):
@@ -74,11 +79,18 @@ def test_a_coordinator_address_without_a_good_port_is_refused(target, words, cap
         Connection(target)
     assert cli.main(["client", "--coordinator", target]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("fedgrid: error: config key 'coordinator': coordinator address ") and err.count("\n") == 1
+    assert (
+        err.startswith("fedgrid: error: config key 'coordinator': coordinator address ")
+        and err.count("\n") == 1
+    )
 
 
 def test_good_addresses_pass():
-    assert [check_target(t) for t in ("localhost:50051", "[::1]:1", "10.0.0.1:65535")] == ["localhost:50051", "[::1]:1", "10.0.0.1:65535"]
+    assert [check_target(t) for t in ("localhost:50051", "[::1]:1", "10.0.0.1:65535")] == [
+        "localhost:50051",
+        "[::1]:1",
+        "10.0.0.1:65535",
+    ]
 
 
 def test_client_takes_its_keys_from_the_config_file_flags_winning(tmp_path, monkeypatch):
@@ -93,15 +105,33 @@ def test_client_takes_its_keys_from_the_config_file_flags_winning(tmp_path, monk
     monkeypatch.setattr("fedgrid.client.runtime.run_client", fake_run)
     config = tmp_path / "run.toml"
     # A file shared with the coordinator: its other keys are checked and left alone.
-    config.write_text('rounds = 7\nmin_clients = 3\ndataset = "synthetic"\nbatch_size = 5\nlr = 0.25\nthreads = 2\n')
+    config.write_text(
+        'rounds = 7\nmin_clients = 3\ndataset = "synthetic"\nbatch_size = 5\nlr = 0.25\nthreads = 2\n'
+    )
     threads = torch.get_num_threads()
     try:
-        assert cli.main(["client", "--config", str(config), "--coordinator", "127.0.0.1:9", "--lr", "0.5",
-                         "--connect-timeout-s", "7"]) == 0
+        assert (
+            cli.main(
+                [
+                    "client",
+                    "--config",
+                    str(config),
+                    "--coordinator",
+                    "127.0.0.1:9",
+                    "--lr",
+                    "0.5",
+                    "--connect-timeout-s",
+                    "7",
+                ]
+            )
+            == 0
+        )
     finally:
         torch.set_num_threads(threads)
     assert seen["threads"] == 2 and seen["connect_timeout"] == 7.0
-    args = cli.build_parser().parse_args(["client", "--config", str(config), "--coordinator", "h:1", "--lr", "0.5"])
+    args = cli.build_parser().parse_args(
+        ["client", "--config", str(config), "--coordinator", "h:1", "--lr", "0.5"]
+    )
     options = client_options(args, client_config(args))
     assert (options["dataset"], options["batch_size"], options["lr"]) == ("synthetic", 5, 0.5)
     config.write_text('optimizer = "lbfgs"\n')
@@ -123,9 +153,27 @@ def test_client_reports_what_its_file_and_flags_state_at_join(tmp_path, monkeypa
 
     monkeypatch.setattr("fedgrid.client.runtime.run_client", fake_run)
     config = tmp_path / "run.toml"
-    config.write_text('dataset = "synthetic"\nreport_device = "cuda"\nreport_memory = "8GiB"\nrequire_device = "cuda"\n')
-    assert cli.main(["client", "--config", str(config), "--coordinator", "127.0.0.1:9", "--report-accelerators", "2",
-                     "--report-memory", "40GiB", "--threads", "1"]) == 0
+    config.write_text(
+        'dataset = "synthetic"\nreport_device = "cuda"\nreport_memory = "8GiB"\nrequire_device = "cuda"\n'
+    )
+    assert (
+        cli.main(
+            [
+                "client",
+                "--config",
+                str(config),
+                "--coordinator",
+                "127.0.0.1:9",
+                "--report-accelerators",
+                "2",
+                "--report-memory",
+                "40GiB",
+                "--threads",
+                "1",
+            ]
+        )
+        == 0
+    )
     assert seen["reported"] == Capabilities("cuda", 2, 40 << 30)  # the flag wins over the file
     assert "fedgrid client 0/1: reports cuda x2, 40.0 GiB at join" in capsys.readouterr().out
 
@@ -133,16 +181,24 @@ def test_client_reports_what_its_file_and_flags_state_at_join(tmp_path, monkeypa
 def test_a_bad_report_flag_stops_the_client_in_one_line_and_is_no_coordinator_flag(capsys):
     assert cli.main(["client", "--coordinator", "127.0.0.1:9", "--report-memory", "lots"]) == 2
     err = capsys.readouterr().err
-    assert "config key 'report_memory': 'lots' is not a size (e.g. 16GiB, 512MB or a byte count)" in err and err.count("\n") == 1
+    assert (
+        "config key 'report_memory': 'lots' is not a size (e.g. 16GiB, 512MB or a byte count)" in err
+        and err.count("\n") == 1
+    )
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["coordinator", "--report-memory", "8GiB"])
-    assert cli.build_parser().parse_args(["coordinator", "--min-client-memory", "8GiB"]).min_client_memory == "8GiB"
+    assert (
+        cli.build_parser().parse_args(["coordinator", "--min-client-memory", "8GiB"]).min_client_memory
+        == "8GiB"
+    )
 
 
 def test_client_tls_files_from_the_config_file(tmp_path):
     config = tmp_path / "run.toml"
     config.write_text('ca = "ca.pem"\ncert = "c.pem"\nkey = "c.key"\n')
-    args = cli.build_parser().parse_args(["client", "--config", str(config), "--coordinator", "h:1", "--key", "other.key"])
+    args = cli.build_parser().parse_args(
+        ["client", "--config", str(config), "--coordinator", "h:1", "--key", "other.key"]
+    )
     loaded = client_config(args)
     assert (loaded.ca, loaded.cert, loaded.key) == ("ca.pem", "c.pem", "other.key")
 
@@ -159,8 +215,26 @@ def test_out_in_the_config_file_wins_over_the_default_run_directory(tmp_path):
 
 
 def test_simulate_header_names_the_engine_auto_chose(tmp_path, capsys):
-    assert cli.main(["simulate", "--rounds", "1", "--clients", "2", "--local-epochs", "1", "--progress", "false",
-                     "--threads", "1", "--out", str(tmp_path / "run")]) == 0
+    assert (
+        cli.main(
+            [
+                "simulate",
+                "--rounds",
+                "1",
+                "--clients",
+                "2",
+                "--local-epochs",
+                "1",
+                "--progress",
+                "false",
+                "--threads",
+                "1",
+                "--out",
+                str(tmp_path / "run"),
+            ]
+        )
+        == 0
+    )
     header = capsys.readouterr().out.splitlines()[0]
     assert header.startswith("fedgrid simulate: 2 clients, 1 rounds")
     assert ", engine sequential (" in header or ", engine batched (" in header
@@ -181,8 +255,10 @@ def test_import_failure_names_the_module_where_and_why(tmp_path, monkeypatch):
         load_object("broken_app:make", key="app")
     text = str(info.value)
     assert info.value.key == "app"
-    assert f"importing 'broken_app' ({tmp_path / 'broken_app.py'}) failed: ModuleNotFoundError: " \
-           "No module named 'no_such_dependency_xyz'" in text
+    assert (
+        f"importing 'broken_app' ({tmp_path / 'broken_app.py'}) failed: ModuleNotFoundError: "
+        "No module named 'no_such_dependency_xyz'" in text
+    )
     with pytest.raises(ConfigError) as info:
         load_object("absent_app_xyz:make", key="app")
     assert f"no module 'absent_app_xyz' in the current directory ({tmp_path})" in str(info.value)
@@ -217,8 +293,16 @@ class _OneClient(Fleet):
 def _engine(tmp_path, fleet, **kwargs):
     strategy = FedAvg(sampling=Sampling(fraction_evaluate=1.0))
     strategy.initialize(initial_state=OrderedDict(w=torch.zeros(2)))
-    engine = RoundEngine(strategy=strategy, fleet=fleet, rounds=5, min_clients=1, round_timeout=timedelta(seconds=1),
-                         join_timeout=timedelta(seconds=1), writer=RunWriter(tmp_path / "run", {}), **kwargs)
+    engine = RoundEngine(
+        strategy=strategy,
+        fleet=fleet,
+        rounds=5,
+        min_clients=1,
+        round_timeout=timedelta(seconds=1),
+        join_timeout=timedelta(seconds=1),
+        writer=RunWriter(tmp_path / "run", {}),
+        **kwargs,
+    )
     fleet.engine = engine
     return engine
 
@@ -263,14 +347,37 @@ def test_rpc_and_tls_errors_are_one_line(tmp_path, capsys):
     from fedgrid.cli.support import error_line
     from fedgrid.client.runtime import RpcFailed
 
-    failed = RpcFailed("Join", grpc.StatusCode.UNAVAILABLE, "failed to connect\n  debug_error_string = {...}\n")
-    assert error_line(failed) == "fedgrid: error: Join failed: UNAVAILABLE: failed to connect debug_error_string = {...}"
+    failed = RpcFailed(
+        "Join", grpc.StatusCode.UNAVAILABLE, "failed to connect\n  debug_error_string = {...}\n"
+    )
+    assert (
+        error_line(failed)
+        == "fedgrid: error: Join failed: UNAVAILABLE: failed to connect debug_error_string = {...}"
+    )
     bad = tmp_path / "bad.pem"
     bad.write_text("not a certificate\n")
     threads = torch.get_num_threads()
     try:
-        code = cli.main(["client", "--coordinator", "127.0.0.1:9", "--ca", str(bad), "--cert", str(bad), "--key", str(bad), "--threads", "1"])
+        code = cli.main(
+            [
+                "client",
+                "--coordinator",
+                "127.0.0.1:9",
+                "--ca",
+                str(bad),
+                "--cert",
+                str(bad),
+                "--key",
+                str(bad),
+                "--threads",
+                "1",
+            ]
+        )
     finally:
         torch.set_num_threads(threads)
     err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and err.startswith(f"fedgrid: error: config key 'cert': certificate {bad}: ")
+    assert (
+        code == 2
+        and err.count("\n") == 1
+        and err.startswith(f"fedgrid: error: config key 'cert': certificate {bad}: ")
+    )

@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fedgrid.ops import pki
 from fedgrid.cli import main
-
+from fedgrid.ops import pki
 
 
 def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
@@ -25,7 +24,19 @@ def test_init_issue_list_revoke(tmp_path, capsys):
     d = str(tmp_path / "pki")
     assert _run(capsys, "init", "--dir", d, "--name", "site CA", "--days", "100")[0] == 0
     assert _run(capsys, "issue", "--dir", d, "--name", "alice")[0] == 0
-    code, out, _ = _run(capsys, "issue", "--dir", d, "--name", "coord", "--server", "--san", "coord.example", "--san", "10.0.0.5")
+    code, out, _ = _run(
+        capsys,
+        "issue",
+        "--dir",
+        d,
+        "--name",
+        "coord",
+        "--server",
+        "--san",
+        "coord.example",
+        "--san",
+        "10.0.0.5",
+    )
     assert code == 0 and "server certificate for 'coord'" in out
     for name in ("ca.key", "alice.key", "coord.key", "tokens.json"):
         assert stat.S_IMODE(os.stat(Path(d) / name).st_mode) == 0o600, name
@@ -55,11 +66,17 @@ def test_bad_input_exits_2_and_names_the_problem(tmp_path, capsys):
         (["revoke-token", "--dir", d, "--id", "nope"], "no enrollment token with id 'nope'"),
         (["list", "--dir", str(tmp_path / "elsewhere")], "index.json: missing"),
         (["token", "--dir", str(tmp_path / "elsewhere")], "elsewhere: no such certificate directory"),
-        (["issue", "--dir", str(tmp_path / "elsewhere"), "--name", "bob"], "elsewhere: no such certificate directory"),
+        (
+            ["issue", "--dir", str(tmp_path / "elsewhere"), "--name", "bob"],
+            "elsewhere: no such certificate directory",
+        ),
     ]
     for args, problem in cases:
         code, _, err = _run(capsys, *args)
-        assert code == 2 and problem in err and err.startswith(f"fedgrid certs {args[0]}: error:"), (args, err)
+        assert code == 2 and problem in err and err.startswith(f"fedgrid certs {args[0]}: error:"), (
+            args,
+            err,
+        )
     assert (Path(d) / "index.json").read_bytes() == index
 
 

@@ -12,14 +12,24 @@ from fedgrid.errors import ConfigError
 from fedgrid.types import RoundMetrics
 
 
-
 class _Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True
 
 
-def _round(r: int, wall_s: float, accuracy: float | None = 0.5, loss: float | None = 1.25, ok: int = 10) -> RoundMetrics:
-    return RoundMetrics(round=r, loss=loss, accuracy=accuracy, bytes_up=0, bytes_down=0, wall_s=wall_s, clients_ok=ok, clients_failed=0)
+def _round(
+    r: int, wall_s: float, accuracy: float | None = 0.5, loss: float | None = 1.25, ok: int = 10
+) -> RoundMetrics:
+    return RoundMetrics(
+        round=r,
+        loss=loss,
+        accuracy=accuracy,
+        bytes_up=0,
+        bytes_down=0,
+        wall_s=wall_s,
+        clients_ok=ok,
+        clients_failed=0,
+    )
 
 
 def test_plain_lines_when_not_a_terminal():
@@ -55,11 +65,32 @@ def test_long_eta_in_hours():
 
 def test_client_flags_become_builtin_options():
     args = build_parser().parse_args(
-        ["client", "--coordinator", "h:1", "--dataset", "synthetic", "--batch-size", "8", "--optimizer", "adamw", "--data-partition", "iid", "--lr", "0.3"]
+        [
+            "client",
+            "--coordinator",
+            "h:1",
+            "--dataset",
+            "synthetic",
+            "--batch-size",
+            "8",
+            "--optimizer",
+            "adamw",
+            "--data-partition",
+            "iid",
+            "--lr",
+            "0.3",
+        ]
     )
     assert _client_options(args) == {
-        "dataset": "synthetic", "data_dir": "", "partitioner": "iid", "model": "", "batch_size": 8,
-        "optimizer": "adamw", "lr": 0.3, "momentum": 0.9, "weight_decay": 0.0,
+        "dataset": "synthetic",
+        "data_dir": "",
+        "partitioner": "iid",
+        "model": "",
+        "batch_size": 8,
+        "optimizer": "adamw",
+        "lr": 0.3,
+        "momentum": 0.9,
+        "weight_decay": 0.0,
     }
     # a user's --app gets only what was given, typed
     args = build_parser().parse_args(["client", "--coordinator", "h:1", "--app", "m:f", "--batch-size", "8"])
@@ -82,5 +113,11 @@ def test_help_renders_every_key_with_the_strategy_defaults(command, capsys):
         build_parser().parse_args([command, "--help"])
     assert info.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "--inner-lr FLOAT diloco, streaming-diloco: learning rate of the inner optimizer, AdamW (default 1e-3" in out
-    assert "every client trains block (round - 1) mod B" in out and "the median norm of the round's updates" in out
+    assert (
+        "--inner-lr FLOAT diloco, streaming-diloco: learning rate of the inner optimizer, AdamW (default 1e-3"
+        in out
+    )
+    assert (
+        "every client trains block (round - 1) mod B" in out
+        and "the median norm of the round's updates" in out
+    )

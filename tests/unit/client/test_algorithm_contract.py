@@ -34,7 +34,6 @@ from fedgrid.client.torch_client import TorchClient
 from fedgrid.simulation.batched import BatchedTrainer
 from fedgrid.types import FitIns, ModelState
 
-
 X = torch.tensor([[1.0], [2.0]])
 NAMES = ("0.weight", "0.bias", "2.weight", "2.bias")
 
@@ -45,8 +44,14 @@ def _ctx(**config: Any) -> FitContext:
 
 def _linear_client(**kw: Any) -> TorchClient:
     """``y = w x`` on x = (1, 2), targets x: at w = 0 the MSE gradient is -5 (hand-computed)."""
-    return TorchClient(nn.Linear(1, 1, bias=False), DataLoader(TensorDataset(X, X.clone()), batch_size=2),
-                       nn.functional.mse_loss, lambda params: torch.optim.SGD(params, lr=0.1), device="cpu", **kw)
+    return TorchClient(
+        nn.Linear(1, 1, bias=False),
+        DataLoader(TensorDataset(X, X.clone()), batch_size=2),
+        nn.functional.mse_loss,
+        lambda params: torch.optim.SGD(params, lr=0.1),
+        device="cpu",
+        **kw,
+    )
 
 
 def _zero() -> ModelState:
@@ -57,7 +62,9 @@ def _zero() -> ModelState:
 def test_registry_maps_every_builtin_and_refuses_a_nameless_or_taken_name():
     assert list(ALGORITHMS) == ["fedavg", "fedprox", "scaffold", "diloco", "streaming-diloco", "bcd"]
     assert ALGORITHMS["bcd"] is BlockCoordinateTraining and algorithm_of({}) == "fedavg"
-    with pytest.raises(ValueError, match="task asks for algorithm 'nope'; this client implements fedavg, fedprox, scaffold"):
+    with pytest.raises(
+        ValueError, match="task asks for algorithm 'nope'; this client implements fedavg, fedprox, scaffold"
+    ):
         algorithm_of({"algorithm": "nope"})
     with pytest.raises(ValueError, match="task asks for algorithm 'nope'"):
         _linear_client().algorithm("nope")
@@ -72,23 +79,33 @@ def test_registry_maps_every_builtin_and_refuses_a_nameless_or_taken_name():
         register(Nameless)
     with pytest.raises(ValueError, match="algorithm 'fedprox' is already FedProxTraining's"):
         register(Impostor)
-    assert register(FedProxTraining) is FedProxTraining and ALGORITHMS["fedprox"] is FedProxTraining  # registering again is a no-op
+    assert (
+        register(FedProxTraining) is FedProxTraining and ALGORITHMS["fedprox"] is FedProxTraining
+    )  # registering again is a no-op
 
 
 def test_which_builtins_the_batched_engine_trains():
     assert {name: cls.not_batchable for name, cls in ALGORITHMS.items()} == {
-        "fedavg": None, "fedprox": None, "scaffold": None, "bcd": None,
+        "fedavg": None,
+        "fedprox": None,
+        "scaffold": None,
+        "bcd": None,
         "diloco": "a persistent inner optimizer per client",
         "streaming-diloco": "a persistent inner optimizer and replica per client",
     }
 
-    class OwnStep(FedAvgTraining):  # a step hook the batched engine cannot see: sequential unless it says otherwise
+    class OwnStep(
+        FedAvgTraining
+    ):  # a step hook the batched engine cannot see: sequential unless it says otherwise
         name = "own-step"
 
         def after_backward(self, *, params: Mapping[str, nn.Parameter]) -> None:
             pass
 
-    assert OwnStep.not_batchable == "OwnStep.after_backward has no batched form (set not_batchable = None once proximal_mu/correction state it)"
+    assert (
+        OwnStep.not_batchable
+        == "OwnStep.after_backward has no batched form (set not_batchable = None once proximal_mu/correction state it)"
+    )
 
 
 # -- each built-in's hooks, against numbers ------------------------------------------------
@@ -112,9 +129,15 @@ def test_bcd_trains_sends_and_optimizes_the_block_only():
         bcd.trained(names=list(NAMES), ctx=_ctx(block_prefixes="9"))
     client = _linear_client()
     model, block = list(client.model.parameters()), [nn.Parameter(torch.zeros(1))]
-    assert bcd.optimizer(trainer=client, params=block, ctx=ctx).param_groups[0]["params"] == block  # the block's alone
-    assert FedAvgTraining().optimizer(trainer=client, params=block, ctx=ctx).param_groups[0]["params"] == model  # the whole model
-    assert DiLoCoTraining().optimizer(trainer=client, params=block, ctx=ctx) is client.inner_optimizer  # kept across rounds
+    assert (
+        bcd.optimizer(trainer=client, params=block, ctx=ctx).param_groups[0]["params"] == block
+    )  # the block's alone
+    assert (
+        FedAvgTraining().optimizer(trainer=client, params=block, ctx=ctx).param_groups[0]["params"] == model
+    )  # the whole model
+    assert (
+        DiLoCoTraining().optimizer(trainer=client, params=block, ctx=ctx) is client.inner_optimizer
+    )  # kept across rounds
 
 
 def test_scaffold_hooks_split_correct_and_upload_deltas():
@@ -139,12 +162,20 @@ def test_scaffold_hooks_split_correct_and_upload_deltas():
     engine.start(download=download, ctx=ctx)
     engine.begin(params={"weight": w}, ctx=ctx)
     engine.record(name="weight", grad_sum=torch.full((1, 1), -8.0), count=2)
-    assert engine.upload(state=OrderedDict(weight=torch.ones(1, 1)), trained=["weight"], ctx=ctx)[CONTROL_DELTA_PREFIX + "weight"].item() == -4.0
+    assert (
+        engine.upload(state=OrderedDict(weight=torch.ones(1, 1)), trained=["weight"], ctx=ctx)[
+            CONTROL_DELTA_PREFIX + "weight"
+        ].item()
+        == -4.0
+    )
 
 
 def test_fedprox_hook_adds_mu_times_the_drift_from_the_start():
     prox = FedProxTraining()
-    assert prox.proximal_mu(ctx=_ctx(proximal_mu=0.25)) == 0.25 and FedAvgTraining().proximal_mu(ctx=_ctx(proximal_mu=0.25)) == 0.0
+    assert (
+        prox.proximal_mu(ctx=_ctx(proximal_mu=0.25)) == 0.25
+        and FedAvgTraining().proximal_mu(ctx=_ctx(proximal_mu=0.25)) == 0.0
+    )
     with pytest.raises(ValueError, match="proximal_mu must be non-negative and finite, got -1.0"):
         prox.begin(params={}, ctx=_ctx(proximal_mu=-1.0))
     w = nn.Parameter(torch.tensor([1.0, -2.0]))
@@ -162,6 +193,7 @@ def test_fedprox_hook_adds_mu_times_the_drift_from_the_start():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_proximal_gradient_is_bit_identical_to_back_propagating_the_term(dtype):
     """What FedProx did before the hook: ``(loss + term()).backward()``; same bits, every dtype."""
+
     def model() -> nn.Module:
         torch.manual_seed(0)
         return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5)).to(dtype)
@@ -197,7 +229,9 @@ def test_client_state_has_every_algorithms_keys_and_refuses_a_shared_key(_regist
             return {"replica": None}
 
     _registered.append(register(Squatter))
-    with pytest.raises(ValueError, match="algorithm 'test-squatter' keeps state under 'replica', which another already uses"):
+    with pytest.raises(
+        ValueError, match="algorithm 'test-squatter' keeps state under 'replica', which another already uses"
+    ):
         client.state_dict()
 
 
@@ -259,7 +293,9 @@ def test_a_new_algorithm_runs_through_torch_client_hand_computed(_registered):
     assert saved["test-drift"]["weight"].item() == pytest.approx(-8.0, abs=1e-6)
     resumed = _linear_client()
     resumed.load_state_dict(saved)
-    assert torch.equal(resumed.fit(_zero(), ins).state["raw.weight"], client.fit(_zero(), ins).state["raw.weight"])
+    assert torch.equal(
+        resumed.fit(_zero(), ins).state["raw.weight"], client.fit(_zero(), ins).state["raw.weight"]
+    )
 
 
 def test_a_new_algorithm_trains_batched_as_through_fit(_registered, caplog):
@@ -278,7 +314,9 @@ def test_a_new_algorithm_trains_batched_as_through_fit(_registered, caplog):
             assert batched.state["weight"].item() == pytest.approx(0.6, abs=1e-6)
             for name in want.state:
                 torch.testing.assert_close(batched.state[name], want.state[name], atol=1e-6, rtol=0)
-    assert clients[0].state_dict()["test-drift"]["weight"].item() == pytest.approx(-16.0, abs=1e-5)  # two rounds recorded
+    assert clients[0].state_dict()["test-drift"]["weight"].item() == pytest.approx(
+        -16.0, abs=1e-5
+    )  # two rounds recorded
     assert not any("train sequentially" in r.message for r in caplog.records)  # it did train batched
 
 
@@ -299,13 +337,24 @@ def test_an_algorithm_with_a_step_hook_but_no_batched_form_trains_through_fit(_r
         got = trainer.fit([(0, _zero(), ins)])
     assert not isinstance(got[0], Exception)
     assert got[0].state["weight"].item() == pytest.approx(0.25, abs=1e-6)  # 0 - 0.1 * (-5 / 2)
-    assert sum("test-halve clients train sequentially (Halve.after_backward has no batched form" in r.message for r in caplog.records) == 1
+    assert (
+        sum(
+            "test-halve clients train sequentially (Halve.after_backward has no batched form" in r.message
+            for r in caplog.records
+        )
+        == 1
+    )
 
 
-@pytest.mark.parametrize("old", ["FedAvg", "FedProx", "Scaffold", "DiLoCo", "StreamingDiLoCo", "BlockCoordinate"])
+@pytest.mark.parametrize(
+    "old", ["FedAvg", "FedProx", "Scaffold", "DiLoCo", "StreamingDiLoCo", "BlockCoordinate"]
+)
 def test_the_client_halves_old_names_work_for_one_release_with_a_warning(old):
     import fedgrid.client.algorithms as algorithms
 
-    with pytest.warns(DeprecationWarning, match=f"algorithms.{old} is deprecated .*use fedgrid.client.algorithms.{old}Training"):
+    with pytest.warns(
+        DeprecationWarning,
+        match=f"algorithms.{old} is deprecated .*use fedgrid.client.algorithms.{old}Training",
+    ):
         cls = getattr(algorithms, old)
     assert cls is getattr(algorithms, f"{old}Training") and old not in algorithms.__all__

@@ -13,13 +13,12 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from fedgrid.aggregation.selection import Sampling
 from fedgrid.aggregation import BlockCoordinate, DiLoCo, FedProx, Scaffold, StreamingDiLoCo
 from fedgrid.aggregation.scaffold import CONTROL_DELTA_PREFIX, CONTROL_PREFIX
+from fedgrid.aggregation.selection import Sampling
 from fedgrid.client.algorithms import FitContext
 from fedgrid.client.torch_client import TorchClient
 from fedgrid.types import ClientInfo, Failure, FitIns, FitRes, TensorSpec
-
 
 X = torch.tensor([[1.0], [2.0]])
 INFOS = [ClientInfo(client_id=f"c{i}", name=f"c{i}") for i in range(2)]
@@ -72,7 +71,9 @@ def test_fedprox_hand_computed_two_steps():
     # step 1 at w = w_g = 0: the proximal gradient is 0, w = 0 - 0.1 * -5 = 0.5;
     # step 2: MSE gradient 2 (w - 1) mean(x^2) = -2.5, proximal mu (w - 0) = 0.5: w = 0.5 + 0.1 * 2.0
     assert out.state["weight"].item() == pytest.approx(0.7, abs=1e-6)
-    plain = _linear_client().fit(OrderedDict(weight=torch.zeros(1, 1)), FitIns(round=1, config={"local_epochs": 2}))
+    plain = _linear_client().fit(
+        OrderedDict(weight=torch.zeros(1, 1)), FitIns(round=1, config={"local_epochs": 2})
+    )
     assert plain.state["weight"].item() == pytest.approx(0.75, abs=1e-6)
 
 
@@ -83,12 +84,16 @@ def test_fedprox_term_changes_the_update_and_mu_zero_is_fedavg():
     assert ins.config["algorithm"] == "fedprox" and ins.config["proximal_mu"] == 0.5
     prox = _small_client().fit(_global(), ins)
     zero = _small_client().fit(_global(), FitIns(round=1, config={**ins.config, "proximal_mu": 0.0}))
-    fedavg = _small_client().fit(_global(), FitIns(round=1, config={"local_epochs": 3, "round": 1, "seed": 0}))
+    fedavg = _small_client().fit(
+        _global(), FitIns(round=1, config={"local_epochs": 3, "round": 1, "seed": 0})
+    )
     for name in zero.state:
         assert torch.equal(zero.state[name], fedavg.state[name]), name
 
     def drift(state):
-        return sum(float((state[n] - _global()[n]).norm() ** 2) for n in state if state[n].is_floating_point())
+        return sum(
+            float((state[n] - _global()[n]).norm() ** 2) for n in state if state[n].is_floating_point()
+        )
 
     assert drift(prox.state) < 0.9 * drift(zero.state)  # pulled towards the global model
 
@@ -102,7 +107,9 @@ def test_scaffold_correction_and_c_i_persist_hand_computed():
     first = client.fit(download, ins)
     assert list(first.state) == ["weight", CONTROL_DELTA_PREFIX + "weight"]
     assert first.state["weight"].item() == pytest.approx(0.4, abs=1e-6)  # 0 - 0.1 * (-5 + 1 - 0)
-    assert first.state[CONTROL_DELTA_PREFIX + "weight"].item() == pytest.approx(-5.0, abs=1e-6)  # c_i+ = mean grad
+    assert first.state[CONTROL_DELTA_PREFIX + "weight"].item() == pytest.approx(
+        -5.0, abs=1e-6
+    )  # c_i+ = mean grad
     assert client.algorithm("scaffold").control.c_i["weight"].item() == pytest.approx(-5.0, abs=1e-6)
 
     saved = client.state_dict()
@@ -123,7 +130,9 @@ def test_scaffold_upload_is_what_the_server_expects():
     ins = _task(strategy)
     download = strategy.downlink_state(server_round=1)
     assert any(n.startswith(CONTROL_PREFIX) for n in download)
-    out = _small_client().fit(download, FitIns(round=1, config=ins.config))  # over gRPC the client sees no `expected`
+    out = _small_client().fit(
+        download, FitIns(round=1, config=ins.config)
+    )  # over gRPC the client sees no `expected`
     assert ins.expected is not None
     assert TensorSpec.of(out.state) == ins.expected  # names, order, dtypes, shapes
     # BatchNorm's running statistics are controlled tensors without gradients: zero delta
@@ -154,7 +163,9 @@ def test_diloco_runs_inner_steps_with_persistent_adamw():
     resumed = _small_client(batch_size=10, examples=24)
     resumed.load_state_dict(saved)
     again = resumed.fit(_global(), FitIns(round=2, config={**ins.config, "round": 2}))
-    fresh = _small_client(batch_size=10, examples=24).fit(_global(), FitIns(round=2, config={**ins.config, "round": 2}))
+    fresh = _small_client(batch_size=10, examples=24).fit(
+        _global(), FitIns(round=2, config={**ins.config, "round": 2})
+    )
     for name in second.state:
         assert torch.equal(again.state[name], second.state[name]), name
     assert not torch.equal(fresh.state["0.weight"], second.state["0.weight"])  # the state mattered
@@ -185,11 +196,16 @@ def test_streaming_diloco_merges_one_fragment_and_uploads_one():
     merged = set(strategy.fragments[int(ins2.config["merge_fragment"])].names)
     assert ins2.download is not None and set(ins2.download) == merged  # the fragment synced in round 1, alone
     download = _part(strategy.global_state, ins2.download)
-    poisoned = OrderedDict((n, t + 100.0 if n not in merged and t.is_floating_point() else t) for n, t in strategy.global_state.items())
+    poisoned = OrderedDict(
+        (n, t + 100.0 if n not in merged and t.is_floating_point() else t)
+        for n, t in strategy.global_state.items()
+    )
     twin = _small_client()
     twin.load_state_dict(client.state_dict())
     a = client.fit(download, FitIns(round=2, config=ins2.config))  # the fragment only
-    b = twin.fit(poisoned, FitIns(round=2, config=ins2.config))  # the whole model, as before partial downloads
+    b = twin.fit(
+        poisoned, FitIns(round=2, config=ins2.config)
+    )  # the whole model, as before partial downloads
     for name in a.state:  # tensors outside the merged fragment come from the replica, not the download
         assert torch.equal(a.state[name], b.state[name]), name
     assert set(a.state) == set(strategy.fragment_of_round(2).names)
@@ -225,7 +241,11 @@ def test_streaming_diloco_client_that_missed_rounds_merges_every_fragment_it_mis
 def test_streaming_diloco_client_without_replica_refuses_part_of_the_model():
     strategy = StreamingDiLoCo(num_fragments=2, inner_steps=2)
     strategy.initialize(initial_state=_global())
-    strategy.aggregate(server_round=1, results=[_result(INFOS[0], _small_client().fit(_global(), _task(strategy, 1)))], failures=[])
+    strategy.aggregate(
+        server_round=1,
+        results=[_result(INFOS[0], _small_client().fit(_global(), _task(strategy, 1)))],
+        failures=[],
+    )
     ins2 = _task(strategy, 2)
     restarted = _small_client()  # a new process without the saved state: no replica
     with pytest.raises(ValueError, match=r"download holds 7 of the model's 9 tensors .* keeps no replica"):
@@ -237,12 +257,17 @@ def test_streaming_diloco_client_without_replica_refuses_part_of_the_model():
     out = restarted.fit(_part(strategy.global_state, None), ins3)
     assert set(out.state) == set(strategy.fragment_of_round(3).names)
     with pytest.raises(ValueError, match="lacks 1 tensors the task says to merge"):
-        restarted.fit(_part(strategy.global_state, ["0.weight"]), FitIns(round=4, config={**ins3.config, "merge_fragment_prefixes": "0"}))
+        restarted.fit(
+            _part(strategy.global_state, ["0.weight"]),
+            FitIns(round=4, config={**ins3.config, "merge_fragment_prefixes": "0"}),
+        )
 
 
 # -- bcd -----------------------------------------------------------------------------------
 def test_bcd_trains_and_uploads_only_the_block():
-    strategy = BlockCoordinate(sampling=Sampling(fit_config={"local_epochs": 2}), num_blocks=2, block_schedule="cyclic")  # both blocks in one round
+    strategy = BlockCoordinate(
+        sampling=Sampling(fit_config={"local_epochs": 2}), num_blocks=2, block_schedule="cyclic"
+    )  # both blocks in one round
     strategy.initialize(initial_state=_global())
     tasks = strategy.configure_round(server_round=1, clients=INFOS)
     assert {int(ins.config["block"]) for _, ins in tasks} == {0, 1}
@@ -264,11 +289,15 @@ def test_bcd_trains_and_uploads_only_the_block():
         after = client.model.state_dict()
         params = dict(client.model.named_parameters())
         block_params = [params[n] for n in block.names if n in params]
-        assert [id(p) for p in seen[0]] == [id(p) for p in block_params]  # optimizer state for the block alone
+        assert [id(p) for p in seen[0]] == [
+            id(p) for p in block_params
+        ]  # optimizer state for the block alone
         for name, tensor in download.items():
             if name in block.names:
                 if tensor.is_floating_point() and "running_var" not in name:
                     assert not torch.equal(after[name], tensor), name  # it trained
             else:
-                assert torch.equal(after[name], tensor), name  # frozen: bit-untouched, BatchNorm buffers included
+                assert torch.equal(after[name], tensor), (
+                    name
+                )  # frozen: bit-untouched, BatchNorm buffers included
         assert all(p.requires_grad for p in client.model.parameters())  # unfrozen again after the task

@@ -13,7 +13,6 @@ from fedgrid.client import Client, FitOutput
 from fedgrid.client import capabilities as caps
 from fedgrid.config import load_config
 
-
 PHYSICAL = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
@@ -50,7 +49,9 @@ def two_gpus(monkeypatch):
     """A host with two visible GPUs of 80 GiB and 40 GiB (torch.cuda faked: the test runs on CPU)."""
     memory = [80 << 30, 40 << 30]
     monkeypatch.setattr(torch.cuda, "device_count", lambda: len(memory))
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=memory[i]))
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=memory[i])
+    )
 
 
 def test_a_cuda_client_reports_its_gpus_and_the_training_gpus_memory(two_gpus):
@@ -87,6 +88,10 @@ def test_a_torch_client_reports_its_training_device(monkeypatch):
 
 def test_the_report_keys_become_an_override():
     assert caps.override_from(load_config()) == CapabilityOverride()
-    config = load_config(overrides={"report_device": "cuda", "report_accelerators": "4", "report_memory": "24GiB"})
+    config = load_config(
+        overrides={"report_device": "cuda", "report_accelerators": "4", "report_memory": "24GiB"}
+    )
     assert caps.override_from(config) == CapabilityOverride("cuda", 4, 24 << 30)
-    assert caps.override_from(load_config(overrides={"report_accelerators": 0})) == CapabilityOverride(num_accelerators=0)
+    assert caps.override_from(load_config(overrides={"report_accelerators": 0})) == CapabilityOverride(
+        num_accelerators=0
+    )

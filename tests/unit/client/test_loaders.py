@@ -37,7 +37,9 @@ def _loaders() -> dict[str, DataLoader]:
         "sequential": DataLoader(data, batch_size=10),
         "drop_last": DataLoader(data, batch_size=8, shuffle=True, drop_last=True),
         "subset of a subset": DataLoader(nested, batch_size=4, shuffle=True),
-        "own generator": DataLoader(data, batch_size=6, shuffle=True, generator=torch.Generator().manual_seed(3)),
+        "own generator": DataLoader(
+            data, batch_size=6, shuffle=True, generator=torch.Generator().manual_seed(3)
+        ),
         "batch larger than the data": DataLoader(Subset(data, [2, 7]), batch_size=32, shuffle=True),
     }
 
@@ -74,10 +76,21 @@ class _Augmented(TensorDataset):
         (lambda d: DataLoader(d, batch_size=4, num_workers=1), "worker processes"),
         (lambda d: DataLoader(d, batch_size=4, collate_fn=lambda b: b), "custom collate_fn"),
         (lambda d: DataLoader(d, batch_size=None), "custom collate_fn or batch sampler"),
-        (lambda d: DataLoader(d, batch_size=4, sampler=WeightedRandomSampler([1.0] * len(d), 10)), "WeightedRandomSampler"),
-        (lambda d: DataLoader(d, batch_size=4, sampler=torch.utils.data.RandomSampler(d, replacement=True)), "with replacement"),
+        (
+            lambda d: DataLoader(d, batch_size=4, sampler=WeightedRandomSampler([1.0] * len(d), 10)),
+            "WeightedRandomSampler",
+        ),
+        (
+            lambda d: DataLoader(
+                d, batch_size=4, sampler=torch.utils.data.RandomSampler(d, replacement=True)
+            ),
+            "with replacement",
+        ),
         (lambda d: DataLoader(_Augmented(*d.tensors), batch_size=4), "_Augmented, not a TensorDataset"),
-        (lambda d: DataLoader(TensorDataset(d.tensors[0]), batch_size=4), "not a TensorDataset of (inputs, targets)"),
+        (
+            lambda d: DataLoader(TensorDataset(d.tensors[0]), batch_size=4),
+            "not a TensorDataset of (inputs, targets)",
+        ),
     ],
 )
 def test_other_loaders_are_named(make, reason: str) -> None:
@@ -99,8 +112,15 @@ class _Wrapped:
 def _client(loader) -> TorchClient:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(12, 16), nn.Dropout(0.3), nn.ReLU(), nn.Linear(16, 5))
-    return TorchClient(model, loader, nn.functional.cross_entropy, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
-                       device="cpu", seed=4, name="c")
+    return TorchClient(
+        model,
+        loader,
+        nn.functional.cross_entropy,
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        device="cpu",
+        seed=4,
+        name="c",
+    )
 
 
 def test_torch_client_fit_is_bit_identical_through_the_plain_path() -> None:
@@ -128,31 +148,62 @@ def test_a_new_loader_is_inspected_again() -> None:
 
 def _conv_client(memory_format: str) -> TorchClient:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(8, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 2 * 2, 5))
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(8, 4, 3),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 2 * 2, 5),
+    )
     g = torch.Generator().manual_seed(2)
     data = TensorDataset(torch.randn(40, 3, 8, 8, generator=g), torch.randint(0, 5, (40,), generator=g))
-    return TorchClient(model, DataLoader(data, batch_size=8, shuffle=True), nn.functional.cross_entropy,
-                       lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), eval_loader=DataLoader(data, batch_size=16),
-                       device="cpu", seed=1, name="conv", memory_format=memory_format)
+    return TorchClient(
+        model,
+        DataLoader(data, batch_size=8, shuffle=True),
+        nn.functional.cross_entropy,
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        eval_loader=DataLoader(data, batch_size=16),
+        device="cpu",
+        seed=1,
+        name="conv",
+        memory_format=memory_format,
+    )
 
 
 def test_convolutions_train_channels_last_on_cpu_and_upload_contiguous_state() -> None:
     auto, plain = _conv_client("auto"), _conv_client("contiguous")
-    assert auto.channels_last and not plain.channels_last and not _client(DataLoader(_data(), batch_size=4)).channels_last  # no Conv2d
+    assert (
+        auto.channels_last
+        and not plain.channels_last
+        and not _client(DataLoader(_data(), batch_size=4)).channels_last
+    )  # no Conv2d
     state = plain._state()
     ins = FitIns(round=1, config={"seed": 5, "local_epochs": 2})
     a, b = auto.fit(state, ins), plain.fit(state, ins)
-    assert auto.model[0].weight.is_contiguous(memory_format=torch.channels_last) and not auto.model[0].weight.is_contiguous()
+    assert (
+        auto.model[0].weight.is_contiguous(memory_format=torch.channels_last)
+        and not auto.model[0].weight.is_contiguous()
+    )
     assert plain.model[0].weight.is_contiguous()
     for name in a.state:
         assert a.state[name].is_contiguous(), name  # what travels is laid out as the wire expects
-        torch.testing.assert_close(a.state[name], b.state[name], atol=1e-5, rtol=0)  # another convolution algorithm, the same training
+        torch.testing.assert_close(
+            a.state[name], b.state[name], atol=1e-5, rtol=0
+        )  # another convolution algorithm, the same training
     assert not torch.equal(a.state["0.weight"], state["0.weight"])
     again = _conv_client("auto").fit(state, ins)
-    assert all(torch.equal(a.state[n], again.state[n]) for n in a.state)  # deterministic: a simulation and a deployment agree
-    assert auto.evaluate(a.state, {}).metrics["accuracy"] == pytest.approx(plain.evaluate(b.state, {}).metrics["accuracy"])
+    assert all(
+        torch.equal(a.state[n], again.state[n]) for n in a.state
+    )  # deterministic: a simulation and a deployment agree
+    assert auto.evaluate(a.state, {}).metrics["accuracy"] == pytest.approx(
+        plain.evaluate(b.state, {}).metrics["accuracy"]
+    )
 
 
 def test_a_bad_memory_format_is_named() -> None:
-    with pytest.raises(ValueError, match="memory_format must be one of auto, contiguous, channels_last, got 'nhwc'"):
+    with pytest.raises(
+        ValueError, match="memory_format must be one of auto, contiguous, channels_last, got 'nhwc'"
+    ):
         _conv_client("nhwc")

@@ -16,7 +16,6 @@ from fedgrid.client.runtime import Connection
 from fedgrid.client.state import STATE_FORMAT, load_client_state, restore_client_state, save_client_state
 from fedgrid.client.uplink import UplinkEncoder
 
-
 RUN = "run-0123"
 
 
@@ -44,7 +43,9 @@ def _encoder(codec: str = "topk:0.1", rounds: int = 2) -> UplinkEncoder:
     enc = UplinkEncoder(codec)
     base = OrderedDict(w=torch.zeros(8, 5), b=torch.zeros(5), steps=torch.tensor(2))
     for _ in range(rounds):
-        new = OrderedDict(w=torch.randn(8, 5, generator=g), b=torch.randn(5, generator=g), steps=torch.tensor(3))
+        new = OrderedDict(
+            w=torch.randn(8, 5, generator=g), b=torch.randn(5, generator=g), steps=torch.tensor(3)
+        )
         enc.encode(global_state=base, new_state=new)
     return enc
 
@@ -67,7 +68,12 @@ def test_saved_state_loads_back_with_equal_residuals(tmp_path, conn):
 
     saved = load_client_state(path, name="counting")
     assert saved is not None
-    assert (saved["format"], saved["run_id"], saved["round"], saved["client"]) == (STATE_FORMAT, RUN, 4, {"fits": 7})
+    assert (saved["format"], saved["run_id"], saved["round"], saved["client"]) == (
+        STATE_FORMAT,
+        RUN,
+        4,
+        {"fits": 7},
+    )
     other = Connection("127.0.0.1:1")
     restored = Counting()
     other.run_id = RUN
@@ -100,8 +106,14 @@ def test_state_of_another_run_is_not_restored(tmp_path, conn, caplog):
 def test_state_that_does_not_fit_is_ignored_whole(tmp_path, conn, caplog):
     state = _encoder().state_dict()
     state["feedback"]["codec"] = "int8"  # residuals of another codec under this spec
-    saved = {"format": STATE_FORMAT, "run_id": RUN, "round": 1, "name": "counting",
-             "uplink": {"none": UplinkEncoder("none").state_dict(), "topk:0.1": state}, "client": {"fits": 3}}
+    saved = {
+        "format": STATE_FORMAT,
+        "run_id": RUN,
+        "round": 1,
+        "name": "counting",
+        "uplink": {"none": UplinkEncoder("none").state_dict(), "topk:0.1": state},
+        "client": {"fits": 3},
+    }
     conn.run_id = RUN
     client = Counting()
     with caplog.at_level(logging.ERROR, logger="fedgrid.client"):
@@ -117,8 +129,17 @@ def test_state_that_does_not_fit_is_ignored_whole(tmp_path, conn, caplog):
         ("truncated", "is unreadable, ignoring it"),
         ({"some": "dict"}, f"is not a {STATE_FORMAT} file"),
         ({"format": STATE_FORMAT, "run_id": 5, "uplink": {}}, "lacks its run id or uplink state"),
-        ({"format": STATE_FORMAT, "run_id": RUN, "round": 1, "name": "someone-else", "uplink": {}, "client": None},
-         "belongs to client 'someone-else', not 'counting'"),
+        (
+            {
+                "format": STATE_FORMAT,
+                "run_id": RUN,
+                "round": 1,
+                "name": "someone-else",
+                "uplink": {},
+                "client": None,
+            },
+            "belongs to client 'someone-else', not 'counting'",
+        ),
     ],
     ids=["garbage", "truncated", "foreign-dict", "no-run-id", "other-client"],
 )
@@ -169,6 +190,19 @@ def test_cli_client_puts_the_state_in_state_dir(tmp_path, monkeypatch):
         return runtime.RunSummary(client_id="c", rounds=0)
 
     monkeypatch.setattr(runtime, "run_client", fake_run)
-    assert cli.main(["client", "--coordinator", "127.0.0.1:9", "--partition", "2/5", "--state-dir", str(tmp_path / "s")]) == 0
+    assert (
+        cli.main(
+            [
+                "client",
+                "--coordinator",
+                "127.0.0.1:9",
+                "--partition",
+                "2/5",
+                "--state-dir",
+                str(tmp_path / "s"),
+            ]
+        )
+        == 0
+    )
     assert cli.main(["client", "--coordinator", "127.0.0.1:9", "--partition", "1/5"]) == 0
     assert calls == [("127.0.0.1:9", tmp_path / "s" / "client-2.pt"), ("127.0.0.1:9", None)]

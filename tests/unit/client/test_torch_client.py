@@ -15,7 +15,6 @@ from fedgrid.seeding import derive_seed
 from fedgrid.simulation import tasks
 from fedgrid.types import FitIns
 
-
 CONFIG = {"local_epochs": 1, "lr": 0.1, "seed": 0, "round": 1}
 
 
@@ -42,7 +41,9 @@ def test_fit_is_reproducible(init_state):
     client = _client()
     first = client.fit(_copy(init_state), FitIns(round=1, config=dict(CONFIG)))
     second = client.fit(_copy(init_state), FitIns(round=1, config=dict(CONFIG)))
-    third = _client().fit(_copy(init_state), FitIns(round=1, config=dict(CONFIG)))  # a fresh process would do this
+    third = _client().fit(
+        _copy(init_state), FitIns(round=1, config=dict(CONFIG))
+    )  # a fresh process would do this
     _assert_states_equal(first.state, second.state)
     _assert_states_equal(first.state, third.state)
     assert first.metrics == second.metrics == third.metrics
@@ -72,7 +73,9 @@ def test_fit_reports_examples_and_loss(init_state):
     assert out.num_examples == len(client.train_loader.dataset) == client.num_examples
     assert out.num_examples > 0
     assert math.isfinite(out.metrics["loss"]) and 0.0 < out.metrics["loss"] < 2 * math.log(10)
-    assert {k: (v.dtype, v.shape) for k, v in out.state.items()} == {k: (v.dtype, v.shape) for k, v in init_state.items()}
+    assert {k: (v.dtype, v.shape) for k, v in out.state.items()} == {
+        k: (v.dtype, v.shape) for k, v in init_state.items()
+    }
 
 
 def test_fit_does_not_modify_input_and_output_is_detached(init_state):
@@ -88,7 +91,11 @@ def test_fit_does_not_modify_input_and_output_is_detached(init_state):
 def test_fit_keeps_no_gradients_between_rounds(init_state, algorithm):
     """A client between rounds holds its weights, not a second copy of them as ``.grad``."""
     client = _client()
-    config = {**CONFIG, "algorithm": algorithm, "mu": 0.1} if algorithm == "fedprox" else {**CONFIG, "algorithm": algorithm}
+    config = (
+        {**CONFIG, "algorithm": algorithm, "mu": 0.1}
+        if algorithm == "fedprox"
+        else {**CONFIG, "algorithm": algorithm}
+    )
     out = client.fit(_copy(init_state), FitIns(round=1, config=config))
     assert not torch.equal(out.state["0.weight"], init_state["0.weight"])  # it trained
     assert [name for name, p in client.model.named_parameters() if p.grad is not None] == []
@@ -143,7 +150,9 @@ def test_fit_hand_computed_sgd_step():
 
 def test_evaluate_regression_has_no_accuracy():
     x = torch.tensor([[1.0], [2.0]])
-    ev = _linear_client(x, x.clone(), eval_loader=[(x, x.clone())]).evaluate(OrderedDict(weight=torch.ones(1, 1)), {})
+    ev = _linear_client(x, x.clone(), eval_loader=[(x, x.clone())]).evaluate(
+        OrderedDict(weight=torch.ones(1, 1)), {}
+    )
     assert ev.metrics == {"loss": 0.0}
 
 

@@ -14,9 +14,21 @@ from hypothesis import strategies as st
 from fedgrid.compression import get_codec
 from fedgrid.errors import InvalidUpdateError
 
-
 F32 = torch.float32
-SPECS = ["fp16", "bf16", "int8", "qsgd:5", "qsgd:300", "topk:0.05", "randk:0.3", "powersgd:2", "sign", "none+zstd", "int8+zstd", "topk:0.05+zstd"]
+SPECS = [
+    "fp16",
+    "bf16",
+    "int8",
+    "qsgd:5",
+    "qsgd:300",
+    "topk:0.05",
+    "randk:0.3",
+    "powersgd:2",
+    "sign",
+    "none+zstd",
+    "int8+zstd",
+    "topk:0.05+zstd",
+]
 
 
 def _x(shape: tuple[int, ...] = (40, 30), seed: int = 0) -> torch.Tensor:
@@ -27,14 +39,27 @@ def _encode(spec: str, x: torch.Tensor) -> bytes:
     return bytes(get_codec(spec).encode(x, generator=torch.Generator().manual_seed(0)))
 
 
-def _rejects(spec: str, payload: bytes | bytearray, match: str, *, shape: tuple[int, ...] = (40, 30), dtype: torch.dtype = F32) -> None:
+def _rejects(
+    spec: str,
+    payload: bytes | bytearray,
+    match: str,
+    *,
+    shape: tuple[int, ...] = (40, 30),
+    dtype: torch.dtype = F32,
+) -> None:
     with pytest.raises(InvalidUpdateError, match=match):
         get_codec(spec).decode(bytearray(payload), dtype=dtype, shape=shape)
 
 
 def _sparse(k: int, fmt: int, index_bytes: bytes, *, values: int | None = None) -> bytes:
     """A hand-made coded topk/randk payload of float32 ones."""
-    return bytes([0]) + k.to_bytes(8, "little") + np.ones(values if values is not None else k, "<f4").tobytes() + bytes([fmt]) + index_bytes
+    return (
+        bytes([0])
+        + k.to_bytes(8, "little")
+        + np.ones(values if values is not None else k, "<f4").tobytes()
+        + bytes([fmt])
+        + index_bytes
+    )
 
 
 # topk:0.01 of 1000 elements keeps k = 10; fixed-width indices are uint16.
@@ -50,7 +75,11 @@ def test_sparse_payload_builder_matches_the_codec() -> None:
 @pytest.mark.parametrize(
     "index_bytes,fmt,match",
     [
-        (np.array([0, 5, 1000, 1001, 1002, 1003, 1004, 1005, 1006, 1007], "<u2").tobytes(), 0, r"index 1007 out of range for 1000 elements"),
+        (
+            np.array([0, 5, 1000, 1001, 1002, 1003, 1004, 1005, 1006, 1007], "<u2").tobytes(),
+            0,
+            r"index 1007 out of range for 1000 elements",
+        ),
         (np.array([0, 5, 5, 6, 7, 8, 9, 10, 11, 12], "<u2").tobytes(), 0, r"not strictly increasing"),
         (np.array([9, 5, 6, 7, 8, 10, 11, 12, 13, 14], "<u2").tobytes(), 0, r"not strictly increasing"),
         (bytes([0x7F] * 9 + [0xE8, 0x07]), 2, r"index gap 1000 out of range for 1000 elements"),
@@ -61,8 +90,18 @@ def test_sparse_payload_builder_matches_the_codec() -> None:
         (b"\x00" * 20, 7, r"unknown index format 7"),
         (np.arange(9, dtype="<u2").tobytes(), 0, r"index section is 18 bytes, 10 indices of 2 bytes need 20"),
     ],
-    ids=["fixed-out-of-range", "fixed-duplicate", "fixed-unsorted", "varint-gap-out-of-range", "varint-sum-out-of-range",
-         "varint-short-count", "varint-unterminated", "varint-overlong", "unknown-format", "fixed-length"],
+    ids=[
+        "fixed-out-of-range",
+        "fixed-duplicate",
+        "fixed-unsorted",
+        "varint-gap-out-of-range",
+        "varint-sum-out-of-range",
+        "varint-short-count",
+        "varint-unterminated",
+        "varint-overlong",
+        "unknown-format",
+        "fixed-length",
+    ],
 )
 def test_sparse_indices_are_checked(index_bytes: bytes, fmt: int, match: str) -> None:
     _rejects("topk:0.01", _sparse(K, fmt, index_bytes), match, shape=N)
@@ -78,19 +117,33 @@ def test_bitmaps_are_checked() -> None:
     assert len(good) == 125
     y = get_codec("topk:0.1").decode(bytearray(_sparse(100, 1, good)), dtype=F32, shape=N)
     assert torch.equal(y, (torch.arange(1000) < 100).float())
-    _rejects("topk:0.1", _sparse(100, 1, good[:-1]), r"index bitmap is 124 bytes, 1000 elements need 125", shape=N)
+    _rejects(
+        "topk:0.1", _sparse(100, 1, good[:-1]), r"index bitmap is 124 bytes, 1000 elements need 125", shape=N
+    )
     bits[100] = 1
-    _rejects("topk:0.1", _sparse(100, 1, np.packbits(bits, bitorder="little").tobytes()), r"index bitmap marks 101 elements, header says 100", shape=N)
+    _rejects(
+        "topk:0.1",
+        _sparse(100, 1, np.packbits(bits, bitorder="little").tobytes()),
+        r"index bitmap marks 101 elements, header says 100",
+        shape=N,
+    )
     bits = np.zeros(1001, dtype=np.uint8)
     bits[:100] = 1
     padded = bytearray(np.packbits(bits, bitorder="little").tobytes())
     padded[-1] |= 0x80  # bit 1007, past the 1001 elements
-    _rejects("topk:0.1", _sparse(100, 1, bytes(padded)), r"index bitmap: padding bits are not zero", shape=(1001,))
+    _rejects(
+        "topk:0.1", _sparse(100, 1, bytes(padded)), r"index bitmap: padding bits are not zero", shape=(1001,)
+    )
 
 
 def test_header_length_mismatch() -> None:
     idx = np.arange(9, dtype="<u2").tobytes()
-    _rejects("topk:0.01", _sparse(9, 0, idx), r"header count is 9, the codec spec and tensor shape imply 10", shape=N)
+    _rejects(
+        "topk:0.01",
+        _sparse(9, 0, idx),
+        r"header count is 9, the codec spec and tensor shape imply 10",
+        shape=N,
+    )
     x = _x()
     good = bytearray(_encode("int8", x))
     good[1:5] = (128).to_bytes(4, "little")
@@ -131,7 +184,11 @@ def test_decoded_size_over_declared(spec: str) -> None:
     codec = get_codec(spec)
     limit = codec.max_payload_bytes(dtype=F32, shape=(40, 30))
     assert len(payload) <= limit
-    _rejects(spec, payload + b"\x00" * (limit - len(payload) + 1), r"over the \d+ a torch.float32 \[40, 30\] tensor allows")
+    _rejects(
+        spec,
+        payload + b"\x00" * (limit - len(payload) + 1),
+        r"over the \d+ a torch.float32 \[40, 30\] tensor allows",
+    )
     # The same bytes declared as a smaller tensor: the header or length gives it away.
     with pytest.raises(InvalidUpdateError):
         codec.decode(bytearray(payload), dtype=F32, shape=(20, 30))
@@ -166,8 +223,15 @@ def test_zstd_frame_that_decompresses_past_the_declared_tensor() -> None:
 def test_mode_bytes_and_values_are_checked() -> None:
     x = _x()
     _rejects("int8", bytes([5]) + _encode("int8", x)[1:], r"unknown mode byte 5")
-    _rejects("int8", bytes([1]) + b"\x00" * 100, r"raw payload is 100 bytes, torch.float32 \[40, 30\] needs 4800")
-    _rejects("powersgd:2", bytes([0]) + b"\x00" * 50, r"coded form for a torch.float32 \[40\] tensor, which this codec sends raw", shape=(40,))
+    _rejects(
+        "int8", bytes([1]) + b"\x00" * 100, r"raw payload is 100 bytes, torch.float32 \[40, 30\] needs 4800"
+    )
+    _rejects(
+        "powersgd:2",
+        bytes([0]) + b"\x00" * 50,
+        r"coded form for a torch.float32 \[40\] tensor, which this codec sends raw",
+        shape=(40,),
+    )
     nan_scale = bytearray(_encode("int8", x))
     nan_scale[5:9] = struct.pack("<f", float("nan"))
     _rejects("int8", nan_scale, r"block scales holds a negative or non-finite value")
@@ -198,7 +262,13 @@ def test_mode_bytes_and_values_are_checked() -> None:
 
 
 def test_non_float_dtypes_need_their_exact_raw_size() -> None:
-    _rejects("int8", b"\x00" * 7, r"raw payload is 7 bytes, torch.int64 \[1\] needs 8", shape=(1,), dtype=torch.int64)
+    _rejects(
+        "int8",
+        b"\x00" * 7,
+        r"raw payload is 7 bytes, torch.int64 \[1\] needs 8",
+        shape=(1,),
+        dtype=torch.int64,
+    )
     _rejects("topk:0.1", b"\x00" * 9, r"over the 8", shape=(1,), dtype=torch.int64)
     _rejects("sign", b"\x00", r"over the 0", shape=(0,))
 

@@ -11,8 +11,18 @@ from fedgrid.compression import get_codec
 from fedgrid.errors import InvalidUpdateError, PayloadTooLargeError
 from fedgrid.proto import serde
 
-
-SPECS = ["fp16", "bf16", "int8", "qsgd:8", "topk:0.05", "randk:0.05", "powersgd:2", "sign", "none+zstd", "topk:0.01+zstd"]
+SPECS = [
+    "fp16",
+    "bf16",
+    "int8",
+    "qsgd:8",
+    "topk:0.05",
+    "randk:0.05",
+    "powersgd:2",
+    "sign",
+    "none+zstd",
+    "topk:0.01+zstd",
+]
 
 
 def _state() -> OrderedDict[str, torch.Tensor]:
@@ -33,7 +43,9 @@ def test_stream_round_trip_matches_the_codec(spec: str) -> None:
     torch.manual_seed(3)  # stochastic codecs draw from the default generator here
     encoded = serde.EncodedModel(state, codec=spec)
     chunks = list(encoded.chunks(serde.StreamInfo(round=1), chunk_size=97))
-    _, tensors = serde.decode_chunks(chunks, expected={k: serde.TensorSpec(v.dtype, tuple(v.shape)) for k, v in state.items()})
+    _, tensors = serde.decode_chunks(
+        chunks, expected={k: serde.TensorSpec(v.dtype, tuple(v.shape)) for k, v in state.items()}
+    )
     assert [c.tensor.codec for c in chunks if c.HasField("tensor")] == [spec] * len(state)
     codec = get_codec(spec)
     torch.manual_seed(3)  # the same draws again, tensor by tensor
@@ -52,7 +64,9 @@ def test_assembler_refuses_nbytes_over_the_codec_bound() -> None:
     assert limit < 100 * 100 * 4 // 20
     chunks[0].tensor.nbytes = limit + 1
     chunks[0].header.total_bytes = limit + 1
-    with pytest.raises(PayloadTooLargeError, match=rf"tensor 'w': declares {limit + 1} payload bytes, over the {limit}"):
+    with pytest.raises(
+        PayloadTooLargeError, match=rf"tensor 'w': declares {limit + 1} payload bytes, over the {limit}"
+    ):
         serde.decode_chunks(chunks)
 
 

@@ -18,19 +18,36 @@ from fedgrid.compression import (
     get_codec,
     parse_codec_spec,
     register_codec,
+    registry,
 )
-from fedgrid.compression import registry
 from fedgrid.compression.quantize import QSGD_BUCKET
 from fedgrid.errors import ConfigError, InvalidUpdateError
 
-
 FLOATS = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
-LOSSY = ["fp16", "bf16", "int8", "int8:64", "qsgd:1", "qsgd:7", "qsgd:127", "qsgd:300", "topk:0.1", "randk:0.25", "powersgd:2", "sign"]
+LOSSY = [
+    "fp16",
+    "bf16",
+    "int8",
+    "int8:64",
+    "qsgd:1",
+    "qsgd:7",
+    "qsgd:127",
+    "qsgd:300",
+    "topk:0.1",
+    "randk:0.25",
+    "powersgd:2",
+    "sign",
+]
 ALL = ["none", "none+zstd", *LOSSY, "int8+zstd", "topk:0.1+zstd:1"]
 #: Relative rounding of the final cast to the declared dtype (float64 goes through float32 inside).
 OUT_EPS = {torch.float32: 2.0**-23, torch.float64: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
 #: Absolute rounding of that cast below the normal range (half the subnormal spacing, doubled).
-OUT_ABS = {torch.float32: 2.0**-149, torch.float64: 2.0**-149, torch.float16: 2.0**-24, torch.bfloat16: 2.0**-133}
+OUT_ABS = {
+    torch.float32: 2.0**-149,
+    torch.float64: 2.0**-149,
+    torch.float16: 2.0**-24,
+    torch.bfloat16: 2.0**-133,
+}
 
 shapes = st.lists(st.integers(0, 40), min_size=0, max_size=3).map(tuple)
 kinds = st.sampled_from(["normal", "tiny", "large", "sparse", "zeros", "constant"])
@@ -164,18 +181,24 @@ def test_qsgd_is_unbiased_over_500_seeded_draws() -> None:
     x = torch.randn(1000, generator=torch.Generator().manual_seed(7))
     codec = get_codec(f"qsgd:{levels}")
     draws = torch.stack([_roundtrip(codec, x, seed)[1] for seed in range(500)])
-    step = (torch.linalg.vector_norm(_blocks(x, QSGD_BUCKET), dim=1) / levels).repeat_interleave(QSGD_BUCKET)[:1000]
+    step = (torch.linalg.vector_norm(_blocks(x, QSGD_BUCKET), dim=1) / levels).repeat_interleave(QSGD_BUCKET)[
+        :1000
+    ]
     # Each draw is one of two levels a step apart: standard error <= step / 2 / sqrt(500).
     assert bool(((draws.mean(0).double() - x.double()).abs() <= 5 * step / 2 / math.sqrt(500)).all())
     assert abs(float((draws.mean(0) - x).mean())) < 0.02
     assert len({bytes(codec.encode(x, generator=torch.Generator().manual_seed(s))) for s in (1, 1, 2)}) == 2
 
 
-@pytest.mark.parametrize("shape,true_rank,rank", [((64, 48), 2, 2), ((64, 48), 1, 4), ((16, 8, 3, 3), 3, 4), ((200, 30), 4, 4)])
+@pytest.mark.parametrize(
+    "shape,true_rank,rank", [((64, 48), 2, 2), ((64, 48), 1, 4), ((16, 8, 3, 3), 3, 4), ((200, 30), 4, 4)]
+)
 def test_powersgd_exact_on_inputs_of_rank_at_most_its_rank(shape, true_rank, rank) -> None:
     gen = torch.Generator().manual_seed(3)
     rows, cols = shape[0], math.prod(shape[1:])
-    m = (torch.randn(rows, true_rank, generator=gen) @ torch.randn(true_rank, cols, generator=gen)).reshape(shape)
+    m = (torch.randn(rows, true_rank, generator=gen) @ torch.randn(true_rank, cols, generator=gen)).reshape(
+        shape
+    )
     payload, y = _roundtrip(get_codec(f"powersgd:{rank}"), m)
     assert payload[0] == 0  # the coded form, not the raw fallback
     torch.testing.assert_close(y, m, rtol=1e-4, atol=1e-4 * float(m.abs().max()))
@@ -211,8 +234,12 @@ def test_powersgd_small_tensors_and_high_rank_fall_back_to_lossless() -> None:
 
 
 @settings(deadline=None, max_examples=40)
-@given(n=st.integers(1, 3000), fraction=st.sampled_from([0.001, 0.01, 0.1, 0.3]), seed=st.integers(0, 2**31 - 1),
-       dtype=st.sampled_from(FLOATS))
+@given(
+    n=st.integers(1, 3000),
+    fraction=st.sampled_from([0.001, 0.01, 0.1, 0.3]),
+    seed=st.integers(0, 2**31 - 1),
+    dtype=st.sampled_from(FLOATS),
+)
 def test_topk_keeps_exactly_the_k_largest_magnitudes(n: int, fraction: float, seed: int, dtype) -> None:
     x = _make((n,), dtype, "normal", seed)
     codec = TopKCodec(fraction)
@@ -251,7 +278,9 @@ def test_sign_is_the_scaled_sign() -> None:
 def test_measured_compression_ratios() -> None:
     x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(0))
     raw = x.numel() * 4
-    ratios = {spec: raw / len(get_codec(spec).encode(x)) for spec in ("int8", "topk:0.01", "sign", "qsgd:7", "fp16")}
+    ratios = {
+        spec: raw / len(get_codec(spec).encode(x)) for spec in ("int8", "topk:0.01", "sign", "qsgd:7", "fp16")
+    }
     assert ratios["int8"] >= 3.9
     assert ratios["topk:0.01"] >= 50
     assert ratios["sign"] >= 31.9 and ratios["qsgd:7"] >= 7.8 and ratios["fp16"] >= 1.99
@@ -268,7 +297,9 @@ def test_zstd_stage_pays_or_stays_raw() -> None:
     payload, y = _roundtrip(codec, noise)
     assert payload[0] == 0 and len(payload) == 1001 and torch.equal(y, noise)
     smooth = torch.linspace(0, 1, 50_000)
-    assert len(codec.encode(smooth)) < 0.8 * len(get_codec("none").encode(smooth))  # byte shuffle helps floats
+    assert len(codec.encode(smooth)) < 0.8 * len(
+        get_codec("none").encode(smooth)
+    )  # byte shuffle helps floats
 
 
 # -- specs and the registry ------------------------------------------------------------------
@@ -325,7 +356,9 @@ def test_bad_specs_are_rejected(spec: str, match: str) -> None:
 def test_available_codecs_and_register_codec(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(registry, "_FAMILIES", dict(registry._FAMILIES))
     monkeypatch.setattr(registry, "_CACHE", {})
-    assert {"none", "fp16", "bf16", "int8", "qsgd", "topk", "randk", "powersgd", "sign"} <= set(available_codecs())
+    assert {"none", "fp16", "bf16", "int8", "qsgd", "topk", "randk", "powersgd", "sign"} <= set(
+        available_codecs()
+    )
 
     class Negate(IdentityCodec):
         name = "negate_test"

@@ -19,7 +19,6 @@ from fedgrid.compression import (
 )
 from fedgrid.errors import ConfigError, InvalidUpdateError
 
-
 LOSSY = ["topk:0.05", "randk:0.1", "sign", "int8", "qsgd:32", "powersgd:2", "fp16", "bf16", "int8+zstd"]
 
 
@@ -28,7 +27,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _same_bits(a: dict[str, torch.Tensor] | OrderedDict[str, torch.Tensor], b) -> bool:
-    return list(a) == list(b) and all(a[k].dtype == b[k].dtype and torch.equal(_bits(a[k]), _bits(b[k])) for k in a)
+    return list(a) == list(b) and all(
+        a[k].dtype == b[k].dtype and torch.equal(_bits(a[k]), _bits(b[k])) for k in a
+    )
 
 
 def _model(seed: int = 0) -> OrderedDict[str, torch.Tensor]:
@@ -44,7 +45,9 @@ def _model(seed: int = 0) -> OrderedDict[str, torch.Tensor]:
     )
 
 
-def _step(state: OrderedDict[str, torch.Tensor], seed: int, scale: float = 0.1) -> OrderedDict[str, torch.Tensor]:
+def _step(
+    state: OrderedDict[str, torch.Tensor], seed: int, scale: float = 0.1
+) -> OrderedDict[str, torch.Tensor]:
     """The next global model: a random step on every float tensor, +1 on the counter."""
     gen = torch.Generator().manual_seed(1000 + seed)
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
@@ -68,7 +71,9 @@ def test_transmitted_sum_equals_input_sum_minus_residual(spec: str) -> None:
         for name, shape in (("w", (32, 24)), ("b", (32,))):
             x = torch.randn(shape, generator=gen) * (1 + t % 3)
             out = ef.encode(name, x, generator=torch.Generator().manual_seed(t))
-            assert out.decoded.dtype == x.dtype and torch.equal(out.decoded, get_codec(ef.codec.name).decode(out.payload, dtype=x.dtype, shape=shape))
+            assert out.decoded.dtype == x.dtype and torch.equal(
+                out.decoded, get_codec(ef.codec.name).decode(out.payload, dtype=x.dtype, shape=shape)
+            )
             inputs[name] += x.double()
             sent[name] += out.decoded.double()
             max_norm[name] = max(max_norm[name], float(x.norm()))
@@ -124,7 +129,9 @@ def test_state_dict_resumes_bit_for_bit() -> None:
     for x in xs[:4]:
         before.encode("w", x)
     saved = before.state_dict()
-    assert saved["codec"] == "powersgd:2" and set(saved["residuals"]) == {"w"} and saved["codec_state"]["warm_q"]
+    assert (
+        saved["codec"] == "powersgd:2" and set(saved["residuals"]) == {"w"} and saved["codec_state"]["warm_q"]
+    )
     resumed = ErrorFeedback("powersgd:2")
     resumed.load_state_dict(saved)
     assert [resumed.encode("w", x).payload for x in xs[4:]] == first[4:]
@@ -151,7 +158,17 @@ def test_qsgd_with_few_levels_is_not_contractive() -> None:
     """Why error feedback refuses it: the residual of qsgd:4 grows round after round."""
     codec = get_codec("qsgd:4")
     x = torch.randn(2048, generator=torch.Generator().manual_seed(0))
-    errors = [float((codec.decode(codec.encode(x, generator=torch.Generator().manual_seed(s)), dtype=x.dtype, shape=(2048,)) - x).norm()) for s in range(20)]
+    errors = [
+        float(
+            (
+                codec.decode(
+                    codec.encode(x, generator=torch.Generator().manual_seed(s)), dtype=x.dtype, shape=(2048,)
+                )
+                - x
+            ).norm()
+        )
+        for s in range(20)
+    ]
     assert sum(errors) / len(errors) > float(x.norm())
 
 
@@ -180,12 +197,16 @@ def test_clients_hold_the_shadow_bit_for_bit(spec: str) -> None:
                 wanted = global_state[name].double() - before[name].double()
                 tol = 1e-2 if s.dtype is torch.bfloat16 else 1e-5
                 torch.testing.assert_close(gap[name].double(), wanted - sent, rtol=0, atol=tol)
-                torch.testing.assert_close(s.double() + gap[name].double(), global_state[name].double(), rtol=0, atol=tol)
+                torch.testing.assert_close(
+                    s.double() + gap[name].double(), global_state[name].double(), rtol=0, atol=tol
+                )
             else:
                 assert torch.equal(s, global_state[name])
 
 
-@pytest.mark.parametrize("spec,rounds", [("topk:0.1", 40), ("int8", 6), ("fp16", 6), ("powersgd:4", 60), ("int8+zstd", 6)])
+@pytest.mark.parametrize(
+    "spec,rounds", [("topk:0.1", 40), ("int8", 6), ("fp16", 6), ("powersgd:4", 60), ("int8+zstd", 6)]
+)
 def test_repeated_syncs_close_the_gap_to_a_fixed_global(spec: str, rounds: int) -> None:
     initial = _model()
     global_state = _step(_step(initial, 1, scale=1.0), 2, scale=1.0)
@@ -209,7 +230,9 @@ def test_a_client_that_missed_rounds_catches_up() -> None:
         global_state = _step(global_state, r)
         updates.append(server.sync(global_state)[0])
     late = apply_downlink(late, updates[0], held_version=0)
-    with pytest.raises(InvalidUpdateError, match=r"update applies to version 5, client holds 1: needs a catch-up"):
+    with pytest.raises(
+        InvalidUpdateError, match=r"update applies to version 5, client holds 1: needs a catch-up"
+    ):
         apply_downlink(late, updates[-1], held_version=1)
     full = server.catch_up()
     assert full.is_full and full.version == 6 and full.codec == "none+zstd"
@@ -250,7 +273,9 @@ def test_downlink_rejects_bad_input() -> None:
     payloads = dict(update.payloads, **{"fc.weight": update.payloads["fc.weight"][:-3]})
     with pytest.raises(InvalidUpdateError, match=r"tensor 'fc.weight': int8 payload: truncated"):
         apply_downlink(initial, DownlinkUpdate(1, 0, "int8", payloads))
-    with pytest.raises(InvalidUpdateError, match=r"tensor 'fc.bias': torch.float64 \[32\], expected torch.float32 \[32\]"):
+    with pytest.raises(
+        InvalidUpdateError, match=r"tensor 'fc.bias': torch.float64 \[32\], expected torch.float32 \[32\]"
+    ):
         server.sync(dict(initial, **{"fc.bias": initial["fc.bias"].double()}))
     with pytest.raises(InvalidUpdateError, match=r"tensor names differ"):
         apply_delta(initial, {"x": torch.zeros(1)})

@@ -11,7 +11,6 @@ from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S
 from fedgrid.errors import ConfigError, FedgridError
 
 
-
 def _write(tmp_path, text: str):
     path = tmp_path / "run.toml"
     path.write_text(text)
@@ -32,9 +31,20 @@ def test_defaults_are_valid():
 def test_simulation_key_defaults():
     config = load_config()
     assert (config.dataset, config.data_dir, config.model, config.partition) == ("digits", "", "", "")
-    assert (config.batch_size, config.optimizer, config.momentum, config.weight_decay) == (32, "sgd", 0.9, 0.0)
+    assert (config.batch_size, config.optimizer, config.momentum, config.weight_decay) == (
+        32,
+        "sgd",
+        0.9,
+        0.0,
+    )
     assert (config.engine, config.batch_clients, config.progress) == ("auto", 0, True)
-    assert (config.dropout_prob, config.availability_trace, config.speed, config.examples_per_second, config.regions) == (0.0, "", "1.0", 1000.0, "")
+    assert (
+        config.dropout_prob,
+        config.availability_trace,
+        config.speed,
+        config.examples_per_second,
+        config.regions,
+    ) == (0.0, "", "1.0", 1000.0, "")
 
 
 def test_simulation_keys_from_toml(tmp_path):
@@ -45,9 +55,26 @@ def test_simulation_keys_from_toml(tmp_path):
         'speed = "lognormal:0.5"\nregions = "us:1,eu:1"\nexamples_per_second = 50\n',
     )
     config = load_config(path, overrides={"momentum": "0"})
-    assert (config.dataset, config.partition, config.model, config.batch_size, config.optimizer) == ("synthetic", "shards:3", "logistic", 8, "adamw")
-    assert (config.weight_decay, config.engine, config.batch_clients, config.progress, config.momentum) == (0.01, "sequential", 16, False, 0.0)
-    assert (config.dropout_prob, config.speed, config.regions, config.examples_per_second) == (0.1, "lognormal:0.5", "us:1,eu:1", 50.0)
+    assert (config.dataset, config.partition, config.model, config.batch_size, config.optimizer) == (
+        "synthetic",
+        "shards:3",
+        "logistic",
+        8,
+        "adamw",
+    )
+    assert (config.weight_decay, config.engine, config.batch_clients, config.progress, config.momentum) == (
+        0.01,
+        "sequential",
+        16,
+        False,
+        0.0,
+    )
+    assert (config.dropout_prob, config.speed, config.regions, config.examples_per_second) == (
+        0.1,
+        "lognormal:0.5",
+        "us:1,eu:1",
+        50.0,
+    )
 
 
 def test_every_key_has_help_and_a_supported_type():
@@ -106,7 +133,9 @@ def test_unknown_key_in_file_names_key(tmp_path):
 
 
 def test_unknown_key_in_overrides_names_key():
-    with pytest.raises(ConfigError, match=r"config key 'epochs': unknown key \(did you mean 'local_epochs'\?\)$") as info:
+    with pytest.raises(
+        ConfigError, match=r"config key 'epochs': unknown key \(did you mean 'local_epochs'\?\)$"
+    ) as info:
         load_config(overrides={"epochs": 3})
     assert info.value.key == "epochs"
 
@@ -118,30 +147,46 @@ def test_unknown_key_suggests_the_close_ones_not_the_whole_list(tmp_path):
     assert str(info.value) == f"config key 'roundz': unknown key in {path} (did you mean 'rounds'?)"
     with pytest.raises(ConfigError) as info:
         load_config(overrides={"xyzzy": 1})
-    assert "did you mean" not in str(info.value) and "min_clients" not in str(info.value) and "--help" in str(info.value)
+    assert (
+        "did you mean" not in str(info.value)
+        and "min_clients" not in str(info.value)
+        and "--help" in str(info.value)
+    )
 
 
 def test_simulation_only_keys_are_no_coordinator_flags():
-    from fedgrid.cli import COORDINATOR_KEYS, SIMULATE_KEYS
-    from fedgrid.cli import CLIENT_CONFIG_KEYS, REGION_KEYS
+    from fedgrid.cli import CLIENT_CONFIG_KEYS, COORDINATOR_KEYS, REGION_KEYS, SIMULATE_KEYS
     from fedgrid.config import CLIENT_ONLY_KEYS, COORDINATOR_ONLY_KEYS, REGION_ONLY_KEYS, SIMULATION_ONLY_KEYS
 
     assert {"engine", "dropout_prob", "progress", "speed", "clients", "app"} <= SIMULATION_ONLY_KEYS
     assert not SIMULATION_ONLY_KEYS & set(COORDINATOR_KEYS) and not COORDINATOR_ONLY_KEYS & set(SIMULATE_KEYS)
-    assert not CLIENT_ONLY_KEYS & (set(COORDINATOR_KEYS) | set(SIMULATE_KEYS)) and CLIENT_ONLY_KEYS <= set(CLIENT_CONFIG_KEYS)
-    assert not REGION_ONLY_KEYS & (set(COORDINATOR_KEYS) | set(SIMULATE_KEYS)) and REGION_ONLY_KEYS <= set(REGION_KEYS)
-    assert set(COORDINATOR_KEYS) | set(SIMULATE_KEYS) | CLIENT_ONLY_KEYS | REGION_ONLY_KEYS == set(config_keys())  # every key is someone's flag
+    assert not CLIENT_ONLY_KEYS & (set(COORDINATOR_KEYS) | set(SIMULATE_KEYS)) and CLIENT_ONLY_KEYS <= set(
+        CLIENT_CONFIG_KEYS
+    )
+    assert not REGION_ONLY_KEYS & (set(COORDINATOR_KEYS) | set(SIMULATE_KEYS)) and REGION_ONLY_KEYS <= set(
+        REGION_KEYS
+    )
+    assert set(COORDINATOR_KEYS) | set(SIMULATE_KEYS) | CLIENT_ONLY_KEYS | REGION_ONLY_KEYS == set(
+        config_keys()
+    )  # every key is someone's flag
     assert {"require_device", "min_accelerators", "min_client_memory"} <= COORDINATOR_ONLY_KEYS
 
 
-@pytest.mark.parametrize("overrides, key, problem", [
-    ({"require_device": "GPU"}, "require_device", "'GPU' is not a device type (lowercase letters"),
-    ({"report_device": "cuda\x1b[2J"}, "report_device", "'cuda\\x1b[2J' is not a device type"),
-    ({"min_accelerators": -1}, "min_accelerators", "must be in 0..1024, got -1"),
-    ({"report_accelerators": 2000}, "report_accelerators", "must be in 0..1024, got 2000"),
-    ({"min_client_memory": "16 gigs"}, "min_client_memory", "'16 gigs' is not a size (e.g. 16GiB, 512MB or a byte count)"),
-    ({"report_memory": "2PiB"}, "report_memory", "'2PiB' is over the most a client may report, 1.0 PiB"),
-])
+@pytest.mark.parametrize(
+    "overrides, key, problem",
+    [
+        ({"require_device": "GPU"}, "require_device", "'GPU' is not a device type (lowercase letters"),
+        ({"report_device": "cuda\x1b[2J"}, "report_device", "'cuda\\x1b[2J' is not a device type"),
+        ({"min_accelerators": -1}, "min_accelerators", "must be in 0..1024, got -1"),
+        ({"report_accelerators": 2000}, "report_accelerators", "must be in 0..1024, got 2000"),
+        (
+            {"min_client_memory": "16 gigs"},
+            "min_client_memory",
+            "'16 gigs' is not a size (e.g. 16GiB, 512MB or a byte count)",
+        ),
+        ({"report_memory": "2PiB"}, "report_memory", "'2PiB' is over the most a client may report, 1.0 PiB"),
+    ],
+)
 def test_bad_capability_keys_name_the_key(overrides, key, problem):
     with pytest.raises(ConfigError) as info:
         load_config(overrides=overrides)
@@ -163,7 +208,15 @@ def test_table_in_file_is_unknown_key(tmp_path):
 
 @pytest.mark.parametrize(
     "key,value",
-    [("rounds", '"abc"'), ("rounds", "2.5"), ("rounds", "true"), ("lr", '"fast"'), ("lr", "false"), ("dataset", "3"), ("seed", "[1]")],
+    [
+        ("rounds", '"abc"'),
+        ("rounds", "2.5"),
+        ("rounds", "true"),
+        ("lr", '"fast"'),
+        ("lr", "false"),
+        ("dataset", "3"),
+        ("seed", "[1]"),
+    ],
 )
 def test_wrong_type_in_file_names_key(tmp_path, key, value):
     with pytest.raises(ConfigError, match=rf"config key '{key}': expected") as info:
@@ -171,7 +224,9 @@ def test_wrong_type_in_file_names_key(tmp_path, key, value):
     assert info.value.key == key
 
 
-@pytest.mark.parametrize("key,value", [("rounds", "abc"), ("rounds", 2.5), ("rounds", True), ("lr", "x"), ("out", 3)])
+@pytest.mark.parametrize(
+    "key,value", [("rounds", "abc"), ("rounds", 2.5), ("rounds", True), ("lr", "x"), ("out", 3)]
+)
 def test_wrong_type_in_overrides_names_key(key, value):
     with pytest.raises(ConfigError, match=rf"config key '{key}': expected") as info:
         load_config(overrides={key: value})
@@ -242,10 +297,17 @@ def test_to_dict_roundtrips_through_load_config():
 
 # -- strategy and aggregator options ---------------------------------------------------------
 def test_strategy_options_from_toml_and_flags(tmp_path):
-    path = _write(tmp_path, 'strategy = "fedadam"\nserver_lr = 0.05\naggregator = "trimmed-mean"\naggregator_beta = 0.2\n')
+    path = _write(
+        tmp_path,
+        'strategy = "fedadam"\nserver_lr = 0.05\naggregator = "trimmed-mean"\naggregator_beta = 0.2\n',
+    )
     config = load_config(path, overrides={"server_beta1": "0.8", "aggregator_weighted": "true"})
     assert config.strategy_options() == {
-        "aggregator": "trimmed-mean", "aggregator_beta": 0.2, "aggregator_weighted": True, "server_lr": 0.05, "server_beta1": 0.8,
+        "aggregator": "trimmed-mean",
+        "aggregator_beta": 0.2,
+        "aggregator_weighted": True,
+        "server_lr": 0.05,
+        "server_beta1": 0.8,
     }
     assert load_config().strategy_options() == {}  # every option absent: the strategy's defaults
     assert load_config(overrides=config.to_dict()) == config  # None values are left out, as in config.toml
@@ -260,7 +322,11 @@ def test_strategy_options_from_toml_and_flags(tmp_path):
         ({"strategy": "bcd", "block_schedule": "zigzag"}, "strategy", "block_schedule must be one of"),
         ({"aggregator": "krum", "aggregator_beta": 0.1}, "aggregator", "krum takes no option 'beta'"),
         ({"strategy": "diloco", "lr": 0.01}, "lr", "does not apply to strategy 'diloco'.*takes inner_lr"),
-        ({"strategy": "streaming-diloco", "inner_lr": 0.0}, "strategy", "inner_lr must be positive and finite, got 0.0"),
+        (
+            {"strategy": "streaming-diloco", "inner_lr": 0.0},
+            "strategy",
+            "inner_lr must be positive and finite, got 0.0",
+        ),
         ({"strategy": "fedavg", "inner_lr": 0.01}, "inner_lr", "does not apply to strategy 'fedavg'"),
         ({"aggregator": "trimmed-mean", "aggregator_beta": 0.7}, "aggregator", r"beta must be in \[0, 0.5\)"),
         ({"inner_steps": "many"}, "inner_steps", "expected int"),
@@ -288,8 +354,12 @@ def test_every_strategy_gets_options_and_the_selection_policy(name):
     from fedgrid.aggregation import STRATEGIES
     from fedgrid.server.strategies import build_strategy
 
-    lr = {"inner_lr": 0.2} if name == "streaming-diloco" else {"lr": 0.2}  # its inner optimizer's rate, sent as the task's lr
-    config = load_config(overrides={"strategy": name, "clients_per_round": 4, "over_selection": 0.5, "seed": 3, **lr})
+    lr = (
+        {"inner_lr": 0.2} if name == "streaming-diloco" else {"lr": 0.2}
+    )  # its inner optimizer's rate, sent as the task's lr
+    config = load_config(
+        overrides={"strategy": name, "clients_per_round": 4, "over_selection": 0.5, "seed": 3, **lr}
+    )
     strategy = build_strategy(config)
     assert type(strategy) is STRATEGIES[name]
     assert strategy.selection.clients_per_round == 4 and strategy.selection.over_selection == 0.5  # type: ignore[attr-defined]
@@ -306,7 +376,9 @@ def test_threads_key_from_toml_and_flags(tmp_path):
 def test_environment_table_of_a_run_directory_is_read_back(tmp_path, caplog):
     import torch
 
-    path = _write(tmp_path, f'rounds = 4\nthreads = 1\n\n[environment]\ntorch = "{torch.__version__}"\ncpu = "x"\n')
+    path = _write(
+        tmp_path, f'rounds = 4\nthreads = 1\n\n[environment]\ntorch = "{torch.__version__}"\ncpu = "x"\n'
+    )
     with caplog.at_level("WARNING"):
         config = load_config(path)
     assert (config.rounds, config.threads) == (4, 1) and not caplog.records

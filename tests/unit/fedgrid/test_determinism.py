@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import tomllib
-
 import pytest
+import tomllib
 import torch
 
 from fedgrid.config import load_config
@@ -47,15 +46,30 @@ def test_environment_names_torch_and_threads():
 def test_run_directory_records_threads_engine_and_torch_and_reruns_bit_for_bit(tmp_path):
     """``config.toml`` holds the thread count and the engine actually used (``auto`` resolved),
     so ``load_config(RUN/config.toml)`` reruns the run to the same bits."""
-    first = load_config(overrides={"rounds": 2, "clients": 3, "seed": 4, "local_epochs": 1, "threads": 1, "engine": "auto",
-                                   "progress": False, "out": str(tmp_path / "a")})
+    first = load_config(
+        overrides={
+            "rounds": 2,
+            "clients": 3,
+            "seed": 4,
+            "local_epochs": 1,
+            "threads": 1,
+            "engine": "auto",
+            "progress": False,
+            "out": str(tmp_path / "a"),
+        }
+    )
     state, _ = run_simulation(first)
     recorded = tomllib.loads((tmp_path / "a" / "config.toml").read_text())
     assert recorded["threads"] == 1
     assert recorded["engine"] in ("batched", "sequential")  # never "auto": what ran
     assert recorded["environment"]["torch"] == torch.__version__
-    assert recorded["environment"]["engine_requested"] == "auto" and recorded["environment"]["threads_requested"] == 1
+    assert (
+        recorded["environment"]["engine_requested"] == "auto"
+        and recorded["environment"]["threads_requested"] == 1
+    )
     again, _ = run_simulation(load_config(tmp_path / "a" / "config.toml", {"out": str(tmp_path / "b")}))
     for name, tensor in state.items():
         assert torch.equal(again[name], tensor), name
-    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (
+        tmp_path / "b" / "model.safetensors"
+    ).read_bytes()

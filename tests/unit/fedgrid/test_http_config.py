@@ -9,7 +9,6 @@ from fedgrid.config import load_config
 from fedgrid.errors import ConfigError
 
 
-
 def test_http_keys_are_coordinator_and_client_flags_only():
     assert {"http", "http_token_file"} <= set(COORDINATOR_KEYS)
     assert not {"http", "http_token_file"} & set(SIMULATE_KEYS)
@@ -24,11 +23,14 @@ def test_http_keys_are_coordinator_and_client_flags_only():
     assert (args.address, args.watch, args.interval) == ("127.0.0.1:9100", True, 0.5)
 
 
-@pytest.mark.parametrize("overrides, key, message", [
-    ({"http": "9100"}, "http", "expected HOST:PORT"),
-    ({"http": "127.0.0.1:99999"}, "http", "expected HOST:PORT"),
-    ({"http_token_file": "token"}, "http_token_file", "only with http"),
-])
+@pytest.mark.parametrize(
+    "overrides, key, message",
+    [
+        ({"http": "9100"}, "http", "expected HOST:PORT"),
+        ({"http": "127.0.0.1:99999"}, "http", "expected HOST:PORT"),
+        ({"http_token_file": "token"}, "http_token_file", "only with http"),
+    ],
+)
 def test_bad_http_settings_name_the_key(overrides, key, message):
     with pytest.raises(ConfigError, match=message) as info:
         load_config(overrides=overrides)

@@ -32,11 +32,29 @@ def test_the_top_level_is_small_and_the_rest_lives_in_namespaces():
     from fedgrid.compression import Int8Codec
 
     assert len(fedgrid.__all__) <= 20
-    assert {"Client", "TorchClient", "run_client", "start_client", "connect", "run_coordinator", "Coordinator",
-            "run_simulation", "Config", "load_config", "Strategy", "Codec", "ModelState", "FedgridError",
-            "__version__"} <= set(fedgrid.__all__)
+    assert {
+        "Client",
+        "TorchClient",
+        "run_client",
+        "start_client",
+        "connect",
+        "run_coordinator",
+        "Coordinator",
+        "run_simulation",
+        "Config",
+        "load_config",
+        "Strategy",
+        "Codec",
+        "ModelState",
+        "FedgridError",
+        "__version__",
+    } <= set(fedgrid.__all__)
     assert set(fedgrid.__all__) <= set(dir(fedgrid))
-    assert fedgrid.strategies.FedAvg is FedAvg and fedgrid.aggregators.Krum is Krum and fedgrid.codecs.Int8Codec is Int8Codec
+    assert (
+        fedgrid.strategies.FedAvg is FedAvg
+        and fedgrid.aggregators.Krum is Krum
+        and fedgrid.codecs.Int8Codec is Int8Codec
+    )
     for namespace in (fedgrid.strategies, fedgrid.aggregators, fedgrid.codecs):
         for name in namespace.__all__:
             assert getattr(namespace, name) is not None, f"{namespace.__name__}.{name}"
@@ -45,16 +63,26 @@ def test_the_top_level_is_small_and_the_rest_lives_in_namespaces():
     assert fedgrid.strategies.FedAvg.__mro__[1:].count(fedgrid.Strategy) == 1
 
 
-@pytest.mark.parametrize("old,new", [("FedAvg", "fedgrid.strategies.FedAvg"), ("run", "fedgrid.run_client"),
-                                     ("start", "fedgrid.start_client"), ("Median", "fedgrid.aggregators.Median"),
-                                     ("get_codec", "fedgrid.codecs.get_codec"), ("FitIns", "fedgrid.types.FitIns"),
-                                     ("ConfigError", "fedgrid.errors.ConfigError"),
-                                     ("InProcessFleet", "fedgrid.simulation.fleet.InProcessFleet")])
+@pytest.mark.parametrize(
+    "old,new",
+    [
+        ("FedAvg", "fedgrid.strategies.FedAvg"),
+        ("run", "fedgrid.run_client"),
+        ("start", "fedgrid.start_client"),
+        ("Median", "fedgrid.aggregators.Median"),
+        ("get_codec", "fedgrid.codecs.get_codec"),
+        ("FitIns", "fedgrid.types.FitIns"),
+        ("ConfigError", "fedgrid.errors.ConfigError"),
+        ("InProcessFleet", "fedgrid.simulation.fleet.InProcessFleet"),
+    ],
+)
 def test_an_old_top_level_name_works_for_one_release_with_a_warning_naming_its_home(old, new):
     import importlib
 
     module, _, attribute = new.rpartition(".")
-    with pytest.warns(DeprecationWarning, match=f"fedgrid.{old} is deprecated .*use {new.replace('.', '[.]')}"):
+    with pytest.warns(
+        DeprecationWarning, match=f"fedgrid.{old} is deprecated .*use {new.replace('.', '[.]')}"
+    ):
         value = getattr(fedgrid, old)
     assert value is getattr(importlib.import_module(module), attribute)
     assert old not in fedgrid.__all__
@@ -78,9 +106,13 @@ def test_run_and_start_work_for_one_release_as_run_client_and_start_client(modul
     from fedgrid.client.runtime import run_client, start_client
 
     namespace = importlib.import_module(module)
-    with pytest.warns(DeprecationWarning, match="runtime.run is deprecated .*use fedgrid.client.runtime.run_client"):
+    with pytest.warns(
+        DeprecationWarning, match="runtime.run is deprecated .*use fedgrid.client.runtime.run_client"
+    ):
         assert namespace.run is run_client
-    with pytest.warns(DeprecationWarning, match="runtime.start is deprecated .*use fedgrid.client.runtime.start_client"):
+    with pytest.warns(
+        DeprecationWarning, match="runtime.start is deprecated .*use fedgrid.client.runtime.start_client"
+    ):
         assert namespace.start is start_client
 
 
@@ -91,9 +123,14 @@ def test_renamed_helpers_work_for_one_release_with_a_warning():
     from fedgrid.server.remote_fleet import RemoteFleet
 
     updates = importlib.import_module("fedgrid.aggregation.updates")
-    with pytest.warns(DeprecationWarning, match="updates.apply_delta is deprecated .*use fedgrid.aggregation.updates.add_update"):
+    with pytest.warns(
+        DeprecationWarning,
+        match="updates.apply_delta is deprecated .*use fedgrid.aggregation.updates.add_update",
+    ):
         assert updates.apply_delta is add_update
-    with pytest.warns(DeprecationWarning, match="fedgrid.server.grpc_fleet is deprecated .*use fedgrid.server.remote_fleet"):
+    with pytest.warns(
+        DeprecationWarning, match="fedgrid.server.grpc_fleet is deprecated .*use fedgrid.server.remote_fleet"
+    ):
         old = importlib.import_module("fedgrid.server.grpc_fleet")
         old = importlib.reload(old)  # the warning comes on import: once per process, so import it afresh
     with pytest.warns(DeprecationWarning, match="GrpcFleet is deprecated"):

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import json
 import math
-import tomllib
 from collections import OrderedDict
 
 import pytest
+import tomllib
 import torch
 
 from fedgrid.config import load_config
 from fedgrid.runlog import RunWriter, load_model, read_metrics, to_toml
 from fedgrid.types import RoundMetrics
-
 
 
 def test_config_toml_parses_back_to_same_values(tmp_path):
@@ -24,7 +23,9 @@ def test_config_toml_parses_back_to_same_values(tmp_path):
     assert parsed == {k: v for k, v in values.items() if v is not None}
     assert "note" not in parsed
     assert {k: type(v) for k, v in parsed.items()} == {k: type(v) for k, v in values.items() if v is not None}
-    assert load_config(overrides={k: parsed[k] for k in config.to_dict() if k in parsed}) == config  # absent: None
+    assert (
+        load_config(overrides={k: parsed[k] for k in config.to_dict() if k in parsed}) == config
+    )  # absent: None
 
 
 def test_written_config_loads_as_config(tmp_path):
@@ -35,14 +36,29 @@ def test_written_config_loads_as_config(tmp_path):
 
 @pytest.mark.parametrize(
     "text",
-    ['quote " and backslash \\ ', "new\nline\ttab", "caf\u00e9 \u4e2d\u6587", "del\x7f nul\x00", "", "a = 1 # not a comment"],
+    [
+        'quote " and backslash \\ ',
+        "new\nline\ttab",
+        "caf\u00e9 \u4e2d\u6587",
+        "del\x7f nul\x00",
+        "",
+        "a = 1 # not a comment",
+    ],
 )
 def test_to_toml_strings_roundtrip(text):
     assert tomllib.loads(to_toml({"s": text})) == {"s": text}
 
 
 def test_to_toml_numbers_roundtrip():
-    values = {"i": -(2**63), "j": 2**63 - 1, "f": 0.1, "g": 1e300, "h": -0.0, "inf": math.inf, "ninf": -math.inf}
+    values = {
+        "i": -(2**63),
+        "j": 2**63 - 1,
+        "f": 0.1,
+        "g": 1e300,
+        "h": -0.0,
+        "inf": math.inf,
+        "ninf": -math.inf,
+    }
     parsed = tomllib.loads(to_toml(values))
     assert parsed == values
     assert math.copysign(1.0, parsed["h"]) == -1.0
@@ -56,8 +72,15 @@ def test_to_toml_non_bmp_string_roundtrip():
 
 def _metrics(r: int, **extra: float) -> RoundMetrics:
     return RoundMetrics(
-        round=r, loss=0.5 / r, accuracy=None if r == 1 else 0.9, bytes_up=100 * r, bytes_down=200 * r,
-        wall_s=1.23456789, clients_ok=3, clients_failed=r - 1, extra=extra,
+        round=r,
+        loss=0.5 / r,
+        accuracy=None if r == 1 else 0.9,
+        bytes_up=100 * r,
+        bytes_down=200 * r,
+        wall_s=1.23456789,
+        clients_ok=3,
+        clients_failed=r - 1,
+        extra=extra,
     )
 
 
@@ -70,12 +93,27 @@ def test_metrics_jsonl_lines(tmp_path):
     assert len(lines) == 2
     first, second = (json.loads(line) for line in lines)
     assert first == {
-        "round": 1, "loss": 0.5, "accuracy": None, "bytes_up": 100, "bytes_down": 200,
-        "wall_s": 1.234568, "clients_ok": 3, "clients_failed": 0,
+        "round": 1,
+        "loss": 0.5,
+        "accuracy": None,
+        "bytes_up": 100,
+        "bytes_down": 200,
+        "wall_s": 1.234568,
+        "clients_ok": 3,
+        "clients_failed": 0,
     }
     assert second["round"] == 2 and second["loss"] == 0.25 and second["accuracy"] == 0.9
     assert second["clients_failed"] == 1 and second["train_loss"] == 0.75
-    assert list(second)[:8] == ["round", "loss", "accuracy", "bytes_up", "bytes_down", "wall_s", "clients_ok", "clients_failed"]
+    assert list(second)[:8] == [
+        "round",
+        "loss",
+        "accuracy",
+        "bytes_up",
+        "bytes_down",
+        "wall_s",
+        "clients_ok",
+        "clients_failed",
+    ]
     assert read_metrics(tmp_path) == [first, second]
 
 
@@ -117,7 +155,9 @@ def test_model_file_keeps_the_models_tensor_order(tmp_path):
 
     from fedgrid.runlog import RunWriter, load_model
 
-    state = OrderedDict([("z.weight", torch.ones(2)), ("a.bias", torch.zeros(3)), ("m.steps", torch.tensor(4))])
+    state = OrderedDict(
+        [("z.weight", torch.ones(2)), ("a.bias", torch.zeros(3)), ("m.steps", torch.tensor(4))]
+    )
     path = RunWriter(tmp_path, {"rounds": 1}).write_model(state)
     loaded = load_model(path)
     assert list(loaded) == ["z.weight", "a.bias", "m.steps"]  # not safetensors' sorted order

@@ -8,12 +8,12 @@ from __future__ import annotations
 import importlib.machinery
 import logging
 import sys
-import tomllib
 import types
 from pathlib import Path
 
 import numpy as np
 import pytest
+import tomllib
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from fedgrid.cli import main
@@ -24,9 +24,13 @@ from fedgrid.trackers import parse_trackers, scalars
 from fedgrid.types import RoundMetrics
 
 
-
 def _simulate(out: Path, *flags: str) -> list[dict]:
-    assert main(["simulate", "--rounds", "3", "--threads", "1", "--progress", "false", "--out", str(out), *flags]) == 0
+    assert (
+        main(
+            ["simulate", "--rounds", "3", "--threads", "1", "--progress", "false", "--out", str(out), *flags]
+        )
+        == 0
+    )
     rows = read_metrics(out)
     assert [r["round"] for r in rows] == [1, 2, 3]
     return rows
@@ -80,7 +84,11 @@ class FakeMLflow(types.ModuleType):
 def test_tensorboard_scalars_equal_metrics_jsonl(tmp_path):
     rows = _simulate(tmp_path / "run", "--tracker", "tensorboard")
     logged = _tensorboard(tmp_path / "run")
-    assert set(logged) == set(scalars(rows[0])) >= {"loss", "accuracy", "bytes_up", "bytes_down", "wall_s", "clients_ok", "clients_failed"}
+    assert (
+        set(logged)
+        == set(scalars(rows[0]))
+        >= {"loss", "accuracy", "bytes_up", "bytes_down", "wall_s", "clients_ok", "clients_failed"}
+    )
     for tag, points in logged.items():
         assert points == [(r["round"], _float32(r[tag])) for r in rows], tag
     assert tomllib.loads((tmp_path / "run" / "config.toml").read_text())["tracker"] == "tensorboard"
@@ -88,7 +96,16 @@ def test_tensorboard_scalars_equal_metrics_jsonl(tmp_path):
 
 def test_tensorboard_resumed_run_replaces_the_rounds_after_the_committed_one(tmp_path):
     def metrics(r: int, loss: float) -> RoundMetrics:
-        return RoundMetrics(round=r, loss=loss, accuracy=None, bytes_up=10 * r, bytes_down=20 * r, wall_s=0.5, clients_ok=2, clients_failed=0)
+        return RoundMetrics(
+            round=r,
+            loss=loss,
+            accuracy=None,
+            bytes_up=10 * r,
+            bytes_down=20 * r,
+            wall_s=0.5,
+            clients_ok=2,
+            clients_failed=0,
+        )
 
     config = {"tracker": "tensorboard"}
     first = RunWriter(tmp_path, config)
@@ -118,21 +135,37 @@ def test_mlflow_gets_config_params_and_every_round(tmp_path, monkeypatch):
     assert params == recorded  # the resolved config, as config.toml has it
     assert fake.of("log_metrics") == [(r["round"], scalars(r)) for r in rows]
     assert [c for c, _ in fake.calls][-1] == "end_run"
-    assert _tensorboard(tmp_path / "mlrun")["loss"] == [(r["round"], _float32(r["loss"])) for r in rows]  # both trackers fed
+    assert _tensorboard(tmp_path / "mlrun")["loss"] == [
+        (r["round"], _float32(r["loss"])) for r in rows
+    ]  # both trackers fed
 
 
 def test_mlflow_run_nests_in_the_callers_and_resume_logs_the_committed_rounds(tmp_path, monkeypatch):
     fake = FakeMLflow()
     fake.active = object()  # the embedding program's own run
     monkeypatch.setitem(sys.modules, "mlflow", fake)
-    rows = [RoundMetrics(round=r, loss=float("nan") if r == 2 else 0.5, accuracy=0.75, bytes_up=1, bytes_down=2, wall_s=0.1,
-                         clients_ok=1, clients_failed=0, extra={"round_failed": 1} if r == 2 else {}).to_json() for r in (1, 2)]
+    rows = [
+        RoundMetrics(
+            round=r,
+            loss=float("nan") if r == 2 else 0.5,
+            accuracy=0.75,
+            bytes_up=1,
+            bytes_down=2,
+            wall_s=0.1,
+            clients_ok=1,
+            clients_failed=0,
+            extra={"round_failed": 1} if r == 2 else {},
+        ).to_json()
+        for r in (1, 2)
+    ]
     writer = RunWriter(tmp_path / "resumed", {"tracker": "mlflow", "rounds": 3})
     writer.reset_metrics(rows)
     assert fake.of("start_run") == [{"run_name": "resumed", "nested": True}]
     assert fake.of("log_params") == [{"tracker": "mlflow", "rounds": 3}]
     # NaN stays in metrics.jsonl, not in MLflow.
-    assert [step for step, _ in fake.of("log_metrics")] == [1, 2] and "loss" not in fake.of("log_metrics")[1][1]
+    assert [step for step, _ in fake.of("log_metrics")] == [1, 2] and "loss" not in fake.of("log_metrics")[1][
+        1
+    ]
     assert fake.of("log_metrics")[1][1]["round_failed"] == 1.0
 
 
@@ -143,8 +176,11 @@ def test_a_failing_tracker_is_logged_once_and_training_goes_on(tmp_path, monkeyp
     assert len(rows) == 3 and (tmp_path / "run" / "model.safetensors").is_file()
     records = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "fedgrid.trackers"]
     assert records == [
-        ("ERROR", "tracker mlflow: logging round 1 failed; training goes on and metrics.jsonl keeps every round "
-                  "(later errors of this tracker are counted, not logged)"),
+        (
+            "ERROR",
+            "tracker mlflow: logging round 1 failed; training goes on and metrics.jsonl keeps every round "
+            "(later errors of this tracker are counted, not logged)",
+        ),
         ("WARNING", "tracker mlflow: 3 call(s) failed in this run; metrics.jsonl has every round"),
     ]
 
@@ -171,7 +207,10 @@ def test_tensorboard_import_failure_at_start_is_a_config_error(tmp_path, monkeyp
 
 @pytest.mark.parametrize(
     "spec,problem",
-    [("wandb", "unknown tracker 'wandb' (known: tensorboard, mlflow)"), ("tensorboard, tensorboard", "a tracker is named twice in 'tensorboard, tensorboard'")],
+    [
+        ("wandb", "unknown tracker 'wandb' (known: tensorboard, mlflow)"),
+        ("tensorboard, tensorboard", "a tracker is named twice in 'tensorboard, tensorboard'"),
+    ],
 )
 def test_bad_tracker_names(spec, problem):
     with pytest.raises(ConfigError) as exc:

@@ -12,12 +12,14 @@ from fedgrid import webserve
 from fedgrid.errors import ConfigError
 from fedgrid.webserve import MAX_CONNECTIONS, MAX_REQUEST_LINE, Response, Route, StatusServer
 
-
 TOKEN = "s3cret-token-0123456789"
 
 
 def _routes() -> dict[str, Route]:
-    return {"/data": Route(lambda: Response(b"data\n")), "/": Route(lambda: Response(b"<p>page</p>", content_type="text/html"), public=True)}
+    return {
+        "/data": Route(lambda: Response(b"data\n")),
+        "/": Route(lambda: Response(b"<p>page</p>", content_type="text/html"), public=True),
+    }
 
 
 @pytest.fixture
@@ -27,7 +29,9 @@ def server():
     s.stop()
 
 
-def _request(address: str, method: str, path: str, *, headers: dict[str, str] | None = None, body: bytes | None = None):
+def _request(
+    address: str, method: str, path: str, *, headers: dict[str, str] | None = None, body: bytes | None = None
+):
     host, port = address.rsplit(":", 1)
     conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=10)
     try:
@@ -57,7 +61,10 @@ def test_writes_are_refused_with_405(server, method):
 
 def test_oversized_or_bodied_requests_are_refused(server):
     assert _request(server.address, "GET", "/" + "a" * MAX_REQUEST_LINE)[0] == 414
-    assert _request(server.address, "GET", "/data", headers={"X-Big": "b" * (webserve.MAX_HEADER_BYTES + 1)})[0] == 431
+    assert (
+        _request(server.address, "GET", "/data", headers={"X-Big": "b" * (webserve.MAX_HEADER_BYTES + 1)})[0]
+        == 431
+    )
     assert _request(server.address, "GET", "/data", body=b"payload")[0] == 413
 
 
@@ -84,9 +91,15 @@ def test_bearer_token_guards_data_but_not_the_static_page(tmp_path):
         local = "127.0.0.1:" + s.address.rsplit(":", 1)[1]
         status, headers, _ = _request(local, "GET", "/data")
         assert status == 401 and headers["WWW-Authenticate"].startswith("Bearer")
-        assert _request(local, "GET", "/data", headers={"Authorization": "Bearer wrong-token-0123456789"})[0] == 401
+        assert (
+            _request(local, "GET", "/data", headers={"Authorization": "Bearer wrong-token-0123456789"})[0]
+            == 401
+        )
         assert _request(local, "GET", "/data", headers={"Authorization": f"Basic {TOKEN}"})[0] == 401
-        assert _request(local, "GET", "/data", headers={"Authorization": f"Bearer {TOKEN}"})[:3:2] == (200, b"data\n")
+        assert _request(local, "GET", "/data", headers={"Authorization": f"Bearer {TOKEN}"})[:3:2] == (
+            200,
+            b"data\n",
+        )
         assert _request(local, "GET", "/")[0] == 200  # static HTML, no data
         assert _request(local, "POST", "/data", headers={"Authorization": f"Bearer {TOKEN}"})[0] == 405
     finally:

@@ -19,9 +19,8 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 import fedgrid.pki as pki_kernel  # the kernel half: its clock and files serve both halves
-from fedgrid.ops import pki
 from fedgrid.errors import AuthenticationError, EnrollmentError, PKIError
-
+from fedgrid.ops import pki
 
 
 def _mode(path: Path) -> int:
@@ -98,8 +97,12 @@ def test_init_writes_a_ca_with_the_right_fields_and_modes(ca_dir):
     assert bc.critical and bc.value.ca
     ku = _ext(ca, x509.KeyUsage)
     assert ku.critical and ku.value.key_cert_sign and ku.value.crl_sign and not ku.value.digital_signature
-    assert _ext(ca, x509.SubjectKeyIdentifier).value == x509.SubjectKeyIdentifier.from_public_key(ca.public_key())
-    assert isinstance(ca.public_key(), ec.EllipticCurvePublicKey) and ca.public_key().curve.name == "secp256r1"
+    assert _ext(ca, x509.SubjectKeyIdentifier).value == x509.SubjectKeyIdentifier.from_public_key(
+        ca.public_key()
+    )
+    assert (
+        isinstance(ca.public_key(), ec.EllipticCurvePublicKey) and ca.public_key().curve.name == "secp256r1"
+    )
     assert ca.not_valid_after_utc - ca.not_valid_before_utc == timedelta(days=30) + pki.CLOCK_SKEW
     crl = x509.load_pem_x509_crl((ca_dir / "crl.pem").read_bytes())
     assert crl.is_signature_valid(ca.public_key()) and len(crl) == 0
@@ -119,22 +122,34 @@ def test_client_certificate_fields(ca_dir):
     assert (cert_path, key_path) == (ca_dir / "alice.pem", ca_dir / "alice.key")
     assert _mode(key_path) == 0o600
     text = cert_path.read_bytes()
-    assert text.startswith(b"-----BEGIN CERTIFICATE-----") and text.rstrip().endswith(b"-----END CERTIFICATE-----")
+    assert text.startswith(b"-----BEGIN CERTIFICATE-----") and text.rstrip().endswith(
+        b"-----END CERTIFICATE-----"
+    )
     assert text.count(b"-----BEGIN") == 1  # the certificate and nothing else
     cert, ca = _cert(cert_path), _cert(ca_dir / "ca.pem")
     cert.verify_directly_issued_by(ca)
     assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "alice"
     assert list(_ext(cert, x509.ExtendedKeyUsage).value) == [ExtendedKeyUsageOID.CLIENT_AUTH]
-    assert _ext(cert, x509.SubjectAlternativeName).value.get_values_for_type(x509.UniformResourceIdentifier) == ["fedgrid://client/alice"]
+    assert _ext(cert, x509.SubjectAlternativeName).value.get_values_for_type(
+        x509.UniformResourceIdentifier
+    ) == ["fedgrid://client/alice"]
     ku = _ext(cert, x509.KeyUsage).value
     assert ku.digital_signature and not ku.key_cert_sign
     assert not _ext(cert, x509.BasicConstraints).value.ca
-    assert _ext(cert, x509.AuthorityKeyIdentifier).value.key_identifier == _ext(ca, x509.SubjectKeyIdentifier).value.digest
+    assert (
+        _ext(cert, x509.AuthorityKeyIdentifier).value.key_identifier
+        == _ext(ca, x509.SubjectKeyIdentifier).value.digest
+    )
     assert cert.not_valid_after_utc - cert.not_valid_before_utc == timedelta(days=10) + pki.CLOCK_SKEW
     key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
     assert key.public_key() == cert.public_key()
     [record] = pki.list_certs(ca_dir)
-    assert (record.name, record.kind, record.serial, record.status()) == ("alice", "client", cert.serial_number, "valid")
+    assert (record.name, record.kind, record.serial, record.status()) == (
+        "alice",
+        "client",
+        cert.serial_number,
+        "valid",
+    )
     assert record.not_after == cert.not_valid_after_utc
     assert pki.identity_of(text) == "alice" and pki.serial_of(text) == cert.serial_number
     assert pki.identity_of(cert.public_bytes(serialization.Encoding.DER)) == "alice"
@@ -144,7 +159,10 @@ def test_server_certificate_sans_and_eku(ca_dir):
     cert = _cert(pki.issue(ca_dir, "coord", server=True, sans=["coord.example.org", "10.1.2.3", "::1"])[0])
     san = _ext(cert, x509.SubjectAlternativeName).value
     assert san.get_values_for_type(x509.DNSName) == ["coord.example.org"]
-    assert san.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("10.1.2.3"), ipaddress.ip_address("::1")]
+    assert san.get_values_for_type(x509.IPAddress) == [
+        ipaddress.ip_address("10.1.2.3"),
+        ipaddress.ip_address("::1"),
+    ]
     assert list(_ext(cert, x509.ExtendedKeyUsage).value) == [ExtendedKeyUsageOID.SERVER_AUTH]
     with pytest.raises(ValueError, match="not a client certificate"):
         pki.identity_of(cert)
@@ -204,7 +222,9 @@ def test_revoke_lists_the_serial_in_a_crl_signed_by_the_ca(ca_dir):
     assert {r.name: r.status() for r in pki.list_certs(ca_dir)} == {"alice": "revoked", "bob": "valid"}
     assert pki.list_certs(ca_dir)[0].revoked_at is not None
     pki.revoke(ca_dir, "bob")
-    assert sorted(r.serial_number for r in x509.load_pem_x509_crl((ca_dir / "crl.pem").read_bytes())) == sorted([alice, bob])
+    assert sorted(
+        r.serial_number for r in x509.load_pem_x509_crl((ca_dir / "crl.pem").read_bytes())
+    ) == sorted([alice, bob])
     with pytest.raises(PKIError, match="no certificate named 'carol'"):
         pki.revoke(ca_dir, "carol")
     with pytest.raises(PKIError, match="revoked already"):
@@ -264,14 +284,19 @@ def test_revocation_list_keeps_the_last_good_list_on_a_bad_rewrite(ca_dir, tmp_p
     good = (ca_dir / "crl.pem").read_bytes()
     other = tmp_path / "other"
     pki.init_ca(other)  # a CRL signed by another CA
-    for bad, problem in ((good[: len(good) // 2], "not a CRL"), ((other / "crl.pem").read_bytes(), "not signed by the CA")):
+    for bad, problem in (
+        (good[: len(good) // 2], "not a CRL"),
+        ((other / "crl.pem").read_bytes(), "not signed by the CA"),
+    ):
         caplog.clear()
         (ca_dir / "crl.pem").write_bytes(bad)
         _bump_mtime(ca_dir / "crl.pem")
         with caplog.at_level(logging.ERROR, logger="fedgrid.trust"):
             assert crl.is_revoked(serial)
             assert crl.is_revoked(serial)  # logged once per bad file, not once per call
-        assert [problem in r.getMessage() and "keeping the last good" in r.getMessage() for r in caplog.records] == [True]
+        assert [
+            problem in r.getMessage() and "keeping the last good" in r.getMessage() for r in caplog.records
+        ] == [True]
     (ca_dir / "crl.pem").unlink()
     assert crl.is_revoked(serial) and not crl.reload()
     (ca_dir / "crl.pem").write_bytes(good)
@@ -338,7 +363,9 @@ def test_enroll_issues_a_client_certificate_once(ca_dir):
     assert serialization.load_pem_private_key(key_pem, password=None).public_key() == cert.public_key()
     assert list(_ext(cert, x509.ExtendedKeyUsage).value) == [ExtendedKeyUsageOID.CLIENT_AUTH]
     assert cert.not_valid_after_utc - cert.not_valid_before_utc == timedelta(days=7) + pki.CLOCK_SKEW
-    assert [(r.name, r.serial, r.kind) for r in pki.list_certs(ca_dir)] == [("alice", cert.serial_number, "client")]
+    assert [(r.name, r.serial, r.kind) for r in pki.list_certs(ca_dir)] == [
+        ("alice", cert.serial_number, "client")
+    ]
     assert (ca_dir / "alice.pem").read_bytes() == cert_pem
     with pytest.raises(EnrollmentError, match="already used"):
         pki.enroll(ca_dir, token, pki.make_csr("alice")[1])
@@ -407,7 +434,9 @@ def test_enroll_refuses_wrong_tokens_and_names(ca_dir):
     for bad in ("nodot", ".secret", "id."):
         with pytest.raises(EnrollmentError, match="malformed enrollment token"):
             pki.enroll(ca_dir, bad, csr)
-    with pytest.raises(EnrollmentError, match="name mismatch: the token is for 'alice', the CSR asks for 'bob'"):
+    with pytest.raises(
+        EnrollmentError, match="name mismatch: the token is for 'alice', the CSR asks for 'bob'"
+    ):
         pki.enroll(ca_dir, token, pki.make_csr("bob")[1])
     pki.issue(ca_dir, "carol")
     with pytest.raises(EnrollmentError, match="'carol' already has a valid certificate"):
@@ -418,7 +447,12 @@ def test_enroll_refuses_wrong_tokens_and_names(ca_dir):
 def _csr(cn: str | None, key: ec.EllipticCurvePrivateKey | None = None) -> bytes:
     key = key or ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)] if cn is not None else [])
-    return x509.CertificateSigningRequestBuilder().subject_name(subject).sign(key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
+    return (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(subject)
+        .sign(key, hashes.SHA256())
+        .public_bytes(serialization.Encoding.PEM)
+    )
 
 
 def test_enroll_refuses_bad_csrs(ca_dir):
@@ -437,7 +471,11 @@ def test_enroll_refuses_bad_csrs(ca_dir):
     with pytest.raises(EnrollmentError, match="CSR name invalid: name 'ca' is reserved"):
         pki.enroll(ca_dir, token, _csr("ca"))
     small = rsa.generate_private_key(public_exponent=65537, key_size=1024)
-    weak = x509.CertificateSigningRequestBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "bob")])).sign(small, hashes.SHA256())
+    weak = (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "bob")]))
+        .sign(small, hashes.SHA256())
+    )
     with pytest.raises(EnrollmentError, match="CSR key unsupported"):
         pki.enroll(ca_dir, token, weak.public_bytes(serialization.Encoding.PEM))
     assert pki.enroll(ca_dir, token, _csr("alice"))[1] == "alice"  # still unused
@@ -458,14 +496,19 @@ def _make_ca(cn: str, key=None, *, days: int = 30, issuer: tuple | None = None, 
     now = datetime.now(timezone.utc)
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
     builder = (
-        x509.CertificateBuilder().subject_name(subject).issuer_name(issuer_cert.subject if issuer_cert else subject)
-        .public_key(key.public_key()).serial_number(x509.random_serial_number())
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer_cert.subject if issuer_cert else subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
         .not_valid_before(now - timedelta(days=1 - days) if days < 0 else now - timedelta(minutes=1))
         .not_valid_after(now + timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
     )
     if not ca:
-        builder = builder.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        builder = builder.add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
     return builder.sign(issuer_key, hashes.SHA256()), key
 
 
@@ -493,12 +536,19 @@ def own_pki(tmp_path: Path) -> dict[str, Path]:
     intermediate after it, and a CA bundle of two unrelated roots plus this one."""
     root = _make_ca("Corp Root", rsa.generate_private_key(public_exponent=65537, key_size=2048))
     inter = _make_ca("Corp Issuing CA", issuer=root)
-    leaf = _make_ca("hospital-3", rsa.generate_private_key(public_exponent=65537, key_size=2048), issuer=inter, ca=False)
+    leaf = _make_ca(
+        "hospital-3", rsa.generate_private_key(public_exponent=65537, key_size=2048), issuer=inter, ca=False
+    )
     files = {
-        "bundle": tmp_path / "bundle.pem", "cert": tmp_path / "leaf.pem", "key": tmp_path / "leaf.key",
-        "root": tmp_path / "root.pem", "inter_key": tmp_path / "inter.key",
+        "bundle": tmp_path / "bundle.pem",
+        "cert": tmp_path / "leaf.pem",
+        "key": tmp_path / "leaf.key",
+        "root": tmp_path / "root.pem",
+        "inter_key": tmp_path / "inter.key",
     }
-    files["bundle"].write_bytes(_pem(_make_ca("Other Root A")[0]) + _pem(root[0]) + _pem(_make_ca("Other Root B")[0]))
+    files["bundle"].write_bytes(
+        _pem(_make_ca("Other Root A")[0]) + _pem(root[0]) + _pem(_make_ca("Other Root B")[0])
+    )
     files["cert"].write_bytes(_pem(leaf[0]) + _pem(inter[0]))
     files["key"].write_bytes(_key(leaf[1]))  # PKCS#1 "BEGIN RSA PRIVATE KEY", as openssl writes it
     files["root"].write_bytes(_pem(root[0]))
@@ -507,7 +557,11 @@ def own_pki(tmp_path: Path) -> dict[str, Path]:
 
 def test_load_pem_files_accepts_a_pki_made_elsewhere(own_pki):
     ca, cert, key = pki.load_pem_files(own_pki["bundle"], own_pki["cert"], own_pki["key"])
-    assert ca == own_pki["bundle"].read_bytes() and cert == own_pki["cert"].read_bytes() and key == own_pki["key"].read_bytes()
+    assert (
+        ca == own_pki["bundle"].read_bytes()
+        and cert == own_pki["cert"].read_bytes()
+        and key == own_pki["key"].read_bytes()
+    )
     assert key.startswith(b"-----BEGIN RSA PRIVATE KEY-----")
     assert pki.identity_of(cert) == "hospital-3"
 
@@ -520,7 +574,9 @@ def test_load_pem_files_accepts_fedgrid_files(ca_dir):
 
 def test_load_pem_files_accepts_a_direct_rsa_leaf(tmp_path):
     root = _make_ca("root", rsa.generate_private_key(public_exponent=65537, key_size=2048))
-    leaf = _make_ca("node", rsa.generate_private_key(public_exponent=65537, key_size=2048), issuer=root, ca=False)
+    leaf = _make_ca(
+        "node", rsa.generate_private_key(public_exponent=65537, key_size=2048), issuer=root, ca=False
+    )
     (tmp_path / "ca.pem").write_bytes(_pem(root[0]))
     (tmp_path / "c.pem").write_bytes(_pem(leaf[0]))
     (tmp_path / "c.key").write_bytes(_key(leaf[1], fmt=serialization.PrivateFormat.PKCS8))
@@ -539,11 +595,17 @@ def test_load_pem_files_names_the_bad_file(own_pki, tmp_path, ca_dir):
     with pytest.raises(PKIError, match=r"leaf\.pem: not a PEM private key"):
         pki.load_pem_files(b, c, c)
     pki.issue(ca_dir, "alice")
-    with pytest.raises(PKIError, match=r"alice\.key: the private key does not match the certificate .*leaf\.pem"):
+    with pytest.raises(
+        PKIError, match=r"alice\.key: the private key does not match the certificate .*leaf\.pem"
+    ):
         pki.load_pem_files(b, c, ca_dir / "alice.key")
-    with pytest.raises(PKIError, match=r"leaf\.pem: certificate CN=hospital-3 is not signed by any certificate in .*ca\.pem"):
+    with pytest.raises(
+        PKIError, match=r"leaf\.pem: certificate CN=hospital-3 is not signed by any certificate in .*ca\.pem"
+    ):
         pki.load_pem_files(ca_dir / "ca.pem", c, k)
-    (tmp_path / "leaf-only.pem").write_bytes(c.read_bytes().split(b"-----END CERTIFICATE-----")[0] + b"-----END CERTIFICATE-----\n")
+    (tmp_path / "leaf-only.pem").write_bytes(
+        c.read_bytes().split(b"-----END CERTIFICATE-----")[0] + b"-----END CERTIFICATE-----\n"
+    )
     with pytest.raises(PKIError, match="is not signed by any certificate"):  # the intermediate is missing
         pki.load_pem_files(b, tmp_path / "leaf-only.pem", k)
     leaf = serialization.load_pem_private_key(k.read_bytes(), password=None)

@@ -17,7 +17,6 @@ from fedgrid.cli import main
 from fedgrid.ops.report import PLOTS, ReportError, figures, load_run, load_runs, participation
 from fedgrid.runlog import read_metrics
 
-
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -26,7 +25,24 @@ def runs(tmp_path_factory) -> tuple[Path, Path]:
     """Two real 3-round simulations of the default digits task, at two learning rates."""
     root = tmp_path_factory.mktemp("runs")
     for name, lr in (("fast", "0.1"), ("slow", "0.02")):
-        assert main(["simulate", "--rounds", "3", "--lr", lr, "--threads", "1", "--progress", "false", "--out", str(root / name)]) == 0
+        assert (
+            main(
+                [
+                    "simulate",
+                    "--rounds",
+                    "3",
+                    "--lr",
+                    lr,
+                    "--threads",
+                    "1",
+                    "--progress",
+                    "false",
+                    "--out",
+                    str(root / name),
+                ]
+            )
+            == 0
+        )
     return root / "fast", root / "slow"
 
 
@@ -53,9 +69,13 @@ def test_plotted_series_are_the_metrics_of_each_run(runs):
 
     assert _lines(figs["accuracy.png"]) == {f"accuracy|{n}": series(n, "accuracy") for n in rows}
     assert _lines(figs["loss.png"]) == {f"loss|{n}": series(n, "loss") for n in rows}
-    assert _lines(figs["bytes.png"]) == {f"{m.replace('_', ' ')}|{n}": series(n, m) for n in rows for m in ("bytes_up", "bytes_down")}
+    assert _lines(figs["bytes.png"]) == {
+        f"{m.replace('_', ' ')}|{n}": series(n, m) for n in rows for m in ("bytes_up", "bytes_down")
+    }
     assert _lines(figs["clients.png"]) == {
-        f"clients|{n} ({m.replace('_', ' ')})": series(n, m) for n in rows for m in ("clients_ok", "clients_failed")
+        f"clients|{n} ({m.replace('_', ' ')})": series(n, m)
+        for n in rows
+        for m in ("clients_ok", "clients_failed")
     }
     assert series("fast", "accuracy") != series("slow", "accuracy")  # two different runs, not one twice
     assert series("fast", "clients_ok")[1] == [10.0, 10.0, 10.0]
@@ -71,7 +91,9 @@ def test_report_writes_pngs_and_one_self_contained_html(runs, tmp_path, capsys):
         data = (out / name).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 5000, name
     page = (out / "report.html").read_text()
-    embedded = [base64.b64decode(m) for m in re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)]
+    embedded = [
+        base64.b64decode(m) for m in re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
+    ]
     assert embedded == [(out / name).read_bytes() for name in PLOTS]  # the same images, in the page's order
     assert re.findall(r'(?:src|href)="(?!data:)', page) == [] and "http" not in page  # nothing external
     for run in runs:
@@ -85,12 +107,17 @@ def test_labels_name_the_runs_and_are_escaped_in_html(runs, tmp_path):
     fast, slow = runs
     out = tmp_path / "report"
     label = "<script>alert('x')</script> $5"
-    assert main(["report", str(fast), str(slow), "--label", label, "--label", "slow lr", "--out", str(out)]) == 0
+    assert (
+        main(["report", str(fast), str(slow), "--label", label, "--label", "slow lr", "--out", str(out)]) == 0
+    )
     page = (out / "report.html").read_text()
     assert "<script>" not in page and "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt; $5" in page
     figs = figures(load_runs([str(fast), str(slow)], [label, "slow lr"]))
     # "$" is escaped for matplotlib (no mathtext), shown as typed.
-    assert [line.get_label() for line in figs["accuracy.png"].axes[0].lines] == [label.replace("$", r"\$"), "slow lr"]
+    assert [line.get_label() for line in figs["accuracy.png"].axes[0].lines] == [
+        label.replace("$", r"\$"),
+        "slow lr",
+    ]
 
 
 def test_same_directory_names_are_told_apart_by_path(runs, tmp_path):
@@ -117,12 +144,22 @@ def _copy_with_rows(src: Path, dst: Path, text: str) -> Path:
     "make,message",
     [
         (lambda src, d: d / "nowhere", "{d}/nowhere: no such directory"),
-        (lambda src, d: (d / "empty").mkdir() or d / "empty", "{d}/empty: no metrics.jsonl (not a run directory)"),
-        (lambda src, d: _copy_with_rows(src, d / "bad", '{"round": 1}\n\n{"round": 2\n'),
-         "{d}/bad/metrics.jsonl:3: not valid JSON (Expecting ',' delimiter)"),
-        (lambda src, d: _copy_with_rows(src, d / "list", '{"round": 1}\n[1, 2]\n'), "{d}/list/metrics.jsonl:2: expected a JSON object, got list"),
-        (lambda src, d: _copy_with_rows(src, d / "noround", '{"round": 1}\n{"loss": 0.5}\n'),
-         "{d}/noround/metrics.jsonl: row 2 has no integer 'round' (got None)"),
+        (
+            lambda src, d: (d / "empty").mkdir() or d / "empty",
+            "{d}/empty: no metrics.jsonl (not a run directory)",
+        ),
+        (
+            lambda src, d: _copy_with_rows(src, d / "bad", '{"round": 1}\n\n{"round": 2\n'),
+            "{d}/bad/metrics.jsonl:3: not valid JSON (Expecting ',' delimiter)",
+        ),
+        (
+            lambda src, d: _copy_with_rows(src, d / "list", '{"round": 1}\n[1, 2]\n'),
+            "{d}/list/metrics.jsonl:2: expected a JSON object, got list",
+        ),
+        (
+            lambda src, d: _copy_with_rows(src, d / "noround", '{"round": 1}\n{"loss": 0.5}\n'),
+            "{d}/noround/metrics.jsonl: row 2 has no integer 'round' (got None)",
+        ),
         (lambda src, d: _copy_with_rows(src, d / "none", ""), "{d}/none/metrics.jsonl: no rounds recorded"),
     ],
     ids=["missing", "no-metrics", "malformed", "not-object", "no-round", "no-rounds"],
@@ -166,25 +203,31 @@ def _coordinator_run(src: Path, dst: Path) -> Path:
     fails round 2, breaks an upload in round 3 then delivers it; carol joins for round 3
     under a second session id (a restart) after her first session's round 1."""
     shutil.copytree(src, dst)
-    (dst / "events.jsonl").write_text("".join([
-        _event("started", run_id="r", address="127.0.0.1:1", threads=1),
-        _event("client_joined", client="c1", name="alice", region=""),
-        _event("client_joined", client="c2", name="bob", region=""),
-        _event("client_joined", client="c3", name="carol", region=""),
-        _event("round_opened", round=1, task="t1", clients=3, evaluate=False, phase="fit"),
-        _event("update_accepted", round=1, client="c1", evaluate=False, accepted=1, expected=3),
-        _event("update_accepted", round=1, client="c2", evaluate=False, accepted=2, expected=3),
-        _event("update_accepted", round=1, client="c3", evaluate=False, accepted=3, expected=3),
-        _event("update_accepted", round=1, client="c3", evaluate=True, accepted=1, expected=1),  # evaluation: not training
-        _event("update_accepted", round=2, client="c1", evaluate=False, accepted=1, expected=2),
-        _event("failure_reported", round=2, client="c2", reason="out of memory"),
-        _event("client_joined", client="c9", name="carol", region=""),
-        _event("update_accepted", round=3, client="c1", evaluate=False, accepted=1, expected=3),
-        _event("upload_broken", round=3, client="c2", chunks=2),
-        _event("update_accepted", round=3, client="c2", evaluate=False, accepted=2, expected=3),
-        _event("update_accepted", round=3, client="c9", evaluate=False, accepted=3, expected=3),
-        '{"t": 2.0, "event": "round_comm',  # torn by a kill mid-write
-    ]))
+    (dst / "events.jsonl").write_text(
+        "".join(
+            [
+                _event("started", run_id="r", address="127.0.0.1:1", threads=1),
+                _event("client_joined", client="c1", name="alice", region=""),
+                _event("client_joined", client="c2", name="bob", region=""),
+                _event("client_joined", client="c3", name="carol", region=""),
+                _event("round_opened", round=1, task="t1", clients=3, evaluate=False, phase="fit"),
+                _event("update_accepted", round=1, client="c1", evaluate=False, accepted=1, expected=3),
+                _event("update_accepted", round=1, client="c2", evaluate=False, accepted=2, expected=3),
+                _event("update_accepted", round=1, client="c3", evaluate=False, accepted=3, expected=3),
+                _event(
+                    "update_accepted", round=1, client="c3", evaluate=True, accepted=1, expected=1
+                ),  # evaluation: not training
+                _event("update_accepted", round=2, client="c1", evaluate=False, accepted=1, expected=2),
+                _event("failure_reported", round=2, client="c2", reason="out of memory"),
+                _event("client_joined", client="c9", name="carol", region=""),
+                _event("update_accepted", round=3, client="c1", evaluate=False, accepted=1, expected=3),
+                _event("upload_broken", round=3, client="c2", chunks=2),
+                _event("update_accepted", round=3, client="c2", evaluate=False, accepted=2, expected=3),
+                _event("update_accepted", round=3, client="c9", evaluate=False, accepted=3, expected=3),
+                '{"t": 2.0, "event": "round_comm',  # torn by a kill mid-write
+            ]
+        )
+    )
     return dst
 
 
@@ -213,4 +256,6 @@ def test_malformed_event_line_is_named(runs, tmp_path, capsys):
 def test_an_unwritable_out_is_one_line(runs, tmp_path, capsys):
     (tmp_path / "file").write_text("")
     assert main(["report", str(runs[0]), "--out", str(tmp_path / "file")]) == 1
-    assert capsys.readouterr().err.splitlines() == [f"fedgrid report: error: cannot write {tmp_path / 'file'}: File exists"]
+    assert capsys.readouterr().err.splitlines() == [
+        f"fedgrid report: error: cannot write {tmp_path / 'file'}: File exists"
+    ]

@@ -19,8 +19,14 @@ def _send(clock: LinkClock, link: WanLink, total: int, step: int, now: float = 0
 
 @pytest.mark.parametrize(
     "kwargs, key",
-    [({"delay_ms": -1}, "delay_ms"), ({"jitter_ms": math.nan}, "jitter_ms"), ({"rate_mbit": 0}, "rate_mbit"),
-     ({"rate_mbit": math.inf}, "rate_mbit"), ({"loss": 1.0}, "loss"), ({"loss": -0.1}, "loss")],
+    [
+        ({"delay_ms": -1}, "delay_ms"),
+        ({"jitter_ms": math.nan}, "jitter_ms"),
+        ({"rate_mbit": 0}, "rate_mbit"),
+        ({"rate_mbit": math.inf}, "rate_mbit"),
+        ({"loss": 1.0}, "loss"),
+        ({"loss": -0.1}, "loss"),
+    ],
 )
 def test_a_bad_link_is_refused_naming_its_key(kwargs, key):
     with pytest.raises(ConfigError) as err:
@@ -122,8 +128,14 @@ def test_jitter_varies_the_delay_but_never_reorders():
     assert max(extra) - min(extra) > 0.015  # it does vary
 
 
-@pytest.mark.parametrize("value, expected", [("127.0.0.1:0", ("127.0.0.1", 0)), ("[::1]:8080", ("::1", 8080)),
-                                             ("wan.example:50051", ("wan.example", 50051))])
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("127.0.0.1:0", ("127.0.0.1", 0)),
+        ("[::1]:8080", ("::1", 8080)),
+        ("wan.example:50051", ("wan.example", 50051)),
+    ],
+)
 def test_parse_hostport(value, expected):
     assert parse_hostport(value) == expected
 

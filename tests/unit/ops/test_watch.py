@@ -9,15 +9,33 @@ from rich.console import Console
 
 from fedgrid.ops.watch import StatusUnavailable, fetch_status, render_status
 
-
 STATUS = {
-    "run_id": "r1", "state": "running", "phase": "fit", "round": 2, "rounds": 5, "committed": 1,
+    "run_id": "r1",
+    "state": "running",
+    "phase": "fit",
+    "round": 2,
+    "rounds": 5,
+    "committed": 1,
     "progress": {"round": 2, "phase": "fit", "results": 1, "failures": 0, "expected": 2, "closed": False},
     "clients_total": 2,
     "clients": [
-        {"id": "a1", "name": "[bold red]fake[/] \x1b[2J", "region": "eu", "state": "training", "last_seen_s": 1.25,
-         "device": "cuda", "accelerators": 2, "memory_bytes": 80 << 30},
-        {"id": "b2", "name": "plain", "region": "us", "state": "reported", "last_seen_s": 0.5},  # an older coordinator's
+        {
+            "id": "a1",
+            "name": "[bold red]fake[/] \x1b[2J",
+            "region": "eu",
+            "state": "training",
+            "last_seen_s": 1.25,
+            "device": "cuda",
+            "accelerators": 2,
+            "memory_bytes": 80 << 30,
+        },
+        {
+            "id": "b2",
+            "name": "plain",
+            "region": "us",
+            "state": "reported",
+            "last_seen_s": 0.5,
+        },  # an older coordinator's
     ],
     "history": [{"round": 1, "accuracy": 0.8125, "loss": 0.5, "bytes_up": 10, "bytes_down": 20}],
 }

@@ -23,7 +23,6 @@ from fedgrid.proto.buffers import MIN_POOLED_BYTES, BufferPool, receive_buffers
 from fedgrid.server.spill import HeldState, SpilledState, SpillWriter
 from fedgrid.types import TensorSpec
 
-
 MiB = 1 << 20
 N = 2 * MiB  # bytes of each test buffer: above MIN_POOLED_BYTES
 FILL = 0xA5
@@ -57,10 +56,14 @@ def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
 
 def _state(nbytes: int = N, seed: int = 0) -> "OrderedDict[str, torch.Tensor]":
     gen = torch.Generator().manual_seed(seed)
-    return OrderedDict(w=torch.randn(nbytes // 4, generator=gen), b=torch.randn(nbytes // 8, generator=gen).reshape(2, -1))
+    return OrderedDict(
+        w=torch.randn(nbytes // 4, generator=gen), b=torch.randn(nbytes // 8, generator=gen).reshape(2, -1)
+    )
 
 
-def _decode(state: "OrderedDict[str, torch.Tensor]", pool: BufferPool, *, codec: str = "none") -> "OrderedDict[str, torch.Tensor]":
+def _decode(
+    state: "OrderedDict[str, torch.Tensor]", pool: BufferPool, *, codec: str = "none"
+) -> "OrderedDict[str, torch.Tensor]":
     asm = serde.ModelAssembler(buffers=pool)
     for frame in serde.EncodedModel(state, codec=codec).frames(serde.StreamInfo(), chunk_size=256 * 1024):
         asm.feed(frame)
@@ -116,8 +119,14 @@ HOLDERS: dict[str, tuple[Callable[[torch.Tensor], Any], Callable[[Any], bytes]]]
     "numpy dtype view": (lambda t: t.numpy().view(np.uint8).reshape(4, -1), lambda a: a.tobytes()),
     "memoryview": (lambda t: memoryview(t.numpy()), lambda m: m.tobytes()),
     "frombuffer": (lambda t: torch.frombuffer(memoryview(t.numpy()), dtype=torch.uint8), _bytes),
-    "frombuffer of a view": (lambda t: torch.frombuffer(t.view(torch.uint8).numpy().data, dtype=torch.int16), _bytes),
-    "HeldState": (lambda t: HeldState(Path("unused.safetensors"), OrderedDict(w=t)), lambda h: _bytes(h["w"])),
+    "frombuffer of a view": (
+        lambda t: torch.frombuffer(t.view(torch.uint8).numpy().data, dtype=torch.int16),
+        _bytes,
+    ),
+    "HeldState": (
+        lambda t: HeldState(Path("unused.safetensors"), OrderedDict(w=t)),
+        lambda h: _bytes(h["w"]),
+    ),
 }
 
 
@@ -169,7 +178,9 @@ def test_copies_let_the_buffer_go(tmp_path: Path) -> None:
     cloned = {k: v.clone() for k, v in received.items()}
     stream = io.BytesIO()
     torch.save(received, stream)
-    writer = SpillWriter(tmp_path / "b.safetensors", {k: TensorSpec(v.dtype, tuple(v.shape)) for k, v in received.items()}, {})
+    writer = SpillWriter(
+        tmp_path / "b.safetensors", {k: TensorSpec(v.dtype, tuple(v.shape)) for k, v in received.items()}, {}
+    )
     for name in received:
         writer.write(name, received[name])
     on_disk: SpilledState = writer.commit()
@@ -200,7 +211,9 @@ def test_a_truncated_stream_exposes_no_old_bytes() -> None:
     stale = pool.take(N)
     stale[:] = FILL
     del stale  # free, holding FILL: the next tensor of this size gets it
-    frames = list(serde.EncodedModel(_state(), codec="none").frames(serde.StreamInfo(), chunk_size=256 * 1024))
+    frames = list(
+        serde.EncodedModel(_state(), codec="none").frames(serde.StreamInfo(), chunk_size=256 * 1024)
+    )
     asm = serde.ModelAssembler(buffers=pool)
     for frame in frames[:3]:  # part of "w" only
         asm.feed(frame)

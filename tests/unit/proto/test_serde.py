@@ -15,7 +15,6 @@ from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import serde
 from fedgrid.types import ClientInfo
 
-
 MiB = 1 << 20
 
 
@@ -73,7 +72,9 @@ def test_roundtrip_every_dtype_bit_exact(dtype):
 def test_roundtrip_empty_and_scalar_every_dtype(dtype):
     empty = torch.empty((0, 5), dtype=dtype)
     scalar = _random_tensor(dtype, (), seed=2)
-    out = _roundtrip(_state(empty=empty, scalar=scalar), expected=serde.TensorSpec.of({"empty": empty, "scalar": scalar}))
+    out = _roundtrip(
+        _state(empty=empty, scalar=scalar), expected=serde.TensorSpec.of({"empty": empty, "scalar": scalar})
+    )
     assert out["empty"].dtype == dtype and out["empty"].shape == (0, 5)
     assert out["scalar"].dtype == dtype and out["scalar"].shape == ()
     assert torch.equal(_bits(out["scalar"]), _bits(scalar))
@@ -139,7 +140,9 @@ def test_encoded_model_streams_same_bytes_twice():
 
 
 def test_encode_rejects_unsendable_dtype_naming_tensor():
-    with pytest.raises(InvalidUpdateError, match=r"tensor 'scale': dtype torch.float8_e8m0fnu cannot be sent"):
+    with pytest.raises(
+        InvalidUpdateError, match=r"tensor 'scale': dtype torch.float8_e8m0fnu cannot be sent"
+    ):
         serde.EncodedModel({"scale": torch.zeros(2, dtype=torch.float8_e8m0fnu)})
 
 
@@ -170,7 +173,9 @@ def test_chunk_count_around_boundaries(nbytes, messages):
 @settings(max_examples=150, deadline=None, database=None)
 @given(sizes=st.lists(st.integers(0, 300), min_size=0, max_size=4), chunk_size=st.integers(1, 100))
 def test_chunking_property(sizes, chunk_size):
-    state = OrderedDict((f"t{i}", torch.arange(n, dtype=torch.int64).to(torch.uint8)) for i, n in enumerate(sizes))
+    state = OrderedDict(
+        (f"t{i}", torch.arange(n, dtype=torch.int64).to(torch.uint8)) for i, n in enumerate(sizes)
+    )
     chunks = _stream(state, chunk_size=chunk_size)
     assert len(chunks) == max(1, sum(max(1, math.ceil(n / chunk_size)) for n in sizes))
     assert all(len(c.data) <= chunk_size for c in chunks)
@@ -307,7 +312,9 @@ def test_rejects_nbytes_over_dtype_and_shape():
 
 def test_rejects_nbytes_under_dtype_and_shape():
     payload = W.numpy().tobytes()[:8]
-    meta = pb.TensorMeta(name="w", dtype=pb.FLOAT32, shape=[2, 3], codec="none", nbytes=8, checksum=serde.checksum(payload))
+    meta = pb.TensorMeta(
+        name="w", dtype=pb.FLOAT32, shape=[2, 3], codec="none", nbytes=8, checksum=serde.checksum(payload)
+    )
     chunk = pb.Chunk(header=pb.StreamHeader(num_tensors=1, total_bytes=8), tensor=meta, data=payload)
     _raises([chunk], r"tensor 'w': payload is 8 bytes, torch.float32 \[2, 3\] needs 24")
 
@@ -325,7 +332,9 @@ def test_rejects_stream_over_max_total_bytes():
 def test_rejects_tensor_past_declared_total():
     chunks = _stream(_state(w=W, b=B))
     chunks[0].header.total_bytes = 30
-    with pytest.raises(PayloadTooLargeError, match=r"tensor 'b': payload runs past the stream's declared total"):
+    with pytest.raises(
+        PayloadTooLargeError, match=r"tensor 'b': payload runs past the stream's declared total"
+    ):
         serde.decode_chunks(chunks)
 
 
@@ -443,7 +452,17 @@ def test_check_finite_accepts_finite_integer_and_empty():
 
 # -- small messages ------------------------------------------------------------------------
 def test_config_roundtrip_keeps_types():
-    config = {"flag": True, "off": False, "epochs": 3, "neg": -(2**62), "zero": 0, "lr": 0.1, "nz": 0.0, "name": "adam", "empty": ""}
+    config = {
+        "flag": True,
+        "off": False,
+        "epochs": 3,
+        "neg": -(2**62),
+        "zero": 0,
+        "lr": 0.1,
+        "nz": 0.0,
+        "name": "adam",
+        "empty": "",
+    }
     task = pb.Task(config=serde.config_to_pb(config))
     back = serde.config_from_pb(pb.Task.FromString(task.SerializeToString()).config)
     assert back == config
@@ -461,7 +480,9 @@ def test_config_to_pb_rejects_non_scalars(value):
 
 
 def test_fit_ins_from_task():
-    task = pb.Task(task_id="t", round=4, kind=pb.FIT, config=serde.config_to_pb({"lr": 0.5, "local_epochs": 2}))
+    task = pb.Task(
+        task_id="t", round=4, kind=pb.FIT, config=serde.config_to_pb({"lr": 0.5, "local_epochs": 2})
+    )
     ins = serde.fit_ins_from_task(task)
     assert ins.round == 4
     assert dict(ins.config) == {"lr": 0.5, "local_epochs": 2}
@@ -469,12 +490,28 @@ def test_fit_ins_from_task():
 
 def test_client_info_join_roundtrip():
     info = ClientInfo(
-        client_id="ignored", name="n", region="eu", num_examples=50, device="cuda", num_accelerators=2, memory_bytes=1 << 30, codecs=("none", "q8")
+        client_id="ignored",
+        name="n",
+        region="eu",
+        num_examples=50,
+        device="cuda",
+        num_accelerators=2,
+        memory_bytes=1 << 30,
+        codecs=("none", "q8"),
     )
-    request = pb.JoinRequest(name="n", region="eu", num_examples=50, capabilities=serde.capabilities_to_pb(info))
+    request = pb.JoinRequest(
+        name="n", region="eu", num_examples=50, capabilities=serde.capabilities_to_pb(info)
+    )
     got = serde.client_info_from_join("c-1", request)
     assert got == ClientInfo(
-        client_id="c-1", name="n", region="eu", num_examples=50, device="cuda", num_accelerators=2, memory_bytes=1 << 30, codecs=("none", "q8")
+        client_id="c-1",
+        name="n",
+        region="eu",
+        num_examples=50,
+        device="cuda",
+        num_accelerators=2,
+        memory_bytes=1 << 30,
+        codecs=("none", "q8"),
     )
 
 

@@ -32,14 +32,19 @@ def test_header_checks_name_what_is_wrong():
     accept.check_header(bounds, client, num_examples=10, delta=True, codec="int8")
     for kwargs, message in [
         ({"num_examples": 0, "delta": False, "codec": "none"}, "num_examples must be at least 1"),
-        ({"num_examples": 11, "delta": False, "codec": "none"}, "the update claims 11, the client reported 10 at join"),
+        (
+            {"num_examples": 11, "delta": False, "codec": "none"},
+            "the update claims 11, the client reported 10 at join",
+        ),
         ({"num_examples": 101, "delta": False, "codec": "none"}, "101 claimed, over the maximum of 100"),
         ({"num_examples": 5, "delta": True, "codec": "none"}, "sends whole values (delta=False)"),
         ({"num_examples": 5, "delta": False, "codec": "int8"}, "sends differences (delta=True)"),
     ]:
         with pytest.raises(InvalidUpdateError, match=message.replace("(", r"\(").replace(")", r"\)")):
             accept.check_header(bounds, client, **kwargs)
-    accept.check_claim(bounds, client, 0, evaluate=True)  # an evaluation of nothing fails when counted, not here
+    accept.check_claim(
+        bounds, client, 0, evaluate=True
+    )  # an evaluation of nothing fails when counted, not here
 
 
 def test_a_kept_difference_is_checked_as_the_value_it_stands_for():
@@ -53,7 +58,9 @@ def test_a_kept_difference_is_checked_as_the_value_it_stands_for():
     assert math.isclose(kept.norm.value, float(diff.double().norm()), rel_tol=1e-12)
     assert math.isclose(added.norm.value, kept.norm.value, rel_tol=1e-6)
     with pytest.raises(InvalidUpdateError, match="over max_update_norm"):
-        accept.UpdateCheck(BASE, UpdateBounds(max_update_norm=1.0), delta=True, keep_delta=True).add("w", diff)
+        accept.UpdateCheck(BASE, UpdateBounds(max_update_norm=1.0), delta=True, keep_delta=True).add(
+            "w", diff
+        )
     with pytest.raises(InvalidUpdateError, match="contains NaN"):
         kept.add("w", torch.tensor([0.0, math.nan, 0.0]))
     values = accept.UpdateCheck(BASE, UpdateBounds(), delta=False, keep_delta=True)
@@ -73,10 +80,19 @@ def test_the_tally_counts_bytes_by_region():
 
 def test_the_delta_flag_survives_the_spill(tmp_path):
     spill = UpdateSpill(tmp_path)
-    client, diff = ClientInfo("c1", name="c1"), OrderedDict(w=torch.tensor([1.0, 2.0, 3.0]), steps=torch.tensor(5))
+    client, diff = (
+        ClientInfo("c1", name="c1"),
+        OrderedDict(w=torch.tensor([1.0, 2.0, 3.0]), steps=torch.tensor(5)),
+    )
     put = spill.put(task_id="t", result=FitRes(client, diff, 3, {}, delta=True))
-    writer = spill.writer(task_id="t", client=ClientInfo("c2"), specs=TensorSpec.of(diff), num_examples=3, metrics={},
-                          delta=False)
+    writer = spill.writer(
+        task_id="t",
+        client=ClientInfo("c2"),
+        specs=TensorSpec.of(diff),
+        num_examples=3,
+        metrics={},
+        delta=False,
+    )
     assert writer is not None
     for name, tensor in diff.items():
         writer.write(name, tensor)
@@ -108,8 +124,9 @@ def test_a_lossy_uplink_hands_over_deltas_only_over_an_exact_downlink(downlink, 
     glob = OrderedDict(w=torch.linspace(-1, 1, 300), steps=torch.tensor(2))
     fleet = InProcessFleet([Trained("a", 0.5)], codec_policy=CodecPolicy("int8"), downlink_codec=downlink)
     [info] = fleet.wait_for_clients(min_clients=1, timeout=timedelta(seconds=1))
-    outcome = fleet.fit_round(server_round=1, global_state=glob, assignments=[(info, FitIns(round=1))],
-                              timeout=timedelta(seconds=5))
+    outcome = fleet.fit_round(
+        server_round=1, global_state=glob, assignments=[(info, FitIns(round=1))], timeout=timedelta(seconds=5)
+    )
     [res] = outcome.results
     assert res.delta is kept and torch.equal(res.state["steps"], glob["steps"])
     value = res.state["w"] + glob["w"] if kept else res.state["w"]
@@ -131,8 +148,14 @@ def test_the_engine_hands_models_to_a_strategy_that_does_not_take_deltas():
     strategy = ModelsOnly()
     strategy.initialize(initial_state=glob)
     fleet = InProcessFleet([Trained("a", 0.5)], codec_policy=CodecPolicy("int8"))
-    RoundEngine(strategy=strategy, fleet=fleet, rounds=1, min_clients=1, round_timeout=timedelta(seconds=5),
-                join_timeout=timedelta(seconds=1)).run()
+    RoundEngine(
+        strategy=strategy,
+        fleet=fleet,
+        rounds=1,
+        min_clients=1,
+        round_timeout=timedelta(seconds=5),
+        join_timeout=timedelta(seconds=1),
+    ).run()
     [(delta, w)] = strategy.seen
     assert not delta
     torch.testing.assert_close(w, glob["w"] + 0.5, rtol=0, atol=0.02)
@@ -151,8 +174,17 @@ def test_a_simulated_client_claiming_no_examples_fails_its_round_and_the_run_goe
     strategy = FedAvg()
     strategy.initialize(initial_state=glob)
     fleet = InProcessFleet([Trained("a", 0.5), NoExamples("z", 100.0)])
-    engine = RoundEngine(strategy=strategy, fleet=fleet, rounds=2, min_clients=2, round_timeout=timedelta(seconds=5),
-                         join_timeout=timedelta(seconds=1))
+    engine = RoundEngine(
+        strategy=strategy,
+        fleet=fleet,
+        rounds=2,
+        min_clients=2,
+        round_timeout=timedelta(seconds=5),
+        join_timeout=timedelta(seconds=1),
+    )
     final = engine.run()
-    assert final is not None and [(m.clients_ok, m.clients_failed) for m in engine.history] == [(1, 1), (1, 1)]
+    assert final is not None and [(m.clients_ok, m.clients_failed) for m in engine.history] == [
+        (1, 1),
+        (1, 1),
+    ]
     torch.testing.assert_close(final["w"], glob["w"] + 0.5 + 0.5, rtol=0, atol=0)  # "z" never counted

@@ -43,7 +43,9 @@ def test_norm_is_float64_over_floating_tensors_and_refuses_early():
     meter.add("w", torch.full((2, 3), 1.0))  # sqrt(6)
     meter.add("steps", torch.tensor(10**6))  # integer tensors are not directions
     assert meter.value == pytest.approx(math.sqrt(6), abs=1e-12)
-    with pytest.raises(InvalidUpdateError, match=r"update norm 5.09902 is over max_update_norm 5 .*up to 'b'"):
+    with pytest.raises(
+        InvalidUpdateError, match=r"update norm 5.09902 is over max_update_norm 5 .*up to 'b'"
+    ):
         meter.add("b", torch.full((4,), math.sqrt(5.0), dtype=torch.float64))  # 6 + 20 = 26
     with pytest.raises(InvalidUpdateError, match=r"update norm 7.34847e\+38"):
         bounds.check_update({"w": torch.full((2, 3), 3e38)}, BASE)  # 3e38 squared stays finite in float64
@@ -51,7 +53,12 @@ def test_norm_is_float64_over_floating_tensors_and_refuses_early():
 
 def test_labels_and_escaping():
     assert check_label("Zürich 7/10 @eu:a_b", what="name", limit=128)
-    for bad, char in [("a\nb", "'\\n'"), ("a\x1b[31m", "'\\x1b'"), ("a\u202eb", "'\\u202e'"), ("a\tb", "'\\t'")]:
+    for bad, char in [
+        ("a\nb", "'\\n'"),
+        ("a\x1b[31m", "'\\x1b'"),
+        ("a\u202eb", "'\\u202e'"),
+        ("a\tb", "'\\t'"),
+    ]:
         with pytest.raises(InvalidUpdateError) as err:
             check_label(bad, what="name", limit=128)
         assert f"name: character 1 is {char}; only printable characters" in str(err.value)
@@ -75,15 +82,27 @@ class Shift(Client):
         return 3
 
     def fit(self, state, ins):
-        value = (lambda v: torch.full_like(v, 3e38)) if ins.round in self.poisoned else (lambda v: v + self.by)
-        return FitOutput(OrderedDict((n, value(v) if v.is_floating_point() else v) for n, v in state.items()), num_examples=self.claim)
+        value = (
+            (lambda v: torch.full_like(v, 3e38)) if ins.round in self.poisoned else (lambda v: v + self.by)
+        )
+        return FitOutput(
+            OrderedDict((n, value(v) if v.is_floating_point() else v) for n, v in state.items()),
+            num_examples=self.claim,
+        )
 
 
 def _engine(clients, *, rounds, bounds=None, store=None):
     strategy = build_strategy_from("fedadam", seed=0)
     strategy.initialize(initial_state=OrderedDict(w=torch.ones(2, 3), steps=torch.tensor(1)))
-    return RoundEngine(strategy=strategy, fleet=InProcessFleet(clients, bounds=bounds), rounds=rounds, min_clients=1,
-                       round_timeout=timedelta(seconds=5), join_timeout=timedelta(seconds=5), store=store)
+    return RoundEngine(
+        strategy=strategy,
+        fleet=InProcessFleet(clients, bounds=bounds),
+        rounds=rounds,
+        min_clients=1,
+        round_timeout=timedelta(seconds=5),
+        join_timeout=timedelta(seconds=5),
+        store=store,
+    )
 
 
 def test_in_process_fleet_refuses_what_the_coordinator_refuses():
@@ -91,10 +110,15 @@ def test_in_process_fleet_refuses_what_the_coordinator_refuses():
     engine = _engine(clients, rounds=1, bounds=UpdateBounds(max_update_norm=1.0))
     engine.run()
     assert engine.history[0].clients_ok == 1
-    outcome = engine.fleet.fit_round(server_round=2, global_state=engine.strategy.global_state,
-                                     assignments=[(info, engine.strategy.configure_round(server_round=2, clients=[info])[0][1])
-                                                  for info in engine.fleet.wait_for_clients(min_clients=1, timeout=timedelta(seconds=1))],
-                                     timeout=timedelta(seconds=5))
+    outcome = engine.fleet.fit_round(
+        server_round=2,
+        global_state=engine.strategy.global_state,
+        assignments=[
+            (info, engine.strategy.configure_round(server_round=2, clients=[info])[0][1])
+            for info in engine.fleet.wait_for_clients(min_clients=1, timeout=timedelta(seconds=1))
+        ],
+        timeout=timedelta(seconds=5),
+    )
     reasons = {f.client.name: f.reason for f in outcome.failures}
     assert "the update claims 4, the client reported 3 at join" in reasons["greedy"]
     assert "update norm 24.4949 is over max_update_norm 1" in reasons["far"]
@@ -104,7 +128,11 @@ def test_in_process_fleet_refuses_what_the_coordinator_refuses():
 
 def test_a_non_finite_round_fails_keeps_the_state_and_writes_no_checkpoint(tmp_path):
     store = StateStore(tmp_path)
-    poisoned = _engine([Shift("a", 0.1), Shift("b", 0.2, poisoned=(2,)), Shift("c", 0.3, poisoned=(2,))], rounds=3, store=store)
+    poisoned = _engine(
+        [Shift("a", 0.1), Shift("b", 0.2, poisoned=(2,)), Shift("c", 0.3, poisoned=(2,))],
+        rounds=3,
+        store=store,
+    )
     poisoned.run()
     assert [m.extra.get(ROUND_FAILED, 0.0) for m in poisoned.history] == [0.0, 1.0, 0.0]
     assert [r for r, _ in store.checkpoints()] == [3, 1]

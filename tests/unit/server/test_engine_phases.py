@@ -8,8 +8,8 @@ from datetime import timedelta
 import pytest
 import torch
 
-from fedgrid.aggregation.selection import Sampling
 from fedgrid.aggregation.fedavg import FedAvg
+from fedgrid.aggregation.selection import Sampling
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.fleet import Fleet, RoundOutcome
 from fedgrid.types import ClientInfo, MessageIns, MessageRes
@@ -34,7 +34,9 @@ class Recorder(Fleet):
 
     def message_round(self, *, server_round, phase, assignments, timeout):
         self.calls.append((phase, server_round))
-        return RoundOutcome([MessageRes(info, {"": b"x" * server_round}) for info, _ in assignments], [], bytes_up=3)
+        return RoundOutcome(
+            [MessageRes(info, {"": b"x" * server_round}) for info, _ in assignments], [], bytes_up=3
+        )
 
 
 class Phased(FedAvg):
@@ -56,8 +58,14 @@ class Phased(FedAvg):
 
 def engine(strategy, fleet):
     strategy.initialize(initial_state=OrderedDict(w=torch.zeros(2)))
-    return RoundEngine(strategy=strategy, fleet=fleet, rounds=2, min_clients=1, round_timeout=timedelta(seconds=1),
-                       join_timeout=timedelta(seconds=1))
+    return RoundEngine(
+        strategy=strategy,
+        fleet=fleet,
+        rounds=2,
+        min_clients=1,
+        round_timeout=timedelta(seconds=1),
+        join_timeout=timedelta(seconds=1),
+    )
 
 
 def test_phases_run_in_the_declared_order_each_round():
@@ -65,13 +73,23 @@ def test_phases_run_in_the_declared_order_each_round():
     eng = engine(strategy, fleet)
     eng.run()
     assert fleet.calls == [(p, r) for r in (1, 2) for p in ("keys", "fit", "unmask", "evaluate")]
-    assert strategy.received[0] == ("keys", [b"x", b"x"]) and strategy.received[3] == ("unmask", [b"xx", b"xx"])
+    assert strategy.received[0] == ("keys", [b"x", b"x"]) and strategy.received[3] == (
+        "unmask",
+        [b"xx", b"xx"],
+    )
     m = eng.history[0]
-    assert (m.extra["keys_seen"], m.extra["keys_ok"], m.extra["keys_failed"], m.extra["unmask_bytes_up"]) == (2.0, 2, 0, 3)
+    assert (m.extra["keys_seen"], m.extra["keys_ok"], m.extra["keys_failed"], m.extra["unmask_bytes_up"]) == (
+        2.0,
+        2,
+        0,
+        3,
+    )
     assert m.bytes_up == 6  # both message phases' bytes count in the round
 
 
-@pytest.mark.parametrize("phases, words", [(("fit", "fit"), "declared a phase twice"), (("Bad Name",), "phase name must be")])
+@pytest.mark.parametrize(
+    "phases, words", [(("fit", "fit"), "declared a phase twice"), (("Bad Name",), "phase name must be")]
+)
 def test_bad_phase_declarations_fail_before_any_client_is_asked(phases, words):
     fleet = Recorder()
     with pytest.raises(ValueError, match=words):

@@ -7,7 +7,11 @@ import platform
 
 from fedgrid.server.memory import keep_large_buffers, return_large_buffers_to_the_system
 
-GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc" and ctypes.util.find_library("c") is not None
+GLIBC = (
+    platform.system() == "Linux"
+    and platform.libc_ver()[0] == "glibc"
+    and ctypes.util.find_library("c") is not None
+)
 
 
 def test_mallopt_settings_apply_on_glibc():
@@ -15,4 +19,3 @@ def test_mallopt_settings_apply_on_glibc():
     # (it returns 0 for an unknown parameter or a value out of range).
     assert keep_large_buffers() is GLIBC
     assert return_large_buffers_to_the_system() is GLIBC
-

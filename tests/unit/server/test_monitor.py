@@ -8,11 +8,10 @@ from datetime import timedelta
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.monitor import FAILURE_REASONS, CoordinatorMonitor, failure_reason
+from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.status_page import page_response
 from fedgrid.types import ClientInfo, RoundMetrics
-
 
 
 def _samples(monitor: CoordinatorMonitor) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -23,17 +22,20 @@ def _samples(monitor: CoordinatorMonitor) -> dict[tuple[str, tuple[tuple[str, st
     return out
 
 
-@pytest.mark.parametrize("text, label", [
-    ("missed the round deadline of 3.0s", "deadline"),
-    ("client went silent (no heartbeat)", "silent"),
-    ("silent for over 9.0s", "silent"),
-    ("coordinator stopping", "stopping"),
-    ("client reported: ValueError: \n[FAKE] injected", "client_error"),
-    ("client left: KeyboardInterrupt", "left"),
-    ("replaced by a new session of the same name", "replaced"),
-    ("evaluated no examples", "no_examples"),
-    ("\x1b[31manything a client makes up", "other"),
-])
+@pytest.mark.parametrize(
+    "text, label",
+    [
+        ("missed the round deadline of 3.0s", "deadline"),
+        ("client went silent (no heartbeat)", "silent"),
+        ("silent for over 9.0s", "silent"),
+        ("coordinator stopping", "stopping"),
+        ("client reported: ValueError: \n[FAKE] injected", "client_error"),
+        ("client left: KeyboardInterrupt", "left"),
+        ("replaced by a new session of the same name", "replaced"),
+        ("evaluated no examples", "no_examples"),
+        ("\x1b[31manything a client makes up", "other"),
+    ],
+)
 def test_failure_reasons_are_a_fixed_label_set(text, label):
     assert failure_reason(text) == label
     assert label in FAILURE_REASONS
@@ -44,21 +46,46 @@ def test_events_and_rounds_become_metrics_and_status():
     history: list[RoundMetrics] = []
     monitor = CoordinatorMonitor(fleet, rounds=4, history=lambda: history)
     fleet.events.subscribe(monitor.on_event)
-    a, _ = fleet.join(ClientInfo("", name="alpha", region="eu", num_examples=5, device="cuda", num_accelerators=8, memory_bytes=80 << 30))
+    a, _ = fleet.join(
+        ClientInfo(
+            "",
+            name="alpha",
+            region="eu",
+            num_examples=5,
+            device="cuda",
+            num_accelerators=8,
+            memory_bytes=80 << 30,
+        )
+    )
     b, _ = fleet.join(ClientInfo("", name="<b>beta</b>", region="us", num_examples=5, memory_bytes=16 << 30))
     ev = fleet.events
     ev.emit("started", run_id=fleet.run_id, address="x", threads=1)
     ev.emit("round_opened", round=1, task="t", clients=2, evaluate=False, phase="fit")
     status = monitor.status()
     assert (status["state"], status["phase"], status["round"], status["rounds"]) == ("running", "fit", 1, 4)
-    assert [(c["name"], c["region"], c["state"]) for c in status["clients"]] == [("<b>beta</b>", "us", "idle"), ("alpha", "eu", "idle")]
-    assert [(c["device"], c["accelerators"], c["memory_bytes"]) for c in status["clients"]] == [("cpu", 0, 16 << 30), ("cuda", 8, 80 << 30)]
+    assert [(c["name"], c["region"], c["state"]) for c in status["clients"]] == [
+        ("<b>beta</b>", "us", "idle"),
+        ("alpha", "eu", "idle"),
+    ]
+    assert [(c["device"], c["accelerators"], c["memory_bytes"]) for c in status["clients"]] == [
+        ("cpu", 0, 16 << 30),
+        ("cuda", 8, 80 << 30),
+    ]
     ev.emit("round_closed", round=1, evaluate=False, phase="fit", reason="all", results=2, failures=0)
     ev.emit("aggregating", round=1, updates=2, failures=0)
     ev.emit("checkpoint_writing", round=1)
     ev.emit("checkpoint_written", round=1)
     ev.emit("round_committed", round=1)
-    m = RoundMetrics(round=1, loss=0.5, accuracy=0.75, bytes_up=1000, bytes_down=2000, wall_s=1.5, clients_ok=2, clients_failed=0)
+    m = RoundMetrics(
+        round=1,
+        loss=0.5,
+        accuracy=0.75,
+        bytes_up=1000,
+        bytes_down=2000,
+        wall_s=1.5,
+        clients_ok=2,
+        clients_failed=0,
+    )
     history.append(m)
     monitor.on_round(m)
     ev.emit("round_failed", round=2, reason="non-finite aggregate")
@@ -79,8 +106,19 @@ def test_events_and_rounds_become_metrics_and_status():
     assert got[("fedgrid_round_duration_seconds_sum", ())] == 1.5
     status = monitor.status()
     assert status["committed"] == 1 and status["phase"] == "waiting"
-    assert status["history"] == [{"round": 1, "accuracy": 0.75, "loss": 0.5, "bytes_up": 1000, "bytes_down": 2000, "wall_s": 1.5,
-                                  "clients_ok": 2, "clients_failed": 0, "failed": False}]
+    assert status["history"] == [
+        {
+            "round": 1,
+            "accuracy": 0.75,
+            "loss": 0.5,
+            "bytes_up": 1000,
+            "bytes_down": 2000,
+            "wall_s": 1.5,
+            "clients_ok": 2,
+            "clients_failed": 0,
+            "failed": False,
+        }
+    ]
     # No client text in any label: the names and regions are nowhere in the metrics.
     text = monitor.metrics_text().decode()
     assert "beta" not in text and "alpha" not in text and '"eu"' not in text

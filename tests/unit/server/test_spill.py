@@ -28,8 +28,13 @@ NBYTES = (64 * 32 + 32) * 4
 
 
 def _accept(spill: UpdateSpill, client_id: str, update):
-    writer = spill.writer(task_id=TASK, client=ClientInfo(client_id=client_id), specs=TensorSpec.of(update), num_examples=5,
-                          metrics={"loss": 0.5})
+    writer = spill.writer(
+        task_id=TASK,
+        client=ClientInfo(client_id=client_id),
+        specs=TensorSpec.of(update),
+        num_examples=5,
+        metrics={"loss": 0.5},
+    )
     assert writer is not None
     for name, tensor in update.items():
         writer.write(name, tensor)
@@ -70,8 +75,16 @@ def test_held_updates_stay_in_memory_until_the_budget_needs_their_room(gate):
     assert spill.flush(timeout=timedelta(seconds=0.2))  # nothing was queued: a round closes at once
     assert not path1.exists() and not path2.exists() and spill.held_bytes == 2 * NBYTES
     _assert_equal(state1, first)  # readable while held
-    third = spill.writer(task_id=TASK, client=ClientInfo(client_id="c3"), specs=TensorSpec.of(first), num_examples=1, metrics={})
-    assert isinstance(third, SpillWriter)  # over the budget: this one goes to its file, and the oldest makes room
+    third = spill.writer(
+        task_id=TASK,
+        client=ClientInfo(client_id="c3"),
+        specs=TensorSpec.of(first),
+        num_examples=1,
+        metrics={},
+    )
+    assert isinstance(
+        third, SpillWriter
+    )  # over the budget: this one goes to its file, and the oldest makes room
     assert not spill.flush(timeout=timedelta(seconds=0.2))  # c1's write waits at the gate
     assert spill.held_bytes == 2 * NBYTES  # reserved until its file lands
     gate.set()
@@ -81,7 +94,13 @@ def test_held_updates_stay_in_memory_until_the_budget_needs_their_room(gate):
     _assert_equal(state1, first)  # now read from the file
     _assert_equal(state2, second)
     third.abort()
-    fourth = spill.writer(task_id=TASK, client=ClientInfo(client_id="c4"), specs=TensorSpec.of(first), num_examples=1, metrics={})
+    fourth = spill.writer(
+        task_id=TASK,
+        client=ClientInfo(client_id="c4"),
+        specs=TensorSpec.of(first),
+        num_examples=1,
+        metrics={},
+    )
     assert not isinstance(fourth, SpillWriter)  # room again: held
     fourth.abort()
     spill.clear()
@@ -89,7 +108,9 @@ def test_held_updates_stay_in_memory_until_the_budget_needs_their_room(gate):
     spill.close()
 
 
-def test_under_a_state_directory_an_update_is_in_place_before_its_reply_and_synced_after(tmp_path, monkeypatch):
+def test_under_a_state_directory_an_update_is_in_place_before_its_reply_and_synced_after(
+    tmp_path, monkeypatch
+):
     synced = threading.Event()
     fsyncs: list[int] = []
     real_fsync = spill_mod.os.fsync
@@ -100,13 +121,21 @@ def test_under_a_state_directory_an_update_is_in_place_before_its_reply_and_sync
         real_fsync(fd)
 
     monkeypatch.setattr(spill_mod.os, "fsync", gated_fsync)
-    spill = UpdateSpill(tmp_path, memory_bytes=10 * NBYTES)  # the budget does not apply under a state directory
+    spill = UpdateSpill(
+        tmp_path, memory_bytes=10 * NBYTES
+    )  # the budget does not apply under a state directory
     update = _update(0)
-    writer, state = _accept(spill, "c1", update)  # returns with its fsync still held back: off the reply's path
+    writer, state = _accept(
+        spill, "c1", update
+    )  # returns with its fsync still held back: off the reply's path
     assert isinstance(writer, SpillWriter) and isinstance(state, SpilledState) and spill.held_bytes == 0
     # A coordinator killed now (a new spill on the same directory) restores it: the client is not asked again.
     restored = UpdateSpill(tmp_path).restore(task_id=TASK, assigned={"c1": ClientInfo(client_id="c1")})
-    assert list(restored) == ["c1"] and restored["c1"].num_examples == 5 and restored["c1"].metrics == {"loss": 0.5}
+    assert (
+        list(restored) == ["c1"]
+        and restored["c1"].num_examples == 5
+        and restored["c1"].metrics == {"loss": 0.5}
+    )
     _assert_equal(restored["c1"].state, update)
     assert not spill.flush(timeout=timedelta(seconds=0.2))  # the round cannot close before the fsync
     synced.set()
@@ -130,8 +159,12 @@ def test_budget_counts_uploads_in_flight_and_aborts_give_it_back(gate):
     gate.set()
     spill = UpdateSpill(None, memory_bytes=NBYTES)
     specs = TensorSpec.of(_update(0))
-    first = spill.writer(task_id=TASK, client=ClientInfo(client_id="a"), specs=specs, num_examples=1, metrics={})
-    second = spill.writer(task_id=TASK, client=ClientInfo(client_id="b"), specs=specs, num_examples=1, metrics={})
+    first = spill.writer(
+        task_id=TASK, client=ClientInfo(client_id="a"), specs=specs, num_examples=1, metrics={}
+    )
+    second = spill.writer(
+        task_id=TASK, client=ClientInfo(client_id="b"), specs=specs, num_examples=1, metrics={}
+    )
     assert not isinstance(first, SpillWriter) and isinstance(second, SpillWriter)  # the budget holds one
     assert spill.held_bytes == NBYTES
     first.abort()
@@ -153,7 +186,13 @@ def test_discarded_held_update_never_lands(gate):
     spill = UpdateSpill(None, memory_bytes=2 * NBYTES)
     _accept(spill, "late", _update(3))
     _, kept = _accept(spill, "kept", _update(4))
-    third = spill.writer(task_id=TASK, client=ClientInfo(client_id="c3"), specs=TensorSpec.of(_update(5)), num_examples=1, metrics={})
+    third = spill.writer(
+        task_id=TASK,
+        client=ClientInfo(client_id="c3"),
+        specs=TensorSpec.of(_update(5)),
+        num_examples=1,
+        metrics={},
+    )
     assert isinstance(third, SpillWriter)  # "late" is queued for its write-back, held at the gate
     spill.discard(task_id=TASK, client_id="late")  # the round closed before this upload completed
     gate.set()
@@ -175,11 +214,21 @@ def test_small_held_updates_stay_in_memory_until_their_round_is_cleared(monkeypa
     update = _update(6)
     _, state = _accept(spill, "c1", update)
     assert spill.flush(timeout=timedelta(seconds=5))  # nothing to write
-    assert isinstance(state, HeldState) and not state.on_disk and not (spill.dir / TASK / "c1.safetensors").exists()
+    assert (
+        isinstance(state, HeldState)
+        and not state.on_disk
+        and not (spill.dir / TASK / "c1.safetensors").exists()
+    )
     _assert_equal(state, update)
     assert spill.held_bytes == NBYTES  # still reserved: the budget bounds what is kept
     _accept(spill, "c2", _update(7))
-    third = spill.writer(task_id=TASK, client=ClientInfo(client_id="c3"), specs=TensorSpec.of(update), num_examples=1, metrics={})
+    third = spill.writer(
+        task_id=TASK,
+        client=ClientInfo(client_id="c3"),
+        specs=TensorSpec.of(update),
+        num_examples=1,
+        metrics={},
+    )
     assert isinstance(third, SpillWriter)  # the budget is spent: this one goes to its file
     third.abort()
     spill.discard(task_id=TASK, client_id="c2")

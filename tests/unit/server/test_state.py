@@ -13,9 +13,14 @@ from fedgrid.server.state import CorruptCheckpointError, StateStore
 
 
 def _save(store, r):
-    strategy = {"global_state": OrderedDict(w=torch.full((3,), float(r))), "momentum": torch.tensor([r * 0.5])}
+    strategy = {
+        "global_state": OrderedDict(w=torch.full((3,), float(r))),
+        "momentum": torch.tensor([r * 0.5]),
+    }
     history = [{"round": i, "loss": 1.0 / i} for i in range(1, r + 1)]
-    return store.save(server_round=r, strategy=strategy, fleet={"run_id": "abc", "clients": []}, history=history)
+    return store.save(
+        server_round=r, strategy=strategy, fleet={"run_id": "abc", "clients": []}, history=history
+    )
 
 
 def test_round_trip_and_keep(tmp_path):
@@ -82,24 +87,42 @@ def test_checkpoint_is_private_holds_no_token_and_keeps_value_types(tmp_path):
         "global_state": OrderedDict(w=torch.arange(6.0).reshape(2, 3), steps=torch.tensor(7)),
         "server_optimizer": {"kind": "adam", "steps": 3, "buffers": {"m": {"w": torch.ones(2, 3)}}},
         "last_round": {"a": 2, 5: 1},  # a non-string key stays an int
-        "pair": (1, 2.5), "odd": float("nan"), "np": np.float32(0.25), "raw": b"\x00\xff", "none": None,
+        "pair": (1, 2.5),
+        "odd": float("nan"),
+        "np": np.float32(0.25),
+        "raw": b"\x00\xff",
+        "none": None,
         "view": torch.arange(4.0)[:2],  # a view of a larger storage
     }
     store = StateStore(tmp_path / "state")
-    path = store.save(server_round=1, strategy=strategy, fleet=fleet.state_dict(), history=[{"round": 1, "loss": 0.5}])
+    path = store.save(
+        server_round=1, strategy=strategy, fleet=fleet.state_dict(), history=[{"round": 1, "loss": 0.5}]
+    )
     fleet.close()
     assert path.stat().st_mode & 0o777 == 0o600
     assert (tmp_path / "state").stat().st_mode & 0o777 == 0o700
     data = path.read_bytes()
-    assert token.encode() not in data and b"token\"" not in data
+    assert token.encode() not in data and b'token"' not in data
     ckpt = StateStore.read(path)
     got = ckpt.strategy
     assert isinstance(got["global_state"], OrderedDict) and list(got["global_state"]) == ["w", "steps"]
-    assert torch.equal(got["global_state"]["w"], strategy["global_state"]["w"]) and got["global_state"]["steps"].dtype == torch.int64
+    assert (
+        torch.equal(got["global_state"]["w"], strategy["global_state"]["w"])
+        and got["global_state"]["steps"].dtype == torch.int64
+    )
     assert torch.equal(got["server_optimizer"]["buffers"]["m"]["w"], torch.ones(2, 3))
     assert got["last_round"] == {"a": 2, 5: 1} and list(got["last_round"]) == ["a", 5]
-    assert got["pair"] == (1, 2.5) and got["odd"] != got["odd"] and got["np"] == np.float32(0.25) and type(got["np"]) is np.float32
-    assert got["raw"] == b"\x00\xff" and got["none"] is None and torch.equal(got["view"], torch.tensor([0.0, 1.0]))
+    assert (
+        got["pair"] == (1, 2.5)
+        and got["odd"] != got["odd"]
+        and got["np"] == np.float32(0.25)
+        and type(got["np"]) is np.float32
+    )
+    assert (
+        got["raw"] == b"\x00\xff"
+        and got["none"] is None
+        and torch.equal(got["view"], torch.tensor([0.0, 1.0]))
+    )
     # A restored coordinator authenticates the session the client holds (by its hash).
     restored = RemoteFleet(heartbeat_interval=timedelta(seconds=60))
     restored.load_state_dict(ckpt.fleet)
@@ -132,7 +155,9 @@ def test_pickle_is_never_loaded(tmp_path, monkeypatch):
     store = StateStore(tmp_path)
     _save(store, 1)
     newest = tmp_path / "ckpt-00000002.bin"
-    payload = pickle.dumps({"round": 2, "strategy": {}, "fleet": {}, "history": []})  # well-formed, checksummed, a pickle
+    payload = pickle.dumps(
+        {"round": 2, "strategy": {}, "fleet": {}, "history": []}
+    )  # well-formed, checksummed, a pickle
     newest.write_bytes(state_module.MAGIC + xxhash.xxh3_64_intdigest(payload).to_bytes(8, "little") + payload)
     with pytest.raises(CorruptCheckpointError, match="ckpt-00000002.bin: cannot decode"):
         StateStore.read(newest)
@@ -146,5 +171,7 @@ def test_previous_format_is_refused_by_name(tmp_path):
     _save(store, 1)
     old = tmp_path / "ckpt-00000002.bin"
     old.write_bytes(b"FGCKPT01" + bytes(8) + b"\x80\x04old pickle")
-    with pytest.raises(CheckpointFormatError, match=r"ckpt-00000002.bin: checkpoint format FGCKPT01 \(torch.save pickle"):
+    with pytest.raises(
+        CheckpointFormatError, match=r"ckpt-00000002.bin: checkpoint format FGCKPT01 \(torch.save pickle"
+    ):
         store.load_latest()  # not skipped: resuming round 1 past it would silently lose round 2

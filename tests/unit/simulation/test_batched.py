@@ -24,8 +24,6 @@ from fedgrid.simulation.fleet import InProcessFleet
 from fedgrid.types import FitIns, ModelState
 
 
-
-
 @pytest.fixture(autouse=True)
 def _one_thread():
     """Tiny models: a second OpenMP thread only adds wake-ups (slow on a loaded machine)."""
@@ -57,7 +55,9 @@ def _clients(
     for i, n in enumerate(sizes):
         data = TensorDataset(torch.randn(n, *shape, generator=gen), torch.randint(0, 3, (n,), generator=gen))
         torch.manual_seed(1)
-        clients.append(TorchClient(model(), loader(data), loss, optimizer, device="cpu", seed=i, name=f"c{i}"))
+        clients.append(
+            TorchClient(model(), loader(data), loss, optimizer, device="cpu", seed=i, name=f"c{i}")
+        )
     return clients
 
 
@@ -75,7 +75,14 @@ def _compare(batched: list, sequential: list[FitOutput]) -> None:
         assert got.metrics["loss"] == pytest.approx(want.metrics["loss"], abs=1e-5)
 
 
-def _both(clients: list[TorchClient], config: dict, *, rounds: int = 1, state: ModelState | None = None, batch_clients: int = 0):
+def _both(
+    clients: list[TorchClient],
+    config: dict,
+    *,
+    rounds: int = 1,
+    state: ModelState | None = None,
+    batch_clients: int = 0,
+):
     """(batched outcomes, sequential outputs) of the last of ``rounds`` rounds, from twin clients."""
     twins = copy.deepcopy(clients)
     trainer = BatchedTrainer(clients, batch_clients=batch_clients)
@@ -91,7 +98,9 @@ def _both(clients: list[TorchClient], config: dict, *, rounds: int = 1, state: M
 OPTIMIZERS = {
     "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
     "sgd-nesterov-wd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
-    "sgd-dampening-maximize": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.5, dampening=0.3, maximize=True),
+    "sgd-dampening-maximize": lambda p: torch.optim.SGD(
+        p, lr=0.05, momentum=0.5, dampening=0.3, maximize=True
+    ),
     "adam": lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=0.01),
     "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, betas=(0.8, 0.99)),
 }
@@ -102,7 +111,9 @@ def test_updates_equal_sequential_for_each_optimizer_with_two_epochs(name):
     got, want, _, _ = _both(_clients(OPTIMIZERS[name]), {"local_epochs": 2, "lr": 0.02})
     _compare(got, want)
     assert [o.num_examples for o in got] == list(SIZES)
-    assert not torch.equal(got[0].state["0.weight"], got[1].state["0.weight"])  # each client trained on its own data
+    assert not torch.equal(
+        got[0].state["0.weight"], got[1].state["0.weight"]
+    )  # each client trained on its own data
 
 
 def test_updates_equal_sequential_for_fedprox():
@@ -137,7 +148,9 @@ def test_loader_variants_subset_sequential_sampler_drop_last():
     base = TensorDataset(torch.randn(60, 6), torch.randint(0, 3, (60,)))
     clients = _clients(loader=lambda d: DataLoader(d, batch_size=8, shuffle=False, drop_last=True))
     clients[1].train_loader = DataLoader(Subset(base, list(range(40, 60))), batch_size=8, shuffle=True)
-    clients[2].train_loader = DataLoader(Subset(Subset(base, list(range(50))), [3, 1, 4, 1, 5, 9, 2, 6, 5]), batch_size=4, shuffle=True)
+    clients[2].train_loader = DataLoader(
+        Subset(Subset(base, list(range(50))), [3, 1, 4, 1, 5, 9, 2, 6, 5]), batch_size=4, shuffle=True
+    )
     got, want, _, _ = _both(clients, {"local_epochs": 2})
     _compare(got, want)
     assert [o.num_examples for o in got] == [24, 20, 9, 8]  # drop_last drops client 0's partial batch
@@ -185,24 +198,41 @@ def test_out_of_memory_halves_k_and_keeps_it_down(monkeypatch, caplog):
 def test_an_error_that_is_not_memory_trains_the_chunk_one_by_one(monkeypatch):
     clients = _clients(sizes=(10, 6))
     trainer = BatchedTrainer(clients)
-    monkeypatch.setattr(BatchedTrainer, "_train_chunk", lambda self, chunk: (_ for _ in ()).throw(RuntimeError("a kernel failed")))
+    monkeypatch.setattr(
+        BatchedTrainer,
+        "_train_chunk",
+        lambda self, chunk: (_ for _ in ()).throw(RuntimeError("a kernel failed")),
+    )
     state = _state(clients)
     got = trainer.fit([(i, state, FitIns(round=1, config={"seed": 3})) for i in range(2)])
-    assert [o.num_examples for o in got] == [10, 6] and trainer.chunk_size() >= 2  # trained by fit; K unchanged
+    assert [o.num_examples for o in got] == [
+        10,
+        6,
+    ] and trainer.chunk_size() >= 2  # trained by fit; K unchanged
 
 
 class _HostReads(torch.overrides.TorchFunctionMode):
     """Records every call that reads a tensor's value back to the host (a device sync on CUDA)."""
 
-    READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__,
-             torch.Tensor.__index__, torch.Tensor.numpy, torch.Tensor.cpu}
+    READS = {
+        torch.Tensor.item,
+        torch.Tensor.tolist,
+        torch.Tensor.__bool__,
+        torch.Tensor.__float__,
+        torch.Tensor.__int__,
+        torch.Tensor.__index__,
+        torch.Tensor.numpy,
+        torch.Tensor.cpu,
+    }
 
     def __init__(self) -> None:
         super().__init__()
         self.reads: list[str] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in self.READS or (func is torch.Tensor.to and any(str(a) == "cpu" for a in (*args[1:], *(kwargs or {}).values()))):
+        if func in self.READS or (
+            func is torch.Tensor.to and any(str(a) == "cpu" for a in (*args[1:], *(kwargs or {}).values()))
+        ):
             self.reads.append(getattr(func, "__name__", str(func)))
         return func(*args, **(kwargs or {}))
 
@@ -244,7 +274,11 @@ def test_out_of_memory_is_recognised_by_its_message():
     from fedgrid.simulation.batched import out_of_memory
 
     assert out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
-    assert out_of_memory(RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 GB"))
+    assert out_of_memory(
+        RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 GB"
+        )
+    )
     assert out_of_memory(MemoryError())
     assert not out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not out_of_memory(ValueError("out of memory"))
@@ -297,7 +331,10 @@ class _Plain(Client):
         (lambda: _clients(loader=lambda d: list(DataLoader(d, batch_size=8))), ["not a torch DataLoader"]),
         (lambda: [*_clients(), _Plain()], ["_Plain, not a TorchClient"]),
         (lambda: _clients(model=_Spare), ["'spare.weight' gets no gradient"]),
-        (lambda: _clients(loss=nn.CrossEntropyLoss(weight=torch.tensor([1.0, 5.0, 0.2]))), ["not a mean over examples"]),
+        (
+            lambda: _clients(loss=nn.CrossEntropyLoss(weight=torch.tensor([1.0, 5.0, 0.2]))),
+            ["not a mean over examples"],
+        ),
     ],
 )
 def test_batched_engine_refuses_with_a_clear_reason(clients, words):
@@ -327,7 +364,15 @@ def _rounds(fleet: InProcessFleet, state: ModelState, rounds: int = 2, **kwargs)
     outcomes = []
     for r in range(1, rounds + 1):
         assignments = [(info, FitIns(round=r, config={"seed": 9, "local_epochs": 1})) for info in infos]
-        outcomes.append(fleet.fit_round(server_round=r, global_state=state, assignments=assignments, timeout=timedelta(seconds=30), **kwargs))
+        outcomes.append(
+            fleet.fit_round(
+                server_round=r,
+                global_state=state,
+                assignments=assignments,
+                timeout=timedelta(seconds=30),
+                **kwargs,
+            )
+        )
     return outcomes
 
 
@@ -354,9 +399,13 @@ def test_auto_picks_sequential_for_a_convolutional_model_on_cpu():
     assert InProcessFleet(_clients(model=cnn, shape=(1, 8, 8)), engine="auto").engine == "sequential"
     batched = InProcessFleet(_clients(), engine="auto")
     assert batched.engine == "batched" and batched.device == torch.device("cpu")
-    assert InProcessFleet(_clients(), engine="sequential").device is None  # each client trains on its own device
+    assert (
+        InProcessFleet(_clients(), engine="sequential").device is None
+    )  # each client trains on its own device
     assert choose_engine(device=torch.device("cuda"), conv_share=0.9)[0] == "batched"
-    got, want, _, _ = _both(_clients(model=cnn, shape=(1, 8, 8)), {})  # forced batched convolutions are still exact
+    got, want, _, _ = _both(
+        _clients(model=cnn, shape=(1, 8, 8)), {}
+    )  # forced batched convolutions are still exact
     _compare(got, want)
 
 
@@ -378,11 +427,22 @@ def _lstm_clients() -> list[TorchClient]:
     gen = torch.Generator().manual_seed(0)
     clients = []
     for i, n in enumerate(SIZES):
-        data = TensorDataset(torch.randint(0, 5, (n, 7), generator=gen), torch.randint(0, 3, (n,), generator=gen))
+        data = TensorDataset(
+            torch.randint(0, 5, (n, 7), generator=gen), torch.randint(0, 3, (n,), generator=gen)
+        )
         torch.manual_seed(1)
         optimizer = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
-        clients.append(TorchClient(_TinyLSTM(), DataLoader(data, batch_size=8, shuffle=True), nn.functional.cross_entropy, optimizer,
-                                   device="cpu", seed=i, name=f"c{i}"))
+        clients.append(
+            TorchClient(
+                _TinyLSTM(),
+                DataLoader(data, batch_size=8, shuffle=True),
+                nn.functional.cross_entropy,
+                optimizer,
+                device="cpu",
+                seed=i,
+                name=f"c{i}",
+            )
+        )
     return clients
 
 
@@ -396,7 +456,11 @@ def test_auto_picks_sequential_for_a_recurrent_model_without_trying_vmap(rnn, ca
     assert fleet.engine == "sequential" and fleet.device is None
     notices = [r for r in caplog.records if r.getMessage().startswith("engine:")]
     assert [r.levelname for r in notices] == ["INFO"]
-    assert f"recurrent module 'rnn' ({rnn.__name__})" in notices[0].getMessage() == f"engine: sequential ({fleet.engine_reason})"
+    assert (
+        f"recurrent module 'rnn' ({rnn.__name__})"
+        in notices[0].getMessage()
+        == f"engine: sequential ({fleet.engine_reason})"
+    )
     assert not [w for w in recwarn if "batching rule" in str(w.message)]  # no trial batched step ran
     state = _state(clients)
     (outcome,) = _rounds(fleet, state, rounds=1)
@@ -404,15 +468,29 @@ def test_auto_picks_sequential_for_a_recurrent_model_without_trying_vmap(rnn, ca
 
 
 def test_recurrent_models_can_still_be_batched_when_asked():
-    with pytest.warns(UserWarning, match="batching rule"):  # the warning auto avoids: vmap's fallback is slow, not wrong
+    with pytest.warns(
+        UserWarning, match="batching rule"
+    ):  # the warning auto avoids: vmap's fallback is slow, not wrong
         fleet = InProcessFleet(_lstm_clients(), engine="batched")
     assert fleet.engine == "batched" and fleet.engine_reason == "requested"
-    assert InProcessFleet(_clients(), engine="auto").engine == "batched"  # the check looks for recurrent modules only
+    assert (
+        InProcessFleet(_clients(), engine="auto").engine == "batched"
+    )  # the check looks for recurrent modules only
 
 
 def test_optimizer_spec_reads_the_factory():
-    spec = optimizer_spec(torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=0.3, betas=(0.5, 0.6), eps=1e-6))
-    assert (spec.kind, spec.lr, spec.beta1, spec.beta2, spec.eps, spec.weight_decay, spec.decoupled) == ("adam", 0.3, 0.5, 0.6, 1e-6, 0.01, True)
+    spec = optimizer_spec(
+        torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=0.3, betas=(0.5, 0.6), eps=1e-6)
+    )
+    assert (spec.kind, spec.lr, spec.beta1, spec.beta2, spec.eps, spec.weight_decay, spec.decoupled) == (
+        "adam",
+        0.3,
+        0.5,
+        0.6,
+        1e-6,
+        0.01,
+        True,
+    )
     with pytest.raises(NotBatchable, match="parameter groups"):
         p = [nn.Parameter(torch.zeros(1)), nn.Parameter(torch.zeros(1))]
         optimizer_spec(torch.optim.SGD([{"params": p[:1]}, {"params": p[1:], "lr": 1.0}], lr=0.1))
@@ -436,7 +514,11 @@ def test_fleet_batched_equals_sequential_with_topk_and_error_feedback():
     for b, s in zip(batched, sequential):
         assert (b.bytes_up, b.bytes_down, b.extra) == (s.bytes_up, s.bytes_down, s.extra)
         assert b.extra["uplink_ratio"] > 2
-        assert [r.client.name for r in b.results] == [r.client.name for r in s.results] == ["c0", "c1", "c2", "c3"]
+        assert (
+            [r.client.name for r in b.results]
+            == [r.client.name for r in s.results]
+            == ["c0", "c1", "c2", "c3"]
+        )
         for rb, rs in zip(b.results, s.results):
             assert rb.num_examples == rs.num_examples
             for name in rs.state:
@@ -470,8 +552,13 @@ def test_profiles_availability_region_and_simulated_round_time(engine):
     assert first.extra["sim_round_s"] == max(times[n] for n in ("c0", "c2", "c3")) == 300
     assert not second.failures and second.extra["sim_round_s"] == 300
     infos = fleet.wait_for_clients(min_clients=4, timeout=timedelta(seconds=1))
-    over = fleet.fit_round(server_round=3, global_state=state, assignments=[(i, FitIns(round=3)) for i in infos],
-                           timeout=timedelta(seconds=30), target=2)
+    over = fleet.fit_round(
+        server_round=3,
+        global_state=state,
+        assignments=[(i, FitIns(round=3)) for i in infos],
+        timeout=timedelta(seconds=30),
+        target=2,
+    )
     assert sorted(r.client.name for r in over.results) == ["c1", "c3"]  # the two that finish first
     assert sorted(c.name for c in over.cancelled) == ["c0", "c2"]
     assert over.extra["sim_round_s"] == 40
@@ -480,7 +567,9 @@ def test_profiles_availability_region_and_simulated_round_time(engine):
 def test_own_region_wins_over_the_profile():
     clients = _clients()
     clients[0].region = "ap"
-    infos = InProcessFleet(clients, profiles=_Profiles()).wait_for_clients(min_clients=1, timeout=timedelta(seconds=1))
+    infos = InProcessFleet(clients, profiles=_Profiles()).wait_for_clients(
+        min_clients=1, timeout=timedelta(seconds=1)
+    )
     assert [i.region for i in infos] == ["ap", "eu", "us", "eu"]
 
 

@@ -7,8 +7,13 @@ import pytest
 import torch
 
 from fedgrid.errors import ConfigError
-from fedgrid.simulation.datasets import load_digits, parse_partition, partition, partition_dirichlet, partition_iid
-
+from fedgrid.simulation.datasets import (
+    load_digits,
+    parse_partition,
+    partition,
+    partition_dirichlet,
+    partition_iid,
+)
 
 # 10 balanced classes of 100 examples, in class order (the worst case for a naive split)
 LABELS = np.repeat(np.arange(10), 100)
@@ -72,8 +77,12 @@ def test_dirichlet_reproducible_and_seed_dependent():
 
 
 def test_dirichlet_small_alpha_skews_labels():
-    skewed = np.mean([_mean_max_class_share(partition_dirichlet(LABELS, 10, 0.1, seed=s), LABELS) for s in range(5)])
-    even = np.mean([_mean_max_class_share(partition_dirichlet(LABELS, 10, 100.0, seed=s), LABELS) for s in range(5)])
+    skewed = np.mean(
+        [_mean_max_class_share(partition_dirichlet(LABELS, 10, 0.1, seed=s), LABELS) for s in range(5)]
+    )
+    even = np.mean(
+        [_mean_max_class_share(partition_dirichlet(LABELS, 10, 100.0, seed=s), LABELS) for s in range(5)]
+    )
     # balanced data: a client holding every class equally has max share 0.1
     assert even < 0.2
     assert skewed > 0.45
@@ -96,7 +105,16 @@ def test_dirichlet_retries_until_min_size():
 
 
 # -- partition() and parse_partition() -----------------------------------------------------
-@pytest.mark.parametrize("spec,expected", [("iid", ("iid", None)), ("dirichlet:0.3", ("dirichlet", 0.3)), ("dirichlet", ("dirichlet", 0.5)), ("dirichlet:", ("dirichlet", 0.5)), ("dirichlet:1e2", ("dirichlet", 100.0))])
+@pytest.mark.parametrize(
+    "spec,expected",
+    [
+        ("iid", ("iid", None)),
+        ("dirichlet:0.3", ("dirichlet", 0.3)),
+        ("dirichlet", ("dirichlet", 0.5)),
+        ("dirichlet:", ("dirichlet", 0.5)),
+        ("dirichlet:1e2", ("dirichlet", 100.0)),
+    ],
+)
 def test_parse_partition(spec, expected):
     assert parse_partition(spec) == expected
 

@@ -10,9 +10,8 @@ import pytest
 
 from fedgrid.config import load_config
 from fedgrid.errors import ConfigError
-from fedgrid.simulation.tasks import check_config
 from fedgrid.simulation.heterogeneity import ClientProfiles, load_trace, parse_regions, parse_speed
-
+from fedgrid.simulation.tasks import check_config
 
 
 def test_defaults_are_homogeneous():
@@ -105,8 +104,12 @@ def test_region_proportions_exact_and_reproducible():
     profiles = ClientProfiles(100, seed=5, regions="us:0.5,eu:0.3,ap:0.2")
     labels = [profiles.region(i) for i in range(100)]
     assert {r: labels.count(r) for r in set(labels)} == {"us": 50, "eu": 30, "ap": 20}
-    assert labels == [ClientProfiles(100, seed=5, regions="us:0.5,eu:0.3,ap:0.2").region(i) for i in range(100)]
-    assert labels != [ClientProfiles(100, seed=6, regions="us:0.5,eu:0.3,ap:0.2").region(i) for i in range(100)]
+    assert labels == [
+        ClientProfiles(100, seed=5, regions="us:0.5,eu:0.3,ap:0.2").region(i) for i in range(100)
+    ]
+    assert labels != [
+        ClientProfiles(100, seed=6, regions="us:0.5,eu:0.3,ap:0.2").region(i) for i in range(100)
+    ]
     assert labels[:50] != ["us"] * 50  # dealt in a seeded permutation, not in blocks
     # shares not summing to 1 are normalized; counts by largest remainder
     odd = ClientProfiles(7, seed=0, regions="a:2,b:1")
@@ -135,12 +138,20 @@ def test_from_config_reads_every_key(tmp_path):
     trace.write_text('{"1": [2]}')
     config = load_config(
         overrides={
-            "clients": 10, "seed": 4, "dropout_prob": 0.2, "availability_trace": str(trace), "speed": "lognormal:1",
-            "regions": "eu:1", "examples_per_second": 250.0, "local_epochs": 2,
+            "clients": 10,
+            "seed": 4,
+            "dropout_prob": 0.2,
+            "availability_trace": str(trace),
+            "speed": "lognormal:1",
+            "regions": "eu:1",
+            "examples_per_second": 250.0,
+            "local_epochs": 2,
         }
     )
     profiles = ClientProfiles.from_config(config)
-    assert profiles.num_clients == 10 and profiles.dropout_prob == 0.2 and profiles.trace == {1: frozenset({2})}
+    assert (
+        profiles.num_clients == 10 and profiles.dropout_prob == 0.2 and profiles.trace == {1: frozenset({2})}
+    )
     assert [profiles.region(i) for i in range(10)] == ["eu"] * 10
     assert profiles.train_seconds(0, 500) == pytest.approx(500 * 2 / (250.0 * profiles.speed(0)))
     assert not profiles.available(1, 1)

@@ -10,8 +10,13 @@ import numpy as np
 import pytest
 
 from fedgrid.errors import ConfigError
-from fedgrid.simulation.datasets import load_synthetic, parse_partition, partition, partition_dirichlet, partition_shards
-
+from fedgrid.simulation.datasets import (
+    load_synthetic,
+    parse_partition,
+    partition,
+    partition_dirichlet,
+    partition_shards,
+)
 
 # 10 balanced classes of 100 examples, in class order (the worst case for a naive split)
 LABELS = np.repeat(np.arange(10), 100)
@@ -59,9 +64,15 @@ def test_reproducible_from_the_seed(spec):
 
 
 def test_dirichlet_label_skew_follows_alpha():
-    skewed = np.mean([_classes_for_90_percent(partition(LABELS, 10, "dirichlet:0.1", seed=s), LABELS) for s in range(5)])
-    middle = np.mean([_classes_for_90_percent(partition(LABELS, 10, "dirichlet:0.5", seed=s), LABELS) for s in range(5)])
-    even = np.mean([_classes_for_90_percent(partition(LABELS, 10, "dirichlet:100", seed=s), LABELS) for s in range(5)])
+    skewed = np.mean(
+        [_classes_for_90_percent(partition(LABELS, 10, "dirichlet:0.1", seed=s), LABELS) for s in range(5)]
+    )
+    middle = np.mean(
+        [_classes_for_90_percent(partition(LABELS, 10, "dirichlet:0.5", seed=s), LABELS) for s in range(5)]
+    )
+    even = np.mean(
+        [_classes_for_90_percent(partition(LABELS, 10, "dirichlet:100", seed=s), LABELS) for s in range(5)]
+    )
     # balanced classes: a client holding all ten equally needs 9 of them for 90%
     assert even == pytest.approx(9.0, abs=0.3)
     assert skewed < 4.0  # measured 3.06 over these seeds
@@ -129,7 +140,12 @@ def test_natural_on_synthetic_devices():
 
 @pytest.mark.parametrize(
     "spec,expected",
-    [("shards:2", ("shards", 2)), ("shards:5", ("shards", 5)), ("natural", ("natural", None)), ("iid", ("iid", None))],
+    [
+        ("shards:2", ("shards", 2)),
+        ("shards:5", ("shards", 5)),
+        ("natural", ("natural", None)),
+        ("iid", ("iid", None)),
+    ],
 )
 def test_parse_new_specs(spec, expected):
     assert parse_partition(spec) == expected
@@ -145,7 +161,10 @@ def test_parse_new_specs(spec, expected):
         ("shards", r"'shards' needs the shards per client: expected shards:N"),
         ("shards:", r"'shards:' needs the shards per client: expected shards:N"),
         ("natural:3", "unknown partitioner 'natural:3'"),
-        ("pathological", r"unknown partitioner 'pathological' \(known: iid, dirichlet:ALPHA, shards:N, natural\)"),
+        (
+            "pathological",
+            r"unknown partitioner 'pathological' \(known: iid, dirichlet:ALPHA, shards:N, natural\)",
+        ),
     ],
 )
 def test_bad_specs_name_partition(spec, words):

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import json
 import math
-import tomllib
 
 import pytest
+import tomllib
 import torch
 
 from fedgrid.config import load_config
 from fedgrid.runlog import load_model
 from fedgrid.simulation.run import run_simulation
 from fedgrid.simulation.tasks import build_model, digits_evaluate, initial_state
-
 
 KEYS = {"round", "loss", "accuracy", "bytes_up", "bytes_down", "wall_s", "clients_ok", "clients_failed"}
 
@@ -103,5 +102,10 @@ def test_run_dir_config_toml(runs):
     resolved = {**config.to_dict(), "threads": environment["threads"], "engine": parsed["engine"]}
     assert parsed == {k: v for k, v in resolved.items() if v is not None}  # unset strategy options: absent
     assert parsed["threads"] >= 1 and parsed["engine"] in ("batched", "sequential")
-    assert (environment["threads_requested"], environment["engine_requested"]) == (config.threads, config.engine)
-    assert load_config(out / "config.toml") == load_config(overrides={**config.to_dict(), "threads": parsed["threads"], "engine": parsed["engine"]})
+    assert (environment["threads_requested"], environment["engine_requested"]) == (
+        config.threads,
+        config.engine,
+    )
+    assert load_config(out / "config.toml") == load_config(
+        overrides={**config.to_dict(), "threads": parsed["threads"], "engine": parsed["engine"]}
+    )

@@ -21,7 +21,6 @@ from fedgrid.simulation.shakespeare import (
     partition_natural,
 )
 
-
 SEQ = 8  # short windows keep the synthetic roles small
 
 # Speech texts, each long enough (or not) for the role it belongs to.
@@ -98,9 +97,14 @@ def _write_tar(folder: Path, files: dict[str, str]) -> Path:
 @pytest.fixture()
 def data_dir(tmp_path: Path) -> Path:
     # members out of order: the loader sorts them
-    return _write_tar(tmp_path / "shakespeare", {
-        "midsummer_gut.txt": DREAM, "hamlet_gut.txt": HAMLET, "COPYING.txt": "Ham.\nnot a play\n",
-    })
+    return _write_tar(
+        tmp_path / "shakespeare",
+        {
+            "midsummer_gut.txt": DREAM,
+            "hamlet_gut.txt": HAMLET,
+            "COPYING.txt": "Ham.\nnot a play\n",
+        },
+    )
 
 
 def _decode(codes: torch.Tensor) -> str:

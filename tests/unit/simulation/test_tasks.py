@@ -17,7 +17,6 @@ from fedgrid.simulation.models import char_lstm, digits_mlp, fmnist_cnn, fmnist_
 from fedgrid.types import FitIns
 
 
-
 def _params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
@@ -48,7 +47,9 @@ def test_char_lstm_takes_the_vocabulary_or_its_size():
 def test_digits_model_is_unchanged():
     # the first release's digits model: same layers and init order, so results stay bit-identical
     a = tasks.initial_state(tasks.digits_model, seed=3)
-    b = tasks.initial_state(lambda: torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)), seed=3)
+    b = tasks.initial_state(
+        lambda: torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)), seed=3
+    )
     assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -56,7 +57,9 @@ def test_builtin_client_takes_the_training_options():
     sgd = tasks.builtin_client(1, 4, 0, batch_size=16, lr=0.2, momentum=0.5, weight_decay=1e-3, device="cpu")
     opt = sgd.optimizer_factory(sgd.model.parameters())
     assert isinstance(opt, torch.optim.SGD)
-    assert opt.defaults["lr"] == 0.2 and opt.defaults["momentum"] == 0.5 and opt.defaults["weight_decay"] == 1e-3
+    assert (
+        opt.defaults["lr"] == 0.2 and opt.defaults["momentum"] == 0.5 and opt.defaults["weight_decay"] == 1e-3
+    )
     assert sgd.train_loader.batch_size == 16 and sgd.name == "digits-0001/4"
     for name, cls in (("adam", torch.optim.Adam), ("adamw", torch.optim.AdamW)):
         c = tasks.builtin_client(0, 4, 0, optimizer=name, lr=0.01, weight_decay=0.1, device="cpu")
@@ -67,11 +70,26 @@ def test_builtin_client_takes_the_training_options():
 
 
 def test_client_options_cover_the_client_keys():
-    config = load_config(overrides={"dataset": "synthetic", "batch_size": 8, "optimizer": "adam", "partition": "iid", "weight_decay": 0.01})
+    config = load_config(
+        overrides={
+            "dataset": "synthetic",
+            "batch_size": 8,
+            "optimizer": "adam",
+            "partition": "iid",
+            "weight_decay": 0.01,
+        }
+    )
     options = tasks.client_options(config)
     assert options == {
-        "dataset": "synthetic", "data_dir": "", "partitioner": "iid", "model": "", "batch_size": 8,
-        "optimizer": "adam", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.01,
+        "dataset": "synthetic",
+        "data_dir": "",
+        "partitioner": "iid",
+        "model": "",
+        "batch_size": 8,
+        "optimizer": "adam",
+        "lr": 0.1,
+        "momentum": 0.9,
+        "weight_decay": 0.01,
     }
     client = tasks.builtin_client(2, 5, 0, device="cpu", **options)
     assert client.name == "synthetic-0002/5" and client.train_loader.batch_size == 8
@@ -85,12 +103,18 @@ def test_synthetic_natural_clients_evaluate_on_their_own_devices():
     assert x.shape[1] == 60 and x.dtype == torch.float32 and y.dtype == torch.int64
     ex, _ = client.eval_loader.dataset.tensors
     assert 0 < len(ex) < len(data.y_test)  # its devices' test examples only
-    out = client.fit(tasks.initial_state(lambda: tasks.build_model("synthetic"), 0), FitIns(round=1, config={"local_epochs": 1, "lr": 0.05}))
+    out = client.fit(
+        tasks.initial_state(lambda: tasks.build_model("synthetic"), 0),
+        FitIns(round=1, config={"local_epochs": 1, "lr": 0.05}),
+    )
     assert out.num_examples == len(y)
 
 
 def test_load_synthetic_is_seeded_and_heterogeneous():
-    a, b = load_synthetic(num_devices=6, max_per_device=100), load_synthetic(num_devices=6, max_per_device=100)
+    a, b = (
+        load_synthetic(num_devices=6, max_per_device=100),
+        load_synthetic(num_devices=6, max_per_device=100),
+    )
     assert torch.equal(a.x_train, b.x_train) and torch.equal(a.y_test, b.y_test)
     c = load_synthetic(num_devices=6, max_per_device=100, seed=1)
     assert not torch.equal(a.x_train[:10], c.x_train[:10])
@@ -117,7 +141,9 @@ def test_evaluate_in_chunks_equals_one_pass():
 
 
 def _write_idx(path, array: np.ndarray) -> None:
-    header = struct.pack(">BBBB", 0, 0, 0x08, array.ndim) + b"".join(struct.pack(">I", d) for d in array.shape)
+    header = struct.pack(">BBBB", 0, 0, 0x08, array.ndim) + b"".join(
+        struct.pack(">I", d) for d in array.shape
+    )
     with gzip.open(path, "wb") as f:
         f.write(header + array.astype(np.uint8).tobytes())
 
@@ -140,7 +166,16 @@ def test_fashion_mnist_from_data_dir(fmnist_dir, model, params):
     assert resolved.evaluate is not None
     loss, metrics = resolved.evaluate(resolved.initial_state)
     assert 1.5 < loss < 3.5 and 0.0 <= metrics["accuracy"] <= 1.0
-    client = resolved.client_factory(0, 3, 0, dataset="fashion-mnist", data_dir=fmnist_dir, model=model, partitioner="shards:2", device="cpu")
+    client = resolved.client_factory(
+        0,
+        3,
+        0,
+        dataset="fashion-mnist",
+        data_dir=fmnist_dir,
+        model=model,
+        partitioner="shards:2",
+        device="cpu",
+    )
     x, y = client.train_loader.dataset.tensors
     assert x.shape[1:] == (1, 28, 28) and float(x.max()) <= 1.0
     assert len(torch.unique(y)) <= 4 and len(y) == 20
@@ -152,11 +187,23 @@ def test_fashion_mnist_from_data_dir(fmnist_dir, model, params):
         ({"dataset": "imagenet"}, "dataset", "unknown dataset 'imagenet'"),
         ({"dataset": "fashion-mnist"}, "data_dir", "reads its files from --data-dir"),
         ({"dataset": "digits", "data_dir": "/no/such/folder"}, "data_dir", "is not a folder"),
-        ({"dataset": "digits", "model": "cnn"}, "model", "unknown model 'cnn' for dataset digits \\(known: mlp, logistic; or MODULE:FACTORY\\)"),
+        (
+            {"dataset": "digits", "model": "cnn"},
+            "model",
+            "unknown model 'cnn' for dataset digits \\(known: mlp, logistic; or MODULE:FACTORY\\)",
+        ),
         ({"dataset": "digits", "model": "pkg:"}, "model", "expected MODULE:ATTRIBUTE"),
-        ({"dataset": "digits", "partition": "natural"}, "partition", "natural needs a dataset with natural groups \\(shakespeare, synthetic\\); digits has none"),
+        (
+            {"dataset": "digits", "partition": "natural"},
+            "partition",
+            "natural needs a dataset with natural groups \\(shakespeare, synthetic\\); digits has none",
+        ),
         ({"dataset": "digits", "partition": "shards:0"}, "partition", "at least 1"),
-        ({"dataset": "digits", "optimizer": "lbfgs"}, "optimizer", "unknown optimizer 'lbfgs' \\(known: sgd, adam, adamw\\)"),
+        (
+            {"dataset": "digits", "optimizer": "lbfgs"},
+            "optimizer",
+            "unknown optimizer 'lbfgs' \\(known: sgd, adam, adamw\\)",
+        ),
         ({"dataset": "digits", "batch_size": 0}, "batch_size", "must be at least 1"),
         ({"dataset": "digits", "engine": "gpu"}, "engine", "unknown engine 'gpu'"),
         ({"dataset": "digits", "batch_clients": -1}, "batch_clients", "must be at least 0"),
@@ -164,7 +211,11 @@ def test_fashion_mnist_from_data_dir(fmnist_dir, model, params):
         ({"partition": "foo"}, "partition", "unknown partitioner 'foo'"),
         ({"partition": "dirichlet:abc"}, "partition", "dirichlet needs a number"),
         ({"partition": "dirichlet:0"}, "partition", "alpha must be positive"),
-        ({"dataset": "nope"}, "dataset", "unknown dataset 'nope' \\(known: digits, fashion-mnist, shakespeare, synthetic\\)"),
+        (
+            {"dataset": "nope"},
+            "dataset",
+            "unknown dataset 'nope' \\(known: digits, fashion-mnist, shakespeare, synthetic\\)",
+        ),
     ],
 )
 def test_bad_options_fail_in_config_naming_the_key(options, key, words):
