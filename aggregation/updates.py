@@ -10,7 +10,7 @@ Deltas are computed in float32 (float64 for float64 tensors), so a bfloat16 mode
 updates are not rounded to bfloat16 before they are averaged.
 
 A result may already hold deltas (``FitRes.delta``: a lossy uplink sends differences, see
-docs/updates.md): ``client_delta`` then takes them as they are, with no pass over the model
+docs/updates.rst): ``client_delta`` then takes them as they are, with no pass over the model
 and no rounding; ``client_value`` and ``as_model`` add the global model back for whoever
 wants values.
 """

@@ -142,7 +142,7 @@ class FitRes:
         delta: each floating tensor of ``state`` is a difference: the client's value minus
             the tensor of the same name in the state the fleet was given for the round
             (``Strategy.downlink_state``); other tensors are values. A fleet sets it for a
-            lossy uplink over an exact downlink (see docs/updates.md); ``False``: values.
+            lossy uplink over an exact downlink (see docs/updates.rst); ``False``: values.
     """
 
     client: ClientInfo

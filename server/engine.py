@@ -297,7 +297,7 @@ class RoundEngine:
         results = outcome.results
         if not getattr(
             self.strategy, "accepts_deltas", False
-        ):  # it reads results as models (docs/updates.md)
+        ):  # it reads results as models (docs/updates.rst)
             results = [as_model(sent, r) for r in results]
         agg_metrics = self.strategy.aggregate(
             server_round=server_round, results=results, failures=outcome.failures

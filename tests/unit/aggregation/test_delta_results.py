@@ -1,4 +1,4 @@
-"""Results that hold deltas (``FitRes.delta``, docs/updates.md): pseudo-gradient strategies take
+"""Results that hold deltas (``FitRes.delta``, docs/updates.rst): pseudo-gradient strategies take
 the difference as sent, with no add-back and subtract; plain FedAvg gets the model it always
 got, bit for bit."""
 
