@@ -12,12 +12,24 @@ __all__ = ["add_parser", "client_config", "client_options", "run"]
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """Adds ``fedgrid client`` and its flags to ``sub`` (the subcommands); returns its parser."""
     cli = sub.add_parser("client", help="join a coordinator and train")
     cli.add_argument(
         "--config",
         metavar="FILE",
         help="TOML file: its " + ", ".join(CLIENT_CONFIG_KEYS) + " apply; flags override them",
     )
+    _add_connection_flags(cli)
+    _add_data_flags(cli)
+    _add_tls_flags(cli)
+    _add_enrollment_flags(cli)
+    add_config_flags(cli, [*CLIENT_OPTION_KEYS, "threads", *sorted(CLIENT_ONLY_KEYS)], with_config=False)
+    _add_state_and_monitoring_flags(cli)
+    return cli
+
+
+def _add_connection_flags(cli: argparse.ArgumentParser) -> None:
+    """The coordinator to join and how long to try."""
     cli.add_argument(
         "--coordinator",
         required=True,
@@ -33,6 +45,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="give up when the coordinator cannot be reached for this long before the first join "
         "(default: 60, FEDGRID_CONNECT_TIMEOUT_S)",
     )
+
+
+def _add_data_flags(cli: argparse.ArgumentParser) -> None:
+    """The client factory, its data partition and seed, and the client's region."""
     cli.add_argument(
         "--app",
         metavar="MODULE:FACTORY",
@@ -59,6 +75,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="this client's region label, for region-balanced selection and "
         "--region-codecs on the coordinator (default: none)",
     )
+
+
+def _add_tls_flags(cli: argparse.ArgumentParser) -> None:
+    """Mutual TLS: the CA bundle, this client's certificate and key, the coordinator's name."""
     cli.add_argument(
         "--ca",
         default=None,
@@ -79,6 +99,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         metavar="NAME",
         help="the name the coordinator's certificate holds, when not the host of --coordinator",
     )
+
+
+def _add_enrollment_flags(cli: argparse.ArgumentParser) -> None:
+    """Enrollment: a one-time token traded for a certificate before the client joins."""
     cli.add_argument(
         "--enroll",
         default="",
@@ -107,7 +131,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         metavar="NAME",
         help="with --enroll: the identity to ask for (the token's name if it was issued with one; default client-TOKEN_ID)",
     )
-    add_config_flags(cli, [*CLIENT_OPTION_KEYS, "threads", *sorted(CLIENT_ONLY_KEYS)], with_config=False)
+
+
+def _add_state_and_monitoring_flags(cli: argparse.ArgumentParser) -> None:
+    """The client's saved state across rounds and its read-only HTTP monitor."""
     cli.add_argument(
         "--state-dir",
         dest="state_dir",
@@ -130,7 +157,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         metavar="FILE",
         help="with --http: the bearer token /metrics and /api/status ask for (required on a non-loopback host)",
     )
-    return cli
 
 
 def client_config(args: argparse.Namespace) -> Config:

@@ -182,24 +182,9 @@ def serve_client(
         raise KeyboardInterrupt(signal_name)  # unwinds run(), which tells the coordinator it leaves
 
     http = None
-    timeout = {} if args.connect_timeout_s is None else {"connect_timeout": args.connect_timeout_s}
     try:
         on_task, on_event, http = _monitor(args, client)
-
-        def serve_tasks(member: Any) -> Any:
-            return runtime.run_client(
-                member,
-                coordinator=args.coordinator,
-                state_path=state_path,
-                ca=args.ca,
-                cert=args.cert,
-                key=args.key,
-                server_name=args.server_name,
-                on_task=on_task,
-                on_event=on_event,
-                **timeout,
-            )
-
+        serve_tasks = _task_server(args, state_path, on_task, on_event)
         with GracefulStop(interrupt, what="client"):
             if torchrun_rank() is not None:  # rank 0 serves the coordinator's tasks, the other ranks rank 0's
                 from fedgrid.client.parallel import serve_torchrun
@@ -225,6 +210,33 @@ def serve_client(
             client.close()  # a ParallelClient's workers
     print(f"client {client.name}: {summary.rounds} rounds trained; run finished")
     return 0
+
+
+def _task_server(
+    args: argparse.Namespace,
+    state_path: Path | None,
+    on_task: Callable[[Any], None] | None,
+    on_event: Callable[[Any], None] | None,
+) -> Callable[[Any], Any]:
+    """What serves the coordinator's tasks to a client: ``runtime.run_client`` with the flags'
+    coordinator, TLS files and connect timeout, the client's state path and its monitor's hooks."""
+    timeout = {} if args.connect_timeout_s is None else {"connect_timeout": args.connect_timeout_s}
+
+    def serve_tasks(member: Any) -> Any:
+        return runtime.run_client(
+            member,
+            coordinator=args.coordinator,
+            state_path=state_path,
+            ca=args.ca,
+            cert=args.cert,
+            key=args.key,
+            server_name=args.server_name,
+            on_task=on_task,
+            on_event=on_event,
+            **timeout,
+        )
+
+    return serve_tasks
 
 
 #: Where ``fedgrid client`` finds an enrollment token that is not on its command line.

@@ -13,9 +13,8 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import grpc
 import tenacity
@@ -33,6 +32,7 @@ from fedgrid.client.rpc import (
     check_target,
 )
 from fedgrid.client.uplink import UplinkEncoder
+from fedgrid.client.upload import MIN_UPLOAD_CHUNK, ResumableUpload, UploadAttempt
 from fedgrid.compression import available_codecs
 from fedgrid.compression.feedback import apply_delta
 from fedgrid.constants import (
@@ -57,6 +57,7 @@ __all__ = [
     "RpcFailed",
     "CoordinatorUnreachable",
     "UploadAttempt",
+    "MIN_UPLOAD_CHUNK",
     "TRANSIENT",
     "GRPC_OPTIONS",
     "SERVICE",
@@ -68,8 +69,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 #: Consecutive refused sessions after which the client gives up instead of joining again.
 MAX_REJOINS = 3
-#: The smallest upload chunk a slow link makes the client fall back to (``upload_chunk_cap``).
-MIN_UPLOAD_CHUNK = 16 << 10
 
 
 def _identity(cert: str) -> str:
@@ -93,18 +92,22 @@ def _open_channel(target: str, tls: TLSFiles | None, server_name: str) -> grpc.C
     return grpc.secure_channel(target, channel_credentials(tls), options=options)
 
 
-@dataclass(frozen=True)
-class UploadAttempt:
-    """One try at an upload: the chunk it started from, the bytes it sent (``sent[0]``) and
-    the payload bytes per chunk it sent them in."""
-
-    start_chunk: int
-    sent: list[int]
-    chunk_size: int = 0
-
-    @property
-    def bytes_sent(self) -> int:
-        return self.sent[0]
+def _chunk_streams(
+    channel: grpc.Channel,
+) -> tuple[grpc.UnaryStreamMultiCallable, grpc.StreamUnaryMultiCallable]:
+    """The model download and the update upload on ``channel``: their streams carry encoded
+    ``Chunk`` messages as bytes (see server/service.py), not protobuf messages."""
+    download = channel.unary_stream(
+        f"/{SERVICE}/DownloadModel",
+        response_deserializer=None,
+        request_serializer=pb.DownloadRequest.SerializeToString,
+    )
+    upload = channel.stream_unary(
+        f"/{SERVICE}/UploadUpdate",
+        request_serializer=None,
+        response_deserializer=pb.UploadReply.FromString,
+    )
+    return download, upload
 
 
 class Connection:
@@ -150,17 +153,7 @@ class Connection:
         self.name = self.identity or ""
         self.channel = _open_channel(target, tls, server_name)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
-        # The chunk streams carry encoded Chunk messages as bytes (see server/service.py).
-        self._download = self.channel.unary_stream(
-            f"/{SERVICE}/DownloadModel",
-            response_deserializer=None,
-            request_serializer=pb.DownloadRequest.SerializeToString,
-        )
-        self._upload = self.channel.stream_unary(
-            f"/{SERVICE}/UploadUpdate",
-            request_serializer=None,
-            response_deserializer=pb.UploadReply.FromString,
-        )
+        self._download, self._upload = _chunk_streams(self.channel)
         self.rpc_timeout = rpc_timeout
         self.transfer_timeout = transfer_timeout
         self.stop = stop or threading.Event()
@@ -421,46 +414,7 @@ class Connection:
             metrics=metrics,
             delta=delta,
         )
-        self.upload_attempts = []
-        status_request = pb.UploadStatusRequest(client_id=self.client_id, task_id=task_id)
-
-        stalled = False  # the last try ran out of time (DEADLINE_EXCEEDED)
-        chunk_size = min(self.chunk_size, self.upload_chunk_cap)
-
-        def attempt() -> int:
-            nonlocal chunk_size, stalled
-            start = 0
-            if self.upload_attempts:  # a retry: continue from what the coordinator holds
-                status = self.stub.UploadStatus(
-                    status_request, metadata=self._session(), timeout=self.rpc_timeout
-                )
-                if status.accepted:
-                    return encoded.total_bytes  # an earlier attempt landed; its reply was lost
-                start = int(status.chunks_received)
-                if (
-                    stalled
-                    and start <= self.upload_attempts[-1].start_chunk
-                    and chunk_size > MIN_UPLOAD_CHUNK
-                ):
-                    # Not one more chunk got through before the deadline: chunks this size take
-                    # longer than the coordinator waits for one. Start over in smaller ones (a
-                    # resume must keep the size of the chunks it continues).
-                    chunk_size, start = self._halve_chunks(task_id, chunk_size), 0
-            sent = [0]
-            self.upload_attempts.append(UploadAttempt(start, sent, chunk_size))
-            stalled = False
-
-            frames = self._counted(encoded.frames(info, chunk_size=chunk_size, start=start), sent)
-            try:
-                reply = self._upload(frames, metadata=self._session(), timeout=self.transfer_timeout)
-            except grpc.RpcError as exc:
-                if len(self.upload_attempts) > 1 and exc.code() == grpc.StatusCode.ALREADY_EXISTS:
-                    return encoded.total_bytes
-                stalled = exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-                raise
-            return int(reply.bytes_received)
-
-        return self._call("UploadUpdate", attempt)
+        return self._call("UploadUpdate", ResumableUpload(self, task_id, encoded, info))
 
     def _uplink(self, codec: str, *, has_global: bool) -> UplinkEncoder:
         """The uplink encoder of ``codec``, made at its first use (its residuals persist).
@@ -474,61 +428,3 @@ class Connection:
         if not uplink.lossless and not has_global:
             raise ValueError(f"codec {codec!r} sends differences: pass the global model")
         return uplink
-
-    def _halve_chunks(self, task_id: str, chunk_size: int) -> int:
-        """The upload chunk size after a try in which no chunk reached the coordinator in time
-        (half, down to ``MIN_UPLOAD_CHUNK``); the connection keeps it (``upload_chunk_cap``)."""
-        self.upload_chunk_cap = max(MIN_UPLOAD_CHUNK, chunk_size // 2)
-        log.warning(
-            "upload of task %r: no chunk reached the coordinator in time; sending %d-byte chunks from now on",
-            task_id,
-            self.upload_chunk_cap,
-        )
-        return self.upload_chunk_cap
-
-    def _counted(self, frames: Iterator[bytes], sent: list[int]) -> Iterator[bytes]:
-        """``frames`` as they go, counted in ``sent[0]`` (this try's bytes) and ``bytes_up``."""
-        for frame in frames:
-            sent[0] += len(frame)
-            self.bytes_up += serde.wire_size(frame)
-            yield frame
-
-
-class _Heartbeat(threading.Thread):
-    """Heartbeats every interval, each sent without waiting for the last one's answer.
-
-    Over a saturated link the answers wait behind the client's own download (one
-    connection), seconds each; a heartbeat that waited for its answer before the next would
-    reach the coordinator that rarely, and the client would be taken for silent. Each has
-    the RPC deadline, so at most ``rpc_timeout / interval + 1`` are ever outstanding.
-    """
-
-    def __init__(self, conn: Connection, stop: threading.Event) -> None:
-        super().__init__(name="fedgrid-heartbeat", daemon=True)
-        self.conn, self.stop = conn, stop
-
-    def run(self) -> None:
-        interval = self.conn.heartbeat_interval_s
-        in_flight: list[Any] = []
-        try:
-            while not self.stop.wait(interval):
-                for future in [f for f in in_flight if f.done()]:
-                    in_flight.remove(future)
-                    try:
-                        interval = future.result().interval_s or interval
-                    except grpc.RpcError as exc:
-                        log.debug("heartbeat failed: %s", exc.code())  # the main loop's retries decide
-                if self.conn.polling:  # a client holding a poll counts as alive
-                    continue
-                if (
-                    len(in_flight) > self.conn.rpc_timeout / max(interval, 1e-3) + 1
-                ):  # a deadline that did not fire: never pile up
-                    continue
-                try:
-                    in_flight.append(self.conn.heartbeat_future())
-                except ValueError:  # the channel closed as the run ended
-                    return
-        finally:
-            # One in flight when the process exits can abort grpc's C++ core: end them first.
-            for future in in_flight:
-                future.cancel()

@@ -155,10 +155,7 @@ def enroll(
         log.info("enrollment skipped: %s already holds identity %r", cert_path, existing)
         return existing
     identity = check_identity(name) if name is not None else default_name(token)
-    try:
-        ca_pem = Path(ca).read_bytes()
-    except OSError as exc:
-        raise PKIError(f"{ca}: CA bundle not readable ({exc.strerror})") from None
+    ca_pem = _read_ca(ca)
     csr_pem = _key_and_csr(identity, key_path)
     reply = _request(
         address,
@@ -173,6 +170,18 @@ def enroll(
     )
     log.info("enrolled as %r: certificate %s, key %s", identity, cert_path, key_path)
     return identity
+
+
+def _read_ca(ca: str | os.PathLike[str]) -> bytes:
+    """The CA bundle in file ``ca``, read before any key is made.
+
+    Raises:
+        PKIError: the file is not readable (named).
+    """
+    try:
+        return Path(ca).read_bytes()
+    except OSError as exc:
+        raise PKIError(f"{ca}: CA bundle not readable ({exc.strerror})") from None
 
 
 def _key_and_csr(identity: str, key_path: Path) -> bytes:

@@ -78,6 +78,35 @@ log = logging.getLogger(__name__)
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 
 
+def _mesh_shape(nproc: int, parallel: str) -> tuple[str, int, int]:
+    """``--parallel``'s mode and its replicas and shards over ``nproc`` ranks (before
+    ``ParallelSpec`` normalizes them: ``dp`` counts each rank a replica here).
+
+    Raises:
+        ValueError: not ``dp``, ``fsdp`` or ``hsdp:RxS`` with ``R * S == nproc`` (named).
+    """
+    mode, _, shape = parallel.partition(":")
+    if mode == "dp" and not shape:
+        replicas, shards = nproc, 1
+    elif mode == "fsdp" and not shape:
+        replicas, shards = 1, nproc
+    elif mode == "hsdp":
+        try:
+            r_text, s_text = shape.lower().split("x")
+            replicas, shards = int(r_text), int(s_text)
+        except ValueError:
+            raise ValueError(
+                f"parallel {parallel!r}: expected hsdp:RxS (R replicas, each sharded S ways), e.g. hsdp:2x4"
+            ) from None
+        if replicas < 1 or shards < 1 or replicas * shards != nproc:
+            raise ValueError(
+                f"parallel {parallel!r}: R x S must equal nproc_per_node ({nproc}), got {replicas} x {shards}"
+            )
+    else:
+        raise ValueError(f"parallel {parallel!r}: expected dp, fsdp or hsdp:RxS")
+    return mode, replicas, shards
+
+
 @dataclass(frozen=True)
 class ParallelSpec:
     """How a client spreads its training over its node: ``nproc`` ranks, and how they split the model.
@@ -118,25 +147,7 @@ class ParallelSpec:
         """
         if not isinstance(nproc, int) or nproc < 1:
             raise ValueError(f"nproc_per_node must be a positive integer, got {nproc!r}")
-        mode, _, shape = parallel.partition(":")
-        if mode == "dp" and not shape:
-            replicas, shards = nproc, 1
-        elif mode == "fsdp" and not shape:
-            replicas, shards = 1, nproc
-        elif mode == "hsdp":
-            try:
-                r_text, s_text = shape.lower().split("x")
-                replicas, shards = int(r_text), int(s_text)
-            except ValueError:
-                raise ValueError(
-                    f"parallel {parallel!r}: expected hsdp:RxS (R replicas, each sharded S ways), e.g. hsdp:2x4"
-                ) from None
-            if replicas < 1 or shards < 1 or replicas * shards != nproc:
-                raise ValueError(
-                    f"parallel {parallel!r}: R x S must equal nproc_per_node ({nproc}), got {replicas} x {shards}"
-                )
-        else:
-            raise ValueError(f"parallel {parallel!r}: expected dp, fsdp or hsdp:RxS")
+        mode, replicas, shards = _mesh_shape(nproc, parallel)
         hook, _, hook_rank = comm_hook.partition(":")
         if (
             hook not in COMM_HOOKS

@@ -12,28 +12,25 @@ client process carries on where it stopped.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping
-
-import grpc
+from typing import Any, Callable, Mapping
 
 from fedgrid.client.api import Client
 
 # Connection lives in client/connection.py and its errors in client/rpc.py; the SDK's users import them from here.
-from fedgrid.client.connection import MAX_REJOINS, Connection, _Heartbeat
+from fedgrid.client.connection import Connection
+from fedgrid.client.heartbeat import _Heartbeat
 from fedgrid.client.rpc import GRPC_OPTIONS, TRANSIENT, CoordinatorUnreachable, RpcFailed, check_target
 from fedgrid.client.state import load_client_state, restore_client_state, save_client_state
+
+# The task feed lives in client/task_feed.py; the SDK's users import its types from here.
+from fedgrid.client.task_feed import ClientEvent, TaskFeed, TaskReport, TaskStep
 from fedgrid.constants import POLL_WAIT_S
-from fedgrid.errors import InvalidUpdateError
-from fedgrid.proto import fedgrid_pb2 as pb
-from fedgrid.proto import serde
 from fedgrid.proto.tls import TLSFiles
-from fedgrid.types import EVALUATE, FIT, FitIns, ModelState, Scalar
+from fedgrid.types import EVALUATE, FIT, ModelState
 
 __all__ = [
     "Connection",
@@ -56,230 +53,11 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class TaskReport:
-    """One task the client finished and uploaded, for an observer (``run``'s ``on_task``).
-
-    Attributes:
-        round: the coordinator's round.
-        kind: ``fit`` or ``evaluate``.
-        num_examples: examples the result claims.
-        loss: the result's ``loss`` or ``train_loss`` metric, if it has one.
-        bytes_up: wire bytes (``serde.wire_size``, as the coordinator counts them) sent for
-            the upload, every try included.
-        bytes_down: wire bytes received for the task's model download.
-        upload_retries: tries of the upload after the first.
-    """
-
-    round: int
-    kind: str
-    num_examples: int
-    loss: float | None
-    bytes_up: int
-    bytes_down: int
-    upload_retries: int
-
-
-@dataclass(frozen=True)
-class ClientEvent:
-    """A change of the client's session, for an observer (``run``'s ``on_event``).
-
-    Attributes:
-        kind: ``joined`` (``client_id``, ``run_id``; again after a refused session),
-            ``polling`` (waiting for a task), ``task`` (``round``, ``task``: ``fit``,
-            ``evaluate`` or ``message``), ``error`` (``round``, ``detail``: the task failed or
-            its round closed first; the client goes on), ``finished`` (the run ended) or
-            ``left`` (``detail``: why this client stopped).
-    """
-
-    kind: str
-    round: int = 0
-    task: str = ""
-    client_id: str = ""
-    run_id: str = ""
-    detail: str = ""
-
-
-@dataclass(frozen=True)
 class RunSummary:
     """What ``run`` returns: rounds trained and the client's id."""
 
     client_id: str
     rounds: int
-
-
-class TaskStep:
-    """One fit or evaluate task, its model downloaded (by ``TaskFeed``): the caller trains or
-    evaluates, then ``deliver``s the result or ``fail``s the task. What ``run`` does with every
-    task and what a ``fedgrid.client.session.Session`` hands its host program.
-
-    Attributes:
-        task_id, round, deadline_s: the coordinator's task id, round and seconds for the task.
-        kind: ``fedgrid.types.FIT`` or ``EVALUATE``.
-        state: the global model. Lossy uplinks send the difference to it, and a compressed
-            downlink applies the next round's difference to it: never change it in place.
-        config: the task's scalars; ``ins``: a fit task's ``FitIns`` (``None`` for an evaluation).
-    """
-
-    def __init__(self, conn: Connection, task: pb.Task) -> None:
-        self.conn = conn
-        self.task_id, self.round, self.deadline_s = task.task_id, int(task.round), float(task.deadline_s)
-        self.kind = EVALUATE if task.kind == pb.EVALUATE else FIT
-        self._down_before, self._up_before = conn.bytes_down, conn.bytes_up
-        self.started = time.monotonic()
-        self.state: ModelState = (
-            conn.download(task.task_id) if self.kind == EVALUATE else conn.fetch_model(task.task_id)
-        )
-        self.config: dict[str, Scalar] = serde.config_from_pb(task.config)
-        self.ins: FitIns | None = serde.fit_ins_from_task(task) if self.kind == FIT else None
-        #: Why the coordinator refused the latest ``deliver`` as late ("" if it did not).
-        self.late = ""
-
-    @staticmethod
-    def check(update: ModelState, metrics: Mapping[str, float]) -> None:
-        """Refuses a diverged fit result before it goes out (the coordinator would refuse it).
-
-        Raises:
-            InvalidUpdateError: naming the first tensor or metric that is not finite.
-        """
-        serde.check_finite(update)
-        bad = [k for k, v in metrics.items() if not math.isfinite(v)]
-        if bad:
-            raise InvalidUpdateError(f"metric {bad[0]!r} is {metrics[bad[0]]}")
-
-    def fail(self, reason: str) -> None:
-        """Reports the task failed with ``reason``: the round records it at once."""
-        self.conn.report_failure(self.task_id, reason)
-
-    def deliver(
-        self, update: ModelState, num_examples: int, metrics: Mapping[str, float]
-    ) -> TaskReport | None:
-        """Uploads the result through the task's ``uplink_codec`` (error feedback kept in the
-        connection). Returns what it cost, or ``None`` (``late`` says why) when the round
-        closed before the update landed.
-
-        Raises:
-            RpcFailed: any other refusal, or transient failures past the retry budget.
-        """
-        metrics, self.late, codec = dict(metrics), "", str(self.config.get("uplink_codec", "none"))
-        try:
-            self.conn.upload(
-                self.task_id, self.round, update, num_examples, metrics, codec=codec, global_state=self.state
-            )
-        except RpcFailed as exc:
-            if exc.code == grpc.StatusCode.UNAUTHENTICATED:
-                # The coordinator dropped the session meanwhile (it heard nothing from it for too
-                # long, or restarted without it): this update is lost, and the next poll joins again.
-                log.warning(
-                    "round %d: the coordinator no longer knows this session (%s): the update is lost",
-                    self.round,
-                    exc.details,
-                )
-                self.late = exc.details or "the session ended"
-                return None
-            if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
-                raise
-            log.warning("round %d closed before the update landed: %s", self.round, exc.details)
-            self.late = exc.details or "the round closed"
-            return None
-        loss = metrics.get("loss", metrics.get("train_loss"))
-        if self.kind == FIT:
-            log.info(
-                "round %d: trained on %d examples, loss %s, %.2fs",
-                self.round,
-                num_examples,
-                "-" if loss is None else f"{loss:.4f}",
-                time.monotonic() - self.started,
-            )
-        return TaskReport(
-            round=self.round,
-            kind=self.kind,
-            num_examples=num_examples,
-            loss=None if loss is None else float(loss),
-            bytes_up=self.conn.bytes_up - self._up_before,
-            bytes_down=self.conn.bytes_down - self._down_before,
-            upload_retries=max(0, len(self.conn.upload_attempts) - 1),
-        )
-
-
-class TaskFeed:
-    """``run``'s loop without the training: joins, long-polls, joins again when the
-    coordinator no longer knows the session (at most ``MAX_REJOINS`` times in a row), runs
-    message phases through ``client.exchange``/``receive``, and yields every fit or evaluate
-    task as a downloaded ``TaskStep``, until the run finishes or ``conn.stop`` is set.
-
-    ``client`` is what Join says (name, region, examples) and who takes part in message
-    phases. ``finished``: the coordinator said the run is over (no Leave is owed). ``lock`` is
-    held across every Join: a thread that sets ``conn.stop`` and leaves under it is sure that
-    no Join follows its Leave.
-    """
-
-    def __init__(
-        self,
-        conn: Connection,
-        client: Client,
-        *,
-        poll_wait_s: float = POLL_WAIT_S,
-        on_event: Callable[[ClientEvent], None] | None = None,
-    ) -> None:
-        self.conn, self.client, self.poll_wait_s = conn, client, poll_wait_s
-        self.on_event = on_event
-        self.finished = False
-        self.lock = threading.Lock()
-
-    def emit(self, kind: str, **fields: Any) -> None:
-        """Tells ``on_event`` of a change of the session (``ClientEvent``)."""
-        if self.on_event is not None:
-            self.on_event(ClientEvent(kind=kind, **fields))
-
-    def join(self) -> bool:
-        """Joins (again); returns ``False`` without joining once ``conn.stop`` is set."""
-        with self.lock:
-            if self.conn.stop.is_set():
-                return False
-            self.conn.join(self.client)
-        self.emit("joined", client_id=self.conn.client_id, run_id=self.conn.run_id)
-        return True
-
-    def __iter__(self) -> Iterator[TaskStep]:
-        conn, rejoins = self.conn, 0
-        while not conn.stop.is_set():
-            try:
-                self.emit("polling")
-                reply = conn.poll(self.poll_wait_s)
-            except RpcFailed as exc:
-                rejoins += 1
-                if exc.code != grpc.StatusCode.UNAUTHENTICATED or rejoins > MAX_REJOINS:
-                    raise
-                if conn.stop.is_set():  # it left meanwhile (a Leave from another thread): nothing to rejoin
-                    return
-                # The coordinator no longer knows this session (it restarted without our
-                # registration): join again and carry on.
-                log.warning("session refused (%s): joining again", exc.details)
-                run_id = conn.run_id
-                if not self.join():
-                    return
-                if conn.run_id != run_id:  # a new run: residuals of the old model mean nothing
-                    log.warning(
-                        "the coordinator now runs %s (was %s): uplink state reset", conn.run_id, run_id
-                    )
-                    conn.load_uplink_state_dict({})
-                continue
-            rejoins = 0
-            kind = reply.WhichOneof("reply")
-            if kind == "finished":
-                self.finished = True
-                return
-            if kind != "task":
-                continue
-            self.emit(
-                "task",
-                round=reply.task.round,
-                task={pb.MESSAGE: "message", pb.EVALUATE: EVALUATE}.get(reply.task.kind, FIT),
-            )
-            if reply.task.kind == pb.MESSAGE:
-                _exchange(conn, self.client, reply.task)
-                continue
-            yield TaskStep(conn, reply.task)
 
 
 def run_client(
@@ -329,21 +107,18 @@ def run_client(
     stop = stop or threading.Event()
     tls = TLSFiles.from_options(ca, cert, key, what="client TLS")
     conn = Connection(coordinator, stop=stop, tls=tls, server_name=server_name, **connection_options)
-    saved = (
-        load_client_state(state_path, name=conn.identity or client.name) if state_path is not None else None
-    )
-    beat_stop = threading.Event()
+    saved = None if state_path is None else load_client_state(state_path, name=conn.identity or client.name)
     feed = TaskFeed(conn, client, poll_wait_s=poll_wait_s, on_event=on_event)
     heartbeat: _Heartbeat | None = None
     leaving = "stopped"
     try:
-        heartbeat = _open(feed, coordinator, saved, state_path, beat_stop)
+        heartbeat = _open(feed, coordinator, saved, state_path)
         rounds = _serve(feed, state_path, on_task)
     except BaseException as exc:  # KeyboardInterrupt and SystemExit included: the client is going
         leaving = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         raise
     finally:
-        _close(feed, leaving, beat_stop, heartbeat)
+        _close(feed, leaving, heartbeat)
     return RunSummary(client_id=conn.client_id, rounds=rounds)
 
 
@@ -352,7 +127,6 @@ def _open(
     coordinator: str,
     saved: Mapping[str, Any] | None,
     state_path: str | os.PathLike[str] | None,
-    beat_stop: threading.Event,
 ) -> _Heartbeat:
     """``run``'s start: joins, restores the client's saved state, starts the heartbeat."""
     conn, client = feed.conn, feed.client
@@ -360,7 +134,7 @@ def _open(
     log.info("joined %s as %s (run %s)", coordinator, conn.client_id, conn.run_id)
     if saved is not None and state_path is not None:
         restore_client_state(conn, client, saved, state_path)
-    heartbeat = _Heartbeat(conn, beat_stop)
+    heartbeat = _Heartbeat(conn, threading.Event())
     heartbeat.start()
     return heartbeat
 
@@ -398,45 +172,19 @@ def _serve(
     return rounds
 
 
-def _close(feed: TaskFeed, leaving: str, beat_stop: threading.Event, heartbeat: _Heartbeat | None) -> None:
+def _close(feed: TaskFeed, leaving: str, heartbeat: _Heartbeat | None) -> None:
     """``run``'s end, however it ends: tells the coordinator the client leaves (unless the run
     finished), stops the heartbeat and closes the connection."""
     conn = feed.conn
     feed.emit("finished") if feed.finished else feed.emit("left", detail=leaving)
     if conn.client_id and not feed.finished:  # joined, and the run did not end: say so, not just go silent
         conn.leave(leaving)
-    beat_stop.set()
     if heartbeat is not None:
+        heartbeat.stop.set()
         # A heartbeat in flight when the process exits can abort grpc's C++ core
         # ("terminate called without an active exception"): let it finish first.
         heartbeat.join(timeout=conn.rpc_timeout + 1.0)
     conn.close()
-
-
-def _exchange(conn: Connection, client: Client, task: pb.Task) -> None:
-    """A message phase: the client's messages go out, the ones relayed to it come back."""
-    ins = serde.message_ins_from_task(task, conn.client_id)
-    try:
-        outbox = client.exchange(ins)
-    except Exception as exc:  # the application's code failed: the phase hears it now
-        log.exception("round %d: message phase %s failed", task.round, task.phase)
-        conn.report_failure(task.task_id, f"{type(exc).__name__}: {exc}")
-        return
-    try:
-        conn.send_messages(task.task_id, outbox)
-        inbox = conn.receive_messages(task.task_id, deadline_s=task.deadline_s + conn.rpc_timeout)
-    except RpcFailed as exc:
-        if exc.code not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
-            raise
-        log.warning("round %d: message phase %s: %s", task.round, task.phase, exc.details)
-        return
-    except (TimeoutError, InterruptedError) as exc:
-        log.warning("round %d: message phase %s: %s", task.round, task.phase, exc)
-        return
-    try:
-        client.receive(ins, inbox)
-    except Exception:  # its next task will tell
-        log.exception("round %d: receiving message phase %s failed", task.round, task.phase)
 
 
 def _save(path: str | os.PathLike[str] | None, conn: Connection, client: Client, step: TaskStep) -> None:

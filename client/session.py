@@ -37,7 +37,8 @@ from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Protocol, Ty
 import grpc
 
 from fedgrid.client.api import Client, EvaluateOutput, FitOutput
-from fedgrid.client.runtime import Connection, RpcFailed, TaskFeed, TaskReport, TaskStep, _Heartbeat, _save
+from fedgrid.client.heartbeat import _Heartbeat
+from fedgrid.client.runtime import Connection, RpcFailed, TaskFeed, TaskReport, TaskStep, _save
 from fedgrid.client.state import load_client_state, restore_client_state
 from fedgrid.constants import POLL_WAIT_S
 from fedgrid.errors import InvalidUpdateError, SessionError, StaleTaskError
