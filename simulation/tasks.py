@@ -317,6 +317,27 @@ def _optimizer(
     raise ConfigError("optimizer", f"unknown optimizer {name!r} (known: {', '.join(OPTIMIZERS)})")
 
 
+def _client_data(
+    dataset: str, data_dir: str, spec: str, seed: int, partition_index: int, num_partitions: int
+) -> tuple[TensorDataset, TensorDataset]:
+    """``builtin_client``'s training examples (its partition) and test examples (those of its own
+    groups under the ``natural`` partition, else the server-side evaluation's)."""
+    data = load_data(dataset, data_dir)
+    mine = _parts(dataset, data_dir, num_partitions, spec, seed)[partition_index]
+    train = TensorDataset(*data.train(torch.from_numpy(mine)))
+    if (
+        parse_partition(spec)[0] == "natural"
+        and data.train_groups is not None
+        and data.test_groups is not None
+    ):
+        test = TensorDataset(
+            *data.test(torch.from_numpy(np.flatnonzero(np.isin(data.test_groups, data.train_groups[mine]))))
+        )
+    else:  # the server's test examples (views of one tensor, except Shakespeare's subset)
+        test = TensorDataset(*data.test(slice(None) if data.eval_index is None else data.eval_index))
+    return train, test
+
+
 def builtin_client(
     partition_index: int,
     num_partitions: int,
@@ -355,19 +376,7 @@ def builtin_client(
     check_options(dataset=dataset, data_dir=data_dir, model=model, partition=spec, optimizer=optimizer)
     if batch_size < 1:
         raise ConfigError("batch_size", f"must be at least 1, got {batch_size}")
-    data = load_data(dataset, data_dir)
-    mine = _parts(dataset, data_dir, num_partitions, spec, seed)[partition_index]
-    train = TensorDataset(*data.train(torch.from_numpy(mine)))
-    if (
-        parse_partition(spec)[0] == "natural"
-        and data.train_groups is not None
-        and data.test_groups is not None
-    ):
-        test = TensorDataset(
-            *data.test(torch.from_numpy(np.flatnonzero(np.isin(data.test_groups, data.train_groups[mine]))))
-        )
-    else:  # the server's test examples (views of one tensor, except Shakespeare's subset)
-        test = TensorDataset(*data.test(slice(None) if data.eval_index is None else data.eval_index))
+    train, test = _client_data(dataset, data_dir, spec, seed, partition_index, num_partitions)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         net = build_model(dataset, model, data_dir)  # overwritten by the global model at the first fit
