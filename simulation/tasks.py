@@ -33,7 +33,7 @@ from fedgrid.client.torch_client import TorchClient, default_device
 from fedgrid.errors import ConfigError
 from fedgrid.plugins import initial_state
 from fedgrid.simulation.datasets import (
-    Dataset,
+    DatasetData,
     load_digits,
     load_fashion_mnist,
     load_synthetic,
@@ -87,7 +87,6 @@ CLIENT_KEYS = (
 EVAL_CHUNK = 1024
 
 ModelFactory = Callable[["DatasetData"], nn.Module]
-_EVAL_SEED = 4321
 
 
 @dataclass(frozen=True)
@@ -113,45 +112,6 @@ class BuiltinDataset:
     @property
     def default_model(self) -> str:
         return next(iter(self.models))
-
-
-class DatasetData:
-    """A loaded dataset as the tasks use it: labels and groups up front, inputs gathered
-    per subset (Shakespeare's full window matrix would take ~2.4 GB).
-
-    Attributes:
-        y_train, y_test: int64 labels.
-        train_groups, test_groups: each example's natural group, or ``None``.
-        eval_index: the test examples the server-side evaluation uses (``None``: all).
-    """
-
-    def __init__(self, source: Any, *, eval_limit: int | None = None) -> None:
-        self.source = source
-        self.char = not isinstance(source, Dataset)  # Shakespeare's CharData
-        self.y_train: torch.Tensor = source.y_train
-        self.y_test: torch.Tensor = source.y_test
-        self.num_classes: int = source.num_classes
-        groups = ("train_roles", "test_roles") if self.char else ("train_groups", "test_groups")
-        self.train_groups: np.ndarray | None = getattr(source, groups[0])
-        self.test_groups: np.ndarray | None = getattr(source, groups[1])
-        n = len(self.y_test)
-        self.eval_index: torch.Tensor | None = None
-        if eval_limit is not None and n > eval_limit:  # a fixed subset, the same in every run
-            self.eval_index = torch.from_numpy(
-                np.sort(np.random.default_rng(_EVAL_SEED).choice(n, eval_limit, replace=False))
-            )
-
-    def train(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and labels of the chosen training examples."""
-        if self.char:
-            return self.source.windows("train", index)
-        return self.source.x_train[index], self.source.y_train[index]
-
-    def test(self, index: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and labels of the chosen test examples."""
-        if self.char:
-            return self.source.windows("test", index)
-        return self.source.x_test[index], self.source.y_test[index]
 
 
 def _load_shakespeare(data_dir: str) -> Any:
