@@ -215,79 +215,90 @@ def figures(runs: Sequence[Run]) -> dict[str, Any]:
     """The figures of a report, by PNG file name: the overlaid plots of ``PLOTS`` that
     some run has data for, then ``participation-N.png`` for each run N (1-based, in
     argument order) with per-client events. Each line's data is ``Run.series``."""
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import EngFormatter, MaxNLocator
+    import matplotlib.figure  # noqa: F401 - without the optional extra it fails here, whatever the runs hold
 
     out: dict[str, Any] = {}
     colors = [f"C{i % 10}" for i in range(len(runs))]
     for name, (title, metrics) in PLOTS.items():
         if not any(run.series(m)[0] for run in runs for m in metrics):
             continue
-        fig = Figure(figsize=(7.5, 3.2 * len(metrics) if name == "bytes.png" else 4.0), layout="constrained")
-        axes = (
-            fig.subplots(len(metrics), 1, squeeze=False)[:, 0]
-            if name == "bytes.png"
-            else [fig.subplots()] * len(metrics)
-        )
-        for ax, metric in zip(axes, metrics):
-            for run, color in zip(runs, colors):
-                xs, ys = run.series(metric)
-                if xs:
-                    suffix = (
-                        f" ({metric.replace('_', ' ')})" if len(metrics) > 1 and name != "bytes.png" else ""
-                    )
-                    ax.plot(
-                        xs,
-                        ys,
-                        _STYLE.get(metric, "-"),
-                        color=color,
-                        marker="o",
-                        markersize=3,
-                        label=_plain(run.label + suffix),
-                    )
-            ax.set_xlabel("round")
-            ax.set_ylabel(metric.replace("_", " ") if len(set(axes)) > 1 else title.split(" per")[0].lower())
-            ax.grid(True, alpha=0.3)
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            if metric.startswith(("bytes", "clients")):
-                ax.set_ylim(bottom=0)  # a count: its zero is meaningful
-            if metric.startswith("bytes"):
-                ax.yaxis.set_major_formatter(EngFormatter(unit="B"))
-        for ax in dict.fromkeys(axes):
-            if ax.lines:
-                ax.legend(fontsize="small")
-        fig.suptitle(title)
-        out[name] = fig
+        out[name] = _metric_figure(name, title, metrics, runs, colors)
     for number, run in enumerate(runs, 1):
         grid = participation(run)
         if grid is None:
             continue
-        clients, rounds, cells = grid
-        from matplotlib.colors import ListedColormap
-        from matplotlib.patches import Patch
-
-        fig = Figure(
-            figsize=(max(6.5, 0.35 * len(rounds) + 4.0), max(2.5, 0.3 * len(clients) + 1.5)),
-            layout="constrained",
-        )
-        ax = fig.subplots()
-        ax.imshow(
-            cells, aspect="auto", interpolation="nearest", vmin=0, vmax=_OK, cmap=ListedColormap(_COLORS)
-        )
-        ax.set_xticks(range(len(rounds)), [str(r) for r in rounds])
-        ax.set_yticks(range(len(clients)), [_plain(c) for c in clients])
-        ax.set_xlabel("round")
-        ax.set_title(_plain(f"{run.label}: participation per client"), fontsize="medium")
-        fig.legend(
-            handles=[
-                Patch(color=c, label=t)
-                for c, t in zip(_COLORS[::-1], ("update accepted", "failed", "no event"))
-            ],
-            loc="outside right upper",
-            fontsize="small",
-        )
-        out[f"participation-{number}.png"] = fig
+        out[f"participation-{number}.png"] = _participation_figure(run, grid)
     return out
+
+
+def _metric_figure(
+    name: str, title: str, metrics: Sequence[str], runs: Sequence[Run], colors: Sequence[str]
+) -> Any:
+    """The figure ``name`` of ``PLOTS``: ``metrics`` per round, one line per run (``bytes.png``:
+    one panel per metric; the others: every metric on one panel)."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import EngFormatter, MaxNLocator
+
+    fig = Figure(figsize=(7.5, 3.2 * len(metrics) if name == "bytes.png" else 4.0), layout="constrained")
+    axes = (
+        fig.subplots(len(metrics), 1, squeeze=False)[:, 0]
+        if name == "bytes.png"
+        else [fig.subplots()] * len(metrics)
+    )
+    for ax, metric in zip(axes, metrics):
+        for run, color in zip(runs, colors):
+            xs, ys = run.series(metric)
+            if xs:
+                suffix = f" ({metric.replace('_', ' ')})" if len(metrics) > 1 and name != "bytes.png" else ""
+                ax.plot(
+                    xs,
+                    ys,
+                    _STYLE.get(metric, "-"),
+                    color=color,
+                    marker="o",
+                    markersize=3,
+                    label=_plain(run.label + suffix),
+                )
+        ax.set_xlabel("round")
+        ax.set_ylabel(metric.replace("_", " ") if len(set(axes)) > 1 else title.split(" per")[0].lower())
+        ax.grid(True, alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if metric.startswith(("bytes", "clients")):
+            ax.set_ylim(bottom=0)  # a count: its zero is meaningful
+        if metric.startswith("bytes"):
+            ax.yaxis.set_major_formatter(EngFormatter(unit="B"))
+    for ax in dict.fromkeys(axes):
+        if ax.lines:
+            ax.legend(fontsize="small")
+    fig.suptitle(title)
+    return fig
+
+
+def _participation_figure(run: Run, grid: tuple[list[str], list[int], list[list[int]]]) -> Any:
+    """``run``'s participation grid (``participation``): a cell per client and round."""
+    from matplotlib.colors import ListedColormap
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    clients, rounds, cells = grid
+    fig = Figure(
+        figsize=(max(6.5, 0.35 * len(rounds) + 4.0), max(2.5, 0.3 * len(clients) + 1.5)),
+        layout="constrained",
+    )
+    ax = fig.subplots()
+    ax.imshow(cells, aspect="auto", interpolation="nearest", vmin=0, vmax=_OK, cmap=ListedColormap(_COLORS))
+    ax.set_xticks(range(len(rounds)), [str(r) for r in rounds])
+    ax.set_yticks(range(len(clients)), [_plain(c) for c in clients])
+    ax.set_xlabel("round")
+    ax.set_title(_plain(f"{run.label}: participation per client"), fontsize="medium")
+    fig.legend(
+        handles=[
+            Patch(color=c, label=t) for c, t in zip(_COLORS[::-1], ("update accepted", "failed", "no event"))
+        ],
+        loc="outside right upper",
+        fontsize="small",
+    )
+    return fig
 
 
 def _png(fig: Any) -> bytes:

@@ -30,40 +30,30 @@ are not a mean over examples; and anything a one-step trial call rejects (data-d
 control flow, ops without a batching rule that fail).
 
 Its parts: ``batched_models`` (what the engine reads of a model and its clients),
-``batched_memory`` (which engine pays, and how many clients fit) and ``batched_optim``
-(the batched optimizer step).
+``batched_trial`` (the checks and the trial step when the trainer is built),
+``batched_step`` (the vmapped gradient step), ``batched_memory`` (which engine pays, and
+how many clients fit) and ``batched_optim`` (the batched optimizer step).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TypeAlias, Union
 
 import torch
-from torch.func import functional_call, grad_and_value, vmap
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import TensorDataset
 
 from fedgrid.client.algorithms import ClientAlgorithm, FitContext, algorithm_of, train_only
 from fedgrid.client.api import Client, FitOutput, OwnedState
-from fedgrid.client.loaders import NotPlainLoader, plain_loader
-from fedgrid.client.torch_client import RNG_LOCK, TorchClient
+from fedgrid.client.torch_client import RNG_LOCK
 from fedgrid.server.memory import MMAP_THRESHOLD_MAX
 from fedgrid.simulation.batched_memory import choose_engine, memory_budget, out_of_memory
-from fedgrid.simulation.batched_models import (
-    _TORCH_CLIENT_METHODS,
-    _check_modules,
-    _describe,
-    _loss_key,
-    _Model,
-    _per_example,
-    _size,
-    _Static,
-    recurrent_module,
-)
+from fedgrid.simulation.batched_models import _Model, _size, _Static, recurrent_module
 from fedgrid.simulation.batched_optim import BatchedOptimizer, NotBatchable, OptimizerSpec, optimizer_spec
+from fedgrid.simulation.batched_step import step_function
+from fedgrid.simulation.batched_trial import inspect_clients, trial
 from fedgrid.types import FitIns, ModelState
 
 __all__ = [
@@ -153,45 +143,14 @@ class BatchedTrainer:
     # --- construction -------------------------------------------------------------------
 
     def _inspect_all(self) -> None:
-        signatures: dict[tuple[Any, ...], int] = {}
-        if not self.clients:
-            raise NotBatchable("the fleet has no clients")
-        for i, client in enumerate(self.clients):
-            label = f"client {client.name or i!r}"
-            if not isinstance(client, TorchClient):
-                raise NotBatchable(f"{label} is a {type(client).__name__}, not a TorchClient")
-            overridden = [
-                m for m in _TORCH_CLIENT_METHODS if getattr(type(client), m) is not getattr(TorchClient, m)
-            ]
-            if overridden:
-                raise NotBatchable(f"{label} overrides TorchClient.{overridden[0]}")
-            try:
-                loader = plain_loader(client.train_loader)
-                optimizer_spec(client.optimizer_factory(list(client.model.parameters())))
-            except (NotBatchable, NotPlainLoader) as exc:
-                raise NotBatchable(f"{label}: {exc}") from None
-            model = client.model
-            sig = (
-                type(model),
-                repr(model),
-                client.device,
-                tuple((k, t.dtype, tuple(t.shape)) for k, t in model.state_dict().items()),
-            )
-            if sig not in signatures:
-                try:
-                    _check_modules(model)
-                except NotBatchable as exc:
-                    raise NotBatchable(f"{label}: {exc}") from None
-                signatures[sig] = len(self._models)
-                self._models.append(_describe(model, client.device))
-            self._statics[i] = _Static(i, client, signatures[sig], _loss_key(client.loss_fn), loader)
+        inspect_clients(self.clients, self._models, self._statics)
         self.device = self._models[0].device
         for m_index, m in enumerate(self._models):
             users = [s for s in self._statics.values() if s.model == m_index]
             first = next((s for s in users if _size(s)), users[0])  # one with data, if any
             label = f"client {first.client.name or first.index!r}"
             try:
-                self._trial(m, first)
+                trial(m, first, self._step_fn)
             except NotBatchable as exc:
                 raise NotBatchable(f"{label}: {exc}") from None
             except Exception as exc:
@@ -200,107 +159,14 @@ class BatchedTrainer:
                 ) from None
             self.conv_share = max(self.conv_share, m.conv_share)
 
-    def _trial(self, m: _Model, s: _Static) -> None:
-        """One batched step of two copies of ``s``'s model on its first batch; measures FLOPs and activations."""
-        from torch.utils.flop_counter import FlopCounterMode
-
-        n = _size(s)
-        if n == 0:
-            return
-        rows = (s.local if s.local is not None else torch.arange(n))[: s.batch_size]
-        x, y = (t[rows].to(m.device) for t in s.base.tensors)
-        per_example = _per_example(s.client.loss_fn)
-        template = m.template
-        template.train()
-        leaves = [mod for mod in template.modules() if not list(mod.children())]
-        sizes: list[int] = []
-        hooks = [
-            mod.register_forward_hook(
-                lambda _m, _i, o: sizes.append(
-                    o.numel() * o.element_size() if isinstance(o, torch.Tensor) else 0
-                )
-            )
-            for mod in leaves
-        ]
-        try:
-            with (
-                torch.random.fork_rng(devices=[m.device] if m.device.type == "cuda" else []),
-                FlopCounterMode(display=False) as counter,
-            ):
-                out = template(x)
-                full = s.client.loss_fn(out, y)
-                per = per_example(out, y)
-                full.backward()
-            unused = [n for n, p in template.named_parameters() if p.requires_grad and p.grad is None]
-        finally:
-            for h in hooks:
-                h.remove()
-            template.zero_grad(set_to_none=True)
-        if (
-            unused
-        ):  # torch.optim skips them; torch.func.grad would give zeros that weight decay and Adam act on
-            raise NotBatchable(f"parameter '{unused[0]}' gets no gradient")
-        batch_loss, mean_loss = float(full.detach()), float(per.detach().mean())
-        if not math.isclose(mean_loss, batch_loss, rel_tol=1e-5, abs_tol=1e-6):
-            raise NotBatchable(
-                f"its loss_fn is not a mean over examples ({batch_loss:.6g} on a batch, {mean_loss:.6g} averaged per example)"
-            )
-        m.activation_bytes = sum(sizes) + x.numel() * x.element_size()
-        m.largest_bytes = max(
-            [
-                *sizes,
-                x.numel() * x.element_size(),
-                *(p.numel() * p.element_size() for p in template.parameters()),
-            ]
-        )
-        counts = counter.get_flop_counts().get("Global", {})
-        total = sum(counts.values())
-        conv = sum(v for op, v in counts.items() if "convolution" in str(op))
-        m.conv_share = conv / total if total else 0.0
-        stacked = {
-            n: torch.stack([p.detach()] * 2) for n, p in template.named_parameters() if p.requires_grad
-        }
-        frozen = {
-            n: torch.stack([t.detach()] * 2)
-            for n, t in [*template.named_parameters(), *template.named_buffers()]
-            if n not in stacked
-        }
-        fn = self._step_fn(m, s.client.loss_fn, s.loss_key, 0.0)
-        mask = torch.ones(2, len(rows), dtype=torch.bool, device=m.device)
-        count = torch.full((2,), float(len(rows)), device=m.device)
-        grads, (_, loss) = fn(stacked, frozen, None, torch.stack([x, x]), torch.stack([y, y]), mask, count)
-        if not math.isclose(float(loss[0]), batch_loss, rel_tol=1e-4, abs_tol=1e-5):
-            raise NotBatchable(
-                f"a trial batched step gave loss {float(loss[0]):.6g}, the model alone {batch_loss:.6g}"
-            )
-
     def _step_fn(
         self, m: _Model, loss_fn: Callable[..., Any], loss_key: object, mu: float
     ) -> Callable[..., Any]:
+        """``batched_step.step_function``, one per model, loss and ``mu``."""
         key = (id(m), loss_key, mu)
-        if key in self._step_fns:
-            return self._step_fns[key]
-        template, per_example = m.template, _per_example(loss_fn)
-
-        def objective(
-            trained: dict[str, torch.Tensor],
-            frozen: dict[str, torch.Tensor],
-            anchor: dict[str, torch.Tensor] | None,
-            x: torch.Tensor,
-            y: torch.Tensor,
-            mask: torch.Tensor,
-            count: torch.Tensor,
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-            per = per_example(functional_call(template, (trained, frozen), (x,)), y)
-            loss = torch.where(mask, per, 0.0).sum() / count
-            if anchor is None:
-                return loss, loss
-            total = sum(((trained[n] - anchor[n]) ** 2).sum() for n in trained)
-            return loss + 0.5 * mu * torch.as_tensor(total), loss
-
-        fn = vmap(grad_and_value(objective, has_aux=True), in_dims=(0, 0, 0 if mu else None, 0, 0, 0, 0))
-        self._step_fns[key] = fn
-        return fn
+        if key not in self._step_fns:
+            self._step_fns[key] = step_function(m, loss_fn, mu)
+        return self._step_fns[key]
 
     def chunk_size(self, m_index: int = 0, spec: OptimizerSpec | None = None) -> int:
         """K for model ``m_index`` (see the class docstring)."""
@@ -496,12 +362,12 @@ class BatchedTrainer:
             orders = [s.loader.order() for _ in range(epochs)]
         return [b for order in orders for b in s.loader.index_batches(order)]
 
-    def _train_chunk(self, chunk: list[_Job]) -> list[FitOutput]:
-        first = chunk[0]
-        m = self._models[first.static.model]
-        device = m.device
-        data_key = self._rows[first.static.index][0]
-        xs, ys = self._data[data_key]
+    def _batch_rows(
+        self, chunk: list[_Job], device: torch.device
+    ) -> tuple[list[int], int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The chunk's batches as rows of the fleet's data: each client's steps, the padded
+        width, ``[K, steps, width]`` row indices (on ``device``), each batch's length, the
+        padding mask and each batch's example count (at least 1, on ``device``)."""
         k_all = len(chunk)
         steps = [len(j.batches) for j in chunk]
         width = max(len(b) for j in chunk for b in j.batches)
@@ -515,7 +381,16 @@ class BatchedTrainer:
             lengths[i, : steps[i]] = torch.tensor([len(b) for b in job.batches])
         mask = (torch.arange(width) < lengths.unsqueeze(-1)).to(device)
         count = lengths.clamp(min=1).to(device, torch.float32)
-        idx = idx.to(device)
+        return steps, width, idx.to(device), lengths, mask, count
+
+    def _train_chunk(self, chunk: list[_Job]) -> list[FitOutput]:
+        first = chunk[0]
+        m = self._models[first.static.model]
+        device = m.device
+        data_key = self._rows[first.static.index][0]
+        xs, ys = self._data[data_key]
+        k_all = len(chunk)
+        steps, width, idx, lengths, mask, count = self._batch_rows(chunk, device)
         active = [sum(1 for n in steps if n > s) for s in range(steps[0])]
 
         def stack(name: str) -> torch.Tensor:

@@ -13,6 +13,9 @@ what simulation gives client I:
   ``clients * N`` equal shards and every client is dealt ``N`` random shards, so it holds
   at most ``2 * N`` classes (when a shard is no larger than the smallest class);
 - ``natural``: the data's own groups (Shakespeare's speaking roles, synthetic devices).
+
+``DatasetData`` is a loaded dataset (one of these, or Shakespeare's) as the built-in tasks
+(``fedgrid.simulation.tasks``) use it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,6 +34,7 @@ from fedgrid.errors import ConfigError
 
 __all__ = [
     "Dataset",
+    "DatasetData",
     "load_digits",
     "read_idx",
     "load_fashion_mnist",
@@ -313,3 +318,46 @@ def partition(
         return partition_natural(np.asarray(groups), num_clients)
     assert param is not None
     return partition_dirichlet(labels, num_clients, param, seed)
+
+
+#: Seed of the fixed subset of test examples a server-side evaluation uses (``DatasetData.eval_index``).
+_EVAL_SEED = 4321
+
+
+class DatasetData:
+    """A loaded dataset as the tasks use it: labels and groups up front, inputs gathered
+    per subset (Shakespeare's full window matrix would take ~2.4 GB).
+
+    Attributes:
+        y_train, y_test: int64 labels.
+        train_groups, test_groups: each example's natural group, or ``None``.
+        eval_index: the test examples the server-side evaluation uses (``None``: all).
+    """
+
+    def __init__(self, source: Any, *, eval_limit: int | None = None) -> None:
+        self.source = source
+        self.char = not isinstance(source, Dataset)  # Shakespeare's CharData
+        self.y_train: torch.Tensor = source.y_train
+        self.y_test: torch.Tensor = source.y_test
+        self.num_classes: int = source.num_classes
+        groups = ("train_roles", "test_roles") if self.char else ("train_groups", "test_groups")
+        self.train_groups: np.ndarray | None = getattr(source, groups[0])
+        self.test_groups: np.ndarray | None = getattr(source, groups[1])
+        n = len(self.y_test)
+        self.eval_index: torch.Tensor | None = None
+        if eval_limit is not None and n > eval_limit:  # a fixed subset, the same in every run
+            self.eval_index = torch.from_numpy(
+                np.sort(np.random.default_rng(_EVAL_SEED).choice(n, eval_limit, replace=False))
+            )
+
+    def train(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and labels of the chosen training examples."""
+        if self.char:
+            return self.source.windows("train", index)
+        return self.source.x_train[index], self.source.y_train[index]
+
+    def test(self, index: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and labels of the chosen test examples."""
+        if self.char:
+            return self.source.windows("test", index)
+        return self.source.x_test[index], self.source.y_test[index]

@@ -3,7 +3,7 @@
 Models cross the same serialization as on the wire (``fedgrid.proto.serde``), so a
 simulated run moves the same bytes, and produces the same bits, as a deployed one. A raw
 (``none``) uplink is lossless, so its update skips the encoding, framing and decoding that
-would hand back the same bits (``_raw_passes``); its bytes are counted arithmetically
+would hand back the same bits (``upload.raw_passes``); its bytes are counted arithmetically
 (``serde.stream_wire_bytes``), equal to the frames'.
 
 A round runs in three phases per group of clients: (1) each client downloads the model,
@@ -13,9 +13,9 @@ counted in ``bytes_down``; and gets its task; (2) the clients train, through an 
 ``TorchClient`` clients of one model at once with stacked parameters
 (``fedgrid.simulation.batched``); (3) each client's update is encoded with its
 uplink codec (error feedback per client), framed, decoded (but for a raw one, above), and
-accepted by the coordinator's own functions (``server/accept.py``: the header's ``delta``
-flag and ``num_examples``, then each tensor finite and within the norm bound, then the
-round's bytes), so a simulated client fails exactly where a deployed one would, with the
+accepted by the coordinator's own functions (``fedgrid.simulation.upload``; ``server/accept.py``:
+the header's ``delta`` flag and ``num_examples``, then each tensor finite and within the norm
+bound, then the round's bytes), so a simulated client fails exactly where a deployed one would, with the
 same message; names and counts are checked at construction as at Join. A client's error in
 any phase is a ``Failure``, never an exception.
 """
@@ -30,7 +30,7 @@ from typing import Mapping, Protocol, Sequence, Union
 
 import torch
 
-from fedgrid.client.api import Client, FitOutput, OwnedState
+from fedgrid.client.api import Client, FitOutput
 from fedgrid.client.uplink import UplinkEncoder
 from fedgrid.compression import available_codecs
 from fedgrid.errors import ConfigError
@@ -44,6 +44,7 @@ from fedgrid.server.fleet import Fleet, RoundOutcome
 from fedgrid.server.registry import check_joining
 from fedgrid.server.rounds import check_outbox, relay
 from fedgrid.simulation.batched import BatchedTrainer, choose_engine, recurrent_module
+from fedgrid.simulation.upload import upload
 from fedgrid.types import (
     ClientInfo,
     EvaluateIns,
@@ -83,22 +84,6 @@ class Profiles(Protocol):
         """Simulated seconds client ``index`` trains a round on ``num_examples`` examples."""
 
 
-def _raw_passes(out: FitOutput, expected: Mapping[str, TensorSpec]) -> bool:
-    """Whether a raw (codec ``none``) upload of ``out`` would decode to exactly ``out``: then
-    ``InProcessFleet`` skips encoding, framing and decoding it (a lossless fast path; the wire
-    bytes are counted by ``serde.stream_wire_bytes``, equal to the frames'). Anything the wire
-    would refuse or change (specs other than the task's, a dtype it cannot carry, metrics or
-    an example count that protobuf cannot hold as sent) takes the wire's own path, so its
-    failure reads exactly as in deployment."""
-    if TensorSpec.of(out.state) != dict(expected) or any(
-        t.dtype not in serde.DTYPE_TO_PB for t in out.state.values()
-    ):
-        return False
-    if type(out.num_examples) is not int or not 0 <= out.num_examples < 2**64:
-        return False
-    return all(type(k) is str and type(v) in (int, float) for k, v in out.metrics.items())
-
-
 class InProcessFleet(Fleet):
     """Runs ``clients`` in process, through the sequential or the batched engine.
 
@@ -131,7 +116,7 @@ class InProcessFleet(Fleet):
             would refuse at Join.
     """
 
-    #: Skip the simulated wire for raw (``none``) uplinks (``_raw_passes``); tests turn it off
+    #: Skip the simulated wire for raw (``none``) uplinks (``upload.raw_passes``); tests turn it off
     #: to compare with the wire's path, bit for bit and byte for byte.
     fast_lossless = True
 
@@ -405,51 +390,23 @@ class InProcessFleet(Fleet):
         round_specs: Mapping[str, TensorSpec],
         tally: RoundTally,
     ) -> FitRes:
-        """Phase 3 for one client: its update through its uplink codec, accepted as the
-        coordinator accepts it (``server/accept.py``: header, then each tensor, then the bytes).
-
-        Raises:
-            InvalidUpdateError: whatever the coordinator would refuse, with its message.
-        """
-        expected = ins.expected or round_specs
-        if (
-            self.fast_lossless and codec == "none" and _raw_passes(out, expected)
-        ):  # the wire's result, without the wire
-            metrics = {k: float(v) for k, v in out.metrics.items()}
-            header = serde.StreamInfo(round=server_round, num_examples=out.num_examples, metrics=metrics)
-            serde.check_metrics(header.metrics)
-            accept.check_header(self.bounds, info, num_examples=header.num_examples, delta=False, codec=codec)
-            # A TorchClient's upload and the batched engine's rows are fresh copies (OwnedState);
-            # anything else a client may still hold.
-            received = (
-                OrderedDict(out.state)
-                if isinstance(out.state, OwnedState)
-                else OrderedDict(
-                    (n, t.detach().to("cpu").clone(memory_format=torch.contiguous_format))
-                    for n, t in out.state.items()
-                )
-            )
-            wire = serde.stream_wire_bytes(received, header, chunk_size=self.chunk_size)
-            payload = sum(t.numel() * t.element_size() for t in received.values())
-        else:
-            encoded, delta = self._uplink(info.client_id, codec).encode(
-                global_state=state, new_state=out.state
-            )
-            head = serde.StreamInfo(
-                round=server_round, num_examples=out.num_examples, metrics=out.metrics, delta=delta
-            )
-            frames = list(encoded.frames(head, chunk_size=self.chunk_size))
-            sent = serde.read_header(frames[0])
-            accept.check_header(
-                self.bounds, info, num_examples=sent.num_examples, delta=sent.delta, codec=codec
-            )
-            header, received = serde.decode_chunks(frames, expected=expected)
-            wire, payload = sum(serde.wire_size(c) for c in frames), encoded.total_bytes
-        # Differences are kept as such (FitRes.delta) where clients hold the exact model, as RemoteFleet keeps them.
-        check = accept.UpdateCheck(base, self.bounds, delta=header.delta, keep_delta=self.downlink.lossless)
-        update = check.whole(received)
-        tally.add_up(info.region, wire=wire, payload=payload, raw=accept.raw_bytes(expected))
-        return FitRes(info, update, header.num_examples, header.metrics, check.keeps_delta)
+        """Phase 3 for one client (``fedgrid.simulation.upload.upload``), through its own uplink encoder."""
+        return upload(
+            server_round=server_round,
+            info=info,
+            ins=ins,
+            codec=codec,
+            state=state,
+            out=out,
+            base=base,
+            round_specs=round_specs,
+            tally=tally,
+            bounds=self.bounds,
+            chunk_size=self.chunk_size,
+            keep_delta=self.downlink.lossless,
+            fast=self.fast_lossless,
+            uplink=lambda: self._uplink(info.client_id, codec),
+        )
 
     def evaluate_round(
         self,

@@ -148,6 +148,33 @@ def _fleet(config: Config, clients: list, profiles: ClientProfiles) -> InProcess
     return fleet
 
 
+def _reporter(on_round: Callable[[RoundMetrics], None] | None) -> Callable[[RoundMetrics], None]:
+    """What rank 0 runs after each round: a log line, then ``on_round``."""
+
+    def report(metrics: RoundMetrics) -> None:
+        log.info(
+            "round %d: %d clients in %.2fs (%.1f clients/s)",
+            metrics.round,
+            metrics.clients_ok,
+            metrics.wall_s,
+            clients_per_second(metrics),
+        )
+        if on_round is not None:
+            on_round(metrics)
+
+    return report
+
+
+def _writer(config: Config, threads: int, engine: str) -> RunWriter:
+    """The run directory's writer: the configuration as run (threads, engine) and the environment."""
+    recorded = {**config.to_dict(), "threads": threads, "engine": engine}
+    return RunWriter(
+        config.out,
+        recorded,
+        environment=environment(engine_requested=config.engine, threads_requested=config.threads),
+    )
+
+
 def _run(
     config: Config,
     threads: int,
@@ -166,17 +193,6 @@ def _run(
         resolved.client_factory(i, config.clients, config.seed, **options) for i in range(config.clients)
     ]
 
-    def report(metrics: RoundMetrics) -> None:
-        log.info(
-            "round %d: %d clients in %.2fs (%.1f clients/s)",
-            metrics.round,
-            metrics.clients_ok,
-            metrics.wall_s,
-            clients_per_second(metrics),
-        )
-        if on_round is not None:
-            on_round(metrics)
-
     fleet = _fleet(
         config, clients, profiles
     )  # a fleet that cannot train fails before the run directory exists
@@ -186,14 +202,7 @@ def _run(
         from fedgrid.simulation.sharded import ShardedFleet
 
         run_fleet = ShardedFleet(fleet, rank=rank, world=world)
-    writer = None
-    if config.out and rank == 0:
-        recorded = {**config.to_dict(), "threads": threads, "engine": fleet.engine}
-        writer = RunWriter(
-            config.out,
-            recorded,
-            environment=environment(engine_requested=config.engine, threads_requested=config.threads),
-        )
+    writer = _writer(config, threads, fleet.engine) if config.out and rank == 0 else None
     engine = RoundEngine(
         strategy=strategy,
         fleet=run_fleet,
@@ -203,7 +212,7 @@ def _run(
         join_timeout=timedelta(seconds=config.join_timeout_s),
         evaluate_fn=resolved.evaluate,
         writer=writer,
-        on_round=report if rank == 0 else None,
+        on_round=_reporter(on_round) if rank == 0 else None,
         stop=stop,
     )
     log.info("engine: %s (%s)", fleet.engine, fleet.engine_reason)

@@ -33,7 +33,7 @@ from fedgrid.client.torch_client import TorchClient, default_device
 from fedgrid.errors import ConfigError
 from fedgrid.plugins import initial_state
 from fedgrid.simulation.datasets import (
-    Dataset,
+    DatasetData,
     load_digits,
     load_fashion_mnist,
     load_synthetic,
@@ -87,7 +87,6 @@ CLIENT_KEYS = (
 EVAL_CHUNK = 1024
 
 ModelFactory = Callable[["DatasetData"], nn.Module]
-_EVAL_SEED = 4321
 
 
 @dataclass(frozen=True)
@@ -113,45 +112,6 @@ class BuiltinDataset:
     @property
     def default_model(self) -> str:
         return next(iter(self.models))
-
-
-class DatasetData:
-    """A loaded dataset as the tasks use it: labels and groups up front, inputs gathered
-    per subset (Shakespeare's full window matrix would take ~2.4 GB).
-
-    Attributes:
-        y_train, y_test: int64 labels.
-        train_groups, test_groups: each example's natural group, or ``None``.
-        eval_index: the test examples the server-side evaluation uses (``None``: all).
-    """
-
-    def __init__(self, source: Any, *, eval_limit: int | None = None) -> None:
-        self.source = source
-        self.char = not isinstance(source, Dataset)  # Shakespeare's CharData
-        self.y_train: torch.Tensor = source.y_train
-        self.y_test: torch.Tensor = source.y_test
-        self.num_classes: int = source.num_classes
-        groups = ("train_roles", "test_roles") if self.char else ("train_groups", "test_groups")
-        self.train_groups: np.ndarray | None = getattr(source, groups[0])
-        self.test_groups: np.ndarray | None = getattr(source, groups[1])
-        n = len(self.y_test)
-        self.eval_index: torch.Tensor | None = None
-        if eval_limit is not None and n > eval_limit:  # a fixed subset, the same in every run
-            self.eval_index = torch.from_numpy(
-                np.sort(np.random.default_rng(_EVAL_SEED).choice(n, eval_limit, replace=False))
-            )
-
-    def train(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and labels of the chosen training examples."""
-        if self.char:
-            return self.source.windows("train", index)
-        return self.source.x_train[index], self.source.y_train[index]
-
-    def test(self, index: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and labels of the chosen test examples."""
-        if self.char:
-            return self.source.windows("test", index)
-        return self.source.x_test[index], self.source.y_test[index]
 
 
 def _load_shakespeare(data_dir: str) -> Any:
@@ -317,6 +277,27 @@ def _optimizer(
     raise ConfigError("optimizer", f"unknown optimizer {name!r} (known: {', '.join(OPTIMIZERS)})")
 
 
+def _client_data(
+    dataset: str, data_dir: str, spec: str, seed: int, partition_index: int, num_partitions: int
+) -> tuple[TensorDataset, TensorDataset]:
+    """``builtin_client``'s training examples (its partition) and test examples (those of its own
+    groups under the ``natural`` partition, else the server-side evaluation's)."""
+    data = load_data(dataset, data_dir)
+    mine = _parts(dataset, data_dir, num_partitions, spec, seed)[partition_index]
+    train = TensorDataset(*data.train(torch.from_numpy(mine)))
+    if (
+        parse_partition(spec)[0] == "natural"
+        and data.train_groups is not None
+        and data.test_groups is not None
+    ):
+        test = TensorDataset(
+            *data.test(torch.from_numpy(np.flatnonzero(np.isin(data.test_groups, data.train_groups[mine]))))
+        )
+    else:  # the server's test examples (views of one tensor, except Shakespeare's subset)
+        test = TensorDataset(*data.test(slice(None) if data.eval_index is None else data.eval_index))
+    return train, test
+
+
 def builtin_client(
     partition_index: int,
     num_partitions: int,
@@ -355,19 +336,7 @@ def builtin_client(
     check_options(dataset=dataset, data_dir=data_dir, model=model, partition=spec, optimizer=optimizer)
     if batch_size < 1:
         raise ConfigError("batch_size", f"must be at least 1, got {batch_size}")
-    data = load_data(dataset, data_dir)
-    mine = _parts(dataset, data_dir, num_partitions, spec, seed)[partition_index]
-    train = TensorDataset(*data.train(torch.from_numpy(mine)))
-    if (
-        parse_partition(spec)[0] == "natural"
-        and data.train_groups is not None
-        and data.test_groups is not None
-    ):
-        test = TensorDataset(
-            *data.test(torch.from_numpy(np.flatnonzero(np.isin(data.test_groups, data.train_groups[mine]))))
-        )
-    else:  # the server's test examples (views of one tensor, except Shakespeare's subset)
-        test = TensorDataset(*data.test(slice(None) if data.eval_index is None else data.eval_index))
+    train, test = _client_data(dataset, data_dir, spec, seed, partition_index, num_partitions)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         net = build_model(dataset, model, data_dir)  # overwritten by the global model at the first fit

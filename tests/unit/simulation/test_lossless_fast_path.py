@@ -14,8 +14,9 @@ from fedgrid.client.api import Client, FitOutput
 from fedgrid.config import load_config
 from fedgrid.proto import serde
 from fedgrid.simulation import fleet as fleet_mod
-from fedgrid.simulation.fleet import InProcessFleet, _raw_passes
+from fedgrid.simulation.fleet import InProcessFleet
 from fedgrid.simulation.run import run_simulation
+from fedgrid.simulation.upload import raw_passes
 from fedgrid.types import FitIns, TensorSpec
 
 
@@ -86,13 +87,13 @@ class Odd(Client):
 def test_what_the_wire_would_refuse_or_change_takes_the_wire():
     state = OrderedDict(w=torch.ones(2, 3), s=torch.tensor(4))
     expected = TensorSpec.of(state)
-    assert _raw_passes(FitOutput(state, 3, {"loss": 0.5}), expected)
-    assert not _raw_passes(
+    assert raw_passes(FitOutput(state, 3, {"loss": 0.5}), expected)
+    assert not raw_passes(
         FitOutput(OrderedDict(w=torch.ones(3, 2), s=torch.tensor(4)), 3, {}), expected
     )  # wrong shape
-    assert not _raw_passes(FitOutput(OrderedDict(w=torch.ones(2, 3)), 3, {}), expected)  # a tensor missing
-    assert not _raw_passes(FitOutput(state, -1, {}), expected)  # protobuf cannot carry it
-    assert not _raw_passes(FitOutput(state, 3, {"loss": "low"}), expected)  # not a number
+    assert not raw_passes(FitOutput(OrderedDict(w=torch.ones(2, 3)), 3, {}), expected)  # a tensor missing
+    assert not raw_passes(FitOutput(state, -1, {}), expected)  # protobuf cannot carry it
+    assert not raw_passes(FitOutput(state, 3, {"loss": "low"}), expected)  # not a number
     # The refusals read as on the wire: a wrong shape, a bad metric name.
     fleet = InProcessFleet([Odd(FitOutput(OrderedDict(w=torch.ones(3, 2), s=torch.tensor(4)), 3, {}))])
     [info] = fleet.wait_for_clients(min_clients=1, timeout=None)  # type: ignore[arg-type]

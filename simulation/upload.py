@@ -1,0 +1,144 @@
+"""Phase 3 of ``InProcessFleet``'s round: a simulated client's update on its way up.
+
+The update goes through its uplink codec (error feedback per client), is framed, decoded and
+accepted by the coordinator's own functions (``server/accept.py``: the header's ``delta``
+flag and ``num_examples``, then each tensor finite and within the norm bound, then the
+round's bytes), so a simulated client fails exactly where a deployed one would, with the
+same message. A raw (``none``) upload that would decode to exactly what was sent skips the
+encoding, framing and decoding (``raw_passes``); its bytes are counted arithmetically
+(``serde.stream_wire_bytes``), equal to the frames'.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable, Mapping
+
+import torch
+
+from fedgrid.client.api import FitOutput, OwnedState
+from fedgrid.client.uplink import UplinkEncoder
+from fedgrid.proto import serde
+from fedgrid.server import accept
+from fedgrid.server.accept import RoundTally
+from fedgrid.server.bounds import UpdateBounds
+from fedgrid.types import ClientInfo, FitIns, FitRes, ModelState, TensorSpec
+
+__all__ = ["raw_passes", "upload"]
+
+
+def raw_passes(out: FitOutput, expected: Mapping[str, TensorSpec]) -> bool:
+    """Whether a raw (codec ``none``) upload of ``out`` would decode to exactly ``out``: then
+    ``upload`` skips encoding, framing and decoding it (a lossless fast path; the wire
+    bytes are counted by ``serde.stream_wire_bytes``, equal to the frames'). Anything the wire
+    would refuse or change (specs other than the task's, a dtype it cannot carry, metrics or
+    an example count that protobuf cannot hold as sent) takes the wire's own path, so its
+    failure reads exactly as in deployment."""
+    if TensorSpec.of(out.state) != dict(expected) or any(
+        t.dtype not in serde.DTYPE_TO_PB for t in out.state.values()
+    ):
+        return False
+    if type(out.num_examples) is not int or not 0 <= out.num_examples < 2**64:
+        return False
+    return all(type(k) is str and type(v) in (int, float) for k, v in out.metrics.items())
+
+
+def upload(
+    *,
+    server_round: int,
+    info: ClientInfo,
+    ins: FitIns,
+    codec: str,
+    state: ModelState,
+    out: FitOutput,
+    base: ModelState,
+    round_specs: Mapping[str, TensorSpec],
+    tally: RoundTally,
+    bounds: UpdateBounds,
+    chunk_size: int,
+    keep_delta: bool,
+    fast: bool,
+    uplink: Callable[[], UplinkEncoder],
+) -> FitRes:
+    """One client's update through its uplink codec, accepted as the coordinator accepts it
+    (``server/accept.py``: header, then each tensor, then the bytes), its bytes added to ``tally``.
+
+    Args:
+        state: the model the client downloaded (what a difference is taken against).
+        out: what the client's training returned.
+        base: the round's global model.
+        round_specs: the round's tensors, unless the task names its own (``FitIns.expected``).
+        keep_delta: keep a difference as such (``FitRes.delta``): clients hold the exact model.
+        fast: take the raw fast path where ``raw_passes``.
+        uplink: the client's uplink encoder for ``codec`` (called on the wire's path only).
+
+    Raises:
+        InvalidUpdateError: whatever the coordinator would refuse, with its message.
+    """
+    expected = ins.expected or round_specs
+    if fast and codec == "none" and raw_passes(out, expected):  # the wire's result, without the wire
+        header, received, wire, payload = _raw(server_round, info, out, bounds=bounds, chunk_size=chunk_size)
+    else:
+        header, received, wire, payload = _wire(
+            server_round,
+            info,
+            codec,
+            state,
+            out,
+            expected,
+            bounds=bounds,
+            chunk_size=chunk_size,
+            uplink=uplink,
+        )
+    # Differences are kept as such (FitRes.delta) where clients hold the exact model, as RemoteFleet keeps them.
+    check = accept.UpdateCheck(base, bounds, delta=header.delta, keep_delta=keep_delta)
+    update = check.whole(received)
+    tally.add_up(info.region, wire=wire, payload=payload, raw=accept.raw_bytes(expected))
+    return FitRes(info, update, header.num_examples, header.metrics, check.keeps_delta)
+
+
+def _raw(
+    server_round: int, info: ClientInfo, out: FitOutput, *, bounds: UpdateBounds, chunk_size: int
+) -> tuple[serde.StreamInfo, ModelState, int, int]:
+    """The fast path: the header and tensors the wire would deliver, its bytes and the payload's."""
+    metrics = {k: float(v) for k, v in out.metrics.items()}
+    header = serde.StreamInfo(round=server_round, num_examples=out.num_examples, metrics=metrics)
+    serde.check_metrics(header.metrics)
+    accept.check_header(bounds, info, num_examples=header.num_examples, delta=False, codec="none")
+    # A TorchClient's upload and the batched engine's rows are fresh copies (OwnedState);
+    # anything else a client may still hold.
+    received = (
+        OrderedDict(out.state)
+        if isinstance(out.state, OwnedState)
+        else OrderedDict(
+            (n, t.detach().to("cpu").clone(memory_format=torch.contiguous_format))
+            for n, t in out.state.items()
+        )
+    )
+    wire = serde.stream_wire_bytes(received, header, chunk_size=chunk_size)
+    payload = sum(t.numel() * t.element_size() for t in received.values())
+    return header, received, wire, payload
+
+
+def _wire(
+    server_round: int,
+    info: ClientInfo,
+    codec: str,
+    state: ModelState,
+    out: FitOutput,
+    expected: Mapping[str, TensorSpec],
+    *,
+    bounds: UpdateBounds,
+    chunk_size: int,
+    uplink: Callable[[], UplinkEncoder],
+) -> tuple[serde.StreamInfo, ModelState, int, int]:
+    """The wire's path: encoded, framed, its header checked, decoded; its bytes and the payload's."""
+    encoded, delta = uplink().encode(global_state=state, new_state=out.state)
+    head = serde.StreamInfo(
+        round=server_round, num_examples=out.num_examples, metrics=out.metrics, delta=delta
+    )
+    frames = list(encoded.frames(head, chunk_size=chunk_size))
+    sent = serde.read_header(frames[0])
+    accept.check_header(bounds, info, num_examples=sent.num_examples, delta=sent.delta, codec=codec)
+    header, received = serde.decode_chunks(frames, expected=expected)
+    return header, received, sum(serde.wire_size(c) for c in frames), encoded.total_bytes
