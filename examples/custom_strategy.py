@@ -42,26 +42,11 @@ class ServerLRAvg(Strategy):
         seed: the sampling seed.
     """
 
-    def __init__(
-        self,
-        *,
-        server_lr: float = 1.0,
-        fraction_fit: float = 0.5,
-        client_lr: float = 0.1,
-        decay: float = 0.95,
-        seed: int = 0,
-    ) -> None:
+    def __init__(self, *, server_lr: float = 1.0, fraction_fit: float = 0.5, client_lr: float = 0.1, decay: float = 0.95,
+                 seed: int = 0) -> None:
         if not 0.0 < server_lr <= 2.0 or not 0.0 < fraction_fit <= 1.0:
-            raise ValueError(
-                f"server_lr must be in (0, 2] and fraction_fit in (0, 1], got {server_lr} and {fraction_fit}"
-            )
-        self.server_lr, self.fraction_fit, self.client_lr, self.decay, self.seed = (
-            server_lr,
-            fraction_fit,
-            client_lr,
-            decay,
-            seed,
-        )
+            raise ValueError(f"server_lr must be in (0, 2] and fraction_fit in (0, 1], got {server_lr} and {fraction_fit}")
+        self.server_lr, self.fraction_fit, self.client_lr, self.decay, self.seed = server_lr, fraction_fit, client_lr, decay, seed
         self._global: ModelState = OrderedDict()
         self.failed_total = 0
 
@@ -72,30 +57,19 @@ class ServerLRAvg(Strategy):
     def global_state(self) -> ModelState:
         return self._global
 
-    def configure_round(
-        self, *, server_round: int, clients: Sequence[ClientInfo]
-    ) -> list[tuple[ClientInfo, FitIns]]:
+    def configure_round(self, *, server_round: int, clients: Sequence[ClientInfo]) -> list[tuple[ClientInfo, FitIns]]:
         # Sorted first: the same seed picks the same clients whatever order they joined in.
         ordered = sorted(clients, key=lambda c: c.sort_key)
         count = max(1, round(self.fraction_fit * len(ordered)))
-        picked = np.random.default_rng([self.seed, server_round]).choice(
-            len(ordered), size=count, replace=False
-        )
-        ins = FitIns(
-            round=server_round,
-            config={"lr": self.client_lr * self.decay ** (server_round - 1), "local_epochs": 1},
-        )
+        picked = np.random.default_rng([self.seed, server_round]).choice(len(ordered), size=count, replace=False)
+        ins = FitIns(round=server_round, config={"lr": self.client_lr * self.decay ** (server_round - 1), "local_epochs": 1})
         return [(ordered[i], ins) for i in sorted(picked)]
 
-    def aggregate(
-        self, *, server_round: int, results: Sequence[FitRes], failures: Sequence[Failure]
-    ) -> dict[str, float]:
+    def aggregate(self, *, server_round: int, results: Sequence[FitRes], failures: Sequence[Failure]) -> dict[str, float]:
         self.failed_total += len(failures)
         if not results:
             return {"failed_total": float(self.failed_total)}  # nothing arrived: keep the model
-        results = sorted(
-            results, key=lambda r: r.client.sort_key
-        )  # canonical order: the same bits in any arrival order
+        results = sorted(results, key=lambda r: r.client.sort_key)  # canonical order: the same bits in any arrival order
         total = sum(r.num_examples for r in results)
         for name, current in self._global.items():
             if not current.is_floating_point():
@@ -114,9 +88,7 @@ class ServerLRAvg(Strategy):
 
 
 def main(argv: list[str] | None = None) -> float:
-    parser = argparse.ArgumentParser(
-        description="A custom strategy (ServerLRAvg) on simulated digits clients."
-    )
+    parser = argparse.ArgumentParser(description="A custom strategy (ServerLRAvg) on simulated digits clients.")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--clients", type=int, default=10)
     parser.add_argument("--server-lr", type=float, default=1.0)
@@ -128,18 +100,10 @@ def main(argv: list[str] | None = None) -> float:
     strategy.initialize(initial_state=task.initial_state)
     clients = [task.client_factory(i, args.clients, args.seed, device="cpu") for i in range(args.clients)]
     engine = RoundEngine(
-        strategy=strategy,
-        fleet=InProcessFleet(clients),
-        rounds=args.rounds,
-        min_clients=1,
-        round_timeout=timedelta(minutes=5),
-        join_timeout=timedelta(seconds=5),
-        evaluate_fn=task.evaluate,
-        on_round=lambda m: print(
-            f"round {m.round:3d}: accuracy {m.accuracy:.4f} loss {m.loss:.4f} "
-            f"clients {m.clients_ok} ok {m.clients_failed} failed",
-            flush=True,
-        ),
+        strategy=strategy, fleet=InProcessFleet(clients), rounds=args.rounds, min_clients=1,
+        round_timeout=timedelta(minutes=5), join_timeout=timedelta(seconds=5), evaluate_fn=task.evaluate,
+        on_round=lambda m: print(f"round {m.round:3d}: accuracy {m.accuracy:.4f} loss {m.loss:.4f} "
+                                 f"clients {m.clients_ok} ok {m.clients_failed} failed", flush=True),
     )
     final = engine.run()
     assert final is not None

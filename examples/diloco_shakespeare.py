@@ -44,21 +44,11 @@ DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "shakes
 class TinyTransformer(nn.Module):
     """Token + position embeddings, ``layers`` pre-norm causal encoder layers, a linear head."""
 
-    def __init__(
-        self,
-        *,
-        vocab: int = len(VOCAB),
-        seq_len: int = 64,
-        d_model: int = 64,
-        heads: int = 4,
-        layers: int = 2,
-    ) -> None:
+    def __init__(self, *, vocab: int = len(VOCAB), seq_len: int = 64, d_model: int = 64, heads: int = 4, layers: int = 2) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, d_model)
         self.pos = nn.Embedding(seq_len, d_model)
-        layer = nn.TransformerEncoderLayer(
-            d_model, heads, dim_feedforward=2 * d_model, dropout=0.0, batch_first=True, norm_first=True
-        )
+        layer = nn.TransformerEncoderLayer(d_model, heads, dim_feedforward=2 * d_model, dropout=0.0, batch_first=True, norm_first=True)
         self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab)
@@ -73,6 +63,7 @@ class TinyTransformer(nn.Module):
 def char_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over every position."""
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
 
 
 def main(argv: list[str] | None = None) -> tuple[float, float]:
@@ -91,15 +82,11 @@ def main(argv: list[str] | None = None) -> tuple[float, float]:
 
     data = load_shakespeare(args.data_dir, seq_len=args.seq_len)
     parts = partition_natural(data.train_roles, args.workers)
-    test_starts = data.test_starts[
-        torch.randperm(len(data.test_starts), generator=torch.Generator().manual_seed(args.seed))
-    ]
+    test_starts = data.test_starts[torch.randperm(len(data.test_starts), generator=torch.Generator().manual_seed(args.seed))]
     test = NextChars(data.text, test_starts[: args.test_windows], args.seq_len)
     test_x, test_y = (torch.stack(t) for t in zip(*(test[i] for i in range(len(test)))))
-    print(
-        f"{len(data.roles)} roles, {len(data.train_starts):,} training windows dealt to {args.workers} workers, "
-        f"{len(test)} held-out windows"
-    )
+    print(f"{len(data.roles)} roles, {len(data.train_starts):,} training windows dealt to {args.workers} workers, "
+          f"{len(test)} held-out windows")
 
     def model() -> TinyTransformer:
         return TinyTransformer(seq_len=args.seq_len)
@@ -116,49 +103,25 @@ def main(argv: list[str] | None = None) -> tuple[float, float]:
     strategy.initialize(initial_state=start)
     workers = []
     for w, part in enumerate(parts):
-        loader = DataLoader(
-            NextChars(data.text, data.train_starts[torch.from_numpy(part)], args.seq_len),
-            batch_size=args.batch_size,
-            shuffle=True,
-            drop_last=True,
-        )
+        loader = DataLoader(NextChars(data.text, data.train_starts[torch.from_numpy(part)], args.seq_len),
+                            batch_size=args.batch_size, shuffle=True, drop_last=True)
         adamw = lambda params: torch.optim.AdamW(params, lr=args.lr)  # noqa: E731
-        workers.append(
-            TorchClient(
-                model(),
-                loader,
-                char_loss,
-                adamw,
-                inner_optimizer=adamw,
-                device="cpu",
-                seed=args.seed,
-                name=f"worker-{w}",
-            )
-        )
+        workers.append(TorchClient(model(), loader, char_loss, adamw, inner_optimizer=adamw, device="cpu", seed=args.seed,
+                                   name=f"worker-{w}"))
     before = evaluate(start)[0]
     print(f"round   0: held-out loss {before:.4f} (uniform: {math.log(len(VOCAB)):.4f})")
     t0 = time.monotonic()
     engine = RoundEngine(
-        strategy=strategy,
-        fleet=InProcessFleet(workers),
-        rounds=args.rounds,
-        min_clients=args.workers,
-        round_timeout=timedelta(minutes=10),
-        join_timeout=timedelta(seconds=5),
-        evaluate_fn=evaluate,
-        on_round=lambda m: print(
-            f"round {m.round:3d}: held-out loss {m.loss:.4f}, worker train loss "
-            f"{m.extra.get('train_loss', float('nan')):.4f}, {m.bytes_up / 1e6:.2f} MB up",
-            flush=True,
-        ),
+        strategy=strategy, fleet=InProcessFleet(workers), rounds=args.rounds, min_clients=args.workers,
+        round_timeout=timedelta(minutes=10), join_timeout=timedelta(seconds=5), evaluate_fn=evaluate,
+        on_round=lambda m: print(f"round {m.round:3d}: held-out loss {m.loss:.4f}, worker train loss "
+                                 f"{m.extra.get('train_loss', float('nan')):.4f}, {m.bytes_up / 1e6:.2f} MB up", flush=True),
     )
     engine.run()
     after = engine.history[-1].loss
     assert after is not None
-    print(
-        f"held-out loss {before:.4f} -> {after:.4f} after {args.rounds} rounds x {args.inner_steps} inner steps "
-        f"({time.monotonic() - t0:.0f} s)"
-    )
+    print(f"held-out loss {before:.4f} -> {after:.4f} after {args.rounds} rounds x {args.inner_steps} inner steps "
+          f"({time.monotonic() - t0:.0f} s)")
     return before, after
 
 

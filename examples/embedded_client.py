@@ -24,9 +24,7 @@ ROUNDS = 3
 
 # --- the coordinator (normally its own process: `fedgrid coordinator ...`) -------------------
 run_dir = Path(tempfile.mkdtemp(prefix="fedgrid-embed-"))
-config = load_config(
-    overrides={"listen": "127.0.0.1:0", "rounds": ROUNDS, "min_clients": 2, "out": str(run_dir)}
-)
+config = load_config(overrides={"listen": "127.0.0.1:0", "rounds": ROUNDS, "min_clients": 2, "out": str(run_dir)})
 ready = threading.Event()
 server = threading.Thread(target=serve, kwargs={"config": config, "ready": ready}, daemon=True)
 server.start()
@@ -40,9 +38,7 @@ for i, part in enumerate(partition_iid(len(data.y_train), 2, seed=0)):
     idx = torch.from_numpy(part)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))  # the coordinator's model
     loader = DataLoader(TensorDataset(data.x_train[idx], data.y_train[idx]), batch_size=32, shuffle=True)
-    client = TorchClient(
-        model, loader, nn.functional.cross_entropy, lambda p: torch.optim.SGD(p, lr=0.1), name=f"site-{i}"
-    )
+    client = TorchClient(model, loader, nn.functional.cross_entropy, lambda p: torch.optim.SGD(p, lr=0.1), name=f"site-{i}")
     handles.append(start_client(client, coordinator=address))  # trains in a background thread
 
 for handle in handles:

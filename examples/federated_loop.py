@@ -35,56 +35,25 @@ def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def training_loop(
-    site: int,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    address: str,
-    *,
-    sync_every: int,
-    test: tuple[torch.Tensor, torch.Tensor],
-    log: list[dict[str, Any]],
-) -> None:
+def training_loop(site: int, x: torch.Tensor, y: torch.Tensor, address: str, *, sync_every: int,
+                  test: tuple[torch.Tensor, torch.Tensor], log: list[dict[str, Any]]) -> None:
     """One site's own loop; the lines marked "fedgrid" are all that fedgrid adds to it."""
     torch.manual_seed(site)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))  # the coordinator's digits model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    batches = itertools.chain.from_iterable(
-        itertools.repeat(DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True))
-    )
+    batches = itertools.chain.from_iterable(itertools.repeat(DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True)))
     step, loss = 0, float("nan")
-    with connect(
-        address, name=f"site-{site}", num_examples=len(y)
-    ) as session:  # fedgrid: joins; leaves on exit
+    with connect(address, name=f"site-{site}", num_examples=len(y)) as session:  # fedgrid: joins; leaves on exit
         for task in session.tasks():  # fedgrid: until the run is over
             local = snapshot(model)
-            model.load_state_dict(
-                task.state
-            )  # fedgrid: the global model (fit: to train from; evaluate: the new average)
+            model.load_state_dict(task.state)  # fedgrid: the global model (fit: to train from; evaluate: the new average)
             if task.kind == "evaluate":
                 moved = sum(float((task.state[k] - local[k]).norm() ** 2) for k in local) ** 0.5
                 logits = model(test[0]).detach()
-                test_loss, accuracy = (
-                    float(nn.functional.cross_entropy(logits, test[1])),
-                    float((logits.argmax(1) == test[1]).float().mean()),
-                )
-                session.submit(
-                    EvaluateOutput(len(test[1]), {"loss": test_loss, "accuracy": accuracy})
-                )  # fedgrid
-                log.append(
-                    {
-                        "site": site,
-                        "round": task.round,
-                        "step": step,
-                        "loss": loss,
-                        "moved": moved,
-                        "state": snapshot(model),
-                    }
-                )
-                print(
-                    f"site-{site} step {step:4d}: local loss {loss:.4f}; the average moved the model by {moved:.4f}",
-                    flush=True,
-                )
+                test_loss, accuracy = float(nn.functional.cross_entropy(logits, test[1])), float((logits.argmax(1) == test[1]).float().mean())
+                session.submit(EvaluateOutput(len(test[1]), {"loss": test_loss, "accuracy": accuracy}))  # fedgrid
+                log.append({"site": site, "round": task.round, "step": step, "loss": loss, "moved": moved, "state": snapshot(model)})
+                print(f"site-{site} step {step:4d}: local loss {loss:.4f}; the average moved the model by {moved:.4f}", flush=True)
                 continue
             for _ in range(sync_every):  # the host's own training steps
                 inputs, targets = next(batches)
@@ -93,29 +62,18 @@ def training_loop(
                 loss_t.backward()
                 optimizer.step()
                 step, loss = step + 1, loss_t.item()
-            session.submit(
-                FitOutput(snapshot(model), min(sync_every * 32, len(y)), {"loss": loss})
-            )  # fedgrid
+            session.submit(FitOutput(snapshot(model), min(sync_every * 32, len(y)), {"loss": loss}))  # fedgrid
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(
-        description="A plain PyTorch loop that syncs with a federation every N steps."
-    )
+    p = argparse.ArgumentParser(description="A plain PyTorch loop that syncs with a federation every N steps.")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--sync-every", type=int, default=20, help="local steps between syncs")
     args = p.parse_args(argv)
 
     run_dir = Path(tempfile.mkdtemp(prefix="fedgrid-loop-"))
-    config = load_config(
-        overrides={
-            "listen": "127.0.0.1:0",
-            "rounds": args.rounds,
-            "min_clients": 2,
-            "fraction_evaluate": 1.0,
-            "out": str(run_dir),
-        }
-    )
+    config = load_config(overrides={"listen": "127.0.0.1:0", "rounds": args.rounds, "min_clients": 2, "fraction_evaluate": 1.0,
+                                    "out": str(run_dir)})
     ready = threading.Event()
     server = threading.Thread(target=serve, kwargs={"config": config, "ready": ready}, daemon=True)
     server.start()
@@ -124,16 +82,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     address = (run_dir / "address").read_text().strip()
 
     data, log = load_digits(), []  # type: ignore[var-annotated]
-    sites = [
-        threading.Thread(
-            target=training_loop,
-            args=(i, data.x_train[idx], data.y_train[idx], address),
-            kwargs={"sync_every": args.sync_every, "test": (data.x_test, data.y_test), "log": log},
-        )
-        for i, idx in enumerate(
-            torch.from_numpy(part) for part in partition_iid(len(data.y_train), 2, seed=0)
-        )
-    ]
+    sites = [threading.Thread(target=training_loop, args=(i, data.x_train[idx], data.y_train[idx], address),
+                              kwargs={"sync_every": args.sync_every, "test": (data.x_test, data.y_test), "log": log})
+             for i, idx in enumerate(torch.from_numpy(part) for part in partition_iid(len(data.y_train), 2, seed=0))]
     for t in sites:
         t.start()
     for t in sites:

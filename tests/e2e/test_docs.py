@@ -41,6 +41,7 @@ PAGES = [
     "running",
     "security",
     "simulation",
+    "updates",
 ]
 # The deployment commands the quickstart shows (mutual TLS end to end, then the same in one process).
 DEPLOYMENT = "fedgrid certs init --dir pki"
