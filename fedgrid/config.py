@@ -6,6 +6,9 @@ raise ``ConfigError`` naming the key. The keys that name a dataset, a model, a p
 client heterogeneity are checked by ``fedgrid.simulation.tasks.check_config`` (the CLI and
 ``run_simulation`` call it before any work): their registries live in the simulation layer,
 which this module, the server and the client never import.
+
+The checks a ``Config`` runs live in ``fedgrid.config_checks``; the key groups (which command
+uses which key) in ``fedgrid.config_groups``, re-exported here.
 """
 
 from __future__ import annotations
@@ -19,13 +22,21 @@ from typing import Any, Iterable, Mapping
 
 import tomllib
 
-from fedgrid.capabilities import MAX_ACCELERATORS, check_capabilities, parse_size
-from fedgrid.compression import parse_codec_spec
+from fedgrid.config_checks import validate
+from fedgrid.config_groups import (
+    AGGREGATOR_NAMES,
+    CLIENT_ONLY_KEYS,
+    COORDINATOR_ONLY_KEYS,
+    ENGINES,
+    LR_DEFAULT,
+    REGION_ONLY_KEYS,
+    SELECTORS,
+    SIMULATION_ONLY_KEYS,
+    STRATEGY_KEYS,
+    STRATEGY_NAMES,
+)
 from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S, MAX_NUM_EXAMPLES
-from fedgrid.determinism import MAX_THREADS
-from fedgrid.errors import ConfigError, InvalidUpdateError
-from fedgrid.plugins import check_spec
-from fedgrid.trackers import parse_trackers
+from fedgrid.errors import ConfigError
 
 __all__ = [
     "Config",
@@ -42,118 +53,7 @@ __all__ = [
     "REGION_ONLY_KEYS",
 ]
 
-SELECTORS = ("uniform", "region-balanced")
-ENGINES = ("auto", "batched", "sequential")
-#: Shown in ``--help``; the registry (``fedgrid.aggregation.registry``) is what validates.
-_STRATEGY_NAMES = (
-    "fedavg",
-    "fedavgm",
-    "fedadam",
-    "fedyogi",
-    "fedadagrad",
-    "fedprox",
-    "scaffold",
-    "diloco",
-    "streaming-diloco",
-    "bcd",
-)
-_AGGREGATOR_NAMES = ("mean", "median", "trimmed-mean", "krum", "multi-krum", "norm-clip", "centered-clip")
-#: Config keys handed to ``build_strategy_from`` as options (``None``: the strategy's default).
-STRATEGY_KEYS = (
-    "aggregator",
-    "aggregator_f",
-    "aggregator_m",
-    "aggregator_bucket_size",
-    "aggregator_resamplings",
-    "aggregator_beta",
-    "aggregator_bound",
-    "aggregator_tau",
-    "aggregator_iterations",
-    "aggregator_weighted",
-    "server_lr",
-    "server_momentum",
-    "server_nesterov",
-    "server_beta1",
-    "server_beta2",
-    "server_tau",
-    "proximal_mu",
-    "total_clients",
-    "outer_lr",
-    "outer_momentum",
-    "inner_steps",
-    "inner_lr",
-    "num_fragments",
-    "num_blocks",
-    "block_prefixes",
-    "block_schedule",
-)
-#: Keys only ``fedgrid simulate`` uses: the simulated clients, their heterogeneity, the
-#: engine that trains them, the progress line. ``fedgrid coordinator`` has no flags for them
-#: (a shared TOML file may still hold them).
-SIMULATION_ONLY_KEYS = frozenset(
-    {
-        "clients",
-        "app",
-        "engine",
-        "batch_clients",
-        "dropout_prob",
-        "availability_trace",
-        "speed",
-        "examples_per_second",
-        "regions",
-        "progress",
-        "hierarchy",
-        "region_strategy",
-        "lan_codec",
-        "regional_rounds",
-    }
-)
-#: Keys only a deployed coordinator uses: its network, TLS, durable state, enrollment and status server.
-COORDINATOR_ONLY_KEYS = frozenset(
-    {
-        "listen",
-        "max_workers",
-        "min_clients",
-        "state_dir",
-        "heartbeat_interval_s",
-        "initial_model",
-        "ca",
-        "cert",
-        "key",
-        "crl",
-        "insecure",
-        "enroll_listen",
-        "enroll_dir",
-        "http",
-        "http_token_file",
-        "require_device",
-        "min_accelerators",
-        "min_client_memory",
-    }
-)
-#: Keys only ``fedgrid client`` uses (its ``--config`` file or its flags): what it reports at Join, and how
-#: it trains across its node's devices (``fedgrid.client.parallel``).
-CLIENT_ONLY_KEYS = frozenset(
-    {
-        "report_device",
-        "report_accelerators",
-        "report_memory",
-        "nproc_per_node",
-        "parallel",
-        "comm_hook",
-        "collective_timeout_s",
-    }
-)
-#: Keys only ``fedgrid region`` uses: its upstream link and its name there (``fedgrid.region``).
-REGION_ONLY_KEYS = frozenset(
-    {"upstream", "name", "upstream_ca", "upstream_cert", "upstream_key", "upstream_server_name"}
-)
 log = logging.getLogger(__name__)
-#: Strategies whose clients' inner optimizer takes ``inner_lr`` instead of ``lr``.
-_INNER_LR_STRATEGIES = ("diloco", "streaming-diloco")
-#: ``Config.lr``'s default: the only value of ``lr`` those strategies accept.
-_LR_DEFAULT = 0.1
-
 #: The table of a run directory's ``config.toml`` that records what the run ran on
 #: (``fedgrid.determinism.environment``); informational when the file is loaded again.
 ENVIRONMENT_TABLE = "environment"
@@ -201,7 +101,7 @@ class Config:
     local_epochs: int = _key("local epochs per round", 2)
     lr: float = _key(
         "client learning rate (not diloco, streaming-diloco: their inner optimizer is AdamW, whose rate is inner_lr)",
-        _LR_DEFAULT,
+        LR_DEFAULT,
     )
     seed: int = _key("seed for model init, partitioning, sampling and shuffling", 0)
     dataset: str = _key(
@@ -261,11 +161,11 @@ class Config:
     )
     regions: str = _key("simulation: region labels and shares, e.g. 'us:0.5,eu:0.3,ap:0.2' (empty: none)", "")
     progress: bool = _key("fedgrid simulate: progress line per round on stderr", True)
-    strategy: str = _key("aggregation strategy: " + ", ".join(_STRATEGY_NAMES), "fedavg")
+    strategy: str = _key("aggregation strategy: " + ", ".join(STRATEGY_NAMES), "fedavg")
     # Strategy and aggregator options: None (absent) keeps the strategy's own default; an
     # option set for a strategy it does not apply to is an error (see aggregation/registry.py).
     aggregator: str | None = _key(
-        "robust aggregation rule: " + ", ".join(_AGGREGATOR_NAMES) + " (default mean)", None
+        "robust aggregation rule: " + ", ".join(AGGREGATOR_NAMES) + " (default mean)", None
     )
     aggregator_f: int | None = _key("krum / multi-krum: Byzantine clients tolerated", None)
     aggregator_m: int | None = _key("multi-krum: updates averaged (default n - f)", None)
@@ -424,157 +324,7 @@ class Config:
     state_dir: str = _key("durable coordinator state directory", "")
 
     def __post_init__(self) -> None:
-        # The checks run in this order: of several wrong keys, the first one found is reported.
-        self._check_ranges()
-        self._check_codecs_and_strategy()
-        self._check_endpoints()
-        for key in ("momentum", "weight_decay", "max_update_norm"):
-            if not 0.0 <= getattr(self, key) < float("inf"):
-                raise ConfigError(key, f"must be a finite number at least 0, got {getattr(self, key)}")
-        parse_trackers(self.tracker)  # known names, packages installed: before any work
-        if self.engine not in ENGINES:
-            raise ConfigError("engine", f"unknown engine {self.engine!r} (known: {', '.join(ENGINES)})")
-        if not 0 <= self.threads <= MAX_THREADS:
-            raise ConfigError(
-                "threads", f"must be in 0..{MAX_THREADS} (0: torch's default), got {self.threads}"
-            )
-        if self.batch_clients < 0:
-            raise ConfigError("batch_clients", f"must be at least 0, got {self.batch_clients}")
-        self._check_capability_keys()
-        # The data, model and heterogeneity keys need the simulation layer's registries:
-        # ``fedgrid.simulation.tasks.check_config`` checks them (the CLI and run_simulation
-        # call it before any work), so this module and the server never import that layer.
-
-    def _check_ranges(self) -> None:
-        """Counts, timeouts and fractions in their ranges, and a known client selector."""
-        positive_ints = (
-            "rounds",
-            "clients",
-            "min_clients",
-            "local_epochs",
-            "chunk_size",
-            "max_workers",
-            "batch_size",
-            "max_num_examples",
-        )
-        for key in positive_ints:
-            if getattr(self, key) < 1:
-                raise ConfigError(key, f"must be at least 1, got {getattr(self, key)}")
-        if self.regional_rounds < 1:
-            raise ConfigError("regional_rounds", f"must be at least 1, got {self.regional_rounds}")
-        if self.nproc_per_node < 1:
-            raise ConfigError("nproc_per_node", f"must be at least 1, got {self.nproc_per_node}")
-        for key in (
-            "collective_timeout_s",
-            "lr",
-            "round_timeout_s",
-            "join_timeout_s",
-            "heartbeat_interval_s",
-            "examples_per_second",
-        ):
-            if not getattr(self, key) > 0:
-                raise ConfigError(key, f"must be positive, got {getattr(self, key)}")
-        if not 0.0 < self.fraction_fit <= 1.0:
-            raise ConfigError("fraction_fit", f"must be in (0, 1], got {self.fraction_fit}")
-        if self.clients_per_round < 0:
-            raise ConfigError("clients_per_round", f"must be at least 0, got {self.clients_per_round}")
-        if not 0.0 <= self.over_selection <= 10.0:
-            raise ConfigError("over_selection", f"must be in [0, 10], got {self.over_selection}")
-        if self.selector not in SELECTORS:
-            raise ConfigError(
-                "selector", f"unknown selector {self.selector!r} (known: {', '.join(SELECTORS)})"
-            )
-
-    def _check_codecs_and_strategy(self) -> None:
-        """The codec specs, the evaluation fraction, the app, the chunk size, and the strategy
-        with its options (built once to check them)."""
-        from fedgrid.compression.feedback import ErrorFeedback
-        from fedgrid.compression.registry import parse_region_codecs
-
-        for key in ("codec", "downlink_codec"):
-            spec = getattr(self, key)
-            codec = parse_codec_spec(spec, key=key)
-            if not codec.lossless:
-                ErrorFeedback(spec if key == "codec" else codec)  # lossy codecs must suit error feedback
-        for spec in parse_region_codecs(self.region_codecs).values():
-            parse_codec_spec(spec, key="region_codecs")
-        if not 0.0 <= self.fraction_evaluate <= 1.0:
-            raise ConfigError("fraction_evaluate", f"must be in [0, 1], got {self.fraction_evaluate}")
-        if self.app:
-            check_spec(self.app, key="app")
-        if self.chunk_size > 3 * 1024 * 1024:
-            raise ConfigError(
-                "chunk_size", f"must be at most 3 MiB to stay under gRPC's 4 MB limit, got {self.chunk_size}"
-            )
-        from fedgrid.aggregation.registry import build_strategy_from
-
-        # Building the strategy checks its name, which options apply to it and their
-        # ranges, and the aggregator; a model-dependent check (block partition) follows at
-        # initialize, the client-count check (Krum's n > 2f + 2) once that count is known.
-        build_strategy_from(self.strategy, seed=self.seed, **self.strategy_options())
-        if self.strategy in _INNER_LR_STRATEGIES and self.lr != _LR_DEFAULT:
-            # The task's lr would be replaced by inner_lr: an lr given here would do nothing.
-            raise ConfigError(
-                "lr",
-                f"does not apply to strategy {self.strategy!r}: its inner optimizer (AdamW) "
-                f"takes inner_lr (default 1e-3), got lr={self.lr}",
-            )
-
-    def _check_endpoints(self) -> None:
-        """Mutual TLS files (all or none), the listen, enrollment and HTTP addresses, and the
-        keys that only go with one of them."""
-        tls_given = [k for k in ("ca", "cert", "key") if getattr(self, k)]
-        if tls_given and len(tls_given) != 3:
-            missing = [k for k in ("ca", "cert", "key") if k not in tls_given]
-            raise ConfigError(
-                missing[0], f"ca, cert and key go together (mutual TLS); missing {', '.join(missing)}"
-            )
-        if self.crl and not tls_given:
-            raise ConfigError("crl", "a revocation list needs ca, cert and key (mutual TLS)")
-        if tls_given and self.insecure:
-            raise ConfigError("insecure", "insecure (plaintext) contradicts ca/cert/key (mutual TLS)")
-        for key in [k for k in ("listen", "enroll_listen", "http") if k == "listen" or getattr(self, k)]:
-            host, sep, port = getattr(self, key).rpartition(":")
-            if not sep or not host or not port.isdigit() or int(port) > 65535:
-                raise ConfigError(key, f"expected HOST:PORT, got {getattr(self, key)!r}")
-        if self.http_token_file and not self.http:
-            raise ConfigError(
-                "http_token_file", "is used only with http (the address of the HTTP status server)"
-            )
-        if self.enroll_listen and not self.enroll_dir:
-            raise ConfigError(
-                "enroll_dir",
-                "enroll_listen needs enroll_dir, the certificate directory whose CA signs enrolled clients",
-            )
-        if self.enroll_dir and not self.enroll_listen:
-            raise ConfigError(
-                "enroll_dir", "is used only with enroll_listen (the address of the enrollment service)"
-            )
-        if self.enroll_listen and not tls_given:
-            raise ConfigError(
-                "enroll_listen",
-                "enrollment needs ca, cert and key: it serves TLS with the coordinator's certificate, "
-                "never plaintext (a listener on the path would read tokens and could hand out certificates)",
-            )
-
-    def _check_capability_keys(self) -> None:
-        """The capability requirements (``require_device`` ...) and what a client states (``report_*``)."""
-        for key in ("require_device", "report_device"):
-            if getattr(self, key):
-                try:
-                    check_capabilities(getattr(self, key), 0, 0)
-                except InvalidUpdateError as exc:
-                    raise ConfigError(key, str(exc).removeprefix("device: ")) from None
-        for key in ("min_accelerators", "report_accelerators"):
-            value = getattr(self, key)
-            if value is not None and not 0 <= value <= MAX_ACCELERATORS:
-                raise ConfigError(key, f"must be in 0..{MAX_ACCELERATORS}, got {value}")
-        for key in ("min_client_memory", "report_memory"):
-            if key == "min_client_memory" or self.report_memory:
-                try:
-                    parse_size(getattr(self, key), what=key)
-                except ValueError as exc:
-                    raise ConfigError(key, str(exc).removeprefix(f"{key}: ")) from None
+        validate(self)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

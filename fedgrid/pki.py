@@ -21,6 +21,7 @@ with mode 0600 rather than narrowed afterwards. Changes to ``index.json`` and
 a one-time token usable once even when two enrollments race with it.
 
 Private keys are stored unencrypted (gRPC reads them as is); the directory is created 0700.
+The atomic writes, the JSON registries and the lock are ``fedgrid.pki_files``.
 
 This module holds the directory format and what a running coordinator or client does with it:
 a client's CSR (``make_csr``) and the coordinator's side of enrollment (``enroll``: a token for
@@ -31,18 +32,14 @@ coordinator or client makes (identities, the CRL, a user's own TLS files) and is
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import hmac
 import ipaddress
-import json
 import os
-import secrets
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -54,6 +51,7 @@ from cryptography.hazmat.primitives.asymmetric.types import (
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fedgrid.errors import CSRError, EnrollmentError, EnrollmentNameError, PKIError
+from fedgrid.pki_files import locked, read_json, write_atomic, write_json
 from fedgrid.trust import (
     IDENTITY_RE,
     MAX_IDENTITY_CHARS,
@@ -81,13 +79,12 @@ __all__ = [
     "serial_of",
 ]
 
-CA_CERT, CA_KEY, CRL, INDEX, TOKENS, LOCK = (
+CA_CERT, CA_KEY, CRL, INDEX, TOKENS = (
     "ca.pem",
     "ca.key",
     "crl.pem",
     "index.json",
     "tokens.json",
-    ".lock",
 )
 #: Names whose NAME.pem / NAME.key would be the CA's own files.
 RESERVED_NAMES = frozenset({"ca", "crl"})
@@ -109,79 +106,6 @@ def _check_file_name(name: str) -> str:
     if name in RESERVED_NAMES:
         raise ValueError(f"name {name!r} is reserved: {name}.pem is the CA's own file")
     return name
-
-
-# --- files ----------------------------------------------------------------------------
-
-
-def write_atomic(path: str | os.PathLike[str], data: bytes, mode: int) -> None:
-    """Writes ``path`` whole or not at all, with ``mode`` from the file's creation: a key is
-    never readable by others, not even for a moment, and a reader never sees half a file.
-
-    Args:
-        path: the file; its folder must exist.
-        data: the whole content.
-        mode: permission bits, e.g. ``0o600`` for a key (exactly these, whatever the umask).
-    Raises:
-        OSError: the folder is missing or not writable (nothing is left behind).
-    """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), mode)  # exactly mode, whatever the umask (0644 files stay readable)
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # the rename itself survives a crash
-    finally:
-        os.close(dir_fd)
-
-
-def _write_json(path: Path, data: dict[str, Any], mode: int) -> None:
-    write_atomic(path, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode(), mode)
-
-
-def _read_json(path: Path, *, missing: dict[str, Any] | None = None) -> dict[str, Any]:
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        if missing is not None:
-            return missing
-        raise PKIError(
-            f"{path}: missing; is {path.parent} a certificate directory (fedgrid certs init)?"
-        ) from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise PKIError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(data, dict) or data.get("version") != 1:
-        raise PKIError(f"{path}: not a fedgrid {path.stem} file (expected a JSON object with version 1)")
-    return data
-
-
-@contextlib.contextmanager
-def _locked(directory: Path) -> Iterator[None]:
-    """Holds the directory's exclusive lock: one writer of index.json and tokens.json at a
-    time, across threads (each call opens its own file description) and processes."""
-    if not directory.is_dir():
-        raise PKIError(
-            f"{directory}: no such certificate directory; create a CA with `fedgrid certs init --dir {directory}`"
-        )
-    fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
 
 
 def _key_pem(key: CertificateIssuerPrivateKeyTypes) -> bytes:
@@ -269,7 +193,7 @@ class CertRecord:
 
 
 def _records(directory: Path) -> list[CertRecord]:
-    index = _read_json(directory / INDEX)
+    index = read_json(directory / INDEX)
     try:
         return [CertRecord.from_json(d) for d in index["certs"]]
     except (KeyError, TypeError, ValueError) as exc:
@@ -277,7 +201,7 @@ def _records(directory: Path) -> list[CertRecord]:
 
 
 def _save_records(directory: Path, records: Sequence[CertRecord]) -> None:
-    _write_json(directory / INDEX, {"version": 1, "certs": [r.to_json() for r in records]}, 0o644)
+    write_json(directory / INDEX, {"version": 1, "certs": [r.to_json() for r in records]}, 0o644)
 
 
 def _check_name_free(records: Sequence[CertRecord], name: str, now: datetime, error: type[Exception]) -> None:
@@ -475,8 +399,8 @@ def enroll(
     if not dot or not token_id or not secret:
         raise EnrollmentError("malformed enrollment token: expected <token_id>.<secret>")
     name, public = _csr_identity(csr_pem)
-    with _locked(d):
-        store = _read_json(d / TOKENS, missing={"version": 1, "tokens": {}})
+    with locked(d):
+        store = read_json(d / TOKENS, missing={"version": 1, "tokens": {}})
         entry = store["tokens"].get(token_id)
         # An unknown id and a wrong secret read the same: the answer reveals no valid id.
         if entry is None or not hmac.compare_digest(entry["hash"], _digest(secret)):
@@ -497,7 +421,7 @@ def enroll(
         _check_name_free(records, name, now, EnrollmentNameError)
         cert = _sign_leaf(ca_cert, ca_key, name=name, public_key=public, server=False, sans=(), days=days)
         entry.update(used_at=_iso(now), used_by=name, serial=f"{cert.serial_number:x}")
-        _write_json(d / TOKENS, store, 0o600)
+        write_json(d / TOKENS, store, 0o600)
         _save_records(d, [*records, _record_of(cert, name, "client")])
         write_atomic(d / f"{name}.pem", _cert_pem(cert), 0o644)
         # The key of this certificate stays with the client; one left by an earlier `issue`

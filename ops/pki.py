@@ -3,8 +3,9 @@
 ``init_ca`` makes the CA, ``issue`` and ``revoke`` manage leaf certificates, ``list_certs``
 reads the registry and ``issue_token`` / ``revoke_token`` manage one-time enrollment tokens.
 The directory format, the locking and the signing a running coordinator also needs (to enroll
-a client) live in the kernel module ``fedgrid.pki``, re-exported here so that one import gives
-an operator the whole PKI API.
+a client) live in the kernel modules ``fedgrid.pki`` and ``fedgrid.pki_files`` (the files and
+their lock); ``fedgrid.pki`` is re-exported here so that one import gives an operator the whole
+PKI API.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from fedgrid import pki as ca
 from fedgrid.errors import PKIError
 from fedgrid.pki import *  # noqa: F403 - the kernel half: enroll, make_csr, the TLS checks
 from fedgrid.pki import CA_CERT, CA_KEY, CLOCK_SKEW, CRL, INDEX, TOKENS, CertRecord, RevocationList  # noqa: F401
+from fedgrid.pki_files import locked, read_json, write_json
 
 __all__ = [
     "init_ca",
@@ -74,7 +76,7 @@ def init_ca(directory: str | os.PathLike[str], *, name: str = "fedgrid CA", days
         raise ValueError(f"CA name {name!r} must be non-empty printable text")
     d = Path(directory)
     d.mkdir(mode=0o700, parents=True, exist_ok=True)
-    with ca._locked(d):
+    with locked(d):
         for existing in (ca.CA_CERT, ca.CA_KEY):
             if (d / existing).exists():
                 raise PKIError(f"{d / existing} exists: refusing to overwrite an existing CA")
@@ -111,7 +113,7 @@ def init_ca(directory: str | os.PathLike[str], *, name: str = "fedgrid CA", days
         )  # the key first: a ca.pem never exists without it
         ca.write_atomic(d / ca.CA_CERT, ca._cert_pem(cert), 0o644)
         ca._save_records(d, [])
-        ca._write_json(d / ca.TOKENS, {"version": 1, "tokens": {}}, 0o600)
+        write_json(d / ca.TOKENS, {"version": 1, "tokens": {}}, 0o600)
         ca._write_crl(d, cert, key, [])
     return d / ca.CA_CERT
 
@@ -148,7 +150,7 @@ def issue(
     if sans and not server:
         raise ValueError("subject alternative names (--san) are for server certificates (--server)")
     d = Path(directory)
-    with ca._locked(d):
+    with locked(d):
         ca_cert, ca_key = ca._load_ca(d)
         records = ca._records(d)
         ca._check_name_free(records, name, ca._utcnow(), PKIError)
@@ -171,7 +173,7 @@ def revoke(directory: str | os.PathLike[str], name: str) -> list[int]:
         PKIError: no certificate was ever issued to ``name``, or all of them are revoked already.
     """
     d = Path(directory)
-    with ca._locked(d):
+    with locked(d):
         ca_cert, ca_key = ca._load_ca(d)
         records = ca._records(d)
         mine = [r for r in records if r.name == name]
@@ -212,9 +214,9 @@ def issue_token(
         raise ValueError(f"token expiry must be positive, got {expires}")
     d = Path(directory)
     token_id, secret = secrets.token_hex(6), secrets.token_urlsafe(32)
-    with ca._locked(d):
+    with locked(d):
         ca._load_ca(d)  # a token for a directory without a CA could never be used
-        store = ca._read_json(d / ca.TOKENS, missing={"version": 1, "tokens": {}})
+        store = read_json(d / ca.TOKENS, missing={"version": 1, "tokens": {}})
         store["tokens"][token_id] = {
             "hash": ca._digest(secret),
             "name": name,
@@ -224,7 +226,7 @@ def issue_token(
             "used_by": None,
             "revoked": False,
         }
-        ca._write_json(d / ca.TOKENS, store, 0o600)
+        write_json(d / ca.TOKENS, store, 0o600)
     return f"{token_id}.{secret}"
 
 
@@ -235,9 +237,9 @@ def revoke_token(directory: str | os.PathLike[str], token_id: str) -> None:
         PKIError: no token has that id.
     """
     d = Path(directory)
-    with ca._locked(d):
-        store = ca._read_json(d / ca.TOKENS, missing={"version": 1, "tokens": {}})
+    with locked(d):
+        store = read_json(d / ca.TOKENS, missing={"version": 1, "tokens": {}})
         if token_id not in store["tokens"]:
             raise PKIError(f"no enrollment token with id {token_id!r} in {d / ca.TOKENS}")
         store["tokens"][token_id]["revoked"] = True
-        ca._write_json(d / ca.TOKENS, store, 0o600)
+        write_json(d / ca.TOKENS, store, 0o600)

@@ -46,6 +46,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
+from fedgrid.aggregation import Strategy
 from fedgrid.client.api import Client, FitOutput
 from fedgrid.client.runtime import RpcFailed, TaskReport, check_target, run_client
 from fedgrid.config import Config
@@ -211,9 +212,10 @@ def run_region(
         return _serve(config, threads, ready, stop or threading.Event())
 
 
-def _serve(config: Config, threads: int, ready: threading.Event | None, stop: threading.Event) -> int:
-    # Incomplete or unreadable upstream TLS files fail here, before any server starts.
-    TLSFiles.from_options(config.upstream_ca, config.upstream_cert, config.upstream_key, what="upstream TLS")
+def _parts(config: Config, threads: int) -> tuple[Strategy, RunWriter, EventLog, RemoteFleet, RoundEngine]:
+    """A region's parts before it serves: its strategy, run directory, event log, fleet (of its own
+    clients) and the engine of its regional rounds (``rounds=0``: the global coordinator's tasks
+    decide how many)."""
     strategy = build_strategy(config, num_clients=config.min_clients)
     writer = RunWriter(
         config.out,
@@ -244,6 +246,13 @@ def _serve(config: Config, threads: int, ready: threading.Event | None, stop: th
         store=StateStore(config.state_dir) if config.state_dir else None,
         events=events,
     )
+    return strategy, writer, events, fleet, engine
+
+
+def _serve(config: Config, threads: int, ready: threading.Event | None, stop: threading.Event) -> int:
+    # Incomplete or unreadable upstream TLS files fail here, before any server starts.
+    TLSFiles.from_options(config.upstream_ca, config.upstream_cert, config.upstream_key, what="upstream TLS")
+    strategy, writer, events, fleet, engine = _parts(config, threads)
     resumed = engine.resume() > 1
     region = RegionClient(
         engine, name=config.name, regional_rounds=config.regional_rounds, initialized=resumed

@@ -1,14 +1,15 @@
-"""``run_coordinator``: the gRPC server, the fleet and the round engine wired together."""
+"""``run_coordinator``: the gRPC server, the fleet and the round engine wired together.
+
+``Coordinator`` is the listening gRPC server; the parts it serves (fleet, engine, run directory,
+events, monitor) are built in ``fedgrid.server.wiring`` and re-exported here where public.
+"""
 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 from concurrent import futures
-from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -18,7 +19,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fedgrid.config import Config
 from fedgrid.constants import (
-    FINISH_GRACE_S,
     GIL_SWITCH_INTERVAL_S,
     KEEPALIVE_TIME_S,
     KEEPALIVE_TIMEOUT_S,
@@ -29,26 +29,21 @@ from fedgrid.constants import (
     MIN_CLIENT_PING_INTERVAL_S,
     STREAM_IDLE_S,
 )
-from fedgrid.determinism import environment, intra_op_threads
+from fedgrid.determinism import intra_op_threads
 from fedgrid.errors import ConfigError
 from fedgrid.events import Event, EventLog
 from fedgrid.interrupts import GracefulStop, say
 from fedgrid.pki import RevocationList
-from fedgrid.plugins import model_state
 from fedgrid.proto.tls import TLSFiles, is_loopback, server_credentials
-from fedgrid.runlog import RunWriter, load_model
 from fedgrid.server.aio import LoopThread, advertised_address
-from fedgrid.server.bounds import build_bounds
-from fedgrid.server.codec_policy import build_codec_policy
-from fedgrid.server.engine import EvaluateFn, RoundEngine
+from fedgrid.server.engine import EvaluateFn
 from fedgrid.server.enrollment import EnrollmentServer
 from fedgrid.server.memory import return_large_buffers_to_the_system
 from fedgrid.server.monitor import CoordinatorMonitor
 from fedgrid.server.peers import PeerCheck
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.service import SERVICE, CoordinatorServicer, add_to_server
-from fedgrid.server.state import StateStore
-from fedgrid.server.strategies import build_capability_filter, build_strategy
+from fedgrid.server.wiring import build_fleet, coordinator_model, wire, write_address
 from fedgrid.types import ModelState
 from fedgrid.webserve import StatusServer
 
@@ -252,56 +247,12 @@ def run_coordinator(
         return _serve(config, threads, initial, evaluate_fn, ready, on_event)
 
 
-def coordinator_model(config: Config) -> ModelState | None:
-    """The initial global model that ``config`` names without dataset code: the
-    ``initial_model`` safetensors file, or the seeded ``MODULE:FACTORY`` of ``model``;
-    ``None`` for a built-in model name.
-
-    Raises:
-        ConfigError: a missing or unreadable file, or a factory that cannot build a model.
-    """
-    if config.initial_model:
-        path = Path(config.initial_model)
-        if not path.is_file():
-            raise ConfigError("initial_model", f"file {config.initial_model!r} does not exist")
-        try:
-            return load_model(path)
-        except Exception as exc:  # safetensors raises its own error types
-            raise ConfigError(
-                "initial_model", f"{config.initial_model!r} is not a readable safetensors file: {exc}"
-            ) from None
-    if ":" in config.model:
-        return model_state(config.model, seed=config.seed)
-    return None
-
-
-def build_fleet(config: Config, events: EventLog) -> RemoteFleet:
-    """The ``RemoteFleet`` of a coordinator (or a region's) with ``config``'s links, limits and spill directory."""
-    return RemoteFleet(
-        events=events,
-        heartbeat_interval=timedelta(seconds=config.heartbeat_interval_s),
-        chunk_size=config.chunk_size,
-        spill_dir=Path(config.state_dir) / "updates" if config.state_dir else None,
-        codec_policy=build_codec_policy(config),
-        downlink_codec=config.downlink_codec,
-        bounds=build_bounds(config),
-        requirements=build_capability_filter(config),
-    )
-
-
 def _stopped_line(config: Config, rounds_done: int, model: Path) -> str:
     """What a stopped coordinator leaves behind, said without claiming durability it lacks."""
     model_text = f"; model of round {rounds_done} in {model}" if rounds_done else ""
     if config.state_dir:
         return f"stopped; state up to round {rounds_done} is committed in {config.state_dir} (a restart resumes there){model_text}"
     return f"stopped after {rounds_done} of {config.rounds} rounds{model_text} (no --state-dir: nothing to resume from)"
-
-
-def write_address(path: Path, address: str) -> None:
-    """Writes ``address`` to ``path`` atomically: a script waiting for the file never reads half of it."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(address + "\n")
-    os.replace(tmp, path)
 
 
 def _serve(
@@ -312,7 +263,7 @@ def _serve(
     ready: threading.Event | None,
     on_event: Callable[[Event], None] | None,
 ) -> ModelState | None:
-    wired = _wire(config, threads, _initial_model(config, initial), evaluate_fn, on_event)
+    wired = wire(config, threads, _initial_model(config, initial), evaluate_fn, on_event)
     writer, events, fleet, engine = wired.writer, wired.events, wired.fleet, wired.engine
     # The checkpoint first: the run id printed, and handed to the first clients, is the restored one.
     engine.resume()
@@ -377,71 +328,6 @@ def _initial_model(config: Config, initial: ModelState | None) -> ModelState:
             "--model MODULE:FACTORY or --initial-model FILE.safetensors (the fedgrid coordinator command builds built-in models)",
         )
     return initial
-
-
-@dataclass(frozen=True)
-class _Wired:
-    """A coordinator's parts before it serves: the run's directory, its events, the fleet,
-    the round engine and (with ``config.http``) the monitor."""
-
-    writer: RunWriter
-    events: EventLog
-    fleet: RemoteFleet
-    engine: RoundEngine
-    monitor: CoordinatorMonitor | None
-
-
-def _wire(
-    config: Config,
-    threads: int,
-    initial: ModelState,
-    evaluate_fn: EvaluateFn | None,
-    on_event: Callable[[Event], None] | None,
-) -> _Wired:
-    """Builds the strategy, the run directory, the event log, the fleet, the monitor and the engine."""
-    store = StateStore(config.state_dir) if config.state_dir else None
-    strategy = build_strategy(config, num_clients=config.min_clients)
-    strategy.initialize(initial_state=initial)
-    writer = RunWriter(
-        config.out,
-        {**config.to_dict(), "threads": threads},
-        environment=environment(threads_requested=config.threads),
-    )
-    events = EventLog(writer.dir / "events.jsonl")
-    fleet = build_fleet(config, events)
-    engine: RoundEngine  # built below; the status server serves (reads its history) only once it is
-    monitor = (
-        CoordinatorMonitor(fleet, rounds=config.rounds, history=lambda: engine.history)
-        if config.http
-        else None
-    )
-    if monitor is not None:
-        events.subscribe(monitor.on_event)
-    if on_event is not None:  # after the monitor: a caller reading the status sees the event counted
-        events.subscribe(on_event)
-
-    def on_round(m):
-        acc = "" if m.accuracy is None else f" accuracy {m.accuracy:.4f}"
-        print(
-            f"round {m.round}/{config.rounds} loss {m.loss if m.loss is None else round(m.loss, 4)}{acc} clients {m.clients_ok} ok {m.clients_failed} failed ({m.wall_s:.2f}s)",
-            flush=True,
-        )
-
-    engine = RoundEngine(
-        strategy=strategy,
-        fleet=fleet,
-        rounds=config.rounds,
-        min_clients=config.min_clients,
-        round_timeout=timedelta(seconds=config.round_timeout_s),
-        join_timeout=timedelta(seconds=config.join_timeout_s),
-        evaluate_fn=evaluate_fn,
-        writer=writer,
-        on_round=on_round if monitor is None else (lambda m: (on_round(m), monitor.on_round(m))),
-        finish_timeout=timedelta(seconds=FINISH_GRACE_S),
-        store=store,
-        events=events,
-    )
-    return _Wired(writer, events, fleet, engine, monitor)
 
 
 def _start_servers(

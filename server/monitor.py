@@ -44,7 +44,7 @@ from fedgrid.server.aio import wrap_behaviour
 from fedgrid.server.registry import SILENCE_INTERVALS
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.status_page import page_response
-from fedgrid.types import RoundMetrics
+from fedgrid.types import ClientInfo, RoundMetrics
 from fedgrid.webserve import Response, Route, require_prometheus
 
 __all__ = ["CoordinatorMonitor", "RpcTimer", "failure_reason", "FAILURE_REASONS", "MAX_STATUS_CLIENTS"]
@@ -120,6 +120,20 @@ class CoordinatorMonitor:
         self.fleet = fleet
         self.rounds = rounds
         self._history = history
+        self._register_metrics(prom)
+        self._generate_latest = prom.generate_latest
+        self._content_type = prom.CONTENT_TYPE_LATEST
+        self._lock = threading.Lock()  # this object's own state; never held while calling the fleet
+        self.run_id = fleet.run_id
+        self.state = "starting"  # starting, running, finished, stopped
+        self.phase = "waiting"  # waiting (for clients), a phase name, aggregating, checkpointing
+        self.current = 0
+        self._opened: dict[str, float] = {}  # phase -> when it opened
+        self._aggregating: float | None = None
+        self._checkpointing: float | None = None
+
+    def _register_metrics(self, prom: Any) -> None:
+        """The collectors of the module's table, in this coordinator's own ``CollectorRegistry``."""
         self.registry = prom.CollectorRegistry(auto_describe=True)
         r = self.registry
         self.rounds_committed = prom.Counter("fedgrid_rounds_committed", "rounds committed", registry=r)
@@ -164,16 +178,6 @@ class CoordinatorMonitor:
             self.bytes.labels(direction=direction)
         for outcome in ("ok", "failed"):
             self.results.labels(outcome=outcome)
-        self._generate_latest = prom.generate_latest
-        self._content_type = prom.CONTENT_TYPE_LATEST
-        self._lock = threading.Lock()  # this object's own state; never held while calling the fleet
-        self.run_id = fleet.run_id
-        self.state = "starting"  # starting, running, finished, stopped
-        self.phase = "waiting"  # waiting (for clients), a phase name, aggregating, checkpointing
-        self.current = 0
-        self._opened: dict[str, float] = {}  # phase -> when it opened
-        self._aggregating: float | None = None
-        self._checkpointing: float | None = None
 
     # -- feeds -----------------------------------------------------------------------------
     def on_event(self, e: Event) -> None:
@@ -288,41 +292,12 @@ class CoordinatorMonitor:
             # still knows who reported); over-selected clients it no longer waits for are idle.
             assigned = {} if rnd is None else {cid: self._task_state(rnd, cid) for cid in rnd.assignments}
         records.sort(key=lambda r: r[0].sort_key)
-        clients = []
-        for info, last_seen, benched, polls in records[:MAX_STATUS_CLIENTS]:
-            ago = max(0.0, now_mono - last_seen)
-            state = assigned.get(info.client_id) or (
-                "benched" if benched else "silent" if ago > limit and polls == 0 else "idle"
-            )
-            clients.append(
-                {
-                    "id": info.client_id,
-                    "name": info.name,
-                    "region": info.region,
-                    "state": state,
-                    "last_seen": round(now - ago, 3),
-                    "last_seen_s": round(ago, 3),
-                    "device": info.device,
-                    "accelerators": info.num_accelerators,
-                    "memory_bytes": info.memory_bytes,
-                }
-            )
+        clients = _client_rows(
+            records[:MAX_STATUS_CLIENTS], assigned, now_mono=now_mono, now=now, limit=limit
+        )
         with self._lock:
             state, phase, current = self.state, self.phase, self.current
-        history = [
-            {
-                "round": m.round,
-                "accuracy": m.accuracy,
-                "loss": m.loss,
-                "bytes_up": m.bytes_up,
-                "bytes_down": m.bytes_down,
-                "wall_s": round(m.wall_s, 6),
-                "clients_ok": m.clients_ok,
-                "clients_failed": m.clients_failed,
-                "failed": bool(m.extra.get("round_failed")),
-            }
-            for m in list(self._history())
-        ]
+        history = [_history_row(m) for m in list(self._history())]
         return {
             "run_id": self.run_id,
             "state": state,
@@ -454,3 +429,50 @@ def _code_name(context: Any, error: BaseException | None) -> str:
             if c.value[0] == code:
                 return c.name
     return "OK" if error is None else "UNKNOWN"
+
+
+def _client_rows(
+    records: Sequence[tuple[ClientInfo, float, str, int]],
+    assigned: dict[str, str],
+    *,
+    now_mono: float,
+    now: float,
+    limit: float,
+) -> list[dict[str, Any]]:
+    """The ``clients`` of ``/api/status``: each record ``(info, last_seen, benched_task, polls)``
+    with its state (its task's in the open round, else benched, silent past ``limit`` or idle)."""
+    clients = []
+    for info, last_seen, benched, polls in records:
+        ago = max(0.0, now_mono - last_seen)
+        state = assigned.get(info.client_id) or (
+            "benched" if benched else "silent" if ago > limit and polls == 0 else "idle"
+        )
+        clients.append(
+            {
+                "id": info.client_id,
+                "name": info.name,
+                "region": info.region,
+                "state": state,
+                "last_seen": round(now - ago, 3),
+                "last_seen_s": round(ago, 3),
+                "device": info.device,
+                "accelerators": info.num_accelerators,
+                "memory_bytes": info.memory_bytes,
+            }
+        )
+    return clients
+
+
+def _history_row(m: RoundMetrics) -> dict[str, Any]:
+    """A committed round in ``/api/status``'s ``history``."""
+    return {
+        "round": m.round,
+        "accuracy": m.accuracy,
+        "loss": m.loss,
+        "bytes_up": m.bytes_up,
+        "bytes_down": m.bytes_down,
+        "wall_s": round(m.wall_s, 6),
+        "clients_ok": m.clients_ok,
+        "clients_failed": m.clients_failed,
+        "failed": bool(m.extra.get("round_failed")),
+    }

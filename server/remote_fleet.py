@@ -6,15 +6,15 @@ heartbeat, failure reports, leave) and runs each phase of a round until it close
 parts live beside it, each a collaborator sharing the fleet's lock: the client registry
 (``server/registry.py``), long polls (``server/polls.py``), downloads
 (``server/downloads.py``), uploads (``server/uploads.py``, accepting through
-``server/accept.py``), message phases (``server/messages.py``), the open task, its closing
-and the relay rules (``server/rounds.py``), spill and downlink. It raises ``FedgridError``
+``server/accept.py``), message phases (``server/messages.py``), running a phase from opening
+to outcome (``server/phases.py``), the open task, its closing and the relay rules
+(``server/rounds.py``), spill and downlink. It raises ``FedgridError``
 subclasses; the servicer maps them to status codes. Every request is validated before it
 touches state.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
@@ -40,24 +40,21 @@ from fedgrid.errors import (
     StaleTaskError,
 )
 from fedgrid.events import EventLog
-from fedgrid.proto import serde
-from fedgrid.proto.buffers import receive_buffers
 from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.codec_policy import CodecPolicy
-from fedgrid.server.downlink import Downlink, RoundDownlink
+from fedgrid.server.downlink import Downlink
 from fedgrid.server.downloads import Downloads
 from fedgrid.server.fleet import Fleet, RoundOutcome
 from fedgrid.server.messages import InboxPage, Mailbox
+from fedgrid.server.phases import Phases
 from fedgrid.server.polls import PollResult, Polls
 from fedgrid.server.registry import SILENCE_INTERVALS, ClientRecord, Registry
-from fedgrid.server.rounds import RoundTask, wait_for_close
+from fedgrid.server.rounds import RoundTask
 from fedgrid.server.spill import UpdateSpill
 from fedgrid.server.uploads import Uploads
 from fedgrid.server.wakeups import Wakeups
 from fedgrid.textsafe import escape
 from fedgrid.types import (
-    EVALUATE,
-    FIT,
     ClientInfo,
     EvaluateIns,
     EvaluateRes,
@@ -67,8 +64,6 @@ from fedgrid.types import (
     MessageIns,
     MessageRes,
     ModelState,
-    TensorSpec,
-    check_phase_name,
 )
 
 __all__ = ["RemoteFleet", "PollResult", "SILENCE_INTERVALS"]
@@ -135,6 +130,11 @@ class RemoteFleet(Fleet):
         self._interrupted = False
         self._lock = threading.RLock()
         self._wake = Wakeups(self._lock)  # keyed: a task wakes its client's poll only
+        self._build_parts()
+
+    def _build_parts(self) -> None:
+        """The collaborators: each shares the fleet's lock and wake-ups (the registry's) and reads
+        the fleet's changing state (open round, run id, flags) through callables."""
         self.registry = Registry(
             self._wake, self.events, self.heartbeat_interval_s, self._fail_removed, self.bounds
         )
@@ -156,6 +156,19 @@ class RemoteFleet(Fleet):
             self._open_task,
             run_id=lambda: self.run_id,
             chunk_size=lambda: self.chunk_size,
+        )
+        self.phases = Phases(
+            self.registry,
+            spill=self.spill,
+            mailbox=self.mailbox,
+            downlink=self.downlink,
+            codec_policy=self.codec_policy,
+            events=self.events,
+            open_round=self._open_round,
+            run_id=lambda: self.run_id,
+            task_scope=lambda: self.task_scope,
+            interrupted=lambda: self._interrupted,
+            heartbeat_interval_s=self.heartbeat_interval_s,
         )
         self.polls = Polls(
             self.registry,
@@ -377,32 +390,13 @@ class RemoteFleet(Fleet):
         timeout: timedelta,
         target: int | None = None,
     ) -> RoundOutcome[FitRes]:
-        rnd = self._new_task(
-            server_round,
-            FIT,
-            [(info, self._with_codec(info, ins)) for info, ins in assignments],
-            timeout,
-            downlink=self.downlink.prepare(global_state),
-            expected=TensorSpec.of(global_state),
-        )
-        # Updates that landed before a restart are not asked for again.
-        rnd.results.update(
-            self.spill.restore(
-                task_id=rnd.task_id, assigned={info.client_id: info for info, _ in assignments}
-            )
-        )
-        if rnd.results:
-            log.info("round %d: %d updates restored from before a restart", server_round, len(rnd.results))
-            self.events.emit("updates_restored", round=server_round, count=len(rnd.results))
-        results, failures, cancelled = self._run(rnd, timeout, target=target)
-        return RoundOutcome(
-            [r for r in results if isinstance(r, FitRes)],
-            failures,
-            cancelled,
-            bytes_up=rnd.bytes_up,
-            bytes_down=rnd.bytes_down,
-            extra=rnd.tally.extra(),
-            closed_by=rnd.closed_by,
+        """A fit phase (``Phases.fit``)."""
+        return self.phases.fit(
+            server_round=server_round,
+            global_state=global_state,
+            assignments=assignments,
+            timeout=timeout,
+            target=target,
         )
 
     def evaluate_round(
@@ -413,24 +407,9 @@ class RemoteFleet(Fleet):
         assignments: Sequence[tuple[ClientInfo, EvaluateIns]],
         timeout: timedelta,
     ) -> RoundOutcome[EvaluateRes]:
-        # Evaluation judges the exact global model, whatever the downlink policy.
-        downlink = RoundDownlink(base=global_state, version=0, _full=serde.EncodedModel(global_state))
-        rnd = self._new_task(
-            server_round,
-            EVALUATE,
-            assignments,
-            timeout,
-            downlink=downlink,
-            expected=TensorSpec.of(global_state),
-        )
-        results, failures, cancelled = self._run(rnd, timeout)
-        return RoundOutcome(
-            [r for r in results if isinstance(r, EvaluateRes)],
-            failures,
-            cancelled,
-            bytes_up=rnd.bytes_up,
-            bytes_down=rnd.bytes_down,
-            closed_by=rnd.closed_by,
+        """An evaluation phase (``Phases.evaluate``)."""
+        return self.phases.evaluate(
+            server_round=server_round, global_state=global_state, assignments=assignments, timeout=timeout
         )
 
     def message_round(
@@ -443,96 +422,14 @@ class RemoteFleet(Fleet):
     ) -> RoundOutcome[MessageRes]:
         """Runs message phase ``phase``: clients poll a ``MESSAGE`` task, send their messages
         (``send_messages``), and once the phase closed fetch the ones relayed to them
-        (``receive_messages_async``), until this round is committed."""
-        if check_phase_name(phase) in (FIT, EVALUATE):
-            raise ValueError(f"{phase!r} is a model phase, not a message phase")
-        rnd = self._new_task(
-            server_round,
-            phase,
-            [(info, dataclasses.replace(ins, client_id=info.client_id)) for info, ins in assignments],
-            timeout,
-        )
-        results, failures, cancelled = self._run(rnd, timeout)
-        self.mailbox.relay(rnd)
-        return RoundOutcome(
-            [r for r in results if isinstance(r, MessageRes)],
-            failures,
-            cancelled,
-            bytes_up=rnd.bytes_up,
-            bytes_down=rnd.bytes_down,
-            closed_by=rnd.closed_by,
+        (``receive_messages_async``), until this round is committed (``Phases.message``)."""
+        return self.phases.message(
+            server_round=server_round, phase=phase, assignments=assignments, timeout=timeout
         )
 
-    def _new_task(
-        self,
-        server_round: int,
-        kind: str,
-        assignments: Sequence[tuple[ClientInfo, FitIns | EvaluateIns | MessageIns]],
-        timeout: timedelta,
-        *,
-        downlink: RoundDownlink | None = None,
-        expected: Mapping[str, TensorSpec] | None = None,
-    ) -> RoundTask:
-        # Deterministic: a round redone after a restart has the same task id, so a client's
-        # retried upload of that round (same seed, same bits) is accepted.
-        scope = self.task_scope + "-" if self.task_scope else ""
-        suffix = kind if kind in (FIT, EVALUATE) else f"msg-{kind}"
-        return RoundTask(
-            server_round=server_round,
-            task_id=f"{self.run_id[:12]}-{scope}r{server_round}-{suffix}",
-            kind=kind,
-            assignments={info.client_id: ins for info, ins in assignments},
-            clients={info.client_id: info for info, _ in assignments},
-            deadline=time.monotonic() + timeout.total_seconds(),
-            downlink=downlink,
-            expected=dict(expected or {}),
-        )
-
-    def _run(
-        self, rnd: RoundTask, timeout: timedelta, *, target: int | None = None
-    ) -> tuple[list[FitRes | EvaluateRes | MessageRes], list[Failure], list[ClientInfo]]:
-        """Opens ``rnd`` for its clients and closes it when ``target`` (default: all)
-        reported, the rest failed or went silent, or the deadline passed."""
-        self.events.emit(
-            "round_opened",
-            round=rnd.server_round,
-            task=rnd.task_id,
-            clients=len(rnd.assignments),
-            evaluate=rnd.evaluate,
-            phase=rnd.kind,
-        )
-        with self._lock:
-            self._round = rnd
-            self._wake.notify(*(("poll", cid) for cid in rnd.assignments))  # only the clients with a task
-            goal = len(rnd.assignments) if target is None else min(target, len(rnd.assignments))
-            reason = wait_for_close(
-                rnd,
-                goal=goal,
-                registry=self.registry,
-                wake=self._wake,
-                interrupted=lambda: self._interrupted,
-                check_every_s=self.heartbeat_interval_s / 2,
-                timeout_s=timeout.total_seconds(),
-            )
-            results, failures, cancelled = rnd.close(reason)
-            reason = rnd.closed_by
-        self.spill.flush()  # write-backs under way land, and fsyncs, before the strategy sees them (server/spill.py)
-        # Receive buffers not in use go back to the system before the strategy aggregates:
-        # the pool speeds up the uploads of a round, it must not add to aggregation's memory.
-        receive_buffers().clear()
-        self.events.emit(
-            "round_closed",
-            round=rnd.server_round,
-            evaluate=rnd.evaluate,
-            phase=rnd.kind,
-            reason=reason,
-            results=len(results),
-            failures=len(failures),
-        )
-        return results, failures, cancelled
-
-    def _with_codec(self, info: ClientInfo, ins: FitIns) -> FitIns:
-        return dataclasses.replace(ins, config={**ins.config, "uplink_codec": self.codec_policy.uplink(info)})
+    def _open_round(self, rnd: RoundTask) -> None:
+        """``rnd`` becomes the open round (lock held): polls, uploads and downloads serve it."""
+        self._round = rnd
 
     def committed(self, server_round: int) -> None:
         with self._lock:

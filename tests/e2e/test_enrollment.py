@@ -25,6 +25,7 @@ from fedgrid.client.runtime import Connection, RpcFailed
 from fedgrid.constants import ENROLL_MAX_MESSAGE_BYTES
 from fedgrid.errors import ConfigError, PKIError
 from fedgrid.ops import pki
+from fedgrid.pki_files import read_json
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
 from fedgrid.proto.tls import TLSFiles
@@ -219,7 +220,7 @@ def test_oversized_request_is_refused_before_parsing(ca_dir, service):
     error = refusal(service, ca_dir, token, b"x" * (ENROLL_MAX_MESSAGE_BYTES + 1))
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error
     assert "larger than max" in error.details()
-    assert pki_kernel._read_json(ca_dir / "tokens.json")["tokens"][token.partition(".")[0]]["used_at"] is None
+    assert read_json(ca_dir / "tokens.json")["tokens"][token.partition(".")[0]]["used_at"] is None
 
 
 def test_concurrent_enrollments_beyond_the_cap_are_resource_exhausted(tmp_path, ca_dir):

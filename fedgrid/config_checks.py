@@ -1,0 +1,180 @@
+"""The checks a ``Config`` runs when it is built: ranges, codecs and the strategy's options, network
+endpoints and TLS files, capability requirements. Each raises ``ConfigError`` naming the key; of
+several wrong keys, the first one found is reported.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from fedgrid.capabilities import MAX_ACCELERATORS, check_capabilities, parse_size
+from fedgrid.compression import parse_codec_spec
+from fedgrid.config_groups import ENGINES, INNER_LR_STRATEGIES, LR_DEFAULT, SELECTORS
+from fedgrid.determinism import MAX_THREADS
+from fedgrid.errors import ConfigError, InvalidUpdateError
+from fedgrid.plugins import check_spec
+from fedgrid.trackers import parse_trackers
+
+if TYPE_CHECKING:
+    from fedgrid.config import Config
+
+__all__ = ["validate"]
+
+
+def validate(config: Config) -> None:
+    """Checks every key of ``config`` (``Config.__post_init__`` calls this).
+
+    Raises:
+        ConfigError: the first key found out of range, of an unknown value, or in a wrong combination.
+    """
+    # The checks run in this order: of several wrong keys, the first one found is reported.
+    _check_ranges(config)
+    _check_codecs_and_strategy(config)
+    _check_endpoints(config)
+    for key in ("momentum", "weight_decay", "max_update_norm"):
+        if not 0.0 <= getattr(config, key) < float("inf"):
+            raise ConfigError(key, f"must be a finite number at least 0, got {getattr(config, key)}")
+    parse_trackers(config.tracker)  # known names, packages installed: before any work
+    if config.engine not in ENGINES:
+        raise ConfigError("engine", f"unknown engine {config.engine!r} (known: {', '.join(ENGINES)})")
+    if not 0 <= config.threads <= MAX_THREADS:
+        raise ConfigError(
+            "threads", f"must be in 0..{MAX_THREADS} (0: torch's default), got {config.threads}"
+        )
+    if config.batch_clients < 0:
+        raise ConfigError("batch_clients", f"must be at least 0, got {config.batch_clients}")
+    _check_capability_keys(config)
+    # The data, model and heterogeneity keys need the simulation layer's registries:
+    # ``fedgrid.simulation.tasks.check_config`` checks them (the CLI and run_simulation
+    # call it before any work), so the config modules and the server never import that layer.
+
+
+def _check_ranges(config: Config) -> None:
+    """Counts, timeouts and fractions in their ranges, and a known client selector."""
+    positive_ints = (
+        "rounds",
+        "clients",
+        "min_clients",
+        "local_epochs",
+        "chunk_size",
+        "max_workers",
+        "batch_size",
+        "max_num_examples",
+    )
+    for key in positive_ints:
+        if getattr(config, key) < 1:
+            raise ConfigError(key, f"must be at least 1, got {getattr(config, key)}")
+    if config.regional_rounds < 1:
+        raise ConfigError("regional_rounds", f"must be at least 1, got {config.regional_rounds}")
+    if config.nproc_per_node < 1:
+        raise ConfigError("nproc_per_node", f"must be at least 1, got {config.nproc_per_node}")
+    for key in (
+        "collective_timeout_s",
+        "lr",
+        "round_timeout_s",
+        "join_timeout_s",
+        "heartbeat_interval_s",
+        "examples_per_second",
+    ):
+        if not getattr(config, key) > 0:
+            raise ConfigError(key, f"must be positive, got {getattr(config, key)}")
+    if not 0.0 < config.fraction_fit <= 1.0:
+        raise ConfigError("fraction_fit", f"must be in (0, 1], got {config.fraction_fit}")
+    if config.clients_per_round < 0:
+        raise ConfigError("clients_per_round", f"must be at least 0, got {config.clients_per_round}")
+    if not 0.0 <= config.over_selection <= 10.0:
+        raise ConfigError("over_selection", f"must be in [0, 10], got {config.over_selection}")
+    if config.selector not in SELECTORS:
+        raise ConfigError("selector", f"unknown selector {config.selector!r} (known: {', '.join(SELECTORS)})")
+
+
+def _check_codecs_and_strategy(config: Config) -> None:
+    """The codec specs, the evaluation fraction, the app, the chunk size, and the strategy
+    with its options (built once to check them)."""
+    from fedgrid.compression.feedback import ErrorFeedback
+    from fedgrid.compression.registry import parse_region_codecs
+
+    for key in ("codec", "downlink_codec"):
+        spec = getattr(config, key)
+        codec = parse_codec_spec(spec, key=key)
+        if not codec.lossless:
+            ErrorFeedback(spec if key == "codec" else codec)  # lossy codecs must suit error feedback
+    for spec in parse_region_codecs(config.region_codecs).values():
+        parse_codec_spec(spec, key="region_codecs")
+    if not 0.0 <= config.fraction_evaluate <= 1.0:
+        raise ConfigError("fraction_evaluate", f"must be in [0, 1], got {config.fraction_evaluate}")
+    if config.app:
+        check_spec(config.app, key="app")
+    if config.chunk_size > 3 * 1024 * 1024:
+        raise ConfigError(
+            "chunk_size", f"must be at most 3 MiB to stay under gRPC's 4 MB limit, got {config.chunk_size}"
+        )
+    from fedgrid.aggregation.registry import build_strategy_from
+
+    # Building the strategy checks its name, which options apply to it and their
+    # ranges, and the aggregator; a model-dependent check (block partition) follows at
+    # initialize, the client-count check (Krum's n > 2f + 2) once that count is known.
+    build_strategy_from(config.strategy, seed=config.seed, **config.strategy_options())
+    if config.strategy in INNER_LR_STRATEGIES and config.lr != LR_DEFAULT:
+        # The task's lr would be replaced by inner_lr: an lr given here would do nothing.
+        raise ConfigError(
+            "lr",
+            f"does not apply to strategy {config.strategy!r}: its inner optimizer (AdamW) "
+            f"takes inner_lr (default 1e-3), got lr={config.lr}",
+        )
+
+
+def _check_endpoints(config: Config) -> None:
+    """Mutual TLS files (all or none), the listen, enrollment and HTTP addresses, and the
+    keys that only go with one of them."""
+    tls_given = [k for k in ("ca", "cert", "key") if getattr(config, k)]
+    if tls_given and len(tls_given) != 3:
+        missing = [k for k in ("ca", "cert", "key") if k not in tls_given]
+        raise ConfigError(
+            missing[0], f"ca, cert and key go together (mutual TLS); missing {', '.join(missing)}"
+        )
+    if config.crl and not tls_given:
+        raise ConfigError("crl", "a revocation list needs ca, cert and key (mutual TLS)")
+    if tls_given and config.insecure:
+        raise ConfigError("insecure", "insecure (plaintext) contradicts ca/cert/key (mutual TLS)")
+    for key in [k for k in ("listen", "enroll_listen", "http") if k == "listen" or getattr(config, k)]:
+        host, sep, port = getattr(config, key).rpartition(":")
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise ConfigError(key, f"expected HOST:PORT, got {getattr(config, key)!r}")
+    if config.http_token_file and not config.http:
+        raise ConfigError("http_token_file", "is used only with http (the address of the HTTP status server)")
+    if config.enroll_listen and not config.enroll_dir:
+        raise ConfigError(
+            "enroll_dir",
+            "enroll_listen needs enroll_dir, the certificate directory whose CA signs enrolled clients",
+        )
+    if config.enroll_dir and not config.enroll_listen:
+        raise ConfigError(
+            "enroll_dir", "is used only with enroll_listen (the address of the enrollment service)"
+        )
+    if config.enroll_listen and not tls_given:
+        raise ConfigError(
+            "enroll_listen",
+            "enrollment needs ca, cert and key: it serves TLS with the coordinator's certificate, "
+            "never plaintext (a listener on the path would read tokens and could hand out certificates)",
+        )
+
+
+def _check_capability_keys(config: Config) -> None:
+    """The capability requirements (``require_device`` ...) and what a client states (``report_*``)."""
+    for key in ("require_device", "report_device"):
+        if getattr(config, key):
+            try:
+                check_capabilities(getattr(config, key), 0, 0)
+            except InvalidUpdateError as exc:
+                raise ConfigError(key, str(exc).removeprefix("device: ")) from None
+    for key in ("min_accelerators", "report_accelerators"):
+        value = getattr(config, key)
+        if value is not None and not 0 <= value <= MAX_ACCELERATORS:
+            raise ConfigError(key, f"must be in 0..{MAX_ACCELERATORS}, got {value}")
+    for key in ("min_client_memory", "report_memory"):
+        if key == "min_client_memory" or config.report_memory:
+            try:
+                parse_size(getattr(config, key), what=key)
+            except ValueError as exc:
+                raise ConfigError(key, str(exc).removeprefix(f"{key}: ")) from None
