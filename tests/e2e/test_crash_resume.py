@@ -25,7 +25,7 @@ from harness import (
     wait_until,
 )
 
-# The shared reference deployment's run (tests/conftest.py), killed once in each of its first five rounds.
+# The shared reference deployment's run (tests/conftest.py), killed five times at seeded moments.
 ROUNDS, CLIENTS, SEED, KILLS = REFERENCE_ROUNDS, REFERENCE_CLIENTS, REFERENCE_SEED, 5
 PHASES = {"upload": "update_accepted", "aggregate": "aggregating", "checkpoint": "checkpoint_writing"}
 

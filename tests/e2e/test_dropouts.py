@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from fedgrid.aggregation import FedAvg
+from fedgrid.aggregation.selection import Sampling
 from fedgrid.events import EventLog
 from fedgrid.server.app import Coordinator
 from fedgrid.server.engine import RoundEngine
@@ -28,7 +29,7 @@ class Recording(FedAvg):
     """FedAvg that remembers who each round aggregated."""
 
     def __init__(self) -> None:
-        super().__init__(seed=0)
+        super().__init__(sampling=Sampling(seed=0))
         self.rounds: list[tuple[list[str], OrderedDict]] = []
 
     def aggregate(self, *, server_round, results, failures):

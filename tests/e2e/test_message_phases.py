@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from fedgrid.aggregation.selection import Sampling
 from fedgrid.determinism import intra_op_threads
 from fedgrid.server.app import Coordinator
 from fedgrid.server.engine import RoundEngine
@@ -75,7 +76,7 @@ def simulate() -> tuple[ring_app.RingStrategy, list]:
         else ring_app.client(i, CLIENTS, SEED)
         for i in range(CLIENTS)
     ]
-    strategy = ring_app.RingStrategy(seed=SEED)
+    strategy = ring_app.RingStrategy(sampling=Sampling(seed=SEED))
     strategy.initialize(initial_state=initial())
     with intra_op_threads(THREADS):
         eng = engine(strategy, InProcessFleet(clients), CLIENTS)
@@ -136,7 +137,7 @@ def test_ring_over_grpc_with_a_client_crashing_between_phases_equals_simulation(
                     str(SEED),
                 )
             )
-        strategy = ring_app.RingStrategy(seed=SEED)
+        strategy = ring_app.RingStrategy(sampling=Sampling(seed=SEED))
         strategy.initialize(initial_state=initial())
         fleet.wait_for_clients(
             min_clients=CLIENTS, timeout=timedelta(seconds=60)

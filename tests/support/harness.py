@@ -271,7 +271,7 @@ class CoordinatorRun:
 
 #: The reference deployment the parity, crash and shutdown tests share (``reference_deployment``):
 #: a coordinator and CLIENTS client processes, uninterrupted, ROUNDS rounds from SEED.
-REFERENCE_ROUNDS, REFERENCE_CLIENTS, REFERENCE_SEED = 6, 3, 7
+REFERENCE_ROUNDS, REFERENCE_CLIENTS, REFERENCE_SEED = 10, 3, 11
 REFERENCE_ARGS = [
     "--rounds",
     str(REFERENCE_ROUNDS),
