@@ -21,19 +21,21 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/fedgrid simulate --out runs/demo
 
-# Generated code up to date, formatting and lint (ruff), types; then every tier (tests/conftest.py: unit, integration, e2e,
-# examples). The layer contracts (pyproject.toml [tool.importlinter]) are checked by tests/e2e/test_layers.py.
+# Generated code up to date, formatting and lint (ruff), types. The layer contracts (pyproject.toml
+# [tool.importlinter]) are checked by tests/e2e/test_layers.py.
 lint: $(STAMP)
 	$(PY) -m fedgrid.proto.generate --check
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy fedgrid server client proto aggregation compression simulation region ops cli
 
+# Every tier (tests/conftest.py: unit, integration, e2e, examples) on two pytest-xdist workers; the
+# tests that share the reference deployment run on one of them, so it is made once.
 # The status page's test renders it in headless Chromium (Debian's package): installed here
 # when missing and running as root (CI); elsewhere the test says why it is skipped.
 test: lint
 	command -v chromium >/dev/null || [ "$$(id -u)" != 0 ] || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium)
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup tests
 
 # The development loop: unit and integration tiers (no subprocesses).
 test-fast: $(STAMP)

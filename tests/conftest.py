@@ -47,6 +47,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             raise pytest.UsageError(f"{item.nodeid}: tests live in a tier folder ({', '.join(TIERS)})")
         item.add_marker(getattr(pytest.mark, tier))
         item.add_marker(pytest.mark.timeout(TIERS[tier]))
+        if "reference_deployment" in getattr(item, "fixturenames", ()):
+            # One xdist worker runs every test that shares the reference run, so it is made once.
+            item.add_marker(pytest.mark.xdist_group("reference"))
 
 
 @pytest.fixture(scope="session")
