@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from typing import Any, Mapping, Sequence, cast
+from typing import Mapping, Sequence, cast
 
 import torch
 
 from fedgrid.aggregation.base import Aggregator
 from fedgrid.aggregation.mean import WeightedMean
+from fedgrid.lazy import exports
 from fedgrid.types import FitRes, ModelState
 
 __all__ = [
@@ -168,17 +169,10 @@ def add_update(global_state: Mapping[str, torch.Tensor], update: Mapping[str, to
     return out
 
 
-def __getattr__(name: str) -> Any:
-    if (
-        name == "apply_delta"
-    ):  # two functions had this name; this one is add_update (for one release, with a warning)
-        import warnings
-
-        warnings.warn(
-            "fedgrid.aggregation.updates.apply_delta is deprecated and goes in the next release: use "
-            "fedgrid.aggregation.updates.add_update",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return add_update
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+#: Old names, for one release: each access warns with a DeprecationWarning naming the new one.
+__getattr__, _ = exports(
+    __name__,
+    {},
+    deprecated={"apply_delta": f"{__name__}.add_update"},
+    globals_=globals(),
+)

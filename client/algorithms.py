@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from fedgrid.client.algorithm_math import ProximalTerm, ScaffoldControl, full, like, names_under, train_only
+from fedgrid.lazy import exports
 from fedgrid.types import ModelState, Scalar
 
 __all__ = [
@@ -456,22 +457,13 @@ class BlockCoordinateTraining(ClientAlgorithm):
         return OrderedDict((n, state[n]) for n in trained)
 
 
-#: The client halves' names before they were told apart from the strategies (``FedAvg`` meant
-#: both); they still work for one release, with a ``DeprecationWarning``.
-_RENAMED = {
-    n: f"fedgrid.client.algorithms.{n}Training"
-    for n in ("FedAvg", "FedProx", "Scaffold", "DiLoCo", "StreamingDiLoCo", "BlockCoordinate")
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _RENAMED:
-        import warnings
-
-        warnings.warn(
-            f"fedgrid.client.algorithms.{name} is deprecated and goes in the next release: use {_RENAMED[name]}",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return globals()[name + "Training"]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+#: Old names, for one release: each access warns with a DeprecationWarning naming the new one.
+__getattr__, _ = exports(
+    __name__,
+    {},
+    deprecated={
+        n: f"{__name__}.{n}Training"
+        for n in ("FedAvg", "FedProx", "Scaffold", "DiLoCo", "StreamingDiLoCo", "BlockCoordinate")
+    },
+    globals_=globals(),
+)

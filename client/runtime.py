@@ -29,6 +29,7 @@ from fedgrid.client.state import load_client_state, restore_client_state, save_c
 # The task feed lives in client/task_feed.py; the SDK's users import its types from here.
 from fedgrid.client.task_feed import ClientEvent, TaskFeed, TaskReport, TaskStep
 from fedgrid.constants import POLL_WAIT_S
+from fedgrid.lazy import exports
 from fedgrid.proto.tls import TLSFiles
 from fedgrid.types import EVALUATE, FIT, ModelState
 
@@ -257,19 +258,10 @@ def start_client(
     return handle
 
 
-#: ``run`` and ``start`` started a client without saying so; for one release, with a warning.
-_RENAMED = {"run": "run_client", "start": "start_client"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _RENAMED:
-        import warnings
-
-        warnings.warn(
-            f"fedgrid.client.runtime.{name} is deprecated and goes in the next release: use "
-            f"fedgrid.client.runtime.{_RENAMED[name]}",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return globals()[_RENAMED[name]]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+#: Old names, for one release: each access warns with a DeprecationWarning naming the new one.
+__getattr__, _ = exports(
+    __name__,
+    {},
+    deprecated={"run": f"{__name__}.run_client", "start": f"{__name__}.start_client"},
+    globals_=globals(),
+)

@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from fedgrid.client.api import Client
 from fedgrid.client.torch_client import TorchClient, default_device
 from fedgrid.errors import ConfigError
+from fedgrid.lazy import exports
 from fedgrid.plugins import initial_state
 from fedgrid.simulation.datasets import (
     DatasetData,
@@ -445,24 +446,18 @@ digits_client = builtin_client
 digits_evaluate = make_evaluate("digits")
 
 
-#: Names before "task" meant one thing in the package (a round's task); for one release, with a warning.
-_RENAMED = {
-    "Task": "BuiltinDataset",
-    "TaskData": "DatasetData",
-    "TASKS": "DATASETS",
-    "get_task": "get_dataset",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _RENAMED:
-        import warnings
-
-        warnings.warn(
-            f"fedgrid.simulation.tasks.{name} is deprecated and goes in the next release: use "
-            f"fedgrid.simulation.tasks.{_RENAMED[name]}",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return globals()[_RENAMED[name]]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+#: Old names, for one release: each access warns with a DeprecationWarning naming the new one.
+__getattr__, _ = exports(
+    __name__,
+    {},
+    deprecated={
+        old: f"{__name__}.{new}"
+        for old, new in {
+            "Task": "BuiltinDataset",
+            "TaskData": "DatasetData",
+            "TASKS": "DATASETS",
+            "get_task": "get_dataset",
+        }.items()
+    },
+    globals_=globals(),
+)
