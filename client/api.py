@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from fedgrid.capabilities import Capabilities, CapabilityOverride
+from fedgrid.client.timeline import Timeline
 from fedgrid.types import FitIns, MessageIns, ModelState, Scalar
 
 __all__ = ["Client", "FitOutput", "EvaluateOutput"]
@@ -51,6 +52,10 @@ class Client(ABC):
         region: region label sent at join.
         capability_override: capabilities stated in place of detected ones at Join, field
             by field (``fedgrid client --report-device/--report-accelerators/--report-memory``).
+        timeline: where this client's compute and transfer time is recorded
+            (``fedgrid.client.timeline``): the runtime records each fit and each transfer,
+            a trainer that goes on computing in the background (overlapped DiLoCo) records
+            that too. Made at first use.
     """
 
     name: str = ""
@@ -70,6 +75,12 @@ class Client(ABC):
         from fedgrid.client.capabilities import detect_capabilities  # torch.cuda: only when a client joins
 
         return self.capability_override.apply(detect_capabilities(getattr(self, "device", None)))
+
+    @property
+    def timeline(self) -> Timeline:
+        found = self.__dict__.get("_timeline")
+        # setdefault is atomic: a background trainer and the runtime may ask first at once.
+        return found if found is not None else self.__dict__.setdefault("_timeline", Timeline())
 
     @property
     def num_examples(self) -> int:

@@ -50,3 +50,18 @@ def test_window_forgets_old_intervals_and_records_from_threads():
 def test_unknown_kind_is_named():
     with pytest.raises(ValueError, match="'idle'"):
         Timeline().add("idle", 0.0, 1.0)
+
+
+def test_every_client_has_one_timeline():
+    from fedgrid.client.api import Client, FitOutput
+
+    class Minimal(Client):
+        def fit(self, state, ins):
+            return FitOutput(state=state, num_examples=1)
+
+        def evaluate(self, state, config):
+            raise NotImplementedError
+
+    client = Minimal()
+    assert client.timeline is client.timeline
+    assert client.timeline is not Minimal().timeline
