@@ -1,0 +1,404 @@
+"""Goodput across an emulated WAN: synchronous DiLoCo against overlapped streaming DiLoCo and async quorum rounds.
+
+Topology: 2 regions x 2 workers and a coordinator. Each region's workers reach the
+coordinator through the region's own emulated link (``fedgrid.ops.wan.WanRelay``: 40 ms each
+way, 80 ms RTT, shared by the region's two workers as a site's uplink is). The link's rate is
+chosen so that one full sync (every worker of a region uploading and downloading the whole
+model) takes about as long as one round of inner steps, measured first (``calibrate``).
+
+Speeds and faults: worker 3 runs at half speed (``goodput_app``: it waits after each step as
+long as the step took); worker 1 is killed (SIGKILL) once the run is halfway and restarted
+from its client state file (``--state-dir``), as a preempted machine would come back.
+
+Variants, side by side in one run (each in turn, the order rotating per repetition):
+
+- ``sync``: synchronous DiLoCo, today's default: download, H inner steps, upload, wait for
+  the round to close.
+- ``overlap``: streaming DiLoCo with F fragments, the outer sync overlapped with the next
+  inner steps (``--sync-delay-steps tau``, ``--merge-alpha 0.5``).
+- ``async``: overlapped streaming DiLoCo whose rounds close at a quorum of 3 of the 4 workers
+  plus a grace window, a late result merged into a later round with FedBuff's staleness
+  discount (``--min-quorum 3 --grace-s --max-staleness 2``).
+
+Modes: ``real`` trains the model for real (one torch thread a process; on a 2-core machine
+the four workers share two cores, so compute itself is slowed by contention, alike for every
+variant); ``wait`` replaces each inner step's compute by a calibrated wait of the step time
+measured alone (``goodput_app``'s ``GOODPUT_STEP_S``), so four workers "compute" at once.
+The ``wait`` rows measure the schedule; the ``real`` rows measure the schedule with real
+training, and only they report a meaningful held-out loss.
+
+Reported per variant and mode (medians over ``--repeats``):
+
+- ``utilization``: the sum over workers of compute seconds over the sum of wall seconds
+  (each task's split, ``fedgrid.client.timeline``, from the coordinator's per-round sums);
+- ``tokens_per_s``: tokens trained by all workers over the run's wall time;
+- ``held_out_loss``: the coordinator's evaluation of the final model (nats per character),
+  after the same number of outer rounds, so at (about) equal tokens;
+- ``bytes_per_worker_step``: bytes through the links, both ways, per worker per outer step.
+
+Run: ``python benchmarks/goodput.py`` (defaults below; about 15 minutes on 2 cores), or
+``--modes wait --variants sync,overlap --repeats 1`` for a quick look. Writes
+``benchmarks/results/goodput.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from fedgrid.ops.wan import WanLink, WanRelay  # noqa: E402
+from fedgrid.runlog import read_metrics  # noqa: E402
+
+REGIONS, WORKERS_PER_REGION = 2, 2
+WORKERS = REGIONS * WORKERS_PER_REGION
+SLOW_WORKER, KILLED_WORKER = 3, 1
+SEED = 7
+FEDGRID = [sys.executable, "-m", "fedgrid.cli"]
+VARIANTS = ("sync", "overlap", "async")
+
+
+def _env(extra: dict[str, str]) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH", "")) if p)
+    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **extra})
+    return env
+
+
+def _start(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [*FEDGRID, *args, "--threads", "1"],
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        env=_env(env),
+    )
+
+
+def _wait_for(what: str, condition: Any, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args} exited {proc.returncode} while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def calibrate(args: argparse.Namespace) -> dict[str, float]:
+    """The model's size and its inner step time alone (median over ``inner_steps`` steps after a warm-up)."""
+    from fedgrid.simulation.tasks import builtin_client
+
+    torch.set_num_threads(1)
+    client = builtin_client(
+        0,
+        WORKERS,
+        SEED,
+        dataset=args.dataset,
+        data_dir=args.data_dir,
+        model=args.model,
+        batch_size=args.batch,
+    )
+    model, optimizer = client.model, torch.optim.AdamW(client.model.parameters(), lr=1e-3)
+    times = []
+    batches = client._batches(epochs=0, steps=args.inner_steps + 5)
+    for i, (inputs, targets) in enumerate(batches):
+        started = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss, _ = client._batch_loss(model, inputs, targets)
+        loss.backward()
+        optimizer.step()
+        if i >= 5:
+            times.append(time.perf_counter() - started)
+        tokens = targets.numel()
+    state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return {"step_s": statistics.median(times), "state_bytes": state_bytes, "tokens_per_step": tokens}
+
+
+def _strategy_flags(variant: str, args: argparse.Namespace) -> list[str]:
+    flags = ["--inner-steps", str(args.inner_steps)]
+    if variant == "sync":
+        return ["--strategy", "diloco", *flags]
+    flags = [
+        "--strategy",
+        "streaming-diloco",
+        "--num-fragments",
+        str(args.fragments),
+        "--sync-delay-steps",
+        str(args.tau),
+        "--merge-alpha",
+        "0.5",
+        *flags,
+    ]
+    if variant == "async":
+        flags += ["--min-quorum", str(WORKERS - 1), "--grace-s", str(args.grace_s), "--max-staleness", "2"]
+    return flags
+
+
+def run(
+    variant: str, mode: str, cal: dict[str, float], link: WanLink, args: argparse.Namespace, work: Path
+) -> dict[str, Any]:
+    """One run of ``variant`` in ``mode``; returns its figures."""
+    out = work / f"{variant}-{mode}-{time.monotonic_ns()}"
+    out.mkdir(parents=True)
+    rounds = args.rounds * (args.fragments if variant != "sync" else 1)  # equal tokens: F syncs per full sync
+    common = [
+        "--seed",
+        str(SEED),
+        "--dataset",
+        args.dataset,
+        "--round-timeout-s",
+        "3600",
+        "--heartbeat-interval-s",
+        "60",
+    ]
+    if args.data_dir:
+        common += ["--data-dir", args.data_dir]
+    if args.model:
+        common += ["--model", args.model]
+    env = {
+        "GOODPUT_DATASET": args.dataset,
+        "GOODPUT_DATA_DIR": args.data_dir,
+        "GOODPUT_MODEL": args.model,
+        "GOODPUT_BATCH_SIZE": str(args.batch),
+        "GOODPUT_SLOW_PARTITION": str(SLOW_WORKER),
+        "GOODPUT_STEP_S": f"{cal['step_s']:.6f}" if mode == "wait" else "0",
+    }
+    coordinator = _start(
+        [
+            "coordinator",
+            "--listen",
+            "127.0.0.1:0",
+            "--out",
+            str(out / "global"),
+            "--rounds",
+            str(rounds),
+            "--min-clients",
+            str(WORKERS),
+            *_strategy_flags(variant, args),
+            *common,
+        ],
+        out / "coordinator.log",
+        env,
+    )
+    procs: dict[str, subprocess.Popen] = {"coordinator": coordinator}
+    relays: list[WanRelay] = []
+    started = time.monotonic()
+
+    def worker(i: int, target: str) -> subprocess.Popen:
+        return _start(
+            [
+                "client",
+                "--coordinator",
+                target,
+                "--app",
+                "goodput_app:client",
+                "--partition",
+                f"{i}/{WORKERS}",
+                "--seed",
+                str(SEED),
+                "--state-dir",
+                str(out / "state"),
+            ],
+            out / f"worker-{i}-{time.monotonic_ns()}.log",
+            env,
+        )
+
+    try:
+        address_file = out / "global" / "address"
+        _wait_for(
+            "the coordinator's address",
+            lambda: address_file.exists() and address_file.read_text().strip(),
+            coordinator,
+            120,
+        )
+        address = address_file.read_text().strip()
+        targets = {}
+        for r in range(REGIONS):
+            relay = WanRelay(
+                address, link=WanLink(delay_ms=link.delay_ms, rate_mbit=link.rate_mbit, seed=r)
+            ).start()
+            relays.append(relay)
+            for w in range(WORKERS_PER_REGION):
+                i = r * WORKERS_PER_REGION + w
+                targets[i] = relay.address
+                procs[f"worker-{i}"] = worker(i, relay.address)
+        if args.kill:
+            metrics = out / "global" / "metrics.jsonl"
+            half = rounds // 2
+            _wait_for(
+                f"round {half}",
+                lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= half,
+                coordinator,
+                3600,
+            )
+            victim = procs[f"worker-{KILLED_WORKER}"]
+            victim.send_signal(signal.SIGKILL)
+            victim.wait()
+            procs[f"worker-{KILLED_WORKER}"] = worker(KILLED_WORKER, targets[KILLED_WORKER])
+        if coordinator.wait(timeout=7200) != 0:
+            raise RuntimeError(f"the coordinator exited {coordinator.returncode}; see {out}")
+        wall = time.monotonic() - started
+        for name, proc in procs.items():
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        for relay in relays:
+            relay.stop()
+    rows = read_metrics(out / "global")
+    compute = sum(float(r.get("compute_s", 0.0)) for r in rows)
+    walls = sum(
+        float(r.get("compute_s", 0.0)) + float(r.get("comm_s", 0.0)) + float(r.get("wait_s", 0.0))
+        for r in rows
+    )
+    steps_merged = sum(float(r.get("steps", 0.0)) for r in rows)
+    tokens = sum(float(r.get("tokens", 0.0)) for r in rows) or steps_merged * cal["tokens_per_step"]
+    evaluated = [r for r in rows if "loss" in r]
+    return {
+        "variant": variant,
+        "mode": mode,
+        "rounds": rounds,
+        "utilization": compute / walls if walls else 0.0,
+        "compute_s": compute,
+        "worker_wall_s": walls,
+        "run_wall_s": wall,
+        "tokens_per_s": tokens / wall if wall else 0.0,
+        "held_out_loss": float(evaluated[-1]["loss"]) if evaluated else None,
+        "bytes_per_worker_step": sum(r.bytes_up + r.bytes_down for r in relays) / (WORKERS * rounds),
+        "rounds_failed": sum(1 for r in rows if r.get("round_failed")),
+        "dir": str(out),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help="comma-separated: sync, overlap, async"
+    )
+    parser.add_argument("--modes", default="wait,real", help="comma-separated: wait (calibrated), real")
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="repetitions of each variant and mode (default 2)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=4, help="full syncs of each run (streaming: F rounds each; default 4)"
+    )
+    parser.add_argument("--inner-steps", type=int, default=40, help="H (default 40)")
+    parser.add_argument("--fragments", type=int, default=2, help="F of the streaming variants (default 2)")
+    parser.add_argument(
+        "--tau",
+        type=int,
+        default=10,
+        help="sync delay in inner steps of the overlapped variants (default 10)",
+    )
+    parser.add_argument(
+        "--grace-s", type=float, default=1.0, help="the async variant's grace window (default 1 s)"
+    )
+    parser.add_argument("--dataset", default="shakespeare")
+    parser.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "data" / "shakespeare"))
+    parser.add_argument("--model", default="gpt", help="the model (default: the built-in GPT)")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument(
+        "--sync-ratio",
+        type=float,
+        default=1.0,
+        help="one full sync's time over one round of inner steps (default 1)",
+    )
+    parser.add_argument(
+        "--no-kill", dest="kill", action="store_false", help="do not kill and restart a worker"
+    )
+    parser.add_argument("--keep", type=Path, default=None, help="keep the run directories under this folder")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "goodput.json")
+    args = parser.parse_args(argv)
+    cal = calibrate(args)
+    # A region's full sync moves its two workers' models up and down through one link.
+    sync_bits = 2 * WORKERS_PER_REGION * cal["state_bytes"] * 8
+    rate_mbit = sync_bits / (args.sync_ratio * args.inner_steps * cal["step_s"]) / 1e6
+    link = WanLink(delay_ms=40.0, rate_mbit=rate_mbit)
+    print(
+        f"calibrated: step {cal['step_s'] * 1e3:.1f} ms, model {cal['state_bytes'] / 1e6:.2f} MB, "
+        f"H={args.inner_steps}: a round of inner steps {args.inner_steps * cal['step_s']:.1f} s; link {rate_mbit:.2f} Mbit/s, 80 ms RTT",
+        flush=True,
+    )
+    variants, modes = args.variants.split(","), args.modes.split(",")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="fedgrid-goodput-") as tmp:
+        for repeat in range(args.repeats):
+            order = variants[repeat % len(variants) :] + variants[: repeat % len(variants)]
+            for mode in modes:
+                for variant in order:
+                    row = run(variant, mode, cal, link, args, args.keep or Path(tmp))
+                    row["repeat"] = repeat
+                    rows.append(row)
+                    print(
+                        f"{mode:>4} {variant:>7}: utilization {row['utilization']:.3f}, {row['tokens_per_s']:.0f} tok/s, "
+                        f"loss {row['held_out_loss']}, {row['bytes_per_worker_step'] / 1e6:.2f} MB/worker/step, {row['run_wall_s']:.0f}s",
+                        flush=True,
+                    )
+    summary = []
+    header = f"{'mode':>4} {'variant':>7} | {'utilization':>11} {'tok/s':>8} {'held-out loss':>13} {'MB/worker/step':>14}"
+    print(header)
+    print("-" * len(header))
+    for mode in modes:
+        for variant in variants:
+            mine = [r for r in rows if r["mode"] == mode and r["variant"] == variant]
+            losses = [r["held_out_loss"] for r in mine if r["held_out_loss"] is not None]
+            entry = {
+                "mode": mode,
+                "variant": variant,
+                "utilization": statistics.median(r["utilization"] for r in mine),
+                "tokens_per_s": statistics.median(r["tokens_per_s"] for r in mine),
+                "held_out_loss": statistics.median(losses) if losses else None,
+                "bytes_per_worker_step": statistics.median(r["bytes_per_worker_step"] for r in mine),
+            }
+            summary.append(entry)
+            loss = f"{entry['held_out_loss']:.4f}" if entry["held_out_loss"] is not None else "-"
+            print(
+                f"{mode:>4} {variant:>7} | {entry['utilization']:>11.3f} {entry['tokens_per_s']:>8.0f} {loss:>13} "
+                f"{entry['bytes_per_worker_step'] / 1e6:>14.2f}"
+            )
+    report = {
+        "benchmark": "goodput",
+        "regions": REGIONS,
+        "workers_per_region": WORKERS_PER_REGION,
+        "slow_worker": SLOW_WORKER,
+        "killed_worker": KILLED_WORKER if args.kill else None,
+        "calibration": cal,
+        "link": {"delay_ms": link.delay_ms, "rtt_ms": 2 * link.delay_ms, "rate_mbit": link.rate_mbit},
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "environment": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "load_average": os.getloadavg(),
+        },
+        "rows": rows,
+        "summary": summary,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
