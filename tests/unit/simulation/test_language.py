@@ -15,7 +15,7 @@ from fedgrid.client.precision import autocast_dtype
 from fedgrid.client.torch_client import TorchClient
 from fedgrid.config import load_config
 from fedgrid.errors import ConfigError
-from fedgrid.plugins import is_factory_spec
+from fedgrid.plugins import initial_state, is_factory_spec
 from fedgrid.simulation.language import (
     GPT,
     GPT_DEFAULT,
@@ -29,7 +29,7 @@ from fedgrid.simulation.language import (
     token_cross_entropy,
 )
 from fedgrid.simulation.shakespeare import load_shakespeare
-from fedgrid.simulation.tasks import build_model, builtin_client, check_options
+from fedgrid.simulation.tasks import build_model, builtin_client, check_options, make_evaluate
 
 
 def test_gpt_sizes_parse_with_defaults_for_the_rest():
@@ -169,6 +169,17 @@ def test_precision_auto_is_fp32_on_the_cpu_and_bf16_autocasts_there_when_asked(t
     seen: list[torch.dtype] = []
     client.model.head.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
     loss, _ = client._batch_loss(client.model, *next(iter(client.train_loader)))
-    assert seen == [torch.bfloat16] and loss.dtype == torch.float32 and math.isfinite(float(loss))
+    assert seen == [torch.bfloat16] and loss.dtype == torch.float32 and math.isfinite(float(loss.detach()))
     loss.backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in client.model.parameters())
+
+
+def test_server_evaluation_reports_perplexity_and_runs_at_the_precision_asked(tmp_path):
+    data_dir = str(synthetic_shakespeare(tmp_path / "data"))
+    model = "gpt:layers=1,heads=2,dim=16,context=16"
+    state = initial_state(lambda: build_model("shakespeare", model), seed=0)
+    fp32_loss, fp32 = make_evaluate("shakespeare", model, data_dir, "fp32")(state)
+    bf16_loss, bf16 = make_evaluate("shakespeare", model, data_dir, "bf16")(state)
+    assert fp32["perplexity"] == math.exp(fp32_loss) and bf16["perplexity"] == math.exp(bf16_loss)
+    assert abs(fp32_loss - math.log(80)) < 0.1  # an untrained model guesses about uniformly
+    assert bf16_loss != fp32_loss and bf16_loss == pytest.approx(fp32_loss, abs=0.02)  # autocast ran
