@@ -13,8 +13,11 @@ Data: ``gutenberg-texts.tar.gz`` in ``--data-dir`` (default ``../shared/data/sha
 beside the repository; see the README's Shakespeare section).
 
 Run: ``python examples/gpt_two_regions.py [--rounds 6] [--inner-steps 50] [--out runs/gpt-regions]``
-(about a minute on 2 cores, every process on one thread). Prints each round's held-out loss
-(nats per character; ln 80 = 4.38 for a uniform guess) and perplexity, and the WAN bytes.
+(every process on one thread; about two minutes on 2 cores shared with other work, of which
+the processes' start and the first round take one). Prints each round's held-out loss (nats
+per character; ln 80 = 4.38 for a uniform guess, 3.13 for the characters' unigram
+frequencies) and perplexity, and the WAN bytes: measured, 3.19 after round 1 and 2.39
+(perplexity 10.9) after round 6, 6.4 MB over the two links.
 """
 
 from __future__ import annotations

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from shakespeare_data import synthetic_shakespeare
 
 from fedgrid.config import load_config
+from fedgrid.errors import ConfigError
 from fedgrid.runlog import read_metrics
 from fedgrid.simulation.language import lm_windows
 from fedgrid.simulation.run import run_simulation
@@ -93,3 +95,15 @@ def test_a_hugging_face_causal_lm_from_a_local_config_trains_a_round(tmp_path, m
     (row,) = read_metrics(tmp_path / "run")
     assert row["clients_ok"] == 2 and row["perplexity"] == math.exp(row["loss"])
     assert row["loss"] < math.log(96)  # five steps of two workers already move it off uniform
+
+
+def test_bf16_clients_train_on_the_sequential_engine_and_batched_refuses_them():
+    engines: list[str] = []
+    overrides = {"precision": "bf16", "rounds": 1, "threads": 1, "progress": False}
+    _, history = run_simulation(
+        load_config(overrides=overrides), on_start=lambda engine, why: engines.append(why)
+    )
+    assert "bf16 autocast (precision bf16)" in engines[0] and history[0].accuracy > 0.3
+    with pytest.raises(ConfigError, match="precision fp32 batches it; use --engine sequential") as info:
+        run_simulation(load_config(overrides={**overrides, "engine": "batched"}))
+    assert info.value.key == "engine"
