@@ -1,6 +1,7 @@
 """The language-model workload end to end in simulation: the GPT learns Shakespeare's characters
 below the unigram baseline, metrics.jsonl carries the token loss and its perplexity, and a
-Hugging Face causal LM built from a local config folder trains a round.
+Hugging Face causal LM built from a local config folder trains a round (and one from local
+weights starts from them).
 
 The data is a small synthetic ``gutenberg-texts.tar.gz`` (``shakespeare_data``): a clean
 clone (CI) has no ``../shared/data``. One thread, as the other simulation tests.
@@ -17,9 +18,10 @@ from shakespeare_data import synthetic_shakespeare
 from fedgrid.config import load_config
 from fedgrid.errors import ConfigError
 from fedgrid.runlog import read_metrics
-from fedgrid.simulation.language import lm_windows
+from fedgrid.simulation.language import lm_spec, lm_windows
 from fedgrid.simulation.run import run_simulation
 from fedgrid.simulation.shakespeare import load_shakespeare
+from fedgrid.simulation.tasks import build_model
 
 TINY = "gpt:layers=1,heads=2,dim=32,context=16"
 
@@ -107,3 +109,20 @@ def test_bf16_clients_train_on_the_sequential_engine_and_batched_refuses_them():
     with pytest.raises(ConfigError, match="precision fp32 batches it; use --engine sequential") as info:
         run_simulation(load_config(overrides={**overrides, "engine": "batched"}))
     assert info.value.key == "engine"
+
+
+def test_an_hf_folder_with_weights_starts_from_them(tmp_path, monkeypatch):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    torch.manual_seed(3)
+    config = GPT2Config(
+        n_layer=1, n_head=2, n_embd=16, vocab_size=80, n_positions=32, bos_token_id=0, eos_token_id=0
+    )
+    GPT2LMHeadModel(config).save_pretrained(tmp_path / "weights")
+    saved = GPT2LMHeadModel.from_pretrained(tmp_path / "weights", local_files_only=True).state_dict()
+    built = build_model("shakespeare", f"hf:{tmp_path / 'weights'}").state_dict()
+    assert set(built) == {f"net.{k}" for k in saved}
+    for key, tensor in saved.items():
+        assert torch.equal(built[f"net.{key}"], tensor), key
+    assert lm_spec(f"hf:{tmp_path / 'weights'}").context == 32  # its 32 positions, under the 64 of HF_CONTEXT
