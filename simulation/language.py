@@ -31,7 +31,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -229,19 +229,17 @@ class LMSpec:
 
     @property
     def context(self) -> int:
-        """Characters per example window."""
+        """Characters per example window (``hf``: :data:`HF_CONTEXT`, or fewer when its
+        ``config.json`` gives fewer positions).
+
+        Raises:
+            ConfigError: an ``hf`` folder without a readable ``config.json`` (names ``model``).
+        """
         if self.gpt is not None:
             return self.gpt.context
-        return min(
-            [
-                HF_CONTEXT,
-                *(
-                    n
-                    for n in (_hf_config(self.path).get(k) for k in _HF_POSITIONS)
-                    if isinstance(n, int) and n > 0
-                ),
-            ]
-        )
+        config = _hf_config(self.path)
+        positions = [config[k] for k in _HF_POSITIONS if isinstance(config.get(k), int) and config[k] > 0]
+        return min([HF_CONTEXT, *positions])
 
 
 def lm_spec(model: str) -> LMSpec | None:
@@ -261,7 +259,7 @@ def lm_spec(model: str) -> LMSpec | None:
     return None
 
 
-def _hf_config(path: str) -> dict:
+def _hf_config(path: str) -> dict[str, Any]:
     """``PATH/config.json`` as a dict.
 
     Raises:
