@@ -31,7 +31,13 @@ def serve(config: Config, **kwargs: Any) -> ModelState | None:
     from fedgrid.simulation.tasks import check_config, resolve
 
     check_config(config)
-    resolved = resolve(dataset=config.dataset, model=config.model, seed=config.seed, data_dir=config.data_dir)
+    resolved = resolve(
+        dataset=config.dataset,
+        model=config.model,
+        seed=config.seed,
+        data_dir=config.data_dir,
+        precision=config.precision,
+    )
     return run_coordinator(config, initial=resolved.initial_state, evaluate_fn=resolved.evaluate, **kwargs)
 
 

@@ -60,6 +60,7 @@ CLIENT_OPTION_KEYS = [
     "lr",
     "momentum",
     "weight_decay",
+    "precision",
 ]
 #: What ``fedgrid client --config FILE`` takes from the file (flags override it); the file's
 #: other keys (a TOML shared with the coordinator) are checked and left alone.

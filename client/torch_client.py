@@ -20,6 +20,7 @@ from fedgrid.client.algorithms import (
 )
 from fedgrid.client.api import Client, EvaluateOutput, FitOutput, OwnedState
 from fedgrid.client.loaders import NotPlainLoader, PlainLoader, plain_loader
+from fedgrid.client.precision import autocast
 from fedgrid.seeding import derive_seed
 from fedgrid.types import FitIns, ModelState, Scalar
 
@@ -304,11 +305,17 @@ class TorchClient(Client):
         a DDP wrapper of it on a data-parallel client)."""
         return self.model
 
+    #: The forward passes' precision (``fedgrid.client.precision``: ``auto``, ``bf16`` or
+    #: ``fp32``); the built-in clients set the ``precision`` key's value.
+    precision: str = "fp32"
+
     def _batch_loss(
         self, module: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
     ) -> tuple[torch.Tensor, float]:
-        """The loss to back-propagate for one batch, and the sum of its example losses."""
-        loss = self.loss_fn(module(inputs), targets)
+        """The loss to back-propagate for one batch, and the sum of its example losses; the
+        forward pass and the loss run at ``precision`` (the backward pass follows it)."""
+        with autocast(self.device, self.precision):
+            loss = self.loss_fn(module(inputs), targets)
         return loss, float(loss.detach()) * len(targets)
 
     def _reduce_totals(self, loss_sum: float, seen: int) -> tuple[float, int]:
@@ -352,24 +359,28 @@ class TorchClient(Client):
             raise NotImplementedError(f"client {self.name!r} has no evaluation data")
         self._load(state)
         self.model.eval()
-        total_loss, correct, seen = 0.0, 0, 0
+        total_loss, correct, scored, seen = 0.0, 0, 0, 0
         classification = True
         self._lay_out()
         for inputs, targets in self.eval_loader:
             inputs, targets = self._inputs(inputs), targets.to(self.device)
-            outputs = self.model(inputs)
-            total_loss += float(self.loss_fn(outputs, targets)) * len(targets)
-            # Accuracy is defined only for class scores against integer labels.
+            with autocast(self.device, self.precision):
+                outputs = self.model(inputs)
+                total_loss += float(self.loss_fn(outputs, targets)) * len(targets)
+            # Accuracy is defined only for scores over classes (the last dimension) against
+            # integer labels of the other dimensions: [N, C] against [N], or a language model's
+            # [N, T, V] against [N, T] (token accuracy).
             classification = (
                 classification
-                and outputs.dim() == 2
-                and targets.dim() == 1
+                and outputs.dim() in (2, 3)
+                and outputs.shape[:-1] == targets.shape
                 and not targets.is_floating_point()
             )
             if classification:
-                correct += int((outputs.argmax(dim=1) == targets).sum())
+                correct += int((outputs.argmax(dim=-1) == targets).sum())
+                scored += targets.numel()
             seen += len(targets)
         metrics = {"loss": total_loss / max(seen, 1)}
-        if seen and classification:
-            metrics["accuracy"] = correct / seen
+        if scored and classification:
+            metrics["accuracy"] = correct / scored
         return EvaluateOutput(num_examples=seen, metrics=metrics)

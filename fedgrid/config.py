@@ -113,8 +113,12 @@ class Config:
         "",
     )
     model: str = _key(
-        "a built-in model of the dataset (digits: mlp, logistic; fashion-mnist: mlp, cnn, logistic; shakespeare: lstm; synthetic: logistic), or MODULE:FACTORY returning your nn.Module (no server-side evaluation); empty: the dataset's default",
+        "a built-in model of the dataset (digits: mlp, logistic; fashion-mnist: mlp, cnn, logistic; shakespeare: lstm, or the language models gpt[:layers=L,heads=H,dim=D,context=T,tie=0|1] and hf:PATH, a local Hugging Face causal LM folder; synthetic: logistic), or MODULE:FACTORY returning your nn.Module (no server-side evaluation); empty: the dataset's default",
         "",
+    )
+    precision: str = _key(
+        "forward passes of the built-in clients and the server-side evaluation: auto (bf16 autocast on CUDA devices that support it, else float32), bf16 (autocast, also on the CPU) or fp32; the batched engine trains fp32 only",
+        "fp32",
     )
     initial_model: str = _key(
         "fedgrid coordinator: a safetensors file holding the initial global model (instead of building --model)",

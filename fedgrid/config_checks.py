@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from fedgrid.capabilities import MAX_ACCELERATORS, check_capabilities, parse_size
 from fedgrid.compression import parse_codec_spec
-from fedgrid.config_groups import ENGINES, INNER_LR_STRATEGIES, LR_DEFAULT, SELECTORS
+from fedgrid.config_groups import ENGINES, INNER_LR_STRATEGIES, LR_DEFAULT, PRECISIONS, SELECTORS
 from fedgrid.determinism import MAX_THREADS
 from fedgrid.errors import ConfigError, InvalidUpdateError
 from fedgrid.plugins import check_spec
@@ -37,6 +37,10 @@ def validate(config: Config) -> None:
     parse_trackers(config.tracker)  # known names, packages installed: before any work
     if config.engine not in ENGINES:
         raise ConfigError("engine", f"unknown engine {config.engine!r} (known: {', '.join(ENGINES)})")
+    if config.precision not in PRECISIONS:
+        raise ConfigError(
+            "precision", f"unknown precision {config.precision!r} (known: {', '.join(PRECISIONS)})"
+        )
     if not 0 <= config.threads <= MAX_THREADS:
         raise ConfigError(
             "threads", f"must be in 0..{MAX_THREADS} (0: torch's default), got {config.threads}"

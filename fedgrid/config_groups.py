@@ -8,6 +8,7 @@ from __future__ import annotations
 __all__ = [
     "SELECTORS",
     "ENGINES",
+    "PRECISIONS",
     "STRATEGY_NAMES",
     "AGGREGATOR_NAMES",
     "STRATEGY_KEYS",
@@ -21,6 +22,8 @@ __all__ = [
 
 SELECTORS = ("uniform", "region-balanced")
 ENGINES = ("auto", "batched", "sequential")
+#: Values of ``precision`` (``fedgrid.client.precision``).
+PRECISIONS = ("auto", "bf16", "fp32")
 #: Shown in ``--help``; the registry (``fedgrid.aggregation.registry``) is what validates.
 STRATEGY_NAMES = (
     "fedavg",

@@ -15,7 +15,12 @@ import torch
 from fedgrid.errors import ConfigError
 from fedgrid.types import ModelState
 
-__all__ = ["load_object", "check_spec", "initial_state", "model_state"]
+__all__ = ["load_object", "check_spec", "is_factory_spec", "initial_state", "model_state", "MODEL_SCHEMES"]
+
+#: ``model`` specs ``NAME:...`` that name a built-in model with options (``gpt:layers=4``,
+#: ``hf:PATH``; ``fedgrid.simulation.language``), not user code: a module of one of these
+#: names cannot be a ``--model`` factory.
+MODEL_SCHEMES = ("gpt", "hf")
 
 
 def check_spec(spec: str, *, key: str) -> tuple[str, str]:
@@ -28,6 +33,12 @@ def check_spec(spec: str, *, key: str) -> tuple[str, str]:
     if not sep or not module_name or not attr:
         raise ConfigError(key, f"expected MODULE:ATTRIBUTE, got {spec!r}")
     return module_name, attr
+
+
+def is_factory_spec(model: str) -> bool:
+    """Whether the ``model`` key names user code (``MODULE:FACTORY``) rather than a built-in
+    model (a name, or ``NAME:OPTIONS`` with ``NAME`` in ``MODEL_SCHEMES``)."""
+    return ":" in model and model.partition(":")[0] not in MODEL_SCHEMES
 
 
 def load_object(spec: str, *, key: str) -> Callable[..., Any]:

@@ -101,6 +101,7 @@ CLIENT_KEYS = (
             "lr",
             "momentum",
             "weight_decay",
+            "precision",
             "partition",
             "threads",
         }

@@ -17,7 +17,7 @@ from fedgrid.constants import FINISH_GRACE_S
 from fedgrid.determinism import environment
 from fedgrid.errors import ConfigError
 from fedgrid.events import Event, EventLog
-from fedgrid.plugins import model_state
+from fedgrid.plugins import is_factory_spec, model_state
 from fedgrid.runlog import RunWriter, load_model
 from fedgrid.server.bounds import build_bounds
 from fedgrid.server.codec_policy import build_codec_policy
@@ -34,7 +34,7 @@ __all__ = ["Wired", "wire", "coordinator_model", "build_fleet", "write_address"]
 def coordinator_model(config: Config) -> ModelState | None:
     """The initial global model that ``config`` names without dataset code: the
     ``initial_model`` safetensors file, or the seeded ``MODULE:FACTORY`` of ``model``;
-    ``None`` for a built-in model name.
+    ``None`` for a built-in model (a name, ``gpt:...`` or ``hf:PATH``).
 
     Raises:
         ConfigError: a missing or unreadable file, or a factory that cannot build a model.
@@ -49,7 +49,7 @@ def coordinator_model(config: Config) -> ModelState | None:
             raise ConfigError(
                 "initial_model", f"{config.initial_model!r} is not a readable safetensors file: {exc}"
             ) from None
-    if ":" in config.model:
+    if is_factory_spec(config.model):
         return model_state(config.model, seed=config.seed)
     return None
 

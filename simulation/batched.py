@@ -27,7 +27,8 @@ of one; optimizers other than SGD/Adam/AdamW; BatchNorm (running statistics are 
 place, which vmap cannot batch, and batch statistics would include padding); dropout
 (masks drawn per client in one batched call would not be the ones drawn alone); losses that
 are not a mean over examples; and anything a one-step trial call rejects (data-dependent
-control flow, ops without a batching rule that fail).
+control flow, ops without a batching rule that fail); and clients whose ``precision``
+autocasts (``fedgrid.client.precision``: the trial step compares against float32).
 
 Its parts: ``batched_models`` (what the engine reads of a model and its clients),
 ``batched_trial`` (the checks and the trial step when the trainer is built),

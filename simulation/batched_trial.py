@@ -18,6 +18,7 @@ import torch
 
 from fedgrid.client.api import Client
 from fedgrid.client.loaders import NotPlainLoader, plain_loader
+from fedgrid.client.precision import autocast_dtype
 from fedgrid.client.torch_client import TorchClient
 from fedgrid.simulation.batched_models import (
     _TORCH_CLIENT_METHODS,
@@ -56,6 +57,11 @@ def inspect_clients(clients: Sequence[Client], models: list[_Model], statics: di
         ]
         if overridden:
             raise NotBatchable(f"{label} overrides TorchClient.{overridden[0]}")
+        if autocast_dtype(client.device, client.precision) is not None:
+            raise NotBatchable(
+                f"{label} runs its forward passes in bf16 autocast (precision {client.precision}), "
+                "which this engine does not: precision fp32 batches it"
+            )
         try:
             loader = plain_loader(client.train_loader)
             optimizer_spec(client.optimizer_factory(list(client.model.parameters())))

@@ -184,7 +184,12 @@ def _run(
 ) -> tuple[ModelState | None, list[RoundMetrics]]:
     strategy = build_strategy(config, num_clients=config.clients)  # a bad option fails before any work
     resolved = resolve(
-        dataset=config.dataset, model=config.model, app=config.app, seed=config.seed, data_dir=config.data_dir
+        dataset=config.dataset,
+        model=config.model,
+        app=config.app,
+        seed=config.seed,
+        data_dir=config.data_dir,
+        precision=config.precision,
     )
     strategy.initialize(initial_state=resolved.initial_state)
     profiles = ClientProfiles.from_config(config)

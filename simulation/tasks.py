@@ -4,11 +4,16 @@
 |---|---|---|---|
 | ``digits`` | scikit-learn's digits, no files | ``mlp``, ``logistic`` | ``dirichlet:0.5`` |
 | ``fashion-mnist`` | the four idx.gz files in ``data_dir`` | ``mlp``, ``cnn``, ``logistic`` | ``dirichlet:0.5`` |
-| ``shakespeare`` | the LEAF split by speaking role, from ``data_dir`` | ``lstm`` | ``natural`` |
+| ``shakespeare`` | the LEAF split by speaking role, from ``data_dir`` | ``lstm``, ``gpt``, ``hf:PATH`` | ``natural`` |
 | ``synthetic`` | LEAF's Synthetic(1, 1), generated, no files | ``logistic`` | ``natural`` |
 
 The server-side evaluation reports test loss and accuracy on the fixed test split
 (Shakespeare: a fixed subset of 2,000 test windows), in chunks.
+
+The language models (``gpt``, ``gpt:SIZES``, ``hf:PATH``; ``fedgrid.simulation.language``)
+train on Shakespeare's characters as windows of their context length with every next
+character as a target; their evaluation reports ``loss`` in nats per token, ``perplexity``
+(``exp(loss)``) and the token ``accuracy``.
 
 A client factory has the signature of ``--app MODULE:FACTORY``:
 ``factory(partition: int, num_partitions: int, seed: int, **options) -> Client``. The
@@ -19,6 +24,7 @@ built-in one, ``builtin_client``, takes the options ``client_options(config)`` l
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping
@@ -27,12 +33,15 @@ import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import Dataset as TorchDataset
 
 from fedgrid.client.api import Client
+from fedgrid.client.precision import autocast
 from fedgrid.client.torch_client import TorchClient, default_device
+from fedgrid.config_groups import PRECISIONS
 from fedgrid.errors import ConfigError
 from fedgrid.lazy import exports
-from fedgrid.plugins import initial_state
+from fedgrid.plugins import initial_state, is_factory_spec
 from fedgrid.simulation.datasets import (
     DatasetData,
     load_digits,
@@ -41,7 +50,17 @@ from fedgrid.simulation.datasets import (
     parse_partition,
     partition,
 )
+from fedgrid.simulation.language import (
+    LMSpec,
+    build_lm,
+    check_lm,
+    lm_spec,
+    lm_windows,
+    next_char_windows,
+    token_cross_entropy,
+)
 from fedgrid.simulation.models import char_lstm, digits_mlp, fmnist_cnn, fmnist_mlp, logistic
+from fedgrid.simulation.shakespeare import NextChars
 from fedgrid.types import ModelState
 
 if TYPE_CHECKING:
@@ -83,6 +102,7 @@ CLIENT_KEYS = (
     "lr",
     "momentum",
     "weight_decay",
+    "precision",
 )
 #: Test examples per forward pass of the server-side evaluation.
 EVAL_CHUNK = 1024
@@ -115,10 +135,17 @@ class BuiltinDataset:
         return next(iter(self.models))
 
 
-def _load_shakespeare(data_dir: str) -> Any:
+def _load_shakespeare(data_dir: str, context: int = 0) -> Any:
+    """LEAF's Shakespeare (``context`` 0), or a language model's windows of ``context`` characters."""
     from fedgrid.simulation.shakespeare import load_shakespeare
 
+    if context:
+        return lm_windows(load_shakespeare(data_dir, seq_len=context))
     return load_shakespeare(data_dir)
+
+
+#: The dataset a language model (``gpt``, ``hf:PATH``) trains on.
+LM_DATASET = "shakespeare"
 
 
 DATASETS: dict[str, BuiltinDataset] = {
@@ -200,7 +227,8 @@ def check_options(
 
     Raises:
         ConfigError: unknown dataset, model, partitioner or optimizer; a missing data folder;
-            ``natural`` for a dataset without natural groups.
+            ``natural`` for a dataset without natural groups; a language model's bad size
+            string, ``hf:`` folder or vocabulary, or a dataset other than Shakespeare for it.
     """
     from fedgrid.plugins import check_spec
 
@@ -209,13 +237,14 @@ def check_options(
         raise ConfigError("data_dir", f"dataset {dataset} reads its files from --data-dir (see the README)")
     if data_dir and not os.path.isdir(data_dir):
         raise ConfigError("data_dir", f"{data_dir!r} is not a folder")
-    if ":" in model:
-        check_spec(model, key="model")
-    elif model and model not in task.models:
-        raise ConfigError(
-            "model",
-            f"unknown model {model!r} for dataset {dataset} (known: {', '.join(task.models)}; or MODULE:FACTORY)",
-        )
+    if _language_model(dataset, model) is None:  # a language model's spec is checked there
+        if ":" in model:
+            check_spec(model, key="model")
+        elif model and model not in task.models:
+            raise ConfigError(
+                "model",
+                f"unknown model {model!r} for dataset {dataset} (known: {_known_models(dataset)}; or MODULE:FACTORY)",
+            )
     name, _ = parse_partition(partition or task.default_partition)
     if name == "natural" and not task.natural:
         natural = ", ".join(n for n, t in DATASETS.items() if t.natural)
@@ -226,12 +255,42 @@ def check_options(
         raise ConfigError("optimizer", f"unknown optimizer {optimizer!r} (known: {', '.join(OPTIMIZERS)})")
 
 
+def _known_models(dataset: str) -> str:
+    names = list(get_dataset(dataset).models)
+    return ", ".join(names + (["gpt[:SIZES]", "hf:PATH"] if dataset == LM_DATASET else []))
+
+
+def _language_model(dataset: str, model: str) -> LMSpec | None:
+    """The language model ``model`` names, checked (``None``: not one).
+
+    Raises:
+        ConfigError: a bad spec, or a dataset other than Shakespeare (names ``model``).
+    """
+    spec = lm_spec(model)
+    if spec is None:
+        return None
+    if dataset != LM_DATASET:
+        raise ConfigError(
+            "model", f"{model} is a language model of Shakespeare's characters: add --dataset {LM_DATASET}"
+        )
+    check_lm(spec)
+    return spec
+
+
+def _context(model: str) -> int:
+    """Characters per example of a language model (0: not one)."""
+    spec = lm_spec(model)
+    return 0 if spec is None else spec.context
+
+
 @functools.lru_cache(maxsize=4)
-def load_data(dataset: str, data_dir: str = "") -> DatasetData:
-    """The dataset's train/test split, loaded once per process."""
+def load_data(dataset: str, data_dir: str = "", context: int = 0) -> DatasetData:
+    """The dataset's train/test split, loaded once per process; with ``context``, a language
+    model's non-overlapping windows of that many characters (Shakespeare only)."""
     task = get_dataset(dataset)
     try:
-        return DatasetData(task.load(data_dir), eval_limit=task.eval_limit)
+        source = _load_shakespeare(data_dir, context) if context else task.load(data_dir)
+        return DatasetData(source, eval_limit=task.eval_limit)
     except ConfigError:
         raise
     except (OSError, ValueError) as exc:
@@ -239,19 +298,25 @@ def load_data(dataset: str, data_dir: str = "") -> DatasetData:
 
 
 @functools.lru_cache(maxsize=8)
-def _parts(dataset: str, data_dir: str, num_partitions: int, spec: str, seed: int) -> tuple[np.ndarray, ...]:
+def _parts(
+    dataset: str, data_dir: str, num_partitions: int, spec: str, seed: int, context: int = 0
+) -> tuple[np.ndarray, ...]:
     # Computed once per process: a simulation building 1,000 clients splits the data once.
-    data = load_data(dataset, data_dir)
+    data = load_data(dataset, data_dir, context)
     return tuple(partition(data.y_train.numpy(), num_partitions, spec, seed, groups=data.train_groups))
 
 
 def build_model(dataset: str = "digits", model: str = "", data_dir: str = "") -> nn.Module:
-    """A fresh model: the built-in ``model`` of ``dataset`` (its default when empty), or
-    the ``MODULE:FACTORY`` user model (called with no arguments).
+    """A fresh model: the built-in ``model`` of ``dataset`` (its default when empty), a
+    language model (``gpt``, ``gpt:SIZES``, ``hf:PATH``), or the ``MODULE:FACTORY`` user
+    model (called with no arguments).
 
     Raises:
-        ConfigError: unknown model, or user code that cannot be loaded.
+        ConfigError: unknown model, a bad language model spec, or user code that cannot be loaded.
     """
+    spec = _language_model(dataset, model)
+    if spec is not None:
+        return build_lm(spec)
     if ":" in model:
         from fedgrid.plugins import load_object
 
@@ -261,7 +326,7 @@ def build_model(dataset: str = "digits", model: str = "", data_dir: str = "") ->
     if name not in task.models:
         raise ConfigError(
             "model",
-            f"unknown model {name!r} for dataset {dataset} (known: {', '.join(task.models)}; or MODULE:FACTORY)",
+            f"unknown model {name!r} for dataset {dataset} (known: {_known_models(dataset)}; or MODULE:FACTORY)",
         )
     return task.models[name](load_data(dataset, data_dir))
 
@@ -279,24 +344,37 @@ def _optimizer(
 
 
 def _client_data(
-    dataset: str, data_dir: str, spec: str, seed: int, partition_index: int, num_partitions: int
-) -> tuple[TensorDataset, TensorDataset]:
+    dataset: str,
+    data_dir: str,
+    spec: str,
+    seed: int,
+    partition_index: int,
+    num_partitions: int,
+    context: int = 0,
+) -> tuple[TorchDataset, TorchDataset]:
     """``builtin_client``'s training examples (its partition) and test examples (those of its own
-    groups under the ``natural`` partition, else the server-side evaluation's)."""
-    data = load_data(dataset, data_dir)
-    mine = _parts(dataset, data_dir, num_partitions, spec, seed)[partition_index]
-    train = TensorDataset(*data.train(torch.from_numpy(mine)))
+    groups under the ``natural`` partition, else the server-side evaluation's). A language
+    model's (``context``) are lazy ``NextChars`` windows: a client's share as int64 tensors
+    would take ``2 * context * 8`` bytes per window."""
+    data = load_data(dataset, data_dir, context)
+    mine = _parts(dataset, data_dir, num_partitions, spec, seed, context)[partition_index]
     if (
         parse_partition(spec)[0] == "natural"
         and data.train_groups is not None
         and data.test_groups is not None
     ):
-        test = TensorDataset(
-            *data.test(torch.from_numpy(np.flatnonzero(np.isin(data.test_groups, data.train_groups[mine]))))
+        test_index: torch.Tensor | slice = torch.from_numpy(
+            np.flatnonzero(np.isin(data.test_groups, data.train_groups[mine]))
         )
     else:  # the server's test examples (views of one tensor, except Shakespeare's subset)
-        test = TensorDataset(*data.test(slice(None) if data.eval_index is None else data.eval_index))
-    return train, test
+        test_index = slice(None) if data.eval_index is None else data.eval_index
+    if context:
+        source = data.source
+        return (
+            NextChars(source.text, source.train_starts[torch.from_numpy(mine)], context),
+            NextChars(source.text, source.test_starts[test_index], context),
+        )
+    return TensorDataset(*data.train(torch.from_numpy(mine))), TensorDataset(*data.test(test_index))
 
 
 def builtin_client(
@@ -313,6 +391,7 @@ def builtin_client(
     lr: float = 0.05,
     momentum: float = 0.9,
     weight_decay: float = 0.0,
+    precision: str = "fp32",
     device: str | None = None,
 ) -> TorchClient:
     """Client ``partition_index`` of ``num_partitions`` on a built-in dataset.
@@ -321,11 +400,15 @@ def builtin_client(
     with ``optimizer`` (``sgd`` with ``momentum`` and ``weight_decay``; ``adam`` and
     ``adamw`` with ``weight_decay``); the task's ``lr`` overrides ``lr``. It evaluates on
     the test examples of its own groups under the ``natural`` partition, else on those of
-    the server-side evaluation.
+    the server-side evaluation. A language model (``gpt``, ``hf:PATH``) trains on windows of
+    its context with the cross-entropy over every position (``token_cross_entropy``); its
+    ``num_examples`` counts windows, each of ``context`` tokens.
 
     Args:
         partitioner: the partition spec; empty: the dataset's default.
-        model: a built-in model name or ``MODULE:FACTORY``; empty: the dataset's default.
+        model: a built-in model name, a language model or ``MODULE:FACTORY``; empty: the
+            dataset's default.
+        precision: the forward passes' precision (``fedgrid.client.precision``).
 
     Raises:
         ConfigError: an index outside ``0..num_partitions-1`` or a bad option (names the key).
@@ -337,20 +420,25 @@ def builtin_client(
     check_options(dataset=dataset, data_dir=data_dir, model=model, partition=spec, optimizer=optimizer)
     if batch_size < 1:
         raise ConfigError("batch_size", f"must be at least 1, got {batch_size}")
-    train, test = _client_data(dataset, data_dir, spec, seed, partition_index, num_partitions)
+    if precision not in PRECISIONS:
+        raise ConfigError("precision", f"unknown precision {precision!r} (known: {', '.join(PRECISIONS)})")
+    context = _context(model)
+    train, test = _client_data(dataset, data_dir, spec, seed, partition_index, num_partitions, context)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         net = build_model(dataset, model, data_dir)  # overwritten by the global model at the first fit
-    return TorchClient(
+    client = TorchClient(
         net,
         DataLoader(train, batch_size=batch_size, shuffle=True),
-        nn.functional.cross_entropy,
+        token_cross_entropy if context else nn.functional.cross_entropy,
         _optimizer(optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay),
-        eval_loader=DataLoader(test, batch_size=256),
+        eval_loader=DataLoader(test, batch_size=256 if not context else 64),
         device=device,
         seed=seed,
         name=f"{dataset}-{partition_index:04d}/{num_partitions}",
     )
+    client.precision = precision
+    return client
 
 
 def client_options(config: "Config") -> dict[str, Any]:
@@ -361,16 +449,19 @@ def client_options(config: "Config") -> dict[str, Any]:
 
 
 def make_evaluate(
-    dataset: str = "digits", model: str = "", data_dir: str = ""
+    dataset: str = "digits", model: str = "", data_dir: str = "", precision: str = "fp32"
 ) -> Callable[[ModelState], tuple[float, dict[str, float]]]:
     """The server-side evaluation of a built-in model: mean cross-entropy and accuracy on
     the dataset's fixed test split (``BuiltinDataset.eval_limit``: a fixed subset of it), in chunks of
-    ``EVAL_CHUNK`` examples."""
+    ``EVAL_CHUNK`` examples; a language model's: the cross-entropy per token (``loss``),
+    ``perplexity`` = ``exp(loss)`` and the token ``accuracy``. Forward passes run at
+    ``precision`` (``fedgrid.client.precision``)."""
     held: list[nn.Module] = []
+    context = _context(model)
 
     @torch.no_grad()
     def evaluate(state: ModelState) -> tuple[float, dict[str, float]]:
-        data = load_data(dataset, data_dir)
+        data = load_data(dataset, data_dir, context)
         if not held:
             with torch.random.fork_rng(devices=[]):
                 held.append(build_model(dataset, model, data_dir).to(default_device()))
@@ -378,27 +469,50 @@ def make_evaluate(
         net.load_state_dict(state)
         net.eval()
         device = next(net.parameters()).device
-        index = data.eval_index
-        n = len(data.y_test) if index is None else len(index)
-        if n <= EVAL_CHUNK:
-            x, y = data.test(slice(None) if index is None else index)
-            out = net(x.to(device))
-            y = y.to(device)
-            return float(nn.functional.cross_entropy(out, y)), {
-                "accuracy": float((out.argmax(1) == y).float().mean())
-            }
-        loss_sum, correct = 0.0, 0
-        for start in range(0, n, EVAL_CHUNK):
-            x, y = data.test(
-                slice(start, start + EVAL_CHUNK) if index is None else index[start : start + EVAL_CHUNK]
-            )
-            x, y = x.to(device), y.to(device)
-            out = net(x)
-            loss_sum += float(nn.functional.cross_entropy(out, y, reduction="sum"))
-            correct += int((out.argmax(1) == y).sum())
-        return loss_sum / n, {"accuracy": correct / n}
+        with autocast(device, precision):
+            if context:
+                return _evaluate_lm(net, data, device)
+            return _evaluate(net, data, device)
 
     return evaluate
+
+
+def _evaluate_lm(net: nn.Module, data: DatasetData, device: torch.device) -> tuple[float, dict[str, float]]:
+    """A language model's token cross-entropy, perplexity and token accuracy on its evaluation windows."""
+    index = torch.arange(len(data.y_test)) if data.eval_index is None else data.eval_index
+    loss_sum, correct, tokens = 0.0, 0, 0
+    for start in range(0, len(index), EVAL_CHUNK):
+        x, y = next_char_windows(data.source, "test", index[start : start + EVAL_CHUNK])
+        x, y = x.to(device), y.to(device)
+        out = net(x)
+        loss_sum += float(token_cross_entropy(out, y, reduction="sum"))
+        correct += int((out.argmax(-1) == y).sum())
+        tokens += y.numel()
+    loss = loss_sum / max(tokens, 1)
+    return loss, {"perplexity": math.exp(loss), "accuracy": correct / max(tokens, 1)}
+
+
+def _evaluate(net: nn.Module, data: DatasetData, device: torch.device) -> tuple[float, dict[str, float]]:
+    """Mean cross-entropy and accuracy of class scores on the evaluation examples."""
+    index = data.eval_index
+    n = len(data.y_test) if index is None else len(index)
+    if n <= EVAL_CHUNK:
+        x, y = data.test(slice(None) if index is None else index)
+        out = net(x.to(device))
+        y = y.to(device)
+        return float(nn.functional.cross_entropy(out, y)), {
+            "accuracy": float((out.argmax(1) == y).float().mean())
+        }
+    loss_sum, correct = 0.0, 0
+    for start in range(0, n, EVAL_CHUNK):
+        x, y = data.test(
+            slice(start, start + EVAL_CHUNK) if index is None else index[start : start + EVAL_CHUNK]
+        )
+        x, y = x.to(device), y.to(device)
+        out = net(x)
+        loss_sum += float(nn.functional.cross_entropy(out, y, reduction="sum"))
+        correct += int((out.argmax(1) == y).sum())
+    return loss_sum / n, {"accuracy": correct / n}
 
 
 @dataclass(frozen=True)
@@ -411,13 +525,20 @@ class Resolved:
 
 
 def resolve(
-    *, dataset: str = "digits", model: str = "", app: str = "", seed: int = 0, data_dir: str = ""
+    *,
+    dataset: str = "digits",
+    model: str = "",
+    app: str = "",
+    seed: int = 0,
+    data_dir: str = "",
+    precision: str = "fp32",
 ) -> Resolved:
     """Builds the initial model and finds the evaluation and client factory.
 
-    A built-in ``model`` name (or none: the dataset's default) keeps the server-side
-    evaluation on the dataset's test split; a ``MODULE:FACTORY`` model drops it (it would
-    not fit); a custom ``app`` replaces the built-in client factory.
+    A built-in ``model`` name (or none: the dataset's default; or a language model) keeps
+    the server-side evaluation on the dataset's test split, run at ``precision``; a
+    ``MODULE:FACTORY`` model drops it (it would not fit); a custom ``app`` replaces the
+    built-in client factory.
 
     Raises:
         ConfigError: unknown dataset or model, unreadable data, or user code that cannot be
@@ -426,7 +547,7 @@ def resolve(
     from fedgrid.plugins import load_object
 
     get_dataset(dataset)
-    custom = ":" in model
+    custom = is_factory_spec(model)
     if custom:
         load_object(model, key="model")  # a bad spec names the key before the model is built
     try:
@@ -436,7 +557,8 @@ def resolve(
     except Exception as exc:
         raise ConfigError("model", f"building the model failed: {type(exc).__name__}: {exc}") from None
     client_factory = load_object(app, key="app") if app else builtin_client
-    return Resolved(state, None if custom else make_evaluate(dataset, model, data_dir), client_factory)
+    evaluate = None if custom else make_evaluate(dataset, model, data_dir, precision)
+    return Resolved(state, evaluate, client_factory)
 
 
 # The names of the first release: digits' model, client factory (``fedgrid client`` without

@@ -31,6 +31,7 @@ PAGES = [
     "examples",
     "failures",
     "index",
+    "language_models",
     "links",
     "monitoring",
     "multigpu",

@@ -31,3 +31,12 @@ def test_a_base_module_does_not_pull_the_layers_above_it():
         for m in loaded
         if m.startswith(("fedgrid.server", "fedgrid.client", "fedgrid.simulation", "fedgrid.proto"))
     ]
+
+
+def test_transformers_is_imported_only_to_build_an_hf_model():
+    loaded = _in_fresh_interpreter(
+        "import json, sys, fedgrid.cli.simulate, fedgrid.cli.client, fedgrid.cli.coordinator, fedgrid.simulation.run;"
+        "from fedgrid.simulation.tasks import build_model; build_model('shakespeare', 'gpt:dim=32');"
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'huggingface_hub'))))"
+    )
+    assert loaded == []  # the hf extra is optional: only --model hf:PATH imports it

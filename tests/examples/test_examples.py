@@ -1,23 +1,22 @@
 """Every program in ``examples/`` runs, in a reduced form, and does what its docstring says.
 
-The Shakespeare example reads a tiny synthetic ``gutenberg-texts.tar.gz`` made here: a clean
-clone (CI) has no ``../shared/data``.
+The Shakespeare examples read a tiny synthetic ``gutenberg-texts.tar.gz``
+(``tests/support/shakespeare_data.py``): a clean clone (CI) has no ``../shared/data``.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import io
 import json
-import random
+import math
 import sys
-import tarfile
 from collections import OrderedDict
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+from shakespeare_data import synthetic_shakespeare
 
 from fedgrid.events import read_events
 from fedgrid.runlog import load_model
@@ -90,29 +89,8 @@ def test_custom_strategy_example_learns_digits(capsys):
 
 
 # -- diloco_shakespeare.py -------------------------------------------------------------------
-def _synthetic_shakespeare(folder: Path) -> Path:
-    """Two plays, three speakers each, with enough text for test windows (seeded)."""
-    rng = random.Random(0)
-    words = "the king and queen shall speak of love and war to thee my lord what news from rome".split()
-    folder.mkdir(parents=True)
-    with tarfile.open(folder / "gutenberg-texts.tar.gz", "w:gz") as tar:
-        for play, speakers in {
-            "tempest": ["Pros.", "Mir.", "Ari."],
-            "hamlet": ["Ham.", "Hor.", "Oph."],
-        }.items():
-            lines = [play.upper(), ""]
-            for _ in range(60):
-                for speaker in speakers:
-                    lines += [speaker, " ".join(rng.choice(words) for _ in range(12)).capitalize() + ".", ""]
-            raw = "\n".join(lines).encode("latin-1")
-            info = tarfile.TarInfo(f"{play}_gut.txt")
-            info.size = len(raw)
-            tar.addfile(info, io.BytesIO(raw))
-    return folder
-
-
 def test_diloco_shakespeare_example_lowers_the_held_out_loss(tmp_path, capsys):
-    data_dir = _synthetic_shakespeare(tmp_path / "shakespeare")
+    data_dir = synthetic_shakespeare(tmp_path / "shakespeare")
     torch_threads = torch.get_num_threads()
     try:
         before, after = _load("diloco_shakespeare").main(
@@ -137,6 +115,23 @@ def test_diloco_shakespeare_example_lowers_the_held_out_loss(tmp_path, capsys):
     assert "6 roles" in out and out.count("held-out loss") == 5  # round 0, 3 rounds, the summary
     assert before > 4.0  # about ln 80 untrained
     assert after < before - 1.0  # 30 inner steps per worker learn the characters' frequencies at least
+
+
+# -- gpt_two_regions.py ----------------------------------------------------------------------
+def test_gpt_two_regions_example_trains_over_two_wan_links(tmp_path, capsys):
+    data_dir = synthetic_shakespeare(tmp_path / "shakespeare")
+    rows = _load("gpt_two_regions").main(
+        [
+            *("--data-dir", str(data_dir), "--model", "gpt:layers=1,heads=2,dim=32,context=16"),
+            *("--rounds", "2", "--inner-steps", "15", "--delay-ms", "5", "--rate-mbit", "100"),
+            *("--out", str(tmp_path / "run")),
+        ]
+    )
+    assert [(r["round"], r["clients_ok"]) for r in rows] == [(1, 2), (2, 2)]
+    assert all(r["perplexity"] == math.exp(r["loss"]) for r in rows)
+    assert rows[1]["loss"] < rows[0]["loss"] < math.log(80)  # learning, from below a uniform guess
+    out = capsys.readouterr().out
+    assert out.count("held-out loss") == 2 and "MB over 2 links" in out
 
 
 # -- federated_loop.py -----------------------------------------------------------------------

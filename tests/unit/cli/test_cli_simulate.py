@@ -91,6 +91,7 @@ def test_client_flags_become_builtin_options():
         "lr": 0.3,
         "momentum": 0.9,
         "weight_decay": 0.0,
+        "precision": "fp32",
     }
     # a user's --app gets only what was given, typed
     args = build_parser().parse_args(["client", "--coordinator", "h:1", "--app", "m:f", "--batch-size", "8"])
@@ -104,6 +105,22 @@ def test_bad_client_flag_names_the_key():
     with pytest.raises(ConfigError) as info:
         _client_options(args)
     assert info.value.key == "optimizer"
+
+
+@pytest.mark.parametrize(
+    "flags, key",
+    [
+        (["--model", "gpt:heads=3,dim=64"], "model"),
+        (["--model", "gpt:layers=0"], "model"),
+        (["--model", "hf:/no/such/folder"], "model"),
+        (["--precision", "fp16"], "precision"),
+    ],
+)
+def test_bad_language_model_flags_name_the_key(tmp_path, flags, key):
+    base = ["client", "--coordinator", "h:1", "--dataset", "shakespeare", "--data-dir", str(tmp_path)]
+    with pytest.raises(ConfigError) as info:
+        _client_options(build_parser().parse_args([*base, *flags]))
+    assert info.value.key == key
 
 
 @pytest.mark.parametrize("command", ["simulate", "coordinator"])

@@ -90,6 +90,7 @@ def test_client_options_cover_the_client_keys():
         "lr": 0.1,
         "momentum": 0.9,
         "weight_decay": 0.01,
+        "precision": "fp32",
     }
     client = tasks.builtin_client(2, 5, 0, device="cpu", **options)
     assert client.name == "synthetic-0002/5" and client.train_loader.batch_size == 8
