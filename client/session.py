@@ -317,9 +317,10 @@ class Session:
     def submit(self, result: FitOutput | EvaluateOutput) -> TaskReport | None:
         """Answers the open task: a ``FitOutput`` (state, examples, metrics) for a fit task,
         an ``EvaluateOutput`` for an evaluation. A fit result's metrics gain the split of the
-        host's time since the previous fit's ``submit`` (module docstring). Returns the upload's ``TaskReport``, or
-        ``None`` when it did not land (``on_error`` says why): a fit result with NaN or Inf
-        is refused here and reported as the round's failure, and a round may close first.
+        host's time since the previous fit's ``submit`` (module docstring). Returns the
+        upload's ``TaskReport``, or ``None`` when it did not land (``on_error`` says why): a
+        fit result with NaN or Inf is refused here and reported as the round's failure, and a
+        round may close first.
 
         Raises:
             SessionError: no task is open.
