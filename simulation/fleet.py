@@ -22,8 +22,11 @@ any phase is a ``Failure``, never an exception.
 A simulated client's fit result carries the time split a deployed one uploads
 (``fedgrid.client.timeline``), with its measured training seconds as both ``compute_s`` and
 ``wall_s`` (a batched group's seconds shared evenly by its clients): nothing is transferred or
-awaited in simulation, so ``comm_s``, ``wait_s`` and ``transfer_s`` are 0. These metrics are
-wall-clock measurements: they differ between two runs that are otherwise equal bit for bit.
+awaited in simulation, so ``comm_s``, ``wait_s`` and ``transfer_s`` are 0. With ``profiles``
+(as ``fedgrid simulate`` runs it) the seconds are the simulated ones instead: ``compute_s`` the client's ``train_seconds``,
+``wall_s`` the round's (``sim_round_s``) and ``wait_s`` the difference, the time a faster
+client waits for the slowest. Measured, these metrics differ between two runs that are
+otherwise equal bit for bit.
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ from fedgrid.types import (
     TensorSpec,
 )
 
-__all__ = ["InProcessFleet", "Profiles", "ENGINES"]
+__all__ = ["InProcessFleet", "Profiles", "ENGINES", "simulated_round"]
 
 log = logging.getLogger(__name__)
 
@@ -340,6 +343,7 @@ class InProcessFleet(Fleet):
         extra = tally.extra()
         if self.profiles is not None:
             extra["sim_round_s"] = max((seconds[r.client.client_id] for r in results), default=0.0)
+            results = [simulated_round(r, seconds[r.client.client_id], extra["sim_round_s"]) for r in results]
         return RoundOutcome(
             results, failures, cancelled, bytes_up=tally.bytes_up, bytes_down=tally.bytes_down, extra=extra
         )
@@ -504,3 +508,10 @@ def _timed(out: FitOutput, seconds: float) -> FitOutput:
     """``out`` with a simulated fit's time split (module docstring)."""
     split = Split(wall_s=seconds, compute_s=seconds, comm_s=0.0, wait_s=0.0, transfer_s=0.0)
     return dataclasses.replace(out, metrics=with_split(out.metrics, split))
+
+
+def simulated_round(result: FitRes, train_s: float, round_s: float) -> FitRes:
+    """``result`` with the split of a simulated round (module docstring) in place of its
+    measured one: ``train_s`` of compute in a round of ``round_s``, waiting the rest."""
+    split = Split(wall_s=round_s, compute_s=train_s, comm_s=0.0, wait_s=round_s - train_s, transfer_s=0.0)
+    return dataclasses.replace(result, metrics={**result.metrics, **split.metrics()})
