@@ -110,17 +110,15 @@ def render_status(status: Mapping[str, Any]) -> Any:
     clients = Table(
         title=f"{status.get('clients_total', len(status['clients']))} clients", title_justify="left"
     )
-    for column in ("name", "region", "state", "device", "last seen", "utilization", "id"):
+    for column in ("name", "region", "state", "device", "last seen", "id"):
         clients.add_column(column)
     for c in status["clients"]:
-        utilization = c.get("utilization")  # its last fit task's (docs/monitoring.rst)
         clients.add_row(
             _plain(c.get("name", "")),
             _plain(c.get("region", "")),
             _plain(c.get("state", "")),
             _plain(_device(c)),
             _plain(f"{float(c.get('last_seen_s', 0)):.1f}s ago"),
-            _plain("-" if utilization is None else f"{float(utilization):.2f}"),
             _plain(c.get("id", "")),
         )
     return Group(head, clients)
