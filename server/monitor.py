@@ -80,6 +80,9 @@ FAILURE_REASONS = (
 MAX_STATUS_CLIENTS = 1000
 #: Distinct ``region`` label values of the goodput histograms; a later region is ``other``.
 MAX_REGION_LABELS = 16
+#: Clients whose last fit split is kept (the most recent to report; ``/api/status`` also
+#: forgets those that left the registry).
+MAX_KEPT_SPLITS = 10 * MAX_STATUS_CLIENTS
 #: The parts of a fit result's window that ``fedgrid_task_seconds`` counts.
 _TASK_PARTS = ("compute", "comm", "wait")
 #: What ``/api/status`` shows of a client's last fit split.
@@ -301,7 +304,7 @@ class CoordinatorMonitor:
         # The closed fit phase's results no longer change (lock held).
         rnd = self.fleet.current_round
         if rnd is not None and rnd.closed:
-            self._observe(list(rnd.results.values()))
+            self._observe([r for r in rnd.results.values() if isinstance(r, FitRes)])
 
     def on_fit_results(self, results: Sequence[FitRes]) -> None:
         """Counts the time splits of a closed fit phase's ``results`` (those that carry one) in
@@ -310,12 +313,16 @@ class CoordinatorMonitor:
         with self._lock:
             self._observe(results)
 
-    def _observe(self, results: Sequence[Any]) -> None:
+    def _observe(self, results: Sequence[FitRes]) -> None:
         for result in results:
             m = result.metrics
             if not all(key in m for key in _SPLIT_FIELDS):
                 continue  # a client that reports no split
-            self._splits[result.client.client_id] = {key: float(m[key]) for key in _SPLIT_FIELDS}
+            cid = result.client.client_id
+            self._splits.pop(cid, None)  # to the end: the dict runs from least to most recent
+            self._splits[cid] = {key: float(m[key]) for key in _SPLIT_FIELDS}
+            if len(self._splits) > MAX_KEPT_SPLITS:
+                del self._splits[next(iter(self._splits))]
             region = self._region_label(result.client.region)
             for part in _TASK_PARTS:
                 self.task_seconds.labels(part=part, region=region).observe(float(m[f"{part}_s"]))
