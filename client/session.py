@@ -501,6 +501,10 @@ class AsyncSession:
     def finished(self) -> bool:
         return self.session.finished
 
+    def compute(self) -> AbstractContextManager[None]:
+        """``Session.compute``: a plain ``with`` around the host's training (it blocks nothing)."""
+        return self.session.compute()
+
 
 def connect(coordinator: str, **options: Any) -> Session:
     """A session with ``coordinator`` for a program that owns its training loop; ``with``

@@ -6,11 +6,13 @@ import logging
 import threading
 from collections import OrderedDict
 
+import pytest
 import torch
 
 from fedgrid.aggregation.goodput import SPLIT_KEYS as ROUND_SPLIT_KEYS
 from fedgrid.client import runtime
 from fedgrid.client.api import Client, FitOutput
+from fedgrid.client.session import AsyncSession, Session
 from fedgrid.client.task_feed import TaskStep
 from fedgrid.client.timeline import COMPUTE, SPLIT_KEYS, Split, Timeline, with_split
 from fedgrid.proto import fedgrid_pb2 as pb
@@ -128,3 +130,26 @@ def test_a_result_with_its_own_split_keeps_it():
 def test_the_split_fits_the_coordinators_metric_bounds():
     assert set(SPLIT_KEYS) == set(ROUND_SPLIT_KEYS) == set(Split(1, 1, 0, 0, 0).metrics())
     assert MAX_METRICS >= 64 + len(SPLIT_KEYS)  # the application keeps its 64
+
+
+def test_a_sessions_host_says_what_is_compute():
+    session = Session("127.0.0.1:1")  # never joined: only its timeline is used
+    aio = AsyncSession(Session("127.0.0.1:1"))
+    try:
+        for host in (session, aio):
+            timeline = host.session.timeline if isinstance(host, AsyncSession) else host.timeline
+            start = timeline.clock()
+            with host.compute():
+                inside = timeline.clock()
+                while timeline.clock() - inside < 0.01:  # the host's training
+                    pass
+            end = timeline.clock()
+            split = timeline.split(start, end)
+            assert (
+                split.compute_s >= 0.01
+                and split.comm_s == 0
+                and split.compute_s + split.wait_s == pytest.approx(split.wall_s)
+            )
+    finally:
+        session.close()
+        aio.session.close()
