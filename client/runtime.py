@@ -7,6 +7,13 @@ With a ``state_path``, what the client keeps across rounds (the uplink's error-f
 residuals, the ``Client``'s own ``state_dict``) is written there after every fit task,
 atomically, and restored when a client of the same name rejoins the same run, so a restarted
 client process carries on where it stopped.
+
+Every fit result's metrics carry where the worker's time went (``fedgrid.client.timeline``):
+the runtime records each fit and evaluation as ``COMPUTE`` and each download and upload as
+``COMM`` on ``client.timeline``, and adds the split of the window from the end of the previous
+fit (or the client's start) to the end of this one (``SPLIT_KEYS``: ``compute_s``, ``comm_s``,
+``wait_s``, ``wall_s``, ``transfer_s``, ``utilization``). The windows tile the worker's life,
+so the sums over its tasks are its totals.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from fedgrid.client.state import load_client_state, restore_client_state, save_c
 
 # The task feed lives in client/task_feed.py; the SDK's users import its types from here.
 from fedgrid.client.task_feed import ClientEvent, TaskFeed, TaskReport, TaskStep
+from fedgrid.client.timeline import COMPUTE, with_split
 from fedgrid.constants import POLL_WAIT_S
 from fedgrid.lazy import exports
 from fedgrid.proto.tls import TLSFiles
@@ -106,6 +114,7 @@ def run_client(
             ``coordinator`` that is not ``HOST:PORT``.
     """
     stop = stop or threading.Event()
+    started = client.timeline.clock()  # the first fit's window opens here
     tls = TLSFiles.from_options(ca, cert, key, what="client TLS")
     conn = Connection(coordinator, stop=stop, tls=tls, server_name=server_name, **connection_options)
     saved = None if state_path is None else load_client_state(state_path, name=conn.identity or client.name)
@@ -114,7 +123,7 @@ def run_client(
     leaving = "stopped"
     try:
         heartbeat = _open(feed, coordinator, saved, state_path)
-        rounds = _serve(feed, state_path, on_task)
+        rounds = _serve(feed, state_path, on_task, since=started)
     except BaseException as exc:  # KeyboardInterrupt and SystemExit included: the client is going
         leaving = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         raise
@@ -141,19 +150,31 @@ def _open(
 
 
 def _serve(
-    feed: TaskFeed, state_path: str | os.PathLike[str] | None, on_task: Callable[[TaskReport], None] | None
+    feed: TaskFeed,
+    state_path: str | os.PathLike[str] | None,
+    on_task: Callable[[TaskReport], None] | None,
+    *,
+    since: float,
 ) -> int:
     """``run``'s loop: trains or evaluates every task of ``feed`` and uploads the result;
-    returns the fit rounds whose update landed."""
+    returns the fit rounds whose update landed. A fit result's metrics gain the split of the
+    window from ``since`` (``client.timeline.clock``'s time), then from the previous fit's end,
+    to the end of this fit (module docstring)."""
     conn, client, rounds = feed.conn, feed.client, 0
+    timeline = client.timeline
     for step in feed:
         try:
             if step.kind == EVALUATE:
-                update, num_examples, metrics = _evaluate(client, step.state, step.config)
+                with timeline.span(COMPUTE):
+                    update, num_examples, metrics = _evaluate(client, step.state, step.config)
             else:
                 assert step.ins is not None
-                out = client.fit(step.state, step.ins)
-                update, num_examples, metrics = out.state, out.num_examples, dict(out.metrics)
+                with timeline.span(COMPUTE):
+                    out = client.fit(step.state, step.ins)
+                end = timeline.clock()
+                split, since = timeline.split(since, end), end
+                update, num_examples = out.state, out.num_examples
+                metrics = with_split(out.metrics, split)
                 # Diverged training (NaN or Inf) is the round's failure, not the client's end.
                 step.check(update, metrics)
         except Exception as exc:  # the application's code failed: the round hears it now, the client goes on

@@ -20,6 +20,11 @@ the task's ``uplink_codec`` with error feedback, the ``TaskReport``), and its he
 Leaving the ``with`` for whatever reason (its end, an exception, Ctrl-C) sends Leave (unless
 the run finished), stops the heartbeat and closes the channel; no Join ever follows the
 Leave, so the coordinator holds no half-open registration.
+
+A fit result goes up with the split of the host's time (``fedgrid.client.timeline``) from the
+previous fit's ``submit`` (or the session's ``open``) to this one: downloads and uploads are
+communication; the host's training counts as compute only where the host says so, inside
+``with session.compute():``; the rest is waiting.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Protocol, TypeVar
@@ -40,6 +46,7 @@ from fedgrid.client.api import Client, EvaluateOutput, FitOutput
 from fedgrid.client.heartbeat import _Heartbeat
 from fedgrid.client.runtime import Connection, RpcFailed, TaskFeed, TaskReport, TaskStep, _save
 from fedgrid.client.state import load_client_state, restore_client_state
+from fedgrid.client.timeline import COMPUTE, Timeline, with_split
 from fedgrid.constants import POLL_WAIT_S
 from fedgrid.errors import InvalidUpdateError, SessionError, StaleTaskError
 from fedgrid.proto.tls import TLSFiles
@@ -187,6 +194,7 @@ class Session:
         self._lock = threading.Lock()  # guards the open task and the closing
         self._open: tuple[TaskStep, Task] | None = None
         self._joined = self._closed = False
+        self._since = self.timeline.clock()  # the first fit's window opens here (again at open())
         #: Fit results that landed.
         self.rounds = 0
         #: The reason sent with Leave, and whether the coordinator heard it (``None``: no
@@ -208,6 +216,25 @@ class Session:
         """The coordinator said the run is over (``tasks()`` ended for that reason)."""
         return self._feed.finished
 
+    @property
+    def timeline(self) -> Timeline:
+        """The session's compute and transfer intervals (``fedgrid.client.timeline``)."""
+        return self._member.timeline
+
+    def compute(self) -> AbstractContextManager[None]:
+        """Records the time the ``with`` block takes as the host's compute::
+
+            for task in session.tasks():
+                with session.compute():
+                    loss = train_for_a_while(model)
+                session.submit(FitOutput(...))
+
+        A fit result's ``compute_s`` (and ``utilization``) counts only such time; the host's
+        time outside it and outside the session's transfers is ``wait_s``. Any thread may use
+        it (a host training in the background).
+        """
+        return self.timeline.span(COMPUTE)
+
     def open(self) -> "Session":
         """Joins the coordinator and starts the heartbeat.
 
@@ -220,6 +247,7 @@ class Session:
             if self._joined or self._closed:
                 raise SessionError("a session opens once: connect() again for a new one")
             self._joined = True
+        self._since = self.timeline.clock()
         name = self.conn.identity or self._member.name
         saved = load_client_state(self._state_path, name=name) if self._state_path is not None else None
         try:
@@ -288,9 +316,11 @@ class Session:
 
     def submit(self, result: FitOutput | EvaluateOutput) -> TaskReport | None:
         """Answers the open task: a ``FitOutput`` (state, examples, metrics) for a fit task,
-        an ``EvaluateOutput`` for an evaluation. Returns the upload's ``TaskReport``, or
-        ``None`` when it did not land (``on_error`` says why): a fit result with NaN or Inf
-        is refused here and reported as the round's failure, and a round may close first.
+        an ``EvaluateOutput`` for an evaluation. A fit result's metrics gain the split of the
+        host's time since the previous fit's ``submit`` (module docstring). Returns the
+        upload's ``TaskReport``, or ``None`` when it did not land (``on_error`` says why): a
+        fit result with NaN or Inf is refused here and reported as the round's failure, and a
+        round may close first.
 
         Raises:
             SessionError: no task is open.
@@ -303,6 +333,9 @@ class Session:
         update: ModelState = OrderedDict()
         if isinstance(result, FitOutput):
             update = result.state
+            end = self.timeline.clock()
+            metrics = with_split(metrics, self.timeline.split(self._since, end))
+            self._since = end
             try:
                 step.check(update, metrics)
             except InvalidUpdateError as exc:
@@ -467,6 +500,10 @@ class AsyncSession:
     @property
     def finished(self) -> bool:
         return self.session.finished
+
+    def compute(self) -> AbstractContextManager[None]:
+        """``Session.compute``: a plain ``with`` around the host's training (it blocks nothing)."""
+        return self.session.compute()
 
 
 def connect(coordinator: str, **options: Any) -> Session:

@@ -20,9 +20,9 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, Iterator, Mapping, NamedTuple
 
-__all__ = ["COMPUTE", "COMM", "Split", "Timeline", "measure", "union"]
+__all__ = ["COMPUTE", "COMM", "SPLIT_KEYS", "Split", "Timeline", "measure", "union", "with_split"]
 
 COMPUTE = "compute"
 COMM = "comm"
@@ -129,3 +129,18 @@ class Timeline:
             wait_s=max(0.0, wall - compute_s - felt),
             transfer_s=measure(comm, lo, hi),
         )
+
+
+#: The metrics ``Split.metrics`` gives a fit result (``fedgrid.aggregation.goodput`` sums them per round).
+SPLIT_KEYS: tuple[str, ...] = (*Split._fields, "utilization")
+
+
+def with_split(metrics: Mapping[str, float], split: Split) -> dict[str, float]:
+    """A fit result's ``metrics`` with ``split``'s (``SPLIT_KEYS``) added.
+
+    A result that carries all of ``SPLIT_KEYS`` already keeps its own: a region
+    (``fedgrid.region``) reports the sums of its workers' splits, which are what it is upstream.
+    """
+    if all(key in metrics for key in SPLIT_KEYS):
+        return dict(metrics)
+    return {**metrics, **split.metrics()}

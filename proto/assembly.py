@@ -26,8 +26,10 @@ from fedgrid.types import TensorSpec
 __all__ = ["MAX_METRICS", "ModelAssembler", "decode_chunks", "check_metrics", "check_finite"]
 
 #: Metrics one stream header may carry (each name a label of at most ``MAX_LABEL_CHARS``
-#: printable characters: metric names end up in logs and in ``metrics.jsonl``).
-MAX_METRICS = 64
+#: printable characters: metric names end up in logs and in ``metrics.jsonl``): the
+#: application's 64, and the six of the time split the client runtime adds to a fit result
+#: (``fedgrid.client.timeline.SPLIT_KEYS``).
+MAX_METRICS = 64 + 6
 
 
 def check_metrics(metrics: Mapping[str, float]) -> None:

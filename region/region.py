@@ -23,6 +23,12 @@ global one may differ (FedAvg in regions, a DiLoCo outer step globally). A regio
 its whole model, so a global strategy whose clients send part of it or extra tensors
 (``scaffold``, ``streaming-diloco``, ``bcd``) is refused by name.
 
+**Goodput.** A region counts as one learner: its fit result upstream carries the sums of
+its workers' time splits over its H regional rounds (``compute_s``, ``comm_s``, ``wait_s``,
+``transfer_s``; ``wall_s`` the sum of their ``worker_wall_s``; ``utilization`` their ratio),
+not the region process's own, so the global coordinator's round sums include its workers and
+its ``utilization.NAME`` is the region's.
+
 **Failures.** A region that dies mid-round is that global round's failure (its session
 ends; the coordinator hears it at the deadline or from the heartbeat); nothing of it is
 counted. Restarted with the same ``state_dir`` it resumes its committed regional state,
@@ -47,6 +53,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fedgrid.aggregation import Strategy
+from fedgrid.aggregation.goodput import SUMMED_KEYS, WORKER_WALL_S, utilization_of
 from fedgrid.client.api import Client, FitOutput
 from fedgrid.client.runtime import RpcFailed, TaskReport, check_target, run_client
 from fedgrid.config import Config
@@ -128,11 +135,14 @@ class RegionClient(Client):
             self._initialized = True
         metrics = None
         lan_up = lan_down = 0
+        workers = dict.fromkeys((*SUMMED_KEYS, WORKER_WALL_S), 0.0)  # the workers' seconds, summed
         for h in range(1, self.regional_rounds + 1):
             regional_round = (ins.round - 1) * self.regional_rounds + h
             metrics = self.engine.run_round(regional_round)
             self.engine.commit(metrics)
             lan_up, lan_down = lan_up + metrics.bytes_up, lan_down + metrics.bytes_down
+            for key in workers:
+                workers[key] += float(metrics.extra.get(key, 0.0))
             if metrics.extra.get(ROUND_FAILED) or metrics.clients_ok == 0:
                 raise RuntimeError(
                     f"regional round {regional_round} (global round {ins.round}, {h} of {self.regional_rounds}): "
@@ -161,6 +171,10 @@ class RegionClient(Client):
         }
         if metrics.loss is not None:
             reported["loss"] = float(metrics.loss)
+        if workers[WORKER_WALL_S] > 0:  # the split upstream is the workers' (module docstring)
+            reported.update({key: workers[key] for key in SUMMED_KEYS})
+            reported["wall_s"] = workers[WORKER_WALL_S]
+            reported["utilization"] = utilization_of(workers["compute_s"], workers[WORKER_WALL_S])
         return FitOutput(state=out, num_examples=max(examples, 1), metrics=reported)
 
 

@@ -16,6 +16,10 @@ ran), nothing is checkpointed for the round, the error is logged and emitted as
 run that honest clients can carry on, and a run whose every round fails shows it in its
 metrics. (A restart after a failed round resumes from the last committed one and runs the
 failed round again.)
+
+Whatever the strategy, a round's metrics hold its workers' goodput
+(``fedgrid.aggregation.goodput``: seconds of compute, felt communication and waiting summed
+over its fit results, and their utilization).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any, Callable
 import torch
 
 from fedgrid.aggregation.base import Strategy
+from fedgrid.aggregation.goodput import goodput_metrics
 from fedgrid.aggregation.updates import as_model
 from fedgrid.errors import InterruptedRunError, NonFiniteAggregateError
 from fedgrid.events import EventLog
@@ -304,6 +309,8 @@ class RoundEngine:
         )
         tally.loss = agg_metrics.get("train_loss")
         tally.extra.update(agg_metrics)
+        # Every strategy's rounds: the workers' seconds are sums, not a strategy's weighted means.
+        tally.extra.update(goodput_metrics(outcome.results))
         tally.extra.update(outcome.extra)
         if outcome.cancelled:
             tally.extra["clients_cancelled"] = len(outcome.cancelled)

@@ -23,11 +23,19 @@ Metrics (one ``CollectorRegistry`` per coordinator, never the global one):
 | ``fedgrid_phase_duration_seconds`` | ``phase`` | histogram: a phase open to close (``fit``, ``evaluate``, message phases), ``aggregate``, ``checkpoint`` |
 | ``fedgrid_round_duration_seconds`` | | histogram: a round's ``wall_s`` |
 | ``fedgrid_rpc_duration_seconds`` | ``method``, ``code`` | histogram: a gRPC call's time in the servicer (long polls included) |
+| ``fedgrid_task_seconds`` | ``part`` (``compute``, ``comm``, ``wait``), ``region`` | histogram: a fit result's split of its window (``fedgrid.client.timeline``) |
+| ``fedgrid_task_utilization`` | ``region`` | histogram: a fit result's ``utilization`` (compute over its window's wall time) |
 
-Label values are all from fixed sets or server-side names (methods, phases the strategy
-declares): no client-supplied text ever becomes a label, so a client cannot grow the
-series without bound. Failure reasons (client text among them) are sorted into
-``FAILURE_REASONS``.
+Label values are from fixed sets or server-side names (methods, phases the strategy
+declares), so a client cannot grow the series without bound; the one exception is the
+goodput histograms' ``region``: a region label a client joined with (printable, at most 64
+characters, checked at Join), for the first ``MAX_REGION_LABELS`` distinct ones, ``other``
+after them. No client name or id is ever a label. Failure reasons (client text among them)
+are sorted into ``FAILURE_REASONS``.
+
+``/api/status`` shows each client's last fit split (``compute_s``, ``comm_s``, ``wait_s``,
+``wall_s``, ``utilization``) and, per region, the sums of its clients' last splits with their
+utilization.
 """
 
 from __future__ import annotations
@@ -39,15 +47,23 @@ from typing import Any, Awaitable, Callable, Sequence
 
 import grpc
 
+from fedgrid.aggregation.goodput import utilization_of
 from fedgrid.events import Event
 from fedgrid.server.aio import wrap_behaviour
 from fedgrid.server.registry import SILENCE_INTERVALS
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.status_page import page_response
-from fedgrid.types import ClientInfo, RoundMetrics
+from fedgrid.types import ClientInfo, FitRes, RoundMetrics
 from fedgrid.webserve import Response, Route, require_prometheus
 
-__all__ = ["CoordinatorMonitor", "RpcTimer", "failure_reason", "FAILURE_REASONS", "MAX_STATUS_CLIENTS"]
+__all__ = [
+    "CoordinatorMonitor",
+    "RpcTimer",
+    "failure_reason",
+    "FAILURE_REASONS",
+    "MAX_STATUS_CLIENTS",
+    "MAX_REGION_LABELS",
+]
 
 #: The ``reason`` label of ``fedgrid_client_failures_total``: what a failure's text says, sorted.
 FAILURE_REASONS = (
@@ -62,6 +78,15 @@ FAILURE_REASONS = (
 )
 #: Clients listed in ``/api/status`` (the count of all is ``clients_total``).
 MAX_STATUS_CLIENTS = 1000
+#: Distinct ``region`` label values of the goodput histograms; a later region is ``other``.
+MAX_REGION_LABELS = 16
+#: Clients whose last fit split is kept (the most recent to report; ``/api/status`` also
+#: forgets those that left the registry).
+MAX_KEPT_SPLITS = 10 * MAX_STATUS_CLIENTS
+#: The parts of a fit result's window that ``fedgrid_task_seconds`` counts.
+_TASK_PARTS = ("compute", "comm", "wait")
+#: What ``/api/status`` shows of a client's last fit split.
+_SPLIT_FIELDS = ("compute_s", "comm_s", "wait_s", "wall_s", "utilization")
 #: The gRPC methods timed by name; any other is ``other``.
 _METHODS = frozenset(
     {
@@ -81,6 +106,7 @@ _METHODS = frozenset(
 )
 _RPC_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, float("inf"))
 _PHASE_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0, float("inf"))
+_UTILIZATION_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0, float("inf"))
 
 
 def failure_reason(text: str) -> str:
@@ -131,6 +157,8 @@ class CoordinatorMonitor:
         self._opened: dict[str, float] = {}  # phase -> when it opened
         self._aggregating: float | None = None
         self._checkpointing: float | None = None
+        self._splits: dict[str, dict[str, float]] = {}  # client id -> its last fit split
+        self._regions: set[str] = set()  # the region label values in use
 
     def _register_metrics(self, prom: Any) -> None:
         """The collectors of the module's table, in this coordinator's own ``CollectorRegistry``."""
@@ -172,6 +200,20 @@ class CoordinatorMonitor:
             "gRPC calls' time in the servicer",
             ["method", "code"],
             buckets=_RPC_BUCKETS,
+            registry=r,
+        )
+        self.task_seconds = prom.Histogram(
+            "fedgrid_task_seconds",
+            "a fit result's window: seconds of compute, felt communication or waiting",
+            ["part", "region"],
+            buckets=_PHASE_BUCKETS,
+            registry=r,
+        )
+        self.task_utilization = prom.Histogram(
+            "fedgrid_task_utilization",
+            "a fit result's compute over its window's wall time",
+            ["region"],
+            buckets=_UTILIZATION_BUCKETS,
             registry=r,
         )
         for direction in ("up", "down"):
@@ -220,6 +262,8 @@ class CoordinatorMonitor:
         if opened is not None:
             self.phase_seconds.labels(phase=phase).observe(max(0.0, e.t - opened))
         self._count_failures(phase)
+        if phase == "fit":
+            self._observe_goodput()
 
     def _aggregating_started(self, e: Event) -> None:
         self.phase = "aggregating"
@@ -255,6 +299,40 @@ class CoordinatorMonitor:
             return
         for failure in list(rnd.failures.values()):
             self.failures.labels(phase=phase, reason=failure_reason(failure.reason)).inc()
+
+    def _observe_goodput(self) -> None:
+        # The closed fit phase's results no longer change (lock held).
+        rnd = self.fleet.current_round
+        if rnd is not None and rnd.closed:
+            self._observe([r for r in rnd.results.values() if isinstance(r, FitRes)])
+
+    def on_fit_results(self, results: Sequence[FitRes]) -> None:
+        """Counts the time splits of a closed fit phase's ``results`` (those that carry one) in
+        the goodput histograms and keeps each client's last for ``/api/status``. The fit
+        phase's ``round_closed`` event calls it with the fleet's results."""
+        with self._lock:
+            self._observe(results)
+
+    def _observe(self, results: Sequence[FitRes]) -> None:
+        for result in results:
+            m = result.metrics
+            if not all(key in m for key in _SPLIT_FIELDS):
+                continue  # a client that reports no split
+            cid = result.client.client_id
+            self._splits.pop(cid, None)  # to the end: the dict runs from least to most recent
+            self._splits[cid] = {key: float(m[key]) for key in _SPLIT_FIELDS}
+            if len(self._splits) > MAX_KEPT_SPLITS:
+                del self._splits[next(iter(self._splits))]
+            region = self._region_label(result.client.region)
+            for part in _TASK_PARTS:
+                self.task_seconds.labels(part=part, region=region).observe(float(m[f"{part}_s"]))
+            self.task_utilization.labels(region=region).observe(float(m["utilization"]))
+
+    def _region_label(self, region: str) -> str:
+        if region in self._regions or len(self._regions) < MAX_REGION_LABELS:
+            self._regions.add(region)
+            return region
+        return "other"
 
     def on_round(self, m: RoundMetrics) -> None:
         """The engine's ``on_round``: a round's totals, as ``metrics.jsonl`` has them."""
@@ -292,11 +370,15 @@ class CoordinatorMonitor:
             # still knows who reported); over-selected clients it no longer waits for are idle.
             assigned = {} if rnd is None else {cid: self._task_state(rnd, cid) for cid in rnd.assignments}
         records.sort(key=lambda r: r[0].sort_key)
-        clients = _client_rows(
-            records[:MAX_STATUS_CLIENTS], assigned, now_mono=now_mono, now=now, limit=limit
-        )
         with self._lock:
             state, phase, current = self.state, self.phase, self.current
+            live = {r[0].client_id for r in records}
+            for gone in [cid for cid in self._splits if cid not in live]:  # bounded by the registry
+                del self._splits[gone]
+            splits = dict(self._splits)
+        clients = _client_rows(
+            records[:MAX_STATUS_CLIENTS], assigned, splits, now_mono=now_mono, now=now, limit=limit
+        )
         history = [_history_row(m) for m in list(self._history())]
         return {
             "run_id": self.run_id,
@@ -308,6 +390,7 @@ class CoordinatorMonitor:
             "progress": progress,
             "clients_total": len(records),
             "clients": clients,
+            "regions": _region_rows(records, splits),
             "history": history,
             "time": round(now, 3),
         }
@@ -434,13 +517,15 @@ def _code_name(context: Any, error: BaseException | None) -> str:
 def _client_rows(
     records: Sequence[tuple[ClientInfo, float, str, int]],
     assigned: dict[str, str],
+    splits: dict[str, dict[str, float]],
     *,
     now_mono: float,
     now: float,
     limit: float,
 ) -> list[dict[str, Any]]:
     """The ``clients`` of ``/api/status``: each record ``(info, last_seen, benched_task, polls)``
-    with its state (its task's in the open round, else benched, silent past ``limit`` or idle)."""
+    with its state (its task's in the open round, else benched, silent past ``limit`` or idle)
+    and its last fit split from ``splits`` (``None`` each before its first)."""
     clients = []
     for info, last_seen, benched, polls in records:
         ago = max(0.0, now_mono - last_seen)
@@ -458,9 +543,36 @@ def _client_rows(
                 "device": info.device,
                 "accelerators": info.num_accelerators,
                 "memory_bytes": info.memory_bytes,
+                **{key: splits.get(info.client_id, {}).get(key) for key in _SPLIT_FIELDS},
             }
         )
     return clients
+
+
+def _region_rows(
+    records: Sequence[tuple[ClientInfo, float, str, int]], splits: dict[str, dict[str, float]]
+) -> list[dict[str, Any]]:
+    """The ``regions`` of ``/api/status``: per region label, the sums of its clients' last fit
+    splits and their utilization (summed compute over summed wall), for clients that have one."""
+    sums: dict[str, dict[str, float]] = {}
+    counts: dict[str, int] = {}
+    for info, *_ in records:
+        split = splits.get(info.client_id)
+        if split is None:
+            continue
+        total = sums.setdefault(info.region, dict.fromkeys(("compute_s", "comm_s", "wait_s", "wall_s"), 0.0))
+        for key in total:
+            total[key] += split[key]
+        counts[info.region] = counts.get(info.region, 0) + 1
+    return [
+        {
+            "region": region,
+            "clients": counts[region],
+            **total,
+            "utilization": utilization_of(total["compute_s"], total["wall_s"]),
+        }
+        for region, total in sorted(sums.items())
+    ]
 
 
 def _history_row(m: RoundMetrics) -> dict[str, Any]:

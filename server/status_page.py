@@ -2,7 +2,9 @@
 
 The page holds no data: its script polls ``/api/status`` every ``POLL_MS`` and draws the
 current round, its progress, one inline SVG plot each of accuracy, loss and bytes per round
-(a point per committed round) and the clients table. It loads nothing from elsewhere: no
+(a point per committed round), the clients table (with each client's utilization: the
+compute share of its last fit task's window, its split in the cell's tooltip) and the
+regions table (the sums of their clients' last splits). It loads nothing from elsewhere: no
 CDN, font or image. Each response carries a fresh nonce and a Content-Security-Policy that
 allows only this page's own script and style (``'nonce-...'``) and requests to its own
 origin, so even a script injected into the page would not run. Client names and regions
@@ -72,6 +74,17 @@ function text(id, value) { document.getElementById(id).textContent = value; }
 function device(c) {  // "cuda x2, 80.0 GiB": the device type, accelerators, memory
   return (c.device || "") + (c.accelerators ? " x" + c.accelerators : "") + (c.memory_bytes ? ", " + (c.memory_bytes / 1073741824).toFixed(1) + " GiB" : "");
 }
+function num(v, digits) { return typeof v === "number" ? v.toFixed(digits) : "-"; }
+function split(r) {  // "compute 5.5 s, comm 27.6 s, wait 0.4 s"
+  return typeof r.wall_s === "number" ? "compute " + num(r.compute_s, 1) + " s, comm " + num(r.comm_s, 1) + " s, wait " + num(r.wait_s, 1) + " s of " + num(r.wall_s, 1) + " s" : "";
+}
+function cell(tr, value, title) {
+  const td = document.createElement("td");
+  td.textContent = value;  // client text: never parsed as HTML
+  if (title) td.title = title;
+  tr.appendChild(td);
+  return td;
+}
 function ago(s) { return s < 60 ? s.toFixed(1) + " s ago" : (s / 60).toFixed(1) + " min ago"; }
 function render(s) {
   text("run", s.run_id);
@@ -87,12 +100,20 @@ function render(s) {
   body.replaceChildren();
   for (const c of s.clients) {
     const tr = document.createElement("tr");
-    for (const v of [c.name, c.region, c.state, device(c), ago(c.last_seen_s), c.id]) {
-      const td = document.createElement("td");
-      td.textContent = v;  // client text: never parsed as HTML
-      tr.appendChild(td);
-    }
+    for (const v of [c.name, c.region, c.state, device(c), ago(c.last_seen_s)]) cell(tr, v);
+    cell(tr, num(c.utilization, 2), split(c)).className = "utilization";
+    cell(tr, c.id);
     body.appendChild(tr);
+  }
+  const regions = document.getElementById("regions");
+  regions.replaceChildren();
+  for (const r of s.regions || []) {
+    const tr = document.createElement("tr");
+    cell(tr, r.region || "(none)");
+    cell(tr, String(r.clients));
+    cell(tr, num(r.utilization, 2), split(r)).className = "utilization";
+    for (const k of ["compute_s", "comm_s", "wait_s"]) cell(tr, num(r[k], 1));
+    regions.appendChild(tr);
   }
   text("clients-total", s.clients_total + " clients" + (s.clients_total > s.clients.length ? " (first " + s.clients.length + " shown)" : ""));
   text("error", "");
@@ -127,8 +148,10 @@ _PAGE = """<!doctype html>
 <figure><svg id="plot-bytes" width="340" height="160" viewBox="0 0 340 160"></svg><figcaption>bytes (up + down) per round</figcaption></figure>
 </div>
 <p id="clients-total"></p>
-<table><thead><tr><th>name</th><th>region</th><th>state</th><th>device</th><th>last seen</th><th>id</th></tr></thead>
+<table><thead><tr><th>name</th><th>region</th><th>state</th><th>device</th><th>last seen</th><th>utilization</th><th>id</th></tr></thead>
 <tbody id="clients"></tbody></table>
+<table><thead><tr><th>region</th><th>clients</th><th>utilization</th><th>compute s</th><th>comm s</th><th>wait s</th></tr></thead>
+<tbody id="regions"></tbody></table>
 <script nonce="{nonce}">{script}</script>
 </body></html>
 """

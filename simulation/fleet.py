@@ -18,12 +18,22 @@ the header's ``delta`` flag and ``num_examples``, then each tensor finite and wi
 bound, then the round's bytes), so a simulated client fails exactly where a deployed one would, with the
 same message; names and counts are checked at construction as at Join. A client's error in
 any phase is a ``Failure``, never an exception.
+
+A simulated client's fit result carries the time split a deployed one uploads
+(``fedgrid.client.timeline``), with its measured training seconds as both ``compute_s`` and
+``wall_s`` (a batched group's seconds shared evenly by its clients): nothing is transferred or
+awaited in simulation, so ``comm_s``, ``wait_s`` and ``transfer_s`` are 0. With ``profiles``
+(as ``fedgrid simulate`` runs it) the seconds are the simulated ones instead: ``compute_s`` the client's ``train_seconds``,
+``wall_s`` the round's (``sim_round_s``) and ``wait_s`` the difference, the time a faster
+client waits for the slowest. Measured, these metrics differ between two runs that are
+otherwise equal bit for bit.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import OrderedDict
 from datetime import timedelta
 from typing import Mapping, Protocol, Sequence, Union
@@ -31,6 +41,7 @@ from typing import Mapping, Protocol, Sequence, Union
 import torch
 
 from fedgrid.client.api import Client, FitOutput
+from fedgrid.client.timeline import Split, with_split
 from fedgrid.client.uplink import UplinkEncoder
 from fedgrid.compression import available_codecs
 from fedgrid.errors import ConfigError
@@ -58,7 +69,7 @@ from fedgrid.types import (
     TensorSpec,
 )
 
-__all__ = ["InProcessFleet", "Profiles", "ENGINES"]
+__all__ = ["InProcessFleet", "Profiles", "ENGINES", "simulated_round"]
 
 log = logging.getLogger(__name__)
 
@@ -260,18 +271,26 @@ class InProcessFleet(Fleet):
             self._held[info.client_id] = downlink.version
         return OrderedDict((k, v.clone()) for k, v in held.items()), size
 
-    def _train(self, jobs: list[tuple[ClientInfo, ModelState, FitIns]]) -> list[Union[FitOutput, Exception]]:
-        """Phase 2: one outcome per job, a client's exception as its outcome."""
+    def _train(
+        self, jobs: list[tuple[ClientInfo, ModelState, FitIns]]
+    ) -> list[tuple[Union[FitOutput, Exception], float]]:
+        """Phase 2: one outcome per job, a client's exception as its outcome, with the seconds
+        it trained (a batched group's seconds split evenly among its clients)."""
         if self._trainer is not None:
-            return self._trainer.fit(
+            start = time.monotonic()
+            batched = self._trainer.fit(
                 [(self._index[info.client_id], state, task) for info, state, task in jobs]
             )
-        outcomes: list[Union[FitOutput, Exception]] = []
+            each = (time.monotonic() - start) / max(1, len(batched))
+            return [(out, each) for out in batched]
+        outcomes: list[tuple[Union[FitOutput, Exception], float]] = []
         for info, state, task in jobs:
+            start = time.monotonic()
             try:
-                outcomes.append(self._clients[info.client_id].fit(state, task))
+                out: Union[FitOutput, Exception] = self._clients[info.client_id].fit(state, task)
             except Exception as exc:  # a client's failure is data for the strategy
-                outcomes.append(exc)
+                out = exc
+            outcomes.append((out, time.monotonic() - start))
         return outcomes
 
     def fit_round(
@@ -308,9 +327,10 @@ class InProcessFleet(Fleet):
                 try:
                     if isinstance(state, Exception):
                         raise state
-                    out = next(outcomes)
+                    out, trained_s = next(outcomes)
                     if isinstance(out, Exception):
                         raise out
+                    out = _timed(out, trained_s)
                     results.append(
                         self._upload(
                             server_round, info, ins, codec, state, out, downlink.base, expected, tally
@@ -323,6 +343,7 @@ class InProcessFleet(Fleet):
         extra = tally.extra()
         if self.profiles is not None:
             extra["sim_round_s"] = max((seconds[r.client.client_id] for r in results), default=0.0)
+            results = [simulated_round(r, seconds[r.client.client_id], extra["sim_round_s"]) for r in results]
         return RoundOutcome(
             results, failures, cancelled, bytes_up=tally.bytes_up, bytes_down=tally.bytes_down, extra=extra
         )
@@ -481,3 +502,16 @@ class InProcessFleet(Fleet):
                 log.warning("client %s: receiving phase %s failed: %s", cid, phase, exc)
         bytes_up = sum(len(p) for messages in sent.values() for p in messages.values())
         return RoundOutcome(results, failures, bytes_up=bytes_up, bytes_down=bytes_down)
+
+
+def _timed(out: FitOutput, seconds: float) -> FitOutput:
+    """``out`` with a simulated fit's time split (module docstring)."""
+    split = Split(wall_s=seconds, compute_s=seconds, comm_s=0.0, wait_s=0.0, transfer_s=0.0)
+    return dataclasses.replace(out, metrics=with_split(out.metrics, split))
+
+
+def simulated_round(result: FitRes, train_s: float, round_s: float) -> FitRes:
+    """``result`` with the split of a simulated round (module docstring) in place of its
+    measured one: ``train_s`` of compute in a round of ``round_s``, waiting the rest."""
+    split = Split(wall_s=round_s, compute_s=train_s, comm_s=0.0, wait_s=round_s - train_s, transfer_s=0.0)
+    return dataclasses.replace(result, metrics={**result.metrics, **split.metrics()})

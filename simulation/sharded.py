@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from fedgrid.errors import ConfigError
 from fedgrid.server.fleet import Fleet, RoundOutcome
-from fedgrid.simulation.fleet import InProcessFleet
+from fedgrid.simulation.fleet import InProcessFleet, simulated_round
 from fedgrid.types import (
     ClientInfo,
     EvaluateIns,
@@ -127,7 +127,11 @@ class ShardedFleet(Fleet):
             assignments=[(i, ins) for i, ins in assignments if self.mine(i)],
             timeout=timeout,
         )
-        return self._gather(outcome, [info for info, _ in assignments], _FitPacking)
+        merged = self._gather(outcome, [info for info, _ in assignments], _FitPacking)
+        if "sim_round_s" in merged.extra:  # each rank's results waited for its own slowest: the run's
+            round_s = merged.extra["sim_round_s"]
+            merged.results[:] = [simulated_round(r, r.metrics["compute_s"], round_s) for r in merged.results]
+        return merged
 
     def evaluate_round(
         self,

@@ -94,7 +94,8 @@ def test_sigterm_mid_round_then_resume(tmp_path, reference_deployment):
     assert_same_model(out, reference)
     # each client says what it did each round, in one line
     trained = re.findall(
-        r"INFO fedgrid\.client\.runtime: round (\d+): trained on (\d+) examples, loss (\d+\.\d{4}), \d+\.\d\ds$",
+        r"INFO fedgrid\.client\.runtime: round (\d+): trained on (\d+) examples in \d+\.\d s: "
+        r"compute \d+\.\d s, comm \d+\.\d s, wait \d+\.\d s \(utilization [01]\.\d\d\), loss (\d+\.\d{4})$",
         (tmp_path / "c0.log").read_text(),
         flags=re.M,
     )

@@ -12,6 +12,7 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 
 from fedgrid.config import load_config
@@ -135,7 +136,16 @@ def test_two_regions_with_one_regional_round_are_flat_fedavg(tmp_path):
             assert (
                 m["bytes_up"] > 1.9 * g[f"bytes_up.{name}"]
             )  # two clients' updates in, one regional model out
+            # A region is one learner upstream whose seconds are its workers': its utilization
+            # at the top is its LAN round's (H = 1), the ratio of its workers' sums.
+            assert g[f"utilization.{name}"] == pytest.approx(m["compute_s"] / m["worker_wall_s"])
+            assert 0 < m["utilization"] < 1 and m["comm_s"] > 0
         assert g[f"bytes_up.{name}"] > 4 * 4000
+    lans = [read_metrics(tmp_path / name) for name in ("region-a", "region-b")]
+    for g, a, b in zip(top_metrics, *lans):
+        for key in ("compute_s", "comm_s", "wait_s", "worker_wall_s"):  # sums over the regions' workers
+            assert g[key] == pytest.approx(a[key] + b[key])
+        assert g["utilization"] == pytest.approx((a["compute_s"] + b["compute_s"]) / g["worker_wall_s"])
 
 
 def _start(command: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:

@@ -13,6 +13,7 @@ import re
 import shutil
 import struct
 import subprocess
+from collections import OrderedDict
 from datetime import timedelta
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import pytest
 
 from fedgrid.server.monitor import CoordinatorMonitor
 from fedgrid.server.remote_fleet import RemoteFleet
-from fedgrid.types import ClientInfo, RoundMetrics
+from fedgrid.types import ClientInfo, FitRes, RoundMetrics
 from fedgrid.webserve import StatusServer
 
 FLAGS = [
@@ -75,10 +76,11 @@ def _plot_points(dom: str, name: str) -> int:
 @pytest.fixture
 def live_status(tmp_path):
     """A monitor over a fleet with two joined clients (one named with HTML) and four rounds
-    of history, round 3 without an accuracy (a failed round), served on loopback with a token."""
+    of history, round 3 without an accuracy (a failed round), the clients' last fit splits,
+    served on loopback with a token."""
     fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=60))
-    fleet.join(ClientInfo("", name="<b>bold</b> client", region="eu-west", num_examples=3))
-    fleet.join(
+    bold, _ = fleet.join(ClientInfo("", name="<b>bold</b> client", region="eu-west", num_examples=3))
+    plain, _ = fleet.join(
         ClientInfo(
             "",
             name="plain",
@@ -103,6 +105,13 @@ def live_status(tmp_path):
         for r in range(1, 5)
     ]
     monitor = CoordinatorMonitor(fleet, rounds=6, history=lambda: history)
+    split = dict(wall_s=10.0, comm_s=3.0, wait_s=1.0, transfer_s=3.0)
+    monitor.on_fit_results(
+        [
+            FitRes(bold, OrderedDict(), 3, {**split, "compute_s": 6.0, "utilization": 0.6}),
+            FitRes(plain, OrderedDict(), 3, {**split, "compute_s": 2.5, "utilization": 0.25}),
+        ]
+    )
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     server = StatusServer("127.0.0.1:0", monitor.routes(), token_file=str(token_file)).start()
@@ -120,6 +129,10 @@ def test_status_page_renders_round_plots_and_escaped_clients(tmp_path, live_stat
     assert "<b>bold</b>" not in dom
     assert "plain" in dom and "eu-west" in dom and "idle" in dom
     assert "<td>cuda x2, 80.0 GiB</td>" in dom and "<td>cpu</td>" in dom  # device, accelerators, memory
+    # A utilization cell per client (its split in the tooltip), and one per region.
+    cells = re.findall(r'<td title="([^"]*)" class="utilization">([^<]*)</td>', dom)
+    assert [v for _, v in cells] == ["0.60", "0.25", "0.60", "0.25"], dom[-3000:]
+    assert cells[0][0] == "compute 6.0 s, comm 3.0 s, wait 1.0 s of 10.0 s"
     assert _plot_points(dom, "accuracy") == 3  # round 3 has none
     assert _plot_points(dom, "loss") == 4
     assert _plot_points(dom, "bytes") == 4

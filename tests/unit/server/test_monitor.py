@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import re
+from collections import OrderedDict
 from datetime import timedelta
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from fedgrid.server.monitor import FAILURE_REASONS, CoordinatorMonitor, failure_reason
+from fedgrid.server.monitor import FAILURE_REASONS, MAX_REGION_LABELS, CoordinatorMonitor, failure_reason
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.status_page import page_response
-from fedgrid.types import ClientInfo, RoundMetrics
+from fedgrid.types import ClientInfo, FitRes, RoundMetrics
 
 
 def _samples(monitor: CoordinatorMonitor) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -134,3 +135,35 @@ def test_the_page_loads_nothing_from_elsewhere_and_names_its_nonce():
     assert second.headers["Content-Security-Policy"] != csp  # a fresh nonce per response
     assert not re.search(r"\b(src|href)\s*=", body)  # no script, style, font or image from anywhere
     assert "innerHTML" not in body and "textContent" in body
+
+
+def test_goodput_histograms_label_regions_boundedly_and_never_clients():
+    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=60))
+    monitor = CoordinatorMonitor(fleet, rounds=1, history=lambda: [])
+    split = {
+        "wall_s": 4.0,
+        "compute_s": 3.0,
+        "comm_s": 0.5,
+        "wait_s": 0.5,
+        "transfer_s": 1.0,
+        "utilization": 0.75,
+    }
+    results = [
+        FitRes(ClientInfo(f"id-{i}", name=f"name-{i}", region=f"r{i}"), OrderedDict(), 1, split)
+        for i in range(MAX_REGION_LABELS + 4)
+    ]
+    results.append(FitRes(ClientInfo("id-old", name="old", region="r0"), OrderedDict(), 1, {"loss": 1.0}))
+    monitor.on_fit_results(results)
+    got = _samples(monitor)
+    counts = {
+        dict(labels)["region"]: v
+        for (name, labels), v in got.items()
+        if name == "fedgrid_task_utilization_count"
+    }
+    assert len(counts) == MAX_REGION_LABELS + 1 and counts["other"] == 4 and counts["r0"] == 1
+    assert got[("fedgrid_task_seconds_sum", (("part", "compute"), ("region", "r1")))] == 3.0
+    text = monitor.metrics_text().decode()
+    assert "name-" not in text and "id-" not in text
+    assert [
+        (r["region"], r["clients"]) for r in monitor.status()["regions"]
+    ] == []  # none joined the registry

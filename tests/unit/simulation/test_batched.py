@@ -551,6 +551,11 @@ def test_profiles_availability_region_and_simulated_round_time(engine):
     times = {f"c{i}": n * (10 - 2 * i) for i, n in enumerate(SIZES)}  # 300, 40, 102, 32
     assert first.extra["sim_round_s"] == max(times[n] for n in ("c0", "c2", "c3")) == 300
     assert not second.failures and second.extra["sim_round_s"] == 300
+    # Goodput in simulated seconds: each trains its own, then waits for the slowest (c0).
+    for r in second.results:
+        own = times[r.client.name]
+        assert (r.metrics["compute_s"], r.metrics["wait_s"], r.metrics["wall_s"]) == (own, 300 - own, 300)
+        assert r.metrics["comm_s"] == 0 and r.metrics["utilization"] == own / 300
     infos = fleet.wait_for_clients(min_clients=4, timeout=timedelta(seconds=1))
     over = fleet.fit_round(
         server_round=3,
