@@ -22,13 +22,14 @@ from fedgrid.runlog import RunWriter, load_model
 from fedgrid.server.bounds import build_bounds
 from fedgrid.server.codec_policy import build_codec_policy
 from fedgrid.server.engine import EvaluateFn, RoundEngine
+from fedgrid.server.fleet import Quorum
 from fedgrid.server.monitor import CoordinatorMonitor
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.state import StateStore
 from fedgrid.server.strategies import build_capability_filter, build_strategy
 from fedgrid.types import ModelState
 
-__all__ = ["Wired", "wire", "coordinator_model", "build_fleet", "write_address"]
+__all__ = ["Wired", "wire", "coordinator_model", "build_fleet", "write_address", "quorum_of"]
 
 
 def coordinator_model(config: Config) -> ModelState | None:
@@ -65,6 +66,18 @@ def build_fleet(config: Config, events: EventLog) -> RemoteFleet:
         downlink_codec=config.downlink_codec,
         bounds=build_bounds(config),
         requirements=build_capability_filter(config),
+    )
+
+
+def quorum_of(config: Config) -> Quorum | None:
+    """The semi-asynchronous rounds ``config`` asks for (``min_quorum``), or ``None``."""
+    if not config.min_quorum:
+        return None
+    return Quorum(
+        min_quorum=config.min_quorum,
+        grace_s=config.grace_s,
+        max_staleness=config.max_staleness,
+        staleness_exponent=config.staleness_exponent,
     )
 
 
@@ -136,5 +149,6 @@ def wire(
         finish_timeout=timedelta(seconds=FINISH_GRACE_S),
         store=store,
         events=events,
+        quorum=quorum_of(config),
     )
     return Wired(writer, events, fleet, engine, monitor)
