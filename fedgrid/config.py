@@ -161,6 +161,10 @@ class Config:
     )
     regions: str = _key("simulation: region labels and shares, e.g. 'us:0.5,eu:0.3,ap:0.2' (empty: none)", "")
     progress: bool = _key("fedgrid simulate: progress line per round on stderr", True)
+    replay: str = _key(
+        "fedgrid simulate: a min_quorum deployment's RUN_DIR/events.jsonl; each round merges exactly the results it records, each trained from its task round's model (bit for bit the deployment's model)",
+        "",
+    )
     strategy: str = _key("aggregation strategy: " + ", ".join(STRATEGY_NAMES), "fedavg")
     # Strategy and aggregator options: None (absent) keeps the strategy's own default; an
     # option set for a strategy it does not apply to is an error (see aggregation/registry.py).

@@ -9,7 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Generic, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Mapping, Sequence, TypeVar
 
 from fedgrid.types import (
     ClientInfo,
@@ -23,7 +23,10 @@ from fedgrid.types import (
     ModelState,
 )
 
-__all__ = ["Fleet", "RoundOutcome", "Quorum", "LateResult"]
+__all__ = ["Fleet", "RoundOutcome", "Quorum", "LateResult", "quorum_of"]
+
+if TYPE_CHECKING:
+    from fedgrid.config import Config
 
 
 R = TypeVar("R", FitRes, EvaluateRes, MessageRes)
@@ -72,6 +75,18 @@ class Quorum:
                 f"max_staleness is {self.max_staleness}"
             )
         return None
+
+
+def quorum_of(config: "Config") -> Quorum | None:
+    """The semi-asynchronous rounds ``config`` asks for (``min_quorum``), or ``None``."""
+    if not config.min_quorum:
+        return None
+    return Quorum(
+        min_quorum=config.min_quorum,
+        grace_s=config.grace_s,
+        max_staleness=config.max_staleness,
+        staleness_exponent=config.staleness_exponent,
+    )
 
 
 @dataclass(frozen=True)

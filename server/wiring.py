@@ -22,7 +22,7 @@ from fedgrid.runlog import RunWriter, load_model
 from fedgrid.server.bounds import build_bounds
 from fedgrid.server.codec_policy import build_codec_policy
 from fedgrid.server.engine import EvaluateFn, RoundEngine
-from fedgrid.server.fleet import Quorum
+from fedgrid.server.fleet import quorum_of
 from fedgrid.server.monitor import CoordinatorMonitor
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.state import StateStore
@@ -66,18 +66,6 @@ def build_fleet(config: Config, events: EventLog) -> RemoteFleet:
         downlink_codec=config.downlink_codec,
         bounds=build_bounds(config),
         requirements=build_capability_filter(config),
-    )
-
-
-def quorum_of(config: Config) -> Quorum | None:
-    """The semi-asynchronous rounds ``config`` asks for (``min_quorum``), or ``None``."""
-    if not config.min_quorum:
-        return None
-    return Quorum(
-        min_quorum=config.min_quorum,
-        grace_s=config.grace_s,
-        max_staleness=config.max_staleness,
-        staleness_exponent=config.staleness_exponent,
     )
 
 

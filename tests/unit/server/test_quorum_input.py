@@ -14,8 +14,7 @@ from fedgrid.aggregation.selection import Sampling
 from fedgrid.config import load_config
 from fedgrid.errors import ConfigError
 from fedgrid.server.engine import RoundEngine
-from fedgrid.server.fleet import Fleet, Quorum, RoundOutcome
-from fedgrid.server.wiring import quorum_of
+from fedgrid.server.fleet import Fleet, Quorum, RoundOutcome, quorum_of
 from fedgrid.types import ClientInfo
 
 pytestmark = pytest.mark.timeout(30)
