@@ -364,6 +364,13 @@ class RoundEngine:
         late: list[FitRes] = []
         for item in outcome.late:
             staleness = server_round - item.task_round
+            refusal = self.quorum.refusal(task_round=item.task_round, merge_round=server_round)
+            if refusal is not None:  # landed while no round was open after a restart: the fleet knew no S yet
+                log.warning("round %d: %s: not merged", server_round, refusal)
+                self.events.emit(
+                    "late_refused", round=item.task_round, client=item.result.client.client_id, reason=refusal
+                )
+                continue
             weight = staleness_weight(item.result.num_examples, staleness, self.quorum.staleness_exponent)
             late.append(rebase(item.result, item.base, weight=weight))
             merged.append(self._entry(item.result, server_round, item.task_round, weight))

@@ -41,9 +41,10 @@ from fedgrid.errors import (
     StaleTaskError,
 )
 from fedgrid.events import EventLog
+from fedgrid.proto import serde
 from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.codec_policy import CodecPolicy
-from fedgrid.server.downlink import Downlink
+from fedgrid.server.downlink import Downlink, RoundDownlink
 from fedgrid.server.downloads import Downloads
 from fedgrid.server.fleet import Fleet, LateResult, Quorum, RoundOutcome
 from fedgrid.server.messages import InboxPage, Mailbox
@@ -65,6 +66,7 @@ from fedgrid.types import (
     MessageIns,
     MessageRes,
     ModelState,
+    TensorSpec,
 )
 
 __all__ = ["RemoteFleet", "PollResult", "SILENCE_INTERVALS"]
@@ -540,17 +542,87 @@ class RemoteFleet(Fleet):
             self._wake.notify_all()
 
     def state_dict(self) -> dict[str, Any]:
+        with self._lock:
+            carried = [self._carried_state(rnd) for rnd in self._carried.values()]
         return {
             "run_id": self.run_id,
             "clients": self.registry.state_dict(),
             "downlink": self.downlink.state_dict(),
+            "carried": [c for c in carried if c is not None],
         }
+
+    def _carried_state(self, rnd: RoundTask) -> dict[str, Any] | None:
+        """What a restarted coordinator needs of a task carried past its round's quorum: its
+        model (the base of its late results), its clients' tasks, which of them are still on
+        it, which landed and which are merged (their spilled updates are restored, but for
+        the merged ones, so that each enters exactly one merge). ``None`` for a task whose
+        clients hold a lossy downlink's shadow (not restored: their results are refused after
+        a restart, docs/failures.rst)."""
+        if rnd.downlink is None or not rnd.downlink.exact:
+            return None
+        open_to = sorted(rnd.carried | set(rnd.late) | rnd.merged)
+        return {
+            "task_id": rnd.task_id,
+            "round": rnd.server_round,
+            "base": rnd.global_state,
+            "remaining_s": max(0.0, rnd.deadline - time.monotonic()),
+            "carried": sorted(rnd.carried),
+            "merged": sorted(rnd.merged),
+            "tasks": [
+                {
+                    "client": dataclasses.asdict(rnd.clients[cid]),
+                    "config": dict(rnd.assignments[cid].config),
+                    "download": getattr(rnd.assignments[cid], "download", None),
+                }
+                for cid in open_to
+            ],
+        }
+
+    def _load_carried(self, saved: Mapping[str, Any], grace_s: float) -> RoundTask:
+        """A carried task from ``_carried_state``, its landed and unmerged results restored from the spill."""
+        infos = {
+            str(t["client"]["client_id"]): ClientInfo(
+                **{**t["client"], "codecs": tuple(t["client"].get("codecs", ("none",)))}
+            )
+            for t in saved["tasks"]
+        }
+        server_round = int(saved["round"])
+        assignments: dict[str, FitIns | EvaluateIns | MessageIns] = {
+            str(t["client"]["client_id"]): FitIns(
+                round=server_round,
+                config=dict(t["config"]),
+                download=None if t["download"] is None else tuple(t["download"]),
+            )
+            for t in saved["tasks"]
+        }
+        base = saved["base"]
+        rnd = RoundTask(
+            server_round=server_round,
+            task_id=str(saved["task_id"]),
+            kind="fit",
+            assignments=assignments,
+            clients=infos,
+            deadline=time.monotonic() + float(saved["remaining_s"]) + grace_s,
+            downlink=RoundDownlink(base=base, version=0, _full=serde.EncodedModel(base)),
+            expected=dict(TensorSpec.of(base)),
+            closed=True,
+            closed_by="quorum",
+            carried=set(saved["carried"]),
+            merged=set(saved["merged"]),
+        )
+        for cid, res in self.spill.restore(task_id=rnd.task_id, assigned=infos).items():
+            if cid not in rnd.merged and isinstance(res, FitRes):
+                rnd.carried.discard(cid)
+                rnd.late[cid] = res
+        return rnd
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores the run id and registry: clients keep their sessions across a restart.
 
         Restored clients get a grace period before silence counts against them: they may be
         sleeping in retry backoff (capped at ``RETRY_MAX_WAIT_S``) while the coordinator restarts.
+        Tasks carried past a quorum come back with their model and the late results that
+        had landed and were not merged by the checkpoint's round (``_carried_state``).
         """
         with self._lock:
             self.run_id = str(state["run_id"])
@@ -559,6 +631,12 @@ class RemoteFleet(Fleet):
             self.registry.load_state_dict(
                 state["clients"], seen_at=time.monotonic() + RETRY_MAX_WAIT_S + RESTART_GRACE_S
             )
+            self._carried = {}
+            for saved in state.get("carried", ()):
+                rnd = self._load_carried(saved, RETRY_MAX_WAIT_S + RESTART_GRACE_S)
+                self._carried[rnd.task_id] = rnd
+                if rnd.late:
+                    self.events.emit("updates_restored", round=rnd.server_round, count=len(rnd.late))
             self._wake.notify_all()
 
     def finish(self, *, timeout: timedelta) -> None:
