@@ -382,12 +382,6 @@ class RoundEngine:
                 staleness,
                 weight,
             )
-        if outcome.waiting:
-            log.info(
-                "round %d: did not wait for %s (their results go to a later round)",
-                server_round,
-                ", ".join(escape(c.name or c.client_id) for c in outcome.waiting),
-            )
         self.events.emit(
             "merged",
             round=server_round,

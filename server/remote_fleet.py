@@ -251,11 +251,14 @@ class RemoteFleet(Fleet):
             if record.benched_task == task_id:  # it finished the task it was benched for
                 record.benched_task = ""
             rnd = self._open_task(client_id, task_id)
-            if client_id in rnd.results:
+            if rnd.landed(client_id):
                 raise DuplicateUpdateError(
                     f"result for round {rnd.server_round} from client {escape(client_id)} already accepted"
                 )
             rnd.failures.setdefault(client_id, Failure(record.info, f"client reported: {reason}"))
+            if client_id in rnd.carried:  # a late task failed: no result will come, the client is free
+                rnd.carried.discard(client_id)
+                self._wake.notify("registry")
             self._wake.notify("round")
         log.warning(
             "round %d: client %s reported a failure: %s",
@@ -456,9 +459,11 @@ class RemoteFleet(Fleet):
 
     def _expire_carried(self) -> None:
         """Carried tasks past their deadline: the clients still on them (and not uploading)
-        are benched, as a round's deadline benches them; their result is no longer taken."""
+        are benched, as a round's deadline benches them; their result is no longer taken.
+        Clients dropped from the registry (silent) leave their carried task too."""
         now = time.monotonic()
         for rnd in self._carried.values():
+            rnd.carried &= set(self.registry.records)
             if now < rnd.deadline:
                 continue
             for cid in sorted(rnd.carried - rnd.uploading):

@@ -97,3 +97,13 @@ def test_quorum_checks_its_own_values():
         "result of round 3 is 5 rounds stale; max_staleness is 4"
     )
     assert Quorum(min_quorum=1, max_staleness=4).refusal(task_round=3, merge_round=7) is None
+
+
+def test_a_region_refuses_a_quorum_of_its_own():
+    """A region is one learner upstream; its regional rounds wait for its clients."""
+    from fedgrid.region.region import run_region
+
+    config = load_config(overrides={"min_quorum": 1, "upstream": "127.0.0.1:1", "name": "eu"})
+    with pytest.raises(ConfigError) as info:
+        run_region(config)
+    assert info.value.key == "min_quorum" and "set min_quorum on the global coordinator" in str(info.value)
