@@ -23,7 +23,13 @@ from fedgrid.types import (
     ModelState,
 )
 
-__all__ = ["Fleet", "RoundOutcome", "Quorum", "LateResult", "quorum_of"]
+__all__ = ["Fleet", "RoundOutcome", "Quorum", "LateResult", "quorum_of", "QUORUM_NEEDS_REPLAY"]
+
+#: Why a simulated fleet refuses quorum rounds (``ConfigError`` of key ``min_quorum``).
+QUORUM_NEEDS_REPLAY = (
+    "fedgrid simulate runs quorum rounds only as the replay of a deployment's record "
+    "(arrival times decide them): pass replay = RUN_DIR/events.jsonl"
+)
 
 if TYPE_CHECKING:
     from fedgrid.config import Config

@@ -15,7 +15,7 @@ from fedgrid.runlog import RunWriter
 from fedgrid.server.bounds import build_bounds
 from fedgrid.server.codec_policy import build_codec_policy
 from fedgrid.server.engine import RoundEngine
-from fedgrid.server.fleet import Fleet, quorum_of
+from fedgrid.server.fleet import QUORUM_NEEDS_REPLAY, Fleet, quorum_of
 from fedgrid.server.memory import keep_large_buffers
 from fedgrid.server.strategies import build_strategy
 from fedgrid.simulation.fleet import InProcessFleet
@@ -159,11 +159,7 @@ def _check_replay(config: Config) -> None:
             batched engine or a hierarchy.
     """
     if config.min_quorum and not config.replay:
-        raise ConfigError(
-            "min_quorum",
-            "fedgrid simulate runs quorum rounds only as the replay of a deployment's record "
-            "(arrival times decide them): pass replay = RUN_DIR/events.jsonl",
-        )
+        raise ConfigError("min_quorum", QUORUM_NEEDS_REPLAY)
     if not config.replay:
         return
     if not config.min_quorum:

@@ -107,3 +107,21 @@ def test_a_region_refuses_a_quorum_of_its_own():
     with pytest.raises(ConfigError) as info:
         run_region(config)
     assert info.value.key == "min_quorum" and "set min_quorum on the global coordinator" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, key, problem",
+    [
+        ({"min_quorum": 1}, "min_quorum", "only as the replay of a deployment's record"),
+        ({"replay": "events.jsonl"}, "replay", "needs the deployment's min_quorum"),
+        ({"min_quorum": 1, "replay": "nowhere/events.jsonl"}, "replay", "cannot read 'nowhere/events.jsonl'"),
+    ],
+)
+def test_simulation_runs_quorum_rounds_only_as_a_replay(overrides, key, problem):
+    from fedgrid.simulation.run import run_simulation
+
+    with pytest.raises(ConfigError) as info:
+        run_simulation(
+            load_config(overrides={"rounds": 1, "clients": 2, "engine": "sequential", **overrides})
+        )
+    assert info.value.key == key and problem in str(info.value)
