@@ -306,9 +306,8 @@ class RoundEngine:
         self.events.emit(
             "aggregating", round=server_round, updates=len(outcome.results), failures=len(outcome.failures)
         )
-        results = outcome.results
-        if self.quorum is not None:
-            results = results + self._late(server_round, outcome)
+        late = self._late(server_round, outcome) if self.quorum is not None else []
+        results = outcome.results + late
         if not getattr(
             self.strategy, "accepts_deltas", False
         ):  # it reads results as models (docs/updates.rst); a late one: current + its difference
@@ -322,7 +321,7 @@ class RoundEngine:
         if outcome.cancelled:
             tally.extra["clients_cancelled"] = len(outcome.cancelled)
         if self.quorum is not None:
-            tally.extra["late_merged"] = float(len(outcome.late))
+            tally.extra["late_merged"] = float(len(late))
             tally.extra["clients_waiting"] = float(len(outcome.waiting))
         tally.add_bytes(outcome)
         tally.clients_ok, tally.clients_failed = len(outcome.results), len(outcome.failures)
@@ -382,12 +381,7 @@ class RoundEngine:
                 staleness,
                 weight,
             )
-        self.events.emit(
-            "merged",
-            round=server_round,
-            results=merged,
-            waiting=[c.client_id for c in outcome.waiting],
-        )
+        self.events.emit("merged", round=server_round, results=merged)
         return late
 
     @staticmethod
