@@ -95,7 +95,18 @@ def wire(
     evaluate_fn: EvaluateFn | None,
     on_event: Callable[[Event], None] | None,
 ) -> Wired:
-    """Builds the strategy, the run directory, the event log, the fleet, the monitor and the engine."""
+    """Builds the strategy, the run directory, the event log, the fleet, the monitor and the engine.
+
+    Raises:
+        ConfigError: a strategy option out of range, or a ``min_quorum`` above ``min_clients``
+            (a round may start with ``min_clients`` clients; nothing is created then).
+    """
+    if config.min_quorum > config.min_clients:
+        raise ConfigError(
+            "min_quorum",
+            f"a quorum of {config.min_quorum} is larger than min_clients={config.min_clients}, the "
+            "clients a round may start with: raise min_clients to at least min_quorum",
+        )
     store = StateStore(config.state_dir) if config.state_dir else None
     strategy = build_strategy(config, num_clients=config.min_clients)
     strategy.initialize(initial_state=initial)

@@ -125,3 +125,15 @@ def test_simulation_runs_quorum_rounds_only_as_a_replay(overrides, key, problem)
             load_config(overrides={"rounds": 1, "clients": 2, "engine": "sequential", **overrides})
         )
     assert info.value.key == key and problem in str(info.value)
+
+
+def test_coordinator_refuses_a_quorum_above_min_clients_before_creating_anything(tmp_path):
+    from fedgrid.server.wiring import wire
+
+    out = tmp_path / "run"
+    config = load_config(overrides={"min_quorum": 3, "min_clients": 2, "out": str(out)})
+    with pytest.raises(ConfigError) as info:
+        wire(config, 1, OrderedDict(w=torch.zeros(2)), None, None)
+    assert info.value.key == "min_quorum"
+    assert "a quorum of 3 is larger than min_clients=2" in str(info.value)
+    assert not out.exists()
