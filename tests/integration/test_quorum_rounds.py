@@ -5,6 +5,7 @@ refused with a status that names its staleness."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from datetime import timedelta
@@ -129,7 +130,8 @@ def test_slow_worker_never_holds_a_round_and_its_late_result_gets_its_staleness_
         run.close()
 
 
-def test_result_staler_than_max_staleness_is_refused_and_changes_nothing():
+def test_result_staler_than_max_staleness_is_refused_and_changes_nothing(caplog):
+    caplog.set_level(logging.WARNING, logger="fedgrid.client")
     gate = threading.Event()
     run = Run(Quorum(min_quorum=1, grace_s=0.0, max_staleness=1), [gate, threading.Event()])
     try:
@@ -140,6 +142,13 @@ def test_result_staler_than_max_staleness_is_refused_and_changes_nothing():
         (refused,) = run.of("late_refused")
         assert refused["round"] == 1 and refused["reason"] == (
             "result of round 1 is 2 rounds stale; max_staleness is 1"
+        )
+        # The client heard it as FAILED_PRECONDITION with that message (a closed round's
+        # status), and goes on to its next task.
+        wait_until(
+            lambda: any("2 rounds stale; max_staleness is 1" in r.getMessage() for r in caplog.records),
+            timeout=30,
+            what="the client to hear the refusal",
         )
         before = run.engine.strategy.global_state["w"].clone()
         g3 = run.round(3)
