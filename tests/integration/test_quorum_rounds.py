@@ -109,9 +109,8 @@ def test_slow_worker_never_holds_a_round_and_its_late_result_gets_its_staleness_
             (2, "all", 0),
             (3, "quorum", 1),  # the slow one's next task waits on a gate never set
         ]
-        for (
-            f
-        ) in closed:  # never held past the grace window after the quorum (a generous margin for a busy host)
+        # Never held past the grace window after the quorum (a generous margin for a busy host).
+        for f in closed:
             assert f.get("after_quorum_s", 0.0) <= GRACE_S + 1.0
         merges = {f["round"]: f["results"] for f in run.of("merged")}
         assert [(m["name"], m["task_round"], m["staleness"]) for m in merges[3]] == [
