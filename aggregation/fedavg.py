@@ -148,7 +148,7 @@ class FedAvg(Strategy):
             # mapped) results only that slice of one update is read at a time, and the
             # float64 accumulator is one slice, so aggregating costs about the new model.
             out: ModelState = OrderedDict()
-            weights = [float(res.num_examples) for res in results]
+            weights = [res.mean_weight for res in results]
             for name in names:
                 target = state[name]
                 given = [res.state.get(name) for res in results]
@@ -174,7 +174,7 @@ class FedAvg(Strategy):
                                 f"result from client {who!r}: tensor '{name}' is missing or has the wrong shape"
                             )
                         part = client_value(state, res, name, slice(start, start + AGGREGATION_SLICE))
-                        agg.add({name: part}, float(res.num_examples))
+                        agg.add({name: part}, res.mean_weight)
                         del got, part
                     piece = agg.result()[name]
                     flat[start : start + piece.numel()] = piece

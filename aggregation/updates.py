@@ -143,7 +143,7 @@ def aggregate_deltas(
     agg = aggregator if aggregator is not None else WeightedMean()
     agg.reset()
     for res in results:
-        agg.add(client_delta(global_state, res, names), float(res.num_examples))
+        agg.add(client_delta(global_state, res, names), res.mean_weight)
     out = agg.result()
     agg.reset()  # drop the buffered updates now rather than at the next round
     return out
@@ -155,7 +155,7 @@ def average_values(results: Sequence[FitRes], names: Sequence[str]) -> ModelStat
         return OrderedDict()
     agg = WeightedMean()
     for res in results:
-        agg.add(OrderedDict((n, res.state[n]) for n in names), float(res.num_examples))
+        agg.add(OrderedDict((n, res.state[n]) for n in names), res.mean_weight)
     return agg.result()
 
 

@@ -47,7 +47,16 @@ COORDINATOR_KEYS = [
 REGION_KEYS = [
     k
     for k in COORDINATOR_KEYS
-    if k not in ("rounds", "initial_model", "model", "enroll_listen", "enroll_dir", "http", "http_token_file")
+    if k
+    not in (
+        *("rounds", "initial_model", "model", "enroll_listen", "enroll_dir", "http", "http_token_file"),
+        *(
+            "min_quorum",
+            "grace_s",
+            "max_staleness",
+            "staleness_exponent",
+        ),  # a region's rounds are synchronous
+    )
 ] + ["regional_rounds", *sorted(REGION_ONLY_KEYS)]
 # The built-in client factory's options (fedgrid.simulation.tasks.CLIENT_KEYS) as `fedgrid
 # client` flags, so a deployed client trains like its simulated twin; --data-partition is the spec.

@@ -165,6 +165,10 @@ class Config:
     )
     regions: str = _key("simulation: region labels and shares, e.g. 'us:0.5,eu:0.3,ap:0.2' (empty: none)", "")
     progress: bool = _key("fedgrid simulate: progress line per round on stderr", True)
+    replay: str = _key(
+        "fedgrid simulate: a min_quorum deployment's RUN_DIR/events.jsonl; each round merges exactly the results it records, each trained from its task round's model (bit for bit the deployment's model)",
+        "",
+    )
     strategy: str = _key("aggregation strategy: " + ", ".join(STRATEGY_NAMES), "fedavg")
     # Strategy and aggregator options: None (absent) keeps the strategy's own default; an
     # option set for a strategy it does not apply to is an error (see aggregation/registry.py).
@@ -224,6 +228,21 @@ class Config:
         0.0,
     )
     round_timeout_s: float = _key("each round closes by this deadline", 300.0)
+    min_quorum: int = _key(
+        "semi-asynchronous rounds: K, a round closes once K of its selected clients reported (0: off, every round waits for all); the others keep their task and their result is merged into a later round",
+        0,
+    )
+    grace_s: float = _key(
+        "min_quorum: seconds a round stays open for more results after its quorum (0: close at the quorum)",
+        0.0,
+    )
+    max_staleness: int = _key(
+        "min_quorum: S, a late result more than S rounds older than the round it would be merged into is refused",
+        4,
+    )
+    staleness_exponent: float = _key(
+        "min_quorum: a, a late result's weight is num_examples * (1 + staleness) ** -a (FedBuff)", 0.5
+    )
     join_timeout_s: float = _key("longest wait for min_clients before a round", 600.0)
     heartbeat_interval_s: float = _key("client heartbeat interval", HEARTBEAT_INTERVAL_S)
     chunk_size: int = _key("payload bytes per wire chunk", CHUNK_SIZE)

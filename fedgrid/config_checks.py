@@ -18,7 +18,11 @@ from fedgrid.trackers import parse_trackers
 if TYPE_CHECKING:
     from fedgrid.config import Config
 
-__all__ = ["validate"]
+__all__ = ["validate", "QUORUM_STRATEGIES"]
+
+#: The strategies that can merge a late result into a later round (``min_quorum``): each
+#: updates the whole model from the results' differences.
+QUORUM_STRATEGIES = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedprox", "diloco")
 
 
 def validate(config: Config) -> None:
@@ -88,8 +92,44 @@ def _check_ranges(config: Config) -> None:
         raise ConfigError("clients_per_round", f"must be at least 0, got {config.clients_per_round}")
     if not 0.0 <= config.over_selection <= 10.0:
         raise ConfigError("over_selection", f"must be in [0, 10], got {config.over_selection}")
+    _check_quorum(config)
     if config.selector not in SELECTORS:
         raise ConfigError("selector", f"unknown selector {config.selector!r} (known: {', '.join(SELECTORS)})")
+
+
+def _check_quorum(config: Config) -> None:
+    """The semi-asynchronous round keys: in range, and a quorum a round can reach.
+
+    A quorum larger than a fixed selection (``clients_per_round``) is refused here; one
+    larger than a selection of ``fraction_fit`` of the live clients is refused by the engine
+    at the first round, when that selection is known (``RoundEngine``)."""
+    for key in ("min_quorum", "max_staleness"):
+        if getattr(config, key) < 0:
+            raise ConfigError(key, f"must be at least 0, got {getattr(config, key)}")
+    for key in ("grace_s", "staleness_exponent"):
+        if not 0.0 <= getattr(config, key) < float("inf"):
+            raise ConfigError(key, f"must be a finite number at least 0, got {getattr(config, key)}")
+    if not config.min_quorum:
+        return
+    if 0 < config.clients_per_round < config.min_quorum:
+        raise ConfigError(
+            "min_quorum",
+            f"a quorum of {config.min_quorum} is larger than the round's selection of "
+            f"{config.clients_per_round} clients (clients_per_round): lower min_quorum or raise clients_per_round",
+        )
+    if config.over_selection:
+        raise ConfigError(
+            "min_quorum",
+            "does not go with over_selection (a round closes at its quorum; over-selected "
+            "clients would be cancelled): set one of them",
+        )
+    if config.strategy not in QUORUM_STRATEGIES:
+        raise ConfigError(
+            "min_quorum",
+            f"strategy {config.strategy!r} cannot merge a late result into a later round "
+            "(streaming-diloco and bcd sync another part of the model each round, scaffold's "
+            f"control variates belong to their round): semi-asynchronous rounds take {', '.join(QUORUM_STRATEGIES)}",
+        )
 
 
 def _check_codecs_and_strategy(config: Config) -> None:

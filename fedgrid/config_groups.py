@@ -82,6 +82,7 @@ SIMULATION_ONLY_KEYS = frozenset(
         "examples_per_second",
         "regions",
         "progress",
+        "replay",
         "hierarchy",
         "region_strategy",
         "lan_codec",

@@ -17,8 +17,10 @@ their fields below are a contract.
 | ``updates_restored`` | ``round``, ``count`` | updates spilled before a restart count again |
 | ``update_accepted`` | ``round``, ``client``, ``evaluate``, ``accepted``, ``expected`` | an upload was verified and kept |
 | ``upload_broken`` | ``round``, ``client``, ``chunks`` | an upload stream broke; kept for resume |
-| ``round_closed`` | ``round``, ``evaluate``, ``reason``, ``results``, ``failures`` | no more uploads are taken |
+| ``round_closed`` | ``round``, ``evaluate``, ``reason``, ``results``, ``failures``; at a quorum: ``after_quorum_s``, ``waiting`` (client ids) | no more uploads are taken (but for the ``waiting`` clients' late results) |
+| ``late_refused`` | ``round`` (its task's), ``client``, ``reason`` | a late result was too stale to merge (``max_staleness``) |
 | ``aggregating`` | ``round``, ``updates``, ``failures`` | the strategy aggregates |
+| ``merged`` | ``round``, ``results``: one ``{client, name, task_round, staleness, num_examples, weight}`` per result, in merge order | a semi-asynchronous round's merge: exactly what entered it (``fedgrid simulate --replay`` replays it) |
 | ``checkpoint_writing`` | ``round`` | the checkpoint of the round is being written |
 | ``checkpoint_written`` | ``round`` | it is durable |
 | ``round_committed`` | ``round`` | checkpoint, history and metrics hold the round |
@@ -27,7 +29,8 @@ their fields below are a contract.
 | ``finished`` | ``rounds`` | the run is complete and the model written |
 
 ``round_closed``'s ``reason`` is one of ``all`` (every assigned client reported or
-failed), ``target`` (enough reported: over-selection), ``deadline`` (the round timeout
+failed), ``target`` (enough reported: over-selection), ``quorum`` (``min_quorum``
+reported and ``grace_s`` passed; the others keep their task), ``deadline`` (the round timeout
 passed with clients still pending) or ``stopping`` (the coordinator is shutting down).
 """
 
@@ -46,7 +49,7 @@ __all__ = ["Event", "EventLog", "CLOSE_REASONS", "read_events"]
 log = logging.getLogger(__name__)
 
 #: Values of ``round_closed``'s ``reason``.
-CLOSE_REASONS = ("all", "target", "deadline", "stopping")
+CLOSE_REASONS = ("all", "target", "quorum", "deadline", "stopping")
 
 
 @dataclass(frozen=True)

@@ -143,6 +143,9 @@ class FitRes:
             the tensor of the same name in the state the fleet was given for the round
             (``Strategy.downlink_state``); other tensors are values. A fleet sets it for a
             lossy uplink over an exact downlink (see docs/updates.rst); ``False``: values.
+        weight: its weight in a mean when that is not ``num_examples``: a late result of a
+            semi-asynchronous round, discounted for its staleness
+            (``fedgrid.aggregation.staleness``); ``None``: ``num_examples``.
     """
 
     client: ClientInfo
@@ -150,6 +153,12 @@ class FitRes:
     num_examples: int
     metrics: Mapping[str, float] = field(default_factory=dict)
     delta: bool = False
+    weight: float | None = None
+
+    @property
+    def mean_weight(self) -> float:
+        """The weight of this result in a weighted mean: ``weight``, else ``num_examples``."""
+        return float(self.num_examples) if self.weight is None else self.weight
 
 
 @dataclass(frozen=True)

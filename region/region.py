@@ -208,7 +208,8 @@ def run_region(
     ``stop``) leaves upstream and stops.
 
     Raises:
-        ConfigError: no ``upstream`` or ``name``, or a bad one (named).
+        ConfigError: no ``upstream`` or ``name``, or a bad one (named); ``min_quorum`` (a
+            region's regional rounds are synchronous; upstream it is one learner).
     """
     if not config.upstream:
         raise ConfigError("upstream", "a region needs the global coordinator's HOST:PORT (--upstream)")
@@ -221,6 +222,12 @@ def run_region(
             "name",
             f"a region needs a name of 1 to 64 of [A-Za-z0-9._-] (--name), got {escape(config.name)!r}: "
             "its client name upstream, its region label and part of metric names",
+        )
+    if config.min_quorum:
+        raise ConfigError(
+            "min_quorum",
+            "a region's regional rounds wait for its clients (it sends one result upstream per "
+            "task): set min_quorum on the global coordinator, where the region counts as one learner",
         )
     with intra_op_threads(config.threads) as threads:
         return _serve(config, threads, ready, stop or threading.Event())

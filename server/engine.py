@@ -35,14 +35,15 @@ import torch
 
 from fedgrid.aggregation.base import Strategy
 from fedgrid.aggregation.goodput import goodput_metrics
+from fedgrid.aggregation.staleness import rebase, staleness_weight
 from fedgrid.aggregation.updates import as_model
-from fedgrid.errors import InterruptedRunError, NonFiniteAggregateError
+from fedgrid.errors import ConfigError, InterruptedRunError, NonFiniteAggregateError
 from fedgrid.events import EventLog
 from fedgrid.runlog import RunWriter
-from fedgrid.server.fleet import Fleet, RoundOutcome
+from fedgrid.server.fleet import Fleet, Quorum, RoundOutcome
 from fedgrid.server.state import StateStore
 from fedgrid.textsafe import escape
-from fedgrid.types import EVALUATE, FIT, ClientInfo, ModelState, RoundMetrics, check_phase_name
+from fedgrid.types import EVALUATE, FIT, ClientInfo, FitRes, ModelState, RoundMetrics, check_phase_name
 
 __all__ = ["RoundEngine", "EvaluateFn", "ROUND_FAILED", "first_non_finite"]
 
@@ -113,6 +114,10 @@ class RoundEngine:
             (``fedgrid.events``); default: nowhere.
         stop: once set, ``run`` ends before its next round (the open one finishes and
             commits; ``stop()`` abandons it instead).
+        quorum: semi-asynchronous fit rounds (``Quorum``; docs/failures.rst): a round closes
+            at its quorum, late results are merged into later rounds as differences from
+            their task's model, weighted ``num_examples * (1 + staleness) ** -a``, and each
+            merge is recorded as a ``merged`` event. ``None``: every round waits for all.
     """
 
     def __init__(
@@ -131,8 +136,10 @@ class RoundEngine:
         store: StateStore | None = None,
         events: EventLog | None = None,
         stop: threading.Event | None = None,
+        quorum: Quorum | None = None,
     ) -> None:
         self.strategy = strategy
+        self.quorum = quorum
         self.fleet = fleet
         self.rounds = rounds
         self.min_clients = min_clients
@@ -275,12 +282,17 @@ class RoundEngine:
         sent = self.strategy.downlink_state(
             server_round=server_round
         )  # e.g. SCAFFOLD adds its control variate
+        quorum: dict[str, Quorum] = {}
+        if self.quorum is not None:
+            self._check_quorum(server_round, len(assignments), len(clients))
+            quorum = {"quorum": self.quorum}
         outcome = self.fleet.fit_round(
             server_round=server_round,
             global_state=sent,
             assignments=assignments,
             timeout=self.round_timeout,
             target=self.strategy.round_target(num_live=len(clients), num_assigned=len(assignments)),
+            **quorum,
         )
         self._check_stop(server_round)
         for failure in outcome.failures:
@@ -299,10 +311,11 @@ class RoundEngine:
         self.events.emit(
             "aggregating", round=server_round, updates=len(outcome.results), failures=len(outcome.failures)
         )
-        results = outcome.results
+        late = self._late(server_round, outcome) if self.quorum is not None else []
+        results = outcome.results + late
         if not getattr(
             self.strategy, "accepts_deltas", False
-        ):  # it reads results as models (docs/updates.rst)
+        ):  # it reads results as models (docs/updates.rst); a late one: current + its difference
             results = [as_model(sent, r) for r in results]
         agg_metrics = self.strategy.aggregate(
             server_round=server_round, results=results, failures=outcome.failures
@@ -314,6 +327,9 @@ class RoundEngine:
         tally.extra.update(outcome.extra)
         if outcome.cancelled:
             tally.extra["clients_cancelled"] = len(outcome.cancelled)
+        if self.quorum is not None:
+            tally.extra["late_merged"] = float(len(late))
+            tally.extra["clients_waiting"] = float(len(outcome.waiting))
         tally.add_bytes(outcome)
         tally.clients_ok, tally.clients_failed = len(outcome.results), len(outcome.failures)
         tally.extra["examples"] = float(
@@ -328,6 +344,64 @@ class RoundEngine:
                     tally.extra[f"{key}.{r.client.region}"] = tally.extra.get(
                         f"{key}.{r.client.region}", 0.0
                     ) + float(r.metrics[key])
+
+    def _check_quorum(self, server_round: int, selected: int, live: int) -> None:
+        """A quorum larger than the first round's selection can never be reached (later
+        rounds may select fewer: clients still on a late task are not selected).
+
+        Raises:
+            ConfigError: naming both numbers and the keys that set them.
+        """
+        assert self.quorum is not None
+        if server_round == self.resume() and self.quorum.min_quorum > selected:
+            raise ConfigError(
+                "min_quorum",
+                f"a quorum of {self.quorum.min_quorum} is larger than round {server_round}'s selection "
+                f"of {selected} clients (fraction_fit / min_fit_clients / clients_per_round of "
+                f"{live} selectable clients): lower min_quorum or select more clients",
+            )
+
+    def _late(self, server_round: int, outcome: RoundOutcome[FitRes]) -> list[FitRes]:
+        """The late results to merge into ``server_round``, as differences from their task's
+        model with their staleness weight (``aggregation.staleness``); records the merge
+        (fresh results first, then late ones) as a ``merged`` event."""
+        assert self.quorum is not None
+        merged = [self._entry(r, server_round, server_round, float(r.num_examples)) for r in outcome.results]
+        late: list[FitRes] = []
+        for item in outcome.late:
+            staleness = server_round - item.task_round
+            refusal = self.quorum.refusal(task_round=item.task_round, merge_round=server_round)
+            if refusal is not None:  # landed while no round was open after a restart: the fleet knew no S yet
+                log.warning("round %d: %s: not merged", server_round, refusal)
+                self.events.emit(
+                    "late_refused", round=item.task_round, client=item.result.client.client_id, reason=refusal
+                )
+                continue
+            weight = staleness_weight(item.result.num_examples, staleness, self.quorum.staleness_exponent)
+            late.append(rebase(item.result, item.base, weight=weight))
+            merged.append(self._entry(item.result, server_round, item.task_round, weight))
+            log.info(
+                "round %d: merging a late result of round %d from %s (staleness %d, weight %.6g)",
+                server_round,
+                item.task_round,
+                escape(item.result.client.name or item.result.client.client_id),
+                staleness,
+                weight,
+            )
+        self.events.emit("merged", round=server_round, results=merged)
+        return late
+
+    @staticmethod
+    def _entry(res: FitRes, server_round: int, task_round: int, weight: float) -> dict[str, Any]:
+        """One result of a ``merged`` event."""
+        return {
+            "client": res.client.client_id,
+            "name": res.client.name,
+            "task_round": task_round,
+            "staleness": server_round - task_round,
+            "num_examples": res.num_examples,
+            "weight": weight,
+        }
 
     def _evaluate(self, server_round: int, clients: list[ClientInfo], tally: "_Tally") -> None:
         evaluations = self.strategy.configure_evaluate(server_round=server_round, clients=clients)

@@ -21,11 +21,12 @@ from fedgrid.proto import serde
 from fedgrid.proto.buffers import receive_buffers
 from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.downlink import Downlink, RoundDownlink
-from fedgrid.server.fleet import RoundOutcome
+from fedgrid.server.fleet import Quorum, RoundOutcome
 from fedgrid.server.messages import Mailbox
 from fedgrid.server.registry import Registry
 from fedgrid.server.rounds import RoundTask, wait_for_close
 from fedgrid.server.spill import UpdateSpill
+from fedgrid.textsafe import escape
 from fedgrid.types import (
     EVALUATE,
     FIT,
@@ -100,9 +101,12 @@ class Phases:
         assignments: Sequence[tuple[ClientInfo, FitIns]],
         timeout: timedelta,
         target: int | None = None,
+        quorum: Quorum | None = None,
     ) -> RoundOutcome[FitRes]:
         """A fit phase: clients download the downlink's model and upload their updates; it closes
-        once ``target`` (default: all) reported, the rest failed, or the deadline passed."""
+        once ``target`` (default: all) reported, the rest failed, or the deadline passed.
+        Under a ``quorum``: once ``quorum.min_quorum`` reported and ``quorum.grace_s`` passed
+        (or all reported), the clients still pending keep their task (``RoundOutcome.waiting``)."""
         rnd = self._new_task(
             server_round,
             FIT,
@@ -120,7 +124,7 @@ class Phases:
         if rnd.results:
             log.info("round %d: %d updates restored from before a restart", server_round, len(rnd.results))
             self.events.emit("updates_restored", round=server_round, count=len(rnd.results))
-        results, failures, cancelled = self._run(rnd, timeout, target=target)
+        results, failures, cancelled = self._run(rnd, timeout, target=target, quorum=quorum)
         return RoundOutcome(
             [r for r in results if isinstance(r, FitRes)],
             failures,
@@ -129,6 +133,7 @@ class Phases:
             bytes_down=rnd.bytes_down,
             extra=rnd.tally.extra(),
             closed_by=rnd.closed_by,
+            waiting=[rnd.clients[cid] for cid in rnd.assignments if cid in rnd.carried],
         )
 
     def evaluate(
@@ -216,10 +221,11 @@ class Phases:
         )
 
     def _run(
-        self, rnd: RoundTask, timeout: timedelta, *, target: int | None = None
+        self, rnd: RoundTask, timeout: timedelta, *, target: int | None = None, quorum: Quorum | None = None
     ) -> tuple[list[FitRes | EvaluateRes | MessageRes], list[Failure], list[ClientInfo]]:
         """Opens ``rnd`` for its clients and closes it when ``target`` (default: all)
-        reported, the rest failed or went silent, or the deadline passed."""
+        reported, the rest failed or went silent, or the deadline passed; under a ``quorum``,
+        when its quorum reported and its grace passed."""
         self.events.emit(
             "round_opened",
             round=rnd.server_round,
@@ -232,6 +238,8 @@ class Phases:
             self._open_round(rnd)
             self.wake.notify(*(("poll", cid) for cid in rnd.assignments))  # only the clients with a task
             goal = len(rnd.assignments) if target is None else min(target, len(rnd.assignments))
+            if quorum is not None:
+                goal = min(quorum.min_quorum, len(rnd.assignments))
             reason = wait_for_close(
                 rnd,
                 goal=goal,
@@ -240,13 +248,27 @@ class Phases:
                 interrupted=self._interrupted,
                 check_every_s=self.heartbeat_interval_s / 2,
                 timeout_s=timeout.total_seconds(),
+                grace_s=None if quorum is None else quorum.grace_s,
             )
+            closed_at = time.monotonic()
             results, failures, cancelled = rnd.close(reason)
             reason = rnd.closed_by
+            waiting = [cid for cid in rnd.assignments if cid in rnd.carried]
         self.spill.flush()  # write-backs under way land, and fsyncs, before the strategy sees them (server/spill.py)
         # Receive buffers not in use go back to the system before the strategy aggregates:
         # the pool speeds up the uploads of a round, it must not add to aggregation's memory.
         receive_buffers().clear()
+        quorum_fields: dict[str, object] = {}
+        if quorum is not None and rnd.quorum_at is not None:
+            # Semi-asynchronous: how long it stayed open after its quorum, and whom it did not wait for.
+            quorum_fields = {"after_quorum_s": round(closed_at - rnd.quorum_at, 6), "waiting": waiting}
+        if waiting:
+            log.info(
+                "round %d: closed at its quorum of %d without waiting for %s",
+                rnd.server_round,
+                goal,
+                ", ".join(escape(rnd.clients[cid].name or cid) for cid in waiting),
+            )
         self.events.emit(
             "round_closed",
             round=rnd.server_round,
@@ -255,6 +277,7 @@ class Phases:
             reason=reason,
             results=len(results),
             failures=len(failures),
+            **quorum_fields,
         )
         return results, failures, cancelled
 

@@ -15,6 +15,7 @@ touches state.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -40,11 +41,12 @@ from fedgrid.errors import (
     StaleTaskError,
 )
 from fedgrid.events import EventLog
+from fedgrid.proto import serde
 from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.codec_policy import CodecPolicy
-from fedgrid.server.downlink import Downlink
+from fedgrid.server.downlink import Downlink, RoundDownlink
 from fedgrid.server.downloads import Downloads
-from fedgrid.server.fleet import Fleet, RoundOutcome
+from fedgrid.server.fleet import Fleet, LateResult, Quorum, RoundOutcome
 from fedgrid.server.messages import InboxPage, Mailbox
 from fedgrid.server.phases import Phases
 from fedgrid.server.polls import PollResult, Polls
@@ -64,6 +66,7 @@ from fedgrid.types import (
     MessageIns,
     MessageRes,
     ModelState,
+    TensorSpec,
 )
 
 __all__ = ["RemoteFleet", "PollResult", "SILENCE_INTERVALS"]
@@ -126,6 +129,12 @@ class RemoteFleet(Fleet):
         self.heartbeat_interval_s = heartbeat_interval.total_seconds()
         self.chunk_size = chunk_size
         self._round: RoundTask | None = None
+        # Semi-asynchronous rounds: fit tasks closed at their quorum with clients still on
+        # them, by task id (each holds its model: the base its late results are differences
+        # from), and the round late results are merged into (the open fit round, or the next).
+        self._carried: dict[str, RoundTask] = {}
+        self._quorum: Quorum | None = None
+        self._merge_round = 0
         self._finished = False
         self._interrupted = False
         self._lock = threading.RLock()
@@ -146,6 +155,7 @@ class RemoteFleet(Fleet):
             lambda: self._round,
             bounds=self.bounds,
             run_id=lambda: self.run_id,
+            late_refusal=self._late_refusal,
         )
         self.mailbox = Mailbox(
             self.registry, self.events, self._open_task, lambda: self._round, lambda: self._interrupted
@@ -206,6 +216,12 @@ class RemoteFleet(Fleet):
         """A client left the registry: its open task fails now (lock held)."""
         rnd = self._round
         client_id = record.info.client_id
+        for carried in self._carried.values():  # its late result will not come
+            if client_id in carried.carried:
+                carried.carried.discard(client_id)
+                partial = carried.partials.pop(client_id, None)
+                if partial is not None:
+                    partial.abort()
         if rnd is not None and not rnd.closed and rnd.is_pending(client_id):
             rnd.failures[client_id] = Failure(record.info, reason)
             self._wake.notify("round")
@@ -235,11 +251,14 @@ class RemoteFleet(Fleet):
             if record.benched_task == task_id:  # it finished the task it was benched for
                 record.benched_task = ""
             rnd = self._open_task(client_id, task_id)
-            if client_id in rnd.results:
+            if rnd.landed(client_id):
                 raise DuplicateUpdateError(
                     f"result for round {rnd.server_round} from client {escape(client_id)} already accepted"
                 )
             rnd.failures.setdefault(client_id, Failure(record.info, f"client reported: {reason}"))
+            if client_id in rnd.carried:  # a late task failed: no result will come, the client is free
+                rnd.carried.discard(client_id)
+                self._wake.notify("registry")
             self._wake.notify("round")
         log.warning(
             "round %d: client %s reported a failure: %s",
@@ -276,8 +295,11 @@ class RemoteFleet(Fleet):
     def _open_task(self, client_id: str, task_id: str) -> RoundTask:
         rnd = self._round
         if rnd is None or rnd.task_id != task_id:
-            raise StaleTaskError(f"task {escape(task_id)} is not open (round closed or unknown)")
-        if rnd.closed:
+            rnd = self._carried.get(task_id)
+            if rnd is None:
+                raise StaleTaskError(f"task {escape(task_id)} is not open (round closed or unknown)")
+        if not rnd.open_for(client_id) and not (task_id in self._carried and rnd.landed(client_id)):
+            # (A late result that landed is still answered: a retry learns it did.)
             raise StaleTaskError(f"round {rnd.server_round} is closed")
         if client_id not in rnd.assignments:
             raise StaleTaskError(f"client {escape(client_id)} has no task in round {rnd.server_round}")
@@ -348,6 +370,7 @@ class RemoteFleet(Fleet):
         next_report = time.monotonic()
         with self._lock:
             while True:
+                self._expire_carried()
                 # O(1) first: the O(clients) scan only once enough are registered (a join wakes this).
                 joined = len(self.registry.records)
                 enough = joined >= min_clients
@@ -356,8 +379,12 @@ class RemoteFleet(Fleet):
                 if self.requirements is not None:
                     qualifying = [c for c in live if self.requirements.eligible(c)]
                     unfit, live = len(live) - len(qualifying), qualifying
-                if len(live) >= min_clients:
-                    return live
+                # Clients still on a task carried past its round's quorum count as live, but
+                # are not selected again until they report (semi-asynchronous rounds).
+                busy = self._busy()
+                free = [c for c in live if c.client_id not in busy]
+                if len(live) >= min_clients and free:
+                    return free
                 if joined != reported or time.monotonic() >= next_report:
                     log.info(
                         "waiting for %d clients (%d joined%s)",
@@ -389,15 +416,79 @@ class RemoteFleet(Fleet):
         assignments: Sequence[tuple[ClientInfo, FitIns]],
         timeout: timedelta,
         target: int | None = None,
+        quorum: Quorum | None = None,
     ) -> RoundOutcome[FitRes]:
-        """A fit phase (``Phases.fit``)."""
-        return self.phases.fit(
+        """A fit phase (``Phases.fit``). Under a ``quorum``, it closes at the quorum (and its
+        grace), the clients it did not wait for keep their task, and the outcome carries the
+        late results of earlier rounds that landed until it closed (``RoundOutcome.late``)."""
+        with self._lock:
+            self._quorum = quorum
+            self._merge_round = server_round
+            self._expire_carried()
+        outcome = self.phases.fit(
             server_round=server_round,
             global_state=global_state,
             assignments=assignments,
             timeout=timeout,
             target=target,
+            quorum=quorum,
         )
+        if quorum is None:
+            return outcome
+        with self._lock:
+            rnd = self._round
+            if rnd is not None and rnd.carried:
+                self._carried[rnd.task_id] = rnd
+            late = self._collect_late()
+            self._merge_round = server_round + 1
+        return dataclasses.replace(outcome, late=late)
+
+    # -- semi-asynchronous rounds (lock held) ---------------------------------------------
+    def _busy(self) -> set[str]:
+        """The clients on a task carried past its round's quorum."""
+        busy: set[str] = set()
+        for rnd in self._carried.values():
+            busy |= rnd.carried
+        return busy
+
+    def _late_refusal(self, rnd: RoundTask) -> str | None:
+        """Why a late upload for carried task ``rnd`` cannot be merged (``Quorum.refusal``)."""
+        if self._quorum is None:
+            return None
+        return self._quorum.refusal(task_round=rnd.server_round, merge_round=self._merge_round)
+
+    def _expire_carried(self) -> None:
+        """Carried tasks past their deadline: the clients still on them (and not uploading)
+        are benched, as a round's deadline benches them; their result is no longer taken.
+        Clients dropped from the registry (silent) leave their carried task too."""
+        now = time.monotonic()
+        for rnd in self._carried.values():
+            rnd.carried &= set(self.registry.records)
+            if now < rnd.deadline:
+                continue
+            for cid in sorted(rnd.carried - rnd.uploading):
+                rnd.carried.discard(cid)
+                partial = rnd.partials.pop(cid, None)
+                if partial is not None:
+                    partial.abort()
+                record = self.registry.records.get(cid)
+                if record is not None:
+                    record.benched_task = rnd.task_id
+                log.warning(
+                    "round %d: client %s missed its task's deadline (carried past the quorum)",
+                    rnd.server_round,
+                    escape(rnd.clients[cid].name or cid),
+                )
+
+    def _collect_late(self) -> list[LateResult]:
+        """The late results landed so far, moved to their task's ``merged`` set, ordered by
+        task round then client (a canonical order)."""
+        late: list[LateResult] = []
+        for rnd in sorted(self._carried.values(), key=lambda r: r.server_round):
+            for cid in sorted(rnd.late, key=lambda c: rnd.clients[c].sort_key):
+                late.append(LateResult(rnd.late.pop(cid), rnd.server_round, rnd.global_state))
+                rnd.merged.add(cid)
+        return late
 
     def evaluate_round(
         self,
@@ -435,8 +526,15 @@ class RemoteFleet(Fleet):
         with self._lock:
             if self._round is not None and self._round.closed:
                 self._round = None  # frees the round's models and results
+            # A carried task goes (with its model) once no result of it can come or wait.
+            for task_id, rnd in list(self._carried.items()):
+                for cid in rnd.merged:
+                    self.spill.discard(task_id=task_id, client_id=cid)
+                if not rnd.carried and not rnd.late:
+                    del self._carried[task_id]
+            keep = set(self._carried)
         self.mailbox.clear()
-        self.spill.clear()
+        self.spill.clear(keep=keep)
 
     def close(self) -> None:
         self.spill.close()
@@ -449,17 +547,87 @@ class RemoteFleet(Fleet):
             self._wake.notify_all()
 
     def state_dict(self) -> dict[str, Any]:
+        with self._lock:
+            carried = [self._carried_state(rnd) for rnd in self._carried.values()]
         return {
             "run_id": self.run_id,
             "clients": self.registry.state_dict(),
             "downlink": self.downlink.state_dict(),
+            "carried": [c for c in carried if c is not None],
         }
+
+    def _carried_state(self, rnd: RoundTask) -> dict[str, Any] | None:
+        """What a restarted coordinator needs of a task carried past its round's quorum: its
+        model (the base of its late results), its clients' tasks, which of them are still on
+        it, which landed and which are merged (their spilled updates are restored, but for
+        the merged ones, so that each enters exactly one merge). ``None`` for a task whose
+        clients hold a lossy downlink's shadow (not restored: their results are refused after
+        a restart, docs/failures.rst)."""
+        if rnd.downlink is None or not rnd.downlink.exact:
+            return None
+        open_to = sorted(rnd.carried | set(rnd.late) | rnd.merged)
+        return {
+            "task_id": rnd.task_id,
+            "round": rnd.server_round,
+            "base": rnd.global_state,
+            "remaining_s": max(0.0, rnd.deadline - time.monotonic()),
+            "carried": sorted(rnd.carried),
+            "merged": sorted(rnd.merged),
+            "tasks": [
+                {
+                    "client": dataclasses.asdict(rnd.clients[cid]),
+                    "config": dict(rnd.assignments[cid].config),
+                    "download": getattr(rnd.assignments[cid], "download", None),
+                }
+                for cid in open_to
+            ],
+        }
+
+    def _load_carried(self, saved: Mapping[str, Any], grace_s: float) -> RoundTask:
+        """A carried task from ``_carried_state``, its landed and unmerged results restored from the spill."""
+        infos = {
+            str(t["client"]["client_id"]): ClientInfo(
+                **{**t["client"], "codecs": tuple(t["client"].get("codecs", ("none",)))}
+            )
+            for t in saved["tasks"]
+        }
+        server_round = int(saved["round"])
+        assignments: dict[str, FitIns | EvaluateIns | MessageIns] = {
+            str(t["client"]["client_id"]): FitIns(
+                round=server_round,
+                config=dict(t["config"]),
+                download=None if t["download"] is None else tuple(t["download"]),
+            )
+            for t in saved["tasks"]
+        }
+        base = saved["base"]
+        rnd = RoundTask(
+            server_round=server_round,
+            task_id=str(saved["task_id"]),
+            kind="fit",
+            assignments=assignments,
+            clients=infos,
+            deadline=time.monotonic() + float(saved["remaining_s"]) + grace_s,
+            downlink=RoundDownlink(base=base, version=0, _full=serde.EncodedModel(base)),
+            expected=dict(TensorSpec.of(base)),
+            closed=True,
+            closed_by="quorum",
+            carried=set(saved["carried"]),
+            merged=set(saved["merged"]),
+        )
+        for cid, res in self.spill.restore(task_id=rnd.task_id, assigned=infos).items():
+            if cid not in rnd.merged and isinstance(res, FitRes):
+                rnd.carried.discard(cid)
+                rnd.late[cid] = res
+        return rnd
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores the run id and registry: clients keep their sessions across a restart.
 
         Restored clients get a grace period before silence counts against them: they may be
         sleeping in retry backoff (capped at ``RETRY_MAX_WAIT_S``) while the coordinator restarts.
+        Tasks carried past a quorum come back with their model and the late results that
+        had landed and were not merged by the checkpoint's round (``_carried_state``).
         """
         with self._lock:
             self.run_id = str(state["run_id"])
@@ -468,6 +636,12 @@ class RemoteFleet(Fleet):
             self.registry.load_state_dict(
                 state["clients"], seen_at=time.monotonic() + RETRY_MAX_WAIT_S + RESTART_GRACE_S
             )
+            self._carried = {}
+            for saved in state.get("carried", ()):
+                rnd = self._load_carried(saved, RETRY_MAX_WAIT_S + RESTART_GRACE_S)
+                self._carried[rnd.task_id] = rnd
+                if rnd.late:
+                    self.events.emit("updates_restored", round=rnd.server_round, count=len(rnd.late))
             self._wake.notify_all()
 
     def finish(self, *, timeout: timedelta) -> None:

@@ -72,6 +72,12 @@ class RoundTask:
         default_factory=dict
     )  # partial downloads, by tensors
     inboxes: dict[str, "OrderedDict[str, bytes]"] | None = None  # message phase: set when it closed
+    # A fit phase closed at its quorum: the clients still working on their task (they may
+    # upload until its deadline), and their results that landed, not yet handed to a merge.
+    carried: set[str] = field(default_factory=set)
+    late: dict[str, FitRes] = field(default_factory=dict)
+    merged: set[str] = field(default_factory=set)  # late results handed to a merge
+    quorum_at: float | None = None  # when its quorum was reached (time.monotonic())
 
     @property
     def bytes_up(self) -> int:
@@ -109,16 +115,32 @@ class RoundTask:
     ) -> tuple[list[FitRes | EvaluateRes | MessageRes], list[Failure], list[ClientInfo]]:
         """Closes the phase (lock held): late uploads are refused from here on, broken ones are
         dropped. Returns the results, failures and cancelled clients, in assignment order;
-        ``closed_by`` is ``reason``, or ``target`` when clients were left over after ``all``."""
+        ``closed_by`` is ``reason``, or ``target`` when clients were left over after ``all``.
+
+        ``quorum`` (a semi-asynchronous round): the pending clients are not cancelled but
+        ``carried``: their task stays open to them, broken uploads included."""
         self.closed = True
-        for partial in self.partials.values():
-            partial.abort()
-        self.partials.clear()
+        pending = self.pending()
+        if reason == "quorum":
+            self.carried = set(pending)
+        for cid, partial in list(self.partials.items()):
+            if cid not in self.carried:
+                partial.abort()
+                del self.partials[cid]
         results = [self.results[cid] for cid in self.assignments if cid in self.results]
         failures = [self.failures[cid] for cid in self.assignments if cid in self.failures]
-        cancelled = [self.clients[cid] for cid in self.pending()]  # over-selected, not needed
+        cancelled = [] if self.carried else [self.clients[cid] for cid in pending]  # over-selected
         self.closed_by = "target" if reason == "all" and cancelled else reason
         return results, failures, cancelled
+
+    def landed(self, client_id: str) -> bool:
+        """Whether the client's result was accepted: in the round, or late (merged or not)."""
+        return client_id in self.results or client_id in self.late or client_id in self.merged
+
+    def open_for(self, client_id: str) -> bool:
+        """Whether an upload of ``client_id`` may still land: the phase is open, or closed at
+        its quorum with the client's task carried."""
+        return not self.closed or client_id in self.carried
 
     def pending_count(self) -> int:
         """O(1): results and failures are disjoint subsets of the assignments."""
@@ -143,24 +165,37 @@ def wait_for_close(
     interrupted: Callable[[], bool],
     check_every_s: float,
     timeout_s: float,
+    grace_s: float | None = None,
 ) -> str:
     """Waits (lock held) until ``rnd`` has ``goal`` results or no pending client, failing the
     clients that went silent (checked every ``check_every_s``), that missed the deadline
     (the ones still alive are benched) or that the coordinator's stop cut off.
 
+    ``grace_s`` (a semi-asynchronous round; ``goal`` is then its quorum): once ``goal``
+    results are in, it waits up to ``grace_s`` more for the rest (``rnd.quorum_at`` records
+    when the quorum was reached), and a close with clients pending is a ``quorum`` close.
+
     Returns:
-        Why it stopped waiting: ``all``, ``deadline`` or ``stopping`` (``RoundTask.close``'s reason).
+        Why it stopped waiting: ``all``, ``quorum``, ``deadline`` or ``stopping``
+        (``RoundTask.close``'s reason).
     """
     infos = rnd.clients
     # Results and failures are disjoint subsets of the assignments, so the pending count
     # is O(1); liveness (O(clients)) is checked once a heartbeat interval, not per upload.
     next_check = 0.0
-    while rnd.pending_count() and len(rnd.results) < goal:
+    while rnd.pending_count():
+        now = time.monotonic()
+        if len(rnd.results) >= goal:
+            if grace_s is None:
+                break
+            if rnd.quorum_at is None:
+                rnd.quorum_at = now
+            if now >= rnd.quorum_at + grace_s:
+                return "quorum"
         if interrupted():
             for cid in rnd.pending():
                 rnd.failures[cid] = Failure(infos[cid], "coordinator stopping")
             return "stopping"
-        now = time.monotonic()
         if now >= rnd.deadline:
             for cid in rnd.pending():
                 rnd.failures[cid] = Failure(infos[cid], f"missed the round deadline of {timeout_s:.1f}s")
@@ -175,7 +210,10 @@ def wait_for_close(
                     rnd.failures[cid] = Failure(infos[cid], "client went silent (no heartbeat)")
             next_check = now + check_every_s
             continue
-        wake.wait("round", min(rnd.deadline, next_check) - now)
+        until = min(rnd.deadline, next_check)
+        if rnd.quorum_at is not None and grace_s is not None:
+            until = min(until, rnd.quorum_at + grace_s)
+        wake.wait("round", until - now)
     return "all"
 
 

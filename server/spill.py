@@ -44,7 +44,7 @@ import shutil
 import tempfile
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -431,15 +431,17 @@ class UpdateSpill:
                 self._forget([path])
             path.unlink(missing_ok=True)
 
-    def clear(self, *, keep: str | None = None) -> None:
-        """Removes every round folder but ``keep`` (held updates of those rounds are not written)."""
+    def clear(self, *, keep: str | Collection[str] | None = None) -> None:
+        """Removes every round folder but those of the task ids ``keep`` (held updates of
+        the removed rounds are not written)."""
+        kept = {keep} if isinstance(keep, str) else set(keep or ())
         with self._lock:
             for path, held in self._pending.items():
-                if path.parent.name != keep:
+                if path.parent.name not in kept:
                     held.cancelled = True
-            self._forget([path for path in self._kept if path.parent.name != keep])
+            self._forget([path for path in self._kept if path.parent.name not in kept])
         for folder in self.dir.iterdir():
-            if folder.is_dir() and folder.name != keep:
+            if folder.is_dir() and folder.name not in kept:
                 shutil.rmtree(folder, ignore_errors=True)
 
     def close(self) -> None:

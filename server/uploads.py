@@ -66,6 +66,8 @@ class Uploads:
         current: the fleet's open task, or ``None``.
         bounds: the weight and norm bounds every update must meet.
         run_id: the fleet's run id (it changes when a restarted coordinator loads its state).
+        late_refusal: why a late upload to a task carried past its round's quorum cannot be
+            merged (too stale), or ``None`` (lock held).
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class Uploads:
         *,
         bounds: UpdateBounds | None = None,
         run_id: Callable[[], str] = lambda: "",
+        late_refusal: Callable[[RoundTask], str | None] = lambda rnd: None,
     ) -> None:
         self.registry = registry
         self.bounds = bounds if bounds is not None else UpdateBounds()
@@ -88,6 +91,7 @@ class Uploads:
         self.events = events
         self._open_task = open_task
         self._current = current
+        self._late_refusal = late_refusal
 
     def upload(self, frames: Iterable[bytes], token: str) -> int:
         """Receives one update stream of the session ``token``; returns the payload bytes accepted.
@@ -139,7 +143,7 @@ class Uploads:
         client_id = record.info.client_id
         with self.lock:
             current = self._current()
-            if current is not None and current.task_id == header.task_id and client_id in current.results:
+            if current is not None and current.task_id == header.task_id and current.landed(client_id):
                 # Checked before "closed": a retry whose first attempt landed learns it did.
                 raise DuplicateUpdateError(
                     f"update for round {current.server_round} from client {escape(client_id)} already accepted"
@@ -147,6 +151,19 @@ class Uploads:
             if record.benched_task == header.task_id:  # late, but it did finish that task
                 record.benched_task = ""
             rnd = self._open_task(client_id, header.task_id)
+            if rnd.landed(client_id):
+                raise DuplicateUpdateError(
+                    f"update for round {rnd.server_round} from client {escape(client_id)} already accepted"
+                )
+            refusal = self._late_refusal(rnd) if rnd.closed else None
+            if refusal is not None:  # too stale to merge: the task ends here, the client goes on
+                rnd.carried.discard(client_id)
+                partial = rnd.partials.pop(client_id, None)
+                if partial is not None:
+                    partial.abort()
+                self.wake.notify("registry")
+                self.events.emit("late_refused", round=rnd.server_round, client=client_id, reason=refusal)
+                raise StaleTaskError(refusal)
             if client_id in rnd.failures:  # it reported a failure, left, or was given up
                 raise StaleTaskError(
                     f"round {rnd.server_round}: this task already failed ({rnd.failures[client_id].reason})"
@@ -195,7 +212,7 @@ class Uploads:
     def _keep(self, rnd: RoundTask, client_id: str, upload: Upload) -> None:
         """Keeps a broken upload for its resume (unless the round closed)."""
         with self.lock:
-            if not rnd.closed:
+            if rnd.open_for(client_id):
                 rnd.partials[client_id] = upload
                 upload.kept = True
 
@@ -257,7 +274,8 @@ class Uploads:
         """Adds the result to the round if it is still open for it (lock taken here)."""
         client_id = client.client_id
         with self.lock:
-            still_open = not rnd.closed and self._current() is rnd
+            late = client_id in rnd.carried
+            still_open = late or (not rnd.closed and self._current() is rnd)
             failed = rnd.failures.get(client_id)
             if not still_open or failed is not None:
                 if not rnd.evaluate:
@@ -269,6 +287,10 @@ class Uploads:
                 raise StaleTaskError(f"round {rnd.server_round} closed before the upload completed")
             if isinstance(result, EvaluateRes) and result.num_examples < 1:
                 rnd.failures[client_id] = Failure(client, "evaluated no examples")
+            elif late and isinstance(result, FitRes):  # merged into the round open now, or the next
+                rnd.carried.discard(client_id)
+                rnd.late[client_id] = result
+                self.wake.notify("registry")  # no longer busy: selectable again
             else:
                 rnd.results[client_id] = result
             asm = upload.asm
@@ -278,8 +300,9 @@ class Uploads:
             self.wake.notify("round")
             accepted, expected = len(rnd.results), len(rnd.assignments)
         log.info(
-            "round %d: accepted %s from %s (%d of %d)",
+            "round %d: accepted %s%s from %s (%d of %d)",
             rnd.server_round,
+            "late " if late else "",
             "evaluation" if rnd.evaluate else "update",
             escape(client.name or client_id),
             accepted,
@@ -292,6 +315,7 @@ class Uploads:
             evaluate=rnd.evaluate,
             accepted=accepted,
             expected=expected,
+            **({"late": True} if late else {}),
         )
 
     def _start(self, rnd: RoundTask, client: ClientInfo, header: serde.StreamInfo) -> Upload:
@@ -330,14 +354,14 @@ class Uploads:
         self.registry.authenticate(client_id, token)
         with self.lock:
             rnd = self._current()
-            if rnd is not None and rnd.task_id == task_id and client_id in rnd.results:
+            if rnd is not None and rnd.task_id == task_id and rnd.landed(client_id):
                 return 0, True
             rnd = self._open_task(client_id, task_id)
             # A broken stream may still be winding down on its server thread: let it settle.
             deadline = time.monotonic() + 5.0
             while client_id in rnd.uploading and time.monotonic() < deadline:
                 self.wake.wait(("upload", client_id), deadline - time.monotonic())
-            if client_id in rnd.results:
+            if rnd.landed(client_id):
                 return 0, True
             partial = rnd.partials.get(client_id)
             return (0 if partial is None else partial.asm.frames_received), False

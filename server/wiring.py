@@ -22,13 +22,14 @@ from fedgrid.runlog import RunWriter, load_model
 from fedgrid.server.bounds import build_bounds
 from fedgrid.server.codec_policy import build_codec_policy
 from fedgrid.server.engine import EvaluateFn, RoundEngine
+from fedgrid.server.fleet import quorum_of
 from fedgrid.server.monitor import CoordinatorMonitor
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.state import StateStore
 from fedgrid.server.strategies import build_capability_filter, build_strategy
 from fedgrid.types import ModelState
 
-__all__ = ["Wired", "wire", "coordinator_model", "build_fleet", "write_address"]
+__all__ = ["Wired", "wire", "coordinator_model", "build_fleet", "write_address", "quorum_of"]
 
 
 def coordinator_model(config: Config) -> ModelState | None:
@@ -94,7 +95,18 @@ def wire(
     evaluate_fn: EvaluateFn | None,
     on_event: Callable[[Event], None] | None,
 ) -> Wired:
-    """Builds the strategy, the run directory, the event log, the fleet, the monitor and the engine."""
+    """Builds the strategy, the run directory, the event log, the fleet, the monitor and the engine.
+
+    Raises:
+        ConfigError: a strategy option out of range, or a ``min_quorum`` above ``min_clients``
+            (a round may start with ``min_clients`` clients; nothing is created then).
+    """
+    if config.min_quorum > config.min_clients:
+        raise ConfigError(
+            "min_quorum",
+            f"a quorum of {config.min_quorum} is larger than min_clients={config.min_clients}, the "
+            "clients a round may start with: raise min_clients to at least min_quorum",
+        )
     store = StateStore(config.state_dir) if config.state_dir else None
     strategy = build_strategy(config, num_clients=config.min_clients)
     strategy.initialize(initial_state=initial)
@@ -136,5 +148,6 @@ def wire(
         finish_timeout=timedelta(seconds=FINISH_GRACE_S),
         store=store,
         events=events,
+        quorum=quorum_of(config),
     )
     return Wired(writer, events, fleet, engine, monitor)

@@ -51,7 +51,7 @@ from fedgrid.server.accept import RoundTally
 from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.downlink import Downlink, RoundDownlink
-from fedgrid.server.fleet import Fleet, RoundOutcome
+from fedgrid.server.fleet import QUORUM_NEEDS_REPLAY, Fleet, Quorum, RoundOutcome
 from fedgrid.server.registry import check_joining
 from fedgrid.server.rounds import check_outbox, relay
 from fedgrid.simulation.batched import BatchedTrainer, choose_engine, recurrent_module
@@ -301,7 +301,10 @@ class InProcessFleet(Fleet):
         assignments: Sequence[tuple[ClientInfo, FitIns]],
         timeout: timedelta,
         target: int | None = None,
+        quorum: Quorum | None = None,
     ) -> RoundOutcome[FitRes]:
+        if quorum is not None:  # arrival times decide quorum rounds: simulation replays them
+            raise ConfigError("min_quorum", QUORUM_NEEDS_REPLAY)
         downlink = self.downlink.prepare(global_state)
         expected = TensorSpec.of(global_state)
         results: list[FitRes] = []

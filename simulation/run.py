@@ -10,15 +10,17 @@ from typing import Any, Callable
 
 from fedgrid.config import Config
 from fedgrid.determinism import environment, intra_op_threads
+from fedgrid.errors import ConfigError
 from fedgrid.runlog import RunWriter
 from fedgrid.server.bounds import build_bounds
 from fedgrid.server.codec_policy import build_codec_policy
 from fedgrid.server.engine import RoundEngine
-from fedgrid.server.fleet import Fleet
+from fedgrid.server.fleet import QUORUM_NEEDS_REPLAY, Fleet, quorum_of
 from fedgrid.server.memory import keep_large_buffers
 from fedgrid.server.strategies import build_strategy
 from fedgrid.simulation.fleet import InProcessFleet
 from fedgrid.simulation.heterogeneity import ClientProfiles
+from fedgrid.simulation.replay import ReplayFleet, read_merges
 from fedgrid.simulation.tasks import check_config, client_options, resolve
 from fedgrid.types import ModelState, RoundMetrics
 
@@ -138,7 +140,8 @@ def _fleet(config: Config, clients: list, profiles: ClientProfiles) -> InProcess
         chunk_size=config.chunk_size,
         codec_policy=build_codec_policy(config),
         downlink_codec=config.downlink_codec,
-        engine="sequential" if config.hierarchy else config.engine,  # a region's engine is its own
+        # A region's engine is its own; a replay trains one recorded result at a time.
+        engine="sequential" if config.hierarchy or config.replay else config.engine,
         batch_clients=config.batch_clients,
         profiles=None if config.hierarchy else profiles,
         bounds=build_bounds(config),
@@ -146,6 +149,26 @@ def _fleet(config: Config, clients: list, profiles: ClientProfiles) -> InProcess
     if fleet.device is not None and fleet.device.type == "cpu":
         keep_large_buffers()  # the batched engine frees and reallocates the same large buffers at every step
     return fleet
+
+
+def _check_replay(config: Config) -> None:
+    """Quorum rounds simulate only as a replay, on the sequential engine, unsharded.
+
+    Raises:
+        ConfigError: ``min_quorum`` without ``replay`` or the reverse, or ``replay`` with the
+            batched engine or a hierarchy.
+    """
+    if config.min_quorum and not config.replay:
+        raise ConfigError("min_quorum", QUORUM_NEEDS_REPLAY)
+    if not config.replay:
+        return
+    if not config.min_quorum:
+        raise ConfigError(
+            "replay",
+            "needs the deployment's min_quorum and staleness_exponent (--config RUN_DIR/config.toml)",
+        )
+    if config.engine == "batched" or config.hierarchy:
+        raise ConfigError("replay", "runs on the sequential engine without a hierarchy (engine sequential)")
 
 
 def _reporter(on_round: Callable[[RoundMetrics], None] | None) -> Callable[[RoundMetrics], None]:
@@ -183,6 +206,7 @@ def _run(
     stop: threading.Event | None,
 ) -> tuple[ModelState | None, list[RoundMetrics]]:
     strategy = build_strategy(config, num_clients=config.clients)  # a bad option fails before any work
+    _check_replay(config)
     resolved = resolve(
         dataset=config.dataset,
         model=config.model,
@@ -207,6 +231,11 @@ def _run(
         from fedgrid.simulation.sharded import ShardedFleet
 
         run_fleet = ShardedFleet(fleet, rank=rank, world=world)
+    quorum = quorum_of(config)
+    if config.replay:  # the determinism contract of quorum rounds (simulation/replay.py)
+        run_fleet = ReplayFleet(
+            fleet, read_merges(config.replay), staleness_exponent=config.staleness_exponent
+        )
     writer = _writer(config, threads, fleet.engine) if config.out and rank == 0 else None
     engine = RoundEngine(
         strategy=strategy,
@@ -219,6 +248,7 @@ def _run(
         writer=writer,
         on_round=_reporter(on_round) if rank == 0 else None,
         stop=stop,
+        quorum=quorum,
     )
     log.info("engine: %s (%s)", fleet.engine, fleet.engine_reason)
     if on_start is not None:

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch.distributed as dist
 
 from fedgrid.errors import ConfigError
-from fedgrid.server.fleet import Fleet, RoundOutcome
+from fedgrid.server.fleet import QUORUM_NEEDS_REPLAY, Fleet, Quorum, RoundOutcome
 from fedgrid.simulation.fleet import InProcessFleet, simulated_round
 from fedgrid.types import (
     ClientInfo,
@@ -114,7 +114,10 @@ class ShardedFleet(Fleet):
         assignments: Sequence[tuple[ClientInfo, FitIns]],
         timeout: timedelta,
         target: int | None = None,
+        quorum: Quorum | None = None,
     ) -> RoundOutcome[FitRes]:
+        if quorum is not None:  # arrival times decide quorum rounds: simulation replays them
+            raise ConfigError("min_quorum", QUORUM_NEEDS_REPLAY)
         if target is not None and target < len(assignments):
             raise ConfigError(
                 "over_selection",

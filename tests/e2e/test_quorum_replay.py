@@ -1,0 +1,82 @@
+"""Semi-asynchronous rounds in a real deployment (a coordinator and two client processes, one
+behind a slower emulated link), then its ``events.jsonl`` replayed in simulation: the model is
+the deployment's, bit for bit (the determinism contract of quorum rounds)."""
+
+from __future__ import annotations
+
+import torch
+
+from fedgrid.config import load_config
+from fedgrid.events import read_events
+from fedgrid.ops.wan import WanLink, WanRelay, parse_hostport
+from fedgrid.runlog import load_model
+from fedgrid.simulation.run import run_simulation
+
+from harness import REFERENCE, CoordinatorRun, start_client
+
+ROUNDS, CLIENTS, SEED = 12, 2, 5
+QUORUM = ["--min-quorum", "1", "--grace-s", "0", "--max-staleness", "100", "--staleness-exponent", "0.5"]
+
+
+def test_a_deployment_with_a_slow_worker_replays_bit_for_bit(tmp_path):
+    out = tmp_path / "run"
+    args = [
+        "--rounds",
+        str(ROUNDS),
+        "--min-clients",
+        str(CLIENTS),
+        "--seed",
+        str(SEED),
+        "--heartbeat-interval-s",
+        "2",
+    ]
+    run = CoordinatorRun(out, [*args, *QUORUM], tmp_path / "coordinator.log")
+    address = run.address()
+    # Both workers reach the coordinator over an emulated link, the slow one's RTT four times
+    # the other's (80 ms against 20): its task (tens of round trips) spans several of the
+    # other's rounds, however fast or loaded this machine is.
+    target = parse_hostport(address)
+    with WanRelay(target, WanLink(delay_ms=10)) as fast, WanRelay(target, WanLink(delay_ms=40)) as slow:
+        procs = [
+            start_client(
+                slow.address if i == CLIENTS - 1 else fast.address,
+                tmp_path / f"client{i}.log",
+                "--partition",
+                f"{i}/{CLIENTS}",
+                "--seed",
+                str(SEED),
+            )
+            for i in range(CLIENTS)
+        ]
+        try:
+            assert run.proc.wait(timeout=180) == 0, (tmp_path / "coordinator.log").read_text()[-3000:]
+        finally:
+            for p in [run.proc, *procs]:
+                if p.poll() is None:
+                    p.kill()
+                p.wait(timeout=30)
+
+    merges = [e for e in read_events(out / "events.jsonl") if e.event == "merged"]
+    assert [e["round"] for e in merges] == list(range(1, ROUNDS + 1))
+    late = [r for e in merges for r in e["results"] if r["staleness"] > 0]
+    assert late, "a round should have closed at its quorum and merged the other result later"
+    for r in late:
+        assert r["weight"] == r["num_examples"] * (1 + r["staleness"]) ** -0.5
+
+    replayed, _ = run_simulation(
+        load_config(
+            overrides={
+                "rounds": ROUNDS,
+                "clients": CLIENTS,
+                "seed": SEED,
+                "min_quorum": 1,
+                "max_staleness": 100,
+                "replay": str(out / "events.jsonl"),
+                **REFERENCE,
+            }
+        )
+    )
+    deployed = load_model(out / "model.safetensors")
+    assert replayed is not None and set(deployed) == set(replayed)
+    for name, tensor in replayed.items():
+        assert torch.equal(deployed[name], tensor), name

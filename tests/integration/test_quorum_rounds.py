@@ -1,0 +1,160 @@
+"""Semi-asynchronous rounds (``min_quorum``) over a real in-process coordinator: a slow worker
+never holds a round past its grace window, its late result is merged with its staleness
+weight against the model it trained from, and a result staler than ``max_staleness`` is
+refused with a status that names its staleness."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from datetime import timedelta
+
+import pytest
+import torch
+
+from fedgrid.aggregation.fedavg import FedAvg
+from fedgrid.client import Client, FitOutput, start_client
+from fedgrid.events import EventLog
+from fedgrid.server.engine import RoundEngine
+from fedgrid.server.fleet import Quorum
+
+from harness import InProcessCoordinator, wait_until
+
+GRACE_S = 0.3
+
+
+class Stepper(Client):
+    """Returns the model it was sent plus ``step`` (``num_examples`` examples); its n-th fit
+    first waits for ``gates[n]`` (none: at once), so a test decides when each result lands."""
+
+    def __init__(self, name: str, step: float, num_examples: int, gates: list[threading.Event]) -> None:
+        self.name, self.step, self._n, self.gates = name, step, num_examples, gates
+        self.fits = 0
+
+    @property
+    def num_examples(self) -> int:
+        return self._n
+
+    def fit(self, state, ins):
+        gate = self.gates[self.fits] if self.fits < len(self.gates) else None
+        self.fits += 1
+        if gate is not None:
+            gate.wait(60)
+        return FitOutput(OrderedDict((k, v + self.step) for k, v in state.items()), num_examples=self._n)
+
+
+class Run:
+    """An engine (FedAvg, ``quorum``) over an in-process coordinator with a fast and a slow
+    worker; the test drives it round by round and reads its events."""
+
+    def __init__(self, quorum: Quorum, slow_gates: list[threading.Event]) -> None:
+        self.initial = OrderedDict(w=torch.tensor([0.0, 1.0, 2.0]))
+        self.server = InProcessCoordinator(self.initial, heartbeat_s=5.0)
+        self.events: list[tuple[str, dict]] = []
+        log = EventLog()
+        log.subscribe(lambda e: self.events.append((e.event, dict(e.fields))))
+        self.server.fleet.events = log
+        for part in (self.server.fleet.uploads, self.server.fleet.phases):
+            part.events = log
+        strategy = FedAvg()
+        strategy.initialize(initial_state=self.initial)
+        self.engine = RoundEngine(
+            strategy=strategy,
+            fleet=self.server.fleet,
+            rounds=10,
+            min_clients=1,
+            round_timeout=timedelta(seconds=60),
+            join_timeout=timedelta(seconds=30),
+            events=log,
+            quorum=quorum,
+        )
+        self.fast = Stepper("fast", 1.0, 1, [])
+        self.slow = Stepper("slow", 10.0, 4, slow_gates)
+        self.handles = [start_client(c, self.server.address, poll_wait_s=1.0) for c in (self.fast, self.slow)]
+        wait_until(lambda: len(self.server.fleet.live_clients()) == 2, timeout=30, what="clients to join")
+
+    def round(self, r: int) -> torch.Tensor:
+        self.engine.commit(self.engine.run_round(r))
+        return self.engine.strategy.global_state["w"].clone()
+
+    def of(self, name: str) -> list[dict]:
+        return [fields for event, fields in self.events if event == name]
+
+    def close(self) -> None:
+        self.server.fleet.finish(timeout=timedelta(seconds=10))
+        for handle in self.handles:
+            handle.join(timeout=30)
+        self.server.stop()
+
+
+def test_slow_worker_never_holds_a_round_and_its_late_result_gets_its_staleness_weight():
+    gate = threading.Event()
+    run = Run(Quorum(min_quorum=1, grace_s=GRACE_S, max_staleness=4), [gate, threading.Event()])
+    try:
+        g0 = run.initial["w"]
+        g1 = run.round(1)  # both selected; closes at the fast one's result, the slow one keeps its task
+        g2 = run.round(2)  # the slow one is busy: not selected
+        torch.testing.assert_close(g1, g0 + 1, rtol=0, atol=0)
+        torch.testing.assert_close(g2, g0 + 2, rtol=0, atol=0)
+        gate.set()  # the slow worker's round-1 result lands now, between rounds: merged into round 3
+        wait_until(
+            lambda: any(f.get("late") for f in run.of("update_accepted")), timeout=30, what="late result"
+        )
+        g3 = run.round(3)
+
+        closed = [f for f in run.of("round_closed") if f["phase"] == "fit"]
+        assert [(f["round"], f["reason"], len(f.get("waiting", []))) for f in closed] == [
+            (1, "quorum", 1),
+            (2, "all", 0),
+            (3, "quorum", 1),  # the slow one's next task waits on a gate never set
+        ]
+        # Never held past the grace window after the quorum (a generous margin for a busy host).
+        for f in closed:
+            assert f.get("after_quorum_s", 0.0) <= GRACE_S + 1.0
+        merges = {f["round"]: f["results"] for f in run.of("merged")}
+        assert [(m["name"], m["task_round"], m["staleness"]) for m in merges[3]] == [
+            ("fast", 3, 0),
+            ("slow", 1, 2),
+        ]
+        weight = 4 * 3**-0.5  # num_examples * (1 + s) ** -0.5, s = 2
+        assert merges[3][1]["weight"] == pytest.approx(weight, rel=1e-12)
+        # FedAvg of fresh (g2 + 1, weight 1) and late (g2 + its difference from g0: +10, weight w).
+        expected = (g2.double() + (1.0 * 1 + weight * 10) / (1 + weight)).float()
+        torch.testing.assert_close(g3, expected, rtol=0, atol=1e-6)
+        assert run.engine.history[-1].extra["late_merged"] == 1.0
+    finally:
+        for g in run.slow.gates:
+            g.set()
+        run.close()
+
+
+def test_result_staler_than_max_staleness_is_refused_and_changes_nothing(caplog):
+    caplog.set_level(logging.WARNING, logger="fedgrid.client")
+    gate = threading.Event()
+    run = Run(Quorum(min_quorum=1, grace_s=0.0, max_staleness=1), [gate, threading.Event()])
+    try:
+        for r in (1, 2):
+            run.round(r)
+        gate.set()  # lands for merge round 3: 2 rounds stale, over max_staleness=1
+        wait_until(lambda: run.of("late_refused"), timeout=30, what="the refusal")
+        (refused,) = run.of("late_refused")
+        assert refused["round"] == 1 and refused["reason"] == (
+            "result of round 1 is 2 rounds stale; max_staleness is 1"
+        )
+        # The client heard it as FAILED_PRECONDITION with that message (a closed round's
+        # status), and goes on to its next task.
+        wait_until(
+            lambda: any("2 rounds stale; max_staleness is 1" in r.getMessage() for r in caplog.records),
+            timeout=30,
+            what="the client to hear the refusal",
+        )
+        before = run.engine.strategy.global_state["w"].clone()
+        g3 = run.round(3)
+        merges = {f["round"]: f["results"] for f in run.of("merged")}
+        assert [m["name"] for m in merges[3]] == ["fast"]
+        torch.testing.assert_close(g3, before + 1, rtol=0, atol=0)  # the refused result changed nothing
+    finally:
+        for g in run.slow.gates:
+            g.set()
+        run.close()
