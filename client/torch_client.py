@@ -24,12 +24,8 @@ from fedgrid.client.algorithms import (
 from fedgrid.client.api import Client, EvaluateOutput, FitOutput, OwnedState
 from fedgrid.client.loaders import NotPlainLoader, PlainLoader, plain_loader
 from fedgrid.client.timeline import COMPUTE
-from fedgrid.seeding import derive_seed
+from fedgrid.seeding import RNG_LOCK, derive_seed
 from fedgrid.types import FitIns, ModelState, Scalar
-
-#: torch's RNG is process-wide: whoever trains under a client's seed (TorchClient.fit, the batched
-#: simulation engine) holds this lock, so clients in threads of one process see only their own seeds.
-RNG_LOCK = threading.Lock()
 
 __all__ = ["TorchClient", "RNG_LOCK", "MEMORY_FORMATS", "default_device", "default_inner_optimizer"]
 

@@ -33,6 +33,7 @@ from fedgrid.client.torch_client import TorchClient, default_device
 from fedgrid.errors import ConfigError
 from fedgrid.lazy import exports
 from fedgrid.plugins import initial_state
+from fedgrid.seeding import RNG_LOCK
 from fedgrid.simulation.datasets import (
     DatasetData,
     load_digits,
@@ -338,7 +339,7 @@ def builtin_client(
     if batch_size < 1:
         raise ConfigError("batch_size", f"must be at least 1, got {batch_size}")
     train, test = _client_data(dataset, data_dir, spec, seed, partition_index, num_partitions)
-    with torch.random.fork_rng(devices=[]):
+    with RNG_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         net = build_model(dataset, model, data_dir)  # overwritten by the global model at the first fit
     return TorchClient(
@@ -372,7 +373,7 @@ def make_evaluate(
     def evaluate(state: ModelState) -> tuple[float, dict[str, float]]:
         data = load_data(dataset, data_dir)
         if not held:
-            with torch.random.fork_rng(devices=[]):
+            with RNG_LOCK, torch.random.fork_rng(devices=[]):
                 held.append(build_model(dataset, model, data_dir).to(default_device()))
         net = held[0]
         net.load_state_dict(state)
