@@ -17,12 +17,13 @@ the server-side ``FitIns.expected``) sends exactly the tensors its task declares
   ``merge_fragment_prefixes`` tensors are merged from the download, only the
   ``fragment_prefixes`` tensors are sent.
 
-Both overlap their sync with training when the task asks (``fedgrid.aggregation.diloco.Overlap``):
+- ``bcd``: only the ``block_prefixes`` tensors train (the rest frozen, their modules in
+  eval mode so their buffers stay as downloaded) and only they are sent.
+
+The two DiLoCo halves overlap their sync with training when the task asks (``fedgrid.aggregation.diloco.Overlap``):
 ``lookahead`` tells the trainer to keep training tau steps after the upload is built, and
 ``resume`` hands the replica those steps trained to the algorithm, whose next ``start``
 merges the download into it with alpha.
-- ``bcd``: only the ``block_prefixes`` tensors train (the rest frozen, their modules in
-  eval mode so their buffers stay as downloaded) and only they are sent.
 
 Each is a ``ClientAlgorithm``: hooks that every trainer calls in the same order, so the
 trainer itself never asks which algorithm runs (``TorchClient.fit``, a multi-process
