@@ -4,6 +4,8 @@ a lossy uplink codec, equals its simulation bit for bit."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -22,7 +24,7 @@ from fedgrid.runlog import load_model, read_metrics
 from fedgrid.simulation.run import run_simulation
 from fedgrid.types import FitIns
 
-from harness import REFERENCE, InProcessCoordinator, start_coordinator
+from harness import REFERENCE, InProcessCoordinator, child_env, start_coordinator
 from harness import start_client as start_client_process
 
 #: The link of the order test: 1 Mbit/s, so the 100 kB upload takes about 0.8 s.
@@ -165,3 +167,38 @@ def test_overlapped_streaming_diloco_deployment_equals_simulation_through_a_loss
         assert torch.equal(deployed[name], tensor), name  # same engine, same threads, same tau: the same bits
     assert [m.loss for m in sim_history] == [m["loss"] for m in metrics]
     assert metrics[-1]["loss"] < metrics[0]["loss"]  # int8 with error feedback, tau = 2: it trains
+
+
+EXIT_SCRIPT = """
+import time, torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from fedgrid.client.torch_client import TorchClient
+from fedgrid.types import FitIns
+
+class Slow(nn.Linear):
+    delay = 0.0
+
+    def forward(self, x):
+        time.sleep(self.delay)  # a step's compute: once set, the 200 steps after the upload take 50 s
+        return super().forward(x)
+
+data = TensorDataset(torch.randn(20, 4), torch.randint(0, 3, (20,)))
+client = TorchClient(Slow(4, 3), DataLoader(data, batch_size=10), nn.functional.cross_entropy,
+                     lambda p: torch.optim.SGD(p, lr=0.1), device="cpu", name="leaving")
+state = {k: v.clone() for k, v in client.model.state_dict().items()}
+config = {"algorithm": "diloco", "inner_steps": 200, "sync_delay_steps": 200}
+client.fit(state, FitIns(round=1, config=config))
+Slow.delay = 0.25
+print("fit returned, the lookahead runs", flush=True)
+"""
+
+
+def test_a_process_exits_cleanly_while_a_lookahead_runs():
+    began = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True, env=child_env(), timeout=120
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "fit returned" in done.stdout and "Traceback" not in done.stderr
+    assert time.monotonic() - began < 45  # it did not wait out the lookahead's 50 s
