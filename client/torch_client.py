@@ -264,7 +264,7 @@ class TorchClient(Client):
                 seed=self.round_seed(ins),
                 epochs=epochs,
                 steps=max(steps - done.steps, 0) if done is not None else steps,
-                time_s=max(budget - done.compute_s, 0.0) if budget and done is not None else budget,
+                time_s=self._time_left(budget, done),
                 after_backward=lambda: algorithm.after_backward(params=named),
             )
             loss_sum, seen = self._reduce_totals(loss_sum, seen)
@@ -280,6 +280,14 @@ class TorchClient(Client):
         held = self.num_examples
         num_examples = (min(seen, held) if held else seen) if steps else seen // epochs
         return FitOutput(state=out, num_examples=num_examples, metrics={"loss": loss_sum / seen})
+
+    @staticmethod
+    def _time_left(budget: float, done: _Lookahead | None) -> float:
+        """A fit's time budget less what its lookahead took (``budget`` 0: none): above 0 even
+        when the lookahead took it all, since a budgeted fit trains at least one step."""
+        if not budget:
+            return 0.0
+        return max(budget - (done.compute_s if done is not None else 0.0), sys.float_info.min)
 
     def _start_lookahead(
         self, algorithm: ClientAlgorithm, ctx: FitContext, ins: FitIns, *, trained: list[str], steps: int

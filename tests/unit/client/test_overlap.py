@@ -226,6 +226,21 @@ def test_time_budget_trains_at_least_one_step_and_counts_what_it_saw():
     assert len(log) > 1 and out.num_examples == min(10 * len(log), 30)
 
 
+def test_a_time_budget_the_lookahead_used_up_still_trains_one_step():
+    log: list[str] = []
+    strategy = DiLoCo(inner_steps=20, sync_delay_steps=3, inner_time_s=1e-6)
+    strategy.initialize(initial_state=_global())
+    client = _client(log=log)
+    client.fit(_global(), _ins(strategy, 1))
+    client.wait_lookahead()
+    log.clear()
+    out = client.fit(_global(), _ins(strategy, 2))
+    client.wait_lookahead()
+    main = threading.current_thread().name
+    assert log == [main] + ["fedgrid-lookahead-w"] * 3  # one budgeted step, then tau
+    assert out.num_examples == 40  # the lookahead's 3 batches and the fit's one
+
+
 def test_a_multi_process_trainer_refuses_a_time_budget():
     class Ranked(TorchClient):
         _time_budget_allowed = False
