@@ -29,8 +29,21 @@ the downloaded global values (``merge_fragment_prefixes``: for a worker that tra
 round ``r - 1``, fragment ``merge_fragment`` = ``(r - 1) % F`` alone, the one the server
 updated last round), keep training the rest locally, and upload fragment ``fragment``
 (= ``r % F``) after the inner steps. A worker without a replica (first round, new worker)
-takes the whole global model. The paper's overlap of communication with computation and
-its mixing factor alpha (here 0) are not modelled.
+takes the whole global model.
+
+Overlapped syncs (the streaming paper's overlap; ``Overlap``): with ``sync_delay_steps``
+(tau) > 0 a worker does not wait for the outer step. Once it has built its upload it keeps
+training tau more inner steps on its replica (the "lookahead") while the upload, the outer
+step and the download happen; its next task merges the new global values into that replica
+with ``merge_alpha`` (alpha), ``local = alpha * local + (1 - alpha) * global`` for floating
+tensors (the others take the global value), then trains ``H - tau`` steps, so every sync
+interval is still H steps. The merge point is a step number, never an arrival time, so a
+simulation and a deployment stay bit-identical. alpha defaults to 0 (replace, as without
+overlap) when tau is 0 and to the paper's 0.5 when tau > 0. Plain ``diloco`` keeps a replica
+too when tau or alpha is above 0 (it merges the whole model). ``inner_time_s`` (> 0) asks
+each worker for that many seconds of inner steps instead of H (speed-aware local work; its
+weight counts the examples it processed; not bit-reproducible). The server's arithmetic does
+not change: a worker's upload is its model after its inner steps, as without overlap.
 
 Downlink: the server remembers, per client (``ClientInfo.client_id``), the last round
 whose result it aggregated, and each task downloads (``FitIns.download``) only the
@@ -49,6 +62,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from fedgrid.aggregation.base import AggregationPreconditionError, Aggregator
@@ -60,29 +74,146 @@ from fedgrid.aggregation.server_opt import ServerSGD
 from fedgrid.errors import ConfigError
 from fedgrid.types import ClientInfo, Failure, FitIns, FitRes, ModelState, Scalar, TensorSpec
 
-__all__ = ["DiLoCo", "StreamingDiLoCo", "DEFAULT_INNER_LR", "DEFAULT_INNER_STEPS"]
+__all__ = [
+    "DiLoCo",
+    "StreamingDiLoCo",
+    "Overlap",
+    "DEFAULT_INNER_LR",
+    "DEFAULT_INNER_STEPS",
+    "DEFAULT_OVERLAP_ALPHA",
+]
 
 #: The inner AdamW's learning rate unless ``inner_lr`` says otherwise (see the module docstring).
 DEFAULT_INNER_LR = 1e-3
 #: H unless ``inner_steps`` says otherwise (see the module docstring).
 DEFAULT_INNER_STEPS = 50
+#: alpha when ``sync_delay_steps`` > 0 and ``merge_alpha`` is not given: the streaming paper's recommendation.
+DEFAULT_OVERLAP_ALPHA = 0.5
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """How a DiLoCo worker overlaps its sync with training (the module docstring).
+
+    Both halves read it: the server from its options (``resolve``), the worker from its task
+    config (``from_task``); the defaults are today's synchronous DiLoCo.
+
+    Attributes:
+        sync_delay_steps: tau, inner steps trained after the upload is built and before the
+            new global values are merged (0: none, the worker waits for them).
+        merge_alpha: alpha in [0, 1], the share of the local value kept at a merge.
+        inner_time_s: seconds of inner steps per task instead of ``inner_steps`` (0: off).
+    """
+
+    sync_delay_steps: int = 0
+    merge_alpha: float = 0.0
+    inner_time_s: float = 0.0
+
+    @property
+    def keeps_replica(self) -> bool:
+        """Whether a worker merges into a replica it keeps (tau or alpha above 0) instead of
+        taking the download as it is."""
+        return self.sync_delay_steps > 0 or self.merge_alpha > 0
+
+    @classmethod
+    def resolve(
+        cls,
+        *,
+        inner_steps: int,
+        sync_delay_steps: int | None = None,
+        merge_alpha: float | None = None,
+        inner_time_s: float | None = None,
+    ) -> Overlap:
+        """The overlap of these options, ``None`` ones at their defaults: tau 0, alpha 0 when
+        tau is 0 and ``DEFAULT_OVERLAP_ALPHA`` (0.5) when tau > 0, no time budget.
+
+        Raises:
+            ConfigError: (the option's key) tau negative or above ``inner_steps`` (H), alpha
+                outside [0, 1], ``inner_time_s`` negative or not finite.
+        """
+        tau = 0 if sync_delay_steps is None else sync_delay_steps
+        if isinstance(tau, bool) or not isinstance(tau, int) or not 0 <= tau <= inner_steps:
+            raise ConfigError(
+                "sync_delay_steps",
+                f"must be a whole number of inner steps in 0..inner_steps ({inner_steps}): the merge happens "
+                f"within the next sync interval; got {sync_delay_steps!r} (raise inner_steps or lower it)",
+            )
+        alpha = (DEFAULT_OVERLAP_ALPHA if tau > 0 else 0.0) if merge_alpha is None else merge_alpha
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
+            raise ConfigError(
+                "merge_alpha", f"must be in [0, 1] (the share of the local value kept), got {merge_alpha!r}"
+            )
+        budget = 0.0 if inner_time_s is None else inner_time_s
+        if (
+            isinstance(budget, bool)
+            or not isinstance(budget, (int, float))
+            or not (budget >= 0 and math.isfinite(budget))
+        ):
+            raise ConfigError(
+                "inner_time_s",
+                f"must be a finite number of seconds at least 0 (0: off), got {inner_time_s!r}",
+            )
+        return cls(sync_delay_steps=tau, merge_alpha=float(alpha), inner_time_s=float(budget))
+
+    @classmethod
+    def from_task(cls, config: Mapping[str, Scalar], *, inner_steps: int) -> Overlap:
+        """The overlap a task config asks for (what ``task_config`` wrote; absent keys: no overlap).
+
+        Raises:
+            ConfigError: as ``resolve``, for a task's value.
+        """
+
+        def number(key: str, kind: type) -> Any:
+            value = config.get(key)
+            if value is None:
+                return None
+            try:
+                converted = kind(value)
+            except (TypeError, ValueError):
+                return value  # resolve names it
+            return converted if converted == value or kind is float else value
+
+        return cls.resolve(
+            inner_steps=inner_steps,
+            sync_delay_steps=number("sync_delay_steps", int),
+            merge_alpha=number("merge_alpha", float),
+            inner_time_s=number("inner_time_s", float),
+        )
+
+    def task_config(self) -> dict[str, Scalar]:
+        """The task config keys that ask a worker for this overlap: none for today's synchronous
+        DiLoCo, so its tasks stay as they were."""
+        out: dict[str, Scalar] = {}
+        if self.keeps_replica:
+            out.update(sync_delay_steps=self.sync_delay_steps, merge_alpha=self.merge_alpha)
+        if self.inner_time_s > 0:
+            out["inner_time_s"] = self.inner_time_s
+        return out
 
 
 class DiLoCo(FedOpt):
     """DiLoCo's server: Nesterov outer SGD on the averaged pseudo-gradient.
 
-    Task config sent to workers: ``algorithm = "diloco"``, ``inner_steps``, ``lr`` (= ``inner_lr``).
+    Task config sent to workers: ``algorithm = "diloco"``, ``inner_steps``, ``lr`` (= ``inner_lr``),
+    and the overlap's keys when it has one (``Overlap.task_config``).
 
     Args:
         outer_lr: outer learning rate.
         outer_momentum: outer Nesterov momentum.
         inner_steps: H, the inner optimizer steps each worker runs per round.
         inner_lr: the inner optimizer's learning rate, sent as the task's ``lr``.
+        sync_delay_steps: tau, the inner steps a worker trains after its upload is built and
+            before it merges the new global values (default 0: no overlap; at most H).
+        merge_alpha: alpha in [0, 1], the share of the local value a merge keeps (default 0
+            when tau is 0, today's replace; 0.5, the streaming paper's value, when tau > 0).
+        inner_time_s: seconds of inner steps per task instead of H (default 0: off).
         aggregator: the rule applied to the workers' updates (default: weighted mean).
         sampling, legacy: as ``FedAvg`` (which clients a round asks; the old keywords).
 
     Raises:
         ValueError: an argument is out of range.
+        ConfigError: (a ``ValueError``; the option's key) a bad ``sync_delay_steps``,
+            ``merge_alpha`` or ``inner_time_s`` (``Overlap.resolve``).
     """
 
     name = "diloco"
@@ -94,6 +225,9 @@ class DiLoCo(FedOpt):
         outer_momentum: float = 0.9,
         inner_steps: int = DEFAULT_INNER_STEPS,
         inner_lr: float = DEFAULT_INNER_LR,
+        sync_delay_steps: int | None = None,
+        merge_alpha: float | None = None,
+        inner_time_s: float | None = None,
         aggregator: Aggregator | None = None,
         sampling: Sampling | None = None,
         **legacy: Any,
@@ -102,6 +236,12 @@ class DiLoCo(FedOpt):
             raise ValueError(f"inner_steps must be at least 1, got {inner_steps}")
         if not (inner_lr > 0 and math.isfinite(inner_lr)):
             raise ValueError(f"inner_lr must be positive and finite, got {inner_lr}")
+        self.overlap = Overlap.resolve(
+            inner_steps=inner_steps,
+            sync_delay_steps=sync_delay_steps,
+            merge_alpha=merge_alpha,
+            inner_time_s=inner_time_s,
+        )
         super().__init__(
             server_optimizer=ServerSGD(lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0),
             aggregator=aggregator,
@@ -118,6 +258,7 @@ class DiLoCo(FedOpt):
             "algorithm": self.name,
             "inner_steps": self.inner_steps,
             "lr": self.inner_lr,
+            **self.overlap.task_config(),
         }
 
 
@@ -134,8 +275,8 @@ class StreamingDiLoCo(DiLoCo):
 
     Args:
         num_fragments: F, the number of fragments.
-        others: ``outer_lr``, ``outer_momentum``, ``inner_steps``, ``inner_lr``, ``aggregator``, ``sampling``,
-            ``legacy``: as ``DiLoCo``.
+        others: ``outer_lr``, ``outer_momentum``, ``inner_steps``, ``inner_lr``, ``sync_delay_steps``,
+            ``merge_alpha``, ``inner_time_s``, ``aggregator``, ``sampling``, ``legacy``: as ``DiLoCo``.
 
     Raises:
         ValueError: an argument is out of range.
@@ -153,6 +294,9 @@ class StreamingDiLoCo(DiLoCo):
         outer_momentum: float = 0.9,
         inner_steps: int = DEFAULT_INNER_STEPS,
         inner_lr: float = DEFAULT_INNER_LR,
+        sync_delay_steps: int | None = None,
+        merge_alpha: float | None = None,
+        inner_time_s: float | None = None,
         aggregator: Aggregator | None = None,
         sampling: Sampling | None = None,
         **legacy: Any,
@@ -164,6 +308,9 @@ class StreamingDiLoCo(DiLoCo):
             outer_momentum=outer_momentum,
             inner_steps=inner_steps,
             inner_lr=inner_lr,
+            sync_delay_steps=sync_delay_steps,
+            merge_alpha=merge_alpha,
+            inner_time_s=inner_time_s,
             aggregator=aggregator,
             sampling=sampling,
             **legacy,

@@ -77,6 +77,15 @@ AGGREGATOR_OPTIONS = ("aggregator",) + tuple(
     f"aggregator_{p}" for p in sorted({p for params in _AGGREGATOR_PARAMS.values() for p in params})
 )
 
+_DILOCO_OPTIONS = (
+    "outer_lr",
+    "outer_momentum",
+    "inner_steps",
+    "inner_lr",
+    "sync_delay_steps",
+    "merge_alpha",
+    "inner_time_s",
+)
 _STRATEGY_OPTIONS: dict[str, tuple[str, ...]] = {
     "fedavg": (),
     "fedavgm": ("server_lr", "server_momentum", "server_nesterov"),
@@ -85,8 +94,8 @@ _STRATEGY_OPTIONS: dict[str, tuple[str, ...]] = {
     "fedadagrad": ("server_lr", "server_beta1", "server_tau"),
     "fedprox": ("proximal_mu",),
     "scaffold": ("server_lr", "total_clients"),
-    "diloco": ("outer_lr", "outer_momentum", "inner_steps", "inner_lr"),
-    "streaming-diloco": ("outer_lr", "outer_momentum", "inner_steps", "inner_lr", "num_fragments"),
+    "diloco": _DILOCO_OPTIONS,
+    "streaming-diloco": _DILOCO_OPTIONS + ("num_fragments",),
     "bcd": ("num_blocks", "block_prefixes", "block_schedule"),
 }
 
@@ -195,5 +204,7 @@ def build_strategy_from(name: str, *, policy: SelectionPolicy | None = None, **o
         return STRATEGIES[name](
             sampling=Sampling(**common, **({"policy": policy} if policy is not None else {})), **kwargs
         )
+    except ConfigError:
+        raise  # already names its key (e.g. DiLoCo's sync_delay_steps)
     except (TypeError, ValueError) as exc:
         raise ConfigError("strategy", f"{name}: {exc}") from None

@@ -11,7 +11,7 @@ from fedgrid.client.runtime import (
     run_client,
     start_client,
 )
-from fedgrid.client.session import AsyncSession, Session, Task, aconnect, connect
+from fedgrid.client.session import AsyncSession, Delivery, Session, Task, aconnect, connect
 from fedgrid.client.torch_client import TorchClient
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "connect",
     "aconnect",
     "Session",
+    "Delivery",
     "AsyncSession",
     "Task",
 ]

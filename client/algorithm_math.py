@@ -18,7 +18,7 @@ from fedgrid.aggregation.blocks import matches_prefix
 from fedgrid.aggregation.scaffold import CONTROL_DELTA_PREFIX, CONTROL_PREFIX
 from fedgrid.types import ModelState
 
-__all__ = ["ProximalTerm", "ScaffoldControl", "full", "like", "names_under", "train_only"]
+__all__ = ["ProximalTerm", "ScaffoldControl", "full", "like", "merge", "names_under", "train_only"]
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -58,6 +58,33 @@ def names_under(names: Sequence[str], prefixes: str, *, key: str) -> list[str]:
     out = [n for n in names if any(matches_prefix(n, p) for p in wanted)]
     if not out:
         raise ValueError(f"task config '{key}' = {prefixes!r} matches no tensor of the model")
+    return out
+
+
+def merge(local: ModelState, download: ModelState, names: Sequence[str], alpha: float) -> ModelState:
+    """``local`` with the tensors ``names`` merged from ``download``: ``alpha * local + (1 - alpha) *
+    download`` for floating tensors, the downloaded value for the others (integer buffers such
+    as batch norm's counter) and for every tensor when ``alpha`` is 0 (a plain replace, bit for
+    bit). The result holds new tensors where it merged, ``local``'s elsewhere.
+
+    Args:
+        local: the worker's replica, by name.
+        download: the global values, holding every one of ``names``.
+        names: the tensors to merge, in any order.
+        alpha: the share of the local value kept, in [0, 1].
+
+    Raises:
+        ValueError: ``alpha`` outside [0, 1].
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"merge alpha must be in [0, 1], got {alpha}")
+    out = OrderedDict(local)
+    for name in names:
+        mine, theirs = local[name], download[name]
+        if alpha == 0.0 or not theirs.is_floating_point():
+            out[name] = theirs
+        else:
+            out[name] = torch.lerp(theirs.to(mine.dtype), mine, alpha)
     return out
 
 

@@ -10,12 +10,20 @@ the server-side ``FitIns.expected``) sends exactly the tensors its task declares
 - ``scaffold``: the download holds ``scaffold.c.<name>`` tensors (the server control
   variate) besides the model; each step's gradient is corrected by ``c - c_i``; the upload
   is the model plus ``scaffold.c_delta.<name>`` for every control tensor.
-- ``diloco``: ``inner_steps`` steps of a persistent inner optimizer (AdamW by default).
+- ``diloco``: ``inner_steps`` steps of a persistent inner optimizer (AdamW by default);
+  with ``sync_delay_steps`` (tau) or ``merge_alpha`` above 0, on a replica kept across
+  rounds into which the whole download is merged.
 - ``streaming-diloco``: as ``diloco`` on a local replica kept across rounds; only the
-  ``merge_fragment_prefixes`` tensors are taken from the download, only the
+  ``merge_fragment_prefixes`` tensors are merged from the download, only the
   ``fragment_prefixes`` tensors are sent.
+
 - ``bcd``: only the ``block_prefixes`` tensors train (the rest frozen, their modules in
   eval mode so their buffers stay as downloaded) and only they are sent.
+
+The two DiLoCo halves overlap their sync with training when the task asks (``fedgrid.aggregation.diloco.Overlap``):
+``lookahead`` tells the trainer to keep training tau steps after the upload is built, and
+``resume`` hands the replica those steps trained to the algorithm, whose next ``start``
+merges the download into it with alpha.
 
 Each is a ``ClientAlgorithm``: hooks that every trainer calls in the same order, so the
 trainer itself never asks which algorithm runs (``TorchClient.fit``, a multi-process
@@ -23,6 +31,8 @@ subclass of it, and the batched simulation engine ``fedgrid.simulation.batched``
 of task ``ctx`` (a ``FitContext``) runs::
 
     loop(ctx=)                              -> Loop(epochs, steps)
+    time_budget(ctx=)                       -> seconds of steps instead of Loop.steps (0: none)
+    lookahead(ctx=)                         -> steps to train after the upload (0: none)
     start(download=, ctx=)                  -> the state to load and train from
     trained(names=, ctx=)                   -> the state names that train
     optimizer(trainer=, params=, ctx=)      -> the optimizer of the round
@@ -30,7 +40,10 @@ of task ``ctx`` (a ``FitContext``) runs::
     after_backward(params=)                 after each backward pass, before the step
     upload(state=, trained=, ctx=)          -> the tensors sent
 
-and ``state_dict`` / ``load_state_dict`` carry what it keeps across rounds. The batched
+then, when ``lookahead`` is above 0, the trainer trains that many more steps (in the
+background while the network works) and calls ``resume(state=)`` with the state they
+reached (``None`` if they failed) before the next ``start``. ``state_dict`` /
+``load_state_dict`` carry what it keeps across rounds. The batched
 engine does not call ``after_backward``: it applies the hook's tensorized form, which an
 algorithm states as data (``proximal_mu``, ``correction``, ``record``). An algorithm that
 defines ``after_backward`` without restating ``not_batchable`` is trained one client at a
@@ -53,7 +66,16 @@ from typing import Any, Callable, ClassVar, Iterable, Mapping, NamedTuple, Proto
 import torch
 from torch import nn
 
-from fedgrid.client.algorithm_math import ProximalTerm, ScaffoldControl, full, like, names_under, train_only
+from fedgrid.aggregation.diloco import Overlap
+from fedgrid.client.algorithm_math import (
+    ProximalTerm,
+    ScaffoldControl,
+    full,
+    like,
+    merge,
+    names_under,
+    train_only,
+)
 from fedgrid.lazy import exports
 from fedgrid.types import ModelState, Scalar
 
@@ -75,6 +97,7 @@ __all__ = [
     "algorithm_of",
     "full",
     "like",
+    "merge",
     "names_under",
     "register",
     "train_only",
@@ -148,6 +171,29 @@ class ClientAlgorithm:
         if epochs < 1:
             raise ValueError(f"local_epochs must be at least 1, got {epochs}")
         return Loop(epochs, 0)
+
+    def time_budget(self, *, ctx: FitContext) -> float:
+        """Seconds of the trainer's own compute the fit trains for (at least one step), in place
+        of ``loop``'s steps; 0 (the default): ``loop`` decides.
+
+        Raises:
+            ValueError: a bad value in the task.
+        """
+        return 0.0
+
+    def lookahead(self, *, ctx: FitContext) -> int:
+        """Steps the trainer trains after ``upload``, on the same model and optimizer, before
+        the next ``start`` (overlapped DiLoCo's tau); 0 (the default): none. They count toward
+        the next fit's steps, examples and loss.
+
+        Raises:
+            ValueError: a bad value in the task.
+        """
+        return 0
+
+    def resume(self, *, state: ModelState | None) -> None:
+        """The state the ``lookahead`` steps reached, to train on from the next ``start``;
+        ``None`` when they failed (whatever the algorithm kept of the model is then stale)."""
 
     def start(self, *, download: ModelState, ctx: FitContext) -> ModelState:
         """The state to load and train from (default: the download as it is)."""
@@ -353,39 +399,80 @@ class ScaffoldTraining(ClientAlgorithm):
 
 @register
 class DiLoCoTraining(ClientAlgorithm):
-    """``diloco``: ``inner_steps`` steps of the client's persistent inner optimizer (``Trainer.inner_optimizer``)."""
+    """``diloco``: ``inner_steps`` steps of the client's persistent inner optimizer (``Trainer.inner_optimizer``).
+
+    With the task's ``sync_delay_steps`` (tau) or ``merge_alpha`` (alpha) above 0
+    (``fedgrid.aggregation.diloco.Overlap``) it keeps a replica across rounds and merges the
+    download into it: ``alpha * replica + (1 - alpha) * global``; tau steps train after the
+    upload (``lookahead``), and the next fit trains the rest of the H.
+
+    Attributes:
+        replica: the local model kept across rounds (``None``: none, the next start takes the
+            whole download).
+    """
 
     name = "diloco"
     not_batchable = "a persistent inner optimizer per client"
+    #: The key of ``replica`` in the client's state (one per algorithm: a client keeps both).
+    replica_key: ClassVar[str] = "diloco_replica"
+
+    def __init__(self) -> None:
+        self.replica: ModelState | None = None
 
     def loop(self, *, ctx: FitContext) -> Loop:
+        """``Loop(0, inner_steps)``.
+
+        Raises:
+            ValueError: ``inner_steps`` below 1, or a bad overlap key (``overlap``).
+        """
         steps = int(ctx.config.get("inner_steps", 0))
         if steps < 1:
             raise ValueError(f"inner_steps must be at least 1, got {steps}")
+        self.overlap(ctx=ctx)  # a bad overlap key fails the task before any work
         return Loop(0, steps)
+
+    def overlap(self, *, ctx: FitContext) -> Overlap:
+        """The overlap the task asks for.
+
+        Raises:
+            ConfigError: (a ``ValueError``, naming the key) tau above ``inner_steps``, alpha
+                outside [0, 1], a negative or non-finite ``inner_time_s``.
+        """
+        return Overlap.from_task(ctx.config, inner_steps=int(ctx.config.get("inner_steps", 0)))
+
+    def keeps_replica(self, *, ctx: FitContext) -> bool:
+        """Whether this task merges into a replica (tau or alpha above 0) instead of taking the download."""
+        return self.overlap(ctx=ctx).keeps_replica
+
+    def time_budget(self, *, ctx: FitContext) -> float:
+        return self.overlap(ctx=ctx).inner_time_s
+
+    def lookahead(self, *, ctx: FitContext) -> int:
+        return self.overlap(ctx=ctx).sync_delay_steps
+
+    def resume(self, *, state: ModelState | None) -> None:
+        self.replica = state
+
+    def merged(self, *, ctx: FitContext) -> list[str]:
+        """The names of the tensors a start merges from the download (all of the model's).
+
+        Raises:
+            ValueError: a bad value in the task.
+        """
+        return list(ctx.model)
 
     def optimizer(
         self, *, trainer: Trainer, params: Sequence[nn.Parameter], ctx: FitContext
     ) -> torch.optim.Optimizer:
         return trainer.inner_optimizer
 
-
-@register
-class StreamingDiLoCoTraining(DiLoCoTraining):
-    """``streaming-diloco``: DiLoCo on a replica kept across rounds; fragments merged and sent."""
-
-    name = "streaming-diloco"
-    not_batchable = "a persistent inner optimizer and replica per client"
-
-    def __init__(self) -> None:
-        self.replica: ModelState | None = None
-
     def start(self, *, download: ModelState, ctx: FitContext) -> ModelState:
-        """The download, or the replica with the ``merge_fragment_prefixes`` tensors taken from it.
+        """The download, or the replica with the ``merged`` tensors merged from it with alpha.
 
-        A streaming task downloads the whole model, or only the fragments synced since this
-        client's last round (``FitIns.download``, see ``fedgrid.aggregation.diloco``).
-        Without a replica, the download must be the whole model.
+        A task without a replica to merge into (plain synchronous DiLoCo) takes the download
+        as it is. A download may be part of the model (streaming: the fragments synced since
+        this client's last round, ``FitIns.download``); without a replica, it must be the
+        whole model.
 
         Raises:
             ValueError: a download that is part of the model and no replica to complete it
@@ -393,28 +480,68 @@ class StreamingDiLoCoTraining(DiLoCoTraining):
                 task says to merge.
         """
         model = list(ctx.model)
+        if not self.keeps_replica(ctx=ctx):
+            self.replica = None
+            return download
         if not set(download) <= set(model):
             return download  # not this model: loading it says what differs
         if self.replica is None or list(self.replica) != model:
             if len(download) < len(model):
                 raise ValueError(
-                    f"streaming-diloco: the download holds {len(download)} of the model's {len(model)} tensors (the fragments "
+                    f"{self.name}: the download holds {len(download)} of the model's {len(model)} tensors (the fragments "
                     f"synced since client {ctx.client!r} last trained), but the client keeps no replica of the rest (restarted "
                     "without its state?); the coordinator sends the whole model after this failed round"
                 )
             return download
-        merge = names_under(
-            model, str(ctx.config.get("merge_fragment_prefixes", "")), key="merge_fragment_prefixes"
-        )
-        missing = [n for n in merge if n not in download]
+        names = self.merged(ctx=ctx)
+        missing = [n for n in names if n not in download]
         if missing:
             raise ValueError(
-                f"streaming-diloco: the download lacks {len(missing)} tensors the task says to merge (first: {missing[0]!r})"
+                f"{self.name}: the download lacks {len(missing)} tensors the task says to merge (first: {missing[0]!r})"
             )
-        merged = OrderedDict(self.replica)
-        for name in merge:
-            merged[name] = download[name]
-        return merged
+        return merge(self.replica, download, names, self.overlap(ctx=ctx).merge_alpha)
+
+    def upload(self, *, state: ModelState, trained: Sequence[str], ctx: FitContext) -> ModelState:
+        if not self.keeps_replica(ctx=ctx):
+            return state
+        self.replica = state
+        return OrderedDict(
+            state
+        )  # not the OwnedState: a receiver in this process must not keep the replica's tensors
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            self.replica_key: None
+            if self.replica is None
+            else OrderedDict((n, t.clone()) for n, t in self.replica.items())
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        replica = state.get(self.replica_key)
+        self.replica = (
+            None if replica is None else OrderedDict((n, t.detach().clone()) for n, t in replica.items())
+        )
+
+
+@register
+class StreamingDiLoCoTraining(DiLoCoTraining):
+    """``streaming-diloco``: DiLoCo on a replica kept across rounds; fragments merged and sent.
+
+    Every task keeps the replica (alpha 0, a plain replace of the merged fragments, unless
+    the task says otherwise); ``merge_fragment_prefixes`` names what is merged.
+    """
+
+    name = "streaming-diloco"
+    not_batchable = "a persistent inner optimizer and replica per client"
+    replica_key = "replica"
+
+    def keeps_replica(self, *, ctx: FitContext) -> bool:
+        return True
+
+    def merged(self, *, ctx: FitContext) -> list[str]:
+        return names_under(
+            ctx.model, str(ctx.config.get("merge_fragment_prefixes", "")), key="merge_fragment_prefixes"
+        )
 
     def upload(self, *, state: ModelState, trained: Sequence[str], ctx: FitContext) -> ModelState:
         self.replica = state
@@ -423,19 +550,6 @@ class StreamingDiLoCoTraining(DiLoCoTraining):
             for n in names_under(
                 trained, str(ctx.config.get("fragment_prefixes", "")), key="fragment_prefixes"
             )
-        )
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "replica": None
-            if self.replica is None
-            else OrderedDict((n, t.clone()) for n, t in self.replica.items())
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        replica = state.get("replica")
-        self.replica = (
-            None if replica is None else OrderedDict((n, t.detach().clone()) for n, t in replica.items())
         )
 
 

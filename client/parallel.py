@@ -375,6 +375,7 @@ class ParallelClient(Client):
         return f"{type(exc).__name__}: {exc}"
 
     def fit(self, state: ModelState, ins: FitIns) -> FitOutput:
+        _refuse_time_budget(ins, f"parallel client {self.name!r} ({self.spec.nproc} ranks)")
         return self._run("fit", state, ins.config, lambda client, full: client.fit(full, ins), ins.round)
 
     def evaluate(self, state: ModelState, config: Mapping[str, Scalar]) -> EvaluateOutput:
@@ -390,6 +391,21 @@ class ParallelClient(Client):
             self._saved = dict(state)
             if self._commands is not None:  # running ranks hold the old state: they start again with this one
                 self._teardown()
+
+
+def _refuse_time_budget(ins: FitIns, who: str) -> None:
+    """Refuses a task with a time budget (``inner_time_s``) before any rank starts it: each rank's
+    clock would stop it after another number of steps, and their collectives would hang.
+
+    Raises:
+        ValueError: naming ``inner_time_s``.
+    """
+    budget = ins.config.get("inner_time_s")
+    if budget is not None and float(budget) > 0:
+        raise ValueError(
+            f"{who} trains on several processes, whose steps must match: it cannot take "
+            f"inner_time_s={budget} (a time budget); use inner_steps"
+        )
 
 
 def _loopback() -> str:
@@ -419,6 +435,7 @@ class _TorchrunClient(Client):
         return self.local.num_examples
 
     def fit(self, state: ModelState, ins: FitIns) -> FitOutput:
+        _refuse_time_budget(ins, f"torchrun client {self.name!r}")
         self.commands.send({"op": "fit", "round": ins.round, "config": dict(ins.config)})
         return self.local.fit(_broadcast_state(state, self.local.device), ins)
 

@@ -68,6 +68,11 @@ class _DistributedSeams:
     _hook: tuple[Any, Any] | None
     _global: tuple[torch.Tensor, torch.Tensor]
     _base: type[TorchClient]  # the factory's class, whose methods these replace
+    # Overlapped DiLoCo's lookahead runs before fit returns, on every rank in step (a background
+    # thread would interleave its collectives with the next command's); no time budget: each
+    # rank's clock would stop it after another number of steps, and the collectives would hang.
+    _background_lookahead = False
+    _time_budget_allowed = False
 
     def _load(self, state: Mapping[str, torch.Tensor]) -> None:
         if self._spec.mode == "dp":

@@ -10,6 +10,17 @@ it likes, and hands the result back::
             loss = train_for_a_while(model)            # the program's own loop
             session.submit(FitOutput(model.state_dict(), num_examples=len(data), metrics={"loss": loss}))
 
+Overlapped syncs (DiLoCo's ``sync_delay_steps``, tau): ``submit_nowait`` hands the result
+over and returns at once; the upload, then the poll and download of the next task, run in
+the background while the program trains its tau steps; at its merge step it waits on the
+handle (which counts the seconds it blocked), and the next ``tasks()`` item is already there::
+
+    for task in session.tasks():
+        merge_and_train(model, task.state, steps=inner_steps - tau)
+        sync = session.submit_nowait(FitOutput(model.state_dict(), num_examples=n))
+        train(model, steps=tau)                     # while the network works
+        sync.wait(timeout=600)                      # blocks only if the sync is late
+
 ``aconnect`` is the same for asyncio (``async with`` / ``async for`` / ``await``): its
 blocking gRPC calls run in a worker thread of the session, so the event loop never blocks.
 
@@ -33,6 +44,7 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
@@ -52,7 +64,16 @@ from fedgrid.errors import InvalidUpdateError, SessionError, StaleTaskError
 from fedgrid.proto.tls import TLSFiles
 from fedgrid.types import EVALUATE, FIT, EvaluateIns, FitIns, MessageIns, ModelState, Scalar
 
-__all__ = ["Task", "Session", "AsyncSession", "MessageHandler", "ErrorHook", "connect", "aconnect"]
+__all__ = [
+    "Task",
+    "Session",
+    "Delivery",
+    "AsyncSession",
+    "MessageHandler",
+    "ErrorHook",
+    "connect",
+    "aconnect",
+]
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +150,53 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
+class Delivery:
+    """A fit result on its way (``Session.submit_nowait``): its upload, then the poll and download
+    of the next task, in a background thread of the session.
+
+    Attributes:
+        waited_s: seconds the host blocked in ``wait`` (a sync later than its tau steps).
+        next_round: once ``done``, the round of the task fetched next (``None``: the run
+            finished or the session closed).
+    """
+
+    def __init__(self, work: Callable[[], TaskReport | None]) -> None:
+        self.waited_s = 0.0
+        self.next_round: int | None = None
+        self._report: TaskReport | None = None
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                self._report = work()
+            except BaseException as exc:  # handed to wait() and to the next tasks() item
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, name="fedgrid-session-delivery", daemon=True)
+        self._thread.start()
+
+    def done(self) -> bool:
+        """Whether the upload landed (or failed) and the next task is here (or the run ended)."""
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> TaskReport | None:
+        """Blocks until ``done``; returns the upload's ``TaskReport`` (``None``: it did not land,
+        ``on_error`` says why). The seconds blocked add to ``waited_s``.
+
+        Raises:
+            TimeoutError: not done within ``timeout`` seconds (it goes on; wait again).
+            RpcFailed: what the upload or the poll raised, as ``submit`` and ``tasks()`` would.
+        """
+        began = time.monotonic()
+        self._thread.join(timeout)
+        self.waited_s += time.monotonic() - began
+        if self._thread.is_alive():
+            raise TimeoutError(f"the upload and the next task still on their way after {timeout}s")
+        if self._error is not None:
+            raise self._error
+        return self._report
+
+
 class Session:
     """A client of ``coordinator`` whose host program trains: see the module's docstring.
 
@@ -193,6 +261,10 @@ class Session:
         self._heartbeat: _Heartbeat | None = None
         self._lock = threading.Lock()  # guards the open task and the closing
         self._open: tuple[TaskStep, Task] | None = None
+        #: ``submit_nowait``'s delivery and the next step it fetched (``tasks()`` takes it).
+        self._pending: Delivery | None = None
+        self._prefetched: TaskStep | None = None
+        self._steps: Iterator[TaskStep] | None = None
         self._joined = self._closed = False
         self._since = self.timeline.clock()  # the first fit's window opens here (again at open())
         #: Fit results that landed.
@@ -290,19 +362,16 @@ class Session:
         """
         if not self._joined or self._closed:
             raise SessionError("tasks() needs an open session: use `with connect(...) as session:`")
-        feed = iter(self._feed)
+        self._steps = iter(self._feed)
         while True:
-            try:
-                step = next(feed, None)
-            except RpcFailed:
-                if self._closed:  # close() from another thread cut the call short
-                    return
-                raise
+            pending, self._pending = self._pending, None
+            if pending is not None:  # submit_nowait fetched it
+                pending.wait()
+                step, self._prefetched = self._prefetched, None
+            else:
+                step = self._next_step()
             if step is None:
                 return
-            if step.kind == EVALUATE and not self._evaluate:
-                self._deliver(step, self._task(step), OrderedDict(), 0, {})
-                continue
             task = self._task(step)
             with self._lock:
                 self._open = (step, task)
@@ -343,6 +412,39 @@ class Session:
                 self._error(exc, task)
                 return None
         return self._deliver(step, task, update, result.num_examples, metrics)
+
+    def submit_nowait(self, result: FitOutput) -> Delivery:
+        """Answers the open fit task as ``submit`` does, without waiting: the upload, then the
+        poll and download of the next task, run in the background (the module docstring).
+        ``tasks()`` yields that next task once it is there, and re-raises what failed.
+
+        Raises:
+            SessionError: no task is open, or a delivery is still on its way.
+            TypeError, ValueError: as ``submit`` (the task stays open).
+        """
+        if self._pending is not None:
+            raise SessionError(
+                "submit_nowait(): the previous result is still on its way; take the next task first"
+            )
+        step, task = self._take("submit_nowait", result)
+        metrics, refused = dict(result.metrics), False
+        try:
+            step.check(result.state, metrics)
+        except InvalidUpdateError as exc:
+            self._fail(step, task, _reason(exc))
+            self._error(exc, task)
+            refused = True
+
+        def work() -> TaskReport | None:
+            report = (
+                None if refused else self._deliver(step, task, result.state, result.num_examples, metrics)
+            )
+            self._prefetched = self._next_step()
+            delivery.next_round = None if self._prefetched is None else self._prefetched.round
+            return report
+
+        delivery = self._pending = Delivery(work)
+        return delivery
 
     def report_failure(self, reason: str | BaseException) -> None:
         """Answers the open task with a failure: the round records ``reason`` at once (an
@@ -387,6 +489,21 @@ class Session:
             deadline_s=step.deadline_s,
             task_id=step.task_id,
         )
+
+    def _next_step(self) -> TaskStep | None:
+        """The next task the host takes (evaluations answered here when it does not), ``None``
+        once the run finished or the session closed."""
+        assert self._steps is not None
+        while True:
+            try:
+                step = next(self._steps, None)
+            except RpcFailed:
+                if self._closed:  # close() from another thread cut the call short
+                    return None
+                raise
+            if step is None or step.kind != EVALUATE or self._evaluate:
+                return step
+            self._deliver(step, self._task(step), OrderedDict(), 0, {})
 
     def _take(self, what: str, result: object = None) -> tuple[TaskStep, Task]:
         with self._lock:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import copy
+import sys
 import threading
+import time
 from collections import OrderedDict
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -21,12 +24,9 @@ from fedgrid.client.algorithms import (
 from fedgrid.client.api import Client, EvaluateOutput, FitOutput, OwnedState
 from fedgrid.client.loaders import NotPlainLoader, PlainLoader, plain_loader
 from fedgrid.client.precision import autocast
-from fedgrid.seeding import derive_seed
+from fedgrid.client.timeline import COMPUTE
+from fedgrid.seeding import RNG_LOCK, derive_seed
 from fedgrid.types import FitIns, ModelState, Scalar
-
-#: torch's RNG is process-wide: whoever trains under a client's seed (TorchClient.fit, the batched
-#: simulation engine) holds this lock, so clients in threads of one process see only their own seeds.
-RNG_LOCK = threading.Lock()
 
 __all__ = ["TorchClient", "RNG_LOCK", "MEMORY_FORMATS", "default_device", "default_inner_optimizer"]
 
@@ -37,6 +37,33 @@ MEMORY_FORMATS = ("auto", "contiguous", "channels_last")
 def default_inner_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     """DiLoCo's default inner optimizer: AdamW with torch's defaults (lr 1e-3, weight decay 0.01)."""
     return torch.optim.AdamW(params)
+
+
+@dataclass
+class _Lookahead:
+    """The steps a client trains after an upload (``ClientAlgorithm.lookahead``) and what they gave.
+
+    Attributes:
+        algorithm: the algorithm of the task whose upload they follow.
+        round: that task's round.
+        steps: the steps asked for.
+        seen: examples they trained on.
+        loss_sum: the sum of their example losses.
+        compute_s: seconds they took.
+        state: the state they reached, until handed to the algorithm's ``resume``.
+        error: what they raised, if they failed.
+        thread: the background thread running them, until joined.
+    """
+
+    algorithm: str
+    round: int
+    steps: int
+    seen: int = 0
+    loss_sum: float = 0.0
+    compute_s: float = 0.0
+    state: ModelState | None = None
+    error: BaseException | None = None
+    thread: threading.Thread | None = None
 
 
 def default_device() -> torch.device:
@@ -56,6 +83,18 @@ class TorchClient(Client):
     ``fit`` runs. This object holds one instance of each algorithm (``algorithm(name)``), so
     what one keeps across rounds (SCAFFOLD's ``c_i``, the streaming replica) and the DiLoCo
     inner optimizer live here; ``state_dict`` / ``load_state_dict`` save and restore them.
+
+    Overlapped DiLoCo (a task whose algorithm asks for ``lookahead`` steps, tau): ``fit``
+    builds its upload, then starts a background thread (one per client) that trains tau more
+    inner steps on ``model`` with the same inner optimizer while the runtime uploads, polls
+    and downloads; it records its compute on ``timeline``. The next ``fit`` waits for those
+    steps (compute still running, not a network wait), hands the state they reached to the
+    algorithm, which merges the download into it, and trains the rest of the task's steps;
+    the steps' examples and loss count toward that fit. ``evaluate``, ``state_dict`` and
+    ``load_state_dict`` wait for them first; if they failed, the next ``fit`` raises their
+    error and the replica is dropped. A multi-process trainer (``_background_lookahead``
+    False) trains them before ``fit`` returns. The thread is a daemon: a process that exits
+    does not wait for it.
 
     Args:
         model: the module; its ``state_dict`` is what travels.
@@ -77,6 +116,13 @@ class TorchClient(Client):
             way. The same client code trains a simulation and a deployment, so the two stay
             bit-identical.
     """
+
+    #: Whether the lookahead runs in a background thread (``False``: before ``fit`` returns, as a
+    #: multi-process trainer needs: its ranks' collectives must run in the same order on each).
+    _background_lookahead: ClassVar[bool] = True
+    #: Whether a task may ask for a time budget (``inner_time_s``): each rank of a multi-process
+    #: trainer would stop after another number of steps, and their collectives would hang.
+    _time_budget_allowed: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -111,6 +157,7 @@ class TorchClient(Client):
         self.region = region
         self._algorithms: dict[str, ClientAlgorithm] = {}
         self._inner_optimizer: torch.optim.Optimizer | None = None
+        self._lookahead: _Lookahead | None = None
         self._plain: tuple[object, object, PlainLoader | None] | None = (
             None  # (loader, its dataset, plain_loader of it)
         )
@@ -178,16 +225,27 @@ class TorchClient(Client):
 
         The algorithm's hooks (``fedgrid.client.algorithms.ClientAlgorithm``) decide what to
         train from, what trains, with which optimizer, for how long, the gradients of each
-        step and what is sent; this method runs them in order around ``_train``.
+        step and what is sent; this method runs them in order around ``_train``, and the
+        lookahead after (the class docstring).
 
         Raises:
             ValueError: an unknown algorithm, a bad task value, no training data, or a download
                 the algorithm cannot train from (e.g. a streaming fragment without a replica).
+            RuntimeError: the lookahead after the previous task failed (its error named).
         """
         config = ins.config
-        algorithm = self.algorithm(algorithm_of(config))
+        name = algorithm_of(config)
+        algorithm = self.algorithm(name)
         ctx = FitContext(config=config, model=tuple(self.model.state_dict()), client=self.name)
         epochs, steps = algorithm.loop(ctx=ctx)
+        budget = algorithm.time_budget(ctx=ctx)
+        ahead = algorithm.lookahead(ctx=ctx)
+        if budget and not self._time_budget_allowed:
+            raise ValueError(
+                f"client {self.name!r} trains on several processes, whose steps must match: it cannot "
+                f"take inner_time_s={budget} (a time budget); use inner_steps"
+            )
+        done = self._take_lookahead(name)
         start = algorithm.start(download=state, ctx=ctx)
         self._lay_out()
         self._load(start)
@@ -206,18 +264,102 @@ class TorchClient(Client):
                 optimizer,
                 seed=self.round_seed(ins),
                 epochs=epochs,
-                steps=steps,
+                steps=max(steps - done.steps, 0) if done is not None else steps,
+                time_s=self._time_left(budget, done),
                 after_backward=lambda: algorithm.after_backward(params=named),
             )
             loss_sum, seen = self._reduce_totals(loss_sum, seen)
+        if done is not None:  # the lookahead's steps are this task's first ones
+            loss_sum, seen = loss_sum + done.loss_sum, seen + done.seen
         if seen == 0:
             raise ValueError(f"client {self.name!r} has no training data")
         out = algorithm.upload(state=self._state(), trained=trained, ctx=ctx)
+        if ahead:
+            self._start_lookahead(algorithm, ctx, ins, trained=trained, steps=ahead)
         # The weight is the distinct examples trained on, never more than held (and reported
         # at join; the coordinator refuses a claim above that): H steps may cycle the data.
         held = self.num_examples
         num_examples = (min(seen, held) if held else seen) if steps else seen // epochs
         return FitOutput(state=out, num_examples=num_examples, metrics={"loss": loss_sum / seen})
+
+    @staticmethod
+    def _time_left(budget: float, done: _Lookahead | None) -> float:
+        """A fit's time budget less what its lookahead took (``budget`` 0: none): above 0 even
+        when the lookahead took it all, since a budgeted fit trains at least one step."""
+        if not budget:
+            return 0.0
+        return max(budget - (done.compute_s if done is not None else 0.0), sys.float_info.min)
+
+    def _start_lookahead(
+        self, algorithm: ClientAlgorithm, ctx: FitContext, ins: FitIns, *, trained: list[str], steps: int
+    ) -> None:
+        """Trains ``steps`` more steps of ``algorithm`` after the upload of task ``ins``: in a
+        background thread, or now when ``_background_lookahead`` is false."""
+        job = _Lookahead(algorithm=algorithm.name, round=ins.round, steps=steps)
+        # Seeded by the task that just ended: the next one's round is not known yet (a worker
+        # of an asynchronous run may skip rounds), and a step number must fix every batch.
+        seed = derive_seed(ins.config.get("seed", 0), ins.round, self.seed, self.name, "lookahead")
+
+        def run() -> None:
+            began = time.monotonic()
+            try:
+                with self.timeline.span(COMPUTE):
+                    self.model.train()
+                    with train_only(self.model, trained) as params:
+                        optimizer = algorithm.optimizer(trainer=self, params=params, ctx=ctx)
+                        named = OrderedDict(
+                            (n, p) for n, p in self.model.named_parameters() if p.requires_grad
+                        )
+                        loss_sum, seen = self._train(
+                            optimizer,
+                            seed=seed,
+                            epochs=0,
+                            steps=steps,
+                            after_backward=lambda: algorithm.after_backward(params=named),
+                        )
+                        job.loss_sum, job.seen = self._reduce_totals(loss_sum, seen)
+                    job.state = self._state()
+            except BaseException as exc:  # handed to the next fit, which fails naming it
+                job.error = exc
+            job.compute_s = time.monotonic() - began
+
+        self._lookahead = job
+        if not self._background_lookahead:
+            run()
+            return
+        job.thread = threading.Thread(target=run, name=f"fedgrid-lookahead-{self.name}", daemon=True)
+        job.thread.start()
+
+    def wait_lookahead(self) -> None:
+        """Waits for the steps that train after an upload (the class docstring) and hands the
+        state they reached to their algorithm (``ClientAlgorithm.resume``); returns at once
+        when none run. ``fit``, ``evaluate``, ``state_dict`` and ``load_state_dict`` call it."""
+        job = self._lookahead
+        if job is None:
+            return
+        if job.thread is not None:
+            job.thread.join()
+            job.thread = None
+        if job.state is not None or job.error is not None:
+            self.algorithm(job.algorithm).resume(state=job.state)
+            job.state = None
+
+    def _take_lookahead(self, algorithm: str) -> _Lookahead | None:
+        """The finished lookahead, for the next fit of ``algorithm`` to count (``None`` if none,
+        or if it followed another algorithm's task).
+
+        Raises:
+            RuntimeError: the lookahead failed (its replica is dropped).
+        """
+        self.wait_lookahead()
+        job, self._lookahead = self._lookahead, None
+        if job is not None and job.error is not None:
+            raise RuntimeError(
+                f"client {self.name!r}: the {job.steps} inner steps after round {job.round}'s upload "
+                f"(sync_delay_steps) failed: {type(job.error).__name__}: {job.error}; the replica is dropped, "
+                "so the coordinator sends the whole model after this failed round"
+            ) from job.error
+        return job if job is not None and job.algorithm == algorithm else None
 
     def round_seed(self, ins: FitIns) -> int:
         """The seed of this client's shuffling (and dropout) for task ``ins``."""
@@ -261,10 +403,13 @@ class TorchClient(Client):
         seed: int,
         epochs: int,
         steps: int,
+        time_s: float = 0.0,
         after_backward: Callable[[], None] | None = None,
     ) -> tuple[float, int]:
         """The local loop; returns (sum of example losses, examples seen). ``after_backward``
         runs after each backward pass, before the optimizer's step (the algorithm's hook).
+        ``time_s`` > 0 trains steps (at least one, cycling through the data) until that many
+        seconds have passed, in place of ``epochs`` and ``steps``.
 
         Raises:
             ValueError: the loader gave no data.
@@ -282,7 +427,15 @@ class TorchClient(Client):
             if self.device.type == "cuda":
                 with torch.cuda.device(self.device):
                     torch.cuda.manual_seed(seed)
-            for inputs, targets in self._batches(epochs=epochs, steps=steps):
+            began = time.monotonic()
+            batches = (
+                self._batches(epochs=0, steps=sys.maxsize)
+                if time_s > 0
+                else self._batches(epochs=epochs, steps=steps)
+            )
+            for inputs, targets in batches:
+                if seen and time_s > 0 and time.monotonic() - began >= time_s:
+                    break
                 inputs, targets = self._inputs(inputs), targets.to(self.device)
                 optimizer.zero_grad(set_to_none=True)
                 loss, example_loss_sum = self._batch_loss(module, inputs, targets)
@@ -323,17 +476,31 @@ class TorchClient(Client):
         return loss_sum, seen
 
     def state_dict(self) -> dict[str, Any]:
-        """What this client keeps across rounds: the inner optimizer and each algorithm's state
-        (SCAFFOLD's ``c_i`` under ``scaffold``, streaming DiLoCo's ``replica``, ...).
+        """What this client keeps across rounds: the inner optimizer, a finished lookahead's count
+        (``lookahead``) and each algorithm's state (SCAFFOLD's ``c_i`` under ``scaffold``,
+        streaming DiLoCo's ``replica``, ...). Waits for a running lookahead first.
 
         Raises:
             ValueError: two algorithms keep state under one key.
         """
+        self.wait_lookahead()
+        job = self._lookahead
         # A snapshot: the optimizer's own state_dict shares its tensors, which later steps change in place.
         state: dict[str, Any] = {
             "inner_optimizer": None
             if self._inner_optimizer is None
-            else copy.deepcopy(self._inner_optimizer.state_dict())
+            else copy.deepcopy(self._inner_optimizer.state_dict()),
+            # A finished lookahead: a restored client counts it as this one would.
+            "lookahead": None
+            if job is None or job.error is not None
+            else {
+                "algorithm": job.algorithm,
+                "round": job.round,
+                "steps": job.steps,
+                "seen": job.seen,
+                "loss_sum": job.loss_sum,
+                "compute_s": job.compute_s,
+            },
         }
         for name in ALGORITHMS:  # every one, so the keys do not depend on which have run
             for key, value in self.algorithm(name).state_dict().items():
@@ -346,6 +513,9 @@ class TorchClient(Client):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores what ``state_dict`` returned (the model's weights come with the next task)."""
+        self.wait_lookahead()
+        ahead = state.get("lookahead")
+        self._lookahead = None if ahead is None else _Lookahead(**ahead)
         if state.get("inner_optimizer") is not None:
             self.inner_optimizer.load_state_dict(copy.deepcopy(state["inner_optimizer"]))
         else:
@@ -357,6 +527,7 @@ class TorchClient(Client):
     def evaluate(self, state: ModelState, config: Mapping[str, Scalar]) -> EvaluateOutput:
         if self.eval_loader is None:
             raise NotImplementedError(f"client {self.name!r} has no evaluation data")
+        self.wait_lookahead()  # it trains the model this loads into; the replica is the algorithm's by now
         self._load(state)
         self.model.eval()
         total_loss, correct, scored, seen = 0.0, 0, 0, 0

@@ -10,6 +10,7 @@ always travel whole. With the ``none`` codec the update travels whole and bit-ex
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Mapping
 
 import torch
@@ -17,6 +18,7 @@ import torch
 from fedgrid.compression import parse_codec_spec
 from fedgrid.compression.feedback import ErrorFeedback, is_delta_tensor, reconstruct
 from fedgrid.proto.serde import EncodedModel
+from fedgrid.seeding import RNG_LOCK
 
 __all__ = [
     "UplinkEncoder",
@@ -47,10 +49,15 @@ class UplinkEncoder:
         if self.feedback is None:
             return EncodedModel(new_state, codec=self.spec), False
         items = []
-        for name, tensor in new_state.items():
-            value = tensor - global_state[name].to(tensor.device) if is_delta_tensor(tensor) else tensor
-            sent = self.feedback.encode(name, value.detach().to("cpu"))
-            items.append((name, tensor.dtype, tuple(tensor.shape), self.feedback.codec.name, sent.payload))
+        # A stochastic codec draws from torch's default generator: not while a trainer in this
+        # process draws from it (overlapped DiLoCo trains while its upload is encoded).
+        with RNG_LOCK if self.feedback.codec.stochastic else contextlib.nullcontext():
+            for name, tensor in new_state.items():
+                value = tensor - global_state[name].to(tensor.device) if is_delta_tensor(tensor) else tensor
+                sent = self.feedback.encode(name, value.detach().to("cpu"))
+                items.append(
+                    (name, tensor.dtype, tuple(tensor.shape), self.feedback.codec.name, sent.payload)
+                )
         return EncodedModel.from_payloads(items), True
 
     def state_dict(self) -> dict[str, Any]:

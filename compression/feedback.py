@@ -25,6 +25,7 @@ Both are pure: tensors in, tensors and bytes out; no I/O, no logging.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -35,6 +36,7 @@ import torch
 from fedgrid.compression.base import LOSSY_DTYPES, Codec, IdentityCodec
 from fedgrid.compression.registry import get_codec, parse_codec_spec
 from fedgrid.errors import ConfigError, InvalidUpdateError
+from fedgrid.seeding import RNG_LOCK
 
 __all__ = [
     "Transmitted",
@@ -313,14 +315,16 @@ class ShadowModel:
         """
         _check_specs(self._shadow, global_state)
         payloads: dict[str, bytes] = {}
-        for name, s in self._shadow.items():
-            g = global_state[name].detach().to(s.device)
-            if s.dtype in LOSSY_DTYPES:
-                work = _work_dtype(s.dtype)
-                delta = (g.to(work) - s.to(work)).to(s.dtype)
-                payloads[name] = bytes(self.codec.encode(delta, generator=generator, key=name))
-            else:
-                payloads[name] = bytes(IdentityCodec().encode(g))
+        # Torch's default generator is the process's: not while a client trains in this one (simulation).
+        with RNG_LOCK if self.codec.stochastic and generator is None else contextlib.nullcontext():
+            for name, s in self._shadow.items():
+                g = global_state[name].detach().to(s.device)
+                if s.dtype in LOSSY_DTYPES:
+                    work = _work_dtype(s.dtype)
+                    delta = (g.to(work) - s.to(work)).to(s.dtype)
+                    payloads[name] = bytes(self.codec.encode(delta, generator=generator, key=name))
+                else:
+                    payloads[name] = bytes(IdentityCodec().encode(g))
         update = DownlinkUpdate(
             version=self.version + 1, base_version=self.version, codec=self.codec.name, payloads=payloads
         )

@@ -178,6 +178,8 @@ class QSGDCodec(FloatCodec):
         levels: quantization levels ``s`` per sign, 1..32767.
     """
 
+    stochastic = True
+
     def __init__(self, levels: int) -> None:
         self.bits = _code_bits(levels)
         if levels < 1:

@@ -101,6 +101,7 @@ class RandKCodec(SparseCodec):
     """``randk:FRACTION``: ``k`` elements drawn uniformly without replacement from ``generator``."""
 
     family = "randk"
+    stochastic = True
 
     def _select(self, flat: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:
         # One draw from ``generator`` seeds numpy's sampler, which picks k of n without

@@ -213,6 +213,21 @@ class Config:
         None,
     )
     num_fragments: int | None = _key("streaming-diloco: F, fragments synced in rotation", None)
+    sync_delay_steps: int | None = _key(
+        "diloco, streaming-diloco: tau, inner steps a worker keeps training after it sends, before it merges "
+        "the new global values (overlapped sync; default 0: wait for them; at most inner_steps)",
+        None,
+    )
+    merge_alpha: float | None = _key(
+        "diloco, streaming-diloco: alpha in [0, 1], the share of the local values kept at a merge: "
+        "local = alpha * local + (1 - alpha) * global (default 0 with sync_delay_steps 0, else 0.5)",
+        None,
+    )
+    inner_time_s: float | None = _key(
+        "diloco, streaming-diloco: run inner steps for this many seconds of compute (at least one) instead "
+        "of inner_steps, so workers of different speeds arrive together (default 0: off; not bit-reproducible)",
+        None,
+    )
     num_blocks: int | None = _key("bcd: B, blocks of the default partition", None)
     block_prefixes: str | None = _key("bcd: blocks as name prefixes, e.g. 'conv1,conv2;fc'", None)
     block_schedule: str | None = _key(

@@ -6,7 +6,11 @@ The contract (the README's "Determinism" section says the same to users):
   clients, the same torch build, the same intra-op thread count (``threads``) and the same
   engine: a deployment (coordinator plus client processes) and ``fedgrid simulate
   --engine sequential``; a deployment killed or stopped any number of times and an
-  uninterrupted one; a run and its rerun from the run directory's ``config.toml``.
+  uninterrupted one; a run and its rerun from the run directory's ``config.toml``;
+  overlapped DiLoCo (``sync_delay_steps`` > 0) deployed and simulated, since its merge
+  happens at a step number, never at an arrival time (``fedgrid.aggregation.diloco``).
+- **Not reproducible**: a run with ``inner_time_s`` > 0, whose workers run as many inner
+  steps as fit in a time budget.
   Updates are aggregated in a canonical order (the order of the assignments, never the
   order of arrival), so network timing never enters the arithmetic.
 - **Different bits** come from a different intra-op thread count (torch splits a matmul's

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 
 from fedgrid.errors import ConfigError
+from fedgrid.seeding import RNG_LOCK
 from fedgrid.types import ModelState
 
 __all__ = ["load_object", "check_spec", "is_factory_spec", "initial_state", "model_state", "MODEL_SCHEMES"]
@@ -105,7 +106,7 @@ def _origin(module_name: str) -> str:
 
 def initial_state(model_factory: Callable[[], torch.nn.Module], seed: int) -> ModelState:
     """The model initialized from ``seed`` (identical in every process; the global RNG is left as it was)."""
-    with torch.random.fork_rng(devices=[]):
+    with RNG_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_factory()
     return OrderedDict((k, v.detach().clone()) for k, v in model.state_dict().items())

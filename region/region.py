@@ -21,7 +21,12 @@ and ``bytes_down.NAME`` per region.
 **Strategies.** The regional strategy is the region's own (``strategy`` and its keys); the
 global one may differ (FedAvg in regions, a DiLoCo outer step globally). A region sends
 its whole model, so a global strategy whose clients send part of it or extra tensors
-(``scaffold``, ``streaming-diloco``, ``bcd``) is refused by name.
+(``scaffold``, ``streaming-diloco``, ``bcd``) is refused by name. So is a global task that
+asks its worker to overlap its sync (``sync_delay_steps``, ``merge_alpha``, ``inner_time_s``
+of ``fedgrid.aggregation.diloco.Overlap``): a region ends its regional rounds, sends, and takes
+the global model whole. Overlapped workers *in* a region are the regional strategy's own
+(``fedgrid region --strategy streaming-diloco --sync-delay-steps N``): the region relays
+their tasks as any other.
 
 **Goodput.** A region counts as one learner: its fit result upstream carries the sums of
 its workers' time splits over its H regional rounds (``compute_s``, ``comm_s``, ``wait_s``,
@@ -72,7 +77,7 @@ from fedgrid.server.strategies import build_strategy
 from fedgrid.textsafe import escape
 from fedgrid.types import FitIns, ModelState
 
-__all__ = ["RegionClient", "run_region", "UPSTREAM_RETRY_MAX_S", "PARTIAL_ALGORITHMS"]
+__all__ = ["RegionClient", "run_region", "UPSTREAM_RETRY_MAX_S", "PARTIAL_ALGORITHMS", "OVERLAP_KEYS"]
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +87,8 @@ UPSTREAM_RETRY_MAX_S = 60.0
 NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 #: Global strategies whose clients send something other than the whole model.
 PARTIAL_ALGORITHMS = ("scaffold", "streaming-diloco", "bcd")
+#: Global task keys that ask a worker to overlap its sync (``Overlap.task_config``): a region cannot.
+OVERLAP_KEYS = ("sync_delay_steps", "merge_alpha", "inner_time_s")
 
 
 class RegionClient(Client):
@@ -117,7 +124,8 @@ class RegionClient(Client):
         """Runs H regional rounds from the global ``state``; returns the regional model.
 
         Raises:
-            ValueError: a global strategy whose clients send part of the model (named).
+            ValueError: a global strategy whose clients send part of the model, or a global task
+                that asks for an overlapped sync (named).
             RuntimeError: a regional round that no client completed, or whose aggregate
                 failed (the global round hears it as this region's failure).
         """
@@ -126,6 +134,13 @@ class RegionClient(Client):
             raise ValueError(
                 f"the global strategy asks for {algorithm!r}, whose clients send part of the model or extra tensors; "
                 "a region sends its whole regional model (use fedavg, the fedopt family or diloco globally)"
+            )
+        overlap = [k for k in OVERLAP_KEYS if float(ins.config.get(k, 0) or 0) > 0]
+        if overlap:
+            raise ValueError(
+                f"the global task asks this region to overlap its sync ({', '.join(overlap)}); a region "
+                "sends its model after its regional rounds and takes the global one whole: unset them on "
+                "the global strategy (set them on the region's own strategy for its workers)"
             )
         strategy = self.engine.strategy
         if self._initialized:

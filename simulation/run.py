@@ -98,6 +98,14 @@ def _regions(config: Config, clients: list, profiles: ClientProfiles) -> list:
             f"{config.strategy} clients send part of the model or extra tensors; the regions of a hierarchy "
             "send their whole model (use fedavg, the fedopt family or diloco as the global strategy)",
         )
+    for key in ("sync_delay_steps", "merge_alpha", "inner_time_s"):
+        if getattr(config, key):
+            raise ConfigError(
+                key,
+                "the regions of a hierarchy send their model after their regional rounds and take the "
+                "global one whole: they cannot overlap their sync (fedgrid region --strategy ... --"
+                f"{key.replace('_', '-')} overlaps the workers inside a region)",
+            )
     labels = sorted({profiles.region(i) for i in range(len(clients))} - {""})
     if not labels:
         raise ConfigError(

@@ -42,6 +42,7 @@ from fedgrid.config_groups import PRECISIONS
 from fedgrid.errors import ConfigError
 from fedgrid.lazy import exports
 from fedgrid.plugins import initial_state, is_factory_spec
+from fedgrid.seeding import RNG_LOCK
 from fedgrid.simulation.datasets import (
     DatasetData,
     load_digits,
@@ -424,7 +425,7 @@ def builtin_client(
         raise ConfigError("precision", f"unknown precision {precision!r} (known: {', '.join(PRECISIONS)})")
     context = _context(model)
     train, test = _client_data(dataset, data_dir, spec, seed, partition_index, num_partitions, context)
-    with torch.random.fork_rng(devices=[]):
+    with RNG_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         net = build_model(dataset, model, data_dir)  # overwritten by the global model at the first fit
     client = TorchClient(
@@ -463,7 +464,7 @@ def make_evaluate(
     def evaluate(state: ModelState) -> tuple[float, dict[str, float]]:
         data = load_data(dataset, data_dir, context)
         if not held:
-            with torch.random.fork_rng(devices=[]):
+            with RNG_LOCK, torch.random.fork_rng(devices=[]):
                 held.append(build_model(dataset, model, data_dir).to(default_device()))
         net = held[0]
         net.load_state_dict(state)

@@ -257,4 +257,10 @@ def test_cli_client_saves_its_state_in_state_dir(tmp_path):
     assert (saved["format"], saved["run_id"], saved["round"]) == (STATE_FORMAT, run_id.group(1), 2)
     residuals = saved["uplink"]["topk:0.01"]["feedback"]["residuals"]
     assert residuals and all(float(t.abs().sum()) > 0 for t in residuals.values() if t.numel() > 1)
-    assert set(saved["client"]) == {"scaffold", "inner_optimizer", "replica"}  # TorchClient's own state
+    assert set(saved["client"]) == {  # TorchClient's own state
+        "scaffold",
+        "inner_optimizer",
+        "lookahead",
+        "diloco_replica",
+        "replica",
+    }

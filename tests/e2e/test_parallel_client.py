@@ -260,3 +260,26 @@ def test_a_hung_worker_times_its_collective_out_and_the_next_task_trains(app, tm
         assert out.num_examples == 203 and client.worker_pids != [worker]
     finally:
         client.close()
+
+
+def test_overlapped_diloco_on_a_distributed_client_equals_one_process(app):
+    # The steps after each upload run before fit returns, on every rank in step (TorchClient's
+    # _background_lookahead, off on ranks): the same steps as one process's background thread.
+    config = {"algorithm": "diloco", "inner_steps": 4, "sync_delay_steps": 2, "merge_alpha": 0.5, "seed": 1}
+    single = app.client(0, 1, 0)
+    client = ParallelClient(app.client, (0, 1, 0), spec=ParallelSpec.parse(2, "dp"))
+    try:
+        for server_round in (1, 2):
+            ins = FitIns(round=server_round, config={**config, "round": server_round})
+            one = single.fit(_global(app), ins)
+            single.wait_lookahead()  # _global seeds torch's generator, which its lookahead draws from
+            many = client.fit(_global(app), ins)
+            assert many.num_examples == one.num_examples and list(many.state) == list(one.state)
+            for name, tensor in one.state.items():
+                assert torch.allclose(many.state[name], tensor, atol=TOLERANCE, rtol=0), name
+        with pytest.raises(
+            ValueError, match=r"\(2 ranks\) trains on several processes.*cannot take inner_time_s=1.0"
+        ):
+            client.fit(_global(app), FitIns(round=3, config={**config, "inner_time_s": 1.0}))
+    finally:
+        client.close()

@@ -491,3 +491,25 @@ def test_an_async_session_reports_failures_and_leaves_on_an_exception(small_stat
         assert server.fleet.live_clients() == []
     finally:
         server.stop()
+
+
+def test_a_host_overlaps_its_sync_with_submit_nowait(tmp_path):
+    """Overlapped DiLoCo in a host loop: the result goes out and the next task comes in while
+    the host trains on; at its merge step it waits on the handle, then takes that task."""
+    run = Run(tmp_path / "run")
+    globals_seen, reports = [], []
+    with connect(run.address, name="host", num_examples=EXAMPLES) as session:
+        for task in session.tasks():
+            globals_seen.append(OrderedDict((k, v.clone()) for k, v in task.state.items()))
+            sync = session.submit_nowait(
+                FitOutput(shifted(task.state), num_examples=EXAMPLES, metrics={"loss": 1.0})
+            )
+            with pytest.raises(SessionError, match="no task is open"):
+                session.submit(FitOutput(task.state, num_examples=EXAMPLES))  # answered already
+            reports.append(sync.wait(timeout=60))  # the host's tau steps would run before this
+            assert sync.done() and sync.waited_s >= 0
+            assert sync.next_round == (task.round + 1 if task.round < ROUNDS else None)
+    assert [r.round for r in reports if r is not None] == [1, 2, 3] and session.finished
+    final = run.finish()
+    for name, tensor in globals_seen[0].items():
+        torch.testing.assert_close(final[name], tensor + ROUNDS * SHIFT, rtol=0, atol=1e-6)

@@ -220,7 +220,14 @@ def test_proximal_gradient_is_bit_identical_to_back_propagating_the_term(dtype):
 
 def test_client_state_has_every_algorithms_keys_and_refuses_a_shared_key(_registered):
     client = _linear_client()
-    assert set(client.state_dict()) == {"inner_optimizer", "scaffold", "replica", "test-drift"}
+    assert set(client.state_dict()) == {
+        "inner_optimizer",
+        "lookahead",
+        "scaffold",
+        "diloco_replica",
+        "replica",
+        "test-drift",
+    }
 
     class Squatter(FedAvgTraining):
         name = "test-squatter"
