@@ -162,35 +162,42 @@ def _serve(
     to the end of this fit (module docstring)."""
     conn, client, rounds = feed.conn, feed.client, 0
     timeline = client.timeline
-    for step in feed:
-        try:
-            if step.kind == EVALUATE:
-                with timeline.span(COMPUTE):
-                    update, num_examples, metrics = _evaluate(client, step.state, step.config)
-            else:
-                assert step.ins is not None
-                with timeline.span(COMPUTE):
-                    out = client.fit(step.state, step.ins)
-                end = timeline.clock()
-                split, since = timeline.split(since, end), end
-                update, num_examples = out.state, out.num_examples
-                metrics = with_split(out.metrics, split)
-                # Diverged training (NaN or Inf) is the round's failure, not the client's end.
-                step.check(update, metrics)
-        except Exception as exc:  # the application's code failed: the round hears it now, the client goes on
-            log.exception("round %d: %s failed", step.round, step.kind)
-            step.fail(f"{type(exc).__name__}: {exc}")
-            feed.emit("error", round=step.round, detail=f"{type(exc).__name__}: {exc}")
-            continue
-        report = step.deliver(update, num_examples, metrics)
-        _save(state_path, conn, client, step)  # a late update too: the residuals moved on all the same
-        if report is None:
-            feed.emit("error", round=step.round, detail="the round closed before the update landed")
-            continue
-        if step.kind == FIT:
-            rounds += 1
-        if on_task is not None:
-            on_task(report)
+    saver = _Saver(state_path, conn, client)
+    try:
+        for step in feed:
+            saver.wait()  # the previous task's state is written before the client is used again
+            try:
+                if step.kind == EVALUATE:
+                    with timeline.span(COMPUTE):
+                        update, num_examples, metrics = _evaluate(client, step.state, step.config)
+                else:
+                    assert step.ins is not None
+                    with timeline.span(COMPUTE):
+                        out = client.fit(step.state, step.ins)
+                    end = timeline.clock()
+                    split, since = timeline.split(since, end), end
+                    update, num_examples = out.state, out.num_examples
+                    metrics = with_split(out.metrics, split)
+                    # Diverged training (NaN or Inf) is the round's failure, not the client's end.
+                    step.check(update, metrics)
+            except (
+                Exception
+            ) as exc:  # the application's code failed: the round hears it now, the client goes on
+                log.exception("round %d: %s failed", step.round, step.kind)
+                step.fail(f"{type(exc).__name__}: {exc}")
+                feed.emit("error", round=step.round, detail=f"{type(exc).__name__}: {exc}")
+                continue
+            report = step.deliver(update, num_examples, metrics)
+            saver.save(step)  # a late update too: the residuals moved on all the same
+            if report is None:
+                feed.emit("error", round=step.round, detail="the round closed before the update landed")
+                continue
+            if step.kind == FIT:
+                rounds += 1
+            if on_task is not None:
+                on_task(report)
+    finally:
+        saver.wait()  # the last state is on disk before the run ends
     return rounds
 
 
@@ -209,13 +216,52 @@ def _close(feed: TaskFeed, leaving: str, heartbeat: _Heartbeat | None) -> None:
     conn.close()
 
 
-def _save(path: str | os.PathLike[str] | None, conn: Connection, client: Client, step: TaskStep) -> None:
-    if path is None or step.kind == EVALUATE:
-        return
-    try:
-        save_client_state(path, run_id=conn.run_id, server_round=step.round, client=client, conn=conn)
-    except OSError as exc:  # training goes on; the next round tries again
-        log.error("could not save client state to %s: %s", path, exc)
+class _Saver:
+    """Writes the client's state file (``--state-dir``) after each fit task.
+
+    A client still training after its upload (overlapped DiLoCo's steps after the send,
+    ``TorchClient.lookahead_running``) is saved once those steps end, the only state in which
+    its model and optimizer agree: the write waits for them in a thread of its own, so the poll
+    and download of the next task go on meanwhile rather than after them. The uplink's
+    error-feedback state is taken when the upload ends, as before. ``wait`` comes before the
+    next use of the client (a fit or evaluation) and before the run ends, so one write at a
+    time and none beside training.
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None, conn: Connection, client: Client) -> None:
+        self.path, self.conn, self.client = path, conn, client
+        self._thread: threading.Thread | None = None
+
+    def save(self, step: TaskStep) -> None:
+        if self.path is None or step.kind == EVALUATE:
+            return
+        self.wait()
+        snapshot = {
+            "run_id": self.conn.run_id,
+            "server_round": step.round,
+            "name": self.conn.name,
+            "uplink": self.conn.uplink_state_dict(),
+        }
+        if not getattr(self.client, "lookahead_running", False):
+            self._write(snapshot)
+            return
+        self._thread = threading.Thread(
+            target=self._write, args=(snapshot,), name="fedgrid-state-save", daemon=True
+        )
+        self._thread.start()
+
+    def _write(self, snapshot: dict[str, Any]) -> None:
+        assert self.path is not None
+        try:
+            save_client_state(self.path, client=self.client, **snapshot)
+        except OSError as exc:  # training goes on; the next round tries again
+            log.error("could not save client state to %s: %s", self.path, exc)
+
+    def wait(self) -> None:
+        """Returns once no write is under way."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
 
 
 def _evaluate(client: Client, state: ModelState, config: dict) -> tuple[ModelState, int, dict[str, float]]:

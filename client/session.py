@@ -56,7 +56,7 @@ import grpc
 
 from fedgrid.client.api import Client, EvaluateOutput, FitOutput
 from fedgrid.client.heartbeat import _Heartbeat
-from fedgrid.client.runtime import Connection, RpcFailed, TaskFeed, TaskReport, TaskStep, _save
+from fedgrid.client.runtime import Connection, RpcFailed, TaskFeed, TaskReport, TaskStep, _Saver
 from fedgrid.client.state import load_client_state, restore_client_state
 from fedgrid.client.timeline import COMPUTE, Timeline, with_split
 from fedgrid.constants import POLL_WAIT_S
@@ -541,7 +541,8 @@ class Session:
         self, step: TaskStep, task: Task, update: ModelState, num_examples: int, metrics: dict[str, float]
     ) -> TaskReport | None:
         report = step.deliver(update, num_examples, metrics)
-        _save(self._state_path, self.conn, self._member, step)  # a late update too: the residuals moved on
+        # A late update too: the residuals moved on. The host trains itself: nothing runs in the background here.
+        _Saver(self._state_path, self.conn, self._member).save(step)
         if report is None:
             self._error(
                 StaleTaskError(

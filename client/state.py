@@ -26,24 +26,36 @@ STATE_FORMAT = "fedgrid-client-state/1"
 
 
 def save_client_state(
-    path: str | os.PathLike[str], *, run_id: str, server_round: int, client: Client, conn: "Connection"
+    path: str | os.PathLike[str],
+    *,
+    run_id: str,
+    server_round: int,
+    client: Client,
+    conn: "Connection | None" = None,
+    name: str = "",
+    uplink: Mapping[str, Any] | None = None,
 ) -> None:
     """Writes the client's state across rounds to ``path`` atomically (temporary file, fsync, rename).
 
     The file holds ``{"format", "run_id", "round", "name", "uplink": {codec: encoder state},
     "client": client.state_dict() or None}``, readable with ``torch.load(weights_only=True)``.
+    ``name`` and ``uplink`` come from ``conn`` (its identity, its encoders' state) unless
+    given: a save that finishes later (``fedgrid.client.runtime``) takes them when the upload ends.
 
     Raises:
         OSError: the file could not be written (``path`` is left as it was).
     """
     target = Path(path)
     hook = getattr(client, "state_dict", None)
+    if conn is not None:
+        name = name or conn.name  # under mTLS, its certificate's identity
+        uplink = conn.uplink_state_dict() if uplink is None else uplink
     state = {
         "format": STATE_FORMAT,
         "run_id": run_id,
         "round": server_round,
-        "name": conn.name or client.name,  # under mTLS, its certificate's identity
-        "uplink": conn.uplink_state_dict(),
+        "name": name or client.name,
+        "uplink": dict(uplink or {}),
         "client": hook() if callable(hook) else None,
     }
     target.parent.mkdir(parents=True, exist_ok=True)

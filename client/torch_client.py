@@ -330,6 +330,13 @@ class TorchClient(Client):
         job.thread = threading.Thread(target=run, name=f"fedgrid-lookahead-{self.name}", daemon=True)
         job.thread.start()
 
+    @property
+    def lookahead_running(self) -> bool:
+        """Whether steps after an upload are training in the background now (the class docstring)."""
+        job = self._lookahead
+        thread = None if job is None else job.thread
+        return thread is not None and thread.is_alive()
+
     def wait_lookahead(self) -> None:
         """Waits for the steps that train after an upload (the class docstring) and hands the
         state they reached to their algorithm (``ClientAlgorithm.resume``); returns at once

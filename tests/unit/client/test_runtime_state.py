@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from typing import Any, Mapping
 
@@ -206,3 +207,53 @@ def test_cli_client_puts_the_state_in_state_dir(tmp_path, monkeypatch):
     )
     assert cli.main(["client", "--coordinator", "127.0.0.1:9", "--partition", "1/5"]) == 0
     assert calls == [("127.0.0.1:9", tmp_path / "s" / "client-2.pt"), ("127.0.0.1:9", None)]
+
+
+class StillTraining(Counting):
+    """A client whose steps after the upload run on (overlapped DiLoCo) until ``done`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__("still-training")
+        self.done = threading.Event()
+        self.lookahead_running = True
+
+    def state_dict(self) -> dict[str, Any]:
+        assert self.done.wait(timeout=30), "the state was asked for before the steps ended"
+        self.lookahead_running = False
+        return {"fits": self.fits}
+
+
+def test_a_client_still_training_is_saved_once_it_ends_without_holding_the_runtime(tmp_path, conn):
+    from fedgrid.types import FIT
+
+    enc = _encoder()
+    conn.load_uplink_state_dict({"topk:0.1": enc.state_dict()})
+    client = StillTraining()
+    client.fits = 3
+    path = tmp_path / "client-0.pt"
+    saver = runtime._Saver(path, conn, client)
+    step = type("Step", (), {"kind": FIT, "round": 5})()
+    saver.save(step)  # returns although state_dict blocks: the write waits in its own thread
+    assert not path.exists()
+    conn.load_uplink_state_dict({})  # the runtime moves on; the file keeps the residuals of the upload
+    client.fits = 4  # the steps end with this state
+    client.done.set()
+    saver.wait()
+    saved = load_client_state(path, name="still-training")
+    assert saved is not None and saved["round"] == 5 and saved["client"] == {"fits": 4}
+    kept, sent = (
+        saved["uplink"]["topk:0.1"]["feedback"]["residuals"],
+        enc.state_dict()["feedback"]["residuals"],
+    )
+    assert list(kept) == list(sent) and all(torch.equal(kept[n], sent[n]) for n in sent)
+
+
+def test_a_client_not_training_is_saved_before_save_returns(tmp_path, conn):
+    from fedgrid.types import FIT
+
+    client = Counting()
+    client.fits = 2
+    path = tmp_path / "client-0.pt"
+    runtime._Saver(path, conn, client).save(type("Step", (), {"kind": FIT, "round": 1})())
+    saved = load_client_state(path, name="counting")
+    assert saved is not None and saved["client"] == {"fits": 2}
