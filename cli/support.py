@@ -12,6 +12,7 @@ from typing import Any, NoReturn, Sequence
 from fedgrid.config import (
     CLIENT_ONLY_KEYS,
     COORDINATOR_ONLY_KEYS,
+    QUORUM_KEYS,
     REGION_ONLY_KEYS,
     SIMULATION_ONLY_KEYS,
     Config,
@@ -50,12 +51,7 @@ REGION_KEYS = [
     if k
     not in (
         *("rounds", "initial_model", "model", "enroll_listen", "enroll_dir", "http", "http_token_file"),
-        *(
-            "min_quorum",
-            "grace_s",
-            "max_staleness",
-            "staleness_exponent",
-        ),  # a region's rounds are synchronous
+        *QUORUM_KEYS,
     )
 ] + ["regional_rounds", *sorted(REGION_ONLY_KEYS)]
 # The built-in client factory's options (fedgrid.simulation.tasks.CLIENT_KEYS) as `fedgrid

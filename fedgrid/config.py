@@ -29,6 +29,7 @@ from fedgrid.config_groups import (
     COORDINATOR_ONLY_KEYS,
     ENGINES,
     LR_DEFAULT,
+    QUORUM_KEYS,
     REGION_ONLY_KEYS,
     SELECTORS,
     SIMULATION_ONLY_KEYS,
@@ -51,6 +52,7 @@ __all__ = [
     "COORDINATOR_ONLY_KEYS",
     "CLIENT_ONLY_KEYS",
     "REGION_ONLY_KEYS",
+    "QUORUM_KEYS",
 ]
 
 log = logging.getLogger(__name__)

@@ -132,6 +132,9 @@ CLIENT_ONLY_KEYS = frozenset(
 REGION_ONLY_KEYS = frozenset(
     {"upstream", "name", "upstream_ca", "upstream_cert", "upstream_key", "upstream_server_name"}
 )
+#: Keys of semi-asynchronous rounds (``min_quorum``): a global coordinator's; ``fedgrid region``'s own
+#: rounds are synchronous (a region is one learner upstream), so it takes none of them.
+QUORUM_KEYS = frozenset({"min_quorum", "grace_s", "max_staleness", "staleness_exponent"})
 #: Strategies whose clients' inner optimizer takes ``inner_lr`` instead of ``lr``.
 INNER_LR_STRATEGIES = ("diloco", "streaming-diloco")
 #: ``Config.lr``'s default: the only value of ``lr`` those strategies accept.

@@ -37,6 +37,7 @@ import tomllib
 
 from fedgrid.config import (
     CLIENT_ONLY_KEYS,
+    QUORUM_KEYS,
     REGION_ONLY_KEYS,
     SIMULATION_ONLY_KEYS,
     config_keys,
@@ -83,9 +84,9 @@ MANAGED_KEYS = frozenset(
 )
 _COORDINATOR = frozenset(config_keys()) - SIMULATION_ONLY_KEYS - CLIENT_ONLY_KEYS - REGION_ONLY_KEYS
 GLOBAL_KEYS = _COORDINATOR - MANAGED_KEYS
-#: ``fedgrid region`` takes no run length, model, enrollment or status server: the global coordinator has them.
+#: ``fedgrid region`` takes no run length, model, enrollment, status server or quorum: the global coordinator has them.
 REGION_KEYS = (
-    _COORDINATOR - {"rounds", "initial_model", "model", "http", "http_token_file", "seed"}
+    _COORDINATOR - {"rounds", "initial_model", "model", "http", "http_token_file", "seed"} - QUORUM_KEYS
     | REGION_ONLY_KEYS
     | {"regional_rounds"}
 ) - MANAGED_KEYS
