@@ -23,6 +23,19 @@ workers upload just that fragment (``FitIns.expected``), the server applies the 
 step to it (each fragment has its own outer momentum) and leaves the other fragments as
 they were. So only 1/F of the model crosses the uplink per round.
 
+Row slices: a tensor larger than total / F bytes (one layer dominating the model) is split
+along dim 0 into contiguous row ranges held by different fragments, so that the fragments
+balance by bytes (``default_blocks(..., split_rows=True)`` states the rule and the balance;
+a model without such a tensor keeps the fragments it had before). Rows ``a:b`` of tensor
+``n`` travel as the tensor ``n#rows=a:b`` (``blocks.row_slice_name``): ``downlink_state`` is
+the global model with each split tensor replaced by its slices (``blocks.sliced_state``), and
+the tasks' ``expected``, ``download`` and prefixes name the slices, so the fleets, the accept
+path (differences are taken against ``downlink_state``) and the codecs see ordinary tensors.
+The global model keeps whole tensors; a sync steps the synced rows alone, and the outer
+optimizer's state is kept per slice (the same numbers as per tensor: the optimizer is
+elementwise). ``load_state_dict`` cuts a checkpoint's whole-tensor state of a split tensor
+(written before row slices) into its slices. Evaluation tasks get whole tensors.
+
 Worker side of streaming DiLoCo (what the task config asks): keep a local replica across
 rounds; at round ``r`` overwrite the fragments synced since the worker's last round with
 the downloaded global values (``merge_fragment_prefixes``: for a worker that trained in
@@ -270,10 +283,11 @@ class StreamingDiLoCo(DiLoCo):
     Task config sent to workers: ``algorithm = "streaming-diloco"``, ``inner_steps``,
     ``fragment`` (the fragment to upload), ``merge_fragment`` (the fragment synced last
     round), ``num_fragments``, ``fragment_prefixes`` (comma-joined name prefixes of
-    ``fragment``; see ``blocks.matches_prefix``) and ``merge_fragment_prefixes`` (those of
-    every fragment the worker takes from the download: the fragments synced since its last
-    round, all of them for a client without a record). ``FitIns.download`` names the
-    tensors of those fragments, or is ``None`` (the whole model) for a client without a record.
+    ``fragment``; see ``blocks.matches_prefix``; a row slice is its own prefix) and
+    ``merge_fragment_prefixes`` (those of every fragment the worker takes from the download:
+    the fragments synced since its last round, all of them for a client without a record).
+    ``FitIns.download`` names the tensors of those fragments in ``downlink_state`` (row
+    slices by their names), or is ``None`` (all of it) for a client without a record.
 
     Args:
         num_fragments: F, the number of fragments.
