@@ -8,8 +8,8 @@ A *prefix* names a module (``"encoder.layer.0"``) or a tensor (``"fc.bias"``): t
 ``name`` matches prefix ``p`` when ``name == p`` or ``name`` starts with ``p + "."``, so
 ``"layer1"`` does not match ``"layer10.weight"``.
 
-A *row slice* names rows ``start:stop`` (along dim 0) of one tensor: ``"fc.weight#rows=0:1024"``,
-a name no module can have (``row_slice_name``). Streaming DiLoCo's fragments may hold row
+A *row slice* names rows ``start:stop`` (along dim 0) of one tensor: ``"fc.weight#rows=0:1024"``
+(``row_slice_name``; no tensor of torch's layers has such a name). Streaming DiLoCo's fragments may hold row
 slices of a tensor too large for one fragment (``default_blocks(..., split_rows=True)``);
 such a slice is its own prefix and its own tensor name, and travels as an ordinary tensor
 (``sliced_state`` gives a model's tensors under those names, ``joined_state`` the way back).
@@ -29,6 +29,7 @@ from fedgrid.types import ModelState, TensorSpec
 
 __all__ = [
     "Block",
+    "ROWS_MARK",
     "matches_prefix",
     "default_blocks",
     "blocks_from_prefixes",
@@ -43,7 +44,7 @@ __all__ = [
 
 #: What separates a tensor's name from the rows of a row slice (``row_slice_name``).
 ROWS_MARK = "#rows="
-_ROW_SLICE = re.compile(r"^(?P<name>.+)#rows=(?P<start>\d+):(?P<stop>\d+)$")
+_ROW_SLICE = re.compile(rf"^(?P<name>.+){re.escape(ROWS_MARK)}(?P<start>\d+):(?P<stop>\d+)$")
 
 
 @dataclass(frozen=True)

@@ -482,6 +482,8 @@ class StreamingDiLoCo(DiLoCo):
         ):
             return state  # the checks of load_state_dict name what is wrong
         slices = row_slices(self._fragments_of(model))
+        if not slices:
+            return state
 
         def cut(per: Any) -> Any:
             if not isinstance(per, Mapping):

@@ -72,6 +72,10 @@ class FedOpt(FedAvg):
             results: the round's results, in canonical order.
             state: the model the results' tensors are named after (default ``global_state``;
                 streaming DiLoCo passes its model with row slices, ``blocks.sliced_state``).
+
+        Raises:
+            AggregationPreconditionError: the aggregator cannot run on this many results.
+            ValueError: a result is malformed (``updates.aggregate_deltas``).
         """
         state = self.global_state if state is None else state
         floating, others = split_names(state, names)

@@ -110,24 +110,28 @@ def merge(local: ModelState, download: ModelState, names: Sequence[str], alpha: 
         raise ValueError(f"merge alpha must be in [0, 1], got {alpha}")
     out = OrderedDict(local)
     for name in names:
-        part = parse_row_slice(name)
-        whole, rows = (name, slice(None)) if part is None else (part[0], slice(part[1], part[2]))
-        mine, theirs = (local[name] if part is None else local[whole][rows]), download[name]
-        if part is not None and theirs.shape != mine.shape:
-            raise ValueError(
-                f"cannot merge '{name}': the download holds shape {list(theirs.shape)}, the replica {list(mine.shape)}"
-            )
-        if alpha == 0.0 or not theirs.is_floating_point():
-            value = theirs
-        else:
-            value = torch.lerp(theirs.to(mine.dtype), mine, alpha)
+        part, theirs = parse_row_slice(name), download[name]
         if part is None:
-            out[name] = value
+            out[name] = _mixed(local[name], theirs, alpha)
             continue
+        whole, start, stop = part
+        mine = local[whole][start:stop]
+        if theirs.shape != mine.shape:
+            raise ValueError(
+                f"cannot merge '{name}': the download holds shape {list(theirs.shape)}, the replica's rows {list(mine.shape)}"
+            )
         if out[whole] is local[whole]:  # the first of its rows merged: a copy of the replica's tensor
             out[whole] = local[whole].clone()
-        out[whole][rows] = value
+        out[whole][start:stop] = _mixed(mine, theirs, alpha)
     return out
+
+
+def _mixed(mine: torch.Tensor, theirs: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``merge``'s value of one tensor: ``theirs`` when ``alpha`` is 0 or it is not floating,
+    else ``alpha * mine + (1 - alpha) * theirs`` in ``mine``'s dtype."""
+    if alpha == 0.0 or not theirs.is_floating_point():
+        return theirs
+    return torch.lerp(theirs.to(mine.dtype), mine, alpha)
 
 
 class ProximalTerm:
