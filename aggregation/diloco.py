@@ -23,6 +23,19 @@ workers upload just that fragment (``FitIns.expected``), the server applies the 
 step to it (each fragment has its own outer momentum) and leaves the other fragments as
 they were. So only 1/F of the model crosses the uplink per round.
 
+Row slices: a tensor larger than total / F bytes (one layer dominating the model) is split
+along dim 0 into contiguous row ranges held by different fragments, so that the fragments
+balance by bytes (``default_blocks(..., split_rows=True)`` states the rule and the balance;
+a model without such a tensor keeps the fragments it had before). Rows ``a:b`` of tensor
+``n`` travel as the tensor ``n#rows=a:b`` (``blocks.row_slice_name``): ``downlink_state`` is
+the global model with each split tensor replaced by its slices (``blocks.sliced_state``), and
+the tasks' ``expected``, ``download`` and prefixes name the slices, so the fleets, the accept
+path (differences are taken against ``downlink_state``) and the codecs see ordinary tensors.
+The global model keeps whole tensors; a sync steps the synced rows alone, and the outer
+optimizer's state is kept per slice (the same numbers as per tensor: the optimizer is
+elementwise). ``load_state_dict`` cuts a checkpoint's whole-tensor state of a split tensor
+(written before row slices) into its slices. Evaluation tasks get whole tensors.
+
 Worker side of streaming DiLoCo (what the task config asks): keep a local replica across
 rounds; at round ``r`` overwrite the fragments synced since the worker's last round with
 the downloaded global values (``merge_fragment_prefixes``: for a worker that trained in
@@ -65,8 +78,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+import torch
+
 from fedgrid.aggregation.base import AggregationPreconditionError, Aggregator
-from fedgrid.aggregation.blocks import Block, default_blocks
+from fedgrid.aggregation.blocks import Block, default_blocks, row_slices, sliced_state
 from fedgrid.aggregation.fedavg import train_metrics
 from fedgrid.aggregation.fedopt import FedOpt
 from fedgrid.aggregation.selection import Sampling
@@ -268,10 +283,11 @@ class StreamingDiLoCo(DiLoCo):
     Task config sent to workers: ``algorithm = "streaming-diloco"``, ``inner_steps``,
     ``fragment`` (the fragment to upload), ``merge_fragment`` (the fragment synced last
     round), ``num_fragments``, ``fragment_prefixes`` (comma-joined name prefixes of
-    ``fragment``; see ``blocks.matches_prefix``) and ``merge_fragment_prefixes`` (those of
-    every fragment the worker takes from the download: the fragments synced since its last
-    round, all of them for a client without a record). ``FitIns.download`` names the
-    tensors of those fragments, or is ``None`` (the whole model) for a client without a record.
+    ``fragment``; see ``blocks.matches_prefix``; a row slice is its own prefix) and
+    ``merge_fragment_prefixes`` (those of every fragment the worker takes from the download:
+    the fragments synced since its last round, all of them for a client without a record).
+    ``FitIns.download`` names the tensors of those fragments in ``downlink_state`` (row
+    slices by their names), or is ``None`` (all of it) for a client without a record.
 
     Args:
         num_fragments: F, the number of fragments.
@@ -317,16 +333,32 @@ class StreamingDiLoCo(DiLoCo):
         )
         self.num_fragments = num_fragments
         self._fragments: list[Block] = []
+        #: The tensors the fragments split by rows, with their slices (``blocks.row_slices``).
+        self._slices: dict[str, list[tuple[str, int, int]]] = {}
         #: Per client id, the last round whose result was aggregated (see the module docstring).
         self._last_round: dict[str, int] = {}
 
     def initialize(self, *, initial_state: ModelState) -> None:
-        try:
-            self._fragments = default_blocks(TensorSpec.of(initial_state), self.num_fragments)
-        except ValueError as exc:  # the model is known only now: still a configuration error
-            raise ConfigError("num_fragments", str(exc)) from None
+        self._fragments = self._fragments_of(initial_state)
+        self._slices = row_slices(self._fragments)
         super().initialize(initial_state=initial_state)
         self._last_round = {}
+
+    def _fragments_of(self, state: ModelState) -> list[Block]:
+        """The fragments of a model (``default_blocks`` with row slices).
+
+        Raises:
+            ConfigError: (key ``num_fragments``) the model has fewer tensors (or rows) than fragments.
+        """
+        try:
+            return default_blocks(TensorSpec.of(state), self.num_fragments, split_rows=True)
+        except ValueError as exc:  # the model is known only now: still a configuration error
+            raise ConfigError("num_fragments", str(exc)) from None
+
+    def downlink_state(self, *, server_round: int) -> ModelState:
+        """The global model, each tensor the fragments split as its row slices
+        (``blocks.sliced_state``); the global model itself when none is split."""
+        return sliced_state(self.global_state, self._slices)
 
     @property
     def fragments(self) -> list[Block]:
@@ -363,7 +395,7 @@ class StreamingDiLoCo(DiLoCo):
             "num_fragments": self.num_fragments,
             "fragment_prefixes": ",".join(fragment.prefixes),
         }
-        specs = TensorSpec.of(self.global_state)
+        specs = TensorSpec.of(self.downlink_state(server_round=server_round))
         expected = OrderedDict((n, specs[n]) for n in fragment.names)
         tasks: dict[tuple[int, ...] | None, FitIns] = {}  # clients that missed the same rounds share a task
         out: list[tuple[ClientInfo, FitIns]] = []
@@ -400,12 +432,17 @@ class StreamingDiLoCo(DiLoCo):
         ordered = sorted(results, key=lambda r: r.client.sort_key)
         metrics = {**train_metrics(ordered), "fragment": float(self.fragment_of_round(server_round).index)}
         names = self.fragment_of_round(server_round).names
+        sliced = self.downlink_state(server_round=server_round)
         self._begin_aggregation(server_round)
         try:
-            update = self._update_subset(names=names, results=ordered)
+            update = self._update_subset(names=names, results=ordered, state=sliced)
         except AggregationPreconditionError:
             return {**metrics, "aggregation_skipped": 1.0}
-        self._state = OrderedDict((n, update.get(n, t)) for n, t in self.global_state.items())
+        state = OrderedDict((n, update.get(n, t)) for n, t in self.global_state.items())
+        for name, parts in self._slices.items():  # a split tensor synced: its rows updated, a new tensor
+            if any(part in update for part, _, _ in parts):
+                state[name] = torch.cat([update.get(part, sliced[part]) for part, _, _ in parts])
+        self._state = state
         return metrics
 
     def state_dict(self) -> dict[str, Any]:
@@ -430,5 +467,34 @@ class StreamingDiLoCo(DiLoCo):
             last_round = {str(cid): int(r) for cid, r in dict(state.get("last_round", {})).items()}
         except (TypeError, ValueError) as exc:
             raise ValueError(f"checkpoint's last_round is not a map of client id to round: {exc}") from None
-        super().load_state_dict(state)
+        super().load_state_dict(self._with_sliced_buffers(state))
         self._last_round = last_round
+
+    def _with_sliced_buffers(self, state: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``state`` with the outer optimizer's buffers of each tensor its model's fragments split
+        (kept per row slice) cut into those slices: a checkpoint written before fragments could
+        split a tensor holds them whole. Elementwise optimizers make the two the same state."""
+        optimizer, model = state.get("server_optimizer"), state.get("global_state")
+        if (
+            not isinstance(optimizer, Mapping)
+            or not isinstance(optimizer.get("buffers"), Mapping)
+            or model is None
+        ):
+            return state  # the checks of load_state_dict name what is wrong
+        slices = row_slices(self._fragments_of(model))
+        if not slices:
+            return state
+
+        def cut(per: Any) -> Any:
+            if not isinstance(per, Mapping):
+                return per
+            out: dict[str, Any] = {}
+            for name, tensor in per.items():
+                if name in slices:
+                    out.update((part, tensor[start:stop].clone()) for part, start, stop in slices[name])
+                else:
+                    out[name] = tensor
+            return out
+
+        buffers = {kind: cut(per) for kind, per in optimizer["buffers"].items()}
+        return {**state, "server_optimizer": {**optimizer, "buffers": buffers}}

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Mapping, Sequence
 
+import torch
+
 from fedgrid.aggregation.base import Aggregator
 from fedgrid.aggregation.fedavg import FedAvg
 from fedgrid.aggregation.selection import Sampling
@@ -56,8 +58,26 @@ class FedOpt(FedAvg):
         super().initialize(initial_state=initial_state)
         self.server_optimizer.reset()
 
-    def _update_subset(self, *, names: Sequence[str], results: Sequence[FitRes]) -> ModelState:
-        state = self.global_state
+    def _update_subset(
+        self,
+        *,
+        names: Sequence[str],
+        results: Sequence[FitRes],
+        state: Mapping[str, torch.Tensor] | None = None,
+    ) -> ModelState:
+        """The new values of ``names`` after the server step on the results' updates.
+
+        Args:
+            names: the tensors to update, all present in every result.
+            results: the round's results, in canonical order.
+            state: the model the results' tensors are named after (default ``global_state``;
+                streaming DiLoCo passes its model with row slices, ``blocks.sliced_state``).
+
+        Raises:
+            AggregationPreconditionError: the aggregator cannot run on this many results.
+            ValueError: a result is malformed (``updates.aggregate_deltas``).
+        """
+        state = self.global_state if state is None else state
         floating, others = split_names(state, names)
         delta = aggregate_deltas(
             global_state=state, results=results, names=floating, aggregator=self.aggregator

@@ -14,11 +14,11 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from fedgrid.aggregation.blocks import matches_prefix
+from fedgrid.aggregation.blocks import matches_prefix, parse_row_slice
 from fedgrid.aggregation.scaffold import CONTROL_DELTA_PREFIX, CONTROL_PREFIX
 from fedgrid.types import ModelState
 
-__all__ = ["ProximalTerm", "ScaffoldControl", "full", "like", "merge", "names_under", "train_only"]
+__all__ = ["ProximalTerm", "ScaffoldControl", "full", "like", "merge", "names_under", "rows_of", "train_only"]
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -47,7 +47,9 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def names_under(names: Sequence[str], prefixes: str, *, key: str) -> list[str]:
-    """The ``names`` under any of the comma-joined ``prefixes`` (``blocks.matches_prefix``), in order.
+    """The ``names`` under any of the comma-joined ``prefixes`` (``blocks.matches_prefix``), in
+    order; a prefix that is a row slice of one of ``names`` (``blocks.row_slice_name``, streaming
+    DiLoCo's fragments) is itself in the result, in the place of its tensor.
 
     Raises:
         ValueError: no prefix given, or they match no tensor (``key`` names the config key).
@@ -55,37 +57,81 @@ def names_under(names: Sequence[str], prefixes: str, *, key: str) -> list[str]:
     wanted = [p.strip() for p in prefixes.split(",") if p.strip()]
     if not wanted:
         raise ValueError(f"task config '{key}' names no tensor prefix")
-    out = [n for n in names if any(matches_prefix(n, p) for p in wanted)]
+    slices: dict[str, list[tuple[int, str]]] = {}
+    for prefix in wanted:
+        part = parse_row_slice(prefix)
+        if part is not None:
+            slices.setdefault(part[0], []).append((part[1], prefix))
+    out: list[str] = []
+    for name in names:
+        if any(matches_prefix(name, p) for p in wanted):
+            out.append(name)
+        out.extend(prefix for _, prefix in sorted(slices.get(name, ())))
     if not out:
         raise ValueError(f"task config '{key}' = {prefixes!r} matches no tensor of the model")
     return out
+
+
+def rows_of(state: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    """Tensor ``name`` of ``state``, or for a row slice name (``blocks.row_slice_name``) a copy of
+    those rows of its tensor.
+
+    Raises:
+        ValueError: a row slice outside its tensor's rows.
+    """
+    part = parse_row_slice(name)
+    if part is None:
+        return state[name]
+    whole, start, stop = part
+    tensor = state[whole]
+    if not 0 <= start < stop <= tensor.shape[0]:
+        raise ValueError(f"row slice '{name}' is outside the {tensor.shape[0]} rows of tensor '{whole}'")
+    return tensor[start:stop].clone()
 
 
 def merge(local: ModelState, download: ModelState, names: Sequence[str], alpha: float) -> ModelState:
     """``local`` with the tensors ``names`` merged from ``download``: ``alpha * local + (1 - alpha) *
     download`` for floating tensors, the downloaded value for the others (integer buffers such
     as batch norm's counter) and for every tensor when ``alpha`` is 0 (a plain replace, bit for
-    bit). The result holds new tensors where it merged, ``local``'s elsewhere.
+    bit). A row slice name (``blocks.row_slice_name``) merges those rows of its tensor alone,
+    with the same bits as a merge of the whole tensor gives them. The result holds new
+    tensors where it merged, ``local``'s elsewhere (``local`` is not modified).
 
     Args:
         local: the worker's replica, by name.
         download: the global values, holding every one of ``names``.
-        names: the tensors to merge, in any order.
+        names: the tensors (or row slices) to merge, in any order.
         alpha: the share of the local value kept, in [0, 1].
 
     Raises:
-        ValueError: ``alpha`` outside [0, 1].
+        ValueError: ``alpha`` outside [0, 1], or a row slice whose rows are not its tensor's.
     """
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"merge alpha must be in [0, 1], got {alpha}")
     out = OrderedDict(local)
     for name in names:
-        mine, theirs = local[name], download[name]
-        if alpha == 0.0 or not theirs.is_floating_point():
-            out[name] = theirs
-        else:
-            out[name] = torch.lerp(theirs.to(mine.dtype), mine, alpha)
+        part, theirs = parse_row_slice(name), download[name]
+        if part is None:
+            out[name] = _mixed(local[name], theirs, alpha)
+            continue
+        whole, start, stop = part
+        mine = local[whole][start:stop]
+        if theirs.shape != mine.shape:
+            raise ValueError(
+                f"cannot merge '{name}': the download holds shape {list(theirs.shape)}, the replica's rows {list(mine.shape)}"
+            )
+        if out[whole] is local[whole]:  # the first of its rows merged: a copy of the replica's tensor
+            out[whole] = local[whole].clone()
+        out[whole][start:stop] = _mixed(mine, theirs, alpha)
     return out
+
+
+def _mixed(mine: torch.Tensor, theirs: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``merge``'s value of one tensor: ``theirs`` when ``alpha`` is 0 or it is not floating,
+    else ``alpha * mine + (1 - alpha) * theirs`` in ``mine``'s dtype."""
+    if alpha == 0.0 or not theirs.is_floating_point():
+        return theirs
+    return torch.lerp(theirs.to(mine.dtype), mine, alpha)
 
 
 class ProximalTerm:

@@ -66,6 +66,7 @@ from typing import Any, Callable, ClassVar, Iterable, Mapping, NamedTuple, Proto
 import torch
 from torch import nn
 
+from fedgrid.aggregation.blocks import joined_state, tensor_of
 from fedgrid.aggregation.diloco import Overlap
 from fedgrid.client.algorithm_math import (
     ProximalTerm,
@@ -74,6 +75,7 @@ from fedgrid.client.algorithm_math import (
     like,
     merge,
     names_under,
+    rows_of,
     train_only,
 )
 from fedgrid.lazy import exports
@@ -483,16 +485,17 @@ class DiLoCoTraining(ClientAlgorithm):
         if not self.keeps_replica(ctx=ctx):
             self.replica = None
             return download
-        if not set(download) <= set(model):
+        if not {tensor_of(n) for n in download} <= set(model):
             return download  # not this model: loading it says what differs
         if self.replica is None or list(self.replica) != model:
-            if len(download) < len(model):
+            whole = _whole_model(download)
+            if whole is None or len(whole) < len(model):
                 raise ValueError(
                     f"{self.name}: the download holds {len(download)} of the model's {len(model)} tensors (the fragments "
                     f"synced since client {ctx.client!r} last trained), but the client keeps no replica of the rest (restarted "
                     "without its state?); the coordinator sends the whole model after this failed round"
                 )
-            return download
+            return whole
         names = self.merged(ctx=ctx)
         missing = [n for n in names if n not in download]
         if missing:
@@ -523,12 +526,25 @@ class DiLoCoTraining(ClientAlgorithm):
         )
 
 
+def _whole_model(download: ModelState) -> ModelState | None:
+    """``download`` with its row slices joined into whole tensors (``blocks.joined_state``);
+    ``None`` when it holds only part of a split tensor's rows."""
+    try:
+        return joined_state(download)
+    except ValueError:
+        return None
+
+
 @register
 class StreamingDiLoCoTraining(DiLoCoTraining):
     """``streaming-diloco``: DiLoCo on a replica kept across rounds; fragments merged and sent.
 
     Every task keeps the replica (alpha 0, a plain replace of the merged fragments, unless
-    the task says otherwise); ``merge_fragment_prefixes`` names what is merged.
+    the task says otherwise); ``merge_fragment_prefixes`` names what is merged. A fragment
+    may hold row slices of a tensor (``fedgrid.aggregation.blocks.row_slice_name``): the
+    download holds them under their names, a merge takes them into those rows of the replica
+    (``merge``), the upload sends those rows (``rows_of``), and a download of the whole model
+    is joined back into whole tensors.
     """
 
     name = "streaming-diloco"
@@ -546,7 +562,7 @@ class StreamingDiLoCoTraining(DiLoCoTraining):
     def upload(self, *, state: ModelState, trained: Sequence[str], ctx: FitContext) -> ModelState:
         self.replica = state
         return OrderedDict(
-            (n, state[n])
+            (n, rows_of(state, n))
             for n in names_under(
                 trained, str(ctx.config.get("fragment_prefixes", "")), key="fragment_prefixes"
             )

@@ -1,7 +1,8 @@
 """Streaming DiLoCo downloads only the fragments a worker merges (``FitIns.download``).
 
-On digits (the 64-64-10 MLP, 4,810 float32 parameters) with F = 3 fragments of 4,096, 704
-and 10 parameters: from round 2 on a worker that trained last round downloads one fragment,
+On digits (the 64-64-10 MLP, 4,810 float32 parameters) with F = 3 fragments of 1,600, 1,600
+and 1,610 parameters (the first layer's weight is 85% of the model, so its rows are split:
+rows 0:25, rows 25:50, then rows 50:64 with the rest; ``blocks.default_blocks``): from round 2 on a worker that trained last round downloads one fragment,
 and the run ends with exactly the model of the same run with whole-model downloads; over
 real gRPC processes it ends with the simulation's model; a worker that missed rounds gets
 the fragments it missed, one away for F rounds or restarted without its replica the whole
@@ -46,7 +47,7 @@ OPTIONS = {
     "seed": SEED,
 }
 MODEL_BYTES = 4 * 4810
-FRAMING = 60 + 40 * 4  # stream header, plus the metadata of each tensor (4 in the model)
+FRAMING = 60 + 40 * 6  # stream header, plus the metadata of each tensor (6 on the wire: 3 row slices)
 
 
 @pytest.fixture(autouse=True)
@@ -70,7 +71,7 @@ def _whole_model_downloads(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _fragment_bytes(strategy: StreamingDiLoCo, index: int) -> int:
-    specs = strategy.global_state
+    specs = strategy.downlink_state(server_round=1)  # the model with its row slices
     return sum(specs[n].numel() * specs[n].element_size() for n in strategy.fragments[index].names)
 
 
@@ -82,7 +83,7 @@ def test_simulation_downloads_one_fragment_per_round_and_ends_bit_identical(monk
     strategy.initialize(initial_state=state)
     assert isinstance(strategy, StreamingDiLoCo)
     sizes = [_fragment_bytes(strategy, i) for i in range(F)]
-    assert sizes == [4 * 4096, 4 * 704, 4 * 10]
+    assert sizes == [4 * 1600, 4 * 1600, 4 * 1610]
 
     with monkeypatch.context() as patch:
         _whole_model_downloads(patch)
@@ -201,9 +202,9 @@ def test_coordinator_and_client_processes_match_simulation(tmp_path):
         )
     assert metrics[0]["bytes_down"] > clients * MODEL_BYTES
     assert metrics[1]["bytes_down"] < clients * (
-        4 * 704 + FRAMING + 200
-    )  # round 2: fragment 1 (704 parameters)
-    assert metrics[3]["bytes_down"] < clients * (4 * 4096 + FRAMING + 200) < clients * MODEL_BYTES
+        4 * 1600 + FRAMING + 200
+    )  # round 2: fragment 1 (1,600 parameters)
+    assert metrics[3]["bytes_down"] < clients * (4 * 1600 + FRAMING + 200) < clients * MODEL_BYTES
 
 
 class Recording(Client):
@@ -240,7 +241,7 @@ def test_missed_rounds_and_a_lost_replica():
     assert isinstance(strategy, StreamingDiLoCo)
     infos = fleet.wait_for_clients(min_clients=3, timeout=timedelta(seconds=1))
     absent = {3: {1}, 5: {0}, 6: {0}, 7: {0}}
-    model = set(resolved.initial_state)
+    model = set(strategy.downlink_state(server_round=1))  # the whole model, its row slices by name
     fragments = [set(f.names) for f in strategy.fragments]
     outcomes = {}
     for server_round in range(1, 9):
