@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import copy
 import sys
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping
 
 import torch
@@ -39,7 +40,7 @@ def default_inner_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optim
     return torch.optim.AdamW(params)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Lookahead:
     """The steps a client trains after an upload (``ClientAlgorithm.lookahead``) and what they gave.
 
@@ -53,6 +54,7 @@ class _Lookahead:
         state: the state they reached, until handed to the algorithm's ``resume``.
         error: what they raised, if they failed.
         thread: the background thread running them, until joined.
+        stop: set at interpreter exit: the steps end at the next step's start.
     """
 
     algorithm: str
@@ -64,6 +66,26 @@ class _Lookahead:
     state: ModelState | None = None
     error: BaseException | None = None
     thread: threading.Thread | None = None
+    stop: threading.Event = field(default_factory=threading.Event)
+
+
+#: Lookaheads training in background threads now. At interpreter exit each stops at its next
+#: step and is joined: a daemon thread still inside torch's C++ code while the interpreter
+#: finalizes aborts the process ("terminate called without an active exception").
+_RUNNING: set[_Lookahead] = set()
+_RUNNING_LOCK = threading.Lock()
+
+
+@atexit.register
+def _stop_lookaheads() -> None:
+    with _RUNNING_LOCK:
+        running = list(_RUNNING)
+    for job in running:
+        job.stop.set()
+    for job in running:
+        thread = job.thread
+        if thread is not None:
+            thread.join(timeout=30.0)
 
 
 def default_device() -> torch.device:
@@ -316,11 +338,15 @@ class TorchClient(Client):
                             epochs=0,
                             steps=steps,
                             after_backward=lambda: algorithm.after_backward(params=named),
+                            stop=job.stop,
                         )
                         job.loss_sum, job.seen = self._reduce_totals(loss_sum, seen)
                     job.state = self._state()
             except BaseException as exc:  # handed to the next fit, which fails naming it
                 job.error = exc
+            finally:
+                with _RUNNING_LOCK:
+                    _RUNNING.discard(job)
             job.compute_s = time.monotonic() - began
 
         self._lookahead = job
@@ -328,6 +354,8 @@ class TorchClient(Client):
             run()
             return
         job.thread = threading.Thread(target=run, name=f"fedgrid-lookahead-{self.name}", daemon=True)
+        with _RUNNING_LOCK:
+            _RUNNING.add(job)
         job.thread.start()
 
     @property
@@ -412,11 +440,13 @@ class TorchClient(Client):
         steps: int,
         time_s: float = 0.0,
         after_backward: Callable[[], None] | None = None,
+        stop: threading.Event | None = None,
     ) -> tuple[float, int]:
         """The local loop; returns (sum of example losses, examples seen). ``after_backward``
         runs after each backward pass, before the optimizer's step (the algorithm's hook).
         ``time_s`` > 0 trains steps (at least one, cycling through the data) until that many
-        seconds have passed, in place of ``epochs`` and ``steps``.
+        seconds have passed, in place of ``epochs`` and ``steps``. Once ``stop`` is set, no
+        further step starts (the process is exiting).
 
         Raises:
             ValueError: the loader gave no data.
@@ -442,6 +472,8 @@ class TorchClient(Client):
             )
             for inputs, targets in batches:
                 if seen and time_s > 0 and time.monotonic() - began >= time_s:
+                    break
+                if stop is not None and stop.is_set():
                     break
                 inputs, targets = self._inputs(inputs), targets.to(self.device)
                 optimizer.zero_grad(set_to_none=True)
