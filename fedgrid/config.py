@@ -245,6 +245,10 @@ class Config:
         0.0,
     )
     round_timeout_s: float = _key("each round closes by this deadline", 300.0)
+    eval_every: int = _key(
+        "the server-side evaluation of the global model (the dataset's test set) runs every this many rounds and after the last one; the rounds between wait for no evaluation",
+        1,
+    )
     min_quorum: int = _key(
         "semi-asynchronous rounds: K, a round closes once K of its selected clients reported (0: off, every round waits for all); the others keep their task and their result is merged into a later round",
         0,

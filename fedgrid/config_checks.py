@@ -68,6 +68,7 @@ def _check_ranges(config: Config) -> None:
         "max_workers",
         "batch_size",
         "max_num_examples",
+        "eval_every",
     )
     for key in positive_ints:
         if getattr(config, key) < 1:

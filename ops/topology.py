@@ -86,7 +86,9 @@ _COORDINATOR = frozenset(config_keys()) - SIMULATION_ONLY_KEYS - CLIENT_ONLY_KEY
 GLOBAL_KEYS = _COORDINATOR - MANAGED_KEYS
 #: ``fedgrid region`` takes no run length, model, enrollment, status server or quorum: the global coordinator has them.
 REGION_KEYS = (
-    _COORDINATOR - {"rounds", "initial_model", "model", "http", "http_token_file", "seed"} - QUORUM_KEYS
+    _COORDINATOR
+    - {"rounds", "initial_model", "model", "http", "http_token_file", "seed", "eval_every"}
+    - QUORUM_KEYS
     | REGION_ONLY_KEYS
     | {"regional_rounds"}
 ) - MANAGED_KEYS

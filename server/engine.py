@@ -107,6 +107,8 @@ class RoundEngine:
         round_timeout: each round closes by this deadline.
         join_timeout: longest wait for ``min_clients`` before a round.
         evaluate_fn: optional server-side evaluation ``state -> (loss, metrics)``.
+        eval_every: ``evaluate_fn`` runs after rounds that are a multiple of this and after the
+            last one; the others have no loss of it (their clients wait for no evaluation).
         writer: where metrics and the final model go.
         on_round: called with each round's metrics (progress display).
         store: durable state; when given, ``run`` resumes after the last committed round.
@@ -130,6 +132,7 @@ class RoundEngine:
         round_timeout: timedelta,
         join_timeout: timedelta,
         evaluate_fn: EvaluateFn | None = None,
+        eval_every: int = 1,
         writer: RunWriter | None = None,
         on_round: Callable[[RoundMetrics], None] | None = None,
         finish_timeout: timedelta = timedelta(seconds=15),
@@ -145,7 +148,10 @@ class RoundEngine:
         self.min_clients = min_clients
         self.round_timeout = round_timeout
         self.join_timeout = join_timeout
+        if eval_every < 1:
+            raise ValueError(f"eval_every must be at least 1, got {eval_every}")
         self.evaluate_fn = evaluate_fn
+        self.eval_every = eval_every
         self.writer = writer
         self.on_round = on_round
         self.finish_timeout = finish_timeout
@@ -249,7 +255,8 @@ class RoundEngine:
             log.error("%s; the previous global model is kept and the run goes on", exc)
             tally.extra[ROUND_FAILED] = 1.0
         del before
-        if self.evaluate_fn is not None:  # a central test set, when the task has one, wins
+        evaluates = server_round % self.eval_every == 0 or server_round >= self.rounds
+        if self.evaluate_fn is not None and evaluates:  # a central test set, when the task has one, wins
             tally.loss, eval_metrics = self.evaluate_fn(self.strategy.global_state)
             tally.accuracy = eval_metrics.get("accuracy")
             tally.extra.update({k: v for k, v in eval_metrics.items() if k != "accuracy"})

@@ -143,6 +143,7 @@ def wire(
         round_timeout=timedelta(seconds=config.round_timeout_s),
         join_timeout=timedelta(seconds=config.join_timeout_s),
         evaluate_fn=evaluate_fn,
+        eval_every=config.eval_every,
         writer=writer,
         on_round=on_round if monitor is None else (lambda m: (on_round(m), monitor.on_round(m))),
         finish_timeout=timedelta(seconds=FINISH_GRACE_S),

@@ -253,6 +253,7 @@ def _run(
         round_timeout=timedelta(seconds=config.round_timeout_s),
         join_timeout=timedelta(seconds=config.join_timeout_s),
         evaluate_fn=resolved.evaluate,
+        eval_every=config.eval_every,
         writer=writer,
         on_round=_reporter(on_round) if rank == 0 else None,
         stop=stop,
