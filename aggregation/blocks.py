@@ -21,7 +21,7 @@ import bisect
 import re
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 import torch
 
@@ -230,8 +230,10 @@ def default_blocks(
     at the unit boundary nearest to ``k * total / num_blocks`` bytes (each block keeps at
     least one unit). A cut inside a large tensor is thus within half a row of its ideal
     place, and a block whose cuts both fall in large tensors holds total / ``num_blocks``
-    bytes within one row's bytes (an MLP whose one layer dominates: every block). A model
-    without such a tensor (or without ``split_rows``) gets exactly the groups above.
+    bytes within one row's bytes (an MLP whose one layer dominates: every block). Without such
+    a tensor, when the groups above leave a block over 1.5 fair shares, every group larger
+    than a fair share (a transformer's layers under one module) is cut between its tensors the
+    same way. Any other model (and every model without ``split_rows``) gets exactly the groups above.
 
     Raises:
         ValueError: ``num_blocks`` < 1, or the model has fewer tensors (or, when it splits
@@ -259,6 +261,20 @@ def default_blocks(
         groups = _groups(specs, depth)
     if large:
         return _row_split_blocks(specs, groups, large, num_blocks)
+    whole = _group_blocks(specs, groups, num_blocks)
+    if split_rows and max(sum(specs[n].nbytes for n in b.names) for b in whole) * num_blocks > 1.5 * total:
+        # Whole groups leave a fragment over 1.5 fair shares: a group larger than a fair share
+        # (a transformer's stack of layers under one module) is cut between its tensors.
+        wide = {k for k, names in groups.items() if sum(specs[n].nbytes for n in names) * num_blocks > total}
+        if wide:
+            return _row_split_blocks(specs, groups, large, num_blocks, wide=wide)
+    return whole
+
+
+def _group_blocks(
+    specs: Mapping[str, TensorSpec], groups: Mapping[str, list[str]], num_blocks: int
+) -> list[Block]:
+    """``num_blocks`` contiguous runs of whole ``groups``, balanced by element count."""
     keys = list(groups)
     sizes = [sum(_numel(specs[n]) for n in groups[k]) for k in keys]
     starts = balanced_split(sizes, num_blocks) + [len(keys)]
@@ -290,12 +306,17 @@ class _Unit:
 
 
 def _row_split_blocks(
-    specs: Mapping[str, TensorSpec], groups: Mapping[str, list[str]], large: set[str], num_blocks: int
+    specs: Mapping[str, TensorSpec],
+    groups: Mapping[str, list[str]],
+    large: set[str],
+    num_blocks: int,
+    *,
+    wide: Collection[str] = (),
 ) -> list[Block]:
-    """``default_blocks`` for a model with ``large`` tensors: cuts at the nearest unit boundaries."""
+    """``default_blocks`` for a model with ``large`` tensors or ``wide`` groups: cuts at the nearest unit boundaries."""
     units: list[_Unit] = []
     for key, names in groups.items():
-        if not large.intersection(names):
+        if key not in wide and not large.intersection(names):
             units.append(
                 _Unit(
                     key,

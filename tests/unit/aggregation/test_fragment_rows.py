@@ -85,6 +85,29 @@ def test_a_model_whose_tensors_all_fit_keeps_todays_fragments(count):
     assert default_blocks(specs, count, split_rows=True) == default_blocks(specs, count)
 
 
+def test_a_stack_of_blocks_under_one_module_is_cut_between_its_tensors():
+    """A transformer's layers under one module (``blocks.0``, ``blocks.1``, ...) hold most of its
+    bytes and no tensor above a fair share: the stack is cut between tensors."""
+    shapes = [("emb.weight", (80, 64))]
+    for layer in range(4):
+        shapes += [(f"blocks.{layer}.attn.weight", (192, 64)), (f"blocks.{layer}.mlp.weight", (256, 64))]
+    shapes += [("head.weight", (80, 64))]
+    specs = OrderedDict((name, TensorSpec(F32, shape)) for name, shape in shapes)
+    total = sum(spec.nbytes for spec in specs.values())
+    first, second = default_blocks(specs, 2, split_rows=True)
+    # Whole modules would be emb | blocks + head: 20,480 against 479,232 bytes.
+    assert first.names == (
+        "emb.weight",
+        "blocks.0.attn.weight",
+        "blocks.0.mlp.weight",
+        "blocks.1.attn.weight",
+        "blocks.1.mlp.weight",
+    )
+    assert [_bytes(b, specs) for b in (first, second)] == [249_856, 249_856]
+    assert all(abs(_bytes(b, specs) - total / 2) <= 65_536 for b in (first, second))  # within one tensor
+    assert all(parse_row_slice(n) is None for b in (first, second) for n in b.names)
+
+
 def test_bcd_blocks_never_split():
     specs = _mlp_specs(256)
     assert all(parse_row_slice(n) is None for b in default_blocks(specs, 3) for n in b.names)
