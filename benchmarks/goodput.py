@@ -124,38 +124,71 @@ def calibrate(args: argparse.Namespace) -> dict[str, float]:
         optimizer.step()
         if i >= 5:
             times.append(time.perf_counter() - started)
-        tokens = targets.numel()
+        tokens_per_example = targets[0].numel()
     state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    return {"step_s": statistics.median(times), "state_bytes": state_bytes, "tokens_per_step": tokens}
+    return {
+        "step_s": statistics.median(times),
+        "state_bytes": state_bytes,
+        "tokens_per_example": tokens_per_example,
+    }
 
 
-def _strategy_flags(variant: str, args: argparse.Namespace) -> list[str]:
+def _strategy_flags(
+    variant: str, scenario: str, cal: dict[str, float], args: argparse.Namespace
+) -> list[str]:
+    """The coordinator's strategy flags of ``variant`` in ``scenario``."""
     flags = ["--inner-steps", str(args.inner_steps)]
     if variant == "sync":
         return ["--strategy", "diloco", *flags]
-    flags = [
+    if variant == "overlap":
+        flags = [
+            "--strategy",
+            "streaming-diloco",
+            "--num-fragments",
+            str(args.fragments),
+            "--sync-delay-steps",
+            str(args.tau),
+            "--merge-alpha",
+            "0.5",
+            *flags,
+        ]
+        if scenario == "faults":
+            # Speed-aware local work: every worker runs the fast workers' time of H steps, so the
+            # half-speed one arrives with the others (having trained fewer steps, and weighing less).
+            flags += ["--inner-time-s", f"{args.inner_steps * cal['step_s']:.3f}"]
+        return flags
+    # async: streaming DiLoCo's rounds carry round-bound fragments, so the quorum runs whole-model
+    # DiLoCo, overlapped by a whole round of steps (a full sync takes about that long).
+    return [
         "--strategy",
-        "streaming-diloco",
-        "--num-fragments",
-        str(args.fragments),
+        "diloco",
         "--sync-delay-steps",
-        str(args.tau),
+        str(args.inner_steps),
         "--merge-alpha",
         "0.5",
+        "--min-quorum",
+        str(WORKERS - 1),
+        "--grace-s",
+        str(args.grace_s),
+        "--max-staleness",
+        "2",
         *flags,
     ]
-    if variant == "async":
-        flags += ["--min-quorum", str(WORKERS - 1), "--grace-s", str(args.grace_s), "--max-staleness", "2"]
-    return flags
 
 
 def run(
-    variant: str, mode: str, cal: dict[str, float], link: WanLink, args: argparse.Namespace, work: Path
+    variant: str,
+    mode: str,
+    scenario: str,
+    cal: dict[str, float],
+    link: WanLink,
+    args: argparse.Namespace,
+    work: Path,
 ) -> dict[str, Any]:
-    """One run of ``variant`` in ``mode``; returns its figures."""
-    out = work / f"{variant}-{mode}-{time.monotonic_ns()}"
+    """One run of ``variant`` in ``mode`` and ``scenario``; returns its figures."""
+    out = work / f"{variant}-{mode}-{scenario}-{time.monotonic_ns()}"
     out.mkdir(parents=True)
-    rounds = args.rounds * (args.fragments if variant != "sync" else 1)  # equal tokens: F syncs per full sync
+    rounds = args.rounds  # every round is H inner steps a worker, streaming or not: equal tokens
     common = [
         "--seed",
         str(SEED),
@@ -164,7 +197,11 @@ def run(
         "--round-timeout-s",
         "3600",
         "--heartbeat-interval-s",
-        "60",
+        "3",
+        # The held-out loss of the final model only: an evaluation between rounds is time every
+        # worker waits for (docs/language_models.rst).
+        "--eval-every",
+        str(args.rounds),
     ]
     if args.data_dir:
         common += ["--data-dir", args.data_dir]
@@ -175,7 +212,7 @@ def run(
         "GOODPUT_DATA_DIR": args.data_dir,
         "GOODPUT_MODEL": args.model,
         "GOODPUT_BATCH_SIZE": str(args.batch),
-        "GOODPUT_SLOW_PARTITION": str(SLOW_WORKER),
+        "GOODPUT_SLOW_PARTITION": str(SLOW_WORKER) if scenario == "faults" else "",
         "GOODPUT_STEP_S": f"{cal['step_s']:.6f}" if mode == "wait" else "0",
     }
     coordinator = _start(
@@ -189,7 +226,7 @@ def run(
             str(rounds),
             "--min-clients",
             str(WORKERS),
-            *_strategy_flags(variant, args),
+            *_strategy_flags(variant, scenario, cal, args),
             *common,
         ],
         out / "coordinator.log",
@@ -237,7 +274,7 @@ def run(
                 i = r * WORKERS_PER_REGION + w
                 targets[i] = relay.address
                 procs[f"worker-{i}"] = worker(i, relay.address)
-        if args.kill:
+        if scenario == "faults":
             metrics = out / "global" / "metrics.jsonl"
             half = rounds // 2
             _wait_for(
@@ -250,7 +287,14 @@ def run(
             victim.send_signal(signal.SIGKILL)
             victim.wait()
             procs[f"worker-{KILLED_WORKER}"] = worker(KILLED_WORKER, targets[KILLED_WORKER])
-        if coordinator.wait(timeout=7200) != 0:
+        # A worker that exits before the coordinator does (a bad flag, a crash) ends the run: its
+        # rounds would otherwise wait for it until the round timeout.
+        while coordinator.poll() is None:
+            dead = [n for n, p in procs.items() if n != "coordinator" and p.poll() not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"{', '.join(dead)} exited early; see {out}")
+            time.sleep(0.2)
+        if coordinator.returncode != 0:
             raise RuntimeError(f"the coordinator exited {coordinator.returncode}; see {out}")
         wall = time.monotonic() - started
         for name, proc in procs.items():
@@ -266,12 +310,9 @@ def run(
             relay.stop()
     rows = read_metrics(out / "global")
     compute = sum(float(r.get("compute_s", 0.0)) for r in rows)
-    walls = sum(
-        float(r.get("compute_s", 0.0)) + float(r.get("comm_s", 0.0)) + float(r.get("wait_s", 0.0))
-        for r in rows
-    )
-    steps_merged = sum(float(r.get("steps", 0.0)) for r in rows)
-    tokens = sum(float(r.get("tokens", 0.0)) for r in rows) or steps_merged * cal["tokens_per_step"]
+    walls = sum(float(r.get("worker_wall_s", 0.0)) for r in rows)
+    # A window of the language model is ``context`` characters, each a target once (docs/language_models.rst).
+    tokens = sum(float(r.get("examples", 0.0)) for r in rows) * cal["tokens_per_example"]
     evaluated = [r for r in rows if "loss" in r]
     return {
         "variant": variant,
@@ -299,15 +340,18 @@ def main(argv: list[str] | None = None) -> int:
         "--repeats", type=int, default=2, help="repetitions of each variant and mode (default 2)"
     )
     parser.add_argument(
-        "--rounds", type=int, default=4, help="full syncs of each run (streaming: F rounds each; default 4)"
+        "--rounds",
+        type=int,
+        default=6,
+        help="outer rounds of each run, H inner steps a worker each (default 6)",
     )
-    parser.add_argument("--inner-steps", type=int, default=40, help="H (default 40)")
+    parser.add_argument("--inner-steps", type=int, default=100, help="H (default 100)")
     parser.add_argument("--fragments", type=int, default=2, help="F of the streaming variants (default 2)")
     parser.add_argument(
         "--tau",
         type=int,
-        default=10,
-        help="sync delay in inner steps of the overlapped variants (default 10)",
+        default=75,
+        help="sync delay in inner steps of the overlapped streaming variant (default 75)",
     )
     parser.add_argument(
         "--grace-s", type=float, default=1.0, help="the async variant's grace window (default 1 s)"
@@ -323,7 +367,10 @@ def main(argv: list[str] | None = None) -> int:
         help="one full sync's time over one round of inner steps (default 1)",
     )
     parser.add_argument(
-        "--no-kill", dest="kill", action="store_false", help="do not kill and restart a worker"
+        "--scenarios",
+        default="even,faults",
+        help="comma-separated: even (equal speeds, no fault), faults (half-speed worker 3, worker 1 killed and "
+        "restarted halfway; default both)",
     )
     parser.add_argument("--keep", type=Path, default=None, help="keep the run directories under this folder")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "goodput.json")
@@ -338,49 +385,58 @@ def main(argv: list[str] | None = None) -> int:
         f"H={args.inner_steps}: a round of inner steps {args.inner_steps * cal['step_s']:.1f} s; link {rate_mbit:.2f} Mbit/s, 80 ms RTT",
         flush=True,
     )
-    variants, modes = args.variants.split(","), args.modes.split(",")
+    variants, modes, scenarios = args.variants.split(","), args.modes.split(","), args.scenarios.split(",")
     rows = []
     with tempfile.TemporaryDirectory(prefix="fedgrid-goodput-") as tmp:
         for repeat in range(args.repeats):
             order = variants[repeat % len(variants) :] + variants[: repeat % len(variants)]
-            for mode in modes:
-                for variant in order:
-                    row = run(variant, mode, cal, link, args, args.keep or Path(tmp))
-                    row["repeat"] = repeat
-                    rows.append(row)
-                    print(
-                        f"{mode:>4} {variant:>7}: utilization {row['utilization']:.3f}, {row['tokens_per_s']:.0f} tok/s, "
-                        f"loss {row['held_out_loss']}, {row['bytes_per_worker_step'] / 1e6:.2f} MB/worker/step, {row['run_wall_s']:.0f}s",
-                        flush=True,
-                    )
+            for scenario in scenarios:
+                for mode in modes:
+                    for variant in order:
+                        row = run(variant, mode, scenario, cal, link, args, args.keep or Path(tmp))
+                        row.update(repeat=repeat, scenario=scenario)
+                        rows.append(row)
+                        print(
+                            f"{scenario:>6} {mode:>4} {variant:>7}: utilization {row['utilization']:.3f}, "
+                            f"{row['tokens_per_s']:.0f} tok/s, loss {row['held_out_loss']}, "
+                            f"{row['bytes_per_worker_step'] / 1e6:.3f} MB/worker/step, {row['run_wall_s']:.0f}s",
+                            flush=True,
+                        )
     summary = []
-    header = f"{'mode':>4} {'variant':>7} | {'utilization':>11} {'tok/s':>8} {'held-out loss':>13} {'MB/worker/step':>14}"
+    header = (
+        f"{'scenario':>8} {'mode':>4} {'variant':>7} | {'utilization':>11} {'tok/s':>8} {'held-out loss':>13} "
+        f"{'MB/worker/step':>14}"
+    )
     print(header)
     print("-" * len(header))
-    for mode in modes:
-        for variant in variants:
-            mine = [r for r in rows if r["mode"] == mode and r["variant"] == variant]
-            losses = [r["held_out_loss"] for r in mine if r["held_out_loss"] is not None]
-            entry = {
-                "mode": mode,
-                "variant": variant,
-                "utilization": statistics.median(r["utilization"] for r in mine),
-                "tokens_per_s": statistics.median(r["tokens_per_s"] for r in mine),
-                "held_out_loss": statistics.median(losses) if losses else None,
-                "bytes_per_worker_step": statistics.median(r["bytes_per_worker_step"] for r in mine),
-            }
-            summary.append(entry)
-            loss = f"{entry['held_out_loss']:.4f}" if entry["held_out_loss"] is not None else "-"
-            print(
-                f"{mode:>4} {variant:>7} | {entry['utilization']:>11.3f} {entry['tokens_per_s']:>8.0f} {loss:>13} "
-                f"{entry['bytes_per_worker_step'] / 1e6:>14.2f}"
-            )
+    for scenario in scenarios:
+        for mode in modes:
+            for variant in variants:
+                mine = [
+                    r for r in rows if (r["scenario"], r["mode"], r["variant"]) == (scenario, mode, variant)
+                ]
+                losses = [r["held_out_loss"] for r in mine if r["held_out_loss"] is not None]
+                entry = {
+                    "scenario": scenario,
+                    "mode": mode,
+                    "variant": variant,
+                    "utilization": statistics.median(r["utilization"] for r in mine),
+                    "tokens_per_s": statistics.median(r["tokens_per_s"] for r in mine),
+                    "held_out_loss": statistics.median(losses) if losses else None,
+                    "bytes_per_worker_step": statistics.median(r["bytes_per_worker_step"] for r in mine),
+                }
+                summary.append(entry)
+                loss = f"{entry['held_out_loss']:.4f}" if entry["held_out_loss"] is not None else "-"
+                print(
+                    f"{scenario:>8} {mode:>4} {variant:>7} | {entry['utilization']:>11.3f} {entry['tokens_per_s']:>8.0f} "
+                    f"{loss:>13} {entry['bytes_per_worker_step'] / 1e6:>14.3f}"
+                )
     report = {
         "benchmark": "goodput",
         "regions": REGIONS,
         "workers_per_region": WORKERS_PER_REGION,
         "slow_worker": SLOW_WORKER,
-        "killed_worker": KILLED_WORKER if args.kill else None,
+        "killed_worker": KILLED_WORKER,
         "calibration": cal,
         "link": {"delay_ms": link.delay_ms, "rtt_ms": 2 * link.delay_ms, "rate_mbit": link.rate_mbit},
         "args": {k: str(v) for k, v in vars(args).items()},

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fedgrid.client.torch_client import TorchClient
 from fedgrid.simulation.tasks import builtin_client
@@ -84,5 +85,7 @@ def client(partition: int, num_partitions: int, seed: int) -> PacedClient:
     if str(partition) == env.get("GOODPUT_SLOW_PARTITION", ""):
         paced.slowdown = float(env.get("GOODPUT_SLOWDOWN", "2"))
     _CLIENT = paced
-    torch.optim.optimizer.register_optimizer_step_post_hook(_after_step)
     return paced
+
+
+register_optimizer_step_post_hook(_after_step)
