@@ -30,7 +30,10 @@ training, and only they report a meaningful held-out loss.
 Reported per variant and mode (medians over ``--repeats``):
 
 - ``utilization``: the sum over workers of compute seconds over the sum of wall seconds
-  (each task's split, ``fedgrid.client.timeline``, from the coordinator's per-round sums);
+  (each task's split, ``fedgrid.client.timeline``, from the coordinator's per-round sums),
+  from round 2 on (round 1's windows hold the workers' start-up, alike for every variant;
+  ``utilization_with_start`` in the JSON counts it). Only windows of results the coordinator
+  merged count: the killed worker's unfinished task is not in them, its restart's start is;
 - ``tokens_per_s``: tokens trained by all workers over the run's wall time;
 - ``held_out_loss``: the coordinator's evaluation of the final model (nats per character),
   after the same number of outer rounds, so at (about) equal tokens;
@@ -309,8 +312,13 @@ def run(
         for relay in relays:
             relay.stop()
     rows = read_metrics(out / "global")
-    compute = sum(float(r.get("compute_s", 0.0)) for r in rows)
-    walls = sum(float(r.get("worker_wall_s", 0.0)) for r in rows)
+    # Steady state: round 1's windows hold each worker's start (imports, data, the join of all
+    # four, the first download of the whole model), the same for every variant.
+    steady = [r for r in rows if int(r["round"]) > 1]
+    compute = sum(float(r.get("compute_s", 0.0)) for r in steady)
+    walls = sum(float(r.get("worker_wall_s", 0.0)) for r in steady)
+    all_compute = sum(float(r.get("compute_s", 0.0)) for r in rows)
+    all_walls = sum(float(r.get("worker_wall_s", 0.0)) for r in rows)
     # A window of the language model is ``context`` characters, each a target once (docs/language_models.rst).
     tokens = sum(float(r.get("examples", 0.0)) for r in rows) * cal["tokens_per_example"]
     evaluated = [r for r in rows if "loss" in r]
@@ -319,6 +327,8 @@ def run(
         "mode": mode,
         "rounds": rounds,
         "utilization": compute / walls if walls else 0.0,
+        "utilization_with_start": all_compute / all_walls if all_walls else 0.0,
+        "late_merged": sum(float(r.get("late_merged", 0.0)) for r in rows),
         "compute_s": compute,
         "worker_wall_s": walls,
         "run_wall_s": wall,

@@ -1,13 +1,15 @@
-"""A character-level GPT trained across two emulated regions with streaming DiLoCo.
+"""A character-level GPT trained across two emulated regions with overlapped streaming DiLoCo.
 
 One ``fedgrid coordinator`` (``--strategy streaming-diloco``: each round syncs one of
-``--fragments`` fragments of the model, in rotation, with DiLoCo's outer Nesterov step) and
+``--fragments`` fragments of the model, in rotation, with DiLoCo's outer Nesterov step; the
+sync overlapped with ``--sync-delay-steps`` inner steps, merged with ``--merge-alpha``) and
 one datacenter worker per region (``fedgrid client --region NAME``), each reaching the
 coordinator through its own emulated WAN link (``fedgrid.ops.wan.WanRelay``, what
 ``fedgrid wan`` runs: ``--delay-ms`` each way, ``--rate-mbit`` each way). The workers train
 ``--model gpt`` (``fedgrid.simulation.language``) on their speaking roles of the Shakespeare
 plays, H inner AdamW steps per round; the coordinator evaluates the global model on the held-out
-windows and writes the token loss and its perplexity to ``OUT/coordinator/metrics.jsonl``.
+windows and writes the token loss and its perplexity to ``OUT/coordinator/metrics.jsonl``, with
+the share of their time the workers computed (``utilization``, docs/monitoring.rst).
 
 Data: ``gutenberg-texts.tar.gz`` in ``--data-dir`` (default ``../shared/data/shakespeare``
 beside the repository; see the README's Shakespeare section).
@@ -62,6 +64,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--inner-steps", type=int, default=50, help="DiLoCo's H: inner steps per round")
     p.add_argument("--inner-lr", type=float, default=3e-3, help="the workers' AdamW learning rate")
     p.add_argument("--fragments", type=int, default=2, help="streaming DiLoCo's fragments")
+    p.add_argument(
+        "--sync-delay-steps",
+        type=int,
+        default=None,
+        help="tau: inner steps a worker trains while its sync is in flight (default: half of --inner-steps)",
+    )
+    p.add_argument(
+        "--merge-alpha", type=float, default=0.5, help="share of its own values a worker keeps at the merge"
+    )
     p.add_argument("--delay-ms", type=float, default=40.0, help="each WAN link's one-way delay")
     p.add_argument("--rate-mbit", type=float, default=10.0, help="each WAN link's rate, each way")
     p.add_argument("--precision", default="auto", help="auto (bf16 on CUDA with bf16), bf16 or fp32")
@@ -69,12 +80,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    tau = args.inner_steps // 2 if args.sync_delay_steps is None else args.sync_delay_steps
     data = ["--dataset", "shakespeare", "--data-dir", args.data_dir, "--model", args.model]
     strategy = [
         *("--strategy", "streaming-diloco", "--num-fragments", str(args.fragments)),
         *("--inner-steps", str(args.inner_steps), "--inner-lr", str(args.inner_lr)),
-        # Overlapped syncs (issue 25, item 1) go here, one line, once they land:
-        # *("--sync-delay-steps", "5", "--merge-alpha", "0.5"),
+        # Overlapped syncs: each worker hands its fragment to the network and trains tau more
+        # steps before it merges the new global fragment (alpha of its own values kept).
+        *("--sync-delay-steps", str(tau), "--merge-alpha", str(args.merge_alpha)),
     ]
     coordinator = start(
         [
@@ -119,7 +132,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for row in rows:
         print(
             f"round {row['round']:3d}: held-out loss {row['loss']:.4f} nats/char, perplexity "
-            f"{row['perplexity']:.2f}, {row['wall_s']:.1f} s",
+            f"{row['perplexity']:.2f}, {row['wall_s']:.1f} s, workers computing "
+            f"{row.get('utilization', 0.0):.0%} of their time",
             flush=True,
         )
     wan = sum(r.bytes_up + r.bytes_down for r in relays)

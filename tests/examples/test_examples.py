@@ -130,8 +130,9 @@ def test_gpt_two_regions_example_trains_over_two_wan_links(tmp_path, capsys):
     assert [(r["round"], r["clients_ok"]) for r in rows] == [(1, 2), (2, 2)]
     assert all(r["perplexity"] == math.exp(r["loss"]) for r in rows)
     assert rows[1]["loss"] < rows[0]["loss"] < math.log(80)  # learning, from below a uniform guess
+    assert all(0 < r["utilization"] <= 1 for r in rows)
     out = capsys.readouterr().out
-    assert out.count("held-out loss") == 2 and "MB over 2 links" in out
+    assert out.count("held-out loss") == 2 and "MB over 2 links" in out and "computing" in out
 
 
 # -- federated_loop.py -----------------------------------------------------------------------
