@@ -152,7 +152,7 @@ def _strategy_flags(
             "--sync-delay-steps",
             str(args.tau),
             "--merge-alpha",
-            "0.5",
+            str(args.merge_alpha),
             *flags,
         ]
         if scenario == "faults":
@@ -168,7 +168,7 @@ def _strategy_flags(
         "--sync-delay-steps",
         str(args.inner_steps),
         "--merge-alpha",
-        "0.5",
+        str(args.merge_alpha),
         "--min-quorum",
         str(WORKERS - 1),
         "--grace-s",
@@ -362,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=75,
         help="sync delay in inner steps of the overlapped streaming variant (default 75)",
+    )
+    parser.add_argument(
+        "--merge-alpha", type=float, default=0.5, help="alpha of the overlapped variants (default 0.5)"
     )
     parser.add_argument(
         "--grace-s", type=float, default=1.0, help="the async variant's grace window (default 1 s)"
