@@ -36,33 +36,36 @@ A fit result goes up with the split of the host's time (``fedgrid.client.timelin
 previous fit's ``submit`` (or the session's ``open``) to this one: downloads and uploads are
 communication; the host's training counts as compute only where the host says so, inside
 ``with session.compute():``; the rest is waiting.
+
+Its parts: ``Session`` and ``connect`` here; the ``Task`` and the hooks a host passes in
+``fedgrid.client.session_host``; ``submit_nowait``'s ``Delivery`` in ``fedgrid.client.delivery``;
+``AsyncSession`` (``aconnect``) in ``fedgrid.client.async_session``. All are importable from here.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import threading
-import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Protocol, TypeVar
+from typing import Any, Callable, Iterator
 
 import grpc
 
-from fedgrid.client.api import Client, EvaluateOutput, FitOutput
+from fedgrid.client.api import EvaluateOutput, FitOutput
+from fedgrid.client.async_session import AsyncSession
+from fedgrid.client.delivery import Delivery
 from fedgrid.client.heartbeat import _Heartbeat
 from fedgrid.client.runtime import Connection, RpcFailed, TaskFeed, TaskReport, TaskStep, _Saver
+from fedgrid.client.session_host import ErrorHook, MessageHandler, Task, _Member
 from fedgrid.client.state import load_client_state, restore_client_state
 from fedgrid.client.timeline import COMPUTE, Timeline, with_split
 from fedgrid.constants import POLL_WAIT_S
 from fedgrid.errors import InvalidUpdateError, SessionError, StaleTaskError
 from fedgrid.proto.tls import TLSFiles
-from fedgrid.types import EVALUATE, FIT, EvaluateIns, FitIns, MessageIns, ModelState, Scalar
+from fedgrid.types import EVALUATE, FIT, EvaluateIns, FitIns, ModelState
 
 __all__ = [
     "Task",
@@ -77,124 +80,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class Task:
-    """One task for the host program: train (``kind == "fit"``) or evaluate the global model.
-
-    Attributes:
-        round: the coordinator's round.
-        kind: ``fedgrid.types.FIT`` or ``fedgrid.types.EVALUATE``.
-        state: the global model. Read it (``load_state_dict`` copies); never change it in
-            place: lossy uplinks send the difference to it, and a compressed downlink applies
-            the next round's difference to it.
-        config: the scalars the strategy sent (``lr``, ``local_epochs``, ``uplink_codec``, ...).
-        ins: the same as the ``FitIns`` (fit) or ``EvaluateIns`` (evaluate) a ``Client`` gets.
-        deadline_s: seconds the coordinator gives the task from when it was sent.
-        task_id: the coordinator's id of the task.
-    """
-
-    round: int
-    kind: str
-    state: ModelState
-    config: Mapping[str, Scalar]
-    ins: FitIns | EvaluateIns
-    deadline_s: float
-    task_id: str
-
-
-class MessageHandler(Protocol):
-    """Takes part in a strategy's message phases (a ``fedgrid.client.Client`` is one):
-    ``exchange`` returns the messages to send, ``receive`` gets those relayed back."""
-
-    def exchange(self, ins: MessageIns) -> Mapping[str, bytes]: ...
-
-    def receive(self, ins: MessageIns, inbox: Mapping[str, bytes]) -> None: ...
-
-
-class ErrorHook(Protocol):
-    """``on_error``: what went wrong, and the task it concerned (``None``: the session's end)."""
-
-    def __call__(self, *, error: BaseException, task: Task | None) -> None: ...
-
-
-class _Member(Client):
-    """What Join tells the coordinator about the session; message phases go to ``messages``."""
-
-    def __init__(self, name: str, region: str, num_examples: int, messages: MessageHandler | None) -> None:
-        self.name, self.region, self._num_examples, self._messages = name, region, num_examples, messages
-
-    @property
-    def num_examples(self) -> int:
-        return self._num_examples
-
-    def fit(self, state: ModelState, ins: FitIns) -> FitOutput:
-        raise NotImplementedError("a session's fit tasks go to its host program")  # TaskFeed never calls it
-
-    def exchange(self, ins: MessageIns) -> Mapping[str, bytes]:
-        if self._messages is None:  # TaskFeed reports this as the phase's failure, naming the phase
-            raise NotImplementedError(
-                f"this session has no handler for message phase {ins.phase!r}: "
-                "pass connect(..., messages=...) an object with exchange() and receive()"
-            )
-        return self._messages.exchange(ins)
-
-    def receive(self, ins: MessageIns, inbox: Mapping[str, bytes]) -> None:
-        if self._messages is not None:
-            self._messages.receive(ins, inbox)
-
 
 def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-
-
-class Delivery:
-    """A fit result on its way (``Session.submit_nowait``): its upload, then the poll and download
-    of the next task, in a background thread of the session.
-
-    Attributes:
-        waited_s: seconds the host blocked in ``wait`` (a sync later than its tau steps).
-        next_round: once ``done``, the round of the task fetched next (``None``: the run
-            finished or the session closed).
-    """
-
-    def __init__(self, work: Callable[[], TaskReport | None]) -> None:
-        self.waited_s = 0.0
-        self.next_round: int | None = None
-        self._report: TaskReport | None = None
-        self._error: BaseException | None = None
-
-        def run() -> None:
-            try:
-                self._report = work()
-            except BaseException as exc:  # handed to wait() and to the next tasks() item
-                self._error = exc
-
-        self._thread = threading.Thread(target=run, name="fedgrid-session-delivery", daemon=True)
-        self._thread.start()
-
-    def done(self) -> bool:
-        """Whether the upload landed (or failed) and the next task is here (or the run ended)."""
-        return not self._thread.is_alive()
-
-    def wait(self, timeout: float | None = None) -> TaskReport | None:
-        """Blocks until ``done``; returns the upload's ``TaskReport`` (``None``: it did not land,
-        ``on_error`` says why). The seconds blocked add to ``waited_s``.
-
-        Raises:
-            TimeoutError: not done within ``timeout`` seconds (it goes on; wait again).
-            RpcFailed: what the upload or the poll raised, as ``submit`` and ``tasks()`` would.
-        """
-        began = time.monotonic()
-        self._thread.join(timeout)
-        self.waited_s += time.monotonic() - began
-        if self._thread.is_alive():
-            raise TimeoutError(f"the upload and the next task still on their way after {timeout}s")
-        if self._error is not None:
-            raise self._error
-        return self._report
 
 
 class Session:
@@ -564,64 +452,6 @@ class Session:
             self._on_error(error=error, task=task)
         except Exception:  # a broken hook must not keep the session from answering or leaving
             log.exception("the session's on_error hook failed")
-
-
-class AsyncSession:
-    """``Session`` for asyncio: each blocking call runs in the session's own worker thread
-    (one, so calls keep their order); ``close`` runs beside it, so that a long poll in flight
-    does not hold up the Leave. Made by ``aconnect``."""
-
-    def __init__(self, session: Session) -> None:
-        self.session = session
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedgrid-session")
-
-    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
-
-    async def __aenter__(self) -> "AsyncSession":
-        try:
-            await self._call(self.session.open)
-        except BaseException:
-            self._worker.shutdown(wait=False)
-            raise
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        try:
-            await asyncio.get_running_loop().run_in_executor(None, self.session.__exit__, exc_type, exc, tb)
-        finally:
-            self._worker.shutdown(wait=False)
-
-    async def tasks(self) -> AsyncIterator[Task]:
-        """``Session.tasks`` without blocking the event loop."""
-        feed = self.session.tasks()
-        while (task := await self._call(next, feed, None)) is not None:
-            yield task
-
-    async def submit(self, result: FitOutput | EvaluateOutput) -> TaskReport | None:
-        """``Session.submit``."""
-        return await self._call(self.session.submit, result)
-
-    async def report_failure(self, reason: str | BaseException) -> None:
-        """``Session.report_failure``."""
-        await self._call(self.session.report_failure, reason)
-
-    async def close(self, reason: str = "the host program closed the session") -> None:
-        """``Session.close``."""
-        try:
-            await asyncio.get_running_loop().run_in_executor(None, self.session.close, reason)
-        finally:
-            self._worker.shutdown(wait=False)
-
-    @property
-    def finished(self) -> bool:
-        return self.session.finished
-
-    def compute(self) -> AbstractContextManager[None]:
-        """``Session.compute``: a plain ``with`` around the host's training (it blocks nothing)."""
-        return self.session.compute()
 
 
 def connect(coordinator: str, **options: Any) -> Session:

@@ -1,0 +1,83 @@
+"""What an embedding session (``fedgrid.client.session``) and its host program hand each other.
+
+The session hands the host a ``Task`` per coordinator task; the host may hand the session a
+``MessageHandler`` (message phases) and an ``ErrorHook`` (what did not land). ``_Member`` is
+the ``Client`` the session's ``TaskFeed`` joins as: it tells the coordinator the host's name,
+region and examples, and routes message phases to the host's handler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Protocol
+
+from fedgrid.client.api import Client, FitOutput
+from fedgrid.types import EvaluateIns, FitIns, MessageIns, ModelState, Scalar
+
+__all__ = ["Task", "MessageHandler", "ErrorHook"]
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task for the host program: train (``kind == "fit"``) or evaluate the global model.
+
+    Attributes:
+        round: the coordinator's round.
+        kind: ``fedgrid.types.FIT`` or ``fedgrid.types.EVALUATE``.
+        state: the global model. Read it (``load_state_dict`` copies); never change it in
+            place: lossy uplinks send the difference to it, and a compressed downlink applies
+            the next round's difference to it.
+        config: the scalars the strategy sent (``lr``, ``local_epochs``, ``uplink_codec``, ...).
+        ins: the same as the ``FitIns`` (fit) or ``EvaluateIns`` (evaluate) a ``Client`` gets.
+        deadline_s: seconds the coordinator gives the task from when it was sent.
+        task_id: the coordinator's id of the task.
+    """
+
+    round: int
+    kind: str
+    state: ModelState
+    config: Mapping[str, Scalar]
+    ins: FitIns | EvaluateIns
+    deadline_s: float
+    task_id: str
+
+
+class MessageHandler(Protocol):
+    """Takes part in a strategy's message phases (a ``fedgrid.client.Client`` is one):
+    ``exchange`` returns the messages to send, ``receive`` gets those relayed back."""
+
+    def exchange(self, ins: MessageIns) -> Mapping[str, bytes]: ...
+
+    def receive(self, ins: MessageIns, inbox: Mapping[str, bytes]) -> None: ...
+
+
+class ErrorHook(Protocol):
+    """``on_error``: what went wrong, and the task it concerned (``None``: the session's end)."""
+
+    def __call__(self, *, error: BaseException, task: Task | None) -> None: ...
+
+
+class _Member(Client):
+    """What Join tells the coordinator about the session; message phases go to ``messages``."""
+
+    def __init__(self, name: str, region: str, num_examples: int, messages: MessageHandler | None) -> None:
+        self.name, self.region, self._num_examples, self._messages = name, region, num_examples, messages
+
+    @property
+    def num_examples(self) -> int:
+        return self._num_examples
+
+    def fit(self, state: ModelState, ins: FitIns) -> FitOutput:
+        raise NotImplementedError("a session's fit tasks go to its host program")  # TaskFeed never calls it
+
+    def exchange(self, ins: MessageIns) -> Mapping[str, bytes]:
+        if self._messages is None:  # TaskFeed reports this as the phase's failure, naming the phase
+            raise NotImplementedError(
+                f"this session has no handler for message phase {ins.phase!r}: "
+                "pass connect(..., messages=...) an object with exchange() and receive()"
+            )
+        return self._messages.exchange(ins)
+
+    def receive(self, ins: MessageIns, inbox: Mapping[str, bytes]) -> None:
+        if self._messages is not None:
+            self._messages.receive(ins, inbox)
