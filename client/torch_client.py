@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import atexit
 import copy
 import sys
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping
 
 import torch
@@ -24,8 +22,8 @@ from fedgrid.client.algorithms import (
 )
 from fedgrid.client.api import Client, EvaluateOutput, FitOutput, OwnedState
 from fedgrid.client.loaders import NotPlainLoader, PlainLoader, plain_loader
+from fedgrid.client.lookahead import LookaheadMixin
 from fedgrid.client.precision import autocast
-from fedgrid.client.timeline import COMPUTE
 from fedgrid.seeding import RNG_LOCK, derive_seed
 from fedgrid.types import FitIns, ModelState, Scalar
 
@@ -40,60 +38,12 @@ def default_inner_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optim
     return torch.optim.AdamW(params)
 
 
-@dataclass(eq=False)
-class _Lookahead:
-    """The steps a client trains after an upload (``ClientAlgorithm.lookahead``) and what they gave.
-
-    Attributes:
-        algorithm: the algorithm of the task whose upload they follow.
-        round: that task's round.
-        steps: the steps asked for.
-        seen: examples they trained on.
-        loss_sum: the sum of their example losses.
-        compute_s: seconds they took.
-        state: the state they reached, until handed to the algorithm's ``resume``.
-        error: what they raised, if they failed.
-        thread: the background thread running them, until joined.
-        stop: set at interpreter exit: the steps end at the next step's start.
-    """
-
-    algorithm: str
-    round: int
-    steps: int
-    seen: int = 0
-    loss_sum: float = 0.0
-    compute_s: float = 0.0
-    state: ModelState | None = None
-    error: BaseException | None = None
-    thread: threading.Thread | None = None
-    stop: threading.Event = field(default_factory=threading.Event)
-
-
-#: Lookaheads training in background threads now. At interpreter exit each stops at its next
-#: step and is joined: a daemon thread still inside torch's C++ code while the interpreter
-#: finalizes aborts the process ("terminate called without an active exception").
-_RUNNING: set[_Lookahead] = set()
-_RUNNING_LOCK = threading.Lock()
-
-
-@atexit.register
-def _stop_lookaheads() -> None:
-    with _RUNNING_LOCK:
-        running = list(_RUNNING)
-    for job in running:
-        job.stop.set()
-    for job in running:
-        thread = job.thread
-        if thread is not None:
-            thread.join(timeout=30.0)
-
-
 def default_device() -> torch.device:
     """CUDA when present, else CPU."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-class TorchClient(Client):
+class TorchClient(LookaheadMixin, Client):
     """Trains ``model`` on ``train_loader`` as a task asks.
 
     Task config keys it reads: ``local_epochs`` (default 1), ``lr`` (overrides the
@@ -139,9 +89,6 @@ class TorchClient(Client):
             bit-identical.
     """
 
-    #: Whether the lookahead runs in a background thread (``False``: before ``fit`` returns, as a
-    #: multi-process trainer needs: its ranks' collectives must run in the same order on each).
-    _background_lookahead: ClassVar[bool] = True
     #: Whether a task may ask for a time budget (``inner_time_s``): each rank of a multi-process
     #: trainer would stop after another number of steps, and their collectives would hang.
     _time_budget_allowed: ClassVar[bool] = True
@@ -179,7 +126,7 @@ class TorchClient(Client):
         self.region = region
         self._algorithms: dict[str, ClientAlgorithm] = {}
         self._inner_optimizer: torch.optim.Optimizer | None = None
-        self._lookahead: _Lookahead | None = None
+        self._lookahead = None
         self._plain: tuple[object, object, PlainLoader | None] | None = (
             None  # (loader, its dataset, plain_loader of it)
         )
@@ -274,23 +221,15 @@ class TorchClient(Client):
         trained = algorithm.trained(
             names=list(start), ctx=ctx
         )  # of the whole model, also when the download was part of it
-        self.model.train()
-        with train_only(self.model, trained) as params:
-            optimizer = algorithm.optimizer(trainer=self, params=params, ctx=ctx)
-            if "lr" in config:
-                for group in optimizer.param_groups:
-                    group["lr"] = float(config["lr"])
-            named = OrderedDict((n, p) for n, p in self.model.named_parameters() if p.requires_grad)
-            algorithm.begin(params=named, ctx=ctx)
-            loss_sum, seen = self._train(
-                optimizer,
-                seed=self.round_seed(ins),
-                epochs=epochs,
-                steps=max(steps - done.steps, 0) if done is not None else steps,
-                time_s=self._time_left(budget, done),
-                after_backward=lambda: algorithm.after_backward(params=named),
-            )
-            loss_sum, seen = self._reduce_totals(loss_sum, seen)
+        loss_sum, seen = self._train_task(
+            algorithm,
+            ctx,
+            ins,
+            trained=trained,
+            epochs=epochs,
+            steps=max(steps - done.steps, 0) if done is not None else steps,
+            time_s=self._time_left(budget, done),
+        )
         if done is not None:  # the lookahead's steps are this task's first ones
             loss_sum, seen = loss_sum + done.loss_sum, seen + done.seen
         if seen == 0:
@@ -304,97 +243,38 @@ class TorchClient(Client):
         num_examples = (min(seen, held) if held else seen) if steps else seen // epochs
         return FitOutput(state=out, num_examples=num_examples, metrics={"loss": loss_sum / seen})
 
-    @staticmethod
-    def _time_left(budget: float, done: _Lookahead | None) -> float:
-        """A fit's time budget less what its lookahead took (``budget`` 0: none): above 0 even
-        when the lookahead took it all, since a budgeted fit trains at least one step."""
-        if not budget:
-            return 0.0
-        return max(budget - (done.compute_s if done is not None else 0.0), sys.float_info.min)
-
-    def _start_lookahead(
-        self, algorithm: ClientAlgorithm, ctx: FitContext, ins: FitIns, *, trained: list[str], steps: int
-    ) -> None:
-        """Trains ``steps`` more steps of ``algorithm`` after the upload of task ``ins``: in a
-        background thread, or now when ``_background_lookahead`` is false."""
-        job = _Lookahead(algorithm=algorithm.name, round=ins.round, steps=steps)
-        # Seeded by the task that just ended: the next one's round is not known yet (a worker
-        # of an asynchronous run may skip rounds), and a step number must fix every batch.
-        seed = derive_seed(ins.config.get("seed", 0), ins.round, self.seed, self.name, "lookahead")
-
-        def run() -> None:
-            began = time.monotonic()
-            try:
-                with self.timeline.span(COMPUTE):
-                    self.model.train()
-                    with train_only(self.model, trained) as params:
-                        optimizer = algorithm.optimizer(trainer=self, params=params, ctx=ctx)
-                        named = OrderedDict(
-                            (n, p) for n, p in self.model.named_parameters() if p.requires_grad
-                        )
-                        loss_sum, seen = self._train(
-                            optimizer,
-                            seed=seed,
-                            epochs=0,
-                            steps=steps,
-                            after_backward=lambda: algorithm.after_backward(params=named),
-                            stop=job.stop,
-                        )
-                        job.loss_sum, job.seen = self._reduce_totals(loss_sum, seen)
-                    job.state = self._state()
-            except BaseException as exc:  # handed to the next fit, which fails naming it
-                job.error = exc
-            finally:
-                with _RUNNING_LOCK:
-                    _RUNNING.discard(job)
-            job.compute_s = time.monotonic() - began
-
-        self._lookahead = job
-        if not self._background_lookahead:
-            run()
-            return
-        job.thread = threading.Thread(target=run, name=f"fedgrid-lookahead-{self.name}", daemon=True)
-        with _RUNNING_LOCK:
-            _RUNNING.add(job)
-        job.thread.start()
-
-    @property
-    def lookahead_running(self) -> bool:
-        """Whether steps after an upload are training in the background now (the class docstring)."""
-        job = self._lookahead
-        thread = None if job is None else job.thread
-        return thread is not None and thread.is_alive()
-
-    def wait_lookahead(self) -> None:
-        """Waits for the steps that train after an upload (the class docstring) and hands the
-        state they reached to their algorithm (``ClientAlgorithm.resume``); returns at once
-        when none run. ``fit``, ``evaluate``, ``state_dict`` and ``load_state_dict`` call it."""
-        job = self._lookahead
-        if job is None:
-            return
-        if job.thread is not None:
-            job.thread.join()
-            job.thread = None
-        if job.state is not None or job.error is not None:
-            self.algorithm(job.algorithm).resume(state=job.state)
-            job.state = None
-
-    def _take_lookahead(self, algorithm: str) -> _Lookahead | None:
-        """The finished lookahead, for the next fit of ``algorithm`` to count (``None`` if none,
-        or if it followed another algorithm's task).
-
-        Raises:
-            RuntimeError: the lookahead failed (its replica is dropped).
-        """
-        self.wait_lookahead()
-        job, self._lookahead = self._lookahead, None
-        if job is not None and job.error is not None:
-            raise RuntimeError(
-                f"client {self.name!r}: the {job.steps} inner steps after round {job.round}'s upload "
-                f"(sync_delay_steps) failed: {type(job.error).__name__}: {job.error}; the replica is dropped, "
-                "so the coordinator sends the whole model after this failed round"
-            ) from job.error
-        return job if job is not None and job.algorithm == algorithm else None
+    def _train_task(
+        self,
+        algorithm: ClientAlgorithm,
+        ctx: FitContext,
+        ins: FitIns,
+        *,
+        trained: list[str],
+        epochs: int,
+        steps: int,
+        time_s: float,
+    ) -> tuple[float, int]:
+        """``fit``'s training: the ``trained`` parameters alone, with the algorithm's optimizer
+        (at the task's ``lr``), ``begin`` and ``after_backward`` hooks, for ``epochs`` or ``steps``
+        or ``time_s`` (``_train``); returns (sum of example losses, examples seen) over every
+        process training it."""
+        self.model.train()
+        with train_only(self.model, trained) as params:
+            optimizer = algorithm.optimizer(trainer=self, params=params, ctx=ctx)
+            if "lr" in ctx.config:
+                for group in optimizer.param_groups:
+                    group["lr"] = float(ctx.config["lr"])
+            named = OrderedDict((n, p) for n, p in self.model.named_parameters() if p.requires_grad)
+            algorithm.begin(params=named, ctx=ctx)
+            loss_sum, seen = self._train(
+                optimizer,
+                seed=self.round_seed(ins),
+                epochs=epochs,
+                steps=steps,
+                time_s=time_s,
+                after_backward=lambda: algorithm.after_backward(params=named),
+            )
+            return self._reduce_totals(loss_sum, seen)
 
     def round_seed(self, ins: FitIns) -> int:
         """The seed of this client's shuffling (and dropout) for task ``ins``."""
@@ -523,23 +403,12 @@ class TorchClient(Client):
             ValueError: two algorithms keep state under one key.
         """
         self.wait_lookahead()
-        job = self._lookahead
         # A snapshot: the optimizer's own state_dict shares its tensors, which later steps change in place.
         state: dict[str, Any] = {
             "inner_optimizer": None
             if self._inner_optimizer is None
             else copy.deepcopy(self._inner_optimizer.state_dict()),
-            # A finished lookahead: a restored client counts it as this one would.
-            "lookahead": None
-            if job is None or job.error is not None
-            else {
-                "algorithm": job.algorithm,
-                "round": job.round,
-                "steps": job.steps,
-                "seen": job.seen,
-                "loss_sum": job.loss_sum,
-                "compute_s": job.compute_s,
-            },
+            "lookahead": self._lookahead_state(),
         }
         for name in ALGORITHMS:  # every one, so the keys do not depend on which have run
             for key, value in self.algorithm(name).state_dict().items():
@@ -553,8 +422,7 @@ class TorchClient(Client):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores what ``state_dict`` returned (the model's weights come with the next task)."""
         self.wait_lookahead()
-        ahead = state.get("lookahead")
-        self._lookahead = None if ahead is None else _Lookahead(**ahead)
+        self._restore_lookahead(state.get("lookahead"))
         if state.get("inner_optimizer") is not None:
             self.inner_optimizer.load_state_dict(copy.deepcopy(state["inner_optimizer"]))
         else:
