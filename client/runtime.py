@@ -119,17 +119,31 @@ def run_client(
     conn = Connection(coordinator, stop=stop, tls=tls, server_name=server_name, **connection_options)
     saved = None if state_path is None else load_client_state(state_path, name=conn.identity or client.name)
     feed = TaskFeed(conn, client, poll_wait_s=poll_wait_s, on_event=on_event)
+    rounds = _join_serve_leave(feed, coordinator, saved, state_path, on_task, since=started)
+    return RunSummary(client_id=conn.client_id, rounds=rounds)
+
+
+def _join_serve_leave(
+    feed: TaskFeed,
+    coordinator: str,
+    saved: Mapping[str, Any] | None,
+    state_path: str | os.PathLike[str] | None,
+    on_task: Callable[[TaskReport], None] | None,
+    *,
+    since: float,
+) -> int:
+    """``run``'s session: ``_open``, ``_serve`` (returns the fit rounds whose update landed),
+    and ``_close`` however it ends, with what ended it as the reason the client leaves."""
     heartbeat: _Heartbeat | None = None
     leaving = "stopped"
     try:
         heartbeat = _open(feed, coordinator, saved, state_path)
-        rounds = _serve(feed, state_path, on_task, since=started)
+        return _serve(feed, state_path, on_task, since=since)
     except BaseException as exc:  # KeyboardInterrupt and SystemExit included: the client is going
         leaving = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         raise
     finally:
         _close(feed, leaving, heartbeat)
-    return RunSummary(client_id=conn.client_id, rounds=rounds)
 
 
 def _open(
