@@ -151,15 +151,20 @@ def _checked(client: object) -> TorchClient:
     return client
 
 
+def _seam_members() -> dict[str, Any]:
+    """What ``_DistributedSeams`` puts on the rank's class: its methods and its flags (a flag
+    left out would leave the factory's class's value, a background lookahead on every rank)."""
+    return {name: value for name, value in vars(_DistributedSeams).items() if not name.startswith("__")}
+
+
 def _distribute(client: TorchClient, spec: ParallelSpec, rank: int, device: torch.device) -> TorchClient:
     """Turns ``client`` (built by the factory on this rank) into its distributed self, in place."""
     _checked(client)
     world = dist.get_world_size()
     # A subclass of the client's own class with the seams in it (a mixin base would change
     # the instance layout, which ``__class__`` assignment refuses); other overrides stay.
-    seams_of = {name: value for name, value in vars(_DistributedSeams).items() if callable(value)}
     client.__class__ = type(
-        f"Distributed{type(client).__name__}", (type(client),), {**seams_of, "_base": type(client)}
+        f"Distributed{type(client).__name__}", (type(client),), {**_seam_members(), "_base": type(client)}
     )
     client.device = device
     client.memory_format = (
