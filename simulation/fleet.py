@@ -46,15 +46,14 @@ from fedgrid.client.uplink import UplinkEncoder
 from fedgrid.compression import available_codecs
 from fedgrid.errors import ConfigError
 from fedgrid.proto import serde
-from fedgrid.server import accept
 from fedgrid.server.accept import RoundTally
 from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.downlink import Downlink, RoundDownlink
 from fedgrid.server.fleet import QUORUM_NEEDS_REPLAY, Fleet, Quorum, RoundOutcome
 from fedgrid.server.registry import check_joining
-from fedgrid.server.rounds import check_outbox, relay
 from fedgrid.simulation.batched import BatchedTrainer, choose_engine, recurrent_module
+from fedgrid.simulation.fleet_rounds import evaluate_clients, exchange_messages
 from fedgrid.simulation.upload import upload
 from fedgrid.types import (
     ClientInfo,
@@ -440,31 +439,15 @@ class InProcessFleet(Fleet):
         assignments: Sequence[tuple[ClientInfo, EvaluateIns]],
         timeout: timedelta,
     ) -> RoundOutcome[EvaluateRes]:
-        encoded = serde.EncodedModel(global_state)
-        results: list[EvaluateRes] = []
-        failures: list[Failure] = []
-        bytes_up = bytes_down = 0
-        for info, ins in assignments:
-            down = list(encoded.frames(serde.StreamInfo(round=server_round), chunk_size=self.chunk_size))
-            bytes_down += sum(serde.wire_size(c) for c in down)
-            _, state = serde.decode_chunks(down)
-            try:
-                out = self._clients[info.client_id].evaluate(state, ins.config)
-                info_up = serde.StreamInfo(
-                    round=server_round, num_examples=out.num_examples, metrics=out.metrics
-                )
-                up = list(serde.EncodedModel({}).frames(info_up))
-                header, _ = serde.decode_chunks(up, expected={})
-                accept.check_claim(self.bounds, info, header.num_examples, evaluate=True)
-            except Exception as exc:  # a client's failure is data for the strategy
-                failures.append(Failure(info, f"{type(exc).__name__}: {exc}"))
-                continue
-            bytes_up += sum(serde.wire_size(c) for c in up)
-            if header.num_examples < 1:
-                failures.append(Failure(info, "evaluated no examples"))
-                continue
-            results.append(EvaluateRes(info, header.num_examples, header.metrics))
-        return RoundOutcome(results, failures, bytes_up=bytes_up, bytes_down=bytes_down)
+        """Each client's evaluation, through the simulated wire (``fleet_rounds.evaluate_clients``)."""
+        return evaluate_clients(
+            self._clients,
+            global_state,
+            assignments,
+            server_round=server_round,
+            chunk_size=self.chunk_size,
+            bounds=self.bounds,
+        )
 
     def message_round(
         self,
@@ -476,35 +459,16 @@ class InProcessFleet(Fleet):
     ) -> RoundOutcome[MessageRes]:
         """Each client's ``exchange`` in turn, checked as the coordinator checks it
         (``rounds.check_outbox``), then the relay (``rounds.relay``) and each sender's
-        ``receive``: the messages and bytes of a deployment's phase."""
-        results: list[MessageRes] = []
-        failures: list[Failure] = []
-        sent: dict[str, dict[str, bytes]] = {}
-        tasks: dict[str, MessageIns] = {}
-        for info, ins in assignments:
-            ins = dataclasses.replace(ins, client_id=info.client_id)
-            if self.profiles is not None and not self.profiles.available(
-                self._index[info.client_id], server_round
-            ):
-                failures.append(Failure(info, f"unavailable in round {server_round} (simulated)"))
-                continue
-            try:
-                checked = check_outbox(ins, self._clients[info.client_id].exchange(ins))
-            except Exception as exc:  # a client's failure is data for the strategy
-                failures.append(Failure(info, f"{type(exc).__name__}: {exc}"))
-                continue
-            sent[info.client_id], tasks[info.client_id] = checked, ins
-            results.append(MessageRes(info, checked))
-        inboxes = relay([info.client_id for info, _ in assignments], sent)
-        bytes_down = 0
-        for cid, inbox in inboxes.items():
-            bytes_down += sum(len(p) for p in inbox.values())
-            try:
-                self._clients[cid].receive(tasks[cid], inbox)
-            except Exception as exc:  # as a deployed client does: logged, its next task will tell
-                log.warning("client %s: receiving phase %s failed: %s", cid, phase, exc)
-        bytes_up = sum(len(p) for messages in sent.values() for p in messages.values())
-        return RoundOutcome(results, failures, bytes_up=bytes_up, bytes_down=bytes_down)
+        ``receive``: the messages and bytes of a deployment's phase
+        (``fleet_rounds.exchange_messages``)."""
+        profiles = self.profiles
+        return exchange_messages(
+            self._clients,
+            assignments,
+            server_round=server_round,
+            phase=phase,
+            available=lambda cid: profiles is None or profiles.available(self._index[cid], server_round),
+        )
 
 
 def _timed(out: FitOutput, seconds: float) -> FitOutput:

@@ -8,6 +8,7 @@ import threading
 from datetime import timedelta
 from typing import Any, Callable
 
+from fedgrid.client.api import Client
 from fedgrid.config import Config
 from fedgrid.determinism import environment, intra_op_threads
 from fedgrid.errors import ConfigError
@@ -206,6 +207,28 @@ def _writer(config: Config, threads: int, engine: str) -> RunWriter:
     )
 
 
+def _clients(config: Config, factory: Callable[..., Client]) -> list[Client]:
+    """Clients ``0..config.clients - 1`` from ``factory``: the built-in one gets the run's data and
+    training options (``client_options``), a custom ``app`` none."""
+    options = {} if config.app else client_options(config)
+    return [factory(i, config.clients, config.seed, **options) for i in range(config.clients)]
+
+
+def _run_fleet(config: Config, fleet: InProcessFleet, rank: int, world: int) -> Fleet:
+    """The fleet the run's engine drives: ``fleet``; under torchrun (``world`` > 1) this rank's
+    share of it; with ``replay``, the replay of a deployment's quorum rounds over it."""
+    run_fleet: Fleet = fleet
+    if world > 1:  # torchrun: this rank trains its share of the clients (simulation/sharded.py)
+        from fedgrid.simulation.sharded import ShardedFleet
+
+        run_fleet = ShardedFleet(fleet, rank=rank, world=world)
+    if config.replay:  # the determinism contract of quorum rounds (simulation/replay.py)
+        run_fleet = ReplayFleet(
+            fleet, read_merges(config.replay), staleness_exponent=config.staleness_exponent
+        )
+    return run_fleet
+
+
 def _run(
     config: Config,
     threads: int,
@@ -225,25 +248,12 @@ def _run(
     )
     strategy.initialize(initial_state=resolved.initial_state)
     profiles = ClientProfiles.from_config(config)
-    options = {} if config.app else client_options(config)
-    clients = [
-        resolved.client_factory(i, config.clients, config.seed, **options) for i in range(config.clients)
-    ]
-
+    clients = _clients(config, resolved.client_factory)
     fleet = _fleet(
         config, clients, profiles
     )  # a fleet that cannot train fails before the run directory exists
     rank, world = _ranks()
-    run_fleet: Fleet = fleet
-    if world > 1:  # torchrun: this rank trains its share of the clients (simulation/sharded.py)
-        from fedgrid.simulation.sharded import ShardedFleet
-
-        run_fleet = ShardedFleet(fleet, rank=rank, world=world)
-    quorum = quorum_of(config)
-    if config.replay:  # the determinism contract of quorum rounds (simulation/replay.py)
-        run_fleet = ReplayFleet(
-            fleet, read_merges(config.replay), staleness_exponent=config.staleness_exponent
-        )
+    run_fleet = _run_fleet(config, fleet, rank, world)
     writer = _writer(config, threads, fleet.engine) if config.out and rank == 0 else None
     engine = RoundEngine(
         strategy=strategy,
@@ -257,7 +267,7 @@ def _run(
         writer=writer,
         on_round=_reporter(on_round) if rank == 0 else None,
         stop=stop,
-        quorum=quorum,
+        quorum=quorum_of(config),
     )
     log.info("engine: %s (%s)", fleet.engine, fleet.engine_reason)
     if on_start is not None:

@@ -1,0 +1,182 @@
+"""The built-in client factory: a ``TorchClient`` on its partition of a built-in dataset.
+
+A client factory has the signature of ``--app MODULE:FACTORY``:
+``factory(partition: int, num_partitions: int, seed: int, **options) -> Client``. The
+built-in one, ``builtin_client``, takes the options ``client_options(config)`` lists, so a
+``fedgrid client`` process given the same options trains exactly like its simulated twin.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import Dataset as TorchDataset
+
+from fedgrid.client.torch_client import TorchClient
+from fedgrid.config_groups import PRECISIONS
+from fedgrid.errors import ConfigError
+from fedgrid.seeding import RNG_LOCK
+from fedgrid.simulation.catalog import OPTIMIZERS, build_model, check_options, get_dataset, load_data
+from fedgrid.simulation.datasets import parse_partition, partition
+from fedgrid.simulation.language import token_cross_entropy
+from fedgrid.simulation.lm_task import context_of, window_datasets
+
+if TYPE_CHECKING:
+    from fedgrid.config import Config
+
+__all__ = ["builtin_client", "client_options", "CLIENT_KEYS", "DIGITS_BATCH_SIZE"]
+
+DIGITS_BATCH_SIZE = 32
+#: Config keys the built-in client factory takes (``partition`` arrives as ``partitioner``).
+CLIENT_KEYS = (
+    "dataset",
+    "data_dir",
+    "partition",
+    "model",
+    "batch_size",
+    "optimizer",
+    "lr",
+    "momentum",
+    "weight_decay",
+    "precision",
+)
+
+
+@functools.lru_cache(maxsize=8)
+def _parts(
+    dataset: str, data_dir: str, num_partitions: int, spec: str, seed: int, context: int = 0
+) -> tuple[np.ndarray, ...]:
+    # Computed once per process: a simulation building 1,000 clients splits the data once.
+    data = load_data(dataset, data_dir, context)
+    return tuple(partition(data.y_train.numpy(), num_partitions, spec, seed, groups=data.train_groups))
+
+
+def _optimizer(
+    name: str, *, lr: float, momentum: float, weight_decay: float
+) -> Callable[..., torch.optim.Optimizer]:
+    if name == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if name == "adam":
+        return lambda params: torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+    if name == "adamw":
+        return lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    raise ConfigError("optimizer", f"unknown optimizer {name!r} (known: {', '.join(OPTIMIZERS)})")
+
+
+def _client_data(
+    dataset: str,
+    data_dir: str,
+    spec: str,
+    seed: int,
+    partition_index: int,
+    num_partitions: int,
+    context: int = 0,
+) -> tuple[TorchDataset, TorchDataset]:
+    """``builtin_client``'s training examples (its partition) and test examples (those of its own
+    groups under the ``natural`` partition, else the server-side evaluation's). A language
+    model's (``context``) are lazy ``NextChars`` windows (``lm_task.window_datasets``)."""
+    data = load_data(dataset, data_dir, context)
+    mine = _parts(dataset, data_dir, num_partitions, spec, seed, context)[partition_index]
+    if (
+        parse_partition(spec)[0] == "natural"
+        and data.train_groups is not None
+        and data.test_groups is not None
+    ):
+        test_index: torch.Tensor | slice = torch.from_numpy(
+            np.flatnonzero(np.isin(data.test_groups, data.train_groups[mine]))
+        )
+    else:  # the server's test examples (views of one tensor, except Shakespeare's subset)
+        test_index = slice(None) if data.eval_index is None else data.eval_index
+    if context:
+        return window_datasets(data.source, torch.from_numpy(mine), test_index, context)
+    return TensorDataset(*data.train(torch.from_numpy(mine))), TensorDataset(*data.test(test_index))
+
+
+def _check_training_options(batch_size: int, precision: str) -> None:
+    """Checks the batch size and the forward passes' precision of ``builtin_client``.
+
+    Raises:
+        ConfigError: a batch size under 1 or an unknown precision (names the key).
+    """
+    if batch_size < 1:
+        raise ConfigError("batch_size", f"must be at least 1, got {batch_size}")
+    if precision not in PRECISIONS:
+        raise ConfigError("precision", f"unknown precision {precision!r} (known: {', '.join(PRECISIONS)})")
+
+
+def _seeded_model(seed: int, dataset: str, model: str, data_dir: str) -> nn.Module:
+    """The client's model, built under ``seed`` without touching the global RNG (the global
+    model overwrites its values at the first fit)."""
+    with RNG_LOCK, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build_model(dataset, model, data_dir)
+
+
+def builtin_client(
+    partition_index: int,
+    num_partitions: int,
+    seed: int,
+    *,
+    dataset: str = "digits",
+    data_dir: str = "",
+    partitioner: str = "",
+    model: str = "",
+    batch_size: int = DIGITS_BATCH_SIZE,
+    optimizer: str = "sgd",
+    lr: float = 0.05,
+    momentum: float = 0.9,
+    weight_decay: float = 0.0,
+    precision: str = "fp32",
+    device: str | None = None,
+) -> TorchClient:
+    """Client ``partition_index`` of ``num_partitions`` on a built-in dataset.
+
+    It trains with cross-entropy on ``DataLoader(its examples, batch_size, shuffle=True)``
+    with ``optimizer`` (``sgd`` with ``momentum`` and ``weight_decay``; ``adam`` and
+    ``adamw`` with ``weight_decay``); the task's ``lr`` overrides ``lr``. It evaluates on
+    the test examples of its own groups under the ``natural`` partition, else on those of
+    the server-side evaluation. A language model (``gpt``, ``hf:PATH``) trains on windows of
+    its context with the cross-entropy over every position (``token_cross_entropy``); its
+    ``num_examples`` counts windows, each of ``context`` tokens.
+
+    Args:
+        partitioner: the partition spec; empty: the dataset's default.
+        model: a built-in model name, a language model or ``MODULE:FACTORY``; empty: the
+            dataset's default.
+        precision: the forward passes' precision (``fedgrid.client.precision``).
+
+    Raises:
+        ConfigError: an index outside ``0..num_partitions-1`` or a bad option (names the key).
+    """
+    if not 0 <= partition_index < num_partitions:
+        raise ConfigError("partition", f"index {partition_index} is outside 0..{num_partitions - 1}")
+    task = get_dataset(dataset)
+    spec = partitioner or task.default_partition
+    check_options(dataset=dataset, data_dir=data_dir, model=model, partition=spec, optimizer=optimizer)
+    _check_training_options(batch_size, precision)
+    context = context_of(model)
+    train, test = _client_data(dataset, data_dir, spec, seed, partition_index, num_partitions, context)
+    client = TorchClient(
+        _seeded_model(seed, dataset, model, data_dir),
+        DataLoader(train, batch_size=batch_size, shuffle=True),
+        token_cross_entropy if context else nn.functional.cross_entropy,
+        _optimizer(optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay),
+        eval_loader=DataLoader(test, batch_size=256 if not context else 64),
+        device=device,
+        seed=seed,
+        name=f"{dataset}-{partition_index:04d}/{num_partitions}",
+    )
+    client.precision = precision
+    return client
+
+
+def client_options(config: "Config") -> dict[str, Any]:
+    """The options ``builtin_client`` takes, from ``config`` (``CLIENT_KEYS``)."""
+    options = {key: getattr(config, key) for key in CLIENT_KEYS if key != "partition"}
+    options["partitioner"] = config.partition
+    return options
