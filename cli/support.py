@@ -51,6 +51,7 @@ REGION_KEYS = [
     if k
     not in (
         *("rounds", "initial_model", "model", "enroll_listen", "enroll_dir", "http", "http_token_file"),
+        "http_linger_s",
         "eval_every",  # a region evaluates nothing of its own: the global coordinator does
         *QUORUM_KEYS,
     )
