@@ -76,6 +76,7 @@ def _key_lists() -> dict[str, list[str]]:
         if k
         not in (
             *("rounds", "initial_model", "model", "enroll_listen", "enroll_dir", "http", "http_token_file"),
+            "http_linger_s",
             "eval_every",  # a region evaluates nothing of its own: the global coordinator does
             *QUORUM_KEYS,
         )
