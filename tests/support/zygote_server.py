@@ -1,7 +1,7 @@
 """The zygote: a fork server for the tests' ``python -m fedgrid.cli ...`` processes (issue 24).
 
 ``python zygote_server.py SOCKET`` imports the heavy third-party modules a fedgrid process
-loads (torch, numpy, grpc, scikit-learn, ...: about 2 s of CPU), listens on the Unix socket
+loads (torch, numpy, grpc, scikit-learn, ...: about 3 s of CPU), listens on the Unix socket
 ``SOCKET`` (``SOCK_SEQPACKET``, in a 0700 folder, peers checked by ``SO_PEERCRED``: only the
 process that started it), prints ``ready`` and forks one child per request. The test side is
 ``zygote.py``; this file imports nothing of the tests or of fedgrid.
@@ -24,8 +24,11 @@ What keeps a child the same as ``python -m NAME ARGV`` / ``python FILE ARGV``:
 - The child replaces its environment (``os.environ``, hence the C environment too), working
   folder, ``sys.argv``, ``sys.path[0]`` and its three standard descriptors, starts a new
   session if asked, reseeds numpy's global generator (Python's ``random`` reseeds itself after
-  a fork), then runs the module or file as ``__main__`` with ``runpy``, the way ``-m`` does,
-  and leaves through the interpreter's normal exit (``SystemExit``, atexit, thread joins).
+  a fork) and draws a multiprocessing key of its own, then runs the module or file as
+  ``__main__`` with ``runpy``, the way ``-m`` does, and leaves through the interpreter's
+  normal exit (``SystemExit``, atexit, thread joins).
+- Everything the zygote imported is frozen (``gc.freeze``) before a fork, so the child's
+  collections and exit leave those objects' pages shared instead of copying them.
 - Variables the preloaded modules read at import time (``OMP_*``, ``PYTHON*``, ...) are this
   process's: the test side sends a request here only when the child's environment differs
   from this one in names that no preloaded module reads (``zygote.RUNTIME_ONLY``). Variables
@@ -106,6 +109,8 @@ class Child:
         importlib.invalidate_caches()
         if "numpy.random" in sys.modules:
             sys.modules["numpy.random"].seed()  # fresh entropy, as a fresh interpreter has
+        if "multiprocessing.process" in sys.modules:  # its own key for its own workers' connections
+            sys.modules["multiprocessing.process"].current_process().authkey = os.urandom(32)
 
     def run(self) -> None:
         """Runs the module or file as ``__main__``; its ``SystemExit`` ends the process."""
@@ -118,9 +123,13 @@ class Child:
 
 
 def _send(conn: socket.socket, message: dict, fds: tuple[int, ...] = ()) -> None:
+    data = json.dumps(message).encode()
     try:
-        socket.send_fds(conn, [json.dumps(message).encode()], list(fds))
-    except OSError:  # the test side went away: nobody to tell
+        if fds:
+            socket.send_fds(conn, [data], list(fds))
+        else:
+            conn.send(data)
+    except OSError:  # the test side went away (or stopped reading): nobody to tell
         pass
 
 

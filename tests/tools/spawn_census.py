@@ -8,8 +8,8 @@ then prints a summary; ``python tests/tools/spawn_census.py LOG`` summarizes a l
 
 The summary groups the processes by kind (``fedgrid <command>``, ``-m <module>``, a script)
 and prices their start-up: the CPU seconds of a fresh ``python -c "import ..."`` of the
-third-party modules a process of that kind loaded (measured once per kind, here), times the
-number of such processes. Processes that were killed (SIGKILL) write no exit line; they are
+third-party modules a process of that kind loaded (measured once per kind, here), up to the
+end of its imports and with its exit (``+exit``), times the number of such processes. Processes that were killed (SIGKILL) write no exit line; they are
 priced like the others of their kind.
 """
 
@@ -53,25 +53,34 @@ SKIP = set(sys.stdlib_module_names) | {"sitecustomize", "_virtualenv", "__main__
 def kind(argv: list[str]) -> str:
     """A short name for the process ``argv`` (``sys.orig_argv``) runs."""
     args = argv[1:]
-    while args and args[0].startswith("-X") or args[:1] == ["-u"]:
+    while args and args[0].startswith("-") and args[0] not in ("-m", "-c"):  # -B, -u, -X importtime
         args = args[2:] if args[0] == "-X" else args[1:]
-    if args[:2] == ["-m", "fedgrid.cli"] or (argv and argv[0].endswith("/fedgrid")):
-        rest = args[2:] if args[:1] == ["-m"] else argv[1:]
+    if not args:
+        return "python"
+    if args[:2] == ["-m", "fedgrid.cli"] or Path(args[0]).name == "fedgrid":  # or the console script
+        rest = args[2:] if args[0] == "-m" else args[1:]
         return "fedgrid " + next((a for a in rest if not a.startswith("-")), "?")
-    if args[:1] == ["-m"]:
+    if args[0] == "-m":
         return "-m " + args[1]
-    if args[:1] == ["-c"]:
-        return "-c " + args[1].strip().splitlines()[0][:40] if args[1].strip() else "-c"
-    return Path(args[0]).name if args else "python"
+    if args[0] == "-c":
+        return "-c " + (args[1].strip().splitlines() or [""])[0][:40]
+    return Path(args[0]).name
 
 
-def import_cpu(modules: list[str]) -> float:
-    """CPU seconds (user + system) of a fresh interpreter importing ``modules``."""
-    code = "import importlib\nfor m in %r:\n    try: importlib.import_module(m)\n    except Exception: pass\n"
+def start_and_exit_cpu(modules: list[str]) -> tuple[float, float]:
+    """CPU seconds (user + system) of a fresh interpreter importing ``modules``: up to the end of
+    the imports, and in all (its exit tears the modules down)."""
+    code = (
+        "import importlib, os\n"
+        f"for m in {modules!r}:\n"
+        "    try: importlib.import_module(m)\n"
+        "    except Exception: pass\n"
+        "t = os.times(); print(t.user + t.system)\n"
+    )
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    subprocess.run([sys.executable, "-c", code % modules], check=True, capture_output=True)
+    done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return float(done.stdout), (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def summarize(log: Path) -> None:
@@ -87,18 +96,21 @@ def summarize(log: Path) -> None:
     for pid, record in spawned.items():
         by_kind[kind(record["argv"])].append(pid)
     total_cpu = sum(exits[p]["cpu"] for p in spawned if p in exits)
-    priced = 0.0
-    print(f"{'kind':<34} {'count':>5} {'exited':>6} {'cpu s':>8} {'start-up s':>10}")
+    start_total = whole_total = 0.0
+    print(f"{'kind':<44} {'count':>5} {'exited':>6} {'cpu s':>7} {'imports s':>9} {'+exit s':>8}")
     for name, pids in sorted(by_kind.items(), key=lambda kv: -len(kv[1])):
         seen = [exits[p] for p in pids if p in exits]
         mods = Counter(m for e in seen for m in e["modules"] if m not in SKIP and not m.startswith("_"))
         common = sorted(m for m, n in mods.items() if n * 2 >= len(seen))
-        each = import_cpu(common) if common else 0.0
-        priced += each * len(pids)
+        start, whole = start_and_exit_cpu(common) if common else (0.0, 0.0)
+        start_total, whole_total = start_total + start * len(pids), whole_total + whole * len(pids)
         cpu = sum(e["cpu"] for e in seen)
-        print(f"{name:<34} {len(pids):>5} {len(seen):>6} {cpu:>8.1f} {each * len(pids):>10.1f}")
+        print(
+            f"{name:<44} {len(pids):>5} {len(seen):>6} {cpu:>7.1f} {start * len(pids):>9.1f} {whole * len(pids):>8.1f}"
+        )
+    exited = sum(p in exits for p in spawned)
     print(
-        f"{'all':<34} {len(spawned):>5} {sum(p in exits for p in spawned):>6} {total_cpu:>8.1f} {priced:>10.1f}"
+        f"{'all':<44} {len(spawned):>5} {exited:>6} {total_cpu:>7.1f} {start_total:>9.1f} {whole_total:>8.1f}"
     )
 
 
