@@ -9,7 +9,7 @@ those modules once) and return a ``subprocess.Popen`` whose ``pid``, ``poll``, `
 ``communicate``, ``send_signal``, ``terminate``, ``kill``, ``returncode`` and pipes behave as
 a started process's. Anything else (other programs, options such as ``pass_fds`` or
 ``preexec_fn``, an environment that differs from the zygote's in a variable read at import
-time) starts a real process, as does everything when ``FEDGRID_TEST_ZYGOTE=0``.
+time) starts a real process, as does everything when ``FEDGRID_TEST_ZYGOTE=0`` or off Linux.
 
 A zygote that dies or stops answering fails the call that needed it (``ZygoteError``, with
 the zygote's log): every read of its socket has a deadline.
@@ -288,7 +288,8 @@ def _zygote_for(env: dict[str, str]) -> Zygote | None:
 
 def popen(args: Sequence[Any], **kwargs: Any) -> subprocess.Popen:
     """``subprocess.Popen(args, **kwargs)``, forked from the zygote when that is the same."""
-    request = None if os.environ.get("FEDGRID_TEST_ZYGOTE") == "0" else request_for(args, kwargs)
+    off = os.environ.get("FEDGRID_TEST_ZYGOTE") == "0" or sys.platform != "linux"  # pidfds, /proc
+    request = None if off else request_for(args, kwargs)
     zygote = None if request is None else _zygote_for(request["env"])
     return subprocess.Popen(args, **kwargs) if zygote is None else zygote.popen(args, **kwargs)
 
