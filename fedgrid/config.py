@@ -372,6 +372,16 @@ class Config:
     )
     out: str = _key("run directory", "")
     state_dir: str = _key("durable coordinator state directory", "")
+    fresh: bool = _key(
+        "coordinator, region, with state_dir: start a new run even though state_dir holds one (its files "
+        "move to STATE_DIR/discarded-TIMESTAMP/); without it a state directory that cannot be resumed is refused",
+        False,
+    )
+    state_key: str = _key(
+        "coordinator, region, with state_dir: file of a secret key (at least 32 bytes, kept outside "
+        "state_dir) that authenticates checkpoints with HMAC-SHA256; empty: checksums only",
+        "",
+    )
 
     def __post_init__(self) -> None:
         validate(self)

@@ -182,6 +182,9 @@ def _check_endpoints(config: Config) -> None:
         raise ConfigError("crl", "a revocation list needs ca, cert and key (mutual TLS)")
     if tls_given and config.insecure:
         raise ConfigError("insecure", "insecure (plaintext) contradicts ca/cert/key (mutual TLS)")
+    for key in ("fresh", "state_key"):
+        if getattr(config, key) and not config.state_dir:
+            raise ConfigError(key, "goes with state_dir (durable coordinator state); none given")
     for key in [k for k in ("listen", "enroll_listen", "http") if k == "listen" or getattr(config, k)]:
         host, sep, port = getattr(config, key).rpartition(":")
         if not sep or not host or not port.isdigit() or int(port) > 65535:

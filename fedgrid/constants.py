@@ -46,6 +46,7 @@ __all__ = [
     "HTTP_REQUEST_TIMEOUT_S",
     "HTTP_MAX_CONNECTIONS",
     "HTTP_MAX_CONNECTIONS_PER_PEER",
+    "ROUND_RETRIES",
 ]
 
 
@@ -169,3 +170,7 @@ HTTP_MAX_CONNECTIONS = int(_env_float("FEDGRID_HTTP_MAX_CONNECTIONS", 256))
 #: server (FEDGRID_HTTP_MAX_CONNECTIONS_PER_PEER); more are answered 503, so one host that
 #: holds its share blocks only itself.
 HTTP_MAX_CONNECTIONS_PER_PEER = int(_env_float("FEDGRID_HTTP_MAX_CONNECTIONS_PER_PEER", 8))
+#: A coordinator's round whose results are all lost (its clients or regions died, left or went
+#: silent) runs again under the same number, at most this many times in a row; then the run stops
+#: with its state committed (FEDGRID_ROUND_RETRIES).
+ROUND_RETRIES = int(_env_float("FEDGRID_ROUND_RETRIES", 5))

@@ -24,6 +24,9 @@ __all__ = [
     "EnrollmentNameError",
     "NonFiniteAggregateError",
     "SessionError",
+    "StorageError",
+    "RoundLostError",
+    "RecoveryError",
 ]
 
 
@@ -108,3 +111,23 @@ class NonFiniteAggregateError(FedgridError):
 class SessionError(FedgridError, RuntimeError):
     """An embedding session (``fedgrid.client.connect``) was used out of order: a result with
     no task to answer, tasks before it joined or after it closed."""
+
+
+class StorageError(FedgridError):
+    """The coordinator's disk refused a write (no space, an I/O error, a read-only or full
+    quota): it stops, naming the path and the free space; the last good checkpoint stays and a
+    restart after space is freed resumes from it. The servicer answers UNAVAILABLE, so clients
+    wait and retry instead of leaving."""
+
+
+class RoundLostError(FedgridError):
+    """Every result of a round was lost (its clients or regions died, left or went silent):
+    the round fails and runs again under the same number; raised to stop the run only once it
+    was lost more times in a row than the engine retries."""
+
+
+class RecoveryError(FedgridError):
+    """A state directory the coordinator will not guess from: every checkpoint unreadable, a
+    checkpoint whose round disagrees with its file name or with the history journal, or a
+    journal that records rounds no checkpoint holds. The message names the files; start a new
+    run with ``--fresh`` (the old files are moved aside, not deleted)."""

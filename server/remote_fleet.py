@@ -38,6 +38,7 @@ from fedgrid.events import EventLog
 from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.departures import Departures
+from fedgrid.server.disk import StorageGuard
 from fedgrid.server.downlink import Downlink
 from fedgrid.server.downloads import Downloads
 from fedgrid.server.fleet import Fleet, Quorum, RoundOutcome
@@ -125,6 +126,7 @@ class RemoteFleet(Fleet):
         self._round: RoundTask | None = None
         self._finished = False
         self._interrupted = False
+        self.storage = StorageGuard(self.interrupt)  # the disk refusing an update stops the fleet
         self._lock = threading.RLock()
         self._wake = Wakeups(self._lock)  # keyed: a task wakes its client's poll only
         self._build_parts()
@@ -170,6 +172,7 @@ class RemoteFleet(Fleet):
             task_scope=lambda: self.task_scope,
             interrupted=lambda: self._interrupted,
             heartbeat_interval_s=self.heartbeat_interval_s,
+            storage=self.storage,
         )
         self.polls = Polls(
             self.registry,
@@ -185,7 +188,9 @@ class RemoteFleet(Fleet):
         token. ``identity``: its certificate's, under mTLS (``Registry.join``)."""
         if self._finished:
             raise RunFinishedError("the run is over")
-        info, token = self.registry.join(joining, identity=identity)
+        with self._lock:  # one step: the open round never sees the old session gone and no new one
+            info, token = self.registry.join(joining, identity=identity)
+            self.phases.hand_over(self._round, info)  # a restarted client rejoins its round
         missing = self.requirements.shortfall(info) if self.requirements is not None else None
         if missing is not None:
             log.warning(
@@ -210,6 +215,7 @@ class RemoteFleet(Fleet):
         self.carried.drop_client(client_id)
         if rnd is not None and not rnd.closed and rnd.is_pending(client_id):
             rnd.failures[client_id] = Failure(record.info, reason)
+            rnd.departed.add(client_id)  # a new session of its name takes the task over
             self._wake.notify("round")
             partial = rnd.partials.pop(client_id, None)
             if partial is not None:
@@ -277,7 +283,13 @@ class RemoteFleet(Fleet):
     def upload(self, frames: Iterable[bytes], token: str) -> int:
         """Receives one update stream of the session ``token`` (``Uploads.upload``); returns
         the payload bytes accepted."""
-        return self.uploads.upload(frames, token)
+        try:
+            return self.uploads.upload(frames, token)
+        except Exception as exc:
+            self.storage.check_failure(
+                exc, self.spill.dir
+            )  # the disk refused it: StorageError, the fleet stops
+            raise
 
     def upload_status(self, client_id: str, token: str, task_id: str) -> tuple[int, bool]:
         """(chunks of a broken upload the coordinator holds, whether the update already landed)."""
@@ -346,6 +358,7 @@ class RemoteFleet(Fleet):
                     )
                     reported, next_report = joined, time.monotonic() + WAITING_REPORT_S
                 if self._interrupted:
+                    self.storage.check()
                     raise InterruptedRunError("stopped while waiting for clients")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:

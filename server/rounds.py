@@ -78,6 +78,9 @@ class RoundTask:
     late: dict[str, FitRes] = field(default_factory=dict)
     merged: set[str] = field(default_factory=set)  # late results handed to a merge
     quorum_at: float | None = None  # when its quorum was reached (time.monotonic())
+    # Clients whose task failed because their session ended (left, dropped silent, replaced):
+    # a new session of the same name takes the task over while the phase is open (``hand_over``).
+    departed: set[str] = field(default_factory=set)
 
     @property
     def bytes_up(self) -> int:
@@ -132,6 +135,39 @@ class RoundTask:
         cancelled = [] if self.carried else [self.clients[cid] for cid in pending]  # over-selected
         self.closed_by = "target" if reason == "all" and cancelled else reason
         return results, failures, cancelled
+
+    def hand_over(self, joined: ClientInfo) -> str | None:
+        """Gives the task of an earlier session of ``joined``'s name to ``joined`` (lock held),
+        when the phase is open and that session's task is pending or failed only because the
+        session ended (a region or client restarted mid-round rejoins its round: the same
+        task, the same seed). Returns the earlier session's id, or ``None``."""
+        if self.closed or not joined.name or joined.client_id in self.assignments:
+            return None
+        old = next(
+            (
+                cid
+                for cid, info in self.clients.items()
+                if info.name == joined.name and (self.is_pending(cid) or cid in self.departed)
+            ),
+            None,
+        )
+        if old is None or self.landed(old):
+            return None
+        # In place, keeping the assignment order (results are listed in it).
+        moved = [(joined.client_id if cid == old else cid, ins) for cid, ins in self.assignments.items()]
+        self.assignments.clear()
+        self.assignments.update(moved)
+        infos = [
+            (joined.client_id, joined) if cid == old else (cid, info) for cid, info in self.clients.items()
+        ]
+        self.clients.clear()
+        self.clients.update(infos)
+        self.failures.pop(old, None)
+        self.departed.discard(old)
+        partial = self.partials.pop(old, None)
+        if partial is not None:
+            partial.abort()
+        return old
 
     def landed(self, client_id: str) -> bool:
         """Whether the client's result was accepted: in the round, or late (merged or not)."""
@@ -208,6 +244,7 @@ def wait_for_close(
             for cid in rnd.pending():
                 if cid not in live and cid not in rnd.uploading:
                     rnd.failures[cid] = Failure(infos[cid], "client went silent (no heartbeat)")
+                    rnd.departed.add(cid)
             next_check = now + check_every_s
             continue
         until = min(rnd.deadline, next_check)

@@ -28,6 +28,7 @@ from fedgrid.errors import (
     ResourceLimitError,
     RunFinishedError,
     StaleTaskError,
+    StorageError,
 )
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import serde
@@ -54,6 +55,7 @@ STATUS_OF: tuple[tuple[type[FedgridError], grpc.StatusCode], ...] = (
     (StaleTaskError, grpc.StatusCode.FAILED_PRECONDITION),
     (RunFinishedError, grpc.StatusCode.FAILED_PRECONDITION),
     (ResourceLimitError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (StorageError, grpc.StatusCode.UNAVAILABLE),  # the coordinator's disk: clients wait and retry
 )
 
 
