@@ -251,6 +251,7 @@ class RemoteFleet(Fleet):
         return await self.polls.wait(client_id, token, wait_s)
 
     def _open_task(self, client_id: str, task_id: str) -> RoundTask:
+        self.storage.check()  # stopping after a full disk: UNAVAILABLE, the client retries the restart
         rnd = self._round
         if rnd is None or rnd.task_id != task_id:
             rnd = self.carried.get(task_id)

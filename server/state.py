@@ -479,11 +479,12 @@ class StateStore:
         """Moves every checkpoint, the journal and the spilled updates into
         ``discarded-TIMESTAMP/`` (``--fresh``): a new run starts here, the old files stay for
         inspection. Returns that folder, or ``None`` when there was nothing to move."""
+        updates = self.dir / "updates"
+        if not self.checkpoints() and not self._journal_rounds() and not any(updates.glob("*/*")):
+            return None  # a new state directory: nothing of a run to set aside
         names = [p for _, p in self.checkpoints()]
-        names += [p for p in self.dir.iterdir() if p.name.startswith("history.sqlite") or p.name == "updates"]
+        names += [p for p in self.dir.iterdir() if p.name.startswith("history.sqlite") or p == updates]
         names += list(self.dir.glob("ckpt-*.tmp"))
-        if not names:
-            return None
         aside = self.dir / time.strftime("discarded-%Y%m%dT%H%M%S", time.gmtime())
         aside.mkdir(mode=0o700, exist_ok=True)
         for path in names:
