@@ -260,7 +260,16 @@ class TaskFeed:
             if reply.task.kind == pb.MESSAGE:
                 _exchange(conn, self.client, reply.task)
                 continue
-            yield TaskStep(conn, reply.task, timeline=self.client.timeline)
+            try:
+                step = TaskStep(conn, reply.task, timeline=self.client.timeline)
+            except RpcFailed as exc:
+                if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+                # The task closed before its model came (the coordinator or region restarted and
+                # runs its round again, or the round reached its target): the next poll has the next.
+                log.warning("round %d: task gone before its download: %s", reply.task.round, exc.details)
+                continue
+            yield step
 
 
 def describe_split(metrics: Mapping[str, float], task_s: float) -> str:
