@@ -187,3 +187,32 @@ def os_strerror_enospc() -> str:
     import os
 
     return os.strerror(errno.ENOSPC)
+
+
+def test_fresh_and_state_key_are_config_keys_with_clear_errors(tmp_path):
+    from fedgrid.config import load_config
+    from fedgrid.errors import ConfigError
+    from fedgrid.server.wiring import open_store
+
+    for key, value in (("fresh", True), ("state_key", str(tmp_path / "key"))):
+        with pytest.raises(ConfigError, match=f"config key '{key}': goes with state_dir"):
+            load_config(overrides={key: value})
+    (tmp_path / "short").write_bytes(b"x" * 8)
+    with pytest.raises(
+        ConfigError, match=r"config key 'state_key': the state key .*short holds 8 bytes, at least 32"
+    ):
+        open_store(
+            load_config(overrides={"state_dir": str(tmp_path / "s"), "state_key": str(tmp_path / "short")})
+        )
+    with pytest.raises(ConfigError, match="cannot read the state key"):
+        open_store(
+            load_config(overrides={"state_dir": str(tmp_path / "s"), "state_key": str(tmp_path / "none")})
+        )
+    (tmp_path / "key").write_bytes(bytes(range(32)))
+    state = tmp_path / "state"
+    _save(open_store(load_config(overrides={"state_dir": str(state), "state_key": str(tmp_path / "key")})), 1)
+    store = open_store(load_config(overrides={"state_dir": str(state)}))  # the key forgotten: refused
+    with pytest.raises(RecoveryError, match="an authenticated checkpoint: give its --state-key"):
+        store.load_latest()
+    fresh = open_store(load_config(overrides={"state_dir": str(state), "fresh": True}))
+    assert fresh.load_latest() is None and len(list(state.glob("discarded-*/ckpt-*.bin"))) == 1
