@@ -140,9 +140,10 @@ class RoundTask:
         """Gives the task of an earlier session of ``joined``'s name to ``joined`` (lock held),
         when the phase is open and that session's task is pending or failed only because the
         session ended (a region or client restarted mid-round rejoins its round: the same
-        task, the same seed). Returns the earlier session's id, or ``None``."""
-        if self.closed or not joined.name or joined.client_id in self.assignments:
-            return None
+        task, the same seed). Fit and evaluate phases only. Returns the earlier session's id,
+        or ``None``."""
+        if self.closed or self.is_message or not joined.name or joined.client_id in self.assignments:
+            return None  # (a message phase's peers name the old session: its task cannot move)
         old = next(
             (
                 cid
