@@ -57,7 +57,7 @@ from harness import FEDGRID, THREADS, CoordinatorRun, child_env, wait_until  # n
 KINDS = ("coordinator_kill", "full_disk", "region_kill", "client_kill", "partition")
 REGIONS, CLIENTS_PER_REGION = ("region-a", "region-b"), 2
 #: Where a coordinator fault lands: the event it fires on.
-COORDINATOR_EVENTS = {
+COORDINATOR_EVENTS: dict[str, tuple[str, int | str]] = {
     "coordinator_kill": ("aggregating", signal.SIGKILL),
     "full_disk": ("update_accepted", "ENOSPC"),
 }
@@ -121,7 +121,8 @@ class Federation:
     # -- processes --------------------------------------------------------------------------
     def _coordinator(self, listen: str) -> CoordinatorRun:
         fault = self.coordinator_faults.pop(0) if self.coordinator_faults else None
-        trigger, sig = (None, signal.SIGKILL)
+        trigger: tuple[int, str] | None = None
+        sig: int | str = signal.SIGKILL
         if fault is not None:
             event, sig = COORDINATOR_EVENTS[fault.kind]
             trigger = (fault.round, event)
@@ -263,7 +264,7 @@ def simulated_model(work: Path, *, rounds: int, seed: int, h: int) -> dict[str, 
     from fedgrid.config import load_config
     from fedgrid.simulation.run import run_simulation
 
-    overrides = {"rounds": rounds, "clients": len(REGIONS) * CLIENTS_PER_REGION, "seed": seed}
+    overrides: dict[str, Any] = {"rounds": rounds, "clients": len(REGIONS) * CLIENTS_PER_REGION, "seed": seed}
     overrides |= {"regions": ",".join(f"{name}:0.5" for name in REGIONS), "hierarchy": True}
     overrides |= {
         "regional_rounds": h,
@@ -304,6 +305,21 @@ def compare(faulted: Path, clean: Path, *, rounds: int, h: int) -> dict[str, Any
     return {"identical": identical, "every_round_once": once, "every_regional_round_once": regions_once}
 
 
+def _print(result: dict[str, Any], faults: list[Fault]) -> None:
+    print(
+        f"chaos: {len(faults)} faults ({', '.join(f'{f.kind}@{f.round}' for f in faults)}), {result['survived']} survived"
+    )
+    print(
+        f"  rounds retried {result['rounds_retried']}, redone after a restart {result['rounds_redone']}, "
+        f"tasks handed over {result['tasks_handed_over']}, coordinator starts {result['coordinator_starts']}"
+    )
+    print(
+        f"  final model identical to the run without faults: {result['identical']}; every round once: "
+        f"{result['every_round_once']} (regions: {result['every_regional_round_once']}); "
+        f"wall {result['wall_s']['clean']} s clean, {result['wall_s']['chaos']} s with faults"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=8, help="at least 7: faults hit rounds 2 to N-1")
@@ -323,25 +339,17 @@ def main() -> int:
         if args.work
         else tempfile.TemporaryDirectory(prefix="fedgrid-chaos-") as tmp
     ):
+        common: dict[str, Any] = {
+            "rounds": args.rounds,
+            "seed": args.seed,
+            "h": args.regional_rounds,
+            "hold_s": args.hold_s,
+        }
         started = time.monotonic()
-        clean = run_federation(
-            Path(tmp, "clean"),
-            rounds=args.rounds,
-            seed=args.seed,
-            h=args.regional_rounds,
-            hold_s=args.hold_s,
-            faults=[],
-        )
+        clean = run_federation(Path(tmp, "clean"), faults=[], **common)
         clean_s = time.monotonic() - started
         started = time.monotonic()
-        faulted = run_federation(
-            Path(tmp, "chaos"),
-            rounds=args.rounds,
-            seed=args.seed,
-            h=args.regional_rounds,
-            hold_s=args.hold_s,
-            faults=faults,
-        )
+        faulted = run_federation(Path(tmp, "chaos"), faults=faults, **common)
         chaos_s = time.monotonic() - started
         result = {
             "rounds": args.rounds,
@@ -351,18 +359,7 @@ def main() -> int:
             **compare(faulted.work, clean.work, rounds=args.rounds, h=args.regional_rounds),
             "wall_s": {"clean": round(clean_s, 1), "chaos": round(chaos_s, 1)},
         }
-    print(
-        f"chaos: {len(faults)} faults ({', '.join(f'{f.kind}@{f.round}' for f in faults)}), {result['survived']} survived"
-    )
-    print(
-        f"  rounds retried {result['rounds_retried']}, redone after a restart {result['rounds_redone']}, "
-        f"tasks handed over {result['tasks_handed_over']}, coordinator starts {result['coordinator_starts']}"
-    )
-    print(
-        f"  final model identical to the run without faults: {result['identical']}; every round once: "
-        f"{result['every_round_once']} (regions: {result['every_regional_round_once']}); "
-        f"wall {result['wall_s']['clean']} s clean, {result['wall_s']['chaos']} s with faults"
-    )
+    _print(result, faults)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return (

@@ -95,7 +95,7 @@ class Phases:
         self._task_scope = task_scope
         self._interrupted = interrupted
         self.heartbeat_interval_s = heartbeat_interval_s
-        self.storage = storage
+        self.storage = storage if storage is not None else StorageGuard(lambda: None)
 
     def hand_over(self, rnd: RoundTask | None, joined: ClientInfo) -> None:
         """A client that joined again while its earlier session's task is open takes that task
@@ -252,14 +252,8 @@ class Phases:
         """Opens ``rnd`` for its clients and closes it when ``target`` (default: all)
         reported, the rest failed or went silent, or the deadline passed; under a ``quorum``,
         when its quorum reported and its grace passed."""
-        self.events.emit(
-            "round_opened",
-            round=rnd.server_round,
-            task=rnd.task_id,
-            clients=len(rnd.assignments),
-            evaluate=rnd.evaluate,
-            phase=rnd.kind,
-        )
+        opened = {"task": rnd.task_id, "clients": len(rnd.assignments), "evaluate": rnd.evaluate}
+        self.events.emit("round_opened", round=rnd.server_round, phase=rnd.kind, **opened)
         with self.lock:
             self._open_round(rnd)
             self.wake.notify(*(("poll", cid) for cid in rnd.assignments))  # only the clients with a task
@@ -280,8 +274,7 @@ class Phases:
             results, failures, cancelled = rnd.close(reason)
             reason = rnd.closed_by
             waiting = [cid for cid in rnd.assignments if cid in rnd.carried]
-        if self.storage is not None:
-            self.storage.check()  # the disk refused an update: the coordinator stops, nothing is aggregated
+        self.storage.check()  # the disk refused an update: the coordinator stops, nothing is aggregated
         self.spill.flush()  # write-backs under way land, and fsyncs, before the strategy sees them (server/spill.py)
         # Receive buffers not in use go back to the system before the strategy aggregates:
         # the pool speeds up the uploads of a round, it must not add to aggregation's memory.

@@ -241,11 +241,7 @@ def wait_for_close(
                     record.benched_task = rnd.task_id
             return "deadline"
         if now >= next_check:
-            live = {info.client_id for info in registry.live()}
-            for cid in rnd.pending():
-                if cid not in live and cid not in rnd.uploading:
-                    rnd.failures[cid] = Failure(infos[cid], "client went silent (no heartbeat)")
-                    rnd.departed.add(cid)
+            _fail_silent(rnd, registry)
             next_check = now + check_every_s
             continue
         until = min(rnd.deadline, next_check)
@@ -253,6 +249,15 @@ def wait_for_close(
             until = min(until, rnd.quorum_at + grace_s)
         wake.wait("round", until - now)
     return "all"
+
+
+def _fail_silent(rnd: RoundTask, registry: "Registry") -> None:
+    """Fails the pending clients that went silent (lock held); a rejoin takes their task over."""
+    live = {info.client_id for info in registry.live()}
+    for cid in rnd.pending():
+        if cid not in live and cid not in rnd.uploading:
+            rnd.failures[cid] = Failure(rnd.clients[cid], "client went silent (no heartbeat)")
+            rnd.departed.add(cid)
 
 
 def check_outbox(

@@ -12,7 +12,8 @@ import xxhash
 
 from fedgrid.errors import RecoveryError, StorageError
 from fedgrid.server import state as state_module
-from fedgrid.server.state import CorruptCheckpointError, StateStore, _content, _payload
+from fedgrid.server.state import CorruptCheckpointError, StateStore
+from fedgrid.server.state_codec import content_of, payload_of
 
 from full_disk import full_disk
 
@@ -29,9 +30,9 @@ def _rewrite(path, change) -> None:
     """Rewrites checkpoint ``path`` with ``change(content)`` and a recomputed checksum: damage
     that the checksum cannot see."""
     data = path.read_bytes()
-    content = dict(_content(data[16:]))
+    content = dict(content_of(data[16:]))
     change(content)
-    payload = _payload(content)
+    payload = payload_of(content)
     path.write_bytes(state_module.MAGIC + xxhash.xxh3_64_intdigest(payload).to_bytes(8, "little") + payload)
 
 
