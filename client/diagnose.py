@@ -50,10 +50,11 @@ def certificate_names(cert: x509.Certificate) -> list[str]:
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except x509.ExtensionNotFound:
         return []
-    return [
+    names = [
         *san.get_values_for_type(x509.DNSName),
         *(str(ip) for ip in san.get_values_for_type(x509.IPAddress)),
     ]
+    return [_safe(name) for name in names]  # the peer wrote them
 
 
 def _subject(cert: x509.Certificate) -> str:

@@ -202,6 +202,25 @@ def test_client_reports_what_its_file_and_flags_state_at_join(tmp_path, monkeypa
     assert "fedgrid client 0/1: reports cuda x2, 40.0 GiB at join" in capsys.readouterr().out
 
 
+def test_a_replaced_client_exits_with_one_line_naming_its_identity(tmp_path, monkeypatch, capsys):
+    import grpc
+
+    from fedgrid.client import IdentityConflict
+
+    def fake_run(client, *, coordinator, **options):
+        raise IdentityConflict("PollTask", grpc.StatusCode.UNAUTHENTICATED, "session replaced", client.name)
+
+    monkeypatch.setattr("fedgrid.client.runtime.run_client", fake_run)
+    config = tmp_path / "run.toml"
+    config.write_text('dataset = "synthetic"\n')
+    argv = ["client", "--config", str(config), "--coordinator", "127.0.0.1:9", "--partition", "0/2"]
+    assert cli.main([*argv, "--threads", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("fedgrid: error: identity '")
+    assert "is taken: another process joined the coordinator as" in err
+    assert "Two processes with the same --partition or the same certificate?" in err
+
+
 def test_a_bad_report_flag_stops_the_client_in_one_line_and_is_no_coordinator_flag(capsys):
     assert cli.main(["client", "--coordinator", "127.0.0.1:9", "--report-memory", "lots"]) == 2
     err = capsys.readouterr().err
