@@ -19,7 +19,7 @@ import grpc
 
 from fedgrid.client.api import Client
 from fedgrid.client.connection import MAX_REJOINS, Connection
-from fedgrid.client.rpc import RpcFailed
+from fedgrid.client.rpc import IdentityConflict, RpcFailed
 from fedgrid.client.timeline import COMM, SPLIT_KEYS, Timeline
 from fedgrid.constants import POLL_WAIT_S
 from fedgrid.errors import InvalidUpdateError
@@ -147,7 +147,7 @@ class TaskStep:
                     global_state=self.state,
                 )
         except RpcFailed as exc:
-            if exc.code == grpc.StatusCode.UNAUTHENTICATED:
+            if exc.code == grpc.StatusCode.UNAUTHENTICATED and not isinstance(exc, IdentityConflict):
                 # The coordinator dropped the session meanwhile (it heard nothing from it for too
                 # long, or restarted without it): this update is lost, and the next poll joins again.
                 log.warning(
@@ -184,7 +184,8 @@ class TaskStep:
 
 class TaskFeed:
     """``run``'s loop without the training: joins, long-polls, joins again when the
-    coordinator no longer knows the session (at most ``MAX_REJOINS`` times in a row), runs
+    coordinator no longer knows the session (at most ``MAX_REJOINS`` times in a row; never
+    when another process of the same identity replaced it: ``IdentityConflict``), runs
     message phases through ``client.exchange``/``receive``, and yields every fit or evaluate
     task as a downloaded ``TaskStep``, until the run finishes or ``conn.stop`` is set.
 
@@ -230,6 +231,8 @@ class TaskFeed:
             except RpcFailed as exc:
                 rejoins += 1
                 if exc.code != grpc.StatusCode.UNAUTHENTICATED or rejoins > MAX_REJOINS:
+                    raise
+                if isinstance(exc, IdentityConflict):  # joining again would replace the other process
                     raise
                 if conn.stop.is_set():  # it left meanwhile (a Leave from another thread): nothing to rejoin
                     return

@@ -318,7 +318,7 @@ class RemoteFleet(Fleet):
         every ``WAITING_REPORT_S`` and whenever k changes: a coordinator waiting for minutes
         says what it waits for."""
         deadline = time.monotonic() + timeout.total_seconds()
-        reported: int | None = None
+        reported: tuple[int, str] | None = None
         next_report = time.monotonic()
         with self._lock:
             while True:
@@ -337,14 +337,16 @@ class RemoteFleet(Fleet):
                 free = [c for c in live if c.client_id not in busy]
                 if len(live) >= min_clients and free:
                     return free
-                if joined != reported or time.monotonic() >= next_report:
+                conflicts = self.registry.conflict_note()  # two processes on one identity
+                if (joined, conflicts) != reported or time.monotonic() >= next_report:
                     log.info(
-                        "waiting for %d clients (%d joined%s)",
+                        "waiting for %d clients (%d joined%s%s)",
                         min_clients,
                         joined,
                         f", {unfit} short of the capability requirements" if unfit else "",
+                        conflicts,
                     )
-                    reported, next_report = joined, time.monotonic() + WAITING_REPORT_S
+                    reported, next_report = (joined, conflicts), time.monotonic() + WAITING_REPORT_S
                 if self._interrupted:
                     raise InterruptedRunError("stopped while waiting for clients")
                 remaining = deadline - time.monotonic()
