@@ -186,7 +186,9 @@ def add_config_flags(
 
 
 def config_from(args: argparse.Namespace, keys: Sequence[str]) -> Config:
-    from fedgrid.config import load_config
+    """The command's config: ``--config``'s file, then the flags given (their text parsed as
+    the keys' types: ``parse_flags``)."""
+    from fedgrid.config import load_config, parse_flags
 
-    overrides = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+    overrides = parse_flags({k: getattr(args, k, None) for k in keys})
     return with_default_out(load_config(args.config, overrides), args.command)

@@ -2,7 +2,9 @@
 
 Every key of ``Config`` can be set in a TOML file (flat, top-level keys) and overridden on
 the command line as ``--key-name VALUE``. Unknown keys, wrong types and out-of-range values
-raise ``ConfigError`` naming the key. The keys that name a dataset, a model, a partition or
+raise ``ConfigError`` naming the key. Types are checked one way for files and Python
+overrides (an integer key takes only integers: neither ``"5"`` nor ``5.0``); only flags'
+text is parsed (``parse_flag``). The keys that name a dataset, a model, a partition or
 client heterogeneity are checked by ``fedgrid.simulation.tasks.check_config`` (the CLI and
 ``run_simulation`` call it before any work): their registries live in the simulation layer,
 which this module, the server and the client never import.
@@ -36,6 +38,7 @@ from fedgrid.config_groups import (
     STRATEGY_KEYS,
     STRATEGY_NAMES,
 )
+from fedgrid.config_values import coerce, parse_text
 from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S, MAX_NUM_EXAMPLES
 from fedgrid.errors import ConfigError
 
@@ -45,6 +48,8 @@ __all__ = [
     "config_keys",
     "key_type",
     "did_you_mean",
+    "parse_flag",
+    "parse_flags",
     "SELECTORS",
     "ENGINES",
     "STRATEGY_KEYS",
@@ -267,7 +272,11 @@ class Config:
     join_timeout_s: float = _key("longest wait for min_clients before a round", 600.0)
     heartbeat_interval_s: float = _key("client heartbeat interval", HEARTBEAT_INTERVAL_S)
     chunk_size: int = _key("payload bytes per wire chunk", CHUNK_SIZE)
-    listen: str = _key("coordinator address HOST:PORT (port 0 picks a free one)", "0.0.0.0:50051")
+    listen: str = _key(
+        "coordinator address HOST:PORT (port 0 picks a free one); loopback by default: any other host "
+        "(0.0.0.0: every interface) needs ca/cert/key, or insecure",
+        "127.0.0.1:50051",
+    )
     max_workers: int = _key("coordinator RPC threads (one per long poll)", 256)
     ca: str = _key(
         "mutual TLS: PEM file of the CA certificate(s) that sign the peers' certificates (see `fedgrid certs`)",
@@ -407,32 +416,21 @@ def did_you_mean(word: str, known: Iterable[str], *, otherwise: str = _KEYS_LIST
     return " (did you mean " + " or ".join(repr(c) for c in close) + "?)"
 
 
-def _coerce(key: str, value: Any, kind: type) -> Any:
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-    elif kind is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-    elif kind is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif kind is str:
-        if isinstance(value, str):
-            return value
-    raise ConfigError(key, f"expected {kind.__name__}, got {value!r}")
+def parse_flag(key: str, text: str) -> Any:
+    """A command-line flag's text as the key's type (``--rounds 5`` is the integer 5).
+
+    Raises:
+        ConfigError: text that is not of the key's type (names the key), or an unknown key.
+    """
+    fields_ = config_keys()
+    if key not in fields_:
+        raise ConfigError(key, f"unknown key{did_you_mean(key, fields_)}")
+    return parse_text(key, text, key_type(fields_[key])[0])
+
+
+def parse_flags(texts: Mapping[str, str | None]) -> dict[str, Any]:
+    """``parse_flag`` of every key given (``None``: not given, left out)."""
+    return {key: parse_flag(key, text) for key, text in texts.items() if text is not None}
 
 
 def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> Config:
@@ -468,11 +466,11 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
         for key, value in data.items():
             if key not in keys:
                 raise ConfigError(key, f"unknown key in {path}{did_you_mean(key, keys)}")
-            values[key] = _coerce(key, value, types[key])
+            values[key] = coerce(key, value, types[key])
     for key, value in (overrides or {}).items():
         if value is None:
             continue
         if key not in keys:
             raise ConfigError(key, f"unknown key{did_you_mean(key, keys)}")
-        values[key] = _coerce(key, value, types[key])
+        values[key] = coerce(key, value, types[key])
     return Config(**values)
