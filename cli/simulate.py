@@ -145,7 +145,10 @@ def run(args: argparse.Namespace) -> int:
     check_config(config)
     ranks = torchrun_rank()
     quiet = ranks is not None and ranks[0] != 0
-    progress = SimulateProgress(config.rounds, sys.stderr) if config.progress and not quiet else None
+    # The in-place line on a terminal only: elsewhere (a log file, a pipe) each round's own line
+    # is the record, and a second line per round would say the same thing again.
+    tty = sys.stderr.isatty()
+    progress = SimulateProgress(config.rounds, sys.stderr) if config.progress and tty and not quiet else None
     stop = threading.Event()
 
     def on_stop(signal_name: str) -> None:

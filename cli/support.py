@@ -109,7 +109,12 @@ def __getattr__(name: str) -> list[str]:
 class FedgridParser(argparse.ArgumentParser):
     """``argparse`` whose "unrecognized arguments" error names the closest flags of the
     subcommand given (``--roundz``: did you mean ``--rounds``?) instead of leaving the user
-    to read the whole ``--help``."""
+    to read the whole ``--help``. A flag is never abbreviated (``allow_abbrev=False``): ``--local 1``
+    is that error, not ``--local-epochs 1``, and a prefix that fits several flags is too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
         parsed, extras = self.parse_known_args(args, namespace)

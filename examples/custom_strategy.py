@@ -88,7 +88,7 @@ class ServerLRAvg(Strategy):
 
 
 def main(argv: list[str] | None = None) -> float:
-    parser = argparse.ArgumentParser(description="A custom strategy (ServerLRAvg) on simulated digits clients.")
+    parser = argparse.ArgumentParser(description="A custom strategy (ServerLRAvg) on simulated digits clients.", allow_abbrev=False)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--clients", type=int, default=10)
     parser.add_argument("--server-lr", type=float, default=1.0)

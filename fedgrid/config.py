@@ -171,7 +171,10 @@ class Config:
         "simulation: training examples per second of a client of speed 1 (simulated round times)", 1000.0
     )
     regions: str = _key("simulation: region labels and shares, e.g. 'us:0.5,eu:0.3,ap:0.2' (empty: none)", "")
-    progress: bool = _key("fedgrid simulate: progress line per round on stderr", True)
+    progress: bool = _key(
+        "fedgrid simulate: a progress line (clients/s, ETA) rewritten in place on stderr, when it is a terminal",
+        True,
+    )
     replay: str = _key(
         "fedgrid simulate: a min_quorum deployment's RUN_DIR/events.jsonl; each round merges exactly the results it records, each trained from its task round's model (bit for bit the deployment's model)",
         "",
