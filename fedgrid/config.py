@@ -179,7 +179,12 @@ class Config:
         "fedgrid simulate: a min_quorum deployment's RUN_DIR/events.jsonl; each round merges exactly the results it records, each trained from its task round's model (bit for bit the deployment's model)",
         "",
     )
-    strategy: str = _key("aggregation strategy: " + ", ".join(STRATEGY_NAMES), "fedavg")
+    strategy: str = _key(
+        "aggregation strategy: "
+        + ", ".join(STRATEGY_NAMES)
+        + ", or your own as MODULE:CLASS (a fedgrid.Strategy subclass or a factory returning one)",
+        "fedavg",
+    )
     # Strategy and aggregator options: None (absent) keeps the strategy's own default; an
     # option set for a strategy it does not apply to is an error (see aggregation/registry.py).
     aggregator: str | None = _key(

@@ -12,6 +12,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Sequence
 
+from fedgrid.aggregation import Strategy
 from fedgrid.config import Config
 from fedgrid.constants import FINISH_GRACE_S
 from fedgrid.determinism import environment
@@ -94,8 +95,10 @@ def wire(
     initial: ModelState,
     evaluate_fn: EvaluateFn | None,
     on_event: Callable[[Event], None] | None,
+    strategy: Strategy | None = None,
 ) -> Wired:
-    """Builds the strategy, the run directory, the event log, the fleet, the monitor and the engine.
+    """Builds the strategy (``config``'s, or ``strategy`` as given), the run directory, the event
+    log, the fleet, the monitor and the engine.
 
     Raises:
         ConfigError: a strategy option out of range, or a ``min_quorum`` above ``min_clients``
@@ -103,7 +106,7 @@ def wire(
     """
     _check_quorum_fits(config)
     store = StateStore(config.state_dir) if config.state_dir else None
-    strategy = build_strategy(config, num_clients=config.min_clients)
+    strategy = build_strategy(config, num_clients=config.min_clients, given=strategy)
     strategy.initialize(initial_state=initial)
     writer = RunWriter(
         config.out,
