@@ -189,3 +189,14 @@ def test_a_warning_fails_the_build(tmp_path):
     result = _build(source, tmp_path / "html")
     assert result.returncode != 0
     assert "unknown document" in result.stderr and "no-such-page" in result.stderr
+
+
+def test_the_index_lists_pages_and_sections_not_api_objects(tmp_path):
+    result = _build(DOCS, tmp_path / "html")
+    assert result.returncode == 0, result.stdout + result.stderr
+    index = (tmp_path / "html" / "index.html").read_text()
+    toc = index[index.index('<div class="toctree-wrapper') :]
+    toc = toc[: toc.index("</div>")]
+    entries = [htmllib.unescape(e) for e in re.findall(r'<a class="reference internal"[^>]*>(.*?)</a>', toc)]
+    assert "API reference" in entries and "Client SDK" in entries  # a page and one of its sections
+    assert not [e for e in entries if re.fullmatch(r"[A-Z][A-Z0-9_]+|.*\(\)|fedgrid\..*", e)], entries

@@ -78,3 +78,29 @@ def test_coordinator_serves_loopback_with_no_flags_and_nothing_else_without_cert
         with pytest.raises(ConfigError, match="needs --ca, --cert and --key") as info:
             Coordinator._security(host, None, False)
         assert info.value.key == "listen"
+
+
+def test_a_new_apps_header_names_the_app_not_a_partition_it_does_not_use(tmp_path, monkeypatch, capsys):
+    """A `fedgrid new` app splits its data itself (data.py: IID): the header said `partition
+    dirichlet:0.5`, the built-in clients' default, which the app never sees."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert cli.main(["new", "headerapp"]) == 0
+    argv = [
+        "simulate",
+        "--config",
+        "headerapp/config.toml",
+        "--rounds",
+        "1",
+        "--threads",
+        "1",
+        "--out",
+        "run",
+    ]
+    assert cli.main(argv) == 0
+    header = [line for line in capsys.readouterr().out.splitlines() if line.startswith("fedgrid simulate:")]
+    assert header[0].startswith(
+        "fedgrid simulate: 3 clients, 1 rounds, app headerapp.app:client (its own data and split), "
+        "model headerapp.app:model, engine "
+    )
+    assert "partition" not in header[0] and "dataset" not in header[0]
