@@ -97,8 +97,7 @@ def wire(
     on_event: Callable[[Event], None] | None,
     strategy: Strategy | None = None,
 ) -> Wired:
-    """Builds the strategy (``config``'s, or ``strategy`` as given), the run directory, the event
-    log, the fleet, the monitor and the engine.
+    """Builds the strategy (unless given), the run directory, the event log, the fleet, the monitor and the engine.
 
     Raises:
         ConfigError: a strategy option out of range, or a ``min_quorum`` above ``min_clients``
