@@ -328,7 +328,7 @@ def test_set_link_changes_the_delay_of_a_running_connection(echo):
         assert rtt() >= 0.120
 
 
-def test_the_fedgrid_wan_command_relays_and_exits_0_on_sigterm(echo, tmp_path: Path):
+def test_the_fedgrid_wan_command_relays_and_exits_143_on_sigterm(echo, tmp_path: Path):
     address_file = tmp_path / "wan-address"
     proc = subprocess.Popen(
         [

@@ -14,8 +14,9 @@ import sys
 import threading
 
 from fedgrid.cli import COORDINATOR_KEYS, build_parser, serve
-from fedgrid.config import load_config
+from fedgrid.config import load_config, parse_flags
 from fedgrid.events import Event
+from fedgrid.interrupts import stop_status
 
 
 def main(argv: list[str]) -> int:
@@ -23,9 +24,7 @@ def main(argv: list[str]) -> int:
     fault, flags = argv[:split], argv[split + 1 :]
     trigger = (int(fault[0]), fault[1], getattr(signal, fault[2])) if fault else None
     args = build_parser().parse_args(["coordinator", *flags])
-    config = load_config(
-        args.config, {k: getattr(args, k) for k in COORDINATOR_KEYS if getattr(args, k, None) is not None}
-    )
+    config = load_config(args.config, parse_flags({k: getattr(args, k, None) for k in COORDINATOR_KEYS}))
     lock = threading.Lock()
     fired = False
 
@@ -44,7 +43,7 @@ def main(argv: list[str]) -> int:
                 os.kill(os.getpid(), trigger[2])
 
     serve(config, on_event=hook)
-    return 0
+    return stop_status() or 0  # as `fedgrid coordinator` exits: 128 + the signal that stopped it
 
 
 if __name__ == "__main__":
