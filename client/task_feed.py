@@ -107,6 +107,9 @@ class TaskStep:
         self.ins: FitIns | None = serde.fit_ins_from_task(task) if self.kind == FIT else None
         #: Why the coordinator refused the latest ``deliver`` as late ("" if it did not).
         self.late = ""
+        #: Why the coordinator refused the latest ``deliver``'s update itself, INVALID_ARGUMENT
+        #: (over a bound, malformed; "" if it did not): the round's failure, not the client's end.
+        self.refused = ""
 
     @staticmethod
     def check(update: ModelState, metrics: Mapping[str, float]) -> None:
@@ -128,13 +131,15 @@ class TaskStep:
         self, update: ModelState, num_examples: int, metrics: Mapping[str, float]
     ) -> TaskReport | None:
         """Uploads the result through the task's ``uplink_codec`` (error feedback kept in the
-        connection). Returns what it cost, or ``None`` (``late`` says why) when the round
-        closed before the update landed.
+        connection). Returns what it cost, or ``None`` when the round closed before the update
+        landed (``late`` says why) or the coordinator refused it (``refused`` says why).
+        A refused update is this round's failure: the client goes on to its next task.
 
         Raises:
             RpcFailed: any other refusal, or transient failures past the retry budget.
         """
-        metrics, self.late, codec = dict(metrics), "", str(self.config.get("uplink_codec", "none"))
+        metrics, codec = dict(metrics), str(self.config.get("uplink_codec", "none"))
+        self.late = self.refused = ""
         try:
             with self.timeline.span(COMM):
                 self.conn.upload(
@@ -156,6 +161,14 @@ class TaskStep:
                     exc.details,
                 )
                 self.late = exc.details or "the session ended"
+                return None
+            if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
+                log.warning(
+                    "round %d: the coordinator refused the update (%s): this round failed, the next goes on",
+                    self.round,
+                    exc.details,
+                )
+                self.refused = exc.details or "the update was refused"
                 return None
             if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
                 raise

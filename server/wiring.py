@@ -23,6 +23,7 @@ from fedgrid.server.bounds import build_bounds
 from fedgrid.server.codec_policy import build_codec_policy
 from fedgrid.server.engine import EvaluateFn, RoundEngine
 from fedgrid.server.fleet import quorum_of
+from fedgrid.server.influence import build_influence
 from fedgrid.server.monitor import CoordinatorMonitor
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.state import StateStore
@@ -107,6 +108,7 @@ def wire(
             f"a quorum of {config.min_quorum} is larger than min_clients={config.min_clients}, the "
             "clients a round may start with: raise min_clients to at least min_quorum",
         )
+    influence = build_influence(config)  # a bad quota file fails before anything is created
     store = StateStore(config.state_dir) if config.state_dir else None
     strategy = build_strategy(config, num_clients=config.min_clients)
     strategy.initialize(initial_state=initial)
@@ -150,5 +152,6 @@ def wire(
         store=store,
         events=events,
         quorum=quorum_of(config),
+        influence=influence,
     )
     return Wired(writer, events, fleet, engine, monitor)

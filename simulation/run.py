@@ -17,6 +17,7 @@ from fedgrid.server.bounds import build_bounds
 from fedgrid.server.codec_policy import build_codec_policy
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.fleet import QUORUM_NEEDS_REPLAY, Fleet, quorum_of
+from fedgrid.server.influence import build_influence
 from fedgrid.server.memory import keep_large_buffers
 from fedgrid.server.strategies import build_strategy
 from fedgrid.simulation.fleet import InProcessFleet
@@ -133,6 +134,7 @@ def _regions(config: Config, clients: list, profiles: ClientProfiles) -> list:
             min_clients=1,
             round_timeout=timedelta(seconds=config.round_timeout_s),
             join_timeout=timedelta(seconds=config.join_timeout_s),
+            influence=build_influence(config),
         )
         out.append(RegionClient(engine, name=label, regional_rounds=config.regional_rounds))
     return out
@@ -237,6 +239,7 @@ def _run(
     stop: threading.Event | None,
 ) -> tuple[ModelState | None, list[RoundMetrics]]:
     strategy = build_strategy(config, num_clients=config.clients)  # a bad option fails before any work
+    influence = build_influence(config)  # and a bad quota file
     _check_replay(config)
     resolved = resolve(
         dataset=config.dataset,
@@ -268,6 +271,7 @@ def _run(
         on_round=_reporter(on_round) if rank == 0 else None,
         stop=stop,
         quorum=quorum_of(config),
+        influence=influence,
     )
     log.info("engine: %s (%s)", fleet.engine, fleet.engine_reason)
     if on_start is not None:

@@ -13,6 +13,7 @@ from fedgrid.client.api import Client, EvaluateOutput, FitOutput
 from fedgrid.config import Config
 from fedgrid.seeding import derive_seed
 from fedgrid.server.engine import RoundEngine
+from fedgrid.server.influence import build_influence
 from fedgrid.server.strategies import build_strategy
 from fedgrid.simulation.fleet import InProcessFleet
 from fedgrid.simulation.tasks import client_options, resolve
@@ -75,6 +76,7 @@ def simulate(config: Config, *, wrap: Callable[[int, Client], Client] = lambda i
         round_timeout=timedelta(seconds=60),
         join_timeout=timedelta(seconds=60),
         evaluate_fn=resolved.evaluate,
+        influence=build_influence(config),
     )
     engine.run()
     return engine.history
