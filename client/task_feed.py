@@ -77,6 +77,15 @@ class ClientEvent:
     detail: str = ""
 
 
+#: What ``ReportFailure`` may meet after a refusal that leaves nothing to report: the round
+#: closed, the session ended, or the task is no longer this client's.
+_GONE = (
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.INVALID_ARGUMENT,
+)
+
+
 class TaskStep:
     """One fit or evaluate task, its model downloaded (by ``TaskFeed``): the caller trains or
     evaluates, then ``deliver``s the result or ``fail``s the task. What ``run`` does with every
@@ -127,6 +136,16 @@ class TaskStep:
         """Reports the task failed with ``reason``: the round records it at once."""
         self.conn.report_failure(self.task_id, reason)
 
+    def _report_refusal(self) -> None:
+        """Tells the round the refused update is this client's failure: otherwise its task stays
+        open, and the next poll would hand the same task back."""
+        try:
+            self.fail(f"update refused: {self.refused}")
+        except RpcFailed as exc:
+            if exc.code not in _GONE:
+                raise
+            log.info("round %d: the refusal was not reported (%s)", self.round, exc.details)
+
     def deliver(
         self, update: ModelState, num_examples: int, metrics: Mapping[str, float]
     ) -> TaskReport | None:
@@ -169,6 +188,7 @@ class TaskStep:
                     exc.details,
                 )
                 self.refused = exc.details or "the update was refused"
+                self._report_refusal()
                 return None
             if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
                 raise
