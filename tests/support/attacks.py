@@ -122,26 +122,28 @@ class Step(Client):
 
 
 class Poisoner(Step):
-    """An admitted attacker claiming ``claim`` examples (at Join too). ``constant``: uploads the
-    model 0.123 everywhere and 10**6 in integer tensors; ``scale``: an honest step times 1000;
-    ``huge``: the finite value 3e38 everywhere."""
+    """An admitted attacker claiming ``claim`` examples (at Join too). ``steer``: steps -0.1 (within
+    the default distance bound of its honest peers' steps of 0.01 and 0.02) and sends 10**6 in
+    integer tensors; ``constant``: uploads the model 0.123 everywhere; ``scale``: an honest step
+    times 1000; ``huge``: the finite value 3e38 everywhere."""
 
     def __init__(self, name: str, attack: str, *, claim: int = 3) -> None:
         super().__init__(name, 5, claim=claim)
-        if attack not in ("constant", "scale", "huge"):
+        if attack not in ("steer", "constant", "scale", "huge"):
             raise ValueError(f"unknown attack {attack!r}")
         self.attack = attack
 
     def fit(self, state: ModelState, ins: FitIns) -> FitOutput:
-        if self.attack == "scale":
+        value = {"steer": -0.1, "scale": 1000 * 0.01 * self.k}.get(self.attack)
+        if value is not None:
             out = OrderedDict(
-                (n, v + 1000 * 0.01 * self.k if v.is_floating_point() else v) for n, v in state.items()
+                (n, v + value if v.is_floating_point() else torch.full_like(v, 10**6))
+                for n, v in state.items()
             )
         else:
             value = 0.123 if self.attack == "constant" else 3e38
             out = OrderedDict(
-                (n, torch.full_like(v, value) if v.is_floating_point() else torch.full_like(v, 10**6))
-                for n, v in state.items()
+                (n, torch.full_like(v, value) if v.is_floating_point() else v) for n, v in state.items()
             )
         return FitOutput(out, num_examples=self.claim, metrics={"loss": 0.0})
 
@@ -188,7 +190,7 @@ def _engine(
         join_timeout=timedelta(seconds=60),
         finish_timeout=timedelta(seconds=10),
         events=events,
-        influence=influence,
+        **({} if influence is None else {"influence": influence}),  # None: the engine's default
     )
 
 
