@@ -5,29 +5,31 @@
 
 Each module has ``add_parser(sub)`` and ``run(args) -> int``; ``main`` maps errors to exit
 statuses in one place: 2 for bad input (a ``ConfigError``), 1 for a failure at run time.
+
+A command's module is imported only when that command runs (or ``build_parser()`` builds every
+one, for ``fedgrid --help``): the training commands' flags come from ``fedgrid.config``, which
+imports torch (about 2 s), and ``fedgrid certs``, ``health`` and ``status`` need none of it
+(tests/e2e/test_import_cost.py pins that).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
-from typing import Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Sequence
 
-from fedgrid.cli import certs, client, coordinator, health, launch, new, region, report, simulate, status, wan
-from fedgrid.cli.coordinator import serve
-from fedgrid.cli.simulate import SimulateProgress
-from fedgrid.cli.support import (
-    CLIENT_CONFIG_KEYS,
-    COORDINATOR_KEYS,
-    REGION_KEYS,
-    SIMULATE_KEYS,
-    FedgridParser,
-    error_line,
-    package_version,
-)
+from fedgrid.cli.support import FedgridParser, error_line, package_version
 from fedgrid.errors import ConfigError, FedgridError
 from fedgrid.interrupts import FORCED_EXIT_STATUS
+from fedgrid.lazy import exports
+
+if TYPE_CHECKING:  # re-exported lazily (__getattr__ below): each imports torch
+    from fedgrid.cli.coordinator import serve
+    from fedgrid.cli.simulate import SimulateProgress
+    from fedgrid.cli.support import CLIENT_CONFIG_KEYS, COORDINATOR_KEYS, REGION_KEYS, SIMULATE_KEYS
 
 __all__ = [
     "main",
@@ -40,40 +42,69 @@ __all__ = [
     "CLIENT_CONFIG_KEYS",
 ]
 
-#: The subcommands in ``--help``'s order: each module's ``add_parser`` and ``run``.
-COMMANDS = {
-    "simulate": simulate,
-    "coordinator": coordinator,
-    "region": region,
-    "client": client,
-    "certs": certs,
-    "report": report,
-    "new": new,
-    "status": status,
-    "wan": wan,
-    "health": health,
-    "launch": launch,
-}
+__getattr__, __dir__ = exports(
+    __name__,
+    {
+        "serve": "fedgrid.cli.coordinator",
+        "SimulateProgress": "fedgrid.cli.simulate",
+        "SIMULATE_KEYS": "fedgrid.cli.support",
+        "COORDINATOR_KEYS": "fedgrid.cli.support",
+        "REGION_KEYS": "fedgrid.cli.support",
+        "CLIENT_CONFIG_KEYS": "fedgrid.cli.support",
+    },
+    globals_=globals(),
+)
+
+#: The subcommands in ``--help``'s order (each a module of this package, with ``add_parser`` and ``run``).
+COMMANDS = (
+    "simulate",
+    "coordinator",
+    "region",
+    "client",
+    "certs",
+    "report",
+    "new",
+    "status",
+    "wan",
+    "health",
+    "launch",
+)
 #: Commands that print what they did (the services log what they do).
 QUIET = ("simulate", "certs", "report", "new", "status", "health", "launch")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def command_module(name: str) -> ModuleType:
+    """The module of the subcommand ``name`` (imported on first use)."""
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """``fedgrid``'s parser: every subcommand, or ``only`` that one (what ``main`` runs, so a
+    command imports no other command's module)."""
     parser = FedgridParser(prog="fedgrid", description="Federated training for PyTorch.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("--version", action="version", version=f"fedgrid {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in COMMANDS.values():
-        module.add_parser(sub)
+    for name in COMMANDS if only is None else (only,):
+        command_module(name).add_parser(sub)
     return parser
 
 
+def _command_named(argv: Sequence[str]) -> str | None:
+    """The subcommand ``argv`` runs, when its first word names one (the top-level flags, ``-v``,
+    ``--version`` and ``-h``, take no value); ``None`` for anything else: a bare ``fedgrid``,
+    ``--help`` or a misspelt command, which the whole parser answers."""
+    word = next((a for a in argv if not a.startswith("-")), None)
+    return word if word in COMMANDS else None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(_command_named(argv)).parse_args(argv)
     level = logging.DEBUG if args.verbose else (logging.WARNING if args.command in QUIET else logging.INFO)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return int(COMMANDS[args.command].run(args))
+        return int(command_module(args.command).run(args))
     except ConfigError as exc:
         print(error_line(exc), file=sys.stderr)
         return 2

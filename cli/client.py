@@ -45,6 +45,16 @@ def _add_connection_flags(cli: argparse.ArgumentParser) -> None:
         help="give up when the coordinator cannot be reached for this long before the first join "
         "(default: 60, FEDGRID_CONNECT_TIMEOUT_S)",
     )
+    cli.add_argument(
+        "--give-up-after-s",
+        dest="give_up_after_s",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="once joined, give up when the coordinator has not answered for this long (a coordinator "
+        "stopped without --state-dir never comes back), saying what the client waited for "
+        "(default: 120, FEDGRID_RETRY_MAX_ELAPSED_S)",
+    )
 
 
 def _add_data_flags(cli: argparse.ArgumentParser) -> None:

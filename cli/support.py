@@ -7,20 +7,10 @@ import argparse
 import dataclasses
 import time
 from importlib import metadata
-from typing import Any, NoReturn, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn, Sequence
 
-from fedgrid.config import (
-    CLIENT_ONLY_KEYS,
-    COORDINATOR_ONLY_KEYS,
-    QUORUM_KEYS,
-    REGION_ONLY_KEYS,
-    SIMULATION_ONLY_KEYS,
-    Config,
-    config_keys,
-    did_you_mean,
-    key_type,
-    load_config,
-)
+if TYPE_CHECKING:
+    from fedgrid.config import Config
 
 __all__ = [
     "FedgridParser",
@@ -36,25 +26,19 @@ __all__ = [
     "CLIENT_CONFIG_KEYS",
 ]
 
-# Keys each subcommand exposes as flags; every key is also accepted through --config.
-SIMULATE_KEYS = [
-    k for k in config_keys() if k not in COORDINATOR_ONLY_KEYS | CLIENT_ONLY_KEYS | REGION_ONLY_KEYS
-]
-COORDINATOR_KEYS = [
-    k for k in config_keys() if k not in SIMULATION_ONLY_KEYS | CLIENT_ONLY_KEYS | REGION_ONLY_KEYS
-]
+# Keys each subcommand exposes as flags; every key is also accepted through --config. They come
+# from fedgrid.config, which imports torch: computed on first use (``__getattr__``), so that the
+# commands that need no config (``fedgrid certs``, ``health``, ``status``) import this module for
+# their parser without it.
+SIMULATE_KEYS: list[str]
+COORDINATOR_KEYS: list[str]
 #: ``fedgrid region``: a coordinator's keys for its own clients (not the global run's length, model or
 #: enrollment and status servers, which the global coordinator has), and its upstream link.
-REGION_KEYS = [
-    k
-    for k in COORDINATOR_KEYS
-    if k
-    not in (
-        *("rounds", "initial_model", "model", "enroll_listen", "enroll_dir", "http", "http_token_file"),
-        "eval_every",  # a region evaluates nothing of its own: the global coordinator does
-        *QUORUM_KEYS,
-    )
-] + ["regional_rounds", *sorted(REGION_ONLY_KEYS)]
+REGION_KEYS: list[str]
+#: What ``fedgrid client --config FILE`` takes from the file (flags override it); the file's
+#: other keys (a TOML shared with the coordinator) are checked and left alone.
+CLIENT_CONFIG_KEYS: list[str]
+
 # The built-in client factory's options (fedgrid.simulation.tasks.CLIENT_KEYS) as `fedgrid
 # client` flags, so a deployed client trains like its simulated twin; --data-partition is the spec.
 CLIENT_OPTION_KEYS = [
@@ -68,17 +52,58 @@ CLIENT_OPTION_KEYS = [
     "weight_decay",
     "precision",
 ]
-#: What ``fedgrid client --config FILE`` takes from the file (flags override it); the file's
-#: other keys (a TOML shared with the coordinator) are checked and left alone.
-CLIENT_CONFIG_KEYS = [
-    *CLIENT_OPTION_KEYS,
-    "partition",
-    "threads",
-    "ca",
-    "cert",
-    "key",
-    *sorted(CLIENT_ONLY_KEYS),
-]
+
+
+def _key_lists() -> dict[str, list[str]]:
+    from fedgrid.config import (
+        CLIENT_ONLY_KEYS,
+        COORDINATOR_ONLY_KEYS,
+        QUORUM_KEYS,
+        REGION_ONLY_KEYS,
+        SIMULATION_ONLY_KEYS,
+        config_keys,
+    )
+
+    simulate = [
+        k for k in config_keys() if k not in COORDINATOR_ONLY_KEYS | CLIENT_ONLY_KEYS | REGION_ONLY_KEYS
+    ]
+    coordinator = [
+        k for k in config_keys() if k not in SIMULATION_ONLY_KEYS | CLIENT_ONLY_KEYS | REGION_ONLY_KEYS
+    ]
+    region = [
+        k
+        for k in coordinator
+        if k
+        not in (
+            *("rounds", "initial_model", "model", "enroll_listen", "enroll_dir", "http", "http_token_file"),
+            "http_linger_s",
+            "eval_every",  # a region evaluates nothing of its own: the global coordinator does
+            *QUORUM_KEYS,
+        )
+    ] + ["regional_rounds", *sorted(REGION_ONLY_KEYS)]
+    client_config = [
+        *CLIENT_OPTION_KEYS,
+        "partition",
+        "threads",
+        "ca",
+        "cert",
+        "key",
+        *sorted(CLIENT_ONLY_KEYS),
+    ]
+    return {
+        "SIMULATE_KEYS": simulate,
+        "COORDINATOR_KEYS": coordinator,
+        "REGION_KEYS": region,
+        "CLIENT_CONFIG_KEYS": client_config,
+    }
+
+
+def __getattr__(name: str) -> list[str]:
+    """The key lists above, computed (and cached in the module) on first use."""
+    if name not in ("SIMULATE_KEYS", "COORDINATOR_KEYS", "REGION_KEYS", "CLIENT_CONFIG_KEYS"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals().update(_key_lists())
+    return globals()[name]
 
 
 class FedgridParser(argparse.ArgumentParser):
@@ -100,6 +125,8 @@ class FedgridParser(argparse.ArgumentParser):
                 and getattr(parsed, action.dest, None) in action.choices
             ):
                 parser = action.choices[getattr(parsed, action.dest)]
+        from fedgrid.config import did_you_mean  # here: an error's suggestions may cost torch's import
+
         flags = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
         words = [
             f"{e}{did_you_mean(e.partition('=')[0], flags, otherwise='')}" if e.startswith("--") else e
@@ -139,6 +166,8 @@ def add_config_flags(
 ) -> None:
     if with_config:
         parser.add_argument("--config", metavar="FILE", help="TOML file; flags override its keys")
+    from fedgrid.config import config_keys, key_type
+
     fields = config_keys()
     for key in keys:
         f = fields[key]
@@ -157,5 +186,7 @@ def add_config_flags(
 
 
 def config_from(args: argparse.Namespace, keys: Sequence[str]) -> Config:
+    from fedgrid.config import load_config
+
     overrides = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     return with_default_out(load_config(args.config, overrides), args.command)

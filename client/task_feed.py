@@ -19,7 +19,7 @@ import grpc
 
 from fedgrid.client.api import Client
 from fedgrid.client.connection import MAX_REJOINS, Connection
-from fedgrid.client.rpc import RpcFailed
+from fedgrid.client.rpc import IdentityConflict, RpcFailed
 from fedgrid.client.timeline import COMM, SPLIT_KEYS, Timeline
 from fedgrid.constants import POLL_WAIT_S
 from fedgrid.errors import InvalidUpdateError
@@ -146,6 +146,32 @@ class TaskStep:
                 raise
             log.info("round %d: the refusal was not reported (%s)", self.round, exc.details)
 
+    def _undelivered(self, exc: RpcFailed) -> None:
+        """Sets ``late`` or ``refused`` for an upload that did not land, or re-raises ``exc``."""
+        if exc.code == grpc.StatusCode.UNAUTHENTICATED and not isinstance(exc, IdentityConflict):
+            # The coordinator dropped the session meanwhile (it heard nothing from it for too
+            # long, or restarted without it): this update is lost, and the next poll joins again.
+            log.warning(
+                "round %d: the coordinator no longer knows this session (%s): the update is lost",
+                self.round,
+                exc.details,
+            )
+            self.late = exc.details or "the session ended"
+            return
+        if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
+            log.warning(
+                "round %d: the coordinator refused the update (%s): this round failed, the next goes on",
+                self.round,
+                exc.details,
+            )
+            self.refused = exc.details or "the update was refused"
+            self._report_refusal()
+            return
+        if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
+            raise exc
+        log.warning("round %d closed before the update landed: %s", self.round, exc.details)
+        self.late = exc.details or "the round closed"
+
     def deliver(
         self, update: ModelState, num_examples: int, metrics: Mapping[str, float]
     ) -> TaskReport | None:
@@ -171,29 +197,7 @@ class TaskStep:
                     global_state=self.state,
                 )
         except RpcFailed as exc:
-            if exc.code == grpc.StatusCode.UNAUTHENTICATED:
-                # The coordinator dropped the session meanwhile (it heard nothing from it for too
-                # long, or restarted without it): this update is lost, and the next poll joins again.
-                log.warning(
-                    "round %d: the coordinator no longer knows this session (%s): the update is lost",
-                    self.round,
-                    exc.details,
-                )
-                self.late = exc.details or "the session ended"
-                return None
-            if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
-                log.warning(
-                    "round %d: the coordinator refused the update (%s): this round failed, the next goes on",
-                    self.round,
-                    exc.details,
-                )
-                self.refused = exc.details or "the update was refused"
-                self._report_refusal()
-                return None
-            if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
-                raise
-            log.warning("round %d closed before the update landed: %s", self.round, exc.details)
-            self.late = exc.details or "the round closed"
+            self._undelivered(exc)
             return None
         loss = metrics.get("loss", metrics.get("train_loss"))
         if self.kind == FIT:
@@ -217,7 +221,8 @@ class TaskStep:
 
 class TaskFeed:
     """``run``'s loop without the training: joins, long-polls, joins again when the
-    coordinator no longer knows the session (at most ``MAX_REJOINS`` times in a row), runs
+    coordinator no longer knows the session (at most ``MAX_REJOINS`` times in a row; never
+    when another process of the same identity replaced it: ``IdentityConflict``), runs
     message phases through ``client.exchange``/``receive``, and yields every fit or evaluate
     task as a downloaded ``TaskStep``, until the run finishes or ``conn.stop`` is set.
 
@@ -263,6 +268,8 @@ class TaskFeed:
             except RpcFailed as exc:
                 rejoins += 1
                 if exc.code != grpc.StatusCode.UNAUTHENTICATED or rejoins > MAX_REJOINS:
+                    raise
+                if isinstance(exc, IdentityConflict):  # joining again would replace the other process
                     raise
                 if conn.stop.is_set():  # it left meanwhile (a Leave from another thread): nothing to rejoin
                     return

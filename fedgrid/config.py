@@ -321,6 +321,12 @@ class Config:
         "(Authorization: Bearer TOKEN; required on a non-loopback host)",
         "",
     )
+    http_linger_s: float = _key(
+        "coordinator, with http: once the run finished, how long the HTTP server waits for a reader of "
+        "/api/status seen within that time (the status page) to fetch the final state before the "
+        "coordinator exits; an unwatched run never waits; 0: stop at once",
+        10.0,
+    )
     nproc_per_node: int = _key(
         "fedgrid client: local processes (ranks) that train together, one per GPU (gloo on CPU); "
         "this process is rank 0 and starts the others (or torchrun does)",

@@ -192,6 +192,10 @@ def _check_endpoints(config: Config) -> None:
             raise ConfigError(key, f"expected HOST:PORT, got {getattr(config, key)!r}")
     if config.http_token_file and not config.http:
         raise ConfigError("http_token_file", "is used only with http (the address of the HTTP status server)")
+    if not 0.0 <= config.http_linger_s < float("inf"):
+        raise ConfigError(
+            "http_linger_s", f"must be a finite number of seconds at least 0, got {config.http_linger_s}"
+        )
     if config.enroll_listen and not config.enroll_dir:
         raise ConfigError(
             "enroll_dir",

@@ -110,6 +110,7 @@ COORDINATOR_ONLY_KEYS = frozenset(
         "enroll_dir",
         "http",
         "http_token_file",
+        "http_linger_s",
         "require_device",
         "min_accelerators",
         "min_client_memory",

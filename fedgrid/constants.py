@@ -43,6 +43,9 @@ __all__ = [
     "HEALTH_TIMEOUT_S",
     "LAUNCH_START_TIMEOUT_S",
     "LAUNCH_STOP_GRACE_S",
+    "HTTP_REQUEST_TIMEOUT_S",
+    "HTTP_MAX_CONNECTIONS",
+    "HTTP_MAX_CONNECTIONS_PER_PEER",
 ]
 
 
@@ -154,3 +157,15 @@ LAUNCH_START_TIMEOUT_S = _env_float("FEDGRID_LAUNCH_START_TIMEOUT_S", 120.0)
 #: killed (FEDGRID_LAUNCH_STOP_GRACE_S): a coordinator's own stop grace (5 s) and a client's
 #: leave RPC fit in it.
 LAUNCH_STOP_GRACE_S = _env_float("FEDGRID_LAUNCH_STOP_GRACE_S", 20.0)
+#: The HTTP status server (``--http``, ``fedgrid.webserve``): a connection has this long from
+#: its accept to send its whole request (headers and body) and take its answer, then it is
+#: closed (FEDGRID_HTTP_REQUEST_TIMEOUT_S). A slowloris peer sending a byte now and then holds
+#: its connection this long at most, however it paces the bytes.
+HTTP_REQUEST_TIMEOUT_S = _env_float("FEDGRID_HTTP_REQUEST_TIMEOUT_S", 5.0)
+#: Connections the HTTP status server holds at once (FEDGRID_HTTP_MAX_CONNECTIONS); more are
+#: answered 503 and closed. An open asyncio connection costs a few KiB and no thread.
+HTTP_MAX_CONNECTIONS = int(_env_float("FEDGRID_HTTP_MAX_CONNECTIONS", 256))
+#: Connections one peer (an IPv4 address, or an IPv6 /64) holds at once on the HTTP status
+#: server (FEDGRID_HTTP_MAX_CONNECTIONS_PER_PEER); more are answered 503, so one host that
+#: holds its share blocks only itself.
+HTTP_MAX_CONNECTIONS_PER_PEER = int(_env_float("FEDGRID_HTTP_MAX_CONNECTIONS_PER_PEER", 8))

@@ -1,16 +1,20 @@
 """A small read-only HTTP server for watching a process: ``/metrics``, ``/api/status``, a page.
 
 The coordinator and ``fedgrid client`` serve their live state with it when given ``--http
-HOST:PORT`` (port 0 picks a free one). It is a stdlib ``ThreadingHTTPServer`` in a daemon
-thread: nothing it serves changes the run, and a slow or hostile reader cannot reach the
-training loop. Its rules:
+HOST:PORT`` (port 0 picks a free one). It is aiohttp's low-level server on an asyncio event
+loop of its own, in a daemon thread; route handlers run on a small thread pool. Nothing it
+serves changes the run, and a slow or hostile reader cannot reach the training loop. Its rules:
 
 - **Read-only**: GET and HEAD only; POST, PUT, DELETE, PATCH and OPTIONS get 405 (with
-  ``Allow: GET, HEAD``), other methods the stdlib's 501.
+  ``Allow: GET, HEAD``), other methods 501.
 - **Bounded**: a request line over ``MAX_REQUEST_LINE`` bytes gets 414, headers over
-  ``MAX_HEADER_BYTES`` 431, a request with a body 413; a connection must send its request
-  within ``READ_TIMEOUT_S``; at most ``MAX_CONNECTIONS`` connections are served at once
-  (more get 503 and are closed), and each connection serves one request.
+  ``MAX_HEADER_BYTES`` 431, a request with a body 413 (and what is not HTTP at all 400). A connection serves one request, and
+  has ``Limits.request_timeout_s`` from its accept to send all of it (headers and body) and
+  take its answer: then it is closed, however slowly it drips bytes (slowloris). It may send
+  at most ``MAX_HEAD_BYTES`` before its headers end (431 beyond) and ``MAX_BODY_BYTES`` after
+  (the rest is never read). At most ``Limits.max_connections`` connections are held at once,
+  and ``Limits.max_connections_per_peer`` from one peer (an IPv4 address, an IPv6 /64); a
+  connection over either cap is answered 503 at once and closed, before anything is read.
 - **Loopback by default**: on a non-loopback address the server refuses to start
   (``ConfigError``) unless it has a bearer token (``token_file``: a file holding the token,
   at least ``MIN_TOKEN_CHARS`` characters). With a token every data route needs
@@ -19,35 +23,45 @@ training loop. Its rules:
   served without it; the page's script then reads the token from the URL fragment
   (``http://HOST:PORT/#token=TOKEN``, which browsers never send to servers or in a
   ``Referer``) and sends it on its own requests. A token on loopback is honoured too.
-- Request lines are logged through ``fedgrid.textsafe.escape``: a path is client text.
+- Request lines, and aiohttp's messages about malformed requests, are logged through
+  ``fedgrid.textsafe.escape``: they are client text.
 
 Routes are a mapping ``path -> Route``; a route's handler returns a ``Response``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
+import importlib
 import logging
+import socket
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Callable, Mapping, cast
 
 from fedgrid.errors import ConfigError
 from fedgrid.proto.tls import is_loopback
 from fedgrid.textsafe import escape
+from fedgrid.webgate import MAX_HEAD_BYTES, MAX_HEADER_BYTES, MAX_REQUEST_LINE, Admission, Gate, Limits
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 __all__ = [
+    "Limits",
     "Response",
     "Route",
     "StatusServer",
+    "dispatch",
+    "require_aiohttp",
     "require_prometheus",
     "read_token",
     "split_address",
-    "MAX_CONNECTIONS",
-    "READ_TIMEOUT_S",
     "MAX_REQUEST_LINE",
     "MAX_HEADER_BYTES",
     "MIN_TOKEN_CHARS",
@@ -56,33 +70,41 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Connections served at once; more are answered 503 and closed.
-MAX_CONNECTIONS = 16
-#: Seconds a connection has to send its request (and the longest a reply may stall).
-READ_TIMEOUT_S = 5.0
-#: Longest request line (method, path, version) accepted.
-MAX_REQUEST_LINE = 4096
-#: Largest total size of a request's headers.
-MAX_HEADER_BYTES = 16 * 1024
 #: Shortest bearer token accepted from a token file.
 MIN_TOKEN_CHARS = 16
-#: The optional dependency group that brings ``prometheus-client``.
+#: The optional dependency group that brings ``prometheus-client`` and ``aiohttp``.
 MONITOR_EXTRA = "monitor"
+#: Threads that run route handlers (which read the process's state under its locks).
+HANDLER_THREADS = 4
+#: Longest wait for the server's thread to start serving or to stop.
+THREAD_TIMEOUT_S = 10.0
 
 _READ_ONLY = ("POST", "PUT", "DELETE", "PATCH", "OPTIONS")
+_HARDENING = {
+    "Cache-Control": "no-store",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
+
+
+def _require(module: str, package: str, what: str) -> ModuleType:
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ConfigError(
+            "http",
+            f"{what} needs {package}: pip install 'fedgrid[{MONITOR_EXTRA}]' (or pip install {package})",
+        ) from None
 
 
 def require_prometheus() -> Any:
     """The ``prometheus_client`` module, or a ``ConfigError`` naming the extra to install."""
-    try:
-        import prometheus_client
-    except ImportError:
-        raise ConfigError(
-            "http",
-            f"serving metrics needs prometheus-client: pip install 'fedgrid[{MONITOR_EXTRA}]' "
-            "(or pip install prometheus-client)",
-        ) from None
-    return prometheus_client
+    return _require("prometheus_client", "prometheus-client", "serving metrics")
+
+
+def require_aiohttp() -> Any:
+    """The ``aiohttp.web`` module, or a ``ConfigError`` naming the extra to install."""
+    return _require("aiohttp.web", "aiohttp", "serving HTTP (--http)")
 
 
 def split_address(address: str, *, key: str = "http") -> tuple[str, int]:
@@ -133,137 +155,101 @@ class Route:
     public: bool = False
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = MAX_CONNECTIONS
+class _EscapedLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """aiohttp's server logger. Its messages about malformed requests quote the client's bytes:
+    they are escaped, logged without a traceback, and at debug level (a peer's bad request is
+    the peer's problem, and a stream of them must not flood the log); other errors warn."""
 
-    def __init__(
-        self, address: tuple[str, int], handler: type, *, routes: Mapping[str, Route], token: str | None
-    ) -> None:
-        import socket
+    def log(self, level: int, msg: object, *args: object, **kwargs: Any) -> None:
+        from aiohttp.http_exceptions import HttpProcessingError
 
-        if ":" in address[0]:
-            self.address_family = socket.AF_INET6
-        self.routes = routes
-        self.token = token
-        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        super().__init__(address, handler)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        # Over the cap: answered at once on this thread and closed, so no thread is spent on it.
-        if not self.slots.acquire(blocking=False):
-            try:
-                request.sendall(
-                    b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-                )
-            except OSError:
-                pass
-            self.shutdown_request(request)
+        exc = kwargs.get("exc_info")
+        quiet = exc is None or isinstance(exc, (HttpProcessingError, ConnectionError, asyncio.CancelledError))
+        level = logging.DEBUG if quiet else logging.WARNING
+        if not self.logger.isEnabledFor(level):
             return
-        super().process_request(request, client_address)
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.slots.release()
+            text = str(msg) % args if args else str(msg)
+        except (TypeError, ValueError):
+            text = f"{msg} {args}"
+        if isinstance(exc, BaseException):
+            text = f"{text}: {type(exc).__name__}: {exc}"
+        self.logger.log(level, "http: %s", escape(text, 300))
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
-    raw_requestline: bytes
-    timeout = READ_TIMEOUT_S  # socket timeout: a slow sender is dropped
-    server_version = "fedgrid"
-    sys_version = ""
-    protocol_version = "HTTP/1.0"  # one request per connection: no idle keep-alive holds a slot
+def dispatch(
+    *,
+    method: str,
+    target: str,
+    headers: Mapping[str, str],
+    header_bytes: int,
+    routes: Mapping[str, Route],
+    token: str | None,
+) -> Response | Route:
+    """What a parsed request gets: a ``Response`` at once (refused, not found, unauthorized),
+    or the ``Route`` whose handler answers it."""
+    if len(method) + len(target) + len(" HTTP/1.1") + 1 > MAX_REQUEST_LINE:
+        return Response(b"request line too long\n", status=414)
+    if header_bytes > MAX_HEADER_BYTES:
+        return Response(b"request headers too large\n", status=431)
+    if method in _READ_ONLY:
+        return Response(b"", status=405, headers={"Allow": "GET, HEAD"})
+    if method not in ("GET", "HEAD"):
+        return Response(b"not implemented\n", status=501)
+    if headers.get("Content-Length", "0") not in ("", "0") or "Transfer-Encoding" in headers:
+        return Response(b"a GET carries no body\n", status=413)
+    route = routes.get(target.split("?", 1)[0])
+    if route is None:
+        return Response(b"not found\n", status=404)
+    if not route.public and not _authorized(headers.get("Authorization", ""), token):
+        return Response(
+            b"unauthorized: send Authorization: Bearer TOKEN\n",
+            status=401,
+            headers={"WWW-Authenticate": 'Bearer realm="fedgrid"'},
+        )
+    return route
 
-    def parse_request(self) -> bool:
-        if len(self.raw_requestline) > MAX_REQUEST_LINE:
-            self.command, self.request_version, self.requestline = "", self.protocol_version, "(too long)"
-            self.close_connection = True
-            self.send_error(HTTPStatus.REQUEST_URI_TOO_LONG)
-            return False
-        if not super().parse_request():
-            return False
-        if sum(len(k) + len(v) for k, v in self.headers.items()) > MAX_HEADER_BYTES:
-            self.send_error(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE)
-            return False
+
+def _authorized(given: str, token: str | None) -> bool:
+    if token is None:
         return True
+    scheme, _, value = given.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), token.encode())
 
-    def _refuse_method(self) -> None:
-        self.send_response(HTTPStatus.METHOD_NOT_ALLOWED)
-        self.send_header("Allow", "GET, HEAD")
-        self.send_header("Content-Length", "0")
-        self.end_headers()
 
-    do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _refuse_method
-
-    def _authorized(self) -> bool:
-        token = self.server.token
-        if token is None:
-            return True
-        given = self.headers.get("Authorization", "")
-        scheme, _, value = given.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), token.encode())
-
-    def _answer(self, head_only: bool) -> None:
-        if self.headers.get("Content-Length", "0") not in ("", "0") or "Transfer-Encoding" in self.headers:
-            self.send_error(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "a GET carries no body")
-            return
-        route = self.server.routes.get(self.path.split("?", 1)[0])
-        if route is None:
-            response = Response(b"not found\n", status=404)
-        elif not route.public and not self._authorized():
-            response = Response(
-                b"unauthorized: send Authorization: Bearer TOKEN\n",
-                status=401,
-                headers={"WWW-Authenticate": 'Bearer realm="fedgrid"'},
-            )
-        else:
-            try:
-                response = route.handler()
-            except Exception:  # noqa: BLE001 - a broken view must not take the server down
-                log.exception("http: %s failed", escape(self.path, 128))
-                response = Response(b"internal error\n", status=500)
-        self.send_response(response.status)
-        self.send_header("Content-Type", response.content_type)
-        self.send_header("Content-Length", str(len(response.body)))
-        self.send_header("Cache-Control", "no-store")
-        self.send_header("X-Content-Type-Options", "nosniff")
-        self.send_header("Referrer-Policy", "no-referrer")
-        for name, value in response.headers.items():
-            self.send_header(name, value)
-        self.end_headers()
-        if not head_only:
-            self.wfile.write(response.body)
-
-    def do_GET(self) -> None:
-        self._answer(head_only=False)
-
-    def do_HEAD(self) -> None:
-        self._answer(head_only=True)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        # The request line and paths are client text: escaped, never written verbatim.
-        log.debug("http %s: %s", self.client_address[0], escape(format % args, 300))
+def _call(route: Route, target: str) -> Response:
+    try:
+        return route.handler()
+    except Exception:  # noqa: BLE001 - a broken view must not take the server down
+        log.exception("http: %s failed", escape(target, 128))
+        return Response(b"internal error\n", status=500)
 
 
 class StatusServer:
-    """Serves ``routes`` on ``address`` in a daemon thread; ``address`` holds the bound port.
+    """Serves ``routes`` on ``address`` from an event loop in a daemon thread; ``address``
+    holds the bound port.
 
     Args:
         address: ``HOST:PORT``; port 0 binds a free one.
         routes: path -> ``Route``.
         token_file: a file holding the bearer token; required on a non-loopback host.
         key: the config key named in errors.
+        limits: the request deadline and connection caps (``Limits()``: the defaults).
 
     Raises:
-        ConfigError: a malformed address, a non-loopback host without a token file, an
-            unreadable or too short token, or an address that cannot be bound.
+        ConfigError: aiohttp is not installed, a malformed address, a non-loopback host without
+            a token file, an unreadable or too short token, bad limits (their ``FEDGRID_*``
+            overrides), or an address that cannot be bound.
     """
 
     def __init__(
-        self, address: str, routes: Mapping[str, Route], *, token_file: str = "", key: str = "http"
+        self,
+        address: str,
+        routes: Mapping[str, Route],
+        *,
+        token_file: str = "",
+        key: str = "http",
+        limits: Limits | None = None,
     ) -> None:
         host, port = split_address(address, key=key)
         token = read_token(token_file, key=f"{key}_token_file") if token_file else None
@@ -274,24 +260,116 @@ class StatusServer:
                 f"({key}_token_file: a file holding at least {MIN_TOKEN_CHARS} characters), "
                 "or bind 127.0.0.1 and reach it through a tunnel",
             )
+        self._web = require_aiohttp()
         try:
-            self._server = _Server((host, port), _Handler, routes=routes, token=token)
+            self.limits = limits if limits is not None else Limits()
+        except ValueError as exc:
+            raise ConfigError(key, f"HTTP limits: {exc}") from None
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        dualstack = host == "::" and socket.has_dualstack_ipv6()
+        try:
+            self._sock = socket.create_server((host, port), family=family, dualstack_ipv6=dualstack)
         except OSError as exc:
             raise ConfigError(key, f"cannot listen on {address}: {exc}") from None
-        bound = self._server.server_address[1]
+        bound = self._sock.getsockname()[1]
         self.address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
         self.authenticated = token is not None
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.2}, name="fedgrid-http", daemon=True
-        )
+        self._key, self._routes, self._token = key, dict(routes), token
+        self._admission = Admission(self.limits)
+        self._pool = ThreadPoolExecutor(HANDLER_THREADS, thread_name_prefix="fedgrid-http-view")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._failure: BaseException | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fedgrid-http", daemon=True)
+
+    @property
+    def connections(self) -> int:
+        """Connections held now (admitted and not yet closed)."""
+        return len(self._admission.open)
 
     def start(self) -> "StatusServer":
+        """Starts serving; returns when the server accepts connections.
+
+        Raises:
+            ConfigError: the event loop could not start serving.
+        """
         self._thread.start()
+        if not self._ready.wait(THREAD_TIMEOUT_S) or self._failure is not None:
+            self.stop()
+            reason = self._failure or f"not serving after {THREAD_TIMEOUT_S:.0f} s"
+            raise ConfigError(self._key, f"cannot serve HTTP on {self.address}: {reason}")
         return self
 
     def stop(self) -> None:
-        """Stops serving and closes the socket (requests in flight finish on their threads)."""
-        if self._thread.is_alive():
-            self._server.shutdown()
-            self._thread.join(timeout=5.0)
-        self._server.server_close()
+        """Stops serving: closes the socket and every connection still open."""
+        loop = self._loop
+        if loop is not None and self._thread.is_alive():
+            with contextlib.suppress(RuntimeError):  # the loop has just closed
+                loop.call_soon_threadsafe(loop.stop)
+            self._thread.join(timeout=THREAD_TIMEOUT_S)
+        self._sock.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _run(self) -> None:
+        self._loop = loop = asyncio.new_event_loop()
+        try:
+            server = loop.run_until_complete(self._open())
+        except Exception as exc:  # noqa: BLE001 - reported by start()
+            self._failure = exc
+            self._ready.set()
+            loop.close()
+            return
+        self._ready.set()
+        try:
+            loop.run_forever()
+        finally:
+            loop.run_until_complete(self._close(server))
+            loop.close()
+
+    async def _open(self) -> asyncio.Server:
+        protocol = self._web.Server(
+            self._handle,
+            access_log=None,  # requests are logged by _handle, escaped
+            logger=_EscapedLog(log, {}),
+            keepalive_timeout=self.limits.request_timeout_s,
+            # The gate bounds the head first (431), so aiohttp's own limits never answer first.
+            max_line_size=2 * MAX_HEAD_BYTES,
+            max_field_size=2 * MAX_HEAD_BYTES,
+        )
+        return await asyncio.get_running_loop().create_server(
+            lambda: Gate(self._admission, protocol), sock=self._sock
+        )
+
+    async def _close(self, server: asyncio.Server) -> None:
+        server.close()
+        for gate in list(self._admission.open):
+            gate.abort()
+        current = asyncio.current_task()
+        tasks = [task for task in asyncio.all_tasks() if task is not current]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        target = request.raw_path
+        answer = dispatch(
+            method=request.method,
+            target=target,
+            headers=request.headers,
+            header_bytes=sum(len(k) + len(v) for k, v in request.raw_headers),
+            routes=self._routes,
+            token=self._token,
+        )
+        if isinstance(answer, Route):
+            answer = await asyncio.get_running_loop().run_in_executor(self._pool, _call, answer, target)
+        log.debug(
+            "http %s: %s %s %d",
+            request.remote,
+            escape(request.method, 16),
+            escape(target, 300),
+            answer.status,
+        )
+        headers = {"Content-Type": answer.content_type, "Server": "fedgrid", **_HARDENING, **answer.headers}
+        reply = self._web.Response(body=answer.body, status=answer.status, headers=headers)
+        reply.force_close()  # one request per connection: no idle keep-alive holds a slot
+        return cast("web.StreamResponse", reply)

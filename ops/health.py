@@ -12,8 +12,9 @@ certificate) and a client certificate and key of the same CA. The health service
 the TLS port but outside the coordinator's per-call identity check, so any client
 certificate of the CA will do (``docker/compose.yaml`` issues one named ``probe``).
 
-``python -m fedgrid.ops.health`` is the same command without the rest of the CLI's imports
-(torch): the probe a container runs every few seconds costs a gRPC import, not torch's.
+``fedgrid health`` imports no torch (the CLI imports only the module of the command it runs),
+so the probe a container runs every few seconds costs a gRPC import; ``python -m
+fedgrid.ops.health`` is the same command, for images without the ``fedgrid`` script on PATH.
 """
 
 from __future__ import annotations

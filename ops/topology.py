@@ -87,7 +87,7 @@ GLOBAL_KEYS = _COORDINATOR - MANAGED_KEYS
 #: ``fedgrid region`` takes no run length, model, enrollment, status server or quorum: the global coordinator has them.
 REGION_KEYS = (
     _COORDINATOR
-    - {"rounds", "initial_model", "model", "http", "http_token_file", "seed", "eval_every"}
+    - {"rounds", "initial_model", "model", "http", "http_token_file", "http_linger_s", "seed", "eval_every"}
     - QUORUM_KEYS
     | REGION_ONLY_KEYS
     | {"regional_rounds"}

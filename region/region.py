@@ -53,9 +53,10 @@ import logging
 import re
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from fedgrid.aggregation import Strategy
 from fedgrid.aggregation.goodput import SUMMED_KEYS, WORKER_WALL_S, utilization_of
@@ -76,7 +77,7 @@ from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.state import StateStore
 from fedgrid.server.strategies import build_strategy
 from fedgrid.textsafe import escape
-from fedgrid.types import FitIns, ModelState
+from fedgrid.types import FitIns, ModelState, RoundMetrics
 
 __all__ = ["RegionClient", "run_region", "UPSTREAM_RETRY_MAX_S", "PARTIAL_ALGORITHMS", "OVERLAP_KEYS"]
 
@@ -90,6 +91,22 @@ NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 PARTIAL_ALGORITHMS = ("scaffold", "streaming-diloco", "bcd")
 #: Global task keys that ask a worker to overlap its sync (``Overlap.task_config``): a region cannot.
 OVERLAP_KEYS = ("sync_delay_steps", "merge_alpha", "inner_time_s")
+
+
+@dataclass
+class _Sums:
+    """What a global task's regional rounds add up to: LAN bytes and the workers' seconds."""
+
+    lan_up: int = 0
+    lan_down: int = 0
+    workers: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys((*SUMMED_KEYS, WORKER_WALL_S), 0.0)
+    )
+
+    def add(self, m: RoundMetrics) -> None:
+        self.lan_up, self.lan_down = self.lan_up + m.bytes_up, self.lan_down + m.bytes_down
+        for key in self.workers:
+            self.workers[key] += float(m.extra.get(key, 0.0))
 
 
 class RegionClient(Client):
@@ -130,43 +147,48 @@ class RegionClient(Client):
             RuntimeError: a regional round that no client completed, or whose aggregate
                 failed (the global round hears it as this region's failure).
         """
-        algorithm = str(ins.config.get("algorithm", "fedavg"))
-        if algorithm in PARTIAL_ALGORITHMS:
-            raise ValueError(
-                f"the global strategy asks for {algorithm!r}, whose clients send part of the model or extra tensors; "
-                "a region sends its whole regional model (use fedavg, the fedopt family or diloco globally)"
-            )
-        overlap = [k for k in OVERLAP_KEYS if float(ins.config.get(k, 0) or 0) > 0]
-        if overlap:
-            raise ValueError(
-                f"the global task asks this region to overlap its sync ({', '.join(overlap)}); a region "
-                "sends its model after its regional rounds and takes the global one whole: unset them on "
-                "the global strategy (set them on the region's own strategy for its workers)"
-            )
+        _check_global_task(ins.config)
+        self._take_global(state)
+        last, sums = self._regional_rounds(ins.round)
+        examples = self._claimed_examples(int(last.extra.get("examples", 0)))
+        out = OrderedDict((k, v.detach().clone()) for k, v in self.engine.strategy.global_state.items())
+        return FitOutput(state=out, num_examples=max(examples, 1), metrics=self._reported(last, sums))
+
+    def _take_global(self, state: ModelState) -> None:
+        """The global model becomes the regional strategy's (the first task initializes it)."""
         strategy = self.engine.strategy
         if self._initialized:
             strategy.receive_global(state=state)
         else:
             strategy.initialize(initial_state=OrderedDict((k, v.clone()) for k, v in state.items()))
             self._initialized = True
+
+    def _regional_rounds(self, global_round: int) -> tuple[RoundMetrics, _Sums]:
+        """Runs and commits the H regional rounds of global round ``global_round``; returns the
+        last one's metrics and what they all add up to.
+
+        Raises:
+            RuntimeError: a regional round that no client completed, or whose aggregate failed.
+        """
         metrics = None
-        lan_up = lan_down = 0
-        workers = dict.fromkeys((*SUMMED_KEYS, WORKER_WALL_S), 0.0)  # the workers' seconds, summed
+        sums = _Sums()
         for h in range(1, self.regional_rounds + 1):
-            regional_round = (ins.round - 1) * self.regional_rounds + h
+            regional_round = (global_round - 1) * self.regional_rounds + h
             metrics = self.engine.run_round(regional_round)
             self.engine.commit(metrics)
-            lan_up, lan_down = lan_up + metrics.bytes_up, lan_down + metrics.bytes_down
-            for key in workers:
-                workers[key] += float(metrics.extra.get(key, 0.0))
+            sums.add(metrics)
             if metrics.extra.get(ROUND_FAILED) or metrics.clients_ok == 0:
                 raise RuntimeError(
-                    f"regional round {regional_round} (global round {ins.round}, {h} of {self.regional_rounds}): "
+                    f"regional round {regional_round} (global round {global_round}, {h} of {self.regional_rounds}): "
                     f"{metrics.clients_ok} clients completed, {metrics.clients_failed} failed"
                     + ("; its aggregate was not finite" if metrics.extra.get(ROUND_FAILED) else "")
                 )
         assert metrics is not None
-        examples = int(metrics.extra.get("examples", 0))
+        return metrics, sums
+
+    def _claimed_examples(self, examples: int) -> int:
+        """The examples claimed upstream for the last regional round's ``examples``: at most
+        those reported at join."""
         if self.joined_examples and examples > self.joined_examples:
             # The coordinator refuses a claim above the join's; clients that joined the region
             # since then count in its average, not in its weight upstream.
@@ -177,21 +199,47 @@ class RegionClient(Client):
                 self.joined_examples,
                 self.joined_examples,
             )
-            examples = self.joined_examples
-        out = OrderedDict((k, v.detach().clone()) for k, v in strategy.global_state.items())
+            return self.joined_examples
+        return examples
+
+    def _reported(self, last: RoundMetrics, sums: _Sums) -> dict[str, float]:
+        """The fit result's metrics upstream: the region's LAN bytes and clients, the last
+        regional round's loss, and its workers' time split (module docstring)."""
         reported = {
             "regional_rounds": float(self.regional_rounds),
-            "lan_bytes_up": float(lan_up),
-            "lan_bytes_down": float(lan_down),
-            "region_clients": float(metrics.clients_ok),
+            "lan_bytes_up": float(sums.lan_up),
+            "lan_bytes_down": float(sums.lan_down),
+            "region_clients": float(last.clients_ok),
         }
-        if metrics.loss is not None:
-            reported["loss"] = float(metrics.loss)
-        if workers[WORKER_WALL_S] > 0:  # the split upstream is the workers' (module docstring)
+        if last.loss is not None:
+            reported["loss"] = float(last.loss)
+        workers = sums.workers
+        if workers[WORKER_WALL_S] > 0:  # the split upstream is the workers'
             reported.update({key: workers[key] for key in SUMMED_KEYS})
             reported["wall_s"] = workers[WORKER_WALL_S]
             reported["utilization"] = utilization_of(workers["compute_s"], workers[WORKER_WALL_S])
-        return FitOutput(state=out, num_examples=max(examples, 1), metrics=reported)
+        return reported
+
+
+def _check_global_task(config: Mapping[str, Any]) -> None:
+    """A global task a region can train: its whole model, without an overlapped sync.
+
+    Raises:
+        ValueError: naming the global strategy's algorithm or the overlap keys set.
+    """
+    algorithm = str(config.get("algorithm", "fedavg"))
+    if algorithm in PARTIAL_ALGORITHMS:
+        raise ValueError(
+            f"the global strategy asks for {algorithm!r}, whose clients send part of the model or extra tensors; "
+            "a region sends its whole regional model (use fedavg, the fedopt family or diloco globally)"
+        )
+    overlap = [k for k in OVERLAP_KEYS if float(config.get(k, 0) or 0) > 0]
+    if overlap:
+        raise ValueError(
+            f"the global task asks this region to overlap its sync ({', '.join(overlap)}); a region "
+            "sends its model after its regional rounds and takes the global one whole: unset them on "
+            "the global strategy (set them on the region's own strategy for its workers)"
+        )
 
 
 def _wan_writer(path: Path) -> Callable[[TaskReport], None]:

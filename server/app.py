@@ -43,6 +43,7 @@ from fedgrid.server.monitor import CoordinatorMonitor
 from fedgrid.server.peers import PeerCheck
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.service import SERVICE, CoordinatorServicer, add_to_server
+from fedgrid.server.status_page import FinalStateHold
 from fedgrid.server.wiring import build_fleet, coordinator_model, wire, write_address
 from fedgrid.types import ModelState
 from fedgrid.webserve import StatusServer
@@ -274,7 +275,7 @@ def _serve(
         if config.enroll_listen
         else None
     )
-    coordinator, http = _start_servers(config, fleet, wired.monitor, tls, enrollment)
+    coordinator, http, hold = _start_servers(config, fleet, wired.monitor, tls, enrollment)
     _announce(config, threads, fleet, events, coordinator, enrollment, http)
     if ready is not None:
         ready.set()
@@ -291,6 +292,8 @@ def _serve(
         log.info("%s: stopping after in-flight requests; the open round is abandoned", signal_name)
         coordinator.set_serving(False)
         engine.stop()
+        if hold is not None:
+            hold.release()
 
     with GracefulStop(on_term, what="coordinator"):
         try:
@@ -301,6 +304,7 @@ def _serve(
             coordinator.stop(grace=5.0)
             fleet.close()
             if http is not None:
+                _hold_final_state(hold, http)  # a finished run's watching page reads its last round
                 http.stop()
             writer.close()  # the trackers (fedgrid.trackers)
     if final is None:
@@ -330,20 +334,35 @@ def _initial_model(config: Config, initial: ModelState | None) -> ModelState:
     return initial
 
 
+def _hold_final_state(hold: FinalStateHold | None, http: StatusServer) -> None:
+    """Serves a finished run's final state until the watching status page has read it
+    (``FinalStateHold``): it would otherwise keep the state before the last round."""
+    if hold is not None and hold.watched():
+        print(
+            f"run finished: serving its final state on http://{http.address}/ until the status page "
+            f"reads it (at most {hold.limit_s:g} s, http_linger_s)",
+            flush=True,
+        )
+        hold.wait()
+
+
 def _start_servers(
     config: Config,
     fleet: RemoteFleet,
     monitor: CoordinatorMonitor | None,
     tls: TLSFiles | None,
     enrollment: EnrollmentServer | None,
-) -> tuple[Coordinator, StatusServer | None]:
-    """Binds the status server (with a monitor), starts the coordinator, then the enrollment
-    service; what was bound is stopped again when a later step fails."""
+) -> tuple[Coordinator, StatusServer | None, FinalStateHold | None]:
+    """Binds the status server (with a monitor, its routes wrapped by the hold of the final
+    state), starts the coordinator, then the enrollment service; what was bound is stopped
+    again when a later step fails."""
     http: StatusServer | None = None
+    hold: FinalStateHold | None = None
     try:
         # Bound first: a refused --http (no token off loopback, port taken) fails before any client can join.
         if monitor is not None:
-            http = StatusServer(config.http, monitor.routes(), token_file=config.http_token_file)
+            hold = FinalStateHold(lambda: monitor.state == "finished", limit_s=config.http_linger_s)
+            http = StatusServer(config.http, hold.routes(monitor.routes()), token_file=config.http_token_file)
         interceptors = [monitor.interceptor()] if monitor is not None else []
         coordinator = Coordinator(
             config.listen,
@@ -361,7 +380,7 @@ def _start_servers(
         if http is not None:
             http.stop()
         raise
-    return coordinator, http
+    return coordinator, http, hold
 
 
 def _announce(

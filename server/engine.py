@@ -65,6 +65,27 @@ class _Tally:
         self.bytes_up += outcome.bytes_up
         self.bytes_down += outcome.bytes_down
 
+    def add_fit(self, outcome: RoundOutcome[FitRes], *, late: int | None) -> None:
+        """A fit phase's counts; ``late``: the late results merged (a quorum's round), else ``None``."""
+        # Every strategy's rounds: the workers' seconds are sums, not a strategy's weighted means.
+        self.extra.update(goodput_metrics(outcome.results))
+        self.extra.update(outcome.extra)
+        if outcome.cancelled:
+            self.extra["clients_cancelled"] = len(outcome.cancelled)
+        if late is not None:
+            self.extra["late_merged"] = float(late)
+            self.extra["clients_waiting"] = float(len(outcome.waiting))
+        self.add_bytes(outcome)
+        self.clients_ok, self.clients_failed = len(outcome.results), len(outcome.failures)
+        # The examples trained on: a region's weight upstream.
+        self.extra["examples"] = float(sum(r.num_examples for r in outcome.results))
+        # Regions (fedgrid.region) report their LAN links' bytes: summed, not averaged.
+        for r in outcome.results:
+            for key in ("lan_bytes_up", "lan_bytes_down"):
+                if key in r.metrics and r.client.region:
+                    for name in (key, f"{key}.{r.client.region}"):
+                        self.extra[name] = self.extra.get(name, 0.0) + float(r.metrics[key])
+
 
 log = logging.getLogger(__name__)
 
@@ -291,9 +312,8 @@ class RoundEngine:
 
     def _fit(self, server_round: int, clients: list[ClientInfo], tally: "_Tally") -> None:
         assignments = self.strategy.configure_round(server_round=server_round, clients=clients)
-        sent = self.strategy.downlink_state(
-            server_round=server_round
-        )  # e.g. SCAFFOLD adds its control variate
+        # What the clients download: e.g. SCAFFOLD adds its control variate.
+        sent = self.strategy.downlink_state(server_round=server_round)
         quorum: dict[str, Quorum] = {}
         if self.quorum is not None:
             self._check_quorum(server_round, len(assignments), len(clients))
@@ -308,6 +328,21 @@ class RoundEngine:
         )
         self._check_stop(server_round)
         outcome = self.influence.bound(server_round, outcome, sent, events=self.events)
+        self._report_fit(server_round, outcome)
+        late = self._late(server_round, outcome) if self.quorum is not None else []
+        results = outcome.results + late
+        if not getattr(self.strategy, "accepts_deltas", False):
+            # It reads results as models (docs/updates.rst); a late one: current + its difference.
+            results = [as_model(sent, r) for r in results]
+        agg_metrics = self.strategy.aggregate(
+            server_round=server_round, results=results, failures=outcome.failures
+        )
+        tally.loss = agg_metrics.get("train_loss")
+        tally.extra.update(agg_metrics)
+        tally.add_fit(outcome, late=len(late) if self.quorum is not None else None)
+
+    def _report_fit(self, server_round: int, outcome: RoundOutcome[FitRes]) -> None:
+        """Logs a closed fit phase's failures and what goes to aggregation; emits ``aggregating``."""
         for failure in outcome.failures:
             log.warning(
                 "round %d: client %s failed: %s",
@@ -324,39 +359,6 @@ class RoundEngine:
         self.events.emit(
             "aggregating", round=server_round, updates=len(outcome.results), failures=len(outcome.failures)
         )
-        late = self._late(server_round, outcome) if self.quorum is not None else []
-        results = outcome.results + late
-        if not getattr(
-            self.strategy, "accepts_deltas", False
-        ):  # it reads results as models (docs/updates.rst); a late one: current + its difference
-            results = [as_model(sent, r) for r in results]
-        agg_metrics = self.strategy.aggregate(
-            server_round=server_round, results=results, failures=outcome.failures
-        )
-        tally.loss = agg_metrics.get("train_loss")
-        tally.extra.update(agg_metrics)
-        # Every strategy's rounds: the workers' seconds are sums, not a strategy's weighted means.
-        tally.extra.update(goodput_metrics(outcome.results))
-        tally.extra.update(outcome.extra)
-        if outcome.cancelled:
-            tally.extra["clients_cancelled"] = len(outcome.cancelled)
-        if self.quorum is not None:
-            tally.extra["late_merged"] = float(len(late))
-            tally.extra["clients_waiting"] = float(len(outcome.waiting))
-        tally.add_bytes(outcome)
-        tally.clients_ok, tally.clients_failed = len(outcome.results), len(outcome.failures)
-        tally.extra["examples"] = float(
-            sum(r.num_examples for r in outcome.results)
-        )  # a region's weight upstream
-        for (
-            r
-        ) in outcome.results:  # regions (fedgrid.region) report their LAN links' bytes: summed, not averaged
-            for key in ("lan_bytes_up", "lan_bytes_down"):
-                if key in r.metrics and r.client.region:
-                    tally.extra[key] = tally.extra.get(key, 0.0) + float(r.metrics[key])
-                    tally.extra[f"{key}.{r.client.region}"] = tally.extra.get(
-                        f"{key}.{r.client.region}", 0.0
-                    ) + float(r.metrics[key])
 
     def _check_quorum(self, server_round: int, selected: int, live: int) -> None:
         """A quorum larger than the first round's selection can never be reached (later

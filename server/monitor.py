@@ -36,6 +36,9 @@ are sorted into ``FAILURE_REASONS``.
 ``/api/status`` shows each client's last fit split (``compute_s``, ``comm_s``, ``wait_s``,
 ``wall_s``, ``utilization``) and, per region, the sums of its clients' last splits with their
 utilization.
+
+Beside it: the goodput histograms and the splits kept (``server/goodput_export.py``) and the
+RPC timer (``server/rpc_timer.py``).
 """
 
 from __future__ import annotations
@@ -43,15 +46,13 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Callable, Sequence
 
-import grpc
-
-from fedgrid.aggregation.goodput import utilization_of
 from fedgrid.events import Event
-from fedgrid.server.aio import wrap_behaviour
+from fedgrid.server.goodput_export import MAX_REGION_LABELS, SPLIT_FIELDS, GoodputExport, region_rows
 from fedgrid.server.registry import SILENCE_INTERVALS
 from fedgrid.server.remote_fleet import RemoteFleet
+from fedgrid.server.rpc_timer import RpcTimer
 from fedgrid.server.status_page import page_response
 from fedgrid.types import ClientInfo, FitRes, RoundMetrics
 from fedgrid.webserve import Response, Route, require_prometheus
@@ -78,35 +79,11 @@ FAILURE_REASONS = (
 )
 #: Clients listed in ``/api/status`` (the count of all is ``clients_total``).
 MAX_STATUS_CLIENTS = 1000
-#: Distinct ``region`` label values of the goodput histograms; a later region is ``other``.
-MAX_REGION_LABELS = 16
 #: Clients whose last fit split is kept (the most recent to report; ``/api/status`` also
 #: forgets those that left the registry).
 MAX_KEPT_SPLITS = 10 * MAX_STATUS_CLIENTS
-#: The parts of a fit result's window that ``fedgrid_task_seconds`` counts.
-_TASK_PARTS = ("compute", "comm", "wait")
-#: What ``/api/status`` shows of a client's last fit split.
-_SPLIT_FIELDS = ("compute_s", "comm_s", "wait_s", "wall_s", "utilization")
-#: The gRPC methods timed by name; any other is ``other``.
-_METHODS = frozenset(
-    {
-        "Join",
-        "PollTask",
-        "DownloadModel",
-        "UploadUpdate",
-        "UploadStatus",
-        "Heartbeat",
-        "ReportFailure",
-        "Leave",
-        "SendMessages",
-        "ReceiveMessages",
-        "Check",
-        "Watch",
-    }
-)
 _RPC_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, float("inf"))
 _PHASE_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0, float("inf"))
-_UTILIZATION_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0, float("inf"))
 
 
 def failure_reason(text: str) -> str:
@@ -157,8 +134,6 @@ class CoordinatorMonitor:
         self._opened: dict[str, float] = {}  # phase -> when it opened
         self._aggregating: float | None = None
         self._checkpointing: float | None = None
-        self._splits: dict[str, dict[str, float]] = {}  # client id -> its last fit split
-        self._regions: set[str] = set()  # the region label values in use
 
     def _register_metrics(self, prom: Any) -> None:
         """The collectors of the module's table, in this coordinator's own ``CollectorRegistry``."""
@@ -202,20 +177,7 @@ class CoordinatorMonitor:
             buckets=_RPC_BUCKETS,
             registry=r,
         )
-        self.task_seconds = prom.Histogram(
-            "fedgrid_task_seconds",
-            "a fit result's window: seconds of compute, felt communication or waiting",
-            ["part", "region"],
-            buckets=_PHASE_BUCKETS,
-            registry=r,
-        )
-        self.task_utilization = prom.Histogram(
-            "fedgrid_task_utilization",
-            "a fit result's compute over its window's wall time",
-            ["region"],
-            buckets=_UTILIZATION_BUCKETS,
-            registry=r,
-        )
+        self.goodput = GoodputExport(prom, r, seconds_buckets=_PHASE_BUCKETS, keep=MAX_KEPT_SPLITS)
         for direction in ("up", "down"):
             self.bytes.labels(direction=direction)
         for outcome in ("ok", "failed"):
@@ -304,35 +266,14 @@ class CoordinatorMonitor:
         # The closed fit phase's results no longer change (lock held).
         rnd = self.fleet.current_round
         if rnd is not None and rnd.closed:
-            self._observe([r for r in rnd.results.values() if isinstance(r, FitRes)])
+            self.goodput.observe([r for r in rnd.results.values() if isinstance(r, FitRes)])
 
     def on_fit_results(self, results: Sequence[FitRes]) -> None:
         """Counts the time splits of a closed fit phase's ``results`` (those that carry one) in
         the goodput histograms and keeps each client's last for ``/api/status``. The fit
         phase's ``round_closed`` event calls it with the fleet's results."""
         with self._lock:
-            self._observe(results)
-
-    def _observe(self, results: Sequence[FitRes]) -> None:
-        for result in results:
-            m = result.metrics
-            if not all(key in m for key in _SPLIT_FIELDS):
-                continue  # a client that reports no split
-            cid = result.client.client_id
-            self._splits.pop(cid, None)  # to the end: the dict runs from least to most recent
-            self._splits[cid] = {key: float(m[key]) for key in _SPLIT_FIELDS}
-            if len(self._splits) > MAX_KEPT_SPLITS:
-                del self._splits[next(iter(self._splits))]
-            region = self._region_label(result.client.region)
-            for part in _TASK_PARTS:
-                self.task_seconds.labels(part=part, region=region).observe(float(m[f"{part}_s"]))
-            self.task_utilization.labels(region=region).observe(float(m["utilization"]))
-
-    def _region_label(self, region: str) -> str:
-        if region in self._regions or len(self._regions) < MAX_REGION_LABELS:
-            self._regions.add(region)
-            return region
-        return "other"
+            self.goodput.observe(results)
 
     def on_round(self, m: RoundMetrics) -> None:
         """The engine's ``on_round``: a round's totals, as ``metrics.jsonl`` has them."""
@@ -372,10 +313,7 @@ class CoordinatorMonitor:
         records.sort(key=lambda r: r[0].sort_key)
         with self._lock:
             state, phase, current = self.state, self.phase, self.current
-            live = {r[0].client_id for r in records}
-            for gone in [cid for cid in self._splits if cid not in live]:  # bounded by the registry
-                del self._splits[gone]
-            splits = dict(self._splits)
+            splits = self.goodput.splits_of({r[0].client_id for r in records})
         clients = _client_rows(
             records[:MAX_STATUS_CLIENTS], assigned, splits, now_mono=now_mono, now=now, limit=limit
         )
@@ -390,7 +328,7 @@ class CoordinatorMonitor:
             "progress": progress,
             "clients_total": len(records),
             "clients": clients,
-            "regions": _region_rows(records, splits),
+            "regions": region_rows(records, splits),
             "history": history,
             "time": round(now, 3),
         }
@@ -424,7 +362,7 @@ class CoordinatorMonitor:
             ),
         }
 
-    def interceptor(self) -> "RpcTimer":
+    def interceptor(self) -> RpcTimer:
         return RpcTimer(self.rpc_seconds)
 
 
@@ -446,72 +384,6 @@ _EVENT_HANDLERS: dict[str, Callable[[CoordinatorMonitor, Event], None]] = {
     "finished": CoordinatorMonitor._run_ended,
     "stopped": CoordinatorMonitor._run_ended,
 }
-
-
-class RpcTimer(grpc.aio.ServerInterceptor):
-    """Times each call of the coordinator's service into ``histogram`` (labels method, code)."""
-
-    def __init__(self, histogram: Any) -> None:
-        self.histogram = histogram
-
-    async def intercept_service(
-        self, continuation: Callable[[Any], Awaitable[Any]], details: grpc.HandlerCallDetails
-    ) -> Any:
-        handler = await continuation(details)
-        if handler is None:
-            return None
-        method = details.method.rpartition("/")[2]
-        method = method if method in _METHODS else "other"
-        observe = self.histogram
-
-        def done(start: float, context: Any, error: BaseException | None) -> None:
-            code = _code_name(context, error)
-            observe.labels(method=method, code=code).observe(time.monotonic() - start)
-
-        def unary(behaviour: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-            async def timed(request: Any, context: Any) -> Any:
-                start, error = time.monotonic(), None
-                try:
-                    return await behaviour(request, context)
-                except BaseException as exc:
-                    error = exc
-                    raise
-                finally:
-                    done(start, context, error)
-
-            return timed
-
-        def streaming(behaviour: Callable[..., Any]) -> Callable[..., Any]:
-            async def timed(request: Any, context: Any) -> Any:
-                start, error = time.monotonic(), None
-                try:
-                    async for item in behaviour(request, context):
-                        yield item
-                except BaseException as exc:
-                    error = exc
-                    raise
-                finally:
-                    done(start, context, error)
-
-            return timed
-
-        return wrap_behaviour(handler, unary, streaming) or handler
-
-
-def _code_name(context: Any, error: BaseException | None) -> str:
-    """The call's status code name (``OK`` when it returned and set none)."""
-    code = None
-    try:
-        code = context.code()
-    except Exception:  # noqa: BLE001 - older grpc.aio contexts have no code()
-        code = None
-    if isinstance(code, grpc.StatusCode):
-        return code.name
-    if isinstance(code, int):
-        for c in grpc.StatusCode:
-            if c.value[0] == code:
-                return c.name
-    return "OK" if error is None else "UNKNOWN"
 
 
 def _client_rows(
@@ -543,36 +415,10 @@ def _client_rows(
                 "device": info.device,
                 "accelerators": info.num_accelerators,
                 "memory_bytes": info.memory_bytes,
-                **{key: splits.get(info.client_id, {}).get(key) for key in _SPLIT_FIELDS},
+                **{key: splits.get(info.client_id, {}).get(key) for key in SPLIT_FIELDS},
             }
         )
     return clients
-
-
-def _region_rows(
-    records: Sequence[tuple[ClientInfo, float, str, int]], splits: dict[str, dict[str, float]]
-) -> list[dict[str, Any]]:
-    """The ``regions`` of ``/api/status``: per region label, the sums of its clients' last fit
-    splits and their utilization (summed compute over summed wall), for clients that have one."""
-    sums: dict[str, dict[str, float]] = {}
-    counts: dict[str, int] = {}
-    for info, *_ in records:
-        split = splits.get(info.client_id)
-        if split is None:
-            continue
-        total = sums.setdefault(info.region, dict.fromkeys(("compute_s", "comm_s", "wait_s", "wall_s"), 0.0))
-        for key in total:
-            total[key] += split[key]
-        counts[info.region] = counts.get(info.region, 0) + 1
-    return [
-        {
-            "region": region,
-            "clients": counts[region],
-            **total,
-            "utilization": utilization_of(total["compute_s"], total["wall_s"]),
-        }
-        for region, total in sorted(sums.items())
-    ]
 
 
 def _history_row(m: RoundMetrics) -> dict[str, Any]:

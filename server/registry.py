@@ -16,6 +16,18 @@ printable text (``fedgrid.textsafe.check_label``); the device is a device type a
 accelerator count and memory are within ``fedgrid.capabilities``' bounds
 (``check_capabilities``); ``num_examples`` is within ``UpdateBounds.max_num_examples``.
 Client text is logged through ``escape``.
+
+One identity (a name; under mutual TLS the certificate's) has one session. The newest Join
+always takes its place, so a client restarted after a crash takes over its session at once,
+without waiting for the old one to fall silent. The replaced session is remembered (its id
+and token hash, the latest ``MAX_REPLACED``): a call that presents it later proves that its
+process is still running, so two processes hold one identity (the same ``--partition``, or
+the same certificate). That call is refused with ``SessionReplacedError``, whose reason the
+SDK recognises (it stops with one line instead of joining again and replacing the other in
+turn), and the conflict is counted (``conflicts``; the coordinator's waiting line shows it).
+A crashed process never calls again, so a restart is never counted; a replaced session's
+long poll still in flight is answered at once with "poll again", so that only a new call
+counts.
 """
 
 from __future__ import annotations
@@ -27,11 +39,17 @@ import logging
 import secrets
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from fedgrid.capabilities import check_capabilities
-from fedgrid.errors import AuthenticationError, InvalidUpdateError, PermissionDeniedError
+from fedgrid.errors import (
+    AuthenticationError,
+    InvalidUpdateError,
+    PermissionDeniedError,
+    SessionReplacedError,
+)
 from fedgrid.events import EventLog
 from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.peers import CALLER
@@ -39,7 +57,15 @@ from fedgrid.server.wakeups import Wakeups
 from fedgrid.textsafe import MAX_LABEL_CHARS, MAX_NAME_CHARS, MAX_REGION_CHARS, check_label, escape
 from fedgrid.types import ClientInfo
 
-__all__ = ["ClientRecord", "Registry", "SILENCE_INTERVALS", "MAX_CODECS", "token_hash", "check_joining"]
+__all__ = [
+    "ClientRecord",
+    "Registry",
+    "SILENCE_INTERVALS",
+    "MAX_CODECS",
+    "MAX_REPLACED",
+    "token_hash",
+    "check_joining",
+]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +73,8 @@ log = logging.getLogger(__name__)
 SILENCE_INTERVALS = 3.0
 #: Codec names a client may advertise at Join.
 MAX_CODECS = 32
+#: Replaced sessions remembered, so that a process still using one is told (the oldest go first).
+MAX_REPLACED = 1024
 
 
 def token_hash(token: str) -> str:
@@ -79,6 +107,16 @@ class ClientRecord:
     transfers: int = 0  # model downloads and uploads it has in flight (its heartbeats may wait behind them)
 
 
+@dataclass
+class _Replaced:
+    """A session a newer Join of the same identity replaced (module docstring)."""
+
+    name: str
+    token_hash: str
+    by: str  # the client id of the session that took its place
+    told: bool = False  # a call of it was refused: its conflict is counted
+
+
 class Registry:
     """The clients of a run, by client id.
 
@@ -107,6 +145,9 @@ class Registry:
         self.on_remove = on_remove
         self.records: dict[str, ClientRecord] = {}
         self._by_name: dict[str, str] = {}  # name -> client id: a rejoin finds its ghost in O(1)
+        self._replaced: OrderedDict[str, _Replaced] = OrderedDict()  # client id -> its replacement
+        #: Identity conflicts by name: replaced sessions whose process called again.
+        self.conflicts: dict[str, int] = {}
 
     def join(self, joining: ClientInfo, *, identity: str | None = None) -> tuple[ClientInfo, str]:
         """Registers a client under a new id; a session of the same name is replaced.
@@ -136,11 +177,13 @@ class Registry:
             ghost = self._by_name.get(info.name) if info.name else None
             ghosts = [ghost] if ghost is not None and ghost in self.records else []
             for cid in ghosts:
+                self._remember_replaced(self.records[cid], by=info.client_id)
                 self.remove(cid, "replaced by a new session of the same name")
             self.records[info.client_id] = ClientRecord(info, token_hash(token), time.monotonic())
             if info.name:
                 self._by_name[info.name] = info.client_id
-            self.wake.notify("registry")
+            # A replaced session's long poll ends now ("poll again"): only a new call tells.
+            self.wake.notify("registry", *(("poll", cid) for cid in ghosts))
         for cid in ghosts:
             log.info("client %s rejoined: session %s replaced", escape(info.name), cid)
             self.events.emit("client_left", client=cid, reason="replaced by a new session of the same name")
@@ -168,6 +211,7 @@ class Registry:
         with self.lock:
             record = self.records.get(client_id)
             if record is None:
+                self._check_replaced(client_id, token, caller.identity if caller is not None else None)
                 raise AuthenticationError(f"unknown client {escape(client_id)}")
             if not hmac.compare_digest(token_hash(token), record.token_hash):
                 raise AuthenticationError(f"bad session token for client {escape(client_id)}")
@@ -177,6 +221,53 @@ class Registry:
                 )
             record.last_seen = time.monotonic()
             return record
+
+    def _remember_replaced(self, record: ClientRecord, *, by: str) -> None:
+        """Keeps ``record``'s session as replaced by ``by`` (lock held)."""
+        self._replaced[record.info.client_id] = _Replaced(record.info.name, record.token_hash, by)
+        while len(self._replaced) > MAX_REPLACED:
+            self._replaced.popitem(last=False)
+
+    def _check_replaced(self, client_id: str, token: str, identity: str | None) -> None:
+        """Raises ``SessionReplacedError`` when ``client_id`` is a replaced session presented
+        with its own token (and, under mTLS, by its identity); counts the conflict at its
+        first call (lock held). Otherwise returns: the session is simply unknown."""
+        replaced = self._replaced.get(client_id)
+        if replaced is None or not hmac.compare_digest(token_hash(token), replaced.token_hash):
+            return
+        if identity is not None and identity != replaced.name:
+            return
+        name = escape(replaced.name)
+        if not replaced.told:
+            replaced.told = True
+            self.conflicts[replaced.name] = self.conflicts.get(replaced.name, 0) + 1
+            log.warning(
+                "identity conflict: %s is held by two processes (session %s was replaced by %s and still "
+                "calls): two clients with the same --partition or certificate? The older one is told to stop",
+                name,
+                client_id,
+                replaced.by,
+            )
+            self.events.emit("identity_conflict", client=client_id, name=replaced.name, by=replaced.by)
+            self.wake.notify("registry")  # a waiting coordinator says so now
+        raise SessionReplacedError(
+            f"session {client_id} of {name} was replaced by a newer session of the same identity "
+            f"({replaced.by}) while this process still runs: two processes hold {name} "
+            "(the same --partition, or the same certificate)"
+        )
+
+    def conflict_note(self) -> str:
+        """The waiting line's words for the identity conflicts so far ("" for none; lock held)."""
+        if not self.conflicts:
+            return ""
+        total = sum(self.conflicts.values())
+        names = ", ".join(escape(n) for n in sorted(self.conflicts)[:3]) + (
+            ", ..." if len(self.conflicts) > 3 else ""
+        )
+        return (
+            f", {total} identity conflict{'s' if total != 1 else ''} ({names}: two processes with one "
+            "--partition or certificate)"
+        )
 
     def remove(self, client_id: str, reason: str) -> None:
         """Drops a client, failing its open task (lock held)."""

@@ -6,11 +6,12 @@ heartbeat, failure reports, leave) and runs each phase of a round until it close
 parts live beside it, each a collaborator sharing the fleet's lock: the client registry
 (``server/registry.py``), long polls (``server/polls.py``), downloads
 (``server/downloads.py``), uploads (``server/uploads.py``, accepting through
-``server/accept.py``), message phases (``server/messages.py``), running a phase from opening
-to outcome (``server/phases.py``), the open task, its closing and the relay rules
-(``server/rounds.py``), spill and downlink. It raises ``FedgridError``
-subclasses; the servicer maps them to status codes. Every request is validated before it
-touches state.
+``server/accept.py``), failure reports and leaves (``server/departures.py``), message phases
+(``server/messages.py``), running a phase from opening to outcome (``server/phases.py``), the
+open task, its closing and the relay rules (``server/rounds.py``), the tasks a quorum's round
+carries and their late results (``server/late_results.py``), spill and downlink. It raises
+``FedgridError`` subclasses; the servicer maps them to status codes. Every request is
+validated before it touches state.
 """
 
 from __future__ import annotations
@@ -29,24 +30,18 @@ from fedgrid.constants import (
     CHUNK_SIZE,
     HEARTBEAT_INTERVAL_S,
     MAX_POLLS_PER_CLIENT,
-    MAX_REASON_CHARS,
     RETRY_MAX_WAIT_S,
     WAITING_REPORT_S,
 )
-from fedgrid.errors import (
-    DuplicateUpdateError,
-    InterruptedRunError,
-    InvalidUpdateError,
-    RunFinishedError,
-    StaleTaskError,
-)
+from fedgrid.errors import InterruptedRunError, RunFinishedError, StaleTaskError
 from fedgrid.events import EventLog
-from fedgrid.proto import serde
 from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.codec_policy import CodecPolicy
-from fedgrid.server.downlink import Downlink, RoundDownlink
+from fedgrid.server.departures import Departures
+from fedgrid.server.downlink import Downlink
 from fedgrid.server.downloads import Downloads
-from fedgrid.server.fleet import Fleet, LateResult, Quorum, RoundOutcome
+from fedgrid.server.fleet import Fleet, Quorum, RoundOutcome
+from fedgrid.server.late_results import CarriedTasks
 from fedgrid.server.messages import InboxPage, Mailbox
 from fedgrid.server.phases import Phases
 from fedgrid.server.polls import PollResult, Polls
@@ -66,7 +61,6 @@ from fedgrid.types import (
     MessageIns,
     MessageRes,
     ModelState,
-    TensorSpec,
 )
 
 __all__ = ["RemoteFleet", "PollResult", "SILENCE_INTERVALS"]
@@ -129,12 +123,6 @@ class RemoteFleet(Fleet):
         self.heartbeat_interval_s = heartbeat_interval.total_seconds()
         self.chunk_size = chunk_size
         self._round: RoundTask | None = None
-        # Semi-asynchronous rounds: fit tasks closed at their quorum with clients still on
-        # them, by task id (each holds its model: the base its late results are differences
-        # from), and the round late results are merged into (the open fit round, or the next).
-        self._carried: dict[str, RoundTask] = {}
-        self._quorum: Quorum | None = None
-        self._merge_round = 0
         self._finished = False
         self._interrupted = False
         self._lock = threading.RLock()
@@ -147,6 +135,9 @@ class RemoteFleet(Fleet):
         self.registry = Registry(
             self._wake, self.events, self.heartbeat_interval_s, self._fail_removed, self.bounds
         )
+        # Semi-asynchronous rounds: fit tasks closed at their quorum with clients still on them.
+        self.carried = CarriedTasks(self.registry, self.spill, self.events)
+        self.departures = Departures(self.registry, self.events, self._open_task)
         self.uploads = Uploads(
             self.registry,
             self.spill,
@@ -155,7 +146,7 @@ class RemoteFleet(Fleet):
             lambda: self._round,
             bounds=self.bounds,
             run_id=lambda: self.run_id,
-            late_refusal=self._late_refusal,
+            late_refusal=self.carried.refusal,
         )
         self.mailbox = Mailbox(
             self.registry, self.events, self._open_task, lambda: self._round, lambda: self._interrupted
@@ -216,12 +207,7 @@ class RemoteFleet(Fleet):
         """A client left the registry: its open task fails now (lock held)."""
         rnd = self._round
         client_id = record.info.client_id
-        for carried in self._carried.values():  # its late result will not come
-            if client_id in carried.carried:
-                carried.carried.discard(client_id)
-                partial = carried.partials.pop(client_id, None)
-                if partial is not None:
-                    partial.abort()
+        self.carried.drop_client(client_id)
         if rnd is not None and not rnd.closed and rnd.is_pending(client_id):
             rnd.failures[client_id] = Failure(record.info, reason)
             self._wake.notify("round")
@@ -229,60 +215,26 @@ class RemoteFleet(Fleet):
             if partial is not None:
                 partial.abort()
 
-    @staticmethod
-    def _reason(text: str) -> str:
-        """A failure or leave reason: length-capped only. Unlike names, a reason may hold any
-        text (exception messages span lines); it is kept as sent and escaped wherever logged."""
-        if len(text) > MAX_REASON_CHARS:
-            raise InvalidUpdateError(f"reason: {len(text)} characters, at most {MAX_REASON_CHARS}")
-        return text
-
     def report_failure(self, client_id: str, token: str, task_id: str, reason: str) -> None:
-        """The client's ``fit``, ``evaluate`` or message handler raised: its task fails at once with ``reason``.
+        """The client's ``fit``, ``evaluate`` or message handler raised: its task fails at once
+        with ``reason`` (``Departures.report_failure``).
 
         Raises:
             AuthenticationError, StaleTaskError: unknown session, or no open task ``task_id``.
             DuplicateUpdateError: its result for the task was already accepted.
             InvalidUpdateError: an oversized reason (nothing recorded).
         """
-        reason = self._reason(reason)
-        record = self.authenticate(client_id, token)
-        with self._lock:
-            if record.benched_task == task_id:  # it finished the task it was benched for
-                record.benched_task = ""
-            rnd = self._open_task(client_id, task_id)
-            if rnd.landed(client_id):
-                raise DuplicateUpdateError(
-                    f"result for round {rnd.server_round} from client {escape(client_id)} already accepted"
-                )
-            rnd.failures.setdefault(client_id, Failure(record.info, f"client reported: {reason}"))
-            if client_id in rnd.carried:  # a late task failed: no result will come, the client is free
-                rnd.carried.discard(client_id)
-                self._wake.notify("registry")
-            self._wake.notify("round")
-        log.warning(
-            "round %d: client %s reported a failure: %s",
-            rnd.server_round,
-            escape(record.info.name or client_id),
-            escape(reason),
-        )
-        self.events.emit("failure_reported", round=rnd.server_round, client=client_id, reason=reason)
+        self.departures.report_failure(client_id, token, task_id, reason)
 
     def leave(self, client_id: str, token: str, reason: str) -> None:
-        """The client is going (stopped, interrupted, crashed): removed at once, its open task failed.
+        """The client is going (stopped, interrupted, crashed): removed at once, its open task
+        failed (``Departures.leave``).
 
         Raises:
             AuthenticationError: unknown session.
             InvalidUpdateError: an oversized reason (nothing changed).
         """
-        reason = self._reason(reason)
-        record = self.authenticate(client_id, token)
-        with self._lock:
-            if client_id in self.registry.records:
-                self.registry.remove(client_id, f"client left: {reason}")
-            self._wake.notify("registry", ("poll", client_id), ("inbox", client_id))
-        log.info("client %s left: %s", escape(record.info.name or client_id), escape(reason))
-        self.events.emit("client_left", client=client_id, reason=reason)
+        self.departures.leave(client_id, token, reason)
 
     def heartbeat(self, client_id: str, token: str) -> float:
         self.authenticate(client_id, token)
@@ -295,10 +247,10 @@ class RemoteFleet(Fleet):
     def _open_task(self, client_id: str, task_id: str) -> RoundTask:
         rnd = self._round
         if rnd is None or rnd.task_id != task_id:
-            rnd = self._carried.get(task_id)
+            rnd = self.carried.get(task_id)
             if rnd is None:
                 raise StaleTaskError(f"task {escape(task_id)} is not open (round closed or unknown)")
-        if not rnd.open_for(client_id) and not (task_id in self._carried and rnd.landed(client_id)):
+        if not rnd.open_for(client_id) and not (task_id in self.carried and rnd.landed(client_id)):
             # (A late result that landed is still answered: a retry learns it did.)
             raise StaleTaskError(f"round {rnd.server_round} is closed")
         if client_id not in rnd.assignments:
@@ -366,11 +318,11 @@ class RemoteFleet(Fleet):
         every ``WAITING_REPORT_S`` and whenever k changes: a coordinator waiting for minutes
         says what it waits for."""
         deadline = time.monotonic() + timeout.total_seconds()
-        reported: int | None = None
+        reported: tuple[int, str] | None = None
         next_report = time.monotonic()
         with self._lock:
             while True:
-                self._expire_carried()
+                self.carried.expire()
                 # O(1) first: the O(clients) scan only once enough are registered (a join wakes this).
                 joined = len(self.registry.records)
                 enough = joined >= min_clients
@@ -381,18 +333,20 @@ class RemoteFleet(Fleet):
                     unfit, live = len(live) - len(qualifying), qualifying
                 # Clients still on a task carried past its round's quorum count as live, but
                 # are not selected again until they report (semi-asynchronous rounds).
-                busy = self._busy()
+                busy = self.carried.busy()
                 free = [c for c in live if c.client_id not in busy]
                 if len(live) >= min_clients and free:
                     return free
-                if joined != reported or time.monotonic() >= next_report:
+                conflicts = self.registry.conflict_note()  # two processes on one identity
+                if (joined, conflicts) != reported or time.monotonic() >= next_report:
                     log.info(
-                        "waiting for %d clients (%d joined%s)",
+                        "waiting for %d clients (%d joined%s%s)",
                         min_clients,
                         joined,
                         f", {unfit} short of the capability requirements" if unfit else "",
+                        conflicts,
                     )
-                    reported, next_report = joined, time.monotonic() + WAITING_REPORT_S
+                    reported, next_report = (joined, conflicts), time.monotonic() + WAITING_REPORT_S
                 if self._interrupted:
                     raise InterruptedRunError("stopped while waiting for clients")
                 remaining = deadline - time.monotonic()
@@ -422,9 +376,7 @@ class RemoteFleet(Fleet):
         grace), the clients it did not wait for keep their task, and the outcome carries the
         late results of earlier rounds that landed until it closed (``RoundOutcome.late``)."""
         with self._lock:
-            self._quorum = quorum
-            self._merge_round = server_round
-            self._expire_carried()
+            self.carried.open_fit(server_round, quorum)
         outcome = self.phases.fit(
             server_round=server_round,
             global_state=global_state,
@@ -436,59 +388,8 @@ class RemoteFleet(Fleet):
         if quorum is None:
             return outcome
         with self._lock:
-            rnd = self._round
-            if rnd is not None and rnd.carried:
-                self._carried[rnd.task_id] = rnd
-            late = self._collect_late()
-            self._merge_round = server_round + 1
+            late = self.carried.close_fit(server_round, self._round)
         return dataclasses.replace(outcome, late=late)
-
-    # -- semi-asynchronous rounds (lock held) ---------------------------------------------
-    def _busy(self) -> set[str]:
-        """The clients on a task carried past its round's quorum."""
-        busy: set[str] = set()
-        for rnd in self._carried.values():
-            busy |= rnd.carried
-        return busy
-
-    def _late_refusal(self, rnd: RoundTask) -> str | None:
-        """Why a late upload for carried task ``rnd`` cannot be merged (``Quorum.refusal``)."""
-        if self._quorum is None:
-            return None
-        return self._quorum.refusal(task_round=rnd.server_round, merge_round=self._merge_round)
-
-    def _expire_carried(self) -> None:
-        """Carried tasks past their deadline: the clients still on them (and not uploading)
-        are benched, as a round's deadline benches them; their result is no longer taken.
-        Clients dropped from the registry (silent) leave their carried task too."""
-        now = time.monotonic()
-        for rnd in self._carried.values():
-            rnd.carried &= set(self.registry.records)
-            if now < rnd.deadline:
-                continue
-            for cid in sorted(rnd.carried - rnd.uploading):
-                rnd.carried.discard(cid)
-                partial = rnd.partials.pop(cid, None)
-                if partial is not None:
-                    partial.abort()
-                record = self.registry.records.get(cid)
-                if record is not None:
-                    record.benched_task = rnd.task_id
-                log.warning(
-                    "round %d: client %s missed its task's deadline (carried past the quorum)",
-                    rnd.server_round,
-                    escape(rnd.clients[cid].name or cid),
-                )
-
-    def _collect_late(self) -> list[LateResult]:
-        """The late results landed so far, moved to their task's ``merged`` set, ordered by
-        task round then client (a canonical order)."""
-        late: list[LateResult] = []
-        for rnd in sorted(self._carried.values(), key=lambda r: r.server_round):
-            for cid in sorted(rnd.late, key=lambda c: rnd.clients[c].sort_key):
-                late.append(LateResult(rnd.late.pop(cid), rnd.server_round, rnd.global_state))
-                rnd.merged.add(cid)
-        return late
 
     def evaluate_round(
         self,
@@ -526,13 +427,7 @@ class RemoteFleet(Fleet):
         with self._lock:
             if self._round is not None and self._round.closed:
                 self._round = None  # frees the round's models and results
-            # A carried task goes (with its model) once no result of it can come or wait.
-            for task_id, rnd in list(self._carried.items()):
-                for cid in rnd.merged:
-                    self.spill.discard(task_id=task_id, client_id=cid)
-                if not rnd.carried and not rnd.late:
-                    del self._carried[task_id]
-            keep = set(self._carried)
+            keep = self.carried.committed()  # the tasks whose late results can still come or wait
         self.mailbox.clear()
         self.spill.clear(keep=keep)
 
@@ -548,78 +443,13 @@ class RemoteFleet(Fleet):
 
     def state_dict(self) -> dict[str, Any]:
         with self._lock:
-            carried = [self._carried_state(rnd) for rnd in self._carried.values()]
+            carried = self.carried.state_list()
         return {
             "run_id": self.run_id,
             "clients": self.registry.state_dict(),
             "downlink": self.downlink.state_dict(),
-            "carried": [c for c in carried if c is not None],
+            "carried": carried,
         }
-
-    def _carried_state(self, rnd: RoundTask) -> dict[str, Any] | None:
-        """What a restarted coordinator needs of a task carried past its round's quorum: its
-        model (the base of its late results), its clients' tasks, which of them are still on
-        it, which landed and which are merged (their spilled updates are restored, but for
-        the merged ones, so that each enters exactly one merge). ``None`` for a task whose
-        clients hold a lossy downlink's shadow (not restored: their results are refused after
-        a restart, docs/failures.rst)."""
-        if rnd.downlink is None or not rnd.downlink.exact:
-            return None
-        open_to = sorted(rnd.carried | set(rnd.late) | rnd.merged)
-        return {
-            "task_id": rnd.task_id,
-            "round": rnd.server_round,
-            "base": rnd.global_state,
-            "remaining_s": max(0.0, rnd.deadline - time.monotonic()),
-            "carried": sorted(rnd.carried),
-            "merged": sorted(rnd.merged),
-            "tasks": [
-                {
-                    "client": dataclasses.asdict(rnd.clients[cid]),
-                    "config": dict(rnd.assignments[cid].config),
-                    "download": getattr(rnd.assignments[cid], "download", None),
-                }
-                for cid in open_to
-            ],
-        }
-
-    def _load_carried(self, saved: Mapping[str, Any], grace_s: float) -> RoundTask:
-        """A carried task from ``_carried_state``, its landed and unmerged results restored from the spill."""
-        infos = {
-            str(t["client"]["client_id"]): ClientInfo(
-                **{**t["client"], "codecs": tuple(t["client"].get("codecs", ("none",)))}
-            )
-            for t in saved["tasks"]
-        }
-        server_round = int(saved["round"])
-        assignments: dict[str, FitIns | EvaluateIns | MessageIns] = {
-            str(t["client"]["client_id"]): FitIns(
-                round=server_round,
-                config=dict(t["config"]),
-                download=None if t["download"] is None else tuple(t["download"]),
-            )
-            for t in saved["tasks"]
-        }
-        base = saved["base"]
-        rnd = RoundTask(
-            server_round=server_round,
-            task_id=str(saved["task_id"]),
-            kind="fit",
-            assignments=assignments,
-            clients=infos,
-            deadline=time.monotonic() + float(saved["remaining_s"]) + grace_s,
-            downlink=RoundDownlink(base=base, version=0, _full=serde.EncodedModel(base)),
-            expected=dict(TensorSpec.of(base)),
-            closed=True,
-            closed_by="quorum",
-            carried=set(saved["carried"]),
-            merged=set(saved["merged"]),
-        )
-        for cid, res in self.spill.restore(task_id=rnd.task_id, assigned=infos).items():
-            if cid not in rnd.merged and isinstance(res, FitRes):
-                rnd.carried.discard(cid)
-                rnd.late[cid] = res
-        return rnd
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores the run id and registry: clients keep their sessions across a restart.
@@ -627,7 +457,7 @@ class RemoteFleet(Fleet):
         Restored clients get a grace period before silence counts against them: they may be
         sleeping in retry backoff (capped at ``RETRY_MAX_WAIT_S``) while the coordinator restarts.
         Tasks carried past a quorum come back with their model and the late results that
-        had landed and were not merged by the checkpoint's round (``_carried_state``).
+        had landed and were not merged by the checkpoint's round (``CarriedTasks.load``).
         """
         with self._lock:
             self.run_id = str(state["run_id"])
@@ -636,12 +466,7 @@ class RemoteFleet(Fleet):
             self.registry.load_state_dict(
                 state["clients"], seen_at=time.monotonic() + RETRY_MAX_WAIT_S + RESTART_GRACE_S
             )
-            self._carried = {}
-            for saved in state.get("carried", ()):
-                rnd = self._load_carried(saved, RETRY_MAX_WAIT_S + RESTART_GRACE_S)
-                self._carried[rnd.task_id] = rnd
-                if rnd.late:
-                    self.events.emit("updates_restored", round=rnd.server_round, count=len(rnd.late))
+            self.carried.load(state.get("carried", ()), RETRY_MAX_WAIT_S + RESTART_GRACE_S)
             self._wake.notify_all()
 
     def finish(self, *, timeout: timedelta) -> None:

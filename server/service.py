@@ -20,6 +20,7 @@ import grpc
 
 from fedgrid.constants import MAX_TRANSFERS, STREAM_IDLE_S
 from fedgrid.errors import (
+    REASON_METADATA_KEY,
     AuthenticationError,
     DuplicateUpdateError,
     FedgridError,
@@ -76,7 +77,9 @@ def _long_poll_wait(wait_s: float, context: grpc.aio.ServicerContext) -> float:
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: FedgridError) -> NoReturn:
-    await context.abort(status_of(exc), str(exc))
+    # A reason (fedgrid.errors) travels as trailing metadata: the SDK tells it apart by a fixed word.
+    reason = ((REASON_METADATA_KEY, exc.reason),) if exc.reason else ()
+    await context.abort(status_of(exc), str(exc), trailing_metadata=reason)
     raise AssertionError("unreachable: context.abort raises")
 
 

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from fedgrid.config import Config
 from fedgrid.constants import FINISH_GRACE_S
@@ -28,7 +28,7 @@ from fedgrid.server.monitor import CoordinatorMonitor
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.state import StateStore
 from fedgrid.server.strategies import build_capability_filter, build_strategy
-from fedgrid.types import ModelState
+from fedgrid.types import ModelState, RoundMetrics
 
 __all__ = ["Wired", "wire", "coordinator_model", "build_fleet", "write_address", "quorum_of"]
 
@@ -102,12 +102,7 @@ def wire(
         ConfigError: a strategy option out of range, or a ``min_quorum`` above ``min_clients``
             (a round may start with ``min_clients`` clients; nothing is created then).
     """
-    if config.min_quorum > config.min_clients:
-        raise ConfigError(
-            "min_quorum",
-            f"a quorum of {config.min_quorum} is larger than min_clients={config.min_clients}, the "
-            "clients a round may start with: raise min_clients to at least min_quorum",
-        )
+    _check_quorum_fits(config)
     influence = build_influence(config)  # a bad quota file fails before anything is created
     store = StateStore(config.state_dir) if config.state_dir else None
     strategy = build_strategy(config, num_clients=config.min_clients)
@@ -120,23 +115,10 @@ def wire(
     events = EventLog(writer.dir / "events.jsonl")
     fleet = build_fleet(config, events)
     engine: RoundEngine  # built below; the status server serves (reads its history) only once it is
-    monitor = (
-        CoordinatorMonitor(fleet, rounds=config.rounds, history=lambda: engine.history)
-        if config.http
-        else None
-    )
-    if monitor is not None:
-        events.subscribe(monitor.on_event)
+    monitor = _monitor(config, fleet, events, history=lambda: engine.history)
     if on_event is not None:  # after the monitor: a caller reading the status sees the event counted
         events.subscribe(on_event)
-
-    def on_round(m):
-        acc = "" if m.accuracy is None else f" accuracy {m.accuracy:.4f}"
-        print(
-            f"round {m.round}/{config.rounds} loss {m.loss if m.loss is None else round(m.loss, 4)}{acc} clients {m.clients_ok} ok {m.clients_failed} failed ({m.wall_s:.2f}s)",
-            flush=True,
-        )
-
+    on_round = _round_printer(config.rounds)
     engine = RoundEngine(
         strategy=strategy,
         fleet=fleet,
@@ -155,3 +137,41 @@ def wire(
         influence=influence,
     )
     return Wired(writer, events, fleet, engine, monitor)
+
+
+def _check_quorum_fits(config: Config) -> None:
+    """A round may start with ``min_clients`` clients: a larger ``min_quorum`` is never reached.
+
+    Raises:
+        ConfigError: naming ``min_quorum`` and both numbers.
+    """
+    if config.min_quorum > config.min_clients:
+        raise ConfigError(
+            "min_quorum",
+            f"a quorum of {config.min_quorum} is larger than min_clients={config.min_clients}, the "
+            "clients a round may start with: raise min_clients to at least min_quorum",
+        )
+
+
+def _monitor(
+    config: Config, fleet: RemoteFleet, events: EventLog, *, history: Callable[[], Sequence[RoundMetrics]]
+) -> CoordinatorMonitor | None:
+    """The monitor ``config.http`` asks for, subscribed to ``events``; ``None`` without ``http``."""
+    if not config.http:
+        return None
+    monitor = CoordinatorMonitor(fleet, rounds=config.rounds, history=history)
+    events.subscribe(monitor.on_event)
+    return monitor
+
+
+def _round_printer(rounds: int) -> Callable[[RoundMetrics], None]:
+    """The engine's ``on_round`` of a coordinator: a line on stdout per round of ``rounds``."""
+
+    def on_round(m: RoundMetrics) -> None:
+        acc = "" if m.accuracy is None else f" accuracy {m.accuracy:.4f}"
+        print(
+            f"round {m.round}/{rounds} loss {m.loss if m.loss is None else round(m.loss, 4)}{acc} clients {m.clients_ok} ok {m.clients_failed} failed ({m.wall_s:.2f}s)",
+            flush=True,
+        )
+
+    return on_round

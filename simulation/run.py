@@ -77,22 +77,14 @@ def _ranks() -> tuple[int, int]:
     return 0, 1
 
 
-def _regions(config: Config, clients: list, profiles: ClientProfiles) -> list:
-    """The regions of a hierarchical simulation, each a ``RegionClient`` over its own clients, as ``fedgrid region`` runs it.
-
-    A region's clients are those ``profiles`` labels with its name; it trains them with
-    ``region_strategy`` (its defaults, and the run's ``local_epochs``, ``lr``, ``seed``,
-    ``fraction_fit``) on the ``lan_codec`` uplink, ``regional_rounds`` rounds per global task.
+def _check_hierarchy(config: Config) -> None:
+    """A hierarchy's global strategy takes whole models, and its regions cannot overlap their sync.
 
     Raises:
-        ConfigError: ``hierarchy`` without ``regions``.
+        ConfigError: naming the strategy or the overlap key.
     """
-    from dataclasses import replace
-
-    from fedgrid.config import STRATEGY_KEYS
     from fedgrid.errors import ConfigError
-    from fedgrid.region.region import PARTIAL_ALGORITHMS, RegionClient
-    from fedgrid.server.codec_policy import CodecPolicy
+    from fedgrid.region.region import PARTIAL_ALGORITHMS
 
     if config.strategy in PARTIAL_ALGORITHMS:
         raise ConfigError(
@@ -108,6 +100,26 @@ def _regions(config: Config, clients: list, profiles: ClientProfiles) -> list:
                 "global one whole: they cannot overlap their sync (fedgrid region --strategy ... --"
                 f"{key.replace('_', '-')} overlaps the workers inside a region)",
             )
+
+
+def _regions(config: Config, clients: list, profiles: ClientProfiles) -> list:
+    """The regions of a hierarchical simulation, each a ``RegionClient`` over its own clients, as ``fedgrid region`` runs it.
+
+    A region's clients are those ``profiles`` labels with its name; it trains them with
+    ``region_strategy`` (its defaults, and the run's ``local_epochs``, ``lr``, ``seed``,
+    ``fraction_fit``) on the ``lan_codec`` uplink, ``regional_rounds`` rounds per global task.
+
+    Raises:
+        ConfigError: ``hierarchy`` without ``regions``.
+    """
+    from dataclasses import replace
+
+    from fedgrid.config import STRATEGY_KEYS
+    from fedgrid.errors import ConfigError
+    from fedgrid.region.region import RegionClient
+    from fedgrid.server.codec_policy import CodecPolicy
+
+    _check_hierarchy(config)
     labels = sorted({profiles.region(i) for i in range(len(clients))} - {""})
     if not labels:
         raise ConfigError(

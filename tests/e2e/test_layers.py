@@ -67,6 +67,8 @@ LAYERS = "the layers of the package"
             "import fedgrid.server.service\n",
             "fedgrid launch and fedgrid health run fedgrid processes",
         ),
+        ("cli/status.py", "import fedgrid.config\n", "fedgrid certs, health and status import no torch"),
+        ("ops/pki.py", "import torch\n", "fedgrid certs, health and status import no torch"),
     ],
 )
 def test_a_module_that_breaks_a_layer_is_caught(tmp_path, where, code, contract):

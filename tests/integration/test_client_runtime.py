@@ -149,6 +149,8 @@ def test_client_fit_error_rejected_update_surfaces(small_state):
         server.open_round(timeout_s=5)
         outcome = server.wait_round()
         assert outcome.results == [] and len(outcome.failures) == 1
+        # The failure report closes the round; the event follows once the report returned.
+        wait_until(lambda: any(e.kind == "error" for e in events), timeout=20, what="the error event")
         errors = [e for e in events if e.kind == "error"]
         assert [e.round for e in errors] == [1]
         assert "update refused: " in errors[0].detail
