@@ -223,7 +223,12 @@ def _serve(
             report = step.deliver(update, num_examples, metrics)
             saver.save(step)  # a late update too: the residuals moved on all the same
             if report is None:
-                feed.emit("error", round=step.round, detail="the round closed before the update landed")
+                detail = (
+                    f"update refused: {step.refused}"
+                    if step.refused
+                    else "the round closed before the update landed"
+                )
+                feed.emit("error", round=step.round, detail=detail)
                 continue
             if step.kind == FIT:
                 rounds += 1

@@ -279,14 +279,15 @@ class Session:
         an ``EvaluateOutput`` for an evaluation. A fit result's metrics gain the split of the
         host's time since the previous fit's ``submit`` (module docstring). Returns the
         upload's ``TaskReport``, or ``None`` when it did not land (``on_error`` says why): a
-        fit result with NaN or Inf is refused here and reported as the round's failure, and a
-        round may close first.
+        fit result with NaN or Inf is refused here and reported as the round's failure, the
+        coordinator may refuse the update (over a bound: the round's failure, the session goes
+        on), and a round may close first.
 
         Raises:
             SessionError: no task is open.
             TypeError: the wrong kind of result for the task (the task stays open).
             ValueError: a fit result claiming more examples than ``num_examples`` (it stays open).
-            RpcFailed: a refused upload, or transient failures past the retry budget.
+            RpcFailed: transient failures past the retry budget, or another refusal.
         """
         step, task = self._take("submit", result)
         metrics = dict(result.metrics)
@@ -408,7 +409,7 @@ class Session:
                     raise TypeError(
                         f"round {step.round}'s {step.kind} task takes a {expected.__name__}, got {type(result).__name__}"
                     )
-                # The coordinator refuses such an update, and a refused upload ends the session.
+                # The coordinator would refuse such an update (the round's failure): say so here, at once.
                 claimed, joined = getattr(result, "num_examples", 0), self._member.num_examples
                 if step.kind == FIT and claimed > joined:
                     raise ValueError(
@@ -436,7 +437,9 @@ class Session:
         _Saver(self._state_path, self.conn, self._member).save(step)
         if report is None:
             self._error(
-                StaleTaskError(
+                InvalidUpdateError(f"round {step.round}'s {step.kind} result was refused: {step.refused}")
+                if step.refused
+                else StaleTaskError(
                     f"round {step.round} closed before the {step.kind} result landed: {step.late}"
                 ),
                 task,

@@ -257,6 +257,18 @@ class Config:
         "refuse an update whose L2 distance from the round's global model (floating tensors) is over this (0: no bound)",
         0.0,
     )
+    max_update_ratio: float = _key(
+        "refuse an update farther (L2, floating tensors) from the round's model than this times the round's median distance (0: off)",
+        10.0,
+    )
+    max_weight_ratio: float = _key(
+        "an update's claimed num_examples counts for at most this times the round's median claim (0: no cap)",
+        10.0,
+    )
+    client_quotas: str = _key(
+        'TOML file of "identity" = examples lines: the most examples each identity\'s claim counts for (cross-silo)',
+        "",
+    )
     round_timeout_s: float = _key("each round closes by this deadline", 300.0)
     eval_every: int = _key(
         "the server-side evaluation of the global model (the dataset's test set) runs every this many rounds and after the last one; the rounds between wait for no evaluation",

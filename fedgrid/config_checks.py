@@ -38,6 +38,10 @@ def validate(config: Config) -> None:
     for key in ("momentum", "weight_decay", "max_update_norm"):
         if not 0.0 <= getattr(config, key) < float("inf"):
             raise ConfigError(key, f"must be a finite number at least 0, got {getattr(config, key)}")
+    for key in ("max_update_ratio", "max_weight_ratio"):
+        value = getattr(config, key)
+        if not (value == 0 or 1.0 <= value < float("inf")):
+            raise ConfigError(key, f"must be 0 (off) or a finite number at least 1, got {value}")
     parse_trackers(config.tracker)  # known names, packages installed: before any work
     if config.engine not in ENGINES:
         raise ConfigError("engine", f"unknown engine {config.engine!r} (known: {', '.join(ENGINES)})")

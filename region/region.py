@@ -72,6 +72,7 @@ from fedgrid.proto.tls import TLSFiles
 from fedgrid.runlog import RunWriter
 from fedgrid.server.app import Coordinator, build_fleet, write_address
 from fedgrid.server.engine import ROUND_FAILED, RoundEngine
+from fedgrid.server.influence import build_influence
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.state import StateStore
 from fedgrid.server.strategies import build_strategy
@@ -301,6 +302,7 @@ def _parts(config: Config, threads: int) -> tuple[Strategy, RunWriter, EventLog,
     clients) and the engine of its regional rounds (``rounds=0``: the global coordinator's tasks
     decide how many)."""
     strategy = build_strategy(config, num_clients=config.min_clients)
+    influence = build_influence(config)  # a bad quota file fails before the run directory exists
     writer = RunWriter(
         config.out,
         {**config.to_dict(), "threads": threads},
@@ -329,6 +331,7 @@ def _parts(config: Config, threads: int) -> tuple[Strategy, RunWriter, EventLog,
         on_round=on_round,
         store=StateStore(config.state_dir) if config.state_dir else None,
         events=events,
+        influence=influence,
     )
     return strategy, writer, events, fleet, engine
 

@@ -41,6 +41,7 @@ from fedgrid.errors import ConfigError, InterruptedRunError, NonFiniteAggregateE
 from fedgrid.events import EventLog
 from fedgrid.runlog import RunWriter
 from fedgrid.server.fleet import Fleet, Quorum, RoundOutcome
+from fedgrid.server.influence import Influence
 from fedgrid.server.state import StateStore
 from fedgrid.textsafe import escape
 from fedgrid.types import EVALUATE, FIT, ClientInfo, FitRes, ModelState, RoundMetrics, check_phase_name
@@ -141,6 +142,8 @@ class RoundEngine:
             at its quorum, late results are merged into later rounds as differences from
             their task's model, weighted ``num_examples * (1 + staleness) ** -a``, and each
             merge is recorded as a ``merged`` event. ``None``: every round waits for all.
+        influence: the caps on each fit round's results once it closed (``server/influence.py``):
+            far updates refused, claims capped. Default: ``Influence()``, on.
     """
 
     def __init__(
@@ -161,8 +164,10 @@ class RoundEngine:
         events: EventLog | None = None,
         stop: threading.Event | None = None,
         quorum: Quorum | None = None,
+        influence: Influence | None = None,
     ) -> None:
         self.strategy = strategy
+        self.influence = influence if influence is not None else Influence()
         self.quorum = quorum
         self.fleet = fleet
         self.rounds = rounds
@@ -322,6 +327,7 @@ class RoundEngine:
             **quorum,
         )
         self._check_stop(server_round)
+        outcome = self.influence.bound(server_round, outcome, sent, events=self.events)
         self._report_fit(server_round, outcome)
         late = self._late(server_round, outcome) if self.quorum is not None else []
         results = outcome.results + late

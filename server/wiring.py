@@ -24,6 +24,7 @@ from fedgrid.server.bounds import build_bounds
 from fedgrid.server.codec_policy import build_codec_policy
 from fedgrid.server.engine import EvaluateFn, RoundEngine
 from fedgrid.server.fleet import quorum_of
+from fedgrid.server.influence import build_influence
 from fedgrid.server.monitor import CoordinatorMonitor
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.state import StateStore
@@ -104,6 +105,7 @@ def wire(
             (a round may start with ``min_clients`` clients; nothing is created then).
     """
     _check_quorum_fits(config)
+    influence = build_influence(config)  # a bad quota file fails before anything is created
     store = StateStore(config.state_dir) if config.state_dir else None
     strategy = build_strategy(config, num_clients=config.min_clients, given=strategy)
     strategy.initialize(initial_state=initial)
@@ -134,6 +136,7 @@ def wire(
         store=store,
         events=events,
         quorum=quorum_of(config),
+        influence=influence,
     )
     return Wired(writer, events, fleet, engine, monitor)
 
