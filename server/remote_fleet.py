@@ -203,6 +203,10 @@ class RemoteFleet(Fleet):
         """
         return self.registry.authenticate(client_id, token)
 
+    def session(self, token: str) -> ClientRecord:
+        """The record of the session ``token`` names (``Registry.session``: a call's metadata alone)."""
+        return self.registry.session(token)
+
     def _fail_removed(self, record: ClientRecord, reason: str) -> None:
         """A client left the registry: its open task fails now (lock held)."""
         rnd = self._round
@@ -313,8 +317,12 @@ class RemoteFleet(Fleet):
             return self.registry.live()
 
     def wait_for_clients(self, *, min_clients: int, timeout: timedelta) -> list[ClientInfo]:
-        """The selectable clients (live, not benched for a missed deadline, meeting the
-        ``requirements``), once there are ``min_clients`` of them. While it waits it logs ``waiting for N clients (k joined)``
+        """The selectable clients (live, not benched for a missed deadline, not on a late task,
+        meeting the ``requirements``), once ``min_clients`` live clients meeting them are
+        present and one of them is selectable. A benched client, or one still on a task
+        carried past its round's quorum, is present (it counts toward ``min_clients``) but is
+        not asked: with ``--min-clients`` the size of the fleet, one straggler never stops
+        the run. While it waits it logs ``waiting for N clients (k joined)``
         every ``WAITING_REPORT_S`` and whenever k changes: a coordinator waiting for minutes
         says what it waits for."""
         deadline = time.monotonic() + timeout.total_seconds()
@@ -326,14 +334,15 @@ class RemoteFleet(Fleet):
                 # O(1) first: the O(clients) scan only once enough are registered (a join wakes this).
                 joined = len(self.registry.records)
                 enough = joined >= min_clients
-                live = self.registry.selectable() if enough or time.monotonic() >= deadline else []
+                live = self.registry.live() if enough or time.monotonic() >= deadline else []
                 unfit = 0
                 if self.requirements is not None:
                     qualifying = [c for c in live if self.requirements.eligible(c)]
                     unfit, live = len(live) - len(qualifying), qualifying
-                # Clients still on a task carried past its round's quorum count as live, but
-                # are not selected again until they report (semi-asynchronous rounds).
-                busy = self.carried.busy()
+                # Benched clients, and those still on a task carried past its round's quorum
+                # (semi-asynchronous rounds), count as live but are not selected until they report.
+                benched = {c.client_id for c in live if self.registry.records[c.client_id].benched_task}
+                busy = self.carried.busy() | benched
                 free = [c for c in live if c.client_id not in busy]
                 if len(live) >= min_clients and free:
                     return free
@@ -351,12 +360,7 @@ class RemoteFleet(Fleet):
                     raise InterruptedRunError("stopped while waiting for clients")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    benched = len(self.registry.records) - len(live) - unfit
-                    raise TimeoutError(
-                        f"{len(live)} live clients after {timeout.total_seconds():.0f}s, need {min_clients}"
-                        + (f" ({benched} more benched after missing a deadline)" if benched else "")
-                        + (f" ({unfit} more short of the capability requirements)" if unfit else "")
-                    )
+                    raise TimeoutError(_shortfall(len(live), len(benched), unfit, min_clients, timeout))
                 self._wake.wait(
                     "registry",
                     max(0.0, min(remaining, self.heartbeat_interval_s, next_report - time.monotonic())),
@@ -485,3 +489,17 @@ class RemoteFleet(Fleet):
                 if not waiting or remaining <= 0:
                     return
                 self._wake.wait("finish", min(remaining, 0.5))
+
+
+def _shortfall(live: int, benched: int, unfit: int, min_clients: int, waited: timedelta) -> str:
+    """Why ``wait_for_clients`` gave up: too few live clients, or none of them free for a task."""
+    after = f"after {waited.total_seconds():.0f}s, need {min_clients}"
+    if live < min_clients:
+        text = f"{live} live clients {after}" + (
+            f" ({benched} of them benched after missing a deadline)" if benched else ""
+        )
+    else:  # enough, but each is benched or still on a late task
+        text = f"0 live clients free for a task {after}" + (
+            f" ({benched} more benched after missing a deadline)" if benched else ""
+        )
+    return text + (f" ({unfit} more short of the capability requirements)" if unfit else "")
