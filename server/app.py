@@ -22,12 +22,15 @@ from fedgrid.aggregation import Strategy
 from fedgrid.config import Config
 from fedgrid.constants import (
     GIL_SWITCH_INTERVAL_S,
+    HEADER_TIMEOUT_S,
     KEEPALIVE_TIME_S,
     KEEPALIVE_TIMEOUT_S,
     MAX_CONNECTION_IDLE_S,
     MAX_MESSAGE_BYTES,
     MAX_STREAMS_PER_CONNECTION,
     MAX_TRANSFERS,
+    MAX_TRANSFERS_PER_CLIENT,
+    MAX_TRANSFERS_PER_CONNECTION,
     MIN_CLIENT_PING_INTERVAL_S,
     STREAM_IDLE_S,
 )
@@ -89,6 +92,10 @@ class Coordinator:
         interceptors: ``grpc.aio`` server interceptors (authentication, logging, fault injection).
         max_transfers: downloads and uploads in flight at once; more get RESOURCE_EXHAUSTED.
         stream_idle_s: an upload stream silent this long is given up (DEADLINE_EXCEEDED).
+        header_timeout_s: an upload stream without its header this long after it opened is
+            given up (DEADLINE_EXCEEDED).
+        max_transfers_per_client, max_transfers_per_connection: each client's and each
+            connection's share of ``max_transfers`` (``server/slots.py``).
         tls: the coordinator's CA bundle, certificate and key (and, optionally, revocation
             list): it then speaks only mutual TLS, and a client's identity is its certificate's
             (``server/peers.py``). Without it the coordinator speaks plaintext, which it does
@@ -112,6 +119,9 @@ class Coordinator:
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
         max_transfers: int = MAX_TRANSFERS,
         stream_idle_s: float = STREAM_IDLE_S,
+        header_timeout_s: float = HEADER_TIMEOUT_S,
+        max_transfers_per_client: int = MAX_TRANSFERS_PER_CLIENT,
+        max_transfers_per_connection: int = MAX_TRANSFERS_PER_CONNECTION,
         tls: TLSFiles | None = None,
         insecure: bool = False,
     ) -> None:
@@ -128,7 +138,13 @@ class Coordinator:
         async def build() -> tuple[grpc.aio.Server, health_aio.HealthServicer, int]:
             server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=list(interceptors))
             self.servicer = CoordinatorServicer(
-                fleet, self.executor, max_transfers=max_transfers, stream_idle_s=stream_idle_s
+                fleet,
+                self.executor,
+                max_transfers=max_transfers,
+                stream_idle_s=stream_idle_s,
+                header_timeout_s=header_timeout_s,
+                max_transfers_per_client=max_transfers_per_client,
+                max_transfers_per_connection=max_transfers_per_connection,
             )
             add_to_server(self.servicer, server, check)
             checker = health_aio.HealthServicer()

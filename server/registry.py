@@ -28,6 +28,17 @@ turn), and the conflict is counted (``conflicts``; the coordinator's waiting lin
 A crashed process never calls again, so a restart is never counted; a replaced session's
 long poll still in flight is answered at once with "poll again", so that only a new call
 counts.
+
+Sessions do not pile up. A session silent for ``SILENCE_INTERVALS`` heartbeat intervals
+(holding no long poll and no transfer) is purged, by ``live`` and at least once a heartbeat
+interval by ``join``; the registry holds at most ``max_sessions`` (``MAX_SESSIONS``), and a Join
+past it, once the silent ones are purged, is refused (``ResourceLimitError``) unless it
+replaces a session of its own name. Joins and drops are logged one line each up to
+``LOG_BURST_LINES`` per ``LOG_SUMMARY_S``, then in a summary line (``server/log_budget.py``):
+20,000 anonymous Joins cost a few lines, not 20,000.
+
+A session token identifies its session (``session``): the transfer handlers check it from
+the call's metadata before a transfer takes a slot (``server/slots.py``).
 """
 
 from __future__ import annotations
@@ -44,14 +55,17 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from fedgrid.capabilities import check_capabilities
+from fedgrid.constants import MAX_SESSIONS
 from fedgrid.errors import (
     AuthenticationError,
     InvalidUpdateError,
     PermissionDeniedError,
+    ResourceLimitError,
     SessionReplacedError,
 )
 from fedgrid.events import EventLog
 from fedgrid.server.bounds import UpdateBounds
+from fedgrid.server.log_budget import LogBudget
 from fedgrid.server.peers import CALLER
 from fedgrid.server.wakeups import Wakeups
 from fedgrid.textsafe import MAX_LABEL_CHARS, MAX_NAME_CHARS, MAX_REGION_CHARS, check_label, escape
@@ -127,6 +141,7 @@ class Registry:
             (unless it holds a long poll: its connection is watched by keepalive pings).
         on_remove: called with the record and the reason when a client is removed (lock held).
         bounds: what a Join may report (``num_examples``).
+        max_sessions: sessions held at once (module docstring).
     """
 
     def __init__(
@@ -136,7 +151,11 @@ class Registry:
         heartbeat_interval_s: float,
         on_remove: Callable[[ClientRecord, str], None],
         bounds: UpdateBounds | None = None,
+        max_sessions: int = MAX_SESSIONS,
     ) -> None:
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions must be at least 1, got {max_sessions}")
+        self.max_sessions = max_sessions
         self.bounds = bounds if bounds is not None else UpdateBounds()
         self.wake = wake
         self.lock = wake.lock
@@ -148,6 +167,10 @@ class Registry:
         self._replaced: OrderedDict[str, _Replaced] = OrderedDict()  # client id -> its replacement
         #: Identity conflicts by name: replaced sessions whose process called again.
         self.conflicts: dict[str, int] = {}
+        self._by_token: dict[str, str] = {}  # token hash -> client id: a session from metadata alone
+        self._next_purge = 0.0  # join purges silent sessions at most once a heartbeat interval
+        self._join_log = LogBudget(log, "clients joined")
+        self._drop_log = LogBudget(log, "silent clients dropped")
 
     def join(self, joining: ClientInfo, *, identity: str | None = None) -> tuple[ClientInfo, str]:
         """Registers a client under a new id; a session of the same name is replaced.
@@ -176,18 +199,26 @@ class Registry:
             # A restarted client rejoins under its name: its old session goes, no ghost stays.
             ghost = self._by_name.get(info.name) if info.name else None
             ghosts = [ghost] if ghost is not None and ghost in self.records else []
+            if not ghosts:
+                self._make_room()
             for cid in ghosts:
+                ghost_token = self.records[cid].token_hash
                 self._remember_replaced(self.records[cid], by=info.client_id)
                 self.remove(cid, "replaced by a new session of the same name")
+                self._by_token[ghost_token] = cid  # its late calls hear why (``session``)
             self.records[info.client_id] = ClientRecord(info, token_hash(token), time.monotonic())
+            self._by_token[self.records[info.client_id].token_hash] = info.client_id
             if info.name:
                 self._by_name[info.name] = info.client_id
             # A replaced session's long poll ends now ("poll again"): only a new call tells.
             self.wake.notify("registry", *(("poll", cid) for cid in ghosts))
         for cid in ghosts:
-            log.info("client %s rejoined: session %s replaced", escape(info.name), cid)
+            self._join_log.log(
+                logging.INFO, "client %s rejoined: session %s replaced", escape(info.name), cid
+            )
             self.events.emit("client_left", client=cid, reason="replaced by a new session of the same name")
-        log.info(
+        self._join_log.log(
+            logging.INFO,
             "client %s joined as %s (region %s, %d examples)",
             escape(info.name),
             info.client_id,
@@ -196,6 +227,38 @@ class Registry:
         )
         self.events.emit("client_joined", client=info.client_id, name=info.name, region=info.region)
         return info, token
+
+    def _make_room(self) -> None:
+        """Purges silent sessions once a heartbeat interval, or now when the registry is full;
+        refuses a new session past ``max_sessions`` (lock held).
+
+        Raises:
+            ResourceLimitError: ``max_sessions`` sessions, none of them silent.
+        """
+        now = time.monotonic()
+        if now >= self._next_purge or len(self.records) >= self.max_sessions:
+            self.purge()
+            self._next_purge = now + self.heartbeat_interval_s
+        if len(self.records) >= self.max_sessions:
+            raise ResourceLimitError(
+                f"coordinator full: {len(self.records)} sessions (limit {self.max_sessions}); retry later"
+            )
+
+    def session(self, token: str) -> ClientRecord:
+        """The record of the session ``token`` names, marked alive (``authenticate``'s checks).
+
+        Raises:
+            AuthenticationError: no token, or one of no session (``SessionReplacedError``: of
+                a session a newer Join of its identity replaced).
+            PermissionDeniedError: the session is another identity's.
+        """
+        if not token:
+            raise AuthenticationError("no session token: Join first, then send it as call metadata")
+        with self.lock:
+            client_id = self._by_token.get(token_hash(token))
+        if client_id is None:
+            raise AuthenticationError("bad session token: it names no session (Join again)")
+        return self.authenticate(client_id, token)
 
     def authenticate(self, client_id: str, token: str) -> ClientRecord:
         """Returns the client's record and marks it alive.
@@ -226,7 +289,9 @@ class Registry:
         """Keeps ``record``'s session as replaced by ``by`` (lock held)."""
         self._replaced[record.info.client_id] = _Replaced(record.info.name, record.token_hash, by)
         while len(self._replaced) > MAX_REPLACED:
-            self._replaced.popitem(last=False)
+            cid, old = self._replaced.popitem(last=False)
+            if self._by_token.get(old.token_hash) == cid:
+                del self._by_token[old.token_hash]
 
     def _check_replaced(self, client_id: str, token: str, identity: str | None) -> None:
         """Raises ``SessionReplacedError`` when ``client_id`` is a replaced session presented
@@ -278,9 +343,17 @@ class Registry:
     def _unindex(self, record: ClientRecord) -> None:
         if self._by_name.get(record.info.name) == record.info.client_id:
             del self._by_name[record.info.name]
+        if self._by_token.get(record.token_hash) == record.info.client_id:
+            del self._by_token[record.token_hash]
 
     def live(self) -> list[ClientInfo]:
         """Every client heard from lately; the silent ones are dropped here (lock held)."""
+        self.purge()
+        return [rec.info for rec in self.records.values()]
+
+    def purge(self) -> int:
+        """Drops the sessions silent for ``SILENCE_INTERVALS`` heartbeat intervals that hold no
+        long poll and no transfer; returns how many (lock held)."""
         now = time.monotonic()
         limit = SILENCE_INTERVALS * self.heartbeat_interval_s
         # A client in a long poll or a transfer is alive: over a saturated link its heartbeats
@@ -291,16 +364,17 @@ class Registry:
             if now - rec.last_seen > limit and rec.polls == 0 and rec.transfers == 0
         ]
         for cid in gone:
-            log.warning(
-                "client %s silent for over %.1fs: dropped", escape(self.records[cid].info.name or cid), limit
+            self._drop_log.log(
+                logging.WARNING,
+                "client %s silent for over %.1fs: dropped",
+                escape(self.records[cid].info.name or cid),
+                limit,
             )
             self._unindex(self.records.pop(cid))
             self.events.emit("client_dropped", client=cid, reason=f"silent for over {limit:.1f}s")
-        return [rec.info for rec in self.records.values()]
-
-    def selectable(self) -> list[ClientInfo]:
-        """The live clients not benched for a missed deadline (lock held)."""
-        return [info for info in self.live() if not self.records[info.client_id].benched_task]
+        self._join_log.flush()
+        self._drop_log.flush()
+        return len(gone)
 
     def state_dict(self) -> list[dict[str, Any]]:
         """Each client's info, token hash and benched task: plain JSON values, no token."""
@@ -315,11 +389,13 @@ class Registry:
         with self.lock:
             self.records = {}
             self._by_name = {}
+            self._by_token = {}
             for entry in entries:
                 fields = {k: v for k, v in entry.items() if k not in ("token_sha256", "benched_task")}
                 info = ClientInfo(**{**fields, "codecs": tuple(fields.get("codecs", ("none",)))})
                 self.records[info.client_id] = ClientRecord(
                     info, str(entry["token_sha256"]), seen_at, benched_task=str(entry.get("benched_task", ""))
                 )
+                self._by_token[str(entry["token_sha256"])] = info.client_id
                 if info.name:
                     self._by_name[info.name] = info.client_id

@@ -47,7 +47,8 @@ def test_min_clients_still_counts_heads(small_state):
     fleet, _ = _bench_one(small_state)
     try:
         with pytest.raises(
-            TimeoutError, match=r"^3 live clients after 0s, need 4 \(1 of them benched after missing a deadline\)$"
+            TimeoutError,
+            match=r"^3 live clients after 0s, need 4 \(1 of them benched after missing a deadline\)$",
         ):
             fleet.wait_for_clients(min_clients=4, timeout=timedelta(seconds=0.1))
     finally:
