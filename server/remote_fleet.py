@@ -203,10 +203,6 @@ class RemoteFleet(Fleet):
         """
         return self.registry.authenticate(client_id, token)
 
-    def session(self, token: str) -> ClientRecord:
-        """The record of the session ``token`` names (``Registry.session``: a call's metadata alone)."""
-        return self.registry.session(token)
-
     def _fail_removed(self, record: ClientRecord, reason: str) -> None:
         """A client left the registry: its open task fails now (lock held)."""
         rnd = self._round
@@ -317,12 +313,11 @@ class RemoteFleet(Fleet):
             return self.registry.live()
 
     def wait_for_clients(self, *, min_clients: int, timeout: timedelta) -> list[ClientInfo]:
-        """The selectable clients (live, not benched for a missed deadline, not on a late task,
-        meeting the ``requirements``), once ``min_clients`` live clients meeting them are
-        present and one of them is selectable. A benched client, or one still on a task
-        carried past its round's quorum, is present (it counts toward ``min_clients``) but is
-        not asked: with ``--min-clients`` the size of the fleet, one straggler never stops
-        the run. While it waits it logs ``waiting for N clients (k joined)``
+        """The selectable clients (live, meeting the ``requirements``, not benched for a missed
+        deadline, not on a late task), once ``min_clients`` live clients meeting them are present
+        and one is selectable: a benched client counts toward ``min_clients`` but is not asked,
+        so one straggler never stops a run whose ``--min-clients`` is the fleet's size.
+        While it waits it logs ``waiting for N clients (k joined)``
         every ``WAITING_REPORT_S`` and whenever k changes: a coordinator waiting for minutes
         says what it waits for."""
         deadline = time.monotonic() + timeout.total_seconds()
@@ -493,13 +488,9 @@ class RemoteFleet(Fleet):
 
 def _shortfall(live: int, benched: int, unfit: int, min_clients: int, waited: timedelta) -> str:
     """Why ``wait_for_clients`` gave up: too few live clients, or none of them free for a task."""
-    after = f"after {waited.total_seconds():.0f}s, need {min_clients}"
-    if live < min_clients:
-        text = f"{live} live clients {after}" + (
-            f" ({benched} of them benched after missing a deadline)" if benched else ""
-        )
-    else:  # enough, but each is benched or still on a late task
-        text = f"0 live clients free for a task {after}" + (
-            f" ({benched} more benched after missing a deadline)" if benched else ""
-        )
+    short = live < min_clients  # else enough, but each is benched or still on a late task
+    text = f"{live if short else 0} live clients{'' if short else ' free for a task'} after "
+    text += f"{waited.total_seconds():.0f}s, need {min_clients}"
+    if benched:
+        text += f" ({benched} {'of them' if short else 'more'} benched after missing a deadline)"
     return text + (f" ({unfit} more short of the capability requirements)" if unfit else "")

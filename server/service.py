@@ -247,7 +247,7 @@ class CoordinatorServicer:
         async def body() -> pb.UploadReply:
             # The session of the call's metadata first: a stream without one is refused
             # before a byte of it is read.
-            with self._admit(context, self.fleet.session(_token())) as ticket:
+            with self._admit(context, self.fleet.registry.session(_token())) as ticket:
                 it = request_iterator.__aiter__()
                 reader = StreamReader(it, asyncio.get_running_loop(), self.stream_idle_s)
                 first = await self._header(it)
