@@ -107,9 +107,11 @@ MAX_TRANSFERS_PER_CLIENT = int(_env_float("FEDGRID_MAX_TRANSFERS_PER_CLIENT", 4)
 #: (FEDGRID_MAX_TRANSFERS_PER_CONNECTION): a process multiplexing many sessions on one
 #: connection holds at most this share of ``MAX_TRANSFERS``.
 MAX_TRANSFERS_PER_CONNECTION = int(_env_float("FEDGRID_MAX_TRANSFERS_PER_CONNECTION", 64))
-#: An upload stream must send its header (its first message) within this long of being
-#: opened, or it ends with DEADLINE_EXCEEDED (FEDGRID_HEADER_TIMEOUT_S). The SDK sends it at
-#: once (the update is encoded before the call), so a slow link costs one small message.
+#: An upload stream must send its header (its first message: the header and the first chunk)
+#: within this long of being opened, or it ends with DEADLINE_EXCEEDED
+#: (FEDGRID_HEADER_TIMEOUT_S; never more than ``STREAM_IDLE_S``). The SDK sends it at once (the
+#: update is encoded before the call); a link too slow to carry a 1 MiB chunk in 10 s (under
+#: 0.9 Mbit/s) makes the SDK retry with smaller chunks, as a stalled upload does.
 HEADER_TIMEOUT_S = _env_float("FEDGRID_HEADER_TIMEOUT_S", 10.0)
 #: Sessions the coordinator's registry holds at once (FEDGRID_MAX_SESSIONS): a Join past it,
 #: once silent sessions are purged, is refused (RESOURCE_EXHAUSTED; clients retry). Five times

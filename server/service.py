@@ -118,8 +118,8 @@ class CoordinatorServicer:
         executor: threads for CPU work and the few calls that may wait.
         max_transfers: downloads and uploads in flight at once; more are refused.
         stream_idle_s: an upload stream that sends nothing this long is given up.
-        header_timeout_s: an upload stream whose header has not arrived this long after it
-            opened is given up.
+        header_timeout_s: an upload stream whose header (its first message) has not arrived
+            this long after it opened, or ``stream_idle_s`` if that is shorter, is given up.
         max_transfers_per_client: transfers one client (identity, or session) may hold.
         max_transfers_per_connection: transfers one connection may hold.
     """
@@ -141,7 +141,8 @@ class CoordinatorServicer:
             max_transfers, per_client=max_transfers_per_client, per_connection=max_transfers_per_connection
         )
         self.stream_idle_s = stream_idle_s
-        self.header_timeout_s = header_timeout_s
+        # Never longer than the idle limit: a stream silent that long is given up anyway.
+        self.header_timeout_s = min(header_timeout_s, stream_idle_s)
 
     @property
     def transfers(self) -> int:
