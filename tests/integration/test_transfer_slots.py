@@ -33,7 +33,7 @@ ROUNDS = 3
 class Storm:
     """Waves of ``n`` UploadUpdate streams that never send a message, spread over
     ``channels`` connections, opened from an asyncio loop in a thread: each wave is opened
-    at once, and the next follows as soon as every stream of the last one has ended, until
+    in a fraction of a second, and the next follows as soon as every stream of the last one has ended, until
     ``stop``. Records each wave's status codes and how long its slowest stream lived."""
 
     def __init__(self, address: str, n: int, *, channels: int, metadata=None) -> None:
@@ -46,7 +46,9 @@ class Storm:
 
     async def _run(self) -> None:
         self._stopping = asyncio.Event()
-        channels = [grpc.aio.insecure_channel(self.address) for _ in range(self.channels_n)]
+        # A subchannel pool of its own each: one connection per channel (gRPC shares one otherwise).
+        local = [("grpc.use_local_subchannel_pool", 1)]
+        channels = [grpc.aio.insecure_channel(self.address, options=local) for _ in range(self.channels_n)]
         methods = [
             c.stream_unary(UPLOAD, request_serializer=None, response_deserializer=None) for c in channels
         ]
@@ -66,7 +68,11 @@ class Storm:
         try:
             while not self._stopping.is_set():
                 start = time.monotonic()
-                calls = [asyncio.ensure_future(one(i)) for i in range(self.n)]
+                calls = []
+                for i in range(self.n):
+                    calls.append(asyncio.ensure_future(one(i)))
+                    if i % 64 == 63:  # paced, so that gRPC's queue of calls not yet served takes them all
+                        await asyncio.sleep(0.02)
                 ended = await asyncio.gather(*calls)
                 self.waves.append(([c for c, _ in ended], [d for _, d in ended], time.monotonic() - start))
         finally:
@@ -132,9 +138,11 @@ def test_a_thousand_sessionless_streams_never_starve_an_honest_client(small_stat
         ours = [d for c, d in zip(codes, details) if c == grpc.StatusCode.UNAUTHENTICATED]
         assert all("no session token" in d for d in ours)
         refused += len(ours)
-        assert wave_s < 8.0, wave_s
+        assert wave_s < 15.0, wave_s  # on today's main: over 60 s, each stream held until the idle limit
     assert refused >= MAX_TRANSFERS
-    assert run_s < 60.0, run_s
+    assert run_s < 30.0, (
+        run_s
+    )  # on today's main: over 60 s, the honest transfers refused until the streams time out
 
 
 def _header(fleet: RemoteFleet, state, conn: Connection, task) -> bytes:
