@@ -140,9 +140,8 @@ def test_a_thousand_sessionless_streams_never_starve_an_honest_client(small_stat
         refused += len(ours)
         assert wave_s < 15.0, wave_s  # on today's main: over 60 s, each stream held until the idle limit
     assert refused >= MAX_TRANSFERS
-    assert run_s < 30.0, (
-        run_s
-    )  # on today's main: over 60 s, the honest transfers refused until the streams time out
+    # On today's main the honest transfers were refused until the streams timed out (60 s).
+    assert run_s < 45.0, run_s
 
 
 def _header(fleet: RemoteFleet, state, conn: Connection, task) -> bytes:
