@@ -72,6 +72,7 @@ from fedgrid.proto.tls import TLSFiles
 from fedgrid.runlog import RunWriter
 from fedgrid.server.app import Coordinator, build_fleet, write_address
 from fedgrid.server.engine import ROUND_FAILED, RoundEngine
+from fedgrid.server.influence import build_influence
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.strategies import build_strategy
 from fedgrid.server.wiring import open_store
@@ -337,6 +338,7 @@ def _parts(config: Config, threads: int) -> tuple[Strategy, RunWriter, EventLog,
     clients) and the engine of its regional rounds (``rounds=0``: the global coordinator's tasks
     decide how many)."""
     strategy = build_strategy(config, num_clients=config.min_clients)
+    influence = build_influence(config)  # a bad quota file fails before the run directory exists
     writer = RunWriter(
         config.out,
         {**config.to_dict(), "threads": threads},
@@ -367,6 +369,7 @@ def _parts(config: Config, threads: int) -> tuple[Strategy, RunWriter, EventLog,
         store=open_store(config, keep=max(3, config.regional_rounds + 1)),
         events=events,
         round_retries=ROUND_RETRIES,
+        influence=influence,
     )
     return strategy, writer, events, fleet, engine
 

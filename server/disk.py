@@ -117,6 +117,16 @@ class StorageGuard:
             self._on_failure()
         raise error from None
 
+    @contextlib.contextmanager
+    def watch(self, path: str | os.PathLike[str]) -> Iterator[None]:
+        """Records and raises a storage failure inside the block as ``check_failure`` does; any
+        other error passes unchanged."""
+        try:
+            yield
+        except Exception as exc:
+            self.check_failure(exc, path)
+            raise
+
     def check(self) -> None:
         """Raises the recorded failure, if any."""
         if self.failure is not None:

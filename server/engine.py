@@ -42,6 +42,7 @@ from fedgrid.events import EventLog
 from fedgrid.runlog import RunWriter
 from fedgrid.server.disk import storage_errors
 from fedgrid.server.fleet import Fleet, Quorum, RoundOutcome
+from fedgrid.server.influence import Influence
 from fedgrid.server.late_merge import late_to_merge
 from fedgrid.server.round_failures import ROUND_FAILED, LostRounds, check_not_lost, first_non_finite
 from fedgrid.server.state import StateStore
@@ -126,6 +127,8 @@ class RoundEngine:
         round_retries: a fit round whose results are all lost fails (``round_failed``) and runs
             again under the same number, at most this many times in a row, then the run stops
             (``server/round_failures.py``). 0: such a round is committed with no results.
+        influence: the caps on each fit round's results once it closed (``server/influence.py``):
+            far updates refused, claims capped. Default: ``Influence()``, on.
     """
 
     def __init__(
@@ -147,8 +150,10 @@ class RoundEngine:
         stop: threading.Event | None = None,
         quorum: Quorum | None = None,
         round_retries: int = 0,
+        influence: Influence | None = None,
     ) -> None:
         self.strategy = strategy
+        self.influence = influence if influence is not None else Influence()
         self.quorum = quorum
         self.fleet = fleet
         self.rounds = rounds
@@ -331,9 +336,11 @@ class RoundEngine:
             **quorum,
         )
         self._check_stop(server_round)
-        self._report_fit(server_round, outcome)
         if self.lost_rounds.retries:  # nothing came back: the round runs again (server/round_failures.py)
             check_not_lost(server_round, outcome, assigned=len(assignments), late=len(outcome.late))
+        # (Updates that came back and are refused below are their clients' failures, not a loss.)
+        outcome = self.influence.bound(server_round, outcome, sent, events=self.events)
+        self._report_fit(server_round, outcome)
         late = self._late(server_round, outcome) if self.quorum is not None else []
         results = outcome.results + late
         if not getattr(self.strategy, "accepts_deltas", False):

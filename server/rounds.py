@@ -136,6 +136,20 @@ class RoundTask:
         self.closed_by = "target" if reason == "all" and cancelled else reason
         return results, failures, cancelled
 
+    def depart(self, client: ClientInfo, reason: str) -> bool:
+        """The client's session ended (it left, was dropped or replaced): its pending task fails
+        with ``reason`` while the phase is open, a broken upload of it is dropped, and a new
+        session of its name may take the task over (``hand_over``). Returns whether it failed."""
+        cid = client.client_id
+        if self.closed or not self.is_pending(cid):
+            return False
+        self.failures[cid] = Failure(client, reason)
+        self.departed.add(cid)
+        partial = self.partials.pop(cid, None)
+        if partial is not None:
+            partial.abort()
+        return True
+
     def hand_over(self, joined: ClientInfo) -> str | None:
         """Gives the task of an earlier session of ``joined``'s name to ``joined`` (lock held),
         when the phase is open and that session's task is pending or failed only because the

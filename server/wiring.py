@@ -13,6 +13,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Sequence
 
+from fedgrid.aggregation import Strategy
 from fedgrid.config import Config
 from fedgrid.constants import FINISH_GRACE_S, ROUND_RETRIES
 from fedgrid.determinism import environment
@@ -24,6 +25,7 @@ from fedgrid.server.bounds import build_bounds
 from fedgrid.server.codec_policy import build_codec_policy
 from fedgrid.server.engine import EvaluateFn, RoundEngine
 from fedgrid.server.fleet import quorum_of
+from fedgrid.server.influence import build_influence
 from fedgrid.server.monitor import CoordinatorMonitor
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.state import StateStore, read_state_key
@@ -120,16 +122,18 @@ def wire(
     initial: ModelState,
     evaluate_fn: EvaluateFn | None,
     on_event: Callable[[Event], None] | None,
+    strategy: Strategy | None = None,
 ) -> Wired:
-    """Builds the strategy, the run directory, the event log, the fleet, the monitor and the engine.
+    """Builds the strategy (unless given), the run directory, the event log, the fleet, the monitor and the engine.
 
     Raises:
         ConfigError: a strategy option out of range, or a ``min_quorum`` above ``min_clients``
             (a round may start with ``min_clients`` clients; nothing is created then).
     """
     _check_quorum_fits(config)
+    influence = build_influence(config)  # a bad quota file fails before anything is created
     store = open_store(config)
-    strategy = build_strategy(config, num_clients=config.min_clients)
+    strategy = build_strategy(config, num_clients=config.min_clients, given=strategy)
     strategy.initialize(initial_state=initial)
     writer = RunWriter(
         config.out,
@@ -159,6 +163,7 @@ def wire(
         events=events,
         quorum=quorum_of(config),
         round_retries=ROUND_RETRIES,
+        influence=influence,
     )
     return Wired(writer, events, fleet, engine, monitor)
 

@@ -17,9 +17,10 @@ import threading
 
 from fedgrid.cli import COORDINATOR_KEYS, build_parser, serve
 from fedgrid.cli.support import error_line
-from fedgrid.config import load_config
+from fedgrid.config import load_config, parse_flags
 from fedgrid.errors import FedgridError
 from fedgrid.events import Event
+from fedgrid.interrupts import stop_status
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/support
 from full_disk import install_full_disk  # noqa: E402
@@ -30,9 +31,7 @@ def main(argv: list[str]) -> int:
     fault, flags = argv[:split], argv[split + 1 :]
     trigger = (int(fault[0]), fault[1], fault[2]) if fault else None
     args = build_parser().parse_args(["coordinator", *flags])
-    config = load_config(
-        args.config, {k: getattr(args, k) for k in COORDINATOR_KEYS if getattr(args, k, None) is not None}
-    )
+    config = load_config(args.config, parse_flags({k: getattr(args, k, None) for k in COORDINATOR_KEYS}))
     lock = threading.Lock()
     fired = False
 
@@ -58,7 +57,7 @@ def main(argv: list[str]) -> int:
     except FedgridError as exc:
         print(error_line(exc), file=sys.stderr)
         return 1
-    return 0
+    return stop_status() or 0  # as `fedgrid coordinator` exits: 128 + the signal that stopped it
 
 
 if __name__ == "__main__":
