@@ -215,8 +215,9 @@ def test_a_coordinator_that_never_returns_is_given_up_after_the_bound(caplog):
         # Logged once per backoff step (the first failure, then each doubling of the time waited), not per try.
         lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("PollTask on ")]
         assert lines[0].endswith("retrying for up to 3s")
-        assert len(lines) == 3 and all(": still failing after " in line for line in lines[1:])  # at 1 s, 2 s
+        # At 1 s and 2 s; a loaded machine may log the first line late, and with it one more step.
+        assert 3 <= len(lines) <= 4 and all(": still failing after " in line for line in lines[1:]), lines
         tries = int(lines[-1].split(" tries)")[0].rsplit("(", 1)[1])
-        assert tries >= 4, lines  # several tries behind each line
+        assert tries >= len(lines) + 2, lines  # several tries behind the lines
     finally:
         conn.close()
