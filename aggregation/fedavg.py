@@ -185,7 +185,7 @@ class FedAvg(Strategy):
             state,
             aggregate_deltas(global_state=state, results=results, names=floating, aggregator=self.aggregator),
         )
-        new.update(average_values(results, others))
+        new.update(average_values(results, others, aggregator=self.aggregator))
         return OrderedDict((n, new[n]) for n in names)
 
     def aggregate(

@@ -86,7 +86,7 @@ class FedOpt(FedAvg):
         stepped = self.server_optimizer.step(
             global_state=OrderedDict((n, state[n]) for n in floating), pseudo_grad=pseudo_grad
         )
-        stepped.update(average_values(results, others))
+        stepped.update(average_values(results, others, aggregator=self.aggregator))
         return OrderedDict((n, stepped[n]) for n in names)
 
     def state_dict(self) -> dict[str, Any]:

@@ -149,13 +149,19 @@ def aggregate_deltas(
     return out
 
 
-def average_values(results: Sequence[FitRes], names: Sequence[str]) -> ModelState:
-    """The example-weighted mean of the clients' own values of ``names`` (FedAvg's rule)."""
+def average_values(
+    results: Sequence[FitRes], names: Sequence[str], *, aggregator: Aggregator | None = None
+) -> ModelState:
+    """The example-weighted mean of the clients' own values of ``names`` (FedAvg's rule); with an
+    ``aggregator`` that ignores weights (a robust rule, ``weighted=False``), the plain mean: the
+    tensors the rule does not see (integer buffers) must not hand a client's claim the weight
+    the rule denies it."""
     if not names:
         return OrderedDict()
+    weighted = aggregator is None or getattr(aggregator, "weighted", True)
     agg = WeightedMean()
     for res in results:
-        agg.add(OrderedDict((n, res.state[n]) for n in names), res.mean_weight)
+        agg.add(OrderedDict((n, res.state[n]) for n in names), res.mean_weight if weighted else 1.0)
     return agg.result()
 
 

@@ -304,7 +304,7 @@ def section_robust(fed: Federation, args: argparse.Namespace, log: Callable[[str
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "fashion-mnist")
     )

@@ -92,7 +92,7 @@ def run_benchmark(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--specs", default=",".join(DEFAULT_SPECS), help="comma-separated codec specs")
     parser.add_argument("--shape", default="1024,1024", help="tensor shape, comma-separated")
     parser.add_argument("--repeats", type=int, default=7)

@@ -214,7 +214,7 @@ def check_goals(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "fashion-mnist")
     )

@@ -30,7 +30,7 @@ def _gap(a: dict, b: dict) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", default="3,10", help="round counts, comma-separated")
     parser.add_argument(
         "--out", type=Path, default=Path(__file__).resolve().parent / "results" / "determinism.json"

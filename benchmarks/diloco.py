@@ -284,7 +284,9 @@ class Bench:
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        allow_abbrev=False,
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--data-dir", default=DEFAULT_DATA, help="folder holding gutenberg-texts.tar.gz")
     p.add_argument("--workers", type=int, default=4, help="workers (1-8)")

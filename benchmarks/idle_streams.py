@@ -162,7 +162,7 @@ def run(tree: Path, streams: int, calls: int) -> dict[str, dict[str, float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", default="0,260,1000", help="idle streams held open, comma-separated")
     parser.add_argument("--calls", type=int, default=100, help="timed calls of each kind per scenario")
     parser.add_argument("--baseline", default="0e85252", help="the threaded revision to compare with")

@@ -248,7 +248,7 @@ def run_server(name: str, tree: Path, ours: Path, levels: list[int], calls: int)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--levels", default="1000,5000,10000", help="connected clients, increasing, comma-separated"
     )

@@ -229,7 +229,7 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=4, help="global rounds of each run (default 4)")
     parser.add_argument(
         "--regional-rounds", type=int, default=2, help="H of the regional topology (default 2)"

@@ -798,7 +798,9 @@ def check_work_arguments(parser: argparse.ArgumentParser, args: argparse.Namespa
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        allow_abbrev=False,
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_work_arguments(parser, clients=100, rounds=4, repeats=3)
     parser.add_argument(

@@ -267,7 +267,9 @@ def log_results(args: argparse.Namespace, results: dict[str, Any], log: Callable
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        allow_abbrev=False,
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_work_arguments(parser, clients=1000, rounds=3, repeats=1)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))

@@ -4,7 +4,8 @@
 ``health`` (is it serving) and ``launch`` (a whole topology as local processes).
 
 Each module has ``add_parser(sub)`` and ``run(args) -> int``; ``main`` maps errors to exit
-statuses in one place: 2 for bad input (a ``ConfigError``), 1 for a failure at run time.
+statuses in one place: 2 for bad input (a ``ConfigError``), 1 for a failure at run time, and
+128 + the signal for a run that Ctrl-C or SIGTERM stopped (130, 143; ``fedgrid.interrupts``).
 
 A command's module is imported only when that command runs (or ``build_parser()`` builds every
 one, for ``fedgrid --help``): the training commands' flags come from ``fedgrid.config``, which
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from fedgrid.cli.support import FedgridParser, error_line, package_version
 from fedgrid.errors import ConfigError, FedgridError
-from fedgrid.interrupts import FORCED_EXIT_STATUS
+from fedgrid.interrupts import FORCED_EXIT_STATUS, forget_stop, stop_status
 from fedgrid.lazy import exports
 
 if TYPE_CHECKING:  # re-exported lazily (__getattr__ below): each imports torch
@@ -103,8 +104,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser(_command_named(argv)).parse_args(argv)
     level = logging.DEBUG if args.verbose else (logging.WARNING if args.command in QUIET else logging.INFO)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    forget_stop()
     try:
-        return int(command_module(args.command).run(args))
+        status = int(command_module(args.command).run(args))
+        # A run that a signal stopped, however cleanly, did not do what was asked.
+        stopped = stop_status()
+        return stopped if status == 0 and stopped is not None else status
     except ConfigError as exc:
         print(error_line(exc), file=sys.stderr)
         return 2

@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from fedgrid.cli.support import CLIENT_CONFIG_KEYS, CLIENT_OPTION_KEYS, add_config_flags
-from fedgrid.config import CLIENT_ONLY_KEYS, Config, load_config
+from fedgrid.config import CLIENT_ONLY_KEYS, Config, load_config, parse_flags
 
 __all__ = ["add_parser", "client_config", "client_options", "run"]
 
@@ -44,6 +44,16 @@ def _add_connection_flags(cli: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="give up when the coordinator cannot be reached for this long before the first join "
         "(default: 60, FEDGRID_CONNECT_TIMEOUT_S)",
+    )
+    cli.add_argument(
+        "--give-up-after-s",
+        dest="give_up_after_s",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="once joined, give up when the coordinator has not answered for this long (a coordinator "
+        "stopped without --state-dir never comes back), saying what the client waited for "
+        "(default: 120, FEDGRID_RETRY_MAX_ELAPSED_S)",
     )
 
 
@@ -162,11 +172,7 @@ def _add_state_and_monitoring_flags(cli: argparse.ArgumentParser) -> None:
 def client_config(args: argparse.Namespace) -> Config:
     """``fedgrid client``'s settings: ``--config``'s file, then the flags given."""
     # --partition is the client's I/N; the data partition (the key "partition") is --data-partition.
-    given = {
-        k: getattr(args, k)
-        for k in CLIENT_CONFIG_KEYS
-        if k != "partition" and getattr(args, k, None) is not None
-    }
+    given = parse_flags({k: getattr(args, k, None) for k in CLIENT_CONFIG_KEYS if k != "partition"})
     if args.partitioner:
         given["partition"] = args.partitioner
     return load_config(args.config, given)

@@ -85,12 +85,20 @@ def _header(config: Config) -> Callable[[str, str], None]:
 
     task = get_dataset(config.dataset)
 
+    # An app's clients hold the data its own code splits (a `fedgrid new` app's data.py: IID);
+    # the dataset and partition keys describe only the built-in clients, so they are not named then.
+    data = (
+        f"app {config.app} (its own data and split)"
+        if config.app
+        else f"dataset {config.dataset}, partition {config.partition or task.default_partition}"
+    )
+
     def header(engine: str, why: str) -> None:
         chosen = f"engine {engine} ({why})" if config.engine == "auto" else f"engine {engine}"
         print(
-            f"fedgrid simulate: {config.clients} clients, {config.rounds} rounds, dataset {config.dataset}, "
-            f"model {config.model or task.default_model}, partition {config.partition or task.default_partition}, "
-            f"{chosen}, seed {config.seed}, {config.threads or torch.get_num_threads()} threads",
+            f"fedgrid simulate: {config.clients} clients, {config.rounds} rounds, {data}, "
+            f"model {config.model or task.default_model}, {chosen}, seed {config.seed}, "
+            f"{config.threads or torch.get_num_threads()} threads",
             flush=True,
         )
 
@@ -145,7 +153,10 @@ def run(args: argparse.Namespace) -> int:
     check_config(config)
     ranks = torchrun_rank()
     quiet = ranks is not None and ranks[0] != 0
-    progress = SimulateProgress(config.rounds, sys.stderr) if config.progress and not quiet else None
+    # The in-place line on a terminal only: elsewhere (a log file, a pipe) each round's own line
+    # is the record, and a second line per round would say the same thing again.
+    tty = sys.stderr.isatty()
+    progress = SimulateProgress(config.rounds, sys.stderr) if config.progress and tty and not quiet else None
     stop = threading.Event()
 
     def on_stop(signal_name: str) -> None:

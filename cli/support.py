@@ -109,7 +109,12 @@ def __getattr__(name: str) -> list[str]:
 class FedgridParser(argparse.ArgumentParser):
     """``argparse`` whose "unrecognized arguments" error names the closest flags of the
     subcommand given (``--roundz``: did you mean ``--rounds``?) instead of leaving the user
-    to read the whole ``--help``."""
+    to read the whole ``--help``. A flag is never abbreviated (``allow_abbrev=False``): ``--local 1``
+    is that error, not ``--local-epochs 1``, and a prefix that fits several flags is too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
         parsed, extras = self.parse_known_args(args, namespace)
@@ -186,7 +191,9 @@ def add_config_flags(
 
 
 def config_from(args: argparse.Namespace, keys: Sequence[str]) -> Config:
-    from fedgrid.config import load_config
+    """The command's config: ``--config``'s file, then the flags given (their text parsed as
+    the keys' types: ``parse_flags``)."""
+    from fedgrid.config import load_config, parse_flags
 
-    overrides = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+    overrides = parse_flags({k: getattr(args, k, None) for k in keys})
     return with_default_out(load_config(args.config, overrides), args.command)

@@ -4,7 +4,10 @@
 from fedgrid.client.api import Client, EvaluateOutput, FitOutput
 from fedgrid.client.runtime import (
     ClientHandle,
+    CoordinatorLost,
     CoordinatorUnreachable,
+    IdentityConflict,
+    MisconfiguredConnection,
     RpcFailed,
     RunSummary,
     TaskReport,
@@ -23,6 +26,9 @@ __all__ = [
     "RunSummary",
     "RpcFailed",
     "CoordinatorUnreachable",
+    "MisconfiguredConnection",
+    "CoordinatorLost",
+    "IdentityConflict",
     "run_client",
     "start_client",
     "TaskReport",

@@ -11,6 +11,7 @@ built-in one lives with the datasets, which this layer never imports.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -37,15 +38,20 @@ ClientFactory = Callable[..., Any]
 
 
 def check_addresses(args: argparse.Namespace) -> None:
-    """``--coordinator`` and ``--enroll-address`` are HOST:PORT targets.
+    """``--coordinator`` and ``--enroll-address`` are HOST:PORT targets, and the connect and
+    give-up bounds positive seconds.
 
     Raises:
-        ConfigError: either is malformed (the key named).
+        ConfigError: a malformed one (the key named).
     """
     try:
         runtime.check_target(args.coordinator)
     except ValueError as exc:
         raise ConfigError("coordinator", str(exc)) from None
+    for key in ("connect_timeout_s", "give_up_after_s"):
+        value = getattr(args, key, None)
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise ConfigError(key, f"must be a positive number of seconds, got {value}")
     if args.enroll_address:
         try:
             runtime.check_target(args.enroll_address, what="enrollment")
@@ -219,8 +225,11 @@ def _task_server(
     on_event: Callable[[Any], None] | None,
 ) -> Callable[[Any], Any]:
     """What serves the coordinator's tasks to a client: ``runtime.run_client`` with the flags'
-    coordinator, TLS files and connect timeout, the client's state path and its monitor's hooks."""
+    coordinator, TLS files, connect timeout and give-up bound, the client's state path and its
+    monitor's hooks."""
     timeout = {} if args.connect_timeout_s is None else {"connect_timeout": args.connect_timeout_s}
+    if getattr(args, "give_up_after_s", None) is not None:
+        timeout["retry_max_elapsed"] = args.give_up_after_s
 
     def serve_tasks(member: Any) -> Any:
         return runtime.run_client(

@@ -1,8 +1,14 @@
 """A client's session with a coordinator (``Connection``): typed calls with deadlines, retries and mutual TLS.
 
 Every RPC has a deadline. Transient failures (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED,
-RESOURCE_EXHAUSTED) are retried with exponential backoff and jitter, bounded in time; other
-errors surface with the server's message (``RpcFailed``). ``fedgrid.client.runtime``'s loop
+RESOURCE_EXHAUSTED) are retried with exponential backoff and jitter, logged once per backoff
+step, until the give-up bound (``retry_max_elapsed`` after the first failure; before the
+first answer, ``connect_timeout``); other errors surface with the server's message
+(``RpcFailed``). A failure that can never pass is raised at once with its fix: an
+UNAVAILABLE whose words point at the TLS handshake is diagnosed (``fedgrid.client.diagnose``:
+a certificate without the name dialled, of another CA, expired; TLS on one side only), and
+a session replaced by another process of the same identity (``IdentityConflict``) or a run
+that is over are recognised by the coordinator's reason. ``fedgrid.client.runtime``'s loop
 and the embedding session (``fedgrid.client.session``) are built on it; what its calls may
 meet (errors, retried codes, channel options) is ``fedgrid.client.rpc``.
 """
@@ -10,6 +16,7 @@ meet (errors, retried codes, channel options) is ``fedgrid.client.rpc``.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -20,16 +27,17 @@ import grpc
 import tenacity
 
 from fedgrid.client.api import Client
+from fedgrid.client.diagnose import diagnose
 from fedgrid.client.rpc import (
     GRPC_OPTIONS,
     SERVICE,
     TRANSIENT,
     CoordinatorUnreachable,
+    RetryWindow,
     RpcFailed,
-    _describe,
     _is_transient,
-    _one_line,
     check_target,
+    failure_of,
 )
 from fedgrid.client.uplink import UplinkEncoder
 from fedgrid.client.upload import MIN_UPLOAD_CHUNK, ResumableUpload, UploadAttempt
@@ -69,6 +77,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 #: Consecutive refused sessions after which the client gives up instead of joining again.
 MAX_REJOINS = 3
+#: gRPC's words for a failure at the TLS handshake, where ``diagnose`` can tell more.
+_HANDSHAKE = re.compile(
+    r"handshake|certificate|hostname|ssl|tls|socket closed|connection reset", re.IGNORECASE
+)
 
 
 def _identity(cert: str) -> str:
@@ -117,7 +129,9 @@ class Connection:
         target: ``HOST:PORT`` of the coordinator.
         rpc_timeout: deadline of unary calls, seconds.
         transfer_timeout: deadline of model downloads and uploads, seconds.
-        retry_max_elapsed: stop retrying a transient failure after this many seconds.
+        retry_max_elapsed: give up on a call this many seconds after its first transient
+            failure (``fedgrid client --give-up-after-s``), with ``CoordinatorLost`` saying
+            what the client waited for.
         connect_timeout: until the first call succeeds (``join``), give up retrying after
             this many seconds, with ``CoordinatorUnreachable`` naming the address.
         retry_max_wait: cap of the backoff between attempts.
@@ -151,6 +165,7 @@ class Connection:
         self.identity = _identity(tls.cert) if tls is not None else None
         #: The name the coordinator knows this client by (set by ``join``).
         self.name = self.identity or ""
+        self.server_name = server_name
         self.channel = _open_channel(target, tls, server_name)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
         self._download, self._upload = _chunk_streams(self.channel)
@@ -206,32 +221,50 @@ class Connection:
         self._uplinks = uplinks
 
     def _call(self, method: str, fn: Callable[[], T]) -> T:
-        """Calls ``fn``, retrying transient failures with jittered exponential backoff."""
+        """Calls ``fn``, retrying transient failures with jittered exponential backoff (module
+        docstring); raises the failure as ``fedgrid.client.rpc.failure_of`` names it."""
         connecting = not self.reached
         budget = min(self.connect_timeout, self._retry_max_elapsed) if connecting else self._retry_max_elapsed
+        window = RetryWindow(method, self.target, budget)
+        problem: list[str] = []  # what diagnose found: a failure that can never pass
+
+        def retryable(exc: BaseException) -> bool:
+            found = self._diagnose(exc) if isinstance(exc, grpc.RpcError) else None
+            if found is not None:
+                problem.append(found)
+            return found is None and _is_transient(exc)
+
         retrying = tenacity.Retrying(
-            retry=tenacity.retry_if_exception(_is_transient),
+            retry=tenacity.retry_if_exception(retryable),
             wait=tenacity.wait_random_exponential(multiplier=0.2, max=self._retry_max_wait),
-            stop=tenacity.stop_after_delay(budget) | tenacity.stop_when_event_set(self.stop),
-            before_sleep=lambda rs: log.info(
-                "retrying %s on %s: %s",
-                method,
-                self.target,
-                _describe(rs.outcome.exception() if rs.outcome else None),
-            ),
+            stop=window | tenacity.stop_when_event_set(self.stop),
+            before_sleep=window.log,
             reraise=True,
         )
         try:
             result = retrying(fn)
         except grpc.RpcError as exc:
-            details = (exc.details() or "") + self._hint(exc)
-            if connecting and _is_transient(exc) and not self.stop.is_set():
-                raise CoordinatorUnreachable(
-                    self.target, budget, exc.code(), details, self.tls is not None
-                ) from exc
-            raise RpcFailed(method, exc.code(), _one_line(details)) from exc
+            raise failure_of(
+                exc,
+                method,
+                target=self.target,
+                identity=self.name,
+                window=window,
+                connecting=connecting,
+                stopped=self.stop.is_set(),
+                problem=problem[-1] if problem else None,
+                hint=self._hint(exc),
+                tls=self.tls is not None,
+            ) from exc
         self.reached = True
         return result
+
+    def _diagnose(self, exc: grpc.RpcError) -> str | None:
+        """What keeps this connection from ever working, when ``exc`` is an UNAVAILABLE that
+        gRPC's words put at the TLS handshake (``fedgrid.client.diagnose``); ``None`` otherwise."""
+        if exc.code() != grpc.StatusCode.UNAVAILABLE or not _HANDSHAKE.search(exc.details() or ""):
+            return None
+        return diagnose(self.target, self.tls, self.server_name, timeout=min(self.rpc_timeout, 3.0))
 
     def _hint(self, exc: grpc.RpcError) -> str:
         """What a connection closed at the TLS handshake most likely means: the client only

@@ -30,7 +30,16 @@ from fedgrid.client.api import Client
 # Connection lives in client/connection.py and its errors in client/rpc.py; the SDK's users import them from here.
 from fedgrid.client.connection import Connection
 from fedgrid.client.heartbeat import _Heartbeat
-from fedgrid.client.rpc import GRPC_OPTIONS, TRANSIENT, CoordinatorUnreachable, RpcFailed, check_target
+from fedgrid.client.rpc import (
+    GRPC_OPTIONS,
+    TRANSIENT,
+    CoordinatorLost,
+    CoordinatorUnreachable,
+    IdentityConflict,
+    MisconfiguredConnection,
+    RpcFailed,
+    check_target,
+)
 from fedgrid.client.state import load_client_state, restore_client_state, save_client_state
 
 # The task feed lives in client/task_feed.py; the SDK's users import its types from here.
@@ -51,6 +60,9 @@ __all__ = [
     "TaskFeed",
     "RpcFailed",
     "CoordinatorUnreachable",
+    "MisconfiguredConnection",
+    "CoordinatorLost",
+    "IdentityConflict",
     "run_client",
     "start_client",
     "TRANSIENT",
@@ -109,7 +121,11 @@ def run_client(
     Raises:
         CoordinatorUnreachable: no answer from ``coordinator`` within ``connect_timeout``
             (a ``connection_options`` key; default ``CONNECT_TIMEOUT_S``).
-        RpcFailed: a non-transient error, or transient ones past the retry budget.
+        MisconfiguredConnection: a connection that can never succeed as configured (a TLS
+            certificate without the name dialled, of another CA, expired...), at once.
+        CoordinatorLost: the coordinator stopped answering for ``retry_max_elapsed`` seconds.
+        IdentityConflict: another process joined under this client's identity.
+        RpcFailed: any other non-transient error.
         ValueError: an incomplete or unreadable set of TLS files (named), or a
             ``coordinator`` that is not ``HOST:PORT``.
     """
@@ -135,10 +151,13 @@ def _join_serve_leave(
     """``run``'s session: ``_open``, ``_serve`` (returns the fit rounds whose update landed),
     and ``_close`` however it ends, with what ended it as the reason the client leaves."""
     heartbeat: _Heartbeat | None = None
-    leaving = "stopped"
+    leaving: str | None = "stopped"
     try:
         heartbeat = _open(feed, coordinator, saved, state_path)
         return _serve(feed, state_path, on_task, since=since)
+    except IdentityConflict:  # the session is another process's now: no Leave of ours may end it
+        leaving = None
+        raise
     except BaseException as exc:  # KeyboardInterrupt and SystemExit included: the client is going
         leaving = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         raise
@@ -204,7 +223,12 @@ def _serve(
             report = step.deliver(update, num_examples, metrics)
             saver.save(step)  # a late update too: the residuals moved on all the same
             if report is None:
-                feed.emit("error", round=step.round, detail="the round closed before the update landed")
+                detail = (
+                    f"update refused: {step.refused}"
+                    if step.refused
+                    else "the round closed before the update landed"
+                )
+                feed.emit("error", round=step.round, detail=detail)
                 continue
             if step.kind == FIT:
                 rounds += 1
@@ -215,12 +239,13 @@ def _serve(
     return rounds
 
 
-def _close(feed: TaskFeed, leaving: str, heartbeat: _Heartbeat | None) -> None:
+def _close(feed: TaskFeed, leaving: str | None, heartbeat: _Heartbeat | None) -> None:
     """``run``'s end, however it ends: tells the coordinator the client leaves (unless the run
-    finished), stops the heartbeat and closes the connection."""
+    finished, or ``leaving`` is ``None``: the session was replaced), stops the heartbeat and
+    closes the connection."""
     conn = feed.conn
-    feed.emit("finished") if feed.finished else feed.emit("left", detail=leaving)
-    if conn.client_id and not feed.finished:  # joined, and the run did not end: say so, not just go silent
+    feed.emit("finished") if feed.finished else feed.emit("left", detail=leaving or "session replaced")
+    if conn.client_id and not feed.finished and leaving is not None:  # joined, the run did not end: say so
         conn.leave(leaving)
     if heartbeat is not None:
         heartbeat.stop.set()

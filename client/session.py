@@ -59,7 +59,7 @@ from fedgrid.client.async_session import AsyncSession
 from fedgrid.client.delivery import Delivery
 from fedgrid.client.heartbeat import _Heartbeat
 from fedgrid.client.runtime import Connection, RpcFailed, TaskFeed, TaskReport, TaskStep, _Saver
-from fedgrid.client.session_host import ErrorHook, MessageHandler, Task, _Member
+from fedgrid.client.session_host import ErrorHook, MessageHandler, Task, _Member, task_line, tell
 from fedgrid.client.state import load_client_state, restore_client_state
 from fedgrid.client.timeline import COMPUTE, Timeline, with_split
 from fedgrid.constants import POLL_WAIT_S
@@ -111,6 +111,9 @@ class Session:
             result, refused here and reported as the round's failure; an update the round
             closed before) and for the error that ends the session (``task`` is then the
             unanswered task, if any). Called on the thread that made the call.
+        verbose: a line at the join and one per task that landed (round, kind, examples, loss,
+            bytes): at INFO of ``fedgrid.client.session`` where the program configured logging,
+            else on stderr (``session_host.tell``). ``False``: none.
         connection_options: passed to ``Connection`` (``connect_timeout``, ``rpc_timeout``, ...).
 
     Raises:
@@ -135,6 +138,7 @@ class Session:
         messages: MessageHandler | None = None,
         on_task: Callable[[TaskReport], None] | None = None,
         on_error: ErrorHook | None = None,
+        verbose: bool = True,
         **connection_options: float,
     ) -> None:
         tls = TLSFiles.from_options(ca, cert, key, what="session TLS")
@@ -144,7 +148,7 @@ class Session:
         self._member = _Member(name, region, num_examples, messages)
         self._feed = TaskFeed(self.conn, self._member, poll_wait_s=poll_wait_s)
         self._evaluate, self._state_path = evaluate, state_path
-        self._on_task, self._on_error = on_task, on_error
+        self._on_task, self._on_error, self._verbose = on_task, on_error, verbose
         self._beat_stop = threading.Event()
         self._heartbeat: _Heartbeat | None = None
         self._lock = threading.Lock()  # guards the open task and the closing
@@ -213,9 +217,8 @@ class Session:
         try:
             if not self._feed.join():
                 raise SessionError("the session was closed while it joined")
-            log.info(
-                "session joined %s as %s (run %s)", self.conn.target, self.conn.client_id, self.conn.run_id
-            )
+            if self._verbose:
+                tell(f"joined {self.conn.target} as {self.conn.client_id} (run {self.conn.run_id})")
             if saved is not None and self._state_path is not None:
                 restore_client_state(self.conn, self._member, saved, self._state_path)
             self._heartbeat = _Heartbeat(self.conn, self._beat_stop)
@@ -276,14 +279,15 @@ class Session:
         an ``EvaluateOutput`` for an evaluation. A fit result's metrics gain the split of the
         host's time since the previous fit's ``submit`` (module docstring). Returns the
         upload's ``TaskReport``, or ``None`` when it did not land (``on_error`` says why): a
-        fit result with NaN or Inf is refused here and reported as the round's failure, and a
-        round may close first.
+        fit result with NaN or Inf is refused here and reported as the round's failure, the
+        coordinator may refuse the update (over a bound: the round's failure, the session goes
+        on), and a round may close first.
 
         Raises:
             SessionError: no task is open.
             TypeError: the wrong kind of result for the task (the task stays open).
             ValueError: a fit result claiming more examples than ``num_examples`` (it stays open).
-            RpcFailed: a refused upload, or transient failures past the retry budget.
+            RpcFailed: transient failures past the retry budget, or another refusal.
         """
         step, task = self._take("submit", result)
         metrics = dict(result.metrics)
@@ -405,7 +409,7 @@ class Session:
                     raise TypeError(
                         f"round {step.round}'s {step.kind} task takes a {expected.__name__}, got {type(result).__name__}"
                     )
-                # The coordinator refuses such an update, and a refused upload ends the session.
+                # The coordinator would refuse such an update (the round's failure): say so here, at once.
                 claimed, joined = getattr(result, "num_examples", 0), self._member.num_examples
                 if step.kind == FIT and claimed > joined:
                     raise ValueError(
@@ -433,7 +437,9 @@ class Session:
         _Saver(self._state_path, self.conn, self._member).save(step)
         if report is None:
             self._error(
-                StaleTaskError(
+                InvalidUpdateError(f"round {step.round}'s {step.kind} result was refused: {step.refused}")
+                if step.refused
+                else StaleTaskError(
                     f"round {step.round} closed before the {step.kind} result landed: {step.late}"
                 ),
                 task,
@@ -441,6 +447,8 @@ class Session:
             return None
         if step.kind == FIT:
             self.rounds += 1
+        if self._verbose:
+            tell(task_line(report))
         if self._on_task is not None:
             self._on_task(report)
         return report

@@ -3,18 +3,45 @@
 The session hands the host a ``Task`` per coordinator task; the host may hand the session a
 ``MessageHandler`` (message phases) and an ``ErrorHook`` (what did not land). ``_Member`` is
 the ``Client`` the session's ``TaskFeed`` joins as: it tells the coordinator the host's name,
-region and examples, and routes message phases to the host's handler.
+region and examples, and routes message phases to the host's handler. ``tell`` is how the
+session talks to the person running the host program: a line per task, heard by default.
 """
 
 from __future__ import annotations
 
+import logging
+import sys
 from dataclasses import dataclass
 from typing import Mapping, Protocol
 
 from fedgrid.client.api import Client, FitOutput
+from fedgrid.client.task_feed import TaskReport
 from fedgrid.types import EvaluateIns, FitIns, MessageIns, ModelState, Scalar
 
-__all__ = ["Task", "MessageHandler", "ErrorHook"]
+__all__ = ["Task", "MessageHandler", "ErrorHook", "tell", "task_line"]
+
+log = logging.getLogger("fedgrid.client.session")
+
+
+def task_line(report: TaskReport) -> str:
+    """One finished task as a line: round, kind, examples, loss, bytes moved."""
+    loss = "" if report.loss is None else f", loss {report.loss:.4f}"
+    retries = f", {report.upload_retries} upload retries" if report.upload_retries else ""
+    return (
+        f"round {report.round}: {report.kind} result sent ({report.num_examples} examples{loss}; "
+        f"{report.bytes_down / 1e3:.1f} kB down, {report.bytes_up / 1e3:.1f} kB up{retries})"
+    )
+
+
+def tell(line: str) -> None:
+    """``line`` for the person running the host program. A program that configured logging
+    gets it at INFO from ``fedgrid.client.session`` (its levels and handlers decide); one that
+    did not, where Python would drop an INFO record, gets it on stderr: the session is never
+    silent while it trains (``connect(..., verbose=False)`` turns it off)."""
+    if log.hasHandlers():
+        log.info("%s", line)
+    else:
+        print(f"fedgrid session: {line}", file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)

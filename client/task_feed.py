@@ -19,7 +19,7 @@ import grpc
 
 from fedgrid.client.api import Client
 from fedgrid.client.connection import MAX_REJOINS, Connection
-from fedgrid.client.rpc import RpcFailed
+from fedgrid.client.rpc import IdentityConflict, RpcFailed
 from fedgrid.client.timeline import COMM, SPLIT_KEYS, Timeline
 from fedgrid.constants import POLL_WAIT_S
 from fedgrid.errors import InvalidUpdateError
@@ -77,6 +77,15 @@ class ClientEvent:
     detail: str = ""
 
 
+#: What ``ReportFailure`` may meet after a refusal that leaves nothing to report: the round
+#: closed, the session ended, or the task is no longer this client's.
+_GONE = (
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.INVALID_ARGUMENT,
+)
+
+
 class TaskStep:
     """One fit or evaluate task, its model downloaded (by ``TaskFeed``): the caller trains or
     evaluates, then ``deliver``s the result or ``fail``s the task. What ``run`` does with every
@@ -107,6 +116,9 @@ class TaskStep:
         self.ins: FitIns | None = serde.fit_ins_from_task(task) if self.kind == FIT else None
         #: Why the coordinator refused the latest ``deliver`` as late ("" if it did not).
         self.late = ""
+        #: Why the coordinator refused the latest ``deliver``'s update itself, INVALID_ARGUMENT
+        #: (over a bound, malformed; "" if it did not): the round's failure, not the client's end.
+        self.refused = ""
 
     @staticmethod
     def check(update: ModelState, metrics: Mapping[str, float]) -> None:
@@ -124,17 +136,55 @@ class TaskStep:
         """Reports the task failed with ``reason``: the round records it at once."""
         self.conn.report_failure(self.task_id, reason)
 
+    def _report_refusal(self) -> None:
+        """Tells the round the refused update is this client's failure: otherwise its task stays
+        open, and the next poll would hand the same task back."""
+        try:
+            self.fail(f"update refused: {self.refused}")
+        except RpcFailed as exc:
+            if exc.code not in _GONE:
+                raise
+            log.info("round %d: the refusal was not reported (%s)", self.round, exc.details)
+
+    def _undelivered(self, exc: RpcFailed) -> None:
+        """Sets ``late`` or ``refused`` for an upload that did not land, or re-raises ``exc``."""
+        if exc.code == grpc.StatusCode.UNAUTHENTICATED and not isinstance(exc, IdentityConflict):
+            # The coordinator dropped the session meanwhile (it heard nothing from it for too
+            # long, or restarted without it): this update is lost, and the next poll joins again.
+            log.warning(
+                "round %d: the coordinator no longer knows this session (%s): the update is lost",
+                self.round,
+                exc.details,
+            )
+            self.late = exc.details or "the session ended"
+            return
+        if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
+            log.warning(
+                "round %d: the coordinator refused the update (%s): this round failed, the next goes on",
+                self.round,
+                exc.details,
+            )
+            self.refused = exc.details or "the update was refused"
+            self._report_refusal()
+            return
+        if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
+            raise exc
+        log.warning("round %d closed before the update landed: %s", self.round, exc.details)
+        self.late = exc.details or "the round closed"
+
     def deliver(
         self, update: ModelState, num_examples: int, metrics: Mapping[str, float]
     ) -> TaskReport | None:
         """Uploads the result through the task's ``uplink_codec`` (error feedback kept in the
-        connection). Returns what it cost, or ``None`` (``late`` says why) when the round
-        closed before the update landed.
+        connection). Returns what it cost, or ``None`` when the round closed before the update
+        landed (``late`` says why) or the coordinator refused it (``refused`` says why).
+        A refused update is this round's failure: the client goes on to its next task.
 
         Raises:
             RpcFailed: any other refusal, or transient failures past the retry budget.
         """
-        metrics, self.late, codec = dict(metrics), "", str(self.config.get("uplink_codec", "none"))
+        metrics, codec = dict(metrics), str(self.config.get("uplink_codec", "none"))
+        self.late = self.refused = ""
         try:
             with self.timeline.span(COMM):
                 self.conn.upload(
@@ -147,20 +197,7 @@ class TaskStep:
                     global_state=self.state,
                 )
         except RpcFailed as exc:
-            if exc.code == grpc.StatusCode.UNAUTHENTICATED:
-                # The coordinator dropped the session meanwhile (it heard nothing from it for too
-                # long, or restarted without it): this update is lost, and the next poll joins again.
-                log.warning(
-                    "round %d: the coordinator no longer knows this session (%s): the update is lost",
-                    self.round,
-                    exc.details,
-                )
-                self.late = exc.details or "the session ended"
-                return None
-            if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
-                raise
-            log.warning("round %d closed before the update landed: %s", self.round, exc.details)
-            self.late = exc.details or "the round closed"
+            self._undelivered(exc)
             return None
         loss = metrics.get("loss", metrics.get("train_loss"))
         if self.kind == FIT:
@@ -184,7 +221,8 @@ class TaskStep:
 
 class TaskFeed:
     """``run``'s loop without the training: joins, long-polls, joins again when the
-    coordinator no longer knows the session (at most ``MAX_REJOINS`` times in a row), runs
+    coordinator no longer knows the session (at most ``MAX_REJOINS`` times in a row; never
+    when another process of the same identity replaced it: ``IdentityConflict``), runs
     message phases through ``client.exchange``/``receive``, and yields every fit or evaluate
     task as a downloaded ``TaskStep``, until the run finishes or ``conn.stop`` is set.
 
@@ -231,6 +269,8 @@ class TaskFeed:
                 rejoins += 1
                 if exc.code != grpc.StatusCode.UNAUTHENTICATED or rejoins > MAX_REJOINS:
                     raise
+                if isinstance(exc, IdentityConflict):  # joining again would replace the other process
+                    raise
                 if conn.stop.is_set():  # it left meanwhile (a Leave from another thread): nothing to rejoin
                     return
                 # The coordinator no longer knows this session (it restarted without our
@@ -260,7 +300,16 @@ class TaskFeed:
             if reply.task.kind == pb.MESSAGE:
                 _exchange(conn, self.client, reply.task)
                 continue
-            yield TaskStep(conn, reply.task, timeline=self.client.timeline)
+            try:
+                step = TaskStep(conn, reply.task, timeline=self.client.timeline)
+            except RpcFailed as exc:
+                if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+                # The task closed before its model came (the coordinator or region restarted and
+                # runs its round again, or the round reached its target): the next poll has the next.
+                log.warning("round %d: task gone before its download: %s", reply.task.round, exc.details)
+                continue
+            yield step
 
 
 def describe_split(metrics: Mapping[str, float], task_s: float) -> str:

@@ -23,6 +23,9 @@ napoleon_use_ivar = True
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
 autodoc_default_options = {"members": True, "show-inheritance": True}
+# The tables of contents list pages and their sections, not every documented object: Sphinx's
+# default put each class, function and constant (UPSTREAM_RETRY_MAX_S) in the index's toctree.
+toc_object_entries = False
 # Code samples in docstrings use ``double backticks``; a single-backtick span is code too.
 default_role = "code"
 

@@ -1,4 +1,4 @@
-"""A strategy of your own, run in simulation.
+"""A strategy of your own, run in simulation and deployed behind a coordinator, unchanged.
 
 ``ServerLRAvg`` subclasses ``fedgrid.Strategy`` (``aggregation/base.py``) directly: each
 round it samples a seeded fraction of the live clients, sends them a learning rate that
@@ -7,12 +7,22 @@ example-weighted mean of what they sent back (``server_lr = 1`` is FedAvg). Fail
 arrive as data (``failures``) and are counted, not raised. ``state_dict`` holds all it needs,
 so a coordinator restarted with ``--state-dir`` would resume it exactly.
 
-The same object would run unchanged behind a real coordinator; here it runs through
+Run: ``python examples/custom_strategy.py [--rounds 10] [--clients 10]``: ``main`` below drives
 fedgrid's round engine and in-process fleet on the built-in digits clients (scikit-learn's
-digits, no files), with the built-in server-side evaluation.
+digits, no files), with the built-in server-side evaluation. Prints one line per round
+(accuracy, loss, clients) and last ``final accuracy A`` (0.86 after the default 10 rounds).
 
-Run: ``python examples/custom_strategy.py [--rounds 10] [--clients 10]``. Prints one line per
-round (accuracy, loss, clients) and last ``final accuracy A`` (0.86 after the default 10 rounds).
+Deployed, ``--strategy MODULE:CLASS`` names it (from the folder holding ``examples/``); the
+coordinator builds it with the run's ``seed`` and ``fraction_fit`` (and ``--server-lr``: every
+parameter the constructor names), the clients need nothing of it::
+
+    fedgrid coordinator --strategy examples.custom_strategy:ServerLRAvg --rounds 10 --min-clients 3
+    fedgrid client --coordinator 127.0.0.1:50051 --partition 0/3      # and 1/3, 2/3, each in its own shell
+    # the same run in one process, ending on the deployment's model bit for bit:
+    fedgrid simulate --strategy examples.custom_strategy:ServerLRAvg --clients 3 --engine sequential --threads 1
+
+(give the coordinator and clients ``--threads 1`` too for the same bits), or from Python,
+``fedgrid.run_coordinator(config, strategy=ServerLRAvg(server_lr=0.5), initial=...)``.
 """
 
 from __future__ import annotations
@@ -25,9 +35,6 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from fedgrid import ModelState, Strategy
-from fedgrid.server.engine import RoundEngine
-from fedgrid.simulation.fleet import InProcessFleet
-from fedgrid.simulation.tasks import resolve
 from fedgrid.types import ClientInfo, Failure, FitIns, FitRes
 
 
@@ -88,12 +95,16 @@ class ServerLRAvg(Strategy):
 
 
 def main(argv: list[str] | None = None) -> float:
-    parser = argparse.ArgumentParser(description="A custom strategy (ServerLRAvg) on simulated digits clients.")
+    parser = argparse.ArgumentParser(description="A custom strategy (ServerLRAvg) on simulated digits clients.", allow_abbrev=False)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--clients", type=int, default=10)
     parser.add_argument("--server-lr", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    # Imported here: a coordinator that loads ServerLRAvg imports no simulation or dataset code.
+    from fedgrid.server.engine import RoundEngine
+    from fedgrid.simulation.fleet import InProcessFleet
+    from fedgrid.simulation.tasks import resolve
 
     task = resolve(dataset="digits", seed=args.seed)  # initial model, server-side evaluation, client factory
     strategy = ServerLRAvg(server_lr=args.server_lr, seed=args.seed)

@@ -67,7 +67,7 @@ def char_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def main(argv: list[str] | None = None) -> tuple[float, float]:
-    p = argparse.ArgumentParser(description="DiLoCo on Shakespeare with a tiny character transformer.")
+    p = argparse.ArgumentParser(description="DiLoCo on Shakespeare with a tiny character transformer.", allow_abbrev=False)
     p.add_argument("--data-dir", default=str(DEFAULT_DATA), help="folder holding gutenberg-texts.tar.gz")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--rounds", type=int, default=8)

@@ -67,7 +67,7 @@ def training_loop(site: int, x: torch.Tensor, y: torch.Tensor, address: str, *, 
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description="A plain PyTorch loop that syncs with a federation every N steps.")
+    p = argparse.ArgumentParser(description="A plain PyTorch loop that syncs with a federation every N steps.", allow_abbrev=False)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--sync-every", type=int, default=20, help="local steps between syncs")
     args = p.parse_args(argv)

@@ -60,7 +60,7 @@ def address(run_dir: Path, proc: subprocess.Popen, timeout_s: float = 120.0) -> 
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(description="A GPT over two emulated regions with streaming DiLoCo.")
+    p = argparse.ArgumentParser(description="A GPT over two emulated regions with streaming DiLoCo.", allow_abbrev=False)
     p.add_argument("--data-dir", default=str(DEFAULT_DATA), help="folder holding gutenberg-texts.tar.gz")
     p.add_argument("--model", default="gpt", help="gpt, gpt:layers=L,heads=H,dim=D,context=T or hf:PATH")
     p.add_argument("--rounds", type=int, default=6)

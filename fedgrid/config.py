@@ -2,7 +2,9 @@
 
 Every key of ``Config`` can be set in a TOML file (flat, top-level keys) and overridden on
 the command line as ``--key-name VALUE``. Unknown keys, wrong types and out-of-range values
-raise ``ConfigError`` naming the key. The keys that name a dataset, a model, a partition or
+raise ``ConfigError`` naming the key. Types are checked one way for files and Python
+overrides (an integer key takes only integers: neither ``"5"`` nor ``5.0``); only flags'
+text is parsed (``parse_flag``). The keys that name a dataset, a model, a partition or
 client heterogeneity are checked by ``fedgrid.simulation.tasks.check_config`` (the CLI and
 ``run_simulation`` call it before any work): their registries live in the simulation layer,
 which this module, the server and the client never import.
@@ -36,6 +38,7 @@ from fedgrid.config_groups import (
     STRATEGY_KEYS,
     STRATEGY_NAMES,
 )
+from fedgrid.config_values import coerce, parse_text
 from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S, MAX_NUM_EXAMPLES
 from fedgrid.errors import ConfigError
 
@@ -45,6 +48,8 @@ __all__ = [
     "config_keys",
     "key_type",
     "did_you_mean",
+    "parse_flag",
+    "parse_flags",
     "SELECTORS",
     "ENGINES",
     "STRATEGY_KEYS",
@@ -166,12 +171,20 @@ class Config:
         "simulation: training examples per second of a client of speed 1 (simulated round times)", 1000.0
     )
     regions: str = _key("simulation: region labels and shares, e.g. 'us:0.5,eu:0.3,ap:0.2' (empty: none)", "")
-    progress: bool = _key("fedgrid simulate: progress line per round on stderr", True)
+    progress: bool = _key(
+        "fedgrid simulate: a progress line (clients/s, ETA) rewritten in place on stderr, when it is a terminal",
+        True,
+    )
     replay: str = _key(
         "fedgrid simulate: a min_quorum deployment's RUN_DIR/events.jsonl; each round merges exactly the results it records, each trained from its task round's model (bit for bit the deployment's model)",
         "",
     )
-    strategy: str = _key("aggregation strategy: " + ", ".join(STRATEGY_NAMES), "fedavg")
+    strategy: str = _key(
+        "aggregation strategy: "
+        + ", ".join(STRATEGY_NAMES)
+        + ", or your own as MODULE:CLASS (a fedgrid.Strategy subclass or a factory returning one)",
+        "fedavg",
+    )
     # Strategy and aggregator options: None (absent) keeps the strategy's own default; an
     # option set for a strategy it does not apply to is an error (see aggregation/registry.py).
     aggregator: str | None = _key(
@@ -244,6 +257,18 @@ class Config:
         "refuse an update whose L2 distance from the round's global model (floating tensors) is over this (0: no bound)",
         0.0,
     )
+    max_update_ratio: float = _key(
+        "refuse an update farther (L2, floating tensors) from the round's model than this times the round's median distance (0: off)",
+        10.0,
+    )
+    max_weight_ratio: float = _key(
+        "an update's claimed num_examples counts for at most this times the round's median claim (0: no cap)",
+        10.0,
+    )
+    client_quotas: str = _key(
+        'TOML file of "identity" = examples lines: the most examples each identity\'s claim counts for (cross-silo)',
+        "",
+    )
     round_timeout_s: float = _key("each round closes by this deadline", 300.0)
     eval_every: int = _key(
         "the server-side evaluation of the global model (the dataset's test set) runs every this many rounds and after the last one; the rounds between wait for no evaluation",
@@ -267,7 +292,11 @@ class Config:
     join_timeout_s: float = _key("longest wait for min_clients before a round", 600.0)
     heartbeat_interval_s: float = _key("client heartbeat interval", HEARTBEAT_INTERVAL_S)
     chunk_size: int = _key("payload bytes per wire chunk", CHUNK_SIZE)
-    listen: str = _key("coordinator address HOST:PORT (port 0 picks a free one)", "0.0.0.0:50051")
+    listen: str = _key(
+        "coordinator address HOST:PORT (port 0 picks a free one); loopback by default: any other host "
+        "(0.0.0.0: every interface) needs ca/cert/key, or insecure",
+        "127.0.0.1:50051",
+    )
     max_workers: int = _key("coordinator RPC threads (one per long poll)", 256)
     ca: str = _key(
         "mutual TLS: PEM file of the CA certificate(s) that sign the peers' certificates (see `fedgrid certs`)",
@@ -372,6 +401,8 @@ class Config:
     )
     out: str = _key("run directory", "")
     state_dir: str = _key("durable coordinator state directory", "")
+    fresh: bool = _key("start a new run though state_dir holds one (its files move to discarded-*/)", False)
+    state_key: str = _key("file of a key (>= 32 bytes) authenticating checkpoints with HMAC-SHA256", "")
 
     def __post_init__(self) -> None:
         validate(self)
@@ -407,32 +438,21 @@ def did_you_mean(word: str, known: Iterable[str], *, otherwise: str = _KEYS_LIST
     return " (did you mean " + " or ".join(repr(c) for c in close) + "?)"
 
 
-def _coerce(key: str, value: Any, kind: type) -> Any:
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-    elif kind is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-    elif kind is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif kind is str:
-        if isinstance(value, str):
-            return value
-    raise ConfigError(key, f"expected {kind.__name__}, got {value!r}")
+def parse_flag(key: str, text: str) -> Any:
+    """A command-line flag's text as the key's type (``--rounds 5`` is the integer 5).
+
+    Raises:
+        ConfigError: text that is not of the key's type (names the key), or an unknown key.
+    """
+    fields_ = config_keys()
+    if key not in fields_:
+        raise ConfigError(key, f"unknown key{did_you_mean(key, fields_)}")
+    return parse_text(key, text, key_type(fields_[key])[0])
+
+
+def parse_flags(texts: Mapping[str, str | None]) -> dict[str, Any]:
+    """``parse_flag`` of every key given (``None``: not given, left out)."""
+    return {key: parse_flag(key, text) for key, text in texts.items() if text is not None}
 
 
 def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> Config:
@@ -468,11 +488,11 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
         for key, value in data.items():
             if key not in keys:
                 raise ConfigError(key, f"unknown key in {path}{did_you_mean(key, keys)}")
-            values[key] = _coerce(key, value, types[key])
+            values[key] = coerce(key, value, types[key])
     for key, value in (overrides or {}).items():
         if value is None:
             continue
         if key not in keys:
             raise ConfigError(key, f"unknown key{did_you_mean(key, keys)}")
-        values[key] = _coerce(key, value, types[key])
+        values[key] = coerce(key, value, types[key])
     return Config(**values)

@@ -12,7 +12,7 @@ from fedgrid.compression import parse_codec_spec
 from fedgrid.config_groups import ENGINES, INNER_LR_STRATEGIES, LR_DEFAULT, PRECISIONS, SELECTORS
 from fedgrid.determinism import MAX_THREADS
 from fedgrid.errors import ConfigError, InvalidUpdateError
-from fedgrid.plugins import check_spec
+from fedgrid.plugins import check_spec, is_custom_strategy
 from fedgrid.trackers import parse_trackers
 
 if TYPE_CHECKING:
@@ -38,6 +38,10 @@ def validate(config: Config) -> None:
     for key in ("momentum", "weight_decay", "max_update_norm"):
         if not 0.0 <= getattr(config, key) < float("inf"):
             raise ConfigError(key, f"must be a finite number at least 0, got {getattr(config, key)}")
+    for key in ("max_update_ratio", "max_weight_ratio"):
+        value = getattr(config, key)
+        if not (value == 0 or 1.0 <= value < float("inf")):
+            raise ConfigError(key, f"must be 0 (off) or a finite number at least 1, got {value}")
     parse_trackers(config.tracker)  # known names, packages installed: before any work
     if config.engine not in ENGINES:
         raise ConfigError("engine", f"unknown engine {config.engine!r} (known: {', '.join(ENGINES)})")
@@ -124,6 +128,12 @@ def _check_quorum(config: Config) -> None:
             "does not go with over_selection (a round closes at its quorum; over-selected "
             "clients would be cancelled): set one of them",
         )
+    if is_custom_strategy(config.strategy):
+        raise ConfigError(
+            "min_quorum",
+            f"takes a built-in strategy ({', '.join(QUORUM_STRATEGIES)}): a late result reaches the strategy as "
+            f"the current model plus its difference, which {config.strategy!r} was not written for",
+        )
     if config.strategy not in QUORUM_STRATEGIES:
         raise ConfigError(
             "min_quorum",
@@ -156,6 +166,11 @@ def _check_codecs_and_strategy(config: Config) -> None:
         )
     from fedgrid.aggregation.registry import build_strategy_from
 
+    if is_custom_strategy(config.strategy):
+        # Your own MODULE:CLASS, checked in form here, as --app is; imported and built (its options
+        # checked against its signature) by fedgrid.server.strategies.build_strategy before any work.
+        check_spec(config.strategy, key="strategy")
+        return
     # Building the strategy checks its name, which options apply to it and their
     # ranges, and the aggregator; a model-dependent check (block partition) follows at
     # initialize, the client-count check (Krum's n > 2f + 2) once that count is known.
@@ -182,6 +197,9 @@ def _check_endpoints(config: Config) -> None:
         raise ConfigError("crl", "a revocation list needs ca, cert and key (mutual TLS)")
     if tls_given and config.insecure:
         raise ConfigError("insecure", "insecure (plaintext) contradicts ca/cert/key (mutual TLS)")
+    for key in ("fresh", "state_key"):
+        if getattr(config, key) and not config.state_dir:
+            raise ConfigError(key, "goes with state_dir (durable coordinator state); none given")
     for key in [k for k in ("listen", "enroll_listen", "http") if k == "listen" or getattr(config, k)]:
         host, sep, port = getattr(config, key).rpartition(":")
         if not sep or not host or not port.isdigit() or int(port) > 65535:

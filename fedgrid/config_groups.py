@@ -99,6 +99,8 @@ COORDINATOR_ONLY_KEYS = frozenset(
         "max_workers",
         "min_clients",
         "state_dir",
+        "fresh",
+        "state_key",
         "heartbeat_interval_s",
         "initial_model",
         "ca",

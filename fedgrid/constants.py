@@ -22,6 +22,12 @@ __all__ = [
     "STREAM_IDLE_S",
     "MAX_POLLS_PER_CLIENT",
     "MAX_TRANSFERS",
+    "MAX_TRANSFERS_PER_CLIENT",
+    "MAX_TRANSFERS_PER_CONNECTION",
+    "HEADER_TIMEOUT_S",
+    "MAX_SESSIONS",
+    "LOG_BURST_LINES",
+    "LOG_SUMMARY_S",
     "MAX_STREAMS_PER_CONNECTION",
     "KEEPALIVE_TIME_S",
     "KEEPALIVE_TIMEOUT_S",
@@ -46,6 +52,7 @@ __all__ = [
     "HTTP_REQUEST_TIMEOUT_S",
     "HTTP_MAX_CONNECTIONS",
     "HTTP_MAX_CONNECTIONS_PER_PEER",
+    "ROUND_RETRIES",
 ]
 
 
@@ -93,6 +100,28 @@ STREAM_IDLE_S = _env_float("FEDGRID_STREAM_IDLE_S", 60.0)
 MAX_POLLS_PER_CLIENT = int(_env_float("FEDGRID_MAX_POLLS_PER_CLIENT", 2))
 #: Model downloads and uploads in flight on the coordinator at once; more are refused.
 MAX_TRANSFERS = int(_env_float("FEDGRID_MAX_TRANSFERS", 1024))
+#: Transfers one client (its certificate's identity; without TLS, its session) may have in
+#: flight at once (FEDGRID_MAX_TRANSFERS_PER_CLIENT). The SDK runs one at a time; a retry can
+#: overlap a stream still winding down. Counted from the moment its session is checked.
+MAX_TRANSFERS_PER_CLIENT = int(_env_float("FEDGRID_MAX_TRANSFERS_PER_CLIENT", 4))
+#: Transfers one connection (``context.peer()``: address and port) may have in flight at once
+#: (FEDGRID_MAX_TRANSFERS_PER_CONNECTION): a process multiplexing many sessions on one
+#: connection holds at most this share of ``MAX_TRANSFERS``.
+MAX_TRANSFERS_PER_CONNECTION = int(_env_float("FEDGRID_MAX_TRANSFERS_PER_CONNECTION", 64))
+#: An upload stream must send its header (its first message: the header and the first chunk)
+#: within this long of being opened, or it ends with DEADLINE_EXCEEDED
+#: (FEDGRID_HEADER_TIMEOUT_S; never more than ``STREAM_IDLE_S``). The SDK sends it at once (the
+#: update is encoded before the call); a link too slow to carry a 1 MiB chunk in 10 s (under
+#: 0.9 Mbit/s) makes the SDK retry with smaller chunks, as a stalled upload does.
+HEADER_TIMEOUT_S = _env_float("FEDGRID_HEADER_TIMEOUT_S", 10.0)
+#: Sessions the coordinator's registry holds at once (FEDGRID_MAX_SESSIONS): a Join past it,
+#: once silent sessions are purged, is refused (RESOURCE_EXHAUSTED; clients retry). Five times
+#: the 10,000 clients the coordinator is sized for; under mutual TLS an identity holds one.
+MAX_SESSIONS = int(_env_float("FEDGRID_MAX_SESSIONS", 50_000))
+#: Lines one kind of per-client log record (joins, silent clients dropped, refused calls) may
+#: take per ``LOG_SUMMARY_S`` (FEDGRID_LOG_BURST_LINES); past that one summary line counts the rest.
+LOG_BURST_LINES = int(_env_float("FEDGRID_LOG_BURST_LINES", 20))
+LOG_SUMMARY_S = _env_float("FEDGRID_LOG_SUMMARY_S", 10.0)
 #: Concurrent streams on one HTTP/2 connection (gRPC's ``grpc.max_concurrent_streams``).
 MAX_STREAMS_PER_CONNECTION = int(_env_float("FEDGRID_MAX_STREAMS_PER_CONNECTION", 256))
 #: The coordinator pings a connection idle this long, and drops it when no answer comes
@@ -169,3 +198,7 @@ HTTP_MAX_CONNECTIONS = int(_env_float("FEDGRID_HTTP_MAX_CONNECTIONS", 256))
 #: server (FEDGRID_HTTP_MAX_CONNECTIONS_PER_PEER); more are answered 503, so one host that
 #: holds its share blocks only itself.
 HTTP_MAX_CONNECTIONS_PER_PEER = int(_env_float("FEDGRID_HTTP_MAX_CONNECTIONS_PER_PEER", 8))
+#: A coordinator's round whose results are all lost (its clients or regions died, left or went
+#: silent) runs again under the same number, at most this many times in a row; then the run stops
+#: with its state committed (FEDGRID_ROUND_RETRIES).
+ROUND_RETRIES = int(_env_float("FEDGRID_ROUND_RETRIES", 5))

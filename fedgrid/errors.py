@@ -1,7 +1,10 @@
 """The exception hierarchy: one root, ``FedgridError``, with a subclass per kind of failure.
 
 The gRPC servicer maps each subclass to one status code (``server/service.py``), so domain
-code raises these and never touches ``grpc.StatusCode``.
+code raises these and never touches ``grpc.StatusCode``. A refusal the SDK must tell apart
+from others of its status code (a session replaced by another of the same identity, a run
+that is over) carries a ``reason``: the servicer sends it as the call's trailing metadata
+under ``REASON_METADATA_KEY``, so the client reads a fixed word, not the message text.
 """
 
 from __future__ import annotations
@@ -24,11 +27,28 @@ __all__ = [
     "EnrollmentNameError",
     "NonFiniteAggregateError",
     "SessionError",
+    "SessionReplacedError",
+    "REASON_METADATA_KEY",
+    "SESSION_REPLACED",
+    "RUN_FINISHED",
+    "StorageError",
+    "RoundLostError",
+    "RecoveryError",
 ]
+
+#: The trailing-metadata key of a refusal's ``FedgridError.reason``.
+REASON_METADATA_KEY = "fedgrid-reason"
+#: ``reason`` of ``SessionReplacedError``: another session of the same identity took this one's place.
+SESSION_REPLACED = "session-replaced"
+#: ``reason`` of ``RunFinishedError``: the run is over, there is nothing to join.
+RUN_FINISHED = "run-finished"
 
 
 class FedgridError(Exception):
     """Root of every error fedgrid raises on purpose."""
+
+    #: A fixed word the servicer sends beside the status code ("": none; see the module docstring).
+    reason = ""
 
 
 class ConfigError(FedgridError, ValueError):
@@ -51,6 +71,14 @@ class AuthenticationError(FedgridError):
     """Unknown client id or wrong session token, or a revoked certificate."""
 
 
+class SessionReplacedError(AuthenticationError):
+    """A call of a session that a newer Join of the same identity replaced. Its process is still
+    running, so two processes hold one identity (the same ``--partition`` or certificate): the
+    SDK stops instead of joining again, which would replace the other one in turn."""
+
+    reason = SESSION_REPLACED
+
+
 class PermissionDeniedError(FedgridError):
     """An authenticated peer asked for what its identity may not do (act as another
     client, join under another name, present a certificate not made for a client)."""
@@ -66,6 +94,8 @@ class DuplicateUpdateError(FedgridError):
 
 class RunFinishedError(FedgridError):
     """The run is over; the client should leave."""
+
+    reason = RUN_FINISHED
 
 
 class InterruptedRunError(FedgridError):
@@ -108,3 +138,23 @@ class NonFiniteAggregateError(FedgridError):
 class SessionError(FedgridError, RuntimeError):
     """An embedding session (``fedgrid.client.connect``) was used out of order: a result with
     no task to answer, tasks before it joined or after it closed."""
+
+
+class StorageError(FedgridError):
+    """The coordinator's disk refused a write (no space, an I/O error, a read-only or full
+    quota): it stops, naming the path and the free space; the last good checkpoint stays and a
+    restart after space is freed resumes from it. The servicer answers UNAVAILABLE, so clients
+    wait and retry instead of leaving."""
+
+
+class RoundLostError(FedgridError):
+    """Every result of a round was lost (its clients or regions died, left or went silent):
+    the round fails and runs again under the same number; raised to stop the run only once it
+    was lost more times in a row than the engine retries."""
+
+
+class RecoveryError(FedgridError):
+    """A state directory the coordinator will not guess from: every checkpoint unreadable, a
+    checkpoint whose round disagrees with its file name or with the history journal, or a
+    journal that records rounds no checkpoint holds. The message names the files; start a new
+    run with ``--fresh`` (the old files are moved aside, not deleted)."""

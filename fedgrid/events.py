@@ -13,12 +13,15 @@ their fields below are a contract.
 | ``resumed`` | ``round`` (the last committed round) | state was loaded from ``--state-dir`` |
 | ``client_joined`` | ``client``, ``name``, ``region`` | a Join was accepted |
 | ``client_dropped`` | ``client``, ``reason`` | a client went silent and left the registry |
+| ``identity_conflict`` | ``client`` (the replaced session), ``name``, ``by`` (the session that replaced it) | a session replaced by a newer Join of its identity called again: two processes hold the identity |
 | ``round_opened`` | ``round``, ``task``, ``clients``, ``evaluate`` | tasks are ready for the assigned clients |
 | ``updates_restored`` | ``round``, ``count`` | updates spilled before a restart count again |
 | ``update_accepted`` | ``round``, ``client``, ``evaluate``, ``accepted``, ``expected`` | an upload was verified and kept |
 | ``upload_broken`` | ``round``, ``client``, ``chunks`` | an upload stream broke; kept for resume |
 | ``round_closed`` | ``round``, ``evaluate``, ``reason``, ``results``, ``failures``; at a quorum: ``after_quorum_s``, ``waiting`` (client ids) | no more uploads are taken (but for the ``waiting`` clients' late results) |
 | ``late_refused`` | ``round`` (its task's), ``client``, ``reason`` | a late result was too stale to merge (``max_staleness``) |
+| ``update_refused`` | ``round``, ``client``, ``name``, ``distance``, ``median``, ``ratio`` | an update was farther than ``max_update_ratio`` x the round's median distance: its client's failure (``server/influence.py``) |
+| ``claim_capped`` | ``round``, ``client``, ``name``, ``claimed``, ``cap`` | a claim counts as its cap (``max_weight_ratio``, ``client_quotas``) |
 | ``aggregating`` | ``round``, ``updates``, ``failures`` | the strategy aggregates |
 | ``merged`` | ``round``, ``results``: one ``{client, name, task_round, staleness, num_examples, weight}`` per result, in merge order | a semi-asynchronous round's merge: exactly what entered it (``fedgrid simulate --replay`` replays it) |
 | ``checkpoint_writing`` | ``round`` | the checkpoint of the round is being written |

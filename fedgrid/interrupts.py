@@ -4,6 +4,10 @@ A process that is stopping gracefully (a coordinator letting in-flight requests 
 client telling the coordinator it leaves, a simulation finishing its round) can take
 seconds; a user who presses Ctrl-C again means "now", and gets one line and exit status
 130 rather than a traceback from whatever the process was doing.
+
+A command stopped gracefully exits as the shell reports a process the signal ended, 128 + its
+number (``stop_status``: 130 after Ctrl-C, 143 after SIGTERM), never 0: a script that runs
+``fedgrid simulate && next`` does not go on after an interrupted run.
 """
 
 from __future__ import annotations
@@ -15,11 +19,24 @@ import threading
 from types import FrameType, TracebackType
 from typing import Callable, TextIO
 
-__all__ = ["GracefulStop", "FORCED_EXIT_STATUS", "say"]
+__all__ = ["GracefulStop", "FORCED_EXIT_STATUS", "say", "stop_status", "forget_stop"]
 
 #: Exit status of a forced exit (the shell's 128 + SIGINT).
 FORCED_EXIT_STATUS = 130
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+#: The signal that began this process's graceful stop (signals belong to the process, so does this).
+_began: list[int] = []
+
+
+def stop_status() -> int | None:
+    """128 + the number of the signal that began a graceful stop in this process (130: SIGINT,
+    143: SIGTERM), or ``None`` when none did (since ``forget_stop``)."""
+    return 128 + _began[0] if _began else None
+
+
+def forget_stop() -> None:
+    """Forgets the signal ``stop_status`` reports (a command run again in the same process)."""
+    _began.clear()
 
 
 def say(line: str, *, stream: TextIO | None = None) -> None:
@@ -64,6 +81,8 @@ class GracefulStop:
             say(f"fedgrid {self.what}: {name} again while stopping: exiting now", stream=sys.stderr)
             os._exit(FORCED_EXIT_STATUS)
         self.received = name
+        if not _began:
+            _began.append(signum)
         self.on_stop(name)
 
     def __enter__(self) -> "GracefulStop":

@@ -1,5 +1,5 @@
-"""Resolves user code named as ``MODULE:ATTRIBUTE`` (``--app``, ``--model``), and builds a
-model's seeded initial state."""
+"""Resolves user code named as ``MODULE:ATTRIBUTE`` (``--app``, ``--model``, ``--strategy``), and
+builds a model's seeded initial state."""
 
 from __future__ import annotations
 
@@ -16,7 +16,15 @@ from fedgrid.errors import ConfigError
 from fedgrid.seeding import RNG_LOCK
 from fedgrid.types import ModelState
 
-__all__ = ["load_object", "check_spec", "is_factory_spec", "initial_state", "model_state", "MODEL_SCHEMES"]
+__all__ = [
+    "load_object",
+    "check_spec",
+    "is_factory_spec",
+    "is_custom_strategy",
+    "initial_state",
+    "model_state",
+    "MODEL_SCHEMES",
+]
 
 #: ``model`` specs ``NAME:...`` that name a built-in model with options (``gpt:layers=4``,
 #: ``hf:PATH``; ``fedgrid.simulation.language``), not user code: a module of one of these
@@ -40,6 +48,12 @@ def is_factory_spec(model: str) -> bool:
     """Whether the ``model`` key names user code (``MODULE:FACTORY``) rather than a built-in
     model (a name, or ``NAME:OPTIONS`` with ``NAME`` in ``MODEL_SCHEMES``)."""
     return ":" in model and model.partition(":")[0] not in MODEL_SCHEMES
+
+
+def is_custom_strategy(strategy: str) -> bool:
+    """Whether the ``strategy`` key names user code (``MODULE:CLASS``) rather than a built-in
+    strategy (a name without a colon)."""
+    return ":" in strategy
 
 
 def load_object(spec: str, *, key: str) -> Callable[..., Any]:

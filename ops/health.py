@@ -167,7 +167,9 @@ def command(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m fedgrid.ops.health``: the same flags as ``fedgrid health``."""
-    return command(_flags(argparse.ArgumentParser(prog="fedgrid health")).parse_args(argv))
+    return command(
+        _flags(argparse.ArgumentParser(prog="fedgrid health", allow_abbrev=False)).parse_args(argv)
+    )
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ def generate(out_dir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--check", action="store_true", help="fail when the committed code is stale")
     args = parser.parse_args(argv)
     if not args.check:

@@ -63,7 +63,7 @@ from fedgrid.aggregation.goodput import SUMMED_KEYS, WORKER_WALL_S, utilization_
 from fedgrid.client.api import Client, FitOutput
 from fedgrid.client.runtime import RpcFailed, TaskReport, check_target, run_client
 from fedgrid.config import Config
-from fedgrid.constants import FINISH_GRACE_S
+from fedgrid.constants import FINISH_GRACE_S, ROUND_RETRIES
 from fedgrid.determinism import environment, intra_op_threads
 from fedgrid.errors import ConfigError
 from fedgrid.events import EventLog
@@ -72,9 +72,10 @@ from fedgrid.proto.tls import TLSFiles
 from fedgrid.runlog import RunWriter
 from fedgrid.server.app import Coordinator, build_fleet, write_address
 from fedgrid.server.engine import ROUND_FAILED, RoundEngine
+from fedgrid.server.influence import build_influence
 from fedgrid.server.remote_fleet import RemoteFleet
-from fedgrid.server.state import StateStore
 from fedgrid.server.strategies import build_strategy
+from fedgrid.server.wiring import open_store
 from fedgrid.textsafe import escape
 from fedgrid.types import FitIns, ModelState, RoundMetrics
 
@@ -147,11 +148,46 @@ class RegionClient(Client):
                 failed (the global round hears it as this region's failure).
         """
         _check_global_task(ins.config)
+        self._rewind((ins.round - 1) * self.regional_rounds)
         self._take_global(state)
         last, sums = self._regional_rounds(ins.round)
         examples = self._claimed_examples(int(last.extra.get("examples", 0)))
         out = OrderedDict((k, v.detach().clone()) for k, v in self.engine.strategy.global_state.items())
         return FitOutput(state=out, num_examples=max(examples, 1), metrics=self._reported(last, sums))
+
+    def _rewind(self, boundary: int) -> None:
+        """Goes back to the state after regional round ``boundary`` (the end of the previous
+        global task) when rounds past it are committed: the region restarted in the middle of
+        a global task, or after finishing one whose result never landed, and runs its rounds
+        again from the same state, under the same numbers (none is committed twice or skipped).
+
+        The strategy state comes from that round's checkpoint (the region keeps
+        ``regional_rounds + 1`` of them); the history, the journal and ``metrics.jsonl`` are cut
+        back to it. Round 0: the next task initializes the strategy afresh."""
+        engine = self.engine
+        if not engine.history or engine.history[-1].round <= boundary:
+            return
+        history: list[RoundMetrics] = []
+        if boundary == 0:
+            self._initialized = False
+        elif engine.store is not None:
+            ckpt = engine.store.load(boundary)  # kept: the region keeps H + 1 checkpoints
+            engine.strategy.load_state_dict(ckpt.strategy)
+            history = [RoundMetrics.from_json(m) for m in ckpt.history]
+        else:  # no state directory: in memory the rounds stay applied; only their numbers go back
+            history = [m for m in engine.history if m.round <= boundary]
+        log.info(
+            "region %s: regional rounds %d to %d run again from the state after round %d",
+            escape(self.name),
+            boundary + 1,
+            engine.history[-1].round,
+            boundary,
+        )
+        engine.history = history
+        if engine.store is not None:
+            engine.store.sync_history([m.to_json() for m in history])
+        if engine.writer is not None:
+            engine.writer.reset_metrics([m.to_json() for m in history])
 
     def _take_global(self, state: ModelState) -> None:
         """The global model becomes the regional strategy's (the first task initializes it)."""
@@ -173,7 +209,8 @@ class RegionClient(Client):
         sums = _Sums()
         for h in range(1, self.regional_rounds + 1):
             regional_round = (global_round - 1) * self.regional_rounds + h
-            metrics = self.engine.run_round(regional_round)
+            # A regional round whose clients all failed runs again under its number (round_retries).
+            metrics = self.engine.play_round(regional_round)
             self.engine.commit(metrics)
             sums.add(metrics)
             if metrics.extra.get(ROUND_FAILED) or metrics.clients_ok == 0:
@@ -301,6 +338,7 @@ def _parts(config: Config, threads: int) -> tuple[Strategy, RunWriter, EventLog,
     clients) and the engine of its regional rounds (``rounds=0``: the global coordinator's tasks
     decide how many)."""
     strategy = build_strategy(config, num_clients=config.min_clients)
+    influence = build_influence(config)  # a bad quota file fails before the run directory exists
     writer = RunWriter(
         config.out,
         {**config.to_dict(), "threads": threads},
@@ -327,8 +365,11 @@ def _parts(config: Config, threads: int) -> tuple[Strategy, RunWriter, EventLog,
         join_timeout=timedelta(seconds=config.join_timeout_s),
         writer=writer,
         on_round=on_round,
-        store=StateStore(config.state_dir) if config.state_dir else None,
+        # H + 1 checkpoints: a restart mid-task goes back to the previous task's end (RegionClient._rewind).
+        store=open_store(config, keep=max(3, config.regional_rounds + 1)),
         events=events,
+        round_retries=ROUND_RETRIES,
+        influence=influence,
     )
     return strategy, writer, events, fleet, engine
 
@@ -338,6 +379,7 @@ def _serve(config: Config, threads: int, ready: threading.Event | None, stop: th
     TLSFiles.from_options(config.upstream_ca, config.upstream_cert, config.upstream_key, what="upstream TLS")
     strategy, writer, events, fleet, engine = _parts(config, threads)
     resumed = engine.resume() > 1
+    writer.reset_metrics([m.to_json() for m in engine.history])  # the committed rounds, once each
     region = RegionClient(
         engine, name=config.name, regional_rounds=config.regional_rounds, initialized=resumed
     )

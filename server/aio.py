@@ -4,6 +4,11 @@ A ``grpc.aio`` server lives on an asyncio loop; the coordinator's callers (the r
 ``_serve``, tests) are plain threads. ``LoopThread`` runs one loop forever in a daemon thread
 and lets those threads run coroutines on it with a deadline, so the coordinator service
 (``server/app.py``) and the enrollment service (``server/enrollment.py``) share the plumbing.
+
+Both decode their requests themselves (``decoding``; gRPC's deserializer answers bytes that
+are not protobuf with UNKNOWN and the Python exception class): such a request is
+INVALID_ARGUMENT, ``malformed fedgrid.v1.JoinRequest: the request is not a valid protobuf
+message``.
 """
 
 from __future__ import annotations
@@ -13,8 +18,9 @@ import threading
 from typing import Any, Callable, Coroutine, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 
-__all__ = ["LoopThread", "advertised_address", "wrap_behaviour"]
+__all__ = ["LoopThread", "advertised_address", "wrap_behaviour", "decoding", "decoding_stream"]
 
 T = TypeVar("T")
 
@@ -72,3 +78,35 @@ def wrap_behaviour(
     if handler.unary_stream is not None:
         return handler._replace(unary_stream=streaming(handler.unary_stream))  # type: ignore[attr-defined]
     return None
+
+
+async def _decode(message_type: Any, raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+    """``raw`` as a ``message_type`` request; a call whose bytes are not one ends INVALID_ARGUMENT."""
+    try:
+        return message_type.FromString(raw)
+    except DecodeError:
+        name = message_type.DESCRIPTOR.full_name
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, f"malformed {name}: the request is not a valid protobuf message"
+        )
+        raise AssertionError("unreachable: context.abort raises") from None
+
+
+def decoding(method: Callable[[Any, Any], Any], message_type: Any) -> Callable[[Any, Any], Any]:
+    """A unary ``method`` (an async one) that takes its request as bytes, decoded first: register
+    it with ``request_deserializer=None``."""
+
+    async def decoded(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        return await method(await _decode(message_type, raw, context), context)
+
+    return decoded
+
+
+def decoding_stream(method: Callable[[Any, Any], Any], message_type: Any) -> Callable[[Any, Any], Any]:
+    """``decoding`` for a method that streams its replies (an async generator)."""
+
+    async def decoded(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        async for item in method(await _decode(message_type, raw, context), context):
+            yield item
+
+    return decoded

@@ -6,6 +6,7 @@ events, monitor) are built in ``fedgrid.server.wiring`` and re-exported here whe
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import threading
@@ -17,15 +18,19 @@ import grpc
 from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from fedgrid.aggregation import Strategy
 from fedgrid.config import Config
 from fedgrid.constants import (
     GIL_SWITCH_INTERVAL_S,
+    HEADER_TIMEOUT_S,
     KEEPALIVE_TIME_S,
     KEEPALIVE_TIMEOUT_S,
     MAX_CONNECTION_IDLE_S,
     MAX_MESSAGE_BYTES,
     MAX_STREAMS_PER_CONNECTION,
     MAX_TRANSFERS,
+    MAX_TRANSFERS_PER_CLIENT,
+    MAX_TRANSFERS_PER_CONNECTION,
     MIN_CLIENT_PING_INTERVAL_S,
     STREAM_IDLE_S,
 )
@@ -87,6 +92,10 @@ class Coordinator:
         interceptors: ``grpc.aio`` server interceptors (authentication, logging, fault injection).
         max_transfers: downloads and uploads in flight at once; more get RESOURCE_EXHAUSTED.
         stream_idle_s: an upload stream silent this long is given up (DEADLINE_EXCEEDED).
+        header_timeout_s: an upload stream without its header this long after it opened is
+            given up (DEADLINE_EXCEEDED).
+        max_transfers_per_client, max_transfers_per_connection: each client's and each
+            connection's share of ``max_transfers`` (``server/slots.py``).
         tls: the coordinator's CA bundle, certificate and key (and, optionally, revocation
             list): it then speaks only mutual TLS, and a client's identity is its certificate's
             (``server/peers.py``). Without it the coordinator speaks plaintext, which it does
@@ -110,6 +119,9 @@ class Coordinator:
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
         max_transfers: int = MAX_TRANSFERS,
         stream_idle_s: float = STREAM_IDLE_S,
+        header_timeout_s: float = HEADER_TIMEOUT_S,
+        max_transfers_per_client: int = MAX_TRANSFERS_PER_CLIENT,
+        max_transfers_per_connection: int = MAX_TRANSFERS_PER_CONNECTION,
         tls: TLSFiles | None = None,
         insecure: bool = False,
     ) -> None:
@@ -126,7 +138,13 @@ class Coordinator:
         async def build() -> tuple[grpc.aio.Server, health_aio.HealthServicer, int]:
             server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=list(interceptors))
             self.servicer = CoordinatorServicer(
-                fleet, self.executor, max_transfers=max_transfers, stream_idle_s=stream_idle_s
+                fleet,
+                self.executor,
+                max_transfers=max_transfers,
+                stream_idle_s=stream_idle_s,
+                header_timeout_s=header_timeout_s,
+                max_transfers_per_client=max_transfers_per_client,
+                max_transfers_per_connection=max_transfers_per_connection,
             )
             add_to_server(self.servicer, server, check)
             checker = health_aio.HealthServicer()
@@ -223,8 +241,14 @@ def run_coordinator(
     evaluate_fn: EvaluateFn | None = None,
     ready: threading.Event | None = None,
     on_event: Callable[[Event], None] | None = None,
+    strategy: Strategy | None = None,
 ) -> ModelState | None:
     """Serves ``config.rounds`` rounds and returns the final global model.
+
+    The strategy is ``config.strategy`` (a built-in name, or your own ``MODULE:CLASS``: see
+    ``fedgrid.server.strategies``), or ``strategy``, an instance built by the caller, which
+    ``config.toml`` then records as its class's ``MODULE:CLASS``; ``config`` may then set none of
+    the strategy options (``server_lr``, ...), which would do nothing.
 
     The initial global model is ``initial``, else ``coordinator_model(config)``: the
     ``initial_model`` safetensors file or the ``MODULE:FACTORY`` of ``model``. This layer
@@ -244,8 +268,27 @@ def run_coordinator(
     Aggregation runs with ``config.threads`` intra-op threads (restored on return), which
     ``config.toml`` records with the torch version.
     """
+    if strategy is not None:
+        config = _with_strategy(config, strategy)
     with intra_op_threads(config.threads) as threads:
-        return _serve(config, threads, initial, evaluate_fn, ready, on_event)
+        return _serve(config, threads, initial, evaluate_fn, ready, on_event, strategy)
+
+
+def _with_strategy(config: Config, strategy: Strategy) -> Config:
+    """``config`` recording ``strategy``'s class as its ``strategy`` key.
+
+    Raises:
+        ConfigError: not a ``fedgrid.Strategy``, or ``config`` sets a strategy option, which only
+            a strategy built from ``config`` would take.
+    """
+    if not isinstance(strategy, Strategy):
+        raise ConfigError("strategy", f"expected a fedgrid.Strategy, got {type(strategy).__name__}")
+    options = config.strategy_options()
+    if options:
+        key = next(iter(options))
+        raise ConfigError(key, "is a strategy option: set it on the strategy given to run_coordinator")
+    kind = type(strategy)
+    return dataclasses.replace(config, strategy=f"{kind.__module__}:{kind.__qualname__}")
 
 
 def _stopped_line(config: Config, rounds_done: int, model: Path) -> str:
@@ -263,8 +306,9 @@ def _serve(
     evaluate_fn: EvaluateFn | None,
     ready: threading.Event | None,
     on_event: Callable[[Event], None] | None,
+    strategy: Strategy | None = None,
 ) -> ModelState | None:
-    wired = wire(config, threads, _initial_model(config, initial), evaluate_fn, on_event)
+    wired = wire(config, threads, _initial_model(config, initial), evaluate_fn, on_event, strategy)
     writer, events, fleet, engine = wired.writer, wired.events, wired.fleet, wired.engine
     # The checkpoint first: the run id printed, and handed to the first clients, is the restored one.
     engine.resume()

@@ -5,17 +5,14 @@ them on the fleet, let the strategy aggregate results and failures, evaluate, th
 checkpoint (with a ``StateStore``), SQLite history, ``metrics.jsonl``. A round is either
 committed whole or redone whole after a restart, so none is applied twice.
 
-A round whose new strategy state (the global model, server-optimizer moments, control
-variates) holds NaN or Inf *fails* (``NonFiniteAggregateError``): finite updates can still
-overflow an aggregate (two clients sending 3e38), and a NaN model, once checkpointed, is
-what every restart would resume and every client would train from. The strategy goes back
-to the state it had when the round began (so the run equals one in which the round never
-ran), nothing is checkpointed for the round, the error is logged and emitted as
-``round_failed``, and its metrics (``round_failed: 1``) still go to the history and
-``metrics.jsonl``. The run goes on with the next round: one poisoned round must not end a
-run that honest clients can carry on, and a run whose every round fails shows it in its
-metrics. (A restart after a failed round resumes from the last committed one and runs the
-failed round again.)
+A round can fail instead (``server/round_failures.py``). One whose new strategy state holds
+NaN or Inf (``NonFiniteAggregateError``: finite updates can still overflow) goes back to the
+state it began with, writes no checkpoint, is emitted as ``round_failed`` and recorded with
+``round_failed: 1``, and the run goes on. One whose results were all lost (with
+``round_retries``: its clients or regions died, left or went silent) goes back the same way,
+emits ``round_failed`` with the reason, and runs again under the same number, never committed
+empty. A disk that refuses a commit (``StorageError``) stops the run; the last good
+checkpoint stays.
 
 Whatever the strategy, a round's metrics hold its workers' goodput
 (``fedgrid.aggregation.goodput``: seconds of compute, felt communication and waiting summed
@@ -31,21 +28,33 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable
 
-import torch
-
 from fedgrid.aggregation.base import Strategy
 from fedgrid.aggregation.goodput import goodput_metrics
-from fedgrid.aggregation.staleness import rebase, staleness_weight
 from fedgrid.aggregation.updates import as_model
-from fedgrid.errors import ConfigError, InterruptedRunError, NonFiniteAggregateError
+from fedgrid.errors import (
+    ConfigError,
+    InterruptedRunError,
+    NonFiniteAggregateError,
+    RoundLostError,
+    StorageError,
+)
 from fedgrid.events import EventLog
 from fedgrid.runlog import RunWriter
+from fedgrid.server.disk import storage_errors
 from fedgrid.server.fleet import Fleet, Quorum, RoundOutcome
+from fedgrid.server.influence import Influence
+from fedgrid.server.late_merge import late_to_merge
+from fedgrid.server.round_failures import ROUND_FAILED, LostRounds, check_not_lost, first_non_finite
 from fedgrid.server.state import StateStore
 from fedgrid.textsafe import escape
 from fedgrid.types import EVALUATE, FIT, ClientInfo, FitRes, ModelState, RoundMetrics, check_phase_name
 
-__all__ = ["RoundEngine", "EvaluateFn", "ROUND_FAILED", "first_non_finite"]
+__all__ = [
+    "RoundEngine",
+    "EvaluateFn",
+    "ROUND_FAILED",
+    "first_non_finite",
+]  # the last two: server/round_failures.py
 
 
 @dataclass
@@ -90,32 +99,6 @@ log = logging.getLogger(__name__)
 
 EvaluateFn = Callable[[ModelState], "tuple[float, dict[str, float]]"]
 
-#: ``RoundMetrics.extra`` key of a round whose aggregate was not finite (value 1.0).
-ROUND_FAILED = "round_failed"
-
-
-def first_non_finite(state: Any, where: str = "") -> str | None:
-    """The path of the first floating tensor holding NaN or Inf in a (nested) state, or ``None``."""
-    if isinstance(state, torch.Tensor):
-        if state.dtype.is_floating_point or state.dtype.is_complex:
-            probe = torch.view_as_real(state) if state.dtype.is_complex else state
-            if probe.numel() and not bool(
-                torch.isfinite(probe.float() if probe.dtype.itemsize == 1 else probe).all()
-            ):
-                return where or "tensor"
-        return None
-    if isinstance(state, dict):
-        items: Any = state.items()
-    elif isinstance(state, (list, tuple)):
-        items = enumerate(state)
-    else:
-        return None
-    for key, value in items:
-        found = first_non_finite(value, f"{where}.{key}" if where else str(key))
-        if found is not None:
-            return found
-    return None
-
 
 class RoundEngine:
     """Drives ``rounds`` rounds of ``strategy`` on ``fleet``.
@@ -141,6 +124,11 @@ class RoundEngine:
             at its quorum, late results are merged into later rounds as differences from
             their task's model, weighted ``num_examples * (1 + staleness) ** -a``, and each
             merge is recorded as a ``merged`` event. ``None``: every round waits for all.
+        round_retries: a fit round whose results are all lost fails (``round_failed``) and runs
+            again under the same number, at most this many times in a row, then the run stops
+            (``server/round_failures.py``). 0: such a round is committed with no results.
+        influence: the caps on each fit round's results once it closed (``server/influence.py``):
+            far updates refused, claims capped. Default: ``Influence()``, on.
     """
 
     def __init__(
@@ -161,8 +149,11 @@ class RoundEngine:
         events: EventLog | None = None,
         stop: threading.Event | None = None,
         quorum: Quorum | None = None,
+        round_retries: int = 0,
+        influence: Influence | None = None,
     ) -> None:
         self.strategy = strategy
+        self.influence = influence if influence is not None else Influence()
         self.quorum = quorum
         self.fleet = fleet
         self.rounds = rounds
@@ -179,6 +170,7 @@ class RoundEngine:
         self.store = store
         self.events = events if events is not None else EventLog()
         self.history: list[RoundMetrics] = []
+        self.lost_rounds = LostRounds(round_retries, fleet, self.events)
         self._stop = threading.Event()
         # Set from outside (``stop``): the run ends before its next round, the open one finishes.
         self._finish_early = stop if stop is not None else threading.Event()
@@ -217,9 +209,24 @@ class RoundEngine:
         ``run`` is the driver that loops them (a regional coordinator drives its own).
 
         A failed round (``ROUND_FAILED`` in its metrics) goes to the history and metrics but
-        writes no checkpoint, and emits ``round_failed`` instead of ``round_committed``."""
+        writes no checkpoint, and emits ``round_failed`` instead of ``round_committed``.
+
+        Raises:
+            StorageError: the disk refused the checkpoint, the journal or ``metrics.jsonl``
+                (``server/disk.py``); the last good checkpoint stays."""
         self.history.append(metrics)
         failed = bool(metrics.extra.get(ROUND_FAILED))
+        with storage_errors(self.writer.dir if self.writer is not None else "the run directory"):
+            self._commit_files(metrics, failed)
+        if failed:
+            self.events.emit("round_failed", round=metrics.round, reason="non-finite aggregate")
+        else:
+            self.events.emit("round_committed", round=metrics.round)
+        if self.on_round is not None:
+            self.on_round(metrics)
+
+    def _commit_files(self, metrics: RoundMetrics, failed: bool) -> None:
+        """The checkpoint (not of a failed round), then the fleet's cleanup, then ``metrics.jsonl``."""
         if self.store is not None and not failed:
             self.events.emit("checkpoint_writing", round=metrics.round)
             self.store.save(
@@ -232,12 +239,6 @@ class RoundEngine:
         self.fleet.committed(metrics.round)
         if self.writer is not None:
             self.writer.write_round(metrics)
-        if failed:
-            self.events.emit("round_failed", round=metrics.round, reason="non-finite aggregate")
-        else:
-            self.events.emit("round_committed", round=metrics.round)
-        if self.on_round is not None:
-            self.on_round(metrics)
 
     def run_round(self, server_round: int) -> RoundMetrics:
         """Runs one round, the phases the strategy declares in order (``Strategy.phases``:
@@ -245,6 +246,9 @@ class RoundEngine:
 
         Raises:
             InterruptedRunError: ``stop`` was called; nothing of the round was applied.
+            RoundLostError: (with ``round_retries``) every result of its fit phase was lost;
+                nothing of the round was applied.
+            StorageError: the fleet's disk refused an update; nothing of the round was applied.
             ValueError: the strategy declared an invalid or repeated phase name.
         """
         start = time.monotonic()
@@ -266,9 +270,9 @@ class RoundEngine:
                 self._check_finite(server_round, phase, self.strategy.global_state)
             # ... then everything the checkpoint would hold (optimizer moments overflow too).
             self._check_finite(server_round, "the end of the round", self.strategy.state_dict())
-        except InterruptedRunError:
-            # Stopped after a phase had aggregated (fit, before evaluate): the state in
-            # memory goes back to the committed one, which a graceful stop writes out.
+        except (InterruptedRunError, RoundLostError, StorageError):
+            # Stopped, lost or refused after a phase had aggregated (fit, before evaluate): the
+            # state in memory goes back to the committed one, which a graceful stop writes out.
             self.strategy.load_state_dict(before)
             raise
         except NonFiniteAggregateError as exc:
@@ -292,6 +296,16 @@ class RoundEngine:
             clients_failed=tally.clients_failed,
             extra=tally.extra,
         )
+
+    def play_round(self, server_round: int) -> RoundMetrics:
+        """``run_round``, run again under the same number while all its results are lost (at most
+        ``round_retries`` times in a row; ``server/round_failures.py``), not yet committed.
+
+        Raises:
+            RoundLostError: lost more than ``round_retries`` times in a row.
+            InterruptedRunError, StorageError: as ``run_round``.
+        """
+        return self.lost_rounds.run(self.run_round, server_round)
 
     @staticmethod
     def _check_finite(server_round: int, phase: str, state: Any) -> None:
@@ -322,6 +336,10 @@ class RoundEngine:
             **quorum,
         )
         self._check_stop(server_round)
+        if self.lost_rounds.retries:  # nothing came back: the round runs again (server/round_failures.py)
+            check_not_lost(server_round, outcome, assigned=len(assignments), late=len(outcome.late))
+        # (Updates that came back and are refused below are their clients' failures, not a loss.)
+        outcome = self.influence.bound(server_round, outcome, sent, events=self.events)
         self._report_fit(server_round, outcome)
         late = self._late(server_round, outcome) if self.quorum is not None else []
         results = outcome.results + late
@@ -371,46 +389,9 @@ class RoundEngine:
             )
 
     def _late(self, server_round: int, outcome: RoundOutcome[FitRes]) -> list[FitRes]:
-        """The late results to merge into ``server_round``, as differences from their task's
-        model with their staleness weight (``aggregation.staleness``); records the merge
-        (fresh results first, then late ones) as a ``merged`` event."""
+        """The late results to merge into ``server_round`` (``server/late_merge.py``)."""
         assert self.quorum is not None
-        merged = [self._entry(r, server_round, server_round, float(r.num_examples)) for r in outcome.results]
-        late: list[FitRes] = []
-        for item in outcome.late:
-            staleness = server_round - item.task_round
-            refusal = self.quorum.refusal(task_round=item.task_round, merge_round=server_round)
-            if refusal is not None:  # landed while no round was open after a restart: the fleet knew no S yet
-                log.warning("round %d: %s: not merged", server_round, refusal)
-                self.events.emit(
-                    "late_refused", round=item.task_round, client=item.result.client.client_id, reason=refusal
-                )
-                continue
-            weight = staleness_weight(item.result.num_examples, staleness, self.quorum.staleness_exponent)
-            late.append(rebase(item.result, item.base, weight=weight))
-            merged.append(self._entry(item.result, server_round, item.task_round, weight))
-            log.info(
-                "round %d: merging a late result of round %d from %s (staleness %d, weight %.6g)",
-                server_round,
-                item.task_round,
-                escape(item.result.client.name or item.result.client.client_id),
-                staleness,
-                weight,
-            )
-        self.events.emit("merged", round=server_round, results=merged)
-        return late
-
-    @staticmethod
-    def _entry(res: FitRes, server_round: int, task_round: int, weight: float) -> dict[str, Any]:
-        """One result of a ``merged`` event."""
-        return {
-            "client": res.client.client_id,
-            "name": res.client.name,
-            "task_round": task_round,
-            "staleness": server_round - task_round,
-            "num_examples": res.num_examples,
-            "weight": weight,
-        }
+        return late_to_merge(self.quorum, server_round, outcome, self.events)
 
     def _evaluate(self, server_round: int, clients: list[ClientInfo], tally: "_Tally") -> None:
         evaluations = self.strategy.configure_evaluate(server_round=server_round, clients=clients)
@@ -466,17 +447,25 @@ class RoundEngine:
         """
         first = self.resume()
         if self.writer is not None:
-            self.writer.reset_metrics([m.to_json() for m in self.history])
+            with storage_errors(self.writer.dir):
+                self.writer.reset_metrics([m.to_json() for m in self.history])
+        server_round = first
         try:
             for server_round in range(first, self.rounds + 1):
                 if self._stop.is_set() or self._finish_early.is_set():
                     self._stopped()
                     return None
-                self.commit(self.run_round(server_round))
+                self.commit(self.play_round(server_round))
         except InterruptedRunError as exc:
             log.info("%s", exc)
             self._stopped()
             return None
+        except StorageError as exc:
+            # One line (the caller's): the path and the free space. Clients hear UNAVAILABLE and
+            # retry; the last good checkpoint stays, and a restart resumes from it.
+            self.events.emit("round_failed", round=server_round, reason=str(exc), retry=False)
+            self.fleet.interrupt()
+            raise
         self.fleet.finish(timeout=self.finish_timeout)
         if self.writer is not None:
             self.writer.write_model(self.strategy.global_state)

@@ -39,9 +39,8 @@ from fedgrid import pki
 from fedgrid.constants import ENROLL_MAX_CONCURRENT, ENROLL_MAX_MESSAGE_BYTES, ENROLL_TIMEOUT_S
 from fedgrid.errors import ConfigError, CSRError, EnrollmentError, EnrollmentNameError
 from fedgrid.proto import fedgrid_pb2 as pb
-from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
 from fedgrid.proto.tls import TLSFiles
-from fedgrid.server.aio import LoopThread, advertised_address
+from fedgrid.server.aio import LoopThread, advertised_address, decoding
 from fedgrid.textsafe import escape
 
 __all__ = ["ENROLLMENT_SERVICE", "EnrollmentServer", "EnrollmentServicer", "STATUS_OF"]
@@ -251,7 +250,14 @@ class EnrollmentServer:
 
         async def build() -> tuple[grpc.aio.Server, int]:
             server = grpc.aio.server(options=GRPC_OPTIONS)
-            pb_grpc.add_EnrollmentServicer_to_server(self.servicer, server)
+            enroll = grpc.unary_unary_rpc_method_handler(
+                decoding(self.servicer.Enroll, pb.EnrollRequest),
+                request_deserializer=None,  # decoded by ``decoding``: junk is INVALID_ARGUMENT
+                response_serializer=pb.EnrollReply.SerializeToString,
+            )
+            server.add_generic_rpc_handlers(
+                (grpc.method_handlers_generic_handler("fedgrid.v1.Enrollment", {"Enroll": enroll}),)
+            )
             return server, server.add_secure_port(listen, credentials)
 
         try:

@@ -20,6 +20,7 @@ from fedgrid.events import EventLog
 from fedgrid.proto import serde
 from fedgrid.proto.buffers import receive_buffers
 from fedgrid.server.codec_policy import CodecPolicy
+from fedgrid.server.disk import StorageGuard
 from fedgrid.server.downlink import Downlink, RoundDownlink
 from fedgrid.server.fleet import Quorum, RoundOutcome
 from fedgrid.server.messages import Mailbox
@@ -63,6 +64,7 @@ class Phases:
         task_scope: the fleet's task scope (part of every task id).
         interrupted: whether the coordinator is stopping.
         heartbeat_interval_s: the clients' heartbeat interval; silence is checked twice per interval.
+        storage: the fleet's storage failure, raised once a phase closes (``server/disk.py``).
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class Phases:
         task_scope: Callable[[], str],
         interrupted: Callable[[], bool],
         heartbeat_interval_s: float,
+        storage: StorageGuard | None = None,
     ) -> None:
         self.registry = registry
         self.lock, self.wake = registry.lock, registry.wake
@@ -92,6 +95,29 @@ class Phases:
         self._task_scope = task_scope
         self._interrupted = interrupted
         self.heartbeat_interval_s = heartbeat_interval_s
+        self.storage = storage if storage is not None else StorageGuard(lambda: None)
+
+    def hand_over(self, rnd: RoundTask | None, joined: ClientInfo) -> None:
+        """A client that joined again while its earlier session's task is open takes that task
+        (``RoundTask.hand_over``; lock held): a region or client restarted mid-round rejoins
+        its round instead of skipping it."""
+        old = rnd.hand_over(joined) if rnd is not None else None
+        if rnd is None or old is None:
+            return
+        self.wake.notify("round", ("poll", joined.client_id))
+        log.info(
+            "round %d: %s rejoined: its open task goes to the new session %s",
+            rnd.server_round,
+            escape(joined.name),
+            joined.client_id,
+        )
+        self.events.emit(
+            "task_handed_over",
+            round=rnd.server_round,
+            client=joined.client_id,
+            previous=old,
+            name=joined.name,
+        )
 
     def fit(
         self,
@@ -226,14 +252,8 @@ class Phases:
         """Opens ``rnd`` for its clients and closes it when ``target`` (default: all)
         reported, the rest failed or went silent, or the deadline passed; under a ``quorum``,
         when its quorum reported and its grace passed."""
-        self.events.emit(
-            "round_opened",
-            round=rnd.server_round,
-            task=rnd.task_id,
-            clients=len(rnd.assignments),
-            evaluate=rnd.evaluate,
-            phase=rnd.kind,
-        )
+        opened = {"task": rnd.task_id, "clients": len(rnd.assignments), "evaluate": rnd.evaluate}
+        self.events.emit("round_opened", round=rnd.server_round, phase=rnd.kind, **opened)
         with self.lock:
             self._open_round(rnd)
             self.wake.notify(*(("poll", cid) for cid in rnd.assignments))  # only the clients with a task
@@ -254,6 +274,7 @@ class Phases:
             results, failures, cancelled = rnd.close(reason)
             reason = rnd.closed_by
             waiting = [cid for cid in rnd.assignments if cid in rnd.carried]
+        self.storage.check()  # the disk refused an update: the coordinator stops, nothing is aggregated
         self.spill.flush()  # write-backs under way land, and fsyncs, before the strategy sees them (server/spill.py)
         # Receive buffers not in use go back to the system before the strategy aggregates:
         # the pool speeds up the uploads of a round, it must not add to aggregation's memory.

@@ -68,6 +68,9 @@ class Polls:
             return PollResult(finished=True)
         if self._interrupted():  # stopping: answer now, before the server cancels the call
             return PollResult(retry_after_s=1.0)
+        if self.registry.records.get(record.info.client_id) is not record:
+            # Replaced or gone while it waited: its next call hears why (server/registry.py).
+            return PollResult(retry_after_s=0.0)
         rnd = self._current()
         client_id = record.info.client_id
         if rnd is not None and not rnd.closed and rnd.is_pending(client_id):

@@ -38,6 +38,7 @@ from fedgrid.events import EventLog
 from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.departures import Departures
+from fedgrid.server.disk import StorageGuard
 from fedgrid.server.downlink import Downlink
 from fedgrid.server.downloads import Downloads
 from fedgrid.server.fleet import Fleet, Quorum, RoundOutcome
@@ -55,7 +56,6 @@ from fedgrid.types import (
     ClientInfo,
     EvaluateIns,
     EvaluateRes,
-    Failure,
     FitIns,
     FitRes,
     MessageIns,
@@ -125,6 +125,7 @@ class RemoteFleet(Fleet):
         self._round: RoundTask | None = None
         self._finished = False
         self._interrupted = False
+        self.storage = StorageGuard(self.interrupt)  # the disk refusing an update stops the fleet
         self._lock = threading.RLock()
         self._wake = Wakeups(self._lock)  # keyed: a task wakes its client's poll only
         self._build_parts()
@@ -170,6 +171,7 @@ class RemoteFleet(Fleet):
             task_scope=lambda: self.task_scope,
             interrupted=lambda: self._interrupted,
             heartbeat_interval_s=self.heartbeat_interval_s,
+            storage=self.storage,
         )
         self.polls = Polls(
             self.registry,
@@ -185,7 +187,9 @@ class RemoteFleet(Fleet):
         token. ``identity``: its certificate's, under mTLS (``Registry.join``)."""
         if self._finished:
             raise RunFinishedError("the run is over")
-        info, token = self.registry.join(joining, identity=identity)
+        with self._lock:  # one step: the open round never sees the old session gone and no new one
+            info, token = self.registry.join(joining, identity=identity)
+            self.phases.hand_over(self._round, info)  # a restarted client rejoins its round
         missing = self.requirements.shortfall(info) if self.requirements is not None else None
         if missing is not None:
             log.warning(
@@ -196,24 +200,14 @@ class RemoteFleet(Fleet):
         return info, token
 
     def authenticate(self, client_id: str, token: str) -> ClientRecord:
-        """Returns the client's record and marks it alive.
-
-        Raises:
-            AuthenticationError: unknown client or wrong token.
-        """
+        """The client's record, marked alive (``Registry.authenticate``; AuthenticationError)."""
         return self.registry.authenticate(client_id, token)
 
     def _fail_removed(self, record: ClientRecord, reason: str) -> None:
         """A client left the registry: its open task fails now (lock held)."""
-        rnd = self._round
-        client_id = record.info.client_id
-        self.carried.drop_client(client_id)
-        if rnd is not None and not rnd.closed and rnd.is_pending(client_id):
-            rnd.failures[client_id] = Failure(record.info, reason)
+        self.carried.drop_client(record.info.client_id)
+        if self._round is not None and self._round.depart(record.info, reason):
             self._wake.notify("round")
-            partial = rnd.partials.pop(client_id, None)
-            if partial is not None:
-                partial.abort()
 
     def report_failure(self, client_id: str, token: str, task_id: str, reason: str) -> None:
         """The client's ``fit``, ``evaluate`` or message handler raised: its task fails at once
@@ -245,6 +239,7 @@ class RemoteFleet(Fleet):
         return await self.polls.wait(client_id, token, wait_s)
 
     def _open_task(self, client_id: str, task_id: str) -> RoundTask:
+        self.storage.check()  # stopping after a full disk: UNAVAILABLE, the client retries the restart
         rnd = self._round
         if rnd is None or rnd.task_id != task_id:
             rnd = self.carried.get(task_id)
@@ -277,7 +272,8 @@ class RemoteFleet(Fleet):
     def upload(self, frames: Iterable[bytes], token: str) -> int:
         """Receives one update stream of the session ``token`` (``Uploads.upload``); returns
         the payload bytes accepted."""
-        return self.uploads.upload(frames, token)
+        with self.storage.watch(self.spill.dir):  # the disk refusing it is a StorageError: the fleet stops
+            return self.uploads.upload(frames, token)
 
     def upload_status(self, client_id: str, token: str, task_id: str) -> tuple[int, bool]:
         """(chunks of a broken upload the coordinator holds, whether the update already landed)."""
@@ -313,12 +309,15 @@ class RemoteFleet(Fleet):
             return self.registry.live()
 
     def wait_for_clients(self, *, min_clients: int, timeout: timedelta) -> list[ClientInfo]:
-        """The selectable clients (live, not benched for a missed deadline, meeting the
-        ``requirements``), once there are ``min_clients`` of them. While it waits it logs ``waiting for N clients (k joined)``
+        """The selectable clients (live, meeting the ``requirements``, not benched for a missed
+        deadline, not on a late task), once ``min_clients`` live clients meeting them are present
+        and one is selectable: a benched client counts toward ``min_clients`` but is not asked,
+        so one straggler never stops a run whose ``--min-clients`` is the fleet's size.
+        While it waits it logs ``waiting for N clients (k joined)``
         every ``WAITING_REPORT_S`` and whenever k changes: a coordinator waiting for minutes
         says what it waits for."""
         deadline = time.monotonic() + timeout.total_seconds()
-        reported: int | None = None
+        reported: tuple[int, str] | None = None
         next_report = time.monotonic()
         with self._lock:
             while True:
@@ -326,35 +325,34 @@ class RemoteFleet(Fleet):
                 # O(1) first: the O(clients) scan only once enough are registered (a join wakes this).
                 joined = len(self.registry.records)
                 enough = joined >= min_clients
-                live = self.registry.selectable() if enough or time.monotonic() >= deadline else []
+                live = self.registry.live() if enough or time.monotonic() >= deadline else []
                 unfit = 0
                 if self.requirements is not None:
                     qualifying = [c for c in live if self.requirements.eligible(c)]
                     unfit, live = len(live) - len(qualifying), qualifying
-                # Clients still on a task carried past its round's quorum count as live, but
-                # are not selected again until they report (semi-asynchronous rounds).
-                busy = self.carried.busy()
+                # Benched clients, and those still on a task carried past its round's quorum
+                # (semi-asynchronous rounds), count as live but are not selected until they report.
+                benched = {c.client_id for c in live if self.registry.records[c.client_id].benched_task}
+                busy = self.carried.busy() | benched
                 free = [c for c in live if c.client_id not in busy]
                 if len(live) >= min_clients and free:
                     return free
-                if joined != reported or time.monotonic() >= next_report:
+                conflicts = self.registry.conflict_note()  # two processes on one identity
+                if (joined, conflicts) != reported or time.monotonic() >= next_report:
                     log.info(
-                        "waiting for %d clients (%d joined%s)",
+                        "waiting for %d clients (%d joined%s%s)",
                         min_clients,
                         joined,
                         f", {unfit} short of the capability requirements" if unfit else "",
+                        conflicts,
                     )
-                    reported, next_report = joined, time.monotonic() + WAITING_REPORT_S
+                    reported, next_report = (joined, conflicts), time.monotonic() + WAITING_REPORT_S
                 if self._interrupted:
+                    self.storage.check()
                     raise InterruptedRunError("stopped while waiting for clients")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    benched = len(self.registry.records) - len(live) - unfit
-                    raise TimeoutError(
-                        f"{len(live)} live clients after {timeout.total_seconds():.0f}s, need {min_clients}"
-                        + (f" ({benched} more benched after missing a deadline)" if benched else "")
-                        + (f" ({unfit} more short of the capability requirements)" if unfit else "")
-                    )
+                    raise TimeoutError(_shortfall(len(live), len(benched), unfit, min_clients, timeout))
                 self._wake.wait(
                     "registry",
                     max(0.0, min(remaining, self.heartbeat_interval_s, next_report - time.monotonic())),
@@ -483,3 +481,13 @@ class RemoteFleet(Fleet):
                 if not waiting or remaining <= 0:
                     return
                 self._wake.wait("finish", min(remaining, 0.5))
+
+
+def _shortfall(live: int, benched: int, unfit: int, min_clients: int, waited: timedelta) -> str:
+    """Why ``wait_for_clients`` gave up: too few live clients, or none of them free for a task."""
+    short = live < min_clients  # else enough, but each is benched or still on a late task
+    text = f"{live if short else 0} live clients{'' if short else ' free for a task'} after "
+    text += f"{waited.total_seconds():.0f}s, need {min_clients}"
+    if benched:
+        text += f" ({benched} {'of them' if short else 'more'} benched after missing a deadline)"
+    return text + (f" ({unfit} more short of the capability requirements)" if unfit else "")

@@ -78,6 +78,9 @@ class RoundTask:
     late: dict[str, FitRes] = field(default_factory=dict)
     merged: set[str] = field(default_factory=set)  # late results handed to a merge
     quorum_at: float | None = None  # when its quorum was reached (time.monotonic())
+    # Clients whose task failed because their session ended (left, dropped silent, replaced):
+    # a new session of the same name takes the task over while the phase is open (``hand_over``).
+    departed: set[str] = field(default_factory=set)
 
     @property
     def bytes_up(self) -> int:
@@ -132,6 +135,54 @@ class RoundTask:
         cancelled = [] if self.carried else [self.clients[cid] for cid in pending]  # over-selected
         self.closed_by = "target" if reason == "all" and cancelled else reason
         return results, failures, cancelled
+
+    def depart(self, client: ClientInfo, reason: str) -> bool:
+        """The client's session ended (it left, was dropped or replaced): its pending task fails
+        with ``reason`` while the phase is open, a broken upload of it is dropped, and a new
+        session of its name may take the task over (``hand_over``). Returns whether it failed."""
+        cid = client.client_id
+        if self.closed or not self.is_pending(cid):
+            return False
+        self.failures[cid] = Failure(client, reason)
+        self.departed.add(cid)
+        partial = self.partials.pop(cid, None)
+        if partial is not None:
+            partial.abort()
+        return True
+
+    def hand_over(self, joined: ClientInfo) -> str | None:
+        """Gives the task of an earlier session of ``joined``'s name to ``joined`` (lock held),
+        when the phase is open and that session's task is pending or failed only because the
+        session ended (a region or client restarted mid-round rejoins its round: the same
+        task, the same seed). Fit and evaluate phases only. Returns the earlier session's id,
+        or ``None``."""
+        if self.closed or self.is_message or not joined.name or joined.client_id in self.assignments:
+            return None  # (a message phase's peers name the old session: its task cannot move)
+        old = next(
+            (
+                cid
+                for cid, info in self.clients.items()
+                if info.name == joined.name and (self.is_pending(cid) or cid in self.departed)
+            ),
+            None,
+        )
+        if old is None or self.landed(old):
+            return None
+        # In place, keeping the assignment order (results are listed in it).
+        moved = [(joined.client_id if cid == old else cid, ins) for cid, ins in self.assignments.items()]
+        self.assignments.clear()
+        self.assignments.update(moved)
+        infos = [
+            (joined.client_id, joined) if cid == old else (cid, info) for cid, info in self.clients.items()
+        ]
+        self.clients.clear()
+        self.clients.update(infos)
+        self.failures.pop(old, None)
+        self.departed.discard(old)
+        partial = self.partials.pop(old, None)
+        if partial is not None:
+            partial.abort()
+        return old
 
     def landed(self, client_id: str) -> bool:
         """Whether the client's result was accepted: in the round, or late (merged or not)."""
@@ -204,10 +255,7 @@ def wait_for_close(
                     record.benched_task = rnd.task_id
             return "deadline"
         if now >= next_check:
-            live = {info.client_id for info in registry.live()}
-            for cid in rnd.pending():
-                if cid not in live and cid not in rnd.uploading:
-                    rnd.failures[cid] = Failure(infos[cid], "client went silent (no heartbeat)")
+            _fail_silent(rnd, registry)
             next_check = now + check_every_s
             continue
         until = min(rnd.deadline, next_check)
@@ -215,6 +263,15 @@ def wait_for_close(
             until = min(until, rnd.quorum_at + grace_s)
         wake.wait("round", until - now)
     return "all"
+
+
+def _fail_silent(rnd: RoundTask, registry: "Registry") -> None:
+    """Fails the pending clients that went silent (lock held); a rejoin takes their task over."""
+    live = {info.client_id for info in registry.live()}
+    for cid in rnd.pending():
+        if cid not in live and cid not in rnd.uploading:
+            rnd.failures[cid] = Failure(rnd.clients[cid], "client went silent (no heartbeat)")
+            rnd.departed.add(cid)
 
 
 def check_outbox(

@@ -5,6 +5,16 @@ Handlers run on the server's event loop and never block it: a long poll awaits i
 wake-up (``RemoteFleet.poll_async``), so ten thousand idle polls hold no thread; CPU work
 (encoding a download, checking and decoding an upload, spill writes, waiting for an upload
 to settle) runs on the ``executor`` threads.
+
+Nothing is held before it is checked. A download or upload names its session in the call's
+metadata; that session (and under mutual TLS the certificate's identity) is checked first,
+so a call without one is refused (UNAUTHENTICATED) before it is read or counted. The
+transfer then counts against its client's and its connection's share (``server/slots.py``);
+an upload's header must arrive within ``HEADER_TIMEOUT_S``, and only then does the upload
+take one of the coordinator's ``MAX_TRANSFERS`` slots. Requests are decoded here, not by
+gRPC: a message that is not valid protobuf is INVALID_ARGUMENT naming its type, and an
+unexpected error is INTERNAL with a plain message (the traceback goes to the log), never a
+Python class name.
 """
 
 from __future__ import annotations
@@ -12,14 +22,20 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-import queue
 from concurrent.futures import Executor
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, NoReturn, TypeVar
 
 import grpc
 
-from fedgrid.constants import MAX_TRANSFERS, STREAM_IDLE_S
+from fedgrid.constants import (
+    HEADER_TIMEOUT_S,
+    MAX_TRANSFERS,
+    MAX_TRANSFERS_PER_CLIENT,
+    MAX_TRANSFERS_PER_CONNECTION,
+    STREAM_IDLE_S,
+)
 from fedgrid.errors import (
+    REASON_METADATA_KEY,
     AuthenticationError,
     DuplicateUpdateError,
     FedgridError,
@@ -28,12 +44,17 @@ from fedgrid.errors import (
     ResourceLimitError,
     RunFinishedError,
     StaleTaskError,
+    StorageError,
 )
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import serde
-from fedgrid.server.aio import wrap_behaviour
+from fedgrid.server.aio import decoding, decoding_stream, wrap_behaviour
+from fedgrid.server.log_budget import LogBudget
 from fedgrid.server.peers import CALLER, PeerCheck
+from fedgrid.server.registry import ClientRecord
 from fedgrid.server.remote_fleet import RemoteFleet
+from fedgrid.server.slots import Ticket, TransferSlots
+from fedgrid.server.stream_reader import StreamReader
 from fedgrid.textsafe import escape
 from fedgrid.types import EVALUATE, FIT, MessageIns
 
@@ -45,6 +66,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+#: Refused calls (a revoked certificate, one that is not a client's), logged at a bounded rate.
+_refusals = LogBudget(log, "calls refused")
+
 #: One place maps each domain error to its status code (most specific first).
 STATUS_OF: tuple[tuple[type[FedgridError], grpc.StatusCode], ...] = (
     (InvalidUpdateError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -54,6 +78,7 @@ STATUS_OF: tuple[tuple[type[FedgridError], grpc.StatusCode], ...] = (
     (StaleTaskError, grpc.StatusCode.FAILED_PRECONDITION),
     (RunFinishedError, grpc.StatusCode.FAILED_PRECONDITION),
     (ResourceLimitError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (StorageError, grpc.StatusCode.UNAVAILABLE),  # the coordinator's disk: clients wait and retry
 )
 
 
@@ -76,79 +101,15 @@ def _long_poll_wait(wait_s: float, context: grpc.aio.ServicerContext) -> float:
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: FedgridError) -> NoReturn:
-    await context.abort(status_of(exc), str(exc))
+    # A reason (fedgrid.errors) travels as trailing metadata: the SDK tells it apart by a fixed word.
+    reason = ((REASON_METADATA_KEY, exc.reason),) if exc.reason else ()
+    await context.abort(status_of(exc), str(exc), trailing_metadata=reason)
     raise AssertionError("unreachable: context.abort raises")
 
 
-_END = object()
-_CANCELLED = object()
-
-#: Upload frames the event loop reads ahead of the thread checking them (per stream).
-READ_AHEAD_FRAMES = 4
-
-
-class _StreamReader:
-    """Hands an upload's frames, read on the event loop, to the executor thread checking them.
-
-    A task on the loop reads up to ``READ_AHEAD_FRAMES`` frames ahead into a queue the thread
-    takes them from; it waits while the queue is full (backpressure), and the two threads
-    wake each other only at those edges, not once per frame (a round trip through the loop
-    per 1 MiB frame cost more than checking the frame). A stream that sends nothing for
-    ``STREAM_IDLE_S`` ends with ``TimeoutError``, and ``close`` (the RPC was cancelled) ends it
-    at once with ``ConnectionError``: either way the fleet keeps what was verified so that
-    the client resumes from there.
-    """
-
-    def __init__(self, it: AsyncIterator[bytes], loop: asyncio.AbstractEventLoop, idle_s: float) -> None:
-        self.it, self.loop, self.idle_s = it, loop, idle_s
-        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._room = asyncio.Event()  # set while the queue has room; changed on the loop only
-        self._room.set()
-        self._closed = False
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        """Starts reading ahead (on the loop)."""
-        self._task = self.loop.create_task(self._pump())
-
-    def close(self) -> None:
-        """Stops reading; the thread checks the frames already received, then raises
-        ``ConnectionError`` (so the client resumes after every frame that arrived whole)."""
-        self._closed = True
-        self._queue.put(_CANCELLED)  # after the queued frames; wakes a thread waiting for one
-        if self._task is not None:
-            self._task.cancel()
-
-    async def _pump(self) -> None:
-        try:
-            while not self._closed:
-                if self._queue.qsize() >= READ_AHEAD_FRAMES:
-                    self._room.clear()
-                    if self._queue.qsize() >= READ_AHEAD_FRAMES:  # the thread takes, then looks at _room
-                        await self._room.wait()
-                    continue
-                self._queue.put(await self.it.__anext__())  # type: ignore[attr-defined]
-        except StopAsyncIteration:
-            self._queue.put(_END)
-        except Exception as exc:  # the stream broke: the thread raises it
-            self._queue.put(ConnectionError(f"the upload stream broke: {exc!r}"))
-
-    def frames(self, first: bytes) -> Iterator[bytes]:
-        yield first
-        while True:
-            try:
-                item = self._queue.get(timeout=self.idle_s)
-            except queue.Empty:
-                raise TimeoutError(f"upload stream idle for {self.idle_s:g}s") from None
-            if item is _CANCELLED:
-                raise ConnectionError("the upload stream was cancelled")
-            if not self._room.is_set():
-                self.loop.call_soon_threadsafe(self._room.set)
-            if item is _END:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item  # type: ignore[misc]
+async def _abort_with(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:
+    await context.abort(code, details)
+    raise AssertionError("unreachable: context.abort raises")
 
 
 class CoordinatorServicer:
@@ -159,6 +120,10 @@ class CoordinatorServicer:
         executor: threads for CPU work and the few calls that may wait.
         max_transfers: downloads and uploads in flight at once; more are refused.
         stream_idle_s: an upload stream that sends nothing this long is given up.
+        header_timeout_s: an upload stream whose header (its first message) has not arrived
+            this long after it opened, or ``stream_idle_s`` if that is shorter, is given up.
+        max_transfers_per_client: transfers one client (identity, or session) may hold.
+        max_transfers_per_connection: transfers one connection may hold.
     """
 
     def __init__(
@@ -168,19 +133,29 @@ class CoordinatorServicer:
         *,
         max_transfers: int = MAX_TRANSFERS,
         stream_idle_s: float = STREAM_IDLE_S,
+        header_timeout_s: float = HEADER_TIMEOUT_S,
+        max_transfers_per_client: int = MAX_TRANSFERS_PER_CLIENT,
+        max_transfers_per_connection: int = MAX_TRANSFERS_PER_CONNECTION,
     ) -> None:
         self.fleet = fleet
         self.executor = executor
-        self.max_transfers = max_transfers
+        self.slots = TransferSlots(
+            max_transfers, per_client=max_transfers_per_client, per_connection=max_transfers_per_connection
+        )
         self.stream_idle_s = stream_idle_s
-        self.transfers = 0  # in flight; changed on the event loop only
+        # Never longer than the idle limit: a stream silent that long is given up anyway.
+        self.header_timeout_s = min(header_timeout_s, stream_idle_s)
 
-    def _start_transfer(self) -> None:
-        if self.transfers >= self.max_transfers:
-            raise ResourceLimitError(
-                f"coordinator busy: {self.transfers} transfers in flight (limit {self.max_transfers}); retry later"
-            )
-        self.transfers += 1
+    @property
+    def transfers(self) -> int:
+        """Transfers holding one of the coordinator's slots now."""
+        return self.slots.in_flight
+
+    def _admit(self, context: grpc.aio.ServicerContext, record: ClientRecord) -> Ticket:
+        """The transfer of a checked session, counted against its client's share (its identity
+        under mutual TLS, else its session) and its connection's."""
+        identity = CALLER.get().identity
+        return self.slots.admit(identity or record.info.client_id, context.peer() or "")
 
     async def _offload(self, fn: Callable[..., T], *args: object) -> T:
         # In the call's context, so the registry sees its caller (CALLER) on the thread too.
@@ -194,8 +169,14 @@ class CoordinatorServicer:
         except FedgridError as exc:
             await _abort(context, exc)
         except TimeoutError as exc:  # an idle stream given up
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
-            raise AssertionError("unreachable: context.abort raises") from exc
+            await _abort_with(context, grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+        except ConnectionError as exc:  # the stream broke: what arrived is kept for its resume
+            await _abort_with(context, grpc.StatusCode.UNAVAILABLE, str(exc))
+        except grpc.aio.AbortError:
+            raise
+        except Exception:  # a bug: the log has the traceback, the client a plain message
+            log.exception("internal error serving %s", escape(context.peer() or "", 128))
+            await _abort_with(context, grpc.StatusCode.INTERNAL, "internal error (the coordinator logged it)")
 
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinReply:
         async def body() -> pb.JoinReply:
@@ -240,11 +221,13 @@ class CoordinatorServicer:
     ) -> AsyncIterator[bytes]:
         have = request.have_version if request.HasField("have_version") else None
         try:
-            self._start_transfer()
+            # The session first: a call without one is refused before it counts anywhere.
+            ticket = self._admit(context, self.fleet.authenticate(request.client_id, _token()))
         except FedgridError as exc:
             await _abort(context, exc)
-        try:
+        with ticket:
             try:
+                ticket.take()
                 # Encoding the round's model (once per round) and slicing frames are CPU work.
                 frames: Iterator[bytes] = await self._offload(
                     self.fleet.download, request.client_id, _token(), request.task_id, have
@@ -260,27 +243,18 @@ class CoordinatorServicer:
                 close = getattr(frames, "close", None)
                 if close is not None:
                     close()  # counts the bytes sent, also when the client went away mid-stream
-        finally:
-            self.transfers -= 1
 
     async def UploadUpdate(
         self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> pb.UploadReply:
-        it = request_iterator.__aiter__()
-        reader = _StreamReader(it, asyncio.get_running_loop(), self.stream_idle_s)
-
         async def body() -> pb.UploadReply:
-            self._start_transfer()
-            try:
-                # The header arrives on the loop: a stream that never sends one holds no thread.
-                try:
-                    first = await asyncio.wait_for(it.__anext__(), self.stream_idle_s)  # type: ignore[arg-type]
-                except StopAsyncIteration:
-                    raise InvalidUpdateError("empty upload stream: no header") from None
-                except asyncio.TimeoutError:
-                    raise TimeoutError(
-                        f"upload stream sent no header within {self.stream_idle_s:g}s"
-                    ) from None
+            # The session of the call's metadata first: a stream without one is refused
+            # before a byte of it is read.
+            with self._admit(context, self.fleet.registry.session(_token())) as ticket:
+                it = request_iterator.__aiter__()
+                reader = StreamReader(it, asyncio.get_running_loop(), self.stream_idle_s)
+                first = await self._header(it)
+                ticket.take()  # a slot for a checked session whose header arrived, no sooner
                 reader.start()
                 try:
                     received = await self._offload(self.fleet.upload, reader.frames(first), _token())
@@ -289,10 +263,18 @@ class CoordinatorServicer:
                     # arrived. Otherwise the stream was read to its end or refused.
                     reader.close()
                 return pb.UploadReply(accepted=True, bytes_received=received)
-            finally:
-                self.transfers -= 1
 
         return await self._call(context, body)
+
+    async def _header(self, it: AsyncIterator[bytes]) -> bytes:
+        """An upload's first message, read on the loop (a stream that never sends one holds
+        no thread) within ``header_timeout_s``."""
+        try:
+            return await asyncio.wait_for(it.__anext__(), self.header_timeout_s)
+        except StopAsyncIteration:
+            raise InvalidUpdateError("empty upload stream: no header") from None
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"upload stream sent no header within {self.header_timeout_s:g}s") from None
 
     async def UploadStatus(
         self, request: pb.UploadStatusRequest, context: grpc.aio.ServicerContext
@@ -373,15 +355,15 @@ def add_to_server(
 
     def unary(method: Callable, request: Any, reply: Any) -> grpc.RpcMethodHandler:
         return grpc.unary_unary_rpc_method_handler(
-            method, request_deserializer=request.FromString, response_serializer=reply.SerializeToString
+            decoding(method, request), request_deserializer=None, response_serializer=reply.SerializeToString
         )
 
     handlers = {
         "Join": unary(servicer.Join, pb.JoinRequest, pb.JoinReply),
         "PollTask": unary(servicer.PollTask, pb.PollRequest, pb.PollReply),
         "DownloadModel": grpc.unary_stream_rpc_method_handler(
-            servicer.DownloadModel,
-            request_deserializer=pb.DownloadRequest.FromString,
+            decoding_stream(servicer.DownloadModel, pb.DownloadRequest),
+            request_deserializer=None,
             response_serializer=None,
         ),
         "UploadUpdate": grpc.stream_unary_rpc_method_handler(
@@ -403,7 +385,7 @@ def add_to_server(
 
 
 async def _refuse(context: grpc.aio.ServicerContext, exc: FedgridError) -> None:
-    log.info("refused a call from %s: %s", escape(context.peer() or "", 128), exc)
+    _refusals.log(logging.INFO, "refused a call from %s: %s", escape(context.peer() or "", 128), exc)
     await context.abort(status_of(exc), str(exc))
 
 

@@ -23,30 +23,49 @@ clients' session-token hashes. Checkpoints of the previous, pickle-based format
 resuming an older checkpoint of the new format past a newer old-format one would silently
 lose rounds; move such files away to start afresh.
 
-The checkpoint is the source of truth: the SQLite history (``history.sqlite``) and the
-run directory's ``metrics.jsonl`` are reconciled to it on resume, so each holds every
-committed round exactly once.
+The checkpoint is the source of truth: the SQLite history (``history.sqlite``, the
+journal) and the run directory's ``metrics.jsonl`` are reconciled to it on resume, so each
+holds every committed round exactly once.
+
+Recovery refuses rather than guesses (``RecoveryError``, naming the files): a checkpoint's
+round must be the one its file name says and the last of the history inside it; the journal,
+written just after each checkpoint, may lag it by one round but may not record a round past
+every checkpoint file, nor another version of the checkpoint's round; and a state directory
+whose checkpoints are all unreadable (or whose journal records rounds with no checkpoint
+left) does not start a new run over itself. ``set_aside`` (``--fresh``) moves the old files
+to ``discarded-TIMESTAMP/`` for a deliberate new run.
+
+With a key (``--state-key FILE``, kept outside the state directory) checkpoints are
+``FGCKPT2H``: the magic, an HMAC-SHA256 tag of the payload, the payload; only those, with a
+valid tag, are read, so a process that can write the state directory but not read the key
+cannot plant a model. (Spilled updates under ``updates/`` are not authenticated: a redone
+round may take them, each still checked and bounded like any upload.)
+
+A write the disk refuses (no space, an I/O error; ``server/disk.py``) raises
+``StorageError`` naming the path and the free space; the temporary file is removed and the
+last good checkpoint stays.
 """
 
 from __future__ import annotations
 
-import base64
+import contextlib
+import hashlib
+import hmac
 import json
 import logging
-import math
 import os
 import re
 import sqlite3
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
-import numpy as np
-import safetensors.torch
-import torch
 import xxhash
+
+from fedgrid.errors import RecoveryError
+from fedgrid.server.disk import is_storage_failure, storage_error
+from fedgrid.server.state_codec import content_of, decode_state, encode_state, payload_of
 
 __all__ = [
     "Checkpoint",
@@ -55,11 +74,17 @@ __all__ = [
     "CheckpointFormatError",
     "encode_state",
     "decode_state",
+    "checkpoint_name",
+    "read_state_key",
 ]
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"FGCKPT02"
+#: An authenticated checkpoint (``--state-key``): the magic, an HMAC-SHA256 tag, the payload.
+MAGIC_AUTH = b"FGCKPT2H"
+#: The shortest state key accepted (HMAC-SHA256 keys shorter than this are guessable).
+MIN_KEY_BYTES = 32
 #: Magic numbers of earlier formats, refused by name.
 OLD_FORMATS = {b"FGCKPT01": "FGCKPT01 (torch.save pickle, fedgrid before safetensors checkpoints)"}
 _NAME = re.compile(r"^ckpt-(\d{8})\.bin$")
@@ -73,91 +98,54 @@ class CheckpointFormatError(CorruptCheckpointError):
     """A checkpoint of an earlier format that this version does not read."""
 
 
-def encode_state(obj: Any) -> tuple[Any, dict[str, torch.Tensor]]:
-    """(JSON-ready structure, tensors by path) of a checkpoint's content (see the module docstring).
+def checkpoint_name(server_round: int) -> str:
+    """The file name of ``server_round``'s checkpoint."""
+    return f"ckpt-{server_round:08d}.bin"
+
+
+def read_state_key(path: str | os.PathLike[str]) -> bytes:
+    """The checkpoint key in file ``path`` (``--state-key``): its bytes, at least ``MIN_KEY_BYTES``.
 
     Raises:
-        TypeError: a value of a type a checkpoint cannot hold (the message names its path).
+        ValueError: an unreadable or short file (named).
     """
-    tensors: dict[str, torch.Tensor] = {}
-    storages: set[int] = set()  # storage addresses of the tensors kept
-
-    def enc(value: Any, path: str) -> Any:
-        if value is None or isinstance(value, (bool, str)):
-            return value
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float):
-            return value if math.isfinite(value) else {"float": repr(value)}
-        if isinstance(value, torch.Tensor):
-            key = path if path not in tensors else f"{path}#{len(tensors)}"
-            t = value.detach().cpu().contiguous()
-            if t.numel():  # safetensors refuses tensors sharing memory: copy a second view
-                if t.untyped_storage().data_ptr() in storages:
-                    t = t.clone()
-                storages.add(t.untyped_storage().data_ptr())
-            tensors[key] = t
-            return {"tensor": key}
-        if isinstance(value, np.generic):
-            return {"numpy": value.dtype.str, "value": enc(value.item(), path)}
-        if isinstance(value, bytes):
-            return {"bytes": base64.b64encode(value).decode("ascii")}
-        if isinstance(value, tuple):
-            return {"tuple": [enc(v, f"{path}.{i}") for i, v in enumerate(value)]}
-        if isinstance(value, list):
-            return [enc(v, f"{path}.{i}") for i, v in enumerate(value)]
-        if isinstance(value, dict):
-            items = [[enc(k, f"{path}.<key>"), enc(v, f"{path}.{k}")] for k, v in value.items()]
-            return {"odict" if isinstance(value, OrderedDict) else "dict": items}
-        raise TypeError(
-            f"checkpoint value at {path or '<root>'}: {type(value).__name__} cannot be stored (no pickles)"
+    try:
+        key = Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read the state key {path}: {exc.strerror}") from None
+    if len(key) < MIN_KEY_BYTES:
+        raise ValueError(
+            f"the state key {path} holds {len(key)} bytes, at least {MIN_KEY_BYTES} are needed "
+            "(e.g. head -c 32 /dev/urandom > KEYFILE)"
         )
+    return key
 
-    return enc(obj, ""), tensors
 
-
-def decode_state(doc: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-    """Inverse of ``encode_state``.
+def _verified(name: str, data: bytes, key: bytes | None) -> bytes:
+    """The payload of checkpoint ``data`` once its checksum (or, with ``key``, its HMAC tag) holds.
 
     Raises:
-        ValueError: an unknown tag or a missing tensor.
+        CorruptCheckpointError: naming ``name`` and what failed.
     """
-    if doc is None or isinstance(doc, (bool, int, float, str)):
-        return doc
-    if isinstance(doc, list):
-        return [decode_state(v, tensors) for v in doc]
-    if not isinstance(doc, dict) or len(doc) not in (1, 2):
-        raise ValueError(f"malformed checkpoint document near {str(doc)[:80]}")
-    if "tensor" in doc:
-        return tensors[doc["tensor"]]
-    if "dict" in doc or "odict" in doc:
-        pairs = doc["odict"] if "odict" in doc else doc["dict"]
-        items = [(decode_state(k, tensors), decode_state(v, tensors)) for k, v in pairs]
-        return OrderedDict(items) if "odict" in doc else dict(items)
-    if "tuple" in doc:
-        return tuple(decode_state(v, tensors) for v in doc["tuple"])
-    if "float" in doc:
-        return float(doc["float"])
-    if "numpy" in doc:
-        return np.dtype(doc["numpy"]).type(decode_state(doc["value"], tensors))
-    if "bytes" in doc:
-        return base64.b64decode(doc["bytes"])
-    raise ValueError(f"unknown checkpoint tag {sorted(doc)}")
-
-
-def _payload(content: Mapping[str, Any]) -> bytes:
-    doc, tensors = encode_state(dict(content))
-    text = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
-    return len(text).to_bytes(8, "little") + text + safetensors.torch.save(tensors)
-
-
-def _content(payload: bytes) -> Any:
-    n = int.from_bytes(payload[:8], "little")
-    if len(payload) < 8 or n > len(payload) - 8:
-        raise ValueError("payload shorter than its JSON document")
-    doc = json.loads(payload[8 : 8 + n])
-    tensors = safetensors.torch.load(payload[8 + n :])
-    return decode_state(doc, tensors)
+    if key is not None:
+        if data[:8] == MAGIC:
+            raise CorruptCheckpointError(f"{name}: not authenticated (written without a state key)")
+        if len(data) < 40 or data[:8] != MAGIC_AUTH:
+            raise CorruptCheckpointError(f"{name}: not a fedgrid checkpoint (bad header)")
+        payload = data[40:]
+        if not hmac.compare_digest(hmac.new(key, payload, hashlib.sha256).digest(), data[8:40]):
+            raise CorruptCheckpointError(
+                f"{name}: authentication failed (damaged, or not written with this key)"
+            )
+        return payload
+    if data[:8] == MAGIC_AUTH:
+        raise CorruptCheckpointError(f"{name}: an authenticated checkpoint: give its --state-key")
+    if len(data) < 16 or data[:8] != MAGIC:
+        raise CorruptCheckpointError(f"{name}: not a fedgrid checkpoint (bad header)")
+    payload = data[16:]
+    if xxhash.xxh3_64_intdigest(payload) != int.from_bytes(data[8:16], "little"):
+        raise CorruptCheckpointError(f"{name}: checksum mismatch (file damaged or truncated)")
+    return payload
 
 
 @dataclass(frozen=True)
@@ -185,25 +173,45 @@ class StateStore:
     Args:
         directory: created if missing.
         keep: how many checkpoints to keep (at least 2, so a corrupt newest has a fallback).
+        key: authenticates checkpoints with HMAC-SHA256 (``--state-key``, a file kept outside
+            the state directory): written as ``FGCKPT2H``, and only such checkpoints, with a
+            valid tag, are read.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], *, keep: int = 3) -> None:
+    def __init__(self, directory: str | os.PathLike[str], *, keep: int = 3, key: bytes | None = None) -> None:
         if keep < 2:
             raise ValueError(f"keep must be at least 2, got {keep}")
+        if key is not None and len(key) < MIN_KEY_BYTES:
+            raise ValueError(f"a state key needs at least {MIN_KEY_BYTES} bytes, got {len(key)}")
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.keep = keep
+        self.key = key
         self.db_path = self.dir / "history.sqlite"
+        self._create_journal()
+
+    def _create_journal(self) -> None:
         with self._db() as db:
             db.execute(
                 "CREATE TABLE IF NOT EXISTS rounds (round INTEGER PRIMARY KEY, metrics TEXT NOT NULL, committed_at REAL NOT NULL)"
             )
 
-    def _db(self) -> sqlite3.Connection:
-        db = sqlite3.connect(self.db_path, timeout=30)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=FULL")
-        return db
+    @contextlib.contextmanager
+    def _db(self) -> Iterator[sqlite3.Connection]:
+        """One transaction on the journal (committed, closed); the disk refusing it is a ``StorageError``."""
+        try:
+            db = sqlite3.connect(self.db_path, timeout=30)
+            try:
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute("PRAGMA synchronous=FULL")
+                with db:
+                    yield db
+            finally:
+                db.close()
+        except (sqlite3.OperationalError, OSError) as exc:
+            if is_storage_failure(exc):
+                raise storage_error(exc, self.db_path) from None
+            raise
 
     # -- checkpoints -------------------------------------------------------------------------
     def checkpoints(self) -> list[tuple[int, Path]]:
@@ -230,7 +238,7 @@ class StateStore:
             TypeError: the state holds a value a checkpoint cannot store (nothing written).
         """
         log.info("round %d: writing checkpoint", server_round)
-        payload = _payload(
+        payload = payload_of(
             {
                 "round": server_round,
                 "strategy": dict(strategy),
@@ -238,30 +246,42 @@ class StateStore:
                 "history": list(history),
             }
         )
-        path = self.dir / f"ckpt-{server_round:08d}.bin"
+        path = self.dir / checkpoint_name(server_round)
         tmp = path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.fchmod(fd, 0o600)  # a leftover .tmp keeps its mode through O_CREAT
-        with os.fdopen(fd, "wb") as f:
-            f.write(MAGIC)
-            f.write(xxhash.xxh3_64_intdigest(payload).to_bytes(8, "little"))
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(self.dir)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.fchmod(fd, 0o600)  # a leftover .tmp keeps its mode through O_CREAT
+            with os.fdopen(fd, "wb") as f:
+                f.write(self._seal(payload))
+                f.write(payload)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            _fsync_dir(self.dir)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)  # the last good checkpoint stays; its space comes back
+            if is_storage_failure(exc):
+                raise storage_error(exc, tmp) from None
+            raise
         self.sync_history(history)
         for _, old in self.checkpoints()[self.keep :]:
             old.unlink(missing_ok=True)
         return path
 
+    def _seal(self, payload: bytes) -> bytes:
+        """The header of a checkpoint of ``payload``: magic and checksum, or magic and HMAC tag."""
+        if self.key is not None:
+            return MAGIC_AUTH + hmac.new(self.key, payload, hashlib.sha256).digest()
+        return MAGIC + xxhash.xxh3_64_intdigest(payload).to_bytes(8, "little")
+
     @staticmethod
-    def read(path: Path) -> Checkpoint:
-        """Reads and verifies one checkpoint file.
+    def read(path: Path, key: bytes | None = None) -> Checkpoint:
+        """Reads and verifies one checkpoint file (with ``key``: its HMAC-SHA256 tag).
 
         Raises:
             CheckpointFormatError: a checkpoint of an earlier format (named).
-            CorruptCheckpointError: bad magic, checksum mismatch or undecodable payload.
+            CorruptCheckpointError: bad magic, checksum or tag mismatch, an undecodable payload,
+                or a round that is not the one its file name says.
         """
         data = path.read_bytes()
         if data[:8] in OLD_FORMATS:
@@ -269,31 +289,117 @@ class StateStore:
                 f"{path.name}: checkpoint format {OLD_FORMATS[data[:8]]} is no longer read (this version writes "
                 f"{MAGIC.decode()}: safetensors and JSON); move it away to start the run afresh"
             )
-        if len(data) < 16 or data[:8] != MAGIC:
-            raise CorruptCheckpointError(f"{path.name}: not a fedgrid checkpoint (bad header)")
-        payload = data[16:]
-        if xxhash.xxh3_64_intdigest(payload) != int.from_bytes(data[8:16], "little"):
-            raise CorruptCheckpointError(f"{path.name}: checksum mismatch (file damaged or truncated)")
+        payload = _verified(path.name, data, key)
         try:
-            obj = _content(payload)
-            return Checkpoint(int(obj["round"]), obj["strategy"], obj["fleet"], obj["history"], path)
+            obj = content_of(payload)
+            ckpt = Checkpoint(int(obj["round"]), obj["strategy"], obj["fleet"], obj["history"], path)
         except Exception as exc:
             raise CorruptCheckpointError(f"{path.name}: cannot decode: {exc}") from None
+        named = _NAME.match(path.name)
+        if named is not None and int(named.group(1)) != ckpt.round:
+            raise CorruptCheckpointError(
+                f"{path.name}: holds round {ckpt.round}, its name says round {int(named.group(1))}"
+            )
+        last = int(ckpt.history[-1]["round"]) if ckpt.history else None
+        if last != ckpt.round:
+            raise CorruptCheckpointError(
+                f"{path.name}: holds round {ckpt.round}, but the history inside ends at round {last}"
+            )
+        return ckpt
+
+    def load(self, server_round: int) -> Checkpoint:
+        """The checkpoint of ``server_round`` (verified as ``read``).
+
+        Raises:
+            FileNotFoundError: none of that round is kept.
+            CorruptCheckpointError: as ``read``.
+        """
+        return self.read(self.dir / checkpoint_name(server_round), self.key)
 
     def load_latest(self) -> Checkpoint | None:
-        """The newest checkpoint that verifies; corrupt ones are reported and skipped.
+        """The newest checkpoint that verifies and agrees with the journal (``history.sqlite``);
+        a corrupt newer one is reported and skipped. ``None``: a state directory with no
+        checkpoint and no committed round in its journal (a new run).
 
         Raises:
             CheckpointFormatError: a checkpoint of an earlier format comes first (see the module docstring).
+            RecoveryError: every checkpoint is unreadable (each named, with why), the journal
+                records rounds past every checkpoint, or disagrees with the one found.
         """
-        for _, path in self.checkpoints():
+        found = self.checkpoints()
+        problems: list[str] = []
+        for _, path in found:
             try:
-                return self.read(path)
+                ckpt = self.read(path, self.key)
             except CheckpointFormatError:
                 raise
             except CorruptCheckpointError as exc:
                 log.error("corrupt checkpoint, falling back to the previous one: %s", exc)
+                problems.append(str(exc))
+                continue
+            self._check_journal(ckpt, newest=found[0][0])
+            return ckpt
+        journal = self._journal_rounds()
+        if problems:
+            raise RecoveryError(
+                f"state directory {self.dir}: no checkpoint is readable ({'; '.join(problems)}); "
+                f"refusing to start a new run over it: restore a good checkpoint, or start over with --fresh"
+            )
+        if journal:
+            raise RecoveryError(
+                f"state directory {self.dir}: history.sqlite records {len(journal)} committed rounds "
+                f"(up to round {max(journal)}) but no checkpoint is left; refusing to start a new run over "
+                "it: restore the checkpoints, or start over with --fresh"
+            )
         return None
+
+    def _journal_rounds(self) -> dict[int, str]:
+        with self._db() as db:
+            return {int(r): str(m) for r, m in db.execute("SELECT round, metrics FROM rounds").fetchall()}
+
+    def _check_journal(self, ckpt: Checkpoint, *, newest: int) -> None:
+        """The journal agrees with ``ckpt``: it holds no round past ``newest`` (the newest
+        checkpoint file, readable or not), at most one fewer than ``ckpt`` (it is written just
+        after the checkpoint), and ``ckpt``'s own round as the checkpoint has it.
+
+        Raises:
+            RecoveryError: naming the checkpoint and the journal's rounds.
+        """
+        journal = self._journal_rounds()
+        last = max(journal, default=0)
+        where = f"state directory {self.dir}: {ckpt.path.name} (round {ckpt.round})"
+        fix = "restore the state directory, or start over with --fresh"
+        if last > newest:
+            raise RecoveryError(
+                f"{where}: history.sqlite records round {last} committed, and no checkpoint of it is left; {fix}"
+            )
+        if last < ckpt.round - 1:
+            raise RecoveryError(
+                f"{where}: history.sqlite records rounds up to {last} only: the checkpoint is not this run's; {fix}"
+            )
+        row = journal.get(ckpt.round)
+        if row is not None and row != json.dumps(dict(ckpt.history[-1])):
+            raise RecoveryError(
+                f"{where}: history.sqlite records another round {ckpt.round} than the checkpoint's; {fix}"
+            )
+
+    def set_aside(self) -> Path | None:
+        """Moves every checkpoint, the journal and the spilled updates into
+        ``discarded-TIMESTAMP/`` (``--fresh``): a new run starts here, the old files stay for
+        inspection. Returns that folder, or ``None`` when there was nothing to move."""
+        updates = self.dir / "updates"
+        if not self.checkpoints() and not self._journal_rounds() and not any(updates.glob("*/*")):
+            return None  # a new state directory: nothing of a run to set aside
+        names = [p for _, p in self.checkpoints()]
+        names += [p for p in self.dir.iterdir() if p.name.startswith("history.sqlite") or p == updates]
+        names += list(self.dir.glob("ckpt-*.tmp"))
+        aside = self.dir / time.strftime("discarded-%Y%m%dT%H%M%S", time.gmtime())
+        aside.mkdir(mode=0o700, exist_ok=True)
+        for path in names:
+            os.replace(path, aside / path.name)
+        _fsync_dir(self.dir)
+        self._create_journal()
+        return aside
 
     # -- history -----------------------------------------------------------------------------
     def sync_history(self, history: Sequence[Mapping[str, Any]]) -> None:

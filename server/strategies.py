@@ -1,20 +1,37 @@
-"""Builds the configured strategy: one place shared by ``fedgrid simulate`` and the coordinator."""
+"""Builds the configured strategy: one place shared by ``fedgrid simulate`` and the coordinator.
+
+``strategy`` names a built-in (``fedavg``, ...) or your own as ``MODULE:ATTRIBUTE``: a
+``fedgrid.Strategy`` subclass, or a factory returning one (``custom_strategy``), loaded with the
+same checks as ``--app`` (``fedgrid.plugins``), so a strategy prototyped in simulation deploys
+unchanged behind a coordinator.
+"""
 
 from __future__ import annotations
+
+import inspect
 
 from fedgrid.aggregation import Strategy
 from fedgrid.aggregation.registry import build_strategy_from
 from fedgrid.aggregation.selection import (
     CapabilityFilter,
     RegionBalancedSelector,
+    Sampling,
     SelectionPolicy,
     Selector,
     UniformSelector,
 )
 from fedgrid.capabilities import parse_size
 from fedgrid.config import Config
+from fedgrid.errors import ConfigError
+from fedgrid.plugins import is_custom_strategy, load_object
 
-__all__ = ["build_strategy", "build_selection", "build_capability_filter"]
+__all__ = ["build_strategy", "build_selection", "build_capability_filter", "custom_strategy", "RUN_KEYS"]
+
+#: What a custom strategy's constructor is offered, by parameter name: the run's keys that every
+#: built-in strategy gets too. ``sampling`` is the ``Sampling`` a built-in gets (a subclass of
+#: ``FedAvg`` takes it as it is); its parts are offered too: ``fit_config`` (the run's
+#: ``local_epochs`` and ``lr``) and ``policy`` (``clients_per_round``, ``over_selection``, ``selector``).
+RUN_KEYS = ("sampling", "seed", "fraction_fit", "fraction_evaluate", "fit_config", "policy")
 
 
 def build_selection(config: Config) -> SelectionPolicy:
@@ -39,11 +56,15 @@ def build_capability_filter(config: Config) -> CapabilityFilter | None:
     )
 
 
-def build_strategy(config: Config, *, num_clients: int | None = None) -> Strategy:
-    """Returns the strategy ``config.strategy`` with its options from ``config``.
+def build_strategy(
+    config: Config, *, num_clients: int | None = None, given: Strategy | None = None
+) -> Strategy:
+    """Returns the strategy ``config.strategy`` with its options from ``config`` (a built-in by
+    name, or your own ``MODULE:ATTRIBUTE``: ``custom_strategy``), or ``given``.
 
     Args:
         config: the run configuration (strategy name, its options, sampling, selection).
+        given: a strategy built by the caller (``run_coordinator(strategy=...)``), used as it is.
         num_clients: when given, the strategy's preconditions are checked for this many
             clients (``fedgrid simulate``: all its clients; the coordinator: ``min_clients``),
             so that e.g. Krum with n <= 2f + 2 fails before any work starts.
@@ -52,6 +73,11 @@ def build_strategy(config: Config, *, num_clients: int | None = None) -> Strateg
         ConfigError: unknown strategy or aggregator, an option that does not apply or is out
             of range, or a precondition that ``num_clients`` clients cannot meet.
     """
+    if given is not None or is_custom_strategy(config.strategy):
+        strategy = given if given is not None else custom_strategy(config)
+        if num_clients is not None:
+            strategy.check_preconditions(num_clients=num_clients)
+        return strategy
     fit_config = {"local_epochs": config.local_epochs, "lr": config.lr}
     strategy = build_strategy_from(
         config.strategy,
@@ -65,4 +91,52 @@ def build_strategy(config: Config, *, num_clients: int | None = None) -> Strateg
     )
     if num_clients is not None:
         strategy.check_preconditions(num_clients=num_clients)
+    return strategy
+
+
+def custom_strategy(config: Config) -> Strategy:
+    """The strategy ``config.strategy = "MODULE:ATTRIBUTE"`` names, built once per run.
+
+    ``ATTRIBUTE`` (a ``Strategy`` subclass or a factory) is called with keyword arguments: of
+    ``RUN_KEYS``, those its signature names; and every strategy option the run sets
+    (``server_lr``, ``aggregator``, ...: ``Config.strategy_options``), which its signature must
+    take, by name or as ``**kwargs``, as a built-in strategy refuses an option it has no use for.
+
+    Raises:
+        ConfigError: (key ``strategy``) the module or attribute cannot be loaded, building it
+            failed, or it did not build a ``fedgrid.Strategy``; (the option's key) an option
+            set that it does not take.
+    """
+    spec = config.strategy
+    factory = load_object(spec, key="strategy")
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a callable without a signature (a C type): offer nothing
+        params = {}  # type: ignore[assignment]
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    sampling = Sampling(
+        fraction_fit=config.fraction_fit,
+        fraction_evaluate=config.fraction_evaluate,
+        seed=config.seed,
+        fit_config={"local_epochs": config.local_epochs, "lr": config.lr},
+        policy=build_selection(config),
+    )
+    offered = {"sampling": sampling, **{k: getattr(sampling, k) for k in RUN_KEYS[1:]}}
+    kwargs = {k: v for k, v in offered.items() if k in params}
+    for key, value in config.strategy_options().items():
+        if key not in params and not takes_any:
+            own = ", ".join(n for n in params if n not in RUN_KEYS) or "none"
+            raise ConfigError(key, f"does not apply to strategy {spec!r} (its parameters: {own})")
+        kwargs[key] = value
+    try:
+        strategy = factory(**kwargs)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ConfigError("strategy", f"building {spec!r} failed: {type(exc).__name__}: {exc}") from None
+    if not isinstance(strategy, Strategy):
+        raise ConfigError(
+            "strategy",
+            f"{spec!r} built a {type(strategy).__name__}, not a fedgrid.Strategy (see docs/algorithms.rst)",
+        )
     return strategy

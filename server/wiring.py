@@ -6,14 +6,16 @@ fleet here too.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Sequence
 
+from fedgrid.aggregation import Strategy
 from fedgrid.config import Config
-from fedgrid.constants import FINISH_GRACE_S
+from fedgrid.constants import FINISH_GRACE_S, ROUND_RETRIES
 from fedgrid.determinism import environment
 from fedgrid.errors import ConfigError
 from fedgrid.events import Event, EventLog
@@ -23,13 +25,16 @@ from fedgrid.server.bounds import build_bounds
 from fedgrid.server.codec_policy import build_codec_policy
 from fedgrid.server.engine import EvaluateFn, RoundEngine
 from fedgrid.server.fleet import quorum_of
+from fedgrid.server.influence import build_influence
 from fedgrid.server.monitor import CoordinatorMonitor
 from fedgrid.server.remote_fleet import RemoteFleet
-from fedgrid.server.state import StateStore
+from fedgrid.server.state import StateStore, read_state_key
 from fedgrid.server.strategies import build_capability_filter, build_strategy
 from fedgrid.types import ModelState, RoundMetrics
 
-__all__ = ["Wired", "wire", "coordinator_model", "build_fleet", "write_address", "quorum_of"]
+__all__ = ["Wired", "wire", "coordinator_model", "build_fleet", "open_store", "write_address", "quorum_of"]
+
+log = logging.getLogger(__name__)
 
 
 def coordinator_model(config: Config) -> ModelState | None:
@@ -69,6 +74,29 @@ def build_fleet(config: Config, events: EventLog) -> RemoteFleet:
     )
 
 
+def open_store(config: Config, *, keep: int = 3) -> StateStore | None:
+    """The ``StateStore`` of ``config.state_dir`` (``None`` without one), authenticated with the
+    ``state_key`` file's key; with ``fresh`` the directory's old files are set aside first.
+
+    Raises:
+        ConfigError: an unreadable or short ``state_key`` file (named).
+    """
+    if not config.state_dir:
+        return None
+    try:
+        key = read_state_key(config.state_key) if config.state_key else None
+    except ValueError as exc:
+        raise ConfigError("state_key", str(exc)) from None
+    store = StateStore(config.state_dir, keep=keep, key=key)
+    if config.fresh:
+        aside = store.set_aside()
+        if aside is not None:
+            log.warning(
+                "--fresh: a new run in %s; the previous run's files are in %s", config.state_dir, aside
+            )
+    return store
+
+
 def write_address(path: Path, address: str) -> None:
     """Writes ``address`` to ``path`` atomically: a script waiting for the file never reads half of it."""
     tmp = path.with_name(path.name + ".tmp")
@@ -94,16 +122,18 @@ def wire(
     initial: ModelState,
     evaluate_fn: EvaluateFn | None,
     on_event: Callable[[Event], None] | None,
+    strategy: Strategy | None = None,
 ) -> Wired:
-    """Builds the strategy, the run directory, the event log, the fleet, the monitor and the engine.
+    """Builds the strategy (unless given), the run directory, the event log, the fleet, the monitor and the engine.
 
     Raises:
         ConfigError: a strategy option out of range, or a ``min_quorum`` above ``min_clients``
             (a round may start with ``min_clients`` clients; nothing is created then).
     """
     _check_quorum_fits(config)
-    store = StateStore(config.state_dir) if config.state_dir else None
-    strategy = build_strategy(config, num_clients=config.min_clients)
+    influence = build_influence(config)  # a bad quota file fails before anything is created
+    store = open_store(config)
+    strategy = build_strategy(config, num_clients=config.min_clients, given=strategy)
     strategy.initialize(initial_state=initial)
     writer = RunWriter(
         config.out,
@@ -132,6 +162,8 @@ def wire(
         store=store,
         events=events,
         quorum=quorum_of(config),
+        round_retries=ROUND_RETRIES,
+        influence=influence,
     )
     return Wired(writer, events, fleet, engine, monitor)
 

@@ -17,6 +17,7 @@ from fedgrid.server.bounds import build_bounds
 from fedgrid.server.codec_policy import build_codec_policy
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.fleet import QUORUM_NEEDS_REPLAY, Fleet, quorum_of
+from fedgrid.server.influence import build_influence
 from fedgrid.server.memory import keep_large_buffers
 from fedgrid.server.strategies import build_strategy
 from fedgrid.simulation.fleet import InProcessFleet
@@ -76,22 +77,14 @@ def _ranks() -> tuple[int, int]:
     return 0, 1
 
 
-def _regions(config: Config, clients: list, profiles: ClientProfiles) -> list:
-    """The regions of a hierarchical simulation, each a ``RegionClient`` over its own clients, as ``fedgrid region`` runs it.
-
-    A region's clients are those ``profiles`` labels with its name; it trains them with
-    ``region_strategy`` (its defaults, and the run's ``local_epochs``, ``lr``, ``seed``,
-    ``fraction_fit``) on the ``lan_codec`` uplink, ``regional_rounds`` rounds per global task.
+def _check_hierarchy(config: Config) -> None:
+    """A hierarchy's global strategy takes whole models, and its regions cannot overlap their sync.
 
     Raises:
-        ConfigError: ``hierarchy`` without ``regions``.
+        ConfigError: naming the strategy or the overlap key.
     """
-    from dataclasses import replace
-
-    from fedgrid.config import STRATEGY_KEYS
     from fedgrid.errors import ConfigError
-    from fedgrid.region.region import PARTIAL_ALGORITHMS, RegionClient
-    from fedgrid.server.codec_policy import CodecPolicy
+    from fedgrid.region.region import PARTIAL_ALGORITHMS
 
     if config.strategy in PARTIAL_ALGORITHMS:
         raise ConfigError(
@@ -107,6 +100,26 @@ def _regions(config: Config, clients: list, profiles: ClientProfiles) -> list:
                 "global one whole: they cannot overlap their sync (fedgrid region --strategy ... --"
                 f"{key.replace('_', '-')} overlaps the workers inside a region)",
             )
+
+
+def _regions(config: Config, clients: list, profiles: ClientProfiles) -> list:
+    """The regions of a hierarchical simulation, each a ``RegionClient`` over its own clients, as ``fedgrid region`` runs it.
+
+    A region's clients are those ``profiles`` labels with its name; it trains them with
+    ``region_strategy`` (its defaults, and the run's ``local_epochs``, ``lr``, ``seed``,
+    ``fraction_fit``) on the ``lan_codec`` uplink, ``regional_rounds`` rounds per global task.
+
+    Raises:
+        ConfigError: ``hierarchy`` without ``regions``.
+    """
+    from dataclasses import replace
+
+    from fedgrid.config import STRATEGY_KEYS
+    from fedgrid.errors import ConfigError
+    from fedgrid.region.region import RegionClient
+    from fedgrid.server.codec_policy import CodecPolicy
+
+    _check_hierarchy(config)
     labels = sorted({profiles.region(i) for i in range(len(clients))} - {""})
     if not labels:
         raise ConfigError(
@@ -133,6 +146,7 @@ def _regions(config: Config, clients: list, profiles: ClientProfiles) -> list:
             min_clients=1,
             round_timeout=timedelta(seconds=config.round_timeout_s),
             join_timeout=timedelta(seconds=config.join_timeout_s),
+            influence=build_influence(config),
         )
         out.append(RegionClient(engine, name=label, regional_rounds=config.regional_rounds))
     return out
@@ -237,6 +251,7 @@ def _run(
     stop: threading.Event | None,
 ) -> tuple[ModelState | None, list[RoundMetrics]]:
     strategy = build_strategy(config, num_clients=config.clients)  # a bad option fails before any work
+    influence = build_influence(config)  # and a bad quota file
     _check_replay(config)
     resolved = resolve(
         dataset=config.dataset,
@@ -268,6 +283,7 @@ def _run(
         on_round=_reporter(on_round) if rank == 0 else None,
         stop=stop,
         quorum=quorum_of(config),
+        influence=influence,
     )
     log.info("engine: %s (%s)", fleet.engine, fleet.engine_reason)
     if on_start is not None:

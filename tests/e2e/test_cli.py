@@ -96,18 +96,16 @@ def test_simulate_toml_then_flags(tmp_path):
     resolved = (out / "config.toml").read_text()
     assert "rounds = 2\n" in resolved and "clients = 4\n" in resolved and "seed = 3\n" in resolved
     assert (out / "model.safetensors").stat().st_size > 4810 * 4
-    # the progress line: one plain line per round on stderr (not a terminal here)
-    progress = [line for line in result.stderr.splitlines() if line.startswith("round ")]
-    assert [line.split(" | ")[0] for line in progress] == ["round 1/2", "round 2/2"]
-    for line, row in zip(progress, lines):
-        fields = line.split(" | ")
-        assert fields[1].endswith(" clients/s") and float(fields[1].split()[0]) > 0
+    # Not a terminal here: each round's line once, on stdout; the progress line (clients/s, ETA) is
+    # a terminal's, rewritten in place, and would only say the same thing again.
+    assert [line for line in result.stderr.splitlines() if line.startswith("round ")] == []
+    rounds = [line for line in result.stdout.splitlines() if line.startswith("round ")]
+    assert [line.split()[1] for line in rounds] == ["1/2", "2/2"]
+    for line, row in zip(rounds, lines):
         assert (
-            fields[2] == f"accuracy {json.loads(row)['accuracy']:.4f}"
-            and fields[3] == f"loss {json.loads(row)['loss']:.4f}"
+            f"accuracy {json.loads(row)['accuracy']:.4f}" in line
+            and f"loss {json.loads(row)['loss']:.4f}" in line
         )
-        assert re.fullmatch(r"ETA \d+:\d\d:\d\d", fields[4])
-    assert progress[1].endswith("ETA 0:00:00")
 
 
 def test_simulate_progress_off(tmp_path):
@@ -171,7 +169,7 @@ def test_ctrl_c_in_simulate_stops_after_the_round_with_its_model(tmp_path):
     proc, out = _slow_simulation(tmp_path, fit_s=0.5, rounds=5)
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 0, stderr
+    assert proc.returncode == 130, stderr  # 128 + SIGINT: an interrupted run is no success
     assert "Traceback" not in stderr + stdout
     done = len((out / "metrics.jsonl").read_text().splitlines())
     assert 1 <= done < 5
@@ -223,9 +221,9 @@ def test_ctrl_c_stops_coordinator_and_client_gracefully(tmp_path):
             what="the client's join",
         )
         client.send_signal(signal.SIGINT)
-        assert client.wait(timeout=60) == 0
+        assert client.wait(timeout=60) == 130
         coordinator.send_signal(signal.SIGINT)
-        assert coordinator.wait(timeout=60) == 0
+        assert coordinator.wait(timeout=60) == 130
     finally:
         for p in (coordinator, client):
             if p is not None and p.poll() is None:
@@ -263,11 +261,10 @@ def test_client_config_file_and_an_unreachable_coordinator_in_one_line(tmp_path)
         f"check that it is running, that 127.0.0.1:{port} is its address and port (RUN_DIR/address), "
         "and that the coordinator serves plaintext (one with mutual TLS needs --ca, --cert and --key)"
     )
-    retries = [line for line in lines[:-1]]
-    assert retries and all(
-        re.match(
-            r"\d{4}-\d\d-\d\d .* INFO fedgrid\.client\.connection: retrying Join on 127\.0\.0\.1:\d+: UNAVAILABLE: ",
-            line,
-        )
-        for line in retries
+    # One line for the first failure, then one per doubling of the time waited (none within 1 s), not one per try.
+    [retries] = lines[:-1]
+    assert re.match(
+        r"\d{4}-\d\d-\d\d .* INFO fedgrid\.client\.connection: Join on 127\.0\.0\.1:\d+: UNAVAILABLE: .*; "
+        r"retrying for up to 1s$",
+        retries,
     ), retries

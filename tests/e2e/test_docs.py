@@ -189,3 +189,17 @@ def test_a_warning_fails_the_build(tmp_path):
     result = _build(source, tmp_path / "html")
     assert result.returncode != 0
     assert "unknown document" in result.stderr and "no-such-page" in result.stderr
+
+
+def test_the_index_lists_pages_and_sections_not_api_objects(tmp_path):
+    result = _build(DOCS, tmp_path / "html")
+    assert result.returncode == 0, result.stdout + result.stderr
+    index = (tmp_path / "html" / "index.html").read_text()
+    toc = index[index.index('<div class="toctree-wrapper') :]
+    toc = toc[: toc.index("</div>")]
+    links = re.findall(r'<a class="reference internal"[^>]*>(.*?)</a>', toc)
+    entries = [htmllib.unescape(re.sub(r"<[^>]+>", "", e)) for e in links]
+    assert "API reference" in entries and "Regions" in entries and "Client SDK" in entries  # pages, a section
+    # An object's entry is its name as code (regions.rst documents fedgrid.region.region at its top).
+    assert not [e for e, link in zip(entries, links) if "<code" in link], entries
+    assert "UPSTREAM_RETRY_MAX_S" not in entries and "run_region()" not in entries

@@ -223,6 +223,19 @@ def test_oversized_request_is_refused_before_parsing(ca_dir, service):
     assert read_json(ca_dir / "tokens.json")["tokens"][token.partition(".")[0]]["used_at"] is None
 
 
+def test_junk_request_is_invalid_argument_with_a_plain_message(ca_dir, service):
+    channel, _ = stub(service, ca_dir)
+    with channel, pytest.raises(grpc.RpcError) as info:
+        raw = channel.unary_unary(
+            "/fedgrid.v1.Enrollment/Enroll", request_serializer=None, response_deserializer=None
+        )
+        raw(b"\xff\xff\xff\x07junk", timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details() == (
+        "malformed fedgrid.v1.EnrollRequest: the request is not a valid protobuf message"
+    )
+
+
 def test_concurrent_enrollments_beyond_the_cap_are_resource_exhausted(tmp_path, ca_dir):
     server = EnrollmentServer("127.0.0.1:0", ca_dir=ca_dir, tls=server_tls(ca_dir), max_concurrent=1).start()
     try:

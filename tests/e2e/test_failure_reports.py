@@ -125,7 +125,7 @@ def test_terminated_client_process_leaves_its_round_at_once(small_state, tmp_pat
         server.open_round(timeout_s=ROUND_TIMEOUT_S)
         wait_until(lambda: (markers / "fit-0-1").exists(), timeout=60, what="client mid-fit")
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0, (tmp_path / "c.log").read_text()[-2000:]
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM, (tmp_path / "c.log").read_text()[-2000:]
         outcome = server.wait_round(timeout=30)
         assert outcome.closed_by == "all" and outcome.results == []
         assert [f.reason for f in outcome.failures] == ["client left: KeyboardInterrupt: SIGTERM"]

@@ -104,18 +104,59 @@ def test_a_client_holds_at_most_its_poll_limit(small_state):
         fleet.close()
 
 
+def _open_round(fleet: RemoteFleet, small_state, conns: list[Connection]):
+    """A fit round over the joined ``conns`` in a thread; returns it and each one's task."""
+    from fedgrid.types import FitIns
+
+    infos = fleet.wait_for_clients(min_clients=len(conns), timeout=timedelta(seconds=10))
+    rnd = threading.Thread(
+        target=fleet.fit_round,
+        kwargs=dict(
+            server_round=1,
+            global_state=small_state,
+            assignments=[(info, FitIns(round=1)) for info in infos],
+            timeout=timedelta(seconds=60),
+        ),
+    )
+    rnd.start()
+    return rnd, [conn.poll(10).task for conn in conns]
+
+
+def _header(fleet: RemoteFleet, small_state, conn: Connection, task) -> bytes:
+    """The first frame of ``conn``'s upload for ``task``: its header."""
+    info = serde.StreamInfo(
+        run_id=fleet.run_id, task_id=task.task_id, round=task.round, client_id=conn.client_id, num_examples=3
+    )
+    return next(iter(serde.EncodedModel(small_state).frames(info, chunk_size=16)))
+
+
 def test_transfers_beyond_the_limit_are_refused_and_join_stays_fast(small_state):
     fleet, server = _server(max_transfers=3)
-    streams = IdleStreams(server.address, 3)
+    conns = [Connection(server.address) for _ in range(4)]
+    streams: list[IdleStreams] = []
     try:
-        wait_until(lambda: server_transfers(server) == 3, timeout=20, what="three idle streams at the server")
-        extra = IdleStreams(server.address, 1)
-        wait_until(lambda: extra.codes != [], timeout=20, what="the fourth stream refused")
+        for i, conn in enumerate(conns):
+            conn.join(Named(f"uploader-{i}"))
+        rnd, tasks = _open_round(fleet, small_state, conns)
+        # Three uploads send their header, then stall: each holds a slot.
+        for conn, task in list(zip(conns, tasks))[:3]:
+            md = session_metadata(conn.token)
+            streams.append(
+                IdleStreams(server.address, 1, first=_header(fleet, small_state, conn, task), metadata=md)
+            )
+        wait_until(lambda: server_transfers(server) == 3, timeout=20, what="three uploads holding slots")
+        extra = IdleStreams(
+            server.address,
+            1,
+            first=_header(fleet, small_state, conns[3], tasks[3]),
+            metadata=session_metadata(conns[3].token),
+        )
+        streams.append(extra)
+        wait_until(lambda: extra.codes != [], timeout=20, what="the fourth upload refused")
         assert (
             extra.codes == [grpc.StatusCode.RESOURCE_EXHAUSTED]
             and "3 transfers in flight (limit 3)" in extra.details[0]
         )
-        extra.close()
         conn = Connection(server.address)
         start = time.monotonic()
         conn.join(Named("newcomer"))
@@ -128,8 +169,13 @@ def test_transfers_beyond_the_limit_are_refused_and_join_stays_fast(small_state)
         assert status == health_pb2.HealthCheckResponse.SERVING and conn.client_id
         assert time.monotonic() - start < 5.0  # a generous bound: served at once, not after a time-out
         conn.close()
+        fleet.interrupt()
+        rnd.join(10)
     finally:
-        streams.close()
+        for stream in streams:
+            stream.close()
+        for c in conns:
+            c.close()
         server.stop(grace=0.5)
         fleet.close()
 
@@ -142,7 +188,7 @@ def server_transfers(server: Coordinator) -> int:
 def test_idle_upload_streams_are_given_up(small_state):
     from fedgrid.types import FitIns
 
-    fleet, server = _server(stream_idle_s=0.5)
+    fleet, server = _server(stream_idle_s=0.5, header_timeout_s=0.5)
     conn = Connection(server.address)
     try:
         conn.join(Named("stalls"))
@@ -160,7 +206,9 @@ def test_idle_upload_streams_are_given_up(small_state):
         )
         rnd.start()
         task = conn.poll(10).task
-        silent = IdleStreams(server.address, 1)  # not even a header
+        # In the session, but not even a header; a stream without a session is refused at once.
+        silent = IdleStreams(server.address, 1, metadata=session_metadata(conn.token))
+        anonymous = IdleStreams(server.address, 1)
         info = serde.StreamInfo(
             run_id=fleet.run_id, task_id=task.task_id, round=1, client_id=conn.client_id, num_examples=3
         )
@@ -169,6 +217,10 @@ def test_idle_upload_streams_are_given_up(small_state):
             server.address, 1, first=first, metadata=session_metadata(conn.token)
         )  # a header and a first chunk, then nothing
         wait_until(lambda: silent.codes and stalled.codes, timeout=20, what="both streams given up")
+        assert (
+            anonymous.codes == [grpc.StatusCode.UNAUTHENTICATED]
+            and "no session token" in anonymous.details[0]
+        )
         assert (
             silent.codes == [grpc.StatusCode.DEADLINE_EXCEEDED]
             and "sent no header within 0.5s" in silent.details[0]
@@ -190,6 +242,7 @@ def test_idle_upload_streams_are_given_up(small_state):
         assert fleet.current_round is not None and fleet.current_round.results == {}
         silent.close()
         stalled.close()
+        anonymous.close()
         fleet.interrupt()
         rnd.join(10)
     finally:

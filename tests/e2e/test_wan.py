@@ -328,7 +328,7 @@ def test_set_link_changes_the_delay_of_a_running_connection(echo):
         assert rtt() >= 0.120
 
 
-def test_the_fedgrid_wan_command_relays_and_exits_0_on_sigterm(echo, tmp_path: Path):
+def test_the_fedgrid_wan_command_relays_and_exits_143_on_sigterm(echo, tmp_path: Path):
     address_file = tmp_path / "wan-address"
     proc = subprocess.Popen(
         [
@@ -370,7 +370,7 @@ def test_the_fedgrid_wan_command_relays_and_exits_0_on_sigterm(echo, tmp_path: P
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    assert proc.returncode == 0, out
+    assert proc.returncode == 128 + signal.SIGTERM, out
     assert (
         f"fedgrid wan relaying 127.0.0.1:{port} -> 127.0.0.1:{echo[1]}: delay 20 ms each way (RTT +40 ms), 20 Mbit/s, loss 0.001"
         in out

@@ -216,6 +216,40 @@ def test_unauthenticated_everywhere(coordinator, session, small_state, who):
     _assert_untouched(coordinator)
 
 
+UNARY = {
+    "Join": (pb.JoinRequest, False),
+    "PollTask": (pb.PollRequest, False),
+    "DownloadModel": (pb.DownloadRequest, True),
+    "UploadStatus": (pb.UploadStatusRequest, False),
+    "Heartbeat": (pb.HeartbeatRequest, False),
+    "ReportFailure": (pb.ReportFailureRequest, False),
+    "Leave": (pb.LeaveRequest, False),
+    "SendMessages": (pb.SendMessagesRequest, False),
+    "ReceiveMessages": (pb.ReceiveMessagesRequest, False),
+}
+
+
+@pytest.mark.parametrize("method", sorted(UNARY))
+def test_junk_request_is_invalid_argument_with_a_plain_message(coordinator, session, method):
+    """Bytes that are not protobuf: INVALID_ARGUMENT naming the message type (gRPC's own
+    deserializer answered UNKNOWN with the Python exception class)."""
+    stub, cid, token, task = session
+    message, streams = UNARY[method]
+    channel = grpc.insecure_channel(coordinator.address)
+    call = (channel.unary_stream if streams else channel.unary_unary)(
+        f"/fedgrid.v1.Coordinator/{method}", request_serializer=None, response_deserializer=None
+    )
+    with channel, pytest.raises(grpc.RpcError) as err:
+        reply = call(b"\xff\xff\xff\x07junk", metadata=session_metadata(token), timeout=10)
+        if streams:
+            list(reply)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == (
+        f"malformed {message.DESCRIPTOR.full_name}: the request is not a valid protobuf message"
+    )
+    _assert_untouched(coordinator)
+
+
 def test_duplicate_and_stale_uploads(coordinator, session, small_state):
     stub, cid, token, task = session
     good = _good(small_state)

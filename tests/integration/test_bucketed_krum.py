@@ -36,8 +36,12 @@ def _run(seed: int, attack: str, options: dict) -> list[tuple[float, float]]:
 
 
 def test_bucketed_krum_ignores_a_byzantine_client_and_learns():
+    # Krum alone: the default distance bound (max_update_ratio) refuses the Gaussian update
+    # (3 per coordinate) but not the sign flip (4x an honest update), which would change the
+    # buckets between the two attacks; here Krum must reject both by itself.
+    krum = {"aggregator": "krum", "max_update_ratio": 0}
     for seed in SEEDS:
-        runs = {attack: _run(seed, attack, {"aggregator": "krum"}) for attack in ATTACKS}
+        runs = {attack: _run(seed, attack, krum) for attack in ATTACKS}
         assert runs["sign-flip"] == runs["gaussian"], f"seed {seed}: the attacker moved Krum's result"
         assert runs["sign-flip"][-1][0] >= 0.5, f"seed {seed}: {runs['sign-flip']}"
     mean = [_run(seed, "sign-flip", {})[-1][0] for seed in SEEDS]

@@ -132,25 +132,32 @@ def test_other_errors_surface_at_once_with_their_message(small_state):
 
 
 def test_client_fit_error_rejected_update_surfaces(small_state):
-    """An update the coordinator refuses ends the client with the refusal's words (a
-    diverged one, NaN, is caught by the SDK first and reported instead: test_failure_reports)."""
+    """An update the coordinator refuses is that round's failure, with the refusal's words in
+    the client's ``error`` event; the client goes on to the next round (a diverged one, NaN,
+    is caught by the SDK first and reported instead: test_failure_reports)."""
 
     class Broken(AddOne):
         def fit(self, state, ins):
-            return FitOutput(
-                OrderedDict((k, v + 1) for k, v in state.items()), num_examples=1000
-            )  # it reported 3
+            claim = 1000 if ins.round == 1 else 3  # it reported 3: round 1's claim is refused
+            return FitOutput(OrderedDict((k, v + 1) for k, v in state.items()), num_examples=claim)
 
     server = InProcessCoordinator(small_state)
+    events = []
     try:
-        handle = start_client(Broken(), server.address, poll_wait_s=1.0)
+        handle = start_client(Broken(), server.address, poll_wait_s=1.0, on_event=events.append)
         wait_until(lambda: len(server.fleet.live_clients()) == 1, timeout=20, what="client to join")
         server.open_round(timeout_s=5)
-        with pytest.raises(RpcFailed) as err:
-            handle.join(timeout=30)
-        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
-        assert "claims 1000, the client reported 3 at join" in str(err.value)
         outcome = server.wait_round()
         assert outcome.results == [] and len(outcome.failures) == 1
+        # The failure report closes the round; the event follows once the report returned.
+        wait_until(lambda: any(e.kind == "error" for e in events), timeout=20, what="the error event")
+        errors = [e for e in events if e.kind == "error"]
+        assert [e.round for e in errors] == [1]
+        assert "update refused: " in errors[0].detail
+        assert "claims 1000, the client reported 3 at join" in errors[0].detail
+        server.open_round(server_round=2, timeout_s=5)  # the same client, still joined, trains round 2
+        outcome = server.wait_round()
+        assert [r.num_examples for r in outcome.results] == [3] and outcome.failures == []
+        assert handle._thread.is_alive() and handle.error is None
     finally:
         server.stop()

@@ -18,7 +18,9 @@ from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
 from fedgrid.proto import serde
 from fedgrid.proto.tls import session_metadata
 from fedgrid.server.bounds import UpdateBounds
+from fedgrid.server.influence import Influence
 
+from attacks import Poisoner, Step, run_federation
 from harness import InProcessCoordinator
 
 HUGE = 2**64 - 1  # the largest uint64 a header can carry
@@ -226,3 +228,88 @@ def test_long_client_text_is_cut_in_the_log(probe, caplog):
         )
     line = next(r.getMessage() for r in caplog.records if "left" in r.getMessage())
     assert "z" * 200 + "'...(+800 chars)" in line and "z" * 201 not in line
+
+
+# Influence bounded by default (issue 26): what an admitted client can do with a claim or an update
+# that passes every per-upload check, deployed over gRPC and simulated, with the same bits.
+
+HONEST = (("honest-1", 1), ("honest-2", 2))
+
+
+def _honest(**kw):
+    return [Step(name, k, **kw) for name, k in HONEST]
+
+
+def _same(a, b) -> bool:
+    return list(a) == list(b) and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_a_claim_of_1e9_buys_exactly_what_a_claim_of_1e8_buys():
+    runs = {
+        claim: run_federation([*_honest(claim=700), Poisoner("liar", "steer", claim=claim)])
+        for claim in (10**9, 10**8)
+    }
+    assert _same(runs[10**9].model(), runs[10**8].model())
+    for claim, run in runs.items():
+        assert all(m.extra["claims_capped"] == 1.0 and m.clients_ok == 3 for m in run.engine.history)
+        assert [(e["name"], e["claimed"], e["cap"]) for e in run.seen("claim_capped")] == [
+            ("liar", claim, 7000)
+        ] * 3
+    # The liar holds 7000 / 8400 of the weight: bounded, not nothing (plain FedAvg; see the median below).
+    simulated = run_federation([*_honest(claim=700), Poisoner("liar", "steer", claim=10**9)], deployed=False)
+    assert _same(simulated.model(), runs[10**9].model())  # the simulation caps the same way
+    uncapped = {
+        claim: run_federation(
+            [*_honest(claim=700), Poisoner("liar", "steer", claim=claim)],
+            deployed=False,
+            influence=Influence(max_weight_ratio=0),
+        ).model()
+        for claim in (10**9, 10**8)
+    }
+    assert not _same(uncapped[10**9], uncapped[10**8])  # without the cap, the claim decides
+
+
+def test_under_median_a_claim_of_1e9_changes_nothing():
+    median = {"options": {"aggregator": "median"}, "deployed": False}
+    typical = run_federation([*_honest(), Poisoner("liar", "steer", claim=3)], **median)
+    greedy = run_federation([*_honest(), Poisoner("liar", "steer", claim=10**9)], **median)
+    assert _same(typical.model(), greedy.model())  # integer buffers too: the liar sent 10**6 steps
+    steps = 7
+    for _ in range(3):  # the honest clients send the round's steps back, the liar 10**6: counted once each
+        steps = round((2 * steps + 10**6) / 3)
+    assert int(greedy.model()["steps"]) == steps == 703706
+    deployed = run_federation([*_honest(), Poisoner("liar", "steer", claim=10**9)], options=median["options"])
+    assert _same(deployed.model(), greedy.model())
+
+
+@pytest.mark.parametrize("attack", ["scale", "huge"])
+def test_a_scaled_or_3e38_update_is_refused_by_default(attack):
+    run = run_federation([*_honest(), Poisoner("attacker", attack)])
+    assert [(m.clients_ok, m.clients_failed, m.extra["updates_refused"]) for m in run.engine.history] == [
+        (2, 1, 1.0)
+    ] * 3
+    refused = run.seen("update_refused")
+    assert [e["name"] for e in refused] == ["attacker"] * 3
+    distance = 4 * (1000 * 0.05 if attack == "scale" else 3e38)  # 16 floating values: a norm of 4 x the step
+    assert all(e["distance"] == pytest.approx(distance, rel=1e-5) and e["ratio"] == 10.0 for e in refused)
+    # The round's failure names the numbers; the attacker stays joined (its summary, not an error).
+    assert run.rounds == {"honest-1": 3, "honest-2": 3, "attacker": 3}
+    # The model is that of the two honest clients alone, bit for bit, in a deployment and in simulation.
+    alone = run_federation(_honest(), deployed=False)
+    assert _same(run.model(), alone.model())
+    assert _same(
+        run_federation([*_honest(), Poisoner("attacker", attack)], deployed=False).model(), alone.model()
+    )
+
+
+def test_honest_clients_survive_refusals_under_a_tight_norm_bound_and_the_run_completes():
+    # honest-2 steps 0.5 from round 2 on: 0.5 * sqrt(12) over w alone, over max_update_norm 1; its
+    # uploads are refused, it reports each as its round's failure and takes the next task.
+    clients = [Step("honest-1", 1), Step("honest-2", 2, far=0.5, far_from=2), Step("honest-3", 3)]
+    run = run_federation(clients, rounds=4, bounds=UpdateBounds(max_update_norm=1.0))
+    assert [m.round for m in run.engine.history] == [1, 2, 3, 4]
+    assert [(m.clients_ok, m.clients_failed) for m in run.engine.history] == [(3, 0), (2, 1), (2, 1), (2, 1)]
+    assert run.rounds == {"honest-1": 4, "honest-2": 1, "honest-3": 4}  # every client ran to the end
+    assert [e.round for e in run.errors["honest-2"]] == [2, 3, 4]
+    assert all("update norm 1.73205 is over max_update_norm 1" in e.detail for e in run.errors["honest-2"])
+    assert run.errors["honest-1"] == run.errors["honest-3"] == []

@@ -18,6 +18,7 @@ from fedgrid.client import Client, FitOutput, start_client
 from fedgrid.events import EventLog
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.fleet import Quorum
+from fedgrid.server.influence import Influence
 
 from harness import InProcessCoordinator, wait_until
 
@@ -68,6 +69,10 @@ class Run:
             join_timeout=timedelta(seconds=30),
             events=log,
             quorum=quorum,
+            # The slow worker steps 10x as far as the fast one, exactly the default distance
+            # bound: this test is about staleness weights (tests/unit/server/test_influence.py
+            # bounds late results).
+            influence=Influence(max_update_ratio=0),
         )
         self.fast = Stepper("fast", 1.0, 1, [])
         self.slow = Stepper("slow", 10.0, 4, slow_gates)

@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from fedgrid.client.runtime import Connection, RpcFailed
+from fedgrid.client.runtime import Connection, MisconfiguredConnection, RpcFailed
 from fedgrid.errors import ConfigError
 from fedgrid.ops import pki
 from fedgrid.proto import fedgrid_pb2 as pb
@@ -204,15 +204,15 @@ def test_the_client_refuses_a_coordinator_with_the_wrong_certificate(pki_dir, ca
         conn = Connection(
             coordinator.address, tls=_files(pki_dir, "alice"), retry_max_elapsed=0.5, rpc_timeout=5
         )
-        with pytest.raises(RpcFailed) as err:
+        with pytest.raises(MisconfiguredConnection) as err:
             conn.join(Named("x"))
         conn.close()
         assert err.value.code == grpc.StatusCode.UNAVAILABLE
         words = {
-            "wrong host name": "Hostname Verification",
-            "client certificate as server's": "unsupported certificate purpose",
+            "wrong host name": "holds the names elsewhere.example, not '127.0.0.1'",
+            "client certificate as server's": "(CN=bob) is not a server certificate",
         }[case]
-        assert words in str(err.value)  # the handshake's own reason reaches the SDK's error
+        assert words in str(err.value)  # the SDK names what is wrong with the certificate
         assert fleet.registry.records == {}
     finally:
         coordinator.stop(grace=0.5)
@@ -345,9 +345,9 @@ def test_the_sdk_says_why_a_tls_coordinator_closed_its_plaintext_connection(serv
     with pytest.raises(RpcFailed) as err:
         conn.join(Named("plain"))
     conn.close()
-    assert (
-        err.value.code == grpc.StatusCode.UNAVAILABLE
-        and "requires mutual TLS closes plaintext connections" in str(err.value)
+    assert isinstance(err.value, MisconfiguredConnection) and err.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "it requires mutual TLS (it presented a certificate for localhost, 127.0.0.1): give --ca" in str(
+        err.value
     )
     assert spy.calls == []
 

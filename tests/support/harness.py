@@ -208,7 +208,7 @@ class CoordinatorRun:
         log_path: Path,
         *,
         trigger: tuple[int, str] | None = None,
-        sig: int = signal.SIGKILL,
+        sig: int | str = signal.SIGKILL,
     ) -> None:
         out.mkdir(parents=True, exist_ok=True)
         self.out = out
@@ -218,7 +218,8 @@ class CoordinatorRun:
         self.killed = threading.Event()
         self.log = open(log_path, "a")
         flags = ["--listen", "127.0.0.1:0", "--out", str(out), "--threads", str(THREADS), *args]
-        fault = [] if trigger is None else [str(trigger[0]), trigger[1], signal.Signals(sig).name]
+        name = sig if isinstance(sig, str) else signal.Signals(sig).name  # or "ENOSPC": a full disk
+        fault = [] if trigger is None else [str(trigger[0]), trigger[1], name]
         command = [
             sys.executable,
             str(Path(__file__).parent / "apps" / "event_coordinator.py"),

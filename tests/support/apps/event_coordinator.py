@@ -3,7 +3,9 @@
 as ``EVENT {json}``, as it happens, for the test to read without polling. Fault injection:
 with ``ROUND EVENT SIGNAL`` it sends itself ``SIGNAL`` (``SIGKILL`` or ``SIGTERM``) right
 after printing ``EVENT`` for a round at or after ``ROUND``, on the emitting thread, so a kill
-lands inside the phase that event opens, every time."""
+lands inside the phase that event opens, every time. ``SIGNAL`` may also be ``ENOSPC``: from
+then on every write under the state directory fails with "No space left on device"
+(``full_disk``). Errors end it as ``fedgrid coordinator`` ends: one line, exit status 1."""
 
 from __future__ import annotations
 
@@ -14,18 +16,22 @@ import sys
 import threading
 
 from fedgrid.cli import COORDINATOR_KEYS, build_parser, serve
-from fedgrid.config import load_config
+from fedgrid.cli.support import error_line
+from fedgrid.config import load_config, parse_flags
+from fedgrid.errors import FedgridError
 from fedgrid.events import Event
+from fedgrid.interrupts import stop_status
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/support
+from full_disk import install_full_disk  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
     split = argv.index("--")
     fault, flags = argv[:split], argv[split + 1 :]
-    trigger = (int(fault[0]), fault[1], getattr(signal, fault[2])) if fault else None
+    trigger = (int(fault[0]), fault[1], fault[2]) if fault else None
     args = build_parser().parse_args(["coordinator", *flags])
-    config = load_config(
-        args.config, {k: getattr(args, k) for k in COORDINATOR_KEYS if getattr(args, k, None) is not None}
-    )
+    config = load_config(args.config, parse_flags({k: getattr(args, k, None) for k in COORDINATOR_KEYS}))
     lock = threading.Lock()
     fired = False
 
@@ -41,10 +47,17 @@ def main(argv: list[str]) -> int:
                 and event.get("round", 0) >= trigger[0]
             ):
                 fired = True
-                os.kill(os.getpid(), trigger[2])
+                if trigger[2] == "ENOSPC":
+                    install_full_disk(config.state_dir)
+                else:
+                    os.kill(os.getpid(), getattr(signal, trigger[2]))
 
-    serve(config, on_event=hook)
-    return 0
+    try:
+        serve(config, on_event=hook)
+    except FedgridError as exc:
+        print(error_line(exc), file=sys.stderr)
+        return 1
+    return stop_status() or 0  # as `fedgrid coordinator` exits: 128 + the signal that stopped it
 
 
 if __name__ == "__main__":

@@ -85,12 +85,34 @@ def test_a_coordinator_address_without_a_good_port_is_refused(target, words, cap
     )
 
 
+@pytest.mark.parametrize(
+    "target, words",
+    [
+        ("http://127.0.0.1:50051", "starts with a scheme 'http://': expected HOST:PORT"),
+        ("dns:///coord.example.org:443", "starts with a scheme 'dns://'"),
+        ("unix:/run/fedgrid.sock", "starts with a scheme 'unix:'"),
+        ("coord/x:50051", "has host 'coord/x', not a host name or IP address"),
+        ("::1:50051", "has host '::1', not a host name or IP address"),
+    ],
+)
+def test_a_malformed_coordinator_address_is_refused_at_once(target, words, capsys):
+    # gRPC would look such a name up and retry it until the connect deadline (60 s).
+    with pytest.raises(ValueError, match=words):
+        Connection(target)
+    assert cli.main(["client", "--coordinator", target]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fedgrid: error: config key 'coordinator': coordinator address ") and words in err
+
+
+@pytest.mark.parametrize("flag", ["--give-up-after-s", "--connect-timeout-s"])
+def test_a_bound_that_is_not_positive_seconds_is_refused(flag, capsys):
+    assert cli.main(["client", "--coordinator", "127.0.0.1:9", flag, "0"]) == 2
+    assert "must be a positive number of seconds, got 0.0" in capsys.readouterr().err
+
+
 def test_good_addresses_pass():
-    assert [check_target(t) for t in ("localhost:50051", "[::1]:1", "10.0.0.1:65535")] == [
-        "localhost:50051",
-        "[::1]:1",
-        "10.0.0.1:65535",
-    ]
+    good = ("localhost:50051", "[::1]:1", "10.0.0.1:65535", "coord.example.org:443", "site_1:50051")
+    assert [check_target(t) for t in good] == list(good)
 
 
 def test_client_takes_its_keys_from_the_config_file_flags_winning(tmp_path, monkeypatch):
@@ -122,13 +144,15 @@ def test_client_takes_its_keys_from_the_config_file_flags_winning(tmp_path, monk
                     "0.5",
                     "--connect-timeout-s",
                     "7",
+                    "--give-up-after-s",
+                    "30",
                 ]
             )
             == 0
         )
     finally:
         torch.set_num_threads(threads)
-    assert seen["threads"] == 2 and seen["connect_timeout"] == 7.0
+    assert seen["threads"] == 2 and seen["connect_timeout"] == 7.0 and seen["retry_max_elapsed"] == 30.0
     args = cli.build_parser().parse_args(
         ["client", "--config", str(config), "--coordinator", "h:1", "--lr", "0.5"]
     )
@@ -176,6 +200,25 @@ def test_client_reports_what_its_file_and_flags_state_at_join(tmp_path, monkeypa
     )
     assert seen["reported"] == Capabilities("cuda", 2, 40 << 30)  # the flag wins over the file
     assert "fedgrid client 0/1: reports cuda x2, 40.0 GiB at join" in capsys.readouterr().out
+
+
+def test_a_replaced_client_exits_with_one_line_naming_its_identity(tmp_path, monkeypatch, capsys):
+    import grpc
+
+    from fedgrid.client import IdentityConflict
+
+    def fake_run(client, *, coordinator, **options):
+        raise IdentityConflict("PollTask", grpc.StatusCode.UNAUTHENTICATED, "session replaced", client.name)
+
+    monkeypatch.setattr("fedgrid.client.runtime.run_client", fake_run)
+    config = tmp_path / "run.toml"
+    config.write_text('dataset = "synthetic"\n')
+    argv = ["client", "--config", str(config), "--coordinator", "127.0.0.1:9", "--partition", "0/2"]
+    assert cli.main([*argv, "--threads", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("fedgrid: error: identity '")
+    assert "is taken: another process joined the coordinator as" in err
+    assert "Two processes with the same --partition or the same certificate?" in err
 
 
 def test_a_bad_report_flag_stops_the_client_in_one_line_and_is_no_coordinator_flag(capsys):

@@ -89,7 +89,7 @@ def test_a_torch_client_reports_its_training_device(monkeypatch):
 def test_the_report_keys_become_an_override():
     assert caps.override_from(load_config()) == CapabilityOverride()
     config = load_config(
-        overrides={"report_device": "cuda", "report_accelerators": "4", "report_memory": "24GiB"}
+        overrides={"report_device": "cuda", "report_accelerators": 4, "report_memory": "24GiB"}
     )
     assert caps.override_from(config) == CapabilityOverride("cuda", 4, 24 << 30)
     assert caps.override_from(load_config(overrides={"report_accelerators": 0})) == CapabilityOverride(

@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import tomllib
 
-from fedgrid.config import Config, config_keys, load_config
+from fedgrid.config import Config, config_keys, load_config, parse_flags
 from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S
 from fedgrid.errors import ConfigError, FedgridError
 
@@ -23,7 +24,7 @@ def test_defaults_are_valid():
     assert config.rounds == 10 and config.clients == 10 and config.min_clients == 2
     assert config.fraction_fit == 1.0 and config.local_epochs == 2 and config.lr == 0.1
     assert config.seed == 0 and config.dataset == "digits" and config.partition == ""
-    assert config.strategy == "fedavg" and config.listen == "0.0.0.0:50051"
+    assert config.strategy == "fedavg" and config.listen == "127.0.0.1:50051"  # loopback: no flags needed
     assert config.chunk_size == CHUNK_SIZE and config.heartbeat_interval_s == HEARTBEAT_INTERVAL_S
     assert config.out == "" and config.state_dir == ""
 
@@ -54,7 +55,7 @@ def test_simulation_keys_from_toml(tmp_path):
         'weight_decay = 0.01\nengine = "sequential"\nbatch_clients = 16\nprogress = false\ndropout_prob = 0.1\n'
         'speed = "lognormal:0.5"\nregions = "us:1,eu:1"\nexamples_per_second = 50\n',
     )
-    config = load_config(path, overrides={"momentum": "0"})
+    config = load_config(path, overrides=parse_flags({"momentum": "0"}))
     assert (config.dataset, config.partition, config.model, config.batch_size, config.optimizer) == (
         "synthetic",
         "shards:3",
@@ -119,10 +120,51 @@ def test_overrides_win_over_file(tmp_path):
     assert config.lr == 0.5  # None means "not given on the command line"
 
 
-def test_overrides_coerce_strings():
-    config = load_config(overrides={"rounds": "4", "lr": "0.25", "fraction_fit": "1", "out": "d"})
-    assert (config.rounds, config.lr, config.fraction_fit, config.out) == (4, 0.25, 1.0, "d")
+def test_flags_text_is_parsed_as_the_keys_types():
+    flags = parse_flags({"rounds": "4", "lr": "0.25", "fraction_fit": "1", "out": "d", "insecure": "YES"})
+    config = load_config(overrides={**flags, "seed": None})
+    assert (config.rounds, config.lr, config.fraction_fit, config.out, config.insecure) == (
+        4,
+        0.25,
+        1.0,
+        "d",
+        True,
+    )
     assert isinstance(config.rounds, int) and isinstance(config.fraction_fit, float)
+    with pytest.raises(ConfigError, match=r"config key 'rounds': expected int, got '4.0'$"):
+        parse_flags({"rounds": "4.0"})
+    with pytest.raises(ConfigError, match=r"config key 'progress': expected bool, got 'maybe'$"):
+        parse_flags({"progress": "maybe"})
+    with pytest.raises(ConfigError, match=r"config key 'roundz': unknown key \(did you mean 'rounds'\?\)"):
+        parse_flags({"roundz": "4"})
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ('rounds = "5"', r"expected int, got a string '5' \(a string: without the quotes, rounds = 5\)$"),
+        ("rounds = 5.0", r"expected int, got a float 5.0 \(a whole number, without a decimal point\)$"),
+        ("rounds = true", r"expected int, got a boolean True$"),
+        ('lr = "0.1"', r"expected float, got a string '0.1'"),
+        ('insecure = "true"', r"expected bool, got a string 'true'"),
+        ("insecure = 1", r"expected bool, got an integer 1$"),
+        ("partition = 5", r"expected str, got an integer 5$"),
+        ('rounds = "five"', r"expected int, got a string 'five'$"),
+    ],
+)
+def test_toml_types_are_checked_one_way(tmp_path, text, words):
+    """An integer key takes only integers: a quoted number and a float are both refused."""
+    key = text.split(" ")[0]
+    with pytest.raises(ConfigError, match=rf"config key '{key}': {words}") as info:
+        load_config(_write(tmp_path, text + "\n"))
+    assert info.value.key == key
+    with pytest.raises(ConfigError, match=rf"config key '{key}': expected"):  # Python overrides alike
+        load_config(overrides=tomllib.loads(text))
+
+
+def test_a_float_key_takes_a_toml_integer(tmp_path):
+    config = load_config(_write(tmp_path, "lr = 1\nround_timeout_s = 30\n"))
+    assert (config.lr, config.round_timeout_s) == (1.0, 30.0) and isinstance(config.lr, float)
 
 
 def test_unknown_key_in_file_names_key(tmp_path):
@@ -301,7 +343,7 @@ def test_strategy_options_from_toml_and_flags(tmp_path):
         tmp_path,
         'strategy = "fedadam"\nserver_lr = 0.05\naggregator = "trimmed-mean"\naggregator_beta = 0.2\n',
     )
-    config = load_config(path, overrides={"server_beta1": "0.8", "aggregator_weighted": "true"})
+    config = load_config(path, overrides=parse_flags({"server_beta1": "0.8", "aggregator_weighted": "true"}))
     assert config.strategy_options() == {
         "aggregator": "trimmed-mean",
         "aggregator_beta": 0.2,
@@ -370,7 +412,7 @@ def test_threads_key_from_toml_and_flags(tmp_path):
     assert load_config().threads == 0  # torch's own default
     path = _write(tmp_path, "threads = 3\n")
     assert load_config(path).threads == 3
-    assert load_config(path, {"threads": "1"}).threads == 1
+    assert load_config(path, parse_flags({"threads": "1"})).threads == 1
 
 
 def test_environment_table_of_a_run_directory_is_read_back(tmp_path, caplog):

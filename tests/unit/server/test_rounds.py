@@ -1,12 +1,12 @@
-"""Message-phase rules: what a client may send (``check_outbox``) and who receives what (``relay``)."""
+"""Message-phase rules (``check_outbox``, ``relay``) and handing an open task to a rejoining session."""
 
 from __future__ import annotations
 
 import pytest
 
 from fedgrid.errors import InvalidUpdateError, PayloadTooLargeError
-from fedgrid.server.rounds import check_outbox, relay
-from fedgrid.types import TO_ALL, TO_SERVER, MessageIns
+from fedgrid.server.rounds import RoundTask, check_outbox, relay
+from fedgrid.types import TO_ALL, TO_SERVER, ClientInfo, MessageIns
 
 INS = MessageIns(round=1, phase="keys", client_id="b", peers=("a", "b", "c"))
 
@@ -44,3 +44,45 @@ def test_relay_delivers_direct_and_broadcast_messages_to_senders_only():
         "b": [("a", b"A"), ("c", b"c->b")],
         "c": [("a", b"A")],
     }
+
+
+def _task(kind: str = "fit") -> RoundTask:
+    from fedgrid.types import FitIns
+
+    infos = [ClientInfo(client_id=f"old{i}", name=f"site-{i}") for i in range(3)]
+    return RoundTask(
+        server_round=2,
+        task_id="run-r2-fit",
+        kind=kind,
+        assignments={info.client_id: FitIns(round=2, config={"seed": i}) for i, info in enumerate(infos)},
+        clients={info.client_id: info for info in infos},
+        deadline=0.0,
+    )
+
+
+def test_a_rejoining_session_takes_its_open_task_over_in_place():
+    from fedgrid.types import Failure
+
+    rnd = _task()
+    rnd.failures["old1"] = Failure(rnd.clients["old1"], "client went silent (no heartbeat)")
+    rnd.departed.add("old1")
+    new = ClientInfo(client_id="new1", name="site-1")
+    assert rnd.hand_over(new) == "old1"
+    assert list(rnd.assignments) == ["old0", "new1", "old2"]  # its place in the order kept
+    assert rnd.assignments["new1"].config == {"seed": 1} and rnd.clients["new1"] is new
+    assert "old1" not in rnd.failures and rnd.is_pending("new1") and rnd.pending_count() == 3
+    assert rnd.hand_over(ClientInfo(client_id="new0", name="site-0")) == "old0"  # pending, alive: replaced
+    assert rnd.hand_over(ClientInfo(client_id="x", name="unknown")) is None
+
+
+def test_a_task_that_landed_failed_by_report_or_closed_is_not_handed_over():
+    from fedgrid.types import Failure, FitRes
+
+    rnd = _task()
+    rnd.results["old0"] = FitRes(rnd.clients["old0"], {}, 1)
+    rnd.failures["old1"] = Failure(rnd.clients["old1"], "client reported: ValueError")  # not a departure
+    assert rnd.hand_over(ClientInfo(client_id="n0", name="site-0")) is None
+    assert rnd.hand_over(ClientInfo(client_id="n1", name="site-1")) is None
+    rnd.closed = True
+    assert rnd.hand_over(ClientInfo(client_id="n2", name="site-2")) is None
+    assert _task("keys").hand_over(ClientInfo(client_id="n2", name="site-2")) is None  # a message phase

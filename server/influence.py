@@ -1,0 +1,290 @@
+"""What one admitted client can do to a round: its weight is capped, and an update far from
+the others is refused.
+
+A certificate proves who a client is, not that it is honest. Two rules run on every fit
+round's results once the round has closed, in the round engine (``RoundEngine._fit``), so
+every fleet (``RemoteFleet``, the simulated fleets, a replay, a region's) applies them the
+same way, to the same results, with the same bits:
+
+1. **Distance.** Each update's L2 distance from the model its task sent (``base``; a late
+   result's own task model; floating tensors, in float64, ``bounds.UpdateNorm``) is compared
+   with the *lower median* distance of the round's updates of the same tensors. An update
+   farther than ``max_update_ratio`` times that median is refused: it becomes its client's
+   ``Failure`` for the round, naming both numbers. This stops a scaled update (x1e3) and a
+   finite model of 3e38 values, which per-update checks accept. Updates of other tensors (a
+   block-coordinate client training another block) are compared among themselves.
+2. **Weight.** The claims (``num_examples``) of the updates left are capped: a claim counts
+   for at most its identity's quota (``client_quotas``, for a cross-silo federation whose
+   sizes are known) and at most ``max_weight_ratio`` times the round's lower median claim
+   (after quotas). A claim over its cap counts as the cap: ``FitRes.num_examples`` is
+   replaced, so every weighted mean, the staleness weight of a late result, the weighted
+   train loss and a region's examples upstream all read the capped count. A claim of 10**9
+   then buys exactly what a claim of 10**8 buys.
+
+Both medians are taken over the results in hand when the round closes (fresh results and the
+late ones merged into it), not over the claims made at Join: the set a round aggregates is
+what the determinism contract fixes, so the caps do not depend on arrival order or on who
+joined. The *lower* median (``statistics.median_low``) is an actual client's value: with two
+clients it is the smaller, so one client of two can neither inflate the reference nor hide
+behind it. An honest majority keeps the median honest; attackers who are the majority of a
+round own it whatever the rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import statistics
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping
+
+import tomllib
+import torch
+
+from fedgrid.errors import ConfigError, InvalidUpdateError
+from fedgrid.events import EventLog
+from fedgrid.server.bounds import UpdateNorm
+from fedgrid.server.fleet import LateResult, RoundOutcome
+from fedgrid.textsafe import escape
+from fedgrid.types import Failure, FitRes
+
+if TYPE_CHECKING:
+    from fedgrid.config import Config
+
+__all__ = [
+    "Influence",
+    "build_influence",
+    "load_quotas",
+    "update_distance",
+    "CLAIMS_CAPPED",
+    "UPDATES_REFUSED",
+]
+
+log = logging.getLogger(__name__)
+
+#: ``RoundMetrics.extra`` keys: claims counted at their cap, updates refused as too far (when non-zero).
+CLAIMS_CAPPED = "claims_capped"
+UPDATES_REFUSED = "updates_refused"
+#: Defaults of ``max_weight_ratio`` and ``max_update_ratio``: generous enough for honest
+#: differences in data size and drift, small enough that one client is never the whole mean.
+DEFAULT_WEIGHT_RATIO = 10.0
+DEFAULT_UPDATE_RATIO = 10.0
+
+
+@dataclass(frozen=True)
+class Influence:
+    """The caps on one round's results (module docstring).
+
+    Args:
+        max_weight_ratio: a claim counts for at most this times the round's lower median
+            claim; 0: no ratio cap.
+        client_quotas: identity (``ClientInfo.name``) -> the most examples its claim counts
+            for; identities not listed have the ratio cap only.
+        max_update_ratio: an update farther from its task's model than this times the round's
+            lower median distance is refused; 0: off.
+
+    Raises:
+        ValueError: a ratio that is not 0 or a finite number at least 1, or a quota below 1.
+    """
+
+    max_weight_ratio: float = DEFAULT_WEIGHT_RATIO
+    client_quotas: Mapping[str, int] = field(default_factory=dict)
+    max_update_ratio: float = DEFAULT_UPDATE_RATIO
+
+    def __post_init__(self) -> None:
+        for key in ("max_weight_ratio", "max_update_ratio"):
+            value = getattr(self, key)
+            if not (value == 0 or (math.isfinite(value) and value >= 1)):
+                raise ValueError(f"{key} must be 0 (off) or a finite number at least 1, got {value}")
+        for name, quota in self.client_quotas.items():
+            if isinstance(quota, bool) or not isinstance(quota, int) or quota < 1:
+                raise ValueError(
+                    f"client quota of {escape(name)} must be an integer at least 1, got {quota!r}"
+                )
+
+    @property
+    def off(self) -> bool:
+        return not (self.max_weight_ratio or self.client_quotas or self.max_update_ratio)
+
+    def bound(
+        self,
+        server_round: int,
+        outcome: RoundOutcome[FitRes],
+        base: Mapping[str, torch.Tensor],
+        *,
+        events: EventLog | None = None,
+    ) -> RoundOutcome[FitRes]:
+        """``outcome`` with its far updates (fresh or late) refused, each its client's ``Failure``,
+        and the claims of the rest capped; ``extra`` counts both when non-zero.
+
+        Args:
+            server_round: the round (for messages and events).
+            outcome: the fleet's outcome of the round's fit phase.
+            base: the state the round's tasks sent (``Strategy.downlink_state``).
+            events: where ``update_refused`` and ``claim_capped`` go.
+        """
+        if self.off or not (outcome.results or outcome.late):
+            return outcome
+        fresh, late = list(outcome.results), list(outcome.late)
+        refused: list[Failure] = []
+        if self.max_update_ratio:
+            fresh, late, refused = self._refuse_far(server_round, fresh, late, base, events)
+        fresh, late, count = self._cap_claims(server_round, fresh, late, events)
+        extra = dict(outcome.extra)
+        if count:
+            extra[CLAIMS_CAPPED] = float(count)
+        if refused:
+            extra[UPDATES_REFUSED] = float(len(refused))
+        return dataclasses.replace(
+            outcome, results=fresh, late=late, failures=list(outcome.failures) + refused, extra=extra
+        )
+
+    def _cap_claims(
+        self, server_round: int, fresh: list[FitRes], late: list[LateResult], events: EventLog | None
+    ) -> tuple[list[FitRes], list[LateResult], int]:
+        """``fresh`` and ``late`` with each claim over its cap replaced by the cap; how many were."""
+        results = fresh + [item.result for item in late]
+        if not results:
+            return fresh, late, 0
+        quotas = [self.client_quotas.get(r.client.name) for r in results]
+        counted = [r.num_examples if q is None else min(r.num_examples, q) for r, q in zip(results, quotas)]
+        limit = (
+            math.floor(self.max_weight_ratio * statistics.median_low(counted)) if self.max_weight_ratio else 0
+        )
+        count = 0
+        for i, (res, quota) in enumerate(zip(results, quotas)):
+            cap = min(c for c in (quota, limit or None, res.num_examples) if c is not None)
+            if res.num_examples <= cap:
+                continue
+            count += 1
+            why = (
+                "its client_quotas entry"
+                if cap == quota
+                else (f"max_weight_ratio {self.max_weight_ratio:g} x the round's median claim")
+            )
+            log.info(
+                "round %d: client %s claims %d examples, counted as %d (%s)",
+                server_round,
+                escape(res.client.name or res.client.client_id),
+                res.num_examples,
+                cap,
+                why,
+            )
+            if events is not None:
+                events.emit(
+                    "claim_capped",
+                    round=server_round,
+                    client=res.client.client_id,
+                    name=res.client.name,
+                    claimed=res.num_examples,
+                    cap=cap,
+                )
+            capped = dataclasses.replace(res, num_examples=cap)
+            if i < len(fresh):
+                fresh[i] = capped
+            else:
+                late[i - len(fresh)] = dataclasses.replace(late[i - len(fresh)], result=capped)
+        return fresh, late, count
+
+    def _refuse_far(
+        self,
+        server_round: int,
+        fresh: list[FitRes],
+        late: list[LateResult],
+        base: Mapping[str, torch.Tensor],
+        events: EventLog | None,
+    ) -> tuple[list[FitRes], list[LateResult], list[Failure]]:
+        """The fresh and late results within ``max_update_ratio`` of their group's lower median
+        distance, and the refused ones as failures."""
+        measured: list[tuple[FitRes, float, frozenset[str]]] = [
+            (r, update_distance(r, base), _part(r)) for r in fresh
+        ] + [(item.result, update_distance(item.result, item.base), _part(item.result)) for item in late]
+        groups: dict[frozenset[str], list[float]] = {}
+        for _, distance, part in measured:
+            groups.setdefault(part, []).append(distance)
+        medians = {part: statistics.median_low(ds) for part, ds in groups.items()}
+        refused: dict[int, Failure] = {}
+        for i, (res, distance, part) in enumerate(measured):
+            median, limit = medians[part], self.max_update_ratio * medians[part]
+            if distance <= limit:
+                continue
+            reason = (
+                f"update refused: its distance {distance:.6g} from the round's model is over "
+                f"max_update_ratio {self.max_update_ratio:g} x the round's median distance {median:.6g} "
+                f"({len(groups[part])} updates)"
+            )
+            refused[i] = Failure(res.client, reason)  # the engine logs it with the round's failures
+            if events is not None:
+                events.emit(
+                    "update_refused",
+                    round=server_round,
+                    client=res.client.client_id,
+                    name=res.client.name,
+                    distance=distance,
+                    median=median,
+                    ratio=self.max_update_ratio,
+                )
+        kept_fresh = [r for i, r in enumerate(fresh) if i not in refused]
+        kept_late = [item for i, item in enumerate(late) if len(fresh) + i not in refused]
+        return kept_fresh, kept_late, [refused[i] for i in sorted(refused)]
+
+
+def _part(res: FitRes) -> frozenset[str]:
+    """The floating tensors ``res`` holds: updates of the same ones are compared."""
+    return frozenset(n for n, t in res.state.items() if t.dtype.is_floating_point or t.dtype.is_complex)
+
+
+def update_distance(res: FitRes, base: Mapping[str, torch.Tensor]) -> float:
+    """The L2 norm of ``res``'s difference from ``base`` over its floating tensors (float64);
+    a delta result's tensors (and a tensor ``base`` lacks) are taken as differences as they are."""
+    meter = UpdateNorm(base, math.inf)
+    try:
+        for name, value in res.state.items():
+            ref = base.get(name)
+            meter.add(name, value, difference=res.delta or ref is None or ref.shape != value.shape)
+    except InvalidUpdateError:  # NaN: finite tensors were checked at acceptance, so never in practice
+        return math.inf
+    return meter.value
+
+
+def load_quotas(path: str | os.PathLike[str]) -> dict[str, int]:
+    """The quotas of a TOML file of ``"identity" = examples`` lines.
+
+    Raises:
+        ConfigError: (key ``client_quotas``) the file cannot be read or parsed, or a value is
+            not an integer at least 1.
+    """
+    try:
+        with open(path, "rb") as f:
+            table: dict[str, Any] = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(
+            "client_quotas", f"cannot read {os.fspath(path)!r}: {exc.strerror or exc}"
+        ) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("client_quotas", f"{os.fspath(path)!r} is not TOML: {exc}") from None
+    for name, quota in table.items():
+        if isinstance(quota, bool) or not isinstance(quota, int) or quota < 1:
+            raise ConfigError(
+                "client_quotas",
+                f"{os.fspath(path)!r}: the quota of {escape(name)} must be an integer at least 1 "
+                f'(lines of "identity" = examples), got {quota!r}',
+            )
+    return dict(table)
+
+
+def build_influence(config: "Config") -> Influence:
+    """The influence caps of a run's configuration (``max_weight_ratio``, ``client_quotas``,
+    ``max_update_ratio``).
+
+    Raises:
+        ConfigError: an unreadable or malformed quota file.
+    """
+    quotas = load_quotas(config.client_quotas) if config.client_quotas else {}
+    return Influence(
+        max_weight_ratio=config.max_weight_ratio,
+        client_quotas=quotas,
+        max_update_ratio=config.max_update_ratio,
+    )

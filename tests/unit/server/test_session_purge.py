@@ -1,0 +1,107 @@
+"""The registry keeps no dead sessions: silent ones are purged, the total is bounded, Joins
+are logged at a bounded rate, and a session is found from its token alone (issue 26)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+
+from fedgrid.constants import LOG_BURST_LINES, MAX_SESSIONS
+from fedgrid.errors import AuthenticationError, ResourceLimitError, SessionReplacedError
+from fedgrid.events import EventLog
+from fedgrid.server.registry import Registry
+from fedgrid.server.wakeups import Wakeups
+from fedgrid.types import ClientInfo
+
+
+def _registry(heartbeat_s: float, max_sessions: int) -> Registry:
+    return Registry(
+        Wakeups(threading.RLock()),
+        EventLog(),
+        heartbeat_s,
+        lambda record, why: None,
+        max_sessions=max_sessions,
+    )
+
+
+def _anonymous() -> ClientInfo:
+    return ClientInfo(client_id="", name="", num_examples=1)
+
+
+def test_twenty_thousand_anonymous_joins_are_not_all_kept(caplog):
+    registry = _registry(60.0, max_sessions=1_000)
+    refused = []
+    with caplog.at_level(logging.INFO, logger="fedgrid.server.registry"):
+        for _ in range(20_000):
+            try:
+                registry.join(_anonymous())
+            except ResourceLimitError as exc:
+                refused.append(str(exc))
+    assert len(registry.records) == 1_000 and len(refused) == 19_000
+    assert refused[0] == "coordinator full: 1000 sessions (limit 1000); retry later"
+    # 216 bytes a Join on today's main: 20,000 lines. Now the first few, and summaries.
+    lines = [r.getMessage() for r in caplog.records if r.name == "fedgrid.server.registry"]
+    assert len(lines) <= 2 * LOG_BURST_LINES and sum("joined as" in line for line in lines) == LOG_BURST_LINES
+
+
+@pytest.fixture
+def clock(monkeypatch) -> list[float]:
+    """The registry's monotonic clock, set by the test (``clock[0]``)."""
+    import types
+
+    import fedgrid.server.registry as registry_module
+
+    now = [0.0]
+    monkeypatch.setattr(registry_module, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    return now
+
+
+def test_silent_sessions_are_purged_and_a_rejoin_always_fits(clock):
+    registry = _registry(1.0, max_sessions=3)
+    named = {n: registry.join(ClientInfo(client_id="", name=n, num_examples=1)) for n in ("a", "b", "c")}
+    with pytest.raises(ResourceLimitError, match="coordinator full: 3 sessions"):
+        registry.join(_anonymous())
+    # A client restarting under its name replaces its session: never refused for room.
+    info, token = registry.join(ClientInfo(client_id="", name="a", num_examples=1))
+    assert registry.session(token).info.client_id == info.client_id
+    clock[0] += 2.9  # "a" called at 0, "b" and "c" never: none silent for 3 intervals yet
+    with pytest.raises(ResourceLimitError):
+        registry.join(_anonymous())
+    clock[0] += 0.2
+    registry.join(_anonymous())  # "b" and "c" purged to make room; "a" too (silent since 0)
+    assert len(registry.records) == 1
+    with pytest.raises(AuthenticationError, match="bad session token: it names no session"):
+        registry.session(named["b"][1])  # purged with its session: the token is gone too
+
+
+def test_with_the_default_bound_silent_sessions_go_as_new_ones_come(clock):
+    now = clock
+    registry = _registry(1.0, max_sessions=MAX_SESSIONS)  # silent after 3 s
+    most = 0
+    for _ in range(20_000):  # the issue's flood: 20,000 Joins, one a millisecond
+        registry.join(_anonymous())
+        now[0] += 0.001
+        most = max(most, len(registry.records))
+    # Joins purge at least once a heartbeat interval: never more than 3 s + 1 s of them kept.
+    assert 3_000 <= most <= 4_001 and len(registry.records) <= 4_001
+
+
+def test_a_session_is_found_from_its_token_alone():
+    registry = _registry(60.0, max_sessions=10)
+    info, token = registry.join(ClientInfo(client_id="", name="site-1", num_examples=1))
+    assert registry.session(token).info == info
+    with pytest.raises(AuthenticationError, match="no session token: Join first"):
+        registry.session("")
+    with pytest.raises(AuthenticationError, match="bad session token: it names no session"):
+        registry.session(token + "x")
+    # Replaced by a newer Join of its identity: its token tells it so (issue 27's conflict).
+    newer, newer_token = registry.join(ClientInfo(client_id="", name="site-1", num_examples=1))
+    with pytest.raises(SessionReplacedError, match="replaced by a newer session"):
+        registry.session(token)
+    assert registry.session(newer_token).info == newer
+    with registry.lock:
+        registry.remove(newer.client_id, "left")
+    with pytest.raises(AuthenticationError, match="it names no session"):
+        registry.session(newer_token)
