@@ -27,6 +27,11 @@ def test_sigkill_mid_quorum_round_merges_every_result_exactly_once(tmp_path):
         *("--rounds", str(ROUNDS), "--min-clients", str(CLIENTS), "--seed", str(SEED)),
         *("--heartbeat-interval-s", "2", "--state-dir", str(tmp_path / "state")),
         *("--min-quorum", "1", "--grace-s", "0", "--max-staleness", "100"),
+        # The distance bound off: a result two rounds stale from early training can step over
+        # ten times as far as the fresh one it is measured against (observed 11.07 vs 0.907),
+        # and a refused result enters no merge. The subject here is exactly-once merging;
+        # tests/unit/server/test_influence.py bounds late results.
+        *("--max-update-ratio", "0"),
     ]
     triggers = [*KILLS, None]
     runs = [CoordinatorRun(out, common, log_path, trigger=triggers[0])]
