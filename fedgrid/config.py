@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -38,7 +38,9 @@ from fedgrid.config_groups import (
     STRATEGY_KEYS,
     STRATEGY_NAMES,
 )
+from fedgrid.config_region import RegionKeys
 from fedgrid.config_values import coerce, parse_text
+from fedgrid.config_values import key as _key
 from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S, MAX_NUM_EXAMPLES
 from fedgrid.errors import ConfigError
 
@@ -68,13 +70,10 @@ ENVIRONMENT_TABLE = "environment"
 _KINDS: dict[str, type] = {"int": int, "float": float, "str": str, "bool": bool}
 
 
-def _key(help_text: str, default: Any) -> Any:
-    return field(default=default, metadata={"help": help_text})
-
-
 @dataclass(frozen=True)
-class Config:
-    """Every setting of a run. Field docs double as ``--help`` text."""
+class _CoreKeys:
+    """The keys of the training loop, the transport, the server and simulation (``--help`` shows
+    them in this order, then those of the groups ``Config`` also inherits)."""
 
     rounds: int = _key("number of training rounds", 10)
     clients: int = _key("simulated clients (fedgrid simulate)", 10)
@@ -364,45 +363,17 @@ class Config:
         "rank that hangs fails the round after this long",
         300.0,
     )
-    upstream: str = _key("fedgrid region: HOST:PORT of the global coordinator it joins as one client", "")
-    name: str = _key(
-        "fedgrid region: its name ([A-Za-z0-9._-], at most 64): its client name upstream and its region label",
-        "",
-    )
-    regional_rounds: int = _key(
-        "fedgrid region, and simulate with hierarchy: H, regional rounds per global round (hierarchical local SGD)",
-        1,
-    )
-    hierarchy: bool = _key(
-        "simulation: the regions (the regions key) are tiers, as fedgrid region runs them: each aggregates its clients "
-        "regional_rounds rounds with region_strategy and the lan_codec uplink, then sends its model up (codec, "
-        "region_codecs: the WAN uplink) to the global strategy",
-        False,
-    )
-    region_strategy: str = _key(
-        "simulation with hierarchy: the regions' own strategy, with its defaults (the global tier's is strategy)",
-        "fedavg",
-    )
-    lan_codec: str = _key(
-        "simulation with hierarchy: the uplink codec from a region's clients to it (a region's codec)", "none"
-    )
-    upstream_ca: str = _key(
-        "fedgrid region, mutual TLS upstream: PEM CA bundle that signs the global coordinator's certificate",
-        "",
-    )
-    upstream_cert: str = _key(
-        "fedgrid region, mutual TLS upstream: the region's client certificate (its identity is its name upstream)",
-        "",
-    )
-    upstream_key: str = _key("fedgrid region, mutual TLS upstream: the region's client key", "")
-    upstream_server_name: str = _key(
-        "fedgrid region: the name the global coordinator's certificate holds, when not the host of upstream",
-        "",
-    )
     out: str = _key("run directory", "")
     state_dir: str = _key("durable coordinator state directory", "")
     fresh: bool = _key("start a new run though state_dir holds one (its files move to discarded-*/)", False)
     state_key: str = _key("file of a key (>= 32 bytes) authenticating checkpoints with HMAC-SHA256", "")
+
+
+@dataclass(frozen=True)
+class Config(RegionKeys, _CoreKeys):
+    """Every setting of a run; each key's ``--help`` text is its field's. An area's keys may
+    come from a group of its own module, a frozen dataclass of ``fedgrid.config_values.key``
+    fields that this class inherits (listed before ``_CoreKeys``, so that they follow it)."""
 
     def __post_init__(self) -> None:
         validate(self)

@@ -4,11 +4,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from fedgrid.errors import ConfigError
 
-__all__ = ["coerce", "parse_text"]
+__all__ = ["coerce", "parse_text", "key"]
+
+
+def key(help_text: str, default: Any) -> Any:
+    """A ``Config`` key: a dataclass field with its default and its ``--help`` text. The keys of
+    one area may live in a frozen dataclass of their own module that ``Config`` inherits
+    (``fedgrid.config``), so that the areas' keys are not all in one file."""
+    return dataclasses.field(default=default, metadata={"help": help_text})
+
 
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 
