@@ -52,6 +52,10 @@ def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("OMP_NUM_THREADS", "1")
+    # A client's backoff between retries is capped at 1 s, not 10: the tests restart a
+    # coordinator within seconds, and a client waiting out a long backoff after a restart idles
+    # the test (one once missed a whole resumed run, test_quorum_crash).
+    env.setdefault("FEDGRID_RETRY_MAX_WAIT_S", "1")
     apps = str(Path(__file__).parent / "apps")  # user apps for --app / --model
     env["PYTHONPATH"] = os.pathsep.join(p for p in (apps, env.get("PYTHONPATH", "")) if p)
     return env
