@@ -182,3 +182,38 @@ def test_the_zygote_forks_only_with_one_thread_and_no_fedgrid():
         env = {**child_env(), "PYTHONPATH": str(SUPPORT)}
         done = subprocess.run([sys.executable, "-c", check.format(setup=setup)], env=env, **RUN)
         assert expected in done.stdout, done.stderr
+
+
+def test_each_environment_gets_its_own_zygote_up_to_a_cap(tmp_path, monkeypatch):
+    """A variable an import may read (any but ``RUNTIME_ONLY``'s) picks another zygote; one set
+    only at run time (``KMP_*``, ``MASTER_PORT``) does not; past ``MAX_ZYGOTES`` a real process
+    starts."""
+    monkeypatch.setattr(zygote, "_zygotes", {})  # this test's own, closed at its end
+    monkeypatch.setattr(zygote, "MAX_ZYGOTES", 2)
+    monkeypatch.setattr(zygote, "counts", {"forked": 0, "real": 0})
+    script = tmp_path / "ppid.py"
+    script.write_text("import os\nprint(os.getppid(), os.environ['TAG'])\n")
+    base = child_env()
+    envs = [
+        {**base, "TAG": "a"},
+        {**base, "TAG": "b"},
+        {**base, "TAG": "a", "KMP_INIT_AT_FORK": "FALSE", "MASTER_PORT": "29500"},
+        {**base, "TAG": "c"},
+    ]
+    try:
+        done = [
+            zygote.run([sys.executable, str(script)], capture_output=True, text=True, env=e, timeout=120)
+            for e in envs
+        ]
+        pids = [zyg.proc.pid for zyg in zygote._zygotes.values()]
+        assert len(pids) == 2
+        assert [d.stdout.split() for d in done[:3]] == [
+            [str(pids[0]), "a"],
+            [str(pids[1]), "b"],
+            [str(pids[0]), "a"],
+        ]
+        assert done[3].stdout.split() == [str(os.getpid()), "c"]  # a real child of this process
+        assert zygote.counts == {"forked": 3, "real": 1}
+    finally:
+        for zyg in zygote._zygotes.values():
+            zyg.close()

@@ -50,7 +50,16 @@ SERVER = Path(__file__).with_name("zygote_server.py")
 #: Variables that may differ between the zygote and a child it forks: none of the modules the
 #: zygote imports reads them (fedgrid, which reads ``FEDGRID_*`` at import time, is imported in
 #: the child; the apps in ``apps/`` read theirs when they run; pytest's are pytest's).
-RUNTIME_ONLY = ("FEDGRID_", "PYTEST_", "SLOW_APP_")
+#: Set inside a test process by what it ran, and read only when used, never by the zygote's
+#: imports: torch.distributed's rendezvous and socket variables (set by in-process DDP tests and
+#: ``client/parallel.py``), the Hugging Face Hub's (``simulation/language.py``; the hub is not
+#: preloaded), the OpenMP runtime's that importing scikit-learn sets (the zygote imports it too).
+RUNTIME_ONLY = (
+    *("FEDGRID_", "PYTEST_", "SLOW_APP_"),
+    *("GLOO_", "NCCL_", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_", "HF_", "TRANSFORMERS_", "KMP_"),
+)
+#: At most this many zygotes per test process, one per environment (see ``comparable``).
+MAX_ZYGOTES = 3
 #: ``Popen`` arguments a forked child honours; any other sends the command to a real process.
 SUPPORTED = frozenset(
     {"stdin", "stdout", "stderr", "env", "cwd", "text", "universal_newlines", "encoding", "errors", "bufsize"}
@@ -243,8 +252,11 @@ class ZygotePopen(subprocess.Popen):
             self._pidfd = -1
 
 
-_zygote: Zygote | None = None
+_zygotes: dict[frozenset[tuple[str, str]], Zygote] = {}
 _lock = threading.Lock()
+#: How the processes of this test process started: ``forked`` from a zygote, or as ``real``
+#: processes because the environment differed from every zygote's (MAX_ZYGOTES were running).
+counts = {"forked": 0, "real": 0}
 
 
 def comparable(env: dict[str, str]) -> dict[str, str]:
@@ -277,13 +289,15 @@ def request_for(args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any] |
 
 
 def _zygote_for(env: dict[str, str]) -> Zygote | None:
-    """The zygote, started on first use; ``None`` when ``env`` differs from its environment
-    in a variable that its imports may have read."""
-    global _zygote
+    """The zygote of ``env``'s variables that imports may read (``comparable``), started on
+    first use; ``None`` when MAX_ZYGOTES of other environments run."""
+    key = frozenset(comparable(env).items())
     with _lock:
-        if _zygote is None:
-            _zygote = Zygote(env)
-        return _zygote if comparable(env) == _zygote.env else None
+        if key not in _zygotes and len(_zygotes) < MAX_ZYGOTES:
+            _zygotes[key] = Zygote(env)
+        zygote = _zygotes.get(key)
+        counts["real" if zygote is None else "forked"] += 1
+        return zygote
 
 
 def popen(args: Sequence[Any], **kwargs: Any) -> subprocess.Popen:
