@@ -8,8 +8,9 @@
 
 Each test gets its folder's marker (``pytest -m unit``) and timeout, so neither is set by hand;
 ``make test-fast`` runs ``unit`` and ``integration``. ``support/`` holds what the tiers share:
-the harness that starts coordinators and clients, test clients, attacks and the apps that
-``--app`` loads; it is put on ``sys.path`` here.
+the harness that starts coordinators and clients (forked from a zygote that has imported torch
+and the rest once: ``support/zygote.py``; ``FEDGRID_TEST_ZYGOTE=0`` starts real processes), test
+clients, attacks and the apps that ``--app`` loads; it is put on ``sys.path`` here.
 """
 
 from __future__ import annotations

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
+import zygote
 from harness import FEDGRID, THREADS, child_env, start_client, start_coordinator, wait_until
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*FEDGRID, *args], capture_output=True, text=True, env=child_env(), timeout=120)
+    return zygote.run([*FEDGRID, *args], capture_output=True, text=True, env=child_env(), timeout=120)
 
 
 @pytest.mark.parametrize(
@@ -127,7 +128,7 @@ def test_simulate_progress_off(tmp_path):
 
 # -- a CLI that behaves: Ctrl-C, a second Ctrl-C, a coordinator that is not there ----------
 def _popen(*args: str, env: dict[str, str] | None = None, log=None) -> subprocess.Popen:
-    return subprocess.Popen(
+    return zygote.popen(
         [*FEDGRID, *args],
         stdout=log or subprocess.PIPE,
         stderr=subprocess.STDOUT if log else subprocess.PIPE,

@@ -8,7 +8,6 @@ from __future__ import annotations
 import fcntl
 import os
 import stat
-import subprocess
 from datetime import timedelta
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from fedgrid.server.app import Coordinator
 from fedgrid.server.enrollment import EnrollmentServer
 from fedgrid.server.remote_fleet import RemoteFleet
 
+import zygote
 from harness import FEDGRID, THREADS, child_env, start_coordinator, wait_until
 from harness_clients import Named
 
@@ -335,7 +335,7 @@ def test_cli_client_enrolls_then_trains_over_mtls(tmp_path, ca_dir):
         token_file = tmp_path / "edge.token"  # as `fedgrid certs token --out` writes it: off the command line
         token_file.write_text(pki.issue_token(ca_dir, name="edge-cli") + "\n")
         files = device(tmp_path, ca_dir)
-        client = subprocess.run(
+        client = zygote.run(
             [
                 *FEDGRID,
                 "client",

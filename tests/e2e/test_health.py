@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import socket
-import subprocess
 import sys
 from datetime import timedelta
 
@@ -16,6 +15,7 @@ from fedgrid.server.app import Coordinator
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.service import SERVICE
 
+import zygote
 from harness import child_env
 
 #: ``python -m fedgrid.ops.health``: what docker/compose.yaml's health checks run.
@@ -55,7 +55,7 @@ def test_serving_not_serving_and_nothing_listening_over_plaintext():
         assert check(coordinator.address, service="no.such.Service", timeout=10).line.endswith(
             "no health status for service 'no.such.Service' (not a fedgrid coordinator?)"
         )
-        done = subprocess.run(
+        done = zygote.run(
             [*PROBE, coordinator.address], capture_output=True, text=True, env=child_env(), timeout=60
         )
         assert (done.returncode, done.stdout, done.stderr) == (
@@ -73,7 +73,7 @@ def test_serving_not_serving_and_nothing_listening_over_plaintext():
         coordinator.stop(grace=0.5)
 
     address = f"127.0.0.1:{free_port()}"
-    done = subprocess.run(
+    done = zygote.run(
         [*PROBE, address, "--timeout", "2"], capture_output=True, text=True, env=child_env(), timeout=60
     )
     assert done.returncode == 1 and done.stdout == ""
@@ -113,7 +113,7 @@ def test_mutual_tls_probe_and_the_fedgrid_health_command(certs):
         assert not plaintext.serving and "UNAVAILABLE" in plaintext.line
 
         flags = ["--ca", probe["ca"], "--cert", probe["cert"], "--key", probe["key"]]
-        done = subprocess.run(
+        done = zygote.run(
             [sys.executable, "-m", "fedgrid.cli", "health", coordinator.address, *flags],
             capture_output=True,
             text=True,
@@ -125,7 +125,7 @@ def test_mutual_tls_probe_and_the_fedgrid_health_command(certs):
             f"fedgrid health: {coordinator.address}: SERVING (fedgrid.v1.Coordinator)\n",
         )
         # Unreadable TLS files are unhealthy (1, never Docker's reserved 2), with the file named.
-        done = subprocess.run(
+        done = zygote.run(
             [
                 *PROBE,
                 coordinator.address,

@@ -22,6 +22,7 @@ from fedgrid.config import load_config
 from fedgrid.events import Event
 from fedgrid.simulation.tasks import builtin_client
 
+import zygote
 from harness import THREADS, wait_until
 
 ROUNDS = 3
@@ -270,7 +271,6 @@ def test_processes_serve_http_from_their_flags(tmp_path):
     """``fedgrid coordinator --http`` and ``fedgrid client --http`` as processes: the coordinator
     waits for a second client, so both stay up while they are read."""
     import re
-    import subprocess
     import sys
 
     from harness import child_env, start_client, start_coordinator
@@ -307,7 +307,7 @@ def test_processes_serve_http_from_their_flags(tmp_path):
         assert got[("fedgrid_client_rounds_trained_total", ())] == 0
         assert got[("fedgrid_client_bytes_total", (("direction", "up"),))] == 0
         assert _metrics(_get(base + "/metrics").decode())[("fedgrid_live_clients", ())] == 1
-        shown = subprocess.run(
+        shown = zygote.run(
             [sys.executable, "-m", "fedgrid.cli", "status", base.removeprefix("http://")],
             capture_output=True,
             text=True,

@@ -25,6 +25,7 @@ from fedgrid.client import start_client
 from fedgrid.client.parallel import ParallelClient, ParallelSpec
 from fedgrid.types import FitIns
 
+import zygote
 from harness import FEDGRID, InProcessCoordinator, child_env, start_coordinator, wait_until
 
 APPS = Path(__file__).parents[1] / "support" / "apps"
@@ -188,9 +189,8 @@ def test_fedgrid_client_on_two_ranks_completes_a_run(tmp_path, launch):
         command = _client_cli(address, *FEDGRID, extra=("--nproc-per-node", "2", "--parallel", "fsdp"))
     log = tmp_path / "client.log"
     try:
-        client = subprocess.run(
-            command, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=child_env(), timeout=240
-        )
+        run = subprocess.run if launch == "torchrun" else zygote.run  # torchrun: a real launcher
+        client = run(command, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=child_env(), timeout=240)
         assert coordinator.wait(timeout=60) == 0
     finally:
         coordinator.kill()

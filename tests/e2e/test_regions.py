@@ -20,6 +20,7 @@ from fedgrid.events import read_events
 from fedgrid.runlog import load_model, read_metrics
 from fedgrid.simulation.run import run_simulation
 
+import zygote
 from harness import FEDGRID, REFERENCE, THREADS, child_env, start_client, start_coordinator, wait_until
 
 ROUNDS, SEED = 2, 3
@@ -47,7 +48,7 @@ def _kill_all(procs: list[subprocess.Popen]) -> None:
 def start_region(out: Path, upstream: str, name: str, *args: str) -> tuple[subprocess.Popen, str]:
     """``fedgrid region`` on port 0; returns it with its address (``RUN_DIR/address``)."""
     log = open(out.parent / f"{out.name}.log", "w")
-    proc = subprocess.Popen(
+    proc = zygote.popen(
         [
             *FEDGRID,
             "region",
@@ -150,9 +151,7 @@ def test_two_regions_with_one_regional_round_are_flat_fedavg(tmp_path):
 
 
 def _start(command: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen(
-        command, stdout=open(log, "a"), stderr=subprocess.STDOUT, env={**child_env(), **env}
-    )
+    return zygote.popen(command, stdout=open(log, "a"), stderr=subprocess.STDOUT, env={**child_env(), **env})
 
 
 def test_a_region_killed_mid_round_rejoins_that_round_from_its_state(tmp_path, monkeypatch):
@@ -432,7 +431,7 @@ def test_a_region_that_loses_its_upstream_keeps_its_clients_and_joins_again(tmp_
         coordinator.kill()
         coordinator.wait(timeout=30)
         assert all(p.poll() is None for p in procs[1:])  # the regions and their clients stay
-        restarted = subprocess.Popen(
+        restarted = zygote.popen(
             [
                 *FEDGRID,
                 "coordinator",

@@ -30,6 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from fedgrid.client import start_client
 from fedgrid.ops.wan import MSS, WanLink, WanRelay, parse_hostport
 
+import zygote
 from harness import FEDGRID, InProcessCoordinator, child_env, wait_until
 from harness_clients import Named
 
@@ -330,7 +331,7 @@ def test_set_link_changes_the_delay_of_a_running_connection(echo):
 
 def test_the_fedgrid_wan_command_relays_and_exits_143_on_sigterm(echo, tmp_path: Path):
     address_file = tmp_path / "wan-address"
-    proc = subprocess.Popen(
+    proc = zygote.popen(
         [
             *FEDGRID,
             "wan",

@@ -1,5 +1,8 @@
 """Integration-test harness: real processes and real gRPC servers on ephemeral ports.
 
+The ``fedgrid`` processes start from the tests' zygote (``zygote.popen``: forked from a process
+that has imported torch and the rest once, or a real process when a fork would differ).
+
 Every process a test starts pins ``THREADS`` intra-op threads (``--threads``), and every
 in-process reference a test compares bitwise with them runs with the same count
 (``REFERENCE``): float results depend on the thread count (``fedgrid.determinism``).
@@ -26,6 +29,8 @@ import torch
 from fedgrid.server.app import Coordinator
 from fedgrid.server.remote_fleet import RemoteFleet
 
+import zygote
+
 FEDGRID = [sys.executable, "-m", "fedgrid.cli"]
 #: Intra-op threads of every fedgrid process the tests start (one: the machines have two
 #: cores and a test runs several processes at once).
@@ -47,6 +52,10 @@ def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("OMP_NUM_THREADS", "1")
+    # A client's backoff between retries is capped at 1 s, not 10: the tests restart a
+    # coordinator within seconds, and a client waiting out a long backoff after a restart idles
+    # the test (one once missed a whole resumed run, test_quorum_crash).
+    env.setdefault("FEDGRID_RETRY_MAX_WAIT_S", "1")
     apps = str(Path(__file__).parent / "apps")  # user apps for --app / --model
     env["PYTHONPATH"] = os.pathsep.join(p for p in (apps, env.get("PYTHONPATH", "")) if p)
     return env
@@ -58,7 +67,7 @@ def start_coordinator(
     """Starts ``fedgrid coordinator`` on port 0 (``env``: extra environment variables) and
     returns it with its address."""
     log = open(out.parent / f"{out.name}.coordinator.log", "w")
-    proc = subprocess.Popen(
+    proc = zygote.popen(
         [
             *FEDGRID,
             "coordinator",
@@ -87,7 +96,7 @@ def start_coordinator(
 
 
 def start_client(address: str, log_path: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen(
+    return zygote.popen(
         [*FEDGRID, "client", "--coordinator", address, "--threads", str(THREADS), *args],
         stdout=open(log_path, "w"),
         stderr=subprocess.STDOUT,
@@ -222,9 +231,7 @@ class CoordinatorRun:
             "--",
             *flags,
         ]
-        self.proc = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=self.log, text=True, env=child_env()
-        )
+        self.proc = zygote.popen(command, stdout=subprocess.PIPE, stderr=self.log, text=True, env=child_env())
         self._lock = threading.Lock()
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
