@@ -141,7 +141,9 @@ REGION_ONLY_KEYS = frozenset(
 QUORUM_KEYS = frozenset({"min_quorum", "grace_s", "max_staleness", "staleness_exponent"})
 #: Keys of differential privacy (``fedgrid.config_privacy``): a global coordinator's and a simulation's;
 #: ``fedgrid region`` takes none of them yet (docs/privacy.rst).
-PRIVACY_KEYS = frozenset({"dp_noise_multiplier", "dp_clip", "dp_epsilon", "dp_delta", "dp_accountant"})
+PRIVACY_KEYS = frozenset(
+    {"dp_noise_multiplier", "dp_clip", "dp_epsilon", "dp_delta", "dp_noise_key", "dp_accountant"}
+)
 #: Strategies whose clients' inner optimizer takes ``inner_lr`` instead of ``lr``.
 INNER_LR_STRATEGIES = ("diloco", "streaming-diloco")
 #: ``Config.lr``'s default: the only value of ``lr`` those strategies accept.

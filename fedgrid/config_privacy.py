@@ -29,8 +29,12 @@ __all__ = [
     "PRIVATE_STRATEGIES",
     "check_privacy",
     "parse_dp_clip",
+    "read_noise_key",
+    "NOISE_KEY_BYTES",
 ]
 
+#: The shortest noise key (an AES-256 key's length).
+NOISE_KEY_BYTES = 32
 #: Values of ``dp_accountant`` (``fedgrid.aggregation.accounting``).
 ACCOUNTANTS = ("rdp", "pld")
 #: ``dp_clip``'s word for adaptive clipping (Andrew et al. 2021), optionally ``adaptive:INITIAL``.
@@ -62,6 +66,12 @@ class PrivacyKeys:
         0.0,
     )
     dp_delta: float = _key("DP: the delta of the (epsilon, delta) guarantee", 1e-5)
+    dp_noise_key: str = _key(
+        "DP: a file of at least 32 secret bytes keying the noise (head -c 32 /dev/urandom > FILE); "
+        "empty: a coordinator draws a key (kept in its checkpoints), a simulation derives one from seed. "
+        "A simulation given the deployment's file draws its noise bit for bit",
+        "",
+    )
     dp_accountant: str = _key(
         "DP: the accountant of dp-accounting (the privacy extra): rdp (Renyi DP) or pld (privacy loss "
         "distributions, tighter)",
@@ -112,12 +122,34 @@ def check_privacy(config: Config) -> None:
             "dp_epsilon", f"must be a finite number at least 0 (0: no budget), got {config.dp_epsilon}"
         )
     if sigma == 0:
-        for key in ("dp_clip", "dp_epsilon"):
+        for key in ("dp_clip", "dp_epsilon", "dp_noise_key"):
             if getattr(config, key):
                 raise ConfigError(key, "needs dp_noise_multiplier above 0 (DP is off without noise)")
         return
     parse_dp_clip(config.dp_clip)
+    if config.dp_noise_key:
+        read_noise_key(config.dp_noise_key)
     _check_combinations(config)
+
+
+def read_noise_key(path: str) -> bytes:
+    """The noise key in file ``path`` (``dp_noise_key``): its bytes, at least ``NOISE_KEY_BYTES``.
+
+    Raises:
+        ConfigError: (key ``dp_noise_key``) an unreadable or short file.
+    """
+    try:
+        with open(path, "rb") as f:
+            key = f.read()
+    except OSError as exc:
+        raise ConfigError("dp_noise_key", f"cannot read {path!r}: {exc.strerror or exc}") from None
+    if len(key) < NOISE_KEY_BYTES:
+        raise ConfigError(
+            "dp_noise_key",
+            f"{path!r} holds {len(key)} bytes, at least {NOISE_KEY_BYTES} are needed "
+            "(head -c 32 /dev/urandom > FILE)",
+        )
+    return key
 
 
 def _check_combinations(config: Config) -> None:

@@ -23,8 +23,9 @@ a simulation's, a replay) applies it to the same results with the same bits:
 
 The noise key, the clip and the accountant's rounds are the stage's state, checkpointed with
 the round (``server/state.py``): a resumed coordinator redraws the noise of the round it redoes
-bit for bit and keeps the budget spent. A deployment's key is 32 bytes of ``os.urandom``; a
-simulation's is derived from its seed (``simulation_key``), so a simulation is reproducible.
+bit for bit and keeps the budget spent. The key is the ``dp_noise_key`` file's when one is
+given (a simulation given a deployment's file draws its noise bit for bit); else a deployment's
+is 32 bytes of ``os.urandom`` and a simulation's is derived from its seed (``simulation_key``).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from fedgrid.aggregation.privacy import (
     split_noise,
 )
 from fedgrid.aggregation.updates import client_delta
-from fedgrid.config_privacy import parse_dp_clip
+from fedgrid.config_privacy import parse_dp_clip, read_noise_key
 from fedgrid.errors import ConfigError, PrivacyBudgetError
 from fedgrid.types import FitRes, ModelState
 
@@ -207,12 +208,22 @@ def _noised(res: FitRes, update: ModelState, noise: ModelState, n: int) -> FitRe
     return dataclasses.replace(res, state=state, delta=True, weight=1.0)
 
 
-def build_privacy(config: "Config", *, key: bytes | None = None) -> Privacy | None:
-    """The DP stage of ``config`` (``None`` with DP off). ``key``: the noise key (a simulation's,
-    ``simulation_key``); ``None``: a fresh secret one (a deployment's; a resume restores its own)."""
+def build_privacy(config: "Config", *, simulation: bool = False) -> Privacy | None:
+    """The DP stage of ``config`` (``None`` with DP off). Its noise key: the ``dp_noise_key``
+    file's; else a simulation's is derived from ``seed`` (``simulation_key``) and a coordinator's
+    is fresh and secret (a resume restores the run's own from the checkpoint).
+
+    Raises:
+        ConfigError: an unreadable or short ``dp_noise_key`` file.
+    """
     if not config.dp_noise_multiplier:
         return None
     clip, adaptive = parse_dp_clip(config.dp_clip)
+    key = None
+    if config.dp_noise_key:
+        key = read_noise_key(config.dp_noise_key)
+    elif simulation:
+        key = simulation_key(config.seed)
     return Privacy(
         noise_multiplier=config.dp_noise_multiplier,
         clip=clip,
