@@ -21,7 +21,7 @@ import logging
 import math
 from typing import Any, Mapping
 
-__all__ = ["Accountant", "epsilon_of", "ACCOUNTANT_KINDS"]
+__all__ = ["Accountant", "epsilon_of", "calibrate_noise_multiplier", "ACCOUNTANT_KINDS"]
 
 ACCOUNTANT_KINDS = ("rdp", "pld")
 #: A round group: (sampling rate q, noise multiplier sigma, rounds).
@@ -74,6 +74,27 @@ def epsilon_of(kind: str, groups: tuple[Group, ...], delta: float) -> float:
         accountant.compose(dpa.SelfComposedDpEvent(event, count))
         composed = True
     return float(accountant.get_epsilon(delta)) if composed else 0.0
+
+
+def calibrate_noise_multiplier(
+    *, epsilon: float, delta: float, q: float, rounds: int, kind: str = "rdp", tol: float = 1e-3
+) -> float:
+    """The smallest noise multiplier (within ``tol``) whose ``rounds`` rounds at sampling rate ``q``
+    spend at most ``epsilon`` at ``delta`` (dp-accounting's ``calibrate_dp_mechanism``).
+
+    Raises:
+        ValueError: ``epsilon`` not above 0, ``q`` not in (0, 1], or ``rounds`` below 1.
+    """
+    if not epsilon > 0 or not 0 < q <= 1 or rounds < 1:
+        raise ValueError(f"needs epsilon > 0, q in (0, 1], rounds >= 1; got {epsilon}, {q}, {rounds}")
+    dpa = _import()
+    accountant = dpa.rdp.RdpAccountant if kind == "rdp" else dpa.pld.PLDAccountant
+
+    def event(sigma: float) -> Any:
+        return dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(sigma)), rounds)
+
+    guess = dpa.LowerEndpointAndGuess(0.1, 1.0)
+    return float(dpa.calibrate_dp_mechanism(accountant, event, epsilon, delta, guess, tol=tol))
 
 
 class Accountant:
