@@ -58,6 +58,7 @@ def _key_lists() -> dict[str, list[str]]:
     from fedgrid.config import (
         CLIENT_ONLY_KEYS,
         COORDINATOR_ONLY_KEYS,
+        PRIVACY_KEYS,
         QUORUM_KEYS,
         REGION_ONLY_KEYS,
         SIMULATION_ONLY_KEYS,
@@ -79,6 +80,7 @@ def _key_lists() -> dict[str, list[str]]:
             "http_linger_s",
             "eval_every",  # a region evaluates nothing of its own: the global coordinator does
             *QUORUM_KEYS,
+            *PRIVACY_KEYS,
         )
     ] + ["regional_rounds", *sorted(REGION_ONLY_KEYS)]
     client_config = [

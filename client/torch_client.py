@@ -22,6 +22,7 @@ from fedgrid.client.algorithms import (
 )
 from fedgrid.client.api import Client, EvaluateOutput, FitOutput, OwnedState
 from fedgrid.client.loaders import NotPlainLoader, PlainLoader, plain_loader
+from fedgrid.client.local_dp import LocalDP
 from fedgrid.client.lookahead import LookaheadMixin
 from fedgrid.client.precision import autocast
 from fedgrid.seeding import RNG_LOCK, derive_seed
@@ -87,6 +88,8 @@ class TorchClient(LookaheadMixin, Client):
             model with an ``nn.Conv2d`` on the CPU. The uploaded state is contiguous either
             way. The same client code trains a simulation and a deployment, so the two stay
             bit-identical.
+        local_dp: DP-SGD through Opacus (``fedgrid.client.local_dp``, docs/privacy.rst): each
+            example's gradient clipped, noise on every step, ``local_epsilon`` in the fit metrics.
     """
 
     #: Whether a task may ask for a time budget (``inner_time_s``): each rank of a multi-process
@@ -107,6 +110,7 @@ class TorchClient(LookaheadMixin, Client):
         name: str = "",
         region: str = "",
         memory_format: str = "auto",
+        local_dp: LocalDP | None = None,
     ) -> None:
         if memory_format not in MEMORY_FORMATS:
             raise ValueError(
@@ -125,6 +129,7 @@ class TorchClient(LookaheadMixin, Client):
         self.name = name
         self.region = region
         self._algorithms: dict[str, ClientAlgorithm] = {}
+        self.local_dp = local_dp
         self._inner_optimizer: torch.optim.Optimizer | None = None
         self._lookahead = None
         self._plain: tuple[object, object, PlainLoader | None] | None = (
@@ -241,7 +246,8 @@ class TorchClient(LookaheadMixin, Client):
         # at join; the coordinator refuses a claim above that): H steps may cycle the data.
         held = self.num_examples
         num_examples = (min(seen, held) if held else seen) if steps else seen // epochs
-        return FitOutput(state=out, num_examples=num_examples, metrics={"loss": loss_sum / seen})
+        metrics = {"loss": loss_sum / seen, **(self.local_dp.metrics() if self.local_dp else {})}
+        return FitOutput(state=out, num_examples=num_examples, metrics=metrics)
 
     def _train_task(
         self,
@@ -264,6 +270,11 @@ class TorchClient(LookaheadMixin, Client):
             if "lr" in ctx.config:
                 for group in optimizer.param_groups:
                     group["lr"] = float(ctx.config["lr"])
+            if self.local_dp is not None:  # DP-SGD: per-example clipping and noise at each step
+                batch = int(getattr(self.train_loader, "batch_size", None) or 0)
+                optimizer = self.local_dp.optimizer(
+                    optimizer, batch_size=batch, examples=self.num_examples, seed=self.round_seed(ins)
+                )
             named = OrderedDict((n, p) for n, p in self.model.named_parameters() if p.requires_grad)
             algorithm.begin(params=named, ctx=ctx)
             loss_sum, seen = self._train(
@@ -374,8 +385,8 @@ class TorchClient(LookaheadMixin, Client):
 
     def _training_module(self) -> nn.Module:
         """The module a fit calls, once its trainable parameters are set (``self.model`` here;
-        a DDP wrapper of it on a data-parallel client)."""
-        return self.model
+        a DDP wrapper of it on a data-parallel client; with local DP, Opacus' per-example wrapper)."""
+        return self.local_dp.module(self.model) if self.local_dp is not None else self.model
 
     #: The forward passes' precision (``fedgrid.client.precision``: ``auto``, ``bf16`` or
     #: ``fp32``); the built-in clients set the ``precision`` key's value.
@@ -410,6 +421,8 @@ class TorchClient(LookaheadMixin, Client):
             else copy.deepcopy(self._inner_optimizer.state_dict()),
             "lookahead": self._lookahead_state(),
         }
+        if self.local_dp is not None:  # its accountant: a restored client keeps its budget
+            state["local_dp"] = self.local_dp.state_dict()
         for name in ALGORITHMS:  # every one, so the keys do not depend on which have run
             for key, value in self.algorithm(name).state_dict().items():
                 if key in state:
@@ -427,6 +440,8 @@ class TorchClient(LookaheadMixin, Client):
             self.inner_optimizer.load_state_dict(copy.deepcopy(state["inner_optimizer"]))
         else:
             self._inner_optimizer = None
+        if self.local_dp is not None and state.get("local_dp") is not None:
+            self.local_dp.load_state_dict(state["local_dp"])
         for name in ALGORITHMS:
             self.algorithm(name).load_state_dict(state)
 

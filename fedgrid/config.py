@@ -31,6 +31,7 @@ from fedgrid.config_groups import (
     COORDINATOR_ONLY_KEYS,
     ENGINES,
     LR_DEFAULT,
+    PRIVACY_KEYS,
     QUORUM_KEYS,
     REGION_ONLY_KEYS,
     SELECTORS,
@@ -38,6 +39,7 @@ from fedgrid.config_groups import (
     STRATEGY_KEYS,
     STRATEGY_NAMES,
 )
+from fedgrid.config_privacy import PrivacyKeys
 from fedgrid.config_region import RegionKeys
 from fedgrid.config_values import coerce, parse_text
 from fedgrid.config_values import key as _key
@@ -60,6 +62,7 @@ __all__ = [
     "CLIENT_ONLY_KEYS",
     "REGION_ONLY_KEYS",
     "QUORUM_KEYS",
+    "PRIVACY_KEYS",
 ]
 
 log = logging.getLogger(__name__)
@@ -370,7 +373,7 @@ class _CoreKeys:
 
 
 @dataclass(frozen=True)
-class Config(RegionKeys, _CoreKeys):
+class Config(PrivacyKeys, RegionKeys, _CoreKeys):
     """Every setting of a run; each key's ``--help`` text is its field's. An area's keys may
     come from a group of its own module, a frozen dataclass of ``fedgrid.config_values.key``
     fields that this class inherits (listed before ``_CoreKeys``, so that they follow it)."""

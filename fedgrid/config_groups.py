@@ -16,6 +16,7 @@ __all__ = [
     "COORDINATOR_ONLY_KEYS",
     "CLIENT_ONLY_KEYS",
     "REGION_ONLY_KEYS",
+    "PRIVACY_KEYS",
     "INNER_LR_STRATEGIES",
     "LR_DEFAULT",
 ]
@@ -138,6 +139,11 @@ REGION_ONLY_KEYS = frozenset(
 #: Keys of semi-asynchronous rounds (``min_quorum``): a global coordinator's; ``fedgrid region``'s own
 #: rounds are synchronous (a region is one learner upstream), so it takes none of them.
 QUORUM_KEYS = frozenset({"min_quorum", "grace_s", "max_staleness", "staleness_exponent"})
+#: Keys of differential privacy (``fedgrid.config_privacy``): a global coordinator's and a simulation's;
+#: ``fedgrid region`` takes none of them yet (docs/privacy.rst).
+PRIVACY_KEYS = frozenset(
+    {"dp_noise_multiplier", "dp_clip", "dp_epsilon", "dp_delta", "dp_noise_key", "dp_accountant"}
+)
 #: Strategies whose clients' inner optimizer takes ``inner_lr`` instead of ``lr``.
 INNER_LR_STRATEGIES = ("diloco", "streaming-diloco")
 #: ``Config.lr``'s default: the only value of ``lr`` those strategies accept.

@@ -34,6 +34,7 @@ __all__ = [
     "StorageError",
     "RoundLostError",
     "RecoveryError",
+    "PrivacyBudgetError",
 ]
 
 #: The trailing-metadata key of a refusal's ``FedgridError.reason``.
@@ -151,6 +152,11 @@ class RoundLostError(FedgridError):
     """Every result of a round was lost (its clients or regions died, left or went silent):
     the round fails and runs again under the same number; raised to stop the run only once it
     was lost more times in a row than the engine retries."""
+
+
+class PrivacyBudgetError(FedgridError):
+    """The next round would spend more than the run's ``(dp_epsilon, dp_delta)`` budget: the run
+    stops before it, its last committed round final (``fedgrid.server.privacy``)."""
 
 
 class RecoveryError(FedgridError):

@@ -28,6 +28,7 @@ their fields below are a contract.
 | ``checkpoint_written`` | ``round`` | it is durable |
 | ``round_committed`` | ``round`` | checkpoint, history and metrics hold the round |
 | ``round_failed`` | ``round``, ``reason`` | the round's aggregate was not finite: the previous model stays, no checkpoint is written, history and metrics hold the round (``round_failed: 1``) |
+| ``privacy_budget_reached`` | ``round`` (the round not run), ``reason`` (its epsilon, ``dp_epsilon`` and ``dp_delta``) | the round would have spent more than the DP budget: the run ends after the round before it (``server/privacy.py``) |
 | ``stopped`` | ``committed`` (rounds) | a graceful stop (SIGTERM) ended the run early |
 | ``finished`` | ``rounds`` | the run is complete and the model written |
 

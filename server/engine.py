@@ -35,6 +35,7 @@ from fedgrid.errors import (
     ConfigError,
     InterruptedRunError,
     NonFiniteAggregateError,
+    PrivacyBudgetError,
     RoundLostError,
     StorageError,
 )
@@ -44,6 +45,7 @@ from fedgrid.server.disk import storage_errors
 from fedgrid.server.fleet import Fleet, Quorum, RoundOutcome
 from fedgrid.server.influence import Influence
 from fedgrid.server.late_merge import late_to_merge
+from fedgrid.server.privacy import Privacy, restore_privacy
 from fedgrid.server.round_failures import ROUND_FAILED, LostRounds, check_not_lost, first_non_finite
 from fedgrid.server.state import StateStore
 from fedgrid.textsafe import escape
@@ -129,6 +131,8 @@ class RoundEngine:
             (``server/round_failures.py``). 0: such a round is committed with no results.
         influence: the caps on each fit round's results once it closed (``server/influence.py``):
             far updates refused, claims capped. Default: ``Influence()``, on.
+        privacy: differential privacy of the fit rounds (``server/privacy.py``): clipping and noise
+            after the influence caps, the budget checked before each round. ``None``: off.
     """
 
     def __init__(
@@ -151,9 +155,11 @@ class RoundEngine:
         quorum: Quorum | None = None,
         round_retries: int = 0,
         influence: Influence | None = None,
+        privacy: Privacy | None = None,
     ) -> None:
         self.strategy = strategy
         self.influence = influence if influence is not None else Influence()
+        self.privacy = privacy
         self.quorum = quorum
         self.fleet = fleet
         self.rounds = rounds
@@ -197,6 +203,7 @@ class RoundEngine:
             return 1
         self.strategy.load_state_dict(ckpt.strategy)
         self.fleet.load_state_dict(ckpt.fleet)
+        restore_privacy(self.privacy, ckpt.privacy, ckpt.path.name)  # a budget is never reset
         self.history = [RoundMetrics.from_json(m) for m in ckpt.history]
         self.store.sync_history(ckpt.history)
         log.info("resuming after round %d (checkpoint %s)", ckpt.round, ckpt.path.name)
@@ -234,6 +241,7 @@ class RoundEngine:
                 strategy=self.strategy.state_dict(),
                 fleet=self.fleet.state_dict(),
                 history=[m.to_json() for m in self.history],
+                privacy=self.privacy.state_dict() if self.privacy is not None else None,
             )
             self.events.emit("checkpoint_written", round=metrics.round)
         self.fleet.committed(metrics.round)
@@ -270,7 +278,7 @@ class RoundEngine:
                 self._check_finite(server_round, phase, self.strategy.global_state)
             # ... then everything the checkpoint would hold (optimizer moments overflow too).
             self._check_finite(server_round, "the end of the round", self.strategy.state_dict())
-        except (InterruptedRunError, RoundLostError, StorageError):
+        except (InterruptedRunError, RoundLostError, StorageError, PrivacyBudgetError):
             # Stopped, lost or refused after a phase had aggregated (fit, before evaluate): the
             # state in memory goes back to the committed one, which a graceful stop writes out.
             self.strategy.load_state_dict(before)
@@ -327,6 +335,8 @@ class RoundEngine:
         if self.quorum is not None:
             self._check_quorum(server_round, len(assignments), len(clients))
             quorum = {"quorum": self.quorum}
+        if self.privacy is not None:  # stops the run before a round over budget is run
+            self.privacy.check_budget(server_round, selected=len(assignments), live=len(clients))
         outcome = self.fleet.fit_round(
             server_round=server_round,
             global_state=sent,
@@ -343,6 +353,9 @@ class RoundEngine:
         self._report_fit(server_round, outcome)
         late = self._late(server_round, outcome) if self.quorum is not None else []
         results = outcome.results + late
+        if self.privacy is not None:  # clipped and noised after the influence caps (server/privacy.py)
+            results, dp_metrics = self.privacy.apply(server_round, results, sent, live=len(clients))
+            tally.extra.update(dp_metrics)
         if not getattr(self.strategy, "accepts_deltas", False):
             # It reads results as models (docs/updates.rst); a late one: current + its difference.
             results = [as_model(sent, r) for r in results]
@@ -460,6 +473,9 @@ class RoundEngine:
             log.info("%s", exc)
             self._stopped()
             return None
+        except PrivacyBudgetError as exc:  # the run is over: its last committed round is final
+            log.warning("%s", exc)
+            self.events.emit("privacy_budget_reached", round=server_round, reason=str(exc))
         except StorageError as exc:
             # One line (the caller's): the path and the free space. Clients hear UNAVAILABLE and
             # retry; the last good checkpoint stays, and a restart resumes from it.

@@ -57,7 +57,7 @@ import os
 import re
 import sqlite3
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -157,6 +157,8 @@ class Checkpoint:
     fleet: Mapping[str, Any]
     history: Sequence[Mapping[str, Any]]
     path: Path
+    #: The differential privacy stage's state (``server/privacy.py``); empty without DP.
+    privacy: Mapping[str, Any] = field(default_factory=dict)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -230,6 +232,7 @@ class StateStore:
         strategy: Mapping[str, Any],
         fleet: Mapping[str, Any],
         history: Sequence[Mapping[str, Any]],
+        privacy: Mapping[str, Any] | None = None,
     ) -> Path:
         """Writes the checkpoint of ``server_round`` atomically (mode 0600), then records its
         metrics in SQLite.
@@ -244,6 +247,7 @@ class StateStore:
                 "strategy": dict(strategy),
                 "fleet": dict(fleet),
                 "history": list(history),
+                "privacy": dict(privacy or {}),
             }
         )
         path = self.dir / checkpoint_name(server_round)
@@ -292,7 +296,14 @@ class StateStore:
         payload = _verified(path.name, data, key)
         try:
             obj = content_of(payload)
-            ckpt = Checkpoint(int(obj["round"]), obj["strategy"], obj["fleet"], obj["history"], path)
+            ckpt = Checkpoint(
+                int(obj["round"]),
+                obj["strategy"],
+                obj["fleet"],
+                obj["history"],
+                path,
+                obj.get("privacy") or {},
+            )
         except Exception as exc:
             raise CorruptCheckpointError(f"{path.name}: cannot decode: {exc}") from None
         named = _NAME.match(path.name)

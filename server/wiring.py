@@ -27,6 +27,7 @@ from fedgrid.server.engine import EvaluateFn, RoundEngine
 from fedgrid.server.fleet import quorum_of
 from fedgrid.server.influence import build_influence
 from fedgrid.server.monitor import CoordinatorMonitor
+from fedgrid.server.privacy import build_privacy
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.state import StateStore, read_state_key
 from fedgrid.server.strategies import build_capability_filter, build_strategy
@@ -164,6 +165,7 @@ def wire(
         quorum=quorum_of(config),
         round_retries=ROUND_RETRIES,
         influence=influence,
+        privacy=build_privacy(config),  # a fresh secret noise key; a resume restores the run's
     )
     return Wired(writer, events, fleet, engine, monitor)
 

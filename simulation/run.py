@@ -19,6 +19,7 @@ from fedgrid.server.engine import RoundEngine
 from fedgrid.server.fleet import QUORUM_NEEDS_REPLAY, Fleet, quorum_of
 from fedgrid.server.influence import build_influence
 from fedgrid.server.memory import keep_large_buffers
+from fedgrid.server.privacy import build_privacy
 from fedgrid.server.strategies import build_strategy
 from fedgrid.simulation.fleet import InProcessFleet
 from fedgrid.simulation.heterogeneity import ClientProfiles
@@ -284,6 +285,7 @@ def _run(
         stop=stop,
         quorum=quorum_of(config),
         influence=influence,
+        privacy=build_privacy(config, simulation=True),
     )
     log.info("engine: %s (%s)", fleet.engine, fleet.engine_reason)
     if on_start is not None:

@@ -36,6 +36,7 @@ PAGES = [
     "monitoring",
     "multigpu",
     "multisite",
+    "privacy",
     "quickstart",
     "regions",
     "reports",
