@@ -225,7 +225,12 @@ def _clients(config: Config, factory: Callable[..., Client]) -> list[Client]:
     """Clients ``0..config.clients - 1`` from ``factory``: the built-in one gets the run's data and
     training options (``client_options``), a custom ``app`` none."""
     options = {} if config.app else client_options(config)
-    return [factory(i, config.clients, config.seed, **options) for i in range(config.clients)]
+    clients = [factory(i, config.clients, config.seed, **options) for i in range(config.clients)]
+    if config.secagg:  # each with its identity key, all trusting each other's (fedgrid.client.secagg)
+        from fedgrid.client.secagg import with_secagg
+
+        return list(with_secagg(clients))
+    return clients
 
 
 def _run_fleet(config: Config, fleet: InProcessFleet, rank: int, world: int) -> Fleet:
