@@ -80,7 +80,14 @@ class SecAgg(Strategy):
     accepts_deltas = True
 
     def __init__(
-        self, inner: Strategy, *, bits: int = 32, clip: float = 1.0, neighbours: int = 0, threshold: int = 0, seed: int = 0
+        self,
+        inner: Strategy,
+        *,
+        bits: int = 32,
+        clip: float = 1.0,
+        neighbours: int = 0,
+        threshold: int = 0,
+        seed: int = 0,
     ) -> None:
         if set(inner.phases(server_round=1)) - {FIT, EVALUATE}:
             raise ConfigError("secagg", f"{type(inner).__name__} has message phases of its own")
@@ -109,7 +116,9 @@ class SecAgg(Strategy):
     def downlink_state(self, *, server_round: int) -> ModelState:
         return self.inner.downlink_state(server_round=server_round)
 
-    def configure_evaluate(self, *, server_round: int, clients: Sequence[ClientInfo]) -> list[tuple[ClientInfo, EvaluateIns]]:
+    def configure_evaluate(
+        self, *, server_round: int, clients: Sequence[ClientInfo]
+    ) -> list[tuple[ClientInfo, EvaluateIns]]:
         return self.inner.configure_evaluate(server_round=server_round, clients=clients)
 
     def aggregate_evaluate(
@@ -150,7 +159,12 @@ class SecAgg(Strategy):
     def _message_config(self) -> dict[str, Any]:
         assert self._round is not None
         r = self._round
-        return {"secagg_run": r.run, "secagg_k": r.k, "secagg_threshold": r.threshold, "secagg_graph": r.graph_seed.hex()}
+        return {
+            "secagg_run": r.run,
+            "secagg_k": r.k,
+            "secagg_threshold": r.threshold,
+            "secagg_graph": r.graph_seed.hex(),
+        }
 
     def configure_messages(
         self, *, server_round: int, phase: str, clients: Sequence[ClientInfo]
@@ -167,11 +181,17 @@ class SecAgg(Strategy):
         elif phase == UNMASK:
             chosen = self._unmask_request(server_round)
             if self._request is not None:
-                config |= {"secagg_survivors": ",".join(self._request[0]), "secagg_dropped": ",".join(self._request[1])}
+                config |= {
+                    "secagg_survivors": ",".join(self._request[0]),
+                    "secagg_dropped": ",".join(self._request[1]),
+                }
         else:
             raise ValueError(f"unknown secagg phase {phase!r}")
         return [
-            (self._selected[cid][0], MessageIns(round=server_round, phase=phase, peers=r.participants, config=config))
+            (
+                self._selected[cid][0],
+                MessageIns(round=server_round, phase=phase, peers=r.participants, config=config),
+            )
             for cid in chosen
         ]
 
@@ -198,7 +218,9 @@ class SecAgg(Strategy):
             return {"secagg_shared": float(len(self._round.sent_to))}
         return self._finish(server_round, {cid: m.get(TO_SERVER, b"") for cid, m in sent.items()})
 
-    def configure_round(self, *, server_round: int, clients: Sequence[ClientInfo]) -> list[tuple[ClientInfo, FitIns]]:
+    def configure_round(
+        self, *, server_round: int, clients: Sequence[ClientInfo]
+    ) -> list[tuple[ClientInfo, FitIns]]:
         assert self._round is not None, f"fit before {ADVERTISE}"
         r = self._round
         chosen = [cid for cid in r.participants if cid in r.sent_to]
@@ -218,7 +240,9 @@ class SecAgg(Strategy):
             out.append((info, FitIns(round=server_round, config=config, expected=expected)))
         return out
 
-    def aggregate(self, *, server_round: int, results: Sequence[FitRes], failures: Sequence[Failure]) -> dict[str, float]:
+    def aggregate(
+        self, *, server_round: int, results: Sequence[FitRes], failures: Sequence[Failure]
+    ) -> dict[str, float]:
         """Keeps the masked inputs; the model changes once they are unmasked."""
         for res in results:
             tensor = res.state.get(MASKED)
@@ -240,6 +264,8 @@ class SecAgg(Strategy):
         except SecAggAbortedError as exc:
             log.error("%s", exc)
             return {"secagg_aborted": 1.0}
+        #: The last unmasked ring sum and whose inputs it holds (what tests check bit for bit).
+        self.last_sum, self.last_survivors = total, list(alive)
         share = sum(self._weights[cid] for cid in alive)
         scale = ring_scale(bits=self.bits, clip=self.clip, clients=len(self._weights))
         mean = dequantize(total, scale=scale, bits=self.bits) / share
@@ -254,7 +280,19 @@ class SecAgg(Strategy):
         fits = [self._fit[cid] for cid in alive]
         examples = sum(res.num_examples for res in fits)
         losses = [(res.num_examples, res.metrics["loss"]) for res in fits if "loss" in res.metrics]
-        metrics = {"loss": sum(n * v for n, v in losses) / max(sum(n for n, _ in losses), 1)} if losses else {}
-        one = FitRes(client=ClientInfo(client_id="secagg", name="secagg"), state=model, num_examples=max(examples, 1), metrics=metrics)
+        metrics = (
+            {"loss": sum(n * v for n, v in losses) / max(sum(n for n, _ in losses), 1)} if losses else {}
+        )
+        one = FitRes(
+            client=ClientInfo(client_id="secagg", name="secagg"),
+            state=model,
+            num_examples=max(examples, 1),
+            metrics=metrics,
+        )
         out = self.inner.aggregate(server_round=server_round, results=[one], failures=[])
-        return {**out, "secagg_aborted": 0.0, "secagg_survivors": float(len(alive)), "secagg_dropped": float(len(dropped))}
+        return {
+            **out,
+            "secagg_aborted": 0.0,
+            "secagg_survivors": float(len(alive)),
+            "secagg_dropped": float(len(dropped)),
+        }

@@ -49,7 +49,7 @@ def _plan(ins: MessageIns) -> RoundPlan:
         raise SecAggRefusedError(f"round {ins.round}: a malformed secure-aggregation task ({exc})") from None
 
 
-def _ids(text: Scalar) -> list[str]:
+def _ids(text: Scalar | None) -> list[str]:
     return [cid for cid in str(text or "").split(",") if cid]
 
 
@@ -64,7 +64,12 @@ class SecAggClient(Client):
     """
 
     def __init__(
-        self, inner: Client, *, signer: Ed25519PrivateKey, keyring: Keyring, add_noise: NoiseHook | None = None
+        self,
+        inner: Client,
+        *,
+        signer: Ed25519PrivateKey,
+        keyring: Keyring,
+        add_noise: NoiseHook | None = None,
     ) -> None:
         self.inner = inner
         self.name, self.region = inner.name, inner.region
@@ -72,6 +77,8 @@ class SecAggClient(Client):
         self.party = SecAggParty(client_name=inner.name, signer=signer, keyring=keyring)
         self.add_noise = add_noise
         self.residual: torch.Tensor | None = None  # error feedback, in the update's units
+        #: The ring integers of its last masked input, before masking (kept here, never sent).
+        self.last_input: torch.Tensor | None = None
 
     @property
     def num_examples(self) -> int:
@@ -100,7 +107,10 @@ class SecAggClient(Client):
         if ins.phase == SHARE:
             return self.party.share(ins.round)
         if ins.phase == UNMASK:
-            survivors, dropped = _ids(ins.config.get("secagg_survivors")), _ids(ins.config.get("secagg_dropped"))
+            survivors, dropped = (
+                _ids(ins.config.get("secagg_survivors")),
+                _ids(ins.config.get("secagg_dropped")),
+            )
             return self.party.unmask(ins.round, survivors=survivors, dropped=dropped)
         return self.inner.exchange(ins)
 
@@ -116,22 +126,38 @@ class SecAggClient(Client):
         if not ins.config.get("secagg"):
             return self.inner.fit(state, ins)
         c = ins.config
-        bits, clip, scale, weight = int(c["secagg_bits"]), float(c["secagg_clip"]), float(c["secagg_scale"]), float(c["secagg_weight"])  # type: ignore[arg-type]
+        bits, clip, scale, weight = (
+            int(c["secagg_bits"]),
+            float(c["secagg_clip"]),
+            float(c["secagg_scale"]),
+            float(c["secagg_weight"]),
+        )  # type: ignore[arg-type]
         plain = dict(ins.config)
         for key in [k for k in plain if k.startswith("secagg")]:
             del plain[key]
         out = self.inner.fit(state, FitIns(round=ins.round, config=plain, download=ins.download))
         names = flat_floating(state)
-        update = torch.cat([(out.state[n].to(torch.float64) - state[n].to(torch.float64)).reshape(-1) for n in names])
+        update = torch.cat(
+            [(out.state[n].to(torch.float64) - state[n].to(torch.float64)).reshape(-1) for n in names]
+        )
         if self.residual is not None and self.residual.shape == update.shape:
             update = update + self.residual
         update = update.clamp(-clip, clip)
         if self.add_noise is not None:
             update = self.add_noise(update, ins)
-        seed = int.from_bytes(hashlib.sha256(f"{c.get('secagg_seed', 0)}/{ins.round}/{self.name}".encode()).digest()[:8], "little")
-        q, self.residual = quantize(
-            update, weight=weight, clip=clip, scale=scale, bits=bits, generator=torch.Generator().manual_seed(seed >> 1)
+        seed = int.from_bytes(
+            hashlib.sha256(f"{c.get('secagg_seed', 0)}/{ins.round}/{self.name}".encode()).digest()[:8],
+            "little",
         )
+        q, self.residual = quantize(
+            update,
+            weight=weight,
+            clip=clip,
+            scale=scale,
+            bits=bits,
+            generator=torch.Generator().manual_seed(seed >> 1),
+        )
+        self.last_input = q
         masked = self.party.mask(ins.round, q, bits=bits)
         return FitOutput(OrderedDict([(MASKED, to_wire(masked, bits=bits))]), out.num_examples, out.metrics)
 

@@ -49,7 +49,9 @@ def check_secagg_keys(config: Any) -> None:
         ConfigError: naming the key.
     """
     if config.secagg_threshold < 0:
-        raise ConfigError("secagg_threshold", f"must be at least 0 (0: automatic), got {config.secagg_threshold}")
+        raise ConfigError(
+            "secagg_threshold", f"must be at least 0 (0: automatic), got {config.secagg_threshold}"
+        )
     k = config.secagg_neighbours
     if k < 0 or k == 2 or k % 2:
         raise ConfigError("secagg_neighbours", f"must be 0 (automatic) or an even number at least 4, got {k}")
@@ -71,10 +73,13 @@ def check_secagg_keys(config: Any) -> None:
         raise ConfigError("region_codecs", "secagg needs one ring for all clients: leave region_codecs empty")
     if config.strategy not in _WHOLE_MODEL:
         raise ConfigError(
-            "secagg", f"runs with a strategy whose clients send whole models ({', '.join(_WHOLE_MODEL)}), "
-            f"not {config.strategy!r}"
+            "secagg",
+            f"runs with a strategy whose clients send whole models ({', '.join(_WHOLE_MODEL)}), "
+            f"not {config.strategy!r}",
         )
     if (config.aggregator or "mean") != "mean":
-        raise ConfigError("aggregator", "secagg gives the coordinator only a sum: the aggregator must be mean")
+        raise ConfigError(
+            "aggregator", "secagg gives the coordinator only a sum: the aggregator must be mean"
+        )
     if config.min_quorum:
         raise ConfigError("min_quorum", "secagg rounds are synchronous: leave min_quorum at 0")
