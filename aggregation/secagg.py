@@ -135,7 +135,12 @@ class SecAgg(Strategy):
 
     def check_preconditions(self, *, num_clients: int) -> None:
         self.inner.check_preconditions(num_clients=num_clients)
-        ring_scale(bits=self.bits, clip=self.clip, clients=num_clients) if self.bits == 8 else None
+        try:
+            ring_scale(bits=self.bits, clip=self.clip, clients=num_clients)
+        except ValueError as exc:
+            raise ConfigError(
+                "codec", f"with secagg: {exc} (a 16-bit ring: fp16 or bf16; 32 bits: none)"
+            ) from None
 
     def phases(self, *, server_round: int) -> Sequence[str]:
         rest = [p for p in self.inner.phases(server_round=server_round) if p != FIT]

@@ -63,19 +63,23 @@ def check_secagg_keys(config: Any) -> None:
         )
     if not config.secagg:
         return
-    if config.codec not in SECAGG_RING_BITS:
+    # In a simulated hierarchy each region aggregates its clients securely (its lan_codec, its
+    # region_strategy) and sends one update upstream.
+    codec_key, strategy_key = ("lan_codec", "region_strategy") if config.hierarchy else ("codec", "strategy")
+    codec, strategy = getattr(config, codec_key), getattr(config, strategy_key)
+    if codec not in SECAGG_RING_BITS:
         raise ConfigError(
-            "codec",
-            f"secagg masks quantized integers in a ring: codec must be one of {', '.join(SECAGG_RING_BITS)} "
-            f"(got {config.codec!r})",
+            codec_key,
+            f"secagg masks quantized integers in a ring: {codec_key} must be one of "
+            f"{', '.join(SECAGG_RING_BITS)} (got {codec!r})",
         )
-    if config.region_codecs:
+    if config.region_codecs and not config.hierarchy:
         raise ConfigError("region_codecs", "secagg needs one ring for all clients: leave region_codecs empty")
-    if config.strategy not in _WHOLE_MODEL:
+    if strategy not in _WHOLE_MODEL:
         raise ConfigError(
             "secagg",
-            f"runs with a strategy whose clients send whole models ({', '.join(_WHOLE_MODEL)}), "
-            f"not {config.strategy!r}",
+            f"runs with a {strategy_key} whose clients send whole models ({', '.join(_WHOLE_MODEL)}), "
+            f"not {strategy!r}",
         )
     if (config.aggregator or "mean") != "mean":
         raise ConfigError(

@@ -215,3 +215,31 @@ def test_over_grpc_with_dropouts_the_sums_are_exact() -> None:
     finally:
         server.stop(grace=0.5)
         fleet.close()
+
+
+def test_simulated_regions_aggregate_securely_inside_and_send_one_update_up(monkeypatch) -> None:
+    from fedgrid.config import load_config
+    from fedgrid.simulation import run as sim_run
+
+    made: list = []
+    real = sim_run._regions  # noqa: SLF001
+
+    def regions(*args, **kwargs):  # type: ignore[no-untyped-def]
+        made.extend(real(*args, **kwargs))
+        return made
+
+    monkeypatch.setattr(sim_run, "_regions", regions)
+    config = load_config(
+        overrides={
+            "secagg": True, "hierarchy": True, "regions": "eu:0.5,us:0.5", "clients": 6, "rounds": 1,
+            "lan_codec": "int8", "codec": "topk:0.1", "local_epochs": 1,
+        }
+    )  # fmt: skip
+    _, history = sim_run.run_simulation(config)
+    assert history[0].clients_ok == 2 and "secagg_survivors" not in history[0].extra  # the global tier: plain
+    assert [r.name for r in made] == ["eu", "us"]
+    for region in made:
+        assert isinstance(region.engine.strategy, SecAgg) and region.engine.strategy.bits == 8
+        (metrics,) = region.engine.history
+        assert metrics.extra["secagg_aborted"] == 0.0
+        assert metrics.extra["secagg_survivors"] == metrics.clients_ok == 3
