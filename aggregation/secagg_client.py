@@ -107,12 +107,17 @@ class SecAggParty:
         client_name: the identity its adverts claim (its certificate's name).
         signer: the identity's Ed25519 key.
         keyring: the Ed25519 keys of the identities it accepts adverts from.
+        credential: what proves ``signer``'s key for ``client_name`` to a peer's keyring
+            (``secagg_identity.certificate_credential``); empty for pinned keys.
     """
 
-    def __init__(self, *, client_name: str, signer: Ed25519PrivateKey, keyring: Keyring) -> None:
+    def __init__(
+        self, *, client_name: str, signer: Ed25519PrivateKey, keyring: Keyring, credential: bytes = b""
+    ) -> None:
         self.client_name = client_name
         self.signer = signer
         self.keyring = keyring
+        self.credential = credential
         self._round: _Round | None = None
 
     def _current(self, server_round: int, step: str) -> _Round:
@@ -134,7 +139,7 @@ class SecAggParty:
         if plan.me not in plan.participants:
             raise SecAggRefusedError(f"round {plan.server_round}: this client is not among the participants")
         r = self._round = _Round(plan)
-        advert = Advert(plan.me, self.client_name, raw_public(r.cipher), raw_public(r.mask))
+        advert = Advert(plan.me, self.client_name, raw_public(r.cipher), raw_public(r.mask), self.credential)
         payload = make_advert(self.signer, advert=advert, run=plan.run, server_round=plan.server_round)
         return {**{peer: payload for peer in plan.neighbours()}, TO_SERVER: payload}
 

@@ -48,8 +48,13 @@ class SecAggRefusedError(FedgridError):
 class Keyring(Protocol):
     """The Ed25519 public key of each identity allowed in a round."""
 
-    def public_key(self, name: str) -> Ed25519PublicKey | None:
-        """The identity's key, or ``None`` for an unknown identity."""
+    def public_key(self, name: str, credential: bytes = b"") -> Ed25519PublicKey | None:
+        """The identity's key, or ``None`` for an unknown identity; ``credential`` is what
+        its advert carries to prove the key (``secagg_identity.CertificateKeyring``).
+
+        Raises:
+            SecAggRefusedError: a credential that does not prove the key for ``name``.
+        """
 
 
 class PinnedKeys:
@@ -59,7 +64,7 @@ class PinnedKeys:
     def __init__(self, keys: Mapping[str, Ed25519PublicKey]) -> None:
         self._keys = dict(keys)
 
-    def public_key(self, name: str) -> Ed25519PublicKey | None:
+    def public_key(self, name: str, credential: bytes = b"") -> Ed25519PublicKey | None:
         return self._keys.get(name)
 
 
@@ -100,17 +105,21 @@ def _context(run: str, server_round: int) -> bytes:
 @dataclass(frozen=True)
 class Advert:
     """A client's public keys for one round: ``cipher`` (X25519, envelopes) and ``mask``
-    (X25519, pairwise masks), from client ``client_id`` of identity ``name``."""
+    (X25519, pairwise masks), from client ``client_id`` of identity ``name``, with what
+    proves its signing key for that identity (``credential``, may be empty)."""
 
     client_id: str
     name: str
     cipher: bytes
     mask: bytes
+    credential: bytes = b""
 
 
 def make_advert(signer: Ed25519PrivateKey, *, advert: Advert, run: str, server_round: int) -> bytes:
     """``advert`` encoded and signed with the identity's key, bound to ``run`` and ``server_round``."""
-    body = _pack(advert.client_id.encode(), advert.name.encode(), advert.cipher, advert.mask)
+    body = _pack(
+        advert.client_id.encode(), advert.name.encode(), advert.cipher, advert.mask, advert.credential
+    )
     signature = signer.sign(_ADVERT_MAGIC + _context(run, server_round) + body)
     return _ADVERT_MAGIC + _pack(body, signature)
 
@@ -125,15 +134,15 @@ def read_advert(payload: bytes, *, sender: str, run: str, server_round: int, key
     if not payload.startswith(_ADVERT_MAGIC):
         raise SecAggRefusedError(f"advert from {sender[:64]!r}: not a key advert")
     body, signature = _unpack(payload[len(_ADVERT_MAGIC) :], 2)
-    cid, name, cipher, mask = _unpack(body, 4)
-    advert = Advert(cid.decode(errors="replace"), name.decode(errors="replace"), cipher, mask)
+    cid, name, cipher, mask, credential = _unpack(body, 5)
+    advert = Advert(cid.decode(errors="replace"), name.decode(errors="replace"), cipher, mask, credential)
     if advert.client_id != sender:
         raise SecAggRefusedError(
             f"advert relayed from {sender[:64]!r} names client {advert.client_id[:64]!r}"
         )
     if len(cipher) != 32 or len(mask) != 32:
         raise SecAggRefusedError(f"advert from {sender[:64]!r}: keys are not 32-byte X25519 keys")
-    key = keyring.public_key(advert.name)
+    key = keyring.public_key(advert.name, advert.credential)
     if key is None:
         raise SecAggRefusedError(f"advert from {sender[:64]!r}: unknown identity {advert.name[:64]!r}")
     try:

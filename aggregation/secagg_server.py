@@ -28,7 +28,7 @@ def _parse_advert(sender: str, payload: bytes) -> Advert | None:
     """The keys of an advert as sent to the coordinator (the clients check the signatures)."""
     try:
         body, _ = _unpack(payload[5:], 2)
-        cid, name, cipher, mask = _unpack(body, 4)
+        cid, name, cipher, mask, _ = _unpack(body, 5)
     except SecAggRefusedError:
         return None
     if cid.decode(errors="replace") != sender or len(cipher) != 32 or len(mask) != 32:

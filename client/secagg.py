@@ -22,12 +22,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from fedgrid.aggregation.secagg import ADVERTISE, MASKED, SHARE, UNMASK, flat_floating
 from fedgrid.aggregation.secagg_client import RoundPlan, SecAggParty
 from fedgrid.aggregation.secagg_crypto import Keyring, PinnedKeys, SecAggRefusedError
+from fedgrid.aggregation.secagg_identity import CertificateKeyring, certificate_credential
 from fedgrid.aggregation.secagg_math import quantize, to_wire
 from fedgrid.capabilities import Capabilities
 from fedgrid.client.api import Client, EvaluateOutput, FitOutput
+from fedgrid.client.timeline import Timeline
 from fedgrid.types import FitIns, MessageIns, ModelState, Scalar
 
-__all__ = ["SecAggClient", "NoiseHook", "with_secagg"]
+__all__ = ["SecAggClient", "NoiseHook", "with_secagg", "from_certificate"]
 
 #: ``add_noise(update, ins)``: the clipped update (float64, flat) with noise added, same shape.
 NoiseHook = Callable[[torch.Tensor, FitIns], torch.Tensor]
@@ -61,6 +63,8 @@ class SecAggClient(Client):
         signer: the Ed25519 key of its identity (its name).
         keyring: the identities' Ed25519 public keys it accepts adverts from.
         add_noise: see ``NoiseHook``; ``None``: no noise.
+        identity: the identity its adverts claim (default: ``inner.name``).
+        credential: what proves ``signer``'s key for that identity (``from_certificate``).
     """
 
     def __init__(
@@ -70,11 +74,15 @@ class SecAggClient(Client):
         signer: Ed25519PrivateKey,
         keyring: Keyring,
         add_noise: NoiseHook | None = None,
+        identity: str = "",
+        credential: bytes = b"",
     ) -> None:
         self.inner = inner
         self.name, self.region = inner.name, inner.region
         self.capability_override = inner.capability_override
-        self.party = SecAggParty(client_name=inner.name, signer=signer, keyring=keyring)
+        self.party = SecAggParty(
+            client_name=identity or inner.name, signer=signer, keyring=keyring, credential=credential
+        )
         self.add_noise = add_noise
         self.residual: torch.Tensor | None = None  # error feedback, in the update's units
         #: The ring integers of its last masked input, before masking (kept here, never sent).
@@ -83,6 +91,10 @@ class SecAggClient(Client):
     @property
     def num_examples(self) -> int:
         return self.inner.num_examples
+
+    @property
+    def timeline(self) -> Timeline:  # the wrapped client's: what it and the runtime record
+        return self.inner.timeline
 
     def capabilities(self) -> Capabilities:
         return self.inner.capabilities()
@@ -160,6 +172,22 @@ class SecAggClient(Client):
         self.last_input = q
         masked = self.party.mask(ins.round, q, bits=bits)
         return FitOutput(OrderedDict([(MASKED, to_wire(masked, bits=bits))]), out.num_examples, out.metrics)
+
+
+def from_certificate(inner: Client, *, ca_pem: bytes, cert_pem: bytes, key_pem: bytes) -> SecAggClient:
+    """``inner`` taking part in SecAgg+ under the identity of its client certificate: a fresh
+    Ed25519 advert key bound to it, and peers' adverts checked against the CA bundle
+    (``fedgrid.aggregation.secagg_identity``). ``fedgrid client`` with ``--ca``/``--cert``/``--key``
+    runs its client so.
+
+    Raises:
+        ValueError: not a client certificate, or a key that is neither EC nor RSA.
+    """
+    signer = Ed25519PrivateKey.generate()
+    identity, credential = certificate_credential(cert_pem, key_pem, signer)
+    return SecAggClient(
+        inner, signer=signer, keyring=CertificateKeyring(ca_pem), identity=identity, credential=credential
+    )
 
 
 def with_secagg(clients: list[Client], *, add_noise: NoiseHook | None = None) -> list[SecAggClient]:
