@@ -72,7 +72,8 @@ class SecAgg(Strategy):
         bits: the ring (8, 16 or 32 bits: the uplink codec's width, ``config_secagg.SECAGG_RING_BITS``).
         clip: each coordinate of an update is clipped to ``+-clip``.
         neighbours: k of the masking graph (0: ``default_neighbours``).
-        threshold: shares that rebuild a secret, and the fewest survivors (0: ``k // 2 + 1``).
+        threshold: shares that rebuild a secret, and the fewest survivors; at least a majority of
+            a neighbourhood (0: ``k // 2 + 1``).
         seed: the run's seed (the graph's order and the clients' rounding draw from it).
     """
 
@@ -135,6 +136,13 @@ class SecAgg(Strategy):
 
     def check_preconditions(self, *, num_clients: int) -> None:
         self.inner.check_preconditions(num_clients=num_clients)
+        k = min(self.k or default_neighbours(num_clients), max(num_clients - 1, 0))
+        if self.t and 2 * self.t <= k:
+            raise ConfigError(
+                "secagg_threshold",
+                f"{self.t} is not a majority of the {k} neighbours of {num_clients} clients: a coordinator "
+                "could collect both shares of one client (at least k / 2 + 1)",
+            )
         try:
             ring_scale(bits=self.bits, clip=self.clip, clients=num_clients)
         except ValueError as exc:
@@ -154,7 +162,7 @@ class SecAgg(Strategy):
         ids = tuple(self._selected)
         k = self.k or default_neighbours(len(ids))
         k = min(k, max(len(ids) - 1, 0))
-        threshold = self.t or k // 2 + 1
+        threshold = min(max(self.t, k // 2 + 1), max(k, 1))  # a majority (the clients refuse less)
         graph_seed = hashlib.sha256(f"fedgrid-secagg/{self.seed}/{server_round}".encode()).digest()
         self._round = SecAggServerRound(
             run=self.run_label, server_round=server_round, participants=ids, k=k,

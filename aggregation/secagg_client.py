@@ -5,6 +5,8 @@ It refuses, raising ``SecAggRefusedError`` and returning nothing, whatever could
 shares of one client (its self-mask seed, which unmasks its input, and its mask key, which
 strips its pairwise masks) or comes from someone it cannot authenticate:
 
+- a round whose threshold is not a majority of its neighbourhood (each holder reveals one of
+  a client's two shares, so a majority threshold keeps both from being rebuilt);
 - an unmask request whose survivor and dropout sets overlap, that names ids not in the round,
   that names fewer survivors than the threshold, that says this client dropped, or that comes
   before this client sent its masked input;
@@ -138,6 +140,14 @@ class SecAggParty:
         """Fresh keys for ``plan``'s round, signed, to each neighbour and to the coordinator."""
         if plan.me not in plan.participants:
             raise SecAggRefusedError(f"round {plan.server_round}: this client is not among the participants")
+        near = len(plan.neighbours())
+        if 2 * plan.threshold <= near:
+            # Each holder answers one request, with one of a client's two shares: only a
+            # majority threshold keeps a coordinator from collecting enough of both.
+            raise SecAggRefusedError(
+                f"round {plan.server_round}: threshold {plan.threshold} is not a majority of the {near} "
+                "neighbours: a coordinator could collect both shares of one client"
+            )
         r = self._round = _Round(plan)
         advert = Advert(plan.me, self.client_name, raw_public(r.cipher), raw_public(r.mask), self.credential)
         payload = make_advert(self.signer, advert=advert, run=plan.run, server_round=plan.server_round)

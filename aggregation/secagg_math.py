@@ -32,6 +32,8 @@ __all__ = [
     "combine_shares",
     "neighbours",
     "default_neighbours",
+    "neighbours_for",
+    "round_failure",
     "ring_scale",
     "ring_dtype",
     "quantize",
@@ -118,6 +120,27 @@ def default_neighbours(n: int) -> int:
         return 0
     k = max(4, 2 * (n - 1).bit_length())
     k += k % 2
+    return min(k, n - 1)
+
+
+def round_failure(k: int, dropout: float, secrets: int) -> float:
+    """The chance that a round rebuilding ``secrets`` secrets, each shared among ``k``
+    holders with a majority threshold, aborts when each holder is gone with chance ``dropout``."""
+    from math import comb
+
+    t = k // 2 + 1
+    alive = 1.0 - dropout
+    one = sum(comb(k, i) * alive**i * dropout ** (k - i) for i in range(t))
+    return 1.0 - (1.0 - one) ** secrets
+
+
+def neighbours_for(n: int, dropout: float, *, failure: float = 0.01) -> int:
+    """The smallest even k (at least ``default_neighbours(n)``) whose rounds of ``n`` clients
+    abort with chance under ``failure`` when ``dropout`` of them drop after sharing; ``n - 1``
+    (everyone) if none does."""
+    k = default_neighbours(n)
+    while k < n - 1 and round_failure(k, dropout, n) >= failure:
+        k += 2
     return min(k, n - 1)
 
 

@@ -3,7 +3,7 @@
 For n clients (default 100) and a model of ``--params`` float32 parameters (default 1M), one
 SecAgg+ round is run through the protocol's own classes (``SecAggParty`` for each client,
 ``SecAggServerRound`` for the coordinator; the relay is in memory) at each dropout rate
-(default 0%, 10%, 30%, with a threshold the rest meet: ``threshold_for``; that share of the clients drops after sharing its keys and before
+(default 0%, 10%, 30%; that share of the clients drops after sharing its keys and before
 sending its masked input, the case that costs the coordinator most: it rebuilds their mask
 keys and strips their pairwise masks from each surviving neighbour's input) and each ring:
 
@@ -16,6 +16,11 @@ message bytes; ``client s``, a client's compute for the round (median over clien
 adverts checked, shares sealed and opened, quantization, masking, unmask answer);
 ``server s``, the coordinator's unmask (sum, secrets rebuilt, masks stripped). The unmasked sum
 is checked to equal the survivors' quantized inputs, outside the timed window.
+
+The threshold is a majority of the neighbourhood (k / 2 + 1, what the clients insist on), and
+k is the smallest that keeps the round's chance of aborting under 1% at that dropout rate
+(``secagg_math.neighbours_for``): about 2 log2 n is enough at 10%, 30% needs most of the
+clients as neighbours. ``k`` and ``t`` are in the table.
 
     python benchmarks/secagg.py
     python benchmarks/secagg.py --clients 50 --params 100000 --out /tmp/secagg.json
@@ -37,20 +42,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from fedgrid.aggregation.secagg_client import SecAggParty
 from fedgrid.aggregation.secagg_crypto import PinnedKeys
-from fedgrid.aggregation.secagg_math import default_neighbours, quantize, ring_add, ring_scale
+from fedgrid.aggregation.secagg_math import neighbours_for, quantize, ring_add, ring_scale
 from fedgrid.aggregation.secagg_server import SecAggServerRound
 from fedgrid.compression import get_codec
 from fedgrid.types import TO_SERVER
 
-__all__ = ["main", "run_round", "threshold_for"]
+__all__ = ["main", "run_round"]
 
 RINGS = {"plain": (32, "none"), "int8": (8, "int8")}
-
-
-def threshold_for(k: int, dropout: float) -> int:
-    """A threshold that the holders left after ``dropout`` meet with margin: a majority of the
-    neighbourhood, or ``0.6 k (1 - dropout)`` when that is lower (e.g. 5 of 14 at 30%)."""
-    return min(k // 2 + 1, max(2, int(0.6 * k * (1 - dropout))))
 
 
 def _relay(sent: dict[str, dict[str, bytes]]) -> dict[str, dict[str, bytes]]:
@@ -76,10 +75,10 @@ def run_round(n: int, params: int, ring: str, dropout: float, seed: int) -> dict
     signers = {cid: Ed25519PrivateKey.generate() for cid in ids}
     keyring = PinnedKeys({cid: s.public_key() for cid, s in signers.items()})
     parties = {cid: SecAggParty(client_name=cid, signer=signers[cid], keyring=keyring) for cid in ids}
-    k = default_neighbours(n)
+    k = neighbours_for(n, dropout)
     srv = SecAggServerRound(
         run="bench", server_round=1, participants=tuple(ids), k=k, graph_seed=b"%d" % seed,
-        threshold=threshold_for(k, dropout), bits=bits,
+        threshold=k // 2 + 1, bits=bits,
     )  # fmt: skip
     clock: dict[str, float] = {}
     msg_bytes: dict[str, int] = {cid: 0 for cid in ids}
@@ -156,13 +155,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for dropout in [float(d) for d in args.dropouts.split(",")]:
         for ring in RINGS:  # the rings alternate, so background load hits both alike
             rows.append(run_round(args.clients, args.params, ring, dropout, args.seed))
-    print(f"SecAgg+ round: {args.clients} clients, {args.params:,} parameters, k={rows[0]['k']}")
+    print(f"SecAgg+ round: {args.clients} clients, {args.params:,} parameters")
     print(
-        f"{'ring':>6} {'dropout':>8} {'t':>3} {'survivors':>9} {'expansion':>9} {'msg KB':>8} {'client s':>9} {'server s':>9}"
+        f"{'ring':>6} {'dropout':>8} {'k':>3} {'t':>3} {'survivors':>9} {'expansion':>9} {'msg KB':>8} {'client s':>9} {'server s':>9}"
     )
     for r in rows:
         print(
-            f"{r['ring']:>6} {r['dropout']:>8.0%} {r['threshold']:>3} {r['survivors']:>9} {r['expansion']:>9.4f} "
+            f"{r['ring']:>6} {r['dropout']:>8.0%} {r['k']:>3} {r['threshold']:>3} {r['survivors']:>9} {r['expansion']:>9.4f} "
             f"{r['message_bytes'] / 1e3:>8.1f} {r['client_s']:>9.3f} {r['server_s']:>9.3f}"
         )
     out = Path(args.out)

@@ -29,7 +29,7 @@ class SecAggKeys:
     )
     secagg_threshold: int = _key(
         "with secagg: shares needed to rebuild a client's secrets, and the fewest survivors a round unmasks "
-        "with (0: a majority of a neighbourhood, neighbours / 2 + 1)",
+        "with; more than half the neighbours (0: a majority, neighbours / 2 + 1)",
         0,
     )
     secagg_neighbours: int = _key(
@@ -57,6 +57,12 @@ def check_secagg_keys(config: Any) -> None:
         raise ConfigError("secagg_neighbours", f"must be 0 (automatic) or an even number at least 4, got {k}")
     if not (config.secagg_clip > 0 and math.isfinite(config.secagg_clip)):
         raise ConfigError("secagg_clip", f"must be a positive finite number, got {config.secagg_clip}")
+    if k and config.secagg_threshold and 2 * config.secagg_threshold <= k:
+        raise ConfigError(
+            "secagg_threshold",
+            f"{config.secagg_threshold} is not a majority of the {k} neighbours: a coordinator could "
+            "collect both shares of one client (at least secagg_neighbours / 2 + 1)",
+        )
     if k and config.secagg_threshold > k:
         raise ConfigError(
             "secagg_threshold", f"{config.secagg_threshold} is more than the {k} neighbours that hold shares"

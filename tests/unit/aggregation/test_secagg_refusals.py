@@ -84,6 +84,12 @@ def test_unknown_ids_are_refused(fed: Federation) -> None:
     )
 
 
+def test_a_threshold_below_a_majority_of_the_neighbours_is_refused() -> None:
+    weak = Federation(N, K, K // 2)  # 4 of 8: the holders could be split, 4 revealing each share
+    srv = weak.server(1)
+    _refused(lambda: weak.parties[weak.ids[0]].advertise(srv.plan_for(weak.ids[0])), "not a majority")
+
+
 def test_fewer_survivors_than_the_threshold_are_refused(fed: Federation) -> None:
     _masked(fed)
     _refused(
