@@ -217,29 +217,53 @@ def test_over_grpc_with_dropouts_the_sums_are_exact() -> None:
         fleet.close()
 
 
-def test_simulated_regions_aggregate_securely_inside_and_send_one_update_up(monkeypatch) -> None:
+def test_simulated_regions_aggregate_securely_inside_and_send_one_update_up() -> None:
     from fedgrid.config import load_config
     from fedgrid.simulation import run as sim_run
+    from fedgrid.simulation.heterogeneity import ClientProfiles
 
-    made: list = []
-    real = sim_run._regions  # noqa: SLF001
-
-    def regions(*args, **kwargs):  # type: ignore[no-untyped-def]
-        made.extend(real(*args, **kwargs))
-        return made
-
-    monkeypatch.setattr(sim_run, "_regions", regions)
     config = load_config(
         overrides={
-            "secagg": True, "hierarchy": True, "regions": "eu:0.5,us:0.5", "clients": 6, "rounds": 1,
-            "lan_codec": "int8", "codec": "topk:0.1", "local_epochs": 1,
+            "secagg": True, "hierarchy": True, "regions": "eu:0.5,us:0.5", "clients": 8, "rounds": 1,
+            "lan_codec": "int8", "codec": "topk:0.1",
         }
     )  # fmt: skip
-    _, history = sim_run.run_simulation(config)
-    assert history[0].clients_ok == 2 and "secagg_survivors" not in history[0].extra  # the global tier: plain
-    assert [r.name for r in made] == ["eu", "us"]
-    for region in made:
-        assert isinstance(region.engine.strategy, SecAgg) and region.engine.strategy.bits == 8
+    clients = with_secagg([Step(f"c{i}", 1, {}) for i in range(8)])  # type: ignore[arg-type]
+    regions = sim_run._regions(config, list(clients), ClientProfiles.from_config(config))  # noqa: SLF001
+    assert [r.name for r in regions] == ["eu", "us"]
+    for region in regions:
+        out = region.fit(_state(), FitIns(round=1))  # one update upstream: the region's model
+        strategy = region.engine.strategy
+        assert isinstance(strategy, SecAgg) and strategy.bits == 8
         (metrics,) = region.engine.history
         assert metrics.extra["secagg_aborted"] == 0.0
-        assert metrics.extra["secagg_survivors"] == metrics.clients_ok == 3
+        assert metrics.extra["secagg_survivors"] == metrics.clients_ok == 4
+        assert torch.equal(out.state["w"], strategy.global_state["w"])
+        assert not torch.equal(out.state["w"], _state()["w"])
+
+
+def test_the_noise_hook_perturbs_each_clipped_update_before_masking() -> None:
+    seen: list[int] = []
+
+    def add_noise(update: torch.Tensor, ins: FitIns) -> torch.Tensor:
+        seen.append(ins.round)
+        return update + 0.125  # a client's share of distributed noise (here a constant, to check it)
+
+    plain = [Step(f"c{i}", 1, {}) for i in range(4)]
+    quiet = with_secagg(plain)  # type: ignore[arg-type]
+    noisy = with_secagg(plain, add_noise=add_noise)  # type: ignore[arg-type]
+    models = []
+    for clients in (quiet, noisy):
+        strategy = SecAgg(FedAvg(), bits=32, clip=0.5)
+        strategy.initialize(initial_state=_state())
+        RoundEngine(
+            strategy=strategy, fleet=InProcessFleet(clients), rounds=1, min_clients=1, **_TIMEOUTS
+        ).run()
+        models.append(strategy.global_state)
+    assert seen == [1, 1, 1, 1]
+    for name in ("w", "b"):
+        assert torch.allclose(
+            models[1][name].double() - models[0][name].double(),
+            torch.tensor(0.125, dtype=torch.float64),
+            atol=1e-6,
+        )
