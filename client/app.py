@@ -11,6 +11,7 @@ built-in one lives with the datasets, which this layer never imports.
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import sys
@@ -32,6 +33,8 @@ __all__ = [
     "parse_partition",
     "serve_client",
 ]
+
+log = logging.getLogger(__name__)
 
 #: A client factory: ``factory(partition, num_partitions, seed, **options) -> Client``.
 ClientFactory = Callable[..., Any]
@@ -181,6 +184,8 @@ def serve_client(
     from fedgrid.client.parallel import torchrun_rank
 
     client = _build(factory, args, config, options)
+    if args.ca and args.cert and args.key and torchrun_rank() is None:
+        client = _with_secagg(client, args)
     index, _ = parse_partition(args.partition)
     state_path = Path(args.state_dir) / f"client-{index}.pt" if args.state_dir else None
 
@@ -216,6 +221,27 @@ def serve_client(
             client.close()  # a ParallelClient's workers
     print(f"client {client.name}: {summary.rounds} rounds trained; run finished")
     return 0
+
+
+def _with_secagg(client: Any, args: argparse.Namespace) -> Any:
+    """Under mutual TLS, the client takes part in SecAgg+ rounds (``--secagg`` on the
+    coordinator) under its certificate's identity (``fedgrid.client.secagg.from_certificate``);
+    any other task goes to it unchanged. Files the TLS setup reads are checked there: one that
+    cannot serve here leaves the client without secure aggregation, with a warning."""
+    from fedgrid.client.secagg import from_certificate
+
+    try:
+        return from_certificate(
+            client,
+            ca_pem=Path(args.ca).read_bytes(),
+            cert_pem=Path(args.cert).read_bytes(),
+            key_pem=Path(args.key).read_bytes(),
+        )
+    except (OSError, ValueError, TypeError) as exc:
+        log.warning(
+            "client %s: no secure aggregation: its certificate cannot sign key adverts (%s)", client.name, exc
+        )
+        return client
 
 
 def _task_server(

@@ -41,6 +41,7 @@ from fedgrid.config_groups import (
 )
 from fedgrid.config_privacy import PrivacyKeys
 from fedgrid.config_region import RegionKeys
+from fedgrid.config_secagg import SecAggKeys
 from fedgrid.config_values import coerce, parse_text
 from fedgrid.config_values import key as _key
 from fedgrid.constants import CHUNK_SIZE, HEARTBEAT_INTERVAL_S, MAX_NUM_EXAMPLES
@@ -373,7 +374,7 @@ class _CoreKeys:
 
 
 @dataclass(frozen=True)
-class Config(PrivacyKeys, RegionKeys, _CoreKeys):
+class Config(SecAggKeys, PrivacyKeys, RegionKeys, _CoreKeys):
     """Every setting of a run; each key's ``--help`` text is its field's. An area's keys may
     come from a group of its own module, a frozen dataclass of ``fedgrid.config_values.key``
     fields that this class inherits (listed before ``_CoreKeys``, so that they follow it)."""

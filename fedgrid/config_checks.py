@@ -11,6 +11,7 @@ from fedgrid.capabilities import MAX_ACCELERATORS, check_capabilities, parse_siz
 from fedgrid.compression import parse_codec_spec
 from fedgrid.config_groups import ENGINES, INNER_LR_STRATEGIES, LR_DEFAULT, PRECISIONS, SELECTORS
 from fedgrid.config_privacy import check_privacy
+from fedgrid.config_secagg import check_secagg_keys
 from fedgrid.determinism import MAX_THREADS
 from fedgrid.errors import ConfigError, InvalidUpdateError
 from fedgrid.plugins import check_spec, is_custom_strategy
@@ -43,6 +44,7 @@ def validate(config: Config) -> None:
         value = getattr(config, key)
         if not (value == 0 or 1.0 <= value < float("inf")):
             raise ConfigError(key, f"must be 0 (off) or a finite number at least 1, got {value}")
+    check_secagg_keys(config)
     parse_trackers(config.tracker)  # known names, packages installed: before any work
     if config.engine not in ENGINES:
         raise ConfigError("engine", f"unknown engine {config.engine!r} (known: {', '.join(ENGINES)})")

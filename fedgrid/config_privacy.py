@@ -169,6 +169,12 @@ def _check_combinations(config: Config) -> None:
         raise ConfigError("min_quorum", "DP rounds are synchronous: a late result has no sampling rate")
     if config.hierarchy:
         raise ConfigError("hierarchy", "DP in a simulated hierarchy is not supported yet (docs/privacy.rst)")
+    if config.secagg:  # the server sees one masked sum: its noise must come from the clients
+        raise ConfigError(
+            "secagg",
+            "DP with secure aggregation needs the noise drawn by the clients (client/secagg.py's "
+            "add_noise), which is not wired to the accountant yet: use one of the two (docs/privacy.rst)",
+        )
     # find_spec, not an import: checking a config must not load the accountants.
     if importlib.util.find_spec("dp_accounting") is None:
         raise ConfigError("dp_accountant", "needs the dp-accounting package: pip install 'fedgrid[privacy]'")

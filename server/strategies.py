@@ -89,9 +89,26 @@ def build_strategy(
         fit_config=fit_config,
         **config.strategy_options(),
     )
+    if config.secagg:  # SecAgg+ phases around the strategy (fedgrid.aggregation.secagg)
+        strategy = secagg_strategy(config, strategy)
     if num_clients is not None:
         strategy.check_preconditions(num_clients=num_clients)
     return strategy
+
+
+def secagg_strategy(config: Config, strategy: Strategy) -> Strategy:
+    """``strategy`` under SecAgg+ with the run's secagg keys; the ring is the codec's width."""
+    from fedgrid.aggregation.secagg import SecAgg
+    from fedgrid.config_secagg import SECAGG_RING_BITS
+
+    return SecAgg(
+        strategy,
+        bits=SECAGG_RING_BITS[config.codec],
+        clip=config.secagg_clip,
+        neighbours=config.secagg_neighbours,
+        threshold=config.secagg_threshold,
+        seed=config.seed,
+    )
 
 
 def custom_strategy(config: Config) -> Strategy:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -128,6 +129,8 @@ def _regions(config: Config, clients: list, profiles: ClientProfiles) -> list:
         )
     defaults: dict[str, Any] = {k: None for k in STRATEGY_KEYS}  # the regional strategy's own defaults
     regional = replace(config, strategy=config.region_strategy, **defaults)
+    if config.secagg:  # the regions aggregate securely; the ring is their clients' uplink codec
+        regional = replace(regional, codec=config.lan_codec, hierarchy=False, region_codecs="")
     out = []
     for label in labels:
         mine = [c for i, c in enumerate(clients) if profiles.region(i) == label]
@@ -226,7 +229,12 @@ def _clients(config: Config, factory: Callable[..., Client]) -> list[Client]:
     """Clients ``0..config.clients - 1`` from ``factory``: the built-in one gets the run's data and
     training options (``client_options``), a custom ``app`` none."""
     options = {} if config.app else client_options(config)
-    return [factory(i, config.clients, config.seed, **options) for i in range(config.clients)]
+    clients = [factory(i, config.clients, config.seed, **options) for i in range(config.clients)]
+    if config.secagg:  # each with its identity key, all trusting each other's (fedgrid.client.secagg)
+        from fedgrid.client.secagg import with_secagg
+
+        return list(with_secagg(clients))
+    return clients
 
 
 def _run_fleet(config: Config, fleet: InProcessFleet, rank: int, world: int) -> Fleet:
@@ -251,7 +259,9 @@ def _run(
     on_start: Callable[[str, str], None] | None,
     stop: threading.Event | None,
 ) -> tuple[ModelState | None, list[RoundMetrics]]:
-    strategy = build_strategy(config, num_clients=config.clients)  # a bad option fails before any work
+    # With a hierarchy, secagg runs inside each region (_regions), not across the regions.
+    top = replace(config, secagg=False) if config.hierarchy and config.secagg else config
+    strategy = build_strategy(top, num_clients=config.clients)  # a bad option fails before any work
     influence = build_influence(config)  # and a bad quota file
     _check_replay(config)
     resolved = resolve(

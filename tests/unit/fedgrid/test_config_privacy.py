@@ -51,6 +51,7 @@ def test_the_clip_is_a_number_or_adaptive():
         ({**DP, "strategy": "scaffold"}, "dp_noise_multiplier", "got strategy 'scaffold'"),
         ({**DP, "aggregator": "median"}, "aggregator", "needs the mean"),
         ({**DP, "min_quorum": 2}, "min_quorum", "synchronous"),
+        ({**DP, "secagg": True}, "secagg", "noise drawn by the clients"),
         ({**DP, "dp_noise_key": "/nonexistent/key"}, "dp_noise_key", "cannot read"),
     ],
 )
