@@ -10,6 +10,7 @@ from fedgrid.compression.base import LOSSY_DTYPES, Codec, FloatCodec, IdentityCo
 from fedgrid.compression.feedback import (
     DownlinkUpdate,
     ErrorFeedback,
+    FeedbackRule,
     ShadowModel,
     Transmitted,
     apply_delta,
@@ -47,6 +48,7 @@ __all__ = [
     "SparseLoCoCodec",
     "ZstdCodec",
     "ErrorFeedback",
+    "FeedbackRule",
     "Transmitted",
     "ShadowModel",
     "DownlinkUpdate",
