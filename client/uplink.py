@@ -36,9 +36,8 @@ def feedback_rule(task_config: Mapping[str, Any]) -> FeedbackRule:
         ConfigError: a value that is not a rule, naming the config key.
     """
     reset = task_config.get("uplink_feedback_reset", 0)
-    return FeedbackRule.parse(
-        str(task_config.get("uplink_feedback", "classic")), reset if isinstance(reset, int) else -1
-    )
+    whole = isinstance(reset, (int, float)) and not isinstance(reset, bool) and float(reset).is_integer()
+    return FeedbackRule.parse(str(task_config.get("uplink_feedback", "classic")), int(reset) if whole else -1)
 
 
 class UplinkEncoder:

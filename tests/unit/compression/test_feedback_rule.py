@@ -125,3 +125,6 @@ def test_the_rule_travels_in_the_task_config() -> None:
     assert uplink.feedback.last_round == 5
     with pytest.raises(ConfigError, match="error_feedback"):
         feedback_rule({"uplink_feedback": "momentum:x"})
+    assert feedback_rule({"uplink_feedback_reset": 3.0}) == FeedbackRule(1.0, 3)  # a wire's float
+    with pytest.raises(ConfigError, match="feedback_reset_rounds"):
+        feedback_rule({"uplink_feedback_reset": "3"})
