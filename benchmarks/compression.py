@@ -30,9 +30,14 @@ every level count from 8 to 127 packs into 8-bit codes, so ``qsgd:127`` sends th
 as ``qsgd:16`` would, with the lowest variance.
 
     python benchmarks/compression.py                                   # all codecs, 30 rounds
+    python benchmarks/compression.py --workload lm                     # outer gradients, DiLoCo on the GPT
     python benchmarks/compression.py --codecs none,topk:0.01 --rounds 3 --clients 20 --per-round 4 --out /tmp/c.json
 
-Results go to ``benchmarks/results/compression.json``: configuration, environment, the
+``--workload lm`` runs the language-model workload instead (``benchmarks/compression_lm.py``
+says what it measures): held-out loss at equal tokens and uplink bytes per outer step for
+every codec under DiLoCo and streaming DiLoCo, and a recommendation table.
+
+Results go to ``benchmarks/results/compression.json`` (``compression_lm.json`` for the LM workload): configuration, environment, the
 table's rows, the goals, every round's bytes and accuracy, every timing repetition.
 """
 
@@ -52,6 +57,8 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from compression_lm import run_lm_workload  # noqa: E402
 
 from fedgrid.compression import parse_codec_spec  # noqa: E402
 from fedgrid.config import load_config  # noqa: E402
@@ -218,21 +225,35 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "fashion-mnist")
     )
+    parser.add_argument("--workload", choices=("fmnist", "lm"), default="fmnist")
     parser.add_argument(
-        "--codecs", default=",".join(DEFAULT_CODECS), help="comma-separated uplink codec specs"
+        "--codecs", default="", help="comma-separated uplink codec specs (default: the workload's list)"
     )
-    parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--clients", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=0, help="rounds; lm: outer steps (default 30; lm 6)")
+    parser.add_argument("--clients", type=int, default=0, help="clients (default 100; lm: workers, 4)")
+    parser.add_argument("--lm-data", default="/work/shared/data/shakespeare")
+    parser.add_argument("--model", default="gpt", help="lm: the language model")
+    parser.add_argument("--inner-steps", type=int, default=30, help="lm: H, inner steps per outer step")
+    parser.add_argument("--fragments", type=int, default=3, help="lm: streaming DiLoCo's fragments")
+    parser.add_argument("--strategies", default="diloco,streaming-diloco", help="lm: strategies")
+    parser.add_argument("--error-feedback", default="classic", help="lm: the uplink's error feedback")
+    parser.add_argument(
+        "--eval-every", type=int, default=1, help="lm: held-out loss every this many outer steps"
+    )
     parser.add_argument("--per-round", type=int, default=10)
     parser.add_argument("--alpha", type=float, default=0.3)
     parser.add_argument("--lr", type=float, default=0.02)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=7, help="timed repetitions per codec and tensor set")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "compression.json"))
+    parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
+    if args.workload == "lm":
+        return main_lm(args)
+    args.rounds, args.clients = args.rounds or 30, args.clients or 100
+    args.out = args.out or str(Path(__file__).parent / "results" / "compression.json")
     torch.set_num_threads(args.threads)
-    codecs = tuple(s for s in args.codecs.split(",") if s)
+    codecs = tuple(s for s in (args.codecs or ",".join(DEFAULT_CODECS)).split(",") if s)
     for spec in codecs:  # a bad spec fails before any work
         load_config(overrides={"codec": spec})
     start = time.monotonic()
@@ -314,6 +335,26 @@ def main(argv: list[str] | None = None) -> None:
         "table": lines,
         "wall_s": time.monotonic() - start,
     }
+    out.write_text(json.dumps(payload, indent=2))
+    print(f"wrote {out} ({time.monotonic() - start:.0f}s)")
+
+
+def main_lm(args: argparse.Namespace) -> None:
+    """``--workload lm``: every codec on the LM task under DiLoCo and streaming DiLoCo."""
+    args.rounds, args.clients = args.rounds or 6, args.clients or 4
+    out = Path(args.out or Path(__file__).parent / "results" / "compression_lm.json")
+    start = time.monotonic()
+    lines: list[str] = []
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    results = run_lm_workload(args, log)
+    env = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine()}
+    payload = {"config": vars(args), "environment": env, "results": results, "table": lines}
+    payload["wall_s"] = time.monotonic() - start
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(payload, indent=2))
     print(f"wrote {out} ({time.monotonic() - start:.0f}s)")
 

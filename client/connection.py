@@ -431,12 +431,15 @@ class Connection:
         *,
         codec: str = "none",
         global_state: ModelState | None = None,
+        task_config: Mapping[str, Any] | None = None,
     ) -> int:
         """Sends an update, through ``codec`` (lossy codecs send the difference to
         ``global_state`` with error feedback kept across rounds). A retry asks the
         coordinator how many chunks it holds and resumes from there; one that finds the
         update already accepted counts as success."""
-        uplink = self._uplink(codec, has_global=global_state is not None)
+        uplink = self._uplink(codec, has_global=global_state is not None).begin(
+            server_round, task_config or {}
+        )
         encoded, delta = uplink.encode(global_state=global_state or {}, new_state=state)
         info = serde.StreamInfo(
             run_id=self.run_id,

@@ -195,6 +195,7 @@ class TaskStep:
                     metrics,
                     codec=codec,
                     global_state=self.state,
+                    task_config=self.config,
                 )
         except RpcFailed as exc:
             self._undelivered(exc)

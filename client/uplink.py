@@ -16,15 +16,28 @@ from typing import Any, Mapping
 import torch
 
 from fedgrid.compression import parse_codec_spec
-from fedgrid.compression.feedback import ErrorFeedback, is_delta_tensor, reconstruct
+from fedgrid.compression.feedback import ErrorFeedback, FeedbackRule, is_delta_tensor, reconstruct
 from fedgrid.proto.serde import EncodedModel
 from fedgrid.seeding import RNG_LOCK
 
 __all__ = [
     "UplinkEncoder",
+    "feedback_rule",
     "is_delta_tensor",
     "reconstruct",
 ]  # the last two live in fedgrid.compression.feedback (the coordinator needs them too)
+
+
+def feedback_rule(task_config: Mapping[str, Any]) -> FeedbackRule:
+    """The error-feedback rule a task asks for (``uplink_feedback``, ``uplink_feedback_reset``;
+    ``fedgrid.config_compression.feedback_task_config`` writes them; absent: classic EF).
+
+    Raises:
+        ConfigError: a value that is not a rule, naming the config key.
+    """
+    reset = task_config.get("uplink_feedback_reset", 0)
+    whole = isinstance(reset, (int, float)) and not isinstance(reset, bool) and float(reset).is_integer()
+    return FeedbackRule.parse(str(task_config.get("uplink_feedback", "classic")), int(reset) if whole else -1)
 
 
 class UplinkEncoder:
@@ -41,6 +54,15 @@ class UplinkEncoder:
         self.spec = codec
         self.lossless = parse_codec_spec(codec, key="codec").lossless
         self.feedback = None if self.lossless else ErrorFeedback(codec)
+
+    def begin(self, server_round: int, task_config: Mapping[str, Any]) -> "UplinkEncoder":
+        """Takes the task's error-feedback rule and applies its staleness rule before this
+        round's upload (``ErrorFeedback.begin_round``); returns ``self``. Deployed clients and the
+        simulation both call it before ``encode``, so their residuals stay bit-identical."""
+        if self.feedback is not None:
+            self.feedback.rule = feedback_rule(task_config)
+            self.feedback.begin_round(server_round)
+        return self
 
     def encode(
         self, *, global_state: Mapping[str, torch.Tensor], new_state: Mapping[str, torch.Tensor]

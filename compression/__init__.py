@@ -1,8 +1,8 @@
 """Two-sided codecs for tensors on the wire (encode on one end, decode on the other) and error feedback.
 
 ``get_codec(spec)`` finds any codec by its spec (``none``, ``fp16``, ``bf16``, ``int8``,
-``qsgd:LEVELS``, ``topk:FRACTION``, ``randk:FRACTION``, ``powersgd:RANK``, ``sign``, each
-optionally ``+zstd``); see ``fedgrid.compression.registry`` for the grammar and each codec's
+``qsgd:LEVELS``, ``topk:FRACTION``, ``randk:FRACTION``, ``powersgd:RANK``, ``sign``, and for
+DiLoCo's outer gradients ``int4[:BLOCK]``, ``fp4[:BLOCK]``, ``sparseloco[:K]``; each optionally ``+zstd``); see ``fedgrid.compression.registry`` for the grammar and each codec's
 module for its payload format and error bound.
 """
 
@@ -10,12 +10,14 @@ from fedgrid.compression.base import LOSSY_DTYPES, Codec, FloatCodec, IdentityCo
 from fedgrid.compression.feedback import (
     DownlinkUpdate,
     ErrorFeedback,
+    FeedbackRule,
     ShadowModel,
     Transmitted,
     apply_delta,
     apply_downlink,
 )
 from fedgrid.compression.lossless import ZstdCodec
+from fedgrid.compression.lowbit import FP4Codec, Int4Codec
 from fedgrid.compression.lowrank import PowerSGDCodec
 from fedgrid.compression.quantize import CastCodec, Int8Codec, QSGDCodec, SignCodec
 from fedgrid.compression.registry import (
@@ -26,6 +28,7 @@ from fedgrid.compression.registry import (
     register_codec_family,
 )
 from fedgrid.compression.sparse import RandKCodec, SparseCodec, TopKCodec
+from fedgrid.compression.sparseloco import SparseLoCoCodec
 
 __all__ = [
     "LOSSY_DTYPES",
@@ -40,8 +43,12 @@ __all__ = [
     "TopKCodec",
     "RandKCodec",
     "PowerSGDCodec",
+    "Int4Codec",
+    "FP4Codec",
+    "SparseLoCoCodec",
     "ZstdCodec",
     "ErrorFeedback",
+    "FeedbackRule",
     "Transmitted",
     "ShadowModel",
     "DownlinkUpdate",

@@ -1,12 +1,21 @@
 """Error feedback on both links: ``ErrorFeedback`` on the client's uplink, ``ShadowModel`` on the downlink.
 
-Uplink, classic error feedback (EF-SGD: Seide et al. 2014; Karimireddy et al. 2019), not
-EF21: per tensor the client keeps a residual ``e`` (zero at first) and, for each input ``x``,
+Uplink, error feedback (EF-SGD: Seide et al. 2014; Karimireddy et al. 2019): per tensor the
+client keeps a residual ``e`` (zero at first) and, for each input ``x``,
 
-    v = x + e;   send C(v);   e <- v - D(C(v))
+    v = beta e + x;   send C(v);   e <- v - D(C(v))
 
-where ``D(C(v))`` is exactly what the receiver decodes. Summed over rounds, what was
-transmitted equals what was input minus the current residual, and for a contractive codec
+where ``D(C(v))`` is exactly what the receiver decodes. ``FeedbackRule`` chooses ``beta``:
+``classic`` is 1 (plain EF); ``momentum:BETA`` (0 < BETA < 1) is the error feedback with
+momentum of DeMo and SparseLoCo (Peng et al. 2024; Sarfi et al. 2025), whose buffer is the
+residual decayed by ``BETA`` at every step, so what a codec held back long ago fades. Under
+partial participation a residual goes stale while its client sits out; the rule's stated
+treatment, applied when a client encodes again after sitting out ``R`` rounds: the residual
+is multiplied by ``beta ** R`` (one decay per missed round; none for ``classic``), and
+dropped when ``R >= reset_rounds`` (when that is above 0). The residual stays bounded for a
+contractive codec: ``E||e|| <= sqrt(1 - d) (beta E||e|| + ||x||)``, so
+``E||e|| <= sqrt(1 - d) max||x|| / (1 - beta sqrt(1 - d))``. Summed over rounds, what was
+transmitted (under ``classic``) equals what was input minus the current residual, and for a contractive codec
 (``topk``, ``randk``, ``sign``, ``int8``, ``fp16``, ``bf16``, ``powersgd``, ``qsgd`` with at
 least 23 levels) the residual stays bounded. Both classes refuse a codec that is not
 contractive (``qsgd`` with few levels: unbiased, but its variance exceeds the signal). The residual
@@ -26,6 +35,8 @@ Both are pure: tensors in, tensors and bytes out; no I/O, no logging.
 from __future__ import annotations
 
 import contextlib
+import math
+import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -39,6 +50,7 @@ from fedgrid.errors import ConfigError, InvalidUpdateError
 from fedgrid.seeding import RNG_LOCK
 
 __all__ = [
+    "FeedbackRule",
     "Transmitted",
     "ErrorFeedback",
     "DownlinkUpdate",
@@ -66,6 +78,58 @@ def _codec(codec: Codec | str, key: str) -> Codec:
 
 
 @dataclass(frozen=True)
+class FeedbackRule:
+    """How the uplink's error feedback carries a residual: its decay ``beta`` per step and per
+    round sat out, and after how many rounds sat out it is dropped (0: never).
+
+    ``parse`` reads the config's ``error_feedback`` (``classic`` or ``momentum:BETA``) and
+    ``feedback_reset_rounds``; the defaults are classic EF that keeps a residual however stale.
+    """
+
+    beta: float = 1.0
+    reset_rounds: int = 0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.beta) and 0.0 < self.beta <= 1.0):
+            raise ValueError(f"the error-feedback decay must be in (0, 1], got {self.beta}")
+        if self.reset_rounds < 0:
+            raise ValueError(f"feedback_reset_rounds must be at least 0, got {self.reset_rounds}")
+
+    @classmethod
+    def parse(cls, spec: str, reset_rounds: int = 0) -> "FeedbackRule":
+        """``classic`` or ``momentum:BETA``.
+
+        Raises:
+            ConfigError: another spec, or a BETA outside (0, 1) (key ``error_feedback``), or a
+                negative ``reset_rounds`` (key ``feedback_reset_rounds``).
+        """
+        if reset_rounds < 0:
+            raise ConfigError("feedback_reset_rounds", f"must be at least 0, got {reset_rounds}")
+        if spec == "classic":
+            return cls(1.0, reset_rounds)
+        match = re.fullmatch(r"momentum:([0-9]*\.?[0-9]+)", spec)
+        beta = float(match.group(1)) if match else math.nan
+        if not 0.0 < beta < 1.0:
+            raise ConfigError(
+                "error_feedback", f"expected 'classic' or 'momentum:BETA' with BETA in (0, 1), got {spec!r}"
+            )
+        return cls(beta, reset_rounds)
+
+    @property
+    def spec(self) -> str:
+        """The ``error_feedback`` text of this rule (``classic``, ``momentum:0.95``)."""
+        return "classic" if self.beta == 1.0 else f"momentum:{self.beta!r}"
+
+    def carry(self, rounds_out: int) -> float:
+        """The factor on a residual whose client sat out ``rounds_out`` rounds (0: dropped)."""
+        if rounds_out <= 0:
+            return 1.0
+        if self.reset_rounds and rounds_out >= self.reset_rounds:
+            return 0.0
+        return self.beta**rounds_out
+
+
+@dataclass(frozen=True)
 class Transmitted:
     """One encoded tensor: the bytes to send and what the receiver will decode from them.
 
@@ -79,19 +143,38 @@ class Transmitted:
 
 
 class ErrorFeedback:
-    """Client-side error feedback (classic EF) around any codec.
+    """Client-side error feedback (classic, or with momentum: ``rule``) around any codec.
 
     Args:
         codec: a spec (a fresh instance is built, so ``powersgd`` warm starts per client) or
             a codec the caller owns.
+        rule: the residual's decay and staleness rule (default: classic EF, never reset).
 
     Raises:
         ConfigError: ``codec`` is a spec that does not parse, or is not contractive.
     """
 
-    def __init__(self, codec: Codec | str) -> None:
+    def __init__(self, codec: Codec | str, rule: FeedbackRule | None = None) -> None:
         self.codec = _codec(codec, "codec")
+        self.rule = rule or FeedbackRule()
         self._residuals: dict[str, torch.Tensor] = {}
+        #: The last round ``begin_round`` saw (``None``: none yet).
+        self.last_round: int | None = None
+
+    def begin_round(self, server_round: int) -> float:
+        """Applies the rule to every residual before the uploads of ``server_round``: a client
+        that last encoded in round ``q`` sat out ``server_round - q - 1`` rounds. Returns the
+        factor applied (1 when it took part in the previous round, 0 when the residuals were
+        dropped). Calling it again for the same round changes nothing."""
+        factor = 1.0
+        if self.last_round is not None and server_round > self.last_round:
+            factor = self.rule.carry(server_round - self.last_round - 1)
+            if factor == 0.0:
+                self._residuals.clear()
+            elif factor != 1.0:
+                self._residuals = {k: v * factor for k, v in self._residuals.items()}
+        self.last_round = server_round if self.last_round is None else max(self.last_round, server_round)
+        return factor
 
     def encode(
         self, name: str, tensor: torch.Tensor, *, generator: torch.Generator | None = None
@@ -111,7 +194,8 @@ class ErrorFeedback:
         if residual is not None:
             if tuple(residual.shape) != shape:
                 raise ValueError(f"tensor '{name}' is {list(shape)}, its residual {list(residual.shape)}")
-            acc = acc + residual.to(acc.device)
+            residual = residual.to(acc.device)
+            acc = acc + (residual if self.rule.beta == 1.0 else self.rule.beta * residual)
         payload = bytes(self.codec.encode(acc.to(dtype), generator=generator, key=name))
         decoded = self.codec.decode(payload, dtype=dtype, shape=shape)
         self._residuals[name] = acc - decoded.to(acc.device, acc.dtype)
@@ -133,9 +217,10 @@ class ErrorFeedback:
         self._residuals.clear()
 
     def state_dict(self) -> dict[str, Any]:
-        """Residuals and codec state, on CPU, to save with the client's state."""
+        """Residuals, the last round and codec state, on CPU, to save with the client's state."""
         return {
             "codec": self.codec.name,
+            "last_round": self.last_round,
             "residuals": {k: v.detach().to("cpu").clone() for k, v in self._residuals.items()},
             "codec_state": self.codec.state_dict(),
         }
@@ -151,6 +236,7 @@ class ErrorFeedback:
                 f"error-feedback state is for codec {state.get('codec')!r}, this one uses {self.codec.name!r}"
             )
         self._residuals = {k: v.clone() for k, v in state["residuals"].items()}
+        self.last_round = state.get("last_round")
         self.codec.load_state_dict(state.get("codec_state", {}))
 
 

@@ -13,14 +13,24 @@ the declared dtype, which adds that dtype's own rounding):
   ``|x - x^| < r / s``. Codes take 2, 4, 8 or 16 bits (sign and level), so ``s <= 32767``.
   Its variance factor is ``w = min(512 / s**2, sqrt(512) / s)``; only ``s >= 23`` makes
   ``w < 1``, the contraction error feedback needs, so fewer levels are for plain use.
-- ``sign``: ``x^ = mean|x| * sign(x)`` (zero counts as positive), 1 bit per element;
-  ``||x - x^||^2 = ||x||^2 - ||x||_1^2 / n`` (a contraction, made for error feedback).
+- ``sign[:BLOCK]``: scaled sign (EF-signSGD, Karimireddy et al. 2019) in a rotated basis: each
+  block ``b`` of ``BLOCK`` (256) elements, zero-padded, is rotated, ``r = H D b`` (``D`` fixed
+  random signs, ``H`` the orthonormal Walsh-Hadamard transform), sent as
+  ``r^ = mean|r| * sign(r)`` (zero counts as positive) and rotated back, ``b^ = D H r^``.
+  1 bit per element plus a float32 scale per block (1.125 bits, 28.4x fewer than float32).
+  Per block ``||b - b^||^2 <= ||b||^2 - ||r||_1^2 / BLOCK`` (equal for a whole block), a
+  contraction made for error feedback. The rotation is what makes it learn: a model update's
+  heavy tails and exact zeros make ``||x||_1^2 / (n ||x||^2)`` small (0.23 on the digits MLP),
+  so unrotated sign sent a quarter of the update's energy per round; rotated blocks are near
+  Gaussian, where that share is ``2 / pi``.
 
 Decoding is elementwise in a fixed order, so every receiver rebuilds identical bits.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
 
 import numpy as np
@@ -29,10 +39,12 @@ import torch
 from fedgrid.compression._payload import Reader, numel, pack_bits, unpack_bits
 from fedgrid.compression.base import FloatCodec
 
-__all__ = ["CastCodec", "Int8Codec", "QSGDCodec", "SignCodec", "QSGD_BUCKET"]
+__all__ = ["CastCodec", "Int8Codec", "QSGDCodec", "SignCodec", "QSGD_BUCKET", "SIGN_BLOCK", "hadamard"]
 
 #: Elements per QSGD bucket (one float32 norm each).
 QSGD_BUCKET = 512
+#: The rotation block of ``sign`` when the spec names none.
+SIGN_BLOCK = 256
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -227,28 +239,74 @@ class QSGDCodec(FloatCodec):
         return (signed * step[:, None]).reshape(-1)[:n]
 
 
-class SignCodec(FloatCodec):
-    """``sign``: one bit per element, scaled by the tensor's mean absolute value.
+@functools.lru_cache(maxsize=8)
+def _flips(block: int) -> torch.Tensor:
+    """The rotation's fixed random signs: the first ``block`` bits of SHA-256 of a fixed text, as +-1.0."""
+    digest = b"".join(
+        hashlib.sha256(b"fedgrid sign rotation %d" % i).digest() for i in range(-(-block // 256))
+    )
+    bits = np.unpackbits(np.frombuffer(digest, dtype=np.uint8), bitorder="little")[:block]
+    return torch.from_numpy(1.0 - 2.0 * bits.astype(np.float32))
 
-    Body: float32 scale, then the sign bits (1 = negative), first element in the lowest bit.
+
+def hadamard(rows: torch.Tensor) -> torch.Tensor:
+    """The orthonormal Walsh-Hadamard transform of each row (length a power of two); its own inverse."""
+    m, b = rows.shape
+    h = 1
+    while h < b:
+        pairs = rows.reshape(m, -1, 2, h)
+        rows = torch.cat((pairs[:, :, :1] + pairs[:, :, 1:], pairs[:, :, :1] - pairs[:, :, 1:]), dim=2)
+        h *= 2
+    return rows.reshape(m, b) * (1.0 / math.sqrt(b))
+
+
+class SignCodec(FloatCodec):
+    """``sign[:BLOCK]``: the sign of each element of a randomly rotated block, scaled per block.
+
+    Each block of ``BLOCK`` elements (a power of two, default 256; a tensor of fewer elements
+    uses the next power of two at or above its size, at least 8) is multiplied by fixed random
+    signs and rotated by the Walsh-Hadamard transform; the rotated values travel as their signs
+    and one scale, their mean magnitude. Body: u32 block size, float32 scale per block, the
+    sign bits of every (zero-padded) block (1 = negative), first element in the lowest bit.
+
+    Args:
+        block: rotation block, a power of two in 8..65536.
     """
 
-    name = "sign"
+    def __init__(self, block: int = SIGN_BLOCK) -> None:
+        if not (8 <= block <= 65536 and block & (block - 1) == 0):
+            raise ValueError(f"sign block size must be a power of two in 8..65536, got {block}")
+        self.block = block
+        self.name = "sign" if block == SIGN_BLOCK else f"sign:{block}"
+
+    def block_for(self, n: int) -> int:
+        """The rotation block of an ``n``-element tensor (the same on both ends)."""
+        return min(self.block, max(8, 1 << max(n - 1, 1).bit_length()))
 
     def _max_body(self, shape: tuple[int, ...], dtype: torch.dtype) -> int | None:
-        return 4 + math.ceil(numel(shape) / 8)
+        n = numel(shape)
+        block = self.block_for(n)
+        nblocks = math.ceil(n / block)
+        return 4 + 4 * nblocks + nblocks * block // 8
 
     def _encode_body(
         self, x: torch.Tensor, *, generator: torch.Generator | None, key: str | None
     ) -> list[bytes]:
-        flat = x.reshape(-1).float()
-        scale = flat.abs().mean()
-        return [_f32_bytes(scale.reshape(1)), pack_bits(flat < 0)]
+        block = self.block_for(x.numel())
+        rotated = hadamard(_blocks(x, block) * _flips(block).to(x.device))
+        scale = rotated.abs().mean(dim=1)
+        return [block.to_bytes(4, "little"), _f32_bytes(scale), pack_bits((rotated < 0).reshape(-1))]
 
     def _decode_body(self, reader: Reader, *, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         n = numel(shape)
-        scale = _check_scales(reader, reader.array("<f4", 1, "scale"), "scale")
-        bits = unpack_bits(reader.take(math.ceil(n / 8), "sign bits"), n, reader, "sign bits")
+        block = self.block_for(n)
+        nblocks = math.ceil(n / block)
+        reader.expect(4, block, "block size")
+        scale = _check_scales(reader, reader.array("<f4", nblocks, "scale"), "scale")
+        bits = unpack_bits(
+            reader.take(nblocks * block // 8, "sign bits"), nblocks * block, reader, "sign bits"
+        )
         reader.finish()
-        # 1 - 2 * bit is +1 or -1 exactly, so this is +-scale bit for bit.
-        return torch.from_numpy(bits).to(torch.float32).mul_(-2.0).add_(1.0).mul_(scale)
+        # 1 - 2 * bit is +1 or -1 exactly, so the rotated values are +-scale bit for bit.
+        signs = torch.from_numpy(bits).to(torch.float32).mul_(-2.0).add_(1.0).reshape(nblocks, block)
+        return (hadamard(signs * scale[:, None]) * _flips(block)).reshape(-1)[:n]

@@ -10,7 +10,10 @@ A spec is ``NAME[:PARAM][+zstd[:LEVEL]]``:
 ``topk:FRACTION``      the largest-magnitude ``FRACTION`` of elements, in (0, 1]
 ``randk:FRACTION``     a uniform random ``FRACTION`` of elements
 ``powersgd:RANK``      rank-``RANK`` factors of matrices and conv kernels
-``sign``               1 bit per element, scaled by the mean magnitude
+``sign[:BLOCK]``       1 bit per element of randomly rotated blocks (256), scaled per block
+``int4[:BLOCK]``       4-bit integer codes, one absmax per ``BLOCK`` elements (256)
+``fp4[:BLOCK]``        4-bit e2m1 floats, one absmax per ``BLOCK`` elements (256)
+``sparseloco[:K]``     top-``K`` of every 4096 elements (64), 2 bits per kept value
 ``SPEC+zstd[:LEVEL]``  zstd over any of the above (``none+zstd`` alone is lossless)
 =====================  ===========================================================
 
@@ -33,9 +36,11 @@ import torch
 
 from fedgrid.compression.base import Codec, IdentityCodec
 from fedgrid.compression.lossless import ZstdCodec
+from fedgrid.compression.lowbit import DEFAULT_BLOCK_4BIT, FP4Codec, Int4Codec
 from fedgrid.compression.lowrank import PowerSGDCodec
-from fedgrid.compression.quantize import CastCodec, Int8Codec, QSGDCodec, SignCodec
+from fedgrid.compression.quantize import SIGN_BLOCK, CastCodec, Int8Codec, QSGDCodec, SignCodec
 from fedgrid.compression.sparse import RandKCodec, TopKCodec
+from fedgrid.compression.sparseloco import CHUNK, DEFAULT_K, SparseLoCoCodec
 from fedgrid.errors import ConfigError, InvalidUpdateError
 
 __all__ = [
@@ -110,7 +115,16 @@ def _builtin() -> dict[str, _Family]:
         "topk": _Family(lambda p: TopKCodec(_fraction(p, "topk:FRACTION")), "topk:FRACTION"),
         "randk": _Family(lambda p: RandKCodec(_fraction(p, "randk:FRACTION")), "randk:FRACTION"),
         "powersgd": _Family(lambda p: PowerSGDCodec(_int(p, "powersgd:RANK", 1, 65535)), "powersgd:RANK"),
-        "sign": _Family(_fresh("sign", SignCodec), "sign"),
+        "sign": _Family(lambda p: SignCodec(_int(p, "sign[:BLOCK]", 8, 65536, SIGN_BLOCK)), "sign[:BLOCK]"),
+        "int4": _Family(
+            lambda p: Int4Codec(_int(p, "int4[:BLOCK]", 8, 65536, DEFAULT_BLOCK_4BIT)), "int4[:BLOCK]"
+        ),
+        "fp4": _Family(
+            lambda p: FP4Codec(_int(p, "fp4[:BLOCK]", 8, 65536, DEFAULT_BLOCK_4BIT)), "fp4[:BLOCK]"
+        ),
+        "sparseloco": _Family(
+            lambda p: SparseLoCoCodec(_int(p, "sparseloco[:K]", 1, CHUNK, DEFAULT_K)), "sparseloco[:K]"
+        ),
     }
 
 

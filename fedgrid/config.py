@@ -25,6 +25,7 @@ from typing import Any, Iterable, Mapping
 import tomllib
 
 from fedgrid.config_checks import validate
+from fedgrid.config_compression import CompressionKeys
 from fedgrid.config_groups import (
     AGGREGATOR_NAMES,
     CLIENT_ONLY_KEYS,
@@ -98,7 +99,8 @@ class _CoreKeys:
         "0",
     )
     codec: str = _key(
-        "uplink codec NAME[:PARAM][+zstd] (none, fp16, bf16, int8, qsgd:L, topk:F, randk:F, powersgd:R, sign)",
+        "uplink codec NAME[:PARAM][+zstd] (none, fp16, bf16, int8, qsgd:L, topk:F, randk:F, powersgd:R, sign, "
+        "and for outer gradients int4, fp4, sparseloco)",
         "none",
     )
     region_codecs: str = _key("per-region uplink codecs, e.g. 'eu=bf16,us=topk:0.01' (others use codec)", "")
@@ -374,7 +376,7 @@ class _CoreKeys:
 
 
 @dataclass(frozen=True)
-class Config(SecAggKeys, PrivacyKeys, RegionKeys, _CoreKeys):
+class Config(CompressionKeys, SecAggKeys, PrivacyKeys, RegionKeys, _CoreKeys):
     """Every setting of a run; each key's ``--help`` text is its field's. An area's keys may
     come from a group of its own module, a frozen dataclass of ``fedgrid.config_values.key``
     fields that this class inherits (listed before ``_CoreKeys``, so that they follow it)."""

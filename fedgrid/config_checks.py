@@ -152,7 +152,9 @@ def _check_codecs_and_strategy(config: Config) -> None:
     with its options (built once to check them)."""
     from fedgrid.compression.feedback import ErrorFeedback
     from fedgrid.compression.registry import parse_region_codecs
+    from fedgrid.config_compression import check_compression
 
+    check_compression(config)
     for key in ("codec", "downlink_codec"):
         spec = getattr(config, key)
         codec = parse_codec_spec(spec, key=key)

@@ -303,4 +303,9 @@ class Phases:
         return results, failures, cancelled
 
     def _with_codec(self, info: ClientInfo, ins: FitIns) -> FitIns:
-        return dataclasses.replace(ins, config={**ins.config, "uplink_codec": self.codec_policy.uplink(info)})
+        config = {
+            **ins.config,
+            "uplink_codec": self.codec_policy.uplink(info),
+            **self.codec_policy.feedback_config(),
+        }
+        return dataclasses.replace(ins, config=config)

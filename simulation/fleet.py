@@ -395,7 +395,9 @@ class InProcessFleet(Fleet):
                 )
                 state, size = self._download(downlink, server_round, info, downloads, names)
                 tally.add_down(info.region, size)
-                task = dataclasses.replace(ins, config={**ins.config, "uplink_codec": codec})
+                task = dataclasses.replace(
+                    ins, config={**ins.config, "uplink_codec": codec, **self.codec_policy.feedback_config()}
+                )
                 prepared.append((info, task, codec, state))
             except Exception as exc:  # a client's failure is data for the strategy
                 prepared.append((info, ins, "", exc))
@@ -428,7 +430,7 @@ class InProcessFleet(Fleet):
             chunk_size=self.chunk_size,
             keep_delta=self.downlink.lossless,
             fast=self.fast_lossless,
-            uplink=lambda: self._uplink(info.client_id, codec),
+            uplink=lambda: self._uplink(info.client_id, codec).begin(server_round, ins.config),
         )
 
     def evaluate_round(

@@ -59,9 +59,17 @@ def _deploy(policy, downlink_codec="none"):
     return deployed
 
 
-@pytest.mark.parametrize("codec", ["topk:0.01", "int8"])
-def test_simulation_and_grpc_agree_bit_for_bit(codec):
-    policy = CodecPolicy(default=codec)
+#: codec, error feedback, the least uplink ratio it reaches on the digits MLP
+PARITY = [
+    ("topk:0.01", "classic", 50),
+    ("int8", "classic", 3.9),
+    ("sparseloco", "momentum:0.9", 20),
+]
+
+
+@pytest.mark.parametrize("codec,feedback,least_ratio", PARITY)
+def test_simulation_and_grpc_agree_bit_for_bit(codec, feedback, least_ratio):
+    policy = CodecPolicy(default=codec, error_feedback=feedback, feedback_reset_rounds=2)
     sim = _engine(InProcessFleet(_clients(), codec_policy=policy))
     sim_final = sim.run()
     deployed = _deploy(policy)
@@ -71,7 +79,7 @@ def test_simulation_and_grpc_agree_bit_for_bit(codec):
     for sim_m, m in zip(sim.history, deployed.history):
         ratio = m.extra["uplink_ratio"]
         assert ratio == pytest.approx(sim_m.extra["uplink_ratio"])
-        assert ratio > (50 if codec.startswith("topk") else 3.9)
+        assert ratio > least_ratio
 
 
 def test_error_feedback_carries_what_topk_dropped():

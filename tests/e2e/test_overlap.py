@@ -115,7 +115,8 @@ OVERLAP = {
     "inner_steps": 6,
     "sync_delay_steps": 2,
     "inner_lr": 0.01,
-    "codec": "int8",
+    "codec": "fp4",  # an outer-gradient codec, with error feedback with momentum
+    "error_feedback": "momentum:0.9",
 }
 
 
@@ -166,7 +167,7 @@ def test_overlapped_streaming_diloco_deployment_equals_simulation_through_a_loss
     for name, tensor in sim_state.items():
         assert torch.equal(deployed[name], tensor), name  # same engine, same threads, same tau: the same bits
     assert [m.loss for m in sim_history] == [m["loss"] for m in metrics]
-    assert metrics[-1]["loss"] < metrics[0]["loss"]  # int8 with error feedback, tau = 2: it trains
+    assert metrics[-1]["loss"] < metrics[0]["loss"]  # fp4 with error feedback, tau = 2: it trains
 
 
 EXIT_SCRIPT = """

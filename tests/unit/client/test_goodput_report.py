@@ -45,7 +45,9 @@ class FakeConn:
         self.clock.t += DOWNLOAD_S
         return OrderedDict(w=torch.zeros(2))
 
-    def upload(self, task_id, server_round, update, num_examples, metrics, *, codec, global_state) -> int:
+    def upload(
+        self, task_id, server_round, update, num_examples, metrics, *, codec, global_state, task_config=None
+    ) -> int:
         self.clock.t += UPLOAD_S
         self.uploaded.append(dict(metrics))
         return 8

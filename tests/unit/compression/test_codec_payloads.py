@@ -236,7 +236,7 @@ def test_mode_bytes_and_values_are_checked() -> None:
     nan_scale[5:9] = struct.pack("<f", float("nan"))
     _rejects("int8", nan_scale, r"block scales holds a negative or non-finite value")
     negative = bytearray(_encode("sign", x))
-    negative[1:5] = struct.pack("<f", -1.0)
+    negative[5:9] = struct.pack("<f", -1.0)  # after the mode byte and the u32 block size
     _rejects("sign", negative, r"scale holds a negative or non-finite value")
     code = bytearray(_encode("int8", x))
     code[-1] = 0x80
@@ -247,9 +247,11 @@ def test_mode_bytes_and_values_are_checked() -> None:
     small = bytearray(_encode("qsgd:1", _x((5,))))  # 2-bit codes, 5 of them: 6 padding bits
     small[-1] |= 0x80
     _rejects("qsgd:1", small, r"padding bits are not zero", shape=(5,))
-    sign = bytearray(_encode("sign", _x((5, 9))))
-    sign[-1] |= 0x80
-    _rejects("sign", sign, r"sign bits: padding bits are not zero", shape=(5, 9))
+    sign = bytearray(_encode("sign", _x((5, 9))))  # 45 elements: one rotation block of 64
+    sign[1:5] = (128).to_bytes(4, "little")
+    _rejects(
+        "sign", sign, r"header block size is 128, the codec spec and tensor shape imply 64", shape=(5, 9)
+    )
     inf = bytearray(_encode("fp16", x))
     inf[1:3] = np.array([np.inf], "<f2").tobytes()
     _rejects("fp16", inf, r"values hold NaN or Inf")

@@ -20,7 +20,7 @@ from fedgrid.compression import (
     register_codec,
     registry,
 )
-from fedgrid.compression.quantize import QSGD_BUCKET
+from fedgrid.compression.quantize import QSGD_BUCKET, _flips, hadamard
 from fedgrid.errors import ConfigError, InvalidUpdateError
 
 FLOATS = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -37,6 +37,13 @@ LOSSY = [
     "randk:0.25",
     "powersgd:2",
     "sign",
+    "sign:8",
+    "int4",
+    "int4:32",
+    "fp4",
+    "fp4:16",
+    "sparseloco",
+    "sparseloco:4",
 ]
 ALL = ["none", "none+zstd", *LOSSY, "int8+zstd", "topk:0.1+zstd:1"]
 #: Relative rounding of the final cast to the declared dtype (float64 goes through float32 inside).
@@ -108,9 +115,16 @@ def _elementwise_bound(spec: str, x: torch.Tensor) -> torch.Tensor | None:
         return (norms / levels).repeat_interleave(QSGD_BUCKET)[:n] * (1 + 1e-5) + a * 2.0**-23
     if base.startswith(("topk", "randk")):
         return a  # each element is kept exactly or zeroed
-    if base == "sign":
-        return a + a.mean() * (1 + 1e-6) if n else a
-    return None  # powersgd: a Frobenius-norm bound, checked separately
+    if base.startswith("int4"):
+        block = int(base.split(":")[1]) if ":" in base else 256
+        absmax = _blocks(x, block).abs().amax(dim=1)
+        return (absmax / 14).repeat_interleave(block)[:n] * (1 + 1e-6) + a * 2.0**-23
+    if base.startswith("fp4"):
+        block = int(base.split(":")[1]) if ":" in base else 256
+        absmax = (_blocks(x, block).abs().amax(dim=1) / 24).repeat_interleave(block)[:n]
+        return torch.maximum(absmax, a / 4) * (1 + 1e-6) + a * 2.0**-23
+    # powersgd, sign, sparseloco: Frobenius-norm bounds, checked separately (test_outer_codecs.py)
+    return None
 
 
 @pytest.mark.parametrize("spec", ALL)
@@ -157,11 +171,11 @@ def test_empty_and_scalar_tensors(spec: str, shape: tuple[int, ...]) -> None:
     payload, y = _roundtrip(get_codec(spec), x)
     if x.numel() == 0:
         assert len(payload) <= 1
-    assert torch.allclose(y, x) or spec.startswith("qsgd") or spec == "sign"
+    assert torch.allclose(y, x) or spec.startswith(("qsgd", "sign"))
 
 
 def test_lossy_codecs_refuse_nan_and_inf() -> None:
-    for spec in ("int8", "topk:0.1", "sign", "qsgd:4", "powersgd:1"):
+    for spec in ("int8", "topk:0.1", "sign", "qsgd:4", "powersgd:1", "int4", "fp4", "sparseloco"):
         for bad in (math.nan, math.inf):
             x = torch.randn(64, 64)
             x[3, 5] = bad
@@ -264,15 +278,21 @@ def test_randk_keeps_k_exact_values_and_is_reproducible() -> None:
     assert torch.equal(y[y != 0], x[y != 0])
 
 
-def test_sign_is_the_scaled_sign() -> None:
-    x = torch.randn(1001, dtype=torch.float64)
+def test_sign_is_the_scaled_sign_of_rotated_blocks() -> None:
+    x = torch.randn(1024, dtype=torch.float64) * torch.rand(1024, dtype=torch.float64) ** 4  # heavy tails
     x[0] = 0.0
-    _, y = _roundtrip(get_codec("sign"), x)
-    scale = x.abs().mean()
-    torch.testing.assert_close(y.abs(), torch.full_like(y, float(scale.float())))
-    assert bool(((y > 0) == (x >= 0)).all())
-    residual = (x - y).norm() ** 2
-    torch.testing.assert_close(residual, x.norm() ** 2 - x.abs().sum() ** 2 / x.numel(), rtol=1e-5, atol=1e-6)
+    payload, y = _roundtrip(get_codec("sign"), x)
+    assert len(payload) == 1 + 4 + 4 * 4 + 1024 // 8
+    rotated = hadamard(_blocks(x, 256).float() * _flips(256))
+    back = hadamard(_blocks(y, 256).float() * _flips(256))  # the rotation undone: +-scale per block
+    scale = rotated.abs().mean(dim=1, keepdim=True)
+    torch.testing.assert_close(back.abs(), scale.expand_as(back), rtol=1e-5, atol=1e-7)
+    assert bool(((back > 0) == (rotated >= 0)).all())
+    # Whole blocks: ||x - x^||^2 = ||x||^2 - sum over blocks of ||r||_1^2 / 256, far under plain sign's.
+    expected = x.norm() ** 2 - (rotated.double().abs().sum(dim=1) ** 2 / 256).sum()
+    torch.testing.assert_close((x - y).norm() ** 2, expected, rtol=1e-4, atol=1e-8)
+    plain = x.norm() ** 2 - x.abs().sum() ** 2 / x.numel()
+    assert float(expected) < 0.75 * float(plain)
 
 
 def test_measured_compression_ratios() -> None:
@@ -283,7 +303,7 @@ def test_measured_compression_ratios() -> None:
     }
     assert ratios["int8"] >= 3.9
     assert ratios["topk:0.01"] >= 50
-    assert ratios["sign"] >= 31.9 and ratios["qsgd:7"] >= 7.8 and ratios["fp16"] >= 1.99
+    assert ratios["sign"] >= 28.4 and ratios["qsgd:7"] >= 7.8 and ratios["fp16"] >= 1.99
     m = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0))
     assert raw / len(get_codec("powersgd:4").encode(m)) >= 100
 
@@ -343,6 +363,11 @@ def test_none_is_unchanged() -> None:
         ("int8+zstd+zstd", r"at most one"),
         ("int8+zstd:99", r"needs an integer in 1..22"),
         ("topk:" + "1" * 80, r"over the 64 allowed"),
+        ("int4:3", r"'int4\[:BLOCK\]' needs an integer in 8..65536, got '3'"),
+        ("fp4:x", r"'fp4\[:BLOCK\]' needs an integer in 8..65536, got 'x'"),
+        ("sparseloco:5000", r"'sparseloco\[:K\]' needs an integer in 1..4096, got '5000'"),
+        ("sign:100", r"codec spec 'sign:100': sign block size must be a power of two in 8..65536, got 100"),
+        ("fp8", r"unknown codec 'fp8' \(known: .*int4\[:BLOCK\], fp4\[:BLOCK\], sparseloco\[:K\]"),
     ],
 )
 def test_bad_specs_are_rejected(spec: str, match: str) -> None:

@@ -1,0 +1,151 @@
+"""The LM workload of ``benchmarks/compression.py`` (``--workload lm``): outer-gradient codecs under DiLoCo.
+
+For each strategy (``--strategies``: ``diloco``, ``streaming-diloco``) and each uplink codec
+(``--codecs``; default ``LM_CODECS``) one ``fedgrid simulate`` run (``run_simulation``, the
+very code of the command: fedgrid's round engine, ``InProcessFleet``, wire serialization and
+the uplink's error feedback) of the language-model task (``fedgrid.simulation.lm_task``: the
+``--model`` GPT on Shakespeare's characters) with ``--clients`` workers, ``--rounds`` outer
+steps of H = ``--inner-steps`` AdamW steps (streaming: ``--fragments`` fragments, one synced
+per outer step, H / F inner steps each, so both strategies see the same tokens), same seed:
+every codec trains on the same tokens. Per run:
+
+- ``loss``: held-out loss (nats per character, the task's fixed 2,000 test windows) after the
+  last round, and ``d loss %`` against ``none`` of the same strategy;
+- ``B/step``: uplink bytes per outer step (H inner steps; streaming: F rounds) per worker
+  (``RoundMetrics.bytes_up``: payload, metadata and framing), and ``ratio``: ``none``'s over
+  the codec's.
+
+The recommendation table then names, per strategy, the codec with the fewest bytes within
+1% of ``none``'s loss, and the one within 2%; the goals of issue 29 are checked: ``fp4`` or
+``int4`` within 1% at >= 7.5x (4 bits of 32, less the block scales), ``sparseloco`` within 2%
+at >= 50x.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+from fedgrid.config import load_config
+from fedgrid.simulation.run import run_simulation
+from fedgrid.types import RoundMetrics
+
+__all__ = ["LM_CODECS", "LM_GOALS", "run_lm", "lm_rows", "recommend", "lm_goals"]
+
+LM_CODECS = ("none", "int8", "fp4", "int4", "sparseloco", "sign", "topk:0.0156")
+#: codec -> (least byte ratio vs none, most loss increase in percent)
+LM_GOALS: dict[str, tuple[float, float]] = {"fp4": (7.5, 1.0), "int4": (7.5, 1.0), "sparseloco": (50.0, 2.0)}
+
+
+def run_lm(codec: str, strategy: str, args: Any, log: Callable[[str], None]) -> list[RoundMetrics]:
+    """One run of the LM task with ``codec`` on every uplink; returns each round's metrics."""
+    streaming = strategy == "streaming-diloco"
+    overrides = {
+        "dataset": "shakespeare",
+        "data_dir": args.lm_data,
+        "model": args.model,
+        "strategy": strategy,
+        "clients": args.clients,
+        "rounds": args.rounds * (args.fragments if streaming else 1),
+        "inner_steps": args.inner_steps // args.fragments if streaming else args.inner_steps,
+        "seed": args.seed,
+        "codec": codec,
+        "error_feedback": args.error_feedback,
+        "eval_every": (args.fragments if streaming else 1) * args.eval_every,
+        "threads": args.threads,
+        "engine": "sequential",
+    }
+    if streaming:
+        overrides["num_fragments"] = args.fragments
+    start = time.monotonic()
+    _, history = run_simulation(load_config(overrides=overrides))
+    log(
+        f"  {strategy:<17} {codec:<12} loss {history[-1].loss or 0.0:.4f}  "
+        f"up {statistics.fmean(m.bytes_up for m in history):>10.0f} B/round (all workers)  {time.monotonic() - start:.0f}s"
+    )
+    return history
+
+
+def lm_rows(
+    codecs: tuple[str, ...], runs: dict[str, list[RoundMetrics]], workers: int, outer_steps: int
+) -> dict[str, Any]:
+    """Per codec: final held-out loss, its change against ``none`` in percent, bytes per outer step and ratio.
+
+    An outer step is H inner steps: one sync of the whole model (streaming: of every fragment,
+    F rounds), so both strategies' bytes per step compare.
+    """
+    rows: dict[str, Any] = {}
+    for spec in codecs:
+        h = runs[spec]
+        rows[spec] = {
+            "loss": h[-1].loss,
+            "bytes_up_total": sum(m.bytes_up for m in h),
+        }
+    base = rows.get("none")
+    for spec, row in rows.items():
+        row["bytes_per_outer_step"] = row["bytes_up_total"] / workers / outer_steps
+        row["ratio_vs_none"] = base["bytes_up_total"] / row["bytes_up_total"] if base else None
+        row["loss_diff_percent"] = 100 * (row["loss"] / base["loss"] - 1) if base else None
+    return rows
+
+
+def recommend(rows: dict[str, Any]) -> dict[str, str | None]:
+    """The codec with the fewest bytes within 1% (and within 2%) of ``none``'s held-out loss."""
+    out: dict[str, str | None] = {}
+    for limit in (1.0, 2.0):
+        fits = [
+            s
+            for s, r in rows.items()
+            if r["loss_diff_percent"] is not None and r["loss_diff_percent"] <= limit
+        ]
+        out[f"within {limit:g}%"] = max(fits, key=lambda s: rows[s]["ratio_vs_none"]) if fits else None
+    return out
+
+
+def lm_goals(rows: dict[str, Any]) -> dict[str, Any]:
+    goals = {}
+    for spec, (least_ratio, most_loss) in LM_GOALS.items():
+        row = rows.get(spec)
+        if row is None or row["ratio_vs_none"] is None:
+            continue
+        ratio_ok, loss_ok = row["ratio_vs_none"] >= least_ratio, row["loss_diff_percent"] <= most_loss
+        goals[spec] = {
+            "ratio": row["ratio_vs_none"],
+            "need_ratio": least_ratio,
+            "loss_diff_percent": row["loss_diff_percent"],
+            "max_loss_percent": most_loss,
+            "met": ratio_ok and loss_ok,
+        }
+    return goals
+
+
+def run_lm_workload(args: Any, log: Callable[[str], None]) -> dict[str, Any]:
+    """Every strategy and codec; logs the tables and returns what the results file keeps."""
+    codecs = tuple(s for s in args.codecs.split(",") if s) if args.codecs else LM_CODECS
+    out: dict[str, Any] = {}
+    for strategy in [s for s in args.strategies.split(",") if s]:
+        runs = {spec: run_lm(spec, strategy, args, log) for spec in codecs}
+        rows = lm_rows(codecs, runs, args.clients, args.rounds)
+        log(
+            f"\n{strategy}: {args.clients} workers, {args.rounds} outer steps of H = {args.inner_steps}, {args.model}"
+        )
+        log(f"{'codec':<14}{'loss':>8}{'d loss %':>10}{'B/step':>12}{'ratio':>8}")
+        for spec, r in rows.items():
+            diff = "-" if r["loss_diff_percent"] is None else f"{r['loss_diff_percent']:+.2f}"
+            ratio = "-" if r["ratio_vs_none"] is None else f"{r['ratio_vs_none']:.1f}"
+            log(f"{spec:<14}{r['loss']:>8.4f}{diff:>10}{r['bytes_per_outer_step']:>12.0f}{ratio:>8}")
+        picks, goals = recommend(rows), lm_goals(rows)
+        for limit, spec in picks.items():
+            log(f"recommend ({strategy}, loss {limit} of none): {spec or '-'}")
+        for spec, g in goals.items():
+            log(
+                f"goal {spec}: >= {g['need_ratio']:g}x ({g['ratio']:.1f}x), within {g['max_loss_percent']:g}% "
+                f"({g['loss_diff_percent']:+.2f}%) -> {'met' if g['met'] else 'NOT MET'}"
+            )
+        history = {
+            s: [{"round": m.round, "loss": m.loss, "bytes_up": m.bytes_up} for m in h]
+            for s, h in runs.items()
+        }
+        out[strategy] = {"rows": rows, "recommend": picks, "goals": goals, "history": history}
+    return out

@@ -1,0 +1,130 @@
+"""Error feedback under partial participation: the momentum variant, the staleness rule, its config keys."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fedgrid.client.uplink import UplinkEncoder, feedback_rule
+from fedgrid.compression import ErrorFeedback
+from fedgrid.compression.feedback import FeedbackRule
+from fedgrid.config import load_config
+from fedgrid.config_compression import feedback_task_config
+from fedgrid.errors import ConfigError
+
+
+def _participation(steps: int, clients: int, share: float, seed: int) -> torch.Tensor:
+    """(steps, clients) booleans: who takes part in each round (``share`` of them, at least one)."""
+    gen = torch.Generator().manual_seed(seed)
+    taking = torch.rand(steps, clients, generator=gen) < share
+    taking[taking.sum(dim=1) == 0, 0] = True
+    return taking
+
+
+@pytest.mark.parametrize("spec", ["classic", "momentum:0.9"])
+def test_residual_stays_bounded_over_1000_rounds_at_10_percent_participation(spec: str) -> None:
+    """topk:0.1 contracts by d = 0.1 on every input, so ||e|| <= sqrt(1 - d) M / (1 - beta sqrt(1 - d))
+    for inputs of norm at most M, whatever the rounds a client sat out (the decay only shrinks e)."""
+    rule = FeedbackRule.parse(spec)
+    clients, steps = 10, 1000
+    feedback = [ErrorFeedback("topk:0.1", rule) for _ in range(clients)]
+    taking = _participation(steps, clients, 0.1, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    drift = torch.randn(clients, 400, generator=gen)  # each client's persistent direction (non-IID)
+    c = math.sqrt(1 - 0.1)
+    bound = c / (1 - rule.beta * c)
+    largest, worst, stale = 0.0, 0.0, 0
+    for t in range(steps):
+        for i in torch.nonzero(taking[t]).flatten().tolist():
+            ef = feedback[i]
+            if ef.last_round is not None and t - ef.last_round > 1:
+                stale += 1
+            ef.begin_round(t)
+            x = drift[i] + 0.5 * torch.randn(400, generator=gen)
+            largest = max(largest, float(x.norm()))
+            ef.encode("w", x)
+            norm = float(ef.residuals["w"].norm())
+            worst = max(worst, norm / largest)
+            assert norm <= bound * largest * (1 + 1e-5), f"round {t} client {i}: {norm} > {bound * largest}"
+    assert stale > 50  # most uploads come after rounds sat out
+    assert worst > 0.5  # the bound is met with the residual doing real work
+    if rule.beta < 1:
+        assert worst <= c / (1 - 0.9 * c) + 1e-6 < math.sqrt(0.9) / (1 - math.sqrt(0.9))
+
+
+def test_stale_residual_decays_per_round_sat_out_and_resets() -> None:
+    ef = ErrorFeedback("topk:0.1", FeedbackRule.parse("momentum:0.5", reset_rounds=4))
+    ef.begin_round(1)
+    ef.encode("w", torch.arange(1.0, 101.0))
+    kept = ef.residuals["w"].clone()
+    assert float(kept.norm()) > 0
+    assert ef.begin_round(1) == 1.0 and torch.equal(ef.residuals["w"], kept)  # same round: unchanged
+    assert ef.begin_round(4) == 0.25  # sat out rounds 2 and 3
+    assert torch.equal(ef.residuals["w"], kept * 0.25)
+    ef.encode("w", torch.zeros(100))
+    assert ef.begin_round(9) == 0.0 and not ef.residuals  # sat out 5..8: 4 rounds, the reset rule
+    classic = ErrorFeedback("topk:0.1")
+    classic.begin_round(1)
+    classic.encode("w", torch.arange(1.0, 101.0))
+    before = classic.residuals["w"].clone()
+    assert classic.begin_round(50) == 1.0 and torch.equal(classic.residuals["w"], before)
+
+
+def test_momentum_feedback_decays_the_residual_inside_each_step() -> None:
+    x1, x2 = torch.arange(1.0, 101.0), torch.linspace(-1, 1, 100)
+    ef = ErrorFeedback("topk:0.1", FeedbackRule(beta=0.9))
+    ef.encode("w", x1)
+    e1 = ef.residuals["w"].clone()
+    sent = ef.encode("w", x2)
+    v = 0.9 * e1 + x2
+    assert torch.equal(sent.decoded, ef.codec.decode(ef.codec.encode(v), dtype=v.dtype, shape=(100,)))
+    torch.testing.assert_close(ef.residuals["w"], v - sent.decoded)
+
+
+def test_state_dict_keeps_the_last_round() -> None:
+    ef = ErrorFeedback("int8", FeedbackRule(beta=0.5))
+    ef.begin_round(7)
+    ef.encode("w", torch.randn(300))
+    again = ErrorFeedback("int8", FeedbackRule(beta=0.5))
+    again.load_state_dict(ef.state_dict())
+    assert again.last_round == 7 and again.begin_round(9) == 0.5
+
+
+@pytest.mark.parametrize(
+    "overrides,key,match",
+    [
+        (
+            {"error_feedback": "momentum:1.5"},
+            "error_feedback",
+            r"'classic' or 'momentum:BETA'.*'momentum:1.5'",
+        ),
+        ({"error_feedback": "ef21"}, "error_feedback", r"got 'ef21'"),
+        ({"error_feedback": "momentum:0"}, "error_feedback", r"BETA in \(0, 1\)"),
+        ({"feedback_reset_rounds": -1}, "feedback_reset_rounds", r"at least 0, got -1"),
+    ],
+)
+def test_bad_feedback_keys_are_named(overrides: dict, key: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match) as info:
+        load_config(overrides={"codec": "topk:0.1", **overrides})
+    assert info.value.key == key
+
+
+def test_the_rule_travels_in_the_task_config() -> None:
+    config = load_config(
+        overrides={"codec": "sparseloco", "error_feedback": "momentum:0.95", "feedback_reset_rounds": 3}
+    )
+    assert config.error_feedback == "momentum:0.95" and config.feedback_reset_rounds == 3
+    task = feedback_task_config(config.error_feedback, config.feedback_reset_rounds)
+    assert task == {"uplink_feedback": "momentum:0.95", "uplink_feedback_reset": 3}
+    assert feedback_rule(task) == FeedbackRule(0.95, 3)
+    assert feedback_task_config("classic", 0) == {} and feedback_rule({}) == FeedbackRule()
+    uplink = UplinkEncoder("sparseloco").begin(5, task)
+    assert uplink.feedback is not None and uplink.feedback.rule == FeedbackRule(0.95, 3)
+    assert uplink.feedback.last_round == 5
+    with pytest.raises(ConfigError, match="error_feedback"):
+        feedback_rule({"uplink_feedback": "momentum:x"})
+    assert feedback_rule({"uplink_feedback_reset": 3.0}) == FeedbackRule(1.0, 3)  # a wire's float
+    with pytest.raises(ConfigError, match="feedback_reset_rounds"):
+        feedback_rule({"uplink_feedback_reset": "3"})
