@@ -438,7 +438,7 @@ class Connection:
         coordinator how many chunks it holds and resumes from there; one that finds the
         update already accepted counts as success."""
         uplink = self._uplink(codec, has_global=global_state is not None).begin(
-            server_round, task_config or {}
+            server_round, task_config or {}, self.name
         )
         encoded, delta = uplink.encode(global_state=global_state or {}, new_state=state)
         info = serde.StreamInfo(

@@ -10,7 +10,6 @@ always travel whole. With the ``none`` codec the update travels whole and bit-ex
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Mapping
 
 import torch
@@ -18,7 +17,7 @@ import torch
 from fedgrid.compression import parse_codec_spec
 from fedgrid.compression.feedback import ErrorFeedback, FeedbackRule, is_delta_tensor, reconstruct
 from fedgrid.proto.serde import EncodedModel
-from fedgrid.seeding import RNG_LOCK
+from fedgrid.seeding import derive_seed
 
 __all__ = [
     "UplinkEncoder",
@@ -54,11 +53,17 @@ class UplinkEncoder:
         self.spec = codec
         self.lossless = parse_codec_spec(codec, key="codec").lossless
         self.feedback = None if self.lossless else ErrorFeedback(codec)
+        self._seed = 0
 
-    def begin(self, server_round: int, task_config: Mapping[str, Any]) -> "UplinkEncoder":
+    def begin(self, server_round: int, task_config: Mapping[str, Any], client: str = "") -> "UplinkEncoder":
         """Takes the task's error-feedback rule and applies its staleness rule before this
         round's upload (``ErrorFeedback.begin_round``); returns ``self``. Deployed clients and the
-        simulation both call it before ``encode``, so their residuals stay bit-identical."""
+        simulation both call it before ``encode``, so their residuals stay bit-identical.
+
+        A stochastic codec (``randk``, ``qsgd``) draws from a generator of its own, seeded from
+        the task's seed, the round and ``client`` (the client's name): a rerun, and a deployment
+        and its simulation, draw the same numbers whatever else the process drew before."""
+        self._seed = derive_seed(task_config.get("seed", 0), server_round, client, "uplink")
         if self.feedback is not None:
             self.feedback.rule = feedback_rule(task_config)
             self.feedback.begin_round(server_round)
@@ -71,15 +76,13 @@ class UplinkEncoder:
         if self.feedback is None:
             return EncodedModel(new_state, codec=self.spec), False
         items = []
-        # A stochastic codec draws from torch's default generator: not while a trainer in this
-        # process draws from it (overlapped DiLoCo trains while its upload is encoded).
-        with RNG_LOCK if self.feedback.codec.stochastic else contextlib.nullcontext():
-            for name, tensor in new_state.items():
-                value = tensor - global_state[name].to(tensor.device) if is_delta_tensor(tensor) else tensor
-                sent = self.feedback.encode(name, value.detach().to("cpu"))
-                items.append(
-                    (name, tensor.dtype, tuple(tensor.shape), self.feedback.codec.name, sent.payload)
-                )
+        # Never torch's default generator: a trainer may draw from it meanwhile (overlapped
+        # DiLoCo trains while its upload is encoded), and its state depends on the process.
+        generator = torch.Generator().manual_seed(self._seed) if self.feedback.codec.stochastic else None
+        for name, tensor in new_state.items():
+            value = tensor - global_state[name].to(tensor.device) if is_delta_tensor(tensor) else tensor
+            sent = self.feedback.encode(name, value.detach().to("cpu"), generator=generator)
+            items.append((name, tensor.dtype, tuple(tensor.shape), self.feedback.codec.name, sent.payload))
         return EncodedModel.from_payloads(items), True
 
     def state_dict(self) -> dict[str, Any]:

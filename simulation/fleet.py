@@ -430,7 +430,7 @@ class InProcessFleet(Fleet):
             chunk_size=self.chunk_size,
             keep_delta=self.downlink.lossless,
             fast=self.fast_lossless,
-            uplink=lambda: self._uplink(info.client_id, codec).begin(server_round, ins.config),
+            uplink=lambda: self._uplink(info.client_id, codec).begin(server_round, ins.config, info.name),
         )
 
     def evaluate_round(
