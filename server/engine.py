@@ -204,6 +204,7 @@ class RoundEngine:
         self.strategy.load_state_dict(ckpt.strategy)
         self.fleet.load_state_dict(ckpt.fleet)
         restore_privacy(self.privacy, ckpt.privacy, ckpt.path.name)  # a budget is never reset
+        self.influence.load_state_dict(ckpt.influence)
         self.history = [RoundMetrics.from_json(m) for m in ckpt.history]
         self.store.sync_history(ckpt.history)
         log.info("resuming after round %d (checkpoint %s)", ckpt.round, ckpt.path.name)
@@ -242,6 +243,7 @@ class RoundEngine:
                 fleet=self.fleet.state_dict(),
                 history=[m.to_json() for m in self.history],
                 privacy=self.privacy.state_dict() if self.privacy is not None else None,
+                influence=self.influence.state_dict(),
             )
             self.events.emit("checkpoint_written", round=metrics.round)
         self.fleet.committed(metrics.round)

@@ -12,7 +12,11 @@ same way, to the same results, with the same bits:
    farther than ``max_update_ratio`` times that median is refused: it becomes its client's
    ``Failure`` for the round, naming both numbers. This stops a scaled update (x1e3) and a
    finite model of 3e38 values, which per-update checks accept. Updates of other tensors (a
-   block-coordinate client training another block) are compared among themselves.
+   block-coordinate client training another block) are compared among themselves. A late
+   result (``--min-quorum``) is compared with the median of the fresh updates of *its own
+   task's* round (``references``, kept with the checkpoint): updates trained from the same
+   model, not the smaller steps of a later one (a result two rounds stale from early training
+   stepped 12x as far as the fresh one it was measured against, and was refused).
 2. **Weight.** The claims (``num_examples``) of the updates left are capped: a claim counts
    for at most its identity's quota (``client_quotas``, for a cross-silo federation whose
    sizes are known) and at most ``max_weight_ratio`` times the round's lower median claim
@@ -71,6 +75,9 @@ UPDATES_REFUSED = "updates_refused"
 #: differences in data size and drift, small enough that one client is never the whole mean.
 DEFAULT_WEIGHT_RATIO = 10.0
 DEFAULT_UPDATE_RATIO = 10.0
+#: Rounds whose references are kept: a late result staler than this is measured against its
+#: merging round's median (``max_staleness`` defaults to 4).
+REFERENCE_ROUNDS = 256
 
 
 @dataclass(frozen=True)
@@ -92,6 +99,9 @@ class Influence:
     max_weight_ratio: float = DEFAULT_WEIGHT_RATIO
     client_quotas: Mapping[str, int] = field(default_factory=dict)
     max_update_ratio: float = DEFAULT_UPDATE_RATIO
+    #: Fit round -> its fresh updates' lower median distance by tensor group: the reference of
+    #: that round's late results. The last ``REFERENCE_ROUNDS`` rounds; state of a run.
+    references: dict[int, dict[frozenset[str], float]] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         for key in ("max_weight_ratio", "max_update_ratio"):
@@ -205,15 +215,21 @@ class Influence:
         for _, distance, part in measured:
             groups.setdefault(part, []).append(distance)
         medians = {part: statistics.median_low(ds) for part, ds in groups.items()}
+        self._remember(server_round, measured[: len(fresh)])
         refused: dict[int, Failure] = {}
         for i, (res, distance, part) in enumerate(measured):
-            median, limit = medians[part], self.max_update_ratio * medians[part]
-            if distance <= limit:
+            median = medians[part]
+            against = f"the round's median distance {median:.6g} ({len(groups[part])} updates)"
+            task_round = late[i - len(fresh)].task_round if i >= len(fresh) else server_round
+            if part in self.references.get(task_round, {}) and task_round != server_round:
+                # A late result: the fresh updates of its own task's round, trained from its model.
+                median = self.references[task_round][part]
+                against = f"the median distance {median:.6g} of round {task_round}'s fresh updates"
+            if distance <= self.max_update_ratio * median:
                 continue
             reason = (
-                f"update refused: its distance {distance:.6g} from the round's model is over "
-                f"max_update_ratio {self.max_update_ratio:g} x the round's median distance {median:.6g} "
-                f"({len(groups[part])} updates)"
+                f"update refused: its distance {distance:.6g} from its task's model is over "
+                f"max_update_ratio {self.max_update_ratio:g} x {against}"
             )
             refused[i] = Failure(res.client, reason)  # the engine logs it with the round's failures
             if events is not None:
@@ -229,6 +245,30 @@ class Influence:
         kept_fresh = [r for i, r in enumerate(fresh) if i not in refused]
         kept_late = [item for i, item in enumerate(late) if len(fresh) + i not in refused]
         return kept_fresh, kept_late, [refused[i] for i in sorted(refused)]
+
+    def _remember(self, server_round: int, fresh: list[tuple[FitRes, float, frozenset[str]]]) -> None:
+        """Keeps the lower median distance of ``server_round``'s fresh updates by group."""
+        groups: dict[frozenset[str], list[float]] = {}
+        for _, distance, part in fresh:
+            groups.setdefault(part, []).append(distance)
+        self.references[server_round] = {part: statistics.median_low(ds) for part, ds in groups.items()}
+        for old in [r for r in self.references if r <= server_round - REFERENCE_ROUNDS]:
+            del self.references[old]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The references, for the checkpoint (``load_state_dict``)."""
+        return {
+            "references": [
+                [r, [[sorted(part), median] for part, median in by_part.items()]]
+                for r, by_part in sorted(self.references.items())
+            ]
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """The references of ``state_dict`` (none in a checkpoint written before they were kept)."""
+        self.references.clear()
+        for r, by_part in state.get("references", []):
+            self.references[int(r)] = {frozenset(part): float(median) for part, median in by_part}
 
 
 def _part(res: FitRes) -> frozenset[str]:

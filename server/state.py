@@ -159,6 +159,8 @@ class Checkpoint:
     path: Path
     #: The differential privacy stage's state (``server/privacy.py``); empty without DP.
     privacy: Mapping[str, Any] = field(default_factory=dict)
+    #: The influence caps' state (``server/influence.py``: late results' references).
+    influence: Mapping[str, Any] = field(default_factory=dict)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -233,6 +235,7 @@ class StateStore:
         fleet: Mapping[str, Any],
         history: Sequence[Mapping[str, Any]],
         privacy: Mapping[str, Any] | None = None,
+        influence: Mapping[str, Any] | None = None,
     ) -> Path:
         """Writes the checkpoint of ``server_round`` atomically (mode 0600), then records its
         metrics in SQLite.
@@ -248,6 +251,7 @@ class StateStore:
                 "fleet": dict(fleet),
                 "history": list(history),
                 "privacy": dict(privacy or {}),
+                "influence": dict(influence or {}),
             }
         )
         path = self.dir / checkpoint_name(server_round)
@@ -303,6 +307,7 @@ class StateStore:
                 obj["history"],
                 path,
                 obj.get("privacy") or {},
+                obj.get("influence") or {},
             )
         except Exception as exc:
             raise CorruptCheckpointError(f"{path.name}: cannot decode: {exc}") from None

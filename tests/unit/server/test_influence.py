@@ -90,7 +90,7 @@ def test_an_update_far_from_the_median_distance_is_refused_naming_the_numbers():
     assert [f.client.name for f in out.failures] == ["x", "scaled", "huge"]
     # 10 floating values each: the distance of b (0.2 * sqrt(10)) is the lower median of four.
     assert out.failures[1].reason == (
-        "update refused: its distance 316.228 from the round's model is over max_update_ratio 10 x the "
+        "update refused: its distance 316.228 from its task's model is over max_update_ratio 10 x the "
         "round's median distance 0.632456 (4 updates)"
     )
     assert "its distance 9.48683e+38" in out.failures[2].reason
@@ -176,3 +176,41 @@ def test_bad_settings_are_refused_naming_the_key(tmp_path):
         load_quotas(quotas)
     with pytest.raises(ConfigError, match="client_quotas.*cannot read"):
         load_quotas(tmp_path / "missing.toml")
+
+
+def _late(name: str, by: float, task_round: int) -> LateResult:
+    """A late result ``by`` from its task's model on every floating value (10 of them)."""
+    return LateResult(_res(name, 3, by), task_round, BASE)
+
+
+def test_a_late_result_is_measured_against_its_own_task_rounds_fresh_updates():
+    """Early rounds step far, later ones little: a late result of round 1 stepping 12x as far as
+    round 3's fresh update is 1.2x round 1's fresh median, kept; at 20x round 1's it is refused,
+    naming that round. The references come back from ``state_dict`` as a checkpoint keeps them."""
+    influence = Influence()
+    influence.bound(1, RoundOutcome([_res("a", 3, 1.0), _res("b", 3, 1.2)], []), BASE)  # median 1.0
+    out, seen = _bound(influence, [_res("a", 3, 0.1)], late=[_late("slow", 1.2, 1), _late("evil", 20.0, 1)])
+    assert [item.result.client.name for item in out.late] == ["slow"]
+    assert [f.client.name for f in out.failures] == ["evil"]
+    assert out.failures[0].reason == (
+        "update refused: its distance 63.2456 from its task's model is over max_update_ratio 10 x the "
+        "median distance 3.16228 of round 1's fresh updates"
+    )
+    assert [(e["name"], round(e["median"], 4)) for e in seen if e.event == "update_refused"] == [
+        ("evil", 3.1623)
+    ]
+    # Without round 1's reference (a coordinator that never saw it): the merging round's median.
+    out, _ = _bound(Influence(), [_res("a", 3, 0.1)], late=[_late("slow", 1.2, 1)])
+    assert [f.client.name for f in out.failures] == ["slow"]
+    restored = Influence()
+    restored.load_state_dict(influence.state_dict())
+    assert restored.references == influence.references and set(restored.references) == {1, 3}
+    out, _ = _bound(restored, [_res("a", 3, 0.1)], late=[_late("slow", 1.2, 1)])
+    assert out.failures == [] and [item.result.client.name for item in out.late] == ["slow"]
+
+
+def test_references_are_kept_for_a_bounded_number_of_rounds():
+    influence = Influence()
+    for r in range(1, 300):
+        influence.bound(r, RoundOutcome([_res("a", 3, 0.1)], []), BASE)
+    assert min(influence.references) == 299 - 256 + 1 and len(influence.references) == 256
