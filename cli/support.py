@@ -51,6 +51,8 @@ CLIENT_OPTION_KEYS = [
     "momentum",
     "weight_decay",
     "precision",
+    "peft",
+    "lora_aggregation",
 ]
 
 

@@ -38,6 +38,7 @@ from fedgrid.config_groups import (
     STRATEGY_KEYS,
     STRATEGY_NAMES,
 )
+from fedgrid.config_llm import LlmKeys
 from fedgrid.config_region import RegionKeys
 from fedgrid.config_values import coerce, parse_text
 from fedgrid.config_values import key as _key
@@ -370,7 +371,7 @@ class _CoreKeys:
 
 
 @dataclass(frozen=True)
-class Config(RegionKeys, _CoreKeys):
+class Config(LlmKeys, RegionKeys, _CoreKeys):
     """Every setting of a run; each key's ``--help`` text is its field's. An area's keys may
     come from a group of its own module, a frozen dataclass of ``fedgrid.config_values.key``
     fields that this class inherits (listed before ``_CoreKeys``, so that they follow it)."""

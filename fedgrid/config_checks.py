@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from fedgrid.capabilities import MAX_ACCELERATORS, check_capabilities, parse_size
 from fedgrid.compression import parse_codec_spec
 from fedgrid.config_groups import ENGINES, INNER_LR_STRATEGIES, LR_DEFAULT, PRECISIONS, SELECTORS
+from fedgrid.config_llm import check_llm_keys
 from fedgrid.determinism import MAX_THREADS
 from fedgrid.errors import ConfigError, InvalidUpdateError
 from fedgrid.plugins import check_spec, is_custom_strategy
@@ -56,6 +57,7 @@ def validate(config: Config) -> None:
     if config.batch_clients < 0:
         raise ConfigError("batch_clients", f"must be at least 0, got {config.batch_clients}")
     _check_capability_keys(config)
+    check_llm_keys(config.peft, config.lora_aggregation, config.aggregator, config.model)
     # The data, model and heterogeneity keys need the simulation layer's registries:
     # ``fedgrid.simulation.tasks.check_config`` checks them (the CLI and run_simulation
     # call it before any work), so the config modules and the server never import that layer.

@@ -204,15 +204,26 @@ def load_data(dataset: str, data_dir: str = "", context: int = 0) -> DatasetData
         raise ConfigError("data_dir", f"cannot load {dataset} from {data_dir!r}: {exc}") from None
 
 
-def build_model(dataset: str = "digits", model: str = "", data_dir: str = "") -> nn.Module:
+def build_model(
+    dataset: str = "digits",
+    model: str = "",
+    data_dir: str = "",
+    peft: str = "",
+    lora_aggregation: str | None = None,
+) -> nn.Module:
     """A fresh model: the built-in ``model`` of ``dataset`` (its default when empty), a
-    language model (``gpt``, ``gpt:SIZES``, ``hf:PATH``), or the ``MODULE:FACTORY`` user
-    model (called with no arguments).
+    language model (``gpt``, ``gpt:SIZES``, ``hf:PATH``; with ``peft``, its adapters over its
+    frozen base: ``fedgrid.simulation.peft_lm``, A frozen when ``lora_aggregation`` is ``ffa``),
+    or the ``MODULE:FACTORY`` user model (called with no arguments).
 
     Raises:
         ConfigError: unknown model, a bad language model spec, or user code that cannot be loaded.
     """
     spec = language_model(dataset, model)
+    if spec is not None and peft:
+        from fedgrid.simulation.peft_lm import build_peft_lm
+
+        return build_peft_lm(spec.path, peft, frozen_a=lora_aggregation == "ffa")
     if spec is not None:
         return build_lm(spec)
     if ":" in model:

@@ -44,6 +44,8 @@ CLIENT_KEYS = (
     "momentum",
     "weight_decay",
     "precision",
+    "peft",
+    "lora_aggregation",
 )
 
 
@@ -109,12 +111,15 @@ def _check_training_options(batch_size: int, precision: str) -> None:
         raise ConfigError("precision", f"unknown precision {precision!r} (known: {', '.join(PRECISIONS)})")
 
 
-def _seeded_model(seed: int, dataset: str, model: str, data_dir: str) -> nn.Module:
+def _seeded_model(
+    seed: int, dataset: str, model: str, data_dir: str, peft: str = "", lora_aggregation: str | None = None
+) -> nn.Module:
     """The client's model, built under ``seed`` without touching the global RNG (the global
-    model overwrites its values at the first fit)."""
+    model overwrites its values at the first fit; an adapter model's frozen base is built
+    under its own fixed seed, the same in every process)."""
     with RNG_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return build_model(dataset, model, data_dir)
+        return build_model(dataset, model, data_dir, peft, lora_aggregation)
 
 
 def builtin_client(
@@ -132,6 +137,8 @@ def builtin_client(
     momentum: float = 0.9,
     weight_decay: float = 0.0,
     precision: str = "fp32",
+    peft: str = "",
+    lora_aggregation: str | None = None,
     device: str | None = None,
 ) -> TorchClient:
     """Client ``partition_index`` of ``num_partitions`` on a built-in dataset.
@@ -149,6 +156,8 @@ def builtin_client(
         model: a built-in model name, a language model or ``MODULE:FACTORY``; empty: the
             dataset's default.
         precision: the forward passes' precision (``fedgrid.client.precision``).
+        peft: adapters on an ``hf:PATH`` model (only they train and travel), and
+            ``lora_aggregation`` (``ffa``: A frozen); ``fedgrid.simulation.peft_lm``.
 
     Raises:
         ConfigError: an index outside ``0..num_partitions-1`` or a bad option (names the key).
@@ -162,7 +171,7 @@ def builtin_client(
     context = context_of(model)
     train, test = _client_data(dataset, data_dir, spec, seed, partition_index, num_partitions, context)
     client = TorchClient(
-        _seeded_model(seed, dataset, model, data_dir),
+        _seeded_model(seed, dataset, model, data_dir, peft, lora_aggregation),
         DataLoader(train, batch_size=batch_size, shuffle=True),
         token_cross_entropy if context else nn.functional.cross_entropy,
         _optimizer(optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay),

@@ -92,6 +92,8 @@ def test_client_flags_become_builtin_options():
         "momentum": 0.9,
         "weight_decay": 0.0,
         "precision": "fp32",
+        "peft": "",
+        "lora_aggregation": None,
     }
     # a user's --app gets only what was given, typed
     args = build_parser().parse_args(["client", "--coordinator", "h:1", "--app", "m:f", "--batch-size", "8"])

@@ -91,6 +91,8 @@ def test_client_options_cover_the_client_keys():
         "momentum": 0.9,
         "weight_decay": 0.01,
         "precision": "fp32",
+        "peft": "",
+        "lora_aggregation": None,
     }
     client = tasks.builtin_client(2, 5, 0, device="cpu", **options)
     assert client.name == "synthetic-0002/5" and client.train_loader.batch_size == 8

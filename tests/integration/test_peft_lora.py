@@ -1,0 +1,207 @@
+"""Federated LoRA fine-tuning of a tiny Llama built from a local config (``--model hf:PATH --peft
+lora:...``): only the adapters travel (names and bytes), with every uplink codec; a round in
+simulation and over gRPC ends bit-identical; a client whose base differs is refused at Join,
+both hashes named; the export writes a merged model and a PEFT adapter that load back.
+
+Nothing is downloaded: the model folder is a ``config.json`` the test writes. One thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from shakespeare_data import synthetic_shakespeare
+
+from fedgrid.cli import serve
+from fedgrid.client import start_client
+from fedgrid.client.uplink import UplinkEncoder
+from fedgrid.compression import available_codecs
+from fedgrid.config import load_config
+from fedgrid.errors import BaseModelMismatchError
+from fedgrid.runlog import load_model, read_metrics
+from fedgrid.simulation.peft_lm import build_peft_lm
+from fedgrid.simulation.run import run_simulation
+from fedgrid.simulation.tasks import builtin_client, client_options
+
+from harness import THREADS, wait_until
+
+PEFT = "lora:r=4,alpha=8,targets=q_proj,v_proj"
+LAYERS, HIDDEN = 2, 32
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    from transformers import LlamaConfig
+
+    folder = tmp_path_factory.mktemp("models") / "tiny-llama"
+    LlamaConfig(
+        vocab_size=96,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    ).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    return synthetic_shakespeare(tmp_path_factory.mktemp("data") / "shakespeare")
+
+
+def _config(llama: Path, data_dir: Path, out: Path, **overrides):
+    return load_config(
+        overrides={
+            "dataset": "shakespeare",
+            "data_dir": str(data_dir),
+            "model": f"hf:{llama}",
+            "peft": PEFT,
+            "clients": 2,
+            "rounds": 1,
+            "local_epochs": 1,
+            "optimizer": "adam",
+            "lr": 0.01,
+            "threads": THREADS,
+            "engine": "sequential",
+            "progress": False,
+            "seed": 3,
+            "out": str(out),
+            **overrides,
+        }
+    )
+
+
+def _adapter_names(ffa: bool = False) -> list[str]:
+    prefix = "net.base_model.model.model.layers"
+    return [
+        f"{prefix}.{i}.self_attn.{proj}.lora_{f}.default.weight"
+        for i in range(LAYERS)
+        for proj in ("q_proj", "v_proj")
+        for f in (("B",) if ffa else ("A", "B"))
+    ]
+
+
+def test_only_the_adapters_travel_and_metrics_show_the_bytes(llama, data_dir, tmp_path):
+    final, _ = run_simulation(_config(llama, data_dir, tmp_path / "lora"))
+    assert final is not None and list(final) == _adapter_names()
+    # r=4 on 32x32 projections: A [4, 32] and B [32, 4], 128 floats each, 8 tensors: 4,096 bytes.
+    assert sum(t.numel() * t.element_size() for t in final.values()) == 4096
+    (row,) = read_metrics(tmp_path / "lora")
+    full, _ = run_simulation(_config(llama, data_dir, tmp_path / "full", peft=""))
+    (full_row,) = read_metrics(tmp_path / "full")
+    assert full is not None and len(full) == 21  # the whole model: 21 tensors, none of them an adapter
+    # Two clients' 4,096 bytes of tensors, with the names and headers of the frames (about 1 KB each).
+    assert 2 * 4096 < row["bytes_up"] < 2 * (4096 + 1500), row["bytes_up"]
+    assert 2 * 4096 < row["bytes_down"] < 2 * (4096 + 1500), row["bytes_down"]
+    assert full_row["bytes_up"] > 20 * row["bytes_up"] and full_row["bytes_down"] > 20 * row["bytes_down"]
+
+
+#: A spec of each codec family (its parameter, where it takes one).
+SPECS = {"qsgd": "qsgd:32", "topk": "topk:0.25", "randk": "randk:0.25", "powersgd": "powersgd:2"}
+
+
+@pytest.mark.parametrize("codec", available_codecs())
+def test_every_uplink_codec_carries_the_adapters_with_error_feedback(llama, data_dir, tmp_path, codec):
+    spec = SPECS.get(codec, codec)
+    final, history = run_simulation(_config(llama, data_dir, tmp_path / codec, codec=spec, rounds=2))
+    assert final is not None and list(final) == _adapter_names()
+    assert history[-1].clients_ok == 2 and all(torch.isfinite(t).all() for t in final.values())
+    # A client's upload: the adapters' differences alone, and the residuals of those alone.
+    model = build_peft_lm(str(llama), PEFT)
+    start = model.state_dict()
+    trained = {
+        n: t + 0.01 * torch.randn(t.shape, generator=torch.Generator().manual_seed(1))
+        for n, t in start.items()
+    }
+    encoder = UplinkEncoder(spec)
+    encoded, delta = encoder.encode(global_state=start, new_state=trained)
+    assert [name for name, *_ in encoded.payloads()] == _adapter_names() and delta == (codec != "none")
+    if encoder.feedback is not None:
+        assert sorted(encoder.feedback.residuals) == sorted(_adapter_names())
+
+
+def test_ffa_lora_sends_b_only_and_keeps_a_frozen(llama, data_dir, tmp_path):
+    config = _config(llama, data_dir, tmp_path / "ffa", lora_aggregation="ffa")
+    final, _ = run_simulation(config)
+    assert final is not None and list(final) == _adapter_names(ffa=True)
+    model = build_peft_lm(str(llama), PEFT, frozen_a=True)
+    assert model.base_hash != build_peft_lm(str(llama), PEFT).base_hash  # the frozen A is part of the base
+    assert any(t.abs().sum() > 0 for t in final.values())  # B moved off its zero start
+
+
+class _Coordinator:
+    """``fedgrid coordinator`` (``serve``) in a thread on port 0."""
+
+    def __init__(self, config) -> None:
+        self.out = Path(config.out)
+        self.result: dict = {}
+        self.thread = threading.Thread(
+            target=lambda: self.result.setdefault("final", serve(config)), daemon=True
+        )
+        self.thread.start()
+        address = self.out / "address"
+        wait_until(
+            lambda: address.exists() and address.read_text().strip() != "", timeout=120, what="address"
+        )
+        self.address = address.read_text().strip()
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        self.thread.join(timeout=120)
+        assert not self.thread.is_alive(), "the coordinator did not finish"
+        return load_model(self.out / "model.safetensors")
+
+
+def test_a_round_over_grpc_equals_the_simulation_bit_for_bit(llama, data_dir, tmp_path):
+    simulated, _ = run_simulation(_config(llama, data_dir, tmp_path / "sim"))
+    config = _config(llama, data_dir, tmp_path / "grpc", listen="127.0.0.1:0", min_clients=2)
+    run = _Coordinator(config)
+    handles = [
+        start_client(builtin_client(i, 2, config.seed, **client_options(config)), run.address)
+        for i in range(2)
+    ]
+    deployed = run.finish()
+    for handle in handles:
+        handle.join(timeout=60)
+    assert simulated is not None and list(deployed) == list(simulated) == _adapter_names()
+    for name, tensor in simulated.items():
+        assert torch.equal(deployed[name], tensor), name
+    (row,) = read_metrics(tmp_path / "grpc")
+    assert row["clients_ok"] == 2
+
+
+def test_a_client_with_another_base_is_refused_at_join_naming_both_hashes(llama, data_dir, tmp_path):
+    from transformers import LlamaConfig
+
+    other = tmp_path / "other-llama"
+    LlamaConfig(
+        vocab_size=96,
+        hidden_size=HIDDEN,
+        intermediate_size=48,  # another base model
+        num_hidden_layers=LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    ).save_pretrained(other)
+    config = _config(llama, data_dir, tmp_path / "run", listen="127.0.0.1:0", min_clients=1)
+    ours = build_peft_lm(str(llama), PEFT).base_hash
+    theirs_config = _config(other, data_dir, tmp_path / "unused")
+    client = builtin_client(0, 1, config.seed, **client_options(theirs_config))
+    assert client.base_hash != ours
+    run = _Coordinator(config)
+    handle = start_client(client, run.address)
+    with pytest.raises(Exception) as info:
+        handle.join(timeout=60)
+    text = str(info.value)
+    assert "FAILED_PRECONDITION" in text or isinstance(info.value, BaseModelMismatchError)
+    assert ours in text and client.base_hash in text, text
+    # A client with the coordinator's base then trains the round.
+    good = builtin_client(0, 1, config.seed, **client_options(config))
+    assert good.base_hash == ours
+    handle = start_client(good, run.address)
+    assert list(run.finish()) == _adapter_names()
+    handle.join(timeout=60)
