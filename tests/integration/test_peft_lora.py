@@ -205,3 +205,15 @@ def test_a_client_with_another_base_is_refused_at_join_naming_both_hashes(llama,
     handle = start_client(good, run.address)
     assert list(run.finish()) == _adapter_names()
     handle.join(timeout=60)
+
+
+def test_svd_aggregation_runs_a_federated_round(llama, data_dir, tmp_path):
+    final, history = run_simulation(
+        _config(llama, data_dir, tmp_path / "svd", lora_aggregation="svd", rounds=2)
+    )
+    assert final is not None and list(final) == _adapter_names()
+    assert history[-1].clients_ok == 2 and history[-1].loss < history[0].loss + 0.5
+    for name in _adapter_names():
+        if ".lora_A." in name:  # A and B carry the singular values' square roots in equal shares
+            b = final[name.replace(".lora_A.", ".lora_B.")]
+            torch.testing.assert_close(final[name].norm(dim=1), b.norm(dim=0), rtol=1e-4, atol=1e-6)
