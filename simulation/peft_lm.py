@@ -25,7 +25,7 @@ from torch import nn
 from fedgrid.config_llm import LoraSpec, parse_peft
 from fedgrid.errors import ConfigError
 
-__all__ = ["PeftLM", "BASE_SEED", "build_peft_lm", "tensor_hash", "export_run_model"]
+__all__ = ["PeftLM", "BASE_SEED", "build_peft_lm", "tensor_hash", "export_run_model", "export_run"]
 
 #: The seed a base built from ``config.json`` alone, and the adapters' first A, are drawn under.
 BASE_SEED = 0
@@ -164,3 +164,27 @@ def export_run_model(
     else:
         model.net.save_pretrained(folder)
     return folder
+
+
+def export_run(run_dir: str | Path, out: str | Path, *, merged: bool) -> Path:
+    """``fedgrid export``: the ``--peft`` run in ``run_dir`` (its ``config.toml`` and final
+    ``model.safetensors``) written by :func:`export_run_model`. Returns ``out``.
+
+    Raises:
+        ConfigError: no run there, a run without adapters, or a model folder gone (names the key).
+    """
+    from fedgrid.config import load_config
+    from fedgrid.runlog import load_model
+    from fedgrid.simulation.language import lm_spec
+
+    folder = Path(run_dir)
+    files = [folder / "config.toml", folder / "model.safetensors"]
+    for file in files:
+        if not file.is_file():
+            raise ConfigError("run_dir", f"{folder} holds no {file.name}: not a finished run directory")
+    config = load_config(files[0])
+    spec = lm_spec(config.model)
+    if not config.peft or spec is None or spec.kind != "hf":
+        raise ConfigError("peft", f"{folder} is not a --peft run (model {config.model!r}, peft {config.peft!r})")
+    model = build_peft_lm(spec.path, config.peft, frozen_a=config.lora_aggregation == "ffa")
+    return export_run_model(model, load_model(files[1]), out, merged=merged)

@@ -217,3 +217,51 @@ def test_svd_aggregation_runs_a_federated_round(llama, data_dir, tmp_path):
         if ".lora_A." in name:  # A and B carry the singular values' square roots in equal shares
             b = final[name.replace(".lora_A.", ".lora_B.")]
             torch.testing.assert_close(final[name].norm(dim=1), b.norm(dim=0), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # peft calls a renamed helper
+def test_export_writes_a_merged_model_and_a_peft_adapter_with_the_same_logits(
+    data_dir, tmp_path, monkeypatch
+):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from fedgrid.cli import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    torch.manual_seed(5)
+    weights = tmp_path / "llama-weights"  # a base with weights, as users fine-tune
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=96,
+            hidden_size=HIDDEN,
+            intermediate_size=64,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+    ).save_pretrained(weights)
+    final, _ = run_simulation(_config(weights, data_dir, tmp_path / "run"))
+    assert final is not None and any(t.abs().sum() > 0 for n, t in final.items() if ".lora_B." in n)
+    assert main(["export", str(tmp_path / "run"), "--merged", str(tmp_path / "merged")]) == 0
+    assert main(["export", str(tmp_path / "run"), "--adapter", str(tmp_path / "adapter")]) == 0
+    tokens = torch.randint(0, 80, (2, 24), generator=torch.Generator().manual_seed(0))
+    ours = build_peft_lm(str(weights), PEFT)
+    ours.load_state_dict(final)
+    with torch.no_grad():
+        expected = ours.eval()(tokens)
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", local_files_only=True).eval()
+        base = AutoModelForCausalLM.from_pretrained(weights, local_files_only=True)
+        adapter = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+        plain = AutoModelForCausalLM.from_pretrained(weights, local_files_only=True).eval()
+        torch.testing.assert_close(merged(input_ids=tokens).logits, expected, rtol=0, atol=1e-5)
+        torch.testing.assert_close(adapter(input_ids=tokens).logits, expected, rtol=0, atol=1e-5)
+        assert (plain(input_ids=tokens).logits - expected).abs().max() > 1e-4  # the adapters changed it
+
+
+def test_export_refuses_a_run_without_adapters(tmp_path, capsys):
+    from fedgrid.cli import main
+
+    assert main(["export", str(tmp_path), "--merged", str(tmp_path / "out")]) == 2
+    assert "holds no config.toml: not a finished run directory" in capsys.readouterr().err
