@@ -53,6 +53,8 @@ CLIENT_OPTION_KEYS = [
     "precision",
     "peft",
     "lora_aggregation",
+    "grad_accum",
+    "grad_checkpointing",
 ]
 
 

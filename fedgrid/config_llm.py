@@ -105,6 +105,14 @@ class LlmKeys:
         "truncated SVD to rank r; fedavg and fedprox) or ffa (A frozen at its seeded start, B trained)",
         None,
     )
+    grad_accum: int = _key(
+        "language-model clients: micro-batches per optimizer step (the gradient of batch_size examples, the "
+        "activations of batch_size / grad_accum)",
+        1,
+    )
+    grad_checkpointing: bool = _key(
+        "--model hf:PATH clients: gradient (activation) checkpointing, less memory for more compute", False
+    )
 
 
 def check_llm_keys(peft: str, lora_aggregation: str | None, aggregator: str | None, model: str) -> None:

@@ -22,6 +22,7 @@ from fedgrid.config_groups import PRECISIONS
 from fedgrid.errors import ConfigError
 from fedgrid.seeding import RNG_LOCK
 from fedgrid.simulation.catalog import OPTIMIZERS, build_model, check_options, get_dataset, load_data
+from fedgrid.simulation.causal_lm import AccumulatingClient, enable_checkpointing
 from fedgrid.simulation.datasets import parse_partition, partition
 from fedgrid.simulation.language import token_cross_entropy
 from fedgrid.simulation.lm_task import context_of, window_datasets
@@ -46,6 +47,8 @@ CLIENT_KEYS = (
     "precision",
     "peft",
     "lora_aggregation",
+    "grad_accum",
+    "grad_checkpointing",
 )
 
 
@@ -139,6 +142,8 @@ def builtin_client(
     precision: str = "fp32",
     peft: str = "",
     lora_aggregation: str | None = None,
+    grad_accum: int = 1,
+    grad_checkpointing: bool = False,
     device: str | None = None,
 ) -> TorchClient:
     """Client ``partition_index`` of ``num_partitions`` on a built-in dataset.
@@ -158,6 +163,8 @@ def builtin_client(
         precision: the forward passes' precision (``fedgrid.client.precision``).
         peft: adapters on an ``hf:PATH`` model (only they train and travel), and
             ``lora_aggregation`` (``ffa``: A frozen); ``fedgrid.simulation.peft_lm``.
+        grad_accum: micro-batches per step (``fedgrid.simulation.causal_lm.AccumulatingClient``).
+        grad_checkpointing: activation checkpointing of an ``hf:PATH`` model.
 
     Raises:
         ConfigError: an index outside ``0..num_partitions-1`` or a bad option (names the key).
@@ -170,8 +177,11 @@ def builtin_client(
     _check_training_options(batch_size, precision)
     context = context_of(model)
     train, test = _client_data(dataset, data_dir, spec, seed, partition_index, num_partitions, context)
-    client = TorchClient(
-        _seeded_model(seed, dataset, model, data_dir, peft, lora_aggregation),
+    net = _seeded_model(seed, dataset, model, data_dir, peft, lora_aggregation)
+    if grad_checkpointing:
+        enable_checkpointing(net)
+    client = (AccumulatingClient if grad_accum > 1 else TorchClient)(
+        net,
         DataLoader(train, batch_size=batch_size, shuffle=True),
         token_cross_entropy if context else nn.functional.cross_entropy,
         _optimizer(optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay),
@@ -181,6 +191,8 @@ def builtin_client(
         name=f"{dataset}-{partition_index:04d}/{num_partitions}",
     )
     client.precision = precision
+    if isinstance(client, AccumulatingClient):
+        client.grad_accum = grad_accum
     return client
 
 

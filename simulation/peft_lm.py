@@ -185,6 +185,8 @@ def export_run(run_dir: str | Path, out: str | Path, *, merged: bool) -> Path:
     config = load_config(files[0])
     spec = lm_spec(config.model)
     if not config.peft or spec is None or spec.kind != "hf":
-        raise ConfigError("peft", f"{folder} is not a --peft run (model {config.model!r}, peft {config.peft!r})")
+        raise ConfigError(
+            "peft", f"{folder} is not a --peft run (model {config.model!r}, peft {config.peft!r})"
+        )
     model = build_peft_lm(spec.path, config.peft, frozen_a=config.lora_aggregation == "ffa")
     return export_run_model(model, load_model(files[1]), out, merged=merged)

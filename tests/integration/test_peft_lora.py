@@ -265,3 +265,10 @@ def test_export_refuses_a_run_without_adapters(tmp_path, capsys):
 
     assert main(["export", str(tmp_path), "--merged", str(tmp_path / "out")]) == 2
     assert "holds no config.toml: not a finished run directory" in capsys.readouterr().err
+
+
+def test_accumulation_checkpointing_and_bf16_train_a_round(llama, data_dir, tmp_path):
+    options = {"grad_accum": 2, "grad_checkpointing": True, "precision": "bf16"}
+    final, history = run_simulation(_config(llama, data_dir, tmp_path / "opts", **options))
+    assert final is not None and list(final) == _adapter_names()
+    assert history[-1].clients_ok == 2 and all(t.dtype == torch.float32 for t in final.values())

@@ -94,6 +94,8 @@ def test_client_flags_become_builtin_options():
         "precision": "fp32",
         "peft": "",
         "lora_aggregation": None,
+        "grad_accum": 1,
+        "grad_checkpointing": False,
     }
     # a user's --app gets only what was given, typed
     args = build_parser().parse_args(["client", "--coordinator", "h:1", "--app", "m:f", "--batch-size", "8"])

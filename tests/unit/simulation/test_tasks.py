@@ -93,6 +93,8 @@ def test_client_options_cover_the_client_keys():
         "precision": "fp32",
         "peft": "",
         "lora_aggregation": None,
+        "grad_accum": 1,
+        "grad_checkpointing": False,
     }
     client = tasks.builtin_client(2, 5, 0, device="cpu", **options)
     assert client.name == "synthetic-0002/5" and client.train_loader.batch_size == 8
