@@ -24,6 +24,9 @@ from fedgrid.client.torch_client import TorchClient
 from fedgrid.errors import ConfigError
 
 __all__ = [
+    "load_text_windows",
+    "text_vocab",
+    "TEXT_TRAIN_SHARE",
     "AccumulatingClient",
     "ByteTokenizer",
     "load_tokenizer",
@@ -139,3 +142,59 @@ class TokenWindows(Dataset):
             raise IndexError(i)
         at = (self.start + i) * self.context
         return self.tokens[at : at + self.context], self.tokens[at + 1 : at + 1 + self.context]
+
+
+#: Share of each text file's windows that train (the rest are its test windows), as Shakespeare's roles.
+TEXT_TRAIN_SHARE = 0.9
+
+
+def load_text_windows(data_dir: str, context: int) -> Any:
+    """``--dataset text``: every ``*.txt`` file of ``data_dir`` (a group each, in name order: the
+    ``natural`` partition gives each client whole files) tokenized by the folder's own tokenizer
+    (``tokenizer.json`` or ``tokenizer_config.json`` there) or bytes, cut into non-overlapping
+    windows of ``context`` tokens; each file's first 90% of windows train, the rest test. A
+    ``CharData`` over the tokens, so the language-model path reads it as Shakespeare's characters.
+
+    Raises:
+        ConfigError: no ``*.txt`` file, or none with two windows (names ``data_dir``).
+    """
+    import numpy as np
+
+    from fedgrid.simulation.shakespeare import CharData
+
+    files = sorted(Path(data_dir).glob("*.txt"))
+    if not files:
+        raise ConfigError("data_dir", f"{data_dir}: no *.txt file (dataset text reads every one)")
+    tokenizer = load_tokenizer(data_dir)
+    texts, train, test, train_groups, test_groups, offset = [], [], [], [], [], 0
+    for group, file in enumerate(files):
+        ids = text_tokens(str(file), tokenizer)
+        count = max((len(ids) - 1) // context, 0)
+        cut = min(max(int(count * TEXT_TRAIN_SHARE), 1), count - 1) if count >= 2 else count
+        starts = offset + context * np.arange(count)
+        train.append(starts[:cut])
+        test.append(starts[cut:])
+        train_groups.append(np.full(cut, group))
+        test_groups.append(np.full(count - cut, group))
+        texts.append(ids)
+        offset += len(ids)
+    if not sum(len(t) for t in test):
+        raise ConfigError("data_dir", f"{data_dir}: the text files hold no two windows of {context} tokens")
+    size = int(getattr(tokenizer, "vocab_size", 256))
+    data = CharData(
+        text=torch.cat(texts),
+        train_starts=torch.from_numpy(np.concatenate(train)).long(),
+        test_starts=torch.from_numpy(np.concatenate(test)).long(),
+        train_roles=np.concatenate(train_groups).astype(np.int64),
+        test_roles=np.concatenate(test_groups).astype(np.int64),
+        roles=[f.name for f in files],
+        vocab="\0" * max(size, len(getattr(tokenizer, "get_vocab", lambda: {})())),
+        seq_len=context,
+    )
+    return data
+
+
+def text_vocab(data_dir: str) -> int:
+    """Tokens of ``--dataset text``'s tokenizer in ``data_dir`` (256: bytes)."""
+    tokenizer = load_tokenizer(data_dir)
+    return max(int(getattr(tokenizer, "vocab_size", 256)), len(getattr(tokenizer, "get_vocab", lambda: {})()))

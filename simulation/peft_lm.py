@@ -110,7 +110,7 @@ class PeftLM(nn.Module):
         return copy.deepcopy(self.net).merge_and_unload()
 
 
-def build_peft_lm(path: str, peft: str, *, frozen_a: bool = False) -> PeftLM:
+def build_peft_lm(path: str, peft: str, *, frozen_a: bool = False, vocab: int = 0) -> PeftLM:
     """The base model of the local folder ``path`` with the adapters ``peft`` names, under
     :data:`BASE_SEED` (torch's global RNG is left as it was; the caller holds
     ``fedgrid.seeding.RNG_LOCK``, as ``build_model``'s callers do).
@@ -134,7 +134,7 @@ def build_peft_lm(path: str, peft: str, *, frozen_a: bool = False) -> PeftLM:
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # peft calls transformers' renamed helpers
         torch.manual_seed(BASE_SEED)
-        base = build_lm(lm).net
+        base = (build_lm(lm, vocab) if vocab else build_lm(lm)).net
         config = LoraConfig(
             r=spec.r,
             lora_alpha=spec.alpha,  # type: ignore[arg-type]  # a float works: the scale is alpha / r

@@ -6,6 +6,7 @@
 | ``fashion-mnist`` | the four idx.gz files in ``data_dir`` | ``mlp``, ``cnn``, ``logistic`` | ``dirichlet:0.5`` |
 | ``shakespeare`` | the LEAF split by speaking role, from ``data_dir`` | ``lstm``, ``gpt``, ``hf:PATH`` | ``natural`` |
 | ``synthetic`` | LEAF's Synthetic(1, 1), generated, no files | ``logistic`` | ``natural`` |
+| ``text`` | the ``*.txt`` files in ``data_dir``, tokenized | ``gpt``, ``hf:PATH`` (no default) | ``iid`` |
 
 The server-side evaluation reports test loss and accuracy on the fixed test split
 (Shakespeare: a fixed subset of 2,000 test windows), in chunks.

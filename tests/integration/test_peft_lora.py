@@ -8,6 +8,7 @@ Nothing is downloaded: the model folder is a ``config.json`` the test writes. On
 
 from __future__ import annotations
 
+import math
 import threading
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from fedgrid.client import start_client
 from fedgrid.client.uplink import UplinkEncoder
 from fedgrid.compression import available_codecs
 from fedgrid.config import load_config
-from fedgrid.errors import BaseModelMismatchError
+from fedgrid.errors import BaseModelMismatchError, ConfigError
 from fedgrid.runlog import load_model, read_metrics
 from fedgrid.simulation.peft_lm import build_peft_lm
 from fedgrid.simulation.run import run_simulation
@@ -272,3 +273,51 @@ def test_accumulation_checkpointing_and_bf16_train_a_round(llama, data_dir, tmp_
     final, history = run_simulation(_config(llama, data_dir, tmp_path / "opts", **options))
     assert final is not None and list(final) == _adapter_names()
     assert history[-1].clients_ok == 2 and all(t.dtype == torch.float32 for t in final.values())
+
+
+def _text_folder(folder: Path, files: int = 3, words: int = 600) -> Path:
+    import random
+
+    rng = random.Random(0)
+    vocabulary = "the king and queen shall speak of love and war to thee my lord".split()
+    folder.mkdir()
+    for k in range(files):
+        (folder / f"part{k}.txt").write_text(" ".join(rng.choice(vocabulary) for _ in range(words)))
+    return folder
+
+
+def _llama_of_vocab(folder: Path, vocab: int) -> Path:
+    from transformers import LlamaConfig
+
+    LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    ).save_pretrained(folder)
+    return folder
+
+
+def test_text_files_train_a_causal_lm_with_the_byte_tokenizer_one_file_per_client(tmp_path):
+    texts = _text_folder(tmp_path / "texts")
+    model = _llama_of_vocab(tmp_path / "llama256", 256)
+    overrides = {"dataset": "text", "partition": "natural", "clients": 3, "local_epochs": 2, "lr": 0.05}
+    final, history = run_simulation(_config(model, texts, tmp_path / "run", **overrides))
+    assert final is not None and list(final) == _adapter_names()
+    rows = read_metrics(tmp_path / "run")
+    # 600 words of about 4.4 bytes: about 41 windows of 64 bytes per file, 90% of them train.
+    windows = [((len((texts / f"part{k}.txt").read_bytes()) - 1) // 64) for k in range(3)]
+    assert rows[0]["clients_ok"] == 3 and rows[0]["examples"] == sum(int(w * 0.9) for w in windows)
+    assert rows[0]["loss"] < math.log(256) and rows[0]["perplexity"] == math.exp(rows[0]["loss"])
+
+
+def test_text_needs_a_language_model_whose_vocabulary_covers_the_tokenizer(tmp_path):
+    texts = _text_folder(tmp_path / "texts", files=1)
+    small = _llama_of_vocab(tmp_path / "llama96", 96)
+    with pytest.raises(ConfigError, match="vocabulary of 96 tokens is too small: the characters need 256"):
+        run_simulation(_config(small, texts, tmp_path / "run", dataset="text", clients=1))
+    with pytest.raises(ConfigError, match="dataset text trains a language model"):
+        run_simulation(load_config(overrides={"dataset": "text", "data_dir": str(texts), "progress": False}))

@@ -104,3 +104,16 @@ def test_bytes_are_the_fallback_tokenizer_and_windows_cover_the_text_once(tmp_pa
         load_tokenizer(str(tmp_path), spec=str(tmp_path))
     with pytest.raises(ConfigError, match="text_file"):
         text_tokens(str(tmp_path / "missing.txt"), tokenizer)
+
+
+def test_a_tokenizer_in_the_folder_is_loaded_from_it(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["[UNK]", "the", "king", "speaks"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(tmp_path)
+    tokenizer = load_tokenizer(str(tmp_path))
+    assert tokenizer.encode("the king speaks loudly") == [1, 2, 3, 0]
+    assert isinstance(load_tokenizer(str(tmp_path), "bytes"), ByteTokenizer)

@@ -201,7 +201,7 @@ def test_fashion_mnist_from_data_dir(fmnist_dir, model, params):
         (
             {"dataset": "digits", "partition": "natural"},
             "partition",
-            "natural needs a dataset with natural groups \\(shakespeare, synthetic\\); digits has none",
+            "natural needs a dataset with natural groups \\(shakespeare, text, synthetic\\); digits has none",
         ),
         ({"dataset": "digits", "partition": "shards:0"}, "partition", "at least 1"),
         (
@@ -219,7 +219,7 @@ def test_fashion_mnist_from_data_dir(fmnist_dir, model, params):
         (
             {"dataset": "nope"},
             "dataset",
-            "unknown dataset 'nope' \\(known: digits, fashion-mnist, shakespeare, synthetic\\)",
+            "unknown dataset 'nope' \\(known: digits, fashion-mnist, shakespeare, synthetic, text\\)",
         ),
     ],
 )
