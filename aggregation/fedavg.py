@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 import torch
 
 from fedgrid.aggregation.base import AggregationPreconditionError, Aggregator, Strategy, weighted_metrics
+from fedgrid.aggregation.lora import LORA_AGGREGATIONS, svd_average
 from fedgrid.aggregation.mean import WeightedMean, weighted_mean, weighted_mean_of_rows
 from fedgrid.aggregation.selection import Sampling, SelectionPolicy
 from fedgrid.aggregation.updates import (
@@ -58,6 +59,9 @@ class FedAvg(Strategy):
         sampling: which clients a round asks and waits for, and what every task carries
             (default: every live client, no federated evaluation, seed 0).
         aggregator: the rule applied to the clients' updates; ``None`` averages models.
+        lora_aggregation: how LoRA adapters merge (``fedgrid.aggregation.lora``): ``factors``
+            and ``ffa`` average the state as it is; ``svd`` averages each pair's products and
+            refactorizes them (no ``aggregator`` then).
         legacy: ``fraction_fit``, ``min_fit_clients``, ``fraction_evaluate``, ``seed`` and
             ``fit_config`` as keywords, as before ``Sampling``: they still work for one
             release, with a ``DeprecationWarning``.
@@ -71,10 +75,22 @@ class FedAvg(Strategy):
     accepts_deltas = True
 
     def __init__(
-        self, *, sampling: Sampling | None = None, aggregator: Aggregator | None = None, **legacy: Any
+        self,
+        *,
+        sampling: Sampling | None = None,
+        aggregator: Aggregator | None = None,
+        lora_aggregation: str = "factors",
+        **legacy: Any,
     ) -> None:
+        if lora_aggregation not in LORA_AGGREGATIONS:
+            raise ValueError(
+                f"lora_aggregation must be one of {', '.join(LORA_AGGREGATIONS)}, got {lora_aggregation!r}"
+            )
+        if lora_aggregation == "svd" and aggregator is not None:
+            raise ValueError("lora_aggregation svd averages the products itself: it takes no aggregator")
         self.sampling = sampling_from(sampling, legacy, type(self).__name__)
         self.aggregator = aggregator
+        self.lora_aggregation = lora_aggregation
         self._state: ModelState | None = None
 
     @property
@@ -134,6 +150,16 @@ class FedAvg(Strategy):
         return [(client, ins) for client in self.sampling.evaluate_clients(clients, server_round)]
 
     def _update_subset(self, *, names: Sequence[str], results: Sequence[FitRes]) -> ModelState:
+        """The new values of the global tensors ``names`` from ``results`` (canonical order): with
+        ``lora_aggregation`` ``svd``, its LoRA pairs by ``fedgrid.aggregation.lora.svd_average``,
+        the rest (and every tensor otherwise) by ``_update_values``."""
+        if self.lora_aggregation != "svd":
+            return self._update_values(names=names, results=results)
+        merged = svd_average(self.global_state, results, names)
+        rest = self._update_values(names=[n for n in names if n not in merged], results=results)
+        return OrderedDict((n, merged[n] if n in merged else rest[n]) for n in names)
+
+    def _update_values(self, *, names: Sequence[str], results: Sequence[FitRes]) -> ModelState:
         """The new values of the global tensors ``names`` from ``results`` (canonical order).
 
         Subclasses change how updates become new values (server optimizers); partial

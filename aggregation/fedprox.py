@@ -35,6 +35,7 @@ class FedProx(FedAvg):
         proximal_mu: float = 0.01,
         aggregator: Aggregator | None = None,
         sampling: Sampling | None = None,
+        lora_aggregation: str = "factors",
         **legacy: Any,
     ) -> None:
         if not (proximal_mu >= 0 and proximal_mu != float("inf")):
@@ -42,6 +43,7 @@ class FedProx(FedAvg):
         super().__init__(
             sampling=sampling,
             aggregator=aggregator,
+            lora_aggregation=lora_aggregation,
             **legacy,
         )
         self.proximal_mu = float(proximal_mu)

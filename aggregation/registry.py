@@ -87,12 +87,12 @@ _DILOCO_OPTIONS = (
     "inner_time_s",
 )
 _STRATEGY_OPTIONS: dict[str, tuple[str, ...]] = {
-    "fedavg": (),
+    "fedavg": ("lora_aggregation",),
     "fedavgm": ("server_lr", "server_momentum", "server_nesterov"),
     "fedadam": ("server_lr", "server_beta1", "server_beta2", "server_tau"),
     "fedyogi": ("server_lr", "server_beta1", "server_beta2", "server_tau"),
     "fedadagrad": ("server_lr", "server_beta1", "server_tau"),
-    "fedprox": ("proximal_mu",),
+    "fedprox": ("proximal_mu", "lora_aggregation"),
     "scaffold": ("server_lr", "total_clients"),
     "diloco": _DILOCO_OPTIONS,
     "streaming-diloco": _DILOCO_OPTIONS + ("num_fragments",),
@@ -182,6 +182,8 @@ def build_strategy_from(name: str, *, policy: SelectionPolicy | None = None, **o
     """
     allowed = strategy_options(name)
     given = {k: v for k, v in options.items() if v is not None}
+    if given.get("lora_aggregation") in ("factors", "ffa"):
+        del given["lora_aggregation"]  # the plain mean of the state, which every strategy takes
     for key in given:
         if key not in allowed:
             specific = ", ".join(_STRATEGY_OPTIONS[name]) or "none"

@@ -1,5 +1,6 @@
 """The ``fedgrid`` command, one module per subcommand: ``simulate``, ``coordinator``, ``region``,
-``client``, ``certs`` (the CA for mutual TLS), ``report`` (plots of run directories), ``new``
+``client``, ``certs`` (the CA for mutual TLS), ``report`` (plots of run directories), ``export``
+(a ``--peft`` run's model as Hugging Face or PEFT files), ``new``
 (an app template), ``status`` (a running coordinator), ``wan`` (an emulated WAN link),
 ``health`` (is it serving) and ``launch`` (a whole topology as local processes).
 
@@ -64,6 +65,7 @@ COMMANDS = (
     "client",
     "certs",
     "report",
+    "export",
     "new",
     "status",
     "wan",
@@ -71,7 +73,7 @@ COMMANDS = (
     "launch",
 )
 #: Commands that print what they did (the services log what they do).
-QUIET = ("simulate", "certs", "report", "new", "status", "health", "launch")
+QUIET = ("simulate", "certs", "report", "export", "new", "status", "health", "launch")
 
 
 def command_module(name: str) -> ModuleType:

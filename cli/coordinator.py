@@ -37,8 +37,16 @@ def serve(config: Config, **kwargs: Any) -> ModelState | None:
         seed=config.seed,
         data_dir=config.data_dir,
         precision=config.precision,
+        peft=config.peft,
+        lora_aggregation=config.lora_aggregation,
     )
-    return run_coordinator(config, initial=resolved.initial_state, evaluate_fn=resolved.evaluate, **kwargs)
+    return run_coordinator(
+        config,
+        initial=resolved.initial_state,
+        evaluate_fn=resolved.evaluate,
+        base_hash=resolved.base_hash,
+        **kwargs,
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -51,6 +51,10 @@ CLIENT_OPTION_KEYS = [
     "momentum",
     "weight_decay",
     "precision",
+    "peft",
+    "lora_aggregation",
+    "grad_accum",
+    "grad_checkpointing",
 ]
 
 

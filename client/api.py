@@ -77,6 +77,14 @@ class Client(ABC):
         return self.capability_override.apply(detect_capabilities(getattr(self, "device", None)))
 
     @property
+    def base_hash(self) -> str:
+        """The hash of the frozen base model this client trains adapters on, shown at Join (a
+        coordinator with another refuses it, and the client refuses a coordinator with another):
+        its ``model``'s ``base_hash`` attribute when it has one (``--peft``:
+        ``fedgrid.simulation.peft_lm.PeftLM``), else ``""``."""
+        return str(getattr(getattr(self, "model", None), "base_hash", ""))
+
+    @property
     def timeline(self) -> Timeline:
         found = self.__dict__.get("_timeline")
         # setdefault is atomic: a background trainer and the runtime may ask first at once.

@@ -52,12 +52,13 @@ from fedgrid.constants import (
     RPC_TIMEOUT_S,
     TRANSFER_TIMEOUT_S,
 )
-from fedgrid.errors import InvalidUpdateError
+from fedgrid.errors import BaseModelMismatchError, InvalidUpdateError
 from fedgrid.pki import identity_of
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
 from fedgrid.proto import serde
 from fedgrid.proto.tls import TLSFiles, channel_credentials, session_metadata
+from fedgrid.textsafe import escape
 from fedgrid.types import ModelState
 
 __all__ = [
@@ -290,8 +291,11 @@ class Connection:
                 memory_bytes=caps.memory_bytes,
                 codecs=list(available_codecs()),
             ),
+            base_hash=client.base_hash,
         )
         reply: pb.JoinReply = self._call("Join", lambda: self.stub.Join(request, timeout=self.rpc_timeout))
+        if reply.base_hash != client.base_hash:  # a coordinator that did not check: refuse to train
+            raise BaseModelMismatchError(client.base_hash, escape(reply.base_hash, 80))
         self.client_id, self.token, self.run_id = reply.client_id, reply.session_token, reply.run_id
         self.name = self.identity or client.name
         self.heartbeat_interval_s = reply.heartbeat_interval_s or self.heartbeat_interval_s

@@ -40,6 +40,7 @@ from fedgrid.config_groups import (
     STRATEGY_KEYS,
     STRATEGY_NAMES,
 )
+from fedgrid.config_llm import LlmKeys
 from fedgrid.config_privacy import PrivacyKeys
 from fedgrid.config_region import RegionKeys
 from fedgrid.config_secagg import SecAggKeys
@@ -376,7 +377,7 @@ class _CoreKeys:
 
 
 @dataclass(frozen=True)
-class Config(CompressionKeys, SecAggKeys, PrivacyKeys, RegionKeys, _CoreKeys):
+class Config(LlmKeys, CompressionKeys, SecAggKeys, PrivacyKeys, RegionKeys, _CoreKeys):
     """Every setting of a run; each key's ``--help`` text is its field's. An area's keys may
     come from a group of its own module, a frozen dataclass of ``fedgrid.config_values.key``
     fields that this class inherits (listed before ``_CoreKeys``, so that they follow it)."""

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from fedgrid.capabilities import MAX_ACCELERATORS, check_capabilities, parse_size
 from fedgrid.compression import parse_codec_spec
 from fedgrid.config_groups import ENGINES, INNER_LR_STRATEGIES, LR_DEFAULT, PRECISIONS, SELECTORS
+from fedgrid.config_llm import check_llm_keys
 from fedgrid.config_privacy import check_privacy
 from fedgrid.config_secagg import check_secagg_keys
 from fedgrid.determinism import MAX_THREADS
@@ -60,6 +61,9 @@ def validate(config: Config) -> None:
         raise ConfigError("batch_clients", f"must be at least 0, got {config.batch_clients}")
     _check_capability_keys(config)
     check_privacy(config)
+    check_llm_keys(config.peft, config.lora_aggregation, config.aggregator, config.model)
+    if config.grad_accum < 1:
+        raise ConfigError("grad_accum", f"must be at least 1, got {config.grad_accum}")
     # The data, model and heterogeneity keys need the simulation layer's registries:
     # ``fedgrid.simulation.tasks.check_config`` checks them (the CLI and run_simulation
     # call it before any work), so the config modules and the server never import that layer.

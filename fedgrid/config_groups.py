@@ -70,6 +70,7 @@ STRATEGY_KEYS = (
     "num_blocks",
     "block_prefixes",
     "block_schedule",
+    "lora_aggregation",
 )
 #: Keys only ``fedgrid simulate`` uses: the simulated clients, their heterogeneity, the
 #: engine that trains them, the progress line. ``fedgrid coordinator`` has no flags for them

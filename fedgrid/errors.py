@@ -99,6 +99,19 @@ class RunFinishedError(FedgridError):
     reason = RUN_FINISHED
 
 
+class BaseModelMismatchError(FedgridError):
+    """A client's frozen base model (``--peft``: adapters travel, the base never does) is not the
+    coordinator's: its adapters would be trained for another model. Names both hashes."""
+
+    def __init__(self, client_hash: str, coordinator_hash: str) -> None:
+        super().__init__(
+            f"base model mismatch: the client's base is {client_hash or 'none (no --peft adapters)'}, the "
+            f"coordinator's is {coordinator_hash or 'none (it fine-tunes no adapters)'}; give both the same "
+            "--model hf:PATH folder and --peft"
+        )
+        self.client_hash, self.coordinator_hash = client_hash, coordinator_hash
+
+
 class InterruptedRunError(FedgridError):
     """The coordinator is stopping; the open round is abandoned and will be redone."""
 

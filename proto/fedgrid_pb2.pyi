@@ -86,30 +86,34 @@ class Capabilities(_message.Message):
     def __init__(self, device: _Optional[str] = ..., num_accelerators: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., codecs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("name", "region", "capabilities", "num_examples")
+    __slots__ = ("name", "region", "capabilities", "num_examples", "base_hash")
     NAME_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    BASE_HASH_FIELD_NUMBER: _ClassVar[int]
     name: str
     region: str
     capabilities: Capabilities
     num_examples: int
-    def __init__(self, name: _Optional[str] = ..., region: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., num_examples: _Optional[int] = ...) -> None: ...
+    base_hash: str
+    def __init__(self, name: _Optional[str] = ..., region: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., num_examples: _Optional[int] = ..., base_hash: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("client_id", "session_token", "run_id", "heartbeat_interval_s", "chunk_size")
+    __slots__ = ("client_id", "session_token", "run_id", "heartbeat_interval_s", "chunk_size", "base_hash")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BASE_HASH_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     session_token: str
     run_id: str
     heartbeat_interval_s: float
     chunk_size: int
-    def __init__(self, client_id: _Optional[str] = ..., session_token: _Optional[str] = ..., run_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., chunk_size: _Optional[int] = ...) -> None: ...
+    base_hash: str
+    def __init__(self, client_id: _Optional[str] = ..., session_token: _Optional[str] = ..., run_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., chunk_size: _Optional[int] = ..., base_hash: _Optional[str] = ...) -> None: ...
 
 class PollRequest(_message.Message):
     __slots__ = ("client_id", "wait_s")

@@ -242,6 +242,7 @@ def run_coordinator(
     ready: threading.Event | None = None,
     on_event: Callable[[Event], None] | None = None,
     strategy: Strategy | None = None,
+    base_hash: str = "",
 ) -> ModelState | None:
     """Serves ``config.rounds`` rounds and returns the final global model.
 
@@ -266,12 +267,13 @@ def run_coordinator(
     Events (``fedgrid.events``) are appended to ``RUN_DIR/events.jsonl``
     and, with ``on_event``, handed to it on the emitting thread (after the file has them).
     Aggregation runs with ``config.threads`` intra-op threads (restored on return), which
-    ``config.toml`` records with the torch version.
+    ``config.toml`` records with the torch version. ``base_hash``: an adapter run's frozen base
+    (``--peft``), which every client must show at Join (``BaseModelMismatchError`` otherwise).
     """
     if strategy is not None:
         config = _with_strategy(config, strategy)
     with intra_op_threads(config.threads) as threads:
-        return _serve(config, threads, initial, evaluate_fn, ready, on_event, strategy)
+        return _serve(config, threads, initial, evaluate_fn, ready, on_event, strategy, base_hash)
 
 
 def _with_strategy(config: Config, strategy: Strategy) -> Config:
@@ -307,9 +309,11 @@ def _serve(
     ready: threading.Event | None,
     on_event: Callable[[Event], None] | None,
     strategy: Strategy | None = None,
+    base_hash: str = "",
 ) -> ModelState | None:
     wired = wire(config, threads, _initial_model(config, initial), evaluate_fn, on_event, strategy)
     writer, events, fleet, engine = wired.writer, wired.events, wired.fleet, wired.engine
+    fleet.base_hash = base_hash
     # The checkpoint first: the run id printed, and handed to the first clients, is the restored one.
     engine.resume()
     tls = TLSFiles.from_options(config.ca, config.cert, config.key, config.crl)
@@ -323,10 +327,7 @@ def _serve(
     _announce(config, threads, fleet, events, coordinator, enrollment, http)
     if ready is not None:
         ready.set()
-
-    if (
-        http is not None
-    ):  # bound and listening since before the coordinator: early requests waited in the backlog
+    if http is not None:  # bound and listening since before the coordinator: early requests waited
         http.start()
 
     def on_term(signal_name: str) -> None:

@@ -122,6 +122,8 @@ class RemoteFleet(Fleet):
         self.spill = UpdateSpill(spill_dir)
         self.heartbeat_interval_s = heartbeat_interval.total_seconds()
         self.chunk_size = chunk_size
+        #: The frozen base model's hash of an adapter run (``--peft``): a Join must show the same ("": none).
+        self.base_hash = ""
         self._round: RoundTask | None = None
         self._finished = False
         self._interrupted = False

@@ -37,6 +37,7 @@ from fedgrid.constants import (
 from fedgrid.errors import (
     REASON_METADATA_KEY,
     AuthenticationError,
+    BaseModelMismatchError,
     DuplicateUpdateError,
     FedgridError,
     InvalidUpdateError,
@@ -77,6 +78,7 @@ STATUS_OF: tuple[tuple[type[FedgridError], grpc.StatusCode], ...] = (
     (DuplicateUpdateError, grpc.StatusCode.ALREADY_EXISTS),
     (StaleTaskError, grpc.StatusCode.FAILED_PRECONDITION),
     (RunFinishedError, grpc.StatusCode.FAILED_PRECONDITION),
+    (BaseModelMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
     (ResourceLimitError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (StorageError, grpc.StatusCode.UNAVAILABLE),  # the coordinator's disk: clients wait and retry
 )
@@ -180,6 +182,8 @@ class CoordinatorServicer:
 
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinReply:
         async def body() -> pb.JoinReply:
+            if request.base_hash != self.fleet.base_hash:
+                raise BaseModelMismatchError(escape(request.base_hash, 80), self.fleet.base_hash)
             info, token = self.fleet.join(
                 serde.client_info_from_join("", request), identity=CALLER.get().identity
             )
@@ -189,6 +193,7 @@ class CoordinatorServicer:
                 run_id=self.fleet.run_id,
                 heartbeat_interval_s=self.fleet.heartbeat_interval_s,
                 chunk_size=self.fleet.chunk_size,
+                base_hash=self.fleet.base_hash,
             )
 
         return await self._call(context, body)

@@ -22,8 +22,9 @@ from fedgrid.simulation.datasets import (
     parse_partition,
 )
 from fedgrid.simulation.language import build_lm
-from fedgrid.simulation.lm_task import LM_DATASET, language_model, load_windows
+from fedgrid.simulation.lm_task import LM_DATASETS, language_model, load_windows
 from fedgrid.simulation.models import char_lstm, digits_mlp, fmnist_cnn, fmnist_mlp, logistic
+from fedgrid.simulation.shakespeare import VOCAB
 
 if TYPE_CHECKING:
     from fedgrid.config import Config
@@ -66,7 +67,7 @@ class BuiltinDataset:
 
     @property
     def default_model(self) -> str:
-        return next(iter(self.models))
+        return next(iter(self.models), "")
 
 
 def _load_shakespeare(data_dir: str, context: int = 0) -> Any:
@@ -107,6 +108,15 @@ DATASETS: dict[str, BuiltinDataset] = {
         natural=True,
         eval_limit=2_000,
     ),
+    # The *.txt files of data_dir as tokens, for --model hf:PATH or gpt (fedgrid.simulation.causal_lm).
+    "text": BuiltinDataset(
+        "text",
+        lambda data_dir: _no_text_model(),
+        {},
+        "iid",
+        needs_data_dir=True,
+        natural=True,
+    ),
     "synthetic": BuiltinDataset(
         "synthetic",
         lambda _: load_synthetic(),
@@ -115,6 +125,10 @@ DATASETS: dict[str, BuiltinDataset] = {
         natural=True,
     ),
 }
+
+
+def _no_text_model() -> Any:
+    raise ConfigError("model", "dataset text trains a language model: give --model hf:PATH (or gpt)")
 
 
 def get_dataset(name: str) -> BuiltinDataset:
@@ -168,6 +182,8 @@ def check_options(
     if data_dir and not os.path.isdir(data_dir):
         raise ConfigError("data_dir", f"{data_dir!r} is not a folder")
     if language_model(dataset, model) is None:  # a language model's spec is checked there
+        if dataset == "text":
+            _no_text_model()
         if ":" in model:
             check_spec(model, key="model")
         elif model and model not in task.models:
@@ -187,7 +203,7 @@ def check_options(
 
 def _known_models(dataset: str) -> str:
     names = list(get_dataset(dataset).models)
-    return ", ".join(names + (["gpt[:SIZES]", "hf:PATH"] if dataset == LM_DATASET else []))
+    return ", ".join(names + (["gpt[:SIZES]", "hf:PATH"] if dataset in LM_DATASETS else []))
 
 
 @functools.lru_cache(maxsize=4)
@@ -196,7 +212,12 @@ def load_data(dataset: str, data_dir: str = "", context: int = 0) -> DatasetData
     model's non-overlapping windows of that many characters (Shakespeare only)."""
     task = get_dataset(dataset)
     try:
-        source = _load_shakespeare(data_dir, context) if context else task.load(data_dir)
+        if context and dataset == "text":
+            from fedgrid.simulation.causal_lm import load_text_windows
+
+            source = load_text_windows(data_dir, context)
+        else:
+            source = _load_shakespeare(data_dir, context) if context else task.load(data_dir)
         return DatasetData(source, eval_limit=task.eval_limit)
     except ConfigError:
         raise
@@ -204,17 +225,33 @@ def load_data(dataset: str, data_dir: str = "", context: int = 0) -> DatasetData
         raise ConfigError("data_dir", f"cannot load {dataset} from {data_dir!r}: {exc}") from None
 
 
-def build_model(dataset: str = "digits", model: str = "", data_dir: str = "") -> nn.Module:
+def build_model(
+    dataset: str = "digits",
+    model: str = "",
+    data_dir: str = "",
+    peft: str = "",
+    lora_aggregation: str | None = None,
+) -> nn.Module:
     """A fresh model: the built-in ``model`` of ``dataset`` (its default when empty), a
-    language model (``gpt``, ``gpt:SIZES``, ``hf:PATH``), or the ``MODULE:FACTORY`` user
-    model (called with no arguments).
+    language model (``gpt``, ``gpt:SIZES``, ``hf:PATH``; with ``peft``, its adapters over its
+    frozen base: ``fedgrid.simulation.peft_lm``, A frozen when ``lora_aggregation`` is ``ffa``),
+    or the ``MODULE:FACTORY`` user model (called with no arguments).
 
     Raises:
         ConfigError: unknown model, a bad language model spec, or user code that cannot be loaded.
     """
     spec = language_model(dataset, model)
+    vocab = len(VOCAB)  # Shakespeare's characters
+    if spec is not None and dataset == "text":
+        from fedgrid.simulation.causal_lm import text_vocab
+
+        vocab = text_vocab(data_dir)
+    if spec is not None and peft:
+        from fedgrid.simulation.peft_lm import build_peft_lm
+
+        return build_peft_lm(spec.path, peft, frozen_a=lora_aggregation == "ffa", vocab=vocab)
     if spec is not None:
-        return build_lm(spec)
+        return build_lm(spec, vocab)
     if ":" in model:
         from fedgrid.plugins import load_object
 

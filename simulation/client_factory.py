@@ -22,6 +22,7 @@ from fedgrid.config_groups import PRECISIONS
 from fedgrid.errors import ConfigError
 from fedgrid.seeding import RNG_LOCK
 from fedgrid.simulation.catalog import OPTIMIZERS, build_model, check_options, get_dataset, load_data
+from fedgrid.simulation.causal_lm import AccumulatingClient, enable_checkpointing
 from fedgrid.simulation.datasets import parse_partition, partition
 from fedgrid.simulation.language import token_cross_entropy
 from fedgrid.simulation.lm_task import context_of, window_datasets
@@ -44,6 +45,10 @@ CLIENT_KEYS = (
     "momentum",
     "weight_decay",
     "precision",
+    "peft",
+    "lora_aggregation",
+    "grad_accum",
+    "grad_checkpointing",
 )
 
 
@@ -109,12 +114,15 @@ def _check_training_options(batch_size: int, precision: str) -> None:
         raise ConfigError("precision", f"unknown precision {precision!r} (known: {', '.join(PRECISIONS)})")
 
 
-def _seeded_model(seed: int, dataset: str, model: str, data_dir: str) -> nn.Module:
+def _seeded_model(
+    seed: int, dataset: str, model: str, data_dir: str, peft: str = "", lora_aggregation: str | None = None
+) -> nn.Module:
     """The client's model, built under ``seed`` without touching the global RNG (the global
-    model overwrites its values at the first fit)."""
+    model overwrites its values at the first fit; an adapter model's frozen base is built
+    under its own fixed seed, the same in every process)."""
     with RNG_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return build_model(dataset, model, data_dir)
+        return build_model(dataset, model, data_dir, peft, lora_aggregation)
 
 
 def builtin_client(
@@ -132,37 +140,42 @@ def builtin_client(
     momentum: float = 0.9,
     weight_decay: float = 0.0,
     precision: str = "fp32",
+    peft: str = "",
+    lora_aggregation: str | None = None,
+    grad_accum: int = 1,
+    grad_checkpointing: bool = False,
     device: str | None = None,
 ) -> TorchClient:
     """Client ``partition_index`` of ``num_partitions`` on a built-in dataset.
 
-    It trains with cross-entropy on ``DataLoader(its examples, batch_size, shuffle=True)``
-    with ``optimizer`` (``sgd`` with ``momentum`` and ``weight_decay``; ``adam`` and
-    ``adamw`` with ``weight_decay``); the task's ``lr`` overrides ``lr``. It evaluates on
+    It trains with cross-entropy on ``DataLoader(its examples, batch_size, shuffle=True)`` with
+    ``optimizer`` (``sgd``, ``adam``, ``adamw``); the task's ``lr`` overrides ``lr``. It evaluates on
     the test examples of its own groups under the ``natural`` partition, else on those of
     the server-side evaluation. A language model (``gpt``, ``hf:PATH``) trains on windows of
-    its context with the cross-entropy over every position (``token_cross_entropy``); its
-    ``num_examples`` counts windows, each of ``context`` tokens.
+    its context, cross-entropy over every position; ``num_examples`` counts windows.
 
     Args:
         partitioner: the partition spec; empty: the dataset's default.
         model: a built-in model name, a language model or ``MODULE:FACTORY``; empty: the
             dataset's default.
         precision: the forward passes' precision (``fedgrid.client.precision``).
+        peft: adapters on an ``hf:PATH`` model (only they train and travel), and
+            ``lora_aggregation`` (``ffa``: A frozen); ``fedgrid.simulation.peft_lm``.
+        grad_accum, grad_checkpointing: micro-batches per step (``causal_lm``), activation
+            checkpointing of an ``hf:PATH`` model.
 
     Raises:
         ConfigError: an index outside ``0..num_partitions-1`` or a bad option (names the key).
     """
-    if not 0 <= partition_index < num_partitions:
-        raise ConfigError("partition", f"index {partition_index} is outside 0..{num_partitions - 1}")
-    task = get_dataset(dataset)
-    spec = partitioner or task.default_partition
-    check_options(dataset=dataset, data_dir=data_dir, model=model, partition=spec, optimizer=optimizer)
+    spec = _checked(partition_index, num_partitions, dataset, data_dir, partitioner, model, optimizer)
     _check_training_options(batch_size, precision)
     context = context_of(model)
     train, test = _client_data(dataset, data_dir, spec, seed, partition_index, num_partitions, context)
-    client = TorchClient(
-        _seeded_model(seed, dataset, model, data_dir),
+    net = _seeded_model(seed, dataset, model, data_dir, peft, lora_aggregation)
+    if grad_checkpointing:
+        enable_checkpointing(net)
+    client = (AccumulatingClient if grad_accum > 1 else TorchClient)(
+        net,
         DataLoader(train, batch_size=batch_size, shuffle=True),
         token_cross_entropy if context else nn.functional.cross_entropy,
         _optimizer(optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay),
@@ -171,7 +184,25 @@ def builtin_client(
         seed=seed,
         name=f"{dataset}-{partition_index:04d}/{num_partitions}",
     )
+    return _with_options(client, precision, grad_accum)
+
+
+def _checked(
+    index: int, partitions: int, dataset: str, data_dir: str, partitioner: str, model: str, optimizer: str
+) -> str:
+    """The partition spec (``partitioner`` or the dataset's default), the options checked."""
+    if not 0 <= index < partitions:
+        raise ConfigError("partition", f"index {index} is outside 0..{partitions - 1}")
+    spec = partitioner or get_dataset(dataset).default_partition
+    check_options(dataset=dataset, data_dir=data_dir, model=model, partition=spec, optimizer=optimizer)
+    return spec
+
+
+def _with_options(client: TorchClient, precision: str, grad_accum: int) -> TorchClient:
+    """``client`` with its forward passes' precision and, accumulating, its micro-batches."""
     client.precision = precision
+    if isinstance(client, AccumulatingClient):
+        client.grad_accum = grad_accum
     return client
 
 

@@ -23,7 +23,12 @@ EVAL_CHUNK = 1024
 
 
 def make_evaluate(
-    dataset: str = "digits", model: str = "", data_dir: str = "", precision: str = "fp32"
+    dataset: str = "digits",
+    model: str = "",
+    data_dir: str = "",
+    precision: str = "fp32",
+    peft: str = "",
+    lora_aggregation: str | None = None,
 ) -> Callable[[ModelState], tuple[float, dict[str, float]]]:
     """The server-side evaluation of a built-in model: mean cross-entropy and accuracy on
     the dataset's fixed test split (``BuiltinDataset.eval_limit``: a fixed subset of it), in chunks of
@@ -38,7 +43,9 @@ def make_evaluate(
         data = load_data(dataset, data_dir, context)
         if not held:
             with RNG_LOCK, torch.random.fork_rng(devices=[]):
-                held.append(build_model(dataset, model, data_dir).to(default_device()))
+                held.append(
+                    build_model(dataset, model, data_dir, peft, lora_aggregation).to(default_device())
+                )
         net = held[0]
         net.load_state_dict(state)
         net.eval()

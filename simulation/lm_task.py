@@ -30,6 +30,9 @@ __all__ = ["LM_DATASET", "load_windows", "language_model", "context_of", "window
 
 #: The dataset a language model (``gpt``, ``hf:PATH``) trains on.
 LM_DATASET = "shakespeare"
+#: The datasets a language model trains on: Shakespeare's characters, or ``text``: the tokens of
+#: the ``*.txt`` files of ``data_dir`` (``fedgrid.simulation.causal_lm.load_text_windows``).
+LM_DATASETS = (LM_DATASET, "text")
 
 
 def load_windows(data_dir: str, context: int) -> Any:
@@ -48,9 +51,11 @@ def language_model(dataset: str, model: str) -> LMSpec | None:
     spec = lm_spec(model)
     if spec is None:
         return None
-    if dataset != LM_DATASET:
+    if dataset not in LM_DATASETS:
         raise ConfigError(
-            "model", f"{model} is a language model of Shakespeare's characters: add --dataset {LM_DATASET}"
+            "model",
+            f"{model} is a language model of Shakespeare's characters or of text files: add --dataset "
+            f"{LM_DATASET} or --dataset text",
         )
     check_lm(spec)
     return spec

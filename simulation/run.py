@@ -271,6 +271,8 @@ def _run(
         seed=config.seed,
         data_dir=config.data_dir,
         precision=config.precision,
+        peft=config.peft,
+        lora_aggregation=config.lora_aggregation,
     )
     strategy.initialize(initial_state=resolved.initial_state)
     profiles = ClientProfiles.from_config(config)

@@ -6,6 +6,7 @@
 | ``fashion-mnist`` | the four idx.gz files in ``data_dir`` | ``mlp``, ``cnn``, ``logistic`` | ``dirichlet:0.5`` |
 | ``shakespeare`` | the LEAF split by speaking role, from ``data_dir`` | ``lstm``, ``gpt``, ``hf:PATH`` | ``natural`` |
 | ``synthetic`` | LEAF's Synthetic(1, 1), generated, no files | ``logistic`` | ``natural`` |
+| ``text`` | the ``*.txt`` files in ``data_dir``, tokenized | ``gpt``, ``hf:PATH`` (no default) | ``iid`` |
 
 The server-side evaluation reports test loss and accuracy on the fixed test split
 (Shakespeare: a fixed subset of 2,000 test windows), in chunks.
@@ -30,7 +31,7 @@ language-model task), ``fedgrid.simulation.client_factory`` (``builtin_client``)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from fedgrid.client.api import Client
 from fedgrid.errors import ConfigError
@@ -86,6 +87,8 @@ class Resolved:
     initial_state: ModelState
     evaluate: Callable[[ModelState], tuple[float, dict[str, float]]] | None
     client_factory: Callable[..., Client]
+    #: The frozen base's hash of an adapter model (``--peft``; clients show theirs at Join), else "".
+    base_hash: str = ""
 
 
 def resolve(
@@ -96,6 +99,8 @@ def resolve(
     seed: int = 0,
     data_dir: str = "",
     precision: str = "fp32",
+    peft: str = "",
+    lora_aggregation: str | None = None,
 ) -> Resolved:
     """Builds the initial model and finds the evaluation and client factory.
 
@@ -114,15 +119,21 @@ def resolve(
     custom = is_factory_spec(model)
     if custom:
         load_object(model, key="model")  # a bad spec names the key before the model is built
+    built: list[Any] = []
+
+    def build() -> Any:
+        built.append(build_model(dataset, model, data_dir, peft, lora_aggregation))
+        return built[-1]
+
     try:
-        state = initial_state(lambda: build_model(dataset, model, data_dir), seed)
+        state = initial_state(build, seed)
     except ConfigError:
         raise
     except Exception as exc:
         raise ConfigError("model", f"building the model failed: {type(exc).__name__}: {exc}") from None
     client_factory = load_object(app, key="app") if app else builtin_client
-    evaluate = None if custom else make_evaluate(dataset, model, data_dir, precision)
-    return Resolved(state, evaluate, client_factory)
+    evaluate = None if custom else make_evaluate(dataset, model, data_dir, precision, peft, lora_aggregation)
+    return Resolved(state, evaluate, client_factory, getattr(built[0], "base_hash", ""))
 
 
 # The names of the first release: digits' model, client factory (``fedgrid client`` without

@@ -53,7 +53,11 @@ LAYERS = "the layers of the package"
         ("server/_probe.py", "import fedgrid.simulation.tasks\n", LAYERS),
         ("server/_probe.py", "from fedgrid.client import uplink\n", LAYERS),
         ("compression/_probe.py", "import grpc\n", "the math layers (aggregation, compression) do no I/O"),
-        ("client/_probe.py", "import transformers\n", "transformers (the hf extra) is imported only"),
+        (
+            "client/_probe.py",
+            "import transformers\n",
+            "transformers and peft (the hf and llm extras) are imported only",
+        ),
         ("types.py", "from fedgrid.server import engine\n", LAYERS),
         ("config.py", "from fedgrid.ops import wan\n", LAYERS),
         ("_unlisted.py", "import fedgrid.errors\n", LAYERS),  # a module no layer names

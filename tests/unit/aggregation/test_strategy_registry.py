@@ -124,7 +124,7 @@ def test_unknown_strategy():
             "fedavg",
             {"server_lr": 0.1},
             "server_lr",
-            "does not apply to strategy 'fedavg' \\(its own options: none\\)",
+            "does not apply to strategy 'fedavg' \\(its own options: lora_aggregation\\)",
         ),
         ("fedprox", {"outer_lr": 0.1}, "outer_lr", "its own options: proximal_mu"),
         ("fedavg", {"colour": "red"}, "colour", "does not apply"),

@@ -92,6 +92,10 @@ def test_client_flags_become_builtin_options():
         "momentum": 0.9,
         "weight_decay": 0.0,
         "precision": "fp32",
+        "peft": "",
+        "lora_aggregation": None,
+        "grad_accum": 1,
+        "grad_checkpointing": False,
     }
     # a user's --app gets only what was given, typed
     args = build_parser().parse_args(["client", "--coordinator", "h:1", "--app", "m:f", "--batch-size", "8"])

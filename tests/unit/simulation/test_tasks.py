@@ -91,6 +91,10 @@ def test_client_options_cover_the_client_keys():
         "momentum": 0.9,
         "weight_decay": 0.01,
         "precision": "fp32",
+        "peft": "",
+        "lora_aggregation": None,
+        "grad_accum": 1,
+        "grad_checkpointing": False,
     }
     client = tasks.builtin_client(2, 5, 0, device="cpu", **options)
     assert client.name == "synthetic-0002/5" and client.train_loader.batch_size == 8
@@ -197,7 +201,7 @@ def test_fashion_mnist_from_data_dir(fmnist_dir, model, params):
         (
             {"dataset": "digits", "partition": "natural"},
             "partition",
-            "natural needs a dataset with natural groups \\(shakespeare, synthetic\\); digits has none",
+            "natural needs a dataset with natural groups \\(shakespeare, text, synthetic\\); digits has none",
         ),
         ({"dataset": "digits", "partition": "shards:0"}, "partition", "at least 1"),
         (
@@ -215,7 +219,7 @@ def test_fashion_mnist_from_data_dir(fmnist_dir, model, params):
         (
             {"dataset": "nope"},
             "dataset",
-            "unknown dataset 'nope' \\(known: digits, fashion-mnist, shakespeare, synthetic\\)",
+            "unknown dataset 'nope' \\(known: digits, fashion-mnist, shakespeare, synthetic, text\\)",
         ),
     ],
 )
