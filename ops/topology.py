@@ -37,6 +37,7 @@ import tomllib
 
 from fedgrid.config import (
     CLIENT_ONLY_KEYS,
+    PRIVACY_KEYS,
     QUORUM_KEYS,
     REGION_ONLY_KEYS,
     SIMULATION_ONLY_KEYS,
@@ -84,11 +85,13 @@ MANAGED_KEYS = frozenset(
 )
 _COORDINATOR = frozenset(config_keys()) - SIMULATION_ONLY_KEYS - CLIENT_ONLY_KEYS - REGION_ONLY_KEYS
 GLOBAL_KEYS = _COORDINATOR - MANAGED_KEYS
-#: ``fedgrid region`` takes no run length, model, enrollment, status server or quorum: the global coordinator has them.
+#: ``fedgrid region`` takes no run length, model, enrollment, status server, quorum or privacy
+#: budget: the global coordinator has them.
 REGION_KEYS = (
     _COORDINATOR
     - {"rounds", "initial_model", "model", "http", "http_token_file", "http_linger_s", "seed", "eval_every"}
     - QUORUM_KEYS
+    - PRIVACY_KEYS
     | REGION_ONLY_KEYS
     | {"regional_rounds"}
 ) - MANAGED_KEYS
@@ -105,14 +108,18 @@ CLIENT_KEYS = (
             "momentum",
             "weight_decay",
             "precision",
+            "peft",
+            "lora_aggregation",
+            "grad_accum",
+            "grad_checkpointing",
             "partition",
             "threads",
         }
     )
     | CLIENT_ONLY_KEYS
 )
-#: ``[global]`` keys the clients take too: their data and model are the coordinator's.
-SHARED_WITH_CLIENTS = ("dataset", "data_dir", "model")
+#: ``[global]`` keys the clients take too: their data, model and adapters are the coordinator's.
+SHARED_WITH_CLIENTS = ("dataset", "data_dir", "model", "peft", "lora_aggregation")
 #: A region's name names files, certificates and its client identity upstream.
 NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 

@@ -142,6 +142,7 @@ def test_a_dead_zygote_fails_the_wait_and_the_next_start(tmp_path):
     try:
         assert child.stdout is not None and child.stdout.readline() == "False\n"
         doomed.proc.kill()
+        assert doomed.proc.wait(timeout=30) == -signal.SIGKILL  # dead, and reaped
         with pytest.raises(ZygoteError, match="without its exit"):
             child.wait(timeout=60)
         with pytest.raises(ZygoteError, match="exited with -9"):

@@ -103,6 +103,10 @@ class Zygote:
 
     def log(self) -> str:
         """The state of the zygote and the end of its log, for an error message."""
+        try:  # a zygote that just failed a request may be dying: its exit status says why
+            self.proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            pass
         state = "running" if self.proc.poll() is None else f"exited with {self.proc.returncode}"
         try:
             text = Path(self.log_path).read_text(errors="replace")[-3000:]
