@@ -8,6 +8,7 @@ import hashlib
 import json
 import math
 import random
+import threading
 from collections import OrderedDict
 from datetime import timedelta
 from typing import Mapping
@@ -19,13 +20,17 @@ from fedgrid.aggregation.fedavg import FedAvg
 from fedgrid.aggregation.privacy import clip_update, noise_share
 from fedgrid.aggregation.secagg import ADVERTISE, SHARE, UNMASK, SecAgg
 from fedgrid.aggregation.secagg_math import dequantize, ring_add, ring_scale
-from fedgrid.client import Client, FitOutput
+from fedgrid.client import Client, FitOutput, start_client
 from fedgrid.client.secagg import DistributedNoise, SecAggClient, seeded_noise, with_secagg
 from fedgrid.runlog import RunWriter
+from fedgrid.server.app import Coordinator
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.privacy import Privacy
+from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.simulation.fleet import InProcessFleet
 from fedgrid.types import FIT, ClientInfo, FitIns, FitRes, MessageIns, ModelState
+
+from harness import wait_until
 
 PHASES = (ADVERTISE, SHARE, FIT, UNMASK)
 _TIMEOUTS = {"round_timeout": timedelta(seconds=60), "join_timeout": timedelta(seconds=10)}
@@ -228,3 +233,31 @@ def test_a_client_without_a_hook_noises_with_fresh_keys_under_dp() -> None:
 
     first, second = run(), run()
     assert not torch.equal(first["w"], second["w"])  # no one, not even a rerun, can redraw the noise
+
+
+def test_over_grpc_with_dropouts_the_noised_sums_are_exact_and_charged() -> None:
+    clients = _federation(8, 2, seed=11)
+    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=30))
+    server = Coordinator("127.0.0.1:0", fleet, max_workers=16).start()
+    strategy = Checked(clients, bits=32, clip=SECAGG_CLIP, seed=1, dp_noise_multiplier=SIGMA, dp_clip=DP_CLIP)
+    strategy.initialize(initial_state=_state())
+    privacy = Privacy(noise_multiplier=SIGMA, clip=DP_CLIP, distributed=True)
+    engine = RoundEngine(
+        strategy=strategy, fleet=fleet, rounds=2, min_clients=8, privacy=privacy,
+        round_timeout=timedelta(seconds=60), join_timeout=timedelta(seconds=60),
+        finish_timeout=timedelta(seconds=10), events=fleet.events,
+    )  # fmt: skip
+    handles = [start_client(c, server.address, poll_wait_s=1.0) for c in clients]
+    try:
+        wait_until(lambda: len(fleet.live_clients()) == 8, timeout=30, what="clients to join")
+        runner = threading.Thread(target=engine.run, daemon=True)
+        runner.start()
+        runner.join(timeout=120)
+        assert not runner.is_alive()
+        assert strategy.exact == [1, 2] and privacy.accountant.rounds == 2
+        assert [m.extra["epsilon"] > 0 for m in engine.history] == [True, True]
+        for h in handles:
+            h.join(timeout=30)
+    finally:
+        server.stop(grace=0.5)
+        fleet.close()
