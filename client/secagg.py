@@ -200,6 +200,11 @@ class SecAggClient(Client):
             update = update + self.residual
         update = update.clamp(-clip, clip)
         dp = "dp_noise_std" in c  # DP under SecAgg+: this client adds its share of the noise
+        if dp and int(c["secagg_threshold"]) != self.party.threshold(ins.round):  # type: ignore[arg-type]
+            raise SecAggRefusedError(
+                f"round {ins.round}: the DP task's threshold {c['secagg_threshold']} is not the round's "
+                f"{self.party.threshold(ins.round)} (a smaller noise share than its survivors need)"
+            )
         if dp and self.add_noise is None:
             self.add_noise = DistributedNoise()  # fresh secret keys: the coordinator cannot remove it
         if self.add_noise is not None:

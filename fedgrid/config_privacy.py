@@ -49,7 +49,8 @@ PRIVATE_STRATEGIES = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "
 
 @dataclass(frozen=True)
 class PrivacyKeys:
-    """Differential privacy: client-level DP-FedAvg with the noise added at the server."""
+    """Differential privacy: client-level DP-FedAvg, the noise added at the server (or, with
+    ``secagg``, by the clients, each its share)."""
 
     dp_noise_multiplier: float = _key(
         "differential privacy (docs/privacy.rst): sigma, the Gaussian noise on the sum of the round's clipped "

@@ -4,6 +4,7 @@ server's privacy stage adds nothing and only charges the budget."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -261,3 +262,21 @@ def test_over_grpc_with_dropouts_the_noised_sums_are_exact_and_charged() -> None
     finally:
         server.stop(grace=0.5)
         fleet.close()
+
+
+def test_a_dp_task_with_another_threshold_than_the_rounds_is_refused() -> None:
+    class Lying(SecAgg):  # asks for noise sized for more survivors than the round unmasks with
+        def configure_round(self, *, server_round, clients):  # type: ignore[no-untyped-def]
+            out = super().configure_round(server_round=server_round, clients=clients)
+            return [
+                (info, dataclasses.replace(ins, config={**ins.config, "secagg_threshold": 50}))
+                for info, ins in out
+            ]
+
+    clients = with_secagg([Step(f"c{i}", {}) for i in range(4)])  # type: ignore[arg-type]
+    strategy = Lying(FedAvg(), bits=32, clip=SECAGG_CLIP, dp_noise_multiplier=SIGMA, dp_clip=DP_CLIP)
+    engine = _dp_secagg(clients, strategy, Privacy(noise_multiplier=SIGMA, clip=DP_CLIP, distributed=True), 1)
+    engine.run()
+    assert engine.history[0].extra["secagg_aborted"] == 1.0  # no client uploaded: nothing unmasked
+    assert all(c.last_input is None for c in clients)
+    assert all(torch.equal(t, _state()[k]) for k, t in strategy.global_state.items())
