@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 from collections import OrderedDict
 from typing import Any, Mapping, Sequence
@@ -75,6 +76,12 @@ class SecAgg(Strategy):
         threshold: shares that rebuild a secret, and the fewest survivors; at least a majority of
             a neighbourhood (0: ``k // 2 + 1``).
         seed: the run's seed (the graph's order and the clients' rounding draw from it).
+        dp_noise_multiplier: DP with the noise distributed among the clients (docs/privacy.rst):
+            each clips its update to L2 norm ``dp_clip`` and adds its share of noise of std
+            ``dp_noise_multiplier * dp_clip`` (``client.secagg.DistributedNoise``), and every
+            client's weight is the same (a client's influence is bounded by the clip alone);
+            0: no DP.
+        dp_clip: the L2 clip of DP (above 0 with ``dp_noise_multiplier``).
     """
 
     #: The masked input is integers, which a delta uplink sends as they are: nothing to add back.
@@ -89,12 +96,17 @@ class SecAgg(Strategy):
         neighbours: int = 0,
         threshold: int = 0,
         seed: int = 0,
+        dp_noise_multiplier: float = 0.0,
+        dp_clip: float = 0.0,
     ) -> None:
         if set(inner.phases(server_round=1)) - {FIT, EVALUATE}:
             raise ConfigError("secagg", f"{type(inner).__name__} has message phases of its own")
         ring_scale(bits=bits, clip=clip, clients=1)  # checks bits and clip
         self.inner, self.bits, self.clip = inner, bits, clip
         self.k, self.t, self.seed = neighbours, threshold, seed
+        if dp_noise_multiplier and not (dp_noise_multiplier > 0 and dp_clip > 0 and math.isfinite(dp_clip)):
+            raise ConfigError("dp_clip", f"DP under secagg needs a finite clip above 0, got {dp_clip}")
+        self.dp_noise_multiplier, self.dp_clip = dp_noise_multiplier, dp_clip
         self.run_label = os.urandom(8).hex()  # binds envelopes and adverts to this coordinator's run
         self._reset()
 
@@ -237,18 +249,26 @@ class SecAgg(Strategy):
         assert self._round is not None, f"fit before {ADVERTISE}"
         r = self._round
         chosen = [cid for cid in r.participants if cid in r.sent_to]
-        raw = {cid: float(max(self._selected[cid][0].num_examples, 1)) for cid in chosen}
+        raw = {
+            cid: 1.0 if self.dp_noise_multiplier else float(max(self._selected[cid][0].num_examples, 1))
+            for cid in chosen
+        }
         total = sum(raw.values())
         self._weights = {cid: w / total for cid, w in raw.items()}
         scale = ring_scale(bits=self.bits, clip=self.clip, clients=max(len(chosen), 1))
         length = sum(self.global_state[n].numel() for n in flat_floating(self.global_state))
         expected = {MASKED: TensorSpec(ring_dtype(self.bits), (length,))}
+        dp = (
+            {"dp_clip": self.dp_clip, "dp_noise_std": self.dp_noise_multiplier * self.dp_clip,
+             "secagg_threshold": r.threshold}
+            if self.dp_noise_multiplier else {}
+        )  # fmt: skip
         out = []
         for cid in chosen:
             info, ins = self._selected[cid]
             config = {
                 **ins.config, "secagg": True, "secagg_bits": self.bits, "secagg_clip": self.clip,
-                "secagg_scale": scale, "secagg_weight": self._weights[cid], "secagg_seed": self.seed,
+                "secagg_scale": scale, "secagg_weight": self._weights[cid], "secagg_seed": self.seed, **dp,
             }  # fmt: skip
             out.append((info, FitIns(round=server_round, config=config, expected=expected)))
         return out

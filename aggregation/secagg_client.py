@@ -212,6 +212,11 @@ class SecAggParty:
                 raise self._refuse(r, f"an envelope from {sender[:64]!r} holds shares of another client")
             r.held[sender] = (self_share, key_share)
 
+    def threshold(self, server_round: int) -> int:
+        """The threshold of ``server_round`` this client advertised under (the fewest survivors it
+        unmasks for: what its share of distributed DP noise is sized for)."""
+        return self._current(server_round, "DP noise").plan.threshold
+
     def mask(self, server_round: int, values: torch.Tensor, *, bits: int) -> torch.Tensor:
         """``values`` (ring elements, int64) plus the self mask and the pairwise masks with each
         neighbour that shared (its envelope was received)."""

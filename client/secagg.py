@@ -13,12 +13,16 @@ with ``SecAggRefusedError`` and nothing sent, any request that could unmask a cl
 from __future__ import annotations
 
 import hashlib
+import hmac
+import math
+import os
 from collections import OrderedDict
 from typing import Any, Callable, Mapping
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from fedgrid.aggregation.privacy import KEY_BYTES, clip_update, noise_share
 from fedgrid.aggregation.secagg import ADVERTISE, MASKED, SHARE, UNMASK, flat_floating
 from fedgrid.aggregation.secagg_client import RoundPlan, SecAggParty
 from fedgrid.aggregation.secagg_crypto import Keyring, PinnedKeys, SecAggRefusedError
@@ -29,10 +33,50 @@ from fedgrid.client.api import Client, EvaluateOutput, FitOutput
 from fedgrid.client.timeline import Timeline
 from fedgrid.types import FitIns, MessageIns, ModelState, Scalar
 
-__all__ = ["SecAggClient", "NoiseHook", "with_secagg", "from_certificate"]
+__all__ = ["SecAggClient", "NoiseHook", "DistributedNoise", "seeded_noise", "with_secagg", "from_certificate"]
 
 #: ``add_noise(update, ins)``: the clipped update (float64, flat) with noise added, same shape.
 NoiseHook = Callable[[torch.Tensor, FitIns], torch.Tensor]
+
+
+class DistributedNoise:
+    """The ``NoiseHook`` of DP under SecAgg+ (docs/privacy.rst): when the round's task asks for
+    DP (``dp_clip``, ``dp_noise_std``), the update is clipped to L2 norm ``dp_clip`` and gets its
+    share of Gaussian noise of std ``dp_noise_std`` on a sum of ``secagg_threshold`` parties
+    (``noise_share``: std ``dp_noise_std / sqrt(t)``), so any ``s >= t`` survivors' unmasked sum
+    holds noise of std ``dp_noise_std * sqrt(s / t)``; without DP it returns the update as is.
+
+    Args:
+        key: the client's own noise key (at least 32 bytes), keying one stream per round;
+            ``None`` (a deployment's client): a fresh ``os.urandom`` key for every fit, which no
+            one else ever holds, so a redone round never reuses noise.
+    """
+
+    def __init__(self, key: bytes | None = None) -> None:
+        if key is not None and len(key) < KEY_BYTES:
+            raise ValueError(f"a noise key needs at least {KEY_BYTES} bytes, got {len(key)}")
+        self.key = key
+
+    def __call__(self, update: torch.Tensor, ins: FitIns) -> torch.Tensor:
+        c = ins.config
+        if "dp_noise_std" not in c:
+            return update
+        try:
+            clip, std, t = float(c["dp_clip"]), float(c["dp_noise_std"]), int(c["secagg_threshold"])  # type: ignore[arg-type]
+        except (KeyError, ValueError, TypeError) as exc:
+            raise SecAggRefusedError(f"round {ins.round}: a malformed DP task ({exc})") from None
+        clipped, _ = clip_update({"update": update}, clip)
+        key = self.key if self.key is not None else os.urandom(KEY_BYTES)
+        noise = noise_share(key, ins.round, clipped, std=std, parties=max(t, 1), purpose="secagg")
+        return clipped["update"] + noise["update"]
+
+
+def seeded_noise(seed: int, name: str) -> DistributedNoise:
+    """A simulated client's ``DistributedNoise``, keyed by ``HMAC-SHA256(seed, name)``: a
+    simulation's noise is reproducible bit for bit (and not secret: anyone with the seed can
+    subtract it, which a simulation's measured privacy does not need)."""
+    key = hmac.new(f"fedgrid-dp-client|{seed}".encode(), name.encode(), hashlib.sha256).digest()
+    return DistributedNoise(key)
 
 
 def _plan(ins: MessageIns) -> RoundPlan:
@@ -155,6 +199,14 @@ class SecAggClient(Client):
         if self.residual is not None and self.residual.shape == update.shape:
             update = update + self.residual
         update = update.clamp(-clip, clip)
+        dp = "dp_noise_std" in c  # DP under SecAgg+: this client adds its share of the noise
+        if dp and int(c["secagg_threshold"]) != self.party.threshold(ins.round):  # type: ignore[arg-type]
+            raise SecAggRefusedError(
+                f"round {ins.round}: the DP task's threshold {c['secagg_threshold']} is not the round's "
+                f"{self.party.threshold(ins.round)} (a smaller noise share than its survivors need)"
+            )
+        if dp and self.add_noise is None:
+            self.add_noise = DistributedNoise()  # fresh secret keys: the coordinator cannot remove it
         if self.add_noise is not None:
             update = self.add_noise(update, ins)
         seed = int.from_bytes(
@@ -164,7 +216,7 @@ class SecAggClient(Client):
         q, self.residual = quantize(
             update,
             weight=weight,
-            clip=clip,
+            clip=math.inf if dp else clip,  # noise is not clamped: the ring wraps (docs/privacy.rst)
             scale=scale,
             bits=bits,
             generator=torch.Generator().manual_seed(seed >> 1),
@@ -190,12 +242,23 @@ def from_certificate(inner: Client, *, ca_pem: bytes, cert_pem: bytes, key_pem: 
     )
 
 
-def with_secagg(clients: list[Client], *, add_noise: NoiseHook | None = None) -> list[SecAggClient]:
+def with_secagg(
+    clients: list[Client], *, add_noise: NoiseHook | None = None, noise_seed: int | None = None
+) -> list[SecAggClient]:
     """``clients`` (of distinct names) wrapped for SecAgg+, each with a fresh identity key and
-    all of them trusting each other's (a simulation's, or one process's, federation)."""
+    all of them trusting each other's (a simulation's, or one process's, federation). With
+    ``noise_seed``, each adds DP noise keyed from it and its name (``seeded_noise``)."""
     names = [c.name for c in clients]
     if len(set(names)) != len(names) or not all(names):
         raise ValueError("secure aggregation needs clients of distinct, non-empty names (their identities)")
     signers = {c.name: Ed25519PrivateKey.generate() for c in clients}
     keyring = PinnedKeys({name: key.public_key() for name, key in signers.items()})
-    return [SecAggClient(c, signer=signers[c.name], keyring=keyring, add_noise=add_noise) for c in clients]
+    return [
+        SecAggClient(
+            c,
+            signer=signers[c.name],
+            keyring=keyring,
+            add_noise=seeded_noise(noise_seed, c.name) if noise_seed is not None else add_noise,
+        )
+        for c in clients
+    ]

@@ -3,7 +3,8 @@
 
 DP is on when ``dp_noise_multiplier`` is above 0: every fit round's updates are clipped to
 ``dp_clip`` at the server and Gaussian noise of std ``dp_noise_multiplier * clip`` is added to
-their sum (``fedgrid.server.privacy``); an accountant (``dp_accountant``) tracks the
+their sum (``fedgrid.server.privacy``), or with ``secagg`` by the clients, each its share
+(``fedgrid.client.secagg.DistributedNoise``); an accountant (``dp_accountant``) tracks the
 ``(epsilon, dp_delta)`` spent, and with ``dp_epsilon`` the run stops before a round would
 exceed it.
 """
@@ -48,7 +49,8 @@ PRIVATE_STRATEGIES = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "
 
 @dataclass(frozen=True)
 class PrivacyKeys:
-    """Differential privacy: client-level DP-FedAvg with the noise added at the server."""
+    """Differential privacy: client-level DP-FedAvg, the noise added at the server (or, with
+    ``secagg``, by the clients, each its share)."""
 
     dp_noise_multiplier: float = _key(
         "differential privacy (docs/privacy.rst): sigma, the Gaussian noise on the sum of the round's clipped "
@@ -127,9 +129,9 @@ def check_privacy(config: Config) -> None:
                 raise ConfigError(key, "needs dp_noise_multiplier above 0 (DP is off without noise)")
         return
     parse_dp_clip(config.dp_clip)
+    _check_combinations(config)
     if config.dp_noise_key:
         read_noise_key(config.dp_noise_key)
-    _check_combinations(config)
 
 
 def read_noise_key(path: str) -> bytes:
@@ -152,6 +154,22 @@ def read_noise_key(path: str) -> bytes:
     return key
 
 
+def _check_distributed(config: Config) -> None:
+    """DP under SecAgg+: a fixed clip, and no server noise key (each client keys its own noise)."""
+    if parse_dp_clip(config.dp_clip)[1]:
+        raise ConfigError(
+            "dp_clip",
+            "adaptive clipping is not supported with secagg: it needs a private count of the unclipped "
+            "updates, which the clients would have to sum securely too; give a number (docs/privacy.rst)",
+        )
+    if config.dp_noise_key:
+        raise ConfigError(
+            "dp_noise_key",
+            "with secagg each client keys its own share of the noise (a simulation's from seed): the "
+            "coordinator holds no noise key (docs/privacy.rst)",
+        )
+
+
 def _check_combinations(config: Config) -> None:
     """DP's rounds: a known strategy over the plain mean, synchronous, not a simulated hierarchy."""
     if config.strategy not in PRIVATE_STRATEGIES:
@@ -169,12 +187,8 @@ def _check_combinations(config: Config) -> None:
         raise ConfigError("min_quorum", "DP rounds are synchronous: a late result has no sampling rate")
     if config.hierarchy:
         raise ConfigError("hierarchy", "DP in a simulated hierarchy is not supported yet (docs/privacy.rst)")
-    if config.secagg:  # the server sees one masked sum: its noise must come from the clients
-        raise ConfigError(
-            "secagg",
-            "DP with secure aggregation needs the noise drawn by the clients (client/secagg.py's "
-            "add_noise), which is not wired to the accountant yet: use one of the two (docs/privacy.rst)",
-        )
+    if config.secagg:  # the server sees one masked sum: the clients clip and add the noise
+        _check_distributed(config)
     # find_spec, not an import: checking a config must not load the accountants.
     if importlib.util.find_spec("dp_accounting") is None:
         raise ConfigError("dp_accountant", "needs the dp-accounting package: pip install 'fedgrid[privacy]'")

@@ -21,6 +21,10 @@ a simulation's, a replay) applies it to the same results with the same bits:
 5. **Adaptive clip** (``dp_clip = "adaptive"``): the next round's clip moves geometrically
    towards the median update norm, from the noised count of unclipped updates (Andrew et al.).
 
+Under SecAgg+ (``distributed``) the server sees one masked sum: the clients clip and add the
+noise themselves (``client.secagg.DistributedNoise``), so steps 2, 3 and 5 are theirs and this
+stage only checks and charges the budget (1 and 4), on the round's masked uploads.
+
 The noise key, the clip and the accountant's rounds are the stage's state, checkpointed with
 the round (``server/state.py``): a resumed coordinator redraws the noise of the round it redoes
 bit for bit and keeps the budget spent. The key is the ``dp_noise_key`` file's when one is
@@ -85,9 +89,10 @@ class Privacy:
         delta: the delta of the epsilons.
         accountant: ``rdp`` or ``pld``.
         key: the noise key (at least 32 bytes); ``None``: 32 bytes of ``os.urandom``.
+        distributed: the clients clip and add the noise under SecAgg+; the stage only accounts.
 
     Raises:
-        ValueError: a value out of range.
+        ValueError: a value out of range, or adaptive clipping with ``distributed``.
     """
 
     def __init__(
@@ -100,7 +105,11 @@ class Privacy:
         delta: float = 1e-5,
         accountant: str = "rdp",
         key: bytes | None = None,
+        distributed: bool = False,
     ) -> None:
+        if adaptive and distributed:
+            raise ValueError("adaptive clipping needs the count of unclipped updates, which SecAgg+ hides")
+        self.distributed = distributed
         if not noise_multiplier > 0 or not clip > 0 or epsilon < 0:
             raise ValueError(
                 f"needs noise_multiplier > 0, clip > 0, epsilon >= 0; got {noise_multiplier}, {clip}, {epsilon}"
@@ -144,6 +153,12 @@ class Privacy:
         n = len(results)
         if n == 0:
             return [], {EPSILON: self.accountant.epsilon(), DP_CLIP: self.clip}
+        if self.distributed:  # masked inputs, already clipped and noised by their clients
+            rate = min(1.0, n / max(live, 1))
+            return list(results), {
+                EPSILON: self.accountant.spend(rate, self.noise_multiplier),
+                DP_CLIP: self.clip,
+            }
         names = [name for name, t in base.items() if t.dtype.is_floating_point]
         sigma, sigma_count = (
             split_noise(self.noise_multiplier, n) if self.adaptive else (self.noise_multiplier, 0.0)
@@ -232,4 +247,5 @@ def build_privacy(config: "Config", *, simulation: bool = False) -> Privacy | No
         delta=config.dp_delta,
         accountant=config.dp_accountant,
         key=key,
+        distributed=config.secagg,
     )

@@ -99,8 +99,11 @@ def build_strategy(
 def secagg_strategy(config: Config, strategy: Strategy) -> Strategy:
     """``strategy`` under SecAgg+ with the run's secagg keys; the ring is the codec's width."""
     from fedgrid.aggregation.secagg import SecAgg
+    from fedgrid.config_privacy import parse_dp_clip
     from fedgrid.config_secagg import SECAGG_RING_BITS
 
+    # DP under SecAgg+: the clients clip and add the noise (docs/privacy.rst); adaptive is refused.
+    dp_clip = parse_dp_clip(config.dp_clip)[0] if config.dp_noise_multiplier else 0.0
     return SecAgg(
         strategy,
         bits=SECAGG_RING_BITS[config.codec],
@@ -108,6 +111,8 @@ def secagg_strategy(config: Config, strategy: Strategy) -> Strategy:
         neighbours=config.secagg_neighbours,
         threshold=config.secagg_threshold,
         seed=config.seed,
+        dp_noise_multiplier=config.dp_noise_multiplier,
+        dp_clip=dp_clip,
     )
 
 

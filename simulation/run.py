@@ -233,7 +233,9 @@ def _clients(config: Config, factory: Callable[..., Client]) -> list[Client]:
     if config.secagg:  # each with its identity key, all trusting each other's (fedgrid.client.secagg)
         from fedgrid.client.secagg import with_secagg
 
-        return list(with_secagg(clients))
+        # Under DP each adds its share of the noise, keyed from the seed and its name (reproducible).
+        noise_seed = config.seed if config.dp_noise_multiplier else None
+        return list(with_secagg(clients, noise_seed=noise_seed))
     return clients
 
 

@@ -51,7 +51,12 @@ def test_the_clip_is_a_number_or_adaptive():
         ({**DP, "strategy": "scaffold"}, "dp_noise_multiplier", "got strategy 'scaffold'"),
         ({**DP, "aggregator": "median"}, "aggregator", "needs the mean"),
         ({**DP, "min_quorum": 2}, "min_quorum", "synchronous"),
-        ({**DP, "secagg": True}, "secagg", "noise drawn by the clients"),
+        (
+            {**DP, "dp_clip": "adaptive", "secagg": True},
+            "dp_clip",
+            "adaptive clipping is not supported with secagg",
+        ),
+        ({**DP, "dp_noise_key": "k", "secagg": True}, "dp_noise_key", "each client keys its own share"),
         ({**DP, "dp_noise_key": "/nonexistent/key"}, "dp_noise_key", "cannot read"),
     ],
 )
@@ -65,3 +70,8 @@ def test_a_short_noise_key_is_refused(tmp_path):
     short.write_bytes(b"x" * 16)
     with pytest.raises(ConfigError, match="'dp_noise_key': .* holds 16 bytes, at least 32"):
         load_config(overrides={**DP, "dp_noise_key": str(short)})
+
+
+def test_dp_with_secagg_is_accepted_with_a_fixed_clip():
+    config = load_config(overrides={**DP, "secagg": True, "dp_epsilon": 8.0})
+    assert config.secagg and config.dp_noise_multiplier == 1.1 and config.dp_clip == "1.0"
