@@ -4,6 +4,7 @@ that dies or is sent junk fails loudly instead of hanging."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import zygote
-from harness import child_env
+from harness import child_env, wait_until
 from zygote import Zygote, ZygoteError, ZygotePopen
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
@@ -218,3 +219,25 @@ def test_each_environment_gets_its_own_zygote_up_to_a_cap(tmp_path, monkeypatch)
     finally:
         for zyg in zygote._zygotes.values():
             zyg.close()
+
+
+def test_a_child_dropped_while_running_is_reaped_by_later_starts(zyg, tmp_path):
+    """``subprocess`` keeps a ``Popen`` collected while its child runs, and every later start polls
+    it (``subprocess._cleanup``): that poll must still work, and see the exit once it comes."""
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    (tmp_path / "done.py").write_text("")
+    child = zyg.popen(
+        [sys.executable, str(tmp_path / "sleeper.py")], stdout=subprocess.DEVNULL, env=child_env()
+    )
+    pid = child.pid
+    del child
+    gc.collect()
+    assert pid in [p.pid for p in subprocess._active]  # type: ignore[attr-defined]
+    os.kill(pid, signal.SIGKILL)
+
+    def reaped() -> bool:
+        with zyg.popen([sys.executable, str(tmp_path / "done.py")], env=child_env()) as other:
+            assert other.wait(timeout=60) == 0
+        return pid not in [p.pid for p in subprocess._active]  # type: ignore[attr-defined]
+
+    wait_until(reaped, timeout=60, what="the dropped child's exit to be polled")

@@ -206,7 +206,7 @@ class ZygotePopen(subprocess.Popen):
 
     def _check_zygote(self) -> None:
         """Fails when the child is gone and the zygote has not said so within ``REPLY_TIMEOUT_S``."""
-        if not select.select([self._pidfd], [], [], 0)[0]:
+        if self._pidfd == -1 or not select.select([self._pidfd], [], [], 0)[0]:
             return
         now = time.monotonic()
         self._gone_since = self._gone_since or now
@@ -224,6 +224,8 @@ class ZygotePopen(subprocess.Popen):
                 self.returncode = _deadstate
             finally:
                 self._waitpid_lock.release()
+        if _deadstate is not None and self.returncode is not None:
+            self._close_pidfd()  # polled by __del__ or subprocess._cleanup: nobody signals it again
         return self.returncode
 
     def _wait(self, timeout):  # type: ignore[override]
@@ -249,11 +251,15 @@ class ZygotePopen(subprocess.Popen):
         except ProcessLookupError:  # exited since the poll
             pass
 
-    def __del__(self, *args: Any) -> None:
-        super().__del__(*args)
-        if self._pidfd != -1:  # nothing can signal through it any more
+    def _close_pidfd(self) -> None:
+        if self._pidfd != -1:
             os.close(self._pidfd)
             self._pidfd = -1
+
+    def __del__(self, *args: Any) -> None:
+        # A child still running goes to subprocess's ``_active`` list, and each later ``Popen``
+        # polls it (``subprocess._cleanup``): its pidfd stays open until that poll sees its exit.
+        super().__del__(*args)
 
 
 _zygotes: dict[frozenset[tuple[str, str]], Zygote] = {}
