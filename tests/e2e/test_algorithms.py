@@ -21,10 +21,12 @@ from harness import REFERENCE, start_client, start_coordinator
 SEED = 0
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """Runs of this tiny MLP are fastest on one thread, and a loaded machine hurts two-thread
-    matmuls most; the client processes run with OMP_NUM_THREADS=1 too (``harness.child_env``)."""
+    matmuls most; the client processes run with OMP_NUM_THREADS=1 too (``harness.child_env``).
+    Module-scoped, so it comes before the module's ``clean_accuracy``: that run on two threads,
+    beside another pytest worker's, took 100 s where it takes 3."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
