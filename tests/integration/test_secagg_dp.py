@@ -16,25 +16,24 @@ from typing import Mapping
 
 import pytest
 import torch
+from test_secagg import _TIMEOUTS, PHASES, Dropping
 
 from fedgrid.aggregation.fedavg import FedAvg
 from fedgrid.aggregation.privacy import clip_update, noise_share
-from fedgrid.aggregation.secagg import ADVERTISE, SHARE, UNMASK, SecAgg
+from fedgrid.aggregation.secagg import SecAgg
 from fedgrid.aggregation.secagg_math import dequantize, ring_add, ring_scale
 from fedgrid.client import Client, FitOutput, start_client
-from fedgrid.client.secagg import DistributedNoise, SecAggClient, seeded_noise, with_secagg
+from fedgrid.client.secagg import DistributedNoise, seeded_noise, with_secagg
 from fedgrid.runlog import RunWriter
 from fedgrid.server.app import Coordinator
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.privacy import Privacy
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.simulation.fleet import InProcessFleet
-from fedgrid.types import FIT, ClientInfo, FitIns, FitRes, MessageIns, ModelState
+from fedgrid.types import ClientInfo, FitIns, FitRes, ModelState
 
 from harness import wait_until
 
-PHASES = (ADVERTISE, SHARE, FIT, UNMASK)
-_TIMEOUTS = {"round_timeout": timedelta(seconds=60), "join_timeout": timedelta(seconds=10)}
 SIGMA, DP_CLIP, SECAGG_CLIP = 1.0, 0.5, 4.0
 
 
@@ -76,23 +75,6 @@ class Recorded(DistributedNoise):
         out = super().__call__(update, ins)
         self.seen[ins.round] = (update.clone(), out.clone())
         return out
-
-
-class Dropping(SecAggClient):
-    """Fails (as a lost connection) from its step ``inner.drop[round]`` on."""
-
-    def _gone(self, server_round: int, phase: str) -> None:
-        step = self.inner.drop.get(server_round)  # type: ignore[attr-defined]
-        if step is not None and PHASES.index(phase) >= PHASES.index(step):
-            raise ConnectionError(f"{self.name} gone at {step}")
-
-    def exchange(self, ins: MessageIns):  # type: ignore[no-untyped-def]
-        self._gone(ins.round, ins.phase)
-        return super().exchange(ins)
-
-    def fit(self, state: ModelState, ins: FitIns) -> FitOutput:
-        self._gone(ins.round, FIT)
-        return super().fit(state, ins)
 
 
 def _federation(n: int, rounds: int, seed: int) -> list[Dropping]:
