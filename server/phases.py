@@ -85,6 +85,7 @@ class Phases:
     ) -> None:
         self.registry = registry
         self.lock, self.wake = registry.lock, registry.wake
+        self._buffers = receive_buffers()  # the pool this process's uploads are received into
         self.spill = spill
         self.mailbox = mailbox
         self.downlink = downlink
@@ -278,7 +279,7 @@ class Phases:
         self.spill.flush()  # write-backs under way land, and fsyncs, before the strategy sees them (server/spill.py)
         # Receive buffers not in use go back to the system before the strategy aggregates:
         # the pool speeds up the uploads of a round, it must not add to aggregation's memory.
-        receive_buffers().clear()
+        self._buffers.clear()
         quorum_fields: dict[str, object] = {}
         if quorum is not None and rnd.quorum_at is not None:
             # Semi-asynchronous: how long it stayed open after its quorum, and whom it did not wait for.

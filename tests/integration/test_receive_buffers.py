@@ -9,7 +9,8 @@ import torch
 
 from fedgrid.client.api import Client
 from fedgrid.client.runtime import Connection
-from fedgrid.proto.buffers import receive_buffers
+from fedgrid.proto import buffers
+from fedgrid.proto.buffers import BufferPool, receive_buffers
 
 from harness import InProcessCoordinator
 
@@ -25,7 +26,10 @@ class _Named(Client):
         raise AssertionError("not trained")
 
 
-def test_round_close_releases_free_receive_buffers_and_keeps_the_accepted_update():
+def test_round_close_releases_free_receive_buffers_and_keeps_the_accepted_update(monkeypatch):
+    # A pool of this test's own: a coordinator another test of this worker left running holds
+    # the process's pool from its start, and its round closes would clear this test's buffer.
+    monkeypatch.setattr(buffers, "_shared", BufferPool())
     state = OrderedDict(w=torch.arange(1 << 20, dtype=torch.float32), b=torch.ones(3))  # 4 MiB: pooled
     coordinator = InProcessCoordinator(state)
     conn = Connection(coordinator.address)
