@@ -159,5 +159,7 @@ def test_client_fit_error_rejected_update_surfaces(small_state):
         outcome = server.wait_round()
         assert [r.num_examples for r in outcome.results] == [3] and outcome.failures == []
         assert handle._thread.is_alive() and handle.error is None
+        handle.stop()  # not left polling a stopped coordinator, logging into later tests' captures
+        handle.join(timeout=30)
     finally:
         server.stop()
