@@ -70,8 +70,11 @@ class SecAgg(Strategy):
 
     Args:
         inner: the strategy whose selection, server optimizer and evaluation run unchanged.
-        bits: the ring (8, 16 or 32 bits: the uplink codec's width, ``config_secagg.SECAGG_RING_BITS``).
+        bits: the ring (8, 16 or 32 bits: the uplink codec's width, ``config_secagg.secagg_ring``).
         clip: each coordinate of an update is clipped to ``+-clip``.
+        levels: QSGD's levels per sign (``qsgd:LEVELS``: the mean moves in steps of ``clip / levels``,
+            the public range ``clip`` standing for QSGD's norm; ``secagg_math.ring_scale``); 0: the
+            whole ring.
         neighbours: k of the masking graph (0: ``default_neighbours``).
         threshold: shares that rebuild a secret, and the fewest survivors; at least a majority of
             a neighbourhood (0: ``k // 2 + 1``).
@@ -93,6 +96,7 @@ class SecAgg(Strategy):
         *,
         bits: int = 32,
         clip: float = 1.0,
+        levels: int = 0,
         neighbours: int = 0,
         threshold: int = 0,
         seed: int = 0,
@@ -101,8 +105,8 @@ class SecAgg(Strategy):
     ) -> None:
         if set(inner.phases(server_round=1)) - {FIT, EVALUATE}:
             raise ConfigError("secagg", f"{type(inner).__name__} has message phases of its own")
-        ring_scale(bits=bits, clip=clip, clients=1)  # checks bits and clip
-        self.inner, self.bits, self.clip = inner, bits, clip
+        ring_scale(bits=bits, clip=clip, clients=1, levels=levels)  # checks bits, clip and levels
+        self.inner, self.bits, self.clip, self.levels = inner, bits, clip, levels
         self.k, self.t, self.seed = neighbours, threshold, seed
         if dp_noise_multiplier and not (dp_noise_multiplier > 0 and dp_clip > 0 and math.isfinite(dp_clip)):
             raise ConfigError("dp_clip", f"DP under secagg needs a finite clip above 0, got {dp_clip}")
@@ -156,11 +160,16 @@ class SecAgg(Strategy):
                 "could collect both shares of one client (at least k / 2 + 1)",
             )
         try:
-            ring_scale(bits=self.bits, clip=self.clip, clients=num_clients)
+            self._scale(num_clients)
         except ValueError as exc:
             raise ConfigError(
-                "codec", f"with secagg: {exc} (a 16-bit ring: fp16 or bf16; 32 bits: none)"
+                "codec",
+                f"with secagg: {exc} (a 16-bit ring: fp16, bf16 or qsgd:128 to qsgd:32767; 32 bits: none)",
             ) from None
+
+    def _scale(self, clients: int) -> float:
+        """The round's public quantization scale for ``clients`` weighted clients (``ring_scale``)."""
+        return ring_scale(bits=self.bits, clip=self.clip, clients=clients, levels=self.levels)
 
     def phases(self, *, server_round: int) -> Sequence[str]:
         rest = [p for p in self.inner.phases(server_round=server_round) if p != FIT]
@@ -255,7 +264,7 @@ class SecAgg(Strategy):
         }
         total = sum(raw.values())
         self._weights = {cid: w / total for cid, w in raw.items()}
-        scale = ring_scale(bits=self.bits, clip=self.clip, clients=max(len(chosen), 1))
+        scale = self._scale(max(len(chosen), 1))
         length = sum(self.global_state[n].numel() for n in flat_floating(self.global_state))
         expected = {MASKED: TensorSpec(ring_dtype(self.bits), (length,))}
         dp = (
@@ -300,7 +309,7 @@ class SecAgg(Strategy):
         #: The last unmasked ring sum and whose inputs it holds (what tests check bit for bit).
         self.last_sum, self.last_survivors = total, list(alive)
         share = sum(self._weights[cid] for cid in alive)
-        scale = ring_scale(bits=self.bits, clip=self.clip, clients=len(self._weights))
+        scale = self._scale(len(self._weights))
         mean = dequantize(total, scale=scale, bits=self.bits) / share
         model, at = OrderedDict(), 0
         for name, tensor in self.global_state.items():
