@@ -115,3 +115,20 @@ def test_a_region_aggregates_securely_inside_and_sends_one_update_upstream(
     plain = sum(f.state["w"].double() * f.num_examples for f in fits) / sum(f.num_examples for f in fits)
     step = 1 / ring_scale(bits=32, clip=CLIP, clients=n)  # a ring step, in units of the mean
     assert float((model["w"].double() - plain).abs().max()) <= n * step / share + 1e-7  # and float32
+
+
+def test_a_region_refuses_the_phases_of_secure_aggregation_across_regions() -> None:
+    from fedgrid.aggregation.secagg import ADVERTISE
+    from fedgrid.region.region import RegionClient
+    from fedgrid.simulation.fleet import InProcessFleet
+    from fedgrid.types import MessageIns
+
+    engine = RoundEngine(
+        strategy=FedAvg(), fleet=InProcessFleet([Step("c0", 1, {})]), rounds=0, min_clients=1,
+        round_timeout=timedelta(seconds=10), join_timeout=timedelta(seconds=10),
+    )  # fmt: skip
+    region = RegionClient(engine, name="eu", regional_rounds=1)
+    with pytest.raises(
+        ValueError, match="message phase 'secagg-advertise'; a region sends its regional model whole"
+    ):
+        region.exchange(MessageIns(round=1, phase=ADVERTISE, peers=("a", "b")))
