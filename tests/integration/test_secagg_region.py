@@ -3,7 +3,8 @@
 runtimes over gRPC). The region is the server of the inner SecAgg+ protocol: it learns only the
 masked sum of its clients' inputs, and sends one update upstream, which becomes the global model.
 With a client gone after its masked input, or after sharing its keys, the global model is the
-plaintext weighted mean of the survivors' quantized updates."""
+plaintext weighted mean of the survivors' quantized updates; over mutual TLS too, the clients
+taking part under their certificates' identities as ``fedgrid client --ca --cert --key`` does."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ from fedgrid.aggregation.fedavg import FedAvg
 from fedgrid.aggregation.secagg import UNMASK
 from fedgrid.aggregation.secagg_math import dequantize, ring_add, ring_scale
 from fedgrid.client import start_client
-from fedgrid.client.secagg import with_secagg
+from fedgrid.client.secagg import from_certificate, with_secagg
 from fedgrid.config import load_config
+from fedgrid.ops import pki
 from fedgrid.region.region import run_region
 from fedgrid.runlog import read_metrics
 from fedgrid.server.app import Coordinator
@@ -31,16 +33,47 @@ from fedgrid.types import FIT, FitIns
 CLIP = 0.5
 
 
-def _clients(n: int, drop: str | None) -> list[Dropping]:
-    """``n`` clients of 1..n examples; with ``drop``, the first is gone from that step of round 1 on."""
+def _clients(n: int, drop: str | None, certs: Path | None) -> list[Dropping]:
+    """``n`` clients of 1..n examples; with ``drop``, the first is gone from that step of round 1 on.
+    With ``certs``, each takes part under its client certificate's identity, as ``fedgrid client
+    --ca --cert --key`` does (``from_certificate``); else under keys pinned in one keyring."""
     plain = [Step(f"c{i}", i + 1, {1: drop} if drop and i == 0 else {}) for i in range(n)]
-    wrapped = with_secagg(plain)  # type: ignore[arg-type]
-    return [Dropping(c.inner, signer=c.party.signer, keyring=c.party.keyring) for c in wrapped]
+    if certs is None:
+        wrapped = with_secagg(plain)  # type: ignore[arg-type]
+    else:
+        ca = (certs / "ca.pem").read_bytes()
+        wrapped = [
+            from_certificate(
+                c,
+                ca_pem=ca,
+                cert_pem=(certs / f"{c.name}.pem").read_bytes(),
+                key_pem=(certs / f"{c.name}.key").read_bytes(),
+            )
+            for c in plain
+        ]
+    return [
+        Dropping(
+            c.inner, signer=c.party.signer, keyring=c.party.keyring,
+            identity=c.party.client_name, credential=c.party.credential,
+        )
+        for c in wrapped
+    ]  # fmt: skip
 
 
-def _run(tmp_path: Path, clients: list[Dropping], **region_keys: object) -> tuple[RoundEngine, Path]:
-    """One global round: a global coordinator, the region ``eu`` under secagg and ``clients``
-    joined to it; returns the global engine and the region's run directory."""
+def _tls(certs: Path | None, name: str) -> dict[str, str]:
+    if certs is None:
+        return {}
+    return {
+        "ca": str(certs / "ca.pem"),
+        "cert": str(certs / f"{name}.pem"),
+        "key": str(certs / f"{name}.key"),
+    }
+
+
+def _run(tmp_path: Path, clients: list[Dropping], certs: Path | None) -> tuple[RoundEngine, Path]:
+    """One global round: a global coordinator, the region ``eu`` under secagg (over mutual TLS
+    with ``certs``) and ``clients`` joined to it; returns the global engine and the region's run
+    directory."""
     fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=30))
     server = Coordinator("127.0.0.1:0", fleet, max_workers=8).start()
     strategy = FedAvg()
@@ -54,8 +87,8 @@ def _run(tmp_path: Path, clients: list[Dropping], **region_keys: object) -> tupl
     config = load_config(
         overrides={
             "secagg": True, "secagg_clip": CLIP, "upstream": server.address, "name": "eu",
-            "listen": "127.0.0.1:0", "min_clients": len(clients), "out": str(out), "insecure": True,
-            **region_keys,
+            "listen": "127.0.0.1:0", "min_clients": len(clients), "out": str(out),
+            **(_tls(certs, "eu-lan") if certs else {"insecure": True}),
         }
     )  # fmt: skip
     ready, stop = threading.Event(), threading.Event()
@@ -66,7 +99,16 @@ def _run(tmp_path: Path, clients: list[Dropping], **region_keys: object) -> tupl
     try:
         assert ready.wait(30), "the region did not start"
         address = (out / "address").read_text().strip()
-        handles = [start_client(c, address, poll_wait_s=1.0) for c in clients]
+        handles = [
+            start_client(
+                c,
+                address,
+                poll_wait_s=1.0,
+                **_tls(certs, c.name),
+                **({"server_name": "localhost"} if certs else {}),
+            )
+            for c in clients
+        ]
         runner = threading.Thread(target=engine.run, daemon=True)
         runner.start()
         runner.join(timeout=120)
@@ -83,12 +125,24 @@ def _run(tmp_path: Path, clients: list[Dropping], **region_keys: object) -> tupl
     return engine, out
 
 
-@pytest.mark.parametrize("n, drop", [(3, None), (4, UNMASK), (4, FIT)])
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("region-certs")
+    pki.init_ca(d)
+    pki.issue(d, "eu-lan", server=True)
+    for i in range(4):
+        pki.issue(d, f"c{i}")
+    return d
+
+
+@pytest.mark.parametrize(
+    "n, drop, mtls", [(3, None, False), (4, UNMASK, False), (4, FIT, False), (4, FIT, True)]
+)
 def test_a_region_aggregates_securely_inside_and_sends_one_update_upstream(
-    tmp_path: Path, n: int, drop: str | None
+    tmp_path: Path, certs: Path, n: int, drop: str | None, mtls: bool
 ) -> None:
-    clients = _clients(n, drop)
-    engine, out = _run(tmp_path, clients)
+    clients = _clients(n, drop, certs if mtls else None)
+    engine, out = _run(tmp_path, clients, certs if mtls else None)
     (regional,) = read_metrics(out)
     # Gone after its masked input (unmask): still a survivor; gone before it (fit): dropped.
     survivors = [c for c in clients if c.inner.drop.get(1) != FIT]  # type: ignore[attr-defined]
