@@ -25,6 +25,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from fedgrid.aggregation.base import Strategy
+from fedgrid.aggregation.privacy import next_clip, split_noise
 from fedgrid.aggregation.secagg_math import (
     SecAggAbortedError,
     default_neighbours,
@@ -51,13 +52,18 @@ from fedgrid.types import (
     TensorSpec,
 )
 
-__all__ = ["SecAgg", "ADVERTISE", "SHARE", "UNMASK", "MASKED", "flat_floating"]
+__all__ = ["SecAgg", "ADVERTISE", "SHARE", "UNMASK", "MASKED", "COUNT_SCALE", "flat_floating"]
 
 log = logging.getLogger(__name__)
 
 ADVERTISE, SHARE, UNMASK = "secagg-advertise", "secagg-share", "secagg-unmask"
 #: The one tensor a masked fit uploads.
 MASKED = "secagg"
+#: Adaptive clipping's count coordinate: a client's (unclipped bit + count noise) times this times
+#: ``secagg_clip``, inside the ring's range as the update's coordinates are.
+COUNT_SCALE = 0.5
+#: The adaptive clip's key in the strategy's checkpointed state.
+_CLIP_KEY = "secagg_dp_clip"
 
 
 def flat_floating(state: Mapping[str, torch.Tensor]) -> list[str]:
@@ -70,8 +76,11 @@ class SecAgg(Strategy):
 
     Args:
         inner: the strategy whose selection, server optimizer and evaluation run unchanged.
-        bits: the ring (8, 16 or 32 bits: the uplink codec's width, ``config_secagg.SECAGG_RING_BITS``).
+        bits: the ring (8, 16 or 32 bits: the uplink codec's width, ``config_secagg.secagg_ring``).
         clip: each coordinate of an update is clipped to ``+-clip``.
+        levels: QSGD's levels per sign (``qsgd:LEVELS``: the mean moves in steps of ``clip / levels``,
+            the public range ``clip`` standing for QSGD's norm; ``secagg_math.ring_scale``); 0: the
+            whole ring.
         neighbours: k of the masking graph (0: ``default_neighbours``).
         threshold: shares that rebuild a secret, and the fewest survivors; at least a majority of
             a neighbourhood (0: ``k // 2 + 1``).
@@ -81,7 +90,13 @@ class SecAgg(Strategy):
             ``dp_noise_multiplier * dp_clip`` (``client.secagg.DistributedNoise``), and every
             client's weight is the same (a client's influence is bounded by the clip alone);
             0: no DP.
-        dp_clip: the L2 clip of DP (above 0 with ``dp_noise_multiplier``).
+        dp_clip: the L2 clip of DP (above 0 with ``dp_noise_multiplier``); adaptive: the first round's.
+        dp_adaptive: adaptive clipping (Andrew et al.) under SecAgg+: each client appends one
+            coordinate to its masked input, ``COUNT_SCALE * secagg_clip`` times its unclipped bit
+            (its update's norm at most the round's clip) plus its share of the count's noise (std
+            ``sigma_count`` on the sum, ``privacy.split_noise``); the unmasked mean of that
+            coordinate is the noised share of unclipped updates, from which the next round's clip
+            follows the server-side formula (``privacy.next_clip``). The clip is checkpointed here.
     """
 
     #: The masked input is integers, which a delta uplink sends as they are: nothing to add back.
@@ -93,20 +108,24 @@ class SecAgg(Strategy):
         *,
         bits: int = 32,
         clip: float = 1.0,
+        levels: int = 0,
         neighbours: int = 0,
         threshold: int = 0,
         seed: int = 0,
         dp_noise_multiplier: float = 0.0,
         dp_clip: float = 0.0,
+        dp_adaptive: bool = False,
     ) -> None:
         if set(inner.phases(server_round=1)) - {FIT, EVALUATE}:
             raise ConfigError("secagg", f"{type(inner).__name__} has message phases of its own")
-        ring_scale(bits=bits, clip=clip, clients=1)  # checks bits and clip
-        self.inner, self.bits, self.clip = inner, bits, clip
+        ring_scale(bits=bits, clip=clip, clients=1, levels=levels)  # checks bits, clip and levels
+        self.inner, self.bits, self.clip, self.levels = inner, bits, clip, levels
         self.k, self.t, self.seed = neighbours, threshold, seed
         if dp_noise_multiplier and not (dp_noise_multiplier > 0 and dp_clip > 0 and math.isfinite(dp_clip)):
             raise ConfigError("dp_clip", f"DP under secagg needs a finite clip above 0, got {dp_clip}")
-        self.dp_noise_multiplier, self.dp_clip = dp_noise_multiplier, dp_clip
+        if dp_adaptive and not dp_noise_multiplier:
+            raise ConfigError("dp_clip", "adaptive clipping under secagg needs dp_noise_multiplier above 0")
+        self.dp_noise_multiplier, self.dp_clip, self.dp_adaptive = dp_noise_multiplier, dp_clip, dp_adaptive
         self.run_label = os.urandom(8).hex()  # binds envelopes and adverts to this coordinator's run
         self._reset()
 
@@ -140,10 +159,13 @@ class SecAgg(Strategy):
         return self.inner.aggregate_evaluate(server_round=server_round, results=results, failures=failures)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
+        state = self.inner.state_dict()
+        return {**state, _CLIP_KEY: self.dp_clip} if self.dp_adaptive else state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.inner.load_state_dict(state)
+        if self.dp_adaptive and _CLIP_KEY in state:  # the adaptive clip a resume goes on from
+            self.dp_clip = float(state[_CLIP_KEY])
+        self.inner.load_state_dict({k: v for k, v in state.items() if k != _CLIP_KEY})
         self._reset()  # a round redone after a restart starts again from its key adverts
 
     def check_preconditions(self, *, num_clients: int) -> None:
@@ -156,11 +178,16 @@ class SecAgg(Strategy):
                 "could collect both shares of one client (at least k / 2 + 1)",
             )
         try:
-            ring_scale(bits=self.bits, clip=self.clip, clients=num_clients)
+            self._scale(num_clients)
         except ValueError as exc:
             raise ConfigError(
-                "codec", f"with secagg: {exc} (a 16-bit ring: fp16 or bf16; 32 bits: none)"
+                "codec",
+                f"with secagg: {exc} (a 16-bit ring: fp16, bf16 or qsgd:128 to qsgd:32767; 32 bits: none)",
             ) from None
+
+    def _scale(self, clients: int) -> float:
+        """The round's public quantization scale for ``clients`` weighted clients (``ring_scale``)."""
+        return ring_scale(bits=self.bits, clip=self.clip, clients=clients, levels=self.levels)
 
     def phases(self, *, server_round: int) -> Sequence[str]:
         rest = [p for p in self.inner.phases(server_round=server_round) if p != FIT]
@@ -255,14 +282,10 @@ class SecAgg(Strategy):
         }
         total = sum(raw.values())
         self._weights = {cid: w / total for cid, w in raw.items()}
-        scale = ring_scale(bits=self.bits, clip=self.clip, clients=max(len(chosen), 1))
+        scale = self._scale(max(len(chosen), 1))
         length = sum(self.global_state[n].numel() for n in flat_floating(self.global_state))
-        expected = {MASKED: TensorSpec(ring_dtype(self.bits), (length,))}
-        dp = (
-            {"dp_clip": self.dp_clip, "dp_noise_std": self.dp_noise_multiplier * self.dp_clip,
-             "secagg_threshold": r.threshold}
-            if self.dp_noise_multiplier else {}
-        )  # fmt: skip
+        expected = {MASKED: TensorSpec(ring_dtype(self.bits), (length + int(self.dp_adaptive),))}
+        dp = self._dp_config(len(chosen), r.threshold) if self.dp_noise_multiplier else {}
         out = []
         for cid in chosen:
             info, ins = self._selected[cid]
@@ -272,6 +295,29 @@ class SecAgg(Strategy):
             }  # fmt: skip
             out.append((info, FitIns(round=server_round, config=config, expected=expected)))
         return out
+
+    def _dp_config(self, clients: int, threshold: int) -> dict[str, Any]:
+        """A masked fit's DP keys: the clip and the noise std on the sum (docs/privacy.rst), and with
+        adaptive clipping the count's noise std and scale (Andrew et al.'s split of the noise)."""
+        sigma, sigma_count = (
+            split_noise(self.dp_noise_multiplier, max(clients, 1))
+            if self.dp_adaptive
+            else (self.dp_noise_multiplier, 0.0)
+        )
+        dp = {"dp_clip": self.dp_clip, "dp_noise_std": sigma * self.dp_clip, "secagg_threshold": threshold}
+        if self.dp_adaptive:
+            dp |= {"dp_count_std": sigma_count, "dp_count_scale": COUNT_SCALE * self.clip}
+        return dp
+
+    def _adapt(self, mean: torch.Tensor, survivors: int) -> tuple[torch.Tensor, dict[str, float]]:
+        """The model's part of an unmasked mean, and with adaptive clipping the round's clip and
+        noised share of unclipped updates; the next round's clip follows (``next_clip``)."""
+        if not self.dp_adaptive:
+            return mean, {}
+        share = float(mean[-1]) / (COUNT_SCALE * self.clip)  # (sum of bits + count noise) / survivors
+        metrics = {"dp_clip": self.dp_clip, "dp_unclipped": share}
+        self.dp_clip = next_clip(self.dp_clip, share * survivors, survivors, 0.0)
+        return mean[:-1], metrics
 
     def aggregate(
         self, *, server_round: int, results: Sequence[FitRes], failures: Sequence[Failure]
@@ -300,8 +346,8 @@ class SecAgg(Strategy):
         #: The last unmasked ring sum and whose inputs it holds (what tests check bit for bit).
         self.last_sum, self.last_survivors = total, list(alive)
         share = sum(self._weights[cid] for cid in alive)
-        scale = ring_scale(bits=self.bits, clip=self.clip, clients=len(self._weights))
-        mean = dequantize(total, scale=scale, bits=self.bits) / share
+        scale = self._scale(len(self._weights))
+        mean, dp = self._adapt(dequantize(total, scale=scale, bits=self.bits) / share, len(alive))
         model, at = OrderedDict(), 0
         for name, tensor in self.global_state.items():
             if tensor.dtype.is_floating_point:
@@ -328,4 +374,5 @@ class SecAgg(Strategy):
             "secagg_aborted": 0.0,
             "secagg_survivors": float(len(alive)),
             "secagg_dropped": float(len(dropped)),
+            **dp,
         }

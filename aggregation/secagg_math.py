@@ -173,13 +173,19 @@ def neighbours(ids: Sequence[str], *, k: int, seed: bytes) -> dict[str, list[str
     return out
 
 
-def ring_scale(*, bits: int, clip: float, clients: int) -> float:
+def ring_scale(*, bits: int, clip: float, clients: int, levels: int = 0) -> float:
     """Steps per unit of the mean, so that the sum of ``clients`` stochastically rounded,
     weight-premultiplied updates within ``+-clip`` never wraps the ``bits``-bit ring.
 
+    ``levels`` (QSGD's level count, ``qsgd:LEVELS`` under secagg; 0: the whole ring): at most
+    that many steps per sign over ``clip``, QSGD's levels with the public range ``clip`` as its
+    norm: the mean moves in steps of ``clip / levels`` (fewer levels when the ring has less room).
+
     Raises:
-        ValueError: a ring too narrow for that many clients, or a bad ``bits`` or ``clip``.
+        ValueError: a ring too narrow for that many clients, or a bad ``bits``, ``clip`` or ``levels``.
     """
+    if levels < 0:
+        raise ValueError(f"levels must be at least 0 (0: the whole ring), got {levels}")
     if bits not in RING_BITS:
         raise ValueError(f"ring bits must be one of {RING_BITS}, got {bits}")
     if not (clip > 0 and clip < float("inf")):
@@ -187,7 +193,7 @@ def ring_scale(*, bits: int, clip: float, clients: int) -> float:
     room = (1 << (bits - 1)) - 1 - clients
     if room < 2:
         raise ValueError(f"a {bits}-bit ring cannot hold the sum of {clients} clients: use a wider ring")
-    return room / clip
+    return (min(room, levels) if levels else room) / clip
 
 
 def ring_dtype(bits: int) -> torch.dtype:

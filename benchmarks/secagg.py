@@ -8,7 +8,10 @@ sending its masked input, the case that costs the coordinator most: it rebuilds 
 keys and strips their pairwise masks from each surviving neighbour's input) and each ring:
 
 - ``plain``: a 32-bit ring, against the plain float32 upload (codec ``none``, 4 bytes a parameter);
-- ``int8``: an 8-bit ring, against the plain ``int8`` codec's upload (1 byte a parameter and its header).
+- ``int8``: an 8-bit ring, against the plain ``int8`` codec's upload (1 byte a parameter and its header);
+- ``qsgd``: QSGD's 127 levels (over the public range, ``secagg_math.ring_scale(levels=127)``) in
+  the 8-bit ring of its codes, against the plain ``qsgd:127`` upload (1 byte a parameter and a
+  norm per 512-parameter bucket).
 
 Per row: ``expansion``, a surviving client's bytes up (its masked input plus its advert,
 share envelopes and unmask answer) over the plain upload of the same codec; ``msg KB``, those
@@ -24,6 +27,7 @@ clients as neighbours. ``k`` and ``t`` are in the table.
 
     python benchmarks/secagg.py
     python benchmarks/secagg.py --clients 50 --params 100000 --out /tmp/secagg.json
+    python benchmarks/secagg.py --rings qsgd --out /tmp/secagg-qsgd.json
 """
 
 from __future__ import annotations
@@ -49,7 +53,8 @@ from fedgrid.types import TO_SERVER
 
 __all__ = ["main", "run_round"]
 
-RINGS = {"plain": (32, "none"), "int8": (8, "int8")}
+#: Ring name: its bits, the plain codec it is measured against, and its QSGD levels (0: the whole ring).
+RINGS = {"plain": (32, "none", 0), "int8": (8, "int8", 0), "qsgd": (8, "qsgd:127", 127)}
 
 
 def _relay(sent: dict[str, dict[str, bytes]]) -> dict[str, dict[str, bytes]]:
@@ -70,7 +75,7 @@ def _timed(clock: dict[str, float], cid: str, fn: Any, *args: Any, **kwargs: Any
 
 def run_round(n: int, params: int, ring: str, dropout: float, seed: int) -> dict[str, Any]:
     """One round; returns its row (see the module docstring)."""
-    bits, codec = RINGS[ring]
+    bits, codec, levels = RINGS[ring]
     ids = [f"c{i:04d}" for i in range(n)]
     signers = {cid: Ed25519PrivateKey.generate() for cid in ids}
     keyring = PinnedKeys({cid: s.public_key() for cid, s in signers.items()})
@@ -96,7 +101,7 @@ def run_round(n: int, params: int, ring: str, dropout: float, seed: int) -> dict
     srv.record_shares(shares)
     inbox = _relay(shares)
     gone = set(random.Random(seed).sample(ids, round(dropout * n)))
-    scale = ring_scale(bits=bits, clip=1.0, clients=n)
+    scale = ring_scale(bits=bits, clip=1.0, clients=n, levels=levels)
     gen = torch.Generator().manual_seed(seed)
     masked, inputs = {}, {}
     for cid in ids:
@@ -148,12 +153,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--dropouts", default="0,0.1,0.3")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rings", default=",".join(RINGS), help=f"of {', '.join(RINGS)}")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "secagg.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = []
     for dropout in [float(d) for d in args.dropouts.split(",")]:
-        for ring in RINGS:  # the rings alternate, so background load hits both alike
+        for ring in args.rings.split(","):  # the rings alternate, so background load hits both alike
             rows.append(run_round(args.clients, args.params, ring, dropout, args.seed))
     print(f"SecAgg+ round: {args.clients} clients, {args.params:,} parameters")
     print(

@@ -70,6 +70,25 @@ class DistributedNoise:
         noise = noise_share(key, ins.round, clipped, std=std, parties=max(t, 1), purpose="secagg")
         return clipped["update"] + noise["update"]
 
+    def count(self, unclipped: bool, ins: FitIns) -> float:
+        """Adaptive clipping's count coordinate before scaling: this client's unclipped bit plus its
+        share of the count's noise, std ``dp_count_std / sqrt(t)`` (its own key's ``secagg-count``
+        stream), so the survivors' sum holds noise of std ``dp_count_std * sqrt(s / t)``.
+
+        Raises:
+            SecAggRefusedError: a malformed DP task.
+        """
+        try:
+            std, t = float(ins.config["dp_count_std"]), int(ins.config["secagg_threshold"])  # type: ignore[arg-type]
+        except (KeyError, ValueError, TypeError) as exc:
+            raise SecAggRefusedError(
+                f"round {ins.round}: a malformed adaptive-clipping task ({exc})"
+            ) from None
+        key = self.key if self.key is not None else os.urandom(KEY_BYTES)
+        like = {"count": torch.zeros(1, dtype=torch.float64)}
+        noise = noise_share(key, ins.round, like, std=std, parties=max(t, 1), purpose="secagg-count")
+        return float(unclipped) + float(noise["count"][0])
+
 
 def seeded_noise(seed: int, name: str) -> DistributedNoise:
     """A simulated client's ``DistributedNoise``, keyed by ``HMAC-SHA256(seed, name)``: a
@@ -178,6 +197,26 @@ class SecAggClient(Client):
         elif ins.phase != UNMASK:
             self.inner.receive(ins, inbox)
 
+    def _count(self, norm: float, ins: FitIns) -> torch.Tensor:
+        """Adaptive clipping's coordinate: ``dp_count_scale`` times (its update's norm at most the
+        round's ``dp_clip``, plus its share of the count's noise: ``DistributedNoise.count``).
+
+        Raises:
+            SecAggRefusedError: a noise hook without ``count``, or a malformed task.
+        """
+        counter = getattr(self.add_noise, "count", None)
+        if counter is None:
+            raise SecAggRefusedError(
+                f"round {ins.round}: adaptive clipping needs a noise hook with count() (DistributedNoise)"
+            )
+        try:
+            clip, scale = float(ins.config["dp_clip"]), float(ins.config["dp_count_scale"])  # type: ignore[arg-type]
+        except (KeyError, ValueError, TypeError) as exc:
+            raise SecAggRefusedError(
+                f"round {ins.round}: a malformed adaptive-clipping task ({exc})"
+            ) from None
+        return torch.tensor(scale * counter(norm <= clip, ins), dtype=torch.float64)
+
     def fit(self, state: ModelState, ins: FitIns) -> FitOutput:
         if not ins.config.get("secagg"):
             return self.inner.fit(state, ins)
@@ -198,6 +237,7 @@ class SecAggClient(Client):
         )
         if self.residual is not None and self.residual.shape == update.shape:
             update = update + self.residual
+        norm = float(torch.linalg.vector_norm(update))  # adaptive clipping's bit: before any clip
         update = update.clamp(-clip, clip)
         dp = "dp_noise_std" in c  # DP under SecAgg+: this client adds its share of the noise
         if dp and int(c["secagg_threshold"]) != self.party.threshold(ins.round):  # type: ignore[arg-type]
@@ -209,6 +249,9 @@ class SecAggClient(Client):
             self.add_noise = DistributedNoise()  # fresh secret keys: the coordinator cannot remove it
         if self.add_noise is not None:
             update = self.add_noise(update, ins)
+        size = update.numel()
+        if "dp_count_std" in c:  # adaptive clipping: one more coordinate, summed securely
+            update = torch.cat([update, self._count(norm, ins).reshape(1)])
         seed = int.from_bytes(
             hashlib.sha256(f"{c.get('secagg_seed', 0)}/{ins.round}/{self.name}".encode()).digest()[:8],
             "little",
@@ -221,6 +264,7 @@ class SecAggClient(Client):
             bits=bits,
             generator=torch.Generator().manual_seed(seed >> 1),
         )
+        self.residual = self.residual[:size]  # error feedback of the update; not of a count
         self.last_input = q
         masked = self.party.mask(ins.round, q, bits=bits)
         return FitOutput(OrderedDict([(MASKED, to_wire(masked, bits=bits))]), out.num_examples, out.metrics)

@@ -155,13 +155,8 @@ def read_noise_key(path: str) -> bytes:
 
 
 def _check_distributed(config: Config) -> None:
-    """DP under SecAgg+: a fixed clip, and no server noise key (each client keys its own noise)."""
-    if parse_dp_clip(config.dp_clip)[1]:
-        raise ConfigError(
-            "dp_clip",
-            "adaptive clipping is not supported with secagg: it needs a private count of the unclipped "
-            "updates, which the clients would have to sum securely too; give a number (docs/privacy.rst)",
-        )
+    """DP under SecAgg+: no server noise key (each client keys its own noise); an adaptive clip's
+    count is summed securely by the clients (``aggregation.secagg.SecAgg``)."""
     if config.dp_noise_key:
         raise ConfigError(
             "dp_noise_key",

@@ -10,10 +10,14 @@ from typing import Any
 from fedgrid.config_values import key as _key
 from fedgrid.errors import ConfigError
 
-__all__ = ["SecAggKeys", "SECAGG_RING_BITS", "check_secagg_keys"]
+__all__ = ["SecAggKeys", "SECAGG_RING_BITS", "SECAGG_CODECS", "check_secagg_keys", "secagg_ring"]
 
 #: The ring a masked upload lives in, by uplink codec: its integers cost what the codec's do.
 SECAGG_RING_BITS = {"none": 32, "fp16": 16, "bf16": 16, "int8": 8}
+#: QSGD's code widths that are a ring a sum of clients fits in (its 2- and 4-bit codes are not).
+_QSGD_RINGS = (8, 16)
+#: The uplink codecs that compose with secagg, as an error message names them.
+SECAGG_CODECS = f"{', '.join(SECAGG_RING_BITS)}, or qsgd:LEVELS with 8 to 32767 levels"
 #: Strategies whose clients send whole models (a masked sum is one model's update).
 _WHOLE_MODEL = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedprox", "diloco")
 
@@ -37,7 +41,8 @@ class SecAggKeys:
     )
     secagg_clip: float = _key(
         "with secagg: each coordinate of a client's update is clipped to +-this before fixed-point "
-        "quantization into the ring (the codec sets the ring: none 32 bits, fp16/bf16 16, int8 8)",
+        "quantization into the ring (the codec sets the ring: none 32 bits, fp16/bf16 16, int8 8, qsgd:LEVELS "
+        "its code width, with this range as QSGD's public norm)",
         1.0,
     )
 
@@ -72,13 +77,8 @@ def check_secagg_keys(config: Any) -> None:
     # In a simulated hierarchy each region aggregates its clients securely (its lan_codec, its
     # region_strategy) and sends one update upstream.
     codec_key, strategy_key = ("lan_codec", "region_strategy") if config.hierarchy else ("codec", "strategy")
-    codec, strategy = getattr(config, codec_key), getattr(config, strategy_key)
-    if codec not in SECAGG_RING_BITS:
-        raise ConfigError(
-            codec_key,
-            f"secagg masks quantized integers in a ring: {codec_key} must be one of "
-            f"{', '.join(SECAGG_RING_BITS)} (got {codec!r})",
-        )
+    secagg_ring(getattr(config, codec_key), key=codec_key)
+    strategy = getattr(config, strategy_key)
     if config.region_codecs and not config.hierarchy:
         raise ConfigError("region_codecs", "secagg needs one ring for all clients: leave region_codecs empty")
     if strategy not in _WHOLE_MODEL:
@@ -93,3 +93,33 @@ def check_secagg_keys(config: Any) -> None:
         )
     if config.min_quorum:
         raise ConfigError("min_quorum", "secagg rounds are synchronous: leave min_quorum at 0")
+
+
+def secagg_ring(codec: str, *, key: str = "codec") -> tuple[int, int]:
+    """The ring of a masked upload under uplink ``codec``: ``(bits, levels)``, ``levels`` QSGD's
+    per sign (``qsgd:LEVELS``, masked in the ring of its code width) or 0 (the whole ring).
+
+    Raises:
+        ConfigError: (``key``) a codec that does not compose with secagg, naming those that do.
+    """
+    if codec in SECAGG_RING_BITS:
+        return SECAGG_RING_BITS[codec], 0
+    if codec.startswith("qsgd:") and "+" not in codec:
+        from fedgrid.compression.quantize import QSGDCodec
+        from fedgrid.compression.registry import parse_codec_spec
+
+        qsgd = parse_codec_spec(codec, key=key)
+        assert isinstance(qsgd, QSGDCodec)
+        bits = qsgd.bits
+        if bits in _QSGD_RINGS:
+            return bits, qsgd.levels
+        raise ConfigError(
+            key,
+            f"secagg masks {codec}'s levels in a ring of its {bits}-bit codes, too narrow for a sum of "
+            f"clients: use qsgd:8 or more levels (8-bit codes), or another of {SECAGG_CODECS}",
+        )
+    raise ConfigError(
+        key,
+        f"secagg masks quantized integers in a ring, which {codec!r} does not send: {key} must be "
+        f"one of {SECAGG_CODECS}",
+    )

@@ -77,7 +77,7 @@ from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.strategies import build_strategy
 from fedgrid.server.wiring import open_store
 from fedgrid.textsafe import escape
-from fedgrid.types import FitIns, ModelState, RoundMetrics
+from fedgrid.types import FitIns, MessageIns, ModelState, RoundMetrics
 
 __all__ = ["RegionClient", "run_region", "UPSTREAM_RETRY_MAX_S", "PARTIAL_ALGORITHMS", "OVERLAP_KEYS"]
 
@@ -154,6 +154,19 @@ class RegionClient(Client):
         examples = self._claimed_examples(int(last.extra.get("examples", 0)))
         out = OrderedDict((k, v.detach().clone()) for k, v in self.engine.strategy.global_state.items())
         return FitOutput(state=out, num_examples=max(examples, 1), metrics=self._reported(last, sums))
+
+    def exchange(self, ins: MessageIns) -> Mapping[str, bytes]:
+        """Refuses a global strategy's message phases (secure aggregation across regions, say),
+        naming the phase: a region sends its regional model whole.
+
+        Raises:
+            ValueError: always.
+        """
+        raise ValueError(
+            f"the global coordinator's strategy asks this region for message phase {escape(ins.phase)}; "
+            "a region sends its regional model whole: secure aggregation runs inside regions "
+            "(fedgrid region --secagg), not on a global coordinator of regions"
+        )
 
     def _rewind(self, boundary: int) -> None:
         """Goes back to the state after regional round ``boundary`` (the end of the previous

@@ -22,8 +22,10 @@ a simulation's, a replay) applies it to the same results with the same bits:
    towards the median update norm, from the noised count of unclipped updates (Andrew et al.).
 
 Under SecAgg+ (``distributed``) the server sees one masked sum: the clients clip and add the
-noise themselves (``client.secagg.DistributedNoise``), so steps 2, 3 and 5 are theirs and this
-stage only checks and charges the budget (1 and 4), on the round's masked uploads.
+noise themselves (``client.secagg.DistributedNoise``), so steps 2 and 3 are theirs, step 5 is the
+strategy's (``aggregation.secagg.SecAgg``: the clients sum their unclipped bits securely, as one
+more masked coordinate with its own noise), and this stage only checks and charges the budget (1
+and 4), on the round's masked uploads.
 
 The noise key, the clip and the accountant's rounds are the stage's state, checkpointed with
 the round (``server/state.py``): a resumed coordinator redraws the noise of the round it redoes
@@ -89,10 +91,11 @@ class Privacy:
         delta: the delta of the epsilons.
         accountant: ``rdp`` or ``pld``.
         key: the noise key (at least 32 bytes); ``None``: 32 bytes of ``os.urandom``.
-        distributed: the clients clip and add the noise under SecAgg+; the stage only accounts.
+        distributed: the clients clip and add the noise under SecAgg+; the stage only accounts
+            (adaptive: the clip is the SecAgg strategy's, from a count the clients sum securely).
 
     Raises:
-        ValueError: a value out of range, or adaptive clipping with ``distributed``.
+        ValueError: a value out of range.
     """
 
     def __init__(
@@ -107,8 +110,6 @@ class Privacy:
         key: bytes | None = None,
         distributed: bool = False,
     ) -> None:
-        if adaptive and distributed:
-            raise ValueError("adaptive clipping needs the count of unclipped updates, which SecAgg+ hides")
         self.distributed = distributed
         if not noise_multiplier > 0 or not clip > 0 or epsilon < 0:
             raise ValueError(
@@ -155,10 +156,9 @@ class Privacy:
             return [], {EPSILON: self.accountant.epsilon(), DP_CLIP: self.clip}
         if self.distributed:  # masked inputs, already clipped and noised by their clients
             rate = min(1.0, n / max(live, 1))
-            return list(results), {
-                EPSILON: self.accountant.spend(rate, self.noise_multiplier),
-                DP_CLIP: self.clip,
-            }
+            spent = {EPSILON: self.accountant.spend(rate, self.noise_multiplier)}
+            # An adaptive clip is the strategy's (``SecAgg``), which reports it with the unmasked sum.
+            return list(results), spent if self.adaptive else {**spent, DP_CLIP: self.clip}
         names = [name for name, t in base.items() if t.dtype.is_floating_point]
         sigma, sigma_count = (
             split_noise(self.noise_multiplier, n) if self.adaptive else (self.noise_multiplier, 0.0)

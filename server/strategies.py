@@ -100,19 +100,22 @@ def secagg_strategy(config: Config, strategy: Strategy) -> Strategy:
     """``strategy`` under SecAgg+ with the run's secagg keys; the ring is the codec's width."""
     from fedgrid.aggregation.secagg import SecAgg
     from fedgrid.config_privacy import parse_dp_clip
-    from fedgrid.config_secagg import SECAGG_RING_BITS
+    from fedgrid.config_secagg import secagg_ring
 
-    # DP under SecAgg+: the clients clip and add the noise (docs/privacy.rst); adaptive is refused.
-    dp_clip = parse_dp_clip(config.dp_clip)[0] if config.dp_noise_multiplier else 0.0
+    # DP under SecAgg+: the clients clip and add the noise, and sum their unclipped bits (docs/privacy.rst).
+    dp_clip, adaptive = parse_dp_clip(config.dp_clip) if config.dp_noise_multiplier else (0.0, False)
+    bits, levels = secagg_ring(config.codec)
     return SecAgg(
         strategy,
-        bits=SECAGG_RING_BITS[config.codec],
+        bits=bits,
         clip=config.secagg_clip,
+        levels=levels,
         neighbours=config.secagg_neighbours,
         threshold=config.secagg_threshold,
         seed=config.seed,
         dp_noise_multiplier=config.dp_noise_multiplier,
         dp_clip=dp_clip,
+        dp_adaptive=adaptive,
     )
 
 

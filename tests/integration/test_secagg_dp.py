@@ -183,8 +183,10 @@ def test_the_server_stage_adds_nothing_under_secagg_but_charges_the_round() -> N
     assert [r.state["secagg"].tolist() for r in out] == [r.state["secagg"].tolist() for r in results]
     assert [r.weight for r in out] == [r.weight for r in results]
     assert metrics["epsilon"] == privacy.accountant.epsilon() > 0 and privacy.accountant.rounds == 1
-    with pytest.raises(ValueError, match="adaptive clipping .* SecAgg"):
-        Privacy(noise_multiplier=1.0, clip=0.5, adaptive=True, distributed=True)
+    assert metrics["dp_clip"] == 0.5
+    # An adaptive clip is the strategy's (its clients sum their bits securely): the stage names none.
+    adaptive = Privacy(noise_multiplier=1.0, clip=0.5, adaptive=True, distributed=True)
+    assert "dp_clip" not in adaptive.apply(1, results, _state(), live=8)[1]
 
 
 def test_epsilon_is_charged_every_round_and_the_run_stops_before_its_budget(tmp_path) -> None:

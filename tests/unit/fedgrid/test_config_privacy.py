@@ -51,11 +51,6 @@ def test_the_clip_is_a_number_or_adaptive():
         ({**DP, "strategy": "scaffold"}, "dp_noise_multiplier", "got strategy 'scaffold'"),
         ({**DP, "aggregator": "median"}, "aggregator", "needs the mean"),
         ({**DP, "min_quorum": 2}, "min_quorum", "synchronous"),
-        (
-            {**DP, "dp_clip": "adaptive", "secagg": True},
-            "dp_clip",
-            "adaptive clipping is not supported with secagg",
-        ),
         ({**DP, "dp_noise_key": "k", "secagg": True}, "dp_noise_key", "each client keys its own share"),
         ({**DP, "dp_noise_key": "/nonexistent/key"}, "dp_noise_key", "cannot read"),
     ],
