@@ -83,9 +83,19 @@ GOALS: dict[str, tuple[float, float]] = {
 
 
 def run_codec(
-    fed: Federation, codec: str, *, rounds: int, per_round: int, log: Callable[[str], None]
+    fed: Federation,
+    codec: str,
+    *,
+    rounds: int,
+    per_round: int,
+    log: Callable[[str], None],
+    error_feedback: str = "auto",
 ) -> list[RoundMetrics]:
-    """One fedavg run of ``fed``'s clients with ``codec`` on every uplink; returns each round's metrics."""
+    """One fedavg run of ``fed``'s clients with ``codec`` on every uplink; returns each round's metrics.
+
+    ``codec`` may name its own error feedback as ``SPEC@RULE`` (``topk:0.013@none``)."""
+    label = codec
+    codec, _, rule = codec.partition("@")
     config = load_config(
         overrides={
             "strategy": "fedavg",
@@ -96,6 +106,7 @@ def run_codec(
             "local_epochs": 1,
             "fraction_fit": per_round / fed.num_clients,
             "codec": codec,
+            "error_feedback": rule or error_feedback,
         }
     )
     strategy = build_strategy(config, num_clients=fed.num_clients)
@@ -107,7 +118,7 @@ def run_codec(
     def show(m: RoundMetrics) -> None:
         if m.round == 1 or m.round % 5 == 0 or m.round == rounds:
             log(
-                f"  {codec:<12} round {m.round:>3}  acc {m.accuracy or 0.0:.4f}  up {m.bytes_up:>9} B  {m.wall_s:.1f}s"
+                f"  {label:<12} round {m.round:>3}  acc {m.accuracy or 0.0:.4f}  up {m.bytes_up:>9} B  {m.wall_s:.1f}s"
             )
 
     engine = RoundEngine(
@@ -139,7 +150,7 @@ def time_codec(specs: tuple[str, ...], tensors: ModelState, repeats: int) -> dic
     Returns per spec: raw and payload bytes, the medians as MB/s, and every repetition's seconds.
     """
     raw = sum(t.numel() * 4 for t in tensors.values())
-    codecs = {spec: parse_codec_spec(spec) for spec in specs}  # own instances: powersgd warm-starts per key
+    codecs = {spec: parse_codec_spec(spec.partition("@")[0]) for spec in specs}  # own: powersgd warm-starts
     gen = torch.Generator().manual_seed(0)
     enc: dict[str, list[float]] = {s: [] for s in specs}
     dec: dict[str, list[float]] = {s: [] for s in specs}
@@ -236,7 +247,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--inner-steps", type=int, default=30, help="lm: H, inner steps per outer step")
     parser.add_argument("--fragments", type=int, default=3, help="lm: streaming DiLoCo's fragments")
     parser.add_argument("--strategies", default="diloco,streaming-diloco", help="lm: strategies")
-    parser.add_argument("--error-feedback", default="classic", help="lm: the uplink's error feedback")
+    parser.add_argument(
+        "--error-feedback",
+        default="",
+        help="the uplink's error feedback (default: fmnist auto, lm classic); fmnist: a codec may name its own, SPEC@RULE",
+    )
     parser.add_argument(
         "--eval-every", type=int, default=1, help="lm: held-out loss every this many outer steps"
     )
@@ -249,13 +264,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
     if args.workload == "lm":
+        args.error_feedback = args.error_feedback or "classic"
         return main_lm(args)
+    args.error_feedback = args.error_feedback or "auto"
     args.rounds, args.clients = args.rounds or 30, args.clients or 100
     args.out = args.out or str(Path(__file__).parent / "results" / "compression.json")
     torch.set_num_threads(args.threads)
     codecs = tuple(s for s in (args.codecs or ",".join(DEFAULT_CODECS)).split(",") if s)
-    for spec in codecs:  # a bad spec fails before any work
-        load_config(overrides={"codec": spec})
+    for label in codecs:  # a bad spec fails before any work
+        spec, _, rule = label.partition("@")
+        load_config(overrides={"codec": spec, "error_feedback": rule or args.error_feedback})
     start = time.monotonic()
     lines: list[str] = []
 
@@ -276,7 +294,14 @@ def main(argv: list[str] | None = None) -> None:
     runs: dict[str, list[RoundMetrics]] = {}
     for spec in codecs:
         log(f"training with uplink codec {spec} ({args.rounds} rounds)")
-        runs[spec] = run_codec(fed, spec, rounds=args.rounds, per_round=args.per_round, log=log)
+        runs[spec] = run_codec(
+            fed,
+            spec,
+            rounds=args.rounds,
+            per_round=args.per_round,
+            log=log,
+            error_feedback=args.error_feedback,
+        )
     rows = summarize(codecs, runs)
 
     def fmt(value: float | None, pattern: str) -> str:
