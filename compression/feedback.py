@@ -5,7 +5,9 @@ client keeps a residual ``e`` (zero at first) and, for each input ``x``,
 
     v = beta e + x;   send C(v);   e <- v - D(C(v))
 
-where ``D(C(v))`` is exactly what the receiver decodes. ``FeedbackRule`` chooses ``beta``:
+where ``D(C(v))`` is exactly what the receiver decodes. ``FeedbackRule`` chooses ``beta``, or
+no residual at all (``none``: send ``C(x)``, for unbiased codecs), or the codec's own choice
+(``auto``, the config's default: ``Codec.auto_feedback``);
 ``classic`` is 1 (plain EF); ``momentum:BETA`` (0 < BETA < 1) is the error feedback with
 momentum of DeMo and SparseLoCo (Peng et al. 2024; Sarfi et al. 2025), whose buffer is the
 residual decayed by ``BETA`` at every step, so what a codec held back long ago fades. Under
@@ -86,13 +88,10 @@ class FeedbackRule:
     """How the uplink's error feedback carries a residual: its decay ``beta`` per step and per
     round sat out, and after how many rounds sat out it is dropped (0: never).
 
-    ``kind``: ``ef`` keeps a residual (classic, or with momentum); ``none`` keeps none (each
-    round sends ``C(x)``: for unbiased codecs, whose averaging over clients is what removes
-    their error); ``auto`` is ``none`` for an unbiased codec and ``ef`` otherwise (``for_codec``).
-
-    ``parse`` reads the config's ``error_feedback`` (``auto``, ``classic``, ``momentum:BETA`` or
-    ``none``) and ``feedback_reset_rounds``; the class's defaults are classic EF that keeps a
-    residual however stale.
+    ``kind``: ``ef`` keeps a residual (classic, or with momentum); ``none`` keeps none (sends
+    ``C(x)``: for unbiased codecs, whose error averages out over clients); ``auto`` is the
+    codec's ``auto_feedback`` (``for_codec``). ``parse`` reads the config's ``error_feedback``
+    and ``feedback_reset_rounds``; the class's defaults are classic EF, never reset.
     """
 
     beta: float = 1.0
@@ -138,10 +137,10 @@ class FeedbackRule:
         return "classic" if self.beta == 1.0 else f"momentum:{self.beta!r}"
 
     def for_codec(self, codec: Codec) -> "FeedbackRule":
-        """This rule with ``auto`` resolved for ``codec``: ``none`` when it is unbiased, else classic."""
+        """This rule with ``auto`` resolved to ``codec.auto_feedback`` (same ``reset_rounds``)."""
         if self.kind != "auto":
             return self
-        return FeedbackRule(self.beta, self.reset_rounds, "none" if codec.unbiased else "ef")
+        return FeedbackRule.parse(codec.auto_feedback, self.reset_rounds)
 
     def carry(self, rounds_out: int) -> float:
         """The factor on a residual whose client sat out ``rounds_out`` rounds (0: dropped)."""

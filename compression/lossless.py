@@ -57,6 +57,7 @@ class ZstdCodec(Codec):
         self.lossless = inner.lossless
         self.contractive = inner.contractive
         self.unbiased = inner.unbiased
+        self.auto_feedback = inner.auto_feedback
         self.stochastic = inner.stochastic
         self.name = f"{inner.name}+zstd" + ("" if level == DEFAULT_ZSTD_LEVEL else f":{level}")
 

@@ -8,8 +8,8 @@ A spec is ``NAME[:PARAM][+zstd[:LEVEL]]``:
 ``int8[:BLOCK]``       8-bit codes, one absmax per ``BLOCK`` elements (256)
 ``qsgd:LEVELS``        stochastic unbiased quantization, 1..32767 levels
 ``topk[:FRACTION]``    the largest-magnitude ``FRACTION`` of elements, in (0, 1] (0.1)
-``randk[:F[:unbiased]]`` a uniform random ``F`` of elements; ``unbiased`` scales them by
-                       ``1/F`` (bare ``randk``: ``randk:0.25:unbiased``)
+``randk[:FRACTION]``   a uniform random ``FRACTION`` of elements; ``randk:F:unbiased``
+                       scales them by ``1/F`` (bare ``randk``: ``randk:0.25:unbiased``)
 ``powersgd:RANK``      rank-``RANK`` factors of matrices and conv kernels
 ``sign[:BLOCK]``       1 bit per element of randomly rotated blocks (256), scaled per block
 ``int4[:BLOCK]``       4-bit integer codes, one absmax per ``BLOCK`` elements (256)

@@ -17,7 +17,8 @@ round moves by the full update in expectation: with error feedback the unscaled 
 a share ``k/n`` of a client's pending update per participation, which needs on the order of
 ``n/k`` participations to catch up, far more than a short run gives a client.
 
-Defaults when the spec names no fraction: ``topk`` keeps 0.1 (``DEFAULT_TOPK``), ``randk``
+``auto`` error feedback (the default) runs ``topk`` with ``momentum:0.5`` and the unbiased
+``randk`` with none. Defaults when the spec names no fraction: ``topk`` keeps 0.1 (``DEFAULT_TOPK``), ``randk``
 is ``randk:0.25:unbiased`` (``DEFAULT_RANDK``): each is the smallest fraction tried that
 stays within 0.05 of uncompressed accuracy after 5 digits rounds (``docs/compression.md``).
 
@@ -105,6 +106,9 @@ class TopKCodec(SparseCodec):
     """``topk:FRACTION``: the ``k`` elements of largest magnitude (ties broken by ``torch.topk``)."""
 
     family = "topk"
+    #: Measured: classic EF's residual arrives rounds late and costs accuracy under FedAvg
+    #: (``docs/links.rst``); one that fades by half per step keeps most of what it adds.
+    auto_feedback = "momentum:0.5"
 
     def _select(self, flat: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:
         magnitude = flat.abs()
@@ -127,7 +131,7 @@ class RandKCodec(SparseCodec):
     def __init__(self, fraction: float, unbiased: bool = False) -> None:
         super().__init__(fraction)
         if unbiased:
-            self.unbiased, self.contractive = True, False
+            self.unbiased, self.contractive, self.auto_feedback = True, False, "none"
             self.name += ":unbiased"
 
     def _select(self, flat: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:

@@ -18,8 +18,8 @@ class CompressionKeys:
     error_feedback: str = _key(
         "uplink error feedback of lossy codecs: classic (e <- v - C(v), v = x + e), momentum:BETA "
         "(DeMo/SparseLoCo's, v = BETA e + x, BETA in (0, 1); a residual also decays by BETA per round "
-        "its client sat out), none (no residual), or auto (none for an unbiased codec such as "
-        "randk:F:unbiased, classic for the others)",
+        "its client sat out), none (no residual), or auto (the codec's own: none for randk:F:unbiased, "
+        "momentum:0.5 for topk, classic for the others)",
         "auto",
     )
     feedback_reset_rounds: int = _key(

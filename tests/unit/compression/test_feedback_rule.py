@@ -132,8 +132,9 @@ def test_the_rule_travels_in_the_task_config() -> None:
 
 
 def test_auto_runs_unbiased_codecs_without_a_residual_and_the_others_with_classic_ef() -> None:
-    """``auto`` (the default): ``randk:F:unbiased`` sends C(x) each round and keeps nothing; a
-    contractive codec keeps classic EF's residual; ``none`` keeps none for any codec."""
+    """``auto`` (the default): ``randk:F:unbiased`` sends C(x) each round and keeps nothing;
+    ``topk`` keeps a residual that decays by half per step; the others classic EF's; ``none``
+    keeps none for any codec."""
     assert load_config(overrides={}).error_feedback == "auto"
     x = torch.randn(1000, generator=torch.Generator().manual_seed(1))
     unbiased = UplinkEncoder("randk:0.1:unbiased").begin(1, {})
@@ -142,9 +143,14 @@ def test_auto_runs_unbiased_codecs_without_a_residual_and_the_others_with_classi
     assert not unbiased.feedback.residuals and int((sent.decoded != 0).sum()) == 100
     torch.testing.assert_close(sent.decoded[sent.decoded != 0], 10 * x[sent.decoded != 0])
     topk = UplinkEncoder("topk").begin(1, {})
-    assert topk.feedback is not None and topk.feedback.rule == FeedbackRule(1.0, 0, "ef")
+    assert topk.feedback is not None and topk.feedback.rule == FeedbackRule(0.5, 0)
     sent = topk.feedback.encode("w", x)
     torch.testing.assert_close(topk.feedback.residuals["w"], x - sent.decoded)
+    again = topk.feedback.encode("w", x)  # v = x + 0.5 e
+    torch.testing.assert_close(topk.feedback.residuals["w"], x + 0.5 * (x - sent.decoded) - again.decoded)
+    int8 = UplinkEncoder("int8+zstd").begin(1, {"uplink_feedback_reset": 4})
+    assert int8.feedback is not None and int8.feedback.rule == FeedbackRule(1.0, 4)
+    assert UplinkEncoder("topk+zstd").begin(1, {}).feedback.rule.spec == "momentum:0.5"  # type: ignore[union-attr]
     plain = ErrorFeedback("topk:0.1", FeedbackRule.parse("none"))
     plain.encode("w", x)
     assert not plain.residuals and plain.rule.spec == "none"
