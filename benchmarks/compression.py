@@ -6,7 +6,9 @@ FedAvg strategy, codec policy and wire serialization (``InProcessFleet`` with a
 label skew, ``--per-round`` (10) sampled per round, ``--rounds`` (30) rounds, seed 0, the
 CNN and client settings of ``benchmarks/algorithms.py`` (SGD lr 0.02, momentum 0.9, batch
 32, one local epoch). Every lossy codec runs under the client-side error feedback that
-``UplinkEncoder`` applies; ``none`` sends the trained model whole. Per codec:
+``UplinkEncoder`` applies, ``--error-feedback`` (default ``auto``: the codec's own rule), or
+the codec's own as ``SPEC@RULE`` (``topk:0.013@none``, ``topk:0.013@momentum:0.5``: one run
+compares rules); ``none`` sends the trained model whole. Per codec:
 
 - ``B up/round``: mean over rounds of ``RoundMetrics.bytes_up`` (every wire chunk the
   clients sent: payload, per-tensor metadata, framing);
@@ -32,6 +34,7 @@ as ``qsgd:16`` would, with the lowest variance.
     python benchmarks/compression.py                                   # all codecs, 30 rounds
     python benchmarks/compression.py --workload lm                     # outer gradients, DiLoCo on the GPT
     python benchmarks/compression.py --codecs none,topk:0.01 --rounds 3 --clients 20 --per-round 4 --out /tmp/c.json
+    python benchmarks/compression.py --codecs none,int8,powersgd:4,topk:0.013@classic,topk:0.013@momentum:0.5 --repeats 1
 
 ``--workload lm`` runs the language-model workload instead (``benchmarks/compression_lm.py``
 says what it measures): held-out loss at equal tokens and uplink bytes per outer step for
