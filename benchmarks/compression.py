@@ -6,7 +6,9 @@ FedAvg strategy, codec policy and wire serialization (``InProcessFleet`` with a
 label skew, ``--per-round`` (10) sampled per round, ``--rounds`` (30) rounds, seed 0, the
 CNN and client settings of ``benchmarks/algorithms.py`` (SGD lr 0.02, momentum 0.9, batch
 32, one local epoch). Every lossy codec runs under the client-side error feedback that
-``UplinkEncoder`` applies; ``none`` sends the trained model whole. Per codec:
+``UplinkEncoder`` applies, ``--error-feedback`` (default ``auto``: the codec's own rule), or
+the codec's own as ``SPEC@RULE`` (``topk:0.013@none``, ``topk:0.013@momentum:0.5``: one run
+compares rules); ``none`` sends the trained model whole. Per codec:
 
 - ``B up/round``: mean over rounds of ``RoundMetrics.bytes_up`` (every wire chunk the
   clients sent: payload, per-tensor metadata, framing);
@@ -32,6 +34,7 @@ as ``qsgd:16`` would, with the lowest variance.
     python benchmarks/compression.py                                   # all codecs, 30 rounds
     python benchmarks/compression.py --workload lm                     # outer gradients, DiLoCo on the GPT
     python benchmarks/compression.py --codecs none,topk:0.01 --rounds 3 --clients 20 --per-round 4 --out /tmp/c.json
+    python benchmarks/compression.py --codecs none,int8,powersgd:4,topk:0.013@classic,topk:0.013@momentum:0.5 --repeats 1
 
 ``--workload lm`` runs the language-model workload instead (``benchmarks/compression_lm.py``
 says what it measures): held-out loss at equal tokens and uplink bytes per outer step for
@@ -83,9 +86,19 @@ GOALS: dict[str, tuple[float, float]] = {
 
 
 def run_codec(
-    fed: Federation, codec: str, *, rounds: int, per_round: int, log: Callable[[str], None]
+    fed: Federation,
+    codec: str,
+    *,
+    rounds: int,
+    per_round: int,
+    log: Callable[[str], None],
+    error_feedback: str = "auto",
 ) -> list[RoundMetrics]:
-    """One fedavg run of ``fed``'s clients with ``codec`` on every uplink; returns each round's metrics."""
+    """One fedavg run of ``fed``'s clients with ``codec`` on every uplink; returns each round's metrics.
+
+    ``codec`` may name its own error feedback as ``SPEC@RULE`` (``topk:0.013@none``)."""
+    label = codec
+    codec, _, rule = codec.partition("@")
     config = load_config(
         overrides={
             "strategy": "fedavg",
@@ -96,6 +109,7 @@ def run_codec(
             "local_epochs": 1,
             "fraction_fit": per_round / fed.num_clients,
             "codec": codec,
+            "error_feedback": rule or error_feedback,
         }
     )
     strategy = build_strategy(config, num_clients=fed.num_clients)
@@ -107,7 +121,7 @@ def run_codec(
     def show(m: RoundMetrics) -> None:
         if m.round == 1 or m.round % 5 == 0 or m.round == rounds:
             log(
-                f"  {codec:<12} round {m.round:>3}  acc {m.accuracy or 0.0:.4f}  up {m.bytes_up:>9} B  {m.wall_s:.1f}s"
+                f"  {label:<12} round {m.round:>3}  acc {m.accuracy or 0.0:.4f}  up {m.bytes_up:>9} B  {m.wall_s:.1f}s"
             )
 
     engine = RoundEngine(
@@ -139,7 +153,7 @@ def time_codec(specs: tuple[str, ...], tensors: ModelState, repeats: int) -> dic
     Returns per spec: raw and payload bytes, the medians as MB/s, and every repetition's seconds.
     """
     raw = sum(t.numel() * 4 for t in tensors.values())
-    codecs = {spec: parse_codec_spec(spec) for spec in specs}  # own instances: powersgd warm-starts per key
+    codecs = {spec: parse_codec_spec(spec.partition("@")[0]) for spec in specs}  # own: powersgd warm-starts
     gen = torch.Generator().manual_seed(0)
     enc: dict[str, list[float]] = {s: [] for s in specs}
     dec: dict[str, list[float]] = {s: [] for s in specs}
@@ -236,7 +250,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--inner-steps", type=int, default=30, help="lm: H, inner steps per outer step")
     parser.add_argument("--fragments", type=int, default=3, help="lm: streaming DiLoCo's fragments")
     parser.add_argument("--strategies", default="diloco,streaming-diloco", help="lm: strategies")
-    parser.add_argument("--error-feedback", default="classic", help="lm: the uplink's error feedback")
+    parser.add_argument(
+        "--error-feedback",
+        default="",
+        help="the uplink's error feedback (default: fmnist auto, lm classic); fmnist: a codec may name its own, SPEC@RULE",
+    )
     parser.add_argument(
         "--eval-every", type=int, default=1, help="lm: held-out loss every this many outer steps"
     )
@@ -249,13 +267,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
     if args.workload == "lm":
+        args.error_feedback = args.error_feedback or "classic"
         return main_lm(args)
+    args.error_feedback = args.error_feedback or "auto"
     args.rounds, args.clients = args.rounds or 30, args.clients or 100
     args.out = args.out or str(Path(__file__).parent / "results" / "compression.json")
     torch.set_num_threads(args.threads)
     codecs = tuple(s for s in (args.codecs or ",".join(DEFAULT_CODECS)).split(",") if s)
-    for spec in codecs:  # a bad spec fails before any work
-        load_config(overrides={"codec": spec})
+    for label in codecs:  # a bad spec fails before any work
+        spec, _, rule = label.partition("@")
+        load_config(overrides={"codec": spec, "error_feedback": rule or args.error_feedback})
     start = time.monotonic()
     lines: list[str] = []
 
@@ -276,7 +297,14 @@ def main(argv: list[str] | None = None) -> None:
     runs: dict[str, list[RoundMetrics]] = {}
     for spec in codecs:
         log(f"training with uplink codec {spec} ({args.rounds} rounds)")
-        runs[spec] = run_codec(fed, spec, rounds=args.rounds, per_round=args.per_round, log=log)
+        runs[spec] = run_codec(
+            fed,
+            spec,
+            rounds=args.rounds,
+            per_round=args.per_round,
+            log=log,
+            error_feedback=args.error_feedback,
+        )
     rows = summarize(codecs, runs)
 
     def fmt(value: float | None, pattern: str) -> str:

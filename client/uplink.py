@@ -29,14 +29,14 @@ __all__ = [
 
 def feedback_rule(task_config: Mapping[str, Any]) -> FeedbackRule:
     """The error-feedback rule a task asks for (``uplink_feedback``, ``uplink_feedback_reset``;
-    ``fedgrid.config_compression.feedback_task_config`` writes them; absent: classic EF).
+    ``fedgrid.config_compression.feedback_task_config`` writes them; absent: ``auto``).
 
     Raises:
         ConfigError: a value that is not a rule, naming the config key.
     """
     reset = task_config.get("uplink_feedback_reset", 0)
     whole = isinstance(reset, (int, float)) and not isinstance(reset, bool) and float(reset).is_integer()
-    return FeedbackRule.parse(str(task_config.get("uplink_feedback", "classic")), int(reset) if whole else -1)
+    return FeedbackRule.parse(str(task_config.get("uplink_feedback", "auto")), int(reset) if whole else -1)
 
 
 class UplinkEncoder:
@@ -46,13 +46,14 @@ class UplinkEncoder:
         codec: a codec spec (``none``, ``int8``, ``topk:0.01``, ...).
 
     Raises:
-        ConfigError: the spec does not parse, or (lossy codecs) is not contractive.
+        ConfigError: the spec does not parse, or (lossy codecs) is not contractive and not
+            unbiased (``auto`` runs an unbiased codec without error feedback).
     """
 
     def __init__(self, codec: str) -> None:
         self.spec = codec
         self.lossless = parse_codec_spec(codec, key="codec").lossless
-        self.feedback = None if self.lossless else ErrorFeedback(codec)
+        self.feedback = None if self.lossless else ErrorFeedback(codec, FeedbackRule(kind="auto"))
         self._seed = 0
 
     def begin(self, server_round: int, task_config: Mapping[str, Any], client: str = "") -> "UplinkEncoder":

@@ -59,6 +59,12 @@ class Codec(ABC):
     #: True when ``E||x - decode(encode(x))||^2 <= (1 - d) ||x||^2`` for some ``d > 0``: what
     #: error feedback needs for its residual to stay bounded.
     contractive: bool = True
+    #: True when ``E[decode(encode(x))] = x``, with a variance too large to be contractive
+    #: (``randk:F:unbiased``): meant to run without error feedback, as the ``auto`` rule does.
+    unbiased: bool = False
+    #: The error feedback ``error_feedback = "auto"`` (the default) runs this codec with: a
+    #: spec of ``fedgrid.compression.feedback.FeedbackRule.parse``, measured per family.
+    auto_feedback: str = "classic"
     #: True when ``encode`` draws random numbers (from torch's default generator when given no
     #: ``generator``: its caller then holds ``fedgrid.seeding.RNG_LOCK``).
     stochastic: bool = False

@@ -5,7 +5,9 @@ client keeps a residual ``e`` (zero at first) and, for each input ``x``,
 
     v = beta e + x;   send C(v);   e <- v - D(C(v))
 
-where ``D(C(v))`` is exactly what the receiver decodes. ``FeedbackRule`` chooses ``beta``:
+where ``D(C(v))`` is exactly what the receiver decodes. ``FeedbackRule`` chooses ``beta``, or
+no residual at all (``none``: send ``C(x)``, for unbiased codecs), or the codec's own choice
+(``auto``, the config's default: ``Codec.auto_feedback``);
 ``classic`` is 1 (plain EF); ``momentum:BETA`` (0 < BETA < 1) is the error feedback with
 momentum of DeMo and SparseLoCo (Peng et al. 2024; Sarfi et al. 2025), whose buffer is the
 residual decayed by ``BETA`` at every step, so what a codec held back long ago fades. Under
@@ -62,17 +64,21 @@ __all__ = [
 ]
 
 
+_KINDS = ("ef", "none", "auto")
+
+
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype is torch.float64 else torch.float32
 
 
-def _codec(codec: Codec | str, key: str) -> Codec:
+def _codec(codec: Codec | str, key: str, *, contractive: bool = True) -> Codec:
     built = parse_codec_spec(codec, key=key) if isinstance(codec, str) else codec
-    if not built.contractive:
+    if contractive and not built.contractive:
         raise ConfigError(
             key,
             f"codec '{built.name}' is not contractive, so an error-feedback residual would grow without "
-            "bound (qsgd needs at least 23 levels under error feedback)",
+            "bound (qsgd needs at least 23 levels under error feedback; an unbiased codec runs with "
+            "error_feedback 'none' or 'auto')",
         )
     return built
 
@@ -82,22 +88,27 @@ class FeedbackRule:
     """How the uplink's error feedback carries a residual: its decay ``beta`` per step and per
     round sat out, and after how many rounds sat out it is dropped (0: never).
 
-    ``parse`` reads the config's ``error_feedback`` (``classic`` or ``momentum:BETA``) and
-    ``feedback_reset_rounds``; the defaults are classic EF that keeps a residual however stale.
+    ``kind``: ``ef`` keeps a residual (classic, or with momentum); ``none`` keeps none (sends
+    ``C(x)``: for unbiased codecs, whose error averages out over clients); ``auto`` is the
+    codec's ``auto_feedback`` (``for_codec``). ``parse`` reads the config's ``error_feedback``
+    and ``feedback_reset_rounds``; the class's defaults are classic EF, never reset.
     """
 
     beta: float = 1.0
     reset_rounds: int = 0
+    kind: str = "ef"
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.beta) and 0.0 < self.beta <= 1.0):
             raise ValueError(f"the error-feedback decay must be in (0, 1], got {self.beta}")
         if self.reset_rounds < 0:
             raise ValueError(f"feedback_reset_rounds must be at least 0, got {self.reset_rounds}")
+        if self.kind not in _KINDS:
+            raise ValueError(f"the error-feedback kind is one of {_KINDS}, got {self.kind!r}")
 
     @classmethod
     def parse(cls, spec: str, reset_rounds: int = 0) -> "FeedbackRule":
-        """``classic`` or ``momentum:BETA``.
+        """``auto``, ``classic``, ``momentum:BETA`` or ``none``.
 
         Raises:
             ConfigError: another spec, or a BETA outside (0, 1) (key ``error_feedback``), or a
@@ -105,20 +116,31 @@ class FeedbackRule:
         """
         if reset_rounds < 0:
             raise ConfigError("feedback_reset_rounds", f"must be at least 0, got {reset_rounds}")
+        if spec in ("auto", "none"):
+            return cls(1.0, reset_rounds, spec)
         if spec == "classic":
             return cls(1.0, reset_rounds)
         match = re.fullmatch(r"momentum:([0-9]*\.?[0-9]+)", spec)
         beta = float(match.group(1)) if match else math.nan
         if not 0.0 < beta < 1.0:
             raise ConfigError(
-                "error_feedback", f"expected 'classic' or 'momentum:BETA' with BETA in (0, 1), got {spec!r}"
+                "error_feedback",
+                f"expected 'auto', 'classic', 'momentum:BETA' with BETA in (0, 1), or 'none', got {spec!r}",
             )
         return cls(beta, reset_rounds)
 
     @property
     def spec(self) -> str:
-        """The ``error_feedback`` text of this rule (``classic``, ``momentum:0.95``)."""
+        """The ``error_feedback`` text of this rule (``auto``, ``classic``, ``momentum:0.95``, ``none``)."""
+        if self.kind != "ef":
+            return self.kind
         return "classic" if self.beta == 1.0 else f"momentum:{self.beta!r}"
+
+    def for_codec(self, codec: Codec) -> "FeedbackRule":
+        """This rule with ``auto`` resolved to ``codec.auto_feedback`` (same ``reset_rounds``)."""
+        if self.kind != "auto":
+            return self
+        return FeedbackRule.parse(codec.auto_feedback, self.reset_rounds)
 
     def carry(self, rounds_out: int) -> float:
         """The factor on a residual whose client sat out ``rounds_out`` rounds (0: dropped)."""
@@ -148,18 +170,32 @@ class ErrorFeedback:
     Args:
         codec: a spec (a fresh instance is built, so ``powersgd`` warm starts per client) or
             a codec the caller owns.
-        rule: the residual's decay and staleness rule (default: classic EF, never reset).
+        rule: the residual's decay and staleness rule (default: classic EF, never reset);
+            ``auto`` is resolved for ``codec`` (``FeedbackRule.for_codec``).
 
     Raises:
-        ConfigError: ``codec`` is a spec that does not parse, or is not contractive.
+        ConfigError: ``codec`` is a spec that does not parse, or is not contractive while the
+            rule keeps a residual (also when ``rule`` is set later).
     """
 
     def __init__(self, codec: Codec | str, rule: FeedbackRule | None = None) -> None:
-        self.codec = _codec(codec, "codec")
+        self.codec = _codec(codec, "codec", contractive=False)
+        self._rule = FeedbackRule(kind="none")
         self.rule = rule or FeedbackRule()
         self._residuals: dict[str, torch.Tensor] = {}
         #: The last round ``begin_round`` saw (``None``: none yet).
         self.last_round: int | None = None
+
+    @property
+    def rule(self) -> FeedbackRule:
+        """The rule in force (``auto`` already resolved for this codec)."""
+        return self._rule
+
+    @rule.setter
+    def rule(self, rule: FeedbackRule) -> None:
+        resolved = rule.for_codec(self.codec)
+        _codec(self.codec, "codec", contractive=resolved.kind == "ef")
+        self._rule = resolved
 
     def begin_round(self, server_round: int) -> float:
         """Applies the rule to every residual before the uploads of ``server_round``: a client
@@ -186,7 +222,8 @@ class ErrorFeedback:
             InvalidUpdateError: the tensor holds NaN or Inf (lossy codecs refuse it).
         """
         dtype, shape = tensor.dtype, tuple(tensor.shape)
-        if dtype not in LOSSY_DTYPES or self.codec.lossless:
+        if dtype not in LOSSY_DTYPES or self.codec.lossless or self.rule.kind == "none":
+            self._residuals.pop(name, None)
             payload = bytes(self.codec.encode(tensor, generator=generator, key=name))
             return Transmitted(payload, self.codec.decode(payload, dtype=dtype, shape=shape))
         acc = tensor.detach().to(_work_dtype(dtype))

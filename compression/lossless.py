@@ -56,6 +56,9 @@ class ZstdCodec(Codec):
         self.level = level
         self.lossless = inner.lossless
         self.contractive = inner.contractive
+        self.unbiased = inner.unbiased
+        self.auto_feedback = inner.auto_feedback
+        self.stochastic = inner.stochastic
         self.name = f"{inner.name}+zstd" + ("" if level == DEFAULT_ZSTD_LEVEL else f":{level}")
 
     def max_payload_bytes(self, *, dtype: torch.dtype, shape: tuple[int, ...]) -> int:

@@ -7,8 +7,9 @@ A spec is ``NAME[:PARAM][+zstd[:LEVEL]]``:
 ``fp16`` / ``bf16``    16-bit floats
 ``int8[:BLOCK]``       8-bit codes, one absmax per ``BLOCK`` elements (256)
 ``qsgd:LEVELS``        stochastic unbiased quantization, 1..32767 levels
-``topk:FRACTION``      the largest-magnitude ``FRACTION`` of elements, in (0, 1]
-``randk:FRACTION``     a uniform random ``FRACTION`` of elements
+``topk[:FRACTION]``    the largest-magnitude ``FRACTION`` of elements, in (0, 1] (0.1)
+``randk[:FRACTION]``   a uniform random ``FRACTION`` of elements; ``randk:F:unbiased``
+                       scales them by ``1/F`` (bare ``randk``: ``randk:0.25:unbiased``)
 ``powersgd:RANK``      rank-``RANK`` factors of matrices and conv kernels
 ``sign[:BLOCK]``       1 bit per element of randomly rotated blocks (256), scaled per block
 ``int4[:BLOCK]``       4-bit integer codes, one absmax per ``BLOCK`` elements (256)
@@ -39,7 +40,7 @@ from fedgrid.compression.lossless import ZstdCodec
 from fedgrid.compression.lowbit import DEFAULT_BLOCK_4BIT, FP4Codec, Int4Codec
 from fedgrid.compression.lowrank import PowerSGDCodec
 from fedgrid.compression.quantize import SIGN_BLOCK, CastCodec, Int8Codec, QSGDCodec, SignCodec
-from fedgrid.compression.sparse import RandKCodec, TopKCodec
+from fedgrid.compression.sparse import DEFAULT_RANDK, DEFAULT_TOPK, RandKCodec, TopKCodec
 from fedgrid.compression.sparseloco import CHUNK, DEFAULT_K, SparseLoCoCodec
 from fedgrid.errors import ConfigError, InvalidUpdateError
 
@@ -105,6 +106,15 @@ def _fraction(param: str | None, usage: str) -> float:
     return value
 
 
+def _randk(param: str | None) -> Codec:
+    if param is None:
+        return RandKCodec(*DEFAULT_RANDK)
+    fraction, sep, form = param.partition(":")
+    if sep and form != "unbiased":
+        raise ValueError(f"'randk:FRACTION[:unbiased]' ends in ':unbiased' or nothing, got {form!r}")
+    return RandKCodec(_fraction(fraction, "randk:FRACTION[:unbiased]"), unbiased=bool(sep))
+
+
 def _builtin() -> dict[str, _Family]:
     return {
         "none": _Family(_no_param(IdentityCodec()), "none"),
@@ -112,8 +122,11 @@ def _builtin() -> dict[str, _Family]:
         "bf16": _Family(_fresh("bf16", lambda: CastCodec(torch.bfloat16)), "bf16"),
         "int8": _Family(lambda p: Int8Codec(_int(p, "int8[:BLOCK]", 8, 65536, 256)), "int8[:BLOCK]"),
         "qsgd": _Family(lambda p: QSGDCodec(_int(p, "qsgd:LEVELS", 1, 32767)), "qsgd:LEVELS"),
-        "topk": _Family(lambda p: TopKCodec(_fraction(p, "topk:FRACTION")), "topk:FRACTION"),
-        "randk": _Family(lambda p: RandKCodec(_fraction(p, "randk:FRACTION")), "randk:FRACTION"),
+        "topk": _Family(
+            lambda p: TopKCodec(DEFAULT_TOPK if p is None else _fraction(p, "topk[:FRACTION]")),
+            "topk[:FRACTION]",
+        ),
+        "randk": _Family(_randk, "randk[:FRACTION[:unbiased]]"),
         "powersgd": _Family(lambda p: PowerSGDCodec(_int(p, "powersgd:RANK", 1, 65535)), "powersgd:RANK"),
         "sign": _Family(lambda p: SignCodec(_int(p, "sign[:BLOCK]", 8, 65536, SIGN_BLOCK)), "sign[:BLOCK]"),
         "int4": _Family(

@@ -154,7 +154,7 @@ def _check_quorum(config: Config) -> None:
 def _check_codecs_and_strategy(config: Config) -> None:
     """The codec specs, the evaluation fraction, the app, the chunk size, and the strategy
     with its options (built once to check them)."""
-    from fedgrid.compression.feedback import ErrorFeedback
+    from fedgrid.compression.feedback import ErrorFeedback, FeedbackRule
     from fedgrid.compression.registry import parse_region_codecs
     from fedgrid.config_compression import check_compression
 
@@ -163,7 +163,9 @@ def _check_codecs_and_strategy(config: Config) -> None:
         spec = getattr(config, key)
         codec = parse_codec_spec(spec, key=key)
         if not codec.lossless:
-            ErrorFeedback(spec if key == "codec" else codec)  # lossy codecs must suit error feedback
+            # Lossy codecs must suit the error feedback: the uplink's rule, the downlink's classic.
+            rule = FeedbackRule.parse(config.error_feedback) if key == "codec" else None
+            ErrorFeedback(spec if key == "codec" else codec, rule)
     for spec in parse_region_codecs(config.region_codecs).values():
         parse_codec_spec(spec, key="region_codecs")
     if not 0.0 <= config.fraction_evaluate <= 1.0:

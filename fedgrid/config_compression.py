@@ -16,10 +16,11 @@ class CompressionKeys:
     """Error feedback of the lossy uplink codecs (``fedgrid.compression.feedback.FeedbackRule``)."""
 
     error_feedback: str = _key(
-        "uplink error feedback of lossy codecs: classic (e <- v - C(v), v = x + e) or momentum:BETA "
+        "uplink error feedback of lossy codecs: classic (e <- v - C(v), v = x + e), momentum:BETA "
         "(DeMo/SparseLoCo's, v = BETA e + x, BETA in (0, 1); a residual also decays by BETA per round "
-        "its client sat out)",
-        "classic",
+        "its client sat out), none (no residual), or auto (the codec's own: none for randk:F:unbiased, "
+        "momentum:0.5 for topk, classic for the others)",
+        "auto",
     )
     feedback_reset_rounds: int = _key(
         "uplink error feedback: a client that sat out at least this many rounds drops its residual "
@@ -38,7 +39,7 @@ def check_compression(config: Any) -> None:
 def feedback_task_config(error_feedback: str, reset_rounds: int) -> dict[str, Any]:
     """What a task's config carries of the rule (nothing for the defaults, so tasks stay as they were)."""
     out: dict[str, Any] = {}
-    if error_feedback != "classic":
+    if error_feedback != "auto":
         out["uplink_feedback"] = error_feedback
     if reset_rounds:
         out["uplink_feedback_reset"] = reset_rounds

@@ -34,7 +34,7 @@ class CodecPolicy:
     default: str = "none"
     by_region: Mapping[str, str] = field(default_factory=dict)
     #: The uplink's error-feedback rule (``error_feedback``, ``feedback_reset_rounds``), told in every task.
-    error_feedback: str = "classic"
+    error_feedback: str = "auto"
     feedback_reset_rounds: int = 0
 
     def __post_init__(self) -> None:

@@ -93,7 +93,8 @@ def test_error_feedback_carries_what_topk_dropped():
             encoder.feedback.reset()  # forget the residual every round
             return encoder
 
-    with_ef = _engine(InProcessFleet(_clients(), codec_policy=CodecPolicy("topk:0.1")), rounds=4).run()
+    classic = CodecPolicy("topk:0.1", error_feedback="classic")
+    with_ef = _engine(InProcessFleet(_clients(), codec_policy=classic), rounds=4).run()
     without = _engine(NoFeedback(_clients(), codec_policy=CodecPolicy("topk:0.1")), rounds=4).run()
     gap = lambda m: sum(float((m[k] - dense[k]).norm()) for k in dense)  # noqa: E731
     assert gap(with_ef) < 0.8 * gap(without)

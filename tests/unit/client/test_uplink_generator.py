@@ -26,7 +26,7 @@ def _payloads(codec: str, *, round_: int, client: str, default_seed: int) -> lis
     return [bytes(payload) for _, _, payload in encoded.payloads()]
 
 
-@pytest.mark.parametrize("codec", ["randk:0.1", "qsgd:32"])
+@pytest.mark.parametrize("codec", ["randk:0.1", "qsgd:32", "randk:0.1+zstd", "randk", "qsgd:32+zstd"])
 def test_a_stochastic_codec_draws_from_the_task_round_and_client(codec):
     first = _payloads(codec, round_=3, client="digits-0001/4", default_seed=1)
     assert _payloads(codec, round_=3, client="digits-0001/4", default_seed=2) == first

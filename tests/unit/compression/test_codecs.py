@@ -35,6 +35,7 @@ LOSSY = [
     "qsgd:300",
     "topk:0.1",
     "randk:0.25",
+    "randk:0.25:unbiased",
     "powersgd:2",
     "sign",
     "sign:8",
@@ -113,6 +114,10 @@ def _elementwise_bound(spec: str, x: torch.Tensor) -> torch.Tensor | None:
         levels = int(base.split(":")[1])
         norms = torch.linalg.vector_norm(_blocks(x, QSGD_BUCKET), dim=1)
         return (norms / levels).repeat_interleave(QSGD_BUCKET)[:n] * (1 + 1e-5) + a * 2.0**-23
+    if base.endswith(":unbiased"):  # each element is zeroed or kept times n/k
+        k = get_codec(base).k_for(n)  # type: ignore[attr-defined]
+        scale = n / k if k else 1.0
+        return a * max(1.0, scale - 1.0) * (1 + 1e-2)
     if base.startswith(("topk", "randk")):
         return a  # each element is kept exactly or zeroed
     if base.startswith("int4"):
@@ -188,6 +193,25 @@ def test_fp16_falls_back_to_raw_beyond_its_range() -> None:
     payload, y = _roundtrip(get_codec("fp16"), x)
     assert payload[0] == 1 and torch.equal(y, x)
     assert get_codec("fp16").max_payload_bytes(dtype=torch.float32, shape=(3,)) == 13
+
+
+def test_bare_topk_and_randk_take_their_default_fractions() -> None:
+    assert get_codec("topk").name == "topk:0.1" and get_codec("topk").contractive
+    randk = get_codec("randk")
+    assert randk.name == "randk:0.25:unbiased" and randk.unbiased and not randk.contractive
+    assert get_codec("randk:0.25").contractive and not get_codec("randk:0.25").unbiased
+    assert get_codec("randk:0.5:unbiased+zstd").unbiased and get_codec("randk:0.5:unbiased+zstd").stochastic
+
+
+def test_unbiased_randk_is_unbiased_with_variance_n_over_k_minus_1_over_2000_seeded_draws() -> None:
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(7))
+    codec = get_codec("randk:0.1:unbiased")
+    draws = torch.stack([_roundtrip(codec, x, seed)[1] for seed in range(2000)]).double()
+    x64 = x.double()
+    # Per element: x * 10 with probability 1/10, else 0: variance 9 x^2, standard error 3|x|/sqrt(2000).
+    assert bool(((draws.mean(0) - x64).abs() <= 5 * 3 * x64.abs() / math.sqrt(2000) + 1e-6).all())
+    mse = float(((draws - x64) ** 2).sum(1).mean() / (x64**2).sum())
+    assert abs(mse - 9.0) < 0.3  # E||x^ - x||^2 = (n/k - 1) ||x||^2
 
 
 def test_qsgd_is_unbiased_over_500_seeded_draws() -> None:
@@ -348,7 +372,8 @@ def test_none_is_unchanged() -> None:
         ("foo", r"unknown codec 'foo' \(known: none, fp16, bf16, int8\[:BLOCK\], qsgd:LEVELS"),
         ("zstd", r"unknown codec 'zstd' \(known: none"),
         ("", r"empty codec spec"),
-        ("topk", r"'topk:FRACTION' needs a fraction in \(0, 1\], got None"),
+        ("randk:0.1:biased", r"'randk:FRACTION\[:unbiased\]' ends in ':unbiased' or nothing, got 'biased'"),
+        ("randk:x:unbiased", r"'randk:FRACTION\[:unbiased\]' needs a fraction in \(0, 1\], got 'x'"),
         ("topk:0", r"needs a fraction"),
         ("topk:1.5", r"needs a fraction"),
         ("topk:nan", r"needs a fraction"),

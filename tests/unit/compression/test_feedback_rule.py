@@ -98,7 +98,7 @@ def test_state_dict_keeps_the_last_round() -> None:
         (
             {"error_feedback": "momentum:1.5"},
             "error_feedback",
-            r"'classic' or 'momentum:BETA'.*'momentum:1.5'",
+            r"'auto', 'classic', 'momentum:BETA' with BETA in \(0, 1\), or 'none'.*'momentum:1.5'",
         ),
         ({"error_feedback": "ef21"}, "error_feedback", r"got 'ef21'"),
         ({"error_feedback": "momentum:0"}, "error_feedback", r"BETA in \(0, 1\)"),
@@ -119,12 +119,51 @@ def test_the_rule_travels_in_the_task_config() -> None:
     task = feedback_task_config(config.error_feedback, config.feedback_reset_rounds)
     assert task == {"uplink_feedback": "momentum:0.95", "uplink_feedback_reset": 3}
     assert feedback_rule(task) == FeedbackRule(0.95, 3)
-    assert feedback_task_config("classic", 0) == {} and feedback_rule({}) == FeedbackRule()
+    assert feedback_task_config("auto", 0) == {} and feedback_rule({}) == FeedbackRule(kind="auto")
+    assert feedback_task_config("classic", 0) == {"uplink_feedback": "classic"}
     uplink = UplinkEncoder("sparseloco").begin(5, task)
     assert uplink.feedback is not None and uplink.feedback.rule == FeedbackRule(0.95, 3)
     assert uplink.feedback.last_round == 5
     with pytest.raises(ConfigError, match="error_feedback"):
         feedback_rule({"uplink_feedback": "momentum:x"})
-    assert feedback_rule({"uplink_feedback_reset": 3.0}) == FeedbackRule(1.0, 3)  # a wire's float
+    assert feedback_rule({"uplink_feedback_reset": 3.0}) == FeedbackRule(1.0, 3, "auto")  # a wire's float
     with pytest.raises(ConfigError, match="feedback_reset_rounds"):
         feedback_rule({"uplink_feedback_reset": "3"})
+
+
+def test_auto_runs_unbiased_codecs_without_a_residual_and_the_others_with_classic_ef() -> None:
+    """``auto`` (the default): ``randk:F:unbiased`` sends C(x) each round and keeps nothing;
+    ``topk`` keeps a residual that decays by half per step; the others classic EF's; ``none``
+    keeps none for any codec."""
+    assert load_config(overrides={}).error_feedback == "auto"
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(1))
+    unbiased = UplinkEncoder("randk:0.1:unbiased").begin(1, {})
+    assert unbiased.feedback is not None and unbiased.feedback.rule.kind == "none"
+    sent = unbiased.feedback.encode("w", x, generator=torch.Generator().manual_seed(2))
+    assert not unbiased.feedback.residuals and int((sent.decoded != 0).sum()) == 100
+    torch.testing.assert_close(sent.decoded[sent.decoded != 0], 10 * x[sent.decoded != 0])
+    topk = UplinkEncoder("topk").begin(1, {})
+    assert topk.feedback is not None and topk.feedback.rule == FeedbackRule(0.5, 0)
+    sent = topk.feedback.encode("w", x)
+    torch.testing.assert_close(topk.feedback.residuals["w"], x - sent.decoded)
+    again = topk.feedback.encode("w", x)  # v = x + 0.5 e
+    torch.testing.assert_close(topk.feedback.residuals["w"], x + 0.5 * (x - sent.decoded) - again.decoded)
+    int8 = UplinkEncoder("int8+zstd").begin(1, {"uplink_feedback_reset": 4})
+    assert int8.feedback is not None and int8.feedback.rule == FeedbackRule(1.0, 4)
+    assert UplinkEncoder("topk+zstd").begin(1, {}).feedback.rule.spec == "momentum:0.5"  # type: ignore[union-attr]
+    plain = ErrorFeedback("topk:0.1", FeedbackRule.parse("none"))
+    plain.encode("w", x)
+    assert not plain.residuals and plain.rule.spec == "none"
+
+
+def test_an_unbiased_codec_under_a_residual_rule_is_refused_naming_the_key() -> None:
+    """Scaled rand-k is not contractive: under classic EF its residual would grow without bound."""
+    with pytest.raises(
+        ConfigError, match=r"config key 'codec': codec 'randk:0.25:unbiased' is not contractive"
+    ):
+        load_config(overrides={"codec": "randk", "error_feedback": "classic"})
+    with pytest.raises(ConfigError, match=r"'randk:0.25:unbiased' is not contractive"):
+        UplinkEncoder("randk").begin(1, {"uplink_feedback": "momentum:0.9"})
+    assert load_config(overrides={"codec": "randk", "error_feedback": "none"}).codec == "randk"
+    with pytest.raises(ConfigError, match=r"config key 'error_feedback': expected 'auto', 'classic'"):
+        load_config(overrides={"error_feedback": "ef22"})
