@@ -19,7 +19,9 @@ from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fedgrid.aggregation import Strategy
+from fedgrid.aggregation.lora_ranks import RankPolicy
 from fedgrid.config import Config
+from fedgrid.config_llm import parse_peft
 from fedgrid.constants import (
     GIL_SWITCH_INTERVAL_S,
     HEADER_TIMEOUT_S,
@@ -314,6 +316,8 @@ def _serve(
     wired = wire(config, threads, _initial_model(config, initial), evaluate_fn, on_event, strategy)
     writer, events, fleet, engine = wired.writer, wired.events, wired.fleet, wired.engine
     fleet.base_hash = base_hash
+    spec = parse_peft(config.peft)
+    fleet.lora_ranks = RankPolicy(spec.r if spec else 0, config.lora_aggregation, fleet.downlink.lossless)
     # The checkpoint first: the run id printed, and handed to the first clients, is the restored one.
     engine.resume()
     tls = TLSFiles.from_options(config.ca, config.cert, config.key, config.crl)

@@ -35,9 +35,13 @@ LAYERS, HIDDEN = 2, 32
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory) -> Path:
+    return tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+def tiny_llama(folder: Path) -> Path:
+    """The ``config.json`` folder of a 2-layer Llama of hidden size 32, written to ``folder``."""
     from transformers import LlamaConfig
 
-    folder = tmp_path_factory.mktemp("models") / "tiny-llama"
     LlamaConfig(
         vocab_size=96,
         hidden_size=HIDDEN,
