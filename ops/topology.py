@@ -109,6 +109,7 @@ CLIENT_KEYS = (
             "weight_decay",
             "precision",
             "peft",
+            "peft_rank",
             "lora_aggregation",
             "grad_accum",
             "grad_checkpointing",
@@ -405,6 +406,9 @@ def region_argv(
 ) -> list[str]:
     """``fedgrid region``'s arguments: it serves its LAN with ``tls`` and joins ``upstream`` with ``upstream_tls``."""
     server_name = ["--upstream-server-name", upstream_server_name] if upstream_server_name else []
+    # A --peft run's regions hash the base their clients train on: they take the model keys too.
+    shared = top.global_keys if top.global_keys.get("peft") else {}
+    model = {k: shared[k] for k in SHARED_WITH_CLIENTS if k in shared}
     return [
         "region",
         "--name",
@@ -422,7 +426,7 @@ def region_argv(
         *tls.flags(),
         "--seed",
         str(top.seed),
-        *_flags(region.keys),
+        *_flags({**model, **region.keys}),
     ]
 
 

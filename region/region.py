@@ -60,9 +60,11 @@ from typing import Any, Callable, Mapping
 
 from fedgrid.aggregation import Strategy
 from fedgrid.aggregation.goodput import SUMMED_KEYS, WORKER_WALL_S, utilization_of
+from fedgrid.aggregation.lora_ranks import RankPolicy
 from fedgrid.client.api import Client, FitOutput
 from fedgrid.client.runtime import RpcFailed, TaskReport, check_target, run_client
 from fedgrid.config import Config
+from fedgrid.config_llm import LoraSpec, parse_peft
 from fedgrid.constants import FINISH_GRACE_S, ROUND_RETRIES
 from fedgrid.determinism import environment, intra_op_threads
 from fedgrid.errors import ConfigError
@@ -118,6 +120,9 @@ class RegionClient(Client):
         regional_rounds: H, regional rounds per global task.
         initialized: the strategy already holds a model (resumed from the state directory).
     """
+
+    base_hash: str = ""  # a --peft run's frozen base hash and the region's LoRA rank, shown upstream at Join
+    lora_rank: int = 0
 
     def __init__(
         self, engine: RoundEngine, *, name: str, regional_rounds: int, initialized: bool = False
@@ -297,7 +302,11 @@ def _wan_writer(path: Path) -> Callable[[TaskReport], None]:
 
 
 def run_region(
-    config: Config, *, ready: threading.Event | None = None, stop: threading.Event | None = None
+    config: Config,
+    *,
+    ready: threading.Event | None = None,
+    stop: threading.Event | None = None,
+    base_hash: str = "",
 ) -> int:
     """Serves the region's clients and the global coordinator's tasks until the global run ends.
 
@@ -305,11 +314,12 @@ def run_region(
     strategy and its keys, ``codec``, ``state_dir``, TLS ``ca``/``cert``/``key``) and its
     region keys (``upstream``, ``name``, ``regional_rounds``, ``upstream_ca``/``_cert``/
     ``_key``/``_server_name``). Returns the global tasks trained; SIGTERM or Ctrl-C (or
-    ``stop``) leaves upstream and stops.
+    ``stop``) leaves upstream and stops. ``base_hash``: a ``--peft`` run's frozen base
+    (``fedgrid.cli.region.serve`` hashes ``--model hf:PATH``), shown upstream and required of its clients.
 
     Raises:
         ConfigError: no ``upstream`` or ``name``, or a bad one (named); ``min_quorum`` (a
-            region's regional rounds are synchronous; upstream it is one learner).
+            region's regional rounds are synchronous; upstream it is one learner); peft without base_hash.
     """
     if not config.upstream:
         raise ConfigError("upstream", "a region needs the global coordinator's HOST:PORT (--upstream)")
@@ -329,8 +339,10 @@ def run_region(
             "a region's regional rounds wait for its clients (it sends one result upstream per "
             "task): set min_quorum on the global coordinator, where the region counts as one learner",
         )
+    if config.peft and not base_hash:
+        raise ConfigError("model", "a region of a --peft run hashes its base: give it --model hf:PATH")
     with intra_op_threads(config.threads) as threads:
-        return _serve(config, threads, ready, stop or threading.Event())
+        return _serve(config, threads, ready, stop or threading.Event(), base_hash)
 
 
 def _parts(config: Config, threads: int) -> tuple[Strategy, RunWriter, EventLog, RemoteFleet, RoundEngine]:
@@ -374,7 +386,9 @@ def _parts(config: Config, threads: int) -> tuple[Strategy, RunWriter, EventLog,
     return strategy, writer, events, fleet, engine
 
 
-def _serve(config: Config, threads: int, ready: threading.Event | None, stop: threading.Event) -> int:
+def _serve(
+    config: Config, threads: int, ready: threading.Event | None, stop: threading.Event, base: str
+) -> int:
     # Incomplete or unreadable upstream TLS files fail here, before any server starts.
     TLSFiles.from_options(config.upstream_ca, config.upstream_cert, config.upstream_key, what="upstream TLS")
     strategy, writer, events, fleet, engine = _parts(config, threads)
@@ -383,6 +397,10 @@ def _serve(config: Config, threads: int, ready: threading.Event | None, stop: th
     region = RegionClient(
         engine, name=config.name, regional_rounds=config.regional_rounds, initialized=resumed
     )
+    # Its clients show the base it shows upstream; their LoRA ranks are checked as a coordinator checks them.
+    region.base_hash = fleet.base_hash = base
+    region.lora_rank = (parse_peft(config.peft) or LoraSpec(r=0)).r
+    fleet.lora_ranks = RankPolicy(region.lora_rank, config.lora_aggregation, fleet.downlink.lossless)
     coordinator = Coordinator(
         config.listen,
         fleet,

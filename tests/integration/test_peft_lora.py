@@ -38,14 +38,14 @@ def llama(tmp_path_factory) -> Path:
     return tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
 
 
-def tiny_llama(folder: Path) -> Path:
+def tiny_llama(folder: Path, intermediate_size: int = 64) -> Path:
     """The ``config.json`` folder of a 2-layer Llama of hidden size 32, written to ``folder``."""
     from transformers import LlamaConfig
 
     LlamaConfig(
         vocab_size=96,
         hidden_size=HIDDEN,
-        intermediate_size=64,
+        intermediate_size=intermediate_size,
         num_hidden_layers=LAYERS,
         num_attention_heads=2,
         num_key_value_heads=2,
