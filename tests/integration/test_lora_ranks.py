@@ -13,8 +13,8 @@ from datetime import timedelta
 
 import pytest
 import torch
-from shakespeare_data import synthetic_shakespeare
-from test_peft_lora import LAYERS, _config, _Coordinator, tiny_llama
+from shakespeare_data import synthetic_shakespeare, tiny_llama
+from test_peft_lora import LAYERS, _config, _Coordinator
 
 from fedgrid.client import start_client
 from fedgrid.client.api import FitOutput

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from shakespeare_data import synthetic_shakespeare
+from shakespeare_data import synthetic_shakespeare, tiny_llama
 
 from fedgrid.cli import serve
 from fedgrid.client import start_client
@@ -36,22 +36,6 @@ LAYERS, HIDDEN = 2, 32
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory) -> Path:
     return tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
-
-
-def tiny_llama(folder: Path, intermediate_size: int = 64) -> Path:
-    """The ``config.json`` folder of a 2-layer Llama of hidden size 32, written to ``folder``."""
-    from transformers import LlamaConfig
-
-    LlamaConfig(
-        vocab_size=96,
-        hidden_size=HIDDEN,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    ).save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import threading
 from pathlib import Path
 
 import pytest
-from shakespeare_data import synthetic_shakespeare
-from test_peft_lora import _config, _Coordinator, tiny_llama
+from shakespeare_data import synthetic_shakespeare, tiny_llama
+from test_peft_lora import _config, _Coordinator
 
 from fedgrid.cli.region import serve as serve_region
 from fedgrid.client import start_client
