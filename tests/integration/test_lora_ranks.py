@@ -19,6 +19,7 @@ from test_peft_lora import LAYERS, _config, _Coordinator
 from fedgrid.client import start_client
 from fedgrid.client.api import FitOutput
 from fedgrid.errors import ConfigError
+from fedgrid.runlog import read_metrics
 from fedgrid.simulation.fleet import InProcessFleet
 from fedgrid.simulation.run import run_simulation
 from fedgrid.simulation.tasks import builtin_client, client_options
@@ -45,7 +46,10 @@ def data_dir(tmp_path_factory):
 
 def _ranked(llama, data_dir, out, **overrides):
     return _config(
-        llama, data_dir, out, peft=PEFT8, peft_rank="4,8", lora_aggregation="svd", rounds=2, **overrides
+        llama,
+        data_dir,
+        out,
+        **{"peft": PEFT8, "peft_rank": "4,8", "lora_aggregation": "svd", "rounds": 2, **overrides},
     )
 
 
@@ -72,7 +76,9 @@ def _truncated(product: torch.Tensor, rank: int) -> torch.Tensor:
 def test_clients_of_ranks_4_and_8_train_their_own_shapes_and_svd_merges_their_products(
     llama, data_dir, tmp_path
 ):
-    config = _ranked(llama, data_dir, tmp_path / "grpc", listen="127.0.0.1:0", min_clients=2)
+    config = _ranked(
+        llama, data_dir, tmp_path / "grpc", listen="127.0.0.1:0", min_clients=2, fraction_evaluate=1.0
+    )
     run = _Coordinator(config)
     clients = [_recorded(builtin_client(i, 2, config.seed, **client_options(config))) for i in range(2)]
     assert [c.lora_rank for c, _ in clients] == [4, 8]
@@ -101,20 +107,23 @@ def test_clients_of_ranks_4_and_8_train_their_own_shapes_and_svd_merges_their_pr
         got = deployed[b].double() @ deployed[a].double()
         torch.testing.assert_close(got, _truncated(mean, 8), rtol=1e-5, atol=1e-7)
     # The simulation of the same run gives the same bits.
-    simulated, history = run_simulation(_ranked(llama, data_dir, tmp_path / "sim"))
+    simulated, history = run_simulation(_ranked(llama, data_dir, tmp_path / "sim", fraction_evaluate=1.0))
     assert simulated is not None and list(simulated) == list(deployed)
     for name, tensor in simulated.items():
         assert torch.equal(deployed[name], tensor), name
     assert history[-1].clients_ok == 2
+    # Each client evaluated the model at its own rank, over gRPC as in the simulation.
+    assert [row["clients_evaluated"] for row in read_metrics(tmp_path / "grpc")] == [2, 2]
+    assert [m.extra["clients_evaluated"] for m in history] == [2, 2]
 
 
-def test_an_upload_of_other_shapes_than_its_announced_rank_is_refused(llama, data_dir, tmp_path):
-    config = _ranked(llama, data_dir, tmp_path / "sim")
+def _liar(config):
+    """Client 0 (rank 4), uploading its factors padded to rank 8."""
     liar = builtin_client(0, 2, config.seed, **client_options(config))
     assert liar.lora_rank == 4
     fit = liar.fit
 
-    def rank8_factors(state, ins):  # pads its rank-4 factors to rank 8
+    def rank8_factors(state, ins):
         out = fit(state, ins)
         padded = OrderedDict(
             (k, torch.cat([v, torch.zeros_like(v)], dim=0 if ".lora_A." in k else 1))
@@ -123,6 +132,28 @@ def test_an_upload_of_other_shapes_than_its_announced_rank_is_refused(llama, dat
         return FitOutput(padded, out.num_examples, out.metrics)
 
     liar.fit = rank8_factors
+    return liar
+
+
+def test_an_upload_of_other_shapes_than_its_announced_rank_is_refused_over_grpc(llama, data_dir, tmp_path):
+    config = _ranked(llama, data_dir, tmp_path / "grpc", listen="127.0.0.1:0", min_clients=2, rounds=1)
+    run = _Coordinator(config)
+    honest, seen = _recorded(builtin_client(1, 2, config.seed, **client_options(config)))
+    handles = [start_client(client, run.address) for client in (_liar(config), honest)]
+    final = run.finish()
+    for handle in handles:
+        handle.join(timeout=60)
+    (row,) = read_metrics(tmp_path / "grpc")
+    assert row["clients_ok"] == 1 and row["clients_failed"] == 1
+    ((_, up, _),) = seen  # the aggregate is the honest client's alone
+    for a, b in PAIRS:
+        want = up[b].double() @ up[a].double()
+        torch.testing.assert_close(final[b].double() @ final[a].double(), want, rtol=1e-5, atol=1e-7)
+
+
+def test_an_upload_of_other_shapes_than_its_announced_rank_is_refused(llama, data_dir, tmp_path):
+    config = _ranked(llama, data_dir, tmp_path / "sim")
+    liar = _liar(config)
     fleet = InProcessFleet([liar])
     (info,) = fleet.wait_for_clients(min_clients=1, timeout=timedelta(seconds=1))
     model = builtin_client(1, 2, config.seed, **client_options(config)).model
@@ -167,3 +198,19 @@ def test_a_client_of_another_rank_is_refused_at_join_without_svd(llama, data_dir
     handle = start_client(builtin_client(0, 1, config.seed, **client_options(config)), run.address)
     assert run.finish()[PAIRS[0][0]].shape == (8, 32)
     handle.join(timeout=60)
+
+
+@pytest.mark.parametrize("codec", ["topk:0.25", "int8"])
+def test_clients_of_their_own_ranks_take_lossy_uplinks_and_evaluate_at_their_rank(
+    llama, data_dir, tmp_path, codec
+):
+    # A difference is taken against the client's own download; federated evaluation sends each
+    # client the model at its rank.
+    final, history = run_simulation(
+        _ranked(llama, data_dir, tmp_path / "sim", codec=codec, fraction_evaluate=1.0)
+    )
+    assert final is not None and final[PAIRS[0][0]].shape == (8, 32)
+    assert [m.clients_ok for m in history] == [2, 2]
+    assert all(m.clients_failed == 0 for m in history)
+    assert [m.extra.get("clients_evaluated") for m in history] == [2, 2]
+    assert any(b.abs().sum() > 0 for name, b in final.items() if ".lora_B." in name)
