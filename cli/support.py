@@ -62,6 +62,7 @@ CLIENT_OPTION_KEYS = [
 def _key_lists() -> dict[str, list[str]]:
     from fedgrid.config import (
         CLIENT_ONLY_KEYS,
+        CLIENT_SIDE_KEYS,
         COORDINATOR_ONLY_KEYS,
         PRIVACY_KEYS,
         QUORUM_KEYS,
@@ -73,10 +74,10 @@ def _key_lists() -> dict[str, list[str]]:
     simulate = [
         k for k in config_keys() if k not in COORDINATOR_ONLY_KEYS | CLIENT_ONLY_KEYS | REGION_ONLY_KEYS
     ]
-    coordinator = [  # peft_rank: a client's own; a coordinator's bound is its peft's r
+    coordinator = [
         k
         for k in config_keys()
-        if k not in SIMULATION_ONLY_KEYS | CLIENT_ONLY_KEYS | REGION_ONLY_KEYS and k != "peft_rank"
+        if k not in SIMULATION_ONLY_KEYS | CLIENT_ONLY_KEYS | REGION_ONLY_KEYS | CLIENT_SIDE_KEYS
     ]
     region = [
         k
