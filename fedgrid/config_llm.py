@@ -22,6 +22,7 @@ __all__ = [
     "parse_peft",
     "parse_peft_ranks",
     "peft_at_rank",
+    "peft_rank_bound",
     "check_llm_keys",
 ]
 
@@ -120,6 +121,12 @@ def parse_peft_ranks(text: str, bound: int) -> tuple[int, ...]:
             raise ConfigError("peft_rank", f"{rank} is outside [1, {bound}] (the peft rank r bounds it)")
         ranks.append(rank)
     return tuple(ranks)
+
+
+def peft_rank_bound(peft: str) -> int:
+    """The rank ``r`` of the adapters ``peft`` names (0 without): the highest a client may train."""
+    spec = parse_peft(peft)
+    return spec.r if spec is not None else 0
 
 
 def peft_at_rank(peft: str, peft_rank: str, index: int) -> str:

@@ -60,11 +60,9 @@ from typing import Any, Callable, Mapping
 
 from fedgrid.aggregation import Strategy
 from fedgrid.aggregation.goodput import SUMMED_KEYS, WORKER_WALL_S, utilization_of
-from fedgrid.aggregation.lora_ranks import RankPolicy
 from fedgrid.client.api import Client, FitOutput
 from fedgrid.client.runtime import RpcFailed, TaskReport, check_target, run_client
 from fedgrid.config import Config
-from fedgrid.config_llm import LoraSpec, parse_peft
 from fedgrid.constants import FINISH_GRACE_S, ROUND_RETRIES
 from fedgrid.determinism import environment, intra_op_threads
 from fedgrid.errors import ConfigError
@@ -72,7 +70,7 @@ from fedgrid.events import EventLog
 from fedgrid.interrupts import GracefulStop, say
 from fedgrid.proto.tls import TLSFiles
 from fedgrid.runlog import RunWriter
-from fedgrid.server.app import Coordinator, build_fleet, write_address
+from fedgrid.server.app import Coordinator, build_fleet, rank_policy, write_address
 from fedgrid.server.engine import ROUND_FAILED, RoundEngine
 from fedgrid.server.influence import build_influence
 from fedgrid.server.remote_fleet import RemoteFleet
@@ -399,8 +397,8 @@ def _serve(
     )
     # Its clients show the base it shows upstream; their LoRA ranks are checked as a coordinator checks them.
     region.base_hash = fleet.base_hash = base
-    region.lora_rank = (parse_peft(config.peft) or LoraSpec(r=0)).r
-    fleet.lora_ranks = RankPolicy(region.lora_rank, config.lora_aggregation, fleet.downlink.lossless)
+    fleet.lora_ranks = rank_policy(config, fleet.downlink.lossless)
+    region.lora_rank = fleet.lora_ranks.bound
     coordinator = Coordinator(
         config.listen,
         fleet,
