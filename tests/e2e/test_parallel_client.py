@@ -87,7 +87,7 @@ def test_a_peft_client_on_two_ranks_takes_the_single_process_steps(tmp_path):
         tiny_llama(tmp_path / "llama", layers=1),
         synthetic_shakespeare(tmp_path / "data", lines_per_speaker=20),
     )
-    overrides = {"dataset": "shakespeare", "data_dir": str(data), "model": f"hf:{llama}", "batch_size": 16}
+    overrides = {"dataset": "shakespeare", "data_dir": str(data), "model": f"hf:{llama}", "batch_size": 8}
     config = load_config(
         overrides={
             **overrides,
@@ -99,7 +99,7 @@ def test_a_peft_client_on_two_ranks_takes_the_single_process_steps(tmp_path):
     options = client_options(config)
     single = builtin_client(0, 6, 0, **options)
     start = OrderedDict((k, v.clone()) for k, v in single.model.state_dict().items())
-    ins = FitIns(round=1, config={"local_epochs": 1, "seed": 5, "lr": 0.01})
+    ins = FitIns(round=1, config={"local_epochs": 1, "seed": 5, "lr": 0.5})
     one = single.fit(OrderedDict((k, v.clone()) for k, v in start.items()), ins)
     client = ParallelClient(builtin_client, (0, 6, 0), options, spec=ParallelSpec.parse(2, "dp"), threads=1)
     try:
