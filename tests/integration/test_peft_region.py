@@ -13,6 +13,7 @@ import pytest
 from shakespeare_data import synthetic_shakespeare, tiny_llama
 from test_peft_lora import _config, _Coordinator
 
+from fedgrid.cli import serve
 from fedgrid.cli.region import serve as serve_region
 from fedgrid.client import start_client
 from fedgrid.errors import ConfigError
@@ -104,3 +105,48 @@ def test_a_region_of_a_peft_run_needs_its_base(llama, data_dir, tmp_path):
     with pytest.raises(ConfigError) as info:
         run_region(config)  # no base hash given: fedgrid region hashes --model hf:PATH
     assert info.value.key == "model"
+
+
+def test_a_region_of_another_base_is_refused_upstream_naming_both_hashes(llama, data_dir, tmp_path, caplog):
+    # The global coordinator waits 2 s for a client that never comes, then ends with that error.
+    top = _config(
+        llama, data_dir, tmp_path / "global", peft=PEFT8, listen="127.0.0.1:0", min_clients=1, join_timeout_s=2.0
+    )  # fmt: skip
+    ended: dict[str, Exception] = {}
+
+    def coordinate() -> None:
+        try:
+            serve(top)
+        except Exception as exc:
+            ended["error"] = exc
+
+    coordinator = threading.Thread(target=coordinate, daemon=True)
+    coordinator.start()
+    upstream = tmp_path / "global" / "address"
+    wait_until(lambda: upstream.exists() and upstream.read_text().strip(), timeout=60, what="address")
+    other = tiny_llama(tmp_path / "other-llama", intermediate_size=48)
+    config = _config(
+        other, data_dir, tmp_path / "eu", peft=PEFT8, listen="127.0.0.1:0", upstream=upstream.read_text().strip(),
+        name="eu", min_clients=1, regional_rounds=1,
+    )  # fmt: skip
+    stop = threading.Event()
+    region = threading.Thread(target=serve_region, args=(config,), kwargs={"stop": stop}, daemon=True)
+    region.start()
+    address_file = tmp_path / "eu" / "address"
+    wait_until(lambda: address_file.exists() and address_file.read_text().strip(), timeout=60, what="address")
+    # The region's own client (of the region's base) joins it; the region then joins upstream.
+    client = builtin_client(0, 1, top.seed, **client_options(config))
+    handle = start_client(client, address_file.read_text().strip())
+    try:
+        wait_until(lambda: "base model mismatch" in caplog.text, timeout=60, what="the upstream refusal")
+    finally:
+        handle.stop()
+        handle.join(timeout=60)
+        stop.set()
+        region.join(timeout=60)
+        coordinator.join(timeout=60)
+    assert "0 live clients" in str(ended.get("error")), ended  # no client ever joined it
+    ours = build_peft_lm(str(llama), PEFT8).base_hash
+    # The region's log names both (the coordinator's, last, cut to the log's bound).
+    assert client.base_hash in caplog.text and ours[:24] in caplog.text and ours != client.base_hash
+    assert not region.is_alive() and not coordinator.is_alive()
