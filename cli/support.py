@@ -52,6 +52,7 @@ CLIENT_OPTION_KEYS = [
     "weight_decay",
     "precision",
     "peft",
+    "peft_rank",
     "lora_aggregation",
     "grad_accum",
     "grad_checkpointing",
@@ -61,6 +62,7 @@ CLIENT_OPTION_KEYS = [
 def _key_lists() -> dict[str, list[str]]:
     from fedgrid.config import (
         CLIENT_ONLY_KEYS,
+        CLIENT_SIDE_KEYS,
         COORDINATOR_ONLY_KEYS,
         PRIVACY_KEYS,
         QUORUM_KEYS,
@@ -73,14 +75,17 @@ def _key_lists() -> dict[str, list[str]]:
         k for k in config_keys() if k not in COORDINATOR_ONLY_KEYS | CLIENT_ONLY_KEYS | REGION_ONLY_KEYS
     ]
     coordinator = [
-        k for k in config_keys() if k not in SIMULATION_ONLY_KEYS | CLIENT_ONLY_KEYS | REGION_ONLY_KEYS
+        k
+        for k in config_keys()
+        if k not in SIMULATION_ONLY_KEYS | CLIENT_ONLY_KEYS | REGION_ONLY_KEYS | CLIENT_SIDE_KEYS
     ]
     region = [
         k
         for k in coordinator
         if k
         not in (
-            *("rounds", "initial_model", "model", "enroll_listen", "enroll_dir", "http", "http_token_file"),
+            # model stays: a --peft run's region hashes its frozen base (fedgrid.cli.region.serve)
+            *("rounds", "initial_model", "enroll_listen", "enroll_dir", "http", "http_token_file"),
             "http_linger_s",
             "eval_every",  # a region evaluates nothing of its own: the global coordinator does
             *QUORUM_KEYS,

@@ -85,6 +85,14 @@ class Client(ABC):
         return str(getattr(getattr(self, "model", None), "base_hash", ""))
 
     @property
+    def lora_rank(self) -> int:
+        """The rank of the LoRA adapters this client trains, announced at Join (``peft_rank``: a
+        coordinator of ``lora_aggregation = svd`` sends it the model at that rank): its
+        ``model``'s ``spec.r`` when it has adapters (``fedgrid.simulation.peft_lm.PeftLM``), else 0."""
+        model = getattr(self, "model", None)
+        return int(getattr(getattr(model, "spec", None), "r", 0)) if hasattr(model, "base_hash") else 0
+
+    @property
     def timeline(self) -> Timeline:
         found = self.__dict__.get("_timeline")
         # setdefault is atomic: a background trainer and the runtime may ask first at once.

@@ -292,6 +292,7 @@ class Connection:
                 codecs=list(available_codecs()),
             ),
             base_hash=client.base_hash,
+            lora_rank=client.lora_rank,
         )
         reply: pb.JoinReply = self._call("Join", lambda: self.stub.Join(request, timeout=self.rpc_timeout))
         if reply.base_hash != client.base_hash:  # a coordinator that did not check: refuse to train

@@ -212,6 +212,7 @@ class ParallelClient(Client):
         first = self._build()
         self._local: TorchClient | None = first
         self.name, self.region = first.name, first.region
+        self._adapters = (first.base_hash, first.lora_rank)  # shown at Join (--peft): its ranks' model's
         self._num_examples, self._evaluates = first.num_examples, first.eval_loader is not None
         self._saved: dict[str, Any] = first.state_dict()
         self._workers: list[Any] = []
@@ -226,6 +227,14 @@ class ParallelClient(Client):
     @property
     def num_examples(self) -> int:
         return self._num_examples
+
+    @property
+    def base_hash(self) -> str:
+        return self._adapters[0]
+
+    @property
+    def lora_rank(self) -> int:
+        return self._adapters[1]
 
     @property
     def device(self) -> torch.device:

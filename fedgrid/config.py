@@ -29,6 +29,7 @@ from fedgrid.config_compression import CompressionKeys
 from fedgrid.config_groups import (
     AGGREGATOR_NAMES,
     CLIENT_ONLY_KEYS,
+    CLIENT_SIDE_KEYS,
     COORDINATOR_ONLY_KEYS,
     ENGINES,
     LR_DEFAULT,
@@ -63,6 +64,7 @@ __all__ = [
     "SIMULATION_ONLY_KEYS",
     "COORDINATOR_ONLY_KEYS",
     "CLIENT_ONLY_KEYS",
+    "CLIENT_SIDE_KEYS",
     "REGION_ONLY_KEYS",
     "QUORUM_KEYS",
     "PRIVACY_KEYS",

@@ -61,7 +61,7 @@ def validate(config: Config) -> None:
         raise ConfigError("batch_clients", f"must be at least 0, got {config.batch_clients}")
     _check_capability_keys(config)
     check_privacy(config)
-    check_llm_keys(config.peft, config.lora_aggregation, config.aggregator, config.model)
+    check_llm_keys(config.peft, config.lora_aggregation, config.aggregator, config.model, config.peft_rank)
     if config.grad_accum < 1:
         raise ConfigError("grad_accum", f"must be at least 1, got {config.grad_accum}")
     # The data, model and heterogeneity keys need the simulation layer's registries:

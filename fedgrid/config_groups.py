@@ -15,6 +15,7 @@ __all__ = [
     "SIMULATION_ONLY_KEYS",
     "COORDINATOR_ONLY_KEYS",
     "CLIENT_ONLY_KEYS",
+    "CLIENT_SIDE_KEYS",
     "REGION_ONLY_KEYS",
     "PRIVACY_KEYS",
     "INNER_LR_STRATEGIES",
@@ -133,6 +134,9 @@ CLIENT_ONLY_KEYS = frozenset(
         "collective_timeout_s",
     }
 )
+#: Keys of the clients that ``fedgrid client`` and ``fedgrid simulate`` take and a coordinator or
+#: region does not: a client's own LoRA rank (a coordinator's bound is its ``peft``'s r).
+CLIENT_SIDE_KEYS = frozenset({"peft_rank"})
 #: Keys only ``fedgrid region`` uses: its upstream link and its name there (``fedgrid.region``).
 REGION_ONLY_KEYS = frozenset(
     {"upstream", "name", "upstream_ca", "upstream_cert", "upstream_key", "upstream_server_name"}

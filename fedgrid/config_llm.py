@@ -14,7 +14,17 @@ from fedgrid.aggregation.lora import LORA_AGGREGATIONS
 from fedgrid.config_values import key as _key
 from fedgrid.errors import ConfigError
 
-__all__ = ["LlmKeys", "LoraSpec", "LORA_AGGREGATIONS", "LORA_KEYS", "parse_peft", "check_llm_keys"]
+__all__ = [
+    "LlmKeys",
+    "LoraSpec",
+    "LORA_AGGREGATIONS",
+    "LORA_KEYS",
+    "parse_peft",
+    "parse_peft_ranks",
+    "peft_at_rank",
+    "peft_rank_bound",
+    "check_llm_keys",
+]
 
 #: The keys of a ``lora:`` spec.
 LORA_KEYS = ("r", "alpha", "targets", "dropout")
@@ -90,6 +100,47 @@ def parse_peft(spec: str) -> LoraSpec | None:
     return LoraSpec(r=r, alpha=alpha, targets=chosen, dropout=dropout)
 
 
+def parse_peft_ranks(text: str, bound: int) -> tuple[int, ...]:
+    """The clients' LoRA ranks ``peft_rank`` names: ``""`` (the coordinator's ``bound``), ``R``
+    (every client) or ``R1,R2,...`` (client ``i`` takes item ``i`` mod their count).
+
+    Raises:
+        ConfigError: an item that is not an integer, or outside ``[1, bound]`` (names ``peft_rank``).
+    """
+    if not text.strip():
+        return ()
+    ranks = []
+    for item in (part.strip() for part in text.split(",")):
+        try:
+            rank = int(item)
+        except ValueError:
+            raise ConfigError(
+                "peft_rank", f"{text!r}: expected R or R1,R2,... (integers), got {item!r}"
+            ) from None
+        if not 1 <= rank <= bound:
+            raise ConfigError("peft_rank", f"{rank} is outside [1, {bound}] (the peft rank r bounds it)")
+        ranks.append(rank)
+    return tuple(ranks)
+
+
+def peft_rank_bound(peft: str) -> int:
+    """The rank ``r`` of the adapters ``peft`` names (0 without): the highest a client may train."""
+    spec = parse_peft(peft)
+    return spec.r if spec is not None else 0
+
+
+def peft_at_rank(peft: str, peft_rank: str, index: int) -> str:
+    """The ``peft`` spec of client ``index`` under ``peft_rank`` (``parse_peft_ranks``): rank
+    ``r_i`` with ``alpha = r_i * alpha / r``, so that every side keeps the scale ``alpha / r``
+    (``fedgrid.aggregation.lora_ranks``); ``peft`` itself without a rank of its own."""
+    spec = parse_peft(peft)
+    ranks = parse_peft_ranks(peft_rank, spec.r if spec else 0) if peft_rank.strip() else ()
+    if spec is None or not ranks or ranks[index % len(ranks)] == spec.r:
+        return peft
+    rank = ranks[index % len(ranks)]
+    return f"lora:r={rank},alpha={spec.scaling * rank!r},dropout={spec.dropout!r},targets={','.join(spec.targets)}"
+
+
 @dataclass(frozen=True)
 class LlmKeys:
     """Language-model fine-tuning with adapters: the adapter, how it is aggregated, and the client's
@@ -105,6 +156,12 @@ class LlmKeys:
         "truncated SVD to rank r; fedavg and fedprox) or ffa (A frozen at its seeded start, B trained)",
         None,
     )
+    peft_rank: str = _key(
+        "with peft: the clients' own LoRA ranks, R (every client) or R1,R2,... (client i takes item i mod "
+        "their count), each in [1, r]; a rank other than r needs lora_aggregation = svd, which sends each "
+        "client the model refactorized to its rank",
+        "",
+    )
     grad_accum: int = _key(
         "language-model clients: micro-batches per optimizer step (the gradient of batch_size examples, the "
         "activations of batch_size / grad_accum)",
@@ -115,18 +172,32 @@ class LlmKeys:
     )
 
 
-def check_llm_keys(peft: str, lora_aggregation: str | None, aggregator: str | None, model: str) -> None:
+def check_llm_keys(
+    peft: str, lora_aggregation: str | None, aggregator: str | None, model: str, peft_rank: str = ""
+) -> None:
     """Checks the adapter keys together.
 
     Raises:
         ConfigError: a bad ``peft`` spec, ``peft`` on a model that is not ``hf:PATH``, an unknown
-            ``lora_aggregation``, one without ``peft``, or ``svd`` with a robust ``aggregator``.
+            ``lora_aggregation``, one without ``peft``, ``svd`` with a robust ``aggregator``, a
+            bad ``peft_rank``, one without ``peft``, or ranks other than r without ``svd``.
     """
     spec = parse_peft(peft)
     if spec is not None and not model.startswith("hf:"):
         raise ConfigError(
             "peft", f"adapters wrap a Hugging Face model: set --model hf:PATH (model is {model!r})"
         )
+    if peft_rank.strip() and spec is None:
+        raise ConfigError("peft_rank", "applies to adapters only: set peft (e.g. --peft lora:r=8)")
+    if spec is not None and lora_aggregation != "svd":
+        if any(rank != spec.r for rank in parse_peft_ranks(peft_rank, spec.r)):
+            raise ConfigError(
+                "lora_aggregation",
+                f"{lora_aggregation or 'factors'} averages factors of one shape: clients of LoRA ranks "
+                f"{peft_rank} beside r={spec.r} need lora_aggregation = svd",
+            )
+    elif spec is not None:
+        parse_peft_ranks(peft_rank, spec.r)
     if lora_aggregation is None:
         return
     if lora_aggregation not in LORA_AGGREGATIONS:

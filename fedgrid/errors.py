@@ -13,6 +13,7 @@ __all__ = [
     "FedgridError",
     "ResourceLimitError",
     "ConfigError",
+    "AdapterRankError",
     "InvalidUpdateError",
     "AuthenticationError",
     "PermissionDeniedError",
@@ -58,6 +59,11 @@ class ConfigError(FedgridError, ValueError):
     def __init__(self, key: str, problem: str) -> None:
         super().__init__(f"config key '{key}': {problem}")
         self.key = key
+
+
+class AdapterRankError(ConfigError):
+    """A client's LoRA rank (``peft_rank``) that the run cannot take: outside the coordinator's
+    bound, or mixed ranks under an aggregation that needs one shape. Names the key at fault."""
 
 
 class InvalidUpdateError(FedgridError, ValueError):

@@ -67,6 +67,8 @@ class ClientInfo:
         num_accelerators: local GPUs.
         memory_bytes: memory the client reports.
         codecs: codecs the client supports.
+        lora_rank: the rank of its LoRA adapters when it differs from the coordinator's
+            (``peft_rank``; 0: the coordinator's; ``fedgrid.aggregation.lora_ranks``).
     """
 
     client_id: str
@@ -77,6 +79,7 @@ class ClientInfo:
     num_accelerators: int = 0
     memory_bytes: int = 0
     codecs: tuple[str, ...] = ("none",)
+    lora_rank: int = 0
 
     @property
     def sort_key(self) -> tuple[str, str]:

@@ -37,6 +37,7 @@ import tomllib
 
 from fedgrid.config import (
     CLIENT_ONLY_KEYS,
+    CLIENT_SIDE_KEYS,
     PRIVACY_KEYS,
     QUORUM_KEYS,
     REGION_ONLY_KEYS,
@@ -83,13 +84,15 @@ MANAGED_KEYS = frozenset(
         "upstream_server_name",
     }
 )
-_COORDINATOR = frozenset(config_keys()) - SIMULATION_ONLY_KEYS - CLIENT_ONLY_KEYS - REGION_ONLY_KEYS
+_COORDINATOR = (
+    frozenset(config_keys()) - SIMULATION_ONLY_KEYS - CLIENT_ONLY_KEYS - REGION_ONLY_KEYS - CLIENT_SIDE_KEYS
+)
 GLOBAL_KEYS = _COORDINATOR - MANAGED_KEYS
-#: ``fedgrid region`` takes no run length, model, enrollment, status server, quorum or privacy
-#: budget: the global coordinator has them.
+#: ``fedgrid region`` takes no run length, enrollment, status server, quorum or privacy budget: the
+#: global coordinator has them (its ``model`` is a ``--peft`` run's base to hash, ``[global]``'s by default).
 REGION_KEYS = (
     _COORDINATOR
-    - {"rounds", "initial_model", "model", "http", "http_token_file", "http_linger_s", "seed", "eval_every"}
+    - {"rounds", "initial_model", "http", "http_token_file", "http_linger_s", "seed", "eval_every"}
     - QUORUM_KEYS
     - PRIVACY_KEYS
     | REGION_ONLY_KEYS
@@ -109,6 +112,7 @@ CLIENT_KEYS = (
             "weight_decay",
             "precision",
             "peft",
+            "peft_rank",
             "lora_aggregation",
             "grad_accum",
             "grad_checkpointing",
@@ -405,6 +409,9 @@ def region_argv(
 ) -> list[str]:
     """``fedgrid region``'s arguments: it serves its LAN with ``tls`` and joins ``upstream`` with ``upstream_tls``."""
     server_name = ["--upstream-server-name", upstream_server_name] if upstream_server_name else []
+    # A --peft run's regions hash the base their clients train on: they take the model keys too.
+    shared = top.global_keys if top.global_keys.get("peft") else {}
+    model = {k: shared[k] for k in SHARED_WITH_CLIENTS if k in shared}
     return [
         "region",
         "--name",
@@ -422,7 +429,7 @@ def region_argv(
         *tls.flags(),
         "--seed",
         str(top.seed),
-        *_flags(region.keys),
+        *_flags({**model, **region.keys}),
     ]
 
 

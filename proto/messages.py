@@ -67,6 +67,7 @@ def client_info_from_join(client_id: str, request: pb.JoinRequest) -> ClientInfo
         num_accelerators=caps.num_accelerators,
         memory_bytes=caps.memory_bytes,
         codecs=tuple(caps.codecs) or ("none",),
+        lora_rank=request.lora_rank,
     )
 
 

@@ -70,7 +70,7 @@ from fedgrid.events import EventLog
 from fedgrid.interrupts import GracefulStop, say
 from fedgrid.proto.tls import TLSFiles
 from fedgrid.runlog import RunWriter
-from fedgrid.server.app import Coordinator, build_fleet, write_address
+from fedgrid.server.app import Coordinator, build_fleet, rank_policy, write_address
 from fedgrid.server.engine import ROUND_FAILED, RoundEngine
 from fedgrid.server.influence import build_influence
 from fedgrid.server.remote_fleet import RemoteFleet
@@ -118,6 +118,9 @@ class RegionClient(Client):
         regional_rounds: H, regional rounds per global task.
         initialized: the strategy already holds a model (resumed from the state directory).
     """
+
+    base_hash: str = ""  # a --peft run's frozen base hash and the region's LoRA rank, shown upstream at Join
+    lora_rank: int = 0
 
     def __init__(
         self, engine: RoundEngine, *, name: str, regional_rounds: int, initialized: bool = False
@@ -310,7 +313,11 @@ def _wan_writer(path: Path) -> Callable[[TaskReport], None]:
 
 
 def run_region(
-    config: Config, *, ready: threading.Event | None = None, stop: threading.Event | None = None
+    config: Config,
+    *,
+    ready: threading.Event | None = None,
+    stop: threading.Event | None = None,
+    base_hash: str = "",
 ) -> int:
     """Serves the region's clients and the global coordinator's tasks until the global run ends.
 
@@ -318,11 +325,12 @@ def run_region(
     strategy and its keys, ``codec``, ``state_dir``, TLS ``ca``/``cert``/``key``) and its
     region keys (``upstream``, ``name``, ``regional_rounds``, ``upstream_ca``/``_cert``/
     ``_key``/``_server_name``). Returns the global tasks trained; SIGTERM or Ctrl-C (or
-    ``stop``) leaves upstream and stops.
+    ``stop``) leaves upstream and stops. ``base_hash``: a ``--peft`` run's frozen base
+    (``fedgrid.cli.region.serve`` hashes ``--model hf:PATH``), shown upstream and required of its clients.
 
     Raises:
         ConfigError: no ``upstream`` or ``name``, or a bad one (named); ``min_quorum`` (a
-            region's regional rounds are synchronous; upstream it is one learner).
+            region's regional rounds are synchronous; upstream it is one learner); peft without base_hash.
     """
     if not config.upstream:
         raise ConfigError("upstream", "a region needs the global coordinator's HOST:PORT (--upstream)")
@@ -342,8 +350,10 @@ def run_region(
             "a region's regional rounds wait for its clients (it sends one result upstream per "
             "task): set min_quorum on the global coordinator, where the region counts as one learner",
         )
+    if config.peft and not base_hash:
+        raise ConfigError("model", "a region of a --peft run hashes its base: give it --model hf:PATH")
     with intra_op_threads(config.threads) as threads:
-        return _serve(config, threads, ready, stop or threading.Event())
+        return _serve(config, threads, ready, stop or threading.Event(), base_hash)
 
 
 def _parts(config: Config, threads: int) -> tuple[Strategy, RunWriter, EventLog, RemoteFleet, RoundEngine]:
@@ -387,7 +397,9 @@ def _parts(config: Config, threads: int) -> tuple[Strategy, RunWriter, EventLog,
     return strategy, writer, events, fleet, engine
 
 
-def _serve(config: Config, threads: int, ready: threading.Event | None, stop: threading.Event) -> int:
+def _serve(
+    config: Config, threads: int, ready: threading.Event | None, stop: threading.Event, base: str
+) -> int:
     # Incomplete or unreadable upstream TLS files fail here, before any server starts.
     TLSFiles.from_options(config.upstream_ca, config.upstream_cert, config.upstream_key, what="upstream TLS")
     strategy, writer, events, fleet, engine = _parts(config, threads)
@@ -396,6 +408,10 @@ def _serve(config: Config, threads: int, ready: threading.Event | None, stop: th
     region = RegionClient(
         engine, name=config.name, regional_rounds=config.regional_rounds, initialized=resumed
     )
+    # Its clients show the base it shows upstream; their LoRA ranks are checked as a coordinator checks them.
+    region.base_hash = fleet.base_hash = base
+    fleet.lora_ranks = rank_policy(config, fleet.downlink.lossless)
+    region.lora_rank = fleet.lora_ranks.bound
     coordinator = Coordinator(
         config.listen,
         fleet,

@@ -19,7 +19,9 @@ from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fedgrid.aggregation import Strategy
+from fedgrid.aggregation.lora_ranks import RankPolicy
 from fedgrid.config import Config
+from fedgrid.config_llm import peft_rank_bound
 from fedgrid.constants import (
     GIL_SWITCH_INTERVAL_S,
     HEADER_TIMEOUT_S,
@@ -58,6 +60,7 @@ __all__ = [
     "run_coordinator",
     "coordinator_model",
     "build_fleet",
+    "rank_policy",
     "write_address",
     "SERVICE_NAME",
 ]
@@ -301,6 +304,12 @@ def _stopped_line(config: Config, rounds_done: int, model: Path) -> str:
     return f"stopped after {rounds_done} of {config.rounds} rounds{model_text} (no --state-dir: nothing to resume from)"
 
 
+def rank_policy(config: Config, lossless_downlink: bool) -> RankPolicy:
+    """The LoRA ranks a coordinator (or region) of ``config`` takes at Join: up to its ``peft``'s r,
+    others than r under ``lora_aggregation = svd`` on a lossless downlink."""
+    return RankPolicy(peft_rank_bound(config.peft), config.lora_aggregation, lossless_downlink)
+
+
 def _serve(
     config: Config,
     threads: int,
@@ -313,7 +322,7 @@ def _serve(
 ) -> ModelState | None:
     wired = wire(config, threads, _initial_model(config, initial), evaluate_fn, on_event, strategy)
     writer, events, fleet, engine = wired.writer, wired.events, wired.fleet, wired.engine
-    fleet.base_hash = base_hash
+    fleet.base_hash, fleet.lora_ranks = base_hash, rank_policy(config, fleet.downlink.lossless)
     # The checkpoint first: the run id printed, and handed to the first clients, is the restored one.
     engine.resume()
     tls = TLSFiles.from_options(config.ca, config.cert, config.key, config.crl)

@@ -2,7 +2,9 @@
 
 A client downloads the whole model, or on a lossless downlink the tensors its task names
 (``FitIns.download``, plus what a difference-sending uplink is taken against), or on a
-compressed downlink the change since the version it holds (``server/downlink.py``). The
+compressed downlink the change since the version it holds (``server/downlink.py``); a client
+of another LoRA rank than the model's downloads the model refactorized to its rank, whole
+(``fedgrid.aggregation.lora_ranks``). The
 wire bytes go to the round's ``RoundTally`` (``server/accept.py``) whether or not the stream
 completes, and the client counts as alive while it downloads (``Registry.live``).
 """
@@ -66,7 +68,10 @@ class Downloads:
                 f"task {escape(task_id)} is message phase {rnd.kind!r}: it has no model to download"
             )
         names = self._names(rnd.assignments[client_id])
-        if names is None:
+        ranked = rnd.at_rank(client_id)  # a client of its own LoRA rank: the model at that rank, whole
+        if ranked is not None:
+            encoded, delta, base_version = serde.EncodedModel(ranked[0], codec=self.downlink.codec), False, 0
+        elif names is None:
             encoded, delta, base_version = rnd.downlink.for_client(have_version)
         else:
             encoded, delta, base_version = self._part(rnd, names), False, 0

@@ -25,6 +25,7 @@ import uuid
 from datetime import timedelta
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
+from fedgrid.aggregation.lora_ranks import RankPolicy
 from fedgrid.aggregation.selection import CapabilityFilter
 from fedgrid.constants import (
     CHUNK_SIZE,
@@ -124,6 +125,7 @@ class RemoteFleet(Fleet):
         self.chunk_size = chunk_size
         #: The frozen base model's hash of an adapter run (``--peft``): a Join must show the same ("": none).
         self.base_hash = ""
+        self.lora_ranks = RankPolicy()  # the LoRA ranks a Join may announce (fedgrid.aggregation.lora_ranks)
         self._round: RoundTask | None = None
         self._finished = False
         self._interrupted = False

@@ -14,6 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
+from fedgrid.aggregation.lora_ranks import RankViews, specs_at_rank
 from fedgrid.constants import MAX_OUTBOX_BYTES, MAX_PHASE_MESSAGE_BYTES
 from fedgrid.errors import InvalidUpdateError, PayloadTooLargeError
 from fedgrid.proto import serde
@@ -81,6 +82,18 @@ class RoundTask:
     # Clients whose task failed because their session ended (left, dropped silent, replaced):
     # a new session of the same name takes the task over while the phase is open (``hand_over``).
     departed: set[str] = field(default_factory=set)
+    # The round's model at each LoRA rank its clients announced (``fedgrid.aggregation.lora_ranks``).
+    rank_views: RankViews | None = None
+
+    def at_rank(self, client_id: str) -> tuple[ModelState, dict[str, TensorSpec]] | None:
+        """A client of another LoRA rank than the round's model: that model at its rank and the
+        specs its upload must have; ``None`` for any other client."""
+        rank = self.clients[client_id].lora_rank
+        if self.rank_views is None:
+            self.rank_views = RankViews(self.global_state)
+        if not self.rank_views.differs(rank):
+            return None
+        return self.rank_views.at(rank), dict(specs_at_rank(self.expected, rank))
 
     @property
     def bytes_up(self) -> int:

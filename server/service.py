@@ -36,6 +36,7 @@ from fedgrid.constants import (
 )
 from fedgrid.errors import (
     REASON_METADATA_KEY,
+    AdapterRankError,
     AuthenticationError,
     BaseModelMismatchError,
     DuplicateUpdateError,
@@ -79,6 +80,7 @@ STATUS_OF: tuple[tuple[type[FedgridError], grpc.StatusCode], ...] = (
     (StaleTaskError, grpc.StatusCode.FAILED_PRECONDITION),
     (RunFinishedError, grpc.StatusCode.FAILED_PRECONDITION),
     (BaseModelMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
+    (AdapterRankError, grpc.StatusCode.FAILED_PRECONDITION),
     (ResourceLimitError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (StorageError, grpc.StatusCode.UNAVAILABLE),  # the coordinator's disk: clients wait and retry
 )
@@ -184,6 +186,7 @@ class CoordinatorServicer:
         async def body() -> pb.JoinReply:
             if request.base_hash != self.fleet.base_hash:
                 raise BaseModelMismatchError(escape(request.base_hash, 80), self.fleet.base_hash)
+            self.fleet.lora_ranks.check(request.lora_rank)
             info, token = self.fleet.join(
                 serde.client_info_from_join("", request), identity=CALLER.get().identity
             )

@@ -257,16 +257,18 @@ class Uploads:
         if upload.writer is not None:  # tensors were checked and written as they came
             state = upload.writer.commit()  # type: ignore[assignment]
             return FitRes(client, state, stream.num_examples, metrics, upload.delta)
-        check = accept.UpdateCheck(
-            rnd.global_state, self.bounds, delta=stream.delta, keep_delta=self._keep_delta(rnd)
-        )
+        check = self._check(rnd, client.client_id, stream.delta)
         result = FitRes(client, check.whole(state), stream.num_examples, metrics, check.keeps_delta)
         return self.spill.put(task_id=rnd.task_id, result=result)
 
-    @staticmethod
-    def _keep_delta(rnd: RoundTask) -> bool:
-        """Differences are kept as such (``FitRes.delta``) when clients hold the exact model."""
-        return rnd.downlink is not None and rnd.downlink.exact
+    def _check(self, rnd: RoundTask, client_id: str, delta: bool) -> accept.UpdateCheck:
+        """The check of a fit update: differences are kept as such (``FitRes.delta``) when clients
+        hold the exact model; a client of its own LoRA rank took them against its own download."""
+        ranked = rnd.at_rank(client_id)
+        if ranked is not None:
+            return accept.UpdateCheck(ranked[0], self.bounds, delta=delta)
+        keep = rnd.downlink is not None and rnd.downlink.exact
+        return accept.UpdateCheck(rnd.global_state, self.bounds, delta=delta, keep_delta=keep)
 
     def _count(
         self, rnd: RoundTask, client: ClientInfo, upload: Upload, result: FitRes | EvaluateRes
@@ -322,16 +324,15 @@ class Uploads:
         """An assembler for a new upload; fit updates stream into their spill file."""
         ins = rnd.assignments[client.client_id]
         # The expected specs bound every allocation; an evaluation carries no tensors.
+        ranked = None if rnd.evaluate else rnd.at_rank(client.client_id)
         expected: Mapping[str, TensorSpec] = (
-            {} if rnd.evaluate else (getattr(ins, "expected", None) or rnd.expected)
+            {} if rnd.evaluate else ranked[1] if ranked else (getattr(ins, "expected", None) or rnd.expected)
         )
         raw = accept.raw_bytes(expected)
         accept.check_claim(self.bounds, client, header.num_examples, evaluate=rnd.evaluate)
         if rnd.evaluate:
             return Upload(serde.ModelAssembler(expected=expected), None, raw, client.client_id)
-        check = accept.UpdateCheck(
-            rnd.global_state, self.bounds, delta=header.delta, keep_delta=self._keep_delta(rnd)
-        )
+        check = self._check(rnd, client.client_id, header.delta)
         writer = self.spill.writer(
             task_id=rnd.task_id,
             client=client,

@@ -19,6 +19,7 @@ from torch.utils.data import Dataset as TorchDataset
 
 from fedgrid.client.torch_client import TorchClient
 from fedgrid.config_groups import PRECISIONS
+from fedgrid.config_llm import peft_at_rank
 from fedgrid.errors import ConfigError
 from fedgrid.seeding import RNG_LOCK
 from fedgrid.simulation.catalog import OPTIMIZERS, build_model, check_options, get_dataset, load_data
@@ -46,6 +47,7 @@ CLIENT_KEYS = (
     "weight_decay",
     "precision",
     "peft",
+    "peft_rank",
     "lora_aggregation",
     "grad_accum",
     "grad_checkpointing",
@@ -141,6 +143,7 @@ def builtin_client(
     weight_decay: float = 0.0,
     precision: str = "fp32",
     peft: str = "",
+    peft_rank: str = "",
     lora_aggregation: str | None = None,
     grad_accum: int = 1,
     grad_checkpointing: bool = False,
@@ -159,10 +162,8 @@ def builtin_client(
         model: a built-in model name, a language model or ``MODULE:FACTORY``; empty: the
             dataset's default.
         precision: the forward passes' precision (``fedgrid.client.precision``).
-        peft: adapters on an ``hf:PATH`` model (only they train and travel), and
-            ``lora_aggregation`` (``ffa``: A frozen); ``fedgrid.simulation.peft_lm``.
-        grad_accum, grad_checkpointing: micro-batches per step (``causal_lm``), activation
-            checkpointing of an ``hf:PATH`` model.
+        peft, peft_rank, grad_accum, grad_checkpointing: adapters on an ``hf:PATH`` model at the
+            client's own rank (``simulation.peft_lm``), micro-batches per step, activation checkpointing.
 
     Raises:
         ConfigError: an index outside ``0..num_partitions-1`` or a bad option (names the key).
@@ -171,6 +172,7 @@ def builtin_client(
     _check_training_options(batch_size, precision)
     context = context_of(model)
     train, test = _client_data(dataset, data_dir, spec, seed, partition_index, num_partitions, context)
+    peft = peft_at_rank(peft, peft_rank, partition_index)  # ffa (lora_aggregation): A frozen
     net = _seeded_model(seed, dataset, model, data_dir, peft, lora_aggregation)
     if grad_checkpointing:
         enable_checkpointing(net)

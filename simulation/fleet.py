@@ -40,6 +40,7 @@ from typing import Mapping, Protocol, Sequence, Union
 
 import torch
 
+from fedgrid.aggregation.lora_ranks import RankViews, specs_at_rank
 from fedgrid.client.api import Client, FitOutput
 from fedgrid.client.timeline import Split, with_split
 from fedgrid.client.uplink import UplinkEncoder
@@ -74,8 +75,9 @@ log = logging.getLogger(__name__)
 
 #: Values of ``engine``.
 ENGINES = ("auto", "batched", "sequential")
-#: A round's distinct download streams: (a difference?, base version, the tensors sent or None for all).
-_Stream = tuple[bool, int, frozenset[str] | None]
+#: A round's distinct download streams: (a difference?, base version, the tensors sent or None for all,
+#: the LoRA rank of a client of its own, else 0).
+_Stream = tuple[bool, int, frozenset[str] | None, int]
 
 
 class Profiles(Protocol):
@@ -162,6 +164,7 @@ class InProcessFleet(Fleet):
                 region=region,
                 num_examples=client.num_examples,
                 codecs=codecs,
+                lora_rank=client.lora_rank,
             )
             check_joining(info, self.bounds)
             self._infos.append(info)
@@ -239,21 +242,24 @@ class InProcessFleet(Fleet):
         info: ClientInfo,
         cache: dict[_Stream, tuple[ModelState, int]],
         names: frozenset[str] | None = None,
+        views: RankViews | None = None,
     ) -> tuple[ModelState, int]:
         """What ``info``'s client holds after downloading (its own copy), and the bytes it downloaded.
 
         ``names``: on a lossless downlink, the client downloads only these tensors
         (``FitIns.download_names``). Clients that download the same stream (same kind, same
         base version, same tensors) receive the same frames: ``cache`` keeps the first one's
-        decoded model and size for the round.
+        decoded model and size for the round. ``views``: a client of its own LoRA rank downloads
+        the model at that rank, whole (lossless downlinks only: ``fedgrid.aggregation.lora_ranks``).
         """
         encoded, delta, base_version = downlink.for_client(self._held.get(info.client_id))
-        key = (delta, base_version, names)
+        rank = info.lora_rank if views is not None and views.differs(info.lora_rank) else 0
+        key = (delta, base_version, None if rank else names, rank)
         if key not in cache:
-            if names is not None:
+            if names is not None or rank:
+                part = OrderedDict((n, t) for n, t in downlink.base.items() if n in (names or ()))
                 encoded = serde.EncodedModel(
-                    OrderedDict((n, t) for n, t in downlink.base.items() if n in names),
-                    codec=self.downlink.codec,
+                    views.at(rank) if views and rank else part, codec=self.downlink.codec
                 )
             head = serde.StreamInfo(
                 round=server_round, delta=delta, version=downlink.version, base_version=base_version
@@ -306,6 +312,7 @@ class InProcessFleet(Fleet):
             raise ConfigError("min_quorum", QUORUM_NEEDS_REPLAY)
         downlink = self.downlink.prepare(global_state)
         expected = TensorSpec.of(global_state)
+        views = RankViews(downlink.base)
         results: list[FitRes] = []
         failures: list[Failure] = []
         tally = RoundTally()  # as RemoteFleet counts a round (server/accept.py)
@@ -320,7 +327,7 @@ class InProcessFleet(Fleet):
         while done < len(pending) and len(results) < goal:
             group = pending[done : done + min(step, goal - len(results))]
             done += len(group)
-            prepared = self._prepare(downlink, server_round, group, downloads, tally)  # phase 1
+            prepared = self._prepare(downlink, server_round, group, downloads, tally, views)  # phase 1
             jobs = [
                 (info, state, ins) for info, ins, _, state in prepared if not isinstance(state, Exception)
             ]
@@ -334,9 +341,7 @@ class InProcessFleet(Fleet):
                         raise out
                     out = _timed(out, trained_s)
                     results.append(
-                        self._upload(
-                            server_round, info, ins, codec, state, out, downlink.base, expected, tally
-                        )
+                        self._upload(server_round, info, ins, codec, state, out, views, expected, tally)
                     )
                 except Exception as exc:  # a client's failure is data for the strategy
                     log.warning("client %s failed in round %d: %s", info.name, server_round, exc)
@@ -381,6 +386,7 @@ class InProcessFleet(Fleet):
         group: Sequence[tuple[ClientInfo, FitIns]],
         downloads: dict[_Stream, tuple[ModelState, int]],
         tally: RoundTally,
+        views: RankViews,
     ) -> list[tuple[ClientInfo, FitIns, str, ModelState | Exception]]:
         """Phase 1: each client's uplink codec and downloaded model (or its exception); the task
         it trains on carries the codec, as a deployed client's does."""
@@ -393,7 +399,7 @@ class InProcessFleet(Fleet):
                 names = ins.download_names(
                     lossless_downlink=self.downlink.lossless, delta_uplink=delta_uplink
                 )
-                state, size = self._download(downlink, server_round, info, downloads, names)
+                state, size = self._download(downlink, server_round, info, downloads, names, views)
                 tally.add_down(info.region, size)
                 task = dataclasses.replace(
                     ins, config={**ins.config, "uplink_codec": codec, **self.codec_policy.feedback_config()}
@@ -411,11 +417,13 @@ class InProcessFleet(Fleet):
         codec: str,
         state: ModelState,
         out: FitOutput,
-        base: ModelState,
+        views: RankViews,
         round_specs: Mapping[str, TensorSpec],
         tally: RoundTally,
     ) -> FitRes:
-        """Phase 3 for one client (``fedgrid.simulation.upload.upload``), through its own uplink encoder."""
+        """Phase 3 for one client (``fedgrid.simulation.upload.upload``), through its own uplink
+        encoder; a client of its own LoRA rank uploads factors of that rank."""
+        ranked = views.differs(info.lora_rank)
         return upload(
             server_round=server_round,
             info=info,
@@ -423,12 +431,12 @@ class InProcessFleet(Fleet):
             codec=codec,
             state=state,
             out=out,
-            base=base,
-            round_specs=round_specs,
+            base=views.at(info.lora_rank),
+            round_specs=specs_at_rank(round_specs, info.lora_rank) if ranked else round_specs,
             tally=tally,
             bounds=self.bounds,
             chunk_size=self.chunk_size,
-            keep_delta=self.downlink.lossless,
+            keep_delta=self.downlink.lossless and not ranked,
             fast=self.fast_lossless,
             uplink=lambda: self._uplink(info.client_id, codec).begin(server_round, ins.config, info.name),
         )

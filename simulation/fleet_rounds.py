@@ -10,6 +10,7 @@ import dataclasses
 import logging
 from typing import Callable, Mapping, Sequence
 
+from fedgrid.aggregation.lora_ranks import RankViews
 from fedgrid.client.api import Client
 from fedgrid.proto import serde
 from fedgrid.server import accept
@@ -45,12 +46,16 @@ def evaluate_clients(
     simulated wire; its result crosses the wire back and is checked against ``bounds``
     (``accept.check_claim``) as the coordinator checks it. A client that fails, or evaluated
     no examples, is a ``Failure``."""
-    encoded = serde.EncodedModel(global_state)
+    views = RankViews(global_state)  # a client of its own LoRA rank evaluates the model at that rank
+    encoded = {0: serde.EncodedModel(global_state)}
     results: list[EvaluateRes] = []
     failures: list[Failure] = []
     bytes_up = bytes_down = 0
     for info, ins in assignments:
-        down = list(encoded.frames(serde.StreamInfo(round=server_round), chunk_size=chunk_size))
+        rank = info.lora_rank if views.differs(info.lora_rank) else 0
+        if rank not in encoded:
+            encoded[rank] = serde.EncodedModel(views.at(rank))
+        down = list(encoded[rank].frames(serde.StreamInfo(round=server_round), chunk_size=chunk_size))
         bytes_down += sum(serde.wire_size(c) for c in down)
         _, state = serde.decode_chunks(down)
         try:

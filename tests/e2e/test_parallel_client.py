@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from shakespeare_data import synthetic_shakespeare, tiny_llama
 
 from fedgrid.client import start_client
 from fedgrid.client.parallel import ParallelClient, ParallelSpec
@@ -74,6 +75,45 @@ def test_a_multi_process_client_takes_the_single_process_steps(app, nproc, paral
     _assert_same_update(one, many)
     start = _global(app)
     assert max(float((many.state[n] - start[n]).abs().max()) for n in start) > 0.05  # it trained
+
+
+def test_a_peft_client_on_two_ranks_takes_the_single_process_steps(tmp_path):
+    # --model hf:PATH --peft on DDP: only the adapters train and travel; the ranks' update is one
+    # process's, and the multi-rank client shows the base hash and LoRA rank at Join.
+    from fedgrid.config import load_config
+    from fedgrid.simulation.tasks import builtin_client, client_options
+
+    llama, data = (
+        tiny_llama(tmp_path / "llama", layers=1),
+        synthetic_shakespeare(tmp_path / "data", lines_per_speaker=20),
+    )
+    overrides = {"dataset": "shakespeare", "data_dir": str(data), "model": f"hf:{llama}", "batch_size": 8}
+    config = load_config(
+        overrides={
+            **overrides,
+            "peft": "lora:r=8,alpha=16,targets=q_proj,v_proj",
+            "peft_rank": "4",
+            "lora_aggregation": "svd",
+        }
+    )
+    options = client_options(config)
+    single = builtin_client(0, 6, 0, **options)
+    start = OrderedDict((k, v.clone()) for k, v in single.model.state_dict().items())
+    ins = FitIns(round=1, config={"local_epochs": 1, "seed": 5, "lr": 0.5})
+    one = single.fit(OrderedDict((k, v.clone()) for k, v in start.items()), ins)
+    client = ParallelClient(builtin_client, (0, 6, 0), options, spec=ParallelSpec.parse(2, "dp"), threads=1)
+    try:
+        many = client.fit(OrderedDict((k, v.clone()) for k, v in start.items()), ins)
+    finally:
+        client.close()
+    assert (client.base_hash, client.lora_rank) == (single.base_hash, 4) and single.base_hash.startswith(
+        "sha256:"
+    )
+    assert list(many.state) == list(one.state) and all(".lora_" in n for n in one.state)
+    assert many.num_examples == one.num_examples and one.num_examples > 8
+    for name, tensor in one.state.items():
+        assert torch.allclose(many.state[name], tensor, atol=TOLERANCE, rtol=0), name
+    assert max(float((one.state[n] - start[n]).abs().max()) for n in start) > 1e-3  # it trained
 
 
 @pytest.mark.parametrize("parallel", ["dp", "fsdp"])

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from shakespeare_data import synthetic_shakespeare
+from shakespeare_data import synthetic_shakespeare, tiny_llama
 
 from fedgrid.cli import serve
 from fedgrid.client import start_client
@@ -35,19 +35,7 @@ LAYERS, HIDDEN = 2, 32
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory) -> Path:
-    from transformers import LlamaConfig
-
-    folder = tmp_path_factory.mktemp("models") / "tiny-llama"
-    LlamaConfig(
-        vocab_size=96,
-        hidden_size=HIDDEN,
-        intermediate_size=64,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    ).save_pretrained(folder)
-    return folder
+    return tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
 
 
 @pytest.fixture(scope="module")

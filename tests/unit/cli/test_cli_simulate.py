@@ -93,6 +93,7 @@ def test_client_flags_become_builtin_options():
         "weight_decay": 0.0,
         "precision": "fp32",
         "peft": "",
+        "peft_rank": "",
         "lora_aggregation": None,
         "grad_accum": 1,
         "grad_checkpointing": False,

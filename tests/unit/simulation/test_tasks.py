@@ -92,6 +92,7 @@ def test_client_options_cover_the_client_keys():
         "weight_decay": 0.01,
         "precision": "fp32",
         "peft": "",
+        "peft_rank": "",
         "lora_aggregation": None,
         "grad_accum": 1,
         "grad_checkpointing": False,
