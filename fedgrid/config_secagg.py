@@ -93,6 +93,12 @@ def check_secagg_keys(config: Any) -> None:
         )
     if config.min_quorum:
         raise ConfigError("min_quorum", "secagg rounds are synchronous: leave min_quorum at 0")
+    if getattr(config, "peft", "") and config.lora_aggregation == "svd":
+        raise ConfigError(
+            "lora_aggregation",
+            "svd sums each client's product B.A, and secagg gives the coordinator only the sum of the "
+            "factors: use factors or ffa with secagg (every client at the coordinator's rank)",
+        )
 
 
 def secagg_ring(codec: str, *, key: str = "codec") -> tuple[int, int]:

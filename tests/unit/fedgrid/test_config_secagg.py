@@ -53,6 +53,11 @@ def test_the_keys_are_flags_of_simulate_and_the_coordinator_and_toml_keys(tmp_pa
         ({"secagg": True, "aggregator": "median"}, "aggregator", "must be mean"),
         ({"secagg": True, "min_quorum": 2}, "min_quorum", "synchronous"),
         (
+            {"secagg": True, "peft": "lora:r=4", "lora_aggregation": "svd", "model": "hf:/nowhere"},
+            "lora_aggregation",
+            "only the sum of the factors",
+        ),
+        (
             {"secagg": True, "hierarchy": True, "regions": "a:0.5,b:0.5", "lan_codec": "sign"},
             "lan_codec",
             "must be one of",
