@@ -236,7 +236,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--inner-steps", type=int, default=30, help="lm: H, inner steps per outer step")
     parser.add_argument("--fragments", type=int, default=3, help="lm: streaming DiLoCo's fragments")
     parser.add_argument("--strategies", default="diloco,streaming-diloco", help="lm: strategies")
-    parser.add_argument("--error-feedback", default="classic", help="lm: the uplink's error feedback")
+    parser.add_argument(
+        "--error-feedback",
+        default="auto",
+        help="lm: the uplink's error feedback (auto: momentum:0.95 for sparseloco and demo, else classic)",
+    )
+    parser.add_argument("--outer-lr", type=float, default=None, help="lm: outer lr (default: the strategy's)")
+    parser.add_argument(
+        "--outer-momentum",
+        type=float,
+        default=None,
+        help="lm: outer Nesterov momentum (default: the strategy's)",
+    )
     parser.add_argument(
         "--eval-every", type=int, default=1, help="lm: held-out loss every this many outer steps"
     )

@@ -31,11 +31,32 @@ from fedgrid.config import load_config
 from fedgrid.simulation.run import run_simulation
 from fedgrid.types import RoundMetrics
 
-__all__ = ["LM_CODECS", "LM_GOALS", "run_lm", "lm_rows", "recommend", "lm_goals"]
+__all__ = [
+    "LM_CODECS",
+    "LM_FEEDBACK",
+    "LM_GOALS",
+    "feedback_of",
+    "run_lm",
+    "lm_rows",
+    "recommend",
+    "lm_goals",
+]
 
-LM_CODECS = ("none", "int8", "fp4", "int4", "sparseloco", "sign", "topk:0.0156")
+LM_CODECS = ("none", "int8", "fp4", "int4", "sparseloco", "demo", "sign", "topk:0.0156")
+#: The error feedback each codec family runs under with ``--error-feedback auto`` (the default):
+#: SparseLoCo's and DeMo's accumulator decays by 0.95 per outer step (Sarfi et al. 2025; Peng et
+#: al. 2024); the others keep classic EF.
+LM_FEEDBACK: dict[str, str] = {"sparseloco": "momentum:0.95", "demo": "momentum:0.95"}
 #: codec -> (least byte ratio vs none, most loss increase in percent)
 LM_GOALS: dict[str, tuple[float, float]] = {"fp4": (7.5, 1.0), "int4": (7.5, 1.0), "sparseloco": (50.0, 2.0)}
+
+
+def feedback_of(codec: str, requested: str) -> str:
+    """The error feedback ``codec`` runs under: ``requested``, or with ``auto`` its family's
+    (``LM_FEEDBACK``, else classic)."""
+    if requested != "auto":
+        return requested
+    return LM_FEEDBACK.get(codec.split("+")[0].split(":")[0], "classic")
 
 
 def run_lm(codec: str, strategy: str, args: Any, log: Callable[[str], None]) -> list[RoundMetrics]:
@@ -51,13 +72,16 @@ def run_lm(codec: str, strategy: str, args: Any, log: Callable[[str], None]) -> 
         "inner_steps": args.inner_steps // args.fragments if streaming else args.inner_steps,
         "seed": args.seed,
         "codec": codec,
-        "error_feedback": args.error_feedback,
+        "error_feedback": feedback_of(codec, args.error_feedback),
         "eval_every": (args.fragments if streaming else 1) * args.eval_every,
         "threads": args.threads,
         "engine": "sequential",
     }
     if streaming:
         overrides["num_fragments"] = args.fragments
+    for key in ("outer_lr", "outer_momentum"):
+        if getattr(args, key, None) is not None:
+            overrides[key] = getattr(args, key)
     start = time.monotonic()
     _, history = run_simulation(load_config(overrides=overrides))
     log(
@@ -127,14 +151,18 @@ def run_lm_workload(args: Any, log: Callable[[str], None]) -> dict[str, Any]:
     for strategy in [s for s in args.strategies.split(",") if s]:
         runs = {spec: run_lm(spec, strategy, args, log) for spec in codecs}
         rows = lm_rows(codecs, runs, args.clients, args.rounds)
+        for spec, row in rows.items():
+            row["error_feedback"] = feedback_of(spec, args.error_feedback)
         log(
             f"\n{strategy}: {args.clients} workers, {args.rounds} outer steps of H = {args.inner_steps}, {args.model}"
         )
-        log(f"{'codec':<14}{'loss':>8}{'d loss %':>10}{'B/step':>12}{'ratio':>8}")
+        log(f"{'codec':<14}{'loss':>8}{'d loss %':>10}{'B/step':>12}{'ratio':>8}  error feedback")
         for spec, r in rows.items():
             diff = "-" if r["loss_diff_percent"] is None else f"{r['loss_diff_percent']:+.2f}"
             ratio = "-" if r["ratio_vs_none"] is None else f"{r['ratio_vs_none']:.1f}"
-            log(f"{spec:<14}{r['loss']:>8.4f}{diff:>10}{r['bytes_per_outer_step']:>12.0f}{ratio:>8}")
+            log(
+                f"{spec:<14}{r['loss']:>8.4f}{diff:>10}{r['bytes_per_outer_step']:>12.0f}{ratio:>8}  {r['error_feedback']}"
+            )
         picks, goals = recommend(rows), lm_goals(rows)
         for limit, spec in picks.items():
             log(f"recommend ({strategy}, loss {limit} of none): {spec or '-'}")
