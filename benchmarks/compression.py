@@ -255,6 +255,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--alpha", type=float, default=0.3)
     parser.add_argument("--lr", type=float, default=0.02)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seeds", type=int, default=1, help="lm: runs per codec, seeds SEED.., their mean loss compared"
+    )
     parser.add_argument("--repeats", type=int, default=7, help="timed repetitions per codec and tensor set")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--out", default="")
