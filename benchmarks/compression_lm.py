@@ -173,8 +173,8 @@ def run_lm_workload(args: Any, log: Callable[[str], None]) -> dict[str, Any]:
                 f"{spec:<14}{r['loss']:>8.4f}{diff:>10}{r['bytes_per_outer_step']:>12.0f}{ratio:>8}  {r['error_feedback']}"
             )
         picks, goals = recommend(rows), lm_goals(rows)
-        for limit, spec in picks.items():
-            log(f"recommend ({strategy}, loss {limit} of none): {spec or '-'}")
+        for limit, pick in picks.items():
+            log(f"recommend ({strategy}, loss {limit} of none): {pick or '-'}")
         for spec, g in goals.items():
             log(
                 f"goal {spec}: >= {g['need_ratio']:g}x ({g['ratio']:.1f}x), within {g['max_loss_percent']:g}% "
