@@ -252,8 +252,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--strategies", default="diloco,streaming-diloco", help="lm: strategies")
     parser.add_argument(
         "--error-feedback",
-        default="",
-        help="the uplink's error feedback (default: fmnist auto, lm classic); fmnist: a codec may name its own, SPEC@RULE",
+        default="auto",
+        help="the uplink's error feedback; auto: fmnist each codec's own rule, lm momentum:0.95 for sparseloco and demo, "
+        "else classic; fmnist: a codec may name its own, SPEC@RULE",
+    )
+    parser.add_argument("--outer-lr", type=float, default=None, help="lm: outer lr (default: the strategy's)")
+    parser.add_argument(
+        "--outer-momentum",
+        type=float,
+        default=None,
+        help="lm: outer Nesterov momentum (default: the strategy's)",
     )
     parser.add_argument(
         "--eval-every", type=int, default=1, help="lm: held-out loss every this many outer steps"
@@ -262,14 +270,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--alpha", type=float, default=0.3)
     parser.add_argument("--lr", type=float, default=0.02)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seeds", type=int, default=1, help="lm: runs per codec, seeds SEED.., their mean loss compared"
+    )
     parser.add_argument("--repeats", type=int, default=7, help="timed repetitions per codec and tensor set")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
     if args.workload == "lm":
-        args.error_feedback = args.error_feedback or "classic"
         return main_lm(args)
-    args.error_feedback = args.error_feedback or "auto"
     args.rounds, args.clients = args.rounds or 30, args.clients or 100
     args.out = args.out or str(Path(__file__).parent / "results" / "compression.json")
     torch.set_num_threads(args.threads)

@@ -2,11 +2,12 @@
 
 ``get_codec(spec)`` finds any codec by its spec (``none``, ``fp16``, ``bf16``, ``int8``,
 ``qsgd:LEVELS``, ``topk:FRACTION``, ``randk:FRACTION``, ``powersgd:RANK``, ``sign``, and for
-DiLoCo's outer gradients ``int4[:BLOCK]``, ``fp4[:BLOCK]``, ``sparseloco[:K]``; each optionally ``+zstd``); see ``fedgrid.compression.registry`` for the grammar and each codec's
+DiLoCo's outer gradients ``int4[:BLOCK]``, ``fp4[:BLOCK]``, ``sparseloco[:K]``, ``demo[:K]``; each optionally ``+zstd``); see ``fedgrid.compression.registry`` for the grammar and each codec's
 module for its payload format and error bound.
 """
 
 from fedgrid.compression.base import LOSSY_DTYPES, Codec, FloatCodec, IdentityCodec
+from fedgrid.compression.dct import DCTTopKCodec
 from fedgrid.compression.feedback import (
     DownlinkUpdate,
     ErrorFeedback,
@@ -46,6 +47,7 @@ __all__ = [
     "Int4Codec",
     "FP4Codec",
     "SparseLoCoCodec",
+    "DCTTopKCodec",
     "ZstdCodec",
     "ErrorFeedback",
     "FeedbackRule",

@@ -15,6 +15,7 @@ A spec is ``NAME[:PARAM][+zstd[:LEVEL]]``:
 ``int4[:BLOCK]``       4-bit integer codes, one absmax per ``BLOCK`` elements (256)
 ``fp4[:BLOCK]``        4-bit e2m1 floats, one absmax per ``BLOCK`` elements (256)
 ``sparseloco[:K]``     top-``K`` of every 4096 elements (64), 2 bits per kept value
+``demo[:K]``           top-``K`` 2-D DCT-II coefficients of every 4096 elements (64), 2 bits each
 ``SPEC+zstd[:LEVEL]``  zstd over any of the above (``none+zstd`` alone is lossless)
 =====================  ===========================================================
 
@@ -36,6 +37,7 @@ from typing import Callable
 import torch
 
 from fedgrid.compression.base import Codec, IdentityCodec
+from fedgrid.compression.dct import DCTTopKCodec
 from fedgrid.compression.lossless import ZstdCodec
 from fedgrid.compression.lowbit import DEFAULT_BLOCK_4BIT, FP4Codec, Int4Codec
 from fedgrid.compression.lowrank import PowerSGDCodec
@@ -138,6 +140,7 @@ def _builtin() -> dict[str, _Family]:
         "sparseloco": _Family(
             lambda p: SparseLoCoCodec(_int(p, "sparseloco[:K]", 1, CHUNK, DEFAULT_K)), "sparseloco[:K]"
         ),
+        "demo": _Family(lambda p: DCTTopKCodec(_int(p, "demo[:K]", 1, CHUNK, DEFAULT_K)), "demo[:K]"),
     }
 
 

@@ -103,7 +103,7 @@ class _CoreKeys:
     )
     codec: str = _key(
         "uplink codec NAME[:PARAM][+zstd] (none, fp16, bf16, int8, qsgd:L, topk:F, randk:F, powersgd:R, sign, "
-        "and for outer gradients int4, fp4, sparseloco)",
+        "and for outer gradients int4, fp4, sparseloco, demo)",
         "none",
     )
     region_codecs: str = _key("per-region uplink codecs, e.g. 'eu=bf16,us=topk:0.01' (others use codec)", "")

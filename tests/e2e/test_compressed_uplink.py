@@ -64,6 +64,7 @@ PARITY = [
     ("topk:0.01", "classic", 50),
     ("int8", "classic", 3.9),
     ("sparseloco", "momentum:0.9", 20),
+    ("demo", "momentum:0.9", 20),
 ]
 
 

@@ -45,6 +45,8 @@ LOSSY = [
     "fp4:16",
     "sparseloco",
     "sparseloco:4",
+    "demo",
+    "demo:4",
 ]
 ALL = ["none", "none+zstd", *LOSSY, "int8+zstd", "topk:0.1+zstd:1"]
 #: Relative rounding of the final cast to the declared dtype (float64 goes through float32 inside).
@@ -128,7 +130,7 @@ def _elementwise_bound(spec: str, x: torch.Tensor) -> torch.Tensor | None:
         block = int(base.split(":")[1]) if ":" in base else 256
         absmax = (_blocks(x, block).abs().amax(dim=1) / 24).repeat_interleave(block)[:n]
         return torch.maximum(absmax, a / 4) * (1 + 1e-6) + a * 2.0**-23
-    # powersgd, sign, sparseloco: Frobenius-norm bounds, checked separately (test_outer_codecs.py)
+    # powersgd, sign, sparseloco, demo: Frobenius-norm bounds, checked separately (test_outer_codecs.py)
     return None
 
 
@@ -180,7 +182,7 @@ def test_empty_and_scalar_tensors(spec: str, shape: tuple[int, ...]) -> None:
 
 
 def test_lossy_codecs_refuse_nan_and_inf() -> None:
-    for spec in ("int8", "topk:0.1", "sign", "qsgd:4", "powersgd:1", "int4", "fp4", "sparseloco"):
+    for spec in ("int8", "topk:0.1", "sign", "qsgd:4", "powersgd:1", "int4", "fp4", "sparseloco", "demo"):
         for bad in (math.nan, math.inf):
             x = torch.randn(64, 64)
             x[3, 5] = bad
@@ -392,7 +394,12 @@ def test_none_is_unchanged() -> None:
         ("fp4:x", r"'fp4\[:BLOCK\]' needs an integer in 8..65536, got 'x'"),
         ("sparseloco:5000", r"'sparseloco\[:K\]' needs an integer in 1..4096, got '5000'"),
         ("sign:100", r"codec spec 'sign:100': sign block size must be a power of two in 8..65536, got 100"),
-        ("fp8", r"unknown codec 'fp8' \(known: .*int4\[:BLOCK\], fp4\[:BLOCK\], sparseloco\[:K\]"),
+        (
+            "fp8",
+            r"unknown codec 'fp8' \(known: .*int4\[:BLOCK\], fp4\[:BLOCK\], sparseloco\[:K\], demo\[:K\]",
+        ),
+        ("demo:0", r"'demo\[:K\]' needs an integer in 1..4096, got '0'"),
+        ("demo:1.5", r"'demo\[:K\]' needs an integer in 1..4096, got '1.5'"),
     ],
 )
 def test_bad_specs_are_rejected(spec: str, match: str) -> None:
