@@ -199,7 +199,9 @@ class Mailbox:
             self.relayed[rnd.task_id] = rnd
             self.wake.notify(*(("inbox", cid) for cid in rnd.assignments))
 
-    def clear(self) -> None:
-        """The round was committed: its inboxes go."""
+    def clear(self, server_round: int) -> None:
+        """Round ``server_round`` was committed: the inboxes of earlier rounds go. Its own stay
+        until the next commit: a round commits as soon as its last phase is relayed, and a client
+        whose long poll had not yet woken still fetches that phase's inbox."""
         with self.lock:
-            self.relayed.clear()
+            self.relayed = {tid: rnd for tid, rnd in self.relayed.items() if rnd.server_round >= server_round}

@@ -428,7 +428,7 @@ class RemoteFleet(Fleet):
             if self._round is not None and self._round.closed:
                 self._round = None  # frees the round's models and results
             keep = self.carried.committed()  # the tasks whose late results can still come or wait
-        self.mailbox.clear()
+        self.mailbox.clear(server_round)
         self.spill.clear(keep=keep)
 
     def close(self) -> None:

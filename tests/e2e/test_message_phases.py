@@ -278,6 +278,9 @@ def test_message_rpcs_refuse_bad_input_with_a_named_status_and_change_nothing():
         assert with_download == (grpc.StatusCode.FAILED_PRECONDITION, True)
         send(b, env(peer=TO_ALL, payload=b"hi all"))
         phase.join(timeout=30)
+        # The round may commit before its clients fetch the last phase's inboxes (a SecAgg+
+        # round commits right after its unmask phase): they are kept until the next commit.
+        fleet.committed(1)
         got = {}
         for who in (a, b):
             reply = stub.ReceiveMessages(
@@ -291,6 +294,16 @@ def test_message_rpcs_refuse_bad_input_with_a_named_status_and_change_nothing():
             b.client_id: (True, 1, [(a.client_id, b"hello b")]),
         }
         assert [len(r.messages) for r in outcome["o"].results] == [1, 1] and outcome["o"].failures == []
+        fleet.committed(2)  # the next round's commit: round 1's inboxes go
+        try:
+            stub.ReceiveMessages(
+                pb.ReceiveMessagesRequest(client_id=a.client_id, task_id=task.task_id, wait_s=0),
+                metadata=session_metadata(a.session_token),
+                timeout=10,
+            )
+        except grpc.RpcError as exc:
+            gone = (exc.code(), "is not a message phase of this round" in exc.details())
+        assert gone == (grpc.StatusCode.FAILED_PRECONDITION, True)
     finally:
         channel.close()
         coordinator.stop(grace=0.5)
