@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
@@ -63,11 +65,18 @@ def _build(source: Path, out: Path) -> subprocess.CompletedProcess:
     )
 
 
-def test_the_docs_build_without_warnings_and_document_the_public_api(tmp_path):
-    result = _build(DOCS, tmp_path / "html")
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """One build of docs/ for the tests that read it (the build is most of their time)."""
+    out = tmp_path_factory.mktemp("docs") / "html"
+    return _build(DOCS, out), out
+
+
+@pytest.mark.xdist_group("docs-build")
+def test_the_docs_build_without_warnings_and_document_the_public_api(built):
+    result, html = built
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stderr == ""  # -q: warnings are all it would print
-    html = tmp_path / "html"
     assert sorted(p.name for p in html.glob("*.html")) == sorted(
         [f"{page}.html" for page in PAGES] + ["genindex.html", "py-modindex.html", "search.html"]
     )
@@ -192,10 +201,11 @@ def test_a_warning_fails_the_build(tmp_path):
     assert "unknown document" in result.stderr and "no-such-page" in result.stderr
 
 
-def test_the_index_lists_pages_and_sections_not_api_objects(tmp_path):
-    result = _build(DOCS, tmp_path / "html")
+@pytest.mark.xdist_group("docs-build")
+def test_the_index_lists_pages_and_sections_not_api_objects(built):
+    result, html = built
     assert result.returncode == 0, result.stdout + result.stderr
-    index = (tmp_path / "html" / "index.html").read_text()
+    index = (html / "index.html").read_text()
     toc = index[index.index('<div class="toctree-wrapper') :]
     toc = toc[: toc.index("</div>")]
     links = re.findall(r'<a class="reference internal"[^>]*>(.*?)</a>', toc)
