@@ -239,6 +239,7 @@ class Connection:
             retry=tenacity.retry_if_exception(retryable),
             wait=tenacity.wait_random_exponential(multiplier=0.2, max=self._retry_max_wait),
             stop=window | tenacity.stop_when_event_set(self.stop),
+            sleep=self.stop.wait,  # a stop ends the backoff at once, not after it
             before_sleep=window.log,
             reraise=True,
         )

@@ -31,7 +31,7 @@ from fedgrid.proto.tls import TLSFiles
 from fedgrid.server.app import Coordinator
 from fedgrid.server.remote_fleet import RemoteFleet
 
-from harness import InProcessCoordinator
+from harness import InProcessCoordinator, wait_until
 from harness_clients import Named
 
 #: What the client is given: a permanent error must come long before it.
@@ -225,5 +225,44 @@ def test_a_coordinator_that_never_returns_is_given_up_after_the_bound(caplog):
         assert 3 <= len(lines) <= 4 and all(": still failing after " in line for line in lines[1:]), lines
         tries = int(lines[-1].split(" tries)")[0].rsplit("(", 1)[1])
         assert tries >= len(lines) + 2, lines  # several tries behind the lines
+    finally:
+        conn.close()
+
+
+def test_a_stop_ends_the_backoff_between_tries_at_once(monkeypatch, caplog):
+    """A client stopped while it waits between two tries leaves then, not after the wait (a
+    region refused upstream sat out its backoff after its stop)."""
+    import threading
+
+    import tenacity
+
+    monkeypatch.setattr(tenacity, "wait_random_exponential", lambda **_: tenacity.wait_fixed(60))
+    server = InProcessCoordinator(OrderedDict())
+    stop = threading.Event()
+    conn = Connection(server.address, stop=stop, retry_max_elapsed=120.0, rpc_timeout=2)
+    failed: list[BaseException] = []
+    try:
+        conn.join(Named("site-a"))
+        server.stop()
+
+        def poll() -> None:
+            try:
+                conn.poll(wait_s=1.0)
+            except RpcFailed as exc:
+                failed.append(exc)
+
+        with caplog.at_level(logging.INFO, logger="fedgrid.client.connection"):
+            thread = threading.Thread(target=poll)
+            thread.start()
+            wait_until(  # logged just before the 60 s wait
+                lambda: any("retrying for up to 120s" in r.getMessage() for r in caplog.records),
+                timeout=30,
+                what="the first failure",
+            )
+            stopped = time.monotonic()
+            stop.set()
+            thread.join(timeout=30)
+        assert not thread.is_alive() and time.monotonic() - stopped < 5.0, time.monotonic() - stopped
+        assert len(failed) == 1 and failed[0].code == grpc.StatusCode.UNAVAILABLE
     finally:
         conn.close()

@@ -136,7 +136,7 @@ def test_a_region_of_another_base_is_refused_upstream_naming_both_hashes(llama, 
     wait_until(lambda: address_file.exists() and address_file.read_text().strip(), timeout=60, what="address")
     # The region's own client (of the region's base) joins it; the region then joins upstream.
     client = builtin_client(0, 1, top.seed, **client_options(config))
-    handle = start_client(client, address_file.read_text().strip())
+    handle = start_client(client, address_file.read_text().strip(), poll_wait_s=1.0)  # stops within 1 s
     try:
         wait_until(lambda: "base model mismatch" in caplog.text, timeout=60, what="the upstream refusal")
     finally:
