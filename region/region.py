@@ -28,22 +28,19 @@ the global model whole. Overlapped workers *in* a region are the regional strate
 (``fedgrid region --strategy streaming-diloco --sync-delay-steps N``): the region relays
 their tasks as any other.
 
-**Goodput.** A region counts as one learner: its fit result upstream carries the sums of
-its workers' time splits over its H regional rounds (``compute_s``, ``comm_s``, ``wait_s``,
-``transfer_s``; ``wall_s`` the sum of their ``worker_wall_s``; ``utilization`` their ratio),
-not the region process's own, so the global coordinator's round sums include its workers and
-its ``utilization.NAME`` is the region's.
+**Goodput.** A region counts as one learner: its fit result carries the sums of its workers'
+time splits over its H regional rounds (``compute_s``, ``comm_s``, ``wait_s``, ``transfer_s``;
+``wall_s`` the sum of their ``worker_wall_s``), so the global ``utilization.NAME`` is theirs.
 
-**Failures.** A region that dies mid-round is that global round's failure (its session
-ends; the coordinator hears it at the deadline or from the heartbeat); nothing of it is
-counted. Restarted with the same ``state_dir`` it resumes its committed regional state,
-rejoins under the same name (the coordinator replaces the old session), and the next
-global task's model replaces whatever it had. A region that loses its upstream keeps
-serving its own clients (they stay joined and idle) and retries its calls with the same
-session for as long as it runs: a global coordinator restarted from its state directory
-knows that session and its open task (an update trained meanwhile is uploaded when it
-answers), and one that does not refuses it and the region joins again. A join that is
-refused or not answered within ``UPSTREAM_RETRY_MAX_S`` is tried again with backoff.
+**Failures.** A region that dies mid-round is that global round's failure (heard at the
+deadline or from the heartbeat); nothing of it is counted. Restarted with the same
+``state_dir`` it resumes its committed regional state and rejoins under its name (replacing
+the old session); the next global task's model replaces whatever it had. A region that loses
+its upstream keeps serving its own clients (they stay joined and idle) and retries its calls
+with the same session for as long as it runs: a global coordinator restarted from its state
+directory knows that session and its open task (an update trained meanwhile is uploaded when
+it answers), one that does not refuses it and the region joins again; a join refused or not
+answered within ``UPSTREAM_RETRY_MAX_S`` is tried again with backoff.
 """
 
 from __future__ import annotations
@@ -159,16 +156,10 @@ class RegionClient(Client):
         return FitOutput(state=out, num_examples=max(examples, 1), metrics=self._reported(last, sums))
 
     def exchange(self, ins: MessageIns) -> Mapping[str, bytes]:
-        """Refuses a global strategy's message phases (secure aggregation across regions, say),
-        naming the phase: a region sends its regional model whole.
-
-        Raises:
-            ValueError: always.
-        """
+        """Refuses a global strategy's message phases (``ValueError``): a region sends its model whole."""
         raise ValueError(
-            f"the global coordinator's strategy asks this region for message phase {escape(ins.phase)}; "
-            "a region sends its regional model whole: secure aggregation runs inside regions "
-            "(fedgrid region --secagg), not on a global coordinator of regions"
+            f"the global coordinator asks this region for message phase {escape(ins.phase)}; a region sends "
+            "its regional model whole: secure aggregation runs inside regions (fedgrid region --secagg)"
         )
 
     def _rewind(self, boundary: int) -> None:
