@@ -221,6 +221,10 @@ class Connection:
             uplinks[codec].load_state_dict(state)
         self._uplinks = uplinks
 
+    def _back_off(self, seconds: float) -> None:
+        """The wait between two tries; a stop ends it at once, not after it."""
+        self.stop.wait(seconds)
+
     def _call(self, method: str, fn: Callable[[], T]) -> T:
         """Calls ``fn``, retrying transient failures with jittered exponential backoff (module
         docstring); raises the failure as ``fedgrid.client.rpc.failure_of`` names it."""
@@ -239,7 +243,7 @@ class Connection:
             retry=tenacity.retry_if_exception(retryable),
             wait=tenacity.wait_random_exponential(multiplier=0.2, max=self._retry_max_wait),
             stop=window | tenacity.stop_when_event_set(self.stop),
-            sleep=self.stop.wait,  # a stop ends the backoff at once, not after it
+            sleep=self._back_off,
             before_sleep=window.log,
             reraise=True,
         )
