@@ -65,9 +65,11 @@ def _build(source: Path, out: Path) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def built(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
-    """One build of docs/ for the tests that read it (the build is most of their time)."""
+    """One build of docs/ for the tests that read it (the build is most of their time). Session
+    scope: an xdist worker runs other modules' tests between these two, which would end a
+    module-scoped fixture and build again; their xdist group keeps both on one worker."""
     out = tmp_path_factory.mktemp("docs") / "html"
     return _build(DOCS, out), out
 

@@ -13,7 +13,6 @@ from datetime import timedelta
 
 import pytest
 import torch
-from shakespeare_data import synthetic_shakespeare, tiny_llama
 from test_peft_lora import LAYERS, _config, _Coordinator
 
 from fedgrid.client import start_client
@@ -32,16 +31,6 @@ PAIRS = [
     for i in range(LAYERS)
     for p in ("q_proj", "v_proj")
 ]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    return tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return synthetic_shakespeare(tmp_path_factory.mktemp("data") / "shakespeare")
 
 
 def _ranked(llama, data_dir, out, **overrides):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from shakespeare_data import synthetic_shakespeare, tiny_llama
+from shakespeare_data import tiny_llama
 
 from fedgrid.cli import serve
 from fedgrid.client import start_client
@@ -31,16 +31,6 @@ from harness import THREADS, wait_until
 
 PEFT = "lora:r=4,alpha=8,targets=q_proj,v_proj"
 LAYERS, HIDDEN = 2, 32
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    return synthetic_shakespeare(tmp_path_factory.mktemp("data") / "shakespeare")
 
 
 def _config(llama: Path, data_dir: Path, out: Path, **overrides):
@@ -164,18 +154,7 @@ def test_a_round_over_grpc_equals_the_simulation_bit_for_bit(llama, data_dir, tm
 
 
 def test_a_client_with_another_base_is_refused_at_join_naming_both_hashes(llama, data_dir, tmp_path):
-    from transformers import LlamaConfig
-
-    other = tmp_path / "other-llama"
-    LlamaConfig(
-        vocab_size=96,
-        hidden_size=HIDDEN,
-        intermediate_size=48,  # another base model
-        num_hidden_layers=LAYERS,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    ).save_pretrained(other)
+    other = tiny_llama(tmp_path / "other-llama", intermediate_size=48)  # another base model
     config = _config(llama, data_dir, tmp_path / "run", listen="127.0.0.1:0", min_clients=1)
     ours = build_peft_lm(str(llama), PEFT).base_hash
     theirs_config = _config(other, data_dir, tmp_path / "unused")
@@ -274,24 +253,9 @@ def _text_folder(folder: Path, files: int = 3, words: int = 600) -> Path:
     return folder
 
 
-def _llama_of_vocab(folder: Path, vocab: int) -> Path:
-    from transformers import LlamaConfig
-
-    LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=HIDDEN,
-        intermediate_size=64,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    ).save_pretrained(folder)
-    return folder
-
-
 def test_text_files_train_a_causal_lm_with_the_byte_tokenizer_one_file_per_client(tmp_path):
     texts = _text_folder(tmp_path / "texts")
-    model = _llama_of_vocab(tmp_path / "llama256", 256)
+    model = tiny_llama(tmp_path / "llama256", vocab=256)
     overrides = {"dataset": "text", "partition": "natural", "clients": 3, "local_epochs": 2, "lr": 0.05}
     final, history = run_simulation(_config(model, texts, tmp_path / "run", **overrides))
     assert final is not None and list(final) == _adapter_names()
@@ -304,7 +268,7 @@ def test_text_files_train_a_causal_lm_with_the_byte_tokenizer_one_file_per_clien
 
 def test_text_needs_a_language_model_whose_vocabulary_covers_the_tokenizer(tmp_path):
     texts = _text_folder(tmp_path / "texts", files=1)
-    small = _llama_of_vocab(tmp_path / "llama96", 96)
+    small = tiny_llama(tmp_path / "llama96")
     with pytest.raises(ConfigError, match="vocabulary of 96 tokens is too small: the characters need 256"):
         run_simulation(_config(small, texts, tmp_path / "run", dataset="text", clients=1))
     with pytest.raises(ConfigError, match="dataset text trains a language model"):

@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from shakespeare_data import synthetic_shakespeare, tiny_llama
+from shakespeare_data import tiny_llama
 from test_peft_lora import _config, _Coordinator
 
 from fedgrid.cli import serve
@@ -25,16 +25,6 @@ from fedgrid.simulation.tasks import builtin_client, client_options
 from harness import wait_until
 
 PEFT8 = "lora:r=8,alpha=16,targets=q_proj,v_proj"
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    return synthetic_shakespeare(tmp_path_factory.mktemp("data") / "shakespeare")
 
 
 def _region_config(llama, data_dir, out: Path, upstream: str):

@@ -10,7 +10,7 @@ import random
 import threading
 from collections import OrderedDict
 from datetime import timedelta
-from typing import Mapping
+from typing import Callable, Mapping
 
 import pytest
 import torch
@@ -19,7 +19,7 @@ from fedgrid.aggregation.fedavg import FedAvg
 from fedgrid.aggregation.secagg import ADVERTISE, SHARE, UNMASK, SecAgg
 from fedgrid.aggregation.secagg_math import dequantize, ring_add, ring_scale
 from fedgrid.client import Client, FitOutput, start_client
-from fedgrid.client.secagg import SecAggClient, with_secagg
+from fedgrid.client.secagg import NoiseHook, SecAggClient, with_secagg
 from fedgrid.server.app import Coordinator
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.remote_fleet import RemoteFleet
@@ -89,9 +89,21 @@ def _federation(n: int, rounds: int, rate: float, seed: int) -> list[Dropping]:
     for r in range(1, rounds + 1):
         for j, i in enumerate(rng.sample(range(n), max(1, round(rate * n)))):
             drops[i][r] = PHASES[(r - 1 + j) % len(PHASES)]
-    plain = [Step(f"c{i:03d}", 1 + i % 5, drops[i]) for i in range(n)]
-    wrapped = with_secagg(plain)  # type: ignore[arg-type]
-    return [Dropping(c.inner, signer=c.party.signer, keyring=c.party.keyring) for c in wrapped]
+    return dropping([Step(f"c{i:03d}", 1 + i % 5, drops[i]) for i in range(n)])
+
+
+def dropping(plain: list, noise: Callable[[bytes], NoiseHook] | None = None) -> list[Dropping]:
+    """``plain`` clients as ``Dropping`` SecAgg+ clients; with ``noise``, each one's DP noise
+    hook is ``noise(key)``, keyed by the hash of its name."""
+    return [
+        Dropping(
+            c.inner,
+            signer=c.party.signer,
+            keyring=c.party.keyring,
+            add_noise=None if noise is None else noise(hashlib.sha256(c.name.encode()).digest()),
+        )
+        for c in with_secagg(plain)
+    ]
 
 
 class Checked(SecAgg):

@@ -12,7 +12,7 @@ from collections import OrderedDict
 from datetime import timedelta
 
 import torch
-from test_secagg import Dropping
+from test_secagg import Dropping, dropping
 
 from fedgrid.aggregation.fedavg import FedAvg
 from fedgrid.aggregation.privacy import next_clip, split_noise
@@ -112,16 +112,7 @@ def _clients(n: int) -> list[Dropping]:
         i: {r: FIT if (r + i) % n == 0 else UNMASK for r in range(1, ROUNDS + 1) if (r + i) % n in (0, 1)}
         for i in range(n)
     }
-    wrapped = with_secagg([Sized(f"c{i}", norms[i], drops[i]) for i in range(n)])  # type: ignore[arg-type]
-    return [
-        Dropping(
-            c.inner,
-            signer=c.party.signer,
-            keyring=c.party.keyring,
-            add_noise=Counted(hashlib.sha256(c.name.encode()).digest()),
-        )
-        for c in wrapped
-    ]
+    return dropping([Sized(f"c{i}", norms[i], drops[i]) for i in range(n)], Counted)  # type: ignore[arg-type]
 
 
 def test_the_adaptive_clip_follows_the_securely_summed_noised_count() -> None:

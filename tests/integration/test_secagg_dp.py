@@ -16,7 +16,7 @@ from typing import Mapping
 
 import pytest
 import torch
-from test_secagg import _TIMEOUTS, PHASES, Dropping
+from test_secagg import _TIMEOUTS, PHASES, Dropping, dropping
 
 from fedgrid.aggregation.fedavg import FedAvg
 from fedgrid.aggregation.privacy import clip_update, noise_share
@@ -84,16 +84,7 @@ def _federation(n: int, rounds: int, seed: int) -> list[Dropping]:
     for r in range(1, rounds + 1):
         for j, i in enumerate(rng.sample(range(n), 2)):
             drops[i][r] = PHASES[(r - 1 + j) % len(PHASES)]
-    wrapped = with_secagg([Step(f"c{i:03d}", drops[i]) for i in range(n)])  # type: ignore[arg-type]
-    return [
-        Dropping(
-            c.inner,
-            signer=c.party.signer,
-            keyring=c.party.keyring,
-            add_noise=Recorded(hashlib.sha256(c.name.encode()).digest()),
-        )
-        for c in wrapped
-    ]
+    return dropping([Step(f"c{i:03d}", drops[i]) for i in range(n)], Recorded)  # type: ignore[arg-type]
 
 
 class Checked(SecAgg):

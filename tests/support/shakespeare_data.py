@@ -35,13 +35,15 @@ def synthetic_shakespeare(folder: Path, *, lines_per_speaker: int = 60, seed: in
     return folder
 
 
-def tiny_llama(folder: Path, *, intermediate_size: int = 64, layers: int = 2, hidden: int = 32) -> Path:
-    """Writes the ``config.json`` of a tiny Llama (vocabulary 96, 2 heads, context 64) into
+def tiny_llama(
+    folder: Path, *, intermediate_size: int = 64, layers: int = 2, hidden: int = 32, vocab: int = 96
+) -> Path:
+    """Writes the ``config.json`` of a tiny Llama (vocabulary ``vocab``, 2 heads, context 64) into
     ``folder``, a ``--model hf:PATH`` folder built under a fixed seed on every side; returns ``folder``."""
     from transformers import LlamaConfig
 
     LlamaConfig(
-        vocab_size=96,
+        vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=intermediate_size,
         num_hidden_layers=layers,
