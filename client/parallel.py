@@ -4,7 +4,9 @@
 one ``torch.distributed`` process group (NCCL on GPUs, gloo on CPU). This process is rank 0:
 it holds the connection to the coordinator, tells the other ranks what to do, broadcasts the
 global model and returns the full trained state. The other ranks are started by the client
-itself with ``torch.multiprocessing`` (``spawn``); under ``torchrun --nproc-per-node N -m
+itself with ``torch.multiprocessing``, forked from a forkserver that imported torch once (a
+restart after a failure costs a fork, not an interpreter importing torch; each rank takes rank
+0's environment and import path as they are at its start); under ``torchrun --nproc-per-node N -m
 fedgrid.cli client ...`` torchrun starts them instead, and rank 0 alone talks to the
 coordinator (``serve_torchrun``).
 
@@ -62,6 +64,7 @@ from fedgrid.client.parallel_ranks import (
     _Commands,
     _device_for,
     _distribute,
+    _forked_rank,
     _serve,
     _worker_main,
 )
@@ -262,13 +265,16 @@ class ParallelClient(Client):
         self._dir = tempfile.mkdtemp(prefix="fedgrid-ranks-")  # 0700: the store is this user's alone
         self._generation += 1
         store_path = os.path.join(self._dir, f"store-{self._generation}")
-        context = mp.get_context("spawn")
+        context = mp.get_context("forkserver")
+        context.set_forkserver_preload([_worker_main.__module__])  # torch, imported once per process
         self._workers = [
             context.Process(
-                target=_worker_main,
+                target=_forked_rank,
                 name=f"fedgrid-rank-{rank}",
                 daemon=True,
                 args=(
+                    dict(os.environ),
+                    _worker_main,
                     rank,
                     world,
                     store_path,

@@ -1,7 +1,7 @@
 """Every rank's side of a ``ParallelClient`` (``fedgrid.client.parallel``): the seams that
 make a ``TorchClient`` train as one of ``world`` ranks (DDP, FSDP2 or HSDP), rank 0's
 broadcasts of the model, and the command channel over the group's store that the other
-ranks serve (``_worker_main`` for spawned ranks, ``_serve`` for every rank but 0).
+ranks serve (``_worker_main`` for started ranks, ``_serve`` for every rank but 0).
 """
 
 from __future__ import annotations
@@ -296,9 +296,29 @@ def _worker_main(
     )
     try:
         client = _distribute(factory(*args, **kwargs), spec, rank, device)
-        _serve(client, _Commands(store), alive=lambda: os.getppid() == parent)
+        _serve(client, _Commands(store), alive=_watch(parent))
     finally:
         dist.destroy_process_group()
+
+
+def _forked_rank(environ: dict[str, str], target: Callable[..., None], *args: Any) -> None:
+    """A process forked by the forkserver: multiprocessing brings rank 0's import path over, not
+    its environment (the forkserver's is from when it started), so it is set here first; then
+    ``target(*args)`` (``_worker_main`` for a rank)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    target(*args)
+
+
+def _watch(parent: int) -> Callable[[], bool]:
+    """Whether rank 0 (process ``parent``) still runs: the multiprocessing parent's sentinel,
+    which closes when it exits (a forked rank's parent process is the forkserver, not rank 0)."""
+    import multiprocessing
+
+    starter = multiprocessing.parent_process()
+    if starter is None or starter.pid != parent:
+        return lambda: os.getppid() == parent
+    return starter.is_alive
 
 
 def _backends(backend: str) -> str:
