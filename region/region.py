@@ -40,25 +40,25 @@ its upstream keeps serving its own clients (they stay joined and idle) and retri
 with the same session for as long as it runs: a global coordinator restarted from its state
 directory knows that session and its open task (an update trained meanwhile is uploaded when
 it answers), one that does not refuses it and the region joins again; a join refused or not
-answered within ``UPSTREAM_RETRY_MAX_S`` is tried again with backoff.
+answered within ``UPSTREAM_RETRY_MAX_S`` is tried again with backoff; a refusal that joining
+again cannot change (another base or rank, a certificate refused, the name taken) ends the
+region with that reason (``fedgrid.region.upstream``).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from fedgrid.aggregation import Strategy
 from fedgrid.aggregation.goodput import SUMMED_KEYS, WORKER_WALL_S, utilization_of
 from fedgrid.client.api import Client, FitOutput
-from fedgrid.client.runtime import RpcFailed, TaskReport, check_target, run_client
+from fedgrid.client.runtime import check_target
 from fedgrid.config import Config
 from fedgrid.constants import FINISH_GRACE_S, ROUND_RETRIES
 from fedgrid.determinism import environment, intra_op_threads
@@ -66,6 +66,7 @@ from fedgrid.errors import ConfigError
 from fedgrid.events import EventLog
 from fedgrid.interrupts import GracefulStop, say
 from fedgrid.proto.tls import TLSFiles
+from fedgrid.region.upstream import UPSTREAM_RETRY_MAX_S, serve_upstream, wan_writer
 from fedgrid.runlog import RunWriter
 from fedgrid.server.app import Coordinator, build_fleet, rank_policy, write_address
 from fedgrid.server.engine import ROUND_FAILED, RoundEngine
@@ -80,8 +81,6 @@ __all__ = ["RegionClient", "run_region", "UPSTREAM_RETRY_MAX_S", "PARTIAL_ALGORI
 
 log = logging.getLogger(__name__)
 
-#: Longest wait between two tries to join the global coordinator again.
-UPSTREAM_RETRY_MAX_S = 60.0
 #: What a region's name may be: it names files, metrics and the region upstream.
 NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 #: Global strategies whose clients send something other than the whole model.
@@ -285,24 +284,6 @@ def _check_global_task(config: Mapping[str, Any]) -> None:
         )
 
 
-def _wan_writer(path: Path) -> Callable[[TaskReport], None]:
-    """Appends each global task's WAN bytes to ``path`` (``wan.jsonl``), one JSON object a line."""
-
-    def on_task(report: TaskReport) -> None:
-        row = {
-            "round": report.round,
-            "kind": report.kind,
-            "bytes_up": report.bytes_up,
-            "bytes_down": report.bytes_down,
-            "upload_retries": report.upload_retries,
-            "num_examples": report.num_examples,
-        }
-        with path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-
-    return on_task
-
-
 def run_region(
     config: Config,
     *,
@@ -428,8 +409,8 @@ def _serve(
     trained, finished = 0, False
     try:
         with GracefulStop(on_term, what="region"):
-            trained, finished = _serve_upstream(
-                config, region, fleet, stop, _wan_writer(writer.dir / "wan.jsonl")
+            trained, finished = serve_upstream(
+                config, region, fleet, stop, wan_writer(writer.dir / "wan.jsonl")
             )
     finally:
         if finished:
@@ -446,55 +427,3 @@ def _serve(
         flush=True,
     )
     return trained
-
-
-def _serve_upstream(
-    config: Config,
-    region: RegionClient,
-    fleet: RemoteFleet,
-    stop: threading.Event,
-    on_task: Callable[[TaskReport], None],
-) -> tuple[int, bool]:
-    """Serves the global coordinator's tasks once the region has its clients, joining upstream
-    again (with backoff) while it refuses the region; returns the global tasks trained and
-    whether the global run finished (``False``: stopped)."""
-    backoff = 1.0
-    while not stop.is_set():
-        try:
-            # Its clients first: the examples it reports at join are theirs.
-            fleet.wait_for_clients(
-                min_clients=config.min_clients, timeout=timedelta(seconds=min(config.join_timeout_s, 5.0))
-            )
-        except Exception:  # not enough clients yet (or stopping): look again
-            continue
-        try:
-            # Transient failures are retried with the same session for as long as the region runs: a global
-            # coordinator restarted from its state directory still knows it (and its task), a new one refuses
-            # it and the runtime joins again.
-            summary = run_client(
-                region,
-                config.upstream,
-                stop=stop,
-                ca=config.upstream_ca,
-                cert=config.upstream_cert,
-                key=config.upstream_key,
-                server_name=config.upstream_server_name,
-                on_task=on_task,
-                connect_timeout=UPSTREAM_RETRY_MAX_S,
-                retry_max_elapsed=float("inf"),
-            )
-            return summary.rounds, not stop.is_set()
-        except (
-            RpcFailed
-        ) as exc:  # refused upstream (or unreachable at the first join): keep the clients, join again
-            log.warning(
-                "region %s: upstream %s: %s; joining again in %.0fs",
-                escape(config.name),
-                config.upstream,
-                escape(str(exc)),
-                backoff,
-            )
-            say(f"region {config.name}: upstream lost ({exc.code.name}); its clients stay; joining again")
-            stop.wait(backoff)
-            backoff = min(backoff * 2, UPSTREAM_RETRY_MAX_S)
-    return 0, False

@@ -6,9 +6,11 @@ clients of their own LoRA ranks (4 and 8 under ``svd``). One thread.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from pathlib import Path
 
+import grpc
 import pytest
 from shakespeare_data import tiny_llama
 from test_peft_lora import _config, _Coordinator
@@ -16,8 +18,10 @@ from test_peft_lora import _config, _Coordinator
 from fedgrid.cli import serve
 from fedgrid.cli.region import serve as serve_region
 from fedgrid.client import start_client
+from fedgrid.client.runtime import RpcFailed
 from fedgrid.errors import ConfigError
 from fedgrid.region import run_region
+from fedgrid.region.upstream import RefusedUpstream
 from fedgrid.runlog import read_metrics
 from fedgrid.simulation.peft_lm import build_peft_lm
 from fedgrid.simulation.tasks import builtin_client, client_options
@@ -120,7 +124,14 @@ def test_a_region_of_another_base_is_refused_upstream_naming_both_hashes(llama, 
         name="eu", min_clients=1, regional_rounds=1,
     )  # fmt: skip
     stop = threading.Event()
-    region = threading.Thread(target=serve_region, args=(config,), kwargs={"stop": stop}, daemon=True)
+
+    def run() -> None:
+        try:
+            serve_region(config, stop=stop)
+        except Exception as exc:
+            ended["region"] = exc
+
+    region = threading.Thread(target=run, daemon=True)
     region.start()
     address_file = tmp_path / "eu" / "address"
     wait_until(lambda: address_file.exists() and address_file.read_text().strip(), timeout=60, what="address")
@@ -128,15 +139,23 @@ def test_a_region_of_another_base_is_refused_upstream_naming_both_hashes(llama, 
     client = builtin_client(0, 1, top.seed, **client_options(config))
     handle = start_client(client, address_file.read_text().strip(), poll_wait_s=1.0)  # stops within 1 s
     try:
-        wait_until(lambda: "base model mismatch" in caplog.text, timeout=60, what="the upstream refusal")
+        # Joining again cannot change the base: the region ends by itself, naming the refusal.
+        wait_until(
+            lambda: not region.is_alive(), timeout=60, what="the region to end at the upstream refusal"
+        )
+        assert not stop.is_set()
     finally:
         handle.stop()
-        handle.join(timeout=60)
+        with contextlib.suppress(RpcFailed):  # its region is gone: it may have given up first
+            handle.join(timeout=60)
         stop.set()
         region.join(timeout=60)
         coordinator.join(timeout=60)
     assert "0 live clients" in str(ended.get("error")), ended  # no client ever joined it
     ours = build_peft_lm(str(llama), PEFT8).base_hash
-    # The region's log names both (the coordinator's, last, cut to the log's bound).
-    assert client.base_hash in caplog.text and ours[:24] in caplog.text and ours != client.base_hash
+    refused = ended["region"]
+    assert isinstance(refused, RefusedUpstream) and refused.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "base model mismatch" in str(refused) and "joining again cannot change that" in str(refused)
+    # The refusal names both (the coordinator's, last, cut to the message bound).
+    assert client.base_hash in str(refused) and ours[:24] in str(refused) and ours != client.base_hash
     assert not region.is_alive() and not coordinator.is_alive()
