@@ -109,7 +109,7 @@ def _regions(config: Config, clients: list, profiles: ClientProfiles) -> list:
 
     A region's clients are those ``profiles`` labels with its name; it trains them with
     ``region_strategy`` (its defaults, and the run's ``local_epochs``, ``lr``, ``seed``,
-    ``fraction_fit``) on the ``lan_codec`` uplink, ``regional_rounds`` rounds per global task.
+    ``fraction_fit`` and ``lora_aggregation``) on the ``lan_codec`` uplink, ``regional_rounds`` rounds per global task.
 
     Raises:
         ConfigError: ``hierarchy`` without ``regions``.
@@ -127,7 +127,9 @@ def _regions(config: Config, clients: list, profiles: ClientProfiles) -> list:
         raise ConfigError(
             "hierarchy", "needs regions (e.g. regions = 'eu:0.5,us:0.5'): the tiers to aggregate in"
         )
-    defaults: dict[str, Any] = {k: None for k in STRATEGY_KEYS}  # the regional strategy's own defaults
+    # The regional strategy's own defaults; but the adapters' merge is the run's, as a deployed
+    # region's --lora-aggregation must be: its clients are the run's, of the run's ranks.
+    defaults: dict[str, Any] = {k: None for k in STRATEGY_KEYS if k != "lora_aggregation"}
     regional = replace(config, strategy=config.region_strategy, **defaults)
     if config.secagg:  # the regions aggregate securely; the ring is their clients' uplink codec
         regional = replace(regional, codec=config.lan_codec, hierarchy=False, region_codecs="")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from shakespeare_data import tiny_llama
 from test_peft_lora import _config, _Coordinator
 
@@ -24,6 +25,7 @@ from fedgrid.region import run_region
 from fedgrid.region.upstream import RefusedUpstream
 from fedgrid.runlog import read_metrics
 from fedgrid.simulation.peft_lm import build_peft_lm
+from fedgrid.simulation.run import run_simulation
 from fedgrid.simulation.tasks import builtin_client, client_options
 
 from harness import wait_until
@@ -92,6 +94,16 @@ def test_a_region_carries_the_base_hash_and_enforces_it_on_its_clients(llama, da
     assert row["clients_ok"] == 1  # the region, one learner
     (lan,) = read_metrics(tmp_path / "eu")
     assert lan["clients_ok"] == 2
+    # The simulated hierarchy (its region merging its clients' ranks with the run's svd) gives the same bits.
+    simulated, history = run_simulation(
+        _config(
+            llama, data_dir, tmp_path / "sim", peft=PEFT8, lora_aggregation="svd", peft_rank="4,8", clients=2,
+            hierarchy=True, regions="eu:1.0", regional_rounds=1,
+        )
+    )  # fmt: skip
+    assert simulated is not None and list(simulated) == list(final) and history[-1].extra["lan_bytes_up"] > 0
+    for name, tensor in simulated.items():
+        assert torch.equal(final[name], tensor), name
 
 
 def test_a_region_of_a_peft_run_needs_its_base(llama, data_dir, tmp_path):
