@@ -65,6 +65,7 @@ from fedgrid.client.parallel_ranks import (
     _device_for,
     _distribute,
     _forked_rank,
+    _rank_context,
     _serve,
     _worker_main,
 )
@@ -250,8 +251,6 @@ class ParallelClient(Client):
 
     def _start(self) -> None:
         """Starts ranks 1..N-1 and joins them in a fresh group; restores the state across rounds."""
-        import torch.multiprocessing as mp
-
         spec, world = self.spec, self.spec.nproc
         backend = spec.resolved_backend
         if dist.is_initialized():
@@ -265,8 +264,7 @@ class ParallelClient(Client):
         self._dir = tempfile.mkdtemp(prefix="fedgrid-ranks-")  # 0700: the store is this user's alone
         self._generation += 1
         store_path = os.path.join(self._dir, f"store-{self._generation}")
-        context = mp.get_context("forkserver")
-        context.set_forkserver_preload([_worker_main.__module__])  # torch, imported once per process
+        context = _rank_context(self.factory)
         self._workers = [
             context.Process(
                 target=_forked_rank,

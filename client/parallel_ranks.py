@@ -301,6 +301,21 @@ def _worker_main(
         dist.destroy_process_group()
 
 
+def _rank_context(factory: Callable[..., Any]) -> Any:
+    """The multiprocessing context ranks start from: a forkserver that imports, once per process,
+    torch and fedgrid (this module) and the factory's module (the application's model and data
+    code) unless that is the main script."""
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("forkserver")
+    preload = [__name__]
+    module = getattr(factory, "__module__", None) or "__main__"
+    if module not in ("__main__", "__mp_main__"):
+        preload.append(module)
+    context.set_forkserver_preload(preload)
+    return context
+
+
 def _forked_rank(environ: dict[str, str], target: Callable[..., None], *args: Any) -> None:
     """A process forked by the forkserver: multiprocessing brings rank 0's import path over, not
     its environment (the forkserver's is from when it started), so it is set here first; then

@@ -31,14 +31,11 @@ def report(out: str, parent: int) -> None:
 def start(out: str, mark: str) -> "object":
     """Starts ``report`` as ``ParallelClient._start`` starts a rank; the mark is set after the
     forkserver started, so only the environment handed over can carry it."""
-    import torch.multiprocessing as mp
-
-    from fedgrid.client.parallel_ranks import _forked_rank
-
-    context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["fedgrid.client.parallel_ranks"])
     from multiprocessing import forkserver
 
+    from fedgrid.client.parallel_ranks import _forked_rank, _rank_context
+
+    context = _rank_context(report)
     forkserver.ensure_running()
     os.environ["FEDGRID_PROBE_MARK"] = mark
     process = context.Process(
