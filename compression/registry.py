@@ -7,7 +7,8 @@ A spec is ``NAME[:PARAM][+zstd[:LEVEL]]``:
 ``fp16`` / ``bf16``    16-bit floats
 ``int8[:BLOCK]``       8-bit codes, one absmax per ``BLOCK`` elements (256)
 ``qsgd:LEVELS``        stochastic unbiased quantization, 1..32767 levels
-``topk[:FRACTION]``    the largest-magnitude ``FRACTION`` of elements, in (0, 1] (0.1)
+``topk[:FRACTION]``    the largest-magnitude ``FRACTION`` of elements, in (0, 1] (0.1);
+                       ``topk:F:scaled`` scales them by ``||x||^2 / ||topk(x)||^2``
 ``randk[:FRACTION]``   a uniform random ``FRACTION`` of elements; ``randk:F:unbiased``
                        scales them by ``1/F`` (bare ``randk``: ``randk:0.25:unbiased``)
 ``powersgd:RANK``      rank-``RANK`` factors of matrices and conv kernels
@@ -42,7 +43,7 @@ from fedgrid.compression.lossless import ZstdCodec
 from fedgrid.compression.lowbit import DEFAULT_BLOCK_4BIT, FP4Codec, Int4Codec
 from fedgrid.compression.lowrank import PowerSGDCodec
 from fedgrid.compression.quantize import SIGN_BLOCK, CastCodec, Int8Codec, QSGDCodec, SignCodec
-from fedgrid.compression.sparse import DEFAULT_RANDK, DEFAULT_TOPK, RandKCodec, TopKCodec
+from fedgrid.compression.sparse import DEFAULT_RANDK, DEFAULT_TOPK, RandKCodec, ScaledTopKCodec, TopKCodec
 from fedgrid.compression.sparseloco import CHUNK, DEFAULT_K, SparseLoCoCodec
 from fedgrid.errors import ConfigError, InvalidUpdateError
 
@@ -108,6 +109,16 @@ def _fraction(param: str | None, usage: str) -> float:
     return value
 
 
+def _topk(param: str | None) -> Codec:
+    if param is None:
+        return TopKCodec(DEFAULT_TOPK)
+    fraction, sep, form = param.partition(":")
+    if sep and form != "scaled":
+        raise ValueError(f"'topk:FRACTION[:scaled]' ends in ':scaled' or nothing, got {form!r}")
+    value = _fraction(fraction, "topk:FRACTION[:scaled]")
+    return ScaledTopKCodec(value) if sep else TopKCodec(value)
+
+
 def _randk(param: str | None) -> Codec:
     if param is None:
         return RandKCodec(*DEFAULT_RANDK)
@@ -124,10 +135,7 @@ def _builtin() -> dict[str, _Family]:
         "bf16": _Family(_fresh("bf16", lambda: CastCodec(torch.bfloat16)), "bf16"),
         "int8": _Family(lambda p: Int8Codec(_int(p, "int8[:BLOCK]", 8, 65536, 256)), "int8[:BLOCK]"),
         "qsgd": _Family(lambda p: QSGDCodec(_int(p, "qsgd:LEVELS", 1, 32767)), "qsgd:LEVELS"),
-        "topk": _Family(
-            lambda p: TopKCodec(DEFAULT_TOPK if p is None else _fraction(p, "topk[:FRACTION]")),
-            "topk[:FRACTION]",
-        ),
+        "topk": _Family(_topk, "topk[:FRACTION[:scaled]]"),
         "randk": _Family(_randk, "randk[:FRACTION[:unbiased]]"),
         "powersgd": _Family(lambda p: PowerSGDCodec(_int(p, "powersgd:RANK", 1, 65535)), "powersgd:RANK"),
         "sign": _Family(lambda p: SignCodec(_int(p, "sign[:BLOCK]", 8, 65536, SIGN_BLOCK)), "sign[:BLOCK]"),

@@ -1,4 +1,4 @@
-"""Sparsifiers: ``topk[:FRACTION]`` (largest magnitudes) and ``randk[:FRACTION[:unbiased]]`` (uniform sample).
+"""Sparsifiers: ``topk[:FRACTION[:scaled]]`` (largest magnitudes) and ``randk[:FRACTION[:unbiased]]`` (uniform sample).
 
 Both keep ``k = k_for(n)`` of a tensor's ``n`` elements, ``k = clamp(floor(FRACTION * n + 1/2), 1, n)``,
 send those values exactly (in the tensor's own dtype) and zero the rest; both are biased,
@@ -17,12 +17,21 @@ round moves by the full update in expectation: with error feedback the unscaled 
 a share ``k/n`` of a client's pending update per participation, which needs on the order of
 ``n/k`` participations to catch up, far more than a short run gives a client.
 
+``topk:FRACTION:scaled`` compensates the shrinkage of the step instead: the body carries one
+float32 per tensor, ``s = ||x||^2 / ||topk(x)||^2`` (at least 1; capped where a kept value
+times it would overflow the dtype), and the receiver multiplies the kept values by it, so
+``<x^, x> = ||x||^2``: the decoded update moves as far along ``x`` as ``x`` itself, with
+``||x - x^||^2 = (s - 1) ||x||^2``. That is not contractive where top-k keeps less than half
+of the energy, so it runs without error feedback (``auto``'s choice; a residual rule is
+refused). Under FedAvg a sparse upload without it moves the model about a third as far along
+the mean update as ``none`` does (``docs/links.rst``).
+
 ``auto`` error feedback (the default) runs ``topk`` with ``momentum:0.5`` and the unbiased
 ``randk`` with none. Defaults when the spec names no fraction: ``topk`` keeps 0.1 (``DEFAULT_TOPK``), ``randk``
 is ``randk:0.25:unbiased`` (``DEFAULT_RANDK``): each is the smallest fraction tried that
 stays within 0.05 of uncompressed accuracy after 5 digits rounds (``docs/compression.md``).
 
-Body: u64 ``k``, the ``k`` values, then the sorted indices in the smallest of three
+Body: u64 ``k``, (``scaled``: float32 ``s``,) the ``k`` values, then the sorted indices in the smallest of three
 formats (fixed-width integers, a bitmap, or LEB128 varints of the gaps; see ``_payload``).
 The decoder checks the count against the spec, every index against the shape, and that
 indices strictly increase (so none repeats).
@@ -31,6 +40,7 @@ indices strictly increase (so none repeats).
 from __future__ import annotations
 
 import math
+import struct
 from abc import abstractmethod
 
 import numpy as np
@@ -39,7 +49,7 @@ import torch
 from fedgrid.compression._payload import Reader, decode_indices, encode_indices, max_index_bytes, numel
 from fedgrid.compression.base import FloatCodec
 
-__all__ = ["SparseCodec", "TopKCodec", "RandKCodec", "DEFAULT_TOPK", "DEFAULT_RANDK"]
+__all__ = ["SparseCodec", "TopKCodec", "ScaledTopKCodec", "RandKCodec", "DEFAULT_TOPK", "DEFAULT_RANDK"]
 
 #: The fraction of a bare ``topk`` spec.
 DEFAULT_TOPK = 0.1
@@ -73,10 +83,14 @@ class SparseCodec(FloatCodec):
     def _select(self, flat: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:
         """Indices (any order, no repeats) of the ``k`` elements of ``flat`` to keep."""
 
+    #: True when the body carries one float32 factor that the receiver applies to the kept
+    #: values (``topk:F:scaled``); 0 bytes otherwise.
+    scaled = False
+
     def _max_body(self, shape: tuple[int, ...], dtype: torch.dtype) -> int | None:
         n = numel(shape)
         k = self.k_for(n)
-        return 8 + k * dtype.itemsize + 1 + max_index_bytes(n, k)
+        return 8 + 4 * self.scaled + k * dtype.itemsize + 1 + max_index_bytes(n, k)
 
     def _encode_body(
         self, x: torch.Tensor, *, generator: torch.Generator | None, key: str | None
@@ -87,16 +101,26 @@ class SparseCodec(FloatCodec):
         idx = self._select(flat, k, generator).sort().values
         values = flat[idx].to("cpu").contiguous()
         value_bytes = values.view(torch.uint8).numpy().tobytes()
-        return [k.to_bytes(8, "little"), value_bytes, encode_indices(idx.to("cpu").numpy(), n)]
+        head = [k.to_bytes(8, "little")]
+        if self.scaled:
+            head.append(struct.pack("<f", _energy_scale(flat, values)))
+        return [*head, value_bytes, encode_indices(idx.to("cpu").numpy(), n)]
 
     def _decode_body(self, reader: Reader, *, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         n = numel(shape)
         k = self.k_for(n)
         reader.expect(8, k, "count")
+        scale = float(reader.array("<f4", 1, "scale")[0]) if self.scaled else 1.0
+        if not (math.isfinite(scale) and scale >= 1.0):
+            raise reader.fail(f"scale must be finite and at least 1, got {scale}")
         values = torch.from_numpy(reader.array(_VALUE_NP[dtype], k, "values")).view(dtype)
         if not bool(torch.isfinite(values).all()):
             raise reader.fail("values hold NaN or Inf")
         idx = torch.from_numpy(decode_indices(reader, n, k))
+        if self.scaled:
+            values = (values.double() * scale).to(dtype)
+            if not bool(torch.isfinite(values).all()):
+                raise reader.fail(f"values times the scale {scale} overflow {dtype}")
         out = torch.zeros(n, dtype=dtype)
         out[idx] = values * (n / k) if self.unbiased else values
         return out
@@ -119,6 +143,30 @@ class TopKCodec(SparseCodec):
             magnitude = magnitude.float()
         n = flat.numel()
         return torch.from_numpy(np.argpartition(magnitude.numpy(), n - k)[n - k :])
+
+
+class ScaledTopKCodec(TopKCodec):
+    """``topk:FRACTION:scaled``: top-k whose receiver multiplies the kept values by
+    ``s = ||x||^2 / ||topk(x)||^2`` (one float32 in the body), so ``<x^, x> = ||x||^2``."""
+
+    scaled = True
+    contractive = False
+    auto_feedback = "none"
+
+    def __init__(self, fraction: float) -> None:
+        super().__init__(fraction)
+        self.name += ":scaled"
+
+
+def _energy_scale(flat: torch.Tensor, kept: torch.Tensor) -> float:
+    """``||flat||^2 / ||kept||^2`` in float64, at least 1, and capped so that no kept value
+    times it overflows the dtype or float32 (1 when nothing nonzero is kept)."""
+    part = float(kept.double().square().sum())
+    if part == 0.0:
+        return 1.0
+    ceiling = min(torch.finfo(flat.dtype).max, torch.finfo(torch.float32).max)
+    cap = ceiling / float(kept.double().abs().max()) * (1 - 2**-20)  # float32 rounding of the scale
+    return max(1.0, min(float(flat.double().square().sum()) / part, cap))
 
 
 class RandKCodec(SparseCodec):
