@@ -22,6 +22,7 @@ from fedgrid.aggregation.mean import Mean
 from fedgrid.aggregation.robust import Krum, Median, MultiKrum, TrimmedMean
 from fedgrid.aggregation.scaffold import Scaffold
 from fedgrid.aggregation.selection import Sampling, SelectionPolicy
+from fedgrid.aggregation.sender_mean import SenderMean
 from fedgrid.errors import ConfigError
 
 __all__ = [
@@ -44,6 +45,7 @@ AGGREGATORS: dict[str, Callable[..., Aggregator]] = {
     "multi-krum": MultiKrum,
     "norm-clip": NormClip,
     "centered-clip": CenteredClip,
+    "sender-mean": SenderMean,
 }
 
 _AGGREGATOR_PARAMS: dict[str, tuple[str, ...]] = {
@@ -54,6 +56,7 @@ _AGGREGATOR_PARAMS: dict[str, tuple[str, ...]] = {
     "multi-krum": ("f", "m", "weighted"),
     "norm-clip": ("bound", "weighted"),
     "centered-clip": ("tau", "iterations", "weighted"),
+    "sender-mean": (),
 }
 
 #: Strategy names accepted by ``build_strategy_from`` (``--strategy``), with their constructors.

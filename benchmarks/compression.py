@@ -276,6 +276,9 @@ def main(argv: list[str] | None = None) -> None:
         help="lm: outer Nesterov momentum (default: the strategy's)",
     )
     parser.add_argument(
+        "--aggregator", default=None, help="lm: the strategy's aggregator (default: the codec's rule)"
+    )
+    parser.add_argument(
         "--eval-every", type=int, default=1, help="lm: held-out loss every this many outer steps"
     )
     parser.add_argument("--per-round", type=int, default=10)

@@ -21,6 +21,7 @@ smaller, or where the codec cannot represent the values, e.g. ``fp16`` past 6550
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from types import MappingProxyType
 from typing import Any, ClassVar, Mapping
 
 import torch
@@ -65,6 +66,10 @@ class Codec(ABC):
     #: The error feedback ``error_feedback = "auto"`` (the default) runs this codec with: a
     #: spec of ``fedgrid.compression.feedback.FeedbackRule.parse``, measured per family.
     auto_feedback: str = "classic"
+    #: Strategy options this codec runs with where the run's config leaves them unset, per
+    #: strategy name (``fedgrid.server.strategies.build_strategy`` applies them): an outer-
+    #: gradient codec's outer step (``sparseloco`` under DiLoCo). Empty: the strategy's own.
+    auto_strategy: Mapping[str, Mapping[str, Any]] = MappingProxyType({})
     #: True when ``encode`` draws random numbers (from torch's default generator when given no
     #: ``generator``: its caller then holds ``fedgrid.seeding.RNG_LOCK``).
     stochastic: bool = False

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
+from types import MappingProxyType
+from typing import Any, Mapping
 
 import torch
 
@@ -62,6 +64,12 @@ class DCTTopKCodec(SparseLoCoCodec):
     Args:
         k: coefficients kept per full chunk, 1..4096.
     """
+
+    #: DeMo's own settings, measured with DiLoCo's outer step and classic auto feedback
+    #: (benchmarks/README.md): not ``sparseloco``'s outer step, aggregator or short-chunk rule.
+    auto_feedback = "classic"
+    auto_strategy: Mapping[str, Mapping[str, Any]] = MappingProxyType({})
+    short_keeps_k = False
 
     def __init__(self, k: int = DEFAULT_K) -> None:
         if not 1 <= k <= CHUNK:

@@ -58,6 +58,7 @@ class ZstdCodec(Codec):
         self.contractive = inner.contractive
         self.unbiased = inner.unbiased
         self.auto_feedback = inner.auto_feedback
+        self.auto_strategy = inner.auto_strategy
         self.stochastic = inner.stochastic
         self.name = f"{inner.name}+zstd" + ("" if level == DEFAULT_ZSTD_LEVEL else f":{level}")
 

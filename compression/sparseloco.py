@@ -4,11 +4,23 @@ As Templar's Covenant-72B run sends its pseudo-gradients (SparseLoCo, Sarfi et a
 the flat tensor is cut into chunks of ``CHUNK`` = 4096 elements; each chunk keeps its ``K``
 (default 64, 1.56%) largest-magnitude entries, and each kept entry travels as 2 bits: its
 sign and whether it is in the larger or the smaller half of the chunk's kept magnitudes, each
-half sent as its mean magnitude (two float32 per chunk). A shorter last chunk of ``L``
-elements keeps ``clamp(round(K L / CHUNK), 1, L)``. Indices are offsets within their chunk,
+half sent as its mean magnitude (two float32 per chunk). A shorter chunk of ``L`` elements
+(a tensor's tail, or a whole small tensor: a bias, a LayerNorm weight) keeps ``min(K, L)``,
+as Templar's chunked top-k does (its ``topk`` clamped to the chunk): the small tensors of a
+model move every step instead of by one entry in 64. Indices are offsets within their chunk,
 12 bits each. So a full chunk costs ``K (12 + 2) / 8 + 8`` bytes: 120 at the default, 136x
-fewer than float32. Run it under error feedback (the uplink's; SparseLoCo's is the
-``momentum`` variant, ``error_feedback = "momentum:0.95"``).
+fewer than float32.
+
+The recipe, what naming the codec gives (each a default the config may override):
+
+- error feedback ``auto`` is ``momentum:0.95``: SparseLoCo's accumulator ``A <- 0.95 A + x``
+  (decayed before the new pseudo-gradient is added), top-k taken of ``A``, ``A`` less what
+  was sent kept (``fedgrid.compression.feedback``);
+- under ``diloco`` and ``streaming-diloco`` (``auto_strategy``) the outer step is SparseLoCo's:
+  plain SGD, no outer momentum (the accumulator is the momentum; DiLoCo's Nesterov on top of it
+  is a second one), at outer lr ``OUTER_LR`` = 1.5, on the ``sender-mean`` of the decoded
+  pseudo-gradients: per entry the mean over the workers that sent it, as Templar combines them
+  (``scatter_reduce(..., "mean", include_self=False)``), not diluted by the workers that did not.
 
 Error bound, exact per chunk: with ``h = ceil(k / 2)`` largest kept magnitudes of mean
 ``c_hi`` and the other ``k - h`` of mean ``c_lo``,
@@ -23,6 +35,8 @@ bit 1 the larger half), each section bit-packed with the first item in the lowes
 from __future__ import annotations
 
 import math
+from types import MappingProxyType
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -31,13 +45,15 @@ from fedgrid.compression._payload import Reader, numel
 from fedgrid.compression.base import FloatCodec
 from fedgrid.compression.quantize import _check_scales, _f32_bytes
 
-__all__ = ["SparseLoCoCodec", "CHUNK", "DEFAULT_K"]
+__all__ = ["SparseLoCoCodec", "CHUNK", "DEFAULT_K", "OUTER_LR"]
 
 #: Elements per chunk (Covenant-72B's 4096).
 CHUNK = 4096
 #: Entries kept per full chunk when the spec names none (1.56%).
 DEFAULT_K = 64
 _INDEX_BITS = (CHUNK - 1).bit_length()
+#: The outer learning rate of SparseLoCo's outer step under DiLoCo (measured: docs/links.rst).
+OUTER_LR = 1.5
 
 
 def _pack_uint(values: np.ndarray, bits: int) -> bytes:
@@ -69,12 +85,30 @@ class SparseLoCoCodec(FloatCodec):
         self.k = k
         self.name = "sparseloco" if k == DEFAULT_K else f"sparseloco:{k}"
 
+    #: SparseLoCo's error feedback: the accumulator decays by 0.95 before each new pseudo-gradient.
+    auto_feedback = "momentum:0.95"
+    #: SparseLoCo's outer step under DiLoCo (``Codec.auto_strategy``): plain SGD on the mean over
+    #: senders (``sender-mean``), no outer momentum (the error feedback's accumulator is the
+    #: momentum), outer lr ``OUTER_LR``.
+    auto_strategy: Mapping[str, Mapping[str, Any]] = MappingProxyType(
+        {
+            name: MappingProxyType({"outer_lr": OUTER_LR, "outer_momentum": 0.0, "aggregator": "sender-mean"})
+            for name in ("diloco", "streaming-diloco")
+        }
+    )
+    #: A chunk shorter than ``CHUNK`` keeps ``min(k, length)`` (True), or ``k`` scaled by its
+    #: length (False, ``demo``'s rule on its padded coefficients).
+    short_keeps_k = True
+
     def chunks(self, n: int) -> list[tuple[int, int, int]]:
         """``(start, length, kept)`` of each chunk of an ``n``-element tensor (the same on both ends)."""
         out = []
         for start in range(0, n, CHUNK):
             length = min(CHUNK, n - start)
-            kept = self.k if length == CHUNK else min(length, max(1, round(self.k * length / CHUNK)))
+            if self.short_keeps_k or length == CHUNK:
+                kept = min(self.k, length)
+            else:
+                kept = min(length, max(1, round(self.k * length / CHUNK)))
             out.append((start, length, kept))
         return out
 

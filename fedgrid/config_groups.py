@@ -39,7 +39,16 @@ STRATEGY_NAMES = (
     "streaming-diloco",
     "bcd",
 )
-AGGREGATOR_NAMES = ("mean", "median", "trimmed-mean", "krum", "multi-krum", "norm-clip", "centered-clip")
+AGGREGATOR_NAMES = (
+    "mean",
+    "median",
+    "trimmed-mean",
+    "krum",
+    "multi-krum",
+    "norm-clip",
+    "centered-clip",
+    "sender-mean",
+)
 #: Config keys handed to ``build_strategy_from`` as options (``None``: the strategy's default).
 STRATEGY_KEYS = (
     "aggregator",

@@ -9,6 +9,7 @@ unchanged behind a coordinator.
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 from fedgrid.aggregation import Strategy
 from fedgrid.aggregation.registry import build_strategy_from
@@ -21,11 +22,19 @@ from fedgrid.aggregation.selection import (
     UniformSelector,
 )
 from fedgrid.capabilities import parse_size
+from fedgrid.compression import parse_codec_spec
 from fedgrid.config import Config
 from fedgrid.errors import ConfigError
 from fedgrid.plugins import is_custom_strategy, load_object
 
-__all__ = ["build_strategy", "build_selection", "build_capability_filter", "custom_strategy", "RUN_KEYS"]
+__all__ = [
+    "build_strategy",
+    "codec_strategy_defaults",
+    "build_selection",
+    "build_capability_filter",
+    "custom_strategy",
+    "RUN_KEYS",
+]
 
 #: What a custom strategy's constructor is offered, by parameter name: the run's keys that every
 #: built-in strategy gets too. ``sampling`` is the ``Sampling`` a built-in gets (a subclass of
@@ -87,13 +96,29 @@ def build_strategy(
         min_fit_clients=1,
         seed=config.seed,
         fit_config=fit_config,
-        **config.strategy_options(),
+        **{**codec_strategy_defaults(config), **config.strategy_options()},
     )
     if config.secagg:  # SecAgg+ phases around the strategy (fedgrid.aggregation.secagg)
         strategy = secagg_strategy(config, strategy)
     if num_clients is not None:
         strategy.check_preconditions(num_clients=num_clients)
     return strategy
+
+
+def codec_strategy_defaults(config: Config) -> dict[str, Any]:
+    """The strategy options the uplink codec asks for (``Codec.auto_strategy``) where the config
+    leaves them unset: ``sparseloco`` under ``diloco`` / ``streaming-diloco`` takes SparseLoCo's
+    outer step (plain SGD, no outer momentum: its error feedback with momentum is the momentum;
+    ``sender-mean``). Under SecAgg+ none (the server sees only the sum).
+
+    Returns:
+        Option name -> value, for the options of ``config.strategy`` the codec names and the
+        config leaves ``None``; empty for most codecs.
+    """
+    if config.secagg:
+        return {}
+    wanted = parse_codec_spec(config.codec).auto_strategy.get(config.strategy, {})
+    return {key: value for key, value in wanted.items() if getattr(config, key) is None}
 
 
 def secagg_strategy(config: Config, strategy: Strategy) -> Strategy:

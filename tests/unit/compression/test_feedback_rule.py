@@ -167,3 +167,32 @@ def test_an_unbiased_codec_under_a_residual_rule_is_refused_naming_the_key() -> 
     assert load_config(overrides={"codec": "randk", "error_feedback": "none"}).codec == "randk"
     with pytest.raises(ConfigError, match=r"config key 'error_feedback': expected 'auto', 'classic'"):
         load_config(overrides={"error_feedback": "ef22"})
+
+
+def test_sparseloco_auto_residual_stays_bounded_over_1000_rounds_at_10_percent_participation() -> None:
+    """``sparseloco`` under its ``auto`` rule (``momentum:0.95``): every encode contracts its input
+    ``v`` by at least ``d`` (measured: ``||v - D(C(v))||^2 <= (1 - d) ||v||^2``), so the residual
+    stays under ``sqrt(1 - d) M / (1 - 0.95 sqrt(1 - d))`` for inputs of norm at most ``M``."""
+    rule = FeedbackRule.parse("auto")
+    clients, steps, n = 10, 1000, 600  # one short chunk: min(64, 600) kept
+    feedback = [ErrorFeedback("sparseloco", rule) for _ in range(clients)]
+    assert feedback[0].rule.spec == "momentum:0.95"
+    taking = _participation(steps, clients, 0.1, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    drift = torch.randn(clients, n, generator=gen)
+    largest, worst, least_d = 0.0, 0.0, 1.0
+    for t in range(steps):
+        for i in torch.nonzero(taking[t]).flatten().tolist():
+            ef = feedback[i]
+            ef.begin_round(t)
+            before = ef.residuals.get("w")
+            x = drift[i] + 0.5 * torch.randn(n, generator=gen)
+            v = x + (0.95 * before if before is not None else 0.0)
+            largest = max(largest, float(x.norm()))
+            sent = ef.encode("w", x).decoded
+            assert int((sent != 0).sum()) == 64
+            least_d = min(least_d, 1 - float((v - sent).square().sum() / v.square().sum()))
+            worst = max(worst, float(ef.residuals["w"].norm()) / largest)
+    c = math.sqrt(1 - least_d)
+    assert least_d > 0.03  # contractive on every input
+    assert 0.5 < worst <= c / (1 - 0.95 * c), (worst, least_d)

@@ -95,9 +95,12 @@ def test_sparseloco_sizes_and_ratio() -> None:
     per_chunk = 64 * (12 + 2) / 8 + 8
     assert len(payload) == 1 + 6 + 64 * per_chunk
     assert x.numel() * 4 / len(payload) >= 136
-    small = torch.randn(100)  # one short chunk: round(64 * 100 / 4096) = 2 kept
-    assert SparseLoCoCodec().chunks(100) == [(0, 100, 2)]
-    assert int((_roundtrip("sparseloco", small)[1] != 0).sum()) == 2
+    small = torch.randn(100, generator=torch.Generator().manual_seed(4))  # one short chunk keeps min(K, 100)
+    assert SparseLoCoCodec().chunks(100) == [(0, 100, 64)]
+    assert SparseLoCoCodec().chunks(CHUNK + 10) == [(0, CHUNK, 64), (CHUNK, 10, 10)]
+    assert int((_roundtrip("sparseloco", small)[1] != 0).sum()) == 64
+    # demo keeps its rule on padded coefficients: K scaled by the short chunk's length
+    assert get_codec("demo").chunks(128) == [(0, 128, 2)]
     assert int((_roundtrip("sparseloco:8", x)[1] != 0).sum()) == 8 * 64
 
 
@@ -119,7 +122,7 @@ def test_sparseloco_payload_checks() -> None:
         codec.decode(payload[:-3], dtype=torch.float32, shape=shape)
     with pytest.raises(InvalidUpdateError, match=r"over the \d+ a torch.float32 \[4106\] tensor allows"):
         codec.decode(payload + b"\x00", dtype=torch.float32, shape=shape)
-    short = torch.randn(300)  # one chunk of 300: 5 kept, 12-bit offsets that must stay under 300
+    short = torch.randn(300)  # one chunk of 300: 64 kept, 12-bit offsets that must stay under 300
     payload = bytearray(codec.encode(short))
     payload[1 + 6 + 8 : 1 + 6 + 8 + 2] = b"\xff\x0f"  # first offset 4095
     with pytest.raises(InvalidUpdateError, match="past the end of its chunk"):
