@@ -9,6 +9,7 @@ unchanged behind a coordinator.
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Any
 
 from fedgrid.aggregation import Strategy
@@ -35,6 +36,8 @@ __all__ = [
     "custom_strategy",
     "RUN_KEYS",
 ]
+
+log = logging.getLogger(__name__)
 
 #: What a custom strategy's constructor is offered, by parameter name: the run's keys that every
 #: built-in strategy gets too. ``sampling`` is the ``Sampling`` a built-in gets (a subclass of
@@ -88,6 +91,14 @@ def build_strategy(
             strategy.check_preconditions(num_clients=num_clients)
         return strategy
     fit_config = {"local_epochs": config.local_epochs, "lr": config.lr}
+    chosen = codec_strategy_defaults(config)
+    if chosen:  # the written config leaves these keys unset: say what the run uses
+        log.info(
+            "codec %s sets %s's %s (set the keys to choose others)",
+            config.codec,
+            config.strategy,
+            ", ".join(f"{key} = {value!r}" for key, value in chosen.items()),
+        )
     strategy = build_strategy_from(
         config.strategy,
         policy=build_selection(config),
@@ -96,7 +107,7 @@ def build_strategy(
         min_fit_clients=1,
         seed=config.seed,
         fit_config=fit_config,
-        **{**codec_strategy_defaults(config), **config.strategy_options()},
+        **{**chosen, **config.strategy_options()},
     )
     if config.secagg:  # SecAgg+ phases around the strategy (fedgrid.aggregation.secagg)
         strategy = secagg_strategy(config, strategy)

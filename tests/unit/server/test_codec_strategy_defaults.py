@@ -39,3 +39,17 @@ def test_what_the_config_sets_wins_and_other_codecs_and_strategies_keep_their_de
         opt, aggregator = _outer({"strategy": "diloco", "codec": codec})
         assert (opt.lr, opt.momentum, opt.nesterov, aggregator) == (0.7, 0.9, True, None)
     assert codec_strategy_defaults(load_config(overrides={"strategy": "fedavg", "codec": "sparseloco"})) == {}
+
+
+def test_the_codec_chosen_outer_step_is_logged_since_the_written_config_leaves_it_unset(caplog) -> None:
+    with caplog.at_level("INFO", logger="fedgrid.server.strategies"):
+        build_strategy(load_config(overrides={"strategy": "diloco", "codec": "sparseloco", "outer_lr": 0.5}))
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "fedgrid.server.strategies"]
+    assert line == (
+        "codec sparseloco sets diloco's outer_momentum = 0.0, aggregator = 'sender-mean' "
+        "(set the keys to choose others)"
+    )
+    caplog.clear()
+    with caplog.at_level("INFO", logger="fedgrid.server.strategies"):
+        build_strategy(load_config(overrides={"strategy": "diloco", "codec": "fp4"}))
+    assert [r for r in caplog.records if r.name == "fedgrid.server.strategies"] == []
