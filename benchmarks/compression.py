@@ -3,7 +3,8 @@
 For each uplink codec (``--codecs``) one federated run through fedgrid's own round engine,
 FedAvg strategy, codec policy and wire serialization (``InProcessFleet`` with a
 ``CodecPolicy``): ``--clients`` clients (default 100) with Dirichlet(``--alpha``, 0.3)
-label skew, ``--per-round`` (10) sampled per round, ``--rounds`` (30) rounds, seed 0, the
+label skew, ``--per-round`` (10) sampled per round, ``--rounds`` (30) rounds, seed 0 (``--seeds N``: N runs per codec,
+seeds ``--seed`` onwards, and every number in the table and the goals is their mean), the
 CNN and client settings of ``benchmarks/algorithms.py`` (SGD lr 0.02, momentum 0.9, batch
 32, one local epoch). Every lossy codec runs under the client-side error feedback that
 ``UplinkEncoder`` applies, ``--error-feedback`` (default ``auto``: the codec's own rule), or
@@ -15,7 +16,8 @@ compares rules); ``none`` sends the trained model whole. Per codec:
 - ``ratio``: ``none``'s bytes up per round divided by the codec's; ``payload x`` is the
   fleet's ``uplink_ratio`` (raw float32 bytes / codec payload bytes, no framing);
 - ``acc`` and ``d acc``: test accuracy after the last round and its difference from
-  ``none`` in points (``last5``: mean of the last five rounds, less noisy);
+  ``none`` in points (``last5`` and ``d last5``: the mean of the last five rounds, less noisy;
+  one run moves by 2-3 points from seed to seed, so a goal is best checked over ``--seeds 3``);
 - ``enc``, ``dec``, ``enc+dec`` MB/s: raw float32 MB (10^6 bytes) per second through the
   codec alone (``encode`` then ``decode``), median over ``--repeats`` interleaved
   repetitions (one warm-up dropped), on the CNN's real update (client 0's first-round
@@ -208,6 +210,7 @@ def summarize(codecs: tuple[str, ...], runs: dict[str, list[RoundMetrics]]) -> d
     base = runs.get("none")
     base_up = statistics.fmean(m.bytes_up for m in base) if base else None
     base_acc = (base[-1].accuracy or 0.0) if base else None
+    base_last5 = statistics.fmean(m.accuracy or 0.0 for m in base[-5:]) if base else None
     for spec in codecs:
         h = runs[spec]
         up = statistics.fmean(m.bytes_up for m in h)
@@ -220,9 +223,28 @@ def summarize(codecs: tuple[str, ...], runs: dict[str, list[RoundMetrics]]) -> d
             "final_accuracy": acc,
             "last5_accuracy": statistics.fmean(m.accuracy or 0.0 for m in h[-5:]),
             "accuracy_diff_points": 100 * (acc - base_acc) if base_acc is not None else None,
+            "last5_diff_points": (
+                100 * (statistics.fmean(m.accuracy or 0.0 for m in h[-5:]) - base_last5)
+                if base_last5 is not None
+                else None
+            ),
             "clients_failed": sum(m.clients_failed for m in h),
             "s_per_round": statistics.fmean(m.wall_s for m in h),
         }
+    return rows
+
+
+def mean_rows(per_seed: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Each codec's row as the mean over seeds of every number (``None`` where ``none`` did not run);
+    ``diff_points_by_seed``: each seed's final-round difference, to show the spread."""
+    rows: dict[str, dict[str, Any]] = {}
+    for spec, first in per_seed[0].items():
+        row: dict[str, Any] = {}
+        for key, value in first.items():
+            values = [seeded[spec][key] for seeded in per_seed]
+            row[key] = None if value is None else statistics.fmean(values)
+        row["diff_points_by_seed"] = [seeded[spec]["accuracy_diff_points"] for seeded in per_seed]
+        rows[spec] = row
     return rows
 
 
@@ -286,7 +308,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=0.02)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--seeds", type=int, default=1, help="lm: runs per codec, seeds SEED.., their mean loss compared"
+        "--seeds",
+        type=int,
+        default=1,
+        help="runs per codec, seeds SEED..: fmnist compares mean accuracies (the goals too), lm mean losses",
     )
     parser.add_argument("--repeats", type=int, default=7, help="timed repetitions per codec and tensor set")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
@@ -308,9 +333,13 @@ def main(argv: list[str] | None = None) -> None:
         print(line, flush=True)
         lines.append(line)
 
-    fed = Federation(
-        load_fashion_mnist(args.data), num_clients=args.clients, alpha=args.alpha, seed=args.seed, lr=args.lr
-    )
+    data = load_fashion_mnist(args.data)
+    seeds = list(range(args.seed, args.seed + max(1, args.seeds)))
+    feds = {
+        seed: Federation(data, num_clients=args.clients, alpha=args.alpha, seed=seed, lr=args.lr)
+        for seed in seeds
+    }
+    fed = feds[args.seed]
     log(f"codec throughput, median of {args.repeats} repetitions (torch threads {args.threads})")
     update = real_update(fed)
     big = OrderedDict(x=torch.randn(1024, 1024, generator=torch.Generator().manual_seed(args.seed)))
@@ -318,30 +347,34 @@ def main(argv: list[str] | None = None) -> None:
         "cnn_update": time_codec(codecs, update, args.repeats),
         "1m_float": time_codec(codecs, big, args.repeats),
     }
-    runs: dict[str, list[RoundMetrics]] = {}
-    for spec in codecs:
-        log(f"training with uplink codec {spec} ({args.rounds} rounds)")
-        runs[spec] = run_codec(
-            fed,
-            spec,
-            rounds=args.rounds,
-            per_round=args.per_round,
-            log=log,
-            error_feedback=args.error_feedback,
-        )
-    rows = summarize(codecs, runs)
+    runs_by_seed: dict[int, dict[str, list[RoundMetrics]]] = {}
+    for seed in seeds:
+        runs_by_seed[seed] = {}
+        for spec in codecs:
+            log(f"training with uplink codec {spec} ({args.rounds} rounds, seed {seed})")
+            runs_by_seed[seed][spec] = run_codec(
+                feds[seed],
+                spec,
+                rounds=args.rounds,
+                per_round=args.per_round,
+                log=log,
+                error_feedback=args.error_feedback,
+            )
+    runs = runs_by_seed[args.seed]
+    rows = mean_rows([summarize(codecs, runs_by_seed[seed]) for seed in seeds])
 
     def fmt(value: float | None, pattern: str) -> str:
         return "-" if value is None else format(value, pattern)
 
     log(
-        f"\n{args.clients} clients, Dirichlet({args.alpha}), {args.per_round} per round, {args.rounds} rounds of fedavg, seed {args.seed}"
+        f"\n{args.clients} clients, Dirichlet({args.alpha}), {args.per_round} per round, {args.rounds} rounds of fedavg, "
+        + (f"seed {args.seed}" if len(seeds) == 1 else f"seeds {seeds[0]}-{seeds[-1]}: means over seeds")
     )
     log(
         "MB/s: raw float32 MB per second through the codec; CNN = a real 52k-parameter update (8 tensors), 1M = 1024x1024"
     )
     log(
-        f"{'codec':<12}{'B up/round':>12}{'ratio':>8}{'payload x':>10}{'acc':>8}{'d acc':>7}{'last5':>7}"
+        f"{'codec':<12}{'B up/round':>12}{'ratio':>8}{'payload x':>10}{'acc':>8}{'d acc':>7}{'last5':>7}{'d last5':>8}"
         f"{'CNN enc':>9}{'dec':>7}{'e+d':>7}{'1M enc':>8}{'dec':>7}{'e+d':>7}"
     )
     for spec in codecs:
@@ -349,6 +382,7 @@ def main(argv: list[str] | None = None) -> None:
         log(
             f"{spec:<12}{r['bytes_up_per_round']:>12.0f}{fmt(r['ratio_vs_none'], '.2f'):>8}{fmt(r['payload_ratio'], '.2f'):>10}"
             f"{r['final_accuracy']:>8.4f}{fmt(r['accuracy_diff_points'], '+.2f'):>7}{r['last5_accuracy']:>7.4f}"
+            f"{fmt(r['last5_diff_points'], '+.2f'):>8}"
             f"{c['encode_mb_s']:>9.0f}{c['decode_mb_s']:>7.0f}{c['combined_mb_s']:>7.0f}"
             f"{b['encode_mb_s']:>8.0f}{b['decode_mb_s']:>7.0f}{b['combined_mb_s']:>7.0f}"
         )
@@ -384,6 +418,10 @@ def main(argv: list[str] | None = None) -> None:
         "goals": goals,
         "timing": timing,
         "history": history,
+        "history_by_seed": {
+            str(seed): {spec: [m.accuracy for m in h] for spec, h in by_spec.items()}
+            for seed, by_spec in runs_by_seed.items()
+        },
         "table": lines,
         "wall_s": time.monotonic() - start,
     }

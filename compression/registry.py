@@ -15,7 +15,8 @@ A spec is ``NAME[:PARAM][+zstd[:LEVEL]]``:
 ``sign[:BLOCK]``       1 bit per element of randomly rotated blocks (256), scaled per block
 ``int4[:BLOCK]``       4-bit integer codes, one absmax per ``BLOCK`` elements (256)
 ``fp4[:BLOCK]``        4-bit e2m1 floats, one absmax per ``BLOCK`` elements (256)
-``sparseloco[:K]``     top-``K`` of every 4096 elements (64), 2 bits per kept value
+``sparseloco[:K]``     top-``K`` of every 4096 elements (64), 2 bits per kept value;
+                       ``sparseloco:K:scaled`` scales each chunk's magnitudes as ``topk:F:scaled``
 ``demo[:K]``           top-``K`` 2-D DCT-II coefficients of every 4096 elements (64), 2 bits each
 ``SPEC+zstd[:LEVEL]``  zstd over any of the above (``none+zstd`` alone is lossless)
 =====================  ===========================================================
@@ -44,7 +45,7 @@ from fedgrid.compression.lowbit import DEFAULT_BLOCK_4BIT, FP4Codec, Int4Codec
 from fedgrid.compression.lowrank import PowerSGDCodec
 from fedgrid.compression.quantize import SIGN_BLOCK, CastCodec, Int8Codec, QSGDCodec, SignCodec
 from fedgrid.compression.sparse import DEFAULT_RANDK, DEFAULT_TOPK, RandKCodec, ScaledTopKCodec, TopKCodec
-from fedgrid.compression.sparseloco import CHUNK, DEFAULT_K, SparseLoCoCodec
+from fedgrid.compression.sparseloco import CHUNK, DEFAULT_K, ScaledSparseLoCoCodec, SparseLoCoCodec
 from fedgrid.errors import ConfigError, InvalidUpdateError
 
 __all__ = [
@@ -128,6 +129,14 @@ def _randk(param: str | None) -> Codec:
     return RandKCodec(_fraction(fraction, "randk:FRACTION[:unbiased]"), unbiased=bool(sep))
 
 
+def _sparseloco(param: str | None) -> Codec:
+    k, sep, form = (param or "").partition(":")
+    if sep and form != "scaled":
+        raise ValueError(f"'sparseloco:K[:scaled]' ends in ':scaled' or nothing, got {form!r}")
+    kept = _int(k if param is not None else None, "sparseloco[:K[:scaled]]", 1, CHUNK, DEFAULT_K)
+    return ScaledSparseLoCoCodec(kept) if sep else SparseLoCoCodec(kept)
+
+
 def _builtin() -> dict[str, _Family]:
     return {
         "none": _Family(_no_param(IdentityCodec()), "none"),
@@ -145,9 +154,7 @@ def _builtin() -> dict[str, _Family]:
         "fp4": _Family(
             lambda p: FP4Codec(_int(p, "fp4[:BLOCK]", 8, 65536, DEFAULT_BLOCK_4BIT)), "fp4[:BLOCK]"
         ),
-        "sparseloco": _Family(
-            lambda p: SparseLoCoCodec(_int(p, "sparseloco[:K]", 1, CHUNK, DEFAULT_K)), "sparseloco[:K]"
-        ),
+        "sparseloco": _Family(_sparseloco, "sparseloco[:K[:scaled]]"),
         "demo": _Family(lambda p: DCTTopKCodec(_int(p, "demo[:K]", 1, CHUNK, DEFAULT_K)), "demo[:K]"),
     }
 

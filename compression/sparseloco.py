@@ -45,7 +45,7 @@ from fedgrid.compression._payload import Reader, numel
 from fedgrid.compression.base import FloatCodec
 from fedgrid.compression.quantize import _check_scales, _f32_bytes
 
-__all__ = ["SparseLoCoCodec", "CHUNK", "DEFAULT_K", "OUTER_LR"]
+__all__ = ["SparseLoCoCodec", "ScaledSparseLoCoCodec", "CHUNK", "DEFAULT_K", "OUTER_LR"]
 
 #: Elements per chunk (Covenant-72B's 4096).
 CHUNK = 4096
@@ -99,6 +99,8 @@ class SparseLoCoCodec(FloatCodec):
     #: A chunk shorter than ``CHUNK`` keeps ``min(k, length)`` (True), or ``k`` scaled by its
     #: length (False, ``demo``'s rule on its padded coefficients).
     short_keeps_k = True
+    #: ``sparseloco:K:scaled``: the encoder scales each chunk's two magnitudes (``ScaledSparseLoCoCodec``).
+    scaled = False
 
     def chunks(self, n: int) -> list[tuple[int, int, int]]:
         """``(start, length, kept)`` of each chunk of an ``n``-element tensor (the same on both ends)."""
@@ -117,8 +119,11 @@ class SparseLoCoCodec(FloatCodec):
         total = sum(kept for _, _, kept in chunks)
         return 6 + 8 * len(chunks) + math.ceil(total * _INDEX_BITS / 8) + math.ceil(total * 2 / 8)
 
-    def _select(self, flat: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per group of equal chunks: the kept offsets (sorted) and their values, one row per chunk."""
+    def _select(
+        self, flat: torch.Tensor
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """Per group of equal chunks: the kept offsets (sorted), their values, one row per chunk,
+        and each chunk's energy (its sum of squares)."""
         n = flat.numel()
         full = n // CHUNK
         groups = []
@@ -127,19 +132,20 @@ class SparseLoCoCodec(FloatCodec):
         if n % CHUNK:
             tail = flat[full * CHUNK :].reshape(1, -1)
             groups.append((tail, self.chunks(n)[-1][2]))
-        offsets, values = [], []
+        offsets, values, energies = [], [], []
         for rows, kept in groups:
             idx = torch.topk(rows.abs(), kept, dim=1, sorted=False).indices.sort(dim=1).values
             offsets.append(idx)
             values.append(rows.gather(1, idx))
-        return offsets, values
+            energies.append(rows.double().pow(2).sum(dim=1))
+        return offsets, values, energies
 
     def _encode_body(
         self, x: torch.Tensor, *, generator: torch.Generator | None, key: str | None
     ) -> list[bytes]:
-        offsets, values = self._select(x.reshape(-1).float())
+        offsets, values, energies = self._select(x.reshape(-1).float())
         scales, codes = [], []
-        for vals in values:
+        for vals, energy in zip(values, energies):
             mag = vals.abs()
             kept = mag.shape[1]
             hi_n = math.ceil(kept / 2)
@@ -147,6 +153,12 @@ class SparseLoCoCodec(FloatCodec):
             hi = torch.zeros_like(mag, dtype=torch.bool).scatter_(1, order[:, :hi_n], True)
             c_hi = (mag * hi).sum(dim=1) / hi_n
             c_lo = (mag * ~hi).sum(dim=1) / max(kept - hi_n, 1)
+            if self.scaled:  # <x^, x> = ||x^||^2 per chunk: times ||x||^2 / ||x^||^2 makes it ||x||^2
+                sent = hi_n * c_hi.double() ** 2 + (kept - hi_n) * c_lo.double() ** 2
+                factor = torch.where(sent > 0, energy / sent.clamp_min(1e-300), torch.ones_like(sent))
+                # Capped where the larger magnitude would overflow the tensor's dtype (fp16).
+                factor = torch.minimum(factor, torch.finfo(x.dtype).max / c_hi.double().clamp_min(1e-300))
+                c_hi, c_lo = (c_hi * factor).float(), (c_lo * factor).float()
             scales.append(torch.stack([c_hi, c_lo], dim=1))
             codes.append((vals < 0).to(torch.int32) + 2 * hi.to(torch.int32))
         flat_offsets = torch.cat([o.reshape(-1) for o in offsets]).to("cpu").numpy()
@@ -184,3 +196,21 @@ class SparseLoCoCodec(FloatCodec):
         out = torch.zeros(n, dtype=torch.float32)
         out[torch.from_numpy(starts + offsets)] = torch.where(codes % 2 == 1, -magnitude, magnitude)
         return out
+
+
+class ScaledSparseLoCoCodec(SparseLoCoCodec):
+    """``sparseloco:K:scaled``: the same wire format, with each chunk's two magnitudes multiplied
+    by ``||x||^2 / ||x^||^2`` of that chunk, so the decoded chunk moves as far along ``x`` as
+    ``x`` itself (``<x^, x> = ||x||^2``, as ``topk:F:scaled`` per tensor). Not contractive (the
+    factor is at least 1), so it runs without error feedback; meant for FedAvg uplinks, where a
+    client's residual waits rounds for its next upload and the plain codec's step falls short
+    (``docs/links.rst``). Under DiLoCo it keeps DiLoCo's outer step."""
+
+    scaled = True
+    contractive = False
+    auto_feedback = "none"
+    auto_strategy: Mapping[str, Mapping[str, Any]] = MappingProxyType({})
+
+    def __init__(self, k: int = DEFAULT_K) -> None:
+        super().__init__(k)
+        self.name = f"sparseloco:{k}:scaled"

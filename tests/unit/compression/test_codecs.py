@@ -392,11 +392,11 @@ def test_none_is_unchanged() -> None:
         ("topk:" + "1" * 80, r"over the 64 allowed"),
         ("int4:3", r"'int4\[:BLOCK\]' needs an integer in 8..65536, got '3'"),
         ("fp4:x", r"'fp4\[:BLOCK\]' needs an integer in 8..65536, got 'x'"),
-        ("sparseloco:5000", r"'sparseloco\[:K\]' needs an integer in 1..4096, got '5000'"),
+        ("sparseloco:5000", r"'sparseloco\[:K\[:scaled\]\]' needs an integer in 1..4096, got '5000'"),
         ("sign:100", r"codec spec 'sign:100': sign block size must be a power of two in 8..65536, got 100"),
         (
             "fp8",
-            r"unknown codec 'fp8' \(known: .*int4\[:BLOCK\], fp4\[:BLOCK\], sparseloco\[:K\], demo\[:K\]",
+            r"unknown codec 'fp8' \(known: .*int4\[:BLOCK\], fp4\[:BLOCK\], sparseloco\[:K\[:scaled\]\], demo\[:K\]",
         ),
         ("demo:0", r"'demo\[:K\]' needs an integer in 1..4096, got '0'"),
         ("demo:1.5", r"'demo\[:K\]' needs an integer in 1..4096, got '1.5'"),
