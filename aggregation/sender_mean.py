@@ -21,22 +21,23 @@ from typing import Mapping
 
 import torch
 
-from fedgrid.aggregation.base import Aggregator
+from fedgrid.aggregation.mean import WeightedMean
 from fedgrid.types import ModelState
 
 __all__ = ["SenderMean"]
 
 
-class SenderMean(Aggregator):
-    """Weighted mean per entry over the updates whose entry is not zero (Templar's sparse mean)."""
+class SenderMean(WeightedMean):
+    """Weighted mean per entry over the updates whose entry is not zero (Templar's sparse mean).
+
+    ``WeightedMean``'s checks and float64 sums, plus per float tensor the summed weight of the
+    updates that sent each entry."""
 
     weighted = True
 
     def __init__(self) -> None:
-        self._sums: OrderedDict[str, torch.Tensor] | None = None
+        super().__init__()
         self._counts: dict[str, torch.Tensor] = {}
-        self._dtypes: dict[str, torch.dtype] = {}
-        self._total = 0.0
 
     def add(self, update: Mapping[str, torch.Tensor], weight: float) -> None:
         """Folds one update in.
@@ -45,26 +46,11 @@ class SenderMean(Aggregator):
             ValueError: ``weight`` is not positive and finite, or the update holds other
                 tensors or shapes than the first one added.
         """
-        if not (weight > 0 and weight != float("inf")):
-            raise ValueError(f"weight must be positive and finite, got {weight}")
-        if self._sums is None:
-            self._sums = OrderedDict()
-            for name, t in update.items():
-                self._dtypes[name] = t.dtype
-                self._sums[name] = torch.zeros(t.shape, dtype=torch.float64)
-                if t.dtype.is_floating_point:
-                    self._counts[name] = torch.zeros(t.shape, dtype=torch.float64)
-        elif list(update) != list(self._sums):
-            raise ValueError("update holds different tensors than the first one added")
+        super().add(update, weight)
         for name, t in update.items():
-            acc = self._sums[name]
-            if t.shape != acc.shape:
-                raise ValueError(f"tensor '{name}': shape {list(t.shape)} differs from {list(acc.shape)}")
-            value = t.detach().to("cpu")
-            acc.add_(value, alpha=weight)
-            if name in self._counts:
-                self._counts[name].add_((value != 0).to(torch.float64), alpha=weight)
-        self._total += weight
+            if t.dtype.is_floating_point:
+                count = self._counts.setdefault(name, torch.zeros(t.shape, dtype=torch.float64))
+                count.add_((t.detach().to("cpu") != 0).to(torch.float64), alpha=weight)
 
     def result(self) -> ModelState:
         """The per-entry mean over senders; consumes the accumulators.
@@ -86,4 +72,5 @@ class SenderMean(Aggregator):
         return out
 
     def reset(self) -> None:
-        self._sums, self._counts, self._dtypes, self._total = None, {}, {}, 0.0
+        super().reset()
+        self._counts = {}

@@ -8,10 +8,12 @@ that its starter is gone (``parallel_ranks._watch``) and write ``gone`` to ``OUT
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import sys
-import time
 from pathlib import Path
+
+from harness import wait_until
 
 
 def report(out: str, parent: int) -> None:
@@ -22,9 +24,8 @@ def report(out: str, parent: int) -> None:
     seen = {"mark": os.environ.get("FEDGRID_PROBE_MARK"), "alive": alive(), "forked": os.getppid() != parent}
     Path(out + ".tmp").write_text(json.dumps(seen))
     os.replace(out + ".tmp", out)
-    deadline = time.monotonic() + 60
-    while alive() and time.monotonic() < deadline:
-        time.sleep(0.05)  # polling the watch, as a rank's idle loop does
+    # Block on the starter's sentinel (what the watch reads) until it closes, 60 s at most.
+    multiprocessing.parent_process().join(timeout=60)  # type: ignore[union-attr]
     Path(out + ".gone").write_text("gone" if not alive() else "still alive at the deadline")
 
 
@@ -48,7 +49,5 @@ def start(out: str, mark: str) -> "object":
 if __name__ == "__main__":
     target = sys.argv[1]
     start(target, "set-late")
-    deadline = time.monotonic() + 60
-    while not os.path.exists(target) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: os.path.exists(target), timeout=60, what="the forked process's report")
     os._exit(0)  # no join, no cleanup: as a SIGKILLed rank 0 leaves its ranks
