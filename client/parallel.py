@@ -305,10 +305,11 @@ class ParallelClient(Client):
         self._local.load_state_dict(self._saved)
         log.info("client %s: %d ranks (%s, %s) started", self.name, world, spec.mode, backend)
 
-    def _teardown(self) -> None:
-        """Ends the group and the workers (a stop command if all are alive, else kill); the next
-        task starts them again, with a client built afresh (a sharded model belongs to its group)."""
-        healthy = self._commands is not None and all(w.is_alive() for w in self._workers)
+    def _teardown(self, *, polite: bool = True) -> None:
+        """Ends the group and the workers (``polite``: a stop command if all are alive; else, and
+        after a failed task, whose ranks may hang in a collective, kill); the next task starts them
+        again, with a client built afresh (a sharded model belongs to its group)."""
+        healthy = polite and self._commands is not None and all(w.is_alive() for w in self._workers)
         if healthy and self._commands is not None:
             try:
                 self._commands.send({"op": "stop"})
@@ -366,7 +367,7 @@ class ParallelClient(Client):
                     raise RuntimeError(f"local worker {dead[0]} exited during the task")
             except Exception as exc:
                 reason = self._reason(exc)
-                self._teardown()
+                self._teardown(polite=False)  # a hung rank would not read a stop: 10 s lost waiting
                 raise RuntimeError(
                     f"parallel client ({self.spec.nproc} ranks): {reason}; its workers start again for the next task"
                 ) from exc
