@@ -123,7 +123,7 @@ class SparseLoCoCodec(FloatCodec):
         self, flat: torch.Tensor
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """Per group of equal chunks: the kept offsets (sorted), their values, one row per chunk,
-        and each chunk's energy (its sum of squares)."""
+        and (the scaled form only; else none) each chunk's energy (its sum of squares)."""
         n = flat.numel()
         full = n // CHUNK
         groups = []
@@ -137,7 +137,8 @@ class SparseLoCoCodec(FloatCodec):
             idx = torch.topk(rows.abs(), kept, dim=1, sorted=False).indices.sort(dim=1).values
             offsets.append(idx)
             values.append(rows.gather(1, idx))
-            energies.append(rows.double().pow(2).sum(dim=1))
+            if self.scaled:  # only the scaled form needs each chunk's energy: no extra pass otherwise
+                energies.append(rows.double().pow(2).sum(dim=1))
         return offsets, values, energies
 
     def _encode_body(
@@ -145,7 +146,7 @@ class SparseLoCoCodec(FloatCodec):
     ) -> list[bytes]:
         offsets, values, energies = self._select(x.reshape(-1).float())
         scales, codes = [], []
-        for vals, energy in zip(values, energies):
+        for group, vals in enumerate(values):
             mag = vals.abs()
             kept = mag.shape[1]
             hi_n = math.ceil(kept / 2)
@@ -155,6 +156,7 @@ class SparseLoCoCodec(FloatCodec):
             c_lo = (mag * ~hi).sum(dim=1) / max(kept - hi_n, 1)
             if self.scaled:  # <x^, x> = ||x^||^2 per chunk: times ||x||^2 / ||x^||^2 makes it ||x||^2
                 sent = hi_n * c_hi.double() ** 2 + (kept - hi_n) * c_lo.double() ** 2
+                energy = energies[group]
                 factor = torch.where(sent > 0, energy / sent.clamp_min(1e-300), torch.ones_like(sent))
                 # Capped where the larger magnitude would overflow the tensor's dtype (fp16).
                 factor = torch.minimum(factor, torch.finfo(x.dtype).max / c_hi.double().clamp_min(1e-300))
