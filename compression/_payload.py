@@ -27,10 +27,15 @@ __all__ = [
     "encode_indices",
     "decode_indices",
     "max_index_bytes",
+    "pack_uint",
+    "unpack_uint",
+    "rice_param",
+    "rice_encode",
+    "rice_decode",
 ]
 
 # Index formats of a sparse payload (one byte after the count).
-IDX_FIXED, IDX_BITMAP, IDX_VARINT = 0, 1, 2
+IDX_FIXED, IDX_BITMAP, IDX_VARINT, IDX_RICE = 0, 1, 2, 3
 
 _NP_UINT: dict[int, str] = {1: "<u1", 2: "<u2", 4: "<u4", 8: "<u8"}
 
@@ -128,6 +133,93 @@ def unpack_bits(data: memoryview, count: int, reader: Reader, field: str) -> np.
     return bits[:count]
 
 
+def pack_uint(values: np.ndarray, bits: int) -> bytes:
+    """``values`` (each < 2**bits, bits <= 63) bit-packed, the first in the lowest bits."""
+    shifts = np.arange(bits, dtype=np.uint64)
+    planes = ((values.astype(np.uint64)[:, None] >> shifts) & np.uint64(1)).astype(np.uint8)
+    return np.packbits(planes.reshape(-1), bitorder="little").tobytes()
+
+
+def unpack_uint(reader: Reader, count: int, bits: int, field: str) -> np.ndarray:
+    """Reads what ``pack_uint`` wrote: ``count`` unsigned ``bits``-bit values (uint64); padding must be zero."""
+    nbytes = math.ceil(count * bits / 8)
+    planes = np.unpackbits(np.frombuffer(reader.take(nbytes, field), dtype=np.uint8), bitorder="little")
+    if planes[count * bits :].any():
+        raise reader.fail(f"{field}: padding bits are not zero")
+    weights = np.left_shift(np.uint64(1), np.arange(bits, dtype=np.uint64))
+    return (planes[: count * bits].reshape(count, bits).astype(np.uint64) * weights).sum(
+        axis=1, dtype=np.uint64
+    )
+
+
+# -- Golomb-Rice codes ---------------------------------------------------------------------
+# The gaps between sorted sparse indices are close to geometric, for which a Golomb-Rice code
+# (Rice 1979) is within a few percent of the entropy: gap g costs r + 1 + (g >> r) bits
+# (its low r bits, then g >> r in unary). Templar's SparseLoCo sends its top-k indices so.
+def rice_param(gaps: np.ndarray) -> tuple[int, int]:
+    """The parameter ``r`` giving the fewest bits for ``gaps`` (uint64), and those bits."""
+    if not len(gaps):
+        return 0, 0
+    best = (0, 0)
+    for r in range(int(gaps.max()).bit_length() + 1):
+        bits = len(gaps) * (r + 1) + int((gaps >> np.uint64(r)).sum())
+        if r == 0 or bits < best[1]:
+            best = (r, bits)
+    return best
+
+
+def rice_encode(gaps: np.ndarray) -> bytes:
+    """Golomb-Rice code of non-negative ``gaps``: one byte ``r``, the low ``r`` bits of each gap
+    (``pack_uint``), then each ``gap >> r`` in unary (that many 1 bits and a 0), bit-packed,
+    zero-padded. ``r`` is ``rice_param``'s. Meant to end a payload: ``rice_decode`` reads the rest."""
+    gaps = gaps.astype(np.uint64)
+    r, _ = rice_param(gaps)
+    quotients = (gaps >> np.uint64(r)).astype(np.int64)
+    unary = np.ones(int(quotients.sum()) + len(gaps), dtype=np.uint8)
+    unary[np.cumsum(quotients + 1) - 1] = 0
+    low = pack_uint(gaps & np.uint64((1 << r) - 1), r) if r else b""
+    return bytes([r]) + low + np.packbits(unary, bitorder="little").tobytes()
+
+
+def rice_decode(reader: Reader, count: int, max_gap: int, field: str) -> np.ndarray:
+    """Reads what ``rice_encode`` wrote (the rest of the payload): ``count`` gaps, each checked
+    to be at most ``max_gap``, as uint64.
+
+    Raises:
+        InvalidUpdateError: ``r`` larger than ``max_gap`` needs, a unary section with too few
+            terminators or bytes past the last one, a gap over ``max_gap``, or truncation.
+    """
+    r = reader.uint(1, f"{field} rice parameter")
+    if r > max(max_gap, 1).bit_length():
+        raise reader.fail(
+            f"{field}: rice parameter {r} is over the {max(max_gap, 1).bit_length()} bits a gap needs"
+        )
+    low = unpack_uint(reader, count, r, f"{field} low bits") if r else np.zeros(count, dtype=np.uint64)
+    bits = np.unpackbits(np.frombuffer(reader.rest(), dtype=np.uint8), bitorder="little")
+    ends = np.flatnonzero(bits == 0)
+    if len(ends) < count:
+        raise reader.fail(f"truncated {field}: {len(ends)} unary codes, {count} expected")
+    if count == 0:
+        if len(bits):
+            raise reader.fail(f"{field}: {len(bits) // 8} bytes for zero codes")
+        return low
+    ends = ends[:count]
+    used = int(ends[-1]) + 1
+    if len(bits) != 8 * math.ceil(used / 8):
+        raise reader.fail(
+            f"{field}: {len(bits) // 8 - math.ceil(used / 8)} trailing bytes after the last unary code"
+        )
+    if bits[used:].any():
+        raise reader.fail(f"{field}: padding bits are not zero")
+    quotients = np.diff(ends, prepend=-1) - 1
+    if int(quotients.max()) > max_gap >> r:
+        raise reader.fail(f"{field}: a gap is over {max_gap}")
+    gaps = (quotients.astype(np.uint64) << np.uint64(r)) | low
+    if int(gaps.max()) > max_gap:
+        raise reader.fail(f"{field}: a gap is over {max_gap}")
+    return gaps
+
+
 # -- sparse indices ------------------------------------------------------------------------
 def index_width(n: int) -> int:
     """Bytes per index in the fixed-width format: the smallest of 1, 2, 4, 8 holding ``n - 1``."""
@@ -164,13 +256,20 @@ def encode_indices(indices: np.ndarray, n: int) -> bytes:
     """Sorted, unique int64 ``indices`` < ``n`` in the smallest of three formats, tagged by a byte.
 
     Formats: fixed-width little-endian integers; a bitmap of ``n`` bits; LEB128 varints of the
-    gaps (``idx[i] - idx[i-1] - 1``, the first index as is). Ties prefer the earlier format.
+    gaps (``idx[i] - idx[i-1] - 1``, the first index as is); a Golomb-Rice code of the gaps
+    (``rice_encode``). Ties prefer the earlier format.
     """
     k = len(indices)
     width = index_width(n)
     gaps = np.diff(indices, prepend=-1).astype(np.uint64) - np.uint64(1)
     lengths = _varint_lengths(gaps)
-    sizes = {IDX_FIXED: k * width, IDX_BITMAP: (n + 7) // 8, IDX_VARINT: int(lengths.sum())}
+    r, rice_bits = rice_param(gaps)
+    sizes = {
+        IDX_FIXED: k * width,
+        IDX_BITMAP: (n + 7) // 8,
+        IDX_VARINT: int(lengths.sum()),
+        IDX_RICE: 1 + math.ceil(k * r / 8) + math.ceil((rice_bits - k * r) / 8),
+    }
     fmt = min(sizes, key=lambda f: (sizes[f], f))
     if fmt == IDX_FIXED:
         body = indices.astype(_NP_UINT[width]).tobytes()
@@ -178,8 +277,10 @@ def encode_indices(indices: np.ndarray, n: int) -> bytes:
         mask = np.zeros(n, dtype=np.uint8)
         mask[indices] = 1
         body = np.packbits(mask, bitorder="little").tobytes()
-    else:
+    elif fmt == IDX_VARINT:
         body = _varint_encode(gaps, lengths)
+    else:
+        body = rice_encode(gaps)
     return bytes([fmt]) + body
 
 
@@ -216,6 +317,13 @@ def decode_indices(reader: Reader, n: int, k: int) -> np.ndarray:
         return np.flatnonzero(bits).astype(np.int64)
     if fmt == IDX_VARINT:
         return _varint_decode(reader, n, k)
+    if fmt == IDX_RICE:
+        if reader.remaining > max_index_bytes(n, k):
+            raise reader.fail(
+                f"rice index section is {reader.remaining} bytes, over the {max_index_bytes(n, k)} allowed"
+            )
+        gaps = rice_decode(reader, k, max(n - 1, 0), "indices")
+        return _gaps_to_indices(reader, gaps, n, k)
     raise reader.fail(f"unknown index format {fmt}")
 
 
@@ -251,6 +359,13 @@ def _varint_decode(reader: Reader, n: int, k: int) -> np.ndarray:
     gaps = np.add.reduceat(parts, starts)
     if int(gaps.max()) >= n:
         raise reader.fail(f"index gap {int(gaps.max())} out of range for {n} elements")
+    return _gaps_to_indices(reader, gaps, n, k)
+
+
+def _gaps_to_indices(reader: Reader, gaps: np.ndarray, n: int, k: int) -> np.ndarray:
+    """Indices from their gaps (each < ``n``), checked to stay under ``n``."""
+    if k == 0:
+        return np.zeros(0, dtype=np.int64)
     idx = np.cumsum(gaps + np.uint64(1)) - np.uint64(1)
     # Each step adds at most n, far under 2**63, so a wrap-around shows as a decrease.
     if k > 1 and bool((idx[1:] <= idx[:-1]).any()):

@@ -8,7 +8,7 @@ by the separable orthonormal 2-D DCT-II ``C = D X D^T`` (``D`` the 64-point DCT-
 built once per size; torch has no DCT). A shorter last chunk of ``L`` elements is padded
 with zeros to ``r = ceil(L / 64)`` rows and transformed by the ``r``-point and 64-point
 matrices. The coefficients then travel exactly as ``sparseloco[:K]`` sends values (its
-kept-per-chunk rule on the padded lengths, 12-bit offsets, sign and larger/smaller half,
+kept-per-chunk rule on the padded lengths, Rice-coded offsets, sign and larger/smaller half,
 two float32 means per chunk), so at the same ``K`` both codecs cost the same bytes up to
 the last chunk's padding; the receiver decodes the coefficients and applies ``D^T C D``.
 

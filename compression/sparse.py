@@ -31,8 +31,9 @@ the mean update as ``none`` does (``docs/links.rst``).
 is ``randk:0.25:unbiased`` (``DEFAULT_RANDK``): each is the smallest fraction tried that
 stays within 0.05 of uncompressed accuracy after 5 digits rounds (``docs/compression.md``).
 
-Body: u64 ``k``, (``scaled``: float32 ``s``,) the ``k`` values, then the sorted indices in the smallest of three
-formats (fixed-width integers, a bitmap, or LEB128 varints of the gaps; see ``_payload``).
+Body: u64 ``k``, (``scaled``: float32 ``s``,) the ``k`` values, then the sorted indices in the smallest of four
+formats (fixed-width integers, a bitmap, LEB128 varints of the gaps, or a Golomb-Rice code of the
+gaps; see ``_payload``).
 The decoder checks the count against the spec, every index against the shape, and that
 indices strictly increase (so none repeats).
 """

@@ -89,13 +89,17 @@ def test_a_signal_sparse_in_the_dct_domain_comes_back_whole() -> None:
 def test_sizes_match_sparseloco_and_small_tensors() -> None:
     x = torch.randn(16 * CHUNK, generator=torch.Generator().manual_seed(6))
     payload, y = _roundtrip("demo", x)
-    assert len(payload) == len(get_codec("sparseloco").encode(x)) == 1 + 6 + 16 * (64 * 14 / 8 + 8)
+    # sparseloco's body: scales, 2-bit codes and Rice-coded offsets, under 8.5 bits an offset
+    # here (12 at fixed width); the sizes differ by where the kept entries fall
+    for size in (len(payload), len(get_codec("sparseloco").encode(x))):
+        assert 1 + 6 + 16 * (64 * 2 / 8 + 8) + 1 < size <= 1 + 6 + 16 * (64 * 10.5 / 8 + 8)
     assert get_codec("demo").name == "demo" and get_codec("demo:8").name == "demo:8"
     # 100 elements: two rows of 64 after padding, round(64 * 128 / 4096) = 2 kept coefficients
     small = torch.randn(100, generator=torch.Generator().manual_seed(7))
     assert DCTTopKCodec().padded(100) == 128 and DCTTopKCodec().chunks(128) == [(0, 128, 2)]
     payload, y = _roundtrip("demo", small)
-    assert len(payload) == 1 + 6 + 8 + math.ceil(2 * 12 / 8) + 1
+    # two gaps under 128: r <= 7, so at most 2 bytes of low bits and 1 of unary past r's byte
+    assert 1 + 6 + 8 + 1 + 1 < len(payload) <= 1 + 6 + 8 + 1 + 1 + 3
     assert float((small - y).square().sum()) < float(small.square().sum())
 
 
@@ -126,7 +130,9 @@ def test_payload_checks_name_the_problem() -> None:
         codec.decode(bad, dtype=torch.float32, shape=shape)
     with pytest.raises(InvalidUpdateError, match="truncated"):
         codec.decode(payload[:-3], dtype=torch.float32, shape=shape)
-    with pytest.raises(InvalidUpdateError, match=r"over the \d+ a torch.float32 \[4106\] tensor allows"):
+    with pytest.raises(InvalidUpdateError, match="1 trailing bytes after the last unary code"):
         codec.decode(payload + b"\x00", dtype=torch.float32, shape=shape)
+    with pytest.raises(InvalidUpdateError, match=r"over the \d+ a torch.float32 \[4106\] tensor allows"):
+        codec.decode(payload + bytes(2000), dtype=torch.float32, shape=shape)
     with pytest.raises(ValueError, match="demo keeps 1..4096 coefficients per chunk, got 0"):
         DCTTopKCodec(0)

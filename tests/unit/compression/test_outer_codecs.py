@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from fedgrid.compression import FP4Codec, Int4Codec, SparseLoCoCodec, get_codec
+from fedgrid.compression._payload import pack_uint, rice_encode, rice_param
+from fedgrid.compression.base import MODE_CODED
 from fedgrid.compression.lowbit import E2M1
 from fedgrid.compression.sparseloco import CHUNK
 from fedgrid.errors import InvalidUpdateError
@@ -89,41 +92,95 @@ def test_sparseloco_error_is_its_stated_identity_over_100_draws() -> None:
         assert lost < float(x.double().square().sum())  # a contraction
 
 
+def _index_bits(payload: bytes, chunks: int, kept: int) -> int:
+    """Bits of a sparseloco payload's index section: what follows the codec byte, the 6-byte
+    header, the chunk scales and the 2-bit codes."""
+    return 8 * (len(payload) - 1 - 6 - 8 * chunks - math.ceil(chunks * kept * 2 / 8))
+
+
 def test_sparseloco_sizes_and_ratio() -> None:
     x = torch.randn(64 * CHUNK, generator=torch.Generator().manual_seed(1))
-    payload, _ = _roundtrip("sparseloco", x)
-    per_chunk = 64 * (12 + 2) / 8 + 8
-    assert len(payload) == 1 + 6 + 64 * per_chunk
-    assert x.numel() * 4 / len(payload) >= 136
+    payload, y = _roundtrip("sparseloco", x)
+    # The offsets' gaps as the encoder sees them, Rice-coded at the best parameter.
+    offsets = torch.nonzero(y.reshape(64, CHUNK))[:, 1].reshape(64, 64)
+    gaps = (torch.diff(offsets, dim=1, prepend=torch.full((64, 1), -1)) - 1).reshape(-1).numpy()
+    r, bits = rice_param(gaps.astype(np.uint64))
+    assert 4 <= r <= 6
+    assert _index_bits(payload, 64, 64) == 8 * (
+        1 + math.ceil(64 * 64 * r / 8) + math.ceil((bits - 64 * 64 * r) / 8)
+    )
+    # Within 6% of the entropy of 64 uniform positions of 4096 (log2 C(4096, 64) bits a chunk),
+    # against the 12 bits an offset costs at fixed width.
+    entropy = (math.lgamma(CHUNK + 1) - math.lgamma(65) - math.lgamma(CHUNK - 63)) / math.log(2)
+    assert _index_bits(payload, 64, 64) / 64 <= 1.06 * entropy
+    assert x.numel() * 4 / len(payload) >= 180
     small = torch.randn(100, generator=torch.Generator().manual_seed(4))  # one short chunk keeps min(K, 100)
     assert SparseLoCoCodec().chunks(100) == [(0, 100, 64)]
     assert SparseLoCoCodec().chunks(CHUNK + 10) == [(0, CHUNK, 64), (CHUNK, 10, 10)]
     assert int((_roundtrip("sparseloco", small)[1] != 0).sum()) == 64
+    # A chunk that keeps all its entries sends no indices: codes and scales only, and r = 0.
+    tiny = torch.randn(50, generator=torch.Generator().manual_seed(5))
+    payload, y = _roundtrip("sparseloco", tiny)
+    assert len(payload) == 1 + 6 + 8 + math.ceil(50 * 2 / 8) + 1
+    assert int((y != 0).sum()) == 50
     # demo keeps its rule on padded coefficients: K scaled by the short chunk's length
     assert get_codec("demo").chunks(128) == [(0, 128, 2)]
     assert int((_roundtrip("sparseloco:8", x)[1] != 0).sum()) == 8 * 64
 
 
+def _crafted(codec: SparseLoCoCodec, n: int, gaps: np.ndarray, rice: bytes | None = None) -> bytearray:
+    """A sparseloco payload for an ``n``-element tensor with unit scales, all-positive codes and
+    the given index gaps (or the given index section)."""
+    chunks = codec.chunks(n)
+    total = sum(kept for _, _, kept in chunks)
+    body = codec.k.to_bytes(2, "little") + CHUNK.to_bytes(4, "little")
+    body += np.ones(2 * len(chunks), dtype="<f4").tobytes() + pack_uint(np.zeros(total, dtype=np.uint64), 2)
+    return bytearray(bytes([MODE_CODED]) + body + (rice if rice is not None else rice_encode(gaps)))
+
+
 def test_sparseloco_payload_checks() -> None:
     x = torch.randn(CHUNK + 10, generator=torch.Generator().manual_seed(2))
     codec = get_codec("sparseloco")
+    assert isinstance(codec, SparseLoCoCodec)
     payload = bytearray(codec.encode(x))
+    assert payload[0] == MODE_CODED  # the mode byte that _crafted writes
     shape = (CHUNK + 10,)
     with pytest.raises(InvalidUpdateError, match=r"header kept per chunk is 65, the codec spec"):
         bad = bytearray(payload)
         bad[1:3] = (65).to_bytes(2, "little")
         codec.decode(bad, dtype=torch.float32, shape=shape)
-    indices_at = 1 + 6 + 8 * 2
-    swapped = bytearray(payload)
-    swapped[indices_at : indices_at + 3] = b"\xff\xff\xff"  # the first two offsets: 4095 and 4095
-    with pytest.raises(InvalidUpdateError, match="not strictly increasing within a chunk"):
-        codec.decode(swapped, dtype=torch.float32, shape=shape)
     with pytest.raises(InvalidUpdateError, match="truncated"):
         codec.decode(payload[:-3], dtype=torch.float32, shape=shape)
-    with pytest.raises(InvalidUpdateError, match=r"over the \d+ a torch.float32 \[4106\] tensor allows"):
+    with pytest.raises(InvalidUpdateError, match="1 trailing bytes after the last unary code"):
         codec.decode(payload + b"\x00", dtype=torch.float32, shape=shape)
-    short = torch.randn(300)  # one chunk of 300: 64 kept, 12-bit offsets that must stay under 300
-    payload = bytearray(codec.encode(short))
-    payload[1 + 6 + 8 : 1 + 6 + 8 + 2] = b"\xff\x0f"  # first offset 4095
+    with pytest.raises(InvalidUpdateError, match=r"over the \d+ a torch.float32 \[4106\] tensor allows"):
+        codec.decode(payload + bytes(2000), dtype=torch.float32, shape=shape)
+    # Crafted index sections: the first chunk's 64 gaps (the 10-element tail keeps all its entries).
+    ok = np.full(64, 10, dtype=np.uint64)
+    torch.testing.assert_close(
+        torch.nonzero(codec.decode(_crafted(codec, CHUNK + 10, ok), dtype=torch.float32, shape=shape))[:, 0],
+        torch.cat([torch.arange(10, 64 * 11, 11), torch.arange(CHUNK, CHUNK + 10)]),
+    )
     with pytest.raises(InvalidUpdateError, match="past the end of its chunk"):
-        codec.decode(payload, dtype=torch.float32, shape=(300,))
+        codec.decode(
+            _crafted(codec, CHUNK + 10, np.full(64, 70, dtype=np.uint64)), dtype=torch.float32, shape=shape
+        )
+    with pytest.raises(InvalidUpdateError, match="a gap is over 4095"):
+        over = np.concatenate([[5000], np.zeros(63)]).astype(np.uint64)
+        codec.decode(_crafted(codec, CHUNK + 10, over), dtype=torch.float32, shape=shape)
+    with pytest.raises(InvalidUpdateError, match="rice parameter 13 is over the 12 bits"):
+        codec.decode(
+            _crafted(codec, CHUNK + 10, ok, rice=bytes([13]) + bytes(20)), dtype=torch.float32, shape=shape
+        )
+    with pytest.raises(InvalidUpdateError, match="truncated indices: 42 unary codes, 64 expected"):
+        # gaps of 10 at r = 2 (tied with 3, the smaller wins): "110" each; 16 bytes hold 42 codes
+        cut = rice_encode(ok)[:-8]
+        codec.decode(_crafted(codec, CHUNK + 10, ok, rice=cut), dtype=torch.float32, shape=shape)
+    longer = ok.copy()
+    longer[0] = 40  # r = 4: unary "110" then 63 "0", 66 bits: 6 padding bits
+    assert rice_param(longer) == (4, 64 * 4 + 66)
+    padded = bytearray(_crafted(codec, CHUNK + 10, longer))
+    codec.decode(padded, dtype=torch.float32, shape=shape)
+    padded[-1] |= 0x80  # a 1 among the padding bits after the last unary code
+    with pytest.raises(InvalidUpdateError, match="padding bits are not zero"):
+        codec.decode(padded, dtype=torch.float32, shape=shape)
