@@ -74,6 +74,12 @@ class Codec(ABC):
     #: ``generator``: its caller then holds ``fedgrid.seeding.RNG_LOCK``).
     stochastic: bool = False
 
+    def form_under(self, strategy: str) -> str:
+        """The spec this codec is sent as under the built-in ``strategy`` when the run's error
+        feedback is ``auto`` (``fedgrid.server.codec_policy.build_codec_policy``): the variant of
+        its family that learns there. Most codecs: their own spec."""
+        return self.name
+
     @abstractmethod
     def encode(
         self, tensor: torch.Tensor, *, generator: torch.Generator | None = None, key: str | None = None

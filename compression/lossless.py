@@ -62,6 +62,9 @@ class ZstdCodec(Codec):
         self.stochastic = inner.stochastic
         self.name = f"{inner.name}+zstd" + ("" if level == DEFAULT_ZSTD_LEVEL else f":{level}")
 
+    def form_under(self, strategy: str) -> str:
+        return self.inner.form_under(strategy) + self.name[len(self.inner.name) :]
+
     def max_payload_bytes(self, *, dtype: torch.dtype, shape: tuple[int, ...]) -> int:
         return 1 + self.inner.max_payload_bytes(dtype=dtype, shape=shape)
 

@@ -201,6 +201,8 @@ class QSGDCodec(FloatCodec):
         #: The variance factor ``w`` of Alistarh et al.: ``E||x^ - x||^2 <= w ||x||^2`` per bucket.
         self.variance = min(QSGD_BUCKET / levels**2, math.sqrt(QSGD_BUCKET) / levels)
         self.contractive = self.variance < 1.0
+        if not self.contractive:  # unbiased with a variance too large for a residual: ``auto`` runs none
+            self.unbiased, self.auto_feedback = True, "none"
 
     def _max_body(self, shape: tuple[int, ...], dtype: torch.dtype) -> int | None:
         n = numel(shape)

@@ -17,7 +17,8 @@ A spec is ``NAME[:PARAM][+zstd[:LEVEL]]``:
 ``fp4[:BLOCK]``        4-bit e2m1 floats, one absmax per ``BLOCK`` elements (256)
 ``sparseloco[:K]``     top-``K`` of every 4096 elements (64), 2 bits per kept value;
                        ``sparseloco:K:scaled`` scales each chunk's magnitudes as ``topk:F:scaled``
-``demo[:K]``           top-``K`` 2-D DCT-II coefficients of every 4096 elements (64), 2 bits each
+``demo[:K]``           top-``K`` 2-D DCT-II coefficients of every 4096 elements (64), 2 bits each;
+                       ``demo:K:scaled`` scales each chunk's magnitudes as ``sparseloco:K:scaled``
 ``SPEC+zstd[:LEVEL]``  zstd over any of the above (``none+zstd`` alone is lossless)
 =====================  ===========================================================
 
@@ -39,7 +40,7 @@ from typing import Callable
 import torch
 
 from fedgrid.compression.base import Codec, IdentityCodec
-from fedgrid.compression.dct import DCTTopKCodec
+from fedgrid.compression.dct import DCTTopKCodec, ScaledDCTTopKCodec
 from fedgrid.compression.lossless import ZstdCodec
 from fedgrid.compression.lowbit import DEFAULT_BLOCK_4BIT, FP4Codec, Int4Codec
 from fedgrid.compression.lowrank import PowerSGDCodec
@@ -129,12 +130,17 @@ def _randk(param: str | None) -> Codec:
     return RandKCodec(_fraction(fraction, "randk:FRACTION[:unbiased]"), unbiased=bool(sep))
 
 
-def _sparseloco(param: str | None) -> Codec:
-    k, sep, form = (param or "").partition(":")
-    if sep and form != "scaled":
-        raise ValueError(f"'sparseloco:K[:scaled]' ends in ':scaled' or nothing, got {form!r}")
-    kept = _int(k if param is not None else None, "sparseloco[:K[:scaled]]", 1, CHUNK, DEFAULT_K)
-    return ScaledSparseLoCoCodec(kept) if sep else SparseLoCoCodec(kept)
+def _chunked(family: str, plain: Callable[[int], Codec], scaled: Callable[[int], Codec]) -> CodecFactory:
+    """``sparseloco[:K[:scaled]]`` and ``demo[:K[:scaled]]``."""
+
+    def factory(param: str | None) -> Codec:
+        k, sep, form = (param or "").partition(":")
+        if sep and form != "scaled":
+            raise ValueError(f"'{family}:K[:scaled]' ends in ':scaled' or nothing, got {form!r}")
+        kept = _int(k if param is not None else None, f"{family}[:K[:scaled]]", 1, CHUNK, DEFAULT_K)
+        return scaled(kept) if sep else plain(kept)
+
+    return factory
 
 
 def _builtin() -> dict[str, _Family]:
@@ -154,8 +160,10 @@ def _builtin() -> dict[str, _Family]:
         "fp4": _Family(
             lambda p: FP4Codec(_int(p, "fp4[:BLOCK]", 8, 65536, DEFAULT_BLOCK_4BIT)), "fp4[:BLOCK]"
         ),
-        "sparseloco": _Family(_sparseloco, "sparseloco[:K[:scaled]]"),
-        "demo": _Family(lambda p: DCTTopKCodec(_int(p, "demo[:K]", 1, CHUNK, DEFAULT_K)), "demo[:K]"),
+        "sparseloco": _Family(
+            _chunked("sparseloco", SparseLoCoCodec, ScaledSparseLoCoCodec), "sparseloco[:K[:scaled]]"
+        ),
+        "demo": _Family(_chunked("demo", DCTTopKCodec, ScaledDCTTopKCodec), "demo[:K[:scaled]]"),
     }
 
 

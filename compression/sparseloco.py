@@ -50,7 +50,7 @@ from fedgrid.compression._payload import Reader, numel, pack_uint, rice_decode, 
 from fedgrid.compression.base import FloatCodec
 from fedgrid.compression.quantize import _check_scales, _f32_bytes
 
-__all__ = ["SparseLoCoCodec", "ScaledSparseLoCoCodec", "CHUNK", "DEFAULT_K", "OUTER_LR"]
+__all__ = ["SparseLoCoCodec", "ScaledSparseLoCoCodec", "CHUNK", "DEFAULT_K", "OUTER_LR", "OUTER_STRATEGIES"]
 
 #: Elements per chunk (Covenant-72B's 4096).
 CHUNK = 4096
@@ -60,6 +60,9 @@ DEFAULT_K = 64
 _INDEX_BITS = (CHUNK - 1).bit_length()
 #: The outer learning rate of SparseLoCo's outer step under DiLoCo (measured: docs/links.rst).
 OUTER_LR = 1.5
+#: The strategies whose updates are outer gradients: the codec's own form runs there; under the
+#: others (FedAvg and its server optimizers) its ``scaled`` form (``form_under``).
+OUTER_STRATEGIES = ("diloco", "streaming-diloco")
 
 
 class SparseLoCoCodec(FloatCodec):
@@ -83,9 +86,18 @@ class SparseLoCoCodec(FloatCodec):
     auto_strategy: Mapping[str, Mapping[str, Any]] = MappingProxyType(
         {
             name: MappingProxyType({"outer_lr": OUTER_LR, "outer_momentum": 0.0, "aggregator": "sender-mean"})
-            for name in ("diloco", "streaming-diloco")
+            for name in OUTER_STRATEGIES
         }
     )
+
+    def form_under(self, strategy: str) -> str:
+        """``sparseloco:K:scaled`` under the strategies that average client models (FedAvg and its
+        server optimizers); ``sparseloco[:K]`` under DiLoCo. Under FedAvg at partial participation
+        a client's error-feedback residual waits rounds for its next upload and the plain codec's
+        step falls short: on digits (5 rounds, seed 5) the plain codec reaches 0.747 against
+        ``none``'s 0.841, the scaled form 0.811 (``docs/links.rst``)."""
+        return self.name if strategy in OUTER_STRATEGIES else ScaledSparseLoCoCodec(self.k).name
+
     #: A chunk shorter than ``CHUNK`` keeps ``min(k, length)`` (True), or ``k`` scaled by its
     #: length (False, ``demo``'s rule on its padded coefficients).
     short_keeps_k = True
@@ -231,3 +243,6 @@ class ScaledSparseLoCoCodec(SparseLoCoCodec):
     def __init__(self, k: int = DEFAULT_K) -> None:
         super().__init__(k)
         self.name = f"sparseloco:{k}:scaled"
+
+    def form_under(self, strategy: str) -> str:
+        return self.name

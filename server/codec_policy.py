@@ -7,6 +7,7 @@ its region's codec if it advertised that codec's family at join, and ``none`` ot
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -14,12 +15,15 @@ from fedgrid.compression import parse_codec_spec
 from fedgrid.compression.feedback import FeedbackRule
 from fedgrid.compression.registry import parse_region_codecs
 from fedgrid.config_compression import feedback_task_config
+from fedgrid.plugins import is_custom_strategy
 from fedgrid.types import ClientInfo
 
 if TYPE_CHECKING:
     from fedgrid.config import Config
 
-__all__ = ["CodecPolicy", "parse_region_codecs", "codec_family", "build_codec_policy"]
+__all__ = ["CodecPolicy", "parse_region_codecs", "codec_family", "build_codec_policy", "uplink_form"]
+
+log = logging.getLogger(__name__)
 
 
 def codec_family(spec: str) -> str:
@@ -50,11 +54,35 @@ class CodecPolicy:
         return spec if codec_family(spec) in client.codecs or codec_family(spec) == "none" else "none"
 
 
+def uplink_form(spec: str, config: "Config") -> str:
+    """The spec the clients send ``spec`` as: with ``error_feedback = "auto"``, under a built-in
+    strategy and without SecAgg+, the codec's ``form_under(strategy)`` (``sparseloco`` under
+    FedAvg is ``sparseloco:K:scaled``); ``spec`` itself otherwise. A change is logged."""
+    if config.error_feedback != "auto" or config.secagg or is_custom_strategy(config.strategy):
+        return spec
+    built = parse_codec_spec(spec)
+    form = built.form_under(config.strategy)
+    if form == built.name:  # its own form: the spec as written (``topk`` stays ``topk``)
+        return spec
+    if form != spec:
+        log.info(
+            "codec %s is sent as %s under %s, the form of it that learns there (name it to choose)",
+            spec,
+            form,
+            config.strategy,
+        )
+    return form
+
+
 def build_codec_policy(config: "Config") -> CodecPolicy:
-    """The uplink policy of a run's configuration (``codec``, ``region_codecs``)."""
+    """The uplink policy of a run's configuration (``codec``, ``region_codecs``), each spec in
+    the form that learns under the run's strategy (``uplink_form``)."""
     return CodecPolicy(
-        default=config.codec,
-        by_region=parse_region_codecs(config.region_codecs),
+        default=uplink_form(config.codec, config),
+        by_region={
+            region: uplink_form(spec, config)
+            for region, spec in parse_region_codecs(config.region_codecs).items()
+        },
         error_feedback=config.error_feedback,
         feedback_reset_rounds=config.feedback_reset_rounds,
     )

@@ -396,10 +396,11 @@ def test_none_is_unchanged() -> None:
         ("sign:100", r"codec spec 'sign:100': sign block size must be a power of two in 8..65536, got 100"),
         (
             "fp8",
-            r"unknown codec 'fp8' \(known: .*int4\[:BLOCK\], fp4\[:BLOCK\], sparseloco\[:K\[:scaled\]\], demo\[:K\]",
+            r"unknown codec 'fp8' \(known: .*int4\[:BLOCK\], fp4\[:BLOCK\], sparseloco\[:K\[:scaled\]\], demo\[:K\[:scaled\]\]",
         ),
-        ("demo:0", r"'demo\[:K\]' needs an integer in 1..4096, got '0'"),
-        ("demo:1.5", r"'demo\[:K\]' needs an integer in 1..4096, got '1.5'"),
+        ("demo:0", r"'demo\[:K\[:scaled\]\]' needs an integer in 1..4096, got '0'"),
+        ("demo:1.5", r"'demo\[:K\[:scaled\]\]' needs an integer in 1..4096, got '1.5'"),
+        ("demo:64:sharp", r"'demo:K\[:scaled\]' ends in ':scaled' or nothing, got 'sharp'"),
     ],
 )
 def test_bad_specs_are_rejected(spec: str, match: str) -> None:

@@ -136,3 +136,20 @@ def test_payload_checks_name_the_problem() -> None:
         codec.decode(payload + bytes(2000), dtype=torch.float32, shape=shape)
     with pytest.raises(ValueError, match="demo keeps 1..4096 coefficients per chunk, got 0"):
         DCTTopKCodec(0)
+
+
+def test_scaled_demo_moves_as_far_along_x_as_x_and_runs_without_a_residual() -> None:
+    """``demo:K:scaled``: the DCT is orthonormal, so scaling each chunk's coefficients to
+    ``<c^, c> = ||c||^2`` gives ``<x^, x> = ||x||^2`` per chunk of ``x``; short tensors keep
+    ``min(K, L)`` coefficients, as ``sparseloco`` does."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(3 * CHUNK, generator=gen) * torch.rand(3 * CHUNK, generator=gen) ** 2
+    _, y = _roundtrip("demo:64:scaled", x)
+    for c in range(3):
+        part, got = x[c * CHUNK : (c + 1) * CHUNK].double(), y[c * CHUNK : (c + 1) * CHUNK].double()
+        torch.testing.assert_close(float(got @ part), float(part @ part), rtol=1e-4, atol=0.0)
+    _, plain = _roundtrip("demo", x)
+    assert float(plain.double() @ x.double()) < 0.5 * float(x.double() @ x.double())
+    codec = get_codec("demo:64:scaled")
+    assert (codec.name, codec.contractive, codec.auto_feedback) == ("demo:64:scaled", False, "none")
+    assert codec.chunks(100) == [(0, 100, 64)] and get_codec("demo").chunks(128) == [(0, 128, 2)]
