@@ -30,9 +30,10 @@ about 50x, framing included) >= 50x fewer uplink bytes within 1.0 point of ``non
 many points below ``none``).
 
 ``qsgd`` runs with 127 levels: under error feedback the codec must be contractive, which
-needs at least 23 levels with 512-element buckets (``qsgd:16`` is refused by the config);
-every level count from 8 to 127 packs into 8-bit codes, so ``qsgd:127`` sends the same bytes
-as ``qsgd:16`` would, with the lowest variance.
+needs at least 23 levels with 512-element buckets (below that ``auto`` runs it without
+feedback, as an unbiased codec, and a named rule is refused); every level count from 8 to 127
+packs into 8-bit codes, so ``qsgd:127`` sends the same bytes as ``qsgd:16`` would, with the
+lowest variance.
 
     python benchmarks/compression.py                                   # all codecs, 30 rounds
     python benchmarks/compression.py --workload lm                     # outer gradients, DiLoCo on the GPT

@@ -49,7 +49,7 @@ __all__ = [
     "lm_goals",
 ]
 
-LM_CODECS = ("none", "int8", "fp4", "int4", "sparseloco", "demo", "sign", "topk:0.0156")
+LM_CODECS = ("none", "int8", "fp4", "int4", "sparseloco", "sparseloco:160", "demo", "sign", "topk:0.0156")
 #: The error feedback each codec family runs under with ``--error-feedback auto`` (the default):
 #: ``sparseloco`` its own ``auto`` (``momentum:0.95``, SparseLoCo's accumulator, Sarfi et al. 2025,
 #: with its outer step: ``Codec.auto_strategy``), DeMo's accumulator decays by 0.95 per outer
