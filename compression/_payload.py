@@ -168,12 +168,14 @@ def rice_param(gaps: np.ndarray) -> tuple[int, int]:
     return best
 
 
-def rice_encode(gaps: np.ndarray) -> bytes:
+def rice_encode(gaps: np.ndarray, r: int | None = None) -> bytes:
     """Golomb-Rice code of non-negative ``gaps``: one byte ``r``, the low ``r`` bits of each gap
     (``pack_uint``), then each ``gap >> r`` in unary (that many 1 bits and a 0), bit-packed,
-    zero-padded. ``r`` is ``rice_param``'s. Meant to end a payload: ``rice_decode`` reads the rest."""
+    zero-padded. ``r`` is ``rice_param``'s unless the caller has it. Meant to end a payload:
+    ``rice_decode`` reads the rest."""
     gaps = gaps.astype(np.uint64)
-    r, _ = rice_param(gaps)
+    if r is None:
+        r, _ = rice_param(gaps)
     quotients = (gaps >> np.uint64(r)).astype(np.int64)
     unary = np.ones(int(quotients.sum()) + len(gaps), dtype=np.uint8)
     unary[np.cumsum(quotients + 1) - 1] = 0
@@ -280,7 +282,7 @@ def encode_indices(indices: np.ndarray, n: int) -> bytes:
     elif fmt == IDX_VARINT:
         body = _varint_encode(gaps, lengths)
     else:
-        body = rice_encode(gaps)
+        body = rice_encode(gaps, r)
     return bytes([fmt]) + body
 
 

@@ -31,7 +31,7 @@ from typing import Any, Mapping
 import torch
 
 from fedgrid.compression._payload import Reader, numel
-from fedgrid.compression.sparseloco import CHUNK, DEFAULT_K, OUTER_STRATEGIES, SparseLoCoCodec
+from fedgrid.compression.sparseloco import CHUNK, DEFAULT_K, SparseLoCoCodec
 
 __all__ = ["DCTTopKCodec", "ScaledDCTTopKCodec", "SIDE", "dct_matrix"]
 
@@ -71,10 +71,7 @@ class DCTTopKCodec(SparseLoCoCodec):
     auto_strategy: Mapping[str, Mapping[str, Any]] = MappingProxyType({})
     short_keeps_k = False
 
-    def form_under(self, strategy: str) -> str:
-        """``demo:K:scaled`` under the strategies that average client models, as ``sparseloco``
-        (digits, 5 rounds, seed 5: ``demo`` 0.493, ``demo:64:scaled`` measured in docs/links.rst)."""
-        return self.name if strategy in OUTER_STRATEGIES else ScaledDCTTopKCodec(self.k).name
+    family = "demo"
 
     def __init__(self, k: int = DEFAULT_K) -> None:
         if not 1 <= k <= CHUNK:
@@ -140,6 +137,3 @@ class ScaledDCTTopKCodec(DCTTopKCodec):
     def __init__(self, k: int = DEFAULT_K) -> None:
         super().__init__(k)
         self.name = f"demo:{k}:scaled"
-
-    def form_under(self, strategy: str) -> str:
-        return self.name

@@ -72,6 +72,9 @@ class SparseLoCoCodec(FloatCodec):
         k: entries kept per full chunk, 1..4096.
     """
 
+    #: The spec's name: ``form_under`` builds the ``:scaled`` form's spec from it.
+    family = "sparseloco"
+
     def __init__(self, k: int = DEFAULT_K) -> None:
         if not 1 <= k <= CHUNK:
             raise ValueError(f"sparseloco keeps 1..{CHUNK} entries per chunk, got {k}")
@@ -95,8 +98,9 @@ class SparseLoCoCodec(FloatCodec):
         server optimizers); ``sparseloco[:K]`` under DiLoCo. Under FedAvg at partial participation
         a client's error-feedback residual waits rounds for its next upload and the plain codec's
         step falls short: on digits (5 rounds, seed 5) the plain codec reaches 0.747 against
-        ``none``'s 0.841, the scaled form 0.811 (``docs/links.rst``)."""
-        return self.name if strategy in OUTER_STRATEGIES else ScaledSparseLoCoCodec(self.k).name
+        ``none``'s 0.841, the scaled form 0.811 (``docs/links.rst``). ``demo`` inherits it:
+        ``demo:K:scaled`` under FedAvg."""
+        return self.name if strategy in OUTER_STRATEGIES else f"{self.family}:{self.k}:scaled"
 
     #: A chunk shorter than ``CHUNK`` keeps ``min(k, length)`` (True), or ``k`` scaled by its
     #: length (False, ``demo``'s rule on its padded coefficients).
@@ -243,6 +247,3 @@ class ScaledSparseLoCoCodec(SparseLoCoCodec):
     def __init__(self, k: int = DEFAULT_K) -> None:
         super().__init__(k)
         self.name = f"sparseloco:{k}:scaled"
-
-    def form_under(self, strategy: str) -> str:
-        return self.name

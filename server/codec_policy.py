@@ -64,13 +64,12 @@ def uplink_form(spec: str, config: "Config") -> str:
     form = built.form_under(config.strategy)
     if form == built.name:  # its own form: the spec as written (``topk`` stays ``topk``)
         return spec
-    if form != spec:
-        log.info(
-            "codec %s is sent as %s under %s, the form of it that learns there (name it to choose)",
-            spec,
-            form,
-            config.strategy,
-        )
+    log.info(
+        "codec %s is sent as %s under %s, the form of it that learns there (name it to choose)",
+        spec,
+        form,
+        config.strategy,
+    )
     return form
 
 
