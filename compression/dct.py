@@ -18,6 +18,13 @@ coefficients ``c``: contractive. It pays where a chunk's energy concentrates in 
 frequencies (smooth rows); an outer gradient of AdamW steps is close to white, and then it
 keeps no more energy than ``sparseloco`` (measured in benchmarks/README.md).
 
+Under FedAvg and its server optimizers ``demo`` goes as ``demo:K:scaled`` (``form_under``), and
+a bare ``demo`` keeps ``FEDAVG_K`` = 320 coefficients per chunk there (7.8%), not DeMo's 64: an
+MLP's weights have no smooth rows for the DCT to concentrate. On digits (5 rounds, seeds 5-9,
+``none`` 0.859 on average) ``demo:64:scaled`` ends 0.21 below ``none`` at seed 5, ``demo:128``
+0.087 below on average, ``demo:256`` 0.017 (0.045 at its worst seed), ``demo:320`` 0.004 (0.028
+at its worst; benchmarks/README.md). A spec that names ``K`` keeps it.
+
 Body: ``sparseloco``'s body for the padded coefficient vector.
 """
 
@@ -31,12 +38,15 @@ from typing import Any, Mapping
 import torch
 
 from fedgrid.compression._payload import Reader, numel
-from fedgrid.compression.sparseloco import CHUNK, DEFAULT_K, SparseLoCoCodec
+from fedgrid.compression.sparseloco import CHUNK, DEFAULT_K, OUTER_STRATEGIES, SparseLoCoCodec
 
-__all__ = ["DCTTopKCodec", "ScaledDCTTopKCodec", "SIDE", "dct_matrix"]
+__all__ = ["DCTTopKCodec", "ScaledDCTTopKCodec", "SIDE", "FEDAVG_K", "dct_matrix"]
 
 #: Side of a chunk's square block: CHUNK = SIDE * SIDE.
 SIDE = math.isqrt(CHUNK)
+#: Coefficients per chunk of a bare ``demo`` under model averaging (its ``:scaled`` form there):
+#: the smallest multiple of 64 within 0.03 of ``none`` at each digits seed 5-9 (module docstring).
+FEDAVG_K = 320
 
 
 @lru_cache(maxsize=None)
@@ -63,6 +73,8 @@ class DCTTopKCodec(SparseLoCoCodec):
 
     Args:
         k: coefficients kept per full chunk, 1..4096.
+        named: the spec named ``k`` (``demo:K``); a bare ``demo`` keeps ``FEDAVG_K`` under
+            model averaging (``form_under``). Default: ``k`` differs from ``DEFAULT_K``.
     """
 
     #: DeMo's own settings, measured with DiLoCo's outer step and classic auto feedback
@@ -73,11 +85,17 @@ class DCTTopKCodec(SparseLoCoCodec):
 
     family = "demo"
 
-    def __init__(self, k: int = DEFAULT_K) -> None:
+    def __init__(self, k: int = DEFAULT_K, *, named: bool | None = None) -> None:
         if not 1 <= k <= CHUNK:
             raise ValueError(f"demo keeps 1..{CHUNK} coefficients per chunk, got {k}")
-        super().__init__(k)
-        self.name = "demo" if k == DEFAULT_K else f"demo:{k}"
+        super().__init__(k, named=named)
+
+    def form_under(self, strategy: str) -> str:
+        """``demo[:K]`` under DiLoCo; under model averaging ``demo:K:scaled``, with ``K`` =
+        ``FEDAVG_K`` where the spec named none."""
+        if strategy in OUTER_STRATEGIES:
+            return self.name
+        return f"demo:{self.k if self.named else FEDAVG_K}:scaled"
 
     @staticmethod
     def padded(n: int) -> int:
@@ -135,5 +153,5 @@ class ScaledDCTTopKCodec(DCTTopKCodec):
     auto_feedback = "none"
 
     def __init__(self, k: int = DEFAULT_K) -> None:
-        super().__init__(k)
+        super().__init__(k, named=True)
         self.name = f"demo:{k}:scaled"

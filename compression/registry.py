@@ -130,15 +130,15 @@ def _randk(param: str | None) -> Codec:
     return RandKCodec(_fraction(fraction, "randk:FRACTION[:unbiased]"), unbiased=bool(sep))
 
 
-def _chunked(family: str, plain: Callable[[int], Codec], scaled: Callable[[int], Codec]) -> CodecFactory:
-    """``sparseloco[:K[:scaled]]`` and ``demo[:K[:scaled]]``."""
+def _chunked(family: str, plain: Callable[..., Codec], scaled: Callable[..., Codec]) -> CodecFactory:
+    """``sparseloco[:K[:scaled]]`` and ``demo[:K[:scaled]]`` (the codec is told whether K was named)."""
 
     def factory(param: str | None) -> Codec:
         k, sep, form = (param or "").partition(":")
         if sep and form != "scaled":
             raise ValueError(f"'{family}:K[:scaled]' ends in ':scaled' or nothing, got {form!r}")
         kept = _int(k if param is not None else None, f"{family}[:K[:scaled]]", 1, CHUNK, DEFAULT_K)
-        return scaled(kept) if sep else plain(kept)
+        return scaled(kept) if sep else plain(kept, named=param is not None)
 
     return factory
 

@@ -70,16 +70,19 @@ class SparseLoCoCodec(FloatCodec):
 
     Args:
         k: entries kept per full chunk, 1..4096.
+        named: the spec named ``k`` (``sparseloco:K``: the name spells it out). Default: ``k``
+            differs from ``DEFAULT_K``.
     """
 
     #: The spec's name: ``form_under`` builds the ``:scaled`` form's spec from it.
     family = "sparseloco"
 
-    def __init__(self, k: int = DEFAULT_K) -> None:
+    def __init__(self, k: int = DEFAULT_K, *, named: bool | None = None) -> None:
         if not 1 <= k <= CHUNK:
             raise ValueError(f"sparseloco keeps 1..{CHUNK} entries per chunk, got {k}")
         self.k = k
-        self.name = "sparseloco" if k == DEFAULT_K else f"sparseloco:{k}"
+        self.named = k != DEFAULT_K if named is None else named
+        self.name = f"{self.family}:{k}" if self.named else self.family
 
     #: SparseLoCo's error feedback: the accumulator decays by 0.95 before each new pseudo-gradient.
     auto_feedback = "momentum:0.95"

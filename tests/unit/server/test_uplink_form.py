@@ -25,6 +25,10 @@ def test_under_model_averaging_the_chunked_codecs_go_scaled(strategy: str) -> No
     assert _form("sparseloco", strategy=strategy) == "sparseloco:64:scaled"
     assert _form("sparseloco:96+zstd", strategy=strategy) == "sparseloco:96:scaled+zstd"
     assert _form("demo:32", strategy=strategy) == "demo:32:scaled"
+    # A bare demo keeps FEDAVG_K there (an MLP has no smooth rows for the DCT); a named K stays.
+    assert _form("demo", strategy=strategy) == "demo:320:scaled"
+    assert _form("demo:64", strategy=strategy) == "demo:64:scaled"
+    assert _form("sparseloco:64", strategy=strategy) == "sparseloco:64:scaled"
     for spec in ("none", "int8", "topk", "topk:0.05:scaled", "randk", "sign", "fp4", "sparseloco:64:scaled"):
         assert _form(spec, strategy=strategy) == spec
     # The scaled form runs without a residual under auto, where the plain one kept momentum:0.95.
