@@ -8,8 +8,8 @@ the point is the arithmetic of one round, not the wire). Two sections (``--secti
   the mean of the clients' decoded updates ``m^ = mean_i D(C(d_i))`` compares with the mean
   update ``m = mean_i d_i`` (example-weighted, as FedAvg): the norm ratio ``|m^| / |m|``, the
   cosine, and the projection ``<m^, m> / |m|^2`` (how far the round moves along ``m``: 1 for
-  ``none``), for each codec of ``--codecs``; and per tensor the share of each client's energy
-  that top-k keeps.
+  ``none``), for each codec of ``--codecs``, and their means over the rounds; and per tensor
+  the share of each client's energy that top-k keeps.
 - ``ef21``: 30 rounds (``--rounds``) of FedAvg where each client uploads top-k
   (``--fraction``) under EF21 (Richtarik et al. 2021): client and server keep an estimate
   ``g_i``, the client sends ``topk(d_i - g_i)``, both add it to ``g_i``; the server applies
@@ -19,6 +19,7 @@ the point is the arithmetic of one round, not the wire). Two sections (``--secti
 
     python benchmarks/topk_diagnosis.py --threads 1                      # both, about 5 minutes
     python benchmarks/topk_diagnosis.py --sections shrinkage --diag-rounds 3
+    python benchmarks/topk_diagnosis.py --sections shrinkage --diag-rounds 30 --codecs topk:0.013:scaled,topk:0.04:scaled,sparseloco:240:scaled,sign,powersgd:4,int8
 
 Results go to ``benchmarks/results/topk_diagnosis.json`` (the printed lines and every number).
 """
@@ -120,6 +121,13 @@ def shrinkage(fed: Federation, args: argparse.Namespace, log: Callable[[str], No
             + ", ".join(f"{k} {v:.2f}" for k, v in row["energy_kept"].items())
         )
         state = OrderedDict((k, state[k] + v) for k, v in _mean(deltas).items())
+    log(f"mean over rounds 1-{args.diag_rounds}:")
+    for spec in args.codecs.split(","):
+        means = {
+            key: float(np.mean([r["codecs"][spec][key] for r in rows]))
+            for key in ("norm_ratio", "cosine", "projection")
+        }
+        log(f"  all  {spec:<22}{means['norm_ratio']:>8.3f}{means['cosine']:>8.3f}{means['projection']:>8.3f}")
     return rows
 
 
@@ -153,7 +161,9 @@ def main(argv: list[str] | None = None) -> None:
         "--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "fashion-mnist")
     )
     parser.add_argument("--sections", default="shrinkage,ef21")
-    parser.add_argument("--codecs", default="topk:0.013,topk:0.013:scaled,topk:0.05,int8")
+    parser.add_argument(
+        "--codecs", default="topk:0.013,topk:0.013:scaled,topk:0.05,sparseloco:240:scaled,int8"
+    )
     parser.add_argument(
         "--fraction", type=float, default=0.013, help="top-k fraction of the per-tensor energy and EF21"
     )
