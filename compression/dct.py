@@ -38,7 +38,7 @@ from typing import Any, Mapping
 import torch
 
 from fedgrid.compression._payload import Reader, numel
-from fedgrid.compression.sparseloco import CHUNK, DEFAULT_K, OUTER_STRATEGIES, SparseLoCoCodec
+from fedgrid.compression.sparseloco import CHUNK, DEFAULT_K, SparseLoCoCodec
 
 __all__ = ["DCTTopKCodec", "ScaledDCTTopKCodec", "SIDE", "FEDAVG_K", "dct_matrix"]
 
@@ -84,18 +84,12 @@ class DCTTopKCodec(SparseLoCoCodec):
     short_keeps_k = False
 
     family = "demo"
+    fedavg_k = FEDAVG_K
 
     def __init__(self, k: int = DEFAULT_K, *, named: bool | None = None) -> None:
         if not 1 <= k <= CHUNK:
             raise ValueError(f"demo keeps 1..{CHUNK} coefficients per chunk, got {k}")
         super().__init__(k, named=named)
-
-    def form_under(self, strategy: str) -> str:
-        """``demo[:K]`` under DiLoCo; under model averaging ``demo:K:scaled``, with ``K`` =
-        ``FEDAVG_K`` where the spec named none."""
-        if strategy in OUTER_STRATEGIES:
-            return self.name
-        return f"demo:{self.k if self.named else FEDAVG_K}:scaled"
 
     @staticmethod
     def padded(n: int) -> int:

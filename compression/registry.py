@@ -130,7 +130,7 @@ def _randk(param: str | None) -> Codec:
     return RandKCodec(_fraction(fraction, "randk:FRACTION[:unbiased]"), unbiased=bool(sep))
 
 
-def _chunked(family: str, plain: Callable[..., Codec], scaled: Callable[..., Codec]) -> CodecFactory:
+def _chunked(family: str, plain: Callable[..., Codec], scaled: Callable[[int], Codec]) -> CodecFactory:
     """``sparseloco[:K[:scaled]]`` and ``demo[:K[:scaled]]`` (the codec is told whether K was named)."""
 
     def factory(param: str | None) -> Codec:

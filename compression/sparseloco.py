@@ -96,14 +96,21 @@ class SparseLoCoCodec(FloatCodec):
         }
     )
 
+    #: ``K`` of the ``:scaled`` form a bare spec goes as under model averaging (``None``: its own
+    #: ``k``; ``demo``: ``FEDAVG_K``). A spec that names ``K`` keeps it.
+    fedavg_k: int | None = None
+
     def form_under(self, strategy: str) -> str:
         """``sparseloco:K:scaled`` under the strategies that average client models (FedAvg and its
         server optimizers); ``sparseloco[:K]`` under DiLoCo. Under FedAvg at partial participation
         a client's error-feedback residual waits rounds for its next upload and the plain codec's
         step falls short: on digits (5 rounds, seed 5) the plain codec reaches 0.747 against
         ``none``'s 0.841, the scaled form 0.811 (``docs/links.rst``). ``demo`` inherits it:
-        ``demo:K:scaled`` under FedAvg."""
-        return self.name if strategy in OUTER_STRATEGIES else f"{self.family}:{self.k}:scaled"
+        ``demo:K:scaled`` under FedAvg, ``K = fedavg_k`` for a bare ``demo``."""
+        if strategy in OUTER_STRATEGIES:
+            return self.name
+        k = self.k if self.named or self.fedavg_k is None else self.fedavg_k
+        return f"{self.family}:{k}:scaled"
 
     #: A chunk shorter than ``CHUNK`` keeps ``min(k, length)`` (True), or ``k`` scaled by its
     #: length (False, ``demo``'s rule on its padded coefficients).
