@@ -27,7 +27,7 @@ lint: $(STAMP)
 	$(PY) -m fedgrid.proto.generate --check
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy fedgrid server client proto aggregation compression simulation region ops cli
+	$(VENV)/bin/mypy
 
 # Every tier (tests/conftest.py: unit, integration, e2e, examples) on two pytest-xdist workers; the
 # tests that share the reference deployment run on one of them, so it is made once.

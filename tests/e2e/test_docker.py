@@ -262,13 +262,13 @@ def test_dockerfile_cpu_default_cuda_argument_non_root_entrypoint():
     )  # TORCH_INDEX and TORCH_VERSION are declared after FROM: in scope
     assert any('--index-url "${TORCH_INDEX}"' in r and "torch==${TORCH_VERSION}" in r for r in runs)
     assert any(re.search(r"\bpip install \.(\s|$)", r) for r in runs)
-    # pip install . builds every package pyproject.toml maps to a folder: each must be copied in.
-    package_dirs = set(
-        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values()
-    )
+    # pip install . builds the packages pyproject.toml finds under src/: the folder must be copied in.
+    where = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
     copied = {source for c in steps if c.cmd.upper() == "COPY" for source in c.value[:-1]}
-    assert package_dirs | {"pyproject.toml", "README.md"} == copied and all(
-        (ROOT / c).exists() for c in copied
+    assert (
+        where["where"] == ["src"]
+        and {"src", "pyproject.toml", "README.md"} == copied
+        and all((ROOT / c).exists() for c in copied)
     )
     users = [c.value[0] for c in steps if c.cmd.upper() == "USER"]
     assert users == ["fedgrid"] and keywords.index("USER") > max(

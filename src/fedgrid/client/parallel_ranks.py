@@ -170,7 +170,7 @@ def _distribute(client: TorchClient, spec: ParallelSpec, rank: int, device: torc
     client.memory_format = (
         "contiguous"  # DDP's buckets and FSDP2's shards take parameters as they are laid out by default
     )
-    client.model = client.model.to(device, memory_format=torch.contiguous_format)
+    client.model = client.model.to(device, memory_format=torch.contiguous_format)  # type: ignore[call-overload]
     seams: Any = client
     seams._spec, seams._rank, seams._world = spec, rank, world
     seams._hook = _comm_hook(spec) if spec.mode == "dp" else None

@@ -29,7 +29,7 @@ __all__ = [
     "read_header",
 ]
 
-DTYPE_TO_PB: dict[torch.dtype, int] = {
+DTYPE_TO_PB: dict[torch.dtype, pb.DType] = {
     torch.float32: pb.FLOAT32,
     torch.float64: pb.FLOAT64,
     torch.float16: pb.FLOAT16,

@@ -391,9 +391,8 @@ class UpdateSpill:
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
-        return FitRes(
-            result.client, SpilledState(path, names), result.num_examples, result.metrics, result.delta
-        )  # type: ignore[arg-type]
+        spilled = SpilledState(path, names)  # a Mapping[str, Tensor] that reads the file on access
+        return FitRes(result.client, spilled, result.num_examples, result.metrics, result.delta)  # type: ignore[arg-type]
 
     def restore(self, *, task_id: str, assigned: Mapping[str, ClientInfo]) -> dict[str, FitRes]:
         """The results of ``task_id`` already on disk, for clients in ``assigned``."""
@@ -412,9 +411,9 @@ class UpdateSpill:
                 metrics = {k: float(v) for k, v in json.loads(meta["metrics"]).items()}
                 out[cid] = FitRes(
                     assigned[cid],
-                    SpilledState(path, names),
+                    SpilledState(path, names),  # type: ignore[arg-type]
                     int(meta["num_examples"]),
-                    metrics,  # type: ignore[arg-type]
+                    metrics,
                     meta.get("delta") == "1",
                 )
             except Exception:  # a damaged spill file only costs that client a retrain

@@ -207,7 +207,8 @@ def build_strategy_from(name: str, *, policy: SelectionPolicy | None = None, **o
         )
     try:
         return STRATEGIES[name](
-            sampling=Sampling(**common, **({"policy": policy} if policy is not None else {})), **kwargs
+            sampling=Sampling(**common, **({"policy": policy} if policy is not None else {})),  # type: ignore[arg-type]
+            **kwargs,
         )
     except ConfigError:
         raise  # already names its key (e.g. DiLoCo's sync_delay_steps)

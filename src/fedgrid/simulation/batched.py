@@ -261,8 +261,9 @@ class BatchedTrainer:
             k = -(-len(group) // -(-len(group) // k))  # as many chunks as K requires, of even sizes
             for start in range(0, len(group), k):
                 chunk = group[start : start + k]
+                results: list[Outcome]
                 try:
-                    results = self._train_fitting(chunk)
+                    results = list(self._train_fitting(chunk))
                 except Exception as exc:  # not memory (that halves K): the clients train one by one instead
                     log.warning(
                         "batched engine: a chunk of %d clients failed (%s: %s); training them sequentially",

@@ -159,7 +159,7 @@ def split_noise(noise_multiplier: float, expected_clients: int) -> tuple[float, 
     return sigma_update, sigma_count
 
 
-def next_clip(clip: float, unclipped: int, clients: int, count_noise: float) -> float:
+def next_clip(clip: float, unclipped: float, clients: int, count_noise: float) -> float:
     """The clip of the next round (Andrew et al.): ``clip * exp(-lr * (b - target))``, where
     ``b = (unclipped + count_noise) / clients`` is the noised share of updates that were not
     clipped (``count_noise``: a normal of std ``sigma_count``, already scaled)."""

@@ -158,7 +158,7 @@ def wire(
         evaluate_fn=evaluate_fn,
         eval_every=config.eval_every,
         writer=writer,
-        on_round=on_round if monitor is None else (lambda m: (on_round(m), monitor.on_round(m))),
+        on_round=on_round if monitor is None else _both(on_round, monitor.on_round),
         finish_timeout=timedelta(seconds=FINISH_GRACE_S),
         store=store,
         events=events,
@@ -193,6 +193,18 @@ def _monitor(
     monitor = CoordinatorMonitor(fleet, rounds=config.rounds, history=history)
     events.subscribe(monitor.on_event)
     return monitor
+
+
+def _both(
+    first: Callable[[RoundMetrics], None], second: Callable[[RoundMetrics], None]
+) -> Callable[[RoundMetrics], None]:
+    """One round callback that calls ``first``, then ``second``."""
+
+    def call(metrics: RoundMetrics) -> None:
+        first(metrics)
+        second(metrics)
+
+    return call
 
 
 def _round_printer(rounds: int) -> Callable[[RoundMetrics], None]:

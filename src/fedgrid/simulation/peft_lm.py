@@ -142,7 +142,7 @@ def build_peft_lm(path: str, peft: str, *, frozen_a: bool = False, vocab: int = 
             lora_dropout=spec.dropout,
         )
         try:
-            net = get_peft_model(base, config)
+            net = get_peft_model(base, config)  # type: ignore[arg-type]  # build_lm's net is a Module
         except ValueError as exc:
             raise ConfigError("peft", f"{peft!r} on hf:{path}: {exc}") from None
     return PeftLM(net, spec, frozen_a=frozen_a)

@@ -69,8 +69,8 @@ def stream_wire_bytes(
 
     size = field(header)
     frames = 0
-    for meta, nbytes in parts:
-        size += field(meta)
+    for meta_size, nbytes in parts:
+        size += field(meta_size)
         full, rest = divmod(nbytes, chunk_size)
         size += full * field(chunk_size) + (field(rest) if rest else 0)
         frames += max(1, full + (1 if rest else 0))

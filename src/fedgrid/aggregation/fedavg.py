@@ -200,6 +200,7 @@ class FedAvg(Strategy):
                                 f"result from client {who!r}: tensor '{name}' is missing or has the wrong shape"
                             )
                         part = client_value(state, res, name, slice(start, start + AGGREGATION_SLICE))
+                        assert part is not None  # checked above: the result holds the tensor
                         agg.add({name: part}, res.mean_weight)
                         del got, part
                     piece = agg.result()[name]
