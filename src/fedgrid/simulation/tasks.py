@@ -35,7 +35,6 @@ from typing import Any, Callable
 
 from fedgrid.client.api import Client
 from fedgrid.errors import ConfigError
-from fedgrid.lazy import exports
 from fedgrid.plugins import initial_state, is_factory_spec
 from fedgrid.simulation.catalog import (
     DATASETS,
@@ -141,20 +140,3 @@ def resolve(
 digits_model = digits_mlp
 digits_client = builtin_client
 digits_evaluate = make_evaluate("digits")
-
-
-#: Old names, for one release: each access warns with a DeprecationWarning naming the new one.
-__getattr__, _ = exports(
-    __name__,
-    {},
-    deprecated={
-        old: f"{__name__}.{new}"
-        for old, new in {
-            "Task": "BuiltinDataset",
-            "TaskData": "DatasetData",
-            "TASKS": "DATASETS",
-            "get_task": "get_dataset",
-        }.items()
-    },
-    globals_=globals(),
-)
