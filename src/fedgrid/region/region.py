@@ -56,7 +56,6 @@ from datetime import timedelta
 from typing import Any, Mapping
 
 from fedgrid.aggregation import Strategy
-from fedgrid.aggregation.goodput import SUMMED_KEYS, WORKER_WALL_S, utilization_of
 from fedgrid.client.api import Client, FitOutput
 from fedgrid.client.runtime import check_target
 from fedgrid.config import Config
@@ -74,6 +73,7 @@ from fedgrid.server.influence import build_influence
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.strategies import build_strategy
 from fedgrid.server.wiring import open_store
+from fedgrid.telemetry import SUMMED_KEYS, WORKER_WALL_S, utilization_of
 from fedgrid.textsafe import escape
 from fedgrid.types import FitIns, MessageIns, ModelState, RoundMetrics
 

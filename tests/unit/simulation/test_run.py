@@ -9,11 +9,11 @@ import pytest
 import tomllib
 import torch
 
-from fedgrid.aggregation.goodput import without_timing
 from fedgrid.config import load_config
 from fedgrid.runlog import load_model
 from fedgrid.simulation.run import run_simulation
 from fedgrid.simulation.tasks import build_model, initial_state, make_evaluate
+from fedgrid.telemetry import without_timing
 
 KEYS = {"round", "loss", "accuracy", "bytes_up", "bytes_down", "wall_s", "clients_ok", "clients_failed"}
 
