@@ -221,9 +221,9 @@ def _coordinator_main(spec: CoordinatorSpec, pipe: Pipe) -> None:
     """Runs the coordinator; sends its address, then the per-round record (and memory phases)."""
     cleanup: list[Callable[[], None]] = []
     try:
-        from fedgrid.server.app import Coordinator
         from fedgrid.server.engine import RoundEngine
         from fedgrid.server.remote_fleet import RemoteFleet
+        from fedgrid.server.serve import Coordinator
 
         fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=spec.heartbeat_s))
         cleanup.append(fleet.close)

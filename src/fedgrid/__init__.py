@@ -31,7 +31,7 @@ _EXPORTS: dict[str, str] = {
     "start_client": "fedgrid.client.runtime",
     "connect": "fedgrid.client.session",
     # a coordinator, a simulation
-    **dict.fromkeys(["Coordinator", "run_coordinator"], "fedgrid.server.app"),
+    **dict.fromkeys(["Coordinator", "run_coordinator"], "fedgrid.server.serve"),
     "run_simulation": "fedgrid.simulation.run",
     # what they are configured with and exchange
     **dict.fromkeys(["Config", "load_config"], "fedgrid.config"),
@@ -54,6 +54,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
     from fedgrid.compression.base import Codec
     from fedgrid.config import Config, load_config
     from fedgrid.errors import FedgridError
-    from fedgrid.server.app import Coordinator, run_coordinator
+    from fedgrid.server.serve import Coordinator, run_coordinator
     from fedgrid.simulation.run import run_simulation
     from fedgrid.types import ModelState

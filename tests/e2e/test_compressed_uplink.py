@@ -10,10 +10,10 @@ import torch
 from fedgrid.aggregation import FedAvg
 from fedgrid.aggregation.selection import Sampling
 from fedgrid.client import start_client as start  # harness.start_client starts a process
-from fedgrid.server.app import Coordinator
 from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.remote_fleet import RemoteFleet
+from fedgrid.server.serve import Coordinator
 from fedgrid.simulation.fleet import InProcessFleet
 from fedgrid.simulation.models import digits_mlp
 from fedgrid.simulation.tasks import builtin_client, initial_state

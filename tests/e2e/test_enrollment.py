@@ -28,9 +28,9 @@ from fedgrid.pki_files import read_json
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
 from fedgrid.proto.tls import TLSFiles
-from fedgrid.server.app import Coordinator
 from fedgrid.server.enrollment import EnrollmentServer
 from fedgrid.server.remote_fleet import RemoteFleet
+from fedgrid.server.serve import Coordinator
 
 import zygote
 from harness import FEDGRID, THREADS, child_env, start_coordinator, wait_until

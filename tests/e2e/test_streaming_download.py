@@ -26,9 +26,9 @@ from fedgrid.client.runtime import Connection
 from fedgrid.config import load_config
 from fedgrid.proto import serde
 from fedgrid.runlog import load_model, read_metrics
-from fedgrid.server.app import Coordinator
 from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.remote_fleet import RemoteFleet
+from fedgrid.server.serve import Coordinator
 from fedgrid.server.strategies import build_strategy
 from fedgrid.simulation.fleet import InProcessFleet
 from fedgrid.simulation.run import run_simulation

@@ -20,9 +20,9 @@ from fedgrid.client.secagg import from_certificate
 from fedgrid.client.secagg_party import SecAggParty
 from fedgrid.ops import pki
 from fedgrid.proto.tls import TLSFiles
-from fedgrid.server.app import Coordinator
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.remote_fleet import RemoteFleet
+from fedgrid.server.serve import Coordinator
 from fedgrid.types import TO_SERVER
 
 from harness import wait_until

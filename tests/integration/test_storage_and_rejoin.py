@@ -14,8 +14,8 @@ import torch
 from fedgrid.client.rpc import RpcFailed
 from fedgrid.client.runtime import Connection
 from fedgrid.errors import StorageError
-from fedgrid.server.app import Coordinator
 from fedgrid.server.remote_fleet import RemoteFleet
+from fedgrid.server.serve import Coordinator
 from fedgrid.types import FitIns
 
 from full_disk import full_disk

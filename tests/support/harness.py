@@ -26,8 +26,8 @@ from typing import Callable
 import grpc
 import torch
 
-from fedgrid.server.app import Coordinator
 from fedgrid.server.remote_fleet import RemoteFleet
+from fedgrid.server.serve import Coordinator
 
 import zygote
 

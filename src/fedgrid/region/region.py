@@ -67,10 +67,10 @@ from fedgrid.interrupts import GracefulStop, say
 from fedgrid.proto.tls import TLSFiles
 from fedgrid.region.upstream import UPSTREAM_RETRY_MAX_S, serve_upstream, wan_writer
 from fedgrid.runlog import RunWriter
-from fedgrid.server.app import Coordinator, build_fleet, rank_policy, write_address
 from fedgrid.server.engine import ROUND_FAILED, RoundEngine
 from fedgrid.server.influence import build_influence
 from fedgrid.server.remote_fleet import RemoteFleet
+from fedgrid.server.serve import Coordinator, build_fleet, rank_policy, write_address
 from fedgrid.server.strategies import build_strategy
 from fedgrid.server.wiring import open_store
 from fedgrid.telemetry import SUMMED_KEYS, WORKER_WALL_S, utilization_of

@@ -14,7 +14,7 @@ def test_every_public_name_resolves_to_the_defining_object():
     from fedgrid.client.session import connect
     from fedgrid.client.torch_client import TorchClient
     from fedgrid.compression.base import Codec
-    from fedgrid.server.app import run_coordinator
+    from fedgrid.server.serve import run_coordinator
     from fedgrid.simulation.run import run_simulation
 
     for name in fedgrid.__all__:
