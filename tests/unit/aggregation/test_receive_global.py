@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fedgrid.aggregation import FedAvg
-from fedgrid.aggregation.registry import build_strategy_from
+from fedgrid.aggregation.by_name import build_strategy_from
 from fedgrid.aggregation.selection import Sampling
 from fedgrid.errors import InvalidUpdateError
 from fedgrid.server.remote_fleet import RemoteFleet
