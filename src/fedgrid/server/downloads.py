@@ -19,7 +19,7 @@ from fedgrid.errors import StaleTaskError
 from fedgrid.proto import serde
 from fedgrid.server.accept import sends_differences
 from fedgrid.server.downlink import Downlink
-from fedgrid.server.registry import Registry
+from fedgrid.server.membership import Registry
 from fedgrid.server.rounds import RoundTask
 from fedgrid.textsafe import escape
 from fedgrid.types import EvaluateIns, FitIns, MessageIns

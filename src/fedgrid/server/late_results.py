@@ -25,7 +25,7 @@ from fedgrid.events import EventLog
 from fedgrid.proto import serde
 from fedgrid.server.downlink import RoundDownlink
 from fedgrid.server.fleet import LateResult, Quorum
-from fedgrid.server.registry import Registry
+from fedgrid.server.membership import Registry
 from fedgrid.server.rounds import RoundTask
 from fedgrid.server.spill import UpdateSpill
 from fedgrid.textsafe import escape

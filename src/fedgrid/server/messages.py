@@ -15,7 +15,7 @@ from typing import Callable, Mapping
 from fedgrid.constants import MAX_INBOX_REPLY_BYTES
 from fedgrid.errors import DuplicateUpdateError, InvalidUpdateError, StaleTaskError
 from fedgrid.events import EventLog
-from fedgrid.server.registry import Registry
+from fedgrid.server.membership import Registry
 from fedgrid.server.rounds import RoundTask, check_outbox, relay
 from fedgrid.textsafe import escape
 from fedgrid.types import MessageIns, MessageRes

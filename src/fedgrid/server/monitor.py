@@ -50,7 +50,7 @@ from typing import Any, Callable, Sequence
 
 from fedgrid.events import Event
 from fedgrid.server.goodput_export import MAX_REGION_LABELS, SPLIT_FIELDS, GoodputExport, region_rows
-from fedgrid.server.registry import SILENCE_INTERVALS
+from fedgrid.server.membership import SILENCE_INTERVALS
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.rpc_timer import RpcTimer
 from fedgrid.server.status_page import page_response

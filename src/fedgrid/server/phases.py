@@ -23,8 +23,8 @@ from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.disk import StorageGuard
 from fedgrid.server.downlink import Downlink, RoundDownlink
 from fedgrid.server.fleet import Quorum, RoundOutcome
+from fedgrid.server.membership import Registry
 from fedgrid.server.messages import Mailbox
-from fedgrid.server.registry import Registry
 from fedgrid.server.rounds import RoundTask, wait_for_close
 from fedgrid.server.spill import UpdateSpill
 from fedgrid.textsafe import escape

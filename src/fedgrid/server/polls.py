@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from fedgrid.errors import ResourceLimitError
-from fedgrid.server.registry import ClientRecord, Registry
+from fedgrid.server.membership import ClientRecord, Registry
 from fedgrid.server.rounds import RoundTask
 from fedgrid.textsafe import escape
 from fedgrid.types import FIT, EvaluateIns, FitIns, MessageIns
@@ -69,7 +69,7 @@ class Polls:
         if self._interrupted():  # stopping: answer now, before the server cancels the call
             return PollResult(retry_after_s=1.0)
         if self.registry.records.get(record.info.client_id) is not record:
-            # Replaced or gone while it waited: its next call hears why (server/registry.py).
+            # Replaced or gone while it waited: its next call hears why (server/membership.py).
             return PollResult(retry_after_s=0.0)
         rnd = self._current()
         client_id = record.info.client_id

@@ -4,7 +4,7 @@ that are elsewhere (it imports no grpc; the servicer in ``server/service.py`` is
 It answers the handlers the servicer calls (join, poll, download, upload, messages,
 heartbeat, failure reports, leave) and runs each phase of a round until it closes. The
 parts live beside it, each a collaborator sharing the fleet's lock: the client registry
-(``server/registry.py``), long polls (``server/polls.py``), downloads
+(``server/membership.py``), long polls (``server/polls.py``), downloads
 (``server/downloads.py``), uploads (``server/uploads.py``, accepting through
 ``server/accept.py``), failure reports and leaves (``server/departures.py``), message phases
 (``server/messages.py``), running a phase from opening to outcome (``server/phases.py``), the
@@ -44,10 +44,10 @@ from fedgrid.server.downlink import Downlink
 from fedgrid.server.downloads import Downloads
 from fedgrid.server.fleet import Fleet, Quorum, RoundOutcome
 from fedgrid.server.late_results import CarriedTasks
+from fedgrid.server.membership import SILENCE_INTERVALS, ClientRecord, Registry
 from fedgrid.server.messages import InboxPage, Mailbox
 from fedgrid.server.phases import Phases
 from fedgrid.server.polls import PollResult, Polls
-from fedgrid.server.registry import SILENCE_INTERVALS, ClientRecord, Registry
 from fedgrid.server.rounds import RoundTask
 from fedgrid.server.spill import UpdateSpill
 from fedgrid.server.uploads import Uploads

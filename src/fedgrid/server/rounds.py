@@ -38,7 +38,7 @@ from fedgrid.types import (
 )
 
 if TYPE_CHECKING:
-    from fedgrid.server.registry import Registry
+    from fedgrid.server.membership import Registry
     from fedgrid.server.uploads import Upload
     from fedgrid.server.wakeups import Wakeups
 

@@ -28,7 +28,7 @@ from fedgrid.events import EventLog
 from fedgrid.proto import serde
 from fedgrid.server import accept
 from fedgrid.server.bounds import UpdateBounds
-from fedgrid.server.registry import ClientRecord, Registry
+from fedgrid.server.membership import ClientRecord, Registry
 from fedgrid.server.rounds import RoundTask
 from fedgrid.server.spill import UpdateSpill, UpdateWriter
 from fedgrid.textsafe import escape

@@ -52,7 +52,7 @@ from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.downlink import Downlink, RoundDownlink
 from fedgrid.server.fleet import QUORUM_NEEDS_REPLAY, Fleet, Quorum, RoundOutcome
-from fedgrid.server.registry import check_joining
+from fedgrid.server.membership import check_joining
 from fedgrid.simulation.batched import BatchedTrainer, choose_engine, recurrent_module
 from fedgrid.simulation.fleet_rounds import evaluate_clients, exchange_messages
 from fedgrid.simulation.upload import upload

@@ -11,7 +11,7 @@ import pytest
 from fedgrid.constants import LOG_BURST_LINES, MAX_SESSIONS
 from fedgrid.errors import AuthenticationError, ResourceLimitError, SessionReplacedError
 from fedgrid.events import EventLog
-from fedgrid.server.registry import Registry
+from fedgrid.server.membership import Registry
 from fedgrid.server.wakeups import Wakeups
 from fedgrid.types import ClientInfo
 
@@ -33,7 +33,7 @@ def _anonymous() -> ClientInfo:
 def test_twenty_thousand_anonymous_joins_are_not_all_kept(caplog):
     registry = _registry(60.0, max_sessions=1_000)
     refused = []
-    with caplog.at_level(logging.INFO, logger="fedgrid.server.registry"):
+    with caplog.at_level(logging.INFO, logger="fedgrid.server.membership"):
         for _ in range(20_000):
             try:
                 registry.join(_anonymous())
@@ -42,7 +42,7 @@ def test_twenty_thousand_anonymous_joins_are_not_all_kept(caplog):
     assert len(registry.records) == 1_000 and len(refused) == 19_000
     assert refused[0] == "coordinator full: 1000 sessions (limit 1000); retry later"
     # 216 bytes a Join on today's main: 20,000 lines. Now the first few, and summaries.
-    lines = [r.getMessage() for r in caplog.records if r.name == "fedgrid.server.registry"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "fedgrid.server.membership"]
     assert len(lines) <= 2 * LOG_BURST_LINES and sum("joined as" in line for line in lines) == LOG_BURST_LINES
 
 
@@ -51,7 +51,7 @@ def clock(monkeypatch) -> list[float]:
     """The registry's monotonic clock, set by the test (``clock[0]``)."""
     import types
 
-    import fedgrid.server.registry as registry_module
+    import fedgrid.server.membership as registry_module
 
     now = [0.0]
     monkeypatch.setattr(registry_module, "time", types.SimpleNamespace(monotonic=lambda: now[0]))

@@ -1,4 +1,5 @@
-"""The client registry: who joined, their session tokens, who is alive, who is benched.
+"""Membership of a run: who joined, their session tokens, who is alive, who is benched
+(``Registry``, the coordinator's table of its clients).
 
 It lives under the fleet's one state lock and wakes waiters through the fleet's
 ``Wakeups`` (key ``"registry"`` for joins and leaves). Removing a client calls
