@@ -166,9 +166,9 @@ def test_revoked_token_is_refused(tmp_path, ca_dir, service):
 
 def test_expired_token_is_refused(tmp_path, ca_dir, service, monkeypatch):
     token = pki.issue_token(ca_dir, expires=timedelta(minutes=30))
-    real_now = pki_kernel._utcnow
+    real_now = pki_kernel.utcnow
     monkeypatch.setattr(
-        pki_kernel, "_utcnow", lambda: real_now() + timedelta(hours=1)
+        pki_kernel, "utcnow", lambda: real_now() + timedelta(hours=1)
     )  # the service's clock, in this process
     with pytest.raises(RpcFailed) as info:
         enroll(service.address, token, **device(tmp_path, ca_dir))
