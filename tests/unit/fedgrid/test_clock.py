@@ -9,7 +9,7 @@ import pytest
 
 from fedgrid.clock import MONOTONIC, Clock, ManualClock, MonotonicClock
 
-from harness import wait_until
+from clocked import asleep
 
 
 def test_both_clocks_are_clocks():
@@ -51,7 +51,7 @@ def test_advance_wakes_thread_waiters_in_deadline_order():
     ]
     for t in threads:
         t.start()
-    wait_until(lambda: clock.sleepers() == 2, timeout=10, what="both waiters to sleep")
+    asleep(clock, 2)
     assert clock.deadlines() == [1.0, 3.0]
     clock.advance(0.75)
     assert clock.sleepers() == 2 and woke == []
@@ -74,7 +74,7 @@ def test_a_notified_waiter_leaves_no_alarm_behind():
         done.set()
 
     threading.Thread(target=waiter, daemon=True).start()
-    wait_until(lambda: clock.sleepers() == 1, timeout=10, what="the waiter to sleep")
+    asleep(clock)
     with cond:
         cond.notify_all()
     assert done.wait(10)
@@ -88,16 +88,14 @@ def test_async_waits_end_at_the_deadline_or_with_their_future():
         loop = asyncio.get_running_loop()
         times = []
         timed = asyncio.ensure_future(clock.wait_until_async(loop.create_future(), 2.0))
-        while clock.sleepers() == 0:
-            await asyncio.sleep(0)  # a yield: lets the waiter reach its sleep, no time passes
+        await asyncio.to_thread(asleep, clock)  # the waiter runs up to its sleep meanwhile
         assert clock.deadlines() == [2.0]
         clock.advance(2.0)
         await timed
         times.append(clock.now())
         fut = loop.create_future()
         woken = asyncio.ensure_future(clock.wait_until_async(fut, 100.0))
-        while clock.sleepers() == 0:
-            await asyncio.sleep(0)
+        await asyncio.to_thread(asleep, clock)
         fut.set_result(None)
         await woken
         times.append(clock.now())

@@ -9,7 +9,7 @@ import threading
 from fedgrid.clock import MONOTONIC, ManualClock
 from fedgrid.server.wakeups import Wakeups
 
-from harness import wait_until
+from clocked import asleep
 
 
 def test_notify_wakes_only_its_key():
@@ -58,7 +58,7 @@ def test_wait_ends_at_its_deadline_and_reentrant_lock_is_restored():
 
     thread = threading.Thread(target=waiter, daemon=True)
     thread.start()
-    wait_until(lambda: clock.sleepers() == 1, timeout=10, what="the waiter to sleep")
+    asleep(clock)
     clock.advance(0.25)  # before its deadline: it sleeps on
     assert clock.sleepers() == 1 and not woke
     clock.advance(0.25)
@@ -115,8 +115,7 @@ def test_async_waiter_returns_at_once_when_ready_and_at_its_deadline():
         await wake.wait_until_async("k", 30.0, lambda: True)
         at = [clock.now()]
         waiter = asyncio.ensure_future(wake.wait_until_async("k", 0.05, lambda: False))
-        while clock.sleepers() == 0:
-            await asyncio.sleep(0)  # lets the waiter run up to its sleep (no time passes)
+        await asyncio.to_thread(asleep, clock)  # the waiter runs up to its sleep meanwhile
         clock.advance(0.05)
         await waiter
         return [*at, clock.now()]
