@@ -123,7 +123,7 @@ class RemoteFleet(Fleet):
         self.task_scope = task_scope
         self.codec_policy = codec_policy or CodecPolicy()
         self.downlink = Downlink(downlink_codec)
-        self.spill = UpdateSpill(spill_dir)
+        self.spill = UpdateSpill(spill_dir, clock=clock)
         self.heartbeat_interval_s = heartbeat_interval.total_seconds()
         self.chunk_size = chunk_size
         #: The frozen base model's hash of an adapter run (``--peft``): a Join must show the same ("": none).
