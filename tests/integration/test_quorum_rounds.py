@@ -11,19 +11,24 @@ import threading
 from collections import OrderedDict
 from datetime import timedelta
 
+import grpc
 import pytest
 import torch
 
 from fedgrid.aggregation.fedavg import FedAvg
 from fedgrid.client import Client, FitOutput, start_client
+from fedgrid.client.rpc import RpcFailed
+from fedgrid.client.runtime import Connection
 from fedgrid.clock import ManualClock
 from fedgrid.events import EventLog
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.fleet import Quorum
 from fedgrid.server.influence import Influence
+from fedgrid.types import FitIns
 
 from clocked import Call
 from harness import InProcessCoordinator, wait_until
+from harness_clients import Named
 
 GRACE_S = 0.3
 
@@ -187,3 +192,52 @@ def test_result_staler_than_max_staleness_is_refused_and_changes_nothing(caplog)
         for g in run.slow.gates:
             g.set()
         run.close()
+
+
+def test_a_task_carried_past_its_quorum_expires_at_its_deadline(caplog):
+    """The slow client keeps its task after the quorum closed the round; at the task's deadline
+    (30 s of the fleet's clock, not a moment before) it is benched and its result no longer taken."""
+    clock = ManualClock()
+    state = OrderedDict(w=torch.zeros(3))
+    server = InProcessCoordinator(state, clock=clock)
+    fast, slow = Connection(server.address), Connection(server.address)
+    try:
+        fast.join(Named("fast"))
+        slow.join(Named("slow"))
+        infos = server.fleet.wait_for_clients(min_clients=2, timeout=timedelta(0))
+        round_1 = Call(
+            lambda: server.fleet.fit_round(
+                server_round=1,
+                global_state=state,
+                assignments=[(info, FitIns(round=1)) for info in infos],
+                timeout=timedelta(seconds=30),
+                quorum=Quorum(min_quorum=1),
+            )
+        )
+        task = fast.poll(5).task
+        update = OrderedDict((k, v + 1) for k, v in fast.download(task.task_id).items())
+        fast.upload(task.task_id, task.round, update, 1, {})
+        outcome = round_1.result()
+        assert outcome.closed_by == "quorum" and [c.name for c in outcome.waiting] == ["slow"]
+        server.fleet.committed(1)
+        record = server.fleet.registry.records[slow.client_id]
+        free = lambda: [c.name for c in server.fleet.wait_for_clients(min_clients=1, timeout=timedelta(0))]  # noqa: E731
+        clock.advance(29.5)
+        assert free() == ["fast"] and record.benched_task == ""  # still on its task: busy, not benched
+        with caplog.at_level(logging.WARNING, logger="fedgrid.server.late_results"):
+            clock.advance(0.5)
+            assert free() == ["fast"] and record.benched_task == task.task_id
+        assert [r.getMessage() for r in caplog.records if r.name == "fedgrid.server.late_results"] == [
+            "round 1: client 'slow' missed its task's deadline (carried past the quorum)"
+        ]
+        assert server.fleet.carried.busy() == set()
+        with pytest.raises(RpcFailed) as refused:
+            slow.upload(task.task_id, task.round, update, 1, {})
+        assert (refused.value.code, refused.value.details) == (
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "round 1 is closed",
+        )
+    finally:
+        for conn in (fast, slow):
+            conn.close()
+        server.stop()
