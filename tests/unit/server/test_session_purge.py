@@ -1,18 +1,21 @@
 """The registry keeps no dead sessions: silent ones are purged, the total is bounded, Joins
-are logged at a bounded rate, and a session is found from its token alone (issue 26)."""
+are logged at a bounded rate, a session is found from its token alone (issue 26), and restored
+sessions get a restart grace. Time is a ManualClock the tests advance."""
 
 from __future__ import annotations
 
 import logging
 import threading
+from datetime import timedelta
 
 import pytest
 
 from fedgrid.clock import ManualClock
-from fedgrid.constants import LOG_BURST_LINES, MAX_SESSIONS
+from fedgrid.constants import LOG_BURST_LINES, MAX_SESSIONS, RETRY_MAX_WAIT_S
 from fedgrid.errors import AuthenticationError, ResourceLimitError, SessionReplacedError
 from fedgrid.events import EventLog
 from fedgrid.server.registry import Registry
+from fedgrid.server.remote_fleet import RESTART_GRACE_S, RemoteFleet
 from fedgrid.server.wakeups import Wakeups
 from fedgrid.types import ClientInfo
 
@@ -95,3 +98,22 @@ def test_a_session_is_found_from_its_token_alone():
         registry.remove(newer.client_id, "left")
     with pytest.raises(AuthenticationError, match="it names no session"):
         registry.session(newer_token)
+
+
+def test_restored_sessions_get_the_restart_grace_before_silence_counts():
+    """A restarted coordinator gives the clients it restored the retry backoff's cap plus
+    ``RESTART_GRACE_S`` (they may be asleep in backoff) before their silence starts to count."""
+    clock = ManualClock()
+    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=5), clock=clock)  # silent after 15 s
+    fleet.join(ClientInfo(client_id="", name="site-1", num_examples=1))
+    state = fleet.state_dict()
+    clock.advance(100.0)  # the coordinator was down a while: the client's last call is long past
+    restored = RemoteFleet(heartbeat_interval=timedelta(seconds=5), clock=clock)
+    restored.load_state_dict(state)
+    grace = RETRY_MAX_WAIT_S + RESTART_GRACE_S
+    clock.advance(grace + 15.0)  # silent exactly the limit, counted from the end of the grace
+    assert [c.name for c in restored.live_clients()] == ["site-1"]
+    clock.advance(0.5)
+    assert restored.live_clients() == []
+    fleet.close()
+    restored.close()
