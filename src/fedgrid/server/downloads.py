@@ -11,7 +11,6 @@ completes, and the client counts as alive while it downloads (``Registry.live``)
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from typing import Callable, Iterator
 
@@ -122,5 +121,5 @@ class Downloads:
             with self.lock:
                 if record is not None:
                     record.transfers -= 1
-                    record.last_seen = time.monotonic()
+                    record.last_seen = self.registry.clock.now()
                 rnd.tally.add_down(region, sent)

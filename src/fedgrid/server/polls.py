@@ -7,7 +7,6 @@ waits, woken only by what concerns this client (``server/wakeups.py``), until ``
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -79,7 +78,7 @@ class Polls:
                 kind=rnd.kind,
                 server_round=rnd.server_round,
                 ins=rnd.assignments[client_id],
-                deadline_s=max(0.0, rnd.deadline - time.monotonic()),
+                deadline_s=max(0.0, rnd.deadline - self.registry.clock.now()),
             )
         return None
 
@@ -92,7 +91,8 @@ class Polls:
             ResourceLimitError: the client already holds ``max_polls_per_client`` polls.
         """
         record = self.registry.authenticate(client_id, token)
-        deadline = time.monotonic() + max(0.0, min(wait_s, 60.0))
+        clock = self.registry.clock
+        deadline = clock.now() + max(0.0, min(wait_s, 60.0))
         answer: list[PollResult] = []
 
         def ready() -> bool:
@@ -109,12 +109,12 @@ class Polls:
             record.polls += 1
         try:
             while True:
-                await self.wake.wait_async(("poll", client_id), deadline - time.monotonic(), ready)
+                await self.wake.wait_until_async(("poll", client_id), deadline, ready)
                 if answer:
                     return answer[0]
                 with self.lock:
-                    record.last_seen = time.monotonic()
-                if time.monotonic() >= deadline:
+                    record.last_seen = clock.now()
+                if clock.now() >= deadline:
                     return PollResult(retry_after_s=0.0)
         finally:
             with self.lock:
