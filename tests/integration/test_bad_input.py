@@ -9,6 +9,7 @@ import grpc
 import pytest
 import torch
 
+from fedgrid.compression.spec import CodecSpec
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
 from fedgrid.proto import serde
@@ -310,7 +311,8 @@ def test_compressed_payload_that_lies_about_its_size(coordinator, session, small
         run_id=RUN_IDS[cid], task_id=task.task_id, round=task.round, client_id=cid, num_examples=5
     )
     chunks = _Stream(
-        serde.EncodedModel(_good(small_state), codec=codec).chunks(info, chunk_size=1 << 20), token
+        serde.EncodedModel(_good(small_state), codec=CodecSpec.parse(codec)).chunks(info, chunk_size=1 << 20),
+        token,
     )
     payload = chunks[0].data
     chunks[0].header.total_bytes -= 2
@@ -322,7 +324,8 @@ def test_compressed_payload_that_lies_about_its_size(coordinator, session, small
     _assert_untouched(coordinator)
     # A compressed update that tells the truth is accepted and decoded.
     good = _Stream(
-        serde.EncodedModel(_good(small_state), codec=codec).chunks(info, chunk_size=1 << 20), token
+        serde.EncodedModel(_good(small_state), codec=CodecSpec.parse(codec)).chunks(info, chunk_size=1 << 20),
+        token,
     )
     assert _upload(stub, good).accepted
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import xxhash
 
-from fedgrid.compression import get_codec
+from fedgrid.compression.spec import CodecSpec
 from fedgrid.constants import MAX_TENSOR_BYTES
 from fedgrid.errors import InvalidUpdateError, PayloadTooLargeError
 from fedgrid.proto import fedgrid_pb2 as pb
@@ -79,6 +79,7 @@ class ModelAssembler:
         buffers: BufferPool | None = None,
     ) -> None:
         self._expected = expected
+        self._tensor_codec: CodecSpec = CodecSpec.NONE
         self._buffers = receive_buffers() if buffers is None else buffers
         self._sink = sink
         self._done: list[str] = []
@@ -192,9 +193,10 @@ class ModelAssembler:
                     f"tensor {escape(name)}: wrong shape {list(shape)}, expected {list(spec.shape)}"
                 )
         try:
-            codec = get_codec(meta.codec)
+            sent = CodecSpec.read(meta.codec)
         except InvalidUpdateError as exc:
             raise InvalidUpdateError(f"tensor {escape(name)}: {exc}") from None
+        codec = sent.decoder
         limit = min(codec.max_payload_bytes(dtype=dtype, shape=shape), self._max_tensor_bytes)
         if meta.nbytes > limit:
             raise PayloadTooLargeError(
@@ -209,7 +211,7 @@ class ModelAssembler:
             raise InvalidUpdateError(
                 f"tensor {escape(name)}: payload is {meta.nbytes} bytes, {dtype} {list(shape)} needs {raw_size}"
             )
-        self._meta = meta
+        self._meta, self._tensor_codec = meta, sent
         # A reused buffer if one of this size is free: faulting in a fresh model-sized one is
         # most of a receiver's cost (see proto/buffers.py). No zero fill: every byte is written
         # before the tensor exists (_close_tensor raises on a short one).
@@ -247,7 +249,7 @@ class ModelAssembler:
             tensor = buf.view(dtype).reshape(shape) if buf.numel() else torch.empty(shape, dtype=dtype)
         else:
             try:
-                tensor = get_codec(meta.codec).decode(bytearray(self._view), dtype=dtype, shape=shape)
+                tensor = self._tensor_codec.decoder.decode(bytearray(self._view), dtype=dtype, shape=shape)
             except InvalidUpdateError as exc:
                 raise InvalidUpdateError(f"tensor {escape(name)}: {exc}") from None
         self._done.append(name)

@@ -23,7 +23,6 @@ from fedgrid.aggregation.selection import (
     UniformSelector,
 )
 from fedgrid.capabilities import parse_size
-from fedgrid.compression import parse_codec_spec
 from fedgrid.config import Config
 from fedgrid.errors import ConfigError
 from fedgrid.plugins import is_custom_strategy, load_object
@@ -128,7 +127,7 @@ def codec_strategy_defaults(config: Config) -> dict[str, Any]:
     """
     if config.secagg:
         return {}
-    wanted = parse_codec_spec(config.codec).auto_strategy.get(config.strategy, {})
+    wanted = config.codecs.uplink.decoder.auto_strategy.get(config.strategy, {})
     return {key: value for key, value in wanted.items() if getattr(config, key) is None}
 
 
@@ -140,7 +139,7 @@ def secagg_strategy(config: Config, strategy: Strategy) -> Strategy:
 
     # DP under SecAgg+: the clients clip and add the noise, and sum their unclipped bits (docs/privacy.rst).
     dp_clip, adaptive = parse_dp_clip(config.dp_clip) if config.dp_noise_multiplier else (0.0, False)
-    bits, levels = secagg_ring(config.codec)
+    bits, levels = secagg_ring(config.codecs.uplink)
     return SecAgg(
         strategy,
         bits=bits,

@@ -173,9 +173,7 @@ class Uploads:
                     f"task {escape(header.task_id)} is message phase {rnd.kind!r}: it takes SendMessages, not an upload"
                 )
             if not rnd.evaluate:
-                accept.check_delta(
-                    str(rnd.assignments[client_id].config.get("uplink_codec", "none")), header.delta
-                )
+                accept.check_delta(rnd.uplink_codec(client_id), header.delta)
             if client_id in rnd.uploading:
                 raise DuplicateUpdateError(
                     f"an upload for round {rnd.server_round} from client {escape(client_id)} is in progress"
