@@ -114,9 +114,12 @@ class InProcessCoordinator:
         heartbeat_s: float = 60.0,
         interceptors=(),
         bounds=None,
+        codec_policy=None,
         **coordinator_options,
     ) -> None:
-        self.fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=heartbeat_s), bounds=bounds)
+        self.fleet = RemoteFleet(
+            heartbeat_interval=timedelta(seconds=heartbeat_s), bounds=bounds, codec_policy=codec_policy
+        )
         self.coordinator = Coordinator(
             "127.0.0.1:0", self.fleet, max_workers=16, interceptors=interceptors, **coordinator_options
         ).start()

@@ -141,5 +141,5 @@ def _wire(
     frames = list(encoded.frames(head, chunk_size=chunk_size))
     sent = serde.read_header(frames[0])
     accept.check_header(bounds, info, num_examples=sent.num_examples, delta=sent.delta, codec=codec)
-    header, received = serde.decode_chunks(frames, expected=expected)
+    header, received = serde.decode_chunks(frames, expected=expected, codec=codec)
     return header, received, sum(serde.wire_size(c) for c in frames), encoded.total_bytes
