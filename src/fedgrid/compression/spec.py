@@ -21,6 +21,7 @@ from typing import ClassVar
 from fedgrid.compression.base import Codec, IdentityCodec
 from fedgrid.compression.registry import get_codec, parse_codec_spec
 from fedgrid.errors import ConfigError, InvalidUpdateError
+from fedgrid.types import UpdateRole
 
 __all__ = ["CodecSpec", "parse_region_codecs"]
 
@@ -96,10 +97,10 @@ class CodecSpec:
         """The shared codec of this spec: for decoding, and for encoding without state."""
         return self.codec
 
-    def form_under(self, strategy: str) -> "CodecSpec":
-        """The form this codec is sent as under ``strategy`` (``Codec.form_under``); itself, as
-        written, where that is its own."""
-        form = self.codec.form_under(strategy)
+    def form_under(self, role: UpdateRole) -> "CodecSpec":
+        """The form this codec is sent as under a strategy of ``role`` (``Codec.form_under``);
+        itself, as written, where that is its own."""
+        form = self.codec.form_under(role)
         return self if form == self.name else CodecSpec.read(form)
 
     def __str__(self) -> str:

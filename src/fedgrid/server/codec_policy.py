@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
+from fedgrid.aggregation.registry import strategy_role
 from fedgrid.compression.feedback import FeedbackRule
 from fedgrid.compression.spec import CodecSpec
 from fedgrid.config_compression import uplink_task_config
@@ -49,11 +50,12 @@ class CodecPolicy:
 
 def uplink_form(spec: CodecSpec, config: "Config") -> CodecSpec:
     """The spec the clients send ``spec`` as: with ``error_feedback = "auto"``, under a built-in
-    strategy and without SecAgg+, the codec's ``form_under(strategy)`` (``sparseloco`` under
-    FedAvg is ``sparseloco:K:scaled``); ``spec`` itself otherwise. A change is logged."""
+    strategy and without SecAgg+, the codec's form under what the strategy declares it makes of
+    the updates (``Codec.form_under(Strategy.update_role)``: ``sparseloco`` under FedAvg's model
+    averaging is ``sparseloco:K:scaled``); ``spec`` itself otherwise. A change is logged."""
     if config.error_feedback != "auto" or config.secagg or is_custom_strategy(config.strategy):
         return spec
-    form = spec.form_under(config.strategy)
+    form = spec.form_under(strategy_role(config.strategy))
     if form == spec:  # its own form: the spec as written (``topk`` stays ``topk``)
         return spec
     log.info(
