@@ -12,6 +12,7 @@ from fedgrid.lazy import exports
 
 __all__ = [
     "Codec",
+    "CodecSpec",
     "IdentityCodec",
     "CastCodec",
     "Int8Codec",
@@ -40,6 +41,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
     from fedgrid.compression import (
         CastCodec,
         Codec,
+        CodecSpec,
         ErrorFeedback,
         FeedbackRule,
         FP4Codec,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import logging
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -25,7 +26,7 @@ from typing import Any, Iterable, Mapping
 import tomllib
 
 from fedgrid.config_checks import validate
-from fedgrid.config_compression import CompressionKeys
+from fedgrid.config_compression import CompressionKeys, RunCodecs, run_codecs
 from fedgrid.config_groups import (
     AGGREGATOR_NAMES,
     CLIENT_ONLY_KEYS,
@@ -389,6 +390,12 @@ class Config(LlmKeys, CompressionKeys, SecAggKeys, PrivacyKeys, RegionKeys, _Cor
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @functools.cached_property
+    def codecs(self) -> RunCodecs:
+        """The run's codecs (``codec``, ``region_codecs``, ``downlink_codec``, ``lan_codec``),
+        parsed once, when the configuration is checked: the rest of the run takes these values."""
+        return run_codecs(self)
 
     def strategy_options(self) -> dict[str, Any]:
         """The strategy and aggregator options that are set (``None`` ones left out)."""

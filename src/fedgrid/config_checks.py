@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from fedgrid.capabilities import MAX_ACCELERATORS, check_capabilities, parse_size
-from fedgrid.compression import parse_codec_spec
 from fedgrid.config_groups import ENGINES, INNER_LR_STRATEGIES, LR_DEFAULT, PRECISIONS, SELECTORS
 from fedgrid.config_llm import check_llm_keys
 from fedgrid.config_privacy import check_privacy
@@ -155,19 +154,15 @@ def _check_codecs_and_strategy(config: Config) -> None:
     """The codec specs, the evaluation fraction, the app, the chunk size, and the strategy
     with its options (built once to check them)."""
     from fedgrid.compression.feedback import ErrorFeedback, FeedbackRule
-    from fedgrid.compression.registry import parse_region_codecs
     from fedgrid.config_compression import check_compression
 
     check_compression(config)
-    for key in ("codec", "downlink_codec"):
-        spec = getattr(config, key)
-        codec = parse_codec_spec(spec, key=key)
-        if not codec.lossless:
+    codecs = config.codecs  # every codec key parses (ConfigError naming the key)
+    for key, spec in (("codec", codecs.uplink), ("downlink_codec", codecs.downlink)):
+        if not spec.lossless:
             # Lossy codecs must suit the error feedback: the uplink's rule, the downlink's classic.
             rule = FeedbackRule.parse(config.error_feedback) if key == "codec" else None
-            ErrorFeedback(spec if key == "codec" else codec, rule)
-    for spec in parse_region_codecs(config.region_codecs).values():
-        parse_codec_spec(spec, key="region_codecs")
+            ErrorFeedback(spec, rule)
     if not 0.0 <= config.fraction_evaluate <= 1.0:
         raise ConfigError("fraction_evaluate", f"must be in [0, 1], got {config.fraction_evaluate}")
     if config.app:

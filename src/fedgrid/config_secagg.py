@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedgrid.config_values import key as _key
 from fedgrid.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fedgrid.compression.spec import CodecSpec
 
 __all__ = ["SecAggKeys", "SECAGG_RING_BITS", "SECAGG_CODECS", "check_secagg_keys", "secagg_ring"]
 
@@ -77,7 +80,7 @@ def check_secagg_keys(config: Any) -> None:
     # In a simulated hierarchy each region aggregates its clients securely (its lan_codec, its
     # region_strategy) and sends one update upstream.
     codec_key, strategy_key = ("lan_codec", "region_strategy") if config.hierarchy else ("codec", "strategy")
-    secagg_ring(getattr(config, codec_key), key=codec_key)
+    secagg_ring(config.codecs.lan if config.hierarchy else config.codecs.uplink, key=codec_key)
     strategy = getattr(config, strategy_key)
     if config.region_codecs and not config.hierarchy:
         raise ConfigError("region_codecs", "secagg needs one ring for all clients: leave region_codecs empty")
@@ -101,20 +104,19 @@ def check_secagg_keys(config: Any) -> None:
         )
 
 
-def secagg_ring(codec: str, *, key: str = "codec") -> tuple[int, int]:
+def secagg_ring(codec: "CodecSpec", *, key: str = "codec") -> tuple[int, int]:
     """The ring of a masked upload under uplink ``codec``: ``(bits, levels)``, ``levels`` QSGD's
     per sign (``qsgd:LEVELS``, masked in the ring of its code width) or 0 (the whole ring).
 
     Raises:
         ConfigError: (``key``) a codec that does not compose with secagg, naming those that do.
     """
-    if codec in SECAGG_RING_BITS:
-        return SECAGG_RING_BITS[codec], 0
-    if codec.startswith("qsgd:") and "+" not in codec:
+    if codec.text in SECAGG_RING_BITS:
+        return SECAGG_RING_BITS[codec.text], 0
+    if codec.family == "qsgd" and "+" not in codec.text:
         from fedgrid.compression.quantize import QSGDCodec
-        from fedgrid.compression.registry import parse_codec_spec
 
-        qsgd = parse_codec_spec(codec, key=key)
+        qsgd = codec.decoder
         assert isinstance(qsgd, QSGDCodec)
         bits = qsgd.bits
         if bits in _QSGD_RINGS:
@@ -126,6 +128,6 @@ def secagg_ring(codec: str, *, key: str = "codec") -> tuple[int, int]:
         )
     raise ConfigError(
         key,
-        f"secagg masks quantized integers in a ring, which {codec!r} does not send: {key} must be "
+        f"secagg masks quantized integers in a ring, which {codec.text!r} does not send: {key} must be "
         f"one of {SECAGG_CODECS}",
     )

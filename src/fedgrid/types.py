@@ -5,6 +5,7 @@ A model travels as a ``ModelState``: an ordered mapping from parameter name to t
 
 from __future__ import annotations
 
+import enum
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ __all__ = [
     "EVALUATE",
     "TO_SERVER",
     "TO_ALL",
+    "UpdateRole",
     "check_phase_name",
 ]
 
@@ -180,6 +182,21 @@ EVALUATE = "evaluate"
 #: reads it) and every other peer of the phase (one copy relayed to each).
 TO_SERVER = ""
 TO_ALL = "*"
+
+
+class UpdateRole(enum.Enum):
+    """What a strategy makes of the clients' updates: the capability it declares
+    (``Strategy.update_role``) and that a codec states its preferences for
+    (``Codec.form_under``, ``Codec.auto_strategy``), so that neither names the other.
+
+    ``MODEL_AVERAGE``: the global model moves by the clients' mean update each round, and a
+    client may sit rounds out between its uploads (FedAvg, and its server optimizers).
+    ``OUTER_GRADIENT``: each worker's update is the pseudo-gradient of its many inner steps,
+    and an outer optimizer steps on their mean at every synchronization (DiLoCo).
+    """
+
+    MODEL_AVERAGE = "model-average"
+    OUTER_GRADIENT = "outer-gradient"
 
 
 def check_phase_name(name: str) -> str:

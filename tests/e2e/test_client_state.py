@@ -21,6 +21,7 @@ from fedgrid.client import Client, FitOutput
 from fedgrid.client import start_client as start  # harness.start_client starts a process
 from fedgrid.client.state import STATE_FORMAT
 from fedgrid.client.uplink import UplinkEncoder, reconstruct
+from fedgrid.compression.spec import CodecSpec
 from fedgrid.proto import serde
 from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.remote_fleet import RemoteFleet
@@ -85,7 +86,9 @@ class Server:
     """A coordinator whose rounds the test drives one by one, for one named client."""
 
     def __init__(self) -> None:
-        self.fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=30), codec_policy=CodecPolicy(CODEC))
+        self.fleet = RemoteFleet(
+            heartbeat_interval=timedelta(seconds=30), codec_policy=CodecPolicy(CodecSpec.parse(CODEC))
+        )
         self.coordinator = Coordinator("127.0.0.1:0", self.fleet, max_workers=16).start()
         self.address = self.coordinator.address
         self.known: set[str] = set()

@@ -10,6 +10,7 @@ import torch
 from fedgrid.aggregation import FedAvg
 from fedgrid.aggregation.selection import Sampling
 from fedgrid.client import start_client as start  # harness.start_client starts a process
+from fedgrid.compression.spec import CodecSpec
 from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.remote_fleet import RemoteFleet
@@ -41,7 +42,7 @@ def _clients():
     return [builtin_client(i, CLIENTS, SEED, device="cpu") for i in range(CLIENTS)]
 
 
-def _deploy(policy, downlink_codec="none"):
+def _deploy(policy, downlink_codec=CodecSpec.NONE):
     """The same run over real gRPC, clients in threads of this process; returns the engine."""
     fleet = RemoteFleet(
         heartbeat_interval=timedelta(seconds=30), codec_policy=policy, downlink_codec=downlink_codec
@@ -71,7 +72,7 @@ PARITY = [
 
 @pytest.mark.parametrize("codec,feedback,least_ratio", PARITY)
 def test_simulation_and_grpc_agree_bit_for_bit(codec, feedback, least_ratio):
-    policy = CodecPolicy(default=codec, error_feedback=feedback, feedback_reset_rounds=2)
+    policy = CodecPolicy(default=CodecSpec.parse(codec), error_feedback=feedback, feedback_reset_rounds=2)
     sim = _engine(InProcessFleet(_clients(), codec_policy=policy))
     sim_final = sim.run()
     deployed = _deploy(policy)
@@ -95,19 +96,21 @@ def test_error_feedback_carries_what_topk_dropped():
             encoder.feedback.reset()  # forget the residual every round
             return encoder
 
-    classic = CodecPolicy("topk:0.1", error_feedback="classic")
+    classic = CodecPolicy(CodecSpec.parse("topk:0.1"), error_feedback="classic")
     with_ef = _engine(InProcessFleet(_clients(), codec_policy=classic), rounds=4).run()
-    without = _engine(NoFeedback(_clients(), codec_policy=CodecPolicy("topk:0.1")), rounds=4).run()
+    without = _engine(
+        NoFeedback(_clients(), codec_policy=CodecPolicy(CodecSpec.parse("topk:0.1"))), rounds=4
+    ).run()
     gap = lambda m: sum(float((m[k] - dense[k]).norm()) for k in dense)  # noqa: E731
     assert gap(with_ef) < 0.8 * gap(without)
 
 
 def test_compressed_downlink_simulation_and_grpc_agree():
-    policy = CodecPolicy(default="topk:0.05")
-    sim_fleet = InProcessFleet(_clients(), codec_policy=policy, downlink_codec="int8")
+    policy = CodecPolicy(default=CodecSpec.parse("topk:0.05"))
+    sim_fleet = InProcessFleet(_clients(), codec_policy=policy, downlink_codec=CodecSpec.parse("int8"))
     sim = _engine(sim_fleet)
     sim_final = sim.run()
-    deployed = _deploy(policy, downlink_codec="int8")
+    deployed = _deploy(policy, downlink_codec=CodecSpec.parse("int8"))
     final = deployed.strategy.global_state
     for name, tensor in sim_final.items():
         assert torch.equal(final[name], tensor), name

@@ -23,6 +23,7 @@ from fedgrid.aggregation import StreamingDiLoCo
 from fedgrid.aggregation.updates import as_model
 from fedgrid.client import Client
 from fedgrid.client.runtime import Connection
+from fedgrid.compression.spec import CodecSpec
 from fedgrid.config import load_config
 from fedgrid.proto import serde
 from fedgrid.runlog import load_model, read_metrics
@@ -287,8 +288,8 @@ def test_grpc_fleet_sends_each_client_what_its_task_names(uplink, downlink):
     )
     fleet = RemoteFleet(
         heartbeat_interval=timedelta(seconds=60),
-        codec_policy=CodecPolicy(default=uplink),
-        downlink_codec=downlink,
+        codec_policy=CodecPolicy(default=CodecSpec.parse(uplink)),
+        downlink_codec=CodecSpec.parse(downlink),
     )
     server = Coordinator("127.0.0.1:0", fleet, max_workers=8).start()
     conns = [Connection(server.address) for _ in range(2)]
@@ -333,7 +334,7 @@ def test_grpc_fleet_sends_each_client_what_its_task_names(uplink, downlink):
                 OrderedDict(c=held["c"] + 1.0 if "c" in held else model["c"] + 1.0),
                 1,
                 {},
-                codec=uplink,
+                codec=CodecSpec.parse(uplink),
                 global_state=held,
             )
         thread.join(timeout=30)

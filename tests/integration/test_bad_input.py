@@ -304,27 +304,56 @@ def test_unknown_codec(coordinator, session, small_state):
 
 
 @pytest.mark.parametrize("codec", ["fp16", "int8", "topk:0.5"])
-def test_compressed_payload_that_lies_about_its_size(coordinator, session, small_state, codec):
-    stub, cid, token, task = session
-    info = serde.StreamInfo(
-        run_id=RUN_IDS[cid], task_id=task.task_id, round=task.round, client_id=cid, num_examples=5
-    )
-    chunks = _Stream(
-        serde.EncodedModel(_good(small_state), codec=codec).chunks(info, chunk_size=1 << 20), token
-    )
-    payload = chunks[0].data
-    chunks[0].header.total_bytes -= 2
-    _tampered(chunks, 0, data=payload[:-2])  # two bytes short of what its own header says
-    with pytest.raises(grpc.RpcError) as err:
-        _upload(stub, chunks)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert f"tensor 'layer.weight': {codec} payload" in err.value.details()
-    _assert_untouched(coordinator)
-    # A compressed update that tells the truth is accepted and decoded.
-    good = _Stream(
-        serde.EncodedModel(_good(small_state), codec=codec).chunks(info, chunk_size=1 << 20), token
-    )
-    assert _upload(stub, good).accepted
+def test_compressed_payload_that_lies_about_its_size(small_state, codec):
+    from fedgrid.compression.spec import CodecSpec
+    from fedgrid.server.codec_policy import CodecPolicy
+
+    from harness import InProcessCoordinator
+
+    spec = CodecSpec.parse(codec)
+    coordinator = InProcessCoordinator(small_state, codec_policy=CodecPolicy(default=spec))
+    channel = grpc.insecure_channel(coordinator.address)
+    try:
+        stub = pb_grpc.CoordinatorStub(channel)
+        joined = stub.Join(
+            pb.JoinRequest(name="probe", num_examples=10, capabilities=pb.Capabilities(codecs=[spec.family])),
+            timeout=10,
+        )
+        cid, token = joined.client_id, joined.session_token
+        coordinator.open_round()
+        task = stub.PollTask(
+            pb.PollRequest(client_id=cid, wait_s=5), metadata=session_metadata(token), timeout=10
+        ).task
+        assert serde.config_from_pb(task.config)["uplink_codec"] == codec
+        coordinator.snap = _snapshot(coordinator)
+        # The task's codec sends differences (delta=True); each tensor is one of them.
+        info = serde.StreamInfo(
+            run_id=joined.run_id,
+            task_id=task.task_id,
+            round=task.round,
+            client_id=cid,
+            num_examples=5,
+            delta=True,
+        )
+        chunks = _Stream(
+            serde.EncodedModel(_good(small_state), codec=spec).chunks(info, chunk_size=1 << 20), token
+        )
+        payload = chunks[0].data
+        chunks[0].header.total_bytes -= 2
+        _tampered(chunks, 0, data=payload[:-2])  # two bytes short of what its own header says
+        with pytest.raises(grpc.RpcError) as err:
+            _upload(stub, chunks)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"tensor 'layer.weight': {codec} payload" in err.value.details()
+        _assert_untouched(coordinator)
+        # A compressed update that tells the truth is accepted and decoded.
+        good = _Stream(
+            serde.EncodedModel(_good(small_state), codec=spec).chunks(info, chunk_size=1 << 20), token
+        )
+        assert _upload(stub, good).accepted
+    finally:
+        channel.close()
+        coordinator.stop()
 
 
 def test_header_must_come_first(coordinator, session, small_state):

@@ -9,6 +9,7 @@ from datetime import timedelta
 import torch
 
 from fedgrid.client.runtime import Connection
+from fedgrid.compression.spec import CodecSpec
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.serve import Coordinator
 from fedgrid.types import FitIns
@@ -19,7 +20,7 @@ from harness_clients import Named
 
 def test_clients_hold_the_shadow_and_catch_up():
     g = torch.Generator().manual_seed(5)
-    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=60), downlink_codec="topk:0.2")
+    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=60), downlink_codec=CodecSpec.parse("topk:0.2"))
     server = Coordinator("127.0.0.1:0", fleet, max_workers=16).start()
     conns = [Connection(server.address) for _ in range(2)]
     try:

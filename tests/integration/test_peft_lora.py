@@ -20,6 +20,7 @@ from fedgrid.cli import serve
 from fedgrid.client import start_client
 from fedgrid.client.uplink import UplinkEncoder
 from fedgrid.compression import available_codecs
+from fedgrid.compression.spec import CodecSpec
 from fedgrid.config import load_config
 from fedgrid.errors import BaseModelMismatchError, ConfigError
 from fedgrid.runlog import load_model, read_metrics
@@ -97,7 +98,7 @@ def test_every_uplink_codec_carries_the_adapters_with_error_feedback(llama, data
         n: t + 0.01 * torch.randn(t.shape, generator=torch.Generator().manual_seed(1))
         for n, t in start.items()
     }
-    encoder = UplinkEncoder(spec)
+    encoder = UplinkEncoder(CodecSpec.parse(spec))
     encoded, delta = encoder.encode(global_state=start, new_state=trained)
     assert [name for name, *_ in encoded.payloads()] == _adapter_names() and delta == (codec != "none")
     if encoder.feedback is not None:

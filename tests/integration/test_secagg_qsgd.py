@@ -17,6 +17,7 @@ from fedgrid.aggregation.fedavg import FedAvg
 from fedgrid.aggregation.secagg import ADVERTISE, SHARE, UNMASK, SecAgg
 from fedgrid.aggregation.secagg_math import dequantize, ring_add
 from fedgrid.client.secagg import with_secagg
+from fedgrid.compression.spec import CodecSpec
 from fedgrid.config import load_config
 from fedgrid.config_secagg import secagg_ring
 from fedgrid.server.codec_policy import CodecPolicy
@@ -29,7 +30,7 @@ CLIP = 0.5
 
 
 def _engine(strategy, clients, codec: str, rounds: int = 1) -> RoundEngine:  # type: ignore[no-untyped-def]
-    fleet = InProcessFleet(clients, codec_policy=CodecPolicy(default=codec))
+    fleet = InProcessFleet(clients, codec_policy=CodecPolicy(default=CodecSpec.parse(codec)))
     return RoundEngine(strategy=strategy, fleet=fleet, rounds=rounds, min_clients=1, **_TIMEOUTS)
 
 
@@ -39,7 +40,7 @@ def _signed(q: torch.Tensor, bits: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("codec", ["qsgd:127", "qsgd:40", "qsgd:1000"])
 def test_masked_qsgd_levels_sum_exactly_with_dropouts_at_every_step(codec: str) -> None:
-    bits, levels = secagg_ring(codec)
+    bits, levels = secagg_ring(CodecSpec.parse(codec))
     rounds, n = 4, 12
     clients = _federation(n, rounds, rate=0.2, seed=5)
     strategy = Checked(clients, bits=bits, levels=levels, clip=CLIP, seed=2)
@@ -70,7 +71,7 @@ def _wide() -> ModelState:
 def test_a_masked_qsgd_upload_costs_no_more_than_a_plain_one(codec: str) -> None:
     n = 6
     length = 64 * 64 + 64
-    bits, levels = secagg_ring(codec)
+    bits, levels = secagg_ring(CodecSpec.parse(codec))
     plain = FedAvg()
     plain.initialize(initial_state=_wide())
     plain_engine = _engine(plain, [Step(f"c{i}", 1 + i, {}) for i in range(n)], codec)

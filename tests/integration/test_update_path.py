@@ -17,6 +17,7 @@ import torch
 from fedgrid.aggregation.fedavg import FedAvg
 from fedgrid.client.api import Client, FitOutput
 from fedgrid.client.uplink import UplinkEncoder
+from fedgrid.compression.spec import CodecSpec
 from fedgrid.constants import MAX_NUM_EXAMPLES
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
@@ -147,7 +148,7 @@ def _simulated(small_state, case):
     )
     if delta:  # the bad client's uplink sends differences, whatever its task's codec says
         fleet.fast_lossless = False
-        encoder = UplinkEncoder("int8")
+        encoder = UplinkEncoder(CodecSpec.parse("int8"))
         real = fleet._uplink
         fleet._uplink = (  # type: ignore[method-assign]
             lambda cid, codec: encoder if cid == bad.client_id else real(cid, codec)

@@ -117,10 +117,14 @@ class InProcessCoordinator:
         interceptors=(),
         bounds=None,
         clock: Clock = MONOTONIC,
+        codec_policy=None,
         **coordinator_options,
     ) -> None:
         self.fleet = RemoteFleet(
-            heartbeat_interval=timedelta(seconds=heartbeat_s), bounds=bounds, clock=clock
+            heartbeat_interval=timedelta(seconds=heartbeat_s),
+            bounds=bounds,
+            clock=clock,
+            codec_policy=codec_policy,
         )
         self.coordinator = Coordinator(
             "127.0.0.1:0", self.fleet, max_workers=16, interceptors=interceptors, **coordinator_options

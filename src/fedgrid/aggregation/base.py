@@ -26,6 +26,7 @@ from fedgrid.types import (
     MessageIns,
     MessageRes,
     ModelState,
+    UpdateRole,
 )
 
 __all__ = ["Aggregator", "AggregationPreconditionError", "Strategy", "weighted_metrics"]
@@ -94,9 +95,12 @@ class Strategy(ABC):
         accepts_deltas: ``aggregate`` takes results whose ``FitRes.delta`` is set (their
             floating tensors are differences from ``downlink_state``). Otherwise the round
             engine hands it models (``aggregation.updates.as_model``). Default ``False``.
+        update_role: what it makes of the clients' updates (``fedgrid.types.UpdateRole``):
+            the form and defaults an uplink codec takes under it. Default: model averaging.
     """
 
     accepts_deltas: bool = False
+    update_role: UpdateRole = UpdateRole.MODEL_AVERAGE
 
     @abstractmethod
     def initialize(self, *, initial_state: ModelState) -> None:

@@ -24,6 +24,7 @@ from fedgrid.aggregation.scaffold import Scaffold
 from fedgrid.aggregation.selection import Sampling, SelectionPolicy
 from fedgrid.aggregation.sender_mean import SenderMean
 from fedgrid.errors import ConfigError
+from fedgrid.types import UpdateRole
 
 __all__ = [
     "AGGREGATORS",
@@ -33,6 +34,7 @@ __all__ = [
     "build_aggregator",
     "build_strategy_from",
     "strategy_options",
+    "strategy_role",
     "parse_block_prefixes",
 ]
 
@@ -138,6 +140,17 @@ def strategy_options(name: str) -> tuple[str, ...]:
     if name not in STRATEGIES:
         raise ConfigError("strategy", f"unknown strategy {name!r} (known: {', '.join(STRATEGIES)})")
     return COMMON_OPTIONS + AGGREGATOR_OPTIONS + _STRATEGY_OPTIONS[name]
+
+
+def strategy_role(name: str) -> UpdateRole:
+    """What the built-in strategy ``name`` makes of the clients' updates (``Strategy.update_role``).
+
+    Raises:
+        ConfigError: (key ``strategy``) unknown strategy.
+    """
+    strategy_options(name)  # the unknown name's error
+    role: UpdateRole = getattr(STRATEGIES[name], "update_role", UpdateRole.MODEL_AVERAGE)
+    return role
 
 
 def parse_block_prefixes(text: str) -> list[list[str]]:

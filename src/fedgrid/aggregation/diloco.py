@@ -87,7 +87,7 @@ from fedgrid.aggregation.fedopt import FedOpt
 from fedgrid.aggregation.selection import Sampling
 from fedgrid.aggregation.server_opt import ServerSGD
 from fedgrid.errors import ConfigError
-from fedgrid.types import ClientInfo, Failure, FitIns, FitRes, ModelState, Scalar, TensorSpec
+from fedgrid.types import ClientInfo, Failure, FitIns, FitRes, ModelState, Scalar, TensorSpec, UpdateRole
 
 __all__ = [
     "DiLoCo",
@@ -232,6 +232,8 @@ class DiLoCo(FedOpt):
     """
 
     name = "diloco"
+    #: Each worker's update is its pseudo-gradient, an outer optimizer steps on their mean.
+    update_role = UpdateRole.OUTER_GRADIENT
 
     def __init__(
         self,

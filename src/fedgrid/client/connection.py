@@ -43,6 +43,7 @@ from fedgrid.client.uplink import UplinkEncoder
 from fedgrid.client.upload import MIN_UPLOAD_CHUNK, ResumableUpload, UploadAttempt
 from fedgrid.compression import available_codecs
 from fedgrid.compression.feedback import apply_delta
+from fedgrid.compression.spec import CodecSpec
 from fedgrid.constants import (
     CONNECT_TIMEOUT_S,
     MAX_REASON_CHARS,
@@ -212,12 +213,13 @@ class Connection:
         """Replaces the uplink encoders with those of ``uplink_state_dict()``, all or none.
 
         Raises:
-            ConfigError: a codec spec that does not parse or is not contractive.
+            InvalidUpdateError: a codec spec that does not parse.
+            ConfigError: a codec that is not contractive.
             ValueError, KeyError, TypeError, AttributeError: a state that is not an encoder's.
         """
         uplinks = {}
         for codec, state in states.items():
-            uplinks[codec] = UplinkEncoder(codec)
+            uplinks[codec] = UplinkEncoder(CodecSpec.read(codec))
             uplinks[codec].load_state_dict(state)
         self._uplinks = uplinks
 
@@ -439,7 +441,7 @@ class Connection:
         num_examples: int,
         metrics: dict[str, float],
         *,
-        codec: str = "none",
+        codec: CodecSpec = CodecSpec.NONE,
         global_state: ModelState | None = None,
         task_config: Mapping[str, Any] | None = None,
     ) -> int:
@@ -462,15 +464,15 @@ class Connection:
         )
         return self._call("UploadUpdate", ResumableUpload(self, task_id, encoded, info))
 
-    def _uplink(self, codec: str, *, has_global: bool) -> UplinkEncoder:
+    def _uplink(self, codec: CodecSpec, *, has_global: bool) -> UplinkEncoder:
         """The uplink encoder of ``codec``, made at its first use (its residuals persist).
 
         Raises:
             ValueError: a lossy codec without the global model to take the difference to.
         """
-        uplink = self._uplinks.get(codec)
+        uplink = self._uplinks.get(codec.text)
         if uplink is None:
-            uplink = self._uplinks[codec] = UplinkEncoder(codec)
+            uplink = self._uplinks[codec.text] = UplinkEncoder(codec)
         if not uplink.lossless and not has_global:
-            raise ValueError(f"codec {codec!r} sends differences: pass the global model")
+            raise ValueError(f"codec {codec.text!r} sends differences: pass the global model")
         return uplink

@@ -21,6 +21,7 @@ from fedgrid.client.api import Client
 from fedgrid.client.connection import MAX_REJOINS, Connection
 from fedgrid.client.rpc import IdentityConflict, RpcFailed
 from fedgrid.client.timeline import COMM, SPLIT_KEYS, Timeline
+from fedgrid.config_compression import task_uplink_codec
 from fedgrid.constants import POLL_WAIT_S
 from fedgrid.errors import InvalidUpdateError
 from fedgrid.proto import fedgrid_pb2 as pb
@@ -183,7 +184,7 @@ class TaskStep:
         Raises:
             RpcFailed: any other refusal, or transient failures past the retry budget.
         """
-        metrics, codec = dict(metrics), str(self.config.get("uplink_codec", "none"))
+        metrics, codec = dict(metrics), task_uplink_codec(self.config)
         self.late = self.refused = ""
         try:
             with self.timeline.span(COMM):

@@ -14,8 +14,8 @@ from typing import Any, Mapping
 
 import torch
 
-from fedgrid.compression import parse_codec_spec
 from fedgrid.compression.feedback import ErrorFeedback, FeedbackRule, is_delta_tensor, reconstruct
+from fedgrid.compression.spec import CodecSpec
 from fedgrid.proto.serde import EncodedModel
 from fedgrid.seeding import derive_seed
 
@@ -43,16 +43,16 @@ class UplinkEncoder:
     """The client's half for one codec; keeps the error-feedback residual across rounds.
 
     Args:
-        codec: a codec spec (``none``, ``int8``, ``topk:0.01``, ...).
+        codec: the task's uplink codec (``none``, ``int8``, ``topk:0.01``, ...).
 
     Raises:
-        ConfigError: the spec does not parse, or (lossy codecs) is not contractive and not
-            unbiased (``auto`` runs an unbiased codec without error feedback).
+        ConfigError: (lossy codecs) the codec is not contractive and not unbiased (``auto``
+            runs an unbiased codec without error feedback).
     """
 
-    def __init__(self, codec: str) -> None:
+    def __init__(self, codec: CodecSpec) -> None:
         self.spec = codec
-        self.lossless = parse_codec_spec(codec, key="codec").lossless
+        self.lossless = codec.lossless
         self.feedback = None if self.lossless else ErrorFeedback(codec, FeedbackRule(kind="auto"))
         self._seed = 0
 
@@ -87,7 +87,10 @@ class UplinkEncoder:
         return EncodedModel.from_payloads(items), True
 
     def state_dict(self) -> dict[str, Any]:
-        return {"codec": self.spec, "feedback": None if self.feedback is None else self.feedback.state_dict()}
+        return {
+            "codec": self.spec.text,
+            "feedback": None if self.feedback is None else self.feedback.state_dict(),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if self.feedback is not None and state.get("feedback") is not None:

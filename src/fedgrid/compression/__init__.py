@@ -30,10 +30,12 @@ from fedgrid.compression.registry import (
 )
 from fedgrid.compression.sparse import RandKCodec, SparseCodec, TopKCodec
 from fedgrid.compression.sparseloco import SparseLoCoCodec
+from fedgrid.compression.spec import CodecSpec
 
 __all__ = [
     "LOSSY_DTYPES",
     "Codec",
+    "CodecSpec",
     "FloatCodec",
     "IdentityCodec",
     "CastCodec",

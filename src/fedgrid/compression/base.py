@@ -28,6 +28,7 @@ import torch
 
 from fedgrid.compression._payload import Reader, numel, raw_decode, tensor_bytes
 from fedgrid.errors import InvalidUpdateError
+from fedgrid.types import UpdateRole
 
 __all__ = ["Codec", "IdentityCodec", "FloatCodec", "LOSSY_DTYPES", "Payload"]
 
@@ -67,17 +68,18 @@ class Codec(ABC):
     #: spec of ``fedgrid.compression.feedback.FeedbackRule.parse``, measured per family.
     auto_feedback: str = "classic"
     #: Strategy options this codec runs with where the run's config leaves them unset, per
-    #: strategy name (``fedgrid.server.strategies.build_strategy`` applies them): an outer-
-    #: gradient codec's outer step (``sparseloco`` under DiLoCo). Empty: the strategy's own.
-    auto_strategy: Mapping[str, Mapping[str, Any]] = MappingProxyType({})
+    #: ``UpdateRole`` of the strategy (``Strategy.update_role``; ``fedgrid.server.strategies.
+    #: build_strategy`` applies them): an outer-gradient codec's outer step (``sparseloco``
+    #: under an outer optimizer). Empty: the strategy's own.
+    auto_strategy: Mapping[UpdateRole, Mapping[str, Any]] = MappingProxyType({})
     #: True when ``encode`` draws random numbers (from torch's default generator when given no
     #: ``generator``: its caller then holds ``fedgrid.seeding.RNG_LOCK``).
     stochastic: bool = False
 
-    def form_under(self, strategy: str) -> str:
-        """The spec this codec is sent as under the built-in ``strategy`` when the run's error
-        feedback is ``auto`` (``fedgrid.server.codec_policy.build_codec_policy``): the variant of
-        its family that learns there. Most codecs: their own spec."""
+    def form_under(self, role: UpdateRole) -> str:
+        """The spec this codec is sent as under a built-in strategy of ``role`` when the run's
+        error feedback is ``auto`` (``fedgrid.server.codec_policy.build_codec_policy``): the
+        variant of its family that learns there. Most codecs: their own spec."""
         return self.name
 
     @abstractmethod

@@ -39,6 +39,7 @@ import torch
 
 from fedgrid.compression._payload import Reader, numel
 from fedgrid.compression.sparseloco import CHUNK, DEFAULT_K, SparseLoCoCodec
+from fedgrid.types import UpdateRole
 
 __all__ = ["DCTTopKCodec", "ScaledDCTTopKCodec", "SIDE", "FEDAVG_K", "dct_matrix"]
 
@@ -80,7 +81,7 @@ class DCTTopKCodec(SparseLoCoCodec):
     #: DeMo's own settings, measured with DiLoCo's outer step and classic auto feedback
     #: (benchmarks/README.md): not ``sparseloco``'s outer step, aggregator or short-chunk rule.
     auto_feedback = "classic"
-    auto_strategy: Mapping[str, Mapping[str, Any]] = MappingProxyType({})
+    auto_strategy: Mapping[UpdateRole, Mapping[str, Any]] = MappingProxyType({})
     short_keeps_k = False
 
     family = "demo"

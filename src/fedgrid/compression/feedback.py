@@ -47,7 +47,7 @@ from typing import Any, Mapping
 import torch
 
 from fedgrid.compression.base import LOSSY_DTYPES, Codec, IdentityCodec
-from fedgrid.compression.registry import get_codec, parse_codec_spec
+from fedgrid.compression.spec import CodecSpec
 from fedgrid.errors import ConfigError, InvalidUpdateError
 from fedgrid.seeding import RNG_LOCK
 
@@ -71,8 +71,8 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype is torch.float64 else torch.float32
 
 
-def _codec(codec: Codec | str, key: str, *, contractive: bool = True) -> Codec:
-    built = parse_codec_spec(codec, key=key) if isinstance(codec, str) else codec
+def _codec(codec: Codec | CodecSpec, key: str, *, contractive: bool = True) -> Codec:
+    built = codec.build() if isinstance(codec, CodecSpec) else codec
     if contractive and not built.contractive:
         raise ConfigError(
             key,
@@ -174,11 +174,11 @@ class ErrorFeedback:
             ``auto`` is resolved for ``codec`` (``FeedbackRule.for_codec``).
 
     Raises:
-        ConfigError: ``codec`` is a spec that does not parse, or is not contractive while the
-            rule keeps a residual (also when ``rule`` is set later).
+        ConfigError: ``codec`` is not contractive while the rule keeps a residual (also when
+            ``rule`` is set later).
     """
 
-    def __init__(self, codec: Codec | str, rule: FeedbackRule | None = None) -> None:
+    def __init__(self, codec: Codec | CodecSpec, rule: FeedbackRule | None = None) -> None:
         self.codec = _codec(codec, "codec", contractive=False)
         self._rule = FeedbackRule(kind="none")
         self.rule = rule or FeedbackRule()
@@ -286,17 +286,17 @@ class DownlinkUpdate:
         version: the shadow version a client holds after applying this.
         base_version: the version it applies to; ``None`` for a full model (catch-up), which
             replaces whatever the client holds.
-        codec: spec of the float tensors' deltas.
-        value_codec: spec of whole values: every tensor of a full model, and the integer and
+        codec: codec of the float tensors' deltas.
+        value_codec: codec of whole values: every tensor of a full model, and the integer and
             bool tensors of a delta update (sent as new values, not differences).
         payloads: one payload per tensor name.
     """
 
     version: int
     base_version: int | None
-    codec: str
+    codec: CodecSpec
     payloads: Mapping[str, bytes] = field(default_factory=dict)
-    value_codec: str = "none"
+    value_codec: CodecSpec = CodecSpec.NONE
 
     @property
     def is_full(self) -> bool:
@@ -306,8 +306,8 @@ class DownlinkUpdate:
     def nbytes(self) -> int:
         return sum(len(p) for p in self.payloads.values())
 
-    def codec_for(self, dtype: torch.dtype) -> str:
-        """The spec a tensor of ``dtype`` travels with (its ``TensorMeta.codec`` on the wire)."""
+    def codec_for(self, dtype: torch.dtype) -> CodecSpec:
+        """The codec a tensor of ``dtype`` travels with (its ``TensorMeta.codec`` on the wire)."""
         return self.codec if not self.is_full and dtype in LOSSY_DTYPES else self.value_codec
 
 
@@ -373,7 +373,7 @@ def apply_downlink(
         raise InvalidUpdateError(f"downlink update: missing tensors {missing[:5]}, unexpected {extra[:5]}")
     decoded: OrderedDict[str, torch.Tensor] = OrderedDict()
     for name, t in held.items():
-        codec = get_codec(update.codec_for(t.dtype))
+        codec = update.codec_for(t.dtype).decoder
         try:
             decoded[name] = codec.decode(update.payloads[name], dtype=t.dtype, shape=tuple(t.shape))
         except InvalidUpdateError as exc:
@@ -400,21 +400,27 @@ class ShadowModel:
     Args:
         initial: the model every client starts from (sent to them losslessly); copied.
         codec: spec or codec of the deltas; it must be registered, since clients decode
-            with ``get_codec(codec.name)``. A spec gets a fresh instance (its own warm start).
-        catch_up_codec: a lossless spec for full models (``none`` or ``none+zstd``).
+            with the codec its name reads as (``CodecSpec.read``). A spec gets a fresh instance
+            (its own warm start).
+        catch_up_codec: a lossless codec for full models (``none`` or ``none+zstd``).
 
     Raises:
-        ConfigError: a spec does not parse, or ``codec`` is not contractive.
+        ConfigError: ``codec`` is not contractive.
         ValueError: ``catch_up_codec`` is lossy.
     """
 
     def __init__(
-        self, initial: Mapping[str, torch.Tensor], *, codec: Codec | str, catch_up_codec: str = "none"
+        self,
+        initial: Mapping[str, torch.Tensor],
+        *,
+        codec: Codec | CodecSpec,
+        catch_up_codec: CodecSpec = CodecSpec.NONE,
     ) -> None:
         self.codec = _codec(codec, "downlink_codec")
-        self._catch_up = parse_codec_spec(catch_up_codec, key="catch_up_codec")
-        if not self._catch_up.lossless:
-            raise ValueError(f"catch-up codec must be lossless, {catch_up_codec!r} is not")
+        self._spec = CodecSpec.of(self.codec)
+        if not catch_up_codec.lossless:
+            raise ValueError(f"catch-up codec must be lossless, {catch_up_codec.text!r} is not")
+        self._catch_up = catch_up_codec
         self._shadow: OrderedDict[str, torch.Tensor] = OrderedDict(
             (k, v.detach().clone()) for k, v in initial.items()
         )
@@ -449,7 +455,7 @@ class ShadowModel:
                 else:
                     payloads[name] = bytes(IdentityCodec().encode(g))
         update = DownlinkUpdate(
-            version=self.version + 1, base_version=self.version, codec=self.codec.name, payloads=payloads
+            version=self.version + 1, base_version=self.version, codec=self._spec, payloads=payloads
         )
         self._shadow = apply_downlink(self._shadow, update)
         self.version += 1
@@ -457,13 +463,13 @@ class ShadowModel:
 
     def catch_up(self) -> DownlinkUpdate:
         """The whole shadow, lossless, for a client that is new or missed a round (cache it per version)."""
-        payloads = {name: bytes(self._catch_up.encode(t)) for name, t in self._shadow.items()}
+        payloads = {name: bytes(self._catch_up.decoder.encode(t)) for name, t in self._shadow.items()}
         return DownlinkUpdate(
             version=self.version,
             base_version=None,
-            codec=self._catch_up.name,
+            codec=self._catch_up,
             payloads=payloads,
-            value_codec=self._catch_up.name,
+            value_codec=self._catch_up,
         )
 
     def gap(self, global_state: Mapping[str, torch.Tensor]) -> "OrderedDict[str, torch.Tensor]":

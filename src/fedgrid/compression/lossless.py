@@ -22,6 +22,7 @@ import zstandard
 from fedgrid.compression._payload import Reader
 from fedgrid.compression.base import Codec, IdentityCodec
 from fedgrid.errors import InvalidUpdateError
+from fedgrid.types import UpdateRole
 
 __all__ = ["ZstdCodec", "DEFAULT_ZSTD_LEVEL"]
 
@@ -62,8 +63,8 @@ class ZstdCodec(Codec):
         self.stochastic = inner.stochastic
         self.name = f"{inner.name}+zstd" + ("" if level == DEFAULT_ZSTD_LEVEL else f":{level}")
 
-    def form_under(self, strategy: str) -> str:
-        return self.inner.form_under(strategy) + self.name[len(self.inner.name) :]
+    def form_under(self, role: UpdateRole) -> str:
+        return self.inner.form_under(role) + self.name[len(self.inner.name) :]
 
     def max_payload_bytes(self, *, dtype: torch.dtype, shape: tuple[int, ...]) -> int:
         return 1 + self.inner.max_payload_bytes(dtype=dtype, shape=shape)

@@ -57,7 +57,6 @@ __all__ = [
     "get_codec",
     "parse_codec_spec",
     "available_codecs",
-    "parse_region_codecs",
 ]
 
 #: Builds a codec of a family from the text after ``NAME:`` (``None`` when there is none).
@@ -257,19 +256,3 @@ def parse_codec_spec(spec: str, *, key: str = "codec") -> Codec:
 def available_codecs() -> tuple[str, ...]:
     """Names of the registered codec families, sorted (what a client advertises when it joins)."""
     return tuple(sorted(_FAMILIES))
-
-
-def parse_region_codecs(text: str) -> dict[str, str]:
-    """``"eu=bf16,us=topk:0.01"`` -> ``{"eu": "bf16", "us": "topk:0.01"}`` (per-region uplink codecs).
-
-    Raises:
-        ConfigError: malformed entry or codec spec (key ``region_codecs``).
-    """
-    out: dict[str, str] = {}
-    for entry in filter(None, (e.strip() for e in text.split(","))):
-        region, sep, spec = entry.partition("=")
-        if not sep or not region.strip() or not spec.strip():
-            raise ConfigError("region_codecs", f"expected REGION=CODEC, got {entry!r}")
-        parse_codec_spec(spec.strip(), key="region_codecs")
-        out[region.strip()] = spec.strip()
-    return out

@@ -19,7 +19,8 @@ The recipe, what naming the codec gives (each a default the config may override)
 - error feedback ``auto`` is ``momentum:0.95``: SparseLoCo's accumulator ``A <- 0.95 A + x``
   (decayed before the new pseudo-gradient is added), top-k taken of ``A``, ``A`` less what
   was sent kept (``fedgrid.compression.feedback``);
-- under ``diloco`` and ``streaming-diloco`` (``auto_strategy``) the outer step is SparseLoCo's:
+- under an outer optimizer (``UpdateRole.OUTER_GRADIENT``: DiLoCo, streaming DiLoCo;
+  ``auto_strategy``) the outer step is SparseLoCo's:
   plain SGD, no outer momentum (the accumulator is the momentum; DiLoCo's Nesterov on top of it
   is a second one), at outer lr ``OUTER_LR`` = 1.5, on the ``sender-mean`` of the decoded
   pseudo-gradients: per entry the mean over the workers that sent it, as Templar combines them
@@ -49,8 +50,9 @@ import torch
 from fedgrid.compression._payload import Reader, numel, pack_uint, rice_decode, rice_encode, unpack_uint
 from fedgrid.compression.base import FloatCodec
 from fedgrid.compression.quantize import _check_scales, _f32_bytes
+from fedgrid.types import UpdateRole
 
-__all__ = ["SparseLoCoCodec", "ScaledSparseLoCoCodec", "CHUNK", "DEFAULT_K", "OUTER_LR", "OUTER_STRATEGIES"]
+__all__ = ["SparseLoCoCodec", "ScaledSparseLoCoCodec", "CHUNK", "DEFAULT_K", "OUTER_LR"]
 
 #: Elements per chunk (Covenant-72B's 4096).
 CHUNK = 4096
@@ -60,9 +62,6 @@ DEFAULT_K = 64
 _INDEX_BITS = (CHUNK - 1).bit_length()
 #: The outer learning rate of SparseLoCo's outer step under DiLoCo (measured: docs/links.rst).
 OUTER_LR = 1.5
-#: The strategies whose updates are outer gradients: the codec's own form runs there; under the
-#: others (FedAvg and its server optimizers) its ``scaled`` form (``form_under``).
-OUTER_STRATEGIES = ("diloco", "streaming-diloco")
 
 
 class SparseLoCoCodec(FloatCodec):
@@ -86,13 +85,14 @@ class SparseLoCoCodec(FloatCodec):
 
     #: SparseLoCo's error feedback: the accumulator decays by 0.95 before each new pseudo-gradient.
     auto_feedback = "momentum:0.95"
-    #: SparseLoCo's outer step under DiLoCo (``Codec.auto_strategy``): plain SGD on the mean over
-    #: senders (``sender-mean``), no outer momentum (the error feedback's accumulator is the
-    #: momentum), outer lr ``OUTER_LR``.
-    auto_strategy: Mapping[str, Mapping[str, Any]] = MappingProxyType(
+    #: SparseLoCo's outer step under an outer optimizer (``Codec.auto_strategy``): plain SGD on
+    #: the mean over senders (``sender-mean``), no outer momentum (the error feedback's
+    #: accumulator is the momentum), outer lr ``OUTER_LR``.
+    auto_strategy: Mapping[UpdateRole, Mapping[str, Any]] = MappingProxyType(
         {
-            name: MappingProxyType({"outer_lr": OUTER_LR, "outer_momentum": 0.0, "aggregator": "sender-mean"})
-            for name in OUTER_STRATEGIES
+            UpdateRole.OUTER_GRADIENT: MappingProxyType(
+                {"outer_lr": OUTER_LR, "outer_momentum": 0.0, "aggregator": "sender-mean"}
+            )
         }
     )
 
@@ -100,14 +100,14 @@ class SparseLoCoCodec(FloatCodec):
     #: ``k``; ``demo``: ``FEDAVG_K``). A spec that names ``K`` keeps it.
     fedavg_k: int | None = None
 
-    def form_under(self, strategy: str) -> str:
+    def form_under(self, role: UpdateRole) -> str:
         """``sparseloco:K:scaled`` under the strategies that average client models (FedAvg and its
-        server optimizers); ``sparseloco[:K]`` under DiLoCo. Under FedAvg at partial participation
+        server optimizers); ``sparseloco[:K]`` under an outer optimizer (DiLoCo). Under FedAvg at partial participation
         a client's error-feedback residual waits rounds for its next upload and the plain codec's
         step falls short: on digits (5 rounds, seed 5) the plain codec reaches 0.747 against
         ``none``'s 0.841, the scaled form 0.811 (``docs/links.rst``). ``demo`` inherits it:
         ``demo:K:scaled`` under FedAvg, ``K = fedavg_k`` for a bare ``demo``."""
-        if strategy in OUTER_STRATEGIES:
+        if role is UpdateRole.OUTER_GRADIENT:
             return self.name
         k = self.k if self.named or self.fedavg_k is None else self.fedavg_k
         return f"{self.family}:{k}:scaled"
@@ -252,7 +252,7 @@ class ScaledSparseLoCoCodec(SparseLoCoCodec):
     scaled = True
     contractive = False
     auto_feedback = "none"
-    auto_strategy: Mapping[str, Mapping[str, Any]] = MappingProxyType({})
+    auto_strategy: Mapping[UpdateRole, Mapping[str, Any]] = MappingProxyType({})
 
     def __init__(self, k: int = DEFAULT_K) -> None:
         super().__init__(k)

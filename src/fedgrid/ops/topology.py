@@ -335,7 +335,7 @@ def _check_tiers(
 ) -> None:
     """What ties the tiers together: region codecs name regions, the model keys are the global
     table's (given to the clients), and no two processes share a certificate name."""
-    from fedgrid.compression.registry import parse_region_codecs
+    from fedgrid.compression.spec import parse_region_codecs
 
     unknown = sorted(set(parse_region_codecs(str(top.get("region_codecs", "")))) - {r.name for r in regions})
     if unknown:

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 import xxhash
 
-from fedgrid.compression import get_codec
+from fedgrid.compression.base import LOSSY_DTYPES
+from fedgrid.compression.spec import CodecSpec
 from fedgrid.constants import MAX_TENSOR_BYTES
 from fedgrid.errors import InvalidUpdateError, PayloadTooLargeError
 from fedgrid.proto import fedgrid_pb2 as pb
@@ -63,6 +64,9 @@ class ModelAssembler:
         buffers: where tensor buffers come from (default: the process's ``receive_buffers()``):
             a raw tensor is its buffer, handed out again once the tensor and everything made
             from it are gone.
+        codec: when given, the codec every tensor must name in its ``TensorMeta.codec`` (an
+            upload's: its task's uplink codec); a tensor of a dtype that lossy codecs do not
+            compress (integers, bool: ``LOSSY_DTYPES``) may also come raw, in any lossless codec.
 
     Raises (from ``feed`` and ``finish``):
         InvalidUpdateError: the stream breaks a rule; the message names the tensor and problem.
@@ -77,8 +81,11 @@ class ModelAssembler:
         max_total_bytes: int | None = None,
         sink: Callable[[str, torch.Tensor], None] | None = None,
         buffers: BufferPool | None = None,
+        codec: CodecSpec | None = None,
     ) -> None:
         self._expected = expected
+        self._codec = codec
+        self._tensor_codec: CodecSpec = CodecSpec.NONE
         self._buffers = receive_buffers() if buffers is None else buffers
         self._sink = sink
         self._done: list[str] = []
@@ -192,9 +199,16 @@ class ModelAssembler:
                     f"tensor {escape(name)}: wrong shape {list(shape)}, expected {list(spec.shape)}"
                 )
         try:
-            codec = get_codec(meta.codec)
+            sent = CodecSpec.read(meta.codec)
         except InvalidUpdateError as exc:
             raise InvalidUpdateError(f"tensor {escape(name)}: {exc}") from None
+        wanted = self._codec
+        if wanted is not None and sent != wanted and not (sent.lossless and dtype not in LOSSY_DTYPES):
+            raise InvalidUpdateError(
+                f"tensor {escape(name)}: sent with codec {escape(meta.codec)}, "
+                f"the task asked for {escape(wanted.text)}"
+            )
+        codec = sent.decoder
         limit = min(codec.max_payload_bytes(dtype=dtype, shape=shape), self._max_tensor_bytes)
         if meta.nbytes > limit:
             raise PayloadTooLargeError(
@@ -209,7 +223,7 @@ class ModelAssembler:
             raise InvalidUpdateError(
                 f"tensor {escape(name)}: payload is {meta.nbytes} bytes, {dtype} {list(shape)} needs {raw_size}"
             )
-        self._meta = meta
+        self._meta, self._tensor_codec = meta, sent
         # A reused buffer if one of this size is free: faulting in a fresh model-sized one is
         # most of a receiver's cost (see proto/buffers.py). No zero fill: every byte is written
         # before the tensor exists (_close_tensor raises on a short one).
@@ -247,7 +261,7 @@ class ModelAssembler:
             tensor = buf.view(dtype).reshape(shape) if buf.numel() else torch.empty(shape, dtype=dtype)
         else:
             try:
-                tensor = get_codec(meta.codec).decode(bytearray(self._view), dtype=dtype, shape=shape)
+                tensor = self._tensor_codec.decoder.decode(bytearray(self._view), dtype=dtype, shape=shape)
             except InvalidUpdateError as exc:
                 raise InvalidUpdateError(f"tensor {escape(name)}: {exc}") from None
         self._done.append(name)
@@ -292,10 +306,11 @@ def decode_chunks(
     expected: Mapping[str, TensorSpec] | None = None,
     max_tensor_bytes: int = MAX_TENSOR_BYTES,
     max_total_bytes: int | None = None,
+    codec: CodecSpec | None = None,
 ) -> tuple[StreamInfo, "OrderedDict[str, torch.Tensor]"]:
     """Assembles a whole stream (see ``ModelAssembler``)."""
     asm = ModelAssembler(
-        expected=expected, max_tensor_bytes=max_tensor_bytes, max_total_bytes=max_total_bytes
+        expected=expected, max_tensor_bytes=max_tensor_bytes, max_total_bytes=max_total_bytes, codec=codec
     )
     for chunk in chunks:
         asm.feed(chunk)

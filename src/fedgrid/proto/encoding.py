@@ -10,7 +10,7 @@ from typing import Iterable, Iterator, Mapping
 
 import torch
 
-from fedgrid.compression import get_codec
+from fedgrid.compression.spec import CodecSpec
 from fedgrid.constants import CHUNK_SIZE
 from fedgrid.errors import InvalidUpdateError
 from fedgrid.proto import fedgrid_pb2 as pb
@@ -88,16 +88,16 @@ class EncodedModel:
 
     Args:
         state: named tensors, sent in this order.
-        codec: codec id for every tensor.
+        codec: the codec of every tensor (its spec as written goes in each ``TensorMeta.codec``).
     """
 
-    def __init__(self, state: Mapping[str, torch.Tensor], *, codec: str = "none") -> None:
-        impl = get_codec(codec)
+    def __init__(self, state: Mapping[str, torch.Tensor], *, codec: CodecSpec = CodecSpec.NONE) -> None:
+        impl = codec.decoder
         self._tensors: list[_Encoded] = []
         for name, tensor in state.items():
             if tensor.dtype not in DTYPE_TO_PB:
                 raise InvalidUpdateError(f"tensor {escape(name)}: dtype {tensor.dtype} cannot be sent")
-            self._add(name, tensor.dtype, tuple(tensor.shape), codec, impl.encode(tensor))
+            self._add(name, tensor.dtype, tuple(tensor.shape), codec.text, impl.encode(tensor))
         self.total_bytes = sum(t.meta.nbytes for t in self._tensors)
 
     @classmethod
@@ -187,7 +187,11 @@ class EncodedModel:
 
 
 def encode_model(
-    state: Mapping[str, torch.Tensor], info: StreamInfo, *, chunk_size: int = CHUNK_SIZE, codec: str = "none"
+    state: Mapping[str, torch.Tensor],
+    info: StreamInfo,
+    *,
+    chunk_size: int = CHUNK_SIZE,
+    codec: CodecSpec = CodecSpec.NONE,
 ) -> Iterator[pb.Chunk]:
     """Encodes ``state`` and yields its chunk stream (see ``EncodedModel``)."""
     return EncodedModel(state, codec=codec).chunks(info, chunk_size=chunk_size)

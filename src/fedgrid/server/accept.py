@@ -27,8 +27,8 @@ from typing import Mapping
 
 import torch
 
-from fedgrid.compression import parse_codec_spec
 from fedgrid.compression.feedback import is_delta_tensor
+from fedgrid.compression.spec import CodecSpec
 from fedgrid.errors import InvalidUpdateError
 from fedgrid.proto import serde
 from fedgrid.server.bounds import UpdateBounds
@@ -45,12 +45,12 @@ __all__ = [
 ]
 
 
-def sends_differences(codec: str) -> bool:
+def sends_differences(codec: CodecSpec) -> bool:
     """Whether uplink codec ``codec`` sends differences to the global model (every lossy one does)."""
-    return not parse_codec_spec(codec, key="uplink_codec").lossless
+    return not codec.lossless
 
 
-def check_delta(codec: str, delta: bool) -> None:
+def check_delta(codec: CodecSpec, delta: bool) -> None:
     """A fit update carries differences exactly when its task's uplink codec sends them.
 
     Raises:
@@ -59,7 +59,7 @@ def check_delta(codec: str, delta: bool) -> None:
     differences = sends_differences(codec)
     if delta != differences:
         raise InvalidUpdateError(
-            f"delta: the upload says delta={delta}, the task's uplink codec {codec!r} sends "
+            f"delta: the upload says delta={delta}, the task's uplink codec {codec.text!r} sends "
             + ("differences (delta=True)" if differences else "whole values (delta=False)")
         )
 
@@ -81,7 +81,7 @@ def check_claim(
 
 
 def check_header(
-    bounds: UpdateBounds, client: ClientInfo, *, num_examples: int, delta: bool, codec: str
+    bounds: UpdateBounds, client: ClientInfo, *, num_examples: int, delta: bool, codec: CodecSpec
 ) -> None:
     """Everything a fit update's header must pass before its tensors are read
     (``check_delta``, then ``check_claim``)."""

@@ -11,58 +11,52 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
-from fedgrid.compression import parse_codec_spec
+from fedgrid.aggregation.by_name import strategy_role
 from fedgrid.compression.feedback import FeedbackRule
-from fedgrid.compression.registry import parse_region_codecs
-from fedgrid.config_compression import feedback_task_config
+from fedgrid.compression.spec import CodecSpec
+from fedgrid.config_compression import uplink_task_config
 from fedgrid.plugins import is_custom_strategy
 from fedgrid.types import ClientInfo
 
 if TYPE_CHECKING:
     from fedgrid.config import Config
 
-__all__ = ["CodecPolicy", "parse_region_codecs", "codec_family", "build_codec_policy", "uplink_form"]
+__all__ = ["CodecPolicy", "build_codec_policy", "uplink_form"]
 
 log = logging.getLogger(__name__)
-
-
-def codec_family(spec: str) -> str:
-    """``topk`` for ``topk:0.01+zstd``: the part a client's advertised list names."""
-    return spec.split("+", 1)[0].split(":", 1)[0]
 
 
 @dataclass(frozen=True)
 class CodecPolicy:
     """Uplink codec per client: ``default`` unless its region has an override."""
 
-    default: str = "none"
-    by_region: Mapping[str, str] = field(default_factory=dict)
+    default: CodecSpec = CodecSpec.NONE
+    by_region: Mapping[str, CodecSpec] = field(default_factory=dict)
     #: The uplink's error-feedback rule (``error_feedback``, ``feedback_reset_rounds``), told in every task.
     error_feedback: str = "auto"
     feedback_reset_rounds: int = 0
 
     def __post_init__(self) -> None:
-        parse_codec_spec(self.default, key="codec")
         FeedbackRule.parse(self.error_feedback, self.feedback_reset_rounds)
 
-    def feedback_config(self) -> dict[str, Any]:
-        """The task config entries of the error-feedback rule (none for the defaults)."""
-        return feedback_task_config(self.error_feedback, self.feedback_reset_rounds)
-
-    def uplink(self, client: ClientInfo) -> str:
+    def uplink(self, client: ClientInfo) -> CodecSpec:
         spec = self.by_region.get(client.region, self.default)
-        return spec if codec_family(spec) in client.codecs or codec_family(spec) == "none" else "none"
+        return spec if spec.family in client.codecs or spec.family == "none" else CodecSpec.NONE
+
+    def task_config(self, codec: CodecSpec) -> dict[str, Any]:
+        """The task config entries of an uplink through ``codec`` under this policy's error feedback."""
+        return uplink_task_config(codec, self.error_feedback, self.feedback_reset_rounds)
 
 
-def uplink_form(spec: str, config: "Config") -> str:
+def uplink_form(spec: CodecSpec, config: "Config") -> CodecSpec:
     """The spec the clients send ``spec`` as: with ``error_feedback = "auto"``, under a built-in
-    strategy and without SecAgg+, the codec's ``form_under(strategy)`` (``sparseloco`` under
-    FedAvg is ``sparseloco:K:scaled``); ``spec`` itself otherwise. A change is logged."""
+    strategy and without SecAgg+, the codec's form under what the strategy declares it makes of
+    the updates (``Codec.form_under(Strategy.update_role)``: ``sparseloco`` under FedAvg's model
+    averaging is ``sparseloco:K:scaled``); ``spec`` itself otherwise. A change is logged."""
     if config.error_feedback != "auto" or config.secagg or is_custom_strategy(config.strategy):
         return spec
-    built = parse_codec_spec(spec)
-    form = built.form_under(config.strategy)
-    if form == built.name:  # its own form: the spec as written (``topk`` stays ``topk``)
+    form = spec.form_under(strategy_role(config.strategy))
+    if form == spec:  # its own form: the spec as written (``topk`` stays ``topk``)
         return spec
     log.info(
         "codec %s is sent as %s under %s, the form of it that learns there (name it to choose)",
@@ -76,12 +70,10 @@ def uplink_form(spec: str, config: "Config") -> str:
 def build_codec_policy(config: "Config") -> CodecPolicy:
     """The uplink policy of a run's configuration (``codec``, ``region_codecs``), each spec in
     the form that learns under the run's strategy (``uplink_form``)."""
+    codecs = config.codecs
     return CodecPolicy(
-        default=uplink_form(config.codec, config),
-        by_region={
-            region: uplink_form(spec, config)
-            for region, spec in parse_region_codecs(config.region_codecs).items()
-        },
+        default=uplink_form(codecs.uplink, config),
+        by_region={region: uplink_form(spec, config) for region, spec in codecs.by_region.items()},
         error_feedback=config.error_feedback,
         feedback_reset_rounds=config.feedback_reset_rounds,
     )

@@ -18,8 +18,8 @@ from typing import Any, Mapping
 
 import torch
 
-from fedgrid.compression import parse_codec_spec
 from fedgrid.compression.feedback import DownlinkUpdate, ShadowModel
+from fedgrid.compression.spec import CodecSpec
 from fedgrid.proto.serde import EncodedModel
 from fedgrid.types import ModelState
 
@@ -28,7 +28,7 @@ __all__ = ["Downlink", "RoundDownlink"]
 
 def _encoded(update: DownlinkUpdate, like: Mapping[str, torch.Tensor]) -> EncodedModel:
     return EncodedModel.from_payloads(
-        (name, t.dtype, tuple(t.shape), update.codec_for(t.dtype), update.payloads[name])
+        (name, t.dtype, tuple(t.shape), update.codec_for(t.dtype).name, update.payloads[name])
         for name, t in like.items()
     )
 
@@ -76,12 +76,12 @@ class Downlink:
         codec: ``none`` or a lossy spec (``int8``, ``topk:0.05``, ...).
 
     Raises:
-        ConfigError: the spec does not parse or is not contractive.
+        ConfigError: the codec is not contractive.
     """
 
-    def __init__(self, codec: str = "none") -> None:
+    def __init__(self, codec: CodecSpec = CodecSpec.NONE) -> None:
         self.codec = codec
-        self.lossless = parse_codec_spec(codec, key="downlink_codec").lossless
+        self.lossless = codec.lossless
         self.shadow: ShadowModel | None = None
 
     def prepare(self, global_state: ModelState) -> RoundDownlink:
@@ -106,7 +106,7 @@ class Downlink:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"codec": self.codec, "shadow": None if self.shadow is None else self.shadow.state_dict()}
+        return {"codec": self.codec.text, "shadow": None if self.shadow is None else self.shadow.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state.get("shadow") is not None:

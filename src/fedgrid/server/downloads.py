@@ -21,7 +21,7 @@ from fedgrid.server.downlink import Downlink
 from fedgrid.server.membership import Registry
 from fedgrid.server.rounds import RoundTask
 from fedgrid.textsafe import escape
-from fedgrid.types import EvaluateIns, FitIns, MessageIns
+from fedgrid.types import FitIns
 
 __all__ = ["Downloads"]
 
@@ -66,7 +66,7 @@ class Downloads:
             raise StaleTaskError(
                 f"task {escape(task_id)} is message phase {rnd.kind!r}: it has no model to download"
             )
-        names = self._names(rnd.assignments[client_id])
+        names = self._names(rnd, client_id)
         ranked = rnd.at_rank(client_id)  # a client of its own LoRA rank: the model at that rank, whole
         if ranked is not None:
             encoded, delta, base_version = serde.EncodedModel(ranked[0], codec=self.downlink.codec), False, 0
@@ -84,13 +84,14 @@ class Downloads:
         )
         return self._counted(rnd, encoded.frames(info, chunk_size=self._chunk_size()), client_id)
 
-    def _names(self, ins: FitIns | EvaluateIns | MessageIns) -> frozenset[str] | None:
+    def _names(self, rnd: RoundTask, client_id: str) -> frozenset[str] | None:
+        ins = rnd.assignments[client_id]
         if not isinstance(ins, FitIns):
             return None
-        codec = str(ins.config.get("uplink_codec", "none"))
         # An uplink sending differences takes them against the global values of what it uploads.
         return ins.download_names(
-            lossless_downlink=self.downlink.lossless, delta_uplink=sends_differences(codec)
+            lossless_downlink=self.downlink.lossless,
+            delta_uplink=sends_differences(rnd.uplink_codec(client_id)),
         )
 
     def _part(self, rnd: RoundTask, names: frozenset[str]) -> serde.EncodedModel:

@@ -20,6 +20,7 @@ import dataclasses
 import logging
 from typing import Any, Iterable, Mapping
 
+from fedgrid.config_compression import task_uplink_codec
 from fedgrid.events import EventLog
 from fedgrid.proto import serde
 from fedgrid.server.downlink import RoundDownlink
@@ -216,6 +217,7 @@ class CarriedTasks:
             closed_by="quorum",
             carried=set(saved["carried"]),
             merged=set(saved["merged"]),
+            codecs={cid: task_uplink_codec(ins.config) for cid, ins in assignments.items()},
         )
         for cid, res in self.spill.restore(task_id=rnd.task_id, assigned=infos).items():
             if cid not in rnd.merged and isinstance(res, FitRes):

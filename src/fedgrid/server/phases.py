@@ -15,6 +15,7 @@ import logging
 from datetime import timedelta
 from typing import Callable, Mapping, Sequence
 
+from fedgrid.compression.spec import CodecSpec
 from fedgrid.events import EventLog
 from fedgrid.proto import serde
 from fedgrid.proto.buffers import receive_buffers
@@ -133,14 +134,16 @@ class Phases:
         once ``target`` (default: all) reported, the rest failed, or the deadline passed.
         Under a ``quorum``: once ``quorum.min_quorum`` reported and ``quorum.grace_s`` passed
         (or all reported), the clients still pending keep their task (``RoundOutcome.waiting``)."""
+        codecs = {info.client_id: self.codec_policy.uplink(info) for info, _ in assignments}
         rnd = self._new_task(
             server_round,
             FIT,
-            [(info, self._with_codec(info, ins)) for info, ins in assignments],
+            [(info, self._with_codec(ins, codecs[info.client_id])) for info, ins in assignments],
             timeout,
             downlink=self.downlink.prepare(global_state),
             expected=TensorSpec.of(global_state),
         )
+        rnd.codecs.update(codecs)
         # Updates that landed before a restart are not asked for again.
         rnd.results.update(
             self.spill.restore(
@@ -302,10 +305,5 @@ class Phases:
         )
         return results, failures, cancelled
 
-    def _with_codec(self, info: ClientInfo, ins: FitIns) -> FitIns:
-        config = {
-            **ins.config,
-            "uplink_codec": self.codec_policy.uplink(info),
-            **self.codec_policy.feedback_config(),
-        }
-        return dataclasses.replace(ins, config=config)
+    def _with_codec(self, ins: FitIns, codec: CodecSpec) -> FitIns:
+        return dataclasses.replace(ins, config={**ins.config, **self.codec_policy.task_config(codec)})

@@ -27,6 +27,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 from fedgrid.aggregation.lora_ranks import RankPolicy
 from fedgrid.aggregation.selection import CapabilityFilter
 from fedgrid.clock import MONOTONIC, Clock
+from fedgrid.compression.spec import CodecSpec
 from fedgrid.constants import (
     CHUNK_SIZE,
     HEARTBEAT_INTERVAL_S,
@@ -107,7 +108,7 @@ class RemoteFleet(Fleet):
         chunk_size: int = CHUNK_SIZE,
         spill_dir: str | os.PathLike[str] | None = None,
         codec_policy: CodecPolicy | None = None,
-        downlink_codec: str = "none",
+        downlink_codec: CodecSpec = CodecSpec.NONE,
         events: EventLog | None = None,
         max_polls_per_client: int = MAX_POLLS_PER_CLIENT,
         task_scope: str = "",

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from fedgrid.aggregation.lora_ranks import RankViews, specs_at_rank
+from fedgrid.compression.spec import CodecSpec
 from fedgrid.constants import MAX_OUTBOX_BYTES, MAX_PHASE_MESSAGE_BYTES
 from fedgrid.errors import InvalidUpdateError, PayloadTooLargeError
 from fedgrid.proto import serde
@@ -61,6 +62,8 @@ class RoundTask:
         None  # fit/evaluate: what clients download; .base is the model they then hold
     )
     expected: dict[str, TensorSpec] = field(default_factory=dict)
+    # A fit phase: each client's uplink codec, as its task's config names it (``CodecPolicy.uplink``).
+    codecs: dict[str, CodecSpec] = field(default_factory=dict)
     results: dict[str, FitRes | EvaluateRes | MessageRes] = field(default_factory=dict)
     failures: dict[str, Failure] = field(default_factory=dict)
     uploading: set[str] = field(default_factory=set)
@@ -83,6 +86,10 @@ class RoundTask:
     departed: set[str] = field(default_factory=set)
     # The round's model at each LoRA rank its clients announced (``fedgrid.aggregation.lora_ranks``).
     rank_views: RankViews | None = None
+
+    def uplink_codec(self, client_id: str) -> CodecSpec:
+        """The uplink codec of ``client_id``'s task (``none`` for a task that names none)."""
+        return self.codecs.get(client_id, CodecSpec.NONE)
 
     def at_rank(self, client_id: str) -> tuple[ModelState, dict[str, TensorSpec]] | None:
         """A client of another LoRA rank than the round's model: that model at its rank and the
@@ -189,6 +196,8 @@ class RoundTask:
         ]
         self.clients.clear()
         self.clients.update(infos)
+        if old in self.codecs:
+            self.codecs[joined.client_id] = self.codecs.pop(old)
         self.failures.pop(old, None)
         self.departed.discard(old)
         partial = self.partials.pop(old, None)

@@ -13,7 +13,7 @@ import logging
 from typing import Any
 
 from fedgrid.aggregation import Strategy
-from fedgrid.aggregation.by_name import build_strategy_from
+from fedgrid.aggregation.by_name import build_strategy_from, strategy_role
 from fedgrid.aggregation.selection import (
     CapabilityFilter,
     RegionBalancedSelector,
@@ -23,7 +23,6 @@ from fedgrid.aggregation.selection import (
     UniformSelector,
 )
 from fedgrid.capabilities import parse_size
-from fedgrid.compression import parse_codec_spec
 from fedgrid.config import Config
 from fedgrid.errors import ConfigError
 from fedgrid.plugins import is_custom_strategy, load_object
@@ -117,18 +116,19 @@ def build_strategy(
 
 
 def codec_strategy_defaults(config: Config) -> dict[str, Any]:
-    """The strategy options the uplink codec asks for (``Codec.auto_strategy``) where the config
-    leaves them unset: ``sparseloco`` under ``diloco`` / ``streaming-diloco`` takes SparseLoCo's
-    outer step (plain SGD, no outer momentum: its error feedback with momentum is the momentum;
-    ``sender-mean``). Under SecAgg+ none (the server sees only the sum).
+    """The strategy options the uplink codec asks for (``Codec.auto_strategy``, by what the
+    strategy declares it makes of the updates: ``Strategy.update_role``) where the config
+    leaves them unset: ``sparseloco`` under an outer optimizer (``diloco``, ``streaming-diloco``)
+    takes SparseLoCo's outer step (plain SGD, no outer momentum: its error feedback with
+    momentum is the momentum; ``sender-mean``). Under SecAgg+ none (the server sees only the sum).
 
     Returns:
         Option name -> value, for the options of ``config.strategy`` the codec names and the
         config leaves ``None``; empty for most codecs.
     """
-    if config.secagg:
+    if config.secagg or is_custom_strategy(config.strategy):
         return {}
-    wanted = parse_codec_spec(config.codec).auto_strategy.get(config.strategy, {})
+    wanted = config.codecs.uplink.decoder.auto_strategy.get(strategy_role(config.strategy), {})
     return {key: value for key, value in wanted.items() if getattr(config, key) is None}
 
 
@@ -140,7 +140,7 @@ def secagg_strategy(config: Config, strategy: Strategy) -> Strategy:
 
     # DP under SecAgg+: the clients clip and add the noise, and sum their unclipped bits (docs/privacy.rst).
     dp_clip, adaptive = parse_dp_clip(config.dp_clip) if config.dp_noise_multiplier else (0.0, False)
-    bits, levels = secagg_ring(config.codec)
+    bits, levels = secagg_ring(config.codecs.uplink)
     return SecAgg(
         strategy,
         bits=bits,

@@ -7,8 +7,9 @@ their spill file. An update is accepted whole or not at all.
 
 Before any tensor is read, the header must name this run (``run_id``: the id the client got
 at Join) and pass ``server/accept.py``'s header checks (the ``delta`` flag against the
-negotiated uplink codec, ``num_examples`` against its bounds); each tensor then passes its
-``UpdateCheck`` (finite, within the norm bound), and the bytes go to the round's
+negotiated uplink codec, ``num_examples`` against its bounds); each tensor must come in the
+task's uplink codec (``ModelAssembler``'s ``codec``: an integer or bool tensor may come raw)
+and pass its ``UpdateCheck`` (finite, within the norm bound), and the bytes go to the round's
 ``RoundTally``. The simulated fleets take the same checks, so a simulated run refuses what
 a deployment refuses. Each refusal is INVALID_ARGUMENT naming the numbers or ids, and
 changes nothing.
@@ -172,9 +173,7 @@ class Uploads:
                     f"task {escape(header.task_id)} is message phase {rnd.kind!r}: it takes SendMessages, not an upload"
                 )
             if not rnd.evaluate:
-                accept.check_delta(
-                    str(rnd.assignments[client_id].config.get("uplink_codec", "none")), header.delta
-                )
+                accept.check_delta(rnd.uplink_codec(client_id), header.delta)
             if client_id in rnd.uploading:
                 raise DuplicateUpdateError(
                     f"an upload for round {rnd.server_round} from client {escape(client_id)} is in progress"
@@ -340,13 +339,14 @@ class Uploads:
             metrics=header.metrics,
             delta=check.keeps_delta,
         )
+        codec = rnd.uplink_codec(client.client_id)  # every tensor comes in it (or raw, where it may)
         if writer is None:
-            return Upload(serde.ModelAssembler(expected=expected), None, raw, client.client_id)
+            return Upload(serde.ModelAssembler(expected=expected, codec=codec), None, raw, client.client_id)
 
         def sink(name: str, tensor: torch.Tensor) -> None:
             writer.write(name, check.add(name, tensor))
 
-        asm = serde.ModelAssembler(expected=expected, sink=sink)
+        asm = serde.ModelAssembler(expected=expected, sink=sink, codec=codec)
         return Upload(asm, writer, raw, client.client_id, check.keeps_delta)
 
     def status(self, client_id: str, token: str, task_id: str) -> tuple[int, bool]:

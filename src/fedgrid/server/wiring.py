@@ -69,7 +69,7 @@ def build_fleet(config: Config, events: EventLog) -> RemoteFleet:
         chunk_size=config.chunk_size,
         spill_dir=Path(config.state_dir) / "updates" if config.state_dir else None,
         codec_policy=build_codec_policy(config),
-        downlink_codec=config.downlink_codec,
+        downlink_codec=config.codecs.downlink,
         bounds=build_bounds(config),
         requirements=build_capability_filter(config),
     )

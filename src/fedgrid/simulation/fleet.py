@@ -45,6 +45,7 @@ from fedgrid.client.timeline import Split, with_split
 from fedgrid.client.uplink import UplinkEncoder
 from fedgrid.clock import MONOTONIC, Clock
 from fedgrid.compression import available_codecs
+from fedgrid.compression.spec import CodecSpec
 from fedgrid.errors import ConfigError
 from fedgrid.proto import serde
 from fedgrid.server.accept import RoundTally
@@ -140,7 +141,7 @@ class InProcessFleet(Fleet):
         *,
         chunk_size: int = serde.CHUNK_SIZE,
         codec_policy: CodecPolicy | None = None,
-        downlink_codec: str = "none",
+        downlink_codec: CodecSpec = CodecSpec.NONE,
         engine: str = "sequential",
         batch_clients: int = 0,
         profiles: Profiles | None = None,
@@ -226,8 +227,8 @@ class InProcessFleet(Fleet):
         else:
             log.info("engine: sequential (%s)", why)
 
-    def _uplink(self, client_id: str, codec: str) -> UplinkEncoder:
-        key = (client_id, codec)
+    def _uplink(self, client_id: str, codec: CodecSpec) -> UplinkEncoder:
+        key = (client_id, codec.text)
         if key not in self._uplinks:
             self._uplinks[key] = UplinkEncoder(codec)
         return self._uplinks[key]
@@ -391,10 +392,10 @@ class InProcessFleet(Fleet):
         downloads: dict[_Stream, tuple[ModelState, int]],
         tally: RoundTally,
         views: RankViews,
-    ) -> list[tuple[ClientInfo, FitIns, str, ModelState | Exception]]:
+    ) -> list[tuple[ClientInfo, FitIns, CodecSpec, ModelState | Exception]]:
         """Phase 1: each client's uplink codec and downloaded model (or its exception); the task
         it trains on carries the codec, as a deployed client's does."""
-        prepared: list[tuple[ClientInfo, FitIns, str, ModelState | Exception]] = []
+        prepared: list[tuple[ClientInfo, FitIns, CodecSpec, ModelState | Exception]] = []
         for info, ins in group:
             try:
                 codec = self.codec_policy.uplink(info)
@@ -405,12 +406,10 @@ class InProcessFleet(Fleet):
                 )
                 state, size = self._download(downlink, server_round, info, downloads, names, views)
                 tally.add_down(info.region, size)
-                task = dataclasses.replace(
-                    ins, config={**ins.config, "uplink_codec": codec, **self.codec_policy.feedback_config()}
-                )
+                task = dataclasses.replace(ins, config={**ins.config, **self.codec_policy.task_config(codec)})
                 prepared.append((info, task, codec, state))
             except Exception as exc:  # a client's failure is data for the strategy
-                prepared.append((info, ins, "", exc))
+                prepared.append((info, ins, CodecSpec.NONE, exc))
         return prepared
 
     def _upload(
@@ -418,7 +417,7 @@ class InProcessFleet(Fleet):
         server_round: int,
         info: ClientInfo,
         ins: FitIns,
-        codec: str,
+        codec: CodecSpec,
         state: ModelState,
         out: FitOutput,
         views: RankViews,

@@ -140,7 +140,7 @@ def _regions(config: Config, clients: list, profiles: ClientProfiles) -> list:
         fleet = InProcessFleet(
             mine,
             chunk_size=config.chunk_size,
-            codec_policy=CodecPolicy(default=config.lan_codec),
+            codec_policy=CodecPolicy(default=config.codecs.lan),
             engine=config.engine,
             batch_clients=config.batch_clients,
             bounds=build_bounds(config),
@@ -168,7 +168,7 @@ def _fleet(config: Config, clients: list, profiles: ClientProfiles) -> InProcess
         members,
         chunk_size=config.chunk_size,
         codec_policy=build_codec_policy(config),
-        downlink_codec=config.downlink_codec,
+        downlink_codec=config.codecs.downlink,
         # A region's engine is its own; a replay trains one recorded result at a time.
         engine="sequential" if config.hierarchy or config.replay else config.engine,
         batch_clients=config.batch_clients,

@@ -18,6 +18,7 @@ import torch
 
 from fedgrid.client.api import FitOutput, OwnedState
 from fedgrid.client.uplink import UplinkEncoder
+from fedgrid.compression.spec import CodecSpec
 from fedgrid.proto import serde
 from fedgrid.server import accept
 from fedgrid.server.accept import RoundTally
@@ -48,7 +49,7 @@ def upload(
     server_round: int,
     info: ClientInfo,
     ins: FitIns,
-    codec: str,
+    codec: CodecSpec,
     state: ModelState,
     out: FitOutput,
     base: ModelState,
@@ -76,7 +77,7 @@ def upload(
         InvalidUpdateError: whatever the coordinator would refuse, with its message.
     """
     expected = ins.expected or round_specs
-    if fast and codec == "none" and raw_passes(out, expected):  # the wire's result, without the wire
+    if fast and codec == CodecSpec.NONE and raw_passes(out, expected):  # the wire's result, without the wire
         header, received, wire, payload = _raw(server_round, info, out, bounds=bounds, chunk_size=chunk_size)
     else:
         header, received, wire, payload = _wire(
@@ -104,7 +105,7 @@ def _raw(
     metrics = {k: float(v) for k, v in out.metrics.items()}
     header = serde.StreamInfo(round=server_round, num_examples=out.num_examples, metrics=metrics)
     serde.check_metrics(header.metrics)
-    accept.check_header(bounds, info, num_examples=header.num_examples, delta=False, codec="none")
+    accept.check_header(bounds, info, num_examples=header.num_examples, delta=False, codec=CodecSpec.NONE)
     # A TorchClient's upload and the batched engine's rows are fresh copies (OwnedState);
     # anything else a client may still hold.
     received = (
@@ -123,7 +124,7 @@ def _raw(
 def _wire(
     server_round: int,
     info: ClientInfo,
-    codec: str,
+    codec: CodecSpec,
     state: ModelState,
     out: FitOutput,
     expected: Mapping[str, TensorSpec],
@@ -140,5 +141,5 @@ def _wire(
     frames = list(encoded.frames(head, chunk_size=chunk_size))
     sent = serde.read_header(frames[0])
     accept.check_header(bounds, info, num_examples=sent.num_examples, delta=sent.delta, codec=codec)
-    header, received = serde.decode_chunks(frames, expected=expected)
+    header, received = serde.decode_chunks(frames, expected=expected, codec=codec)
     return header, received, sum(serde.wire_size(c) for c in frames), encoded.total_bytes

@@ -16,6 +16,7 @@ from fedgrid.client.api import Client, FitOutput
 from fedgrid.client.runtime import Connection
 from fedgrid.client.state import STATE_FORMAT, load_client_state, restore_client_state, save_client_state
 from fedgrid.client.uplink import UplinkEncoder
+from fedgrid.compression.spec import CodecSpec
 
 RUN = "run-0123"
 
@@ -41,7 +42,7 @@ class Counting(Client):
 def _encoder(codec: str = "topk:0.1", rounds: int = 2) -> UplinkEncoder:
     """An encoder that sent ``rounds`` updates, so its residuals are not zero."""
     g = torch.Generator().manual_seed(3)
-    enc = UplinkEncoder(codec)
+    enc = UplinkEncoder(CodecSpec.parse(codec))
     base = OrderedDict(w=torch.zeros(8, 5), b=torch.zeros(5), steps=torch.tensor(2))
     for _ in range(rounds):
         new = OrderedDict(
@@ -60,7 +61,9 @@ def conn():
 
 def test_saved_state_loads_back_with_equal_residuals(tmp_path, conn):
     enc = _encoder()
-    conn.load_uplink_state_dict({"topk:0.1": enc.state_dict(), "none": UplinkEncoder("none").state_dict()})
+    conn.load_uplink_state_dict(
+        {"topk:0.1": enc.state_dict(), "none": UplinkEncoder(CodecSpec.parse("none")).state_dict()}
+    )
     client = Counting()
     client.fits = 7
     path = tmp_path / "deep" / "client-0.pt"
@@ -112,7 +115,7 @@ def test_state_that_does_not_fit_is_ignored_whole(tmp_path, conn, caplog):
         "run_id": RUN,
         "round": 1,
         "name": "counting",
-        "uplink": {"none": UplinkEncoder("none").state_dict(), "topk:0.1": state},
+        "uplink": {"none": UplinkEncoder(CodecSpec.parse("none")).state_dict(), "topk:0.1": state},
         "client": {"fits": 3},
     }
     conn.run_id = RUN

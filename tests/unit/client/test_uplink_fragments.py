@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fedgrid.client.uplink import UplinkEncoder
+from fedgrid.compression.spec import CodecSpec
 
 
 @pytest.mark.parametrize("codec", ["sparseloco", "demo"])
@@ -20,7 +21,7 @@ def test_each_fragment_carries_its_own_residual_once_per_sync(codec: str) -> Non
         "b.weight#rows=64:128": (64, 90),
     }
     task = {"uplink_feedback": "momentum:0.95", "seed": 3}
-    encoder = UplinkEncoder(codec)
+    encoder = UplinkEncoder(CodecSpec.parse(codec))
     expected: dict[str, torch.Tensor] = {}
     for server_round in range(1, 9):  # fragment r % 2 syncs in round r, as streaming DiLoCo's
         names = fragments[server_round % 2]

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from fedgrid.client.uplink import UplinkEncoder
+from fedgrid.compression.spec import CodecSpec
 from fedgrid.config import load_config
 from fedgrid.simulation.run import run_simulation
 
@@ -20,7 +21,7 @@ NEW = OrderedDict(w=torch.linspace(-1, 1, 64 * 32).reshape(64, 32), b=torch.lins
 
 def _payloads(codec: str, *, round_: int, client: str, default_seed: int) -> list[bytes]:
     torch.manual_seed(default_seed)  # what the process drew before: must not matter
-    uplink = UplinkEncoder(codec).begin(round_, {"seed": 7}, client)
+    uplink = UplinkEncoder(CodecSpec.parse(codec)).begin(round_, {"seed": 7}, client)
     encoded, delta = uplink.encode(global_state=GLOBAL, new_state=NEW)
     assert delta
     return [bytes(payload) for _, _, payload in encoded.payloads()]

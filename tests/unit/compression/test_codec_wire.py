@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fedgrid.compression import get_codec
+from fedgrid.compression.spec import CodecSpec
 from fedgrid.errors import InvalidUpdateError, PayloadTooLargeError
 from fedgrid.proto import serde
 
@@ -41,7 +42,7 @@ def _state() -> OrderedDict[str, torch.Tensor]:
 def test_stream_round_trip_matches_the_codec(spec: str) -> None:
     state = _state()
     torch.manual_seed(3)  # stochastic codecs draw from the default generator here
-    encoded = serde.EncodedModel(state, codec=spec)
+    encoded = serde.EncodedModel(state, codec=CodecSpec.parse(spec))
     chunks = list(encoded.chunks(serde.StreamInfo(round=1), chunk_size=97))
     _, tensors = serde.decode_chunks(
         chunks, expected={k: serde.TensorSpec(v.dtype, tuple(v.shape)) for k, v in state.items()}
@@ -59,7 +60,7 @@ def test_stream_round_trip_matches_the_codec(spec: str) -> None:
 
 def test_assembler_refuses_nbytes_over_the_codec_bound() -> None:
     state = OrderedDict(w=torch.randn(100, 100))
-    chunks = list(serde.encode_model(state, serde.StreamInfo(), codec="topk:0.01"))
+    chunks = list(serde.encode_model(state, serde.StreamInfo(), codec=CodecSpec.parse("topk:0.01")))
     limit = get_codec("topk:0.01").max_payload_bytes(dtype=torch.float32, shape=(100, 100))
     assert limit < 100 * 100 * 4 // 20
     chunks[0].tensor.nbytes = limit + 1
@@ -72,11 +73,15 @@ def test_assembler_refuses_nbytes_over_the_codec_bound() -> None:
 
 def test_stream_rejects_unknown_codecs_and_lying_payloads() -> None:
     state = OrderedDict(w=torch.randn(50, 40))
-    chunks = list(serde.encode_model(state, serde.StreamInfo(), codec="int8", chunk_size=1 << 20))
+    chunks = list(
+        serde.encode_model(state, serde.StreamInfo(), codec=CodecSpec.parse("int8"), chunk_size=1 << 20)
+    )
     chunks[0].tensor.codec = "foo:1"
     with pytest.raises(InvalidUpdateError, match=r"tensor 'w': unknown codec 'foo'"):
         serde.decode_chunks(chunks)
-    chunks = list(serde.encode_model(state, serde.StreamInfo(), codec="int8", chunk_size=1 << 20))
+    chunks = list(
+        serde.encode_model(state, serde.StreamInfo(), codec=CodecSpec.parse("int8"), chunk_size=1 << 20)
+    )
     data = bytearray(chunks[0].data)
     data[1:5] = (64).to_bytes(4, "little")
     chunks[0].data = bytes(data)

@@ -12,6 +12,7 @@ import torch
 from fedgrid.compression import DCTTopKCodec, ErrorFeedback, FeedbackRule, SparseLoCoCodec, get_codec
 from fedgrid.compression.dct import SIDE, dct_matrix
 from fedgrid.compression.sparseloco import CHUNK
+from fedgrid.compression.spec import CodecSpec
 from fedgrid.errors import InvalidUpdateError
 
 
@@ -107,7 +108,7 @@ def test_under_momentum_error_feedback_the_sum_sent_tracks_the_input() -> None:
     """Classic EF around demo: what was sent over 40 steps is the input minus the residual;
     the residual stays bounded (the codec is a contraction)."""
     gen = torch.Generator().manual_seed(8)
-    ef = ErrorFeedback("demo", FeedbackRule.parse("classic"))
+    ef = ErrorFeedback(CodecSpec.parse("demo"), FeedbackRule.parse("classic"))
     total_in, total_out, norms = torch.zeros(CHUNK), torch.zeros(CHUNK), []
     for _ in range(40):
         x = torch.randn(CHUNK, generator=gen) + 0.5

@@ -17,6 +17,7 @@ from fedgrid.compression import (
     apply_downlink,
     get_codec,
 )
+from fedgrid.compression.spec import CodecSpec
 from fedgrid.errors import ConfigError, InvalidUpdateError
 
 LOSSY = ["topk:0.05", "randk:0.1", "sign", "int8", "qsgd:32", "powersgd:2", "fp16", "bf16", "int8+zstd"]
@@ -62,7 +63,7 @@ def _step(
 # -- uplink --------------------------------------------------------------------------------
 @pytest.mark.parametrize("spec", LOSSY)
 def test_transmitted_sum_equals_input_sum_minus_residual(spec: str) -> None:
-    ef = ErrorFeedback(spec)
+    ef = ErrorFeedback(CodecSpec.parse(spec))
     gen = torch.Generator().manual_seed(1)
     inputs = {"w": torch.zeros(32, 24, dtype=torch.float64), "b": torch.zeros(32, dtype=torch.float64)}
     sent = {k: torch.zeros_like(v) for k, v in inputs.items()}
@@ -84,7 +85,7 @@ def test_transmitted_sum_equals_input_sum_minus_residual(spec: str) -> None:
 
 
 def test_topk_residual_stays_within_the_contraction_bound() -> None:
-    ef = ErrorFeedback("topk:0.1")
+    ef = ErrorFeedback(CodecSpec.parse("topk:0.1"))
     gen = torch.Generator().manual_seed(2)
     delta = 0.1  # topk keeps 10%: ||x - C(x)||^2 <= (1 - delta) ||x||^2
     bound = math.sqrt(1 - delta) / (1 - math.sqrt(1 - delta))
@@ -97,7 +98,7 @@ def test_topk_residual_stays_within_the_contraction_bound() -> None:
 
 
 def test_bf16_tensors_keep_a_float32_residual() -> None:
-    ef = ErrorFeedback("int8")
+    ef = ErrorFeedback(CodecSpec.parse("int8"))
     x = torch.randn(300).to(torch.bfloat16)
     total_in, total_sent = torch.zeros(300, dtype=torch.float64), torch.zeros(300, dtype=torch.float64)
     for _ in range(20):
@@ -111,11 +112,11 @@ def test_bf16_tensors_keep_a_float32_residual() -> None:
 
 
 def test_lossless_paths_keep_no_residual() -> None:
-    ef = ErrorFeedback("topk:0.01")
+    ef = ErrorFeedback(CodecSpec.parse("topk:0.01"))
     counter = torch.tensor([3, 4], dtype=torch.int64)
     out = ef.encode("n", counter)
     assert torch.equal(out.decoded, counter) and "n" not in ef.residuals
-    exact = ErrorFeedback("none+zstd")
+    exact = ErrorFeedback(CodecSpec.parse("none+zstd"))
     x = torch.randn(100)
     assert torch.equal(exact.encode("w", x).decoded, x) and not exact.residuals
 
@@ -123,20 +124,20 @@ def test_lossless_paths_keep_no_residual() -> None:
 def test_state_dict_resumes_bit_for_bit() -> None:
     gen = torch.Generator().manual_seed(4)
     xs = [torch.randn(48, 40, generator=gen) for _ in range(8)]
-    uninterrupted = ErrorFeedback("powersgd:2")
+    uninterrupted = ErrorFeedback(CodecSpec.parse("powersgd:2"))
     first = [uninterrupted.encode("w", x).payload for x in xs]
-    before = ErrorFeedback("powersgd:2")
+    before = ErrorFeedback(CodecSpec.parse("powersgd:2"))
     for x in xs[:4]:
         before.encode("w", x)
     saved = before.state_dict()
     assert (
         saved["codec"] == "powersgd:2" and set(saved["residuals"]) == {"w"} and saved["codec_state"]["warm_q"]
     )
-    resumed = ErrorFeedback("powersgd:2")
+    resumed = ErrorFeedback(CodecSpec.parse("powersgd:2"))
     resumed.load_state_dict(saved)
     assert [resumed.encode("w", x).payload for x in xs[4:]] == first[4:]
     with pytest.raises(ValueError, match=r"state is for codec 'powersgd:2', this one uses 'int8'"):
-        ErrorFeedback("int8").load_state_dict(saved)
+        ErrorFeedback(CodecSpec.parse("int8")).load_state_dict(saved)
     with pytest.raises(ValueError, match=r"tensor 'w' is \[3\], its residual \[48, 40\]"):
         resumed.encode("w", torch.zeros(3))
     resumed.reset()
@@ -146,12 +147,15 @@ def test_state_dict_resumes_bit_for_bit() -> None:
 def test_error_feedback_takes_a_codec_instance_or_a_spec() -> None:
     own = PowerSGDCodec(1)
     assert ErrorFeedback(own).codec is own
-    assert ErrorFeedback("powersgd:1").codec is not ErrorFeedback("powersgd:1").codec  # per-client warm start
+    assert (
+        ErrorFeedback(CodecSpec.parse("powersgd:1")).codec
+        is not ErrorFeedback(CodecSpec.parse("powersgd:1")).codec
+    )  # per-client warm start
     with pytest.raises(ConfigError, match=r"config key 'codec': unknown codec 'foo'"):
-        ErrorFeedback("foo")
+        ErrorFeedback(CodecSpec.parse("foo"))
     with pytest.raises(ConfigError, match=r"config key 'codec': codec 'qsgd:4\+zstd' is not contractive"):
-        ErrorFeedback("qsgd:4+zstd")
-    assert ErrorFeedback("qsgd:23").codec.contractive
+        ErrorFeedback(CodecSpec.parse("qsgd:4+zstd"))
+    assert ErrorFeedback(CodecSpec.parse("qsgd:23")).codec.contractive
 
 
 def test_qsgd_with_few_levels_is_not_contractive() -> None:
@@ -176,7 +180,7 @@ def test_qsgd_with_few_levels_is_not_contractive() -> None:
 @pytest.mark.parametrize("spec", ["topk:0.05", "int8", "powersgd:2+zstd", "qsgd:64", "sign"])
 def test_clients_hold_the_shadow_bit_for_bit(spec: str) -> None:
     initial = _model()
-    server = ShadowModel(initial, codec=spec)
+    server = ShadowModel(initial, codec=CodecSpec.parse(spec))
     clients = [OrderedDict((k, v.clone()) for k, v in initial.items()) for _ in range(3)]
     versions = [0, 0, 0]
     global_state = initial
@@ -210,7 +214,7 @@ def test_clients_hold_the_shadow_bit_for_bit(spec: str) -> None:
 def test_repeated_syncs_close_the_gap_to_a_fixed_global(spec: str, rounds: int) -> None:
     initial = _model()
     global_state = _step(_step(initial, 1, scale=1.0), 2, scale=1.0)
-    server = ShadowModel(initial, codec=spec)
+    server = ShadowModel(initial, codec=CodecSpec.parse(spec))
     sizes = []
     for _ in range(rounds):
         update, _ = server.sync(global_state)
@@ -222,7 +226,9 @@ def test_repeated_syncs_close_the_gap_to_a_fixed_global(spec: str, rounds: int) 
 
 def test_a_client_that_missed_rounds_catches_up() -> None:
     initial = _model()
-    server = ShadowModel(initial, codec="topk:0.05", catch_up_codec="none+zstd")
+    server = ShadowModel(
+        initial, codec=CodecSpec.parse("topk:0.05"), catch_up_codec=CodecSpec.parse("none+zstd")
+    )
     late = OrderedDict((k, v.clone()) for k, v in initial.items())
     global_state = initial
     updates: list[DownlinkUpdate] = []
@@ -235,7 +241,7 @@ def test_a_client_that_missed_rounds_catches_up() -> None:
     ):
         apply_downlink(late, updates[-1], held_version=1)
     full = server.catch_up()
-    assert full.is_full and full.version == 6 and full.codec == "none+zstd"
+    assert full.is_full and full.version == 6 and full.codec.text == "none+zstd"
     late = apply_downlink(late, full)
     assert _same_bits(late, server.shadow)
     newcomer = apply_downlink(_model(seed=99), full)  # a new client: only specs matter
@@ -247,32 +253,32 @@ def test_a_client_that_missed_rounds_catches_up() -> None:
 
 def test_shadow_state_dict_resumes_bit_for_bit() -> None:
     initial = _model()
-    a = ShadowModel(initial, codec="powersgd:2")
+    a = ShadowModel(initial, codec=CodecSpec.parse("powersgd:2"))
     g = initial
     for r in range(3):
         g = _step(g, r)
         a.sync(g)
-    b = ShadowModel(_model(seed=5), codec="powersgd:2")
+    b = ShadowModel(_model(seed=5), codec=CodecSpec.parse("powersgd:2"))
     b.load_state_dict(a.state_dict())
     g = _step(g, 9)
     ua, sa = a.sync(g)
     ub, sb = b.sync(g)
     assert ua == ub and _same_bits(dict(sa), dict(sb)) and b.version == 4
     with pytest.raises(ValueError, match=r"shadow state is for codec 'powersgd:2'"):
-        ShadowModel(initial, codec="int8").load_state_dict(a.state_dict())
+        ShadowModel(initial, codec=CodecSpec.parse("int8")).load_state_dict(a.state_dict())
 
 
 def test_downlink_rejects_bad_input() -> None:
     initial = _model()
-    server = ShadowModel(initial, codec="int8")
+    server = ShadowModel(initial, codec=CodecSpec.parse("int8"))
     update, _ = server.sync(_step(initial, 0))
     payloads = dict(update.payloads)
     del payloads["fc.bias"]
     with pytest.raises(InvalidUpdateError, match=r"missing tensors \['fc.bias'\]"):
-        apply_downlink(initial, DownlinkUpdate(1, 0, "int8", payloads))
+        apply_downlink(initial, DownlinkUpdate(1, 0, CodecSpec.parse("int8"), payloads))
     payloads = dict(update.payloads, **{"fc.weight": update.payloads["fc.weight"][:-3]})
     with pytest.raises(InvalidUpdateError, match=r"tensor 'fc.weight': int8 payload: truncated"):
-        apply_downlink(initial, DownlinkUpdate(1, 0, "int8", payloads))
+        apply_downlink(initial, DownlinkUpdate(1, 0, CodecSpec.parse("int8"), payloads))
     with pytest.raises(
         InvalidUpdateError, match=r"tensor 'fc.bias': torch.float64 \[32\], expected torch.float32 \[32\]"
     ):
@@ -280,16 +286,18 @@ def test_downlink_rejects_bad_input() -> None:
     with pytest.raises(InvalidUpdateError, match=r"tensor names differ"):
         apply_delta(initial, {"x": torch.zeros(1)})
     with pytest.raises(ValueError, match=r"catch-up codec must be lossless"):
-        ShadowModel(initial, codec="int8", catch_up_codec="fp16")
-    with pytest.raises(ConfigError, match=r"config key 'downlink_codec'"):
-        ShadowModel(initial, codec="topk:2")
+        ShadowModel(initial, codec=CodecSpec.parse("int8"), catch_up_codec=CodecSpec.parse("fp16"))
+    with pytest.raises(ConfigError, match=r"config key 'downlink_codec'.*'qsgd:4' is not contractive"):
+        ShadowModel(initial, codec=CodecSpec.parse("qsgd:4"))
 
 
 def test_shadow_keeps_one_model_whatever_the_clients() -> None:
     initial = _model()
-    server = ShadowModel(initial, codec="topk:0.05")
+    server = ShadowModel(initial, codec=CodecSpec.parse("topk:0.05"))
     assert list(server.shadow) == list(initial)
     update, shadow = server.sync(_step(initial, 0))
-    assert update.codec_for(torch.float32) == "topk:0.05" and update.codec_for(torch.int64) == "none"
+    assert (
+        update.codec_for(torch.float32).name == "topk:0.05" and update.codec_for(torch.int64).name == "none"
+    )
     assert not any(s is v for s, v in zip(shadow.values(), initial.values()))  # initial was copied
     assert update.nbytes < 0.2 * sum(v.numel() * v.element_size() for v in initial.values())

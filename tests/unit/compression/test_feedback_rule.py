@@ -10,6 +10,7 @@ import torch
 from fedgrid.client.uplink import UplinkEncoder, feedback_rule
 from fedgrid.compression import ErrorFeedback
 from fedgrid.compression.feedback import FeedbackRule
+from fedgrid.compression.spec import CodecSpec
 from fedgrid.config import load_config
 from fedgrid.config_compression import feedback_task_config
 from fedgrid.errors import ConfigError
@@ -29,7 +30,7 @@ def test_residual_stays_bounded_over_1000_rounds_at_10_percent_participation(spe
     for inputs of norm at most M, whatever the rounds a client sat out (the decay only shrinks e)."""
     rule = FeedbackRule.parse(spec)
     clients, steps = 10, 1000
-    feedback = [ErrorFeedback("topk:0.1", rule) for _ in range(clients)]
+    feedback = [ErrorFeedback(CodecSpec.parse("topk:0.1"), rule) for _ in range(clients)]
     taking = _participation(steps, clients, 0.1, seed=3)
     gen = torch.Generator().manual_seed(4)
     drift = torch.randn(clients, 400, generator=gen)  # each client's persistent direction (non-IID)
@@ -55,7 +56,7 @@ def test_residual_stays_bounded_over_1000_rounds_at_10_percent_participation(spe
 
 
 def test_stale_residual_decays_per_round_sat_out_and_resets() -> None:
-    ef = ErrorFeedback("topk:0.1", FeedbackRule.parse("momentum:0.5", reset_rounds=4))
+    ef = ErrorFeedback(CodecSpec.parse("topk:0.1"), FeedbackRule.parse("momentum:0.5", reset_rounds=4))
     ef.begin_round(1)
     ef.encode("w", torch.arange(1.0, 101.0))
     kept = ef.residuals["w"].clone()
@@ -65,7 +66,7 @@ def test_stale_residual_decays_per_round_sat_out_and_resets() -> None:
     assert torch.equal(ef.residuals["w"], kept * 0.25)
     ef.encode("w", torch.zeros(100))
     assert ef.begin_round(9) == 0.0 and not ef.residuals  # sat out 5..8: 4 rounds, the reset rule
-    classic = ErrorFeedback("topk:0.1")
+    classic = ErrorFeedback(CodecSpec.parse("topk:0.1"))
     classic.begin_round(1)
     classic.encode("w", torch.arange(1.0, 101.0))
     before = classic.residuals["w"].clone()
@@ -74,7 +75,7 @@ def test_stale_residual_decays_per_round_sat_out_and_resets() -> None:
 
 def test_momentum_feedback_decays_the_residual_inside_each_step() -> None:
     x1, x2 = torch.arange(1.0, 101.0), torch.linspace(-1, 1, 100)
-    ef = ErrorFeedback("topk:0.1", FeedbackRule(beta=0.9))
+    ef = ErrorFeedback(CodecSpec.parse("topk:0.1"), FeedbackRule(beta=0.9))
     ef.encode("w", x1)
     e1 = ef.residuals["w"].clone()
     sent = ef.encode("w", x2)
@@ -84,10 +85,10 @@ def test_momentum_feedback_decays_the_residual_inside_each_step() -> None:
 
 
 def test_state_dict_keeps_the_last_round() -> None:
-    ef = ErrorFeedback("int8", FeedbackRule(beta=0.5))
+    ef = ErrorFeedback(CodecSpec.parse("int8"), FeedbackRule(beta=0.5))
     ef.begin_round(7)
     ef.encode("w", torch.randn(300))
-    again = ErrorFeedback("int8", FeedbackRule(beta=0.5))
+    again = ErrorFeedback(CodecSpec.parse("int8"), FeedbackRule(beta=0.5))
     again.load_state_dict(ef.state_dict())
     assert again.last_round == 7 and again.begin_round(9) == 0.5
 
@@ -121,7 +122,7 @@ def test_the_rule_travels_in_the_task_config() -> None:
     assert feedback_rule(task) == FeedbackRule(0.95, 3)
     assert feedback_task_config("auto", 0) == {} and feedback_rule({}) == FeedbackRule(kind="auto")
     assert feedback_task_config("classic", 0) == {"uplink_feedback": "classic"}
-    uplink = UplinkEncoder("sparseloco").begin(5, task)
+    uplink = UplinkEncoder(CodecSpec.parse("sparseloco")).begin(5, task)
     assert uplink.feedback is not None and uplink.feedback.rule == FeedbackRule(0.95, 3)
     assert uplink.feedback.last_round == 5
     with pytest.raises(ConfigError, match="error_feedback"):
@@ -137,21 +138,21 @@ def test_auto_runs_unbiased_codecs_without_a_residual_and_the_others_with_classi
     keeps none for any codec."""
     assert load_config(overrides={}).error_feedback == "auto"
     x = torch.randn(1000, generator=torch.Generator().manual_seed(1))
-    unbiased = UplinkEncoder("randk:0.1:unbiased").begin(1, {})
+    unbiased = UplinkEncoder(CodecSpec.parse("randk:0.1:unbiased")).begin(1, {})
     assert unbiased.feedback is not None and unbiased.feedback.rule.kind == "none"
     sent = unbiased.feedback.encode("w", x, generator=torch.Generator().manual_seed(2))
     assert not unbiased.feedback.residuals and int((sent.decoded != 0).sum()) == 100
     torch.testing.assert_close(sent.decoded[sent.decoded != 0], 10 * x[sent.decoded != 0])
-    topk = UplinkEncoder("topk").begin(1, {})
+    topk = UplinkEncoder(CodecSpec.parse("topk")).begin(1, {})
     assert topk.feedback is not None and topk.feedback.rule == FeedbackRule(0.5, 0)
     sent = topk.feedback.encode("w", x)
     torch.testing.assert_close(topk.feedback.residuals["w"], x - sent.decoded)
     again = topk.feedback.encode("w", x)  # v = x + 0.5 e
     torch.testing.assert_close(topk.feedback.residuals["w"], x + 0.5 * (x - sent.decoded) - again.decoded)
-    int8 = UplinkEncoder("int8+zstd").begin(1, {"uplink_feedback_reset": 4})
+    int8 = UplinkEncoder(CodecSpec.parse("int8+zstd")).begin(1, {"uplink_feedback_reset": 4})
     assert int8.feedback is not None and int8.feedback.rule == FeedbackRule(1.0, 4)
-    assert UplinkEncoder("topk+zstd").begin(1, {}).feedback.rule.spec == "momentum:0.5"  # type: ignore[union-attr]
-    plain = ErrorFeedback("topk:0.1", FeedbackRule.parse("none"))
+    assert UplinkEncoder(CodecSpec.parse("topk+zstd")).begin(1, {}).feedback.rule.spec == "momentum:0.5"  # type: ignore[union-attr]
+    plain = ErrorFeedback(CodecSpec.parse("topk:0.1"), FeedbackRule.parse("none"))
     plain.encode("w", x)
     assert not plain.residuals and plain.rule.spec == "none"
 
@@ -163,7 +164,7 @@ def test_an_unbiased_codec_under_a_residual_rule_is_refused_naming_the_key() -> 
     ):
         load_config(overrides={"codec": "randk", "error_feedback": "classic"})
     with pytest.raises(ConfigError, match=r"'randk:0.25:unbiased' is not contractive"):
-        UplinkEncoder("randk").begin(1, {"uplink_feedback": "momentum:0.9"})
+        UplinkEncoder(CodecSpec.parse("randk")).begin(1, {"uplink_feedback": "momentum:0.9"})
     assert load_config(overrides={"codec": "randk", "error_feedback": "none"}).codec == "randk"
     with pytest.raises(ConfigError, match=r"config key 'error_feedback': expected 'auto', 'classic'"):
         load_config(overrides={"error_feedback": "ef22"})
@@ -175,7 +176,7 @@ def test_sparseloco_auto_residual_stays_bounded_over_1000_rounds_at_10_percent_p
     stays under ``sqrt(1 - d) M / (1 - 0.95 sqrt(1 - d))`` for inputs of norm at most ``M``."""
     rule = FeedbackRule.parse("auto")
     clients, steps, n = 10, 1000, 600  # one short chunk: min(64, 600) kept
-    feedback = [ErrorFeedback("sparseloco", rule) for _ in range(clients)]
+    feedback = [ErrorFeedback(CodecSpec.parse("sparseloco"), rule) for _ in range(clients)]
     assert feedback[0].rule.spec == "momentum:0.95"
     taking = _participation(steps, clients, 0.1, seed=5)
     gen = torch.Generator().manual_seed(6)

@@ -9,6 +9,7 @@ import torch
 from fedgrid.compression import get_codec, parse_codec_spec
 from fedgrid.compression.feedback import ErrorFeedback, FeedbackRule
 from fedgrid.compression.sparseloco import CHUNK
+from fedgrid.compression.spec import CodecSpec
 from fedgrid.config import load_config
 from fedgrid.errors import ConfigError, InvalidUpdateError
 from fedgrid.server.strategies import codec_strategy_defaults
@@ -78,10 +79,10 @@ def test_bad_specs_name_the_problem(spec: str, match: str) -> None:
 
 
 def test_it_runs_without_a_residual_and_refuses_one() -> None:
-    feedback = ErrorFeedback("sparseloco:64:scaled", FeedbackRule(kind="auto"))
+    feedback = ErrorFeedback(CodecSpec.parse("sparseloco:64:scaled"), FeedbackRule(kind="auto"))
     assert feedback.rule.kind == "none"
     for step in range(3):
         feedback.encode("w", torch.randn(5000, generator=torch.Generator().manual_seed(step)))
     assert dict(feedback.residuals) == {}
     with pytest.raises(ConfigError, match="not contractive"):
-        ErrorFeedback("sparseloco:64:scaled", FeedbackRule.parse("momentum:0.95"))
+        ErrorFeedback(CodecSpec.parse("sparseloco:64:scaled"), FeedbackRule.parse("momentum:0.95"))

@@ -11,6 +11,7 @@ import torch
 from fedgrid.client.uplink import UplinkEncoder
 from fedgrid.compression import TopKCodec, get_codec, parse_codec_spec
 from fedgrid.compression.feedback import ErrorFeedback, FeedbackRule
+from fedgrid.compression.spec import CodecSpec
 from fedgrid.errors import ConfigError, InvalidUpdateError
 
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -93,19 +94,19 @@ def test_a_scale_below_one_or_not_finite_is_refused(scale: float) -> None:
 
 
 def test_scaled_topk_runs_without_a_residual_and_refuses_one() -> None:
-    feedback = ErrorFeedback("topk:0.05:scaled", FeedbackRule(kind="auto"))
+    feedback = ErrorFeedback(CodecSpec.parse("topk:0.05:scaled"), FeedbackRule(kind="auto"))
     assert feedback.rule.kind == "none"
     for step in range(3):
         feedback.encode("w", torch.randn(500, generator=torch.Generator().manual_seed(step)))
     assert dict(feedback.residuals) == {}
     with pytest.raises(ConfigError, match="not contractive"):
-        ErrorFeedback("topk:0.05:scaled", FeedbackRule.parse("momentum:0.5"))
+        ErrorFeedback(CodecSpec.parse("topk:0.05:scaled"), FeedbackRule.parse("momentum:0.5"))
 
 
 def test_the_uplink_sends_the_scaled_difference_and_keeps_no_residual() -> None:
     g = {"w": torch.zeros(4000), "b": torch.ones(8)}
     new = {"w": torch.randn(4000, generator=torch.Generator().manual_seed(1)), "b": torch.ones(8) * 3}
-    uplink = UplinkEncoder("topk:0.01:scaled").begin(1, {})
+    uplink = UplinkEncoder(CodecSpec.parse("topk:0.01:scaled")).begin(1, {})
     encoded, is_delta = uplink.encode(global_state=g, new_state=new)
     codec = get_codec("topk:0.01:scaled")
     assert is_delta and uplink.feedback is not None and dict(uplink.feedback.residuals) == {}

@@ -6,6 +6,7 @@ import pytest
 
 from fedgrid.aggregation.secagg import SecAgg
 from fedgrid.cli import support
+from fedgrid.compression.spec import CodecSpec
 from fedgrid.config import load_config, parse_flags
 from fedgrid.config_secagg import secagg_ring
 from fedgrid.errors import ConfigError
@@ -89,7 +90,7 @@ def test_qsgd_masks_its_levels_in_the_ring_of_its_code_width(
 def test_qsgd_codes_narrower_than_a_byte_are_no_ring(codec: str) -> None:
     # (error feedback refuses them first, as not contractive; the ring refuses them on its own too)
     with pytest.raises(ConfigError, match=f"{codec}'s levels in a ring of its [24]-bit codes") as info:
-        secagg_ring(codec, key="lan_codec")
+        secagg_ring(CodecSpec.parse(codec, key="lan_codec"), key="lan_codec")
     assert info.value.key == "lan_codec" and "use qsgd:8 or more levels" in str(info.value)
 
 

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import save, save_file
 
 from fedgrid.compression.feedback import apply_delta
+from fedgrid.compression.spec import CodecSpec
 from fedgrid.errors import InvalidUpdateError
 from fedgrid.proto import serde
 from fedgrid.proto.buffers import MIN_POOLED_BYTES, BufferPool, receive_buffers
@@ -65,7 +66,9 @@ def _decode(
     state: "OrderedDict[str, torch.Tensor]", pool: BufferPool, *, codec: str = "none"
 ) -> "OrderedDict[str, torch.Tensor]":
     asm = serde.ModelAssembler(buffers=pool)
-    for frame in serde.EncodedModel(state, codec=codec).frames(serde.StreamInfo(), chunk_size=256 * 1024):
+    for frame in serde.EncodedModel(state, codec=CodecSpec.parse(codec)).frames(
+        serde.StreamInfo(), chunk_size=256 * 1024
+    ):
         asm.feed(frame)
     return asm.finish()[1]
 
@@ -212,7 +215,7 @@ def test_a_truncated_stream_exposes_no_old_bytes() -> None:
     stale[:] = FILL
     del stale  # free, holding FILL: the next tensor of this size gets it
     frames = list(
-        serde.EncodedModel(_state(), codec="none").frames(serde.StreamInfo(), chunk_size=256 * 1024)
+        serde.EncodedModel(_state(), codec=CodecSpec.NONE).frames(serde.StreamInfo(), chunk_size=256 * 1024)
     )
     asm = serde.ModelAssembler(buffers=pool)
     for frame in frames[:3]:  # part of "w" only

@@ -13,6 +13,7 @@ import torch
 
 from fedgrid.aggregation.fedavg import FedAvg
 from fedgrid.client.api import Client, FitOutput
+from fedgrid.compression.spec import CodecSpec
 from fedgrid.errors import InvalidUpdateError
 from fedgrid.server import accept
 from fedgrid.server.bounds import UpdateBounds
@@ -29,7 +30,7 @@ BASE = OrderedDict(w=torch.tensor([300.0, -2.0, 0.5]), steps=torch.tensor(4))
 
 def test_header_checks_name_what_is_wrong():
     bounds, client = UpdateBounds(max_num_examples=100), ClientInfo("c", num_examples=10)
-    accept.check_header(bounds, client, num_examples=10, delta=True, codec="int8")
+    accept.check_header(bounds, client, num_examples=10, delta=True, codec=CodecSpec.parse("int8"))
     for kwargs, message in [
         ({"num_examples": 0, "delta": False, "codec": "none"}, "num_examples must be at least 1"),
         (
@@ -41,7 +42,7 @@ def test_header_checks_name_what_is_wrong():
         ({"num_examples": 5, "delta": False, "codec": "int8"}, "sends differences (delta=True)"),
     ]:
         with pytest.raises(InvalidUpdateError, match=message.replace("(", r"\(").replace(")", r"\)")):
-            accept.check_header(bounds, client, **kwargs)
+            accept.check_header(bounds, client, **{**kwargs, "codec": CodecSpec.parse(kwargs["codec"])})
     accept.check_claim(
         bounds, client, 0, evaluate=True
     )  # an evaluation of nothing fails when counted, not here
@@ -122,7 +123,11 @@ class Trained(Client):
 @pytest.mark.parametrize("downlink, kept", [("none", True), ("int8", False)])
 def test_a_lossy_uplink_hands_over_deltas_only_over_an_exact_downlink(downlink, kept):
     glob = OrderedDict(w=torch.linspace(-1, 1, 300), steps=torch.tensor(2))
-    fleet = InProcessFleet([Trained("a", 0.5)], codec_policy=CodecPolicy("int8"), downlink_codec=downlink)
+    fleet = InProcessFleet(
+        [Trained("a", 0.5)],
+        codec_policy=CodecPolicy(CodecSpec.parse("int8")),
+        downlink_codec=CodecSpec.parse(downlink),
+    )
     [info] = fleet.wait_for_clients(min_clients=1, timeout=timedelta(seconds=1))
     outcome = fleet.fit_round(
         server_round=1, global_state=glob, assignments=[(info, FitIns(round=1))], timeout=timedelta(seconds=5)
@@ -147,7 +152,7 @@ def test_the_engine_hands_models_to_a_strategy_that_does_not_take_deltas():
     glob = OrderedDict(w=torch.linspace(-1, 1, 300))
     strategy = ModelsOnly()
     strategy.initialize(initial_state=glob)
-    fleet = InProcessFleet([Trained("a", 0.5)], codec_policy=CodecPolicy("int8"))
+    fleet = InProcessFleet([Trained("a", 0.5)], codec_policy=CodecPolicy(CodecSpec.parse("int8")))
     RoundEngine(
         strategy=strategy,
         fleet=fleet,

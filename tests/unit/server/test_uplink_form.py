@@ -17,7 +17,8 @@ from fedgrid.server.codec_policy import build_codec_policy, uplink_form
 
 
 def _form(codec: str, **overrides: Any) -> str:
-    return uplink_form(codec, load_config(overrides={"codec": codec, **overrides}))
+    config = load_config(overrides={"codec": codec, **overrides})
+    return uplink_form(config.codecs.uplink, config).text
 
 
 @pytest.mark.parametrize("strategy", ["fedavg", "fedavgm", "fedadam", "fedprox", "scaffold", "bcd"])
@@ -49,8 +50,11 @@ def test_the_policy_sends_each_region_its_form_and_says_so(caplog: pytest.LogCap
     config = load_config(overrides={"codec": "sparseloco", "region_codecs": "eu=demo:8,us=int8"})
     with caplog.at_level("INFO", logger="fedgrid.server.codec_policy"):
         policy = build_codec_policy(config)
-    assert policy.default == "sparseloco:64:scaled"
-    assert dict(policy.by_region) == {"eu": "demo:8:scaled", "us": "int8"}
+    assert policy.default.text == "sparseloco:64:scaled"
+    assert {region: spec.text for region, spec in policy.by_region.items()} == {
+        "eu": "demo:8:scaled",
+        "us": "int8",
+    }
     assert [r.getMessage() for r in caplog.records] == [
         "codec sparseloco is sent as sparseloco:64:scaled under fedavg, the form of it that learns there "
         "(name it to choose)",
@@ -59,4 +63,4 @@ def test_the_policy_sends_each_region_its_form_and_says_so(caplog: pytest.LogCap
     ]
     assert build_codec_policy(
         load_config(overrides={"codec": "sparseloco", "strategy": "diloco"})
-    ).default == ("sparseloco")
+    ).default.text == ("sparseloco")

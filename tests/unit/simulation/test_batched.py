@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Subset, TensorDataset
 from fedgrid.aggregation.scaffold import CONTROL_PREFIX
 from fedgrid.client.api import Client, FitOutput
 from fedgrid.client.torch_client import TorchClient
+from fedgrid.compression.spec import CodecSpec
 from fedgrid.errors import ConfigError
 from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.simulation.batched import BatchedTrainer, choose_engine
@@ -508,7 +509,7 @@ def test_bad_engine_values_are_config_errors():
 
 def test_fleet_batched_equals_sequential_with_topk_and_error_feedback():
     state = _state(_clients())
-    policy = CodecPolicy("topk:0.1")
+    policy = CodecPolicy(CodecSpec.parse("topk:0.1"))
     batched = _rounds(InProcessFleet(_clients(), engine="batched", codec_policy=policy), state)
     sequential = _rounds(InProcessFleet(_clients(), codec_policy=policy), state)
     for b, s in zip(batched, sequential):
