@@ -22,7 +22,9 @@ from fedgrid.aggregation.updates import (
     add_update,
     aggregate_deltas,
     average_values,
+    client_difference,
     client_value,
+    is_optimizable,
     split_names,
 )
 from fedgrid.seeding import derive_seed
@@ -51,8 +53,9 @@ class FedAvg(Strategy):
     themselves, exactly as McMahan et al.
 
     It takes results holding deltas (``accepts_deltas``; ``FitRes.delta``, a lossy uplink): an
-    aggregator gets them as they are, and the plain mean adds the global model back slice by
-    slice as it averages.
+    aggregator gets them as they are, and the plain mean averages them as differences and adds
+    the mean to the global model (a value result among them has the model subtracted), slice
+    by slice: no update is turned back into a model.
 
     Args:
         sampling: which clients a round asks and waits for, and what every task carries
@@ -182,9 +185,14 @@ class FedAvg(Strategy):
                         out[name] = rows.to(target.dtype)
                         continue
                 del given
+                # Results holding differences are averaged as differences and the mean added to
+                # the model: each update changes form once (its client's), not back to a value.
+                differences = not values and is_optimizable(target.dtype)
+                take = client_difference if differences else client_value
                 new_value = torch.empty_like(target)
                 flat = new_value.view(-1)
                 for start in range(0, max(target.numel(), 1), AGGREGATION_SLICE):
+                    part_of = slice(start, start + AGGREGATION_SLICE)
                     agg = WeightedMean()
                     for res in results:
                         got = res.state.get(name)
@@ -193,11 +201,14 @@ class FedAvg(Strategy):
                             raise ValueError(
                                 f"result from client {who!r}: tensor '{name}' is missing or has the wrong shape"
                             )
-                        part = client_value(state, res, name, slice(start, start + AGGREGATION_SLICE))
+                        part = take(state, res, name, part_of)
                         assert part is not None  # checked above: the result holds the tensor
                         agg.add({name: part}, res.mean_weight)
                         del got, part
                     piece = agg.result()[name]
+                    if differences:
+                        ref = target.reshape(-1)[part_of]
+                        piece = (ref.to(piece.dtype) + piece).to(target.dtype)  # as ``add_update``
                     flat[start : start + piece.numel()] = piece
                 out[name] = new_value
             return out

@@ -10,9 +10,11 @@ Deltas are computed in float32 (float64 for float64 tensors), so a bfloat16 mode
 updates are not rounded to bfloat16 before they are averaged.
 
 A result may already hold deltas (``FitRes.delta``: a lossy uplink sends differences, see
-docs/updates.rst): ``client_delta`` then takes them as they are, with no pass over the model
-and no rounding; ``client_value`` and ``as_model`` add the global model back for whoever
-wants values.
+docs/updates.rst): ``client_delta`` and ``client_difference`` then take them as they are,
+with no pass over the model and no rounding; ``client_value`` and ``as_model`` add the global
+model back for whoever needs values (a strategy that declares it: ``accepts_deltas = False``,
+or a rule over values such as LoRA's ``svd``). On the way from a client's fit to its strategy,
+an update changes form at most once (tests/integration/test_update_form.py).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ __all__ = [
     "split_names",
     "client_delta",
     "client_value",
+    "client_difference",
     "as_model",
     "aggregate_deltas",
     "average_values",
@@ -103,6 +106,26 @@ def client_value(
         return got
     ref = global_state[name]
     return (ref if part is None else ref.reshape(-1)[part]).to(got.device) + got
+
+
+def client_difference(
+    global_state: Mapping[str, torch.Tensor], res: FitRes, name: str, part: slice | None = None
+) -> torch.Tensor | None:
+    """The client's difference from the global model of the floating tensor ``name``, in the
+    compute dtype (``None`` if the result lacks it): a delta result's ``res.state[name]`` as
+    sent; a value result's ``res.state[name] - global_state[name]``. ``part``: only that slice of
+    the flattened tensor. (``client_delta`` is the same over whole tensors, shapes checked.)
+    """
+    got = res.state.get(name)
+    if got is None:
+        return None
+    ref = global_state[name]
+    if part is not None:
+        got, ref = got.reshape(-1)[part], ref.reshape(-1)[part]
+    dtype = compute_dtype(ref.dtype)
+    if res.delta and is_optimizable(got.dtype):  # already a difference: as sent
+        return got.detach().to("cpu", dtype)
+    return got.detach().to("cpu", dtype) - ref.detach().to("cpu", dtype)
 
 
 def as_model(global_state: Mapping[str, torch.Tensor], res: FitRes) -> FitRes:

@@ -81,7 +81,9 @@ class UplinkEncoder:
         # DiLoCo trains while its upload is encoded), and its state depends on the process.
         generator = torch.Generator().manual_seed(self._seed) if self.feedback.codec.stochastic else None
         for name, tensor in new_state.items():
-            value = tensor - global_state[name].to(tensor.device) if is_delta_tensor(tensor) else tensor
+            # A tensor the model lacks (SCAFFOLD's ``scaffold.c_delta.*``) has nothing to differ from: sent as it is.
+            ref = global_state.get(name)
+            value = tensor - ref.to(tensor.device) if ref is not None and is_delta_tensor(tensor) else tensor
             sent = self.feedback.encode(name, value.detach().to("cpu"), generator=generator)
             items.append((name, tensor.dtype, tuple(tensor.shape), self.feedback.codec.name, sent.payload))
         return EncodedModel.from_payloads(items), True

@@ -120,7 +120,8 @@ class UpdateCheck:
             InvalidUpdateError: the value (or the difference kept) is not finite, or the norm
                 so far is over its bound.
         """
-        difference = self.delta and is_delta_tensor(tensor)
+        # A tensor the round's model lacks (SCAFFOLD's control deltas) comes as it is (client/uplink.py).
+        difference = self.delta and is_delta_tensor(tensor) and name in self.base
         if difference and self.keeps_delta:  # no pass over the model, no rounding
             value = tensor
         else:
