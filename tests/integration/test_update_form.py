@@ -7,7 +7,7 @@ simulated one (``run_simulation``).
 The conversions are counted where they happen, by wrapping the functions that do them:
 
 - ``UplinkEncoder.encode`` (the client): a lossy uplink sends ``new - global``;
-- ``accept.UpdateCheck.add`` (the coordinator): a difference it does not keep is added back;
+- ``protocol.UpdateCheck.add`` (the coordinator): a difference it does not keep is added back;
 - ``updates.client_value``: a difference with the global model added back;
 - ``updates.client_delta`` and ``updates.client_difference``: a value with the global model
   subtracted;
@@ -34,7 +34,7 @@ from fedgrid.client.uplink import UplinkEncoder
 from fedgrid.compression.feedback import is_delta_tensor
 from fedgrid.config import load_config
 from fedgrid.runlog import read_metrics
-from fedgrid.server import accept, late_merge, privacy
+from fedgrid.server import late_merge, privacy, protocol
 from fedgrid.simulation.run import run_simulation
 from fedgrid.simulation.tasks import builtin_client, client_options
 
@@ -54,7 +54,7 @@ class Conversions:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.counts: Counter[tuple[str, str]] = Counter()
         self._lock = threading.Lock()
-        encode, add = UplinkEncoder.encode, accept.UpdateCheck.add
+        encode, add = UplinkEncoder.encode, protocol.UpdateCheck.add
         client_value, client_delta, rebase = updates.client_value, updates.client_delta, staleness.rebase
         client_difference = updates.client_difference
 
@@ -95,7 +95,7 @@ class Conversions:
             return rebase(res, base, weight=weight)
 
         monkeypatch.setattr(UplinkEncoder, "encode", counted_encode)
-        monkeypatch.setattr(accept.UpdateCheck, "add", counted_add)
+        monkeypatch.setattr(protocol.UpdateCheck, "add", counted_add)
         for module in (updates, fedavg, lora):
             monkeypatch.setattr(module, "client_value", counted_value)
         for module in (updates, privacy):

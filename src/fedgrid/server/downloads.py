@@ -5,7 +5,7 @@ A client downloads the whole model, or on a lossless downlink the tensors its ta
 compressed downlink the change since the version it holds (``server/downlink.py``); a client
 of another LoRA rank than the model's downloads the model refactorized to its rank, whole
 (``fedgrid.aggregation.lora_ranks``). The
-wire bytes go to the round's ``RoundTally`` (``server/accept.py``) whether or not the stream
+wire bytes go to the round's ``RoundTally`` (``server/protocol.py``) whether or not the stream
 completes, and the client counts as alive while it downloads (``Registry.live``).
 """
 
@@ -16,9 +16,9 @@ from typing import Callable, Iterator
 
 from fedgrid.errors import StaleTaskError
 from fedgrid.proto import serde
-from fedgrid.server.accept import sends_differences
 from fedgrid.server.downlink import Downlink
 from fedgrid.server.membership import Registry
+from fedgrid.server.protocol import download_names
 from fedgrid.server.rounds import RoundTask
 from fedgrid.textsafe import escape
 from fedgrid.types import FitIns
@@ -89,9 +89,8 @@ class Downloads:
         if not isinstance(ins, FitIns):
             return None
         # An uplink sending differences takes them against the global values of what it uploads.
-        return ins.download_names(
-            lossless_downlink=self.downlink.lossless,
-            delta_uplink=sends_differences(rnd.uplink_codec(client_id)),
+        return download_names(
+            ins, lossless_downlink=self.downlink.lossless, codec=rnd.uplink_codec(client_id)
         )
 
     def _part(self, rnd: RoundTask, names: frozenset[str]) -> serde.EncodedModel:

@@ -12,10 +12,11 @@ tokens are compared by hash with ``hmac.compare_digest``. A restored coordinator
 authenticates the sessions clients hold.
 
 A Join is checked before it touches state: name (at most ``MAX_NAME_CHARS``), region
-(``MAX_REGION_CHARS``) and codec names (``MAX_LABEL_CHARS``, at most ``MAX_CODECS``) are
+(``MAX_REGION_CHARS``) and codec names (``MAX_LABEL_CHARS``, at most ``protocol.MAX_CODECS``) are
 printable text (``fedgrid.textsafe.check_label``); the device is a device type and the
 accelerator count and memory are within ``fedgrid.capabilities``' bounds
-(``check_capabilities``); ``num_examples`` is within ``UpdateBounds.max_num_examples``.
+(``check_capabilities``); ``num_examples`` is within ``UpdateBounds.max_num_examples``. The
+checks are ``server/protocol.py``'s ``check_joining``, which the simulated fleet calls too.
 Client text is logged through ``escape``.
 
 One identity (a name; under mutual TLS the certificate's) has one session. The newest Join
@@ -54,11 +55,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from fedgrid.capabilities import check_capabilities
 from fedgrid.constants import MAX_SESSIONS
 from fedgrid.errors import (
     AuthenticationError,
-    InvalidUpdateError,
     PermissionDeniedError,
     ResourceLimitError,
     SessionReplacedError,
@@ -67,26 +66,23 @@ from fedgrid.events import EventLog
 from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.log_budget import LogBudget
 from fedgrid.server.peers import CALLER
+from fedgrid.server.protocol import check_joining
 from fedgrid.server.wakeups import Wakeups
-from fedgrid.textsafe import MAX_LABEL_CHARS, MAX_NAME_CHARS, MAX_REGION_CHARS, check_label, escape
+from fedgrid.textsafe import escape
 from fedgrid.types import ClientInfo
 
 __all__ = [
     "ClientRecord",
     "Registry",
     "SILENCE_INTERVALS",
-    "MAX_CODECS",
     "MAX_REPLACED",
     "token_hash",
-    "check_joining",
 ]
 
 log = logging.getLogger(__name__)
 
 #: A client silent for this many heartbeat intervals is considered gone.
 SILENCE_INTERVALS = 3.0
-#: Codec names a client may advertise at Join.
-MAX_CODECS = 32
 #: Replaced sessions remembered, so that a process still using one is told (the oldest go first).
 MAX_REPLACED = 1024
 
@@ -94,18 +90,6 @@ MAX_REPLACED = 1024
 def token_hash(token: str) -> str:
     """SHA-256 hex digest of a session token: what the registry keeps instead of the token."""
     return hashlib.sha256(token.encode()).hexdigest()
-
-
-def check_joining(joining: ClientInfo, bounds: UpdateBounds) -> None:
-    """Raises ``InvalidUpdateError`` naming the rule a Join breaks (see the module docstring)."""
-    check_label(joining.name, what="name", limit=MAX_NAME_CHARS)
-    check_label(joining.region, what="region", limit=MAX_REGION_CHARS)
-    check_capabilities(joining.device, joining.num_accelerators, joining.memory_bytes)
-    if len(joining.codecs) > MAX_CODECS:
-        raise InvalidUpdateError(f"codecs: {len(joining.codecs)} advertised, at most {MAX_CODECS}")
-    for codec in joining.codecs:
-        check_label(codec, what="codec name", limit=MAX_LABEL_CHARS)
-    bounds.check_join(joining.num_examples)
 
 
 @dataclass

@@ -15,10 +15,10 @@ import logging
 from datetime import timedelta
 from typing import Callable, Mapping, Sequence
 
-from fedgrid.compression.spec import CodecSpec
 from fedgrid.events import EventLog
 from fedgrid.proto import serde
 from fedgrid.proto.buffers import receive_buffers
+from fedgrid.server import protocol
 from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.disk import StorageGuard
 from fedgrid.server.downlink import Downlink, RoundDownlink
@@ -134,16 +134,16 @@ class Phases:
         once ``target`` (default: all) reported, the rest failed, or the deadline passed.
         Under a ``quorum``: once ``quorum.min_quorum`` reported and ``quorum.grace_s`` passed
         (or all reported), the clients still pending keep their task (``RoundOutcome.waiting``)."""
-        codecs = {info.client_id: self.codec_policy.uplink(info) for info, _ in assignments}
+        tasks = {info.client_id: protocol.fit_task(self.codec_policy, info, ins) for info, ins in assignments}
         rnd = self._new_task(
             server_round,
             FIT,
-            [(info, self._with_codec(ins, codecs[info.client_id])) for info, ins in assignments],
+            [(info, tasks[info.client_id][0]) for info, _ in assignments],
             timeout,
             downlink=self.downlink.prepare(global_state),
             expected=TensorSpec.of(global_state),
         )
-        rnd.codecs.update(codecs)
+        rnd.codecs.update((cid, codec) for cid, (_, codec) in tasks.items())
         # Updates that landed before a restart are not asked for again.
         rnd.results.update(
             self.spill.restore(
@@ -304,6 +304,3 @@ class Phases:
             **quorum_fields,
         )
         return results, failures, cancelled
-
-    def _with_codec(self, ins: FitIns, codec: CodecSpec) -> FitIns:
-        return dataclasses.replace(ins, config={**ins.config, **self.codec_policy.task_config(codec)})

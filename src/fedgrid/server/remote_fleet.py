@@ -6,7 +6,7 @@ heartbeat, failure reports, leave) and runs each phase of a round until it close
 parts live beside it, each a collaborator sharing the fleet's lock: the client registry
 (``server/membership.py``), long polls (``server/polls.py``), downloads
 (``server/downloads.py``), uploads (``server/uploads.py``, accepting through
-``server/accept.py``), failure reports and leaves (``server/departures.py``), message phases
+``server/protocol.py``), failure reports and leaves (``server/departures.py``), message phases
 (``server/messages.py``), running a phase from opening to outcome (``server/phases.py``), the
 open task, its closing and the relay rules (``server/rounds.py``), the tasks a quorum's round
 carries and their late results (``server/late_results.py``), spill and downlink. It raises

@@ -18,8 +18,8 @@ from fedgrid.compression.spec import CodecSpec
 from fedgrid.constants import MAX_OUTBOX_BYTES, MAX_PHASE_MESSAGE_BYTES
 from fedgrid.errors import InvalidUpdateError, PayloadTooLargeError
 from fedgrid.proto import serde
-from fedgrid.server.accept import RoundTally
 from fedgrid.server.downlink import RoundDownlink
+from fedgrid.server.protocol import RoundTally
 from fedgrid.types import (
     EVALUATE,
     FIT,
@@ -70,7 +70,7 @@ class RoundTask:
     partials: dict[str, "Upload"] = field(default_factory=dict)  # broken uploads, by client
     closed: bool = False
     closed_by: str = ""  # why it closed: one of fedgrid.events.CLOSE_REASONS
-    tally: RoundTally = field(default_factory=RoundTally)  # the bytes moved (``server/accept.py``)
+    tally: RoundTally = field(default_factory=RoundTally)  # the bytes moved (``server/protocol.py``)
     parts: dict[frozenset[str], serde.EncodedModel] = field(
         default_factory=dict
     )  # partial downloads, by tensors

@@ -6,7 +6,7 @@ the expected specs); a fit update's tensors are checked as they complete and wri
 their spill file. An update is accepted whole or not at all.
 
 Before any tensor is read, the header must name this run (``run_id``: the id the client got
-at Join) and pass ``server/accept.py``'s header checks (the ``delta`` flag against the
+at Join) and pass ``server/protocol.py``'s header checks (the ``delta`` flag against the
 negotiated uplink codec, ``num_examples`` against its bounds); each tensor must come in the
 task's uplink codec (``ModelAssembler``'s ``codec``: an integer or bool tensor may come raw)
 and pass its ``UpdateCheck`` (finite, within the norm bound), and the bytes go to the round's
@@ -26,7 +26,7 @@ import torch
 from fedgrid.errors import DuplicateUpdateError, FedgridError, InvalidUpdateError, StaleTaskError
 from fedgrid.events import EventLog
 from fedgrid.proto import serde
-from fedgrid.server import accept
+from fedgrid.server import protocol
 from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.membership import ClientRecord, Registry
 from fedgrid.server.rounds import RoundTask
@@ -99,7 +99,7 @@ class Uploads:
         Raises:
             InvalidUpdateError: malformed stream or tensors, another run's id, a ``delta``
                 flag that does not match the task's codec, a weight or norm over its bound
-                (state unchanged; the checks are ``server/accept.py``'s).
+                (state unchanged; the checks are ``server/protocol.py``'s).
             AuthenticationError, StaleTaskError, DuplicateUpdateError: as named.
         """
         iterator = iter(frames)
@@ -173,7 +173,7 @@ class Uploads:
                     f"task {escape(header.task_id)} is message phase {rnd.kind!r}: it takes SendMessages, not an upload"
                 )
             if not rnd.evaluate:
-                accept.check_delta(rnd.uplink_codec(client_id), header.delta)
+                protocol.check_delta(rnd.uplink_codec(client_id), header.delta)
             if client_id in rnd.uploading:
                 raise DuplicateUpdateError(
                     f"an upload for round {rnd.server_round} from client {escape(client_id)} is in progress"
@@ -259,14 +259,13 @@ class Uploads:
         result = FitRes(client, check.whole(state), stream.num_examples, metrics, check.keeps_delta)
         return self.spill.put(task_id=rnd.task_id, result=result)
 
-    def _check(self, rnd: RoundTask, client_id: str, delta: bool) -> accept.UpdateCheck:
-        """The check of a fit update: differences are kept as such (``FitRes.delta``) when clients
-        hold the exact model; a client of its own LoRA rank took them against its own download."""
+    def _check(self, rnd: RoundTask, client_id: str, delta: bool) -> protocol.UpdateCheck:
+        """The check of a fit update and the form it is kept in (``protocol.update_check``)."""
         ranked = rnd.at_rank(client_id)
-        if ranked is not None:
-            return accept.UpdateCheck(ranked[0], self.bounds, delta=delta)
-        keep = rnd.downlink is not None and rnd.downlink.exact
-        return accept.UpdateCheck(rnd.global_state, self.bounds, delta=delta, keep_delta=keep)
+        assert rnd.downlink is not None  # a fit phase
+        return protocol.update_check(
+            rnd.downlink, self.bounds, delta=delta, ranked=None if ranked is None else ranked[0]
+        )
 
     def _count(
         self, rnd: RoundTask, client: ClientInfo, upload: Upload, result: FitRes | EvaluateRes
@@ -326,8 +325,8 @@ class Uploads:
         expected: Mapping[str, TensorSpec] = (
             {} if rnd.evaluate else ranked[1] if ranked else (getattr(ins, "expected", None) or rnd.expected)
         )
-        raw = accept.raw_bytes(expected)
-        accept.check_claim(self.bounds, client, header.num_examples, evaluate=rnd.evaluate)
+        raw = protocol.raw_bytes(expected)
+        protocol.check_claim(self.bounds, client, header.num_examples, evaluate=rnd.evaluate)
         if rnd.evaluate:
             return Upload(serde.ModelAssembler(expected=expected), None, raw, client.client_id)
         check = self._check(rnd, client.client_id, header.delta)

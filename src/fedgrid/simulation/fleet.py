@@ -13,7 +13,7 @@ counted in ``bytes_down``; and gets its task; (2) the clients train, through an 
 ``TorchClient`` clients of one model at once with stacked parameters
 (``fedgrid.simulation.batched``); (3) each client's update is encoded with its
 uplink codec (error feedback per client), framed, decoded (but for a raw one, above), and
-accepted by the coordinator's own functions (``fedgrid.simulation.upload``; ``server/accept.py``:
+accepted by the coordinator's own functions (``fedgrid.simulation.upload``; ``server/protocol.py``:
 the header's ``delta`` flag and ``num_examples``, then each tensor finite and within the norm
 bound, then the round's bytes), so a simulated client fails exactly where a deployed one would, with the
 same message; names and counts are checked at construction as at Join. A client's error in
@@ -48,12 +48,12 @@ from fedgrid.compression import available_codecs
 from fedgrid.compression.spec import CodecSpec
 from fedgrid.errors import ConfigError
 from fedgrid.proto import serde
-from fedgrid.server.accept import RoundTally
+from fedgrid.server import protocol
 from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.downlink import Downlink, RoundDownlink
 from fedgrid.server.fleet import QUORUM_NEEDS_REPLAY, Fleet, Quorum, RoundOutcome
-from fedgrid.server.membership import check_joining
+from fedgrid.server.protocol import RoundTally
 from fedgrid.simulation.batched import BatchedTrainer, choose_engine, recurrent_module
 from fedgrid.simulation.fleet_rounds import evaluate_clients, exchange_messages
 from fedgrid.simulation.upload import upload
@@ -171,7 +171,7 @@ class InProcessFleet(Fleet):
                 codecs=codecs,
                 lora_rank=client.lora_rank,
             )
-            check_joining(info, self.bounds)
+            protocol.check_joining(info, self.bounds)
             self._infos.append(info)
         self.chunk_size = chunk_size
         self.codec_policy = codec_policy or CodecPolicy()
@@ -320,7 +320,7 @@ class InProcessFleet(Fleet):
         views = RankViews(downlink.base)
         results: list[FitRes] = []
         failures: list[Failure] = []
-        tally = RoundTally()  # as RemoteFleet counts a round (server/accept.py)
+        tally = RoundTally()  # as RemoteFleet counts a round (server/protocol.py)
         goal = len(assignments) if target is None else target
         pending, seconds = self._available(
             server_round, assignments, failures, keep_fastest=target is not None
@@ -346,7 +346,9 @@ class InProcessFleet(Fleet):
                         raise out
                     out = _timed(out, trained_s)
                     results.append(
-                        self._upload(server_round, info, ins, codec, state, out, views, expected, tally)
+                        self._upload(
+                            server_round, info, ins, codec, state, out, downlink, views, expected, tally
+                        )
                     )
                 except Exception as exc:  # a client's failure is data for the strategy
                     log.warning("client %s failed in round %d: %s", info.name, server_round, exc)
@@ -398,15 +400,10 @@ class InProcessFleet(Fleet):
         prepared: list[tuple[ClientInfo, FitIns, CodecSpec, ModelState | Exception]] = []
         for info, ins in group:
             try:
-                codec = self.codec_policy.uplink(info)
-                # An uplink sending differences takes them against the global values of what it uploads.
-                delta_uplink = not self._uplink(info.client_id, codec).lossless
-                names = ins.download_names(
-                    lossless_downlink=self.downlink.lossless, delta_uplink=delta_uplink
-                )
+                task, codec = protocol.fit_task(self.codec_policy, info, ins)
+                names = protocol.download_names(ins, lossless_downlink=self.downlink.lossless, codec=codec)
                 state, size = self._download(downlink, server_round, info, downloads, names, views)
                 tally.add_down(info.region, size)
-                task = dataclasses.replace(ins, config={**ins.config, **self.codec_policy.task_config(codec)})
                 prepared.append((info, task, codec, state))
             except Exception as exc:  # a client's failure is data for the strategy
                 prepared.append((info, ins, CodecSpec.NONE, exc))
@@ -420,6 +417,7 @@ class InProcessFleet(Fleet):
         codec: CodecSpec,
         state: ModelState,
         out: FitOutput,
+        downlink: RoundDownlink,
         views: RankViews,
         round_specs: Mapping[str, TensorSpec],
         tally: RoundTally,
@@ -434,12 +432,12 @@ class InProcessFleet(Fleet):
             codec=codec,
             state=state,
             out=out,
-            base=views.at(info.lora_rank),
+            downlink=downlink,
+            ranked=views.at(info.lora_rank) if ranked else None,
             round_specs=specs_at_rank(round_specs, info.lora_rank) if ranked else round_specs,
             tally=tally,
             bounds=self.bounds,
             chunk_size=self.chunk_size,
-            keep_delta=self.downlink.lossless and not ranked,
             fast=self.fast_lossless,
             uplink=lambda: self._uplink(info.client_id, codec).begin(server_round, ins.config, info.name),
         )

@@ -13,7 +13,7 @@ from typing import Callable, Mapping, Sequence
 from fedgrid.aggregation.lora_ranks import RankViews
 from fedgrid.client.api import Client
 from fedgrid.proto import serde
-from fedgrid.server import accept
+from fedgrid.server import protocol
 from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.fleet import RoundOutcome
 from fedgrid.server.rounds import check_outbox, relay
@@ -44,7 +44,7 @@ def evaluate_clients(
 ) -> RoundOutcome[EvaluateRes]:
     """Each assigned client's ``evaluate`` of ``global_state``, which it downloads over the
     simulated wire; its result crosses the wire back and is checked against ``bounds``
-    (``accept.check_claim``) as the coordinator checks it. A client that fails, or evaluated
+    (``protocol.check_claim``) as the coordinator checks it. A client that fails, or evaluated
     no examples, is a ``Failure``."""
     views = RankViews(global_state)  # a client of its own LoRA rank evaluates the model at that rank
     encoded = {0: serde.EncodedModel(global_state)}
@@ -63,7 +63,7 @@ def evaluate_clients(
             info_up = serde.StreamInfo(round=server_round, num_examples=out.num_examples, metrics=out.metrics)
             up = list(serde.EncodedModel({}).frames(info_up))
             header, _ = serde.decode_chunks(up, expected={})
-            accept.check_claim(bounds, info, header.num_examples, evaluate=True)
+            protocol.check_claim(bounds, info, header.num_examples, evaluate=True)
         except Exception as exc:  # a client's failure is data for the strategy
             failures.append(Failure(info, f"{type(exc).__name__}: {exc}"))
             continue

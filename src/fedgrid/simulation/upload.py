@@ -1,7 +1,7 @@
 """Phase 3 of ``InProcessFleet``'s round: a simulated client's update on its way up.
 
 The update goes through its uplink codec (error feedback per client), is framed, decoded and
-accepted by the coordinator's own functions (``server/accept.py``: the header's ``delta``
+accepted by the coordinator's own functions (``server/protocol.py``: the header's ``delta``
 flag and ``num_examples``, then each tensor finite and within the norm bound, then the
 round's bytes), so a simulated client fails exactly where a deployed one would, with the
 same message. A raw (``none``) upload that would decode to exactly what was sent skips the
@@ -20,9 +20,10 @@ from fedgrid.client.api import FitOutput, OwnedState
 from fedgrid.client.uplink import UplinkEncoder
 from fedgrid.compression.spec import CodecSpec
 from fedgrid.proto import serde
-from fedgrid.server import accept
-from fedgrid.server.accept import RoundTally
+from fedgrid.server import protocol
 from fedgrid.server.bounds import UpdateBounds
+from fedgrid.server.downlink import RoundDownlink
+from fedgrid.server.protocol import RoundTally
 from fedgrid.types import ClientInfo, FitIns, FitRes, ModelState, TensorSpec
 
 __all__ = ["raw_passes", "upload"]
@@ -52,24 +53,24 @@ def upload(
     codec: CodecSpec,
     state: ModelState,
     out: FitOutput,
-    base: ModelState,
+    downlink: RoundDownlink,
+    ranked: ModelState | None,
     round_specs: Mapping[str, TensorSpec],
     tally: RoundTally,
     bounds: UpdateBounds,
     chunk_size: int,
-    keep_delta: bool,
     fast: bool,
     uplink: Callable[[], UplinkEncoder],
 ) -> FitRes:
     """One client's update through its uplink codec, accepted as the coordinator accepts it
-    (``server/accept.py``: header, then each tensor, then the bytes), its bytes added to ``tally``.
+    (``server/protocol.py``: header, then each tensor, then the bytes), its bytes added to ``tally``.
 
     Args:
         state: the model the client downloaded (what a difference is taken against).
         out: what the client's training returned.
-        base: the round's global model.
+        downlink: the round's downloads (``downlink.base``: the model the clients hold).
+        ranked: for a client of its own LoRA rank, the round's model at that rank.
         round_specs: the round's tensors, unless the task names its own (``FitIns.expected``).
-        keep_delta: keep a difference as such (``FitRes.delta``): clients hold the exact model.
         fast: take the raw fast path where ``raw_passes``.
         uplink: the client's uplink encoder for ``codec`` (called on the wire's path only).
 
@@ -91,10 +92,10 @@ def upload(
             chunk_size=chunk_size,
             uplink=uplink,
         )
-    # Differences are kept as such (FitRes.delta) where clients hold the exact model, as RemoteFleet keeps them.
-    check = accept.UpdateCheck(base, bounds, delta=header.delta, keep_delta=keep_delta)
+    # Kept in the form RemoteFleet keeps it (``protocol.update_check``).
+    check = protocol.update_check(downlink, bounds, delta=header.delta, ranked=ranked)
     update = check.whole(received)
-    tally.add_up(info.region, wire=wire, payload=payload, raw=accept.raw_bytes(expected))
+    tally.add_up(info.region, wire=wire, payload=payload, raw=protocol.raw_bytes(expected))
     return FitRes(info, update, header.num_examples, header.metrics, check.keeps_delta)
 
 
@@ -105,7 +106,7 @@ def _raw(
     metrics = {k: float(v) for k, v in out.metrics.items()}
     header = serde.StreamInfo(round=server_round, num_examples=out.num_examples, metrics=metrics)
     serde.check_metrics(header.metrics)
-    accept.check_header(bounds, info, num_examples=header.num_examples, delta=False, codec=CodecSpec.NONE)
+    protocol.check_header(bounds, info, num_examples=header.num_examples, delta=False, codec=CodecSpec.NONE)
     # A TorchClient's upload and the batched engine's rows are fresh copies (OwnedState);
     # anything else a client may still hold.
     received = (
@@ -140,6 +141,6 @@ def _wire(
     )
     frames = list(encoded.frames(head, chunk_size=chunk_size))
     sent = serde.read_header(frames[0])
-    accept.check_header(bounds, info, num_examples=sent.num_examples, delta=sent.delta, codec=codec)
+    protocol.check_header(bounds, info, num_examples=sent.num_examples, delta=sent.delta, codec=codec)
     header, received = serde.decode_chunks(frames, expected=expected, codec=codec)
     return header, received, sum(serde.wire_size(c) for c in frames), encoded.total_bytes

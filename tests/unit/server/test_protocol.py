@@ -1,4 +1,4 @@
-"""``server/accept.py``: the checks every fleet applies to an update, the delta results it
+"""``server/protocol.py``: the checks every fleet applies to an update, the delta results it
 keeps (``FitRes.delta``), and the round's byte tally; the delta flag survives a spill and
 reaches only strategies that take it."""
 
@@ -15,7 +15,7 @@ from fedgrid.aggregation.fedavg import FedAvg
 from fedgrid.client.api import Client, FitOutput
 from fedgrid.compression.spec import CodecSpec
 from fedgrid.errors import InvalidUpdateError
-from fedgrid.server import accept
+from fedgrid.server import protocol
 from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.engine import RoundEngine
@@ -30,7 +30,7 @@ BASE = OrderedDict(w=torch.tensor([300.0, -2.0, 0.5]), steps=torch.tensor(4))
 
 def test_header_checks_name_what_is_wrong():
     bounds, client = UpdateBounds(max_num_examples=100), ClientInfo("c", num_examples=10)
-    accept.check_header(bounds, client, num_examples=10, delta=True, codec=CodecSpec.parse("int8"))
+    protocol.check_header(bounds, client, num_examples=10, delta=True, codec=CodecSpec.parse("int8"))
     for kwargs, message in [
         ({"num_examples": 0, "delta": False, "codec": "none"}, "num_examples must be at least 1"),
         (
@@ -42,41 +42,41 @@ def test_header_checks_name_what_is_wrong():
         ({"num_examples": 5, "delta": False, "codec": "int8"}, "sends differences (delta=True)"),
     ]:
         with pytest.raises(InvalidUpdateError, match=message.replace("(", r"\(").replace(")", r"\)")):
-            accept.check_header(bounds, client, **{**kwargs, "codec": CodecSpec.parse(kwargs["codec"])})
-    accept.check_claim(
+            protocol.check_header(bounds, client, **{**kwargs, "codec": CodecSpec.parse(kwargs["codec"])})
+    protocol.check_claim(
         bounds, client, 0, evaluate=True
     )  # an evaluation of nothing fails when counted, not here
 
 
 def test_a_kept_difference_is_checked_as_the_value_it_stands_for():
     diff = torch.tensor([1e-3, 2.0, -0.25])
-    kept = accept.UpdateCheck(BASE, UpdateBounds(max_update_norm=3.0), delta=True, keep_delta=True)
+    kept = protocol.UpdateCheck(BASE, UpdateBounds(max_update_norm=3.0), delta=True, keep_delta=True)
     assert kept.keeps_delta and torch.equal(kept.add("w", diff), diff)
     assert torch.equal(kept.add("steps", BASE["steps"]), BASE["steps"])
-    added = accept.UpdateCheck(BASE, UpdateBounds(max_update_norm=3.0), delta=True)
+    added = protocol.UpdateCheck(BASE, UpdateBounds(max_update_norm=3.0), delta=True)
     assert not added.keeps_delta and torch.equal(added.add("w", diff), BASE["w"] + diff)
     assert kept.norm is not None and added.norm is not None
     assert math.isclose(kept.norm.value, float(diff.double().norm()), rel_tol=1e-12)
     assert math.isclose(added.norm.value, kept.norm.value, rel_tol=1e-6)
     with pytest.raises(InvalidUpdateError, match="over max_update_norm"):
-        accept.UpdateCheck(BASE, UpdateBounds(max_update_norm=1.0), delta=True, keep_delta=True).add(
+        protocol.UpdateCheck(BASE, UpdateBounds(max_update_norm=1.0), delta=True, keep_delta=True).add(
             "w", diff
         )
     with pytest.raises(InvalidUpdateError, match="contains NaN"):
         kept.add("w", torch.tensor([0.0, math.nan, 0.0]))
-    values = accept.UpdateCheck(BASE, UpdateBounds(), delta=False, keep_delta=True)
+    values = protocol.UpdateCheck(BASE, UpdateBounds(), delta=False, keep_delta=True)
     assert not values.keeps_delta  # whole values are values, whatever the downlink
 
 
 def test_the_tally_counts_bytes_by_region():
-    tally = accept.RoundTally()
+    tally = protocol.RoundTally()
     tally.add_up("eu", wire=100, payload=80, raw=320)
     tally.add_up("", wire=50, payload=40, raw=160)
     tally.add_down("eu", 7)
     assert (tally.bytes_up, tally.bytes_down) == (150, 7)
     assert tally.extra() == {"uplink_ratio": 4.0, "bytes_up.eu": 100.0, "bytes_down.eu": 7.0}
-    assert accept.RoundTally().extra() == {}
-    assert accept.raw_bytes(TensorSpec.of(BASE)) == 3 * 4 + 8
+    assert protocol.RoundTally().extra() == {}
+    assert protocol.raw_bytes(TensorSpec.of(BASE)) == 3 * 4 + 8
 
 
 def test_the_delta_flag_survives_the_spill(tmp_path):

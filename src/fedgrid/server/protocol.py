@@ -1,19 +1,28 @@
-"""Accepting an update: the one path every fleet takes from "a client sent this" to "a result
-of the round".
+"""The per-client round protocol: what a round asks of one client and how its answer is taken.
 
-``RemoteFleet`` (``server/uploads.py``) and the simulated fleets (``simulation/fleet.py``)
-call these functions, so a simulated run refuses what a deployment refuses, with the same
-error and message, and counts the same bytes:
+Both fleets call this module and differ only in transport: ``RemoteFleet`` over gRPC
+(``server/phases.py`` sends the tasks, ``server/downloads.py`` the models,
+``server/uploads.py`` receives the updates) and the simulated ``InProcessFleet``
+(``simulation/fleet.py``, ``simulation/upload.py``) in process. A simulated run therefore
+asks what a deployment asks, refuses what it refuses with the same error and message, keeps
+an update in the same form and counts the same bytes:
 
-1. ``check_header``, before any tensor is read: the ``delta`` flag must match the task's
-   uplink codec (a lossless codec never sends differences: a ``delta`` update on a ``none``
-   task would be added to the global model), and ``num_examples`` must be within its bounds
-   (``server/bounds.py``; a fit update claims at least one example, since its claim is its
-   weight in a mean).
-2. ``UpdateCheck``, on each tensor as it completes (shape and dtype are the decoder's,
-   ``serde.ModelAssembler``, against the task's expected specs): a difference is taken as
-   its value against the round's model, which must be finite and within the norm bound.
-3. ``RoundTally``: the round's wire, payload and uncompressed bytes, up and down, by region.
+- the task's configuration: ``fit_task`` puts the client's uplink codec (``CodecPolicy``) and
+  its error feedback into its task;
+- the download's form: ``download_names``, the tensors a client downloads;
+- acceptance: ``check_joining`` at Join; ``check_header`` before any tensor of an update is
+  read: the ``delta`` flag must match the task's uplink codec (a lossless codec never sends
+  differences: a ``delta`` update on a ``none`` task would be added to the global model), and
+  ``num_examples`` must be within its bounds (``server/bounds.py``; a fit update claims at
+  least one example, since its claim is its weight in a mean); then ``UpdateCheck`` on each
+  tensor as it completes (shape and dtype are the decoder's, ``serde.ModelAssembler``, against
+  the task's expected specs): finite and within the norm bound;
+- the update's form: ``update_check`` decides it, in one place: a difference stays a
+  difference (``FitRes.delta``) from the client's fit to the strategy's aggregate; it is
+  added back only where the client took it against another model than the round's (a lossy
+  downlink's shadow, or the model at the client's own LoRA rank);
+- the byte tally: ``RoundTally``, the round's wire, payload and uncompressed bytes, up and
+  down, by region.
 
 Each refusal raises ``InvalidUpdateError``; the gRPC servicer maps it to INVALID_ARGUMENT
 and the simulated fleet records it as the client's ``Failure`` for the round.
@@ -21,28 +30,74 @@ and the simulated fleet records it as the client's ``Failure`` for the round.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 
+from fedgrid.capabilities import check_capabilities
 from fedgrid.compression.feedback import is_delta_tensor
 from fedgrid.compression.spec import CodecSpec
 from fedgrid.errors import InvalidUpdateError
 from fedgrid.proto import serde
 from fedgrid.server.bounds import UpdateBounds
-from fedgrid.types import ClientInfo, ModelState, TensorSpec
+from fedgrid.textsafe import MAX_LABEL_CHARS, MAX_NAME_CHARS, MAX_REGION_CHARS, check_label
+from fedgrid.types import ClientInfo, FitIns, ModelState, TensorSpec
+
+if TYPE_CHECKING:
+    from fedgrid.server.codec_policy import CodecPolicy
+    from fedgrid.server.downlink import RoundDownlink
 
 __all__ = [
+    "MAX_CODECS",
     "RoundTally",
     "UpdateCheck",
     "check_claim",
     "check_delta",
     "check_header",
+    "check_joining",
+    "download_names",
+    "fit_task",
     "raw_bytes",
     "sends_differences",
+    "update_check",
 ]
+
+#: Codec names a client may advertise at Join.
+MAX_CODECS = 32
+
+
+def check_joining(joining: ClientInfo, bounds: UpdateBounds) -> None:
+    """What a Join must pass (``server/membership.py``'s docstring): its labels, capabilities,
+    advertised codecs and ``num_examples``.
+
+    Raises:
+        InvalidUpdateError: naming the rule the Join breaks.
+    """
+    check_label(joining.name, what="name", limit=MAX_NAME_CHARS)
+    check_label(joining.region, what="region", limit=MAX_REGION_CHARS)
+    check_capabilities(joining.device, joining.num_accelerators, joining.memory_bytes)
+    if len(joining.codecs) > MAX_CODECS:
+        raise InvalidUpdateError(f"codecs: {len(joining.codecs)} advertised, at most {MAX_CODECS}")
+    for codec in joining.codecs:
+        check_label(codec, what="codec name", limit=MAX_LABEL_CHARS)
+    bounds.check_join(joining.num_examples)
+
+
+def fit_task(policy: "CodecPolicy", client: ClientInfo, ins: FitIns) -> tuple[FitIns, CodecSpec]:
+    """``client``'s fit task as it is sent, and its uplink codec: the policy's codec for the
+    client, and its error feedback, in the task's config (a client reads them back from it)."""
+    codec = policy.uplink(client)
+    return dataclasses.replace(ins, config={**ins.config, **policy.task_config(codec)}), codec
+
+
+def download_names(ins: FitIns, *, lossless_downlink: bool, codec: CodecSpec) -> frozenset[str] | None:
+    """The tensors a client with fit task ``ins`` and uplink ``codec`` downloads (``None``: all):
+    ``FitIns.download`` on a lossless downlink, with the tensors it uploads when its uplink
+    sends differences (they are taken against their global values)."""
+    return ins.download_names(lossless_downlink=lossless_downlink, delta_uplink=sends_differences(codec))
 
 
 def sends_differences(codec: CodecSpec) -> bool:
@@ -135,6 +190,25 @@ class UpdateCheck:
     def whole(self, received: Mapping[str, torch.Tensor]) -> ModelState:
         """``add`` on every tensor of ``received``, in order."""
         return OrderedDict((name, self.add(name, tensor)) for name, tensor in received.items())
+
+
+def update_check(
+    downlink: "RoundDownlink",
+    bounds: UpdateBounds,
+    *,
+    delta: bool,
+    ranked: Mapping[str, torch.Tensor] | None = None,
+) -> "UpdateCheck":
+    """The check of one fit update, and the form it is kept in (the one place that decides it).
+
+    A difference is kept as such (``FitRes.delta``) when the client took it against the round's
+    model itself (``RoundDownlink.exact``: an uncompressed downlink). Otherwise it is added back
+    to the model the client held: a lossy downlink's shadow (``downlink.base``), or with
+    ``ranked`` the round's model at the client's own LoRA rank, whose shapes differ from it.
+    """
+    if ranked is not None:
+        return UpdateCheck(ranked, bounds, delta=delta)
+    return UpdateCheck(downlink.base, bounds, delta=delta, keep_delta=downlink.exact)
 
 
 @dataclass
