@@ -390,7 +390,7 @@ class Connection:
         return reply.interval_s
 
     def heartbeat_future(self) -> "grpc.Future":
-        """A heartbeat sent without waiting for its answer (``_Heartbeat``); ``.result()`` is the reply."""
+        """A heartbeat sent without waiting for its answer (``Heartbeat``); ``.result()`` is the reply."""
         return self.stub.Heartbeat.future(
             pb.HeartbeatRequest(client_id=self.client_id), metadata=self._session(), timeout=self.rpc_timeout
         )
