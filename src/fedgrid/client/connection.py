@@ -35,9 +35,9 @@ from fedgrid.client.rpc import (
     CoordinatorUnreachable,
     RetryWindow,
     RpcFailed,
-    _is_transient,
     check_target,
     failure_of,
+    is_transient,
 )
 from fedgrid.client.uplink import UplinkEncoder
 from fedgrid.client.upload import MIN_UPLOAD_CHUNK, ResumableUpload, UploadAttempt
@@ -237,7 +237,7 @@ class Connection:
             found = self._diagnose(exc) if isinstance(exc, grpc.RpcError) else None
             if found is not None:
                 problem.append(found)
-            return found is None and _is_transient(exc)
+            return found is None and is_transient(exc)
 
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(retryable),
