@@ -54,6 +54,7 @@ import grpc
 import torch
 
 from fedgrid.aggregation.fedavg import FedAvg
+from fedgrid.aggregation.selection import Sampling
 from fedgrid.client.api import Client, FitOutput
 from fedgrid.constants import HEARTBEAT_INTERVAL_S, RETRY_MAX_ELAPSED_S, RETRY_MAX_WAIT_S
 from fedgrid.types import ClientInfo, Failure, FitIns, FitRes, ModelState
@@ -176,7 +177,7 @@ class ProbeFedAvg(FedAvg):
     """FedAvg that records when each round is configured and aggregated, and the slowest compute."""
 
     def __init__(self, on_phase: Callable[[str], None] | None = None) -> None:
-        super().__init__(fraction_fit=1.0, min_fit_clients=1)
+        super().__init__(sampling=Sampling(fraction_fit=1.0, min_fit_clients=1))
         self.on_phase = on_phase or (lambda name: None)
         self.marks: dict[int, dict[str, float]] = {}
 
@@ -220,9 +221,9 @@ def _coordinator_main(spec: CoordinatorSpec, pipe: Pipe) -> None:
     """Runs the coordinator; sends its address, then the per-round record (and memory phases)."""
     cleanup: list[Callable[[], None]] = []
     try:
-        from fedgrid.server.app import Coordinator
         from fedgrid.server.engine import RoundEngine
         from fedgrid.server.remote_fleet import RemoteFleet
+        from fedgrid.server.serve import Coordinator
 
         fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=spec.heartbeat_s))
         cleanup.append(fleet.close)

@@ -48,7 +48,7 @@ SERVER = """
 import sys
 from datetime import timedelta
 from fedgrid.proto.tls import TLSFiles
-from fedgrid.server.app import Coordinator
+from fedgrid.server.serve import Coordinator
 from fedgrid.server.remote_fleet import RemoteFleet
 tls = TLSFiles(*sys.argv[1:4]) if len(sys.argv) > 1 else None
 fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=600))

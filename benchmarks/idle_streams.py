@@ -36,7 +36,7 @@ from import_tree import build  # noqa: E402
 SERVER = """
 import sys, threading
 from datetime import timedelta
-from fedgrid.server.app import Coordinator
+from fedgrid.server.serve import Coordinator
 from fedgrid.server.remote_fleet import RemoteFleet
 fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=600))
 server = Coordinator("127.0.0.1:0", fleet, max_workers=256).start()

@@ -50,7 +50,7 @@ RAMP_TIMEOUT_S = 120.0
 SERVER = """
 import sys
 from datetime import timedelta
-from fedgrid.server.app import Coordinator
+from fedgrid.server.serve import Coordinator
 from fedgrid.server.remote_fleet import RemoteFleet
 fleet = RemoteFleet()
 server = Coordinator("127.0.0.1:0", fleet, max_workers=256).start()

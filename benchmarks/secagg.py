@@ -44,10 +44,10 @@ from typing import Any
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from fedgrid.aggregation.secagg_client import SecAggParty
 from fedgrid.aggregation.secagg_crypto import PinnedKeys
 from fedgrid.aggregation.secagg_math import neighbours_for, quantize, ring_add, ring_scale
 from fedgrid.aggregation.secagg_server import SecAggServerRound
+from fedgrid.client.secagg_party import SecAggParty
 from fedgrid.compression import get_codec
 from fedgrid.types import TO_SERVER
 

@@ -148,8 +148,8 @@ class FedgridServer:
     """Coordinator + RemoteFleet; each repetition is one ``fit_round`` with the client."""
 
     def __init__(self, spec: PeerSpec) -> None:
-        from fedgrid.server.app import Coordinator
         from fedgrid.server.remote_fleet import RemoteFleet
+        from fedgrid.server.serve import Coordinator
 
         self.state = make_state(spec.num_params)
         # The harness sends no heartbeats: a long interval keeps the client registered.

@@ -195,7 +195,7 @@ class _CoreKeys:
         "fedavg",
     )
     # Strategy and aggregator options: None (absent) keeps the strategy's own default; an
-    # option set for a strategy it does not apply to is an error (see aggregation/registry.py).
+    # option set for a strategy it does not apply to is an error (see aggregation/by_name.py).
     aggregator: str | None = _key(
         "robust aggregation rule: " + ", ".join(AGGREGATOR_NAMES) + " (default mean)", None
     )

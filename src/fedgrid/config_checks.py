@@ -171,7 +171,7 @@ def _check_codecs_and_strategy(config: Config) -> None:
         raise ConfigError(
             "chunk_size", f"must be at most 3 MiB to stay under gRPC's 4 MB limit, got {config.chunk_size}"
         )
-    from fedgrid.aggregation.registry import build_strategy_from
+    from fedgrid.aggregation.by_name import build_strategy_from
 
     if is_custom_strategy(config.strategy):
         # Your own MODULE:CLASS, checked in form here, as --app is; imported and built (its options

@@ -26,7 +26,7 @@ SELECTORS = ("uniform", "region-balanced")
 ENGINES = ("auto", "batched", "sequential")
 #: Values of ``precision`` (``fedgrid.client.precision``).
 PRECISIONS = ("auto", "bf16", "fp32")
-#: Shown in ``--help``; the registry (``fedgrid.aggregation.registry``) is what validates.
+#: Shown in ``--help``; ``fedgrid.aggregation.by_name`` is what validates.
 STRATEGY_NAMES = (
     "fedavg",
     "fedavgm",

@@ -10,7 +10,6 @@ name costs its import only when it is used.
 from __future__ import annotations
 
 import importlib
-import warnings
 from typing import Any, Callable
 
 __all__ = ["exports"]
@@ -20,7 +19,6 @@ def exports(
     namespace: str,
     names: dict[str, str],
     *,
-    deprecated: dict[str, str] | None = None,
     globals_: dict[str, Any],
 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """A module's ``__getattr__`` and ``__dir__`` for lazily imported names.
@@ -29,14 +27,11 @@ def exports(
         namespace: the module's name, for error messages.
         names: public name -> the module defining it (``"module"`` or ``"module:attribute"`` when
             the public name differs from the defining one).
-        deprecated: old name -> its new home (``"fedgrid.strategies.FedAvg"``); each access warns
-            with a ``DeprecationWarning`` naming that home, and returns the object.
         globals_: the module's ``globals()``: a resolved public name is cached there, so later
             accesses skip ``__getattr__``.
     Returns:
         ``(__getattr__, __dir__)``.
     """
-    old = dict(deprecated or {})
 
     def resolve(where: str, name: str) -> Any:
         module, _, attribute = where.partition(":")
@@ -47,15 +42,6 @@ def exports(
             value = resolve(names[name], name)
             globals_[name] = value
             return value
-        if name in old:
-            home = old[name]
-            module, _, attribute = home.rpartition(".")
-            warnings.warn(
-                f"{namespace}.{name} is deprecated and goes in the next release: use {home}",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            return getattr(importlib.import_module(module), attribute)
         raise AttributeError(f"module {namespace!r} has no attribute {name!r}")
 
     def dir_() -> list[str]:

@@ -56,11 +56,11 @@ from fedgrid.trust import (
     IDENTITY_RE,
     MAX_IDENTITY_CHARS,
     RevocationList,
-    _iso,
-    _read_bytes,
     check_identity,
     identity_of,
+    iso_utc,
     load_pem_files,
+    read_file,
     serial_of,
 )
 
@@ -93,43 +93,56 @@ CLOCK_SKEW = timedelta(minutes=5)
 CLIENT_URI_PREFIX = "fedgrid://client/"
 
 
-def _utcnow() -> datetime:
-    # One clock for validity and token expiry; tests replace it.
+def utcnow() -> datetime:
+    """The time validity and token expiry are measured in (UTC); tests replace it."""
     return datetime.now(timezone.utc)
 
 
 # --- names and durations --------------------------------------------------------------
 
 
-def _check_file_name(name: str) -> str:
+def check_file_name(name: str) -> str:
+    """``name`` if it is an identity that may name files in the directory (not ``ca`` or ``crl``).
+
+    Raises:
+        ValueError: not an identity (``check_identity``), or a reserved name.
+    """
     check_identity(name)
     if name in RESERVED_NAMES:
         raise ValueError(f"name {name!r} is reserved: {name}.pem is the CA's own file")
     return name
 
 
-def _key_pem(key: CertificateIssuerPrivateKeyTypes) -> bytes:
+def private_key_pem(key: CertificateIssuerPrivateKeyTypes) -> bytes:
+    """``key`` as unencrypted PKCS#8 PEM (gRPC reads keys as they are)."""
     return key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
 
 
-def _cert_pem(cert: x509.Certificate) -> bytes:
+def certificate_pem(cert: x509.Certificate) -> bytes:
+    """``cert`` as PEM."""
     return cert.public_bytes(serialization.Encoding.PEM)
 
 
-def _subject(name: str) -> x509.Name:
+def common_name_subject(name: str) -> x509.Name:
+    """The X.509 name whose only attribute is the common name ``name``."""
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
 
 
-def _load_ca(directory: Path) -> tuple[x509.Certificate, CertificateIssuerPrivateKeyTypes]:
+def load_ca(directory: Path) -> tuple[x509.Certificate, CertificateIssuerPrivateKeyTypes]:
+    """The CA certificate and key of ``directory``.
+
+    Raises:
+        PKIError: no CA there, a file unreadable, or a key type other than EC or RSA.
+    """
     cert_path, key_path = directory / CA_CERT, directory / CA_KEY
     if not cert_path.exists():
         raise PKIError(
             f"{cert_path}: no CA in {directory}; create one with `fedgrid certs init --dir {directory}`"
         )
-    cert = x509.load_pem_x509_certificate(_read_bytes(cert_path, "CA certificate"))
-    key = serialization.load_pem_private_key(_read_bytes(key_path, "CA key"), password=None)
+    cert = x509.load_pem_x509_certificate(read_file(cert_path, "CA certificate"))
+    key = serialization.load_pem_private_key(read_file(key_path, "CA key"), password=None)
     if not isinstance(key, (ec.EllipticCurvePrivateKey, rsa.RSAPrivateKey)):
         raise PKIError(f"{key_path}: unsupported CA key type {type(key).__name__}")
     return cert, key
@@ -165,7 +178,7 @@ class CertRecord:
         """``"revoked"``, ``"expired"`` or ``"valid"`` (at ``now``, default the current time)."""
         if self.revoked:
             return "revoked"
-        return "expired" if (now or _utcnow()) > self.not_after else "valid"
+        return "expired" if (now or utcnow()) > self.not_after else "valid"
 
     def to_json(self) -> dict[str, Any]:
         """The entry in ``index.json`` (serial in hex: JSON readers outside Python lose 160-bit ints)."""
@@ -173,10 +186,10 @@ class CertRecord:
             "name": self.name,
             "serial": f"{self.serial:x}",
             "kind": self.kind,
-            "not_before": _iso(self.not_before),
-            "not_after": _iso(self.not_after),
+            "not_before": iso_utc(self.not_before),
+            "not_after": iso_utc(self.not_after),
             "revoked": self.revoked,
-            "revoked_at": None if self.revoked_at is None else _iso(self.revoked_at),
+            "revoked_at": None if self.revoked_at is None else iso_utc(self.revoked_at),
         }
 
     @classmethod
@@ -192,7 +205,12 @@ class CertRecord:
         )
 
 
-def _records(directory: Path) -> list[CertRecord]:
+def read_records(directory: Path) -> list[CertRecord]:
+    """The certificates ``index.json`` lists.
+
+    Raises:
+        PKIError: a malformed entry.
+    """
     index = read_json(directory / INDEX)
     try:
         return [CertRecord.from_json(d) for d in index["certs"]]
@@ -200,11 +218,13 @@ def _records(directory: Path) -> list[CertRecord]:
         raise PKIError(f"{directory / INDEX}: malformed certificate entry ({exc!r})") from None
 
 
-def _save_records(directory: Path, records: Sequence[CertRecord]) -> None:
+def save_records(directory: Path, records: Sequence[CertRecord]) -> None:
+    """Writes ``records`` as ``index.json`` (atomically; hold the directory's lock)."""
     write_json(directory / INDEX, {"version": 1, "certs": [r.to_json() for r in records]}, 0o644)
 
 
-def _check_name_free(records: Sequence[CertRecord], name: str, now: datetime, error: type[Exception]) -> None:
+def check_name_free(records: Sequence[CertRecord], name: str, now: datetime, error: type[Exception]) -> None:
+    """Raises ``error`` when ``name`` already has a certificate valid at ``now``."""
     for r in records:
         if r.name == name and r.status(now) == "valid":
             raise error(
@@ -242,7 +262,7 @@ def _general_names(sans: Sequence[str]) -> list[x509.GeneralName]:
     return names
 
 
-def _sign_leaf(
+def sign_leaf(
     ca_cert: x509.Certificate,
     ca_key: CertificateIssuerPrivateKeyTypes,
     *,
@@ -252,9 +272,15 @@ def _sign_leaf(
     sans: Sequence[str],
     days: int,
 ) -> x509.Certificate:
+    """A leaf certificate for ``name`` (a server's, with ``sans``, or a client's), signed by the CA,
+    valid from ``CLOCK_SKEW`` before now for ``days`` days (clipped to the CA's own validity).
+
+    Raises:
+        ValueError: ``days`` is not positive.
+    """
     if days <= 0:
         raise ValueError(f"certificate validity must be at least 1 day, got {days}")
-    now = _utcnow()
+    now = utcnow()
     # A leaf cannot outlive its CA (verifiers would refuse it then anyway): clip it.
     not_after = min(now + timedelta(days=days), ca_cert.not_valid_after_utc)
     if server:
@@ -264,7 +290,7 @@ def _sign_leaf(
     ca_ski = ca_cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
     return (
         x509.CertificateBuilder()
-        .subject_name(_subject(name))
+        .subject_name(common_name_subject(name))
         .issuer_name(ca_cert.subject)
         .public_key(public_key)
         .serial_number(x509.random_serial_number())
@@ -280,7 +306,8 @@ def _sign_leaf(
     )
 
 
-def _record_of(cert: x509.Certificate, name: str, kind: str) -> CertRecord:
+def record_of(cert: x509.Certificate, name: str, kind: str) -> CertRecord:
+    """The ``index.json`` entry of ``cert``."""
     return CertRecord(
         name=name,
         serial=cert.serial_number,
@@ -290,13 +317,14 @@ def _record_of(cert: x509.Certificate, name: str, kind: str) -> CertRecord:
     )
 
 
-def _write_crl(
+def write_crl(
     directory: Path,
     ca_cert: x509.Certificate,
     ca_key: CertificateIssuerPrivateKeyTypes,
     records: Sequence[CertRecord],
 ) -> None:
-    now = _utcnow()
+    """Writes the CRL, signed by the CA, listing every revoked serial of ``records``."""
+    now = utcnow()
     builder = (
         x509.CertificateRevocationListBuilder()
         .issuer_name(ca_cert.subject)
@@ -318,7 +346,8 @@ def _write_crl(
 # --- enrollment -----------------------------------------------------------------------
 
 
-def _digest(secret: str) -> str:
+def token_digest(secret: str) -> str:
+    """What ``tokens.json`` keeps of an enrollment token's secret: its SHA-256, in hex."""
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
@@ -344,8 +373,12 @@ def make_csr(name: str, *, key_pem: bytes | None = None) -> tuple[bytes, bytes]:
         if not isinstance(loaded, (ec.EllipticCurvePrivateKey, rsa.RSAPrivateKey)):
             raise ValueError(f"unsupported private key type {type(loaded).__name__}; use EC or RSA")
         key = loaded
-    csr = x509.CertificateSigningRequestBuilder().subject_name(_subject(name)).sign(key, hashes.SHA256())
-    return _key_pem(key), csr.public_bytes(serialization.Encoding.PEM)
+    csr = (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(common_name_subject(name))
+        .sign(key, hashes.SHA256())
+    )
+    return private_key_pem(key), csr.public_bytes(serialization.Encoding.PEM)
 
 
 def _csr_identity(csr_pem: bytes) -> tuple[str, CertificatePublicKeyTypes]:
@@ -366,7 +399,7 @@ def _csr_identity(csr_pem: bytes) -> tuple[str, CertificatePublicKeyTypes]:
     if len(cns) != 1 or not isinstance(cns[0].value, str):
         raise CSRError(f"CSR must name exactly one common name (the identity), it has {len(cns)}")
     try:
-        return _check_file_name(cns[0].value), public
+        return check_file_name(cns[0].value), public
     except ValueError as exc:
         raise CSRError(f"CSR name invalid: {exc}") from None
 
@@ -403,9 +436,9 @@ def enroll(
         store = read_json(d / TOKENS, missing={"version": 1, "tokens": {}})
         entry = store["tokens"].get(token_id)
         # An unknown id and a wrong secret read the same: the answer reveals no valid id.
-        if entry is None or not hmac.compare_digest(entry["hash"], _digest(secret)):
+        if entry is None or not hmac.compare_digest(entry["hash"], token_digest(secret)):
             raise EnrollmentError("unknown enrollment token")
-        now = _utcnow()
+        now = utcnow()
         if entry["revoked"]:
             raise EnrollmentError(f"enrollment token {token_id} revoked")
         if entry["used_at"] is not None:
@@ -416,15 +449,15 @@ def enroll(
             raise EnrollmentNameError(
                 f"name mismatch: the token is for {entry['name']!r}, the CSR asks for {name!r}"
             )
-        ca_cert, ca_key = _load_ca(d)
-        records = _records(d)
-        _check_name_free(records, name, now, EnrollmentNameError)
-        cert = _sign_leaf(ca_cert, ca_key, name=name, public_key=public, server=False, sans=(), days=days)
-        entry.update(used_at=_iso(now), used_by=name, serial=f"{cert.serial_number:x}")
+        ca_cert, ca_key = load_ca(d)
+        records = read_records(d)
+        check_name_free(records, name, now, EnrollmentNameError)
+        cert = sign_leaf(ca_cert, ca_key, name=name, public_key=public, server=False, sans=(), days=days)
+        entry.update(used_at=iso_utc(now), used_by=name, serial=f"{cert.serial_number:x}")
         write_json(d / TOKENS, store, 0o600)
-        _save_records(d, [*records, _record_of(cert, name, "client")])
-        write_atomic(d / f"{name}.pem", _cert_pem(cert), 0o644)
+        save_records(d, [*records, record_of(cert, name, "client")])
+        write_atomic(d / f"{name}.pem", certificate_pem(cert), 0o644)
         # The key of this certificate stays with the client; one left by an earlier `issue`
         # of the name would sit beside a certificate it does not match.
         (d / f"{name}.key").unlink(missing_ok=True)
-    return _cert_pem(cert), name
+    return certificate_pem(cert), name

@@ -47,7 +47,8 @@ def _utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
-def _iso(t: datetime) -> str:
+def iso_utc(t: datetime) -> str:
+    """``t`` in UTC, ISO 8601 to the second (the format of the directory's JSON files)."""
     return t.astimezone(timezone.utc).isoformat(timespec="seconds")
 
 
@@ -74,7 +75,12 @@ def check_identity(name: str) -> str:
     return name
 
 
-def _read_bytes(path: Path, what: str) -> bytes:
+def read_file(path: Path, what: str) -> bytes:
+    """The bytes of ``path`` (``what`` names it in errors).
+
+    Raises:
+        PKIError: the file is missing, a directory or unreadable.
+    """
     try:
         return path.read_bytes()
     except FileNotFoundError:
@@ -132,7 +138,7 @@ class RevocationList:
         self._seen = self._stat()
         if self._seen is None:
             raise PKIError(f"{self.crl_path}: CRL file not found")
-        self._serials = self._parse(_read_bytes(self.crl_path, "CRL"))
+        self._serials = self._parse(read_file(self.crl_path, "CRL"))
         self._good = True
         self._next_check = clock() + interval_s
 
@@ -163,7 +169,7 @@ class RevocationList:
             try:
                 if seen is None:
                     raise PKIError(f"{self.crl_path}: CRL file not found")
-                self._serials = self._parse(_read_bytes(self.crl_path, "CRL"))
+                self._serials = self._parse(read_file(self.crl_path, "CRL"))
                 self._good = True
             except PKIError as exc:
                 logger.error(
@@ -235,7 +241,7 @@ def identity_of(cert: bytes | x509.Certificate) -> str:
 
 
 def _load_certs(path: Path, what: str) -> list[x509.Certificate]:
-    data = _read_bytes(path, what)
+    data = read_file(path, what)
     if b"-----BEGIN CERTIFICATE-----" not in data:
         raise PKIError(f"{path}: not a PEM {what} (no -----BEGIN CERTIFICATE----- line)")
     try:
@@ -277,7 +283,7 @@ def load_pem_files(
     ca_path, cert_path, key_path = Path(ca), Path(cert), Path(key)
     cas = _load_certs(ca_path, "CA certificate bundle")
     chain = _load_certs(cert_path, "certificate")
-    key_bytes = _read_bytes(key_path, "private key")
+    key_bytes = read_file(key_path, "private key")
     if b"PRIVATE KEY-----" not in key_bytes:
         raise PKIError(f"{key_path}: not a PEM private key (no -----BEGIN ... PRIVATE KEY----- line)")
     try:
@@ -306,10 +312,10 @@ def load_pem_files(
     for c, path in ((leaf, cert_path), (anchor, ca_path)):
         if now > c.not_valid_after_utc:
             raise PKIError(
-                f"{path}: certificate {c.subject.rfc4514_string()} expired on {_iso(c.not_valid_after_utc)}"
+                f"{path}: certificate {c.subject.rfc4514_string()} expired on {iso_utc(c.not_valid_after_utc)}"
             )
         if now < c.not_valid_before_utc:
             raise PKIError(
-                f"{path}: certificate {c.subject.rfc4514_string()} is not valid before {_iso(c.not_valid_before_utc)}"
+                f"{path}: certificate {c.subject.rfc4514_string()} is not valid before {iso_utc(c.not_valid_before_utc)}"
             )
-    return _read_bytes(ca_path, "CA certificate bundle"), _read_bytes(cert_path, "certificate"), key_bytes
+    return read_file(ca_path, "CA certificate bundle"), read_file(cert_path, "certificate"), key_bytes

@@ -23,9 +23,9 @@ from fedgrid.client.state import STATE_FORMAT
 from fedgrid.client.uplink import UplinkEncoder, reconstruct
 from fedgrid.compression.spec import CodecSpec
 from fedgrid.proto import serde
-from fedgrid.server.app import Coordinator
 from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.remote_fleet import RemoteFleet
+from fedgrid.server.serve import Coordinator
 from fedgrid.types import ClientInfo, FitIns, ModelState
 
 from harness import wait_until

@@ -11,12 +11,13 @@ from fedgrid.aggregation import FedAvg
 from fedgrid.aggregation.selection import Sampling
 from fedgrid.client import start_client as start  # harness.start_client starts a process
 from fedgrid.compression.spec import CodecSpec
-from fedgrid.server.app import Coordinator
 from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.remote_fleet import RemoteFleet
+from fedgrid.server.serve import Coordinator
 from fedgrid.simulation.fleet import InProcessFleet
-from fedgrid.simulation.tasks import digits_client, digits_model, initial_state
+from fedgrid.simulation.models import digits_mlp
+from fedgrid.simulation.tasks import builtin_client, initial_state
 
 from harness import wait_until
 
@@ -25,7 +26,7 @@ CLIENTS, ROUNDS, SEED = 3, 3, 2
 
 def _engine(fleet, rounds=ROUNDS):
     strategy = FedAvg(sampling=Sampling(seed=SEED, fit_config={"local_epochs": 1, "lr": 0.1}))
-    strategy.initialize(initial_state=initial_state(digits_model, SEED))
+    strategy.initialize(initial_state=initial_state(digits_mlp, SEED))
     return RoundEngine(
         strategy=strategy,
         fleet=fleet,
@@ -38,7 +39,7 @@ def _engine(fleet, rounds=ROUNDS):
 
 
 def _clients():
-    return [digits_client(i, CLIENTS, SEED, device="cpu") for i in range(CLIENTS)]
+    return [builtin_client(i, CLIENTS, SEED, device="cpu") for i in range(CLIENTS)]
 
 
 def _deploy(policy, downlink_codec=CodecSpec.NONE):

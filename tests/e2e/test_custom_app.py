@@ -66,7 +66,7 @@ def test_custom_app_with_federated_evaluation_matches_simulation(tmp_path, monke
         for line in (tmp_path / "coord.coordinator.log").read_text().splitlines()
         if line.startswith("import time:")
     ]
-    assert "fedgrid.server.app" in imported and "fedgrid.server.remote_fleet" in imported
+    assert "fedgrid.server.serve" in imported and "fedgrid.server.remote_fleet" in imported
     assert not [m for m in imported if m.startswith(("fedgrid.simulation", "sklearn"))]
     metrics = read_metrics(run_dir)
     assert [m["round"] for m in metrics] == [1, 2, 3]

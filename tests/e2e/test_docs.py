@@ -89,7 +89,7 @@ def test_the_docs_build_without_warnings_and_document_the_public_api(built):
         "fedgrid.client.runtime.run_client",
         "fedgrid.client.session.connect",
         "fedgrid.client.session.aconnect",
-        "fedgrid.server.app.run_coordinator",
+        "fedgrid.server.serve.run_coordinator",
         "fedgrid.simulation.run.run_simulation",
         "fedgrid.aggregation.base.Strategy",
         "fedgrid.aggregation.fedavg.FedAvg",

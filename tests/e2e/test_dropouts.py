@@ -15,9 +15,9 @@ import torch
 from fedgrid.aggregation import FedAvg
 from fedgrid.aggregation.selection import Sampling
 from fedgrid.events import EventLog
-from fedgrid.server.app import Coordinator
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.remote_fleet import RemoteFleet
+from fedgrid.server.serve import Coordinator
 from fedgrid.simulation.tasks import initial_state
 
 from harness import start_client, wait_until

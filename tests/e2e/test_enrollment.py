@@ -28,9 +28,9 @@ from fedgrid.pki_files import read_json
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
 from fedgrid.proto.tls import TLSFiles
-from fedgrid.server.app import Coordinator
 from fedgrid.server.enrollment import EnrollmentServer
 from fedgrid.server.remote_fleet import RemoteFleet
+from fedgrid.server.serve import Coordinator
 
 import zygote
 from harness import FEDGRID, THREADS, child_env, start_coordinator, wait_until
@@ -166,9 +166,9 @@ def test_revoked_token_is_refused(tmp_path, ca_dir, service):
 
 def test_expired_token_is_refused(tmp_path, ca_dir, service, monkeypatch):
     token = pki.issue_token(ca_dir, expires=timedelta(minutes=30))
-    real_now = pki_kernel._utcnow
+    real_now = pki_kernel.utcnow
     monkeypatch.setattr(
-        pki_kernel, "_utcnow", lambda: real_now() + timedelta(hours=1)
+        pki_kernel, "utcnow", lambda: real_now() + timedelta(hours=1)
     )  # the service's clock, in this process
     with pytest.raises(RpcFailed) as info:
         enroll(service.address, token, **device(tmp_path, ca_dir))

@@ -13,10 +13,12 @@ import torch
 
 from fedgrid.client import start_client as start  # harness.start_client starts a process
 from fedgrid.client.runtime import Connection
+from fedgrid.clock import ManualClock
 from fedgrid.errors import AuthenticationError, InvalidUpdateError, StaleTaskError
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.types import ClientInfo, FitIns
 
+from clocked import asleep, run_out
 from harness import InProcessCoordinator, start_client, wait_until
 from harness_clients import Named
 
@@ -159,31 +161,38 @@ def _join(fleet: RemoteFleet, name: str) -> tuple[ClientInfo, str]:
 
 
 def test_a_client_that_never_delivers_costs_one_deadline_then_is_benched(small_state):
-    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=60))
+    clock = ManualClock()
+    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=60), clock=clock)
     mute, mute_token = _join(fleet, "mute")
     other, other_token = _join(fleet, "other")
-    outcome = fleet.fit_round(
-        server_round=1,
-        global_state=small_state,
-        assignments=[(mute, FitIns(round=1)), (other, FitIns(round=1))],
-        timeout=timedelta(seconds=0.3),
+    outcome = run_out(
+        clock,
+        lambda: fleet.fit_round(
+            server_round=1,
+            global_state=small_state,
+            assignments=[(mute, FitIns(round=1)), (other, FitIns(round=1))],
+            timeout=timedelta(seconds=30),
+        ),
     )
-    assert outcome.closed_by == "deadline" and len(outcome.failures) == 2
+    assert outcome.closed_by == "deadline" and len(outcome.failures) == 2 and clock.now() == 30.0
+    assert {f.reason for f in outcome.failures} == {"missed the round deadline of 30.0s"}
     fleet.committed(1)
     # Both heartbeat, neither delivered: both are live, neither is selectable.
+    for client, token in ((mute, mute_token), (other, other_token)):
+        fleet.heartbeat(client.client_id, token)
     assert {c.name for c in fleet.live_clients()} == {"mute", "other"}
     with pytest.raises(TimeoutError, match=r"0 live clients .* \(2 more benched after missing a deadline\)"):
-        fleet.wait_for_clients(min_clients=1, timeout=timedelta(seconds=0.2))
+        run_out(clock, lambda: fleet.wait_for_clients(min_clients=1, timeout=timedelta(seconds=20)))
     # The benching survives a restart of the coordinator.
-    restored = RemoteFleet(heartbeat_interval=timedelta(seconds=60))
+    restored = RemoteFleet(heartbeat_interval=timedelta(seconds=60), clock=clock)
     restored.load_state_dict(fleet.state_dict())
     with pytest.raises(TimeoutError):
-        restored.wait_for_clients(min_clients=1, timeout=timedelta(seconds=0.1))
+        run_out(clock, lambda: restored.wait_for_clients(min_clients=1, timeout=timedelta(seconds=10)))
     # "other" finishes its late task (a failure report for it, or an upload): selectable again.
     task = f"{fleet.run_id[:12]}-r1-fit"
     with pytest.raises(StaleTaskError):
         fleet.report_failure(other.client_id, other_token, task, "out of memory")
-    assert [c.name for c in fleet.wait_for_clients(min_clients=1, timeout=timedelta(seconds=1))] == ["other"]
+    assert [c.name for c in fleet.wait_for_clients(min_clients=1, timeout=timedelta(seconds=0))] == ["other"]
     fleet.close()
     restored.close()
 
@@ -228,21 +237,24 @@ def test_bad_reports_change_nothing(small_state):
 
 def test_a_client_holding_a_long_poll_is_alive_without_heartbeats():
     import asyncio
-    import time
 
-    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=0.1))  # silent for 0.3 s: gone
+    clock = ManualClock()
+    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=5), clock=clock)  # silent for 15 s: gone
     info, token = _join(fleet, "poller")
 
-    async def main() -> tuple[list[str], list[str]]:
-        poll = asyncio.ensure_future(fleet.poll_async(info.client_id, token, 1.0))
-        await asyncio.sleep(0.6)  # twice the silence limit, no heartbeat: the held poll counts
+    async def main() -> tuple[list[str], float, list[str], list[str]]:
+        poll = asyncio.ensure_future(fleet.poll_async(info.client_id, token, 60.0))
+        await asyncio.to_thread(asleep, clock)  # the poll waits, until 60.0
+        clock.advance(30.0)  # twice the silence limit, no heartbeat: the held poll counts
         during = [c.name for c in fleet.live_clients()]
-        await poll
-        await asyncio.sleep(0.5)
-        return during, [c.name for c in fleet.live_clients()]
+        clock.advance(30.0)
+        answer = await poll
+        clock.advance(15.0)  # silent since the poll returned at 60.0, but not longer than 15 s
+        still = [c.name for c in fleet.live_clients()]
+        clock.advance(0.5)
+        return during, answer.retry_after_s, still, [c.name for c in fleet.live_clients()]
 
-    start = time.monotonic()
-    during, after = asyncio.run(main())
-    assert time.monotonic() - start >= 1.0
-    assert during == ["poller"] and after == []  # silence counts again once the poll returned
+    during, retry_after_s, still, after = asyncio.run(main())
+    assert during == ["poller"] and retry_after_s == 0.0 and clock.now() == 75.5
+    assert still == ["poller"] and after == []  # silence counts again once the poll returned, from then
     fleet.close()

@@ -11,8 +11,8 @@ import pytest
 from fedgrid.ops import pki
 from fedgrid.ops.health import check, coordinator_service
 from fedgrid.proto.tls import TLSFiles
-from fedgrid.server.app import Coordinator
 from fedgrid.server.remote_fleet import RemoteFleet
+from fedgrid.server.serve import Coordinator
 from fedgrid.server.service import SERVICE
 
 import zygote

@@ -16,8 +16,8 @@ from fedgrid.client.runtime import Connection
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import serde
 from fedgrid.proto.tls import session_metadata
-from fedgrid.server.app import Coordinator
 from fedgrid.server.remote_fleet import RemoteFleet
+from fedgrid.server.serve import Coordinator
 
 from harness import wait_until
 from harness_clients import Named
@@ -293,7 +293,7 @@ def test_the_coordinator_shortens_the_gil_switch_interval_from_the_environment()
 
     code = (
         "import sys\n"
-        "from fedgrid.server.app import Coordinator\n"
+        "from fedgrid.server.serve import Coordinator\n"
         "from fedgrid.server.remote_fleet import RemoteFleet\n"
         "before = sys.getswitchinterval()\n"
         "Coordinator('127.0.0.1:0', RemoteFleet()).stop()\n"

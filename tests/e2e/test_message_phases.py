@@ -11,9 +11,9 @@ import torch
 
 from fedgrid.aggregation.selection import Sampling
 from fedgrid.determinism import intra_op_threads
-from fedgrid.server.app import Coordinator
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.remote_fleet import RemoteFleet
+from fedgrid.server.serve import Coordinator
 from fedgrid.simulation.fleet import InProcessFleet
 
 from harness import THREADS, start_client

@@ -21,11 +21,11 @@ import torch
 from fedgrid.aggregation import build_strategy_from
 from fedgrid.client import Client, FitOutput, start_client
 from fedgrid.events import EventLog
-from fedgrid.server.app import Coordinator
 from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.engine import ROUND_FAILED, RoundEngine
 from fedgrid.server.influence import Influence
 from fedgrid.server.remote_fleet import RemoteFleet
+from fedgrid.server.serve import Coordinator
 from fedgrid.server.state import StateStore
 from fedgrid.simulation.fleet import InProcessFleet
 

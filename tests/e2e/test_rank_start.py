@@ -1,7 +1,7 @@
 """How ``ParallelClient`` starts its ranks: forked from a forkserver that imported torch once.
 
 A forked rank's process parent is the forkserver, and the forkserver's environment is the one
-it started with; ``parallel_ranks._forked_rank`` and ``_watch`` make up for both. A real
+it started with; ``parallel_ranks.forked_rank`` and ``_watch`` make up for both. A real
 process plays rank 0 (``support/rank_probe.py``) and exits without stopping its rank, as a
 SIGKILLed client would.
 """

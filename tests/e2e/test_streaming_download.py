@@ -27,9 +27,9 @@ from fedgrid.compression.spec import CodecSpec
 from fedgrid.config import load_config
 from fedgrid.proto import serde
 from fedgrid.runlog import load_model, read_metrics
-from fedgrid.server.app import Coordinator
 from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.remote_fleet import RemoteFleet
+from fedgrid.server.serve import Coordinator
 from fedgrid.server.strategies import build_strategy
 from fedgrid.simulation.fleet import InProcessFleet
 from fedgrid.simulation.run import run_simulation

@@ -10,10 +10,10 @@ import grpc
 import pytest
 import torch
 
-from fedgrid.aggregation.goodput import without_timing
 from fedgrid.client import Client, FitOutput, RpcFailed, run_client, start_client
 from fedgrid.client.runtime import Connection
 from fedgrid.proto import serde
+from fedgrid.telemetry import without_timing
 
 from harness import FailFirst, InProcessCoordinator, wait_until
 

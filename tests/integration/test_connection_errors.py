@@ -28,8 +28,8 @@ from fedgrid.client.runtime import Connection
 from fedgrid.errors import RUN_FINISHED
 from fedgrid.ops import pki
 from fedgrid.proto.tls import TLSFiles
-from fedgrid.server.app import Coordinator
 from fedgrid.server.remote_fleet import RemoteFleet
+from fedgrid.server.serve import Coordinator
 
 from harness import InProcessCoordinator, wait_until
 from harness_clients import Named

@@ -10,8 +10,8 @@ import torch
 
 from fedgrid.client.runtime import Connection
 from fedgrid.compression.spec import CodecSpec
-from fedgrid.server.app import Coordinator
 from fedgrid.server.remote_fleet import RemoteFleet
+from fedgrid.server.serve import Coordinator
 from fedgrid.types import FitIns
 
 from harness import wait_until

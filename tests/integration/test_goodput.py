@@ -12,14 +12,14 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from fedgrid.aggregation import FedAvg
-from fedgrid.aggregation.goodput import SPLIT_KEYS, goodput_metrics
 from fedgrid.client import Client, FitOutput, connect, start_client
 from fedgrid.runlog import RunWriter, read_metrics
-from fedgrid.server.app import Coordinator
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.monitor import CoordinatorMonitor
 from fedgrid.server.remote_fleet import RemoteFleet
+from fedgrid.server.serve import Coordinator
 from fedgrid.server.status_page import page_response
+from fedgrid.telemetry import SPLIT_KEYS, goodput_metrics
 
 from harness import wait_until
 

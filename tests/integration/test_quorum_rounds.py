@@ -1,7 +1,8 @@
 """Semi-asynchronous rounds (``min_quorum``) over a real in-process coordinator: a slow worker
 never holds a round past its grace window, its late result is merged with its staleness
 weight against the model it trained from, and a result staler than ``max_staleness`` is
-refused with a status that names its staleness."""
+refused with a status that names its staleness. The fleet's clock is the test's: a grace window
+passes when the test advances it, once the round sleeps on it."""
 
 from __future__ import annotations
 
@@ -10,17 +11,24 @@ import threading
 from collections import OrderedDict
 from datetime import timedelta
 
+import grpc
 import pytest
 import torch
 
 from fedgrid.aggregation.fedavg import FedAvg
 from fedgrid.client import Client, FitOutput, start_client
+from fedgrid.client.rpc import RpcFailed
+from fedgrid.client.runtime import Connection
+from fedgrid.clock import ManualClock
 from fedgrid.events import EventLog
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.fleet import Quorum
 from fedgrid.server.influence import Influence
+from fedgrid.types import FitIns
 
+from clocked import Call
 from harness import InProcessCoordinator, wait_until
+from harness_clients import Named
 
 GRACE_S = 0.3
 
@@ -51,7 +59,9 @@ class Run:
 
     def __init__(self, quorum: Quorum, slow_gates: list[threading.Event]) -> None:
         self.initial = OrderedDict(w=torch.tensor([0.0, 1.0, 2.0]))
-        self.server = InProcessCoordinator(self.initial, heartbeat_s=5.0)
+        self.quorum = quorum
+        self.clock = ManualClock()
+        self.server = InProcessCoordinator(self.initial, heartbeat_s=5.0, clock=self.clock)
         self.events: list[tuple[str, dict]] = []
         log = EventLog()
         log.subscribe(lambda e: self.events.append((e.event, dict(e.fields))))
@@ -80,8 +90,27 @@ class Run:
         wait_until(lambda: len(self.server.fleet.live_clients()) == 2, timeout=30, what="clients to join")
 
     def round(self, r: int) -> torch.Tensor:
-        self.engine.commit(self.engine.run_round(r))
+        """Runs round ``r``; once it reached its quorum and sleeps until its grace ends, advances
+        the clock by the grace (nothing else moves it: deadlines and silence never pass)."""
+        call = Call(lambda: self.engine.commit(self.engine.run_round(r)))
+        wait_until(
+            lambda: call.done() or self._in_grace(r),
+            timeout=30,
+            what=f"round {r} to close or reach its quorum",
+        )
+        if not call.done():
+            self.clock.advance(self.quorum.grace_s)
+        call.result(timeout=30)
         return self.engine.strategy.global_state["w"].clone()
+
+    def _in_grace(self, r: int) -> bool:
+        rnd = self.server.fleet.current_round
+        return (
+            rnd is not None
+            and rnd.server_round == r
+            and rnd.quorum_at is not None
+            and rnd.quorum_at + self.quorum.grace_s in self.clock.deadlines()
+        )
 
     def of(self, name: str) -> list[dict]:
         return [fields for event, fields in self.events if event == name]
@@ -114,9 +143,9 @@ def test_slow_worker_never_holds_a_round_and_its_late_result_gets_its_staleness_
             (2, "all", 0),
             (3, "quorum", 1),  # the slow one's next task waits on a gate never set
         ]
-        # Never held past the grace window after the quorum (a generous margin for a busy host).
-        for f in closed:
-            assert f.get("after_quorum_s", 0.0) <= GRACE_S + 1.0
+        # Held exactly its grace window after the quorum, on the fleet's clock.
+        assert [f.get("after_quorum_s") for f in closed] == [GRACE_S, None, GRACE_S]
+        assert run.clock.now() == 2 * GRACE_S  # only the two grace windows passed: no deadline, no silence
         merges = {f["round"]: f["results"] for f in run.of("merged")}
         assert [(m["name"], m["task_round"], m["staleness"]) for m in merges[3]] == [
             ("fast", 3, 0),
@@ -163,3 +192,52 @@ def test_result_staler_than_max_staleness_is_refused_and_changes_nothing(caplog)
         for g in run.slow.gates:
             g.set()
         run.close()
+
+
+def test_a_task_carried_past_its_quorum_expires_at_its_deadline(caplog):
+    """The slow client keeps its task after the quorum closed the round; at the task's deadline
+    (30 s of the fleet's clock, not a moment before) it is benched and its result no longer taken."""
+    clock = ManualClock()
+    state = OrderedDict(w=torch.zeros(3))
+    server = InProcessCoordinator(state, clock=clock)
+    fast, slow = Connection(server.address), Connection(server.address)
+    try:
+        fast.join(Named("fast"))
+        slow.join(Named("slow"))
+        infos = server.fleet.wait_for_clients(min_clients=2, timeout=timedelta(0))
+        round_1 = Call(
+            lambda: server.fleet.fit_round(
+                server_round=1,
+                global_state=state,
+                assignments=[(info, FitIns(round=1)) for info in infos],
+                timeout=timedelta(seconds=30),
+                quorum=Quorum(min_quorum=1),
+            )
+        )
+        task = fast.poll(5).task
+        update = OrderedDict((k, v + 1) for k, v in fast.download(task.task_id).items())
+        fast.upload(task.task_id, task.round, update, 1, {})
+        outcome = round_1.result()
+        assert outcome.closed_by == "quorum" and [c.name for c in outcome.waiting] == ["slow"]
+        server.fleet.committed(1)
+        record = server.fleet.registry.records[slow.client_id]
+        free = lambda: [c.name for c in server.fleet.wait_for_clients(min_clients=1, timeout=timedelta(0))]  # noqa: E731
+        clock.advance(29.5)
+        assert free() == ["fast"] and record.benched_task == ""  # still on its task: busy, not benched
+        with caplog.at_level(logging.WARNING, logger="fedgrid.server.late_results"):
+            clock.advance(0.5)
+            assert free() == ["fast"] and record.benched_task == task.task_id
+        assert [r.getMessage() for r in caplog.records if r.name == "fedgrid.server.late_results"] == [
+            "round 1: client 'slow' missed its task's deadline (carried past the quorum)"
+        ]
+        assert server.fleet.carried.busy() == set()
+        with pytest.raises(RpcFailed) as refused:
+            slow.upload(task.task_id, task.round, update, 1, {})
+        assert (refused.value.code, refused.value.details) == (
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "round 1 is closed",
+        )
+    finally:
+        for conn in (fast, slow):
+            conn.close()
+        server.stop()

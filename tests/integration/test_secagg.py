@@ -20,9 +20,9 @@ from fedgrid.aggregation.secagg import ADVERTISE, SHARE, UNMASK, SecAgg
 from fedgrid.aggregation.secagg_math import dequantize, ring_add, ring_scale
 from fedgrid.client import Client, FitOutput, start_client
 from fedgrid.client.secagg import NoiseHook, SecAggClient, with_secagg
-from fedgrid.server.app import Coordinator
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.remote_fleet import RemoteFleet
+from fedgrid.server.serve import Coordinator
 from fedgrid.simulation.fleet import InProcessFleet
 from fedgrid.types import FIT, FitIns, MessageIns, ModelState
 

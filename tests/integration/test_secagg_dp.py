@@ -25,10 +25,10 @@ from fedgrid.aggregation.secagg_math import dequantize, ring_add, ring_scale
 from fedgrid.client import Client, FitOutput, start_client
 from fedgrid.client.secagg import DistributedNoise, seeded_noise, with_secagg
 from fedgrid.runlog import RunWriter
-from fedgrid.server.app import Coordinator
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.privacy import Privacy
 from fedgrid.server.remote_fleet import RemoteFleet
+from fedgrid.server.serve import Coordinator
 from fedgrid.simulation.fleet import InProcessFleet
 from fedgrid.types import ClientInfo, FitIns, FitRes, ModelState
 

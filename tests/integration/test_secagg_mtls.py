@@ -12,17 +12,17 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from test_secagg import Checked, Dropping, Step, _state
 
-from fedgrid.aggregation.secagg_client import SecAggParty
 from fedgrid.aggregation.secagg_crypto import PinnedKeys, SecAggRefusedError, read_advert
 from fedgrid.aggregation.secagg_identity import CertificateKeyring, certificate_credential
 from fedgrid.aggregation.secagg_server import SecAggServerRound
 from fedgrid.client import start_client
 from fedgrid.client.secagg import from_certificate
+from fedgrid.client.secagg_party import SecAggParty
 from fedgrid.ops import pki
 from fedgrid.proto.tls import TLSFiles
-from fedgrid.server.app import Coordinator
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.remote_fleet import RemoteFleet
+from fedgrid.server.serve import Coordinator
 from fedgrid.types import TO_SERVER
 
 from harness import wait_until

@@ -25,9 +25,9 @@ from fedgrid.config import load_config
 from fedgrid.ops import pki
 from fedgrid.region.region import run_region
 from fedgrid.runlog import read_metrics
-from fedgrid.server.app import Coordinator
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.remote_fleet import RemoteFleet
+from fedgrid.server.serve import Coordinator
 from fedgrid.types import FIT, FitIns
 
 CLIP = 0.5

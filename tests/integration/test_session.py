@@ -407,8 +407,8 @@ def test_a_session_under_mutual_tls_is_its_certificates_identity(tmp_path, small
 
     from fedgrid.ops import pki
     from fedgrid.proto.tls import TLSFiles
-    from fedgrid.server.app import Coordinator
     from fedgrid.server.remote_fleet import RemoteFleet
+    from fedgrid.server.serve import Coordinator
 
     pki.init_ca(tmp_path)
     pki.issue(tmp_path, "coordinator", server=True)  # SANs localhost, 127.0.0.1

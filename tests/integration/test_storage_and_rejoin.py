@@ -13,11 +13,13 @@ import torch
 
 from fedgrid.client.rpc import RpcFailed
 from fedgrid.client.runtime import Connection
+from fedgrid.clock import ManualClock
 from fedgrid.errors import StorageError
-from fedgrid.server.app import Coordinator
 from fedgrid.server.remote_fleet import RemoteFleet
+from fedgrid.server.serve import Coordinator
 from fedgrid.types import FitIns
 
+from clocked import asleep
 from full_disk import full_disk
 from harness import wait_until
 from harness_clients import Named
@@ -74,18 +76,12 @@ def test_a_full_disk_is_unavailable_to_the_client_and_stops_the_round(tmp_path):
         fleet.close()
 
 
-def _heartbeats(conn: Connection, stop: threading.Event) -> None:
-    while not stop.wait(0.05):
-        try:
-            conn.heartbeat()
-        except RpcFailed:
-            return
-
-
 def test_a_client_that_rejoins_mid_round_takes_its_task_over(tmp_path):
-    # Heartbeats every 0.2 s: the first session falls silent (dropped, its task failed) before
-    # the restarted process joins; the round is still open (the other client has not sent).
-    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=0.2))
+    # The first session falls silent (dropped, its task failed) before the restarted process
+    # joins; the round is still open (the other client has not sent). The fleet's clock is the
+    # test's: silence is 15 s of it (three 5 s heartbeat intervals), and only "other" heartbeats.
+    clock = ManualClock()
+    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=5), clock=clock)
     server = _serve(fleet)
     first = Connection(server.address, retry_max_elapsed=2, retry_max_wait=0.1)
     other = Connection(server.address, retry_max_elapsed=2, retry_max_wait=0.1)
@@ -96,14 +92,18 @@ def test_a_client_that_rejoins_mid_round_takes_its_task_over(tmp_path):
         infos = fleet.wait_for_clients(min_clients=2, timeout=timedelta(seconds=10))
         outcome: list = []
         thread = _round(fleet, infos, outcome)
-        beating = threading.Event()
-        threading.Thread(target=_heartbeats, args=(other, beating), daemon=True).start()
         task = first.poll(5).task
         old_id = first.client_id
         first.close()  # killed: no leave, no more heartbeats
+        asleep(clock)  # the round waits for results, checking silence every 2.5 s
+        clock.advance(10.0)
+        other.heartbeat()  # at 10.0
+        assert old_id not in fleet.current_round.failures  # silent for 10 s: not yet gone
+        clock.advance(6.0)  # 16.0: "first" silent for 16 s, "other" for 6 s
         wait_until(
             lambda: old_id in fleet.current_round.failures, timeout=10, what="the silent session to fail"
         )
+        assert fleet.current_round.failures[old_id].reason == "client went silent (no heartbeat)"
         restarted.join(Named("region-b"))
         rnd = fleet.current_round
         assert restarted.client_id in rnd.assignments and old_id not in rnd.assignments
@@ -119,7 +119,6 @@ def test_a_client_that_rejoins_mid_round_takes_its_task_over(tmp_path):
         assert sorted(r.client.name for r in result.results) == ["region-a", "region-b"]
         assert result.failures == []
     finally:
-        beating.set()
         for conn in (other, restarted):
             conn.close()
         server.stop(grace=0.5)

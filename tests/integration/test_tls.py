@@ -28,8 +28,8 @@ from fedgrid.ops import pki
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
 from fedgrid.proto.tls import TLSFiles, session_metadata
-from fedgrid.server.app import Coordinator
 from fedgrid.server.remote_fleet import RemoteFleet
+from fedgrid.server.serve import Coordinator
 from fedgrid.types import FitIns
 
 from harness import wait_until
@@ -323,7 +323,7 @@ def test_plaintext_off_loopback_needs_insecure(caplog):
     fleet = RemoteFleet()
     with pytest.raises(ConfigError, match="not a loopback address.*--insecure"):
         Coordinator("0.0.0.0:0", fleet)
-    with caplog.at_level(logging.WARNING, logger="fedgrid.server.app"):
+    with caplog.at_level(logging.WARNING, logger="fedgrid.server.serve"):
         coordinator = Coordinator("0.0.0.0:0", fleet, insecure=True).start()
     try:
         assert any(
@@ -332,7 +332,7 @@ def test_plaintext_off_loopback_needs_insecure(caplog):
     finally:
         coordinator.stop(grace=0.5)
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="fedgrid.server.app"):
+    with caplog.at_level(logging.INFO, logger="fedgrid.server.serve"):
         coordinator = Coordinator("127.0.0.1:0", fleet).start()
     coordinator.stop(grace=0.5)
     assert any("plaintext on loopback" in r.getMessage() for r in caplog.records)

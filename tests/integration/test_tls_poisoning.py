@@ -25,10 +25,10 @@ from fedgrid.ops import pki
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
 from fedgrid.proto.tls import TLSFiles
-from fedgrid.server.app import Coordinator
 from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.remote_fleet import RemoteFleet
+from fedgrid.server.serve import Coordinator
 from fedgrid.simulation.fleet import InProcessFleet
 
 from harness import wait_until

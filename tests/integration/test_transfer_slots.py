@@ -18,9 +18,9 @@ from fedgrid.client import start_client
 from fedgrid.client.runtime import Connection
 from fedgrid.constants import MAX_STREAMS_PER_CONNECTION, MAX_TRANSFERS
 from fedgrid.proto.tls import session_metadata
-from fedgrid.server.app import Coordinator
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.remote_fleet import RemoteFleet
+from fedgrid.server.serve import Coordinator
 from fedgrid.types import FitIns
 
 from harness import wait_until

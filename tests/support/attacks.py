@@ -19,11 +19,11 @@ from fedgrid.client.task_feed import ClientEvent
 from fedgrid.config import Config
 from fedgrid.events import Event, EventLog
 from fedgrid.seeding import derive_seed
-from fedgrid.server.app import Coordinator
 from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.influence import Influence, build_influence
 from fedgrid.server.remote_fleet import RemoteFleet
+from fedgrid.server.serve import Coordinator
 from fedgrid.server.strategies import build_strategy
 from fedgrid.simulation.fleet import InProcessFleet
 from fedgrid.simulation.tasks import client_options, resolve

@@ -26,8 +26,9 @@ from typing import Callable
 import grpc
 import torch
 
-from fedgrid.server.app import Coordinator
+from fedgrid.clock import MONOTONIC, Clock
 from fedgrid.server.remote_fleet import RemoteFleet
+from fedgrid.server.serve import Coordinator
 
 import zygote
 
@@ -105,7 +106,8 @@ def start_client(address: str, log_path: Path, *args: str) -> subprocess.Popen:
 
 
 class InProcessCoordinator:
-    """A real gRPC coordinator in this process (for direct access to its state)."""
+    """A real gRPC coordinator in this process (for direct access to its state); ``clock``: the
+    fleet's (a test's ``ManualClock`` decides its deadlines, grace windows and silence)."""
 
     def __init__(
         self,
@@ -114,11 +116,15 @@ class InProcessCoordinator:
         heartbeat_s: float = 60.0,
         interceptors=(),
         bounds=None,
+        clock: Clock = MONOTONIC,
         codec_policy=None,
         **coordinator_options,
     ) -> None:
         self.fleet = RemoteFleet(
-            heartbeat_interval=timedelta(seconds=heartbeat_s), bounds=bounds, codec_policy=codec_policy
+            heartbeat_interval=timedelta(seconds=heartbeat_s),
+            bounds=bounds,
+            clock=clock,
+            codec_policy=codec_policy,
         )
         self.coordinator = Coordinator(
             "127.0.0.1:0", self.fleet, max_workers=16, interceptors=interceptors, **coordinator_options

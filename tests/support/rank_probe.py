@@ -34,13 +34,13 @@ def start(out: str, mark: str) -> "object":
     forkserver started, so only the environment handed over can carry it."""
     from multiprocessing import forkserver
 
-    from fedgrid.client.parallel_ranks import _forked_rank, _rank_context
+    from fedgrid.client.parallel_ranks import forked_rank, rank_context
 
-    context = _rank_context(report)
+    context = rank_context(report)
     forkserver.ensure_running()
     os.environ["FEDGRID_PROBE_MARK"] = mark
     process = context.Process(
-        target=_forked_rank, args=(dict(os.environ), report, out, os.getpid()), daemon=False
+        target=forked_rank, args=(dict(os.environ), report, out, os.getpid()), daemon=False
     )
     process.start()
     return process

@@ -68,7 +68,7 @@ class BlockCoordinate(FedAvg):
             ``random`` (seeded by ``seed`` and the round) or ``capacity``; see the module docstring.
         aggregator: the rule applied per block to its clients' updates; ``None`` averages
             the clients' block values by examples.
-        sampling, legacy: as ``FedAvg`` (which clients a round asks; the old keywords).
+        sampling: as ``FedAvg`` (which clients a round asks).
 
     Raises:
         ValueError: an argument is out of range.
@@ -86,7 +86,6 @@ class BlockCoordinate(FedAvg):
         block_schedule: str = "per-round",
         aggregator: Aggregator | None = None,
         sampling: Sampling | None = None,
-        **legacy: Any,
     ) -> None:
         if block_schedule not in SCHEDULES:
             raise ValueError(f"block_schedule must be one of {', '.join(SCHEDULES)}, got {block_schedule!r}")
@@ -102,7 +101,6 @@ class BlockCoordinate(FedAvg):
         super().__init__(
             sampling=sampling,
             aggregator=aggregator,
-            **legacy,
         )
         self.num_blocks = num_blocks
         self.block_prefixes = (

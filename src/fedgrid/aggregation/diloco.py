@@ -223,7 +223,7 @@ class DiLoCo(FedOpt):
             when tau is 0, today's replace; 0.5, the streaming paper's value, when tau > 0).
         inner_time_s: seconds of inner steps per task instead of H (default 0: off).
         aggregator: the rule applied to the workers' updates (default: weighted mean).
-        sampling, legacy: as ``FedAvg`` (which clients a round asks; the old keywords).
+        sampling: as ``FedAvg`` (which clients a round asks).
 
     Raises:
         ValueError: an argument is out of range.
@@ -247,7 +247,6 @@ class DiLoCo(FedOpt):
         inner_time_s: float | None = None,
         aggregator: Aggregator | None = None,
         sampling: Sampling | None = None,
-        **legacy: Any,
     ) -> None:
         if inner_steps < 1:
             raise ValueError(f"inner_steps must be at least 1, got {inner_steps}")
@@ -263,7 +262,6 @@ class DiLoCo(FedOpt):
             server_optimizer=ServerSGD(lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0),
             aggregator=aggregator,
             sampling=sampling,
-            **legacy,
         )
         self.inner_steps = inner_steps
         self.inner_lr = float(inner_lr)
@@ -294,7 +292,7 @@ class StreamingDiLoCo(DiLoCo):
     Args:
         num_fragments: F, the number of fragments.
         others: ``outer_lr``, ``outer_momentum``, ``inner_steps``, ``inner_lr``, ``sync_delay_steps``,
-            ``merge_alpha``, ``inner_time_s``, ``aggregator``, ``sampling``, ``legacy``: as ``DiLoCo``.
+            ``merge_alpha``, ``inner_time_s``, ``aggregator``, ``sampling``: as ``DiLoCo``.
 
     Raises:
         ValueError: an argument is out of range.
@@ -317,7 +315,6 @@ class StreamingDiLoCo(DiLoCo):
         inner_time_s: float | None = None,
         aggregator: Aggregator | None = None,
         sampling: Sampling | None = None,
-        **legacy: Any,
     ) -> None:
         if num_fragments < 1:
             raise ValueError(f"num_fragments must be at least 1, got {num_fragments}")
@@ -331,7 +328,6 @@ class StreamingDiLoCo(DiLoCo):
             inner_time_s=inner_time_s,
             aggregator=aggregator,
             sampling=sampling,
-            **legacy,
         )
         self.num_fragments = num_fragments
         self._fragments: list[Block] = []

@@ -8,7 +8,6 @@ of) the global model. Which clients a round asks is its ``Sampling``
 
 from __future__ import annotations
 
-import warnings
 from collections import OrderedDict
 from dataclasses import replace
 from typing import Any, ClassVar, Mapping, Sequence
@@ -62,13 +61,9 @@ class FedAvg(Strategy):
         lora_aggregation: how LoRA adapters merge (``fedgrid.aggregation.lora``): ``factors``
             and ``ffa`` average the state as it is; ``svd`` averages each pair's products and
             refactorizes them (no ``aggregator`` then).
-        legacy: ``fraction_fit``, ``min_fit_clients``, ``fraction_evaluate``, ``seed`` and
-            ``fit_config`` as keywords, as before ``Sampling``: they still work for one
-            release, with a ``DeprecationWarning``.
 
     Raises:
         ValueError: an argument is out of range.
-        TypeError: an unknown keyword, or ``sampling`` given with the old keywords.
     """
 
     name: ClassVar[str] = "fedavg"
@@ -80,7 +75,6 @@ class FedAvg(Strategy):
         sampling: Sampling | None = None,
         aggregator: Aggregator | None = None,
         lora_aggregation: str = "factors",
-        **legacy: Any,
     ) -> None:
         if lora_aggregation not in LORA_AGGREGATIONS:
             raise ValueError(
@@ -88,7 +82,7 @@ class FedAvg(Strategy):
             )
         if lora_aggregation == "svd" and aggregator is not None:
             raise ValueError("lora_aggregation svd averages the products itself: it takes no aggregator")
-        self.sampling = sampling_from(sampling, legacy, type(self).__name__)
+        self.sampling = sampling if sampling is not None else Sampling()
         self.aggregator = aggregator
         self.lora_aggregation = lora_aggregation
         self._state: ModelState | None = None
@@ -256,33 +250,3 @@ def check_strategy_tag(state: Mapping[str, Any], name: str) -> None:
     tag = state.get("strategy")
     if tag is not None and tag != name:
         raise ValueError(f"checkpoint was written by strategy {tag!r}, cannot resume it as {name!r}")
-
-
-#: The keywords strategies took before ``Sampling``, kept for one release.
-LEGACY_SAMPLING_KEYWORDS = ("fraction_fit", "min_fit_clients", "fraction_evaluate", "seed", "fit_config")
-
-
-def sampling_from(sampling: Sampling | None, legacy: Mapping[str, Any], owner: str) -> Sampling:
-    """A strategy's ``Sampling``: ``sampling``, or one made from the old keywords (with a
-    ``DeprecationWarning``), or the default.
-
-    Raises:
-        TypeError: an unknown keyword, or ``sampling`` given with the old keywords.
-        ValueError: a value out of range.
-    """
-    unknown = sorted(set(legacy) - set(LEGACY_SAMPLING_KEYWORDS))
-    if unknown:
-        raise TypeError(f"{owner}() got an unexpected keyword argument {unknown[0]!r}")
-    if not legacy:
-        return sampling if sampling is not None else Sampling()
-    if sampling is not None:
-        raise TypeError(
-            f"{owner}(): give sampling=Sampling(...) or the old keywords {sorted(legacy)}, not both"
-        )
-    warnings.warn(
-        f"{owner}({', '.join(f'{k}=' for k in legacy)}...) is deprecated and goes in the next release: "
-        "pass sampling=fedgrid.aggregation.selection.Sampling(...)",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return Sampling(**{k: v for k, v in legacy.items() if v is not None})

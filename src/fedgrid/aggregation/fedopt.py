@@ -34,7 +34,7 @@ class FedOpt(FedAvg):
         server_optimizer: the optimizer; default ``ServerSGD(lr=1.0)``, which is FedAvg
             (up to float rounding: it averages deltas rather than models).
         aggregator: the rule applied to the updates; default the example-weighted mean.
-        sampling, legacy: as ``FedAvg`` (which clients a round asks; the old keywords).
+        sampling: as ``FedAvg`` (which clients a round asks).
     """
 
     name = "fedopt"
@@ -45,12 +45,10 @@ class FedOpt(FedAvg):
         server_optimizer: ServerOptimizer | None = None,
         aggregator: Aggregator | None = None,
         sampling: Sampling | None = None,
-        **legacy: Any,
     ) -> None:
         super().__init__(
             sampling=sampling,
             aggregator=aggregator,
-            **legacy,
         )
         self.server_optimizer = server_optimizer if server_optimizer is not None else ServerSGD(lr=1.0)
 
@@ -105,7 +103,7 @@ class FedAvgM(FedOpt):
         server_lr: server learning rate.
         server_momentum: momentum in [0, 1).
         server_nesterov: Nesterov momentum instead.
-        aggregator, sampling, legacy: as ``FedOpt`` (which clients a round asks; the old keywords).
+        aggregator, sampling: as ``FedOpt`` (which clients a round asks).
     """
 
     name = "fedavgm"
@@ -118,13 +116,11 @@ class FedAvgM(FedOpt):
         server_nesterov: bool = False,
         aggregator: Aggregator | None = None,
         sampling: Sampling | None = None,
-        **legacy: Any,
     ) -> None:
         super().__init__(
             server_optimizer=ServerSGD(lr=server_lr, momentum=server_momentum, nesterov=server_nesterov),
             aggregator=aggregator,
             sampling=sampling,
-            **legacy,
         )
 
 
@@ -135,7 +131,7 @@ class FedAdam(FedOpt):
         server_lr: ``eta`` (default 0.03: at 0.01, 5 rounds on digits reached 0.59-0.82 over
             seeds 0-2; at 0.03, 0.82-0.86; Reddi et al. tune it per task between 1e-3 and 1).
             server_beta1, server_beta2: moment decays. server_tau: adaptivity ``tau``.
-        aggregator, sampling, legacy: as ``FedOpt`` (which clients a round asks; the old keywords).
+        aggregator, sampling: as ``FedOpt`` (which clients a round asks).
     """
 
     name = "fedadam"
@@ -150,7 +146,6 @@ class FedAdam(FedOpt):
         server_tau: float = 1e-3,
         aggregator: Aggregator | None = None,
         sampling: Sampling | None = None,
-        **legacy: Any,
     ) -> None:
         super().__init__(
             server_optimizer=self._optimizer(
@@ -158,7 +153,6 @@ class FedAdam(FedOpt):
             ),
             aggregator=aggregator,
             sampling=sampling,
-            **legacy,
         )
 
 
@@ -176,7 +170,7 @@ class FedAdagrad(FedOpt):
     Args:
         server_lr: ``eta``. server_beta1: first-moment decay (default 0: classic Adagrad).
         server_tau: adaptivity ``tau``.
-        aggregator, sampling, legacy: as ``FedOpt`` (which clients a round asks; the old keywords).
+        aggregator, sampling: as ``FedOpt`` (which clients a round asks).
     """
 
     name = "fedadagrad"
@@ -189,11 +183,9 @@ class FedAdagrad(FedOpt):
         server_tau: float = 1e-3,
         aggregator: Aggregator | None = None,
         sampling: Sampling | None = None,
-        **legacy: Any,
     ) -> None:
         super().__init__(
             server_optimizer=ServerAdagrad(lr=server_lr, beta1=server_beta1, tau=server_tau),
             aggregator=aggregator,
             sampling=sampling,
-            **legacy,
         )

@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fedgrid.aggregation.base import Aggregator
 from fedgrid.aggregation.fedavg import FedAvg
 from fedgrid.aggregation.selection import Sampling
@@ -21,7 +19,7 @@ class FedProx(FedAvg):
 
     Args:
         proximal_mu: the proximal coefficient mu (>= 0; 0 is FedAvg).
-        aggregator, sampling, legacy: as ``FedAvg`` (which clients a round asks; the old keywords).
+        aggregator, sampling: as ``FedAvg`` (which clients a round asks).
 
     Raises:
         ValueError: ``proximal_mu`` is negative or not finite.
@@ -36,7 +34,6 @@ class FedProx(FedAvg):
         aggregator: Aggregator | None = None,
         sampling: Sampling | None = None,
         lora_aggregation: str = "factors",
-        **legacy: Any,
     ) -> None:
         if not (proximal_mu >= 0 and proximal_mu != float("inf")):
             raise ValueError(f"proximal_mu must be non-negative and finite, got {proximal_mu}")
@@ -44,7 +41,6 @@ class FedProx(FedAvg):
             sampling=sampling,
             aggregator=aggregator,
             lora_aggregation=lora_aggregation,
-            **legacy,
         )
         self.proximal_mu = float(proximal_mu)
 

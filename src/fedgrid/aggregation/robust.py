@@ -13,7 +13,7 @@ Weights: a Byzantine client can report any example count, so the robust rules ig
 weights by default (``weighted=False``; every update counts once) and use them only when
 asked. ``mean`` and ``norm-clip`` weight by examples by default, as FedAvg.
 
-The clipping rules live in ``clipping``; ``registry.build_aggregator`` builds any rule by
+The clipping rules live in ``clipping``; ``by_name.build_aggregator`` builds any rule by
 name. Rules that need several updates check it twice: ``check_preconditions(num_clients=...)``
 when the run is configured (``ConfigError``), and ``result()`` on the updates a round
 actually delivered (``AggregationPreconditionError``; the strategy then skips the round

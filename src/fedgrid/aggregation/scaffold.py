@@ -52,7 +52,7 @@ class Scaffold(FedOpt):
     Args:
         server_lr: the global step size ``eta_g`` (1.0 in the paper's experiments).
         total_clients: N; ``None`` uses the number of live clients of the round.
-        aggregator, sampling, legacy: as ``FedAvg`` (which clients a round asks; the old keywords).
+        aggregator, sampling: as ``FedAvg`` (which clients a round asks).
     """
 
     name = "scaffold"
@@ -64,7 +64,6 @@ class Scaffold(FedOpt):
         total_clients: int | None = None,
         aggregator: Aggregator | None = None,
         sampling: Sampling | None = None,
-        **legacy: Any,
     ) -> None:
         if total_clients is not None and total_clients < 1:
             raise ValueError(f"total_clients must be at least 1, got {total_clients}")
@@ -72,7 +71,6 @@ class Scaffold(FedOpt):
             server_optimizer=ServerSGD(lr=server_lr),
             aggregator=aggregator,
             sampling=sampling,
-            **legacy,
         )
         self.total_clients = total_clients
         self._live_clients: int | None = None

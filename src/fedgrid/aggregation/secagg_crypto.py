@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass
-from typing import Mapping, Protocol
+from typing import Mapping, Protocol, Sequence
 
 from cryptography.exceptions import InvalidSignature, InvalidTag
 from cryptography.hazmat.primitives import hashes, serialization
@@ -35,6 +35,10 @@ __all__ = [
     "seal",
     "open_sealed",
     "mask_seed",
+    "SELF",
+    "KEY",
+    "encode_unmask",
+    "decode_unmask",
 ]
 
 _ADVERT_MAGIC = b"FGSA1"
@@ -214,3 +218,23 @@ def open_sealed(
 def mask_seed(mine: X25519PrivateKey, theirs: bytes, *, run: str, server_round: int) -> bytes:
     """The 256-bit pairwise mask seed two clients agree on for this run and round."""
     return _derive(_agree(mine, theirs), b"fedgrid-secagg-mask" + _context(run, server_round))
+
+
+#: The kinds of share an unmask answer carries: of a self-mask seed, of a mask key.
+SELF, KEY = b"b", b"s"
+
+
+def encode_unmask(entries: Sequence[tuple[str, bytes, bytes]]) -> bytes:
+    """An unmask answer: (owner id, ``SELF`` or ``KEY``, share) per entry."""
+    return _pack(*(_pack(owner.encode(), kind, share) for owner, kind, share in entries))
+
+
+def decode_unmask(payload: bytes) -> list[tuple[str, bytes, bytes]]:
+    out: list[tuple[str, bytes, bytes]] = []
+    at = 0
+    while at < len(payload):
+        size = int.from_bytes(payload[at : at + 2], "big")
+        owner, kind, share = _unpack(payload[at + 2 : at + 2 + size], 3)
+        out.append((owner.decode(errors="replace"), kind, share))
+        at += 2 + size
+    return out

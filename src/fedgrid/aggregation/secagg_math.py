@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import random
 import secrets
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -42,6 +43,8 @@ __all__ = [
     "ring_add",
     "to_wire",
     "from_wire",
+    "RoundPlan",
+    "mask_sign",
 ]
 
 #: The Shamir field: the Mersenne prime 2^521 - 1, large enough for a 256-bit secret as it is.
@@ -258,3 +261,25 @@ def from_wire(x: torch.Tensor, *, bits: int) -> torch.Tensor:
     if x.dtype != _WIRE[bits]:
         raise ValueError(f"a {bits}-bit masked vector travels as {_WIRE[bits]}, got {x.dtype}")
     return x.to(torch.int64) & ((1 << bits) - 1)
+
+
+def mask_sign(me: str, other: str) -> int:
+    """The sign of the pairwise mask of ``me`` with ``other`` (opposite on the two sides)."""
+    return 1 if me < other else -1
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """What the coordinator announces of a round: its run and number, the participants (in
+    order), the neighbourhood size, the graph seed and the Shamir threshold."""
+
+    run: str
+    server_round: int
+    me: str
+    participants: tuple[str, ...]
+    k: int
+    graph_seed: bytes
+    threshold: int
+
+    def neighbours(self) -> list[str]:
+        return neighbours(list(self.participants), k=self.k, seed=self.graph_seed)[self.me]

@@ -17,9 +17,24 @@ from typing import Mapping, Sequence
 import torch
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from fedgrid.aggregation.secagg_client import KEY, SELF, RoundPlan, decode_unmask, mask_sign
-from fedgrid.aggregation.secagg_crypto import Advert, SecAggRefusedError, _unpack, mask_seed
-from fedgrid.aggregation.secagg_math import SecAggAbortedError, combine_shares, neighbours, prg, ring_add
+from fedgrid.aggregation.secagg_crypto import (
+    KEY,
+    SELF,
+    Advert,
+    SecAggRefusedError,
+    _unpack,
+    decode_unmask,
+    mask_seed,
+)
+from fedgrid.aggregation.secagg_math import (
+    RoundPlan,
+    SecAggAbortedError,
+    combine_shares,
+    mask_sign,
+    neighbours,
+    prg,
+    ring_add,
+)
 
 __all__ = ["SecAggServerRound"]
 

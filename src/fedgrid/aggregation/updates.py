@@ -25,7 +25,6 @@ import torch
 
 from fedgrid.aggregation.base import Aggregator
 from fedgrid.aggregation.mean import WeightedMean
-from fedgrid.lazy import exports
 from fedgrid.types import FitRes, ModelState
 
 __all__ = [
@@ -173,12 +172,3 @@ def add_update(global_state: Mapping[str, torch.Tensor], update: Mapping[str, to
         ref = global_state[name]
         out[name] = (ref.to(d.dtype) + d).to(ref.dtype)
     return out
-
-
-#: Old names, for one release: each access warns with a DeprecationWarning naming the new one.
-__getattr__, _ = exports(
-    __name__,
-    {},
-    deprecated={"apply_delta": f"{__name__}.add_update"},
-    globals_=globals(),
-)

@@ -1,4 +1,4 @@
-"""``fedgrid client``: join a coordinator and train (the wiring is ``fedgrid.client.app``)."""
+"""``fedgrid client``: join a coordinator and train (the wiring is ``fedgrid.client.serve``)."""
 
 from __future__ import annotations
 
@@ -203,8 +203,14 @@ def run(args: argparse.Namespace) -> int:
     """``fedgrid client``: checks the flags, enrolls (rank 0, before any data or model is
     loaded, so a refused token fails fast), then serves with the ``--app`` factory or the
     built-in one."""
-    from fedgrid.client.app import check_addresses, enroll_client, enroll_token, parse_partition, serve_client
     from fedgrid.client.parallel import torchrun_rank
+    from fedgrid.client.serve import (
+        check_addresses,
+        enroll_client,
+        enroll_token,
+        parse_partition,
+        serve_client,
+    )
     from fedgrid.plugins import load_object
 
     config = client_config(args)

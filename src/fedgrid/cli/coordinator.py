@@ -23,7 +23,7 @@ def serve(config: Config, **kwargs: Any) -> ModelState | None:
     ``initial_model`` file or a ``MODULE:FACTORY`` (no dataset code imported), else from
     the built-in dataset's model, with its server-side evaluation. ``kwargs`` go to
     ``run_coordinator`` (``ready``, ``on_event``)."""
-    from fedgrid.server.app import coordinator_model, run_coordinator
+    from fedgrid.server.serve import coordinator_model, run_coordinator
 
     initial = coordinator_model(config)
     if initial is not None:

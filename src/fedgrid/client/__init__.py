@@ -39,11 +39,3 @@ __all__ = [
     "AsyncSession",
     "Task",
 ]
-
-
-def __getattr__(name: str) -> object:
-    if name in ("run", "start"):  # the old names, for one release (the warning names the new one)
-        from fedgrid.client import runtime
-
-        return getattr(runtime, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -78,7 +78,6 @@ from fedgrid.client.algorithm_math import (
 from fedgrid.client.block_training import BlockCoordinateTraining
 from fedgrid.client.diloco_training import DiLoCoTraining, StreamingDiLoCoTraining
 from fedgrid.client.fedavg_training import FedAvgTraining, FedProxTraining, ScaffoldTraining
-from fedgrid.lazy import exports
 from fedgrid.types import Scalar
 
 __all__ = [
@@ -148,15 +147,3 @@ _BUILT_IN = (
 )
 for _algorithm in _BUILT_IN:
     register(_algorithm)
-
-
-#: Old names, for one release: each access warns with a DeprecationWarning naming the new one.
-__getattr__, _ = exports(
-    __name__,
-    {},
-    deprecated={
-        n: f"{__name__}.{n}Training"
-        for n in ("FedAvg", "FedProx", "Scaffold", "DiLoCo", "StreamingDiLoCo", "BlockCoordinate")
-    },
-    globals_=globals(),
-)

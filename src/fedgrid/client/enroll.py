@@ -4,10 +4,10 @@
 token to the coordinator's enrollment service (``fedgrid.v1.Enrollment``, server-authenticated
 TLS: the service's certificate must be signed by the CA bundle the device was given, so the
 token goes to no one else), checks the certificate that comes back and keeps it. From then on
-the device is an ordinary mutual-TLS client: ``fedgrid.client.run(..., ca=, cert=, key=)``.
+the device is an ordinary mutual-TLS client: ``fedgrid.client.run_client(..., ca=, cert=, key=)``.
 
-Enrolling is a provisioning step, kept apart from ``run`` (the SDK's two steps are
-``enroll(...)`` then ``run(...)``; ``fedgrid client --enroll`` does both): it writes the key
+Enrolling is a provisioning step, kept apart from ``run_client`` (the SDK's two steps are
+``enroll(...)`` then ``run_client(...)``; ``fedgrid client --enroll`` does both): it writes the key
 and certificate files, and its failures (a spent or revoked token) are for an operator to
 fix, never to retry. It is idempotent across restarts: when the certificate and key are
 already there and valid, nothing is sent, so a restarted device keeps its identity.

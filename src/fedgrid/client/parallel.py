@@ -57,17 +57,17 @@ import torch.distributed as dist
 
 from fedgrid.client.api import Client, EvaluateOutput, FitOutput
 from fedgrid.client.parallel_ranks import (
-    _backends,
-    _broadcast_object,
-    _broadcast_state,
-    _checked,
-    _Commands,
-    _device_for,
-    _distribute,
-    _forked_rank,
-    _rank_context,
-    _serve,
-    _worker_main,
+    Commands,
+    broadcast_object,
+    broadcast_state,
+    checked_torch_client,
+    device_for,
+    distribute,
+    forked_rank,
+    group_backends,
+    rank_context,
+    serve_commands,
+    worker_main,
 )
 from fedgrid.client.torch_client import TorchClient
 from fedgrid.determinism import intra_op_threads
@@ -221,12 +221,12 @@ class ParallelClient(Client):
         self._saved: dict[str, Any] = first.state_dict()
         self._workers: list[Any] = []
         self._dir = ""
-        self._commands: _Commands | None = None
+        self._commands: Commands | None = None
         self._generation = 0
         self._lock = threading.Lock()  # fit and evaluate of one client never overlap
 
     def _build(self) -> TorchClient:
-        return _checked(self.factory(*self.args, **self.kwargs))
+        return checked_torch_client(self.factory(*self.args, **self.kwargs))
 
     @property
     def num_examples(self) -> int:
@@ -242,7 +242,7 @@ class ParallelClient(Client):
 
     @property
     def device(self) -> torch.device:
-        return _device_for(self.spec.resolved_backend, 0)
+        return device_for(self.spec.resolved_backend, 0)
 
     @property
     def worker_pids(self) -> list[int]:
@@ -264,15 +264,15 @@ class ParallelClient(Client):
         self._dir = tempfile.mkdtemp(prefix="fedgrid-ranks-")  # 0700: the store is this user's alone
         self._generation += 1
         store_path = os.path.join(self._dir, f"store-{self._generation}")
-        context = _rank_context(self.factory)
+        context = rank_context(self.factory)
         self._workers = [
             context.Process(
-                target=_forked_rank,
+                target=forked_rank,
                 name=f"fedgrid-rank-{rank}",
                 daemon=True,
                 args=(
                     dict(os.environ),
-                    _worker_main,
+                    worker_main,
                     rank,
                     world,
                     store_path,
@@ -288,10 +288,10 @@ class ParallelClient(Client):
         ]
         for worker in self._workers:
             worker.start()
-        device = _device_for(backend, 0)
+        device = device_for(backend, 0)
         store = dist.FileStore(store_path, world)
         dist.init_process_group(
-            backend=_backends(backend),
+            backend=group_backends(backend),
             store=store,
             rank=0,
             world_size=world,
@@ -299,9 +299,9 @@ class ParallelClient(Client):
         )
         local = self._local if self._local is not None else self._build()
         with intra_op_threads(self.threads):
-            self._local = _distribute(local, spec, 0, device)
-        self._commands = _Commands(store)
-        _broadcast_object(self._saved)
+            self._local = distribute(local, spec, 0, device)
+        self._commands = Commands(store)
+        broadcast_object(self._saved)
         self._local.load_state_dict(self._saved)
         log.info("client %s: %d ranks (%s, %s) started", self.name, world, spec.mode, backend)
 
@@ -361,7 +361,7 @@ class ParallelClient(Client):
                 assert self._commands is not None and self._local is not None
                 self._commands.send({"op": op, "round": round_, "config": dict(config)})
                 with intra_op_threads(self.threads):
-                    out = call(self._local, _broadcast_state(state, self._local.device))
+                    out = call(self._local, broadcast_state(state, self._local.device))
                 dead = [w.name for w in self._workers if not w.is_alive()]
                 if dead:
                     raise RuntimeError(f"local worker {dead[0]} exited during the task")
@@ -440,7 +440,7 @@ def torchrun_rank() -> tuple[int, int, int] | None:
 class _TorchrunClient(Client):
     """Rank 0 of a torchrun group: a ``Client`` whose tasks every rank runs (``serve_torchrun``)."""
 
-    def __init__(self, local: TorchClient, commands: _Commands) -> None:
+    def __init__(self, local: TorchClient, commands: Commands) -> None:
         self.local, self.commands = local, commands
         self.name, self.region = local.name, local.region
 
@@ -451,13 +451,13 @@ class _TorchrunClient(Client):
     def fit(self, state: ModelState, ins: FitIns) -> FitOutput:
         _refuse_time_budget(ins, f"torchrun client {self.name!r}")
         self.commands.send({"op": "fit", "round": ins.round, "config": dict(ins.config)})
-        return self.local.fit(_broadcast_state(state, self.local.device), ins)
+        return self.local.fit(broadcast_state(state, self.local.device), ins)
 
     def evaluate(self, state: ModelState, config: Mapping[str, Scalar]) -> EvaluateOutput:
         if self.local.eval_loader is None:
             raise NotImplementedError(f"client {self.name!r} has no evaluation data")
         self.commands.send({"op": "evaluate", "round": 0, "config": dict(config)})
-        return self.local.evaluate(_broadcast_state(state, self.local.device), config)
+        return self.local.evaluate(broadcast_state(state, self.local.device), config)
 
     def state_dict(self) -> dict[str, Any]:
         return self.local.state_dict()
@@ -476,18 +476,20 @@ def serve_torchrun(client: TorchClient, spec: ParallelSpec, serve: Callable[[Cli
     assert ranks is not None
     rank, local_rank, world = ranks
     backend = spec.resolved_backend
-    device = _device_for(backend, local_rank)
+    device = device_for(backend, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend=_backends(backend), timeout=timedelta(seconds=spec.collective_timeout_s))
+    dist.init_process_group(
+        backend=group_backends(backend), timeout=timedelta(seconds=spec.collective_timeout_s)
+    )
     store = dist.distributed_c10d._get_default_store()
-    commands = _Commands(store)
+    commands = Commands(store)
     try:
-        local = _distribute(client, spec, rank, device)
+        local = distribute(client, spec, rank, device)
         if rank != 0:
-            _serve(local, commands, alive=lambda: True)
+            serve_commands(local, commands, alive=lambda: True)
             return None
-        _broadcast_object(local.state_dict())
+        broadcast_object(local.state_dict())
         try:
             return serve(_TorchrunClient(local, commands))
         finally:

@@ -1,7 +1,7 @@
 """Every rank's side of a ``ParallelClient`` (``fedgrid.client.parallel``): the seams that
 make a ``TorchClient`` train as one of ``world`` ranks (DDP, FSDP2 or HSDP), rank 0's
 broadcasts of the model, and the command channel over the group's store that the other
-ranks serve (``_worker_main`` for started ranks, ``_serve`` for every rank but 0).
+ranks serve (``worker_main`` for started ranks, ``serve_commands`` for every rank but 0).
 """
 
 from __future__ import annotations
@@ -22,14 +22,28 @@ from fedgrid.types import FitIns, ModelState
 if TYPE_CHECKING:
     from fedgrid.client.parallel import ParallelSpec
 
-__all__: list[str] = []
+__all__ = [
+    "IDLE_POLL_S",
+    "Commands",
+    "broadcast_object",
+    "broadcast_state",
+    "checked_torch_client",
+    "device_for",
+    "distribute",
+    "forked_rank",
+    "group_backends",
+    "rank_context",
+    "serve_commands",
+    "worker_main",
+]
 
 #: How long an idle worker waits on the store before checking that rank 0 is still alive.
 IDLE_POLL_S = 5.0
 COMMAND_KEY = "fedgrid/command/{}"
 
 
-def _device_for(backend: str, local_rank: int) -> torch.device:
+def device_for(backend: str, local_rank: int) -> torch.device:
+    """The device a rank trains on: its local GPU under NCCL, else the CPU."""
     return torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
 
 
@@ -134,7 +148,7 @@ class _DistributedSeams:
         return float(totals[0]), int(totals[1])
 
 
-def _checked(client: object) -> TorchClient:
+def checked_torch_client(client: object) -> TorchClient:
     """``client`` if a factory's product can train on every rank: a ``TorchClient`` whose ``fit`` is TorchClient's.
 
     Raises:
@@ -157,9 +171,9 @@ def _seam_members() -> dict[str, Any]:
     return {name: value for name, value in vars(_DistributedSeams).items() if not name.startswith("__")}
 
 
-def _distribute(client: TorchClient, spec: ParallelSpec, rank: int, device: torch.device) -> TorchClient:
+def distribute(client: TorchClient, spec: ParallelSpec, rank: int, device: torch.device) -> TorchClient:
     """Turns ``client`` (built by the factory on this rank) into its distributed self, in place."""
-    _checked(client)
+    checked_torch_client(client)
     world = dist.get_world_size()
     # A subclass of the client's own class with the seams in it (a mixin base would change
     # the instance layout, which ``__class__`` assignment refuses); other overrides stay.
@@ -197,7 +211,7 @@ def _distribute(client: TorchClient, spec: ParallelSpec, rank: int, device: torc
     return client
 
 
-def _broadcast_state(state: ModelState | None, device: torch.device) -> ModelState:
+def broadcast_state(state: ModelState | None, device: torch.device) -> ModelState:
     """Rank 0's ``state`` on every rank: names, dtypes and shapes as JSON, then the tensors."""
     header: list[Any] = [None]
     if dist.get_rank() == 0:
@@ -216,13 +230,14 @@ def _broadcast_state(state: ModelState | None, device: torch.device) -> ModelSta
     return out
 
 
-def _broadcast_object(value: Any) -> Any:
+def broadcast_object(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (pickled, among the ranks of this node's group only)."""
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
-class _Commands:
+class Commands:
     """Rank 0 tells the other ranks what to do next: numbered JSON commands in the group's store."""
 
     def __init__(self, store: dist.Store) -> None:
@@ -254,21 +269,21 @@ class _Commands:
         return command
 
 
-def _serve(client: TorchClient, commands: _Commands, alive: Callable[[], bool]) -> None:
+def serve_commands(client: TorchClient, commands: Commands, alive: Callable[[], bool]) -> None:
     """A rank other than 0: runs what rank 0 commands until ``stop``; any error ends it."""
-    client.load_state_dict(_broadcast_object(None))  # rank 0's state across rounds
+    client.load_state_dict(broadcast_object(None))  # rank 0's state across rounds
     while True:
         command = commands.receive(alive)
         if command["op"] == "stop":
             return
-        state = _broadcast_state(None, client.device)
+        state = broadcast_state(None, client.device)
         if command["op"] == "fit":
             client.fit(state, FitIns(round=int(command["round"]), config=command["config"]))
         else:
             client.evaluate(state, command["config"])
 
 
-def _worker_main(
+def worker_main(
     rank: int,
     world: int,
     store_path: str,
@@ -283,25 +298,25 @@ def _worker_main(
     if threads:
         torch.set_num_threads(threads)
     backend = spec.resolved_backend
-    device = _device_for(backend, rank)
+    device = device_for(backend, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     store = dist.FileStore(store_path, world)
     dist.init_process_group(
-        backend=_backends(backend),
+        backend=group_backends(backend),
         store=store,
         rank=rank,
         world_size=world,
         timeout=timedelta(seconds=spec.collective_timeout_s),
     )
     try:
-        client = _distribute(factory(*args, **kwargs), spec, rank, device)
-        _serve(client, _Commands(store), alive=_watch(parent))
+        client = distribute(factory(*args, **kwargs), spec, rank, device)
+        serve_commands(client, Commands(store), alive=_watch(parent))
     finally:
         dist.destroy_process_group()
 
 
-def _rank_context(factory: Callable[..., Any]) -> Any:
+def rank_context(factory: Callable[..., Any]) -> Any:
     """The multiprocessing context ranks start from: a forkserver that imports, once per process,
     torch and fedgrid (this module) and the factory's module (the application's model and data
     code) unless that is the main script."""
@@ -316,10 +331,10 @@ def _rank_context(factory: Callable[..., Any]) -> Any:
     return context
 
 
-def _forked_rank(environ: dict[str, str], target: Callable[..., None], *args: Any) -> None:
+def forked_rank(environ: dict[str, str], target: Callable[..., None], *args: Any) -> None:
     """A process forked by the forkserver: multiprocessing brings rank 0's import path over, not
     its environment (the forkserver's is from when it started), so it is set here first; then
-    ``target(*args)`` (``_worker_main`` for a rank)."""
+    ``target(*args)`` (``worker_main`` for a rank)."""
     os.environ.clear()
     os.environ.update(environ)
     target(*args)
@@ -336,6 +351,7 @@ def _watch(parent: int) -> Callable[[], bool]:
     return starter.is_alive
 
 
-def _backends(backend: str) -> str:
+def group_backends(backend: str) -> str:
+    """``init_process_group``'s backend string for a group whose models use ``backend``."""
     # CPU tensors (commands' objects, totals) go through gloo even when the model's go through NCCL.
     return "cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo"

@@ -1,7 +1,7 @@
 """The client's gRPC runtime: join, long-poll for tasks, download, train, upload.
 
 The calls are ``Connection``'s (``fedgrid.client.connection``: deadlines, retries with
-backoff, mutual TLS). ``run`` blocks; ``start`` runs the same loop in a background thread.
+backoff, mutual TLS). ``run_client`` blocks; ``start_client`` runs the same loop in a background thread.
 
 With a ``state_path``, what the client keeps across rounds (the uplink's error-feedback
 residuals, the ``Client``'s own ``state_dict``) is written there after every fit task,
@@ -46,7 +46,6 @@ from fedgrid.client.state import load_client_state, restore_client_state, save_c
 from fedgrid.client.task_feed import ClientEvent, TaskFeed, TaskReport, TaskStep
 from fedgrid.client.timeline import COMPUTE, with_split
 from fedgrid.constants import POLL_WAIT_S
-from fedgrid.lazy import exports
 from fedgrid.proto.tls import TLSFiles
 from fedgrid.types import EVALUATE, FIT, ModelState
 
@@ -362,12 +361,3 @@ def start_client(
     handle = ClientHandle(thread, stop)
     thread.start()
     return handle
-
-
-#: Old names, for one release: each access warns with a DeprecationWarning naming the new one.
-__getattr__, _ = exports(
-    __name__,
-    {},
-    deprecated={"run": f"{__name__}.run_client", "start": f"{__name__}.start_client"},
-    globals_=globals(),
-)

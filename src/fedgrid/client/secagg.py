@@ -6,7 +6,7 @@ global ones), adds the rounding error it kept from its last masked round (error 
 here, on the client), clips it to the round's range, optionally perturbs it (``add_noise``: the
 hook where distributed DP noise goes, added by each client so the coordinator never sees an
 unnoised sum), quantizes it into the ring with its weight premultiplied, masks it and uploads
-the one integer tensor. The state machine (``aggregation.secagg_client.SecAggParty``) refuses,
+the one integer tensor. The state machine (``fedgrid.client.secagg_party.SecAggParty``) refuses,
 with ``SecAggRefusedError`` and nothing sent, any request that could unmask a client.
 """
 
@@ -24,12 +24,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from fedgrid.aggregation.privacy import KEY_BYTES, clip_update, noise_share
 from fedgrid.aggregation.secagg import ADVERTISE, MASKED, SHARE, UNMASK, flat_floating
-from fedgrid.aggregation.secagg_client import RoundPlan, SecAggParty
 from fedgrid.aggregation.secagg_crypto import Keyring, PinnedKeys, SecAggRefusedError
 from fedgrid.aggregation.secagg_identity import CertificateKeyring, certificate_credential
-from fedgrid.aggregation.secagg_math import quantize, to_wire
+from fedgrid.aggregation.secagg_math import RoundPlan, quantize, to_wire
 from fedgrid.capabilities import Capabilities
 from fedgrid.client.api import Client, EvaluateOutput, FitOutput
+from fedgrid.client.secagg_party import SecAggParty
 from fedgrid.client.timeline import Timeline
 from fedgrid.types import FitIns, MessageIns, ModelState, Scalar
 

@@ -131,7 +131,7 @@ class Timeline:
         )
 
 
-#: The metrics ``Split.metrics`` gives a fit result (``fedgrid.aggregation.goodput`` sums them per round).
+#: The metrics ``Split.metrics`` gives a fit result (``fedgrid.telemetry`` sums them per round).
 SPLIT_KEYS: tuple[str, ...] = (*Split._fields, "utilization")
 
 

@@ -3,7 +3,7 @@
 A container health check, and a script's "is it up yet". It asks the standard gRPC health
 service (``grpc.health.v1.Health/Check``) that every coordinator and region serves on its
 own port, for the ``fedgrid.v1.Coordinator`` service: a coordinator reports SERVING once it
-has started and NOT_SERVING while it stops (``server/app.py``). The exit status follows
+has started and NOT_SERVING while it stops (``server/serve.py``). The exit status follows
 Docker's rule for health checks: 0 healthy, 1 unhealthy, for every failure (not serving,
 nothing listening, a TLS handshake refused, unreadable certificate files); Docker reserves 2.
 

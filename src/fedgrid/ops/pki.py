@@ -81,11 +81,11 @@ def init_ca(directory: str | os.PathLike[str], *, name: str = "fedgrid CA", days
             if (d / existing).exists():
                 raise PKIError(f"{d / existing} exists: refusing to overwrite an existing CA")
         key = ec.generate_private_key(ec.SECP256R1())
-        now = ca._utcnow()
+        now = ca.utcnow()
         cert = (
             x509.CertificateBuilder()
-            .subject_name(ca._subject(name))
-            .issuer_name(ca._subject(name))
+            .subject_name(ca.common_name_subject(name))
+            .issuer_name(ca.common_name_subject(name))
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - ca.CLOCK_SKEW)
@@ -109,12 +109,12 @@ def init_ca(directory: str | os.PathLike[str], *, name: str = "fedgrid CA", days
             .sign(key, hashes.SHA256())
         )
         ca.write_atomic(
-            d / ca.CA_KEY, ca._key_pem(key), 0o600
+            d / ca.CA_KEY, ca.private_key_pem(key), 0o600
         )  # the key first: a ca.pem never exists without it
-        ca.write_atomic(d / ca.CA_CERT, ca._cert_pem(cert), 0o644)
-        ca._save_records(d, [])
+        ca.write_atomic(d / ca.CA_CERT, ca.certificate_pem(cert), 0o644)
+        ca.save_records(d, [])
         write_json(d / ca.TOKENS, {"version": 1, "tokens": {}}, 0o600)
-        ca._write_crl(d, cert, key, [])
+        ca.write_crl(d, cert, key, [])
     return d / ca.CA_CERT
 
 
@@ -146,21 +146,21 @@ def issue(
             given for a client; a SAN is malformed; ``days`` is not positive.
         PKIError: ``name`` already has a valid certificate, or the directory has no CA.
     """
-    ca._check_file_name(name)
+    ca.check_file_name(name)
     if sans and not server:
         raise ValueError("subject alternative names (--san) are for server certificates (--server)")
     d = Path(directory)
     with locked(d):
-        ca_cert, ca_key = ca._load_ca(d)
-        records = ca._records(d)
-        ca._check_name_free(records, name, ca._utcnow(), PKIError)
+        ca_cert, ca_key = ca.load_ca(d)
+        records = ca.read_records(d)
+        ca.check_name_free(records, name, ca.utcnow(), PKIError)
         key = ec.generate_private_key(ec.SECP256R1())
-        cert = ca._sign_leaf(
+        cert = ca.sign_leaf(
             ca_cert, ca_key, name=name, public_key=key.public_key(), server=server, sans=sans, days=days
         )
-        ca.write_atomic(d / f"{name}.key", ca._key_pem(key), 0o600)
-        ca.write_atomic(d / f"{name}.pem", ca._cert_pem(cert), 0o644)
-        ca._save_records(d, [*records, ca._record_of(cert, name, "server" if server else "client")])
+        ca.write_atomic(d / f"{name}.key", ca.private_key_pem(key), 0o600)
+        ca.write_atomic(d / f"{name}.pem", ca.certificate_pem(cert), 0o644)
+        ca.save_records(d, [*records, ca.record_of(cert, name, "server" if server else "client")])
     return d / f"{name}.pem", d / f"{name}.key"
 
 
@@ -174,24 +174,24 @@ def revoke(directory: str | os.PathLike[str], name: str) -> list[int]:
     """
     d = Path(directory)
     with locked(d):
-        ca_cert, ca_key = ca._load_ca(d)
-        records = ca._records(d)
+        ca_cert, ca_key = ca.load_ca(d)
+        records = ca.read_records(d)
         mine = [r for r in records if r.name == name]
         if not mine:
             raise PKIError(f"no certificate named {name!r} in {d / ca.INDEX}")
         if all(r.revoked for r in mine):
             raise PKIError(f"every certificate of {name!r} is revoked already")
-        now = ca._utcnow()
+        now = ca.utcnow()
         revoked = [r.serial for r in mine if not r.revoked]
         records = [replace(r, revoked_at=now) if r.name == name and not r.revoked else r for r in records]
-        ca._save_records(d, records)
-        ca._write_crl(d, ca_cert, ca_key, records)
+        ca.save_records(d, records)
+        ca.write_crl(d, ca_cert, ca_key, records)
     return revoked
 
 
 def list_certs(directory: str | os.PathLike[str]) -> list[ca.CertRecord]:
     """Every certificate the CA in ``directory`` issued, in issue order (revoked ones included)."""
-    return ca._records(Path(directory))
+    return ca.read_records(Path(directory))
 
 
 def issue_token(
@@ -209,19 +209,19 @@ def issue_token(
         ValueError: ``name`` is not a valid identity or ``expires`` is not positive.
     """
     if name is not None:
-        ca._check_file_name(name)
+        ca.check_file_name(name)
     if expires <= timedelta():
         raise ValueError(f"token expiry must be positive, got {expires}")
     d = Path(directory)
     token_id, secret = secrets.token_hex(6), secrets.token_urlsafe(32)
     with locked(d):
-        ca._load_ca(d)  # a token for a directory without a CA could never be used
+        ca.load_ca(d)  # a token for a directory without a CA could never be used
         store = read_json(d / ca.TOKENS, missing={"version": 1, "tokens": {}})
         store["tokens"][token_id] = {
-            "hash": ca._digest(secret),
+            "hash": ca.token_digest(secret),
             "name": name,
-            "created_at": ca._iso(ca._utcnow()),
-            "expires_at": ca._iso(ca._utcnow() + expires),
+            "created_at": ca.iso_utc(ca.utcnow()),
+            "expires_at": ca.iso_utc(ca.utcnow() + expires),
             "used_at": None,
             "used_by": None,
             "revoked": False,

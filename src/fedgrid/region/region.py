@@ -56,7 +56,6 @@ from datetime import timedelta
 from typing import Any, Mapping
 
 from fedgrid.aggregation import Strategy
-from fedgrid.aggregation.goodput import SUMMED_KEYS, WORKER_WALL_S, utilization_of
 from fedgrid.client.api import Client, FitOutput
 from fedgrid.client.runtime import check_target
 from fedgrid.config import Config
@@ -68,12 +67,13 @@ from fedgrid.interrupts import GracefulStop, say
 from fedgrid.proto.tls import TLSFiles
 from fedgrid.region.upstream import UPSTREAM_RETRY_MAX_S, serve_upstream, wan_writer
 from fedgrid.runlog import RunWriter
-from fedgrid.server.app import Coordinator, build_fleet, rank_policy, write_address
 from fedgrid.server.engine import ROUND_FAILED, RoundEngine
 from fedgrid.server.influence import build_influence
 from fedgrid.server.remote_fleet import RemoteFleet
+from fedgrid.server.serve import Coordinator, build_fleet, rank_policy, write_address
 from fedgrid.server.strategies import build_strategy
 from fedgrid.server.wiring import open_store
+from fedgrid.telemetry import SUMMED_KEYS, WORKER_WALL_S, utilization_of
 from fedgrid.textsafe import escape
 from fedgrid.types import FitIns, MessageIns, ModelState, RoundMetrics
 

@@ -3,7 +3,7 @@
 A ``grpc.aio`` server lives on an asyncio loop; the coordinator's callers (the round engine,
 ``_serve``, tests) are plain threads. ``LoopThread`` runs one loop forever in a daemon thread
 and lets those threads run coroutines on it with a deadline, so the coordinator service
-(``server/app.py``) and the enrollment service (``server/enrollment.py``) share the plumbing.
+(``server/serve.py``) and the enrollment service (``server/enrollment.py``) share the plumbing.
 
 Both decode their requests themselves (``decoding``; gRPC's deserializer answers bytes that
 are not protobuf with UNKNOWN and the Python exception class): such a request is

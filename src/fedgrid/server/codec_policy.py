@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
-from fedgrid.aggregation.registry import strategy_role
+from fedgrid.aggregation.by_name import strategy_role
 from fedgrid.compression.feedback import FeedbackRule
 from fedgrid.compression.spec import CodecSpec
 from fedgrid.config_compression import uplink_task_config

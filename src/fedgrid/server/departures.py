@@ -15,7 +15,7 @@ from typing import Callable
 from fedgrid.constants import MAX_REASON_CHARS
 from fedgrid.errors import DuplicateUpdateError, InvalidUpdateError
 from fedgrid.events import EventLog
-from fedgrid.server.registry import Registry
+from fedgrid.server.membership import Registry
 from fedgrid.server.rounds import RoundTask
 from fedgrid.textsafe import escape
 from fedgrid.types import Failure

@@ -11,7 +11,6 @@ completes, and the client counts as alive while it downloads (``Registry.live``)
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from typing import Callable, Iterator
 
@@ -19,7 +18,7 @@ from fedgrid.errors import StaleTaskError
 from fedgrid.proto import serde
 from fedgrid.server.accept import sends_differences
 from fedgrid.server.downlink import Downlink
-from fedgrid.server.registry import Registry
+from fedgrid.server.membership import Registry
 from fedgrid.server.rounds import RoundTask
 from fedgrid.textsafe import escape
 from fedgrid.types import FitIns
@@ -123,5 +122,5 @@ class Downloads:
             with self.lock:
                 if record is not None:
                     record.transfers -= 1
-                    record.last_seen = time.monotonic()
+                    record.last_seen = self.registry.clock.now()
                 rnd.tally.add_down(region, sent)

@@ -15,7 +15,7 @@ empty. A disk that refuses a commit (``StorageError``) stops the run; the last g
 checkpoint stays.
 
 Whatever the strategy, a round's metrics hold its workers' goodput
-(``fedgrid.aggregation.goodput``: seconds of compute, felt communication and waiting summed
+(``fedgrid.telemetry``: seconds of compute, felt communication and waiting summed
 over its fit results, and their utilization).
 """
 
@@ -29,7 +29,6 @@ from datetime import timedelta
 from typing import Any, Callable
 
 from fedgrid.aggregation.base import Strategy
-from fedgrid.aggregation.goodput import goodput_metrics
 from fedgrid.aggregation.updates import as_model
 from fedgrid.errors import (
     ConfigError,
@@ -48,6 +47,7 @@ from fedgrid.server.late_merge import late_to_merge
 from fedgrid.server.privacy import Privacy, restore_privacy
 from fedgrid.server.round_failures import ROUND_FAILED, LostRounds, check_not_lost, first_non_finite
 from fedgrid.server.state import StateStore
+from fedgrid.telemetry import goodput_metrics
 from fedgrid.textsafe import escape
 from fedgrid.types import EVALUATE, FIT, ClientInfo, FitRes, ModelState, RoundMetrics, check_phase_name
 

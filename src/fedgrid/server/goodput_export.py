@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from fedgrid.aggregation.goodput import utilization_of
+from fedgrid.telemetry import utilization_of
 from fedgrid.types import ClientInfo, FitRes
 
 __all__ = ["GoodputExport", "region_rows", "MAX_REGION_LABELS", "SPLIT_FIELDS"]

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from typing import Any, Iterable, Mapping
 
 from fedgrid.config_compression import task_uplink_codec
@@ -26,7 +25,7 @@ from fedgrid.events import EventLog
 from fedgrid.proto import serde
 from fedgrid.server.downlink import RoundDownlink
 from fedgrid.server.fleet import LateResult, Quorum
-from fedgrid.server.registry import Registry
+from fedgrid.server.membership import Registry
 from fedgrid.server.rounds import RoundTask
 from fedgrid.server.spill import UpdateSpill
 from fedgrid.textsafe import escape
@@ -96,7 +95,7 @@ class CarriedTasks:
         """Carried tasks past their deadline: the clients still on them (and not uploading)
         are benched, as a round's deadline benches them; their result is no longer taken.
         Clients dropped from the registry (silent) leave their carried task too."""
-        now = time.monotonic()
+        now = self.registry.clock.now()
         for rnd in self.tasks.values():
             rnd.carried &= set(self.registry.records)
             if now < rnd.deadline:
@@ -150,8 +149,7 @@ class CarriedTasks:
         saved = [self._task_state(rnd) for rnd in self.tasks.values()]
         return [s for s in saved if s is not None]
 
-    @staticmethod
-    def _task_state(rnd: RoundTask) -> dict[str, Any] | None:
+    def _task_state(self, rnd: RoundTask) -> dict[str, Any] | None:
         """What a restarted coordinator needs of a task carried past its round's quorum: its
         model (the base of its late results), its clients' tasks, which of them are still on
         it, which landed and which are merged (their spilled updates are restored, but for
@@ -165,7 +163,7 @@ class CarriedTasks:
             "task_id": rnd.task_id,
             "round": rnd.server_round,
             "base": rnd.global_state,
-            "remaining_s": max(0.0, rnd.deadline - time.monotonic()),
+            "remaining_s": max(0.0, rnd.deadline - self.registry.clock.now()),
             "carried": sorted(rnd.carried),
             "merged": sorted(rnd.merged),
             "tasks": [
@@ -212,7 +210,7 @@ class CarriedTasks:
             kind="fit",
             assignments=assignments,
             clients=infos,
-            deadline=time.monotonic() + float(saved["remaining_s"]) + grace_s,
+            deadline=self.registry.clock.now() + float(saved["remaining_s"]) + grace_s,
             downlink=RoundDownlink(base=base, version=0, _full=serde.EncodedModel(base)),
             expected=dict(TensorSpec.of(base)),
             closed=True,

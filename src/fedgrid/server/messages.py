@@ -8,14 +8,13 @@ It shares the fleet's state lock and wake-ups (key ``("inbox", client_id)``).
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from fedgrid.constants import MAX_INBOX_REPLY_BYTES
 from fedgrid.errors import DuplicateUpdateError, InvalidUpdateError, StaleTaskError
 from fedgrid.events import EventLog
-from fedgrid.server.registry import Registry
+from fedgrid.server.membership import Registry
 from fedgrid.server.rounds import RoundTask, check_outbox, relay
 from fedgrid.textsafe import escape
 from fedgrid.types import MessageIns, MessageRes
@@ -170,7 +169,8 @@ class Mailbox:
             StaleTaskError: no such phase for this client, or the client failed it.
         """
         self.registry.authenticate(client_id, token)
-        deadline = time.monotonic() + max(0.0, min(wait_s, 60.0))
+        clock = self.registry.clock
+        deadline = clock.now() + max(0.0, min(wait_s, 60.0))
         answer: list[InboxPage] = []
 
         def ready() -> bool:
@@ -180,10 +180,10 @@ class Mailbox:
             return page is not None or self._interrupted()
 
         while True:
-            await self.wake.wait_async(("inbox", client_id), deadline - time.monotonic(), ready)
+            await self.wake.wait_until_async(("inbox", client_id), deadline, ready)
             if answer:
                 return answer[0]
-            if time.monotonic() >= deadline or self._interrupted():
+            if clock.now() >= deadline or self._interrupted():
                 with self.lock:
                     return self._inbox_now(client_id, task_id, start) or InboxPage(
                         False, [], retry_after_s=0.0

@@ -50,7 +50,7 @@ from typing import Any, Callable, Sequence
 
 from fedgrid.events import Event
 from fedgrid.server.goodput_export import MAX_REGION_LABELS, SPLIT_FIELDS, GoodputExport, region_rows
-from fedgrid.server.registry import SILENCE_INTERVALS
+from fedgrid.server.membership import SILENCE_INTERVALS
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.rpc_timer import RpcTimer
 from fedgrid.server.status_page import page_response
@@ -290,7 +290,7 @@ class CoordinatorMonitor:
     # -- views -----------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         """What ``/api/status`` serves (see the README's "Watching a federation")."""
-        now_mono, now = time.monotonic(), time.time()
+        now_mono, now = self.fleet.clock.now(), time.time()  # last_seen is in the fleet clock's time
         rnd = self.fleet.current_round
         limit = SILENCE_INTERVALS * self.fleet.heartbeat_interval_s
         with self.fleet.registry.lock:  # a snapshot: the records are not changed here

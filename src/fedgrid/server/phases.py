@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from datetime import timedelta
 from typing import Callable, Mapping, Sequence
 
@@ -24,8 +23,8 @@ from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.disk import StorageGuard
 from fedgrid.server.downlink import Downlink, RoundDownlink
 from fedgrid.server.fleet import Quorum, RoundOutcome
+from fedgrid.server.membership import Registry
 from fedgrid.server.messages import Mailbox
-from fedgrid.server.registry import Registry
 from fedgrid.server.rounds import RoundTask, wait_for_close
 from fedgrid.server.spill import UpdateSpill
 from fedgrid.textsafe import escape
@@ -245,7 +244,7 @@ class Phases:
             kind=kind,
             assignments={info.client_id: ins for info, ins in assignments},
             clients={info.client_id: info for info, _ in assignments},
-            deadline=time.monotonic() + timeout.total_seconds(),
+            deadline=self.wake.clock.now() + timeout.total_seconds(),
             downlink=downlink,
             expected=dict(expected or {}),
         )
@@ -274,7 +273,7 @@ class Phases:
                 timeout_s=timeout.total_seconds(),
                 grace_s=None if quorum is None else quorum.grace_s,
             )
-            closed_at = time.monotonic()
+            closed_at = self.wake.clock.now()
             results, failures, cancelled = rnd.close(reason)
             reason = rnd.closed_by
             waiting = [cid for cid in rnd.assignments if cid in rnd.carried]

@@ -7,12 +7,11 @@ waits, woken only by what concerns this client (``server/wakeups.py``), until ``
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Callable
 
 from fedgrid.errors import ResourceLimitError
-from fedgrid.server.registry import ClientRecord, Registry
+from fedgrid.server.membership import ClientRecord, Registry
 from fedgrid.server.rounds import RoundTask
 from fedgrid.textsafe import escape
 from fedgrid.types import FIT, EvaluateIns, FitIns, MessageIns
@@ -69,7 +68,7 @@ class Polls:
         if self._interrupted():  # stopping: answer now, before the server cancels the call
             return PollResult(retry_after_s=1.0)
         if self.registry.records.get(record.info.client_id) is not record:
-            # Replaced or gone while it waited: its next call hears why (server/registry.py).
+            # Replaced or gone while it waited: its next call hears why (server/membership.py).
             return PollResult(retry_after_s=0.0)
         rnd = self._current()
         client_id = record.info.client_id
@@ -79,7 +78,7 @@ class Polls:
                 kind=rnd.kind,
                 server_round=rnd.server_round,
                 ins=rnd.assignments[client_id],
-                deadline_s=max(0.0, rnd.deadline - time.monotonic()),
+                deadline_s=max(0.0, rnd.deadline - self.registry.clock.now()),
             )
         return None
 
@@ -92,7 +91,8 @@ class Polls:
             ResourceLimitError: the client already holds ``max_polls_per_client`` polls.
         """
         record = self.registry.authenticate(client_id, token)
-        deadline = time.monotonic() + max(0.0, min(wait_s, 60.0))
+        clock = self.registry.clock
+        deadline = clock.now() + max(0.0, min(wait_s, 60.0))
         answer: list[PollResult] = []
 
         def ready() -> bool:
@@ -109,12 +109,12 @@ class Polls:
             record.polls += 1
         try:
             while True:
-                await self.wake.wait_async(("poll", client_id), deadline - time.monotonic(), ready)
+                await self.wake.wait_until_async(("poll", client_id), deadline, ready)
                 if answer:
                     return answer[0]
                 with self.lock:
-                    record.last_seen = time.monotonic()
-                if time.monotonic() >= deadline:
+                    record.last_seen = clock.now()
+                if clock.now() >= deadline:
                     return PollResult(retry_after_s=0.0)
         finally:
             with self.lock:

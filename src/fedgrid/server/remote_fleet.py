@@ -4,7 +4,7 @@ that are elsewhere (it imports no grpc; the servicer in ``server/service.py`` is
 It answers the handlers the servicer calls (join, poll, download, upload, messages,
 heartbeat, failure reports, leave) and runs each phase of a round until it closes. The
 parts live beside it, each a collaborator sharing the fleet's lock: the client registry
-(``server/registry.py``), long polls (``server/polls.py``), downloads
+(``server/membership.py``), long polls (``server/polls.py``), downloads
 (``server/downloads.py``), uploads (``server/uploads.py``, accepting through
 ``server/accept.py``), failure reports and leaves (``server/departures.py``), message phases
 (``server/messages.py``), running a phase from opening to outcome (``server/phases.py``), the
@@ -20,13 +20,13 @@ import dataclasses
 import logging
 import os
 import threading
-import time
 import uuid
 from datetime import timedelta
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from fedgrid.aggregation.lora_ranks import RankPolicy
 from fedgrid.aggregation.selection import CapabilityFilter
+from fedgrid.clock import MONOTONIC, Clock
 from fedgrid.compression.spec import CodecSpec
 from fedgrid.constants import (
     CHUNK_SIZE,
@@ -45,10 +45,10 @@ from fedgrid.server.downlink import Downlink
 from fedgrid.server.downloads import Downloads
 from fedgrid.server.fleet import Fleet, Quorum, RoundOutcome
 from fedgrid.server.late_results import CarriedTasks
+from fedgrid.server.membership import SILENCE_INTERVALS, ClientRecord, Registry
 from fedgrid.server.messages import InboxPage, Mailbox
 from fedgrid.server.phases import Phases
 from fedgrid.server.polls import PollResult, Polls
-from fedgrid.server.registry import SILENCE_INTERVALS, ClientRecord, Registry
 from fedgrid.server.rounds import RoundTask
 from fedgrid.server.spill import UpdateSpill
 from fedgrid.server.uploads import Uploads
@@ -97,6 +97,8 @@ class RemoteFleet(Fleet):
         requirements: the capabilities a client must report to take tasks (``require_device``
             and the other keys; ``None``: any client). The others stay registered and
             heartbeat, but ``wait_for_clients`` neither counts nor returns them.
+        clock: the time of deadlines, grace windows, silence and waits (``fedgrid.clock``; a
+            test passes a ``ManualClock`` and advances it instead of sleeping).
     """
 
     def __init__(
@@ -112,6 +114,7 @@ class RemoteFleet(Fleet):
         task_scope: str = "",
         bounds: UpdateBounds | None = None,
         requirements: CapabilityFilter | None = None,
+        clock: Clock = MONOTONIC,
     ) -> None:
         self.run_id = uuid.uuid4().hex
         self.requirements = requirements
@@ -121,7 +124,7 @@ class RemoteFleet(Fleet):
         self.task_scope = task_scope
         self.codec_policy = codec_policy or CodecPolicy()
         self.downlink = Downlink(downlink_codec)
-        self.spill = UpdateSpill(spill_dir)
+        self.spill = UpdateSpill(spill_dir, clock=clock)
         self.heartbeat_interval_s = heartbeat_interval.total_seconds()
         self.chunk_size = chunk_size
         #: The frozen base model's hash of an adapter run (``--peft``): a Join must show the same ("": none).
@@ -132,7 +135,8 @@ class RemoteFleet(Fleet):
         self._interrupted = False
         self.storage = StorageGuard(self.interrupt)  # the disk refusing an update stops the fleet
         self._lock = threading.RLock()
-        self._wake = Wakeups(self._lock)  # keyed: a task wakes its client's poll only
+        self.clock = clock
+        self._wake = Wakeups(self._lock, clock=clock)  # keyed: a task wakes its client's poll only
         self._build_parts()
 
     def _build_parts(self) -> None:
@@ -321,16 +325,16 @@ class RemoteFleet(Fleet):
         While it waits it logs ``waiting for N clients (k joined)``
         every ``WAITING_REPORT_S`` and whenever k changes: a coordinator waiting for minutes
         says what it waits for."""
-        deadline = time.monotonic() + timeout.total_seconds()
+        deadline = self.clock.now() + timeout.total_seconds()
         reported: tuple[int, str] | None = None
-        next_report = time.monotonic()
+        next_report = self.clock.now()
         with self._lock:
             while True:
                 self.carried.expire()
                 # O(1) first: the O(clients) scan only once enough are registered (a join wakes this).
                 joined = len(self.registry.records)
                 enough = joined >= min_clients
-                live = self.registry.live() if enough or time.monotonic() >= deadline else []
+                live = self.registry.live() if enough or self.clock.now() >= deadline else []
                 unfit = 0
                 if self.requirements is not None:
                     qualifying = [c for c in live if self.requirements.eligible(c)]
@@ -343,7 +347,7 @@ class RemoteFleet(Fleet):
                 if len(live) >= min_clients and free:
                     return free
                 conflicts = self.registry.conflict_note()  # two processes on one identity
-                if (joined, conflicts) != reported or time.monotonic() >= next_report:
+                if (joined, conflicts) != reported or self.clock.now() >= next_report:
                     log.info(
                         "waiting for %d clients (%d joined%s%s)",
                         min_clients,
@@ -351,17 +355,14 @@ class RemoteFleet(Fleet):
                         f", {unfit} short of the capability requirements" if unfit else "",
                         conflicts,
                     )
-                    reported, next_report = (joined, conflicts), time.monotonic() + WAITING_REPORT_S
+                    reported, next_report = (joined, conflicts), self.clock.now() + WAITING_REPORT_S
                 if self._interrupted:
                     self.storage.check()
                     raise InterruptedRunError("stopped while waiting for clients")
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                now = self.clock.now()
+                if now >= deadline:
                     raise TimeoutError(_shortfall(len(live), len(benched), unfit, min_clients, timeout))
-                self._wake.wait(
-                    "registry",
-                    max(0.0, min(remaining, self.heartbeat_interval_s, next_report - time.monotonic())),
-                )
+                self._wake.wait_until("registry", min(deadline, now + self.heartbeat_interval_s, next_report))
 
     def fit_round(
         self,
@@ -465,13 +466,13 @@ class RemoteFleet(Fleet):
             if state.get("downlink") is not None:
                 self.downlink.load_state_dict(state["downlink"])
             self.registry.load_state_dict(
-                state["clients"], seen_at=time.monotonic() + RETRY_MAX_WAIT_S + RESTART_GRACE_S
+                state["clients"], seen_at=self.clock.now() + RETRY_MAX_WAIT_S + RESTART_GRACE_S
             )
             self.carried.load(state.get("carried", ()), RETRY_MAX_WAIT_S + RESTART_GRACE_S)
             self._wake.notify_all()
 
     def finish(self, *, timeout: timedelta) -> None:
-        deadline = time.monotonic() + timeout.total_seconds()
+        deadline = self.clock.now() + timeout.total_seconds()
         with self._lock:
             self._finished = True
             self._wake.notify_all()
@@ -482,10 +483,10 @@ class RemoteFleet(Fleet):
                     for r in self.registry.records.values()
                     if not r.heard_finished and r.info.client_id in live
                 ]
-                remaining = deadline - time.monotonic()
-                if not waiting or remaining <= 0:
+                now = self.clock.now()
+                if not waiting or now >= deadline:
                     return
-                self._wake.wait("finish", min(remaining, 0.5))
+                self._wake.wait_until("finish", min(deadline, now + 0.5))
 
 
 def _shortfall(live: int, benched: int, unfit: int, min_clients: int, waited: timedelta) -> str:

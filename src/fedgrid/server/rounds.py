@@ -9,7 +9,6 @@ download. ``check_outbox`` and ``relay`` are the rules of message phases, shared
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
@@ -39,7 +38,7 @@ from fedgrid.types import (
 )
 
 if TYPE_CHECKING:
-    from fedgrid.server.registry import Registry
+    from fedgrid.server.membership import Registry
     from fedgrid.server.uploads import Upload
     from fedgrid.server.wakeups import Wakeups
 
@@ -81,7 +80,7 @@ class RoundTask:
     carried: set[str] = field(default_factory=set)
     late: dict[str, FitRes] = field(default_factory=dict)
     merged: set[str] = field(default_factory=set)  # late results handed to a merge
-    quorum_at: float | None = None  # when its quorum was reached (time.monotonic())
+    quorum_at: float | None = None  # when its quorum was reached (the fleet clock's time)
     # Clients whose task failed because their session ended (left, dropped silent, replaced):
     # a new session of the same name takes the task over while the phase is open (``hand_over``).
     departed: set[str] = field(default_factory=set)
@@ -257,7 +256,7 @@ def wait_for_close(
     # is O(1); liveness (O(clients)) is checked once a heartbeat interval, not per upload.
     next_check = 0.0
     while rnd.pending_count():
-        now = time.monotonic()
+        now = wake.clock.now()
         if len(rnd.results) >= goal:
             if grace_s is None:
                 break
@@ -283,7 +282,7 @@ def wait_for_close(
         until = min(rnd.deadline, next_check)
         if rnd.quorum_at is not None and grace_s is not None:
             until = min(until, rnd.quorum_at + grace_s)
-        wake.wait("round", until - now)
+        wake.wait_until("round", until)
     return "all"
 
 

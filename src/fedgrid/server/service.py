@@ -52,8 +52,8 @@ from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import serde
 from fedgrid.server.aio import decoding, decoding_stream, wrap_behaviour
 from fedgrid.server.log_budget import LogBudget
+from fedgrid.server.membership import ClientRecord
 from fedgrid.server.peers import CALLER, PeerCheck
-from fedgrid.server.registry import ClientRecord
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.slots import Ticket, TransferSlots
 from fedgrid.server.stream_reader import StreamReader

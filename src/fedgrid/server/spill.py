@@ -55,6 +55,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from fedgrid.clock import MONOTONIC, Clock
 from fedgrid.constants import SPILL_MEMORY_BYTES, TRANSFER_TIMEOUT_S
 from fedgrid.server.spill_files import SAFETENSORS_DTYPES, SpilledState, SpillWriter
 from fedgrid.types import ClientInfo, FitRes, TensorSpec
@@ -190,13 +191,19 @@ class UpdateSpill:
         memory_bytes: without a state directory, the budget of updates held in memory (see
             the module's docstring); 0 writes every update before its reply. Under a state directory every update is written before its
             reply (and fsynced after it).
+        clock: the time ``flush``'s timeout is measured in (the fleet's; ``fedgrid.clock``).
     """
 
     def __init__(
-        self, directory: str | os.PathLike[str] | None = None, *, memory_bytes: int = SPILL_MEMORY_BYTES
+        self,
+        directory: str | os.PathLike[str] | None = None,
+        *,
+        memory_bytes: int = SPILL_MEMORY_BYTES,
+        clock: Clock = MONOTONIC,
     ) -> None:
         if memory_bytes < 0:
             raise ValueError(f"memory_bytes must be >= 0, got {memory_bytes}")
+        self.clock = clock
         self._temporary = directory is None
         self.durable = not self._temporary
         self.memory_bytes = memory_bytes
@@ -355,10 +362,11 @@ class UpdateSpill:
         """Waits until the background writes queued so far have landed and, under a state
         directory, every update is synced; returns whether they did within ``timeout`` (if
         not, the rest stay valid and land later). Kept updates stay in memory."""
+        deadline = self.clock.now() + timeout.total_seconds()
         with self._lock:
-            done = self._changed.wait_for(
-                lambda: not self._pending and not self._syncing, timeout.total_seconds()
-            )
+            while (self._pending or self._syncing) and self.clock.now() < deadline:
+                self.clock.wait_until(self._changed, deadline)
+            done = not self._pending and not self._syncing
         if not done:
             log.warning(
                 "%d held updates not yet spilled after %.0fs", len(self._pending), timeout.total_seconds()

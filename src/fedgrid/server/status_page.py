@@ -26,9 +26,9 @@ from __future__ import annotations
 import math
 import secrets
 import threading
-import time
 from typing import Callable, Mapping
 
+from fedgrid.clock import MONOTONIC, Clock
 from fedgrid.webserve import Response, Route
 
 __all__ = ["page_response", "FinalStateHold", "POLL_MS", "PLOTS", "STATUS_PATH"]
@@ -56,19 +56,22 @@ class FinalStateHold:
         is_final: whether ``/api/status`` now serves the final state; asked before each read
             (a read that starts once it holds serves the final state).
         limit_s: the longest wait, and how recent a read must be to count as watching; 0: none.
+        clock: the time reads are stamped and the wait ends in (``fedgrid.clock``; a test
+            passes a ``ManualClock``).
 
     Raises:
         ValueError: ``limit_s`` is negative or not finite.
     """
 
-    def __init__(self, is_final: Callable[[], bool], *, limit_s: float) -> None:
+    def __init__(self, is_final: Callable[[], bool], *, limit_s: float, clock: Clock = MONOTONIC) -> None:
         if not 0.0 <= limit_s < math.inf:
             raise ValueError(f"limit_s must be a finite number at least 0, got {limit_s}")
         self._is_final = is_final
         self.limit_s = limit_s
+        self.clock = clock
         # Reentrant: release() may run in a signal handler on the thread waiting in wait().
         self._cond = threading.Condition(threading.RLock())
-        self._last_read: float | None = None  # time.monotonic() of the last read served
+        self._last_read: float | None = None  # the clock's time of the last read served
         self._final_read = False
         self._released = False
 
@@ -85,7 +88,7 @@ class FinalStateHold:
             response = handler()
             if response.status == 200:
                 with self._cond:
-                    self._last_read = time.monotonic()
+                    self._last_read = self.clock.now()
                     self._final_read = self._final_read or final
                     self._cond.notify_all()
             return response
@@ -100,23 +103,22 @@ class FinalStateHold:
             return (
                 self._is_final()
                 and self._last_read is not None
-                and time.monotonic() - self._last_read <= self.limit_s
+                and self.clock.now() - self._last_read <= self.limit_s
                 and not self._final_read
             )
 
     def wait(self) -> float:
         """Blocks while ``watched()``: until a read serves the final state, ``limit_s`` passed
         or ``release()``; returns the seconds waited."""
-        start = time.monotonic()
+        start = self.clock.now()
         with self._cond:
             if not self.watched():
                 return 0.0
             while not self._final_read and not self._released:
-                left = start + self.limit_s - time.monotonic()
-                if left <= 0:
+                if self.clock.now() >= start + self.limit_s:
                     break
-                self._cond.wait(left)
-        return time.monotonic() - start
+                self.clock.wait_until(self._cond, start + self.limit_s)
+        return self.clock.now() - start
 
     def release(self) -> None:
         """Ends a ``wait`` at once (a stop signal); later ones return at once too."""

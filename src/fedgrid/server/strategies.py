@@ -13,7 +13,7 @@ import logging
 from typing import Any
 
 from fedgrid.aggregation import Strategy
-from fedgrid.aggregation.registry import build_strategy_from, strategy_role
+from fedgrid.aggregation.by_name import build_strategy_from, strategy_role
 from fedgrid.aggregation.selection import (
     CapabilityFilter,
     RegionBalancedSelector,

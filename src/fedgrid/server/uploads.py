@@ -18,7 +18,6 @@ changes nothing.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Mapping
 
@@ -29,7 +28,7 @@ from fedgrid.events import EventLog
 from fedgrid.proto import serde
 from fedgrid.server import accept
 from fedgrid.server.bounds import UpdateBounds
-from fedgrid.server.registry import ClientRecord, Registry
+from fedgrid.server.membership import ClientRecord, Registry
 from fedgrid.server.rounds import RoundTask
 from fedgrid.server.spill import UpdateSpill, UpdateWriter
 from fedgrid.textsafe import escape
@@ -136,7 +135,7 @@ class Uploads:
             with self.lock:
                 rnd.uploading.discard(client_id)
                 record.transfers -= 1
-                record.last_seen = time.monotonic()
+                record.last_seen = self.registry.clock.now()
                 self.wake.notify("round", ("upload", client_id))
 
     def _open_upload(self, record: ClientRecord, header: serde.StreamInfo) -> RoundTask:
@@ -359,9 +358,9 @@ class Uploads:
                 return 0, True
             rnd = self._open_task(client_id, task_id)
             # A broken stream may still be winding down on its server thread: let it settle.
-            deadline = time.monotonic() + 5.0
-            while client_id in rnd.uploading and time.monotonic() < deadline:
-                self.wake.wait(("upload", client_id), deadline - time.monotonic())
+            deadline = self.registry.clock.now() + 5.0
+            while client_id in rnd.uploading and self.registry.clock.now() < deadline:
+                self.wake.wait_until(("upload", client_id), deadline)
             if rnd.landed(client_id):
                 return 0, True
             partial = rnd.partials.get(client_id)

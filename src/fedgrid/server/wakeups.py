@@ -8,7 +8,8 @@ task for one client wakes that client's poll, not the thousands of others, and n
 is lost between the check and the sleep.
 
 Threads wait on a ``threading.Condition`` sharing the lock; asyncio tasks wait on a future
-of their own loop, resolved thread-safely.
+of their own loop, resolved thread-safely. Waits end at a deadline of the fleet's clock
+(``fedgrid.clock``): a test's ``ManualClock`` ends them when it is advanced past it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import threading
 from collections import defaultdict
 from typing import Callable, Hashable
 
+from fedgrid.clock import MONOTONIC, Clock
+
 __all__ = ["Wakeups"]
 
 
@@ -26,25 +29,27 @@ class Wakeups:
 
     Args:
         lock: the state lock; ``threading.RLock`` so that a waiter may hold it re-entrantly.
+        clock: the time waits end in (the fleet's; its collaborators read it here).
     """
 
-    def __init__(self, lock: threading.RLock) -> None:
+    def __init__(self, lock: threading.RLock, *, clock: Clock = MONOTONIC) -> None:
         self.lock = lock
+        self.clock = clock
         self._waiters: defaultdict[Hashable, list[Callable[[], None]]] = defaultdict(list)
 
-    def wait(self, key: Hashable, timeout: float) -> None:
-        """Sleeps until ``key`` is notified or ``timeout`` seconds pass (call holding the lock;
-        it is released while asleep and held again on return)."""
+    def wait_until(self, key: Hashable, deadline: float) -> None:
+        """Sleeps until ``key`` is notified or the clock reaches ``deadline`` (call holding the
+        lock; it is released while asleep and held again on return)."""
         cond = threading.Condition(self.lock)  # type: ignore[arg-type]
         self._waiters[key].append(cond.notify)
         try:
-            cond.wait(max(0.0, timeout))
+            self.clock.wait_until(cond, deadline)
         finally:
             self._discard(key, cond.notify)
 
-    async def wait_async(self, key: Hashable, timeout: float, ready: Callable[[], bool]) -> None:
+    async def wait_until_async(self, key: Hashable, deadline: float, ready: Callable[[], bool]) -> None:
         """Awaits until ``ready()`` (checked holding the lock) holds, ``key`` is notified, or
-        ``timeout`` seconds pass; call it without holding the lock."""
+        the clock reaches ``deadline``; call it without holding the lock."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
 
@@ -60,9 +65,7 @@ class Wakeups:
                 return
             self._waiters[key].append(wake)
         try:
-            await asyncio.wait_for(fut, max(0.0, timeout))
-        except asyncio.TimeoutError:
-            pass
+            await self.clock.wait_until_async(fut, deadline)
         finally:
             with self.lock:
                 self._discard(key, wake)

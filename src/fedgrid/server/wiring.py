@@ -1,6 +1,6 @@
 """A coordinator's parts, built from a ``Config`` before it serves: the initial global model, the
 fleet, the run directory, the event log, the monitor and the round engine (``wire``).
-``fedgrid.server.app`` starts the servers around them; a region (``fedgrid.region``) builds its
+``fedgrid.server.serve`` starts the servers around them; a region (``fedgrid.region``) builds its
 fleet here too.
 """
 

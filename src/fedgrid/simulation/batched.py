@@ -51,7 +51,7 @@ from fedgrid.client.api import Client, FitOutput, OwnedState
 from fedgrid.client.torch_client import RNG_LOCK
 from fedgrid.server.memory import MMAP_THRESHOLD_MAX
 from fedgrid.simulation.batched_memory import choose_engine, memory_budget, out_of_memory
-from fedgrid.simulation.batched_models import _Model, _size, _Static, recurrent_module
+from fedgrid.simulation.batched_models import ClientStatic, ModelLayout, loader_size, recurrent_module
 from fedgrid.simulation.batched_optim import BatchedOptimizer, NotBatchable, OptimizerSpec, optimizer_spec
 from fedgrid.simulation.batched_step import step_function
 from fedgrid.simulation.batched_trial import inspect_clients, trial
@@ -84,7 +84,7 @@ class _Job:
     """One client's task of this round, ready to train batched."""
 
     pos: int
-    static: _Static
+    static: ClientStatic
     state: ModelState  # what the algorithm's ``start`` hook gave to train from
     algorithm: ClientAlgorithm  # the client's own instance
     ctx: FitContext
@@ -129,8 +129,8 @@ class BatchedTrainer:
         self.reason: str | None = None
         self.conv_share = 0.0
         self.device = torch.device("cpu")
-        self._models: list[_Model] = []
-        self._statics: dict[int, _Static] = {}
+        self._models: list[ModelLayout] = []
+        self._statics: dict[int, ClientStatic] = {}
         self._data: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self._rows: dict[int, tuple[tuple[Any, ...], torch.Tensor]] = {}
         self._step_fns: dict[tuple[Any, ...], Callable[..., Any]] = {}
@@ -148,7 +148,7 @@ class BatchedTrainer:
         self.device = self._models[0].device
         for m_index, m in enumerate(self._models):
             users = [s for s in self._statics.values() if s.model == m_index]
-            first = next((s for s in users if _size(s)), users[0])  # one with data, if any
+            first = next((s for s in users if loader_size(s)), users[0])  # one with data, if any
             label = f"client {first.client.name or first.index!r}"
             try:
                 trial(m, first, self._step_fn)
@@ -161,7 +161,7 @@ class BatchedTrainer:
             self.conv_share = max(self.conv_share, m.conv_share)
 
     def _step_fn(
-        self, m: _Model, loss_fn: Callable[..., Any], loss_key: object, mu: float
+        self, m: ModelLayout, loss_fn: Callable[..., Any], loss_key: object, mu: float
     ) -> Callable[..., Any]:
         """``batched_step.step_function``, one per model, loss and ``mu``."""
         key = (id(m), loss_key, mu)
@@ -313,7 +313,7 @@ class BatchedTrainer:
         except Exception as exc:  # a client's failure is data
             return exc
 
-    def _prepare(self, pos: int, s: _Static, state: ModelState, ins: FitIns) -> _Job | None:
+    def _prepare(self, pos: int, s: ClientStatic, state: ModelState, ins: FitIns) -> _Job | None:
         """The job as the batched engine trains it, from the client's algorithm hooks; None for
         an algorithm that says it is ``not_batchable``, or a step loop (left to ``fit``).
 
@@ -353,7 +353,7 @@ class BatchedTrainer:
         return _Job(pos, s, state, algorithm, ctx, epochs, trained, tuple(names), spec, mu, batches)
 
     @staticmethod
-    def _batch_order(s: _Static, seed: int, epochs: int) -> list[torch.Tensor]:
+    def _batch_order(s: ClientStatic, seed: int, epochs: int) -> list[torch.Tensor]:
         """The client's index batches for the round, as its own loader would yield them under ``seed``
         (``PlainLoader.order``: the same draws from the RNGs, whatever the batch size)."""
         # As TorchClient._train seeds, but only the CPU generator (the one samplers draw from):
@@ -442,7 +442,7 @@ class BatchedTrainer:
     def _outputs(
         self,
         chunk: list[_Job],
-        m: _Model,
+        m: ModelLayout,
         trained: dict[str, torch.Tensor],
         frozen: dict[str, torch.Tensor],
         loss_sums: torch.Tensor,

@@ -1,8 +1,8 @@
 """What the batched engine knows of a model and of the clients that train it.
 
-``_describe`` reads a model's parameters, buffers and tied weights into a ``_Model``;
-``_check_modules`` and ``recurrent_module`` say which models cannot (or should not) batch;
-``_per_example`` turns a client's loss into per-example losses, so padded batches change
+``describe_model`` reads a model's parameters, buffers and tied weights into a ``ModelLayout``;
+``check_batchable_modules`` and ``recurrent_module`` say which models cannot (or should not) batch;
+``per_example_loss`` turns a client's loss into per-example losses, so padded batches change
 nothing. Part of the batched engine (``fedgrid.simulation.batched``).
 """
 
@@ -21,9 +21,20 @@ from fedgrid.client.loaders import PlainLoader
 from fedgrid.client.torch_client import TorchClient
 from fedgrid.simulation.batched_optim import NotBatchable
 
-__all__ = ["recurrent_module"]
+__all__ = [
+    "ClientStatic",
+    "ModelLayout",
+    "TORCH_CLIENT_METHODS",
+    "check_batchable_modules",
+    "describe_model",
+    "loader_size",
+    "loss_key_of",
+    "per_example_loss",
+    "recurrent_module",
+]
 
-_TORCH_CLIENT_METHODS = (
+#: The methods of ``TorchClient`` a batched client must not override (its training runs them batched).
+TORCH_CLIENT_METHODS = (
     "fit",
     "algorithm",
     "_train",
@@ -62,7 +73,7 @@ def recurrent_module(clients: Sequence[Client]) -> str | None:
 
 
 @dataclass
-class _Model:
+class ModelLayout:
     """A model architecture shared by clients: the template module ``functional_call`` runs."""
 
     template: nn.Module
@@ -81,7 +92,7 @@ class _Model:
 
 
 @dataclass
-class _Static:
+class ClientStatic:
     """What a client brings that does not change between rounds."""
 
     index: int
@@ -103,11 +114,12 @@ class _Static:
         return self.loader.batch_size
 
 
-def _size(s: _Static) -> int:
+def loader_size(s: ClientStatic) -> int:
+    """The examples of an epoch of the client's train loader (0: it has no data)."""
     return len(s.loader)
 
 
-def _loss_key(fn: Callable[..., Any]) -> object:
+def loss_key_of(fn: Callable[..., Any]) -> object:
     """Clients whose losses share this key compute the same function."""
     if isinstance(fn, nn.Module):
         return (type(fn), repr(fn))
@@ -117,7 +129,7 @@ def _loss_key(fn: Callable[..., Any]) -> object:
     return fn
 
 
-def _per_example(
+def per_example_loss(
     fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``loss_fn`` per example: ``[B, ...] -> [B]``, their mean being ``loss_fn`` of the batch."""
@@ -138,7 +150,9 @@ def _per_example(
     return vmap(lambda o, t: fn(o.unsqueeze(0), t.unsqueeze(0)))
 
 
-def _check_modules(model: nn.Module) -> None:
+def check_batchable_modules(model: nn.Module) -> None:
+    """Raises ``NotBatchable`` (naming the module) for a layer that batched clients would change:
+    batch norm, running statistics, dropout."""
     for name, module in model.named_modules():
         kind = type(module).__name__
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
@@ -153,7 +167,9 @@ def _check_modules(model: nn.Module) -> None:
             )
 
 
-def _describe(model: nn.Module, device: torch.device) -> _Model:
+def describe_model(model: nn.Module, device: torch.device) -> ModelLayout:
+    """What the engine reads of ``model``: names, tied weights, trainable and frozen parameters,
+    buffers, dtypes, shapes and its state's bytes."""
     raw = model.state_dict(keep_vars=True)
     first: dict[int, str] = {}
     canonical: dict[str, str] = {}
@@ -167,6 +183,6 @@ def _describe(model: nn.Module, device: torch.device) -> _Model:
     dtypes = {n: t.dtype for n, t in [*params.items(), *buffers.items()]}
     state_bytes = sum(t.numel() * t.element_size() for t in [*params.values(), *buffers.values()])
     shapes = {k: tuple(t.shape) for k, t in raw.items()}
-    return _Model(
+    return ModelLayout(
         model, device, list(raw), canonical, trainable, frozen, persistent, dtypes, shapes, state_bytes
     )

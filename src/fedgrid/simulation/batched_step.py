@@ -14,15 +14,15 @@ from typing import Any, Callable
 import torch
 from torch.func import functional_call, grad_and_value, vmap
 
-from fedgrid.simulation.batched_models import _Model, _per_example
+from fedgrid.simulation.batched_models import ModelLayout, per_example_loss
 
 __all__ = ["step_function"]
 
 
-def step_function(m: _Model, loss_fn: Callable[..., Any], mu: float) -> Callable[..., Any]:
+def step_function(m: ModelLayout, loss_fn: Callable[..., Any], mu: float) -> Callable[..., Any]:
     """``(trained, frozen, anchor, x, y, mask, count) -> (grads, (objective, loss))``, batched
     over the leading dimension of each argument (``anchor``: only with ``mu``, else ``None``)."""
-    template, per_example = m.template, _per_example(loss_fn)
+    template, per_example = m.template, per_example_loss(loss_fn)
 
     def objective(
         trained: dict[str, torch.Tensor],

@@ -21,24 +21,26 @@ from fedgrid.client.loaders import NotPlainLoader, plain_loader
 from fedgrid.client.precision import autocast_dtype
 from fedgrid.client.torch_client import TorchClient
 from fedgrid.simulation.batched_models import (
-    _TORCH_CLIENT_METHODS,
-    _check_modules,
-    _describe,
-    _loss_key,
-    _Model,
-    _per_example,
-    _size,
-    _Static,
+    TORCH_CLIENT_METHODS,
+    ClientStatic,
+    ModelLayout,
+    check_batchable_modules,
+    describe_model,
+    loader_size,
+    loss_key_of,
+    per_example_loss,
 )
 from fedgrid.simulation.batched_optim import NotBatchable, optimizer_spec
 
 __all__ = ["inspect_clients", "trial"]
 
 #: ``BatchedTrainer._step_fn``: ``(model, loss_fn, loss_key, mu) -> step``.
-StepFn = Callable[[_Model, Callable[..., Any], object, float], Callable[..., Any]]
+StepFn = Callable[[ModelLayout, Callable[..., Any], object, float], Callable[..., Any]]
 
 
-def inspect_clients(clients: Sequence[Client], models: list[_Model], statics: dict[int, _Static]) -> None:
+def inspect_clients(
+    clients: Sequence[Client], models: list[ModelLayout], statics: dict[int, ClientStatic]
+) -> None:
     """Checks every client, filling ``models`` (one per distinct model) and ``statics`` (one per
     client, by index) as it goes.
 
@@ -53,7 +55,7 @@ def inspect_clients(clients: Sequence[Client], models: list[_Model], statics: di
         if not isinstance(client, TorchClient):
             raise NotBatchable(f"{label} is a {type(client).__name__}, not a TorchClient")
         overridden = [
-            m for m in _TORCH_CLIENT_METHODS if getattr(type(client), m) is not getattr(TorchClient, m)
+            m for m in TORCH_CLIENT_METHODS if getattr(type(client), m) is not getattr(TorchClient, m)
         ]
         if overridden:
             raise NotBatchable(f"{label} overrides TorchClient.{overridden[0]}")
@@ -76,22 +78,22 @@ def inspect_clients(clients: Sequence[Client], models: list[_Model], statics: di
         )
         if sig not in signatures:
             try:
-                _check_modules(model)
+                check_batchable_modules(model)
             except NotBatchable as exc:
                 raise NotBatchable(f"{label}: {exc}") from None
             signatures[sig] = len(models)
-            models.append(_describe(model, client.device))
-        statics[i] = _Static(i, client, signatures[sig], _loss_key(client.loss_fn), loader)
+            models.append(describe_model(model, client.device))
+        statics[i] = ClientStatic(i, client, signatures[sig], loss_key_of(client.loss_fn), loader)
 
 
-def trial(m: _Model, s: _Static, step_fn: StepFn) -> None:
+def trial(m: ModelLayout, s: ClientStatic, step_fn: StepFn) -> None:
     """One batched step of two copies of ``s``'s model on its first batch; measures FLOPs and
     activations into ``m``.
 
     Raises:
         NotBatchable: the batched step's loss is not the model's alone, or ``_measure``'s reasons.
     """
-    n = _size(s)
+    n = loader_size(s)
     if n == 0:
         return
     rows = (s.local if s.local is not None else torch.arange(n))[: s.batch_size]
@@ -114,7 +116,7 @@ def trial(m: _Model, s: _Static, step_fn: StepFn) -> None:
         )
 
 
-def _measure(m: _Model, s: _Static, x: torch.Tensor, y: torch.Tensor) -> float:
+def _measure(m: ModelLayout, s: ClientStatic, x: torch.Tensor, y: torch.Tensor) -> float:
     """The model alone's step on ``(x, y)``: its batch loss; ``m``'s activation and largest
     tensor bytes and its share of FLOPs in convolutions.
 
@@ -123,7 +125,7 @@ def _measure(m: _Model, s: _Static, x: torch.Tensor, y: torch.Tensor) -> float:
     """
     from torch.utils.flop_counter import FlopCounterMode
 
-    per_example = _per_example(s.client.loss_fn)
+    per_example = per_example_loss(s.client.loss_fn)
     template = m.template
     template.train()
     leaves = [mod for mod in template.modules() if not list(mod.children())]

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections import OrderedDict
 from datetime import timedelta
 from typing import Mapping, Protocol, Sequence, Union
@@ -44,6 +43,7 @@ from fedgrid.aggregation.lora_ranks import RankViews, specs_at_rank
 from fedgrid.client.api import Client, FitOutput
 from fedgrid.client.timeline import Split, with_split
 from fedgrid.client.uplink import UplinkEncoder
+from fedgrid.clock import MONOTONIC, Clock
 from fedgrid.compression import available_codecs
 from fedgrid.compression.spec import CodecSpec
 from fedgrid.errors import ConfigError
@@ -53,7 +53,7 @@ from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.downlink import Downlink, RoundDownlink
 from fedgrid.server.fleet import QUORUM_NEEDS_REPLAY, Fleet, Quorum, RoundOutcome
-from fedgrid.server.registry import check_joining
+from fedgrid.server.membership import check_joining
 from fedgrid.simulation.batched import BatchedTrainer, choose_engine, recurrent_module
 from fedgrid.simulation.fleet_rounds import evaluate_clients, exchange_messages
 from fedgrid.simulation.upload import upload
@@ -121,6 +121,8 @@ class InProcessFleet(Fleet):
             kept client's ``train_seconds`` on its ``num_examples``); with a ``target``, the
             clients that would finish first by simulated time are the ones kept.
         bounds: the coordinator's bounds on weights and update norms; a result over them is a ``Failure``.
+        clock: what a client's measured training seconds are read from (``fedgrid.clock``; a
+            test passes a ``ManualClock`` its clients advance).
 
     Raises:
         ConfigError: an unknown ``engine``, a negative ``batch_clients``, or ``batched`` for
@@ -144,8 +146,10 @@ class InProcessFleet(Fleet):
         batch_clients: int = 0,
         profiles: Profiles | None = None,
         bounds: UpdateBounds | None = None,
+        clock: Clock = MONOTONIC,
     ) -> None:
         self.bounds = bounds if bounds is not None else UpdateBounds()
+        self.clock = clock
         if engine not in ENGINES:
             raise ConfigError("engine", f"unknown engine {engine!r} (known: {', '.join(ENGINES)})")
         if batch_clients < 0:
@@ -283,20 +287,20 @@ class InProcessFleet(Fleet):
         """Phase 2: one outcome per job, a client's exception as its outcome, with the seconds
         it trained (a batched group's seconds split evenly among its clients)."""
         if self._trainer is not None:
-            start = time.monotonic()
+            start = self.clock.now()
             batched = self._trainer.fit(
                 [(self._index[info.client_id], state, task) for info, state, task in jobs]
             )
-            each = (time.monotonic() - start) / max(1, len(batched))
+            each = (self.clock.now() - start) / max(1, len(batched))
             return [(out, each) for out in batched]
         outcomes: list[tuple[Union[FitOutput, Exception], float]] = []
         for info, state, task in jobs:
-            start = time.monotonic()
+            start = self.clock.now()
             try:
                 out: Union[FitOutput, Exception] = self._clients[info.client_id].fit(state, task)
             except Exception as exc:  # a client's failure is data for the strategy
                 out = exc
-            outcomes.append((out, time.monotonic() - start))
+            outcomes.append((out, self.clock.now() - start))
         return outcomes
 
     def fit_round(

@@ -35,7 +35,6 @@ from typing import Any, Callable
 
 from fedgrid.client.api import Client
 from fedgrid.errors import ConfigError
-from fedgrid.lazy import exports
 from fedgrid.plugins import initial_state, is_factory_spec
 from fedgrid.simulation.catalog import (
     DATASETS,
@@ -53,7 +52,6 @@ from fedgrid.simulation.datasets import DatasetData
 from fedgrid.simulation.evaluation import EVAL_CHUNK as EVAL_CHUNK
 from fedgrid.simulation.evaluation import make_evaluate
 from fedgrid.simulation.lm_task import LM_DATASET as LM_DATASET
-from fedgrid.simulation.models import digits_mlp
 from fedgrid.types import ModelState
 
 __all__ = [
@@ -73,9 +71,6 @@ __all__ = [
     "make_evaluate",
     "initial_state",
     "builtin_client",
-    "digits_model",
-    "digits_client",
-    "digits_evaluate",
     "DIGITS_BATCH_SIZE",
 ]
 
@@ -134,27 +129,3 @@ def resolve(
     client_factory = load_object(app, key="app") if app else builtin_client
     evaluate = None if custom else make_evaluate(dataset, model, data_dir, precision, peft, lora_aggregation)
     return Resolved(state, evaluate, client_factory, getattr(built[0], "base_hash", ""))
-
-
-# The names of the first release: digits' model, client factory (``fedgrid client`` without
-# ``--app`` runs it; its options reach every built-in dataset) and evaluation.
-digits_model = digits_mlp
-digits_client = builtin_client
-digits_evaluate = make_evaluate("digits")
-
-
-#: Old names, for one release: each access warns with a DeprecationWarning naming the new one.
-__getattr__, _ = exports(
-    __name__,
-    {},
-    deprecated={
-        old: f"{__name__}.{new}"
-        for old, new in {
-            "Task": "BuiltinDataset",
-            "TaskData": "DatasetData",
-            "TASKS": "DATASETS",
-            "get_task": "get_dataset",
-        }.items()
-    },
-    globals_=globals(),
-)

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from fedgrid.aggregation.secagg_client import SecAggParty
 from fedgrid.aggregation.secagg_crypto import PinnedKeys, SecAggRefusedError
 from fedgrid.aggregation.secagg_server import SecAggServerRound
+from fedgrid.client.secagg_party import SecAggParty
 from fedgrid.types import TO_SERVER
 
 STAGES = ("advertise", "share", "mask", "unmask")

@@ -253,18 +253,11 @@ def test_configure_round_count(fraction, min_fit, n, count):
 def test_fedavg_rejects_bad_arguments(kwargs):
     with pytest.raises(ValueError):
         FedAvg(sampling=Sampling(**kwargs))
-    with pytest.raises(ValueError), pytest.warns(DeprecationWarning, match="pass sampling="):
-        FedAvg(**kwargs)  # the keywords of before Sampling, for one release
 
 
-def test_the_old_sampling_keywords_still_work_for_one_release_with_a_warning():
-    with pytest.warns(DeprecationWarning, match=r"FedAdam\(fraction_fit=, seed=\.\.\.\) is deprecated"):
-        old = FedAdam(fraction_fit=0.5, seed=4, server_lr=0.1)
-    assert old.sampling == Sampling(fraction_fit=0.5, seed=4) and old.server_optimizer.lr == 0.1
-    with pytest.raises(TypeError, match="not both"):
-        FedAvg(sampling=Sampling(), seed=3)
-    with pytest.raises(TypeError, match="unexpected keyword argument 'fraction'"):
-        FedAvg(fraction=0.5)
+def test_the_sampling_keywords_of_before_sampling_are_refused():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'fraction_fit'"):
+        FedAdam(fraction_fit=0.5, server_lr=0.1)
 
 
 def test_global_state_before_initialize_raises():

@@ -8,9 +8,9 @@ from collections import OrderedDict
 import pytest
 import torch
 
+from fedgrid.aggregation.by_name import build_strategy_from
 from fedgrid.aggregation.fedavg import FedAvg
 from fedgrid.aggregation.lora import lora_pairs, product_mean, svd_merge
-from fedgrid.aggregation.registry import build_strategy_from
 from fedgrid.errors import ConfigError
 from fedgrid.types import ClientInfo, FitRes
 

@@ -9,11 +9,14 @@ import pytest
 import torch
 
 from fedgrid.aggregation import FedAvg
-from fedgrid.aggregation.registry import build_strategy_from
+from fedgrid.aggregation.by_name import build_strategy_from
 from fedgrid.aggregation.selection import Sampling
+from fedgrid.clock import ManualClock
 from fedgrid.errors import InvalidUpdateError
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.types import ClientInfo, FitIns, FitRes
+
+from clocked import run_out
 
 
 def _state(value: float) -> "OrderedDict[str, torch.Tensor]":
@@ -93,16 +96,20 @@ def test_a_received_model_that_does_not_fit_changes_nothing(bad, words):
 
 
 def test_nested_rounds_get_distinct_task_ids():
-    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=60))
+    clock = ManualClock()
+    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=60), clock=clock)
     info, _ = fleet.join(ClientInfo(client_id="", name="c", num_examples=1))
     ids = []
     for scope in ("g1", "g2"):
         fleet.task_scope = scope
-        fleet.fit_round(
-            server_round=1,
-            global_state=_state(0.0),
-            assignments=[(info, FitIns(round=1))],
-            timeout=timedelta(seconds=0.05),
+        run_out(
+            clock,
+            lambda: fleet.fit_round(
+                server_round=1,
+                global_state=_state(0.0),
+                assignments=[(info, FitIns(round=1))],
+                timeout=timedelta(seconds=30),
+            ),
         )
         ids.append(fleet.current_round.task_id)
         fleet.committed(1)

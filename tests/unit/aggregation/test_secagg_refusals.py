@@ -10,9 +10,9 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from secagg_sim import Federation, relay
 
-from fedgrid.aggregation.secagg_client import SecAggParty
 from fedgrid.aggregation.secagg_crypto import SecAggRefusedError
 from fedgrid.aggregation.secagg_server import SecAggServerRound
+from fedgrid.client.secagg_party import SecAggParty
 from fedgrid.types import TO_SERVER
 
 N, K, T = 10, 8, 5

@@ -7,8 +7,8 @@ from collections import OrderedDict
 import pytest
 import torch
 
+from fedgrid.aggregation.by_name import build_aggregator
 from fedgrid.aggregation.mean import weighted_mean
-from fedgrid.aggregation.registry import build_aggregator
 from fedgrid.aggregation.sender_mean import SenderMean
 from fedgrid.errors import ConfigError
 

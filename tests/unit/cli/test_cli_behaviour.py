@@ -370,18 +370,23 @@ def test_stop_mid_round_writes_the_committed_model_not_the_half_done_one(tmp_pat
     assert torch.equal(load_model(tmp_path / "run" / "model.safetensors")["w"], torch.ones(2))
 
 
-def test_waiting_coordinator_says_what_it_waits_for(monkeypatch, caplog):
+def test_waiting_coordinator_says_what_it_waits_for(caplog):
+    from fedgrid.clock import ManualClock
     from fedgrid.server import remote_fleet
 
-    monkeypatch.setattr(remote_fleet, "WAITING_REPORT_S", 0.1)
-    fleet = remote_fleet.RemoteFleet(heartbeat_interval=timedelta(seconds=60))
+    from clocked import run_out
+
+    clock = ManualClock()
+    fleet = remote_fleet.RemoteFleet(heartbeat_interval=timedelta(seconds=60), clock=clock)
+    timeout = 4.5 * remote_fleet.WAITING_REPORT_S
     try:
         with caplog.at_level(logging.INFO, logger="fedgrid.server.remote_fleet"), pytest.raises(TimeoutError):
-            fleet.wait_for_clients(min_clients=2, timeout=timedelta(seconds=0.45))
+            run_out(clock, lambda: fleet.wait_for_clients(min_clients=2, timeout=timedelta(seconds=timeout)))
     finally:
         fleet.close()
     waiting = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting")]
-    assert 3 <= len(waiting) <= 6 and set(waiting) == {"waiting for 2 clients (0 joined)"}
+    # At 0 and every WAITING_REPORT_S after it, until the timeout: 0, 10, 20, 30 and 40 s.
+    assert waiting == ["waiting for 2 clients (0 joined)"] * 5 and clock.now() == timeout
 
 
 def test_rpc_and_tls_errors_are_one_line(tmp_path, capsys):

@@ -13,7 +13,7 @@ from fedgrid.cli import simulate
 from fedgrid.config import load_config
 from fedgrid.errors import ConfigError
 from fedgrid.interrupts import GracefulStop
-from fedgrid.server.app import Coordinator
+from fedgrid.server.serve import Coordinator
 
 
 @pytest.mark.parametrize(

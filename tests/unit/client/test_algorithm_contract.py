@@ -351,17 +351,3 @@ def test_an_algorithm_with_a_step_hook_but_no_batched_form_trains_through_fit(_r
         )
         == 1
     )
-
-
-@pytest.mark.parametrize(
-    "old", ["FedAvg", "FedProx", "Scaffold", "DiLoCo", "StreamingDiLoCo", "BlockCoordinate"]
-)
-def test_the_client_halves_old_names_work_for_one_release_with_a_warning(old):
-    import fedgrid.client.algorithms as algorithms
-
-    with pytest.warns(
-        DeprecationWarning,
-        match=f"algorithms.{old} is deprecated .*use fedgrid.client.algorithms.{old}Training",
-    ):
-        cls = getattr(algorithms, old)
-    assert cls is getattr(algorithms, f"{old}Training") and old not in algorithms.__all__

@@ -9,7 +9,6 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from fedgrid.aggregation.goodput import SPLIT_KEYS as ROUND_SPLIT_KEYS
 from fedgrid.client import runtime
 from fedgrid.client.api import Client, FitOutput
 from fedgrid.client.session import AsyncSession, Session
@@ -17,6 +16,7 @@ from fedgrid.client.task_feed import TaskStep
 from fedgrid.client.timeline import COMPUTE, SPLIT_KEYS, Split, Timeline, with_split
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto.assembly import MAX_METRICS
+from fedgrid.telemetry import SPLIT_KEYS as ROUND_SPLIT_KEYS
 
 DOWNLOAD_S, UPLOAD_S, FIT_S, POLL_S = 3.0, 2.0, 5.0, 1.0
 

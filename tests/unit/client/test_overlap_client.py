@@ -14,8 +14,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedgrid.aggregation import DiLoCo, StreamingDiLoCo
+from fedgrid.aggregation.by_name import build_strategy_from
 from fedgrid.aggregation.diloco import Overlap
-from fedgrid.aggregation.registry import build_strategy_from
 from fedgrid.client.algorithm_math import merge
 from fedgrid.client.torch_client import TorchClient
 from fedgrid.config import load_config

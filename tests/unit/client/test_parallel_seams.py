@@ -1,4 +1,4 @@
-"""The class each rank's client becomes (``client/parallel_ranks._distribute``) carries the seams'
+"""The class each rank's client becomes (``client/parallel_ranks.distribute``) carries the seams'
 flags as well as their methods: a flag left behind would leave the factory's class's value."""
 
 from __future__ import annotations

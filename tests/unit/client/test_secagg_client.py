@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from fedgrid.client import Client, FitOutput
-from fedgrid.client.app import _with_secagg
 from fedgrid.client.secagg import SecAggClient
+from fedgrid.client.serve import _with_secagg
 from fedgrid.ops import pki
 from fedgrid.types import FitIns, MessageIns
 

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from fedgrid.client.torch_client import TorchClient
 from fedgrid.seeding import derive_seed
 from fedgrid.simulation import tasks
+from fedgrid.simulation.models import digits_mlp
 from fedgrid.types import FitIns
 
 CONFIG = {"local_epochs": 1, "lr": 0.1, "seed": 0, "round": 1}
@@ -20,11 +21,11 @@ CONFIG = {"local_epochs": 1, "lr": 0.1, "seed": 0, "round": 1}
 
 @pytest.fixture(scope="module")
 def init_state():
-    return tasks.initial_state(tasks.digits_model, seed=0)
+    return tasks.initial_state(digits_mlp, seed=0)
 
 
 def _client() -> TorchClient:
-    return tasks.digits_client(0, 3, seed=0, device="cpu")
+    return tasks.builtin_client(0, 3, seed=0, device="cpu")
 
 
 def _copy(state):
@@ -175,4 +176,4 @@ def test_derive_seed_is_stable_and_63_bit():
 def test_digits_client_name_and_partition_bounds():
     assert _client().name == "digits-0000/3"
     with pytest.raises(ValueError, match="index 3 is outside 0..2"):
-        tasks.digits_client(3, 3, seed=0)
+        tasks.builtin_client(3, 3, seed=0)

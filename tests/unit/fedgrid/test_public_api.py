@@ -14,7 +14,7 @@ def test_every_public_name_resolves_to_the_defining_object():
     from fedgrid.client.session import connect
     from fedgrid.client.torch_client import TorchClient
     from fedgrid.compression.base import Codec
-    from fedgrid.server.app import run_coordinator
+    from fedgrid.server.serve import run_coordinator
     from fedgrid.simulation.run import run_simulation
 
     for name in fedgrid.__all__:
@@ -63,31 +63,6 @@ def test_the_top_level_is_small_and_the_rest_lives_in_namespaces():
     assert fedgrid.strategies.FedAvg.__mro__[1:].count(fedgrid.Strategy) == 1
 
 
-@pytest.mark.parametrize(
-    "old,new",
-    [
-        ("FedAvg", "fedgrid.strategies.FedAvg"),
-        ("run", "fedgrid.run_client"),
-        ("start", "fedgrid.start_client"),
-        ("Median", "fedgrid.aggregators.Median"),
-        ("get_codec", "fedgrid.codecs.get_codec"),
-        ("FitIns", "fedgrid.types.FitIns"),
-        ("ConfigError", "fedgrid.errors.ConfigError"),
-        ("InProcessFleet", "fedgrid.simulation.fleet.InProcessFleet"),
-    ],
-)
-def test_an_old_top_level_name_works_for_one_release_with_a_warning_naming_its_home(old, new):
-    import importlib
-
-    module, _, attribute = new.rpartition(".")
-    with pytest.warns(
-        DeprecationWarning, match=f"fedgrid.{old} is deprecated .*use {new.replace('.', '[.]')}"
-    ):
-        value = getattr(fedgrid, old)
-    assert value is getattr(importlib.import_module(module), attribute)
-    assert old not in fedgrid.__all__
-
-
 def test_version_is_the_installed_distributions():
     from importlib.metadata import version
 
@@ -99,39 +74,36 @@ def test_an_unknown_name_is_an_attribute_error_naming_it():
         fedgrid.Trainer  # noqa: B018
 
 
-@pytest.mark.parametrize("module", ["fedgrid.client", "fedgrid.client.runtime"])
-def test_run_and_start_work_for_one_release_as_run_client_and_start_client(module):
+@pytest.mark.parametrize(
+    "module,old",
+    [
+        ("fedgrid", "FedAvg"),
+        ("fedgrid", "run"),
+        ("fedgrid", "InProcessFleet"),
+        ("fedgrid.client", "run"),
+        ("fedgrid.client.runtime", "start"),
+        ("fedgrid.client.algorithms", "FedAvg"),
+        ("fedgrid.simulation.tasks", "get_task"),
+        ("fedgrid.aggregation.updates", "apply_delta"),
+    ],
+)
+def test_the_names_of_before_the_namespaces_are_gone(module, old):
     import importlib
 
-    from fedgrid.client.runtime import run_client, start_client
-
-    namespace = importlib.import_module(module)
-    with pytest.warns(
-        DeprecationWarning, match="runtime.run is deprecated .*use fedgrid.client.runtime.run_client"
-    ):
-        assert namespace.run is run_client
-    with pytest.warns(
-        DeprecationWarning, match="runtime.start is deprecated .*use fedgrid.client.runtime.start_client"
-    ):
-        assert namespace.start is start_client
+    with pytest.raises(AttributeError, match=f"no attribute '{old}'"):
+        getattr(importlib.import_module(module), old)
 
 
-def test_renamed_helpers_work_for_one_release_with_a_warning():
+def test_the_old_home_of_remote_fleet_is_gone():
     import importlib
 
-    from fedgrid.aggregation.updates import add_update
-    from fedgrid.server.remote_fleet import RemoteFleet
+    with pytest.raises(ModuleNotFoundError, match="fedgrid.server.grpc_fleet"):
+        importlib.import_module("fedgrid.server.grpc_fleet")
 
-    updates = importlib.import_module("fedgrid.aggregation.updates")
-    with pytest.warns(
-        DeprecationWarning,
-        match="updates.apply_delta is deprecated .*use fedgrid.aggregation.updates.add_update",
-    ):
-        assert updates.apply_delta is add_update
-    with pytest.warns(
-        DeprecationWarning, match="fedgrid.server.grpc_fleet is deprecated .*use fedgrid.server.remote_fleet"
-    ):
-        old = importlib.import_module("fedgrid.server.grpc_fleet")
-        old = importlib.reload(old)  # the warning comes on import: once per process, so import it afresh
-    with pytest.warns(DeprecationWarning, match="GrpcFleet is deprecated"):
-        assert old.GrpcFleet is RemoteFleet
+
+def test_the_package_keeps_no_deprecated_alias():
+    from pathlib import Path
+
+    package = Path(fedgrid.__file__).parent
+    warned = [p.relative_to(package) for p in package.rglob("*.py") if "DeprecationWarning" in p.read_text()]
+    assert warned == []

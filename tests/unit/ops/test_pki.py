@@ -43,8 +43,8 @@ def ca_dir(tmp_path: Path) -> Path:
 
 
 def _later(monkeypatch: pytest.MonkeyPatch, delta: timedelta) -> None:
-    real = pki_kernel._utcnow()
-    monkeypatch.setattr(pki_kernel, "_utcnow", lambda: real + delta)
+    real = pki_kernel.utcnow()
+    monkeypatch.setattr(pki_kernel, "utcnow", lambda: real + delta)
 
 
 # --- identities -----------------------------------------------------------------------

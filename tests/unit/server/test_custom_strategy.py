@@ -11,7 +11,7 @@ import pytest
 from fedgrid.aggregation import FedAvg
 from fedgrid.config import load_config
 from fedgrid.errors import ConfigError
-from fedgrid.server.app import _with_strategy
+from fedgrid.server.serve import _with_strategy
 from fedgrid.server.strategies import build_strategy
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -1,17 +1,18 @@
 """``FinalStateHold`` (``server/status_page.py``): a finished run's status server waits for the
-watching page to read the final state, and only for a page that is watching."""
+watching page to read the final state, and only for a page that is watching. Its clock is the
+test's (a ``ManualClock``): the limit passes when the test advances it."""
 
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
+from fedgrid.clock import ManualClock
 from fedgrid.server.status_page import STATUS_PATH, FinalStateHold
 from fedgrid.webserve import Response, Route
 
-from harness import wait_until
+from clocked import asleep
 
 
 class Status:
@@ -21,7 +22,8 @@ class Status:
         self.final = False
         self.calls = 0
         self.status = status
-        self.hold = FinalStateHold(lambda: self.final, limit_s=limit_s)
+        self.clock = ManualClock()
+        self.hold = FinalStateHold(lambda: self.final, limit_s=limit_s, clock=self.clock)
         self.page = Route(lambda: Response(b"<html>", content_type="text/html"), public=True)
         self.routes = self.hold.routes({"/": self.page, STATUS_PATH: Route(self._status)})
 
@@ -78,7 +80,7 @@ def test_the_wait_ends_with_the_watchers_read_of_the_final_state():
     thread, waited = s.wait_in_thread()
     assert s.read() == b'{"state": "finished"}'  # the page's next poll: the final state
     thread.join(timeout=10)
-    assert not thread.is_alive() and waited[0] < 60
+    assert not thread.is_alive() and waited == [0.0]  # the clock never moved: ended by the read
     assert not s.hold.watched() and s.hold.wait() == 0.0
 
 
@@ -90,12 +92,16 @@ def test_refused_reads_do_not_count_as_watching():
 
 
 def test_the_wait_is_bounded_by_limit_s():
-    s = Status(limit_s=0.3)
+    s = Status(limit_s=30.0)
     s.read()
     s.final = True
-    start = time.monotonic()
-    waited = s.hold.wait()  # nobody reads again
-    assert 0.3 <= waited < 5.0 and time.monotonic() - start >= 0.3
+    thread, waited = s.wait_in_thread()  # nobody reads again
+    asleep(s.clock)
+    s.clock.advance(29.5)
+    assert s.clock.sleepers() == 1 and thread.is_alive()
+    s.clock.advance(0.5)
+    thread.join(timeout=10)
+    assert not thread.is_alive() and waited == [30.0]
 
 
 def test_a_read_older_than_limit_s_is_no_watcher():
@@ -103,8 +109,10 @@ def test_a_read_older_than_limit_s_is_no_watcher():
     s.read()
     s.final = True
     assert s.hold.watched()
-    wait_until(lambda: not s.hold.watched(), timeout=10, what="the read to age past limit_s")
-    assert s.hold.wait() == 0.0
+    s.clock.advance(1.0)
+    assert s.hold.watched()  # read exactly limit_s ago: still watching
+    s.clock.advance(0.5)
+    assert not s.hold.watched() and s.hold.wait() == 0.0
 
 
 def test_release_ends_the_wait_at_once():
@@ -114,8 +122,8 @@ def test_release_ends_the_wait_at_once():
     thread, waited = s.wait_in_thread()
     s.hold.release()  # a stop signal
     thread.join(timeout=10)
-    assert not thread.is_alive() and waited[0] < 60
-    assert s.hold.wait() < 1.0  # a later wait returns at once too
+    assert not thread.is_alive() and waited == [0.0]
+    assert s.hold.wait() == 0.0  # a later wait returns at once too
 
 
 @pytest.mark.parametrize("limit_s", [-1.0, float("inf"), float("nan")])
@@ -128,4 +136,4 @@ def test_a_zero_limit_never_waits():
     s = Status(limit_s=0.0)
     s.read()
     s.final = True
-    assert s.hold.wait() < 1.0
+    assert s.hold.wait() == 0.0

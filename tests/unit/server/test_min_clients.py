@@ -1,6 +1,7 @@
 """``--min-clients`` counts the clients present: a benched client (alive, but it missed a
 deadline) is one of them, so it never blocks the round, and it is not asked until it
-finishes its late task."""
+finishes its late task. The fleet's clock is the test's (``clocked.py``): deadlines pass when it
+is advanced, and the test asserts on that logical time."""
 
 from __future__ import annotations
 
@@ -8,27 +9,35 @@ from datetime import timedelta
 
 import pytest
 
+from fedgrid.clock import ManualClock
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.types import ClientInfo, FitIns
 
+from clocked import run_out
 
-def _bench_one(small_state) -> tuple[RemoteFleet, dict[str, tuple[ClientInfo, str]]]:
+
+def _bench_one(small_state) -> tuple[RemoteFleet, ManualClock, dict[str, tuple[ClientInfo, str]]]:
     """A fleet of three (heartbeating) clients, "slow" benched after missing round 1's deadline."""
-    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=60))
+    clock = ManualClock()
+    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=60), clock=clock)
     joined = {n: fleet.join(ClientInfo(client_id="", name=n, num_examples=1)) for n in ("a", "b", "slow")}
-    outcome = fleet.fit_round(
-        server_round=1,
-        global_state=small_state,
-        assignments=[(joined["slow"][0], FitIns(round=1))],
-        timeout=timedelta(seconds=0.2),
+    outcome = run_out(
+        clock,
+        lambda: fleet.fit_round(
+            server_round=1,
+            global_state=small_state,
+            assignments=[(joined["slow"][0], FitIns(round=1))],
+            timeout=timedelta(seconds=30),
+        ),
     )
     assert outcome.closed_by == "deadline" and [f.client.name for f in outcome.failures] == ["slow"]
+    assert clock.now() == 30.0  # closed at its deadline, not before
     fleet.committed(1)
-    return fleet, joined
+    return fleet, clock, joined
 
 
 def test_min_clients_equal_to_the_fleet_with_one_benched_client_runs_the_round(small_state):
-    fleet, joined = _bench_one(small_state)
+    fleet, _, joined = _bench_one(small_state)
     try:
         # Today's main timed out here: "2 live clients after 5s, need 3 (1 more benched ...)".
         chosen = fleet.wait_for_clients(min_clients=3, timeout=timedelta(seconds=5))
@@ -44,12 +53,13 @@ def test_min_clients_equal_to_the_fleet_with_one_benched_client_runs_the_round(s
 
 
 def test_min_clients_still_counts_heads(small_state):
-    fleet, _ = _bench_one(small_state)
+    fleet, clock, _ = _bench_one(small_state)
     try:
         with pytest.raises(
             TimeoutError,
-            match=r"^3 live clients after 0s, need 4 \(1 of them benched after missing a deadline\)$",
+            match=r"^3 live clients after 5s, need 4 \(1 of them benched after missing a deadline\)$",
         ):
-            fleet.wait_for_clients(min_clients=4, timeout=timedelta(seconds=0.1))
+            run_out(clock, lambda: fleet.wait_for_clients(min_clients=4, timeout=timedelta(seconds=5)))
+        assert clock.now() == 35.0  # it waited its 5 s
     finally:
         fleet.close()

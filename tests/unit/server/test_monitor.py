@@ -9,6 +9,7 @@ from datetime import timedelta
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from fedgrid.clock import ManualClock
 from fedgrid.server.monitor import FAILURE_REASONS, MAX_REGION_LABELS, CoordinatorMonitor, failure_reason
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.status_page import page_response
@@ -167,3 +168,18 @@ def test_goodput_histograms_label_regions_boundedly_and_never_clients():
     assert [
         (r["region"], r["clients"]) for r in monitor.status()["regions"]
     ] == []  # none joined the registry
+
+
+def test_a_clients_last_seen_is_read_on_the_fleets_clock():
+    clock = ManualClock(start=1000.0)
+    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=60), clock=clock)
+    monitor = CoordinatorMonitor(fleet, rounds=1, history=lambda: [])
+    info, token = fleet.join(ClientInfo("", name="site-1", num_examples=1))
+    clock.advance(12.5)
+    [row] = monitor.status()["clients"]
+    assert row["last_seen_s"] == 12.5
+    fleet.heartbeat(info.client_id, token)
+    clock.advance(0.25)
+    [row] = monitor.status()["clients"]
+    assert row["last_seen_s"] == 0.25
+    fleet.close()

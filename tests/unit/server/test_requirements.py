@@ -7,10 +7,13 @@ from datetime import timedelta
 import pytest
 
 from fedgrid.aggregation.selection import CapabilityFilter
+from fedgrid.clock import ManualClock
 from fedgrid.config import load_config
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.strategies import build_capability_filter
 from fedgrid.types import ClientInfo
+
+from clocked import run_out
 
 
 def test_requirements_come_from_the_three_keys():
@@ -28,9 +31,11 @@ def test_requirements_come_from_the_three_keys():
 
 
 def test_the_fleet_waits_for_qualifying_clients_and_returns_only_them():
+    clock = ManualClock()
     fleet = RemoteFleet(
         heartbeat_interval=timedelta(seconds=60),
         requirements=CapabilityFilter(devices=("cuda",), min_memory_bytes=8 << 30),
+        clock=clock,
     )
     try:
         fleet.join(ClientInfo("", name="cpu", memory_bytes=64 << 30))
@@ -38,10 +43,11 @@ def test_the_fleet_waits_for_qualifying_clients_and_returns_only_them():
             ClientInfo("", name="small", device="cuda", num_accelerators=1, memory_bytes=4 << 30)
         )
         with pytest.raises(TimeoutError) as info:
-            fleet.wait_for_clients(min_clients=1, timeout=timedelta(seconds=0.05))
+            run_out(clock, lambda: fleet.wait_for_clients(min_clients=1, timeout=timedelta(seconds=5)))
         assert (
-            str(info.value) == "0 live clients after 0s, need 1 (2 more short of the capability requirements)"
+            str(info.value) == "0 live clients after 5s, need 1 (2 more short of the capability requirements)"
         )
+        assert clock.now() == 5.0
         big, _ = fleet.join(
             ClientInfo("", name="big", device="cuda", num_accelerators=1, memory_bytes=80 << 30)
         )

@@ -12,9 +12,12 @@ from datetime import timedelta
 import pytest
 import torch
 
+from fedgrid.clock import ManualClock
 from fedgrid.server import spill as spill_mod
 from fedgrid.server.spill import HeldState, SpilledState, SpillWriter, UpdateSpill
 from fedgrid.types import ClientInfo, TensorSpec
+
+from clocked import Call, asleep
 
 TASK = "run-r1-fit"
 
@@ -65,14 +68,27 @@ def _assert_equal(state, update):
         torch.testing.assert_close(tensor, expected, rtol=0, atol=0)
 
 
+def _flush_times_out(spill: UpdateSpill, clock: ManualClock) -> None:
+    """``spill.flush`` of timeout 30 s returns ``False`` once 30 s of ``clock`` passed, and not before."""
+    flush = Call(lambda: spill.flush(timeout=timedelta(seconds=30)))
+    asleep(clock)
+    clock.advance(29.5)
+    assert not flush.done()
+    clock.advance(0.5)
+    assert flush.result() is False
+
+
 def test_held_updates_stay_in_memory_until_the_budget_needs_their_room(gate):
-    spill = UpdateSpill(None, memory_bytes=2 * NBYTES)  # no state directory: nothing to resume from
+    clock = ManualClock()
+    spill = UpdateSpill(
+        None, memory_bytes=2 * NBYTES, clock=clock
+    )  # no state directory: nothing to resume from
     first, second = _update(0), _update(1)
     _, state1 = _accept(spill, "c1", first)
     _, state2 = _accept(spill, "c2", second)
     path1, path2 = spill.dir / TASK / "c1.safetensors", spill.dir / TASK / "c2.safetensors"
     assert isinstance(state1, HeldState) and not state1.on_disk and not state2.on_disk
-    assert spill.flush(timeout=timedelta(seconds=0.2))  # nothing was queued: a round closes at once
+    assert spill.flush(timeout=timedelta(0))  # nothing was queued: a round closes at once
     assert not path1.exists() and not path2.exists() and spill.held_bytes == 2 * NBYTES
     _assert_equal(state1, first)  # readable while held
     third = spill.writer(
@@ -85,7 +101,7 @@ def test_held_updates_stay_in_memory_until_the_budget_needs_their_room(gate):
     assert isinstance(
         third, SpillWriter
     )  # over the budget: this one goes to its file, and the oldest makes room
-    assert not spill.flush(timeout=timedelta(seconds=0.2))  # c1's write waits at the gate
+    _flush_times_out(spill, clock)  # c1's write waits at the gate
     assert spill.held_bytes == 2 * NBYTES  # reserved until its file lands
     gate.set()
     assert spill.flush(timeout=timedelta(seconds=30))
@@ -121,8 +137,9 @@ def test_under_a_state_directory_an_update_is_in_place_before_its_reply_and_sync
         real_fsync(fd)
 
     monkeypatch.setattr(spill_mod.os, "fsync", gated_fsync)
+    clock = ManualClock()
     spill = UpdateSpill(
-        tmp_path, memory_bytes=10 * NBYTES
+        tmp_path, memory_bytes=10 * NBYTES, clock=clock
     )  # the budget does not apply under a state directory
     update = _update(0)
     writer, state = _accept(
@@ -137,7 +154,7 @@ def test_under_a_state_directory_an_update_is_in_place_before_its_reply_and_sync
         and restored["c1"].metrics == {"loss": 0.5}
     )
     _assert_equal(restored["c1"].state, update)
-    assert not spill.flush(timeout=timedelta(seconds=0.2))  # the round cannot close before the fsync
+    _flush_times_out(spill, clock)  # the round cannot close before the fsync
     synced.set()
     assert spill.flush(timeout=timedelta(seconds=30))
     assert len(fsyncs) == 2  # the file, then its folder (the rename)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fedgrid.aggregation.registry import STRATEGIES, strategy_role
+from fedgrid.aggregation.by_name import STRATEGIES, strategy_role
 from fedgrid.compression.sparseloco import OUTER_LR
 from fedgrid.compression.spec import CodecSpec
 from fedgrid.errors import ConfigError

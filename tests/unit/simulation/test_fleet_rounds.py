@@ -1,7 +1,7 @@
 """``InProcessFleet``'s rounds that train nothing (``fedgrid.simulation.fleet_rounds``): each
 client evaluates the global model it received over the simulated wire, and a failure or an
 empty evaluation is a ``Failure``; a message phase relays what the available clients sent and
-fails the unavailable ones."""
+fails the unavailable ones. A fit is timed on the fleet's clock."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Mapping
 import torch
 
 from fedgrid.client.api import Client, EvaluateOutput, FitOutput
+from fedgrid.clock import ManualClock
 from fedgrid.proto import serde
 from fedgrid.simulation.fleet import InProcessFleet
 from fedgrid.types import TO_SERVER, EvaluateIns, Failure, FitIns, MessageIns, ModelState, Scalar
@@ -113,3 +114,35 @@ def test_a_message_phase_relays_what_the_available_clients_sent():
     ]
     # Up: each sender's two messages; down: what was relayed (client 0's byte to client 1 was not).
     assert (outcome.bytes_up, outcome.bytes_down) == ((1 + 1) + (3 + 1) + (4 + 1), 4 + 3)
+
+
+class _Timed(Client):
+    """Returns the model plus one, its fit taking ``seconds`` of the fleet's clock."""
+
+    def __init__(self, name: str, clock: ManualClock, seconds: float) -> None:
+        self.name, self.clock, self.seconds = name, clock, seconds
+
+    @property
+    def num_examples(self) -> int:
+        return 10
+
+    def fit(self, state: ModelState, ins: FitIns) -> FitOutput:
+        self.clock.advance(self.seconds)
+        return FitOutput(OrderedDict((k, v + 1) for k, v in state.items()), num_examples=10)
+
+
+def test_a_fit_is_timed_on_the_fleets_clock():
+    clock = ManualClock()
+    fleet = InProcessFleet([_Timed("quick", clock, 0.25), _Timed("slow", clock, 1.5)], clock=clock)
+    infos = fleet.wait_for_clients(min_clients=2, timeout=timedelta(0))
+    outcome = fleet.fit_round(
+        server_round=1,
+        global_state=OrderedDict(w=torch.zeros(3)),
+        assignments=[(info, FitIns(round=1)) for info in infos],
+        timeout=timedelta(seconds=5),
+    )
+    split = {
+        r.client.name: (r.metrics["compute_s"], r.metrics["wall_s"], r.metrics["wait_s"])
+        for r in outcome.results
+    }
+    assert split == {"quick": (0.25, 0.25, 0.0), "slow": (1.5, 1.5, 0.0)} and clock.now() == 1.75

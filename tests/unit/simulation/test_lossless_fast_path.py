@@ -10,7 +10,6 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from fedgrid.aggregation.goodput import without_timing
 from fedgrid.client.api import Client, FitOutput
 from fedgrid.config import load_config
 from fedgrid.proto import serde
@@ -18,6 +17,7 @@ from fedgrid.simulation import fleet as fleet_mod
 from fedgrid.simulation.fleet import InProcessFleet
 from fedgrid.simulation.run import run_simulation
 from fedgrid.simulation.upload import raw_passes
+from fedgrid.telemetry import without_timing
 from fedgrid.types import FitIns, TensorSpec
 
 

@@ -9,11 +9,11 @@ import pytest
 import tomllib
 import torch
 
-from fedgrid.aggregation.goodput import without_timing
 from fedgrid.config import load_config
 from fedgrid.runlog import load_model
 from fedgrid.simulation.run import run_simulation
-from fedgrid.simulation.tasks import build_model, digits_evaluate, initial_state
+from fedgrid.simulation.tasks import build_model, initial_state, make_evaluate
+from fedgrid.telemetry import without_timing
 
 KEYS = {"round", "loss", "accuracy", "bytes_up", "bytes_down", "wall_s", "clients_ok", "clients_failed"}
 
@@ -93,7 +93,7 @@ def test_bytes_match_model_size(runs):
 
 def test_loss_and_accuracy_are_server_evaluation_of_final_model(runs):
     final, history = runs["a"][2], runs["a"][3]
-    loss, metrics = digits_evaluate(final)
+    loss, metrics = make_evaluate("digits")(final)
     assert history[-1].loss == loss
     assert history[-1].accuracy == metrics["accuracy"]
     assert history[-1].accuracy > 0.5  # two rounds of FedAvg on digits learn something

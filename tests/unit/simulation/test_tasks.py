@@ -46,7 +46,7 @@ def test_char_lstm_takes_the_vocabulary_or_its_size():
 
 def test_digits_model_is_unchanged():
     # the first release's digits model: same layers and init order, so results stay bit-identical
-    a = tasks.initial_state(tasks.digits_model, seed=3)
+    a = tasks.initial_state(digits_mlp, seed=3)
     b = tasks.initial_state(
         lambda: torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)), seed=3
     )

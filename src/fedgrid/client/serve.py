@@ -1,4 +1,4 @@
-"""The client's wiring, the twin of ``server/app.py``: ``fedgrid client``'s process from a
+"""The client's wiring, the twin of ``server/serve.py``: ``fedgrid client``'s process from a
 client factory to a finished run.
 
 ``serve_client`` enrolls (rank 0, once), builds the client (one process, or a

@@ -1,4 +1,5 @@
-"""The client registry: who joined, their session tokens, who is alive, who is benched.
+"""Membership of a run: who joined, their session tokens, who is alive, who is benched
+(``Registry``, the coordinator's table of its clients).
 
 It lives under the fleet's one state lock and wakes waiters through the fleet's
 ``Wakeups`` (key ``"registry"`` for joins and leaves). Removing a client calls
@@ -48,7 +49,6 @@ import hashlib
 import hmac
 import logging
 import secrets
-import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -138,7 +138,8 @@ class Registry:
         wake: the fleet's wake-ups (their lock is the state lock every method takes).
         events: where joins, leaves and drops are reported.
         heartbeat_interval_s: silence for ``SILENCE_INTERVALS`` of these drops a client
-            (unless it holds a long poll: its connection is watched by keepalive pings).
+            (unless it holds a long poll: its connection is watched by keepalive pings),
+            measured on ``wake``'s clock.
         on_remove: called with the record and the reason when a client is removed (lock held).
         bounds: what a Join may report (``num_examples``).
         max_sessions: sessions held at once (module docstring).
@@ -159,6 +160,7 @@ class Registry:
         self.bounds = bounds if bounds is not None else UpdateBounds()
         self.wake = wake
         self.lock = wake.lock
+        self.clock = wake.clock  # the fleet's: last_seen, silence and purges are in its time
         self.events = events
         self.heartbeat_interval_s = heartbeat_interval_s
         self.on_remove = on_remove
@@ -169,8 +171,8 @@ class Registry:
         self.conflicts: dict[str, int] = {}
         self._by_token: dict[str, str] = {}  # token hash -> client id: a session from metadata alone
         self._next_purge = 0.0  # join purges silent sessions at most once a heartbeat interval
-        self._join_log = LogBudget(log, "clients joined")
-        self._drop_log = LogBudget(log, "silent clients dropped")
+        self._join_log = LogBudget(log, "clients joined", clock=self.clock.now)
+        self._drop_log = LogBudget(log, "silent clients dropped", clock=self.clock.now)
 
     def join(self, joining: ClientInfo, *, identity: str | None = None) -> tuple[ClientInfo, str]:
         """Registers a client under a new id; a session of the same name is replaced.
@@ -206,7 +208,7 @@ class Registry:
                 self._remember_replaced(self.records[cid], by=info.client_id)
                 self.remove(cid, "replaced by a new session of the same name")
                 self._by_token[ghost_token] = cid  # its late calls hear why (``session``)
-            self.records[info.client_id] = ClientRecord(info, token_hash(token), time.monotonic())
+            self.records[info.client_id] = ClientRecord(info, token_hash(token), self.clock.now())
             self._by_token[self.records[info.client_id].token_hash] = info.client_id
             if info.name:
                 self._by_name[info.name] = info.client_id
@@ -235,7 +237,7 @@ class Registry:
         Raises:
             ResourceLimitError: ``max_sessions`` sessions, none of them silent.
         """
-        now = time.monotonic()
+        now = self.clock.now()
         if now >= self._next_purge or len(self.records) >= self.max_sessions:
             self.purge()
             self._next_purge = now + self.heartbeat_interval_s
@@ -282,7 +284,7 @@ class Registry:
                 raise PermissionDeniedError(
                     f"the certificate of {caller.identity!r} cannot act as client {escape(client_id)} ({escape(record.info.name)})"
                 )
-            record.last_seen = time.monotonic()
+            record.last_seen = self.clock.now()
             return record
 
     def _remember_replaced(self, record: ClientRecord, *, by: str) -> None:
@@ -354,7 +356,7 @@ class Registry:
     def purge(self) -> int:
         """Drops the sessions silent for ``SILENCE_INTERVALS`` heartbeat intervals that hold no
         long poll and no transfer; returns how many (lock held)."""
-        now = time.monotonic()
+        now = self.clock.now()
         limit = SILENCE_INTERVALS * self.heartbeat_interval_s
         # A client in a long poll or a transfer is alive: over a saturated link its heartbeats
         # wait behind its own download or upload on the one connection.
@@ -385,7 +387,7 @@ class Registry:
             ]
 
     def load_state_dict(self, entries: list[Mapping[str, Any]], *, seen_at: float) -> None:
-        """Restores the clients with their sessions, as last seen at ``seen_at`` (monotonic)."""
+        """Restores the clients with their sessions, as last seen at ``seen_at`` (the clock's time)."""
         with self.lock:
             self.records = {}
             self._by_name = {}

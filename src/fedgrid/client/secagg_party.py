@@ -1,5 +1,7 @@
 """A SecAgg+ client's side of one round, as a state machine with no I/O: advertise keys, share
-them, mask the input, answer one unmask request.
+them, mask the input, answer one unmask request. ``fedgrid.client.secagg`` (``SecAggClient``)
+runs it over the wire; what both sides of a round share (``RoundPlan``, the unmask answer's
+form) and the arithmetic stay in ``fedgrid.aggregation``.
 
 It refuses, raising ``SecAggRefusedError`` and returning nothing, whatever could reveal both
 shares of one client (its self-mask seed, which unmasks its input, and its mask key, which
@@ -30,11 +32,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from fedgrid.aggregation.secagg_crypto import (
+    KEY,
+    SELF,
     Advert,
     Keyring,
     SecAggRefusedError,
     _pack,
     _unpack,
+    encode_unmask,
     make_advert,
     mask_seed,
     open_sealed,
@@ -43,50 +48,10 @@ from fedgrid.aggregation.secagg_crypto import (
     read_advert,
     seal,
 )
-from fedgrid.aggregation.secagg_math import neighbours, prg, ring_add, share_secret
+from fedgrid.aggregation.secagg_math import RoundPlan, mask_sign, prg, ring_add, share_secret
 from fedgrid.types import TO_SERVER
 
-__all__ = ["SecAggParty", "RoundPlan", "mask_sign", "encode_unmask", "decode_unmask"]
-
-SELF, KEY = b"b", b"s"
-
-
-def mask_sign(me: str, other: str) -> int:
-    """The sign of the pairwise mask of ``me`` with ``other`` (opposite on the two sides)."""
-    return 1 if me < other else -1
-
-
-def encode_unmask(entries: Sequence[tuple[str, bytes, bytes]]) -> bytes:
-    """An unmask answer: (owner id, ``SELF`` or ``KEY``, share) per entry."""
-    return _pack(*(_pack(owner.encode(), kind, share) for owner, kind, share in entries))
-
-
-def decode_unmask(payload: bytes) -> list[tuple[str, bytes, bytes]]:
-    out: list[tuple[str, bytes, bytes]] = []
-    at = 0
-    while at < len(payload):
-        size = int.from_bytes(payload[at : at + 2], "big")
-        owner, kind, share = _unpack(payload[at + 2 : at + 2 + size], 3)
-        out.append((owner.decode(errors="replace"), kind, share))
-        at += 2 + size
-    return out
-
-
-@dataclass(frozen=True)
-class RoundPlan:
-    """What the coordinator announces of a round: its run and number, the participants (in
-    order), the neighbourhood size, the graph seed and the Shamir threshold."""
-
-    run: str
-    server_round: int
-    me: str
-    participants: tuple[str, ...]
-    k: int
-    graph_seed: bytes
-    threshold: int
-
-    def neighbours(self) -> list[str]:
-        return neighbours(list(self.participants), k=self.k, seed=self.graph_seed)[self.me]
+__all__ = ["SecAggParty"]
 
 
 @dataclass

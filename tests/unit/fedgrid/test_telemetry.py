@@ -1,4 +1,4 @@
-"""A round's goodput from its fit results (aggregation/goodput.py): sums and a ratio of sums."""
+"""A round's goodput from its fit results (telemetry.py): sums and a ratio of sums."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections import OrderedDict
 
 import pytest
 
-from fedgrid.aggregation.goodput import goodput_metrics
+from fedgrid.telemetry import goodput_metrics
 from fedgrid.types import ClientInfo, FitRes
 
 

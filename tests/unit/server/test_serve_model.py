@@ -10,7 +10,7 @@ import torch
 from fedgrid.config import load_config
 from fedgrid.errors import ConfigError
 from fedgrid.runlog import RunWriter
-from fedgrid.server.app import coordinator_model, run_coordinator
+from fedgrid.server.serve import coordinator_model, run_coordinator
 
 
 def test_initial_model_file_is_loaded_in_model_order(tmp_path):

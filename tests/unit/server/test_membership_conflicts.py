@@ -10,8 +10,8 @@ import pytest
 
 from fedgrid.errors import SESSION_REPLACED, AuthenticationError, SessionReplacedError
 from fedgrid.events import EventLog
-from fedgrid.server import registry as registry_module
-from fedgrid.server.registry import Registry
+from fedgrid.server import membership as registry_module
+from fedgrid.server.membership import Registry
 from fedgrid.server.wakeups import Wakeups
 from fedgrid.types import ClientInfo
 

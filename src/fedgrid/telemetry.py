@@ -1,4 +1,6 @@
-"""A round's goodput: where its workers' time went, summed over the round's fit results.
+"""Timing telemetry: a round's goodput, where its workers' time went, summed over the round's fit
+results: timing metrics, which the coordinator and a region report beside the model's, not model
+aggregation (it lived in ``fedgrid.aggregation`` before).
 
 Every fit result a deployed client uploads carries the split of its window
 (``fedgrid.client.timeline``: from the end of its previous fit to the end of this one) as

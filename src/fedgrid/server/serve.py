@@ -2,6 +2,8 @@
 
 ``Coordinator`` is the listening gRPC server; the parts it serves (fleet, engine, run directory,
 events, monitor) are built in ``fedgrid.server.wiring`` and re-exported here where public.
+``fedgrid.client.serve`` is the client's twin. (An "app" in fedgrid is the user's code that
+``--app`` names, never these modules.)
 """
 
 from __future__ import annotations

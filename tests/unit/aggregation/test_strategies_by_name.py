@@ -1,4 +1,4 @@
-"""Unit tests of ``fedgrid.aggregation.registry``: strategies and aggregators by name."""
+"""Unit tests of ``fedgrid.aggregation.by_name``: strategies and aggregators by name."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from fedgrid.aggregation import (
     build_strategy_from,
     strategy_options,
 )
-from fedgrid.aggregation.registry import parse_block_prefixes
+from fedgrid.aggregation.by_name import parse_block_prefixes
 from fedgrid.errors import ConfigError
 
 
