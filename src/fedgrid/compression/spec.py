@@ -45,7 +45,7 @@ class CodecSpec:
         lossless: ``decode(encode(x))`` is ``x`` bit for bit (``none``, ``none+zstd``): such an
             uplink sends values, every lossy one differences.
         decoder: the shared codec of this spec (``get_codec``'s), for decoding and for encoding
-            without state; a sender with warm-start state ``build``s its own.
+            without state; a sender with warm-start state makes its own with ``build()``.
     """
 
     text: str = field(compare=False)
