@@ -213,6 +213,8 @@ def _pod(
         "image": image,
         "imagePullPolicy": "IfNotPresent",
         "args": list(args),
+        # The root filesystem is read-only: caches (torch's, a plugin's) go to /tmp, not ~/.cache.
+        "env": [{"name": "XDG_CACHE_HOME", "value": "/tmp/cache"}],
         "volumeMounts": [
             {"name": "certs", "mountPath": CERTS_DIR, "readOnly": True},
             {"name": "data", "mountPath": DATA_DIR},

@@ -262,6 +262,7 @@ def test_pods_run_as_the_images_user_without_privileges(emitted):
         # Writable: only the data directory and /tmp (the root filesystem is read-only).
         writable = {m["mountPath"] for m in c["volumeMounts"] if not m.get("readOnly")}
         assert writable == {"/var/lib/fedgrid", "/tmp"}, name
+        assert {"name": "XDG_CACHE_HOME", "value": "/tmp/cache"} in c["env"]  # caches under /tmp
         assert set(c["resources"]) == {"requests", "limits"}
         assert set(c["resources"]["requests"]) == set(c["resources"]["limits"]) == {"cpu", "memory"}
 
