@@ -3,7 +3,9 @@
 No cluster runs here, so ``kubectl`` is a recorder on PATH; ``fedgrid certs`` is the real
 command. The script makes the CA and every certificate the manifests name, each server's
 naming the Service its peers dial, creates one Secret per site from files that exist, and a
-second run issues nothing again (it only updates the Secrets).
+second run issues nothing again (it only updates the Secrets). Then the coordinator and a region
+run their manifests' own command lines with those certificates (paths mapped to this machine,
+port 0 on loopback), and each pod's probes pass against them.
 """
 
 from __future__ import annotations
@@ -14,9 +16,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from fedgrid.ops.k8s import CERTS_DIR, DATA_DIR, GRPC_PORT
+
+import zygote
+from harness import FEDGRID, child_env, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 TOPOLOGY = ROOT / "docker" / "topology.toml"
@@ -49,7 +57,11 @@ def _run_script(out: Path, pki: Path, tmp_path: Path) -> list[list[str]]:
     return [json.loads(line) for line in log.read_text().splitlines()]
 
 
-def test_secrets_sh_issues_every_certificate_and_makes_one_secret_per_site(tmp_path):
+@pytest.fixture(scope="module")
+def issued(tmp_path_factory) -> tuple[Path, Path, list[list[str]]]:
+    """``fedgrid launch --emit k8s`` for docker/topology.toml, then its secrets.sh, run once:
+    the manifests' folder, the CA's and the kubectl calls."""
+    tmp_path = tmp_path_factory.mktemp("k8s")
     out, pki = tmp_path / "manifests", tmp_path / "pki"
     done = subprocess.run(
         [str(BIN / "fedgrid"), "launch", "--emit", "k8s", "--out", str(out), str(TOPOLOGY)],
@@ -59,7 +71,11 @@ def test_secrets_sh_issues_every_certificate_and_makes_one_secret_per_site(tmp_p
     )
     assert done.returncode == 0, done.stderr
     assert f"kubectl apply -f {out}" in done.stdout
-    calls = _run_script(out, pki, tmp_path)
+    return out, pki, _run_script(out, pki, tmp_path)
+
+
+def test_secrets_sh_issues_every_certificate_and_makes_one_secret_per_site(issued, tmp_path):
+    out, pki, calls = issued
 
     # Each Secret: `create secret generic NAME --from-file=KEY=PATH ... --dry-run=client -o yaml`,
     # piped into `apply -f -`.
@@ -111,3 +127,82 @@ def test_secrets_sh_issues_every_certificate_and_makes_one_secret_per_site(tmp_p
     again = _run_script(out, pki, tmp_path)
     assert sorted(again) == sorted(calls)  # the two ends of each pipe start in either order
     assert {p.name: p.read_bytes() for p in pki.glob("*.pem")} == before
+
+
+def _workload(out: Path, name: str) -> dict:
+    (found,) = [
+        o
+        for p in out.glob("*.yaml")
+        for o in yaml.safe_load_all(p.read_text())
+        if o["kind"] in ("StatefulSet", "Deployment") and o["metadata"]["name"] == name
+    ]
+    (container,) = found["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def _here(args: list[str], pki: Path, data: Path) -> list[str]:
+    """A pod's command line on this machine: its Secret's files from the CA's directory, its
+    volume a folder, its port 0 on loopback."""
+    return [
+        a.replace(CERTS_DIR + "/", f"{pki}/")
+        .replace(DATA_DIR, str(data))
+        .replace(f"0.0.0.0:{GRPC_PORT}", "127.0.0.1:0")
+        for a in args
+    ]
+
+
+def _probe(command: list[str], address: str, pki: Path) -> subprocess.CompletedProcess:
+    assert command[:3] == ["fedgrid", "health", f"127.0.0.1:{GRPC_PORT}"]
+    argv = [*FEDGRID, "health", address, *_here(command[3:], pki, Path("/nonexistent"))]
+    return zygote.run(argv, capture_output=True, text=True, env=child_env(), timeout=60)
+
+
+def test_the_probes_pass_mutual_tls_against_the_pods_own_command_lines(issued, tmp_path):
+    """The coordinator and a region, started with the command lines of their manifests and the
+    certificates secrets.sh made, answer their pods' probes (SERVING, exit 0): the server
+    certificate names the Service the probe names, and the probe's client certificate is one the
+    server admits. A probe naming another server fails (exit 1)."""
+    out, pki, _ = issued
+    processes: list[subprocess.Popen] = []
+
+    def start(name: str, args: list[str]) -> str:
+        data = tmp_path / name
+        log = open(tmp_path / f"{name}.log", "w")
+        processes.append(
+            zygote.popen([*FEDGRID, *args], stdout=log, stderr=subprocess.STDOUT, env=child_env())
+        )
+        address = data / "run" / "address"
+        wait_until(
+            lambda: (
+                address.exists() and address.read_text().strip() != "" or processes[-1].poll() is not None
+            ),
+            timeout=120,
+            what=f"{name}'s address",
+        )
+        assert processes[-1].poll() is None, (tmp_path / f"{name}.log").read_text()
+        return address.read_text().strip()
+
+    try:
+        coordinator = _workload(out, "fedgrid-global")
+        address = start("global", _here(coordinator["args"], pki, tmp_path / "global"))
+        region = _workload(out, "fedgrid-region-a")
+        args = _here(region["args"], pki, tmp_path / "region-a")
+        assert args[args.index("--upstream") + 1] == f"fedgrid-global:{GRPC_PORT}"
+        # The Service's name resolves in the cluster only: dial the address, verify the name.
+        args[args.index("--upstream") + 1] = address
+        region_address = start("region-a", [*args, "--upstream-server-name", "fedgrid-global"])
+        for container, at in [(coordinator, address), (region, region_address)]:
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                done = _probe(container[probe]["exec"]["command"], at, pki)
+                assert done.returncode == 0 and f"{at}: SERVING (fedgrid.v1.Coordinator)" in done.stdout, (
+                    done.stdout + done.stderr
+                )
+        wrong = coordinator["livenessProbe"]["exec"]["command"]
+        wrong = [a.replace("fedgrid-global", "fedgrid-region-a") for a in wrong]
+        done = _probe(wrong, address, pki)
+        assert done.returncode == 1 and "not reachable" in done.stderr, done.stdout + done.stderr
+    finally:
+        for p in processes:
+            p.terminate()
+        for p in processes:
+            p.wait(timeout=60)
