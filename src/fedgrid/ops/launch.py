@@ -384,7 +384,9 @@ def round_line(row: Mapping[str, Any], *, rounds: int, regions: Sequence[str]) -
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Adds ``launch`` to the ``fedgrid`` subcommands (``sub``: argparse's subparsers)."""
     parser = sub.add_parser(
-        "launch", help="run a multi-region topology (docker/topology.toml) as local processes over mutual TLS"
+        "launch",
+        help="run a multi-region topology (docker/topology.toml) as local processes over mutual TLS, "
+        "or write it as Kubernetes manifests (--emit k8s)",
     )
     parser.add_argument(
         "topology",
