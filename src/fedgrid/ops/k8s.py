@@ -81,7 +81,8 @@ DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 #: A Service name is at most 63 characters: ``fedgrid-NAME``.
 MAX_NAME = 63 - len(PREFIX) - 1
 #: requests and limits: a torch process of the built-in tasks takes about 0.5 GiB; a client trains
-#: on ``threads`` cores. Edit them (or patch them with kustomize) for a larger model.
+#: on ``[clients] threads`` cores (``_client_resources``). Edit them (or patch them with kustomize)
+#: for a larger model.
 RESOURCES = {
     "coordinator": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"cpu": "2", "memory": "4Gi"}},
     "region": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"cpu": "2", "memory": "4Gi"}},
@@ -205,7 +206,13 @@ def _probe(site: Site, client_cert: str, *, period: int, failures: int) -> dict[
 
 
 def _pod(
-    site: Site, args: Sequence[str], *, image: str, probe_cert: str = "", data: dict[str, Any] | None = None
+    site: Site,
+    args: Sequence[str],
+    *,
+    image: str,
+    probe_cert: str = "",
+    data: dict[str, Any] | None = None,
+    resources: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A pod template's spec: the site's one container, its Secret, its writable directories."""
     container: dict[str, Any] = {
@@ -220,7 +227,7 @@ def _pod(
             {"name": "data", "mountPath": DATA_DIR},
             {"name": "tmp", "mountPath": "/tmp"},
         ],
-        "resources": RESOURCES[site.component],
+        "resources": resources or RESOURCES[site.component],
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": UID,
@@ -292,6 +299,8 @@ def _coordinator(top: Topology, site: Site, *, image: str) -> list[dict[str, Any
         "kind": "StatefulSet",
         "metadata": {"name": site.object_name, "labels": _labels(site)},
         "spec": {
+            # Its own Service: a ClusterIP (a stable address across the pod's restarts, what the
+            # regions dial), not a headless one; a single pod needs no per-pod DNS name.
             "serviceName": site.object_name,
             "replicas": 1,  # one coordinator per federation: its state is the run
             "selector": {"matchLabels": _selector(site)},
@@ -355,7 +364,7 @@ def _client(top: Topology, partition: int, site: Site, region: Site, *, image: s
         state_dir=f"{DATA_DIR}/state",
         tls=_certs(f"{site.name}.pem", f"{site.name}.key"),
     )
-    pod = _pod(site, args, image=image, data={"emptyDir": {}})
+    pod = _pod(site, args, image=image, data={"emptyDir": {}}, resources=_client_resources(top))
     pod["restartPolicy"] = "OnFailure"
     return [
         {
@@ -368,6 +377,19 @@ def _client(top: Topology, partition: int, site: Site, region: Site, *, image: s
             },
         }
     ]
+
+
+def _client_resources(top: Topology) -> dict[str, Any]:
+    """A client's requests and limits: a core per training thread (``[clients] threads``; 0 is
+    torch's default, all the node's cores: the defaults), and one more as a limit for gRPC."""
+    threads = int(top.client_keys.get("threads", 0))
+    resources = RESOURCES["client"]
+    if threads < 1:
+        return resources
+    return {
+        "requests": {**resources["requests"], "cpu": str(threads)},
+        "limits": {**resources["limits"], "cpu": str(threads + 1)},
+    }
 
 
 def _network_policy() -> dict[str, Any]:

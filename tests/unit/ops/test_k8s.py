@@ -348,3 +348,17 @@ def test_the_secrets_script_issues_each_server_certificate_for_its_service():
     }
     clients = re.findall(r"^issue (\S+)$", script, re.M)
     assert clients == ["probe", "region-a", "region-b", *(f"client-{i}" for i in range(6))]
+
+
+def test_a_client_requests_a_core_per_training_thread(tmp_path):
+    topology = tmp_path / "t.toml"
+    topology.write_text(
+        TOPOLOGY.read_text().replace(
+            "[clients]\nnum_partitions = 6\nthreads = 1\n", "[clients]\nnum_partitions = 6\nthreads = 3\n"
+        )
+    )
+    job = manifests(load_topology(topology), image="fedgrid:1")["client-4.yaml"][0]
+    (c,) = job["spec"]["template"]["spec"]["containers"]
+    assert c["args"][c["args"].index("--threads") + 1] == "3"
+    assert (c["resources"]["requests"]["cpu"], c["resources"]["limits"]["cpu"]) == ("3", "4")
+    assert kubernetes_validate.validate(job, KUBERNETES, strict=True) == KUBERNETES
