@@ -251,6 +251,9 @@ def test_pods_run_as_the_images_user_without_privileges(emitted):
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["securityContext"]["runAsUser"] == UID and pod["securityContext"]["fsGroup"] == UID
         assert pod["enableServiceLinks"] is False and pod["automountServiceAccountToken"] is False
+        assert pod["securityContext"]["seccompProfile"] == {
+            "type": "RuntimeDefault"
+        }  # Pod Security: restricted
         (c,) = pod["containers"]
         context = c["securityContext"]
         assert (context["runAsNonRoot"], context["runAsUser"], context["allowPrivilegeEscalation"]) == (
