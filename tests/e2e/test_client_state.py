@@ -71,7 +71,7 @@ def _reference(
     rounds: int, *, client: Drifting | None = None, encoder: UplinkEncoder | None = None
 ) -> tuple[list[ModelState], UplinkEncoder]:
     """The global model after each round of one uninterrupted client, and its encoder."""
-    client, encoder = client or Drifting(), encoder or UplinkEncoder(CODEC)
+    client, encoder = client or Drifting(), encoder or UplinkEncoder(CodecSpec.parse(CODEC))
     models, g = [], _initial()
     for r in range(1, rounds + 1):
         out = client.fit(g, FitIns(round=r))
@@ -184,7 +184,7 @@ def test_restarted_client_resumes_its_residuals(server, tmp_path, caplog):
     assert "restored client state of round 2" in caplog.text
 
     # Without the saved state round 3 would have been another update: the check above can fail.
-    fresh_client, fresh = Drifting(), UplinkEncoder(CODEC)
+    fresh_client, fresh = Drifting(), UplinkEncoder(CodecSpec.parse(CODEC))
     encoded, delta = fresh.encode(
         global_state=expected[1], new_state=fresh_client.fit(expected[1], FitIns(round=3)).state
     )

@@ -35,6 +35,8 @@ __all__ = [
     "seal",
     "open_sealed",
     "mask_seed",
+    "pack_fields",
+    "unpack_fields",
     "SELF",
     "KEY",
     "encode_unmask",
@@ -82,11 +84,17 @@ def raw_private(key: X25519PrivateKey) -> bytes:
     )
 
 
-def _pack(*fields: bytes) -> bytes:
+def pack_fields(*fields: bytes) -> bytes:
+    """``fields``, each behind its 2-byte big-endian length: the form of every SecAgg+ message body."""
     return b"".join(struct.pack(">H", len(f)) + f for f in fields)
 
 
-def _unpack(data: bytes, count: int) -> list[bytes]:
+def unpack_fields(data: bytes, count: int) -> list[bytes]:
+    """The ``count`` fields ``pack_fields`` wrote.
+
+    Raises:
+        SecAggRefusedError: ``data`` is truncated or has bytes left over.
+    """
     out, at = [], 0
     for _ in range(count):
         if at + 2 > len(data):
@@ -103,7 +111,7 @@ def _unpack(data: bytes, count: int) -> list[bytes]:
 
 
 def _context(run: str, server_round: int) -> bytes:
-    return _pack(run.encode(), str(server_round).encode())
+    return pack_fields(run.encode(), str(server_round).encode())
 
 
 @dataclass(frozen=True)
@@ -121,11 +129,11 @@ class Advert:
 
 def make_advert(signer: Ed25519PrivateKey, *, advert: Advert, run: str, server_round: int) -> bytes:
     """``advert`` encoded and signed with the identity's key, bound to ``run`` and ``server_round``."""
-    body = _pack(
+    body = pack_fields(
         advert.client_id.encode(), advert.name.encode(), advert.cipher, advert.mask, advert.credential
     )
     signature = signer.sign(_ADVERT_MAGIC + _context(run, server_round) + body)
-    return _ADVERT_MAGIC + _pack(body, signature)
+    return _ADVERT_MAGIC + pack_fields(body, signature)
 
 
 def read_advert(payload: bytes, *, sender: str, run: str, server_round: int, keyring: Keyring) -> Advert:
@@ -137,8 +145,8 @@ def read_advert(payload: bytes, *, sender: str, run: str, server_round: int, key
     """
     if not payload.startswith(_ADVERT_MAGIC):
         raise SecAggRefusedError(f"advert from {sender[:64]!r}: not a key advert")
-    body, signature = _unpack(payload[len(_ADVERT_MAGIC) :], 2)
-    cid, name, cipher, mask, credential = _unpack(body, 5)
+    body, signature = unpack_fields(payload[len(_ADVERT_MAGIC) :], 2)
+    cid, name, cipher, mask, credential = unpack_fields(body, 5)
     advert = Advert(cid.decode(errors="replace"), name.decode(errors="replace"), cipher, mask, credential)
     if advert.client_id != sender:
         raise SecAggRefusedError(
@@ -169,7 +177,9 @@ def _agree(mine: X25519PrivateKey, theirs: bytes) -> bytes:
 
 def _aad(sender: str, receiver: str, run: str, server_round: int) -> bytes:
     return (
-        b"fedgrid-secagg-envelope" + _pack(sender.encode(), receiver.encode()) + _context(run, server_round)
+        b"fedgrid-secagg-envelope"
+        + pack_fields(sender.encode(), receiver.encode())
+        + _context(run, server_round)
     )
 
 
@@ -226,7 +236,7 @@ SELF, KEY = b"b", b"s"
 
 def encode_unmask(entries: Sequence[tuple[str, bytes, bytes]]) -> bytes:
     """An unmask answer: (owner id, ``SELF`` or ``KEY``, share) per entry."""
-    return _pack(*(_pack(owner.encode(), kind, share) for owner, kind, share in entries))
+    return pack_fields(*(pack_fields(owner.encode(), kind, share) for owner, kind, share in entries))
 
 
 def decode_unmask(payload: bytes) -> list[tuple[str, bytes, bytes]]:
@@ -234,7 +244,7 @@ def decode_unmask(payload: bytes) -> list[tuple[str, bytes, bytes]]:
     at = 0
     while at < len(payload):
         size = int.from_bytes(payload[at : at + 2], "big")
-        owner, kind, share = _unpack(payload[at + 2 : at + 2 + size], 3)
+        owner, kind, share = unpack_fields(payload[at + 2 : at + 2 + size], 3)
         out.append((owner.decode(errors="replace"), kind, share))
         at += 2 + size
     return out

@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from fedgrid.aggregation.secagg_crypto import SecAggRefusedError, _pack, _unpack, raw_public
+from fedgrid.aggregation.secagg_crypto import SecAggRefusedError, pack_fields, raw_public, unpack_fields
 from fedgrid.trust import identity_of
 
 __all__ = ["CertificateKeyring", "certificate_credential"]
@@ -30,7 +30,7 @@ _BINDING = b"fedgrid-secagg-identity-key"
 
 
 def _binding(name: str, ed25519_public: bytes) -> bytes:
-    return _BINDING + _pack(name.encode(), ed25519_public)
+    return _BINDING + pack_fields(name.encode(), ed25519_public)
 
 
 def certificate_credential(cert_pem: bytes, key_pem: bytes, signer: Ed25519PrivateKey) -> tuple[str, bytes]:
@@ -50,7 +50,7 @@ def certificate_credential(cert_pem: bytes, key_pem: bytes, signer: Ed25519Priva
         signature = key.sign(_binding(name, public), padding.PKCS1v15(), hashes.SHA256())
     else:
         raise ValueError(f"a certificate key of type {type(key).__name__}: EC or RSA needed")
-    return name, _pack(cert.public_bytes(serialization.Encoding.DER), public, signature)
+    return name, pack_fields(cert.public_bytes(serialization.Encoding.DER), public, signature)
 
 
 class CertificateKeyring:
@@ -64,7 +64,7 @@ class CertificateKeyring:
     def public_key(self, name: str, credential: bytes = b"") -> Ed25519PublicKey | None:
         if not credential:
             return None
-        der, public, signature = _unpack(credential, 3)
+        der, public, signature = unpack_fields(credential, 3)
         try:
             cert = x509.load_der_x509_certificate(der)
         except ValueError:

@@ -22,9 +22,9 @@ from fedgrid.aggregation.secagg_crypto import (
     SELF,
     Advert,
     SecAggRefusedError,
-    _unpack,
     decode_unmask,
     mask_seed,
+    unpack_fields,
 )
 from fedgrid.aggregation.secagg_math import (
     RoundPlan,
@@ -42,8 +42,8 @@ __all__ = ["SecAggServerRound"]
 def _parse_advert(sender: str, payload: bytes) -> Advert | None:
     """The keys of an advert as sent to the coordinator (the clients check the signatures)."""
     try:
-        body, _ = _unpack(payload[5:], 2)
-        cid, name, cipher, mask, _ = _unpack(body, 5)
+        body, _ = unpack_fields(payload[5:], 2)
+        cid, name, cipher, mask, _ = unpack_fields(body, 5)
     except SecAggRefusedError:
         return None
     if cid.decode(errors="replace") != sender or len(cipher) != 32 or len(mask) != 32:

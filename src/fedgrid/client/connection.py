@@ -35,9 +35,9 @@ from fedgrid.client.rpc import (
     CoordinatorUnreachable,
     RetryWindow,
     RpcFailed,
-    _is_transient,
     check_target,
     failure_of,
+    is_transient,
 )
 from fedgrid.client.uplink import UplinkEncoder
 from fedgrid.client.upload import MIN_UPLOAD_CHUNK, ResumableUpload, UploadAttempt
@@ -239,7 +239,7 @@ class Connection:
             found = self._diagnose(exc) if isinstance(exc, grpc.RpcError) else None
             if found is not None:
                 problem.append(found)
-            return found is None and _is_transient(exc)
+            return found is None and is_transient(exc)
 
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(retryable),
@@ -392,7 +392,7 @@ class Connection:
         return reply.interval_s
 
     def heartbeat_future(self) -> "grpc.Future":
-        """A heartbeat sent without waiting for its answer (``_Heartbeat``); ``.result()`` is the reply."""
+        """A heartbeat sent without waiting for its answer (``Heartbeat``); ``.result()`` is the reply."""
         return self.stub.Heartbeat.future(
             pb.HeartbeatRequest(client_id=self.client_id), metadata=self._session(), timeout=self.rpc_timeout
         )

@@ -1,5 +1,5 @@
 """The client's heartbeat: a background thread that tells the coordinator the session is alive
-between calls (``_Heartbeat``), for ``fedgrid.client.runtime.run_client`` and the embedding
+between calls (``Heartbeat``), for ``fedgrid.client.runtime.run_client`` and the embedding
 ``fedgrid.client.session.Session``.
 """
 
@@ -13,13 +13,13 @@ import grpc
 
 from fedgrid.client.connection import Connection
 
-__all__ = ["_Heartbeat"]
+__all__ = ["Heartbeat"]
 
 # The connection's logger: these records have always come from it.
 log = logging.getLogger("fedgrid.client.connection")
 
 
-class _Heartbeat(threading.Thread):
+class Heartbeat(threading.Thread):
     """Heartbeats every interval, each sent without waiting for the last one's answer.
 
     Over a saturated link the answers wait behind the client's own download (one

@@ -30,6 +30,7 @@ __all__ = [
     "CoordinatorLost",
     "IdentityConflict",
     "TRANSIENT",
+    "is_transient",
     "GRPC_OPTIONS",
     "SERVICE",
     "check_target",
@@ -204,7 +205,8 @@ def _describe(exc: BaseException | None) -> str:
     return _one_line(f"{type(exc).__name__}: {exc}") if exc is not None else ""
 
 
-def _is_transient(exc: BaseException) -> bool:
+def is_transient(exc: BaseException) -> bool:
+    """Whether ``exc`` is a gRPC error whose code is ``TRANSIENT`` (worth a retry)."""
     return isinstance(exc, grpc.RpcError) and exc.code() in TRANSIENT
 
 
@@ -287,10 +289,10 @@ def failure_of(
         return RpcFailed(method, code, words, reason)
     if problem is not None:
         return MisconfiguredConnection(target, code, details, problem)
-    if _is_transient(exc) and not stopped:
+    if is_transient(exc) and not stopped:
         if connecting:
             return CoordinatorUnreachable(target, window.budget, code, details + hint, tls)
-    if _is_transient(exc) and not stopped and code != grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy is an answer
+    if is_transient(exc) and not stopped and code != grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy is an answer
         waiting_for = WAITING_FOR.get(method, f"an answer to {method}")
         return CoordinatorLost(method, target, window.waited, code, details, waiting_for)
     return RpcFailed(method, code, _one_line(details + hint))

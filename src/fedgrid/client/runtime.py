@@ -29,7 +29,7 @@ from fedgrid.client.api import Client
 
 # Connection lives in client/connection.py and its errors in client/rpc.py; the SDK's users import them from here.
 from fedgrid.client.connection import Connection
-from fedgrid.client.heartbeat import _Heartbeat
+from fedgrid.client.heartbeat import Heartbeat
 from fedgrid.client.rpc import (
     GRPC_OPTIONS,
     TRANSIENT,
@@ -57,6 +57,7 @@ __all__ = [
     "ClientEvent",
     "TaskStep",
     "TaskFeed",
+    "StateSaver",
     "RpcFailed",
     "CoordinatorUnreachable",
     "MisconfiguredConnection",
@@ -149,7 +150,7 @@ def _join_serve_leave(
 ) -> int:
     """``run``'s session: ``_open``, ``_serve`` (returns the fit rounds whose update landed),
     and ``_close`` however it ends, with what ended it as the reason the client leaves."""
-    heartbeat: _Heartbeat | None = None
+    heartbeat: Heartbeat | None = None
     leaving: str | None = "stopped"
     try:
         heartbeat = _open(feed, coordinator, saved, state_path)
@@ -169,14 +170,14 @@ def _open(
     coordinator: str,
     saved: Mapping[str, Any] | None,
     state_path: str | os.PathLike[str] | None,
-) -> _Heartbeat:
+) -> Heartbeat:
     """``run``'s start: joins, restores the client's saved state, starts the heartbeat."""
     conn, client = feed.conn, feed.client
     feed.join()
     log.info("joined %s as %s (run %s)", coordinator, conn.client_id, conn.run_id)
     if saved is not None and state_path is not None:
         restore_client_state(conn, client, saved, state_path)
-    heartbeat = _Heartbeat(conn, threading.Event())
+    heartbeat = Heartbeat(conn, threading.Event())
     heartbeat.start()
     return heartbeat
 
@@ -194,7 +195,7 @@ def _serve(
     to the end of this fit (module docstring)."""
     conn, client, rounds = feed.conn, feed.client, 0
     timeline = client.timeline
-    saver = _Saver(state_path, conn, client)
+    saver = StateSaver(state_path, conn, client)
     try:
         for step in feed:
             saver.wait()  # the previous task's state is written before the client is used again
@@ -238,7 +239,7 @@ def _serve(
     return rounds
 
 
-def _close(feed: TaskFeed, leaving: str | None, heartbeat: _Heartbeat | None) -> None:
+def _close(feed: TaskFeed, leaving: str | None, heartbeat: Heartbeat | None) -> None:
     """``run``'s end, however it ends: tells the coordinator the client leaves (unless the run
     finished, or ``leaving`` is ``None``: the session was replaced), stops the heartbeat and
     closes the connection."""
@@ -254,7 +255,7 @@ def _close(feed: TaskFeed, leaving: str | None, heartbeat: _Heartbeat | None) ->
     conn.close()
 
 
-class _Saver:
+class StateSaver:
     """Writes the client's state file (``--state-dir``) after each fit task.
 
     A client still training after its upload (overlapped DiLoCo's steps after the send,

@@ -37,16 +37,16 @@ from fedgrid.aggregation.secagg_crypto import (
     Advert,
     Keyring,
     SecAggRefusedError,
-    _pack,
-    _unpack,
     encode_unmask,
     make_advert,
     mask_seed,
     open_sealed,
+    pack_fields,
     raw_private,
     raw_public,
     read_advert,
     seal,
+    unpack_fields,
 )
 from fedgrid.aggregation.secagg_math import RoundPlan, mask_sign, prg, ring_add, share_secret
 from fedgrid.types import TO_SERVER
@@ -145,7 +145,7 @@ class SecAggParty:
         key_shares = share_secret(raw_private(r.mask), threshold=r.plan.threshold, xs=xs)
         out: dict[str, bytes] = {}
         for x, peer in zip(xs, holders):
-            body = _pack(r.plan.me.encode(), peer.encode(), self_shares[x], key_shares[x])
+            body = pack_fields(r.plan.me.encode(), peer.encode(), self_shares[x], key_shares[x])
             out[peer] = seal(
                 r.cipher,
                 r.adverts[peer].cipher,
@@ -170,7 +170,7 @@ class SecAggParty:
                     r.cipher, advert.cipher, envelope, sender=sender, receiver=r.plan.me,
                     run=r.plan.run, server_round=server_round,
                 )  # fmt: skip
-                owner, receiver, self_share, key_share = _unpack(body, 4)
+                owner, receiver, self_share, key_share = unpack_fields(body, 4)
             except SecAggRefusedError as exc:
                 raise self._refuse(r, str(exc)) from None
             if owner.decode() != sender or receiver.decode() != r.plan.me:

@@ -57,9 +57,9 @@ import grpc
 from fedgrid.client.api import EvaluateOutput, FitOutput
 from fedgrid.client.async_session import AsyncSession
 from fedgrid.client.delivery import Delivery
-from fedgrid.client.heartbeat import _Heartbeat
-from fedgrid.client.runtime import Connection, RpcFailed, TaskFeed, TaskReport, TaskStep, _Saver
-from fedgrid.client.session_host import ErrorHook, MessageHandler, Task, _Member, task_line, tell
+from fedgrid.client.heartbeat import Heartbeat
+from fedgrid.client.runtime import Connection, RpcFailed, StateSaver, TaskFeed, TaskReport, TaskStep
+from fedgrid.client.session_host import ErrorHook, MessageHandler, SessionMember, Task, task_line, tell
 from fedgrid.client.state import load_client_state, restore_client_state
 from fedgrid.client.timeline import COMPUTE, Timeline, with_split
 from fedgrid.constants import POLL_WAIT_S
@@ -145,12 +145,12 @@ class Session:
         self.conn = Connection(
             coordinator, stop=threading.Event(), tls=tls, server_name=server_name, **connection_options
         )
-        self._member = _Member(name, region, num_examples, messages)
+        self._member = SessionMember(name, region, num_examples, messages)
         self._feed = TaskFeed(self.conn, self._member, poll_wait_s=poll_wait_s)
         self._evaluate, self._state_path = evaluate, state_path
         self._on_task, self._on_error, self._verbose = on_task, on_error, verbose
         self._beat_stop = threading.Event()
-        self._heartbeat: _Heartbeat | None = None
+        self._heartbeat: Heartbeat | None = None
         self._lock = threading.Lock()  # guards the open task and the closing
         self._open: tuple[TaskStep, Task] | None = None
         #: ``submit_nowait``'s delivery and the next step it fetched (``tasks()`` takes it).
@@ -221,7 +221,7 @@ class Session:
                 tell(f"joined {self.conn.target} as {self.conn.client_id} (run {self.conn.run_id})")
             if saved is not None and self._state_path is not None:
                 restore_client_state(self.conn, self._member, saved, self._state_path)
-            self._heartbeat = _Heartbeat(self.conn, self._beat_stop)
+            self._heartbeat = Heartbeat(self.conn, self._beat_stop)
             self._heartbeat.start()
         except BaseException as exc:
             self.close(_reason(exc))
@@ -434,7 +434,7 @@ class Session:
     ) -> TaskReport | None:
         report = step.deliver(update, num_examples, metrics)
         # A late update too: the residuals moved on. The host trains itself: nothing runs in the background here.
-        _Saver(self._state_path, self.conn, self._member).save(step)
+        StateSaver(self._state_path, self.conn, self._member).save(step)
         if report is None:
             self._error(
                 InvalidUpdateError(f"round {step.round}'s {step.kind} result was refused: {step.refused}")

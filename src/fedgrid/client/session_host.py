@@ -1,7 +1,7 @@
 """What an embedding session (``fedgrid.client.session``) and its host program hand each other.
 
 The session hands the host a ``Task`` per coordinator task; the host may hand the session a
-``MessageHandler`` (message phases) and an ``ErrorHook`` (what did not land). ``_Member`` is
+``MessageHandler`` (message phases) and an ``ErrorHook`` (what did not land). ``SessionMember`` is
 the ``Client`` the session's ``TaskFeed`` joins as: it tells the coordinator the host's name,
 region and examples, and routes message phases to the host's handler. ``tell`` is how the
 session talks to the person running the host program: a line per task, heard by default.
@@ -18,7 +18,7 @@ from fedgrid.client.api import Client, FitOutput
 from fedgrid.client.task_feed import TaskReport
 from fedgrid.types import EvaluateIns, FitIns, MessageIns, ModelState, Scalar
 
-__all__ = ["Task", "MessageHandler", "ErrorHook", "tell", "task_line"]
+__all__ = ["Task", "MessageHandler", "ErrorHook", "SessionMember", "tell", "task_line"]
 
 log = logging.getLogger("fedgrid.client.session")
 
@@ -84,7 +84,7 @@ class ErrorHook(Protocol):
     def __call__(self, *, error: BaseException, task: Task | None) -> None: ...
 
 
-class _Member(Client):
+class SessionMember(Client):
     """What Join tells the coordinator about the session; message phases go to ``messages``."""
 
     def __init__(self, name: str, region: str, num_examples: int, messages: MessageHandler | None) -> None:

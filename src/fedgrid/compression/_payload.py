@@ -1,4 +1,5 @@
-"""Byte-level helpers shared by the codecs: a validating reader, bit packing, sparse index coding.
+"""Byte-level helpers shared by the codecs: a validating reader, bit packing, float blocks and
+their scales, fixed-width codes, sparse index coding.
 
 Every reader method checks a length before it slices, so a truncated or lying payload
 raises ``InvalidUpdateError`` naming what was missing instead of reading past the end or
@@ -22,6 +23,11 @@ __all__ = [
     "tensor_bytes",
     "raw_decode",
     "pack_bits",
+    "as_blocks",
+    "f32_bytes",
+    "check_scales",
+    "pack_codes",
+    "unpack_codes",
     "unpack_bits",
     "index_width",
     "encode_indices",
@@ -150,6 +156,58 @@ def unpack_uint(reader: Reader, count: int, bits: int, field: str) -> np.ndarray
     return (planes[: count * bits].reshape(count, bits).astype(np.uint64) * weights).sum(
         axis=1, dtype=np.uint64
     )
+
+
+# -- float blocks, scales and fixed-width codes (int8, int4, fp4, qsgd, sign, sparseloco) ----------
+
+
+def as_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``x`` flattened to float32, zero-padded to whole blocks, as (blocks, block)."""
+    flat = x.reshape(-1).float()
+    pad = (-flat.numel()) % block
+    if pad:
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    return flat.reshape(-1, block)
+
+
+def f32_bytes(t: torch.Tensor) -> bytes:
+    """``t`` as little-endian float32 bytes (scales and norms travel so)."""
+    return t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+
+
+def check_scales(reader: Reader, scales: np.ndarray, field: str) -> torch.Tensor:
+    """``scales`` as a tensor, once each is finite and not negative (else ``reader.fail`` names ``field``)."""
+    if not bool(np.isfinite(scales).all()) or bool((scales < 0).any()):
+        raise reader.fail(f"{field} holds a negative or non-finite value")
+    return torch.from_numpy(scales)
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> bytes:
+    """Packs unsigned codes of ``bits`` bits each, the first in the lowest bits."""
+    if bits == 16:
+        return codes.to("cpu", torch.int32).numpy().astype("<u2").tobytes()
+    c = codes.to(torch.uint8)
+    if bits == 8:
+        return c.to("cpu").numpy().tobytes()
+    per = 8 // bits
+    c = torch.nn.functional.pad(c, (0, (-c.numel()) % per)).reshape(-1, per)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=c.device)
+    return (c << shifts).sum(dim=1, dtype=torch.uint8).to("cpu").numpy().tobytes()
+
+
+def unpack_codes(reader: Reader, n: int, bits: int) -> torch.Tensor:
+    """Reads what ``pack_codes`` wrote: ``n`` codes of ``bits`` bits (int32); padding must be zero."""
+    if bits == 16:
+        return torch.from_numpy(reader.array("<u2", n, "codes").astype(np.int32))
+    per = 8 // bits
+    raw = torch.from_numpy(reader.array("u1", math.ceil(n / per), "codes"))
+    if bits == 8:
+        return raw.to(torch.int32)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+    codes = ((raw[:, None] >> shifts) & ((1 << bits) - 1)).reshape(-1)
+    if bool(codes[n:].any()):
+        raise reader.fail("codes: padding bits are not zero")
+    return codes[:n].to(torch.int32)
 
 
 # -- Golomb-Rice codes ---------------------------------------------------------------------

@@ -24,9 +24,16 @@ import math
 
 import torch
 
-from fedgrid.compression._payload import Reader, numel
+from fedgrid.compression._payload import (
+    Reader,
+    as_blocks,
+    check_scales,
+    f32_bytes,
+    numel,
+    pack_codes,
+    unpack_codes,
+)
 from fedgrid.compression.base import FloatCodec
-from fedgrid.compression.quantize import _blocks, _check_scales, _f32_bytes, _pack_codes, _unpack_codes
 
 __all__ = ["Int4Codec", "FP4Codec", "E2M1", "DEFAULT_BLOCK_4BIT"]
 
@@ -62,19 +69,19 @@ class _Block4(FloatCodec):
         self, x: torch.Tensor, *, generator: torch.Generator | None, key: str | None
     ) -> list[bytes]:
         n = x.numel()
-        blocks = _blocks(x, self.block)
+        blocks = as_blocks(x, self.block)
         absmax = blocks.abs().amax(dim=1)
         inv = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
         unit = (blocks * inv[:, None]).clamp_(-1.0, 1.0).reshape(-1)[:n]
         codes = self._to_codes(unit)
-        return [self.block.to_bytes(4, "little"), _f32_bytes(absmax), _pack_codes(codes, 4)]
+        return [self.block.to_bytes(4, "little"), f32_bytes(absmax), pack_codes(codes, 4)]
 
     def _decode_body(self, reader: Reader, *, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         n = numel(shape)
         nblocks = math.ceil(n / self.block)
         reader.expect(4, self.block, "block size")
-        absmax = _check_scales(reader, reader.array("<f4", nblocks, "block scales"), "block scales")
-        codes = _unpack_codes(reader, n, 4)
+        absmax = check_scales(reader, reader.array("<f4", nblocks, "block scales"), "block scales")
+        codes = unpack_codes(reader, n, 4)
         reader.finish()
         unit = self._from_codes(codes, reader)
         pad = nblocks * self.block - n

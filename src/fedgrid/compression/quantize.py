@@ -36,7 +36,17 @@ import math
 import numpy as np
 import torch
 
-from fedgrid.compression._payload import Reader, numel, pack_bits, unpack_bits
+from fedgrid.compression._payload import (
+    Reader,
+    as_blocks,
+    check_scales,
+    f32_bytes,
+    numel,
+    pack_bits,
+    pack_codes,
+    unpack_bits,
+    unpack_codes,
+)
 from fedgrid.compression.base import FloatCodec
 
 __all__ = ["CastCodec", "Int8Codec", "QSGDCodec", "SignCodec", "QSGD_BUCKET", "SIGN_BLOCK", "hadamard"]
@@ -45,25 +55,6 @@ __all__ = ["CastCodec", "Int8Codec", "QSGDCodec", "SignCodec", "QSGD_BUCKET", "S
 QSGD_BUCKET = 512
 #: The rotation block of ``sign`` when the spec names none.
 SIGN_BLOCK = 256
-
-
-def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
-    """``x`` flattened to float32, zero-padded to whole blocks, as (blocks, block)."""
-    flat = x.reshape(-1).float()
-    pad = (-flat.numel()) % block
-    if pad:
-        flat = torch.nn.functional.pad(flat, (0, pad))
-    return flat.reshape(-1, block)
-
-
-def _f32_bytes(t: torch.Tensor) -> bytes:
-    return t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
-
-
-def _check_scales(reader: Reader, scales: np.ndarray, field: str) -> torch.Tensor:
-    if not bool(np.isfinite(scales).all()) or bool((scales < 0).any()):
-        raise reader.fail(f"{field} holds a negative or non-finite value")
-    return torch.from_numpy(scales)
 
 
 class CastCodec(FloatCodec):
@@ -124,17 +115,17 @@ class Int8Codec(FloatCodec):
         self, x: torch.Tensor, *, generator: torch.Generator | None, key: str | None
     ) -> list[bytes]:
         n = x.numel()
-        blocks = _blocks(x, self.block)
+        blocks = as_blocks(x, self.block)
         absmax = blocks.abs().amax(dim=1)
         inv = torch.where(absmax > 0, 127.0 / absmax, torch.zeros_like(absmax))
         codes = (blocks * inv[:, None]).round_().clamp_(-127, 127).to(torch.int8).reshape(-1)[:n]
-        return [self.block.to_bytes(4, "little"), _f32_bytes(absmax), codes.to("cpu").numpy().tobytes()]
+        return [self.block.to_bytes(4, "little"), f32_bytes(absmax), codes.to("cpu").numpy().tobytes()]
 
     def _decode_body(self, reader: Reader, *, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         n = numel(shape)
         nblocks = math.ceil(n / self.block)
         reader.expect(4, self.block, "block size")
-        absmax = _check_scales(reader, reader.array("<f4", nblocks, "block scales"), "block scales")
+        absmax = check_scales(reader, reader.array("<f4", nblocks, "block scales"), "block scales")
         codes = torch.from_numpy(reader.array("i1", n, "codes"))
         reader.finish()
         if bool((codes == -128).any()):
@@ -151,33 +142,6 @@ def _code_bits(levels: int) -> int:
         if 2 * levels + 1 <= 1 << bits:
             return bits
     raise ValueError(f"qsgd supports at most 32767 levels, got {levels}")
-
-
-def _pack_codes(codes: torch.Tensor, bits: int) -> bytes:
-    """Packs unsigned codes of ``bits`` bits each, the first in the lowest bits."""
-    if bits == 16:
-        return codes.to("cpu", torch.int32).numpy().astype("<u2").tobytes()
-    c = codes.to(torch.uint8)
-    if bits == 8:
-        return c.to("cpu").numpy().tobytes()
-    per = 8 // bits
-    c = torch.nn.functional.pad(c, (0, (-c.numel()) % per)).reshape(-1, per)
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=c.device)
-    return (c << shifts).sum(dim=1, dtype=torch.uint8).to("cpu").numpy().tobytes()
-
-
-def _unpack_codes(reader: Reader, n: int, bits: int) -> torch.Tensor:
-    if bits == 16:
-        return torch.from_numpy(reader.array("<u2", n, "codes").astype(np.int32))
-    per = 8 // bits
-    raw = torch.from_numpy(reader.array("u1", math.ceil(n / per), "codes"))
-    if bits == 8:
-        return raw.to(torch.int32)
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
-    codes = ((raw[:, None] >> shifts) & ((1 << bits) - 1)).reshape(-1)
-    if bool(codes[n:].any()):
-        raise reader.fail("codes: padding bits are not zero")
-    return codes[:n].to(torch.int32)
 
 
 class QSGDCodec(FloatCodec):
@@ -212,7 +176,7 @@ class QSGDCodec(FloatCodec):
         self, x: torch.Tensor, *, generator: torch.Generator | None, key: str | None
     ) -> list[bytes]:
         n, s = x.numel(), self.levels
-        blocks = _blocks(x, QSGD_BUCKET)
+        blocks = as_blocks(x, QSGD_BUCKET)
         norms = torch.linalg.vector_norm(blocks, dim=1)
         inv = torch.where(norms > 0, s / norms, torch.zeros_like(norms))
         scaled = (blocks.abs() * inv[:, None]).reshape(-1)[:n].clamp_(0, s)
@@ -223,15 +187,15 @@ class QSGDCodec(FloatCodec):
         level = scaled.add_(noise.to(x.device)).floor_().clamp_(max=s)
         codes = (torch.where(x.reshape(-1) < 0, -level, level) + s).to(torch.int32)
         header = s.to_bytes(2, "little") + QSGD_BUCKET.to_bytes(4, "little")
-        return [header, _f32_bytes(norms), _pack_codes(codes, self.bits)]
+        return [header, f32_bytes(norms), pack_codes(codes, self.bits)]
 
     def _decode_body(self, reader: Reader, *, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         n, s = numel(shape), self.levels
         nblocks = math.ceil(n / QSGD_BUCKET)
         reader.expect(2, s, "level count")
         reader.expect(4, QSGD_BUCKET, "bucket size")
-        norms = _check_scales(reader, reader.array("<f4", nblocks, "bucket norms"), "bucket norms")
-        codes = _unpack_codes(reader, n, self.bits)
+        norms = check_scales(reader, reader.array("<f4", nblocks, "bucket norms"), "bucket norms")
+        codes = unpack_codes(reader, n, self.bits)
         reader.finish()
         if bool((codes > 2 * s).any()):
             raise reader.fail(f"a code is over {2 * s}, the largest of {s} levels")
@@ -295,16 +259,16 @@ class SignCodec(FloatCodec):
         self, x: torch.Tensor, *, generator: torch.Generator | None, key: str | None
     ) -> list[bytes]:
         block = self.block_for(x.numel())
-        rotated = hadamard(_blocks(x, block) * _flips(block).to(x.device))
+        rotated = hadamard(as_blocks(x, block) * _flips(block).to(x.device))
         scale = rotated.abs().mean(dim=1)
-        return [block.to_bytes(4, "little"), _f32_bytes(scale), pack_bits((rotated < 0).reshape(-1))]
+        return [block.to_bytes(4, "little"), f32_bytes(scale), pack_bits((rotated < 0).reshape(-1))]
 
     def _decode_body(self, reader: Reader, *, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         n = numel(shape)
         block = self.block_for(n)
         nblocks = math.ceil(n / block)
         reader.expect(4, block, "block size")
-        scale = _check_scales(reader, reader.array("<f4", nblocks, "scale"), "scale")
+        scale = check_scales(reader, reader.array("<f4", nblocks, "scale"), "scale")
         bits = unpack_bits(
             reader.take(nblocks * block // 8, "sign bits"), nblocks * block, reader, "sign bits"
         )

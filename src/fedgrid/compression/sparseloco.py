@@ -47,9 +47,17 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from fedgrid.compression._payload import Reader, numel, pack_uint, rice_decode, rice_encode, unpack_uint
+from fedgrid.compression._payload import (
+    Reader,
+    check_scales,
+    f32_bytes,
+    numel,
+    pack_uint,
+    rice_decode,
+    rice_encode,
+    unpack_uint,
+)
 from fedgrid.compression.base import FloatCodec
-from fedgrid.compression.quantize import _check_scales, _f32_bytes
 from fedgrid.types import UpdateRole
 
 __all__ = ["SparseLoCoCodec", "ScaledSparseLoCoCodec", "CHUNK", "DEFAULT_K", "OUTER_LR"]
@@ -202,7 +210,7 @@ class SparseLoCoCodec(FloatCodec):
         header = self.k.to_bytes(2, "little") + CHUNK.to_bytes(4, "little")
         return [
             header,
-            _f32_bytes(torch.cat(scales).reshape(-1)),
+            f32_bytes(torch.cat(scales).reshape(-1)),
             pack_uint(flat_codes, 2),
             rice_encode(flat_gaps),
         ]
@@ -213,7 +221,7 @@ class SparseLoCoCodec(FloatCodec):
         total = sum(kept for _, _, kept in chunks)
         reader.expect(2, self.k, "kept per chunk")
         reader.expect(4, CHUNK, "chunk size")
-        scales = _check_scales(reader, reader.array("<f4", 2 * len(chunks), "chunk scales"), "chunk scales")
+        scales = check_scales(reader, reader.array("<f4", 2 * len(chunks), "chunk scales"), "chunk scales")
         codes = torch.from_numpy(unpack_uint(reader, total, 2, "codes").astype(np.int64))
         counts = np.array([kept for _, _, kept in chunks], dtype=np.int64)
         whole = np.array([kept == length for _, length, kept in chunks], dtype=bool)

@@ -2,11 +2,13 @@
 
 A spec comes in at two edges, and each has one function that reads it:
 
-- configuration (a run's ``codec``, ``region_codecs``, ``downlink_codec``): ``CodecSpec.parse``,
+- configuration (a run's ``codec``, ``downlink_codec``, ``region_codecs``, ``lan_codec``:
+  ``fedgrid.config_compression.run_codecs``, run once as ``Config.codecs``): ``CodecSpec.parse``,
   which raises ``ConfigError`` naming the key, before any work starts;
 - the wire, where a spec is text because protobuf carries text (a task's uplink codec at the
-  client, a tensor's ``TensorMeta.codec`` at any receiver): ``CodecSpec.read``, which raises
-  ``InvalidUpdateError`` (INVALID_ARGUMENT at a servicer).
+  client: ``fedgrid.config_compression.task_uplink_codec``; a tensor's ``TensorMeta.codec`` at
+  any receiver: ``fedgrid.proto.assembly``; a client's saved uplink state): ``CodecSpec.read``,
+  which raises ``InvalidUpdateError`` (INVALID_ARGUMENT at a servicer).
 
 Everything downstream takes the value: whether it is lossless, its family (what a client's
 advertised codec list names), a fresh codec to encode with (``build``: its own warm start) or
@@ -42,13 +44,15 @@ class CodecSpec:
             a client's advertised codec list names.
         lossless: ``decode(encode(x))`` is ``x`` bit for bit (``none``, ``none+zstd``): such an
             uplink sends values, every lossy one differences.
+        decoder: the shared codec of this spec (``get_codec``'s), for decoding and for encoding
+            without state; a sender with warm-start state makes its own with ``build()``.
     """
 
     text: str = field(compare=False)
     name: str
     family: str = field(compare=False)
     lossless: bool = field(compare=False)
-    codec: Codec = field(compare=False, repr=False)
+    decoder: Codec = field(compare=False, repr=False)
 
     #: ``none``: raw bytes, what a task that names no codec uses.
     NONE: ClassVar["CodecSpec"]
@@ -86,28 +90,23 @@ class CodecSpec:
     @classmethod
     def _of(cls, text: str, codec: Codec) -> "CodecSpec":
         family = text.split("+", 1)[0].split(":", 1)[0]
-        return cls(text=text, name=codec.name, family=family, lossless=codec.lossless, codec=codec)
+        return cls(text=text, name=codec.name, family=family, lossless=codec.lossless, decoder=codec)
 
     def build(self) -> Codec:
         """A fresh codec of this spec, for a sender that keeps warm-start state (``powersgd``)."""
         return parse_codec_spec(self.text)
 
-    @property
-    def decoder(self) -> Codec:
-        """The shared codec of this spec: for decoding, and for encoding without state."""
-        return self.codec
-
     def form_under(self, role: UpdateRole) -> "CodecSpec":
         """The form this codec is sent as under a strategy of ``role`` (``Codec.form_under``);
         itself, as written, where that is its own."""
-        form = self.codec.form_under(role)
+        form = self.decoder.form_under(role)
         return self if form == self.name else CodecSpec.read(form)
 
     def __str__(self) -> str:
         return self.text
 
 
-CodecSpec.NONE = CodecSpec(text="none", name="none", family="none", lossless=True, codec=IdentityCodec())
+CodecSpec.NONE = CodecSpec(text="none", name="none", family="none", lossless=True, decoder=IdentityCodec())
 
 
 def parse_region_codecs(text: str) -> dict[str, CodecSpec]:

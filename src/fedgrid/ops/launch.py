@@ -19,6 +19,9 @@ everything: SIGTERM to each process, ``LAUNCH_STOP_GRACE_S`` to stop, then SIGKI
 128 + the signal's number. The processes run in sessions of their own, so a terminal's
 Ctrl-C reaches only the launcher, which then stops them itself; on Linux each also gets
 SIGTERM if the launcher itself dies (``PR_SET_PDEATHSIG``).
+
+``--emit k8s --out DIR`` runs nothing: it writes the topology as Kubernetes manifests
+(``fedgrid.ops.k8s``).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, TextIO
 
 from fedgrid.constants import FINISH_GRACE_S, LAUNCH_START_TIMEOUT_S, LAUNCH_STOP_GRACE_S
-from fedgrid.errors import FedgridError
+from fedgrid.errors import ConfigError, FedgridError
 from fedgrid.interrupts import GracefulStop, say
 from fedgrid.ops.topology import (  # noqa: F401 - the topology half, re-exported: one import gives the whole tool
     CLIENT_KEYS,
@@ -381,7 +384,9 @@ def round_line(row: Mapping[str, Any], *, rounds: int, regions: Sequence[str]) -
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Adds ``launch`` to the ``fedgrid`` subcommands (``sub``: argparse's subparsers)."""
     parser = sub.add_parser(
-        "launch", help="run a multi-region topology (docker/topology.toml) as local processes over mutual TLS"
+        "launch",
+        help="run a multi-region topology (docker/topology.toml) as local processes over mutual TLS, "
+        "or write it as Kubernetes manifests (--emit k8s)",
     )
     parser.add_argument(
         "topology",
@@ -399,7 +404,23 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "--out",
         default=None,
         metavar="DIR",
-        help="where certificates, run directories and logs go (empty or new; default runs/launch-TIME)",
+        help="where certificates, run directories and logs go (empty or new; default runs/launch-TIME); "
+        "with --emit, where the manifests go (empty or new; required)",
+    )
+    parser.add_argument(
+        "--emit",
+        choices=["k8s"],
+        default=None,
+        help="write the topology as Kubernetes manifests into --out DIR instead of running it: a "
+        "StatefulSet, Deployments, Jobs, Services, a NetworkPolicy, and secrets.sh for the Secrets "
+        "(`kubectl apply -f DIR`; docs/multisite.rst)",
+    )
+    parser.add_argument(
+        "--image",
+        default=None,
+        metavar="IMAGE",
+        help="with --emit k8s: the image every pod runs (docker/Dockerfile's, where the cluster pulls "
+        "from; default fedgrid:latest)",
     )
     return parser
 
@@ -407,5 +428,25 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def command(args: argparse.Namespace) -> int:
     """``fedgrid launch``: a bad topology exits 2 naming the key; a failed process 1; a signal 128 + N."""
     top = load_topology(args.topology, rounds=args.rounds)
+    if args.emit is not None:
+        return _emit(top, args)
+    if args.image is not None:
+        raise ConfigError("image", "goes with --emit k8s (a launch runs this machine's fedgrid)")
     out = Path(args.out or f"runs/launch-{time.strftime('%Y%m%d-%H%M%S')}")
     return Launcher(top, out).run()
+
+
+def _emit(top: Topology, args: argparse.Namespace) -> int:
+    """``--emit k8s``: the manifests into ``--out``, one line naming them and what to run next."""
+    from fedgrid.ops.k8s import emit  # PyYAML (the k8s extra) only for this
+
+    if not args.out:
+        raise ConfigError("out", "--emit k8s writes into --out DIR: give a new or empty directory")
+    out = Path(args.out)
+    written = emit(top, out, image=args.image or "fedgrid:latest")
+    print(
+        f"fedgrid launch: {len(written) - 1} manifests and secrets.sh in {out}: make the Secrets "
+        f"(PKI=DIR sh {out / 'secrets.sh'}), then kubectl apply -f {out}",
+        flush=True,
+    )
+    return 0

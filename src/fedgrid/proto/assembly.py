@@ -20,7 +20,14 @@ from fedgrid.constants import MAX_TENSOR_BYTES
 from fedgrid.errors import InvalidUpdateError, PayloadTooLargeError
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto.buffers import BufferPool, receive_buffers
-from fedgrid.proto.frames import GRPC_FRAME_BYTES, PB_TO_DTYPE, StreamInfo, _info, _parse, parse_frame
+from fedgrid.proto.frames import (
+    GRPC_FRAME_BYTES,
+    PB_TO_DTYPE,
+    StreamInfo,
+    parse_frame,
+    parse_message,
+    stream_info,
+)
 from fedgrid.textsafe import MAX_LABEL_CHARS, check_label, escape
 from fedgrid.types import TensorSpec
 
@@ -118,12 +125,12 @@ class ModelAssembler:
         if self.info is None:
             if header is None:
                 raise InvalidUpdateError("stream does not start with a header")
-            self._start_stream(_parse(pb.StreamHeader, header, "stream header"))
+            self._start_stream(parse_message(pb.StreamHeader, header, "stream header"))
         elif header is not None:
             raise InvalidUpdateError("stream carries a second header")
         if tensor is not None:
             self._close_tensor()
-            self._open_tensor(_parse(pb.TensorMeta, tensor, "tensor meta"))
+            self._open_tensor(parse_message(pb.TensorMeta, tensor, "tensor meta"))
         if data is not None and len(data):
             self._append(data)
         self.frames_received += 1
@@ -170,7 +177,7 @@ class ModelAssembler:
         check_metrics(header.metrics)
         self._num_tensors = header.num_tensors
         self._total_bytes = header.total_bytes
-        self.info = _info(header)
+        self.info = stream_info(header)
 
     def _open_tensor(self, meta: pb.TensorMeta) -> None:
         name = meta.name

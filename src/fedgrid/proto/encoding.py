@@ -14,7 +14,14 @@ from fedgrid.compression.spec import CodecSpec
 from fedgrid.constants import CHUNK_SIZE
 from fedgrid.errors import InvalidUpdateError
 from fedgrid.proto import fedgrid_pb2 as pb
-from fedgrid.proto.frames import DTYPE_TO_PB, GRPC_FRAME_BYTES, StreamInfo, _frame, _varint, checksum
+from fedgrid.proto.frames import (
+    DTYPE_TO_PB,
+    GRPC_FRAME_BYTES,
+    StreamInfo,
+    checksum,
+    chunk_frame,
+    encode_varint,
+)
 from fedgrid.textsafe import escape
 
 __all__ = ["EncodedModel", "encode_model", "stream_wire_bytes"]
@@ -65,7 +72,7 @@ def stream_wire_bytes(
     ).ByteSize()
 
     def field(n: int) -> int:  # key byte, length varint, bytes
-        return 1 + len(_varint(n)) + n
+        return 1 + len(encode_varint(n)) + n
 
     size = field(header)
     frames = 0
@@ -161,7 +168,7 @@ class EncodedModel:
         ).SerializeToString()
         pending_header: bytes | None = header
         if start > 0:
-            yield _frame(header, None, memoryview(b""))
+            yield chunk_frame(header, None, memoryview(b""))
             pending_header = None
         index = 0
         for enc in self._tensors:
@@ -169,12 +176,12 @@ class EncodedModel:
             n = len(enc.payload)
             for offset in range(0, max(n, 1), chunk_size):
                 if index >= start:
-                    yield _frame(pending_header, meta, enc.payload[offset : offset + chunk_size])
+                    yield chunk_frame(pending_header, meta, enc.payload[offset : offset + chunk_size])
                     pending_header = None
                 meta = None
                 index += 1
         if pending_header is not None:  # a model with no tensors is just its header
-            yield _frame(pending_header, None, memoryview(b""))
+            yield chunk_frame(pending_header, None, memoryview(b""))
 
     def num_frames(self, *, chunk_size: int = CHUNK_SIZE) -> int:
         """Messages in a full stream (at least 1)."""

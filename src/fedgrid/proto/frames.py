@@ -27,6 +27,10 @@ __all__ = [
     "wire_size",
     "parse_frame",
     "read_header",
+    "stream_info",
+    "parse_message",
+    "encode_varint",
+    "chunk_frame",
 ]
 
 DTYPE_TO_PB: dict[torch.dtype, pb.DType] = {
@@ -85,7 +89,8 @@ class StreamInfo:
     base_version: int = 0
 
 
-def _info(header: pb.StreamHeader) -> StreamInfo:
+def stream_info(header: pb.StreamHeader) -> StreamInfo:
+    """What a stream header says, as a ``StreamInfo``."""
     return StreamInfo(
         run_id=header.run_id,
         task_id=header.task_id,
@@ -100,7 +105,12 @@ def _info(header: pb.StreamHeader) -> StreamInfo:
     )
 
 
-def _parse(kind: type[M], data: memoryview, what: str) -> M:
+def parse_message(kind: type[M], data: memoryview, what: str) -> M:
+    """``data`` decoded as a ``kind`` message.
+
+    Raises:
+        InvalidUpdateError: it does not decode (the message names ``what``).
+    """
     try:
         return kind.FromString(data.tobytes())
     except DecodeError:
@@ -111,7 +121,8 @@ def _parse(kind: type[M], data: memoryview, what: str) -> M:
 _HEADER_KEY, _TENSOR_KEY, _DATA_KEY = b"\x0a", b"\x12", b"\x1a"
 
 
-def _varint(value: int) -> bytes:
+def encode_varint(value: int) -> bytes:
+    """``value`` (not negative) as a protobuf varint."""
     out = bytearray()
     while True:
         byte = value & 0x7F
@@ -123,14 +134,15 @@ def _varint(value: int) -> bytes:
             return bytes(out)
 
 
-def _frame(header: bytes | None, meta: bytes | None, data: memoryview) -> bytes:
+def chunk_frame(header: bytes | None, meta: bytes | None, data: memoryview) -> bytes:
+    """A serialized ``Chunk`` with the given header, tensor meta and data (each left out when absent)."""
     parts: list[bytes | memoryview] = []
     if header is not None:
-        parts += [_HEADER_KEY, _varint(len(header)), header]
+        parts += [_HEADER_KEY, encode_varint(len(header)), header]
     if meta is not None:
-        parts += [_TENSOR_KEY, _varint(len(meta)), meta]
+        parts += [_TENSOR_KEY, encode_varint(len(meta)), meta]
     if len(data):
-        parts += [_DATA_KEY, _varint(len(data)), data]
+        parts += [_DATA_KEY, encode_varint(len(data)), data]
     return b"".join(parts)
 
 
@@ -192,4 +204,4 @@ def read_header(frame: bytes | memoryview) -> StreamInfo:
     header, _, _ = parse_frame(frame)
     if header is None:
         raise InvalidUpdateError("stream does not start with a header")
-    return _info(_parse(pb.StreamHeader, header, "stream header"))
+    return stream_info(parse_message(pb.StreamHeader, header, "stream header"))

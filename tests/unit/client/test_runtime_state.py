@@ -234,7 +234,7 @@ def test_a_client_still_training_is_saved_once_it_ends_without_holding_the_runti
     client = StillTraining()
     client.fits = 3
     path = tmp_path / "client-0.pt"
-    saver = runtime._Saver(path, conn, client)
+    saver = runtime.StateSaver(path, conn, client)
     step = type("Step", (), {"kind": FIT, "round": 5})()
     saver.save(step)  # returns although state_dict blocks: the write waits in its own thread
     assert not path.exists()
@@ -257,6 +257,6 @@ def test_a_client_not_training_is_saved_before_save_returns(tmp_path, conn):
     client = Counting()
     client.fits = 2
     path = tmp_path / "client-0.pt"
-    runtime._Saver(path, conn, client).save(type("Step", (), {"kind": FIT, "round": 1})())
+    runtime.StateSaver(path, conn, client).save(type("Step", (), {"kind": FIT, "round": 1})())
     saved = load_client_state(path, name="counting")
     assert saved is not None and saved["client"] == {"fits": 2}

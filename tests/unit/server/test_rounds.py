@@ -75,6 +75,16 @@ def test_a_rejoining_session_takes_its_open_task_over_in_place():
     assert rnd.hand_over(ClientInfo(client_id="x", name="unknown")) is None
 
 
+def test_a_handed_over_task_keeps_its_uplink_codec():
+    from fedgrid.compression.spec import CodecSpec
+
+    rnd = _task()
+    rnd.codecs.update(old0=CodecSpec.parse("int8"), old1=CodecSpec.parse("topk"))
+    assert rnd.hand_over(ClientInfo(client_id="new1", name="site-1")) == "old1"
+    assert rnd.uplink_codec("new1").text == "topk" and "old1" not in rnd.codecs
+    assert rnd.uplink_codec("old0").text == "int8" and rnd.uplink_codec("old2") == CodecSpec.NONE
+
+
 def test_a_task_that_landed_failed_by_report_or_closed_is_not_handed_over():
     from fedgrid.types import Failure, FitRes
 
