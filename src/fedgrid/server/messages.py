@@ -15,7 +15,8 @@ from fedgrid.constants import MAX_INBOX_REPLY_BYTES
 from fedgrid.errors import DuplicateUpdateError, InvalidUpdateError, StaleTaskError
 from fedgrid.events import EventLog
 from fedgrid.server.membership import Registry
-from fedgrid.server.rounds import RoundTask, check_outbox, relay
+from fedgrid.server.protocol import check_outbox, relay
+from fedgrid.server.rounds import RoundTask
 from fedgrid.textsafe import escape
 from fedgrid.types import MessageIns, MessageRes
 
@@ -67,7 +68,7 @@ class Mailbox:
 
     def send(self, client_id: str, token: str, task_id: str, messages: Mapping[str, bytes]) -> int:
         """A client's messages of an open message phase (recipient -> payload, see
-        ``rounds.check_outbox``); returns the payload bytes accepted.
+        ``protocol.check_outbox``); returns the payload bytes accepted.
 
         Raises:
             AuthenticationError, StaleTaskError: unknown session, or no open message task ``task_id``.

@@ -21,6 +21,7 @@ an update in the same form and counts the same bytes:
   difference (``FitRes.delta``) from the client's fit to the strategy's aggregate; it is
   added back only where the client took it against another model than the round's (a lossy
   downlink's shadow, or the model at the client's own LoRA rank);
+- a message phase's messages: ``check_outbox`` on what a client sends, ``relay`` to the inboxes;
 - the byte tally: ``RoundTally``, the round's wire, payload and uncompressed bytes, up and
   down, by region.
 
@@ -33,18 +34,19 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import torch
 
 from fedgrid.capabilities import check_capabilities
 from fedgrid.compression.feedback import is_delta_tensor
 from fedgrid.compression.spec import CodecSpec
-from fedgrid.errors import InvalidUpdateError
+from fedgrid.constants import MAX_OUTBOX_BYTES, MAX_PHASE_MESSAGE_BYTES
+from fedgrid.errors import InvalidUpdateError, PayloadTooLargeError
 from fedgrid.proto import serde
 from fedgrid.server.bounds import UpdateBounds
 from fedgrid.textsafe import MAX_LABEL_CHARS, MAX_NAME_CHARS, MAX_REGION_CHARS, check_label
-from fedgrid.types import ClientInfo, FitIns, ModelState, TensorSpec
+from fedgrid.types import TO_ALL, TO_SERVER, ClientInfo, FitIns, MessageIns, ModelState, TensorSpec
 
 if TYPE_CHECKING:
     from fedgrid.server.codec_policy import CodecPolicy
@@ -58,9 +60,11 @@ __all__ = [
     "check_delta",
     "check_header",
     "check_joining",
+    "check_outbox",
     "download_names",
     "fit_task",
     "raw_bytes",
+    "relay",
     "sends_differences",
     "update_check",
 ]
@@ -209,6 +213,76 @@ def update_check(
     if ranked is not None:
         return UpdateCheck(ranked, bounds, delta=delta)
     return UpdateCheck(downlink.base, bounds, delta=delta, keep_delta=downlink.exact)
+
+
+def check_outbox(
+    ins: MessageIns,
+    messages: Mapping[str, bytes],
+    *,
+    max_message: int = MAX_PHASE_MESSAGE_BYTES,
+    max_total: int = MAX_OUTBOX_BYTES,
+) -> "OrderedDict[str, bytes]":
+    """Checks what a client sends in a message phase; returns it in a canonical order.
+
+    Recipients are peers of the phase other than the sender, ``TO_ALL`` (every other peer;
+    not with peers named too) or ``TO_SERVER``.
+
+    Raises:
+        InvalidUpdateError: an unknown recipient, the sender itself, ``TO_ALL`` next to named
+            peers, or a payload that is not bytes.
+        PayloadTooLargeError: a message over ``max_message`` bytes, or all over ``max_total``.
+    """
+    peers = set(ins.peers)
+    total = 0
+    for recipient, payload in messages.items():
+        if not isinstance(payload, (bytes, bytearray)):
+            raise InvalidUpdateError(
+                f"phase {ins.phase!r}: message to {recipient!r} is {type(payload).__name__}, not bytes"
+            )
+        if recipient in (TO_ALL, TO_SERVER):
+            pass
+        elif recipient == ins.client_id:
+            raise InvalidUpdateError(f"phase {ins.phase!r}: a client cannot address itself")
+        elif recipient not in peers:
+            raise InvalidUpdateError(
+                f"phase {ins.phase!r}: recipient {recipient[:64]!r} is not a peer of this phase"
+            )
+        if len(payload) > max_message:
+            raise PayloadTooLargeError(
+                f"phase {ins.phase!r}: message to {recipient[:64]!r} is {len(payload)} bytes, at most {max_message}"
+            )
+        total += len(payload)
+    if TO_ALL in messages and any(r not in (TO_ALL, TO_SERVER) for r in messages):
+        raise InvalidUpdateError(
+            f"phase {ins.phase!r}: a message to every peer ({TO_ALL!r}) excludes messages to named peers"
+        )
+    if total > max_total:
+        raise PayloadTooLargeError(f"phase {ins.phase!r}: {total} bytes of messages, at most {max_total}")
+    order = {peer: i for i, peer in enumerate(ins.peers)}
+    return OrderedDict(
+        sorted(((r, bytes(p)) for r, p in messages.items()), key=lambda kv: (order.get(kv[0], -1), kv[0]))
+    )
+
+
+def relay(
+    peer_order: Sequence[str], sent: Mapping[str, Mapping[str, bytes]]
+) -> dict[str, "OrderedDict[str, bytes]"]:
+    """The inbox of every client that sent (``sent``: sender -> recipient -> payload): the
+    messages addressed to it, directly or to all, by sender in ``peer_order``. Messages to
+    the server or to clients that sent nothing (failed) are not relayed to anyone."""
+    inboxes: dict[str, OrderedDict[str, bytes]] = {cid: OrderedDict() for cid in peer_order if cid in sent}
+    for sender in peer_order:
+        messages = sent.get(sender)
+        if messages is None:
+            continue
+        for recipient, payload in messages.items():
+            if recipient == TO_ALL:
+                for cid, inbox in inboxes.items():
+                    if cid != sender:
+                        inbox[sender] = payload
+            elif recipient != TO_SERVER and recipient in inboxes:
+                inboxes[recipient][sender] = payload
+    return inboxes
 
 
 @dataclass

@@ -1,30 +1,25 @@
-"""The open task of a round (one phase: fit, evaluate or a message phase) and the relay of
-message phases.
+"""The open task of a round (one phase: fit, evaluate or a message phase).
 
 A ``RoundTask`` is what the fleet holds while a phase runs: its assignments, the results
 and failures so far, the bytes moved and, for a fit or evaluate phase, the model clients
-download. ``check_outbox`` and ``relay`` are the rules of message phases, shared by
-``RemoteFleet`` and the simulation's ``InProcessFleet`` so both relay the same messages.
+download. The rules of message phases (``check_outbox``, ``relay``) are the per-client
+protocol's (``server/protocol.py``), shared by ``RemoteFleet`` and ``InProcessFleet``.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable
 
 from fedgrid.aggregation.lora_ranks import RankViews, specs_at_rank
 from fedgrid.compression.spec import CodecSpec
-from fedgrid.constants import MAX_OUTBOX_BYTES, MAX_PHASE_MESSAGE_BYTES
-from fedgrid.errors import InvalidUpdateError, PayloadTooLargeError
 from fedgrid.proto import serde
 from fedgrid.server.downlink import RoundDownlink
 from fedgrid.server.protocol import RoundTally
 from fedgrid.types import (
     EVALUATE,
     FIT,
-    TO_ALL,
-    TO_SERVER,
     ClientInfo,
     EvaluateIns,
     EvaluateRes,
@@ -42,7 +37,7 @@ if TYPE_CHECKING:
     from fedgrid.server.uploads import Upload
     from fedgrid.server.wakeups import Wakeups
 
-__all__ = ["RoundTask", "check_outbox", "relay", "wait_for_close", "Inbox"]
+__all__ = ["RoundTask", "wait_for_close", "Inbox"]
 
 #: Messages relayed to one client: payload by sender's client id, in the phase's peer order.
 Inbox = "OrderedDict[str, bytes]"
@@ -293,73 +288,3 @@ def _fail_silent(rnd: RoundTask, registry: "Registry") -> None:
         if cid not in live and cid not in rnd.uploading:
             rnd.failures[cid] = Failure(rnd.clients[cid], "client went silent (no heartbeat)")
             rnd.departed.add(cid)
-
-
-def check_outbox(
-    ins: MessageIns,
-    messages: Mapping[str, bytes],
-    *,
-    max_message: int = MAX_PHASE_MESSAGE_BYTES,
-    max_total: int = MAX_OUTBOX_BYTES,
-) -> "OrderedDict[str, bytes]":
-    """Checks what a client sends in a message phase; returns it in a canonical order.
-
-    Recipients are peers of the phase other than the sender, ``TO_ALL`` (every other peer;
-    not with peers named too) or ``TO_SERVER``.
-
-    Raises:
-        InvalidUpdateError: an unknown recipient, the sender itself, ``TO_ALL`` next to named
-            peers, or a payload that is not bytes.
-        PayloadTooLargeError: a message over ``max_message`` bytes, or all over ``max_total``.
-    """
-    peers = set(ins.peers)
-    total = 0
-    for recipient, payload in messages.items():
-        if not isinstance(payload, (bytes, bytearray)):
-            raise InvalidUpdateError(
-                f"phase {ins.phase!r}: message to {recipient!r} is {type(payload).__name__}, not bytes"
-            )
-        if recipient in (TO_ALL, TO_SERVER):
-            pass
-        elif recipient == ins.client_id:
-            raise InvalidUpdateError(f"phase {ins.phase!r}: a client cannot address itself")
-        elif recipient not in peers:
-            raise InvalidUpdateError(
-                f"phase {ins.phase!r}: recipient {recipient[:64]!r} is not a peer of this phase"
-            )
-        if len(payload) > max_message:
-            raise PayloadTooLargeError(
-                f"phase {ins.phase!r}: message to {recipient[:64]!r} is {len(payload)} bytes, at most {max_message}"
-            )
-        total += len(payload)
-    if TO_ALL in messages and any(r not in (TO_ALL, TO_SERVER) for r in messages):
-        raise InvalidUpdateError(
-            f"phase {ins.phase!r}: a message to every peer ({TO_ALL!r}) excludes messages to named peers"
-        )
-    if total > max_total:
-        raise PayloadTooLargeError(f"phase {ins.phase!r}: {total} bytes of messages, at most {max_total}")
-    order = {peer: i for i, peer in enumerate(ins.peers)}
-    return OrderedDict(
-        sorted(((r, bytes(p)) for r, p in messages.items()), key=lambda kv: (order.get(kv[0], -1), kv[0]))
-    )
-
-
-def relay(
-    peer_order: Sequence[str], sent: Mapping[str, Mapping[str, bytes]]
-) -> dict[str, "OrderedDict[str, bytes]"]:
-    """The inbox of every client that sent (``sent``: sender -> recipient -> payload): the
-    messages addressed to it, directly or to all, by sender in ``peer_order``. Messages to
-    the server or to clients that sent nothing (failed) are not relayed to anyone."""
-    inboxes: dict[str, OrderedDict[str, bytes]] = {cid: OrderedDict() for cid in peer_order if cid in sent}
-    for sender in peer_order:
-        messages = sent.get(sender)
-        if messages is None:
-            continue
-        for recipient, payload in messages.items():
-            if recipient == TO_ALL:
-                for cid, inbox in inboxes.items():
-                    if cid != sender:
-                        inbox[sender] = payload
-            elif recipient != TO_SERVER and recipient in inboxes:
-                inboxes[recipient][sender] = payload
-    return inboxes

@@ -469,7 +469,7 @@ class InProcessFleet(Fleet):
         timeout: timedelta,
     ) -> RoundOutcome[MessageRes]:
         """Each client's ``exchange`` in turn, checked as the coordinator checks it
-        (``rounds.check_outbox``), then the relay (``rounds.relay``) and each sender's
+        (``protocol.check_outbox``), then the relay (``protocol.relay``) and each sender's
         ``receive``: the messages and bytes of a deployment's phase
         (``fleet_rounds.exchange_messages``)."""
         profiles = self.profiles

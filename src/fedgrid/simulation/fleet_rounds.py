@@ -16,7 +16,7 @@ from fedgrid.proto import serde
 from fedgrid.server import protocol
 from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.fleet import RoundOutcome
-from fedgrid.server.rounds import check_outbox, relay
+from fedgrid.server.protocol import check_outbox, relay
 from fedgrid.types import (
     ClientInfo,
     EvaluateIns,
@@ -84,8 +84,8 @@ def exchange_messages(
     available: Callable[[str], bool],
 ) -> RoundOutcome[MessageRes]:
     """Each assigned client's ``exchange`` in turn (a client for which ``available`` is false
-    fails without one), checked as the coordinator checks it (``rounds.check_outbox``), then
-    the relay (``rounds.relay``) and each sender's ``receive``: the messages and bytes of a
+    fails without one), checked as the coordinator checks it (``protocol.check_outbox``), then
+    the relay (``protocol.relay``) and each sender's ``receive``: the messages and bytes of a
     deployment's phase ``phase``."""
     results: list[MessageRes] = []
     failures: list[Failure] = []

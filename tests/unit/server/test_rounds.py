@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from fedgrid.errors import InvalidUpdateError, PayloadTooLargeError
-from fedgrid.server.rounds import RoundTask, check_outbox, relay
+from fedgrid.server.protocol import check_outbox, relay
+from fedgrid.server.rounds import RoundTask
 from fedgrid.types import TO_ALL, TO_SERVER, ClientInfo, MessageIns
 
 INS = MessageIns(round=1, phase="keys", client_id="b", peers=("a", "b", "c"))
