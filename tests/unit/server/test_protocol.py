@@ -1,5 +1,5 @@
-"""``server/protocol.py``: the checks every fleet applies to an update, the delta results it
-keeps (``FitRes.delta``), and the round's byte tally; the delta flag survives a spill and
+"""``server/protocol.py``: a client's fit task, its download, the checks every fleet applies to
+an update, the form it is kept in (``FitRes.delta``), and the round's byte tally; the delta flag survives a spill and
 reaches only strategies that take it."""
 
 from __future__ import annotations
@@ -14,10 +14,12 @@ import torch
 from fedgrid.aggregation.fedavg import FedAvg
 from fedgrid.client.api import Client, FitOutput
 from fedgrid.compression.spec import CodecSpec
+from fedgrid.config_compression import task_uplink_codec
 from fedgrid.errors import InvalidUpdateError
 from fedgrid.server import protocol
 from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.codec_policy import CodecPolicy
+from fedgrid.server.downlink import Downlink
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.spill import UpdateSpill
 from fedgrid.simulation.fleet import InProcessFleet
@@ -193,3 +195,49 @@ def test_a_simulated_client_claiming_no_examples_fails_its_round_and_the_run_goe
         (1, 1),
     ]
     torch.testing.assert_close(final["w"], glob["w"] + 0.5 + 0.5, rtol=0, atol=0)  # "z" never counted
+
+
+def test_a_fit_task_carries_the_clients_uplink_codec_and_feedback():
+    policy = CodecPolicy(default=CodecSpec.parse("int8"), error_feedback="none")
+    ins = FitIns(round=3, config={"lr": 0.1})
+    told = ClientInfo("a", codecs=("int8",))
+    task, codec = protocol.fit_task(policy, told, ins)
+    assert codec == CodecSpec.parse("int8")
+    assert task.config["lr"] == 0.1 and task_uplink_codec(task.config) == codec
+    assert task.config["uplink_feedback"] == "none" and ins.config == {"lr": 0.1}  # the given task unchanged
+    # A client that did not advertise the codec's family gets none, and its task says so.
+    task, codec = protocol.fit_task(policy, ClientInfo("b", codecs=()), ins)
+    assert codec == CodecSpec.NONE and task_uplink_codec(task.config) == CodecSpec.NONE
+
+
+def test_a_client_downloads_what_its_task_names_and_what_its_differences_need():
+    ins = FitIns(round=1, download=("a",), expected={"b": TensorSpec.of(BASE)["w"]})
+    int8 = CodecSpec.parse("int8")
+    assert protocol.download_names(ins, lossless_downlink=True, codec=CodecSpec.NONE) == {"a"}
+    assert protocol.download_names(ins, lossless_downlink=True, codec=int8) == {"a", "b"}
+    assert protocol.download_names(ins, lossless_downlink=False, codec=int8) is None  # everything
+
+
+def test_the_update_form_is_decided_by_the_downlink_and_the_clients_rank():
+    """A difference stays one over an exact downlink; one taken against a lossy downlink's shadow
+    or the model at the client's own rank is added back to that model."""
+    bounds, sent = UpdateBounds(), OrderedDict(w=torch.tensor([1.0, 2.0, 3.0]))
+    diff = torch.tensor([0.5, 0.25, -1.0])
+    exact = Downlink().prepare(sent)
+    check = protocol.update_check(exact, bounds, delta=True)
+    assert check.keeps_delta and torch.equal(check.add("w", diff), diff)
+    assert not protocol.update_check(exact, bounds, delta=False).keeps_delta  # values stay values
+    lossy = Downlink(CodecSpec.parse("int8")).prepare(sent)
+    check = protocol.update_check(lossy, bounds, delta=True)
+    assert not check.keeps_delta and torch.equal(check.add("w", diff), lossy.base["w"] + diff)
+    ranked = OrderedDict(w=torch.tensor([10.0, 20.0, 30.0]))
+    check = protocol.update_check(exact, bounds, delta=True, ranked=ranked)
+    assert not check.keeps_delta and torch.equal(check.add("w", diff), ranked["w"] + diff)
+
+
+def test_a_tensor_the_model_lacks_comes_as_it_is():
+    """SCAFFOLD's control deltas are not in the downloaded model: a lossy uplink sends them as
+    they are (client/uplink.py) and the coordinator takes them so."""
+    check = protocol.UpdateCheck(BASE, UpdateBounds(), delta=True)
+    extra = torch.tensor([0.125, -4.0])
+    assert torch.equal(check.add("scaffold.c_delta.w", extra), extra)
