@@ -42,10 +42,14 @@ class RoundDownlink:
             global model on an uncompressed link): what difference uploads apply to.
         version: the version a client reaches, as on the wire: the shadow's version plus
             one, so that 0 means "none" (uncompressed links).
+        offset: on a compressed link, ``base - global`` for each lossy floating tensor (in
+            its work dtype): what turns a difference from ``base`` into one from the round's
+            model; ``None`` on an uncompressed link.
     """
 
     base: ModelState
     version: int
+    offset: ModelState | None = None
     _full: EncodedModel | None = None
     _delta: EncodedModel | None = None
     _base_version: int = 0
@@ -93,17 +97,26 @@ class Downlink:
         if self.shadow is None:  # first round: everyone starts from the exact model
             self.shadow = ShadowModel(global_state, codec=self.codec)
             return RoundDownlink(
-                base=OrderedDict(self.shadow.shadow), version=self.shadow.version + 1, _shadow=self.shadow
+                base=OrderedDict(self.shadow.shadow),
+                version=self.shadow.version + 1,
+                offset=self._offset(global_state),
+                _shadow=self.shadow,
             )
         update, shadow = self.shadow.sync(global_state)
         assert update.base_version is not None
         return RoundDownlink(
             base=OrderedDict(shadow),
             version=update.version + 1,
+            offset=self._offset(global_state),
             _delta=_encoded(update, shadow),
             _base_version=update.base_version + 1,
             _shadow=self.shadow,
         )
+
+    def _offset(self, global_state: ModelState) -> ModelState:
+        """``shadow - global_state`` per lossy floating tensor (``RoundDownlink.offset``)."""
+        assert self.shadow is not None
+        return OrderedDict((name, gap.neg_()) for name, gap in self.shadow.gap(global_state).items())
 
     def state_dict(self) -> dict[str, Any]:
         return {"codec": self.codec.text, "shadow": None if self.shadow is None else self.shadow.state_dict()}

@@ -46,7 +46,7 @@ from fedgrid.errors import InvalidUpdateError, PayloadTooLargeError
 from fedgrid.proto import serde
 from fedgrid.server.bounds import UpdateBounds
 from fedgrid.textsafe import MAX_LABEL_CHARS, MAX_NAME_CHARS, MAX_REGION_CHARS, check_label
-from fedgrid.types import TO_ALL, TO_SERVER, ClientInfo, FitIns, MessageIns, ModelState, TensorSpec
+from fedgrid.types import TO_ALL, TO_SERVER, ClientInfo, FitIns, FitRes, MessageIns, ModelState, TensorSpec
 
 if TYPE_CHECKING:
     from fedgrid.server.codec_policy import CodecPolicy
@@ -67,6 +67,7 @@ __all__ = [
     "relay",
     "sends_differences",
     "update_check",
+    "without_offset",
 ]
 
 #: Codec names a client may advertise at Join.
@@ -160,16 +161,25 @@ class UpdateCheck:
         base: the round's model the client started from (what differences apply to).
         bounds: the norm bound the update must meet.
         delta: the update's floating tensors are differences from ``base``.
-        keep_delta: keep differences as they are (``FitRes.delta``): allowed when ``base`` is
-            exactly the model the fleet was given (``RoundDownlink.exact``). Otherwise they
-            are added to ``base`` and the update kept as values.
+        keep_delta: keep differences as differences (``FitRes.delta``). Otherwise they are
+            added to ``base`` and the update kept as values.
+        offset: added to each kept difference that it names (``RoundDownlink.offset``: from
+            the shadow the client held to the round's model), in its work dtype.
     """
 
     def __init__(
-        self, base: Mapping[str, torch.Tensor], bounds: UpdateBounds, *, delta: bool, keep_delta: bool = False
+        self,
+        base: Mapping[str, torch.Tensor],
+        bounds: UpdateBounds,
+        *,
+        delta: bool,
+        keep_delta: bool = False,
+        offset: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
-        self.base, self.delta = base, delta
+        self.base, self.delta, self.offset = base, delta, offset
         self.keeps_delta = delta and keep_delta
+        #: Its kept differences carry ``offset`` (they are from the round's model, not ``base``).
+        self.shifts = self.keeps_delta and offset is not None
         self.norm = bounds.norm(base)  # accumulates over the tensors: a resumed upload goes on counting
 
     def add(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -181,14 +191,15 @@ class UpdateCheck:
         """
         # A tensor the round's model lacks (SCAFFOLD's control deltas) comes as it is (client/uplink.py).
         difference = self.delta and is_delta_tensor(tensor) and name in self.base
-        if difference and self.keeps_delta:  # no pass over the model, no rounding
-            value = tensor
+        if difference and self.keeps_delta:  # no pass over the model
+            shift = None if self.offset is None else self.offset.get(name)
+            value = tensor if shift is None else (tensor.to(shift.dtype) + shift).to(tensor.dtype)
         else:
             value = self.base[name] + tensor if difference else tensor
             difference = False
         serde.check_finite({name: value})
-        if self.norm is not None:
-            self.norm.add(name, value, difference=difference)
+        if self.norm is not None:  # a difference: the client's own change, from the model it held
+            self.norm.add(name, tensor if difference else value, difference=difference)
         return value
 
     def whole(self, received: Mapping[str, torch.Tensor]) -> ModelState:
@@ -202,17 +213,22 @@ def update_check(
     *,
     delta: bool,
     ranked: Mapping[str, torch.Tensor] | None = None,
+    late: bool = False,
 ) -> "UpdateCheck":
     """The check of one fit update, and the form it is kept in (the one place that decides it).
 
-    A difference is kept as such (``FitRes.delta``) when the client took it against the round's
-    model itself (``RoundDownlink.exact``: an uncompressed downlink). Otherwise it is added back
-    to the model the client held: a lossy downlink's shadow (``downlink.base``), or with
-    ``ranked`` the round's model at the client's own LoRA rank, whose shapes differ from it.
+    A difference stays a difference (``FitRes.delta``) from the client's fit to the strategy:
+    one from the round's model. A client on a lossy downlink took it against the shadow it
+    holds (``downlink.base``): the shadow's ``offset`` from the round's model is added to it,
+    a difference still; but for a ``late`` update (its task carried past its round's quorum),
+    which is merged as its client's own change (``aggregation.staleness.rebase``). Only a
+    client of its own LoRA rank (``ranked``: the round's model at that rank, of other shapes)
+    has its difference added back to that model, a value.
     """
     if ranked is not None:
         return UpdateCheck(ranked, bounds, delta=delta)
-    return UpdateCheck(downlink.base, bounds, delta=delta, keep_delta=downlink.exact)
+    offset = None if late else downlink.offset
+    return UpdateCheck(downlink.base, bounds, delta=delta, keep_delta=True, offset=offset)
 
 
 def check_outbox(
@@ -283,6 +299,16 @@ def relay(
             elif recipient != TO_SERVER and recipient in inboxes:
                 inboxes[recipient][sender] = payload
     return inboxes
+
+
+def without_offset(result: FitRes, offset: Mapping[str, torch.Tensor]) -> FitRes:
+    """A delta result kept with a downlink's ``offset`` (``update_check``), as its client's own
+    change again: for an upload begun on time that landed after its round's quorum (late)."""
+    state: ModelState = OrderedDict()
+    for name, value in result.state.items():
+        shift = offset.get(name)
+        state[name] = value if shift is None else (value.to(shift.dtype) - shift).to(value.dtype)
+    return dataclasses.replace(result, state=state)
 
 
 @dataclass

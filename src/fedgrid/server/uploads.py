@@ -49,6 +49,7 @@ class Upload:
     client_id: str = ""
     delta: bool = False  # its fit result holds differences (FitRes.delta)
     kept: bool = False  # held in the round's partials for a resume: not aborted when the call ends
+    shifted: bool = False  # its differences carry the downlink's offset (``protocol.update_check``)
 
     def abort(self) -> None:
         if self.writer is not None:
@@ -256,15 +257,19 @@ class Uploads:
             state = upload.writer.commit()  # type: ignore[assignment]
             return FitRes(client, state, stream.num_examples, metrics, upload.delta)
         check = self._check(rnd, client.client_id, stream.delta)
+        upload.shifted = check.shifts
         result = FitRes(client, check.whole(state), stream.num_examples, metrics, check.keeps_delta)
         return self.spill.put(task_id=rnd.task_id, result=result)
 
     def _check(self, rnd: RoundTask, client_id: str, delta: bool) -> protocol.UpdateCheck:
-        """The check of a fit update and the form it is kept in (``protocol.update_check``)."""
+        """The check of a fit update and the form it is kept in (``protocol.update_check``): late
+        when its task was carried past its round's quorum."""
         ranked = rnd.at_rank(client_id)
         assert rnd.downlink is not None  # a fit phase
+        with self.lock:
+            late = client_id in rnd.carried
         return protocol.update_check(
-            rnd.downlink, self.bounds, delta=delta, ranked=None if ranked is None else ranked[0]
+            rnd.downlink, self.bounds, delta=delta, ranked=None if ranked is None else ranked[0], late=late
         )
 
     def _count(
@@ -287,6 +292,9 @@ class Uploads:
             if isinstance(result, EvaluateRes) and result.num_examples < 1:
                 rnd.failures[client_id] = Failure(client, "evaluated no examples")
             elif late and isinstance(result, FitRes):  # merged into the round open now, or the next
+                if upload.shifted:  # begun on time, it landed after the quorum: its own change again
+                    assert rnd.downlink is not None and rnd.downlink.offset is not None
+                    result = protocol.without_offset(result, rnd.downlink.offset)
                 rnd.carried.discard(client_id)
                 rnd.late[client_id] = result
                 self.wake.notify("registry")  # no longer busy: selectable again
@@ -346,7 +354,7 @@ class Uploads:
             writer.write(name, check.add(name, tensor))
 
         asm = serde.ModelAssembler(expected=expected, sink=sink, codec=codec)
-        return Upload(asm, writer, raw, client.client_id, check.keeps_delta)
+        return Upload(asm, writer, raw, client.client_id, check.keeps_delta, shifted=check.shifts)
 
     def status(self, client_id: str, token: str, task_id: str) -> tuple[int, bool]:
         """(chunks of a broken upload the coordinator holds, whether the update already landed)."""

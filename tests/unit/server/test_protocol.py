@@ -122,8 +122,8 @@ class Trained(Client):
         return FitOutput(trained, 4, {})
 
 
-@pytest.mark.parametrize("downlink, kept", [("none", True), ("int8", False)])
-def test_a_lossy_uplink_hands_over_deltas_only_over_an_exact_downlink(downlink, kept):
+@pytest.mark.parametrize("downlink", ["none", "int8"])
+def test_a_lossy_uplink_hands_over_differences_from_the_rounds_model_over_any_downlink(downlink):
     glob = OrderedDict(w=torch.linspace(-1, 1, 300), steps=torch.tensor(2))
     fleet = InProcessFleet(
         [Trained("a", 0.5)],
@@ -135,9 +135,8 @@ def test_a_lossy_uplink_hands_over_deltas_only_over_an_exact_downlink(downlink, 
         server_round=1, global_state=glob, assignments=[(info, FitIns(round=1))], timeout=timedelta(seconds=5)
     )
     [res] = outcome.results
-    assert res.delta is kept and torch.equal(res.state["steps"], glob["steps"])
-    value = res.state["w"] + glob["w"] if kept else res.state["w"]
-    torch.testing.assert_close(value, glob["w"] + 0.5, rtol=0, atol=0.02)  # int8's error
+    assert res.delta and torch.equal(res.state["steps"], glob["steps"])
+    torch.testing.assert_close(res.state["w"] + glob["w"], glob["w"] + 0.5, rtol=0, atol=0.02)  # int8's error
 
 
 class ModelsOnly(FedAvg):
@@ -219,17 +218,30 @@ def test_a_client_downloads_what_its_task_names_and_what_its_differences_need():
 
 
 def test_the_update_form_is_decided_by_the_downlink_and_the_clients_rank():
-    """A difference stays one over an exact downlink; one taken against a lossy downlink's shadow
-    or the model at the client's own rank is added back to that model."""
+    """A difference stays one: over an exact downlink as sent, over a lossy one shifted by the
+    shadow's offset from the round's model (a late one as sent: its client's own change); one
+    taken against the model at the client's own rank is added back to that model."""
     bounds, sent = UpdateBounds(), OrderedDict(w=torch.tensor([1.0, 2.0, 3.0]))
     diff = torch.tensor([0.5, 0.25, -1.0])
     exact = Downlink().prepare(sent)
     check = protocol.update_check(exact, bounds, delta=True)
     assert check.keeps_delta and torch.equal(check.add("w", diff), diff)
     assert not protocol.update_check(exact, bounds, delta=False).keeps_delta  # values stay values
-    lossy = Downlink(CodecSpec.parse("int8")).prepare(sent)
+    downlink = Downlink(CodecSpec.parse("int8"))
+    downlink.prepare(sent)
+    moved = OrderedDict(w=torch.tensor([1.3, 2.0, 2.9]))
+    lossy = downlink.prepare(moved)  # the shadow trails the model by what int8 lost
+    assert lossy.offset is not None and not torch.equal(lossy.base["w"], moved["w"])
+    torch.testing.assert_close(lossy.offset["w"], lossy.base["w"] - moved["w"], rtol=0, atol=0)
     check = protocol.update_check(lossy, bounds, delta=True)
-    assert not check.keeps_delta and torch.equal(check.add("w", diff), lossy.base["w"] + diff)
+    kept = check.add("w", diff)
+    assert check.keeps_delta and check.shifts and torch.equal(kept, diff + lossy.offset["w"])
+    # The value it stands for is what adding it back to the shadow gave, within a rounding.
+    torch.testing.assert_close(moved["w"] + kept, lossy.base["w"] + diff, rtol=0, atol=1e-6)
+    late = protocol.update_check(lossy, bounds, delta=True, late=True)
+    assert late.keeps_delta and not late.shifts and torch.equal(late.add("w", diff), diff)
+    res = FitRes(ClientInfo("c"), OrderedDict(w=kept), 3, delta=True)
+    torch.testing.assert_close(protocol.without_offset(res, lossy.offset).state["w"], diff, rtol=0, atol=1e-7)
     ranked = OrderedDict(w=torch.tensor([10.0, 20.0, 30.0]))
     check = protocol.update_check(exact, bounds, delta=True, ranked=ranked)
     assert not check.keeps_delta and torch.equal(check.add("w", diff), ranked["w"] + diff)
