@@ -48,6 +48,7 @@ import math
 import os
 import re
 import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -58,7 +59,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from fedgrid.errors import FedgridError
 
@@ -69,6 +70,9 @@ __all__ = [
     "Relay",
     "LabError",
     "unavailable",
+    "open_sink",
+    "send",
+    "transfer_s",
     "PARTITION_MODES",
     "QUEUE_S",
     "COMMAND_TIMEOUT_S",
@@ -341,6 +345,19 @@ class Link:
             out[f"{src.name}_to_{dst.name}_packets"] = int(tx["packets"])
         return out
 
+    def dropped(self) -> dict[str, int]:
+        """Packets the link's ``loss`` dropped so far, by direction (``a_to_b``, ...): the
+        counters of each end's iptables rule (a partition's drops are not counted)."""
+        out = {}
+        for src, dst in ((self.b, self.a), (self.a, self.b)):
+            rows = dst.run(["iptables", "-w", "5", "-v", "-x", "-n", "-L", "INPUT"]).splitlines()[2:]
+            out[f"{src.name}_to_{dst.name}"] = sum(
+                int(row.split()[0])
+                for row in rows
+                if "statistic" in row and row.split()[2] == "DROP" and row.split()[5] == self.name
+            )
+        return out
+
     def cut(self, mode: str = "blackhole") -> None:
         """Partitions the link until ``heal``: ``blackhole`` drops every packet arriving at
         either end (connections see silence), ``down`` sets both ends down (sends fail at once).
@@ -382,6 +399,78 @@ class Link:
             time.sleep(seconds)  # the outage's length is the fault itself, not a wait for something
         finally:
             self.heal()
+
+
+#: The two ends of a measured transfer (``open_sink``, ``send``, ``transfer_s``).
+TRANSFER = [sys.executable, "-m", "fedgrid.ops.lab_transfer"]
+
+
+def open_sink(host: Host, *, timeout: float = COMMAND_TIMEOUT_S) -> tuple["subprocess.Popen[str]", int]:
+    """A TCP sink inside ``host`` on a free port, for one connection (``fedgrid.ops.lab_transfer``);
+    it gives up after ``timeout`` seconds without one. Returns it and its port.
+
+    Raises:
+        LabError: it printed no port within ``timeout``.
+    """
+    proc = host.popen([*TRANSFER, "sink", repr(timeout)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    line = proc.stdout.readline().strip() if ready else ""
+    if not line.isdigit():
+        _stop(proc)
+        raise LabError(f"host {host.name}: the sink did not start: {line!r}")
+    return proc, int(line)
+
+
+def send(host: Host, target: str, size: int, *, timeout: float = COMMAND_TIMEOUT_S) -> float:
+    """Sends ``size`` bytes from ``host`` to a sink at ``target`` (``HOST:PORT``); returns the
+    seconds from the connect's start to the sink's reply once it has read them all.
+
+    Raises:
+        LabError: the connect or the transfer failed or outlived ``timeout`` (the error's words:
+            ``timed out``, ``Network is unreachable``, ...).
+    """
+    done = subprocess.run(
+        host.command([*TRANSFER, "send", target, str(size), repr(timeout)]),
+        capture_output=True,
+        text=True,
+        timeout=timeout + COMMAND_TIMEOUT_S,
+        check=False,
+    )
+    if done.returncode != 0:
+        words = " ".join((done.stdout + done.stderr).split())
+        raise LabError(f"host {host.name}: a transfer of {size} bytes to {target} failed: {words}")
+    return float(done.stdout)
+
+
+def transfer_s(
+    src: Host,
+    dst: Host,
+    size: int,
+    *,
+    relay: Mapping[str, Any] | None = None,
+    timeout: float = COMMAND_TIMEOUT_S,
+) -> float:
+    """Seconds a ``size``-byte TCP transfer from ``src`` to ``dst`` takes over their link
+    (connect to the receiver's reply), directly or through ``fedgrid wan`` inside ``dst`` with
+    ``relay`` (``Host.relay``'s keyword arguments).
+
+    Raises:
+        LabError: the transfer failed, or the sink did not read ``size`` bytes.
+    """
+    proc, port = open_sink(dst, timeout=timeout)
+    target = f"{dst.name}:{port}"  # by name: the lab's /etc/hosts
+    through = dst.relay(f"127.0.0.1:{port}", **relay) if relay is not None else None
+    try:
+        seconds = send(src, through.address if through else target, size, timeout=timeout)
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        _stop(proc)
+        if through is not None:
+            through.stop()
+    if out.split() != [str(size)]:
+        raise LabError(f"host {dst.name}: the sink read {out.strip()!r}, not {size} bytes")
+    return seconds
 
 
 class Lab:
@@ -478,6 +567,10 @@ class Lab:
             raise LabError(
                 f"{what}: the name is taken or holds iptables' wildcards {''.join(sorted(_WILDCARDS))}"
             )
+        # Both links' peer routes would name the same address, and the first would carry everything.
+        joined = next((n for n, k in self.links.items() if {k.a.name, k.b.name} == {a.name, b.name}), None)
+        if joined is not None:
+            raise LabError(f"{what}: {a.name} and {b.name} are joined already, by link {joined!r}")
         # tc takes a negative or NaN rate without a word (and shapes to nothing); what tc refuses
         # itself (0) it names below, as iptables names a loss outside [0, 1].
         if rate_mbit is not None and not (math.isfinite(rate_mbit) and rate_mbit >= 0):
