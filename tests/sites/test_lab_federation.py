@@ -27,7 +27,11 @@ from fedgrid.runlog import read_metrics
 
 from harness import FEDGRID, assert_same_model, child_env, wait_until
 
-pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"no lab: {unavailable()}")
+pytestmark = [
+    pytest.mark.skipif(unavailable() is not None, reason=f"no lab: {unavailable()}"),
+    # Under pytest-xdist, both tests on one worker: the loopback reference is made once.
+    pytest.mark.xdist_group("lab-federation"),
+]
 
 ROUNDS, REGIONAL_ROUNDS = 3, 2
 #: The global heartbeat: a region silent for 3 of these is dropped, so a 30 s partition (and the

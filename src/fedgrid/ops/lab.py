@@ -273,9 +273,9 @@ class Host:
         Raises:
             LabError: the relay refused its flags or wrote no address within ``COMMAND_TIMEOUT_S``.
         """
-        label = name or f"wan-{len(self.lab._relays)}"
-        address_file = self.lab.workdir / f"{self.name}.{label}.address"
-        log = self.lab.workdir / f"{self.name}.{label}.log"
+        label = name or "wan"
+        stem = f"{self.name}.{label}.{len(self.lab._relays)}"  # one per relay
+        address_file, log = self.lab.workdir / f"{stem}.address", self.lab.workdir / f"{stem}.log"
         flags = [
             *("--listen", f"{self.address}:0", "--target", target, "--address-file", str(address_file)),
             *("--delay-ms", repr(delay_ms), "--jitter-ms", repr(jitter_ms), "--loss", repr(loss)),
