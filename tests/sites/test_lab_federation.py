@@ -257,15 +257,23 @@ def test_a_region_partitioned_for_30_s_rejoins_and_the_run_ends_on_the_loopback_
             timeout=RUN_TIMEOUT_S,
             what="global round 1",
         )
-        started = time.monotonic()
-        fed.wan["region-b"].partition(30.0)
-        outage = time.monotonic() - started
+        link = fed.wan["region-b"]
+        link.cut("blackhole")
+        cut = time.time()  # the events' clock
+        try:
+            time.sleep(30.0)  # the outage's length is the fault itself, not a wait for something
+        finally:
+            healed = time.time()
+            link.heal()
         fed.wait()
-    assert outage >= 30.0
     assert_same_model(tmp_path / "global", loopback)
     assert_each_round_once(tmp_path / "global", ("region-a", "region-b"))
-    # The outage held round 2 open: it could not close before the link came back.
+    # A round was open across the whole outage (region-b's part of it could not arrive), so the
+    # partition hit the run: round 2 here, or round 3 had region-b finished round 2 before the cut.
     events = read_events(tmp_path / "global" / "events.jsonl")
-    opened = next(e for e in events if e.event == "round_opened" and e["round"] == 2)
-    closed = next(e for e in events if e.event == "round_closed" and e["round"] == 2)
-    assert closed.t - opened.t >= 25.0, (opened, closed)
+    spans = {
+        e["round"]: [e.t, next(c.t for c in events if c.event == "round_closed" and c["round"] == e["round"])]
+        for e in events
+        if e.event == "round_opened"
+    }
+    assert any(opened < cut and closed > healed for opened, closed in spans.values()), (cut, healed, spans)
