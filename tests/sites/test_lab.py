@@ -156,3 +156,19 @@ def test_a_new_lab_sweeps_the_namespaces_of_a_lab_whose_process_died() -> None:
     finally:
         subprocess.run(["ip", "netns", "del", mine], check=False)
         subprocess.run(["ip", "netns", "del", stale], capture_output=True, check=False)
+
+
+def test_two_labs_at_once_with_the_same_names_do_not_collide() -> None:
+    with Lab() as first, Lab() as second:
+        pairs = [(lab.host("alpha"), lab.host("beta")) for lab in (first, second)]
+        links = [
+            lab.link(a, b, name="wan", rate_mbit=rate)
+            for lab, (a, b), rate in zip((first, second), pairs, (50.0, 5.0))
+        ]
+        assert first.prefix != second.prefix and pairs[0][0].address == pairs[1][0].address == "10.77.0.1"
+        # Each lab's link is its own: the same transfer takes ten times as long at a tenth of the rate.
+        fast, slow = (transfer_s(a, b, 500_000) for a, b in pairs)
+        assert slow > 5 * fast, (fast, slow)
+        assert [link.counters()["alpha_to_beta_bytes"] > 500_000 for link in links] == [True, True]
+        second.close()
+        assert transfer_s(*pairs[0], 1000) > 0  # closing one leaves the other whole
