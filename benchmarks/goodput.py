@@ -65,6 +65,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from fedgrid.ops.lab import Lab  # noqa: E402
 from fedgrid.ops.wan import WanLink, WanRelay  # noqa: E402
 from fedgrid.runlog import read_metrics  # noqa: E402
 
@@ -83,13 +84,91 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def _start(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen(
-        [*FEDGRID, *args, "--threads", "1"],
-        stdout=open(log, "w"),
-        stderr=subprocess.STDOUT,
-        env=_env(env),
-    )
+class Loopback:
+    """Every process on this machine's loopback; each region's link is a ``WanRelay`` in this process."""
+
+    listen = "127.0.0.1:0"
+    #: Plaintext, as on loopback: a coordinator on another address needs --insecure to say so.
+    coordinator_flags: list[str] = []
+
+    def __init__(self, link: WanLink) -> None:
+        self.link = link
+        self.relays: list[WanRelay] = []
+
+    def start(self, name: str, args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+        return subprocess.Popen(
+            [*FEDGRID, *args, "--threads", "1"],
+            stdout=open(log, "w"),
+            stderr=subprocess.STDOUT,
+            env=_env(env),
+        )
+
+    def region_link(self, region: int, address: str) -> str:
+        """Starts region ``region``'s link to the coordinator at ``address``; returns what its workers dial."""
+        relay = WanRelay(
+            address, link=WanLink(delay_ms=self.link.delay_ms, rate_mbit=self.link.rate_mbit, seed=region)
+        ).start()
+        self.relays.append(relay)
+        return relay.address
+
+    def link_bytes(self) -> int:
+        """Payload bytes through the regions' links, both ways."""
+        return sum(r.bytes_up + r.bytes_down for r in self.relays)
+
+    def close(self) -> None:
+        for relay in self.relays:
+            relay.stop()
+
+
+class LabLinks(Loopback):
+    """``--link lab``: each process on a host of its own (``fedgrid.ops.lab``: network namespaces).
+    Each region is a gateway host whose WAN link to the coordinator's host is shaped by the
+    kernel (``tbf`` at the link's rate; it counts whole frames, so TCP's payload gets 95.6% of
+    it), its workers on unshaped LAN links behind it; the delay comes from ``fedgrid wan`` in the
+    gateway, which the workers dial (the kernel here has no netem)."""
+
+    def __init__(self, link: WanLink) -> None:
+        super().__init__(link)
+        self.lab = Lab()
+        try:
+            self.hosts = {"coordinator": self.lab.host("coordinator")}
+            self.wan = []
+            for r in range(REGIONS):
+                gateway = self.hosts[f"gateway-{r}"] = self.lab.host(f"gateway-{r}")
+                self.wan.append(
+                    self.lab.link(
+                        self.hosts["coordinator"], gateway, name=f"wan-{r}", rate_mbit=link.rate_mbit
+                    )
+                )
+                for w in range(WORKERS_PER_REGION):
+                    i = r * WORKERS_PER_REGION + w
+                    self.hosts[f"worker-{i}"] = self.lab.host(f"worker-{i}")
+                    self.lab.link(gateway, self.hosts[f"worker-{i}"], name=f"lan-{i}")
+        except BaseException:
+            self.lab.close()
+            raise
+        self.listen = f"{self.hosts['coordinator'].address}:0"
+        # The lab's hosts are reached from nothing outside it, and the loopback runs are plaintext too.
+        self.coordinator_flags = ["--insecure"]
+
+    def start(self, name: str, args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+        return self.hosts[name].popen(
+            [*FEDGRID, *args, "--threads", "1"],
+            stdout=open(log, "w"),
+            stderr=subprocess.STDOUT,
+            env=_env(env),
+        )
+
+    def region_link(self, region: int, address: str) -> str:
+        relay = self.hosts[f"gateway-{region}"].relay(address, delay_ms=self.link.delay_ms, seed=region)
+        return relay.address
+
+    def link_bytes(self) -> int:
+        """Bytes through the regions' WAN links, both ways, whole frames."""
+        return sum(v for link in self.wan for k, v in link.counters().items() if k.endswith("_bytes"))
+
+    def close(self) -> None:
+        self.lab.close()
 
 
 def _wait_for(what: str, condition: Any, proc: subprocess.Popen, timeout: float) -> None:
@@ -188,10 +267,9 @@ def run(
     args: argparse.Namespace,
     work: Path,
 ) -> dict[str, Any]:
-    """One run of ``variant`` in ``mode`` and ``scenario``; returns its figures."""
+    """One run of ``variant`` in ``mode`` and ``scenario`` over ``args.link``'s links; returns its figures."""
     out = work / f"{variant}-{mode}-{scenario}-{time.monotonic_ns()}"
     out.mkdir(parents=True)
-    rounds = args.rounds  # every round is H inner steps a worker, streaming or not: equal tokens
     common = [
         "--seed",
         str(SEED),
@@ -218,11 +296,32 @@ def run(
         "GOODPUT_SLOW_PARTITION": str(SLOW_WORKER) if scenario == "faults" else "",
         "GOODPUT_STEP_S": f"{cal['step_s']:.6f}" if mode == "wait" else "0",
     }
-    coordinator = _start(
+    net = LabLinks(link) if args.link == "lab" else Loopback(link)
+    try:
+        return _run(net, variant, mode, scenario, cal, args, out, common, env)
+    finally:
+        net.close()
+
+
+def _run(
+    net: Loopback,
+    variant: str,
+    mode: str,
+    scenario: str,
+    cal: dict[str, float],
+    args: argparse.Namespace,
+    out: Path,
+    common: list[str],
+    env: dict[str, str],
+) -> dict[str, Any]:
+    rounds = args.rounds  # every round is H inner steps a worker, streaming or not: equal tokens
+    coordinator = net.start(
+        "coordinator",
         [
             "coordinator",
             "--listen",
-            "127.0.0.1:0",
+            net.listen,
+            *net.coordinator_flags,
             "--out",
             str(out / "global"),
             "--rounds",
@@ -236,11 +335,11 @@ def run(
         env,
     )
     procs: dict[str, subprocess.Popen] = {"coordinator": coordinator}
-    relays: list[WanRelay] = []
     started = time.monotonic()
 
     def worker(i: int, target: str) -> subprocess.Popen:
-        return _start(
+        return net.start(
+            f"worker-{i}",
             [
                 "client",
                 "--coordinator",
@@ -269,14 +368,11 @@ def run(
         address = address_file.read_text().strip()
         targets = {}
         for r in range(REGIONS):
-            relay = WanRelay(
-                address, link=WanLink(delay_ms=link.delay_ms, rate_mbit=link.rate_mbit, seed=r)
-            ).start()
-            relays.append(relay)
+            target = net.region_link(r, address)
             for w in range(WORKERS_PER_REGION):
                 i = r * WORKERS_PER_REGION + w
-                targets[i] = relay.address
-                procs[f"worker-{i}"] = worker(i, relay.address)
+                targets[i] = target
+                procs[f"worker-{i}"] = worker(i, target)
         if scenario == "faults":
             metrics = out / "global" / "metrics.jsonl"
             half = rounds // 2
@@ -309,8 +405,7 @@ def run(
         for proc in procs.values():
             if proc.poll() is None:
                 proc.kill()
-        for relay in relays:
-            relay.stop()
+    link_bytes = net.link_bytes()
     rows = read_metrics(out / "global")
     # Steady state: round 1's windows hold each worker's start (imports, data, the join of all
     # four, the first download of the whole model), the same for every variant.
@@ -334,7 +429,7 @@ def run(
         "run_wall_s": wall,
         "tokens_per_s": tokens / wall if wall else 0.0,
         "held_out_loss": float(evaluated[-1]["loss"]) if evaluated else None,
-        "bytes_per_worker_step": sum(r.bytes_up + r.bytes_down for r in relays) / (WORKERS * rounds),
+        "bytes_per_worker_step": link_bytes / (WORKERS * rounds),
         "rounds_failed": sum(1 for r in rows if r.get("round_failed")),
         "dir": str(out),
     }
@@ -385,9 +480,26 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated: even (equal speeds, no fault), faults (half-speed worker 3, worker 1 killed and "
         "restarted halfway; default both)",
     )
+    parser.add_argument(
+        "--link",
+        choices=("relay", "lab"),
+        default="relay",
+        help="relay: every process on loopback, each region's link a fedgrid wan relay (default); lab: each "
+        "process on a host of a network-namespace lab, each region's link shaped by the kernel (tbf) with "
+        "fedgrid wan's delay (fedgrid.ops.lab; needs root)",
+    )
     parser.add_argument("--keep", type=Path, default=None, help="keep the run directories under this folder")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "goodput.json")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="default benchmarks/results/goodput.json (--link lab: goodput-lab.json)",
+    )
     args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = (
+            ROOT / "benchmarks" / "results" / ("goodput-lab.json" if args.link == "lab" else "goodput.json")
+        )
     cal = calibrate(args)
     # A region's full sync moves its two workers' models up and down through one link.
     sync_bits = 2 * WORKERS_PER_REGION * cal["state_bytes"] * 8
@@ -451,7 +563,12 @@ def main(argv: list[str] | None = None) -> int:
         "slow_worker": SLOW_WORKER,
         "killed_worker": KILLED_WORKER,
         "calibration": cal,
-        "link": {"delay_ms": link.delay_ms, "rtt_ms": 2 * link.delay_ms, "rate_mbit": link.rate_mbit},
+        "link": {
+            "kind": args.link,
+            "delay_ms": link.delay_ms,
+            "rtt_ms": 2 * link.delay_ms,
+            "rate_mbit": link.rate_mbit,
+        },
         "args": {k: str(v) for k, v in vars(args).items()},
         "environment": {
             "python": platform.python_version(),

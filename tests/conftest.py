@@ -31,7 +31,7 @@ TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS / "support"))
 
 #: Folder under tests/ -> (marker, timeout in seconds).
-TIERS = {"unit": 180, "integration": 300, "e2e": 900, "examples": 600}
+TIERS = {"unit": 180, "integration": 300, "e2e": 900, "examples": 600, "sites": 900}
 
 
 def pytest_configure(config: pytest.Config) -> None:

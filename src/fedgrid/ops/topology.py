@@ -454,9 +454,17 @@ def client_argv(
     ]
 
 
-def make_certificates(directory: Path, top: Topology) -> dict[str, Identity]:
-    """A CA in ``directory`` and each process's certificate, for loopback (servers: ``localhost``, ``127.0.0.1``).
+def make_certificates(
+    directory: Path, top: Topology, *, sans: Mapping[str, Sequence[str]] | None = None
+) -> dict[str, Identity]:
+    """A CA in ``directory`` and each process's certificate, for loopback (servers: ``localhost``,
+    ``127.0.0.1``) unless ``sans`` names a server's addresses.
 
+    Args:
+        directory: where the CA and the certificates go (``fedgrid certs``' layout).
+        top: the topology.
+        sans: a server certificate's names and addresses (``global``, ``NAME-lan``) where its
+            process listens elsewhere than on loopback (``fedgrid.ops.lab``'s hosts).
     Returns:
         Identity by process: ``global`` (the coordinator's server certificate), per region
         ``NAME`` (its client certificate upstream) and ``NAME-lan`` (its server
@@ -470,6 +478,6 @@ def make_certificates(directory: Path, top: Topology) -> dict[str, Identity]:
     clients = [*(r.name for r in top.regions), *(f"client-{p}" for r in top.regions for p in r.partitions)]
     identities = {}
     for name in [*servers, *clients]:
-        cert, key = pki.issue(directory, name, server=name in servers)
+        cert, key = pki.issue(directory, name, server=name in servers, sans=(sans or {}).get(name, ()))
         identities[name] = Identity(ca, str(cert), str(key))
     return identities
