@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 import grpc
 import tenacity
 
+import fedgrid
 from fedgrid.client.api import Client
 from fedgrid.client.diagnose import diagnose
 from fedgrid.client.rpc import (
@@ -298,6 +299,7 @@ class Connection:
             ),
             base_hash=client.base_hash,
             lora_rank=client.lora_rank,
+            fedgrid_version=fedgrid.__version__,
         )
         reply: pb.JoinReply = self._call("Join", lambda: self.stub.Join(request, timeout=self.rpc_timeout))
         if reply.base_hash != client.base_hash:  # a coordinator that did not check: refuse to train

@@ -25,6 +25,7 @@ import uuid
 from datetime import timedelta
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
+import fedgrid
 from fedgrid.aggregation.lora_ranks import RankPolicy
 from fedgrid.aggregation.selection import CapabilityFilter
 from fedgrid.constants import (
@@ -125,6 +126,8 @@ class RemoteFleet(Fleet):
         self.chunk_size = chunk_size
         #: The frozen base model's hash of an adapter run (``--peft``): a Join must show the same ("": none).
         self.base_hash = ""
+        #: The release a Join must show (its ``fedgrid_version``; "": a client from before the field).
+        self.fedgrid_version = fedgrid.__version__
         self.lora_ranks = RankPolicy()  # the LoRA ranks a Join may announce (fedgrid.aggregation.lora_ranks)
         self._round: RoundTask | None = None
         self._finished = False
