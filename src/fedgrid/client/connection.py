@@ -26,7 +26,6 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 import grpc
 import tenacity
 
-import fedgrid
 from fedgrid.client.api import Client
 from fedgrid.client.diagnose import diagnose
 from fedgrid.client.rpc import (
@@ -59,6 +58,7 @@ from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
 from fedgrid.proto import serde
 from fedgrid.proto.tls import TLSFiles, channel_credentials, session_metadata
+from fedgrid.release import VERSION
 from fedgrid.textsafe import escape
 from fedgrid.types import ModelState
 
@@ -299,7 +299,7 @@ class Connection:
             ),
             base_hash=client.base_hash,
             lora_rank=client.lora_rank,
-            fedgrid_version=fedgrid.__version__,
+            fedgrid_version=VERSION,
         )
         reply: pb.JoinReply = self._call("Join", lambda: self.stub.Join(request, timeout=self.rpc_timeout))
         if reply.base_hash != client.base_hash:  # a coordinator that did not check: refuse to train
