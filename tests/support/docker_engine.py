@@ -69,7 +69,9 @@ def _answers() -> bool:
 
 def _apt_install(*packages: str) -> None:
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for argv in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", *packages]):
+    # Another apt (a session's, a CI step's) may hold dpkg's lock: wait for it rather than fail.
+    wait = ["-o", "DPkg::Lock::Timeout=300"]
+    for argv in (["apt-get", *wait, "update", "-q"], ["apt-get", *wait, "install", "-y", "-q", *packages]):
         done = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} exited {done.returncode}: {done.stderr.strip()[-2000:]}")
