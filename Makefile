@@ -1,4 +1,4 @@
-# Two commands: `make demo` runs a federated training, `make test` runs the tests (every tier);
+# Two commands: `make demo` runs a federated training, `make test` runs the tests (every tier but sites);
 # `make test-fast` runs the unit and integration tiers, `make test-sites` the docker kit on a real
 # Docker engine (as root; CI runs it after `make test`), `make docs` builds the documentation into build/docs/.
 # Both create .venv when it is missing and install what is needed first.

@@ -106,8 +106,9 @@ def test_the_image_is_cpu_torch_without_build_tools_as_its_own_user(image):
 def test_the_sites_train_and_end_on_the_model_fedgrid_launch_gives(federation, reference, image, tmp_path):
     fed = federation("run")
     started = time.monotonic()
-    fed.start()
-    # Beside them, a client site whose image is another fedgrid release: refused at Join.
+    # Before the federation's clients (the run waits for them), a client site whose image is
+    # another fedgrid release: refused at Join.
+    fed.start(clients=False)
     other = f"{image}-other"
     build_layer(
         other,
@@ -135,6 +136,7 @@ def test_the_sites_train_and_end_on_the_model_fedgrid_launch_gives(federation, r
         what="the other release's client to be refused",
     )
     site.compose("down", "-v", "-t", "5")
+    fed.start_clients()
 
     states = fed.wait_finished(timeout=600)
     print(

@@ -144,9 +144,10 @@ class Federation:
     def up(self, name: str) -> None:
         self.sites[name].compose("up", "-d", "--no-build", "--pull", "never", timeout=300)
 
-    def start(self, *, timeout: float = 300) -> None:
-        """Certificates, then the coordinator, the regions and the clients, each tier once the
-        one it joins answers its health check."""
+    def start(self, *, clients: bool = True, timeout: float = 300) -> None:
+        """Certificates, then the coordinator, the regions and (``clients``, else
+        ``start_clients`` later) the clients, each tier once the one it joins answers its
+        health check. No round runs before every client of a region joined (``--min-clients 3``)."""
         self.issue()
         for name, _ in self.topology:
             self.load(name)
@@ -156,6 +157,10 @@ class Federation:
             self.up(region)
         for region in ("region-a", "region-b"):
             self.wait_healthy(region, "region", timeout=timeout)
+        if clients:
+            self.start_clients()
+
+    def start_clients(self) -> None:
         for name, service in self.topology:
             if service == "client":
                 self.up(name)
