@@ -1,12 +1,13 @@
-# Two commands: `make demo` runs a federated training, `make test` runs the tests (every tier);
-# `make test-fast` runs the unit and integration tiers, `make docs` builds the documentation into build/docs/.
+# Two commands: `make demo` runs a federated training, `make test` runs the tests (every tier but sites);
+# `make test-fast` runs the unit and integration tiers, `make test-sites` the docker kit on a real
+# Docker engine (as root; CI runs it after `make test`), `make docs` builds the documentation into build/docs/.
 # Both create .venv when it is missing and install what is needed first.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint docs install proto proto-check bench clean
+.PHONY: demo test test-fast test-sites lint docs install proto proto-check bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,13 +30,20 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-# Every tier (tests/conftest.py: unit, integration, e2e, examples) on two pytest-xdist workers; the
+# Every tier but sites (tests/conftest.py: unit, integration, e2e, examples) on two pytest-xdist workers; the
 # tests that share the reference deployment run on one of them, so it is made once.
 # The status page's test renders it in headless Chromium (Debian's package): installed here
 # when missing and running as root (CI); elsewhere the test says why it is skipped.
 test: lint
 	command -v chromium >/dev/null || [ "$$(id -u)" != 0 ] || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium)
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup tests
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --ignore=tests/sites tests
+
+# The sites tier: docker/'s per-site compose files on a real Docker engine, one project per site.
+# As root it installs Debian's docker.io and debootstrap when missing, starts dockerd when no
+# engine answers (and stops it after), and builds docker/Dockerfile (tests/support/docker_engine.py).
+# The base and the image's layers stay in the engine: a second run takes minutes less.
+test-sites: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -s tests/sites
 
 # The development loop: unit and integration tiers (no subprocesses).
 test-fast: $(STAMP)

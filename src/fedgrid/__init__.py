@@ -12,18 +12,13 @@ neither torch nor grpc, and ``import fedgrid.config`` does not load the layers a
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
 from fedgrid.lazy import exports
 
-try:
-    __version__ = version("fedgrid")
-except PackageNotFoundError:  # run from a source tree that was never installed
-    __version__ = "0.0.0+unknown"
-
 # Public name -> the module that defines it ("module:attribute" where the names differ).
 _EXPORTS: dict[str, str] = {
+    "__version__": "fedgrid.release:VERSION",  # the installed package's version
     # writing and running a client
     **dict.fromkeys(["Client", "FitOutput", "EvaluateOutput"], "fedgrid.client.api"),
     "TorchClient": "fedgrid.client.torch_client",
@@ -41,7 +36,7 @@ _EXPORTS: dict[str, str] = {
     "FedgridError": "fedgrid.errors",
 }
 
-__all__ = ["__version__", *_EXPORTS]
+__all__ = [*_EXPORTS]
 
 __getattr__, __dir__ = exports("fedgrid", _EXPORTS, globals_=globals())
 
@@ -54,6 +49,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
     from fedgrid.compression.base import Codec
     from fedgrid.config import Config, load_config
     from fedgrid.errors import FedgridError
+    from fedgrid.release import VERSION as __version__
     from fedgrid.server.serve import Coordinator, run_coordinator
     from fedgrid.simulation.run import run_simulation
     from fedgrid.types import ModelState

@@ -14,6 +14,7 @@ __all__ = [
     "ResourceLimitError",
     "ConfigError",
     "AdapterRankError",
+    "VersionMismatchError",
     "InvalidUpdateError",
     "AuthenticationError",
     "PermissionDeniedError",
@@ -116,6 +117,18 @@ class BaseModelMismatchError(FedgridError):
             "--model hf:PATH folder and --peft"
         )
         self.client_hash, self.coordinator_hash = client_hash, coordinator_hash
+
+
+class VersionMismatchError(FedgridError):
+    """A client (or a region joining upstream) runs another fedgrid release than the coordinator:
+    the wire, the codecs and the round rules are one release's, so it is refused at Join. Names both."""
+
+    def __init__(self, client_version: str, coordinator_version: str) -> None:
+        super().__init__(
+            f"fedgrid version mismatch: the client runs fedgrid {client_version}, the coordinator "
+            f"fedgrid {coordinator_version}; run the same release on both (the same image or package)"
+        )
+        self.client_version, self.coordinator_version = client_version, coordinator_version
 
 
 class InterruptedRunError(FedgridError):

@@ -3,9 +3,9 @@ Dockerfile: the compose file validates (``docker compose config``, from the comp
 what the deployment needs; it runs the topology ``docker/topology.toml`` describes; the Dockerfile builds
 what pyproject.toml installs, as a non-root user, with ``fedgrid`` as its entrypoint.
 
-No Docker engine runs here: the compose file is checked by the Compose binary itself, each
-service's command by fedgrid's own parser, and the certificate service's script by running
-it on this machine.
+No Docker engine is needed here (tests/sites/ runs the per-site files on one): the compose
+file is checked by the Compose binary itself, each service's command by fedgrid's own parser,
+and the certificate service's script by running it on this machine.
 """
 
 from __future__ import annotations

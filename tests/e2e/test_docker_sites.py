@@ -2,9 +2,10 @@
 per site role (global.yaml, region.yaml, client.yaml) with docker/.env's addresses, the build
 context's ignore file and the app layer (app.Dockerfile).
 
-No Docker engine runs here: Compose's own binary validates the files, the services' commands
-are compared with docker/topology.toml (which ``fedgrid launch`` runs here, as processes), and
-the certificate scripts run on this machine with the real ``fedgrid certs``.
+No Docker engine is needed here (tests/sites/ runs the kit on one: ``make test-sites``):
+Compose's own binary validates the files, the services' commands are compared with
+docker/topology.toml (which ``fedgrid launch`` runs here, as processes), and the certificate
+scripts run on this machine with the real ``fedgrid certs``.
 """
 
 from __future__ import annotations

@@ -27,21 +27,26 @@ def compose_config(
     """``docker compose -f PATH config --format json``: the file as Compose reads it, with the
     variables of ``env_file`` (default: the file's folder's ``.env``, docker/.env) and ``env``
     (which win, as a site's shell would). No inherited COMPOSE_* or image variable counts."""
-    base = {
+    extra = ["--env-file", str(env_file)] if env_file is not None else []
+    return subprocess.run(
+        [str(compose_binary()), "-f", str(path), *extra, "config", "--format", "json"],
+        capture_output=True,
+        text=True,
+        env={**compose_env(), **(env or {})},
+        timeout=60,
+    )
+
+
+def compose_env() -> dict[str, str]:
+    """This process's environment less what would reach into a compose file: COMPOSE_* and
+    DOCKER_* settings, the image variables and the sites' addresses (a site's .env sets them)."""
+    return {
         k: v
         for k, v in os.environ.items()
         if not k.startswith(("COMPOSE_", "DOCKER_", "FEDGRID_IMAGE", "BASE_IMAGE", "TORCH_INDEX"))
         and k
         not in ("GLOBAL_HOST", "GLOBAL_PORT", "REGION", "REGION_HOST", "REGION_PORT", "CLIENT", "PARTITION")
     }
-    extra = ["--env-file", str(env_file)] if env_file is not None else []
-    return subprocess.run(
-        [str(compose_binary()), "-f", str(path), *extra, "config", "--format", "json"],
-        capture_output=True,
-        text=True,
-        env={**base, **(env or {})},
-        timeout=60,
-    )
 
 
 def compose_json(path: Path, **env: str) -> dict:

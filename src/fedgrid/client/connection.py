@@ -59,6 +59,7 @@ from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
 from fedgrid.proto import serde
 from fedgrid.proto.tls import TLSFiles, channel_credentials, session_metadata
+from fedgrid.release import VERSION
 from fedgrid.textsafe import escape
 from fedgrid.types import ModelState
 
@@ -300,6 +301,7 @@ class Connection:
             ),
             base_hash=client.base_hash,
             lora_rank=client.lora_rank,
+            fedgrid_version=VERSION,
         )
         reply: pb.JoinReply = self._call("Join", lambda: self.stub.Join(request, timeout=self.rpc_timeout))
         if reply.base_hash != client.base_hash:  # a coordinator that did not check: refuse to train

@@ -86,20 +86,22 @@ class Capabilities(_message.Message):
     def __init__(self, device: _Optional[str] = ..., num_accelerators: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., codecs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("name", "region", "capabilities", "num_examples", "base_hash", "lora_rank")
+    __slots__ = ("name", "region", "capabilities", "num_examples", "base_hash", "lora_rank", "fedgrid_version")
     NAME_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
     BASE_HASH_FIELD_NUMBER: _ClassVar[int]
     LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    FEDGRID_VERSION_FIELD_NUMBER: _ClassVar[int]
     name: str
     region: str
     capabilities: Capabilities
     num_examples: int
     base_hash: str
     lora_rank: int
-    def __init__(self, name: _Optional[str] = ..., region: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., num_examples: _Optional[int] = ..., base_hash: _Optional[str] = ..., lora_rank: _Optional[int] = ...) -> None: ...
+    fedgrid_version: str
+    def __init__(self, name: _Optional[str] = ..., region: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., num_examples: _Optional[int] = ..., base_hash: _Optional[str] = ..., lora_rank: _Optional[int] = ..., fedgrid_version: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("client_id", "session_token", "run_id", "heartbeat_interval_s", "chunk_size", "base_hash")

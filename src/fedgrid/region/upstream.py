@@ -28,12 +28,21 @@ from fedgrid.interrupts import say
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.textsafe import escape
 
-__all__ = ["UPSTREAM_RETRY_MAX_S", "REFUSED_FOR_GOOD", "RefusedUpstream", "serve_upstream", "wan_writer"]
+__all__ = [
+    "UPSTREAM_RETRY_MAX_S",
+    "UPSTREAM_STATE",
+    "REFUSED_FOR_GOOD",
+    "RefusedUpstream",
+    "serve_upstream",
+    "wan_writer",
+]
 
 log = logging.getLogger(__name__)
 
 #: Longest wait between two tries to join the global coordinator again.
 UPSTREAM_RETRY_MAX_S = 60.0
+#: The region's state as a client upstream (``fedgrid.client.state``), in its state directory.
+UPSTREAM_STATE = "upstream.pt"
 #: Upstream refusals that joining again cannot change.
 REFUSED_FOR_GOOD = frozenset(
     {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED}
@@ -107,6 +116,9 @@ def serve_upstream(
                 on_task=on_task,
                 connect_timeout=UPSTREAM_RETRY_MAX_S,
                 retry_max_elapsed=float("inf"),
+                # The WAN uplink's error-feedback residual, as every client keeps it: a region
+                # restarted from its state directory sends what it would have sent unkilled.
+                state_path=Path(config.state_dir) / UPSTREAM_STATE if config.state_dir else None,
             )
             return summary.rounds, not stop.is_set()
         except RpcFailed as exc:  # refused upstream (or unreachable at the first join)

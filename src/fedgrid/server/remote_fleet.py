@@ -37,6 +37,7 @@ from fedgrid.constants import (
 )
 from fedgrid.errors import InterruptedRunError, RunFinishedError, StaleTaskError
 from fedgrid.events import EventLog
+from fedgrid.release import VERSION
 from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.departures import Departures
@@ -129,6 +130,8 @@ class RemoteFleet(Fleet):
         self.chunk_size = chunk_size
         #: The frozen base model's hash of an adapter run (``--peft``): a Join must show the same ("": none).
         self.base_hash = ""
+        #: The release a Join must show (its ``fedgrid_version``; "": a client from before the field).
+        self.fedgrid_version = VERSION
         self.lora_ranks = RankPolicy()  # the LoRA ranks a Join may announce (fedgrid.aggregation.lora_ranks)
         self._round: RoundTask | None = None
         self._finished = False

@@ -47,6 +47,7 @@ from fedgrid.errors import (
     RunFinishedError,
     StaleTaskError,
     StorageError,
+    VersionMismatchError,
 )
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import serde
@@ -81,6 +82,7 @@ STATUS_OF: tuple[tuple[type[FedgridError], grpc.StatusCode], ...] = (
     (RunFinishedError, grpc.StatusCode.FAILED_PRECONDITION),
     (BaseModelMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
     (AdapterRankError, grpc.StatusCode.FAILED_PRECONDITION),
+    (VersionMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
     (ResourceLimitError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (StorageError, grpc.StatusCode.UNAVAILABLE),  # the coordinator's disk: clients wait and retry
 )
@@ -184,6 +186,9 @@ class CoordinatorServicer:
 
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinReply:
         async def body() -> pb.JoinReply:
+            # Another release's client would speak this wire with other rules; "" predates the field.
+            if request.fedgrid_version and request.fedgrid_version != self.fleet.fedgrid_version:
+                raise VersionMismatchError(escape(request.fedgrid_version, 80), self.fleet.fedgrid_version)
             if request.base_hash != self.fleet.base_hash:
                 raise BaseModelMismatchError(escape(request.base_hash, 80), self.fleet.base_hash)
             self.fleet.lora_ranks.check(request.lora_rank)

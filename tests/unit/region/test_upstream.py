@@ -16,7 +16,7 @@ from fedgrid.region.upstream import RefusedUpstream, serve_upstream
 
 CONFIG = SimpleNamespace(
     name="eu", upstream="global:50051", min_clients=1, join_timeout_s=1.0,
-    upstream_ca=None, upstream_cert=None, upstream_key=None, upstream_server_name=None,
+    upstream_ca=None, upstream_cert=None, upstream_key=None, upstream_server_name=None, state_dir="",
 )  # fmt: skip
 
 
@@ -101,3 +101,20 @@ def test_another_process_under_the_regions_name_ends_it(monkeypatch):
 def test_a_join_refused_because_the_global_run_is_over_ends_the_region_finished(monkeypatch):
     over = RpcFailed("Join", grpc.StatusCode.FAILED_PRECONDITION, "the run is over", reason=RUN_FINISHED)
     assert _serve(monkeypatch, over)[0] == (0, True)
+
+
+def test_a_region_with_a_state_directory_keeps_its_upstream_state_there(monkeypatch, tmp_path):
+    """Its WAN uplink's error feedback survives a restart as a client's does (``state_path``): a
+    region killed and started again from its state directory sends what it would have sent
+    (tests/sites: int8 WAN links, bit for bit)."""
+    given: list[object] = []
+
+    def run_client(*_: object, state_path: object = None, **__: object) -> RunSummary:
+        given.append(state_path)
+        return RunSummary(rounds=2, client_id="eu")
+
+    monkeypatch.setattr(upstream, "run_client", run_client)
+    for state_dir, want in ((str(tmp_path), tmp_path / "upstream.pt"), ("", None)):
+        config = SimpleNamespace(**{**vars(CONFIG), "state_dir": state_dir})
+        assert serve_upstream(config, object(), _Fleet(), _Stop(), lambda report: None) == (2, True)  # type: ignore[arg-type]
+        assert given.pop() == want
