@@ -6,7 +6,8 @@
   layer contracts, a browser); 900 s.
 - ``examples/``: every program in ``examples/``, run whole; 600 s.
 - ``sites/``: docker/'s per-site compose kit on a real Docker engine (started from Debian's
-  docker.io as root when none answers), built and run whole; 900 s. ``make test-sites`` runs it,
+  docker.io as root when none answers), built and run whole, and the lab of real hosts and links
+  (``fedgrid.ops.lab``: network namespaces, tbf, iptables; root); 900 s. ``make test-sites`` runs it,
   after ``make test`` in CI; ``make test`` leaves it out (it installs packages and builds an image).
 
 Each test gets its folder's marker (``pytest -m unit``) and timeout, so neither is set by hand;
