@@ -22,9 +22,10 @@ import re
 import shutil
 import subprocess
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from harness import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 #: What the Dockerfile's pip steps mount: torch's wheel when TORCH_INDEX is empty, and a CA
@@ -105,13 +106,19 @@ class Engine:
         out = open(log, "ab")
         process = subprocess.Popen(["dockerd"], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         engine = cls(process, log, forwarding)
-        deadline = time.monotonic() + timeout
-        while not _answers():
-            if process.poll() is not None or time.monotonic() > deadline:
-                engine.stop()
-                tail = log.read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"dockerd did not answer within {timeout:.0f} s; its log ({log}):\n{tail}")
-            time.sleep(0.5)
+        try:
+            wait_until(
+                lambda: process.poll() is not None or _answers(),
+                timeout=timeout,
+                what="dockerd",
+                interval=0.5,
+            )
+        except AssertionError:
+            pass  # named below, with dockerd's log
+        if process.poll() is not None or not _answers():
+            engine.stop()
+            tail = log.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"dockerd did not answer within {timeout:.0f} s; its log ({log}):\n{tail}")
         return engine
 
     def stop(self, *, timeout: float = 60) -> None:

@@ -14,13 +14,14 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from composefiles import DOCKER, compose_binary, compose_env
 from docker_engine import docker
+
+from harness import wait_until
 
 #: Every project this module makes starts so (``leftovers`` finds a crashed run's).
 PREFIX = "fgsites-"
@@ -168,12 +169,11 @@ class Federation:
     def wait_until(
         self, condition: Callable[[], bool], *, timeout: float, what: str, interval: float = 1
     ) -> None:
-        """Polls ``condition``; after ``timeout`` s fails naming ``what``, with every site's logs."""
-        deadline = time.monotonic() + timeout
-        while not condition():
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{self.logs()}")
-            time.sleep(interval)
+        """``harness.wait_until``, failing with every site's logs as well."""
+        try:
+            wait_until(condition, timeout=timeout, what=what, interval=interval)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.logs()}") from None
 
     def wait_healthy(self, name: str, service: str, *, timeout: float) -> None:
         container = self.sites[name].container(service)
