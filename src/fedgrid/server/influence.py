@@ -8,7 +8,8 @@ same way, to the same results, with the same bits:
 
 1. **Distance.** Each update's L2 distance from the model its task sent (``base``; a late
    result's own task model; floating tensors, in float64, ``bounds.UpdateNorm``) is compared
-   with the *lower median* distance of the round's updates of the same tensors. An update
+   with the round's *reference*: the lower median distance of the round's *fresh* updates
+   (trained from the round's own model) of the same tensors. An update
    farther than ``max_update_ratio`` times that median is refused: it becomes its client's
    ``Failure`` for the round, naming both numbers. This stops a scaled update (x1e3) and a
    finite model of 3e38 values, which per-update checks accept. Updates of other tensors (a
@@ -16,7 +17,12 @@ same way, to the same results, with the same bits:
    result (``--min-quorum``) is compared with the median of the fresh updates of *its own
    task's* round (``references``, kept with the checkpoint): updates trained from the same
    model, not the smaller steps of a later one (a result two rounds stale from early training
-   stepped 12x as far as the fresh one it was measured against, and was refused).
+   stepped 12x as far as the fresh one it was measured against, and was refused), or, when that
+   round is no longer kept, with the merging round's reference. A late result never sets the
+   reference of the round it merges into (two late results once set it, and both fresh honest
+   updates of that round were refused). A group with fewer than ``MIN_FRESH_UPDATES`` fresh
+   updates takes the latest kept round's reference (the fallback; with none kept, the lone
+   update's own distance); a group with no fresh update and no kept reference is not measured.
 2. **Weight.** The claims (``num_examples``) of the updates left are capped: a claim counts
    for at most its identity's quota (``client_quotas``, for a cross-silo federation whose
    sizes are known) and at most ``max_weight_ratio`` times the round's lower median claim
@@ -25,8 +31,9 @@ same way, to the same results, with the same bits:
    train loss and a region's examples upstream all read the capped count. A claim of 10**9
    then buys exactly what a claim of 10**8 buys.
 
-Both medians are taken over the results in hand when the round closes (fresh results and the
-late ones merged into it), not over the claims made at Join: the set a round aggregates is
+The claims' median is taken over the results in hand when the round closes (fresh results and
+the late ones merged into it), the distances' over the fresh ones, neither over the claims made
+at Join: the set a round aggregates is
 what the determinism contract fixes, so the caps do not depend on arrival order or on who
 joined. The *lower* median (``statistics.median_low``) is an actual client's value: with two
 clients it is the smaller, so one client of two can neither inflate the reference nor hide
@@ -78,6 +85,9 @@ DEFAULT_UPDATE_RATIO = 10.0
 #: Rounds whose references are kept: a late result staler than this is measured against its
 #: merging round's median (``max_staleness`` defaults to 4).
 REFERENCE_ROUNDS = 256
+#: Fresh updates of a tensor group below which a round takes the latest kept round's reference
+#: for it (``Influence._remember``): one update's distance says nothing of what is normal.
+MIN_FRESH_UPDATES = 2
 
 
 @dataclass(frozen=True)
@@ -211,20 +221,32 @@ class Influence:
         measured: list[tuple[FitRes, float, frozenset[str]]] = [
             (r, update_distance(r, base), _part(r)) for r in fresh
         ] + [(item.result, update_distance(item.result, item.base), _part(item.result)) for item in late]
-        groups: dict[frozenset[str], list[float]] = {}
-        for _, distance, part in measured:
-            groups.setdefault(part, []).append(distance)
-        medians = {part: statistics.median_low(ds) for part, ds in groups.items()}
-        self._remember(server_round, measured[: len(fresh)])
+        # The round's reference comes from its fresh updates only: a late result never sets it.
+        reference, borrowed = self._remember(server_round, measured[: len(fresh)])
+        counts: dict[frozenset[str], int] = {}
+        for _, _, part in measured[: len(fresh)]:
+            counts[part] = counts.get(part, 0) + 1
         refused: dict[int, Failure] = {}
         for i, (res, distance, part) in enumerate(measured):
-            median = medians[part]
-            against = f"the round's median distance {median:.6g} ({len(groups[part])} updates)"
             task_round = late[i - len(fresh)].task_round if i >= len(fresh) else server_round
-            if part in self.references.get(task_round, {}) and task_round != server_round:
+            if part in self.references.get(task_round, {}):
                 # A late result: the fresh updates of its own task's round, trained from its model.
                 median = self.references[task_round][part]
-                against = f"the median distance {median:.6g} of round {task_round}'s fresh updates"
+                if task_round != server_round:
+                    against = f"the median distance {median:.6g} of round {task_round}'s fresh updates"
+                elif part in borrowed:
+                    against = (
+                        f"the median distance {median:.6g} of round {borrowed[part]}'s fresh updates "
+                        f"(this round has {counts.get(part, 0)}, under {MIN_FRESH_UPDATES})"
+                    )
+                else:
+                    against = f"the round's median distance {median:.6g} ({counts[part]} fresh updates)"
+            elif part in reference:
+                # A late result whose task's round is no longer kept: the merging round's fresh updates.
+                median = reference[part]
+                against = f"the round's median distance {median:.6g}"
+            else:
+                continue  # no fresh update of these tensors anywhere to measure it against
             if distance <= self.max_update_ratio * median:
                 continue
             reason = (
@@ -246,14 +268,34 @@ class Influence:
         kept_late = [item for i, item in enumerate(late) if len(fresh) + i not in refused]
         return kept_fresh, kept_late, [refused[i] for i in sorted(refused)]
 
-    def _remember(self, server_round: int, fresh: list[tuple[FitRes, float, frozenset[str]]]) -> None:
-        """Keeps the lower median distance of ``server_round``'s fresh updates by group."""
+    def _remember(
+        self, server_round: int, fresh: list[tuple[FitRes, float, frozenset[str]]]
+    ) -> tuple[dict[frozenset[str], float], dict[frozenset[str], int]]:
+        """Keeps and returns ``server_round``'s reference by tensor group: the lower median
+        distance of its fresh updates, or, for a group with fewer than ``MIN_FRESH_UPDATES`` of
+        them, the latest kept round's reference of that group (the fallback: a lone update is not
+        its own yardstick), or, with none kept, the lone update's own distance. Also returns the
+        groups that fell back, with the round each took its reference from."""
         groups: dict[frozenset[str], list[float]] = {}
         for _, distance, part in fresh:
             groups.setdefault(part, []).append(distance)
-        self.references[server_round] = {part: statistics.median_low(ds) for part, ds in groups.items()}
+        reference: dict[frozenset[str], float] = {}
+        borrowed: dict[frozenset[str], int] = {}
+        for part, distances in groups.items():
+            earlier = [
+                r
+                for r in sorted(self.references, reverse=True)
+                if r < server_round and part in self.references[r]
+            ]
+            if len(distances) < MIN_FRESH_UPDATES and earlier:
+                reference[part] = self.references[earlier[0]][part]
+                borrowed[part] = earlier[0]
+            else:
+                reference[part] = statistics.median_low(distances)
+        self.references[server_round] = reference
         for old in [r for r in self.references if r <= server_round - REFERENCE_ROUNDS]:
             del self.references[old]
+        return reference, borrowed
 
     def state_dict(self) -> dict[str, Any]:
         """The references, for the checkpoint (``load_state_dict``)."""

@@ -91,7 +91,7 @@ def test_an_update_far_from_the_median_distance_is_refused_naming_the_numbers():
     # 10 floating values each: the distance of b (0.2 * sqrt(10)) is the lower median of four.
     assert out.failures[1].reason == (
         "update refused: its distance 316.228 from its task's model is over max_update_ratio 10 x the "
-        "round's median distance 0.632456 (4 updates)"
+        "round's median distance 0.632456 (4 fresh updates)"
     )
     assert "its distance 9.48683e+38" in out.failures[2].reason
     assert out.extra[UPDATES_REFUSED] == 2.0
@@ -214,3 +214,43 @@ def test_references_are_kept_for_a_bounded_number_of_rounds():
     for r in range(1, 300):
         influence.bound(r, RoundOutcome([_res("a", 3, 0.1)], []), BASE)
     assert min(influence.references) == 299 - 256 + 1 and len(influence.references) == 256
+
+
+def test_late_results_never_set_the_reference_of_the_round_they_merge_into():
+    """The issue's quorum run (``--min-quorum 2 --grace-s 1 --max-staleness 2``): round 2's two
+    fresh honest updates step 3.65 from round 2's model; two late results of round 1's tasks, from
+    other identities, step 0.0696 from theirs. The late ones once set round 2's lower median
+    (0.0696) and both fresh updates were refused; now the fresh ones set it, and the late ones are
+    measured against round 1's."""
+    per_value = 1 / math.sqrt(10)  # a _res step ``by`` is a distance of by * sqrt(10)
+    influence = Influence()
+    influence.bound(
+        1, RoundOutcome([_res("a", 3, 0.05 * per_value), _res("b", 3, 0.06 * per_value)], []), BASE
+    )
+    fresh = [_res("a", 3, 3.65 * per_value), _res("b", 3, 3.66 * per_value)]
+    late = [_late("c", 0.0696 * per_value, 1), _late("d", 0.0697 * per_value, 1)]
+    out, seen = _bound(influence, fresh, late=late)
+    assert out.failures == [] and [e.event for e in seen] == []
+    assert [r.client.name for r in out.results] == ["a", "b"]
+    assert [item.result.client.name for item in out.late] == ["c", "d"]
+    [(part, median)] = influence.references[3].items()
+    assert median == pytest.approx(3.65)  # the fresh updates' lower median, not a late one's
+    # A late result far from its own round's reference is still refused, naming that round.
+    out, _ = _bound(influence, fresh, late=[_late("far", 5.0 * per_value, 1)])
+    assert [f.client.name for f in out.failures] == ["far"] and "round 1's fresh updates" in out.failures[
+        0
+    ].reason
+
+
+def test_a_round_with_one_fresh_update_falls_back_to_the_last_kept_reference():
+    influence = Influence()
+    influence.bound(1, RoundOutcome([_res("a", 3, 0.1), _res("b", 3, 0.12)], []), BASE)  # reference 0.1
+    # One fresh update (an attacker's, 50x the usual step) and honest late ones: the lone update is
+    # measured against round 1's reference, not against itself, and refused.
+    out, _ = _bound(influence, [_res("evil", 3, 5.0)], late=[_late("c", 0.1, 1), _late("d", 0.11, 1)])
+    assert [f.client.name for f in out.failures] == ["evil"]
+    assert [item.result.client.name for item in out.late] == ["c", "d"]
+    assert influence.references[3] == influence.references[1]  # the fallback is the round's reference
+    # Only late results: nothing fresh sets round 4's reference; each is measured against its own.
+    out, _ = _bound(Influence(), [], late=[_late("c", 0.1, 1)])
+    assert out.failures == [] and len(out.late) == 1
