@@ -49,6 +49,7 @@ import math
 import os
 import statistics
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Mapping
 
 import tomllib
@@ -68,6 +69,7 @@ __all__ = [
     "Influence",
     "build_influence",
     "load_quotas",
+    "share_caps",
     "update_distance",
     "CLAIMS_CAPPED",
     "UPDATES_REFUSED",
@@ -82,6 +84,10 @@ UPDATES_REFUSED = "updates_refused"
 #: differences in data size and drift, small enough that one client is never the whole mean.
 DEFAULT_WEIGHT_RATIO = 10.0
 DEFAULT_UPDATE_RATIO = 10.0
+#: Default of ``max_weight_share``: no identity holds the majority of a round's weight.
+DEFAULT_WEIGHT_SHARE = 0.5
+#: Identities a round needs for ``max_weight_share`` to apply (``share_caps``).
+MIN_SHARED_IDENTITIES = 3
 #: Rounds whose references are kept: a late result staler than this is measured against its
 #: merging round's median (``max_staleness`` defaults to 4).
 REFERENCE_ROUNDS = 256
@@ -101,14 +107,18 @@ class Influence:
             for; identities not listed have the ratio cap only.
         max_update_ratio: an update farther from its task's model than this times the round's
             lower median distance is refused; 0: off.
+        max_weight_share: no identity's claims count for more than this share of the round's
+            weight (after the caps above; a share under an equal one is an equal one); 0: off.
 
     Raises:
-        ValueError: a ratio that is not 0 or a finite number at least 1, or a quota below 1.
+        ValueError: a ratio that is not 0 or a finite number at least 1, a share outside
+            (0, 1] other than 0, or a quota below 1.
     """
 
     max_weight_ratio: float = DEFAULT_WEIGHT_RATIO
     client_quotas: Mapping[str, int] = field(default_factory=dict)
     max_update_ratio: float = DEFAULT_UPDATE_RATIO
+    max_weight_share: float = DEFAULT_WEIGHT_SHARE
     #: Fit round -> its fresh updates' lower median distance by tensor group: the reference of
     #: that round's late results. The last ``REFERENCE_ROUNDS`` rounds; state of a run.
     references: dict[int, dict[frozenset[str], float]] = field(default_factory=dict, compare=False)
@@ -118,6 +128,10 @@ class Influence:
             value = getattr(self, key)
             if not (value == 0 or (math.isfinite(value) and value >= 1)):
                 raise ValueError(f"{key} must be 0 (off) or a finite number at least 1, got {value}")
+        if not 0 <= self.max_weight_share <= 1:
+            raise ValueError(
+                f"max_weight_share must be 0 (off) or a share in (0, 1], got {self.max_weight_share}"
+            )
         for name, quota in self.client_quotas.items():
             if isinstance(quota, bool) or not isinstance(quota, int) or quota < 1:
                 raise ValueError(
@@ -126,7 +140,9 @@ class Influence:
 
     @property
     def off(self) -> bool:
-        return not (self.max_weight_ratio or self.client_quotas or self.max_update_ratio)
+        return not (
+            self.max_weight_ratio or self.client_quotas or self.max_update_ratio or self.max_weight_share
+        )
 
     def bound(
         self,
@@ -173,17 +189,23 @@ class Influence:
         limit = (
             math.floor(self.max_weight_ratio * statistics.median_low(counted)) if self.max_weight_ratio else 0
         )
+        caps = [
+            min(c for c in (q, limit or None, r.num_examples) if c is not None)
+            for r, q in zip(results, quotas)
+        ]
+        shared = share_caps(caps, [_identity(r) for r in results], self.max_weight_share)
         count = 0
         for i, (res, quota) in enumerate(zip(results, quotas)):
-            cap = min(c for c in (quota, limit or None, res.num_examples) if c is not None)
+            cap = min(caps[i], shared[i])
             if res.num_examples <= cap:
                 continue
             count += 1
-            why = (
-                "its client_quotas entry"
-                if cap == quota
-                else (f"max_weight_ratio {self.max_weight_ratio:g} x the round's median claim")
-            )
+            if cap < caps[i]:
+                why = f"max_weight_share {self.max_weight_share:g} of the round's weight"
+            elif cap == quota:
+                why = "its client_quotas entry"
+            else:
+                why = f"max_weight_ratio {self.max_weight_ratio:g} x the round's median claim"
             log.info(
                 "round %d: client %s claims %d examples, counted as %d (%s)",
                 server_round,
@@ -313,6 +335,47 @@ class Influence:
             self.references[int(r)] = {frozenset(part): float(median) for part, median in by_part}
 
 
+def _identity(res: FitRes) -> str:
+    return res.client.name or res.client.client_id
+
+
+def share_caps(weights: list[int], identities: list[str], share: float) -> list[int]:
+    """Each weight's cap so that no identity holds more than ``share`` of the total: the
+    identities over it are cut to one level ``T`` with ``T = share * (T * k + rest)`` (``k`` of
+    them cut, ``rest`` the others' weight), each of their weights scaled by ``T`` over its
+    identity's sum and rounded down (at least 1). A share under an equal one (``1 / n`` of
+    ``n`` identities) cannot be met: it is raised to that. ``share`` 0 (off) or 1 caps nothing,
+    and neither does a round of fewer than ``MIN_SHARED_IDENTITIES``: of two, the cap would
+    make every round an unweighted mean (two regions of unequal sizes, two silos), and two
+    parties cannot tell which one lies anyway; the ratio cap bounds them. Exact (``Fraction``):
+    the same weights give the same caps on every machine.
+
+    Returns:
+        The caps, one per weight (a weight not cut is its own cap).
+    """
+    totals: dict[str, int] = {}
+    for w, who in zip(weights, identities):
+        totals[who] = totals.get(who, 0) + w
+    if not share or share >= 1 or len(totals) < MIN_SHARED_IDENTITIES:
+        return list(weights)
+    cap = max(Fraction(share), Fraction(1, len(totals)))
+    order = sorted(totals.values(), reverse=True)
+    rest = sum(order)
+    for k, top in enumerate(order, start=1):
+        rest -= top
+        if k * cap >= 1:  # every identity at an equal share: nobody over it
+            return list(weights)
+        level = cap * rest / (1 - k * cap)
+        if k == len(order) or order[k] <= level:
+            break
+    if top <= level:  # nobody over the share
+        return list(weights)
+    return [
+        max(1, math.floor(w * level / totals[who])) if totals[who] > level else w
+        for w, who in zip(weights, identities)
+    ]
+
+
 def _part(res: FitRes) -> frozenset[str]:
     """The floating tensors ``res`` holds: updates of the same ones are compared."""
     return frozenset(n for n, t in res.state.items() if t.dtype.is_floating_point or t.dtype.is_complex)
@@ -359,7 +422,7 @@ def load_quotas(path: str | os.PathLike[str]) -> dict[str, int]:
 
 def build_influence(config: "Config") -> Influence:
     """The influence caps of a run's configuration (``max_weight_ratio``, ``client_quotas``,
-    ``max_update_ratio``).
+    ``max_update_ratio``, ``max_weight_share``).
 
     Raises:
         ConfigError: an unreadable or malformed quota file.
@@ -369,4 +432,5 @@ def build_influence(config: "Config") -> Influence:
         max_weight_ratio=config.max_weight_ratio,
         client_quotas=quotas,
         max_update_ratio=config.max_update_ratio,
+        max_weight_share=config.max_weight_share,
     )

@@ -19,6 +19,7 @@ from fedgrid.server.influence import (
     Influence,
     build_influence,
     load_quotas,
+    share_caps,
     update_distance,
 )
 from fedgrid.types import ClientInfo, Failure, FitRes
@@ -48,18 +49,21 @@ def _bound(influence: Influence, results, late=(), failures=()):
 
 
 def test_a_claim_counts_for_at_most_k_times_the_rounds_lower_median_claim():
+    # The ratio cap alone (the share cap, below, is off).
     for liar in (10**9, 10**8, 7001):
-        out, seen = _bound(Influence(), [_res("a", 700), _res("b", 650), _res("liar", liar)])
+        out, seen = _bound(
+            Influence(max_weight_share=0), [_res("a", 700), _res("b", 650), _res("liar", liar)]
+        )
         assert [r.num_examples for r in out.results] == [700, 650, 7000]  # median_low(650, 700, liar) = 700
         assert out.extra == {"uplink_ratio": 2.0, CLAIMS_CAPPED: 1.0} and out.failures == []
         assert [(e.event, e["name"], e["claimed"], e["cap"]) for e in seen] == [
             ("claim_capped", "liar", liar, 7000)
         ]
     # Two clients: the lower median is the honest one's claim, whoever lies.
-    out, _ = _bound(Influence(max_weight_ratio=2.5), [_res("liar", 10**9), _res("a", 3)])
+    out, _ = _bound(Influence(max_weight_ratio=2.5, max_weight_share=0), [_res("liar", 10**9), _res("a", 3)])
     assert [r.num_examples for r in out.results] == [7, 3]
     # Honest differences within the ratio are kept as claimed.
-    out, seen = _bound(Influence(), [_res("a", 100), _res("b", 999), _res("c", 30)])
+    out, seen = _bound(Influence(max_weight_share=0), [_res("a", 100), _res("b", 999), _res("c", 30)])
     assert (
         [r.num_examples for r in out.results] == [100, 999, 30]
         and seen == []
@@ -70,16 +74,21 @@ def test_a_claim_counts_for_at_most_k_times_the_rounds_lower_median_claim():
 def test_quotas_cap_their_identities_and_the_ratio_the_others():
     quotas = {"big": 5000, "small": 10}
     out, seen = _bound(
-        Influence(client_quotas=quotas), [_res("big", 10**9), _res("small", 20), _res("free", 10**6)]
+        Influence(client_quotas=quotas, max_weight_share=0),
+        [_res("big", 10**9), _res("small", 20), _res("free", 10**6)],
     )
     # Median over the claims as their quotas count them: (5000, 10, 10**6) -> 5000; ratio cap 50000.
     assert [r.num_examples for r in out.results] == [5000, 10, 50000]
     assert out.extra[CLAIMS_CAPPED] == 3.0 and [e["cap"] for e in seen] == [5000, 10, 50000]
     out, _ = _bound(
-        Influence(max_weight_ratio=0, client_quotas=quotas), [_res("big", 10**9), _res("free", 10**6)]
+        Influence(max_weight_ratio=0, client_quotas=quotas, max_weight_share=0),
+        [_res("big", 10**9), _res("free", 10**6)],
     )
     assert [r.num_examples for r in out.results] == [5000, 10**6]  # quotas only
-    out, _ = _bound(Influence(max_weight_ratio=0, max_update_ratio=0), [_res("a", 1), _res("b", 10**9)])
+    out, _ = _bound(
+        Influence(max_weight_ratio=0, max_update_ratio=0, max_weight_share=0),
+        [_res("a", 1), _res("b", 10**9)],
+    )
     assert [r.num_examples for r in out.results] == [1, 10**9]  # everything off: as claimed
 
 
@@ -142,7 +151,7 @@ def test_late_results_are_measured_from_their_own_task_and_capped_in_the_same_ro
         3,
     )
     out, _ = _bound(
-        Influence(),
+        Influence(max_weight_share=0),
         [_res("a", 3, 0.1), _res("b", 3, 0.2)],
         late=[LateResult(late_ok, 2, older), LateResult(late_far, 1, older)],
     )
@@ -254,3 +263,26 @@ def test_a_round_with_one_fresh_update_falls_back_to_the_last_kept_reference():
     # Only late results: nothing fresh sets round 4's reference; each is measured against its own.
     out, _ = _bound(Influence(), [], late=[_late("c", 0.1, 1)])
     assert out.failures == [] and len(out.late) == 1
+
+
+def test_no_identity_holds_more_than_its_share_of_a_rounds_weight():
+    # Three clients, a liar capped at 10x the median claim (6000) would hold 6000/7100 = 84%.
+    assert share_caps([600, 500, 6000], ["a", "b", "liar"], 0.5) == [600, 500, 1100]  # 1100/2200
+    # A share under an equal one is an equal one; 0 and 1 cap nothing.
+    assert share_caps([600, 500, 6000], ["a", "b", "liar"], 0.25) == [500, 500, 500]
+    assert share_caps([600, 500, 6000], ["a", "b", "liar"], 0) == [600, 500, 6000]
+    assert share_caps([600, 500, 6000], ["a", "b", "liar"], 1.0) == [600, 500, 6000]
+    # One identity's results (a fresh and a late one) share its cap in proportion.
+    assert share_caps([300, 900, 200, 200], ["x", "x", "a", "b"], 0.5) == [100, 300, 200, 200]
+    # Of two identities, the ratio cap alone (the share cap would make every round unweighted).
+    assert share_caps([600, 6000], ["a", "liar"], 0.5) == [600, 6000]
+    out, seen = _bound(Influence(), [_res("a", 600), _res("b", 500), _res("liar", 10**9)])
+    assert [r.num_examples for r in out.results] == [600, 500, 1100]
+    assert [(e["name"], e["cap"]) for e in seen] == [("liar", 1100)]
+    out, _ = _bound(Influence(max_weight_share=0), [_res("a", 600), _res("b", 500), _res("liar", 10**9)])
+    assert [r.num_examples for r in out.results] == [600, 500, 6000]
+    for bad in (-0.1, 1.5, math.nan):
+        with pytest.raises(ValueError, match="max_weight_share"):
+            Influence(max_weight_share=bad)
+        with pytest.raises(ConfigError, match="max_weight_share"):
+            load_config(overrides={"max_weight_share": bad})
