@@ -42,8 +42,7 @@ def test_mistyped_flag_suggests_the_flag_meant_in_one_line(capsys):
     err = capsys.readouterr().err
     assert info.value.code == 2
     assert (
-        err
-        == "fedgrid simulate: error: unrecognized arguments: --roundz (did you mean '--rounds' or '--out'?) 3 "
+        err == "fedgrid simulate: error: unrecognized arguments: --roundz (did you mean '--rounds'?) 3 "
         "(all flags: fedgrid simulate --help)\n"
     )
 
