@@ -35,6 +35,7 @@ def test_a_line_per_task_on_stderr_when_logging_is_not_configured(coordinator, m
     lines = capfd.readouterr().err.splitlines()
     assert [line.split(":")[0] for line in lines] == ["fedgrid session", "fedgrid session"], lines
     assert lines[0].startswith(f"fedgrid session: joined {coordinator.address} as ")
+    assert lines[0].endswith(", plaintext)")  # which coordinator and run, and that nothing protects it
     assert lines[1].startswith(
         f"fedgrid session: round 1: fit result sent ({EXAMPLES} examples, loss 0.5000; "
     )
