@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> float:
         strategy=strategy, fleet=InProcessFleet(clients), rounds=args.rounds, min_clients=1,
         round_timeout=timedelta(minutes=5), join_timeout=timedelta(seconds=5), evaluate_fn=task.evaluate,
         on_round=lambda m: print(f"round {m.round:3d}: accuracy {m.accuracy:.4f} loss {m.loss:.4f} "
-                                 f"clients {m.clients_ok} ok {m.clients_failed} failed", flush=True),
+                                 f"{m.clients_ok} clients ok, {m.clients_failed} failed", flush=True),
     )
     final = engine.run()
     assert final is not None

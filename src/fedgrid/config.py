@@ -274,6 +274,10 @@ class _CoreKeys:
         "an update's claimed num_examples counts for at most this times the round's median claim (0: no cap)",
         10.0,
     )
+    max_weight_share: float = _key(
+        "no identity's claims count for more than this share of a round's weight, after max_weight_ratio and client_quotas, in a round of 3 identities or more (0: off; a share under 1/n of n identities is 1/n)",
+        0.5,
+    )
     client_quotas: str = _key(
         'TOML file of "identity" = examples lines: the most examples each identity\'s claim counts for (cross-silo)',
         "",

@@ -44,6 +44,10 @@ def validate(config: Config) -> None:
         value = getattr(config, key)
         if not (value == 0 or 1.0 <= value < float("inf")):
             raise ConfigError(key, f"must be 0 (off) or a finite number at least 1, got {value}")
+    if not 0.0 <= config.max_weight_share <= 1.0:
+        raise ConfigError(
+            "max_weight_share", f"must be 0 (off) or a share in (0, 1], got {config.max_weight_share}"
+        )
     check_secagg_keys(config)
     parse_trackers(config.tracker)  # known names, packages installed: before any work
     if config.engine not in ENGINES:

@@ -21,7 +21,7 @@ their fields below are a contract.
 | ``round_closed`` | ``round``, ``evaluate``, ``reason``, ``results``, ``failures``; at a quorum: ``after_quorum_s``, ``waiting`` (client ids) | no more uploads are taken (but for the ``waiting`` clients' late results) |
 | ``late_refused`` | ``round`` (its task's), ``client``, ``reason`` | a late result was too stale to merge (``max_staleness``) |
 | ``update_refused`` | ``round``, ``client``, ``name``, ``distance``, ``median``, ``ratio`` | an update was farther than ``max_update_ratio`` x the round's median distance: its client's failure (``server/influence.py``) |
-| ``claim_capped`` | ``round``, ``client``, ``name``, ``claimed``, ``cap`` | a claim counts as its cap (``max_weight_ratio``, ``client_quotas``) |
+| ``claim_capped`` | ``round``, ``client``, ``name``, ``claimed``, ``cap`` | a claim counts as its cap (``max_weight_ratio``, ``client_quotas``, ``max_weight_share``) |
 | ``aggregating`` | ``round``, ``updates``, ``failures`` | the strategy aggregates |
 | ``merged`` | ``round``, ``results``: one ``{client, name, task_round, staleness, num_examples, weight}`` per result, in merge order | a semi-asynchronous round's merge: exactly what entered it (``fedgrid simulate --replay`` replays it) |
 | ``checkpoint_writing`` | ``round`` | the checkpoint of the round is being written |

@@ -268,3 +268,48 @@ def test_client_config_file_and_an_unreachable_coordinator_in_one_line(tmp_path)
         r"retrying for up to 1s$",
         retries,
     ), retries
+
+
+def test_a_port_in_use_is_one_line_not_a_traceback(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # A fresh interpreter, not the zygote's fork: gRPC reads GRPC_VERBOSITY once, at its import.
+        result = subprocess.run(
+            [
+                *FEDGRID,
+                "coordinator",
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--rounds",
+                "1",
+                "--out",
+                str(tmp_path),
+            ],
+            capture_output=True,
+            text=True,
+            env={k: v for k, v in child_env().items() if k != "GRPC_VERBOSITY"},
+            timeout=120,
+        )
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr and "add_port.cc" not in result.stderr, result.stderr
+    [line] = [line for line in result.stderr.splitlines() if "plaintext on loopback" not in line]
+    assert line == (
+        f"fedgrid: error: cannot listen on 127.0.0.1:{port}: the port is in use (another coordinator?) or the "
+        "address is not this host's; pick another with --listen HOST:PORT (port 0: any free one)"
+    )
+
+
+def test_a_client_refuses_plaintext_to_a_coordinator_off_loopback_unless_told(tmp_path):
+    result = _run("client", "--coordinator", "192.0.2.7:50051", "--connect-timeout-s", "1")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == (
+        "fedgrid: error: config key 'coordinator': 192.0.2.7:50051 is not a loopback address, and plaintext "
+        "there lets anyone on the path read and change the model: give --ca, --cert and --key (mutual TLS; "
+        "see `fedgrid certs`), or --insecure to connect in plaintext anyway\n"
+    )
+    # Told: it dials (192.0.2.0/24 is TEST-NET-1, reachable nowhere) and gives up after its deadline.
+    result = _run("client", "--coordinator", "192.0.2.7:50051", "--connect-timeout-s", "1", "--insecure")
+    assert result.returncode == 1
+    assert "could not reach the coordinator at 192.0.2.7:50051" in result.stderr.splitlines()[-1]

@@ -142,6 +142,21 @@ def test_malformed_update_is_rejected_and_changes_nothing(coordinator, session, 
         assert torch.equal(outcome.results[0].state[name], tensor)
 
 
+@pytest.mark.parametrize(
+    "field, value",
+    [("compute_s", 1.7e308), ("compute_s", -2e300), ("utilization", -3.0), ("wall_s", math.inf)],
+)
+def test_a_time_split_out_of_bounds_is_refused_naming_the_field(
+    coordinator, session, small_state, field, value
+):
+    stub, cid, token, task = session
+    with pytest.raises(grpc.RpcError) as err:
+        _upload(stub, _chunks(_good(small_state), cid, token, task, metrics={field: value}))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"metric '{field}' is" in err.value.details()
+    _assert_untouched(coordinator)
+
+
 def test_bad_checksum(coordinator, session, small_state):
     stub, cid, token, task = session
     chunks = _chunks(_good(small_state), cid, token, task)

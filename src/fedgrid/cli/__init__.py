@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from types import ModuleType
 from typing import TYPE_CHECKING, Sequence
@@ -103,6 +104,12 @@ def _command_named(argv: Sequence[str]) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    # gRPC's core writes its own error lines to stderr (a port taken: "add_port.cc:83] Failed to
+    # add port"; a refused client: "ssl_transport_security.cc:2563] Handshake failed"), naming
+    # neither the peer nor the fix. fedgrid reports what the user can act on as one line of its
+    # own; GRPC_VERBOSITY=ERROR (or DEBUG) in the environment brings the core's lines back.
+    # Set before any command imports grpc, which reads it once.
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     args = build_parser(_command_named(argv)).parse_args(argv)
     level = logging.DEBUG if args.verbose else (logging.WARNING if args.command in QUIET else logging.INFO)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -103,6 +103,12 @@ def _add_tls_flags(cli: argparse.ArgumentParser) -> None:
     )
     cli.add_argument("--key", default=None, metavar="FILE", help="mutual TLS: this client's private key")
     cli.add_argument(
+        "--insecure",
+        action="store_true",
+        help="connect in plaintext to a coordinator off loopback (anyone on the path can read and change "
+        "the model); without it, such a coordinator needs --ca/--cert/--key",
+    )
+    cli.add_argument(
         "--server-name",
         dest="server_name",
         default="",

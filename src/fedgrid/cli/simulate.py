@@ -114,7 +114,7 @@ def _round_line(config: Config, progress: SimulateProgress | None) -> Callable[[
         if progress is not None:
             progress.clear()
         print(
-            f"round {m.round:3d}/{config.rounds}{loss}{acc} clients {m.clients_ok} ok {m.clients_failed} failed  "
+            f"round {m.round:3d}/{config.rounds}{loss}{acc} {m.clients_ok} clients ok, {m.clients_failed} failed  "
             f"up {m.bytes_up / 1e6:.2f} MB down {m.bytes_down / 1e6:.2f} MB  {m.wall_s:.2f}s",
             flush=True,
         )

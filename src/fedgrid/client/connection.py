@@ -36,6 +36,7 @@ from fedgrid.client.rpc import (
     RetryWindow,
     RpcFailed,
     check_target,
+    describe_error,
     failure_of,
     is_transient,
 )
@@ -343,7 +344,7 @@ class Connection:
             self.stub.Leave(request, metadata=self._session(), timeout=timeout)
             return True
         except (grpc.RpcError, ValueError) as exc:  # ValueError: the channel closed
-            log.info("could not tell the coordinator that this client leaves: %s", exc)
+            log.info("could not tell the coordinator that this client leaves: %s", describe_error(exc))
             return False
 
     def send_messages(self, task_id: str, messages: Mapping[str, bytes]) -> int:

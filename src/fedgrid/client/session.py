@@ -218,7 +218,8 @@ class Session:
             if not self._feed.join():
                 raise SessionError("the session was closed while it joined")
             if self._verbose:
-                tell(f"joined {self.conn.target} as {self.conn.client_id} (run {self.conn.run_id})")
+                plain = "" if self.conn.tls else ", plaintext"
+                tell(f"joined {self.conn.target} as {self.conn.client_id} (run {self.conn.run_id}{plain})")
             if saved is not None and self._state_path is not None:
                 restore_client_state(self.conn, self._member, saved, self._state_path)
             self._heartbeat = Heartbeat(self.conn, self._beat_stop)

@@ -346,7 +346,7 @@ def _parts(config: Config, threads: int) -> tuple[Strategy, RunWriter, EventLog,
     def on_round(m: Any) -> None:
         print(
             f"region {config.name}: regional round {m.round} loss {m.loss if m.loss is None else round(m.loss, 4)} "
-            f"clients {m.clients_ok} ok {m.clients_failed} failed, LAN {m.bytes_up / 1e6:.2f} MB up "
+            f"{m.clients_ok} clients ok, {m.clients_failed} failed, LAN {m.bytes_up / 1e6:.2f} MB up "
             f"{m.bytes_down / 1e6:.2f} MB down ({m.wall_s:.2f}s)",
             flush=True,
         )

@@ -43,12 +43,12 @@ RPC timer (``server/rpc_timer.py``).
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from typing import Any, Callable, Sequence
 
 from fedgrid.events import Event
+from fedgrid.runlog import strict_json
 from fedgrid.server.goodput_export import MAX_REGION_LABELS, SPLIT_FIELDS, GoodputExport, region_rows
 from fedgrid.server.membership import SILENCE_INTERVALS
 from fedgrid.server.remote_fleet import RemoteFleet
@@ -356,7 +356,7 @@ class CoordinatorMonitor:
             "/metrics": Route(lambda: Response(self.metrics_text(), content_type=self._content_type)),
             "/api/status": Route(
                 lambda: Response(
-                    json.dumps(self.status(), ensure_ascii=True, allow_nan=False).encode(),
+                    strict_json(self.status(), ensure_ascii=True).encode(),
                     content_type="application/json",
                 )
             ),

@@ -325,11 +325,13 @@ class RemoteFleet(Fleet):
         deadline, not on a late task), once ``min_clients`` live clients meeting them are present
         and one is selectable: a benched client counts toward ``min_clients`` but is not asked,
         so one straggler never stops a run whose ``--min-clients`` is the fleet's size.
-        While it waits it logs ``waiting for N clients (k joined)``
-        every ``WAITING_REPORT_S`` and whenever k changes: a coordinator waiting for minutes
-        says what it waits for."""
+        While it waits it logs ``waiting for N clients (k joined)`` every ``WAITING_REPORT_S``
+        and whenever k has moved by a tenth of N (at least 1) or identity conflicts first appear
+        since the last line: a coordinator waiting for minutes says what it waits for, and a flood
+        of Joins writes about ten lines, not one a Join."""
         deadline = self.clock.now() + timeout.total_seconds()
-        reported: tuple[int, str] | None = None
+        reported: tuple[int, bool] | None = None
+        step = max(1, min_clients // 10)
         next_report = self.clock.now()
         with self._lock:
             while True:
@@ -350,7 +352,10 @@ class RemoteFleet(Fleet):
                 if len(live) >= min_clients and free:
                     return free
                 conflicts = self.registry.conflict_note()  # two processes on one identity
-                if (joined, conflicts) != reported or self.clock.now() >= next_report:
+                moved = (
+                    reported is None or abs(joined - reported[0]) >= step or bool(conflicts) != reported[1]
+                )
+                if moved or self.clock.now() >= next_report:
                     log.info(
                         "waiting for %d clients (%d joined%s%s)",
                         min_clients,
@@ -358,7 +363,7 @@ class RemoteFleet(Fleet):
                         f", {unfit} short of the capability requirements" if unfit else "",
                         conflicts,
                     )
-                    reported, next_report = (joined, conflicts), self.clock.now() + WAITING_REPORT_S
+                    reported, next_report = (joined, bool(conflicts)), self.clock.now() + WAITING_REPORT_S
                 if self._interrupted:
                     self.storage.check()
                     raise InterruptedRunError("stopped while waiting for clients")

@@ -163,12 +163,20 @@ class Coordinator:
 
         try:
             self.server, self.health, self.port = self._run(build())
+        except RuntimeError as exc:  # grpc's "Failed to bind to address": taken, or not this host's
+            self._shutdown_loop()
+            if "bind" not in str(exc):
+                raise
+            self.port = 0
         except Exception:
             self._shutdown_loop()
             raise
         if self.port == 0:
             self._shutdown_loop()
-            raise OSError(f"could not bind {listen}")
+            raise OSError(
+                f"cannot listen on {listen}: the port is in use (another coordinator?) or the address is "
+                "not this host's; pick another with --listen HOST:PORT (port 0: any free one)"
+            )
         self.address = advertised_address(listen, self.port)
 
     @staticmethod

@@ -244,8 +244,8 @@ function plot(id, rows, value, s) {
   }
 }
 function text(id, value) { document.getElementById(id).textContent = value; }
-function device(c) {  // "cuda x2, 80.0 GiB": the device type, accelerators, memory
-  return (c.device || "") + (c.accelerators ? " x" + c.accelerators : "") + (c.memory_bytes ? ", " + (c.memory_bytes / 1073741824).toFixed(1) + " GiB" : "");
+function device(c) {  // "cuda x2, 80.0 GiB memory": the device type, accelerators, memory
+  return (c.device || "") + (c.accelerators ? " x" + c.accelerators : "") + (c.memory_bytes ? ", " + (c.memory_bytes / 1073741824).toFixed(1) + " GiB memory" : "");
 }
 function num(v, digits) { return typeof v === "number" ? v.toFixed(digits) : "-"; }
 function split(r) {  // "compute 5.5 s, comm 27.6 s, wait 0.4 s"

@@ -213,7 +213,7 @@ def _round_printer(rounds: int) -> Callable[[RoundMetrics], None]:
     def on_round(m: RoundMetrics) -> None:
         acc = "" if m.accuracy is None else f" accuracy {m.accuracy:.4f}"
         print(
-            f"round {m.round}/{rounds} loss {m.loss if m.loss is None else round(m.loss, 4)}{acc} clients {m.clients_ok} ok {m.clients_failed} failed ({m.wall_s:.2f}s)",
+            f"round {m.round}/{rounds} loss {m.loss if m.loss is None else round(m.loss, 4)}{acc} {m.clients_ok} clients ok, {m.clients_failed} failed ({m.wall_s:.2f}s)",
             flush=True,
         )
 

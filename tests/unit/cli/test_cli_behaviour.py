@@ -42,8 +42,7 @@ def test_mistyped_flag_suggests_the_flag_meant_in_one_line(capsys):
     err = capsys.readouterr().err
     assert info.value.code == 2
     assert (
-        err
-        == "fedgrid simulate: error: unrecognized arguments: --roundz (did you mean '--rounds' or '--out'?) 3 "
+        err == "fedgrid simulate: error: unrecognized arguments: --roundz (did you mean '--rounds'?) 3 "
         "(all flags: fedgrid simulate --help)\n"
     )
 
@@ -199,7 +198,7 @@ def test_client_reports_what_its_file_and_flags_state_at_join(tmp_path, monkeypa
         == 0
     )
     assert seen["reported"] == Capabilities("cuda", 2, 40 << 30)  # the flag wins over the file
-    assert "fedgrid client 0/1: reports cuda x2, 40.0 GiB at join" in capsys.readouterr().out
+    assert "fedgrid client 0/1: reports cuda x2, 40.0 GiB memory at join" in capsys.readouterr().out
 
 
 def test_a_replaced_client_exits_with_one_line_naming_its_identity(tmp_path, monkeypatch, capsys):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from collections import OrderedDict
 from datetime import timedelta
@@ -182,4 +184,23 @@ def test_a_clients_last_seen_is_read_on_the_fleets_clock():
     clock.advance(0.25)
     [row] = monitor.status()["clients"]
     assert row["last_seen_s"] == 0.25
+    fleet.close()
+
+
+def test_api_status_answers_strict_json_whatever_a_clients_figures():
+    """A split that is not finite (the wire refuses one; a region's sum or an in-process fleet
+    could still make one) is served as null, never as a 500."""
+    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=60))
+    monitor = CoordinatorMonitor(fleet, rounds=1, history=lambda: [])
+    info, _ = fleet.join(ClientInfo("", name="site-1", region="eu", num_examples=1))
+    split = {"wall_s": 1.0, "compute_s": math.inf, "comm_s": 0.0, "wait_s": 0.0, "transfer_s": 0.0}
+    monitor.on_fit_results([FitRes(info, OrderedDict(), 1, {**split, "utilization": math.nan})])
+    response = monitor.routes()["/api/status"].handler()
+
+    def refuse(constant: str) -> object:
+        raise ValueError(f"not JSON: {constant}")
+
+    status = json.loads(response.body, parse_constant=refuse)
+    [row] = status["clients"]
+    assert row["compute_s"] is None and row["utilization"] is None and row["wall_s"] == 1.0
     fleet.close()
