@@ -71,7 +71,7 @@ from compression_lm import run_lm_workload  # noqa: E402
 
 from fedgrid.compression import parse_codec_spec  # noqa: E402
 from fedgrid.config import load_config  # noqa: E402
-from fedgrid.server.codec_policy import build_codec_policy  # noqa: E402
+from fedgrid.fleet.codec_policy import build_codec_policy  # noqa: E402
 from fedgrid.server.engine import RoundEngine  # noqa: E402
 from fedgrid.server.strategies import build_strategy  # noqa: E402
 from fedgrid.simulation.datasets import load_fashion_mnist  # noqa: E402

@@ -11,7 +11,7 @@ from fedgrid.aggregation import FedAvg
 from fedgrid.aggregation.selection import Sampling
 from fedgrid.client import start_client as start  # harness.start_client starts a process
 from fedgrid.compression.spec import CodecSpec
-from fedgrid.server.codec_policy import CodecPolicy
+from fedgrid.fleet.codec_policy import CodecPolicy
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.serve import Coordinator

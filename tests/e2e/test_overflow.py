@@ -21,7 +21,7 @@ import torch
 from fedgrid.aggregation import build_strategy_from
 from fedgrid.client import Client, FitOutput, start_client
 from fedgrid.events import EventLog
-from fedgrid.server.bounds import UpdateBounds
+from fedgrid.fleet.bounds import UpdateBounds
 from fedgrid.server.engine import ROUND_FAILED, RoundEngine
 from fedgrid.server.influence import Influence
 from fedgrid.server.remote_fleet import RemoteFleet

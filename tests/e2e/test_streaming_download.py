@@ -25,9 +25,9 @@ from fedgrid.client import Client
 from fedgrid.client.runtime import Connection
 from fedgrid.compression.spec import CodecSpec
 from fedgrid.config import load_config
+from fedgrid.fleet.codec_policy import CodecPolicy
 from fedgrid.proto import serde
 from fedgrid.runlog import load_model, read_metrics
-from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.serve import Coordinator
 from fedgrid.server.strategies import build_strategy

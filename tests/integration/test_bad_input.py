@@ -306,7 +306,7 @@ def test_unknown_codec(coordinator, session, small_state):
 @pytest.mark.parametrize("codec", ["fp16", "int8", "topk:0.5"])
 def test_compressed_payload_that_lies_about_its_size(small_state, codec):
     from fedgrid.compression.spec import CodecSpec
-    from fedgrid.server.codec_policy import CodecPolicy
+    from fedgrid.fleet.codec_policy import CodecPolicy
 
     from harness import InProcessCoordinator
 

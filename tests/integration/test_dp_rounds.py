@@ -15,9 +15,9 @@ from fedgrid.aggregation.privacy import noise_share
 from fedgrid.aggregation.selection import Sampling
 from fedgrid.errors import ConfigError, PrivacyBudgetError
 from fedgrid.events import EventLog
+from fedgrid.fleet.base import Fleet, RoundOutcome
 from fedgrid.runlog import RunWriter
 from fedgrid.server.engine import RoundEngine
-from fedgrid.server.fleet import Fleet, RoundOutcome
 from fedgrid.server.influence import Influence
 from fedgrid.server.privacy import Privacy
 from fedgrid.server.state import StateStore

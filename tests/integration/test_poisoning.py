@@ -13,11 +13,11 @@ import grpc
 import pytest
 import torch
 
+from fedgrid.fleet.bounds import UpdateBounds
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
 from fedgrid.proto import serde
 from fedgrid.proto.tls import session_metadata
-from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.influence import Influence
 
 from attacks import Poisoner, Step, run_federation

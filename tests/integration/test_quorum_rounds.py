@@ -21,8 +21,8 @@ from fedgrid.client.rpc import RpcFailed
 from fedgrid.client.runtime import Connection
 from fedgrid.clock import ManualClock
 from fedgrid.events import EventLog
+from fedgrid.fleet.base import Quorum
 from fedgrid.server.engine import RoundEngine
-from fedgrid.server.fleet import Quorum
 from fedgrid.server.influence import Influence
 from fedgrid.types import FitIns
 

@@ -20,7 +20,7 @@ from fedgrid.client.secagg import with_secagg
 from fedgrid.compression.spec import CodecSpec
 from fedgrid.config import load_config
 from fedgrid.config_secagg import secagg_ring
-from fedgrid.server.codec_policy import CodecPolicy
+from fedgrid.fleet.codec_policy import CodecPolicy
 from fedgrid.server.engine import RoundEngine
 from fedgrid.simulation.fleet import InProcessFleet
 from fedgrid.types import FitIns, ModelState

@@ -21,11 +21,11 @@ import torch
 from fedgrid.aggregation import build_strategy_from
 from fedgrid.client import Client, FitOutput, start_client
 from fedgrid.client.runtime import RpcFailed
+from fedgrid.fleet.bounds import UpdateBounds
 from fedgrid.ops import pki
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
 from fedgrid.proto.tls import TLSFiles
-from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.serve import Coordinator

@@ -33,8 +33,9 @@ from fedgrid.client import start_client
 from fedgrid.client.uplink import UplinkEncoder
 from fedgrid.compression.feedback import is_delta_tensor
 from fedgrid.config import load_config
+from fedgrid.fleet import protocol
 from fedgrid.runlog import read_metrics
-from fedgrid.server import late_merge, privacy, protocol
+from fedgrid.server import late_merge, privacy
 from fedgrid.simulation.run import run_simulation
 from fedgrid.simulation.tasks import builtin_client, client_options
 

@@ -18,8 +18,8 @@ from fedgrid.client.api import Client, EvaluateOutput, FitOutput
 from fedgrid.client.task_feed import ClientEvent
 from fedgrid.config import Config
 from fedgrid.events import Event, EventLog
+from fedgrid.fleet.bounds import UpdateBounds
 from fedgrid.seeding import derive_seed
-from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.influence import Influence, build_influence
 from fedgrid.server.remote_fleet import RemoteFleet

@@ -2,10 +2,10 @@
 
 A client downloads the whole model, or on a lossless downlink the tensors its task names
 (``FitIns.download``, plus what a difference-sending uplink is taken against), or on a
-compressed downlink the change since the version it holds (``server/downlink.py``); a client
+compressed downlink the change since the version it holds (``fleet/downlink.py``); a client
 of another LoRA rank than the model's downloads the model refactorized to its rank, whole
 (``fedgrid.aggregation.lora_ranks``). The
-wire bytes go to the round's ``RoundTally`` (``server/protocol.py``) whether or not the stream
+wire bytes go to the round's ``RoundTally`` (``fleet/protocol.py``) whether or not the stream
 completes, and the client counts as alive while it downloads (``Registry.live``).
 """
 
@@ -15,10 +15,10 @@ from collections import OrderedDict
 from typing import Callable, Iterator
 
 from fedgrid.errors import StaleTaskError
+from fedgrid.fleet.downlink import Downlink
+from fedgrid.fleet.protocol import download_names
 from fedgrid.proto import serde
-from fedgrid.server.downlink import Downlink
 from fedgrid.server.membership import Registry
-from fedgrid.server.protocol import download_names
 from fedgrid.server.rounds import RoundTask
 from fedgrid.textsafe import escape
 from fedgrid.types import FitIns

@@ -39,9 +39,9 @@ from fedgrid.errors import (
     StorageError,
 )
 from fedgrid.events import EventLog
+from fedgrid.fleet.base import Fleet, Quorum, RoundOutcome
 from fedgrid.runlog import RunWriter
 from fedgrid.server.disk import storage_errors
-from fedgrid.server.fleet import Fleet, Quorum, RoundOutcome
 from fedgrid.server.influence import Influence
 from fedgrid.server.late_merge import late_to_merge
 from fedgrid.server.privacy import Privacy, restore_privacy

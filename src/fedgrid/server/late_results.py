@@ -22,9 +22,9 @@ from typing import Any, Iterable, Mapping
 
 from fedgrid.config_compression import task_uplink_codec
 from fedgrid.events import EventLog
+from fedgrid.fleet.base import LateResult, Quorum
+from fedgrid.fleet.downlink import RoundDownlink
 from fedgrid.proto import serde
-from fedgrid.server.downlink import RoundDownlink
-from fedgrid.server.fleet import LateResult, Quorum
 from fedgrid.server.membership import Registry
 from fedgrid.server.rounds import RoundTask
 from fedgrid.server.spill import UpdateSpill

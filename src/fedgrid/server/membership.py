@@ -16,7 +16,7 @@ A Join is checked before it touches state: name (at most ``MAX_NAME_CHARS``), re
 printable text (``fedgrid.textsafe.check_label``); the device is a device type and the
 accelerator count and memory are within ``fedgrid.capabilities``' bounds
 (``check_capabilities``); ``num_examples`` is within ``UpdateBounds.max_num_examples``. The
-checks are ``server/protocol.py``'s ``check_joining``, which the simulated fleet calls too.
+checks are ``fleet/protocol.py``'s ``check_joining``, which the simulated fleet calls too.
 Client text is logged through ``escape``.
 
 One identity (a name; under mutual TLS the certificate's) has one session. The newest Join
@@ -63,10 +63,10 @@ from fedgrid.errors import (
     SessionReplacedError,
 )
 from fedgrid.events import EventLog
-from fedgrid.server.bounds import UpdateBounds
+from fedgrid.fleet.bounds import UpdateBounds
+from fedgrid.fleet.protocol import check_joining
 from fedgrid.server.log_budget import LogBudget
 from fedgrid.server.peers import CALLER
-from fedgrid.server.protocol import check_joining
 from fedgrid.server.wakeups import Wakeups
 from fedgrid.textsafe import escape
 from fedgrid.types import ClientInfo

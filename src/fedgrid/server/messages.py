@@ -14,8 +14,8 @@ from typing import Callable, Mapping
 from fedgrid.constants import MAX_INBOX_REPLY_BYTES
 from fedgrid.errors import DuplicateUpdateError, InvalidUpdateError, StaleTaskError
 from fedgrid.events import EventLog
+from fedgrid.fleet.protocol import check_outbox, relay
 from fedgrid.server.membership import Registry
-from fedgrid.server.protocol import check_outbox, relay
 from fedgrid.server.rounds import RoundTask
 from fedgrid.textsafe import escape
 from fedgrid.types import MessageIns, MessageRes

@@ -16,13 +16,13 @@ from datetime import timedelta
 from typing import Callable, Mapping, Sequence
 
 from fedgrid.events import EventLog
+from fedgrid.fleet import protocol
+from fedgrid.fleet.base import Quorum, RoundOutcome
+from fedgrid.fleet.codec_policy import CodecPolicy
+from fedgrid.fleet.downlink import Downlink, RoundDownlink
 from fedgrid.proto import serde
 from fedgrid.proto.buffers import receive_buffers
-from fedgrid.server import protocol
-from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.disk import StorageGuard
-from fedgrid.server.downlink import Downlink, RoundDownlink
-from fedgrid.server.fleet import Quorum, RoundOutcome
 from fedgrid.server.membership import Registry
 from fedgrid.server.messages import Mailbox
 from fedgrid.server.rounds import RoundTask, wait_for_close

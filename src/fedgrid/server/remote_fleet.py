@@ -6,7 +6,7 @@ heartbeat, failure reports, leave) and runs each phase of a round until it close
 parts live beside it, each a collaborator sharing the fleet's lock: the client registry
 (``server/membership.py``), long polls (``server/polls.py``), downloads
 (``server/downloads.py``), uploads (``server/uploads.py``, accepting through
-``server/protocol.py``), failure reports and leaves (``server/departures.py``), message phases
+``fleet/protocol.py``), failure reports and leaves (``server/departures.py``), message phases
 (``server/messages.py``), running a phase from opening to outcome (``server/phases.py``), the
 open task, its closing and the relay rules (``server/rounds.py``), the tasks a quorum's round
 carries and their late results (``server/late_results.py``), spill and downlink. It raises
@@ -37,14 +37,14 @@ from fedgrid.constants import (
 )
 from fedgrid.errors import InterruptedRunError, RunFinishedError, StaleTaskError
 from fedgrid.events import EventLog
+from fedgrid.fleet.base import Fleet, Quorum, RoundOutcome
+from fedgrid.fleet.bounds import UpdateBounds
+from fedgrid.fleet.codec_policy import CodecPolicy
+from fedgrid.fleet.downlink import Downlink
 from fedgrid.release import VERSION
-from fedgrid.server.bounds import UpdateBounds
-from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.departures import Departures
 from fedgrid.server.disk import StorageGuard
-from fedgrid.server.downlink import Downlink
 from fedgrid.server.downloads import Downloads
-from fedgrid.server.fleet import Fleet, Quorum, RoundOutcome
 from fedgrid.server.late_results import CarriedTasks
 from fedgrid.server.membership import SILENCE_INTERVALS, ClientRecord, Registry
 from fedgrid.server.messages import InboxPage, Mailbox
@@ -87,14 +87,14 @@ class RemoteFleet(Fleet):
         downlink_codec: ``none`` (every client downloads the exact global model, or the
             part of it its task names in ``FitIns.download``) or a lossy spec: clients get
             the compressed change since the version they hold, with server-side error
-            feedback (see ``server/downlink.py``), whatever ``FitIns.download`` says.
+            feedback (see ``fleet/downlink.py``), whatever ``FitIns.download`` says.
         events: where the fleet reports joins, drops, accepted uploads and round closes
             (``fedgrid.events``); default: nowhere.
         max_polls_per_client: long polls one client may hold at once; more raise
             ``ResourceLimitError`` (RESOURCE_EXHAUSTED).
         task_scope: part of every task id, so that nested rounds (a global round made of
             regional rounds, each regional round numbered from 1) never share a task id.
-        bounds: what a Join may report and an update may claim and change (``server/bounds.py``).
+        bounds: what a Join may report and an update may claim and change (``fleet/bounds.py``).
         requirements: the capabilities a client must report to take tasks (``require_device``
             and the other keys; ``None``: any client). The others stay registered and
             heartbeat, but ``wait_for_clients`` neither counts nor returns them.

@@ -3,7 +3,7 @@
 A ``RoundTask`` is what the fleet holds while a phase runs: its assignments, the results
 and failures so far, the bytes moved and, for a fit or evaluate phase, the model clients
 download. The rules of message phases (``check_outbox``, ``relay``) are the per-client
-protocol's (``server/protocol.py``), shared by ``RemoteFleet`` and ``InProcessFleet``.
+protocol's (``fleet/protocol.py``), shared by ``RemoteFleet`` and ``InProcessFleet``.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Callable
 
 from fedgrid.aggregation.lora_ranks import RankViews, specs_at_rank
 from fedgrid.compression.spec import CodecSpec
+from fedgrid.fleet.downlink import RoundDownlink
+from fedgrid.fleet.protocol import RoundTally
 from fedgrid.proto import serde
-from fedgrid.server.downlink import RoundDownlink
-from fedgrid.server.protocol import RoundTally
 from fedgrid.types import (
     EVALUATE,
     FIT,
@@ -65,7 +65,7 @@ class RoundTask:
     partials: dict[str, "Upload"] = field(default_factory=dict)  # broken uploads, by client
     closed: bool = False
     closed_by: str = ""  # why it closed: one of fedgrid.events.CLOSE_REASONS
-    tally: RoundTally = field(default_factory=RoundTally)  # the bytes moved (``server/protocol.py``)
+    tally: RoundTally = field(default_factory=RoundTally)  # the bytes moved (``fleet/protocol.py``)
     parts: dict[frozenset[str], serde.EncodedModel] = field(
         default_factory=dict
     )  # partial downloads, by tensors

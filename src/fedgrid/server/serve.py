@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fedgrid.aggregation import Strategy
 from fedgrid.aggregation.lora_ranks import RankPolicy
+from fedgrid.allocator import return_large_buffers_to_the_system
 from fedgrid.config import Config
 from fedgrid.config_llm import peft_rank_bound
 from fedgrid.constants import (
@@ -47,7 +48,6 @@ from fedgrid.proto.tls import TLSFiles, is_loopback, server_credentials
 from fedgrid.server.aio import LoopThread, advertised_address
 from fedgrid.server.engine import EvaluateFn
 from fedgrid.server.enrollment import EnrollmentServer
-from fedgrid.server.memory import return_large_buffers_to_the_system
 from fedgrid.server.monitor import CoordinatorMonitor
 from fedgrid.server.peers import PeerCheck
 from fedgrid.server.remote_fleet import RemoteFleet

@@ -6,7 +6,7 @@ the expected specs); a fit update's tensors are checked as they complete and wri
 their spill file. An update is accepted whole or not at all.
 
 Before any tensor is read, the header must name this run (``run_id``: the id the client got
-at Join) and pass ``server/protocol.py``'s header checks (the ``delta`` flag against the
+at Join) and pass ``fleet/protocol.py``'s header checks (the ``delta`` flag against the
 negotiated uplink codec, ``num_examples`` against its bounds); each tensor must come in the
 task's uplink codec (``ModelAssembler``'s ``codec``: an integer or bool tensor may come raw)
 and pass its ``UpdateCheck`` (finite, within the norm bound), and the bytes go to the round's
@@ -25,9 +25,9 @@ import torch
 
 from fedgrid.errors import DuplicateUpdateError, FedgridError, InvalidUpdateError, StaleTaskError
 from fedgrid.events import EventLog
+from fedgrid.fleet import protocol
+from fedgrid.fleet.bounds import UpdateBounds
 from fedgrid.proto import serde
-from fedgrid.server import protocol
-from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.membership import ClientRecord, Registry
 from fedgrid.server.rounds import RoundTask
 from fedgrid.server.spill import UpdateSpill, UpdateWriter
@@ -100,7 +100,7 @@ class Uploads:
         Raises:
             InvalidUpdateError: malformed stream or tensors, another run's id, a ``delta``
                 flag that does not match the task's codec, a weight or norm over its bound
-                (state unchanged; the checks are ``server/protocol.py``'s).
+                (state unchanged; the checks are ``fleet/protocol.py``'s).
             AuthenticationError, StaleTaskError, DuplicateUpdateError: as named.
         """
         iterator = iter(frames)

@@ -19,12 +19,12 @@ from fedgrid.constants import FINISH_GRACE_S, ROUND_RETRIES
 from fedgrid.determinism import environment
 from fedgrid.errors import ConfigError
 from fedgrid.events import Event, EventLog
+from fedgrid.fleet.base import quorum_of
+from fedgrid.fleet.bounds import build_bounds
+from fedgrid.fleet.codec_policy import build_codec_policy
 from fedgrid.plugins import is_factory_spec, model_state
 from fedgrid.runlog import RunWriter, load_model
-from fedgrid.server.bounds import build_bounds
-from fedgrid.server.codec_policy import build_codec_policy
 from fedgrid.server.engine import EvaluateFn, RoundEngine
-from fedgrid.server.fleet import quorum_of
 from fedgrid.server.influence import build_influence
 from fedgrid.server.monitor import CoordinatorMonitor
 from fedgrid.server.privacy import build_privacy

@@ -9,17 +9,17 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Callable
 
+from fedgrid.allocator import keep_large_buffers
 from fedgrid.client.api import Client
 from fedgrid.config import Config
 from fedgrid.determinism import environment, intra_op_threads
 from fedgrid.errors import ConfigError
+from fedgrid.fleet.base import QUORUM_NEEDS_REPLAY, Fleet, quorum_of
+from fedgrid.fleet.bounds import build_bounds
+from fedgrid.fleet.codec_policy import build_codec_policy
 from fedgrid.runlog import RunWriter
-from fedgrid.server.bounds import build_bounds
-from fedgrid.server.codec_policy import build_codec_policy
 from fedgrid.server.engine import RoundEngine
-from fedgrid.server.fleet import QUORUM_NEEDS_REPLAY, Fleet, quorum_of
 from fedgrid.server.influence import build_influence
-from fedgrid.server.memory import keep_large_buffers
 from fedgrid.server.privacy import build_privacy
 from fedgrid.server.strategies import build_strategy
 from fedgrid.simulation.fleet import InProcessFleet
@@ -118,8 +118,8 @@ def _regions(config: Config, clients: list, profiles: ClientProfiles) -> list:
 
     from fedgrid.config import STRATEGY_KEYS
     from fedgrid.errors import ConfigError
+    from fedgrid.fleet.codec_policy import CodecPolicy
     from fedgrid.region.region import RegionClient
-    from fedgrid.server.codec_policy import CodecPolicy
 
     _check_hierarchy(config)
     labels = sorted({profiles.region(i) for i in range(len(clients))} - {""})

@@ -19,10 +19,10 @@ from fedgrid.cli.client import client_config, client_options
 from fedgrid.cli.support import config_from
 from fedgrid.client.runtime import Connection, check_target
 from fedgrid.errors import ConfigError
+from fedgrid.fleet.base import Fleet, RoundOutcome
 from fedgrid.plugins import load_object
 from fedgrid.runlog import RunWriter, load_model
 from fedgrid.server.engine import RoundEngine
-from fedgrid.server.fleet import Fleet, RoundOutcome
 from fedgrid.types import ClientInfo, FitRes
 
 CLIENTS = [ClientInfo(client_id="c0", name="n0")]

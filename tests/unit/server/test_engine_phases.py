@@ -10,8 +10,8 @@ import torch
 
 from fedgrid.aggregation.fedavg import FedAvg
 from fedgrid.aggregation.selection import Sampling
+from fedgrid.fleet.base import Fleet, RoundOutcome
 from fedgrid.server.engine import RoundEngine
-from fedgrid.server.fleet import Fleet, RoundOutcome
 from fedgrid.types import ClientInfo, MessageIns, MessageRes
 
 CLIENTS = [ClientInfo(client_id=f"c{i}", name=f"n{i}") for i in range(2)]

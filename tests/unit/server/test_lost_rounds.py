@@ -13,8 +13,8 @@ from fedgrid.aggregation.fedavg import FedAvg
 from fedgrid.aggregation.selection import Sampling
 from fedgrid.errors import RoundLostError
 from fedgrid.events import EventLog
+from fedgrid.fleet.base import Fleet, RoundOutcome
 from fedgrid.server.engine import RoundEngine
-from fedgrid.server.fleet import Fleet, RoundOutcome
 from fedgrid.types import ClientInfo, Failure, FitRes
 
 CLIENTS = [ClientInfo(client_id=f"c{i}", name=f"site-{i}", num_examples=i + 1) for i in range(3)]

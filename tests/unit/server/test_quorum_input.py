@@ -13,8 +13,8 @@ from fedgrid.aggregation.fedavg import FedAvg
 from fedgrid.aggregation.selection import Sampling
 from fedgrid.config import load_config
 from fedgrid.errors import ConfigError
+from fedgrid.fleet.base import Fleet, Quorum, RoundOutcome, quorum_of
 from fedgrid.server.engine import RoundEngine
-from fedgrid.server.fleet import Fleet, Quorum, RoundOutcome, quorum_of
 from fedgrid.types import ClientInfo
 
 pytestmark = pytest.mark.timeout(30)

@@ -1,4 +1,4 @@
-"""``server/protocol.py``: a client's fit task, its download, the checks every fleet applies to
+"""``fleet/protocol.py``: a client's fit task, its download, the checks every fleet applies to
 an update, the form it is kept in (``FitRes.delta``), and the round's byte tally; the delta flag survives a spill and
 reaches only strategies that take it."""
 
@@ -16,10 +16,10 @@ from fedgrid.client.api import Client, FitOutput
 from fedgrid.compression.spec import CodecSpec
 from fedgrid.config_compression import task_uplink_codec
 from fedgrid.errors import InvalidUpdateError
-from fedgrid.server import protocol
-from fedgrid.server.bounds import UpdateBounds
-from fedgrid.server.codec_policy import CodecPolicy
-from fedgrid.server.downlink import Downlink
+from fedgrid.fleet import protocol
+from fedgrid.fleet.bounds import UpdateBounds
+from fedgrid.fleet.codec_policy import CodecPolicy
+from fedgrid.fleet.downlink import Downlink
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.spill import UpdateSpill
 from fedgrid.simulation.fleet import InProcessFleet

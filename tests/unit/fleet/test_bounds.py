@@ -13,7 +13,7 @@ import torch
 from fedgrid.aggregation import build_strategy_from
 from fedgrid.client import Client, FitOutput
 from fedgrid.errors import InvalidUpdateError
-from fedgrid.server.bounds import UpdateBounds
+from fedgrid.fleet.bounds import UpdateBounds
 from fedgrid.server.engine import ROUND_FAILED, RoundEngine, first_non_finite
 from fedgrid.server.state import StateStore
 from fedgrid.simulation.fleet import InProcessFleet
