@@ -19,21 +19,17 @@ from fedgrid.constants import FINISH_GRACE_S, ROUND_RETRIES
 from fedgrid.determinism import environment
 from fedgrid.errors import ConfigError
 from fedgrid.events import Event, EventLog
-from fedgrid.fleet.base import quorum_of
-from fedgrid.fleet.bounds import build_bounds
-from fedgrid.fleet.codec_policy import build_codec_policy
 from fedgrid.plugins import is_factory_spec, model_state
 from fedgrid.runlog import RunWriter, load_model
 from fedgrid.server.engine import EvaluateFn, RoundEngine
-from fedgrid.server.influence import build_influence
 from fedgrid.server.monitor import CoordinatorMonitor
-from fedgrid.server.privacy import build_privacy
+from fedgrid.server.parts import RunParts, build_parts
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.state import StateStore, read_state_key
-from fedgrid.server.strategies import build_capability_filter, build_strategy
+from fedgrid.server.strategies import build_capability_filter
 from fedgrid.types import ModelState, RoundMetrics
 
-__all__ = ["Wired", "wire", "coordinator_model", "build_fleet", "open_store", "write_address", "quorum_of"]
+__all__ = ["Wired", "wire", "coordinator_model", "build_fleet", "open_store", "write_address"]
 
 log = logging.getLogger(__name__)
 
@@ -61,16 +57,17 @@ def coordinator_model(config: Config) -> ModelState | None:
     return None
 
 
-def build_fleet(config: Config, events: EventLog) -> RemoteFleet:
-    """The ``RemoteFleet`` of a coordinator (or a region's) with ``config``'s links, limits and spill directory."""
+def build_fleet(config: Config, events: EventLog, parts: RunParts) -> RemoteFleet:
+    """The ``RemoteFleet`` of a coordinator (or a region's) with ``config``'s links, limits and spill
+    directory, checking and sending what ``parts`` (``build_parts(config, ...)``) say."""
     return RemoteFleet(
         events=events,
         heartbeat_interval=timedelta(seconds=config.heartbeat_interval_s),
         chunk_size=config.chunk_size,
         spill_dir=Path(config.state_dir) / "updates" if config.state_dir else None,
-        codec_policy=build_codec_policy(config),
-        downlink_codec=config.codecs.downlink,
-        bounds=build_bounds(config),
+        codec_policy=parts.codec_policy,
+        downlink_codec=parts.downlink_codec,
+        bounds=parts.bounds,
         requirements=build_capability_filter(config),
     )
 
@@ -132,24 +129,25 @@ def wire(
             (a round may start with ``min_clients`` clients; nothing is created then).
     """
     _check_quorum_fits(config)
-    influence = build_influence(config)  # a bad quota file fails before anything is created
+    # A bad strategy option, quota or noise key file fails before anything is created. The noise
+    # key is fresh and secret; a resume restores the run's.
+    parts = build_parts(config, num_clients=config.min_clients, where="coordinator", given=strategy)
     store = open_store(config)
-    strategy = build_strategy(config, num_clients=config.min_clients, given=strategy)
-    strategy.initialize(initial_state=initial)
+    parts.strategy.initialize(initial_state=initial)
     writer = RunWriter(
         config.out,
         {**config.to_dict(), "threads": threads},
         environment=environment(threads_requested=config.threads),
     )
     events = EventLog(writer.dir / "events.jsonl")
-    fleet = build_fleet(config, events)
+    fleet = build_fleet(config, events, parts)
     engine: RoundEngine  # built below; the status server serves (reads its history) only once it is
     monitor = _monitor(config, fleet, events, history=lambda: engine.history)
     if on_event is not None:  # after the monitor: a caller reading the status sees the event counted
         events.subscribe(on_event)
     on_round = _round_printer(config.rounds)
     engine = RoundEngine(
-        strategy=strategy,
+        strategy=parts.strategy,
         fleet=fleet,
         rounds=config.rounds,
         min_clients=config.min_clients,
@@ -162,10 +160,10 @@ def wire(
         finish_timeout=timedelta(seconds=FINISH_GRACE_S),
         store=store,
         events=events,
-        quorum=quorum_of(config),
+        quorum=parts.rules.quorum,
         round_retries=ROUND_RETRIES,
-        influence=influence,
-        privacy=build_privacy(config),  # a fresh secret noise key; a resume restores the run's
+        influence=parts.rules.influence,
+        privacy=parts.rules.privacy,
     )
     return Wired(writer, events, fleet, engine, monitor)
 
