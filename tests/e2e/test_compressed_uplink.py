@@ -13,6 +13,7 @@ from fedgrid.client import start_client as start  # harness.start_client starts 
 from fedgrid.compression.spec import CodecSpec
 from fedgrid.fleet.codec_policy import CodecPolicy
 from fedgrid.server.engine import RoundEngine
+from fedgrid.server.parts import Schedule
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.serve import Coordinator
 from fedgrid.simulation.fleet import InProcessFleet
@@ -30,11 +31,13 @@ def _engine(fleet, rounds=ROUNDS):
     return RoundEngine(
         strategy=strategy,
         fleet=fleet,
-        rounds=rounds,
-        min_clients=CLIENTS,
-        round_timeout=timedelta(seconds=120),
-        join_timeout=timedelta(seconds=60),
-        finish_timeout=timedelta(seconds=10),
+        schedule=Schedule(
+            rounds=rounds,
+            min_clients=CLIENTS,
+            round_timeout=timedelta(seconds=120),
+            join_timeout=timedelta(seconds=60),
+            finish_timeout=timedelta(seconds=10),
+        ),
     )
 
 

@@ -24,6 +24,7 @@ from fedgrid.events import EventLog
 from fedgrid.fleet.base import Quorum
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.influence import Influence
+from fedgrid.server.parts import RoundRules, RunIO, Schedule
 from fedgrid.types import FitIns
 
 from clocked import Call
@@ -73,16 +74,22 @@ class Run:
         self.engine = RoundEngine(
             strategy=strategy,
             fleet=self.server.fleet,
-            rounds=10,
-            min_clients=1,
-            round_timeout=timedelta(seconds=60),
-            join_timeout=timedelta(seconds=30),
-            events=log,
-            quorum=quorum,
-            # The slow worker steps 10x as far as the fast one, exactly the default distance
-            # bound: this test is about staleness weights (tests/unit/server/test_influence.py
-            # bounds late results).
-            influence=Influence(max_update_ratio=0),
+            schedule=Schedule(
+                rounds=10,
+                min_clients=1,
+                round_timeout=timedelta(seconds=60),
+                join_timeout=timedelta(seconds=30),
+            ),
+            rules=RoundRules(
+                quorum=quorum,
+                # The slow worker steps 10x as far as the fast one, exactly the default distance
+                # bound: this test is about staleness weights (tests/unit/server/test_influence.py
+                # bounds late results).
+                influence=Influence(max_update_ratio=0),
+            ),
+            io=RunIO(
+                events=log,
+            ),
         )
         self.fast = Stepper("fast", 1.0, 1, [])
         self.slow = Stepper("slow", 10.0, 4, slow_gates)

@@ -68,7 +68,7 @@ from fedgrid.proto.tls import TLSFiles
 from fedgrid.region.upstream import UPSTREAM_RETRY_MAX_S, serve_upstream, wan_writer
 from fedgrid.runlog import RunWriter
 from fedgrid.server.engine import ROUND_FAILED, RoundEngine
-from fedgrid.server.parts import build_parts
+from fedgrid.server.parts import RunIO, Schedule, build_parts
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.serve import Coordinator, build_fleet, rank_policy, write_address
 from fedgrid.server.wiring import open_store
@@ -354,17 +354,21 @@ def _parts(config: Config, threads: int) -> tuple[Strategy, RunWriter, EventLog,
     engine = RoundEngine(
         strategy=strategy,
         fleet=fleet,
-        rounds=0,
-        min_clients=config.min_clients,
-        round_timeout=timedelta(seconds=config.round_timeout_s),
-        join_timeout=timedelta(seconds=config.join_timeout_s),
-        writer=writer,
-        on_round=on_round,
-        # H + 1 checkpoints: a restart mid-task goes back to the previous task's end (RegionClient._rewind).
-        store=open_store(config, keep=max(3, config.regional_rounds + 1)),
-        events=events,
-        round_retries=ROUND_RETRIES,
-        influence=parts.rules.influence,
+        schedule=Schedule(
+            rounds=0,
+            min_clients=config.min_clients,
+            round_timeout=timedelta(seconds=config.round_timeout_s),
+            join_timeout=timedelta(seconds=config.join_timeout_s),
+            round_retries=ROUND_RETRIES,
+        ),
+        rules=parts.rules,
+        io=RunIO(
+            writer=writer,
+            on_round=on_round,
+            # H + 1 checkpoints: a restart mid-task goes back to the previous task's end (RegionClient._rewind).
+            store=open_store(config, keep=max(3, config.regional_rounds + 1)),
+            events=events,
+        ),
     )
     return strategy, writer, events, fleet, engine
 

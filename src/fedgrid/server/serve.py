@@ -46,9 +46,9 @@ from fedgrid.interrupts import GracefulStop, say
 from fedgrid.pki import RevocationList
 from fedgrid.proto.tls import TLSFiles, is_loopback, server_credentials
 from fedgrid.server.aio import LoopThread, advertised_address
-from fedgrid.server.engine import EvaluateFn
 from fedgrid.server.enrollment import EnrollmentServer
 from fedgrid.server.monitor import CoordinatorMonitor
+from fedgrid.server.parts import EvaluateFn
 from fedgrid.server.peers import PeerCheck
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.service import SERVICE, CoordinatorServicer, add_to_server

@@ -21,9 +21,9 @@ from fedgrid.errors import ConfigError
 from fedgrid.events import Event, EventLog
 from fedgrid.plugins import is_factory_spec, model_state
 from fedgrid.runlog import RunWriter, load_model
-from fedgrid.server.engine import EvaluateFn, RoundEngine
+from fedgrid.server.engine import RoundEngine
 from fedgrid.server.monitor import CoordinatorMonitor
-from fedgrid.server.parts import RunParts, build_parts
+from fedgrid.server.parts import EvaluateFn, RunIO, RunParts, Schedule, build_parts
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.state import StateStore, read_state_key
 from fedgrid.server.strategies import build_capability_filter
@@ -149,21 +149,23 @@ def wire(
     engine = RoundEngine(
         strategy=parts.strategy,
         fleet=fleet,
-        rounds=config.rounds,
-        min_clients=config.min_clients,
-        round_timeout=timedelta(seconds=config.round_timeout_s),
-        join_timeout=timedelta(seconds=config.join_timeout_s),
-        evaluate_fn=evaluate_fn,
-        eval_every=config.eval_every,
-        writer=writer,
-        on_round=on_round if monitor is None else _both(on_round, monitor.on_round),
-        finish_timeout=timedelta(seconds=FINISH_GRACE_S),
-        store=store,
-        events=events,
-        quorum=parts.rules.quorum,
-        round_retries=ROUND_RETRIES,
-        influence=parts.rules.influence,
-        privacy=parts.rules.privacy,
+        schedule=Schedule(
+            rounds=config.rounds,
+            min_clients=config.min_clients,
+            round_timeout=timedelta(seconds=config.round_timeout_s),
+            join_timeout=timedelta(seconds=config.join_timeout_s),
+            eval_every=config.eval_every,
+            finish_timeout=timedelta(seconds=FINISH_GRACE_S),
+            round_retries=ROUND_RETRIES,
+        ),
+        rules=parts.rules,
+        io=RunIO(
+            evaluate_fn=evaluate_fn,
+            writer=writer,
+            on_round=on_round if monitor is None else _both(on_round, monitor.on_round),
+            store=store,
+            events=events,
+        ),
     )
     return Wired(writer, events, fleet, engine, monitor)
 

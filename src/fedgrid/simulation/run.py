@@ -17,7 +17,7 @@ from fedgrid.errors import ConfigError
 from fedgrid.fleet.base import QUORUM_NEEDS_REPLAY, Fleet
 from fedgrid.runlog import RunWriter
 from fedgrid.server.engine import RoundEngine
-from fedgrid.server.parts import RunParts, build_parts
+from fedgrid.server.parts import RunIO, RunParts, Schedule, build_parts
 from fedgrid.simulation.fleet import InProcessFleet
 from fedgrid.simulation.heterogeneity import ClientProfiles
 from fedgrid.simulation.replay import ReplayFleet, read_merges
@@ -143,11 +143,13 @@ def _regions(config: Config, clients: list, profiles: ClientProfiles) -> list:
         engine = RoundEngine(
             strategy=parts.strategy,
             fleet=fleet,
-            rounds=0,
-            min_clients=1,
-            round_timeout=timedelta(seconds=config.round_timeout_s),
-            join_timeout=timedelta(seconds=config.join_timeout_s),
-            influence=parts.rules.influence,
+            schedule=Schedule(
+                rounds=0,
+                min_clients=1,
+                round_timeout=timedelta(seconds=config.round_timeout_s),
+                join_timeout=timedelta(seconds=config.join_timeout_s),
+            ),
+            rules=parts.rules,
         )
         out.append(RegionClient(engine, name=label, regional_rounds=config.regional_rounds))
     return out
@@ -283,18 +285,20 @@ def _run(
     engine = RoundEngine(
         strategy=parts.strategy,
         fleet=run_fleet,
-        rounds=config.rounds,
-        min_clients=1,
-        round_timeout=timedelta(seconds=config.round_timeout_s),
-        join_timeout=timedelta(seconds=config.join_timeout_s),
-        evaluate_fn=resolved.evaluate,
-        eval_every=config.eval_every,
-        writer=writer,
-        on_round=_reporter(on_round) if rank == 0 else None,
-        stop=stop,
-        quorum=parts.rules.quorum,
-        influence=parts.rules.influence,
-        privacy=parts.rules.privacy,
+        schedule=Schedule(
+            rounds=config.rounds,
+            min_clients=1,
+            round_timeout=timedelta(seconds=config.round_timeout_s),
+            join_timeout=timedelta(seconds=config.join_timeout_s),
+            eval_every=config.eval_every,
+        ),
+        rules=parts.rules,
+        io=RunIO(
+            evaluate_fn=resolved.evaluate,
+            writer=writer,
+            on_round=_reporter(on_round) if rank == 0 else None,
+            stop=stop,
+        ),
     )
     log.info("engine: %s (%s)", fleet.engine, fleet.engine_reason)
     if on_start is not None:

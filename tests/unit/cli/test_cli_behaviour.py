@@ -23,6 +23,7 @@ from fedgrid.fleet.base import Fleet, RoundOutcome
 from fedgrid.plugins import load_object
 from fedgrid.runlog import RunWriter, load_model
 from fedgrid.server.engine import RoundEngine
+from fedgrid.server.parts import RunIO, Schedule
 from fedgrid.types import ClientInfo, FitRes
 
 CLIENTS = [ClientInfo(client_id="c0", name="n0")]
@@ -333,18 +334,16 @@ class _OneClient(Fleet):
         raise AssertionError("no message phases")
 
 
-def _engine(tmp_path, fleet, **kwargs):
+def _engine(tmp_path, fleet, **io):
     strategy = FedAvg(sampling=Sampling(fraction_evaluate=1.0))
     strategy.initialize(initial_state=OrderedDict(w=torch.zeros(2)))
     engine = RoundEngine(
         strategy=strategy,
         fleet=fleet,
-        rounds=5,
-        min_clients=1,
-        round_timeout=timedelta(seconds=1),
-        join_timeout=timedelta(seconds=1),
-        writer=RunWriter(tmp_path / "run", {}),
-        **kwargs,
+        schedule=Schedule(
+            rounds=5, min_clients=1, round_timeout=timedelta(seconds=1), join_timeout=timedelta(seconds=1)
+        ),
+        io=RunIO(writer=RunWriter(tmp_path / "run", {}), **io),
     )
     fleet.engine = engine
     return engine
