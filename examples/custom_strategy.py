@@ -105,12 +105,13 @@ def main(argv: list[str] | None = None) -> float:
     from fedgrid.server.engine import RoundEngine
     from fedgrid.server.parts import RunIO, Schedule
     from fedgrid.simulation.fleet import InProcessFleet
-    from fedgrid.simulation.tasks import resolve
+    from fedgrid.simulation.tasks import ClientOptions, resolve
 
     task = resolve(dataset="digits", seed=args.seed)  # initial model, server-side evaluation, client factory
     strategy = ServerLRAvg(server_lr=args.server_lr, seed=args.seed)
     strategy.initialize(initial_state=task.initial_state)
-    clients = [task.client_factory(i, args.clients, args.seed, device="cpu") for i in range(args.clients)]
+    cpu = ClientOptions(device="cpu")
+    clients = [task.client_factory(i, args.clients, args.seed, cpu) for i in range(args.clients)]
     engine = RoundEngine(
         strategy=strategy, fleet=InProcessFleet(clients),
         schedule=Schedule(rounds=args.rounds, min_clients=1, round_timeout=timedelta(minutes=5),

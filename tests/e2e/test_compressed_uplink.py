@@ -18,7 +18,7 @@ from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.serve import Coordinator
 from fedgrid.simulation.fleet import InProcessFleet
 from fedgrid.simulation.models import digits_mlp
-from fedgrid.simulation.tasks import builtin_client, initial_state
+from fedgrid.simulation.tasks import ClientOptions, builtin_client, initial_state
 
 from harness import wait_until
 
@@ -42,7 +42,7 @@ def _engine(fleet, rounds=ROUNDS):
 
 
 def _clients():
-    return [builtin_client(i, CLIENTS, SEED, device="cpu") for i in range(CLIENTS)]
+    return [builtin_client(i, CLIENTS, SEED, options=ClientOptions(device="cpu")) for i in range(CLIENTS)]
 
 
 def _deploy(policy, downlink_codec=CodecSpec.NONE):

@@ -234,7 +234,7 @@ def test_missed_rounds_and_a_lost_replica():
     w0 is away for rounds 5 to 7 (F rounds)."""
     config = load_config(overrides={**OPTIONS, "rounds": 8, "clients": 3, "inner_steps": 5})
     resolved = resolve(dataset=config.dataset, seed=SEED)
-    make = lambda i: resolved.client_factory(i, 3, SEED, **client_options(config))  # noqa: E731
+    make = lambda i: resolved.client_factory(i, 3, SEED, client_options(config))  # noqa: E731
     workers = [Recording(make(i)) for i in range(3)]
     fleet = InProcessFleet(workers)
     strategy = build_strategy(config, num_clients=3)

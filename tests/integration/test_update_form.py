@@ -152,7 +152,7 @@ def _deployed(tmp_path: Path, strategy: str, codecs: tuple[str, str]) -> int:
     wait_until(lambda: address.exists() and address.read_text().strip() != "", timeout=120, what="address")
     handles = [
         start_client(
-            builtin_client(i, CLIENTS, config.seed, **client_options(config)), address.read_text().strip()
+            builtin_client(i, CLIENTS, config.seed, client_options(config)), address.read_text().strip()
         )
         for i in range(CLIENTS)
     ]

@@ -78,7 +78,7 @@ def simulate(config: Config, *, wrap: Callable[[int, Client], Client] = lambda i
     resolved = resolve(dataset=config.dataset, seed=config.seed, data_dir=config.data_dir)
     strategy.initialize(initial_state=resolved.initial_state)
     clients = [
-        wrap(i, resolved.client_factory(i, config.clients, config.seed, **client_options(config)))
+        wrap(i, resolved.client_factory(i, config.clients, config.seed, client_options(config)))
         for i in range(config.clients)
     ]
     engine = RoundEngine(

@@ -227,7 +227,7 @@ def _writer(config: Config, threads: int, engine: str) -> RunWriter:
 def _clients(config: Config, factory: Callable[..., Client]) -> list[Client]:
     """Clients ``0..config.clients - 1`` from ``factory``: the built-in one gets the run's data and
     training options (``client_options``), a custom ``app`` none."""
-    options = {} if config.app else client_options(config)
+    options = {} if config.app else {"options": client_options(config)}
     clients = [factory(i, config.clients, config.seed, **options) for i in range(config.clients)]
     if config.secagg:  # each with its identity key, all trusting each other's (fedgrid.client.secagg)
         from fedgrid.client.secagg import with_secagg

@@ -157,8 +157,8 @@ def test_client_takes_its_keys_from_the_config_file_flags_winning(tmp_path, monk
     args = cli.build_parser().parse_args(
         ["client", "--config", str(config), "--coordinator", "h:1", "--lr", "0.5"]
     )
-    options = client_options(args, client_config(args))
-    assert (options["dataset"], options["batch_size"], options["lr"]) == ("synthetic", 5, 0.5)
+    options = client_options(args, client_config(args))["options"]
+    assert (options.dataset, options.batch_size, options.lr) == ("synthetic", 5, 0.5)
     config.write_text('optimizer = "lbfgs"\n')
     with pytest.raises(ConfigError) as info:
         client_options(args, client_config(args))
