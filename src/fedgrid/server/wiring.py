@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from fedgrid.aggregation import Strategy
+from fedgrid.clock import MONOTONIC, Clock
 from fedgrid.config import Config
 from fedgrid.constants import FINISH_GRACE_S, ROUND_RETRIES
 from fedgrid.determinism import environment
@@ -57,9 +58,9 @@ def coordinator_model(config: Config) -> ModelState | None:
     return None
 
 
-def build_fleet(config: Config, events: EventLog, parts: RunParts) -> RemoteFleet:
+def build_fleet(config: Config, events: EventLog, parts: RunParts, clock: Clock = MONOTONIC) -> RemoteFleet:
     """The ``RemoteFleet`` of a coordinator (or a region's) with ``config``'s links, limits and spill
-    directory, checking and sending what ``parts`` (``build_parts(config, ...)``) say."""
+    directory, checking and sending what ``parts`` (``build_parts(config, ...)``) say, on ``clock``."""
     return RemoteFleet(
         events=events,
         heartbeat_interval=timedelta(seconds=config.heartbeat_interval_s),
@@ -69,6 +70,7 @@ def build_fleet(config: Config, events: EventLog, parts: RunParts) -> RemoteFlee
         downlink_codec=parts.downlink_codec,
         bounds=parts.bounds,
         requirements=build_capability_filter(config),
+        clock=clock,
     )
 
 
@@ -121,8 +123,10 @@ def wire(
     evaluate_fn: EvaluateFn | None,
     on_event: Callable[[Event], None] | None,
     strategy: Strategy | None = None,
+    clock: Clock = MONOTONIC,
 ) -> Wired:
-    """Builds the strategy (unless given), the run directory, the event log, the fleet, the monitor and the engine.
+    """Builds the strategy (unless given), the run directory, the event log, the fleet (on ``clock``),
+    the monitor and the engine.
 
     Raises:
         ConfigError: a strategy option out of range, or a ``min_quorum`` above ``min_clients``
@@ -140,7 +144,7 @@ def wire(
         environment=environment(threads_requested=config.threads),
     )
     events = EventLog(writer.dir / "events.jsonl")
-    fleet = build_fleet(config, events, parts)
+    fleet = build_fleet(config, events, parts, clock)
     engine: RoundEngine  # built below; the status server serves (reads its history) only once it is
     monitor = _monitor(config, fleet, events, history=lambda: engine.history)
     if on_event is not None:  # after the monitor: a caller reading the status sees the event counted
