@@ -129,7 +129,7 @@ def test_dropouts_and_straggler(tmp_path, monkeypatch):
     assert engine.history[0].clients_failed == len(VICTIMS) + 1
     assert (
         engine.history[1].clients_failed == 0
-    )  # the killed clients left the registry; the straggler is benched
+    )  # the killed clients left the membership; the straggler is benched
     for (names, before), after in zip(
         strategy.rounds, [r[1] for r in strategy.rounds[1:]] + [strategy.global_state]
     ):

@@ -74,7 +74,7 @@ def _with(small_state, name, value):
 
 
 def _snapshot(coordinator):
-    """Everything a bad request must not change: registry (ids, tokens, infos), the open
+    """Everything a bad request must not change: the membership (ids, tokens, infos), the open
     round (task, results, failures, bytes accepted), and the global model's bytes. (A stream
     cut by the transport, as gRPC does on an oversized message, may leave its verified
     chunks for a resume: a transfer buffer, not coordinator state.)"""

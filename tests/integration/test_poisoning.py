@@ -2,7 +2,7 @@
 the wire protocol (no SDK) claims too much weight, sends differences on a lossless task,
 names another run, joins under a name that forges log lines, or sends an update too far
 from the global model. Each is refused with INVALID_ARGUMENT naming the rule and the
-numbers, and changes nothing: the registry, the open round, the global model."""
+numbers, and changes nothing: the membership, the open round, the global model."""
 
 from __future__ import annotations
 
@@ -186,7 +186,7 @@ def test_join_with_a_bad_label_or_count_is_refused(server, request_fields, messa
             stub.Join(pb.JoinRequest(**request_fields), timeout=10)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert message in err.value.details()
-        assert server.fleet.registry.records == {}
+        assert server.fleet.membership.records == {}
         # A name in any script is fine: only what moves the cursor or ends a line is not.
         assert stub.Join(pb.JoinRequest(name="Zürich-站点 7", num_examples=3), timeout=10).client_id
 

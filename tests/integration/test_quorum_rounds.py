@@ -227,7 +227,7 @@ def test_a_task_carried_past_its_quorum_expires_at_its_deadline(caplog):
         outcome = round_1.result()
         assert outcome.closed_by == "quorum" and [c.name for c in outcome.waiting] == ["slow"]
         server.fleet.committed(1)
-        record = server.fleet.registry.records[slow.client_id]
+        record = server.fleet.membership.records[slow.client_id]
         free = lambda: [c.name for c in server.fleet.wait_for_clients(min_clients=1, timeout=timedelta(0))]  # noqa: E731
         clock.advance(29.5)
         assert free() == ["fast"] and record.benched_task == ""  # still on its task: busy, not benched

@@ -33,7 +33,7 @@ from fedgrid.types import (
 )
 
 if TYPE_CHECKING:
-    from fedgrid.server.membership import Registry
+    from fedgrid.server.membership import Membership
     from fedgrid.server.uploads import Upload
     from fedgrid.server.wakeups import Wakeups
 
@@ -227,7 +227,7 @@ def wait_for_close(
     rnd: RoundTask,
     *,
     goal: int,
-    registry: "Registry",
+    membership: "Membership",
     wake: "Wakeups",
     interrupted: Callable[[], bool],
     check_every_s: float,
@@ -266,12 +266,12 @@ def wait_for_close(
         if now >= rnd.deadline:
             for cid in rnd.pending():
                 rnd.failures[cid] = Failure(infos[cid], f"missed the round deadline of {timeout_s:.1f}s")
-                record = registry.records.get(cid)
+                record = membership.records.get(cid)
                 if record is not None and cid not in rnd.uploading:  # alive, yet no result: benched
                     record.benched_task = rnd.task_id
             return "deadline"
         if now >= next_check:
-            _fail_silent(rnd, registry)
+            _fail_silent(rnd, membership)
             next_check = now + check_every_s
             continue
         until = min(rnd.deadline, next_check)
@@ -281,9 +281,9 @@ def wait_for_close(
     return "all"
 
 
-def _fail_silent(rnd: RoundTask, registry: "Registry") -> None:
+def _fail_silent(rnd: RoundTask, membership: "Membership") -> None:
     """Fails the pending clients that went silent (lock held); a rejoin takes their task over."""
-    live = {info.client_id for info in registry.live()}
+    live = {info.client_id for info in membership.live()}
     for cid in rnd.pending():
         if cid not in live and cid not in rnd.uploading:
             rnd.failures[cid] = Failure(rnd.clients[cid], "client went silent (no heartbeat)")
