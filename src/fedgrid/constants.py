@@ -115,7 +115,7 @@ MAX_TRANSFERS_PER_CONNECTION = int(_env_float("FEDGRID_MAX_TRANSFERS_PER_CONNECT
 #: update is encoded before the call); a link too slow to carry a 1 MiB chunk in 10 s (under
 #: 0.9 Mbit/s) makes the SDK retry with smaller chunks, as a stalled upload does.
 HEADER_TIMEOUT_S = _env_float("FEDGRID_HEADER_TIMEOUT_S", 10.0)
-#: Sessions the coordinator's registry holds at once (FEDGRID_MAX_SESSIONS): a Join past it,
+#: Sessions the coordinator's membership holds at once (FEDGRID_MAX_SESSIONS): a Join past it,
 #: once silent sessions are purged, is refused (RESOURCE_EXHAUSTED; clients retry). Five times
 #: the 10,000 clients the coordinator is sized for; under mutual TLS an identity holds one.
 MAX_SESSIONS = int(_env_float("FEDGRID_MAX_SESSIONS", 50_000))

@@ -12,7 +12,7 @@ their fields below are a contract.
 | ``started`` | ``run_id``, ``address``, ``threads`` | the server listens |
 | ``resumed`` | ``round`` (the last committed round) | state was loaded from ``--state-dir`` |
 | ``client_joined`` | ``client``, ``name``, ``region`` | a Join was accepted |
-| ``client_dropped`` | ``client``, ``reason`` | a client went silent and left the registry |
+| ``client_dropped`` | ``client``, ``reason`` | a client went silent and left the membership |
 | ``identity_conflict`` | ``client`` (the replaced session), ``name``, ``by`` (the session that replaced it) | a session replaced by a newer Join of its identity called again: two processes hold the identity |
 | ``round_opened`` | ``round``, ``task``, ``clients``, ``evaluate`` | tasks are ready for the assigned clients |
 | ``updates_restored`` | ``round``, ``count`` | updates spilled before a restart count again |

@@ -74,7 +74,7 @@ def _with(small_state, name, value):
 
 
 def _snapshot(coordinator):
-    """Everything a bad request must not change: registry (ids, tokens, infos), the open
+    """Everything a bad request must not change: the membership (ids, tokens, infos), the open
     round (task, results, failures, bytes accepted), and the global model's bytes. (A stream
     cut by the transport, as gRPC does on an oversized message, may leave its verified
     chunks for a resume: a transfer buffer, not coordinator state.)"""
@@ -321,7 +321,7 @@ def test_unknown_codec(coordinator, session, small_state):
 @pytest.mark.parametrize("codec", ["fp16", "int8", "topk:0.5"])
 def test_compressed_payload_that_lies_about_its_size(small_state, codec):
     from fedgrid.compression.spec import CodecSpec
-    from fedgrid.server.codec_policy import CodecPolicy
+    from fedgrid.fleet.codec_policy import CodecPolicy
 
     from harness import InProcessCoordinator
 

@@ -2,7 +2,7 @@
 the wire protocol (no SDK) claims too much weight, sends differences on a lossless task,
 names another run, joins under a name that forges log lines, or sends an update too far
 from the global model. Each is refused with INVALID_ARGUMENT naming the rule and the
-numbers, and changes nothing: the registry, the open round, the global model."""
+numbers, and changes nothing: the membership, the open round, the global model."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ import torch
 
 from fedgrid.client.api import Client, FitOutput
 from fedgrid.config import load_config
+from fedgrid.fleet.bounds import UpdateBounds
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
 from fedgrid.proto import serde
 from fedgrid.proto.tls import session_metadata
-from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.influence import Influence
 
 from attacks import Poisoner, Step, run_federation, simulate
@@ -188,7 +188,7 @@ def test_join_with_a_bad_label_or_count_is_refused(server, request_fields, messa
             stub.Join(pb.JoinRequest(**request_fields), timeout=10)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert message in err.value.details()
-        assert server.fleet.registry.records == {}
+        assert server.fleet.membership.records == {}
         # A name in any script is fine: only what moves the cursor or ends a line is not.
         assert stub.Join(pb.JoinRequest(name="Zürich-站点 7", num_examples=3), timeout=10).client_id
 

@@ -21,9 +21,10 @@ from fedgrid.client.rpc import RpcFailed
 from fedgrid.client.runtime import Connection
 from fedgrid.clock import ManualClock
 from fedgrid.events import EventLog
+from fedgrid.fleet.base import Quorum
 from fedgrid.server.engine import RoundEngine
-from fedgrid.server.fleet import Quorum
 from fedgrid.server.influence import Influence
+from fedgrid.server.parts import RoundRules, RunIO, Schedule
 from fedgrid.types import FitIns
 
 from clocked import Call
@@ -80,16 +81,22 @@ class Run:
         self.engine = RoundEngine(
             strategy=strategy,
             fleet=self.server.fleet,
-            rounds=10,
-            min_clients=1,
-            round_timeout=timedelta(seconds=60),
-            join_timeout=timedelta(seconds=30),
-            events=log,
-            quorum=quorum,
-            # The slow worker steps 10x as far as the fast one, exactly the default distance
-            # bound: this test is about staleness weights (tests/unit/server/test_influence.py
-            # bounds late results).
-            influence=Influence(max_update_ratio=0) if influence is None else influence,
+            schedule=Schedule(
+                rounds=10,
+                min_clients=1,
+                round_timeout=timedelta(seconds=60),
+                join_timeout=timedelta(seconds=30),
+            ),
+            rules=RoundRules(
+                quorum=quorum,
+                # The slow worker steps 10x as far as the fast one, exactly the default distance
+                # bound: this test is about staleness weights (tests/unit/server/test_influence.py
+                # bounds late results).
+                influence=Influence(max_update_ratio=0) if influence is None else influence,
+            ),
+            io=RunIO(
+                events=log,
+            ),
         )
         self.fast = Stepper("fast", 1.0, 1, [])
         self.slow = Stepper("slow", 10.0, 4, slow_gates)
@@ -232,7 +239,7 @@ def test_a_task_carried_past_its_quorum_expires_at_its_deadline(caplog):
         outcome = round_1.result()
         assert outcome.closed_by == "quorum" and [c.name for c in outcome.waiting] == ["slow"]
         server.fleet.committed(1)
-        record = server.fleet.registry.records[slow.client_id]
+        record = server.fleet.membership.records[slow.client_id]
         free = lambda: [c.name for c in server.fleet.wait_for_clients(min_clients=1, timeout=timedelta(0))]  # noqa: E731
         clock.advance(29.5)
         assert free() == ["fast"] and record.benched_task == ""  # still on its task: busy, not benched

@@ -186,8 +186,8 @@ def client_config(args: argparse.Namespace) -> Config:
 
 def client_options(args: argparse.Namespace, config: Config | None = None) -> dict[str, Any]:
     """The client factory's options, checked as config keys: the built-in factory gets all of
-    them (the file's and the defaults included), an ``--app`` only the flags given (as
-    ``fedgrid simulate`` gives an app none of the file's)."""
+    them as one ``ClientOptions`` (the file's and the defaults included), an ``--app`` only the
+    flags given, as keywords (as ``fedgrid simulate`` gives an app none of the file's)."""
     from fedgrid.simulation.tasks import check_config
     from fedgrid.simulation.tasks import client_options as factory_options
 
@@ -198,9 +198,9 @@ def client_options(args: argparse.Namespace, config: Config | None = None) -> di
     check_config(config)
     options = factory_options(config)
     if args.app is None:
-        return options
+        return {"options": options}
     return {
-        ("partitioner" if k == "partition" else k): options["partitioner" if k == "partition" else k]
+        ("partitioner" if k == "partition" else k): getattr(options, "partitioner" if k == "partition" else k)
         for k in given
     }
 

@@ -25,8 +25,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 from fedgrid.aggregation.base import Strategy
 from fedgrid.aggregation.updates import as_model
@@ -39,21 +38,18 @@ from fedgrid.errors import (
     StorageError,
 )
 from fedgrid.events import EventLog
-from fedgrid.runlog import RunWriter
+from fedgrid.fleet.base import Fleet, Quorum, RoundOutcome
 from fedgrid.server.disk import storage_errors
-from fedgrid.server.fleet import Fleet, Quorum, RoundOutcome
-from fedgrid.server.influence import Influence
 from fedgrid.server.late_merge import late_to_merge
-from fedgrid.server.privacy import Privacy, restore_privacy
+from fedgrid.server.parts import RoundRules, RunIO, Schedule
+from fedgrid.server.privacy import restore_privacy
 from fedgrid.server.round_failures import ROUND_FAILED, LostRounds, check_not_lost, first_non_finite
-from fedgrid.server.state import StateStore
 from fedgrid.telemetry import goodput_metrics
 from fedgrid.textsafe import escape
 from fedgrid.types import EVALUATE, FIT, ClientInfo, FitRes, ModelState, RoundMetrics, check_phase_name
 
 __all__ = [
     "RoundEngine",
-    "EvaluateFn",
     "ROUND_FAILED",
     "first_non_finite",
 ]  # the last two: server/round_failures.py
@@ -99,40 +95,19 @@ class _Tally:
 
 log = logging.getLogger(__name__)
 
-EvaluateFn = Callable[[ModelState], "tuple[float, dict[str, float]]"]
-
 
 class RoundEngine:
-    """Drives ``rounds`` rounds of ``strategy`` on ``fleet``.
+    """Drives ``schedule.rounds`` rounds of ``strategy`` on ``fleet``.
 
     Args:
         strategy: decides tasks and aggregation; ``initialize`` already called.
         fleet: reaches the clients.
-        rounds: number of rounds to run.
-        min_clients: a round starts only when this many clients are live.
-        round_timeout: each round closes by this deadline.
-        join_timeout: longest wait for ``min_clients`` before a round.
-        evaluate_fn: optional server-side evaluation ``state -> (loss, metrics)``.
-        eval_every: ``evaluate_fn`` runs after rounds that are a multiple of this and after the
-            last one; the others have no loss of it (their clients wait for no evaluation).
-        writer: where metrics and the final model go.
-        on_round: called with each round's metrics (progress display).
-        store: durable state; when given, ``run`` resumes after the last committed round.
-        events: where ``resumed``, ``aggregating``, ``round_committed`` and ``finished`` go
-            (``fedgrid.events``); default: nowhere.
-        stop: once set, ``run`` ends before its next round (the open one finishes and
-            commits; ``stop()`` abandons it instead).
-        quorum: semi-asynchronous fit rounds (``Quorum``; docs/failures.rst): a round closes
-            at its quorum, late results are merged into later rounds as differences from
-            their task's model, weighted ``num_examples * (1 + staleness) ** -a``, and each
-            merge is recorded as a ``merged`` event. ``None``: every round waits for all.
-        round_retries: a fit round whose results are all lost fails (``round_failed``) and runs
-            again under the same number, at most this many times in a row, then the run stops
-            (``server/round_failures.py``). 0: such a round is committed with no results.
-        influence: the caps on each fit round's results once it closed (``server/influence.py``):
-            far updates refused, claims capped. Default: ``Influence()``, on.
-        privacy: differential privacy of the fit rounds (``server/privacy.py``): clipping and noise
-            after the influence caps, the budget checked before each round. ``None``: off.
+        schedule: how many rounds, when a round may start, how long it may take (``Schedule``).
+        rules: quorum, influence caps and privacy of the fit rounds (``RoundRules``;
+            ``build_parts`` builds them from a ``Config``). Default: every round waits for all,
+            influence caps on, no privacy.
+        io: server-side evaluation, the run directory, the round callback, durable state,
+            events and the stop signal (``RunIO``). Default: none of them.
     """
 
     def __init__(
@@ -140,46 +115,31 @@ class RoundEngine:
         *,
         strategy: Strategy,
         fleet: Fleet,
-        rounds: int,
-        min_clients: int,
-        round_timeout: timedelta,
-        join_timeout: timedelta,
-        evaluate_fn: EvaluateFn | None = None,
-        eval_every: int = 1,
-        writer: RunWriter | None = None,
-        on_round: Callable[[RoundMetrics], None] | None = None,
-        finish_timeout: timedelta = timedelta(seconds=15),
-        store: StateStore | None = None,
-        events: EventLog | None = None,
-        stop: threading.Event | None = None,
-        quorum: Quorum | None = None,
-        round_retries: int = 0,
-        influence: Influence | None = None,
-        privacy: Privacy | None = None,
+        schedule: Schedule,
+        rules: RoundRules = RoundRules(),
+        io: RunIO = RunIO(),
     ) -> None:
         self.strategy = strategy
-        self.influence = influence if influence is not None else Influence()
-        self.privacy = privacy
-        self.quorum = quorum
+        self.influence = rules.influence
+        self.privacy = rules.privacy
+        self.quorum = rules.quorum
         self.fleet = fleet
-        self.rounds = rounds
-        self.min_clients = min_clients
-        self.round_timeout = round_timeout
-        self.join_timeout = join_timeout
-        if eval_every < 1:
-            raise ValueError(f"eval_every must be at least 1, got {eval_every}")
-        self.evaluate_fn = evaluate_fn
-        self.eval_every = eval_every
-        self.writer = writer
-        self.on_round = on_round
-        self.finish_timeout = finish_timeout
-        self.store = store
-        self.events = events if events is not None else EventLog()
+        self.rounds = schedule.rounds
+        self.min_clients = schedule.min_clients
+        self.round_timeout = schedule.round_timeout
+        self.join_timeout = schedule.join_timeout
+        self.evaluate_fn = io.evaluate_fn
+        self.eval_every = schedule.eval_every
+        self.writer = io.writer
+        self.on_round = io.on_round
+        self.finish_timeout = schedule.finish_timeout
+        self.store = io.store
+        self.events = io.events if io.events is not None else EventLog()
         self.history: list[RoundMetrics] = []
-        self.lost_rounds = LostRounds(round_retries, fleet, self.events)
+        self.lost_rounds = LostRounds(schedule.round_retries, fleet, self.events)
         self._stop = threading.Event()
-        # Set from outside (``stop``): the run ends before its next round, the open one finishes.
-        self._finish_early = stop if stop is not None else threading.Event()
+        # Set from outside (``io.stop``): the run ends before its next round, the open one finishes.
+        self._finish_early = io.stop if io.stop is not None else threading.Event()
         self._first: int | None = None
 
     def stop(self) -> None:

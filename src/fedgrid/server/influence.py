@@ -57,8 +57,8 @@ import torch
 
 from fedgrid.errors import ConfigError, InvalidUpdateError
 from fedgrid.events import EventLog
-from fedgrid.server.bounds import UpdateNorm
-from fedgrid.server.fleet import LateResult, RoundOutcome
+from fedgrid.fleet.base import LateResult, RoundOutcome
+from fedgrid.fleet.bounds import UpdateNorm
 from fedgrid.textsafe import escape
 from fedgrid.types import Failure, FitRes
 

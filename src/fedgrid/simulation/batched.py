@@ -46,10 +46,10 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import TensorDataset
 
+from fedgrid.allocator import MMAP_THRESHOLD_MAX
 from fedgrid.client.algorithms import ClientAlgorithm, FitContext, algorithm_of, train_only
 from fedgrid.client.api import Client, FitOutput, OwnedState
 from fedgrid.client.torch_client import RNG_LOCK
-from fedgrid.server.memory import MMAP_THRESHOLD_MAX
 from fedgrid.simulation.batched_memory import choose_engine, memory_budget, out_of_memory
 from fedgrid.simulation.batched_models import ClientStatic, ModelLayout, loader_size, recurrent_module
 from fedgrid.simulation.batched_optim import BatchedOptimizer, NotBatchable, OptimizerSpec, optimizer_spec

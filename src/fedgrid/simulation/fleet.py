@@ -13,7 +13,7 @@ counted in ``bytes_down``; and gets its task; (2) the clients train, through an 
 ``TorchClient`` clients of one model at once with stacked parameters
 (``fedgrid.simulation.batched``); (3) each client's update is encoded with its
 uplink codec (error feedback per client), framed, decoded (but for a raw one, above), and
-accepted by the coordinator's own functions (``fedgrid.simulation.upload``; ``server/protocol.py``:
+accepted by the coordinator's own functions (``fedgrid.simulation.upload``; ``fleet/protocol.py``:
 the header's ``delta`` flag and ``num_examples``, then each tensor finite and within the norm
 bound, then the round's bytes), so a simulated client fails exactly where a deployed one would, with the
 same message; names and counts are checked at construction as at Join. A client's error in
@@ -47,13 +47,13 @@ from fedgrid.clock import MONOTONIC, Clock
 from fedgrid.compression import available_codecs
 from fedgrid.compression.spec import CodecSpec
 from fedgrid.errors import ConfigError
+from fedgrid.fleet import protocol
+from fedgrid.fleet.base import QUORUM_NEEDS_REPLAY, Fleet, Quorum, RoundOutcome
+from fedgrid.fleet.bounds import UpdateBounds
+from fedgrid.fleet.codec_policy import CodecPolicy
+from fedgrid.fleet.downlink import Downlink, RoundDownlink
+from fedgrid.fleet.protocol import RoundTally
 from fedgrid.proto import serde
-from fedgrid.server import protocol
-from fedgrid.server.bounds import UpdateBounds
-from fedgrid.server.codec_policy import CodecPolicy
-from fedgrid.server.downlink import Downlink, RoundDownlink
-from fedgrid.server.fleet import QUORUM_NEEDS_REPLAY, Fleet, Quorum, RoundOutcome
-from fedgrid.server.protocol import RoundTally
 from fedgrid.simulation.batched import BatchedTrainer, choose_engine, recurrent_module
 from fedgrid.simulation.fleet_rounds import evaluate_clients, exchange_messages
 from fedgrid.simulation.upload import upload
@@ -320,7 +320,7 @@ class InProcessFleet(Fleet):
         views = RankViews(downlink.base)
         results: list[FitRes] = []
         failures: list[Failure] = []
-        tally = RoundTally()  # as RemoteFleet counts a round (server/protocol.py)
+        tally = RoundTally()  # as RemoteFleet counts a round (fleet/protocol.py)
         goal = len(assignments) if target is None else target
         pending, seconds = self._available(
             server_round, assignments, failures, keep_fastest=target is not None

@@ -18,8 +18,9 @@ character as a target; their evaluation reports ``loss`` in nats per token, ``pe
 
 A client factory has the signature of ``--app MODULE:FACTORY``:
 ``factory(partition: int, num_partitions: int, seed: int, **options) -> Client``. The
-built-in one, ``builtin_client``, takes the options ``client_options(config)`` lists, so a
-``fedgrid client`` process given the same options trains exactly like its simulated twin.
+built-in one, ``builtin_client``, takes one option, ``options``: the ``ClientOptions`` that
+``client_options(config)`` reads, so a ``fedgrid client`` process given the same options trains
+exactly like its simulated twin.
 
 This module resolves what a run needs from its dataset, model and app keys (``resolve``) and
 re-exports the names of the modules that hold the parts: ``fedgrid.simulation.catalog`` (the
@@ -47,7 +48,13 @@ from fedgrid.simulation.catalog import (
     load_data,
 )
 from fedgrid.simulation.catalog import ModelFactory as ModelFactory
-from fedgrid.simulation.client_factory import CLIENT_KEYS, DIGITS_BATCH_SIZE, builtin_client, client_options
+from fedgrid.simulation.client_factory import (
+    CLIENT_KEYS,
+    DIGITS_BATCH_SIZE,
+    ClientOptions,
+    builtin_client,
+    client_options,
+)
 from fedgrid.simulation.datasets import DatasetData
 from fedgrid.simulation.evaluation import EVAL_CHUNK as EVAL_CHUNK
 from fedgrid.simulation.evaluation import make_evaluate
@@ -65,6 +72,7 @@ __all__ = [
     "check_options",
     "check_config",
     "client_options",
+    "ClientOptions",
     "load_data",
     "DatasetData",
     "build_model",

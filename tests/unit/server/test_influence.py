@@ -12,7 +12,7 @@ import torch
 from fedgrid.config import load_config
 from fedgrid.errors import ConfigError
 from fedgrid.events import EventLog
-from fedgrid.server.fleet import LateResult, RoundOutcome
+from fedgrid.fleet.base import LateResult, RoundOutcome
 from fedgrid.server.influence import (
     CLAIMS_CAPPED,
     UPDATES_REFUSED,

@@ -104,7 +104,7 @@ def test_events_and_rounds_become_metrics_and_status():
     assert got[("fedgrid_bytes_total", (("direction", "up"),))] == 1000
     assert got[("fedgrid_bytes_total", (("direction", "down"),))] == 2000
     assert got[("fedgrid_client_results_total", (("outcome", "ok"),))] == 2
-    assert got[("fedgrid_live_clients", ())] == 2  # the registry still holds both (the events were made up)
+    assert got[("fedgrid_live_clients", ())] == 2  # the membership still holds both (the events were made up)
     for phase in ("fit", "aggregate", "checkpoint"):
         assert got[("fedgrid_phase_duration_seconds_count", (("phase", phase),))] == 1
     assert got[("fedgrid_round_duration_seconds_sum", ())] == 1.5
@@ -169,7 +169,7 @@ def test_goodput_histograms_label_regions_boundedly_and_never_clients():
     assert "name-" not in text and "id-" not in text
     assert [
         (r["region"], r["clients"]) for r in monitor.status()["regions"]
-    ] == []  # none joined the registry
+    ] == []  # none joined the membership
 
 
 def test_a_clients_last_seen_is_read_on_the_fleets_clock():

@@ -18,7 +18,7 @@ from fedgrid.client.api import Client, FitOutput
 from fedgrid.client.torch_client import TorchClient
 from fedgrid.compression.spec import CodecSpec
 from fedgrid.errors import ConfigError
-from fedgrid.server.codec_policy import CodecPolicy
+from fedgrid.fleet.codec_policy import CodecPolicy
 from fedgrid.simulation.batched import BatchedTrainer, choose_engine
 from fedgrid.simulation.batched_optim import NotBatchable, optimizer_spec
 from fedgrid.simulation.fleet import InProcessFleet
