@@ -80,6 +80,7 @@ def _check_ranges(config: Config) -> None:
         "batch_size",
         "max_num_examples",
         "eval_every",
+        "eval_batches",
     )
     for key in positive_ints:
         if getattr(config, key) < 1:

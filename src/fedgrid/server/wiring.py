@@ -166,6 +166,7 @@ def wire(
         round_retries=ROUND_RETRIES,
         influence=influence,
         privacy=build_privacy(config),  # a fresh secret noise key; a resume restores the run's
+        eval_in_background=True,  # the clients train the next round meanwhile (server/evaluation.py)
     )
     return Wired(writer, events, fleet, engine, monitor)
 
