@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         erase = (
             "\r\033[K" if progress is not None and progress.tty else ""
         )  # the in-place line, not into its stream
-        say(f"{erase}{signal_name}: stopping after the current round; a second one exits at once")
+        say(f"{erase}{signal_name}: stopping (the open round is abandoned); a second one exits at once")
         stop.set()
 
     if ranks is not None:

@@ -25,6 +25,8 @@ from fedgrid.client.loaders import NotPlainLoader, PlainLoader, plain_loader
 from fedgrid.client.local_dp import LocalDP
 from fedgrid.client.lookahead import LookaheadMixin
 from fedgrid.client.precision import autocast
+from fedgrid.errors import InterruptedRunError
+from fedgrid.interrupts import stopping
 from fedgrid.seeding import RNG_LOCK, derive_seed
 from fedgrid.types import FitIns, ModelState, Scalar
 
@@ -366,6 +368,8 @@ class TorchClient(LookaheadMixin, Client):
                     break
                 if stop is not None and stop.is_set():
                     break
+                if stopping():  # a signal (fedgrid.interrupts): given up, never cut short
+                    raise InterruptedRunError("training given up: the process is stopping")
                 inputs, targets = self._inputs(inputs), targets.to(self.device)
                 optimizer.zero_grad(set_to_none=True)
                 loss, example_loss_sum = self._batch_loss(module, inputs, targets)

@@ -49,6 +49,8 @@ from torch.utils.data import TensorDataset
 from fedgrid.client.algorithms import ClientAlgorithm, FitContext, algorithm_of, train_only
 from fedgrid.client.api import Client, FitOutput, OwnedState
 from fedgrid.client.torch_client import RNG_LOCK
+from fedgrid.errors import InterruptedRunError
+from fedgrid.interrupts import stopping
 from fedgrid.server.memory import MMAP_THRESHOLD_MAX
 from fedgrid.simulation.batched_memory import choose_engine, memory_budget, out_of_memory
 from fedgrid.simulation.batched_models import ClientStatic, ModelLayout, loader_size, recurrent_module
@@ -421,6 +423,8 @@ class BatchedTrainer:
             m.template, list(first.names)
         ):  # bcd: modules outside the block in eval mode, as in fit
             for s, k in enumerate(active):
+                if stopping():
+                    raise InterruptedRunError("training given up: the process is stopping")
                 rows = idx[:k, s]
                 views = {n: t[:k] for n, t in trained.items()}
                 grads, (_, loss) = fn(

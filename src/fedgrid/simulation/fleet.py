@@ -46,7 +46,8 @@ from fedgrid.client.uplink import UplinkEncoder
 from fedgrid.clock import MONOTONIC, Clock
 from fedgrid.compression import available_codecs
 from fedgrid.compression.spec import CodecSpec
-from fedgrid.errors import ConfigError
+from fedgrid.errors import ConfigError, InterruptedRunError
+from fedgrid.interrupts import stopping
 from fedgrid.proto import serde
 from fedgrid.server import protocol
 from fedgrid.server.bounds import UpdateBounds
@@ -330,6 +331,8 @@ class InProcessFleet(Fleet):
         done = 0
         downloads: dict[_Stream, tuple[ModelState, int]] = {}
         while done < len(pending) and len(results) < goal:
+            if stopping():  # between two groups of clients: the round is abandoned (RoundEngine)
+                raise InterruptedRunError(f"round {server_round} abandoned: the simulation is stopping")
             group = pending[done : done + min(step, goal - len(results))]
             done += len(group)
             prepared = self._prepare(downlink, server_round, group, downloads, tally, views)  # phase 1
@@ -350,6 +353,8 @@ class InProcessFleet(Fleet):
                             server_round, info, ins, codec, state, out, downlink, views, expected, tally
                         )
                     )
+                except InterruptedRunError:  # a client's training given up by a stop: no failure
+                    raise
                 except Exception as exc:  # a client's failure is data for the strategy
                     log.warning("client %s failed in round %d: %s", info.name, server_round, exc)
                     failures.append(Failure(info, f"{type(exc).__name__}: {exc}"))
