@@ -184,6 +184,10 @@ class _CoreKeys:
         "fedgrid simulate: a progress line (clients/s, ETA) rewritten in place on stderr, when it is a terminal",
         True,
     )
+    quiet: bool = _key(
+        "no progress inside a task: a client logs no progress lines (steps, examples/s, time left; its heartbeats still carry them to the status page), fedgrid simulate draws no progress bar",
+        False,
+    )
     replay: str = _key(
         "fedgrid simulate: a min_quorum deployment's RUN_DIR/events.jsonl; each round merges exactly the results it records, each trained from its task round's model (bit for bit the deployment's model)",
         "",

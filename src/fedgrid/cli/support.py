@@ -95,6 +95,7 @@ def _key_lists() -> dict[str, list[str]]:
     ] + ["regional_rounds", *sorted(REGION_ONLY_KEYS)]
     client_config = [
         *CLIENT_OPTION_KEYS,
+        "quiet",
         "partition",
         "threads",
         "ca",

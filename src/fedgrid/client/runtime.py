@@ -177,7 +177,7 @@ def _open(
     log.info("joined %s as %s (run %s)", coordinator, conn.client_id, conn.run_id)
     if saved is not None and state_path is not None:
         restore_client_state(conn, client, saved, state_path)
-    heartbeat = Heartbeat(conn, threading.Event())
+    heartbeat = Heartbeat(conn, threading.Event(), client.progress)
     heartbeat.start()
     return heartbeat
 
