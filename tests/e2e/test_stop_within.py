@@ -5,9 +5,12 @@ of an uninterrupted run, bit for bit."""
 
 from __future__ import annotations
 
+import json
+import re
 import signal
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -162,3 +165,64 @@ def test_the_docs_lora_simulate_under_timeout_ends_within_5_s_of_its_sigterm(tmp
     assert done >= 1 and rest.splitlines()[-1] == (
         f"stopped after {done} of 1000 rounds; model of round {done} in {out}/model.safetensors; run directory {out}"
     )
+
+
+def test_a_training_client_reports_its_progress_and_one_sigterm_ends_it_within_5_s(tmp_path):
+    """A client in a long task logs its progress (at 10 s), the coordinator's status page shows
+    it, and one SIGTERM mid-training ends the client within 5 s, having left the federation."""
+    out, log_path = tmp_path / "run", tmp_path / "coordinator.log"
+    # Round 1's training takes minutes: 3000 passes over a client's digits.
+    args = ["--rounds", "2", "--min-clients", "1", "--local-epochs", "3000", "--heartbeat-interval-s", "1"]
+    coordinator = CoordinatorRun(out, [*args, "--http", "127.0.0.1:0"], log_path)
+    client_log = tmp_path / "client.log"
+    client = start_client(coordinator.address(), client_log, "--partition", "0/3", "--seed", "1")
+    try:
+        wait_until(
+            lambda: (
+                "INFO fedgrid.client.progress: round 1: step " in client_log.read_text()
+                or client.poll() is not None
+            ),
+            timeout=120,
+            what="the client's first progress line",
+        )
+        assert client.poll() is None, client_log.read_text()[-3000:]
+        line = re.search(
+            r"round 1: step (\d+)/(\d+), ([\d.]+) examples/s, (\d+:\d\d:\d\d) left$",
+            client_log.read_text(),
+            re.M,
+        )
+        assert line is not None and 0 < int(line[1]) < int(line[2]) and float(line[3]) > 0, (
+            client_log.read_text()
+        )
+        base = f"http://{(out / 'http_address').read_text().strip()}"
+        rows: list[dict] = []
+
+        def shown() -> bool:
+            with urllib.request.urlopen(base + "/api/status", timeout=10) as reply:
+                rows[:] = json.load(reply)["clients"]
+            return bool(rows) and rows[0]["progress"] is not None
+
+        wait_until(shown, timeout=30, what="the status page's progress of the client")
+        progress = rows[0]["progress"]
+        assert progress["round"] == 1 and 0 < progress["steps_done"] < progress["steps_total"]
+        assert progress["steps_total"] == int(line[2]) and progress["examples_per_s"] > 0
+
+        client.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        wait_until(
+            lambda: client.poll() is not None, timeout=STOP_WITHIN_S, what="the client to exit after SIGTERM"
+        )
+        print(f"stop during training: the client exited {time.monotonic() - signalled:.2f} s after SIGTERM")
+        assert client.returncode == 128 + signal.SIGTERM, client_log.read_text()[-3000:]
+        assert "stopped; left the federation" in client_log.read_text()
+        wait_until(
+            lambda: (
+                bool(coordinator.seen("client_dropped")) or bool(coordinator.seen("round_closed", round=1))
+            ),
+            timeout=30,
+            what="the coordinator to hear the client left",
+        )
+    finally:
+        for p in (client, coordinator.proc):
+            if p.poll() is None:
+                p.kill()

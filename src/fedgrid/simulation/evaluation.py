@@ -31,7 +31,7 @@ EVAL_CHUNK = 1024
 #: A language model's tokens per forward pass of it (whole windows: at least one).
 EVAL_TOKENS = 8192
 #: ``eval_batches``' default (the config key's).
-DEFAULT_EVAL_BATCHES = 8
+DEFAULT_EVAL_BATCHES = 4
 #: Seed of the fixed subset a bounded evaluation reads.
 _SUBSET_SEED = 20_240
 
