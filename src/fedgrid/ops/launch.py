@@ -140,7 +140,6 @@ class Launcher:
         self.processes: list[_Process] = []
         self._stop = threading.Event()
         self._signal: str | None = None
-        self._metrics_offset = 0
         #: Global rounds printed so far.
         self.rounds_done = 0
 
@@ -322,24 +321,23 @@ class Launcher:
             ) from None
 
     def _print_rounds(self) -> None:
-        """Prints a status line for each global round ``global/metrics.jsonl`` gained since the last look."""
+        """Prints a status line for each global round ``global/metrics.jsonl`` gained since the last
+        look. Rounds are counted in lines, not bytes: a round's row is rewritten, longer, when its
+        server-side evaluation lands (``fedgrid.server.evaluation``)."""
         path = self.out / "global" / "metrics.jsonl"
         try:
-            with open(path, "rb") as f:
-                f.seek(self._metrics_offset)
-                text = f.read()
+            text = path.read_bytes()
         except FileNotFoundError:
             return
         complete = text[: text.rfind(b"\n") + 1]  # a line still being written waits for the next look
-        self._metrics_offset += len(complete)
-        for line in complete.decode().splitlines():
-            if line.strip():
-                self.rounds_done += 1
-                self.say(
-                    round_line(
-                        json.loads(line), rounds=self.top.rounds, regions=[r.name for r in self.top.regions]
-                    )
+        rows = [line for line in complete.decode().splitlines() if line.strip()]
+        for line in rows[self.rounds_done :]:
+            self.rounds_done += 1
+            self.say(
+                round_line(
+                    json.loads(line), rounds=self.top.rounds, regions=[r.name for r in self.top.regions]
                 )
+            )
 
     def _stop_all(self) -> tuple[int, int]:
         """SIGTERM to every running process, then SIGKILL to those still running after the grace; returns (stopped, killed)."""

@@ -125,6 +125,7 @@ CLIENT_KEYS = (
             "lora_aggregation",
             "grad_accum",
             "grad_checkpointing",
+            "quiet",
             "partition",
             "threads",
         }
