@@ -104,7 +104,8 @@ def test_a_slow_evaluation_does_not_delay_the_next_round_and_lands_in_its_own_ro
     # Round 1 committed before its evaluation landed; round 2's tasks went out in between.
     assert names.index("round_committed") < names.index("evaluated")
     assert [e["round"] for e in seen if e.event == "evaluated"] == [1, 2, 3]
-    assert names[-1] == "finished" and names[-2] == "evaluated"  # the last one waited for
+    last_evaluated = len(names) - 1 - names[::-1].index("evaluated")
+    assert names[-1] == "finished" and last_evaluated < names.index("finished")  # the last one waited for
 
 
 def test_background_and_inline_evaluations_give_the_same_rows(tmp_path):
