@@ -306,7 +306,7 @@ class Launcher:
         self._wait(
             finished, timeout=float("inf"), what="the global run"
         )  # the coordinator's own deadlines bound it
-        self._print_rounds()
+        self._print_rounds(final=True)
         finish = 2 * FINISH_GRACE_S + LAUNCH_STOP_GRACE_S  # a region tells its clients, then finishes itself
         try:
             self._wait(
@@ -320,24 +320,22 @@ class Launcher:
                 f"the global run finished but {', '.join(running)} did not exit within {finish:g}s"
             ) from None
 
-    def _print_rounds(self) -> None:
+    def _print_rounds(self, *, final: bool = False) -> None:
         """Prints a status line for each global round ``global/metrics.jsonl`` gained since the last
         look. Rounds are counted in lines, not bytes: a round's row is rewritten, longer, when its
-        server-side evaluation lands (``fedgrid.server.evaluation``)."""
+        server-side evaluation lands (``fedgrid.server.evaluation``); so the newest row waits for
+        its accuracy, or for the next round's row, or the run's end (``final``)."""
         path = self.out / "global" / "metrics.jsonl"
         try:
             text = path.read_bytes()
         except FileNotFoundError:
             return
         complete = text[: text.rfind(b"\n") + 1]  # a line still being written waits for the next look
-        rows = [line for line in complete.decode().splitlines() if line.strip()]
-        for line in rows[self.rounds_done :]:
+        rows = [json.loads(line) for line in complete.decode().splitlines() if line.strip()]
+        ready = len(rows) if final or (rows and rows[-1].get("accuracy") is not None) else len(rows) - 1
+        for row in rows[self.rounds_done : ready]:
             self.rounds_done += 1
-            self.say(
-                round_line(
-                    json.loads(line), rounds=self.top.rounds, regions=[r.name for r in self.top.regions]
-                )
-            )
+            self.say(round_line(row, rounds=self.top.rounds, regions=[r.name for r in self.top.regions]))
 
     def _stop_all(self) -> tuple[int, int]:
         """SIGTERM to every running process, then SIGKILL to those still running after the grace; returns (stopped, killed)."""
