@@ -142,9 +142,32 @@ class Launcher:
         self._signal: str | None = None
         #: Global rounds printed so far.
         self.rounds_done = 0
+        # The in-place progress line inside a global round (a terminal only: ``bar``).
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self._began = self._round_began = time.monotonic()
+        self._bar_shown = False
 
     def say(self, line: str) -> None:
+        if self._bar_shown:  # the in-place line goes; the status line takes its place
+            self.stream.write("\r\033[K")
+            self._bar_shown = False
         print(f"fedgrid launch: {line}", file=self.stream, flush=True)
+
+    def bar(self, now: float) -> None:
+        """On a terminal, rewrites one line in place: the global round running, its time so far
+        and, after the first round, about how long the run has left (the mean round time)."""
+        if not self.tty or self.rounds_done >= self.top.rounds:
+            return
+        so_far = now - self._round_began
+        left = ""
+        if self.rounds_done:
+            mean = (self._round_began - self._began) / self.rounds_done
+            left = f", about {_hms(max(0.0, mean * (self.top.rounds - self.rounds_done) - so_far))} left"
+        self.stream.write(
+            f"\rfedgrid launch: global round {self.rounds_done + 1}/{self.top.rounds} running for {_hms(so_far)}{left}\033[K"
+        )
+        self.stream.flush()
+        self._bar_shown = True
 
     def run(self) -> int:
         """Starts the topology and waits for the global run to finish.
@@ -298,9 +321,11 @@ class Launcher:
 
     def _watch(self) -> None:
         coordinator = self.processes[0]
+        self._began = self._round_began = time.monotonic()  # the topology is up: round 1 runs
 
         def finished() -> bool:
             self._print_rounds()
+            self.bar(time.monotonic())
             return coordinator.popen.poll() == 0
 
         self._wait(
@@ -335,6 +360,7 @@ class Launcher:
         ready = len(rows) if final or (rows and rows[-1].get("accuracy") is not None) else len(rows) - 1
         for row in rows[self.rounds_done : ready]:
             self.rounds_done += 1
+            self._round_began = time.monotonic()
             self.say(round_line(row, rounds=self.top.rounds, regions=[r.name for r in self.top.regions]))
 
     def _stop_all(self) -> tuple[int, int]:
@@ -357,6 +383,11 @@ class Launcher:
 def _size(n: float) -> str:
     """Bytes as kB under a megabyte (a small model's update is tens of kB), else MB."""
     return f"{n / 1e3:.1f} kB" if n < 1e6 else f"{n / 1e6:.2f} MB"
+
+
+def _hms(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
 
 
 def round_line(row: Mapping[str, Any], *, rounds: int, regions: Sequence[str]) -> str:
