@@ -510,12 +510,12 @@ def test_two_regions_of_three_clients_over_an_emulated_wan_learn_as_flat_does(tm
 
 
 def test_one_sigterm_ends_a_region_within_5_s_while_its_client_trains(tmp_path):
-    """A stop that stops (issue 40, item 3): a region whose client is in a long task (3000 local
+    """A stop that stops (issue 40, item 3): a region whose client is in a long task (100000 local
     epochs) ends within 5 s of one SIGTERM, as a coordinator does, and says it stopped."""
     import signal
     import time
 
-    long_task = ["--local-epochs", "3000"]
+    long_task = ["--local-epochs", "100000"]
     coordinator, address = start_coordinator(
         tmp_path / "global", "--rounds", "1", "--min-clients", "1", *long_task
     )
