@@ -188,6 +188,7 @@ def _check_ranges(config: CheckedRun) -> None:
         "batch_size",
         "max_num_examples",
         "eval_every",
+        "eval_batches",
     )
     for key in positive_ints:
         if getattr(config, key) < 1:

@@ -27,6 +27,8 @@ their fields below are a contract.
 | ``checkpoint_writing`` | ``round`` | the checkpoint of the round is being written |
 | ``checkpoint_written`` | ``round`` | it is durable |
 | ``round_committed`` | ``round`` | checkpoint, history and metrics hold the round |
+| ``evaluating`` | ``round`` | the server-side evaluation of the round's model began (a coordinator's runs beside the next round: ``server/evaluation.py``) |
+| ``evaluated`` | ``round``, ``loss``, ``seconds`` | its figures are in the round's row of ``metrics.jsonl`` (rewritten with them) |
 | ``round_failed`` | ``round``, ``reason`` | the round's aggregate was not finite: the previous model stays, no checkpoint is written, history and metrics hold the round (``round_failed: 1``) |
 | ``privacy_budget_reached`` | ``round`` (the round not run), ``reason`` (its epsilon, ``dp_epsilon`` and ``dp_delta``) | the round would have spent more than the DP budget: the run ends after the round before it (``server/privacy.py``) |
 | ``stopped`` | ``committed`` (rounds) | a graceful stop (SIGTERM) ended the run early |

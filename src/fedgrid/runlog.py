@@ -115,6 +115,13 @@ class RunWriter:
             os.fsync(f.fileno())
         self.trackers.log_round(row)
 
+    def update_round(self, metrics: RoundMetrics, rows: Sequence[Mapping[str, object]]) -> None:
+        """A committed round's row gained figures (its server-side evaluation, which landed after
+        the round committed): ``metrics.jsonl`` is replaced atomically by ``rows`` (each round's
+        row, ``metrics``' among them), then the trackers get ``metrics``' row again."""
+        self._atomic_write("metrics.jsonl", "".join(json.dumps(dict(r)) + "\n" for r in rows).encode())
+        self.trackers.log_round(metrics.to_json())
+
     def close(self) -> None:
         """Ends the trackers (flushes TensorBoard, ends the MLflow run); the files need no closing."""
         self.trackers.close()

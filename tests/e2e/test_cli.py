@@ -165,15 +165,16 @@ def _slow_simulation(tmp_path: Path, fit_s: float, rounds: int) -> tuple[subproc
     return proc, out
 
 
-def test_ctrl_c_in_simulate_stops_after_the_round_with_its_model(tmp_path):
+def test_ctrl_c_in_simulate_abandons_the_open_round_and_keeps_the_last_model(tmp_path):
     proc, out = _slow_simulation(tmp_path, fit_s=0.5, rounds=5)
+    wait_until(lambda: (out / "metrics.jsonl").read_text().strip() != "", timeout=60, what="round 1's commit")
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr  # 128 + SIGINT: an interrupted run is no success
     assert "Traceback" not in stderr + stdout
     done = len((out / "metrics.jsonl").read_text().splitlines())
     assert 1 <= done < 5
-    assert "SIGINT: stopping after the current round; a second one exits at once" in stdout
+    assert "SIGINT: stopping (the open round is abandoned); a second one exits at once" in stdout
     assert (
         stdout.splitlines()[-1]
         == f"stopped after {done} of 5 rounds; model of round {done} in {out}/model.safetensors; run directory {out}"
@@ -187,7 +188,7 @@ def test_a_second_ctrl_c_forces_the_exit_in_one_line(tmp_path):
     proc.send_signal(signal.SIGINT)
     lines = []
     wait_until(
-        lambda: lines.append(proc.stdout.readline()) or "stopping after the current round" in lines[-1],
+        lambda: lines.append(proc.stdout.readline()) or "stopping (the open round is abandoned)" in lines[-1],
         timeout=30,
         what="the graceful stop to begin",
     )

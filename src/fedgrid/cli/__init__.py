@@ -8,6 +8,11 @@ Each module has ``add_parser(sub)`` and ``run(args) -> int``; ``main`` maps erro
 statuses in one place: 2 for bad input (a ``ConfigError``), 1 for a failure at run time, and
 128 + the signal for a run that Ctrl-C or SIGTERM stopped (130, 143; ``fedgrid.interrupts``).
 
+A process that a signal stopped (``entry``: the ``fedgrid`` command, ``python -m fedgrid.cli``)
+exits as soon as the command returns: its files are written and closed by then, and the
+interpreter's teardown of torch, grpc and transformers would take seconds more on a busy
+machine (issue 40: a stop ends a process within 5 s).
+
 A command's module is imported only when that command runs (or ``build_parser()`` builds every
 one, for ``fedgrid --help``): the training commands' flags come from ``fedgrid.config``, which
 imports torch (about 2 s), and ``fedgrid certs``, ``health`` and ``status`` need none of it
@@ -36,6 +41,7 @@ if TYPE_CHECKING:  # re-exported lazily (__getattr__ below): each imports torch
 
 __all__ = [
     "main",
+    "entry",
     "build_parser",
     "serve",
     "SimulateProgress",
@@ -128,3 +134,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # before a command installed its own handling (loading data, building a model)
         print(f"fedgrid {args.command}: interrupted", file=sys.stderr)
         return FORCED_EXIT_STATUS
+
+
+def entry() -> None:
+    """The ``fedgrid`` command: ``main``, then the process's exit; at once (``os._exit``, after
+    flushing the log and the standard streams) when a signal stopped the command, since it
+    has written and closed its files by then (module docstring)."""
+    status = main()
+    if stop_status() is not None:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe: nothing more to say
+                pass
+        os._exit(status)
+    sys.exit(status)

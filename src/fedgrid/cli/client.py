@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import Any
 
 from fedgrid.cli.support import CLIENT_CONFIG_KEYS, CLIENT_OPTION_KEYS, add_config_flags
@@ -23,7 +24,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     _add_data_flags(cli)
     _add_tls_flags(cli)
     _add_enrollment_flags(cli)
-    add_config_flags(cli, [*CLIENT_OPTION_KEYS, "threads", *sorted(CLIENT_ONLY_KEYS)], with_config=False)
+    add_config_flags(
+        cli, [*CLIENT_OPTION_KEYS, "quiet", "threads", *sorted(CLIENT_ONLY_KEYS)], with_config=False
+    )
     _add_state_and_monitoring_flags(cli)
     return cli
 
@@ -220,6 +223,8 @@ def run(args: argparse.Namespace) -> int:
     from fedgrid.plugins import load_object
 
     config = client_config(args)
+    if config.quiet:  # no progress lines inside a task (fedgrid.client.progress)
+        logging.getLogger("fedgrid.client.progress").setLevel(logging.WARNING)
     args.ca, args.cert, args.key = config.ca, config.cert, config.key
     check_addresses(args)
     parse_partition(args.partition)

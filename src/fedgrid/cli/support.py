@@ -87,13 +87,15 @@ def _key_lists() -> dict[str, list[str]]:
             # model stays: a --peft run's region hashes its frozen base (fedgrid.cli.region.serve)
             *("rounds", "initial_model", "enroll_listen", "enroll_dir", "http", "http_token_file"),
             "http_linger_s",
-            "eval_every",  # a region evaluates nothing of its own: the global coordinator does
+            "eval_every",
+            "eval_batches",  # a region evaluates nothing of its own: the global coordinator does
             *QUORUM_KEYS,
             *PRIVACY_KEYS,
         )
     ] + ["regional_rounds", *sorted(REGION_ONLY_KEYS)]
     client_config = [
         *CLIENT_OPTION_KEYS,
+        "quiet",
         "partition",
         "threads",
         "ca",

@@ -184,7 +184,7 @@ def _open(
     )
     if saved is not None and state_path is not None:
         restore_client_state(conn, client, saved, state_path)
-    heartbeat = Heartbeat(conn, threading.Event())
+    heartbeat = Heartbeat(conn, threading.Event(), client.progress)
     heartbeat.start()
     return heartbeat
 

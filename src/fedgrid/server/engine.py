@@ -5,6 +5,12 @@ them on the fleet, let the strategy aggregate results and failures, evaluate, th
 checkpoint (with a ``StateStore``), SQLite history, ``metrics.jsonl``. A round is either
 committed whole or redone whole after a restart, so none is applied twice.
 
+The server-side evaluation (``evaluate_fn``) of a coordinator runs beside the next round on a
+snapshot of the model (``server/evaluation.py``, ``eval_in_background``); its loss and metrics
+land in the row of the round they measure when they are ready: that row of the history is
+replaced and ``metrics.jsonl`` rewritten with it (the next checkpoint's history holds it too).
+A stop abandons an evaluation still running; the last round's is waited for before the run ends.
+
 A round can fail instead (``server/round_failures.py``). One whose new strategy state holds
 NaN or Inf (``NonFiniteAggregateError``: finite updates can still overflow) goes back to the
 state it began with, writes no checkpoint, is emitted as ``round_failed`` and recorded with
@@ -21,6 +27,7 @@ over its fit results, and their utilization).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -40,6 +47,7 @@ from fedgrid.errors import (
 from fedgrid.events import EventLog
 from fedgrid.fleet.base import Fleet, Quorum, RoundOutcome
 from fedgrid.server.disk import storage_errors
+from fedgrid.server.evaluation import Evaluator
 from fedgrid.server.late_merge import late_to_merge
 from fedgrid.server.parts import RoundRules, RunIO, Schedule
 from fedgrid.server.privacy import restore_privacy
@@ -128,13 +136,25 @@ class RoundEngine:
         self.min_clients = schedule.min_clients
         self.round_timeout = schedule.round_timeout
         self.join_timeout = schedule.join_timeout
+        if schedule.eval_every < 1:
+            raise ValueError(f"eval_every must be at least 1, got {schedule.eval_every}")
         self.evaluate_fn = io.evaluate_fn
         self.eval_every = schedule.eval_every
+        self.events = io.events if io.events is not None else EventLog()
+        self.evaluator = (
+            None
+            if io.evaluate_fn is None
+            else Evaluator(
+                io.evaluate_fn, self._land_eval, background=io.eval_in_background, events=self.events
+            )
+        )
+        # Guards the history and metrics.jsonl: an evaluation lands on its own thread.
+        self._rows = threading.Lock()
+        self._eval_pending: dict[int, tuple[float, dict[str, float]]] = {}
         self.writer = io.writer
         self.on_round = io.on_round
         self.finish_timeout = schedule.finish_timeout
         self.store = io.store
-        self.events = io.events if io.events is not None else EventLog()
         self.history: list[RoundMetrics] = []
         self.lost_rounds = LostRounds(schedule.round_retries, fleet, self.events)
         self._stop = threading.Event()
@@ -182,10 +202,14 @@ class RoundEngine:
         Raises:
             StorageError: the disk refused the checkpoint, the journal or ``metrics.jsonl``
                 (``server/disk.py``); the last good checkpoint stays."""
-        self.history.append(metrics)
         failed = bool(metrics.extra.get(ROUND_FAILED))
-        with storage_errors(self.writer.dir if self.writer is not None else "the run directory"):
-            self._commit_files(metrics, failed)
+        with self._rows:
+            landed = self._eval_pending.pop(metrics.round, None)
+            if landed is not None:  # its evaluation finished before the round committed
+                metrics = _with_eval(metrics, *landed)
+            self.history.append(metrics)
+            with storage_errors(self.writer.dir if self.writer is not None else "the run directory"):
+                self._commit_files(metrics, failed)
         if failed:
             self.events.emit("round_failed", round=metrics.round, reason="non-finite aggregate")
         else:
@@ -249,13 +273,8 @@ class RoundEngine:
             self.strategy.load_state_dict(before)
             log.error("%s; the previous global model is kept and the run goes on", exc)
             tally.extra[ROUND_FAILED] = 1.0
-        del before
         evaluates = server_round % self.eval_every == 0 or server_round >= self.rounds
-        if self.evaluate_fn is not None and evaluates:  # a central test set, when the task has one, wins
-            tally.loss, eval_metrics = self.evaluate_fn(self.strategy.global_state)
-            tally.accuracy = eval_metrics.get("accuracy")
-            tally.extra.update({k: v for k, v in eval_metrics.items() if k != "accuracy"})
-        return RoundMetrics(
+        metrics = RoundMetrics(
             round=server_round,
             loss=tally.loss,
             accuracy=tally.accuracy,
@@ -266,6 +285,36 @@ class RoundEngine:
             clients_failed=tally.clients_failed,
             extra=tally.extra,
         )
+        if self.evaluator is not None and evaluates:  # a central test set, when the task has one, wins
+            try:
+                self.evaluator.submit(server_round, self.strategy.global_state, stop=self._stop)
+            except InterruptedRunError:  # an inline evaluation given up: the round is abandoned
+                self.strategy.load_state_dict(before)
+                raise
+            if not self.evaluator.background:
+                with self._rows:
+                    landed = self._eval_pending.pop(server_round, None)
+                if landed is not None:
+                    metrics = _with_eval(metrics, *landed)
+        del before
+        return metrics
+
+    def _land_eval(self, server_round: int, loss: float, metrics: dict[str, float]) -> None:
+        """An evaluation's figures into the row of the round they measure: the committed row is
+        replaced (and ``metrics.jsonl`` rewritten), or they wait for its commit."""
+        with self._rows:
+            at = next((i for i, m in enumerate(self.history) if m.round == server_round), None)
+            if at is None:
+                self._eval_pending[server_round] = (loss, metrics)
+                return
+            self.history[at] = _with_eval(self.history[at], loss, metrics)
+            if self.writer is not None:
+                try:
+                    with storage_errors(self.writer.dir):
+                        self.writer.update_round(self.history[at], [m.to_json() for m in self.history])
+                except StorageError as exc:  # the row keeps its figures in memory and the next checkpoint
+                    log.warning("round %d: its evaluation could not be written: %s", server_round, exc)
+        log.info("round %d: evaluated: loss %.4g%s", server_round, loss, _accuracy_text(metrics))
 
     def play_round(self, server_round: int) -> RoundMetrics:
         """``run_round``, run again under the same number while all its results are lost (at most
@@ -444,6 +493,9 @@ class RoundEngine:
             self.events.emit("round_failed", round=server_round, reason=str(exc), retry=False)
             self.fleet.interrupt()
             raise
+        if self.evaluator is not None and not self.evaluator.wait(self._stop):  # the last round's figures
+            self._stopped()
+            return None
         self.fleet.finish(timeout=self.finish_timeout)
         if self.writer is not None:
             self.writer.write_model(self.strategy.global_state)
@@ -454,3 +506,18 @@ class RoundEngine:
         """A stopped run leaves the model of its last committed round in the run directory."""
         if self.writer is not None and self.history:
             self.writer.write_model(self.strategy.global_state)
+
+
+def _with_eval(row: RoundMetrics, loss: float, metrics: dict[str, float]) -> RoundMetrics:
+    """``row`` with a server-side evaluation's figures: its loss, accuracy and other metrics."""
+    return dataclasses.replace(
+        row,
+        loss=loss,
+        accuracy=metrics.get("accuracy"),
+        extra={**row.extra, **{k: v for k, v in metrics.items() if k != "accuracy"}},
+    )
+
+
+def _accuracy_text(metrics: dict[str, float]) -> str:
+    accuracy = metrics.get("accuracy")
+    return "" if accuracy is None else f", accuracy {accuracy:.4f}"

@@ -103,6 +103,8 @@ class ClientRecord:
     benched_task: str = ""
     polls: int = 0  # long polls it holds now
     transfers: int = 0  # model downloads and uploads it has in flight (its heartbeats may wait behind them)
+    #: Its running task's progress, as its last heartbeat reported it (``server/progress.py``); None: none.
+    progress: dict[str, float | int] | None = None
 
 
 @dataclass

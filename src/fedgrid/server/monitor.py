@@ -295,7 +295,8 @@ class CoordinatorMonitor:
         limit = SILENCE_INTERVALS * self.fleet.heartbeat_interval_s
         with self.fleet.membership.lock:  # a snapshot: the records are not changed here
             records = [
-                (r.info, r.last_seen, r.benched_task, r.polls) for r in self.fleet.membership.records.values()
+                (r.info, r.last_seen, r.benched_task, r.polls, r.progress)
+                for r in self.fleet.membership.records.values()
             ]
             progress = None
             if rnd is not None:
@@ -328,7 +329,7 @@ class CoordinatorMonitor:
             "progress": progress,
             "clients_total": len(records),
             "clients": clients,
-            "regions": region_rows(records, splits),
+            "regions": region_rows([r[:4] for r in records], splits),
             "history": history,
             "time": round(now, 3),
         }
@@ -387,7 +388,7 @@ _EVENT_HANDLERS: dict[str, Callable[[CoordinatorMonitor, Event], None]] = {
 
 
 def _client_rows(
-    records: Sequence[tuple[ClientInfo, float, str, int]],
+    records: Sequence[tuple[ClientInfo, float, str, int, dict[str, float | int] | None]],
     assigned: dict[str, str],
     splits: dict[str, dict[str, float]],
     *,
@@ -395,11 +396,12 @@ def _client_rows(
     now: float,
     limit: float,
 ) -> list[dict[str, Any]]:
-    """The ``clients`` of ``/api/status``: each record ``(info, last_seen, benched_task, polls)``
-    with its state (its task's in the open round, else benched, silent past ``limit`` or idle)
-    and its last fit split from ``splits`` (``None`` each before its first)."""
+    """The ``clients`` of ``/api/status``: each record ``(info, last_seen, benched_task, polls,
+    progress)`` with its state (its task's in the open round, else benched, silent past ``limit``
+    or idle), its running task's ``progress`` as its heartbeats report it (``None`` between tasks;
+    ``server/progress.py``) and its last fit split from ``splits`` (``None`` each before its first)."""
     clients = []
-    for info, last_seen, benched, polls in records:
+    for info, last_seen, benched, polls, progress in records:
         ago = max(0.0, now_mono - last_seen)
         state = assigned.get(info.client_id) or (
             "benched" if benched else "silent" if ago > limit and polls == 0 else "idle"
@@ -415,6 +417,7 @@ def _client_rows(
                 "device": info.device,
                 "accelerators": info.num_accelerators,
                 "memory_bytes": info.memory_bytes,
+                "progress": progress,
                 **{key: splits.get(info.client_id, {}).get(key) for key in SPLIT_FIELDS},
             }
         )

@@ -24,15 +24,15 @@ from fedgrid.fleet.base import Quorum, quorum_of
 from fedgrid.fleet.bounds import UpdateBounds, build_bounds
 from fedgrid.fleet.codec_policy import CodecPolicy, build_codec_policy
 from fedgrid.runlog import RunWriter
+from fedgrid.server.evaluation import EvaluateFn
 from fedgrid.server.influence import Influence, build_influence
 from fedgrid.server.privacy import Privacy, build_privacy
 from fedgrid.server.state import StateStore
 from fedgrid.server.strategies import build_strategy
-from fedgrid.types import ModelState, RoundMetrics
+from fedgrid.types import RoundMetrics
 
 __all__ = ["RunParts", "RoundRules", "Schedule", "RunIO", "EvaluateFn", "build_parts", "Where"]
 
-EvaluateFn = Callable[[ModelState], "tuple[float, dict[str, float]]"]
 
 #: Who runs the rounds: a coordinator (DP with a fresh secret noise key), a region (no DP and no
 #: quorum: the global coordinator applies them) or a simulation (DP keyed from the seed).
@@ -106,6 +106,9 @@ class RunIO:
             (``fedgrid.events``); default: nowhere.
         stop: once set, ``run`` ends before its next round (the open one finishes and commits;
             ``RoundEngine.stop()`` abandons it instead).
+        eval_in_background: ``evaluate_fn`` runs beside the next round on a snapshot, its figures
+            landing in its round's row when ready (a coordinator: ``server/evaluation.py``);
+            ``False``: before the round commits (a simulation: the same figures, in order).
     """
 
     evaluate_fn: EvaluateFn | None = None
@@ -114,6 +117,7 @@ class RunIO:
     store: StateStore | None = None
     events: EventLog | None = None
     stop: threading.Event | None = None
+    eval_in_background: bool = False
 
 
 @dataclass(frozen=True)

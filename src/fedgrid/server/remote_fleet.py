@@ -50,6 +50,7 @@ from fedgrid.server.membership import SILENCE_INTERVALS, ClientRecord, Membershi
 from fedgrid.server.messages import InboxPage, Mailbox
 from fedgrid.server.phases import Phases
 from fedgrid.server.polls import PollResult, Polls
+from fedgrid.server.progress import check_progress
 from fedgrid.server.rounds import RoundTask
 from fedgrid.server.spill import UpdateSpill
 from fedgrid.server.uploads import Uploads
@@ -242,8 +243,13 @@ class RemoteFleet(Fleet):
         """
         self.departures.leave(client_id, token, reason)
 
-    def heartbeat(self, client_id: str, token: str) -> float:
-        self.authenticate(client_id, token)
+    def heartbeat(self, client_id: str, token: str, progress: Any = None) -> float:
+        """Marks the client alive; ``progress`` (a ``TaskProgress`` message): where its running
+        task is, kept for the status page (``server/progress.py``; checked first: a bad one is
+        refused, ``InvalidUpdateError``, and changes nothing)."""
+        figures = check_progress(progress) if progress is not None else None
+        record = self.authenticate(client_id, token)
+        record.progress = figures
         return self.heartbeat_interval_s
 
     async def poll_async(self, client_id: str, token: str, wait_s: float) -> PollResult:

@@ -305,7 +305,8 @@ class CoordinatorServicer:
         self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> pb.HeartbeatReply:
         async def body() -> pb.HeartbeatReply:
-            return pb.HeartbeatReply(interval_s=self.fleet.heartbeat(request.client_id, _token()))
+            progress = request.progress if request.HasField("progress") else None
+            return pb.HeartbeatReply(interval_s=self.fleet.heartbeat(request.client_id, _token(), progress))
 
         return await self._call(context, body)
 

@@ -169,6 +169,7 @@ def wire(
             on_round=on_round if monitor is None else _both(on_round, monitor.on_round),
             store=store,
             events=events,
+            eval_in_background=True,  # the clients train the next round meanwhile (server/evaluation.py)
         ),
     )
     return Wired(writer, events, fleet, engine, monitor)

@@ -46,13 +46,14 @@ from fedgrid.client.uplink import UplinkEncoder
 from fedgrid.clock import MONOTONIC, Clock
 from fedgrid.compression import available_codecs
 from fedgrid.compression.spec import CodecSpec
-from fedgrid.errors import ConfigError
+from fedgrid.errors import ConfigError, InterruptedRunError
 from fedgrid.fleet import protocol
 from fedgrid.fleet.base import QUORUM_NEEDS_REPLAY, Fleet, Quorum, RoundOutcome
 from fedgrid.fleet.bounds import UpdateBounds
 from fedgrid.fleet.codec_policy import CodecPolicy
 from fedgrid.fleet.downlink import Downlink, RoundDownlink
 from fedgrid.fleet.protocol import RoundTally
+from fedgrid.interrupts import stopping
 from fedgrid.proto import serde
 from fedgrid.simulation.batched import BatchedTrainer, choose_engine, recurrent_module
 from fedgrid.simulation.fleet_rounds import evaluate_clients, exchange_messages
@@ -330,6 +331,8 @@ class InProcessFleet(Fleet):
         done = 0
         downloads: dict[_Stream, tuple[ModelState, int]] = {}
         while done < len(pending) and len(results) < goal:
+            if stopping():  # between two groups of clients: the round is abandoned (RoundEngine)
+                raise InterruptedRunError(f"round {server_round} abandoned: the simulation is stopping")
             group = pending[done : done + min(step, goal - len(results))]
             done += len(group)
             prepared = self._prepare(downlink, server_round, group, downloads, tally, views)  # phase 1
@@ -350,6 +353,8 @@ class InProcessFleet(Fleet):
                             server_round, info, ins, codec, state, out, downlink, views, expected, tally
                         )
                     )
+                except InterruptedRunError:  # a client's training given up by a stop: no failure
+                    raise
                 except Exception as exc:  # a client's failure is data for the strategy
                     log.warning("client %s failed in round %d: %s", info.name, server_round, exc)
                     failures.append(Failure(info, f"{type(exc).__name__}: {exc}"))

@@ -272,6 +272,7 @@ def _run(
         precision=config.precision,
         peft=config.peft,
         lora_aggregation=config.lora_aggregation,
+        eval_batches=config.eval_batches,
     )
     parts.strategy.initialize(initial_state=resolved.initial_state)
     profiles = ClientProfiles.from_config(config)

@@ -56,8 +56,8 @@ from fedgrid.simulation.client_factory import (
     client_options,
 )
 from fedgrid.simulation.datasets import DatasetData
+from fedgrid.simulation.evaluation import DEFAULT_EVAL_BATCHES, make_evaluate
 from fedgrid.simulation.evaluation import EVAL_CHUNK as EVAL_CHUNK
-from fedgrid.simulation.evaluation import make_evaluate
 from fedgrid.simulation.lm_task import LM_DATASET as LM_DATASET
 from fedgrid.types import ModelState
 
@@ -104,6 +104,7 @@ def resolve(
     precision: str = "fp32",
     peft: str = "",
     lora_aggregation: str | None = None,
+    eval_batches: int = DEFAULT_EVAL_BATCHES,
 ) -> Resolved:
     """Builds the initial model and finds the evaluation and client factory.
 
@@ -135,5 +136,9 @@ def resolve(
     except Exception as exc:
         raise ConfigError("model", f"building the model failed: {type(exc).__name__}: {exc}") from None
     client_factory = load_object(app, key="app") if app else builtin_client
-    evaluate = None if custom else make_evaluate(dataset, model, data_dir, precision, peft, lora_aggregation)
+    evaluate = (
+        None
+        if custom
+        else make_evaluate(dataset, model, data_dir, precision, peft, lora_aggregation, eval_batches)
+    )
     return Resolved(state, evaluate, client_factory, getattr(built[0], "base_hash", ""))
