@@ -172,14 +172,20 @@ class ErrorFeedback:
             a codec the caller owns.
         rule: the residual's decay and staleness rule (default: classic EF, never reset);
             ``auto`` is resolved for ``codec`` (``FeedbackRule.for_codec``).
+        repeatable: keep what the latest round began from, so that the same round encodes
+            again as it did the first time (``begin_round``); ``False`` for a sender that is
+            never handed a round twice (a simulated client), which saves one residual.
 
     Raises:
         ConfigError: ``codec`` is not contractive while the rule keeps a residual (also when
             ``rule`` is set later).
     """
 
-    def __init__(self, codec: Codec | CodecSpec, rule: FeedbackRule | None = None) -> None:
+    def __init__(
+        self, codec: Codec | CodecSpec, rule: FeedbackRule | None = None, *, repeatable: bool = True
+    ) -> None:
         self.codec = _codec(codec, "codec", contractive=False)
+        self.repeatable = repeatable
         self._rule = FeedbackRule(kind="none")
         self.rule = rule or FeedbackRule()
         self._residuals: dict[str, torch.Tensor] = {}
@@ -216,7 +222,7 @@ class ErrorFeedback:
             self.last_round, residuals, codec_state = self._round_start
             self._residuals = dict(residuals)
             self.codec.load_state_dict(codec_state)
-        if self.last_round is None or server_round > self.last_round:
+        if self.repeatable and (self.last_round is None or server_round > self.last_round):
             self._round_start = (self.last_round, dict(self._residuals), self.codec.state_dict())
         factor = 1.0
         if self.last_round is not None and server_round > self.last_round:

@@ -109,6 +109,8 @@ def test_a_round_encoded_again_sends_the_same_bytes_and_leaves_the_same_residual
     once.begin_round(4)
     restarted.begin_round(4), restarted.begin_round(4)  # begun twice, not encoded: as once
     assert torch.equal(restarted.residuals["w"], once.residuals["w"])
+    simulated = ErrorFeedback(CodecSpec.parse(spec), repeatable=False)  # never handed a round twice
+    assert [encode(simulated, r) for r in (1, 2, 3)] == sent and simulated.state_dict()["round_start"] is None
 
 
 def test_state_dict_keeps_the_last_round() -> None:
