@@ -16,8 +16,9 @@ Variants, side by side in one run (each in turn, the order rotating per repetiti
   the round to close.
 - ``overlap``: streaming DiLoCo with F fragments, the outer sync overlapped with the next
   inner steps (``--sync-delay-steps tau``, ``--merge-alpha 0.5``).
-- ``async``: overlapped streaming DiLoCo whose rounds close at a quorum of 3 of the 4 workers
-  plus a grace window, a late result merged into a later round with FedBuff's staleness
+- ``async``: streaming DiLoCo with F fragments, overlapped by a whole round of inner steps
+  (``--sync-delay-steps H``), whose rounds close at a quorum of 3 of the 4 workers plus a grace
+  window, a late result merged into its own fragment in a later round with FedBuff's staleness
   discount (``--min-quorum 3 --grace-s --max-staleness 2``).
 
 Modes: ``real`` trains the model for real (one torch thread a process; on a 2-core machine
@@ -222,32 +223,23 @@ def _strategy_flags(
     flags = ["--inner-steps", str(args.inner_steps)]
     if variant == "sync":
         return ["--strategy", "diloco", *flags]
+    streaming = ["--strategy", "streaming-diloco", "--num-fragments", str(args.fragments)]
+    alpha = ["--merge-alpha", str(args.merge_alpha)]
     if variant == "overlap":
-        flags = [
-            "--strategy",
-            "streaming-diloco",
-            "--num-fragments",
-            str(args.fragments),
-            "--sync-delay-steps",
-            str(args.tau),
-            "--merge-alpha",
-            str(args.merge_alpha),
-            *flags,
-        ]
+        flags = [*streaming, "--sync-delay-steps", str(args.tau), *alpha, *flags]
         if scenario == "faults":
             # Speed-aware local work: every worker runs the fast workers' time of H steps, so the
             # half-speed one arrives with the others (having trained fewer steps, and weighing less).
             flags += ["--inner-time-s", f"{args.inner_steps * cal['step_s']:.3f}"]
         return flags
-    # async: streaming DiLoCo's rounds carry round-bound fragments, so the quorum runs whole-model
-    # DiLoCo, overlapped by a whole round of steps (a full sync takes about that long).
+    # async: streaming DiLoCo whose rounds close at a quorum, a late result merged into its own
+    # fragment (the one its task synced); overlapped by a whole round of steps, since a round
+    # waits for its quorum and grace window as well as for the sync.
     return [
-        "--strategy",
-        "diloco",
+        *streaming,
         "--sync-delay-steps",
         str(args.inner_steps),
-        "--merge-alpha",
-        str(args.merge_alpha),
+        *alpha,
         "--min-quorum",
         str(WORKERS - 1),
         "--grace-s",
