@@ -443,6 +443,13 @@ def main(argv: list[str] | None = None) -> int:
         help="outer rounds of each run, H inner steps a worker each (default 6)",
     )
     parser.add_argument("--inner-steps", type=int, default=100, help="H (default 100)")
+    parser.add_argument(
+        "--step-s",
+        type=float,
+        default=0.0,
+        help="the inner step's seconds instead of the one measured (0: measured): compares runs of "
+        "different code at one calibration, the link's rate and wait mode's steps alike",
+    )
     parser.add_argument("--fragments", type=int, default=2, help="F of the streaming variants (default 2)")
     parser.add_argument(
         "--tau",
@@ -493,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:
             ROOT / "benchmarks" / "results" / ("goodput-lab.json" if args.link == "lab" else "goodput.json")
         )
     cal = calibrate(args)
+    if args.step_s:  # another run's calibration: runs of different code compared at one step time
+        cal["step_s"] = args.step_s
     # A region's full sync moves its two workers' models up and down through one link.
     sync_bits = 2 * WORKERS_PER_REGION * cal["state_bytes"] * 8
     rate_mbit = sync_bits / (args.sync_ratio * args.inner_steps * cal["step_s"]) / 1e6
