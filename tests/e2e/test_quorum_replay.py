@@ -26,7 +26,7 @@ UNBOUNDED = ["--max-update-ratio", "0"]
 
 #: Streaming DiLoCo with two fragments: a late result of an odd staleness carries the fragment
 #: the merging round does not sync, and merges into its own.
-STREAMING = {"strategy": "streaming-diloco", "num_fragments": 2, "inner_steps": 10}
+STREAMING = {"strategy": "streaming-diloco", "num_fragments": 2, "inner_steps": 50}
 
 
 @pytest.mark.parametrize("strategy", [{}, STREAMING], ids=["fedavg", "streaming-diloco"])
