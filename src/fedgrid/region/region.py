@@ -42,12 +42,12 @@ clients' uplink residuals already took their updates: ``RegionClient._done_of_ta
 update of the open regional round that landed is restored rather than asked for again, and its
 WAN uplink's state (``upstream.pt``) is written once its result is encoded, before it is sent,
 so an upload that landed never leaves an older residual on disk; a task handed again encodes
-from what its round began from (``fedgrid.compression.feedback.ErrorFeedback.begin_round``). A region that loses
-its upstream keeps serving its own clients (they stay joined and idle) and retries its calls
-with the same session for as long as it runs: a global coordinator restarted from its state
-directory knows that session and its open task (an update trained meanwhile is uploaded when
-it answers), one that does not refuses it and the region joins again; a join refused or not
-answered within ``UPSTREAM_RETRY_MAX_S`` is tried again with backoff; a refusal that joining
+from what its round began from (``fedgrid.compression.feedback.ErrorFeedback.begin_round``).
+A region that loses its upstream keeps serving its own clients (they stay joined and idle) and
+retries its calls with the same session for as long as it runs: a global coordinator restarted
+from its state directory knows that session and its open task (an update trained meanwhile is
+uploaded when it answers), one that does not refuses it and the region joins again; a join
+refused or not answered within ``UPSTREAM_RETRY_MAX_S`` is tried again with backoff; a refusal that joining
 again cannot change (another base or rank, a certificate refused, the name taken) ends the
 region with that reason (``fedgrid.region.upstream``).
 """
@@ -248,7 +248,8 @@ class RegionClient(Client):
         sums = _Sums()
         for m in done:
             sums.add(m)
-        for h in range(len(done) + 1, self.regional_rounds + 1):
+        first = 1 if not done else done[-1].round - (global_round - 1) * self.regional_rounds + 1
+        for h in range(first, self.regional_rounds + 1):
             regional_round = (global_round - 1) * self.regional_rounds + h
             # A regional round whose clients all failed runs again under its number (round_retries).
             metrics = self.engine.play_round(regional_round)
