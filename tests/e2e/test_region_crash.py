@@ -80,7 +80,10 @@ def _run(tmp_path: Path, kills: list[tuple[int, str]]) -> list[subprocess.Popen]
     triggers: list[tuple[int, str] | None] = [*kills, None]
     regions = [_region(tmp_path, address, triggers[0])]
     relay = Relay(None)
-    port = lambda: int((tmp_path / "region" / "address").read_text().strip().rpartition(":")[2])  # noqa: E731
+
+    def port() -> int:
+        return int((tmp_path / "region" / "address").read_text().strip().rpartition(":")[2])
+
     relay.retarget(port())
     clients = [
         start_client(
@@ -138,4 +141,11 @@ def test_a_region_killed_at_each_point_of_a_task_ends_on_the_uninterrupted_model
         if e.event == "updates_restored"
     ]
     assert [(e["round"], e["count"]) for e in restored] == [(4, 1)]
+    # Each restart but the one after round 3's upload landed took its open global task over.
+    handed = {
+        e["round"]
+        for e in read_events(tmp_path / "killed" / "global" / "events.jsonl")
+        if e.event == "task_handed_over"
+    }
+    assert handed >= {1, 2, 4}, handed
     assert_same_model(tmp_path / "killed" / "global", tmp_path / "reference" / "global")
