@@ -16,8 +16,9 @@ Variants, side by side in one run (each in turn, the order rotating per repetiti
   the round to close.
 - ``overlap``: streaming DiLoCo with F fragments, the outer sync overlapped with the next
   inner steps (``--sync-delay-steps tau``, ``--merge-alpha 0.5``).
-- ``async``: overlapped streaming DiLoCo whose rounds close at a quorum of 3 of the 4 workers
-  plus a grace window, a late result merged into a later round with FedBuff's staleness
+- ``async``: streaming DiLoCo with F fragments, overlapped by a whole round of inner steps
+  (``--sync-delay-steps H``), whose rounds close at a quorum of 3 of the 4 workers plus a grace
+  window, a late result merged into its own fragment in a later round with FedBuff's staleness
   discount (``--min-quorum 3 --grace-s --max-staleness 2``).
 
 Modes: ``real`` trains the model for real (one torch thread a process; on a 2-core machine
@@ -221,32 +222,23 @@ def _strategy_flags(
     flags = ["--inner-steps", str(args.inner_steps)]
     if variant == "sync":
         return ["--strategy", "diloco", *flags]
+    streaming = ["--strategy", "streaming-diloco", "--num-fragments", str(args.fragments)]
+    alpha = ["--merge-alpha", str(args.merge_alpha)]
     if variant == "overlap":
-        flags = [
-            "--strategy",
-            "streaming-diloco",
-            "--num-fragments",
-            str(args.fragments),
-            "--sync-delay-steps",
-            str(args.tau),
-            "--merge-alpha",
-            str(args.merge_alpha),
-            *flags,
-        ]
+        flags = [*streaming, "--sync-delay-steps", str(args.tau), *alpha, *flags]
         if scenario == "faults":
             # Speed-aware local work: every worker runs the fast workers' time of H steps, so the
             # half-speed one arrives with the others (having trained fewer steps, and weighing less).
             flags += ["--inner-time-s", f"{args.inner_steps * cal['step_s']:.3f}"]
         return flags
-    # async: streaming DiLoCo's rounds carry round-bound fragments, so the quorum runs whole-model
-    # DiLoCo, overlapped by a whole round of steps (a full sync takes about that long).
+    # async: streaming DiLoCo whose rounds close at a quorum, a late result merged into its own
+    # fragment (the one its task synced); overlapped by a whole round of steps, since a round
+    # waits for its quorum and grace window as well as for the sync.
     return [
-        "--strategy",
-        "diloco",
+        *streaming,
         "--sync-delay-steps",
         str(args.inner_steps),
-        "--merge-alpha",
-        str(args.merge_alpha),
+        *alpha,
         "--min-quorum",
         str(WORKERS - 1),
         "--grace-s",
@@ -450,6 +442,13 @@ def main(argv: list[str] | None = None) -> int:
         help="outer rounds of each run, H inner steps a worker each (default 6)",
     )
     parser.add_argument("--inner-steps", type=int, default=100, help="H (default 100)")
+    parser.add_argument(
+        "--step-s",
+        type=float,
+        default=0.0,
+        help="the inner step's seconds instead of the one measured (0: measured): compares runs of "
+        "different code at one calibration, the link's rate and wait mode's steps alike",
+    )
     parser.add_argument("--fragments", type=int, default=2, help="F of the streaming variants (default 2)")
     parser.add_argument(
         "--tau",
@@ -500,6 +499,8 @@ def main(argv: list[str] | None = None) -> int:
             ROOT / "benchmarks" / "results" / ("goodput-lab.json" if args.link == "lab" else "goodput.json")
         )
     cal = calibrate(args)
+    if args.step_s:  # another run's calibration: runs of different code compared at one step time
+        cal["step_s"] = args.step_s
     # A region's full sync moves its two workers' models up and down through one link.
     sync_bits = 2 * WORKERS_PER_REGION * cal["state_bytes"] * 8
     rate_mbit = sync_bits / (args.sync_ratio * args.inner_steps * cal["step_s"]) / 1e6

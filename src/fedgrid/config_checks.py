@@ -21,8 +21,18 @@ from fedgrid.trackers import parse_trackers
 __all__ = ["validate", "CheckedRun", "QUORUM_STRATEGIES"]
 
 #: The strategies that can merge a late result into a later round (``min_quorum``): each
-#: updates the whole model from the results' differences.
-QUORUM_STRATEGIES = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedprox", "diloco")
+#: updates the whole model from the results' differences, or (``streaming-diloco``) a late
+#: fragment into its own fragment.
+QUORUM_STRATEGIES = (
+    "fedavg",
+    "fedavgm",
+    "fedadam",
+    "fedyogi",
+    "fedadagrad",
+    "fedprox",
+    "diloco",
+    "streaming-diloco",
+)
 
 
 class CheckedRun(PrivateRun, Protocol):
@@ -254,8 +264,8 @@ def _check_quorum(config: CheckedRun) -> None:
         raise ConfigError(
             "min_quorum",
             f"strategy {config.strategy!r} cannot merge a late result into a later round "
-            "(streaming-diloco and bcd sync another part of the model each round, scaffold's "
-            f"control variates belong to their round): semi-asynchronous rounds take {', '.join(QUORUM_STRATEGIES)}",
+            "(bcd's blocks are chosen per round and client, scaffold's control variates belong to their "
+            f"round): semi-asynchronous rounds take {', '.join(QUORUM_STRATEGIES)}",
         )
 
 

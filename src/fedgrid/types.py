@@ -151,6 +151,9 @@ class FitRes:
         weight: its weight in a mean when that is not ``num_examples``: a late result of a
             semi-asynchronous round, discounted for its staleness
             (``fedgrid.aggregation.staleness``); ``None``: ``num_examples``.
+        task_round: the round whose task it answers, when that is not the round it is
+            aggregated in (a late result of a semi-asynchronous round: streaming DiLoCo merges
+            it into its task's fragment); ``None``: the round it is aggregated in.
     """
 
     client: ClientInfo
@@ -159,6 +162,7 @@ class FitRes:
     metrics: Mapping[str, float] = field(default_factory=dict)
     delta: bool = False
     weight: float | None = None
+    task_round: int | None = None
 
     @property
     def mean_weight(self) -> float:

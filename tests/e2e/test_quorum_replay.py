@@ -4,12 +4,13 @@ the deployment's, bit for bit (the determinism contract of quorum rounds)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fedgrid.config import load_config
 from fedgrid.events import read_events
 from fedgrid.ops.wan import WanLink, WanRelay, parse_hostport
-from fedgrid.runlog import load_model
+from fedgrid.runlog import load_model, read_metrics
 from fedgrid.simulation.run import run_simulation
 
 from harness import REFERENCE, CoordinatorRun, start_client
@@ -23,7 +24,13 @@ QUORUM = ["--min-quorum", "1", "--grace-s", "0", "--max-staleness", "100", "--st
 UNBOUNDED = ["--max-update-ratio", "0"]
 
 
-def test_a_deployment_with_a_slow_worker_replays_bit_for_bit(tmp_path):
+#: Streaming DiLoCo with two fragments: a late result of an odd staleness carries the fragment
+#: the merging round does not sync, and merges into its own.
+STREAMING = {"strategy": "streaming-diloco", "num_fragments": 2, "inner_steps": 50}
+
+
+@pytest.mark.parametrize("strategy", [{}, STREAMING], ids=["fedavg", "streaming-diloco"])
+def test_a_deployment_with_a_slow_worker_replays_bit_for_bit(tmp_path, strategy):
     out = tmp_path / "run"
     args = [
         "--rounds",
@@ -34,6 +41,7 @@ def test_a_deployment_with_a_slow_worker_replays_bit_for_bit(tmp_path):
         str(SEED),
         "--heartbeat-interval-s",
         "2",
+        *(a for key, value in strategy.items() for a in (f"--{key.replace('_', '-')}", str(value))),
     ]
     run = CoordinatorRun(out, [*args, *QUORUM, *UNBOUNDED], tmp_path / "coordinator.log")
     address = run.address()
@@ -76,6 +84,11 @@ def test_a_deployment_with_a_slow_worker_replays_bit_for_bit(tmp_path):
     )
     for r in late:
         assert r["weight"] == r["num_examples"] * (1 + r["staleness"]) ** -0.5
+    if strategy:  # some late fragment merged into its own fragment, not the round's
+        other = [e["round"] for e in merges for r in e["results"] if r["staleness"] % 2 == 1]
+        assert other, [(e["round"], [r["staleness"] for r in e["results"]]) for e in merges]
+        moved = {m["round"]: m.get("late_fragments", 0) for m in read_metrics(out)}
+        assert all(moved[r] == 1 for r in other), moved
 
     replayed, _ = run_simulation(
         load_config(
@@ -87,6 +100,7 @@ def test_a_deployment_with_a_slow_worker_replays_bit_for_bit(tmp_path):
                 "max_staleness": 100,
                 "replay": str(out / "events.jsonl"),
                 "max_update_ratio": 0,
+                **strategy,
                 **REFERENCE,
             }
         )

@@ -162,9 +162,9 @@ def test_a_region_killed_mid_round_rejoins_that_round_from_its_state(tmp_path, m
 
     region-b is killed in its second regional round of global round 2 (its first is committed)
     and restarted at once: it rejoins global round 2 (the coordinator hands its open task to the
-    new session), goes back to its state after global round 1 and runs regional rounds 3 and 4
-    again, so every global round counts both regions once and its rounds run 1 to 8, each once:
-    the uninterrupted run's model and numbers."""
+    new session), goes on from its committed regional round 3 and runs round 4, so every global
+    round counts both regions once and its rounds run 1 to 8, each once: the uninterrupted run's
+    model and numbers."""
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "support" / "apps"))
     from fedgrid.plugins import model_state
 

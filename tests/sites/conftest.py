@@ -1,5 +1,9 @@
 """The sites tier's engine, image and reference run, made once per session.
 
+- ``preparation``: when the session runs a test that needs the engine or the image, both are
+  made in a thread from the session's start (``Preparation``), so that the lab's tests, which
+  run first and need neither, run beside the engine's install, the base and the build (minutes
+  on a machine with no images) instead of before them.
 - ``engine``: a Docker engine (``docker_engine.Engine``: Debian's docker.io started here when
   none answers, as root; stopped at the end only if started here). Without root and without an
   engine the tier is skipped, saying so.
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterator
@@ -37,19 +42,71 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     return report
 
 
-@pytest.fixture(scope="session")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+#: The fixtures whose tests need the engine (and, but for ``engine``, the image).
+NEEDS_ENGINE = frozenset({"engine", "image", "federation"})
+
+
+class Preparation:
+    """The engine, then the base and the image, made in a thread of their own: ``engine_ready``
+    is set once the engine answers (or cannot: ``error``), and the thread ends once the image is
+    built (or could not be: ``build_error``), ``built_s`` seconds after the engine was ready."""
+
+    def __init__(self, folder: Path) -> None:
+        self.engine: Engine | None = None
+        self.error: BaseException | None = None
+        self.build_error: BaseException | None = None
+        self.built_s = 0.0
+        self.engine_ready = threading.Event()
+        self.thread = threading.Thread(
+            target=self._run, args=(folder,), name="fedgrid-sites-prepare", daemon=True
+        )
+        self.thread.start()
+
+    def _run(self, folder: Path) -> None:
+        try:
+            self.engine = Engine.ensure(folder / "dockerd.log")
+            left = remove_leftovers()
+            if left:
+                print(f"removed what an earlier run left: {', '.join(left)}")
+        except BaseException as exc:  # handed to the engine fixture
+            self.error = exc
+            return
+        finally:
+            self.engine_ready.set()
+        started = time.monotonic()
+        try:
+            build_image(IMAGE, base=base_image(), log=folder / "build.log")
+        except BaseException as exc:  # handed to the image fixture
+            self.build_error = exc
+        self.built_s = time.monotonic() - started
+
+
+@pytest.fixture(scope="session", autouse=True)
+def preparation(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Preparation | None]:
+    if not any(NEEDS_ENGINE & set(getattr(item, "fixturenames", ())) for item in request.session.items):
+        yield None  # the lab's tests alone: no engine, no image
+        return
+    prep = Preparation(tmp_path_factory.mktemp("engine"))
     try:
-        started = Engine.ensure(tmp_path_factory.mktemp("engine") / "dockerd.log")
-    except EngineUnavailable as exc:
-        pytest.skip(f"the sites tier needs a Docker engine: {exc}")
-    try:
-        left = remove_leftovers()
-        if left:
-            print(f"removed what an earlier run left: {', '.join(left)}")
-        yield started
+        yield prep
     finally:
-        started.stop()
+        prep.thread.join(timeout=1200)  # the build is not cut off under the engine
+        if prep.engine is not None:
+            prep.engine.stop()
+
+
+@pytest.fixture(scope="session")
+def engine(preparation: Preparation | None) -> Engine:
+    assert preparation is not None
+    preparation.engine_ready.wait()
+    if isinstance(preparation.error, EngineUnavailable):
+        pytest.skip(f"the sites tier needs a Docker engine: {preparation.error}")
+    if preparation.error is not None:
+        raise preparation.error
+    assert preparation.engine is not None
+    return preparation.engine
 
 
 class Reference:
@@ -86,10 +143,16 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Reference]:
 
 
 @pytest.fixture(scope="session")
-def image(engine: Engine, reference: Reference, tmp_path_factory: pytest.TempPathFactory) -> str:
-    started = time.monotonic()
-    build_image(IMAGE, base=base_image(), log=tmp_path_factory.mktemp("build") / "build.log")
-    print(f"{IMAGE}: {image_size(IMAGE) / 1e9:.3f} GB, built in {time.monotonic() - started:.0f} s")
+def image(engine: Engine, reference: Reference, preparation: Preparation | None) -> str:
+    assert preparation is not None
+    waited = time.monotonic()
+    preparation.thread.join()
+    if preparation.build_error is not None:
+        raise preparation.build_error
+    print(
+        f"{IMAGE}: {image_size(IMAGE) / 1e9:.3f} GB, base and build {preparation.built_s:.0f} s "
+        f"(waited for {time.monotonic() - waited:.0f} s of it)"
+    )
     return IMAGE
 
 

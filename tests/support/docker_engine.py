@@ -155,7 +155,8 @@ def _image_exists(name: str) -> bool:
 
 def base_image(*, pull_timeout: float = 120) -> str:
     """The base docker/Dockerfile builds on: ``python:3.11-slim`` when it is here or can be
-    pulled; else Debian made by debootstrap (about 40 s, once: the image stays in the engine)."""
+    pulled; else Debian with its Python made by debootstrap (about 40 s, once: the image stays in
+    the engine; a base made before without Python still builds: the Dockerfile installs it)."""
     if _image_exists(HUB_BASE) or _image_exists(DEBIAN_BASE):
         return HUB_BASE if _image_exists(HUB_BASE) else DEBIAN_BASE
     try:
@@ -168,7 +169,16 @@ def base_image(*, pull_timeout: float = 120) -> str:
     with tempfile.TemporaryDirectory(prefix="fedgrid-debootstrap-") as tmp:
         rootfs = Path(tmp) / "rootfs"
         done = subprocess.run(
-            ["debootstrap", "--variant=minbase", "bookworm", str(rootfs), "http://deb.debian.org/debian"],
+            # Python with it, in the same download: the image's build then finds python3 -m venv
+            # working and skips its own apt-get update and install (the step for bases without Python).
+            [
+                "debootstrap",
+                "--variant=minbase",
+                "--include=python3,python3-venv",
+                "bookworm",
+                str(rootfs),
+                "http://deb.debian.org/debian",
+            ],
             capture_output=True,
             text=True,
             timeout=900,

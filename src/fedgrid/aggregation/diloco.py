@@ -335,12 +335,16 @@ class StreamingDiLoCo(DiLoCo):
         self._slices: dict[str, list[tuple[str, int, int]]] = {}
         #: Per client id, the last round whose result was aggregated (see the module docstring).
         self._last_round: dict[str, int] = {}
+        #: The fragments a round changed besides its own (late results merged into theirs), for
+        #: the last F rounds: a client's download takes them too (``synced_since``).
+        self._also_changed: dict[int, tuple[int, ...]] = {}
 
     def initialize(self, *, initial_state: ModelState) -> None:
         self._fragments = self._fragments_of(initial_state)
         self._slices = row_slices(self._fragments)
         super().initialize(initial_state=initial_state)
         self._last_round = {}
+        self._also_changed = {}
 
     def _fragments_of(self, state: ModelState) -> list[Block]:
         """The fragments of a model (``default_blocks`` with row slices).
@@ -378,8 +382,15 @@ class StreamingDiLoCo(DiLoCo):
         last = self._last_round.get(client.client_id)
         if last is None or not 0 < server_round - last < self.num_fragments:
             return None
-        # Rounds last .. server_round - 1 each synced one fragment; the client merged none of them.
-        synced = {r % self.num_fragments for r in range(last, server_round)}
+        # Rounds last .. server_round - 1 each synced their fragment, and the fragments of the late
+        # results they merged; the client merged none of them.
+        synced = {
+            f
+            for r in range(last, server_round)
+            for f in (r % self.num_fragments, *self._also_changed.get(r, ()))
+        }
+        if len(synced) == self.num_fragments:
+            return None
         return [f for f in self.fragments if f.index in synced]
 
     def configure_round(
@@ -417,25 +428,56 @@ class StreamingDiLoCo(DiLoCo):
     def aggregate(
         self, *, server_round: int, results: Sequence[FitRes], failures: Sequence[Failure]
     ) -> dict[str, float]:
+        """The outer step of round ``server_round``'s fragment on its results, and of each other
+        fragment that late results of a semi-asynchronous round carry (``FitRes.task_round``:
+        a late result holds its task round's fragment, as a difference from that task's model).
+
+        A fragment's results enter one weighted mean, the late ones with their staleness weight
+        (``fedgrid.aggregation.staleness``), as in every quorum round. A fragment that only late
+        results carry moves by ``sum(weight * difference) / sum(num_examples)``: their mean
+        discounted by their staleness, since no fresh result weighs against them (a result
+        ``s`` rounds stale moves it by ``(1 + s) ** -a`` of its difference). One server step
+        takes every fragment's pseudo-gradient, each with its own outer momentum.
+        """
         for failure in failures:  # it may have lost its replica: the whole model next time
             self._last_round.pop(failure.client.client_id, None)
-        for result in results:
-            self._last_round[result.client.client_id] = server_round
+        for result in results:  # a late result: the client's replica is its task round's
+            task_round = server_round if result.task_round is None else result.task_round
+            cid = result.client.client_id
+            self._last_round[cid] = max(self._last_round.get(cid, task_round), task_round)
         # Bounded memory: a client absent for F rounds needs the whole model, as one without a record.
         self._last_round = {
             cid: r for cid, r in sorted(self._last_round.items()) if server_round + 1 - r < self.num_fragments
         }
+        self._also_changed = {
+            r: f for r, f in self._also_changed.items() if server_round + 1 - r < self.num_fragments
+        }
         if not results:
             return {}
         ordered = sorted(results, key=lambda r: r.client.sort_key)
-        metrics = {**train_metrics(ordered), "fragment": float(self.fragment_of_round(server_round).index)}
-        names = self.fragment_of_round(server_round).names
+        own = self.fragment_of_round(server_round).index
+        by_fragment: dict[int, list[FitRes]] = {}
+        for result in ordered:
+            task_round = server_round if result.task_round is None else result.task_round
+            by_fragment.setdefault(task_round % self.num_fragments, []).append(result)
+        metrics = {**train_metrics(ordered), "fragment": float(own)}
         sliced = self.downlink_state(server_round=server_round)
+        groups = []
+        for index in sorted(by_fragment, key=lambda i: (i != own, i)):  # its own fragment first
+            group = by_fragment[index]
+            scale = 1.0
+            if index != own:
+                scale = sum(r.mean_weight for r in group) / sum(float(r.num_examples) for r in group)
+            groups.append((self.fragments[index].names, group, scale))
         self._begin_aggregation(server_round)
         try:
-            update = self._update_subset(names=names, results=ordered, state=sliced)
+            update = self._update_parts(groups, state=sliced)
         except AggregationPreconditionError:
             return {**metrics, "aggregation_skipped": 1.0}
+        late_fragments = tuple(sorted(i for i in by_fragment if i != own))
+        if late_fragments:
+            self._also_changed[server_round] = late_fragments
+            metrics["late_fragments"] = float(len(late_fragments))
         state = OrderedDict((n, update.get(n, t)) for n, t in self.global_state.items())
         for name, parts in self._slices.items():  # a split tensor synced: its rows updated, a new tensor
             if any(part in update for part, _, _ in parts):
@@ -448,6 +490,7 @@ class StreamingDiLoCo(DiLoCo):
             **super().state_dict(),
             "num_fragments": self.num_fragments,
             "last_round": dict(self._last_round),
+            "also_changed": {r: list(f) for r, f in self._also_changed.items()},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -465,8 +508,15 @@ class StreamingDiLoCo(DiLoCo):
             last_round = {str(cid): int(r) for cid, r in dict(state.get("last_round", {})).items()}
         except (TypeError, ValueError) as exc:
             raise ValueError(f"checkpoint's last_round is not a map of client id to round: {exc}") from None
+        try:
+            also_changed = {
+                int(r): tuple(int(i) for i in f) for r, f in dict(state.get("also_changed", {})).items()
+            }
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"checkpoint's also_changed is not a map of round to fragments: {exc}") from None
         super().load_state_dict(self._with_sliced_buffers(state))
         self._last_round = last_round
+        self._also_changed = also_changed
 
     def _with_sliced_buffers(self, state: Mapping[str, Any]) -> Mapping[str, Any]:
         """``state`` with the outer optimizer's buffers of each tensor its model's fragments split

@@ -75,17 +75,38 @@ class FedOpt(FedAvg):
             AggregationPreconditionError: the aggregator cannot run on this many results.
             ValueError: a result is malformed (``updates.aggregate_deltas``).
         """
+        return self._update_parts([(names, results, 1.0)], state=state)
+
+    def _update_parts(
+        self,
+        parts: Sequence[tuple[Sequence[str], Sequence[FitRes], float]],
+        *,
+        state: Mapping[str, torch.Tensor] | None = None,
+    ) -> ModelState:
+        """``_update_subset`` for disjoint parts of the model at once, each ``(names, results,
+        scale)`` aggregated from its own results and its aggregate delta multiplied by ``scale``
+        (streaming DiLoCo: a fragment merged from late results alone is discounted for their
+        staleness), then one server step on all of them.
+
+        Raises:
+            AggregationPreconditionError: the aggregator cannot run on a part's results.
+            ValueError: a result is malformed (``updates.aggregate_deltas``).
+        """
         state = self.global_state if state is None else state
-        floating, others = split_names(state, names)
-        delta = aggregate_deltas(
-            global_state=state, results=results, names=floating, aggregator=self.aggregator
-        )
-        pseudo_grad = OrderedDict((n, d.neg()) for n, d in delta.items())
+        pseudo_grad: ModelState = OrderedDict()
+        values: ModelState = OrderedDict()
+        for names, results, scale in parts:
+            floating, others = split_names(state, names)
+            delta = aggregate_deltas(
+                global_state=state, results=results, names=floating, aggregator=self.aggregator
+            )
+            pseudo_grad.update((n, d.neg() if scale == 1.0 else d.mul(-scale)) for n, d in delta.items())
+            values.update(average_values(results, others, aggregator=self.aggregator))
         stepped = self.server_optimizer.step(
-            global_state=OrderedDict((n, state[n]) for n in floating), pseudo_grad=pseudo_grad
+            global_state=OrderedDict((n, state[n]) for n in pseudo_grad), pseudo_grad=pseudo_grad
         )
-        stepped.update(average_values(results, others, aggregator=self.aggregator))
-        return OrderedDict((n, stepped[n]) for n in names)
+        stepped.update(values)
+        return OrderedDict((n, stepped[n]) for names, _, _ in parts for n in names)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "server_optimizer": self.server_optimizer.state_dict()}

@@ -459,15 +459,21 @@ class Connection:
         codec: CodecSpec = CodecSpec.NONE,
         global_state: ModelState | None = None,
         task_config: Mapping[str, Any] | None = None,
+        on_encoded: Callable[[], None] | None = None,
     ) -> int:
         """Sends an update, through ``codec`` (lossy codecs send the difference to
         ``global_state`` with error feedback kept across rounds). A retry asks the
         coordinator how many chunks it holds and resumes from there; one that finds the
-        update already accepted counts as success."""
+        update already accepted counts as success. ``on_encoded`` is called once the update
+        is encoded (its error feedback moved on) and before any byte of it is sent: where the
+        client saves that state, so a crash cannot leave an upload that landed with a saved
+        residual from before it."""
         uplink = self._uplink(codec, has_global=global_state is not None).begin(
             server_round, task_config or {}, self.name
         )
         encoded, delta = uplink.encode(global_state=global_state or {}, new_state=state)
+        if on_encoded is not None:
+            on_encoded()
         info = serde.StreamInfo(
             run_id=self.run_id,
             task_id=task_id,

@@ -227,8 +227,9 @@ def _serve(
                 step.fail(f"{type(exc).__name__}: {exc}")
                 feed.emit("error", round=step.round, detail=f"{type(exc).__name__}: {exc}")
                 continue
-            report = step.deliver(update, num_examples, metrics)
-            saver.save(step)  # a late update too: the residuals moved on all the same
+            # Saved once encoded, before it is sent (a late update too: the residuals moved on all
+            # the same): a crash after the upload landed cannot leave a residual from before it.
+            report = step.deliver(update, num_examples, metrics, on_encoded=lambda: saver.save(step))
             if report is None:
                 detail = (
                     f"update refused: {step.refused}"
@@ -269,7 +270,8 @@ class StateSaver:
     ``TorchClient.lookahead_running``) is saved once those steps end, the only state in which
     its model and optimizer agree: the write waits for them in a thread of its own, so the poll
     and download of the next task go on meanwhile rather than after them. The uplink's
-    error-feedback state is taken when the upload ends, as before. ``wait`` comes before the
+    error-feedback state is taken once the update is encoded, before it is sent
+    (``Connection.upload``'s ``on_encoded``). ``wait`` comes before the
     next use of the client (a fit or evaluation) and before the run ends, so one write at a
     time and none beside training.
     """

@@ -400,9 +400,10 @@ class Session:
     def _deliver(
         self, step: TaskStep, task: Task, update: ModelState, num_examples: int, metrics: dict[str, float]
     ) -> TaskReport | None:
-        report = step.deliver(update, num_examples, metrics)
-        # A late update too: the residuals moved on. The host trains itself: nothing runs in the background here.
-        StateSaver(self._state_path, self.conn, self._member).save(step)
+        # Saved once encoded, before it is sent (a late update too: the residuals moved on), as
+        # run_client saves. The host trains itself: nothing runs in the background here.
+        saver = StateSaver(self._state_path, self.conn, self._member)
+        report = step.deliver(update, num_examples, metrics, on_encoded=lambda: saver.save(step))
         if report is None:
             self._error(
                 InvalidUpdateError(f"round {step.round}'s {step.kind} result was refused: {step.refused}")

@@ -174,12 +174,18 @@ class TaskStep:
         self.late = exc.details or "the round closed"
 
     def deliver(
-        self, update: ModelState, num_examples: int, metrics: Mapping[str, float]
+        self,
+        update: ModelState,
+        num_examples: int,
+        metrics: Mapping[str, float],
+        *,
+        on_encoded: Callable[[], None] | None = None,
     ) -> TaskReport | None:
         """Uploads the result through the task's ``uplink_codec`` (error feedback kept in the
         connection). Returns what it cost, or ``None`` when the round closed before the update
         landed (``late`` says why) or the coordinator refused it (``refused`` says why).
         A refused update is this round's failure: the client goes on to its next task.
+        ``on_encoded``: ``Connection.upload``'s (the client's state is saved there).
 
         Raises:
             RpcFailed: any other refusal, or transient failures past the retry budget.
@@ -197,6 +203,7 @@ class TaskStep:
                     codec=codec,
                     global_state=self.state,
                     task_config=self.config,
+                    on_encoded=on_encoded,
                 )
         except RpcFailed as exc:
             self._undelivered(exc)

@@ -44,16 +44,20 @@ class UplinkEncoder:
 
     Args:
         codec: the task's uplink codec (``none``, ``int8``, ``topk:0.01``, ...).
+        repeatable: ``ErrorFeedback``'s: a deployed client may be handed a round again after a
+            restart; a simulated one never is (``False`` saves one residual).
 
     Raises:
         ConfigError: (lossy codecs) the codec is not contractive and not unbiased (``auto``
             runs an unbiased codec without error feedback).
     """
 
-    def __init__(self, codec: CodecSpec) -> None:
+    def __init__(self, codec: CodecSpec, *, repeatable: bool = True) -> None:
         self.spec = codec
         self.lossless = codec.lossless
-        self.feedback = None if self.lossless else ErrorFeedback(codec, FeedbackRule(kind="auto"))
+        self.feedback = (
+            None if self.lossless else ErrorFeedback(codec, FeedbackRule(kind="auto"), repeatable=repeatable)
+        )
         self._seed = 0
 
     def begin(self, server_round: int, task_config: Mapping[str, Any], client: str = "") -> "UplinkEncoder":

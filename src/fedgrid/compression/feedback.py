@@ -172,19 +172,27 @@ class ErrorFeedback:
             a codec the caller owns.
         rule: the residual's decay and staleness rule (default: classic EF, never reset);
             ``auto`` is resolved for ``codec`` (``FeedbackRule.for_codec``).
+        repeatable: keep what the latest round began from, so that the same round encodes
+            again as it did the first time (``begin_round``); ``False`` for a sender that is
+            never handed a round twice (a simulated client), which saves one residual.
 
     Raises:
         ConfigError: ``codec`` is not contractive while the rule keeps a residual (also when
             ``rule`` is set later).
     """
 
-    def __init__(self, codec: Codec | CodecSpec, rule: FeedbackRule | None = None) -> None:
+    def __init__(
+        self, codec: Codec | CodecSpec, rule: FeedbackRule | None = None, *, repeatable: bool = True
+    ) -> None:
         self.codec = _codec(codec, "codec", contractive=False)
+        self.repeatable = repeatable
         self._rule = FeedbackRule(kind="none")
         self.rule = rule or FeedbackRule()
         self._residuals: dict[str, torch.Tensor] = {}
         #: The last round ``begin_round`` saw (``None``: none yet).
         self.last_round: int | None = None
+        # What the last round began from: its last_round, residuals and codec state (``begin_round``).
+        self._round_start: tuple[int | None, dict[str, torch.Tensor], dict[str, Any]] | None = None
 
     @property
     def rule(self) -> FeedbackRule:
@@ -201,7 +209,21 @@ class ErrorFeedback:
         """Applies the rule to every residual before the uploads of ``server_round``: a client
         that last encoded in round ``q`` sat out ``server_round - q - 1`` rounds. Returns the
         factor applied (1 when it took part in the previous round, 0 when the residuals were
-        dropped). Calling it again for the same round changes nothing."""
+        dropped).
+
+        The same round again (its task handed again: a coordinator or region restarted before
+        the round counted the first upload) starts from what the round began from the first
+        time, so the update is encoded as it was then and the residual moves on once: an
+        encoding is not idempotent, and a residual that took a round's update twice sends
+        another model. To that end the residuals the latest round began from are kept (with
+        ``encode`` replacing, never changing, a residual tensor, they are the previous round's
+        tensors: one more residual in memory and in ``state_dict``)."""
+        if self.last_round is not None and server_round == self.last_round and self._round_start is not None:
+            self.last_round, residuals, codec_state = self._round_start
+            self._residuals = dict(residuals)
+            self.codec.load_state_dict(codec_state)
+        if self.repeatable and (self.last_round is None or server_round > self.last_round):
+            self._round_start = (self.last_round, dict(self._residuals), self.codec.state_dict())
         factor = 1.0
         if self.last_round is not None and server_round > self.last_round:
             factor = self.rule.carry(server_round - self.last_round - 1)
@@ -252,14 +274,20 @@ class ErrorFeedback:
     def reset(self) -> None:
         """Drops every residual (e.g. when the model is replaced)."""
         self._residuals.clear()
+        self._round_start = None
 
     def state_dict(self) -> dict[str, Any]:
-        """Residuals, the last round and codec state, on CPU, to save with the client's state."""
+        """Residuals, the last round and codec state, on CPU, to save with the client's state;
+        ``round_start``: what the last round began from (``begin_round``)."""
+        start = self._round_start
         return {
             "codec": self.codec.name,
             "last_round": self.last_round,
-            "residuals": {k: v.detach().to("cpu").clone() for k, v in self._residuals.items()},
+            "residuals": _on_cpu(self._residuals),
             "codec_state": self.codec.state_dict(),
+            "round_start": None
+            if start is None
+            else {"last_round": start[0], "residuals": _on_cpu(start[1]), "codec_state": start[2]},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -275,6 +303,20 @@ class ErrorFeedback:
         self._residuals = {k: v.clone() for k, v in state["residuals"].items()}
         self.last_round = state.get("last_round")
         self.codec.load_state_dict(state.get("codec_state", {}))
+        start = state.get("round_start")  # absent from a state saved before it was kept
+        self._round_start = (
+            None
+            if start is None
+            else (
+                start["last_round"],
+                {k: v.clone() for k, v in start["residuals"].items()},
+                dict(start["codec_state"]),
+            )
+        )
+
+
+def _on_cpu(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu").clone() for k, v in tensors.items()}
 
 
 # -- downlink ------------------------------------------------------------------------------

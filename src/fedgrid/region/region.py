@@ -35,12 +35,19 @@ time splits over its H regional rounds (``compute_s``, ``comm_s``, ``wait_s``, `
 **Failures.** A region that dies mid-round is that global round's failure (heard at the
 deadline or from the heartbeat); nothing of it is counted. Restarted with the same
 ``state_dir`` it resumes its committed regional state and rejoins under its name (replacing
-the old session); the next global task's model replaces whatever it had. A region that loses
-its upstream keeps serving its own clients (they stay joined and idle) and retries its calls
-with the same session for as long as it runs: a global coordinator restarted from its state
-directory knows that session and its open task (an update trained meanwhile is uploaded when
-it answers), one that does not refuses it and the region joins again; a join refused or not
-answered within ``UPSTREAM_RETRY_MAX_S`` is tried again with backoff; a refusal that joining
+the old session); the next global task's model replaces whatever it had. Restarted within its
+heartbeat window, it is handed its open task again and ends it as the unkilled region would,
+bit for bit: the task's regional rounds committed before the kill are not run again (its
+clients' uplink residuals already took their updates: ``RegionClient._done_of_task``), an
+update of the open regional round that landed is restored rather than asked for again, and its
+WAN uplink's state (``upstream.pt``) is written once its result is encoded, before it is sent,
+so an upload that landed never leaves an older residual on disk; a task handed again encodes
+from what its round began from (``fedgrid.compression.feedback.ErrorFeedback.begin_round``).
+A region that loses its upstream keeps serving its own clients (they stay joined and idle) and
+retries its calls with the same session for as long as it runs: a global coordinator restarted
+from its state directory knows that session and its open task (an update trained meanwhile is
+uploaded when it answers), one that does not refuses it and the region joins again; a join
+refused or not answered within ``UPSTREAM_RETRY_MAX_S`` is tried again with backoff; a refusal that joining
 again cannot change (another base or rank, a certificate refused, the name taken) ends the
 region with that reason (``fedgrid.region.upstream``).
 """
@@ -146,9 +153,21 @@ class RegionClient(Client):
                 failed (the global round hears it as this region's failure).
         """
         _check_global_task(ins.config)
-        self._rewind((ins.round - 1) * self.regional_rounds)
-        self._take_global(state)
-        last, sums = self._regional_rounds(ins.round)
+        boundary = (ins.round - 1) * self.regional_rounds
+        done = self._done_of_task(boundary)
+        if done:  # a restart mid-task: its committed rounds started from this task's model already
+            log.info(
+                "region %s: regional rounds %d to %d of global round %d were committed before a restart; "
+                "going on from them",
+                escape(self.name),
+                boundary + 1,
+                boundary + len(done),
+                ins.round,
+            )
+        else:
+            self._rewind(boundary)
+            self._take_global(state)
+        last, sums = self._regional_rounds(ins.round, done)
         examples = self._claimed_examples(int(last.extra.get("examples", 0)))
         out = OrderedDict((k, v.detach().clone()) for k, v in self.engine.strategy.global_state.items())
         return FitOutput(state=out, num_examples=max(examples, 1), metrics=self._reported(last, sums))
@@ -160,11 +179,25 @@ class RegionClient(Client):
             "its regional model whole: secure aggregation runs inside regions (fedgrid region --secagg)"
         )
 
+    def _done_of_task(self, boundary: int) -> list[RoundMetrics]:
+        """The regional rounds of the task after regional round ``boundary`` that are committed
+        already (the region was killed in the middle of that task, or after it): they are not run
+        again. A regional round is not idempotent: its clients' uplink residuals (error feedback)
+        and state moved on when they sent their updates, so running it twice sends other updates
+        and ends on another model. Empty when the last committed round is not this task's, or
+        failed (the task then runs again from ``boundary``: ``_rewind``)."""
+        history = self.engine.history
+        if not history or not boundary < history[-1].round <= boundary + self.regional_rounds:
+            return []
+        if history[-1].extra.get(ROUND_FAILED) or history[-1].clients_ok == 0:
+            return []
+        return [m for m in history if m.round > boundary]
+
     def _rewind(self, boundary: int) -> None:
         """Goes back to the state after regional round ``boundary`` (the end of the previous
-        global task) when rounds past it are committed: the region restarted in the middle of
-        a global task, or after finishing one whose result never landed, and runs its rounds
-        again from the same state, under the same numbers (none is committed twice or skipped).
+        global task) when rounds past it are committed and are not the task's own to go on
+        from (``_done_of_task``): a task of an earlier global round, or one whose last regional
+        round failed, runs its rounds again from the same state, under the same numbers.
 
         The strategy state comes from that round's checkpoint (the region keeps
         ``regional_rounds + 1`` of them); the history, the journal and ``metrics.jsonl`` are cut
@@ -203,16 +236,19 @@ class RegionClient(Client):
             strategy.initialize(initial_state=OrderedDict((k, v.clone()) for k, v in state.items()))
             self._initialized = True
 
-    def _regional_rounds(self, global_round: int) -> tuple[RoundMetrics, _Sums]:
-        """Runs and commits the H regional rounds of global round ``global_round``; returns the
-        last one's metrics and what they all add up to.
+    def _regional_rounds(self, global_round: int, done: list[RoundMetrics]) -> tuple[RoundMetrics, _Sums]:
+        """Runs and commits the H regional rounds of global round ``global_round`` but those
+        ``done`` before a restart; returns the last one's metrics and what they all add up to.
 
         Raises:
             RuntimeError: a regional round that no client completed, or whose aggregate failed.
         """
-        metrics = None
+        metrics = done[-1] if done else None
         sums = _Sums()
-        for h in range(1, self.regional_rounds + 1):
+        for m in done:
+            sums.add(m)
+        first = 1 if not done else done[-1].round - (global_round - 1) * self.regional_rounds + 1
+        for h in range(first, self.regional_rounds + 1):
             regional_round = (global_round - 1) * self.regional_rounds + h
             # A regional round whose clients all failed runs again under its number (round_retries).
             metrics = self.engine.play_round(regional_round)

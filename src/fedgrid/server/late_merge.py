@@ -8,6 +8,7 @@ results first, then late ones), and one too stale for the quorum's limit as ``la
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -39,7 +40,9 @@ def late_to_merge(
             )
             continue
         weight = staleness_weight(item.result.num_examples, staleness, quorum.staleness_exponent)
-        late.append(rebase(item.result, item.base, weight=weight))
+        late.append(
+            dataclasses.replace(rebase(item.result, item.base, weight=weight), task_round=item.task_round)
+        )
         merged.append(_entry(item.result, server_round, item.task_round, weight))
         log.info(
             "round %d: merging a late result of round %d from %s (staleness %d, weight %.6g)",

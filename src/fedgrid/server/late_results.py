@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import OrderedDict
 from typing import Any, Iterable, Mapping
 
 from fedgrid.config_compression import task_uplink_codec
@@ -171,6 +172,8 @@ class CarriedTasks:
                     "client": dataclasses.asdict(rnd.clients[cid]),
                     "config": dict(rnd.assignments[cid].config),
                     "download": getattr(rnd.assignments[cid], "download", None),
+                    # A task that expects part of the model (a streaming DiLoCo fragment): its names.
+                    "expected": _expected_names(rnd.assignments[cid]),
                 }
                 for cid in open_to
             ],
@@ -204,6 +207,15 @@ class CarriedTasks:
             for t in saved["tasks"]
         }
         base = saved["base"]
+        specs = TensorSpec.of(base)
+        for t in saved["tasks"]:  # a task that expected part of the model expects it again
+            names = t.get("expected")  # (absent from a checkpoint written before it was kept)
+            if names is not None:
+                ins = assignments[str(t["client"]["client_id"])]
+                assert isinstance(ins, FitIns)
+                assignments[str(t["client"]["client_id"])] = dataclasses.replace(
+                    ins, expected=OrderedDict((str(n), specs[str(n)]) for n in names)
+                )
         rnd = RoundTask(
             server_round=server_round,
             task_id=str(saved["task_id"]),
@@ -224,3 +236,9 @@ class CarriedTasks:
                 rnd.carried.discard(cid)
                 rnd.late[cid] = res
         return rnd
+
+
+def _expected_names(ins: FitIns | EvaluateIns | MessageIns) -> list[str] | None:
+    """The tensors a fit task expects back, when not the whole model (``FitIns.expected``)."""
+    expected = getattr(ins, "expected", None)
+    return None if expected is None else list(expected)

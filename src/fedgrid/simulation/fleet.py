@@ -231,7 +231,8 @@ class InProcessFleet(Fleet):
     def _uplink(self, client_id: str, codec: CodecSpec) -> UplinkEncoder:
         key = (client_id, codec.text)
         if key not in self._uplinks:
-            self._uplinks[key] = UplinkEncoder(codec)
+            # A simulated client is never handed a round twice: no residual kept to encode one again.
+            self._uplinks[key] = UplinkEncoder(codec, repeatable=False)
         return self._uplinks[key]
 
     def wait_for_clients(self, *, min_clients: int, timeout: timedelta) -> list[ClientInfo]:

@@ -389,3 +389,54 @@ def test_streaming_checkpoint_keeps_the_records_and_refuses_bad_ones():
     older = {k: v for k, v in state.items() if k != "last_round"}  # a checkpoint from before the records
     resumed.load_state_dict(older)
     assert all(ins.download is None for _, ins in resumed.configure_round(server_round=3, clients=clients(3)))
+
+
+def test_a_late_fragment_merges_into_its_own_fragment_discounted_for_its_staleness():
+    """F = 3, outer lr 1 without momentum (the step is the aggregate itself). Round 1 (fragment 1)
+    closes at its quorum with c00's result; c01's lands late and merges into round 2 (which syncs
+    fragment 2) through the quorum's merge (``late_to_merge``): fragment 2 moves by c00's
+    difference, fragment 1 by c01's difference from round 1's model times (1 + 1) ** -0.5,
+    fragment 0 not at all. Round 3's downloads take fragments 1 and 2, the two round 2 changed."""
+    from fedgrid.events import EventLog
+    from fedgrid.server.fleet import LateResult, Quorum, RoundOutcome
+    from fedgrid.server.late_merge import late_to_merge
+
+    strategy = StreamingDiLoCo(num_fragments=3, outer_lr=1.0, outer_momentum=0.0)
+    strategy.initialize(initial_state=model_state())
+    c0, c1 = clients(2)
+    tasks1 = dict(strategy.configure_round(server_round=1, clients=[c0, c1]))
+    sent1 = strategy.downlink_state(server_round=1)
+    strategy.aggregate(server_round=1, results=[fake_fit(c0, tasks1[c0], sent1)], failures=[])
+    late = fake_fit(c1, tasks1[c1], sent1)  # trained from round 1's model, fragment 1
+
+    before = OrderedDict((k, v.clone()) for k, v in strategy.global_state.items())
+    ((_, ins2),) = strategy.configure_round(server_round=2, clients=[c0])  # c01 is still on its task
+    sent2 = strategy.downlink_state(server_round=2)
+    fresh = fake_fit(c0, ins2, sent2)
+    quorum = Quorum(min_quorum=1, grace_s=0.0, max_staleness=5, staleness_exponent=0.5)
+    outcome = RoundOutcome([fresh], [], late=[LateResult(late, 1, sent1)])
+    merged = late_to_merge(quorum, 2, outcome, EventLog())
+    assert [(r.task_round, r.delta, r.weight) for r in merged] == [(1, True, c1.num_examples * 2**-0.5)]
+    metrics = strategy.aggregate(server_round=2, results=[fresh, *merged], failures=[])
+
+    assert metrics["fragment"] == 2.0 and metrics["late_fragments"] == 1.0
+    fragments = strategy.fragments
+    for name, now in strategy.global_state.items():
+        old = before[name]
+        if name in fragments[2].names and now.is_floating_point():  # the round's own: c00's difference
+            torch.testing.assert_close(now, old + (fresh.state[name] - sent2[name]), rtol=0, atol=1e-6)
+        elif name in fragments[1].names and now.is_floating_point():  # the late one's, discounted
+            expected = old + 2**-0.5 * (late.state[name] - sent1[name])
+            torch.testing.assert_close(now, expected, rtol=0, atol=1e-6)
+            assert not torch.equal(now, old)
+        elif name in fragments[0].names:
+            assert torch.equal(now, old), name  # nobody synced it
+        else:  # an integer buffer takes its results' value
+            source = fresh if name in fragments[2].names else late
+            assert torch.equal(now, source.state[name]), name
+    tasks3 = dict(strategy.configure_round(server_round=3, clients=[c0, c1]))
+    for client in (c0, c1):  # both take fragments 1 and 2: round 2 changed both
+        assert tasks3[client].download == _names(strategy, 1, 2)
+    restored = StreamingDiLoCo(num_fragments=3, outer_lr=1.0, outer_momentum=0.0)
+    restored.load_state_dict(strategy.state_dict())  # a restart keeps what round 2 changed
+    assert dict(restored.configure_round(server_round=3, clients=[c0]))[c0].download == _names(strategy, 1, 2)

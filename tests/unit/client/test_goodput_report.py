@@ -46,8 +46,20 @@ class FakeConn:
         return OrderedDict(w=torch.zeros(2))
 
     def upload(
-        self, task_id, server_round, update, num_examples, metrics, *, codec, global_state, task_config=None
+        self,
+        task_id,
+        server_round,
+        update,
+        num_examples,
+        metrics,
+        *,
+        codec,
+        global_state,
+        task_config=None,
+        on_encoded=None,
     ) -> int:
+        if on_encoded is not None:
+            on_encoded()
         self.clock.t += UPLOAD_S
         self.uploaded.append(dict(metrics))
         return 8

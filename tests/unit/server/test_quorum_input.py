@@ -34,13 +34,25 @@ pytestmark = pytest.mark.timeout(30)
             "a quorum of 5 is larger than the round's selection of 3 clients (clients_per_round)",
         ),
         ({"min_quorum": 2, "over_selection": 0.5}, "min_quorum", "does not go with over_selection"),
-        ({"min_quorum": 2, "strategy": "streaming-diloco"}, "min_quorum", "cannot merge a late result"),
+        ({"min_quorum": 2, "strategy": "bcd"}, "min_quorum", "cannot merge a late result"),
+        ({"min_quorum": 2, "strategy": "scaffold"}, "min_quorum", "cannot merge a late result"),
     ],
 )
 def test_bad_quorum_keys_are_named(overrides, key, problem):
     with pytest.raises(ConfigError) as info:
         load_config(overrides=overrides)
     assert info.value.key == key and problem in str(info.value)
+
+
+def test_streaming_diloco_takes_a_quorum():
+    """The old refusal is gone: a late fragment merges into its own fragment."""
+    config = load_config(overrides={"min_quorum": 2, "strategy": "streaming-diloco", "num_fragments": 2})
+    assert quorum_of(config) == Quorum(
+        min_quorum=2,
+        grace_s=config.grace_s,
+        max_staleness=config.max_staleness,
+        staleness_exponent=config.staleness_exponent,
+    )
 
 
 def test_quorum_from_config():
