@@ -114,6 +114,10 @@ class Session:
         verbose: a line at the join and one per task that landed (round, kind, examples, loss,
             bytes): at INFO of ``fedgrid.client.session`` where the program configured logging,
             else on stderr (``session_host.tell``). ``False``: none.
+        base_hash: the hash of the frozen base model the host trains adapters on, shown at Join
+            (a coordinator of another base refuses the session, naming both hashes;
+            ``fedgrid.integrations.federation.wire_model`` computes it for a ``PeftModel``).
+        lora_rank: the rank of those adapters, announced at Join (0: none).
         connection_options: passed to ``Connection`` (``connect_timeout``, ``rpc_timeout``, ...).
 
     Raises:
@@ -139,13 +143,17 @@ class Session:
         on_task: Callable[[TaskReport], None] | None = None,
         on_error: ErrorHook | None = None,
         verbose: bool = True,
+        base_hash: str = "",
+        lora_rank: int = 0,
         **connection_options: float,
     ) -> None:
         tls = TLSFiles.from_options(ca, cert, key, what="session TLS")
         self.conn = Connection(
             coordinator, stop=threading.Event(), tls=tls, server_name=server_name, **connection_options
         )
-        self._member = SessionMember(name, region, num_examples, messages)
+        self._member = SessionMember(
+            name, region, num_examples, messages, base_hash=base_hash, lora_rank=lora_rank
+        )
         self._feed = TaskFeed(self.conn, self._member, poll_wait_s=poll_wait_s)
         self._evaluate, self._state_path = evaluate, state_path
         self._on_task, self._on_error, self._verbose = on_task, on_error, verbose

@@ -87,8 +87,28 @@ class ErrorHook(Protocol):
 class SessionMember(Client):
     """What Join tells the coordinator about the session; message phases go to ``messages``."""
 
-    def __init__(self, name: str, region: str, num_examples: int, messages: MessageHandler | None) -> None:
+    def __init__(
+        self,
+        name: str,
+        region: str,
+        num_examples: int,
+        messages: MessageHandler | None,
+        *,
+        base_hash: str = "",
+        lora_rank: int = 0,
+    ) -> None:
         self.name, self.region, self._num_examples, self._messages = name, region, num_examples, messages
+        self._adapters = (base_hash, lora_rank)
+
+    @property
+    def base_hash(self) -> str:
+        """The host's frozen base model's hash (``Client.base_hash``), shown at Join."""
+        return self._adapters[0]
+
+    @property
+    def lora_rank(self) -> int:
+        """The rank of the host's LoRA adapters (``Client.lora_rank``; 0: none), announced at Join."""
+        return self._adapters[1]
 
     @property
     def num_examples(self) -> int:
