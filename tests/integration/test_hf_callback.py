@@ -286,3 +286,62 @@ def test_a_callback_at_a_coordinator_of_another_base_fails_at_train_begin_naming
     ).base_hash
     assert ours != theirs and ours in text and theirs in text, text
     assert callback.federation.rounds == 0 and callback.federation.session is None
+
+
+def _free_port() -> int:
+    """A port the kernel hands out for port 0 (accelerate's rendezvous takes a number, not 0)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_trainer_under_accelerate_launch_with_two_processes_agrees_on_every_rank(llama, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, Trainer
+
+    from fedgrid.integrations.transformers import FederatedCallback
+
+    torch.set_num_threads(THREADS)
+    run = _Coordinator(tmp_path / "run", model=f"hf:{llama}", rounds=2, local_epochs=1, fraction_evaluate=1.0)
+    support = Path(__file__).resolve().parents[1] / "support"
+    out = tmp_path / "ddp"
+    out.mkdir()
+    launch = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--num_cpu_threads_per_process", "1", "--main_process_ip", "127.0.0.1",
+        "--main_process_port", str(_free_port()), str(support / "hf_ddp_site.py"), str(llama), run.address, str(out),
+    ]  # fmt: skip  # --multi_gpu: torchrun's launcher (gloo here: use_cpu); --cpu runs one process
+    env = {**os.environ, "PYTHONPATH": str(support), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    ddp = subprocess.Popen(launch, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    model = AutoModelForCausalLM.from_pretrained(llama, local_files_only=True)
+    callback = FederatedCallback(run.address, name="site-1", verbose=False)
+    rows = token_rows(char_tokenizer())[1::2]
+    trainer = Trainer(
+        model=model,
+        args=_args(tmp_path / "site-1"),
+        train_dataset=Dataset.from_list(rows),
+        callbacks=[callback],
+    )
+    site = threading.Thread(target=trainer.train, daemon=True)
+    site.start()
+    try:  # the thread waits for the other site: a launch that fails must end the wait
+        wait_until(lambda: not site.is_alive() or ddp.poll() not in (None, 0), timeout=180, what="the sites")
+        log, _ = ddp.communicate(timeout=120)
+    finally:
+        ddp.kill()
+    assert ddp.returncode == 0, log[-4000:]
+    final = run.finish()
+    assert [row["clients_ok"] for row in read_metrics(tmp_path / "run")] == [2, 2]
+    for rank in range(2):  # both ranks trained the two rounds and hold the final aggregate
+        assert (out / f"rank-{rank}.steps").read_text() == "6 2"
+        state = load_model(out / f"rank-{rank}.safetensors")
+        for name, tensor in state.items():
+            assert torch.equal(tensor, final["net." + name]), (rank, name)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, final["net." + name]), name

@@ -322,12 +322,12 @@ class Federation:
                 self.session.submit(EvaluateOutput(num_examples=0))
                 continue
             return "fit", (task.round, dict(task.config), OrderedDict(task.state))
-        return "finished", None
+        return "finished", self._latest  # every rank merges the final aggregate, when it came
 
     def _tell_ranks(self, exc: BaseException) -> None:
         """Rank 0 failed: the other ranks, waiting for what it receives, raise too instead of hanging."""
         if self.world > 1:
-            torch.distributed.broadcast_object_list([("error", f"{type(exc).__name__}: {exc}")], src=0)
+            torch.distributed.broadcast_object_list([("error", f"{type(exc).__name__}: {exc}", 0)], src=0)
 
     def _next_round(self, first: bool = False) -> bool:
         """Takes the next round (rank 0 receives, every rank gets it) and loads its start state;
@@ -335,18 +335,18 @@ class Federation:
         message: list[Any] = [None]
         if self.rank == 0:
             try:
-                message[0] = self._receive()
+                kind, body = self._receive()
             except BaseException as exc:
                 self._tell_ranks(exc)
                 raise
-            self.rounds = self.session.rounds if self.session is not None else 0
+            message[0] = (kind, body, self.session.rounds if self.session is not None else 0)
         if self.world > 1:
             torch.distributed.broadcast_object_list(message, src=0)
-        kind, body = message[0]
+        kind, body, self.rounds = message[0]
         if kind == "error":
             raise SessionError(f"rank 0 lost the coordinator: {body}")
         if kind == "finished":
-            self.finished, self._task = True, None
+            self.finished, self._task, self._latest = True, None, body
             return False
         round_, config, download = body
         self._latest = None
