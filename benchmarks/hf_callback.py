@@ -82,7 +82,10 @@ def _trainer(base: Path, out: Path, steps: int, callbacks: list):
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
     g = torch.Generator().manual_seed(0)
-    rows = [{"input_ids": (ids := torch.randint(3, 128, (32,), generator=g).tolist()), "labels": ids} for _ in range(64)]
+    rows = [
+        {"input_ids": (ids := torch.randint(3, 128, (32,), generator=g).tolist()), "labels": ids}
+        for _ in range(64)
+    ]
     args = TrainingArguments(output_dir=str(out), max_steps=steps, per_device_train_batch_size=4, learning_rate=1e-3,
                              save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, logging_steps=10_000)  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(base, local_files_only=True)
@@ -116,8 +119,12 @@ def federated(base: Path, work: Path, h: int, rounds: int, tau: int = 0) -> tupl
     callback = FederatedCallback(address.read_text().strip(), name="bench", verbose=False)
     _trainer(base, work / "fed", rounds * h + 10, [clock.before, callback, clock.callback]).train()
     coordinator.join(60)
-    if clock.steps != rounds * h + (tau if tau else 0) and clock.steps != rounds * h or callback.federation.rounds != rounds:
-        raise RuntimeError(f"expected {rounds * h} steps and {rounds} rounds, got {clock.steps}, {callback.federation.rounds}")
+    if (
+        clock.steps != rounds * h + tau or callback.federation.rounds != rounds
+    ):  # tau: trained during the last sync
+        raise RuntimeError(
+            f"expected {rounds * h + tau} steps and {rounds} rounds, got {clock.steps}, {callback.federation.rounds}"
+        )
     return clock.per_step, clock.inside / (clock.end - clock.start)
 
 
@@ -146,7 +153,9 @@ def main(argv: list[str] | None = None) -> dict:
                 if kind == "plain":
                     times["plain"] = plain(base, work, steps)
                 else:
-                    times["federated"], times["callback_share"] = federated(base, work, args.h, args.rounds, args.tau)
+                    times["federated"], times["callback_share"] = federated(
+                        base, work, args.h, args.rounds, args.tau
+                    )
             runs.append({**times, "overhead": times["federated"] / times["plain"] - 1})
     result = {
         "h": args.h,
@@ -166,10 +175,14 @@ def main(argv: list[str] | None = None) -> dict:
         "runs": runs,
         "torch": torch.__version__,
     }
-    print(f"| H | tau | plain ms/step | federated ms/step | overhead (median of {args.repeats}) | best-of overhead | callback's share of the steps' time |")
+    print(
+        f"| H | tau | plain ms/step | federated ms/step | overhead (median of {args.repeats}) | best-of overhead | callback's share of the steps' time |"
+    )
     print("|---|---|---|---|---|---|---|")
-    print(f"| {args.h} | {args.tau} | {result['plain_step_ms']:.2f} | {result['federated_step_ms']:.2f} | {100 * result['overhead']:+.1f}% "
-          f"| {100 * result['overhead_best']:+.1f}% | {100 * result['callback_share']:.1f}% |")
+    print(
+        f"| {args.h} | {args.tau} | {result['plain_step_ms']:.2f} | {result['federated_step_ms']:.2f} | {100 * result['overhead']:+.1f}% "
+        f"| {100 * result['overhead_best']:+.1f}% | {100 * result['callback_share']:.1f}% |"
+    )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     return result

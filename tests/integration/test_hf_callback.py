@@ -345,3 +345,34 @@ def test_a_trainer_under_accelerate_launch_with_two_processes_agrees_on_every_ra
             assert torch.equal(tensor, final["net." + name]), (rank, name)
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, final["net." + name]), name
+
+
+def test_overlapped_diloco_uploads_then_trains_tau_steps_before_the_merge(llama, tmp_path):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, Trainer
+
+    from fedgrid.integrations.transformers import FederatedCallback
+
+    torch.set_num_threads(THREADS)
+    run = _Coordinator(
+        tmp_path / "run", model=f"hf:{llama}", strategy="diloco", inner_steps=3, sync_delay_steps=1, rounds=2
+    )
+    rows = token_rows(char_tokenizer())
+    callbacks = [FederatedCallback(run.address, name=f"site-{k}", verbose=False) for k in range(2)]
+    trainers = [
+        Trainer(
+            model=AutoModelForCausalLM.from_pretrained(llama, local_files_only=True),
+            args=_args(tmp_path / f"site-{k}"),
+            train_dataset=Dataset.from_list(rows[k::2]),
+            callbacks=[callbacks[k]],
+        )
+        for k in range(2)
+    ]
+    _sites(lambda k: trainers[k].train())
+    run.finish()
+    assert [row["clients_ok"] for row in read_metrics(tmp_path / "run")] == [2, 2]
+    for callback, trainer in zip(callbacks, trainers):
+        # Round 1: 3 steps, the upload, 1 step while it travels, the merge; round 2: 2 more steps
+        # (the one trained during the sync counts), the upload, 1 step; then the run's end.
+        assert callback.federation.finished and callback.federation.rounds == 2
+        assert trainer.state.global_step == 2 * 3 + 1
