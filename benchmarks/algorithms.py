@@ -43,6 +43,7 @@ from fedgrid.client.torch_client import TorchClient
 from fedgrid.config import load_config
 from fedgrid.seeding import derive_seed
 from fedgrid.server.engine import RoundEngine
+from fedgrid.server.parts import RunIO, Schedule
 from fedgrid.server.strategies import build_strategy
 from fedgrid.simulation.datasets import Dataset, load_fashion_mnist, partition_dirichlet
 from fedgrid.simulation.fleet import InProcessFleet
@@ -189,11 +190,15 @@ class Federation:
         engine = RoundEngine(
             strategy=built,
             fleet=InProcessFleet(clients),
-            rounds=rounds,
-            min_clients=1,
-            round_timeout=timedelta(hours=1),
-            join_timeout=timedelta(seconds=1),
-            evaluate_fn=self.evaluate,
+            schedule=Schedule(
+                rounds=rounds,
+                min_clients=1,
+                round_timeout=timedelta(hours=1),
+                join_timeout=timedelta(seconds=1),
+            ),
+            io=RunIO(
+                evaluate_fn=self.evaluate,
+            ),
         )
         history = []
         for r in range(1, rounds + 1):

@@ -71,8 +71,9 @@ from compression_lm import run_lm_workload  # noqa: E402
 
 from fedgrid.compression import parse_codec_spec  # noqa: E402
 from fedgrid.config import load_config  # noqa: E402
-from fedgrid.server.codec_policy import build_codec_policy  # noqa: E402
+from fedgrid.fleet.codec_policy import build_codec_policy  # noqa: E402
 from fedgrid.server.engine import RoundEngine  # noqa: E402
+from fedgrid.server.parts import RunIO, Schedule
 from fedgrid.server.strategies import build_strategy  # noqa: E402
 from fedgrid.simulation.datasets import load_fashion_mnist  # noqa: E402
 from fedgrid.simulation.fleet import InProcessFleet  # noqa: E402
@@ -150,12 +151,16 @@ def run_codec(
     engine = RoundEngine(
         strategy=strategy,
         fleet=fleet,
-        rounds=rounds,
-        min_clients=1,
-        round_timeout=timedelta(hours=1),
-        join_timeout=timedelta(seconds=1),
-        evaluate_fn=fed.evaluate,
-        on_round=show,
+        schedule=Schedule(
+            rounds=rounds,
+            min_clients=1,
+            round_timeout=timedelta(hours=1),
+            join_timeout=timedelta(seconds=1),
+        ),
+        io=RunIO(
+            evaluate_fn=fed.evaluate,
+            on_round=show,
+        ),
     )
     engine.run()
     return engine.history

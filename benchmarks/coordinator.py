@@ -222,6 +222,7 @@ def _coordinator_main(spec: CoordinatorSpec, pipe: Pipe) -> None:
     cleanup: list[Callable[[], None]] = []
     try:
         from fedgrid.server.engine import RoundEngine
+        from fedgrid.server.parts import RunIO, Schedule
         from fedgrid.server.remote_fleet import RemoteFleet
         from fedgrid.server.serve import Coordinator
 
@@ -261,12 +262,16 @@ def _coordinator_main(spec: CoordinatorSpec, pipe: Pipe) -> None:
         engine = RoundEngine(
             strategy=strategy,
             fleet=fleet,
-            rounds=spec.rounds,
-            min_clients=spec.clients,
-            round_timeout=timedelta(seconds=ROUND_TIMEOUT_S),
-            join_timeout=timedelta(seconds=START_TIMEOUT_S),
-            on_round=on_round,
-            finish_timeout=timedelta(seconds=15),
+            schedule=Schedule(
+                rounds=spec.rounds,
+                min_clients=spec.clients,
+                round_timeout=timedelta(seconds=ROUND_TIMEOUT_S),
+                join_timeout=timedelta(seconds=START_TIMEOUT_S),
+                finish_timeout=timedelta(seconds=15),
+            ),
+            io=RunIO(
+                on_round=on_round,
+            ),
         )
         final = engine.run()
         if probe is not None:

@@ -61,6 +61,7 @@ from fedgrid.client.torch_client import TorchClient
 from fedgrid.config import load_config
 from fedgrid.seeding import derive_seed
 from fedgrid.server.engine import RoundEngine
+from fedgrid.server.parts import Schedule
 from fedgrid.server.strategies import build_strategy
 from fedgrid.simulation.fleet import InProcessFleet
 from fedgrid.simulation.shakespeare import CharData, NextChars, load_shakespeare, partition_natural
@@ -188,10 +189,12 @@ class Bench:
         engine = RoundEngine(
             strategy=built,
             fleet=InProcessFleet(clients),
-            rounds=rounds,
-            min_clients=self.workers,
-            round_timeout=timedelta(hours=1),
-            join_timeout=timedelta(seconds=1),
+            schedule=Schedule(
+                rounds=rounds,
+                min_clients=self.workers,
+                round_timeout=timedelta(hours=1),
+                join_timeout=timedelta(seconds=1),
+            ),
         )
         history: list[RoundMetrics] = []
         curve = []

@@ -183,17 +183,16 @@ def _wait_for(what: str, condition: Any, proc: subprocess.Popen, timeout: float)
 
 def calibrate(args: argparse.Namespace) -> dict[str, float]:
     """The model's size and its inner step time alone (median over ``inner_steps`` steps after a warm-up)."""
-    from fedgrid.simulation.tasks import builtin_client
+    from fedgrid.simulation.tasks import ClientOptions, builtin_client
 
     torch.set_num_threads(1)
     client = builtin_client(
         0,
         WORKERS,
         SEED,
-        dataset=args.dataset,
-        data_dir=args.data_dir,
-        model=args.model,
-        batch_size=args.batch,
+        options=ClientOptions(
+            dataset=args.dataset, data_dir=args.data_dir, model=args.model, batch_size=args.batch
+        ),
     )
     model, optimizer = client.model, torch.optim.AdamW(client.model.parameters(), lr=1e-3)
     times = []

@@ -26,7 +26,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fedgrid.client.torch_client import TorchClient
-from fedgrid.simulation.tasks import builtin_client
+from fedgrid.simulation.tasks import ClientOptions, builtin_client
 
 _pause = threading.Event()  # never set: waits that no signal or spurious wake-up cuts short
 
@@ -74,10 +74,12 @@ def client(partition: int, num_partitions: int, seed: int) -> PacedClient:
         partition,
         num_partitions,
         seed,
-        dataset=env.get("GOODPUT_DATASET", "shakespeare"),
-        data_dir=env.get("GOODPUT_DATA_DIR", ""),
-        model=env.get("GOODPUT_MODEL", ""),
-        batch_size=int(env.get("GOODPUT_BATCH_SIZE", "16")),
+        options=ClientOptions(
+            dataset=env.get("GOODPUT_DATASET", "shakespeare"),
+            data_dir=env.get("GOODPUT_DATA_DIR", ""),
+            model=env.get("GOODPUT_MODEL", ""),
+            batch_size=int(env.get("GOODPUT_BATCH_SIZE", "16")),
+        ),
     )
     built.__class__ = PacedClient  # same state, paced steps
     paced: PacedClient = built  # type: ignore[assignment]

@@ -428,7 +428,7 @@ def accuracy(name: str, final_path: str, x: torch.Tensor, y: torch.Tensor) -> fl
 def check_batch_order(args: argparse.Namespace) -> str:
     """Whether ``shuffle_seed`` (the loop's and Flower's) is the seed fedgrid's clients shuffle with."""
     try:
-        from fedgrid.simulation.tasks import builtin_client
+        from fedgrid.simulation.tasks import ClientOptions, builtin_client
         from fedgrid.types import FitIns
 
         last = args.clients - 1
@@ -436,10 +436,12 @@ def check_batch_order(args: argparse.Namespace) -> str:
             last,
             args.clients,
             args.seed,
-            dataset="fashion-mnist",
-            data_dir=str(args.data_dir),
-            partitioner=f"dirichlet:{args.alpha}",
-            device="cpu",
+            options=ClientOptions(
+                dataset="fashion-mnist",
+                data_dir=str(args.data_dir),
+                partitioner=f"dirichlet:{args.alpha}",
+                device="cpu",
+            ),
         )
         same = all(
             client.round_seed(FitIns(round=r, config={"seed": args.seed}))

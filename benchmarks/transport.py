@@ -213,7 +213,7 @@ class FedgridClient:
 
         class _Stub(Client):
             name = "bench"
-            num_examples = 1  # at Join: an update may claim no more (server/bounds.py)
+            num_examples = 1  # at Join: an update may claim no more (fleet/bounds.py)
 
             def fit(self, state, ins):  # type: ignore[no-untyped-def]
                 raise AssertionError("the benchmark never trains")

@@ -103,18 +103,22 @@ def main(argv: list[str] | None = None) -> float:
     args = parser.parse_args(argv)
     # Imported here: a coordinator that loads ServerLRAvg imports no simulation or dataset code.
     from fedgrid.server.engine import RoundEngine
+    from fedgrid.server.parts import RunIO, Schedule
     from fedgrid.simulation.fleet import InProcessFleet
-    from fedgrid.simulation.tasks import resolve
+    from fedgrid.simulation.tasks import ClientOptions, resolve
 
     task = resolve(dataset="digits", seed=args.seed)  # initial model, server-side evaluation, client factory
     strategy = ServerLRAvg(server_lr=args.server_lr, seed=args.seed)
     strategy.initialize(initial_state=task.initial_state)
-    clients = [task.client_factory(i, args.clients, args.seed, device="cpu") for i in range(args.clients)]
+    cpu = ClientOptions(device="cpu")
+    clients = [task.client_factory(i, args.clients, args.seed, cpu) for i in range(args.clients)]
     engine = RoundEngine(
-        strategy=strategy, fleet=InProcessFleet(clients), rounds=args.rounds, min_clients=1,
-        round_timeout=timedelta(minutes=5), join_timeout=timedelta(seconds=5), evaluate_fn=task.evaluate,
-        on_round=lambda m: print(f"round {m.round:3d}: accuracy {m.accuracy:.4f} loss {m.loss:.4f} "
-                                 f"clients {m.clients_ok} ok {m.clients_failed} failed", flush=True),
+        strategy=strategy, fleet=InProcessFleet(clients),
+        schedule=Schedule(rounds=args.rounds, min_clients=1, round_timeout=timedelta(minutes=5),
+                          join_timeout=timedelta(seconds=5)),
+        io=RunIO(evaluate_fn=task.evaluate,
+                 on_round=lambda m: print(f"round {m.round:3d}: accuracy {m.accuracy:.4f} loss {m.loss:.4f} "
+                                          f"{m.clients_ok} clients ok, {m.clients_failed} failed", flush=True)),
     )
     final = engine.run()
     assert final is not None

@@ -34,6 +34,7 @@ from fedgrid import ModelState, TorchClient
 from fedgrid.aggregation.selection import Sampling
 from fedgrid.plugins import initial_state
 from fedgrid.server.engine import RoundEngine
+from fedgrid.server.parts import RunIO, Schedule
 from fedgrid.simulation.fleet import InProcessFleet
 from fedgrid.simulation.shakespeare import VOCAB, NextChars, load_shakespeare, partition_natural
 from fedgrid.strategies import DiLoCo
@@ -112,10 +113,13 @@ def main(argv: list[str] | None = None) -> tuple[float, float]:
     print(f"round   0: held-out loss {before:.4f} (uniform: {math.log(len(VOCAB)):.4f})")
     t0 = time.monotonic()
     engine = RoundEngine(
-        strategy=strategy, fleet=InProcessFleet(workers), rounds=args.rounds, min_clients=args.workers,
-        round_timeout=timedelta(minutes=10), join_timeout=timedelta(seconds=5), evaluate_fn=evaluate,
-        on_round=lambda m: print(f"round {m.round:3d}: held-out loss {m.loss:.4f}, worker train loss "
-                                 f"{m.extra.get('train_loss', float('nan')):.4f}, {m.bytes_up / 1e6:.2f} MB up", flush=True),
+        strategy=strategy, fleet=InProcessFleet(workers),
+        schedule=Schedule(rounds=args.rounds, min_clients=args.workers, round_timeout=timedelta(minutes=10),
+                          join_timeout=timedelta(seconds=5)),
+        io=RunIO(evaluate_fn=evaluate,
+                 on_round=lambda m: print(f"round {m.round:3d}: held-out loss {m.loss:.4f}, worker train loss "
+                                          f"{m.extra.get('train_loss', float('nan')):.4f}, {m.bytes_up / 1e6:.2f} MB up",
+                                          flush=True)),
     )
     engine.run()
     after = engine.history[-1].loss

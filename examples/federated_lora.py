@@ -76,7 +76,7 @@ def local_only(base: Path, data_dir: str, args) -> float:
     evaluate = make_evaluate("shakespeare", config.model, data_dir, peft=PEFT)
     perplexities = []
     for i in range(args.clients):
-        client = builtin_client(i, args.clients, config.seed, **client_options(config))
+        client = builtin_client(i, args.clients, config.seed, client_options(config))
         state = {k: v.clone() for k, v in client.model.state_dict().items()}
         for r in range(1, args.rounds + 1):
             task = {"algorithm": "diloco", "inner_steps": args.steps, "lr": args.lr, "seed": 1, "round": r}
@@ -98,7 +98,7 @@ def _fit_peak(base: str, data_dir: str, checkpointing: bool, queue) -> None:
     torch.set_num_threads(1)
     config = load_config(overrides={"dataset": "shakespeare", "data_dir": data_dir, "model": f"hf:{base}",
                                     "peft": PEFT, "batch_size": 128, "grad_checkpointing": checkpointing})
-    client = builtin_client(0, 4, 1, **client_options(config))
+    client = builtin_client(0, 4, 1, client_options(config))
     state = {k: v.clone() for k, v in client.model.state_dict().items()}
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current resident size: the peak of the fit alone follows
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
     work = Path(args.work)
     base = make_base(work, args.data_dir, args.pretrain_rounds, 50, args.threads)
     evaluate = make_evaluate("shakespeare", f"hf:{base}", args.data_dir, peft=PEFT)
-    client = builtin_client(0, 1, 1, **client_options(load_config(overrides=options(base, args.data_dir, args, peft=PEFT))))
+    client = builtin_client(0, 1, 1, client_options(load_config(overrides=options(base, args.data_dir, args, peft=PEFT))))
     before = evaluate(client.model.state_dict())[1]["perplexity"]  # B = 0: the base itself
     lora, lora_row = federated(base, args.data_dir, args, work / "lora", PEFT)
     full, full_row = federated(base, args.data_dir, args, work / "full", "")

@@ -12,7 +12,8 @@ windows and writes the token loss and its perplexity to ``OUT/coordinator/metric
 the share of their time the workers computed (``utilization``, docs/monitoring.rst).
 
 Data: ``gutenberg-texts.tar.gz`` in ``--data-dir`` (default ``../shared/data/shakespeare``
-beside the repository; see the README's Shakespeare section).
+beside the repository; docs/simulation.rst's datasets table says what the file is). Without it
+the example stops before it starts a process, naming the folder.
 
 Run: ``python examples/gpt_two_regions.py [--rounds 6] [--inner-steps 50] [--out runs/gpt-regions]``
 (every process on one thread; about two minutes on 2 cores shared with other work, of which
@@ -60,7 +61,9 @@ def address(run_dir: Path, proc: subprocess.Popen, timeout_s: float = 120.0) -> 
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(description="A GPT over two emulated regions with streaming DiLoCo.", allow_abbrev=False)
+    p = argparse.ArgumentParser(
+        description="A GPT over two emulated regions with streaming DiLoCo.", allow_abbrev=False
+    )
     p.add_argument("--data-dir", default=str(DEFAULT_DATA), help="folder holding gutenberg-texts.tar.gz")
     p.add_argument("--model", default="gpt", help="gpt, gpt:layers=L,heads=H,dim=D,context=T or hf:PATH")
     p.add_argument("--rounds", type=int, default=6)
@@ -81,6 +84,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--precision", default="auto", help="auto (bf16 on CUDA with bf16), bf16 or fp32")
     p.add_argument("--out", default="runs/gpt-regions")
     args = p.parse_args(argv)
+    if not (Path(args.data_dir) / "gutenberg-texts.tar.gz").is_file():
+        p.error(
+            f"--data-dir {args.data_dir} is not a folder holding gutenberg-texts.tar.gz "
+            "(the Shakespeare plays: see docs/simulation.rst's datasets table)"
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tau = args.inner_steps // 2 if args.sync_delay_steps is None else args.sync_delay_steps

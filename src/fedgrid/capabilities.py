@@ -164,9 +164,9 @@ def format_size(nbytes: int) -> str:
 
 
 def describe(device: str, num_accelerators: int, memory_bytes: int) -> str:
-    """``cuda x2, 80.0 GiB``: a report in a few characters (a count or size of 0, unknown, left out)."""
+    """``cuda x2, 80.0 GiB memory``: a report in a few words (a count or size of 0, unknown, left out)."""
     return (
         device
         + (f" x{num_accelerators}" if num_accelerators else "")
-        + (f", {format_size(memory_bytes)}" if memory_bytes else "")
+        + (f", {format_size(memory_bytes)} memory" if memory_bytes else "")
     )

@@ -184,6 +184,10 @@ class _CoreKeys:
         "fedgrid simulate: a progress line (clients/s, ETA) rewritten in place on stderr, when it is a terminal",
         True,
     )
+    quiet: bool = _key(
+        "no progress inside a task: a client logs no progress lines (steps, examples/s, time left; its heartbeats still carry them to the status page), fedgrid simulate draws no progress bar",
+        False,
+    )
     replay: str = _key(
         "fedgrid simulate: a min_quorum deployment's RUN_DIR/events.jsonl; each round merges exactly the results it records, each trained from its task round's model (bit for bit the deployment's model)",
         "",
@@ -274,6 +278,10 @@ class _CoreKeys:
         "an update's claimed num_examples counts for at most this times the round's median claim (0: no cap)",
         10.0,
     )
+    max_weight_share: float = _key(
+        "no identity's claims count for more than this share of a round's weight, after max_weight_ratio and client_quotas, in a round of 3 identities or more (0: off; a share under 1/n of n identities is 1/n)",
+        0.5,
+    )
     client_quotas: str = _key(
         'TOML file of "identity" = examples lines: the most examples each identity\'s claim counts for (cross-silo)',
         "",
@@ -282,6 +290,10 @@ class _CoreKeys:
     eval_every: int = _key(
         "the server-side evaluation of the global model (the dataset's test set) runs every this many rounds and after the last one; the rounds between wait for no evaluation",
         1,
+    )
+    eval_batches: int = _key(
+        "the server-side evaluation reads at most this many batches of the test split (a fixed subset of it): 1024 examples each, a language model's 8192 tokens each; the default keeps each built-in task's evaluation to a few seconds (the fashion-mnist CNN's: 3 s on one core)",
+        4,
     )
     min_quorum: int = _key(
         "semi-asynchronous rounds: K, a round closes once K of its selected clients reported (0: off, every round waits for all); the others keep their task and their result is merged into a later round",

@@ -5,29 +5,133 @@ several wrong keys, the first one found is reported.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from fedgrid.capabilities import MAX_ACCELERATORS, check_capabilities, parse_size
+from fedgrid.config_compression import RunCodecs
 from fedgrid.config_groups import ENGINES, INNER_LR_STRATEGIES, LR_DEFAULT, PRECISIONS, SELECTORS
 from fedgrid.config_llm import check_llm_keys
-from fedgrid.config_privacy import check_privacy
+from fedgrid.config_privacy import PrivateRun, check_privacy
 from fedgrid.config_secagg import check_secagg_keys
 from fedgrid.determinism import MAX_THREADS
 from fedgrid.errors import ConfigError, InvalidUpdateError
 from fedgrid.plugins import check_spec, is_custom_strategy
 from fedgrid.trackers import parse_trackers
 
-if TYPE_CHECKING:
-    from fedgrid.config import Config
-
-__all__ = ["validate", "QUORUM_STRATEGIES"]
+__all__ = ["validate", "CheckedRun", "QUORUM_STRATEGIES"]
 
 #: The strategies that can merge a late result into a later round (``min_quorum``): each
 #: updates the whole model from the results' differences.
 QUORUM_STRATEGIES = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedprox", "diloco")
 
 
-def validate(config: Config) -> None:
+class CheckedRun(PrivateRun, Protocol):
+    """What ``validate`` reads of a run's configuration: a ``fedgrid.config.Config`` is one (the
+    checks run inside it, so they take it by what they read rather than by its class)."""
+
+    @property
+    def app(self) -> str: ...
+
+    @property
+    def batch_clients(self) -> int: ...
+
+    @property
+    def chunk_size(self) -> int: ...
+
+    @property
+    def clients_per_round(self) -> int: ...
+
+    @property
+    def crl(self) -> str: ...
+
+    @property
+    def engine(self) -> str: ...
+
+    @property
+    def enroll_dir(self) -> str: ...
+
+    @property
+    def enroll_listen(self) -> str: ...
+
+    @property
+    def error_feedback(self) -> str: ...
+
+    @property
+    def fraction_evaluate(self) -> float: ...
+
+    @property
+    def fraction_fit(self) -> float: ...
+
+    @property
+    def grad_accum(self) -> int: ...
+
+    @property
+    def http(self) -> str: ...
+
+    @property
+    def http_linger_s(self) -> float: ...
+
+    @property
+    def http_token_file(self) -> str: ...
+
+    @property
+    def insecure(self) -> bool: ...
+
+    @property
+    def lora_aggregation(self) -> str | None: ...
+
+    @property
+    def lr(self) -> float: ...
+
+    @property
+    def max_weight_share(self) -> float: ...
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def nproc_per_node(self) -> int: ...
+
+    @property
+    def over_selection(self) -> float: ...
+
+    @property
+    def peft(self) -> str: ...
+
+    @property
+    def peft_rank(self) -> str: ...
+
+    @property
+    def precision(self) -> str: ...
+
+    @property
+    def regional_rounds(self) -> int: ...
+
+    @property
+    def report_memory(self) -> str: ...
+
+    @property
+    def seed(self) -> int: ...
+
+    @property
+    def selector(self) -> str: ...
+
+    @property
+    def state_dir(self) -> str: ...
+
+    @property
+    def threads(self) -> int: ...
+
+    @property
+    def tracker(self) -> str: ...
+
+    @property
+    def codecs(self) -> RunCodecs: ...
+
+    def strategy_options(self) -> dict[str, Any]: ...
+
+
+def validate(config: CheckedRun) -> None:
     """Checks every key of ``config`` (``Config.__post_init__`` calls this).
 
     Raises:
@@ -44,6 +148,10 @@ def validate(config: Config) -> None:
         value = getattr(config, key)
         if not (value == 0 or 1.0 <= value < float("inf")):
             raise ConfigError(key, f"must be 0 (off) or a finite number at least 1, got {value}")
+    if not 0.0 <= config.max_weight_share <= 1.0:
+        raise ConfigError(
+            "max_weight_share", f"must be 0 (off) or a share in (0, 1], got {config.max_weight_share}"
+        )
     check_secagg_keys(config)
     parse_trackers(config.tracker)  # known names, packages installed: before any work
     if config.engine not in ENGINES:
@@ -68,7 +176,7 @@ def validate(config: Config) -> None:
     # call it before any work), so the config modules and the server never import that layer.
 
 
-def _check_ranges(config: Config) -> None:
+def _check_ranges(config: CheckedRun) -> None:
     """Counts, timeouts and fractions in their ranges, and a known client selector."""
     positive_ints = (
         "rounds",
@@ -80,6 +188,7 @@ def _check_ranges(config: Config) -> None:
         "batch_size",
         "max_num_examples",
         "eval_every",
+        "eval_batches",
     )
     for key in positive_ints:
         if getattr(config, key) < 1:
@@ -109,7 +218,7 @@ def _check_ranges(config: Config) -> None:
         raise ConfigError("selector", f"unknown selector {config.selector!r} (known: {', '.join(SELECTORS)})")
 
 
-def _check_quorum(config: Config) -> None:
+def _check_quorum(config: CheckedRun) -> None:
     """The semi-asynchronous round keys: in range, and a quorum a round can reach.
 
     A quorum larger than a fixed selection (``clients_per_round``) is refused here; one
@@ -150,7 +259,7 @@ def _check_quorum(config: Config) -> None:
         )
 
 
-def _check_codecs_and_strategy(config: Config) -> None:
+def _check_codecs_and_strategy(config: CheckedRun) -> None:
     """The codec specs, the evaluation fraction, the app, the chunk size, and the strategy
     with its options (built once to check them)."""
     from fedgrid.compression.feedback import ErrorFeedback, FeedbackRule
@@ -191,7 +300,7 @@ def _check_codecs_and_strategy(config: Config) -> None:
         )
 
 
-def _check_endpoints(config: Config) -> None:
+def _check_endpoints(config: CheckedRun) -> None:
     """Mutual TLS files (all or none), the listen, enrollment and HTTP addresses, and the
     keys that only go with one of them."""
     tls_given = [k for k in ("ca", "cert", "key") if getattr(config, k)]
@@ -234,7 +343,7 @@ def _check_endpoints(config: Config) -> None:
         )
 
 
-def _check_capability_keys(config: Config) -> None:
+def _check_capability_keys(config: CheckedRun) -> None:
     """The capability requirements (``require_device`` ...) and what a client states (``report_*``)."""
     for key in ("require_device", "report_device"):
         if getattr(config, key):

@@ -56,7 +56,7 @@ class RunCodecs:
     """The codecs of a run's configuration, each parsed once (``run_codecs``).
 
     Attributes:
-        uplink: ``codec``, the clients' uplink as written (``fedgrid.server.codec_policy`` picks
+        uplink: ``codec``, the clients' uplink as written (``fedgrid.fleet.codec_policy`` picks
             the form each client is sent).
         by_region: ``region_codecs``, the uplink of the clients of each region named.
         downlink: ``downlink_codec``.

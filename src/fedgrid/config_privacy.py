@@ -14,16 +14,14 @@ from __future__ import annotations
 import importlib.util
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from fedgrid.config_values import key as _key
 from fedgrid.errors import ConfigError
 
-if TYPE_CHECKING:
-    from fedgrid.config import Config
-
 __all__ = [
     "PrivacyKeys",
+    "PrivateRun",
     "ACCOUNTANTS",
     "ADAPTIVE",
     "DEFAULT_ADAPTIVE_CLIP",
@@ -81,6 +79,44 @@ class PrivacyKeys:
     )
 
 
+class PrivateRun(Protocol):
+    """What ``check_privacy`` reads of a run's configuration (a ``fedgrid.config.Config`` is one):
+    the DP keys and the keys DP must agree with."""
+
+    @property
+    def dp_noise_multiplier(self) -> float: ...
+
+    @property
+    def dp_clip(self) -> str: ...
+
+    @property
+    def dp_epsilon(self) -> float: ...
+
+    @property
+    def dp_delta(self) -> float: ...
+
+    @property
+    def dp_noise_key(self) -> str: ...
+
+    @property
+    def dp_accountant(self) -> str: ...
+
+    @property
+    def strategy(self) -> str: ...
+
+    @property
+    def aggregator(self) -> str | None: ...
+
+    @property
+    def min_quorum(self) -> int: ...
+
+    @property
+    def hierarchy(self) -> bool: ...
+
+    @property
+    def secagg(self) -> bool: ...
+
+
 def parse_dp_clip(text: str) -> tuple[float, bool]:
     """``dp_clip``'s text as ``(clip, adaptive)``: ``"1.5"`` is ``(1.5, False)``, ``"adaptive"``
     ``(DEFAULT_ADAPTIVE_CLIP, True)``, ``"adaptive:0.5"`` ``(0.5, True)``.
@@ -104,7 +140,7 @@ def parse_dp_clip(text: str) -> tuple[float, bool]:
     return clip, adaptive
 
 
-def check_privacy(config: Config) -> None:
+def check_privacy(config: PrivateRun) -> None:
     """The DP keys' ranges and combinations (``fedgrid.config_checks.validate`` calls it).
 
     Raises:
@@ -154,7 +190,7 @@ def read_noise_key(path: str) -> bytes:
     return key
 
 
-def _check_distributed(config: Config) -> None:
+def _check_distributed(config: PrivateRun) -> None:
     """DP under SecAgg+: no server noise key (each client keys its own noise); an adaptive clip's
     count is summed securely by the clients (``aggregation.secagg.SecAgg``)."""
     if config.dp_noise_key:
@@ -165,7 +201,7 @@ def _check_distributed(config: Config) -> None:
         )
 
 
-def _check_combinations(config: Config) -> None:
+def _check_combinations(config: PrivateRun) -> None:
     """DP's rounds: a known strategy over the plain mean, synchronous, not a simulated hierarchy."""
     if config.strategy not in PRIVATE_STRATEGIES:
         raise ConfigError(

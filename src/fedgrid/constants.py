@@ -11,6 +11,7 @@ __all__ = [
     "CHUNK_SIZE",
     "MAX_MESSAGE_BYTES",
     "MAX_TENSOR_BYTES",
+    "MAX_REPORTED_S",
     "RPC_TIMEOUT_S",
     "TRANSFER_TIMEOUT_S",
     "POLL_WAIT_S",
@@ -114,7 +115,7 @@ MAX_TRANSFERS_PER_CONNECTION = int(_env_float("FEDGRID_MAX_TRANSFERS_PER_CONNECT
 #: update is encoded before the call); a link too slow to carry a 1 MiB chunk in 10 s (under
 #: 0.9 Mbit/s) makes the SDK retry with smaller chunks, as a stalled upload does.
 HEADER_TIMEOUT_S = _env_float("FEDGRID_HEADER_TIMEOUT_S", 10.0)
-#: Sessions the coordinator's registry holds at once (FEDGRID_MAX_SESSIONS): a Join past it,
+#: Sessions the coordinator's membership holds at once (FEDGRID_MAX_SESSIONS): a Join past it,
 #: once silent sessions are purged, is refused (RESOURCE_EXHAUSTED; clients retry). Five times
 #: the 10,000 clients the coordinator is sized for; under mutual TLS an identity holds one.
 MAX_SESSIONS = int(_env_float("FEDGRID_MAX_SESSIONS", 50_000))
@@ -176,6 +177,11 @@ ENROLL_TIMEOUT_S = _env_float("FEDGRID_ENROLL_TIMEOUT_S", 10.0)
 #: update's weight is its claim: without a cap one client claiming 2**64-1 examples *is* the
 #: weighted mean. A billion examples is more than any one federated client holds.
 MAX_NUM_EXAMPLES = int(_env_float("FEDGRID_MAX_NUM_EXAMPLES", 10**9))
+#: The most seconds a fit result may report in a field of its time split (``compute_s``,
+#: ``wall_s``, ...: ``fedgrid.telemetry.SPLIT_KEYS``): about 31 years, more than any window or
+#: any region's sum over its workers' windows, and far enough from float's range that sums of
+#: them stay finite in ``metrics.jsonl`` and in ``/metrics``' histograms.
+MAX_REPORTED_S = _env_float("FEDGRID_MAX_REPORTED_S", 1e9)
 #: Deadline of one ``fedgrid health`` check, connection included (FEDGRID_HEALTH_TIMEOUT_S):
 #: under a container's health-check timeout, so a hung peer reads as unhealthy, not as a killed probe.
 HEALTH_TIMEOUT_S = _env_float("FEDGRID_HEALTH_TIMEOUT_S", 5.0)

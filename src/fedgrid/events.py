@@ -12,7 +12,7 @@ their fields below are a contract.
 | ``started`` | ``run_id``, ``address``, ``threads`` | the server listens |
 | ``resumed`` | ``round`` (the last committed round) | state was loaded from ``--state-dir`` |
 | ``client_joined`` | ``client``, ``name``, ``region`` | a Join was accepted |
-| ``client_dropped`` | ``client``, ``reason`` | a client went silent and left the registry |
+| ``client_dropped`` | ``client``, ``reason`` | a client went silent and left the membership |
 | ``identity_conflict`` | ``client`` (the replaced session), ``name``, ``by`` (the session that replaced it) | a session replaced by a newer Join of its identity called again: two processes hold the identity |
 | ``round_opened`` | ``round``, ``task``, ``clients``, ``evaluate`` | tasks are ready for the assigned clients |
 | ``updates_restored`` | ``round``, ``count`` | updates spilled before a restart count again |
@@ -21,12 +21,14 @@ their fields below are a contract.
 | ``round_closed`` | ``round``, ``evaluate``, ``reason``, ``results``, ``failures``; at a quorum: ``after_quorum_s``, ``waiting`` (client ids) | no more uploads are taken (but for the ``waiting`` clients' late results) |
 | ``late_refused`` | ``round`` (its task's), ``client``, ``reason`` | a late result was too stale to merge (``max_staleness``) |
 | ``update_refused`` | ``round``, ``client``, ``name``, ``distance``, ``median``, ``ratio`` | an update was farther than ``max_update_ratio`` x the round's median distance: its client's failure (``server/influence.py``) |
-| ``claim_capped`` | ``round``, ``client``, ``name``, ``claimed``, ``cap`` | a claim counts as its cap (``max_weight_ratio``, ``client_quotas``) |
+| ``claim_capped`` | ``round``, ``client``, ``name``, ``claimed``, ``cap`` | a claim counts as its cap (``max_weight_ratio``, ``client_quotas``, ``max_weight_share``) |
 | ``aggregating`` | ``round``, ``updates``, ``failures`` | the strategy aggregates |
 | ``merged`` | ``round``, ``results``: one ``{client, name, task_round, staleness, num_examples, weight}`` per result, in merge order | a semi-asynchronous round's merge: exactly what entered it (``fedgrid simulate --replay`` replays it) |
 | ``checkpoint_writing`` | ``round`` | the checkpoint of the round is being written |
 | ``checkpoint_written`` | ``round`` | it is durable |
 | ``round_committed`` | ``round`` | checkpoint, history and metrics hold the round |
+| ``evaluating`` | ``round`` | the server-side evaluation of the round's model began (a coordinator's runs beside the next round: ``server/evaluation.py``) |
+| ``evaluated`` | ``round``, ``loss``, ``seconds`` | its figures are in the round's row of ``metrics.jsonl`` (rewritten with them) |
 | ``round_failed`` | ``round``, ``reason`` | the round's aggregate was not finite: the previous model stays, no checkpoint is written, history and metrics hold the round (``round_failed: 1``) |
 | ``privacy_budget_reached`` | ``round`` (the round not run), ``reason`` (its epsilon, ``dp_epsilon`` and ``dp_delta``) | the round would have spent more than the DP budget: the run ends after the round before it (``server/privacy.py``) |
 | ``stopped`` | ``committed`` (rounds) | a graceful stop (SIGTERM) ended the run early |

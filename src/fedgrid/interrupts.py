@@ -8,6 +8,11 @@ seconds; a user who presses Ctrl-C again means "now", and gets one line and exit
 A command stopped gracefully exits as the shell reports a process the signal ended, 128 + its
 number (``stop_status``: 130 after Ctrl-C, 143 after SIGTERM), never 0: a script that runs
 ``fedgrid simulate && next`` does not go on after an interrupted run.
+
+Long compute between two looks at the network (a client's training loop, the coordinator's
+evaluation and aggregation, a simulation's clients) asks ``stopping()`` between its steps or
+batches and gives up at once (``InterruptedRunError``) once a first signal arrived, so that a
+stop ends the process within seconds whatever it was doing.
 """
 
 from __future__ import annotations
@@ -19,13 +24,21 @@ import threading
 from types import FrameType, TracebackType
 from typing import Callable, TextIO
 
-__all__ = ["GracefulStop", "FORCED_EXIT_STATUS", "say", "stop_status", "forget_stop"]
+__all__ = ["GracefulStop", "FORCED_EXIT_STATUS", "say", "stop_status", "forget_stop", "stopping"]
 
 #: Exit status of a forced exit (the shell's 128 + SIGINT).
 FORCED_EXIT_STATUS = 130
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 #: The signal that began this process's graceful stop (signals belong to the process, so does this).
 _began: list[int] = []
+#: Set by the first signal: long compute gives up between its steps (``stopping``).
+_stop_requested = threading.Event()
+
+
+def stopping() -> bool:
+    """Whether a first SIGINT or SIGTERM asked this process to stop (since ``forget_stop``): a
+    loop over steps or batches checks it between two and gives up."""
+    return _stop_requested.is_set()
 
 
 def stop_status() -> int | None:
@@ -35,8 +48,9 @@ def stop_status() -> int | None:
 
 
 def forget_stop() -> None:
-    """Forgets the signal ``stop_status`` reports (a command run again in the same process)."""
+    """Forgets the signal ``stop_status`` reports and ``stopping`` (a command run again in the same process)."""
     _began.clear()
+    _stop_requested.clear()
 
 
 def say(line: str, *, stream: TextIO | None = None) -> None:
@@ -83,6 +97,7 @@ class GracefulStop:
         self.received = name
         if not _began:
             _began.append(signum)
+        _stop_requested.set()
         self.on_stop(name)
 
     def __enter__(self) -> "GracefulStop":

@@ -9,7 +9,7 @@ A certificate directory holds one CA and everything it issued::
     NAME.pem  NAME.key      leaf certificates (the key is 0600; enrolled clients keep theirs)
 
 A client's identity is its certificate's common name, checked with ``check_identity``; it is
-the key of the coordinator's registry and of canonical aggregation order, so it is limited to
+the key of the coordinator's membership and of canonical aggregation order, so it is limited to
 printable ASCII that survives logs, file names and terminals. Client certificates carry only
 the clientAuth extended key usage and server certificates only serverAuth, so a stolen
 server key cannot log in as a client and the other way round.

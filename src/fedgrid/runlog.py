@@ -1,9 +1,11 @@
 """The run directory: ``metrics.jsonl`` (one JSON object per round), ``model.safetensors``
-(the final global model) and ``config.toml`` (the resolved configuration)."""
+(the final global model) and ``config.toml`` (the resolved configuration); ``strict_json``, the
+JSON every reader parses (no ``NaN`` or ``Infinity``, which ``json.dumps`` writes by default)."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections import OrderedDict
 from pathlib import Path
@@ -16,10 +18,27 @@ from safetensors.torch import load_file, save_file
 from fedgrid.trackers import Trackers, build_trackers
 from fedgrid.types import ModelState, RoundMetrics
 
-__all__ = ["RunWriter", "load_model", "read_metrics", "to_toml", "ORDER_KEY"]
+__all__ = ["RunWriter", "load_model", "read_metrics", "strict_json", "to_toml", "ORDER_KEY"]
 
 #: safetensors metadata key holding the model's tensor names in its own order (JSON list).
 ORDER_KEY = "fedgrid.order"
+
+
+def _finite(value: object) -> object:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def strict_json(value: object, **kwargs: object) -> str:
+    """``json.dumps(value, **kwargs)`` as strict JSON: a float that is not finite (a sum of
+    figures that overflowed, a mean of nothing) is written ``null``, never ``NaN`` or
+    ``Infinity``, which strict parsers (a browser's ``JSON.parse``) refuse."""
+    return json.dumps(_finite(value), allow_nan=False, **kwargs)  # type: ignore[arg-type]
 
 
 def _toml_string(value: str) -> str:
@@ -84,17 +103,24 @@ class RunWriter:
     def reset_metrics(self, rows: Sequence[Mapping[str, object]]) -> None:
         """Makes ``metrics.jsonl`` hold exactly ``rows`` (a fresh run: none; a resumed one:
         the committed rounds), replacing the file atomically."""
-        self._atomic_write("metrics.jsonl", "".join(json.dumps(dict(r)) + "\n" for r in rows).encode())
+        self._atomic_write("metrics.jsonl", "".join(strict_json(dict(r)) + "\n" for r in rows).encode())
         self.trackers.resume(rows)
 
     def write_round(self, metrics: RoundMetrics) -> None:
         """Appends the round to ``metrics.jsonl`` (durably), then hands it to the trackers."""
         row = metrics.to_json()
         with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(strict_json(row) + "\n")
             f.flush()
             os.fsync(f.fileno())
         self.trackers.log_round(row)
+
+    def update_round(self, metrics: RoundMetrics, rows: Sequence[Mapping[str, object]]) -> None:
+        """A committed round's row gained figures (its server-side evaluation, which landed after
+        the round committed): ``metrics.jsonl`` is replaced atomically by ``rows`` (each round's
+        row, ``metrics``' among them), then the trackers get ``metrics``' row again."""
+        self._atomic_write("metrics.jsonl", "".join(json.dumps(dict(r)) + "\n" for r in rows).encode())
+        self.trackers.log_round(metrics.to_json())
 
     def close(self) -> None:
         """Ends the trackers (flushes TensorBoard, ends the MLflow run); the files need no closing."""

@@ -35,8 +35,9 @@ WORKER_WALL_S = "worker_wall_s"
 
 
 def utilization_of(compute_s: float, wall_s: float) -> float:
-    """``compute_s / wall_s``, 0 for an empty window."""
-    return compute_s / wall_s if wall_s > 0 else 0.0
+    """``compute_s / wall_s`` (at most 1: compute lies inside the window, up to rounding), 0 for an
+    empty window."""
+    return min(1.0, compute_s / wall_s) if wall_s > 0 else 0.0
 
 
 def goodput_metrics(results: Sequence[FitRes]) -> dict[str, float]:

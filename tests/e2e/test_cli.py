@@ -165,15 +165,16 @@ def _slow_simulation(tmp_path: Path, fit_s: float, rounds: int) -> tuple[subproc
     return proc, out
 
 
-def test_ctrl_c_in_simulate_stops_after_the_round_with_its_model(tmp_path):
+def test_ctrl_c_in_simulate_abandons_the_open_round_and_keeps_the_last_model(tmp_path):
     proc, out = _slow_simulation(tmp_path, fit_s=0.5, rounds=5)
+    wait_until(lambda: (out / "metrics.jsonl").read_text().strip() != "", timeout=60, what="round 1's commit")
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr  # 128 + SIGINT: an interrupted run is no success
     assert "Traceback" not in stderr + stdout
     done = len((out / "metrics.jsonl").read_text().splitlines())
     assert 1 <= done < 5
-    assert "SIGINT: stopping after the current round; a second one exits at once" in stdout
+    assert "SIGINT: stopping (the open round is abandoned); a second one exits at once" in stdout
     assert (
         stdout.splitlines()[-1]
         == f"stopped after {done} of 5 rounds; model of round {done} in {out}/model.safetensors; run directory {out}"
@@ -187,7 +188,7 @@ def test_a_second_ctrl_c_forces_the_exit_in_one_line(tmp_path):
     proc.send_signal(signal.SIGINT)
     lines = []
     wait_until(
-        lambda: lines.append(proc.stdout.readline()) or "stopping after the current round" in lines[-1],
+        lambda: lines.append(proc.stdout.readline()) or "stopping (the open round is abandoned)" in lines[-1],
         timeout=30,
         what="the graceful stop to begin",
     )
@@ -268,3 +269,48 @@ def test_client_config_file_and_an_unreachable_coordinator_in_one_line(tmp_path)
         r"retrying for up to 1s$",
         retries,
     ), retries
+
+
+def test_a_port_in_use_is_one_line_not_a_traceback(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # A fresh interpreter, not the zygote's fork: gRPC reads GRPC_VERBOSITY once, at its import.
+        result = subprocess.run(
+            [
+                *FEDGRID,
+                "coordinator",
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--rounds",
+                "1",
+                "--out",
+                str(tmp_path),
+            ],
+            capture_output=True,
+            text=True,
+            env={k: v for k, v in child_env().items() if k != "GRPC_VERBOSITY"},
+            timeout=120,
+        )
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr and "add_port.cc" not in result.stderr, result.stderr
+    [line] = [line for line in result.stderr.splitlines() if "plaintext on loopback" not in line]
+    assert line == (
+        f"fedgrid: error: cannot listen on 127.0.0.1:{port}: the port is in use (another coordinator?) or the "
+        "address is not this host's; pick another with --listen HOST:PORT (port 0: any free one)"
+    )
+
+
+def test_a_client_refuses_plaintext_to_a_coordinator_off_loopback_unless_told(tmp_path):
+    result = _run("client", "--coordinator", "192.0.2.7:50051", "--connect-timeout-s", "1")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == (
+        "fedgrid: error: config key 'coordinator': 192.0.2.7:50051 is not a loopback address, and plaintext "
+        "there lets anyone on the path read and change the model: give --ca, --cert and --key (mutual TLS; "
+        "see `fedgrid certs`), or --insecure to connect in plaintext anyway\n"
+    )
+    # Told: it dials (192.0.2.0/24 is TEST-NET-1, reachable nowhere) and gives up after its deadline.
+    result = _run("client", "--coordinator", "192.0.2.7:50051", "--connect-timeout-s", "1", "--insecure")
+    assert result.returncode == 1
+    assert "could not reach the coordinator at 192.0.2.7:50051" in result.stderr.splitlines()[-1]

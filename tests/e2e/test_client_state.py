@@ -22,8 +22,8 @@ from fedgrid.client import start_client as start  # harness.start_client starts 
 from fedgrid.client.state import STATE_FORMAT
 from fedgrid.client.uplink import UplinkEncoder, reconstruct
 from fedgrid.compression.spec import CodecSpec
+from fedgrid.fleet.codec_policy import CodecPolicy
 from fedgrid.proto import serde
-from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.serve import Coordinator
 from fedgrid.types import ClientInfo, FitIns, ModelState

@@ -11,13 +11,14 @@ from fedgrid.aggregation import FedAvg
 from fedgrid.aggregation.selection import Sampling
 from fedgrid.client import start_client as start  # harness.start_client starts a process
 from fedgrid.compression.spec import CodecSpec
-from fedgrid.server.codec_policy import CodecPolicy
+from fedgrid.fleet.codec_policy import CodecPolicy
 from fedgrid.server.engine import RoundEngine
+from fedgrid.server.parts import Schedule
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.serve import Coordinator
 from fedgrid.simulation.fleet import InProcessFleet
 from fedgrid.simulation.models import digits_mlp
-from fedgrid.simulation.tasks import builtin_client, initial_state
+from fedgrid.simulation.tasks import ClientOptions, builtin_client, initial_state
 
 from harness import wait_until
 
@@ -30,16 +31,18 @@ def _engine(fleet, rounds=ROUNDS):
     return RoundEngine(
         strategy=strategy,
         fleet=fleet,
-        rounds=rounds,
-        min_clients=CLIENTS,
-        round_timeout=timedelta(seconds=120),
-        join_timeout=timedelta(seconds=60),
-        finish_timeout=timedelta(seconds=10),
+        schedule=Schedule(
+            rounds=rounds,
+            min_clients=CLIENTS,
+            round_timeout=timedelta(seconds=120),
+            join_timeout=timedelta(seconds=60),
+            finish_timeout=timedelta(seconds=10),
+        ),
     )
 
 
 def _clients():
-    return [builtin_client(i, CLIENTS, SEED, device="cpu") for i in range(CLIENTS)]
+    return [builtin_client(i, CLIENTS, SEED, options=ClientOptions(device="cpu")) for i in range(CLIENTS)]
 
 
 def _deploy(policy, downlink_codec=CodecSpec.NONE):

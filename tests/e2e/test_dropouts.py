@@ -16,6 +16,7 @@ from fedgrid.aggregation import FedAvg
 from fedgrid.aggregation.selection import Sampling
 from fedgrid.events import EventLog
 from fedgrid.server.engine import RoundEngine
+from fedgrid.server.parts import Schedule
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.serve import Coordinator
 from fedgrid.simulation.tasks import initial_state
@@ -63,13 +64,15 @@ def test_dropouts_and_straggler(tmp_path, monkeypatch):
     engine = RoundEngine(
         strategy=strategy,
         fleet=fleet,
-        rounds=ROUNDS,
-        # The fleet's size once the victims are gone, straggler included: it is benched after
-        # round 1, and round 2 runs without it (a benched client counts, it is not asked).
-        min_clients=CLIENTS - len(VICTIMS),
-        round_timeout=timedelta(seconds=DEADLINE_S),
-        join_timeout=timedelta(seconds=60),
-        finish_timeout=timedelta(seconds=5),
+        schedule=Schedule(
+            rounds=ROUNDS,
+            # The fleet's size once the victims are gone, straggler included: it is benched after
+            # round 1, and round 2 runs without it (a benched client counts, it is not asked).
+            min_clients=CLIENTS - len(VICTIMS),
+            round_timeout=timedelta(seconds=DEADLINE_S),
+            join_timeout=timedelta(seconds=60),
+            finish_timeout=timedelta(seconds=5),
+        ),
     )
     clients = [
         start_client(
@@ -126,7 +129,7 @@ def test_dropouts_and_straggler(tmp_path, monkeypatch):
     assert engine.history[0].clients_failed == len(VICTIMS) + 1
     assert (
         engine.history[1].clients_failed == 0
-    )  # the killed clients left the registry; the straggler is benched
+    )  # the killed clients left the membership; the straggler is benched
     for (names, before), after in zip(
         strategy.rounds, [r[1] for r in strategy.rounds[1:]] + [strategy.global_state]
     ):

@@ -93,13 +93,13 @@ def refusal(service: EnrollmentServer, ca_dir: Path, token: str, csr_pem: bytes)
 
 
 def join_name(coordinator: Coordinator, files: dict[str, str]) -> str:
-    """Joins over mutual TLS with ``files`` and returns the name the registry holds for it."""
+    """Joins over mutual TLS with ``files`` and returns the name the membership holds for it."""
     conn = Connection(
         coordinator.address, tls=TLSFiles(files["ca"], files["cert"], files["key"]), retry_max_elapsed=5
     )
     try:
         conn.join(Named("ignored-under-mtls"))
-        return coordinator.fleet.registry.records[conn.client_id].info.name
+        return coordinator.fleet.membership.records[conn.client_id].info.name
     finally:
         conn.close()
 

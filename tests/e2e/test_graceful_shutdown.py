@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import signal
+import time
 
 import grpc
 import torch
@@ -60,8 +61,14 @@ def test_sigterm_mid_round_then_resume(tmp_path, reference_deployment):
             timeout=120,
             what="round 3 uploads",
         )
+        signalled = time.monotonic()  # the process signalled itself just before printing the event
         assert first.killed.is_set(), "the run ended before round 3's uploads"
-        assert first.proc.wait(timeout=30) == 128 + signal.SIGTERM  # stopped cleanly, yet not finished
+        # Within 5 s of the signal, with uploads in flight (issue 40, item 3).
+        wait_until(lambda: first.proc.poll() is not None, timeout=5.0, what="the coordinator's exit")
+        print(
+            f"stop during uploads: the coordinator exited {time.monotonic() - signalled:.2f} s after SIGTERM"
+        )
+        assert first.proc.returncode == 128 + signal.SIGTERM  # stopped cleanly, yet not finished
         committed = [m["round"] for m in read_metrics(out)]
         assert committed == list(range(1, len(committed) + 1)) and 2 <= len(committed) <= 3
         assert [e["committed"] for e in first.seen("stopped")] == [len(committed)]

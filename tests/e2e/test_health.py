@@ -148,3 +148,57 @@ def test_mutual_tls_probe_and_the_fedgrid_health_command(certs):
         )
     finally:
         coordinator.stop(grace=0.5)
+
+
+def test_refused_handshakes_leave_no_raw_grpc_core_lines_in_the_coordinators_log(certs, tmp_path):
+    """A stranger's certificate and a plaintext dial fail the handshake; the coordinator's log
+    gets none of gRPC core's lines for them ("ssl_transport_security.cc:2563] Handshake failed
+    with error SSL_ERROR_SSL: ..."): the CLI sets GRPC_VERBOSITY=NONE unless the environment
+    names a level. (A fresh interpreter: gRPC reads the variable once, at its import.)"""
+    import subprocess
+
+    d, other = certs
+    out = tmp_path / "run"
+    log = tmp_path / "coordinator.log"
+    tls = [
+        "--ca",
+        str(d / "ca.pem"),
+        "--cert",
+        str(d / "coordinator.pem"),
+        "--key",
+        str(d / "coordinator.key"),
+    ]
+    env = {k: v for k, v in child_env().items() if k != "GRPC_VERBOSITY"}
+    with log.open("w") as sink:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "fedgrid.cli",
+                "coordinator",
+                "--listen",
+                "127.0.0.1:0",
+                "--out",
+                str(out),
+                *tls,
+            ],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    try:
+        from harness import wait_until
+
+        wait_until(lambda: (out / "address").exists() or proc.poll() is not None, timeout=60, what="address")
+        address = (out / "address").read_text().strip()
+        bundle = tmp_path / "both.pem"
+        bundle.write_bytes((d / "ca.pem").read_bytes() + (other / "ca.pem").read_bytes())
+        stranger = dict(ca=str(bundle), cert=str(other / "stranger.pem"), key=str(other / "stranger.key"))
+        assert not check(address, **stranger, timeout=3).serving
+        assert not check(address, timeout=3).serving  # plaintext
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    text = log.read_text()
+    assert "fedgrid.server.serve" in text  # the coordinator's own lines are there
+    assert "ssl_transport_security" not in text and "Handshake failed" not in text, text

@@ -12,6 +12,7 @@ import torch
 from fedgrid.aggregation.selection import Sampling
 from fedgrid.determinism import intra_op_threads
 from fedgrid.server.engine import RoundEngine
+from fedgrid.server.parts import Schedule
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.serve import Coordinator
 from fedgrid.simulation.fleet import InProcessFleet
@@ -62,10 +63,12 @@ def engine(strategy: ring_app.RingStrategy, fleet, min_clients: int) -> RoundEng
     return RoundEngine(
         strategy=strategy,
         fleet=fleet,
-        rounds=ROUNDS,
-        min_clients=min_clients,
-        round_timeout=timedelta(seconds=60),
-        join_timeout=timedelta(seconds=60),
+        schedule=Schedule(
+            rounds=ROUNDS,
+            min_clients=min_clients,
+            round_timeout=timedelta(seconds=60),
+            join_timeout=timedelta(seconds=60),
+        ),
     )
 
 

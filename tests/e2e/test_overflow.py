@@ -21,9 +21,10 @@ import torch
 from fedgrid.aggregation import build_strategy_from
 from fedgrid.client import Client, FitOutput, start_client
 from fedgrid.events import EventLog
-from fedgrid.server.bounds import UpdateBounds
+from fedgrid.fleet.bounds import UpdateBounds
 from fedgrid.server.engine import ROUND_FAILED, RoundEngine
 from fedgrid.server.influence import Influence
+from fedgrid.server.parts import RoundRules, RunIO, Schedule
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.serve import Coordinator
 from fedgrid.server.state import StateStore
@@ -77,17 +78,19 @@ def _initial():
     )
 
 
-def _engine(fleet, strategy, *, min_clients: int = 4, **kw) -> RoundEngine:
-    kw.setdefault("influence", Influence(max_update_ratio=0))
+def _engine(fleet, strategy, *, min_clients: int = 4, **io) -> RoundEngine:
     return RoundEngine(
         strategy=strategy,
         fleet=fleet,
-        rounds=ROUNDS,
-        min_clients=min_clients,
-        round_timeout=timedelta(seconds=60),
-        join_timeout=timedelta(seconds=60),
-        finish_timeout=timedelta(seconds=10),
-        **kw,
+        schedule=Schedule(
+            rounds=ROUNDS,
+            min_clients=min_clients,
+            round_timeout=timedelta(seconds=60),
+            join_timeout=timedelta(seconds=60),
+            finish_timeout=timedelta(seconds=10),
+        ),
+        rules=RoundRules(influence=Influence(max_update_ratio=0)),
+        io=RunIO(**io),
     )
 
 

@@ -97,11 +97,13 @@ def test_a_peft_client_on_two_ranks_takes_the_single_process_steps(tmp_path):
         }
     )
     options = client_options(config)
-    single = builtin_client(0, 6, 0, **options)
+    single = builtin_client(0, 6, 0, options)
     start = OrderedDict((k, v.clone()) for k, v in single.model.state_dict().items())
     ins = FitIns(round=1, config={"local_epochs": 1, "seed": 5, "lr": 0.5})
     one = single.fit(OrderedDict((k, v.clone()) for k, v in start.items()), ins)
-    client = ParallelClient(builtin_client, (0, 6, 0), options, spec=ParallelSpec.parse(2, "dp"), threads=1)
+    client = ParallelClient(
+        builtin_client, (0, 6, 0), {"options": options}, spec=ParallelSpec.parse(2, "dp"), threads=1
+    )
     try:
         many = client.fit(OrderedDict((k, v.clone()) for k, v in start.items()), ins)
     finally:

@@ -507,3 +507,42 @@ def test_two_regions_of_three_clients_over_an_emulated_wan_learn_as_flat_does(tm
         metrics[-1]["accuracy"],
         flat[-1].accuracy,
     )
+
+
+def test_one_sigterm_ends_a_region_within_5_s_while_its_client_trains(tmp_path):
+    """A stop that stops (issue 40, item 3): a region whose client is in a long task (100000 local
+    epochs) ends within 5 s of one SIGTERM, as a coordinator does, and says it stopped."""
+    import signal
+    import time
+
+    long_task = ["--local-epochs", "100000"]
+    coordinator, address = start_coordinator(
+        tmp_path / "global", "--rounds", "1", "--min-clients", "1", *long_task
+    )
+    region, region_address = start_region(
+        tmp_path / "region-a", address, "region-a", "--min-clients", "1", *long_task
+    )
+    client_log = tmp_path / "client0.log"
+    client = start_client(region_address, client_log, "--partition", "0/2", "--seed", str(SEED))
+    procs = [coordinator, region, client]
+    try:
+        wait_until(  # the client's first progress line: 10 s into its task
+            lambda: (
+                "fedgrid.client.progress: round 1: step" in client_log.read_text()
+                or client.poll() is not None
+            ),
+            timeout=120,
+            what="the client's training",
+        )
+        assert client.poll() is None, client_log.read_text()[-3000:]
+        region.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        wait_until(lambda: region.poll() is not None, timeout=5.0, what="the region to exit after SIGTERM")
+        print(
+            f"stop of a region while its client trains: exited {time.monotonic() - signalled:.2f} s after SIGTERM"
+        )
+        log = (tmp_path / "region-a.log").read_text()
+        assert region.returncode == 128 + signal.SIGTERM, log[-3000:]
+        assert "region region-a: 0 global rounds trained; stopped" in log
+    finally:
+        _kill_all(procs)

@@ -165,7 +165,8 @@ def test_status_page_renders_round_plots_and_escaped_clients(tmp_path, live_stat
     assert "&lt;b&gt;bold&lt;/b&gt; client" in dom
     assert "<b>bold</b>" not in dom
     assert "plain" in dom and "eu-west" in dom and "idle" in dom
-    assert "<td>cuda x2, 80.0 GiB</td>" in dom and "<td>cpu</td>" in dom  # device, accelerators, memory
+    # The device, its accelerators and its memory, said to be memory.
+    assert "<td>cuda x2, 80.0 GiB memory</td>" in dom and "<td>cpu</td>" in dom
     # A utilization cell per client (its split in the tooltip), and one per region.
     cells = re.findall(r'<td title="([^"]*)" class="utilization">([^<]*)</td>', dom)
     assert [v for _, v in cells] == ["0.60", "0.25", "0.60", "0.25"], dom[-3000:]

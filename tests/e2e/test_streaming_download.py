@@ -25,9 +25,9 @@ from fedgrid.client import Client
 from fedgrid.client.runtime import Connection
 from fedgrid.compression.spec import CodecSpec
 from fedgrid.config import load_config
+from fedgrid.fleet.codec_policy import CodecPolicy
 from fedgrid.proto import serde
 from fedgrid.runlog import load_model, read_metrics
-from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.serve import Coordinator
 from fedgrid.server.strategies import build_strategy
@@ -234,7 +234,7 @@ def test_missed_rounds_and_a_lost_replica():
     w0 is away for rounds 5 to 7 (F rounds)."""
     config = load_config(overrides={**OPTIONS, "rounds": 8, "clients": 3, "inner_steps": 5})
     resolved = resolve(dataset=config.dataset, seed=SEED)
-    make = lambda i: resolved.client_factory(i, 3, SEED, **client_options(config))  # noqa: E731
+    make = lambda i: resolved.client_factory(i, 3, SEED, client_options(config))  # noqa: E731
     workers = [Recording(make(i)) for i in range(3)]
     fleet = InProcessFleet(workers)
     strategy = build_strategy(config, num_clients=3)

@@ -330,7 +330,7 @@ def test_set_link_changes_the_delay_of_a_running_connection(echo):
 
 
 def test_the_fedgrid_wan_command_relays_and_exits_143_on_sigterm(echo, tmp_path: Path):
-    address_file = tmp_path / "wan-address"
+    address_file = tmp_path / "runs" / "wan" / "address"  # its folders do not exist yet: made
     proc = zygote.popen(
         [
             *FEDGRID,
@@ -390,3 +390,17 @@ def test_the_fedgrid_wan_command_refuses_a_bad_flag_naming_it(capsys):
     )
     assert cli.main(["wan", "--target", "127.0.0.1:1", "--loss", "1.5"]) == 2
     assert "config key 'loss': is a probability per segment, in [0, 1), not 1.5" in capsys.readouterr().err
+
+
+def test_an_address_file_whose_folder_cannot_be_made_stops_before_the_relay_line(tmp_path, capsys):
+    from fedgrid import cli
+
+    (tmp_path / "runs").write_text("a file where the folder would go")
+    address_file = tmp_path / "runs" / "wan" / "address"
+    assert cli.main(["wan", "--target", "127.0.0.1:1", "--address-file", str(address_file)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # no relay line: the clients never see an address that is not there
+    assert err == (
+        f"fedgrid: error: config key 'address_file': cannot make the folder {str(address_file.parent)!r}: "
+        "Not a directory\n"
+    )

@@ -152,6 +152,27 @@ def test_gpt_two_regions_example_trains_over_two_wan_links(tmp_path, capsys):
     assert out.count("held-out loss") == 2 and "MB over 2 links" in out and "computing" in out
 
 
+def test_gpt_two_regions_without_its_data_stops_before_any_process_naming_the_folder(tmp_path, capsys):
+    (tmp_path / "a-file").write_text("not a folder")
+    for data_dir in (tmp_path / "a-file", tmp_path / "missing", tmp_path):
+        with pytest.raises(SystemExit) as stop:
+            _load("gpt_two_regions").main(["--data-dir", str(data_dir), "--out", str(tmp_path / "run")])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.endswith(
+            f"--data-dir {data_dir} is not a folder holding gutenberg-texts.tar.gz "
+            "(the Shakespeare plays: see docs/simulation.rst's datasets table)"
+        )
+    assert not (tmp_path / "run").exists()  # nothing started, nothing written
+    doc = _load("gpt_two_regions").__doc__
+    # The docstring points at a section that exists: the datasets table naming the file.
+    assert "README's Shakespeare section" not in doc and "docs/simulation.rst's datasets table" in doc
+    assert (
+        "``gutenberg-texts.tar.gz`` in ``--data-dir``"
+        in (EXAMPLES.parent / "docs" / "simulation.rst").read_text()
+    )
+
+
 # -- federated_loop.py -----------------------------------------------------------------------
 def test_federated_loop_continues_from_the_federated_average(capsys):
     result = _load("federated_loop").main(["--rounds", "2", "--sync-every", "5"])

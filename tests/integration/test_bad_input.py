@@ -74,7 +74,7 @@ def _with(small_state, name, value):
 
 
 def _snapshot(coordinator):
-    """Everything a bad request must not change: registry (ids, tokens, infos), the open
+    """Everything a bad request must not change: the membership (ids, tokens, infos), the open
     round (task, results, failures, bytes accepted), and the global model's bytes. (A stream
     cut by the transport, as gRPC does on an oversized message, may leave its verified
     chunks for a resume: a transfer buffer, not coordinator state.)"""
@@ -140,6 +140,21 @@ def test_malformed_update_is_rejected_and_changes_nothing(coordinator, session, 
     assert len(outcome.results) == 1 and outcome.failures == []
     for name, tensor in good.items():
         assert torch.equal(outcome.results[0].state[name], tensor)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("compute_s", 1.7e308), ("compute_s", -2e300), ("utilization", -3.0), ("wall_s", math.inf)],
+)
+def test_a_time_split_out_of_bounds_is_refused_naming_the_field(
+    coordinator, session, small_state, field, value
+):
+    stub, cid, token, task = session
+    with pytest.raises(grpc.RpcError) as err:
+        _upload(stub, _chunks(_good(small_state), cid, token, task, metrics={field: value}))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"metric '{field}' is" in err.value.details()
+    _assert_untouched(coordinator)
 
 
 def test_bad_checksum(coordinator, session, small_state):
@@ -306,7 +321,7 @@ def test_unknown_codec(coordinator, session, small_state):
 @pytest.mark.parametrize("codec", ["fp16", "int8", "topk:0.5"])
 def test_compressed_payload_that_lies_about_its_size(small_state, codec):
     from fedgrid.compression.spec import CodecSpec
-    from fedgrid.server.codec_policy import CodecPolicy
+    from fedgrid.fleet.codec_policy import CodecPolicy
 
     from harness import InProcessCoordinator
 

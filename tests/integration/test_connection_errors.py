@@ -91,7 +91,7 @@ def test_a_san_mismatch_is_reported_at_once_with_the_names_and_server_name(pki_d
         conn = Connection(coordinator.address, tls=_files(pki_dir, "alice"), server_name="coord.example.org")
         conn.join(Named("x"))
         conn.close()
-        assert [r.info.name for r in fleet.registry.records.values()] == ["alice"]
+        assert [r.info.name for r in fleet.membership.records.values()] == ["alice"]
     finally:
         coordinator.stop(grace=0.2)
         fleet.close()
@@ -128,7 +128,7 @@ def test_a_tls_mismatch_is_reported_at_once_with_its_fix(pki_dir, case, words):
         err, took = _join_fails(coordinator.address, client_tls)
         assert isinstance(err, MisconfiguredConnection) and took < AT_ONCE_S, (err, took)
         assert words in str(err)
-        assert fleet.registry.records == {}
+        assert fleet.membership.records == {}
     finally:
         coordinator.stop(grace=0.2)
         fleet.close()

@@ -15,10 +15,11 @@ from fedgrid.aggregation.privacy import noise_share
 from fedgrid.aggregation.selection import Sampling
 from fedgrid.errors import ConfigError, PrivacyBudgetError
 from fedgrid.events import EventLog
+from fedgrid.fleet.base import Fleet, RoundOutcome
 from fedgrid.runlog import RunWriter
 from fedgrid.server.engine import RoundEngine
-from fedgrid.server.fleet import Fleet, RoundOutcome
 from fedgrid.server.influence import Influence
+from fedgrid.server.parts import RoundRules, RunIO, Schedule
 from fedgrid.server.privacy import Privacy
 from fedgrid.server.state import StateStore
 from fedgrid.types import ClientInfo, FitRes
@@ -70,15 +71,21 @@ def _engine(fleet: Fleet, privacy: Privacy | None, *, rounds: int = 20, store=No
     engine = RoundEngine(
         strategy=strategy,
         fleet=fleet,
-        rounds=rounds,
-        min_clients=1,
-        round_timeout=timedelta(seconds=1),
-        join_timeout=timedelta(seconds=1),
-        events=events,
-        store=store,
-        writer=writer,
-        influence=Influence(max_update_ratio=0, max_weight_ratio=0),
-        privacy=privacy,
+        schedule=Schedule(
+            rounds=rounds,
+            min_clients=1,
+            round_timeout=timedelta(seconds=1),
+            join_timeout=timedelta(seconds=1),
+        ),
+        rules=RoundRules(
+            influence=Influence(max_update_ratio=0, max_weight_ratio=0),
+            privacy=privacy,
+        ),
+        io=RunIO(
+            writer=writer,
+            store=store,
+            events=events,
+        ),
     )
     return engine, seen
 

@@ -16,6 +16,7 @@ from fedgrid.client import Client, FitOutput, connect, start_client
 from fedgrid.runlog import RunWriter, read_metrics
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.monitor import CoordinatorMonitor
+from fedgrid.server.parts import RunIO, Schedule
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.serve import Coordinator
 from fedgrid.server.status_page import page_response
@@ -80,13 +81,17 @@ def test_splits_reach_metrics_jsonl_prometheus_and_the_status_page(tmp_path, sma
     engine = RoundEngine(
         strategy=strategy,
         fleet=fleet,
-        rounds=ROUNDS,
-        min_clients=3,
-        round_timeout=timedelta(seconds=60),
-        join_timeout=timedelta(seconds=60),
-        finish_timeout=timedelta(seconds=10),
-        writer=writer,
-        events=fleet.events,
+        schedule=Schedule(
+            rounds=ROUNDS,
+            min_clients=3,
+            round_timeout=timedelta(seconds=60),
+            join_timeout=timedelta(seconds=60),
+            finish_timeout=timedelta(seconds=10),
+        ),
+        io=RunIO(
+            writer=writer,
+            events=fleet.events,
+        ),
     )
     monitor = CoordinatorMonitor(fleet, rounds=ROUNDS, history=lambda: engine.history)
     fleet.events.subscribe(monitor.on_event)

@@ -31,8 +31,12 @@ DRIP_S = 0.05
 
 
 def _get(address: str, path: str) -> tuple[int, bytes]:
+    return _get_from(address, path, "127.0.0.1")
+
+
+def _get_from(address: str, path: str, source: str) -> tuple[int, bytes]:
     host, port = address.rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=10, source_address=("127.0.0.1", 0))
+    conn = http.client.HTTPConnection(host, int(port), timeout=10, source_address=(source, 0))
     try:
         conn.request("GET", path)
         reply = conn.getresponse()
@@ -164,3 +168,55 @@ def test_the_whole_request_deadline_closes_a_peer_that_keeps_sending():
         assert _get(server.address, "/missing")[0] == 404  # and the server still answers
     finally:
         server.stop()
+
+
+CHURNERS = 20
+PROBES = 15
+
+
+def _churn(address: str, source: str, stop: threading.Event, connects: list[int]) -> None:
+    """Reconnects from ``source`` as soon as the server drops the connection, until ``stop``:
+    each connection sends the start of a request and waits for the server to end it."""
+    host, port = address.rsplit(":", 1)
+    while not stop.is_set():
+        try:
+            with socket.create_connection((host, int(port)), timeout=2, source_address=(source, 0)) as sock:
+                connects[0] += 1
+                sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: fedgrid\r\nX-Churn: ")
+                while not stop.is_set() and sock.recv(4096):
+                    pass
+        except OSError:
+            pass  # refused, reset or timed out: dial again at once
+
+
+def test_a_prober_on_another_address_is_answered_while_20_churning_sockets_hammer_from_one(coordinator_http):
+    """The per-peer cap, measured with the attacker and the prober on different addresses
+    (127.0.0.2 and 127.0.0.3): the attacker's 20 sockets hold its 8 slots and redial the
+    moment they are refused; the prober still gets its answers."""
+    server = coordinator_http
+    stop, connects = threading.Event(), [0]
+    churners = [
+        threading.Thread(target=_churn, args=(server.address, "127.0.0.2", stop, connects), daemon=True)
+        for _ in range(CHURNERS)
+    ]
+    for thread in churners:
+        thread.start()
+    try:
+        share = server.limits.max_connections_per_peer
+        wait_until(
+            lambda: server.connections == share and connects[0] > 5 * CHURNERS, timeout=10, what="the churn"
+        )
+        answers = []
+        for _ in range(PROBES):
+            try:
+                status, body = _get_from(server.address, "/metrics", "127.0.0.3")
+                answers.append(status == 200 and b"fedgrid_live_clients 1.0" in body)
+            except OSError:
+                answers.append(False)
+        churned = connects[0]
+    finally:
+        stop.set()
+        for thread in churners:
+            thread.join(timeout=10)
+    assert sum(answers) >= PROBES - 1, answers
+    assert churned > 10 * CHURNERS  # the attacker really redialled throughout

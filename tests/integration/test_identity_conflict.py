@@ -44,7 +44,7 @@ def test_the_replaced_client_of_a_duplicate_pair_stops_naming_its_identity(small
         line = error_line(err.value)
         assert line.startswith("fedgrid: error: identity 'digits-0000/2' is taken: another process joined")
         assert "same --partition or the same certificate" in line and "\n" not in line
-        assert server.fleet.registry.conflicts == {"digits-0000/2": 1}
+        assert server.fleet.membership.conflicts == {"digits-0000/2": 1}
         with caplog.at_level(logging.INFO, logger="fedgrid.server.remote_fleet"):
             with pytest.raises(TimeoutError):
                 server.fleet.wait_for_clients(min_clients=2, timeout=timedelta(seconds=0))
@@ -59,7 +59,7 @@ def test_the_replaced_client_of_a_duplicate_pair_stops_naming_its_identity(small
         assert torch.equal(result.state["layer.weight"], small_state["layer.weight"] + 1)
         server.fleet.finish(timeout=timedelta(seconds=20))
         assert second.join(timeout=20).rounds == 1
-        assert len(joins) == 2 and server.fleet.registry.conflicts == {"digits-0000/2": 1}
+        assert len(joins) == 2 and server.fleet.membership.conflicts == {"digits-0000/2": 1}
     finally:
         server.stop()
 
@@ -88,7 +88,7 @@ def test_a_client_restarted_after_a_crash_takes_over_its_session(small_state):
         server.open_round()
         [result] = server.wait_round().results
         assert result.client.client_id == joins[1]
-        assert server.fleet.registry.conflicts == {}
+        assert server.fleet.membership.conflicts == {}
         server.fleet.finish(timeout=timedelta(seconds=20))
         assert restarted.join(timeout=20).rounds == 1
     finally:

@@ -25,13 +25,13 @@ def test_another_release_is_refused_naming_both_and_joins_nothing(coordinator):
         f"fedgrid version mismatch: the client runs fedgrid '0.0.9', the coordinator fedgrid {fedgrid.__version__}; "
         "run the same release on both (the same image or package)"
     )
-    assert coordinator.fleet.registry.live() == []
+    assert coordinator.fleet.membership.live() == []
     # The same release joins; so does a request that predates the field (a bare probe).
     same = stub.Join(
         pb.JoinRequest(name="same", num_examples=3, fedgrid_version=fedgrid.__version__), timeout=10
     )
     bare = stub.Join(pb.JoinRequest(name="bare", num_examples=3), timeout=10)
-    assert sorted(i.client_id for i in coordinator.fleet.registry.live()) == sorted(
+    assert sorted(i.client_id for i in coordinator.fleet.membership.live()) == sorted(
         (same.client_id, bare.client_id)
     )
 
@@ -46,9 +46,9 @@ def test_the_client_sends_its_release_and_is_told_both(coordinator):
         assert f"the client runs fedgrid '{fedgrid.__version__}', the coordinator fedgrid 9.9.9" in str(
             caught.value
         )
-        assert coordinator.fleet.registry.live() == []
+        assert coordinator.fleet.membership.live() == []
         coordinator.fleet.fedgrid_version = fedgrid.__version__
         conn.join(Named("site-0"))  # the same release: admitted
-        assert [i.name for i in coordinator.fleet.registry.live()] == ["site-0"]
+        assert [i.name for i in coordinator.fleet.membership.live()] == ["site-0"]
     finally:
         conn.close()

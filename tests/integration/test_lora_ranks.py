@@ -69,7 +69,7 @@ def test_clients_of_ranks_4_and_8_train_their_own_shapes_and_svd_merges_their_pr
         llama, data_dir, tmp_path / "grpc", listen="127.0.0.1:0", min_clients=2, fraction_evaluate=1.0
     )
     run = _Coordinator(config)
-    clients = [_recorded(builtin_client(i, 2, config.seed, **client_options(config))) for i in range(2)]
+    clients = [_recorded(builtin_client(i, 2, config.seed, client_options(config))) for i in range(2)]
     assert [c.lora_rank for c, _ in clients] == [4, 8]
     handles = [start_client(client, run.address) for client, _ in clients]
     deployed = run.finish()
@@ -108,7 +108,7 @@ def test_clients_of_ranks_4_and_8_train_their_own_shapes_and_svd_merges_their_pr
 
 def _liar(config):
     """Client 0 (rank 4), uploading its factors padded to rank 8."""
-    liar = builtin_client(0, 2, config.seed, **client_options(config))
+    liar = builtin_client(0, 2, config.seed, client_options(config))
     assert liar.lora_rank == 4
     fit = liar.fit
 
@@ -127,7 +127,7 @@ def _liar(config):
 def test_an_upload_of_other_shapes_than_its_announced_rank_is_refused_over_grpc(llama, data_dir, tmp_path):
     config = _ranked(llama, data_dir, tmp_path / "grpc", listen="127.0.0.1:0", min_clients=2, rounds=1)
     run = _Coordinator(config)
-    honest, seen = _recorded(builtin_client(1, 2, config.seed, **client_options(config)))
+    honest, seen = _recorded(builtin_client(1, 2, config.seed, client_options(config)))
     handles = [start_client(client, run.address) for client in (_liar(config), honest)]
     final = run.finish()
     for handle in handles:
@@ -145,7 +145,7 @@ def test_an_upload_of_other_shapes_than_its_announced_rank_is_refused(llama, dat
     liar = _liar(config)
     fleet = InProcessFleet([liar])
     (info,) = fleet.wait_for_clients(min_clients=1, timeout=timedelta(seconds=1))
-    model = builtin_client(1, 2, config.seed, **client_options(config)).model
+    model = builtin_client(1, 2, config.seed, client_options(config)).model
     global_state = OrderedDict((k, v.clone()) for k, v in model.state_dict().items())
     outcome = fleet.fit_round(
         server_round=1,
@@ -179,12 +179,12 @@ def test_a_client_of_another_rank_is_refused_at_join_without_svd(llama, data_dir
     config = _config(llama, data_dir, tmp_path / "run", peft=PEFT8, listen="127.0.0.1:0", min_clients=1)
     small = _ranked(llama, data_dir, tmp_path / "unused")
     run = _Coordinator(config)
-    handle = start_client(builtin_client(0, 1, config.seed, **client_options(small)), run.address)
+    handle = start_client(builtin_client(0, 1, config.seed, client_options(small)), run.address)
     with pytest.raises(Exception) as info:
         handle.join(timeout=60)
     text = str(info.value)
     assert "FAILED_PRECONDITION" in text and "lora_aggregation" in text and "rank 4" in text, text
-    handle = start_client(builtin_client(0, 1, config.seed, **client_options(config)), run.address)
+    handle = start_client(builtin_client(0, 1, config.seed, client_options(config)), run.address)
     assert run.finish()[PAIRS[0][0]].shape == (8, 32)
     handle.join(timeout=60)
 

@@ -18,6 +18,7 @@ from fedgrid.client.torch_client import TorchClient
 from fedgrid.region.region import RegionClient
 from fedgrid.seeding import RNG_LOCK
 from fedgrid.server.engine import RoundEngine
+from fedgrid.server.parts import Schedule
 from fedgrid.simulation.fleet import InProcessFleet
 from fedgrid.types import FitIns
 
@@ -58,10 +59,12 @@ def _region(workers: list[TorchClient]) -> RegionClient:
     engine = RoundEngine(
         strategy=StreamingDiLoCo(num_fragments=2, inner_steps=H, sync_delay_steps=TAU),
         fleet=InProcessFleet(workers),
-        rounds=0,
-        min_clients=1,
-        round_timeout=timedelta(seconds=60),
-        join_timeout=timedelta(seconds=10),
+        schedule=Schedule(
+            rounds=0,
+            min_clients=1,
+            round_timeout=timedelta(seconds=60),
+            join_timeout=timedelta(seconds=10),
+        ),
     )
     return RegionClient(engine, name="eu", regional_rounds=2)
 

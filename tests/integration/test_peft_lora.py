@@ -141,8 +141,7 @@ def test_a_round_over_grpc_equals_the_simulation_bit_for_bit(llama, data_dir, tm
     config = _config(llama, data_dir, tmp_path / "grpc", listen="127.0.0.1:0", min_clients=2)
     run = _Coordinator(config)
     handles = [
-        start_client(builtin_client(i, 2, config.seed, **client_options(config)), run.address)
-        for i in range(2)
+        start_client(builtin_client(i, 2, config.seed, client_options(config)), run.address) for i in range(2)
     ]
     deployed = run.finish()
     for handle in handles:
@@ -159,7 +158,7 @@ def test_a_client_with_another_base_is_refused_at_join_naming_both_hashes(llama,
     config = _config(llama, data_dir, tmp_path / "run", listen="127.0.0.1:0", min_clients=1)
     ours = build_peft_lm(str(llama), PEFT).base_hash
     theirs_config = _config(other, data_dir, tmp_path / "unused")
-    client = builtin_client(0, 1, config.seed, **client_options(theirs_config))
+    client = builtin_client(0, 1, config.seed, client_options(theirs_config))
     assert client.base_hash != ours
     run = _Coordinator(config)
     handle = start_client(client, run.address)
@@ -169,7 +168,7 @@ def test_a_client_with_another_base_is_refused_at_join_naming_both_hashes(llama,
     assert "FAILED_PRECONDITION" in text or isinstance(info.value, BaseModelMismatchError)
     assert ours in text and client.base_hash in text, text
     # A client with the coordinator's base then trains the round.
-    good = builtin_client(0, 1, config.seed, **client_options(config))
+    good = builtin_client(0, 1, config.seed, client_options(config))
     assert good.base_hash == ours
     handle = start_client(good, run.address)
     assert list(run.finish()) == _adapter_names()

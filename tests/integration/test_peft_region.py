@@ -68,7 +68,7 @@ def test_a_region_carries_the_base_hash_and_enforces_it_on_its_clients(llama, da
     # A client of another base is refused by the region, both hashes named.
     other = tiny_llama(tmp_path / "other-llama", intermediate_size=48)
     stranger = builtin_client(
-        0, 2, top.seed, **client_options(_config(other, data_dir, tmp_path / "x", peft=PEFT8))
+        0, 2, top.seed, client_options(_config(other, data_dir, tmp_path / "x", peft=PEFT8))
     )
     handle = start_client(stranger, address)
     with pytest.raises(Exception) as info:
@@ -78,7 +78,7 @@ def test_a_region_carries_the_base_hash_and_enforces_it_on_its_clients(llama, da
     assert stranger.base_hash in str(info.value)
     # Clients of ranks 4 and 8 train the region's round; the region's update reaches the global run.
     ranked = _config(llama, data_dir, tmp_path / "y", peft=PEFT8, lora_aggregation="svd", peft_rank="4,8")
-    clients = [builtin_client(i, 2, top.seed, **client_options(ranked)) for i in range(2)]
+    clients = [builtin_client(i, 2, top.seed, client_options(ranked)) for i in range(2)]
     assert [c.lora_rank for c in clients] == [4, 8]
     handles = [start_client(client, address) for client in clients]
     final = run.finish()
@@ -148,7 +148,7 @@ def test_a_region_of_another_base_is_refused_upstream_naming_both_hashes(llama, 
     address_file = tmp_path / "eu" / "address"
     wait_until(lambda: address_file.exists() and address_file.read_text().strip(), timeout=60, what="address")
     # The region's own client (of the region's base) joins it; the region then joins upstream.
-    client = builtin_client(0, 1, top.seed, **client_options(config))
+    client = builtin_client(0, 1, top.seed, client_options(config))
     handle = start_client(client, address_file.read_text().strip(), poll_wait_s=1.0)  # stops within 1 s
     try:
         # Joining again cannot change the base: the region ends by itself, naming the refusal.

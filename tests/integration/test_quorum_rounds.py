@@ -21,9 +21,10 @@ from fedgrid.client.rpc import RpcFailed
 from fedgrid.client.runtime import Connection
 from fedgrid.clock import ManualClock
 from fedgrid.events import EventLog
+from fedgrid.fleet.base import Quorum
 from fedgrid.server.engine import RoundEngine
-from fedgrid.server.fleet import Quorum
 from fedgrid.server.influence import Influence
+from fedgrid.server.parts import RoundRules, RunIO, Schedule
 from fedgrid.types import FitIns
 
 from clocked import Call
@@ -57,7 +58,14 @@ class Run:
     """An engine (FedAvg, ``quorum``) over an in-process coordinator with a fast and a slow
     worker; the test drives it round by round and reads its events."""
 
-    def __init__(self, quorum: Quorum, slow_gates: list[threading.Event]) -> None:
+    def __init__(
+        self,
+        quorum: Quorum,
+        slow_gates: list[threading.Event],
+        *,
+        clients: list[Stepper] | None = None,
+        influence: Influence | None = None,
+    ) -> None:
         self.initial = OrderedDict(w=torch.tensor([0.0, 1.0, 2.0]))
         self.quorum = quorum
         self.clock = ManualClock()
@@ -73,21 +81,32 @@ class Run:
         self.engine = RoundEngine(
             strategy=strategy,
             fleet=self.server.fleet,
-            rounds=10,
-            min_clients=1,
-            round_timeout=timedelta(seconds=60),
-            join_timeout=timedelta(seconds=30),
-            events=log,
-            quorum=quorum,
-            # The slow worker steps 10x as far as the fast one, exactly the default distance
-            # bound: this test is about staleness weights (tests/unit/server/test_influence.py
-            # bounds late results).
-            influence=Influence(max_update_ratio=0),
+            schedule=Schedule(
+                rounds=10,
+                min_clients=1,
+                round_timeout=timedelta(seconds=60),
+                join_timeout=timedelta(seconds=30),
+            ),
+            rules=RoundRules(
+                quorum=quorum,
+                # The slow worker steps 10x as far as the fast one, exactly the default distance
+                # bound: this test is about staleness weights (tests/unit/server/test_influence.py
+                # bounds late results).
+                influence=Influence(max_update_ratio=0) if influence is None else influence,
+            ),
+            io=RunIO(
+                events=log,
+            ),
         )
         self.fast = Stepper("fast", 1.0, 1, [])
         self.slow = Stepper("slow", 10.0, 4, slow_gates)
-        self.handles = [start_client(c, self.server.address, poll_wait_s=1.0) for c in (self.fast, self.slow)]
-        wait_until(lambda: len(self.server.fleet.live_clients()) == 2, timeout=30, what="clients to join")
+        self.clients = [self.fast, self.slow] if clients is None else clients
+        self.handles = [start_client(c, self.server.address, poll_wait_s=1.0) for c in self.clients]
+        wait_until(
+            lambda: len(self.server.fleet.live_clients()) == len(self.clients),
+            timeout=30,
+            what="clients to join",
+        )
 
     def round(self, r: int) -> torch.Tensor:
         """Runs round ``r``; once it reached its quorum and sleeps until its grace ends, advances
@@ -220,7 +239,7 @@ def test_a_task_carried_past_its_quorum_expires_at_its_deadline(caplog):
         outcome = round_1.result()
         assert outcome.closed_by == "quorum" and [c.name for c in outcome.waiting] == ["slow"]
         server.fleet.committed(1)
-        record = server.fleet.registry.records[slow.client_id]
+        record = server.fleet.membership.records[slow.client_id]
         free = lambda: [c.name for c in server.fleet.wait_for_clients(min_clients=1, timeout=timedelta(0))]  # noqa: E731
         clock.advance(29.5)
         assert free() == ["fast"] and record.benched_task == ""  # still on its task: busy, not benched
@@ -241,3 +260,45 @@ def test_a_task_carried_past_its_quorum_expires_at_its_deadline(caplog):
         for conn in (fast, slow):
             conn.close()
         server.stop()
+
+
+def test_late_results_from_other_identities_never_set_the_reference_of_the_round_they_merge_into():
+    """The issue's run (``--min-quorum 2 --grace-s 1 --max-staleness 2``, default bounds): two
+    fresh honest workers step 3.65 from each round's model; two others, slow, step 0.0696 from
+    round 1's and land during round 2. Their distances once set round 2's lower median (0.0696),
+    and both fresh updates were refused ("distance 3.65 ... median 0.0696"): the round committed
+    only the late results. Now round 2 takes all four."""
+    per_value = 3**-0.5  # w has three values: a step ``s`` on each is a distance of s * sqrt(3)
+    gates = [threading.Event(), threading.Event()]
+    clients = [
+        Stepper("a", 3.65 * per_value, 1, []),
+        Stepper("b", 3.66 * per_value, 1, []),
+        # Slow in round 2 as well (a gate never set): round 2's fresh updates are a's and b's.
+        Stepper("c", 0.0696 * per_value, 1, [gates[0], threading.Event()]),
+        Stepper("d", 0.0697 * per_value, 1, [gates[1], threading.Event()]),
+    ]
+    run = Run(Quorum(min_quorum=2, grace_s=1.0, max_staleness=2), [], clients=clients, influence=Influence())
+    try:
+        run.round(1)  # all four asked; closes at its quorum with a and b, c and d keep their tasks
+        for gate in gates:
+            gate.set()
+        wait_until(
+            lambda: sum(bool(f.get("late")) for f in run.of("update_accepted")) == 2,
+            timeout=30,
+            what="late results",
+        )
+        run.round(2)
+        assert run.of("update_refused") == []
+        merges = {f["round"]: f["results"] for f in run.of("merged")}
+        assert sorted((m["name"], m["task_round"]) for m in merges[2]) == [
+            ("a", 2),
+            ("b", 2),
+            ("c", 1),
+            ("d", 1),
+        ]
+        assert (run.engine.history[-1].clients_ok, run.engine.history[-1].extra["late_merged"]) == (2, 2.0)
+    finally:
+        for c in clients:
+            for g in c.gates:
+                g.set()
+        run.close()

@@ -21,6 +21,7 @@ from fedgrid.aggregation.secagg_math import dequantize, ring_add, ring_scale
 from fedgrid.client import Client, FitOutput, start_client
 from fedgrid.client.secagg import NoiseHook, SecAggClient, with_secagg
 from fedgrid.server.engine import RoundEngine
+from fedgrid.server.parts import RunIO, Schedule
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.serve import Coordinator
 from fedgrid.simulation.fleet import InProcessFleet
@@ -29,7 +30,12 @@ from fedgrid.types import FIT, FitIns, MessageIns, ModelState
 from harness import wait_until
 
 PHASES = (ADVERTISE, SHARE, FIT, UNMASK)
-_TIMEOUTS = {"round_timeout": timedelta(seconds=60), "join_timeout": timedelta(seconds=10)}
+
+
+def _schedule(rounds: int) -> Schedule:
+    return Schedule(
+        rounds=rounds, min_clients=1, round_timeout=timedelta(seconds=60), join_timeout=timedelta(seconds=10)
+    )
 
 
 def _state() -> ModelState:
@@ -137,9 +143,7 @@ def test_simulated_rounds_are_exact_with_dropouts_at_every_step(n: int) -> None:
     clients = _federation(n, rounds, rate=0.1, seed=n)
     strategy = Checked(clients, bits=32, clip=0.5, seed=3)
     strategy.initialize(initial_state=_state())
-    engine = RoundEngine(
-        strategy=strategy, fleet=InProcessFleet(clients), rounds=rounds, min_clients=1, **_TIMEOUTS
-    )
+    engine = RoundEngine(strategy=strategy, fleet=InProcessFleet(clients), schedule=_schedule(rounds))
     engine.run()
     assert strategy.exact == list(range(1, rounds + 1))
     steps = {p for c in clients for p in c.inner.drop.values()}  # type: ignore[attr-defined]
@@ -155,7 +159,7 @@ def test_the_model_moves_by_the_survivors_weighted_mean() -> None:
     clients = _federation(10, 1, rate=0.0, seed=0)  # one client drops (at least one is drawn)
     strategy = Checked(clients, bits=32, clip=0.5)
     strategy.initialize(initial_state=_state())
-    RoundEngine(strategy=strategy, fleet=InProcessFleet(clients), rounds=1, min_clients=1, **_TIMEOUTS).run()
+    RoundEngine(strategy=strategy, fleet=InProcessFleet(clients), schedule=_schedule(1)).run()
     alive = {strategy._selected[cid][0].name for cid in strategy.last_survivors}  # noqa: SLF001
     start = _state()
     ins = FitIns(round=1)
@@ -172,9 +176,7 @@ def test_below_the_threshold_the_round_aborts_and_keeps_the_model() -> None:
     clients = [Dropping(c.inner, signer=c.party.signer, keyring=c.party.keyring) for c in with_secagg(plain)]  # type: ignore[arg-type]
     strategy = Checked(clients, bits=32, clip=0.5, neighbours=8, threshold=5)
     strategy.initialize(initial_state=_state())
-    engine = RoundEngine(
-        strategy=strategy, fleet=InProcessFleet(clients), rounds=1, min_clients=1, **_TIMEOUTS
-    )
+    engine = RoundEngine(strategy=strategy, fleet=InProcessFleet(clients), schedule=_schedule(1))
     engine.run()
     assert engine.history[0].extra["secagg_aborted"] == 1.0
     assert strategy.exact == []
@@ -185,9 +187,7 @@ def test_int8_masked_upload_costs_what_an_int8_upload_does() -> None:
     clients = with_secagg([Step(f"c{i}", 1, {}) for i in range(6)])  # type: ignore[arg-type]
     strategy = SecAgg(FedAvg(), bits=8, clip=0.5)
     strategy.initialize(initial_state=_state())
-    engine = RoundEngine(
-        strategy=strategy, fleet=InProcessFleet(clients), rounds=1, min_clients=1, **_TIMEOUTS
-    )
+    engine = RoundEngine(strategy=strategy, fleet=InProcessFleet(clients), schedule=_schedule(1))
     engine.run()
     m = engine.history[0]
     phases = sum(m.extra[f"{p}_bytes_up"] for p in (ADVERTISE, SHARE, UNMASK))
@@ -209,10 +209,19 @@ def test_over_grpc_with_dropouts_the_sums_are_exact() -> None:
     strategy = Checked(clients, bits=32, clip=0.5, seed=1)
     strategy.initialize(initial_state=_state())
     engine = RoundEngine(
-        strategy=strategy, fleet=fleet, rounds=rounds, min_clients=10,
-        round_timeout=timedelta(seconds=60), join_timeout=timedelta(seconds=60),
-        finish_timeout=timedelta(seconds=10), events=fleet.events,
-    )  # fmt: skip
+        strategy=strategy,
+        fleet=fleet,
+        schedule=Schedule(
+            rounds=rounds,
+            min_clients=10,
+            round_timeout=timedelta(seconds=60),
+            join_timeout=timedelta(seconds=60),
+            finish_timeout=timedelta(seconds=10),
+        ),
+        io=RunIO(
+            events=fleet.events,
+        ),
+    )
     handles = [start_client(c, server.address, poll_wait_s=1.0) for c in clients]
     try:
         wait_until(lambda: len(fleet.live_clients()) == 10, timeout=30, what="clients to join")
@@ -268,9 +277,7 @@ def test_the_noise_hook_perturbs_each_clipped_update_before_masking() -> None:
     for clients in (quiet, noisy):
         strategy = SecAgg(FedAvg(), bits=32, clip=0.5)
         strategy.initialize(initial_state=_state())
-        RoundEngine(
-            strategy=strategy, fleet=InProcessFleet(clients), rounds=1, min_clients=1, **_TIMEOUTS
-        ).run()
+        RoundEngine(strategy=strategy, fleet=InProcessFleet(clients), schedule=_schedule(1)).run()
         models.append(strategy.global_state)
     assert seen == [1, 1, 1, 1]
     for name in ("w", "b"):

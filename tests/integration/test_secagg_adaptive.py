@@ -22,6 +22,7 @@ from fedgrid.client import Client, FitOutput
 from fedgrid.client.secagg import DistributedNoise, with_secagg
 from fedgrid.config import load_config
 from fedgrid.server.engine import RoundEngine
+from fedgrid.server.parts import RoundRules, Schedule
 from fedgrid.server.privacy import Privacy
 from fedgrid.server.state_codec import decode_state, encode_state
 from fedgrid.server.strategies import build_strategy
@@ -123,9 +124,18 @@ def test_the_adaptive_clip_follows_the_securely_summed_noised_count() -> None:
     strategy.initialize(initial_state=_state())
     privacy = Privacy(noise_multiplier=SIGMA, clip=CLIP0, adaptive=True, distributed=True)
     engine = RoundEngine(
-        strategy=strategy, fleet=InProcessFleet(clients), rounds=ROUNDS, min_clients=1, privacy=privacy,
-        round_timeout=timedelta(seconds=60), join_timeout=timedelta(seconds=10),
-    )  # fmt: skip
+        strategy=strategy,
+        fleet=InProcessFleet(clients),
+        schedule=Schedule(
+            rounds=ROUNDS,
+            min_clients=1,
+            round_timeout=timedelta(seconds=60),
+            join_timeout=timedelta(seconds=10),
+        ),
+        rules=RoundRules(
+            privacy=privacy,
+        ),
+    )
     engine.run()
     assert [r for r, *_ in strategy.checked] == list(range(1, ROUNDS + 1))
     assert [m.extra["secagg_survivors"] for m in engine.history] == [9.0] * ROUNDS  # one gone before fit
@@ -151,9 +161,15 @@ def test_the_count_share_has_std_over_sqrt_t_and_a_fixed_clip_sends_no_count() -
     fixed = SecAgg(FedAvg(), clip=SECAGG_CLIP, dp_noise_multiplier=SIGMA, dp_clip=CLIP0)
     fixed.initialize(initial_state=_state())
     RoundEngine(
-        strategy=fixed, fleet=InProcessFleet(clients), rounds=1, min_clients=1,
-        round_timeout=timedelta(seconds=60), join_timeout=timedelta(seconds=10),
-    ).run()  # fmt: skip
+        strategy=fixed,
+        fleet=InProcessFleet(clients),
+        schedule=Schedule(
+            rounds=1,
+            min_clients=1,
+            round_timeout=timedelta(seconds=60),
+            join_timeout=timedelta(seconds=10),
+        ),
+    ).run()
     assert clients[0].last_input is not None and clients[0].last_input.numel() == 16
     assert fixed.dp_clip == CLIP0 and "secagg_dp_clip" not in fixed.state_dict()
 
@@ -172,9 +188,15 @@ def test_secagg_with_an_adaptive_clip_is_configured_end_to_end() -> None:
     clients = with_secagg([Sized(f"c{i}", 0.1 + 0.1 * i, {}) for i in range(6)], noise_seed=2)  # type: ignore[arg-type]
     strategy.initialize(initial_state=_state())
     engine = RoundEngine(
-        strategy=strategy, fleet=InProcessFleet(clients), rounds=2, min_clients=1,
-        round_timeout=timedelta(seconds=60), join_timeout=timedelta(seconds=10),
-    )  # fmt: skip
+        strategy=strategy,
+        fleet=InProcessFleet(clients),
+        schedule=Schedule(
+            rounds=2,
+            min_clients=1,
+            round_timeout=timedelta(seconds=60),
+            join_timeout=timedelta(seconds=10),
+        ),
+    )
     engine.run()
     assert [m.extra["dp_clip"] for m in engine.history][0] == 0.25
     assert all(c.last_input is not None and c.last_input.numel() == 17 for c in clients)

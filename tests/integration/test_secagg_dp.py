@@ -16,7 +16,7 @@ from typing import Mapping
 
 import pytest
 import torch
-from test_secagg import _TIMEOUTS, PHASES, Dropping, dropping
+from test_secagg import PHASES, Dropping, _schedule, dropping
 
 from fedgrid.aggregation.fedavg import FedAvg
 from fedgrid.aggregation.privacy import clip_update, noise_share
@@ -26,6 +26,7 @@ from fedgrid.client import Client, FitOutput, start_client
 from fedgrid.client.secagg import DistributedNoise, seeded_noise, with_secagg
 from fedgrid.runlog import RunWriter
 from fedgrid.server.engine import RoundEngine
+from fedgrid.server.parts import RoundRules, RunIO, Schedule
 from fedgrid.server.privacy import Privacy
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.serve import Coordinator
@@ -119,11 +120,11 @@ class Checked(SecAgg):
         return out
 
 
-def _dp_secagg(clients: list, strategy: SecAgg, privacy: Privacy, rounds: int, **kw) -> RoundEngine:
+def _dp_secagg(clients: list, strategy: SecAgg, privacy: Privacy, rounds: int, **io) -> RoundEngine:
     strategy.initialize(initial_state=_state())
     return RoundEngine(
-        strategy=strategy, fleet=InProcessFleet(clients), rounds=rounds, min_clients=1,
-        privacy=privacy, **_TIMEOUTS, **kw,
+        strategy=strategy, fleet=InProcessFleet(clients), schedule=_schedule(rounds),
+        rules=RoundRules(privacy=privacy), io=RunIO(**io),
     )  # fmt: skip
 
 
@@ -219,10 +220,22 @@ def test_over_grpc_with_dropouts_the_noised_sums_are_exact_and_charged() -> None
     strategy.initialize(initial_state=_state())
     privacy = Privacy(noise_multiplier=SIGMA, clip=DP_CLIP, distributed=True)
     engine = RoundEngine(
-        strategy=strategy, fleet=fleet, rounds=2, min_clients=8, privacy=privacy,
-        round_timeout=timedelta(seconds=60), join_timeout=timedelta(seconds=60),
-        finish_timeout=timedelta(seconds=10), events=fleet.events,
-    )  # fmt: skip
+        strategy=strategy,
+        fleet=fleet,
+        schedule=Schedule(
+            rounds=2,
+            min_clients=8,
+            round_timeout=timedelta(seconds=60),
+            join_timeout=timedelta(seconds=60),
+            finish_timeout=timedelta(seconds=10),
+        ),
+        rules=RoundRules(
+            privacy=privacy,
+        ),
+        io=RunIO(
+            events=fleet.events,
+        ),
+    )
     handles = [start_client(c, server.address, poll_wait_s=1.0) for c in clients]
     try:
         wait_until(lambda: len(fleet.live_clients()) == 8, timeout=30, what="clients to join")

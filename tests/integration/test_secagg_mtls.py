@@ -21,6 +21,7 @@ from fedgrid.client.secagg_party import SecAggParty
 from fedgrid.ops import pki
 from fedgrid.proto.tls import TLSFiles
 from fedgrid.server.engine import RoundEngine
+from fedgrid.server.parts import RunIO, Schedule
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.serve import Coordinator
 from fedgrid.types import TO_SERVER
@@ -105,10 +106,19 @@ def test_over_mutual_tls_the_sum_is_exact_with_certificate_identities(certs: Pat
     strategy = Checked(clients, bits=32, clip=0.5, seed=1)
     strategy.initialize(initial_state=_state())
     engine = RoundEngine(
-        strategy=strategy, fleet=fleet, rounds=1, min_clients=len(NAMES),
-        round_timeout=timedelta(seconds=60), join_timeout=timedelta(seconds=60),
-        finish_timeout=timedelta(seconds=10), events=fleet.events,
-    )  # fmt: skip
+        strategy=strategy,
+        fleet=fleet,
+        schedule=Schedule(
+            rounds=1,
+            min_clients=len(NAMES),
+            round_timeout=timedelta(seconds=60),
+            join_timeout=timedelta(seconds=60),
+            finish_timeout=timedelta(seconds=10),
+        ),
+        io=RunIO(
+            events=fleet.events,
+        ),
+    )
     handles = [
         start_client(
             c,

@@ -20,18 +20,25 @@ from fedgrid.client.secagg import with_secagg
 from fedgrid.compression.spec import CodecSpec
 from fedgrid.config import load_config
 from fedgrid.config_secagg import secagg_ring
-from fedgrid.server.codec_policy import CodecPolicy
+from fedgrid.fleet.codec_policy import CodecPolicy
 from fedgrid.server.engine import RoundEngine
+from fedgrid.server.parts import Schedule
 from fedgrid.simulation.fleet import InProcessFleet
 from fedgrid.types import FitIns, ModelState
 
-_TIMEOUTS = {"round_timeout": timedelta(seconds=60), "join_timeout": timedelta(seconds=10)}
+
+def _schedule(rounds: int) -> Schedule:
+    return Schedule(
+        rounds=rounds, min_clients=1, round_timeout=timedelta(seconds=60), join_timeout=timedelta(seconds=10)
+    )
+
+
 CLIP = 0.5
 
 
 def _engine(strategy, clients, codec: str, rounds: int = 1) -> RoundEngine:  # type: ignore[no-untyped-def]
     fleet = InProcessFleet(clients, codec_policy=CodecPolicy(default=CodecSpec.parse(codec)))
-    return RoundEngine(strategy=strategy, fleet=fleet, rounds=rounds, min_clients=1, **_TIMEOUTS)
+    return RoundEngine(strategy=strategy, fleet=fleet, schedule=_schedule(rounds))
 
 
 def _signed(q: torch.Tensor, bits: int) -> torch.Tensor:

@@ -26,6 +26,7 @@ from fedgrid.ops import pki
 from fedgrid.region.region import run_region
 from fedgrid.runlog import read_metrics
 from fedgrid.server.engine import RoundEngine
+from fedgrid.server.parts import RunIO, Schedule
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.serve import Coordinator
 from fedgrid.types import FIT, FitIns
@@ -79,10 +80,19 @@ def _run(tmp_path: Path, clients: list[Dropping], certs: Path | None) -> tuple[R
     strategy = FedAvg()
     strategy.initialize(initial_state=_state())
     engine = RoundEngine(
-        strategy=strategy, fleet=fleet, rounds=1, min_clients=1,
-        round_timeout=timedelta(seconds=60), join_timeout=timedelta(seconds=60),
-        finish_timeout=timedelta(seconds=10), events=fleet.events,
-    )  # fmt: skip
+        strategy=strategy,
+        fleet=fleet,
+        schedule=Schedule(
+            rounds=1,
+            min_clients=1,
+            round_timeout=timedelta(seconds=60),
+            join_timeout=timedelta(seconds=60),
+            finish_timeout=timedelta(seconds=10),
+        ),
+        io=RunIO(
+            events=fleet.events,
+        ),
+    )
     out = tmp_path / "eu"
     config = load_config(
         overrides={
@@ -178,9 +188,15 @@ def test_a_region_refuses_the_phases_of_secure_aggregation_across_regions() -> N
     from fedgrid.types import MessageIns
 
     engine = RoundEngine(
-        strategy=FedAvg(), fleet=InProcessFleet([Step("c0", 1, {})]), rounds=0, min_clients=1,
-        round_timeout=timedelta(seconds=10), join_timeout=timedelta(seconds=10),
-    )  # fmt: skip
+        strategy=FedAvg(),
+        fleet=InProcessFleet([Step("c0", 1, {})]),
+        schedule=Schedule(
+            rounds=0,
+            min_clients=1,
+            round_timeout=timedelta(seconds=10),
+            join_timeout=timedelta(seconds=10),
+        ),
+    )
     region = RegionClient(engine, name="eu", regional_rounds=1)
     with pytest.raises(
         ValueError, match="message phase 'secagg-advertise'; a region sends its regional model whole"

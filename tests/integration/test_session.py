@@ -1,7 +1,7 @@
 """The embedding session (``fedgrid.client.connect`` / ``aconnect``) in a host program that owns
 its loop, against real coordinators over gRPC on port 0: whole runs (``fedgrid coordinator``'s
 ``serve`` in a thread, its events and final model read back) and single rounds driven on a
-``RemoteFleet`` (its outcomes and registry read directly)."""
+``RemoteFleet`` (its outcomes and membership read directly)."""
 
 from __future__ import annotations
 

@@ -35,6 +35,7 @@ def test_a_line_per_task_on_stderr_when_logging_is_not_configured(coordinator, m
     lines = capfd.readouterr().err.splitlines()
     assert [line.split(":")[0] for line in lines] == ["fedgrid session", "fedgrid session"], lines
     assert lines[0].startswith(f"fedgrid session: joined {coordinator.address} as ")
+    assert lines[0].endswith(", plaintext)")  # which coordinator and run, and that nothing protects it
     assert lines[1].startswith(
         f"fedgrid session: round 1: fit result sent ({EXAMPLES} examples, loss 0.5000; "
     )
@@ -53,3 +54,12 @@ def test_configured_logging_gets_the_lines_at_info(coordinator, caplog, capfd):
     lines = [r.getMessage() for r in caplog.records if r.name == "fedgrid.client.session"]
     assert len(lines) == 2 and lines[1].startswith("round 1: fit result sent (40 examples, loss 0.5000; ")
     assert "fedgrid session:" not in capfd.readouterr().err  # the program's logging, not a second copy
+
+
+def test_leaving_a_vanished_coordinator_is_one_line(coordinator, caplog):
+    caplog.set_level(logging.INFO, logger="fedgrid")
+    with connect(coordinator.address, name="host", num_examples=EXAMPLES):
+        coordinator.stop()  # the coordinator vanishes while the client is joined; the exit sends Leave
+    [line] = [r.getMessage() for r in caplog.records if "leaves" in r.getMessage()]
+    assert "\n" not in line and "_InactiveRpcError" not in line and "debug_error_string" not in line, line
+    assert line.startswith("could not tell the coordinator that this client leaves: UNAVAILABLE: ")

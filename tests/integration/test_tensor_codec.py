@@ -16,11 +16,11 @@ import torch
 from fedgrid.client.uplink import UplinkEncoder
 from fedgrid.compression.spec import CodecSpec
 from fedgrid.config_compression import task_uplink_codec
+from fedgrid.fleet.codec_policy import CodecPolicy
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
 from fedgrid.proto import serde
 from fedgrid.proto.tls import session_metadata
-from fedgrid.server.codec_policy import CodecPolicy
 
 from harness import InProcessCoordinator
 

@@ -192,7 +192,7 @@ def test_a_bad_connection_is_refused_at_the_handshake(server, pki_dir, case):
     }[case]
     err = _raw_join(coordinator.address, credentials)
     assert err.code() == grpc.StatusCode.UNAVAILABLE  # no connection came up
-    assert spy.calls == [] and fleet.registry.records == {}  # the servicer saw nothing
+    assert spy.calls == [] and fleet.membership.records == {}  # the servicer saw nothing
 
 
 @pytest.mark.parametrize("case", ["wrong host name", "client certificate as server's"])
@@ -213,7 +213,7 @@ def test_the_client_refuses_a_coordinator_with_the_wrong_certificate(pki_dir, ca
             "client certificate as server's": "(CN=bob) is not a server certificate",
         }[case]
         assert words in str(err.value)  # the SDK names what is wrong with the certificate
-        assert fleet.registry.records == {}
+        assert fleet.membership.records == {}
     finally:
         coordinator.stop(grace=0.5)
         fleet.close()
@@ -275,7 +275,7 @@ def test_identity_binds_the_session(server, pki_dir):
             err.value.code() == grpc.StatusCode.PERMISSION_DENIED
             and "cannot join as 'bob'" in err.value.details()
         )
-        assert fleet.registry.records == {}
+        assert fleet.membership.records == {}
         first = a.Join(pb.JoinRequest(num_examples=3), timeout=5)
         joined_b = b.Join(pb.JoinRequest(name="bob", num_examples=3), timeout=5)  # its own name is fine
         # Bob's session presented over Alice's certificate is refused, though the token is right.
@@ -297,8 +297,8 @@ def test_identity_binds_the_session(server, pki_dir):
         )
         # One identity, one live session: a second join replaces the first.
         second = a.Join(pb.JoinRequest(num_examples=3), timeout=5)
-        names = sorted(r.info.name for r in fleet.registry.records.values())
-        assert names == ["alice", "bob"] and first.client_id not in fleet.registry.records
+        names = sorted(r.info.name for r in fleet.membership.records.values())
+        assert names == ["alice", "bob"] and first.client_id not in fleet.membership.records
         with pytest.raises(grpc.RpcError) as err:
             a.Heartbeat(
                 pb.HeartbeatRequest(client_id=first.client_id),

@@ -21,12 +21,13 @@ import torch
 from fedgrid.aggregation import build_strategy_from
 from fedgrid.client import Client, FitOutput, start_client
 from fedgrid.client.runtime import RpcFailed
+from fedgrid.fleet.bounds import UpdateBounds
 from fedgrid.ops import pki
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto import fedgrid_pb2_grpc as pb_grpc
 from fedgrid.proto.tls import TLSFiles
-from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.engine import RoundEngine
+from fedgrid.server.parts import Schedule
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.serve import Coordinator
 from fedgrid.simulation.fleet import InProcessFleet
@@ -86,11 +87,13 @@ def _engine(fleet) -> RoundEngine:
     return RoundEngine(
         strategy=strategy,
         fleet=fleet,
-        rounds=ROUNDS,
-        min_clients=2,
-        round_timeout=timedelta(seconds=60),
-        join_timeout=timedelta(seconds=60),
-        finish_timeout=timedelta(seconds=10),
+        schedule=Schedule(
+            rounds=ROUNDS,
+            min_clients=2,
+            round_timeout=timedelta(seconds=60),
+            join_timeout=timedelta(seconds=60),
+            finish_timeout=timedelta(seconds=10),
+        ),
     )
 
 

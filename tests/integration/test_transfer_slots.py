@@ -19,6 +19,7 @@ from fedgrid.client.runtime import Connection
 from fedgrid.constants import MAX_STREAMS_PER_CONNECTION, MAX_TRANSFERS
 from fedgrid.proto.tls import session_metadata
 from fedgrid.server.engine import RoundEngine
+from fedgrid.server.parts import Schedule
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.serve import Coordinator
 from fedgrid.types import FitIns
@@ -95,11 +96,13 @@ def test_a_thousand_sessionless_streams_never_starve_an_honest_client(small_stat
     engine = RoundEngine(
         strategy=strategy,
         fleet=fleet,
-        rounds=ROUNDS,
-        min_clients=1,
-        round_timeout=timedelta(seconds=60),
-        join_timeout=timedelta(seconds=60),
-        finish_timeout=timedelta(seconds=10),
+        schedule=Schedule(
+            rounds=ROUNDS,
+            min_clients=1,
+            round_timeout=timedelta(seconds=60),
+            join_timeout=timedelta(seconds=60),
+            finish_timeout=timedelta(seconds=10),
+        ),
     )
     # As many silent streams as the coordinator has transfer slots, from 4 connections (as
     # many streams as each connection may carry): on today's main they held every slot for

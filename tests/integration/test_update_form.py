@@ -33,8 +33,9 @@ from fedgrid.client import start_client
 from fedgrid.client.uplink import UplinkEncoder
 from fedgrid.compression.feedback import is_delta_tensor
 from fedgrid.config import load_config
+from fedgrid.fleet import protocol
 from fedgrid.runlog import read_metrics
-from fedgrid.server import late_merge, privacy, protocol
+from fedgrid.server import late_merge, privacy
 from fedgrid.simulation.run import run_simulation
 from fedgrid.simulation.tasks import builtin_client, client_options
 
@@ -151,7 +152,7 @@ def _deployed(tmp_path: Path, strategy: str, codecs: tuple[str, str]) -> int:
     wait_until(lambda: address.exists() and address.read_text().strip() != "", timeout=120, what="address")
     handles = [
         start_client(
-            builtin_client(i, CLIENTS, config.seed, **client_options(config)), address.read_text().strip()
+            builtin_client(i, CLIENTS, config.seed, client_options(config)), address.read_text().strip()
         )
         for i in range(CLIENTS)
     ]

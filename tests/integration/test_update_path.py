@@ -1,6 +1,6 @@
 """One update path: the same bad update, sent to a deployed coordinator (``RemoteFleet`` over
 in-process gRPC, port 0) and to the simulated fleet (``InProcessFleet``), is refused by the
-same check with the same message (``server/protocol.py``); the client's round fails, the
+same check with the same message (``fleet/protocol.py``); the client's round fails, the
 other client's update still lands, and the model aggregated from the round is the good
 update alone, bit for bit, on both."""
 

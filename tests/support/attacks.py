@@ -18,10 +18,11 @@ from fedgrid.client.api import Client, EvaluateOutput, FitOutput
 from fedgrid.client.task_feed import ClientEvent
 from fedgrid.config import Config
 from fedgrid.events import Event, EventLog
+from fedgrid.fleet.bounds import UpdateBounds
 from fedgrid.seeding import derive_seed
-from fedgrid.server.bounds import UpdateBounds
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.influence import Influence, build_influence
+from fedgrid.server.parts import RoundRules, RunIO, Schedule
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.serve import Coordinator
 from fedgrid.server.strategies import build_strategy
@@ -77,18 +78,24 @@ def simulate(config: Config, *, wrap: Callable[[int, Client], Client] = lambda i
     resolved = resolve(dataset=config.dataset, seed=config.seed, data_dir=config.data_dir)
     strategy.initialize(initial_state=resolved.initial_state)
     clients = [
-        wrap(i, resolved.client_factory(i, config.clients, config.seed, **client_options(config)))
+        wrap(i, resolved.client_factory(i, config.clients, config.seed, client_options(config)))
         for i in range(config.clients)
     ]
     engine = RoundEngine(
         strategy=strategy,
         fleet=InProcessFleet(clients),
-        rounds=config.rounds,
-        min_clients=1,
-        round_timeout=timedelta(seconds=60),
-        join_timeout=timedelta(seconds=60),
-        evaluate_fn=resolved.evaluate,
-        influence=build_influence(config),
+        schedule=Schedule(
+            rounds=config.rounds,
+            min_clients=1,
+            round_timeout=timedelta(seconds=60),
+            join_timeout=timedelta(seconds=60),
+        ),
+        rules=RoundRules(
+            influence=build_influence(config),
+        ),
+        io=RunIO(
+            evaluate_fn=resolved.evaluate,
+        ),
     )
     engine.run()
     return engine.history
@@ -184,13 +191,15 @@ def _engine(
     return RoundEngine(
         strategy=built,
         fleet=fleet,
-        rounds=rounds,
-        min_clients=2,
-        round_timeout=timedelta(seconds=60),
-        join_timeout=timedelta(seconds=60),
-        finish_timeout=timedelta(seconds=10),
-        events=events,
-        **({} if influence is None else {"influence": influence}),  # None: the engine's default
+        schedule=Schedule(
+            rounds=rounds,
+            min_clients=2,
+            round_timeout=timedelta(seconds=60),
+            join_timeout=timedelta(seconds=60),
+            finish_timeout=timedelta(seconds=10),
+        ),
+        rules=RoundRules() if influence is None else RoundRules(influence=influence),  # None: the default
+        io=RunIO(events=events),
     )
 
 

@@ -212,6 +212,7 @@ class CoordinatorRun:
         out: the run directory (``--out``); a restart passes the same one.
         args: further coordinator flags.
         log_path: the process's log (stderr) and other output are appended here.
+        env: extra environment variables (``apps/event_coordinator.py``'s ``SLOW_EVAL_S``).
     """
 
     def __init__(
@@ -222,6 +223,7 @@ class CoordinatorRun:
         *,
         trigger: tuple[int, str] | None = None,
         sig: int | str = signal.SIGKILL,
+        env: dict[str, str] | None = None,
     ) -> None:
         out.mkdir(parents=True, exist_ok=True)
         self.out = out
@@ -240,7 +242,9 @@ class CoordinatorRun:
             "--",
             *flags,
         ]
-        self.proc = zygote.popen(command, stdout=subprocess.PIPE, stderr=self.log, text=True, env=child_env())
+        self.proc = zygote.popen(
+            command, stdout=subprocess.PIPE, stderr=self.log, text=True, env={**child_env(), **(env or {})}
+        )
         self._lock = threading.Lock()
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()

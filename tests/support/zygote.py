@@ -55,7 +55,7 @@ SERVER = Path(__file__).with_name("zygote_server.py")
 #: ``client/parallel.py``), the Hugging Face Hub's (``simulation/language.py``; the hub is not
 #: preloaded), the OpenMP runtime's that importing scikit-learn sets (the zygote imports it too).
 RUNTIME_ONLY = (
-    *("FEDGRID_", "PYTEST_", "SLOW_APP_"),
+    *("FEDGRID_", "PYTEST_", "SLOW_APP_", "SLOW_EVAL_S"),
     *("GLOO_", "NCCL_", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_", "HF_", "TRANSFORMERS_", "KMP_"),
 )
 #: At most this many zygotes per test process, one per environment (see ``comparable``).

@@ -64,7 +64,7 @@ fragments synced since then: one fragment per round for a worker that takes part
 round, so about 1/F of the model crosses the downlink too. A client with no such record
 (new, failed in its last round, or absent for F rounds or more, when every fragment has
 changed) downloads the whole model and merges all of it. Records are keyed by client id:
-it survives a coordinator restart (the fleet restores its registry) and a reconnect within
+it survives a coordinator restart (the fleet restores its membership) and a reconnect within
 a session, while a restarted client process joins under a new id and so gets the whole
 model, which it needs when it lost its replica. A worker that gets part of the model
 without a replica fails its round; the failure drops its record, so it gets the whole

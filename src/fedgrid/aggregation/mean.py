@@ -12,6 +12,8 @@ from typing import Mapping, Sequence
 import torch
 
 from fedgrid.aggregation.base import Aggregator
+from fedgrid.errors import InterruptedRunError
+from fedgrid.interrupts import stopping
 from fedgrid.types import ModelState
 
 __all__ = ["WeightedMean", "Mean", "weighted_mean", "weighted_mean_of_rows"]
@@ -35,6 +37,10 @@ class WeightedMean(Aggregator):
         self._total = 0.0
 
     def add(self, update: Mapping[str, torch.Tensor], weight: float) -> None:
+        """Folds in ``update``; gives up (``InterruptedRunError``) once the process is stopping
+        (``fedgrid.interrupts.stopping``): an aggregate of a large model stops between two adds."""
+        if stopping():
+            raise InterruptedRunError("aggregation given up: the process is stopping")
         if not (weight > 0 and weight != float("inf")):
             raise ValueError(f"weight must be positive and finite, got {weight}")
         if self._sums is None:

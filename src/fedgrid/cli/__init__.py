@@ -8,6 +8,11 @@ Each module has ``add_parser(sub)`` and ``run(args) -> int``; ``main`` maps erro
 statuses in one place: 2 for bad input (a ``ConfigError``), 1 for a failure at run time, and
 128 + the signal for a run that Ctrl-C or SIGTERM stopped (130, 143; ``fedgrid.interrupts``).
 
+A process that a signal stopped (``entry``: the ``fedgrid`` command, ``python -m fedgrid.cli``)
+exits as soon as the command returns: its files are written and closed by then, and the
+interpreter's teardown of torch, grpc and transformers would take seconds more on a busy
+machine (issue 40: a stop ends a process within 5 s).
+
 A command's module is imported only when that command runs (or ``build_parser()`` builds every
 one, for ``fedgrid --help``): the training commands' flags come from ``fedgrid.config``, which
 imports torch (about 2 s), and ``fedgrid certs``, ``health`` and ``status`` need none of it
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from types import ModuleType
 from typing import TYPE_CHECKING, Sequence
@@ -35,6 +41,7 @@ if TYPE_CHECKING:  # re-exported lazily (__getattr__ below): each imports torch
 
 __all__ = [
     "main",
+    "entry",
     "build_parser",
     "serve",
     "SimulateProgress",
@@ -103,6 +110,12 @@ def _command_named(argv: Sequence[str]) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    # gRPC's core writes its own error lines to stderr (a port taken: "add_port.cc:83] Failed to
+    # add port"; a refused client: "ssl_transport_security.cc:2563] Handshake failed"), naming
+    # neither the peer nor the fix. fedgrid reports what the user can act on as one line of its
+    # own; GRPC_VERBOSITY=ERROR (or DEBUG) in the environment brings the core's lines back.
+    # Set before any command imports grpc, which reads it once.
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     args = build_parser(_command_named(argv)).parse_args(argv)
     level = logging.DEBUG if args.verbose else (logging.WARNING if args.command in QUIET else logging.INFO)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -121,3 +134,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # before a command installed its own handling (loading data, building a model)
         print(f"fedgrid {args.command}: interrupted", file=sys.stderr)
         return FORCED_EXIT_STATUS
+
+
+def entry() -> None:
+    """The ``fedgrid`` command: ``main``, then the process's exit; at once (``os._exit``, after
+    flushing the log and the standard streams) when a signal stopped the command, since it
+    has written and closed its files by then (module docstring)."""
+    status = main()
+    if stop_status() is not None:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe: nothing more to say
+                pass
+        os._exit(status)
+    sys.exit(status)

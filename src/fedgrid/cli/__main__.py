@@ -1,7 +1,5 @@
 """``python -m fedgrid.cli``: the ``fedgrid`` command (what torchrun and the launcher start)."""
 
-import sys
+from fedgrid.cli import entry
 
-from fedgrid.cli import main
-
-sys.exit(main())
+entry()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import Any
 
 from fedgrid.cli.support import CLIENT_CONFIG_KEYS, CLIENT_OPTION_KEYS, add_config_flags
@@ -23,7 +24,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     _add_data_flags(cli)
     _add_tls_flags(cli)
     _add_enrollment_flags(cli)
-    add_config_flags(cli, [*CLIENT_OPTION_KEYS, "threads", *sorted(CLIENT_ONLY_KEYS)], with_config=False)
+    add_config_flags(
+        cli, [*CLIENT_OPTION_KEYS, "quiet", "threads", *sorted(CLIENT_ONLY_KEYS)], with_config=False
+    )
     _add_state_and_monitoring_flags(cli)
     return cli
 
@@ -103,6 +106,12 @@ def _add_tls_flags(cli: argparse.ArgumentParser) -> None:
     )
     cli.add_argument("--key", default=None, metavar="FILE", help="mutual TLS: this client's private key")
     cli.add_argument(
+        "--insecure",
+        action="store_true",
+        help="connect in plaintext to a coordinator off loopback (anyone on the path can read and change "
+        "the model); without it, such a coordinator needs --ca/--cert/--key",
+    )
+    cli.add_argument(
         "--server-name",
         dest="server_name",
         default="",
@@ -180,8 +189,8 @@ def client_config(args: argparse.Namespace) -> Config:
 
 def client_options(args: argparse.Namespace, config: Config | None = None) -> dict[str, Any]:
     """The client factory's options, checked as config keys: the built-in factory gets all of
-    them (the file's and the defaults included), an ``--app`` only the flags given (as
-    ``fedgrid simulate`` gives an app none of the file's)."""
+    them as one ``ClientOptions`` (the file's and the defaults included), an ``--app`` only the
+    flags given, as keywords (as ``fedgrid simulate`` gives an app none of the file's)."""
     from fedgrid.simulation.tasks import check_config
     from fedgrid.simulation.tasks import client_options as factory_options
 
@@ -192,9 +201,9 @@ def client_options(args: argparse.Namespace, config: Config | None = None) -> di
     check_config(config)
     options = factory_options(config)
     if args.app is None:
-        return options
+        return {"options": options}
     return {
-        ("partitioner" if k == "partition" else k): options["partitioner" if k == "partition" else k]
+        ("partitioner" if k == "partition" else k): getattr(options, "partitioner" if k == "partition" else k)
         for k in given
     }
 
@@ -214,6 +223,8 @@ def run(args: argparse.Namespace) -> int:
     from fedgrid.plugins import load_object
 
     config = client_config(args)
+    if config.quiet:  # no progress lines inside a task (fedgrid.client.progress)
+        logging.getLogger("fedgrid.client.progress").setLevel(logging.WARNING)
     args.ca, args.cert, args.key = config.ca, config.cert, config.key
     check_addresses(args)
     parse_partition(args.partition)

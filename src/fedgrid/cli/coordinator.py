@@ -45,6 +45,7 @@ def serve(config: Config, **kwargs: Any) -> ModelState | None:
         precision=config.precision,
         peft=config.peft,
         lora_aggregation=config.lora_aggregation,
+        eval_batches=config.eval_batches,
     )
     return run_coordinator(
         config,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -18,7 +19,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="run directories (metrics.jsonl), overlaid in one plot per metric",
     )
     rep.add_argument(
-        "--out", default="report", metavar="DIR", help="where the PNGs and report.html go (default: ./report)"
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="where the PNGs and report.html go (default: RUN_DIR/report for one run, ./report for several)",
     )
     rep.add_argument(
         "--label",
@@ -46,6 +50,8 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.out is None:  # beside the run it reports on, not wherever the shell happens to be
+        args.out = os.path.join(args.runs[0], "report") if len(args.runs) == 1 else "report"
     try:
         written, notes = write_report(runs, args.out)
     except OSError as exc:

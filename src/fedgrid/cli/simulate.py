@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 import threading
-from typing import Any, Callable, Sequence, TextIO
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TextIO
 
 from fedgrid.cli.support import SIMULATE_KEYS, add_config_flags, config_from
 from fedgrid.config import Config
 from fedgrid.interrupts import GracefulStop, say
 from fedgrid.types import RoundMetrics
+
+if TYPE_CHECKING:
+    from fedgrid.client.progress import ProgressReport
 
 __all__ = ["SimulateProgress", "add_parser", "run"]
 
@@ -69,6 +72,17 @@ class SimulateProgress:
             self.stream.write(text + "\n")
         self.stream.flush()
 
+    def task(self, report: ProgressReport) -> None:
+        """Inside a round (on a terminal only; ``fedgrid.client.progress``'s listener): the line
+        shows the training client's steps, examples per second and the time its task has left."""
+        if not self.tty:
+            return
+        self.stream.write(
+            f"\rround {report.round}/{self.rounds} | training: {report.line().split(': ', 1)[1]}\033[K"
+        )
+        self._shown = True
+        self.stream.flush()
+
     def close(self) -> None:
         """Ends the in-place line so that later output starts on a line of its own."""
         if self._shown:
@@ -114,7 +128,7 @@ def _round_line(config: Config, progress: SimulateProgress | None) -> Callable[[
         if progress is not None:
             progress.clear()
         print(
-            f"round {m.round:3d}/{config.rounds}{loss}{acc} clients {m.clients_ok} ok {m.clients_failed} failed  "
+            f"round {m.round:3d}/{config.rounds}{loss}{acc} {m.clients_ok} clients ok, {m.clients_failed} failed  "
             f"up {m.bytes_up / 1e6:.2f} MB down {m.bytes_down / 1e6:.2f} MB  {m.wall_s:.2f}s",
             flush=True,
         )
@@ -146,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from fedgrid.client.parallel import torchrun_rank
+    from fedgrid.client.progress import listen
     from fedgrid.simulation.run import run_simulation
     from fedgrid.simulation.tasks import check_config
 
@@ -156,18 +171,23 @@ def run(args: argparse.Namespace) -> int:
     # The in-place line on a terminal only: elsewhere (a log file, a pipe) each round's own line
     # is the record, and a second line per round would say the same thing again.
     tty = sys.stderr.isatty()
-    progress = SimulateProgress(config.rounds, sys.stderr) if config.progress and tty and not quiet else None
+    progress = (
+        SimulateProgress(config.rounds, sys.stderr)
+        if config.progress and tty and not quiet and not config.quiet
+        else None
+    )
     stop = threading.Event()
 
     def on_stop(signal_name: str) -> None:
         erase = (
             "\r\033[K" if progress is not None and progress.tty else ""
         )  # the in-place line, not into its stream
-        say(f"{erase}{signal_name}: stopping after the current round; a second one exits at once")
+        say(f"{erase}{signal_name}: stopping (the open round is abandoned); a second one exits at once")
         stop.set()
 
     if ranks is not None:
         dist.init_process_group("gloo", timeout=timedelta(seconds=config.round_timeout_s))
+    listen(progress.task if progress is not None else None)  # inside a round too (fedgrid.client.progress)
     with GracefulStop(on_stop, what="simulate"):
         try:
             final_model, history = run_simulation(
@@ -181,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
                 # exits while a peer's gather is in flight aborts that peer.
                 dist.barrier()
         finally:
+            listen(None)
             if progress is not None:
                 progress.close()
             if ranks is not None:

@@ -87,13 +87,15 @@ def _key_lists() -> dict[str, list[str]]:
             # model stays: a --peft run's region hashes its frozen base (fedgrid.cli.region.serve)
             *("rounds", "initial_model", "enroll_listen", "enroll_dir", "http", "http_token_file"),
             "http_linger_s",
-            "eval_every",  # a region evaluates nothing of its own: the global coordinator does
+            "eval_every",
+            "eval_batches",  # a region evaluates nothing of its own: the global coordinator does
             *QUORUM_KEYS,
             *PRIVACY_KEYS,
         )
     ] + ["regional_rounds", *sorted(REGION_ONLY_KEYS)]
     client_config = [
         *CLIENT_OPTION_KEYS,
+        "quiet",
         "partition",
         "threads",
         "ca",
@@ -141,11 +143,10 @@ class FedgridParser(argparse.ArgumentParser):
                 and getattr(parsed, action.dest, None) in action.choices
             ):
                 parser = action.choices[getattr(parsed, action.dest)]
-        from fedgrid.config import did_you_mean  # here: an error's suggestions may cost torch's import
-
-        flags = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+        # Compared without their "--": every flag shares it, which made --round "close" to --out.
+        flags = [s[2:] for a in parser._actions for s in a.option_strings if s.startswith("--")]
         words = [
-            f"{e}{did_you_mean(e.partition('=')[0], flags, otherwise='')}" if e.startswith("--") else e
+            f"{e}{_closest_flags(e.partition('=')[0][2:], flags)}" if e.startswith("--") else e
             for e in extras
         ]
         # One line, not the whole usage: the suggestion is the answer, --help has the rest.
@@ -153,6 +154,17 @@ class FedgridParser(argparse.ArgumentParser):
             2,
             f"{parser.prog}: error: unrecognized arguments: {' '.join(words)} (all flags: {parser.prog} --help)\n",
         )
+
+
+def _closest_flags(name: str, flags: list[str]) -> str:
+    """``" (did you mean '--x'?)"`` for the flags (names without ``--``) that ``name`` begins, or
+    else the closest to it (``difflib``), or ""."""
+    import difflib
+
+    close = [f for f in flags if f.startswith(name)][:3] or difflib.get_close_matches(
+        name, flags, n=3, cutoff=0.6
+    )
+    return " (did you mean " + " or ".join(repr("--" + c) for c in close) + "?)" if close else ""
 
 
 def package_version() -> str:

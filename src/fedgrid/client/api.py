@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from fedgrid.capabilities import Capabilities, CapabilityOverride
+from fedgrid.client.progress import ProgressBoard
 from fedgrid.client.timeline import Timeline
 from fedgrid.types import FitIns, MessageIns, ModelState, Scalar
 
@@ -91,6 +92,12 @@ class Client(ABC):
         ``model``'s ``spec.r`` when it has adapters (``fedgrid.simulation.peft_lm.PeftLM``), else 0."""
         model = getattr(self, "model", None)
         return int(getattr(getattr(model, "spec", None), "r", 0)) if hasattr(model, "base_hash") else 0
+
+    @property
+    def progress(self) -> ProgressBoard:
+        """Where this client's running task is (``fedgrid.client.progress``): its heartbeats carry it."""
+        found = self.__dict__.get("_progress")
+        return found if found is not None else self.__dict__.setdefault("_progress", ProgressBoard())
 
     @property
     def timeline(self) -> Timeline:

@@ -28,6 +28,7 @@ import tenacity
 
 from fedgrid.client.api import Client
 from fedgrid.client.diagnose import diagnose
+from fedgrid.client.progress import ProgressReport
 from fedgrid.client.rpc import (
     GRPC_OPTIONS,
     SERVICE,
@@ -36,6 +37,7 @@ from fedgrid.client.rpc import (
     RetryWindow,
     RpcFailed,
     check_target,
+    describe_error,
     failure_of,
     is_transient,
 )
@@ -343,7 +345,7 @@ class Connection:
             self.stub.Leave(request, metadata=self._session(), timeout=timeout)
             return True
         except (grpc.RpcError, ValueError) as exc:  # ValueError: the channel closed
-            log.info("could not tell the coordinator that this client leaves: %s", exc)
+            log.info("could not tell the coordinator that this client leaves: %s", describe_error(exc))
             return False
 
     def send_messages(self, task_id: str, messages: Mapping[str, bytes]) -> int:
@@ -393,11 +395,22 @@ class Connection:
         reply = self.stub.Heartbeat(request, metadata=self._session(), timeout=self.rpc_timeout)
         return reply.interval_s
 
-    def heartbeat_future(self) -> "grpc.Future":
-        """A heartbeat sent without waiting for its answer (``Heartbeat``); ``.result()`` is the reply."""
-        return self.stub.Heartbeat.future(
-            pb.HeartbeatRequest(client_id=self.client_id), metadata=self._session(), timeout=self.rpc_timeout
-        )
+    def heartbeat_future(self, progress: ProgressReport | None = None) -> "grpc.Future":
+        """A heartbeat sent without waiting for its answer (``Heartbeat``), with the running task's
+        ``progress`` when there is one; ``.result()`` is the reply."""
+        request = pb.HeartbeatRequest(client_id=self.client_id)
+        if progress is not None:
+            request.progress.CopyFrom(
+                pb.TaskProgress(
+                    round=progress.round,
+                    steps_done=progress.steps_done,
+                    steps_total=progress.steps_total,
+                    examples_per_s=progress.examples_per_s,
+                    tokens_per_s=progress.tokens_per_s,
+                    eta_s=progress.eta_s,
+                )
+            )
+        return self.stub.Heartbeat.future(request, metadata=self._session(), timeout=self.rpc_timeout)
 
     def download(self, task_id: str) -> ModelState:
         """The model of ``task_id``, checked tensor by tensor (checksums, sizes)."""

@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 
 from fedgrid.client.connection import Connection
+from fedgrid.client.progress import ProgressBoard
 
 __all__ = ["Heartbeat"]
 
@@ -28,9 +29,13 @@ class Heartbeat(threading.Thread):
     the RPC deadline, so at most ``rpc_timeout / interval + 1`` are ever outstanding.
     """
 
-    def __init__(self, conn: Connection, stop: threading.Event) -> None:
+    def __init__(
+        self, conn: Connection, stop: threading.Event, progress: ProgressBoard | None = None
+    ) -> None:
         super().__init__(name="fedgrid-heartbeat", daemon=True)
         self.conn, self.stop = conn, stop
+        #: The client's running task, each heartbeat carries its latest figures (the status page's).
+        self.progress = progress
 
     def run(self) -> None:
         interval = self.conn.heartbeat_interval_s
@@ -50,7 +55,8 @@ class Heartbeat(threading.Thread):
                 ):  # a deadline that did not fire: never pile up
                     continue
                 try:
-                    in_flight.append(self.conn.heartbeat_future())
+                    latest = self.progress.latest if self.progress is not None else None
+                    in_flight.append(self.conn.heartbeat_future(latest))
                 except ValueError:  # the channel closed as the run ended
                     return
         finally:

@@ -34,6 +34,7 @@ __all__ = [
     "GRPC_OPTIONS",
     "SERVICE",
     "check_target",
+    "describe_error",
     "reason_of",
     "RetryWindow",
     "WAITING_FOR",
@@ -199,7 +200,8 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-def _describe(exc: BaseException | None) -> str:
+def describe_error(exc: BaseException | None) -> str:
+    """``exc`` in one line: a gRPC error as ``CODE: details`` (not its multi-line repr)."""
     if isinstance(exc, grpc.RpcError):
         return f"{exc.code().name}: {_one_line(exc.details() or '')}"
     return _one_line(f"{type(exc).__name__}: {exc}") if exc is not None else ""
@@ -248,7 +250,7 @@ class RetryWindow(tenacity.stop.stop_base):
     def log(self, retry_state: tenacity.RetryCallState) -> None:
         self.tries += 1
         outcome = retry_state.outcome
-        why = _describe(outcome.exception() if outcome is not None else None)
+        why = describe_error(outcome.exception() if outcome is not None else None)
         if self.tries == 1:
             log.info("%s on %s: %s; retrying for up to %.0fs", self.method, self.target, why, self.budget)
             self._next_line = 1.0

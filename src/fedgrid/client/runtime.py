@@ -174,10 +174,17 @@ def _open(
     """``run``'s start: joins, restores the client's saved state, starts the heartbeat."""
     conn, client = feed.conn, feed.client
     feed.join()
-    log.info("joined %s as %s (run %s)", coordinator, conn.client_id, conn.run_id)
+    # Plaintext is named: a client on loopback joins whichever coordinator holds the port.
+    log.info(
+        "joined %s as %s (run %s%s)",
+        coordinator,
+        conn.client_id,
+        conn.run_id,
+        "" if conn.tls else ", plaintext",
+    )
     if saved is not None and state_path is not None:
         restore_client_state(conn, client, saved, state_path)
-    heartbeat = Heartbeat(conn, threading.Event())
+    heartbeat = Heartbeat(conn, threading.Event(), client.progress)
     heartbeat.start()
     return heartbeat
 

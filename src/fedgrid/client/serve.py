@@ -22,6 +22,7 @@ from fedgrid.client import runtime
 from fedgrid.config import Config
 from fedgrid.errors import ConfigError, FedgridError
 from fedgrid.interrupts import GracefulStop
+from fedgrid.proto.tls import is_loopback
 
 __all__ = [
     "ENROLL_TOKEN_ENV",
@@ -41,16 +42,27 @@ ClientFactory = Callable[..., Any]
 
 
 def check_addresses(args: argparse.Namespace) -> None:
-    """``--coordinator`` and ``--enroll-address`` are HOST:PORT targets, and the connect and
-    give-up bounds positive seconds.
+    """``--coordinator`` and ``--enroll-address`` are HOST:PORT targets, the connect and
+    give-up bounds positive seconds, and a coordinator off loopback is reached over TLS unless
+    ``--insecure`` says otherwise.
 
     Raises:
-        ConfigError: a malformed one (the key named).
+        ConfigError: a malformed one (the key named); plaintext to a non-loopback coordinator
+            without ``--insecure``.
     """
     try:
         runtime.check_target(args.coordinator)
     except ValueError as exc:
         raise ConfigError("coordinator", str(exc)) from None
+    host = args.coordinator.rpartition(":")[0]
+    if not getattr(args, "ca", None) and not getattr(args, "insecure", False) and not is_loopback(host):
+        # The coordinator's rule, mirrored: plaintext off loopback only when asked for.
+        raise ConfigError(
+            "coordinator",
+            f"{args.coordinator} is not a loopback address, and plaintext there lets anyone on the path "
+            "read and change the model: give --ca, --cert and --key (mutual TLS; see `fedgrid certs`), "
+            "or --insecure to connect in plaintext anyway",
+        )
     for key in ("connect_timeout_s", "give_up_after_s"):
         value = getattr(args, key, None)
         if value is not None and not (value > 0 and math.isfinite(value)):

@@ -45,12 +45,11 @@ Its parts: ``Session`` and ``connect`` here; the ``Task`` and the hooks a host p
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections import OrderedDict
 from contextlib import AbstractContextManager
 from types import TracebackType
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import grpc
 
@@ -59,10 +58,17 @@ from fedgrid.client.async_session import AsyncSession
 from fedgrid.client.delivery import Delivery
 from fedgrid.client.heartbeat import Heartbeat
 from fedgrid.client.runtime import Connection, RpcFailed, StateSaver, TaskFeed, TaskReport, TaskStep
-from fedgrid.client.session_host import ErrorHook, MessageHandler, SessionMember, Task, task_line, tell
+from fedgrid.client.session_host import (
+    ErrorHook,
+    MessageHandler,
+    SessionMember,
+    SessionOptions,
+    Task,
+    task_line,
+    tell,
+)
 from fedgrid.client.state import load_client_state, restore_client_state
 from fedgrid.client.timeline import COMPUTE, Timeline, with_split
-from fedgrid.constants import POLL_WAIT_S
 from fedgrid.errors import InvalidUpdateError, SessionError, StaleTaskError
 from fedgrid.proto.tls import TLSFiles
 from fedgrid.types import EVALUATE, FIT, EvaluateIns, FitIns, ModelState
@@ -70,6 +76,7 @@ from fedgrid.types import EVALUATE, FIT, EvaluateIns, FitIns, ModelState
 __all__ = [
     "Task",
     "Session",
+    "SessionOptions",
     "Delivery",
     "AsyncSession",
     "MessageHandler",
@@ -92,71 +99,25 @@ class Session:
 
     Args:
         coordinator: ``HOST:PORT``.
-        name: stable label sent at join (under mutual TLS the certificate names the client).
-        region: region label sent at join.
-        num_examples: training examples held (reported at join; used by selection).
-        ca, cert, key: PEM files for mutual TLS (all three or none), as ``run`` takes them.
-        server_name: the name the coordinator's certificate holds, when not the host of
-            ``coordinator``.
-        poll_wait_s: longest long poll; ``close`` from another thread ends one at once.
-        evaluate: hand evaluate tasks to the host program. ``False``: the session answers
-            them itself with zero examples, as ``run`` does for a client without ``evaluate``.
-        state_path: where the uplink's error-feedback residuals are saved after every fit
-            task and restored from at ``open`` (``run``'s ``state_path``). ``None``: memory only.
-        messages: takes part in message phases; without it a message phase is reported
-            failed, naming the phase.
-        on_task: called with a ``TaskReport`` after each upload that landed (``run``'s
-            ``on_task``: ``fedgrid.client.monitor.ClientMonitor.on_task`` fits).
-        on_error: called with ``error=`` and ``task=`` for what did not land (a non-finite
-            result, refused here and reported as the round's failure; an update the round
-            closed before) and for the error that ends the session (``task`` is then the
-            unanswered task, if any). Called on the thread that made the call.
-        verbose: a line at the join and one per task that landed (round, kind, examples, loss,
-            bytes): at INFO of ``fedgrid.client.session`` where the program configured logging,
-            else on stderr (``session_host.tell``). ``False``: none.
-        base_hash: the hash of the frozen base model the host trains adapters on, shown at Join
-            (a coordinator of another base refuses the session, naming both hashes;
-            ``fedgrid.integrations.federation.wire_model`` computes it for a ``PeftModel``).
-        lora_rank: the rank of those adapters, announced at Join (0: none).
-        connection_options: passed to ``Connection`` (``connect_timeout``, ``rpc_timeout``, ...).
+        options: who the client is, its TLS files and its hooks (``SessionOptions``).
 
     Raises:
         ValueError: an incomplete or unreadable set of TLS files, or a ``coordinator`` that
             is not ``HOST:PORT``.
     """
 
-    def __init__(
-        self,
-        coordinator: str,
-        *,
-        name: str = "",
-        region: str = "",
-        num_examples: int = 0,
-        ca: str = "",
-        cert: str = "",
-        key: str = "",
-        server_name: str = "",
-        poll_wait_s: float = POLL_WAIT_S,
-        evaluate: bool = True,
-        state_path: str | os.PathLike[str] | None = None,
-        messages: MessageHandler | None = None,
-        on_task: Callable[[TaskReport], None] | None = None,
-        on_error: ErrorHook | None = None,
-        verbose: bool = True,
-        base_hash: str = "",
-        lora_rank: int = 0,
-        **connection_options: float,
-    ) -> None:
-        tls = TLSFiles.from_options(ca, cert, key, what="session TLS")
+    def __init__(self, coordinator: str, options: SessionOptions = SessionOptions()) -> None:
+        o = options
+        tls = TLSFiles.from_options(o.ca, o.cert, o.key, what="session TLS")
         self.conn = Connection(
-            coordinator, stop=threading.Event(), tls=tls, server_name=server_name, **connection_options
+            coordinator, stop=threading.Event(), tls=tls, server_name=o.server_name, **o.connection
         )
         self._member = SessionMember(
-            name, region, num_examples, messages, base_hash=base_hash, lora_rank=lora_rank
+            o.name, o.region, o.num_examples, o.messages, base_hash=o.base_hash, lora_rank=o.lora_rank
         )
-        self._feed = TaskFeed(self.conn, self._member, poll_wait_s=poll_wait_s)
-        self._evaluate, self._state_path = evaluate, state_path
-        self._on_task, self._on_error, self._verbose = on_task, on_error, verbose
+        self._feed = TaskFeed(self.conn, self._member, poll_wait_s=o.poll_wait_s)
+        self._evaluate, self._state_path = o.evaluate, o.state_path
+        self._on_task, self._on_error, self._verbose = o.on_task, o.on_error, o.verbose
         self._beat_stop = threading.Event()
         self._heartbeat: Heartbeat | None = None
         self._lock = threading.Lock()  # guards the open task and the closing
@@ -226,7 +187,8 @@ class Session:
             if not self._feed.join():
                 raise SessionError("the session was closed while it joined")
             if self._verbose:
-                tell(f"joined {self.conn.target} as {self.conn.client_id} (run {self.conn.run_id})")
+                plain = "" if self.conn.tls else ", plaintext"
+                tell(f"joined {self.conn.target} as {self.conn.client_id} (run {self.conn.run_id}{plain})")
             if saved is not None and self._state_path is not None:
                 restore_client_state(self.conn, self._member, saved, self._state_path)
             self._heartbeat = Heartbeat(self.conn, self._beat_stop)
@@ -472,13 +434,14 @@ class Session:
 
 def connect(coordinator: str, **options: Any) -> Session:
     """A session with ``coordinator`` for a program that owns its training loop; ``with``
-    joins and leaves. ``options`` are ``Session``'s (``name``, ``num_examples``, ``ca``,
-    ``cert``, ``key``, ``on_task``, ``on_error``, ...).
+    joins and leaves. ``options`` are ``SessionOptions``'s fields (``name``, ``num_examples``,
+    ``ca``, ``cert``, ``key``, ``on_task``, ``on_error``, ...); the others are ``Connection``'s
+    (``connect_timeout``, ``rpc_timeout``, ...).
 
     Raises:
         ValueError: bad TLS files or a ``coordinator`` that is not ``HOST:PORT``.
     """
-    return Session(coordinator, **options)
+    return Session(coordinator, SessionOptions.of(**options))
 
 
 def aconnect(coordinator: str, **options: Any) -> AsyncSession:
@@ -488,4 +451,4 @@ def aconnect(coordinator: str, **options: Any) -> AsyncSession:
     Raises:
         ValueError: bad TLS files or a ``coordinator`` that is not ``HOST:PORT``.
     """
-    return AsyncSession(Session(coordinator, **options))
+    return AsyncSession(Session(coordinator, SessionOptions.of(**options)))

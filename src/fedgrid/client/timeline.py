@@ -73,7 +73,8 @@ class Split(NamedTuple):
 
     @property
     def utilization(self) -> float:
-        return self.compute_s / self.wall_s if self.wall_s > 0 else 0.0
+        # At most 1: the compute intervals lie inside the window, up to the rounding of their sum.
+        return min(1.0, self.compute_s / self.wall_s) if self.wall_s > 0 else 0.0
 
     def metrics(self) -> dict[str, float]:
         """As task metrics: the five fields and ``utilization``."""

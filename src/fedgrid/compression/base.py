@@ -78,7 +78,7 @@ class Codec(ABC):
 
     def form_under(self, role: UpdateRole) -> str:
         """The spec this codec is sent as under a built-in strategy of ``role`` when the run's
-        error feedback is ``auto`` (``fedgrid.server.codec_policy.build_codec_policy``): the
+        error feedback is ``auto`` (``fedgrid.fleet.codec_policy.build_codec_policy``): the
         variant of its family that learns there. Most codecs: their own spec."""
         return self.name
 

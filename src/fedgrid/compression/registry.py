@@ -6,12 +6,12 @@ A spec is ``NAME[:PARAM][+zstd[:LEVEL]]``:
 ``none``               raw bytes, lossless
 ``fp16`` / ``bf16``    16-bit floats
 ``int8[:BLOCK]``       8-bit codes, one absmax per ``BLOCK`` elements (256)
-``qsgd:LEVELS``        stochastic unbiased quantization, 1..32767 levels
+``qsgd[:LEVELS]``      stochastic unbiased quantization, 1..32767 levels (127: a byte each)
 ``topk[:FRACTION]``    the largest-magnitude ``FRACTION`` of elements, in (0, 1] (0.1);
                        ``topk:F:scaled`` scales them by ``||x||^2 / ||topk(x)||^2``
 ``randk[:FRACTION]``   a uniform random ``FRACTION`` of elements; ``randk:F:unbiased``
                        scales them by ``1/F`` (bare ``randk``: ``randk:0.25:unbiased``)
-``powersgd:RANK``      rank-``RANK`` factors of matrices and conv kernels
+``powersgd[:RANK]``    rank-``RANK`` factors of matrices and conv kernels (4)
 ``sign[:BLOCK]``       1 bit per element of randomly rotated blocks (256), scaled per block
 ``int4[:BLOCK]``       4-bit integer codes, one absmax per ``BLOCK`` elements (256)
 ``fp4[:BLOCK]``        4-bit e2m1 floats, one absmax per ``BLOCK`` elements (256)
@@ -142,16 +142,27 @@ def _chunked(family: str, plain: Callable[..., Codec], scaled: Callable[[int], C
     return factory
 
 
+#: A bare ``qsgd``: 127 levels a sign, one byte a coordinate (the size of an int8 upload, unbiased).
+DEFAULT_QSGD_LEVELS = 127
+#: A bare ``powersgd``: rank 4, what the benchmarks run (benchmarks/README.md: ``powersgd:4``).
+DEFAULT_POWERSGD_RANK = 4
+
+
 def _builtin() -> dict[str, _Family]:
     return {
         "none": _Family(_no_param(IdentityCodec()), "none"),
         "fp16": _Family(_fresh("fp16", lambda: CastCodec(torch.float16)), "fp16"),
         "bf16": _Family(_fresh("bf16", lambda: CastCodec(torch.bfloat16)), "bf16"),
         "int8": _Family(lambda p: Int8Codec(_int(p, "int8[:BLOCK]", 8, 65536, 256)), "int8[:BLOCK]"),
-        "qsgd": _Family(lambda p: QSGDCodec(_int(p, "qsgd:LEVELS", 1, 32767)), "qsgd:LEVELS"),
+        "qsgd": _Family(
+            lambda p: QSGDCodec(_int(p, "qsgd[:LEVELS]", 1, 32767, DEFAULT_QSGD_LEVELS)), "qsgd[:LEVELS]"
+        ),
         "topk": _Family(_topk, "topk[:FRACTION[:scaled]]"),
         "randk": _Family(_randk, "randk[:FRACTION[:unbiased]]"),
-        "powersgd": _Family(lambda p: PowerSGDCodec(_int(p, "powersgd:RANK", 1, 65535)), "powersgd:RANK"),
+        "powersgd": _Family(
+            lambda p: PowerSGDCodec(_int(p, "powersgd[:RANK]", 1, 65535, DEFAULT_POWERSGD_RANK)),
+            "powersgd[:RANK]",
+        ),
         "sign": _Family(lambda p: SignCodec(_int(p, "sign[:BLOCK]", 8, 65536, SIGN_BLOCK)), "sign[:BLOCK]"),
         "int4": _Family(
             lambda p: Int4Codec(_int(p, "int4[:BLOCK]", 8, 65536, DEFAULT_BLOCK_4BIT)), "int4[:BLOCK]"

@@ -140,12 +140,34 @@ class Launcher:
         self.processes: list[_Process] = []
         self._stop = threading.Event()
         self._signal: str | None = None
-        self._metrics_offset = 0
         #: Global rounds printed so far.
         self.rounds_done = 0
+        # The in-place progress line inside a global round (a terminal only: ``bar``).
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self._began = self._round_began = time.monotonic()
+        self._bar_shown = False
 
     def say(self, line: str) -> None:
+        if self._bar_shown:  # the in-place line goes; the status line takes its place
+            self.stream.write("\r\033[K")
+            self._bar_shown = False
         print(f"fedgrid launch: {line}", file=self.stream, flush=True)
+
+    def bar(self, now: float) -> None:
+        """On a terminal, rewrites one line in place: the global round running, its time so far
+        and, after the first round, about how long the run has left (the mean round time)."""
+        if not self.tty or self.rounds_done >= self.top.rounds:
+            return
+        so_far = now - self._round_began
+        left = ""
+        if self.rounds_done:
+            mean = (self._round_began - self._began) / self.rounds_done
+            left = f", about {_hms(max(0.0, mean * (self.top.rounds - self.rounds_done) - so_far))} left"
+        self.stream.write(
+            f"\rfedgrid launch: global round {self.rounds_done + 1}/{self.top.rounds} running for {_hms(so_far)}{left}\033[K"
+        )
+        self.stream.flush()
+        self._bar_shown = True
 
     def run(self) -> int:
         """Starts the topology and waits for the global run to finish.
@@ -299,15 +321,17 @@ class Launcher:
 
     def _watch(self) -> None:
         coordinator = self.processes[0]
+        self._began = self._round_began = time.monotonic()  # the topology is up: round 1 runs
 
         def finished() -> bool:
             self._print_rounds()
+            self.bar(time.monotonic())
             return coordinator.popen.poll() == 0
 
         self._wait(
             finished, timeout=float("inf"), what="the global run"
         )  # the coordinator's own deadlines bound it
-        self._print_rounds()
+        self._print_rounds(final=True)
         finish = 2 * FINISH_GRACE_S + LAUNCH_STOP_GRACE_S  # a region tells its clients, then finishes itself
         try:
             self._wait(
@@ -321,25 +345,23 @@ class Launcher:
                 f"the global run finished but {', '.join(running)} did not exit within {finish:g}s"
             ) from None
 
-    def _print_rounds(self) -> None:
-        """Prints a status line for each global round ``global/metrics.jsonl`` gained since the last look."""
+    def _print_rounds(self, *, final: bool = False) -> None:
+        """Prints a status line for each global round ``global/metrics.jsonl`` gained since the last
+        look. Rounds are counted in lines, not bytes: a round's row is rewritten, longer, when its
+        server-side evaluation lands (``fedgrid.server.evaluation``); so the newest row waits for
+        its accuracy, or for the next round's row, or the run's end (``final``)."""
         path = self.out / "global" / "metrics.jsonl"
         try:
-            with open(path, "rb") as f:
-                f.seek(self._metrics_offset)
-                text = f.read()
+            text = path.read_bytes()
         except FileNotFoundError:
             return
         complete = text[: text.rfind(b"\n") + 1]  # a line still being written waits for the next look
-        self._metrics_offset += len(complete)
-        for line in complete.decode().splitlines():
-            if line.strip():
-                self.rounds_done += 1
-                self.say(
-                    round_line(
-                        json.loads(line), rounds=self.top.rounds, regions=[r.name for r in self.top.regions]
-                    )
-                )
+        rows = [json.loads(line) for line in complete.decode().splitlines() if line.strip()]
+        ready = len(rows) if final or (rows and rows[-1].get("accuracy") is not None) else len(rows) - 1
+        for row in rows[self.rounds_done : ready]:
+            self.rounds_done += 1
+            self._round_began = time.monotonic()
+            self.say(round_line(row, rounds=self.top.rounds, regions=[r.name for r in self.top.regions]))
 
     def _stop_all(self) -> tuple[int, int]:
         """SIGTERM to every running process, then SIGKILL to those still running after the grace; returns (stopped, killed)."""
@@ -361,6 +383,11 @@ class Launcher:
 def _size(n: float) -> str:
     """Bytes as kB under a megabyte (a small model's update is tens of kB), else MB."""
     return f"{n / 1e3:.1f} kB" if n < 1e6 else f"{n / 1e6:.2f} MB"
+
+
+def _hms(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
 
 
 def round_line(row: Mapping[str, Any], *, rounds: int, regions: Sequence[str]) -> str:

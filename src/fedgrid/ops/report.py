@@ -235,10 +235,13 @@ def _metric_figure(
     name: str, title: str, metrics: Sequence[str], runs: Sequence[Run], colors: Sequence[str]
 ) -> Any:
     """The figure ``name`` of ``PLOTS``: ``metrics`` per round, one line per run (``bytes.png``:
-    one panel per metric; the others: every metric on one panel)."""
+    one panel per metric; the others: every metric on one panel). Several runs: the legend names
+    them; one run: its name is in the title, and the legend names the metrics where a panel has
+    more than one. Accuracy is a percentage (as on the status page), counts have integer ticks."""
     from matplotlib.figure import Figure
-    from matplotlib.ticker import EngFormatter, MaxNLocator
+    from matplotlib.ticker import EngFormatter, MaxNLocator, PercentFormatter
 
+    single = len(runs) == 1
     fig = Figure(figsize=(7.5, 3.2 * len(metrics) if name == "bytes.png" else 4.0), layout="constrained")
     axes = (
         fig.subplots(len(metrics), 1, squeeze=False)[:, 0]
@@ -249,7 +252,8 @@ def _metric_figure(
         for run, color in zip(runs, colors):
             xs, ys = run.series(metric)
             if xs:
-                suffix = f" ({metric.replace('_', ' ')})" if len(metrics) > 1 and name != "bytes.png" else ""
+                shared = len(metrics) > 1 and name != "bytes.png"
+                suffix = f" ({metric.replace('_', ' ')})" if shared else ""
                 ax.plot(
                     xs,
                     ys,
@@ -257,20 +261,25 @@ def _metric_figure(
                     color=color,
                     marker="o",
                     markersize=3,
-                    label=_plain(run.label + suffix),
+                    label=metric.replace("_", " ") if single else _plain(run.label + suffix),
                 )
+        ylabel = metric.replace("_", " ") if len(set(axes)) > 1 else title.split(" per")[0].lower()
         ax.set_xlabel("round")
-        ax.set_ylabel(metric.replace("_", " ") if len(set(axes)) > 1 else title.split(" per")[0].lower())
+        ax.set_ylabel(ylabel + " (%)" if metric == "accuracy" else ylabel)
         ax.grid(True, alpha=0.3)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if metric.startswith(("bytes", "clients")):
             ax.set_ylim(bottom=0)  # a count: its zero is meaningful
+        if metric.startswith("clients"):
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # no 0.25 of a client
         if metric.startswith("bytes"):
             ax.yaxis.set_major_formatter(EngFormatter(unit="B"))
+        if metric == "accuracy":
+            ax.yaxis.set_major_formatter(PercentFormatter(xmax=1.0))
     for ax in dict.fromkeys(axes):
-        if ax.lines:
+        if ax.lines and not (single and len(ax.lines) == 1):
             ax.legend(fontsize="small")
-    fig.suptitle(title)
+    fig.suptitle(f"{title}: {_plain(runs[0].label)}" if single else title)
     return fig
 
 
@@ -310,6 +319,8 @@ def _png(fig: Any) -> bytes:
 def _number(value: float | None, kind: str) -> str:
     if value is None:
         return "&ndash;"
+    if kind == "percent":  # accuracy, a percentage as on the plots and the status page
+        return f"{value * 100:.2f}%" if math.isfinite(value) else str(value)
     if kind == "bytes":
         return f"{value / 1e6:,.3f} MB"
     if kind == "int":
@@ -336,7 +347,7 @@ def _html(runs: Sequence[Run], pngs: Mapping[str, bytes], notes: Sequence[str]) 
         cells = [
             e(run.label),
             str(len(run.rows)),
-            _number(run.final("accuracy"), "f"),
+            _number(run.final("accuracy"), "percent"),
             _number(run.final("loss"), "f"),
             _number(run.total("bytes_up"), "bytes"),
             _number(run.total("bytes_down"), "bytes"),

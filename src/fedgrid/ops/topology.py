@@ -92,7 +92,16 @@ GLOBAL_KEYS = _COORDINATOR - MANAGED_KEYS
 #: global coordinator has them (its ``model`` is a ``--peft`` run's base to hash, ``[global]``'s by default).
 REGION_KEYS = (
     _COORDINATOR
-    - {"rounds", "initial_model", "http", "http_token_file", "http_linger_s", "seed", "eval_every"}
+    - {
+        "rounds",
+        "initial_model",
+        "http",
+        "http_token_file",
+        "http_linger_s",
+        "seed",
+        "eval_every",
+        "eval_batches",
+    }
     - QUORUM_KEYS
     - PRIVACY_KEYS
     | REGION_ONLY_KEYS
@@ -116,6 +125,7 @@ CLIENT_KEYS = (
             "lora_aggregation",
             "grad_accum",
             "grad_checkpointing",
+            "quiet",
             "partition",
             "threads",
         }

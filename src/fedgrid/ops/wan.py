@@ -59,6 +59,7 @@ import sys
 import threading
 from pathlib import Path
 
+from fedgrid.errors import ConfigError
 from fedgrid.interrupts import GracefulStop, say
 from fedgrid.ops.wan_link import MAX_CONNECTIONS, MIN_RTO_S, MSS, LinkClock, WanLink
 from fedgrid.ops.wan_relay import WanRelay, parse_hostport
@@ -148,7 +149,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="address_file",
         default="",
         metavar="FILE",
-        help="write the relay's HOST:PORT here once it listens (atomically)",
+        help="write the relay's HOST:PORT here once it listens (atomically; its folder is made)",
     )
 
 
@@ -156,7 +157,7 @@ def command(args: argparse.Namespace) -> int:
     """``fedgrid wan``: relays until SIGTERM or Ctrl-C, then exits 0.
 
     Raises:
-        ConfigError: a bad flag (exit 2).
+        ConfigError: a bad flag, an ``--address-file`` whose folder cannot be made (exit 2).
         OSError: the address cannot be bound (exit 1).
     """
     link = WanLink(
@@ -168,6 +169,14 @@ def command(args: argparse.Namespace) -> int:
     )
     listen = parse_hostport(args.listen, key="listen")
     target = parse_hostport(args.target, key="target")
+    address_file = Path(args.address_file) if args.address_file else None
+    if address_file is not None:  # its folder made before anything listens or prints
+        try:
+            address_file.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(
+                "address_file", f"cannot make the folder {str(address_file.parent)!r}: {exc.strerror or exc}"
+            ) from None
     relay = WanRelay(target, link, listen, max_connections=args.max_connections).start()
     stop = threading.Event()
 
@@ -183,11 +192,10 @@ def command(args: argparse.Namespace) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-        if args.address_file:
-            path = Path(args.address_file)
-            tmp = path.with_name(path.name + ".tmp")
+        if address_file is not None:
+            tmp = address_file.with_name(address_file.name + ".tmp")
             tmp.write_text(relay.address + "\n")
-            os.replace(tmp, path)
+            os.replace(tmp, address_file)
         print(f"fedgrid wan relaying {relay.address} -> {args.target}: {link.describe()}", flush=True)
         with GracefulStop(on_stop, what="wan"):
             while not stop.wait(1.0):

@@ -68,7 +68,7 @@ def _plain(value: object) -> Any:
 
 
 def _device(client: Mapping[str, Any]) -> str:
-    """``cuda x2, 80.0 GiB``: a client's device type, accelerators and memory (what a coordinator
+    """``cuda x2, 80.0 GiB memory``: a client's device type, accelerators and memory (what a coordinator
     older than these fields leaves out, left out)."""
     return describe(
         str(client.get("device", "")),

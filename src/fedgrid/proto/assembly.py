@@ -16,7 +16,7 @@ import xxhash
 
 from fedgrid.compression.base import LOSSY_DTYPES
 from fedgrid.compression.spec import CodecSpec
-from fedgrid.constants import MAX_TENSOR_BYTES
+from fedgrid.constants import MAX_REPORTED_S, MAX_TENSOR_BYTES
 from fedgrid.errors import InvalidUpdateError, PayloadTooLargeError
 from fedgrid.proto import fedgrid_pb2 as pb
 from fedgrid.proto.buffers import BufferPool, receive_buffers
@@ -28,6 +28,7 @@ from fedgrid.proto.frames import (
     parse_message,
     stream_info,
 )
+from fedgrid.telemetry import SPLIT_KEYS
 from fedgrid.textsafe import MAX_LABEL_CHARS, check_label, escape
 from fedgrid.types import TensorSpec
 
@@ -41,10 +42,13 @@ MAX_METRICS = 64 + 6
 
 
 def check_metrics(metrics: Mapping[str, float]) -> None:
-    """A stream's metrics: at most ``MAX_METRICS``, printable names, finite values.
+    """A stream's metrics: at most ``MAX_METRICS``, printable names, finite values; the fields of
+    the time split (``SPLIT_KEYS``) at least 0, its seconds at most ``MAX_REPORTED_S`` and
+    ``utilization`` at most 1 (the coordinator sums and plots them: ``metrics.jsonl``,
+    ``/metrics``, the status page).
 
     Raises:
-        InvalidUpdateError: naming the rule broken.
+        InvalidUpdateError: naming the field and the rule broken.
     """
     if len(metrics) > MAX_METRICS:
         raise InvalidUpdateError(f"metrics: {len(metrics)} reported, at most {MAX_METRICS}")
@@ -52,6 +56,11 @@ def check_metrics(metrics: Mapping[str, float]) -> None:
         check_label(key, what="metric name", limit=MAX_LABEL_CHARS)
         if not math.isfinite(value):
             raise InvalidUpdateError(f"metric {escape(key)} is {value}")
+        if key not in SPLIT_KEYS:
+            continue
+        limit = 1.0 if key == "utilization" else MAX_REPORTED_S
+        if not 0.0 <= value <= limit:
+            raise InvalidUpdateError(f"metric {escape(key)} is {value:g}, outside [0, {limit:g}]")
 
 
 _NO_BYTES = np.empty(0, dtype=np.uint8)

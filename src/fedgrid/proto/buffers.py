@@ -19,7 +19,7 @@ would root further views at the owner and the lease could die while they live.)
 
 Bounds: free buffers are capped at ``max_free_bytes`` (``BUFFER_POOL_BYTES``); a buffer
 returned over the cap is dropped at once, so it goes back to the system exactly when it
-would have without the pool (``server/memory.py``). Free buffers unused for ``idle_s``
+would have without the pool (``allocator.py``). Free buffers unused for ``idle_s``
 (``BUFFER_POOL_IDLE_S``) are dropped by a background thread, which runs only while the
 pool holds something: an idle process gives the memory back.
 

@@ -258,10 +258,28 @@ class UploadStatusReply(_message.Message):
     def __init__(self, chunks_received: _Optional[int] = ..., accepted: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("client_id",)
+    __slots__ = ("client_id", "progress")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     client_id: str
-    def __init__(self, client_id: _Optional[str] = ...) -> None: ...
+    progress: TaskProgress
+    def __init__(self, client_id: _Optional[str] = ..., progress: _Optional[_Union[TaskProgress, _Mapping]] = ...) -> None: ...
+
+class TaskProgress(_message.Message):
+    __slots__ = ("round", "steps_done", "steps_total", "examples_per_s", "tokens_per_s", "eta_s")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    STEPS_DONE_FIELD_NUMBER: _ClassVar[int]
+    STEPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    EXAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    ETA_S_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    steps_done: int
+    steps_total: int
+    examples_per_s: float
+    tokens_per_s: float
+    eta_s: float
+    def __init__(self, round: _Optional[int] = ..., steps_done: _Optional[int] = ..., steps_total: _Optional[int] = ..., examples_per_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., eta_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("interval_s",)

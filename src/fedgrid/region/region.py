@@ -68,10 +68,9 @@ from fedgrid.proto.tls import TLSFiles
 from fedgrid.region.upstream import UPSTREAM_RETRY_MAX_S, serve_upstream, wan_writer
 from fedgrid.runlog import RunWriter
 from fedgrid.server.engine import ROUND_FAILED, RoundEngine
-from fedgrid.server.influence import build_influence
+from fedgrid.server.parts import RunIO, Schedule, build_parts
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.serve import Coordinator, build_fleet, rank_policy, write_address
-from fedgrid.server.strategies import build_strategy
 from fedgrid.server.wiring import open_store
 from fedgrid.telemetry import SUMMED_KEYS, WORKER_WALL_S, utilization_of
 from fedgrid.textsafe import escape
@@ -332,21 +331,22 @@ def _parts(config: Config, threads: int) -> tuple[Strategy, RunWriter, EventLog,
     """A region's parts before it serves: its strategy, run directory, event log, fleet (of its own
     clients) and the engine of its regional rounds (``rounds=0``: the global coordinator's tasks
     decide how many)."""
-    strategy = build_strategy(config, num_clients=config.min_clients)
-    influence = build_influence(config)  # a bad quota file fails before the run directory exists
+    # A bad strategy option or quota file fails before the run directory exists.
+    parts = build_parts(config, num_clients=config.min_clients, where="region")
+    strategy = parts.strategy
     writer = RunWriter(
         config.out,
         {**config.to_dict(), "threads": threads},
         environment=environment(threads_requested=config.threads),
     )
     events = EventLog(writer.dir / "events.jsonl")
-    fleet = build_fleet(config, events)
+    fleet = build_fleet(config, events, parts)
     fleet.task_scope = "region"
 
     def on_round(m: Any) -> None:
         print(
             f"region {config.name}: regional round {m.round} loss {m.loss if m.loss is None else round(m.loss, 4)} "
-            f"clients {m.clients_ok} ok {m.clients_failed} failed, LAN {m.bytes_up / 1e6:.2f} MB up "
+            f"{m.clients_ok} clients ok, {m.clients_failed} failed, LAN {m.bytes_up / 1e6:.2f} MB up "
             f"{m.bytes_down / 1e6:.2f} MB down ({m.wall_s:.2f}s)",
             flush=True,
         )
@@ -354,17 +354,21 @@ def _parts(config: Config, threads: int) -> tuple[Strategy, RunWriter, EventLog,
     engine = RoundEngine(
         strategy=strategy,
         fleet=fleet,
-        rounds=0,
-        min_clients=config.min_clients,
-        round_timeout=timedelta(seconds=config.round_timeout_s),
-        join_timeout=timedelta(seconds=config.join_timeout_s),
-        writer=writer,
-        on_round=on_round,
-        # H + 1 checkpoints: a restart mid-task goes back to the previous task's end (RegionClient._rewind).
-        store=open_store(config, keep=max(3, config.regional_rounds + 1)),
-        events=events,
-        round_retries=ROUND_RETRIES,
-        influence=influence,
+        schedule=Schedule(
+            rounds=0,
+            min_clients=config.min_clients,
+            round_timeout=timedelta(seconds=config.round_timeout_s),
+            join_timeout=timedelta(seconds=config.join_timeout_s),
+            round_retries=ROUND_RETRIES,
+        ),
+        rules=parts.rules,
+        io=RunIO(
+            writer=writer,
+            on_round=on_round,
+            # H + 1 checkpoints: a restart mid-task goes back to the previous task's end (RegionClient._rewind).
+            store=open_store(config, keep=max(3, config.regional_rounds + 1)),
+            events=events,
+        ),
     )
     return strategy, writer, events, fleet, engine
 

@@ -1,6 +1,5 @@
-"""Coordinator: round engine, fleets, gRPC service."""
+"""Coordinator: round engine, remote fleet, gRPC service (the fleet contract: ``fedgrid.fleet``)."""
 
 from fedgrid.server.engine import RoundEngine
-from fedgrid.server.fleet import Fleet, RoundOutcome
 
-__all__ = ["RoundEngine", "Fleet", "RoundOutcome"]
+__all__ = ["RoundEngine"]

@@ -2,7 +2,7 @@
 message handler raised) or its session (``Leave``: it is stopping, interrupted or crashing).
 
 Either is answered at once instead of at the round's deadline: the task fails with the
-client's reason, a client that leaves is removed from the registry (its open task failed
+client's reason, a client that leaves is removed from the membership (its open task failed
 there), and the waiters the change concerns are woken. A reason is client text: capped in
 length (``MAX_REASON_CHARS``), kept as sent and escaped wherever logged.
 """
@@ -15,7 +15,7 @@ from typing import Callable
 from fedgrid.constants import MAX_REASON_CHARS
 from fedgrid.errors import DuplicateUpdateError, InvalidUpdateError
 from fedgrid.events import EventLog
-from fedgrid.server.membership import Registry
+from fedgrid.server.membership import Membership
 from fedgrid.server.rounds import RoundTask
 from fedgrid.textsafe import escape
 from fedgrid.types import Failure
@@ -41,18 +41,18 @@ class Departures:
     """The failure-report and leave handlers of a fleet.
 
     Args:
-        registry: authenticates the client and removes one that leaves (its lock and
+        membership: authenticates the client and removes one that leaves (its lock and
             wake-ups are the fleet's).
         events: where reported failures and leaves go.
         open_task: the fleet's check that a client has the open task ``task_id`` (lock held).
     """
 
     def __init__(
-        self, registry: Registry, events: EventLog, open_task: Callable[[str, str], RoundTask]
+        self, membership: Membership, events: EventLog, open_task: Callable[[str, str], RoundTask]
     ) -> None:
-        self.registry = registry
+        self.membership = membership
         self.events = events
-        self.lock, self.wake = registry.lock, registry.wake
+        self.lock, self.wake = membership.lock, membership.wake
         self._open_task = open_task
 
     def report_failure(self, client_id: str, token: str, task_id: str, reason: str) -> None:
@@ -64,7 +64,7 @@ class Departures:
             InvalidUpdateError: an oversized reason (nothing recorded).
         """
         reason = _check_reason(reason)
-        record = self.registry.authenticate(client_id, token)
+        record = self.membership.authenticate(client_id, token)
         with self.lock:
             if record.benched_task == task_id:  # it finished the task it was benched for
                 record.benched_task = ""
@@ -76,7 +76,7 @@ class Departures:
             rnd.failures.setdefault(client_id, Failure(record.info, f"client reported: {reason}"))
             if client_id in rnd.carried:  # a late task failed: no result will come, the client is free
                 rnd.carried.discard(client_id)
-                self.wake.notify("registry")
+                self.wake.notify("membership")
             self.wake.notify("round")
         log.warning(
             "round %d: client %s reported a failure: %s",
@@ -94,10 +94,10 @@ class Departures:
             InvalidUpdateError: an oversized reason (nothing changed).
         """
         reason = _check_reason(reason)
-        record = self.registry.authenticate(client_id, token)
+        record = self.membership.authenticate(client_id, token)
         with self.lock:
-            if client_id in self.registry.records:
-                self.registry.remove(client_id, f"client left: {reason}")
-            self.wake.notify("registry", ("poll", client_id), ("inbox", client_id))
+            if client_id in self.membership.records:
+                self.membership.remove(client_id, f"client left: {reason}")
+            self.wake.notify("membership", ("poll", client_id), ("inbox", client_id))
         log.info("client %s left: %s", escape(record.info.name or client_id), escape(reason))
         self.events.emit("client_left", client=client_id, reason=reason)

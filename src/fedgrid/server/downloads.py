@@ -2,11 +2,11 @@
 
 A client downloads the whole model, or on a lossless downlink the tensors its task names
 (``FitIns.download``, plus what a difference-sending uplink is taken against), or on a
-compressed downlink the change since the version it holds (``server/downlink.py``); a client
+compressed downlink the change since the version it holds (``fleet/downlink.py``); a client
 of another LoRA rank than the model's downloads the model refactorized to its rank, whole
 (``fedgrid.aggregation.lora_ranks``). The
-wire bytes go to the round's ``RoundTally`` (``server/protocol.py``) whether or not the stream
-completes, and the client counts as alive while it downloads (``Registry.live``).
+wire bytes go to the round's ``RoundTally`` (``fleet/protocol.py``) whether or not the stream
+completes, and the client counts as alive while it downloads (``Membership.live``).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from collections import OrderedDict
 from typing import Callable, Iterator
 
 from fedgrid.errors import StaleTaskError
+from fedgrid.fleet.downlink import Downlink
+from fedgrid.fleet.protocol import download_names
 from fedgrid.proto import serde
-from fedgrid.server.downlink import Downlink
-from fedgrid.server.membership import Registry
-from fedgrid.server.protocol import download_names
+from fedgrid.server.membership import Membership
 from fedgrid.server.rounds import RoundTask
 from fedgrid.textsafe import escape
 from fedgrid.types import FitIns
@@ -30,7 +30,7 @@ class Downloads:
     """The download handler of a fleet.
 
     Args:
-        registry: authenticates the client (its lock is the fleet's).
+        membership: authenticates the client (its lock is the fleet's).
         downlink: the fleet's downlink policy (whether it is lossless, its codec).
         open_task: the fleet's check that a client has the open task ``task_id`` (lock held).
         run_id: the fleet's run id, named in every stream's header.
@@ -39,15 +39,15 @@ class Downloads:
 
     def __init__(
         self,
-        registry: Registry,
+        membership: Membership,
         downlink: Downlink,
         open_task: Callable[[str, str], RoundTask],
         *,
         run_id: Callable[[], str],
         chunk_size: Callable[[], int],
     ) -> None:
-        self.registry = registry
-        self.lock = registry.lock
+        self.membership = membership
+        self.lock = membership.lock
         self.downlink = downlink
         self._open_task = open_task
         self._run_id = run_id
@@ -59,7 +59,7 @@ class Downloads:
         """The model of the client's open task, as a chunk stream: whole, or the tensors its task
         names (``FitIns.download``) on a lossless downlink, or on a compressed downlink the
         change since ``have_version`` when the client holds the previous version."""
-        self.registry.authenticate(client_id, token)
+        self.membership.authenticate(client_id, token)
         with self.lock:
             rnd = self._open_task(client_id, task_id)
         if rnd.downlink is None:
@@ -106,11 +106,11 @@ class Downloads:
         return part
 
     def _counted(self, rnd: RoundTask, frames: Iterator[bytes], client_id: str) -> Iterator[bytes]:
-        """``frames``, counted; the client counts as alive while it downloads (``Registry.live``)."""
+        """``frames``, counted; the client counts as alive while it downloads (``Membership.live``)."""
         sent = 0
         region = rnd.clients[client_id].region
         with self.lock:
-            record = self.registry.records.get(client_id)
+            record = self.membership.records.get(client_id)
             if record is not None:
                 record.transfers += 1
         try:
@@ -121,5 +121,5 @@ class Downloads:
             with self.lock:
                 if record is not None:
                     record.transfers -= 1
-                    record.last_seen = self.registry.clock.now()
+                    record.last_seen = self.membership.clock.now()
                 rnd.tally.add_down(region, sent)

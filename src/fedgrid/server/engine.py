@@ -5,6 +5,12 @@ them on the fleet, let the strategy aggregate results and failures, evaluate, th
 checkpoint (with a ``StateStore``), SQLite history, ``metrics.jsonl``. A round is either
 committed whole or redone whole after a restart, so none is applied twice.
 
+The server-side evaluation (``evaluate_fn``) of a coordinator runs beside the next round on a
+snapshot of the model (``server/evaluation.py``, ``eval_in_background``); its loss and metrics
+land in the row of the round they measure when they are ready: that row of the history is
+replaced and ``metrics.jsonl`` rewritten with it (the next checkpoint's history holds it too).
+A stop abandons an evaluation still running; the last round's is waited for before the run ends.
+
 A round can fail instead (``server/round_failures.py``). One whose new strategy state holds
 NaN or Inf (``NonFiniteAggregateError``: finite updates can still overflow) goes back to the
 state it began with, writes no checkpoint, is emitted as ``round_failed`` and recorded with
@@ -21,12 +27,12 @@ over its fit results, and their utilization).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 from fedgrid.aggregation.base import Strategy
 from fedgrid.aggregation.updates import as_model
@@ -39,21 +45,19 @@ from fedgrid.errors import (
     StorageError,
 )
 from fedgrid.events import EventLog
-from fedgrid.runlog import RunWriter
+from fedgrid.fleet.base import Fleet, Quorum, RoundOutcome
 from fedgrid.server.disk import storage_errors
-from fedgrid.server.fleet import Fleet, Quorum, RoundOutcome
-from fedgrid.server.influence import Influence
+from fedgrid.server.evaluation import Evaluator
 from fedgrid.server.late_merge import late_to_merge
-from fedgrid.server.privacy import Privacy, restore_privacy
+from fedgrid.server.parts import RoundRules, RunIO, Schedule
+from fedgrid.server.privacy import restore_privacy
 from fedgrid.server.round_failures import ROUND_FAILED, LostRounds, check_not_lost, first_non_finite
-from fedgrid.server.state import StateStore
 from fedgrid.telemetry import goodput_metrics
 from fedgrid.textsafe import escape
 from fedgrid.types import EVALUATE, FIT, ClientInfo, FitRes, ModelState, RoundMetrics, check_phase_name
 
 __all__ = [
     "RoundEngine",
-    "EvaluateFn",
     "ROUND_FAILED",
     "first_non_finite",
 ]  # the last two: server/round_failures.py
@@ -99,40 +103,19 @@ class _Tally:
 
 log = logging.getLogger(__name__)
 
-EvaluateFn = Callable[[ModelState], "tuple[float, dict[str, float]]"]
-
 
 class RoundEngine:
-    """Drives ``rounds`` rounds of ``strategy`` on ``fleet``.
+    """Drives ``schedule.rounds`` rounds of ``strategy`` on ``fleet``.
 
     Args:
         strategy: decides tasks and aggregation; ``initialize`` already called.
         fleet: reaches the clients.
-        rounds: number of rounds to run.
-        min_clients: a round starts only when this many clients are live.
-        round_timeout: each round closes by this deadline.
-        join_timeout: longest wait for ``min_clients`` before a round.
-        evaluate_fn: optional server-side evaluation ``state -> (loss, metrics)``.
-        eval_every: ``evaluate_fn`` runs after rounds that are a multiple of this and after the
-            last one; the others have no loss of it (their clients wait for no evaluation).
-        writer: where metrics and the final model go.
-        on_round: called with each round's metrics (progress display).
-        store: durable state; when given, ``run`` resumes after the last committed round.
-        events: where ``resumed``, ``aggregating``, ``round_committed`` and ``finished`` go
-            (``fedgrid.events``); default: nowhere.
-        stop: once set, ``run`` ends before its next round (the open one finishes and
-            commits; ``stop()`` abandons it instead).
-        quorum: semi-asynchronous fit rounds (``Quorum``; docs/failures.rst): a round closes
-            at its quorum, late results are merged into later rounds as differences from
-            their task's model, weighted ``num_examples * (1 + staleness) ** -a``, and each
-            merge is recorded as a ``merged`` event. ``None``: every round waits for all.
-        round_retries: a fit round whose results are all lost fails (``round_failed``) and runs
-            again under the same number, at most this many times in a row, then the run stops
-            (``server/round_failures.py``). 0: such a round is committed with no results.
-        influence: the caps on each fit round's results once it closed (``server/influence.py``):
-            far updates refused, claims capped. Default: ``Influence()``, on.
-        privacy: differential privacy of the fit rounds (``server/privacy.py``): clipping and noise
-            after the influence caps, the budget checked before each round. ``None``: off.
+        schedule: how many rounds, when a round may start, how long it may take (``Schedule``).
+        rules: quorum, influence caps and privacy of the fit rounds (``RoundRules``;
+            ``build_parts`` builds them from a ``Config``). Default: every round waits for all,
+            influence caps on, no privacy.
+        io: server-side evaluation, the run directory, the round callback, durable state,
+            events and the stop signal (``RunIO``). Default: none of them.
     """
 
     def __init__(
@@ -140,46 +123,43 @@ class RoundEngine:
         *,
         strategy: Strategy,
         fleet: Fleet,
-        rounds: int,
-        min_clients: int,
-        round_timeout: timedelta,
-        join_timeout: timedelta,
-        evaluate_fn: EvaluateFn | None = None,
-        eval_every: int = 1,
-        writer: RunWriter | None = None,
-        on_round: Callable[[RoundMetrics], None] | None = None,
-        finish_timeout: timedelta = timedelta(seconds=15),
-        store: StateStore | None = None,
-        events: EventLog | None = None,
-        stop: threading.Event | None = None,
-        quorum: Quorum | None = None,
-        round_retries: int = 0,
-        influence: Influence | None = None,
-        privacy: Privacy | None = None,
+        schedule: Schedule,
+        rules: RoundRules = RoundRules(),
+        io: RunIO = RunIO(),
     ) -> None:
         self.strategy = strategy
-        self.influence = influence if influence is not None else Influence()
-        self.privacy = privacy
-        self.quorum = quorum
+        self.influence = rules.influence
+        self.privacy = rules.privacy
+        self.quorum = rules.quorum
         self.fleet = fleet
-        self.rounds = rounds
-        self.min_clients = min_clients
-        self.round_timeout = round_timeout
-        self.join_timeout = join_timeout
-        if eval_every < 1:
-            raise ValueError(f"eval_every must be at least 1, got {eval_every}")
-        self.evaluate_fn = evaluate_fn
-        self.eval_every = eval_every
-        self.writer = writer
-        self.on_round = on_round
-        self.finish_timeout = finish_timeout
-        self.store = store
-        self.events = events if events is not None else EventLog()
+        self.rounds = schedule.rounds
+        self.min_clients = schedule.min_clients
+        self.round_timeout = schedule.round_timeout
+        self.join_timeout = schedule.join_timeout
+        if schedule.eval_every < 1:
+            raise ValueError(f"eval_every must be at least 1, got {schedule.eval_every}")
+        self.evaluate_fn = io.evaluate_fn
+        self.eval_every = schedule.eval_every
+        self.events = io.events if io.events is not None else EventLog()
+        self.evaluator = (
+            None
+            if io.evaluate_fn is None
+            else Evaluator(
+                io.evaluate_fn, self._land_eval, background=io.eval_in_background, events=self.events
+            )
+        )
+        # Guards the history and metrics.jsonl: an evaluation lands on its own thread.
+        self._rows = threading.Lock()
+        self._eval_pending: dict[int, tuple[float, dict[str, float]]] = {}
+        self.writer = io.writer
+        self.on_round = io.on_round
+        self.finish_timeout = schedule.finish_timeout
+        self.store = io.store
         self.history: list[RoundMetrics] = []
-        self.lost_rounds = LostRounds(round_retries, fleet, self.events)
+        self.lost_rounds = LostRounds(schedule.round_retries, fleet, self.events)
         self._stop = threading.Event()
-        # Set from outside (``stop``): the run ends before its next round, the open one finishes.
-        self._finish_early = stop if stop is not None else threading.Event()
+        # Set from outside (``io.stop``): the run ends before its next round, the open one finishes.
+        self._finish_early = io.stop if io.stop is not None else threading.Event()
         self._first: int | None = None
 
     def stop(self) -> None:
@@ -222,10 +202,14 @@ class RoundEngine:
         Raises:
             StorageError: the disk refused the checkpoint, the journal or ``metrics.jsonl``
                 (``server/disk.py``); the last good checkpoint stays."""
-        self.history.append(metrics)
         failed = bool(metrics.extra.get(ROUND_FAILED))
-        with storage_errors(self.writer.dir if self.writer is not None else "the run directory"):
-            self._commit_files(metrics, failed)
+        with self._rows:
+            landed = self._eval_pending.pop(metrics.round, None)
+            if landed is not None:  # its evaluation finished before the round committed
+                metrics = _with_eval(metrics, *landed)
+            self.history.append(metrics)
+            with storage_errors(self.writer.dir if self.writer is not None else "the run directory"):
+                self._commit_files(metrics, failed)
         if failed:
             self.events.emit("round_failed", round=metrics.round, reason="non-finite aggregate")
         else:
@@ -289,13 +273,8 @@ class RoundEngine:
             self.strategy.load_state_dict(before)
             log.error("%s; the previous global model is kept and the run goes on", exc)
             tally.extra[ROUND_FAILED] = 1.0
-        del before
         evaluates = server_round % self.eval_every == 0 or server_round >= self.rounds
-        if self.evaluate_fn is not None and evaluates:  # a central test set, when the task has one, wins
-            tally.loss, eval_metrics = self.evaluate_fn(self.strategy.global_state)
-            tally.accuracy = eval_metrics.get("accuracy")
-            tally.extra.update({k: v for k, v in eval_metrics.items() if k != "accuracy"})
-        return RoundMetrics(
+        metrics = RoundMetrics(
             round=server_round,
             loss=tally.loss,
             accuracy=tally.accuracy,
@@ -306,6 +285,36 @@ class RoundEngine:
             clients_failed=tally.clients_failed,
             extra=tally.extra,
         )
+        if self.evaluator is not None and evaluates:  # a central test set, when the task has one, wins
+            try:
+                self.evaluator.submit(server_round, self.strategy.global_state, stop=self._stop)
+            except InterruptedRunError:  # an inline evaluation given up: the round is abandoned
+                self.strategy.load_state_dict(before)
+                raise
+            if not self.evaluator.background:
+                with self._rows:
+                    landed = self._eval_pending.pop(server_round, None)
+                if landed is not None:
+                    metrics = _with_eval(metrics, *landed)
+        del before
+        return metrics
+
+    def _land_eval(self, server_round: int, loss: float, metrics: dict[str, float]) -> None:
+        """An evaluation's figures into the row of the round they measure: the committed row is
+        replaced (and ``metrics.jsonl`` rewritten), or they wait for its commit."""
+        with self._rows:
+            at = next((i for i, m in enumerate(self.history) if m.round == server_round), None)
+            if at is None:
+                self._eval_pending[server_round] = (loss, metrics)
+                return
+            self.history[at] = _with_eval(self.history[at], loss, metrics)
+            if self.writer is not None:
+                try:
+                    with storage_errors(self.writer.dir):
+                        self.writer.update_round(self.history[at], [m.to_json() for m in self.history])
+                except StorageError as exc:  # the row keeps its figures in memory and the next checkpoint
+                    log.warning("round %d: its evaluation could not be written: %s", server_round, exc)
+        log.info("round %d: evaluated: loss %.4g%s", server_round, loss, _accuracy_text(metrics))
 
     def play_round(self, server_round: int) -> RoundMetrics:
         """``run_round``, run again under the same number while all its results are lost (at most
@@ -484,6 +493,9 @@ class RoundEngine:
             self.events.emit("round_failed", round=server_round, reason=str(exc), retry=False)
             self.fleet.interrupt()
             raise
+        if self.evaluator is not None and not self.evaluator.wait(self._stop):  # the last round's figures
+            self._stopped()
+            return None
         self.fleet.finish(timeout=self.finish_timeout)
         if self.writer is not None:
             self.writer.write_model(self.strategy.global_state)
@@ -494,3 +506,18 @@ class RoundEngine:
         """A stopped run leaves the model of its last committed round in the run directory."""
         if self.writer is not None and self.history:
             self.writer.write_model(self.strategy.global_state)
+
+
+def _with_eval(row: RoundMetrics, loss: float, metrics: dict[str, float]) -> RoundMetrics:
+    """``row`` with a server-side evaluation's figures: its loss, accuracy and other metrics."""
+    return dataclasses.replace(
+        row,
+        loss=loss,
+        accuracy=metrics.get("accuracy"),
+        extra={**row.extra, **{k: v for k, v in metrics.items() if k != "accuracy"}},
+    )
+
+
+def _accuracy_text(metrics: dict[str, float]) -> str:
+    accuracy = metrics.get("accuracy")
+    return "" if accuracy is None else f", accuracy {accuracy:.4f}"

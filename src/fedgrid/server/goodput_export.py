@@ -82,7 +82,7 @@ class GoodputExport:
 
     def splits_of(self, live: set[str]) -> dict[str, dict[str, float]]:
         """The last splits of the clients in ``live`` (a copy); those of the others are forgotten."""
-        for gone in [cid for cid in self._splits if cid not in live]:  # bounded by the registry
+        for gone in [cid for cid in self._splits if cid not in live]:  # bounded by the membership
             del self._splits[gone]
         return dict(self._splits)
 

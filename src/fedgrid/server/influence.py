@@ -8,7 +8,8 @@ same way, to the same results, with the same bits:
 
 1. **Distance.** Each update's L2 distance from the model its task sent (``base``; a late
    result's own task model; floating tensors, in float64, ``bounds.UpdateNorm``) is compared
-   with the *lower median* distance of the round's updates of the same tensors. An update
+   with the round's *reference*: the lower median distance of the round's *fresh* updates
+   (trained from the round's own model) of the same tensors. An update
    farther than ``max_update_ratio`` times that median is refused: it becomes its client's
    ``Failure`` for the round, naming both numbers. This stops a scaled update (x1e3) and a
    finite model of 3e38 values, which per-update checks accept. Updates of other tensors (a
@@ -16,7 +17,12 @@ same way, to the same results, with the same bits:
    result (``--min-quorum``) is compared with the median of the fresh updates of *its own
    task's* round (``references``, kept with the checkpoint): updates trained from the same
    model, not the smaller steps of a later one (a result two rounds stale from early training
-   stepped 12x as far as the fresh one it was measured against, and was refused).
+   stepped 12x as far as the fresh one it was measured against, and was refused), or, when that
+   round is no longer kept, with the merging round's reference. A late result never sets the
+   reference of the round it merges into (two late results once set it, and both fresh honest
+   updates of that round were refused). A group with fewer than ``MIN_FRESH_UPDATES`` fresh
+   updates takes the latest kept round's reference (the fallback; with none kept, the lone
+   update's own distance); a group with no fresh update and no kept reference is not measured.
 2. **Weight.** The claims (``num_examples``) of the updates left are capped: a claim counts
    for at most its identity's quota (``client_quotas``, for a cross-silo federation whose
    sizes are known) and at most ``max_weight_ratio`` times the round's lower median claim
@@ -25,8 +31,9 @@ same way, to the same results, with the same bits:
    train loss and a region's examples upstream all read the capped count. A claim of 10**9
    then buys exactly what a claim of 10**8 buys.
 
-Both medians are taken over the results in hand when the round closes (fresh results and the
-late ones merged into it), not over the claims made at Join: the set a round aggregates is
+The claims' median is taken over the results in hand when the round closes (fresh results and
+the late ones merged into it), the distances' over the fresh ones, neither over the claims made
+at Join: the set a round aggregates is
 what the determinism contract fixes, so the caps do not depend on arrival order or on who
 joined. The *lower* median (``statistics.median_low``) is an actual client's value: with two
 clients it is the smaller, so one client of two can neither inflate the reference nor hide
@@ -42,6 +49,7 @@ import math
 import os
 import statistics
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Mapping
 
 import tomllib
@@ -49,8 +57,8 @@ import torch
 
 from fedgrid.errors import ConfigError, InvalidUpdateError
 from fedgrid.events import EventLog
-from fedgrid.server.bounds import UpdateNorm
-from fedgrid.server.fleet import LateResult, RoundOutcome
+from fedgrid.fleet.base import LateResult, RoundOutcome
+from fedgrid.fleet.bounds import UpdateNorm
 from fedgrid.textsafe import escape
 from fedgrid.types import Failure, FitRes
 
@@ -61,6 +69,7 @@ __all__ = [
     "Influence",
     "build_influence",
     "load_quotas",
+    "share_caps",
     "update_distance",
     "CLAIMS_CAPPED",
     "UPDATES_REFUSED",
@@ -75,9 +84,16 @@ UPDATES_REFUSED = "updates_refused"
 #: differences in data size and drift, small enough that one client is never the whole mean.
 DEFAULT_WEIGHT_RATIO = 10.0
 DEFAULT_UPDATE_RATIO = 10.0
+#: Default of ``max_weight_share``: no identity holds the majority of a round's weight.
+DEFAULT_WEIGHT_SHARE = 0.5
+#: Identities a round needs for ``max_weight_share`` to apply (``share_caps``).
+MIN_SHARED_IDENTITIES = 3
 #: Rounds whose references are kept: a late result staler than this is measured against its
 #: merging round's median (``max_staleness`` defaults to 4).
 REFERENCE_ROUNDS = 256
+#: Fresh updates of a tensor group below which a round takes the latest kept round's reference
+#: for it (``Influence._remember``): one update's distance says nothing of what is normal.
+MIN_FRESH_UPDATES = 2
 
 
 @dataclass(frozen=True)
@@ -91,14 +107,18 @@ class Influence:
             for; identities not listed have the ratio cap only.
         max_update_ratio: an update farther from its task's model than this times the round's
             lower median distance is refused; 0: off.
+        max_weight_share: no identity's claims count for more than this share of the round's
+            weight (after the caps above; a share under an equal one is an equal one); 0: off.
 
     Raises:
-        ValueError: a ratio that is not 0 or a finite number at least 1, or a quota below 1.
+        ValueError: a ratio that is not 0 or a finite number at least 1, a share outside
+            (0, 1] other than 0, or a quota below 1.
     """
 
     max_weight_ratio: float = DEFAULT_WEIGHT_RATIO
     client_quotas: Mapping[str, int] = field(default_factory=dict)
     max_update_ratio: float = DEFAULT_UPDATE_RATIO
+    max_weight_share: float = DEFAULT_WEIGHT_SHARE
     #: Fit round -> its fresh updates' lower median distance by tensor group: the reference of
     #: that round's late results. The last ``REFERENCE_ROUNDS`` rounds; state of a run.
     references: dict[int, dict[frozenset[str], float]] = field(default_factory=dict, compare=False)
@@ -108,6 +128,10 @@ class Influence:
             value = getattr(self, key)
             if not (value == 0 or (math.isfinite(value) and value >= 1)):
                 raise ValueError(f"{key} must be 0 (off) or a finite number at least 1, got {value}")
+        if not 0 <= self.max_weight_share <= 1:
+            raise ValueError(
+                f"max_weight_share must be 0 (off) or a share in (0, 1], got {self.max_weight_share}"
+            )
         for name, quota in self.client_quotas.items():
             if isinstance(quota, bool) or not isinstance(quota, int) or quota < 1:
                 raise ValueError(
@@ -116,7 +140,9 @@ class Influence:
 
     @property
     def off(self) -> bool:
-        return not (self.max_weight_ratio or self.client_quotas or self.max_update_ratio)
+        return not (
+            self.max_weight_ratio or self.client_quotas or self.max_update_ratio or self.max_weight_share
+        )
 
     def bound(
         self,
@@ -163,17 +189,23 @@ class Influence:
         limit = (
             math.floor(self.max_weight_ratio * statistics.median_low(counted)) if self.max_weight_ratio else 0
         )
+        caps = [
+            min(c for c in (q, limit or None, r.num_examples) if c is not None)
+            for r, q in zip(results, quotas)
+        ]
+        shared = share_caps(caps, [_identity(r) for r in results], self.max_weight_share)
         count = 0
         for i, (res, quota) in enumerate(zip(results, quotas)):
-            cap = min(c for c in (quota, limit or None, res.num_examples) if c is not None)
+            cap = min(caps[i], shared[i])
             if res.num_examples <= cap:
                 continue
             count += 1
-            why = (
-                "its client_quotas entry"
-                if cap == quota
-                else (f"max_weight_ratio {self.max_weight_ratio:g} x the round's median claim")
-            )
+            if cap < caps[i]:
+                why = f"max_weight_share {self.max_weight_share:g} of the round's weight"
+            elif cap == quota:
+                why = "its client_quotas entry"
+            else:
+                why = f"max_weight_ratio {self.max_weight_ratio:g} x the round's median claim"
             log.info(
                 "round %d: client %s claims %d examples, counted as %d (%s)",
                 server_round,
@@ -211,20 +243,32 @@ class Influence:
         measured: list[tuple[FitRes, float, frozenset[str]]] = [
             (r, update_distance(r, base), _part(r)) for r in fresh
         ] + [(item.result, update_distance(item.result, item.base), _part(item.result)) for item in late]
-        groups: dict[frozenset[str], list[float]] = {}
-        for _, distance, part in measured:
-            groups.setdefault(part, []).append(distance)
-        medians = {part: statistics.median_low(ds) for part, ds in groups.items()}
-        self._remember(server_round, measured[: len(fresh)])
+        # The round's reference comes from its fresh updates only: a late result never sets it.
+        reference, borrowed = self._remember(server_round, measured[: len(fresh)])
+        counts: dict[frozenset[str], int] = {}
+        for _, _, part in measured[: len(fresh)]:
+            counts[part] = counts.get(part, 0) + 1
         refused: dict[int, Failure] = {}
         for i, (res, distance, part) in enumerate(measured):
-            median = medians[part]
-            against = f"the round's median distance {median:.6g} ({len(groups[part])} updates)"
             task_round = late[i - len(fresh)].task_round if i >= len(fresh) else server_round
-            if part in self.references.get(task_round, {}) and task_round != server_round:
+            if part in self.references.get(task_round, {}):
                 # A late result: the fresh updates of its own task's round, trained from its model.
                 median = self.references[task_round][part]
-                against = f"the median distance {median:.6g} of round {task_round}'s fresh updates"
+                if task_round != server_round:
+                    against = f"the median distance {median:.6g} of round {task_round}'s fresh updates"
+                elif part in borrowed:
+                    against = (
+                        f"the median distance {median:.6g} of round {borrowed[part]}'s fresh updates "
+                        f"(this round has {counts.get(part, 0)}, under {MIN_FRESH_UPDATES})"
+                    )
+                else:
+                    against = f"the round's median distance {median:.6g} ({counts[part]} fresh updates)"
+            elif part in reference:
+                # A late result whose task's round is no longer kept: the merging round's fresh updates.
+                median = reference[part]
+                against = f"the round's median distance {median:.6g}"
+            else:
+                continue  # no fresh update of these tensors anywhere to measure it against
             if distance <= self.max_update_ratio * median:
                 continue
             reason = (
@@ -246,14 +290,34 @@ class Influence:
         kept_late = [item for i, item in enumerate(late) if len(fresh) + i not in refused]
         return kept_fresh, kept_late, [refused[i] for i in sorted(refused)]
 
-    def _remember(self, server_round: int, fresh: list[tuple[FitRes, float, frozenset[str]]]) -> None:
-        """Keeps the lower median distance of ``server_round``'s fresh updates by group."""
+    def _remember(
+        self, server_round: int, fresh: list[tuple[FitRes, float, frozenset[str]]]
+    ) -> tuple[dict[frozenset[str], float], dict[frozenset[str], int]]:
+        """Keeps and returns ``server_round``'s reference by tensor group: the lower median
+        distance of its fresh updates, or, for a group with fewer than ``MIN_FRESH_UPDATES`` of
+        them, the latest kept round's reference of that group (the fallback: a lone update is not
+        its own yardstick), or, with none kept, the lone update's own distance. Also returns the
+        groups that fell back, with the round each took its reference from."""
         groups: dict[frozenset[str], list[float]] = {}
         for _, distance, part in fresh:
             groups.setdefault(part, []).append(distance)
-        self.references[server_round] = {part: statistics.median_low(ds) for part, ds in groups.items()}
+        reference: dict[frozenset[str], float] = {}
+        borrowed: dict[frozenset[str], int] = {}
+        for part, distances in groups.items():
+            earlier = [
+                r
+                for r in sorted(self.references, reverse=True)
+                if r < server_round and part in self.references[r]
+            ]
+            if len(distances) < MIN_FRESH_UPDATES and earlier:
+                reference[part] = self.references[earlier[0]][part]
+                borrowed[part] = earlier[0]
+            else:
+                reference[part] = statistics.median_low(distances)
+        self.references[server_round] = reference
         for old in [r for r in self.references if r <= server_round - REFERENCE_ROUNDS]:
             del self.references[old]
+        return reference, borrowed
 
     def state_dict(self) -> dict[str, Any]:
         """The references, for the checkpoint (``load_state_dict``)."""
@@ -269,6 +333,47 @@ class Influence:
         self.references.clear()
         for r, by_part in state.get("references", []):
             self.references[int(r)] = {frozenset(part): float(median) for part, median in by_part}
+
+
+def _identity(res: FitRes) -> str:
+    return res.client.name or res.client.client_id
+
+
+def share_caps(weights: list[int], identities: list[str], share: float) -> list[int]:
+    """Each weight's cap so that no identity holds more than ``share`` of the total: the
+    identities over it are cut to one level ``T`` with ``T = share * (T * k + rest)`` (``k`` of
+    them cut, ``rest`` the others' weight), each of their weights scaled by ``T`` over its
+    identity's sum and rounded down (at least 1). A share under an equal one (``1 / n`` of
+    ``n`` identities) cannot be met: it is raised to that. ``share`` 0 (off) or 1 caps nothing,
+    and neither does a round of fewer than ``MIN_SHARED_IDENTITIES``: of two, the cap would
+    make every round an unweighted mean (two regions of unequal sizes, two silos), and two
+    parties cannot tell which one lies anyway; the ratio cap bounds them. Exact (``Fraction``):
+    the same weights give the same caps on every machine.
+
+    Returns:
+        The caps, one per weight (a weight not cut is its own cap).
+    """
+    totals: dict[str, int] = {}
+    for w, who in zip(weights, identities):
+        totals[who] = totals.get(who, 0) + w
+    if not share or share >= 1 or len(totals) < MIN_SHARED_IDENTITIES:
+        return list(weights)
+    cap = max(Fraction(share), Fraction(1, len(totals)))
+    order = sorted(totals.values(), reverse=True)
+    rest = sum(order)
+    for k, top in enumerate(order, start=1):
+        rest -= top
+        if k * cap >= 1:  # every identity at an equal share: nobody over it
+            return list(weights)
+        level = cap * rest / (1 - k * cap)
+        if k == len(order) or order[k] <= level:
+            break
+    if top <= level:  # nobody over the share
+        return list(weights)
+    return [
+        max(1, math.floor(w * level / totals[who])) if totals[who] > level else w
+        for w, who in zip(weights, identities)
+    ]
 
 
 def _part(res: FitRes) -> frozenset[str]:
@@ -317,7 +422,7 @@ def load_quotas(path: str | os.PathLike[str]) -> dict[str, int]:
 
 def build_influence(config: "Config") -> Influence:
     """The influence caps of a run's configuration (``max_weight_ratio``, ``client_quotas``,
-    ``max_update_ratio``).
+    ``max_update_ratio``, ``max_weight_share``).
 
     Raises:
         ConfigError: an unreadable or malformed quota file.
@@ -327,4 +432,5 @@ def build_influence(config: "Config") -> Influence:
         max_weight_ratio=config.max_weight_ratio,
         client_quotas=quotas,
         max_update_ratio=config.max_update_ratio,
+        max_weight_share=config.max_weight_share,
     )

@@ -13,7 +13,7 @@ from typing import Any
 
 from fedgrid.aggregation.staleness import rebase, staleness_weight
 from fedgrid.events import EventLog
-from fedgrid.server.fleet import Quorum, RoundOutcome
+from fedgrid.fleet.base import Quorum, RoundOutcome
 from fedgrid.textsafe import escape
 from fedgrid.types import FitRes
 

@@ -11,7 +11,7 @@ unmerged results (restored from the spill), unless their clients hold a lossy do
 shadow (docs/failures.rst).
 
 ``CarriedTasks`` is a part of ``RemoteFleet`` (``server/remote_fleet.py``): it shares the
-fleet's lock (the registry's), and every method is called with that lock held.
+fleet's lock (the membership's), and every method is called with that lock held.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from typing import Any, Iterable, Mapping
 
 from fedgrid.config_compression import task_uplink_codec
 from fedgrid.events import EventLog
+from fedgrid.fleet.base import LateResult, Quorum
+from fedgrid.fleet.downlink import RoundDownlink
 from fedgrid.proto import serde
-from fedgrid.server.downlink import RoundDownlink
-from fedgrid.server.fleet import LateResult, Quorum
-from fedgrid.server.membership import Registry
+from fedgrid.server.membership import Membership
 from fedgrid.server.rounds import RoundTask
 from fedgrid.server.spill import UpdateSpill
 from fedgrid.textsafe import escape
@@ -41,13 +41,13 @@ class CarriedTasks:
     results are merged into (the open fit round, or the next).
 
     Args:
-        registry: the fleet's clients (its lock is the fleet's).
+        membership: the fleet's clients (its lock is the fleet's).
         spill: where the late results wait for their merge.
         events: where restored late results are reported.
     """
 
-    def __init__(self, registry: Registry, spill: UpdateSpill, events: EventLog) -> None:
-        self.registry = registry
+    def __init__(self, membership: Membership, spill: UpdateSpill, events: EventLog) -> None:
+        self.membership = membership
         self.spill = spill
         self.events = events
         self.tasks: dict[str, RoundTask] = {}
@@ -94,10 +94,10 @@ class CarriedTasks:
     def expire(self) -> None:
         """Carried tasks past their deadline: the clients still on them (and not uploading)
         are benched, as a round's deadline benches them; their result is no longer taken.
-        Clients dropped from the registry (silent) leave their carried task too."""
-        now = self.registry.clock.now()
+        Clients dropped from the membership (silent) leave their carried task too."""
+        now = self.membership.clock.now()
         for rnd in self.tasks.values():
-            rnd.carried &= set(self.registry.records)
+            rnd.carried &= set(self.membership.records)
             if now < rnd.deadline:
                 continue
             for cid in sorted(rnd.carried - rnd.uploading):
@@ -105,7 +105,7 @@ class CarriedTasks:
                 partial = rnd.partials.pop(cid, None)
                 if partial is not None:
                     partial.abort()
-                record = self.registry.records.get(cid)
+                record = self.membership.records.get(cid)
                 if record is not None:
                     record.benched_task = rnd.task_id
                 log.warning(
@@ -115,7 +115,7 @@ class CarriedTasks:
                 )
 
     def drop_client(self, client_id: str) -> None:
-        """``client_id`` left the registry: its late results will not come."""
+        """``client_id`` left the membership: its late results will not come."""
         for carried in self.tasks.values():
             if client_id in carried.carried:
                 carried.carried.discard(client_id)
@@ -163,7 +163,7 @@ class CarriedTasks:
             "task_id": rnd.task_id,
             "round": rnd.server_round,
             "base": rnd.global_state,
-            "remaining_s": max(0.0, rnd.deadline - self.registry.clock.now()),
+            "remaining_s": max(0.0, rnd.deadline - self.membership.clock.now()),
             "carried": sorted(rnd.carried),
             "merged": sorted(rnd.merged),
             "tasks": [
@@ -210,7 +210,7 @@ class CarriedTasks:
             kind="fit",
             assignments=assignments,
             clients=infos,
-            deadline=self.registry.clock.now() + float(saved["remaining_s"]) + grace_s,
+            deadline=self.membership.clock.now() + float(saved["remaining_s"]) + grace_s,
             downlink=RoundDownlink(base=base, version=0, _full=serde.EncodedModel(base)),
             expected=dict(TensorSpec.of(base)),
             closed=True,

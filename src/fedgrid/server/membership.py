@@ -1,8 +1,8 @@
 """Membership of a run: who joined, their session tokens, who is alive, who is benched
-(``Registry``, the coordinator's table of its clients).
+(``Membership``, the coordinator's table of its clients).
 
 It lives under the fleet's one state lock and wakes waiters through the fleet's
-``Wakeups`` (key ``"registry"`` for joins and leaves). Removing a client calls
+``Wakeups`` (key ``"membership"`` for joins and leaves). Removing a client calls
 ``on_remove`` (lock held) so that the open round fails the client's task at once.
 
 Session tokens are kept only as SHA-256 hashes (``ClientRecord.token_hash``), in memory and
@@ -16,7 +16,7 @@ A Join is checked before it touches state: name (at most ``MAX_NAME_CHARS``), re
 printable text (``fedgrid.textsafe.check_label``); the device is a device type and the
 accelerator count and memory are within ``fedgrid.capabilities``' bounds
 (``check_capabilities``); ``num_examples`` is within ``UpdateBounds.max_num_examples``. The
-checks are ``server/protocol.py``'s ``check_joining``, which the simulated fleet calls too.
+checks are ``fleet/protocol.py``'s ``check_joining``, which the simulated fleet calls too.
 Client text is logged through ``escape``.
 
 One identity (a name; under mutual TLS the certificate's) has one session. The newest Join
@@ -33,7 +33,7 @@ counts.
 
 Sessions do not pile up. A session silent for ``SILENCE_INTERVALS`` heartbeat intervals
 (holding no long poll and no transfer) is purged, by ``live`` and at least once a heartbeat
-interval by ``join``; the registry holds at most ``max_sessions`` (``MAX_SESSIONS``), and a Join
+interval by ``join``; the membership holds at most ``max_sessions`` (``MAX_SESSIONS``), and a Join
 past it, once the silent ones are purged, is refused (``ResourceLimitError``) unless it
 replaces a session of its own name. Joins and drops are logged one line each up to
 ``LOG_BURST_LINES`` per ``LOG_SUMMARY_S``, then in a summary line (``server/log_budget.py``):
@@ -63,17 +63,17 @@ from fedgrid.errors import (
     SessionReplacedError,
 )
 from fedgrid.events import EventLog
-from fedgrid.server.bounds import UpdateBounds
+from fedgrid.fleet.bounds import UpdateBounds
+from fedgrid.fleet.protocol import check_joining
 from fedgrid.server.log_budget import LogBudget
 from fedgrid.server.peers import CALLER
-from fedgrid.server.protocol import check_joining
 from fedgrid.server.wakeups import Wakeups
 from fedgrid.textsafe import escape
 from fedgrid.types import ClientInfo
 
 __all__ = [
     "ClientRecord",
-    "Registry",
+    "Membership",
     "SILENCE_INTERVALS",
     "MAX_REPLACED",
     "token_hash",
@@ -88,7 +88,7 @@ MAX_REPLACED = 1024
 
 
 def token_hash(token: str) -> str:
-    """SHA-256 hex digest of a session token: what the registry keeps instead of the token."""
+    """SHA-256 hex digest of a session token: what the membership keeps instead of the token."""
     return hashlib.sha256(token.encode()).hexdigest()
 
 
@@ -103,6 +103,8 @@ class ClientRecord:
     benched_task: str = ""
     polls: int = 0  # long polls it holds now
     transfers: int = 0  # model downloads and uploads it has in flight (its heartbeats may wait behind them)
+    #: Its running task's progress, as its last heartbeat reported it (``server/progress.py``); None: none.
+    progress: dict[str, float | int] | None = None
 
 
 @dataclass
@@ -115,7 +117,7 @@ class _Replaced:
     told: bool = False  # a call of it was refused: its conflict is counted
 
 
-class Registry:
+class Membership:
     """The clients of a run, by client id.
 
     Args:
@@ -197,7 +199,7 @@ class Registry:
             if info.name:
                 self._by_name[info.name] = info.client_id
             # A replaced session's long poll ends now ("poll again"): only a new call tells.
-            self.wake.notify("registry", *(("poll", cid) for cid in ghosts))
+            self.wake.notify("membership", *(("poll", cid) for cid in ghosts))
         for cid in ghosts:
             self._join_log.log(
                 logging.INFO, "client %s rejoined: session %s replaced", escape(info.name), cid
@@ -215,7 +217,7 @@ class Registry:
         return info, token
 
     def _make_room(self) -> None:
-        """Purges silent sessions once a heartbeat interval, or now when the registry is full;
+        """Purges silent sessions once a heartbeat interval, or now when the membership is full;
         refuses a new session past ``max_sessions`` (lock held).
 
         Raises:
@@ -300,7 +302,7 @@ class Registry:
                 replaced.by,
             )
             self.events.emit("identity_conflict", client=client_id, name=replaced.name, by=replaced.by)
-            self.wake.notify("registry")  # a waiting coordinator says so now
+            self.wake.notify("membership")  # a waiting coordinator says so now
         raise SessionReplacedError(
             f"session {client_id} of {name} was replaced by a newer session of the same identity "
             f"({replaced.by}) while this process still runs: two processes hold {name} "

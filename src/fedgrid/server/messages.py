@@ -14,8 +14,8 @@ from typing import Callable, Mapping
 from fedgrid.constants import MAX_INBOX_REPLY_BYTES
 from fedgrid.errors import DuplicateUpdateError, InvalidUpdateError, StaleTaskError
 from fedgrid.events import EventLog
-from fedgrid.server.membership import Registry
-from fedgrid.server.protocol import check_outbox, relay
+from fedgrid.fleet.protocol import check_outbox, relay
+from fedgrid.server.membership import Membership
 from fedgrid.server.rounds import RoundTask
 from fedgrid.textsafe import escape
 from fedgrid.types import MessageIns, MessageRes
@@ -40,7 +40,7 @@ class Mailbox:
     """The message-phase handlers of a fleet.
 
     Args:
-        registry: authenticates the sender (its lock and wake-ups are the fleet's).
+        membership: authenticates the sender (its lock and wake-ups are the fleet's).
         events: where accepted messages are reported.
         open_task: the fleet's check that a client has the open task ``task_id`` (lock held).
         current: the fleet's open task, or ``None``.
@@ -49,15 +49,15 @@ class Mailbox:
 
     def __init__(
         self,
-        registry: Registry,
+        membership: Membership,
         events: EventLog,
         open_task: Callable[[str, str], RoundTask],
         current: Callable[[], RoundTask | None],
         interrupted: Callable[[], bool],
     ) -> None:
-        self.registry = registry
-        self.lock = registry.lock
-        self.wake = registry.wake
+        self.membership = membership
+        self.lock = membership.lock
+        self.wake = membership.wake
         self.events = events
         self._open_task = open_task
         self._current = current
@@ -75,7 +75,7 @@ class Mailbox:
             DuplicateUpdateError: the client already sent its messages for this phase.
             InvalidUpdateError, PayloadTooLargeError: a bad recipient or sizes (nothing kept).
         """
-        record = self.registry.authenticate(client_id, token)
+        record = self.membership.authenticate(client_id, token)
         with self.lock:
             current = self._current()
             if current is not None and current.task_id == task_id and client_id in current.results:
@@ -169,8 +169,8 @@ class Mailbox:
             AuthenticationError: unknown session.
             StaleTaskError: no such phase for this client, or the client failed it.
         """
-        self.registry.authenticate(client_id, token)
-        clock = self.registry.clock
+        self.membership.authenticate(client_id, token)
+        clock = self.membership.clock
         deadline = clock.now() + max(0.0, min(wait_s, 60.0))
         answer: list[InboxPage] = []
 

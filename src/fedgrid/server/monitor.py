@@ -13,9 +13,9 @@ Metrics (one ``CollectorRegistry`` per coordinator, never the global one):
 | ``fedgrid_rounds_committed_total`` | | rounds committed (checkpoint, history and metrics hold them) |
 | ``fedgrid_rounds_failed_total`` | | rounds whose aggregate was not finite |
 | ``fedgrid_round`` | | the round in progress, else the last one run |
-| ``fedgrid_live_clients`` | | clients in the registry |
+| ``fedgrid_live_clients`` | | clients in the membership |
 | ``fedgrid_clients_joined_total`` | | Joins accepted |
-| ``fedgrid_clients_gone_total`` | ``reason`` (``left``, ``dropped``, ``replaced``) | clients that left the registry |
+| ``fedgrid_clients_gone_total`` | ``reason`` (``left``, ``dropped``, ``replaced``) | clients that left the membership |
 | ``fedgrid_updates_accepted_total`` | ``phase`` | uploads verified and kept |
 | ``fedgrid_client_failures_total`` | ``phase``, ``reason`` | failed client tasks, by ``FAILURE_REASONS`` |
 | ``fedgrid_client_results_total`` | ``outcome`` (``ok``, ``failed``) | fit results per round, as ``metrics.jsonl``'s ``clients_ok`` / ``clients_failed`` |
@@ -43,12 +43,12 @@ RPC timer (``server/rpc_timer.py``).
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from typing import Any, Callable, Sequence
 
 from fedgrid.events import Event
+from fedgrid.runlog import strict_json
 from fedgrid.server.goodput_export import MAX_REGION_LABELS, SPLIT_FIELDS, GoodputExport, region_rows
 from fedgrid.server.membership import SILENCE_INTERVALS
 from fedgrid.server.remote_fleet import RemoteFleet
@@ -80,7 +80,7 @@ FAILURE_REASONS = (
 #: Clients listed in ``/api/status`` (the count of all is ``clients_total``).
 MAX_STATUS_CLIENTS = 1000
 #: Clients whose last fit split is kept (the most recent to report; ``/api/status`` also
-#: forgets those that left the registry).
+#: forgets those that left the membership).
 MAX_KEPT_SPLITS = 10 * MAX_STATUS_CLIENTS
 _RPC_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, float("inf"))
 _PHASE_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0, float("inf"))
@@ -144,11 +144,11 @@ class CoordinatorMonitor:
             "fedgrid_rounds_failed", "rounds whose aggregate was not finite", registry=r
         )
         self.round = prom.Gauge("fedgrid_round", "the round in progress, else the last one run", registry=r)
-        self.live_clients = prom.Gauge("fedgrid_live_clients", "clients in the registry", registry=r)
+        self.live_clients = prom.Gauge("fedgrid_live_clients", "clients in the membership", registry=r)
         self.live_clients.set_function(self._client_count)
         self.joined = prom.Counter("fedgrid_clients_joined", "Joins accepted", registry=r)
         self.gone = prom.Counter(
-            "fedgrid_clients_gone", "clients that left the registry", ["reason"], registry=r
+            "fedgrid_clients_gone", "clients that left the membership", ["reason"], registry=r
         )
         self.accepted = prom.Counter(
             "fedgrid_updates_accepted", "uploads verified and kept", ["phase"], registry=r
@@ -284,8 +284,8 @@ class CoordinatorMonitor:
         self.round_seconds.observe(m.wall_s)
 
     def _client_count(self) -> float:
-        with self.fleet.registry.lock:
-            return float(len(self.fleet.registry.records))
+        with self.fleet.membership.lock:
+            return float(len(self.fleet.membership.records))
 
     # -- views -----------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -293,9 +293,10 @@ class CoordinatorMonitor:
         now_mono, now = self.fleet.clock.now(), time.time()  # last_seen is in the fleet clock's time
         rnd = self.fleet.current_round
         limit = SILENCE_INTERVALS * self.fleet.heartbeat_interval_s
-        with self.fleet.registry.lock:  # a snapshot: the records are not changed here
+        with self.fleet.membership.lock:  # a snapshot: the records are not changed here
             records = [
-                (r.info, r.last_seen, r.benched_task, r.polls) for r in self.fleet.registry.records.values()
+                (r.info, r.last_seen, r.benched_task, r.polls, r.progress)
+                for r in self.fleet.membership.records.values()
             ]
             progress = None
             if rnd is not None:
@@ -328,7 +329,7 @@ class CoordinatorMonitor:
             "progress": progress,
             "clients_total": len(records),
             "clients": clients,
-            "regions": region_rows(records, splits),
+            "regions": region_rows([r[:4] for r in records], splits),
             "history": history,
             "time": round(now, 3),
         }
@@ -356,7 +357,7 @@ class CoordinatorMonitor:
             "/metrics": Route(lambda: Response(self.metrics_text(), content_type=self._content_type)),
             "/api/status": Route(
                 lambda: Response(
-                    json.dumps(self.status(), ensure_ascii=True, allow_nan=False).encode(),
+                    strict_json(self.status(), ensure_ascii=True).encode(),
                     content_type="application/json",
                 )
             ),
@@ -387,7 +388,7 @@ _EVENT_HANDLERS: dict[str, Callable[[CoordinatorMonitor, Event], None]] = {
 
 
 def _client_rows(
-    records: Sequence[tuple[ClientInfo, float, str, int]],
+    records: Sequence[tuple[ClientInfo, float, str, int, dict[str, float | int] | None]],
     assigned: dict[str, str],
     splits: dict[str, dict[str, float]],
     *,
@@ -395,11 +396,12 @@ def _client_rows(
     now: float,
     limit: float,
 ) -> list[dict[str, Any]]:
-    """The ``clients`` of ``/api/status``: each record ``(info, last_seen, benched_task, polls)``
-    with its state (its task's in the open round, else benched, silent past ``limit`` or idle)
-    and its last fit split from ``splits`` (``None`` each before its first)."""
+    """The ``clients`` of ``/api/status``: each record ``(info, last_seen, benched_task, polls,
+    progress)`` with its state (its task's in the open round, else benched, silent past ``limit``
+    or idle), its running task's ``progress`` as its heartbeats report it (``None`` between tasks;
+    ``server/progress.py``) and its last fit split from ``splits`` (``None`` each before its first)."""
     clients = []
-    for info, last_seen, benched, polls in records:
+    for info, last_seen, benched, polls, progress in records:
         ago = max(0.0, now_mono - last_seen)
         state = assigned.get(info.client_id) or (
             "benched" if benched else "silent" if ago > limit and polls == 0 else "idle"
@@ -415,6 +417,7 @@ def _client_rows(
                 "device": info.device,
                 "accelerators": info.num_accelerators,
                 "memory_bytes": info.memory_bytes,
+                "progress": progress,
                 **{key: splits.get(info.client_id, {}).get(key) for key in SPLIT_FIELDS},
             }
         )

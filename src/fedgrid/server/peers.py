@@ -13,7 +13,7 @@ called:
 It then hands the servicer a ``Caller``: the certificate's identity (``None`` on a
 plaintext coordinator) and the session token from the call's metadata
 (``SESSION_METADATA_KEY``), so the token never travels in a message body. The transfer
-handlers check that token (``Registry.session``) before a download or upload counts
+handlers check that token (``Membership.session``) before a download or upload counts
 anywhere (``server/slots.py``): a stream without a valid session holds nothing.
 """
 

@@ -5,7 +5,7 @@ clients, waited on until it closes (its target reached, the rest failed or silen
 deadline passed), then turned into a ``RoundOutcome``. The phases differ in what a client
 downloads (a fit phase the downlink's model, an evaluation the exact global model, a message
 phase nothing) and in how the outcome is typed. A collaborator of ``RemoteFleet``, sharing its
-lock and wake-ups (the registry's).
+lock and wake-ups (the membership's).
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from datetime import timedelta
 from typing import Callable, Mapping, Sequence
 
 from fedgrid.events import EventLog
+from fedgrid.fleet import protocol
+from fedgrid.fleet.base import Quorum, RoundOutcome
+from fedgrid.fleet.codec_policy import CodecPolicy
+from fedgrid.fleet.downlink import Downlink, RoundDownlink
 from fedgrid.proto import serde
 from fedgrid.proto.buffers import receive_buffers
-from fedgrid.server import protocol
-from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.disk import StorageGuard
-from fedgrid.server.downlink import Downlink, RoundDownlink
-from fedgrid.server.fleet import Quorum, RoundOutcome
-from fedgrid.server.membership import Registry
+from fedgrid.server.membership import Membership
 from fedgrid.server.messages import Mailbox
 from fedgrid.server.rounds import RoundTask, wait_for_close
 from fedgrid.server.spill import UpdateSpill
@@ -53,7 +53,7 @@ class Phases:
     """Runs the phases of a fleet's rounds.
 
     Args:
-        registry: the fleet's clients (its lock and wake-ups are the fleet's).
+        membership: the fleet's clients (its lock and wake-ups are the fleet's).
         spill: where accepted updates wait; those that landed before a restart are not asked for again.
         mailbox: relays a message phase's messages once it closed.
         downlink: what a fit phase's clients download.
@@ -69,7 +69,7 @@ class Phases:
 
     def __init__(
         self,
-        registry: Registry,
+        membership: Membership,
         *,
         spill: UpdateSpill,
         mailbox: Mailbox,
@@ -83,8 +83,8 @@ class Phases:
         heartbeat_interval_s: float,
         storage: StorageGuard | None = None,
     ) -> None:
-        self.registry = registry
-        self.lock, self.wake = registry.lock, registry.wake
+        self.membership = membership
+        self.lock, self.wake = membership.lock, membership.wake
         self._buffers = receive_buffers()  # the pool this process's uploads are received into
         self.spill = spill
         self.mailbox = mailbox
@@ -266,7 +266,7 @@ class Phases:
             reason = wait_for_close(
                 rnd,
                 goal=goal,
-                registry=self.registry,
+                membership=self.membership,
                 wake=self.wake,
                 interrupted=self._interrupted,
                 check_every_s=self.heartbeat_interval_s / 2,

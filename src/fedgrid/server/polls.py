@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from fedgrid.errors import ResourceLimitError
-from fedgrid.server.membership import ClientRecord, Registry
+from fedgrid.server.membership import ClientRecord, Membership
 from fedgrid.server.rounds import RoundTask
 from fedgrid.textsafe import escape
 from fedgrid.types import FIT, EvaluateIns, FitIns, MessageIns
@@ -36,7 +36,7 @@ class Polls:
     """The long-poll handler of a fleet.
 
     Args:
-        registry: authenticates the client (its lock and wake-ups are the fleet's).
+        membership: authenticates the client (its lock and wake-ups are the fleet's).
         current: the fleet's open round, or ``None``.
         finished: whether the run is over.
         interrupted: whether the coordinator is stopping.
@@ -45,15 +45,15 @@ class Polls:
 
     def __init__(
         self,
-        registry: Registry,
+        membership: Membership,
         current: Callable[[], RoundTask | None],
         *,
         finished: Callable[[], bool],
         interrupted: Callable[[], bool],
         max_polls: Callable[[], int],
     ) -> None:
-        self.registry = registry
-        self.lock, self.wake = registry.lock, registry.wake
+        self.membership = membership
+        self.lock, self.wake = membership.lock, membership.wake
         self._current = current
         self._finished = finished
         self._interrupted = interrupted
@@ -67,7 +67,7 @@ class Polls:
             return PollResult(finished=True)
         if self._interrupted():  # stopping: answer now, before the server cancels the call
             return PollResult(retry_after_s=1.0)
-        if self.registry.records.get(record.info.client_id) is not record:
+        if self.membership.records.get(record.info.client_id) is not record:
             # Replaced or gone while it waited: its next call hears why (server/membership.py).
             return PollResult(retry_after_s=0.0)
         rnd = self._current()
@@ -78,7 +78,7 @@ class Polls:
                 kind=rnd.kind,
                 server_round=rnd.server_round,
                 ins=rnd.assignments[client_id],
-                deadline_s=max(0.0, rnd.deadline - self.registry.clock.now()),
+                deadline_s=max(0.0, rnd.deadline - self.membership.clock.now()),
             )
         return None
 
@@ -90,8 +90,8 @@ class Polls:
             AuthenticationError: unknown session.
             ResourceLimitError: the client already holds ``max_polls_per_client`` polls.
         """
-        record = self.registry.authenticate(client_id, token)
-        clock = self.registry.clock
+        record = self.membership.authenticate(client_id, token)
+        clock = self.membership.clock
         deadline = clock.now() + max(0.0, min(wait_s, 60.0))
         answer: list[PollResult] = []
 
@@ -123,5 +123,5 @@ class Polls:
     def held(self, client_id: str) -> int:
         """Long polls ``client_id`` holds now (0 for an unknown client)."""
         with self.lock:
-            record = self.registry.records.get(client_id)
+            record = self.membership.records.get(client_id)
             return 0 if record is None else record.polls

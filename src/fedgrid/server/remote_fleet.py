@@ -3,10 +3,10 @@ that are elsewhere (it imports no grpc; the servicer in ``server/service.py`` is
 
 It answers the handlers the servicer calls (join, poll, download, upload, messages,
 heartbeat, failure reports, leave) and runs each phase of a round until it closes. The
-parts live beside it, each a collaborator sharing the fleet's lock: the client registry
+parts live beside it, each a collaborator sharing the fleet's lock: the client membership
 (``server/membership.py``), long polls (``server/polls.py``), downloads
 (``server/downloads.py``), uploads (``server/uploads.py``, accepting through
-``server/protocol.py``), failure reports and leaves (``server/departures.py``), message phases
+``fleet/protocol.py``), failure reports and leaves (``server/departures.py``), message phases
 (``server/messages.py``), running a phase from opening to outcome (``server/phases.py``), the
 open task, its closing and the relay rules (``server/rounds.py``), the tasks a quorum's round
 carries and their late results (``server/late_results.py``), spill and downlink. It raises
@@ -37,19 +37,20 @@ from fedgrid.constants import (
 )
 from fedgrid.errors import InterruptedRunError, RunFinishedError, StaleTaskError
 from fedgrid.events import EventLog
+from fedgrid.fleet.base import Fleet, Quorum, RoundOutcome
+from fedgrid.fleet.bounds import UpdateBounds
+from fedgrid.fleet.codec_policy import CodecPolicy
+from fedgrid.fleet.downlink import Downlink
 from fedgrid.release import VERSION
-from fedgrid.server.bounds import UpdateBounds
-from fedgrid.server.codec_policy import CodecPolicy
 from fedgrid.server.departures import Departures
 from fedgrid.server.disk import StorageGuard
-from fedgrid.server.downlink import Downlink
 from fedgrid.server.downloads import Downloads
-from fedgrid.server.fleet import Fleet, Quorum, RoundOutcome
 from fedgrid.server.late_results import CarriedTasks
-from fedgrid.server.membership import SILENCE_INTERVALS, ClientRecord, Registry
+from fedgrid.server.membership import SILENCE_INTERVALS, ClientRecord, Membership
 from fedgrid.server.messages import InboxPage, Mailbox
 from fedgrid.server.phases import Phases
 from fedgrid.server.polls import PollResult, Polls
+from fedgrid.server.progress import check_progress
 from fedgrid.server.rounds import RoundTask
 from fedgrid.server.spill import UpdateSpill
 from fedgrid.server.uploads import Uploads
@@ -79,7 +80,7 @@ class RemoteFleet(Fleet):
 
     Args:
         heartbeat_interval: how often clients report; silence for ``SILENCE_INTERVALS``
-            of these drops a client from the round and the registry.
+            of these drops a client from the round and the membership.
         chunk_size: payload bytes per chunk of model downloads.
         spill_dir: where accepted updates wait for aggregation (see ``server/spill.py``);
             under the state directory they survive a crash. Default: a temporary directory.
@@ -87,14 +88,14 @@ class RemoteFleet(Fleet):
         downlink_codec: ``none`` (every client downloads the exact global model, or the
             part of it its task names in ``FitIns.download``) or a lossy spec: clients get
             the compressed change since the version they hold, with server-side error
-            feedback (see ``server/downlink.py``), whatever ``FitIns.download`` says.
+            feedback (see ``fleet/downlink.py``), whatever ``FitIns.download`` says.
         events: where the fleet reports joins, drops, accepted uploads and round closes
             (``fedgrid.events``); default: nowhere.
         max_polls_per_client: long polls one client may hold at once; more raise
             ``ResourceLimitError`` (RESOURCE_EXHAUSTED).
         task_scope: part of every task id, so that nested rounds (a global round made of
             regional rounds, each regional round numbered from 1) never share a task id.
-        bounds: what a Join may report and an update may claim and change (``server/bounds.py``).
+        bounds: what a Join may report and an update may claim and change (``fleet/bounds.py``).
         requirements: the capabilities a client must report to take tasks (``require_device``
             and the other keys; ``None``: any client). The others stay registered and
             heartbeat, but ``wait_for_clients`` neither counts nor returns them.
@@ -143,16 +144,16 @@ class RemoteFleet(Fleet):
         self._build_parts()
 
     def _build_parts(self) -> None:
-        """The collaborators: each shares the fleet's lock and wake-ups (the registry's) and reads
+        """The collaborators: each shares the fleet's lock and wake-ups (the membership's) and reads
         the fleet's changing state (open round, run id, flags) through callables."""
-        self.registry = Registry(
+        self.membership = Membership(
             self._wake, self.events, self.heartbeat_interval_s, self._fail_removed, self.bounds
         )
         # Semi-asynchronous rounds: fit tasks closed at their quorum with clients still on them.
-        self.carried = CarriedTasks(self.registry, self.spill, self.events)
-        self.departures = Departures(self.registry, self.events, self._open_task)
+        self.carried = CarriedTasks(self.membership, self.spill, self.events)
+        self.departures = Departures(self.membership, self.events, self._open_task)
         self.uploads = Uploads(
-            self.registry,
+            self.membership,
             self.spill,
             self.events,
             self._open_task,
@@ -162,17 +163,17 @@ class RemoteFleet(Fleet):
             late_refusal=self.carried.refusal,
         )
         self.mailbox = Mailbox(
-            self.registry, self.events, self._open_task, lambda: self._round, lambda: self._interrupted
+            self.membership, self.events, self._open_task, lambda: self._round, lambda: self._interrupted
         )
         self.downloads = Downloads(
-            self.registry,
+            self.membership,
             self.downlink,
             self._open_task,
             run_id=lambda: self.run_id,
             chunk_size=lambda: self.chunk_size,
         )
         self.phases = Phases(
-            self.registry,
+            self.membership,
             spill=self.spill,
             mailbox=self.mailbox,
             downlink=self.downlink,
@@ -186,7 +187,7 @@ class RemoteFleet(Fleet):
             storage=self.storage,
         )
         self.polls = Polls(
-            self.registry,
+            self.membership,
             lambda: self._round,
             finished=lambda: self._finished,
             interrupted=lambda: self._interrupted,
@@ -196,11 +197,11 @@ class RemoteFleet(Fleet):
     # -- handlers (called by the servicer) -------------------------------------------------
     def join(self, joining: ClientInfo, *, identity: str | None = None) -> tuple[ClientInfo, str]:
         """Registers a client (its ``client_id`` is assigned here); returns its info and session
-        token. ``identity``: its certificate's, under mTLS (``Registry.join``)."""
+        token. ``identity``: its certificate's, under mTLS (``Membership.join``)."""
         if self._finished:
             raise RunFinishedError("the run is over")
         with self._lock:  # one step: the open round never sees the old session gone and no new one
-            info, token = self.registry.join(joining, identity=identity)
+            info, token = self.membership.join(joining, identity=identity)
             self.phases.hand_over(self._round, info)  # a restarted client rejoins its round
         missing = self.requirements.shortfall(info) if self.requirements is not None else None
         if missing is not None:
@@ -212,11 +213,11 @@ class RemoteFleet(Fleet):
         return info, token
 
     def authenticate(self, client_id: str, token: str) -> ClientRecord:
-        """The client's record, marked alive (``Registry.authenticate``; AuthenticationError)."""
-        return self.registry.authenticate(client_id, token)
+        """The client's record, marked alive (``Membership.authenticate``; AuthenticationError)."""
+        return self.membership.authenticate(client_id, token)
 
     def _fail_removed(self, record: ClientRecord, reason: str) -> None:
-        """A client left the registry: its open task fails now (lock held)."""
+        """A client left the membership: its open task fails now (lock held)."""
         self.carried.drop_client(record.info.client_id)
         if self._round is not None and self._round.depart(record.info, reason):
             self._wake.notify("round")
@@ -242,8 +243,13 @@ class RemoteFleet(Fleet):
         """
         self.departures.leave(client_id, token, reason)
 
-    def heartbeat(self, client_id: str, token: str) -> float:
-        self.authenticate(client_id, token)
+    def heartbeat(self, client_id: str, token: str, progress: Any = None) -> float:
+        """Marks the client alive; ``progress`` (a ``TaskProgress`` message): where its running
+        task is, kept for the status page (``server/progress.py``; checked first: a bad one is
+        refused, ``InvalidUpdateError``, and changes nothing)."""
+        figures = check_progress(progress) if progress is not None else None
+        record = self.authenticate(client_id, token)
+        record.progress = figures
         return self.heartbeat_interval_s
 
     async def poll_async(self, client_id: str, token: str, wait_s: float) -> PollResult:
@@ -318,39 +324,44 @@ class RemoteFleet(Fleet):
     def live_clients(self) -> list[ClientInfo]:
         """Every client heartbeating, benched ones included (``wait_for_clients`` leaves those out)."""
         with self._lock:
-            return self.registry.live()
+            return self.membership.live()
 
     def wait_for_clients(self, *, min_clients: int, timeout: timedelta) -> list[ClientInfo]:
         """The selectable clients (live, meeting the ``requirements``, not benched for a missed
         deadline, not on a late task), once ``min_clients`` live clients meeting them are present
         and one is selectable: a benched client counts toward ``min_clients`` but is not asked,
         so one straggler never stops a run whose ``--min-clients`` is the fleet's size.
-        While it waits it logs ``waiting for N clients (k joined)``
-        every ``WAITING_REPORT_S`` and whenever k changes: a coordinator waiting for minutes
-        says what it waits for."""
+        While it waits it logs ``waiting for N clients (k joined)`` every ``WAITING_REPORT_S``
+        and whenever k has moved by a tenth of N (at least 1) or identity conflicts first appear
+        since the last line: a coordinator waiting for minutes says what it waits for, and a flood
+        of Joins writes about ten lines, not one a Join."""
         deadline = self.clock.now() + timeout.total_seconds()
-        reported: tuple[int, str] | None = None
+        reported: tuple[int, bool] | None = None
+        step = max(1, min_clients // 10)
         next_report = self.clock.now()
         with self._lock:
             while True:
                 self.carried.expire()
                 # O(1) first: the O(clients) scan only once enough are registered (a join wakes this).
-                joined = len(self.registry.records)
+                joined = len(self.membership.records)
                 enough = joined >= min_clients
-                live = self.registry.live() if enough or self.clock.now() >= deadline else []
+                live = self.membership.live() if enough or self.clock.now() >= deadline else []
                 unfit = 0
                 if self.requirements is not None:
                     qualifying = [c for c in live if self.requirements.eligible(c)]
                     unfit, live = len(live) - len(qualifying), qualifying
                 # Benched clients, and those still on a task carried past its round's quorum
                 # (semi-asynchronous rounds), count as live but are not selected until they report.
-                benched = {c.client_id for c in live if self.registry.records[c.client_id].benched_task}
+                benched = {c.client_id for c in live if self.membership.records[c.client_id].benched_task}
                 busy = self.carried.busy() | benched
                 free = [c for c in live if c.client_id not in busy]
                 if len(live) >= min_clients and free:
                     return free
-                conflicts = self.registry.conflict_note()  # two processes on one identity
-                if (joined, conflicts) != reported or self.clock.now() >= next_report:
+                conflicts = self.membership.conflict_note()  # two processes on one identity
+                moved = (
+                    reported is None or abs(joined - reported[0]) >= step or bool(conflicts) != reported[1]
+                )
+                if moved or self.clock.now() >= next_report:
                     log.info(
                         "waiting for %d clients (%d joined%s%s)",
                         min_clients,
@@ -358,14 +369,16 @@ class RemoteFleet(Fleet):
                         f", {unfit} short of the capability requirements" if unfit else "",
                         conflicts,
                     )
-                    reported, next_report = (joined, conflicts), self.clock.now() + WAITING_REPORT_S
+                    reported, next_report = (joined, bool(conflicts)), self.clock.now() + WAITING_REPORT_S
                 if self._interrupted:
                     self.storage.check()
                     raise InterruptedRunError("stopped while waiting for clients")
                 now = self.clock.now()
                 if now >= deadline:
                     raise TimeoutError(_shortfall(len(live), len(benched), unfit, min_clients, timeout))
-                self._wake.wait_until("registry", min(deadline, now + self.heartbeat_interval_s, next_report))
+                self._wake.wait_until(
+                    "membership", min(deadline, now + self.heartbeat_interval_s, next_report)
+                )
 
     def fit_round(
         self,
@@ -451,13 +464,13 @@ class RemoteFleet(Fleet):
             carried = self.carried.state_list()
         return {
             "run_id": self.run_id,
-            "clients": self.registry.state_dict(),
+            "clients": self.membership.state_dict(),
             "downlink": self.downlink.state_dict(),
             "carried": carried,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restores the run id and registry: clients keep their sessions across a restart.
+        """Restores the run id and membership: clients keep their sessions across a restart.
 
         Restored clients get a grace period before silence counts against them: they may be
         sleeping in retry backoff (capped at ``RETRY_MAX_WAIT_S``) while the coordinator restarts.
@@ -468,7 +481,7 @@ class RemoteFleet(Fleet):
             self.run_id = str(state["run_id"])
             if state.get("downlink") is not None:
                 self.downlink.load_state_dict(state["downlink"])
-            self.registry.load_state_dict(
+            self.membership.load_state_dict(
                 state["clients"], seen_at=self.clock.now() + RETRY_MAX_WAIT_S + RESTART_GRACE_S
             )
             self.carried.load(state.get("carried", ()), RETRY_MAX_WAIT_S + RESTART_GRACE_S)
@@ -480,10 +493,10 @@ class RemoteFleet(Fleet):
             self._finished = True
             self._wake.notify_all()
             while True:
-                live = {info.client_id for info in self.registry.live()}
+                live = {info.client_id for info in self.membership.live()}
                 waiting = [
                     r
-                    for r in self.registry.records.values()
+                    for r in self.membership.records.values()
                     if not r.heard_finished and r.info.client_id in live
                 ]
                 now = self.clock.now()

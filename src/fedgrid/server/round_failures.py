@@ -25,7 +25,7 @@ import torch
 
 from fedgrid.errors import RoundLostError
 from fedgrid.events import EventLog
-from fedgrid.server.fleet import Fleet, RoundOutcome
+from fedgrid.fleet.base import Fleet, RoundOutcome
 from fedgrid.textsafe import escape
 from fedgrid.types import RoundMetrics
 

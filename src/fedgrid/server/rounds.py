@@ -3,7 +3,7 @@
 A ``RoundTask`` is what the fleet holds while a phase runs: its assignments, the results
 and failures so far, the bytes moved and, for a fit or evaluate phase, the model clients
 download. The rules of message phases (``check_outbox``, ``relay``) are the per-client
-protocol's (``server/protocol.py``), shared by ``RemoteFleet`` and ``InProcessFleet``.
+protocol's (``fleet/protocol.py``), shared by ``RemoteFleet`` and ``InProcessFleet``.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Callable
 
 from fedgrid.aggregation.lora_ranks import RankViews, specs_at_rank
 from fedgrid.compression.spec import CodecSpec
+from fedgrid.fleet.downlink import RoundDownlink
+from fedgrid.fleet.protocol import RoundTally
 from fedgrid.proto import serde
-from fedgrid.server.downlink import RoundDownlink
-from fedgrid.server.protocol import RoundTally
 from fedgrid.types import (
     EVALUATE,
     FIT,
@@ -33,7 +33,7 @@ from fedgrid.types import (
 )
 
 if TYPE_CHECKING:
-    from fedgrid.server.membership import Registry
+    from fedgrid.server.membership import Membership
     from fedgrid.server.uploads import Upload
     from fedgrid.server.wakeups import Wakeups
 
@@ -65,7 +65,7 @@ class RoundTask:
     partials: dict[str, "Upload"] = field(default_factory=dict)  # broken uploads, by client
     closed: bool = False
     closed_by: str = ""  # why it closed: one of fedgrid.events.CLOSE_REASONS
-    tally: RoundTally = field(default_factory=RoundTally)  # the bytes moved (``server/protocol.py``)
+    tally: RoundTally = field(default_factory=RoundTally)  # the bytes moved (``fleet/protocol.py``)
     parts: dict[frozenset[str], serde.EncodedModel] = field(
         default_factory=dict
     )  # partial downloads, by tensors
@@ -227,7 +227,7 @@ def wait_for_close(
     rnd: RoundTask,
     *,
     goal: int,
-    registry: "Registry",
+    membership: "Membership",
     wake: "Wakeups",
     interrupted: Callable[[], bool],
     check_every_s: float,
@@ -266,12 +266,12 @@ def wait_for_close(
         if now >= rnd.deadline:
             for cid in rnd.pending():
                 rnd.failures[cid] = Failure(infos[cid], f"missed the round deadline of {timeout_s:.1f}s")
-                record = registry.records.get(cid)
+                record = membership.records.get(cid)
                 if record is not None and cid not in rnd.uploading:  # alive, yet no result: benched
                     record.benched_task = rnd.task_id
             return "deadline"
         if now >= next_check:
-            _fail_silent(rnd, registry)
+            _fail_silent(rnd, membership)
             next_check = now + check_every_s
             continue
         until = min(rnd.deadline, next_check)
@@ -281,9 +281,9 @@ def wait_for_close(
     return "all"
 
 
-def _fail_silent(rnd: RoundTask, registry: "Registry") -> None:
+def _fail_silent(rnd: RoundTask, membership: "Membership") -> None:
     """Fails the pending clients that went silent (lock held); a rejoin takes their task over."""
-    live = {info.client_id for info in registry.live()}
+    live = {info.client_id for info in membership.live()}
     for cid in rnd.pending():
         if cid not in live and cid not in rnd.uploading:
             rnd.failures[cid] = Failure(rnd.clients[cid], "client went silent (no heartbeat)")

@@ -22,6 +22,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fedgrid.aggregation import Strategy
 from fedgrid.aggregation.lora_ranks import RankPolicy
+from fedgrid.allocator import return_large_buffers_to_the_system
+from fedgrid.clock import MONOTONIC, Clock
 from fedgrid.config import Config
 from fedgrid.config_llm import peft_rank_bound
 from fedgrid.constants import (
@@ -45,10 +47,9 @@ from fedgrid.interrupts import GracefulStop, say
 from fedgrid.pki import RevocationList
 from fedgrid.proto.tls import TLSFiles, is_loopback, server_credentials
 from fedgrid.server.aio import LoopThread, advertised_address
-from fedgrid.server.engine import EvaluateFn
 from fedgrid.server.enrollment import EnrollmentServer
-from fedgrid.server.memory import return_large_buffers_to_the_system
 from fedgrid.server.monitor import CoordinatorMonitor
+from fedgrid.server.parts import EvaluateFn
 from fedgrid.server.peers import PeerCheck
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.service import SERVICE, CoordinatorServicer, add_to_server
@@ -163,12 +164,20 @@ class Coordinator:
 
         try:
             self.server, self.health, self.port = self._run(build())
+        except RuntimeError as exc:  # grpc's "Failed to bind to address": taken, or not this host's
+            self._shutdown_loop()
+            if "bind" not in str(exc):
+                raise
+            self.port = 0
         except Exception:
             self._shutdown_loop()
             raise
         if self.port == 0:
             self._shutdown_loop()
-            raise OSError(f"could not bind {listen}")
+            raise OSError(
+                f"cannot listen on {listen}: the port is in use (another coordinator?) or the address is "
+                "not this host's; pick another with --listen HOST:PORT (port 0: any free one)"
+            )
         self.address = advertised_address(listen, self.port)
 
     @staticmethod
@@ -248,6 +257,7 @@ def run_coordinator(
     on_event: Callable[[Event], None] | None = None,
     strategy: Strategy | None = None,
     base_hash: str = "",
+    clock: Clock = MONOTONIC,
 ) -> ModelState | None:
     """Serves ``config.rounds`` rounds and returns the final global model.
 
@@ -274,11 +284,13 @@ def run_coordinator(
     Aggregation runs with ``config.threads`` intra-op threads (restored on return), which
     ``config.toml`` records with the torch version. ``base_hash``: an adapter run's frozen base
     (``--peft``), which every client must show at Join (``BaseModelMismatchError`` otherwise).
+    ``clock``: the fleet's time (deadlines, heartbeats' silence, the final state's hold;
+    ``fedgrid.clock``: a test passes a ``ManualClock``).
     """
     if strategy is not None:
         config = _with_strategy(config, strategy)
     with intra_op_threads(config.threads) as threads:
-        return _serve(config, threads, initial, evaluate_fn, ready, on_event, strategy, base_hash)
+        return _serve(config, threads, initial, evaluate_fn, ready, on_event, strategy, base_hash, clock)
 
 
 def _with_strategy(config: Config, strategy: Strategy) -> Config:
@@ -321,8 +333,9 @@ def _serve(
     on_event: Callable[[Event], None] | None,
     strategy: Strategy | None = None,
     base_hash: str = "",
+    clock: Clock = MONOTONIC,
 ) -> ModelState | None:
-    wired = wire(config, threads, _initial_model(config, initial), evaluate_fn, on_event, strategy)
+    wired = wire(config, threads, _initial_model(config, initial), evaluate_fn, on_event, strategy, clock)
     writer, events, fleet, engine = wired.writer, wired.events, wired.fleet, wired.engine
     fleet.base_hash, fleet.lora_ranks = base_hash, rank_policy(config, fleet.downlink.lossless)
     # The checkpoint first: the run id printed, and handed to the first clients, is the restored one.
@@ -417,7 +430,9 @@ def _start_servers(
     try:
         # Bound first: a refused --http (no token off loopback, port taken) fails before any client can join.
         if monitor is not None:
-            hold = FinalStateHold(lambda: monitor.state == "finished", limit_s=config.http_linger_s)
+            hold = FinalStateHold(
+                lambda: monitor.state == "finished", limit_s=config.http_linger_s, clock=fleet.clock
+            )
             http = StatusServer(config.http, hold.routes(monitor.routes()), token_file=config.http_token_file)
         interceptors = [monitor.interceptor()] if monitor is not None else []
         coordinator = Coordinator(

@@ -164,7 +164,7 @@ class CoordinatorServicer:
         return self.slots.admit(identity or record.info.client_id, context.peer() or "")
 
     async def _offload(self, fn: Callable[..., T], *args: object) -> T:
-        # In the call's context, so the registry sees its caller (CALLER) on the thread too.
+        # In the call's context, so the membership sees its caller (CALLER) on the thread too.
         return await asyncio.get_running_loop().run_in_executor(
             self.executor, contextvars.copy_context().run, fn, *args
         )
@@ -263,7 +263,7 @@ class CoordinatorServicer:
         async def body() -> pb.UploadReply:
             # The session of the call's metadata first: a stream without one is refused
             # before a byte of it is read.
-            with self._admit(context, self.fleet.registry.session(_token())) as ticket:
+            with self._admit(context, self.fleet.membership.session(_token())) as ticket:
                 it = request_iterator.__aiter__()
                 reader = StreamReader(it, asyncio.get_running_loop(), self.stream_idle_s)
                 first = await self._header(it)
@@ -305,7 +305,8 @@ class CoordinatorServicer:
         self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> pb.HeartbeatReply:
         async def body() -> pb.HeartbeatReply:
-            return pb.HeartbeatReply(interval_s=self.fleet.heartbeat(request.client_id, _token()))
+            progress = request.progress if request.HasField("progress") else None
+            return pb.HeartbeatReply(interval_s=self.fleet.heartbeat(request.client_id, _token(), progress))
 
         return await self._call(context, body)
 

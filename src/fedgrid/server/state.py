@@ -2,7 +2,7 @@
 
 A checkpoint holds everything a restarted coordinator needs to continue exactly: the
 round counter, the strategy's state (global model, server-optimizer state), the fleet's
-state (run id, client registry) and the per-round metrics so far. It is written to a
+state (run id, client membership) and the per-round metrics so far. It is written to a
 temporary file, fsynced, renamed into place and the directory fsynced, so a crash leaves
 either the old or the new checkpoint, never half of one. Each file carries an xxh3-64
 checksum of its payload; a corrupt newest checkpoint is reported and the previous good

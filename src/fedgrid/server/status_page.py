@@ -5,7 +5,8 @@ The page holds no data: its script polls ``/api/status`` every ``POLL_MS`` and d
 current round, its progress, one inline SVG plot each of accuracy (%), loss and wire bytes
 per round (a point per committed round; round numbers on the x axis, round values with
 their unit on the y axis, e.g. ``117 kB``), the clients table (with each client's
-utilization: the compute share of its last fit task's window, its split in the cell's
+running task's progress, as its heartbeats report it: steps, examples per second, time left;
+its utilization: the compute share of its last fit task's window, its split in the cell's
 tooltip) and the regions table (the sums of their clients' last splits). Before the first
 round commits each plot says ``waiting for round 1``. A banner says when the run finished;
 when ``/api/status`` can no longer be read (the coordinator exited) the page keeps what it
@@ -244,8 +245,17 @@ function plot(id, rows, value, s) {
   }
 }
 function text(id, value) { document.getElementById(id).textContent = value; }
-function device(c) {  // "cuda x2, 80.0 GiB": the device type, accelerators, memory
-  return (c.device || "") + (c.accelerators ? " x" + c.accelerators : "") + (c.memory_bytes ? ", " + (c.memory_bytes / 1073741824).toFixed(1) + " GiB" : "");
+function device(c) {  // "cuda x2, 80.0 GiB memory": the device type, accelerators, memory
+  return (c.device || "") + (c.accelerators ? " x" + c.accelerators : "") + (c.memory_bytes ? ", " + (c.memory_bytes / 1073741824).toFixed(1) + " GiB memory" : "");
+}
+function hms(s) {  // "0:01:05"; "?" when unknown (-1)
+  if (typeof s !== "number" || s < 0) return "?";
+  const t = Math.round(s);
+  return Math.floor(t / 3600) + ":" + String(Math.floor(t / 60) % 60).padStart(2, "0") + ":" + String(t % 60).padStart(2, "0");
+}
+function task(p) {  // "step 120/500, 85.2 examples/s, 0:01:05 left": the client's running task, as it reports it
+  if (!p) return "-";
+  return "step " + p.steps_done + (p.steps_total ? "/" + p.steps_total : "") + ", " + p.examples_per_s.toFixed(1) + " examples/s" + (p.tokens_per_s ? ", " + Math.round(p.tokens_per_s) + " tokens/s" : "") + ", " + hms(p.eta_s) + " left";
 }
 function num(v, digits) { return typeof v === "number" ? v.toFixed(digits) : "-"; }
 function split(r) {  // "compute 5.5 s, comm 27.6 s, wait 0.4 s"
@@ -291,7 +301,7 @@ function render(s) {
   body.replaceChildren();
   for (const c of s.clients) {
     const tr = document.createElement("tr");
-    for (const v of [c.name, c.region, c.state, device(c), ago(c.last_seen_s)]) cell(tr, v);
+    for (const v of [c.name, c.region, c.state, task(c.progress), device(c), ago(c.last_seen_s)]) cell(tr, v);
     cell(tr, num(c.utilization, 2), split(c)).className = "utilization";
     cell(tr, c.id);
     body.appendChild(tr);
@@ -345,7 +355,7 @@ _PAGE = """<!doctype html>
 <figure><svg id="plot-bytes" width="340" height="180" viewBox="0 0 340 180"></svg><figcaption>wire bytes (up + down) per round <span id="last-bytes"></span></figcaption></figure>
 </div>
 <p id="clients-total"></p>
-<table><thead><tr><th>name</th><th>region</th><th>state</th><th>device</th><th>last seen</th><th>utilization</th><th>id</th></tr></thead>
+<table><thead><tr><th>name</th><th>region</th><th>state</th><th>task progress</th><th>device</th><th>last seen</th><th>utilization</th><th>id</th></tr></thead>
 <tbody id="clients"></tbody></table>
 <table><thead><tr><th>region</th><th>clients</th><th>utilization</th><th>compute s</th><th>comm s</th><th>wait s</th></tr></thead>
 <tbody id="regions"></tbody></table>

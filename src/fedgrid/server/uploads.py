@@ -6,7 +6,7 @@ the expected specs); a fit update's tensors are checked as they complete and wri
 their spill file. An update is accepted whole or not at all.
 
 Before any tensor is read, the header must name this run (``run_id``: the id the client got
-at Join) and pass ``server/protocol.py``'s header checks (the ``delta`` flag against the
+at Join) and pass ``fleet/protocol.py``'s header checks (the ``delta`` flag against the
 negotiated uplink codec, ``num_examples`` against its bounds); each tensor must come in the
 task's uplink codec (``ModelAssembler``'s ``codec``: an integer or bool tensor may come raw)
 and pass its ``UpdateCheck`` (finite, within the norm bound), and the bytes go to the round's
@@ -25,10 +25,10 @@ import torch
 
 from fedgrid.errors import DuplicateUpdateError, FedgridError, InvalidUpdateError, StaleTaskError
 from fedgrid.events import EventLog
+from fedgrid.fleet import protocol
+from fedgrid.fleet.bounds import UpdateBounds
 from fedgrid.proto import serde
-from fedgrid.server import protocol
-from fedgrid.server.bounds import UpdateBounds
-from fedgrid.server.membership import ClientRecord, Registry
+from fedgrid.server.membership import ClientRecord, Membership
 from fedgrid.server.rounds import RoundTask
 from fedgrid.server.spill import UpdateSpill, UpdateWriter
 from fedgrid.textsafe import escape
@@ -60,7 +60,7 @@ class Uploads:
     """The upload handlers of a fleet.
 
     Args:
-        registry: authenticates the uploader (its lock and wake-ups are the fleet's).
+        membership: authenticates the uploader (its lock and wake-ups are the fleet's).
         spill: where accepted fit updates go.
         events: where accepted and broken uploads are reported.
         open_task: the fleet's check that a client has the open task ``task_id`` (lock held).
@@ -73,7 +73,7 @@ class Uploads:
 
     def __init__(
         self,
-        registry: Registry,
+        membership: Membership,
         spill: UpdateSpill,
         events: EventLog,
         open_task: Callable[[str, str], RoundTask],
@@ -83,11 +83,11 @@ class Uploads:
         run_id: Callable[[], str] = lambda: "",
         late_refusal: Callable[[RoundTask], str | None] = lambda rnd: None,
     ) -> None:
-        self.registry = registry
+        self.membership = membership
         self.bounds = bounds if bounds is not None else UpdateBounds()
         self._run_id = run_id
-        self.lock = registry.lock
-        self.wake = registry.wake
+        self.lock = membership.lock
+        self.wake = membership.wake
         self.spill = spill
         self.events = events
         self._open_task = open_task
@@ -100,7 +100,7 @@ class Uploads:
         Raises:
             InvalidUpdateError: malformed stream or tensors, another run's id, a ``delta``
                 flag that does not match the task's codec, a weight or norm over its bound
-                (state unchanged; the checks are ``server/protocol.py``'s).
+                (state unchanged; the checks are ``fleet/protocol.py``'s).
             AuthenticationError, StaleTaskError, DuplicateUpdateError: as named.
         """
         iterator = iter(frames)
@@ -108,7 +108,7 @@ class Uploads:
         if first is None:
             raise InvalidUpdateError("empty upload stream: no header")
         header = serde.read_header(first)
-        record = self.registry.authenticate(header.client_id, token)
+        record = self.membership.authenticate(header.client_id, token)
         client_id = record.info.client_id
         run_id = self._run_id()
         if header.run_id != run_id:
@@ -136,7 +136,7 @@ class Uploads:
             with self.lock:
                 rnd.uploading.discard(client_id)
                 record.transfers -= 1
-                record.last_seen = self.registry.clock.now()
+                record.last_seen = self.membership.clock.now()
                 self.wake.notify("round", ("upload", client_id))
 
     def _open_upload(self, record: ClientRecord, header: serde.StreamInfo) -> RoundTask:
@@ -162,7 +162,7 @@ class Uploads:
                 partial = rnd.partials.pop(client_id, None)
                 if partial is not None:
                     partial.abort()
-                self.wake.notify("registry")
+                self.wake.notify("membership")
                 self.events.emit("late_refused", round=rnd.server_round, client=client_id, reason=refusal)
                 raise StaleTaskError(refusal)
             if client_id in rnd.failures:  # it reported a failure, left, or was given up
@@ -297,7 +297,7 @@ class Uploads:
                     result = protocol.without_offset(result, rnd.downlink.offset)
                 rnd.carried.discard(client_id)
                 rnd.late[client_id] = result
-                self.wake.notify("registry")  # no longer busy: selectable again
+                self.wake.notify("membership")  # no longer busy: selectable again
             else:
                 rnd.results[client_id] = result
             asm = upload.asm
@@ -358,15 +358,15 @@ class Uploads:
 
     def status(self, client_id: str, token: str, task_id: str) -> tuple[int, bool]:
         """(chunks of a broken upload the coordinator holds, whether the update already landed)."""
-        self.registry.authenticate(client_id, token)
+        self.membership.authenticate(client_id, token)
         with self.lock:
             rnd = self._current()
             if rnd is not None and rnd.task_id == task_id and rnd.landed(client_id):
                 return 0, True
             rnd = self._open_task(client_id, task_id)
             # A broken stream may still be winding down on its server thread: let it settle.
-            deadline = self.registry.clock.now() + 5.0
-            while client_id in rnd.uploading and self.registry.clock.now() < deadline:
+            deadline = self.membership.clock.now() + 5.0
+            while client_id in rnd.uploading and self.membership.clock.now() < deadline:
                 self.wake.wait_until(("upload", client_id), deadline)
             if rnd.landed(client_id):
                 return 0, True

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from fedgrid.aggregation import Strategy
+from fedgrid.clock import MONOTONIC, Clock
 from fedgrid.config import Config
 from fedgrid.constants import FINISH_GRACE_S, ROUND_RETRIES
 from fedgrid.determinism import environment
@@ -21,19 +22,15 @@ from fedgrid.errors import ConfigError
 from fedgrid.events import Event, EventLog
 from fedgrid.plugins import is_factory_spec, model_state
 from fedgrid.runlog import RunWriter, load_model
-from fedgrid.server.bounds import build_bounds
-from fedgrid.server.codec_policy import build_codec_policy
-from fedgrid.server.engine import EvaluateFn, RoundEngine
-from fedgrid.server.fleet import quorum_of
-from fedgrid.server.influence import build_influence
+from fedgrid.server.engine import RoundEngine
 from fedgrid.server.monitor import CoordinatorMonitor
-from fedgrid.server.privacy import build_privacy
+from fedgrid.server.parts import EvaluateFn, RunIO, RunParts, Schedule, build_parts
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.state import StateStore, read_state_key
-from fedgrid.server.strategies import build_capability_filter, build_strategy
+from fedgrid.server.strategies import build_capability_filter
 from fedgrid.types import ModelState, RoundMetrics
 
-__all__ = ["Wired", "wire", "coordinator_model", "build_fleet", "open_store", "write_address", "quorum_of"]
+__all__ = ["Wired", "wire", "coordinator_model", "build_fleet", "open_store", "write_address"]
 
 log = logging.getLogger(__name__)
 
@@ -61,17 +58,19 @@ def coordinator_model(config: Config) -> ModelState | None:
     return None
 
 
-def build_fleet(config: Config, events: EventLog) -> RemoteFleet:
-    """The ``RemoteFleet`` of a coordinator (or a region's) with ``config``'s links, limits and spill directory."""
+def build_fleet(config: Config, events: EventLog, parts: RunParts, clock: Clock = MONOTONIC) -> RemoteFleet:
+    """The ``RemoteFleet`` of a coordinator (or a region's) with ``config``'s links, limits and spill
+    directory, checking and sending what ``parts`` (``build_parts(config, ...)``) say, on ``clock``."""
     return RemoteFleet(
         events=events,
         heartbeat_interval=timedelta(seconds=config.heartbeat_interval_s),
         chunk_size=config.chunk_size,
         spill_dir=Path(config.state_dir) / "updates" if config.state_dir else None,
-        codec_policy=build_codec_policy(config),
-        downlink_codec=config.codecs.downlink,
-        bounds=build_bounds(config),
+        codec_policy=parts.codec_policy,
+        downlink_codec=parts.downlink_codec,
+        bounds=parts.bounds,
         requirements=build_capability_filter(config),
+        clock=clock,
     )
 
 
@@ -124,48 +123,54 @@ def wire(
     evaluate_fn: EvaluateFn | None,
     on_event: Callable[[Event], None] | None,
     strategy: Strategy | None = None,
+    clock: Clock = MONOTONIC,
 ) -> Wired:
-    """Builds the strategy (unless given), the run directory, the event log, the fleet, the monitor and the engine.
+    """Builds the strategy (unless given), the run directory, the event log, the fleet (on ``clock``),
+    the monitor and the engine.
 
     Raises:
         ConfigError: a strategy option out of range, or a ``min_quorum`` above ``min_clients``
             (a round may start with ``min_clients`` clients; nothing is created then).
     """
     _check_quorum_fits(config)
-    influence = build_influence(config)  # a bad quota file fails before anything is created
+    # A bad strategy option, quota or noise key file fails before anything is created. The noise
+    # key is fresh and secret; a resume restores the run's.
+    parts = build_parts(config, num_clients=config.min_clients, where="coordinator", given=strategy)
     store = open_store(config)
-    strategy = build_strategy(config, num_clients=config.min_clients, given=strategy)
-    strategy.initialize(initial_state=initial)
+    parts.strategy.initialize(initial_state=initial)
     writer = RunWriter(
         config.out,
         {**config.to_dict(), "threads": threads},
         environment=environment(threads_requested=config.threads),
     )
     events = EventLog(writer.dir / "events.jsonl")
-    fleet = build_fleet(config, events)
+    fleet = build_fleet(config, events, parts, clock)
     engine: RoundEngine  # built below; the status server serves (reads its history) only once it is
     monitor = _monitor(config, fleet, events, history=lambda: engine.history)
     if on_event is not None:  # after the monitor: a caller reading the status sees the event counted
         events.subscribe(on_event)
     on_round = _round_printer(config.rounds)
     engine = RoundEngine(
-        strategy=strategy,
+        strategy=parts.strategy,
         fleet=fleet,
-        rounds=config.rounds,
-        min_clients=config.min_clients,
-        round_timeout=timedelta(seconds=config.round_timeout_s),
-        join_timeout=timedelta(seconds=config.join_timeout_s),
-        evaluate_fn=evaluate_fn,
-        eval_every=config.eval_every,
-        writer=writer,
-        on_round=on_round if monitor is None else _both(on_round, monitor.on_round),
-        finish_timeout=timedelta(seconds=FINISH_GRACE_S),
-        store=store,
-        events=events,
-        quorum=quorum_of(config),
-        round_retries=ROUND_RETRIES,
-        influence=influence,
-        privacy=build_privacy(config),  # a fresh secret noise key; a resume restores the run's
+        schedule=Schedule(
+            rounds=config.rounds,
+            min_clients=config.min_clients,
+            round_timeout=timedelta(seconds=config.round_timeout_s),
+            join_timeout=timedelta(seconds=config.join_timeout_s),
+            eval_every=config.eval_every,
+            finish_timeout=timedelta(seconds=FINISH_GRACE_S),
+            round_retries=ROUND_RETRIES,
+        ),
+        rules=parts.rules,
+        io=RunIO(
+            evaluate_fn=evaluate_fn,
+            writer=writer,
+            on_round=on_round if monitor is None else _both(on_round, monitor.on_round),
+            store=store,
+            events=events,
+            eval_in_background=True,  # the clients train the next round meanwhile (server/evaluation.py)
+        ),
     )
     return Wired(writer, events, fleet, engine, monitor)
 
@@ -213,7 +218,7 @@ def _round_printer(rounds: int) -> Callable[[RoundMetrics], None]:
     def on_round(m: RoundMetrics) -> None:
         acc = "" if m.accuracy is None else f" accuracy {m.accuracy:.4f}"
         print(
-            f"round {m.round}/{rounds} loss {m.loss if m.loss is None else round(m.loss, 4)}{acc} clients {m.clients_ok} ok {m.clients_failed} failed ({m.wall_s:.2f}s)",
+            f"round {m.round}/{rounds} loss {m.loss if m.loss is None else round(m.loss, 4)}{acc} {m.clients_ok} clients ok, {m.clients_failed} failed ({m.wall_s:.2f}s)",
             flush=True,
         )
 

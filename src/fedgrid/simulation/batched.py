@@ -46,10 +46,13 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import TensorDataset
 
+from fedgrid.allocator import MMAP_THRESHOLD_MAX
 from fedgrid.client.algorithms import ClientAlgorithm, FitContext, algorithm_of, train_only
 from fedgrid.client.api import Client, FitOutput, OwnedState
+from fedgrid.client.progress import TaskProgress
 from fedgrid.client.torch_client import RNG_LOCK
-from fedgrid.server.memory import MMAP_THRESHOLD_MAX
+from fedgrid.errors import InterruptedRunError
+from fedgrid.interrupts import stopping
 from fedgrid.simulation.batched_memory import choose_engine, memory_budget, out_of_memory
 from fedgrid.simulation.batched_models import ClientStatic, ModelLayout, loader_size, recurrent_module
 from fedgrid.simulation.batched_optim import BatchedOptimizer, NotBatchable, OptimizerSpec, optimizer_spec
@@ -96,6 +99,7 @@ class _Job:
     spec: OptimizerSpec
     mu: float
     batches: list[torch.Tensor]
+    round: int = 0  # the task's (its progress: fedgrid.client.progress)
 
 
 class BatchedTrainer:
@@ -350,7 +354,9 @@ class BatchedTrainer:
         batches = self._batch_order(
             s, s.client.round_seed(ins), epochs
         )  # last: it may advance a loader's generator
-        return _Job(pos, s, state, algorithm, ctx, epochs, trained, tuple(names), spec, mu, batches)
+        return _Job(
+            pos, s, state, algorithm, ctx, epochs, trained, tuple(names), spec, mu, batches, ins.round
+        )
 
     @staticmethod
     def _batch_order(s: ClientStatic, seed: int, epochs: int) -> list[torch.Tensor]:
@@ -417,10 +423,16 @@ class BatchedTrainer:
         loss_sums = torch.zeros(k_all, dtype=torch.float64, device=device)
         names = list(trained)
         m.template.train()
+        # The chunk's steps as a task's progress (a local run's bar), in examples on the CPU.
+        progress = TaskProgress(round=first.round, steps_total=len(active))
+        examples = [int(n) for n in lengths.sum(0).tolist()] if active else []
         with train_only(
             m.template, list(first.names)
         ):  # bcd: modules outside the block in eval mode, as in fit
             for s, k in enumerate(active):
+                if stopping():
+                    raise InterruptedRunError("training given up: the process is stopping")
+                progress.step(examples[s])
                 rows = idx[:k, s]
                 views = {n: t[:k] for n, t in trained.items()}
                 grads, (_, loss) = fn(

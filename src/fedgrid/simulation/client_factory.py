@@ -2,14 +2,16 @@
 
 A client factory has the signature of ``--app MODULE:FACTORY``:
 ``factory(partition: int, num_partitions: int, seed: int, **options) -> Client``. The
-built-in one, ``builtin_client``, takes the options ``client_options(config)`` lists, so a
-``fedgrid client`` process given the same options trains exactly like its simulated twin.
+built-in one, ``builtin_client``, takes one option, ``options``: the ``ClientOptions`` that
+``client_options(config)`` reads, so a ``fedgrid client`` process given the same options trains
+exactly like its simulated twin.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -31,7 +33,7 @@ from fedgrid.simulation.lm_task import context_of, window_datasets
 if TYPE_CHECKING:
     from fedgrid.config import Config
 
-__all__ = ["builtin_client", "client_options", "CLIENT_KEYS", "DIGITS_BATCH_SIZE"]
+__all__ = ["builtin_client", "ClientOptions", "client_options", "CLIENT_KEYS", "DIGITS_BATCH_SIZE"]
 
 DIGITS_BATCH_SIZE = 32
 #: Config keys the built-in client factory takes (``partition`` arrives as ``partitioner``).
@@ -52,6 +54,44 @@ CLIENT_KEYS = (
     "grad_accum",
     "grad_checkpointing",
 )
+
+
+@dataclass(frozen=True)
+class ClientOptions:
+    """What the built-in client trains on and how (``builtin_client``; the config keys ``CLIENT_KEYS``).
+
+    It trains with cross-entropy on ``DataLoader(its examples, batch_size, shuffle=True)`` with
+    ``optimizer`` (``sgd``, ``adam``, ``adamw``); the task's ``lr`` overrides ``lr``.
+
+    Attributes:
+        dataset, data_dir: a built-in dataset and where its files are.
+        partitioner: the partition spec (config key ``partition``); empty: the dataset's default.
+        model: a built-in model name, a language model or ``MODULE:FACTORY``; empty: the
+            dataset's default.
+        batch_size, optimizer, lr, momentum, weight_decay: the local training's.
+        precision: the forward passes' precision (``fedgrid.client.precision``).
+        peft, peft_rank, lora_aggregation: adapters on an ``hf:PATH`` model at the client's own
+            rank (``simulation.peft_lm``) and how the coordinator merges them.
+        grad_accum, grad_checkpointing: micro-batches per step, activation checkpointing.
+        device: where it trains (``None``: the accelerator if there is one).
+    """
+
+    dataset: str = "digits"
+    data_dir: str = ""
+    partitioner: str = ""
+    model: str = ""
+    batch_size: int = DIGITS_BATCH_SIZE
+    optimizer: str = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    precision: str = "fp32"
+    peft: str = ""
+    peft_rank: str = ""
+    lora_aggregation: str | None = None
+    grad_accum: int = 1
+    grad_checkpointing: bool = False
+    device: str | None = None
 
 
 @functools.lru_cache(maxsize=8)
@@ -128,65 +168,39 @@ def _seeded_model(
 
 
 def builtin_client(
-    partition_index: int,
-    num_partitions: int,
-    seed: int,
-    *,
-    dataset: str = "digits",
-    data_dir: str = "",
-    partitioner: str = "",
-    model: str = "",
-    batch_size: int = DIGITS_BATCH_SIZE,
-    optimizer: str = "sgd",
-    lr: float = 0.05,
-    momentum: float = 0.9,
-    weight_decay: float = 0.0,
-    precision: str = "fp32",
-    peft: str = "",
-    peft_rank: str = "",
-    lora_aggregation: str | None = None,
-    grad_accum: int = 1,
-    grad_checkpointing: bool = False,
-    device: str | None = None,
+    partition_index: int, num_partitions: int, seed: int, options: ClientOptions = ClientOptions()
 ) -> TorchClient:
-    """Client ``partition_index`` of ``num_partitions`` on a built-in dataset.
+    """Client ``partition_index`` of ``num_partitions`` on a built-in dataset, trained as ``options`` say.
 
-    It trains with cross-entropy on ``DataLoader(its examples, batch_size, shuffle=True)`` with
-    ``optimizer`` (``sgd``, ``adam``, ``adamw``); the task's ``lr`` overrides ``lr``. It evaluates on
-    the test examples of its own groups under the ``natural`` partition, else on those of
-    the server-side evaluation. A language model (``gpt``, ``hf:PATH``) trains on windows of
-    its context, cross-entropy over every position; ``num_examples`` counts windows.
-
-    Args:
-        partitioner: the partition spec; empty: the dataset's default.
-        model: a built-in model name, a language model or ``MODULE:FACTORY``; empty: the
-            dataset's default.
-        precision: the forward passes' precision (``fedgrid.client.precision``).
-        peft, peft_rank, grad_accum, grad_checkpointing: adapters on an ``hf:PATH`` model at the
-            client's own rank (``simulation.peft_lm``), micro-batches per step, activation checkpointing.
+    It evaluates on the test examples of its own groups under the ``natural`` partition, else on
+    those of the server-side evaluation. A language model (``gpt``, ``hf:PATH``) trains on
+    windows of its context, cross-entropy over every position; ``num_examples`` counts windows.
 
     Raises:
         ConfigError: an index outside ``0..num_partitions-1`` or a bad option (names the key).
     """
-    spec = _checked(partition_index, num_partitions, dataset, data_dir, partitioner, model, optimizer)
-    _check_training_options(batch_size, precision)
-    context = context_of(model)
-    train, test = _client_data(dataset, data_dir, spec, seed, partition_index, num_partitions, context)
-    peft = peft_at_rank(peft, peft_rank, partition_index)  # ffa (lora_aggregation): A frozen
-    net = _seeded_model(seed, dataset, model, data_dir, peft, lora_aggregation)
-    if grad_checkpointing:
-        enable_checkpointing(net)
-    client = (AccumulatingClient if grad_accum > 1 else TorchClient)(
-        net,
-        DataLoader(train, batch_size=batch_size, shuffle=True),
-        token_cross_entropy if context else nn.functional.cross_entropy,
-        _optimizer(optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay),
-        eval_loader=DataLoader(test, batch_size=256 if not context else 64),
-        device=device,
-        seed=seed,
-        name=f"{dataset}-{partition_index:04d}/{num_partitions}",
+    o = options
+    spec = _checked(
+        partition_index, num_partitions, o.dataset, o.data_dir, o.partitioner, o.model, o.optimizer
     )
-    return _with_options(client, precision, grad_accum)
+    _check_training_options(o.batch_size, o.precision)
+    context = context_of(o.model)
+    train, test = _client_data(o.dataset, o.data_dir, spec, seed, partition_index, num_partitions, context)
+    peft = peft_at_rank(o.peft, o.peft_rank, partition_index)  # ffa (lora_aggregation): A frozen
+    net = _seeded_model(seed, o.dataset, o.model, o.data_dir, peft, o.lora_aggregation)
+    if o.grad_checkpointing:
+        enable_checkpointing(net)
+    client = (AccumulatingClient if o.grad_accum > 1 else TorchClient)(
+        net,
+        DataLoader(train, batch_size=o.batch_size, shuffle=True),
+        token_cross_entropy if context else nn.functional.cross_entropy,
+        _optimizer(o.optimizer, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay),
+        eval_loader=DataLoader(test, batch_size=256 if not context else 64),
+        device=o.device,
+        seed=seed,
+        name=f"{o.dataset}-{partition_index:04d}/{num_partitions}",
+    )
+    return _with_options(client, o.precision, o.grad_accum)
 
 
 def _checked(
@@ -208,8 +222,7 @@ def _with_options(client: TorchClient, precision: str, grad_accum: int) -> Torch
     return client
 
 
-def client_options(config: "Config") -> dict[str, Any]:
+def client_options(config: "Config") -> ClientOptions:
     """The options ``builtin_client`` takes, from ``config`` (``CLIENT_KEYS``)."""
     options = {key: getattr(config, key) for key in CLIENT_KEYS if key != "partition"}
-    options["partitioner"] = config.partition
-    return options
+    return ClientOptions(partitioner=config.partition, **options)

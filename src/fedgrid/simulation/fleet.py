@@ -13,7 +13,7 @@ counted in ``bytes_down``; and gets its task; (2) the clients train, through an 
 ``TorchClient`` clients of one model at once with stacked parameters
 (``fedgrid.simulation.batched``); (3) each client's update is encoded with its
 uplink codec (error feedback per client), framed, decoded (but for a raw one, above), and
-accepted by the coordinator's own functions (``fedgrid.simulation.upload``; ``server/protocol.py``:
+accepted by the coordinator's own functions (``fedgrid.simulation.upload``; ``fleet/protocol.py``:
 the header's ``delta`` flag and ``num_examples``, then each tensor finite and within the norm
 bound, then the round's bytes), so a simulated client fails exactly where a deployed one would, with the
 same message; names and counts are checked at construction as at Join. A client's error in
@@ -46,14 +46,15 @@ from fedgrid.client.uplink import UplinkEncoder
 from fedgrid.clock import MONOTONIC, Clock
 from fedgrid.compression import available_codecs
 from fedgrid.compression.spec import CodecSpec
-from fedgrid.errors import ConfigError
+from fedgrid.errors import ConfigError, InterruptedRunError
+from fedgrid.fleet import protocol
+from fedgrid.fleet.base import QUORUM_NEEDS_REPLAY, Fleet, Quorum, RoundOutcome
+from fedgrid.fleet.bounds import UpdateBounds
+from fedgrid.fleet.codec_policy import CodecPolicy
+from fedgrid.fleet.downlink import Downlink, RoundDownlink
+from fedgrid.fleet.protocol import RoundTally
+from fedgrid.interrupts import stopping
 from fedgrid.proto import serde
-from fedgrid.server import protocol
-from fedgrid.server.bounds import UpdateBounds
-from fedgrid.server.codec_policy import CodecPolicy
-from fedgrid.server.downlink import Downlink, RoundDownlink
-from fedgrid.server.fleet import QUORUM_NEEDS_REPLAY, Fleet, Quorum, RoundOutcome
-from fedgrid.server.protocol import RoundTally
 from fedgrid.simulation.batched import BatchedTrainer, choose_engine, recurrent_module
 from fedgrid.simulation.fleet_rounds import evaluate_clients, exchange_messages
 from fedgrid.simulation.upload import upload
@@ -320,7 +321,7 @@ class InProcessFleet(Fleet):
         views = RankViews(downlink.base)
         results: list[FitRes] = []
         failures: list[Failure] = []
-        tally = RoundTally()  # as RemoteFleet counts a round (server/protocol.py)
+        tally = RoundTally()  # as RemoteFleet counts a round (fleet/protocol.py)
         goal = len(assignments) if target is None else target
         pending, seconds = self._available(
             server_round, assignments, failures, keep_fastest=target is not None
@@ -330,6 +331,8 @@ class InProcessFleet(Fleet):
         done = 0
         downloads: dict[_Stream, tuple[ModelState, int]] = {}
         while done < len(pending) and len(results) < goal:
+            if stopping():  # between two groups of clients: the round is abandoned (RoundEngine)
+                raise InterruptedRunError(f"round {server_round} abandoned: the simulation is stopping")
             group = pending[done : done + min(step, goal - len(results))]
             done += len(group)
             prepared = self._prepare(downlink, server_round, group, downloads, tally, views)  # phase 1
@@ -350,6 +353,8 @@ class InProcessFleet(Fleet):
                             server_round, info, ins, codec, state, out, downlink, views, expected, tally
                         )
                     )
+                except InterruptedRunError:  # a client's training given up by a stop: no failure
+                    raise
                 except Exception as exc:  # a client's failure is data for the strategy
                     log.warning("client %s failed in round %d: %s", info.name, server_round, exc)
                     failures.append(Failure(info, f"{type(exc).__name__}: {exc}"))

@@ -12,11 +12,11 @@ from typing import Callable, Mapping, Sequence
 
 from fedgrid.aggregation.lora_ranks import RankViews
 from fedgrid.client.api import Client
+from fedgrid.fleet import protocol
+from fedgrid.fleet.base import RoundOutcome
+from fedgrid.fleet.bounds import UpdateBounds
+from fedgrid.fleet.protocol import check_outbox, relay
 from fedgrid.proto import serde
-from fedgrid.server import protocol
-from fedgrid.server.bounds import UpdateBounds
-from fedgrid.server.fleet import RoundOutcome
-from fedgrid.server.protocol import check_outbox, relay
 from fedgrid.types import (
     ClientInfo,
     EvaluateIns,

@@ -9,7 +9,7 @@ as a target; a client's windows are lazy ``NextChars`` views of the text. Its ev
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -79,13 +79,23 @@ def window_datasets(
 
 
 def evaluate_lm(
-    net: nn.Module, data: DatasetData, device: torch.device, *, chunk: int
+    net: nn.Module,
+    data: DatasetData,
+    device: torch.device,
+    *,
+    chunk: int,
+    index: torch.Tensor | None = None,
+    between: Callable[[], None] | None = None,
 ) -> tuple[float, dict[str, float]]:
     """A language model's token cross-entropy, perplexity and token accuracy on its evaluation
-    windows, ``chunk`` windows per forward pass."""
-    index = torch.arange(len(data.y_test)) if data.eval_index is None else data.eval_index
+    windows (``index``; default: ``data.eval_index``, or all), ``chunk`` windows per forward
+    pass; ``between`` runs before each (a stop check that raises)."""
+    if index is None:
+        index = torch.arange(len(data.y_test)) if data.eval_index is None else data.eval_index
     loss_sum, correct, tokens = 0.0, 0, 0
     for start in range(0, len(index), chunk):
+        if between is not None:
+            between()
         x, y = next_char_windows(data.source, "test", index[start : start + chunk])
         x, y = x.to(device), y.to(device)
         out = net(x)

@@ -29,7 +29,7 @@ from typing import Any, Mapping, Sequence
 from fedgrid.aggregation.staleness import staleness_weight
 from fedgrid.errors import ConfigError
 from fedgrid.events import read_events
-from fedgrid.server.fleet import Fleet, LateResult, Quorum, RoundOutcome
+from fedgrid.fleet.base import Fleet, LateResult, Quorum, RoundOutcome
 from fedgrid.simulation.fleet import InProcessFleet
 from fedgrid.types import (
     ClientInfo,

@@ -9,19 +9,15 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Callable
 
+from fedgrid.allocator import keep_large_buffers
 from fedgrid.client.api import Client
 from fedgrid.config import Config
 from fedgrid.determinism import environment, intra_op_threads
 from fedgrid.errors import ConfigError
+from fedgrid.fleet.base import QUORUM_NEEDS_REPLAY, Fleet
 from fedgrid.runlog import RunWriter
-from fedgrid.server.bounds import build_bounds
-from fedgrid.server.codec_policy import build_codec_policy
 from fedgrid.server.engine import RoundEngine
-from fedgrid.server.fleet import QUORUM_NEEDS_REPLAY, Fleet, quorum_of
-from fedgrid.server.influence import build_influence
-from fedgrid.server.memory import keep_large_buffers
-from fedgrid.server.privacy import build_privacy
-from fedgrid.server.strategies import build_strategy
+from fedgrid.server.parts import RunIO, RunParts, Schedule, build_parts
 from fedgrid.simulation.fleet import InProcessFleet
 from fedgrid.simulation.heterogeneity import ClientProfiles
 from fedgrid.simulation.replay import ReplayFleet, read_merges
@@ -114,12 +110,10 @@ def _regions(config: Config, clients: list, profiles: ClientProfiles) -> list:
     Raises:
         ConfigError: ``hierarchy`` without ``regions``.
     """
-    from dataclasses import replace
 
     from fedgrid.config import STRATEGY_KEYS
     from fedgrid.errors import ConfigError
     from fedgrid.region.region import RegionClient
-    from fedgrid.server.codec_policy import CodecPolicy
 
     _check_hierarchy(config)
     labels = sorted({profiles.region(i) for i in range(len(clients))} - {""})
@@ -136,29 +130,32 @@ def _regions(config: Config, clients: list, profiles: ClientProfiles) -> list:
     out = []
     for label in labels:
         mine = [c for i, c in enumerate(clients) if profiles.region(i) == label]
-        strategy = build_strategy(regional, num_clients=len(mine))
+        # As a deployed region's: its clients' uplink is the LAN codec.
+        parts = build_parts(regional, num_clients=len(mine), where="region", uplink=config.codecs.lan)
         fleet = InProcessFleet(
             mine,
             chunk_size=config.chunk_size,
-            codec_policy=CodecPolicy(default=config.codecs.lan),
+            codec_policy=parts.codec_policy,
             engine=config.engine,
             batch_clients=config.batch_clients,
-            bounds=build_bounds(config),
+            bounds=parts.bounds,
         )
         engine = RoundEngine(
-            strategy=strategy,
+            strategy=parts.strategy,
             fleet=fleet,
-            rounds=0,
-            min_clients=1,
-            round_timeout=timedelta(seconds=config.round_timeout_s),
-            join_timeout=timedelta(seconds=config.join_timeout_s),
-            influence=build_influence(config),
+            schedule=Schedule(
+                rounds=0,
+                min_clients=1,
+                round_timeout=timedelta(seconds=config.round_timeout_s),
+                join_timeout=timedelta(seconds=config.join_timeout_s),
+            ),
+            rules=parts.rules,
         )
         out.append(RegionClient(engine, name=label, regional_rounds=config.regional_rounds))
     return out
 
 
-def _fleet(config: Config, clients: list, profiles: ClientProfiles) -> InProcessFleet:
+def _fleet(config: Config, parts: RunParts, clients: list, profiles: ClientProfiles) -> InProcessFleet:
     """The simulation's fleet: its clients, or with ``hierarchy`` its regions over them (whose
     own fleets train their clients); building it checks that its engine can train them."""
     members: list = list(clients)
@@ -167,13 +164,13 @@ def _fleet(config: Config, clients: list, profiles: ClientProfiles) -> InProcess
     fleet = InProcessFleet(
         members,
         chunk_size=config.chunk_size,
-        codec_policy=build_codec_policy(config),
-        downlink_codec=config.codecs.downlink,
+        codec_policy=parts.codec_policy,
+        downlink_codec=parts.downlink_codec,
         # A region's engine is its own; a replay trains one recorded result at a time.
         engine="sequential" if config.hierarchy or config.replay else config.engine,
         batch_clients=config.batch_clients,
         profiles=None if config.hierarchy else profiles,
-        bounds=build_bounds(config),
+        bounds=parts.bounds,
     )  # checks the engine can train these clients: fails before the run directory exists
     if fleet.device is not None and fleet.device.type == "cpu":
         keep_large_buffers()  # the batched engine frees and reallocates the same large buffers at every step
@@ -230,7 +227,7 @@ def _writer(config: Config, threads: int, engine: str) -> RunWriter:
 def _clients(config: Config, factory: Callable[..., Client]) -> list[Client]:
     """Clients ``0..config.clients - 1`` from ``factory``: the built-in one gets the run's data and
     training options (``client_options``), a custom ``app`` none."""
-    options = {} if config.app else client_options(config)
+    options = {} if config.app else {"options": client_options(config)}
     clients = [factory(i, config.clients, config.seed, **options) for i in range(config.clients)]
     if config.secagg:  # each with its identity key, all trusting each other's (fedgrid.client.secagg)
         from fedgrid.client.secagg import with_secagg
@@ -263,10 +260,8 @@ def _run(
     on_start: Callable[[str, str], None] | None,
     stop: threading.Event | None,
 ) -> tuple[ModelState | None, list[RoundMetrics]]:
-    # With a hierarchy, secagg runs inside each region (_regions), not across the regions.
-    top = replace(config, secagg=False) if config.hierarchy and config.secagg else config
-    strategy = build_strategy(top, num_clients=config.clients)  # a bad option fails before any work
-    influence = build_influence(config)  # and a bad quota file
+    # A bad option, quota or noise key file fails before any work.
+    parts = build_parts(config, num_clients=config.clients, where="simulation")
     _check_replay(config)
     resolved = resolve(
         dataset=config.dataset,
@@ -277,31 +272,34 @@ def _run(
         precision=config.precision,
         peft=config.peft,
         lora_aggregation=config.lora_aggregation,
+        eval_batches=config.eval_batches,
     )
-    strategy.initialize(initial_state=resolved.initial_state)
+    parts.strategy.initialize(initial_state=resolved.initial_state)
     profiles = ClientProfiles.from_config(config)
     clients = _clients(config, resolved.client_factory)
     fleet = _fleet(
-        config, clients, profiles
+        config, parts, clients, profiles
     )  # a fleet that cannot train fails before the run directory exists
     rank, world = _ranks()
     run_fleet = _run_fleet(config, fleet, rank, world)
     writer = _writer(config, threads, fleet.engine) if config.out and rank == 0 else None
     engine = RoundEngine(
-        strategy=strategy,
+        strategy=parts.strategy,
         fleet=run_fleet,
-        rounds=config.rounds,
-        min_clients=1,
-        round_timeout=timedelta(seconds=config.round_timeout_s),
-        join_timeout=timedelta(seconds=config.join_timeout_s),
-        evaluate_fn=resolved.evaluate,
-        eval_every=config.eval_every,
-        writer=writer,
-        on_round=_reporter(on_round) if rank == 0 else None,
-        stop=stop,
-        quorum=quorum_of(config),
-        influence=influence,
-        privacy=build_privacy(config, simulation=True),
+        schedule=Schedule(
+            rounds=config.rounds,
+            min_clients=1,
+            round_timeout=timedelta(seconds=config.round_timeout_s),
+            join_timeout=timedelta(seconds=config.join_timeout_s),
+            eval_every=config.eval_every,
+        ),
+        rules=parts.rules,
+        io=RunIO(
+            evaluate_fn=resolved.evaluate,
+            writer=writer,
+            on_round=_reporter(on_round) if rank == 0 else None,
+            stop=stop,
+        ),
     )
     log.info("engine: %s (%s)", fleet.engine, fleet.engine_reason)
     if on_start is not None:

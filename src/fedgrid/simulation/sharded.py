@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch.distributed as dist
 
 from fedgrid.errors import ConfigError
-from fedgrid.server.fleet import QUORUM_NEEDS_REPLAY, Fleet, Quorum, RoundOutcome
+from fedgrid.fleet.base import QUORUM_NEEDS_REPLAY, Fleet, Quorum, RoundOutcome
 from fedgrid.simulation.fleet import InProcessFleet, simulated_round
 from fedgrid.types import (
     ClientInfo,

@@ -18,8 +18,9 @@ character as a target; their evaluation reports ``loss`` in nats per token, ``pe
 
 A client factory has the signature of ``--app MODULE:FACTORY``:
 ``factory(partition: int, num_partitions: int, seed: int, **options) -> Client``. The
-built-in one, ``builtin_client``, takes the options ``client_options(config)`` lists, so a
-``fedgrid client`` process given the same options trains exactly like its simulated twin.
+built-in one, ``builtin_client``, takes one option, ``options``: the ``ClientOptions`` that
+``client_options(config)`` reads, so a ``fedgrid client`` process given the same options trains
+exactly like its simulated twin.
 
 This module resolves what a run needs from its dataset, model and app keys (``resolve``) and
 re-exports the names of the modules that hold the parts: ``fedgrid.simulation.catalog`` (the
@@ -47,10 +48,16 @@ from fedgrid.simulation.catalog import (
     load_data,
 )
 from fedgrid.simulation.catalog import ModelFactory as ModelFactory
-from fedgrid.simulation.client_factory import CLIENT_KEYS, DIGITS_BATCH_SIZE, builtin_client, client_options
+from fedgrid.simulation.client_factory import (
+    CLIENT_KEYS,
+    DIGITS_BATCH_SIZE,
+    ClientOptions,
+    builtin_client,
+    client_options,
+)
 from fedgrid.simulation.datasets import DatasetData
+from fedgrid.simulation.evaluation import DEFAULT_EVAL_BATCHES, make_evaluate
 from fedgrid.simulation.evaluation import EVAL_CHUNK as EVAL_CHUNK
-from fedgrid.simulation.evaluation import make_evaluate
 from fedgrid.simulation.lm_task import LM_DATASET as LM_DATASET
 from fedgrid.types import ModelState
 
@@ -65,6 +72,7 @@ __all__ = [
     "check_options",
     "check_config",
     "client_options",
+    "ClientOptions",
     "load_data",
     "DatasetData",
     "build_model",
@@ -144,6 +152,7 @@ def resolve(
     precision: str = "fp32",
     peft: str = "",
     lora_aggregation: str | None = None,
+    eval_batches: int = DEFAULT_EVAL_BATCHES,
 ) -> Resolved:
     """Builds the initial model and finds the evaluation and client factory.
 
@@ -175,5 +184,9 @@ def resolve(
     except Exception as exc:
         raise ConfigError("model", f"building the model failed: {type(exc).__name__}: {exc}") from None
     client_factory = load_object(app, key="app") if app else builtin_client
-    evaluate = None if custom else make_evaluate(dataset, model, data_dir, precision, peft, lora_aggregation)
+    evaluate = (
+        None
+        if custom
+        else make_evaluate(dataset, model, data_dir, precision, peft, lora_aggregation, eval_batches)
+    )
     return Resolved(state, evaluate, client_factory, getattr(built[0], "base_hash", ""))

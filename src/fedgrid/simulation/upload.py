@@ -1,7 +1,7 @@
 """Phase 3 of ``InProcessFleet``'s round: a simulated client's update on its way up.
 
 The update goes through its uplink codec (error feedback per client), is framed, decoded and
-accepted by the coordinator's own functions (``server/protocol.py``: the header's ``delta``
+accepted by the coordinator's own functions (``fleet/protocol.py``: the header's ``delta``
 flag and ``num_examples``, then each tensor finite and within the norm bound, then the
 round's bytes), so a simulated client fails exactly where a deployed one would, with the
 same message. A raw (``none``) upload that would decode to exactly what was sent skips the
@@ -19,11 +19,11 @@ import torch
 from fedgrid.client.api import FitOutput, OwnedState
 from fedgrid.client.uplink import UplinkEncoder
 from fedgrid.compression.spec import CodecSpec
+from fedgrid.fleet import protocol
+from fedgrid.fleet.bounds import UpdateBounds
+from fedgrid.fleet.downlink import RoundDownlink
+from fedgrid.fleet.protocol import RoundTally
 from fedgrid.proto import serde
-from fedgrid.server import protocol
-from fedgrid.server.bounds import UpdateBounds
-from fedgrid.server.downlink import RoundDownlink
-from fedgrid.server.protocol import RoundTally
 from fedgrid.types import ClientInfo, FitIns, FitRes, ModelState, TensorSpec
 
 __all__ = ["raw_passes", "upload"]
@@ -63,7 +63,7 @@ def upload(
     uplink: Callable[[], UplinkEncoder],
 ) -> FitRes:
     """One client's update through its uplink codec, accepted as the coordinator accepts it
-    (``server/protocol.py``: header, then each tensor, then the bytes), its bytes added to ``tally``.
+    (``fleet/protocol.py``: header, then each tensor, then the bytes), its bytes added to ``tally``.
 
     Args:
         state: the model the client downloaded (what a difference is taken against).

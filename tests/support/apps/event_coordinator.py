@@ -5,10 +5,14 @@ with ``ROUND EVENT SIGNAL`` it sends itself ``SIGNAL`` (``SIGKILL`` or ``SIGTERM
 after printing ``EVENT`` for a round at or after ``ROUND``, on the emitting thread, so a kill
 lands inside the phase that event opens, every time. ``SIGNAL`` may also be ``ENOSPC``: from
 then on every write under the state directory fails with "No space left on device"
-(``full_disk``). Errors end it as ``fedgrid coordinator`` ends: one line, exit status 1."""
+(``full_disk``). Errors end it as ``fedgrid coordinator`` ends: one line, exit status 1.
+
+With ``SLOW_EVAL_S`` set, the server-side evaluation of each round takes that many more seconds,
+in steps of 50 ms that check for a stop as the built-in evaluation's batches do (a slow evaluator)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -52,12 +56,39 @@ def main(argv: list[str]) -> int:
                 else:
                     os.kill(os.getpid(), getattr(signal, trigger[2]))
 
+    if os.environ.get("SLOW_EVAL_S"):
+        _slow_evaluation(float(os.environ["SLOW_EVAL_S"]))
     try:
         serve(config, on_event=hook)
     except FedgridError as exc:
         print(error_line(exc), file=sys.stderr)
         return 1
     return stop_status() or 0  # as `fedgrid coordinator` exits: 128 + the signal that stopped it
+
+
+def _slow_evaluation(seconds: float) -> None:
+    """Makes the built-in task's server-side evaluation take ``seconds`` more (``SLOW_EVAL_S``)."""
+    import time
+
+    from fedgrid.simulation import tasks
+    from fedgrid.simulation.evaluation import check_stop
+
+    resolve = tasks.resolve
+
+    def slow_resolve(**kwargs):
+        resolved = resolve(**kwargs)
+        evaluate = resolved.evaluate
+
+        def slow(state):
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                check_stop()  # between two "batches", as the built-in evaluation does
+                time.sleep(0.05)  # stands in for a batch's compute
+            return evaluate(state)
+
+        return dataclasses.replace(resolved, evaluate=slow)
+
+    tasks.resolve = slow_resolve
 
 
 if __name__ == "__main__":

@@ -19,10 +19,11 @@ from fedgrid.cli.client import client_config, client_options
 from fedgrid.cli.support import config_from
 from fedgrid.client.runtime import Connection, check_target
 from fedgrid.errors import ConfigError
+from fedgrid.fleet.base import Fleet, RoundOutcome
 from fedgrid.plugins import load_object
 from fedgrid.runlog import RunWriter, load_model
 from fedgrid.server.engine import RoundEngine
-from fedgrid.server.fleet import Fleet, RoundOutcome
+from fedgrid.server.parts import RunIO, Schedule
 from fedgrid.types import ClientInfo, FitRes
 
 CLIENTS = [ClientInfo(client_id="c0", name="n0")]
@@ -42,8 +43,7 @@ def test_mistyped_flag_suggests_the_flag_meant_in_one_line(capsys):
     err = capsys.readouterr().err
     assert info.value.code == 2
     assert (
-        err
-        == "fedgrid simulate: error: unrecognized arguments: --roundz (did you mean '--rounds' or '--out'?) 3 "
+        err == "fedgrid simulate: error: unrecognized arguments: --roundz (did you mean '--rounds'?) 3 "
         "(all flags: fedgrid simulate --help)\n"
     )
 
@@ -156,8 +156,8 @@ def test_client_takes_its_keys_from_the_config_file_flags_winning(tmp_path, monk
     args = cli.build_parser().parse_args(
         ["client", "--config", str(config), "--coordinator", "h:1", "--lr", "0.5"]
     )
-    options = client_options(args, client_config(args))
-    assert (options["dataset"], options["batch_size"], options["lr"]) == ("synthetic", 5, 0.5)
+    options = client_options(args, client_config(args))["options"]
+    assert (options.dataset, options.batch_size, options.lr) == ("synthetic", 5, 0.5)
     config.write_text('optimizer = "lbfgs"\n')
     with pytest.raises(ConfigError) as info:
         client_options(args, client_config(args))
@@ -199,7 +199,7 @@ def test_client_reports_what_its_file_and_flags_state_at_join(tmp_path, monkeypa
         == 0
     )
     assert seen["reported"] == Capabilities("cuda", 2, 40 << 30)  # the flag wins over the file
-    assert "fedgrid client 0/1: reports cuda x2, 40.0 GiB at join" in capsys.readouterr().out
+    assert "fedgrid client 0/1: reports cuda x2, 40.0 GiB memory at join" in capsys.readouterr().out
 
 
 def test_a_replaced_client_exits_with_one_line_naming_its_identity(tmp_path, monkeypatch, capsys):
@@ -333,18 +333,16 @@ class _OneClient(Fleet):
         raise AssertionError("no message phases")
 
 
-def _engine(tmp_path, fleet, **kwargs):
+def _engine(tmp_path, fleet, **io):
     strategy = FedAvg(sampling=Sampling(fraction_evaluate=1.0))
     strategy.initialize(initial_state=OrderedDict(w=torch.zeros(2)))
     engine = RoundEngine(
         strategy=strategy,
         fleet=fleet,
-        rounds=5,
-        min_clients=1,
-        round_timeout=timedelta(seconds=1),
-        join_timeout=timedelta(seconds=1),
-        writer=RunWriter(tmp_path / "run", {}),
-        **kwargs,
+        schedule=Schedule(
+            rounds=5, min_clients=1, round_timeout=timedelta(seconds=1), join_timeout=timedelta(seconds=1)
+        ),
+        io=RunIO(writer=RunWriter(tmp_path / "run", {}), **io),
     )
     fleet.engine = engine
     return engine

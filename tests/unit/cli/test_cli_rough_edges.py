@@ -50,6 +50,16 @@ def test_one_line_per_round_when_output_is_not_a_terminal(tmp_path, capsys):
     assert status == 0
     rounds = [line for line in (out + err).splitlines() if line.lstrip().startswith("round ")]
     assert [line.split()[1] for line in rounds] == ["1/2", "2/2"], out + err  # each round once
+    assert all(" 2 clients ok, 0 failed " in line for line in rounds), rounds  # not "clients 2 ok 0 failed"
+
+
+@pytest.mark.parametrize("command", ["simulate", "coordinator", "launch"])
+def test_a_mistyped_flag_is_compared_without_its_dashes(command, capsys):
+    with pytest.raises(SystemExit):
+        cli.main([command, "--round", "1"])
+    err = capsys.readouterr().err
+    assert "--round (did you mean '--rounds'" in err, err
+    assert "'--out'" not in err, err  # every flag shares "--": compared with it, --out was "close"
 
 
 def _stopped_by(sig: signal.Signals):

@@ -9,6 +9,7 @@ import pytest
 from fedgrid.cli import SimulateProgress, build_parser
 from fedgrid.cli.client import client_options as _client_options
 from fedgrid.errors import ConfigError
+from fedgrid.simulation.tasks import ClientOptions
 from fedgrid.types import RoundMetrics
 
 
@@ -82,21 +83,23 @@ def test_client_flags_become_builtin_options():
         ]
     )
     assert _client_options(args) == {
-        "dataset": "synthetic",
-        "data_dir": "",
-        "partitioner": "iid",
-        "model": "",
-        "batch_size": 8,
-        "optimizer": "adamw",
-        "lr": 0.3,
-        "momentum": 0.9,
-        "weight_decay": 0.0,
-        "precision": "fp32",
-        "peft": "",
-        "peft_rank": "",
-        "lora_aggregation": None,
-        "grad_accum": 1,
-        "grad_checkpointing": False,
+        "options": ClientOptions(
+            dataset="synthetic",
+            data_dir="",
+            partitioner="iid",
+            model="",
+            batch_size=8,
+            optimizer="adamw",
+            lr=0.3,
+            momentum=0.9,
+            weight_decay=0.0,
+            precision="fp32",
+            peft="",
+            peft_rank="",
+            lora_aggregation=None,
+            grad_accum=1,
+            grad_checkpointing=False,
+        )
     }
     # a user's --app gets only what was given, typed
     args = build_parser().parse_args(["client", "--coordinator", "h:1", "--app", "m:f", "--batch-size", "8"])

@@ -148,7 +148,7 @@ def test_diloco_runs_inner_steps_with_persistent_adamw():
     client = _small_client(batch_size=10, examples=24)  # batches of 10, 10, 4
     out = client.fit(_global(), ins)
     # 7 steps cycle the loader (58 examples seen); the weight is the 24 distinct ones, what the
-    # client reports at join: the coordinator refuses a claim above that (server/bounds.py).
+    # client reports at join: the coordinator refuses a claim above that (fleet/bounds.py).
     assert out.num_examples == 24 == client.num_examples
     short = _small_client(batch_size=10, examples=100).fit(_global(), _task(strategy))
     assert short.num_examples == 70  # 7 batches of 10, fewer than held

@@ -83,7 +83,9 @@ def test_a_torch_client_reports_its_training_device(monkeypatch):
     from fedgrid.simulation import tasks
 
     monkeypatch.setattr(caps, "host_memory_bytes", lambda: 3 << 30)
-    assert tasks.builtin_client(0, 3, seed=0, device="cpu").capabilities() == Capabilities("cpu", 0, 3 << 30)
+    assert tasks.builtin_client(
+        0, 3, seed=0, options=tasks.ClientOptions(device="cpu")
+    ).capabilities() == Capabilities("cpu", 0, 3 << 30)
 
 
 def test_the_report_keys_become_an_override():

@@ -25,7 +25,7 @@ def init_state():
 
 
 def _client() -> TorchClient:
-    return tasks.builtin_client(0, 3, seed=0, device="cpu")
+    return tasks.builtin_client(0, 3, seed=0, options=tasks.ClientOptions(device="cpu"))
 
 
 def _copy(state):

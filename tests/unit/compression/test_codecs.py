@@ -371,7 +371,7 @@ def test_none_is_unchanged() -> None:
 @pytest.mark.parametrize(
     "spec,match",
     [
-        ("foo", r"unknown codec 'foo' \(known: none, fp16, bf16, int8\[:BLOCK\], qsgd:LEVELS"),
+        ("foo", r"unknown codec 'foo' \(known: none, fp16, bf16, int8\[:BLOCK\], qsgd\[:LEVELS\]"),
         ("zstd", r"unknown codec 'zstd' \(known: none"),
         ("", r"empty codec spec"),
         ("randk:0.1:biased", r"'randk:FRACTION\[:unbiased\]' ends in ':unbiased' or nothing, got 'biased'"),
@@ -380,7 +380,7 @@ def test_none_is_unchanged() -> None:
         ("topk:1.5", r"needs a fraction"),
         ("topk:nan", r"needs a fraction"),
         ("randk:abc", r"needs a fraction"),
-        ("qsgd:0", r"'qsgd:LEVELS' needs an integer in 1..32767"),
+        ("qsgd:0", r"'qsgd\[:LEVELS\]' needs an integer in 1..32767"),
         ("qsgd:40000", r"needs an integer"),
         ("powersgd:-1", r"needs an integer"),
         ("int8:3", r"needs an integer in 8..65536"),
@@ -426,3 +426,14 @@ def test_available_codecs_and_register_codec(monkeypatch: pytest.MonkeyPatch) ->
     assert isinstance(get_codec("negate_test+zstd").inner, Negate)  # type: ignore[attr-defined]
     with pytest.raises(ValueError):
         register_codec(type("Bad", (IdentityCodec,), {"name": "a+b"})())
+
+
+def test_bare_qsgd_and_powersgd_take_their_defaults_like_every_other_codec():
+    qsgd, powersgd = get_codec("qsgd"), get_codec("powersgd")
+    assert (qsgd.levels, qsgd.bits) == (127, 8)  # one byte a coordinate
+    assert powersgd.rank == 4
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    for bare, named in (("qsgd", "qsgd:127"), ("powersgd", "powersgd:4")):
+        assert get_codec(bare).name == named
+        one, two = (get_codec(s).encode(x, generator=torch.Generator().manual_seed(1)) for s in (bare, named))
+        assert one == two

@@ -54,8 +54,8 @@ def test_bad_sizes_name_the_key(text, message):
 
 def test_a_report_in_a_few_characters():
     assert [describe("cuda", 2, 80 << 30), describe("cpu", 0, 16 << 30), describe("cpu", 0, 0)] == [
-        "cuda x2, 80.0 GiB",
-        "cpu, 16.0 GiB",
+        "cuda x2, 80.0 GiB memory",
+        "cpu, 16.0 GiB memory",
         "cpu",
     ]
 

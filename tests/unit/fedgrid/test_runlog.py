@@ -117,6 +117,23 @@ def test_metrics_jsonl_lines(tmp_path):
     assert read_metrics(tmp_path) == [first, second]
 
 
+def _strict(text: str) -> object:
+    def refuse(constant: str) -> object:
+        raise ValueError(f"not JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_metrics_jsonl_is_strict_json_whatever_the_figures(tmp_path):
+    writer = RunWriter(tmp_path, {})
+    writer.write_round(_metrics(1, compute_s=math.inf, utilization=math.nan, nested=[1.0, -math.inf]))
+    writer.reset_metrics([*read_metrics(tmp_path), {"round": 2, "loss": math.nan}])
+    rows = [_strict(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["compute_s"] is None and rows[0]["utilization"] is None
+    assert rows[0]["nested"] == [1.0, None] and rows[0]["clients_ok"] == 3
+    assert rows[1] == {"round": 2, "loss": None}
+
+
 def test_reset_metrics_replaces_the_file(tmp_path):
     RunWriter(tmp_path, {}).write_round(_metrics(1))
     writer = RunWriter(tmp_path, {})  # a resumed coordinator reopens the directory: nothing lost yet

@@ -67,7 +67,7 @@ def test_plotted_series_are_the_metrics_of_each_run(runs):
     def series(name: str, metric: str) -> tuple[list[float], list[float]]:
         return [float(r["round"]) for r in rows[name]], [float(r[metric]) for r in rows[name]]
 
-    assert _lines(figs["accuracy.png"]) == {f"accuracy|{n}": series(n, "accuracy") for n in rows}
+    assert _lines(figs["accuracy.png"]) == {f"accuracy (%)|{n}": series(n, "accuracy") for n in rows}
     assert _lines(figs["loss.png"]) == {f"loss|{n}": series(n, "loss") for n in rows}
     assert _lines(figs["bytes.png"]) == {
         f"{m.replace('_', ' ')}|{n}": series(n, m) for n in rows for m in ("bytes_up", "bytes_down")
@@ -99,7 +99,7 @@ def test_report_writes_pngs_and_one_self_contained_html(runs, tmp_path, capsys):
     for run in runs:
         final = read_metrics(run)[-1]
         row = re.search(rf"<tr><td>{run.name}</td><td>3</td><td>([^<]*)</td><td>([^<]*)</td>", page)
-        assert row is not None and row.groups() == (f"{final['accuracy']:.4f}", f"{final['loss']:.4f}")
+        assert row is not None and row.groups() == (f"{final['accuracy'] * 100:.2f}%", f"{final['loss']:.4f}")
     assert "report.html" in capsys.readouterr().out
 
 
@@ -259,3 +259,22 @@ def test_an_unwritable_out_is_one_line(runs, tmp_path, capsys):
     assert capsys.readouterr().err.splitlines() == [
         f"fedgrid report: error: cannot write {tmp_path / 'file'}: File exists"
     ]
+
+
+def test_one_runs_report_goes_beside_it_with_integer_counts_a_percentage_and_named_lines(runs, tmp_path):
+    """The newcomer's report: written into the run's folder (not ./report), the clients plot in
+    whole clients, accuracy a percentage as on the status page, and a legend that names what the
+    lines are (the run's name goes in the title)."""
+    run = shutil.copytree(runs[0], tmp_path / "demo")
+    assert main(["report", str(run)]) == 0
+    assert sorted(p.name for p in (run / "report").glob("*.png")) == sorted(PLOTS)
+    figs = figures(load_runs([str(run)]))
+    clients = figs["clients.png"].axes[0]
+    ticks = [t for t in clients.get_yticks() if clients.get_ylim()[0] <= t <= clients.get_ylim()[1]]
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    assert [line.get_label() for line in clients.lines] == ["clients ok", "clients failed"]
+    assert [t.get_text() for t in clients.get_legend().get_texts()] == ["clients ok", "clients failed"]
+    accuracy = figs["accuracy.png"].axes[0]
+    assert accuracy.get_ylabel() == "accuracy (%)" and accuracy.get_legend() is None
+    assert accuracy.yaxis.get_major_formatter()(0.5, 0) == "50.0%"
+    assert figs["accuracy.png"].get_suptitle() == "Accuracy per round: demo"

@@ -51,7 +51,7 @@ def test_status_view_shows_round_progress_and_clients():
     text = _draw(STATUS)
     assert "2 / 5" in text and "1 of 2 results, 0 failed" in text and "0.8125 / 0.5000" in text
     assert "training" in text and "reported" in text and "1.2s ago" in text and "2 clients" in text
-    assert "cuda x2, 80.0 GiB" in text
+    assert "cuda x2, 80.0 GiB memory" in text
 
 
 def test_client_text_is_not_markup_and_loses_control_characters():

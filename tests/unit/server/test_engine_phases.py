@@ -10,8 +10,9 @@ import torch
 
 from fedgrid.aggregation.fedavg import FedAvg
 from fedgrid.aggregation.selection import Sampling
+from fedgrid.fleet.base import Fleet, RoundOutcome
 from fedgrid.server.engine import RoundEngine
-from fedgrid.server.fleet import Fleet, RoundOutcome
+from fedgrid.server.parts import Schedule
 from fedgrid.types import ClientInfo, MessageIns, MessageRes
 
 CLIENTS = [ClientInfo(client_id=f"c{i}", name=f"n{i}") for i in range(2)]
@@ -61,10 +62,12 @@ def engine(strategy, fleet):
     return RoundEngine(
         strategy=strategy,
         fleet=fleet,
-        rounds=2,
-        min_clients=1,
-        round_timeout=timedelta(seconds=1),
-        join_timeout=timedelta(seconds=1),
+        schedule=Schedule(
+            rounds=2,
+            min_clients=1,
+            round_timeout=timedelta(seconds=1),
+            join_timeout=timedelta(seconds=1),
+        ),
     )
 
 

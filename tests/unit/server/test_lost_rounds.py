@@ -13,8 +13,9 @@ from fedgrid.aggregation.fedavg import FedAvg
 from fedgrid.aggregation.selection import Sampling
 from fedgrid.errors import RoundLostError
 from fedgrid.events import EventLog
+from fedgrid.fleet.base import Fleet, RoundOutcome
 from fedgrid.server.engine import RoundEngine
-from fedgrid.server.fleet import Fleet, RoundOutcome
+from fedgrid.server.parts import RunIO, Schedule
 from fedgrid.types import ClientInfo, Failure, FitRes
 
 CLIENTS = [ClientInfo(client_id=f"c{i}", name=f"site-{i}", num_examples=i + 1) for i in range(3)]
@@ -64,12 +65,16 @@ def _engine(fleet: Fleet, *, retries: int, rounds: int = 3) -> tuple[RoundEngine
     engine = RoundEngine(
         strategy=strategy,
         fleet=fleet,
-        rounds=rounds,
-        min_clients=1,
-        round_timeout=timedelta(seconds=1),
-        join_timeout=timedelta(seconds=1),
-        events=events,
-        round_retries=retries,
+        schedule=Schedule(
+            rounds=rounds,
+            min_clients=1,
+            round_timeout=timedelta(seconds=1),
+            join_timeout=timedelta(seconds=1),
+            round_retries=retries,
+        ),
+        io=RunIO(
+            events=events,
+        ),
     )
     return engine, seen
 

@@ -1,4 +1,4 @@
-"""The registry's identity rule: the newest Join of an identity takes its place; a replaced
+"""The membership's identity rule: the newest Join of an identity takes its place; a replaced
 session that calls again is a conflict (two processes), told so and counted once; a session
 that never calls again (a crashed process) is not."""
 
@@ -10,27 +10,27 @@ import pytest
 
 from fedgrid.errors import SESSION_REPLACED, AuthenticationError, SessionReplacedError
 from fedgrid.events import EventLog
-from fedgrid.server import membership as registry_module
-from fedgrid.server.membership import Registry
+from fedgrid.server import membership as membership_module
+from fedgrid.server.membership import Membership
 from fedgrid.server.wakeups import Wakeups
 from fedgrid.types import ClientInfo
 
 
 @pytest.fixture
-def registry() -> tuple[Registry, list]:
+def membership() -> tuple[Membership, list]:
     events = EventLog()
     seen: list = []
     events.subscribe(seen.append)
-    return Registry(Wakeups(threading.RLock()), events, 5.0, on_remove=lambda record, reason: None), seen
+    return Membership(Wakeups(threading.RLock()), events, 5.0, on_remove=lambda record, reason: None), seen
 
 
-def _join(registry: Registry, name: str) -> tuple[str, str]:
-    info, token = registry.join(ClientInfo(client_id="", name=name, num_examples=3))
+def _join(membership: Membership, name: str) -> tuple[str, str]:
+    info, token = membership.join(ClientInfo(client_id="", name=name, num_examples=3))
     return info.client_id, token
 
 
-def test_a_replaced_session_that_calls_again_is_told_and_counted_once(registry):
-    reg, seen = registry
+def test_a_replaced_session_that_calls_again_is_told_and_counted_once(membership):
+    reg, seen = membership
     old, old_token = _join(reg, "digits-0000/2")
     new, new_token = _join(reg, "digits-0000/2")
     assert list(reg.records) == [new] and reg.conflicts == {}  # no call yet: maybe a restart
@@ -49,8 +49,8 @@ def test_a_replaced_session_that_calls_again_is_told_and_counted_once(registry):
     )
 
 
-def test_a_session_replaced_after_a_crash_is_no_conflict(registry):
-    reg, seen = registry
+def test_a_session_replaced_after_a_crash_is_no_conflict(membership):
+    reg, seen = membership
     _join(reg, "site-a")
     new, token = _join(reg, "site-a")  # the restarted process; the crashed one never calls again
     assert reg.authenticate(new, token).info.name == "site-a"
@@ -58,8 +58,8 @@ def test_a_session_replaced_after_a_crash_is_no_conflict(registry):
     assert not [e for e in seen if e.event == "identity_conflict"]
 
 
-def test_only_the_replaced_sessions_own_token_hears_why(registry):
-    reg, _ = registry
+def test_only_the_replaced_sessions_own_token_hears_why(membership):
+    reg, _ = membership
     old, _token = _join(reg, "alice")
     _join(reg, "alice")
     with pytest.raises(AuthenticationError) as err:
@@ -68,9 +68,9 @@ def test_only_the_replaced_sessions_own_token_hears_why(registry):
     assert reg.conflicts == {}
 
 
-def test_replaced_sessions_are_remembered_up_to_a_bound(registry, monkeypatch):
-    monkeypatch.setattr(registry_module, "MAX_REPLACED", 2)
-    reg, _ = registry
+def test_replaced_sessions_are_remembered_up_to_a_bound(membership, monkeypatch):
+    monkeypatch.setattr(membership_module, "MAX_REPLACED", 2)
+    reg, _ = membership
     sessions = [_join(reg, "bob") for _ in range(4)]  # three replaced; the oldest is forgotten
     with pytest.raises(AuthenticationError) as err:
         reg.authenticate(*sessions[0])

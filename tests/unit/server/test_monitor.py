@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from collections import OrderedDict
 from datetime import timedelta
@@ -102,7 +104,7 @@ def test_events_and_rounds_become_metrics_and_status():
     assert got[("fedgrid_bytes_total", (("direction", "up"),))] == 1000
     assert got[("fedgrid_bytes_total", (("direction", "down"),))] == 2000
     assert got[("fedgrid_client_results_total", (("outcome", "ok"),))] == 2
-    assert got[("fedgrid_live_clients", ())] == 2  # the registry still holds both (the events were made up)
+    assert got[("fedgrid_live_clients", ())] == 2  # the membership still holds both (the events were made up)
     for phase in ("fit", "aggregate", "checkpoint"):
         assert got[("fedgrid_phase_duration_seconds_count", (("phase", phase),))] == 1
     assert got[("fedgrid_round_duration_seconds_sum", ())] == 1.5
@@ -167,7 +169,7 @@ def test_goodput_histograms_label_regions_boundedly_and_never_clients():
     assert "name-" not in text and "id-" not in text
     assert [
         (r["region"], r["clients"]) for r in monitor.status()["regions"]
-    ] == []  # none joined the registry
+    ] == []  # none joined the membership
 
 
 def test_a_clients_last_seen_is_read_on_the_fleets_clock():
@@ -182,4 +184,23 @@ def test_a_clients_last_seen_is_read_on_the_fleets_clock():
     clock.advance(0.25)
     [row] = monitor.status()["clients"]
     assert row["last_seen_s"] == 0.25
+    fleet.close()
+
+
+def test_api_status_answers_strict_json_whatever_a_clients_figures():
+    """A split that is not finite (the wire refuses one; a region's sum or an in-process fleet
+    could still make one) is served as null, never as a 500."""
+    fleet = RemoteFleet(heartbeat_interval=timedelta(seconds=60))
+    monitor = CoordinatorMonitor(fleet, rounds=1, history=lambda: [])
+    info, _ = fleet.join(ClientInfo("", name="site-1", region="eu", num_examples=1))
+    split = {"wall_s": 1.0, "compute_s": math.inf, "comm_s": 0.0, "wait_s": 0.0, "transfer_s": 0.0}
+    monitor.on_fit_results([FitRes(info, OrderedDict(), 1, {**split, "utilization": math.nan})])
+    response = monitor.routes()["/api/status"].handler()
+
+    def refuse(constant: str) -> object:
+        raise ValueError(f"not JSON: {constant}")
+
+    status = json.loads(response.body, parse_constant=refuse)
+    [row] = status["clients"]
+    assert row["compute_s"] is None and row["utilization"] is None and row["wall_s"] == 1.0
     fleet.close()

@@ -13,8 +13,9 @@ from fedgrid.aggregation.fedavg import FedAvg
 from fedgrid.aggregation.selection import Sampling
 from fedgrid.config import load_config
 from fedgrid.errors import ConfigError
+from fedgrid.fleet.base import Fleet, Quorum, RoundOutcome, quorum_of
 from fedgrid.server.engine import RoundEngine
-from fedgrid.server.fleet import Fleet, Quorum, RoundOutcome, quorum_of
+from fedgrid.server.parts import RoundRules, Schedule
 from fedgrid.types import ClientInfo
 
 pytestmark = pytest.mark.timeout(30)
@@ -74,11 +75,15 @@ def test_quorum_larger_than_the_selection_is_refused_before_the_round_opens():
     engine = RoundEngine(
         strategy=strategy,
         fleet=fleet,
-        rounds=1,
-        min_clients=1,
-        round_timeout=timedelta(seconds=1),
-        join_timeout=timedelta(seconds=1),
-        quorum=Quorum(min_quorum=3),
+        schedule=Schedule(
+            rounds=1,
+            min_clients=1,
+            round_timeout=timedelta(seconds=1),
+            join_timeout=timedelta(seconds=1),
+        ),
+        rules=RoundRules(
+            quorum=Quorum(min_quorum=3),
+        ),
     )
     with pytest.raises(ConfigError) as info:
         engine.run()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fedgrid.errors import InvalidUpdateError, PayloadTooLargeError
-from fedgrid.server.protocol import check_outbox, relay
+from fedgrid.fleet.protocol import check_outbox, relay
 from fedgrid.server.rounds import RoundTask
 from fedgrid.types import TO_ALL, TO_SERVER, ClientInfo, MessageIns
 

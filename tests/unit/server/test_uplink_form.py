@@ -13,7 +13,7 @@ import pytest
 from fedgrid.compression import parse_codec_spec
 from fedgrid.compression.feedback import FeedbackRule
 from fedgrid.config import load_config
-from fedgrid.server.codec_policy import build_codec_policy, uplink_form
+from fedgrid.fleet.codec_policy import build_codec_policy, uplink_form
 
 
 def _form(codec: str, **overrides: Any) -> str:
@@ -48,7 +48,7 @@ def test_diloco_a_named_rule_secagg_and_custom_strategies_keep_the_spec() -> Non
 
 def test_the_policy_sends_each_region_its_form_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
     config = load_config(overrides={"codec": "sparseloco", "region_codecs": "eu=demo:8,us=int8"})
-    with caplog.at_level("INFO", logger="fedgrid.server.codec_policy"):
+    with caplog.at_level("INFO", logger="fedgrid.fleet.codec_policy"):
         policy = build_codec_policy(config)
     assert policy.default.text == "sparseloco:64:scaled"
     assert {region: spec.text for region, spec in policy.by_region.items()} == {

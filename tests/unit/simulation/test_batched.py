@@ -18,7 +18,7 @@ from fedgrid.client.api import Client, FitOutput
 from fedgrid.client.torch_client import TorchClient
 from fedgrid.compression.spec import CodecSpec
 from fedgrid.errors import ConfigError
-from fedgrid.server.codec_policy import CodecPolicy
+from fedgrid.fleet.codec_policy import CodecPolicy
 from fedgrid.simulation.batched import BatchedTrainer, choose_engine
 from fedgrid.simulation.batched_optim import NotBatchable, optimizer_spec
 from fedgrid.simulation.fleet import InProcessFleet
@@ -592,3 +592,36 @@ def test_cuda_budget_counts_what_the_caching_allocator_holds_unused(monkeypatch)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
     assert memory_budget(torch.device("cuda")) == int(10 * gib * 0.8)
+
+
+def test_a_chunks_steps_are_a_tasks_progress_for_a_local_runs_bar(monkeypatch):
+    """The batched engine reports each chunk's steps (``fedgrid.client.progress``), in the
+    examples its clients train at each step, as a sequential client does; its clock is driven."""
+    from fedgrid.client import progress
+    from fedgrid.clock import ManualClock
+    from fedgrid.simulation import batched
+
+    clock = ManualClock()
+
+    class Driven(progress.TaskProgress):
+        def __init__(self, **kwargs) -> None:
+            super().__init__(clock=clock, **kwargs)
+
+        def step(self, examples: int, tokens: int = 0) -> None:
+            clock.advance(1.0)  # a step's time
+            super().step(examples, tokens)
+
+    monkeypatch.setattr(batched, "TaskProgress", Driven)
+    clients = _clients()
+    seen: list[progress.ProgressReport] = []
+    progress.listen(seen.append)
+    try:
+        BatchedTrainer(clients).fit([(i, _state(clients), FitIns(round=4)) for i in range(len(clients))])
+    finally:
+        progress.listen(None)
+    steps = max(-(-n // 8) for n in SIZES)  # the longest client's batches of 8
+    assert [r.steps_done for r in seen] == list(range(1, steps + 1))
+    assert {r.round for r in seen} == {4} and {r.steps_total for r in seen} == {steps}
+    # Step 1: every client's first batch, 8 examples each (or fewer when it holds fewer).
+    assert seen[0].examples_per_s == sum(min(8, n) for n in SIZES)
+    assert seen[-1].eta_s == 0.0

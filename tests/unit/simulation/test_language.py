@@ -29,7 +29,7 @@ from fedgrid.simulation.language import (
     token_cross_entropy,
 )
 from fedgrid.simulation.shakespeare import load_shakespeare
-from fedgrid.simulation.tasks import build_model, builtin_client, check_options, make_evaluate
+from fedgrid.simulation.tasks import ClientOptions, build_model, builtin_client, check_options, make_evaluate
 
 
 def test_gpt_sizes_parse_with_defaults_for_the_rest():
@@ -165,7 +165,12 @@ def test_precision_auto_is_fp32_on_the_cpu_and_bf16_autocasts_there_when_asked(t
         autocast_dtype(cpu, "half")
     data_dir = str(synthetic_shakespeare(tmp_path / "data"))
     model = "gpt:layers=1,heads=2,dim=16,context=16"
-    client = builtin_client(0, 2, 0, dataset="shakespeare", data_dir=data_dir, model=model, precision="bf16")
+    client = builtin_client(
+        0,
+        2,
+        0,
+        options=ClientOptions(dataset="shakespeare", data_dir=data_dir, model=model, precision="bf16"),
+    )
     seen: list[torch.dtype] = []
     client.model.head.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
     loss, _ = client._batch_loss(client.model, *next(iter(client.train_loader)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import struct
 
@@ -54,7 +55,12 @@ def test_digits_model_is_unchanged():
 
 
 def test_builtin_client_takes_the_training_options():
-    sgd = tasks.builtin_client(1, 4, 0, batch_size=16, lr=0.2, momentum=0.5, weight_decay=1e-3, device="cpu")
+    sgd = tasks.builtin_client(
+        1,
+        4,
+        0,
+        options=tasks.ClientOptions(batch_size=16, lr=0.2, momentum=0.5, weight_decay=1e-3, device="cpu"),
+    )
     opt = sgd.optimizer_factory(sgd.model.parameters())
     assert isinstance(opt, torch.optim.SGD)
     assert (
@@ -62,10 +68,14 @@ def test_builtin_client_takes_the_training_options():
     )
     assert sgd.train_loader.batch_size == 16 and sgd.name == "digits-0001/4"
     for name, cls in (("adam", torch.optim.Adam), ("adamw", torch.optim.AdamW)):
-        c = tasks.builtin_client(0, 4, 0, optimizer=name, lr=0.01, weight_decay=0.1, device="cpu")
+        c = tasks.builtin_client(
+            0, 4, 0, options=tasks.ClientOptions(optimizer=name, lr=0.01, weight_decay=0.1, device="cpu")
+        )
         opt = c.optimizer_factory(c.model.parameters())
         assert type(opt) is cls and opt.defaults["lr"] == 0.01 and opt.defaults["weight_decay"] == 0.1
-    logistic_client = tasks.builtin_client(0, 4, 0, model="logistic", device="cpu")
+    logistic_client = tasks.builtin_client(
+        0, 4, 0, options=tasks.ClientOptions(model="logistic", device="cpu")
+    )
     assert _params(logistic_client.model) == 650
 
 
@@ -80,31 +90,31 @@ def test_client_options_cover_the_client_keys():
         }
     )
     options = tasks.client_options(config)
-    assert options == {
-        "dataset": "synthetic",
-        "data_dir": "",
-        "partitioner": "iid",
-        "model": "",
-        "batch_size": 8,
-        "optimizer": "adam",
-        "lr": 0.1,
-        "momentum": 0.9,
-        "weight_decay": 0.01,
-        "precision": "fp32",
-        "peft": "",
-        "peft_rank": "",
-        "lora_aggregation": None,
-        "grad_accum": 1,
-        "grad_checkpointing": False,
-    }
-    client = tasks.builtin_client(2, 5, 0, device="cpu", **options)
+    assert options == tasks.ClientOptions(
+        dataset="synthetic",
+        data_dir="",
+        partitioner="iid",
+        model="",
+        batch_size=8,
+        optimizer="adam",
+        lr=0.1,
+        momentum=0.9,
+        weight_decay=0.01,
+        precision="fp32",
+        peft="",
+        peft_rank="",
+        lora_aggregation=None,
+        grad_accum=1,
+        grad_checkpointing=False,
+    )
+    client = tasks.builtin_client(2, 5, 0, dataclasses.replace(options, device="cpu"))
     assert client.name == "synthetic-0002/5" and client.train_loader.batch_size == 8
 
 
 def test_synthetic_natural_clients_evaluate_on_their_own_devices():
     data = tasks.load_data("synthetic")
     assert data.train_groups is not None and data.test_groups is not None
-    client = tasks.builtin_client(3, 10, 0, dataset="synthetic", device="cpu")
+    client = tasks.builtin_client(3, 10, 0, options=tasks.ClientOptions(dataset="synthetic", device="cpu"))
     x, y = client.train_loader.dataset.tensors
     assert x.shape[1] == 60 and x.dtype == torch.float32 and y.dtype == torch.int64
     ex, _ = client.eval_loader.dataset.tensors
@@ -136,7 +146,8 @@ def test_evaluate_in_chunks_equals_one_pass():
     data = tasks.load_data("synthetic")
     assert len(data.y_test) > tasks.EVAL_CHUNK  # several chunks
     state = tasks.initial_state(lambda: tasks.build_model("synthetic"), 1)
-    loss, metrics = tasks.make_evaluate("synthetic")(state)
+    # Every test example (eval_batches bounds it to a subset by default), in several chunks.
+    loss, metrics = tasks.make_evaluate("synthetic", eval_batches=len(data.y_test))(state)
     model = tasks.build_model("synthetic")
     model.load_state_dict(state)
     x, y = data.test(slice(None))
@@ -176,11 +187,9 @@ def test_fashion_mnist_from_data_dir(fmnist_dir, model, params):
         0,
         3,
         0,
-        dataset="fashion-mnist",
-        data_dir=fmnist_dir,
-        model=model,
-        partitioner="shards:2",
-        device="cpu",
+        options=tasks.ClientOptions(
+            dataset="fashion-mnist", data_dir=fmnist_dir, model=model, partitioner="shards:2", device="cpu"
+        ),
     )
     x, y = client.train_loader.dataset.tensors
     assert x.shape[1:] == (1, 28, 28) and float(x.max()) <= 1.0

@@ -16,7 +16,7 @@ global model. With it off, finite but huge updates can still overflow an aggrega
 round engine never commits a non-finite one (``server/engine.py``).
 
 ``RemoteFleet`` (``server/uploads.py``) and ``InProcessFleet`` apply the same bounds, through
-the same functions (``server/protocol.py``), so a simulated run refuses what a deployment would.
+the same functions (``fleet/protocol.py``), so a simulated run refuses what a deployment would.
 A difference kept as such (``FitRes.delta``) is measured as received, not against ``base``.
 """
 

@@ -1,4 +1,6 @@
-"""Keeps the coordinator's memory near what it uses.
+"""glibc's allocator, set for what the process does: a coordinator returns large buffers to the
+system (``return_large_buffers_to_the_system``), the batched simulation keeps them
+(``keep_large_buffers``).
 
 glibc's allocator raises its mmap threshold as large blocks are freed, after which
 freed model-sized buffers (received tensors, accumulators) stay in the heap instead of

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes.util
 import platform
 
-from fedgrid.server.memory import keep_large_buffers, return_large_buffers_to_the_system
+from fedgrid.allocator import keep_large_buffers, return_large_buffers_to_the_system
 
 GLIBC = (
     platform.system() == "Linux"

@@ -13,7 +13,7 @@ an update in the same form and counts the same bytes:
 - acceptance: ``check_joining`` at Join; ``check_header`` before any tensor of an update is
   read: the ``delta`` flag must match the task's uplink codec (a lossless codec never sends
   differences: a ``delta`` update on a ``none`` task would be added to the global model), and
-  ``num_examples`` must be within its bounds (``server/bounds.py``; a fit update claims at
+  ``num_examples`` must be within its bounds (``fleet/bounds.py``; a fit update claims at
   least one example, since its claim is its weight in a mean); then ``UpdateCheck`` on each
   tensor as it completes (shape and dtype are the decoder's, ``serde.ModelAssembler``, against
   the task's expected specs): finite and within the norm bound;
@@ -43,14 +43,14 @@ from fedgrid.compression.feedback import is_delta_tensor
 from fedgrid.compression.spec import CodecSpec
 from fedgrid.constants import MAX_OUTBOX_BYTES, MAX_PHASE_MESSAGE_BYTES
 from fedgrid.errors import InvalidUpdateError, PayloadTooLargeError
+from fedgrid.fleet.bounds import UpdateBounds
 from fedgrid.proto import serde
-from fedgrid.server.bounds import UpdateBounds
 from fedgrid.textsafe import MAX_LABEL_CHARS, MAX_NAME_CHARS, MAX_REGION_CHARS, check_label
 from fedgrid.types import TO_ALL, TO_SERVER, ClientInfo, FitIns, FitRes, MessageIns, ModelState, TensorSpec
 
 if TYPE_CHECKING:
-    from fedgrid.server.codec_policy import CodecPolicy
-    from fedgrid.server.downlink import RoundDownlink
+    from fedgrid.fleet.codec_policy import CodecPolicy
+    from fedgrid.fleet.downlink import RoundDownlink
 
 __all__ = [
     "MAX_CODECS",

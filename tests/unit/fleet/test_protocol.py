@@ -1,4 +1,4 @@
-"""``server/protocol.py``: a client's fit task, its download, the checks every fleet applies to
+"""``fleet/protocol.py``: a client's fit task, its download, the checks every fleet applies to
 an update, the form it is kept in (``FitRes.delta``), and the round's byte tally; the delta flag survives a spill and
 reaches only strategies that take it."""
 
@@ -16,11 +16,12 @@ from fedgrid.client.api import Client, FitOutput
 from fedgrid.compression.spec import CodecSpec
 from fedgrid.config_compression import task_uplink_codec
 from fedgrid.errors import InvalidUpdateError
-from fedgrid.server import protocol
-from fedgrid.server.bounds import UpdateBounds
-from fedgrid.server.codec_policy import CodecPolicy
-from fedgrid.server.downlink import Downlink
+from fedgrid.fleet import protocol
+from fedgrid.fleet.bounds import UpdateBounds
+from fedgrid.fleet.codec_policy import CodecPolicy
+from fedgrid.fleet.downlink import Downlink
 from fedgrid.server.engine import RoundEngine
+from fedgrid.server.parts import Schedule
 from fedgrid.server.spill import UpdateSpill
 from fedgrid.simulation.fleet import InProcessFleet
 from fedgrid.types import ClientInfo, FitIns, FitRes, TensorSpec
@@ -157,10 +158,12 @@ def test_the_engine_hands_models_to_a_strategy_that_does_not_take_deltas():
     RoundEngine(
         strategy=strategy,
         fleet=fleet,
-        rounds=1,
-        min_clients=1,
-        round_timeout=timedelta(seconds=5),
-        join_timeout=timedelta(seconds=1),
+        schedule=Schedule(
+            rounds=1,
+            min_clients=1,
+            round_timeout=timedelta(seconds=5),
+            join_timeout=timedelta(seconds=1),
+        ),
     ).run()
     [(delta, w)] = strategy.seen
     assert not delta
@@ -183,10 +186,12 @@ def test_a_simulated_client_claiming_no_examples_fails_its_round_and_the_run_goe
     engine = RoundEngine(
         strategy=strategy,
         fleet=fleet,
-        rounds=2,
-        min_clients=2,
-        round_timeout=timedelta(seconds=5),
-        join_timeout=timedelta(seconds=1),
+        schedule=Schedule(
+            rounds=2,
+            min_clients=2,
+            round_timeout=timedelta(seconds=5),
+            join_timeout=timedelta(seconds=1),
+        ),
     )
     final = engine.run()
     assert final is not None and [(m.clients_ok, m.clients_failed) for m in engine.history] == [

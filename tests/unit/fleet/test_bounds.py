@@ -13,8 +13,9 @@ import torch
 from fedgrid.aggregation import build_strategy_from
 from fedgrid.client import Client, FitOutput
 from fedgrid.errors import InvalidUpdateError
-from fedgrid.server.bounds import UpdateBounds
+from fedgrid.fleet.bounds import UpdateBounds
 from fedgrid.server.engine import ROUND_FAILED, RoundEngine, first_non_finite
+from fedgrid.server.parts import RunIO, Schedule
 from fedgrid.server.state import StateStore
 from fedgrid.simulation.fleet import InProcessFleet
 from fedgrid.textsafe import check_label, escape
@@ -97,11 +98,15 @@ def _engine(clients, *, rounds, bounds=None, store=None):
     return RoundEngine(
         strategy=strategy,
         fleet=InProcessFleet(clients, bounds=bounds),
-        rounds=rounds,
-        min_clients=1,
-        round_timeout=timedelta(seconds=5),
-        join_timeout=timedelta(seconds=5),
-        store=store,
+        schedule=Schedule(
+            rounds=rounds,
+            min_clients=1,
+            round_timeout=timedelta(seconds=5),
+            join_timeout=timedelta(seconds=5),
+        ),
+        io=RunIO(
+            store=store,
+        ),
     )
 
 
