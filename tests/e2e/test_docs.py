@@ -45,6 +45,7 @@ PAGES = [
     "running",
     "security",
     "simulation",
+    "trainers",
     "updates",
 ]
 # The deployment commands the quickstart shows (mutual TLS end to end, then the same in one process).

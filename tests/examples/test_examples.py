@@ -197,3 +197,16 @@ def test_federated_loop_continues_from_the_federated_average(capsys):
         events.count("client_joined") == 2 and "client_left" not in events
     )  # one session each, ended by the run
     assert len((EXAMPLES / "federated_loop.py").read_text().splitlines()) < 100  # what the docs promise
+
+
+# -- federated_sft.py ------------------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+def test_federated_sft_example_tunes_lora_with_only_the_adapters_on_the_wire(tmp_path, capsys):
+    table = _load("federated_sft").main(["--rounds", "2", "--inner-steps", "3", "--work", str(tmp_path)])
+    assert table["rounds"] == 2
+    # r=4 on the 32x32 q and v projections of 2 layers: 4,096 bytes of tensors, with the frames' names
+    # and headers; the base's ~100 kB never travel.
+    assert 4096 < table["bytes_up_per_round"] < 4096 + 1500
+    assert 4096 < table["bytes_down_per_round"] < 4096 + 1500
+    assert table["loss_after"] < table["loss_before"]
+    assert "loss_after" in capsys.readouterr().out

@@ -112,7 +112,9 @@ class Session:
         self.conn = Connection(
             coordinator, stop=threading.Event(), tls=tls, server_name=o.server_name, **o.connection
         )
-        self._member = SessionMember(o.name, o.region, o.num_examples, o.messages)
+        self._member = SessionMember(
+            o.name, o.region, o.num_examples, o.messages, base_hash=o.base_hash, lora_rank=o.lora_rank
+        )
         self._feed = TaskFeed(self.conn, self._member, poll_wait_s=o.poll_wait_s)
         self._evaluate, self._state_path = o.evaluate, o.state_path
         self._on_task, self._on_error, self._verbose = o.on_task, o.on_error, o.verbose

@@ -91,8 +91,28 @@ class ErrorHook(Protocol):
 class SessionMember(Client):
     """What Join tells the coordinator about the session; message phases go to ``messages``."""
 
-    def __init__(self, name: str, region: str, num_examples: int, messages: MessageHandler | None) -> None:
+    def __init__(
+        self,
+        name: str,
+        region: str,
+        num_examples: int,
+        messages: MessageHandler | None,
+        *,
+        base_hash: str = "",
+        lora_rank: int = 0,
+    ) -> None:
         self.name, self.region, self._num_examples, self._messages = name, region, num_examples, messages
+        self._adapters = (base_hash, lora_rank)
+
+    @property
+    def base_hash(self) -> str:
+        """The host's frozen base model's hash (``Client.base_hash``), shown at Join."""
+        return self._adapters[0]
+
+    @property
+    def lora_rank(self) -> int:
+        """The rank of the host's LoRA adapters (``Client.lora_rank``; 0: none), announced at Join."""
+        return self._adapters[1]
 
     @property
     def num_examples(self) -> int:
@@ -141,6 +161,10 @@ class SessionOptions:
         verbose: a line at the join and one per task that landed (round, kind, examples, loss,
             bytes): at INFO of ``fedgrid.client.session`` where the program configured logging,
             else on stderr (``tell``). ``False``: none.
+        base_hash: the hash of the frozen base model the host trains adapters on, shown at Join
+            (a coordinator of another base refuses the session, naming both hashes;
+            ``fedgrid.integrations.federation.wire_model`` computes it for a ``PeftModel``).
+        lora_rank: the rank of those adapters, announced at Join (0: none).
         connection: passed to ``Connection`` (``connect_timeout``, ``rpc_timeout``, ...).
     """
 
@@ -158,6 +182,8 @@ class SessionOptions:
     on_task: Callable[[TaskReport], None] | None = None
     on_error: ErrorHook | None = None
     verbose: bool = True
+    base_hash: str = ""
+    lora_rank: int = 0
     connection: Mapping[str, float] = field(default_factory=dict)
 
     @classmethod

@@ -94,6 +94,54 @@ class Resolved:
     base_hash: str = ""
 
 
+def sites_bring_the_data(dataset: str, model: str) -> bool:
+    """Whether a coordinator of ``model`` serves a run whose sites bring their own data: a Hugging
+    Face model (``hf:PATH``) with a dataset other than the language models' built-in ones (the
+    default ``digits``, or ``hf:PATH`` data at the sites). Such a coordinator builds the model
+    alone (``site_data_model``) and evaluates nothing on its side."""
+    from fedgrid.simulation.language import lm_spec
+    from fedgrid.simulation.lm_task import LM_DATASETS
+
+    spec = lm_spec(model)
+    return spec is not None and spec.kind == "hf" and dataset not in LM_DATASETS
+
+
+def site_data_model(
+    *, model: str, seed: int = 0, peft: str = "", lora_aggregation: str | None = None
+) -> Resolved:
+    """The initial model of a coordinator whose sites bring the data (``sites_bring_the_data``):
+    the ``hf:PATH`` model (with ``peft``, its adapters and the frozen base's hash), no
+    server-side evaluation, and no bound on its vocabulary (the sites' tokenizer decides).
+
+    Raises:
+        ConfigError: a missing folder or ``config.json``, ``transformers`` or ``peft`` not
+            installed, or a bad ``peft`` spec (names the key).
+    """
+    from fedgrid.simulation.language import build_lm, lm_spec
+    from fedgrid.simulation.peft_lm import build_peft_lm
+
+    spec = lm_spec(model)
+    assert spec is not None and spec.kind == "hf"
+    built: list[Any] = []
+
+    def build() -> Any:
+        net = (
+            build_peft_lm(spec.path, peft, frozen_a=lora_aggregation == "ffa", vocab=1)
+            if peft
+            else build_lm(spec, vocab=1)
+        )
+        built.append(net)
+        return net
+
+    try:
+        state = initial_state(build, seed)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ConfigError("model", f"building the model failed: {type(exc).__name__}: {exc}") from None
+    return Resolved(state, None, builtin_client, getattr(built[0], "base_hash", ""))
+
+
 def resolve(
     *,
     dataset: str = "digits",

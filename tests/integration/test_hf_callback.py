@@ -1,0 +1,378 @@
+"""``fedgrid.integrations.transformers.FederatedCallback``: Hugging Face's ``Trainer`` and TRL's
+``SFTTrainer`` as clients of a real gRPC coordinator (``fedgrid coordinator --model hf:PATH``, no
+dataset: the sites bring theirs), two sites each in threads of this process. FedAvg ends with
+both sites holding the coordinator's final model bit for bit; LoRA under DiLoCo puts only the
+adapters on the wire (names and bytes); a coordinator of another base model is refused at train
+begin, both hashes named.
+
+Nothing is downloaded: the tiny Llama and its character tokenizer are written by the test.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedgrid.cli import serve
+from fedgrid.config import load_config
+from fedgrid.runlog import load_model, read_metrics
+
+from harness import THREADS, wait_until
+from tiny_hf import PAIRS, char_tokenizer, instruction_jsonl, tiny_llama_folder, token_rows
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+
+LORA_TARGETS = ("q_proj", "v_proj")
+PEFT = "lora:r=4,alpha=8,targets=q_proj,v_proj"
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_llama_folder(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+class _Coordinator:
+    """``fedgrid coordinator`` (``serve``) in a thread on port 0."""
+
+    def __init__(self, out: Path, **overrides) -> None:
+        self.config = load_config(
+            overrides={
+                "clients": 2,
+                "min_clients": 2,
+                "listen": "127.0.0.1:0",
+                "threads": THREADS,
+                "progress": False,
+                "seed": 1,
+                "out": str(out),
+                **overrides,
+            }
+        )
+        self.out = out
+        self.error: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                serve(self.config)
+            except BaseException as exc:  # the test's assertion names it
+                self.error.append(exc)
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        address = out / "address"
+        wait_until(
+            lambda: self.error or (address.exists() and address.read_text().strip() != ""),
+            timeout=120,
+            what="address",
+        )
+        assert not self.error, self.error
+        self.address = address.read_text().strip()
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        self.thread.join(timeout=180)
+        assert not self.thread.is_alive(), "the coordinator did not finish"
+        assert not self.error, self.error
+        return load_model(self.out / "model.safetensors")
+
+
+def _sites(train, n: int = 2, timeout: float = 60) -> list:
+    """Runs ``train(k)`` for each site k in a thread; returns their results (re-raises a failure)."""
+    results: list = [None] * n
+    errors: list = []
+
+    def run(k: int) -> None:
+        try:
+            results[k] = train(k)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(k,), daemon=True) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a site did not finish"
+    if errors:
+        raise errors[0]
+    return results
+
+
+def _args(out: Path, **overrides):
+    from transformers import TrainingArguments
+
+    options = {
+        "output_dir": str(out),
+        "per_device_train_batch_size": 2,
+        "max_steps": 100,  # the coordinator's end stops the trainer first
+        "learning_rate": 0.01,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": [],
+        "use_cpu": True,
+        "seed": 0,
+        "disable_tqdm": True,
+        **overrides,
+    }
+    return TrainingArguments(**options)
+
+
+def test_trainer_under_fedavg_ends_with_the_coordinators_final_model(llama, tmp_path):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, Trainer
+
+    from fedgrid.integrations.transformers import FederatedCallback
+
+    torch.set_num_threads(THREADS)
+    run = _Coordinator(tmp_path / "run", model=f"hf:{llama}", rounds=2, local_epochs=1, fraction_evaluate=1.0)
+    rows = token_rows(char_tokenizer())
+    reports: list = [[], []]
+
+    models = [AutoModelForCausalLM.from_pretrained(llama, local_files_only=True) for _ in range(2)]
+    callbacks = [
+        FederatedCallback(run.address, name=f"site-{k}", verbose=False, on_task=reports[k].append)
+        for k in range(2)
+    ]
+    trainers = [
+        Trainer(
+            model=models[k],
+            args=_args(tmp_path / f"site-{k}"),
+            train_dataset=Dataset.from_list(rows[k::2]),  # 6 rows: 3 steps of 2 per epoch
+            callbacks=[callbacks[k]],
+        )
+        for k in range(2)
+    ]
+
+    def train(k: int):
+        trainers[k].train()
+        return callbacks[k].federation, trainers[k].state.global_step, models[k].state_dict()
+
+    results = _sites(train)
+    final = run.finish()
+    metrics = read_metrics(tmp_path / "run")
+    assert [row["clients_ok"] for row in metrics] == [2, 2]
+    for federation, steps, state in results:
+        assert federation.finished and federation.rounds == 2
+        assert steps == 2 * 3  # two rounds of one epoch (3 steps); the federation stopped the trainer
+        assert list(final) == ["net." + name for name in state]
+        for name, tensor in state.items():  # the final aggregate merged at train end
+            assert torch.equal(tensor, final["net." + name]), name
+    # FedAvg weighs the sites' 6 examples each: the round's result is their mean, on the wire whole.
+    assert all(r.kind == "fit" and r.num_examples == 6 for site in reports for r in site if r.kind == "fit")
+    whole = sum(t.numel() * t.element_size() for t in final.values())
+    assert all(r.bytes_up >= whole for site in reports for r in site if r.kind == "fit")
+
+
+def _sft(llama: Path, out: Path, data_file: Path, callback, steps: int = 100):
+    """An ``SFTTrainer`` with LoRA on the prompt/completion JSONL ``data_file`` (made here, in the
+    caller's thread: ``datasets`` prepares files under a lock that two threads at once contend for)."""
+    from datasets import load_dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(llama, local_files_only=True)
+    config = SFTConfig(
+        output_dir=str(out),
+        per_device_train_batch_size=2,
+        max_steps=steps,
+        learning_rate=0.01,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        max_length=32,
+    )
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS), lora_dropout=0.0)
+    data = load_dataset("json", data_files=str(data_file), split="train")
+    return SFTTrainer(
+        model=model,
+        args=config,
+        train_dataset=data,
+        processing_class=char_tokenizer(),
+        peft_config=lora,
+        callbacks=[callback],
+    )
+
+
+def _adapter_names() -> list[str]:
+    prefix = "net.base_model.model.model.layers"
+    return [
+        f"{prefix}.{i}.self_attn.{proj}.lora_{f}.default.weight"
+        for i in range(2)
+        for proj in LORA_TARGETS
+        for f in ("A", "B")
+    ]
+
+
+def test_sfttrainer_with_lora_under_diloco_sends_only_the_adapters(llama, tmp_path):
+    from fedgrid.integrations.transformers import FederatedCallback
+
+    torch.set_num_threads(THREADS)
+    run = _Coordinator(
+        tmp_path / "run",
+        model=f"hf:{llama}",
+        peft=PEFT,
+        strategy="diloco",
+        inner_steps=3,
+        rounds=2,
+    )
+    reports: list = [[], []]
+    files = [instruction_jsonl(tmp_path / f"site-{k}.jsonl", PAIRS[k::2]) for k in range(2)]
+
+    callbacks = [
+        FederatedCallback(run.address, name=f"site-{k}", verbose=False, on_task=reports[k].append)
+        for k in range(2)
+    ]
+    trainers = [_sft(llama, tmp_path / f"out-{k}", files[k], callbacks[k]) for k in range(2)]
+
+    def train(k: int):
+        trainers[k].train()
+        return callbacks[k].federation, trainers[k].state.global_step
+
+    results = _sites(train)
+    final = run.finish()
+    assert list(final) == _adapter_names()
+    # r=4 on 32x32 projections: A [4, 32] and B [32, 4], 128 floats each, 8 tensors: 4,096 bytes.
+    assert sum(t.numel() * t.element_size() for t in final.values()) == 4096
+    assert any(t.abs().sum() > 0 for n, t in final.items() if ".lora_B." in n)  # B moved off zero
+    for federation, steps in results:
+        assert federation.finished and federation.rounds == 2 and steps == 2 * 3  # H = 3 inner steps
+    fits = [r for site in reports for r in site if r.kind == "fit"]
+    assert len(fits) == 4
+    # The adapters' 4,096 bytes with the frames' names and headers; the base's ~100 kB never travel.
+    assert all(4096 < r.bytes_up < 4096 + 1500 and 4096 < r.bytes_down < 4096 + 1500 for r in fits), fits
+    assert [row["clients_ok"] for row in read_metrics(tmp_path / "run")] == [2, 2]
+
+
+def test_a_callback_at_a_coordinator_of_another_base_fails_at_train_begin_naming_both_hashes(llama, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from fedgrid.integrations.federation import wire_model
+    from fedgrid.integrations.transformers import FederatedCallback
+
+    other = tiny_llama_folder(tmp_path / "other-llama", seed=1)  # the same architecture, other weights
+    run = _Coordinator(
+        tmp_path / "run",
+        model=f"hf:{other}",
+        peft=PEFT,
+        strategy="diloco",
+        inner_steps=3,
+        min_clients=1,
+        rounds=1,
+    )
+    data = instruction_jsonl(tmp_path / "site.jsonl")
+    callback = FederatedCallback(run.address, name="site-0", verbose=False, connect_timeout=20)
+    trainer = _sft(llama, tmp_path / "out", data, callback)
+    with pytest.raises(Exception) as info:
+        trainer.train()
+    text = str(info.value)
+    from peft import LoraConfig, get_peft_model
+
+    ours = wire_model(
+        get_peft_model(
+            AutoModelForCausalLM.from_pretrained(llama, local_files_only=True),
+            LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS)),
+        )
+    ).base_hash
+    theirs = wire_model(
+        get_peft_model(
+            AutoModelForCausalLM.from_pretrained(other, local_files_only=True),
+            LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS)),
+        )
+    ).base_hash
+    assert ours != theirs and ours in text and theirs in text, text
+    assert callback.federation.rounds == 0 and callback.federation.session is None
+
+
+def _free_port() -> int:
+    """A port the kernel hands out for port 0 (accelerate's rendezvous takes a number, not 0)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_trainer_under_accelerate_launch_with_two_processes_agrees_on_every_rank(llama, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, Trainer
+
+    from fedgrid.integrations.transformers import FederatedCallback
+
+    torch.set_num_threads(THREADS)
+    run = _Coordinator(tmp_path / "run", model=f"hf:{llama}", rounds=2, local_epochs=1, fraction_evaluate=1.0)
+    support = Path(__file__).resolve().parents[1] / "support"
+    out = tmp_path / "ddp"
+    out.mkdir()
+    launch = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--num_cpu_threads_per_process", "1", "--main_process_ip", "127.0.0.1",
+        "--main_process_port", str(_free_port()), str(support / "hf_ddp_site.py"), str(llama), run.address, str(out),
+    ]  # fmt: skip  # --multi_gpu: torchrun's launcher (gloo here: use_cpu); --cpu runs one process
+    env = {**os.environ, "PYTHONPATH": str(support), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    ddp = subprocess.Popen(launch, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    model = AutoModelForCausalLM.from_pretrained(llama, local_files_only=True)
+    callback = FederatedCallback(run.address, name="site-1", verbose=False)
+    rows = token_rows(char_tokenizer())[1::2]
+    trainer = Trainer(
+        model=model,
+        args=_args(tmp_path / "site-1"),
+        train_dataset=Dataset.from_list(rows),
+        callbacks=[callback],
+    )
+    site = threading.Thread(target=trainer.train, daemon=True)
+    site.start()
+    try:  # the thread waits for the other site: a launch that fails must end the wait
+        wait_until(lambda: not site.is_alive() or ddp.poll() not in (None, 0), timeout=180, what="the sites")
+        log, _ = ddp.communicate(timeout=120)
+    finally:
+        ddp.kill()
+    assert ddp.returncode == 0, log[-4000:]
+    final = run.finish()
+    assert [row["clients_ok"] for row in read_metrics(tmp_path / "run")] == [2, 2]
+    for rank in range(2):  # both ranks trained the two rounds and hold the final aggregate
+        assert (out / f"rank-{rank}.steps").read_text() == "6 2"
+        state = load_model(out / f"rank-{rank}.safetensors")
+        for name, tensor in state.items():
+            assert torch.equal(tensor, final["net." + name]), (rank, name)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, final["net." + name]), name
+
+
+def test_overlapped_diloco_uploads_then_trains_tau_steps_before_the_merge(llama, tmp_path):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, Trainer
+
+    from fedgrid.integrations.transformers import FederatedCallback
+
+    torch.set_num_threads(THREADS)
+    run = _Coordinator(
+        tmp_path / "run", model=f"hf:{llama}", strategy="diloco", inner_steps=3, sync_delay_steps=1, rounds=2
+    )
+    rows = token_rows(char_tokenizer())
+    callbacks = [FederatedCallback(run.address, name=f"site-{k}", verbose=False) for k in range(2)]
+    trainers = [
+        Trainer(
+            model=AutoModelForCausalLM.from_pretrained(llama, local_files_only=True),
+            args=_args(tmp_path / f"site-{k}"),
+            train_dataset=Dataset.from_list(rows[k::2]),
+            callbacks=[callbacks[k]],
+        )
+        for k in range(2)
+    ]
+    _sites(lambda k: trainers[k].train())
+    run.finish()
+    assert [row["clients_ok"] for row in read_metrics(tmp_path / "run")] == [2, 2]
+    for callback, trainer in zip(callbacks, trainers):
+        # Round 1: 3 steps, the upload, 1 step while it travels, the merge; round 2: 2 more steps
+        # (the one trained during the sync counts), the upload, 1 step; then the run's end.
+        assert callback.federation.finished and callback.federation.rounds == 2
+        assert trainer.state.global_step == 2 * 3 + 1
