@@ -398,7 +398,7 @@ def test_a_late_fragment_merges_into_its_own_fragment_discounted_for_its_stalene
     difference, fragment 1 by c01's difference from round 1's model times (1 + 1) ** -0.5,
     fragment 0 not at all. Round 3's downloads take fragments 1 and 2, the two round 2 changed."""
     from fedgrid.events import EventLog
-    from fedgrid.server.fleet import LateResult, Quorum, RoundOutcome
+    from fedgrid.fleet.base import LateResult, Quorum, RoundOutcome
     from fedgrid.server.late_merge import late_to_merge
 
     strategy = StreamingDiLoCo(num_fragments=3, outer_lr=1.0, outer_momentum=0.0)

@@ -10,8 +10,8 @@ import torch
 
 from fedgrid.clock import MONOTONIC
 from fedgrid.events import EventLog
+from fedgrid.fleet.downlink import RoundDownlink
 from fedgrid.proto import serde
-from fedgrid.server.downlink import RoundDownlink
 from fedgrid.server.late_results import CarriedTasks
 from fedgrid.server.rounds import RoundTask
 from fedgrid.server.spill import UpdateSpill
@@ -37,10 +37,10 @@ def test_a_carried_fragment_task_expects_its_fragment_after_a_restart(tmp_path):
         closed_by="quorum",
         carried={"x", "y"},
     )
-    registry = SimpleNamespace(clock=MONOTONIC, records={})
-    before = CarriedTasks(registry, UpdateSpill(tmp_path / "spill"), EventLog())  # type: ignore[arg-type]
+    membership = SimpleNamespace(clock=MONOTONIC, records={})
+    before = CarriedTasks(membership, UpdateSpill(tmp_path / "spill"), EventLog())  # type: ignore[arg-type]
     before.tasks[rnd.task_id] = rnd
-    after = CarriedTasks(registry, UpdateSpill(tmp_path / "spill"), EventLog())  # type: ignore[arg-type]
+    after = CarriedTasks(membership, UpdateSpill(tmp_path / "spill"), EventLog())  # type: ignore[arg-type]
     after.load(before.state_list(), grace_s=1.0)
     restored = after.tasks["t3"]
     assert restored.carried == {"x", "y"}
