@@ -77,10 +77,17 @@ class FedOpt(FedAvg):
         """
         state = self.global_state if state is None else state
         floating, others = split_names(state, names)
-        delta = aggregate_deltas(
-            global_state=state, results=results, names=floating, aggregator=self.aggregator
-        )
-        pseudo_grad = OrderedDict((n, d.neg()) for n, d in delta.items())
+        if self.aggregator is None:
+            # The weighted mean is per coordinate: one tensor at a time, its float64 accumulator
+            # is twice that tensor, not twice the model (the same sums, in the same order).
+            delta: ModelState = OrderedDict()
+            for name in floating:
+                delta.update(aggregate_deltas(global_state=state, results=results, names=[name]))
+        else:  # a rule may look at whole updates at once (Krum's distances)
+            delta = aggregate_deltas(
+                global_state=state, results=results, names=floating, aggregator=self.aggregator
+            )
+        pseudo_grad = OrderedDict((n, d.neg_()) for n, d in delta.items())  # the mean's own tensors
         stepped = self.server_optimizer.step(
             global_state=OrderedDict((n, state[n]) for n in floating), pseudo_grad=pseudo_grad
         )
