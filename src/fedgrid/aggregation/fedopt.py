@@ -80,14 +80,16 @@ class FedOpt(FedAvg):
         if self.aggregator is None:
             # The weighted mean is per coordinate: one tensor at a time, its float64 accumulator
             # is twice that tensor, not twice the model (the same sums, in the same order).
-            delta: ModelState = OrderedDict()
+            # The mean's tensors are its own (new accumulators): negated in place.
+            pseudo_grad: ModelState = OrderedDict()
             for name in floating:
-                delta.update(aggregate_deltas(global_state=state, results=results, names=[name]))
-        else:  # a rule may look at whole updates at once (Krum's distances)
+                mean = aggregate_deltas(global_state=state, results=results, names=[name])
+                pseudo_grad.update((n, d.neg_()) for n, d in mean.items())
+        else:  # a rule may look at whole updates at once (Krum's distances), and return one of them
             delta = aggregate_deltas(
                 global_state=state, results=results, names=floating, aggregator=self.aggregator
             )
-        pseudo_grad = OrderedDict((n, d.neg_()) for n, d in delta.items())  # the mean's own tensors
+            pseudo_grad = OrderedDict((n, d.neg()) for n, d in delta.items())
         stepped = self.server_optimizer.step(
             global_state=OrderedDict((n, state[n]) for n in floating), pseudo_grad=pseudo_grad
         )
