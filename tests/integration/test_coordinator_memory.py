@@ -149,9 +149,10 @@ def test_accepting_and_aggregating_a_20m_model_adds_no_full_model_copy():
     assert accepting.total < 0.05 * MODEL_BYTES, (
         f"acceptance made {accepting.total / MODEL_BYTES:.2f}x the model"
     )
-    # Aggregation (measured 3.20x peak, 8.00x in all): the pseudo-gradient (1x), the outer
-    # momentum (1x, made in round 1), the new model (1x), and one tensor's float64 accumulator
-    # and Nesterov term at a time. Before it went tensor by tensor: 4.20x and 9.00x.
+    # Aggregation (measured 2.40x peak, 8.00x in all): the outer momentum (1x, made in round
+    # 1), the new model (1x), and one tensor's float64 accumulator, pseudo-gradient and
+    # Nesterov term at a time (the largest tensor is 0.4x). Before it went tensor by tensor,
+    # mean then step: 4.20x and 9.00x.
     peak, total = aggregating.peak / MODEL_BYTES, aggregating.total / MODEL_BYTES
-    assert peak <= 3.5, f"aggregation held {peak:.2f}x the model at its peak"
+    assert peak <= 2.7, f"aggregation held {peak:.2f}x the model at its peak"
     assert total <= 8.5, f"aggregation made {total:.2f}x the model"

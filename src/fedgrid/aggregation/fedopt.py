@@ -18,7 +18,7 @@ from fedgrid.aggregation.base import Aggregator
 from fedgrid.aggregation.fedavg import FedAvg
 from fedgrid.aggregation.selection import Sampling
 from fedgrid.aggregation.server_opt import ServerAdagrad, ServerAdam, ServerOptimizer, ServerSGD, ServerYogi
-from fedgrid.aggregation.updates import aggregate_deltas, average_values, split_names
+from fedgrid.aggregation.updates import aggregate_deltas, average_values, check_result, split_names
 from fedgrid.types import FitRes, ModelState
 
 __all__ = ["FedOpt", "FedAvgM", "FedAdam", "FedYogi", "FedAdagrad"]
@@ -77,22 +77,28 @@ class FedOpt(FedAvg):
         """
         state = self.global_state if state is None else state
         floating, others = split_names(state, names)
+        model = OrderedDict((n, state[n]) for n in floating)
         if self.aggregator is None:
-            # The weighted mean is per coordinate: one tensor at a time, its float64 accumulator
-            # is twice that tensor, not twice the model (the same sums, in the same order).
-            # The mean's tensors are its own (new accumulators): negated in place.
-            pseudo_grad: ModelState = OrderedDict()
-            for name in floating:
+            # The weighted mean is per coordinate: tensor by tensor, mean then step, so one
+            # tensor's float64 accumulator and pseudo-gradient are in memory at a time, not the
+            # model's (the same sums, in the same order). The mean's tensors are its own: negated
+            # in place. A malformed result is refused before any step.
+            for res in results:
+                check_result(state, res, floating)
+
+            def pseudo_grad_of(name: str) -> torch.Tensor:
                 mean = aggregate_deltas(global_state=state, results=results, names=[name])
-                pseudo_grad.update((n, d.neg_()) for n, d in mean.items())
+                return mean[name].neg_()
+
+            stepped = self.server_optimizer.step_each(
+                global_state=model, names=floating, pseudo_grad_of=pseudo_grad_of
+            )
         else:  # a rule may look at whole updates at once (Krum's distances), and return one of them
             delta = aggregate_deltas(
                 global_state=state, results=results, names=floating, aggregator=self.aggregator
             )
             pseudo_grad = OrderedDict((n, d.neg()) for n, d in delta.items())
-        stepped = self.server_optimizer.step(
-            global_state=OrderedDict((n, state[n]) for n in floating), pseudo_grad=pseudo_grad
-        )
+            stepped = self.server_optimizer.step(global_state=model, pseudo_grad=pseudo_grad)
         stepped.update(average_values(results, others, aggregator=self.aggregator))
         return OrderedDict((n, stepped[n]) for n in names)
 
