@@ -18,7 +18,7 @@ from fedgrid.aggregation.base import Aggregator
 from fedgrid.aggregation.fedavg import FedAvg
 from fedgrid.aggregation.selection import Sampling
 from fedgrid.aggregation.server_opt import ServerAdagrad, ServerAdam, ServerOptimizer, ServerSGD, ServerYogi
-from fedgrid.aggregation.updates import aggregate_deltas, average_values, split_names
+from fedgrid.aggregation.updates import aggregate_deltas, average_values, check_result, split_names
 from fedgrid.types import FitRes, ModelState
 
 __all__ = ["FedOpt", "FedAvgM", "FedAdam", "FedYogi", "FedAdagrad"]
@@ -93,19 +93,37 @@ class FedOpt(FedAvg):
             ValueError: a result is malformed (``updates.aggregate_deltas``).
         """
         state = self.global_state if state is None else state
-        pseudo_grad: ModelState = OrderedDict()
-        values: ModelState = OrderedDict()
-        for names, results, scale in parts:
-            floating, others = split_names(state, names)
-            delta = aggregate_deltas(
-                global_state=state, results=results, names=floating, aggregator=self.aggregator
+        floating_parts = [(split_names(state, names), results, scale) for names, results, scale in parts]
+        model = OrderedDict((n, state[n]) for (floating, _), _, _ in floating_parts for n in floating)
+        if self.aggregator is None:
+            # The weighted mean is per coordinate: tensor by tensor, mean then step, so one
+            # tensor's float64 accumulator and pseudo-gradient are in memory at a time, not the
+            # model's (the same sums, in the same order). The mean's tensors are its own: negated
+            # in place. A malformed result is refused before any step.
+            source: dict[str, tuple[Sequence[FitRes], float]] = {}
+            for (floating, _), results, scale in floating_parts:
+                for res in results:
+                    check_result(state, res, floating)
+                source.update((n, (results, scale)) for n in floating)
+
+            def pseudo_grad_of(name: str) -> torch.Tensor:
+                results, scale = source[name]
+                mean = aggregate_deltas(global_state=state, results=results, names=[name])[name]
+                return mean.neg_() if scale == 1.0 else mean.mul_(-scale)
+
+            stepped = self.server_optimizer.step_each(
+                global_state=model, names=list(model), pseudo_grad_of=pseudo_grad_of
             )
-            pseudo_grad.update((n, d.neg() if scale == 1.0 else d.mul(-scale)) for n, d in delta.items())
-            values.update(average_values(results, others, aggregator=self.aggregator))
-        stepped = self.server_optimizer.step(
-            global_state=OrderedDict((n, state[n]) for n in pseudo_grad), pseudo_grad=pseudo_grad
-        )
-        stepped.update(values)
+        else:  # a rule may look at whole updates at once (Krum's distances), and return one of them
+            pseudo_grad: ModelState = OrderedDict()
+            for (floating, _), results, scale in floating_parts:
+                delta = aggregate_deltas(
+                    global_state=state, results=results, names=floating, aggregator=self.aggregator
+                )
+                pseudo_grad.update((n, d.neg() if scale == 1.0 else d.mul(-scale)) for n, d in delta.items())
+            stepped = self.server_optimizer.step(global_state=model, pseudo_grad=pseudo_grad)
+        for (_, others), results, _ in floating_parts:
+            stepped.update(average_values(results, others, aggregator=self.aggregator))
         return OrderedDict((n, stepped[n]) for names, _, _ in parts for n in names)
 
     def state_dict(self) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from typing import Any, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import torch
 
@@ -83,25 +83,40 @@ class ServerOptimizer(ABC):
                 shape differs from the model's.
         """
         for name, grad in pseudo_grad.items():
-            ref = global_state.get(name)
-            if ref is None:
-                raise ValueError(f"pseudo-gradient names tensor '{name}', which the model does not hold")
-            if not is_optimizable(ref.dtype):
-                raise ValueError(
-                    f"tensor '{name}' has dtype {ref.dtype}: only real floating tensors are optimized"
-                )
-            if grad.shape != ref.shape:
-                raise ValueError(
-                    f"pseudo-gradient of '{name}' has shape {list(grad.shape)}, the model {list(ref.shape)}"
-                )
+            _check_gradient(global_state, name, grad)
         out: ModelState = OrderedDict(global_state.items())
         for name, grad in pseudo_grad.items():
-            ref = global_state[name]
-            dtype = compute_dtype(ref.dtype)
-            param = ref.detach().to(dtype)
-            out[name] = self._update(name, param, grad.detach().to(ref.device, dtype)).to(ref.dtype)
+            out[name] = self._apply(global_state[name], name, grad)
         self.steps += 1
         return out
+
+    def step_each(
+        self,
+        *,
+        global_state: Mapping[str, torch.Tensor],
+        names: Sequence[str],
+        pseudo_grad_of: Callable[[str], torch.Tensor],
+    ) -> ModelState:
+        """``step`` with each tensor's pseudo-gradient made when its turn comes (``pseudo_grad_of(name)``)
+        and dropped once applied: one tensor's pseudo-gradient in memory at a time, not the model's.
+
+        Raises:
+            ValueError: as ``step``. An error part way (or one ``pseudo_grad_of`` raises) leaves the
+                buffers of the tensors before it stepped: the caller goes back to its state before
+                the step (the round engine does, ``RoundEngine.run_round``).
+        """
+        out: ModelState = OrderedDict(global_state.items())
+        for name in names:
+            grad = pseudo_grad_of(name)
+            _check_gradient(global_state, name, grad)
+            out[name] = self._apply(global_state[name], name, grad)
+            del grad
+        self.steps += 1
+        return out
+
+    def _apply(self, ref: torch.Tensor, name: str, grad: torch.Tensor) -> torch.Tensor:
+        dtype = compute_dtype(ref.dtype)
+        return self._update(name, ref.detach().to(dtype), grad.detach().to(ref.device, dtype)).to(ref.dtype)
 
     @abstractmethod
     def _update(self, name: str, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -265,3 +280,16 @@ class ServerAdagrad(_AdaptiveOptimizer):
 
     def _second_moment(self, v: torch.Tensor, grad_sq: torch.Tensor) -> None:
         v.add_(grad_sq)
+
+
+def _check_gradient(global_state: Mapping[str, torch.Tensor], name: str, grad: torch.Tensor) -> None:
+    """Raises ``ValueError`` unless ``grad`` is a pseudo-gradient of the model's real floating tensor ``name``."""
+    ref = global_state.get(name)
+    if ref is None:
+        raise ValueError(f"pseudo-gradient names tensor '{name}', which the model does not hold")
+    if not is_optimizable(ref.dtype):
+        raise ValueError(f"tensor '{name}' has dtype {ref.dtype}: only real floating tensors are optimized")
+    if grad.shape != ref.shape:
+        raise ValueError(
+            f"pseudo-gradient of '{name}' has shape {list(grad.shape)}, the model {list(ref.shape)}"
+        )

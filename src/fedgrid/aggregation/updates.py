@@ -34,6 +34,7 @@ __all__ = [
     "compute_dtype",
     "split_names",
     "client_delta",
+    "check_result",
     "client_value",
     "client_difference",
     "as_model",
@@ -71,22 +72,38 @@ def client_delta(global_state: Mapping[str, torch.Tensor], res: FitRes, names: S
         ValueError: the result lacks one of ``names`` or holds it with another shape.
     """
     out: ModelState = OrderedDict()
-    who = res.client.name or res.client.client_id
     for name in names:
         ref = global_state[name]
-        got = res.state.get(name)
-        if got is None:
-            raise ValueError(f"result from client {who!r} lacks tensor '{name}'")
-        if got.shape != ref.shape:
-            raise ValueError(
-                f"result from client {who!r}: tensor '{name}' has shape {list(got.shape)}, expected {list(ref.shape)}"
-            )
+        got = _checked(global_state, res, name)
         dtype = compute_dtype(ref.dtype)
         if res.delta and is_optimizable(got.dtype):  # already a difference: as sent
             out[name] = got.detach().to("cpu", dtype)
         else:
             out[name] = got.detach().to("cpu", dtype) - ref.detach().to("cpu", dtype)
     return out
+
+
+def check_result(global_state: Mapping[str, torch.Tensor], res: FitRes, names: Sequence[str]) -> None:
+    """The checks ``client_delta`` makes, without its arithmetic.
+
+    Raises:
+        ValueError: the result lacks one of ``names`` or holds it with another shape.
+    """
+    for name in names:
+        _checked(global_state, res, name)
+
+
+def _checked(global_state: Mapping[str, torch.Tensor], res: FitRes, name: str) -> torch.Tensor:
+    got = res.state.get(name)
+    who = res.client.name or res.client.client_id
+    if got is None:
+        raise ValueError(f"result from client {who!r} lacks tensor '{name}'")
+    ref = global_state[name]
+    if got.shape != ref.shape:
+        raise ValueError(
+            f"result from client {who!r}: tensor '{name}' has shape {list(got.shape)}, expected {list(ref.shape)}"
+        )
+    return got
 
 
 def client_value(

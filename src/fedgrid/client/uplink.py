@@ -79,7 +79,7 @@ class UplinkEncoder:
     ) -> tuple[EncodedModel, bool]:
         """Returns the encoded update and whether it carries differences."""
         if self.feedback is None:
-            return EncodedModel(new_state, codec=self.spec), False
+            return EncodedModel(new_state, codec=self.spec, lazy=True), False
         items = []
         # Never torch's default generator: a trainer may draw from it meanwhile (overlapped
         # DiLoCo trains while its upload is encoded), and its state depends on the process.

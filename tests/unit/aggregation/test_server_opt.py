@@ -232,3 +232,53 @@ def test_state_dict_is_a_copy_and_kind_is_checked():
     fresh.load_state_dict(state)
     state["buffers"]["momentum"]["w"].add_(5.0)  # loading copies too
     assert fresh.state_dict()["buffers"]["momentum"]["w"].tolist() == [1.0]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: ServerSGD(lr=0.7, momentum=0.9, nesterov=True),
+        lambda: ServerAdam(lr=0.1),
+        lambda: ServerYogi(lr=0.1),
+        lambda: ServerAdagrad(lr=0.1),
+    ],
+    ids=["nesterov", "adam", "yogi", "adagrad"],
+)
+def test_step_each_is_step_bit_for_bit_asking_each_gradient_once_in_order(make):
+    """``step_each`` (FedOpt's streamed outer step) moves the model and the buffers exactly as
+    ``step``, over two steps, asking for each tensor's pseudo-gradient once, in the given order."""
+    gen = torch.Generator().manual_seed(3)
+    model = OrderedDict(
+        w=torch.randn(5, 4, generator=gen), b=torch.randn(4, generator=gen), n=torch.tensor(7)
+    )
+    grads = [
+        OrderedDict(w=torch.randn(5, 4, generator=gen), b=torch.randn(4, generator=gen)) for _ in range(2)
+    ]
+    whole, streamed = make(), make()
+    a = b = model
+    for grad in grads:
+        a = whole.step(global_state=a, pseudo_grad=grad)
+        asked: list[str] = []
+
+        def of(name: str, grad=grad) -> torch.Tensor:
+            asked.append(name)
+            return grad[name].clone()
+
+        b = streamed.step_each(global_state=b, names=["w", "b"], pseudo_grad_of=of)
+        assert asked == ["w", "b"]
+    assert list(a) == list(b) == ["w", "b", "n"]
+    assert all(torch.equal(a[k], b[k]) for k in a) and b["n"] is model["n"]
+    sa, sb = whole.state_dict(), streamed.state_dict()
+    assert sa["steps"] == sb["steps"] == 2
+    assert all(
+        torch.equal(sa["buffers"][k][n], sb["buffers"][k][n]) for k in sa["buffers"] for n in sa["buffers"][k]
+    )
+
+
+def test_step_each_refuses_a_gradient_of_another_shape_naming_it():
+    opt = ServerSGD(lr=1.0)
+    with pytest.raises(ValueError, match="pseudo-gradient of 'w' has shape \\[3\\], the model \\[2\\]"):
+        opt.step_each(
+            global_state={"w": torch.zeros(2)}, names=["w"], pseudo_grad_of=lambda n: torch.zeros(3)
+        )
+    assert opt.steps == 0

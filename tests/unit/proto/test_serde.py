@@ -139,6 +139,35 @@ def test_encoded_model_streams_same_bytes_twice():
     assert first == second
 
 
+def test_lazy_encoded_model_hashes_each_tensor_as_its_first_frame_is_built(monkeypatch):
+    """An upload hashes a tensor when its first frame is built, not the whole model up front,
+    and puts the same bytes on the wire as an eager encoding (a download's)."""
+    hashed: list[int] = []
+    real = serde.checksum
+
+    def counting(data):
+        hashed.append(len(data))
+        return real(data)
+
+    monkeypatch.setattr("fedgrid.proto.encoding.checksum", counting)
+    state = {"w": W, "b": B}
+    eager = serde.EncodedModel(state)
+    assert hashed == [24, 8]
+    hashed.clear()
+    lazy = serde.EncodedModel(state, lazy=True)
+    assert hashed == [] and lazy.total_bytes == 32
+    frames = lazy.frames(serde.StreamInfo(round=1), chunk_size=10)
+    first = next(frames)
+    assert hashed == [24]  # w's first frame: w only
+    rest = list(frames)
+    assert hashed == [24, 8]
+    assert [first, *rest] == list(eager.frames(serde.StreamInfo(round=1), chunk_size=10))
+    hashed.clear()
+    assert [first, *rest] == list(lazy.frames(serde.StreamInfo(round=1), chunk_size=10))
+    assert hashed == []  # hashed once, streamed again (a resumed upload)
+    assert lazy.payloads() == eager.payloads()
+
+
 def test_encode_rejects_unsendable_dtype_naming_tensor():
     with pytest.raises(
         InvalidUpdateError, match=r"tensor 'scale': dtype torch.float8_e8m0fnu cannot be sent"
