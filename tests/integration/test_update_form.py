@@ -23,8 +23,10 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from pathlib import Path
+from typing import Callable
 
 import pytest
+from test_lora_ranks import _ranked
 
 from fedgrid.aggregation import fedavg, lora, staleness, updates
 from fedgrid.aggregation.by_name import STRATEGIES
@@ -32,7 +34,7 @@ from fedgrid.cli import serve
 from fedgrid.client import start_client
 from fedgrid.client.uplink import UplinkEncoder
 from fedgrid.compression.feedback import is_delta_tensor
-from fedgrid.config import load_config
+from fedgrid.config import Config, load_config
 from fedgrid.fleet import protocol
 from fedgrid.runlog import read_metrics
 from fedgrid.server import late_merge, privacy
@@ -97,8 +99,11 @@ class Conversions:
 
         monkeypatch.setattr(UplinkEncoder, "encode", counted_encode)
         monkeypatch.setattr(protocol.UpdateCheck, "add", counted_add)
-        for module in (updates, fedavg, lora):
+        for module in (updates, fedavg):
             monkeypatch.setattr(module, "client_value", counted_value)
+        # The svd merge adds no value back since it takes products from differences; were it to
+        # call client_value again, it would be counted.
+        monkeypatch.setattr(lora, "client_value", counted_value, raising=False)
         for module in (updates, privacy):
             monkeypatch.setattr(module, "client_delta", counted_delta)
         for module in (updates, fedavg):
@@ -137,15 +142,15 @@ def _config(out: Path, strategy: str, codecs: tuple[str, str], **overrides):
     )
 
 
-def _simulated(tmp_path: Path, strategy: str, codecs: tuple[str, str]) -> int:
-    """One simulated round; the updates accepted."""
-    _, history = run_simulation(_config(tmp_path / "sim", strategy, codecs))
+def _simulated(config_of: Callable[..., Config], out: Path) -> int:
+    """One simulated round of ``config_of(out, **overrides)``; the updates accepted."""
+    _, history = run_simulation(config_of(out / "sim"))
     return history[-1].clients_ok
 
 
-def _deployed(tmp_path: Path, strategy: str, codecs: tuple[str, str]) -> int:
+def _deployed(config_of: Callable[..., Config], out: Path) -> int:
     """One round of a coordinator on port 0 and two SDK clients, in this process; the updates accepted."""
-    config = _config(tmp_path / "grpc", strategy, codecs, listen="127.0.0.1:0", min_clients=CLIENTS)
+    config = config_of(out / "grpc", listen="127.0.0.1:0", min_clients=CLIENTS)
     thread = threading.Thread(target=serve, args=(config,), daemon=True)
     thread.start()
     address = Path(config.out) / "address"
@@ -174,7 +179,7 @@ def test_an_update_changes_form_at_most_once_on_its_way_to_the_strategy(
     tmp_path, monkeypatch, strategy, codecs, fleet
 ):
     conversions = Conversions(monkeypatch)
-    accepted = FLEETS[fleet](tmp_path, strategy, codecs)
+    accepted = FLEETS[fleet](lambda out, **more: _config(out, strategy, codecs, **more), tmp_path)
     assert accepted == CLIENTS
     per_update = conversions.per_update(accepted)
     print(f"CONVERSIONS {fleet} {strategy} {'/'.join(codecs)}: {per_update}")
@@ -184,3 +189,22 @@ def test_an_update_changes_form_at_most_once_on_its_way_to_the_strategy(
     # A lossy uplink sends differences: the client's is the one conversion, none after it.
     if codecs[0] != "none":
         assert per_update == {"client: value -> difference": 1.0}, per_update
+
+
+@pytest.mark.parametrize("fleet", sorted(FLEETS))
+@pytest.mark.parametrize("ranks", ["8,8", "4,8"])
+def test_a_lora_update_at_its_own_rank_changes_form_once_under_svd(
+    llama, data_dir, tmp_path, monkeypatch, ranks, fleet
+):
+    # Clients of LoRA ranks 4 and 8 (or both 8, the coordinator's) on a lossy uplink send their
+    # differences from the model at their rank; the coordinator keeps them, and the svd merge
+    # takes each product from the pair its client downloaded and the differences.
+    conversions = Conversions(monkeypatch)
+    accepted = FLEETS[fleet](
+        lambda out, **more: _ranked(llama, data_dir, out, peft_rank=ranks, codec="int8", rounds=1, **more),
+        tmp_path,
+    )
+    assert accepted == CLIENTS
+    per_update = conversions.per_update(accepted)
+    print(f"CONVERSIONS {fleet} lora svd ranks {ranks} int8/none: {per_update}")
+    assert per_update == {"client: value -> difference": 1.0}, per_update
