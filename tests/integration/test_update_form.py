@@ -2,7 +2,9 @@
 aggregate, an update turns from a value into a difference from the global model, or back,
 at most once, for every built-in strategy, on both fleets: the gRPC fleet (a coordinator,
 ``fedgrid.cli.serve``, on port 0 in this process, with two SDK clients in threads) and the
-simulated one (``run_simulation``).
+simulated one (``run_simulation``); LoRA clients at their own ranks under ``svd`` on a lossy
+uplink, on both; late results of quorum rounds, on a deployed coordinator (simulation replays
+quorum rounds from a deployment's events, tests/e2e/test_quorum_replay.py).
 
 The conversions are counted where they happen, by wrapping the functions that do them:
 
@@ -12,6 +14,10 @@ The conversions are counted where they happen, by wrapping the functions that do
 - ``updates.client_delta`` and ``updates.client_difference``: a value with the global model
   subtracted;
 - ``staleness.rebase``: a late value made a difference from its task's model.
+
+Not counted: the aggregate's own arithmetic on differences, as FedAvg adding its mean
+difference to the model, or LoRA's ``svd`` merge taking each client's product ``B_i @ A_i``
+in float64 from its differences and the pair it downloaded (``aggregation.lora.svd_average``).
 
 Each is counted tensor by tensor; an update's count at a place is the most conversions of
 any one of its tensors there (``client_value`` and ``client_difference`` work slice by slice:
@@ -27,6 +33,7 @@ from typing import Callable
 
 import pytest
 from test_lora_ranks import _ranked
+from test_quorum_rounds import GRACE_S, Run
 
 from fedgrid.aggregation import fedavg, lora, staleness, updates
 from fedgrid.aggregation.by_name import STRATEGIES
@@ -36,6 +43,7 @@ from fedgrid.client.uplink import UplinkEncoder
 from fedgrid.compression.feedback import is_delta_tensor
 from fedgrid.config import Config, load_config
 from fedgrid.fleet import protocol
+from fedgrid.fleet.base import Quorum
 from fedgrid.runlog import read_metrics
 from fedgrid.server import late_merge, privacy
 from fedgrid.simulation.run import run_simulation
@@ -208,3 +216,33 @@ def test_a_lora_update_at_its_own_rank_changes_form_once_under_svd(
     per_update = conversions.per_update(accepted)
     print(f"CONVERSIONS {fleet} lora svd ranks {ranks} int8/none: {per_update}")
     assert per_update == {"client: value -> difference": 1.0}, per_update
+
+
+def test_a_late_result_changes_form_once_on_its_way_to_the_merge(monkeypatch):
+    # Quorum rounds over a deployed coordinator (test_quorum_rounds.Run: FedAvg, values on the
+    # wire): the slow worker's round-1 result lands after round 2 and merges into round 3, made
+    # a difference from its task's model (rebase), once. The fresh result beside it is made one
+    # by FedAvg's mean of differences, once; the fresh results of rounds 1 and 2, values alone,
+    # are averaged as values (no conversion).
+    conversions = Conversions(monkeypatch)
+    gate = threading.Event()
+    run = Run(Quorum(min_quorum=1, grace_s=GRACE_S, max_staleness=4), [gate, threading.Event()])
+    try:
+        run.round(1)
+        run.round(2)
+        gate.set()
+        wait_until(
+            lambda: any(f.get("late") for f in run.of("update_accepted")), timeout=30, what="late result"
+        )
+        run.round(3)
+        merges = {f["round"]: [(m["name"], m["task_round"]) for m in f["results"]] for f in run.of("merged")}
+        assert merges[3] == [("fast", 3), ("slow", 1)], merges
+    finally:
+        for g in run.slow.gates:
+            g.set()
+        run.close()
+    # Four updates merged (fast in rounds 1 to 3, slow late in 3): two conversions, one each.
+    assert dict(conversions.counts) == {
+        ("client_difference: value -> difference", "w"): 1,
+        ("rebase: value -> difference", "w"): 1,
+    }, conversions.counts
