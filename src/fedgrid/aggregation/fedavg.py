@@ -16,6 +16,7 @@ import torch
 
 from fedgrid.aggregation.base import AggregationPreconditionError, Aggregator, Strategy, weighted_metrics
 from fedgrid.aggregation.lora import LORA_AGGREGATIONS, svd_average
+from fedgrid.aggregation.lora_ranks import RankViews
 from fedgrid.aggregation.mean import WeightedMean, weighted_mean, weighted_mean_of_rows
 from fedgrid.aggregation.selection import Sampling, SelectionPolicy
 from fedgrid.aggregation.updates import (
@@ -152,7 +153,7 @@ class FedAvg(Strategy):
         the rest (and every tensor otherwise) by ``_update_values``."""
         if self.lora_aggregation != "svd":
             return self._update_values(names=names, results=results)
-        merged = svd_average(self.global_state, results, names)
+        merged = svd_average(self.global_state, results, names, RankViews(self.global_state).at)
         rest = self._update_values(names=[n for n in names if n not in merged], results=results)
         return OrderedDict((n, merged[n] if n in merged else rest[n]) for n in names)
 

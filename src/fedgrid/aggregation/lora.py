@@ -22,11 +22,10 @@ The pairs are found by name: PEFT names a layer's factors ``...lora_A.<adapter>.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
-from fedgrid.aggregation.updates import client_value
 from fedgrid.types import FitRes
 
 __all__ = ["LORA_AGGREGATIONS", "lora_pairs", "svd_merge", "svd_average", "product_mean", "LORA_A", "LORA_B"]
@@ -104,29 +103,54 @@ def svd_merge(
 
 
 def svd_average(
-    global_state: Mapping[str, torch.Tensor], results: Sequence[FitRes], names: Sequence[str]
+    global_state: Mapping[str, torch.Tensor],
+    results: Sequence[FitRes],
+    names: Sequence[str],
+    at_rank: Callable[[int], Mapping[str, torch.Tensor]] | None = None,
 ) -> OrderedDict[str, torch.Tensor]:
     """The ``svd`` rule's new values of the LoRA pairs among ``names``, from ``results`` (values or
     deltas; weights ``mean_weight``); every client and the global model share one scale, which
     cancels, and the rank is the global A's.
 
+    A delta result's factors are differences from the pair its client downloaded: the global
+    one, or for a client of its own LoRA rank ``at_rank(rank)``'s (``lora_ranks.RankViews``).
+    Its product is taken from that pair and the differences in float64: the update is not
+    made a value of the model's dtype on its way (``tests/integration/test_update_form.py``).
+
     Raises:
-        ValueError: a result without one of the factors (naming the client and the tensor).
+        ValueError: a result without one of the factors (naming the client and the tensor), or
+            of another rank than the global pair's without ``at_rank``.
     """
     weights = [res.mean_weight for res in results]
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
     for a_name, b_name in lora_pairs(names).items():
-        factors = []
-        for res in results:
-            a, b = client_value(global_state, res, a_name), client_value(global_state, res, b_name)
-            if a is None or b is None:
-                who = res.client.name or res.client.client_id
-                raise ValueError(
-                    f"result from client {who!r} lacks LoRA factor {a_name if a is None else b_name!r}"
-                )
-            factors.append((a, b))
+        factors = [_client_factors(global_state, res, a_name, b_name, at_rank) for res in results]
         target = global_state[a_name]
         out[a_name], out[b_name] = svd_merge(
             factors, weights, rank=target.shape[0], scale=1.0, dtype=target.dtype
         )
     return out
+
+
+def _client_factors(
+    global_state: Mapping[str, torch.Tensor],
+    res: FitRes,
+    a_name: str,
+    b_name: str,
+    at_rank: Callable[[int], Mapping[str, torch.Tensor]] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``res``'s factors ``(A_i, B_i)`` of the pair ``a_name``: as sent for a value result; for a
+    delta result, its differences added to the pair it downloaded, in float64."""
+    a, b = res.state.get(a_name), res.state.get(b_name)
+    if a is None or b is None:
+        who = res.client.name or res.client.client_id
+        raise ValueError(f"result from client {who!r} lacks LoRA factor {a_name if a is None else b_name!r}")
+    if not res.delta:
+        return a, b
+    rank = a.shape[0]
+    base = global_state
+    if rank != global_state[a_name].shape[0]:
+        if at_rank is None:
+            raise ValueError(f"LoRA factor {a_name!r} of rank {rank}: no model at that rank to add it to")
+        base = at_rank(rank)
+    return base[a_name].double() + a.double(), base[b_name].double() + b.double()

@@ -12,9 +12,10 @@ updates are not rounded to bfloat16 before they are averaged.
 A result may already hold deltas (``FitRes.delta``: a lossy uplink sends differences, see
 docs/updates.rst): ``client_delta`` and ``client_difference`` then take them as they are,
 with no pass over the model and no rounding; ``client_value`` and ``as_model`` add the global
-model back for whoever needs values (a strategy that declares it: ``accepts_deltas = False``,
-or a rule over values such as LoRA's ``svd``). On the way from a client's fit to its strategy,
-an update changes form at most once (tests/integration/test_update_form.py).
+model back for whoever needs values (a strategy that declares it: ``accepts_deltas = False``;
+LoRA's ``svd`` takes its products from the differences, ``aggregation.lora``). On the way
+from a client's fit to its strategy, an update changes form at most once
+(tests/integration/test_update_form.py).
 """
 
 from __future__ import annotations

@@ -221,14 +221,14 @@ def update_check(
     one from the round's model. A client on a lossy downlink took it against the shadow it
     holds (``downlink.base``): the shadow's ``offset`` from the round's model is added to it,
     a difference still; but for a ``late`` update (its task carried past its round's quorum),
-    which is merged as its client's own change (``aggregation.staleness.rebase``). Only a
-    client of its own LoRA rank (``ranked``: the round's model at that rank, of other shapes)
-    has its difference added back to that model, a value.
+    which is merged as its client's own change (``aggregation.staleness.rebase``). A client of
+    its own LoRA rank (``ranked``: the round's model at that rank, of other shapes, on a
+    lossless downlink) keeps its difference from that model: the ``svd`` merge takes its
+    product from the difference and the model at its rank (``aggregation.lora.svd_average``).
     """
-    if ranked is not None:
-        return UpdateCheck(ranked, bounds, delta=delta)
-    offset = None if late else downlink.offset
-    return UpdateCheck(downlink.base, bounds, delta=delta, keep_delta=True, offset=offset)
+    offset = None if late or ranked is not None else downlink.offset
+    base = downlink.base if ranked is None else ranked
+    return UpdateCheck(base, bounds, delta=delta, keep_delta=True, offset=offset)
 
 
 def check_outbox(

@@ -10,7 +10,8 @@ import torch
 
 from fedgrid.aggregation.by_name import build_strategy_from
 from fedgrid.aggregation.fedavg import FedAvg
-from fedgrid.aggregation.lora import lora_pairs, product_mean, svd_merge
+from fedgrid.aggregation.lora import lora_pairs, product_mean, svd_average, svd_merge
+from fedgrid.aggregation.lora_ranks import state_at_rank
 from fedgrid.errors import ConfigError
 from fedgrid.types import ClientInfo, FitRes
 
@@ -125,3 +126,26 @@ def test_the_rule_is_chosen_per_run_and_checked():
         build_strategy_from("diloco", lora_aggregation="svd")
     with pytest.raises(ValueError, match="lora_aggregation must be one of"):
         FedAvg(lora_aggregation="mean-of-products")
+
+
+def test_svd_takes_a_delta_at_its_own_rank_from_the_pair_at_that_rank():
+    # A global pair of rank 4 and two clients, of ranks 2 and 4: each difference is from the
+    # pair it downloaded (state_at_rank for rank 2). The merge of the differences is the merge
+    # of the values they stand for, and a difference of another rank needs the model at it.
+    strategy = _strategy("svd", 4)
+    a0, b0 = _factors(7, 4)
+    strategy.global_state[A], strategy.global_state[B] = a0, b0
+    start = OrderedDict((k, v.clone()) for k, v in strategy.global_state.items())
+    down = [state_at_rank(start, 2), start]
+    factors, examples = [_factors(1, 2), _factors(2, 4)], [10, 30]
+    deltas = [
+        FitRes(ClientInfo(f"c{i}"), OrderedDict([(A, a - d[A]), (B, b - d[B])]), n, delta=True)
+        for i, ((a, b), d, n) in enumerate(zip(factors, down, examples))
+    ]
+    expected = svd_average(start, _results(factors, examples), [A, B])
+    strategy.aggregate(server_round=1, results=deltas, failures=[])
+    got = strategy.global_state
+    assert got[A].shape == (4, IN) and got[B].shape == (OUT, 4)
+    torch.testing.assert_close(got[B] @ got[A], expected[B] @ expected[A], rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="rank 2: no model at that rank"):
+        svd_average(start, deltas, [A, B])

@@ -225,7 +225,8 @@ def test_a_client_downloads_what_its_task_names_and_what_its_differences_need():
 def test_the_update_form_is_decided_by_the_downlink_and_the_clients_rank():
     """A difference stays one: over an exact downlink as sent, over a lossy one shifted by the
     shadow's offset from the round's model (a late one as sent: its client's own change); one
-    taken against the model at the client's own rank is added back to that model."""
+    taken against the model at the client's own rank is kept from that model (the svd merge
+    adds the pair at that rank in its products)."""
     bounds, sent = UpdateBounds(), OrderedDict(w=torch.tensor([1.0, 2.0, 3.0]))
     diff = torch.tensor([0.5, 0.25, -1.0])
     exact = Downlink().prepare(sent)
@@ -249,7 +250,8 @@ def test_the_update_form_is_decided_by_the_downlink_and_the_clients_rank():
     torch.testing.assert_close(protocol.without_offset(res, lossy.offset).state["w"], diff, rtol=0, atol=1e-7)
     ranked = OrderedDict(w=torch.tensor([10.0, 20.0, 30.0]))
     check = protocol.update_check(exact, bounds, delta=True, ranked=ranked)
-    assert not check.keeps_delta and torch.equal(check.add("w", diff), ranked["w"] + diff)
+    assert check.keeps_delta and not check.shifts and check.base is ranked
+    assert torch.equal(check.add("w", diff), diff)
 
 
 def test_a_tensor_the_model_lacks_comes_as_it_is():
