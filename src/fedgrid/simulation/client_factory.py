@@ -226,6 +226,12 @@ def _hf_data(
     text = load_text(o.dataset, context, o.text_column, tokenizer_of(o.model))
     part = HFPartition.parse(spec, label_column=o.label_column)
     train, test = site_windows(text, part, partitions, index, seed)
+    if not len(train):
+        raise ConfigError(
+            "partition",
+            f"site {index} of {partitions} holds no training window of {context} tokens of {o.dataset} "
+            f"({len(text.train_rows)} windows in all): fewer sites, or more text",
+        )
     return window_datasets(text.chars, torch.from_numpy(train), torch.from_numpy(test), context)
 
 
