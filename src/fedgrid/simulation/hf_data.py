@@ -96,9 +96,11 @@ class HFPartition:
         )
 
 
+@functools.lru_cache(maxsize=4)
 def load_local(path: str) -> Any:
     """The ``datasets.Dataset`` of ``hf:PATH`` (or ``PATH``): a ``save_to_disk`` folder (its train
-    split, if it holds several), a folder of data files, or one data file.
+    split, if it holds several), a folder of data files, or one data file; read once per process
+    (a simulation checks its options, then builds each client, from the same rows).
 
     Raises:
         ConfigError: a path that does not exist (a hub name: says how to save it locally), a file
