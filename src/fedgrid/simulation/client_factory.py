@@ -214,9 +214,14 @@ def builtin_client(
         eval_loader=DataLoader(test, batch_size=256 if not context else 64),
         device=o.device,
         seed=seed,
-        name=f"{o.dataset}-{partition_index:04d}/{num_partitions}",
+        name=f"{_short(o.dataset)}-{partition_index:04d}/{num_partitions}",
     )
     return _with_options(client, o.precision, o.grad_accum)
+
+
+def _short(dataset: str) -> str:
+    """A client's name for its dataset: ``hf:`` data by its file or folder name, not its whole path."""
+    return "hf:" + dataset.rstrip("/").rsplit("/", 1)[-1] if is_hf_data(dataset) else dataset
 
 
 def _hf_data(
