@@ -291,6 +291,10 @@ def main(path: str) -> Child | None:
     # collections and its exit then leave the zygote's objects alone instead of copying every
     # page that holds one (measured: a child's exit took 1.0 s of CPU, 0.33 s frozen).
     gc.disable()
+    # pandas 3 imports pyarrow (sklearn.datasets imports pandas, and datasets brings both), whose
+    # jemalloc starts a background thread when it loads: a fork would copy its locks mid-use.
+    # jemalloc's own setting keeps that thread unstarted.
+    os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
     before = dict(os.environ)
     for name in PRELOAD:
         try:
