@@ -17,6 +17,7 @@ import pytest
 from fedgrid.runlog import read_metrics
 from fedgrid.simulation.hf_data import HFPartition, load_text, partition_indices, site_windows
 
+import zygote
 from harness import FEDGRID, THREADS, child_env, start_client, start_coordinator
 from tiny_hf import tiny_llama_folder
 
@@ -48,7 +49,7 @@ def _data_flags(model: Path, data: Path) -> list[str]:
 
 
 def _simulate(out: Path, model: Path, data: Path, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return zygote.run(
         [
             *FEDGRID,
             "simulate",
@@ -154,7 +155,7 @@ def test_bad_data_options_are_named_before_anything_starts(files, tmp_path, comm
         line = [*FEDGRID, "client", "--coordinator", "127.0.0.1:9", *base, *flags]
     else:
         line = [*FEDGRID, "simulate", *base, "--out", str(tmp_path / "run"), *flags]
-    run = subprocess.run(line, capture_output=True, text=True, env=child_env(), timeout=120)
+    run = zygote.run(line, capture_output=True, text=True, env=child_env(), timeout=120)
     assert run.returncode == 2, run.stderr[-2000:]
     assert f"config key '{key}'" in run.stderr and message in run.stderr, run.stderr[-2000:]
     assert not (tmp_path / "run").exists()  # nothing written
@@ -162,7 +163,7 @@ def test_bad_data_options_are_named_before_anything_starts(files, tmp_path, comm
 
 def test_a_numeric_model_is_refused_for_hf_data(files, tmp_path):
     _, data = files
-    run = subprocess.run(
+    run = zygote.run(
         [*FEDGRID, "simulate", "--dataset", f"hf:{data}", "--out", str(tmp_path / "run")],
         capture_output=True,
         text=True,
