@@ -121,11 +121,19 @@ class _CoreKeys:
     )
     seed: int = _key("seed for model init, partitioning, sampling and shuffling", 0)
     dataset: str = _key(
-        "built-in dataset: digits, fashion-mnist, shakespeare or synthetic (data, default model, server-side evaluation)",
+        "built-in dataset: digits, fashion-mnist, shakespeare, synthetic or text (data, default model, server-side evaluation), or hf:PATH, your own local data (a save_to_disk folder or json/jsonl/csv/parquet files) for a language model",
         "digits",
     )
     data_dir: str = _key(
         "folder of the dataset's files (fashion-mnist: the four idx.gz files; shakespeare: see the README)",
+        "",
+    )
+    text_column: str = _key(
+        "--dataset hf:PATH: the column of the text a language model trains on (several, comma-separated, are joined per row: prompt,completion)",
+        "text",
+    )
+    label_column: str = _key(
+        "--dataset hf:PATH: the label column the dirichlet and shard partitions split by (or label=COL in the partition)",
         "",
     )
     model: str = _key(
@@ -142,7 +150,7 @@ class _CoreKeys:
     )
     app: str = _key("MODULE:FACTORY(partition, num_partitions, seed) -> Client for simulated clients", "")
     partition: str = _key(
-        "how the data is split among clients: iid, dirichlet:ALPHA, shards:N (N label-sorted shards per client) or natural; empty: the dataset's default (dirichlet:0.5; natural for shakespeare and synthetic)",
+        "how the data is split among clients: iid, dirichlet:ALPHA, shards:N (N label-sorted shards per client) or natural; empty: the dataset's default (dirichlet:0.5; natural for shakespeare and synthetic); --dataset hf:PATH: iid (default), dirichlet:A:label=COL, shard:K or natural:COL",
         "",
     )
     batch_size: int = _key("client batch size (built-in datasets)", 32)

@@ -146,7 +146,7 @@ CLIENT_ONLY_KEYS = frozenset(
 #: Keys of the clients that ``fedgrid client`` and ``fedgrid simulate`` take and a coordinator or
 #: region does not: a client's own LoRA rank (a coordinator's bound is its ``peft``'s r), and
 #: ``quiet`` (no progress inside a task: ``fedgrid.client.progress``).
-CLIENT_SIDE_KEYS = frozenset({"peft_rank", "quiet"})
+CLIENT_SIDE_KEYS = frozenset({"peft_rank", "quiet", "text_column", "label_column"})
 #: Keys only ``fedgrid region`` uses: its upstream link and its name there (``fedgrid.region``).
 REGION_ONLY_KEYS = frozenset(
     {"upstream", "name", "upstream_ca", "upstream_cert", "upstream_key", "upstream_server_name"}

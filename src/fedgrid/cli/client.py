@@ -80,7 +80,8 @@ def _add_data_flags(cli: argparse.ArgumentParser) -> None:
         dest="partitioner",
         default=None,
         metavar="SPEC",
-        help="iid, dirichlet:ALPHA, shards:N or natural (built-in datasets)",
+        help="iid, dirichlet:ALPHA, shards:N or natural (built-in datasets); hf:PATH data: iid, "
+        "dirichlet:A:label=COL, shard:K or natural:COL",
     )
     cli.add_argument(
         "--region",

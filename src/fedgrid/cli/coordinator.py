@@ -46,6 +46,7 @@ def serve(config: Config, **kwargs: Any) -> ModelState | None:
         peft=config.peft,
         lora_aggregation=config.lora_aggregation,
         eval_batches=config.eval_batches,
+        text_column=config.text_column,
     )
     return run_coordinator(
         config,

@@ -44,6 +44,8 @@ CLIENT_CONFIG_KEYS: list[str]
 CLIENT_OPTION_KEYS = [
     "dataset",
     "data_dir",
+    "text_column",
+    "label_column",
     "model",
     "batch_size",
     "optimizer",

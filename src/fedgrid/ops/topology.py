@@ -21,7 +21,8 @@ The launcher sets what ties the tiers together, and refuses it in the file: addr
 state directories, certificates, each region's upstream, and the seed, which is the global
 table's everywhere (partition I/N must be the same data in every client). ``dataset``,
 ``data_dir`` and ``model`` go in ``[global]`` only, and the launcher gives them to the
-clients (the coordinator initializes and evaluates the model they train). A region's
+clients (the coordinator initializes and evaluates the model they train); ``hf:PATH`` data's
+``text_column`` and ``label_column`` go in a clients table. A region's
 ``min_clients`` defaults to its client count, the global one to the number of regions.
 """
 
@@ -113,6 +114,8 @@ CLIENT_KEYS = (
         {
             "dataset",
             "data_dir",
+            "text_column",
+            "label_column",
             "model",
             "batch_size",
             "optimizer",

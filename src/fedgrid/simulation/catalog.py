@@ -21,7 +21,8 @@ from fedgrid.simulation.datasets import (
     load_synthetic,
     parse_partition,
 )
-from fedgrid.simulation.language import build_lm
+from fedgrid.simulation.hf_data import HFPartition, is_hf_data
+from fedgrid.simulation.language import build_lm, lm_spec
 from fedgrid.simulation.lm_task import LM_DATASETS, language_model, load_windows
 from fedgrid.simulation.models import char_lstm, digits_mlp, fmnist_cnn, fmnist_mlp, logistic
 from fedgrid.simulation.shakespeare import VOCAB
@@ -38,6 +39,8 @@ __all__ = [
     "check_options",
     "load_data",
     "build_model",
+    "HF_DATASET",
+    "tokenizer_of",
 ]
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -131,12 +134,27 @@ def _no_text_model() -> Any:
     raise ConfigError("model", "dataset text trains a language model: give --model hf:PATH (or gpt)")
 
 
+def _no_hf_model(data_dir: str) -> Any:
+    raise ConfigError(
+        "model",
+        "hf:PATH data trains a causal language model on its text column: give --model hf:PATH "
+        "(a local Hugging Face causal LM folder) or gpt",
+    )
+
+
+#: ``hf:PATH``, a user's own data (``fedgrid.simulation.hf_data``): the text of its rows for a
+#: language model, rows partitioned among sites; its evaluation a fixed subset of the test windows.
+HF_DATASET = BuiltinDataset("hf:PATH", _no_hf_model, {}, "iid", natural=True, eval_limit=2_000)
+
+
 def get_dataset(name: str) -> BuiltinDataset:
-    """Returns the built-in dataset ``name``.
+    """Returns the built-in dataset ``name`` (``HF_DATASET`` for ``hf:PATH``).
 
     Raises:
         ConfigError: no such dataset (names ``dataset``).
     """
+    if is_hf_data(name):
+        return HF_DATASET
     try:
         return DATASETS[name]
     except KeyError:
@@ -160,22 +178,37 @@ def check_config(config: "Config") -> None:
         model=config.model,
         partition=config.partition,
         optimizer=config.optimizer,
+        text_column=config.text_column,
+        label_column=config.label_column,
     )
     check_heterogeneity(config)
 
 
 def check_options(
-    *, dataset: str, data_dir: str = "", model: str = "", partition: str = "", optimizer: str = "sgd"
+    *,
+    dataset: str,
+    data_dir: str = "",
+    model: str = "",
+    partition: str = "",
+    optimizer: str = "sgd",
+    text_column: str = "text",
+    label_column: str = "",
 ) -> None:
-    """Checks the data and model options without loading any data.
+    """Checks the data and model options without loading any data (``hf:PATH`` data: its rows
+    are read, to check the columns the options name).
 
     Raises:
         ConfigError: unknown dataset, model, partitioner or optimizer; a missing data folder;
             ``natural`` for a dataset without natural groups; a language model's bad size
-            string, ``hf:`` folder or vocabulary, or a dataset other than Shakespeare for it.
+            string, ``hf:`` folder or vocabulary, or a dataset other than Shakespeare for it;
+            ``hf:PATH`` data that is not a local path, a model that is not a language model,
+            a partition that does not parse or a column the data lacks (named, with those it has).
     """
     from fedgrid.plugins import check_spec
 
+    if is_hf_data(dataset):
+        _check_hf(dataset, model, partition, optimizer, text_column, label_column)
+        return
     task = get_dataset(dataset)
     if task.needs_data_dir and not data_dir:
         raise ConfigError("data_dir", f"dataset {dataset} reads its files from --data-dir (see the README)")
@@ -201,16 +234,52 @@ def check_options(
         raise ConfigError("optimizer", f"unknown optimizer {optimizer!r} (known: {', '.join(OPTIMIZERS)})")
 
 
+def _check_hf(
+    dataset: str, model: str, partition: str, optimizer: str, text_column: str, label_column: str
+) -> None:
+    from fedgrid.simulation.hf_data import check_columns, load_local, text_columns
+
+    part = HFPartition.parse(partition or "iid", label_column=label_column)
+    if language_model(dataset, model) is None:
+        _no_hf_model("")
+    if optimizer not in OPTIMIZERS:
+        raise ConfigError("optimizer", f"unknown optimizer {optimizer!r} (known: {', '.join(OPTIMIZERS)})")
+    rows = load_local(dataset)
+    if not text_columns(text_column):
+        raise ConfigError("text_column", "name the text column (or columns, comma-separated)")
+    check_columns(rows, text_columns(text_column), "text_column")
+    if part.column:
+        check_columns(rows, [part.column], "label_column" if part.spec != "natural" else "partition")
+
+
+def tokenizer_of(model: str) -> str:
+    """The folder whose tokenizer cuts ``hf:PATH`` text for ``model``: an ``hf:PATH`` model's own
+    (bytes when it holds none), ``""`` (bytes) for ``gpt``."""
+    spec = lm_spec(model)
+    return spec.path if spec is not None and spec.kind == "hf" else ""
+
+
 def _known_models(dataset: str) -> str:
     names = list(get_dataset(dataset).models)
     return ", ".join(names + (["gpt[:SIZES]", "hf:PATH"] if dataset in LM_DATASETS else []))
 
 
 @functools.lru_cache(maxsize=4)
-def load_data(dataset: str, data_dir: str = "", context: int = 0) -> DatasetData:
+def load_data(
+    dataset: str, data_dir: str = "", context: int = 0, text_column: str = "text", tokenizer: str = ""
+) -> DatasetData:
     """The dataset's train/test split, loaded once per process; with ``context``, a language
-    model's non-overlapping windows of that many characters (Shakespeare only)."""
+    model's non-overlapping windows of that many characters (Shakespeare), or tokens (``text``;
+    ``hf:PATH``: its ``text_column`` cut by the ``tokenizer`` folder's tokenizer, ``hf_data.load_text``)."""
     task = get_dataset(dataset)
+    if is_hf_data(dataset):
+        from fedgrid.simulation.hf_data import load_text
+
+        if not context:
+            _no_hf_model("")
+        return DatasetData(
+            load_text(dataset, context, text_column, tokenizer).chars, eval_limit=task.eval_limit
+        )
     try:
         if context and dataset == "text":
             from fedgrid.simulation.causal_lm import load_text_windows
@@ -246,6 +315,10 @@ def build_model(
         from fedgrid.simulation.causal_lm import text_vocab
 
         vocab = text_vocab(data_dir)
+    if spec is not None and is_hf_data(dataset):  # the model folder's tokenizer, or bytes
+        from fedgrid.simulation.causal_lm import text_vocab
+
+        vocab = text_vocab(tokenizer_of(model)) if tokenizer_of(model) else 256
     if spec is not None and peft:
         from fedgrid.simulation.peft_lm import build_peft_lm
 

@@ -24,9 +24,17 @@ from fedgrid.config_groups import PRECISIONS
 from fedgrid.config_llm import peft_at_rank
 from fedgrid.errors import ConfigError
 from fedgrid.seeding import RNG_LOCK
-from fedgrid.simulation.catalog import OPTIMIZERS, build_model, check_options, get_dataset, load_data
+from fedgrid.simulation.catalog import (
+    OPTIMIZERS,
+    build_model,
+    check_options,
+    get_dataset,
+    load_data,
+    tokenizer_of,
+)
 from fedgrid.simulation.causal_lm import AccumulatingClient, enable_checkpointing
 from fedgrid.simulation.datasets import parse_partition, partition
+from fedgrid.simulation.hf_data import HFPartition, is_hf_data, load_text, site_windows
 from fedgrid.simulation.language import token_cross_entropy
 from fedgrid.simulation.lm_task import context_of, window_datasets
 
@@ -40,6 +48,8 @@ DIGITS_BATCH_SIZE = 32
 CLIENT_KEYS = (
     "dataset",
     "data_dir",
+    "text_column",
+    "label_column",
     "partition",
     "model",
     "batch_size",
@@ -64,7 +74,8 @@ class ClientOptions:
     ``optimizer`` (``sgd``, ``adam``, ``adamw``); the task's ``lr`` overrides ``lr``.
 
     Attributes:
-        dataset, data_dir: a built-in dataset and where its files are.
+        dataset, data_dir: a built-in dataset and where its files are, or ``hf:PATH`` data.
+        text_column, label_column: ``hf:PATH`` data's text column(s) and label column.
         partitioner: the partition spec (config key ``partition``); empty: the dataset's default.
         model: a built-in model name, a language model or ``MODULE:FACTORY``; empty: the
             dataset's default.
@@ -78,6 +89,8 @@ class ClientOptions:
 
     dataset: str = "digits"
     data_dir: str = ""
+    text_column: str = "text"
+    label_column: str = ""
     partitioner: str = ""
     model: str = ""
     batch_size: int = DIGITS_BATCH_SIZE
@@ -180,12 +193,15 @@ def builtin_client(
         ConfigError: an index outside ``0..num_partitions-1`` or a bad option (names the key).
     """
     o = options
-    spec = _checked(
-        partition_index, num_partitions, o.dataset, o.data_dir, o.partitioner, o.model, o.optimizer
-    )
+    spec = _checked(partition_index, num_partitions, o)
     _check_training_options(o.batch_size, o.precision)
     context = context_of(o.model)
-    train, test = _client_data(o.dataset, o.data_dir, spec, seed, partition_index, num_partitions, context)
+    if is_hf_data(o.dataset):
+        train, test = _hf_data(o, spec, seed, partition_index, num_partitions, context)
+    else:
+        train, test = _client_data(
+            o.dataset, o.data_dir, spec, seed, partition_index, num_partitions, context
+        )
     peft = peft_at_rank(o.peft, o.peft_rank, partition_index)  # ffa (lora_aggregation): A frozen
     net = _seeded_model(seed, o.dataset, o.model, o.data_dir, peft, o.lora_aggregation)
     if o.grad_checkpointing:
@@ -198,19 +214,46 @@ def builtin_client(
         eval_loader=DataLoader(test, batch_size=256 if not context else 64),
         device=o.device,
         seed=seed,
-        name=f"{o.dataset}-{partition_index:04d}/{num_partitions}",
+        name=f"{_short(o.dataset)}-{partition_index:04d}/{num_partitions}",
     )
     return _with_options(client, o.precision, o.grad_accum)
 
 
-def _checked(
-    index: int, partitions: int, dataset: str, data_dir: str, partitioner: str, model: str, optimizer: str
-) -> str:
+def _short(dataset: str) -> str:
+    """A client's name for its dataset: ``hf:`` data by its file or folder name, not its whole path."""
+    return "hf:" + dataset.rstrip("/").rsplit("/", 1)[-1] if is_hf_data(dataset) else dataset
+
+
+def _hf_data(
+    o: ClientOptions, spec: str, seed: int, index: int, partitions: int, context: int
+) -> tuple[TorchDataset, TorchDataset]:
+    """A client's windows of ``hf:PATH`` text: those starting in its rows (``hf_data.site_windows``)."""
+    text = load_text(o.dataset, context, o.text_column, tokenizer_of(o.model))
+    part = HFPartition.parse(spec, label_column=o.label_column)
+    train, test = site_windows(text, part, partitions, index, seed)
+    if not len(train):
+        raise ConfigError(
+            "partition",
+            f"site {index} of {partitions} holds no training window of {context} tokens of {o.dataset} "
+            f"({len(text.train_rows)} windows in all): fewer sites, or more text",
+        )
+    return window_datasets(text.chars, torch.from_numpy(train), torch.from_numpy(test), context)
+
+
+def _checked(index: int, partitions: int, o: ClientOptions) -> str:
     """The partition spec (``partitioner`` or the dataset's default), the options checked."""
     if not 0 <= index < partitions:
         raise ConfigError("partition", f"index {index} is outside 0..{partitions - 1}")
-    spec = partitioner or get_dataset(dataset).default_partition
-    check_options(dataset=dataset, data_dir=data_dir, model=model, partition=spec, optimizer=optimizer)
+    spec = o.partitioner or get_dataset(o.dataset).default_partition
+    check_options(
+        dataset=o.dataset,
+        data_dir=o.data_dir,
+        model=o.model,
+        partition=spec,
+        optimizer=o.optimizer,
+        text_column=o.text_column,
+        label_column=o.label_column,
+    )
     return spec
 
 

@@ -19,7 +19,7 @@ from fedgrid.client.torch_client import default_device
 from fedgrid.errors import InterruptedRunError
 from fedgrid.interrupts import stopping
 from fedgrid.seeding import RNG_LOCK
-from fedgrid.simulation.catalog import build_model, load_data
+from fedgrid.simulation.catalog import build_model, load_data, tokenizer_of
 from fedgrid.simulation.datasets import DatasetData
 from fedgrid.simulation.lm_task import context_of, evaluate_lm
 from fedgrid.types import ModelState
@@ -61,6 +61,7 @@ def make_evaluate(
     peft: str = "",
     lora_aggregation: str | None = None,
     eval_batches: int = DEFAULT_EVAL_BATCHES,
+    text_column: str = "text",
 ) -> Callable[[ModelState], tuple[float, dict[str, float]]]:
     """The server-side evaluation of a built-in model: mean cross-entropy and accuracy on
     the dataset's fixed test split (``BuiltinDataset.eval_limit``: a fixed subset of it), in chunks of
@@ -79,7 +80,7 @@ def make_evaluate(
     @torch.no_grad()
     def evaluate(state: ModelState) -> tuple[float, dict[str, float]]:
         check_stop()
-        data = load_data(dataset, data_dir, context)
+        data = load_data(dataset, data_dir, context, text_column, tokenizer_of(model))
         if not held:
             with RNG_LOCK, torch.random.fork_rng(devices=[]):
                 held.append(

@@ -18,6 +18,7 @@ Nothing is downloaded: a name that is not a local path is refused with how to sa
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,18 @@ import numpy as np
 from fedgrid.errors import ConfigError
 from fedgrid.simulation.datasets import parse_partition, partition
 
-__all__ = ["HFPartition", "load_local", "load_partition", "partition_indices"]
+__all__ = [
+    "HFPartition",
+    "HFText",
+    "check_columns",
+    "is_hf_data",
+    "load_local",
+    "load_partition",
+    "load_text",
+    "partition_indices",
+    "site_windows",
+    "text_columns",
+]
 
 #: Data files ``hf:PATH`` reads, by suffix: the ``datasets`` builder that reads them.
 _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -84,9 +96,11 @@ class HFPartition:
         )
 
 
+@functools.lru_cache(maxsize=4)
 def load_local(path: str) -> Any:
     """The ``datasets.Dataset`` of ``hf:PATH`` (or ``PATH``): a ``save_to_disk`` folder (its train
-    split, if it holds several), a folder of data files, or one data file.
+    split, if it holds several), a folder of data files, or one data file; read once per process
+    (a simulation checks its options, then builds each client, from the same rows).
 
     Raises:
         ConfigError: a path that does not exist (a hub name: says how to save it locally), a file
@@ -173,3 +187,105 @@ def load_partition(
     part = HFPartition.parse(spec, label_column=label_column)
     dataset = load_local(path)
     return dataset.select(partition_indices(dataset, part, partitions, seed)[index].tolist())
+
+
+def is_hf_data(dataset: str) -> bool:
+    """Whether the ``dataset`` key names a user's own data (``hf:PATH``)."""
+    return dataset.startswith("hf:")
+
+
+def check_columns(dataset: Any, columns: list[str], what: str) -> None:
+    """Raises ``ConfigError`` (naming ``what``) for the first of ``columns`` the dataset lacks,
+    listing the columns it has."""
+    for column in columns:
+        if column not in dataset.column_names:
+            raise ConfigError(
+                what,
+                f"the dataset has no column {column!r}; its columns: {', '.join(dataset.column_names)}",
+            )
+
+
+def text_columns(text_column: str) -> list[str]:
+    """The columns ``text_column`` names (``prompt,completion``: joined in that order per row)."""
+    return [c.strip() for c in text_column.split(",") if c.strip()]
+
+
+#: Every TEST_EVERY-th window of the stream is a test window (a fixed split, the same at every site).
+TEST_EVERY = 10
+
+
+@dataclass(frozen=True, eq=False)
+class HFText:
+    """A user's text data as a language model's windows: ``chars`` (a ``CharData`` over the tokens
+    of every row back to back, so the language-model path reads it as Shakespeare's characters),
+    the row each train and test window starts in, and the rows themselves (for the partitioners).
+    """
+
+    chars: Any
+    train_rows: np.ndarray
+    test_rows: np.ndarray
+    rows: Any
+
+
+@functools.lru_cache(maxsize=4)
+def load_text(path: str, context: int, text_column: str = "text", tokenizer: str = "") -> HFText:
+    """``hf:PATH``'s rows (``load_local``) as windows of ``context`` tokens: each row's
+    ``text_column`` (several, comma-separated, joined) tokenized by the model folder ``tokenizer``'s
+    own tokenizer (bytes when ``""`` or it holds none), a newline after each row, all rows back to
+    back, cut into non-overlapping windows; a window belongs to the row it starts in, and every
+    ``TEST_EVERY``-th window tests (of fewer windows, the last one).
+
+    Raises:
+        ConfigError: what ``load_local`` raises, a text column the data lacks (names
+            ``text_column`` and lists the columns), or fewer than two windows (names ``dataset``).
+    """
+    import torch
+
+    from fedgrid.simulation.causal_lm import load_tokenizer
+    from fedgrid.simulation.shakespeare import CharData
+
+    rows = load_local(path)
+    columns = text_columns(text_column)
+    if not columns:
+        raise ConfigError("text_column", "name the text column (or columns, comma-separated)")
+    check_columns(rows, columns, "text_column")
+    tok = load_tokenizer(tokenizer) if tokenizer else load_tokenizer("", "bytes")
+    values = [rows[c] for c in columns]
+    ids: list[int] = []
+    row_of: list[int] = []
+    for r, parts in enumerate(zip(*values)):
+        piece = tok.encode("".join(str(p) for p in parts) + "\n")
+        if hasattr(tok, "bos_token_id") and piece and piece[0] == tok.bos_token_id:
+            piece = piece[1:]
+        ids.extend(piece)
+        row_of.extend([r] * len(piece))
+    count = max((len(ids) - 1) // context, 0)
+    if count < 2:
+        raise ConfigError(
+            "dataset", f"{path}: the text holds {count} window(s) of {context} tokens; at least 2 needed"
+        )
+    starts = context * np.arange(count)
+    every = min(TEST_EVERY, count)  # a short text still tests on its last window
+    test = np.arange(count) % every == every - 1
+    window_rows = np.asarray(row_of, dtype=np.int64)[starts]
+    size = max(int(getattr(tok, "vocab_size", 256)), len(getattr(tok, "get_vocab", lambda: {})()))
+    chars = CharData(
+        text=torch.tensor(ids, dtype=torch.int64),
+        train_starts=torch.from_numpy(starts[~test]).long(),
+        test_starts=torch.from_numpy(starts[test]).long(),
+        train_roles=window_rows[~test],
+        test_roles=window_rows[test],
+        roles=[str(r) for r in range(len(rows))],
+        vocab="\0" * size,
+        seq_len=context,
+    )
+    return HFText(chars, window_rows[~test], window_rows[test], rows)
+
+
+def site_windows(
+    data: HFText, part: HFPartition, partitions: int, index: int, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Site ``index``'s train and test windows of ``data``: those starting in its rows
+    (``partition_indices`` of the rows under ``part``)."""
+    mine = partition_indices(data.rows, part, partitions, seed)[index]
+    return np.flatnonzero(np.isin(data.train_rows, mine)), np.flatnonzero(np.isin(data.test_rows, mine))

@@ -51,11 +51,11 @@ def language_model(dataset: str, model: str) -> LMSpec | None:
     spec = lm_spec(model)
     if spec is None:
         return None
-    if dataset not in LM_DATASETS:
+    if dataset not in LM_DATASETS and not dataset.startswith("hf:"):  # hf:PATH: a user's text
         raise ConfigError(
             "model",
             f"{model} is a language model of Shakespeare's characters or of text files: add --dataset "
-            f"{LM_DATASET} or --dataset text",
+            f"{LM_DATASET}, --dataset text or --dataset hf:PATH",
         )
     check_lm(spec)
     return spec

@@ -273,6 +273,7 @@ def _run(
         peft=config.peft,
         lora_aggregation=config.lora_aggregation,
         eval_batches=config.eval_batches,
+        text_column=config.text_column,
     )
     parts.strategy.initialize(initial_state=resolved.initial_state)
     profiles = ClientProfiles.from_config(config)

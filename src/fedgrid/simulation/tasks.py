@@ -7,6 +7,7 @@
 | ``shakespeare`` | the LEAF split by speaking role, from ``data_dir`` | ``lstm``, ``gpt``, ``hf:PATH`` | ``natural`` |
 | ``synthetic`` | LEAF's Synthetic(1, 1), generated, no files | ``logistic`` | ``natural`` |
 | ``text`` | the ``*.txt`` files in ``data_dir``, tokenized | ``gpt``, ``hf:PATH`` (no default) | ``iid`` |
+| ``hf:PATH`` | your local rows' ``text_column``, tokenized (``hf_data.load_text``) | ``gpt``, ``hf:PATH`` (no default) | ``iid`` |
 
 The server-side evaluation reports test loss and accuracy on the fixed test split
 (Shakespeare: a fixed subset of 2,000 test windows), in chunks.
@@ -153,6 +154,7 @@ def resolve(
     peft: str = "",
     lora_aggregation: str | None = None,
     eval_batches: int = DEFAULT_EVAL_BATCHES,
+    text_column: str = "text",
 ) -> Resolved:
     """Builds the initial model and finds the evaluation and client factory.
 
@@ -187,6 +189,8 @@ def resolve(
     evaluate = (
         None
         if custom
-        else make_evaluate(dataset, model, data_dir, precision, peft, lora_aggregation, eval_batches)
+        else make_evaluate(
+            dataset, model, data_dir, precision, peft, lora_aggregation, eval_batches, text_column
+        )
     )
     return Resolved(state, evaluate, client_factory, getattr(built[0], "base_hash", ""))

@@ -57,3 +57,21 @@ def test_a_run_without_adapters_gives_its_regions_no_model(tmp_path):
         TOPOLOGY.replace("peft =", "# peft =").replace("lora_agg", "# lora_agg").replace("peft_rank", "# p"),
     )
     assert "--model" not in region and "--peft" not in region
+
+
+def test_hf_data_reaches_the_clients_with_its_columns_and_partition(tmp_path):
+    text = (
+        TOPOLOGY.replace('dataset = "shakespeare"', 'dataset = "hf:data/mine.jsonl"')
+        .replace("peft =", "# peft =")
+        .replace("lora_agg", "# lora_agg")
+        .replace(
+            'peft_rank = "4,8"',
+            'text_column = "prompt,completion"\nlabel_column = "topic"\npartition = "shard:2"',
+        )
+    )
+    _, client = _argv(tmp_path, text)
+    assert _value(client, "--dataset") == "hf:data/mine.jsonl"
+    assert (
+        _value(client, "--text-column") == "prompt,completion" and _value(client, "--label-column") == "topic"
+    )
+    assert _value(client, "--data-partition") == "shard:2" and _value(client, "--partition") == "1/2"
