@@ -106,20 +106,23 @@ class RunWriter:
         self._atomic_write("metrics.jsonl", "".join(strict_json(dict(r)) + "\n" for r in rows).encode())
         self.trackers.resume(rows)
 
-    def write_round(self, metrics: RoundMetrics) -> None:
-        """Appends the round to ``metrics.jsonl`` (durably), then hands it to the trackers."""
+    def write_round(self, metrics: RoundMetrics, *, track: bool = True) -> None:
+        """Appends the round to ``metrics.jsonl`` (durably), then hands it to the trackers;
+        ``track=False``: not yet, its evaluation is still running (``update_round`` will)."""
         row = metrics.to_json()
         with open(self.metrics_path, "a") as f:
             f.write(strict_json(row) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        self.trackers.log_round(row)
+        if track:
+            self.trackers.log_round(row)
 
     def update_round(self, metrics: RoundMetrics, rows: Sequence[Mapping[str, object]]) -> None:
         """A committed round's row gained figures (its server-side evaluation, which landed after
         the round committed): ``metrics.jsonl`` is replaced atomically by ``rows`` (each round's
-        row, ``metrics``' among them), then the trackers get ``metrics``' row again."""
-        self._atomic_write("metrics.jsonl", "".join(json.dumps(dict(r)) + "\n" for r in rows).encode())
+        row, ``metrics``' among them), then the trackers get ``metrics``' row: once per round, as
+        its commit left it to them (``write_round(track=False)``)."""
+        self._atomic_write("metrics.jsonl", "".join(strict_json(dict(r)) + "\n" for r in rows).encode())
         self.trackers.log_round(metrics.to_json())
 
     def close(self) -> None:

@@ -45,11 +45,13 @@ def test_a_deployment_with_a_slow_worker_replays_bit_for_bit(tmp_path, strategy)
     ]
     run = CoordinatorRun(out, [*args, *QUORUM, *UNBOUNDED], tmp_path / "coordinator.log")
     address = run.address()
-    # Both workers reach the coordinator over an emulated link, the slow one's RTT four times
-    # the other's (80 ms against 20): its task (tens of round trips) spans several of the
-    # other's rounds, however fast or loaded this machine is.
+    # Both workers reach the coordinator over an emulated link, the slow one's RTT two and a half
+    # times the other's (50 ms against 20): its task (tens of round trips) spans several of the
+    # other's rounds, yet lands before the fast worker's 12 rounds end (they take ~2 s here since
+    # evaluation left the round's path; at 80 ms the slow worker's first task sometimes outlasted
+    # the whole run and left nothing late to replay).
     target = parse_hostport(address)
-    with WanRelay(target, WanLink(delay_ms=10)) as fast, WanRelay(target, WanLink(delay_ms=40)) as slow:
+    with WanRelay(target, WanLink(delay_ms=10)) as fast, WanRelay(target, WanLink(delay_ms=25)) as slow:
         procs = [
             start_client(
                 slow.address if i == CLIENTS - 1 else fast.address,

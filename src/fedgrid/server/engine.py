@@ -151,6 +151,9 @@ class RoundEngine:
         # Guards the history and metrics.jsonl: an evaluation lands on its own thread.
         self._rows = threading.Lock()
         self._eval_pending: dict[int, tuple[float, dict[str, float]]] = {}
+        # Rounds whose background evaluation has not landed: their rows reach the trackers when it
+        # does (one point per round and figure; an abandoned or failed evaluation leaves none).
+        self._eval_running: set[int] = set()
         self.writer = io.writer
         self.on_round = io.on_round
         self.finish_timeout = schedule.finish_timeout
@@ -232,7 +235,7 @@ class RoundEngine:
             self.events.emit("checkpoint_written", round=metrics.round)
         self.fleet.committed(metrics.round)
         if self.writer is not None:
-            self.writer.write_round(metrics)
+            self.writer.write_round(metrics, track=metrics.round not in self._eval_running)
 
     def run_round(self, server_round: int) -> RoundMetrics:
         """Runs one round, the phases the strategy declares in order (``Strategy.phases``:
@@ -286,6 +289,9 @@ class RoundEngine:
             extra=tally.extra,
         )
         if self.evaluator is not None and evaluates:  # a central test set, when the task has one, wins
+            if self.evaluator.background:
+                with self._rows:
+                    self._eval_running.add(server_round)
             try:
                 self.evaluator.submit(server_round, self.strategy.global_state, stop=self._stop)
             except InterruptedRunError:  # an inline evaluation given up: the round is abandoned
@@ -303,6 +309,7 @@ class RoundEngine:
         """An evaluation's figures into the row of the round they measure: the committed row is
         replaced (and ``metrics.jsonl`` rewritten), or they wait for its commit."""
         with self._rows:
+            self._eval_running.discard(server_round)
             at = next((i for i, m in enumerate(self.history) if m.round == server_round), None)
             if at is None:
                 self._eval_pending[server_round] = (loss, metrics)
