@@ -89,8 +89,9 @@ class Loopback:
     """Every process on this machine's loopback; each region's link is a ``WanRelay`` in this process."""
 
     listen = "127.0.0.1:0"
-    #: Plaintext, as on loopback: a coordinator on another address needs --insecure to say so.
-    coordinator_flags: list[str] = []
+    #: Plaintext, as on loopback: on another address the coordinator and its clients each need
+    #: --insecure to say so.
+    plaintext_flags: list[str] = []
 
     def __init__(self, link: WanLink) -> None:
         self.link = link
@@ -150,7 +151,7 @@ class LabLinks(Loopback):
             raise
         self.listen = f"{self.hosts['coordinator'].address}:0"
         # The lab's hosts are reached from nothing outside it, and the loopback runs are plaintext too.
-        self.coordinator_flags = ["--insecure"]
+        self.plaintext_flags = ["--insecure"]
 
     def start(self, name: str, args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
         return self.hosts[name].popen(
@@ -312,7 +313,7 @@ def _run(
             "coordinator",
             "--listen",
             net.listen,
-            *net.coordinator_flags,
+            *net.plaintext_flags,
             "--out",
             str(out / "global"),
             "--rounds",
@@ -343,6 +344,7 @@ def _run(
                 str(SEED),
                 "--state-dir",
                 str(out / "state"),
+                *net.plaintext_flags,
             ],
             out / f"worker-{i}-{time.monotonic_ns()}.log",
             env,
