@@ -282,6 +282,14 @@ class _CoreKeys:
         "refuse an update farther (L2, floating tensors) from the round's model than this times the round's median distance (0: off)",
         10.0,
     )
+    min_update_cosine: float = _key(
+        "refuse an update whose cosine with the coordinate-wise median of the round's fresh updates is under this, in a round of 3 updates or more (-1: off)",
+        -0.2,
+    )
+    max_deviation_ratio: float = _key(
+        "refuse an update farther (L2) from the coordinate-wise median of the round's fresh updates than this times their median distance from it, in a round of 3 updates or more (0: off)",
+        3.0,
+    )
     max_weight_ratio: float = _key(
         "an update's claimed num_examples counts for at most this times the round's median claim (0: no cap)",
         10.0,

@@ -97,6 +97,9 @@ class CheckedRun(PrivateRun, Protocol):
     def max_weight_share(self) -> float: ...
 
     @property
+    def min_update_cosine(self) -> float: ...
+
+    @property
     def model(self) -> str: ...
 
     @property
@@ -154,10 +157,14 @@ def validate(config: CheckedRun) -> None:
     for key in ("momentum", "weight_decay", "max_update_norm"):
         if not 0.0 <= getattr(config, key) < float("inf"):
             raise ConfigError(key, f"must be a finite number at least 0, got {getattr(config, key)}")
-    for key in ("max_update_ratio", "max_weight_ratio"):
+    for key in ("max_update_ratio", "max_weight_ratio", "max_deviation_ratio"):
         value = getattr(config, key)
         if not (value == 0 or 1.0 <= value < float("inf")):
             raise ConfigError(key, f"must be 0 (off) or a finite number at least 1, got {value}")
+    if not -1.0 <= config.min_update_cosine <= 1.0:
+        raise ConfigError(
+            "min_update_cosine", f"must be a cosine in [-1, 1] (-1: off), got {config.min_update_cosine}"
+        )
     if not 0.0 <= config.max_weight_share <= 1.0:
         raise ConfigError(
             "max_weight_share", f"must be 0 (off) or a share in (0, 1], got {config.max_weight_share}"

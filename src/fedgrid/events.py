@@ -20,7 +20,7 @@ their fields below are a contract.
 | ``upload_broken`` | ``round``, ``client``, ``chunks`` | an upload stream broke; kept for resume |
 | ``round_closed`` | ``round``, ``evaluate``, ``reason``, ``results``, ``failures``; at a quorum: ``after_quorum_s``, ``waiting`` (client ids) | no more uploads are taken (but for the ``waiting`` clients' late results) |
 | ``late_refused`` | ``round`` (its task's), ``client``, ``reason`` | a late result was too stale to merge (``max_staleness``) |
-| ``update_refused`` | ``round``, ``client``, ``name``, ``distance``, ``median``, ``ratio`` | an update was farther than ``max_update_ratio`` x the round's median distance: its client's failure (``server/influence.py``) |
+| ``update_refused`` | ``round``, ``client``, ``name``, then ``distance``, ``median``, ``ratio``, or ``cosine``, ``deviation``, ``spread`` | an update was farther than ``max_update_ratio`` x the round's median distance, or pointed away from the round's coordinate-wise median update (its ``cosine`` with it under ``min_update_cosine``) or lay farther from it (``deviation``) than ``max_deviation_ratio`` x the fresh updates' median distance from it (``spread``): its client's failure (``server/influence.py``) |
 | ``claim_capped`` | ``round``, ``client``, ``name``, ``claimed``, ``cap`` | a claim counts as its cap (``max_weight_ratio``, ``client_quotas``, ``max_weight_share``) |
 | ``aggregating`` | ``round``, ``updates``, ``failures`` | the strategy aggregates |
 | ``merged`` | ``round``, ``results``: one ``{client, name, task_round, staleness, num_examples, weight}`` per result, in merge order | a semi-asynchronous round's merge: exactly what entered it (``fedgrid simulate --replay`` replays it) |
