@@ -110,19 +110,23 @@ def clean_accuracy() -> float:
 @pytest.mark.parametrize("attack", list(ATTACK_SCALES))
 def test_robust_aggregators_survive_what_breaks_the_mean(attack, clean_accuracy):
     assert clean_accuracy >= 0.92
-    # The mean with no distance bound (the default bound is off here; see below).
-    mean = _attacked(attack, {"max_update_ratio": 0})  # observed: sign-flip 0.092, gaussian 0.688
+    # The mean with no distance bound nor median-update checks (the defaults are off here; see below).
+    unbounded = {"max_update_ratio": 0, "min_update_cosine": -1.0, "max_deviation_ratio": 0.0}
+    mean = _attacked(attack, unbounded)  # observed: sign-flip 0.092, gaussian 0.688
     assert mean < clean_accuracy - 0.15, (
         f"the {attack} attack did not hurt the mean ({mean} vs {clean_accuracy})"
     )
     # The default distance bound (max_update_ratio 10) refuses the gaussian noise, which lies far
-    # from the round's median update, but not a 4x sign flip, which stays in range: only a robust
-    # aggregator stops that one (docs/failures.rst).
-    bounded = _attacked(attack, {})  # observed: gaussian 0.944; sign-flip far below clean
+    # from the round's median update, but not a 4x sign flip, which stays in range: the distance
+    # bound alone leaves it far below clean; the median update's direction check (on by default)
+    # refuses it, as it points away (docs/failures.rst).
+    distance_only = _attacked(attack, {"min_update_cosine": -1.0, "max_deviation_ratio": 0.0})
+    bounded = _attacked(attack, {})  # observed: gaussian 0.944
     if attack == "gaussian":
-        assert bounded >= clean_accuracy - 0.05, (bounded, clean_accuracy)
+        assert distance_only >= clean_accuracy - 0.05, (distance_only, clean_accuracy)
     else:
-        assert bounded < clean_accuracy - 0.15, (bounded, clean_accuracy)
+        assert distance_only < clean_accuracy - 0.15, (distance_only, clean_accuracy)
+    assert bounded >= clean_accuracy - 0.05, (bounded, clean_accuracy)
     for name, options in AGGREGATORS.items():  # observed 0.928 to 0.944
         robust = _attacked(attack, options)
         assert robust >= clean_accuracy - 0.05, f"{name} under {attack}: {robust} vs clean {clean_accuracy}"

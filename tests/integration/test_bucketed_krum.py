@@ -18,6 +18,8 @@ from attacks import Byzantine, simulate
 
 SEEDS = (0, 1, 2)
 ATTACKS = {"sign-flip": 4.0, "gaussian": 3.0}
+#: The influence checks that refuse an update (``server/influence.py``) off.
+UNCHECKED = {"max_update_ratio": 0, "min_update_cosine": -1.0, "max_deviation_ratio": 0.0}
 
 
 @pytest.fixture(autouse=True)
@@ -37,12 +39,12 @@ def _run(seed: int, attack: str, options: dict) -> list[tuple[float, float]]:
 
 def test_bucketed_krum_ignores_a_byzantine_client_and_learns():
     # Krum alone: the default distance bound (max_update_ratio) refuses the Gaussian update
-    # (3 per coordinate) but not the sign flip (4x an honest update), which would change the
-    # buckets between the two attacks; here Krum must reject both by itself.
-    krum = {"aggregator": "krum", "max_update_ratio": 0}
+    # (3 per coordinate) and the median update's checks the sign flip (4x an honest update), which
+    # would change the buckets between the two attacks; here Krum must reject both by itself.
+    krum = {"aggregator": "krum", **UNCHECKED}
     for seed in SEEDS:
         runs = {attack: _run(seed, attack, krum) for attack in ATTACKS}
         assert runs["sign-flip"] == runs["gaussian"], f"seed {seed}: the attacker moved Krum's result"
         assert runs["sign-flip"][-1][0] >= 0.5, f"seed {seed}: {runs['sign-flip']}"
-    mean = [_run(seed, "sign-flip", {})[-1][0] for seed in SEEDS]
-    assert min(mean) < 0.3, mean  # the attack works on the mean
+    mean = [_run(seed, "sign-flip", UNCHECKED)[-1][0] for seed in SEEDS]
+    assert min(mean) < 0.3, mean  # the attack works on the mean without the influence checks
