@@ -6,8 +6,9 @@ carry on, and the final model equals, bit for bit, that of a run in which the fa
 were never run (the same clients, honest in every round, run rounds 1, 3 and 5 only).
 With ``max_update_norm`` on, the same uploads are refused at once and their rounds commit; the
 attackers stay (a refusal is the round's failure, not the client's end). The default distance
-bound (``max_update_ratio``) would refuse them too: it is off here, where the subject is the
-engine's last line of defence, a non-finite aggregate.
+bound (``max_update_ratio``) and the median update's spread check (``max_deviation_ratio``)
+would refuse them too: they are off here, where the subject is the engine's last line of
+defence, a non-finite aggregate.
 """
 
 from __future__ import annotations
@@ -89,7 +90,9 @@ def _engine(fleet, strategy, *, min_clients: int = 4, **io) -> RoundEngine:
             join_timeout=timedelta(seconds=60),
             finish_timeout=timedelta(seconds=10),
         ),
-        rules=RoundRules(influence=Influence(max_update_ratio=0)),
+        rules=RoundRules(
+            influence=Influence(max_update_ratio=0, min_update_cosine=-1, max_deviation_ratio=0)
+        ),
         io=RunIO(**io),
     )
 

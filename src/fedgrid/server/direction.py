@@ -17,19 +17,37 @@ from typing import Mapping, Sequence
 
 import torch
 
-__all__ = ["MedianGeometry", "difference", "median_geometry"]
+__all__ = ["CHUNK", "MedianGeometry", "median_geometry"]
 
 
-def difference(
+#: Coordinates of one tensor taken at a time: the stack of the fresh updates' values of one chunk
+#: is what the check holds beyond the updates (10 updates: 40 MB in float32).
+CHUNK = 1 << 20
+
+
+def _difference(
     name: str, value: torch.Tensor, base: Mapping[str, torch.Tensor], *, delta: bool
-) -> torch.Tensor:
-    """``value``'s difference from ``base[name]`` in at least float32: ``value`` as it is for a
-    delta result, or where ``base`` lacks the tensor or has another shape (as ``update_distance``)."""
+) -> "_Chunks":
+    """``value``'s difference from ``base[name]``, flattened, in at least float32: ``value`` as it
+    is for a delta result, or where ``base`` lacks the tensor or has another shape (as
+    ``update_distance``), read chunk by chunk."""
     dtype = torch.promote_types(value.dtype, torch.float32)
     ref = base.get(name)
+    flat = value.reshape(-1)
     if delta or ref is None or ref.shape != value.shape:
-        return value.to(dtype)
-    return value.to(dtype) - ref.to(dtype)
+        return _Chunks(flat, None, dtype)
+    return _Chunks(flat, ref.reshape(-1), dtype)
+
+
+class _Chunks:
+    """A flattened difference, computed a chunk at a time."""
+
+    def __init__(self, value: torch.Tensor, ref: torch.Tensor | None, dtype: torch.dtype) -> None:
+        self.value, self.ref, self.dtype = value, ref, dtype
+
+    def __getitem__(self, part: slice) -> torch.Tensor:
+        chunk = self.value[part].to(self.dtype)
+        return chunk if self.ref is None else chunk - self.ref[part].to(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -50,7 +68,8 @@ def median_geometry(
     """Each update of ``fresh`` then ``others`` against the coordinate-wise median of the
     ``fresh`` ones, over the tensors ``names``: its cosine with it and its distance from it. An update is ``(state, base, delta)``: its
     tensors, the model its task sent, and whether its tensors are differences already. One
-    tensor at a time: the memory held beyond the updates is the fresh ones' stack of one tensor.
+    chunk of a tensor at a time (``CHUNK``): the memory held beyond the updates is the fresh ones'
+    stack of one chunk.
 
     Returns:
         The cosines and distances, or ``None`` where the median is 0 (every coordinate's
@@ -61,17 +80,17 @@ def median_geometry(
     norms = [0.0] * len(updates)
     reference = 0.0
     for name in names:  # |u - m|^2 = |u|^2 - 2 u.m + |m|^2, each summed in float64
-        stack = torch.stack([difference(name, s[name], b, delta=d) for s, b, d in fresh])
-        median = stack.median(dim=0).values.double().ravel()
-        reference += float(median.dot(median))
-        for i, (state, base, delta) in enumerate(updates):
-            value = (
-                (stack[i] if i < len(fresh) else difference(name, state[name], base, delta=delta))
-                .double()
-                .ravel()
-            )
-            dots[i] += float(value.dot(median))
-            norms[i] += float(value.dot(value))
+        diffs = [_difference(name, state[name], base, delta=delta) for state, base, delta in updates]
+        size = updates[0][0][name].numel()
+        for start in range(0, size, CHUNK):
+            part = slice(start, min(size, start + CHUNK))
+            stack = torch.stack([d[part] for d in diffs[: len(fresh)]])
+            median = stack.median(dim=0).values.double()
+            reference += float(median.dot(median))
+            for i, diff in enumerate(diffs):
+                value = (stack[i] if i < len(fresh) else diff[part]).double()
+                dots[i] += float(value.dot(median))
+                norms[i] += float(value.dot(value))
     if reference == 0.0:
         return None
     return MedianGeometry(

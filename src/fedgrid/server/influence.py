@@ -347,13 +347,14 @@ class Influence:
         measured; a late result is measured against the merging round's median (its own round's
         is not kept: a model's worth of memory a round)."""
         updates = [(r, base) for r in fresh] + [(item.result, item.base) for item in late]
-        groups: dict[frozenset[str], list[int]] = {}
-        for i, (res, _) in enumerate(updates):
-            groups.setdefault(_part(res), []).append(i)
+        groups: dict[tuple[tuple[str, tuple[int, ...]], ...], list[int]] = {}
+        for i, (res, _) in enumerate(updates):  # the same floating tensors, of the same shapes
+            key = tuple(sorted((n, tuple(t.shape)) for n, t in res.state.items() if t.is_floating_point()))
+            groups.setdefault(key, []).append(i)
         refused: dict[int, Failure] = {}
-        for part, members in groups.items():
+        for key, members in groups.items():
             own = [i for i in members if i < len(fresh)]
-            names = sorted(n for n in part if updates[own[0]][0].state[n].is_floating_point()) if own else []
+            names = [n for n, _ in key]
             if len(own) < MIN_DIRECTION_UPDATES or not names:
                 continue
             rest = [i for i in members if i >= len(fresh)]

@@ -11,6 +11,7 @@ import torch
 
 from fedgrid.events import EventLog
 from fedgrid.fleet.base import RoundOutcome
+from fedgrid.server import direction
 from fedgrid.server.direction import median_geometry
 from fedgrid.server.influence import UPDATES_REFUSED, Influence
 from fedgrid.types import ClientInfo, FitRes
@@ -99,3 +100,22 @@ def test_a_cosine_outside_minus_1_and_1_is_refused():
             Influence(min_update_cosine=bad)
     with pytest.raises(ValueError, match="max_deviation_ratio must be 0"):
         Influence(max_deviation_ratio=0.5)
+
+
+def test_chunks_give_what_one_pass_gives(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    fresh = [(OrderedDict(w=torch.randn(5, 7, generator=g)), BASE, True) for _ in range(4)]
+    late = [
+        (OrderedDict(w=torch.randn(5, 7, generator=g)), OrderedDict(w=torch.randn(5, 7, generator=g)), False)
+    ]
+    whole = median_geometry(["w"], fresh, late)
+    monkeypatch.setattr(direction, "CHUNK", 3)  # 35 values in 12 chunks
+    chunked = median_geometry(["w"], fresh, late)
+    assert whole is not None and chunked is not None
+    assert chunked.cosines == pytest.approx(whole.cosines, abs=1e-12)
+    assert chunked.deviations == pytest.approx(whole.deviations, abs=1e-12)
+    stacked = torch.stack([u["w"] for u, _, _ in fresh]).median(dim=0).values.double().ravel()
+    first = fresh[0][0]["w"].double().ravel()
+    assert whole.cosines[0] == pytest.approx(
+        float(first @ stacked / (first.norm() * stacked.norm())), abs=1e-12
+    )
