@@ -284,7 +284,7 @@ class _CoreKeys:
     )
     min_update_cosine: float = _key(
         "refuse an update whose cosine with the coordinate-wise median of the round's fresh updates is under this, in a round of 3 updates or more (-1: off)",
-        -0.2,
+        -0.5,
     )
     max_deviation_ratio: float = _key(
         "refuse an update farther (L2) from the coordinate-wise median of the round's fresh updates than this times their median distance from it, in a round of 3 updates or more (0: off)",

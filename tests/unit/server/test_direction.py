@@ -66,7 +66,7 @@ def test_an_update_pointing_away_or_lying_apart_is_refused_naming_the_numbers():
     assert out.extra[UPDATES_REFUSED] == 1.0
     reason = out.failures[0].reason
     assert reason.startswith("update refused: it points away from the round's median update (cosine -1 ")
-    assert "of 4 fresh updates, under min_update_cosine -0.2)" in reason
+    assert "of 4 fresh updates, under min_update_cosine -0.5)" in reason
     assert [(e.event, e["name"]) for e in seen] == [("update_refused", "away")] and e_cos(seen) < -0.9
     # The same direction, 8x as far from the median update as the honest ones lie: apart.
     out, _ = _bound(Influence(), [*honest, _res("apart", [3.0, 3.0, 1.5, 1.5])])
@@ -119,3 +119,10 @@ def test_chunks_give_what_one_pass_gives(monkeypatch):
     assert whole.cosines[0] == pytest.approx(
         float(first @ stacked / (first.norm() * stacked.norm())), abs=1e-12
     )
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 9, 10])
+def test_the_lower_median_is_torchs(count):
+    stack = torch.randn(count, 1000, generator=torch.Generator().manual_seed(count), dtype=torch.float64)
+    assert torch.equal(direction._lower_median(stack), stack.median(dim=0).values)
+    assert torch.equal(direction._lower_median(stack.float()), stack.float().median(dim=0).values)
