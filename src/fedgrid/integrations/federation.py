@@ -288,7 +288,7 @@ class Federation:
     def after_backward(self) -> None:
         """Before the optimizer's step: the algorithm's ``after_backward`` (FedProx's term, SCAFFOLD's correction)."""
         if self._task is not None and self._lookahead_left == 0:
-            self._task.algorithm.after_backward(params=self._trainable())
+            self._task.algorithm.after_backward(params=self._task.params)
 
     def step(self, loss: float | None = None) -> bool:
         """After an optimizer step: syncs when the round's steps are done. Returns ``False``
@@ -428,14 +428,17 @@ class Federation:
             )
         start = algorithm.start(download=download, ctx=ctx)
         self._wire.load_state_dict(start)
-        algorithm.begin(params=self._trainable(), ctx=ctx)
+        # Built once a round, not at every step: the same parameters (loading copies into them),
+        # and naming them costs ~0.1 ms on a small model, 2-4% of a tiny Llama's 4 ms step.
+        params = self._trainable()
+        algorithm.begin(params=params, ctx=ctx)
         steps = (
             loop.steps if loop.steps > 0 else loop.epochs * (self.steps_per_round or self._steps_per_epoch)
         )
         # Overlapped DiLoCo: the tau steps trained after the upload count toward this round.
         first_steps = steps - lookahead if resume and lookahead > 0 else steps
         self._steps = steps - first_steps
-        return _FitTask(round_, ctx, algorithm, steps, lookahead, start)
+        return _FitTask(round_, ctx, algorithm, steps, lookahead, start, params)
 
 
 @dataclass(frozen=True)
@@ -446,3 +449,4 @@ class _FitTask:
     steps: int
     lookahead: int
     start: ModelState | None
+    params: dict[str, nn.Parameter]
