@@ -392,7 +392,9 @@ def test_a_trainer_under_accelerate_launch_with_two_processes_agrees_on_every_ra
         "--num_machines", "1", "--num_cpu_threads_per_process", "1", "--main_process_ip", "127.0.0.1",
         "--main_process_port", str(_free_port()), str(support / "hf_ddp_site.py"), str(llama), run.address, str(out),
     ]  # fmt: skip  # --multi_gpu: torchrun's launcher (gloo here: use_cpu); --cpu runs one process
-    env = {**os.environ, "PYTHONPATH": str(support), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    # The ranks import the fedgrid under test (a PYTHONPATH of sources first stays first).
+    path = os.pathsep.join(p for p in (str(support), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     ddp = subprocess.Popen(launch, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     model = AutoModelForCausalLM.from_pretrained(llama, local_files_only=True)
     callback = FederatedCallback(run.address, name="site-1", verbose=False)
