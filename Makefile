@@ -1,13 +1,14 @@
-# Two commands: `make demo` runs a federated training, `make test` runs the tests (every tier but sites);
-# `make test-fast` runs the unit and integration tiers, `make test-sites` the docker kit on a real
-# Docker engine (as root; CI runs it after `make test`), `make docs` builds the documentation into build/docs/.
+# Two commands: `make demo` runs a federated training, `make test` runs the tests (every tier but docs and sites);
+# `make test-fast` runs the unit and integration tiers, `make test-docs` every docs command marked to run, as
+# written, `make test-sites` the docker kit on a real Docker engine (as root; CI runs both after `make test`),
+# `make docs` builds the documentation into build/docs/.
 # Both create .venv when it is missing and install what is needed first.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-sites lint docs install proto proto-check bench clean
+.PHONY: demo test test-fast test-docs test-sites lint docs install proto proto-check bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,13 +31,13 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-# Every tier but sites (tests/conftest.py: unit, integration, e2e, examples) on two pytest-xdist workers; the
+# Every tier but docs and sites (tests/conftest.py: unit, integration, e2e, examples) on two pytest-xdist workers; the
 # tests that share the reference deployment run on one of them, so it is made once.
 # The status page's test renders it in headless Chromium (Debian's package): installed here
 # when missing and running as root (CI); elsewhere the test says why it is skipped.
 test: lint
 	command -v chromium >/dev/null || [ "$$(id -u)" != 0 ] || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium)
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --ignore=tests/sites tests
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --ignore=tests/docs --ignore=tests/sites tests
 
 # The sites tier: docker/'s per-site compose files on a real Docker engine, one project per site.
 # As root it installs Debian's docker.io and debootstrap when missing, starts dockerd when no
@@ -47,6 +48,11 @@ test: lint
 test-sites: $(STAMP)
 	[ "$$(id -u)" != 0 ] || (command -v iptables >/dev/null && command -v tc >/dev/null) || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends iptables iproute2)
 	$(PY) -m pytest -q -p no:cacheprovider -s tests/sites
+
+# The docs tier: every shell block of docs/*.rst and README.md marked `.. check: runs`, run as written from a
+# copy of the repository's root, each in under 3 minutes on a 2-core CPU (tests/docs/test_docs_commands.py).
+test-docs: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 tests/docs
 
 # The development loop: unit and integration tiers (no subprocesses).
 test-fast: $(STAMP)

@@ -5,6 +5,9 @@
 - ``e2e/``: other processes (``fedgrid`` commands, torchrun, spawned ranks, the docs build, the
   layer contracts, a browser); 900 s.
 - ``examples/``: every program in ``examples/``, run whole; 600 s.
+- ``docs/``: every shell block of the documentation marked ``runs``, run as written (each in
+  under 3 minutes on a 2-core CPU); 300 s. ``make test-docs`` runs it, after ``make test`` in CI;
+  ``make test`` leaves it out (about 4 minutes of CPU time).
 - ``sites/``: docker/'s per-site compose kit on a real Docker engine (started from Debian's
   docker.io as root when none answers), built and run whole, and the lab of real hosts and links
   (``fedgrid.ops.lab``: network namespaces, tbf, iptables; root); 900 s. ``make test-sites`` runs it,
@@ -35,7 +38,7 @@ TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS / "support"))
 
 #: Folder under tests/ -> (marker, timeout in seconds).
-TIERS = {"unit": 180, "integration": 300, "e2e": 900, "examples": 600, "sites": 900}
+TIERS = {"unit": 180, "integration": 300, "e2e": 900, "examples": 600, "docs": 300, "sites": 900}
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -218,3 +218,22 @@ def test_the_index_lists_pages_and_sections_not_api_objects(built):
     # An object's entry is its name as code (regions.rst documents fedgrid.region.region at its top).
     assert not [e for e, link in zip(entries, links) if "<code" in link], entries
     assert "UPSTREAM_RETRY_MAX_S" not in entries and "run_region()" not in entries
+
+
+def test_every_shell_block_of_the_docs_is_marked_with_how_it_is_checked():
+    """Each shell block says how it is checked (``support/doc_blocks.py``): ``runs`` (``make
+    test-docs`` runs it as written), ``run by PATH`` (that test runs it) or ``not run: WHY``."""
+    from doc_blocks import NOT_RUN, RUN_BY, RUNS, blocks
+
+    found = blocks()
+    unmarked = [b.id for b in found if not b.mark]
+    assert not unmarked, f"shell blocks without a '.. check:' mark (tests/support/doc_blocks.py): {unmarked}"
+    for b in found:
+        assert b.mark == RUNS or b.mark.startswith((RUN_BY, NOT_RUN)), (b.id, b.mark)
+        if b.mark.startswith(NOT_RUN):
+            assert len(b.mark) > len(NOT_RUN) + 10, f"{b.id}: say why it is not run"
+        if b.mark.startswith(RUN_BY):
+            test = b.mark[len(RUN_BY) :].split()[0]
+            assert (ROOT / test).is_file(), f"{b.id}: {test} does not exist"
+    running = [b.id for b in found if b.mark == RUNS]
+    assert len(running) >= 10 and any(i.startswith("trainers.rst:") for i in running), running

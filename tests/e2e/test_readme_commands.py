@@ -13,11 +13,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import socket
 import subprocess
-import sys
 from pathlib import Path
+
+from doc_blocks import runner, venv
 
 ROOT = Path(__file__).resolve().parents[2]
 MARK = "<!-- quickstart: runs -->"
@@ -26,43 +25,6 @@ MARK = "<!-- quickstart: runs -->"
 def _blocks() -> list[str]:
     text = (ROOT / "README.md").read_text()
     return re.findall(re.escape(MARK) + r"\n```sh\n(.*?)```", text, re.S)
-
-
-def _venv(folder: Path) -> None:
-    """``folder/.venv``: the tests' own environment (a venv's activate script), else a stand-in
-    that puts the directory of the ``fedgrid`` script on PATH."""
-    prefix = Path(sys.prefix)
-    if (prefix / "bin" / "activate").is_file():
-        (folder / ".venv").symlink_to(prefix, target_is_directory=True)
-        return
-    script = shutil.which("fedgrid") or str(Path(sys.executable).parent / "fedgrid")
-    (folder / ".venv" / "bin").mkdir(parents=True)
-    (folder / ".venv" / "bin" / "activate").write_text(f'export PATH="{Path(script).parent}:$PATH"\n')
-
-
-def _namespaces() -> bool:
-    if not (shutil.which("unshare") and shutil.which("ip")):
-        return False
-    probe = subprocess.run(["unshare", "-rn", "ip", "link", "set", "lo", "up"], capture_output=True)
-    return probe.returncode == 0
-
-
-def _runner(block: str, folder: Path) -> list[str]:
-    """The command that runs ``block`` verbatim in a private network namespace, or, without
-    one, with port 50051 swapped for a free one."""
-    script = folder / "block.sh"
-    if _namespaces():
-        script.write_text(block)
-        return ["unshare", "-rn", "sh", "-c", "ip link set lo up && exec bash -e block.sh"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    script.write_text(
-        block.replace("127.0.0.1:50051", f"127.0.0.1:{port}").replace(
-            "fedgrid coordinator ", f"fedgrid coordinator --listen 127.0.0.1:{port} "
-        )
-    )
-    return ["bash", "-e", "block.sh"]
 
 
 def _rounds(run_dir: Path) -> list[tuple[int, int]]:
@@ -74,7 +36,7 @@ def test_every_quickstart_block_of_the_readme_runs_as_written(tmp_path):
     blocks = _blocks()
     assert len(blocks) == 2, "the README's quickstart lost its marked blocks"
     assert blocks[0].startswith("source .venv/bin/activate")
-    _venv(tmp_path)
+    venv(tmp_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     outputs = []
     for block in blocks:
@@ -82,7 +44,7 @@ def test_every_quickstart_block_of_the_readme_runs_as_written(tmp_path):
             block if block.startswith("source ") else "source .venv/bin/activate\n" + block
         )  # one shell each
         result = subprocess.run(
-            _runner(body, tmp_path), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+            runner(body, tmp_path), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
         )
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         outputs.append(result.stdout + result.stderr)

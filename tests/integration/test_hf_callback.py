@@ -118,50 +118,94 @@ def _args(out: Path, **overrides):
     return TrainingArguments(**options)
 
 
-def test_trainer_under_fedavg_ends_with_the_coordinators_final_model(llama, tmp_path):
+FEDAVG = {"rounds": 2, "local_epochs": 1, "fraction_evaluate": 1.0}
+
+
+def _trainer(llama: Path, out: Path, rows: list, callback):
+    """A plain ``Trainer`` of the tiny Llama on ``rows`` (6 rows: 3 steps of 2 per epoch)."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, Trainer
 
+    model = AutoModelForCausalLM.from_pretrained(llama, local_files_only=True)
+    return Trainer(model=model, args=_args(out), train_dataset=Dataset.from_list(rows), callbacks=[callback])
+
+
+@pytest.fixture(scope="module")
+def fedavg(llama, tmp_path_factory):
+    """Two ``Trainer`` sites under FedAvg against a real gRPC coordinator: its final model, each
+    site's (federation, steps, model state, task reports) and the run's metrics."""
     from fedgrid.integrations.transformers import FederatedCallback
 
     torch.set_num_threads(THREADS)
-    run = _Coordinator(tmp_path / "run", model=f"hf:{llama}", rounds=2, local_epochs=1, fraction_evaluate=1.0)
+    tmp = tmp_path_factory.mktemp("fedavg")
+    run = _Coordinator(tmp / "run", model=f"hf:{llama}", **FEDAVG)
     rows = token_rows(char_tokenizer())
     reports: list = [[], []]
-
-    models = [AutoModelForCausalLM.from_pretrained(llama, local_files_only=True) for _ in range(2)]
     callbacks = [
         FederatedCallback(run.address, name=f"site-{k}", verbose=False, on_task=reports[k].append)
         for k in range(2)
     ]
-    trainers = [
-        Trainer(
-            model=models[k],
-            args=_args(tmp_path / f"site-{k}"),
-            train_dataset=Dataset.from_list(rows[k::2]),  # 6 rows: 3 steps of 2 per epoch
-            callbacks=[callbacks[k]],
-        )
-        for k in range(2)
-    ]
+    trainers = [_trainer(llama, tmp / f"site-{k}", rows[k::2], callbacks[k]) for k in range(2)]
 
     def train(k: int):
         trainers[k].train()
-        return callbacks[k].federation, trainers[k].state.global_step, models[k].state_dict()
+        return (
+            callbacks[k].federation,
+            trainers[k].state.global_step,
+            trainers[k].model.state_dict(),
+            reports[k],
+        )
 
     results = _sites(train)
-    final = run.finish()
-    metrics = read_metrics(tmp_path / "run")
+    return run.finish(), results, read_metrics(tmp / "run")
+
+
+def test_trainer_under_fedavg_ends_with_the_coordinators_final_model(fedavg):
+    final, results, metrics = fedavg
     assert [row["clients_ok"] for row in metrics] == [2, 2]
-    for federation, steps, state in results:
+    for federation, steps, state, _ in results:
         assert federation.finished and federation.rounds == 2
         assert steps == 2 * 3  # two rounds of one epoch (3 steps); the federation stopped the trainer
         assert list(final) == ["net." + name for name in state]
         for name, tensor in state.items():  # the final aggregate merged at train end
             assert torch.equal(tensor, final["net." + name]), name
+    fits = [r for _, _, _, site in results for r in site if r.kind == "fit"]
     # FedAvg weighs the sites' 6 examples each: the round's result is their mean, on the wire whole.
-    assert all(r.kind == "fit" and r.num_examples == 6 for site in reports for r in site if r.kind == "fit")
+    assert len(fits) == 4 and all(r.num_examples == 6 for r in fits)
     whole = sum(t.numel() * t.element_size() for t in final.values())
-    assert all(r.bytes_up >= whole for site in reports for r in site if r.kind == "fit")
+    assert all(r.bytes_up >= whole for r in fits)
+
+
+def test_a_simulated_run_of_the_same_trainers_ends_on_the_deployed_runs_bits(fedavg, llama, tmp_path):
+    """The same two ``Trainer`` sites as clients of fedgrid's simulation (one process, the
+    sequential engine, ``threads`` as deployed): the same final model, bit for bit, and each
+    site's trainer holds it at its end."""
+    from fedgrid.integrations.simulated import TrainerClient, simulate
+    from fedgrid.integrations.transformers import FederatedCallback
+
+    deployed, _, _ = fedavg
+    rows = token_rows(char_tokenizer())
+    trainers: dict = {}
+
+    def site(k: int) -> TrainerClient:
+        def train(connection) -> None:
+            trainers[k] = _trainer(llama, tmp_path / f"site-{k}", rows[k::2], FederatedCallback(connection))
+            trainers[k].train()
+
+        return TrainerClient(train, name=f"site-{k}", num_examples=len(rows[k::2]))
+
+    config = load_config(
+        overrides={"model": f"hf:{llama}", "clients": 2, "threads": THREADS, "seed": 1, "out": "", **FEDAVG}
+    )
+    final, history = simulate(config, [site(0), site(1)])
+    assert [m.clients_ok for m in history] == [2, 2]
+    assert list(final) == list(deployed)
+    for name, tensor in final.items():
+        assert torch.equal(tensor, deployed[name]), name
+    for k in range(2):  # each trainer trained its two rounds of 3 steps and merged the final model
+        assert trainers[k].state.global_step == 2 * 3
+        for name, tensor in trainers[k].model.state_dict().items():
+            assert torch.equal(tensor, final["net." + name]), (k, name)
 
 
 def _sft(llama: Path, out: Path, data_file: Path, callback, steps: int = 100):
@@ -208,44 +252,75 @@ def _adapter_names() -> list[str]:
     ]
 
 
-def test_sfttrainer_with_lora_under_diloco_sends_only_the_adapters(llama, tmp_path):
+DILOCO = {"peft": PEFT, "strategy": "diloco", "inner_steps": 3, "rounds": 2}
+
+
+@pytest.fixture(scope="module")
+def sft(llama, tmp_path_factory):
+    """Two ``SFTTrainer`` sites with LoRA under DiLoCo against a real gRPC coordinator: its final
+    model, each site's (federation, steps, task reports) and the run's metrics."""
     from fedgrid.integrations.transformers import FederatedCallback
 
     torch.set_num_threads(THREADS)
-    run = _Coordinator(
-        tmp_path / "run",
-        model=f"hf:{llama}",
-        peft=PEFT,
-        strategy="diloco",
-        inner_steps=3,
-        rounds=2,
-    )
+    tmp = tmp_path_factory.mktemp("sft")
+    run = _Coordinator(tmp / "run", model=f"hf:{llama}", **DILOCO)
     reports: list = [[], []]
-    files = [instruction_jsonl(tmp_path / f"site-{k}.jsonl", PAIRS[k::2]) for k in range(2)]
-
+    files = [instruction_jsonl(tmp / f"site-{k}.jsonl", PAIRS[k::2]) for k in range(2)]
     callbacks = [
         FederatedCallback(run.address, name=f"site-{k}", verbose=False, on_task=reports[k].append)
         for k in range(2)
     ]
-    trainers = [_sft(llama, tmp_path / f"out-{k}", files[k], callbacks[k]) for k in range(2)]
+    trainers = [_sft(llama, tmp / f"out-{k}", files[k], callbacks[k]) for k in range(2)]
 
     def train(k: int):
         trainers[k].train()
-        return callbacks[k].federation, trainers[k].state.global_step
+        return callbacks[k].federation, trainers[k].state.global_step, reports[k]
 
     results = _sites(train)
-    final = run.finish()
+    return run.finish(), results, read_metrics(tmp / "run")
+
+
+def test_sfttrainer_with_lora_under_diloco_sends_only_the_adapters(sft):
+    final, results, metrics = sft
     assert list(final) == _adapter_names()
     # r=4 on 32x32 projections: A [4, 32] and B [32, 4], 128 floats each, 8 tensors: 4,096 bytes.
     assert sum(t.numel() * t.element_size() for t in final.values()) == 4096
     assert any(t.abs().sum() > 0 for n, t in final.items() if ".lora_B." in n)  # B moved off zero
-    for federation, steps in results:
+    for federation, steps, _ in results:
         assert federation.finished and federation.rounds == 2 and steps == 2 * 3  # H = 3 inner steps
-    fits = [r for site in reports for r in site if r.kind == "fit"]
+    fits = [r for _, _, site in results for r in site if r.kind == "fit"]
     assert len(fits) == 4
     # The adapters' 4,096 bytes with the frames' names and headers; the base's ~100 kB never travel.
     assert all(4096 < r.bytes_up < 4096 + 1500 and 4096 < r.bytes_down < 4096 + 1500 for r in fits), fits
-    assert [row["clients_ok"] for row in read_metrics(tmp_path / "run")] == [2, 2]
+    assert [row["clients_ok"] for row in metrics] == [2, 2]
+
+
+def test_a_simulated_sfttrainer_run_with_lora_under_diloco_ends_on_the_deployed_runs_bits(
+    sft, llama, tmp_path
+):
+    from fedgrid.integrations.simulated import TrainerClient, simulate
+    from fedgrid.integrations.transformers import FederatedCallback
+
+    deployed = sft[0]
+    files = [instruction_jsonl(tmp_path / f"site-{k}.jsonl", PAIRS[k::2]) for k in range(2)]
+    trainers: dict = {}
+
+    def site(k: int) -> TrainerClient:
+        def train(connection) -> None:
+            trainers[k] = _sft(llama, tmp_path / f"out-{k}", files[k], FederatedCallback(connection))
+            trainers[k].train()
+
+        return TrainerClient(train, name=f"site-{k}", num_examples=len(PAIRS[k::2]))
+
+    config = load_config(
+        overrides={"model": f"hf:{llama}", "clients": 2, "threads": THREADS, "seed": 1, "out": "", **DILOCO}
+    )
+    final, history = simulate(config, [site(0), site(1)])
+    assert [m.clients_ok for m in history] == [2, 2]
+    assert list(final) == _adapter_names()
+    for name, tensor in final.items():
+        assert torch.equal(tensor, deployed[name]), name
+    assert [trainers[k].state.global_step for k in range(2)] == [2 * 3, 2 * 3]
 
 
 def test_a_callback_at_a_coordinator_of_another_base_fails_at_train_begin_naming_both_hashes(llama, tmp_path):
@@ -317,7 +392,9 @@ def test_a_trainer_under_accelerate_launch_with_two_processes_agrees_on_every_ra
         "--num_machines", "1", "--num_cpu_threads_per_process", "1", "--main_process_ip", "127.0.0.1",
         "--main_process_port", str(_free_port()), str(support / "hf_ddp_site.py"), str(llama), run.address, str(out),
     ]  # fmt: skip  # --multi_gpu: torchrun's launcher (gloo here: use_cpu); --cpu runs one process
-    env = {**os.environ, "PYTHONPATH": str(support), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    # The ranks import the fedgrid under test (a PYTHONPATH of sources first stays first).
+    path = os.pathsep.join(p for p in (str(support), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     ddp = subprocess.Popen(launch, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     model = AutoModelForCausalLM.from_pretrained(llama, local_files_only=True)
     callback = FederatedCallback(run.address, name="site-1", verbose=False)

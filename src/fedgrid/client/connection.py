@@ -426,7 +426,8 @@ class Connection:
 
         def attempt() -> tuple[serde.StreamInfo, ModelState]:
             asm = serde.ModelAssembler()
-            for frame in self._download(request, metadata=self._session(), timeout=self.transfer_timeout):
+            messages = self._download(request, metadata=self._session(), timeout=self.transfer_timeout)
+            for frame in serde.unbatched(messages):  # small frames come several a message
                 self.bytes_down += serde.wire_size(frame)
                 asm.feed(frame)
             return asm.finish()

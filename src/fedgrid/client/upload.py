@@ -79,7 +79,9 @@ class ResumableUpload:
 
         frames = self._counted(self.encoded.frames(self.info, chunk_size=self.chunk_size, start=start), sent)
         try:
-            reply = conn._upload(frames, metadata=conn._session(), timeout=conn.transfer_timeout)
+            # Small frames several a message (``serde.batched``): one hop between threads, not one each.
+            messages = serde.batched(frames, self.chunk_size)
+            reply = conn._upload(messages, metadata=conn._session(), timeout=conn.transfer_timeout)
         except grpc.RpcError as exc:
             if len(conn.upload_attempts) > 1 and exc.code() == grpc.StatusCode.ALREADY_EXISTS:
                 return self.encoded.total_bytes

@@ -22,7 +22,7 @@ from typing import Any
 import lightning as L
 from torch import nn
 
-from fedgrid.integrations.federation import Federation, JoinOptions
+from fedgrid.integrations.federation import Connector, Federation, connector
 
 __all__ = ["FederatedCallback"]
 
@@ -31,7 +31,8 @@ class FederatedCallback(L.Callback):  # type: ignore[misc]  # lightning's classe
     """A Lightning ``Callback`` that makes the trainer a client of ``coordinator``.
 
     Args:
-        coordinator: ``HOST:PORT`` (``fedgrid client``'s first argument).
+        coordinator: ``HOST:PORT`` (``fedgrid client``'s first argument), or a simulated
+            client's connection (``fedgrid.integrations.simulated.TrainerClient.connector``).
         name, region, ca, cert, key, server_name, state_dir: as ``fedgrid client``'s options.
         steps_per_round: optimizer steps of a FedAvg round (0: ``local_epochs`` of the trainer's epochs).
         num_examples: examples this site holds, reported at join (0: the training set's length).
@@ -42,7 +43,7 @@ class FederatedCallback(L.Callback):  # type: ignore[misc]  # lightning's classe
 
     def __init__(
         self,
-        coordinator: str,
+        coordinator: str | Connector,
         *,
         name: str = "",
         region: str = "",
@@ -57,7 +58,17 @@ class FederatedCallback(L.Callback):  # type: ignore[misc]  # lightning's classe
         prefix: str = "",
         **options: Any,
     ) -> None:
-        join = JoinOptions(coordinator, name, region, ca, cert, key, server_name, state_dir, options)
+        join = connector(
+            coordinator,
+            name=name,
+            region=region,
+            ca=ca,
+            cert=cert,
+            key=key,
+            server_name=server_name,
+            state_dir=state_dir,
+            options=options,
+        )
         self.federation = Federation(
             join, prefix=prefix, steps_per_round=steps_per_round, num_examples=num_examples
         )

@@ -25,7 +25,7 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from fedgrid.integrations.federation import Federation, JoinOptions
+from fedgrid.integrations.federation import Connector, Federation, connector
 
 __all__ = ["FederatedCallback"]
 
@@ -34,7 +34,8 @@ class FederatedCallback(TrainerCallback):  # type: ignore[misc]  # transformers 
     """A ``TrainerCallback`` that makes the trainer a client of ``coordinator``.
 
     Args:
-        coordinator: ``HOST:PORT`` (``fedgrid client``'s first argument).
+        coordinator: ``HOST:PORT`` (``fedgrid client``'s first argument), or a simulated
+            client's connection (``fedgrid.integrations.simulated.TrainerClient.connector``).
         name, region: labels sent at join.
         ca, cert, key: PEM files for mutual TLS (all three or none).
         server_name: the name the coordinator's certificate holds, when not the host.
@@ -53,7 +54,7 @@ class FederatedCallback(TrainerCallback):  # type: ignore[misc]  # transformers 
 
     def __init__(
         self,
-        coordinator: str,
+        coordinator: str | Connector,
         *,
         name: str = "",
         region: str = "",
@@ -67,7 +68,17 @@ class FederatedCallback(TrainerCallback):  # type: ignore[misc]  # transformers 
         prefix: str = "net.",
         **options: Any,
     ) -> None:
-        join = JoinOptions(coordinator, name, region, ca, cert, key, server_name, state_dir, options)
+        join = connector(
+            coordinator,
+            name=name,
+            region=region,
+            ca=ca,
+            cert=cert,
+            key=key,
+            server_name=server_name,
+            state_dir=state_dir,
+            options=options,
+        )
         self.federation = Federation(
             join, prefix=prefix, steps_per_round=steps_per_round, num_examples=num_examples
         )

@@ -23,9 +23,11 @@ from fedgrid.proto.frames import (
     GRPC_FRAME_BYTES,
     PB_TO_DTYPE,
     StreamInfo,
+    batched,
     checksum,
     parse_frame,
     read_header,
+    unbatched,
     wire_size,
 )
 from fedgrid.proto.messages import (
@@ -58,6 +60,8 @@ __all__ = [
     "check_finite",
     "checksum",
     "wire_size",
+    "batched",
+    "unbatched",
     "parse_frame",
     "read_header",
     "config_to_pb",

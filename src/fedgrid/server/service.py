@@ -250,8 +250,8 @@ class CoordinatorServicer:
             try:
                 # Frames are slices of the encoded model plus a few bytes of framing (a 1 MiB
                 # copy each): cheaper on the loop than a hop to a thread and back per frame.
-                for frame in frames:
-                    yield frame
+                for message in serde.batched(frames, self.fleet.chunk_size):  # small frames several a message
+                    yield message
             finally:
                 close = getattr(frames, "close", None)
                 if close is not None:
@@ -270,7 +270,9 @@ class CoordinatorServicer:
                 ticket.take()  # a slot for a checked session whose header arrived, no sooner
                 reader.start()
                 try:
-                    received = await self._offload(self.fleet.upload, reader.frames(first), _token())
+                    received = await self._offload(
+                        self.fleet.upload, serde.unbatched(reader.frames(first)), _token()
+                    )
                 finally:
                     # Cancelled: the client went away, the thread stops reading and keeps what
                     # arrived. Otherwise the stream was read to its end or refused.

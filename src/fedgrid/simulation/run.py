@@ -7,7 +7,7 @@ import logging
 import threading
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from fedgrid.allocator import keep_large_buffers
 from fedgrid.client.api import Client
@@ -19,9 +19,16 @@ from fedgrid.runlog import RunWriter
 from fedgrid.server.engine import RoundEngine
 from fedgrid.server.parts import RunIO, RunParts, Schedule, build_parts
 from fedgrid.simulation.fleet import InProcessFleet
-from fedgrid.simulation.heterogeneity import ClientProfiles
+from fedgrid.simulation.heterogeneity import ClientProfiles, check_heterogeneity
 from fedgrid.simulation.replay import ReplayFleet, read_merges
-from fedgrid.simulation.tasks import check_config, client_options, resolve
+from fedgrid.simulation.tasks import (
+    Resolved,
+    check_config,
+    client_options,
+    resolve,
+    site_data_model,
+    sites_bring_the_data,
+)
 from fedgrid.types import ModelState, RoundMetrics
 
 __all__ = ["run_simulation", "clients_per_second"]
@@ -37,6 +44,7 @@ def clients_per_second(metrics: RoundMetrics) -> float:
 def run_simulation(
     config: Config,
     *,
+    clients: Sequence[Client] | None = None,
     on_round: Callable[[RoundMetrics], None] | None = None,
     on_start: Callable[[str, str], None] | None = None,
     stop: threading.Event | None = None,
@@ -47,6 +55,12 @@ def run_simulation(
     with the same data and training options (``fedgrid.simulation.tasks.CLIENT_KEYS``).
     Availability, speed and region follow ``ClientProfiles`` (the heterogeneity keys).
     Returns the final global model and the per-round metrics.
+
+    ``clients`` replaces the clients ``config`` builds (``config.clients`` becomes their number):
+    a run whose sites bring their own trainer and data (``fedgrid.integrations.simulated``). Its
+    model is then the coordinator's of such a run: ``--model hf:PATH`` (with ``--peft``) built
+    alone, without a server-side evaluation, as ``fedgrid coordinator`` builds it; any other
+    model as the dataset and model keys say.
 
     ``on_start(engine, why)`` hears the engine in use (``auto`` resolves to ``batched`` or
     ``sequential``) before the first round. Setting ``stop`` ends the run after the round in
@@ -61,9 +75,14 @@ def run_simulation(
     its ``[environment]`` table the torch version, so ``--config RUN/config.toml`` reruns
     it bit for bit.
     """
-    check_config(config)  # the data, model and heterogeneity keys, before any work
+    if clients is not None:
+        config = replace(config, clients=len(clients))
+    if clients is None or not sites_bring_the_data(config.dataset, config.model):
+        check_config(config)  # the data, model and heterogeneity keys, before any work
+    else:  # the sites bring the data: the model is checked as it is built (site_data_model)
+        check_heterogeneity(config)
     with intra_op_threads(config.threads) as threads:
-        return _run(config, threads, on_round, on_start, stop)
+        return _run(config, threads, clients, on_round, on_start, stop)
 
 
 def _ranks() -> tuple[int, int]:
@@ -253,17 +272,14 @@ def _run_fleet(config: Config, fleet: InProcessFleet, rank: int, world: int) -> 
     return run_fleet
 
 
-def _run(
-    config: Config,
-    threads: int,
-    on_round: Callable[[RoundMetrics], None] | None,
-    on_start: Callable[[str, str], None] | None,
-    stop: threading.Event | None,
-) -> tuple[ModelState | None, list[RoundMetrics]]:
-    # A bad option, quota or noise key file fails before any work.
-    parts = build_parts(config, num_clients=config.clients, where="simulation")
-    _check_replay(config)
-    resolved = resolve(
+def _resolve(config: Config, *, sites: bool) -> Resolved:
+    """The run's model, evaluation and client factory; with clients of the sites' own
+    (``sites``), a ``--model hf:PATH`` built alone, as the coordinator of such a run builds it."""
+    if sites and sites_bring_the_data(config.dataset, config.model):
+        return site_data_model(
+            model=config.model, seed=config.seed, peft=config.peft, lora_aggregation=config.lora_aggregation
+        )
+    return resolve(
         dataset=config.dataset,
         model=config.model,
         app=config.app,
@@ -275,9 +291,23 @@ def _run(
         eval_batches=config.eval_batches,
         text_column=config.text_column,
     )
+
+
+def _run(
+    config: Config,
+    threads: int,
+    given: Sequence[Client] | None,
+    on_round: Callable[[RoundMetrics], None] | None,
+    on_start: Callable[[str, str], None] | None,
+    stop: threading.Event | None,
+) -> tuple[ModelState | None, list[RoundMetrics]]:
+    # A bad option, quota or noise key file fails before any work.
+    parts = build_parts(config, num_clients=config.clients, where="simulation")
+    _check_replay(config)
+    resolved = _resolve(config, sites=given is not None)
     parts.strategy.initialize(initial_state=resolved.initial_state)
     profiles = ClientProfiles.from_config(config)
-    clients = _clients(config, resolved.client_factory)
+    clients = list(given) if given is not None else _clients(config, resolved.client_factory)
     fleet = _fleet(
         config, parts, clients, profiles
     )  # a fleet that cannot train fails before the run directory exists

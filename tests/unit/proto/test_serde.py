@@ -547,3 +547,25 @@ def test_client_info_join_roundtrip():
 def test_client_info_from_bare_join_defaults():
     got = serde.client_info_from_join("c-2", pb.JoinRequest())
     assert got.device == "cpu" and got.codecs == ("none",) and got.num_examples == 0
+
+
+def test_small_frames_travel_several_a_message_and_read_back_in_order():
+    """``serde.batched``: a model of many small tensors goes as few gRPC messages (each one a hop
+    between threads at both ends); ``unbatched`` gives back the very frames, and a stream of
+    single frames (a client that sends them one by one) reads as it is."""
+    state = OrderedDict((f"t{i}", torch.full((i + 1, 8), float(i))) for i in range(21))
+    state["big"] = torch.arange(5000, dtype=torch.float32)  # 20,000 bytes: 3 frames of 8 KiB
+    frames = list(serde.EncodedModel(state).frames(serde.StreamInfo(round=3), chunk_size=8192))
+    messages = list(serde.batched(frames, 8192))
+    # The 21 small tensors (7 kB) in one message, then the big one's three frames, each alone.
+    assert len(frames) == 24 and len(messages) == 4, [len(m) for m in messages]
+    assert all(len(m) <= 8192 for m in messages if m not in frames)  # a batch stays within the limit
+    assert messages[0][:1] == b"\x00" and messages[1:] == frames[21:]
+    assert list(serde.unbatched(messages)) == frames
+    assert list(serde.unbatched(frames)) == frames
+    info, decoded = serde.decode_chunks(list(serde.unbatched(messages)))
+    assert info.round == 3 and all(torch.equal(decoded[k], v) for k, v in state.items())
+    # One frame alone is that frame; a batch whose lengths run past its end is refused.
+    assert list(serde.batched(frames[:1], 8192)) == frames[:1]
+    with pytest.raises(InvalidUpdateError, match="runs past the end of its batch"):
+        list(serde.unbatched([messages[0][:-1]]))
