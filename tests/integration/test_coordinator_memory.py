@@ -17,15 +17,12 @@ from __future__ import annotations
 
 import threading
 import tracemalloc
-import weakref
 from collections import OrderedDict
 from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from fedgrid.aggregation.diloco import DiLoCo
 from fedgrid.proto import serde
@@ -37,48 +34,12 @@ from fedgrid.server.state import StateStore
 from fedgrid.types import ClientInfo, FitIns
 
 from harness import wait_until
+from storage_meter import StorageMeter
 
 pytestmark = pytest.mark.timeout(120)
 
 NUM_PARAMS = 20_000_000
 MODEL_BYTES = NUM_PARAMS * 4
-
-
-class StorageMeter(TorchDispatchMode):
-    """Bytes of the tensor storages that ops create while it is active (in this thread):
-    ``total`` ever created, ``peak`` alive at once, ``now`` still alive."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.now = self.peak = self.total = 0
-        self._live: set[int] = set()
-        self._lock = threading.Lock()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        inputs = {
-            t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
-        }
-        out = func(*args, **kwargs)
-        for tensor in tree_leaves(out):
-            if not isinstance(tensor, torch.Tensor):
-                continue
-            storage = tensor.untyped_storage()
-            ptr, nbytes = storage.data_ptr(), storage.nbytes()
-            with self._lock:
-                if nbytes == 0 or ptr in inputs or ptr in self._live:
-                    continue  # a view, an in-place op, or a storage already counted
-                self._live.add(ptr)
-                self.now += nbytes
-                self.total += nbytes
-                self.peak = max(self.peak, self.now)
-            weakref.finalize(storage, self._free, ptr, nbytes)
-        return out
-
-    def _free(self, ptr: int, nbytes: int) -> None:
-        with self._lock:
-            self._live.discard(ptr)
-            self.now -= nbytes
 
 
 def _model(seed: int, scale: float = 1.0, sizes: tuple[int, ...] = ()) -> "OrderedDict[str, torch.Tensor]":
