@@ -25,7 +25,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from fedgrid.aggregation.base import AggregationPreconditionError, Aggregator
+from fedgrid.aggregation.base import AggregationPreconditionError, Aggregator, held
 from fedgrid.aggregation.fedavg import train_metrics
 from fedgrid.aggregation.fedopt import FedOpt
 from fedgrid.aggregation.mean import Mean
@@ -147,7 +147,7 @@ class Scaffold(FedOpt):
     def state_dict(self) -> dict[str, Any]:
         return {
             **super().state_dict(),
-            "control_variate": OrderedDict((n, c.clone()) for n, c in self._control.items()),
+            "control_variate": OrderedDict((n, held(c)) for n, c in self._control.items()),
             "live_clients": self._live_clients,
         }
 

@@ -38,6 +38,7 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import torch
 
+from fedgrid.aggregation.base import held
 from fedgrid.aggregation.updates import compute_dtype, is_optimizable
 from fedgrid.types import ModelState
 
@@ -128,11 +129,12 @@ class ServerOptimizer(ABC):
         self._buffers = {b: {} for b in self.buffer_names}
 
     def state_dict(self) -> dict[str, Any]:
-        """The optimizer's state: plain dicts, ints and tensors (copies), safe for ``torch.save``."""
+        """The optimizer's state: plain dicts, ints and tensors (copies, except inside
+        ``Strategy.state_view``: ``base.held``), safe for ``torch.save``."""
         return {
             "kind": self.kind,
             "steps": self.steps,
-            "buffers": {b: {n: t.clone() for n, t in per.items()} for b, per in self._buffers.items()},
+            "buffers": {b: {n: held(t) for n, t in per.items()} for b, per in self._buffers.items()},
         }
 
     def check_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -18,7 +18,9 @@ state it began with, writes no checkpoint, is emitted as ``round_failed`` and re
 ``round_retries``: its clients or regions died, left or went silent) goes back the same way,
 emits ``round_failed`` with the reason, and runs again under the same number, never committed
 empty. A disk that refuses a commit (``StorageError``) stops the run; the last good
-checkpoint stays.
+checkpoint stays. The state a round goes back to waits on disk (``server/rollback.py``), and
+the NaN check and the checkpoint read the strategy's own tensors (``Strategy.state_view``), so
+a round holds no second copy of the model (issue 40).
 
 Whatever the strategy, a round's metrics hold its workers' goodput
 (``fedgrid.telemetry``: seconds of compute, felt communication and waiting summed
@@ -51,6 +53,7 @@ from fedgrid.server.evaluation import Evaluator
 from fedgrid.server.late_merge import late_to_merge
 from fedgrid.server.parts import RoundRules, RunIO, Schedule
 from fedgrid.server.privacy import restore_privacy
+from fedgrid.server.rollback import RollbackPoint
 from fedgrid.server.round_failures import ROUND_FAILED, LostRounds, check_not_lost, first_non_finite
 from fedgrid.telemetry import goodput_metrics
 from fedgrid.textsafe import escape
@@ -226,7 +229,7 @@ class RoundEngine:
             self.events.emit("checkpoint_writing", round=metrics.round)
             self.store.save(
                 server_round=metrics.round,
-                strategy=self.strategy.state_dict(),
+                strategy=self.strategy.state_view(),  # written out as the strategy holds it, no copy
                 fleet=self.fleet.state_dict(),
                 history=[m.to_json() for m in self.history],
                 privacy=self.privacy.state_dict() if self.privacy is not None else None,
@@ -254,55 +257,56 @@ class RoundEngine:
             raise ValueError(f"round {server_round}: the strategy declared a phase twice: {phases}")
         clients = self.fleet.wait_for_clients(min_clients=self.min_clients, timeout=self.join_timeout)
         tally = _Tally()
-        before = self.strategy.state_dict()  # copies: what a failed or abandoned round goes back to
-        try:
-            for phase in phases:
-                if phase == FIT:
-                    self._fit(server_round, clients, tally)
-                elif phase == EVALUATE:
-                    self._evaluate(server_round, clients, tally)
-                else:
-                    self._messages(server_round, phase, clients, tally)
-                # The model first (no copy), before a later phase sends it to clients ...
-                self._check_finite(server_round, phase, self.strategy.global_state)
-            # ... then everything the checkpoint would hold (optimizer moments overflow too).
-            self._check_finite(server_round, "the end of the round", self.strategy.state_dict())
-        except (InterruptedRunError, RoundLostError, StorageError, PrivacyBudgetError):
-            # Stopped, lost or refused after a phase had aggregated (fit, before evaluate): the
-            # state in memory goes back to the committed one, which a graceful stop writes out.
-            self.strategy.load_state_dict(before)
-            raise
-        except NonFiniteAggregateError as exc:
-            self.strategy.load_state_dict(before)
-            log.error("%s; the previous global model is kept and the run goes on", exc)
-            tally.extra[ROUND_FAILED] = 1.0
-        evaluates = server_round % self.eval_every == 0 or server_round >= self.rounds
-        metrics = RoundMetrics(
-            round=server_round,
-            loss=tally.loss,
-            accuracy=tally.accuracy,
-            bytes_up=tally.bytes_up,
-            bytes_down=tally.bytes_down,
-            wall_s=time.monotonic() - start,
-            clients_ok=tally.clients_ok,
-            clients_failed=tally.clients_failed,
-            extra=tally.extra,
-        )
-        if self.evaluator is not None and evaluates:  # a central test set, when the task has one, wins
-            if self.evaluator.background:
-                with self._rows:
-                    self._eval_running.add(server_round)
+        # What a failed or abandoned round goes back to: on disk, not a second model in memory.
+        with RollbackPoint(self.strategy, self.store.dir if self.store is not None else None) as before:
             try:
-                self.evaluator.submit(server_round, self.strategy.global_state, stop=self._stop)
-            except InterruptedRunError:  # an inline evaluation given up: the round is abandoned
-                self.strategy.load_state_dict(before)
+                for phase in phases:
+                    if phase == FIT:
+                        self._fit(server_round, clients, tally)
+                    elif phase == EVALUATE:
+                        self._evaluate(server_round, clients, tally)
+                    else:
+                        self._messages(server_round, phase, clients, tally)
+                    # The model first, before a later phase sends it to clients ...
+                    self._check_finite(server_round, phase, self.strategy.global_state)
+                # ... then everything the checkpoint would hold (optimizer moments overflow too),
+                # as the strategy holds it (no copy).
+                self._check_finite(server_round, "the end of the round", self.strategy.state_view())
+            except (InterruptedRunError, RoundLostError, StorageError, PrivacyBudgetError):
+                # Stopped, lost or refused after a phase had aggregated (fit, before evaluate): the
+                # state in memory goes back to the committed one, which a graceful stop writes out.
+                before.restore(self.strategy)
                 raise
-            if not self.evaluator.background:
-                with self._rows:
-                    landed = self._eval_pending.pop(server_round, None)
-                if landed is not None:
-                    metrics = _with_eval(metrics, *landed)
-        del before
+            except NonFiniteAggregateError as exc:
+                before.restore(self.strategy)
+                log.error("%s; the previous global model is kept and the run goes on", exc)
+                tally.extra[ROUND_FAILED] = 1.0
+            evaluates = server_round % self.eval_every == 0 or server_round >= self.rounds
+            metrics = RoundMetrics(
+                round=server_round,
+                loss=tally.loss,
+                accuracy=tally.accuracy,
+                bytes_up=tally.bytes_up,
+                bytes_down=tally.bytes_down,
+                wall_s=time.monotonic() - start,
+                clients_ok=tally.clients_ok,
+                clients_failed=tally.clients_failed,
+                extra=tally.extra,
+            )
+            if self.evaluator is not None and evaluates:  # a central test set, when the task has one, wins
+                if self.evaluator.background:
+                    with self._rows:
+                        self._eval_running.add(server_round)
+                try:
+                    self.evaluator.submit(server_round, self.strategy.global_state, stop=self._stop)
+                except InterruptedRunError:  # an inline evaluation given up: the round is abandoned
+                    before.restore(self.strategy)
+                    raise
+        if self.evaluator is not None and evaluates and not self.evaluator.background:
+            with self._rows:
+                landed = self._eval_pending.pop(server_round, None)
+            if landed is not None:
+                metrics = _with_eval(metrics, *landed)
         return metrics
 
     def _land_eval(self, server_round: int, loss: float, metrics: dict[str, float]) -> None:

@@ -39,6 +39,8 @@ ROUND_FAILED = "round_failed"
 ROUND_RETRIES_KEY = "round_retries"
 #: Failures named in a lost round's reason (the rest are counted).
 _NAMED = 3
+#: Elements of a tensor checked for NaN and Inf at once (4 MB of float32).
+_CHECK_CHUNK = 1 << 20
 
 
 def first_non_finite(state: Any, where: str = "") -> str | None:
@@ -46,10 +48,12 @@ def first_non_finite(state: Any, where: str = "") -> str | None:
     if isinstance(state, torch.Tensor):
         if state.dtype.is_floating_point or state.dtype.is_complex:
             probe = torch.view_as_real(state) if state.dtype.is_complex else state
-            if probe.numel() and not bool(
-                torch.isfinite(probe.float() if probe.dtype.itemsize == 1 else probe).all()
-            ):
-                return where or "tensor"
+            # In chunks: ``isfinite`` makes temporaries of its input's size (``abs``, masks),
+            # which for a whole tensor is a large part of the model (issue 40: no copy on the
+            # coordinator's round path).
+            for chunk in probe.reshape(-1).split(_CHECK_CHUNK):
+                if not bool(torch.isfinite(chunk.float() if chunk.dtype.itemsize == 1 else chunk).all()):
+                    return where or "tensor"
         return None
     if isinstance(state, dict):
         items: Any = state.items()

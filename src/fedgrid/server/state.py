@@ -51,8 +51,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+import itertools
 import json
 import logging
+import mmap
 import os
 import re
 import sqlite3
@@ -65,7 +67,7 @@ import xxhash
 
 from fedgrid.errors import RecoveryError
 from fedgrid.server.disk import is_storage_failure, storage_error
-from fedgrid.server.state_codec import content_of, decode_state, encode_state, payload_of
+from fedgrid.server.state_codec import content_of, decode_state, encode_state, payload_chunks
 
 __all__ = [
     "Checkpoint",
@@ -121,7 +123,7 @@ def read_state_key(path: str | os.PathLike[str]) -> bytes:
     return key
 
 
-def _verified(name: str, data: bytes, key: bytes | None) -> bytes:
+def _verified(name: str, data: bytes | memoryview, key: bytes | None) -> bytes | memoryview:
     """The payload of checkpoint ``data`` once its checksum (or, with ``key``, its HMAC tag) holds.
 
     Raises:
@@ -161,6 +163,16 @@ class Checkpoint:
     privacy: Mapping[str, Any] = field(default_factory=dict)
     #: The influence caps' state (``server/influence.py``: late results' references).
     influence: Mapping[str, Any] = field(default_factory=dict)
+
+
+def _mapped(path: Path) -> memoryview:
+    """The file at ``path`` mapped copy-on-write: its tensors are read in place, not copied (an
+    empty file is an empty buffer)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return memoryview(bytearray())
+        return memoryview(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -244,7 +256,7 @@ class StateStore:
             TypeError: the state holds a value a checkpoint cannot store (nothing written).
         """
         log.info("round %d: writing checkpoint", server_round)
-        payload = payload_of(
+        chunks = payload_chunks(
             {
                 "round": server_round,
                 "strategy": dict(strategy),
@@ -254,14 +266,22 @@ class StateStore:
                 "influence": dict(influence or {}),
             }
         )
+        first = next(chunks)  # a value a checkpoint cannot hold raises here, before any file
         path = self.dir / checkpoint_name(server_round)
         tmp = path.with_suffix(".tmp")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             os.fchmod(fd, 0o600)  # a leftover .tmp keeps its mode through O_CREAT
             with os.fdopen(fd, "wb") as f:
-                f.write(self._seal(payload))
-                f.write(payload)
+                # The payload streams from the state's own tensors (no copy of the model); its
+                # checksum or tag, computed on the way, goes in the header's place at the end.
+                seal = self._sealer()
+                f.write(self._header(seal))
+                for chunk in itertools.chain([first], chunks):
+                    seal.update(chunk)
+                    f.write(chunk)
+                f.seek(0)
+                f.write(self._header(seal))
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
@@ -276,11 +296,18 @@ class StateStore:
             old.unlink(missing_ok=True)
         return path
 
-    def _seal(self, payload: bytes) -> bytes:
-        """The header of a checkpoint of ``payload``: magic and checksum, or magic and HMAC tag."""
+    def _sealer(self) -> Any:
+        """What the header's checksum or tag is computed with, fed the payload (``update``)."""
         if self.key is not None:
-            return MAGIC_AUTH + hmac.new(self.key, payload, hashlib.sha256).digest()
-        return MAGIC + xxhash.xxh3_64_intdigest(payload).to_bytes(8, "little")
+            return hmac.new(self.key, digestmod=hashlib.sha256)
+        return xxhash.xxh3_64()
+
+    def _header(self, seal: Any) -> bytes:
+        """The header of a checkpoint whose payload ``seal`` was fed: magic and HMAC tag, or magic
+        and checksum."""
+        if self.key is not None:
+            return MAGIC_AUTH + seal.digest()
+        return MAGIC + seal.intdigest().to_bytes(8, "little")
 
     @staticmethod
     def read(path: Path, key: bytes | None = None) -> Checkpoint:
@@ -291,10 +318,10 @@ class StateStore:
             CorruptCheckpointError: bad magic, checksum or tag mismatch, an undecodable payload,
                 or a round that is not the one its file name says.
         """
-        data = path.read_bytes()
-        if data[:8] in OLD_FORMATS:
+        data = _mapped(path)
+        if bytes(data[:8]) in OLD_FORMATS:
             raise CheckpointFormatError(
-                f"{path.name}: checkpoint format {OLD_FORMATS[data[:8]]} is no longer read (this version writes "
+                f"{path.name}: checkpoint format {OLD_FORMATS[bytes(data[:8])]} is no longer read (this version writes "
                 f"{MAGIC.decode()}: safetensors and JSON); move it away to start the run afresh"
             )
         payload = _verified(path.name, data, key)
