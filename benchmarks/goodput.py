@@ -15,7 +15,9 @@ Variants, side by side in one run (each in turn, the order rotating per repetiti
 - ``sync``: synchronous DiLoCo, today's default: download, H inner steps, upload, wait for
   the round to close.
 - ``overlap``: streaming DiLoCo with F fragments, the outer sync overlapped with the next
-  inner steps (``--sync-delay-steps tau``, ``--merge-alpha 0.5``).
+  inner steps (``--sync-delay-steps tau``, ``--merge-alpha 0.5``). In the faults scenario
+  each task is the fast workers' time of H steps (``--inner-time-s``), and rounds close at a
+  quorum as ``async``'s do.
 - ``async``: streaming DiLoCo with F fragments, overlapped by a whole round of inner steps
   (``--sync-delay-steps H``), whose rounds close at a quorum of 3 of the 4 workers plus a grace
   window, a late result merged into its own fragment in a later round with FedBuff's staleness
@@ -225,29 +227,20 @@ def _strategy_flags(
         return ["--strategy", "diloco", *flags]
     streaming = ["--strategy", "streaming-diloco", "--num-fragments", str(args.fragments)]
     alpha = ["--merge-alpha", str(args.merge_alpha)]
+    quorum = ["--min-quorum", str(WORKERS - 1), "--grace-s", str(args.grace_s), "--max-staleness", "2"]
     if variant == "overlap":
         flags = [*streaming, "--sync-delay-steps", str(args.tau), *alpha, *flags]
         if scenario == "faults":
-            # Speed-aware local work: every worker runs the fast workers' time of H steps, so the
-            # half-speed one arrives with the others (having trained fewer steps, and weighing less).
-            flags += ["--inner-time-s", f"{args.inner_steps * cal['step_s']:.3f}"]
+            # Speed-aware local work: every worker runs the fast workers' time of H steps (its
+            # lookahead tau/H of it), so the half-speed one arrives with the others (having
+            # trained fewer steps, and weighing less); and rounds close at a quorum, so no round
+            # waits for the killed worker's restart (its late fragment merges into its own).
+            flags += ["--inner-time-s", f"{args.inner_steps * cal['step_s']:.3f}", *quorum]
         return flags
     # async: streaming DiLoCo whose rounds close at a quorum, a late result merged into its own
     # fragment (the one its task synced); overlapped by a whole round of steps, since a round
     # waits for its quorum and grace window as well as for the sync.
-    return [
-        *streaming,
-        "--sync-delay-steps",
-        str(args.inner_steps),
-        *alpha,
-        "--min-quorum",
-        str(WORKERS - 1),
-        "--grace-s",
-        str(args.grace_s),
-        "--max-staleness",
-        "2",
-        *flags,
-    ]
+    return [*streaming, "--sync-delay-steps", str(args.inner_steps), *alpha, *quorum, *flags]
 
 
 def run(

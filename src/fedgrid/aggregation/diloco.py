@@ -55,7 +55,8 @@ simulation and a deployment stay bit-identical. alpha defaults to 0 (replace, as
 overlap) when tau is 0 and to the paper's 0.5 when tau > 0. Plain ``diloco`` keeps a replica
 too when tau or alpha is above 0 (it merges the whole model). ``inner_time_s`` (> 0) asks
 each worker for that many seconds of inner steps instead of H (speed-aware local work; its
-weight counts the examples it processed; not bit-reproducible). The server's arithmetic does
+weight counts the examples it processed; not bit-reproducible); its lookahead is then tau/H of
+those seconds, not tau steps, so a slow worker's sync leaves with the others'. The server's arithmetic does
 not change: a worker's upload is its model after its inner steps, as without overlap.
 
 Downlink: the server remembers, per client (``ClientInfo.client_id``), the last round

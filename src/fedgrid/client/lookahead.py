@@ -130,9 +130,11 @@ class LookaheadMixin:
         *,
         trained: list[str],
         steps: int,
+        time_s: float = 0.0,
     ) -> None:
-        """Trains ``steps`` more steps of ``algorithm`` after the upload of task ``ins``: in a
-        background thread, or now when ``_background_lookahead`` is false."""
+        """Trains ``steps`` more steps of ``algorithm`` after the upload of task ``ins``, or
+        ``time_s`` > 0 seconds of steps (at least one) instead: in a background thread, or now
+        when ``_background_lookahead`` is false."""
         job = _Lookahead(algorithm=algorithm.name, round=ins.round, steps=steps)
         # Seeded by the task that just ended: the next one's round is not known yet (a worker
         # of an asynchronous run may skip rounds), and a step number must fix every batch.
@@ -153,6 +155,7 @@ class LookaheadMixin:
                             seed=seed,
                             epochs=0,
                             steps=steps,
+                            time_s=time_s,
                             after_backward=lambda: algorithm.after_backward(params=named),
                             stop=job.stop,
                         )

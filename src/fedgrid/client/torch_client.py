@@ -64,7 +64,8 @@ class TorchClient(LookaheadMixin, Client):
     Overlapped DiLoCo (a task whose algorithm asks for ``lookahead`` steps, tau): ``fit``
     builds its upload, then starts a background thread (one per client) that trains tau more
     inner steps on ``model`` with the same inner optimizer while the runtime uploads, polls
-    and downloads; it records its compute on ``timeline``. The next ``fit`` waits for those
+    and downloads (under a time budget, ``inner_time_s``, tau/H of the budget's seconds
+    instead); it records its compute on ``timeline``. The next ``fit`` waits for those
     steps (compute still running, not a network wait), hands the state they reached to the
     algorithm, which merges the download into it, and trains the rest of the task's steps;
     the steps' examples and loss count toward that fit. ``evaluate``, ``state_dict`` and
@@ -245,7 +246,10 @@ class TorchClient(LookaheadMixin, Client):
             raise ValueError(f"client {self.name!r} has no training data")
         out = algorithm.upload(state=self._state(), trained=trained, ctx=ctx)
         if ahead:
-            self._start_lookahead(algorithm, ctx, ins, trained=trained, steps=ahead)
+            # Under a time budget the lookahead is time too, tau/H of it: in steps, a slow worker's
+            # tau steps alone outlast the budget, and its every round ends late for all.
+            ahead_s = budget * ahead / steps if budget and steps else 0.0
+            self._start_lookahead(algorithm, ctx, ins, trained=trained, steps=ahead, time_s=ahead_s)
         # The weight is the distinct examples trained on, never more than held (and reported
         # at join; the coordinator refuses a claim above that): H steps may cycle the data.
         held = self.num_examples

@@ -226,7 +226,7 @@ def test_time_budget_trains_at_least_one_step_and_counts_what_it_saw():
     assert len(log) > 1 and out.num_examples == min(10 * len(log), 30)
 
 
-def test_a_time_budget_the_lookahead_used_up_still_trains_one_step():
+def test_under_a_time_budget_the_lookahead_is_time_and_a_used_up_budget_still_trains_one_step():
     log: list[str] = []
     strategy = DiLoCo(inner_steps=20, sync_delay_steps=3, inner_time_s=1e-6)
     strategy.initialize(initial_state=_global())
@@ -237,8 +237,25 @@ def test_a_time_budget_the_lookahead_used_up_still_trains_one_step():
     out = client.fit(_global(), _ins(strategy, 2))
     client.wait_lookahead()
     main = threading.current_thread().name
-    assert log == [main] + ["fedgrid-lookahead-w"] * 3  # one budgeted step, then tau
-    assert out.num_examples == 40  # the lookahead's 3 batches and the fit's one
+    # One budgeted step, then tau/H of the budget: one step, not tau = 3 (in steps, a slow
+    # worker's lookahead alone outlasts the budget, and every round waits for it).
+    assert log == [main] + ["fedgrid-lookahead-w"]
+    assert out.num_examples == 20  # the lookahead's batch and the fit's one
+
+
+def test_a_budgeted_lookahead_takes_tau_over_h_of_the_budget():
+    log: list[str] = []
+    strategy = DiLoCo(inner_steps=4, sync_delay_steps=2, inner_time_s=0.4)
+    strategy.initialize(initial_state=_global())
+    client = _client(log=log)
+    client.fit(_global(), _ins(strategy, 1))
+    client.wait_lookahead()
+    ahead = client._lookahead
+    assert ahead is not None and ahead.steps == 2
+    # Seconds, not steps: its loop ends only once 0.4 * 2 / 4 s have passed (steps of this
+    # model take about a millisecond, so far more than tau = 2 of them).
+    assert ahead.compute_s >= 0.2 and ahead.seen > 2 * 10
+    assert log.count("fedgrid-lookahead-w") == ahead.seen // 10
 
 
 def test_a_multi_process_trainer_refuses_a_time_budget():
