@@ -16,7 +16,8 @@ from fedgrid.aggregation import FedAvg
 from fedgrid.aggregation.selection import Sampling
 from fedgrid.events import EventLog
 from fedgrid.server.engine import RoundEngine
-from fedgrid.server.parts import Schedule
+from fedgrid.server.influence import Influence
+from fedgrid.server.parts import RoundRules, Schedule
 from fedgrid.server.remote_fleet import RemoteFleet
 from fedgrid.server.serve import Coordinator
 from fedgrid.simulation.tasks import initial_state
@@ -73,6 +74,9 @@ def test_dropouts_and_straggler(tmp_path, monkeypatch):
             join_timeout=timedelta(seconds=60),
             finish_timeout=timedelta(seconds=5),
         ),
+        # slow_app's updates are constant offsets of sizes 1 to 10: the largest lies past the median
+        # update's spread bound (max_deviation_ratio, 3x), whose refusal is not this test's subject.
+        rules=RoundRules(influence=Influence(max_deviation_ratio=0)),
     )
     clients = [
         start_client(
