@@ -225,7 +225,7 @@ def test_the_docs_command_trains_on_the_example_jsonl_as_written(tmp_path):
     (tmp_path / "block.sh").write_text(block)
     env = {**child_env(), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     run = subprocess.run(
-        ["bash", "-e", "block.sh"], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120
+        ["bash", "-e", "block.sh"], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=240
     )
     assert run.returncode == 0, run.stderr[-3000:]
     rows = read_metrics(tmp_path / "runs" / "my-data")
