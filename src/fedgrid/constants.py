@@ -123,6 +123,8 @@ MAX_SESSIONS = int(_env_float("FEDGRID_MAX_SESSIONS", 50_000))
 #: take per ``LOG_SUMMARY_S`` (FEDGRID_LOG_BURST_LINES); past that one summary line counts the rest.
 LOG_BURST_LINES = int(_env_float("FEDGRID_LOG_BURST_LINES", 20))
 LOG_SUMMARY_S = _env_float("FEDGRID_LOG_SUMMARY_S", 10.0)
+#: The most often a client logs its progress inside a task (``fedgrid.client.progress``).
+PROGRESS_LOG_S = _env_float("FEDGRID_PROGRESS_LOG_S", 10.0)
 #: Concurrent streams on one HTTP/2 connection (gRPC's ``grpc.max_concurrent_streams``).
 MAX_STREAMS_PER_CONNECTION = int(_env_float("FEDGRID_MAX_STREAMS_PER_CONNECTION", 256))
 #: The coordinator pings a connection idle this long, and drops it when no answer comes

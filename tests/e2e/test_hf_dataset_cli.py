@@ -131,47 +131,66 @@ def test_a_client_joins_a_coordinator_of_the_model_alone_with_its_local_data(fil
     assert row["clients_ok"] == 2 and row["examples"] == len(text.train_rows)  # iid: every window once
 
 
-@pytest.mark.parametrize(
-    ("flags", "key", "message"),
-    [
-        (["--dataset", "hf:someone/reviews"], "dataset", "save_to_disk('data/reviews')"),
-        (["--text-column", "body"], "text_column", "no column 'body'; its columns: prompt, completion, user"),
-        (
-            ["--partition", "dirichlet:0.5:label=stars"],
-            "label_column",
-            "no column 'stars'; its columns: prompt, completion, user",
-        ),
-        (["--partition", "natural:country"], "partition", "no column 'country'"),
-        (["--partition", "shard:two:label=user"], "partition", "'two'"),
-        (["--partition", "zipf:2"], "partition", "unknown partitioner 'zipf:2'"),
-    ],
-)
-@pytest.mark.parametrize("command", ["simulate", "client"])
-def test_bad_data_options_are_named_before_anything_starts(files, tmp_path, command, flags, key, message):
-    model, data = files
+#: Each bad option, the config key its error names and what the message says.
+BAD_OPTIONS = [
+    (["--dataset", "hf:someone/reviews"], "dataset", "save_to_disk('data/reviews')"),
+    (["--text-column", "body"], "text_column", "no column 'body'; its columns: prompt, completion, user"),
+    (
+        ["--partition", "dirichlet:0.5:label=stars"],
+        "label_column",
+        "no column 'stars'; its columns: prompt, completion, user",
+    ),
+    (["--partition", "natural:country"], "partition", "no column 'country'"),
+    (["--partition", "shard:two:label=user"], "partition", "'two'"),
+    (["--partition", "zipf:2"], "partition", "unknown partitioner 'zipf:2'"),
+]
+
+
+def _bad_line(command: str, model: Path, data: Path, out: Path, flags: list[str]) -> list[str]:
+    """The ``fedgrid`` arguments of ``command`` with ``flags``; a client names a coordinator where
+    nothing listens: it must fail before it connects."""
     base = _data_flags(model, data)
-    if command == "client":  # nothing listens there: it must fail before it connects
+    if command == "client":
         flags = ["--data-partition" if f == "--partition" else f for f in flags]
-        line = [*FEDGRID, "client", "--coordinator", "127.0.0.1:9", *base, *flags]
-    else:
-        line = [*FEDGRID, "simulate", *base, "--out", str(tmp_path / "run"), *flags]
+        return ["client", "--coordinator", "127.0.0.1:9", *base, *flags]
+    return ["simulate", *base, "--out", str(out), *flags]
+
+
+@pytest.mark.parametrize(("flags", "key", "message"), BAD_OPTIONS)
+@pytest.mark.parametrize("command", ["simulate", "client"])
+def test_bad_data_options_are_named_before_anything_starts(
+    files, tmp_path, capsys, command, flags, key, message
+):
+    """Every bad option through the command's own ``main`` (in this process: the error is the
+    same code path a process takes; the process itself is checked below, once per command)."""
+    from fedgrid.cli import main
+
+    model, data = files
+    assert main(_bad_line(command, model, data, tmp_path / "run", flags)) == 2
+    err = capsys.readouterr().err
+    assert f"config key '{key}'" in err and message in err, err[-2000:]
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+@pytest.mark.parametrize("command", ["simulate", "client"])
+def test_a_bad_data_option_ends_the_process_with_status_2_and_its_error(files, tmp_path, command):
+    model, data = files
+    flags, key, message = BAD_OPTIONS[2]  # read from the data's columns, after the file is loaded
+    line = [*FEDGRID, *_bad_line(command, model, data, tmp_path / "run", flags)]
     run = zygote.run(line, capture_output=True, text=True, env=child_env(), timeout=120)
     assert run.returncode == 2, run.stderr[-2000:]
     assert f"config key '{key}'" in run.stderr and message in run.stderr, run.stderr[-2000:]
     assert not (tmp_path / "run").exists()  # nothing written
 
 
-def test_a_numeric_model_is_refused_for_hf_data(files, tmp_path):
+def test_a_numeric_model_is_refused_for_hf_data(files, tmp_path, capsys):
+    from fedgrid.cli import main
+
     _, data = files
-    run = zygote.run(
-        [*FEDGRID, "simulate", "--dataset", f"hf:{data}", "--out", str(tmp_path / "run")],
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        timeout=120,
-    )
-    assert run.returncode == 2 and "config key 'model'" in run.stderr, run.stderr[-2000:]
-    assert "causal language model" in run.stderr and not (tmp_path / "run").exists()
+    assert main(["simulate", "--dataset", f"hf:{data}", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "config key 'model'" in err and "causal language model" in err, err[-2000:]
+    assert not (tmp_path / "run").exists()
 
 
 def test_site_windows_cover_the_train_windows_once_under_every_partitioner(files):
@@ -206,7 +225,7 @@ def test_the_docs_command_trains_on_the_example_jsonl_as_written(tmp_path):
     (tmp_path / "block.sh").write_text(block)
     env = {**child_env(), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     run = subprocess.run(
-        ["bash", "-e", "block.sh"], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120
+        ["bash", "-e", "block.sh"], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=240
     )
     assert run.returncode == 0, run.stderr[-3000:]
     rows = read_metrics(tmp_path / "runs" / "my-data")

@@ -1,6 +1,8 @@
 """``fedgrid new NAME``: the template runs as written, in simulation and deployed, from the
 folder that holds it, through the installed ``fedgrid`` console script (which, unlike
-``python -m``, does not put the current directory on ``sys.path``)."""
+``python -m``, does not put the current directory on ``sys.path``): the script file run by this
+interpreter, forked from the tests' zygote (``support/zygote.py``: ``sys.path[0]`` is the script's
+folder, as in a process of its own)."""
 
 from __future__ import annotations
 
@@ -14,14 +16,20 @@ import torch
 from fedgrid.ops.new_app import TEMPLATES, AppNameError, create_app
 from fedgrid.runlog import load_model, read_metrics
 
+import zygote
 from harness import child_env, wait_until
 
 FEDGRID = Path(sys.executable).with_name("fedgrid")  # the console script of this environment
 
 
 def _fedgrid(cwd: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [str(FEDGRID), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=child_env()
+    return zygote.run(
+        [sys.executable, str(FEDGRID), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env(),
     )
 
 
@@ -50,8 +58,8 @@ def test_new_app_simulates_with_federated_accuracy(app_dir):
 def test_new_app_deploys_with_the_same_config_and_matches_the_simulation(app_dir):
     common = ["--config", "myapp/config.toml", "--rounds", "2", "--threads", "1"]
     out = app_dir / "runs" / "coord"
-    coord = subprocess.Popen(
-        [str(FEDGRID), "coordinator", *common, "--listen", "127.0.0.1:0", "--out", str(out)],
+    coord = zygote.popen(
+        [sys.executable, str(FEDGRID), "coordinator", *common, "--listen", "127.0.0.1:0", "--out", str(out)],
         cwd=app_dir,
         stdout=open(app_dir / "coord.log", "w"),
         stderr=subprocess.STDOUT,
@@ -71,8 +79,9 @@ def test_new_app_deploys_with_the_same_config_and_matches_the_simulation(app_dir
         assert coord.poll() is None, (app_dir / "coord.log").read_text()
         address = (out / "address").read_text().strip()
         clients = [
-            subprocess.Popen(
+            zygote.popen(
                 [
+                    sys.executable,
                     str(FEDGRID),
                     "client",
                     "--coordinator",

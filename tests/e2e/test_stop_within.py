@@ -167,12 +167,14 @@ def test_the_docs_lora_simulate_under_timeout_ends_within_5_s_of_its_sigterm(tmp
     )
 
 
-def test_a_training_client_reports_its_progress_and_one_sigterm_ends_it_within_5_s(tmp_path):
-    """A client in a long task logs its progress (at 10 s), the coordinator's status page shows
-    it, and one SIGTERM mid-training ends the client within 5 s, having left the federation."""
+def test_a_training_client_reports_its_progress_and_one_sigterm_ends_it_within_5_s(tmp_path, monkeypatch):
+    """A client in a long task logs its progress (every 2 s here: FEDGRID_PROGRESS_LOG_S; 10 s by
+    default), the coordinator's status page shows it, and one SIGTERM mid-training ends the client
+    within 5 s, having left the federation."""
+    monkeypatch.setenv("FEDGRID_PROGRESS_LOG_S", "2")  # child_env() passes it on to the client
     out, log_path = tmp_path / "run", tmp_path / "coordinator.log"
     # Round 1's training takes minutes (about 2 ms a pass on a quiet core): 100000 passes over a
-    # client's digits; the test stops it 10 s in.
+    # client's digits; the test stops it a few seconds in.
     args = ["--rounds", "2", "--min-clients", "1", "--local-epochs", "100000", "--heartbeat-interval-s", "1"]
     coordinator = CoordinatorRun(out, [*args, "--http", "127.0.0.1:0"], log_path)
     client_log = tmp_path / "client.log"

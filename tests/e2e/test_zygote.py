@@ -4,6 +4,7 @@ that dies or is sent junk fails loudly instead of hanging."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -125,6 +126,14 @@ def test_only_what_a_fork_reproduces_goes_to_the_zygote(zyg, tmp_path, monkeypat
     assert zygote.request_for([sys.executable, "-c", "pass"], {}) is None
     assert zygote.request_for([sys.executable, str(tmp_path / "missing.py")], {}) is None
     assert zygote.request_for(python, {"cwd": tmp_path / "missing"}) is None
+    # A console script of this environment is a Python file too; another program without a suffix is not.
+    console = Path(sys.executable).with_name("fedgrid")
+    assert zygote.request_for([sys.executable, str(console), "--version"], {})["target"] == [
+        "path",
+        str(console),
+    ]
+    (tmp_path / "tool").write_text("#!/bin/sh\necho hi\n")
+    assert zygote.request_for([sys.executable, str(tmp_path / "tool")], {}) is None
     with pytest.raises(
         ValueError, match="cannot start"
     ):  # torch read OMP_NUM_THREADS when the zygote imported it
@@ -138,7 +147,7 @@ def test_only_what_a_fork_reproduces_goes_to_the_zygote(zyg, tmp_path, monkeypat
 def test_a_dead_zygote_fails_the_wait_and_the_next_start(tmp_path):
     (tmp_path / "sleeper.py").write_text(SLEEPER)
     args = [sys.executable, str(tmp_path / "sleeper.py")]
-    doomed = Zygote(child_env())
+    doomed = Zygote(child_env(), preload=())  # its child imports nothing: no need of torch's seconds
     child = doomed.popen(args, stdout=subprocess.PIPE, text=True, env=child_env())
     try:
         assert child.stdout is not None and child.stdout.readline() == "False\n"
@@ -191,6 +200,8 @@ def test_each_environment_gets_its_own_zygote_up_to_a_cap(tmp_path, monkeypatch)
     only at run time (``KMP_*``, ``MASTER_PORT``) does not; past ``MAX_ZYGOTES`` a real process
     starts."""
     monkeypatch.setattr(zygote, "_zygotes", {})  # this test's own, closed at its end
+    # Zygotes that preload nothing: the choice among them is the subject, not what they import.
+    monkeypatch.setattr(zygote, "Zygote", functools.partial(Zygote, preload=()))
     monkeypatch.setattr(zygote, "MAX_ZYGOTES", 2)
     monkeypatch.setattr(zygote, "counts", {"forked": 0, "real": 0})
     script = tmp_path / "ppid.py"

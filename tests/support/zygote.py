@@ -3,7 +3,8 @@
 Each fedgrid process a test starts spends about 2 s of CPU importing torch, grpc and the rest
 before it does anything; the e2e tier starts hundreds. ``popen`` and ``run`` take the
 arguments of ``subprocess.Popen`` and ``subprocess.run``; for a command
-``[sys.executable, "-m", MODULE, ...]`` or ``[sys.executable, FILE.py, ...]`` they fork it from
+``[sys.executable, "-m", MODULE, ...]`` or ``[sys.executable, FILE.py, ...]`` (or a console script
+of this environment instead of ``FILE.py``: ``bin/fedgrid``) they fork it from
 a zygote (``zygote_server.py``: one per test process, started on first use, that has imported
 those modules once) and return a ``subprocess.Popen`` whose ``pid``, ``poll``, ``wait``,
 ``communicate``, ``send_signal``, ``terminate``, ``kill``, ``returncode`` and pipes behave as
@@ -76,16 +77,26 @@ class ZygoteError(RuntimeError):
 
 
 class Zygote:
-    """The zygote process of this test process, and its socket."""
+    """The zygote process of this test process, and its socket.
 
-    def __init__(self, env: dict[str, str]) -> None:
+    ``preload``: the modules it imports before forking, instead of ``zygote_server.PRELOAD``
+    (a test of the zygote's bookkeeping, whose children import nothing heavy, starts one that
+    preloads nothing: each full start costs seconds of CPU).
+    """
+
+    def __init__(self, env: dict[str, str], *, preload: Sequence[str] | None = None) -> None:
         self.env = comparable(env)  # what it runs with: the variables its imports may read
         self.dir = tempfile.mkdtemp(prefix="fedgrid-zygote-")  # 0700: this user's alone
         self.path = os.path.join(self.dir, "socket")
         self.log_path = os.path.join(self.dir, "log")
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, str(SERVER), self.path],
+                [
+                    sys.executable,
+                    str(SERVER),
+                    self.path,
+                    *([] if preload is None else ["--preload", *preload]),
+                ],
                 stdin=subprocess.PIPE,  # its lifeline: it exits when this process does
                 stdout=subprocess.PIPE,
                 stderr=log,
@@ -290,12 +301,23 @@ def request_for(args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any] |
         return None
     if argv[1] == "-m" and len(argv) > 2 and not argv[2].startswith("-"):
         target, child_argv = ["module", argv[2]], ["-m", *argv[3:]]
-    elif argv[1].endswith(".py") and os.path.isfile(os.path.join(cwd, argv[1])):
+    elif _is_script(os.path.join(cwd, argv[1])):
         target, child_argv = ["path", argv[1]], argv[1:]
     else:
         return None
     session = bool(kwargs.get("start_new_session", False))
     return {"target": target, "argv": child_argv, "env": env, "cwd": cwd, "session": session}
+
+
+def _is_script(path: str) -> bool:
+    """A Python file ``python PATH`` runs as ``__main__``: a ``.py`` file, or a console script
+    of this environment (``bin/fedgrid``: no suffix, its first line ``#!`` this interpreter)."""
+    if not os.path.isfile(path):
+        return False
+    if path.endswith(".py"):
+        return True
+    with open(path, "rb") as f:
+        return f.readline().rstrip() == b"#!" + os.fsencode(sys.executable)
 
 
 def _zygote_for(env: dict[str, str]) -> Zygote | None:

@@ -1,7 +1,8 @@
 """The zygote: a fork server for the tests' ``python -m fedgrid.cli ...`` processes (issue 24).
 
 ``python zygote_server.py SOCKET`` imports the heavy third-party modules a fedgrid process
-loads (torch, numpy, grpc, scikit-learn, ...: about 3 s of CPU), listens on the Unix socket
+loads (torch, numpy, grpc, scikit-learn, ...: about 3 s of CPU; ``--preload MODULE...`` after
+``SOCKET``: those instead), listens on the Unix socket
 ``SOCKET`` (``SOCK_SEQPACKET``, in a 0700 folder, peers checked by ``SO_PEERCRED``: only the
 process that started it), prints ``ready`` and forks one child per request. The test side is
 ``zygote.py``; this file imports nothing of the tests or of fedgrid.
@@ -286,7 +287,7 @@ class Zygote:
         conn.close()
 
 
-def main(path: str) -> Child | None:
+def main(path: str, preload: tuple[str, ...] = PRELOAD) -> Child | None:
     # No collections here, and everything imported frozen (gc.freeze) before a fork: a child's
     # collections and its exit then leave the zygote's objects alone instead of copying every
     # page that holds one (measured: a child's exit took 1.0 s of CPU, 0.33 s frozen).
@@ -296,7 +297,7 @@ def main(path: str) -> Child | None:
     # jemalloc's own setting keeps that thread unstarted.
     os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
     before = dict(os.environ)
-    for name in PRELOAD:
+    for name in preload:
         try:
             importlib.import_module(name)
         except ImportError:  # an optional package not installed: the child imports what it needs
@@ -314,6 +315,9 @@ def main(path: str) -> Child | None:
 
 
 if __name__ == "__main__":
-    job = main(sys.argv[1])
+    if sys.argv[2:3] == ["--preload"]:
+        job = main(sys.argv[1], tuple(sys.argv[3:]))
+    else:
+        job = main(sys.argv[1])
     if job is not None:  # a forked child: the zygote's frames are gone, the command runs at top level
         job.run()

@@ -17,13 +17,14 @@ from dataclasses import dataclass
 from typing import Callable
 
 from fedgrid.clock import MONOTONIC, Clock
+from fedgrid.constants import PROGRESS_LOG_S
 
 __all__ = ["LOG_EVERY_S", "TICK_S", "ProgressReport", "ProgressBoard", "TaskProgress", "listen", "clock_text"]
 
 log = logging.getLogger(__name__)
 
-#: The most often a client logs its progress inside a task.
-LOG_EVERY_S = 10.0
+#: The most often a client logs its progress inside a task (FEDGRID_PROGRESS_LOG_S).
+LOG_EVERY_S = PROGRESS_LOG_S
 #: The most often listeners (a progress bar) hear it.
 TICK_S = 0.5
 
