@@ -114,7 +114,7 @@ class DCTTopKCodec(SparseLoCoCodec):
         if m % CHUNK:
             tail = x[full * CHUNK :].reshape(1, -1, SIDE)
             out.append(self._apply(tail, _matrix(tail.shape[1], x.dtype).to(x.device), d, inverse))
-        return torch.cat([o.reshape(-1) for o in out])
+        return out[0].reshape(-1) if len(out) == 1 else torch.cat([o.reshape(-1) for o in out])
 
     @staticmethod
     def _apply(blocks: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, inverse: bool) -> torch.Tensor:

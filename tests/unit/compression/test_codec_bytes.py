@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from fedgrid.compression import get_codec
+from fedgrid.compression.sparseloco import top_offsets
 
 #: (shape, dtype) of each pinned input; sizes cut blocks, chunks and Hadamard rows short.
 SHAPES: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
@@ -111,3 +112,20 @@ def digest(spec: str, name: str) -> str:
 @pytest.mark.parametrize(("spec", "name"), sorted(PINNED))
 def test_encoded_bytes_are_pinned(spec: str, name: str) -> None:
     assert digest(spec, name) == PINNED[spec, name]
+
+
+@pytest.mark.parametrize("kind", ["gaussian", "ties", "zeros"])
+def test_top_offsets_takes_the_set_torch_topk_takes(kind: str) -> None:
+    # sparseloco's and demo's prefiltered top-k: ties (rounded values, rows of zeros) go back
+    # to torch.topk on the whole row, so even an ambiguous set is the one sent before.
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 4096, generator=gen)
+    if kind == "ties":
+        x = x.round()
+    elif kind == "zeros":
+        x = torch.where(torch.rand(40, 4096, generator=gen) < 0.995, 0.0, x)
+    magnitudes = x.abs()
+    for k in (1, 16, 64, 128, 300):
+        got = top_offsets(magnitudes, k).sort(dim=1).values
+        want = torch.topk(magnitudes, k, dim=1, sorted=False).indices.sort(dim=1).values
+        assert torch.equal(got, want), k
