@@ -75,6 +75,8 @@ OUTER_LR = 1.5
 #: Elements per group of ``top_offsets``' prefilter: each row's top ``k`` lie among the elements
 #: at least as large as the ``k``-th largest of its group maxima.
 _GROUP = 16
+#: Chunks whose magnitudes ``_select`` takes at a time (2 MiB of float32).
+_SLAB_CHUNKS = 128
 
 
 def top_offsets(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
@@ -168,26 +170,29 @@ class SparseLoCoCodec(FloatCodec):
     #: ``sparseloco:K:scaled``: the encoder scales each chunk's two magnitudes (``ScaledSparseLoCoCodec``).
     scaled = False
 
+    def kept_in(self, length: int) -> int:
+        """Entries kept of a chunk of ``length`` elements (``CHUNK``, or a shorter last one)."""
+        if self.short_keeps_k or length == CHUNK:
+            return min(self.k, length)
+        return min(length, max(1, round(self.k * length / CHUNK)))
+
     def chunks(self, n: int) -> list[tuple[int, int, int]]:
         """``(start, length, kept)`` of each chunk of an ``n``-element tensor (the same on both ends)."""
-        out = []
-        for start in range(0, n, CHUNK):
-            length = min(CHUNK, n - start)
-            if self.short_keeps_k or length == CHUNK:
-                kept = min(self.k, length)
-            else:
-                kept = min(length, max(1, round(self.k * length / CHUNK)))
-            out.append((start, length, kept))
-        return out
+        return [
+            (start, min(CHUNK, n - start), self.kept_in(min(CHUNK, n - start)))
+            for start in range(0, n, CHUNK)
+        ]
 
     def _max_body(self, shape: tuple[int, ...], dtype: torch.dtype) -> int | None:
-        chunks = self.chunks(numel(shape))
-        total = sum(kept for _, _, kept in chunks)
-        coded = sum(kept for _, length, kept in chunks if kept < length)
+        # chunks()'s sums, without a tuple per chunk: every encode and decode asks.
+        full, tail = divmod(numel(shape), CHUNK)
+        per_full, per_tail = self.kept_in(CHUNK), self.kept_in(tail) if tail else 0
+        total = full * per_full + per_tail
+        coded = full * per_full * (per_full < CHUNK) + per_tail * (per_tail < tail)
         # Rice at r = 12 costs 13 bits a gap (a gap is under 4096); the encoder's r costs no more.
         return (
             6
-            + 8 * len(chunks)
+            + 8 * (full + bool(tail))
             + math.ceil(total * 2 / 8)
             + 1
             + math.ceil(coded * _INDEX_BITS / 8)
@@ -207,10 +212,17 @@ class SparseLoCoCodec(FloatCodec):
             groups.append((flat[: full * CHUNK].reshape(full, CHUNK), self.k))
         if n % CHUNK:
             tail = flat[full * CHUNK :].reshape(1, -1)
-            groups.append((tail, self.chunks(n)[-1][2]))
+            groups.append((tail, self.kept_in(n % CHUNK)))
         offsets, values, energies = [], [], []
         for rows, kept in groups:
-            idx = top_offsets(rows.abs(), kept).sort(dim=1).values
+            # A slab of chunks at a time, their magnitudes in one scratch buffer: a fresh
+            # full-size one faulted in slower than the top-k ran.
+            scratch = torch.empty(min(_SLAB_CHUNKS, rows.shape[0]), rows.shape[1], device=rows.device)
+            parts = []
+            for i in range(0, rows.shape[0], _SLAB_CHUNKS):
+                slab = rows[i : i + _SLAB_CHUNKS]
+                parts.append(top_offsets(torch.abs(slab, out=scratch[: slab.shape[0]]), kept))
+            idx = (parts[0] if len(parts) == 1 else torch.cat(parts)).sort(dim=1).values
             offsets.append(idx)
             values.append(rows.gather(1, idx))
             if self.scaled:  # only the scaled form needs each chunk's energy: no extra pass otherwise
