@@ -48,6 +48,8 @@ SIDE = math.isqrt(CHUNK)
 #: Coefficients per chunk of a bare ``demo`` under model averaging (its ``:scaled`` form there):
 #: the smallest multiple of 64 within 0.03 of ``none`` at each digits seed 5-9 (module docstring).
 FEDAVG_K = 320
+#: Chunks ``transform`` multiplies at a time (2 MiB of float32).
+_SLAB_CHUNKS = 128
 
 
 @lru_cache(maxsize=None)
@@ -107,20 +109,43 @@ class DCTTopKCodec(SparseLoCoCodec):
         if m > n:
             x = torch.cat([x, x.new_zeros(m - n)])
         full = m // CHUNK
-        out = []
+        out = torch.empty(m, dtype=x.dtype, device=x.device)
         d = _matrix(SIDE, x.dtype).to(x.device)
-        if full:
-            out.append(self._apply(x[: full * CHUNK].reshape(full, SIDE, SIDE), d, d, inverse))
+        # A slab of chunks at a time into one output and one scratch buffer (the products of
+        # a whole tensor were two fresh tensor-sized buffers, faulted in page by page).
+        step = full if x.device.type != "cpu" else _SLAB_CHUNKS
+        scratch = torch.empty(min(step, full), SIDE, SIDE, dtype=x.dtype, device=x.device)
+        for i in range(0, full, step):
+            blocks = x[i * CHUNK : min(i + step, full) * CHUNK].view(-1, SIDE, SIDE)
+            count = blocks.shape[0]
+            self._apply(
+                blocks,
+                d,
+                d,
+                inverse,
+                out[i * CHUNK : (i + count) * CHUNK].view(count, SIDE, SIDE),
+                scratch[:count],
+            )
         if m % CHUNK:
             tail = x[full * CHUNK :].reshape(1, -1, SIDE)
-            out.append(self._apply(tail, _matrix(tail.shape[1], x.dtype).to(x.device), d, inverse))
-        return torch.cat([o.reshape(-1) for o in out])
+            out[full * CHUNK :] = self._apply(
+                tail, _matrix(tail.shape[1], x.dtype).to(x.device), d, inverse
+            ).reshape(-1)
+        return out
 
     @staticmethod
-    def _apply(blocks: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, inverse: bool) -> torch.Tensor:
-        if inverse:
-            return rows.T @ blocks @ cols
-        return rows @ blocks @ cols.T
+    def _apply(
+        blocks: torch.Tensor,
+        rows: torch.Tensor,
+        cols: torch.Tensor,
+        inverse: bool,
+        out: torch.Tensor | None = None,
+        scratch: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        left, right = (rows.T, cols) if inverse else (rows, cols.T)
+        if out is None or scratch is None:
+            return left @ blocks @ right
+        return torch.matmul(torch.matmul(left, blocks, out=scratch), right, out=out)
 
     def _max_body(self, shape: tuple[int, ...], dtype: torch.dtype) -> int | None:
         return super()._max_body((self.padded(numel(shape)),), dtype)

@@ -44,10 +44,11 @@ from fedgrid.compression._payload import (
     numel,
     pack_bits,
     pack_codes,
+    scaled_slabs,
     unpack_bits,
     unpack_codes,
 )
-from fedgrid.compression.base import FloatCodec
+from fedgrid.compression.base import FloatCodec, all_finite
 
 __all__ = ["CastCodec", "Int8Codec", "QSGDCodec", "SignCodec", "QSGD_BUCKET", "SIGN_BLOCK", "hadamard"]
 
@@ -79,7 +80,7 @@ class CastCodec(FloatCodec):
         self, x: torch.Tensor, *, generator: torch.Generator | None, key: str | None
     ) -> list[bytes] | None:
         y = x.reshape(-1).to(self.target)
-        if not bool(torch.isfinite(y).all()):
+        if not all_finite(y):
             return None  # out of the target's range: send the exact bytes instead
         return [y.to("cpu").view(torch.int16).numpy().tobytes()]
 
@@ -101,6 +102,8 @@ class Int8Codec(FloatCodec):
         block: elements per scale, 8..65536.
     """
 
+    checks_finite = True
+
     def __init__(self, block: int = 256) -> None:
         if not 8 <= block <= 65536:
             raise ValueError(f"int8 block size must be in 8..65536, got {block}")
@@ -113,13 +116,15 @@ class Int8Codec(FloatCodec):
 
     def _encode_body(
         self, x: torch.Tensor, *, generator: torch.Generator | None, key: str | None
-    ) -> list[bytes]:
+    ) -> list[bytes | memoryview]:
         n = x.numel()
-        blocks = as_blocks(x, self.block)
-        absmax = blocks.abs().amax(dim=1)
-        inv = torch.where(absmax > 0, 127.0 / absmax, torch.zeros_like(absmax))
-        codes = (blocks * inv[:, None]).round_().clamp_(-127, 127).to(torch.int8).reshape(-1)[:n]
-        return [self.block.to_bytes(4, "little"), f32_bytes(absmax), codes.to("cpu").numpy().tobytes()]
+        absmax, slabs = scaled_slabs(x, self.block, 127.0, self.name)
+        codes = torch.empty(absmax.numel() * self.block, dtype=torch.int8, device=x.device)
+        # round(127 x / absmax), a cache-sized slab at a time; |x| <= absmax, so the product is
+        # under 127 (1 + 2**-23)**2 and rounds into -127..127 with no clamp.
+        for start, scaled in slabs:
+            codes[start : start + scaled.numel()].copy_(scaled.round_().reshape(-1))
+        return [self.block.to_bytes(4, "little"), f32_bytes(absmax), codes[:n].cpu().numpy().data]
 
     def _decode_body(self, reader: Reader, *, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         n = numel(shape)

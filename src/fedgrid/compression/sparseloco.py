@@ -60,7 +60,7 @@ from fedgrid.compression._payload import (
 from fedgrid.compression.base import FloatCodec
 from fedgrid.types import UpdateRole
 
-__all__ = ["SparseLoCoCodec", "ScaledSparseLoCoCodec", "CHUNK", "DEFAULT_K", "OUTER_LR"]
+__all__ = ["SparseLoCoCodec", "ScaledSparseLoCoCodec", "CHUNK", "DEFAULT_K", "OUTER_LR", "top_offsets"]
 
 #: Elements per chunk (Covenant-72B's 4096).
 CHUNK = 4096
@@ -70,6 +70,50 @@ DEFAULT_K = 64
 _INDEX_BITS = (CHUNK - 1).bit_length()
 #: The outer learning rate of SparseLoCo's outer step under DiLoCo (measured: docs/links.rst).
 OUTER_LR = 1.5
+
+
+#: Elements per group of ``top_offsets``' prefilter: each row's top ``k`` lie among the elements
+#: at least as large as the ``k``-th largest of its group maxima.
+_GROUP = 16
+#: Chunks whose magnitudes ``_select`` takes at a time (2 MiB of float32).
+_SLAB_CHUNKS = 128
+
+
+def top_offsets(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
+    """The offsets of the ``k`` largest entries of each row of ``magnitudes`` (unsorted): the set
+    ``torch.topk(magnitudes, k, dim=1)`` takes, which this is on every row.
+
+    ``torch.topk`` over 4096-element rows ran at 0.2 GB/s. Here each row's ``k`` largest
+    group maxima (groups of ``_GROUP``) set a threshold that at least ``k`` entries reach, and
+    ``torch.topk`` runs on those candidates only (a few more than ``k``). Where the ``k``
+    largest are not unique (a tie at the ``k``-th magnitude: a row of many zeros) the set
+    depends on ``torch.topk``'s order, and that row is taken by ``torch.topk`` on the whole row.
+    """
+    rows, length = magnitudes.shape
+    groups = length // _GROUP
+    if length % _GROUP or groups < 2 * k or magnitudes.device.type != "cpu":
+        return torch.topk(magnitudes, k, dim=1, sorted=False).indices
+    # Group j of a row holds its entries j, j + groups, ...: a reduction over the outer axis of
+    # the view, which vectorises (16 contiguous entries reduced per group ran 3x slower).
+    group_max = magnitudes.view(rows, _GROUP, groups).amax(dim=1)
+    threshold = torch.topk(group_max, k, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
+    flat = (magnitudes >= threshold).view(-1).nonzero().view(-1)
+    row, col = flat // length, flat % length
+    counts = torch.bincount(row, minlength=rows)
+    slot = torch.arange(row.numel()) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+    width = int(counts.max())
+    candidates = torch.full((rows, width), -1.0)  # below every magnitude: never taken
+    candidates[row, slot] = magnitudes[row, col]
+    columns = torch.zeros((rows, width), dtype=torch.long)
+    columns[row, slot] = col
+    top = torch.topk(candidates, k, dim=1, sorted=False)
+    offsets = columns.gather(1, top.indices)
+    kth = top.values.amin(dim=1, keepdim=True)
+    # Every entry at least the k-th largest is a candidate (it is at least the threshold).
+    tied = ((candidates >= kth).sum(dim=1) > k).nonzero().view(-1)
+    if tied.numel():
+        offsets[tied] = torch.topk(magnitudes[tied], k, dim=1, sorted=False).indices
+    return offsets
 
 
 class SparseLoCoCodec(FloatCodec):
@@ -126,26 +170,29 @@ class SparseLoCoCodec(FloatCodec):
     #: ``sparseloco:K:scaled``: the encoder scales each chunk's two magnitudes (``ScaledSparseLoCoCodec``).
     scaled = False
 
+    def kept_in(self, length: int) -> int:
+        """Entries kept of a chunk of ``length`` elements (``CHUNK``, or a shorter last one)."""
+        if self.short_keeps_k or length == CHUNK:
+            return min(self.k, length)
+        return min(length, max(1, round(self.k * length / CHUNK)))
+
     def chunks(self, n: int) -> list[tuple[int, int, int]]:
         """``(start, length, kept)`` of each chunk of an ``n``-element tensor (the same on both ends)."""
-        out = []
-        for start in range(0, n, CHUNK):
-            length = min(CHUNK, n - start)
-            if self.short_keeps_k or length == CHUNK:
-                kept = min(self.k, length)
-            else:
-                kept = min(length, max(1, round(self.k * length / CHUNK)))
-            out.append((start, length, kept))
-        return out
+        return [
+            (start, min(CHUNK, n - start), self.kept_in(min(CHUNK, n - start)))
+            for start in range(0, n, CHUNK)
+        ]
 
     def _max_body(self, shape: tuple[int, ...], dtype: torch.dtype) -> int | None:
-        chunks = self.chunks(numel(shape))
-        total = sum(kept for _, _, kept in chunks)
-        coded = sum(kept for _, length, kept in chunks if kept < length)
+        # chunks()'s sums, without a tuple per chunk: every encode and decode asks.
+        full, tail = divmod(numel(shape), CHUNK)
+        per_full, per_tail = self.kept_in(CHUNK), self.kept_in(tail) if tail else 0
+        total = full * per_full + per_tail
+        coded = full * per_full * (per_full < CHUNK) + per_tail * (per_tail < tail)
         # Rice at r = 12 costs 13 bits a gap (a gap is under 4096); the encoder's r costs no more.
         return (
             6
-            + 8 * len(chunks)
+            + 8 * (full + bool(tail))
             + math.ceil(total * 2 / 8)
             + 1
             + math.ceil(coded * _INDEX_BITS / 8)
@@ -165,10 +212,17 @@ class SparseLoCoCodec(FloatCodec):
             groups.append((flat[: full * CHUNK].reshape(full, CHUNK), self.k))
         if n % CHUNK:
             tail = flat[full * CHUNK :].reshape(1, -1)
-            groups.append((tail, self.chunks(n)[-1][2]))
+            groups.append((tail, self.kept_in(n % CHUNK)))
         offsets, values, energies = [], [], []
         for rows, kept in groups:
-            idx = torch.topk(rows.abs(), kept, dim=1, sorted=False).indices.sort(dim=1).values
+            # A slab of chunks at a time, their magnitudes in one scratch buffer: a fresh
+            # full-size one faulted in slower than the top-k ran.
+            scratch = torch.empty(min(_SLAB_CHUNKS, rows.shape[0]), rows.shape[1], device=rows.device)
+            parts = []
+            for i in range(0, rows.shape[0], _SLAB_CHUNKS):
+                slab = rows[i : i + _SLAB_CHUNKS]
+                parts.append(top_offsets(torch.abs(slab, out=scratch[: slab.shape[0]]), kept))
+            idx = (parts[0] if len(parts) == 1 else torch.cat(parts)).sort(dim=1).values
             offsets.append(idx)
             values.append(rows.gather(1, idx))
             if self.scaled:  # only the scaled form needs each chunk's energy: no extra pass otherwise
