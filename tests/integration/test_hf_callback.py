@@ -10,6 +10,7 @@ Nothing is downloaded: the tiny Llama and its character tokenizer are written by
 
 from __future__ import annotations
 
+import socket
 import threading
 from pathlib import Path
 
@@ -363,13 +364,16 @@ def test_a_callback_at_a_coordinator_of_another_base_fails_at_train_begin_naming
     assert callback.federation.rounds == 0 and callback.federation.session is None
 
 
-def _free_port() -> int:
-    """A port the kernel hands out for port 0 (accelerate's rendezvous takes a number, not 0)."""
-    import socket
+def _held_port() -> socket.socket:
+    """A listening socket on a port the kernel handed out for port 0, held for the launch.
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    Given a port in use, ``accelerate launch`` starts torchrun standalone, whose rendezvous binds
+    port 0 itself. A free port picked here and closed could be taken by another test's process
+    before torchrun bound it (EADDRINUSE, seen in CI); a held one cannot be mistaken for free."""
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    return held
 
 
 def test_a_trainer_under_accelerate_launch_with_two_processes_agrees_on_every_rank(llama, tmp_path):
@@ -387,10 +391,11 @@ def test_a_trainer_under_accelerate_launch_with_two_processes_agrees_on_every_ra
     support = Path(__file__).resolve().parents[1] / "support"
     out = tmp_path / "ddp"
     out.mkdir()
+    held = _held_port()
     launch = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
         "--num_machines", "1", "--num_cpu_threads_per_process", "1", "--main_process_ip", "127.0.0.1",
-        "--main_process_port", str(_free_port()), str(support / "hf_ddp_site.py"), str(llama), run.address, str(out),
+        "--main_process_port", str(held.getsockname()[1]), str(support / "hf_ddp_site.py"), str(llama), run.address, str(out),
     ]  # fmt: skip  # --multi_gpu: torchrun's launcher (gloo here: use_cpu); --cpu runs one process
     # The ranks import the fedgrid under test (a PYTHONPATH of sources first stays first).
     path = os.pathsep.join(p for p in (str(support), os.environ.get("PYTHONPATH", "")) if p)
@@ -412,6 +417,7 @@ def test_a_trainer_under_accelerate_launch_with_two_processes_agrees_on_every_ra
         log, _ = ddp.communicate(timeout=120)
     finally:
         ddp.kill()
+        held.close()
     assert ddp.returncode == 0, log[-4000:]
     final = run.finish()
     assert [row["clients_ok"] for row in read_metrics(tmp_path / "run")] == [2, 2]
