@@ -20,27 +20,12 @@ import numpy as np
 import safetensors.torch
 import torch
 
+from fedgrid.server.spill_files import SAFETENSORS_DTYPES
+
 __all__ = ["encode_state", "decode_state", "payload_chunks", "payload_of", "content_of"]
 
-#: safetensors' dtype names (its file format's), and back.
-_DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.uint16: "U16",
-    torch.uint32: "U32",
-    torch.uint64: "U64",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.complex64: "C64",
-}
+#: safetensors' dtype names (its file format's, ``spill_files``' table), and back.
+_DTYPE_NAMES = SAFETENSORS_DTYPES
 _DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
 
 
